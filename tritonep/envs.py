@@ -1,0 +1,58 @@
+"""Every TRITONEP_* environment variable, read in one place.
+
+| variable | default | meaning |
+|---|---|---|
+| TRITONEP_TIMEOUT_S | 30 (GPU), 60 (CPU interpreter) | bound of every in-kernel wait, seconds |
+| TRITONEP_SYNC_CHECKS | 1 | eager calls read device status on the host to raise typed errors (one sync per call); 0 skips |
+| TRITONEP_NUM_SMS | 0 (= geometry table) | cap on the programs (SMs) a communication kernel may use |
+| TRITONEP_COMBINE | "" (= geometry table) | force "push" or "pull" combine |
+| TRITONEP_CPU_HEAP_BYTES | 256 MiB | size of one rank's slice of the CPU (fork + mmap) symmetric heap |
+| TRITONEP_DEBUG | 0 | extra host-side checks and messages |
+
+Values are read at call time (not import time) so tests can change them with ``monkeypatch.setenv``.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["timeout_s", "sync_checks", "num_sms", "combine_kind", "cpu_heap_bytes", "debug", "interpret"]
+
+
+def _get(name: str, default: str) -> str:
+    return os.environ.get(name, default)
+
+
+def interpret() -> bool:
+    """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def timeout_s() -> float:
+    """Bound of every in-kernel wait in seconds (TRITONEP_TIMEOUT_S)."""
+    return float(_get("TRITONEP_TIMEOUT_S", "60" if interpret() else "30"))
+
+
+def sync_checks() -> bool:
+    """Whether eager calls read device status on the host to raise typed errors (TRITONEP_SYNC_CHECKS)."""
+    return _get("TRITONEP_SYNC_CHECKS", "1") not in ("0", "false", "False")
+
+
+def num_sms() -> int:
+    """Cap on programs per communication kernel; 0 means: take the geometry table's value (TRITONEP_NUM_SMS)."""
+    return int(_get("TRITONEP_NUM_SMS", "0"))
+
+
+def combine_kind() -> str:
+    """Forced combine kind, "push" or "pull", or "" for the geometry table's choice (TRITONEP_COMBINE)."""
+    return _get("TRITONEP_COMBINE", "")
+
+
+def cpu_heap_bytes() -> int:
+    """Bytes of one rank's slice of the CPU symmetric heap (TRITONEP_CPU_HEAP_BYTES)."""
+    return int(_get("TRITONEP_CPU_HEAP_BYTES", str(256 << 20)))
+
+
+def debug() -> bool:
+    """Extra host-side checks (TRITONEP_DEBUG)."""
+    return _get("TRITONEP_DEBUG", "0") not in ("0", "", "false", "False")

@@ -1,0 +1,51 @@
+"""Autograd for dispatch and combine (DESIGN.md §4).
+
+dispatch: ``(x [T,H], topk_weights [T,K]) -> (recv_x [R,H], recv_weights [R])``; its backward is a combine without
+weights (``grad_x[t] = sum_k grad_recv_x[row(t,k)]``) plus a gather of the per-row weight gradients
+(``grad_topk_weights[t,k] = grad_recv_weights[row(t,k)]``).
+
+combine: ``(expert_out [R,H], recv_weights [R]) -> y [T,H]``; its backward is a dispatch of ``grad_y`` scaled by the
+route weight (``grad_expert_out[row] = w * grad_y[t]``) plus ``grad_recv_weights[row] = <grad_y[t], expert_out[row]>``
+computed where the row lives.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["DispatchFn", "CombineFn"]
+
+
+class DispatchFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topk_weights, impl, topk_idx, sync, box):
+        out, out_w, ntpe, offs, handle = impl.dispatch_fwd(x, topk_idx, topk_weights, sync)
+        box.append((ntpe, offs, handle))
+        ctx.impl = impl
+        ctx.handle = handle
+        ctx.mark_non_differentiable(ntpe, offs)
+        return out, out_w, ntpe, offs
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_out_w, _g1, _g2):
+        if grad_out is None:
+            grad_out = torch.zeros(ctx.handle.num_recv_rows or 0, ctx.impl.H, dtype=ctx.impl.dtype,
+                                   device=ctx.impl.device)
+        grad_x, grad_w = ctx.impl.dispatch_bwd(grad_out, grad_out_w, ctx.handle)
+        return grad_x, grad_w, None, None, None, None
+
+
+class CombineFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, expert_out, recv_weights, impl, handle, kind):
+        y = impl.combine_fwd(expert_out, handle, kind=kind)
+        ctx.impl = impl
+        ctx.handle = handle
+        ctx.save_for_backward(expert_out)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        (expert_out,) = ctx.saved_tensors
+        g_eo, g_w = ctx.impl.combine_bwd(grad_y.contiguous(), expert_out, ctx.handle)
+        return g_eo, g_w, None, None, None

@@ -1,0 +1,59 @@
+"""Backend choice for ``backend="auto"``: triton when every rank can map every peer's memory, else nccl."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from ..errors import BackendError
+
+__all__ = ["choose_backend", "p2p_report"]
+
+
+def p2p_report(device: torch.device) -> dict:
+    """This rank's view: host name, device type, and whether it can map every other local GPU."""
+    forced = os.environ.get("TRITONEP_FORCE_NO_P2P", "0") == "1"
+    info = {"host": socket.gethostname(), "device_type": device.type, "p2p": True, "why": ""}
+    if forced:
+        info.update(p2p=False, why="TRITONEP_FORCE_NO_P2P=1")
+    elif device.type == "cuda":
+        n = torch.cuda.device_count()
+        bad = [j for j in range(n) if j != device.index and not torch.cuda.can_device_access_peer(device.index, j)]
+        if bad:
+            info.update(p2p=False, why=f"cuda:{device.index} cannot access peers {bad}")
+    return info
+
+
+def choose_backend(group, requested: str, device: torch.device):
+    """Return ``(backend, reason)``; every rank computes the same answer from one all_gather of reports.
+
+    Raises:
+        BackendError: ranks requested different backends or sit on different device types.
+    """
+    ws = dist.get_world_size(group)
+    mine = p2p_report(device)
+    mine["requested"] = requested
+    reports = [None] * ws
+    dist.all_gather_object(reports, mine, group=group)
+    reqs = {r["requested"] for r in reports}
+    if len(reqs) > 1:
+        raise BackendError(f"ranks asked for different backends: {[r['requested'] for r in reports]}")
+    types = {r["device_type"] for r in reports}
+    if len(types) > 1:
+        raise BackendError(f"ranks sit on different device types: {[r['device_type'] for r in reports]}")
+    hosts = {r["host"] for r in reports}
+    all_p2p = all(r["p2p"] for r in reports) and len(hosts) == 1
+    if requested == "triton":
+        if not all_p2p:
+            why = "; ".join(r["why"] for r in reports if r["why"]) or f"{len(hosts)} hosts"
+            raise BackendError(f"backend='triton' needs every rank to map every peer's memory: {why}")
+        return "triton", "requested"
+    if requested == "nccl":
+        return "nccl", "requested"
+    if all_p2p:
+        return "triton", f"all {ws} ranks on one host ({next(iter(hosts))}) with peer access"
+    why = "; ".join(r["why"] for r in reports if r["why"]) or f"group spans {len(hosts)} hosts"
+    return "nccl", f"peer memory not mappable: {why}"

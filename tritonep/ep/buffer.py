@@ -1,0 +1,245 @@
+"""EPBuffer: the public front door of dispatch / combine (DESIGN.md §4).
+
+Checks every input before any peer is touched (:mod:`tritonep.ep.validate`), checks once at construction that every
+rank has the same static configuration, picks a backend (``triton``: symmetric memory + Triton kernels on one host;
+``nccl``: torch.distributed all_to_all for groups that span hosts) and wraps both in autograd.
+
+Idea sources: DeepEP's ``Buffer`` (dispatch/combine with a handle, expert-grouped receive for grouped GEMMs),
+pplx-kernels (static capacity, graph capture), our own protocol for the kernels (DESIGN.md §6).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import envs
+from ..errors import BufferStateError, ConfigError
+from ..memory import required_bytes as _layout_bytes
+from ..wire.formats import WIRES, check_wire
+from .autograd import CombineFn, DispatchFn
+from .backend_choice import choose_backend
+from .handle import Dispatched, DispatchHandle
+from .triton_backend import TritonEP, regions
+from .validate import check_combine_inputs, check_dispatch_inputs, check_expert_ids
+
+__all__ = ["EPBuffer"]
+
+_STATIC_FIELDS = ("num_experts", "hidden", "max_tokens_per_rank", "topk", "dispatch_wire", "combine_wire",
+                  "expert_alignment", "max_recv_tokens", "backend")
+
+
+def _default_max_recv(world_size, num_experts, max_tokens_per_rank, topk, expert_alignment):
+    L = num_experts // world_size
+    return world_size * max_tokens_per_rank * topk + L * (expert_alignment - 1)
+
+
+def _check_static(world_size, num_experts, hidden, max_tokens_per_rank, topk, dispatch_wire, combine_wire,
+                  expert_alignment, max_recv_tokens, backend):
+    for name, v in (("world_size", world_size), ("num_experts", num_experts), ("hidden", hidden),
+                    ("max_tokens_per_rank", max_tokens_per_rank), ("topk", topk),
+                    ("expert_alignment", expert_alignment)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ConfigError(f"{name} must be a positive int, got {v!r}")
+    if num_experts % world_size:
+        raise ConfigError(f"num_experts={num_experts} is not divisible by world_size={world_size}")
+    if max_recv_tokens is not None and (not isinstance(max_recv_tokens, int) or max_recv_tokens < 1):
+        raise ConfigError(f"max_recv_tokens must be a positive int or None, got {max_recv_tokens!r}")
+    if backend not in ("auto", "triton", "nccl"):
+        raise ConfigError(f"backend={backend!r} is not one of 'auto', 'triton', 'nccl'")
+    check_wire(dispatch_wire, hidden, "dispatch_wire")
+    check_wire(combine_wire, hidden, "combine_wire")
+
+
+class EPBuffer:
+    """Expert-parallel dispatch / combine buffer for one process group.
+
+    Args:
+        group: the EP ``torch.distributed`` group (one rank per device; gloo on CPU, NCCL on GPU).
+        num_experts: E, a multiple of the group size; expert e lives on rank ``e // (E / world_size)``.
+        hidden: H, the row width.
+        max_tokens_per_rank: static capacity of T on every rank (graph capture sizes from it).
+        topk: K, experts per token.
+        dispatch_wire / combine_wire: ``"bf16"`` | ``"fp8"`` | ``"mxfp4"`` (see :mod:`tritonep.wire`).
+        expert_alignment: A; every expert segment starts at a multiple of A and its padding rows are zero.
+        max_recv_tokens: rows this rank can receive (default: the worst case ``W*Tmax*K + L*(A-1)``).
+        backend: ``"auto"`` (triton when every rank can map every peer's memory, else nccl) | ``"triton"`` |
+            ``"nccl"``.
+        dtype: element type of x and of the expert outputs (bfloat16).
+
+    Raises:
+        ConfigError: an invalid value, or a static configuration that differs across ranks (raised on every rank,
+            naming the field and each rank's value).
+        WireError: an unknown wire or a hidden size the wire cannot take.
+    """
+
+    def __init__(self, group, num_experts: int, hidden: int, max_tokens_per_rank: int, topk: int,
+                 dispatch_wire: str = "bf16", combine_wire: str = "bf16", expert_alignment: int = 1,
+                 max_recv_tokens: int | None = None, backend: str = "auto", dtype: torch.dtype = torch.bfloat16,
+                 device: torch.device | str | None = None, num_sms: int | None = None):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        _check_static(self.world_size, num_experts, hidden, max_tokens_per_rank, topk, dispatch_wire,
+                      combine_wire, expert_alignment, max_recv_tokens, backend)
+        if max_recv_tokens is None:
+            max_recv_tokens = _default_max_recv(self.world_size, num_experts, max_tokens_per_rank, topk,
+                                                expert_alignment)
+        self.num_experts, self.hidden = num_experts, hidden
+        self.max_tokens_per_rank, self.topk = max_tokens_per_rank, topk
+        self.num_local_experts = num_experts // self.world_size
+        self.dispatch_wire, self.combine_wire = dispatch_wire, combine_wire
+        self.expert_alignment = expert_alignment
+        self.max_recv_tokens = max_recv_tokens
+        self.dtype = dtype
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
+                torch.device("cpu")
+        self.device = torch.device(device)
+        cfg = {f: getattr(self, f, None) for f in _STATIC_FIELDS}
+        cfg["backend"] = backend
+        cfg["device_type"] = self.device.type
+        self._check_same_on_all_ranks(cfg)
+        self.backend, self.backend_reason = choose_backend(group, backend, self.device)
+        if self.backend == "triton":
+            self._impl = TritonEP(group, self.rank, self.world_size, num_experts, hidden, max_tokens_per_rank, topk,
+                                  expert_alignment, max_recv_tokens, self.device, dtype, num_sms=num_sms)
+        else:
+            from .nccl_backend import NcclEP
+
+            self._impl = NcclEP(group, self.rank, self.world_size, num_experts, hidden, max_tokens_per_rank, topk,
+                                expert_alignment, max_recv_tokens, self.device, dtype)
+        self._closed = False
+
+    # ------------------------------------------------------------------------------------------- static
+    @staticmethod
+    def required_bytes(world_size: int, num_experts: int, hidden: int, max_tokens_per_rank: int, topk: int,
+                       dispatch_wire: str = "bf16", combine_wire: str = "bf16", expert_alignment: int = 1,
+                       max_recv_tokens: int | None = None, dtype: torch.dtype = torch.bfloat16,
+                       device_type: str = "cuda") -> int:
+        """Symmetric bytes one rank allocates for this configuration (no group needed).
+
+        Equals what the triton backend allocates (the same region list goes through the same layout function).
+        """
+        _check_static(world_size, num_experts, hidden, max_tokens_per_rank, topk, dispatch_wire, combine_wire,
+                      expert_alignment, max_recv_tokens, "auto")
+        if max_recv_tokens is None:
+            max_recv_tokens = _default_max_recv(world_size, num_experts, max_tokens_per_rank, topk,
+                                                expert_alignment)
+        from .geometry import select_geometry
+
+        bt = select_geometry(device_type, world_size, hidden, max_tokens_per_rank, topk).bt
+        return _layout_bytes(regions(world_size, num_experts, hidden, max_tokens_per_rank, topk, max_recv_tokens,
+                                     dtype, bt))
+
+    def _check_same_on_all_ranks(self, cfg: dict):
+        gathered = [None] * self.world_size
+        dist.all_gather_object(gathered, cfg, group=self.group)
+        for f in cfg:
+            vals = [g.get(f) for g in gathered]
+            if any(v != vals[0] for v in vals):
+                per_rank = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(vals))
+                raise ConfigError(f"EPBuffer field {f!r} differs across ranks ({per_rank})")
+
+    # ------------------------------------------------------------------------------------------- calls
+    def _check_open(self):
+        if self._closed:
+            raise BufferStateError("EPBuffer is closed")
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Symmetric bytes this rank allocated (0 for the nccl backend)."""
+        buf = getattr(self._impl, "buf", None)
+        return buf.nbytes if buf is not None else 0
+
+    def expert_out_buffer(self, rows: int | None = None) -> torch.Tensor:
+        """The symmetric ``[max_recv_tokens, H]`` region meant for the expert GEMM output (zero copy into combine).
+
+        Args:
+            rows: return only the first ``rows`` rows (a view).
+        """
+        self._check_open()
+        t = self._impl.expert_out_buffer()
+        return t if rows is None else t[:rows]
+
+    def _sync(self) -> bool:
+        if not envs.sync_checks():
+            return False
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return False
+        return True
+
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> Dispatched:
+        """Send every token to the ranks of its experts; return the expert-grouped rows of this rank's experts.
+
+        Args:
+            x: ``[T, H]`` bfloat16, ``T <= max_tokens_per_rank`` (T may be 0). Non-contiguous input is copied.
+            topk_idx: ``[T, K]`` int32/int64 expert ids in ``[-1, E)``; -1 = no expert.
+            topk_weights: ``[T, K]`` float (converted to float32), applied in combine.
+
+        Returns:
+            :class:`Dispatched` (rows ordered by (source rank, token, k) inside each expert segment).
+
+        Raises:
+            InputError: bad dtype / shape / device / expert id (before any peer is touched).
+            CapacityError: ``T > max_tokens_per_rank`` or more rows than ``max_recv_tokens`` (nothing is sent).
+            PeerTimeoutError: a peer never arrived; the buffer is unusable afterwards.
+            BufferStateError: closed or broken buffer.
+        """
+        self._check_open()
+        x, topk_idx, topk_weights = check_dispatch_inputs(
+            x, topk_idx, topk_weights, hidden=self.hidden, topk=self.topk,
+            max_tokens_per_rank=self.max_tokens_per_rank, dtype=self.dtype, device=self.device)
+        sync = self._sync()
+        if sync:
+            check_expert_ids(topk_idx, self.num_experts)
+        box: list = []
+        out, out_w, ntpe, offs = DispatchFn.apply(x, topk_weights, self._impl, topk_idx, sync, box)
+        handle: DispatchHandle = box[0][2]
+        handle.recv_weights = out_w
+        return Dispatched(x=out, num_tokens_per_expert=ntpe, expert_offsets=offs, handle=handle, weights=out_w)
+
+    def combine(self, expert_out: torch.Tensor, handle: DispatchHandle, kind: str | None = None) -> torch.Tensor:
+        """Bring expert outputs back: ``y[t] = sum_k topk_weights[t, k] * expert_out[row(t, k)]`` (fp32 sums).
+
+        Args:
+            expert_out: ``[R', H]`` bfloat16 with ``R' >=`` the dispatch's rows (e.g. :meth:`expert_out_buffer`).
+            handle: the ``Dispatched.handle`` of the matching dispatch.
+            kind: ``"push"`` | ``"pull"`` to override the geometry table (triton backend).
+
+        Returns:
+            ``[T, H]`` in ``expert_out``'s dtype; tokens without a valid route get zeros. Summation order is fixed
+            (per rank k ascending, then ranks ascending): bitwise reproducible.
+
+        Raises:
+            InputError, BufferStateError, PeerTimeoutError (see :meth:`dispatch`).
+        """
+        self._check_open()
+        if not isinstance(handle, DispatchHandle) or handle.backend != self.backend:
+            raise ConfigError("handle does not come from this buffer's dispatch")
+        expert_out = check_combine_inputs(expert_out, handle, hidden=self.hidden, dtype=self.dtype,
+                                          device=self.device, min_rows=handle.num_recv_rows or 0)
+        if kind not in (None, "push", "pull"):
+            raise ConfigError(f"combine kind={kind!r} is not 'push' or 'pull'")
+        return CombineFn.apply(expert_out, handle.recv_weights, self._impl, handle, kind)
+
+    def check(self):
+        """Raise any error the device recorded since the last check (one host sync). For graph-captured use."""
+        self._check_open()
+        if hasattr(self._impl, "check"):
+            self._impl.check()
+
+    def close(self):
+        """Release the buffer (collective: every rank closes its buffers in the same order)."""
+        if not self._closed:
+            self._closed = True
+            self._impl.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+assert WIRES  # wire names are validated through check_wire

@@ -1,0 +1,234 @@
+"""The Triton backend of EPBuffer: symmetric memory + the kernels of :mod:`tritonep.kernels`.
+
+One symmetric allocation per buffer holds every region (:func:`regions`); the same list answers
+``EPBuffer.required_bytes``. Call sequence of a dispatch (all on the current stream, no host sync except the one
+optional status read after the counts exchange, see ``sync``):
+
+1. ``calls[0] += 1; calls[2] += 1`` (device), 2. chunk histograms, 3. counts exchange + layout (grid 1),
+4. [eager only] one host read of (status, rows) -> CapacityError / PeerTimeoutError before any row moves,
+5. send, 6. expand.
+
+Combine: ``calls[1] += 1``, partial (push into the source, or into own memory for pull), output.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from ..errors import BufferStateError, PeerTimeoutError
+from ..kernels.combine import combine_out_kernel, combine_partial_kernel
+from ..kernels.dispatch import NUM_FLAGS, dispatch_expand_kernel, dispatch_send_kernel
+from ..kernels.layout import chunk_hist_kernel, exchange_kernel
+from ..memory import Region, get_heap
+from .geometry import select_geometry
+from .handle import DispatchHandle
+from .status import raise_for_status, wait_bound
+
+__all__ = ["regions", "TritonEP"]
+
+
+def regions(world_size, num_experts, hidden, max_tokens_per_rank, topk, max_recv_tokens, dtype=torch.bfloat16,
+            bt=16):
+    """The symmetric regions of one EPBuffer (rank-local scratch lives in the same allocation)."""
+    W, E, H, Tm, K = world_size, num_experts, hidden, max_tokens_per_rank, topk
+    ncmax = max(1, triton.cdiv(Tm, bt))
+    return [
+        Region("flags", (NUM_FLAGS, W), torch.int64),
+        Region("status", (8,), torch.int64),
+        Region("calls", (4,), torch.int64),
+        Region("counts", (W, E), torch.int32),
+        Region("ntok", (W,), torch.int32),
+        Region("meta", (W, Tm, K), torch.int32),
+        Region("wts", (W, Tm, K), torch.float32),
+        Region("wback", (W, Tm, K), torch.float32),
+        Region("hist", (ncmax, E), torch.int32),
+        Region("pre", (ncmax, E), torch.int32),
+        Region("send_base", (E,), torch.int32),
+        Region("rows_needed", (W,), torch.int64),
+        Region("stage", (W, Tm, H), dtype),
+        Region("cstage", (W, Tm, H), dtype),
+        Region("expert_out", (max_recv_tokens, H), dtype),
+    ]
+
+
+class TritonEP:
+    """Triton + symmetric-memory implementation behind :class:`tritonep.EPBuffer` (see the module docstring)."""
+
+    name = "triton"
+
+    def __init__(self, group, rank, world_size, num_experts, hidden, max_tokens_per_rank, topk, expert_alignment,
+                 max_recv_tokens, device, dtype=torch.bfloat16, num_sms=None):
+        self.rank, self.W = rank, world_size
+        self.E, self.H, self.Tm, self.K = num_experts, hidden, max_tokens_per_rank, topk
+        self.L = num_experts // world_size
+        self.A = expert_alignment
+        self.max_recv = max_recv_tokens
+        self.device = device
+        self.dtype = dtype
+        self.geo = select_geometry(device.type, world_size, hidden, max_tokens_per_rank, topk, num_sms=num_sms)
+        self.ncmax = max(1, triton.cdiv(max_tokens_per_rank, self.geo.bt))
+        heap = get_heap(group, device)
+        self.buf = heap.allocate(regions(world_size, num_experts, hidden, max_tokens_per_rank, topk,
+                                         max_recv_tokens, dtype, self.geo.bt))
+        b = self.buf
+        self.flags = b.local("flags")
+        self.status = b.local("status")
+        self.calls = b.local("calls")
+        self.hist, self.pre = b.local("hist"), b.local("pre")
+        self.send_base, self.rows_needed = b.local("send_base"), b.local("rows_needed")
+        self.tab = {n: b.ptr_table(n) for n in ("flags", "counts", "ntok", "meta", "wts", "wback", "stage",
+                                                 "cstage")}
+        self.has_timer = device.type == "cuda"
+        self.timeout = wait_bound(device)
+        self.broken: str | None = None
+        p2 = triton.next_power_of_2
+        self.c = dict(RANK=rank, W=world_size, K=topk, KB=p2(topk), H=hidden, BH=self.geo.bh, BT=self.geo.bt,
+                      WB=max(2, p2(world_size)), HAS_TIMER=self.has_timer)
+        self._kw = {"num_warps": self.geo.num_warps}
+        if device.type == "cuda":
+            self._kw["num_stages"] = 1
+
+    # ---------------------------------------------------------------------------------------------- helpers
+    def expert_out_buffer(self) -> torch.Tensor:
+        return self.buf.local("expert_out")
+
+    def _check_usable(self):
+        if self.broken:
+            raise BufferStateError(f"EPBuffer on rank {self.rank} is unusable: {self.broken}")
+
+    def check(self, what="EPBuffer"):
+        """Read the status word on the host and raise its typed error (one sync)."""
+        st = self.status.cpu()
+        try:
+            raise_for_status(st, self.rank, self.max_recv, what)
+        except PeerTimeoutError as e:
+            self.broken = str(e)
+            raise
+
+    def _flag_off(self, row):
+        return row * self.W * 8
+
+    # ---------------------------------------------------------------------------------------------- dispatch
+    def dispatch_fwd(self, x, topk_idx, topk_weights, sync: bool):
+        self._check_usable()
+        g, c = self.geo, self.c
+        T = x.shape[0]
+        nc = triton.cdiv(T, g.bt)
+        self.calls[0:1].add_(1)
+        self.calls[2:3].add_(1)
+        chunk_hist_kernel[(g.grid_hist,)](topk_idx, self.hist, T, nc, K=self.K, E=self.E,
+                                          EB=triton.next_power_of_2(self.E), BT=g.bt, KB=c["KB"], **self._kw)
+        ntpe = torch.empty(self.L, dtype=torch.int32, device=self.device)
+        offs = torch.empty(self.L, dtype=torch.int32, device=self.device)
+        EB = triton.next_power_of_2(self.E)
+        exchange_kernel[(1,)](self.hist, nc, self.tab["counts"], self.flags, self.tab["flags"],
+                              self._flag_off(0), self.calls[2:], self.status, self.timeout, self.pre,
+                              self.send_base, ntpe, offs, self.rows_needed, self.max_recv,
+                              RANK=self.rank, W=self.W, E=self.E, L=self.L, A=self.A, WB=c["WB"],
+                              LB=triton.next_power_of_2(self.L), EB=EB,
+                              NCB=triton.next_power_of_2(max(nc, 1)), EBLK=min(EB, 64), HAS_TIMER=self.has_timer,
+                              **self._kw)
+        R = None
+        if sync:
+            st = torch.cat([self.status, self.rows_needed[self.rank:self.rank + 1]]).cpu()
+            if int(st[0]) != 0:
+                self.calls[0:1].sub_(1)  # no rows move in this call on any rank (all saw the same counts)
+                if int(st[0]) != 2:
+                    self.broken = "timeout"
+                else:
+                    self.status.zero_()
+                raise_for_status(st[:8], self.rank, self.max_recv, "dispatch")
+            R = int(st[8])
+        out = torch.empty(R if R is not None else self.max_recv, self.H, dtype=self.dtype, device=self.device)
+        out_w = torch.empty(out.shape[0], dtype=torch.float32, device=self.device)
+        rows = torch.empty(T, self.K, dtype=torch.int32, device=self.device)
+        handle = DispatchHandle(topk_idx=topk_idx, topk_weights=topk_weights, rows=rows,
+                                meta=torch.empty(self.W, self.Tm, self.K, dtype=torch.int32, device=self.device),
+                                wts=torch.empty(self.W, self.Tm, self.K, dtype=torch.float32, device=self.device),
+                                ntok=torch.empty(self.W, dtype=torch.int32, device=self.device),
+                                num_tokens=T, num_recv_rows=R, backend=self.name)
+        self._send(x, handle, topk_weights, compute_rows=True, nc=nc)
+        self._expand(out, out_w, handle, ntpe, offs, keep_handle=True)
+        return out, out_w, ntpe, offs, handle
+
+    def _send(self, x, handle, topk_weights, compute_rows, nc):
+        g, c = self.geo, self.c
+        dispatch_send_kernel[(g.grid_send,)](
+            x, handle.topk_idx, topk_weights, handle.rows, handle.num_tokens, nc, self.pre, self.send_base,
+            self.tab["stage"], self.tab["meta"], self.tab["wts"], self.tab["ntok"],
+            self.flags, self.tab["flags"], self._flag_off(1), self.calls, self.status, self.timeout,
+            g.grid_expand, self.Tm, E=self.E, L=self.L, COMPUTE_ROWS=compute_rows,
+            **{k: c[k] for k in ("RANK", "W", "K", "KB", "H", "BH", "BT", "WB", "HAS_TIMER")}, **self._kw)
+
+    def _expand(self, out, out_w, handle, ntpe, offs, keep_handle, scale=False, eo=None, gw=None):
+        g, c = self.geo, self.c
+        b = self.buf
+        dispatch_expand_kernel[(g.grid_expand,)](
+            b.local("stage"), b.local("meta"), b.local("wts"), b.local("ntok"), out, out_w,
+            handle.meta, handle.wts, handle.ntok, ntpe, offs,
+            eo if eo is not None else out, gw if gw is not None else out_w,
+            self.flags, self.tab["flags"], self._flag_off(2), self.calls, self.status, self.timeout,
+            g.grid_send, self.Tm, self.ncmax, L=self.L, LB=triton.next_power_of_2(self.L),
+            BA=triton.next_power_of_2(max(self.A, 1)) if keep_handle else 1, A=self.A if keep_handle else 1,
+            SCALE=scale, DOT=eo is not None,
+            KEEP_HANDLE=keep_handle,
+            **{k: c[k] for k in ("RANK", "W", "K", "KB", "H", "BH", "BT", "WB", "HAS_TIMER")}, **self._kw)
+
+    # ---------------------------------------------------------------------------------------------- combine
+    def _combine(self, eo, handle, weighted, gw=None, want_wgrad=False, kind=None):
+        self._check_usable()
+        g, c = self.geo, self.c
+        kind = kind or g.combine
+        if want_wgrad:
+            kind = "push"
+        T = handle.num_tokens
+        nc = triton.cdiv(T, g.bt)
+        self.calls[1:2].add_(1)
+        stage = self.tab["cstage"]
+        combine_partial_kernel[(g.grid_partial,)](
+            eo, handle.meta, handle.wts, handle.ntok, gw if gw is not None else handle.wts, stage,
+            self.tab["wback"], self.flags, self.tab["flags"], self._flag_off(3), self.calls, self.status,
+            self.timeout, g.grid_out, self.Tm, self.ncmax, PUSH=kind == "push", WEIGHTED=weighted,
+            SEND_WGRAD=want_wgrad,
+            **{k: c[k] for k in ("RANK", "W", "K", "KB", "H", "BH", "BT", "WB", "HAS_TIMER")}, **self._kw)
+        y = torch.empty(T, self.H, dtype=eo.dtype, device=self.device)
+        gtw = torch.empty(T, self.K, dtype=torch.float32, device=self.device) if want_wgrad else None
+        combine_out_kernel[(g.grid_out,)](
+            handle.topk_idx, y, T, nc, stage, self.buf.local("wback"), gtw if gtw is not None else y,
+            self.flags, self.tab["flags"], self._flag_off(4), self.calls, self.status, self.timeout,
+            g.grid_partial, self.Tm, L=self.L, PULL=kind == "pull", RECV_WGRAD=want_wgrad,
+            **{k: c[k] for k in ("RANK", "W", "K", "KB", "H", "BH", "BT", "WB", "HAS_TIMER")}, **self._kw)
+        return y, gtw
+
+    def combine_fwd(self, expert_out, handle, kind=None):
+        y, _ = self._combine(expert_out, handle, weighted=True, kind=kind)
+        return y
+
+    # ---------------------------------------------------------------------------------------------- backward
+    def dispatch_bwd(self, grad_recv_x, grad_recv_w, handle):
+        """grad_x[t] = sum_k grad_recv_x[row(t,k)]; grad_topk_weights[t,k] = grad_recv_w[row(t,k)]."""
+        gw = grad_recv_w if grad_recv_w is not None else None
+        y, gtw = self._combine(grad_recv_x.contiguous(), handle, weighted=False,
+                               gw=gw.contiguous() if gw is not None else None, want_wgrad=gw is not None)
+        return y, gtw
+
+    def combine_bwd(self, grad_y, expert_out, handle):
+        """grad_expert_out[row] = w * grad_y[t]; grad_recv_w[row] = <grad_y[t], expert_out[row]>."""
+        self._check_usable()
+        R = expert_out.shape[0]
+        g_eo = torch.zeros(R, self.H, dtype=self.dtype, device=self.device)
+        g_w = torch.zeros(R, dtype=torch.float32, device=self.device)
+        out_w_scratch = torch.empty(R, dtype=torch.float32, device=self.device)
+        self.calls[0:1].add_(1)
+        nc = triton.cdiv(handle.num_tokens, self.geo.bt)
+        self._send(grad_y.contiguous(), handle, handle.topk_weights, compute_rows=False, nc=nc)
+        dummy = torch.empty(self.L, dtype=torch.int32, device=self.device)
+        self._expand(g_eo, out_w_scratch, handle, dummy, dummy, keep_handle=False, scale=True,
+                     eo=expert_out.contiguous(), gw=g_w)
+        return g_eo, g_w
+
+    def close(self):
+        if self.buf is not None:
+            self.buf.close()
+            self.buf = None

@@ -1,0 +1,84 @@
+"""Front-door checks of every EPBuffer call, run before any peer is touched (shared by all backends).
+
+Policy (documented in README "Guarantees"): a non-contiguous ``x`` / ``expert_out`` is copied to a contiguous
+tensor (same values, never wrong data); ``topk_weights`` of another float dtype is converted to float32; everything
+else that does not match is refused with :class:`tritonep.errors.InputError` or
+:class:`tritonep.errors.CapacityError` naming the value.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import CapacityError, InputError
+
+__all__ = ["check_dispatch_inputs", "check_combine_inputs", "check_expert_ids"]
+
+_ID_DTYPES = (torch.int32, torch.int64)
+
+
+def check_dispatch_inputs(x, topk_idx, topk_weights, *, hidden, topk, max_tokens_per_rank, dtype, device):
+    """Validate dispatch inputs; returns ``(x, topk_idx, topk_weights)`` contiguous, weights float32.
+
+    Raises:
+        InputError: wrong type, dtype, device, rank or shape (message names the tensor and the value).
+        CapacityError: more tokens than ``max_tokens_per_rank``.
+    """
+    for name, t in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights)):
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device != device:
+            raise InputError(f"{name} is on {t.device}, the buffer is on {device}")
+    if x.dim() != 2 or x.shape[1] != hidden:
+        raise InputError(f"x must have shape [num_tokens, hidden={hidden}], got {tuple(x.shape)}")
+    if x.dtype != dtype:
+        raise InputError(f"x must be {dtype}, got {x.dtype}")
+    T = x.shape[0]
+    if T > max_tokens_per_rank:
+        raise CapacityError(f"num_tokens={T} exceeds max_tokens_per_rank={max_tokens_per_rank}",
+                            needed=T, available=max_tokens_per_rank)
+    if topk_idx.dtype not in _ID_DTYPES:
+        raise InputError(f"topk_idx must be int32 or int64, got {topk_idx.dtype}")
+    if tuple(topk_idx.shape) != (T, topk):
+        raise InputError(f"topk_idx must have shape [num_tokens={T}, topk={topk}], got {tuple(topk_idx.shape)}")
+    if tuple(topk_weights.shape) != (T, topk):
+        raise InputError(f"topk_weights must have shape [num_tokens={T}, topk={topk}], "
+                         f"got {tuple(topk_weights.shape)}")
+    if not topk_weights.is_floating_point():
+        raise InputError(f"topk_weights must be floating point, got {topk_weights.dtype}")
+    return (x.contiguous(), topk_idx.contiguous(),
+            topk_weights.to(torch.float32).contiguous())
+
+
+def check_expert_ids(topk_idx: torch.Tensor, num_experts: int):
+    """Host check that every id is in [-1, num_experts) (one device->host read).
+
+    Raises:
+        InputError: naming the first offending value and its (token, k) position.
+    """
+    if topk_idx.numel() == 0:
+        return
+    bad = (topk_idx < -1) | (topk_idx >= num_experts)
+    if bool(bad.any()):
+        pos = torch.nonzero(bad)[0].tolist()
+        val = int(topk_idx[pos[0], pos[1]])
+        raise InputError(f"topk_idx[{pos[0]}, {pos[1]}] = {val} is outside [-1, num_experts={num_experts})")
+
+
+def check_combine_inputs(expert_out, handle, *, hidden, dtype, device, min_rows):
+    """Validate combine inputs; returns ``expert_out`` contiguous.
+
+    Raises:
+        InputError: wrong dtype/device/shape, or fewer rows than the dispatch produced.
+    """
+    if not isinstance(expert_out, torch.Tensor):
+        raise InputError(f"expert_out must be a torch.Tensor, got {type(expert_out).__name__}")
+    if expert_out.device != device:
+        raise InputError(f"expert_out is on {expert_out.device}, the buffer is on {device}")
+    if expert_out.dtype != dtype:
+        raise InputError(f"expert_out must be {dtype}, got {expert_out.dtype}")
+    if expert_out.dim() != 2 or expert_out.shape[1] != hidden:
+        raise InputError(f"expert_out must have shape [rows, hidden={hidden}], got {tuple(expert_out.shape)}")
+    if expert_out.shape[0] < min_rows:
+        raise InputError(f"expert_out has {expert_out.shape[0]} rows but the dispatch produced {min_rows}")
+    return expert_out.contiguous()

@@ -1,0 +1,105 @@
+"""Typed exceptions of tritonep.
+
+Every error the library raises on purpose is a subclass of :class:`TritonEPError`, so callers can catch
+the whole family at once. Messages always name the offending value (and rank / peer where one exists).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "TritonEPError",
+    "ConfigError",
+    "InputError",
+    "CapacityError",
+    "PeerTimeoutError",
+    "TimeoutError",
+    "LayoutError",
+    "HeapError",
+    "BufferStateError",
+    "RankError",
+    "DataError",
+    "BackendError",
+    "WireError",
+    "PlanError",
+]
+
+
+class TritonEPError(RuntimeError):
+    """Base class of every error tritonep raises on purpose."""
+
+
+class ConfigError(TritonEPError, ValueError):
+    """A static configuration (buffer arguments, recipe, geometry, world) is invalid or differs across ranks."""
+
+
+class InputError(TritonEPError, ValueError):
+    """A tensor passed to a call has the wrong dtype, device, shape, contiguity or values.
+
+    Raised before any peer memory is touched.
+    """
+
+
+class CapacityError(TritonEPError):
+    """A call needs more rows than the buffer holds (``max_tokens_per_rank`` or ``max_recv_tokens``).
+
+    Attributes:
+        needed: rows the call needed.
+        available: rows the buffer has.
+    """
+
+    def __init__(self, message: str, needed: int | None = None, available: int | None = None):
+        super().__init__(message)
+        self.needed = needed
+        self.available = available
+
+
+class PeerTimeoutError(TritonEPError):
+    """A bounded wait inside a kernel gave up: a peer never raised the signal it was waited for.
+
+    Attributes:
+        wait: name of the wait that gave up (e.g. ``"dispatch.counts"``).
+        peer: the rank that never arrived (-1 if unknown).
+        rank: the rank that waited.
+    """
+
+    def __init__(self, message: str, wait: str = "", peer: int = -1, rank: int = -1):
+        super().__init__(message)
+        self.wait = wait
+        self.peer = peer
+        self.rank = rank
+
+
+# DESIGN.md §6 calls it ``tep.TimeoutError``; both names refer to the same class.
+TimeoutError = PeerTimeoutError  # noqa: A001
+
+
+class LayoutError(TritonEPError, ValueError):
+    """A symmetric region layout does not fit the space it must live in."""
+
+
+class HeapError(TritonEPError):
+    """The symmetric heap cannot serve a request (world too large, out of space, wrong device)."""
+
+
+class BufferStateError(TritonEPError):
+    """A buffer is closed, or unusable after an earlier failure (e.g. a peer timeout)."""
+
+
+class RankError(TritonEPError):
+    """A rank of a multi-process world failed; the message carries its rank and traceback."""
+
+
+class DataError(TritonEPError, ValueError):
+    """A packaged trace or histogram is missing or does not hold what was asked (e.g. a layer)."""
+
+
+class BackendError(TritonEPError):
+    """A backend cannot serve the request (e.g. CUDA-graph capture on the nccl backend, mixed backends)."""
+
+
+class WireError(TritonEPError, ValueError):
+    """An unsupported wire format or a hidden size the wire format cannot take."""
+
+
+class PlanError(TritonEPError, ValueError):
+    """A virtual-expert planning input is inconsistent (histogram sums, world size, stale weights)."""

@@ -1,0 +1,1 @@
+"""@triton.jit kernel bodies, one file per family (signal, layout, dispatch, combine, quant, planner)."""

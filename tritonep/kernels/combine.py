@@ -1,0 +1,127 @@
+"""Combine data movement: reduce a token's routes per expert rank, move one partial row per (token, rank), sum.
+
+Counters (receiver-side int64, see :mod:`tritonep.kernels.dispatch`): ``flags[CDATA, r]`` on the source rank counts
+the partial programs of rank r whose partials for this rank are ready; ``flags[CACK, s]`` on the expert rank
+counts the programs of source s that finished reading its partials. With m = the combine-like call number, the
+partial kernel waits for ``CACK >= (m-1) * G_out`` before overwriting partials and the output kernel waits for
+``CDATA >= m * G_partial``.
+
+* :func:`combine_partial_kernel` (on the expert rank): for every (source s, token t) with routes here,
+  ``p = sum_k w[s,t,k] * expert_out[row(s,t,k)]`` over k ascending in fp32, rounded to the wire dtype; PUSH writes it
+  into ``stage[rank, t]`` of rank s, pull into this rank's own ``stage[s, t]``. ``WEIGHTED=False`` gives the
+  dispatch backward (sum without weights); ``SEND_WGRAD`` also pushes per-route scalars (weight gradients).
+* :func:`combine_out_kernel` (on the source rank): ``y[t] = sum over ranks r ascending (with a route of t on r)
+  of partial_r[t]`` in fp32 -> output dtype; PULL reads the partials from peer memory. ``RECV_WGRAD`` gathers the
+  per-route scalars into ``[T, K]``.
+
+The summation order is fixed (k ascending per rank, then ranks ascending), so results are bitwise reproducible run
+to run. Twin: :func:`tritonep.reference.combine_reference_partial`.
+"""
+
+import triton
+import triton.language as tl
+
+from .common import cast_rne
+from .signal import signal_peers, wait_all_ge
+
+
+@triton.jit
+def combine_partial_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, gw_ptr, stage_tab, wback_tab,
+                           flags_ptr, flags_tab, cdata_off, calls_ptr, status_ptr, timeout, G_out, Tmax, NCmax,
+                           RANK: tl.constexpr, W: tl.constexpr, K: tl.constexpr, KB: tl.constexpr,
+                           H: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr, WB: tl.constexpr,
+                           PUSH: tl.constexpr, WEIGHTED: tl.constexpr, SEND_WGRAD: tl.constexpr,
+                           HAS_TIMER: tl.constexpr):
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    m = tl.load(calls_ptr + 1)
+    wait_all_ge(flags_ptr + 4 * W, W, (m - 1) * G_out, status_ptr, 4, timeout, HAS_TIMER, WB)
+    live = tl.load(status_ptr) == 0
+    t_off = tl.arange(0, BT)
+    k_off = tl.arange(0, KB)
+    h_off = tl.arange(0, BH)
+    for item in range(pid, W * NCmax, G):
+        src = item // NCmax
+        c = item % NCmax
+        Ts = tl.load(hntok_ptr + src)
+        if c * BT < Ts:
+            t = c * BT + t_off
+            tm = (t < Ts) & live
+            m2 = tm[:, None] & (k_off[None, :] < K)
+            off = (src * Tmax + t[:, None]).to(tl.int64) * K + k_off[None, :]
+            rows = tl.load(hmeta_ptr + off, mask=m2, other=-1)
+            if WEIGHTED:
+                w = tl.load(hwts_ptr + off, mask=m2, other=0.0)
+            has = tl.sum((rows >= 0).to(tl.int32), 1) > 0
+            if PUSH:
+                dst = tl.multiple_of(tl.load(stage_tab + src).to(tl.pointer_type(eo_ptr.dtype.element_ty)), 16)
+                drow = (RANK * Tmax + t).to(tl.int64)
+            else:
+                dst = tl.multiple_of(tl.load(stage_tab + RANK).to(tl.pointer_type(eo_ptr.dtype.element_ty)), 16)
+                drow = (src * Tmax + t).to(tl.int64)
+            for h0 in range(0, H, BH):
+                h = h0 + h_off
+                hm = h < H
+                acc = tl.zeros((BT, BH), dtype=tl.float32)
+                for k in tl.static_range(K):
+                    rk = tl.sum(tl.where(k_off[None, :] == k, rows, 0), 1)
+                    mk = (rk >= 0)[:, None] & hm[None, :]
+                    v = tl.load(eo_ptr + rk[:, None].to(tl.int64) * H + h[None, :], mask=mk, other=0.0)
+                    if WEIGHTED:
+                        wk = tl.sum(tl.where(k_off[None, :] == k, w, 0.0), 1)
+                        acc += v.to(tl.float32) * wk[:, None]
+                    else:
+                        acc += v.to(tl.float32)
+                tl.store(dst + drow[:, None] * H + h[None, :], cast_rne(acc, eo_ptr.dtype.element_ty),
+                         mask=has[:, None] & hm[None, :])
+            if SEND_WGRAD:
+                g = tl.load(gw_ptr + rows, mask=rows >= 0, other=0.0)
+                wb = tl.load(wback_tab + src).to(tl.pointer_type(tl.float32))
+                tl.store(wb + (RANK * Tmax + t[:, None]).to(tl.int64) * K + k_off[None, :], g,
+                         mask=m2 & (rows >= 0))
+    signal_peers(flags_tab, cdata_off, W, RANK, WB)
+
+
+@triton.jit
+def combine_out_kernel(topk_idx_ptr, y_ptr, T, NC, stage_tab, wback_ptr, gtw_ptr,
+                       flags_ptr, flags_tab, cack_off, calls_ptr, status_ptr, timeout, G_partial, Tmax,
+                       RANK: tl.constexpr, W: tl.constexpr, L: tl.constexpr, K: tl.constexpr, KB: tl.constexpr,
+                       H: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr, WB: tl.constexpr,
+                       PULL: tl.constexpr, RECV_WGRAD: tl.constexpr, HAS_TIMER: tl.constexpr):
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    m = tl.load(calls_ptr + 1)
+    wait_all_ge(flags_ptr + 3 * W, W, m * G_partial, status_ptr, 3, timeout, HAS_TIMER, WB)
+    live = tl.load(status_ptr) == 0
+    t_off = tl.arange(0, BT)
+    k_off = tl.arange(0, KB)
+    h_off = tl.arange(0, BH)
+    for c in range(pid, NC, G):
+        t = c * BT + t_off
+        tm = t < T
+        m2 = tm[:, None] & (k_off[None, :] < K)
+        tk = t[:, None].to(tl.int64) * K + k_off[None, :]
+        ids = tl.load(topk_idx_ptr + tk, mask=m2, other=-1).to(tl.int32)
+        dest = tl.where(ids >= 0, ids // L, -1)
+        for h0 in range(0, H, BH):
+            h = h0 + h_off
+            hm = h < H
+            acc = tl.zeros((BT, BH), dtype=tl.float32)
+            for r in range(W):
+                has = (tl.sum((dest == r).to(tl.int32), 1) > 0) & tm & live
+                if PULL:
+                    base = tl.multiple_of(tl.load(stage_tab + r).to(tl.pointer_type(y_ptr.dtype.element_ty)), 16)
+                    srow = (RANK * Tmax + t).to(tl.int64)
+                else:
+                    base = tl.multiple_of(tl.load(stage_tab + RANK).to(tl.pointer_type(y_ptr.dtype.element_ty)),
+                                          16)
+                    srow = (r * Tmax + t).to(tl.int64)
+                v = tl.load(base + srow[:, None] * H + h[None, :], mask=has[:, None] & hm[None, :], other=0.0)
+                acc += v.to(tl.float32)
+            tl.store(y_ptr + t[:, None].to(tl.int64) * H + h[None, :], cast_rne(acc, y_ptr.dtype.element_ty),
+                     mask=tm[:, None] & hm[None, :])
+        if RECV_WGRAD:
+            g = tl.load(wback_ptr + ((dest * Tmax + t[:, None]).to(tl.int64) * K + k_off[None, :]),
+                        mask=m2 & (dest >= 0) & live, other=0.0)
+            tl.store(gtw_ptr + tk, g, mask=m2)
+    signal_peers(flags_tab, cack_off, W, RANK, WB)

@@ -1,0 +1,177 @@
+"""Dispatch data movement: send one copy per (token, destination rank), expand into expert segments.
+
+Protocol (DESIGN.md §6). Counters live in the receiver's symmetric ``flags`` region (int64):
+``flags[DATA, src]`` counts the send programs of rank ``src`` that finished publishing into this rank's staging;
+``flags[ACK, d]`` (in the sender's memory) counts the expand programs of rank ``d`` that finished reading the staging
+this rank wrote. With n = the dispatch-like call number (device memory), a send waits for
+``ACK >= (n-1) * G_expand`` from every destination before overwriting its staging, and an expand waits for
+``DATA >= n * G_send`` from every source.
+
+* :func:`dispatch_send_kernel`: per chunk of BT tokens computes every route's destination row (chunk prefix from
+  the layout + the route's rank inside the chunk by pairwise comparison), then for each destination rank writes the
+  token's K destination rows (or -1) and weights, and the token's row once (wire-encoded) into
+  ``stage[rank, t]`` of that destination, if the token has at least one route there.
+* :func:`dispatch_expand_kernel`: waits for every source, then scatters each staged row to its destination rows
+  (one per route), writes the per-row weights, keeps a copy of the routing metadata for combine (the handle), and
+  zeroes the alignment padding rows. Backward mode (``SCALE``/``DOT``) multiplies each row by its route weight and
+  computes ``dot(row, expert_out[row])`` for the weight gradient (the combine backward).
+
+Twins: the whole dispatch is specified by :func:`tritonep.reference.dispatch_reference`; the row computation by
+:func:`tritonep.kernels.layout.route_rows_torch`.
+"""
+
+import triton
+import triton.language as tl
+
+from .common import cast_rne
+from .signal import signal_peers, wait_all_ge
+
+FLAG_COUNTS = 0
+FLAG_DATA = 1
+FLAG_ACK = 2
+FLAG_CDATA = 3
+FLAG_CACK = 4
+NUM_FLAGS = 5
+
+
+@triton.jit
+def _ptr(tab, r, DT: tl.constexpr):
+    return tl.multiple_of(tl.load(tab + r).to(tl.pointer_type(DT)), 16)
+
+
+@triton.jit
+def dispatch_send_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, NC, pre_ptr, send_base_ptr,
+                         stage_tab, meta_tab, wts_tab, ntok_tab,
+                         flags_ptr, flags_tab, data_off, calls_ptr, status_ptr, timeout, G_expand, Tmax,
+                         RANK: tl.constexpr, W: tl.constexpr, E: tl.constexpr, L: tl.constexpr, K: tl.constexpr,
+                         KB: tl.constexpr, H: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr, WB: tl.constexpr,
+                         COMPUTE_ROWS: tl.constexpr, HAS_TIMER: tl.constexpr):
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    n = tl.load(calls_ptr)
+    # the destinations must have consumed what the previous call staged (bounded wait; wait id 2)
+    wait_all_ge(flags_ptr + 2 * W, W, (n - 1) * G_expand, status_ptr, 2, timeout, HAS_TIMER, WB)
+    live = tl.load(status_ptr) == 0
+    if pid == 0:
+        for d in range(W):
+            nt = tl.load(ntok_tab + d).to(tl.pointer_type(tl.int32))
+            tl.store(nt + RANK, T)
+    t_off = tl.arange(0, BT)
+    k_off = tl.arange(0, KB)
+    h_off = tl.arange(0, BH)
+    R: tl.constexpr = BT * KB
+    for c in range(pid, NC, G):
+        t = c * BT + t_off
+        tm = t < T
+        m2 = tm[:, None] & (k_off[None, :] < K)
+        tk = t[:, None].to(tl.int64) * K + k_off[None, :]
+        ids = tl.load(topk_idx_ptr + tk, mask=m2, other=-1).to(tl.int32)
+        valid = ids >= 0
+        if COMPUTE_ROWS:
+            fid = tl.reshape(ids, (R,))
+            fv = fid >= 0
+            i_off = tl.arange(0, R)
+            eq = (fid[:, None] == fid[None, :]) & (i_off[None, :] < i_off[:, None]) & fv[None, :]
+            within = tl.reshape(tl.sum(eq.to(tl.int32), 1), (BT, KB))
+            carry = tl.load(pre_ptr + c * E + ids, mask=valid, other=0)
+            base = tl.load(send_base_ptr + ids, mask=valid, other=0)
+            rows = tl.where(valid, base + carry + within, -1)
+            tl.store(rows_ptr + tk, rows, mask=m2)
+        else:
+            rows = tl.load(rows_ptr + tk, mask=m2, other=-1)
+        w = tl.load(topk_w_ptr + tk, mask=m2, other=0.0)
+        dest = tl.where(valid, ids // L, -1)
+        mt = tm[:, None] & (k_off[None, :] < K)
+        for d in range(W):
+            md = tl.load(meta_tab + d).to(tl.pointer_type(tl.int32))
+            wd = tl.load(wts_tab + d).to(tl.pointer_type(tl.float32))
+            off = (RANK * Tmax + t[:, None]).to(tl.int64) * K + k_off[None, :]
+            tl.store(md + off, tl.where(dest == d, rows, -1), mask=mt)
+            tl.store(wd + off, tl.where(dest == d, w, 0.0), mask=mt)
+        for h0 in range(0, H, BH):
+            h = h0 + h_off
+            hm = h < H
+            xt = tl.load(x_ptr + t[:, None].to(tl.int64) * H + h[None, :], mask=tm[:, None] & hm[None, :])
+            for d in range(W):
+                has = (tl.sum((dest == d).to(tl.int32), 1) > 0) & tm & live
+                sd = _ptr(stage_tab, d, x_ptr.dtype.element_ty)
+                tl.store(sd + (RANK * Tmax + t[:, None]).to(tl.int64) * H + h[None, :], xt,
+                         mask=has[:, None] & hm[None, :])
+    signal_peers(flags_tab, data_off, W, RANK, WB)
+
+
+@triton.jit
+def dispatch_expand_kernel(stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_ptr, out_w_ptr, hmeta_ptr, hwts_ptr,
+                           hntok_ptr, ntpe_ptr, offs_ptr, eo_ptr, gw_ptr,
+                           flags_ptr, flags_tab, ack_off, calls_ptr, status_ptr, timeout, G_send, Tmax, NCmax,
+                           RANK: tl.constexpr, W: tl.constexpr, L: tl.constexpr, K: tl.constexpr, KB: tl.constexpr,
+                           H: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr, WB: tl.constexpr, LB: tl.constexpr,
+                           BA: tl.constexpr, A: tl.constexpr, SCALE: tl.constexpr, DOT: tl.constexpr,
+                           KEEP_HANDLE: tl.constexpr, HAS_TIMER: tl.constexpr):
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    n = tl.load(calls_ptr)
+    wait_all_ge(flags_ptr + 1 * W, W, n * G_send, status_ptr, 1, timeout, HAS_TIMER, WB)
+    skip = tl.load(status_ptr) != 0
+    t_off = tl.arange(0, BT)
+    k_off = tl.arange(0, KB)
+    h_off = tl.arange(0, BH)
+    if KEEP_HANDLE:
+        if pid == 0:
+            w_off = tl.arange(0, WB)
+            tl.store(hntok_ptr + w_off, tl.load(ntok_ptr + w_off, mask=w_off < W, other=0), mask=w_off < W)
+    for item in range(pid, W * NCmax, G):
+        src = item // NCmax
+        c = item % NCmax
+        Ts = tl.load(ntok_ptr + src)
+        if c * BT < Ts:
+            t = c * BT + t_off
+            tm = t < Ts
+            m2 = tm[:, None] & (k_off[None, :] < K)
+            off = (src * Tmax + t[:, None]).to(tl.int64) * K + k_off[None, :]
+            rows = tl.load(meta_ptr + off, mask=m2, other=-1)
+            rows = tl.where(skip, -1, rows)
+            w = tl.load(wts_ptr + off, mask=m2, other=0.0)
+            if KEEP_HANDLE:
+                tl.store(hmeta_ptr + off, rows, mask=m2)
+                tl.store(hwts_ptr + off, w, mask=m2)
+            tl.store(out_w_ptr + rows, w, mask=rows >= 0)
+            has = tl.sum((rows >= 0).to(tl.int32), 1) > 0
+            dots = tl.zeros((BT, KB), dtype=tl.float32)
+            for h0 in range(0, H, BH):
+                h = h0 + h_off
+                hm = h < H
+                xt = tl.load(stage_ptr + (src * Tmax + t[:, None]).to(tl.int64) * H + h[None, :],
+                             mask=has[:, None] & hm[None, :], other=0.0)
+                for k in tl.static_range(K):
+                    rk = tl.sum(tl.where(k_off[None, :] == k, rows, 0), 1)
+                    mk = (rk >= 0)[:, None] & hm[None, :]
+                    dst = out_ptr + rk[:, None].to(tl.int64) * H + h[None, :]
+                    if SCALE:
+                        wk = tl.sum(tl.where(k_off[None, :] == k, w, 0.0), 1)
+                        tl.store(dst, cast_rne(xt.to(tl.float32) * wk[:, None], out_ptr.dtype.element_ty), mask=mk)
+                    else:
+                        tl.store(dst, xt, mask=mk)
+                    if DOT:
+                        eo = tl.load(eo_ptr + rk[:, None].to(tl.int64) * H + h[None, :], mask=mk, other=0.0)
+                        part = tl.sum(eo.to(tl.float32) * xt.to(tl.float32), 1)
+                        dots += tl.where(k_off[None, :] == k, part[:, None], 0.0)
+            if DOT:
+                tl.store(gw_ptr + rows, dots, mask=rows >= 0)
+    # zero the alignment padding rows of every local expert segment
+    if A > 1:
+        a_off = tl.arange(0, BA)
+        for j in range(pid, L, G):
+            end = tl.load(offs_ptr + j)
+            begin = tl.load(offs_ptr + j - 1, mask=j > 0, other=0)
+            real_end = begin + tl.load(ntpe_ptr + j)
+            r = real_end + a_off
+            rm = r < end
+            tl.store(out_w_ptr + r, tl.zeros((BA,), dtype=tl.float32), mask=rm)
+            if DOT:
+                tl.store(gw_ptr + r, tl.zeros((BA,), dtype=tl.float32), mask=rm)
+            for h0 in range(0, H, BH):
+                h = h0 + h_off
+                tl.store(out_ptr + r[:, None].to(tl.int64) * H + h[None, :],
+                         tl.zeros((BA, BH), dtype=out_ptr.dtype.element_ty), mask=rm[:, None] & (h < H)[None, :])
+    signal_peers(flags_tab, ack_off, W, RANK, WB)

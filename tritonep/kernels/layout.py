@@ -1,0 +1,170 @@
+"""Layout of a dispatch: per-expert counts, the counts exchange, expert segments and every route's row.
+
+Names: W = world_size, E = num_experts, L = E // W local experts, K = topk, A = expert_alignment.
+Expert e lives on rank e // L as local expert e % L. A route is a (token t, slot k) with topk_idx[t, k] >= 0.
+
+On the receiving rank d, local expert j owns the segment ``[seg_start[d, j], seg_start[d, j] + aligned[d, j])`` of
+the expert-grouped rows, with ``total[d, j] = sum_src counts[src, d*L + j]`` and
+``aligned = round_up(total, A)``. Inside a segment the rows are ordered by (source rank, token, k). So the row of
+route (t, k) of source rank s to expert e is
+
+    row = seg_start[e] + sum_{s' < s} counts[s', e] + rank_s(t, k)
+
+where rank_s(t, k) counts the routes of rank s to the same expert that come before (t, k) in (t, k) order. The
+sender knows every term once the counts matrix is exchanged, so it computes the destination row itself and sends
+it along with the token (the receiver's expand is then a pure scatter).
+
+Triton kernels (each correct at grid=1; see DESIGN.md §1):
+
+* :func:`chunk_hist_kernel` (grid = chunks): per chunk of BT tokens, the histogram of its routes over E experts.
+* :func:`exchange_kernel` (grid = 1): sums the chunk histograms into this rank's counts row, writes it into every
+  peer's ``counts[rank, :]``, raises the counts signal, waits for every peer (bounded), then computes the layout:
+  exclusive chunk prefixes, ``send_base[e]``, this rank's ``num_tokens_per_expert`` / ``expert_offsets`` and the
+  rows every rank needs (capacity check, identical on every rank).
+
+Twins: :func:`counts_torch`, :func:`layout_torch`, :func:`route_rows_torch`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .signal import STATUS_CAPACITY, record_error, signal_peers, wait_all_ge
+
+__all__ = ["counts_torch", "layout_torch", "route_rows_torch", "chunk_hist_kernel", "exchange_kernel"]
+
+
+# ----------------------------------------------------------------------------------------------- torch twins
+def counts_torch(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Routes of this rank per expert: int32 ``[E]`` (``-1`` slots skipped)."""
+    ids = topk_idx.reshape(-1).long()
+    ids = ids[ids >= 0]
+    return torch.bincount(ids, minlength=num_experts).to(torch.int32)
+
+
+def layout_torch(counts: torch.Tensor, rank: int, expert_alignment: int = 1):
+    """Segment layout from the full counts matrix, as seen by ``rank``.
+
+    Args:
+        counts: int ``[W, E]``, ``counts[s, e]`` = routes of source rank s to expert e.
+        rank: the rank whose view is computed.
+        expert_alignment: A >= 1.
+
+    Returns:
+        dict with ``send_base`` int32 ``[E]`` (row of this rank's first route to e on e's rank),
+        ``num_tokens_per_expert`` int32 ``[L]`` and ``expert_offsets`` int32 ``[L]`` (cumulative aligned segment
+        ends) of this rank as receiver, ``rows_needed`` int64 ``[W]`` (aligned rows every rank receives).
+    """
+    W, E = counts.shape
+    L = E // W
+    c = counts.to(torch.int64)
+    total = c.sum(0).view(W, L)
+    aligned = (total + expert_alignment - 1) // expert_alignment * expert_alignment
+    seg_start = torch.cumsum(aligned, 1) - aligned
+    prefix = c[:rank].sum(0).view(W, L)
+    send_base = (seg_start + prefix).reshape(E).to(torch.int32)
+    return {
+        "send_base": send_base,
+        "num_tokens_per_expert": total[rank].to(torch.int32),
+        "expert_offsets": torch.cumsum(aligned[rank], 0).to(torch.int32),
+        "rows_needed": aligned.sum(1),
+    }
+
+
+def route_rows_torch(topk_idx: torch.Tensor, send_base: torch.Tensor) -> torch.Tensor:
+    """Destination row of every route of this rank: int32 ``[T, K]`` (-1 for masked slots).
+
+    ``row = send_base[e] + rank of (t, k) among this rank's routes to e in (t, k) order``.
+    """
+    T, K = topk_idx.shape
+    ids = topk_idx.reshape(-1).long()
+    E = send_base.numel()
+    valid = ids >= 0
+    key = torch.where(valid, ids, torch.full_like(ids, E))
+    order = torch.sort(key, stable=True).indices
+    sorted_key = key[order]
+    counts = torch.bincount(key, minlength=E + 1)
+    start = torch.cumsum(counts, 0) - counts
+    rank_sorted = torch.arange(ids.numel(), device=ids.device) - start[sorted_key]
+    rank_in_expert = torch.empty_like(rank_sorted)
+    rank_in_expert[order] = rank_sorted
+    base = torch.cat([send_base.to(torch.int64), torch.zeros(1, dtype=torch.int64, device=ids.device)])
+    rows = torch.where(valid, base[key] + rank_in_expert, torch.full_like(ids, -1))
+    return rows.view(T, K).to(torch.int32)
+
+
+# ------------------------------------------------------------------------------------------------ kernels
+@triton.jit
+def chunk_hist_kernel(topk_idx_ptr, hist_ptr, T, NC, K: tl.constexpr, E: tl.constexpr, EB: tl.constexpr,
+                      BT: tl.constexpr, KB: tl.constexpr):
+    """hist[c, :] = histogram over experts of the routes of tokens [c*BT, (c+1)*BT) (grid-stride over chunks)."""
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    t_off = tl.arange(0, BT)
+    k_off = tl.arange(0, KB)
+    e_off = tl.arange(0, EB)
+    for c in range(pid, NC, G):
+        t = c * BT + t_off
+        m = (t[:, None] < T) & (k_off[None, :] < K)
+        ids = tl.load(topk_idx_ptr + t[:, None].to(tl.int64) * K + k_off[None, :], mask=m, other=-1).to(tl.int32)
+        ids = tl.reshape(ids, (BT * KB,))
+        h = tl.histogram(ids, EB, mask=ids >= 0)
+        tl.store(hist_ptr + c * E + e_off, h, mask=e_off < E)
+
+
+@triton.jit
+def exchange_kernel(hist_ptr, NC, counts_tab, flags_ptr, flags_tab, flag_off, calls_ptr, status_ptr, timeout,
+                    pre_ptr, send_base_ptr, ntpe_ptr, offs_ptr, rows_needed_ptr, max_recv,
+                    RANK: tl.constexpr, W: tl.constexpr, E: tl.constexpr, L: tl.constexpr, A: tl.constexpr,
+                    WB: tl.constexpr, LB: tl.constexpr, EB: tl.constexpr, NCB: tl.constexpr, EBLK: tl.constexpr,
+                    HAS_TIMER: tl.constexpr):
+    """Counts exchange + layout (grid = 1). See the module docstring for every output.
+
+    flags_ptr: this rank's int64 counters for the counts signal (one per source rank); flags_tab/flag_off: every
+    rank's address of the same counters. calls_ptr[0]: number of this counts exchange (1-based, advanced by the host
+    stream before launch).
+    """
+    e_off = tl.arange(0, EB)
+    em = e_off < E
+    # 1) exclusive prefix of chunk histograms (per expert block) and this rank's counts row
+    c_off = tl.arange(0, NCB)
+    for e0 in range(0, EB, EBLK):
+        eb = e0 + tl.arange(0, EBLK)
+        m2 = (c_off[:, None] < NC) & (eb[None, :] < E)
+        h = tl.load(hist_ptr + c_off[:, None].to(tl.int64) * E + eb[None, :], mask=m2, other=0)
+        inc = tl.cumsum(h, 0)
+        tl.store(pre_ptr + c_off[:, None].to(tl.int64) * E + eb[None, :], inc - h, mask=m2)
+        row = tl.sum(h, 0)
+        # 2) write the row into every peer's counts[RANK, :]
+        for d in range(W):
+            dst = tl.load(counts_tab + d).to(tl.pointer_type(tl.int32))
+            tl.store(dst + RANK * E + eb, row, mask=eb < E)
+    n = tl.load(calls_ptr)
+    signal_peers(flags_tab, flag_off, W, RANK, WB)
+    ok = wait_all_ge(flags_ptr, W, n, status_ptr, 0, timeout, HAS_TIMER, WB)
+    # 3) layout from the full matrix (3-D tile [src, dest, local expert])
+    s_off = tl.arange(0, WB)
+    d_off = tl.arange(0, WB)
+    j_off = tl.arange(0, LB)
+    counts_local = tl.load(counts_tab + RANK).to(tl.pointer_type(tl.int32))
+    m3 = (s_off[:, None, None] < W) & (d_off[None, :, None] < W) & (j_off[None, None, :] < L)
+    e3 = d_off[None, :, None] * L + j_off[None, None, :]
+    c3 = tl.load(counts_local + s_off[:, None, None] * E + e3, mask=m3 & (ok != 0), other=0)
+    total = tl.sum(c3, 0)  # [WB, LB]
+    aligned = (total + A - 1) // A * A
+    seg_start = tl.cumsum(aligned, 1) - aligned
+    prefix = tl.sum(tl.where(s_off[:, None, None] < RANK, c3, 0), 0)
+    m2d = (d_off[:, None] < W) & (j_off[None, :] < L)
+    tl.store(send_base_ptr + d_off[:, None] * L + j_off[None, :], seg_start + prefix, mask=m2d)
+    rows = tl.sum(aligned, 1)  # [WB]
+    tl.store(rows_needed_ptr + d_off, rows.to(tl.int64), mask=d_off < W)
+    mine_total = tl.sum(tl.where(d_off[:, None] == RANK, total, 0), 0)  # [LB]
+    mine_aligned = tl.sum(tl.where(d_off[:, None] == RANK, aligned, 0), 0)
+    tl.store(ntpe_ptr + j_off, mine_total, mask=j_off < L)
+    tl.store(offs_ptr + j_off, tl.cumsum(mine_aligned, 0), mask=j_off < L)
+    over = tl.max(tl.where(d_off < W, rows, 0), 0)
+    if over > max_recv:
+        record_error(status_ptr, STATUS_CAPACITY, 0, tl.argmax(tl.where(d_off < W, rows, 0), 0))
+        tl.store(status_ptr + 4, over.to(tl.int64))

@@ -1,0 +1,102 @@
+"""Epoch signals and bounded waits shared by every communication kernel (DESIGN.md §6, §6b).
+
+Protocol: a signal is a monotonic int64 counter in the *receiver's* symmetric memory. Every sending program adds 1
+with a release atomic at system scope after a block barrier (so all its stores are ordered before the flag); the
+receiver waits until the counter reaches ``calls * programs_per_call``. Counters never need a reset, so CUDA-graph
+replays stay correct as long as the call number lives in device memory.
+
+Every wait is bounded: on GPU by ``%globaltimer`` nanoseconds, in the interpreter by a poll count calibrated to
+seconds (see :mod:`tritonep.ep.status`). A wait that gives up records (code, wait id, peer) in a local status
+word and returns 0, and the kernel skips the guarded work; the host turns the status into
+:class:`tritonep.errors.PeerTimeoutError`.
+"""
+
+import triton
+import triton.language as tl
+
+STATUS_OK = 0
+STATUS_TIMEOUT = 1
+STATUS_CAPACITY = 2
+STATUS_BAD_INPUT = 3
+
+
+@triton.jit
+def now_ns(HAS_TIMER: tl.constexpr):
+    """Global nanosecond timer on GPU; 0 in the interpreter (waits there are bounded by poll counts)."""
+    if HAS_TIMER:
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                         pack=1)
+    else:
+        return tl.zeros((), dtype=tl.int64)
+
+
+@triton.jit
+def record_error(status_ptr, code, wait_id, peer):
+    """Record the first error of this buffer: status = [code, wait_id, peer, count]."""
+    zero = tl.zeros((), dtype=tl.int64)
+    old = tl.atomic_cas(status_ptr, zero, zero + code, sem="acq_rel", scope="gpu")
+    if old == 0:
+        tl.store(status_ptr + 1, zero + wait_id)
+        tl.store(status_ptr + 2, zero + peer)
+    tl.atomic_add(status_ptr + 3, 1, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def wait_all_ge(flag_ptr, n, target, status_ptr, wait_id, timeout, HAS_TIMER: tl.constexpr,
+                WBLOCK: tl.constexpr):
+    """Wait until ``flag_ptr[i] >= target`` for every i < n (local int64 counters, acquire at system scope).
+
+    ``timeout`` is nanoseconds on GPU (HAS_TIMER) or a poll count in the interpreter. Returns 1 when every flag
+    arrived, 0 on timeout (after recording STATUS_TIMEOUT with the first missing index as the peer). A buffer that
+    already timed out returns 0 at once, so a broken protocol never blocks a later call. Other recorded errors
+    (capacity) keep the protocol running: kernels skip the data but still signal and wait.
+    """
+    offs = tl.arange(0, WBLOCK)
+    m = offs < n
+    ok = tl.full((), 1, tl.int32)
+    if tl.load(status_ptr) == STATUS_TIMEOUT:
+        ok = 0
+    else:
+        t0 = now_ns(HAS_TIMER)
+        polls = tl.zeros((), dtype=tl.int64)
+        v = tl.atomic_add(flag_ptr + offs, 0, mask=m, sem="acquire", scope="sys")
+        missing = tl.sum(((v < target) & m).to(tl.int32), 0)
+        while missing > 0:
+            if HAS_TIMER:
+                elapsed = now_ns(HAS_TIMER) - t0
+            else:
+                elapsed = polls
+            if elapsed > timeout:
+                first = tl.min(tl.where((v < target) & m, offs, WBLOCK), 0)
+                record_error(status_ptr, STATUS_TIMEOUT, wait_id, first)
+                ok = 0
+                missing = 0
+            else:
+                polls += 1
+                v = tl.atomic_add(flag_ptr + offs, 0, mask=m, sem="acquire", scope="sys")
+                missing = tl.sum(((v < target) & m).to(tl.int32), 0)
+    tl.debug_barrier()
+    return ok
+
+
+@triton.jit
+def signal_peers(ptr_table, offset_bytes, n, index, WBLOCK: tl.constexpr):
+    """Add 1 (release, system scope) to ``counter[index]`` in each of the first n ranks' memory.
+
+    ``ptr_table[r] + offset_bytes`` is rank r's int64 counter array. Call after the stores it publishes; it issues
+    the block barrier itself so every thread's stores are ordered before the flag.
+    """
+    tl.debug_barrier()
+    offs = tl.arange(0, WBLOCK)
+    m = offs < n
+    bases = tl.load(ptr_table + offs, mask=m, other=0) + offset_bytes
+    ptrs = bases.to(tl.pointer_type(tl.int64)) + index
+    tl.atomic_add(ptrs, 1, mask=m, sem="release", scope="sys")
+
+
+@triton.jit
+def signal_one(ptr_table, offset_bytes, peer, index):
+    """Add 1 (release, system scope) to ``counter[index]`` in rank ``peer``'s memory (after a block barrier)."""
+    tl.debug_barrier()
+    base = tl.load(ptr_table + peer) + offset_bytes
+    tl.atomic_add(base.to(tl.pointer_type(tl.int64)) + index, 1, sem="release", scope="sys")

@@ -1,0 +1,304 @@
+"""Multi-rank worlds for tests and the CLI.
+
+* :func:`run_cpu_world` forks ``world_size`` CPU ranks that share one fork-shared mmap heap (DESIGN.md §1), with a
+  gloo process group and ``TRITON_INTERPRET=1``, so the real Triton kernels run multi-rank on a CPU.
+* :func:`run_gpu_world` spawns one process per GPU with an NCCL group (the same ``fn(group, *args)`` contract).
+
+Both return every rank's return value (a list indexed by rank), re-raise the first failing rank's exception as
+:class:`tritonep.errors.RankError` carrying that rank and its traceback, and kill every rank and raise if the world
+runs past ``timeout_s`` (a hung kernel fails the test, not CI).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import select
+import signal
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+from ..errors import RankError
+
+__all__ = ["run_cpu_world", "run_gpu_world", "WorldTimeout"]
+
+
+class WorldTimeout(RankError):
+    """The world did not finish in time; ``ranks`` lists the ranks still running when it was killed."""
+
+    def __init__(self, message: str, ranks=()):
+        super().__init__(message)
+        self.ranks = list(ranks)
+
+
+def _send(fd: int, obj: Any):
+    data = pickle.dumps(obj)
+    with os.fdopen(fd, "wb") as f:
+        f.write(len(data).to_bytes(8, "little"))
+        f.write(data)
+
+
+def _cpu_rank_main(rank, world_size, store_path, heap, fn, args, wfd):
+    import torch
+    import torch.distributed as dist
+
+    from ..memory import install_cpu_heap
+
+    status = 0
+    try:
+        torch.set_num_threads(1)
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        group = dist.group.WORLD
+        heap.attach(rank, group)
+        install_cpu_heap(heap)
+        out = fn(group, *args)
+        _send(wfd, ("ok", rank, out))
+    except BaseException as e:  # noqa: BLE001 - every failure must reach the parent
+        status = 1
+        try:
+            _send(wfd, ("err", rank, (type(e).__name__, str(e), traceback.format_exc(), _picklable(e))))
+        except BaseException:
+            pass
+    finally:
+        os._exit(status)
+
+
+def _picklable(e):
+    try:
+        pickle.dumps(e)
+        return e
+    except Exception:
+        return None
+
+
+def _collect(procs: dict, fds: dict, timeout_s: float, kill: Callable[[int], None], what: str):
+    results: dict = {}
+    bufs = {r: b"" for r in fds}
+    open_fds = dict(fds)  # rank -> fd
+    deadline = time.monotonic() + timeout_s
+    first_err = None
+    while open_fds:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            running = sorted(open_fds)
+            for r in list(procs):
+                kill(r)
+            raise WorldTimeout(f"{what}: ranks {running} did not finish within {timeout_s:.0f} s (killed all ranks)",
+                               running)
+        rlist, _, _ = select.select(list(open_fds.values()), [], [], min(left, 0.5))
+        for fd in rlist:
+            r = next(k for k, v in open_fds.items() if v == fd)
+            chunk = os.read(fd, 1 << 20)
+            if chunk:
+                bufs[r] += chunk
+                continue
+            os.close(fd)
+            del open_fds[r]
+            data = bufs[r]
+            if len(data) < 8:
+                msg = ("crashed", r, None)
+            else:
+                msg = pickle.loads(data[8:])
+            results[r] = msg
+            if msg[0] != "ok" and first_err is None:
+                first_err = msg
+        if first_err is not None:
+            # one rank failed: the others may be waiting for it; give them a moment, then kill the world
+            grace = time.monotonic() + 2.0
+            while open_fds and time.monotonic() < grace:
+                rlist, _, _ = select.select(list(open_fds.values()), [], [], 0.2)
+                for fd in rlist:
+                    r = next(k for k, v in open_fds.items() if v == fd)
+                    chunk = os.read(fd, 1 << 20)
+                    if chunk:
+                        bufs[r] += chunk
+                    else:
+                        os.close(fd)
+                        del open_fds[r]
+            for r in list(procs):
+                kill(r)
+            for fd in open_fds.values():
+                os.close(fd)
+            kind, rank, info = first_err
+            if kind == "crashed":
+                raise RankError(f"{what}: rank {rank} died without a result")
+            name, text, tb, exc = info
+            err = RankError(f"{what}: rank {rank} raised {name}: {text}\n--- rank {rank} traceback ---\n{tb}")
+            err.rank = rank
+            err.original = exc
+            raise err
+    return [results[r][2] for r in sorted(results)]
+
+
+def run_cpu_world(world_size: int, fn: Callable, *args, timeout_s: float = 120.0, heap_bytes: int | None = None):
+    """Run ``fn(group, *args)`` on ``world_size`` forked CPU ranks and return their results (list by rank).
+
+    Each rank gets a gloo process group (``group``, the world), the shared CPU symmetric heap installed (see
+    :class:`tritonep.memory.CpuHeap`; ``heap_bytes`` per rank, default ``TRITONEP_CPU_HEAP_BYTES``), one torch
+    thread, and ``TRITON_INTERPRET=1`` (set in the parent before forking; kernel modules must not have been imported
+    in compiled mode before).
+
+    Args:
+        world_size: number of ranks (1..64).
+        fn: called as ``fn(group, *args)`` in every rank; its return value must pickle (tensors do).
+        timeout_s: wall-clock bound for the whole world; past it every rank is killed.
+        heap_bytes: bytes of each rank's heap slice.
+
+    Returns:
+        ``[result of rank 0, ..., result of rank world_size-1]``.
+
+    Raises:
+        RankError: a rank raised (message: its rank, exception and traceback; ``.rank``, ``.original``).
+        WorldTimeout: the world ran past ``timeout_s`` (``.ranks`` = the ranks still running).
+        HeapError: the heap cannot be made for this world.
+    """
+    from .. import envs
+    from ..memory import CpuHeap
+
+    os.environ["TRITON_INTERPRET"] = "1"
+    heap = CpuHeap.create(world_size, heap_bytes or envs.cpu_heap_bytes())
+    tmp = tempfile.mkdtemp(prefix="tritonep_world_")
+    store_path = os.path.join(tmp, "store")
+    procs: dict = {}
+    fds: dict = {}
+    try:
+        for r in range(world_size):
+            rfd, wfd = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # child
+                os.close(rfd)
+                for other in fds.values():
+                    try:
+                        os.close(other)
+                    except OSError:
+                        pass
+                _cpu_rank_main(r, world_size, store_path, heap, fn, args, wfd)
+            os.close(wfd)
+            procs[r] = pid
+            fds[r] = rfd
+
+        def kill(r):
+            try:
+                os.kill(procs[r], signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+        return _collect(procs, fds, timeout_s, kill, f"CPU world of {world_size}")
+    finally:
+        for pid in procs.values():
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+        try:
+            for f in os.listdir(tmp):
+                os.unlink(os.path.join(tmp, f))
+            os.rmdir(tmp)
+        except OSError:
+            pass
+
+
+def _gpu_rank_main(rank, world_size, store_path, fn, args, conn):
+    status = 0
+    try:
+        import torch
+        import torch.distributed as dist
+
+        for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                     ("NVSHMEM_DISABLE_NVLS", "1")):
+            os.environ[k] = v
+        torch.cuda.set_device(rank)
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group("nccl", store=store, rank=rank, world_size=world_size,
+                                device_id=torch.device("cuda", rank))
+        out = fn(dist.group.WORLD, *args)
+        torch.cuda.synchronize()
+        conn.send_bytes(pickle.dumps(("ok", rank, _to_cpu(out))))
+        dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001
+        status = 1
+        try:
+            conn.send_bytes(pickle.dumps(("err", rank, (type(e).__name__, str(e), traceback.format_exc(),
+                                                         _picklable(e)))))
+        except BaseException:
+            pass
+    finally:
+        os._exit(status)
+
+
+def _to_cpu(obj):
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    return obj
+
+
+def run_gpu_world(world_size: int, fn: Callable, *args, timeout_s: float = 300.0):
+    """Run ``fn(group, *args)`` in ``world_size`` spawned processes, one per GPU, with an NCCL group.
+
+    ``fn`` must be importable (a module-level function). Results come back moved to the CPU. Multicast stays off
+    (``NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1``).
+
+    Raises:
+        RankError / WorldTimeout: as :func:`run_cpu_world`.
+        RuntimeError: fewer than ``world_size`` GPUs (tests skip before calling).
+    """
+    import multiprocessing as mp
+
+    import torch
+
+    if torch.cuda.device_count() < world_size:
+        raise RuntimeError(f"run_gpu_world needs {world_size} GPUs, found {torch.cuda.device_count()}")
+    from multiprocessing.connection import wait
+
+    ctx = mp.get_context("spawn")
+    tmp = tempfile.mkdtemp(prefix="tritonep_gpu_world_")
+    store_path = os.path.join(tmp, "store")
+    handles, conns = {}, {}
+    for r in range(world_size):
+        rconn, wconn = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_gpu_rank_main, args=(r, world_size, store_path, fn, args, wconn))
+        p.start()
+        wconn.close()
+        handles[r] = p
+        conns[r] = rconn
+    results: dict = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                running = sorted(set(range(world_size)) - set(results))
+                raise WorldTimeout(f"GPU world of {world_size}: ranks {running} did not finish within "
+                                   f"{timeout_s:.0f} s (killed all ranks)", running)
+            for c in wait([conns[r] for r in range(world_size) if r not in results], timeout=min(left, 1.0)):
+                r = next(k for k, v in conns.items() if v is c)
+                try:
+                    msg = pickle.loads(c.recv_bytes())
+                except EOFError:
+                    msg = ("crashed", r, None)
+                results[r] = msg
+                if msg[0] == "crashed":
+                    raise RankError(f"GPU world of {world_size}: rank {r} died without a result")
+                if msg[0] == "err":
+                    name, text, tb, exc = msg[2]
+                    err = RankError(f"GPU world of {world_size}: rank {r} raised {name}: {text}\n"
+                                    f"--- rank {r} traceback ---\n{tb}")
+                    err.rank = r
+                    err.original = exc
+                    raise err
+        return [results[r][2] for r in range(world_size)]
+    finally:
+        for p in handles.values():
+            p.join(timeout=5 if len(results) == world_size else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)

@@ -51,6 +51,7 @@ def _cpu_rank_main(rank, world_size, store_path, heap, fn, args, wfd):
         torch.set_num_threads(1)
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        dist.barrier()  # the full mesh is connected on every rank before any rank may fail and exit
         group = dist.group.WORLD
         heap.attach(rank, group)
         install_cpu_heap(heap)
@@ -64,6 +65,11 @@ def _cpu_rank_main(rank, world_size, store_path, heap, fn, args, wfd):
             pass
     finally:
         os._exit(status)
+
+
+def _secondary(text: str) -> bool:
+    """Errors that are consequences of another rank's failure (its exit closed the connection)."""
+    return any(p in text for p in ("Connection closed by peer", "Connection reset by peer", "connectFullMesh"))
 
 
 def _picklable(e):
@@ -122,6 +128,15 @@ def _collect(procs: dict, fds: dict, timeout_s: float, kill: Callable[[int], Non
                 kill(r)
             for fd in open_fds.values():
                 os.close(fd)
+            for r, data in bufs.items():
+                if r not in results and len(data) > 8:
+                    try:
+                        results[r] = pickle.loads(data[8:])
+                    except Exception:
+                        pass
+            errs = [m for m in results.values() if m[0] == "err"]
+            primary = [m for m in errs if not _secondary(m[2][1])]
+            first_err = primary[0] if primary else first_err
             kind, rank, info = first_err
             if kind == "crashed":
                 raise RankError(f"{what}: rank {rank} died without a result")

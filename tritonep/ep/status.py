@@ -12,7 +12,10 @@ import torch
 
 from .. import envs
 from ..errors import CapacityError, PeerTimeoutError
-from ..kernels.signal import STATUS_CAPACITY, STATUS_OK, STATUS_TIMEOUT
+from ..kernels import signal as _sig
+
+STATUS_OK, STATUS_TIMEOUT, STATUS_CAPACITY = (int(_sig.STATUS_OK.value), int(_sig.STATUS_TIMEOUT.value),
+                                            int(_sig.STATUS_CAPACITY.value))
 
 __all__ = ["WAIT_NAMES", "raise_for_status", "wait_bound"]
 

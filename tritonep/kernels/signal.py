@@ -14,10 +14,11 @@ word and returns 0, and the kernel skips the guarded work; the host turns the st
 import triton
 import triton.language as tl
 
-STATUS_OK = 0
-STATUS_TIMEOUT = 1
-STATUS_CAPACITY = 2
-STATUS_BAD_INPUT = 3
+# tl.constexpr globals: readable from @triton.jit code (compiled mode refuses plain globals); int(...) on the host
+STATUS_OK = tl.constexpr(0)
+STATUS_TIMEOUT = tl.constexpr(1)
+STATUS_CAPACITY = tl.constexpr(2)
+STATUS_BAD_INPUT = tl.constexpr(3)
 
 
 @triton.jit

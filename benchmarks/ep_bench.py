@@ -1,0 +1,59 @@
+"""EP benchmark driver (run under torchrun on the GPU machine); prints a table, writes JSON.
+
+    torchrun --nproc-per-node 2 benchmarks/ep_bench.py --profiles deepseek-v3 decode --json $OUT/ep.json
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tritonep.bench.ep import PROFILES, bench_ep, peer_copy_gbps  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--profiles", nargs="+", default=["deepseek-v3", "decode"], choices=sorted(PROFILES))
+    ap.add_argument("--num-sms", type=int, nargs="*", default=[0])
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--json", default="")
+    a = ap.parse_args()
+    for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+        os.environ[k] = v
+    rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+    group = dist.group.WORLD
+    rows = []
+    pc = peer_copy_gbps(group)
+    for prof in a.profiles:
+        for sms in a.num_sms:
+            for r in bench_ep(group, prof, num_sms=sms or None, iters=a.iters):
+                r["num_sms"] = sms
+                r["peer_copy_gbps"] = pc
+                rows.append(r)
+    allrows = [None] * dist.get_world_size()
+    dist.all_gather_object(allrows, rows)
+    if rank == 0:
+        meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, world_size=dist.get_world_size(),
+                    triton=__import__("triton").__version__, nccl=".".join(map(str, torch.cuda.nccl.version())),
+                    command=" ".join(sys.argv))
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(dict(meta=meta, rows=allrows), f, indent=1)
+        print(f"peer copy {pc:.0f} GB/s  {meta}")
+        print(f"{'profile':12s} {'op':28s} {'sms':>4s} {'us(r0)':>9s} {'us(r1)':>9s} {'log GB/s':>9s} {'nvl GB/s':>9s} mode")
+        for i, r in enumerate(allrows[0]):
+            r1 = allrows[1][i] if len(allrows) > 1 else r
+            print(f"{r['profile']:12s} {r['op']:28s} {r['num_sms']:4d} {r['us']:9.1f} {r1['us']:9.1f} "
+                  f"{r['logical_gbps']:9.1f} {r['nvlink_gbps']:9.1f} {r['mode']}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

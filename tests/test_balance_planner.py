@@ -1,0 +1,307 @@
+"""Virtual-expert planner: place_torch / remap_torch invariants, the reference worked example, Triton == torch."""
+
+import itertools
+import zlib
+
+import pytest
+import torch
+
+from tritonep.balance import (
+    Placement, balancedness, check_plan_status, loads_after, maxvio, place_torch, plan, plan_status, rank_loads,
+    remap_torch, straggler_factor,
+)
+from tritonep.errors import PlanError
+
+
+# ----------------------------------------------------------------------------------------------------- helpers
+def make_topk(world, num_experts, topk, tokens, probs=None, mask_p=0.0, seed=0, dtype=torch.int64):
+    """Per-rank topk_idx (distinct experts per token, -1 masked with prob mask_p) and the gathered counts."""
+    g = torch.Generator().manual_seed(seed)
+    probs = torch.ones(num_experts) if probs is None else torch.as_tensor(probs, dtype=torch.float64)
+    out = []
+    for r in range(world):
+        t = tokens[r]
+        if t == 0:
+            out.append(torch.empty(0, topk, dtype=dtype))
+            continue
+        idx = torch.multinomial(probs.float().expand(t, -1), topk, replacement=False, generator=g)
+        idx = torch.where(torch.rand(t, topk, generator=g) < mask_p, torch.full_like(idx, -1), idx)
+        out.append(idx.to(dtype))
+    counts = torch.stack([torch.bincount(x[x >= 0].reshape(-1), minlength=num_experts) for x in out]).to(torch.int32)
+    return out, counts
+
+
+def check_placement(counts, p: Placement):
+    """Every invariant of a placement built from counts [W, E]."""
+    world, num_experts = counts.shape
+    L = num_experts // world
+    total = counts.to(torch.int64).sum(0)
+    n = int(total.sum())
+    cap = torch.tensor([n // world + (1 if d < n % world else 0) for d in range(world)])
+    assert torch.equal(p.capacity.to(torch.int64), cap)
+    alloc = p.allocation.to(torch.int64)
+    assert bool((alloc >= 0).all())
+    assert torch.equal(alloc.sum(1), total), "routes conserved per expert"
+    assert torch.equal(loads_after(p), cap), "every rank's load equals its capacity"
+    assert torch.equal(p.segment_ends.to(torch.int64), alloc.cumsum(1))
+    q = p.quota.to(torch.int64)
+    assert bool(((q > 0).sum(0) <= 1).all()), "single-sender rule"
+    assert bool((q.diagonal() == 0).all())
+    for d in range(world):
+        remote = [e for e in range(num_experts) if e // L != d and alloc[e, d] > 0]
+        want = sorted(remote, key=lambda e: (-int(alloc[e, d]), -e))  # allocation desc, ties to highest id
+        row = p.experts_to_copy[d].tolist()
+        assert len(want) <= L
+        assert row == want + [-1] * (L - len(want)), "slot set == migrated set, ordered, no duplicates"
+        for e in range(num_experts):
+            s = int(p.expert_slot[e, d])
+            assert (s >= 0) == (e in remote) and (s < 0 or row[s] == e)
+        # every route that migrates to d comes from its single sender
+        senders = {e // L for e in remote}
+        assert len(senders) <= 1 and all(q[s, d] > 0 for s in senders)
+
+
+def decode(rid, p: Placement):
+    """Runtime ids -> the global expert whose weights run them (native or via experts_to_copy)."""
+    L = p.num_local_experts
+    d, j = rid // (2 * L), rid % (2 * L)
+    etc = p.experts_to_copy.to(torch.int64)
+    virt = etc[d.clamp(min=0), (j - L).clamp(min=0)]
+    return torch.where(rid < 0, -1, torch.where(j < L, d * L + j, virt))
+
+
+def check_remap(topks, counts, p: Placement, rids):
+    """Remap invariants over all ranks' runtime ids (rids[r] = remap of rank r's topk)."""
+    world, num_experts = counts.shape
+    L = num_experts // world
+    alloc = p.allocation.to(torch.int64)
+    observed = torch.zeros(num_experts, world, dtype=torch.int64)
+    seq = [[] for _ in range(num_experts)]  # destinations in global stable order, per expert
+    for r in range(world):
+        e = topks[r].reshape(-1).to(torch.int64)
+        rid = rids[r].reshape(-1).to(torch.int64)
+        assert rid.dtype == torch.int64 and torch.equal(rid < 0, e < 0), "-1 stays -1, valid stays valid"
+        assert torch.equal(decode(rid, p), e), "never a slot whose experts_to_copy entry is another expert"
+        for ee, rr in zip(e.tolist(), rid.tolist()):
+            if ee >= 0:
+                observed[ee, rr // (2 * L)] += 1
+                seq[ee].append(rr // (2 * L))
+    assert torch.equal(observed, alloc), "each runtime expert receives exactly allocation-many routes"
+    for e in range(num_experts):
+        want = [d for d in range(world) for _ in range(int(alloc[e, d]))]
+        assert seq[e] == want, "contiguous runs per destination in rank order over the global stable order"
+        if alloc[e, e // L] == alloc[e].sum():
+            assert all(d == e // L for d in seq[e]), "not migrated -> stays native"
+
+
+def run_case(topks, counts, triton=True, **plan_kw):
+    p = place_torch(counts)
+    check_placement(counts, p)
+    rids = [remap_torch(topks[r], p, r, counts) for r in range(counts.shape[0])]
+    check_remap(topks, counts, p, [x.to(torch.int64) for x in rids])
+    if triton:
+        for r in range(counts.shape[0]):
+            pt, rid = plan(counts, topks[r], r, **plan_kw)
+            assert plan_status(pt) == 0
+            assert pt.equal(p), f"Triton placement differs on rank {r}"
+            assert rid.dtype == torch.int32 and torch.equal(rid, rids[r]), f"Triton remap differs on rank {r}"
+    return p
+
+
+# ------------------------------------------------------------------------------------------ the worked example
+def test_reference_worked_example_exact():
+    """balance_anchors.md §1.4: R=4, E=12, L=3, T=9, K=1; experts 0-8 get 4 routes each, 9-11 none."""
+    flat = torch.tensor([e for e in range(9) for _ in range(4)])
+    topks = list(flat.reshape(4, 9, 1))
+    counts = torch.stack([torch.bincount(t.reshape(-1), minlength=12) for t in topks]).to(torch.int32)
+    p = run_case(topks, counts)
+    assert rank_loads(counts, 4).tolist() == [12, 12, 12, 0]  # balances +3, +3, +3, -9 against C=9
+    assert p.capacity.tolist() == [9, 9, 9, 9]
+    # rank 0 -> rank 3: 9; rank 1 -> rank 0: 6; rank 2 -> rank 1: 3
+    assert p.quota.tolist() == [[0, 0, 0, 9], [6, 0, 0, 0], [0, 3, 0, 0], [0, 0, 0, 0]]
+    assert p.allocation[:9].tolist() == [
+        [0, 0, 0, 4], [0, 0, 0, 4], [3, 0, 0, 1],
+        [4, 0, 0, 0], [2, 2, 0, 0], [0, 4, 0, 0],
+        [0, 3, 1, 0], [0, 0, 4, 0], [0, 0, 4, 0]]
+    assert p.allocation[9:].tolist() == [[0, 0, 0, 0]] * 3
+    assert p.experts_to_copy.tolist() == [[3, 4, -1], [6, -1, -1], [-1, -1, -1], [1, 0, 2]]
+    # Over-migration: rank 0 gives away all of e0 and e1, then hosts rank 1's e3, e4.
+    # Runtime ids (2L=6): e.g. rank 1's three e2 routes have global ordinals 1,2,3 -> native 2,2 then slot 2 of
+    # rank 3 = 3*6+3+2 = 23; e4's first two routes (rank 1) -> slot 1 of rank 0 = 4.
+    want = [[22, 22, 22, 22, 21, 21, 21, 21, 2], [2, 2, 23, 3, 3, 3, 3, 4, 4],
+            [7, 7, 8, 8, 8, 8, 9, 9, 9], [12, 13, 13, 13, 13, 14, 14, 14, 14]]
+    for r in range(4):
+        assert remap_torch(topks[r], p, r, counts).reshape(-1).tolist() == want[r]
+
+
+# --------------------------------------------------------------------------------------- histogram invariants
+W4, E16 = 4, 16
+
+
+def _hot(e_hot, weight, n=E16):
+    p = torch.ones(n)
+    p[e_hot] = weight
+    return p
+
+
+CASES = {
+    "uniform": dict(world=4, E=16, K=2, tokens=[24, 24, 24, 24]),
+    "hot_expert": dict(world=4, E=16, K=2, tokens=[20, 20, 20, 20], probs=_hot(5, 200.0)),
+    "hot_rank": dict(world=4, E=16, K=3, tokens=[16, 16, 16, 16], probs=[50.0] * 4 + [1.0] * 12),
+    "two_ranks_own_everything": dict(world=4, E=16, K=2, tokens=[16, 16, 16, 16], probs=[1.0] * 8 + [0.0] * 8),
+    "empty_experts": dict(world=4, E=16, K=1, tokens=[10, 10, 10, 10], probs=[1.0, 0.0] * 8),
+    "uneven_tokens": dict(world=4, E=16, K=2, tokens=[0, 5, 40, 13], probs=_hot(12, 20.0)),
+    "masked_routes": dict(world=4, E=16, K=4, tokens=[12, 30, 7, 20], mask_p=0.35, probs=_hot(2, 30.0)),
+    "all_masked": dict(world=4, E=16, K=2, tokens=[5, 0, 3, 2], mask_p=1.0),
+    "world8_L1": dict(world=8, E=8, K=2, tokens=[6, 9, 0, 4, 12, 3, 7, 5], probs=[30.0] + [1.0] * 7),
+    "world3_L4": dict(world=3, E=12, K=2, tokens=[11, 4, 9], probs=_hot(0, 40.0, 12)),
+    "world2_L3": dict(world=2, E=6, K=3, tokens=[13, 2], mask_p=0.2),
+    "world1": dict(world=1, E=4, K=2, tokens=[9]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_invariants_and_triton_equal(name):
+    c = CASES[name]
+    topks, counts = make_topk(c["world"], c["E"], c["K"], c["tokens"], c.get("probs"), c.get("mask_p", 0.0),
+                              seed=zlib.crc32(name.encode()) % 1000)
+    run_case(topks, counts)
+
+
+def test_ties_and_single_expert_holds_everything():
+    """Equal hot experts (expert and rank ties) and one expert whose routes exceed any capacity."""
+    topks = [torch.tensor([[0], [1], [4], [5]]).repeat(3, 1) for _ in range(4)]
+    counts = torch.stack([torch.bincount(t.reshape(-1), minlength=8) for t in topks]).to(torch.int32)
+    run_case(topks, counts)
+    # all 20 routes to expert 3 (owner rank 1): split over all ranks, 5 each, exact balance
+    topks = [torch.full((5, 1), 3) for _ in range(4)]
+    counts = torch.stack([torch.bincount(t.reshape(-1), minlength=8) for t in topks]).to(torch.int32)
+    p = run_case(topks, counts)
+    assert p.allocation[3].tolist() == [5, 5, 5, 5] and p.capacity.tolist() == [5] * 4
+    # fewer routes than ranks: remainder to the lowest ranks
+    topks = [torch.tensor([[7]]), torch.empty(0, 1, dtype=torch.int64), torch.tensor([[7]]),
+             torch.empty(0, 1, dtype=torch.int64)]
+    counts = torch.stack([torch.bincount(t.reshape(-1), minlength=8) for t in topks]).to(torch.int32)
+    p = run_case(topks, counts)
+    assert p.capacity.tolist() == [1, 1, 0, 0] and p.allocation[7].tolist() == [1, 1, 0, 0]
+
+
+def test_exhaustive_small_histograms_always_balance_exactly():
+    """Every per-expert histogram with entries 0..3 for (W=3, L=1) and (W=2, L=2): exact balance, slots fit."""
+    for world, L in ((3, 1), (2, 2)):
+        for hist in itertools.product(range(4), repeat=world * L):
+            counts = torch.tensor([list(hist)] + [[0] * (world * L)] * (world - 1), dtype=torch.int32)
+            check_placement(counts, place_torch(counts))
+
+
+def test_random_heavy_tail_histograms():
+    g = torch.Generator().manual_seed(7)
+    for i in range(150):
+        world = [2, 4, 5, 8][i % 4]
+        L = [1, 2, 3, 4][(i // 4) % 4]
+        logits = torch.randn(world, world * L, generator=g) * 2.5
+        counts = torch.poisson(torch.exp(logits), generator=g).to(torch.int32)
+        check_placement(counts, place_torch(counts))
+        if i % 25 == 0:  # a few through the kernel, placement only (an empty topk_idx disagrees with counts[0])
+            pt, _ = plan(counts, torch.empty(0, 1, dtype=torch.int64), 0)
+            assert pt.equal(place_torch(counts)) and plan_status(pt) == (2 if counts[0].any() else 0)
+
+
+def test_triton_multi_program_noncontiguous_int32():
+    topks, counts = make_topk(4, 16, 3, [40, 33, 0, 21], probs=_hot(9, 25.0), mask_p=0.1, seed=3,
+                              dtype=torch.int32)
+    p = place_torch(counts)
+    counts_nc = counts.to(torch.int64).t().contiguous().t()  # int64, non-contiguous
+    for r in (0, 1, 2, 3):
+        wide = torch.full((topks[r].shape[0], 5), 99, dtype=torch.int32)
+        wide[:, 1:4] = topks[r]
+        view = wide[:, 1:4]  # non-contiguous rows
+        pt, rid = plan(counts_nc, view, r, num_programs=3, block=16, validate=True)
+        assert pt.equal(p) and torch.equal(rid, remap_torch(topks[r], p, r, counts))
+
+
+# ------------------------------------------------------------------------------------------------- bad inputs
+def test_bad_counts_raise_plan_error():
+    with pytest.raises(PlanError, match=r"counts\[1, 3\]=-2"):
+        c = torch.zeros(2, 4, dtype=torch.int32)
+        c[1, 3] = -2
+        place_torch(c)
+    with pytest.raises(PlanError, match="shape"):
+        place_torch(torch.zeros(8, dtype=torch.int32))
+    with pytest.raises(PlanError, match="num_experts=10 is not divisible by world_size=4"):
+        place_torch(torch.zeros(4, 10, dtype=torch.int32))
+    with pytest.raises(PlanError, match="dtype"):
+        place_torch(torch.zeros(2, 4))
+    with pytest.raises(PlanError, match="world_size=65"):
+        plan(torch.zeros(65, 65, dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int64), 0)
+    assert place_torch(torch.zeros(65, 65, dtype=torch.int32)).capacity.sum() == 0  # the reference has no limit
+    with pytest.raises(PlanError, match="num_experts=2048"):
+        plan(torch.zeros(2, 2048, dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int64), 0)
+    c = torch.tensor([[1, 0, 0, 0], [0, -1, 0, 0]], dtype=torch.int32)
+    pt, _ = plan(c, torch.tensor([[0]]), 0)
+    assert plan_status(pt) & 1
+    with pytest.raises(PlanError, match="negative"):
+        check_plan_status(pt)
+
+
+def test_bad_topk_raise_plan_error():
+    counts = torch.tensor([[2, 0, 0, 1], [0, 0, 0, 0]], dtype=torch.int32)
+    p = place_torch(counts)
+    good = torch.tensor([[0, 3], [0, -1]])
+    assert remap_torch(good, p, 0, counts).shape == (2, 2)
+    with pytest.raises(PlanError, match=r"expert 3, counts\[0, 3\]=1"):
+        remap_torch(torch.tensor([[0, -1], [0, -1]]), p, 0, counts)
+    with pytest.raises(PlanError, match="expert id 4"):
+        remap_torch(torch.tensor([[0, 4], [0, 3]]), p, 0, counts)
+    with pytest.raises(PlanError, match="rank=2"):
+        remap_torch(good, p, 2, counts)
+    with pytest.raises(PlanError, match="rank=-1"):
+        plan(counts, good, -1)
+    with pytest.raises(PlanError, match="differs from counts"):
+        plan(counts, torch.tensor([[0, -1], [0, -1]]), 0, validate=True)
+    _, rid = plan(counts, torch.tensor([[0, 4], [0, 3]]), 0)
+    assert rid[0, 1] == -1
+    with pytest.raises(PlanError, match="outside"):
+        plan(counts, torch.tensor([[0, 4], [0, 3]]), 0, validate=True)
+    with pytest.raises(PlanError, match="topk_idx must be"):
+        plan(counts, torch.tensor([0, 3]), 0)
+
+
+# ---------------------------------------------------------------------------------------------------- metrics
+def test_metrics():
+    assert balancedness(torch.tensor([4, 4, 4, 4])) == 1.0
+    assert balancedness(torch.tensor([8, 0, 0, 0])) == 0.25
+    assert balancedness(torch.tensor([0, 0])) == 1.0
+    assert straggler_factor(torch.tensor([6, 2])) == 1.5
+    assert maxvio(torch.tensor([1, 1, 1, 5])) == pytest.approx(1.5)
+    assert maxvio(torch.zeros(4)) == 0.0
+    with pytest.raises(PlanError, match="negative"):
+        balancedness(torch.tensor([1, -1]))
+    with pytest.raises(PlanError):
+        rank_loads(torch.zeros(10), 4)
+    topks, counts = make_topk(4, 16, 2, [30, 10, 0, 17], probs=_hot(1, 50.0), seed=11)
+    loads = rank_loads(counts, 4)
+    assert torch.equal(loads, rank_loads(counts.sum(0), 4)) and int(loads.sum()) == int(counts.sum())
+    before = balancedness(loads)
+    after = loads_after(place_torch(counts))
+    n = int(counts.sum())
+    assert before < 0.6 and balancedness(after) == pytest.approx((n / 4) / -(-n // 4))
+
+
+# -------------------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("world,num_experts,topk,tokens", [(4, 16, 2, 100), (8, 256, 8, 4096), (64, 512, 8, 2048),
+                                                         (16, 1024, 6, 3000)])
+def test_gpu_plan_matches_torch(world, num_experts, topk, tokens):
+    """Compiled kernel on CUDA (multi-program) == torch twins; uneven tokens, masked routes, a hot expert."""
+    probs = _hot(3, 50.0, num_experts)
+    toks = [tokens - 37 * (r % 3) for r in range(world)]
+    topks, counts = make_topk(world, num_experts, topk, toks, probs=probs, mask_p=0.05, seed=world)
+    p = place_torch(counts)
+    check_placement(counts, p)
+    dev_counts = counts.cuda()
+    for r in sorted({0, 1, world - 1}):
+        pt, rid = plan(dev_counts, topks[r].cuda(), r, validate=True)
+        assert pt.equal(p) and torch.equal(rid.cpu(), remap_torch(topks[r], p, r, counts))
+        pt, rid = plan(dev_counts, topks[r].cuda(), r, num_programs=1, block=128, validate=True)
+        assert pt.equal(p) and torch.equal(rid.cpu(), remap_torch(topks[r], p, r, counts))

@@ -1,0 +1,84 @@
+"""GPU suite (device machine, ``pytest -m gpu``): the CPU-world checks again on real GPUs, plus CUDA graphs."""
+
+import pytest
+import torch
+
+from tritonep.reference import (combine_backward_reference, combine_reference_partial, dispatch_backward_reference,
+                                dispatch_reference)
+from tritonep.testing.cases import make_rank_inputs
+
+pytestmark = pytest.mark.gpu
+
+
+def _world(n):
+    if not torch.cuda.is_available() or torch.cuda.device_count() < n:
+        pytest.skip(f"needs {n} GPUs")
+    from tritonep.testing import run_gpu_world
+
+    return run_gpu_world
+
+
+@pytest.mark.parametrize("W", [2])
+def test_cuda_heap_peer_write(W):
+    from tritonep.testing.gpu_checks import heap_peer_write_world
+
+    res = _world(W)(W, heap_peer_write_world, 3)
+    for outs, st in res:
+        assert int(st[0]) == 0
+        for e, data in enumerate(outs):
+            want = torch.tensor([[(e + 1) * 1000 + s * 100 + i for i in range(8)] for s in range(W)])
+            assert torch.equal(data, want)
+
+
+CASES = [
+    dict(E=8, H=96, Tmax=16, K=3, T=[13, 0], seeds=[1, 2, 3, 4, 5]),
+    dict(E=16, H=2880, Tmax=64, K=4, A=128, T=[64, 37], seeds=[6], kind="pull"),
+    dict(E=256, H=7168, Tmax=512, K=8, T=[512, 300], seeds=[7, 8]),
+    dict(E=64, H=2048, Tmax=128, K=6, T=[128, 128], seeds=[9], mask=0.3, kind="pull"),
+]
+
+
+def test_ep_cases_match_reference():
+    from tritonep.testing.gpu_checks import ep_cases_world
+
+    W = 2
+    res = _world(W)(W, ep_cases_world, CASES)
+    for ci, c in enumerate(CASES):
+        for si, s in enumerate(c["seeds"]):
+            ins = [make_rank_inputs(r, c["T"][r], c["H"], c["E"], c["K"], seed=s, mask_frac=c.get("mask", 0.1))
+                   for r in range(W)]
+            xs, idxs, ws = zip(*ins)
+            ref = dispatch_reference(list(xs), list(idxs), list(ws), c["E"], W, expert_alignment=c.get("A", 1))
+            eos = [res[r][ci][si]["eo"] for r in range(W)]
+            yp = combine_reference_partial(eos, ref, list(idxs), list(ws), [len(x) for x in xs])
+            for r in range(W):
+                got = res[r][ci][si]
+                assert torch.equal(got["ntpe"], ref[r].num_tokens_per_expert), (ci, si, r)
+                assert torch.equal(got["offs"], ref[r].expert_offsets), (ci, si, r)
+                assert torch.equal(got["x"], ref[r].x), (ci, si, r)
+                assert torch.equal(got["w"], ref[r].weights), (ci, si, r)
+                diff = (got["y"].float() - yp[r].to(torch.bfloat16).float()).abs().max().item()
+                assert torch.equal(got["y"], yp[r].to(torch.bfloat16)), (ci, si, r, diff)
+
+
+def test_cuda_graph_100_replays():
+    from tritonep.testing.gpu_checks import ep_graph_world
+
+    res = _world(2)(2, ep_graph_world, 64, 512, 128, 8, 100)
+    assert res == [[], []], res
+
+
+def test_gradients_match_reference():
+    from tritonep.testing.gpu_checks import ep_grad_world
+
+    W = 2
+    res = _world(W)(W, ep_grad_world, 16, 256, 64, 4, [64, 17])
+    idxs = [r["idx"] for r in res]
+    ws = [r["w"] for r in res]
+    ref = dispatch_reference([r["x"].bfloat16() for r in res], idxs, ws, 16, W)
+    g_eo, g_w = combine_backward_reference([r["g"] for r in res], [r["eo"] for r in res], ref, idxs, ws)
+    gx = dispatch_backward_reference([0.5 * r["geo"].float() for r in res], ref, idxs, [len(r["x"]) for r in res])
+    for r in range(W):
+        assert torch.allclose(res[r]["geo"].float(), g_eo[r].float(), rtol=2 ** -7, atol=1e-6)
+        assert torch.allclose(res[r]["gx"].float(), gx[r].float(), rtol=2 ** -6, atol=2 ** -6)
+        assert torch.allclose(res[r]["gw"], g_w[r].float(), rtol=1e-3, atol=1e-3)

@@ -1,0 +1,27 @@
+"""Virtual-expert load balancing: placement reference, Triton planner, route remap and metrics.
+
+See :mod:`tritonep.balance.placement` for the algorithm (MoonEP / Megatron-LM virtual experts) and the runtime
+layout (rank ``d`` runs ``2L`` runtime experts: ``L`` native, then ``L`` virtual slots; id = ``d*2L + j``).
+"""
+
+from tritonep.balance.metrics import balancedness, loads_after, maxvio, rank_loads, straggler_factor
+from tritonep.balance.placement import MAX_PLANNER_EXPERTS, MAX_PLANNER_WORLD, Placement, check_counts, place_torch
+from tritonep.balance.planner import check_plan_status, plan, plan_status
+from tritonep.balance.remap import remap_torch
+
+__all__ = [
+    "Placement",
+    "place_torch",
+    "remap_torch",
+    "plan",
+    "plan_status",
+    "check_plan_status",
+    "check_counts",
+    "rank_loads",
+    "loads_after",
+    "balancedness",
+    "straggler_factor",
+    "maxvio",
+    "MAX_PLANNER_WORLD",
+    "MAX_PLANNER_EXPERTS",
+]

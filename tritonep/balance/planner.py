@@ -1,0 +1,116 @@
+"""Host wrapper of the Triton virtual-expert planner: one launch, no host sync, bit-equal to the torch twins.
+
+``plan(counts, topk_idx, rank)`` == ``(place_torch(counts), remap_torch(topk_idx, place_torch(counts), rank,
+counts))`` bit for bit (tested), computed by :func:`tritonep.kernels.planner.plan_kernel`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from tritonep.balance.placement import MAX_PLANNER_EXPERTS, MAX_PLANNER_WORLD, Placement, check_counts
+from tritonep.balance.remap import check_topk_idx
+from tritonep.errors import PlanError
+from tritonep.kernels.planner import plan_kernel
+
+__all__ = ["plan", "plan_status", "check_plan_status"]
+
+_STATUS_BITS = {1: "a negative entry in counts", 2: "topk_idx histogram differs from counts[rank]",
+                4: "an expert id outside [-1, num_experts) in topk_idx"}
+
+
+def _pow2(n: int) -> int:
+    return max(2, 1 << max(0, (int(n) - 1).bit_length()))
+
+
+def plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, *, num_programs: Optional[int] = None,
+         block: int = 64, validate: bool = False) -> tuple[Placement, torch.Tensor]:
+    """Plan this step's virtual experts and remap this rank's routes, in one Triton launch.
+
+    Args:
+        counts: ``[W, E]`` int32/int64 on the device, ``counts[r, e]`` = valid routes source rank ``r`` sends to
+            expert ``e`` (identical on every rank: the gathered dispatch histogram). Any strides.
+        topk_idx: ``[T, K]`` int32/int64 on the same device, this rank's global expert ids, -1 = masked. T may be 0.
+        rank: this rank in ``[0, W)``.
+        num_programs: grid size (every program recomputes the placement, then remaps a contiguous chunk of
+            routes). Default: 1 under the interpreter / on CPU, else ``min(32, ceil(T*K / 4096))``. Derived from
+            shapes only, so the launch stays graph-capturable.
+        block: routes per tile, a power of two in ``[16, 256]``.
+        validate: read the status word back and raise on bad data (a host sync); default False.
+
+    Returns:
+        ``(placement, runtime_topk_idx)``: a :class:`Placement` of int32 device tensors (``status`` is
+        ``[num_programs]`` int32, OR of entries = error bits, see :func:`check_plan_status`) and ``[T, K]`` int32
+        runtime expert ids (-1 stays -1).
+
+    Raises:
+        PlanError: shape/dtype/device problems, ``E % W != 0``, ``W > MAX_PLANNER_WORLD`` (64), ``E >
+            MAX_PLANNER_EXPERTS`` (1024), ``rank`` out of range, bad ``block``; with ``validate=True`` also bad
+            values (negative counts, ids outside ``[-1, E)``, ``topk_idx`` not matching ``counts[rank]``).
+    """
+    check_counts(counts, max_world=MAX_PLANNER_WORLD, check_values=False)
+    world, num_experts = int(counts.shape[0]), int(counts.shape[1])
+    if num_experts > MAX_PLANNER_EXPERTS:
+        raise PlanError(f"num_experts={num_experts} exceeds the planner limit {MAX_PLANNER_EXPERTS}")
+    check_topk_idx(topk_idx, num_experts)
+    if topk_idx.device != counts.device:
+        raise PlanError(f"topk_idx on {topk_idx.device} but counts on {counts.device}")
+    if counts.dtype not in (torch.int32, torch.int64):
+        raise PlanError(f"counts must be int32 or int64 for the planner, got dtype {counts.dtype}")
+    if not 0 <= int(rank) < world:
+        raise PlanError(f"rank={rank} outside [0, {world})")
+    if block not in (16, 32, 64, 128, 256):
+        raise PlanError(f"block={block} must be a power of two in [16, 256]")
+    L = num_experts // world
+    num_tokens, topk = int(topk_idx.shape[0]), int(topk_idx.shape[1])
+    num_routes = num_tokens * topk
+    num_tiles = -(-num_routes // block)
+    if num_programs is None:
+        on_gpu = counts.device.type == "cuda"
+        num_programs = max(1, min(32, -(-num_routes // 4096))) if on_gpu else 1
+    if num_programs < 1:
+        raise PlanError(f"num_programs={num_programs} must be >= 1")
+    tiles_per_program = max(1, -(-num_tiles // num_programs))
+
+    dev = counts.device
+    i32 = dict(dtype=torch.int32, device=dev)
+    out = torch.empty(num_routes, **i32)
+    alloc = torch.empty(num_experts, world, **i32)
+    slot = torch.empty(num_experts, world, **i32)
+    ends = torch.empty(num_experts, world, **i32)
+    etc = torch.empty(world, L, **i32)
+    quota = torch.empty(world, world, **i32)
+    cap = torch.empty(world, **i32)
+    status = torch.empty(num_programs, **i32)
+    plan_kernel[(num_programs,)](
+        counts, counts.stride(0), counts.stride(1),
+        topk_idx, topk_idx.stride(0), topk_idx.stride(1), num_routes, tiles_per_program,
+        out, alloc, etc, slot, ends, quota, cap, status,
+        int(rank),
+        W=world, L=L, K=max(1, topk), W_PAD=_pow2(world), L_PAD=_pow2(L), BLOCK=block,
+    )
+    placement = Placement(allocation=alloc, experts_to_copy=etc, expert_slot=slot, segment_ends=ends,
+                          quota=quota, capacity=cap, status=status)
+    if validate:
+        check_plan_status(placement)
+    return placement, out.reshape(num_tokens, topk)
+
+
+def plan_status(placement: Placement) -> int:
+    """OR of the planner's status words (a host sync). 0 = ok, or for a :func:`place_torch` plan (no status)."""
+    if placement.status is None:
+        return 0
+    bits = 0
+    for v in placement.status.cpu().tolist():
+        bits |= int(v)
+    return bits
+
+
+def check_plan_status(placement: Placement) -> None:
+    """Raise :class:`PlanError` naming every error bit set by the planner kernel (a host sync)."""
+    bits = plan_status(placement)
+    if bits:
+        names = [msg for bit, msg in _STATUS_BITS.items() if bits & bit]
+        raise PlanError(f"planner status {bits}: " + "; ".join(names))

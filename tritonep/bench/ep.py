@@ -1,0 +1,190 @@
+"""EP benchmark rows: tritonep dispatch/combine vs the NCCL pipeline and bare all_to_all_single, same run.
+
+Run under torchrun (one process per GPU)::
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
+    torchrun --nproc-per-node 2 -m tritonep.cli.main bench dispatch --profile deepseek-v3 --json out.json
+
+Every timing is the median of per-iteration CUDA-event times of CUDA-graph replays (both ranks released together
+by a barrier before each iteration). Bytes: "logical" = rows this rank receives (expert-grouped, one per route)
+x H x 2; "nvlink" = rows that cross to another rank (one per (token, destination rank)) x H x 2, per direction.
+The NCCL pipeline is what a user would write for the same expert-grouped output: ``index_select`` pack +
+``all_to_all_single`` (uneven splits) + ``index_copy_`` unpack (indices precomputed outside the timed region,
+which favours NCCL); combine is the reverse (gather partials, a2a back, weighted sum).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+import torch.distributed as dist
+
+from ..kernels.layout import layout_torch, route_rows_torch
+
+__all__ = ["PROFILES", "time_graph", "peer_copy_gbps", "bench_ep"]
+
+PROFILES = {
+    "deepseek-v3": dict(hidden=7168, num_experts=256, topk=8, tokens=4096),
+    "decode": dict(hidden=7168, num_experts=256, topk=8, tokens=128),
+    "qwen3-moe": dict(hidden=4096, num_experts=128, topk=8, tokens=4096),
+}
+
+
+def _barrier(group):
+    dist.barrier(group=group, device_ids=[torch.cuda.current_device()])
+
+
+def time_graph(fn, group, iters=30, warmup=3):
+    """Median microseconds of ``fn`` captured in a CUDA graph (or eager if capture fails: returns (us, mode))."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    mode = "graph"
+    try:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        run = g.replay
+    except Exception:  # noqa: BLE001 - e.g. NCCL a2a with host-side splits cannot be captured on some versions
+        mode = "eager"
+        torch.cuda.synchronize()
+        run = fn
+    times = []
+    for _ in range(iters):
+        _barrier(group)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times), mode
+
+
+def peer_copy_gbps(group, nbytes=256 << 20):
+    """Pull bandwidth from the next rank's symmetric memory (``dst.copy_(peer_view)``), GB/s."""
+    from ..memory import Region, get_heap
+
+    rank, W = dist.get_rank(group), dist.get_world_size(group)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    buf = get_heap(group, dev).allocate([Region("p", (nbytes,), torch.uint8)])
+    src = buf.peer("p", (rank + 1) % W)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    us, _ = time_graph(lambda: dst.copy_(src), group, iters=20)
+    buf.close()
+    return nbytes / us / 1e3
+
+
+def _routing(rank, T, E, K, seed, dev):
+    g = torch.Generator().manual_seed(seed * 131 + rank)
+    idx = torch.argsort(torch.rand(T, E, generator=g), dim=1)[:, :K]
+    w = torch.rand(T, K, generator=g)
+    x = torch.randn(T, 0 + 1, generator=g)  # placeholder, replaced below
+    return idx.to(dev), w.to(dev), x
+
+
+def bench_ep(group, profile: str, combine_kinds=("push", "pull"), num_sms=None, iters=30, seed=0, tokens=None):
+    """All rows of one profile on this rank; returns a list of dicts (same on every rank up to timings)."""
+    import tritonep as tep
+
+    p = dict(PROFILES[profile])
+    if tokens:
+        p["tokens"] = tokens
+    rank, W = dist.get_rank(group), dist.get_world_size(group)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    H, E, K, T = p["hidden"], p["num_experts"], p["topk"], p["tokens"]
+    L = E // W
+    idx, w, _ = _routing(rank, T, E, K, seed, dev)
+    x = torch.randn(T, H, device=dev).to(torch.bfloat16)
+    # exact layout (host) for byte counts and the NCCL pipeline
+    counts_mine = torch.bincount(idx.flatten(), minlength=E).to(torch.int32)
+    counts = [torch.empty_like(counts_mine) for _ in range(W)]
+    dist.all_gather(counts, counts_mine, group=group)
+    counts = torch.stack(counts)
+    lay = layout_torch(counts.cpu(), rank)
+    R = int(lay["expert_offsets"][-1])
+    dest = (idx // L)
+    to_rank = torch.stack([(dest == d).any(1) for d in range(W)])  # [W, T]
+    send_counts = to_rank.sum(1)
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    nv_rows = int(sum(send_counts[d] for d in range(W) if d != rank))
+    rows = []
+    logical = R * H * 2
+    nvlink = nv_rows * H * 2
+
+    def row(name, us, mode, extra=None):
+        r = dict(profile=profile, op=name, world_size=W, tokens=T, hidden=H, us=us, mode=mode,
+                 logical_gbps=logical / us / 1e3, nvlink_gbps=nvlink / us / 1e3, recv_rows=R, nvlink_rows=nv_rows)
+        if extra:
+            r.update(extra)
+        rows.append(r)
+        return r
+
+    # --- tritonep
+    import os
+
+    os.environ["TRITONEP_SYNC_CHECKS"] = "0"
+    buf = tep.EPBuffer(group, E, H, T, K, num_sms=num_sms)
+    holder = {}
+
+    def disp():
+        holder["d"] = buf.dispatch(x, idx, w)
+
+    us, mode = time_graph(disp, group, iters=iters)
+    row("tritonep.dispatch", us, mode, {"grid": buf._impl.geo.grid_send})
+    d = buf.dispatch(x, idx, w)
+    eo = buf.expert_out_buffer()
+    eo.normal_()
+    for kind in combine_kinds:
+        us, mode = time_graph(lambda: buf.combine(eo, d.handle, kind=kind), group, iters=iters)
+        row(f"tritonep.combine.{kind}", us, mode)
+    buf.close()
+    os.environ["TRITONEP_SYNC_CHECKS"] = "1"
+
+    # --- NCCL bare all_to_all_single of the deduplicated rows
+    order = torch.cat([torch.nonzero(to_rank[d]).flatten() for d in range(W)])
+    send_buf = x.index_select(0, order)
+    recv_buf = torch.empty(int(recv_counts.sum()), H, dtype=x.dtype, device=dev)
+    sc, rc = send_counts.tolist(), recv_counts.tolist()
+
+    us, mode = time_graph(lambda: dist.all_to_all_single(recv_buf, send_buf, rc, sc, group=group), group,
+                          iters=iters)
+    row("nccl.a2a", us, mode)
+
+    # --- NCCL pipeline: pack + a2a + unpack into expert segments (and combine back)
+    rows_dst = route_rows_torch(idx.cpu(), lay["send_base"]).to(dev)  # [T, K] rows on the expert rank
+    meta_send = torch.cat([torch.where(dest[to_rank[d]] == d, rows_dst[to_rank[d]], -1) for d in range(W)])
+    meta_recv = torch.empty(int(recv_counts.sum()), K, dtype=meta_send.dtype, device=dev)
+    dist.all_to_all_single(meta_recv, meta_send, rc, sc, group=group)
+    valid = meta_recv >= 0
+    src_pos = torch.nonzero(valid)[:, 0]
+    dst_pos = meta_recv[valid].long()
+    out = torch.empty(R, H, dtype=x.dtype, device=dev)
+
+    def nccl_dispatch():
+        sb = x.index_select(0, order)
+        dist.all_to_all_single(recv_buf, sb, rc, sc, group=group)
+        out.index_copy_(0, dst_pos, recv_buf.index_select(0, src_pos))
+
+    us, mode = time_graph(nccl_dispatch, group, iters=iters)
+    row("nccl.pipeline.dispatch", us, mode)
+    wrecv = torch.rand(int(recv_counts.sum()), K, device=dev)
+    back = torch.empty_like(send_buf)
+    y = torch.zeros(T, H, dtype=torch.float32, device=dev)
+
+    def nccl_combine():
+        part = torch.zeros(recv_buf.shape[0], H, dtype=torch.float32, device=dev)
+        part.index_add_(0, src_pos, out.index_select(0, dst_pos).float() * wrecv[valid][:, None])
+        dist.all_to_all_single(back, part.to(torch.bfloat16), sc, rc, group=group)
+        y.zero_()
+        y.index_add_(0, order, back.float())
+
+    us, mode = time_graph(nccl_combine, group, iters=iters)
+    row("nccl.pipeline.combine", us, mode)
+    return rows

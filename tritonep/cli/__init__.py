@@ -1,0 +1,1 @@
+"""The ``tritonep`` command line: run, bench, plan, env."""

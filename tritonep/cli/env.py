@@ -1,0 +1,65 @@
+"""``tritonep env``: versions, devices, peer access and which EP backend ``auto`` would pick, and why."""
+
+from __future__ import annotations
+
+import os
+import platform
+
+__all__ = ["add_parser", "collect_env"]
+
+
+def add_parser(sub):
+    p = sub.add_parser("env", help="print versions, devices, P2P access and the backend 'auto' would choose")
+    p.set_defaults(func=main)
+
+
+def collect_env() -> dict:
+    """A dict of what matters for tritonep on this machine (no process group needed)."""
+    import numpy
+    import torch
+    import triton
+
+    from .. import envs
+
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "numpy": numpy.__version__,
+        "cuda_available": torch.cuda.is_available(),
+        "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", ""),
+        "TRITONEP_TIMEOUT_S": envs.timeout_s(),
+        "TRITONEP_SYNC_CHECKS": envs.sync_checks(),
+        "multicast_disabled": all(os.environ.get(k) == v for k, v in (
+            ("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1"))),
+    }
+    if info["gpus"]:
+        n = info["gpus"]
+        info["gpu_names"] = [torch.cuda.get_device_name(i) for i in range(n)]
+        info["p2p"] = {f"{i}->{j}": torch.cuda.can_device_access_peer(i, j) for i in range(n) for j in range(n)
+                       if i != j}
+        all_p2p = all(info["p2p"].values()) if info["p2p"] else True
+        info["backend_auto"] = "triton" if all_p2p else "nccl"
+        info["backend_why"] = ("every local GPU can map every other GPU's memory (one host)" if all_p2p else
+                               "some local GPUs cannot access each other's memory")
+    else:
+        info["backend_auto"] = "triton"
+        info["backend_why"] = ("no GPU: CPU worlds share one fork+mmap heap, so every rank maps every peer "
+                               "(groups spanning hosts or TRITONEP_FORCE_NO_P2P=1 pick nccl)")
+    if os.environ.get("TRITONEP_FORCE_NO_P2P") == "1":
+        info["backend_auto"], info["backend_why"] = "nccl", "TRITONEP_FORCE_NO_P2P=1"
+    return info
+
+
+def main(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="tritonep env")
+    t.add_column("key")
+    t.add_column("value")
+    for k, v in collect_env().items():
+        t.add_row(k, str(v))
+    Console().print(t)
+    return 0

@@ -1,0 +1,254 @@
+"""``tritonep run``: the main job — an MoE layer forward+backward per traced layer, on real routing, checked.
+
+Every rank (every local GPU, or a CPU world of ``--world-size`` forked ranks when there is no GPU) builds one
+:class:`tritonep.MoELayer` per layer of the trace, routes its share of the trace's tokens through it (the real
+FLAME-MoE-290M router decisions by default, or tokens drawn from an OLMoE load histogram), runs forward and backward,
+and returns outputs, gradients and timings. The parent checks everything against the single-process dense reference
+(:func:`tritonep.reference.moe_dense_reference` + autograd) with the same weights and routing, prints one table row
+per layer and exits 1 if any check fails.
+
+Tolerance: relative max error ``max|got - ref| / max|ref| <= 3e-2`` for the output and every gradient (bf16 inputs,
+weights and wires; fp32 accumulation). fp8 / mxfp4 wires use 0.15 / 0.5 (quantization error, see README).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+__all__ = ["add_parser", "main", "run_rank"]
+
+TOL = {"bf16": 3e-2, "fp8": 0.15, "mxfp4": 0.5}
+
+
+def add_parser(sub):
+    p = sub.add_parser("run", help="MoE layer fwd+bwd per traced layer on real routing, checked against a dense "
+                                   "reference (the main job)")
+    p.add_argument("--routing", choices=["flame", "olmoe"], default="flame",
+                   help="flame: the packaged FLAME-MoE-290M per-token trace (64 experts, top-6); olmoe: tokens "
+                        "drawn from OLMoE-1B-7B expert-load histograms (strong skew)")
+    p.add_argument("--layers", type=int, nargs="*", default=None,
+                   help="trace layers to run (flame: 2..9, olmoe: 0 7 15); default: all")
+    p.add_argument("--domain", default="arxiv", help="OLMoE domain for --routing olmoe")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="tokens per rank (default: 64 on CPU, 1024 on GPU; flame has 2048 tokens in all)")
+    p.add_argument("--world-size", type=int, default=4, help="ranks of the CPU world when there is no GPU")
+    p.add_argument("--hidden", type=int, default=None, help="hidden size (default 64 CPU / 2048 GPU)")
+    p.add_argument("--intermediate", type=int, default=None, help="expert FFN width (default 32 CPU / 1024 GPU)")
+    p.add_argument("--num-experts", type=int, default=64, help="experts (the traces have 64)")
+    p.add_argument("--topk", type=int, default=None, help="top-k (flame 6, olmoe 8)")
+    p.add_argument("--steps", type=int, default=1, help="forward+backward steps per layer")
+    p.add_argument("--balance", choices=["none", "virtual"], default="none", help="virtual experts on/off")
+    p.add_argument("--dispatch-wire", choices=["bf16", "fp8", "mxfp4"], default="bf16")
+    p.add_argument("--combine-wire", choices=["bf16", "fp8", "mxfp4"], default="bf16")
+    p.add_argument("--combine", choices=["push", "pull"], default="push", help="combine kind")
+    p.add_argument("--expert-alignment", type=int, default=1, help="row alignment of expert segments")
+    p.add_argument("--no-check", action="store_true", help="skip the dense reference check (timing only)")
+    p.add_argument("--json", default="", help="write per-layer results to this JSON file")
+    p.add_argument("--plot", default="", help="write a PNG of per-rank load per layer (matplotlib)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds before the whole world is killed")
+    p.set_defaults(func=main)
+
+
+def _settings(args, on_gpu):
+    s = dict(
+        routing=args.routing, domain=args.domain,
+        tokens=args.tokens or (1024 if on_gpu else 64),
+        hidden=args.hidden or (2048 if on_gpu else 64),
+        intermediate=args.intermediate or (1024 if on_gpu else 32),
+        num_experts=args.num_experts, steps=args.steps, balance=args.balance,
+        dispatch_wire=args.dispatch_wire, combine_wire=args.combine_wire, combine=args.combine,
+        expert_alignment=args.expert_alignment, check=not args.no_check,
+    )
+    if args.routing == "flame":
+        from ..data import flame_layers
+
+        s["layers"] = args.layers or flame_layers()
+        s["topk"] = args.topk or 6
+    else:
+        from ..data import olmoe_layers
+
+        s["layers"] = args.layers or olmoe_layers()
+        s["topk"] = args.topk or 8
+    return s
+
+
+def layer_routing(s, layer, world_size):
+    """Per-rank ``(topk_idx, topk_weights)`` for one layer (identical on every rank and in the parent)."""
+    from ..data import (load_flame_trace, load_olmoe_histogram, sample_routing, scale_histogram_to_experts,
+                        split_across_ranks)
+
+    T = s["tokens"]
+    if s["routing"] == "flame":
+        idx, w = load_flame_trace(layer, renormalize=True)
+        n = min(idx.shape[0], T * world_size)
+        if s["num_experts"] != 64:
+            idx = idx % s["num_experts"]
+        return split_across_ranks(idx[:n], w[:n], world_size)
+    hist = scale_histogram_to_experts(load_olmoe_histogram(s["domain"], layer), s["num_experts"])
+    idx, w = sample_routing(hist, T * world_size, s["topk"], generator=layer)
+    return split_across_ranks(idx, w, world_size)
+
+
+def run_rank(group, s):
+    """Rank body: every layer, every step; returns per-layer dicts of CPU tensors and timings."""
+    import torch.distributed as dist
+
+    from ..moe import MoEGeometry, MoELayer, MoERecipe
+
+    rank, W = dist.get_rank(group), dist.get_world_size(group)
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    recipe = MoERecipe(dispatch_wire=s["dispatch_wire"], combine_wire=s["combine_wire"], combine=s["combine"],
+                       balance=s["balance"], expert_alignment=s["expert_alignment"])
+    out = []
+    for li, layer in enumerate(s["layers"]):
+        parts = layer_routing(s, layer, W)
+        idx, w = parts[rank]
+        T = idx.shape[0]
+        tmax = max(p[0].shape[0] for p in parts)
+        geo = MoEGeometry(hidden=s["hidden"], intermediate=s["intermediate"], num_experts=s["num_experts"],
+                          topk=s["topk"], max_tokens_per_rank=max(tmax, 1))
+        moe = MoELayer(recipe, geo, group, device=dev, seed=1000 + layer)
+        g = torch.Generator().manual_seed(layer * 100 + rank)
+        x0 = torch.randn(T, s["hidden"], generator=g).to(torch.bfloat16)
+        gy = torch.randn(T, s["hidden"], generator=g).to(torch.bfloat16)
+        rec = {"layer": layer, "tokens": T, "timings": []}
+        for step in range(s["steps"]):
+            x = x0.to(dev).requires_grad_(True)
+            wt = w.to(dev).requires_grad_(True)
+            for p in moe.parameters():
+                p.grad = None
+            t0 = time.perf_counter()
+            y = moe(x, topk_idx=idx.to(dev), topk_weights=wt)
+            (y.float() * gy.to(dev).float()).sum().backward()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            tim = dict(getattr(moe, "last_timings", {}))
+            tim["step_s"] = time.perf_counter() - t0
+            rec["timings"].append(tim)
+        rec["recv_per_expert"] = list(getattr(moe, "last_stats", {}).get("num_tokens_per_expert", []))
+        if s["check"]:
+            rec.update(x=x0, gy=gy, y=y.detach().cpu(), gx=x.grad.cpu(), gw=wt.grad.cpu(),
+                       gw1=moe.w1.grad.detach().float().cpu(), gw2=moe.w2.grad.detach().float().cpu())
+        moe.close()
+        out.append(rec)
+    return out
+
+
+def _rel(a, b):
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12))
+
+
+def check_layer(s, li, layer, results, world_size):
+    """Dense reference for one layer; returns dict of max relative errors."""
+    from ..moe import MoEGeometry, MoELayer
+    from ..reference import moe_dense_reference
+
+    parts = layer_routing(s, layer, world_size)
+    tmax = max(p[0].shape[0] for p in parts)
+    geo = MoEGeometry(hidden=s["hidden"], intermediate=s["intermediate"], num_experts=s["num_experts"],
+                      topk=s["topk"], max_tokens_per_rank=max(tmax, 1))
+    w1, w2 = MoELayer.init_expert_weights(geo, seed=1000 + layer, dtype=torch.bfloat16)
+    w1 = w1.float().requires_grad_(True)
+    w2 = w2.float().requires_grad_(True)
+    recs = [results[r][li] for r in range(world_size)]
+    x = torch.cat([r["x"] for r in recs]).float().requires_grad_(True)
+    idx = torch.cat([p[0] for p in parts])
+    w = torch.cat([p[1] for p in parts]).requires_grad_(True)
+    y = moe_dense_reference(x, idx, w, w1, w2)
+    gy = torch.cat([r["gy"] for r in recs]).float()
+    (y * gy).sum().backward()
+    L = s["num_experts"] // world_size
+    errs = {
+        "y": _rel(torch.cat([r["y"] for r in recs]), y.detach()),
+        "grad_x": _rel(torch.cat([r["gx"] for r in recs]), x.grad),
+        "grad_w": _rel(torch.cat([r["gw"] for r in recs]), w.grad),
+        "grad_w1": _rel(torch.cat([recs[r]["gw1"] for r in range(world_size)]), w1.grad),
+        "grad_w2": _rel(torch.cat([recs[r]["gw2"] for r in range(world_size)]), w2.grad),
+    }
+    assert L * world_size == s["num_experts"]
+    return errs
+
+
+def main(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+    from tqdm import tqdm
+
+    from ..balance.metrics import balancedness
+
+    on_gpu = torch.cuda.is_available() and torch.cuda.device_count() >= 1
+    s = _settings(args, on_gpu)
+    con = Console()
+    if on_gpu:
+        from ..testing import run_gpu_world
+
+        W = torch.cuda.device_count()
+        con.print(f"[bold]tritonep run[/]: {W} GPU rank(s), routing={s['routing']}, layers={s['layers']}")
+        t0 = time.time()
+        results = run_gpu_world(W, run_rank, s, timeout_s=args.timeout)
+    else:
+        from ..testing import run_cpu_world
+
+        W = args.world_size
+        con.print(f"[bold]tritonep run[/]: no GPU -> CPU world of {W} ranks (Triton interpreter), "
+                  f"routing={s['routing']}, layers={s['layers']}, {s['tokens']} tokens/rank, H={s['hidden']}")
+        t0 = time.time()
+        results = run_cpu_world(W, run_rank, s, timeout_s=args.timeout)
+    wall = time.time() - t0
+    tol = max(TOL[s["dispatch_wire"]], TOL[s["combine_wire"]])
+    table = Table(title=f"tritonep run — {s['routing']} routing, world {W}, balance={s['balance']}, "
+                        f"wires {s['dispatch_wire']}/{s['combine_wire']}")
+    for c in ("layer", "tokens", "balancedness", "dispatch ms", "gemm ms", "combine ms", "step ms", "max rel err",
+              "check"):
+        table.add_column(c, justify="right")
+    rows, ok_all = [], True
+    for li, layer in enumerate(tqdm(s["layers"], desc="checking", disable=not s["check"], leave=False)):
+        loads = [sum(results[r][li]["recv_per_expert"]) for r in range(W)]
+        bal = balancedness(torch.tensor(loads, dtype=torch.float64)) if sum(loads) else 1.0
+        tim = [results[r][li]["timings"][-1] for r in range(W)]
+        def mx(k):
+            return max(t.get(k, 0.0) for t in tim) * 1e3
+        errs = check_layer(s, li, layer, results, W) if s["check"] else {}
+        worst = max(errs.values()) if errs else float("nan")
+        ok = (worst <= tol) if errs else True
+        ok_all &= ok
+        rows.append(dict(layer=layer, tokens=sum(results[r][li]["tokens"] for r in range(W)), rank_loads=loads,
+                         balancedness=float(bal), dispatch_ms=mx("dispatch_s"), gemm_ms=mx("gemm_s"),
+                         combine_ms=mx("combine_s"), step_ms=mx("step_s"), errors=errs, ok=bool(ok)))
+        table.add_row(str(layer), str(rows[-1]["tokens"]), f"{bal:.3f}", f"{mx('dispatch_s'):.2f}",
+                      f"{mx('gemm_s'):.2f}", f"{mx('combine_s'):.2f}", f"{mx('step_s'):.1f}",
+                      f"{worst:.2e}" if errs else "-", "[green]pass[/]" if ok else "[red]FAIL[/]")
+    con.print(table)
+    con.print(f"tolerance {tol:g} (max |got-ref| / max |ref| over output and every gradient); wall {wall:.1f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(settings=s, world_size=W, device="cuda" if on_gpu else "cpu", wall_s=wall, layers=rows),
+                      f, indent=1)
+    if args.plot:
+        _plot(rows, W, args.plot)
+        con.print(f"plot written to {args.plot}")
+    con.print("[bold green]all checks passed[/]" if ok_all else "[bold red]some checks FAILED[/]")
+    return 0 if ok_all else 1
+
+
+def _plot(rows, W, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(rows), 3.6))
+    width = 0.8 / W
+    for r in range(W):
+        ax.bar([i + r * width for i in range(len(rows))], [row["rank_loads"][r] for row in rows], width,
+               label=f"rank {r}")
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))], [str(row["layer"]) for row in rows])
+    ax.set_xlabel("layer")
+    ax.set_ylabel("routes received")
+    ax.set_title("per-rank expert load per layer")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

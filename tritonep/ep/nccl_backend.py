@@ -1,0 +1,248 @@
+"""The torch.distributed backend of EPBuffer (NCCL on GPU, gloo on CPU): same API and bit-identical results.
+
+For groups whose ranks cannot map each other's memory (several hosts, no P2P). Every step is a pure-torch op or a
+``torch.distributed`` collective on the current stream; the row layout is the one of the triton backend by
+construction (it is computed by the same torch twins, :func:`tritonep.kernels.layout.layout_torch` and
+:func:`tritonep.kernels.layout.route_rows_torch`).
+
+Dispatch (one host sync, after the counts exchange):
+
+1. ``counts_torch`` -> this rank's routes per expert ``[E]`` and tokens per destination rank ``[W]``;
+   one ``all_gather`` -> the ``[W, E + W]`` matrix on every rank (read on the host).
+2. ``layout_torch`` (identical on every rank) -> capacity check: if any rank would receive more than
+   ``max_recv_tokens`` rows, every rank raises :class:`CapacityError` before any row moves.
+3. Pack ONE packet per (token, destination rank) with a route there, ordered by (destination rank, token): the
+   token's row, its K destination rows there (``route_rows_torch``; -1 for routes elsewhere) and K weights (0
+   elsewhere), as one ``uint8`` row; move all packets with one ``all_to_all_single`` with uneven splits.
+4. Scatter every received packet to its destination rows (padding rows are zero).
+
+Combine (one ``all_to_all_single``): on the expert rank, per received packet, ``partial = 0 + sum_{k ascending,
+route here} fp32(w * expert_out[row])`` in fp32, rounded to the element dtype (round-to-nearest-even, torch's
+cast); the partials go back along the reverse splits; the source sums them in rank order in fp32 and casts
+(exactly :func:`tritonep.reference.combine_reference_partial`, and the triton combine kernels).
+
+Hierarchical multi-host (not implemented; where it would go): a two-level exchange as in DeepEP's internode
+kernels -- (a) ``all_to_all_single`` inside a node group keyed by the destination's local index, sending one packet
+per (token, destination NODE) to the peer with the same local index on that node over the inter-node group
+(``dist.new_group`` per local index), (b) an intra-node forward (NVLink / triton backend) fanning the packet out to
+the destination ranks of that node. The layout (step 2) stays global, so the rows and the bit-exact summation order
+are unchanged; combine reduces per rank, then per node in rank order (the partial sum order must keep ranks
+ascending, so a node-level pre-sum is only legal for contiguous rank ranges and must round per rank first).
+
+Graph capture is refused: uneven splits need host sizes. Idea sources: DeepEP "normal" (host-synchronised) kernels,
+Megatron-LM's ``MoEAlltoAllTokenDispatcher`` (counts all_to_all, then uneven token all_to_all).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..errors import BackendError, BufferStateError, CapacityError, WireError
+from ..kernels.layout import counts_torch, layout_torch, route_rows_torch
+from .handle import DispatchHandle
+
+__all__ = ["NcclEP"]
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """``[N, ...]`` contiguous tensor -> ``[N, bytes per row]`` uint8 view."""
+    cols = 1
+    for n in t.shape[1:]:
+        cols *= n
+    return t.contiguous().reshape(t.shape[0], cols).view(torch.uint8)
+
+
+def _unbytes(b: torch.Tensor, dtype: torch.dtype, cols: int) -> torch.Tensor:
+    """``[N, cols * itemsize]`` uint8 (any strides) -> ``[N, cols]`` of ``dtype`` (a copy)."""
+    return b.contiguous().view(dtype).reshape(b.shape[0], cols)
+
+
+class NcclEP:
+    """torch.distributed implementation behind :class:`tritonep.EPBuffer` (same interface as ``TritonEP``).
+
+    Args: as ``TritonEP``: the group, this rank, world_size W, num_experts E, hidden H, max_tokens_per_rank, topk K,
+    expert_alignment A, max_recv_tokens, device, dtype; ``dispatch_wire`` / ``combine_wire`` must be ``"bf16"``.
+
+    Raises:
+        WireError: a wire other than bf16 (fp8 / mxfp4 are not implemented on this backend yet).
+    """
+
+    name = "nccl"
+
+    def __init__(self, group, rank, world_size, num_experts, hidden, max_tokens_per_rank, topk, expert_alignment,
+                 max_recv_tokens, device, dtype=torch.bfloat16, dispatch_wire="bf16", combine_wire="bf16"):
+        for field, wire in (("dispatch_wire", dispatch_wire), ("combine_wire", combine_wire)):
+            if wire != "bf16":
+                raise WireError(f"{field}={wire!r} is not implemented on the nccl backend (only 'bf16'); "
+                                f"use backend='triton' or wire 'bf16'")
+        self.group = group
+        self.rank, self.W = rank, world_size
+        self.E, self.H, self.Tm, self.K = num_experts, hidden, max_tokens_per_rank, topk
+        self.L = num_experts // world_size
+        self.A = expert_alignment
+        self.max_recv = max_recv_tokens
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self._eo: torch.Tensor | None = None
+        self.closed = False
+
+    # ---------------------------------------------------------------------------------------------- helpers
+    def expert_out_buffer(self) -> torch.Tensor:
+        """Persistent ``[max_recv_tokens, H]`` tensor for the expert output (allocated on first use)."""
+        if self._eo is None:
+            self._eo = torch.zeros(self.max_recv, self.H, dtype=self.dtype, device=self.device)
+        return self._eo
+
+    def check(self, what="EPBuffer"):
+        """Nothing is recorded on the device by this backend: errors are raised where they happen."""
+
+    def close(self):
+        self._eo = None
+        self.closed = True
+
+    def _check_usable(self):
+        if self.closed:
+            raise BufferStateError(f"EPBuffer on rank {self.rank} is closed")
+
+    def _a2a(self, send: torch.Tensor, in_splits: list, out_splits: list) -> torch.Tensor:
+        """``all_to_all_single`` of a ``[N, B]`` uint8 tensor along rows with uneven splits."""
+        recv = torch.empty(sum(out_splits), send.shape[1], dtype=send.dtype, device=self.device)
+        dist.all_to_all_single(recv, send.contiguous(), output_split_sizes=out_splits,
+                               input_split_sizes=in_splits, group=self.group)
+        return recv
+
+    # ---------------------------------------------------------------------------------------------- dispatch
+    def dispatch_fwd(self, x, topk_idx, topk_weights, sync: bool):
+        """See :meth:`tritonep.EPBuffer.dispatch` (here ``x`` etc. are already validated).
+
+        Returns ``(out [R, H], out_w [R] f32, num_tokens_per_expert [L] i32, expert_offsets [L] i32, handle)``.
+
+        Raises:
+            BackendError: ``sync=False`` or CUDA-graph capture (host split sizes are needed).
+            CapacityError: some rank would receive more than ``max_recv_tokens`` rows (raised on every rank,
+                nothing sent).
+        """
+        self._check_usable()
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if not sync or capturing:
+            raise BackendError("the nccl backend cannot be captured in a CUDA graph nor run without host sync "
+                               f"(sync={sync}, capturing={capturing}): all_to_all needs host split sizes; "
+                               "use backend='triton'")
+        W, E, L, K, H = self.W, self.E, self.L, self.K, self.H
+        T = x.shape[0]
+        ids = topk_idx.to(torch.int64)
+        dest = torch.where(ids >= 0, ids // L, -1)  # [T, K]
+        present = (dest[:, :, None] == torch.arange(W, device=self.device)).any(1)  # [T, W]
+        mine = torch.cat([counts_torch(ids, E), present.sum(0).to(torch.int32)])
+        gathered = [torch.empty_like(mine) for _ in range(W)]
+        dist.all_gather(gathered, mine, group=self.group)
+        mat = torch.stack(gathered).cpu()  # the one host sync
+        counts, tok_per_dest = mat[:, :E], mat[:, E:]
+        lay = layout_torch(counts, self.rank, self.A)
+        need = lay["rows_needed"]
+        if int(need.max()) > self.max_recv:
+            worst = int(torch.argmax(need))
+            raise CapacityError(f"dispatch: rank {worst} would receive {int(need[worst])} rows but "
+                                f"max_recv_tokens={self.max_recv}; nothing was sent",
+                                needed=int(need[worst]), available=self.max_recv)
+        R = int(need[self.rank])
+        send_splits = tok_per_dest[self.rank].tolist()
+        recv_splits = tok_per_dest[:, self.rank].tolist()
+        rows = route_rows_torch(topk_idx, lay["send_base"].to(self.device))  # [T, K] int32
+        # packets: (destination rank, token) ascending
+        pd, pt = torch.nonzero(present.t(), as_tuple=True)
+        here = dest[pt] == pd[:, None]  # [Ns, K]
+        p_rows = torch.where(here, rows[pt], -1).to(torch.int32)
+        p_w = torch.where(here, topk_weights[pt], 0.0).to(torch.float32)
+        send = torch.cat([_bytes(p_rows), _bytes(p_w), _bytes(x[pt])], 1)
+        recv = self._a2a(send, send_splits, recv_splits)
+        r_rows = _unbytes(recv[:, :4 * K], torch.int32, K).to(torch.int64)
+        r_w = _unbytes(recv[:, 4 * K:8 * K], torch.float32, K)
+        r_x = _unbytes(recv[:, 8 * K:], self.dtype, H)
+        out = torch.zeros(R, H, dtype=self.dtype, device=self.device)
+        out_w = torch.zeros(R, dtype=torch.float32, device=self.device)
+        pi, pk = torch.nonzero(r_rows >= 0, as_tuple=True)
+        dst = r_rows[pi, pk]
+        out[dst] = r_x[pi]
+        out_w[dst] = r_w[pi, pk]
+        ntpe = lay["num_tokens_per_expert"].to(self.device)
+        offs = lay["expert_offsets"].to(self.device)
+        handle = DispatchHandle(topk_idx=topk_idx, topk_weights=topk_weights, rows=rows, meta=None, wts=None,
+                                ntok=None, num_tokens=T, num_recv_rows=R, backend=self.name,
+                                extras={"send_splits": send_splits, "recv_splits": recv_splits,
+                                        "send_tok": pt, "send_here": here, "recv_rows": r_rows, "recv_w": r_w})
+        return out, out_w, ntpe, offs, handle
+
+    # ---------------------------------------------------------------------------------------------- combine
+    def _partials(self, eo, handle, weighted):
+        """Per received packet: fp32 sum over k ascending of (w *) eo[row], rounded to eo's dtype. ``[Nr, H]``."""
+        r_rows, r_w = handle.extras["recv_rows"], handle.extras["recv_w"]
+        acc = torch.zeros(r_rows.shape[0], self.H, dtype=torch.float32, device=self.device)
+        zero = torch.zeros((), dtype=torch.float32, device=self.device)
+        for k in range(self.K):
+            rk = r_rows[:, k]
+            v = eo[rk.clamp(min=0)].float() if eo.shape[0] else acc
+            term = v * r_w[:, k:k + 1] if weighted else v
+            acc = acc + torch.where((rk >= 0)[:, None], term, zero)
+        return acc.to(eo.dtype)
+
+    def _combine(self, eo, handle, weighted, gw=None):
+        """Partials (+ per-route scalars ``gw[row]``) back to the sources; returns ``(y [T, H], gtw [T, K] | None)``."""
+        self._check_usable()
+        ex = handle.extras
+        K, H = self.K, self.H
+        part = self._partials(eo, handle, weighted)
+        payload = [_bytes(part)]
+        if gw is not None:
+            rr = ex["recv_rows"]
+            g = torch.where(rr >= 0, gw[rr.clamp(min=0)] if gw.shape[0] else torch.zeros_like(ex["recv_w"]), 0.0)
+            payload.append(_bytes(g.to(torch.float32)))
+        back = self._a2a(torch.cat(payload, 1), ex["recv_splits"], ex["send_splits"])
+        pp = _unbytes(back[:, :H * eo.element_size()], eo.dtype, H)
+        T = handle.num_tokens
+        y = torch.zeros(T, H, dtype=torch.float32, device=self.device)
+        pt = ex["send_tok"]
+        start = 0
+        for n in ex["send_splits"]:  # ranks ascending; one packet per token per rank
+            if n:
+                idx = pt[start:start + n]
+                y[idx] = y[idx] + pp[start:start + n].float()
+            start += n
+        gtw = None
+        if gw is not None:
+            g = _unbytes(back[:, H * eo.element_size():], torch.float32, K)
+            gtw = torch.zeros(T, K, dtype=torch.float32, device=self.device)
+            pi, pk = torch.nonzero(ex["send_here"], as_tuple=True)
+            gtw[pt[pi], pk] = g[pi, pk]
+        return y.to(eo.dtype), gtw
+
+    def combine_fwd(self, expert_out, handle, kind=None):
+        """``y [T, H]`` (``kind`` is ignored: there is one combine on this backend)."""
+        y, _ = self._combine(expert_out, handle, weighted=True)
+        return y
+
+    # ---------------------------------------------------------------------------------------------- backward
+    def dispatch_bwd(self, grad_recv_x, grad_recv_w, handle):
+        """grad_x[t] = sum_k grad_recv_x[row(t,k)]; grad_topk_weights[t,k] = grad_recv_w[row(t,k)]."""
+        return self._combine(grad_recv_x.contiguous(), handle, weighted=False,
+                             gw=grad_recv_w.contiguous() if grad_recv_w is not None else None)
+
+    def combine_bwd(self, grad_y, expert_out, handle):
+        """grad_expert_out[row] = bf16(w * grad_y[t]); grad_recv_w[row] = <grad_y[t], expert_out[row]> (fp32)."""
+        self._check_usable()
+        ex = handle.extras
+        pt = ex["send_tok"]
+        g_in = _bytes(grad_y.contiguous()[pt])
+        recv = self._a2a(g_in, ex["send_splits"], ex["recv_splits"])
+        gy = _unbytes(recv, grad_y.dtype, self.H).float()
+        R = expert_out.shape[0]
+        g_eo = torch.zeros(R, self.H, dtype=self.dtype, device=self.device)
+        g_w = torch.zeros(R, dtype=torch.float32, device=self.device)
+        rr, rw = ex["recv_rows"], ex["recv_w"]
+        pi, pk = torch.nonzero(rr >= 0, as_tuple=True)
+        dst = rr[pi, pk]
+        g = gy[pi]
+        g_eo[dst] = (g * rw[pi, pk][:, None]).to(self.dtype)
+        g_w[dst] = (g * expert_out[dst].float()).sum(-1)
+        return g_eo, g_w

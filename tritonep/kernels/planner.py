@@ -1,0 +1,207 @@
+"""Triton virtual-expert planner: placement + route remap in ONE launch (kernel bodies only).
+
+Spec: :func:`tritonep.balance.placement.place_torch` and :func:`tritonep.balance.remap.remap_torch` (bit-equal).
+Idea: the fused planner of Megatron-LM ``virtual_expert_triton.py`` (PR #7450, after MoonEP); see
+``shared/reference/balance_anchors.md`` §1.3-§1.5. Ours takes the already gathered ``counts [W, E]`` (the dispatch
+counts exchange), supports uneven token counts and masked (-1) routes, and keeps the whole placement in registers.
+
+Register layout: a per-expert vector is a ``[W_PAD, L_PAD]`` matrix (row = owner rank ``s``, column = local index
+``j``, expert ``e = s*L + j``). Because every receiver has exactly one sender, the migrated routes also fit one
+``[W_PAD, L_PAD]`` matrix (row = receiver ``d``, column = the sender's local expert), so no ``[E, W]`` tensor is
+ever held in registers. Every program recomputes the placement (``O(W*(W+L))`` small vector steps); program 0
+stores it, expanding to ``[E, W]`` one owner at a time. Then each program remaps a contiguous chunk of this rank's
+routes: it first histograms the routes before its chunk (so the stable per-expert ordinals continue across programs
+without any grid synchronisation), then, per tile of ``BLOCK`` routes, computes ``global ordinal = prefix[e] +
+earlier[e] + rank within tile``, rebuilds the route's allocation row from the small tables with ``tl.gather`` and
+takes the first destination whose run end exceeds the ordinal. Correct at any grid size, including grid=1.
+
+Status word (one int32 per program, OR them): 1 = a negative count, 2 = ``topk_idx`` histogram differs from
+``counts[rank]`` (checked by the last program), 4 = an expert id outside ``[-1, E)`` (its output is -1).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["plan_kernel"]
+
+
+@triton.jit
+def _placement(counts_ptr, stride_cr, stride_ce, rank,
+               W: tl.constexpr, L: tl.constexpr, W_PAD: tl.constexpr, L_PAD: tl.constexpr):
+    """Placement in registers, all tensors ``[W_PAD]``, ``[W_PAD, L_PAD]`` or ``[W_PAD, W_PAD]``.
+
+    Returns ``(rem, moved, slot, sender_of, quota, cap, etc, prefix, neg)``: ``rem[s, j]`` routes expert
+    ``s*L+j`` keeps on its owner; ``moved[d, j]`` routes of expert ``sender_of[d]*L + j`` served by receiver
+    ``d`` (single sender, so one row per receiver suffices); ``slot[d, j]`` its slot or -1; ``sender_of[d]`` the
+    one rank ``d`` takes routes from, or -1.
+    """
+    BIG: tl.constexpr = 2147483647
+    s2 = tl.arange(0, W_PAD)[:, None]
+    j2 = tl.arange(0, L_PAD)[None, :]
+    ev2 = (s2 < W) & (j2 < L)
+    e2 = s2 * L + j2
+    total = tl.zeros([W_PAD, L_PAD], tl.int32)
+    prefix = tl.zeros([W_PAD, L_PAD], tl.int32)
+    neg = tl.zeros([W_PAD, L_PAD], tl.int32)
+    for r in range(W):
+        row = tl.load(counts_ptr + r * stride_cr + e2 * stride_ce, mask=ev2, other=0).to(tl.int32)
+        total += row
+        prefix += tl.where(r < rank, row, 0)
+        neg = tl.maximum(neg, (row < 0).to(tl.int32))
+
+    # Step 1: capacity (remainder to the lowest ranks) and balance.
+    dvec = tl.arange(0, W_PAD)
+    dvalid = dvec < W
+    n_routes = tl.sum(tl.sum(total, axis=1), axis=0)
+    cap = n_routes // W + tl.where(dvec < n_routes % W, 1, 0)
+    cap = tl.where(dvalid, cap, 0)
+    bal = tl.sum(total, axis=1) - cap
+
+    # Step 2: quota greedy, single-sender rule (ties: lowest rank).
+    rows = tl.arange(0, W_PAD)[:, None]
+    cols = tl.arange(0, W_PAD)[None, :]
+    quota = tl.zeros([W_PAD, W_PAD], tl.int32)
+    sender_of = tl.full([W_PAD], -1, tl.int32)
+    for _it in range(W):
+        bmax = tl.where(dvalid, bal, -BIG)
+        sender = tl.argmax(bmax, axis=0, tie_break_left=True)
+        smax = tl.max(bmax, axis=0)
+        bmin = tl.where(dvalid, bal, BIG)
+        receiver = tl.argmin(bmin, axis=0, tie_break_left=True)
+        rmin = tl.min(bmin, axis=0)
+        active = smax > 0
+        moved_amt = tl.where(active, -rmin, 0)
+        quota += tl.where((rows == sender) & (cols == receiver), moved_amt, 0)
+        bal = tl.where(dvec == sender, bal - moved_amt, bal)
+        bal = tl.where((dvec == receiver) & active, 0, bal)
+        sender_of = tl.where((dvec == receiver) & active, sender, sender_of)
+
+    # Step 3: all senders at once: largest quota destination x hottest remaining expert.
+    rem = total
+    q = quota
+    moved = tl.zeros([W_PAD, L_PAD], tl.int32)
+    for _it in range(W + L):
+        qmax = tl.max(q, axis=1)
+        dsel = tl.argmax(q, axis=1, tie_break_left=True)
+        remm = tl.where(j2 < L, rem, -1)
+        rmax = tl.max(remm, axis=1)
+        jsel = tl.argmax(remm, axis=1, tie_break_left=True)
+        m = tl.maximum(tl.where(qmax > 0, tl.minimum(qmax, rmax), 0), 0)
+        rem -= tl.where(j2 == jsel[:, None], m[:, None], 0)
+        q -= tl.where(cols == dsel[:, None], m[:, None], 0)
+        hit = (dsel[:, None] == cols) & (m[:, None] > 0)  # [sender, receiver]
+        m_d = tl.sum(tl.where(hit, m[:, None], 0), axis=0)
+        j_d = tl.sum(tl.where(hit, jsel[:, None], 0), axis=0)
+        moved += tl.where(j2 == j_d[:, None], m_d[:, None], 0)
+
+    # Step 4: slot = rank among the sender's experts at d (allocation desc, ties to the highest id).
+    rank_d = tl.zeros([W_PAD, L_PAD], tl.int32)
+    for jj in range(L):
+        other = tl.sum(tl.where(j2 == jj, moved, 0), axis=1)[:, None]
+        beats = (other > moved) | ((other == moved) & (j2 < jj))
+        rank_d += beats.to(tl.int32)
+    slot = tl.where(moved > 0, rank_d, -1)
+    etc = tl.full([W_PAD, L_PAD], -1, tl.int32)
+    for k in range(L):
+        val = tl.sum(tl.where(slot == k, sender_of[:, None] * L + j2 + 1, 0), axis=1)
+        etc = tl.where(j2 == k, val[:, None] - 1, etc)
+    return rem, moved, slot, sender_of, quota, cap, etc, prefix, tl.max(tl.max(neg, axis=1), axis=0)
+
+
+@triton.jit
+def plan_kernel(counts_ptr, stride_cr, stride_ce,
+                topk_ptr, stride_tt, stride_tk, num_routes, tiles_per_program,
+                out_ptr, alloc_ptr, etc_ptr, slot_ptr, ends_ptr, quota_ptr, cap_ptr, status_ptr,
+                rank,
+                W: tl.constexpr, L: tl.constexpr, K: tl.constexpr,
+                W_PAD: tl.constexpr, L_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    """Placement (stored by program 0) + remap of routes ``[pid*tiles_per_program*BLOCK, ...)``.
+
+    counts: ``[W, W*L]`` int32/int64 (any strides); topk: ``[T, K]`` int32/int64 (any strides), ``num_routes =
+    T*K``; out: ``[T*K]`` int32; alloc/slot/ends: ``[E, W]`` int32; etc: ``[W, L]``; quota: ``[W, W]``; cap:
+    ``[W]``; status: ``[num_programs]`` int32.
+    """
+    E: tl.constexpr = W * L
+    EP: tl.constexpr = W_PAD * L_PAD
+    BIG: tl.constexpr = 2147483647
+    pid = tl.program_id(0)
+    rem, moved, slot, sender_of, quota, cap, etc, prefix, neg = _placement(
+        counts_ptr, stride_cr, stride_ce, rank, W, L, W_PAD, L_PAD)
+    movedT = tl.trans(moved)  # [L_PAD, W_PAD]: moved routes of local expert j on receiver d
+    dd = tl.arange(0, W_PAD)[None, :]
+
+    if pid == 0:
+        rows = tl.arange(0, W_PAD)[:, None]
+        kcol = tl.arange(0, L_PAD)[None, :]
+        tl.store(quota_ptr + rows * W + dd, quota, mask=(rows < W) & (dd < W))
+        dvec = tl.arange(0, W_PAD)
+        tl.store(cap_ptr + dvec, cap, mask=dvec < W)
+        tl.store(etc_ptr + rows * L + kcol, etc, mask=(rows < W) & (kcol < L))
+        slotT = tl.trans(slot)
+        jr = tl.arange(0, L_PAD)[:, None]
+        for s in range(W):  # one owner's L experts at a time: [L_PAD, W_PAD] rows of [E, W]
+            from_s = sender_of[None, :] == s
+            rem_s = tl.sum(tl.where(rows == s, rem, 0), axis=0)
+            alloc_rows = tl.where(from_s, movedT, 0) + tl.where(dd == s, rem_s[:, None], 0)
+            offs = (s * L + jr) * W + dd
+            msk = (jr < L) & (dd < W)
+            tl.store(alloc_ptr + offs, alloc_rows, mask=msk)
+            tl.store(ends_ptr + offs, tl.cumsum(alloc_rows, axis=1), mask=msk)
+            tl.store(slot_ptr + offs, tl.where(from_s, slotT, -1), mask=msk)
+
+    rem1 = tl.reshape(rem, [EP])
+    slot1 = tl.reshape(slot, [EP])
+    prefix1 = tl.reshape(prefix, [EP])
+    ii = tl.arange(0, BLOCK)
+    zero_bw = tl.zeros([BLOCK, W_PAD], tl.int32)
+    counter = tl.zeros([EP], tl.int32)
+    first = pid * tiles_per_program * BLOCK
+    last = tl.minimum(first + tiles_per_program * BLOCK, num_routes)
+    # Routes of lower programs: only their per-expert histogram is needed.
+    for start in range(0, first, BLOCK):
+        i = start + ii
+        ev = tl.load(topk_ptr + (i // K) * stride_tt + (i % K) * stride_tk, mask=i < num_routes, other=-1)
+        ev = ev.to(tl.int32)
+        valid = (i < num_routes) & (ev >= 0) & (ev < E)
+        pidx = tl.where(valid, (ev // L) * L_PAD + ev % L, 0)
+        counter += tl.histogram(pidx, EP, mask=valid)
+    bad = tl.zeros([BLOCK], tl.int32)
+    for start in range(first, last, BLOCK):
+        i = start + ii
+        inb = i < last
+        ev = tl.load(topk_ptr + (i // K) * stride_tt + (i % K) * stride_tk, mask=inb, other=-1).to(tl.int32)
+        valid = inb & (ev >= 0) & (ev < E)
+        bad = tl.maximum(bad, (inb & ((ev < -1) | (ev >= E))).to(tl.int32))
+        esafe = tl.where(valid, ev, 0)
+        owner = esafe // L
+        j = esafe % L
+        pidx = owner * L_PAD + j
+        key = tl.where(valid, pidx, -1)
+        earlier = (key[:, None] == key[None, :]) & (ii[None, :] < ii[:, None])
+        within = tl.sum(earlier.to(tl.int32), axis=1)
+        g = tl.gather(prefix1, pidx, 0) + tl.gather(counter, pidx, 0) + within
+        counter += tl.histogram(pidx, EP, mask=valid)
+        # this expert's allocation row over destinations, then its run ends
+        mrow = tl.gather(movedT, j[:, None] + zero_bw, 0)
+        arow = tl.where(sender_of[None, :] == owner[:, None], mrow, 0)
+        arow += tl.where(dd == owner[:, None], tl.gather(rem1, pidx, 0)[:, None], 0)
+        ends_row = tl.where(dd < W, tl.cumsum(arow, axis=1), BIG)
+        dest = tl.sum((ends_row <= g[:, None]).to(tl.int32), axis=1)
+        vslot = tl.gather(slot1, tl.minimum(dest, W - 1) * L_PAD + j, 0)
+        rid = tl.where(dest == owner, dest * (2 * L) + j, dest * (2 * L) + L + vslot)
+        rid = tl.where(valid, rid, -1)
+        tl.store(out_ptr + i, rid, mask=inb)
+
+    status = tl.max(bad, axis=0) * 4
+    if pid == 0:
+        status = status | neg
+    if last >= num_routes:  # this program saw every route before its end: compare with counts[rank]
+        s2 = tl.arange(0, W_PAD)[:, None]
+        j2 = tl.arange(0, L_PAD)[None, :]
+        own = tl.load(counts_ptr + rank * stride_cr + (s2 * L + j2) * stride_ce,
+                      mask=(s2 < W) & (j2 < L), other=0).to(tl.int32)
+        mismatch = tl.max((tl.reshape(own, [EP]) != counter).to(tl.int32), axis=0)
+        status = status | (mismatch * 2)
+    tl.store(status_ptr + pid, status)

@@ -1,0 +1,262 @@
+"""MoELayer: router -> dispatch -> grouped SwiGLU experts -> combine on one :class:`tritonep.EPBuffer` (DESIGN.md §8).
+
+Eager calls compose differentiable pieces (``EPBuffer.dispatch``, :class:`tritonep.moe.experts.ExpertFFN`,
+``EPBuffer.combine``), so autograd gives the gradients of ``x``, the routing weights (hence the router), ``w1`` and
+``w2``. Under ``torch.compile`` the body after the router goes through the custom op of :mod:`tritonep.moe.ops`, whose
+hand-written backward (:meth:`MoELayer._backward_raw`) chains the same backward pieces.
+
+Idea sources: the DeepEP / Megatron-LM MoE layer split (router, token dispatcher, grouped GEMM experts).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..ep import EPBuffer
+from ..errors import BufferStateError, ConfigError, InputError
+from . import ops
+from .experts import expert_ffn, expert_ffn_backward, expert_ffn_forward
+from .recipe import MoEGeometry, MoERecipe, check_config
+from .router import TopKRouter
+
+__all__ = ["MoELayer"]
+
+_ACT_DTYPE = torch.bfloat16  # tokens, received rows and expert outputs travel in bf16
+_VIRTUAL_NEEDS = ("plan", "remap_torch", "push_expert_weights", "reduce_expert_grads")
+
+
+def _check_virtual_available():
+    try:
+        from .. import balance
+    except ImportError as e:  # pragma: no cover
+        raise ConfigError(f"MoERecipe.balance='virtual' is not available: tritonep.balance cannot be imported "
+                          f"({e})") from e
+    missing = [n for n in _VIRTUAL_NEEDS if not hasattr(balance, n)]
+    raise ConfigError("MoERecipe.balance='virtual' is not available in MoELayer yet"
+                      + (f" (tritonep.balance lacks {', '.join(missing)})" if missing else
+                         " (the remap / weight push step is not wired into MoELayer.forward)"))
+
+
+class MoELayer(nn.Module):
+    """Expert-parallel MoE layer (SwiGLU experts) for one EP group.
+
+    Args:
+        recipe: :class:`MoERecipe` (wires, combine kind, balance, expert alignment).
+        geometry: :class:`MoEGeometry` (hidden H, intermediate I, num_experts E, topk K, max_tokens_per_rank).
+        group: the EP process group (world_size W; E must be a multiple of W; rank r owns experts
+            ``[r*L, (r+1)*L)``, L = E / W).
+        device: where parameters and buffers live (default: the current CUDA device, else CPU).
+        dtype: expert weight dtype, ``torch.bfloat16`` (default) or ``torch.float32``; activations are bf16.
+        seed: initialisation seed; the router weight and every expert's weights depend only on (seed, global
+            expert id), so every rank builds the same router and a dense reference can rebuild all E experts
+            (:meth:`init_expert_weights`).
+
+    Parameters: ``router.weight [H, E]`` float32 (replicated), ``w1 [L, H, 2I]``, ``w2 [L, I, H]`` (this rank's
+    experts; w1's first I output columns are the gate, the last I the up projection).
+
+    Attributes after each forward: ``last_timings`` dict of seconds ``dispatch_s``, ``gemm_s``, ``combine_s`` (the
+    device is synchronised around each phase on CUDA; host wall clock on CPU); ``last_stats`` dict with
+    ``num_tokens_per_expert`` (host list of L ints) and ``recv_rows`` (int).
+
+    Raises:
+        ConfigError: any inconsistent recipe / geometry / world (checked before anything is allocated, naming the
+            field), an unsupported dtype, ``balance='virtual'`` while it is not available.
+    """
+
+    def __init__(self, recipe: MoERecipe, geometry: MoEGeometry, group, *, device=None,
+                 dtype: torch.dtype = torch.bfloat16, seed: int = 0):
+        super().__init__()
+        world_size = dist.get_world_size(group)
+        rank = dist.get_rank(group)
+        check_config(recipe, geometry, world_size)
+        if dtype not in (torch.bfloat16, torch.float32):
+            raise ConfigError(f"MoELayer dtype={dtype} is not torch.bfloat16 or torch.float32")
+        if recipe.balance == "virtual":
+            _check_virtual_available()
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        self.recipe, self.geometry, self.group = recipe, geometry, group
+        self.rank, self.world_size = rank, world_size
+        self.num_local_experts = geometry.num_experts // world_size
+        g = geometry
+        self.router = TopKRouter(g.hidden, g.num_experts, g.topk, seed=seed, device=self.device)
+        lo = rank * self.num_local_experts
+        w1, w2 = MoELayer._expert_weights(geometry, seed, dtype, range(lo, lo + self.num_local_experts))
+        self.w1 = nn.Parameter(w1.to(self.device))
+        self.w2 = nn.Parameter(w2.to(self.device))
+        self.buffer = EPBuffer(group, num_experts=g.num_experts, hidden=g.hidden,
+                               max_tokens_per_rank=g.max_tokens_per_rank, topk=g.topk,
+                               dispatch_wire=recipe.dispatch_wire, combine_wire=recipe.combine_wire,
+                               expert_alignment=recipe.expert_alignment, backend="auto", dtype=_ACT_DTYPE,
+                               device=self.device)
+        self.layer_id = ops.register_layer(self)
+        self._stash: dict = {}
+        self._tickets = itertools.count()
+        self._closed = False
+        self.last_timings: dict = {}
+        self.last_stats: dict = {}
+
+    # ------------------------------------------------------------------------------------------ static
+    @staticmethod
+    def _expert_weights(geometry: MoEGeometry, seed: int, dtype: torch.dtype, experts: Iterable[int]):
+        H, inter = geometry.hidden, geometry.intermediate
+        w1s, w2s = [], []
+        for e in experts:
+            gen = torch.Generator().manual_seed(int(seed) * 1_000_003 + 104_729 + int(e))
+            w1s.append(torch.randn(H, 2 * inter, generator=gen) / math.sqrt(H))
+            w2s.append(torch.randn(inter, H, generator=gen) / math.sqrt(inter))
+        if not w1s:
+            return torch.empty(0, H, 2 * inter, dtype=dtype), torch.empty(0, inter, H, dtype=dtype)
+        return torch.stack(w1s).to(dtype), torch.stack(w2s).to(dtype)
+
+    @staticmethod
+    def init_expert_weights(geometry: MoEGeometry, seed: int = 0, dtype: torch.dtype = torch.bfloat16
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every expert's initial weights, as the layers of any world size build them (CPU tensors).
+
+        Expert e's weights are drawn from a generator seeded by ``(seed, e)`` only: ``w1[e] ~ N(0, 1/H)``,
+        ``w2[e] ~ N(0, 1/I)`` (float32, then cast to ``dtype``).
+
+        Returns:
+            ``(w1_all [E, H, 2I], w2_all [E, I, H])`` in ``dtype``.
+        """
+        return MoELayer._expert_weights(geometry, seed, dtype, range(geometry.num_experts))
+
+    @staticmethod
+    def required_bytes(recipe: MoERecipe, geometry: MoEGeometry, world_size: int,
+                       device_type: str | None = None) -> int:
+        """Symmetric bytes one rank's layer allocates (equals ``layer.buffer.allocated_bytes``); no group needed.
+
+        Args:
+            device_type: ``"cuda"`` or ``"cpu"`` (kernel tiles, hence scratch sizes, differ); default: cuda when
+                available, else cpu.
+
+        Raises:
+            ConfigError: as the constructor.
+        """
+        check_config(recipe, geometry, world_size)
+        if device_type is None:
+            device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        g = geometry
+        return EPBuffer.required_bytes(world_size=world_size, num_experts=g.num_experts, hidden=g.hidden,
+                                       max_tokens_per_rank=g.max_tokens_per_rank, topk=g.topk,
+                                       dispatch_wire=recipe.dispatch_wire, combine_wire=recipe.combine_wire,
+                                       expert_alignment=recipe.expert_alignment, max_recv_tokens=None,
+                                       dtype=_ACT_DTYPE, device_type=device_type)
+
+    # ------------------------------------------------------------------------------------------ forward
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _runtime_experts(self, topk_idx: torch.Tensor, topk_weights: torch.Tensor):
+        """Hook between router and dispatch: map routes to runtime experts and pick the weights the GEMMs use.
+
+        With ``balance='none'`` it is the identity: ``(topk_idx, self.w1, self.w2)``. Virtual experts will remap
+        ``topk_idx`` to runtime ids and push native weights into the virtual slots here.
+        """
+        return topk_idx, self.w1, self.w2
+
+    def forward(self, x: torch.Tensor, topk_idx: torch.Tensor | None = None,
+                topk_weights: torch.Tensor | None = None) -> torch.Tensor:
+        """``y [T, H] = sum_k topk_weights[t, k] * SwiGLU_expert(topk_idx[t, k])(x[t])`` across the EP group.
+
+        Collective: every rank of the group calls it (T may be 0 on some ranks).
+
+        Args:
+            x: ``[T, H]`` bfloat16, ``T <= max_tokens_per_rank``.
+            topk_idx, topk_weights: ``[T, K]`` routing (int64 ids in ``[-1, E)``, float32 weights) to use instead of
+                the router (e.g. a real trace); give both or neither.
+
+        Returns:
+            ``[T, H]`` bfloat16, differentiable w.r.t. x, topk_weights (router weight when routed here), w1, w2.
+
+        Raises:
+            InputError: only one routing tensor given, or bad shapes / dtypes (see ``EPBuffer.dispatch``).
+            CapacityError, PeerTimeoutError, BufferStateError: from the buffer.
+        """
+        if self._closed:
+            raise BufferStateError("MoELayer is closed")
+        if (topk_idx is None) != (topk_weights is None):
+            raise InputError("give both topk_idx and topk_weights, or neither (then the router routes)")
+        if topk_idx is None:
+            topk_idx, topk_weights = self.router(x)
+        topk_idx, w1, w2 = self._runtime_experts(topk_idx, topk_weights)
+        if torch.compiler.is_compiling():
+            save = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weights, w1, w2))
+            y, _ticket = ops.moe_layer_forward(x, topk_idx, topk_weights, w1, w2, self.layer_id, save)
+            return y
+        return self._forward_autograd(x, topk_idx, topk_weights, w1, w2)
+
+    def _record(self, t, d):
+        self.last_timings = {"dispatch_s": t[1] - t[0], "gemm_s": t[2] - t[1], "combine_s": t[3] - t[2]}
+        self.last_stats = {"num_tokens_per_expert": d.num_tokens_per_expert.tolist(), "recv_rows": d.x.shape[0]}
+
+    def _forward_autograd(self, x, topk_idx, topk_weights, w1, w2):
+        t = [self._now()]
+        d = self.buffer.dispatch(x, topk_idx, topk_weights)
+        t.append(self._now())
+        eo = expert_ffn(d.x, d.expert_offsets, w1, w2, out=self.buffer.expert_out_buffer(d.x.shape[0]))
+        t.append(self._now())
+        y = self.buffer.combine(eo, d.handle, kind=self.recipe.combine)
+        t.append(self._now())
+        self._record(t, d)
+        return y
+
+    def _forward_raw(self, x, topk_idx, topk_weights, w1, w2, save: bool):
+        """No-autograd forward for the custom op; returns ``(y, ticket)`` and keeps the backward state if ``save``."""
+        with torch.no_grad():
+            t = [self._now()]
+            d = self.buffer.dispatch(x, topk_idx, topk_weights)
+            t.append(self._now())
+            eo, h = expert_ffn_forward(d.x, d.expert_offsets, w1, w2, self.buffer.expert_out_buffer(d.x.shape[0]))
+            t.append(self._now())
+            y = self.buffer.combine(eo, d.handle, kind=self.recipe.combine)
+            t.append(self._now())
+        self._record(t, d)
+        ticket = -1
+        if save:
+            ticket = next(self._tickets)
+            self._stash[ticket] = (d.x, d.expert_offsets, h, eo, d.handle, w1.detach(), w2.detach(),
+                                   topk_weights.shape)
+        return y, ticket
+
+    def _backward_raw(self, ticket: int, grad_y: torch.Tensor):
+        """Backward of one ``_forward_raw`` call: ``(grad_x, grad_topk_weights, grad_w1, grad_w2)``.
+
+        Chains the backward pieces of combine (``grad_expert_out``, per-row weight grads), the expert FFN and
+        dispatch (sums rows back to tokens, gathers weight grads). The expert output rows read here live in the
+        symmetric region: a later forward of this layer before this backward overwrites them.
+        """
+        if ticket not in self._stash:
+            raise BufferStateError(f"MoELayer {self.layer_id}: no saved forward for ticket {ticket} (already "
+                                   f"consumed by a backward?)")
+        xr, offs, h, eo, handle, w1, w2, _ = self._stash.pop(ticket)
+        impl = self.buffer._impl  # the backward halves of dispatch / combine (as used by tritonep.ep.autograd)
+        g_eo, g_rw = impl.combine_bwd(grad_y.to(_ACT_DTYPE).contiguous(), eo, handle)
+        g_xr, g_w1, g_w2 = expert_ffn_backward(g_eo, xr, offs, w1, w2, h)
+        g_x, g_tw = impl.dispatch_bwd(g_xr, g_rw, handle)
+        return g_x, g_tw, g_w1, g_w2
+
+    # ------------------------------------------------------------------------------------------ lifetime
+    def close(self):
+        """Release in order: saved backward state, the op registry entry, then the EPBuffer (collective: every rank
+        closes its layers in the same order). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stash.clear()
+        ops.unregister_layer(self.layer_id)
+        self.buffer.close()
+
+    def extra_repr(self) -> str:
+        return f"recipe={self.recipe}, geometry={self.geometry}, rank={self.rank}/{self.world_size}"

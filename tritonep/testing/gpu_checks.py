@@ -1,0 +1,150 @@
+"""Rank functions of the GPU test suite (module-level so spawned ranks can import them).
+
+Each ``*_world(group, ...)`` runs on every rank of :func:`tritonep.testing.run_gpu_world` and returns CPU tensors
+or plain values; the tests compare them with the reference oracles on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .cases import make_rank_inputs
+
+__all__ = ["heap_peer_write_world", "ep_cases_world", "ep_graph_world", "ep_grad_world"]
+
+
+def heap_peer_write_world(group, epochs=3):
+    """CUDA heap: every rank writes into every peer's region through pointer tables, epoch signals, 3 epochs."""
+    from tritonep.kernels.signal import signal_peers, wait_all_ge  # noqa: F401 (kernels compile on GPU)
+    from tritonep.memory import Region, get_heap
+
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def write_k(data_tab, flags_tab, calls_ptr, N: tl.constexpr, RANK: tl.constexpr, W: tl.constexpr,
+                WB: tl.constexpr):
+        n = tl.load(calls_ptr)
+        offs = tl.arange(0, N)
+        for d in range(W):
+            dst = tl.load(data_tab + d).to(tl.pointer_type(tl.int64))
+            tl.store(dst + RANK * N + offs, n * 1000 + RANK * 100 + offs)
+        signal_peers(flags_tab, 0, W, RANK, WB)
+
+    @triton.jit
+    def wait_k(flags_ptr, calls_ptr, status_ptr, W: tl.constexpr, WB: tl.constexpr):
+        n = tl.load(calls_ptr)
+        wait_all_ge(flags_ptr, W, n, status_ptr, 7, 5_000_000_000, True, WB)
+
+    rank, W = dist.get_rank(group), dist.get_world_size(group)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    heap = get_heap(group, dev)
+    buf = heap.allocate([Region("data", (W, 8), torch.int64), Region("flags", (W,), torch.int64),
+                         Region("calls", (1,), torch.int64), Region("status", (8,), torch.int64)])
+    outs = []
+    for _ in range(epochs):
+        buf.local("calls").add_(1)
+        write_k[(1,)](buf.ptr_table("data"), buf.ptr_table("flags"), buf.local("calls"), N=8, RANK=rank, W=W,
+                      WB=max(2, triton.next_power_of_2(W)))
+        wait_k[(1,)](buf.local("flags"), buf.local("calls"), buf.local("status"), W=W,
+                     WB=max(2, triton.next_power_of_2(W)))
+        outs.append(buf.local("data").cpu())
+        dist.barrier(group)
+    st = buf.local("status").cpu()
+    buf.close()
+    return outs, st
+
+
+def ep_cases_world(group, cases):
+    """Run dispatch + combine for every case dict (E, H, Tmax, K, A, T per rank, seed, kind) and return results."""
+    import tritonep as tep
+
+    rank = dist.get_rank(group)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    res = []
+    for c in cases:
+        buf = tep.EPBuffer(group, c["E"], c["H"], c["Tmax"], c["K"], expert_alignment=c.get("A", 1),
+                           max_recv_tokens=c.get("max_recv"))
+        outs = []
+        for s in c.get("seeds", [0]):
+            x, idx, w = make_rank_inputs(rank, c["T"][rank], c["H"], c["E"], c["K"], seed=s,
+                                         mask_frac=c.get("mask", 0.1))
+            d = buf.dispatch(x.to(dev), idx.to(dev), w.to(dev))
+            eo = buf.expert_out_buffer(d.x.shape[0])
+            eo.copy_((d.x.float() * 0.5 + 1.0).to(torch.bfloat16))
+            y = buf.combine(eo, d.handle, kind=c.get("kind"))
+            outs.append(dict(x=d.x.cpu(), ntpe=d.num_tokens_per_expert.cpu(), offs=d.expert_offsets.cpu(),
+                             w=d.weights.cpu(), eo=eo.cpu(), y=y.cpu()))
+        buf.close()
+        res.append(outs)
+    return res
+
+
+def ep_graph_world(group, E, H, Tmax, K, replays, seed=0):
+    """Capture dispatch + combine into one CUDA graph, replay ``replays`` times with fresh inputs copied into the
+    captured tensors, and check every replay on this rank against an eager run of the same inputs."""
+    import tritonep as tep
+
+    rank = dist.get_rank(group)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    buf = tep.EPBuffer(group, E, H, Tmax, K)
+    ref_buf = tep.EPBuffer(group, E, H, Tmax, K)
+    x0, i0, w0 = (t.to(dev) for t in make_rank_inputs(rank, Tmax, H, E, K, seed=seed))
+    sx, si, sw = x0.clone(), i0.clone(), w0.clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up (compiles kernels) outside capture
+        d = buf.dispatch(sx, si, sw)
+        y = buf.combine(buf.expert_out_buffer(d.x.shape[0]).copy_(d.x), d.handle)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        d = buf.dispatch(sx, si, sw)
+        eo = buf.expert_out_buffer()
+        eo.copy_((d.x.float() * 0.5 + 1.0).to(torch.bfloat16))
+        y = buf.combine(eo, d.handle)
+    bad = []
+    for i in range(replays):
+        x, idx, w = (t.to(dev) for t in make_rank_inputs(rank, Tmax, H, E, K, seed=seed + 1 + i))
+        sx.copy_(x)
+        si.copy_(idx)
+        sw.copy_(w)
+        g.replay()
+        torch.cuda.synchronize()
+        dr = ref_buf.dispatch(x, idx, w)
+        R = dr.x.shape[0]
+        eor = ref_buf.expert_out_buffer(R)
+        eor.copy_((dr.x.float() * 0.5 + 1.0).to(torch.bfloat16))
+        yr = ref_buf.combine(eor, dr.handle)
+        ok = (torch.equal(d.x[:R], dr.x) and torch.equal(d.expert_offsets, dr.expert_offsets)
+              and torch.equal(y, yr))
+        if not ok:
+            bad.append(i)
+    buf.check()
+    buf.close()
+    ref_buf.close()
+    return bad
+
+
+def ep_grad_world(group, E, H, Tmax, K, T, seed=0):
+    """dispatch -> x*0.5 -> combine, backward; returns inputs and grads for a host reference check."""
+    import tritonep as tep
+
+    rank = dist.get_rank(group)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    x, idx, w = (t.to(dev) for t in make_rank_inputs(rank, T[rank], H, E, K, seed=seed))
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    buf = tep.EPBuffer(group, E, H, Tmax, K)
+    d = buf.dispatch(x, idx, w)
+    eo = (d.x.float() * 0.5).to(torch.bfloat16)
+    eo.retain_grad()
+    y = buf.combine(eo, d.handle)
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(99 + rank)).to(torch.bfloat16).to(dev)
+    (y.float() * g.float()).sum().backward()
+    out = dict(x=x.detach().cpu(), idx=idx.cpu(), w=w.detach().cpu(), gx=x.grad.cpu(), gw=w.grad.cpu(),
+               geo=eo.grad.cpu(), eo=eo.detach().cpu(), g=g.cpu())
+    buf.close()
+    return out

@@ -1,0 +1,259 @@
+"""The fp8 wire: float8_e4m3fn values with one fp32 scale per 128 contiguous elements of a row (DESIGN.md §7).
+
+Spec (:func:`quantize_fp8_torch`, exact bits; the Triton path gives the same bits in the interpreter and on GPU):
+
+* Blocks: 128 contiguous elements of a row; ``hidden % 128 == 0`` (no padding).
+* ``amax`` = max |x| over the block's *finite* elements, in fp32 (NaN and +-Inf are left out; 0 if none).
+* ``scale = max(amax / 448, 2^-126)`` with IEEE round-to-nearest division (``tl.math.div_rn`` in Triton).
+  The floor 2^-126 (smallest normal fp32) keeps the scale normal and nonzero: an all-zero (or all
+  non-finite) block gets scale 2^-126 and zeros stay zeros.
+  ``pow2_scale=True`` then rounds the scale UP to a power of two (UE8M0-style, for GEMMs that need it).
+* ``q = e4m3(x / scale)``: IEEE division, then round to nearest even onto the e4m3fn grid with saturation to
+  +-448 (like ``cvt.rn.satfinite``). Signed zeros are kept (``-0.0 -> 0x80``).
+* Non-finite inputs: NaN -> 0x7F (positive NaN code); +-Inf -> +-448 (0x7E / 0xFE), i.e. it dequantizes to
+  +-448 * scale of the block's finite elements.
+* fp32-subnormal inputs are used as they are (no flush to zero).
+
+Dequant (:func:`dequantize_fp8_torch`): ``out = (value(q) * scale).to(out_dtype)``, one fp32 multiply, RNE cast.
+
+Error bound (fp32 output, tested): ``|dequant(quant(x)) - x| <= 2^-4 * |x| + 2^-10 * scale`` for finite x
+(half an e4m3 ulp relative, or half the subnormal step 2^-9 times the scale), plus fp32 rounding (2^-22 |x|).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tritonep.errors import InputError, WireError
+from tritonep.kernels.quant import KIND_OF_DTYPE, fp8_dequant_tile, fp8_quant_tile, load_as_fp32, store_fp32_as
+from tritonep.wire.formats import FP8_BLOCK
+
+__all__ = [
+    "quantize_fp8_torch",
+    "dequantize_fp8_torch",
+    "quantize_fp8",
+    "dequantize_fp8",
+    "e4m3_encode_torch",
+    "FP8_REL_ERR",
+    "FP8_ABS_ERR_SCALE",
+]
+
+FP8_REL_ERR = 2.0**-4
+"""Round-trip error bound, relative part: ``|dequant(quant(x)) - x| <= FP8_REL_ERR*|x| + FP8_ABS_ERR_SCALE*scale``."""
+
+FP8_ABS_ERR_SCALE = 2.0**-10
+"""Round-trip error bound, absolute part in units of the block scale (half the e4m3 subnormal step 2^-9)."""
+
+_IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_MIN_SCALE_BITS = 0x00800000  # 2^-126
+
+
+def _rne_shift_torch(m: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """int32 ``m >= 0`` shifted right by ``s`` (1..25), round to nearest even."""
+    one = torch.ones_like(m)
+    n = m >> s
+    rem = m & ((one << s) - 1)
+    half = one << (s - 1)
+    up = (rem > half) | ((rem == half) & ((n & 1) == 1))
+    return n + up.to(torch.int32)
+
+
+def e4m3_encode_torch(y: torch.Tensor) -> torch.Tensor:
+    """fp32 tensor (any shape) -> uint8 float8_e4m3fn bits: RNE, saturate to +-448, Inf -> +-448, NaN -> 0x7F.
+
+    Twin of :func:`tritonep.kernels.quant.e4m3_encode`. Raises InputError if ``y`` is not float32.
+    """
+    if y.dtype != torch.float32:
+        raise InputError(f"e4m3_encode_torch needs float32, got {y.dtype}")
+    yb = y.contiguous().view(torch.int32)
+    sign = (yb >> 31) & 1
+    ab = yb & 0x7FFFFFFF
+    abc = torch.clamp(ab, max=0x7F800000)
+    e = abc >> 23
+    r = (abc + 0x7FFFF + ((abc >> 20) & 1)) >> 20
+    code_n = torch.clamp(r - (120 << 3), max=0x7E)
+    m = (abc & 0x7FFFFF) | 0x800000
+    s = torch.clamp(141 - e, 1, 25)
+    code_s = torch.where(e == 0, torch.zeros_like(m), _rne_shift_torch(m, s))
+    code = torch.where(e >= 121, code_n, code_s) | (sign << 7)
+    code = torch.where(ab > 0x7F800000, torch.full_like(code, 0x7F), code)
+    return code.to(torch.uint8)
+
+
+def _check_x(x: torch.Tensor, name: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise InputError(f"{name}: x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 2:
+        raise InputError(f"{name}: x must be 2-D [N, hidden], got shape {tuple(x.shape)}")
+    if x.dtype not in _IN_DTYPES:
+        raise InputError(f"{name}: x dtype must be one of bfloat16/float16/float32, got {x.dtype}")
+    if x.shape[1] % FP8_BLOCK != 0:
+        raise WireError(
+            f"{name}: wire 'fp8' needs hidden to be a multiple of its block of {FP8_BLOCK} (no padding); "
+            f"got hidden={x.shape[1]}"
+        )
+
+
+def _check_q(q: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype, name: str) -> torch.Tensor:
+    if not isinstance(q, torch.Tensor) or not isinstance(scales, torch.Tensor):
+        raise InputError(f"{name}: q and scales must be torch.Tensors")
+    if q.dtype not in (torch.float8_e4m3fn, torch.uint8) or q.dim() != 2:
+        raise InputError(f"{name}: q must be 2-D float8_e4m3fn or uint8, got {q.dtype} {tuple(q.shape)}")
+    n, h = q.shape
+    if h % FP8_BLOCK != 0:
+        raise WireError(f"{name}: wire 'fp8' needs hidden % {FP8_BLOCK} == 0 (no padding); got hidden={h}")
+    if scales.dtype != torch.float32 or tuple(scales.shape) != (n, h // FP8_BLOCK):
+        raise InputError(
+            f"{name}: scales must be float32 of shape {(n, h // FP8_BLOCK)}, got {scales.dtype} {tuple(scales.shape)}"
+        )
+    if scales.device != q.device:
+        raise InputError(f"{name}: scales on {scales.device} but q on {q.device}")
+    if out_dtype not in _IN_DTYPES:
+        raise InputError(f"{name}: out_dtype must be bfloat16/float16/float32, got {out_dtype}")
+    return q.view(torch.uint8)
+
+
+def quantize_fp8_torch(x: torch.Tensor, pow2_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Spec of the fp8 wire (see the module docstring for the exact rule).
+
+    Args:
+        x: [N, H] bfloat16/float16/float32, H % 128 == 0.
+        pow2_scale: round each scale up to a power of two.
+
+    Returns:
+        (q [N, H] torch.float8_e4m3fn, scales [N, H // 128] float32), on x's device.
+
+    Raises:
+        InputError: x not 2-D or wrong dtype. WireError: H % 128 != 0.
+    """
+    _check_x(x, "quantize_fp8_torch")
+    n, h = x.shape
+    xf = x.float().contiguous().reshape(n, h // FP8_BLOCK, FP8_BLOCK)
+    ab = xf.view(torch.int32) & 0x7FFFFFFF
+    amax_bits = torch.where(ab < 0x7F800000, ab, torch.zeros_like(ab)).amax(dim=-1)
+    scale = amax_bits.view(torch.float32) / 448.0
+    sb = torch.clamp(scale.view(torch.int32), min=_MIN_SCALE_BITS)
+    if pow2_scale:
+        sb = (sb + 0x7FFFFF) & 0x7F800000
+    scale = sb.view(torch.float32)
+    q = e4m3_encode_torch(xf / scale[..., None])
+    return q.reshape(n, h).view(torch.float8_e4m3fn), scale
+
+
+def dequantize_fp8_torch(q: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Spec of fp8 dequantization: ``(value(q) * scale).to(out_dtype)`` (fp32 multiply, RNE cast).
+
+    Args:
+        q: [N, H] float8_e4m3fn (or its uint8 bits). scales: [N, H // 128] float32.
+        out_dtype: bfloat16, float16 or float32.
+
+    Returns:
+        [N, H] out_dtype. Raises InputError / WireError on bad shapes or dtypes.
+    """
+    qb = _check_q(q, scales, out_dtype, "dequantize_fp8_torch")
+    n, h = qb.shape
+    v = qb.view(torch.float8_e4m3fn).float().reshape(n, h // FP8_BLOCK, FP8_BLOCK)
+    return (v * scales[..., None]).reshape(n, h).to(out_dtype)
+
+
+@triton.jit
+def _fp8_quant_kernel(x_ptr, q_ptr, s_ptr, N, H, KIND: tl.constexpr, POW2: tl.constexpr,
+                      R: tl.constexpr, G: tl.constexpr, BLK: tl.constexpr):
+    """Programs over blocks of R rows; each walks its rows' scale blocks G at a time (tile [R*G, BLK])."""
+    pid = tl.program_id(0)
+    nb = H // BLK
+    t = tl.arange(0, R * G)
+    col = tl.arange(0, BLK)
+    for r0 in range(pid * R, N, tl.num_programs(0) * R):
+        row = (r0 + t // G).to(tl.int64)
+        for g0 in range(0, nb, G):
+            g = g0 + t % G
+            ok = (row < N) & (g < nb)
+            offs = row[:, None] * H + g[:, None] * BLK + col[None, :]
+            x = load_as_fp32(x_ptr, offs, ok[:, None], KIND)
+            q, s = fp8_quant_tile(x, POW2)
+            tl.store(q_ptr + offs, q, mask=ok[:, None])
+            tl.store(s_ptr + row * nb + g, s, mask=ok)
+
+
+@triton.jit
+def _fp8_dequant_kernel(q_ptr, s_ptr, o_ptr, N, H, KIND: tl.constexpr,
+                        R: tl.constexpr, G: tl.constexpr, BLK: tl.constexpr):
+    """Inverse of :func:`_fp8_quant_kernel` with the same tiling."""
+    pid = tl.program_id(0)
+    nb = H // BLK
+    t = tl.arange(0, R * G)
+    col = tl.arange(0, BLK)
+    for r0 in range(pid * R, N, tl.num_programs(0) * R):
+        row = (r0 + t // G).to(tl.int64)
+        for g0 in range(0, nb, G):
+            g = g0 + t % G
+            ok = (row < N) & (g < nb)
+            offs = row[:, None] * H + g[:, None] * BLK + col[None, :]
+            q = tl.load(q_ptr + offs, mask=ok[:, None], other=0)
+            s = tl.load(s_ptr + row * nb + g, mask=ok, other=1.0)
+            store_fp32_as(o_ptr, offs, fp8_dequant_tile(q, s), ok[:, None], KIND)
+
+
+def _tiling(n: int, nb: int, device: torch.device, groups: int) -> tuple[int, int, int]:
+    """(R rows, G groups, grid) for an [N rows, nb blocks] problem: tiles of about ``groups`` scale blocks.
+
+    GPU: one row per tile, G = min(nb, groups). CPU interpreter: 4x larger tiles over several rows (fewer steps).
+    """
+    g = min(triton.next_power_of_2(nb), groups)
+    r = 1 if device.type == "cuda" else max(1, min(triton.next_power_of_2(n), 4 * groups // g))
+    progs = triton.cdiv(n, r)
+    if device.type == "cuda":
+        progs = min(progs, 4 * torch.cuda.get_device_properties(device).multi_processor_count)
+    return r, g, max(1, progs)
+
+
+def quantize_fp8(x: torch.Tensor, pow2_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton fp8 quantization; same bits as :func:`quantize_fp8_torch`.
+
+    Args:
+        x: [N, H] bfloat16/float16/float32, contiguous, H % 128 == 0 (CUDA, or CPU under TRITON_INTERPRET=1).
+        pow2_scale: round each scale up to a power of two.
+
+    Returns:
+        (q [N, H] torch.float8_e4m3fn, scales [N, H // 128] float32).
+
+    Raises:
+        InputError: x not 2-D, not contiguous, or wrong dtype. WireError: H % 128 != 0.
+    """
+    _check_x(x, "quantize_fp8")
+    if not x.is_contiguous():
+        raise InputError(f"quantize_fp8: x must be contiguous, got strides {x.stride()}")
+    n, h = x.shape
+    q = torch.empty((n, h), dtype=torch.uint8, device=x.device)
+    s = torch.empty((n, h // FP8_BLOCK), dtype=torch.float32, device=x.device)
+    if n > 0:
+        r, g, progs = _tiling(n, h // FP8_BLOCK, x.device, 8)
+        xin = x.view(torch.int16) if x.dtype == torch.bfloat16 else x
+        _fp8_quant_kernel[(progs,)](xin, q, s, n, h, KIND=KIND_OF_DTYPE[x.dtype], POW2=bool(pow2_scale),
+                                    R=r, G=g, BLK=FP8_BLOCK)
+    return q.view(torch.float8_e4m3fn), s
+
+
+def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Triton fp8 dequantization; same bits as :func:`dequantize_fp8_torch`.
+
+    Args:
+        q: [N, H] float8_e4m3fn or uint8 bits, contiguous. scales: [N, H // 128] float32, contiguous.
+        out_dtype: bfloat16, float16 or float32.
+
+    Returns:
+        [N, H] out_dtype. Raises InputError / WireError on bad shapes, dtypes, devices or strides.
+    """
+    qb = _check_q(q, scales, out_dtype, "dequantize_fp8")
+    if not qb.is_contiguous() or not scales.is_contiguous():
+        raise InputError("dequantize_fp8: q and scales must be contiguous")
+    n, h = qb.shape
+    out = torch.empty((n, h), dtype=out_dtype, device=qb.device)
+    if n > 0:
+        r, g, progs = _tiling(n, h // FP8_BLOCK, qb.device, 8)
+        o = out.view(torch.int16) if out_dtype == torch.bfloat16 else out
+        _fp8_dequant_kernel[(progs,)](qb, scales, o, n, h, KIND=KIND_OF_DTYPE[out_dtype], R=r, G=g, BLK=FP8_BLOCK)
+    return out

@@ -30,6 +30,7 @@ def main():
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
     group = dist.group.WORLD
     rows = []
+    print('peer copy...', flush=True) if rank == 0 else None
     pc = peer_copy_gbps(group)
     for prof in a.profiles:
         for sms in a.num_sms:

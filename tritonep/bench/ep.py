@@ -35,8 +35,8 @@ def _barrier(group):
     dist.barrier(group=group, device_ids=[torch.cuda.current_device()])
 
 
-def time_graph(fn, group, iters=30, warmup=3):
-    """Median microseconds of ``fn`` captured in a CUDA graph (or eager if capture fails: returns (us, mode))."""
+def time_graph(fn, group, iters=30, warmup=3, capture=True):
+    """Median microseconds of ``fn`` replayed from a CUDA graph (``capture=False``: eager calls); (us, mode)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -44,15 +44,14 @@ def time_graph(fn, group, iters=30, warmup=3):
             fn()
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
-    mode = "graph"
-    try:
+    if capture:
+        mode = "graph"
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             fn()
         run = g.replay
-    except Exception:  # noqa: BLE001 - e.g. NCCL a2a with host-side splits cannot be captured on some versions
+    else:
         mode = "eager"
-        torch.cuda.synchronize()
         run = fn
     times = []
     for _ in range(iters):
@@ -119,6 +118,8 @@ def bench_ep(group, profile: str, combine_kinds=("push", "pull"), num_sms=None, 
     nvlink = nv_rows * H * 2
 
     def row(name, us, mode, extra=None):
+        if rank == 0:
+            print(f"  {profile} {name}: {us:.1f} us ({mode})", flush=True)
         r = dict(profile=profile, op=name, world_size=W, tokens=T, hidden=H, us=us, mode=mode,
                  logical_gbps=logical / us / 1e3, nvlink_gbps=nvlink / us / 1e3, recv_rows=R, nvlink_rows=nv_rows)
         if extra:
@@ -138,6 +139,8 @@ def bench_ep(group, profile: str, combine_kinds=("push", "pull"), num_sms=None, 
 
     us, mode = time_graph(disp, group, iters=iters)
     row("tritonep.dispatch", us, mode, {"grid": buf._impl.geo.grid_send})
+    us, mode = time_graph(disp, group, iters=iters, capture=False)
+    row("tritonep.dispatch", us, mode, {"grid": buf._impl.geo.grid_send})
     d = buf.dispatch(x, idx, w)
     eo = buf.expert_out_buffer()
     eo.normal_()
@@ -154,7 +157,7 @@ def bench_ep(group, profile: str, combine_kinds=("push", "pull"), num_sms=None, 
     sc, rc = send_counts.tolist(), recv_counts.tolist()
 
     us, mode = time_graph(lambda: dist.all_to_all_single(recv_buf, send_buf, rc, sc, group=group), group,
-                          iters=iters)
+                          iters=iters, capture=False)
     row("nccl.a2a", us, mode)
 
     # --- NCCL pipeline: pack + a2a + unpack into expert segments (and combine back)
@@ -172,7 +175,7 @@ def bench_ep(group, profile: str, combine_kinds=("push", "pull"), num_sms=None, 
         dist.all_to_all_single(recv_buf, sb, rc, sc, group=group)
         out.index_copy_(0, dst_pos, recv_buf.index_select(0, src_pos))
 
-    us, mode = time_graph(nccl_dispatch, group, iters=iters)
+    us, mode = time_graph(nccl_dispatch, group, iters=iters, capture=False)
     row("nccl.pipeline.dispatch", us, mode)
     wrecv = torch.rand(int(recv_counts.sum()), K, device=dev)
     back = torch.empty_like(send_buf)
@@ -185,6 +188,6 @@ def bench_ep(group, profile: str, combine_kinds=("push", "pull"), num_sms=None, 
         y.zero_()
         y.index_add_(0, order, back.float())
 
-    us, mode = time_graph(nccl_combine, group, iters=iters)
+    us, mode = time_graph(nccl_combine, group, iters=iters, capture=False)
     row("nccl.pipeline.combine", us, mode)
     return rows

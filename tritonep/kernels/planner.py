@@ -129,7 +129,6 @@ def plan_kernel(counts_ptr, stride_cr, stride_ce,
     pid = tl.program_id(0)
     rem, moved, slot, sender_of, quota, cap, etc, prefix, neg = _placement(
         counts_ptr, stride_cr, stride_ce, rank, W, L, W_PAD, L_PAD)
-    movedT = tl.trans(moved)  # [L_PAD, W_PAD]: moved routes of local expert j on receiver d
     dd = tl.arange(0, W_PAD)[None, :]
 
     if pid == 0:
@@ -140,6 +139,7 @@ def plan_kernel(counts_ptr, stride_cr, stride_ce,
         tl.store(cap_ptr + dvec, cap, mask=dvec < W)
         tl.store(etc_ptr + rows * L + kcol, etc, mask=(rows < W) & (kcol < L))
         slotT = tl.trans(slot)
+        movedT = tl.trans(moved)  # [L_PAD, W_PAD]: moved routes of the sender's local expert j on receiver d
         jr = tl.arange(0, L_PAD)[:, None]
         for s in range(W):  # one owner's L experts at a time: [L_PAD, W_PAD] rows of [E, W]
             from_s = sender_of[None, :] == s
@@ -152,6 +152,7 @@ def plan_kernel(counts_ptr, stride_cr, stride_ce,
             tl.store(slot_ptr + offs, tl.where(from_s, slotT, -1), mask=msk)
 
     rem1 = tl.reshape(rem, [EP])
+    moved1 = tl.reshape(moved, [EP])
     slot1 = tl.reshape(slot, [EP])
     prefix1 = tl.reshape(prefix, [EP])
     ii = tl.arange(0, BLOCK)
@@ -184,7 +185,10 @@ def plan_kernel(counts_ptr, stride_cr, stride_ce,
         g = tl.gather(prefix1, pidx, 0) + tl.gather(counter, pidx, 0) + within
         counter += tl.histogram(pidx, EP, mask=valid)
         # this expert's allocation row over destinations, then its run ends
-        mrow = tl.gather(movedT, j[:, None] + zero_bw, 0)
+        # 1-D gather (a 2-D tl.gather from a small source trips an assertion in Triton 3.6's
+        # OptimizeThreadLocality pass on sm_90, e.g. W=L=8)
+        flat_idx = tl.reshape(dd * L_PAD + j[:, None] + zero_bw, [BLOCK * W_PAD])
+        mrow = tl.reshape(tl.gather(moved1, flat_idx, 0), [BLOCK, W_PAD])
         arow = tl.where(sender_of[None, :] == owner[:, None], mrow, 0)
         arow += tl.where(dd == owner[:, None], tl.gather(rem1, pidx, 0)[:, None], 0)
         ends_row = tl.where(dd < W, tl.cumsum(arow, axis=1), BIG)

@@ -29,6 +29,28 @@ def _ep_paths(group):
     return recs
 
 
+def _transport_paths(group):
+    from tritonep.balance import place_torch
+    from tritonep.balance.transport import ExpertTransport, PushWeights
+
+    recs = []
+    with record_launches(recs):
+        tr = ExpertTransport(group, 4, {"w1": (8, 8)}, dtype=torch.bfloat16, device="cpu")
+        pl = place_torch(torch.tensor([[9, 1, 1, 1], [9, 1, 1, 1]]))
+        w = torch.ones(2, 8, 8, dtype=torch.bfloat16, requires_grad=True)
+        (s,) = PushWeights.apply(tr, pl, ("w1",), w)
+        s.float().sum().backward()
+        tr.close()
+    return recs
+
+
+def test_transport_kernels_compile_for_sm90():
+    recs = run_cpu_world(2, _transport_paths, timeout_s=120)[0]
+    assert {"barrier_kernel", "push_weights_kernel", "pull_grads_kernel"} <= {r.get("name") for r in recs}
+    failures = compile_recorded(recs)
+    assert not failures, "\n\n".join(f"{n}: {e}" for n, e in failures)
+
+
 def test_ep_kernels_compile_for_sm90():
     recs = run_cpu_world(2, _ep_paths, timeout_s=120)[0]
     names = {r.get("name") for r in recs}

@@ -139,6 +139,8 @@ def _check(case, res, backends=("triton", "nccl")):
 CASES = {
     "w2_empty_rank_neg": dict(W=2, E=8, H=64, K=4, Ts=[20, 0], neg_frac=0.2, dup=True),
     "w3_align4_neg": dict(W=3, E=12, H=64, K=3, Ts=[10, 17, 5], A=4, neg_frac=0.15, dup=True, seed=1),
+    "w2_all_masked": dict(W=2, E=4, H=32, K=2, Ts=[4, 3], neg_frac=1.0, seed=5),
+    "w1": dict(W=1, E=4, H=32, K=2, Ts=[5], A=2, neg_frac=0.3, seed=6),
 }
 
 
@@ -202,3 +204,12 @@ def test_gpu_nccl_matches_triton_deepseek_shape():
     _need_two_gpus()
     case = _deepseek_case()
     _check(case, run_gpu_world(2, _both, case))
+
+
+@pytest.mark.parametrize("field", ["dispatch_wire", "combine_wire"])
+def test_quantized_wires_are_refused_with_wire_error(field):
+    from tritonep.ep.nccl_backend import NcclEP
+    from tritonep.errors import WireError
+
+    with pytest.raises(WireError, match=f"{field}='fp8'.*nccl"):
+        NcclEP(None, 0, 2, 8, 128, 4, 2, 1, 64, torch.device("cpu"), torch.bfloat16, **{field: "fp8"})

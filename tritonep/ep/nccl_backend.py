@@ -64,6 +64,12 @@ class NcclEP:
     Args: as ``TritonEP``: the group, this rank, world_size W, num_experts E, hidden H, max_tokens_per_rank, topk K,
     expert_alignment A, max_recv_tokens, device, dtype; ``dispatch_wire`` / ``combine_wire`` must be ``"bf16"``.
 
+    The :class:`DispatchHandle` it returns has ``meta = wts = ntok = None`` and ``extras``: ``send_splits`` /
+    ``recv_splits`` (packets per peer, host lists), ``send_tok`` int64 ``[Ns]`` (token of each sent packet, ordered by
+    (destination rank, token)), ``send_here`` bool ``[Ns, K]`` (route k of that token lives on that destination),
+    ``recv_rows`` int64 ``[Nr, K]`` (destination row of each received route, -1 elsewhere) and ``recv_w`` float32
+    ``[Nr, K]`` (its weight, 0 elsewhere).
+
     Raises:
         WireError: a wire other than bf16 (fp8 / mxfp4 are not implemented on this backend yet).
     """

@@ -1,0 +1,1 @@
+"""Benchmark and soak bodies used by ``tritonep bench`` and benchmarks/*.py."""

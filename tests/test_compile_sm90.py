@@ -26,6 +26,13 @@ def _ep_paths(group):
         y2 = buf.combine(d.x * 1, d.handle, kind="pull")
         (y.float().sum() + y2.float().sum()).backward()
         buf.close()
+        for dw, cw in (("fp8", "fp8"), ("mxfp4", "mxfp4")):
+            qb = tep.EPBuffer(group, 8, 128, 16, 2, dispatch_wire=dw, combine_wire=cw)
+            xq, iq, wq = make_rank_inputs(rank, 9, 128, 8, 2, seed=2)
+            dq = qb.dispatch(xq, iq, wq)
+            qb.combine(dq.x, dq.handle)
+            qb.dispatch(xq, iq, wq, keep_quantized=True)
+            qb.close()
     return recs
 
 

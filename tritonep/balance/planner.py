@@ -26,7 +26,7 @@ def _pow2(n: int) -> int:
 
 
 def plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, *, num_programs: Optional[int] = None,
-         block: int = 64, validate: bool = False) -> tuple[Placement, torch.Tensor]:
+         block: Optional[int] = None, validate: bool = False) -> tuple[Placement, torch.Tensor]:
     """Plan this step's virtual experts and remap this rank's routes, in one Triton launch.
 
     Args:
@@ -35,9 +35,9 @@ def plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, *, num_program
         topk_idx: ``[T, K]`` int32/int64 on the same device, this rank's global expert ids, -1 = masked. T may be 0.
         rank: this rank in ``[0, W)``.
         num_programs: grid size (every program recomputes the placement, then remaps a contiguous chunk of
-            routes). Default: 1 under the interpreter / on CPU, else ``min(32, ceil(T*K / 4096))``. Derived from
+            routes). Default: 1 under the interpreter / on CPU, else ``min(32, ceil(T*K / 1024))``. Derived from
             shapes only, so the launch stays graph-capturable.
-        block: routes per tile, a power of two in ``[16, 256]``.
+        block: routes per tile, a power of two in ``[16, 256]``; default 128 on CUDA, 64 elsewhere.
         validate: read the status word back and raise on bad data (a host sync); default False.
 
     Returns:
@@ -61,6 +61,9 @@ def plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, *, num_program
         raise PlanError(f"counts must be int32 or int64 for the planner, got dtype {counts.dtype}")
     if not 0 <= int(rank) < world:
         raise PlanError(f"rank={rank} outside [0, {world})")
+    on_gpu = counts.device.type == "cuda"
+    if block is None:
+        block = 128 if on_gpu else 64
     if block not in (16, 32, 64, 128, 256):
         raise PlanError(f"block={block} must be a power of two in [16, 256]")
     L = num_experts // world
@@ -68,8 +71,7 @@ def plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, *, num_program
     num_routes = num_tokens * topk
     num_tiles = -(-num_routes // block)
     if num_programs is None:
-        on_gpu = counts.device.type == "cuda"
-        num_programs = max(1, min(32, -(-num_routes // 4096))) if on_gpu else 1
+        num_programs = max(1, min(32, -(-num_routes // 1024))) if on_gpu else 1
     if num_programs < 1:
         raise PlanError(f"num_programs={num_programs} must be >= 1")
     tiles_per_program = max(1, -(-num_tiles // num_programs))

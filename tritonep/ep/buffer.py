@@ -96,6 +96,8 @@ class EPBuffer:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
                 torch.device("cpu")
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         cfg = {f: getattr(self, f, None) for f in _STATIC_FIELDS}
         cfg["backend"] = backend
         cfg["device_type"] = self.device.type
@@ -103,12 +105,14 @@ class EPBuffer:
         self.backend, self.backend_reason = choose_backend(group, backend, self.device)
         if self.backend == "triton":
             self._impl = TritonEP(group, self.rank, self.world_size, num_experts, hidden, max_tokens_per_rank, topk,
-                                  expert_alignment, max_recv_tokens, self.device, dtype, num_sms=num_sms)
+                                  expert_alignment, max_recv_tokens, self.device, dtype, num_sms=num_sms,
+                                  dispatch_wire=dispatch_wire, combine_wire=combine_wire)
         else:
             from .nccl_backend import NcclEP
 
             self._impl = NcclEP(group, self.rank, self.world_size, num_experts, hidden, max_tokens_per_rank, topk,
-                                expert_alignment, max_recv_tokens, self.device, dtype)
+                                expert_alignment, max_recv_tokens, self.device, dtype,
+                                dispatch_wire=dispatch_wire, combine_wire=combine_wire)
         self._closed = False
 
     # ------------------------------------------------------------------------------------------- static
@@ -169,13 +173,17 @@ class EPBuffer:
             return False
         return True
 
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> Dispatched:
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                 keep_quantized: bool = False) -> Dispatched:
         """Send every token to the ranks of its experts; return the expert-grouped rows of this rank's experts.
 
         Args:
             x: ``[T, H]`` bfloat16, ``T <= max_tokens_per_rank`` (T may be 0). Non-contiguous input is copied.
             topk_idx: ``[T, K]`` int32/int64 expert ids in ``[-1, E)``; -1 = no expert.
             topk_weights: ``[T, K]`` float (converted to float32), applied in combine.
+            keep_quantized: with an fp8/mxfp4 dispatch wire, return the quantized rows (``x``: uint8 e4m3 bits
+                ``[R, H]`` / packed e2m1 ``[R, H/2]``) and ``x_scales`` (fp32 ``[R, H/128]`` / e8m0 uint8
+                ``[R, H/32]``) instead of bf16 rows; not differentiable.
 
         Returns:
             :class:`Dispatched` (rows ordered by (source rank, token, k) inside each expert segment).
@@ -193,6 +201,15 @@ class EPBuffer:
         sync = self._sync()
         if sync:
             check_expert_ids(topk_idx, self.num_experts)
+        if keep_quantized and self.dispatch_wire != "bf16":
+            if self.backend != "triton":
+                raise ConfigError("keep_quantized=True needs the triton backend")
+            with torch.no_grad():
+                q, out_w, ntpe, offs, handle = self._impl.dispatch_fwd(x, topk_idx, topk_weights, sync,
+                                                                       keep_quantized=True)
+            handle.recv_weights = out_w
+            return Dispatched(x=q, num_tokens_per_expert=ntpe, expert_offsets=offs, handle=handle, weights=out_w,
+                              x_scales=handle.extras["x_scales"])
         box: list = []
         out, out_w, ntpe, offs = DispatchFn.apply(x, topk_weights, self._impl, topk_idx, sync, box)
         handle: DispatchHandle = box[0][2]

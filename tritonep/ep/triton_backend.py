@@ -22,6 +22,7 @@ from ..kernels.dispatch import NUM_FLAGS, dispatch_expand_kernel, dispatch_send_
 from ..kernels.layout import chunk_hist_kernel, exchange_kernel
 from ..memory import Region, get_heap
 from .geometry import select_geometry
+from ..kernels.wirecodec import WIRE_IDS
 from .handle import DispatchHandle
 from .status import raise_for_status, wait_bound
 
@@ -46,8 +47,10 @@ def regions(world_size, num_experts, hidden, max_tokens_per_rank, topk, max_recv
         Region("pre", (ncmax, E), torch.int32),
         Region("send_base", (E,), torch.int32),
         Region("rows_needed", (W,), torch.int64),
-        Region("stage", (W, Tm, H), dtype),
-        Region("cstage", (W, Tm, H), dtype),
+        # one wire row per (source, token): 2H bytes hold a bf16 row and any quantized row (fp8 H + H/32,
+        # mxfp4 H/2 + H/32 bytes); backward passes always move bf16 through the same regions
+        Region("stage", (W, Tm, 2 * H), torch.uint8),
+        Region("cstage", (W, Tm, 2 * H), torch.uint8),
         Region("expert_out", (max_recv_tokens, H), dtype),
     ]
 
@@ -58,7 +61,8 @@ class TritonEP:
     name = "triton"
 
     def __init__(self, group, rank, world_size, num_experts, hidden, max_tokens_per_rank, topk, expert_alignment,
-                 max_recv_tokens, device, dtype=torch.bfloat16, num_sms=None):
+                 max_recv_tokens, device, dtype=torch.bfloat16, num_sms=None, dispatch_wire="bf16",
+                 combine_wire="bf16"):
         self.rank, self.W = rank, world_size
         self.E, self.H, self.Tm, self.K = num_experts, hidden, max_tokens_per_rank, topk
         self.L = num_experts // world_size
@@ -66,6 +70,8 @@ class TritonEP:
         self.max_recv = max_recv_tokens
         self.device = device
         self.dtype = dtype
+        self.dispatch_wire, self.combine_wire = dispatch_wire, combine_wire
+        self.dwire, self.cwire = WIRE_IDS[dispatch_wire], WIRE_IDS[combine_wire]
         self.geo = select_geometry(device.type, world_size, hidden, max_tokens_per_rank, topk, num_sms=num_sms)
         self.ncmax = max(1, triton.cdiv(max_tokens_per_rank, self.geo.bt))
         heap = get_heap(group, device)
@@ -84,7 +90,7 @@ class TritonEP:
         self.broken: str | None = None
         p2 = triton.next_power_of_2
         self.c = dict(RANK=rank, W=world_size, K=topk, KB=p2(topk), H=hidden, BH=self.geo.bh, BT=self.geo.bt,
-                      WB=max(2, p2(world_size)), HAS_TIMER=self.has_timer)
+                      WB=max(2, p2(world_size)), HAS_TIMER=self.has_timer, RB=2 * hidden)
         self._kw = {"num_warps": self.geo.num_warps}
         if device.type == "cuda":
             self._kw["num_stages"] = 1
@@ -110,7 +116,7 @@ class TritonEP:
         return row * self.W * 8
 
     # ---------------------------------------------------------------------------------------------- dispatch
-    def dispatch_fwd(self, x, topk_idx, topk_weights, sync: bool):
+    def dispatch_fwd(self, x, topk_idx, topk_weights, sync: bool, keep_quantized: bool = False):
         self._check_usable()
         g, c = self.geo, self.c
         T = x.shape[0]
@@ -140,28 +146,42 @@ class TritonEP:
                     self.status.zero_()
                 raise_for_status(st[:8], self.rank, self.max_recv, "dispatch")
             R = int(st[8])
-        out = torch.empty(R if R is not None else self.max_recv, self.H, dtype=self.dtype, device=self.device)
-        out_w = torch.empty(out.shape[0], dtype=torch.float32, device=self.device)
+        nrows = R if R is not None else self.max_recv
+        q = sc = None
+        if keep_quantized and self.dwire != 0:
+            fp8 = self.dwire == 1
+            q = torch.zeros(nrows, self.H if fp8 else self.H // 2, dtype=torch.uint8, device=self.device)
+            # padding rows hold the encoding of a zero row (fp8 scale 2^-126, e8m0 0), as the twins give
+            sc = torch.full((nrows, self.H // (128 if fp8 else 32)), 2.0 ** -126 if fp8 else 0,
+                            dtype=torch.float32 if fp8 else torch.uint8, device=self.device)
+            out = torch.empty(0, self.H, dtype=self.dtype, device=self.device)
+        else:
+            out = torch.empty(nrows, self.H, dtype=self.dtype, device=self.device)
+        out_w = torch.empty(nrows, dtype=torch.float32, device=self.device)
         rows = torch.empty(T, self.K, dtype=torch.int32, device=self.device)
         handle = DispatchHandle(topk_idx=topk_idx, topk_weights=topk_weights, rows=rows,
                                 meta=torch.empty(self.W, self.Tm, self.K, dtype=torch.int32, device=self.device),
                                 wts=torch.empty(self.W, self.Tm, self.K, dtype=torch.float32, device=self.device),
                                 ntok=torch.empty(self.W, dtype=torch.int32, device=self.device),
                                 num_tokens=T, num_recv_rows=R, backend=self.name)
-        self._send(x, handle, topk_weights, compute_rows=True, nc=nc)
-        self._expand(out, out_w, handle, ntpe, offs, keep_handle=True)
+        self._send(x, handle, topk_weights, compute_rows=True, nc=nc, wire=self.dwire)
+        self._expand(out, out_w, handle, ntpe, offs, keep_handle=True, wire=self.dwire, q=q, sc=sc)
+        if q is not None:
+            handle.extras["x_scales"] = sc
+            return q, out_w, ntpe, offs, handle
         return out, out_w, ntpe, offs, handle
 
-    def _send(self, x, handle, topk_weights, compute_rows, nc):
+    def _send(self, x, handle, topk_weights, compute_rows, nc, wire=0):
         g, c = self.geo, self.c
         dispatch_send_kernel[(g.grid_send,)](
             x, handle.topk_idx, topk_weights, handle.rows, handle.num_tokens, nc, self.pre, self.send_base,
             self.tab["stage"], self.tab["meta"], self.tab["wts"], self.tab["ntok"],
             self.flags, self.tab["flags"], self._flag_off(1), self.calls, self.status, self.timeout,
-            g.grid_expand, self.Tm, E=self.E, L=self.L, COMPUTE_ROWS=compute_rows,
-            **{k: c[k] for k in ("RANK", "W", "K", "KB", "H", "BH", "BT", "WB", "HAS_TIMER")}, **self._kw)
+            g.grid_expand, self.Tm, E=self.E, L=self.L, COMPUTE_ROWS=compute_rows, WIRE=wire,
+            **{k: c[k] for k in ("RANK", "W", "K", "KB", "H", "BH", "BT", "WB", "HAS_TIMER", "RB")}, **self._kw)
 
-    def _expand(self, out, out_w, handle, ntpe, offs, keep_handle, scale=False, eo=None, gw=None):
+    def _expand(self, out, out_w, handle, ntpe, offs, keep_handle, scale=False, eo=None, gw=None, wire=0, q=None,
+                sc=None):
         g, c = self.geo, self.c
         b = self.buf
         dispatch_expand_kernel[(g.grid_expand,)](
@@ -172,16 +192,16 @@ class TritonEP:
             g.grid_send, self.Tm, self.ncmax, L=self.L, LB=triton.next_power_of_2(self.L),
             BA=triton.next_power_of_2(max(self.A, 1)) if keep_handle else 1, A=self.A if keep_handle else 1,
             SCALE=scale, DOT=eo is not None,
-            KEEP_HANDLE=keep_handle,
-            **{k: c[k] for k in ("RANK", "W", "K", "KB", "H", "BH", "BT", "WB", "HAS_TIMER")}, **self._kw)
+            KEEP_HANDLE=keep_handle, WIRE=wire, KEEP_Q=q is not None, q_ptr=q, s_ptr=sc,
+            **{k: c[k] for k in ("RANK", "W", "K", "KB", "H", "BH", "BT", "WB", "HAS_TIMER", "RB")}, **self._kw)
 
     # ---------------------------------------------------------------------------------------------- combine
-    def _combine(self, eo, handle, weighted, gw=None, want_wgrad=False, kind=None):
+    def _combine(self, eo, handle, weighted, gw=None, want_wgrad=False, kind=None, wire=0):
         self._check_usable()
         g, c = self.geo, self.c
         kind = kind or g.combine
-        if want_wgrad:
-            kind = "push"
+        if want_wgrad or wire != 0:
+            kind = "push"  # quantized partials and weight-gradient return are push-only
         T = handle.num_tokens
         nc = triton.cdiv(T, g.bt)
         self.calls[1:2].add_(1)
@@ -190,19 +210,19 @@ class TritonEP:
             eo, handle.meta, handle.wts, handle.ntok, gw if gw is not None else handle.wts, stage,
             self.tab["wback"], self.flags, self.tab["flags"], self._flag_off(3), self.calls, self.status,
             self.timeout, g.grid_out, self.Tm, self.ncmax, PUSH=kind == "push", WEIGHTED=weighted,
-            SEND_WGRAD=want_wgrad,
-            **{k: c[k] for k in ("RANK", "W", "K", "KB", "H", "BH", "BT", "WB", "HAS_TIMER")}, **self._kw)
+            SEND_WGRAD=want_wgrad, WIRE=wire,
+            **{k: c[k] for k in ("RANK", "W", "K", "KB", "H", "BH", "BT", "WB", "HAS_TIMER", "RB")}, **self._kw)
         y = torch.empty(T, self.H, dtype=eo.dtype, device=self.device)
         gtw = torch.empty(T, self.K, dtype=torch.float32, device=self.device) if want_wgrad else None
         combine_out_kernel[(g.grid_out,)](
             handle.topk_idx, y, T, nc, stage, self.buf.local("wback"), gtw if gtw is not None else y,
             self.flags, self.tab["flags"], self._flag_off(4), self.calls, self.status, self.timeout,
-            g.grid_partial, self.Tm, L=self.L, PULL=kind == "pull", RECV_WGRAD=want_wgrad,
-            **{k: c[k] for k in ("RANK", "W", "K", "KB", "H", "BH", "BT", "WB", "HAS_TIMER")}, **self._kw)
+            g.grid_partial, self.Tm, L=self.L, PULL=kind == "pull", RECV_WGRAD=want_wgrad, WIRE=wire,
+            **{k: c[k] for k in ("RANK", "W", "K", "KB", "H", "BH", "BT", "WB", "HAS_TIMER", "RB")}, **self._kw)
         return y, gtw
 
     def combine_fwd(self, expert_out, handle, kind=None):
-        y, _ = self._combine(expert_out, handle, weighted=True, kind=kind)
+        y, _ = self._combine(expert_out, handle, weighted=True, kind=kind, wire=self.cwire)
         return y
 
     # ---------------------------------------------------------------------------------------------- backward

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from .common import cast_rne
 from .signal import signal_peers, wait_all_ge
+from .wirecodec import wire_load, wire_store
 
 
 @triton.jit
@@ -31,7 +32,8 @@ def combine_partial_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, gw_ptr, stage
                            RANK: tl.constexpr, W: tl.constexpr, K: tl.constexpr, KB: tl.constexpr,
                            H: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr, WB: tl.constexpr,
                            PUSH: tl.constexpr, WEIGHTED: tl.constexpr, SEND_WGRAD: tl.constexpr,
-                           HAS_TIMER: tl.constexpr):
+                           HAS_TIMER: tl.constexpr, RB: tl.constexpr = 0, WIRE: tl.constexpr = 0,
+                           POW2: tl.constexpr = False):
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     m = tl.load(calls_ptr + 1)
@@ -54,11 +56,11 @@ def combine_partial_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, gw_ptr, stage
                 w = tl.load(hwts_ptr + off, mask=m2, other=0.0)
             has = tl.sum((rows >= 0).to(tl.int32), 1) > 0
             if PUSH:
-                dst = tl.multiple_of(tl.load(stage_tab + src).to(tl.pointer_type(eo_ptr.dtype.element_ty)), 16)
-                drow = (RANK * Tmax + t).to(tl.int64)
+                dst = tl.multiple_of(tl.load(stage_tab + src).to(tl.pointer_type(tl.uint8)), 16)
+                drow = (RANK * Tmax + t).to(tl.int64) * RB
             else:
-                dst = tl.multiple_of(tl.load(stage_tab + RANK).to(tl.pointer_type(eo_ptr.dtype.element_ty)), 16)
-                drow = (src * Tmax + t).to(tl.int64)
+                dst = tl.multiple_of(tl.load(stage_tab + RANK).to(tl.pointer_type(tl.uint8)), 16)
+                drow = (src * Tmax + t).to(tl.int64) * RB
             for h0 in range(0, H, BH):
                 h = h0 + h_off
                 hm = h < H
@@ -72,8 +74,10 @@ def combine_partial_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, gw_ptr, stage
                         acc += v.to(tl.float32) * wk[:, None]
                     else:
                         acc += v.to(tl.float32)
-                tl.store(dst + drow[:, None] * H + h[None, :], cast_rne(acc, eo_ptr.dtype.element_ty),
-                         mask=has[:, None] & hm[None, :])
+                if WIRE == 0:
+                    wire_store(dst, drow, h0, cast_rne(acc, tl.bfloat16), has, H, BH, BT, 0, POW2)
+                else:
+                    wire_store(dst, drow, h0, acc, has, H, BH, BT, WIRE, POW2)
             if SEND_WGRAD:
                 g = tl.load(gw_ptr + rows, mask=rows >= 0, other=0.0)
                 wb = tl.load(wback_tab + src).to(tl.pointer_type(tl.float32))
@@ -87,7 +91,8 @@ def combine_out_kernel(topk_idx_ptr, y_ptr, T, NC, stage_tab, wback_ptr, gtw_ptr
                        flags_ptr, flags_tab, cack_off, calls_ptr, status_ptr, timeout, G_partial, Tmax,
                        RANK: tl.constexpr, W: tl.constexpr, L: tl.constexpr, K: tl.constexpr, KB: tl.constexpr,
                        H: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr, WB: tl.constexpr,
-                       PULL: tl.constexpr, RECV_WGRAD: tl.constexpr, HAS_TIMER: tl.constexpr):
+                       PULL: tl.constexpr, RECV_WGRAD: tl.constexpr, HAS_TIMER: tl.constexpr,
+                       RB: tl.constexpr = 0, WIRE: tl.constexpr = 0):
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     m = tl.load(calls_ptr + 1)
@@ -110,13 +115,12 @@ def combine_out_kernel(topk_idx_ptr, y_ptr, T, NC, stage_tab, wback_ptr, gtw_ptr
             for r in range(W):
                 has = (tl.sum((dest == r).to(tl.int32), 1) > 0) & tm & live
                 if PULL:
-                    base = tl.multiple_of(tl.load(stage_tab + r).to(tl.pointer_type(y_ptr.dtype.element_ty)), 16)
-                    srow = (RANK * Tmax + t).to(tl.int64)
+                    base = tl.multiple_of(tl.load(stage_tab + r).to(tl.pointer_type(tl.uint8)), 16)
+                    srow = (RANK * Tmax + t).to(tl.int64) * RB
                 else:
-                    base = tl.multiple_of(tl.load(stage_tab + RANK).to(tl.pointer_type(y_ptr.dtype.element_ty)),
-                                          16)
-                    srow = (r * Tmax + t).to(tl.int64)
-                v = tl.load(base + srow[:, None] * H + h[None, :], mask=has[:, None] & hm[None, :], other=0.0)
+                    base = tl.multiple_of(tl.load(stage_tab + RANK).to(tl.pointer_type(tl.uint8)), 16)
+                    srow = (r * Tmax + t).to(tl.int64) * RB
+                v = wire_load(base, srow, h0, has, H, BH, BT, WIRE)
                 acc += v.to(tl.float32)
             tl.store(y_ptr + t[:, None].to(tl.int64) * H + h[None, :], cast_rne(acc, y_ptr.dtype.element_ty),
                      mask=tm[:, None] & hm[None, :])

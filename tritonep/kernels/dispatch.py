@@ -25,6 +25,7 @@ import triton.language as tl
 
 from .common import cast_rne
 from .signal import signal_peers, wait_all_ge
+from .wirecodec import wire_copy_raw, wire_load, wire_store
 
 FLAG_COUNTS = 0
 FLAG_DATA = 1
@@ -45,7 +46,8 @@ def dispatch_send_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, NC, pre_p
                          flags_ptr, flags_tab, data_off, calls_ptr, status_ptr, timeout, G_expand, Tmax,
                          RANK: tl.constexpr, W: tl.constexpr, E: tl.constexpr, L: tl.constexpr, K: tl.constexpr,
                          KB: tl.constexpr, H: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr, WB: tl.constexpr,
-                         COMPUTE_ROWS: tl.constexpr, HAS_TIMER: tl.constexpr):
+                         COMPUTE_ROWS: tl.constexpr, HAS_TIMER: tl.constexpr, RB: tl.constexpr = 0,
+                         WIRE: tl.constexpr = 0, POW2: tl.constexpr = False):
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     n = tl.load(calls_ptr)
@@ -91,12 +93,15 @@ def dispatch_send_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, NC, pre_p
         for h0 in range(0, H, BH):
             h = h0 + h_off
             hm = h < H
-            xt = tl.load(x_ptr + t[:, None].to(tl.int64) * H + h[None, :], mask=tm[:, None] & hm[None, :])
+            xt = tl.load(x_ptr + t[:, None].to(tl.int64) * H + h[None, :], mask=tm[:, None] & hm[None, :],
+                         other=0.0)
+            if WIRE != 0:
+                xt = xt.to(tl.float32)
+            row_off = (RANK * Tmax + t).to(tl.int64) * RB
             for d in range(W):
                 has = (tl.sum((dest == d).to(tl.int32), 1) > 0) & tm & live
-                sd = _ptr(stage_tab, d, x_ptr.dtype.element_ty)
-                tl.store(sd + (RANK * Tmax + t[:, None]).to(tl.int64) * H + h[None, :], xt,
-                         mask=has[:, None] & hm[None, :])
+                sd = _ptr(stage_tab, d, tl.uint8)
+                wire_store(sd, row_off, h0, xt, has, H, BH, BT, WIRE, POW2)
     signal_peers(flags_tab, data_off, W, RANK, WB)
 
 
@@ -107,7 +112,8 @@ def dispatch_expand_kernel(stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_ptr, out_
                            RANK: tl.constexpr, W: tl.constexpr, L: tl.constexpr, K: tl.constexpr, KB: tl.constexpr,
                            H: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr, WB: tl.constexpr, LB: tl.constexpr,
                            BA: tl.constexpr, A: tl.constexpr, SCALE: tl.constexpr, DOT: tl.constexpr,
-                           KEEP_HANDLE: tl.constexpr, HAS_TIMER: tl.constexpr):
+                           KEEP_HANDLE: tl.constexpr, HAS_TIMER: tl.constexpr, RB: tl.constexpr = 0,
+                           WIRE: tl.constexpr = 0, KEEP_Q: tl.constexpr = False, q_ptr=None, s_ptr=None):
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     n = tl.load(calls_ptr)
@@ -141,17 +147,24 @@ def dispatch_expand_kernel(stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_ptr, out_
             for h0 in range(0, H, BH):
                 h = h0 + h_off
                 hm = h < H
-                xt = tl.load(stage_ptr + (src * Tmax + t[:, None]).to(tl.int64) * H + h[None, :],
-                             mask=has[:, None] & hm[None, :], other=0.0)
+                row_off = (src * Tmax + t).to(tl.int64) * RB
+                if KEEP_Q:
+                    xt = tl.zeros((BT, BH), dtype=tl.float32)
+                else:
+                    xt = wire_load(stage_ptr, row_off, h0, has, H, BH, BT, WIRE)
                 for k in tl.static_range(K):
                     rk = tl.sum(tl.where(k_off[None, :] == k, rows, 0), 1)
                     mk = (rk >= 0)[:, None] & hm[None, :]
                     dst = out_ptr + rk[:, None].to(tl.int64) * H + h[None, :]
-                    if SCALE:
+                    if KEEP_Q:
+                        wire_copy_raw(stage_ptr, row_off, h0, has, q_ptr, s_ptr, rk, rk >= 0, H, BH, WIRE)
+                    elif SCALE:
                         wk = tl.sum(tl.where(k_off[None, :] == k, w, 0.0), 1)
                         tl.store(dst, cast_rne(xt.to(tl.float32) * wk[:, None], out_ptr.dtype.element_ty), mask=mk)
-                    else:
+                    elif WIRE == 0:
                         tl.store(dst, xt, mask=mk)
+                    else:
+                        tl.store(dst, cast_rne(xt, out_ptr.dtype.element_ty), mask=mk)
                     if DOT:
                         eo = tl.load(eo_ptr + rk[:, None].to(tl.int64) * H + h[None, :], mask=mk, other=0.0)
                         part = tl.sum(eo.to(tl.float32) * xt.to(tl.float32), 1)
@@ -170,8 +183,9 @@ def dispatch_expand_kernel(stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_ptr, out_
             tl.store(out_w_ptr + r, tl.zeros((BA,), dtype=tl.float32), mask=rm)
             if DOT:
                 tl.store(gw_ptr + r, tl.zeros((BA,), dtype=tl.float32), mask=rm)
-            for h0 in range(0, H, BH):
-                h = h0 + h_off
-                tl.store(out_ptr + r[:, None].to(tl.int64) * H + h[None, :],
-                         tl.zeros((BA, BH), dtype=out_ptr.dtype.element_ty), mask=rm[:, None] & (h < H)[None, :])
+            if KEEP_Q == 0:  # quantized outputs are allocated zeroed
+                for h0 in range(0, H, BH):
+                    h = h0 + h_off
+                    tl.store(out_ptr + r[:, None].to(tl.int64) * H + h[None, :],
+                             tl.zeros((BA, BH), dtype=out_ptr.dtype.element_ty), mask=rm[:, None] & (h < H)[None, :])
     signal_peers(flags_tab, ack_off, W, RANK, WB)

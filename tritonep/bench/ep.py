@@ -87,7 +87,8 @@ def _routing(rank, T, E, K, seed, dev):
     return idx.to(dev), w.to(dev), x
 
 
-def bench_ep(group, profile: str, combine_kinds=("push", "pull"), num_sms=None, iters=30, seed=0, tokens=None):
+def bench_ep(group, profile: str, combine_kinds=("push", "pull"), num_sms=None, iters=30, seed=0, tokens=None,
+             wires=("bf16", "fp8", "mxfp4")):
     """All rows of one profile on this rank; returns a list of dicts (same on every rank up to timings)."""
     import tritonep as tep
 
@@ -130,24 +131,31 @@ def bench_ep(group, profile: str, combine_kinds=("push", "pull"), num_sms=None, 
     # --- tritonep
     import os
 
+    from ..kernels.wirecodec import row_bytes
+
     os.environ["TRITONEP_SYNC_CHECKS"] = "0"
-    buf = tep.EPBuffer(group, E, H, T, K, num_sms=num_sms)
-    holder = {}
+    for wire in wires:
+        buf = tep.EPBuffer(group, E, H, T, K, num_sms=num_sms, dispatch_wire=wire, combine_wire=wire)
+        wb = {"wire": wire, "wire_nvlink_gbps_factor": row_bytes(wire, H) / (2 * H),
+              "grid": buf._impl.geo.grid_send}
 
-    def disp():
-        holder["d"] = buf.dispatch(x, idx, w)
+        def disp():
+            buf.dispatch(x, idx, w)
 
-    us, mode = time_graph(disp, group, iters=iters)
-    row("tritonep.dispatch", us, mode, {"grid": buf._impl.geo.grid_send})
-    us, mode = time_graph(disp, group, iters=iters, capture=False)
-    row("tritonep.dispatch", us, mode, {"grid": buf._impl.geo.grid_send})
-    d = buf.dispatch(x, idx, w)
-    eo = buf.expert_out_buffer()
-    eo.normal_()
-    for kind in combine_kinds:
-        us, mode = time_graph(lambda: buf.combine(eo, d.handle, kind=kind), group, iters=iters)
-        row(f"tritonep.combine.{kind}", us, mode)
-    buf.close()
+        us, mode = time_graph(disp, group, iters=iters)
+        row(f"tritonep.dispatch.{wire}", us, mode, wb)
+        if wire == "bf16":
+            us, mode = time_graph(disp, group, iters=iters, capture=False)
+            row(f"tritonep.dispatch.{wire}", us, mode, wb)
+        d = buf.dispatch(x, idx, w)
+        eo = buf.expert_out_buffer()
+        eo.normal_()
+        for kind in (combine_kinds if wire == "bf16" else ("push",)):
+            us, mode = time_graph(lambda: buf.combine(eo, d.handle, kind=kind), group, iters=iters)
+            row(f"tritonep.combine.{kind}.{wire}", us, mode, wb)
+        buf.close()
+        del d, eo
+        torch.cuda.empty_cache()
     os.environ["TRITONEP_SYNC_CHECKS"] = "1"
 
     # --- NCCL bare all_to_all_single of the deduplicated rows

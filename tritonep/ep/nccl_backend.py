@@ -176,7 +176,8 @@ class NcclEP:
         offs = lay["expert_offsets"].to(self.device)
         handle = DispatchHandle(topk_idx=topk_idx, topk_weights=topk_weights, rows=rows, meta=None, wts=None,
                                 ntok=None, num_tokens=T, num_recv_rows=R, backend=self.name,
-                                extras={"send_splits": send_splits, "recv_splits": recv_splits,
+                                extras={"counts": counts.to(torch.int32).to(self.device),
+                                        "send_splits": send_splits, "recv_splits": recv_splits,
                                         "send_tok": pt, "send_here": here, "recv_rows": r_rows, "recv_w": r_w})
         return out, out_w, ntpe, offs, handle
 

@@ -164,6 +164,7 @@ class TritonEP:
                                 wts=torch.empty(self.W, self.Tm, self.K, dtype=torch.float32, device=self.device),
                                 ntok=torch.empty(self.W, dtype=torch.int32, device=self.device),
                                 num_tokens=T, num_recv_rows=R, backend=self.name)
+        handle.extras["counts"] = self.buf.local("counts").clone()  # [W, E] routes of every rank per expert
         self._send(x, handle, topk_weights, compute_rows=True, nc=nc, wire=self.dwire)
         self._expand(out, out_w, handle, ntpe, offs, keep_handle=True, wire=self.dwire, q=q, sc=sc)
         if q is not None:

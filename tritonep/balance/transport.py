@@ -25,6 +25,7 @@ import torch.distributed as dist
 import triton
 
 from ..errors import PlanError
+from ..ep.launch import Launcher
 from ..ep.status import raise_for_status, wait_bound
 from ..kernels.transport import barrier_kernel, pull_grads_kernel, push_weights_kernel
 from ..memory import Region, get_heap
@@ -70,10 +71,11 @@ class ExpertTransport:
         self.timeout = wait_bound(self.device)
         self.G = num_programs or (64 if self.device.type == "cuda" else 1)
         self.WB = max(2, triton.next_power_of_2(self.W))
+        self._launch = Launcher(self.device, group)
 
     def _barrier(self, row: int):
         self.calls[row:row + 1].add_(1)
-        barrier_kernel[(1,)](self.flags, self.tab["flags"], row * self.W * 8, self.calls, row, self.status,
+        self._launch(barrier_kernel, (1,), self.flags, self.tab["flags"], row * self.W * 8, self.calls, row, self.status,
                              self.timeout, 10 + row, RANK=self.rank, W=self.W, WB=self.WB,
                              HAS_TIMER=self.has_timer)
 
@@ -95,7 +97,7 @@ class ExpertTransport:
         etc = placement.experts_to_copy.to(torch.int32).contiguous()
         self._barrier(0)
         for k, shp in self.shapes.items():
-            push_weights_kernel[(self.G,)](weights[k].contiguous(), self.tab[f"slots_{k}"], etc, math.prod(shp),
+            self._launch(push_weights_kernel, (self.G,), weights[k].contiguous(), self.tab[f"slots_{k}"], etc, math.prod(shp),
                                            self.status, RANK=self.rank, W=self.W, L=self.L, BLOCK=1024)
         self._barrier(1)
         return {k: self.slots(k) for k in self.shapes}
@@ -114,7 +116,7 @@ class ExpertTransport:
         out = {}
         for k, shp in self.shapes.items():
             o = torch.empty(self.L, *shp, dtype=self.dtype, device=self.device)
-            pull_grads_kernel[(self.G,)](o, self.tab[f"gslots_{k}"], slot_of, math.prod(shp), self.status,
+            self._launch(pull_grads_kernel, (self.G,), o, self.tab[f"gslots_{k}"], slot_of, math.prod(shp), self.status,
                                          RANK=self.rank, W=self.W, L=self.L, E=self.E, BLOCK=1024)
             out[k] = o
         self._barrier(3)

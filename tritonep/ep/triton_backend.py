@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from .. import envs
 from ..errors import BufferStateError, PeerTimeoutError
 from ..kernels.combine import combine_out_kernel, combine_partial_kernel
 from ..kernels.dispatch import NUM_FLAGS, dispatch_expand_kernel, dispatch_send_kernel
@@ -24,6 +25,7 @@ from ..memory import Region, get_heap
 from .geometry import select_geometry
 from ..kernels.wirecodec import WIRE_IDS
 from .handle import DispatchHandle
+from .launch import Launcher
 from .status import raise_for_status, wait_bound
 
 __all__ = ["regions", "TritonEP"]
@@ -88,6 +90,7 @@ class TritonEP:
         self.has_timer = device.type == "cuda"
         self.timeout = wait_bound(device)
         self.broken: str | None = None
+        self._launch = Launcher(device, group)
         p2 = triton.next_power_of_2
         self.c = dict(RANK=rank, W=world_size, K=topk, KB=p2(topk), H=hidden, BH=self.geo.bh, BT=self.geo.bt,
                       WB=max(2, p2(world_size)), HAS_TIMER=self.has_timer, RB=2 * hidden)
@@ -112,6 +115,15 @@ class TritonEP:
             self.broken = str(e)
             raise
 
+    def _eager_check(self, what):
+        """Eager calls (TRITONEP_SYNC_CHECKS on, not capturing) raise a wait the kernels gave up on (one sync).
+
+        Without it a combine whose peer never arrived would return zeros silently.
+        """
+        if not envs.sync_checks() or (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            return
+        self.check(what)
+
     def _flag_off(self, row):
         return row * self.W * 8
 
@@ -123,12 +135,12 @@ class TritonEP:
         nc = triton.cdiv(T, g.bt)
         self.calls[0:1].add_(1)
         self.calls[2:3].add_(1)
-        chunk_hist_kernel[(g.grid_hist,)](topk_idx, self.hist, T, nc, K=self.K, E=self.E,
+        self._launch(chunk_hist_kernel, (g.grid_hist,), topk_idx, self.hist, T, nc, K=self.K, E=self.E,
                                           EB=triton.next_power_of_2(self.E), BT=g.bt, KB=c["KB"], **self._kw)
         ntpe = torch.empty(self.L, dtype=torch.int32, device=self.device)
         offs = torch.empty(self.L, dtype=torch.int32, device=self.device)
         EB = triton.next_power_of_2(self.E)
-        exchange_kernel[(1,)](self.hist, nc, self.tab["counts"], self.flags, self.tab["flags"],
+        self._launch(exchange_kernel, (1,), self.hist, nc, self.tab["counts"], self.flags, self.tab["flags"],
                               self._flag_off(0), self.calls[2:], self.status, self.timeout, self.pre,
                               self.send_base, ntpe, offs, self.rows_needed, self.max_recv,
                               RANK=self.rank, W=self.W, E=self.E, L=self.L, A=self.A, WB=c["WB"],
@@ -174,7 +186,7 @@ class TritonEP:
 
     def _send(self, x, handle, topk_weights, compute_rows, nc, wire=0):
         g, c = self.geo, self.c
-        dispatch_send_kernel[(g.grid_send,)](
+        self._launch(dispatch_send_kernel, (g.grid_send,), 
             x, handle.topk_idx, topk_weights, handle.rows, handle.num_tokens, nc, self.pre, self.send_base,
             self.tab["stage"], self.tab["meta"], self.tab["wts"], self.tab["ntok"],
             self.flags, self.tab["flags"], self._flag_off(1), self.calls, self.status, self.timeout,
@@ -185,7 +197,7 @@ class TritonEP:
                 sc=None):
         g, c = self.geo, self.c
         b = self.buf
-        dispatch_expand_kernel[(g.grid_expand,)](
+        self._launch(dispatch_expand_kernel, (g.grid_expand,), 
             b.local("stage"), b.local("meta"), b.local("wts"), b.local("ntok"), out, out_w,
             handle.meta, handle.wts, handle.ntok, ntpe, offs,
             eo if eo is not None else out, gw if gw is not None else out_w,
@@ -207,7 +219,7 @@ class TritonEP:
         nc = triton.cdiv(T, g.bt)
         self.calls[1:2].add_(1)
         stage = self.tab["cstage"]
-        combine_partial_kernel[(g.grid_partial,)](
+        self._launch(combine_partial_kernel, (g.grid_partial,), 
             eo, handle.meta, handle.wts, handle.ntok, gw if gw is not None else handle.wts, stage,
             self.tab["wback"], self.flags, self.tab["flags"], self._flag_off(3), self.calls, self.status,
             self.timeout, g.grid_out, self.Tm, self.ncmax, PUSH=kind == "push", WEIGHTED=weighted,
@@ -215,11 +227,12 @@ class TritonEP:
             **{k: c[k] for k in ("RANK", "W", "K", "KB", "H", "BH", "BT", "WB", "HAS_TIMER", "RB")}, **self._kw)
         y = torch.empty(T, self.H, dtype=eo.dtype, device=self.device)
         gtw = torch.empty(T, self.K, dtype=torch.float32, device=self.device) if want_wgrad else None
-        combine_out_kernel[(g.grid_out,)](
+        self._launch(combine_out_kernel, (g.grid_out,), 
             handle.topk_idx, y, T, nc, stage, self.buf.local("wback"), gtw if gtw is not None else y,
             self.flags, self.tab["flags"], self._flag_off(4), self.calls, self.status, self.timeout,
             g.grid_partial, self.Tm, L=self.L, PULL=kind == "pull", RECV_WGRAD=want_wgrad, WIRE=wire,
             **{k: c[k] for k in ("RANK", "W", "K", "KB", "H", "BH", "BT", "WB", "HAS_TIMER", "RB")}, **self._kw)
+        self._eager_check("combine" if weighted else "dispatch backward")
         return y, gtw
 
     def combine_fwd(self, expert_out, handle, kind=None):
@@ -247,6 +260,7 @@ class TritonEP:
         dummy = torch.empty(self.L, dtype=torch.int32, device=self.device)
         self._expand(g_eo, out_w_scratch, handle, dummy, dummy, keep_handle=False, scale=True,
                      eo=expert_out.contiguous(), gw=g_w)
+        self._eager_check("combine backward")
         return g_eo, g_w
 
     def close(self):

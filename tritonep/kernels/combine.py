@@ -26,7 +26,7 @@ from .signal import signal_peers, wait_all_ge
 from .wirecodec import wire_load, wire_store
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['cdata_off', 'timeout', 'G_out', 'Tmax', 'NCmax'])
 def combine_partial_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, gw_ptr, stage_tab, wback_tab,
                            flags_ptr, flags_tab, cdata_off, calls_ptr, status_ptr, timeout, G_out, Tmax, NCmax,
                            RANK: tl.constexpr, W: tl.constexpr, K: tl.constexpr, KB: tl.constexpr,
@@ -86,7 +86,7 @@ def combine_partial_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, gw_ptr, stage
     signal_peers(flags_tab, cdata_off, W, RANK, WB)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['T', 'NC', 'cack_off', 'timeout', 'G_partial', 'Tmax'])
 def combine_out_kernel(topk_idx_ptr, y_ptr, T, NC, stage_tab, wback_ptr, gtw_ptr,
                        flags_ptr, flags_tab, cack_off, calls_ptr, status_ptr, timeout, G_partial, Tmax,
                        RANK: tl.constexpr, W: tl.constexpr, L: tl.constexpr, K: tl.constexpr, KB: tl.constexpr,

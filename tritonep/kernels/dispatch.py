@@ -40,7 +40,7 @@ def _ptr(tab, r, DT: tl.constexpr):
     return tl.multiple_of(tl.load(tab + r).to(tl.pointer_type(DT)), 16)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['T', 'NC', 'data_off', 'timeout', 'G_expand', 'Tmax'])
 def dispatch_send_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, NC, pre_ptr, send_base_ptr,
                          stage_tab, meta_tab, wts_tab, ntok_tab,
                          flags_ptr, flags_tab, data_off, calls_ptr, status_ptr, timeout, G_expand, Tmax,
@@ -105,7 +105,7 @@ def dispatch_send_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, NC, pre_p
     signal_peers(flags_tab, data_off, W, RANK, WB)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['ack_off', 'timeout', 'G_send', 'Tmax', 'NCmax'])
 def dispatch_expand_kernel(stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_ptr, out_w_ptr, hmeta_ptr, hwts_ptr,
                            hntok_ptr, ntpe_ptr, offs_ptr, eo_ptr, gw_ptr,
                            flags_ptr, flags_tab, ack_off, calls_ptr, status_ptr, timeout, G_send, Tmax, NCmax,

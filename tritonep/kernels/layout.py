@@ -96,7 +96,7 @@ def route_rows_torch(topk_idx: torch.Tensor, send_base: torch.Tensor) -> torch.T
 
 
 # ------------------------------------------------------------------------------------------------ kernels
-@triton.jit
+@triton.jit(do_not_specialize=['T', 'NC'])
 def chunk_hist_kernel(topk_idx_ptr, hist_ptr, T, NC, K: tl.constexpr, E: tl.constexpr, EB: tl.constexpr,
                       BT: tl.constexpr, KB: tl.constexpr):
     """hist[c, :] = histogram over experts of the routes of tokens [c*BT, (c+1)*BT) (grid-stride over chunks)."""
@@ -114,7 +114,7 @@ def chunk_hist_kernel(topk_idx_ptr, hist_ptr, T, NC, K: tl.constexpr, E: tl.cons
         tl.store(hist_ptr + c * E + e_off, h, mask=e_off < E)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['NC', 'flag_off', 'timeout', 'max_recv'])
 def exchange_kernel(hist_ptr, NC, counts_tab, flags_ptr, flags_tab, flag_off, calls_ptr, status_ptr, timeout,
                     pre_ptr, send_base_ptr, ntpe_ptr, offs_ptr, rows_needed_ptr, max_recv,
                     RANK: tl.constexpr, W: tl.constexpr, E: tl.constexpr, L: tl.constexpr, A: tl.constexpr,

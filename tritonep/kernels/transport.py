@@ -20,7 +20,7 @@ from .common import cast_rne
 from .signal import signal_peers, wait_all_ge
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['row_off', 'call_idx', 'timeout', 'wait_id'])
 def barrier_kernel(flags_ptr, flags_tab, row_off, calls_ptr, call_idx, status_ptr, timeout, wait_id,
                    RANK: tl.constexpr, W: tl.constexpr, WB: tl.constexpr, HAS_TIMER: tl.constexpr):
     n = tl.load(calls_ptr + call_idx)
@@ -28,7 +28,7 @@ def barrier_kernel(flags_ptr, flags_tab, row_off, calls_ptr, call_idx, status_pt
     wait_all_ge(flags_ptr + row_off // 8, W, n, status_ptr, wait_id, timeout, HAS_TIMER, WB)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['N'])
 def push_weights_kernel(w_ptr, slots_tab, etc_ptr, N, status_ptr,
                         RANK: tl.constexpr, W: tl.constexpr, L: tl.constexpr, BLOCK: tl.constexpr):
     """Copy owned experts' rows ``w[j, :N]`` into ``slots[s, :N]`` of every rank d with etc[d, s] = RANK*L + j."""
@@ -51,7 +51,7 @@ def push_weights_kernel(w_ptr, slots_tab, etc_ptr, N, status_ptr,
                 tl.store(dst + s.to(tl.int64) * N + o, v, mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['N'])
 def pull_grads_kernel(grad_ptr, gslots_tab, slot_of_ptr, N, status_ptr,
                       RANK: tl.constexpr, W: tl.constexpr, L: tl.constexpr, E: tl.constexpr,
                       BLOCK: tl.constexpr):

@@ -92,6 +92,11 @@ def expert_ffn_forward(x: torch.Tensor, offs: torch.Tensor, w1: torch.Tensor, w2
     Raises:
         InputError: shapes / dtypes that do not agree.
     """
+    with torch.no_grad():
+        return _forward_impl(x, offs, w1, w2, out)
+
+
+def _forward_impl(x, offs, w1, w2, out):
     _check(x, offs, w1, w2, out)
     dt = w1.dtype
     if out is None:
@@ -144,6 +149,11 @@ def expert_ffn_backward(grad_out: torch.Tensor, x: torch.Tensor, offs: torch.Ten
         ``(grad_x [R, H] in x.dtype, grad_w1 [L, H, 2I], grad_w2 [L, I, H])`` (weight grads in the parameters'
         dtype; experts with no rows get zeros).
     """
+    with torch.no_grad():
+        return _backward_impl(grad_out, x, offs, w1, w2, h)
+
+
+def _backward_impl(grad_out, x, offs, w1, w2, h):
     dt = w1.dtype
     go = grad_out.to(dt)
     xa = x.to(dt)

@@ -148,3 +148,89 @@ def ep_grad_world(group, E, H, Tmax, K, T, seed=0):
                geo=eo.grad.cpu(), eo=eo.detach().cpu(), g=g.cpu())
     buf.close()
     return out
+
+
+def _graph_soak_inputs(i, W, E, H, Tmax, K, seed):
+    """Every rank's ``(x, topk_idx, topk_weights)`` of graph-soak replay ``i`` (host tensors, deterministic).
+
+    Masked fraction cycles 0 / 10 / 50 / 100 % (100 %: a rank whose tokens all have no route); every 7th replay
+    sends every token of every rank to experts ``0..K-1`` (all on rank 0: the worst skew the default capacity takes).
+    """
+    ins = []
+    for r in range(W):
+        x, idx, w = make_rank_inputs(r, Tmax, H, E, K, seed=seed * 100003 + i, mask_frac=(0.0, 0.1, 0.5, 1.0)[i % 4])
+        if i % 7 == 3:
+            idx = torch.arange(K, dtype=torch.int64).expand(Tmax, K).clone()
+        ins.append((x, idx, w))
+    return ins
+
+
+def graph_soak_world(group, E, H, Tmax, K, replays, seed=0, status_every=100):
+    """CUDA-graph soak: capture dispatch + combine once (``Tmax`` tokens per rank), replay ``replays`` times with
+    fresh routing copied into the captured inputs (see :func:`_graph_soak_inputs`: masks 0-100 %, hot skew), and
+    check EVERY replay on this rank bit for bit against the host oracles
+    (:func:`tritonep.reference.dispatch_reference` rows / counts / offsets / weights and
+    :func:`tritonep.reference.combine_reference_partial` for ``y``). Every rank regenerates every rank's inputs from
+    (seed, replay), so checking needs no communication. The device status word is read every ``status_every``
+    replays and at the end (a timeout there raises :class:`tritonep.errors.PeerTimeoutError`).
+
+    Args:
+        group: the EP group (one GPU per rank). E, H, Tmax, K: buffer configuration (alignment 1, bf16 wires).
+        replays: number of graph replays. seed: input seed.
+
+    Returns:
+        ``(replays done, [(replay id, what differed), ...])`` for this rank (empty list = every replay exact).
+    """
+    import tritonep as tep
+    from tritonep.reference import combine_reference_partial, dispatch_reference
+
+    rank, W = dist.get_rank(group), dist.get_world_size(group)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    buf = tep.EPBuffer(group, E, H, Tmax, K)
+    x0, i0, w0 = _graph_soak_inputs(0, W, E, H, Tmax, K, seed)[rank]
+    sx, si, sw = x0.to(dev), i0.to(dev), w0.to(dev)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up (compiles kernels) outside capture
+        d = buf.dispatch(sx, si, sw)
+        buf.combine(buf.expert_out_buffer(d.x.shape[0]).copy_(d.x), d.handle)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        d = buf.dispatch(sx, si, sw)
+        eo = buf.expert_out_buffer()
+        eo.copy_((d.x.float() * 0.5 - 0.25).to(torch.bfloat16))
+        y = buf.combine(eo, d.handle)
+    bad = []
+    for i in range(replays):
+        ins = _graph_soak_inputs(i, W, E, H, Tmax, K, seed)
+        x, idx, w = ins[rank]
+        sx.copy_(x)
+        si.copy_(idx)
+        sw.copy_(w)
+        g.replay()
+        torch.cuda.synchronize()
+        if (i + 1) % status_every == 0:
+            buf.check()
+        xs, idxs, ws = [a[0] for a in ins], [a[1] for a in ins], [a[2] for a in ins]
+        ref = dispatch_reference(xs, idxs, ws, E, W)
+        R = ref[rank].x.shape[0]
+        what = []
+        if not torch.equal(d.num_tokens_per_expert.cpu(), ref[rank].num_tokens_per_expert):
+            what.append("num_tokens_per_expert")
+        if not torch.equal(d.expert_offsets.cpu(), ref[rank].expert_offsets):
+            what.append("expert_offsets")
+        if not torch.equal(d.x[:R].cpu(), ref[rank].x):
+            what.append("x")
+        if not torch.equal(d.weights[:R].cpu(), ref[rank].weights):
+            what.append("weights")
+        eos = [(r_.x.float() * 0.5 - 0.25).to(torch.bfloat16) for r_ in ref]
+        yp = combine_reference_partial(eos, ref, idxs, ws, [Tmax] * W)[rank]
+        if not torch.equal(y.cpu(), yp.to(torch.bfloat16)):
+            what.append("y")
+        if what:
+            bad.append((i, what))
+    buf.check()
+    buf.close()
+    return replays, bad

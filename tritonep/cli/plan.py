@@ -1,0 +1,100 @@
+"""``tritonep plan``: the virtual-expert plan for a trace or histogram, before/after loads and what moves."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+__all__ = ["add_parser", "main", "plan_table"]
+
+
+def add_parser(sub):
+    p = sub.add_parser("plan", help="virtual-expert placement for a trace or histogram: per-rank load before/after")
+    p.add_argument("--routing", choices=["flame", "olmoe"], default="olmoe",
+                   help="flame: the FLAME-MoE-290M trace; olmoe: an OLMoE expert-load histogram (strong skew)")
+    p.add_argument("--layer", type=int, default=None, help="trace layer (flame 2..9, olmoe 0/7/15)")
+    p.add_argument("--domain", default="arxiv", help="OLMoE domain")
+    p.add_argument("--world-size", type=int, default=8, help="EP ranks")
+    p.add_argument("--num-experts", type=int, default=64, help="experts (histograms are tiled to this many)")
+    p.add_argument("--tokens", type=int, default=4096, help="tokens per rank (olmoe sampling)")
+    p.add_argument("--topk", type=int, default=8, help="top-k (olmoe sampling)")
+    p.add_argument("--json", default="", help="write the plan and metrics to this JSON file")
+    p.add_argument("--plot", default="", help="PNG of per-rank load before and after")
+    p.set_defaults(func=main)
+
+
+def counts_for(args) -> torch.Tensor:
+    """The ``[W, E]`` per-source histogram the planner sees for the chosen input."""
+    from ..data import (load_flame_trace, load_olmoe_histogram, sample_routing, scale_histogram_to_experts,
+                        split_across_ranks)
+    from ..kernels.layout import counts_torch
+
+    W, E = args.world_size, args.num_experts
+    if args.routing == "flame":
+        idx, w = load_flame_trace(args.layer if args.layer is not None else 2)
+        if E != 64:
+            idx = idx % E
+        parts = split_across_ranks(idx, w, W)
+    else:
+        hist = scale_histogram_to_experts(load_olmoe_histogram(args.domain, args.layer or 0), E)
+        idx, w = sample_routing(hist, args.tokens * W, args.topk, generator=0)
+        parts = split_across_ranks(idx, w, W)
+    return torch.stack([counts_torch(p[0], E) for p in parts])
+
+
+def plan_table(counts: torch.Tensor) -> dict:
+    """Placement + metrics of a ``[W, E]`` histogram (torch reference planner)."""
+    from ..balance import balancedness, loads_after, maxvio, place_torch, rank_loads
+
+    W, E = counts.shape
+    pl = place_torch(counts)
+    before = rank_loads(counts, W)
+    after = loads_after(pl)
+    L = E // W
+    native = torch.stack([pl.allocation[d * L:(d + 1) * L, d] for d in range(W)])  # routes kept native
+    moved = int(counts.sum()) - int(native.sum())
+    slots = (pl.experts_to_copy >= 0).sum(1)
+    return dict(before=before.tolist(), after=after.tolist(), balancedness_before=balancedness(before),
+                balancedness_after=balancedness(after), maxvio=maxvio(counts.sum(0)), moved_routes=moved,
+                slots_used=slots.tolist(), experts_to_copy=pl.experts_to_copy.tolist(),
+                capacity=pl.capacity.tolist())
+
+
+def main(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    counts = counts_for(args)
+    res = plan_table(counts)
+    W = args.world_size
+    t = Table(title=f"virtual-expert plan: {args.routing} routing, {W} ranks, {args.num_experts} experts")
+    for c in ("rank", "load before", "load after", "slots used", "virtual experts"):
+        t.add_column(c, justify="right")
+    for d in range(W):
+        t.add_row(str(d), str(res["before"][d]), str(res["after"][d]), str(res["slots_used"][d]),
+                  " ".join(str(e) for e in res["experts_to_copy"][d] if e >= 0) or "-")
+    con = Console()
+    con.print(t)
+    con.print(f"balancedness (mean/max) {res['balancedness_before']:.3f} -> {res['balancedness_after']:.3f}; "
+              f"expert maxvio {res['maxvio']:.2f}; moved routes {res['moved_routes']} of {int(counts.sum())}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(1.5 + 0.5 * W, 3.4))
+        xs = list(range(W))
+        ax.bar([x - 0.2 for x in xs], res["before"], 0.4, label="before")
+        ax.bar([x + 0.2 for x in xs], res["after"], 0.4, label="after (virtual experts)")
+        ax.set_xlabel("rank")
+        ax.set_ylabel("routes")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=120)
+        con.print(f"plot written to {args.plot}")
+    return 0

@@ -21,7 +21,7 @@ to run. Twin: :func:`tritonep.reference.combine_reference_partial`.
 import triton
 import triton.language as tl
 
-from .common import cast_rne
+from .common import cast_rne, mul_rn
 from .signal import signal_peers, wait_all_ge
 from .wirecodec import wire_load, wire_store
 
@@ -71,7 +71,7 @@ def combine_partial_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, gw_ptr, stage
                     v = tl.load(eo_ptr + rk[:, None].to(tl.int64) * H + h[None, :], mask=mk, other=0.0)
                     if WEIGHTED:
                         wk = tl.sum(tl.where(k_off[None, :] == k, w, 0.0), 1)
-                        acc += v.to(tl.float32) * wk[:, None]
+                        acc += mul_rn(v.to(tl.float32), tl.broadcast_to(wk[:, None], (BT, BH)), HAS_TIMER)
                     else:
                         acc += v.to(tl.float32)
                 if WIRE == 0:

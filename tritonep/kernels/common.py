@@ -18,3 +18,17 @@ def cast_rne(x, DT: tl.constexpr):
         return y.to(tl.bfloat16)
     else:
         return x.to(DT)
+
+
+@triton.jit
+def mul_rn(a, b, USE_ASM: tl.constexpr):
+    """fp32 ``a * b`` rounded on its own (never contracted into an FMA with a following add).
+
+    GPU compilers fuse ``acc += a * b`` into one FMA (one rounding); the reference and the interpreter round the
+    product first. ``mul.rn.f32`` forbids the contraction, so the GPU sums are bit-identical to the reference.
+    """
+    if USE_ASM:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return a * b

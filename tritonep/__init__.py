@@ -5,9 +5,18 @@ Public API (DESIGN.md §4): :class:`EPBuffer`, :class:`Dispatched`, :class:`Disp
 (:mod:`tritonep.balance`), the typed errors (:mod:`tritonep.errors`) and the test worlds (:mod:`tritonep.testing`).
 """
 
-from . import errors
-from .errors import CapacityError, ConfigError, InputError, PeerTimeoutError, TimeoutError, TritonEPError
-from .ep import Dispatched, DispatchHandle, EPBuffer, combine, dispatch
+import os as _os
+
+import torch as _torch
+
+if not _torch.cuda.is_available():
+    # Without a GPU the kernels can only run in Triton's interpreter, and Triton reads the flag when a kernel is
+    # decorated (at import): set it before any kernel module is imported (TRITON_INTERPRET=0 still wins).
+    _os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from . import errors  # noqa: E402
+from .errors import CapacityError  # noqa: E402, ConfigError, InputError, PeerTimeoutError, TimeoutError, TritonEPError
+from .ep import Dispatched  # noqa: E402, DispatchHandle, EPBuffer, combine, dispatch
 
 __version__ = "0.1.0"
 

@@ -56,7 +56,8 @@ def _settings(args, on_gpu):
     s = dict(
         routing=args.routing, domain=args.domain,
         tokens=args.tokens or (1024 if on_gpu else 64),
-        hidden=args.hidden or (2048 if on_gpu else 64),
+        hidden=args.hidden or (2048 if on_gpu else (128 if "fp8" in (args.dispatch_wire, args.combine_wire)
+                                                     else 64)),
         intermediate=args.intermediate or (1024 if on_gpu else 32),
         num_experts=args.num_experts, steps=args.steps, balance=args.balance,
         dispatch_wire=args.dispatch_wire, combine_wire=args.combine_wire, combine=args.combine,
@@ -103,7 +104,9 @@ def run_rank(group, s):
     recipe = MoERecipe(dispatch_wire=s["dispatch_wire"], combine_wire=s["combine_wire"], combine=s["combine"],
                        balance=s["balance"], expert_alignment=s["expert_alignment"])
     out = []
-    for li, layer in enumerate(s["layers"]):
+    from tqdm import tqdm
+
+    for li, layer in enumerate(tqdm(s["layers"], desc=f"layers (rank 0 of {W})", disable=rank != 0, leave=False)):
         parts = layer_routing(s, layer, W)
         idx, w = parts[rank]
         T = idx.shape[0]
@@ -116,8 +119,8 @@ def run_rank(group, s):
         gy = torch.randn(T, s["hidden"], generator=g).to(torch.bfloat16)
         rec = {"layer": layer, "tokens": T, "timings": []}
         for step in range(s["steps"]):
-            x = x0.to(dev).requires_grad_(True)
-            wt = w.to(dev).requires_grad_(True)
+            x = x0.to(dev).clone().requires_grad_(True)
+            wt = w.to(dev).clone().requires_grad_(True)
             for p in moe.parameters():
                 p.grad = None
             t0 = time.perf_counter()
@@ -154,9 +157,9 @@ def check_layer(s, li, layer, results, world_size):
     w1 = w1.float().requires_grad_(True)
     w2 = w2.float().requires_grad_(True)
     recs = [results[r][li] for r in range(world_size)]
-    x = torch.cat([r["x"] for r in recs]).float().requires_grad_(True)
+    x = torch.cat([r["x"] for r in recs]).detach().float().requires_grad_(True)
     idx = torch.cat([p[0] for p in parts])
-    w = torch.cat([p[1] for p in parts]).requires_grad_(True)
+    w = torch.cat([p[1] for p in parts]).detach().clone().requires_grad_(True)
     y = moe_dense_reference(x, idx, w, w1, w2)
     gy = torch.cat([r["gy"] for r in recs]).float()
     (y * gy).sum().backward()
@@ -181,7 +184,9 @@ def main(args) -> int:
 
     on_gpu = torch.cuda.is_available() and torch.cuda.device_count() >= 1
     s = _settings(args, on_gpu)
-    con = Console()
+    import shutil
+
+    con = Console(width=max(shutil.get_terminal_size((140, 24)).columns, 120))
     if on_gpu:
         from ..testing import run_gpu_world
 
@@ -205,7 +210,7 @@ def main(args) -> int:
               "check"):
         table.add_column(c, justify="right")
     rows, ok_all = [], True
-    for li, layer in enumerate(tqdm(s["layers"], desc="checking", disable=not s["check"], leave=False)):
+    for li, layer in enumerate(tqdm(s["layers"], desc="dense reference", disable=not s["check"], leave=False)):
         loads = [sum(results[r][li]["recv_per_expert"]) for r in range(W)]
         bal = balancedness(torch.tensor(loads, dtype=torch.float64)) if sum(loads) else 1.0
         tim = [results[r][li]["timings"][-1] for r in range(W)]

@@ -119,15 +119,17 @@ def exchange_kernel(hist_ptr, NC, counts_tab, flags_ptr, flags_tab, flag_off, ca
                     pre_ptr, send_base_ptr, ntpe_ptr, offs_ptr, rows_needed_ptr, max_recv,
                     RANK: tl.constexpr, W: tl.constexpr, E: tl.constexpr, L: tl.constexpr, A: tl.constexpr,
                     WB: tl.constexpr, LB: tl.constexpr, EB: tl.constexpr, NCB: tl.constexpr, EBLK: tl.constexpr,
-                    HAS_TIMER: tl.constexpr):
+                    HAS_TIMER: tl.constexpr, DOUBLE: tl.constexpr = False):
     """Counts exchange + layout (grid = 1). See the module docstring for every output.
 
     flags_ptr: this rank's int64 counters for the counts signal (one per source rank); flags_tab/flag_off: every
     rank's address of the same counters. calls_ptr[0]: number of this counts exchange (1-based, advanced by the host
     stream before launch).
     """
-    e_off = tl.arange(0, EB)
-    em = e_off < E
+    n = tl.load(calls_ptr)
+    # DOUBLE: the counts region holds two [W, E] matrices used by alternate calls, so a rank that runs ahead can
+    # write call n+1's row while a slower peer still reads call n's matrix (when no later collective orders them)
+    cbuf = (n % 2) * (W * E) if DOUBLE else 0
     # 1) exclusive prefix of chunk histograms (per expert block) and this rank's counts row
     c_off = tl.arange(0, NCB)
     for e0 in range(0, EB, EBLK):
@@ -140,8 +142,7 @@ def exchange_kernel(hist_ptr, NC, counts_tab, flags_ptr, flags_tab, flag_off, ca
         # 2) write the row into every peer's counts[RANK, :]
         for d in range(W):
             dst = tl.load(counts_tab + d).to(tl.pointer_type(tl.int32))
-            tl.store(dst + RANK * E + eb, row, mask=eb < E)
-    n = tl.load(calls_ptr)
+            tl.store(dst + cbuf + RANK * E + eb, row, mask=eb < E)
     signal_peers(flags_tab, flag_off, W, RANK, WB)
     ok = wait_all_ge(flags_ptr, W, n, status_ptr, 0, timeout, HAS_TIMER, WB)
     # 3) layout from the full matrix (3-D tile [src, dest, local expert])
@@ -151,7 +152,7 @@ def exchange_kernel(hist_ptr, NC, counts_tab, flags_ptr, flags_tab, flag_off, ca
     counts_local = tl.load(counts_tab + RANK).to(tl.pointer_type(tl.int32))
     m3 = (s_off[:, None, None] < W) & (d_off[None, :, None] < W) & (j_off[None, None, :] < L)
     e3 = d_off[None, :, None] * L + j_off[None, None, :]
-    c3 = tl.load(counts_local + s_off[:, None, None] * E + e3, mask=m3 & (ok != 0), other=0)
+    c3 = tl.load(counts_local + cbuf + s_off[:, None, None] * E + e3, mask=m3 & (ok != 0), other=0)
     total = tl.sum(c3, 0)  # [WB, LB]
     aligned = (total + A - 1) // A * A
     seg_start = tl.cumsum(aligned, 1) - aligned

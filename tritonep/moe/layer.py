@@ -29,19 +29,6 @@ from .router import TopKRouter
 __all__ = ["MoELayer"]
 
 _ACT_DTYPE = torch.bfloat16  # tokens, received rows and expert outputs travel in bf16
-_VIRTUAL_NEEDS = ("plan", "remap_torch", "push_expert_weights", "reduce_expert_grads")
-
-
-def _check_virtual_available():
-    try:
-        from .. import balance
-    except ImportError as e:  # pragma: no cover
-        raise ConfigError(f"MoERecipe.balance='virtual' is not available: tritonep.balance cannot be imported "
-                          f"({e})") from e
-    missing = [n for n in _VIRTUAL_NEEDS if not hasattr(balance, n)]
-    raise ConfigError("MoERecipe.balance='virtual' is not available in MoELayer yet"
-                      + (f" (tritonep.balance lacks {', '.join(missing)})" if missing else
-                         " (the remap / weight push step is not wired into MoELayer.forward)"))
 
 
 class MoELayer(nn.Module):
@@ -67,7 +54,7 @@ class MoELayer(nn.Module):
 
     Raises:
         ConfigError: any inconsistent recipe / geometry / world (checked before anything is allocated, naming the
-            field), an unsupported dtype, ``balance='virtual'`` while it is not available.
+            field), an unsupported dtype.
     """
 
     def __init__(self, recipe: MoERecipe, geometry: MoEGeometry, group, *, device=None,
@@ -78,8 +65,6 @@ class MoELayer(nn.Module):
         check_config(recipe, geometry, world_size)
         if dtype not in (torch.bfloat16, torch.float32):
             raise ConfigError(f"MoELayer dtype={dtype} is not torch.bfloat16 or torch.float32")
-        if recipe.balance == "virtual":
-            _check_virtual_available()
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
@@ -92,11 +77,24 @@ class MoELayer(nn.Module):
         w1, w2 = MoELayer._expert_weights(geometry, seed, dtype, range(lo, lo + self.num_local_experts))
         self.w1 = nn.Parameter(w1.to(self.device))
         self.w2 = nn.Parameter(w2.to(self.device))
-        self.buffer = EPBuffer(group, num_experts=g.num_experts, hidden=g.hidden,
+        self.virtual = recipe.balance == "virtual"
+        # with virtual experts every rank runs 2L runtime experts (L native, then L virtual slots): the buffer
+        # dispatches over W * 2L runtime ids (tritonep.balance, DESIGN.md §3)
+        self.buffer = EPBuffer(group, num_experts=g.num_experts * (2 if self.virtual else 1), hidden=g.hidden,
                                max_tokens_per_rank=g.max_tokens_per_rank, topk=g.topk,
                                dispatch_wire=recipe.dispatch_wire, combine_wire=recipe.combine_wire,
                                expert_alignment=recipe.expert_alignment, backend="auto", dtype=_ACT_DTYPE,
                                device=self.device)
+        self.counts_x = self.transport = None
+        self.last_placement = None
+        if self.virtual:
+            from ..balance.transport import ExpertTransport
+            from ..ep.counts import CountsExchange
+
+            self.counts_x = CountsExchange(group, g.num_experts, g.max_tokens_per_rank, g.topk, self.device)
+            self.transport = ExpertTransport(group, g.num_experts,
+                                             {"w1": (g.hidden, 2 * g.intermediate), "w2": (g.intermediate, g.hidden)},
+                                             dtype=dtype, device=self.device)
         self.layer_id = ops.register_layer(self)
         self._stash: dict = {}
         self._tickets = itertools.count()
@@ -132,7 +130,7 @@ class MoELayer(nn.Module):
 
     @staticmethod
     def required_bytes(recipe: MoERecipe, geometry: MoEGeometry, world_size: int,
-                       device_type: str | None = None) -> int:
+                       device_type: str | None = None, dtype: torch.dtype = torch.bfloat16) -> int:
         """Symmetric bytes one rank's layer allocates (equals ``layer.buffer.allocated_bytes``); no group needed.
 
         Args:
@@ -146,11 +144,31 @@ class MoELayer(nn.Module):
         if device_type is None:
             device_type = "cuda" if torch.cuda.is_available() else "cpu"
         g = geometry
-        return EPBuffer.required_bytes(world_size=world_size, num_experts=g.num_experts, hidden=g.hidden,
-                                       max_tokens_per_rank=g.max_tokens_per_rank, topk=g.topk,
-                                       dispatch_wire=recipe.dispatch_wire, combine_wire=recipe.combine_wire,
-                                       expert_alignment=recipe.expert_alignment, max_recv_tokens=None,
-                                       dtype=_ACT_DTYPE, device_type=device_type)
+        virtual = recipe.balance == "virtual"
+        total = EPBuffer.required_bytes(world_size=world_size, num_experts=g.num_experts * (2 if virtual else 1),
+                                        hidden=g.hidden, max_tokens_per_rank=g.max_tokens_per_rank, topk=g.topk,
+                                        dispatch_wire=recipe.dispatch_wire, combine_wire=recipe.combine_wire,
+                                        expert_alignment=recipe.expert_alignment, max_recv_tokens=None,
+                                        dtype=_ACT_DTYPE, device_type=device_type)
+        if virtual:
+            from ..balance.transport import transport_regions
+            from ..ep.counts import counts_regions
+            from ..memory import required_bytes as _rb
+
+            L = g.num_experts // world_size
+            total += _rb(counts_regions(world_size, g.num_experts, g.max_tokens_per_rank))
+            total += _rb(transport_regions(world_size, L, {"w1": (g.hidden, 2 * g.intermediate),
+                                                           "w2": (g.intermediate, g.hidden)}, dtype))
+        return total
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Symmetric bytes this rank's layer holds (EPBuffer, plus counts exchange and slots with virtual experts)."""
+        n = self.buffer.allocated_bytes
+        for part in (self.counts_x, self.transport):
+            if part is not None and part.buf is not None:
+                n += part.buf.nbytes
+        return n
 
     # ------------------------------------------------------------------------------------------ forward
     def _now(self) -> float:
@@ -161,10 +179,22 @@ class MoELayer(nn.Module):
     def _runtime_experts(self, topk_idx: torch.Tensor, topk_weights: torch.Tensor):
         """Hook between router and dispatch: map routes to runtime experts and pick the weights the GEMMs use.
 
-        With ``balance='none'`` it is the identity: ``(topk_idx, self.w1, self.w2)``. Virtual experts will remap
-        ``topk_idx`` to runtime ids and push native weights into the virtual slots here.
+        With ``balance='none'`` it is the identity: ``(topk_idx, self.w1, self.w2)``. With ``balance='virtual'``:
+        gather every rank's native expert histogram (symmetric memory), plan the placement and remap this rank's
+        routes to runtime ids in one Triton launch (:func:`tritonep.balance.plan`), push the owners' weights into
+        the virtual slots (:class:`tritonep.balance.transport.PushWeights`; its backward pulls the slot gradients
+        back to the native weights) and run the GEMMs over ``[native; slots]`` (2L runtime experts).
         """
-        return topk_idx, self.w1, self.w2
+        if not self.virtual:
+            return topk_idx, self.w1, self.w2
+        from ..balance import plan
+        from ..balance.transport import PushWeights
+
+        counts = self.counts_x.gather(topk_idx)
+        placement, rt_idx = plan(counts, topk_idx, self.rank)
+        self.last_placement = placement
+        s1, s2 = PushWeights.apply(self.transport, placement, ("w1", "w2"), self.w1, self.w2)
+        return rt_idx.to(torch.int64), torch.cat([self.w1, s1]), torch.cat([self.w2, s2])
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor | None = None,
                 topk_weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -256,6 +286,9 @@ class MoELayer(nn.Module):
         self._closed = True
         self._stash.clear()
         ops.unregister_layer(self.layer_id)
+        for part in (self.transport, self.counts_x):
+            if part is not None:
+                part.close()
         self.buffer.close()
 
     def extra_repr(self) -> str:

@@ -1,0 +1,122 @@
+"""MoE layer fwd+bwd: tritonep.MoELayer vs a torch + NCCL reference layer with the same shapes, same run.
+
+The reference layer is what a user writes without tritonep: sort routes by expert, ``all_to_all_single`` one row
+per route (differentiable, ``torch.distributed.nn.functional``), the same expert FFN (``torch._grouped_mm`` on GPU,
+a loop on CPU), ``all_to_all_single`` back, weighted sum over k. Both layers run forward + backward on the same
+routing (uniform or OLMoE-skewed) and the median step time is reported, plus the speedup.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["reference_layer_step", "moe_bench_world"]
+
+
+def _ffn(x, offs, w1, w2):
+    from ..moe.experts import expert_ffn
+
+    out = torch.empty(x.shape[0], w2.shape[-1], dtype=x.dtype, device=x.device)
+    return expert_ffn(x, offs, w1, w2, out=out)
+
+
+def reference_layer_step(group, x, topk_idx, topk_weights, w1, w2, num_experts):
+    """One forward of the torch + all_to_all_single reference layer (autograd through everything)."""
+    from torch.distributed.nn.functional import all_to_all_single
+
+    W = dist.get_world_size(group)
+    L = num_experts // W
+    T, K = topk_idx.shape
+    flat = topk_idx.reshape(-1)
+    valid = flat >= 0
+    order = torch.argsort(torch.where(valid, flat, num_experts), stable=True)
+    order = order[: int(valid.sum())]
+    e_sorted = flat[order]
+    send_counts = torch.bincount(e_sorted // L, minlength=W)
+    per_expert = torch.bincount(e_sorted, minlength=num_experts)
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    recv_pe = torch.empty(W * L, dtype=per_expert.dtype, device=per_expert.device)
+    dist.all_to_all_single(recv_pe, per_expert, group=group)
+    sc, rc = send_counts.tolist(), recv_counts.tolist()
+    rows = x[order // K]
+    recv = all_to_all_single(torch.empty(sum(rc), x.shape[1], dtype=x.dtype, device=x.device), rows, rc, sc, group)
+    # received rows are grouped by source rank, then expert: regroup by local expert (source order kept)
+    pe = recv_pe.view(W, L)
+    src_rows = torch.arange(sum(rc), device=x.device)
+    starts = torch.cumsum(pe.reshape(-1), 0) - pe.reshape(-1)
+    j_of = torch.repeat_interleave(torch.arange(L, device=x.device).repeat(W), pe.reshape(-1))
+    perm = torch.argsort(j_of, stable=True)
+    grouped = recv[perm]
+    offs = torch.cumsum(pe.sum(0), 0).to(torch.int32)
+    y_rows = _ffn(grouped, offs, w1, w2)
+    back_rows = torch.empty_like(y_rows)
+    back_rows[perm] = y_rows
+    del starts, src_rows
+    back = all_to_all_single(torch.empty(sum(sc), x.shape[1], dtype=x.dtype, device=x.device), back_rows, sc, rc,
+                             group)
+    contrib = back.float() * topk_weights.reshape(-1)[order][:, None]
+    y = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device).index_add(0, order // K, contrib)
+    return y.to(x.dtype)
+
+
+def moe_bench_world(group, cfg, steps=10, warmup=2):
+    """Rank body: median fwd+bwd seconds of tritonep vs the reference layer (and their max relative difference)."""
+    from ..moe import MoEGeometry, MoELayer, MoERecipe
+    from ..testing.cases import random_routing
+
+    rank, W = dist.get_rank(group), dist.get_world_size(group)
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    H, I, E, K, T = cfg["hidden"], cfg["intermediate"], cfg["num_experts"], cfg["topk"], cfg["tokens"]
+    geo = MoEGeometry(hidden=H, intermediate=I, num_experts=E, topk=K, max_tokens_per_rank=T)
+    out = {}
+    for bal in cfg.get("balance", ["none"]):
+        layer = MoELayer(MoERecipe(balance=bal, combine="push"), geo, group, device=dev, seed=1)
+        if cfg.get("skew"):
+            from ..data import load_olmoe_histogram, sample_routing, scale_histogram_to_experts
+
+            hist = scale_histogram_to_experts(load_olmoe_histogram("arxiv", 0), E)
+            idx, w = sample_routing(hist, T, K, generator=rank)
+        else:
+            idx, w = random_routing(T, E, K, seed=rank)
+        idx, w = idx.to(dev), w.to(dev)
+        x = torch.randn(T, H, device=dev).to(torch.bfloat16).requires_grad_(True)
+
+        def sync():
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            dist.barrier(group=group)
+
+        times = []
+        for i in range(warmup + steps):
+            sync()
+            t0 = time.perf_counter()
+            y = layer(x, topk_idx=idx, topk_weights=w)
+            y.float().sum().backward()
+            sync()
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        out[f"tritonep.{bal}"] = statistics.median(times)
+        y_tep = y.detach()
+        if bal == "none":
+            w1 = layer.w1.detach().clone().requires_grad_(True)
+            w2 = layer.w2.detach().clone().requires_grad_(True)
+            times = []
+            for i in range(warmup + steps):
+                sync()
+                t0 = time.perf_counter()
+                yr = reference_layer_step(group, x, idx, w, w1, w2, E)
+                yr.float().sum().backward()
+                sync()
+                if i >= warmup:
+                    times.append(time.perf_counter() - t0)
+            out["reference"] = statistics.median(times)
+            out["max_rel_diff"] = float((y_tep.float() - yr.detach().float()).abs().max()
+                                        / yr.detach().float().abs().max().clamp_min(1e-6))
+        out[f"load.{bal}"] = sum(layer.last_stats["num_tokens_per_expert"])
+        layer.close()
+    return out

@@ -1,0 +1,86 @@
+"""Gather every rank's per-expert route histogram through symmetric memory (the dispatch counts protocol alone).
+
+The virtual-expert planner needs the ``[W, E]`` matrix of *native* expert loads before routes are remapped to
+runtime experts; this runs the same two kernels as the first half of a dispatch (:mod:`tritonep.kernels.layout`)
+on a small buffer of its own, with no host sync (graph-capturable).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import triton
+
+from ..errors import InputError
+from ..kernels.layout import chunk_hist_kernel, exchange_kernel
+from ..memory import Region, get_heap
+from .launch import Launcher
+from .status import raise_for_status, wait_bound
+
+__all__ = ["CountsExchange", "counts_regions"]
+
+
+def counts_regions(world_size: int, num_experts: int, max_tokens_per_rank: int, bt: int = 16):
+    """The symmetric regions of a :class:`CountsExchange` (for sizing before any group exists)."""
+    W, E = world_size, num_experts
+    ncmax = max(1, triton.cdiv(max_tokens_per_rank, bt))
+    return [Region("flags", (W,), torch.int64), Region("status", (8,), torch.int64),
+            Region("calls", (4,), torch.int64), Region("counts", (2, W, E), torch.int32),
+            Region("hist", (ncmax, E), torch.int32), Region("pre", (ncmax, E), torch.int32),
+            Region("send_base", (E,), torch.int32), Region("rows_needed", (W,), torch.int64)]
+
+
+class CountsExchange:
+    """``gather(topk_idx) -> counts [W, E] int32``: ``counts[r, e]`` = valid routes of rank r to expert e.
+
+    Args:
+        group: the EP group; num_experts: E; max_tokens_per_rank, topk: static capacity; device.
+    Raises:
+        InputError: topk_idx of the wrong shape or dtype. PeerTimeoutError via :meth:`check`.
+    """
+
+    BT = 16
+
+    def __init__(self, group, num_experts: int, max_tokens_per_rank: int, topk: int, device):
+        self.rank, self.W = dist.get_rank(group), dist.get_world_size(group)
+        self.E, self.Tm, self.K = num_experts, max_tokens_per_rank, topk
+        self.device = torch.device(device)
+        self.buf = get_heap(group, self.device).allocate(counts_regions(self.W, self.E, max_tokens_per_rank,
+                                                                        self.BT))
+        b = self.buf
+        self.flags, self.status, self.calls = b.local("flags"), b.local("status"), b.local("calls")
+        self.tab_counts, self.tab_flags = b.ptr_table("counts"), b.ptr_table("flags")
+        self.timeout = wait_bound(self.device)
+        self._launch = Launcher(self.device, group)
+
+    def gather(self, topk_idx: torch.Tensor) -> torch.Tensor:
+        """Exchange this rank's histogram of ``topk_idx`` ([T, K], ids in [-1, E)) and return the full matrix."""
+        if topk_idx.dim() != 2 or topk_idx.shape[1] != self.K or topk_idx.shape[0] > self.Tm:
+            raise InputError(f"topk_idx must be [T <= {self.Tm}, {self.K}], got {tuple(topk_idx.shape)}")
+        idx = topk_idx.contiguous()
+        T = idx.shape[0]
+        nc = triton.cdiv(T, self.BT)
+        b = self.buf
+        EB = triton.next_power_of_2(self.E)
+        L = self.E // self.W
+        ntpe = torch.empty(L, dtype=torch.int32, device=self.device)
+        offs = torch.empty(L, dtype=torch.int32, device=self.device)
+        self.calls[0:1].add_(1)
+        self._launch(chunk_hist_kernel, (1,), idx, b.local("hist"), T, nc, K=self.K, E=self.E, EB=EB, BT=self.BT,
+                     KB=triton.next_power_of_2(self.K))
+        self._launch(exchange_kernel, (1,), b.local("hist"), nc, self.tab_counts, self.flags, self.tab_flags, 0,
+                     self.calls, self.status, self.timeout, b.local("pre"), b.local("send_base"), ntpe, offs,
+                     b.local("rows_needed"), 2 ** 31 - 1, RANK=self.rank, W=self.W, E=self.E, L=L, A=1,
+                     WB=max(2, triton.next_power_of_2(self.W)), LB=triton.next_power_of_2(L), EB=EB,
+                     NCB=triton.next_power_of_2(max(nc, 1)), EBLK=min(EB, 64),
+                     HAS_TIMER=self.device.type == "cuda", DOUBLE=True)
+        n = self.calls[0:1] % 2  # device-side parity: no host read
+        return torch.index_select(b.local("counts"), 0, n).view(self.W, self.E).clone()
+
+    def check(self):
+        raise_for_status(self.status.cpu(), self.rank, 0, "counts exchange")
+
+    def close(self):
+        if self.buf is not None:
+            self.buf.close()
+            self.buf = None

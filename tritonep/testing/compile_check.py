@@ -109,7 +109,7 @@ def compile_recorded(records: list, timeout_s: float = 600.0) -> list:
             "bad=[]\nfor r in recs:\n    try:\n        compile_one(r)\n    except Exception as e:\n"
             "        bad.append([r['name'], repr(e)[-1500:]])\nprint('@@'+json.dumps(bad))\n")
     env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)
+    env["TRITON_INTERPRET"] = "0"  # compiled mode (tritonep sets 1 by default when there is no GPU)
     p = subprocess.run([sys.executable, "-c", code], input=payload, capture_output=True, text=True, env=env,
                        timeout=timeout_s)
     line = [ln for ln in p.stdout.splitlines() if ln.startswith("@@")]

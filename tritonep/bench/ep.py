@@ -5,8 +5,10 @@ Run under torchrun (one process per GPU)::
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
     torchrun --nproc-per-node 2 -m tritonep.cli.main bench dispatch --profile deepseek-v3 --json out.json
 
-Every timing is the median of per-iteration CUDA-event times of CUDA-graph replays (both ranks released together
-by a barrier before each iteration). Bytes: "logical" = rows this rank receives (expert-grouped, one per route)
+Every timing is the median over 3 rounds of (CUDA-event time of ``iters`` back-to-back CUDA-graph replays) / iters,
+both ranks released together by a barrier before each round. (The first device run, committed as
+``benchmarks/results/ep_bench_h200x2_2026-11-30.json``, used one barrier per call instead, which adds the ranks'
+skew to every call.) Bytes: "logical" = rows this rank receives (expert-grouped, one per route)
 x H x 2; "nvlink" = rows that cross to another rank (one per (token, destination rank)) x H x 2, per direction.
 The NCCL pipeline is what a user would write for the same expert-grouped output: ``index_select`` pack +
 ``all_to_all_single`` (uneven splits) + ``index_copy_`` unpack (indices precomputed outside the timed region,
@@ -53,15 +55,18 @@ def time_graph(fn, group, iters=30, warmup=3, capture=True):
     else:
         mode = "eager"
         run = fn
+    # three rounds of ``iters`` back-to-back calls (ranks released together once per round); the per-call time
+    # of a round is its total / iters; the median round is reported (rank skew is paid once per round, not per call)
     times = []
-    for _ in range(iters):
+    for _ in range(3):
         _barrier(group)
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        run()
+        for _ in range(iters):
+            run()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
+        times.append(a.elapsed_time(b) * 1e3 / iters)
     return statistics.median(times), mode
 
 
@@ -157,6 +162,17 @@ def bench_ep(group, profile: str, combine_kinds=("push", "pull"), num_sms=None, 
         del d, eo
         torch.cuda.empty_cache()
     os.environ["TRITONEP_SYNC_CHECKS"] = "1"
+
+    # --- tritonep's nccl backend (same API; eager only: it needs host-side split sizes)
+    nbuf = tep.EPBuffer(group, E, H, T, K, backend="nccl")
+    us, mode = time_graph(lambda: nbuf.dispatch(x, idx, w), group, iters=iters, capture=False)
+    row("tritonep[nccl].dispatch.bf16", us, mode)
+    nd = nbuf.dispatch(x, idx, w)
+    neo = torch.randn(nd.x.shape, device=dev).to(torch.bfloat16)
+    us, mode = time_graph(lambda: nbuf.combine(neo, nd.handle), group, iters=iters, capture=False)
+    row("tritonep[nccl].combine.bf16", us, mode)
+    nbuf.close()
+    del nd, neo
 
     # --- NCCL bare all_to_all_single of the deduplicated rows
     order = torch.cat([torch.nonzero(to_rank[d]).flatten() for d in range(W)])

@@ -65,9 +65,8 @@ class CountsExchange:
         L = self.E // self.W
         ntpe = torch.empty(L, dtype=torch.int32, device=self.device)
         offs = torch.empty(L, dtype=torch.int32, device=self.device)
-        self.calls[0:1].add_(1)
         self._launch(chunk_hist_kernel, (1,), idx, b.local("hist"), T, nc, K=self.K, E=self.E, EB=EB, BT=self.BT,
-                     KB=triton.next_power_of_2(self.K))
+                     KB=triton.next_power_of_2(self.K), bump_a=self.calls[0:1], NBUMP=1)
         self._launch(exchange_kernel, (1,), b.local("hist"), nc, self.tab_counts, self.flags, self.tab_flags, 0,
                      self.calls, self.status, self.timeout, b.local("pre"), b.local("send_base"), ntpe, offs,
                      b.local("rows_needed"), 2 ** 31 - 1, RANK=self.rank, W=self.W, E=self.E, L=L, A=1,

@@ -4,7 +4,8 @@ One symmetric allocation per buffer holds every region (:func:`regions`); the sa
 ``EPBuffer.required_bytes``. Call sequence of a dispatch (all on the current stream, no host sync except the one
 optional status read after the counts exchange, see ``sync``):
 
-1. ``calls[0] += 1; calls[2] += 1`` (device), 2. chunk histograms, 3. counts exchange + layout (grid 1),
+1. chunk histograms (program 0 also advances ``calls[0]`` and ``calls[2]`` on the device), 3. counts exchange +
+layout (grid 1),
 4. [eager only] one host read of (status, rows) -> CapacityError / PeerTimeoutError before any row moves,
 5. send, 6. expand.
 
@@ -133,10 +134,9 @@ class TritonEP:
         g, c = self.geo, self.c
         T = x.shape[0]
         nc = triton.cdiv(T, g.bt)
-        self.calls[0:1].add_(1)
-        self.calls[2:3].add_(1)
         self._launch(chunk_hist_kernel, (g.grid_hist,), topk_idx, self.hist, T, nc, K=self.K, E=self.E,
-                                          EB=triton.next_power_of_2(self.E), BT=g.bt, KB=c["KB"], **self._kw)
+                     EB=triton.next_power_of_2(self.E), BT=g.bt, KB=c["KB"], bump_a=self.calls[0:1],
+                     bump_b=self.calls[2:3], NBUMP=2, **self._kw)
         ntpe = torch.empty(self.L, dtype=torch.int32, device=self.device)
         offs = torch.empty(self.L, dtype=torch.int32, device=self.device)
         EB = triton.next_power_of_2(self.E)

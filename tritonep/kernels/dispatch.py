@@ -25,7 +25,7 @@ import triton.language as tl
 
 from .common import cast_rne
 from .signal import signal_peers, wait_all_ge
-from .wirecodec import wire_copy_raw, wire_load, wire_store
+from .wirecodec import wire_copy_raw, wire_encode, wire_load, wire_store_encoded
 
 FLAG_COUNTS = 0
 FLAG_DATA = 1
@@ -97,11 +97,12 @@ def dispatch_send_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, NC, pre_p
                          other=0.0)
             if WIRE != 0:
                 xt = xt.to(tl.float32)
+            pay, sc = wire_encode(xt, BT, BH, WIRE, POW2)  # quantize once, store to every destination
             row_off = (RANK * Tmax + t).to(tl.int64) * RB
             for d in range(W):
                 has = (tl.sum((dest == d).to(tl.int32), 1) > 0) & tm & live
                 sd = _ptr(stage_tab, d, tl.uint8)
-                wire_store(sd, row_off, h0, xt, has, H, BH, BT, WIRE, POW2)
+                wire_store_encoded(sd, row_off, h0, pay, sc, has, H, BH, WIRE)
     signal_peers(flags_tab, data_off, W, RANK, WB)
 
 

@@ -98,10 +98,19 @@ def route_rows_torch(topk_idx: torch.Tensor, send_base: torch.Tensor) -> torch.T
 # ------------------------------------------------------------------------------------------------ kernels
 @triton.jit(do_not_specialize=['T', 'NC'])
 def chunk_hist_kernel(topk_idx_ptr, hist_ptr, T, NC, K: tl.constexpr, E: tl.constexpr, EB: tl.constexpr,
-                      BT: tl.constexpr, KB: tl.constexpr):
-    """hist[c, :] = histogram over experts of the routes of tokens [c*BT, (c+1)*BT) (grid-stride over chunks)."""
+                      BT: tl.constexpr, KB: tl.constexpr, bump_a=None, bump_b=None, NBUMP: tl.constexpr = 0):
+    """hist[c, :] = histogram over experts of the routes of tokens [c*BT, (c+1)*BT) (grid-stride over chunks).
+
+    Program 0 also advances up to two call counters (``*bump_a += 1``, ``*bump_b += 1``): no program of this launch
+    reads them, and every later kernel of the call does, so the bump costs no launch of its own.
+    """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
+    if NBUMP >= 1:
+        if pid == 0:
+            tl.store(bump_a, tl.load(bump_a) + 1)
+            if NBUMP >= 2:
+                tl.store(bump_b, tl.load(bump_b) + 1)
     t_off = tl.arange(0, BT)
     k_off = tl.arange(0, KB)
     e_off = tl.arange(0, EB)

@@ -24,31 +24,46 @@ def row_bytes(wire: str, hidden: int) -> int:
 
 
 @triton.jit
-def wire_store(base, row_off, h0, x, rmask, H: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr,
-               WIRE: tl.constexpr, POW2: tl.constexpr):
-    """Encode tile ``x`` (bf16 raw for WIRE 0, fp32 otherwise) into columns [h0, h0+BH) of the wire rows."""
+def wire_encode(x, BT: tl.constexpr, BH: tl.constexpr, WIRE: tl.constexpr, POW2: tl.constexpr):
+    """Quantize a ``[BT, BH]`` fp32 tile once: ``(payload, scales)`` (fp8: uint8 [BT, BH], fp32 [BT, BH/128];
+    mxfp4: uint8 [BT, BH/2], uint8 [BT, BH/32]); WIRE 0 passes the raw bf16 tile through as both."""
+    if WIRE == 1:
+        G: tl.constexpr = BT * (BH // 128)
+        q, sc = fp8_quant_tile(tl.reshape(x, (G, 128)), POW2)
+        return tl.reshape(q, (BT, BH)), tl.reshape(sc, (BT, BH // 128))
+    elif WIRE == 2:
+        G2: tl.constexpr = BT * (BH // 32)
+        pk, e8 = mxfp4_quant_tile(tl.reshape(x, (G2, 32)))
+        return tl.reshape(pk, (BT, BH // 2)), tl.reshape(e8, (BT, BH // 32))
+    else:
+        return x, x
+
+
+@triton.jit
+def wire_store_encoded(base, row_off, h0, pay, sc, rmask, H: tl.constexpr, BH: tl.constexpr, WIRE: tl.constexpr):
+    """Store an encoded tile (:func:`wire_encode`) into columns [h0, h0+BH) of the wire rows at ``row_off``."""
     h = h0 + tl.arange(0, BH)
     if WIRE == 0:
         pb = base.to(tl.pointer_type(tl.bfloat16))
-        tl.store(pb + (row_off // 2)[:, None] + h[None, :], x, mask=rmask[:, None] & (h < H)[None, :])
+        tl.store(pb + (row_off // 2)[:, None] + h[None, :], pay, mask=rmask[:, None] & (h < H)[None, :])
     elif WIRE == 1:
-        G: tl.constexpr = BT * (BH // 128)
-        q, sc = fp8_quant_tile(tl.reshape(x, (G, 128)), POW2)
-        tl.store(base + row_off[:, None] + h[None, :], tl.reshape(q, (BT, BH)),
-                 mask=rmask[:, None] & (h < H)[None, :])
+        tl.store(base + row_off[:, None] + h[None, :], pay, mask=rmask[:, None] & (h < H)[None, :])
         g = h0 // 128 + tl.arange(0, BH // 128)
         sp = (base + H).to(tl.pointer_type(tl.float32))
-        tl.store(sp + (row_off // 4)[:, None] + g[None, :], tl.reshape(sc, (BT, BH // 128)),
-                 mask=rmask[:, None] & (g < H // 128)[None, :])
+        tl.store(sp + (row_off // 4)[:, None] + g[None, :], sc, mask=rmask[:, None] & (g < H // 128)[None, :])
     else:
-        G2: tl.constexpr = BT * (BH // 32)
-        pk, e8 = mxfp4_quant_tile(tl.reshape(x, (G2, 32)))
         hb = h0 // 2 + tl.arange(0, BH // 2)
-        tl.store(base + row_off[:, None] + hb[None, :], tl.reshape(pk, (BT, BH // 2)),
-                 mask=rmask[:, None] & (hb < H // 2)[None, :])
+        tl.store(base + row_off[:, None] + hb[None, :], pay, mask=rmask[:, None] & (hb < H // 2)[None, :])
         g2 = h0 // 32 + tl.arange(0, BH // 32)
-        tl.store(base + H // 2 + row_off[:, None] + g2[None, :], tl.reshape(e8, (BT, BH // 32)),
-                 mask=rmask[:, None] & (g2 < H // 32)[None, :])
+        tl.store(base + H // 2 + row_off[:, None] + g2[None, :], sc, mask=rmask[:, None] & (g2 < H // 32)[None, :])
+
+
+@triton.jit
+def wire_store(base, row_off, h0, x, rmask, H: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr,
+               WIRE: tl.constexpr, POW2: tl.constexpr):
+    """Encode tile ``x`` (bf16 raw for WIRE 0, fp32 otherwise) into columns [h0, h0+BH) of the wire rows."""
+    pay, sc = wire_encode(x, BT, BH, WIRE, POW2)
+    wire_store_encoded(base, row_off, h0, pay, sc, rmask, H, BH, WIRE)
 
 
 @triton.jit

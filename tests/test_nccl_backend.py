@@ -205,11 +205,3 @@ def test_gpu_nccl_matches_triton_deepseek_shape():
     case = _deepseek_case()
     _check(case, run_gpu_world(2, _both, case))
 
-
-@pytest.mark.parametrize("field", ["dispatch_wire", "combine_wire"])
-def test_quantized_wires_are_refused_with_wire_error(field):
-    from tritonep.ep.nccl_backend import NcclEP
-    from tritonep.errors import WireError
-
-    with pytest.raises(WireError, match=f"{field}='fp8'.*nccl"):
-        NcclEP(None, 0, 2, 8, 128, 4, 2, 1, 64, torch.device("cpu"), torch.bfloat16, **{field: "fp8"})

@@ -202,8 +202,6 @@ class EPBuffer:
         if sync:
             check_expert_ids(topk_idx, self.num_experts)
         if keep_quantized and self.dispatch_wire != "bf16":
-            if self.backend != "triton":
-                raise ConfigError("keep_quantized=True needs the triton backend")
             with torch.no_grad():
                 q, out_w, ntpe, offs, handle = self._impl.dispatch_fwd(x, topk_idx, topk_weights, sync,
                                                                        keep_quantized=True)

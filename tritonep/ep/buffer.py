@@ -65,7 +65,7 @@ class EPBuffer:
         max_recv_tokens: rows this rank can receive (default: the worst case ``W*Tmax*K + L*(A-1)``).
         backend: ``"auto"`` (triton when every rank can map every peer's memory, else nccl) | ``"triton"`` |
             ``"nccl"``.
-        dtype: element type of x and of the expert outputs (bfloat16).
+        dtype: element type of x and of the expert outputs: torch.bfloat16 only (ConfigError otherwise).
 
     Raises:
         ConfigError: an invalid value, or a static configuration that differs across ranks (raised on every rank,
@@ -85,6 +85,9 @@ class EPBuffer:
         if max_recv_tokens is None:
             max_recv_tokens = _default_max_recv(self.world_size, num_experts, max_tokens_per_rank, topk,
                                                 expert_alignment)
+        if dtype != torch.bfloat16:
+            raise ConfigError(f"dtype={dtype} is not supported: x and expert outputs travel as torch.bfloat16 "
+                              f"(quantized wires: dispatch_wire / combine_wire)")
         self.num_experts, self.hidden = num_experts, hidden
         self.max_tokens_per_rank, self.topk = max_tokens_per_rank, topk
         self.num_local_experts = num_experts // self.world_size
@@ -101,6 +104,13 @@ class EPBuffer:
         cfg = {f: getattr(self, f, None) for f in _STATIC_FIELDS}
         cfg["backend"] = backend
         cfg["device_type"] = self.device.type
+        cfg["dtype"] = str(dtype)
+        cfg["num_sms"] = num_sms
+        from .geometry import select_geometry
+
+        # grids and the combine kind must agree: receivers wait for calls * (the senders' grid) arrivals
+        cfg["geometry"] = repr(select_geometry(self.device.type, self.world_size, hidden, max_tokens_per_rank, topk,
+                                               num_sms=num_sms))
         self._check_same_on_all_ranks(cfg)
         self.backend, self.backend_reason = choose_backend(group, backend, self.device)
         if self.backend == "triton":
@@ -114,6 +124,10 @@ class EPBuffer:
                                 expert_alignment, max_recv_tokens, self.device, dtype,
                                 dispatch_wire=dispatch_wire, combine_wire=combine_wire)
         self._closed = False
+        EPBuffer._serial += 1
+        self._id = EPBuffer._serial
+
+    _serial = 0
 
     # ------------------------------------------------------------------------------------------- static
     @staticmethod
@@ -206,12 +220,14 @@ class EPBuffer:
                 q, out_w, ntpe, offs, handle = self._impl.dispatch_fwd(x, topk_idx, topk_weights, sync,
                                                                        keep_quantized=True)
             handle.recv_weights = out_w
+            handle.extras["buffer_id"] = self._id
             return Dispatched(x=q, num_tokens_per_expert=ntpe, expert_offsets=offs, handle=handle, weights=out_w,
                               x_scales=handle.extras["x_scales"])
         box: list = []
         out, out_w, ntpe, offs = DispatchFn.apply(x, topk_weights, self._impl, topk_idx, sync, box)
         handle: DispatchHandle = box[0][2]
         handle.recv_weights = out_w
+        handle.extras["buffer_id"] = self._id
         return Dispatched(x=out, num_tokens_per_expert=ntpe, expert_offsets=offs, handle=handle, weights=out_w)
 
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle, kind: str | None = None) -> torch.Tensor:
@@ -220,7 +236,8 @@ class EPBuffer:
         Args:
             expert_out: ``[R', H]`` bfloat16 with ``R' >=`` the dispatch's rows (e.g. :meth:`expert_out_buffer`).
             handle: the ``Dispatched.handle`` of the matching dispatch.
-            kind: ``"push"`` | ``"pull"`` to override the geometry table (triton backend).
+            kind: ``"push"`` | ``"pull"`` to override the geometry table (triton backend); must be the same on
+                every rank (a per-call argument cannot be checked without a collective).
 
         Returns:
             ``[T, H]`` in ``expert_out``'s dtype; tokens without a valid route get zeros. Summation order is fixed
@@ -230,8 +247,9 @@ class EPBuffer:
             InputError, BufferStateError, PeerTimeoutError (see :meth:`dispatch`).
         """
         self._check_open()
-        if not isinstance(handle, DispatchHandle) or handle.backend != self.backend:
-            raise ConfigError("handle does not come from this buffer's dispatch")
+        if not isinstance(handle, DispatchHandle) or handle.extras.get("buffer_id") != self._id:
+            raise ConfigError("handle does not come from this buffer's dispatch (a handle is only valid with the "
+                              "EPBuffer that made it)")
         expert_out = check_combine_inputs(expert_out, handle, hidden=self.hidden, dtype=self.dtype,
                                           device=self.device, min_rows=handle.num_recv_rows or 0)
         if kind not in (None, "push", "pull"):

@@ -27,7 +27,7 @@ from .geometry import select_geometry
 from ..kernels.wirecodec import WIRE_IDS
 from .handle import DispatchHandle
 from .launch import Launcher
-from .status import raise_for_status, wait_bound
+from .status import STATUS_CAPACITY, raise_for_status, wait_bound
 
 __all__ = ["regions", "TritonEP"]
 
@@ -41,7 +41,7 @@ def regions(world_size, num_experts, hidden, max_tokens_per_rank, topk, max_recv
         Region("flags", (NUM_FLAGS, W), torch.int64),
         Region("status", (8,), torch.int64),
         Region("calls", (4,), torch.int64),
-        Region("counts", (W, E), torch.int32),
+        Region("counts", (2, W, E), torch.int32),  # two matrices for alternate calls (see exchange_kernel DOUBLE)
         Region("ntok", (W,), torch.int32),
         Region("meta", (W, Tm, K), torch.int32),
         Region("wts", (W, Tm, K), torch.float32),
@@ -108,8 +108,13 @@ class TritonEP:
             raise BufferStateError(f"EPBuffer on rank {self.rank} is unusable: {self.broken}")
 
     def check(self, what="EPBuffer"):
-        """Read the status word on the host and raise its typed error (one sync)."""
-        st = self.status.cpu()
+        """Read the status word on the host and raise its typed error (one sync).
+
+        A capacity error is reported once and cleared (the buffer stays usable); a timeout makes it unusable.
+        """
+        st = self.status.cpu().clone()  # .cpu() of a CPU tensor is the tensor itself
+        if int(st[0]) == STATUS_CAPACITY:
+            self.status.zero_()
         try:
             raise_for_status(st, self.rank, self.max_recv, what)
         except PeerTimeoutError as e:
@@ -146,13 +151,13 @@ class TritonEP:
                               RANK=self.rank, W=self.W, E=self.E, L=self.L, A=self.A, WB=c["WB"],
                               LB=triton.next_power_of_2(self.L), EB=EB,
                               NCB=triton.next_power_of_2(max(nc, 1)), EBLK=min(EB, 64), HAS_TIMER=self.has_timer,
-                              **self._kw)
+                              DOUBLE=True, dcall_ptr=self.calls[0:1], **self._kw)
         R = None
         if sync:
             st = torch.cat([self.status, self.rows_needed[self.rank:self.rank + 1]]).cpu()
             if int(st[0]) != 0:
                 self.calls[0:1].sub_(1)  # no rows move in this call on any rank (all saw the same counts)
-                if int(st[0]) != 2:
+                if int(st[0]) != STATUS_CAPACITY:
                     self.broken = "timeout"
                 else:
                     self.status.zero_()
@@ -176,9 +181,12 @@ class TritonEP:
                                 wts=torch.empty(self.W, self.Tm, self.K, dtype=torch.float32, device=self.device),
                                 ntok=torch.empty(self.W, dtype=torch.int32, device=self.device),
                                 num_tokens=T, num_recv_rows=R, backend=self.name)
-        handle.extras["counts"] = self.buf.local("counts").clone()  # [W, E] routes of every rank per expert
+        # [W, E] routes of every rank per expert: the matrix of this call's parity (device-side index, no host read)
+        handle.extras["counts"] = torch.index_select(self.buf.local("counts"), 0, self.calls[2:3] % 2)[0].clone()
         self._send(x, handle, topk_weights, compute_rows=True, nc=nc, wire=self.dwire)
         self._expand(out, out_w, handle, ntpe, offs, keep_handle=True, wire=self.dwire, q=q, sc=sc)
+        if sync:
+            self._eager_check("dispatch")  # a peer that stopped after the counts exchange raises in this call
         if q is not None:
             handle.extras["x_scales"] = sc
             return q, out_w, ntpe, offs, handle

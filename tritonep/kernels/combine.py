@@ -21,8 +21,8 @@ to run. Twin: :func:`tritonep.reference.combine_reference_partial`.
 import triton
 import triton.language as tl
 
-from .common import cast_rne, mul_rn
-from .signal import signal_peers, wait_all_ge
+from .common import cast_rne, mul_rn, widen
+from .signal import STATUS_TIMEOUT, signal_peers, wait_all_ge
 from .wirecodec import wire_load, wire_store
 
 
@@ -38,7 +38,7 @@ def combine_partial_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, gw_ptr, stage
     G = tl.num_programs(0)
     m = tl.load(calls_ptr + 1)
     wait_all_ge(flags_ptr + 4 * W, W, (m - 1) * G_out, status_ptr, 4, timeout, HAS_TIMER, WB)
-    live = tl.load(status_ptr) == 0
+    live = tl.load(status_ptr) != STATUS_TIMEOUT
     t_off = tl.arange(0, BT)
     k_off = tl.arange(0, KB)
     h_off = tl.arange(0, BH)
@@ -71,9 +71,9 @@ def combine_partial_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, gw_ptr, stage
                     v = tl.load(eo_ptr + rk[:, None].to(tl.int64) * H + h[None, :], mask=mk, other=0.0)
                     if WEIGHTED:
                         wk = tl.sum(tl.where(k_off[None, :] == k, w, 0.0), 1)
-                        acc += mul_rn(v.to(tl.float32), tl.broadcast_to(wk[:, None], (BT, BH)), HAS_TIMER)
+                        acc += mul_rn(widen(v), tl.broadcast_to(wk[:, None], (BT, BH)), HAS_TIMER)
                     else:
-                        acc += v.to(tl.float32)
+                        acc += widen(v)
                 if WIRE == 0:
                     wire_store(dst, drow, h0, cast_rne(acc, tl.bfloat16), has, H, BH, BT, 0, POW2)
                 else:
@@ -97,7 +97,7 @@ def combine_out_kernel(topk_idx_ptr, y_ptr, T, NC, stage_tab, wback_ptr, gtw_ptr
     G = tl.num_programs(0)
     m = tl.load(calls_ptr + 1)
     wait_all_ge(flags_ptr + 3 * W, W, m * G_partial, status_ptr, 3, timeout, HAS_TIMER, WB)
-    live = tl.load(status_ptr) == 0
+    live = tl.load(status_ptr) != STATUS_TIMEOUT
     t_off = tl.arange(0, BT)
     k_off = tl.arange(0, KB)
     h_off = tl.arange(0, BH)
@@ -121,7 +121,7 @@ def combine_out_kernel(topk_idx_ptr, y_ptr, T, NC, stage_tab, wback_ptr, gtw_ptr
                     base = tl.multiple_of(tl.load(stage_tab + RANK).to(tl.pointer_type(tl.uint8)), 16)
                     srow = (r * Tmax + t).to(tl.int64) * RB
                 v = wire_load(base, srow, h0, has, H, BH, BT, WIRE)
-                acc += v.to(tl.float32)
+                acc += widen(v)
             tl.store(y_ptr + t[:, None].to(tl.int64) * H + h[None, :], cast_rne(acc, y_ptr.dtype.element_ty),
                      mask=tm[:, None] & hm[None, :])
         if RECV_WGRAD:

@@ -8,14 +8,15 @@ import triton.language as tl
 def cast_rne(x, DT: tl.constexpr):
     """fp32 -> DT with round-to-nearest-even, bit-identical on GPU and in the interpreter.
 
-    The Triton 3.6 interpreter truncates fp32 -> bf16; rounding the fp32 bits first (integer ops) makes the final
-    cast exact everywhere. NaN stays NaN. Other target dtypes use the plain cast.
+    The Triton 3.6 interpreter truncates fp32 -> bf16 and flushes subnormals; rounding the fp32 bits with integer
+    ops and taking the top half as the bf16 pattern gives the same bits everywhere. NaN stays NaN. Other target
+    dtypes use the plain cast.
     """
     if DT == tl.bfloat16:
         b = x.to(tl.uint32, bitcast=True)
-        r = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
-        y = tl.where(x != x, x, r.to(tl.float32, bitcast=True))
-        return y.to(tl.bfloat16)
+        r = tl.where(x != x, b | 0x00400000, b + 0x7FFF + ((b >> 16) & 1))  # NaN stays a (quiet) NaN
+        # take the top 16 bits as the bf16 pattern: no float conversion (the interpreter flushes subnormals)
+        return (r >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         return x.to(DT)
 
@@ -32,3 +33,13 @@ def mul_rn(a, b, USE_ASM: tl.constexpr):
                                          is_pure=True, pack=1)
     else:
         return a * b
+
+
+@triton.jit
+def widen(x):
+    """Exact conversion to fp32 (bf16 by a 16-bit shift: the Triton 3.6 interpreter's bf16 cast flushes
+    subnormals, so the same bits come out on GPU and CPU)."""
+    if x.dtype == tl.bfloat16:
+        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.float32)

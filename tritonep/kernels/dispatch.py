@@ -23,8 +23,8 @@ Twins: the whole dispatch is specified by :func:`tritonep.reference.dispatch_ref
 import triton
 import triton.language as tl
 
-from .common import cast_rne
-from .signal import signal_peers, wait_all_ge
+from .common import cast_rne, widen
+from .signal import STATUS_TIMEOUT, signal_peers, wait_all_ge
 from .wirecodec import wire_copy_raw, wire_encode, wire_load, wire_store_encoded
 
 FLAG_COUNTS = 0
@@ -53,7 +53,8 @@ def dispatch_send_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, NC, pre_p
     n = tl.load(calls_ptr)
     # the destinations must have consumed what the previous call staged (bounded wait; wait id 2)
     wait_all_ge(flags_ptr + 2 * W, W, (n - 1) * G_expand, status_ptr, 2, timeout, HAS_TIMER, WB)
-    live = tl.load(status_ptr) == 0
+    # a timeout poisons the buffer; a capacity overflow only this call (status[5] = its dispatch number)
+    live = (tl.load(status_ptr) != STATUS_TIMEOUT) & (tl.load(status_ptr + 5) != n)
     if pid == 0:
         for d in range(W):
             nt = tl.load(ntok_tab + d).to(tl.pointer_type(tl.int32))
@@ -96,7 +97,7 @@ def dispatch_send_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, NC, pre_p
             xt = tl.load(x_ptr + t[:, None].to(tl.int64) * H + h[None, :], mask=tm[:, None] & hm[None, :],
                          other=0.0)
             if WIRE != 0:
-                xt = xt.to(tl.float32)
+                xt = widen(xt)
             pay, sc = wire_encode(xt, BT, BH, WIRE, POW2)  # quantize once, store to every destination
             row_off = (RANK * Tmax + t).to(tl.int64) * RB
             for d in range(W):
@@ -119,7 +120,7 @@ def dispatch_expand_kernel(stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_ptr, out_
     G = tl.num_programs(0)
     n = tl.load(calls_ptr)
     wait_all_ge(flags_ptr + 1 * W, W, n * G_send, status_ptr, 1, timeout, HAS_TIMER, WB)
-    skip = tl.load(status_ptr) != 0
+    skip = (tl.load(status_ptr) == STATUS_TIMEOUT) | (tl.load(status_ptr + 5) == n)
     t_off = tl.arange(0, BT)
     k_off = tl.arange(0, KB)
     h_off = tl.arange(0, BH)
@@ -161,14 +162,14 @@ def dispatch_expand_kernel(stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_ptr, out_
                         wire_copy_raw(stage_ptr, row_off, h0, has, q_ptr, s_ptr, rk, rk >= 0, H, BH, WIRE)
                     elif SCALE:
                         wk = tl.sum(tl.where(k_off[None, :] == k, w, 0.0), 1)
-                        tl.store(dst, cast_rne(xt.to(tl.float32) * wk[:, None], out_ptr.dtype.element_ty), mask=mk)
+                        tl.store(dst, cast_rne(widen(xt) * wk[:, None], out_ptr.dtype.element_ty), mask=mk)
                     elif WIRE == 0:
                         tl.store(dst, xt, mask=mk)
                     else:
                         tl.store(dst, cast_rne(xt, out_ptr.dtype.element_ty), mask=mk)
                     if DOT:
                         eo = tl.load(eo_ptr + rk[:, None].to(tl.int64) * H + h[None, :], mask=mk, other=0.0)
-                        part = tl.sum(eo.to(tl.float32) * xt.to(tl.float32), 1)
+                        part = tl.sum(widen(eo) * widen(xt), 1)
                         dots += tl.where(k_off[None, :] == k, part[:, None], 0.0)
             if DOT:
                 tl.store(gw_ptr + rows, dots, mask=rows >= 0)

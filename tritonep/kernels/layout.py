@@ -128,12 +128,13 @@ def exchange_kernel(hist_ptr, NC, counts_tab, flags_ptr, flags_tab, flag_off, ca
                     pre_ptr, send_base_ptr, ntpe_ptr, offs_ptr, rows_needed_ptr, max_recv,
                     RANK: tl.constexpr, W: tl.constexpr, E: tl.constexpr, L: tl.constexpr, A: tl.constexpr,
                     WB: tl.constexpr, LB: tl.constexpr, EB: tl.constexpr, NCB: tl.constexpr, EBLK: tl.constexpr,
-                    HAS_TIMER: tl.constexpr, DOUBLE: tl.constexpr = False):
+                    HAS_TIMER: tl.constexpr, DOUBLE: tl.constexpr = False, dcall_ptr=None):
     """Counts exchange + layout (grid = 1). See the module docstring for every output.
 
     flags_ptr: this rank's int64 counters for the counts signal (one per source rank); flags_tab/flag_off: every
-    rank's address of the same counters. calls_ptr[0]: number of this counts exchange (1-based, advanced by the host
-    stream before launch).
+    rank's address of the same counters. calls_ptr[0]: number of this counts exchange (1-based, advanced on the
+    device before launch). A capacity overflow records STATUS_CAPACITY, the rows needed (status[4]) and the
+    dispatch number ``*dcall_ptr`` (status[5]) whose data kernels must skip.
     """
     n = tl.load(calls_ptr)
     # DOUBLE: the counts region holds two [W, E] matrices used by alternate calls, so a rank that runs ahead can
@@ -178,3 +179,6 @@ def exchange_kernel(hist_ptr, NC, counts_tab, flags_ptr, flags_tab, flag_off, ca
     if over > max_recv:
         record_error(status_ptr, STATUS_CAPACITY, 0, tl.argmax(tl.where(d_off < W, rows, 0), 0))
         tl.store(status_ptr + 4, over.to(tl.int64))
+        if dcall_ptr is not None:
+            # the data kernels of THIS dispatch (number *dcall_ptr) skip their rows; later calls are not poisoned
+            tl.store(status_ptr + 5, tl.load(dcall_ptr))

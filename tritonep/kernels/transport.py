@@ -16,8 +16,8 @@ Idea: Megatron-LM / MoonEP virtual experts (../shared/reference/balance_anchors.
 import triton
 import triton.language as tl
 
-from .common import cast_rne
-from .signal import signal_peers, wait_all_ge
+from .common import cast_rne, widen
+from .signal import STATUS_TIMEOUT, signal_peers, wait_all_ge
 
 
 @triton.jit(do_not_specialize=['row_off', 'call_idx', 'timeout', 'wait_id'])
@@ -34,7 +34,7 @@ def push_weights_kernel(w_ptr, slots_tab, etc_ptr, N, status_ptr,
     """Copy owned experts' rows ``w[j, :N]`` into ``slots[s, :N]`` of every rank d with etc[d, s] = RANK*L + j."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
-    live = tl.load(status_ptr) == 0
+    live = tl.load(status_ptr) != STATUS_TIMEOUT
     offs = tl.arange(0, BLOCK)
     nchunks = tl.cdiv(N, BLOCK)
     for slot in range(W * L):
@@ -62,7 +62,7 @@ def pull_grads_kernel(grad_ptr, gslots_tab, slot_of_ptr, N, status_ptr,
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
-    live = tl.load(status_ptr) == 0
+    live = tl.load(status_ptr) != STATUS_TIMEOUT
     offs = tl.arange(0, BLOCK)
     nchunks = tl.cdiv(N, BLOCK)
     for item in range(pid, L * nchunks, G):
@@ -76,5 +76,5 @@ def pull_grads_kernel(grad_ptr, gslots_tab, slot_of_ptr, N, status_ptr,
             s = tl.load(slot_of_ptr + e * W + d)
             if (s >= 0) & (d != RANK) & live:
                 src = tl.multiple_of(tl.load(gslots_tab + d).to(tl.pointer_type(grad_ptr.dtype.element_ty)), 16)
-                acc += tl.load(src + s.to(tl.int64) * N + o, mask=m, other=0.0).to(tl.float32)
+                acc += widen(tl.load(src + s.to(tl.int64) * N + o, mask=m, other=0.0))
         tl.store(grad_ptr + j * N + o, cast_rne(acc, grad_ptr.dtype.element_ty), mask=m)

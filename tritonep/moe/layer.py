@@ -31,6 +31,28 @@ __all__ = ["MoELayer"]
 _ACT_DTYPE = torch.bfloat16  # tokens, received rows and expert outputs travel in bf16
 
 
+def _check_generation(layer, gen):
+    if layer._fwd_gen != gen:
+        raise BufferStateError(
+            f"MoELayer {layer.layer_id}: backward of forward #{gen} after forward #{layer._fwd_gen} of the same layer: "
+            f"the expert outputs live in the layer's symmetric region and were overwritten; run each forward's "
+            f"backward before the next forward of this layer (or use one layer per in-flight micro-batch)")
+
+
+class _StaleGuard(torch.autograd.Function):
+    """Identity on the layer output whose backward (the first of the layer's backward) refuses a stale forward."""
+
+    @staticmethod
+    def forward(ctx, y, layer, gen):
+        ctx.layer, ctx.gen = layer, gen
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, g):
+        _check_generation(ctx.layer, ctx.gen)
+        return g, None, None
+
+
 class MoELayer(nn.Module):
     """Expert-parallel MoE layer (SwiGLU experts) for one EP group.
 
@@ -97,6 +119,7 @@ class MoELayer(nn.Module):
                                              dtype=dtype, device=self.device)
         self.layer_id = ops.register_layer(self)
         self._stash: dict = {}
+        self._fwd_gen = 0  # forwards so far: a backward needs its forward to be the latest (see _StaleGuard)
         self._tickets = itertools.count()
         self._closed = False
         self.last_timings: dict = {}
@@ -232,6 +255,7 @@ class MoELayer(nn.Module):
         self.last_stats = {"num_tokens_per_expert": d.num_tokens_per_expert.tolist(), "recv_rows": d.x.shape[0]}
 
     def _forward_autograd(self, x, topk_idx, topk_weights, w1, w2):
+        self._fwd_gen += 1
         t = [self._now()]
         d = self.buffer.dispatch(x, topk_idx, topk_weights)
         t.append(self._now())
@@ -240,6 +264,8 @@ class MoELayer(nn.Module):
         y = self.buffer.combine(eo, d.handle, kind=self.recipe.combine)
         t.append(self._now())
         self._record(t, d)
+        if torch.is_grad_enabled() and y.requires_grad:
+            y = _StaleGuard.apply(y, self, self._fwd_gen)
         return y
 
     def _forward_raw(self, x, topk_idx, topk_weights, w1, w2, save: bool):
@@ -254,10 +280,11 @@ class MoELayer(nn.Module):
             t.append(self._now())
         self._record(t, d)
         ticket = -1
+        self._fwd_gen += 1
         if save:
             ticket = next(self._tickets)
             self._stash[ticket] = (d.x, d.expert_offsets, h, eo, d.handle, w1.detach(), w2.detach(),
-                                   topk_weights.shape)
+                                   topk_weights.shape, self._fwd_gen)
         return y, ticket
 
     def _backward_raw(self, ticket: int, grad_y: torch.Tensor):
@@ -270,7 +297,8 @@ class MoELayer(nn.Module):
         if ticket not in self._stash:
             raise BufferStateError(f"MoELayer {self.layer_id}: no saved forward for ticket {ticket} (already "
                                    f"consumed by a backward?)")
-        xr, offs, h, eo, handle, w1, w2, _ = self._stash.pop(ticket)
+        xr, offs, h, eo, handle, w1, w2, _, gen = self._stash.pop(ticket)
+        _check_generation(self, gen)
         impl = self.buffer._impl  # the backward halves of dispatch / combine (as used by tritonep.ep.autograd)
         g_eo, g_rw = impl.combine_bwd(grad_y.to(_ACT_DTYPE).contiguous(), eo, handle)
         g_xr, g_w1, g_w2 = expert_ffn_backward(g_eo, xr, offs, w1, w2, h)

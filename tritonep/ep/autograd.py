@@ -17,6 +17,9 @@ __all__ = ["DispatchFn", "CombineFn"]
 
 
 class DispatchFn(torch.autograd.Function):
+    """``(x, topk_weights) -> (recv_x, recv_weights, num_tokens_per_expert, expert_offsets)`` through a backend;
+    backward = a combine without weights plus the return of the per-row weight gradients (module docstring)."""
+
     @staticmethod
     def forward(ctx, x, topk_weights, impl, topk_idx, sync, box):
         out, out_w, ntpe, offs, handle = impl.dispatch_fwd(x, topk_idx, topk_weights, sync)
@@ -36,6 +39,9 @@ class DispatchFn(torch.autograd.Function):
 
 
 class CombineFn(torch.autograd.Function):
+    """``(expert_out, recv_weights) -> y``; backward = a dispatch of ``grad_y`` scaled by the route weights plus
+    ``<grad_y, expert_out row>`` per row (module docstring)."""
+
     @staticmethod
     def forward(ctx, expert_out, recv_weights, impl, handle, kind):
         y = impl.combine_fwd(expert_out, handle, kind=kind)

@@ -34,6 +34,12 @@ def combine_partial_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, gw_ptr, stage
                            PUSH: tl.constexpr, WEIGHTED: tl.constexpr, SEND_WGRAD: tl.constexpr,
                            HAS_TIMER: tl.constexpr, RB: tl.constexpr = 0, WIRE: tl.constexpr = 0,
                            POW2: tl.constexpr = False):
+    """Expert-rank side of a combine: one partial row per (source, token) with routes here (see module docstring).
+
+    PUSH writes into the source's ``stage[RANK, t]``, pull into this rank's ``stage[src, t]``; WIRE encodes the fp32
+    partial (bf16 RNE, fp8, mxfp4); SEND_WGRAD also pushes ``gw[row]`` to the source's ``wback``. Signals
+    ``flags[CDATA, RANK]`` on every rank after waiting (bounded) for the previous call's readers.
+    """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     m = tl.load(calls_ptr + 1)
@@ -93,6 +99,11 @@ def combine_out_kernel(topk_idx_ptr, y_ptr, T, NC, stage_tab, wback_ptr, gtw_ptr
                        H: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr, WB: tl.constexpr,
                        PULL: tl.constexpr, RECV_WGRAD: tl.constexpr, HAS_TIMER: tl.constexpr,
                        RB: tl.constexpr = 0, WIRE: tl.constexpr = 0):
+    """Source side of a combine: wait for every expert rank's partials, sum them in rank order (fp32) into ``y``.
+
+    PULL reads the partials from the peers' memory; RECV_WGRAD gathers the per-route scalars into ``gtw [T, K]``.
+    Tokens without a valid route get zeros. Acks every expert rank afterwards.
+    """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     m = tl.load(calls_ptr + 1)

@@ -48,6 +48,14 @@ def dispatch_send_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, NC, pre_p
                          KB: tl.constexpr, H: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr, WB: tl.constexpr,
                          COMPUTE_ROWS: tl.constexpr, HAS_TIMER: tl.constexpr, RB: tl.constexpr = 0,
                          WIRE: tl.constexpr = 0, POW2: tl.constexpr = False):
+    """Send side of a dispatch (see the module docstring). Grid-stride over chunks of BT tokens.
+
+    Writes, for every destination rank d: ``ntok[RANK]`` (program 0), each token's K destination rows (or -1) and
+    weights into d's ``meta``/``wts[RANK, t]``, and the wire-encoded row into d's ``stage[RANK, t]`` if the token
+    has a route on d; then raises ``flags[DATA, RANK]`` on every rank. COMPUTE_ROWS: derive the rows from the
+    layout (forward) instead of reading ``rows_ptr`` (combine backward). Waits first (bounded) until every
+    destination consumed the previous call's staging.
+    """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     n = tl.load(calls_ptr)
@@ -116,6 +124,12 @@ def dispatch_expand_kernel(stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_ptr, out_
                            BA: tl.constexpr, A: tl.constexpr, SCALE: tl.constexpr, DOT: tl.constexpr,
                            KEEP_HANDLE: tl.constexpr, HAS_TIMER: tl.constexpr, RB: tl.constexpr = 0,
                            WIRE: tl.constexpr = 0, KEEP_Q: tl.constexpr = False, q_ptr=None, s_ptr=None):
+    """Receive side of a dispatch: wait for every source, scatter staged rows into the expert-grouped output.
+
+    ``out[row]`` = decoded staged row for each route (SCALE: times its weight; KEEP_Q: copy payload + scales to
+    ``q_ptr``/``s_ptr``), ``out_w[row]`` = route weight, DOT: ``gw[row] = <staged row, eo[row]>``; KEEP_HANDLE
+    copies the routing metadata into the handle; A > 1 zeroes the alignment padding rows. Then acks every source.
+    """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     n = tl.load(calls_ptr)

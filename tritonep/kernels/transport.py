@@ -23,6 +23,8 @@ from .signal import STATUS_TIMEOUT, signal_peers, wait_all_ge
 @triton.jit(do_not_specialize=['row_off', 'call_idx', 'timeout', 'wait_id'])
 def barrier_kernel(flags_ptr, flags_tab, row_off, calls_ptr, call_idx, status_ptr, timeout, wait_id,
                    RANK: tl.constexpr, W: tl.constexpr, WB: tl.constexpr, HAS_TIMER: tl.constexpr):
+    """Rendezvous: add 1 to ``flags[row, RANK]`` on every rank, then wait (bounded) until this rank's row reaches
+    ``calls[call_idx]`` from every peer."""
     n = tl.load(calls_ptr + call_idx)
     signal_peers(flags_tab, row_off, W, RANK, WB)
     wait_all_ge(flags_ptr + row_off // 8, W, n, status_ptr, wait_id, timeout, HAS_TIMER, WB)

@@ -30,6 +30,8 @@ PROFILES = {
     "deepseek-v3": dict(hidden=7168, num_experts=256, topk=8, tokens=4096),
     "decode": dict(hidden=7168, num_experts=256, topk=8, tokens=128),
     "qwen3-moe": dict(hidden=4096, num_experts=128, topk=8, tokens=4096),
+    # the packaged FLAME-MoE-290M router decisions (64 experts, top-6, 2048 tokens split over the ranks)
+    "real-trace": dict(hidden=2048, num_experts=64, topk=6, tokens=0, trace_layer=2),
 }
 
 
@@ -102,12 +104,24 @@ def bench_ep(group, profile: str, combine_kinds=("push", "pull"), num_sms=None, 
         p["tokens"] = tokens
     rank, W = dist.get_rank(group), dist.get_world_size(group)
     dev = torch.device("cuda", torch.cuda.current_device())
-    H, E, K, T = p["hidden"], p["num_experts"], p["topk"], p["tokens"]
+    H, E, K = p["hidden"], p["num_experts"], p["topk"]
     L = E // W
-    idx, w, _ = _routing(rank, T, E, K, seed, dev)
+    if "trace_layer" in p:
+        from ..data import load_flame_trace, split_across_ranks
+
+        parts = split_across_ranks(*load_flame_trace(p["trace_layer"], renormalize=True), W)
+        idx, w = (t.to(dev) for t in parts[rank])
+        T = max(q[0].shape[0] for q in parts)
+        if idx.shape[0] < T:  # static capacity is the largest share; smaller shares pad with masked tokens
+            pad = T - idx.shape[0]
+            idx = torch.cat([idx, torch.full((pad, K), -1, dtype=idx.dtype, device=dev)])
+            w = torch.cat([w, torch.zeros(pad, K, dtype=w.dtype, device=dev)])
+    else:
+        T = p["tokens"]
+        idx, w, _ = _routing(rank, T, E, K, seed, dev)
     x = torch.randn(T, H, device=dev).to(torch.bfloat16)
     # exact layout (host) for byte counts and the NCCL pipeline
-    counts_mine = torch.bincount(idx.flatten(), minlength=E).to(torch.int32)
+    counts_mine = torch.bincount(idx.flatten()[idx.flatten() >= 0], minlength=E).to(torch.int32)
     counts = [torch.empty_like(counts_mine) for _ in range(W)]
     dist.all_gather(counts, counts_mine, group=group)
     counts = torch.stack(counts)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import json
 
 import torch
@@ -10,7 +12,8 @@ __all__ = ["add_parser", "main", "plan_table"]
 
 
 def add_parser(sub):
-    p = sub.add_parser("plan", help="virtual-expert placement for a trace or histogram: per-rank load before/after")
+    p = sub.add_parser("plan", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       help="virtual-expert placement for a trace or histogram: per-rank load before/after")
     p.add_argument("--routing", choices=["flame", "olmoe"], default="olmoe",
                    help="flame: the FLAME-MoE-290M trace; olmoe: an OLMoE expert-load histogram (strong skew)")
     p.add_argument("--layer", type=int, default=None, help="trace layer (flame 2..9, olmoe 0/7/15)")
@@ -68,16 +71,21 @@ def main(args) -> int:
     counts = counts_for(args)
     res = plan_table(counts)
     W = args.world_size
-    t = Table(title=f"virtual-expert plan: {args.routing} routing, {W} ranks, {args.num_experts} experts")
+    src = (f"flame layer {args.layer if args.layer is not None else 2}" if args.routing == "flame"
+           else f"olmoe {args.domain} layer {args.layer or 0}")
+    t = Table(title=f"virtual-expert plan: {src}, {W} ranks, {args.num_experts} experts "
+                    f"(virtual experts = global ids held in this rank's slots)")
     for c in ("rank", "load before", "load after", "slots used", "virtual experts"):
         t.add_column(c, justify="right")
     for d in range(W):
         t.add_row(str(d), str(res["before"][d]), str(res["after"][d]), str(res["slots_used"][d]),
                   " ".join(str(e) for e in res["experts_to_copy"][d] if e >= 0) or "-")
-    con = Console()
+    import shutil
+
+    con = Console(width=max(shutil.get_terminal_size((140, 24)).columns, 120))
     con.print(t)
     con.print(f"balancedness (mean/max) {res['balancedness_before']:.3f} -> {res['balancedness_after']:.3f}; "
-              f"expert maxvio {res['maxvio']:.2f}; moved routes {res['moved_routes']} of {int(counts.sum())}")
+              f"expert maxvio (max/mean expert load - 1) {res['maxvio']:.2f}; moved routes {res['moved_routes']} of {int(counts.sum())}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -13,6 +13,8 @@ weights and wires; fp32 accumulation). fp8 / mxfp4 wires use 0.15 / 0.5 (quantiz
 
 from __future__ import annotations
 
+import argparse
+
 import json
 import time
 
@@ -24,14 +26,16 @@ TOL = {"bf16": 3e-2, "fp8": 0.15, "mxfp4": 0.5}
 
 
 def add_parser(sub):
-    p = sub.add_parser("run", help="MoE layer fwd+bwd per traced layer on real routing, checked against a dense "
+    p = sub.add_parser("run", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       help="MoE layer fwd+bwd per traced layer on real routing, checked against a dense "
                                    "reference (the main job)")
     p.add_argument("--routing", choices=["flame", "olmoe"], default="flame",
                    help="flame: the packaged FLAME-MoE-290M per-token trace (64 experts, top-6); olmoe: tokens "
                         "drawn from OLMoE-1B-7B expert-load histograms (strong skew)")
     p.add_argument("--layers", type=int, nargs="*", default=None,
                    help="trace layers to run (flame: 2..9, olmoe: 0 7 15); default: all")
-    p.add_argument("--domain", default="arxiv", help="OLMoE domain for --routing olmoe")
+    p.add_argument("--domain", default="arxiv",
+                   help="OLMoE domain for --routing olmoe: arxiv, book, c4, github, wikipedia, tulu")
     p.add_argument("--tokens", type=int, default=None,
                    help="tokens per rank (default: 64 on CPU, 1024 on GPU; flame has 2048 tokens in all)")
     p.add_argument("--world-size", type=int, default=4, help="ranks of the CPU world when there is no GPU")
@@ -63,16 +67,19 @@ def _settings(args, on_gpu):
         dispatch_wire=args.dispatch_wire, combine_wire=args.combine_wire, combine=args.combine,
         expert_alignment=args.expert_alignment, check=not args.no_check,
     )
+    from ..data import flame_layers, olmoe_domains, olmoe_layers
+    from ..errors import DataError
+
+    valid = flame_layers() if args.routing == "flame" else olmoe_layers()
+    s["layers"] = args.layers or valid
+    s["topk"] = args.topk or (6 if args.routing == "flame" else 8)
+    bad = [x for x in s["layers"] if x not in valid]
+    if bad:  # checked here, before any rank starts
+        raise DataError(f"--layers {bad}: the {args.routing} data has layers {valid}")
+    if args.routing == "olmoe" and args.domain not in olmoe_domains():
+        raise DataError(f"--domain {args.domain!r}: OLMoE domains are {olmoe_domains()}")
     if args.routing == "flame":
-        from ..data import flame_layers
-
-        s["layers"] = args.layers or flame_layers()
-        s["topk"] = args.topk or 6
-    else:
-        from ..data import olmoe_layers
-
-        s["layers"] = args.layers or olmoe_layers()
-        s["topk"] = args.topk or 8
+        s.pop("domain")
     return s
 
 
@@ -204,10 +211,12 @@ def main(args) -> int:
         results = run_cpu_world(W, run_rank, s, timeout_s=args.timeout)
     wall = time.time() - t0
     tol = max(TOL[s["dispatch_wire"]], TOL[s["combine_wire"]])
-    table = Table(title=f"tritonep run — {s['routing']} routing, world {W}, balance={s['balance']}, "
+    src = s["routing"] + (f" ({s['domain']})" if "domain" in s else "")
+    table = Table(title=f"tritonep run — {src} routing, world {W}, balance={s['balance']}, "
                         f"wires {s['dispatch_wire']}/{s['combine_wire']}")
-    for c in ("layer", "tokens", "balancedness", "dispatch ms", "gemm ms", "combine ms", "step ms", "max rel err",
-              "check"):
+    cols = ["layer", "tokens", "balancedness"] + (["before balancing"] if s["balance"] == "virtual" else []) + [
+        "dispatch ms", "gemm ms", "combine ms", "step ms", "max rel err", "check"]
+    for c in cols:
         table.add_column(c, justify="right")
     rows, ok_all = [], True
     for li, layer in enumerate(tqdm(s["layers"], desc="dense reference", disable=not s["check"], leave=False)):
@@ -223,7 +232,16 @@ def main(args) -> int:
         rows.append(dict(layer=layer, tokens=sum(results[r][li]["tokens"] for r in range(W)), rank_loads=loads,
                          balancedness=float(bal), dispatch_ms=mx("dispatch_s"), gemm_ms=mx("gemm_s"),
                          combine_ms=mx("combine_s"), step_ms=mx("step_s"), errors=errs, ok=bool(ok)))
-        table.add_row(str(layer), str(rows[-1]["tokens"]), f"{bal:.3f}", f"{mx('dispatch_s'):.2f}",
+        extra = []
+        if s["balance"] == "virtual":
+            from ..balance.metrics import rank_loads
+            from ..kernels.layout import counts_torch
+
+            parts = layer_routing(s, layer, W)
+            native = rank_loads(torch.stack([counts_torch(q[0], s["num_experts"]) for q in parts]), W)
+            rows[-1]["balancedness_before"] = float(balancedness(native.double()))
+            extra = [f"{rows[-1]['balancedness_before']:.3f}"]
+        table.add_row(str(layer), str(rows[-1]["tokens"]), f"{bal:.3f}", *extra, f"{mx('dispatch_s'):.2f}",
                       f"{mx('gemm_s'):.2f}", f"{mx('combine_s'):.2f}", f"{mx('step_s'):.1f}",
                       f"{worst:.2e}" if errs else "-", "[green]pass[/]" if ok else "[red]FAIL[/]")
     con.print(table)

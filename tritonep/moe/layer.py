@@ -72,7 +72,7 @@ class MoELayer(nn.Module):
 
     Attributes after each forward: ``last_timings`` dict of seconds ``dispatch_s``, ``gemm_s``, ``combine_s`` (the
     device is synchronised around each phase on CUDA; host wall clock on CPU); ``last_stats`` dict with
-    ``num_tokens_per_expert`` (host list of L ints) and ``recv_rows`` (int).
+    ``num_tokens_per_expert`` (host list of L ints; 2L runtime experts with ``balance='virtual'``) and ``recv_rows`` (int).
 
     Raises:
         ConfigError: any inconsistent recipe / geometry / world (checked before anything is allocated, naming the

@@ -106,7 +106,6 @@ def test_all_tokens_to_one_expert_and_exact_capacity():
 
 
 def _capacity_world(group):
-    rank = dist.get_rank()
     buf = tep.EPBuffer(group, 4, 64, 8, 2, max_recv_tokens=9)
     x = torch.randn(8, 64).bfloat16()
     hot = torch.tensor([[0, 1]] * 5 + [[2, 3]] * 3)  # rank 0 receives 10 rows from each rank -> 20 > 9

@@ -1,6 +1,5 @@
 """Foundation: region layout, CPU symmetric heap, CPU world, a peer-writing Triton kernel with epoch signals."""
 
-import os
 import time
 
 import pytest

@@ -187,7 +187,7 @@ def test_rank_with_zero_tokens_forward_and_backward():
 
 # ------------------------------------------------------------------------------------------------ capacity
 def _capacity_world(group, backend):
-    rank, W = dist.get_rank(group), dist.get_world_size(group)
+    rank = dist.get_rank(group)
     buf = tep.EPBuffer(group, 4, 64, 8, 2, max_recv_tokens=16, backend=backend)
     errs = []
     try:  # one token over max_tokens_per_rank

@@ -173,7 +173,6 @@ def bench_ep(group, profile: str, combine_kinds=("push", "pull"), num_sms=None, 
             us, mode = time_graph(lambda: buf.combine(eo, d.handle, kind=kind), group, iters=iters)
             row(f"tritonep.combine.{kind}.{wire}", us, mode, wb)
         buf.close()
-        del d, eo
         torch.cuda.empty_cache()
     os.environ["TRITONEP_SYNC_CHECKS"] = "1"
 
@@ -186,7 +185,6 @@ def bench_ep(group, profile: str, combine_kinds=("push", "pull"), num_sms=None, 
     us, mode = time_graph(lambda: nbuf.combine(neo, nd.handle), group, iters=iters, capture=False)
     row("tritonep[nccl].combine.bf16", us, mode)
     nbuf.close()
-    del nd, neo
 
     # --- NCCL bare all_to_all_single of the deduplicated rows
     order = torch.cat([torch.nonzero(to_rank[d]).flatten() for d in range(W)])

@@ -69,7 +69,7 @@ def moe_bench_world(group, cfg, steps=10, warmup=2):
     from ..moe import MoEGeometry, MoELayer, MoERecipe
     from ..testing.cases import random_routing
 
-    rank, W = dist.get_rank(group), dist.get_world_size(group)
+    rank = dist.get_rank(group)
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     H, I, E, K, T = cfg["hidden"], cfg["intermediate"], cfg["num_experts"], cfg["topk"], cfg["tokens"]
     geo = MoEGeometry(hidden=H, intermediate=I, num_experts=E, topk=K, max_tokens_per_rank=T)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from tritonep.errors import WireError
+from tritonep.errors import InputError, WireError
 
 __all__ = [
     "WIRES",
@@ -115,3 +115,26 @@ def scale_bytes(wire: str, hidden: int) -> int:
     """Bytes of one row's scales: fp8 ``4*hidden//128``, mxfp4 ``hidden//32``, bf16 0. Raises WireError."""
     n = num_scales(wire, hidden)
     return n * (4 if wire == "fp8" else 1)
+
+
+QUANT_IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+"""Input dtypes the quantizers take."""
+
+
+def check_quant_input(x: torch.Tensor, wire: str, name: str) -> None:
+    """Validate the input of a quantizer of ``wire`` ("fp8" | "mxfp4").
+
+    Raises:
+        InputError: not a tensor, not 2-D ``[N, hidden]``, or a dtype outside :data:`QUANT_IN_DTYPES`.
+        WireError: hidden not a multiple of the wire's block (no padding rule).
+    """
+    if not isinstance(x, torch.Tensor):
+        raise InputError(f"{name}: x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 2:
+        raise InputError(f"{name}: x must be 2-D [N, hidden], got shape {tuple(x.shape)}")
+    if x.dtype not in QUANT_IN_DTYPES:
+        raise InputError(f"{name}: x dtype must be one of bfloat16/float16/float32, got {x.dtype}")
+    blk = block_size(wire)
+    if x.shape[1] % blk != 0:
+        raise WireError(f"{name}: wire {wire!r} needs hidden to be a multiple of its block of {blk} (no padding); "
+                        f"got hidden={x.shape[1]}")

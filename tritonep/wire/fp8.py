@@ -28,7 +28,7 @@ import triton.language as tl
 
 from tritonep.errors import InputError, WireError
 from tritonep.kernels.quant import KIND_OF_DTYPE, fp8_dequant_tile, fp8_quant_tile, load_as_fp32, store_fp32_as
-from tritonep.wire.formats import FP8_BLOCK
+from tritonep.wire.formats import check_quant_input, FP8_BLOCK
 
 __all__ = [
     "quantize_fp8_torch",
@@ -83,17 +83,7 @@ def e4m3_encode_torch(y: torch.Tensor) -> torch.Tensor:
 
 
 def _check_x(x: torch.Tensor, name: str) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise InputError(f"{name}: x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() != 2:
-        raise InputError(f"{name}: x must be 2-D [N, hidden], got shape {tuple(x.shape)}")
-    if x.dtype not in _IN_DTYPES:
-        raise InputError(f"{name}: x dtype must be one of bfloat16/float16/float32, got {x.dtype}")
-    if x.shape[1] % FP8_BLOCK != 0:
-        raise WireError(
-            f"{name}: wire 'fp8' needs hidden to be a multiple of its block of {FP8_BLOCK} (no padding); "
-            f"got hidden={x.shape[1]}"
-        )
+    check_quant_input(x, "fp8", name)
 
 
 def _check_q(q: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype, name: str) -> torch.Tensor:

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from tritonep.errors import InputError, WireError
 from tritonep.kernels.quant import KIND_OF_DTYPE, load_as_fp32, mxfp4_dequant_tile, mxfp4_quant_tile, store_fp32_as
-from tritonep.wire.formats import MXFP4_BLOCK
+from tritonep.wire.formats import check_quant_input, MXFP4_BLOCK
 from tritonep.wire.fp8 import _rne_shift_torch, _tiling
 
 __all__ = [
@@ -48,17 +48,7 @@ _TWICE_E2M1 = (0, 1, 2, 3, 4, 6, 8, 12)  # 2 * e2m1 magnitude, by code
 
 
 def _check_x(x: torch.Tensor, name: str) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise InputError(f"{name}: x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() != 2:
-        raise InputError(f"{name}: x must be 2-D [N, hidden], got shape {tuple(x.shape)}")
-    if x.dtype not in _IN_DTYPES:
-        raise InputError(f"{name}: x dtype must be one of bfloat16/float16/float32, got {x.dtype}")
-    if x.shape[1] % MXFP4_BLOCK != 0:
-        raise WireError(
-            f"{name}: wire 'mxfp4' needs hidden to be a multiple of its block of {MXFP4_BLOCK} (no padding); "
-            f"got hidden={x.shape[1]}"
-        )
+    check_quant_input(x, "mxfp4", name)
 
 
 def _check_packed(packed: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype, name: str) -> int:

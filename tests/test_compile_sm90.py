@@ -65,3 +65,27 @@ def test_ep_kernels_compile_for_sm90():
             "combine_partial_kernel", "combine_out_kernel"} <= names, names
     failures = compile_recorded(recs)
     assert not failures, "\n\n".join(f"{n}: {e}" for n, e in failures)
+
+
+def _virtual_layer_paths(group):
+    from tritonep.moe import MoEGeometry, MoELayer, MoERecipe
+
+    rank = dist.get_rank()
+    recs = []
+    with record_launches(recs):
+        layer = MoELayer(MoERecipe(balance="virtual", combine="push"),
+                         MoEGeometry(hidden=64, intermediate=32, num_experts=8, topk=2, max_tokens_per_rank=8), group)
+        x, idx, w = make_rank_inputs(rank, 8, 64, 8, 2, seed=3)
+        x.requires_grad_(True)
+        layer(x, topk_idx=idx, topk_weights=w).float().sum().backward()
+        layer.close()
+    return recs
+
+
+def test_virtual_expert_kernels_compile_for_sm90():
+    """The planner (tl.gather-heavy), the counts exchange and the transport as the MoE layer launches them."""
+    recs = run_cpu_world(2, _virtual_layer_paths, timeout_s=180)[0]
+    assert {"plan_kernel", "exchange_kernel", "push_weights_kernel", "pull_grads_kernel"} <= {r.get("name")
+                                                                                            for r in recs}
+    failures = compile_recorded(recs)
+    assert not failures, "\n\n".join(f"{n}: {e}" for n, e in failures)

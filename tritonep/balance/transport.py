@@ -75,9 +75,9 @@ class ExpertTransport:
 
     def _barrier(self, row: int):
         self.calls[row:row + 1].add_(1)
-        self._launch(barrier_kernel, (1,), self.flags, self.tab["flags"], row * self.W * 8, self.calls, row, self.status,
-                             self.timeout, 10 + row, RANK=self.rank, W=self.W, WB=self.WB,
-                             HAS_TIMER=self.has_timer)
+        self._launch(barrier_kernel, (1,), self.flags, self.tab["flags"], row * self.W * 8, self.calls, row,
+                     self.status, self.timeout, 10 + row, RANK=self.rank, W=self.W, WB=self.WB,
+                     HAS_TIMER=self.has_timer)
 
     def _check_weights(self, weights: dict):
         for k, shp in self.shapes.items():
@@ -97,8 +97,8 @@ class ExpertTransport:
         etc = placement.experts_to_copy.to(torch.int32).contiguous()
         self._barrier(0)
         for k, shp in self.shapes.items():
-            self._launch(push_weights_kernel, (self.G,), weights[k].contiguous(), self.tab[f"slots_{k}"], etc, math.prod(shp),
-                                           self.status, RANK=self.rank, W=self.W, L=self.L, BLOCK=1024)
+            self._launch(push_weights_kernel, (self.G,), weights[k].contiguous(), self.tab[f"slots_{k}"], etc,
+                         math.prod(shp), self.status, RANK=self.rank, W=self.W, L=self.L, BLOCK=1024)
         self._barrier(1)
         return {k: self.slots(k) for k in self.shapes}
 
@@ -116,8 +116,8 @@ class ExpertTransport:
         out = {}
         for k, shp in self.shapes.items():
             o = torch.empty(self.L, *shp, dtype=self.dtype, device=self.device)
-            self._launch(pull_grads_kernel, (self.G,), o, self.tab[f"gslots_{k}"], slot_of, math.prod(shp), self.status,
-                                         RANK=self.rank, W=self.W, L=self.L, E=self.E, BLOCK=1024)
+            self._launch(pull_grads_kernel, (self.G,), o, self.tab[f"gslots_{k}"], slot_of, math.prod(shp),
+                         self.status, RANK=self.rank, W=self.W, L=self.L, E=self.E, BLOCK=1024)
             out[k] = o
         self._barrier(3)
         return out

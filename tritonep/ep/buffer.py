@@ -16,7 +16,7 @@ import torch.distributed as dist
 from .. import envs
 from ..errors import BufferStateError, ConfigError
 from ..memory import required_bytes as _layout_bytes
-from ..wire.formats import WIRES, check_wire
+from ..wire.formats import check_wire
 from .autograd import CombineFn, DispatchFn
 from .backend_choice import choose_backend
 from .handle import Dispatched, DispatchHandle
@@ -274,5 +274,3 @@ class EPBuffer:
     def __exit__(self, *exc):
         self.close()
 
-
-assert WIRES  # wire names are validated through check_wire

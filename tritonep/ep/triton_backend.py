@@ -146,12 +146,12 @@ class TritonEP:
         offs = torch.empty(self.L, dtype=torch.int32, device=self.device)
         EB = triton.next_power_of_2(self.E)
         self._launch(exchange_kernel, (1,), self.hist, nc, self.tab["counts"], self.flags, self.tab["flags"],
-                              self._flag_off(0), self.calls[2:], self.status, self.timeout, self.pre,
-                              self.send_base, ntpe, offs, self.rows_needed, self.max_recv,
-                              RANK=self.rank, W=self.W, E=self.E, L=self.L, A=self.A, WB=c["WB"],
-                              LB=triton.next_power_of_2(self.L), EB=EB,
-                              NCB=triton.next_power_of_2(max(nc, 1)), EBLK=min(EB, 64), HAS_TIMER=self.has_timer,
-                              DOUBLE=True, dcall_ptr=self.calls[0:1], **self._kw)
+                     self._flag_off(0), self.calls[2:], self.status, self.timeout, self.pre,
+                     self.send_base, ntpe, offs, self.rows_needed, self.max_recv,
+                     RANK=self.rank, W=self.W, E=self.E, L=self.L, A=self.A, WB=c["WB"],
+                     LB=triton.next_power_of_2(self.L), EB=EB,
+                     NCB=triton.next_power_of_2(max(nc, 1)), EBLK=min(EB, 64), HAS_TIMER=self.has_timer,
+                     DOUBLE=True, dcall_ptr=self.calls[0:1], **self._kw)
         R = None
         if sync:
             st = torch.cat([self.status, self.rows_needed[self.rank:self.rank + 1]]).cpu()
@@ -194,27 +194,27 @@ class TritonEP:
 
     def _send(self, x, handle, topk_weights, compute_rows, nc, wire=0):
         g, c = self.geo, self.c
-        self._launch(dispatch_send_kernel, (g.grid_send,), 
-            x, handle.topk_idx, topk_weights, handle.rows, handle.num_tokens, nc, self.pre, self.send_base,
-            self.tab["stage"], self.tab["meta"], self.tab["wts"], self.tab["ntok"],
-            self.flags, self.tab["flags"], self._flag_off(1), self.calls, self.status, self.timeout,
-            g.grid_expand, self.Tm, E=self.E, L=self.L, COMPUTE_ROWS=compute_rows, WIRE=wire,
-            **{k: c[k] for k in ("RANK", "W", "K", "KB", "H", "BH", "BT", "WB", "HAS_TIMER", "RB")}, **self._kw)
+        self._launch(dispatch_send_kernel, (g.grid_send,),
+                     x, handle.topk_idx, topk_weights, handle.rows, handle.num_tokens, nc, self.pre, self.send_base,
+                     self.tab["stage"], self.tab["meta"], self.tab["wts"], self.tab["ntok"],
+                     self.flags, self.tab["flags"], self._flag_off(1), self.calls, self.status, self.timeout,
+                     g.grid_expand, self.Tm, E=self.E, L=self.L, COMPUTE_ROWS=compute_rows, WIRE=wire,
+                     **{k: c[k] for k in ("RANK", "W", "K", "KB", "H", "BH", "BT", "WB", "HAS_TIMER", "RB")}, **self._kw)
 
     def _expand(self, out, out_w, handle, ntpe, offs, keep_handle, scale=False, eo=None, gw=None, wire=0, q=None,
                 sc=None):
         g, c = self.geo, self.c
         b = self.buf
-        self._launch(dispatch_expand_kernel, (g.grid_expand,), 
-            b.local("stage"), b.local("meta"), b.local("wts"), b.local("ntok"), out, out_w,
-            handle.meta, handle.wts, handle.ntok, ntpe, offs,
-            eo if eo is not None else out, gw if gw is not None else out_w,
-            self.flags, self.tab["flags"], self._flag_off(2), self.calls, self.status, self.timeout,
-            g.grid_send, self.Tm, self.ncmax, L=self.L, LB=triton.next_power_of_2(self.L),
-            BA=triton.next_power_of_2(max(self.A, 1)) if keep_handle else 1, A=self.A if keep_handle else 1,
-            SCALE=scale, DOT=eo is not None,
-            KEEP_HANDLE=keep_handle, WIRE=wire, KEEP_Q=q is not None, q_ptr=q, s_ptr=sc,
-            **{k: c[k] for k in ("RANK", "W", "K", "KB", "H", "BH", "BT", "WB", "HAS_TIMER", "RB")}, **self._kw)
+        self._launch(dispatch_expand_kernel, (g.grid_expand,),
+                     b.local("stage"), b.local("meta"), b.local("wts"), b.local("ntok"), out, out_w,
+                     handle.meta, handle.wts, handle.ntok, ntpe, offs,
+                     eo if eo is not None else out, gw if gw is not None else out_w,
+                     self.flags, self.tab["flags"], self._flag_off(2), self.calls, self.status, self.timeout,
+                     g.grid_send, self.Tm, self.ncmax, L=self.L, LB=triton.next_power_of_2(self.L),
+                     BA=triton.next_power_of_2(max(self.A, 1)) if keep_handle else 1, A=self.A if keep_handle else 1,
+                     SCALE=scale, DOT=eo is not None,
+                     KEEP_HANDLE=keep_handle, WIRE=wire, KEEP_Q=q is not None, q_ptr=q, s_ptr=sc,
+                     **{k: c[k] for k in ("RANK", "W", "K", "KB", "H", "BH", "BT", "WB", "HAS_TIMER", "RB")}, **self._kw)
 
     # ---------------------------------------------------------------------------------------------- combine
     def _combine(self, eo, handle, weighted, gw=None, want_wgrad=False, kind=None, wire=0):
@@ -227,19 +227,19 @@ class TritonEP:
         nc = triton.cdiv(T, g.bt)
         self.calls[1:2].add_(1)
         stage = self.tab["cstage"]
-        self._launch(combine_partial_kernel, (g.grid_partial,), 
-            eo, handle.meta, handle.wts, handle.ntok, gw if gw is not None else handle.wts, stage,
-            self.tab["wback"], self.flags, self.tab["flags"], self._flag_off(3), self.calls, self.status,
-            self.timeout, g.grid_out, self.Tm, self.ncmax, PUSH=kind == "push", WEIGHTED=weighted,
-            SEND_WGRAD=want_wgrad, WIRE=wire,
-            **{k: c[k] for k in ("RANK", "W", "K", "KB", "H", "BH", "BT", "WB", "HAS_TIMER", "RB")}, **self._kw)
+        self._launch(combine_partial_kernel, (g.grid_partial,),
+                     eo, handle.meta, handle.wts, handle.ntok, gw if gw is not None else handle.wts, stage,
+                     self.tab["wback"], self.flags, self.tab["flags"], self._flag_off(3), self.calls, self.status,
+                     self.timeout, g.grid_out, self.Tm, self.ncmax, PUSH=kind == "push", WEIGHTED=weighted,
+                     SEND_WGRAD=want_wgrad, WIRE=wire,
+                     **{k: c[k] for k in ("RANK", "W", "K", "KB", "H", "BH", "BT", "WB", "HAS_TIMER", "RB")}, **self._kw)
         y = torch.empty(T, self.H, dtype=eo.dtype, device=self.device)
         gtw = torch.empty(T, self.K, dtype=torch.float32, device=self.device) if want_wgrad else None
-        self._launch(combine_out_kernel, (g.grid_out,), 
-            handle.topk_idx, y, T, nc, stage, self.buf.local("wback"), gtw if gtw is not None else y,
-            self.flags, self.tab["flags"], self._flag_off(4), self.calls, self.status, self.timeout,
-            g.grid_partial, self.Tm, L=self.L, PULL=kind == "pull", RECV_WGRAD=want_wgrad, WIRE=wire,
-            **{k: c[k] for k in ("RANK", "W", "K", "KB", "H", "BH", "BT", "WB", "HAS_TIMER", "RB")}, **self._kw)
+        self._launch(combine_out_kernel, (g.grid_out,),
+                     handle.topk_idx, y, T, nc, stage, self.buf.local("wback"), gtw if gtw is not None else y,
+                     self.flags, self.tab["flags"], self._flag_off(4), self.calls, self.status, self.timeout,
+                     g.grid_partial, self.Tm, L=self.L, PULL=kind == "pull", RECV_WGRAD=want_wgrad, WIRE=wire,
+                     **{k: c[k] for k in ("RANK", "W", "K", "KB", "H", "BH", "BT", "WB", "HAS_TIMER", "RB")}, **self._kw)
         self._eager_check("combine" if weighted else "dispatch backward")
         return y, gtw
 

@@ -220,6 +220,23 @@ def test_triton_multi_program_noncontiguous_int32():
         assert pt.equal(p) and torch.equal(rid, remap_torch(topks[r], p, r, counts))
 
 
+def test_triton_two_launch_chunks_and_status():
+    """More chunks than tiles (empty chunks), many chunks over a larger shape, status bits from a middle chunk."""
+    topks, counts = make_topk(8, 64, 4, [30, 0, 17, 25, 9, 40, 3, 12], probs=_hot(11, 40.0, 64), mask_p=0.1, seed=5)
+    p = place_torch(counts)
+    for r in (0, 5, 7):
+        want = remap_torch(topks[r], p, r, counts)
+        for G, blk in ((1, 16), (7, 16), (40, 32)):
+            pt, rid = plan(counts, topks[r], r, num_programs=G, block=blk, validate=True)
+            assert pt.equal(p) and torch.equal(rid, want), (r, G, blk)
+            assert pt.status.shape == (G + 1,)
+    bad = topks[5].clone()
+    bad[20, 1] = 64  # an id outside [0, E) in chunk 1 of 4 (and the histogram no longer matches counts[5])
+    pt, rid = plan(counts, bad, 5, num_programs=4, block=16)
+    assert plan_status(pt) == 6 and rid[20, 1] == -1
+    assert torch.equal(rid[:20], remap_torch(topks[5], p, 5, counts)[:20])  # earlier routes: ordinals unchanged
+
+
 # ------------------------------------------------------------------------------------------------- bad inputs
 def test_bad_counts_raise_plan_error():
     with pytest.raises(PlanError, match=r"counts\[1, 3\]=-2"):

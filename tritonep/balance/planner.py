@@ -1,7 +1,8 @@
-"""Host wrapper of the Triton virtual-expert planner: one launch, no host sync, bit-equal to the torch twins.
+"""Host wrapper of the Triton virtual-expert planner: two launches, no host sync, bit-equal to the torch twins.
 
 ``plan(counts, topk_idx, rank)`` == ``(place_torch(counts), remap_torch(topk_idx, place_torch(counts), rank,
-counts))`` bit for bit (tested), computed by :func:`tritonep.kernels.planner.plan_kernel`.
+counts))`` bit for bit (tested), computed by :func:`tritonep.kernels.planner.plan_kernel` (placement + per-chunk
+expert histograms) then :func:`tritonep.kernels.planner.plan_remap_kernel` (remap, one route chunk per program).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 from tritonep.balance.placement import MAX_PLANNER_EXPERTS, MAX_PLANNER_WORLD, Placement, check_counts
 from tritonep.balance.remap import check_topk_idx
 from tritonep.errors import PlanError
-from tritonep.kernels.planner import plan_kernel
+from tritonep.kernels.planner import plan_kernel, plan_remap_kernel
 
 __all__ = ["plan", "plan_status", "check_plan_status"]
 
@@ -27,22 +28,22 @@ def _pow2(n: int) -> int:
 
 def plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, *, num_programs: Optional[int] = None,
          block: Optional[int] = None, validate: bool = False) -> tuple[Placement, torch.Tensor]:
-    """Plan this step's virtual experts and remap this rank's routes, in one Triton launch.
+    """Plan this step's virtual experts and remap this rank's routes, in two Triton launches.
 
     Args:
         counts: ``[W, E]`` int32/int64 on the device, ``counts[r, e]`` = valid routes source rank ``r`` sends to
             expert ``e`` (identical on every rank: the gathered dispatch histogram). Any strides.
         topk_idx: ``[T, K]`` int32/int64 on the same device, this rank's global expert ids, -1 = masked. T may be 0.
         rank: this rank in ``[0, W)``.
-        num_programs: grid size (every program recomputes the placement, then remaps a contiguous chunk of
-            routes). Default: 1 under the interpreter / on CPU, else ``min(32, ceil(T*K / 1024))``. Derived from
-            shapes only, so the launch stays graph-capturable.
+        num_programs: number of route chunks ``G`` (launch 1 runs ``G + 1`` programs: the placement and one
+            histogram per chunk; launch 2 runs ``G``: one chunk each). Default: 1 under the interpreter / on CPU,
+            else ``min(64, ceil(T*K / 512))``. Derived from shapes only, so the launches stay graph-capturable.
         block: routes per tile, a power of two in ``[16, 256]``; default 128 on CUDA, 64 elsewhere.
         validate: read the status word back and raise on bad data (a host sync); default False.
 
     Returns:
         ``(placement, runtime_topk_idx)``: a :class:`Placement` of int32 device tensors (``status`` is
-        ``[num_programs]`` int32, OR of entries = error bits, see :func:`check_plan_status`) and ``[T, K]`` int32
+        ``[num_programs + 1]`` int32, OR of entries = error bits, see :func:`check_plan_status`) and ``[T, K]`` int32
         runtime expert ids (-1 stays -1).
 
     Raises:
@@ -71,7 +72,7 @@ def plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, *, num_program
     num_routes = num_tokens * topk
     num_tiles = -(-num_routes // block)
     if num_programs is None:
-        num_programs = max(1, min(32, -(-num_routes // 1024))) if on_gpu else 1
+        num_programs = max(1, min(64, -(-num_routes // 512))) if on_gpu else 1
     if num_programs < 1:
         raise PlanError(f"num_programs={num_programs} must be >= 1")
     tiles_per_program = max(1, -(-num_tiles // num_programs))
@@ -85,13 +86,22 @@ def plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, *, num_program
     etc = torch.empty(world, L, **i32)
     quota = torch.empty(world, world, **i32)
     cap = torch.empty(world, **i32)
-    status = torch.empty(num_programs, **i32)
-    plan_kernel[(num_programs,)](
+    status = torch.empty(num_programs + 1, **i32)
+    e_pad = _pow2(num_experts)
+    hist = torch.empty(num_programs + 1, e_pad, **i32)  # row 0: prefix over lower ranks; row c+1: chunk c
+    chunk = tiles_per_program * block
+    meta = dict(W=world, L=L, K=max(1, topk))
+    plan_kernel[(num_programs + 1,)](
         counts, counts.stride(0), counts.stride(1),
-        topk_idx, topk_idx.stride(0), topk_idx.stride(1), num_routes, tiles_per_program,
-        out, alloc, etc, slot, ends, quota, cap, status,
-        int(rank),
-        W=world, L=L, K=max(1, topk), W_PAD=_pow2(world), L_PAD=_pow2(L), BLOCK=block,
+        topk_idx, topk_idx.stride(0), topk_idx.stride(1), num_routes, chunk,
+        hist, alloc, etc, slot, ends, quota, cap, status,
+        int(rank), **meta, W_PAD=_pow2(world), L_PAD=_pow2(L), E_PAD=e_pad, BLOCK=block,
+    )
+    plan_remap_kernel[(num_programs,)](
+        counts, counts.stride(0), counts.stride(1),
+        topk_idx, topk_idx.stride(0), topk_idx.stride(1), num_routes, chunk,
+        hist, ends, slot, out, status,
+        int(rank), **meta, W_PAD=_pow2(world), E_PAD=e_pad, BLOCK=block, CH=max(1, min(32, 4096 // e_pad)),
     )
     placement = Placement(allocation=alloc, experts_to_copy=etc, expert_slot=slot, segment_ends=ends,
                           quota=quota, capacity=cap, status=status)

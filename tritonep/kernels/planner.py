@@ -1,22 +1,27 @@
-"""Triton virtual-expert planner: placement + route remap in ONE launch (kernel bodies only).
+"""Triton virtual-expert planner: placement + route remap in TWO launches (kernel bodies only).
 
 Spec: :func:`tritonep.balance.placement.place_torch` and :func:`tritonep.balance.remap.remap_torch` (bit-equal).
 Idea: the fused planner of Megatron-LM ``virtual_expert_triton.py`` (PR #7450, after MoonEP); see
 ``shared/reference/balance_anchors.md`` §1.3-§1.5. Ours takes the already gathered ``counts [W, E]`` (the dispatch
 counts exchange), supports uneven token counts and masked (-1) routes, and keeps the whole placement in registers.
 
-Register layout: a per-expert vector is a ``[W_PAD, L_PAD]`` matrix (row = owner rank ``s``, column = local index
-``j``, expert ``e = s*L + j``). Because every receiver has exactly one sender, the migrated routes also fit one
-``[W_PAD, L_PAD]`` matrix (row = receiver ``d``, column = the sender's local expert), so no ``[E, W]`` tensor is
-ever held in registers. Every program recomputes the placement (``O(W*(W+L))`` small vector steps); program 0
-stores it, expanding to ``[E, W]`` one owner at a time. Then each program remaps a contiguous chunk of this rank's
-routes: it first histograms the routes before its chunk (so the stable per-expert ordinals continue across programs
-without any grid synchronisation), then, per tile of ``BLOCK`` routes, computes ``global ordinal = prefix[e] +
-earlier[e] + rank within tile``, rebuilds the route's allocation row from the small tables with ``tl.gather`` and
-takes the first destination whose run end exceeds the ordinal. Correct at any grid size, including grid=1.
+Register layout of the placement: a per-expert vector is a ``[W_PAD, L_PAD]`` matrix (row = owner rank ``s``,
+column = local index ``j``, expert ``e = s*L + j``). Because every receiver has exactly one sender, the migrated
+routes also fit one ``[W_PAD, L_PAD]`` matrix (row = receiver ``d``, column = the sender's local expert), so no
+``[E, W]`` tensor is ever held in registers.
 
-Status word (one int32 per program, OR them): 1 = a negative count, 2 = ``topk_idx`` histogram differs from
-``counts[rank]`` (checked by the last program), 4 = an expert id outside ``[-1, E)`` (its output is -1).
+Launch 1 (:func:`plan_kernel`, grid ``G + 1``): program 0 computes the placement (``O(W*(W+L))`` small vector
+steps), stores it (expanding to ``[E, W]`` one owner at a time) and writes row 0 of the scratch ``hist [G+1,
+E_PAD]``: ``prefix[e] = sum_{r < rank} counts[r, e]``. Program ``c + 1`` writes row ``c + 1``: the per-expert
+histogram of route chunk ``c`` (``chunk`` routes each). Launch 2 (:func:`plan_remap_kernel`, grid ``G``): program
+``c`` sums rows ``0..c`` of the scratch (= the global ordinal of chunk ``c``'s first route to each expert), then per
+tile of ``BLOCK`` routes computes ``g = base[e] + rank within tile`` (stable), loads the route's run ends
+``segment_ends[e, :]`` (written by launch 1) and takes the first destination whose run end exceeds ``g``. No
+program ever waits on another program of its grid; both kernels are correct at any grid size, including 1.
+
+Status word (``[G + 1]`` int32, OR them): 1 = a negative count (entry 0, launch 1), 2 = ``topk_idx`` histogram
+differs from ``counts[rank]`` (checked by the programs of launch 2 whose chunk reaches the end), 4 = an expert id
+outside ``[-1, E)`` (its output is -1).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["plan_kernel"]
+__all__ = ["plan_kernel", "plan_remap_kernel"]
 
 
 @triton.jit
@@ -112,28 +117,26 @@ def _placement(counts_ptr, stride_cr, stride_ce, rank,
 
 @triton.jit
 def plan_kernel(counts_ptr, stride_cr, stride_ce,
-                topk_ptr, stride_tt, stride_tk, num_routes, tiles_per_program,
-                out_ptr, alloc_ptr, etc_ptr, slot_ptr, ends_ptr, quota_ptr, cap_ptr, status_ptr,
+                topk_ptr, stride_tt, stride_tk, num_routes, chunk,
+                hist_ptr, alloc_ptr, etc_ptr, slot_ptr, ends_ptr, quota_ptr, cap_ptr, status_ptr,
                 rank,
                 W: tl.constexpr, L: tl.constexpr, K: tl.constexpr,
-                W_PAD: tl.constexpr, L_PAD: tl.constexpr, BLOCK: tl.constexpr):
-    """Placement (stored by program 0) + remap of routes ``[pid*tiles_per_program*BLOCK, ...)``.
+                W_PAD: tl.constexpr, L_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    """Launch 1: program 0 = placement (+ prefix row), program ``c+1`` = histogram of routes ``[c*chunk, ...)``.
 
     counts: ``[W, W*L]`` int32/int64 (any strides); topk: ``[T, K]`` int32/int64 (any strides), ``num_routes =
-    T*K``; out: ``[T*K]`` int32; alloc/slot/ends: ``[E, W]`` int32; etc: ``[W, L]``; quota: ``[W, W]``; cap:
-    ``[W]``; status: ``[num_programs]`` int32.
+    T*K``; hist: ``[G+1, E_PAD]`` int32 scratch (row 0: columns ``< E`` written); alloc/slot/ends: ``[E, W]``
+    int32; etc: ``[W, L]``; quota: ``[W, W]``; cap: ``[W]``; status: entry 0 written (bit 1).
     """
     E: tl.constexpr = W * L
-    EP: tl.constexpr = W_PAD * L_PAD
-    BIG: tl.constexpr = 2147483647
     pid = tl.program_id(0)
-    rem, moved, slot, sender_of, quota, cap, etc, prefix, neg = _placement(
-        counts_ptr, stride_cr, stride_ce, rank, W, L, W_PAD, L_PAD)
-    dd = tl.arange(0, W_PAD)[None, :]
-
     if pid == 0:
+        rem, moved, slot, sender_of, quota, cap, etc, prefix, neg = _placement(
+            counts_ptr, stride_cr, stride_ce, rank, W, L, W_PAD, L_PAD)
+        dd = tl.arange(0, W_PAD)[None, :]
         rows = tl.arange(0, W_PAD)[:, None]
         kcol = tl.arange(0, L_PAD)[None, :]
+        tl.store(hist_ptr + rows * L + kcol, prefix, mask=(rows < W) & (kcol < L))
         tl.store(quota_ptr + rows * W + dd, quota, mask=(rows < W) & (dd < W))
         dvec = tl.arange(0, W_PAD)
         tl.store(cap_ptr + dvec, cap, mask=dvec < W)
@@ -150,25 +153,53 @@ def plan_kernel(counts_ptr, stride_cr, stride_ce,
             tl.store(alloc_ptr + offs, alloc_rows, mask=msk)
             tl.store(ends_ptr + offs, tl.cumsum(alloc_rows, axis=1), mask=msk)
             tl.store(slot_ptr + offs, tl.where(from_s, slotT, -1), mask=msk)
+        tl.store(status_ptr, neg)
+    else:
+        ii = tl.arange(0, BLOCK)
+        acc = tl.zeros([E_PAD], tl.int32)
+        first = (pid - 1) * chunk
+        last = tl.minimum(first + chunk, num_routes)
+        for start in range(first, last, BLOCK):
+            i = start + ii
+            inb = i < last
+            ev = tl.load(topk_ptr + (i // K) * stride_tt + (i % K) * stride_tk, mask=inb, other=-1).to(tl.int32)
+            valid = inb & (ev >= 0) & (ev < E)
+            acc += tl.histogram(tl.where(valid, ev, 0), E_PAD, mask=valid)
+        tl.store(hist_ptr + pid * E_PAD + tl.arange(0, E_PAD), acc)
 
-    rem1 = tl.reshape(rem, [EP])
-    moved1 = tl.reshape(moved, [EP])
-    slot1 = tl.reshape(slot, [EP])
-    prefix1 = tl.reshape(prefix, [EP])
+
+@triton.jit
+def plan_remap_kernel(counts_ptr, stride_cr, stride_ce,
+                      topk_ptr, stride_tt, stride_tk, num_routes, chunk,
+                      hist_ptr, ends_ptr, slot_ptr, out_ptr, status_ptr,
+                      rank,
+                      W: tl.constexpr, L: tl.constexpr, K: tl.constexpr,
+                      W_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr, CH: tl.constexpr):
+    """Launch 2: program ``c`` remaps routes ``[c*chunk, (c+1)*chunk)`` using launch 1's scratch and placement.
+
+    hist: ``[G+1, E_PAD]`` int32 from :func:`plan_kernel`; ends/slot: ``[E, W]`` int32 (the placement's
+    ``segment_ends`` / ``expert_slot``); out: ``[T*K]`` int32; status: entry ``c + 1`` written (bits 2, 4).
+    ``CH`` = scratch rows summed per step (a power of two).
+    """
+    E: tl.constexpr = W * L
+    BIG: tl.constexpr = 2147483647
+    pid = tl.program_id(0)
+    cols = tl.arange(0, E_PAD)
+    cmask = cols < E
+    # rows 1..pid of the scratch: routes of the earlier chunks of this rank, per expert
+    earlier = tl.zeros([E_PAD], tl.int32)
+    rr = tl.arange(0, CH)[:, None]
+    for r0 in range(1, pid + 1, CH):
+        rows = r0 + rr
+        blk = tl.load(hist_ptr + rows * E_PAD + cols[None, :], mask=(rows <= pid) & cmask[None, :], other=0)
+        earlier += tl.sum(blk, axis=0)
+    run = tl.load(hist_ptr + cols, mask=cmask, other=0) + earlier  # global ordinal of the next route, per expert
     ii = tl.arange(0, BLOCK)
-    zero_bw = tl.zeros([BLOCK, W_PAD], tl.int32)
-    counter = tl.zeros([EP], tl.int32)
-    first = pid * tiles_per_program * BLOCK
-    last = tl.minimum(first + tiles_per_program * BLOCK, num_routes)
-    # Routes of lower programs: only their per-expert histogram is needed.
-    for start in range(0, first, BLOCK):
-        i = start + ii
-        ev = tl.load(topk_ptr + (i // K) * stride_tt + (i % K) * stride_tk, mask=i < num_routes, other=-1)
-        ev = ev.to(tl.int32)
-        valid = (i < num_routes) & (ev >= 0) & (ev < E)
-        pidx = tl.where(valid, (ev // L) * L_PAD + ev % L, 0)
-        counter += tl.histogram(pidx, EP, mask=valid)
+    dd = tl.arange(0, W_PAD)[None, :]
+    mine = tl.zeros([E_PAD], tl.int32)
     bad = tl.zeros([BLOCK], tl.int32)
+    first = pid * chunk
+    last = tl.minimum(first + chunk, num_routes)
     for start in range(first, last, BLOCK):
         i = start + ii
         inb = i < last
@@ -178,34 +209,24 @@ def plan_kernel(counts_ptr, stride_cr, stride_ce,
         esafe = tl.where(valid, ev, 0)
         owner = esafe // L
         j = esafe % L
-        pidx = owner * L_PAD + j
-        key = tl.where(valid, pidx, -1)
-        earlier = (key[:, None] == key[None, :]) & (ii[None, :] < ii[:, None])
-        within = tl.sum(earlier.to(tl.int32), axis=1)
-        g = tl.gather(prefix1, pidx, 0) + tl.gather(counter, pidx, 0) + within
-        counter += tl.histogram(pidx, EP, mask=valid)
-        # this expert's allocation row over destinations, then its run ends
-        # 1-D gather (a 2-D tl.gather from a small source trips an assertion in Triton 3.6's
-        # OptimizeThreadLocality pass on sm_90, e.g. W=L=8)
-        flat_idx = tl.reshape(dd * L_PAD + j[:, None] + zero_bw, [BLOCK * W_PAD])
-        mrow = tl.reshape(tl.gather(moved1, flat_idx, 0), [BLOCK, W_PAD])
-        arow = tl.where(sender_of[None, :] == owner[:, None], mrow, 0)
-        arow += tl.where(dd == owner[:, None], tl.gather(rem1, pidx, 0)[:, None], 0)
-        ends_row = tl.where(dd < W, tl.cumsum(arow, axis=1), BIG)
+        key = tl.where(valid, esafe, -1)
+        earlier_in_tile = (key[:, None] == key[None, :]) & (ii[None, :] < ii[:, None])
+        within = tl.sum(earlier_in_tile.to(tl.int32), axis=1)
+        g = tl.gather(run, esafe, 0) + within
+        h = tl.histogram(esafe, E_PAD, mask=valid)
+        run += h
+        mine += h
+        # run ends of this expert over destinations (segment_ends row, L2-resident), first end > g
+        ends_row = tl.load(ends_ptr + esafe[:, None] * W + dd, mask=valid[:, None] & (dd < W), other=BIG)
         dest = tl.sum((ends_row <= g[:, None]).to(tl.int32), axis=1)
-        vslot = tl.gather(slot1, tl.minimum(dest, W - 1) * L_PAD + j, 0)
+        vslot = tl.load(slot_ptr + esafe * W + tl.minimum(dest, W - 1), mask=valid, other=-1)
         rid = tl.where(dest == owner, dest * (2 * L) + j, dest * (2 * L) + L + vslot)
         rid = tl.where(valid, rid, -1)
         tl.store(out_ptr + i, rid, mask=inb)
 
     status = tl.max(bad, axis=0) * 4
-    if pid == 0:
-        status = status | neg
-    if last >= num_routes:  # this program saw every route before its end: compare with counts[rank]
-        s2 = tl.arange(0, W_PAD)[:, None]
-        j2 = tl.arange(0, L_PAD)[None, :]
-        own = tl.load(counts_ptr + rank * stride_cr + (s2 * L + j2) * stride_ce,
-                      mask=(s2 < W) & (j2 < L), other=0).to(tl.int32)
-        mismatch = tl.max((tl.reshape(own, [EP]) != counter).to(tl.int32), axis=0)
+    if last >= num_routes:  # earlier chunks + this one = every route: compare with counts[rank]
+        own = tl.load(counts_ptr + rank * stride_cr + cols * stride_ce, mask=cmask, other=0).to(tl.int32)
+        mismatch = tl.max(((own != earlier + mine) & cmask).to(tl.int32), axis=0)
         status = status | (mismatch * 2)
-    tl.store(status_ptr + pid, status)
+    tl.store(status_ptr + 1 + pid, status)

@@ -89,3 +89,27 @@ def test_virtual_expert_kernels_compile_for_sm90():
                                                                                             for r in recs}
     failures = compile_recorded(recs)
     assert not failures, "\n\n".join(f"{n}: {e}" for n, e in failures)
+
+
+def _peer_kernel_paths(group):
+    from tritonep.memory import Region, get_heap
+    from tritonep.testing.peer_kernels import peer_wait_kernel, peer_write_kernel
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    recs = []
+    with record_launches(recs):
+        buf = get_heap(group, "cpu").allocate([Region("data", (W, 8), torch.int64), Region("flags", (W,), torch.int64),
+                                               Region("calls", (1,), torch.int64), Region("status", (8,), torch.int64)])
+        buf.local("calls").add_(1)
+        peer_write_kernel[(1,)](buf.ptr_table("data"), buf.ptr_table("flags"), buf.local("calls"), N=8, RANK=rank,
+                                W=W, WB=2)
+        peer_wait_kernel[(1,)](buf.local("flags"), buf.local("calls"), buf.local("status"), 10**9, W=W, WB=2,
+                               HAS_TIMER=False)
+        buf.close()
+    return recs
+
+
+def test_heap_test_kernels_compile_for_sm90():
+    """The kernels of the GPU heap test (tritonep.testing.gpu_checks.heap_peer_write_world)."""
+    failures = compile_recorded(run_cpu_world(2, _peer_kernel_paths, timeout_s=60)[0])
+    assert not failures, "\n\n".join(f"{n}: {e}" for n, e in failures)

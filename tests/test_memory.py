@@ -4,13 +4,11 @@ import time
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 from tritonep.errors import HeapError, LayoutError, RankError
-from tritonep.kernels.signal import signal_peers, wait_all_ge
 from tritonep.memory import ALIGN, CpuHeap, Region, get_heap, layout, required_bytes
 from tritonep.testing import WorldTimeout, run_cpu_world
+from tritonep.testing.peer_kernels import peer_wait_kernel, peer_write_kernel
 
 
 def test_layout_is_aligned_and_sized():
@@ -37,23 +35,6 @@ def test_heap_world_size_errors():
         CpuHeap.create(65, 4096)
 
 
-@triton.jit
-def _peer_write_kernel(data_tab, flags_ptr, flags_tab, calls_ptr, status_ptr, timeout, N: tl.constexpr,
-                       RANK: tl.constexpr, W: tl.constexpr, WB: tl.constexpr):
-    n = tl.load(calls_ptr)
-    offs = tl.arange(0, N)
-    for d in range(W):
-        dst = tl.load(data_tab + d).to(tl.pointer_type(tl.int64))
-        tl.store(dst + RANK * N + offs, n * 1000 + RANK * 100 + offs)
-    signal_peers(flags_tab, 0, W, RANK, WB)
-
-
-@triton.jit
-def _peer_wait_kernel(flags_ptr, calls_ptr, status_ptr, timeout, W: tl.constexpr, WB: tl.constexpr):
-    n = tl.load(calls_ptr)
-    wait_all_ge(flags_ptr, W, n, status_ptr, 7, timeout, False, WB)
-
-
 def _peer_write_world(group, epochs, skip_rank):
     import torch.distributed as dist
 
@@ -66,11 +47,11 @@ def _peer_write_world(group, epochs, skip_rank):
     for e in range(epochs):
         buf.local("calls").add_(1)
         if rank != skip_rank:
-            _peer_write_kernel[(1,)](buf.ptr_table("data"), buf.local("flags"), buf.ptr_table("flags"),
-                                     buf.local("calls"), buf.local("status"), 0, N=8, RANK=rank, W=W, WB=4)
+            peer_write_kernel[(1,)](buf.ptr_table("data"), buf.ptr_table("flags"), buf.local("calls"), N=8,
+                                    RANK=rank, W=W, WB=4)
         t0 = time.time()
-        _peer_wait_kernel[(1,)](buf.local("flags"), buf.local("calls"), buf.local("status"),
-                                2000 if skip_rank >= 0 else 10**9, W=W, WB=4)
+        peer_wait_kernel[(1,)](buf.local("flags"), buf.local("calls"), buf.local("status"),
+                               2000 if skip_rank >= 0 else 10**9, W=W, WB=4, HAS_TIMER=False)
         out["epochs"].append(buf.local("data").clone())
         out["wait_s"] = time.time() - t0
         if skip_rank < 0:

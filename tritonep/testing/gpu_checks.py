@@ -16,26 +16,11 @@ __all__ = ["heap_peer_write_world", "ep_cases_world", "ep_graph_world", "ep_grad
 
 def heap_peer_write_world(group, epochs=3):
     """CUDA heap: every rank writes into every peer's region through pointer tables, epoch signals, 3 epochs."""
-    from tritonep.kernels.signal import signal_peers, wait_all_ge  # noqa: F401 (kernels compile on GPU)
     from tritonep.memory import Region, get_heap
 
     import triton
-    import triton.language as tl
 
-    @triton.jit
-    def write_k(data_tab, flags_tab, calls_ptr, N: tl.constexpr, RANK: tl.constexpr, W: tl.constexpr,
-                WB: tl.constexpr):
-        n = tl.load(calls_ptr)
-        offs = tl.arange(0, N)
-        for d in range(W):
-            dst = tl.load(data_tab + d).to(tl.pointer_type(tl.int64))
-            tl.store(dst + RANK * N + offs, n * 1000 + RANK * 100 + offs)
-        signal_peers(flags_tab, 0, W, RANK, WB)
-
-    @triton.jit
-    def wait_k(flags_ptr, calls_ptr, status_ptr, W: tl.constexpr, WB: tl.constexpr):
-        n = tl.load(calls_ptr)
-        wait_all_ge(flags_ptr, W, n, status_ptr, 7, 5_000_000_000, True, WB)
+    from .peer_kernels import peer_wait_kernel, peer_write_kernel
 
     rank, W = dist.get_rank(group), dist.get_world_size(group)
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -45,10 +30,10 @@ def heap_peer_write_world(group, epochs=3):
     outs = []
     for _ in range(epochs):
         buf.local("calls").add_(1)
-        write_k[(1,)](buf.ptr_table("data"), buf.ptr_table("flags"), buf.local("calls"), N=8, RANK=rank, W=W,
-                      WB=max(2, triton.next_power_of_2(W)))
-        wait_k[(1,)](buf.local("flags"), buf.local("calls"), buf.local("status"), W=W,
-                     WB=max(2, triton.next_power_of_2(W)))
+        peer_write_kernel[(1,)](buf.ptr_table("data"), buf.ptr_table("flags"), buf.local("calls"), N=8, RANK=rank,
+                                W=W, WB=max(2, triton.next_power_of_2(W)))
+        peer_wait_kernel[(1,)](buf.local("flags"), buf.local("calls"), buf.local("status"), 5_000_000_000, W=W,
+                               WB=max(2, triton.next_power_of_2(W)), HAS_TIMER=True)
         outs.append(buf.local("data").cpu())
         dist.barrier(group)
     st = buf.local("status").cpu()

@@ -22,6 +22,9 @@ def main():
     ap.add_argument("--num-sms", type=int, nargs="*", default=[0])
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--json", default="")
+    ap.add_argument("--variants", nargs="*", default=[],
+                    help="geometry sweep after the main rows: entries PROFILE:SMS:WIRES:GEOMETRY, e.g. "
+                         "'decode:0:bf16:bt=2,grid=128' (GEOMETRY = a TRITONEP_GEOMETRY string, '' = the table)")
     a = ap.parse_args()
     for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
         os.environ[k] = v
@@ -38,6 +41,19 @@ def main():
                 r["num_sms"] = sms
                 r["peer_copy_gbps"] = pc
                 rows.append(r)
+    for v in a.variants:
+        prof, sms, wires, geo = v.split(":", 3)
+        os.environ["TRITONEP_GEOMETRY"] = geo
+        try:
+            for r in bench_ep(group, prof, combine_kinds=("push",), num_sms=int(sms) or None, iters=a.iters,
+                              wires=tuple(wires.split("+")), baselines=False, eager=False):
+                r.update(num_sms=int(sms), peer_copy_gbps=pc, variant=geo or "table")
+                rows.append(r)
+        except Exception as e:  # one bad variant must not lose the rest of the sweep
+            print(f"variant {v!r} failed: {e!r}", flush=True)
+            torch.cuda.synchronize()
+        finally:
+            os.environ.pop("TRITONEP_GEOMETRY", None)
     allrows = [None] * dist.get_world_size()
     dist.all_gather_object(allrows, rows)
     if rank == 0:
@@ -50,9 +66,9 @@ def main():
         print(f"peer copy {pc:.0f} GB/s  {meta}")
         print(f"{'profile':12s} {'op':28s} {'sms':>4s} {'us(r0)':>9s} {'us(r1)':>9s} {'log GB/s':>9s} {'nvl GB/s':>9s} mode")
         for i, r in enumerate(allrows[0]):
-            r1 = allrows[1][i] if len(allrows) > 1 else r
+            r1 = allrows[1][i] if len(allrows) > 1 and i < len(allrows[1]) else r
             print(f"{r['profile']:12s} {r['op']:28s} {r['num_sms']:4d} {r['us']:9.1f} {r1['us']:9.1f} "
-                  f"{r['logical_gbps']:9.1f} {r['nvlink_gbps']:9.1f} {r['mode']}")
+                  f"{r['logical_gbps']:9.1f} {r['nvlink_gbps']:9.1f} {r['mode']} {r.get('variant', '')}")
     dist.destroy_process_group()
 
 

@@ -26,10 +26,12 @@ def main():
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--skew", action="store_true", help="OLMoE-skewed routing and balance none vs virtual")
+    ap.add_argument("--profile", action="store_true", help="also print rank 0's top device kernels of one step "
+                                                            "(torch.profiler) for each layer")
     ap.add_argument("--json", default="")
     a = ap.parse_args()
     cfg = dict(tokens=a.tokens, hidden=a.hidden, intermediate=a.intermediate, num_experts=a.num_experts,
-               topk=a.topk, skew=a.skew, balance=["none", "virtual"] if a.skew else ["none"])
+               topk=a.topk, skew=a.skew, profile=a.profile, balance=["none", "virtual"] if a.skew else ["none"])
     if a.cpu:
         from tritonep.testing import run_cpu_world
 
@@ -39,7 +41,11 @@ def main():
 
         res = run_gpu_world(torch.cuda.device_count(), moe_bench_world, cfg, a.steps, timeout_s=1800)
     for r, o in enumerate(res):
-        print(f"rank {r}: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in o.items()))
+        print(f"rank {r}: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in o.items()
+                                        if not k.startswith("profile.")))
+    for k, v in res[0].items():
+        if k.startswith("profile."):
+            print(f"--- rank 0, {k[8:]}: one fwd+bwd step\n{v}")
     tep = max(o["tritonep.none"] for o in res)
     ref = max(o["reference"] for o in res)
     print(f"fwd+bwd step: tritonep {tep * 1e3:.2f} ms, torch+NCCL reference {ref * 1e3:.2f} ms, speedup {ref / tep:.2f}x")

@@ -207,6 +207,24 @@ def test_random_heavy_tail_histograms():
             assert pt.equal(place_torch(counts)) and plan_status(pt) == (2 if counts[0].any() else 0)
 
 
+def test_triton_many_pieces_and_slot_ties():
+    """Many step-3 rounds per sender and equal allocations on one receiver (slot ties: highest id first)."""
+    counts = torch.zeros(2, 32, dtype=torch.int32)
+    counts[0, :16] = 5  # rank 0 owns all 80 routes: hands 40 = eight whole experts of 5 to rank 1
+    pt, _ = plan(counts, torch.empty(0, 1, dtype=torch.int64), 1)
+    assert pt.equal(place_torch(counts))
+    assert pt.experts_to_copy[1].tolist() == [7, 6, 5, 4, 3, 2, 1, 0] + [-1] * 8
+    g = torch.Generator().manual_seed(11)
+    for i in range(32):  # few distinct values (ties), traffic concentrated on a few ranks (many pieces)
+        world, L = [2, 3, 4, 8][i % 4], [1, 3, 8, 16][(i // 4) % 4]
+        counts = torch.randint(0, 3, (world, world * L), generator=g, dtype=torch.int32) * 4
+        counts[:, : world * L // 2] *= torch.randint(1, 4, (1,), generator=g, dtype=torch.int32)
+        if i % 3 == 0:
+            counts[:, L * (world // 2):] = 0
+        pt, _ = plan(counts, torch.empty(0, 1, dtype=torch.int64), 0)
+        assert pt.equal(place_torch(counts)), (i, counts)
+
+
 def test_triton_multi_program_noncontiguous_int32():
     topks, counts = make_topk(4, 16, 3, [40, 33, 0, 21], probs=_hot(9, 25.0), mask_p=0.1, seed=3,
                               dtype=torch.int32)
@@ -322,3 +340,20 @@ def test_gpu_plan_matches_torch(world, num_experts, topk, tokens):
         assert pt.equal(p) and torch.equal(rid.cpu(), remap_torch(topks[r], p, r, counts))
         pt, rid = plan(dev_counts, topks[r].cuda(), r, num_programs=1, block=128, validate=True)
         assert pt.equal(p) and torch.equal(rid.cpu(), remap_torch(topks[r], p, r, counts))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world,num_experts", [(2, 256), (8, 256), (16, 1024), (64, 256)])
+def test_gpu_placement_many_pieces_and_ties(world, num_experts):
+    """Compiled placement (1, 4 and 8 warps) on long step-3 runs and equal allocations: == place_torch."""
+    g = torch.Generator().manual_seed(world)
+    L = num_experts // world
+    for i in range(6):
+        counts = torch.randint(0, 3, (world, num_experts), generator=g, dtype=torch.int32) * (4 + i)
+        if i % 2 == 0:  # traffic on the first ranks only: long runs of whole experts handed over
+            counts[:, L * max(1, world // 4):] = 0
+        if i == 5:  # one rank, all experts tied: slot order is pure tie-break (highest id first)
+            counts.zero_()
+            counts[0, :L] = 7
+        pt, _ = plan(counts.cuda(), torch.empty(0, 1, dtype=torch.int64, device="cuda"), 0)
+        assert pt.equal(place_torch(counts)), (world, num_experts, i)

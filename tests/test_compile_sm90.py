@@ -4,6 +4,8 @@ The interpreter accepts code the compiler refuses; this test records the interpr
 every EP path (push/pull combine, alignment padding, backward) and compiles each one for sm_90 offline.
 """
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -33,6 +35,18 @@ def _ep_paths(group):
             qb.combine(dq.x, dq.handle)
             qb.dispatch(xq, iq, wq, keep_quantized=True)
             qb.close()
+        os.environ["TRITONEP_GEOMETRY"] = "fs=1,fe=1"  # the fused (one-launch) dispatch and combine, every wire
+        try:
+            for dw in ("bf16", "fp8", "mxfp4"):
+                fb = tep.EPBuffer(group, 8, 128, 16, 2, dispatch_wire=dw, combine_wire=dw, expert_alignment=4)
+                xq, iq, wq = make_rank_inputs(rank, 9, 128, 8, 2, seed=3)
+                fd = fb.dispatch(xq, iq, wq)
+                fb.combine(fd.x, fd.handle)  # the fused (one-launch) push combine
+                if dw != "bf16":
+                    fb.dispatch(xq, iq, wq, keep_quantized=True)
+                fb.close()
+        finally:
+            del os.environ["TRITONEP_GEOMETRY"]
     return recs
 
 

@@ -82,6 +82,31 @@ def test_dispatch_combine_matches_reference(W, ntokens, A, kind):
     _check(W, cfg, calls, res)
 
 
+@pytest.mark.parametrize("geometry", ["bt=1,bh=32,grid=5", "bt=2,grid=3,combine=pull"])
+def test_geometry_override_small_tiles(monkeypatch, geometry):
+    """The GPU decode geometry uses tiny token tiles and many programs; every tile/grid choice gives the same bits."""
+    monkeypatch.setenv("TRITONEP_GEOMETRY", geometry)
+    W = 2
+    cfg = dict(E=8, H=96, Tmax=16, K=3, A=2, kind=None)
+    calls = _make_calls(W, cfg, [11, 5], seeds=[3, 4])
+    res = run_cpu_world(W, _dispatch_combine_world, cfg, calls, timeout_s=240)
+    _check(W, cfg, calls, res)
+
+
+def test_geometry_override_errors(monkeypatch):
+    from tritonep.ep.geometry import select_geometry
+    from tritonep.errors import ConfigError
+
+    monkeypatch.setenv("TRITONEP_GEOMETRY", "bt=4,warps=8,grid=7")
+    g = select_geometry("cuda", 2, 7168, 4096, 8)
+    assert (g.bt, g.num_warps, g.grid_send, g.grid_out) == (4, 8, 7, 7)
+    for bad, what in (("bq=2", "unknown field"), ("bt=3", "power of two"), ("grid=0", "grid"),
+                      ("combine=both", "push or pull"), ("bh=x", "not an integer")):
+        monkeypatch.setenv("TRITONEP_GEOMETRY", bad)
+        with pytest.raises(ConfigError, match=what):
+            select_geometry("cuda", 2, 7168, 4096, 8)
+
+
 def test_alignment_128_and_hidden_2880():
     W = 2
     cfg = dict(E=4, H=2880, Tmax=8, K=2, A=128)

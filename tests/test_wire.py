@@ -317,3 +317,21 @@ def test_mxfp4_error_bound():
     assert (err.view(x.shape[0], 16, 32) <= amax[..., None] / 4).all()
     nz = amax > 0
     assert (scale[:, ::32][nz] * 4 <= amax[nz]).all()  # 2^X <= amax / 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_twins_on_cuda_equal_twins_on_cpu():
+    """The twins are the spec on every device: the nccl backend runs them on the GPU. (Regression: a Python-scalar
+    divisor ``amax / 448.0`` is a multiply by the reciprocal on CUDA, one ulp off IEEE division.)"""
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.cat([_random_rows(257, 512, dtype, seed=11, spread=20), _specials(512, dtype)])
+        for pow2 in (False, True):
+            q, s = quantize_fp8_torch(x, pow2)
+            qg, sg = quantize_fp8_torch(x.cuda(), pow2)
+            assert torch.equal(q.view(U8), qg.cpu().view(U8)) and torch.equal(s, sg.cpu())
+            assert _same(dequantize_fp8_torch(q, s, torch.bfloat16), dequantize_fp8_torch(qg, sg, torch.bfloat16))
+        p, e = quantize_mxfp4_torch(x)
+        pg, eg = quantize_mxfp4_torch(x.cuda())
+        assert torch.equal(p, pg.cpu()) and torch.equal(e, eg.cpu())
+        assert _same(dequantize_mxfp4_torch(p, e, torch.float32), dequantize_mxfp4_torch(pg, eg, torch.float32))

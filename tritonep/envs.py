@@ -6,6 +6,7 @@
 | TRITONEP_SYNC_CHECKS | 1 | eager calls read device status on the host to raise typed errors (one sync per call); 0 skips |
 | TRITONEP_NUM_SMS | 0 (= geometry table) | cap on the programs (SMs) a communication kernel may use |
 | TRITONEP_COMBINE | "" (= geometry table) | force "push" or "pull" combine |
+| TRITONEP_GEOMETRY | "" (= geometry table) | override kernel geometry fields, e.g. ``bt=2,bh=512,warps=8,grid=128`` (benchmarks) |
 | TRITONEP_CPU_HEAP_BYTES | 256 MiB | size of one rank's slice of the CPU (fork + mmap) symmetric heap |
 | TRITONEP_DEBUG | 0 | extra host-side checks and messages |
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["timeout_s", "sync_checks", "num_sms", "combine_kind", "cpu_heap_bytes", "debug", "interpret"]
+__all__ = ["timeout_s", "sync_checks", "num_sms", "combine_kind", "geometry_override", "cpu_heap_bytes", "debug", "interpret"]
 
 
 def _get(name: str, default: str) -> str:
@@ -46,6 +47,15 @@ def num_sms() -> int:
 def combine_kind() -> str:
     """Forced combine kind, "push" or "pull", or "" for the geometry table's choice (TRITONEP_COMBINE)."""
     return _get("TRITONEP_COMBINE", "")
+
+
+def geometry_override() -> str:
+    """Comma-separated ``field=value`` overrides of the kernel geometry (TRITONEP_GEOMETRY); "" = none.
+
+    Fields: ``bt``, ``bh``, ``warps``, ``grid`` (every data-kernel grid), ``combine``. Used by the benchmark to
+    measure geometry variants; it must be identical on every rank (EPBuffer's cross-rank config check covers it).
+    """
+    return _get("TRITONEP_GEOMETRY", "")
 
 
 def cpu_heap_bytes() -> int:

@@ -2,7 +2,8 @@
 
 ``plan(counts, topk_idx, rank)`` == ``(place_torch(counts), remap_torch(topk_idx, place_torch(counts), rank,
 counts))`` bit for bit (tested), computed by :func:`tritonep.kernels.planner.plan_kernel` (placement + per-chunk
-expert histograms) then :func:`tritonep.kernels.planner.plan_remap_kernel` (remap, one route chunk per program).
+expert histograms; one warp while the placement tiles are small, see ``_plan_warps``) then
+:func:`tritonep.kernels.planner.plan_remap_kernel` (remap, one route chunk per program).
 """
 
 from __future__ import annotations
@@ -20,6 +21,20 @@ __all__ = ["plan", "plan_status", "check_plan_status"]
 
 _STATUS_BITS = {1: "a negative entry in counts", 2: "topk_idx histogram differs from counts[rank]",
                 4: "an expert id outside [-1, num_experts) in topk_idx"}
+
+
+# Launch 1 runs one warp while the placement's largest tile (W_PAD * max(L_PAD, W_PAD)) has at most
+# _ONE_WARP_TILE elements: every reduction of the serial placement loops is then a warp shuffle (no shared memory
+# round trip, no barrier). Larger tiles take 4 warps up to 1024 elements, else 8 (no register spills for sm_90 at
+# any W <= 64, E <= 1024, checked with ptxas). The placement loads _RB_ELEMS counts per unrolled step.
+_ONE_WARP_TILE = 512
+_RB_ELEMS = 2048
+
+
+def _plan_warps(w_pad: int, l_pad: int) -> int:
+    """num_warps of launch 1 for padded world ``w_pad`` and padded local experts ``l_pad`` (see above)."""
+    tile = w_pad * max(l_pad, w_pad)
+    return 1 if tile <= _ONE_WARP_TILE else (4 if tile <= 1024 else 8)
 
 
 def _pow2(n: int) -> int:
@@ -91,11 +106,14 @@ def plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, *, num_program
     hist = torch.empty(num_programs + 1, e_pad, **i32)  # row 0: prefix over lower ranks; row c+1: chunk c
     chunk = tiles_per_program * block
     meta = dict(W=world, L=L, K=max(1, topk))
+    w_pad, l_pad = _pow2(world), _pow2(L)
     plan_kernel[(num_programs + 1,)](
         counts, counts.stride(0), counts.stride(1),
         topk_idx, topk_idx.stride(0), topk_idx.stride(1), num_routes, chunk,
         hist, alloc, etc, slot, ends, quota, cap, status,
-        int(rank), **meta, W_PAD=_pow2(world), L_PAD=_pow2(L), E_PAD=e_pad, BLOCK=block,
+        int(rank), **meta, W_PAD=w_pad, L_PAD=l_pad, E_PAD=e_pad, BLOCK=block,
+        RB=max(1, min(w_pad, _RB_ELEMS // (w_pad * l_pad))),
+        num_warps=_plan_warps(w_pad, l_pad),
     )
     plan_remap_kernel[(num_programs,)](
         counts, counts.stride(0), counts.stride(1),

@@ -95,8 +95,12 @@ def _routing(rank, T, E, K, seed, dev):
 
 
 def bench_ep(group, profile: str, combine_kinds=("push", "pull"), num_sms=None, iters=30, seed=0, tokens=None,
-             wires=("bf16", "fp8", "mxfp4")):
-    """All rows of one profile on this rank; returns a list of dicts (same on every rank up to timings)."""
+             wires=("bf16", "fp8", "mxfp4"), baselines=True, eager=True):
+    """All rows of one profile on this rank; returns a list of dicts (same on every rank up to timings).
+
+    ``baselines=False`` leaves out the NCCL rows and tritonep's nccl backend (geometry variant sweeps);
+    ``eager=False`` leaves out the eager dispatch row.
+    """
     import tritonep as tep
 
     p = dict(PROFILES[profile])
@@ -155,15 +159,17 @@ def bench_ep(group, profile: str, combine_kinds=("push", "pull"), num_sms=None, 
     os.environ["TRITONEP_SYNC_CHECKS"] = "0"
     for wire in wires:
         buf = tep.EPBuffer(group, E, H, T, K, num_sms=num_sms, dispatch_wire=wire, combine_wire=wire)
+        geo = buf._impl.geo
         wb = {"wire": wire, "wire_nvlink_gbps_factor": row_bytes(wire, H) / (2 * H),
-              "grid": buf._impl.geo.grid_send}
+              "grid": geo.grid_send, "geometry": f"bt={geo.bt},bh={geo.bh},warps={geo.num_warps},grid={geo.grid_send},"
+                                                f"fs={geo.fused_send},fe={geo.fused_expand}"}
 
         def disp():
             buf.dispatch(x, idx, w)
 
         us, mode = time_graph(disp, group, iters=iters)
         row(f"tritonep.dispatch.{wire}", us, mode, wb)
-        if wire == "bf16":
+        if wire == "bf16" and eager:
             us, mode = time_graph(disp, group, iters=iters, capture=False)
             row(f"tritonep.dispatch.{wire}", us, mode, wb)
         d = buf.dispatch(x, idx, w)
@@ -175,6 +181,8 @@ def bench_ep(group, profile: str, combine_kinds=("push", "pull"), num_sms=None, 
         buf.close()
         torch.cuda.empty_cache()
     os.environ["TRITONEP_SYNC_CHECKS"] = "1"
+    if not baselines:
+        return rows
 
     # --- tritonep's nccl backend (same API; eager only: it needs host-side split sizes)
     nbuf = tep.EPBuffer(group, E, H, T, K, backend="nccl")

@@ -64,6 +64,19 @@ def reference_layer_step(group, x, topk_idx, topk_weights, w1, w2, num_experts):
     return y.to(x.dtype)
 
 
+def _profile_step(step, sync, rows=14):
+    """One fwd+bwd step under torch.profiler: the top kernels/ops by device time, as a text table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    sync()
+    with profile(activities=acts) as prof:
+        step()
+        sync()
+    key = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
+
+
 def moe_bench_world(group, cfg, steps=10, warmup=2):
     """Rank body: median fwd+bwd seconds of tritonep vs the reference layer (and their max relative difference)."""
     from ..moe import MoEGeometry, MoELayer, MoERecipe
@@ -101,6 +114,9 @@ def moe_bench_world(group, cfg, steps=10, warmup=2):
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
         out[f"tritonep.{bal}"] = statistics.median(times)
+        if cfg.get("profile"):
+            out[f"profile.tritonep.{bal}"] = _profile_step(
+                lambda: layer(x, topk_idx=idx, topk_weights=w).float().sum().backward(), sync)
         y_tep = y.detach()
         if bal == "none":
             w1 = layer.w1.detach().clone().requires_grad_(True)
@@ -115,6 +131,9 @@ def moe_bench_world(group, cfg, steps=10, warmup=2):
                 if i >= warmup:
                     times.append(time.perf_counter() - t0)
             out["reference"] = statistics.median(times)
+            if cfg.get("profile"):
+                out["profile.reference"] = _profile_step(
+                    lambda: reference_layer_step(group, x, idx, w, w1, w2, E).float().sum().backward(), sync)
             out["max_rel_diff"] = float((y_tep.float() - yr.detach().float()).abs().max()
                                         / yr.detach().float().abs().max().clamp_min(1e-6))
         out[f"load.{bal}"] = sum(layer.last_stats["num_tokens_per_expert"])

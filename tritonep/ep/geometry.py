@@ -8,7 +8,7 @@ the static configuration, which EPBuffer checks is the same on every rank.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import triton
 
@@ -22,7 +22,8 @@ class Geometry:
     """Tiles and grids of the EP kernels.
 
     bt: tokens per tile; bh: hidden columns per tile; grid_*: programs of each kernel; num_warps; combine: "push"
-    or "pull".
+    or "pull"; fused_send / fused_expand: when > 0, the forward dispatch runs as ONE launch of
+    ``fused_send + fused_expand`` programs (:mod:`tritonep.kernels.dispatch_fused`), else send + expand kernels.
     """
 
     bt: int
@@ -34,6 +35,56 @@ class Geometry:
     grid_out: int
     num_warps: int
     combine: str
+    fused_send: int = 0
+    fused_expand: int = 0
+
+
+_OVERRIDE_FIELDS = ("bt", "bh", "warps", "grid", "combine", "fs", "fe")
+
+
+def _apply_override(g: Geometry, text: str) -> Geometry:
+    """Apply a TRITONEP_GEOMETRY string (``bt=2,bh=512,warps=8,grid=128,combine=pull``) to ``g``.
+
+    Raises ConfigError naming the bad entry: unknown field, a value that is not a positive power of two (bt, bh,
+    warps), a grid < 1, or a combine kind other than push/pull.
+    """
+    from ..errors import ConfigError
+
+    f = dict(bt=g.bt, bh=g.bh, num_warps=g.num_warps, combine=g.combine, fused_send=g.fused_send,
+             fused_expand=g.fused_expand)
+    grid = None
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        key, _, val = item.partition("=")
+        key = key.strip()
+        if key not in _OVERRIDE_FIELDS:
+            raise ConfigError(f"TRITONEP_GEOMETRY entry {item!r}: unknown field {key!r}; fields: {', '.join(_OVERRIDE_FIELDS)}")
+        if key == "combine":
+            if val not in ("push", "pull"):
+                raise ConfigError(f"TRITONEP_GEOMETRY entry {item!r}: combine must be push or pull")
+            f["combine"] = val
+            continue
+        try:
+            v = int(val)
+        except ValueError:
+            raise ConfigError(f"TRITONEP_GEOMETRY entry {item!r}: {val!r} is not an integer") from None
+        if key == "grid":
+            if v < 1:
+                raise ConfigError(f"TRITONEP_GEOMETRY entry {item!r}: grid must be >= 1")
+            grid = v
+        elif key in ("fs", "fe"):
+            if v < 0:
+                raise ConfigError(f"TRITONEP_GEOMETRY entry {item!r}: {key} must be >= 0")
+            f["fused_send" if key == "fs" else "fused_expand"] = v
+        elif v < 1 or v & (v - 1):
+            raise ConfigError(f"TRITONEP_GEOMETRY entry {item!r}: {key} must be a positive power of two")
+        else:
+            f["num_warps" if key == "warps" else key] = v
+    gs = [grid] * 4 if grid else [g.grid_send, g.grid_expand, g.grid_partial, g.grid_out]
+    if (f["fused_send"] > 0) != (f["fused_expand"] > 0):
+        raise ConfigError(f"TRITONEP_GEOMETRY {text!r}: fs and fe must both be > 0 (fused dispatch) or both 0")
+    return Geometry(bt=f["bt"], bh=f["bh"], grid_hist=g.grid_hist, grid_send=gs[0], grid_expand=gs[1],
+                    grid_partial=gs[2], grid_out=gs[3], num_warps=f["num_warps"], combine=f["combine"],
+                    fused_send=f["fused_send"], fused_expand=f["fused_expand"])
 
 
 def select_geometry(device_type: str, world_size: int, hidden: int, max_tokens_per_rank: int, topk: int,
@@ -57,10 +108,17 @@ def select_geometry(device_type: str, world_size: int, hidden: int, max_tokens_p
         grid = min(132, max(8, chunks * (2 if world_size <= 2 else 1)))
         g = Geometry(bt=bt, bh=bh, grid_hist=min(132, chunks), grid_send=grid, grid_expand=grid,
                      grid_partial=grid, grid_out=grid, num_warps=8 if big else 4, combine="push")
+    override = envs.geometry_override()
+    if override:
+        g = _apply_override(g, override)
     if cap:
-        g = Geometry(g.bt, g.bh, min(g.grid_hist, cap), min(g.grid_send, cap), min(g.grid_expand, cap),
-                     min(g.grid_partial, cap), min(g.grid_out, cap), g.num_warps, g.combine)
+        fs, fe = g.fused_send, g.fused_expand
+        if fs and fs + fe > cap:  # keep the role split, within the cap
+            fs = max(1, cap * fs // (fs + fe))
+            fe = max(1, cap - fs)
+        g = replace(g, grid_hist=min(g.grid_hist, cap), grid_send=min(g.grid_send, cap),
+                    grid_expand=min(g.grid_expand, cap), grid_partial=min(g.grid_partial, cap),
+                    grid_out=min(g.grid_out, cap), fused_send=fs, fused_expand=fe)
     if forced in ("push", "pull"):
-        g = Geometry(g.bt, g.bh, g.grid_hist, g.grid_send, g.grid_expand, g.grid_partial, g.grid_out,
-                     g.num_warps, forced)
+        g = replace(g, combine=forced)
     return g

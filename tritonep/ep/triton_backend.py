@@ -7,9 +7,10 @@ optional status read after the counts exchange, see ``sync``):
 1. chunk histograms (program 0 also advances ``calls[0]`` and ``calls[2]`` on the device), 3. counts exchange +
 layout (grid 1),
 4. [eager only] one host read of (status, rows) -> CapacityError / PeerTimeoutError before any row moves,
-5. send, 6. expand.
+5. send, 6. expand (or 5+6 as one launch when the geometry has ``fused_send > 0``: sends and expands overlap).
 
-Combine: ``calls[1] += 1``, partial (push into the source, or into own memory for pull), output.
+Combine: ``calls[1] += 1``, partial (push into the source, or into own memory for pull), output (a weighted push
+combine runs both as one launch when the geometry has ``fused_send > 0``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ import triton
 from .. import envs
 from ..errors import BufferStateError, PeerTimeoutError
 from ..kernels.combine import combine_out_kernel, combine_partial_kernel
+from ..kernels.combine_fused import combine_fused_kernel
 from ..kernels.dispatch import NUM_FLAGS, dispatch_expand_kernel, dispatch_send_kernel
+from ..kernels.dispatch_fused import dispatch_fused_kernel
 from ..kernels.layout import chunk_hist_kernel, exchange_kernel
 from ..memory import Region, get_heap
 from .geometry import select_geometry
@@ -50,6 +53,8 @@ def regions(world_size, num_experts, hidden, max_tokens_per_rank, topk, max_recv
         Region("pre", (ncmax, E), torch.int32),
         Region("send_base", (E,), torch.int32),
         Region("rows_needed", (W,), torch.int64),
+        Region("cflag", (W, ncmax), torch.int64),  # per-(source, chunk) arrival epochs of the fused dispatch
+        Region("ccflag", (ncmax, W), torch.int64),  # per-(chunk, expert rank) arrival epochs of the fused combine
         # one wire row per (source, token): 2H bytes hold a bf16 row and any quantized row (fp8 H + H/32,
         # mxfp4 H/2 + H/32 bytes); backward passes always move bf16 through the same regions
         Region("stage", (W, Tm, 2 * H), torch.uint8),
@@ -87,7 +92,7 @@ class TritonEP:
         self.hist, self.pre = b.local("hist"), b.local("pre")
         self.send_base, self.rows_needed = b.local("send_base"), b.local("rows_needed")
         self.tab = {n: b.ptr_table(n) for n in ("flags", "counts", "ntok", "meta", "wts", "wback", "stage",
-                                                 "cstage")}
+                                                 "cstage", "cflag", "ccflag")}
         self.has_timer = device.type == "cuda"
         self.timeout = wait_bound(device)
         self.broken: str | None = None
@@ -183,8 +188,11 @@ class TritonEP:
                                 num_tokens=T, num_recv_rows=R, backend=self.name)
         # [W, E] routes of every rank per expert: the matrix of this call's parity (device-side index, no host read)
         handle.extras["counts"] = torch.index_select(self.buf.local("counts"), 0, self.calls[2:3] % 2)[0].clone()
-        self._send(x, handle, topk_weights, compute_rows=True, nc=nc, wire=self.dwire)
-        self._expand(out, out_w, handle, ntpe, offs, keep_handle=True, wire=self.dwire, q=q, sc=sc)
+        if g.fused_send > 0:
+            self._fused(x, handle, topk_weights, out, out_w, ntpe, offs, q, sc)
+        else:
+            self._send(x, handle, topk_weights, compute_rows=True, nc=nc, wire=self.dwire)
+            self._expand(out, out_w, handle, ntpe, offs, keep_handle=True, wire=self.dwire, q=q, sc=sc)
         if sync:
             self._eager_check("dispatch")  # a peer that stopped after the counts exchange raises in this call
         if q is not None:
@@ -199,6 +207,21 @@ class TritonEP:
                      self.tab["stage"], self.tab["meta"], self.tab["wts"], self.tab["ntok"],
                      self.flags, self.tab["flags"], self._flag_off(1), self.calls, self.status, self.timeout,
                      g.grid_expand, self.Tm, E=self.E, L=self.L, COMPUTE_ROWS=compute_rows, WIRE=wire,
+                     **{k: c[k] for k in ("RANK", "W", "K", "KB", "H", "BH", "BT", "WB", "HAS_TIMER", "RB")}, **self._kw)
+
+    def _fused(self, x, handle, topk_weights, out, out_w, ntpe, offs, q, sc):
+        """Forward dispatch as one launch (send and expand overlapped; :mod:`tritonep.kernels.dispatch_fused`)."""
+        g, c = self.geo, self.c
+        b = self.buf
+        self._launch(dispatch_fused_kernel, (g.fused_send + g.fused_expand,),
+                     x, handle.topk_idx, topk_weights, handle.rows, handle.num_tokens, self.pre, self.send_base,
+                     self.tab["stage"], self.tab["meta"], self.tab["wts"], self.tab["ntok"], self.tab["cflag"],
+                     b.local("cflag"), b.local("stage"), b.local("meta"), b.local("wts"), b.local("ntok"), out, out_w,
+                     handle.meta, handle.wts, handle.ntok, ntpe, offs,
+                     self.flags, self.tab["flags"], self._flag_off(1), self._flag_off(2), self.calls, self.status,
+                     self.timeout, g.grid_send, g.grid_expand, self.Tm, self.ncmax, GS=g.fused_send, E=self.E,
+                     L=self.L, BA=triton.next_power_of_2(max(self.A, 1)), A=self.A, WIRE=self.dwire,
+                     KEEP_Q=q is not None, q_ptr=q, s_ptr=sc,
                      **{k: c[k] for k in ("RANK", "W", "K", "KB", "H", "BH", "BT", "WB", "HAS_TIMER", "RB")}, **self._kw)
 
     def _expand(self, out, out_w, handle, ntpe, offs, keep_handle, scale=False, eo=None, gw=None, wire=0, q=None,
@@ -227,6 +250,17 @@ class TritonEP:
         nc = triton.cdiv(T, g.bt)
         self.calls[1:2].add_(1)
         stage = self.tab["cstage"]
+        if g.fused_send > 0 and kind == "push" and weighted and not want_wgrad:
+            y = torch.empty(T, self.H, dtype=eo.dtype, device=self.device)
+            self._launch(combine_fused_kernel, (g.fused_send + g.fused_expand,),
+                         eo, handle.meta, handle.wts, handle.ntok, stage, self.tab["ccflag"], self.buf.local("ccflag"),
+                         handle.topk_idx, y, T, self.flags, self.tab["flags"], self._flag_off(3), self._flag_off(4),
+                         self.calls, self.status, self.timeout, g.grid_partial, g.grid_out, self.Tm, self.ncmax,
+                         GS=g.fused_send, L=self.L, WIRE=wire,
+                         **{k: c[k] for k in ("RANK", "W", "K", "KB", "H", "BH", "BT", "WB", "HAS_TIMER", "RB")},
+                         **self._kw)
+            self._eager_check("combine")
+            return y, None
         self._launch(combine_partial_kernel, (g.grid_partial,),
                      eo, handle.meta, handle.wts, handle.ntok, gw if gw is not None else handle.wts, stage,
                      self.tab["wback"], self.flags, self.tab["flags"], self._flag_off(3), self.calls, self.status,

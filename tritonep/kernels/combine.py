@@ -26,6 +26,90 @@ from .signal import STATUS_TIMEOUT, signal_peers, wait_all_ge
 from .wirecodec import wire_load, wire_store
 
 
+@triton.jit
+def partial_item(src, c, Ts, live, eo_ptr, hmeta_ptr, hwts_ptr, gw_ptr, stage_tab, wback_tab, Tmax,
+                 RANK: tl.constexpr, K: tl.constexpr, KB: tl.constexpr, H: tl.constexpr, BH: tl.constexpr,
+                 BT: tl.constexpr, PUSH: tl.constexpr, WEIGHTED: tl.constexpr, SEND_WGRAD: tl.constexpr,
+                 HAS_TIMER: tl.constexpr, RB: tl.constexpr, WIRE: tl.constexpr, POW2: tl.constexpr):
+    """Partials of chunk ``c`` of source ``src`` (``Ts`` tokens there), see :func:`combine_partial_kernel`."""
+    t_off = tl.arange(0, BT)
+    k_off = tl.arange(0, KB)
+    h_off = tl.arange(0, BH)
+    t = c * BT + t_off
+    tm = (t < Ts) & live
+    m2 = tm[:, None] & (k_off[None, :] < K)
+    off = (src * Tmax + t[:, None]).to(tl.int64) * K + k_off[None, :]
+    rows = tl.load(hmeta_ptr + off, mask=m2, other=-1)
+    if WEIGHTED:
+        w = tl.load(hwts_ptr + off, mask=m2, other=0.0)
+    has = tl.sum((rows >= 0).to(tl.int32), 1) > 0
+    if PUSH:
+        dst = tl.multiple_of(tl.load(stage_tab + src).to(tl.pointer_type(tl.uint8)), 16)
+        drow = (RANK * Tmax + t).to(tl.int64) * RB
+    else:
+        dst = tl.multiple_of(tl.load(stage_tab + RANK).to(tl.pointer_type(tl.uint8)), 16)
+        drow = (src * Tmax + t).to(tl.int64) * RB
+    for h0 in range(0, H, BH):
+        h = h0 + h_off
+        hm = h < H
+        acc = tl.zeros((BT, BH), dtype=tl.float32)
+        for k in tl.static_range(K):
+            rk = tl.sum(tl.where(k_off[None, :] == k, rows, 0), 1)
+            mk = (rk >= 0)[:, None] & hm[None, :]
+            v = tl.load(eo_ptr + rk[:, None].to(tl.int64) * H + h[None, :], mask=mk, other=0.0)
+            if WEIGHTED:
+                wk = tl.sum(tl.where(k_off[None, :] == k, w, 0.0), 1)
+                acc += mul_rn(widen(v), tl.broadcast_to(wk[:, None], (BT, BH)), HAS_TIMER)
+            else:
+                acc += widen(v)
+        if WIRE == 0:
+            wire_store(dst, drow, h0, cast_rne(acc, tl.bfloat16), has, H, BH, BT, 0, POW2)
+        else:
+            wire_store(dst, drow, h0, acc, has, H, BH, BT, WIRE, POW2)
+    if SEND_WGRAD:
+        g = tl.load(gw_ptr + rows, mask=rows >= 0, other=0.0)
+        wb = tl.load(wback_tab + src).to(tl.pointer_type(tl.float32))
+        tl.store(wb + (RANK * Tmax + t[:, None]).to(tl.int64) * K + k_off[None, :], g,
+                 mask=m2 & (rows >= 0))
+
+
+@triton.jit
+def out_chunk(c, T, live, topk_idx_ptr, y_ptr, stage_tab, wback_ptr, gtw_ptr, Tmax, RANK: tl.constexpr,
+              W: tl.constexpr, L: tl.constexpr, K: tl.constexpr, KB: tl.constexpr, H: tl.constexpr,
+              BH: tl.constexpr, BT: tl.constexpr, PULL: tl.constexpr, RECV_WGRAD: tl.constexpr,
+              HAS_TIMER: tl.constexpr, RB: tl.constexpr, WIRE: tl.constexpr):
+    """Output rows of this rank's token chunk ``c``, see :func:`combine_out_kernel`."""
+    t_off = tl.arange(0, BT)
+    k_off = tl.arange(0, KB)
+    h_off = tl.arange(0, BH)
+    t = c * BT + t_off
+    tm = t < T
+    m2 = tm[:, None] & (k_off[None, :] < K)
+    tk = t[:, None].to(tl.int64) * K + k_off[None, :]
+    ids = tl.load(topk_idx_ptr + tk, mask=m2, other=-1).to(tl.int32)
+    dest = tl.where(ids >= 0, ids // L, -1)
+    for h0 in range(0, H, BH):
+        h = h0 + h_off
+        hm = h < H
+        acc = tl.zeros((BT, BH), dtype=tl.float32)
+        for r in range(W):
+            has = (tl.sum((dest == r).to(tl.int32), 1) > 0) & tm & live
+            if PULL:
+                base = tl.multiple_of(tl.load(stage_tab + r).to(tl.pointer_type(tl.uint8)), 16)
+                srow = (RANK * Tmax + t).to(tl.int64) * RB
+            else:
+                base = tl.multiple_of(tl.load(stage_tab + RANK).to(tl.pointer_type(tl.uint8)), 16)
+                srow = (r * Tmax + t).to(tl.int64) * RB
+            v = wire_load(base, srow, h0, has, H, BH, BT, WIRE, HAS_TIMER)
+            acc += widen(v)
+        tl.store(y_ptr + t[:, None].to(tl.int64) * H + h[None, :], cast_rne(acc, y_ptr.dtype.element_ty),
+                 mask=tm[:, None] & hm[None, :])
+    if RECV_WGRAD:
+        g = tl.load(wback_ptr + ((dest * Tmax + t[:, None]).to(tl.int64) * K + k_off[None, :]),
+                    mask=m2 & (dest >= 0) & live, other=0.0)
+        tl.store(gtw_ptr + tk, g, mask=m2)
+
+
 @triton.jit(do_not_specialize=['cdata_off', 'timeout', 'G_out', 'Tmax', 'NCmax'])
 def combine_partial_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, gw_ptr, stage_tab, wback_tab,
                            flags_ptr, flags_tab, cdata_off, calls_ptr, status_ptr, timeout, G_out, Tmax, NCmax,
@@ -45,50 +129,13 @@ def combine_partial_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, gw_ptr, stage
     m = tl.load(calls_ptr + 1)
     wait_all_ge(flags_ptr + 4 * W, W, (m - 1) * G_out, status_ptr, 4, timeout, HAS_TIMER, WB)
     live = tl.load(status_ptr) != STATUS_TIMEOUT
-    t_off = tl.arange(0, BT)
-    k_off = tl.arange(0, KB)
-    h_off = tl.arange(0, BH)
     for item in range(pid, W * NCmax, G):
         src = item // NCmax
         c = item % NCmax
         Ts = tl.load(hntok_ptr + src)
         if c * BT < Ts:
-            t = c * BT + t_off
-            tm = (t < Ts) & live
-            m2 = tm[:, None] & (k_off[None, :] < K)
-            off = (src * Tmax + t[:, None]).to(tl.int64) * K + k_off[None, :]
-            rows = tl.load(hmeta_ptr + off, mask=m2, other=-1)
-            if WEIGHTED:
-                w = tl.load(hwts_ptr + off, mask=m2, other=0.0)
-            has = tl.sum((rows >= 0).to(tl.int32), 1) > 0
-            if PUSH:
-                dst = tl.multiple_of(tl.load(stage_tab + src).to(tl.pointer_type(tl.uint8)), 16)
-                drow = (RANK * Tmax + t).to(tl.int64) * RB
-            else:
-                dst = tl.multiple_of(tl.load(stage_tab + RANK).to(tl.pointer_type(tl.uint8)), 16)
-                drow = (src * Tmax + t).to(tl.int64) * RB
-            for h0 in range(0, H, BH):
-                h = h0 + h_off
-                hm = h < H
-                acc = tl.zeros((BT, BH), dtype=tl.float32)
-                for k in tl.static_range(K):
-                    rk = tl.sum(tl.where(k_off[None, :] == k, rows, 0), 1)
-                    mk = (rk >= 0)[:, None] & hm[None, :]
-                    v = tl.load(eo_ptr + rk[:, None].to(tl.int64) * H + h[None, :], mask=mk, other=0.0)
-                    if WEIGHTED:
-                        wk = tl.sum(tl.where(k_off[None, :] == k, w, 0.0), 1)
-                        acc += mul_rn(widen(v), tl.broadcast_to(wk[:, None], (BT, BH)), HAS_TIMER)
-                    else:
-                        acc += widen(v)
-                if WIRE == 0:
-                    wire_store(dst, drow, h0, cast_rne(acc, tl.bfloat16), has, H, BH, BT, 0, POW2)
-                else:
-                    wire_store(dst, drow, h0, acc, has, H, BH, BT, WIRE, POW2)
-            if SEND_WGRAD:
-                g = tl.load(gw_ptr + rows, mask=rows >= 0, other=0.0)
-                wb = tl.load(wback_tab + src).to(tl.pointer_type(tl.float32))
-                tl.store(wb + (RANK * Tmax + t[:, None]).to(tl.int64) * K + k_off[None, :], g,
-                         mask=m2 & (rows >= 0))
+            partial_item(src, c, Ts, live, eo_ptr, hmeta_ptr, hwts_ptr, gw_ptr, stage_tab, wback_tab, Tmax, RANK, K,
+                         KB, H, BH, BT, PUSH, WEIGHTED, SEND_WGRAD, HAS_TIMER, RB, WIRE, POW2)
     signal_peers(flags_tab, cdata_off, W, RANK, WB)
 
 
@@ -109,34 +156,7 @@ def combine_out_kernel(topk_idx_ptr, y_ptr, T, NC, stage_tab, wback_ptr, gtw_ptr
     m = tl.load(calls_ptr + 1)
     wait_all_ge(flags_ptr + 3 * W, W, m * G_partial, status_ptr, 3, timeout, HAS_TIMER, WB)
     live = tl.load(status_ptr) != STATUS_TIMEOUT
-    t_off = tl.arange(0, BT)
-    k_off = tl.arange(0, KB)
-    h_off = tl.arange(0, BH)
     for c in range(pid, NC, G):
-        t = c * BT + t_off
-        tm = t < T
-        m2 = tm[:, None] & (k_off[None, :] < K)
-        tk = t[:, None].to(tl.int64) * K + k_off[None, :]
-        ids = tl.load(topk_idx_ptr + tk, mask=m2, other=-1).to(tl.int32)
-        dest = tl.where(ids >= 0, ids // L, -1)
-        for h0 in range(0, H, BH):
-            h = h0 + h_off
-            hm = h < H
-            acc = tl.zeros((BT, BH), dtype=tl.float32)
-            for r in range(W):
-                has = (tl.sum((dest == r).to(tl.int32), 1) > 0) & tm & live
-                if PULL:
-                    base = tl.multiple_of(tl.load(stage_tab + r).to(tl.pointer_type(tl.uint8)), 16)
-                    srow = (RANK * Tmax + t).to(tl.int64) * RB
-                else:
-                    base = tl.multiple_of(tl.load(stage_tab + RANK).to(tl.pointer_type(tl.uint8)), 16)
-                    srow = (r * Tmax + t).to(tl.int64) * RB
-                v = wire_load(base, srow, h0, has, H, BH, BT, WIRE)
-                acc += widen(v)
-            tl.store(y_ptr + t[:, None].to(tl.int64) * H + h[None, :], cast_rne(acc, y_ptr.dtype.element_ty),
-                     mask=tm[:, None] & hm[None, :])
-        if RECV_WGRAD:
-            g = tl.load(wback_ptr + ((dest * Tmax + t[:, None]).to(tl.int64) * K + k_off[None, :]),
-                        mask=m2 & (dest >= 0) & live, other=0.0)
-            tl.store(gtw_ptr + tk, g, mask=m2)
+        out_chunk(c, T, live, topk_idx_ptr, y_ptr, stage_tab, wback_ptr, gtw_ptr, Tmax, RANK, W, L, K, KB, H, BH, BT,
+                  PULL, RECV_WGRAD, HAS_TIMER, RB, WIRE)
     signal_peers(flags_tab, cack_off, W, RANK, WB)

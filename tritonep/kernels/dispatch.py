@@ -40,6 +40,133 @@ def _ptr(tab, r, DT: tl.constexpr):
     return tl.multiple_of(tl.load(tab + r).to(tl.pointer_type(DT)), 16)
 
 
+@triton.jit
+def send_chunk(c, x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, pre_ptr, send_base_ptr, stage_tab, meta_tab,
+               wts_tab, live, Tmax, RANK: tl.constexpr, W: tl.constexpr, E: tl.constexpr, L: tl.constexpr,
+               K: tl.constexpr, KB: tl.constexpr, H: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr,
+               COMPUTE_ROWS: tl.constexpr, RB: tl.constexpr, WIRE: tl.constexpr, POW2: tl.constexpr):
+    """Send token chunk ``c`` (tokens ``[c*BT, c*BT+BT)``): rows/weights metadata and the wire row to every
+    destination rank that the token routes to (see :func:`dispatch_send_kernel`)."""
+    t_off = tl.arange(0, BT)
+    k_off = tl.arange(0, KB)
+    h_off = tl.arange(0, BH)
+    R: tl.constexpr = BT * KB
+    t = c * BT + t_off
+    tm = t < T
+    m2 = tm[:, None] & (k_off[None, :] < K)
+    tk = t[:, None].to(tl.int64) * K + k_off[None, :]
+    ids = tl.load(topk_idx_ptr + tk, mask=m2, other=-1).to(tl.int32)
+    valid = ids >= 0
+    if COMPUTE_ROWS:
+        fid = tl.reshape(ids, (R,))
+        fv = fid >= 0
+        i_off = tl.arange(0, R)
+        eq = (fid[:, None] == fid[None, :]) & (i_off[None, :] < i_off[:, None]) & fv[None, :]
+        within = tl.reshape(tl.sum(eq.to(tl.int32), 1), (BT, KB))
+        carry = tl.load(pre_ptr + c * E + ids, mask=valid, other=0)
+        base = tl.load(send_base_ptr + ids, mask=valid, other=0)
+        rows = tl.where(valid, base + carry + within, -1)
+        tl.store(rows_ptr + tk, rows, mask=m2)
+    else:
+        rows = tl.load(rows_ptr + tk, mask=m2, other=-1)
+    w = tl.load(topk_w_ptr + tk, mask=m2, other=0.0)
+    dest = tl.where(valid, ids // L, -1)
+    mt = tm[:, None] & (k_off[None, :] < K)
+    for d in range(W):
+        md = tl.load(meta_tab + d).to(tl.pointer_type(tl.int32))
+        wd = tl.load(wts_tab + d).to(tl.pointer_type(tl.float32))
+        off = (RANK * Tmax + t[:, None]).to(tl.int64) * K + k_off[None, :]
+        tl.store(md + off, tl.where(dest == d, rows, -1), mask=mt)
+        tl.store(wd + off, tl.where(dest == d, w, 0.0), mask=mt)
+    for h0 in range(0, H, BH):
+        h = h0 + h_off
+        hm = h < H
+        xt = tl.load(x_ptr + t[:, None].to(tl.int64) * H + h[None, :], mask=tm[:, None] & hm[None, :],
+                     other=0.0)
+        if WIRE != 0:
+            xt = widen(xt)
+        pay, sc = wire_encode(xt, BT, BH, WIRE, POW2)  # quantize once, store to every destination
+        row_off = (RANK * Tmax + t).to(tl.int64) * RB
+        for d in range(W):
+            has = (tl.sum((dest == d).to(tl.int32), 1) > 0) & tm & live
+            sd = _ptr(stage_tab, d, tl.uint8)
+            wire_store_encoded(sd, row_off, h0, pay, sc, has, H, BH, WIRE)
+
+
+@triton.jit
+def expand_item(src, c, Ts, skip, stage_ptr, meta_ptr, wts_ptr, out_ptr, out_w_ptr, hmeta_ptr, hwts_ptr, eo_ptr,
+                gw_ptr, Tmax, K: tl.constexpr, KB: tl.constexpr, H: tl.constexpr, BH: tl.constexpr,
+                BT: tl.constexpr, SCALE: tl.constexpr, DOT: tl.constexpr, KEEP_HANDLE: tl.constexpr,
+                HAS_TIMER: tl.constexpr, RB: tl.constexpr, WIRE: tl.constexpr, KEEP_Q: tl.constexpr, q_ptr, s_ptr):
+    """Expand chunk ``c`` of source ``src`` (``Ts`` tokens there) from the staging into the expert rows (see
+    :func:`dispatch_expand_kernel`)."""
+    t_off = tl.arange(0, BT)
+    k_off = tl.arange(0, KB)
+    h_off = tl.arange(0, BH)
+    t = c * BT + t_off
+    tm = t < Ts
+    m2 = tm[:, None] & (k_off[None, :] < K)
+    off = (src * Tmax + t[:, None]).to(tl.int64) * K + k_off[None, :]
+    rows = tl.load(meta_ptr + off, mask=m2, other=-1)
+    rows = tl.where(skip, -1, rows)
+    w = tl.load(wts_ptr + off, mask=m2, other=0.0)
+    if KEEP_HANDLE:
+        tl.store(hmeta_ptr + off, rows, mask=m2)
+        tl.store(hwts_ptr + off, w, mask=m2)
+    tl.store(out_w_ptr + rows, w, mask=rows >= 0)
+    has = tl.sum((rows >= 0).to(tl.int32), 1) > 0
+    dots = tl.zeros((BT, KB), dtype=tl.float32)
+    for h0 in range(0, H, BH):
+        h = h0 + h_off
+        hm = h < H
+        row_off = (src * Tmax + t).to(tl.int64) * RB
+        if KEEP_Q:
+            xt = tl.zeros((BT, BH), dtype=tl.float32)
+        else:
+            xt = wire_load(stage_ptr, row_off, h0, has, H, BH, BT, WIRE, HAS_TIMER)
+        for k in tl.static_range(K):
+            rk = tl.sum(tl.where(k_off[None, :] == k, rows, 0), 1)
+            mk = (rk >= 0)[:, None] & hm[None, :]
+            dst = out_ptr + rk[:, None].to(tl.int64) * H + h[None, :]
+            if KEEP_Q:
+                wire_copy_raw(stage_ptr, row_off, h0, has, q_ptr, s_ptr, rk, rk >= 0, H, BH, WIRE)
+            elif SCALE:
+                wk = tl.sum(tl.where(k_off[None, :] == k, w, 0.0), 1)
+                tl.store(dst, cast_rne(widen(xt) * wk[:, None], out_ptr.dtype.element_ty), mask=mk)
+            elif WIRE == 0:
+                tl.store(dst, xt, mask=mk)
+            else:
+                tl.store(dst, cast_rne(xt, out_ptr.dtype.element_ty), mask=mk)
+            if DOT:
+                eo = tl.load(eo_ptr + rk[:, None].to(tl.int64) * H + h[None, :], mask=mk, other=0.0)
+                part = tl.sum(widen(eo) * widen(xt), 1)
+                dots += tl.where(k_off[None, :] == k, part[:, None], 0.0)
+    if DOT:
+        tl.store(gw_ptr + rows, dots, mask=rows >= 0)
+
+
+@triton.jit
+def zero_padding(pid, G, out_ptr, out_w_ptr, gw_ptr, ntpe_ptr, offs_ptr, L: tl.constexpr, H: tl.constexpr,
+                 BH: tl.constexpr, BA: tl.constexpr, DOT: tl.constexpr, KEEP_Q: tl.constexpr):
+    """Zero the alignment padding rows of local expert segments ``pid, pid+G, ...`` (rows, weights, grads)."""
+    h_off = tl.arange(0, BH)
+    a_off = tl.arange(0, BA)
+    for j in range(pid, L, G):
+        end = tl.load(offs_ptr + j)
+        begin = tl.load(offs_ptr + j - 1, mask=j > 0, other=0)
+        real_end = begin + tl.load(ntpe_ptr + j)
+        r = real_end + a_off
+        rm = r < end
+        tl.store(out_w_ptr + r, tl.zeros((BA,), dtype=tl.float32), mask=rm)
+        if DOT:
+            tl.store(gw_ptr + r, tl.zeros((BA,), dtype=tl.float32), mask=rm)
+        if KEEP_Q == 0:  # quantized outputs are allocated zeroed
+            for h0 in range(0, H, BH):
+                h = h0 + h_off
+                tl.store(out_ptr + r[:, None].to(tl.int64) * H + h[None, :],
+                         tl.zeros((BA, BH), dtype=out_ptr.dtype.element_ty), mask=rm[:, None] & (h < H)[None, :])
+
+
 @triton.jit(do_not_specialize=['T', 'NC', 'data_off', 'timeout', 'G_expand', 'Tmax'])
 def dispatch_send_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, NC, pre_ptr, send_base_ptr,
                          stage_tab, meta_tab, wts_tab, ntok_tab,
@@ -67,51 +194,9 @@ def dispatch_send_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, NC, pre_p
         for d in range(W):
             nt = tl.load(ntok_tab + d).to(tl.pointer_type(tl.int32))
             tl.store(nt + RANK, T)
-    t_off = tl.arange(0, BT)
-    k_off = tl.arange(0, KB)
-    h_off = tl.arange(0, BH)
-    R: tl.constexpr = BT * KB
     for c in range(pid, NC, G):
-        t = c * BT + t_off
-        tm = t < T
-        m2 = tm[:, None] & (k_off[None, :] < K)
-        tk = t[:, None].to(tl.int64) * K + k_off[None, :]
-        ids = tl.load(topk_idx_ptr + tk, mask=m2, other=-1).to(tl.int32)
-        valid = ids >= 0
-        if COMPUTE_ROWS:
-            fid = tl.reshape(ids, (R,))
-            fv = fid >= 0
-            i_off = tl.arange(0, R)
-            eq = (fid[:, None] == fid[None, :]) & (i_off[None, :] < i_off[:, None]) & fv[None, :]
-            within = tl.reshape(tl.sum(eq.to(tl.int32), 1), (BT, KB))
-            carry = tl.load(pre_ptr + c * E + ids, mask=valid, other=0)
-            base = tl.load(send_base_ptr + ids, mask=valid, other=0)
-            rows = tl.where(valid, base + carry + within, -1)
-            tl.store(rows_ptr + tk, rows, mask=m2)
-        else:
-            rows = tl.load(rows_ptr + tk, mask=m2, other=-1)
-        w = tl.load(topk_w_ptr + tk, mask=m2, other=0.0)
-        dest = tl.where(valid, ids // L, -1)
-        mt = tm[:, None] & (k_off[None, :] < K)
-        for d in range(W):
-            md = tl.load(meta_tab + d).to(tl.pointer_type(tl.int32))
-            wd = tl.load(wts_tab + d).to(tl.pointer_type(tl.float32))
-            off = (RANK * Tmax + t[:, None]).to(tl.int64) * K + k_off[None, :]
-            tl.store(md + off, tl.where(dest == d, rows, -1), mask=mt)
-            tl.store(wd + off, tl.where(dest == d, w, 0.0), mask=mt)
-        for h0 in range(0, H, BH):
-            h = h0 + h_off
-            hm = h < H
-            xt = tl.load(x_ptr + t[:, None].to(tl.int64) * H + h[None, :], mask=tm[:, None] & hm[None, :],
-                         other=0.0)
-            if WIRE != 0:
-                xt = widen(xt)
-            pay, sc = wire_encode(xt, BT, BH, WIRE, POW2)  # quantize once, store to every destination
-            row_off = (RANK * Tmax + t).to(tl.int64) * RB
-            for d in range(W):
-                has = (tl.sum((dest == d).to(tl.int32), 1) > 0) & tm & live
-                sd = _ptr(stage_tab, d, tl.uint8)
-                wire_store_encoded(sd, row_off, h0, pay, sc, has, H, BH, WIRE)
+        send_chunk(c, x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, pre_ptr, send_base_ptr, stage_tab, meta_tab,
+                   wts_tab, live, Tmax, RANK, W, E, L, K, KB, H, BH, BT, COMPUTE_ROWS, RB, WIRE, POW2)
     signal_peers(flags_tab, data_off, W, RANK, WB)
 
 
@@ -135,9 +220,6 @@ def dispatch_expand_kernel(stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_ptr, out_
     n = tl.load(calls_ptr)
     wait_all_ge(flags_ptr + 1 * W, W, n * G_send, status_ptr, 1, timeout, HAS_TIMER, WB)
     skip = (tl.load(status_ptr) == STATUS_TIMEOUT) | (tl.load(status_ptr + 5) == n)
-    t_off = tl.arange(0, BT)
-    k_off = tl.arange(0, KB)
-    h_off = tl.arange(0, BH)
     if KEEP_HANDLE:
         if pid == 0:
             w_off = tl.arange(0, WB)
@@ -147,61 +229,9 @@ def dispatch_expand_kernel(stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_ptr, out_
         c = item % NCmax
         Ts = tl.load(ntok_ptr + src)
         if c * BT < Ts:
-            t = c * BT + t_off
-            tm = t < Ts
-            m2 = tm[:, None] & (k_off[None, :] < K)
-            off = (src * Tmax + t[:, None]).to(tl.int64) * K + k_off[None, :]
-            rows = tl.load(meta_ptr + off, mask=m2, other=-1)
-            rows = tl.where(skip, -1, rows)
-            w = tl.load(wts_ptr + off, mask=m2, other=0.0)
-            if KEEP_HANDLE:
-                tl.store(hmeta_ptr + off, rows, mask=m2)
-                tl.store(hwts_ptr + off, w, mask=m2)
-            tl.store(out_w_ptr + rows, w, mask=rows >= 0)
-            has = tl.sum((rows >= 0).to(tl.int32), 1) > 0
-            dots = tl.zeros((BT, KB), dtype=tl.float32)
-            for h0 in range(0, H, BH):
-                h = h0 + h_off
-                hm = h < H
-                row_off = (src * Tmax + t).to(tl.int64) * RB
-                if KEEP_Q:
-                    xt = tl.zeros((BT, BH), dtype=tl.float32)
-                else:
-                    xt = wire_load(stage_ptr, row_off, h0, has, H, BH, BT, WIRE)
-                for k in tl.static_range(K):
-                    rk = tl.sum(tl.where(k_off[None, :] == k, rows, 0), 1)
-                    mk = (rk >= 0)[:, None] & hm[None, :]
-                    dst = out_ptr + rk[:, None].to(tl.int64) * H + h[None, :]
-                    if KEEP_Q:
-                        wire_copy_raw(stage_ptr, row_off, h0, has, q_ptr, s_ptr, rk, rk >= 0, H, BH, WIRE)
-                    elif SCALE:
-                        wk = tl.sum(tl.where(k_off[None, :] == k, w, 0.0), 1)
-                        tl.store(dst, cast_rne(widen(xt) * wk[:, None], out_ptr.dtype.element_ty), mask=mk)
-                    elif WIRE == 0:
-                        tl.store(dst, xt, mask=mk)
-                    else:
-                        tl.store(dst, cast_rne(xt, out_ptr.dtype.element_ty), mask=mk)
-                    if DOT:
-                        eo = tl.load(eo_ptr + rk[:, None].to(tl.int64) * H + h[None, :], mask=mk, other=0.0)
-                        part = tl.sum(widen(eo) * widen(xt), 1)
-                        dots += tl.where(k_off[None, :] == k, part[:, None], 0.0)
-            if DOT:
-                tl.store(gw_ptr + rows, dots, mask=rows >= 0)
-    # zero the alignment padding rows of every local expert segment
+            expand_item(src, c, Ts, skip, stage_ptr, meta_ptr, wts_ptr, out_ptr, out_w_ptr, hmeta_ptr, hwts_ptr,
+                        eo_ptr, gw_ptr, Tmax, K, KB, H, BH, BT, SCALE, DOT, KEEP_HANDLE, HAS_TIMER, RB, WIRE, KEEP_Q,
+                        q_ptr, s_ptr)
     if A > 1:
-        a_off = tl.arange(0, BA)
-        for j in range(pid, L, G):
-            end = tl.load(offs_ptr + j)
-            begin = tl.load(offs_ptr + j - 1, mask=j > 0, other=0)
-            real_end = begin + tl.load(ntpe_ptr + j)
-            r = real_end + a_off
-            rm = r < end
-            tl.store(out_w_ptr + r, tl.zeros((BA,), dtype=tl.float32), mask=rm)
-            if DOT:
-                tl.store(gw_ptr + r, tl.zeros((BA,), dtype=tl.float32), mask=rm)
-            if KEEP_Q == 0:  # quantized outputs are allocated zeroed
-                for h0 in range(0, H, BH):
-                    h = h0 + h_off
-                    tl.store(out_ptr + r[:, None].to(tl.int64) * H + h[None, :],
-                             tl.zeros((BA, BH), dtype=out_ptr.dtype.element_ty), mask=rm[:, None] & (h < H)[None, :])
+        zero_padding(pid, G, out_ptr, out_w_ptr, gw_ptr, ntpe_ptr, offs_ptr, L, H, BH, BA, DOT, KEEP_Q)
     signal_peers(flags_tab, ack_off, W, RANK, WB)

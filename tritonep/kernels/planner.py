@@ -34,13 +34,14 @@ __all__ = ["plan_kernel", "plan_remap_kernel"]
 
 @triton.jit
 def _placement(counts_ptr, stride_cr, stride_ce, rank,
-               W: tl.constexpr, L: tl.constexpr, W_PAD: tl.constexpr, L_PAD: tl.constexpr):
+               W: tl.constexpr, L: tl.constexpr, W_PAD: tl.constexpr, L_PAD: tl.constexpr, RB: tl.constexpr):
     """Placement in registers, all tensors ``[W_PAD]``, ``[W_PAD, L_PAD]`` or ``[W_PAD, W_PAD]``.
 
-    Returns ``(rem, moved, slot, sender_of, quota, cap, etc, prefix, neg)``: ``rem[s, j]`` routes expert
-    ``s*L+j`` keeps on its owner; ``moved[d, j]`` routes of expert ``sender_of[d]*L + j`` served by receiver
-    ``d`` (single sender, so one row per receiver suffices); ``slot[d, j]`` its slot or -1; ``sender_of[d]`` the
-    one rank ``d`` takes routes from, or -1.
+    Returns ``(rem, moved, slot, n_used, sender_of, quota, cap, prefix, neg)``: ``rem[s, j]`` routes expert
+    ``s*L+j`` keeps on its owner; ``moved[d, j]`` routes of expert ``sender_of[d]*L + j`` served by receiver ``d``
+    (single sender, so one row per receiver suffices); ``slot[d, j]`` its slot or -1; ``n_used[d]`` the used
+    slots (``0..n_used-1``); ``sender_of[d]`` the one rank ``d`` takes routes from, or -1. ``RB`` = source rows
+    of ``counts`` per load step (unrolled).
     """
     BIG: tl.constexpr = 2147483647
     s2 = tl.arange(0, W_PAD)[:, None]
@@ -49,12 +50,14 @@ def _placement(counts_ptr, stride_cr, stride_ce, rank,
     e2 = s2 * L + j2
     total = tl.zeros([W_PAD, L_PAD], tl.int32)
     prefix = tl.zeros([W_PAD, L_PAD], tl.int32)
-    neg = tl.zeros([W_PAD, L_PAD], tl.int32)
-    for r in range(W):
-        row = tl.load(counts_ptr + r * stride_cr + e2 * stride_ce, mask=ev2, other=0).to(tl.int32)
-        total += row
-        prefix += tl.where(r < rank, row, 0)
-        neg = tl.maximum(neg, (row < 0).to(tl.int32))
+    low = tl.zeros([W_PAD, L_PAD], tl.int32)
+    for r0 in range(0, W, RB):
+        for i in tl.static_range(RB):  # RB independent row loads in flight, not a chain of W dependent ones
+            r = r0 + i
+            row = tl.load(counts_ptr + r * stride_cr + e2 * stride_ce, mask=ev2 & (r < W), other=0).to(tl.int32)
+            total += row
+            prefix += tl.where(r < rank, row, 0)
+            low = tl.minimum(low, row)
 
     # Step 1: capacity (remainder to the lowest ranks) and balance.
     dvec = tl.arange(0, W_PAD)
@@ -64,55 +67,62 @@ def _placement(counts_ptr, stride_cr, stride_ce, rank,
     cap = tl.where(dvalid, cap, 0)
     bal = tl.sum(total, axis=1) - cap
 
-    # Step 2: quota greedy, single-sender rule (ties: lowest rank).
+    # Step 2: quota greedy, single-sender rule (ties: lowest rank). Stops at the twin's break (max balance <= 0),
+    # after which a round would change nothing.
     rows = tl.arange(0, W_PAD)[:, None]
     cols = tl.arange(0, W_PAD)[None, :]
     quota = tl.zeros([W_PAD, W_PAD], tl.int32)
     sender_of = tl.full([W_PAD], -1, tl.int32)
-    for _it in range(W):
-        bmax = tl.where(dvalid, bal, -BIG)
-        sender = tl.argmax(bmax, axis=0, tie_break_left=True)
-        smax = tl.max(bmax, axis=0)
-        bmin = tl.where(dvalid, bal, BIG)
-        receiver = tl.argmin(bmin, axis=0, tie_break_left=True)
-        rmin = tl.min(bmin, axis=0)
-        active = smax > 0
-        moved_amt = tl.where(active, -rmin, 0)
-        quota += tl.where((rows == sender) & (cols == receiver), moved_amt, 0)
-        bal = tl.where(dvec == sender, bal - moved_amt, bal)
-        bal = tl.where((dvec == receiver) & active, 0, bal)
-        sender_of = tl.where((dvec == receiver) & active, sender, sender_of)
+    smax, sender = tl.max(tl.where(dvalid, bal, -BIG), axis=0, return_indices=True,
+                          return_indices_tie_break_left=True)
+    it2 = 0
+    while (smax > 0) & (it2 < W):
+        rmin, receiver = tl.min(tl.where(dvalid, bal, BIG), axis=0, return_indices=True,
+                                return_indices_tie_break_left=True)
+        quota += tl.where((rows == sender) & (cols == receiver), -rmin, 0)
+        bal = tl.where(dvec == sender, bal + rmin, bal)
+        bal = tl.where(dvec == receiver, 0, bal)
+        sender_of = tl.where(dvec == receiver, sender, sender_of)
+        smax, sender = tl.max(tl.where(dvalid, bal, -BIG), axis=0, return_indices=True,
+                              return_indices_tie_break_left=True)
+        it2 += 1
 
-    # Step 3: all senders at once: largest quota destination x hottest remaining expert.
+    # Step 3: all senders at once: largest quota destination x hottest remaining expert. A round that moves
+    # nothing leaves the state unchanged for good, so the loop stops there (at most W + L rounds, like the twin).
+    # Step 4 (slot = rank among the receiver's migrated experts, allocation desc, ties to the highest id) rides
+    # along: a (receiver, expert) pair gets routes in one round only (that round empties the quota or the
+    # expert), so its allocation is final on arrival; it takes the rank = number of earlier pieces that beat it,
+    # and every earlier piece it beats moves one slot down.
     rem = total
     q = quota
     moved = tl.zeros([W_PAD, L_PAD], tl.int32)
-    for _it in range(W + L):
-        qmax = tl.max(q, axis=1)
-        dsel = tl.argmax(q, axis=1, tie_break_left=True)
-        remm = tl.where(j2 < L, rem, -1)
-        rmax = tl.max(remm, axis=1)
-        jsel = tl.argmax(remm, axis=1, tie_break_left=True)
+    slot = tl.zeros([W_PAD, L_PAD], tl.int32)
+    n_used = tl.zeros([W_PAD], tl.int32)  # migrated experts per receiver = used slots
+    go = it2 > 0  # some quota > 0 (every active step-2 round books a positive amount)
+    it3 = 0
+    while go & (it3 < W + L):
+        qmax, dsel = tl.max(q, axis=1, return_indices=True, return_indices_tie_break_left=True)
+        rmax, jsel = tl.max(tl.where(j2 < L, rem, -1), axis=1, return_indices=True,
+                            return_indices_tie_break_left=True)
         m = tl.maximum(tl.where(qmax > 0, tl.minimum(qmax, rmax), 0), 0)
         rem -= tl.where(j2 == jsel[:, None], m[:, None], 0)
         q -= tl.where(cols == dsel[:, None], m[:, None], 0)
         hit = (dsel[:, None] == cols) & (m[:, None] > 0)  # [sender, receiver]
-        m_d = tl.sum(tl.where(hit, m[:, None], 0), axis=0)
-        j_d = tl.sum(tl.where(hit, jsel[:, None], 0), axis=0)
-        moved += tl.where(j2 == j_d[:, None], m_d[:, None], 0)
-
-    # Step 4: slot = rank among the sender's experts at d (allocation desc, ties to the highest id).
-    rank_d = tl.zeros([W_PAD, L_PAD], tl.int32)
-    for jj in range(L):
-        other = tl.sum(tl.where(j2 == jj, moved, 0), axis=1)[:, None]
-        beats = (other > moved) | ((other == moved) & (j2 < jj))
-        rank_d += beats.to(tl.int32)
-    slot = tl.where(moved > 0, rank_d, -1)
-    etc = tl.full([W_PAD, L_PAD], -1, tl.int32)
-    for k in range(L):
-        val = tl.sum(tl.where(slot == k, sender_of[:, None] * L + j2 + 1, 0), axis=1)
-        etc = tl.where(j2 == k, val[:, None] - 1, etc)
-    return rem, moved, slot, sender_of, quota, cap, etc, prefix, tl.max(tl.max(neg, axis=1), axis=0)
+        m_d = tl.sum(tl.where(hit, m[:, None], 0), axis=0)  # this round's piece per receiver (routes, or 0)
+        m_n = m_d[:, None]
+        j_n = tl.sum(tl.where(hit, jsel[:, None], 0), axis=0)[:, None]
+        new = (j2 == j_n) & (m_n > 0)
+        old = moved > 0
+        beats = old & ((moved > m_n) | ((moved == m_n) & (j2 > j_n)))  # earlier piece ranks before the new one
+        slot += ((m_n > 0) & old & ~beats).to(tl.int32)
+        slot = tl.where(new, tl.sum(beats.to(tl.int32), axis=1)[:, None], slot)
+        n_used += (m_d > 0).to(tl.int32)
+        moved += tl.where(new, m_n, 0)
+        go = tl.max(m, axis=0) > 0
+        it3 += 1
+    slot = tl.where(moved > 0, slot, -1)
+    neg = (tl.min(tl.min(low, axis=1), axis=0) < 0).to(tl.int32)
+    return rem, moved, slot, n_used, sender_of, quota, cap, prefix, neg
 
 
 @triton.jit
@@ -121,18 +131,20 @@ def plan_kernel(counts_ptr, stride_cr, stride_ce,
                 hist_ptr, alloc_ptr, etc_ptr, slot_ptr, ends_ptr, quota_ptr, cap_ptr, status_ptr,
                 rank,
                 W: tl.constexpr, L: tl.constexpr, K: tl.constexpr,
-                W_PAD: tl.constexpr, L_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr):
+                W_PAD: tl.constexpr, L_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr,
+                RB: tl.constexpr):
     """Launch 1: program 0 = placement (+ prefix row), program ``c+1`` = histogram of routes ``[c*chunk, ...)``.
 
     counts: ``[W, W*L]`` int32/int64 (any strides); topk: ``[T, K]`` int32/int64 (any strides), ``num_routes =
     T*K``; hist: ``[G+1, E_PAD]`` int32 scratch (row 0: columns ``< E`` written); alloc/slot/ends: ``[E, W]``
-    int32; etc: ``[W, L]``; quota: ``[W, W]``; cap: ``[W]``; status: entry 0 written (bit 1).
+    int32; etc: ``[W, L]``; quota: ``[W, W]``; cap: ``[W]``; status: entry 0 written (bit 1). ``RB``: source
+    rows of ``counts`` per load in the placement (a power of two, the host keeps ``RB*W_PAD*L_PAD`` small).
     """
     E: tl.constexpr = W * L
     pid = tl.program_id(0)
     if pid == 0:
-        rem, moved, slot, sender_of, quota, cap, etc, prefix, neg = _placement(
-            counts_ptr, stride_cr, stride_ce, rank, W, L, W_PAD, L_PAD)
+        rem, moved, slot, n_used, sender_of, quota, cap, prefix, neg = _placement(
+            counts_ptr, stride_cr, stride_ce, rank, W, L, W_PAD, L_PAD, RB)
         dd = tl.arange(0, W_PAD)[None, :]
         rows = tl.arange(0, W_PAD)[:, None]
         kcol = tl.arange(0, L_PAD)[None, :]
@@ -140,14 +152,17 @@ def plan_kernel(counts_ptr, stride_cr, stride_ce,
         tl.store(quota_ptr + rows * W + dd, quota, mask=(rows < W) & (dd < W))
         dvec = tl.arange(0, W_PAD)
         tl.store(cap_ptr + dvec, cap, mask=dvec < W)
-        tl.store(etc_ptr + rows * L + kcol, etc, mask=(rows < W) & (kcol < L))
+        # experts_to_copy: -1 in the unused slots, a scatter into the used ones (disjoint: no ordering needed)
+        tl.store(etc_ptr + rows * L + kcol, tl.full([W_PAD, L_PAD], -1, tl.int32),
+                 mask=(rows < W) & (kcol < L) & (kcol >= n_used[:, None]))
+        tl.store(etc_ptr + rows * L + slot, sender_of[:, None] * L + kcol, mask=(slot >= 0) & (rows < W))  # kcol = j
         slotT = tl.trans(slot)
         movedT = tl.trans(moved)  # [L_PAD, W_PAD]: moved routes of the sender's local expert j on receiver d
+        remT = tl.trans(rem)  # [L_PAD, W_PAD]: column s = what owner s keeps of its expert j
         jr = tl.arange(0, L_PAD)[:, None]
-        for s in range(W):  # one owner's L experts at a time: [L_PAD, W_PAD] rows of [E, W]
+        for s in range(W):  # one owner's L experts at a time: [L_PAD, W_PAD] rows of [E, W], no reduction
             from_s = sender_of[None, :] == s
-            rem_s = tl.sum(tl.where(rows == s, rem, 0), axis=0)
-            alloc_rows = tl.where(from_s, movedT, 0) + tl.where(dd == s, rem_s[:, None], 0)
+            alloc_rows = tl.where(from_s, movedT, 0) + tl.where(dd == s, remT, 0)
             offs = (s * L + jr) * W + dd
             msk = (jr < L) & (dd < W)
             tl.store(alloc_ptr + offs, alloc_rows, mask=msk)
@@ -169,6 +184,17 @@ def plan_kernel(counts_ptr, stride_cr, stride_ce,
 
 
 @triton.jit
+def _run_rows(ends_ptr, slot_ptr, esafe, valid, W: tl.constexpr, W_PAD: tl.constexpr):
+    """``[BLOCK, W_PAD]`` rows ``segment_ends[e, :]`` (BIG past W / invalid) and ``expert_slot[e, :]`` (-1) of
+    each route's expert ``esafe``, loaded together (no dependent second load)."""
+    BIG: tl.constexpr = 2147483647
+    dd = tl.arange(0, W_PAD)[None, :]
+    ends_row = tl.load(ends_ptr + esafe[:, None] * W + dd, mask=valid[:, None] & (dd < W), other=BIG)
+    slot_row = tl.load(slot_ptr + esafe[:, None] * W + dd, mask=valid[:, None] & (dd < W), other=-1)
+    return ends_row, slot_row
+
+
+@triton.jit
 def plan_remap_kernel(counts_ptr, stride_cr, stride_ce,
                       topk_ptr, stride_tt, stride_tk, num_routes, chunk,
                       hist_ptr, ends_ptr, slot_ptr, out_ptr, status_ptr,
@@ -182,7 +208,6 @@ def plan_remap_kernel(counts_ptr, stride_cr, stride_ce,
     ``CH`` = scratch rows summed per step (a power of two).
     """
     E: tl.constexpr = W * L
-    BIG: tl.constexpr = 2147483647
     pid = tl.program_id(0)
     cols = tl.arange(0, E_PAD)
     cmask = cols < E
@@ -209,6 +234,8 @@ def plan_remap_kernel(counts_ptr, stride_cr, stride_ce,
         esafe = tl.where(valid, ev, 0)
         owner = esafe // L
         j = esafe % L
+        if W_PAD <= 16:  # issued before the ordinal work below so their latency overlaps it (small rows only)
+            ends_row, slot_row = _run_rows(ends_ptr, slot_ptr, esafe, valid, W, W_PAD)
         key = tl.where(valid, esafe, -1)
         earlier_in_tile = (key[:, None] == key[None, :]) & (ii[None, :] < ii[:, None])
         within = tl.sum(earlier_in_tile.to(tl.int32), axis=1)
@@ -216,10 +243,11 @@ def plan_remap_kernel(counts_ptr, stride_cr, stride_ce,
         h = tl.histogram(esafe, E_PAD, mask=valid)
         run += h
         mine += h
-        # run ends of this expert over destinations (segment_ends row, L2-resident), first end > g
-        ends_row = tl.load(ends_ptr + esafe[:, None] * W + dd, mask=valid[:, None] & (dd < W), other=BIG)
+        if W_PAD > 16:
+            ends_row, slot_row = _run_rows(ends_ptr, slot_ptr, esafe, valid, W, W_PAD)
+        # first destination whose run end exceeds g
         dest = tl.sum((ends_row <= g[:, None]).to(tl.int32), axis=1)
-        vslot = tl.load(slot_ptr + esafe * W + tl.minimum(dest, W - 1), mask=valid, other=-1)
+        vslot = tl.sum(tl.where(dd == tl.minimum(dest, W - 1)[:, None], slot_row, 0), axis=1)
         rid = tl.where(dest == owner, dest * (2 * L) + j, dest * (2 * L) + L + vslot)
         rid = tl.where(valid, rid, -1)
         tl.store(out_ptr + i, rid, mask=inb)

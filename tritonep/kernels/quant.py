@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import mul_rn
+
 __all__ = [
     "fp8_quant_tile",
     "fp8_dequant_tile",
@@ -106,9 +108,12 @@ def fp8_quant_tile(x, POW2: tl.constexpr):
 
 
 @triton.jit
-def fp8_dequant_tile(q_bits, scale):
-    """uint8 e4m3 bits [G, 128] and fp32 scale [G] -> fp32 [G, 128] = value(q) * scale (one fp32 multiply)."""
-    return e4m3_decode(q_bits.to(tl.int32)) * scale[:, None]
+def fp8_dequant_tile(q_bits, scale, EXACT_MUL: tl.constexpr = False):
+    """uint8 e4m3 bits [G, 128] and fp32 scale [G] -> fp32 [G, 128] = value(q) * scale (one fp32 multiply).
+
+    EXACT_MUL (GPU only: inline PTX) emits ``mul.rn.f32``, which the compiler may not fuse with a following add.
+    """
+    return mul_rn(e4m3_decode(q_bits.to(tl.int32)), tl.broadcast_to(scale[:, None], q_bits.shape), EXACT_MUL)
 
 
 @triton.jit

@@ -101,3 +101,59 @@ def signal_one(ptr_table, offset_bytes, peer, index):
     tl.debug_barrier()
     base = tl.load(ptr_table + peer) + offset_bytes
     tl.atomic_add(base.to(tl.pointer_type(tl.int64)) + index, 1, sem="release", scope="sys")
+
+
+@triton.jit
+def signal_peers_add(ptr_table, offset_bytes, n, index, amount, WBLOCK: tl.constexpr):
+    """Like :func:`signal_peers` but adds ``amount`` (a scalar int) instead of 1 (a fused kernel whose role grid is
+    smaller than the standard one keeps the counters' per-call total unchanged)."""
+    tl.debug_barrier()
+    offs = tl.arange(0, WBLOCK)
+    m = offs < n
+    bases = tl.load(ptr_table + offs, mask=m, other=0) + offset_bytes
+    ptrs = bases.to(tl.pointer_type(tl.int64)) + index
+    tl.atomic_add(ptrs, tl.zeros([WBLOCK], tl.int64) + amount, mask=m, sem="release", scope="sys")
+
+
+@triton.jit
+def publish_epoch(ptr_table, n, index, value, WBLOCK: tl.constexpr):
+    """Raise ``flag[index]`` to ``value`` (atomic max, release, system scope) in each of the first n ranks' int64
+    flag array ``ptr_table[r]``, after a block barrier: the per-chunk arrival flag of the fused dispatch."""
+    tl.debug_barrier()
+    offs = tl.arange(0, WBLOCK)
+    m = offs < n
+    bases = tl.load(ptr_table + offs, mask=m, other=0)
+    ptrs = bases.to(tl.pointer_type(tl.int64)) + index
+    tl.atomic_max(ptrs, tl.zeros([WBLOCK], tl.int64) + value, mask=m, sem="release", scope="sys")
+
+
+@triton.jit
+def wait_ge(flag_ptr, target, status_ptr, wait_id, peer, timeout, HAS_TIMER: tl.constexpr):
+    """Wait until the local int64 ``*flag_ptr >= target`` (acquire, system scope), bounded like
+    :func:`wait_all_ge` (same poll cost, so the interpreter's poll-count bound means the same seconds); on timeout
+    records (STATUS_TIMEOUT, wait_id, peer) and returns 0."""
+    offs = tl.arange(0, 2)
+    m = offs < 1
+    ok = tl.full((), 1, tl.int32)
+    if tl.load(status_ptr) == STATUS_TIMEOUT:
+        ok = 0
+    else:
+        t0 = now_ns(HAS_TIMER)
+        polls = tl.zeros((), dtype=tl.int64)
+        v = tl.atomic_add(flag_ptr + offs, 0, mask=m, sem="acquire", scope="sys")
+        missing = tl.sum(((v < target) & m).to(tl.int32), 0)
+        while missing > 0:
+            if HAS_TIMER:
+                elapsed = now_ns(HAS_TIMER) - t0
+            else:
+                elapsed = polls
+            if elapsed > timeout:
+                record_error(status_ptr, STATUS_TIMEOUT, wait_id, peer)
+                ok = 0
+                missing = 0
+            else:
+                polls += 1
+                v = tl.atomic_add(flag_ptr + offs, 0, mask=m, sem="acquire", scope="sys")
+                missing = tl.sum(((v < target) & m).to(tl.int32), 0)
+    tl.debug_barrier()
+    return ok

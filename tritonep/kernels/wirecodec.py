@@ -67,8 +67,12 @@ def wire_store(base, row_off, h0, x, rmask, H: tl.constexpr, BH: tl.constexpr, B
 
 
 @triton.jit
-def wire_load(base, row_off, h0, rmask, H: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr, WIRE: tl.constexpr):
-    """Decode columns [h0, h0+BH) of the wire rows: raw bf16 tile for WIRE 0, exact fp32 values otherwise."""
+def wire_load(base, row_off, h0, rmask, H: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr, WIRE: tl.constexpr,
+              EXACT_MUL: tl.constexpr = False):
+    """Decode columns [h0, h0+BH) of the wire rows: raw bf16 tile for WIRE 0, exact fp32 values otherwise.
+
+    EXACT_MUL (GPU): the fp8 dequant multiply is a standalone ``mul.rn`` so a caller's ``acc += decoded`` is never
+    contracted into an FMA (the twins round the product first)."""
     h = h0 + tl.arange(0, BH)
     if WIRE == 0:
         pb = base.to(tl.pointer_type(tl.bfloat16))
@@ -80,7 +84,7 @@ def wire_load(base, row_off, h0, rmask, H: tl.constexpr, BH: tl.constexpr, BT: t
         sc = tl.load(sp + (row_off // 4)[:, None] + g[None, :], mask=rmask[:, None] & (g < H // 128)[None, :],
                      other=1.0)
         G: tl.constexpr = BT * (BH // 128)
-        v = fp8_dequant_tile(tl.reshape(q, (G, 128)), tl.reshape(sc, (G,)))
+        v = fp8_dequant_tile(tl.reshape(q, (G, 128)), tl.reshape(sc, (G,)), EXACT_MUL)
         return tl.reshape(v, (BT, BH))
     else:
         hb = h0 // 2 + tl.arange(0, BH // 2)

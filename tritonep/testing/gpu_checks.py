@@ -6,6 +6,8 @@ or plain values; the tests compare them with the reference oracles on the host.
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -188,6 +190,7 @@ def graph_soak_world(group, E, H, Tmax, K, replays, seed=0, status_every=100):
         eo.copy_((d.x.float() * 0.5 - 0.25).to(torch.bfloat16))
         y = buf.combine(eo, d.handle)
     bad = []
+    t_start = time.monotonic()
     for i in range(replays):
         ins = _graph_soak_inputs(i, W, E, H, Tmax, K, seed)
         x, idx, w = ins[rank]
@@ -198,6 +201,9 @@ def graph_soak_world(group, E, H, Tmax, K, replays, seed=0, status_every=100):
         torch.cuda.synchronize()
         if (i + 1) % status_every == 0:
             buf.check()
+            if rank == 0:
+                print(f"graph soak: {i + 1}/{replays} replays, {time.monotonic() - t_start:.1f} s, "
+                      f"{len(bad)} bad so far", flush=True)
         xs, idxs, ws = [a[0] for a in ins], [a[1] for a in ins], [a[2] for a in ins]
         ref = dispatch_reference(xs, idxs, ws, E, W)
         R = ref[rank].x.shape[0]

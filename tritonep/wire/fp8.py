@@ -123,7 +123,9 @@ def quantize_fp8_torch(x: torch.Tensor, pow2_scale: bool = False) -> tuple[torch
     xf = x.float().contiguous().reshape(n, h // FP8_BLOCK, FP8_BLOCK)
     ab = xf.view(torch.int32) & 0x7FFFFFFF
     amax_bits = torch.where(ab < 0x7F800000, ab, torch.zeros_like(ab)).amax(dim=-1)
-    scale = amax_bits.view(torch.float32) / 448.0
+    # divide by a tensor, not a Python scalar: on CUDA, torch turns a scalar divisor into a multiply by its
+    # reciprocal (not IEEE division, differs in the last bit); a tensor divisor is a true div.rn
+    scale = amax_bits.view(torch.float32) / torch.full_like(amax_bits.view(torch.float32), 448.0)
     sb = torch.clamp(scale.view(torch.int32), min=_MIN_SCALE_BITS)
     if pow2_scale:
         sb = (sb + 0x7FFFFF) & 0x7F800000

@@ -1,0 +1,76 @@
+"""Fused push combine: partials and output sums in ONE launch, overlapping NVLink transfer with the reduction.
+
+The two-kernel combine (:mod:`tritonep.kernels.combine`) starts summing only after every expert rank pushed every
+partial. Here programs ``[0, GS)`` (expert-rank role) walk the (chunk, source) items in chunk order, push the
+partials of source ``src``'s token chunk ``c`` into ``src``'s staging
+(:func:`tritonep.kernels.combine.partial_item`) and then raise ``ccflag[c, RANK] = m`` (the combine call number,
+atomic max, release) in ``src``'s memory only; programs ``[GS, G)`` (source role) take this rank's token chunks in
+order, wait until every rank's flag of that chunk reached ``m`` (bounded, acquire) and sum the chunk
+(:func:`tritonep.kernels.combine.out_chunk`) while later chunks are still in flight. Same idea as
+:mod:`tritonep.kernels.dispatch_fused` (per-chunk signalling of DeepEP / pplx-kernels).
+
+Compatibility: CDATA / CACK get the same per-call totals as the standard grids ``G_partial_std`` / ``G_out_std``
+(program 0 of each role adds the difference), and the flag holds the call number, so the two-kernel kernels (pull
+combine, dispatch backward with weight gradients) can run on the same buffer before or after. Push only, weighted,
+no weight-gradient return. Requirements as in the fused dispatch (all programs resident at once).
+Twin: :func:`tritonep.reference.combine_reference_partial` (same bits as the two-kernel path).
+"""
+
+import triton
+import triton.language as tl
+
+from .combine import out_chunk, partial_item
+from .signal import STATUS_TIMEOUT, signal_peers_add, wait_all_ge
+
+
+@triton.jit
+def _publish_one(ptr_table, peer, index, value):
+    """``flag[index] = max(flag[index], value)`` (release, system scope) in rank ``peer``'s int64 flag array."""
+    tl.debug_barrier()
+    base = tl.load(ptr_table + peer)
+    tl.atomic_max(base.to(tl.pointer_type(tl.int64)) + index, value, sem="release", scope="sys")
+
+
+@triton.jit(do_not_specialize=['T', 'cdata_off', 'cack_off', 'timeout', 'G_partial_std', 'G_out_std', 'Tmax',
+                               'NCmax'])
+def combine_fused_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, stage_tab, ccflag_tab, ccflag_ptr,
+                         topk_idx_ptr, y_ptr, T,
+                         flags_ptr, flags_tab, cdata_off, cack_off, calls_ptr, status_ptr, timeout,
+                         G_partial_std, G_out_std, Tmax, NCmax,
+                         GS: tl.constexpr, RANK: tl.constexpr, W: tl.constexpr, L: tl.constexpr, K: tl.constexpr,
+                         KB: tl.constexpr, H: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr, WB: tl.constexpr,
+                         HAS_TIMER: tl.constexpr, RB: tl.constexpr, WIRE: tl.constexpr = 0,
+                         POW2: tl.constexpr = False):
+    """Weighted push combine in one launch (see the module docstring); grid ``GS + GE``, ``GS`` partial programs.
+
+    ``ccflag``: ``[NCmax, W]`` int64 per rank (entry ``[c, r]`` = last combine call whose chunk-``c`` partial from
+    expert rank ``r`` arrived here). ``y``: ``[T, H]`` output of this rank.
+    """
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    m = tl.load(calls_ptr + 1)
+    if pid < GS:
+        wait_all_ge(flags_ptr + 4 * W, W, (m - 1) * G_out_std, status_ptr, 4, timeout, HAS_TIMER, WB)
+        live = tl.load(status_ptr) != STATUS_TIMEOUT
+        for item in range(pid, W * NCmax, GS):
+            c = item // W
+            src = item % W
+            Ts = tl.load(hntok_ptr + src)
+            if c * BT < Ts:
+                partial_item(src, c, Ts, live, eo_ptr, hmeta_ptr, hwts_ptr, hwts_ptr, stage_tab, stage_tab, Tmax,
+                             RANK, K, KB, H, BH, BT, True, True, False, HAS_TIMER, RB, WIRE, POW2)
+            _publish_one(ccflag_tab, src, c * W + RANK, m)
+        extra = tl.where(pid == 0, G_partial_std - GS, 0)
+        signal_peers_add(flags_tab, cdata_off, W, RANK, 1 + extra, WB)
+    else:
+        e = pid - GS
+        GE = G - GS
+        NC = tl.cdiv(T, BT)
+        for c in range(e, NC, GE):
+            wait_all_ge(ccflag_ptr + c * W, W, m, status_ptr, 3, timeout, HAS_TIMER, WB)
+            live = tl.load(status_ptr) != STATUS_TIMEOUT
+            if live:
+                out_chunk(c, T, live, topk_idx_ptr, y_ptr, stage_tab, y_ptr, y_ptr, Tmax, RANK, W, L, K, KB, H, BH,
+                          BT, False, False, HAS_TIMER, RB, WIRE)
+        extra = tl.where(e == 0, G_out_std - GE, 0)
+        signal_peers_add(flags_tab, cack_off, W, RANK, 1 + extra, WB)

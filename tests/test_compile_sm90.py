@@ -35,7 +35,7 @@ def _ep_paths(group):
             qb.combine(dq.x, dq.handle)
             qb.dispatch(xq, iq, wq, keep_quantized=True)
             qb.close()
-        os.environ["TRITONEP_GEOMETRY"] = "fs=1,fe=1"  # the fused (one-launch) dispatch and combine, every wire
+        os.environ["TRITONEP_GEOMETRY"] = "fs=1,fe=1,fc=1"  # the fused (one-launch) dispatch and combine, every wire
         try:
             for dw in ("bf16", "fp8", "mxfp4"):
                 fb = tep.EPBuffer(group, 8, 128, 16, 2, dispatch_wire=dw, combine_wire=dw, expert_alignment=4)

@@ -82,9 +82,11 @@ def test_dispatch_combine_matches_reference(W, ntokens, A, kind):
     _check(W, cfg, calls, res)
 
 
-@pytest.mark.parametrize("geometry", ["bt=1,bh=32,grid=5", "bt=2,grid=3,combine=pull"])
+@pytest.mark.parametrize("geometry", ["bt=1,bh=32,grid=5", "bt=2,grid=3,combine=pull", "bt=2,fs=2,fe=3,fc=1",
+                                      "fs=3,fe=1"])
 def test_geometry_override_small_tiles(monkeypatch, geometry):
-    """The GPU decode geometry uses tiny token tiles and many programs; every tile/grid choice gives the same bits."""
+    """The GPU decode geometry uses tiny token tiles and many programs, the fused paths split the grid by role;
+    every tile/grid/role choice gives the same bits (5 calls: the fused and two-kernel paths follow each other)."""
     monkeypatch.setenv("TRITONEP_GEOMETRY", geometry)
     W = 2
     cfg = dict(E=8, H=96, Tmax=16, K=3, A=2, kind=None)
@@ -100,8 +102,15 @@ def test_geometry_override_errors(monkeypatch):
     monkeypatch.setenv("TRITONEP_GEOMETRY", "bt=4,warps=8,grid=7")
     g = select_geometry("cuda", 2, 7168, 4096, 8)
     assert (g.bt, g.num_warps, g.grid_send, g.grid_out) == (4, 8, 7, 7)
+    monkeypatch.setenv("TRITONEP_GEOMETRY", "fs=40,fe=88")
+    g = select_geometry("cuda", 2, 7168, 4096, 8)
+    assert (g.grid_send, g.grid_expand, g.grid_partial, g.fused_combine) == (40, 88, 132, False)
+    monkeypatch.setenv("TRITONEP_GEOMETRY", "fs=40,fe=88,fc=1")
+    g = select_geometry("cuda", 2, 7168, 4096, 8, num_sms=24)  # the cap keeps the role split
+    assert (g.fused_send, g.fused_expand, g.grid_send, g.grid_out) == (7, 17, 7, 17)
     for bad, what in (("bq=2", "unknown field"), ("bt=3", "power of two"), ("grid=0", "grid"),
-                      ("combine=both", "push or pull"), ("bh=x", "not an integer")):
+                      ("combine=both", "push or pull"), ("bh=x", "not an integer"), ("fs=4", "both"),
+                      ("fc=1", "needs fs"), ("fs=2,fe=2,fc=2", "0 or 1")):
         monkeypatch.setenv("TRITONEP_GEOMETRY", bad)
         with pytest.raises(ConfigError, match=what):
             select_geometry("cuda", 2, 7168, 4096, 8)

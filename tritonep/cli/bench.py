@@ -10,7 +10,7 @@ import torch
 
 __all__ = ["add_parser", "main", "bench_rank"]
 
-OPS = ("dispatch", "combine")
+OPS = ("dispatch", "combine", "moe", "planner")
 
 
 def add_parser(sub):
@@ -18,8 +18,9 @@ def add_parser(sub):
 
     p = sub.add_parser("bench", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                        help="benchmarks vs NCCL all_to_all_single (GPU) and --soak checks")
-    p.add_argument("op", choices=OPS, help="what to measure (one run measures both dispatch and combine rows; the "
-                                            "MoE layer: benchmarks/moe_bench.py)")
+    p.add_argument("op", choices=OPS, help="what to measure: dispatch/combine (one run measures both rows), moe (the "
+                                            "MoE layer fwd+bwd vs the torch + NCCL reference; --profile deepseek-v3 "
+                                            "shapes, intermediate 2048), planner (virtual-expert planner, one GPU)")
     p.add_argument("--profile", default="deepseek-v3",
                    help=f"one of: {', '.join(sorted(PROFILES))} (hidden/experts/top-k/tokens per rank)")
     p.add_argument("--tokens", type=int, default=None, help="override tokens per rank of the profile")
@@ -71,6 +72,8 @@ def main(args) -> int:
     if args.profile not in PROFILES:
         con.print(f"[red]unknown profile {args.profile!r}[/]; valid profiles: {', '.join(sorted(PROFILES))}")
         return 2
+    if args.op == "planner":
+        return _planner(con, args, ngpu)
     if ngpu < 2:
         con.print(f"[red]tritonep bench {args.op} needs at least 2 CUDA GPUs (found {ngpu})[/]; on a CPU run "
                   f"`tritonep bench dispatch --soak N` for checked calls")
@@ -78,6 +81,8 @@ def main(args) -> int:
     from ..testing import run_gpu_world
 
     W = args.world_size or ngpu
+    if args.op == "moe":
+        return _moe(con, args, W)
     res = run_gpu_world(W, bench_rank, args.op, args.profile, args.num_sms, args.iters, args.tokens,
                         timeout_s=900)
     t = Table(title=f"tritonep bench {args.profile} (world {W}); peer copy {res[0][0]['peer_copy_gbps']:.0f} GB/s")
@@ -91,4 +96,51 @@ def main(args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(world_size=W, rows=res), f, indent=1)
+    return 0
+
+
+def _planner(con, args, ngpu) -> int:
+    """``tritonep bench planner``: planner time at the profile's tokens / experts / top-k (one GPU)."""
+    from rich.table import Table
+
+    from ..bench.ep import PROFILES
+    from ..bench.planner import bench_planner
+
+    if ngpu < 1:
+        con.print("[red]tritonep bench planner needs a CUDA GPU (found none)[/]; `tritonep plan` shows the plan on a CPU")
+        return 2
+    p = PROFILES[args.profile]
+    rows = bench_planner(worlds=(args.world_size,) if args.world_size else (2, 4, 8),
+                         tokens=args.tokens or p["tokens"] or 4096, topk=p["topk"], num_experts=p["num_experts"],
+                         iters=args.iters)
+    t = Table(title=f"tritonep bench planner ({args.profile})")
+    for c in ("world", "experts", "tokens", "top-k", "graph us", "eager us", "equal to twins"):
+        t.add_column(c)
+    for r in rows:
+        t.add_row(str(r["world_size"]), str(r["num_experts"]), str(r["tokens"]), str(r["topk"]),
+                  f"{r['graph_us']:.1f}", f"{r['eager_us']:.1f}", str(r["equal_to_torch"]))
+    con.print(t)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(rows=rows), f, indent=1)
+    return 0 if all(r["equal_to_torch"] for r in rows) else 1
+
+
+def _moe(con, args, W) -> int:
+    """``tritonep bench moe``: the MoE layer fwd+bwd vs the torch + NCCL reference layer (every GPU)."""
+    from ..bench.ep import PROFILES
+    from ..bench.moe import moe_bench_world
+    from ..testing import run_gpu_world
+
+    p = PROFILES[args.profile]
+    cfg = dict(tokens=args.tokens or p["tokens"] or 4096, hidden=p["hidden"], intermediate=2048,
+               num_experts=p["num_experts"], topk=p["topk"], skew=False, balance=["none"])
+    res = run_gpu_world(W, moe_bench_world, cfg, args.iters, timeout_s=1800)
+    tep = max(o["tritonep.none"] for o in res)
+    ref = max(o["reference"] for o in res)
+    con.print(f"MoE layer fwd+bwd ({args.profile}, world {W}, {cfg['tokens']} tokens/rank): tritonep "
+              f"{tep * 1e3:.2f} ms, torch + NCCL reference {ref * 1e3:.2f} ms, speedup {ref / tep:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(cfg=cfg, ranks=res), f, indent=1)
     return 0

@@ -23,7 +23,9 @@ class Geometry:
 
     bt: tokens per tile; bh: hidden columns per tile; grid_*: programs of each kernel; num_warps; combine: "push"
     or "pull"; fused_send / fused_expand: when > 0, the forward dispatch runs as ONE launch of
-    ``fused_send + fused_expand`` programs (:mod:`tritonep.kernels.dispatch_fused`), else send + expand kernels.
+    ``fused_send + fused_expand`` programs (:mod:`tritonep.kernels.dispatch_fused`), else send + expand kernels;
+    fused_combine: the weighted push combine also runs as one launch with the same role sizes
+    (:mod:`tritonep.kernels.combine_fused`). A fused path forces its two-kernel grids to the role sizes.
     """
 
     bt: int
@@ -37,9 +39,10 @@ class Geometry:
     combine: str
     fused_send: int = 0
     fused_expand: int = 0
+    fused_combine: bool = False
 
 
-_OVERRIDE_FIELDS = ("bt", "bh", "warps", "grid", "combine", "fs", "fe")
+_OVERRIDE_FIELDS = ("bt", "bh", "warps", "grid", "combine", "fs", "fe", "fc")
 
 
 def _apply_override(g: Geometry, text: str) -> Geometry:
@@ -51,7 +54,7 @@ def _apply_override(g: Geometry, text: str) -> Geometry:
     from ..errors import ConfigError
 
     f = dict(bt=g.bt, bh=g.bh, num_warps=g.num_warps, combine=g.combine, fused_send=g.fused_send,
-             fused_expand=g.fused_expand)
+             fused_expand=g.fused_expand, fused_combine=g.fused_combine)
     grid = None
     for item in filter(None, (p.strip() for p in text.split(","))):
         key, _, val = item.partition("=")
@@ -71,6 +74,10 @@ def _apply_override(g: Geometry, text: str) -> Geometry:
             if v < 1:
                 raise ConfigError(f"TRITONEP_GEOMETRY entry {item!r}: grid must be >= 1")
             grid = v
+        elif key == "fc":
+            if v not in (0, 1):
+                raise ConfigError(f"TRITONEP_GEOMETRY entry {item!r}: fc must be 0 or 1")
+            f["fused_combine"] = bool(v)
         elif key in ("fs", "fe"):
             if v < 0:
                 raise ConfigError(f"TRITONEP_GEOMETRY entry {item!r}: {key} must be >= 0")
@@ -82,9 +89,11 @@ def _apply_override(g: Geometry, text: str) -> Geometry:
     gs = [grid] * 4 if grid else [g.grid_send, g.grid_expand, g.grid_partial, g.grid_out]
     if (f["fused_send"] > 0) != (f["fused_expand"] > 0):
         raise ConfigError(f"TRITONEP_GEOMETRY {text!r}: fs and fe must both be > 0 (fused dispatch) or both 0")
+    if f["fused_combine"] and not f["fused_send"]:
+        raise ConfigError(f"TRITONEP_GEOMETRY {text!r}: fc=1 needs fs/fe > 0 (the role sizes)")
     return Geometry(bt=f["bt"], bh=f["bh"], grid_hist=g.grid_hist, grid_send=gs[0], grid_expand=gs[1],
                     grid_partial=gs[2], grid_out=gs[3], num_warps=f["num_warps"], combine=f["combine"],
-                    fused_send=f["fused_send"], fused_expand=f["fused_expand"])
+                    fused_send=f["fused_send"], fused_expand=f["fused_expand"], fused_combine=f["fused_combine"])
 
 
 def select_geometry(device_type: str, world_size: int, hidden: int, max_tokens_per_rank: int, topk: int,
@@ -102,10 +111,14 @@ def select_geometry(device_type: str, world_size: int, hidden: int, max_tokens_p
                      num_warps=4, combine="push")
     else:
         bh = min(triton.next_power_of_2(hidden), 1024)
-        bt = 16 if topk <= 8 else 8
+        # token tile: about 128 (source, chunk) items over the grid; small batches (decode) take tiny tiles so every
+        # SM gets work (EP2, H 7168, 128 tokens: bt 2 / grid 128 measured 39 us dispatch, 25 us combine vs 157 / 123
+        # us at bt 16 / grid 16; benchmarks/results/ep_bench_h200x2_sweep_2026-11-30.json)
+        bt = max(1, min(16 if topk <= 8 else 8, triton.next_power_of_2(triton.cdiv(world_size * max_tokens_per_rank,
+                                                                                    128))))
         chunks = max(1, triton.cdiv(max_tokens_per_rank, bt))
         big = max_tokens_per_rank >= 1024
-        grid = min(132, max(8, chunks * (2 if world_size <= 2 else 1)))
+        grid = min(132, max(8, chunks * world_size))
         g = Geometry(bt=bt, bh=bh, grid_hist=min(132, chunks), grid_send=grid, grid_expand=grid,
                      grid_partial=grid, grid_out=grid, num_warps=8 if big else 4, combine="push")
     override = envs.geometry_override()
@@ -121,4 +134,9 @@ def select_geometry(device_type: str, world_size: int, hidden: int, max_tokens_p
                     grid_out=min(g.grid_out, cap), fused_send=fs, fused_expand=fe)
     if forced in ("push", "pull"):
         g = replace(g, combine=forced)
+    # a fused path's two-kernel grids must equal its roles: both then add the same per-call counter totals
+    if g.fused_send > 0:
+        g = replace(g, grid_send=g.fused_send, grid_expand=g.fused_expand)
+    if g.fused_combine:
+        g = replace(g, grid_partial=g.fused_send, grid_out=g.fused_expand)
     return g

@@ -10,7 +10,7 @@ layout (grid 1),
 5. send, 6. expand (or 5+6 as one launch when the geometry has ``fused_send > 0``: sends and expands overlap).
 
 Combine: ``calls[1] += 1``, partial (push into the source, or into own memory for pull), output (a weighted push
-combine runs both as one launch when the geometry has ``fused_send > 0``).
+combine runs both as one launch when the geometry has ``fused_combine``).
 """
 
 from __future__ import annotations
@@ -250,7 +250,7 @@ class TritonEP:
         nc = triton.cdiv(T, g.bt)
         self.calls[1:2].add_(1)
         stage = self.tab["cstage"]
-        if g.fused_send > 0 and kind == "push" and weighted and not want_wgrad:
+        if g.fused_combine and kind == "push" and weighted and not want_wgrad:
             y = torch.empty(T, self.H, dtype=eo.dtype, device=self.device)
             self._launch(combine_fused_kernel, (g.fused_send + g.fused_expand,),
                          eo, handle.meta, handle.wts, handle.ntok, stage, self.tab["ccflag"], self.buf.local("ccflag"),

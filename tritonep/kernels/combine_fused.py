@@ -9,8 +9,8 @@ order, wait until every rank's flag of that chunk reached ``m`` (bounded, acquir
 (:func:`tritonep.kernels.combine.out_chunk`) while later chunks are still in flight. Same idea as
 :mod:`tritonep.kernels.dispatch_fused` (per-chunk signalling of DeepEP / pplx-kernels).
 
-Compatibility: CDATA / CACK get the same per-call totals as the standard grids ``G_partial_std`` / ``G_out_std``
-(program 0 of each role adds the difference), and the flag holds the call number, so the two-kernel kernels (pull
+Compatibility: every program adds 1 to CDATA / CACK and the geometry makes ``grid_partial == GS`` and ``grid_out
+== GE``, so the per-call totals equal the two-kernel path's; the flag holds the call number, so the two-kernel kernels (pull
 combine, dispatch backward with weight gradients) can run on the same buffer before or after. Push only, weighted,
 no weight-gradient return. Requirements as in the fused dispatch (all programs resident at once).
 Twin: :func:`tritonep.reference.combine_reference_partial` (same bits as the two-kernel path).
@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .combine import out_chunk, partial_item
-from .signal import STATUS_TIMEOUT, signal_peers_add, wait_all_ge
+from .signal import STATUS_TIMEOUT, signal_peers, wait_all_ge
 
 
 @triton.jit
@@ -60,8 +60,7 @@ def combine_fused_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, stage_tab, ccfl
                 partial_item(src, c, Ts, live, eo_ptr, hmeta_ptr, hwts_ptr, hwts_ptr, stage_tab, stage_tab, Tmax,
                              RANK, K, KB, H, BH, BT, True, True, False, HAS_TIMER, RB, WIRE, POW2)
             _publish_one(ccflag_tab, src, c * W + RANK, m)
-        extra = tl.where(pid == 0, G_partial_std - GS, 0)
-        signal_peers_add(flags_tab, cdata_off, W, RANK, 1 + extra, WB)
+        signal_peers(flags_tab, cdata_off, W, RANK, WB)
     else:
         e = pid - GS
         GE = G - GS
@@ -72,5 +71,4 @@ def combine_fused_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, stage_tab, ccfl
             if live:
                 out_chunk(c, T, live, topk_idx_ptr, y_ptr, stage_tab, y_ptr, y_ptr, Tmax, RANK, W, L, K, KB, H, BH,
                           BT, False, False, HAS_TIMER, RB, WIRE)
-        extra = tl.where(e == 0, G_out_std - GE, 0)
-        signal_peers_add(flags_tab, cack_off, W, RANK, 1 + extra, WB)
+        signal_peers(flags_tab, cack_off, W, RANK, WB)

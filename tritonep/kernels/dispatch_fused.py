@@ -8,10 +8,12 @@ every destination (``cflag[RANK, c] = n``, the call number, atomic max with rele
 expand it (:func:`tritonep.kernels.dispatch.expand_item`) while later chunks are still in flight. Idea: the
 per-chunk signalling of DeepEP's intranode kernels and of pplx-kernels (see ../shared/reference), in a Triton grid.
 
-Compatibility with the two-kernel path (combine backward still uses it on the same buffer): the DATA and ACK
-counters get the same per-call totals as the standard grids ``G_send_std`` / ``G_expand_std`` (program 0 of each
-role adds the difference), so either path can follow the other. The flag value is the call number, not a count,
-so calls that do not use the fused path leave nothing to catch up.
+Compatibility with the two-kernel path (combine backward still uses it on the same buffer): every program of a
+role adds 1 to DATA / ACK as the two-kernel grids do, and the geometry makes the two-kernel grids EQUAL the role
+sizes (``grid_send == GS``, ``grid_expand == GE``), so both paths add the same per-call totals and either can
+follow the other. (Weighting one program's increment to make different grid sizes add up is wrong: a waiter can
+see the total transiently reached while programs are still running.) The flag value is the call number, not a
+count, so calls that do not use the fused path leave nothing to catch up.
 
 Requirements: every program of the grid must be able to run at once (``G <= resident CTAs``; the geometry table
 keeps ``G`` within the SM count), else expanders could spin while senders wait for a free SM (the bounded wait then
@@ -23,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import expand_item, send_chunk, zero_padding
-from .signal import STATUS_TIMEOUT, publish_epoch, signal_peers_add, wait_all_ge, wait_ge
+from .signal import STATUS_TIMEOUT, publish_epoch, signal_peers, wait_all_ge, wait_ge
 
 
 @triton.jit(do_not_specialize=['T', 'data_off', 'ack_off', 'timeout', 'G_send_std', 'G_expand_std', 'Tmax',
@@ -59,8 +61,7 @@ def dispatch_fused_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, pre_ptr,
                 send_chunk(c, x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, pre_ptr, send_base_ptr, stage_tab,
                            meta_tab, wts_tab, live, Tmax, RANK, W, E, L, K, KB, H, BH, BT, True, RB, WIRE, POW2)
             publish_epoch(cflag_tab, W, RANK * NCmax + c, n, WB)
-        extra = tl.where(pid == 0, G_send_std - GS, 0)
-        signal_peers_add(flags_tab, data_off, W, RANK, 1 + extra, WB)
+        signal_peers(flags_tab, data_off, W, RANK, WB)
     else:
         e = pid - GS
         GE = G - GS
@@ -79,5 +80,4 @@ def dispatch_fused_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, pre_ptr,
                             WIRE, KEEP_Q, q_ptr, s_ptr)
         if A > 1:
             zero_padding(e, GE, out_ptr, out_w_ptr, out_w_ptr, ntpe_ptr, offs_ptr, L, H, BH, BA, False, KEEP_Q)
-        extra = tl.where(e == 0, G_expand_std - GE, 0)
-        signal_peers_add(flags_tab, ack_off, W, RANK, 1 + extra, WB)
+        signal_peers(flags_tab, ack_off, W, RANK, WB)

@@ -104,18 +104,6 @@ def signal_one(ptr_table, offset_bytes, peer, index):
 
 
 @triton.jit
-def signal_peers_add(ptr_table, offset_bytes, n, index, amount, WBLOCK: tl.constexpr):
-    """Like :func:`signal_peers` but adds ``amount`` (a scalar int) instead of 1 (a fused kernel whose role grid is
-    smaller than the standard one keeps the counters' per-call total unchanged)."""
-    tl.debug_barrier()
-    offs = tl.arange(0, WBLOCK)
-    m = offs < n
-    bases = tl.load(ptr_table + offs, mask=m, other=0) + offset_bytes
-    ptrs = bases.to(tl.pointer_type(tl.int64)) + index
-    tl.atomic_add(ptrs, tl.zeros([WBLOCK], tl.int64) + amount, mask=m, sem="release", scope="sys")
-
-
-@triton.jit
 def publish_epoch(ptr_table, n, index, value, WBLOCK: tl.constexpr):
     """Raise ``flag[index]`` to ``value`` (atomic max, release, system scope) in each of the first n ranks' int64
     flag array ``ptr_table[r]``, after a block barrier: the per-chunk arrival flag of the fused dispatch."""

@@ -1,0 +1,63 @@
+"""The ``tritonep`` command line: every subcommand's CPU behaviour and its error messages (exit codes 0 / 1 / 2).
+
+``tritonep run`` itself (the main job) runs in CI through the README's first command; here only its help and a
+refused option are checked, to keep the suite short.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+
+def _cli(*argv, timeout=600):
+    env = dict(os.environ, COLUMNS="200")  # rich wraps at the terminal width
+    p = subprocess.run([sys.executable, "-m", "tritonep.cli.main", *argv], capture_output=True, text=True,
+                       timeout=timeout, env=env)
+    return p.returncode, p.stdout + p.stderr
+
+
+def test_env_prints_versions_and_backend_choice():
+    rc, out = _cli("env")
+    assert rc == 0, out
+    assert "torch" in out and "triton" in out
+
+
+def test_plan_on_a_histogram(tmp_path):
+    out_json = tmp_path / "plan.json"
+    rc, out = _cli("plan", "--world-size", "4", "--num-experts", "64", "--json", str(out_json))
+    assert rc == 0, out
+    res = json.loads(out_json.read_text())
+    assert res, "empty plan JSON"
+
+
+def test_bench_soak_on_cpu_is_checked():
+    rc, out = _cli("bench", "dispatch", "--soak", "3")
+    assert rc == 0, out
+    assert "all equal to the" in " ".join(out.split())  # rich may wrap the line
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU messages")
+@pytest.mark.parametrize("op", ["dispatch", "combine", "moe", "planner"])
+def test_bench_without_gpu_says_what_it_needs(op):
+    rc, out = _cli("bench", op)
+    assert rc == 2, out
+    assert "GPU" in out
+
+
+def test_bench_unknown_profile_lists_the_valid_ones():
+    rc, out = _cli("bench", "dispatch", "--profile", "nope")
+    assert rc == 2, out
+    for name in ("deepseek-v3", "decode", "qwen3-moe", "real-trace"):
+        assert name in out
+
+
+def test_run_help_and_bad_layer():
+    rc, out = _cli("run", "--help")
+    assert rc == 0 and "--routing" in out and "--balance" in out
+    rc, out = _cli("run", "--layers", "99", "--no-check")
+    assert rc == 2, out
+    assert "99" in out

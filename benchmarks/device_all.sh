@@ -33,6 +33,6 @@ moe)
 bench)
   # main rows (table geometry, both profiles, full and 24 SMs), then the geometry sweep (see benchmarks/README.md)
   step 320 env TRITONEP_TIMEOUT_S=5 torchrun --nproc-per-node 2 benchmarks/ep_bench.py --num-sms 0 24 --iters 20 \
-    --json $OUT/ep_bench.json --variants "${VARIANTS[@]}"
+    --json $OUT/ep_bench.json --overlap 24 0 --variants "${VARIANTS[@]}"
   step 110 python benchmarks/moe_bench.py --steps 5 --profile --json $OUT/moe.json ;;
 esac

@@ -22,6 +22,9 @@ def main():
     ap.add_argument("--num-sms", type=int, nargs="*", default=[0])
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--json", default="")
+    ap.add_argument("--overlap", type=int, nargs="*", default=None,
+                    help="also run the overlap benchmark (dispatch+combine beside a GEMM on another stream) for "
+                         "these SM caps, e.g. --overlap 24 0 (tritonep/bench/overlap.py)")
     ap.add_argument("--variants", nargs="*", default=[],
                     help="geometry sweep after the main rows: entries PROFILE:SMS:WIRES:GEOMETRY, e.g. "
                          "'decode:0:bf16:bt=2,grid=128' (GEOMETRY = a TRITONEP_GEOMETRY string, '' = the table)")
@@ -54,6 +57,16 @@ def main():
             torch.cuda.synchronize()
         finally:
             os.environ.pop("TRITONEP_GEOMETRY", None)
+    if a.overlap is not None:
+        from tritonep.bench.overlap import bench_overlap
+
+        for r in bench_overlap(group, "deepseek-v3", num_sms_list=a.overlap or [24, 0], iters=a.iters):
+            r.update(op="overlap", peer_copy_gbps=pc, us=r["both_us"], logical_gbps=0.0, nvlink_gbps=0.0,
+                     mode="graph+stream")
+            rows.append(r)
+            if rank == 0:
+                print(f"  overlap sms={r['num_sms']}: gemm {r['gemm_us']:.1f} us, comm {r['comm_us']:.1f} us, both "
+                      f"{r['both_us']:.1f} us, hidden {r['hidden']:.2f}", flush=True)
     allrows = [None] * dist.get_world_size()
     dist.all_gather_object(allrows, rows)
     if rank == 0:

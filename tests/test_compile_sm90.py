@@ -35,6 +35,17 @@ def _ep_paths(group):
             qb.combine(dq.x, dq.handle)
             qb.dispatch(xq, iq, wq, keep_quantized=True)
             qb.close()
+        os.environ["TRITONEP_GEOMETRY"] = "bt=2,grid=2"  # the GPU table's small-batch tiles (two kernels)
+        try:
+            sb = tep.EPBuffer(group, 8, 128, 16, 2)
+            xs, is_, ws = make_rank_inputs(rank, 9, 128, 8, 2, seed=4)
+            xs.requires_grad_(True)
+            ws.requires_grad_(True)
+            ds = sb.dispatch(xs, is_, ws)
+            sb.combine(ds.x * 1, ds.handle).float().sum().backward()
+            sb.close()
+        finally:
+            del os.environ["TRITONEP_GEOMETRY"]
         os.environ["TRITONEP_GEOMETRY"] = "fs=1,fe=1,fc=1"  # the fused (one-launch) dispatch and combine, every wire
         try:
             for dw in ("bf16", "fp8", "mxfp4"):

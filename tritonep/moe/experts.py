@@ -19,7 +19,14 @@ path has no ``out=`` overload in torch 2.11 / 2.13, so its result is copied into
 
 Alignment padding rows are zeros: they stay zero in the output (SwiGLU(0) = 0) and add nothing to any gradient.
 Rows past ``offs[-1]`` (present only when the host did not know the row count) are set to zero on the loop path and
-are unspecified on the grouped path.
+are unspecified on the grouped path. A run with no experts or no rows does no GEMM (its output rows are zeroed).
+
+Split runs (:func:`expert_ffn_parts`): the rows may be cut at host-known boundaries into parts, each with its own
+weight tensors and its own offsets (relative to the part's first row). The math is that of one run over the
+concatenated weights, without concatenating them: the virtual-expert layer runs its native experts from the
+parameters and only the virtual slots used this step from views of the symmetric slots (``tritonep.balance``), so no
+expert weight is copied and weight gradients exist only for the experts of each part. The forward still writes every
+part straight into ``out``; the backward of a split run assembles ``grad_x`` from the parts (one ``[R, H]`` copy).
 """
 
 from __future__ import annotations
@@ -28,7 +35,8 @@ import torch
 
 from ..errors import InputError
 
-__all__ = ["ExpertFFN", "expert_ffn", "expert_ffn_forward", "expert_ffn_backward", "swiglu_torch", "storage_alias"]
+__all__ = ["ExpertFFN", "expert_ffn", "expert_ffn_forward", "expert_ffn_backward", "ExpertFFNParts", "expert_ffn_parts",
+           "expert_ffn_parts_forward", "expert_ffn_parts_backward", "swiglu_torch", "storage_alias"]
 
 _GROUPED_REFUSED: set = set()  # (device type, dtype) pairs where torch._grouped_mm raised once: use the loop
 
@@ -93,14 +101,21 @@ def expert_ffn_forward(x: torch.Tensor, offs: torch.Tensor, w1: torch.Tensor, w2
         InputError: shapes / dtypes that do not agree.
     """
     with torch.no_grad():
-        return _forward_impl(x, offs, w1, w2, out)
+        if out is None:
+            out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        return _forward_part(x, offs, w1, w2, out)
+
+
+def _forward_part(x, offs, w1, w2, out):
+    _check(x, offs, w1, w2, out)
+    if w1.shape[0] == 0 or x.shape[0] == 0:  # nothing to multiply: no GEMM launch (the grouped op may refuse it)
+        out.zero_()
+        return out, torch.zeros(x.shape[0], w1.shape[2], dtype=w1.dtype, device=x.device)
+    return _forward_impl(x, offs, w1, w2, out)
 
 
 def _forward_impl(x, offs, w1, w2, out):
-    _check(x, offs, w1, w2, out)
     dt = w1.dtype
-    if out is None:
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     xa = x.to(dt)
     if _use_grouped(xa):
         try:
@@ -150,7 +165,13 @@ def expert_ffn_backward(grad_out: torch.Tensor, x: torch.Tensor, offs: torch.Ten
         dtype; experts with no rows get zeros).
     """
     with torch.no_grad():
-        return _backward_impl(grad_out, x, offs, w1, w2, h)
+        return _backward_part(grad_out, x, offs, w1, w2, h)
+
+
+def _backward_part(grad_out, x, offs, w1, w2, h):
+    if w1.shape[0] == 0 or x.shape[0] == 0:
+        return torch.zeros(x.shape, dtype=x.dtype, device=x.device), torch.zeros_like(w1), torch.zeros_like(w2)
+    return _backward_impl(grad_out, x, offs, w1, w2, h)
 
 
 def _backward_impl(grad_out, x, offs, w1, w2, h):
@@ -229,3 +250,113 @@ def expert_ffn(x: torch.Tensor, expert_offsets: torch.Tensor, w1: torch.Tensor, 
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     return ExpertFFN.apply(x, expert_offsets, w1, w2, out)
+
+
+# ------------------------------------------------------------------------------------------------ split runs
+def _check_parts(x, bounds, offs, w1, w2, out):
+    n = len(offs)
+    if n < 1 or len(w1) != n or len(w2) != n or len(bounds) != n + 1:
+        raise InputError(f"need P >= 1 parts with P offsets / w1 / w2 and P + 1 bounds, got {len(offs)} offsets, "
+                         f"{len(w1)} w1, {len(w2)} w2, {len(bounds)} bounds")
+    if x.dim() != 2:
+        raise InputError(f"need x [R, H], got {tuple(x.shape)}")
+    b = [int(v) for v in bounds]
+    if b[0] != 0 or b[-1] != x.shape[0] or any(b[i] > b[i + 1] for i in range(n)):
+        raise InputError(f"bounds={b} must rise from 0 to the row count {x.shape[0]}")
+    if out is not None and (tuple(out.shape) != tuple(x.shape) or not out.is_contiguous()):
+        raise InputError(f"out must be contiguous [{x.shape[0]}, {x.shape[1]}], got {tuple(out.shape)}")
+    return b
+
+
+def expert_ffn_parts_forward(x: torch.Tensor, bounds, offs, w1, w2, out: torch.Tensor | None = None
+                             ) -> tuple[torch.Tensor, list]:
+    """Forward of the grouped SwiGLU FFN over row parts with separate weights (no autograd, no weight copy).
+
+    Equals :func:`expert_ffn_forward` over the concatenated weights ``cat(w1)`` / ``cat(w2)`` when part p's experts
+    follow part p-1's and ``offs[p]`` are their segment ends counted from ``bounds[p]``.
+
+    Args:
+        x: ``[R, H]`` expert-grouped rows.
+        bounds: ``P + 1`` host ints, ``0 = bounds[0] <= ... <= bounds[P] = R``: part p is rows
+            ``[bounds[p], bounds[p+1])``.
+        offs: ``P`` int32/int64 tensors, ``offs[p]`` ``[L_p]`` cumulative segment ends relative to ``bounds[p]``
+            (``offs[p][-1] <= bounds[p+1] - bounds[p]``; rows after it are treated as rows past the end).
+        w1, w2: ``P`` tensors each, ``[L_p, H, 2I]`` / ``[L_p, I, H]`` (one float dtype; ``L_p`` may be 0).
+        out: contiguous ``[R, H]`` output (allocated in ``x.dtype`` when None); every part writes its rows there.
+
+    Returns:
+        ``(out, hs)``: ``hs`` the list of the P first-GEMM outputs ``[bounds[p+1] - bounds[p], 2I]``.
+
+    Raises:
+        InputError: inconsistent part counts, bounds, shapes or dtypes.
+    """
+    with torch.no_grad():
+        b = _check_parts(x, bounds, offs, w1, w2, out)
+        if out is None:
+            out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        hs = []
+        for p in range(len(offs)):
+            hs.append(_forward_part(x[b[p]:b[p + 1]], offs[p], w1[p], w2[p], out[b[p]:b[p + 1]])[1])
+        return out, hs
+
+
+def expert_ffn_parts_backward(grad_out: torch.Tensor, x: torch.Tensor, bounds, offs, w1, w2, hs
+                              ) -> tuple[torch.Tensor, list, list]:
+    """Backward of :func:`expert_ffn_parts_forward`, by hand.
+
+    Returns:
+        ``(grad_x [R, H] in x.dtype, grad_w1, grad_w2)``: lists of P tensors shaped like ``w1[p]`` / ``w2[p]``
+        (experts with no rows get zeros). With P > 1 ``grad_x`` is assembled from the parts (one ``[R, H]`` copy).
+
+    Raises:
+        InputError: as the forward.
+    """
+    with torch.no_grad():
+        b = _check_parts(x, bounds, offs, w1, w2, None)
+        gx, g1, g2 = [], [], []
+        for p in range(len(offs)):
+            s, e = b[p], b[p + 1]
+            a, c, d = _backward_part(grad_out[s:e], x[s:e], offs[p], w1[p], w2[p], hs[p])
+            gx.append(a)
+            g1.append(c)
+            g2.append(d)
+        return (gx[0] if len(gx) == 1 else torch.cat(gx)), g1, g2
+
+
+class ExpertFFNParts(torch.autograd.Function):
+    """Autograd wrapper of a split run: ``ExpertFFNParts.apply(x, out, bounds, offs, *w1, *w2) -> out'`` (see
+    :func:`expert_ffn_parts`); ``out'`` is :func:`storage_alias` of ``out``."""
+
+    @staticmethod
+    def forward(ctx, x, out, bounds, offs, *weights):
+        n = len(offs)
+        res, hs = expert_ffn_parts_forward(x, bounds, offs, weights[:n], weights[n:], storage_alias(out))
+        ctx.bounds, ctx.num_parts = list(bounds), n
+        ctx.save_for_backward(x, *offs, *weights, *hs)
+        return res
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        n, saved = ctx.num_parts, ctx.saved_tensors
+        x, offs, w1, w2, hs = saved[0], saved[1:1 + n], saved[1 + n:1 + 2 * n], saved[1 + 2 * n:1 + 3 * n], \
+            saved[1 + 3 * n:]
+        gx, g1, g2 = expert_ffn_parts_backward(grad_out, x, ctx.bounds, offs, w1, w2, hs)
+        gw = [g if need else None for g, need in zip(g1 + g2, ctx.needs_input_grad[4:])]
+        return (gx if ctx.needs_input_grad[0] else None), None, None, None, *gw
+
+
+def expert_ffn_parts(x: torch.Tensor, bounds, offs, w1, w2, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Differentiable split run of the grouped SwiGLU FFN, every part writing into ``out`` (no weight copy).
+
+    Args / errors: see :func:`expert_ffn_parts_forward`. Differentiable w.r.t. ``x`` and every ``w1[p]``,
+    ``w2[p]`` (each gets a gradient of its own shape: no gradient is made for experts outside the parts).
+
+    Returns:
+        ``[R, H]`` sharing ``out``'s memory (a grad-tracked :func:`storage_alias`, as :func:`expert_ffn`).
+    """
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    offs, w1, w2 = tuple(offs), tuple(w1), tuple(w2)
+    if len(w1) != len(offs) or len(w2) != len(offs):
+        raise InputError(f"need one w1 and one w2 per part: {len(offs)} offsets, {len(w1)} w1, {len(w2)} w2")
+    return ExpertFFNParts.apply(x, out, list(bounds), offs, *w1, *w2)

@@ -5,6 +5,18 @@ Eager calls compose differentiable pieces (``EPBuffer.dispatch``, :class:`triton
 ``w2``. Under ``torch.compile`` the body after the router goes through the custom op of :mod:`tritonep.moe.ops`, whose
 hand-written backward (:meth:`MoELayer._backward_raw`) chains the same backward pieces.
 
+With ``balance='virtual'`` (:mod:`tritonep.balance`) the routes are remapped to 2L runtime experts per rank (L native,
+then L virtual slots) and the expert GEMMs run as a split run (:func:`tritonep.moe.experts.expert_ffn_parts`): the
+native rows ``[0, expert_offsets[L-1])`` with the parameters ``w1`` / ``w2`` themselves, the rows after them with
+zero-copy views of only the ``n`` slots this rank uses (:class:`tritonep.balance.transport.PushUsedSlots`). One small
+host read per step (runtime offsets, slot usage, held experts) decides the split. Weight bytes moved per step and rank
+beyond ``balance='none'`` (``S`` = bytes of one expert's w1 + w2 = 3*H*I*itemsize, ``m`` = copies this rank pushes,
+``n`` = slots it uses, ``h`` = its native experts run elsewhere): push ``m*S``, slot GEMM reads ``n*S``, slot weight
+gradients ``n*S`` written and staged once more, pull ``(copies of its experts)*S`` read plus ``3*h*S`` for the
+in-place add; when ``h > 0`` also the pull kernel's dense ``L*S`` output (it writes every native expert, zeros for
+the rest: a kernel-side limit). Before, every step concatenated ``[native; all L slots]`` (forward ~6*L*S: cat and
+slot clone) and produced, staged, pulled densely and accumulated 2L weight gradients (backward ~7*L*S).
+
 Idea sources: the DeepEP / Megatron-LM MoE layer split (router, token dispatcher, grouped GEMM experts).
 """
 
@@ -13,6 +25,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
@@ -20,9 +33,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..ep import EPBuffer
-from ..errors import BufferStateError, ConfigError, InputError
+from ..errors import BufferStateError, ConfigError, InputError, PlanError
 from . import ops
-from .experts import expert_ffn, expert_ffn_backward, expert_ffn_forward
+from .experts import expert_ffn_parts, expert_ffn_parts_backward, expert_ffn_parts_forward
 from .recipe import MoEGeometry, MoERecipe, check_config
 from .router import TopKRouter
 
@@ -53,6 +66,19 @@ class _StaleGuard(torch.autograd.Function):
         return g, None, None
 
 
+@dataclass
+class _Split:
+    """Host facts of one virtual-expert step on this rank (read once after dispatch).
+
+    ``native_end``: rows of the native experts (``expert_offsets[L-1]``); ``num_used``: virtual slots used;
+    ``held``: this rank's native expert indices some peer runs this step.
+    """
+
+    native_end: int
+    num_used: int
+    held: list
+
+
 class MoELayer(nn.Module):
     """Expert-parallel MoE layer (SwiGLU experts) for one EP group.
 
@@ -70,9 +96,12 @@ class MoELayer(nn.Module):
     Parameters: ``router.weight [H, E]`` float32 (replicated), ``w1 [L, H, 2I]``, ``w2 [L, I, H]`` (this rank's
     experts; w1's first I output columns are the gate, the last I the up projection).
 
-    Attributes after each forward: ``last_timings`` dict of seconds ``dispatch_s``, ``gemm_s``, ``combine_s`` (the
-    device is synchronised around each phase on CUDA; host wall clock on CPU); ``last_stats`` dict with
-    ``num_tokens_per_expert`` (host list of L ints; 2L runtime experts with ``balance='virtual'``) and ``recv_rows`` (int).
+    Attributes after each forward: ``last_timings`` dict of seconds ``dispatch_s``, ``gemm_s``, ``combine_s``, and
+    with ``balance='virtual'`` ``balance_s`` (counts exchange, plan, split read and weight push) (the device is
+    synchronised around each phase on CUDA; host wall clock on CPU); ``last_stats`` dict with
+    ``num_tokens_per_expert`` (host list of L ints; 2L runtime experts with ``balance='virtual'``), ``recv_rows``
+    (int) and with ``balance='virtual'`` ``slots_used`` (int); ``last_placement`` (the step's
+    :class:`tritonep.balance.Placement` or None).
 
     Raises:
         ConfigError: any inconsistent recipe / geometry / world (checked before anything is allocated, naming the
@@ -199,25 +228,46 @@ class MoELayer(nn.Module):
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    def _runtime_experts(self, topk_idx: torch.Tensor, topk_weights: torch.Tensor):
-        """Hook between router and dispatch: map routes to runtime experts and pick the weights the GEMMs use.
+    def _plan(self, topk_idx: torch.Tensor):
+        """Virtual experts: gather every rank's native expert histogram (symmetric memory), plan the placement and
+        remap this rank's routes to runtime ids in one Triton launch (:func:`tritonep.balance.plan`).
 
-        With ``balance='none'`` it is the identity: ``(topk_idx, self.w1, self.w2)``. With ``balance='virtual'``:
-        gather every rank's native expert histogram (symmetric memory), plan the placement and remap this rank's
-        routes to runtime ids in one Triton launch (:func:`tritonep.balance.plan`), push the owners' weights into
-        the virtual slots (:class:`tritonep.balance.transport.PushWeights`; its backward pulls the slot gradients
-        back to the native weights) and run the GEMMs over ``[native; slots]`` (2L runtime experts).
+        Returns ``(placement, runtime topk_idx int64 [T, K])``.
         """
-        if not self.virtual:
-            return topk_idx, self.w1, self.w2
         from ..balance import plan
-        from ..balance.transport import PushWeights
 
         counts = self.counts_x.gather(topk_idx)
         placement, rt_idx = plan(counts, topk_idx, self.rank)
         self.last_placement = placement
-        s1, s2 = PushWeights.apply(self.transport, placement, ("w1", "w2"), self.w1, self.w2)
-        return rt_idx.to(torch.int64), torch.cat([self.w1, s1]), torch.cat([self.w2, s2])
+        return placement, rt_idx.to(torch.int64)
+
+    def _split(self, offs: torch.Tensor, placement) -> _Split:
+        """One host read: the native/slot row boundary, the used slots and the held native experts of this step.
+
+        Raises:
+            PlanError: rows routed to a virtual slot the placement leaves unused (they would run no weights).
+        """
+        from ..balance.transport import used_slot_count
+
+        L, lo = self.num_local_experts, self.rank * self.num_local_experts
+        held = (placement.expert_slot[lo:lo + L] >= 0).any(dim=1)
+        info = torch.cat([offs.to(torch.int64), placement.experts_to_copy[self.rank].to(torch.int64),
+                          held.to(torch.int64)]).tolist()
+        ends, etc, held = info[:2 * L], info[2 * L:3 * L], info[3 * L:]
+        n = used_slot_count(etc)
+        last = ends[L + n - 1] if n else ends[L - 1]
+        if ends[-1] != last:
+            raise PlanError(f"rank {self.rank}: {ends[-1] - last} rows routed to virtual slots >= {n}, which the "
+                            f"placement leaves unused (experts_to_copy[{self.rank}]={etc}, expert_offsets={ends})")
+        return _Split(native_end=ends[L - 1], num_used=n, held=[j for j, h in enumerate(held) if h])
+
+    def _parts(self, d, split: _Split | None):
+        """``(bounds, offs)`` of the split run: one part without virtual experts, else native rows then used slots."""
+        rows, offs = d.x.shape[0], d.expert_offsets
+        if split is None:
+            return [0, rows], (offs,)
+        L, ne = self.num_local_experts, split.native_end
+        return [0, ne, rows], (offs[:L], offs[L:L + split.num_used] - ne)
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor | None = None,
                 topk_weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -235,7 +285,7 @@ class MoELayer(nn.Module):
 
         Raises:
             InputError: only one routing tensor given, or bad shapes / dtypes (see ``EPBuffer.dispatch``).
-            CapacityError, PeerTimeoutError, BufferStateError: from the buffer.
+            CapacityError, PeerTimeoutError, BufferStateError: from the buffer. PlanError: from the planner.
         """
         if self._closed:
             raise BufferStateError("MoELayer is closed")
@@ -243,67 +293,110 @@ class MoELayer(nn.Module):
             raise InputError("give both topk_idx and topk_weights, or neither (then the router routes)")
         if topk_idx is None:
             topk_idx, topk_weights = self.router(x)
-        topk_idx, w1, w2 = self._runtime_experts(topk_idx, topk_weights)
         if torch.compiler.is_compiling():
-            save = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weights, w1, w2))
-            y, _ticket = ops.moe_layer_forward(x, topk_idx, topk_weights, w1, w2, self.layer_id, save)
+            save = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weights, self.w1, self.w2))
+            y, _ticket = ops.moe_layer_forward(x, topk_idx, topk_weights, self.w1, self.w2, self.layer_id, save)
             return y
-        return self._forward_autograd(x, topk_idx, topk_weights, w1, w2)
+        return self._forward_autograd(x, topk_idx, topk_weights)
 
-    def _record(self, t, d):
-        self.last_timings = {"dispatch_s": t[1] - t[0], "gemm_s": t[2] - t[1], "combine_s": t[3] - t[2]}
+    def _record(self, t, d, split):
+        # t: start, planned, dispatched, pushed, gemm done, combined
+        self.last_timings = {"dispatch_s": t[2] - t[1], "gemm_s": t[4] - t[3], "combine_s": t[5] - t[4]}
         self.last_stats = {"num_tokens_per_expert": d.num_tokens_per_expert.tolist(), "recv_rows": d.x.shape[0]}
+        if split is not None:
+            self.last_timings["balance_s"] = (t[1] - t[0]) + (t[3] - t[2])
+            self.last_stats["slots_used"] = split.num_used
 
-    def _forward_autograd(self, x, topk_idx, topk_weights, w1, w2):
+    def _forward_autograd(self, x, topk_idx, topk_weights):
         self._fwd_gen += 1
         t = [self._now()]
+        placement = split = None
+        if self.virtual:
+            placement, topk_idx = self._plan(topk_idx)
+        t.append(self._now() if self.virtual else t[-1])
         d = self.buffer.dispatch(x, topk_idx, topk_weights)
         t.append(self._now())
-        eo = expert_ffn(d.x, d.expert_offsets, w1, w2, out=self.buffer.expert_out_buffer(d.x.shape[0]))
+        w1, w2 = (self.w1,), (self.w2,)
+        if self.virtual:
+            from ..balance.transport import PushUsedSlots
+
+            split = self._split(d.expert_offsets, placement)
+            n1, n2, s1, s2 = PushUsedSlots.apply(self.transport, placement, ("w1", "w2"), split.num_used, split.held,
+                                                 self.w1, self.w2)
+            w1, w2 = (n1, s1), (n2, s2)
+        t.append(self._now() if self.virtual else t[-1])
+        bounds, offs = self._parts(d, split)
+        eo = expert_ffn_parts(d.x, bounds, offs, w1, w2, out=self.buffer.expert_out_buffer(d.x.shape[0]))
         t.append(self._now())
         y = self.buffer.combine(eo, d.handle, kind=self.recipe.combine)
         t.append(self._now())
-        self._record(t, d)
+        self._record(t, d, split)
         if torch.is_grad_enabled() and y.requires_grad:
             y = _StaleGuard.apply(y, self, self._fwd_gen)
         return y
 
     def _forward_raw(self, x, topk_idx, topk_weights, w1, w2, save: bool):
-        """No-autograd forward for the custom op; returns ``(y, ticket)`` and keeps the backward state if ``save``."""
+        """No-autograd forward for the custom op; returns ``(y, ticket)`` and keeps the backward state if ``save``.
+
+        ``topk_idx`` are global expert ids and ``w1`` / ``w2`` this rank's native weights in both modes; with
+        virtual experts the plan, the push and the split run happen in here (the op is opaque to the tracer).
+        """
         with torch.no_grad():
             t = [self._now()]
+            placement = split = None
+            if self.virtual:
+                placement, topk_idx = self._plan(topk_idx)
+            t.append(self._now() if self.virtual else t[-1])
             d = self.buffer.dispatch(x, topk_idx, topk_weights)
             t.append(self._now())
-            eo, h = expert_ffn_forward(d.x, d.expert_offsets, w1, w2, self.buffer.expert_out_buffer(d.x.shape[0]))
+            w1s, w2s = (w1,), (w2,)
+            if self.virtual:
+                split = self._split(d.expert_offsets, placement)
+                self.transport.push({"w1": w1, "w2": w2}, placement)
+                views = self.transport.slot_views(split.num_used)
+                w1s, w2s = (w1, views["w1"]), (w2, views["w2"])
+            t.append(self._now() if self.virtual else t[-1])
+            bounds, offs = self._parts(d, split)
+            eo, hs = expert_ffn_parts_forward(d.x, bounds, offs, w1s, w2s,
+                                              self.buffer.expert_out_buffer(d.x.shape[0]))
             t.append(self._now())
             y = self.buffer.combine(eo, d.handle, kind=self.recipe.combine)
             t.append(self._now())
-        self._record(t, d)
+        self._record(t, d, split)
         ticket = -1
         self._fwd_gen += 1
         if save:
             ticket = next(self._tickets)
-            self._stash[ticket] = (d.x, d.expert_offsets, h, eo, d.handle, w1.detach(), w2.detach(),
-                                   topk_weights.shape, self._fwd_gen)
+            self._stash[ticket] = dict(xr=d.x, bounds=bounds, offs=offs, hs=hs, eo=eo, handle=d.handle,
+                                       w1=tuple(w.detach() for w in w1s), w2=tuple(w.detach() for w in w2s),
+                                       placement=placement, split=split, gen=self._fwd_gen)
         return y, ticket
 
     def _backward_raw(self, ticket: int, grad_y: torch.Tensor):
         """Backward of one ``_forward_raw`` call: ``(grad_x, grad_topk_weights, grad_w1, grad_w2)``.
 
         Chains the backward pieces of combine (``grad_expert_out``, per-row weight grads), the expert FFN and
-        dispatch (sums rows back to tokens, gathers weight grads). The expert output rows read here live in the
-        symmetric region: a later forward of this layer before this backward overwrites them.
+        dispatch (sums rows back to tokens, gathers weight grads); with virtual experts the slot gradients are
+        pulled back into the native ones (:meth:`tritonep.balance.transport.ExpertTransport.pull_add`). The expert
+        output rows (and the slot weights) read here live in symmetric regions: a later forward of this layer
+        before this backward overwrites them.
         """
         if ticket not in self._stash:
             raise BufferStateError(f"MoELayer {self.layer_id}: no saved forward for ticket {ticket} (already "
                                    f"consumed by a backward?)")
-        xr, offs, h, eo, handle, w1, w2, _, gen = self._stash.pop(ticket)
-        _check_generation(self, gen)
+        st = self._stash.pop(ticket)
+        _check_generation(self, st["gen"])
         impl = self.buffer._impl  # the backward halves of dispatch / combine (as used by tritonep.ep.autograd)
-        g_eo, g_rw = impl.combine_bwd(grad_y.to(_ACT_DTYPE).contiguous(), eo, handle)
-        g_xr, g_w1, g_w2 = expert_ffn_backward(g_eo, xr, offs, w1, w2, h)
-        g_x, g_tw = impl.dispatch_bwd(g_xr, g_rw, handle)
-        return g_x, g_tw, g_w1, g_w2
+        g_eo, g_rw = impl.combine_bwd(grad_y.to(_ACT_DTYPE).contiguous(), st["eo"], st["handle"])
+        g_xr, g_w1, g_w2 = expert_ffn_parts_backward(g_eo, st["xr"], st["bounds"], st["offs"], st["w1"], st["w2"],
+                                                     st["hs"])
+        if self.virtual:
+            sp = st["split"]
+            g = self.transport.pull_add({"w1": g_w1[0], "w2": g_w2[0]}, {"w1": g_w1[1], "w2": g_w2[1]},
+                                        st["placement"], sp.num_used, sp.held)
+            g_w1, g_w2 = (g["w1"],), (g["w2"],)
+        g_x, g_tw = impl.dispatch_bwd(g_xr, g_rw, st["handle"])
+        return g_x, g_tw, g_w1[0], g_w2[0]
 
     # ------------------------------------------------------------------------------------------ lifetime
     def close(self):

@@ -61,3 +61,15 @@ def test_run_help_and_bad_layer():
     rc, out = _cli("run", "--layers", "99", "--no-check")
     assert rc == 2, out
     assert "99" in out
+
+
+def test_bench_plot_writes_a_png(tmp_path):
+    from tritonep.bench.plot import plot_gbps_vs_tokens
+
+    rows = [dict(op=op, tokens=t, num_sms=s, nvlink_gbps=t / 64.0 + s, logical_gbps=1.0)
+            for op in ("tritonep.dispatch.bf16", "nccl.a2a") for t in (128, 1024, 4096) for s in (0, 24)]
+    path = tmp_path / "gbps.png"
+    assert plot_gbps_vs_tokens(rows, str(path)) == 4
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="nvlink_gbps"):
+        plot_gbps_vs_tokens([dict(op="x")], str(path))

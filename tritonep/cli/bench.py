@@ -23,7 +23,8 @@ def add_parser(sub):
                                             "shapes, intermediate 2048), planner (virtual-expert planner, one GPU)")
     p.add_argument("--profile", default="deepseek-v3",
                    help=f"one of: {', '.join(sorted(PROFILES))} (hidden/experts/top-k/tokens per rank)")
-    p.add_argument("--tokens", type=int, default=None, help="override tokens per rank of the profile")
+    p.add_argument("--tokens", type=int, nargs="*", default=None,
+                   help="tokens per rank instead of the profile's (several values: a sweep, see --plot)")
     p.add_argument("--num-sms", type=int, nargs="*", default=[0], help="SM caps to measure (0 = geometry table)")
     p.add_argument("--iters", type=int, default=30, help="timed iterations (median reported)")
     p.add_argument("--world-size", type=int, default=0, help="ranks (default: every GPU; CPU soak: 2)")
@@ -32,18 +33,21 @@ def add_parser(sub):
                         "checked bit for bit against the reference (fixed small shape: CPU E8 H64 T<=12 K3, GPU E64 "
                         "H1024 T<=256 K6; --profile does not apply)")
     p.add_argument("--json", default="", help="write the rows to this JSON file")
+    p.add_argument("--plot", default="", help="write a PNG of NVLink GB/s vs tokens per rank (use with a --tokens sweep)")
     p.set_defaults(func=main)
 
 
 def bench_rank(group, op, profile, sms_list, iters, tokens):
+    """Rank body: every row of ``profile`` for each SM cap and each token count (``tokens``: list or None)."""
     from ..bench.ep import bench_ep, peer_copy_gbps
 
     rows = []
     pc = peer_copy_gbps(group)
-    for sms in sms_list:
-        for r in bench_ep(group, profile, num_sms=sms or None, iters=iters, tokens=tokens):
-            r.update(num_sms=sms, peer_copy_gbps=pc, op_group=op)
-            rows.append(r)
+    for t in (tokens or [None]):
+        for sms in sms_list:
+            for r in bench_ep(group, profile, num_sms=sms or None, iters=iters, tokens=t):
+                r.update(num_sms=sms, peer_copy_gbps=pc, op_group=op)
+                rows.append(r)
     return rows
 
 
@@ -96,6 +100,11 @@ def main(args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(world_size=W, rows=res), f, indent=1)
+    if args.plot:
+        from ..bench.plot import plot_gbps_vs_tokens
+
+        plot_gbps_vs_tokens(res[0], args.plot)
+        con.print(f"wrote {args.plot}")
     return 0
 
 
@@ -111,7 +120,7 @@ def _planner(con, args, ngpu) -> int:
         return 2
     p = PROFILES[args.profile]
     rows = bench_planner(worlds=(args.world_size,) if args.world_size else (2, 4, 8),
-                         tokens=args.tokens or p["tokens"] or 4096, topk=p["topk"], num_experts=p["num_experts"],
+                         tokens=(args.tokens or [p["tokens"] or 4096])[0], topk=p["topk"], num_experts=p["num_experts"],
                          iters=args.iters)
     t = Table(title=f"tritonep bench planner ({args.profile})")
     for c in ("world", "experts", "tokens", "top-k", "graph us", "eager us", "equal to twins"):
@@ -133,7 +142,7 @@ def _moe(con, args, W) -> int:
     from ..testing import run_gpu_world
 
     p = PROFILES[args.profile]
-    cfg = dict(tokens=args.tokens or p["tokens"] or 4096, hidden=p["hidden"], intermediate=2048,
+    cfg = dict(tokens=(args.tokens or [p["tokens"] or 4096])[0], hidden=p["hidden"], intermediate=2048,
                num_experts=p["num_experts"], topk=p["topk"], skew=False, balance=["none"])
     res = run_gpu_world(W, moe_bench_world, cfg, args.iters, timeout_s=1800)
     tep = max(o["tritonep.none"] for o in res)

@@ -45,8 +45,10 @@ def add_parser(sub):
     p.add_argument("--topk", type=int, default=None, help="top-k (flame 6, olmoe 8)")
     p.add_argument("--steps", type=int, default=1, help="forward+backward steps per layer")
     p.add_argument("--balance", choices=["none", "virtual"], default="none", help="virtual experts on/off")
-    p.add_argument("--dispatch-wire", choices=["bf16", "fp8", "mxfp4"], default="bf16")
-    p.add_argument("--combine-wire", choices=["bf16", "fp8", "mxfp4"], default="bf16")
+    p.add_argument("--dispatch-wire", choices=["bf16", "fp8", "mxfp4"], default="bf16",
+                   help="wire format of dispatch (fp8 needs hidden %% 128 == 0, mxfp4 hidden %% 32 == 0)")
+    p.add_argument("--combine-wire", choices=["bf16", "fp8", "mxfp4"], default="bf16",
+                   help="wire format of the push combine (same hidden rules)")
     p.add_argument("--combine", choices=["push", "pull"], default="push", help="combine kind")
     p.add_argument("--expert-alignment", type=int, default=1, help="row alignment of expert segments")
     p.add_argument("--no-check", action="store_true", help="skip the dense reference check (timing only)")
@@ -182,6 +184,18 @@ def check_layer(s, li, layer, results, world_size):
     return errs
 
 
+def _check_settings(s, world_size: int) -> None:
+    """Every static check of the layers this run builds, before any rank starts (ConfigError -> exit 2)."""
+    from ..moe import MoEGeometry, MoERecipe
+    from ..moe.recipe import check_config
+
+    recipe = MoERecipe(dispatch_wire=s["dispatch_wire"], combine_wire=s["combine_wire"], combine=s["combine"],
+                       balance=s["balance"], expert_alignment=s["expert_alignment"])
+    geo = MoEGeometry(hidden=s["hidden"], intermediate=s["intermediate"], num_experts=s["num_experts"],
+                      topk=s["topk"], max_tokens_per_rank=max(1, s["tokens"]))
+    check_config(recipe, geo, world_size)
+
+
 def main(args) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -194,6 +208,7 @@ def main(args) -> int:
     import shutil
 
     con = Console(width=max(shutil.get_terminal_size((140, 24)).columns, 120))
+    _check_settings(s, torch.cuda.device_count() if on_gpu else args.world_size)
     if on_gpu:
         from ..testing import run_gpu_world
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ..kernels.layout import layout_torch, route_rows_torch
 
-__all__ = ["PROFILES", "time_graph", "peer_copy_gbps", "bench_ep"]
+__all__ = ["PROFILES", "time_graph", "time_rounds", "peer_copy_gbps", "bench_ep"]
 
 PROFILES = {
     "deepseek-v3": dict(hidden=7168, num_experts=256, topk=8, tokens=4096),
@@ -57,10 +57,16 @@ def time_graph(fn, group, iters=30, warmup=3, capture=True):
     else:
         mode = "eager"
         run = fn
-    # three rounds of ``iters`` back-to-back calls (ranks released together once per round); the per-call time
-    # of a round is its total / iters; the median round is reported (rank skew is paid once per round, not per call)
+    return time_rounds(run, group, iters), mode
+
+
+def time_rounds(run, group, iters=30, rounds=3) -> float:
+    """Median over ``rounds`` of (CUDA-event time of ``iters`` back-to-back ``run()`` calls) / iters, microseconds.
+
+    The ranks are released together by a barrier once per round, so rank skew is paid once per round, not per call.
+    """
     times = []
-    for _ in range(3):
+    for _ in range(rounds):
         _barrier(group)
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
@@ -69,7 +75,7 @@ def time_graph(fn, group, iters=30, warmup=3, capture=True):
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) * 1e3 / iters)
-    return statistics.median(times), mode
+    return statistics.median(times)
 
 
 def peer_copy_gbps(group, nbytes=256 << 20):

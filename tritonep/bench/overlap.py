@@ -9,26 +9,10 @@ communication kernels leave the rest of the chip to compute. This measures, on e
 
 from __future__ import annotations
 
-import statistics
-
 import torch
 import torch.distributed as dist
 
 __all__ = ["bench_overlap"]
-
-
-def _rounds(fn, group, iters, rounds=3):
-    out = []
-    for _ in range(rounds):
-        dist.barrier(group=group, device_ids=[torch.cuda.current_device()])
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(iters):
-            fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) * 1e3 / iters)
-    return statistics.median(out)
 
 
 def bench_overlap(group, profile: str = "deepseek-v3", num_sms_list=(24, 0), gemm_rows: int = 8192,
@@ -36,7 +20,7 @@ def bench_overlap(group, profile: str = "deepseek-v3", num_sms_list=(24, 0), gem
     """Rows ``{profile, num_sms, gemm_us, comm_us, both_us, hidden}`` for each SM cap (0 = the geometry table)."""
     import tritonep as tep
 
-    from .ep import PROFILES, _routing
+    from .ep import PROFILES, _routing, time_rounds
 
     p = PROFILES[profile]
     rank = dist.get_rank(group)
@@ -78,9 +62,9 @@ def bench_overlap(group, profile: str = "deepseek-v3", num_sms_list=(24, 0), gem
             main.wait_stream(s_comm)
             main.wait_stream(s_gemm)
 
-        t_gemm = _rounds(gemm, group, iters)
-        t_comm = _rounds(comm, group, iters)
-        t_both = _rounds(both, group, iters)
+        t_gemm = time_rounds(gemm, group, iters)
+        t_comm = time_rounds(comm, group, iters)
+        t_both = time_rounds(both, group, iters)
         rows.append(dict(profile=profile, num_sms=sms, gemm_rows=gemm_rows, gemm_us=t_gemm, comm_us=t_comm,
                          both_us=t_both, hidden=(t_gemm + t_comm - t_both) / max(1e-9, min(t_gemm, t_comm))))
         buf.close()

@@ -43,15 +43,10 @@ def record_error(status_ptr, code, wait_id, peer):
 
 
 @triton.jit
-def wait_all_ge(flag_ptr, n, target, status_ptr, wait_id, timeout, HAS_TIMER: tl.constexpr,
-                WBLOCK: tl.constexpr):
-    """Wait until ``flag_ptr[i] >= target`` for every i < n (local int64 counters, acquire at system scope).
-
-    ``timeout`` is nanoseconds on GPU (HAS_TIMER) or a poll count in the interpreter. Returns 1 when every flag
-    arrived, 0 on timeout (after recording STATUS_TIMEOUT with the first missing index as the peer). A buffer that
-    already timed out returns 0 at once, so a broken protocol never blocks a later call. Other recorded errors
-    (capacity) keep the protocol running: kernels skip the data but still signal and wait.
-    """
+def _wait_flags(flag_ptr, n, target, status_ptr, wait_id, peer, timeout, HAS_TIMER: tl.constexpr,
+                WBLOCK: tl.constexpr, NAMED_PEER: tl.constexpr):
+    """Body of :func:`wait_all_ge` / :func:`wait_ge`: on timeout the recorded peer is ``peer`` (NAMED_PEER) or the
+    first missing index."""
     offs = tl.arange(0, WBLOCK)
     m = offs < n
     ok = tl.full((), 1, tl.int32)
@@ -68,8 +63,11 @@ def wait_all_ge(flag_ptr, n, target, status_ptr, wait_id, timeout, HAS_TIMER: tl
             else:
                 elapsed = polls
             if elapsed > timeout:
-                first = tl.min(tl.where((v < target) & m, offs, WBLOCK), 0)
-                record_error(status_ptr, STATUS_TIMEOUT, wait_id, first)
+                if NAMED_PEER:
+                    record_error(status_ptr, STATUS_TIMEOUT, wait_id, peer)
+                else:
+                    record_error(status_ptr, STATUS_TIMEOUT, wait_id,
+                                 tl.min(tl.where((v < target) & m, offs, WBLOCK), 0))
                 ok = 0
                 missing = 0
             else:
@@ -78,6 +76,19 @@ def wait_all_ge(flag_ptr, n, target, status_ptr, wait_id, timeout, HAS_TIMER: tl
                 missing = tl.sum(((v < target) & m).to(tl.int32), 0)
     tl.debug_barrier()
     return ok
+
+
+@triton.jit
+def wait_all_ge(flag_ptr, n, target, status_ptr, wait_id, timeout, HAS_TIMER: tl.constexpr,
+                WBLOCK: tl.constexpr):
+    """Wait until ``flag_ptr[i] >= target`` for every i < n (local int64 counters, acquire at system scope).
+
+    ``timeout`` is nanoseconds on GPU (HAS_TIMER) or a poll count in the interpreter. Returns 1 when every flag
+    arrived, 0 on timeout (after recording STATUS_TIMEOUT with the first missing index as the peer). A buffer that
+    already timed out returns 0 at once, so a broken protocol never blocks a later call. Other recorded errors
+    (capacity) keep the protocol running: kernels skip the data but still signal and wait.
+    """
+    return _wait_flags(flag_ptr, n, target, status_ptr, wait_id, 0, timeout, HAS_TIMER, WBLOCK, False)
 
 
 @triton.jit
@@ -120,28 +131,4 @@ def wait_ge(flag_ptr, target, status_ptr, wait_id, peer, timeout, HAS_TIMER: tl.
     """Wait until the local int64 ``*flag_ptr >= target`` (acquire, system scope), bounded like
     :func:`wait_all_ge` (same poll cost, so the interpreter's poll-count bound means the same seconds); on timeout
     records (STATUS_TIMEOUT, wait_id, peer) and returns 0."""
-    offs = tl.arange(0, 2)
-    m = offs < 1
-    ok = tl.full((), 1, tl.int32)
-    if tl.load(status_ptr) == STATUS_TIMEOUT:
-        ok = 0
-    else:
-        t0 = now_ns(HAS_TIMER)
-        polls = tl.zeros((), dtype=tl.int64)
-        v = tl.atomic_add(flag_ptr + offs, 0, mask=m, sem="acquire", scope="sys")
-        missing = tl.sum(((v < target) & m).to(tl.int32), 0)
-        while missing > 0:
-            if HAS_TIMER:
-                elapsed = now_ns(HAS_TIMER) - t0
-            else:
-                elapsed = polls
-            if elapsed > timeout:
-                record_error(status_ptr, STATUS_TIMEOUT, wait_id, peer)
-                ok = 0
-                missing = 0
-            else:
-                polls += 1
-                v = tl.atomic_add(flag_ptr + offs, 0, mask=m, sem="acquire", scope="sys")
-                missing = tl.sum(((v < target) & m).to(tl.int32), 0)
-    tl.debug_barrier()
-    return ok
+    return _wait_flags(flag_ptr, 1, target, status_ptr, wait_id, peer, timeout, HAS_TIMER, 2, True)

@@ -58,6 +58,7 @@ def test_bench_unknown_profile_lists_the_valid_ones():
 def test_run_help_and_bad_layer():
     rc, out = _cli("run", "--help")
     assert rc == 0 and "--routing" in out and "--balance" in out
+    assert "(default: None)" not in out and "(default: )" not in out  # no empty / doubled defaults
     rc, out = _cli("run", "--layers", "99", "--no-check")
     assert rc == 2, out
     assert "99" in out

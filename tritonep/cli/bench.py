@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
-
 import json
 
 import torch
+
+from .help import HelpFormatter
 
 __all__ = ["add_parser", "main", "bench_rank"]
 
@@ -16,7 +16,7 @@ OPS = ("dispatch", "combine", "moe", "planner")
 def add_parser(sub):
     from ..bench.ep import PROFILES
 
-    p = sub.add_parser("bench", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = sub.add_parser("bench", formatter_class=HelpFormatter,
                        help="benchmarks vs NCCL all_to_all_single (GPU) and --soak checks")
     p.add_argument("op", choices=OPS, help="what to measure: dispatch/combine (one run measures both rows), moe (the "
                                             "MoE layer fwd+bwd vs the torch + NCCL reference; --profile deepseek-v3 "

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+
+from .help import HelpFormatter
 import sys
 
 __all__ = ["main", "build_parser"]
@@ -10,7 +12,7 @@ __all__ = ["main", "build_parser"]
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="tritonep", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        prog="tritonep", formatter_class=HelpFormatter,
         description="Expert-parallel MoE dispatch/combine and virtual-expert balancing (Triton + symmetric memory).")
     sub = ap.add_subparsers(dest="cmd", required=True)
     from . import bench, env, plan, run

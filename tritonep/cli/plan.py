@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import argparse
-
 import json
 
 import torch
+
+from .help import HelpFormatter
 
 __all__ = ["add_parser", "main", "plan_table"]
 
 
 def add_parser(sub):
-    p = sub.add_parser("plan", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = sub.add_parser("plan", formatter_class=HelpFormatter,
                        help="virtual-expert placement for a trace or histogram: per-rank load before/after")
     p.add_argument("--routing", choices=["flame", "olmoe"], default="olmoe",
                    help="flame: the FLAME-MoE-290M trace; olmoe: an OLMoE expert-load histogram (strong skew)")

@@ -13,12 +13,12 @@ weights and wires; fp32 accumulation). fp8 / mxfp4 wires use 0.15 / 0.5 (quantiz
 
 from __future__ import annotations
 
-import argparse
-
 import json
 import time
 
 import torch
+
+from .help import HelpFormatter
 
 __all__ = ["add_parser", "main", "run_rank"]
 
@@ -26,7 +26,7 @@ TOL = {"bf16": 3e-2, "fp8": 0.15, "mxfp4": 0.5}
 
 
 def add_parser(sub):
-    p = sub.add_parser("run", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = sub.add_parser("run", formatter_class=HelpFormatter,
                        help="MoE layer fwd+bwd per traced layer on real routing, checked against a dense "
                                    "reference (the main job)")
     p.add_argument("--routing", choices=["flame", "olmoe"], default="flame",

@@ -57,7 +57,9 @@ def main(args) -> int:
 
     from ..bench.ep import PROFILES
 
-    con = Console()
+    import shutil
+
+    con = Console(width=max(shutil.get_terminal_size((140, 24)).columns, 120))  # no mid-line wraps in logs
     ngpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if args.soak:
         from ..bench.soak import soak_world

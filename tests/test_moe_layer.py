@@ -131,7 +131,7 @@ def _world_layer_vs_reference(group, case):
 
     rank, W = dist.get_rank(group), dist.get_world_size(group)
     geo: MoEGeometry = case["geometry"]
-    layer = MoELayer(case["recipe"], geo, group, seed=3)
+    layer = MoELayer(case["recipe"], geo, group, seed=3, record_stats=True)
     dev = layer.device
     T = case["tokens"][rank]
     g = torch.Generator().manual_seed(10 + rank)

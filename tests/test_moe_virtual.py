@@ -46,7 +46,7 @@ def _world(group, kind, T, K, steps):
     geo = MoEGeometry(hidden=H, intermediate=I, num_experts=E, topk=K, max_tokens_per_rank=tmax)
     out = {}
     for bal in ("none", "virtual"):
-        layer = MoELayer(MoERecipe(balance=bal, combine="push"), geo, group, seed=7)
+        layer = MoELayer(MoERecipe(balance=bal, combine="push"), geo, group, seed=7, record_stats=True)
         assert layer.allocated_bytes == MoELayer.required_bytes(MoERecipe(balance=bal, combine="push"), geo, W)
         res, dev = [], layer.device
         for step in range(steps):
@@ -201,7 +201,7 @@ def _split_world(group):
     out = {}
     for bal in ("none", "virtual"):
         recipe = MoERecipe(balance=bal, combine="push", expert_alignment=4)
-        layer = MoELayer(recipe, geo, group, seed=11)
+        layer = MoELayer(recipe, geo, group, seed=11, record_stats=True)
         res = []
         for step, (idx, w) in enumerate(steps):
             g = torch.Generator().manual_seed(10 * step + rank)

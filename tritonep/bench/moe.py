@@ -136,6 +136,6 @@ def moe_bench_world(group, cfg, steps=10, warmup=2):
                     lambda: reference_layer_step(group, x, idx, w, w1, w2, E).float().sum().backward(), sync)
             out["max_rel_diff"] = float((y_tep.float() - yr.detach().float()).abs().max()
                                         / yr.detach().float().abs().max().clamp_min(1e-6))
-        out[f"load.{bal}"] = sum(layer.last_stats["num_tokens_per_expert"])
+        out[f"load.{bal}"] = layer.last_stats["recv_rows"]  # alignment 1: rows = routes received
         layer.close()
     return out

@@ -122,7 +122,7 @@ def run_rank(group, s):
         tmax = max(p[0].shape[0] for p in parts)
         geo = MoEGeometry(hidden=s["hidden"], intermediate=s["intermediate"], num_experts=s["num_experts"],
                           topk=s["topk"], max_tokens_per_rank=max(tmax, 1))
-        moe = MoELayer(recipe, geo, group, device=dev, seed=1000 + layer)
+        moe = MoELayer(recipe, geo, group, device=dev, seed=1000 + layer, record_stats=True)
         g = torch.Generator().manual_seed(layer * 100 + rank)
         x0 = torch.randn(T, s["hidden"], generator=g).to(torch.bfloat16)
         gy = torch.randn(T, s["hidden"], generator=g).to(torch.bfloat16)

@@ -92,16 +92,19 @@ class MoELayer(nn.Module):
         seed: initialisation seed; the router weight and every expert's weights depend only on (seed, global
             expert id), so every rank builds the same router and a dense reference can rebuild all E experts
             (:meth:`init_expert_weights`).
+        record_stats: fill ``last_timings`` and ``last_stats["num_tokens_per_expert"]`` after each forward. It
+            synchronises the device around every phase and reads the counts back, so it is off by default (the
+            forward then has only the dispatch's own host reads).
 
     Parameters: ``router.weight [H, E]`` float32 (replicated), ``w1 [L, H, 2I]``, ``w2 [L, I, H]`` (this rank's
     experts; w1's first I output columns are the gate, the last I the up projection).
 
-    Attributes after each forward: ``last_timings`` dict of seconds ``dispatch_s``, ``gemm_s``, ``combine_s``, and
-    with ``balance='virtual'`` ``balance_s`` (counts exchange, plan, split read and weight push) (the device is
-    synchronised around each phase on CUDA; host wall clock on CPU); ``last_stats`` dict with
-    ``num_tokens_per_expert`` (host list of L ints; 2L runtime experts with ``balance='virtual'``), ``recv_rows``
-    (int) and with ``balance='virtual'`` ``slots_used`` (int); ``last_placement`` (the step's
-    :class:`tritonep.balance.Placement` or None).
+    Attributes after each forward: ``last_stats`` dict with ``recv_rows`` (int) and with ``balance='virtual'``
+    ``slots_used`` (int); with ``record_stats`` also ``num_tokens_per_expert`` (host list of L ints; 2L runtime
+    experts with ``balance='virtual'``) and ``last_timings``, a dict of seconds ``dispatch_s``, ``gemm_s``,
+    ``combine_s``, and with ``balance='virtual'`` ``balance_s`` (counts exchange, plan, split read and weight push)
+    (device synchronised around each phase on CUDA; host wall clock on CPU), else ``{}``; ``last_placement`` (the
+    step's :class:`tritonep.balance.Placement` or None).
 
     Raises:
         ConfigError: any inconsistent recipe / geometry / world (checked before anything is allocated, naming the
@@ -109,8 +112,9 @@ class MoELayer(nn.Module):
     """
 
     def __init__(self, recipe: MoERecipe, geometry: MoEGeometry, group, *, device=None,
-                 dtype: torch.dtype = torch.bfloat16, seed: int = 0):
+                 dtype: torch.dtype = torch.bfloat16, seed: int = 0, record_stats: bool = False):
         super().__init__()
+        self.record_stats = bool(record_stats)
         world_size = dist.get_world_size(group)
         rank = dist.get_rank(group)
         check_config(recipe, geometry, world_size)
@@ -224,6 +228,9 @@ class MoELayer(nn.Module):
 
     # ------------------------------------------------------------------------------------------ forward
     def _now(self) -> float:
+        """Phase clock of ``last_timings``: synchronises the device, only with ``record_stats`` (else 0)."""
+        if not self.record_stats:
+            return 0.0
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
@@ -240,6 +247,18 @@ class MoELayer(nn.Module):
         placement, rt_idx = plan(counts, topk_idx, self.rank)
         self.last_placement = placement
         return placement, rt_idx.to(torch.int64)
+
+    def _plan_and_dispatch(self, x, topk_idx, topk_weights):
+        """Both forward paths' start: (virtual experts: plan + remap), dispatch. Returns ``(clock marks [start,
+        planned, dispatched], placement or None, Dispatched)``."""
+        t = [self._now()]
+        placement = None
+        if self.virtual:
+            placement, topk_idx = self._plan(topk_idx)
+        t.append(self._now() if self.virtual else t[-1])
+        d = self.buffer.dispatch(x, topk_idx, topk_weights)
+        t.append(self._now())
+        return t, placement, d
 
     def _split(self, offs: torch.Tensor, placement) -> _Split:
         """One host read: the native/slot row boundary, the used slots and the held native experts of this step.
@@ -301,21 +320,20 @@ class MoELayer(nn.Module):
 
     def _record(self, t, d, split):
         # t: start, planned, dispatched, pushed, gemm done, combined
-        self.last_timings = {"dispatch_s": t[2] - t[1], "gemm_s": t[4] - t[3], "combine_s": t[5] - t[4]}
-        self.last_stats = {"num_tokens_per_expert": d.num_tokens_per_expert.tolist(), "recv_rows": d.x.shape[0]}
+        self.last_stats = {"recv_rows": d.x.shape[0]}
+        self.last_timings = {}
         if split is not None:
-            self.last_timings["balance_s"] = (t[1] - t[0]) + (t[3] - t[2])
             self.last_stats["slots_used"] = split.num_used
+        if self.record_stats:
+            self.last_stats["num_tokens_per_expert"] = d.num_tokens_per_expert.tolist()
+            self.last_timings = {"dispatch_s": t[2] - t[1], "gemm_s": t[4] - t[3], "combine_s": t[5] - t[4]}
+            if split is not None:
+                self.last_timings["balance_s"] = (t[1] - t[0]) + (t[3] - t[2])
 
     def _forward_autograd(self, x, topk_idx, topk_weights):
         self._fwd_gen += 1
-        t = [self._now()]
-        placement = split = None
-        if self.virtual:
-            placement, topk_idx = self._plan(topk_idx)
-        t.append(self._now() if self.virtual else t[-1])
-        d = self.buffer.dispatch(x, topk_idx, topk_weights)
-        t.append(self._now())
+        t, placement, d = self._plan_and_dispatch(x, topk_idx, topk_weights)
+        split = None
         w1, w2 = (self.w1,), (self.w2,)
         if self.virtual:
             from ..balance.transport import PushUsedSlots
@@ -342,13 +360,8 @@ class MoELayer(nn.Module):
         virtual experts the plan, the push and the split run happen in here (the op is opaque to the tracer).
         """
         with torch.no_grad():
-            t = [self._now()]
-            placement = split = None
-            if self.virtual:
-                placement, topk_idx = self._plan(topk_idx)
-            t.append(self._now() if self.virtual else t[-1])
-            d = self.buffer.dispatch(x, topk_idx, topk_weights)
-            t.append(self._now())
+            t, placement, d = self._plan_and_dispatch(x, topk_idx, topk_weights)
+            split = None
             w1s, w2s = (w1,), (w2,)
             if self.virtual:
                 split = self._split(d.expert_offsets, placement)

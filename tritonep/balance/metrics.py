@@ -12,7 +12,8 @@ import torch
 from tritonep.balance.placement import Placement
 from tritonep.errors import PlanError
 
-__all__ = ["rank_loads", "loads_after", "balancedness", "straggler_factor", "maxvio"]
+__all__ = ["rank_loads", "loads_after", "moved_routes", "excess_routes", "balancedness", "straggler_factor",
+           "maxvio"]
 
 
 def rank_loads(counts: torch.Tensor, world_size: int) -> torch.Tensor:
@@ -43,9 +44,48 @@ def rank_loads(counts: torch.Tensor, world_size: int) -> torch.Tensor:
 def loads_after(placement: Placement) -> torch.Tensor:
     """Routes each rank computes under ``placement`` (``allocation.sum(0)``), ``[W]`` int64.
 
-    Equals ``placement.capacity`` for every plan of :func:`place_torch` / the Triton planner.
+    Equals ``placement.capacity`` for every reference-mode plan of :func:`place_torch` / the Triton planner, and
+    for a minimal-mode plan unless its slots ran out.
     """
     return placement.allocation.to(torch.int64).sum(0)
+
+
+def moved_routes(placement: Placement) -> int:
+    """Routes served away from their expert's owner under ``placement`` (a host sync on a GPU plan).
+
+    ``allocation.sum() - sum_e allocation[e, e // L]`` (equals ``placement.quota.sum()``): the routes whose
+    expert runs in a virtual slot of another rank, i.e. the work the balancer relocates (issue 16 compares it with
+    :func:`excess_routes`).
+
+    Args:
+        placement: a :class:`Placement` of either mode (torch or Triton).
+
+    Returns:
+        Python int ``>= 0``.
+    """
+    alloc = placement.allocation.detach().to("cpu", torch.int64)
+    L = placement.num_local_experts
+    owner = torch.arange(placement.num_experts) // L
+    return int(alloc.sum()) - int(alloc.gather(1, owner[:, None]).sum())
+
+
+def excess_routes(counts: torch.Tensor, world_size: int) -> int:
+    """Total excess ``sum_d max(0, load[d] - cap[d])`` of a histogram: the fewest routes any balancing plan moves.
+
+    ``load`` = :func:`rank_loads`, ``cap[d] = N // W`` plus one on the ``N % W`` lowest ranks (the planner's
+    capacity). A minimal-mode plan moves exactly this many routes when its slots suffice (issue 16).
+
+    Args:
+        counts: ``[W_src, E]`` or ``[E]`` non-negative integer routes; ``E`` divisible by ``world_size``.
+        world_size: number of EP ranks ``W``.
+
+    Raises:
+        PlanError: as :func:`rank_loads`.
+    """
+    loads = rank_loads(counts, world_size).cpu()
+    n = int(loads.sum())
+    cap = torch.tensor([n // world_size + (1 if d < n % world_size else 0) for d in range(world_size)])
+    return int((loads - cap).clamp(min=0).sum())
 
 
 def _as_float_vector(x: torch.Tensor, name: str) -> torch.Tensor:

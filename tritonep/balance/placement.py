@@ -29,6 +29,31 @@ completes. Hence EVERY input (hot expert, one expert holding all routes, a rank 
 is balanced exactly: ``allocation.sum(0) == capacity``. The price is over-migration: a sender may end below its
 capacity and then host another sender's experts (see the worked example in the tests). The unreachable failure
 branches raise :class:`tritonep.errors.PlanError` instead of returning a wrong plan.
+
+Minimal mode (``mode="minimal"``, ours; tritonep issue 16): the reference moves the receiver's whole deficit, so
+a sender can drop below capacity and then receive (flame layer 3 on 8 ranks: ranks 2 and 5 start over capacity
+yet host expert 63 of rank 7; 342 routes move where the total excess is 334). The minimal mode keeps step 1 and
+step 4 and replaces steps 2-3 by one greedy over pieces, at most ``W*L`` rounds (each round fills one slot):
+
+M2. while some rank is over capacity: ``sender = argmax(balance)``; ``receiver = argmin(balance)`` over the
+    ranks with ``balance < 0`` and a free slot (ties: lowest rank; none left: stop); ``expert`` = the sender's
+    native expert with the most remaining routes (ties: lowest id); move ``m = min(balance[sender],
+    remaining[expert], -balance[receiver])`` routes of it to the receiver, which spends one slot on it.
+
+Every round zeroes the sender's excess, the expert or the receiver's deficit, so an (expert, receiver) pair gets
+at most one piece and a slot per piece is exact. ``m > 0`` always (a rank's excess never exceeds its native
+load), senders never go below capacity and receivers never above it, so NO rank both sends and receives and
+moved routes ``<= sum_d max(0, load[d] - cap[d])`` (the total excess). When the greedy runs to the end the
+moved routes EQUAL the total excess and every rank ends at exactly its capacity (the excess equals the total
+deficit). It stops early only when every rank still under capacity has all ``L`` slots in use; the plan is then
+as balanced as that greedy got (loads between ``min(load, cap)`` and ``max(load, cap)``, ``allocation.sum(0)``
+may exceed ``capacity``), never an error. This cannot happen with a single over-capacity rank: a piece that does
+not end its receiver's deficit empties the sender's hottest expert, which holds more than ``cap/L`` routes, so a
+receiver takes at most ``L - 1`` such pieces plus its last one. With several senders it can (``L = 1`` and two
+senders facing one receiver is the smallest case); on random heavy-tailed histograms it happens for small
+``L`` (e.g. ``W=8, L<=3``; never for ``W<=8, L>=4`` in the tests), and on the packaged FLAME / OLMoE traces at
+``E=64`` only from ``W>=16`` (``L<=4``). ``quota[s, d]`` is then the routes rank ``s`` hands to rank ``d``
+(several senders per receiver are allowed; no rank has both a non-zero row and a non-zero column).
 """
 
 from __future__ import annotations
@@ -40,11 +65,13 @@ import torch
 
 from tritonep.errors import PlanError
 
-__all__ = ["Placement", "place_torch", "check_counts", "MAX_PLANNER_WORLD", "MAX_PLANNER_EXPERTS"]
+__all__ = ["Placement", "place_torch", "check_counts", "PLACEMENT_MODES", "MAX_PLANNER_WORLD", "MAX_PLANNER_EXPERTS"]
 
 # Largest world / expert count the Triton planner keeps in registers (place_torch has no limit of its own).
 MAX_PLANNER_WORLD = 64
 MAX_PLANNER_EXPERTS = 1024
+# place_torch / plan modes; "reference" is the default and the MoonEP / Megatron algorithm bit for bit.
+PLACEMENT_MODES = ("reference", "minimal")
 
 
 @dataclass
@@ -55,7 +82,8 @@ class Placement:
 
     Attributes:
         allocation: ``[E, W]``: routes of expert ``e`` served on rank ``d``. Row sums equal the expert's total
-            valid routes; column sums equal ``capacity``.
+            valid routes; column sums equal ``capacity`` (minimal mode: unless its slots ran out, see the module
+            docstring).
         experts_to_copy: ``[W, L]``: global expert whose weights virtual slot ``s`` of rank ``d`` must hold, or
             -1 for an unused slot. This is the whole contract of weight push / gradient pull: owner
             ``experts_to_copy[d, s] // L`` pushes that expert into ``(d, s)`` and pulls its gradient back.
@@ -64,9 +92,11 @@ class Placement:
         segment_ends: ``[E, W]``: ``cumsum(allocation, dim=1)``: exclusive end of rank ``d``'s run of expert
             ``e`` in the GLOBAL stable route order of ``e`` (source rank, token, k). Rank ``d`` serves the routes
             with global ordinal in ``[segment_ends[e, d] - allocation[e, d], segment_ends[e, d])``.
-        quota: ``[W, W]``: routes rank ``s`` (row, sender) hands to rank ``d`` (column). Each column has at most
-            one non-zero entry (single-sender rule).
-        capacity: ``[W]``: routes every rank executes: ``N // W``, plus one on the ``N % W`` lowest ranks.
+        quota: ``[W, W]``: routes rank ``s`` (row, sender) hands to rank ``d`` (column). Reference mode: each
+            column has at most one non-zero entry (single-sender rule). Minimal mode: no rank has both a
+            non-zero row and a non-zero column.
+        capacity: ``[W]``: the balanced load: ``N // W``, plus one on the ``N % W`` lowest ranks (the routes every
+            rank executes, except in a minimal-mode plan whose slots ran out).
         status: ``[1]`` int32 device error word of the Triton planner (0 = ok; bit 1: a negative count;
             bit 2: ``topk_idx`` disagrees with ``counts[rank]``; bit 4: an expert id outside ``[-1, E)``), or
             None for ``place_torch`` (which raises instead).
@@ -148,30 +178,15 @@ def _argmin_lowest(values: list[int]) -> int:
     return best
 
 
-def place_torch(counts: torch.Tensor) -> Placement:
-    """Reference placement of the virtual-expert planner (MoonEP / Megatron greedy, see module docstring).
+def _check_mode(mode: str) -> str:
+    if mode not in PLACEMENT_MODES:
+        raise PlanError(f"mode={mode!r} is not one of {PLACEMENT_MODES}")
+    return mode
 
-    Args:
-        counts: ``[W, E]`` integer tensor (any int dtype, any device), ``counts[r, e]`` = number of valid
-            routes source rank ``r`` sends to expert ``e`` (the matrix the dispatch counts exchange gathers).
-            Ranks may have different token counts; masked routes are simply not counted.
 
-    Returns:
-        :class:`Placement` with int32 tensors on ``counts.device``.
-
-    Raises:
-        PlanError: wrong shape/dtype, ``E % W != 0``, a negative entry, a total above int32, or (unreachable by
-            the argument in the module docstring) an unsatisfiable quota or more than ``L`` remote experts.
-    """
-    check_counts(counts)
-    world, num_experts = int(counts.shape[0]), int(counts.shape[1])
-    L = num_experts // world
-    c = counts.detach().to("cpu", torch.int64)
-    total = c.sum(0).tolist()
-    n_routes = sum(total)
-    if n_routes >= 2**31:
-        raise PlanError(f"total valid routes {n_routes} does not fit int32")
-    cap = [n_routes // world + (1 if d < n_routes % world else 0) for d in range(world)]
+def _reference_moves(total: list[int], cap: list[int], world: int, L: int):
+    """Steps 2-3 of the reference mode: ``(quota [W][W], moved_to [E][W], remaining [E])`` (module docstring)."""
+    num_experts = world * L
     balance = [sum(total[d * L:(d + 1) * L]) - cap[d] for d in range(world)]
 
     # Step 2: rank -> rank quotas, single-sender rule.
@@ -207,6 +222,69 @@ def place_torch(counts: torch.Tensor) -> Placement:
             moved_to[e][dest] += m
         if max(q) > 0:
             raise PlanError(f"rank {s} could not serve its quota {quota[s]}")
+    return quota, moved_to, remaining
+
+
+def _minimal_moves(total: list[int], cap: list[int], world: int, L: int):
+    """Steps M2 of the minimal mode: ``(quota [W][W], moved_to [E][W], remaining [E])`` (module docstring)."""
+    num_experts = world * L
+    balance = [sum(total[d * L:(d + 1) * L]) - cap[d] for d in range(world)]
+    quota = [[0] * world for _ in range(world)]
+    moved_to = [[0] * world for _ in range(num_experts)]
+    remaining = list(total)
+    used = [0] * world
+    big = 2**31 - 1
+    for _ in range(num_experts):  # every round fills one of the W*L slots
+        sender = _argmax_lowest(balance)
+        if balance[sender] <= 0:
+            break
+        open_deficit = [balance[d] if balance[d] < 0 and used[d] < L else big for d in range(world)]
+        receiver = _argmin_lowest(open_deficit)
+        if open_deficit[receiver] >= 0:  # every rank still under capacity has all L slots in use
+            break
+        j = _argmax_lowest(remaining[sender * L:(sender + 1) * L])
+        e = sender * L + j
+        m = min(balance[sender], remaining[e], -balance[receiver])  # > 0: excess <= native load left
+        remaining[e] -= m
+        balance[sender] -= m
+        balance[receiver] += m
+        quota[sender][receiver] += m
+        moved_to[e][receiver] += m
+        used[receiver] += 1
+    return quota, moved_to, remaining
+
+
+def place_torch(counts: torch.Tensor, mode: str = "reference") -> Placement:
+    """Placement of the virtual-expert planner (the spec of the Triton planner, see the module docstring).
+
+    Args:
+        counts: ``[W, E]`` integer tensor (any int dtype, any device), ``counts[r, e]`` = number of valid
+            routes source rank ``r`` sends to expert ``e`` (the matrix the dispatch counts exchange gathers).
+            Ranks may have different token counts; masked routes are simply not counted.
+        mode: ``"reference"`` (default; MoonEP / Megatron greedy, single-sender rule, always exact balance) or
+            ``"minimal"`` (ours: only over-capacity ranks send, only under-capacity ranks receive, moved routes
+            == total excess; exact balance when the ``L`` slots per rank suffice, else the greedy's best effort).
+
+    Returns:
+        :class:`Placement` with int32 tensors on ``counts.device``.
+
+    Raises:
+        PlanError: wrong shape/dtype, ``E % W != 0``, a negative entry, a total above int32, an unknown
+            ``mode``, or (unreachable by the arguments in the module docstring) an unsatisfiable quota or more
+            than ``L`` remote experts on a rank.
+    """
+    _check_mode(mode)
+    check_counts(counts)
+    world, num_experts = int(counts.shape[0]), int(counts.shape[1])
+    L = num_experts // world
+    c = counts.detach().to("cpu", torch.int64)
+    total = c.sum(0).tolist()
+    n_routes = sum(total)
+    if n_routes >= 2**31:
+        raise PlanError(f"total valid routes {n_routes} does not fit int32")
+    cap = [n_routes // world + (1 if d < n_routes % world else 0) for d in range(world)]
+    moves = _reference_moves if mode == "reference" else _minimal_moves
+    quota, moved_to, remaining = moves(total, cap, world, L)
 
     allocation = [[0] * world for _ in range(num_experts)]
     for e in range(num_experts):

@@ -1,8 +1,8 @@
 """Host wrapper of the Triton virtual-expert planner: two launches, no host sync, bit-equal to the torch twins.
 
-``plan(counts, topk_idx, rank)`` == ``(place_torch(counts), remap_torch(topk_idx, place_torch(counts), rank,
-counts))`` bit for bit (tested), computed by :func:`tritonep.kernels.planner.plan_kernel` (placement + per-chunk
-expert histograms; one warp while the placement tiles are small, see ``_plan_warps``) then
+``plan(counts, topk_idx, rank, mode=m)`` == ``(place_torch(counts, m), remap_torch(topk_idx, place_torch(counts,
+m), rank, counts))`` bit for bit in both modes (tested), computed by :func:`tritonep.kernels.planner.plan_kernel`
+(placement + per-chunk expert histograms; one warp while the placement tiles are small, see ``_plan_warps``) then
 :func:`tritonep.kernels.planner.plan_remap_kernel` (remap, one route chunk per program).
 """
 
@@ -12,7 +12,9 @@ from typing import Optional
 
 import torch
 
-from tritonep.balance.placement import MAX_PLANNER_EXPERTS, MAX_PLANNER_WORLD, Placement, check_counts
+from tritonep.balance.placement import (
+    MAX_PLANNER_EXPERTS, MAX_PLANNER_WORLD, PLACEMENT_MODES, Placement, _check_mode, check_counts,
+)
 from tritonep.balance.remap import check_topk_idx
 from tritonep.errors import PlanError
 from tritonep.kernels.planner import plan_kernel, plan_remap_kernel
@@ -42,7 +44,8 @@ def _pow2(n: int) -> int:
 
 
 def plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, *, num_programs: Optional[int] = None,
-         block: Optional[int] = None, validate: bool = False) -> tuple[Placement, torch.Tensor]:
+         block: Optional[int] = None, validate: bool = False,
+         mode: str = "reference") -> tuple[Placement, torch.Tensor]:
     """Plan this step's virtual experts and remap this rank's routes, in two Triton launches.
 
     Args:
@@ -55,6 +58,9 @@ def plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, *, num_program
             else ``min(64, ceil(T*K / 512))``. Derived from shapes only, so the launches stay graph-capturable.
         block: routes per tile, a power of two in ``[16, 256]``; default 128 on CUDA, 64 elsewhere.
         validate: read the status word back and raise on bad data (a host sync); default False.
+        mode: ``"reference"`` (default, MoonEP / Megatron placement) or ``"minimal"`` (no rank both sends and
+            receives, moved routes == total excess when the slots suffice); see
+            :func:`tritonep.balance.placement.place_torch`, whose output it equals bit for bit in either mode.
 
     Returns:
         ``(placement, runtime_topk_idx)``: a :class:`Placement` of int32 device tensors (``status`` is
@@ -63,9 +69,11 @@ def plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, *, num_program
 
     Raises:
         PlanError: shape/dtype/device problems, ``E % W != 0``, ``W > MAX_PLANNER_WORLD`` (64), ``E >
-            MAX_PLANNER_EXPERTS`` (1024), ``rank`` out of range, bad ``block``; with ``validate=True`` also bad
-            values (negative counts, ids outside ``[-1, E)``, ``topk_idx`` not matching ``counts[rank]``).
+            MAX_PLANNER_EXPERTS`` (1024), ``rank`` out of range, bad ``block``, unknown ``mode``; with
+            ``validate=True`` also bad values (negative counts, ids outside ``[-1, E)``, ``topk_idx`` not matching
+            ``counts[rank]``).
     """
+    mode_id = PLACEMENT_MODES.index(_check_mode(mode))
     check_counts(counts, max_world=MAX_PLANNER_WORLD, check_values=False)
     world, num_experts = int(counts.shape[0]), int(counts.shape[1])
     if num_experts > MAX_PLANNER_EXPERTS:
@@ -113,7 +121,7 @@ def plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, *, num_program
         hist, alloc, etc, slot, ends, quota, cap, status,
         int(rank), **meta, W_PAD=w_pad, L_PAD=l_pad, E_PAD=e_pad, BLOCK=block,
         RB=max(1, min(w_pad, _RB_ELEMS // (w_pad * l_pad))),
-        num_warps=_plan_warps(w_pad, l_pad),
+        MODE=mode_id, num_warps=_plan_warps(w_pad, l_pad),
     )
     plan_remap_kernel[(num_programs,)](
         counts, counts.stride(0), counts.stride(1),

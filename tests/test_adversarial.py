@@ -363,5 +363,5 @@ def _dispatch_data_timeout_world(group):
 
 
 def test_dispatch_data_timeout_raises_in_the_same_call():
-    res = run_cpu_world(2, _dispatch_data_timeout_world, timeout_s=60)
+    res = run_cpu_world(2, _dispatch_data_timeout_world, timeout_s=60, check_protocol=False)  # rank 0 skips on purpose
     assert res[1] == ("dispatch.data", 0)

@@ -252,7 +252,7 @@ def _timeout_world(group):
 
 
 def test_missing_peer_raises_peer_timeout():
-    res = run_cpu_world(3, _timeout_world, timeout_s=120)
+    res = run_cpu_world(3, _timeout_world, timeout_s=120, check_protocol=False)  # rank 1 skips on purpose
     for r in (0, 2):
         (wait, peer, text), after = res[r]
         assert wait == "dispatch.counts" and peer == 1, text

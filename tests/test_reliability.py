@@ -454,7 +454,7 @@ def _skip_combine_world(group, kind):
 
 @pytest.mark.parametrize("kind", ["push", "pull"])
 def test_peer_skips_combine_raises_peer_timeout(kind):
-    res = run_cpu_world(3, _skip_combine_world, kind, timeout_s=120)
+    res = run_cpu_world(3, _skip_combine_world, kind, timeout_s=120, check_protocol=False)  # a rank skips on purpose
     assert res[1] == "skipped"
     for r in (0, 2):
         err, took, after = res[r]
@@ -488,7 +488,7 @@ def _skip_backward_world(group):
 
 
 def test_peer_skips_backward_raises_peer_timeout():
-    res = run_cpu_world(3, _skip_backward_world, timeout_s=120)
+    res = run_cpu_world(3, _skip_backward_world, timeout_s=120, check_protocol=False)  # a rank skips on purpose
     for r in (0, 2):
         err, after = res[r]
         assert err[0] in ("dispatch.data", "dispatch.ack") and err[1] == 1, err

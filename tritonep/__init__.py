@@ -15,7 +15,7 @@ if not _torch.cuda.is_available():
     _os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from . import errors  # noqa: E402
-from .errors import CapacityError, ConfigError, InputError, PeerTimeoutError, TimeoutError, TritonEPError  # noqa: E402
+from .errors import CapacityError, ConfigError, InputError, PeerInputError, PeerTimeoutError, TimeoutError, TritonEPError  # noqa: E402
 from .ep import Dispatched, DispatchHandle, EPBuffer, combine, dispatch  # noqa: E402
 from . import balance  # noqa: E402
 from .moe import MoEGeometry, MoELayer, MoERecipe  # noqa: E402
@@ -24,4 +24,4 @@ __version__ = "0.1.0"
 
 __all__ = ["EPBuffer", "Dispatched", "DispatchHandle", "dispatch", "combine", "MoELayer", "MoERecipe", "MoEGeometry",
            "balance", "errors", "TritonEPError",
-           "CapacityError", "ConfigError", "InputError", "PeerTimeoutError", "TimeoutError", "__version__"]
+           "CapacityError", "ConfigError", "InputError", "PeerInputError", "PeerTimeoutError", "TimeoutError", "__version__"]

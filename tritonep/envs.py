@@ -2,7 +2,7 @@
 
 | variable | default | meaning |
 |---|---|---|
-| TRITONEP_TIMEOUT_S | 30 (GPU), 60 (CPU interpreter) | bound of every in-kernel wait, seconds |
+| TRITONEP_TIMEOUT_S | 300 | default bound of every in-kernel wait, seconds (per object: ``timeout_s=``) |
 | TRITONEP_SYNC_CHECKS | 1 | eager calls read device status on the host to raise typed errors (one sync per call); 0 skips |
 | TRITONEP_NUM_SMS | 0 (= geometry table) | cap on the programs (SMs) a communication kernel may use |
 | TRITONEP_COMBINE | "" (= geometry table) | force "push" or "pull" combine |
@@ -30,8 +30,12 @@ def interpret() -> bool:
 
 
 def timeout_s() -> float:
-    """Bound of every in-kernel wait in seconds (TRITONEP_TIMEOUT_S)."""
-    return float(_get("TRITONEP_TIMEOUT_S", "60" if interpret() else "30"))
+    """Default bound of every in-kernel wait in seconds (TRITONEP_TIMEOUT_S, default 300).
+
+    Long enough for one rank to reach the next MoE layer minutes after another (checkpoint writing, evaluation on
+    rank 0); EPBuffer / MoELayer take ``timeout_s=`` per object.
+    """
+    return float(_get("TRITONEP_TIMEOUT_S", "300"))
 
 
 def sync_checks() -> bool:

@@ -10,6 +10,7 @@ __all__ = [
     "TritonEPError",
     "ConfigError",
     "InputError",
+    "PeerInputError",
     "CapacityError",
     "PeerTimeoutError",
     "TimeoutError",
@@ -37,6 +38,24 @@ class InputError(TritonEPError, ValueError):
 
     Raised before any peer memory is touched.
     """
+
+
+class PeerInputError(InputError):
+    """Another rank's input to the same collective call was invalid, so this call failed on every rank.
+
+    Raised on the ranks whose own input was fine; the rank with the bad input raises the :class:`InputError` (or
+    :class:`CapacityError`) that names its value. The flag travels with the call's counts exchange (DESIGN.md §6a):
+    no rows moved, the buffer stays usable and the next call pairs correctly on every rank.
+
+    Attributes:
+        bad_ranks: the ranks whose input was refused (ascending).
+        rank: the rank that raises.
+    """
+
+    def __init__(self, message: str, bad_ranks=(), rank: int = -1):
+        super().__init__(message)
+        self.bad_ranks = list(bad_ranks)
+        self.rank = rank
 
 
 class CapacityError(TritonEPError):

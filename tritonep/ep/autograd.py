@@ -21,8 +21,8 @@ class DispatchFn(torch.autograd.Function):
     backward = a combine without weights plus the return of the per-row weight gradients (module docstring)."""
 
     @staticmethod
-    def forward(ctx, x, topk_weights, impl, topk_idx, sync, box):
-        out, out_w, ntpe, offs, handle = impl.dispatch_fwd(x, topk_idx, topk_weights, sync)
+    def forward(ctx, x, topk_weights, impl, topk_idx, sync, box, flags=None):
+        out, out_w, ntpe, offs, handle = impl.dispatch_fwd(x, topk_idx, topk_weights, sync, **(flags or {}))
         box.append((ntpe, offs, handle))
         ctx.impl = impl
         ctx.handle = handle
@@ -35,7 +35,7 @@ class DispatchFn(torch.autograd.Function):
             grad_out = torch.zeros(ctx.handle.num_recv_rows or 0, ctx.impl.H, dtype=ctx.impl.dtype,
                                    device=ctx.impl.device)
         grad_x, grad_w = ctx.impl.dispatch_bwd(grad_out, grad_out_w, ctx.handle)
-        return grad_x, grad_w, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None
 
 
 class CombineFn(torch.autograd.Function):

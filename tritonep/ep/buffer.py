@@ -14,14 +14,15 @@ import torch
 import torch.distributed as dist
 
 from .. import envs
-from ..errors import BufferStateError, ConfigError
+from ..errors import BufferStateError, CapacityError, ConfigError, InputError, PeerInputError
 from ..memory import required_bytes as _layout_bytes
 from ..wire.formats import check_wire
 from .autograd import CombineFn, DispatchFn
 from .backend_choice import choose_backend
 from .handle import Dispatched, DispatchHandle
 from .triton_backend import TritonEP, regions
-from .validate import check_combine_inputs, check_dispatch_inputs, check_expert_ids
+from .status import resolve_timeout
+from .validate import check_combine_inputs, check_dispatch_inputs
 
 __all__ = ["EPBuffer"]
 
@@ -66,6 +67,9 @@ class EPBuffer:
         backend: ``"auto"`` (triton when every rank can map every peer's memory, else nccl) | ``"triton"`` |
             ``"nccl"``.
         dtype: element type of x and of the expert outputs: torch.bfloat16 only (ConfigError otherwise).
+        timeout_s: bound of every in-kernel wait of this buffer, seconds (default ``TRITONEP_TIMEOUT_S``, 300 s):
+            how long one rank may reach a call after another (checkpoint writing, evaluation on one rank) before
+            the waiting rank gives up with :class:`PeerTimeoutError` (the buffer is then unusable).
 
     Raises:
         ConfigError: an invalid value, or a static configuration that differs across ranks (raised on every rank,
@@ -76,7 +80,8 @@ class EPBuffer:
     def __init__(self, group, num_experts: int, hidden: int, max_tokens_per_rank: int, topk: int,
                  dispatch_wire: str = "bf16", combine_wire: str = "bf16", expert_alignment: int = 1,
                  max_recv_tokens: int | None = None, backend: str = "auto", dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str | None = None, num_sms: int | None = None):
+                 device: torch.device | str | None = None, num_sms: int | None = None,
+                 timeout_s: float | None = None):
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -88,6 +93,7 @@ class EPBuffer:
         if dtype != torch.bfloat16:
             raise ConfigError(f"dtype={dtype} is not supported: x and expert outputs travel as torch.bfloat16 "
                               f"(quantized wires: dispatch_wire / combine_wire)")
+        self.timeout_s = resolve_timeout(timeout_s)
         self.num_experts, self.hidden = num_experts, hidden
         self.max_tokens_per_rank, self.topk = max_tokens_per_rank, topk
         self.num_local_experts = num_experts // self.world_size
@@ -116,13 +122,13 @@ class EPBuffer:
         if self.backend == "triton":
             self._impl = TritonEP(group, self.rank, self.world_size, num_experts, hidden, max_tokens_per_rank, topk,
                                   expert_alignment, max_recv_tokens, self.device, dtype, num_sms=num_sms,
-                                  dispatch_wire=dispatch_wire, combine_wire=combine_wire)
+                                  dispatch_wire=dispatch_wire, combine_wire=combine_wire, timeout_s=self.timeout_s)
         else:
             from .nccl_backend import NcclEP
 
             self._impl = NcclEP(group, self.rank, self.world_size, num_experts, hidden, max_tokens_per_rank, topk,
                                 expert_alignment, max_recv_tokens, self.device, dtype,
-                                dispatch_wire=dispatch_wire, combine_wire=combine_wire)
+                                dispatch_wire=dispatch_wire, combine_wire=combine_wire, timeout_s=self.timeout_s)
         self._closed = False
         EPBuffer._serial += 1
         self._id = EPBuffer._serial
@@ -203,31 +209,54 @@ class EPBuffer:
             :class:`Dispatched` (rows ordered by (source rank, token, k) inside each expert segment).
 
         Raises:
-            InputError: bad dtype / shape / device / expert id (before any peer is touched).
+            InputError: bad dtype / shape / device / expert id of THIS rank's input (the value is named).
+            PeerInputError: another rank's input to this call was refused (its rank is named).
             CapacityError: ``T > max_tokens_per_rank`` or more rows than ``max_recv_tokens`` (nothing is sent).
             PeerTimeoutError: a peer never arrived; the buffer is unusable afterwards.
             BufferStateError: closed or broken buffer.
+
+        A refused input is an error on EVERY rank for that call (DESIGN.md §6a): the refusing rank still runs the
+        call's launch sequence with no tokens and a flag in its counts row, the flag reaches every rank with the
+        counts exchange (no extra collective), no rows move anywhere, the buffer stays usable and the next call
+        pairs correctly. Ids outside ``[-1, E)`` are found on the device in the same exchange (no host read of
+        ``topk_idx``). Eagerly (``TRITONEP_SYNC_CHECKS=1``, the default) every rank raises in this call; with sync
+        checks off or under graph capture the refusing rank raises at once and the peers at their next
+        :meth:`check`, and until then their rows of this call are unspecified (``weights`` past
+        ``expert_offsets[-1]`` are zero).
         """
         self._check_open()
-        x, topk_idx, topk_weights = check_dispatch_inputs(
-            x, topk_idx, topk_weights, hidden=self.hidden, topk=self.topk,
-            max_tokens_per_rank=self.max_tokens_per_rank, dtype=self.dtype, device=self.device)
+        refused = None
+        try:
+            x, topk_idx, topk_weights = check_dispatch_inputs(
+                x, topk_idx, topk_weights, hidden=self.hidden, topk=self.topk,
+                max_tokens_per_rank=self.max_tokens_per_rank, dtype=self.dtype, device=self.device)
+        except (InputError, CapacityError) as e:
+            refused = e
+            x = torch.empty(0, self.hidden, dtype=self.dtype, device=self.device)
+            topk_idx = torch.empty(0, self.topk, dtype=torch.int64, device=self.device)
+            topk_weights = torch.empty(0, self.topk, dtype=torch.float32, device=self.device)
         sync = self._sync()
-        if sync:
-            check_expert_ids(topk_idx, self.num_experts)
-        if keep_quantized and self.dispatch_wire != "bf16":
-            with torch.no_grad():
-                q, out_w, ntpe, offs, handle = self._impl.dispatch_fwd(x, topk_idx, topk_weights, sync,
-                                                                       keep_quantized=True)
-            handle.recv_weights = out_w
-            handle.extras["buffer_id"] = self._id
-            return Dispatched(x=q, num_tokens_per_expert=ntpe, expert_offsets=offs, handle=handle, weights=out_w,
-                              x_scales=handle.extras["x_scales"])
-        box: list = []
-        out, out_w, ntpe, offs = DispatchFn.apply(x, topk_weights, self._impl, topk_idx, sync, box)
-        handle: DispatchHandle = box[0][2]
+        flag = {"bad_input": True} if refused is not None else {}
+        try:
+            if keep_quantized and self.dispatch_wire != "bf16":
+                with torch.no_grad():
+                    q, out_w, ntpe, offs, handle = self._impl.dispatch_fwd(x, topk_idx, topk_weights, sync,
+                                                                           keep_quantized=True, **flag)
+            else:
+                box: list = []
+                out, out_w, ntpe, offs = DispatchFn.apply(x, topk_weights, self._impl, topk_idx, sync, box, flag)
+                handle = box[0][2]
+        except PeerInputError:
+            if refused is not None:
+                raise refused from None  # this rank's own error names its value
+            raise
+        if refused is not None:
+            raise refused  # sync checks off / graph capture: the peers learn it at their next check()
         handle.recv_weights = out_w
         handle.extras["buffer_id"] = self._id
+        if keep_quantized and self.dispatch_wire != "bf16":
+            return Dispatched(x=q, num_tokens_per_expert=ntpe, expert_offsets=offs, handle=handle, weights=out_w,
+                              x_scales=handle.extras["x_scales"])
         return Dispatched(x=out, num_tokens_per_expert=ntpe, expert_offsets=offs, handle=handle, weights=out_w)
 
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle, kind: str | None = None) -> torch.Tensor:

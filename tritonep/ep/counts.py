@@ -15,7 +15,7 @@ from ..errors import InputError
 from ..kernels.layout import chunk_hist_kernel, exchange_kernel
 from ..memory import Region, get_heap
 from .launch import Launcher
-from .status import raise_for_status, wait_bound
+from .status import raise_for_status, resolve_timeout, wait_bound
 
 __all__ = ["CountsExchange", "counts_regions"]
 
@@ -25,8 +25,8 @@ def counts_regions(world_size: int, num_experts: int, max_tokens_per_rank: int, 
     W, E = world_size, num_experts
     ncmax = max(1, triton.cdiv(max_tokens_per_rank, bt))
     return [Region("flags", (W,), torch.int64), Region("status", (8,), torch.int64),
-            Region("calls", (4,), torch.int64), Region("counts", (2, W, E), torch.int32),
-            Region("hist", (ncmax, E), torch.int32), Region("pre", (ncmax, E), torch.int32),
+            Region("calls", (4,), torch.int64), Region("counts", (2, W, E + 1), torch.int32),
+            Region("hist", (ncmax, E + 1), torch.int32), Region("pre", (ncmax, E), torch.int32),
             Region("send_base", (E,), torch.int32), Region("rows_needed", (W,), torch.int64)]
 
 
@@ -35,13 +35,15 @@ class CountsExchange:
 
     Args:
         group: the EP group; num_experts: E; max_tokens_per_rank, topk: static capacity; device.
+        timeout_s: bound of the exchange's in-kernel wait in seconds (default: ``TRITONEP_TIMEOUT_S``).
     Raises:
         InputError: topk_idx of the wrong shape or dtype. PeerTimeoutError via :meth:`check`.
     """
 
     BT = 16
 
-    def __init__(self, group, num_experts: int, max_tokens_per_rank: int, topk: int, device):
+    def __init__(self, group, num_experts: int, max_tokens_per_rank: int, topk: int, device,
+                 timeout_s: float | None = None):
         self.rank, self.W = dist.get_rank(group), dist.get_world_size(group)
         self.E, self.Tm, self.K = num_experts, max_tokens_per_rank, topk
         self.device = torch.device(device)
@@ -50,8 +52,18 @@ class CountsExchange:
         b = self.buf
         self.flags, self.status, self.calls = b.local("flags"), b.local("status"), b.local("calls")
         self.tab_counts, self.tab_flags = b.ptr_table("counts"), b.ptr_table("flags")
-        self.timeout = wait_bound(self.device)
+        self.timeout_s = resolve_timeout(timeout_s)
+        self.timeout = wait_bound(self.device, self.timeout_s)
         self._launch = Launcher(self.device, group)
+        ncmax = max(1, triton.cdiv(max_tokens_per_rank, self.BT))
+        EB = triton.next_power_of_2(self.E)
+        L = self.E // self.W
+        # static tiles (never derived from a call's T: DESIGN.md 6a)
+        self._ex = dict(RANK=self.rank, W=self.W, E=self.E, L=L, A=1, WB=max(2, triton.next_power_of_2(self.W)),
+                        LB=triton.next_power_of_2(L), EB=EB, NCB=min(triton.next_power_of_2(ncmax), 64),
+                        EBLK=min(EB, 64), HAS_TIMER=self.device.type == "cuda", DOUBLE=True)
+        self._launch.dry_run(lambda: self.gather(torch.zeros(self.Tm, self.K, dtype=torch.int64,
+                                                             device=self.device)), restore=(self.calls,))
 
     def gather(self, topk_idx: torch.Tensor) -> torch.Tensor:
         """Exchange this rank's histogram of ``topk_idx`` ([T, K], ids in [-1, E)) and return the full matrix."""
@@ -69,15 +81,12 @@ class CountsExchange:
                      KB=triton.next_power_of_2(self.K), bump_a=self.calls[0:1], NBUMP=1)
         self._launch(exchange_kernel, (1,), b.local("hist"), nc, self.tab_counts, self.flags, self.tab_flags, 0,
                      self.calls, self.status, self.timeout, b.local("pre"), b.local("send_base"), ntpe, offs,
-                     b.local("rows_needed"), 2 ** 31 - 1, RANK=self.rank, W=self.W, E=self.E, L=L, A=1,
-                     WB=max(2, triton.next_power_of_2(self.W)), LB=triton.next_power_of_2(L), EB=EB,
-                     NCB=triton.next_power_of_2(max(nc, 1)), EBLK=min(EB, 64),
-                     HAS_TIMER=self.device.type == "cuda", DOUBLE=True)
+                     b.local("rows_needed"), 2 ** 31 - 1, 0, **self._ex)
         n = self.calls[0:1] % 2  # device-side parity: no host read
-        return torch.index_select(b.local("counts"), 0, n).view(self.W, self.E).clone()
+        return torch.index_select(b.local("counts"), 0, n)[0, :, :self.E].clone()
 
     def check(self):
-        raise_for_status(self.status.cpu(), self.rank, 0, "counts exchange")
+        raise_for_status(self.status.cpu(), self.rank, 0, "counts exchange", self.timeout_s, self.device.type)
 
     def close(self):
         if self.buf is not None:

@@ -1,36 +1,113 @@
-"""Kernel launches for multi-rank protocols: compile every variant on every rank before its first use.
+"""Kernel launches for multi-rank protocols: no host collective inside a call, variants compiled at construction.
 
-A bounded wait must never expire because a peer is still compiling the kernel that would signal it (on a fresh
-machine a compile takes seconds). On a GPU, the first launch of each kernel variant (name + constexpr values) is
-compiled with ``kernel.warmup`` on every rank and followed by a host barrier of the group; later launches go
-straight to the kernel. Data-dependent integer arguments are marked ``do_not_specialize`` in the kernels, so a
-variant depends only on the static configuration, identical on every rank (checked at construction).
+The host protocol rule (DESIGN.md §6a): every rank runs the same sequence of host collectives and signalling kernel
+launches for a call, whatever its data. A launcher that compiled a variant lazily and then barriered (the design
+before 2026-11-30) broke it: a variant first seen by one rank (a data-dependent constexpr, or a kernel launched only
+when a rank held some expert) put a host barrier on that rank alone, while a kernel on the other rank waited for a
+signal -> deadlock on the H200. Now:
+
+* :meth:`Launcher.__call__` only launches (no barrier, no sync, no per-launch key building). A variant that was not
+  compiled before compiles on first use on that rank alone, which is harmless: waits are bounded by
+  ``timeout_s`` (default 300 s) and a compile takes seconds.
+* :meth:`Launcher.precompile` runs a code path of the owner with every launch replaced by ``kernel.warmup`` (GPU
+  only; the interpreter has nothing to compile), so constructors compile every variant they can launch before the
+  one construction-time barrier they already do.
+* Every launch is reported to the process-wide recorder if one is installed (:func:`set_recorder`): the CPU world
+  (:mod:`tritonep.testing.world`) installs one in every rank and fails the test when the ranks' sequences of
+  (launch or collective, name, grid) differ.
 """
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
+from contextlib import contextmanager
+from typing import Callable
 
-__all__ = ["Launcher"]
+import torch
+
+__all__ = ["Launcher", "set_recorder", "get_recorder", "record"]
+
+_RECORDER: Callable[[tuple], None] | None = None
+
+
+def set_recorder(fn: Callable[[tuple], None] | None):
+    """Install (or with None remove) the process-wide recorder of protocol events.
+
+    ``fn(event)`` is called with ``("launch", kernel_name, grid)`` for every launch through a :class:`Launcher` and
+    with whatever :func:`record` is given. Used by the CPU world; never set in production.
+    """
+    global _RECORDER
+    _RECORDER = fn
+
+
+def get_recorder():
+    """The installed recorder or None."""
+    return _RECORDER
+
+
+def record(event: tuple):
+    """Report a protocol event (e.g. ``("collective", "barrier")``) to the recorder, if one is installed."""
+    if _RECORDER is not None:
+        _RECORDER(event)
+
+
+def kernel_name(kernel) -> str:
+    """``kernel.fn.__name__`` for a Triton JIT / interpreted function, else its repr."""
+    fn = getattr(kernel, "fn", None)
+    return getattr(fn, "__name__", None) or getattr(kernel, "__name__", None) or repr(kernel)
 
 
 class Launcher:
-    """``launcher(kernel, grid, *args, **kwargs)``: launch with compile-then-barrier on first use (GPU only)."""
+    """``launcher(kernel, grid, *args, **kwargs)`` launches ``kernel[grid](*args, **kwargs)`` (see module docstring).
 
-    def __init__(self, device: torch.device, group):
-        self.device = device
+    Args:
+        device: the owner's device; precompiling happens only on CUDA.
+        group: the EP group (kept for the owner; the launcher itself runs no collective).
+    """
+
+    def __init__(self, device: torch.device, group=None):
+        self.device = torch.device(device)
         self.group = group
-        self.compiled: set = set()
+        self._warmup = False
 
     def __call__(self, kernel, grid, *args, **kwargs):
-        if self.device.type == "cuda":
-            key = (getattr(getattr(kernel, "fn", None), "__name__", repr(kernel)),
-                   tuple(sorted((k, repr(v)) for k, v in kwargs.items() if not hasattr(v, "data_ptr"))))
-            if key not in self.compiled:
-                kernel.warmup(*args, grid=grid, **kwargs)
-                self.compiled.add(key)
-                if not torch.cuda.is_current_stream_capturing():
-                    torch.cuda.synchronize(self.device)
-                    dist.barrier(group=self.group, device_ids=[self.device.index])
+        if self._warmup:
+            kernel.warmup(*args, grid=grid, **kwargs)
+            return None
+        if _RECORDER is not None:
+            _RECORDER(("launch", kernel_name(kernel), tuple(grid)))
         return kernel[grid](*args, **kwargs)
+
+    @property
+    def warming(self) -> bool:
+        """True while :meth:`precompile` runs (launches compile instead of running)."""
+        return self._warmup
+
+    @contextmanager
+    def precompile(self):
+        """``with launcher.precompile(): <owner code path>``: every launch inside compiles instead of running.
+
+        On CPU (interpreter) the body is skipped entirely: there is nothing to compile, and the body must not run
+        (its launches would execute). Owners must undo any device-state change their code path makes outside
+        kernels (e.g. call counters advanced with torch ops); :meth:`dry_run` does that for a list of tensors.
+        """
+        if self.device.type != "cuda":
+            yield False
+            return
+        self._warmup = True
+        try:
+            yield True
+        finally:
+            self._warmup = False
+
+    def dry_run(self, fn: Callable[[], object], restore: tuple = ()):
+        """Run ``fn()`` under :meth:`precompile` (GPU only) and put back the contents of ``restore`` tensors.
+
+        Returns True when something was compiled (CUDA), False on CPU (``fn`` not called).
+        """
+        saved = [t.clone() for t in restore] if self.device.type == "cuda" else []
+        with self.precompile() as on:
+            if on:
+                fn()
+        for t, s in zip(restore, saved):
+            t.copy_(s)
+        return self.device.type == "cuda"

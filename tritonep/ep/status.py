@@ -1,7 +1,10 @@
 """Device status word -> typed host errors, and wait bounds for GPU (ns) and interpreter (polls).
 
-Every EPBuffer owns ``status`` int64 ``[8]``: ``[code, wait_id, peer, errors_seen, needed_rows, 0, 0, 0]``
-written by the kernels (:mod:`tritonep.kernels.signal`).
+Every EPBuffer owns ``status`` int64 ``[8]``: ``[code, wait_id, peer, errors_seen, needed_rows, skip_call,
+bad_rank_mask, waited]`` written by the kernels (:mod:`tritonep.kernels.signal`, :mod:`tritonep.kernels.layout`):
+``skip_call`` is the dispatch number whose data kernels skip their rows (capacity or input error),
+``bad_rank_mask`` has bit r set when rank r's input was refused, ``waited`` is the measured length of the wait
+that gave up (nanoseconds on GPU, polls in the interpreter).
 """
 
 from __future__ import annotations
@@ -11,15 +14,18 @@ import time
 import torch
 
 from .. import envs
-from ..errors import CapacityError, PeerTimeoutError
+from ..errors import CapacityError, PeerInputError, PeerTimeoutError
 from ..kernels import signal as _sig
 
-STATUS_OK, STATUS_TIMEOUT, STATUS_CAPACITY = (int(_sig.STATUS_OK.value), int(_sig.STATUS_TIMEOUT.value),
-                                            int(_sig.STATUS_CAPACITY.value))
+STATUS_OK, STATUS_TIMEOUT, STATUS_CAPACITY, STATUS_BAD_INPUT = (
+    int(_sig.STATUS_OK.value), int(_sig.STATUS_TIMEOUT.value), int(_sig.STATUS_CAPACITY.value),
+    int(_sig.STATUS_BAD_INPUT.value))
 
-__all__ = ["WAIT_NAMES", "raise_for_status", "wait_bound"]
+__all__ = ["WAIT_NAMES", "raise_for_status", "wait_bound", "bad_ranks", "resolve_timeout"]
 
-WAIT_NAMES = {0: "dispatch.counts", 1: "dispatch.data", 2: "dispatch.ack", 3: "combine.data", 4: "combine.ack"}
+WAIT_NAMES = {0: "dispatch.counts", 1: "dispatch.data", 2: "dispatch.ack", 3: "combine.data", 4: "combine.ack",
+              10: "transport.rendezvous0", 11: "transport.rendezvous1", 12: "transport.rendezvous2",
+              13: "transport.rendezvous3"}
 
 _POLLS_PER_S: float | None = None
 
@@ -49,25 +55,71 @@ def _interp_polls_per_s() -> float:
     return _POLLS_PER_S
 
 
-def wait_bound(device: torch.device) -> int:
-    """The ``timeout`` argument of the kernels: nanoseconds on GPU, a poll count in the interpreter."""
-    s = envs.timeout_s()
+def resolve_timeout(timeout_s: float | None) -> float:
+    """The wait bound in seconds: ``timeout_s`` if given, else TRITONEP_TIMEOUT_S (default 300 s).
+
+    Raises:
+        ConfigError: a bound that is not a positive number.
+    """
+    from ..errors import ConfigError
+
+    s = envs.timeout_s() if timeout_s is None else timeout_s
+    if isinstance(s, bool) or not isinstance(s, (int, float)) or not s > 0:
+        raise ConfigError(f"timeout_s must be a positive number of seconds, got {s!r}")
+    return float(s)
+
+
+def wait_bound(device: torch.device, timeout_s: float | None = None) -> int:
+    """The ``timeout`` argument of the kernels for a bound of ``timeout_s`` seconds (default: TRITONEP_TIMEOUT_S):
+    nanoseconds on GPU, a poll count in the interpreter (calibrated once to the interpreter's polls per second)."""
+    s = resolve_timeout(timeout_s)
     if device.type == "cuda":
         return int(s * 1e9)
     return max(1, int(s * _interp_polls_per_s()))
 
 
-def raise_for_status(status_host: torch.Tensor, rank: int, max_recv: int, what: str):
-    """Raise the typed error a status word holds (``status_host``: int64 ``[8]`` on the host), else return."""
+def bad_ranks(status_host: torch.Tensor) -> list:
+    """Ranks whose input the last counts exchange refused (bits of ``status[6]``)."""
+    mask = int(status_host[6])
+    return [r for r in range(64) if (mask >> r) & 1]
+
+
+def _waited(status_host, device_type: str | None) -> str:
+    v = int(status_host[7])
+    if device_type == "cuda":
+        return f"after waiting {v / 1e9:.1f} s"
+    if device_type == "cpu":
+        return (f"after {v} polls (~{v / _interp_polls_per_s():.1f} s: the interpreter bounds waits in poll "
+                f"counts calibrated to seconds)")
+    return "after its bound"
+
+
+def raise_for_status(status_host: torch.Tensor, rank: int, max_recv: int, what: str,
+                     timeout_s: float | None = None, device_type: str | None = None):
+    """Raise the typed error a status word holds (``status_host``: int64 ``[8]`` on the host), else return.
+
+    Raises:
+        PeerTimeoutError: a wait gave up (message: the wait, the peer, the measured wait and the bound).
+        CapacityError: a rank would receive more rows than ``max_recv``.
+        PeerInputError: some rank's input was refused (``bad_ranks`` from the status bitmask).
+    """
     code = int(status_host[0])
     if code == STATUS_OK:
         return
     if code == STATUS_TIMEOUT:
         wait = WAIT_NAMES.get(int(status_host[1]), f"wait#{int(status_host[1])}")
         peer = int(status_host[2])
+        bound = resolve_timeout(timeout_s)
         raise PeerTimeoutError(
-            f"{what}: rank {rank} timed out after {envs.timeout_s():.0f} s in wait {wait!r} for peer {peer} "
-            f"(TRITONEP_TIMEOUT_S); the buffer is now unusable", wait=wait, peer=peer, rank=rank)
+            f"{what}: rank {rank} timed out in wait {wait!r} for peer {peer} {_waited(status_host, device_type)} "
+            f"(bound {bound:g} s: timeout_s / TRITONEP_TIMEOUT_S); the buffer is now unusable",
+            wait=wait, peer=peer, rank=rank)
+    if code == STATUS_BAD_INPUT:
+        bad = bad_ranks(status_host)
+        raise PeerInputError(
+            f"{what}: the input of rank(s) {bad} was refused, so this call failed on every rank (rank {rank} "
+            f"raises this; the bad rank raises the error naming its value); nothing was sent", bad_ranks=bad,
+            rank=rank)
     if code == STATUS_CAPACITY:
         needed = int(status_host[4])
         raise CapacityError(

@@ -30,7 +30,8 @@ from .geometry import select_geometry
 from ..kernels.wirecodec import WIRE_IDS
 from .handle import DispatchHandle
 from .launch import Launcher
-from .status import STATUS_CAPACITY, raise_for_status, wait_bound
+from .status import STATUS_BAD_INPUT, STATUS_CAPACITY, bad_ranks, raise_for_status, resolve_timeout, wait_bound
+from .validate import check_expert_ids
 
 __all__ = ["regions", "TritonEP"]
 
@@ -44,12 +45,13 @@ def regions(world_size, num_experts, hidden, max_tokens_per_rank, topk, max_recv
         Region("flags", (NUM_FLAGS, W), torch.int64),
         Region("status", (8,), torch.int64),
         Region("calls", (4,), torch.int64),
-        Region("counts", (2, W, E), torch.int32),  # two matrices for alternate calls (see exchange_kernel DOUBLE)
+        # two [W, E+1] matrices for alternate calls (exchange_kernel DOUBLE); column E: the source's input errors
+        Region("counts", (2, W, E + 1), torch.int32),
         Region("ntok", (W,), torch.int32),
         Region("meta", (W, Tm, K), torch.int32),
         Region("wts", (W, Tm, K), torch.float32),
         Region("wback", (W, Tm, K), torch.float32),
-        Region("hist", (ncmax, E), torch.int32),
+        Region("hist", (ncmax, E + 1), torch.int32),
         Region("pre", (ncmax, E), torch.int32),
         Region("send_base", (E,), torch.int32),
         Region("rows_needed", (W,), torch.int64),
@@ -70,7 +72,7 @@ class TritonEP:
 
     def __init__(self, group, rank, world_size, num_experts, hidden, max_tokens_per_rank, topk, expert_alignment,
                  max_recv_tokens, device, dtype=torch.bfloat16, num_sms=None, dispatch_wire="bf16",
-                 combine_wire="bf16"):
+                 combine_wire="bf16", timeout_s=None):
         self.rank, self.W = rank, world_size
         self.E, self.H, self.Tm, self.K = num_experts, hidden, max_tokens_per_rank, topk
         self.L = num_experts // world_size
@@ -94,8 +96,10 @@ class TritonEP:
         self.tab = {n: b.ptr_table(n) for n in ("flags", "counts", "ntok", "meta", "wts", "wback", "stage",
                                                  "cstage", "cflag", "ccflag")}
         self.has_timer = device.type == "cuda"
-        self.timeout = wait_bound(device)
+        self.timeout_s = resolve_timeout(timeout_s)
+        self.timeout = wait_bound(device, self.timeout_s)
         self.broken: str | None = None
+        self._last_idx = None
         self._launch = Launcher(device, group)
         p2 = triton.next_power_of_2
         self.c = dict(RANK=rank, W=world_size, K=topk, KB=p2(topk), H=hidden, BH=self.geo.bh, BT=self.geo.bt,
@@ -103,6 +107,15 @@ class TritonEP:
         self._kw = {"num_warps": self.geo.num_warps}
         if device.type == "cuda":
             self._kw["num_stages"] = 1
+        # the constexpr keyword arguments every data kernel takes, built once (not per launch)
+        self._ck = {k: self.c[k] for k in ("RANK", "W", "K", "KB", "H", "BH", "BT", "WB", "HAS_TIMER", "RB")}
+        self._ck.update(self._kw)
+        EB = p2(num_experts)
+        # static tiles of the counts exchange: never derived from this call's T (DESIGN.md 6a)
+        self._ex = dict(RANK=rank, W=world_size, E=num_experts, L=self.L, A=self.A, WB=self.c["WB"], LB=p2(self.L),
+                        EB=EB, NCB=min(p2(self.ncmax), 64), EBLK=min(EB, 64), HAS_TIMER=self.has_timer, DOUBLE=True,
+                        **self._kw)
+        self._precompile(group)
 
     # ---------------------------------------------------------------------------------------------- helpers
     def expert_out_buffer(self) -> torch.Tensor:
@@ -118,10 +131,12 @@ class TritonEP:
         A capacity error is reported once and cleared (the buffer stays usable); a timeout makes it unusable.
         """
         st = self.status.cpu().clone()  # .cpu() of a CPU tensor is the tensor itself
-        if int(st[0]) == STATUS_CAPACITY:
+        if int(st[0]) in (STATUS_CAPACITY, STATUS_BAD_INPUT):
             self.status.zero_()
+        if int(st[0]) == STATUS_BAD_INPUT and self.rank in bad_ranks(st) and self._last_idx is not None:
+            check_expert_ids(self._last_idx, self.E)  # this rank's own ids: InputError naming the value
         try:
-            raise_for_status(st, self.rank, self.max_recv, what)
+            raise_for_status(st, self.rank, self.max_recv, what, self.timeout_s, self.device.type)
         except PeerTimeoutError as e:
             self.broken = str(e)
             raise
@@ -131,42 +146,85 @@ class TritonEP:
 
         Without it a combine whose peer never arrived would return zeros silently.
         """
-        if not envs.sync_checks() or (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        if not envs.sync_checks() or self._launch.warming or (
+                self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             return
         self.check(what)
 
     def _flag_off(self, row):
         return row * self.W * 8
 
+    # ---------------------------------------------------------------------------------------------- construction
+    def _precompile(self, group):
+        """Compile every kernel variant this buffer can launch (GPU), then one barrier of the group (every device).
+
+        The dry run walks the real code paths (dispatch with and without keep_quantized, push and pull combine,
+        both backwards) with every launch turned into ``kernel.warmup`` (:meth:`Launcher.dry_run`), and puts the
+        call counters and status back. No call ever compiles-and-barriers lazily (DESIGN.md 6a).
+        """
+        import torch.distributed as dist
+
+        def walk():
+            T, H, K, dev = self.Tm, self.H, self.K, self.device
+            x = torch.zeros(T, H, dtype=self.dtype, device=dev)
+            idx = torch.zeros(T, K, dtype=torch.int64, device=dev)
+            w = torch.zeros(T, K, dtype=torch.float32, device=dev)
+            variants = [False, True] if self.dwire != 0 else [False]
+            for kq in variants:
+                out, out_w, _, _, handle = self.dispatch_fwd(x, idx, w, sync=False, keep_quantized=kq)
+            eo = self.expert_out_buffer()
+            for kind in ("push", "pull"):
+                self._combine(eo, handle, weighted=True, kind=kind, wire=self.cwire)
+            self.dispatch_bwd(eo, None, handle)
+            self.dispatch_bwd(eo, out_w, handle)
+            self.combine_bwd(x, eo, handle)
+
+        self._launch.dry_run(walk, restore=(self.calls, self.status))
+        if self.device.type == "cuda":
+            dist.barrier(group=group, device_ids=[self.device.index])
+        else:
+            dist.barrier(group=group)
+
     # ---------------------------------------------------------------------------------------------- dispatch
-    def dispatch_fwd(self, x, topk_idx, topk_weights, sync: bool, keep_quantized: bool = False):
+    def dispatch_fwd(self, x, topk_idx, topk_weights, sync: bool, keep_quantized: bool = False,
+                     bad_input: bool = False):
+        """Forward dispatch (see the module docstring for the launch sequence).
+
+        ``bad_input=True``: the front door refused this rank's input; ``x``/``topk_idx``/``topk_weights`` are
+        empty and the rank still runs the whole launch sequence, flagging the refusal in its counts row, so every
+        rank fails this call together (:class:`PeerInputError`) and the next call pairs correctly.
+
+        Raises (eager, ``sync``): PeerInputError / InputError (ids outside ``[-1, E)`` on this rank),
+        CapacityError, PeerTimeoutError; no row moves on any rank for the first two.
+        """
         self._check_usable()
         g, c = self.geo, self.c
         T = x.shape[0]
+        self._last_idx = None if bad_input else topk_idx  # check() names a bad id found on the device
         nc = triton.cdiv(T, g.bt)
         self._launch(chunk_hist_kernel, (g.grid_hist,), topk_idx, self.hist, T, nc, K=self.K, E=self.E,
-                     EB=triton.next_power_of_2(self.E), BT=g.bt, KB=c["KB"], bump_a=self.calls[0:1],
-                     bump_b=self.calls[2:3], NBUMP=2, **self._kw)
+                     EB=self._ex["EB"], BT=g.bt, KB=c["KB"], bump_a=self.calls[0:1], bump_b=self.calls[2:3], NBUMP=2,
+                     **self._kw)
         ntpe = torch.empty(self.L, dtype=torch.int32, device=self.device)
         offs = torch.empty(self.L, dtype=torch.int32, device=self.device)
-        EB = triton.next_power_of_2(self.E)
         self._launch(exchange_kernel, (1,), self.hist, nc, self.tab["counts"], self.flags, self.tab["flags"],
                      self._flag_off(0), self.calls[2:], self.status, self.timeout, self.pre,
-                     self.send_base, ntpe, offs, self.rows_needed, self.max_recv,
-                     RANK=self.rank, W=self.W, E=self.E, L=self.L, A=self.A, WB=c["WB"],
-                     LB=triton.next_power_of_2(self.L), EB=EB,
-                     NCB=triton.next_power_of_2(max(nc, 1)), EBLK=min(EB, 64), HAS_TIMER=self.has_timer,
-                     DOUBLE=True, dcall_ptr=self.calls[0:1], **self._kw)
+                     self.send_base, ntpe, offs, self.rows_needed, self.max_recv, int(bad_input),
+                     dcall_ptr=self.calls[0:1], **self._ex)
         R = None
         if sync:
             st = torch.cat([self.status, self.rows_needed[self.rank:self.rank + 1]]).cpu()
-            if int(st[0]) != 0:
-                self.calls[0:1].sub_(1)  # no rows move in this call on any rank (all saw the same counts)
-                if int(st[0]) != STATUS_CAPACITY:
-                    self.broken = "timeout"
-                else:
+            code = int(st[0])
+            if code != 0:
+                if code in (STATUS_CAPACITY, STATUS_BAD_INPUT):
+                    # no rows move in this call on any rank (all saw the same counts); the buffer stays usable
+                    self.calls[0:1].sub_(1)
                     self.status.zero_()
-                raise_for_status(st[:8], self.rank, self.max_recv, "dispatch")
+                else:
+                    self.broken = "timeout"
+                if code == STATUS_BAD_INPUT and self.rank in bad_ranks(st) and not bad_input:
+                    check_expert_ids(topk_idx, self.E)  # raises InputError naming the value
+                raise_for_status(st[:8], self.rank, self.max_recv, "dispatch", self.timeout_s, self.device.type)
             R = int(st[8])
         nrows = R if R is not None else self.max_recv
         q = sc = None
@@ -179,7 +237,9 @@ class TritonEP:
             out = torch.empty(0, self.H, dtype=self.dtype, device=self.device)
         else:
             out = torch.empty(nrows, self.H, dtype=self.dtype, device=self.device)
-        out_w = torch.empty(nrows, dtype=torch.float32, device=self.device)
+        # weights past the received rows stay zero (rows are not cleared: with sync checks off they are unspecified)
+        out_w = torch.empty(nrows, dtype=torch.float32, device=self.device) if R is not None else \
+            torch.zeros(nrows, dtype=torch.float32, device=self.device)
         rows = torch.empty(T, self.K, dtype=torch.int32, device=self.device)
         handle = DispatchHandle(topk_idx=topk_idx, topk_weights=topk_weights, rows=rows,
                                 meta=torch.empty(self.W, self.Tm, self.K, dtype=torch.int32, device=self.device),
@@ -187,7 +247,8 @@ class TritonEP:
                                 ntok=torch.empty(self.W, dtype=torch.int32, device=self.device),
                                 num_tokens=T, num_recv_rows=R, backend=self.name)
         # [W, E] routes of every rank per expert: the matrix of this call's parity (device-side index, no host read)
-        handle.extras["counts"] = torch.index_select(self.buf.local("counts"), 0, self.calls[2:3] % 2)[0].clone()
+        handle.extras["counts"] = torch.index_select(self.buf.local("counts"), 0,
+                                                     self.calls[2:3] % 2)[0, :, :self.E].clone()
         if g.fused_send > 0:
             self._fused(x, handle, topk_weights, out, out_w, ntpe, offs, q, sc)
         else:
@@ -201,17 +262,17 @@ class TritonEP:
         return out, out_w, ntpe, offs, handle
 
     def _send(self, x, handle, topk_weights, compute_rows, nc, wire=0):
-        g, c = self.geo, self.c
+        g = self.geo
         self._launch(dispatch_send_kernel, (g.grid_send,),
                      x, handle.topk_idx, topk_weights, handle.rows, handle.num_tokens, nc, self.pre, self.send_base,
                      self.tab["stage"], self.tab["meta"], self.tab["wts"], self.tab["ntok"],
                      self.flags, self.tab["flags"], self._flag_off(1), self.calls, self.status, self.timeout,
                      g.grid_expand, self.Tm, E=self.E, L=self.L, COMPUTE_ROWS=compute_rows, WIRE=wire,
-                     **{k: c[k] for k in ("RANK", "W", "K", "KB", "H", "BH", "BT", "WB", "HAS_TIMER", "RB")}, **self._kw)
+                     **self._ck)
 
     def _fused(self, x, handle, topk_weights, out, out_w, ntpe, offs, q, sc):
         """Forward dispatch as one launch (send and expand overlapped; :mod:`tritonep.kernels.dispatch_fused`)."""
-        g, c = self.geo, self.c
+        g = self.geo
         b = self.buf
         self._launch(dispatch_fused_kernel, (g.fused_send + g.fused_expand,),
                      x, handle.topk_idx, topk_weights, handle.rows, handle.num_tokens, self.pre, self.send_base,
@@ -222,11 +283,11 @@ class TritonEP:
                      self.timeout, g.grid_send, g.grid_expand, self.Tm, self.ncmax, GS=g.fused_send, E=self.E,
                      L=self.L, BA=triton.next_power_of_2(max(self.A, 1)), A=self.A, WIRE=self.dwire,
                      KEEP_Q=q is not None, q_ptr=q, s_ptr=sc,
-                     **{k: c[k] for k in ("RANK", "W", "K", "KB", "H", "BH", "BT", "WB", "HAS_TIMER", "RB")}, **self._kw)
+                     **self._ck)
 
     def _expand(self, out, out_w, handle, ntpe, offs, keep_handle, scale=False, eo=None, gw=None, wire=0, q=None,
                 sc=None):
-        g, c = self.geo, self.c
+        g = self.geo
         b = self.buf
         self._launch(dispatch_expand_kernel, (g.grid_expand,),
                      b.local("stage"), b.local("meta"), b.local("wts"), b.local("ntok"), out, out_w,
@@ -237,12 +298,12 @@ class TritonEP:
                      BA=triton.next_power_of_2(max(self.A, 1)) if keep_handle else 1, A=self.A if keep_handle else 1,
                      SCALE=scale, DOT=eo is not None,
                      KEEP_HANDLE=keep_handle, WIRE=wire, KEEP_Q=q is not None, q_ptr=q, s_ptr=sc,
-                     **{k: c[k] for k in ("RANK", "W", "K", "KB", "H", "BH", "BT", "WB", "HAS_TIMER", "RB")}, **self._kw)
+                     **self._ck)
 
     # ---------------------------------------------------------------------------------------------- combine
     def _combine(self, eo, handle, weighted, gw=None, want_wgrad=False, kind=None, wire=0):
         self._check_usable()
-        g, c = self.geo, self.c
+        g = self.geo
         kind = kind or g.combine
         if want_wgrad or wire != 0:
             kind = "push"  # quantized partials and weight-gradient return are push-only
@@ -257,8 +318,7 @@ class TritonEP:
                          handle.topk_idx, y, T, self.flags, self.tab["flags"], self._flag_off(3), self._flag_off(4),
                          self.calls, self.status, self.timeout, g.grid_partial, g.grid_out, self.Tm, self.ncmax,
                          GS=g.fused_send, L=self.L, WIRE=wire,
-                         **{k: c[k] for k in ("RANK", "W", "K", "KB", "H", "BH", "BT", "WB", "HAS_TIMER", "RB")},
-                         **self._kw)
+                         **self._ck)
             self._eager_check("combine")
             return y, None
         self._launch(combine_partial_kernel, (g.grid_partial,),
@@ -266,14 +326,14 @@ class TritonEP:
                      self.tab["wback"], self.flags, self.tab["flags"], self._flag_off(3), self.calls, self.status,
                      self.timeout, g.grid_out, self.Tm, self.ncmax, PUSH=kind == "push", WEIGHTED=weighted,
                      SEND_WGRAD=want_wgrad, WIRE=wire,
-                     **{k: c[k] for k in ("RANK", "W", "K", "KB", "H", "BH", "BT", "WB", "HAS_TIMER", "RB")}, **self._kw)
+                     **self._ck)
         y = torch.empty(T, self.H, dtype=eo.dtype, device=self.device)
         gtw = torch.empty(T, self.K, dtype=torch.float32, device=self.device) if want_wgrad else None
         self._launch(combine_out_kernel, (g.grid_out,),
                      handle.topk_idx, y, T, nc, stage, self.buf.local("wback"), gtw if gtw is not None else y,
                      self.flags, self.tab["flags"], self._flag_off(4), self.calls, self.status, self.timeout,
                      g.grid_partial, self.Tm, L=self.L, PULL=kind == "pull", RECV_WGRAD=want_wgrad, WIRE=wire,
-                     **{k: c[k] for k in ("RANK", "W", "K", "KB", "H", "BH", "BT", "WB", "HAS_TIMER", "RB")}, **self._kw)
+                     **self._ck)
         self._eager_check("combine" if weighted else "dispatch backward")
         return y, gtw
 

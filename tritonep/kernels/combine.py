@@ -87,7 +87,7 @@ def out_chunk(c, T, live, topk_idx_ptr, y_ptr, stage_tab, wback_ptr, gtw_ptr, Tm
     m2 = tm[:, None] & (k_off[None, :] < K)
     tk = t[:, None].to(tl.int64) * K + k_off[None, :]
     ids = tl.load(topk_idx_ptr + tk, mask=m2, other=-1).to(tl.int32)
-    dest = tl.where(ids >= 0, ids // L, -1)
+    dest = tl.where((ids >= 0) & (ids < W * L), ids // L, -1)  # ids outside [-1, E) are refused, never followed
     for h0 in range(0, H, BH):
         h = h0 + h_off
         hm = h < H

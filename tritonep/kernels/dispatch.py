@@ -56,7 +56,8 @@ def send_chunk(c, x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, pre_ptr, send_ba
     m2 = tm[:, None] & (k_off[None, :] < K)
     tk = t[:, None].to(tl.int64) * K + k_off[None, :]
     ids = tl.load(topk_idx_ptr + tk, mask=m2, other=-1).to(tl.int32)
-    valid = ids >= 0
+    valid = (ids >= 0) & (ids < E)  # ids outside [-1, E) are refused by the counts exchange, never followed
+    ids = tl.where(valid, ids, -1)
     if COMPUTE_ROWS:
         fid = tl.reshape(ids, (R,))
         fv = fid >= 0

@@ -16,7 +16,8 @@ it along with the token (the receiver's expand is then a pure scatter).
 
 Triton kernels (each correct at grid=1; see DESIGN.md §1):
 
-* :func:`chunk_hist_kernel` (grid = chunks): per chunk of BT tokens, the histogram of its routes over E experts.
+* :func:`chunk_hist_kernel` (grid = chunks): per chunk of BT tokens, the histogram of its routes over E experts
+  and the count of ids outside ``[-1, E)``.
 * :func:`exchange_kernel` (grid = 1): sums the chunk histograms into this rank's counts row, writes it into every
   peer's ``counts[rank, :]``, raises the counts signal, waits for every peer (bounded), then computes the layout:
   exclusive chunk prefixes, ``send_base[e]``, this rank's ``num_tokens_per_expert`` / ``expert_offsets`` and the
@@ -31,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .signal import STATUS_CAPACITY, record_error, signal_peers, wait_all_ge
+from .signal import STATUS_BAD_INPUT, STATUS_CAPACITY, record_error, signal_peers, wait_all_ge
 
 __all__ = ["counts_torch", "layout_torch", "route_rows_torch", "chunk_hist_kernel", "exchange_kernel"]
 
@@ -99,10 +100,12 @@ def route_rows_torch(topk_idx: torch.Tensor, send_base: torch.Tensor) -> torch.T
 @triton.jit(do_not_specialize=['T', 'NC'])
 def chunk_hist_kernel(topk_idx_ptr, hist_ptr, T, NC, K: tl.constexpr, E: tl.constexpr, EB: tl.constexpr,
                       BT: tl.constexpr, KB: tl.constexpr, bump_a=None, bump_b=None, NBUMP: tl.constexpr = 0):
-    """hist[c, :] = histogram over experts of the routes of tokens [c*BT, (c+1)*BT) (grid-stride over chunks).
+    """hist[c, :E] = histogram over experts of the routes of tokens [c*BT, (c+1)*BT) (grid-stride over chunks);
+    hist[c, E] = how many of those ids lie outside ``[-1, E)`` (the input check travels with the counts exchange).
 
-    Program 0 also advances up to two call counters (``*bump_a += 1``, ``*bump_b += 1``): no program of this launch
-    reads them, and every later kernel of the call does, so the bump costs no launch of its own.
+    ``hist`` rows are ``E + 1`` wide. Program 0 also advances up to two call counters (``*bump_a += 1``,
+    ``*bump_b += 1``): no program of this launch reads them, and every later kernel of the call does, so the bump
+    costs no launch of its own.
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
@@ -117,15 +120,17 @@ def chunk_hist_kernel(topk_idx_ptr, hist_ptr, T, NC, K: tl.constexpr, E: tl.cons
     for c in range(pid, NC, G):
         t = c * BT + t_off
         m = (t[:, None] < T) & (k_off[None, :] < K)
-        ids = tl.load(topk_idx_ptr + t[:, None].to(tl.int64) * K + k_off[None, :], mask=m, other=-1).to(tl.int32)
-        ids = tl.reshape(ids, (BT * KB,))
-        h = tl.histogram(ids, EB, mask=ids >= 0)
-        tl.store(hist_ptr + c * E + e_off, h, mask=e_off < E)
+        ids = tl.load(topk_idx_ptr + t[:, None].to(tl.int64) * K + k_off[None, :], mask=m, other=-1)
+        bad = tl.sum(tl.sum(((ids < -1) | (ids >= E)).to(tl.int32), 1), 0)
+        ids = tl.reshape(ids.to(tl.int32), (BT * KB,))
+        h = tl.histogram(ids, EB, mask=(ids >= 0) & (ids < E))
+        tl.store(hist_ptr + c * (E + 1) + e_off, h, mask=e_off < E)
+        tl.store(hist_ptr + c * (E + 1) + E, bad)
 
 
-@triton.jit(do_not_specialize=['NC', 'flag_off', 'timeout', 'max_recv'])
+@triton.jit(do_not_specialize=['NC', 'flag_off', 'timeout', 'max_recv', 'host_bad'])
 def exchange_kernel(hist_ptr, NC, counts_tab, flags_ptr, flags_tab, flag_off, calls_ptr, status_ptr, timeout,
-                    pre_ptr, send_base_ptr, ntpe_ptr, offs_ptr, rows_needed_ptr, max_recv,
+                    pre_ptr, send_base_ptr, ntpe_ptr, offs_ptr, rows_needed_ptr, max_recv, host_bad,
                     RANK: tl.constexpr, W: tl.constexpr, E: tl.constexpr, L: tl.constexpr, A: tl.constexpr,
                     WB: tl.constexpr, LB: tl.constexpr, EB: tl.constexpr, NCB: tl.constexpr, EBLK: tl.constexpr,
                     HAS_TIMER: tl.constexpr, DOUBLE: tl.constexpr = False, dcall_ptr=None):
@@ -133,26 +138,46 @@ def exchange_kernel(hist_ptr, NC, counts_tab, flags_ptr, flags_tab, flag_off, ca
 
     flags_ptr: this rank's int64 counters for the counts signal (one per source rank); flags_tab/flag_off: every
     rank's address of the same counters. calls_ptr[0]: number of this counts exchange (1-based, advanced on the
-    device before launch). A capacity overflow records STATUS_CAPACITY, the rows needed (status[4]) and the
-    dispatch number ``*dcall_ptr`` (status[5]) whose data kernels must skip.
+    device before launch). Counts rows are ``E + 1`` wide: column E carries the source's input-error count (ids
+    outside ``[-1, E)`` found by :func:`chunk_hist_kernel` plus ``host_bad``, a refusal by the host's front door),
+    so a bad input on one rank is known to every rank after the one exchange they run anyway (DESIGN.md §6a).
+
+    Errors recorded (first one wins the code; data kernels of THIS dispatch, number ``*dcall_ptr`` stored in
+    status[5], skip their rows on every rank; later calls are not poisoned): STATUS_BAD_INPUT with status[2] = the
+    lowest bad rank and status[6] = the bitmask of bad ranks; STATUS_CAPACITY with the rows needed (status[4]).
+
+    NCB (chunk rows per step) and EBLK (experts per step) are static tile sizes: the chunk loop bound NC is a
+    runtime value, so the compiled variant never depends on this call's T (a data-dependent constexpr made one rank
+    compile, and once barrier, alone: issue 14 case 2).
     """
     n = tl.load(calls_ptr)
-    # DOUBLE: the counts region holds two [W, E] matrices used by alternate calls, so a rank that runs ahead can
+    E1: tl.constexpr = E + 1
+    # DOUBLE: the counts region holds two [W, E+1] matrices used by alternate calls, so a rank that runs ahead can
     # write call n+1's row while a slower peer still reads call n's matrix (when no later collective orders them)
-    cbuf = (n % 2) * (W * E) if DOUBLE else 0
-    # 1) exclusive prefix of chunk histograms (per expert block) and this rank's counts row
+    cbuf = (n % 2) * (W * E1) if DOUBLE else 0
+    # 1) exclusive prefix of chunk histograms (per expert block, chunk blocks with a carry) and this rank's row
     c_off = tl.arange(0, NCB)
     for e0 in range(0, EB, EBLK):
         eb = e0 + tl.arange(0, EBLK)
-        m2 = (c_off[:, None] < NC) & (eb[None, :] < E)
-        h = tl.load(hist_ptr + c_off[:, None].to(tl.int64) * E + eb[None, :], mask=m2, other=0)
-        inc = tl.cumsum(h, 0)
-        tl.store(pre_ptr + c_off[:, None].to(tl.int64) * E + eb[None, :], inc - h, mask=m2)
-        row = tl.sum(h, 0)
+        carry = tl.zeros((EBLK,), dtype=tl.int32)
+        for c0 in range(0, NC, NCB):
+            cc = c0 + c_off
+            m2 = (cc[:, None] < NC) & (eb[None, :] < E)
+            h = tl.load(hist_ptr + cc[:, None].to(tl.int64) * E1 + eb[None, :], mask=m2, other=0)
+            inc = tl.cumsum(h, 0)
+            tl.store(pre_ptr + cc[:, None].to(tl.int64) * E + eb[None, :], carry[None, :] + inc - h, mask=m2)
+            carry += tl.sum(h, 0)
         # 2) write the row into every peer's counts[RANK, :]
         for d in range(W):
             dst = tl.load(counts_tab + d).to(tl.pointer_type(tl.int32))
-            tl.store(dst + cbuf + RANK * E + eb, row, mask=eb < E)
+            tl.store(dst + cbuf + RANK * E1 + eb, carry, mask=eb < E)
+    bad = host_bad + tl.zeros((), dtype=tl.int32)
+    for c0 in range(0, NC, NCB):
+        cc = c0 + c_off
+        bad += tl.sum(tl.load(hist_ptr + cc.to(tl.int64) * E1 + E, mask=cc < NC, other=0), 0)
+    for d in range(W):
+        dst = tl.load(counts_tab + d).to(tl.pointer_type(tl.int32))
+        tl.store(dst + cbuf + RANK * E1 + E, bad)
     signal_peers(flags_tab, flag_off, W, RANK, WB)
     ok = wait_all_ge(flags_ptr, W, n, status_ptr, 0, timeout, HAS_TIMER, WB)
     # 3) layout from the full matrix (3-D tile [src, dest, local expert])
@@ -162,7 +187,7 @@ def exchange_kernel(hist_ptr, NC, counts_tab, flags_ptr, flags_tab, flag_off, ca
     counts_local = tl.load(counts_tab + RANK).to(tl.pointer_type(tl.int32))
     m3 = (s_off[:, None, None] < W) & (d_off[None, :, None] < W) & (j_off[None, None, :] < L)
     e3 = d_off[None, :, None] * L + j_off[None, None, :]
-    c3 = tl.load(counts_local + cbuf + s_off[:, None, None] * E + e3, mask=m3 & (ok != 0), other=0)
+    c3 = tl.load(counts_local + cbuf + s_off[:, None, None] * E1 + e3, mask=m3 & (ok != 0), other=0)
     total = tl.sum(c3, 0)  # [WB, LB]
     aligned = (total + A - 1) // A * A
     seg_start = tl.cumsum(aligned, 1) - aligned
@@ -175,8 +200,15 @@ def exchange_kernel(hist_ptr, NC, counts_tab, flags_ptr, flags_tab, flag_off, ca
     mine_aligned = tl.sum(tl.where(d_off[:, None] == RANK, aligned, 0), 0)
     tl.store(ntpe_ptr + j_off, mine_total, mask=j_off < L)
     tl.store(offs_ptr + j_off, tl.cumsum(mine_aligned, 0), mask=j_off < L)
+    # input errors of any rank (column E), then capacity: every rank sees the same matrix, so the same verdict
+    badv = tl.load(counts_local + cbuf + s_off * E1 + E, mask=(s_off < W) & (ok != 0), other=0)
     over = tl.max(tl.where(d_off < W, rows, 0), 0)
-    if over > max_recv:
+    if tl.max(badv, 0) > 0:
+        record_error(status_ptr, STATUS_BAD_INPUT, 0, tl.argmax(tl.where(badv > 0, 1, 0), 0))
+        tl.store(status_ptr + 6, tl.sum(tl.where(badv > 0, tl.full((WB,), 1, tl.int64) << s_off.to(tl.int64), 0), 0))
+        if dcall_ptr is not None:
+            tl.store(status_ptr + 5, tl.load(dcall_ptr))
+    elif over > max_recv:
         record_error(status_ptr, STATUS_CAPACITY, 0, tl.argmax(tl.where(d_off < W, rows, 0), 0))
         tl.store(status_ptr + 4, over.to(tl.int64))
         if dcall_ptr is not None:

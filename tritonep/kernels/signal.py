@@ -33,13 +33,15 @@ def now_ns(HAS_TIMER: tl.constexpr):
 
 @triton.jit
 def record_error(status_ptr, code, wait_id, peer):
-    """Record the first error of this buffer: status = [code, wait_id, peer, count]."""
+    """Record the first error of this buffer: status = [code, wait_id, peer, count]; returns 1 if this call's error
+    is the recorded one (the first), else 0."""
     zero = tl.zeros((), dtype=tl.int64)
     old = tl.atomic_cas(status_ptr, zero, zero + code, sem="acq_rel", scope="gpu")
     if old == 0:
         tl.store(status_ptr + 1, zero + wait_id)
         tl.store(status_ptr + 2, zero + peer)
     tl.atomic_add(status_ptr + 3, 1, sem="relaxed", scope="gpu")
+    return old == 0
 
 
 @triton.jit
@@ -64,10 +66,12 @@ def _wait_flags(flag_ptr, n, target, status_ptr, wait_id, peer, timeout, HAS_TIM
                 elapsed = polls
             if elapsed > timeout:
                 if NAMED_PEER:
-                    record_error(status_ptr, STATUS_TIMEOUT, wait_id, peer)
+                    first = record_error(status_ptr, STATUS_TIMEOUT, wait_id, peer)
                 else:
-                    record_error(status_ptr, STATUS_TIMEOUT, wait_id,
-                                 tl.min(tl.where((v < target) & m, offs, WBLOCK), 0))
+                    first = record_error(status_ptr, STATUS_TIMEOUT, wait_id,
+                                         tl.min(tl.where((v < target) & m, offs, WBLOCK), 0))
+                if first:
+                    tl.store(status_ptr + 7, elapsed)  # measured wait: ns on GPU, polls in the interpreter
                 ok = 0
                 missing = 0
             else:

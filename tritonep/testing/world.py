@@ -21,8 +21,9 @@ import traceback
 from typing import Any, Callable
 
 from ..errors import RankError
+from .protocol import ProtocolMismatch, compare_sequences
 
-__all__ = ["run_cpu_world", "run_gpu_world", "WorldTimeout"]
+__all__ = ["run_cpu_world", "run_gpu_world", "WorldTimeout", "ProtocolMismatch"]
 
 
 class WorldTimeout(RankError):
@@ -40,11 +41,12 @@ def _send(fd: int, obj: Any):
         f.write(data)
 
 
-def _cpu_rank_main(rank, world_size, store_path, heap, fn, args, wfd):
+def _cpu_rank_main(rank, world_size, store_path, heap, fn, args, wfd, record):
     import torch
     import torch.distributed as dist
 
     from ..memory import install_cpu_heap
+    from .protocol import install_recorder
 
     status = 0
     try:
@@ -55,8 +57,11 @@ def _cpu_rank_main(rank, world_size, store_path, heap, fn, args, wfd):
         group = dist.group.WORLD
         heap.attach(rank, group)
         install_cpu_heap(heap)
+        log: list = []
+        if record:
+            install_recorder(log)
         out = fn(group, *args)
-        _send(wfd, ("ok", rank, out))
+        _send(wfd, ("ok", rank, (out, log)))
     except BaseException as e:  # noqa: BLE001 - every failure must reach the parent
         status = 1
         try:
@@ -148,13 +153,20 @@ def _collect(procs: dict, fds: dict, timeout_s: float, kill: Callable[[int], Non
     return [results[r][2] for r in sorted(results)]
 
 
-def run_cpu_world(world_size: int, fn: Callable, *args, timeout_s: float = 120.0, heap_bytes: int | None = None):
+def run_cpu_world(world_size: int, fn: Callable, *args, timeout_s: float = 120.0, heap_bytes: int | None = None,
+                  check_protocol: bool = True):
     """Run ``fn(group, *args)`` on ``world_size`` forked CPU ranks and return their results (list by rank).
 
     Each rank gets a gloo process group (``group``, the world), the shared CPU symmetric heap installed (see
     :class:`tritonep.memory.CpuHeap`; ``heap_bytes`` per rank, default ``TRITONEP_CPU_HEAP_BYTES``), one torch
     thread, and ``TRITON_INTERPRET=1`` (set in the parent before forking; kernel modules must not have been imported
     in compiled mode before).
+
+    Host protocol check (DESIGN.md §6a): every rank records its sequence of launches through
+    :class:`tritonep.ep.launch.Launcher` and of ``torch.distributed`` collectives
+    (:mod:`tritonep.testing.protocol`); when every rank returns, the sequences must be equal, else
+    :class:`tritonep.testing.protocol.ProtocolMismatch` is raised. ``check_protocol=False`` turns this off (only for
+    worlds whose ranks run deliberately different programs, e.g. a rank that skips a call to provoke a timeout).
 
     Args:
         world_size: number of ranks (1..64).
@@ -168,6 +180,7 @@ def run_cpu_world(world_size: int, fn: Callable, *args, timeout_s: float = 120.0
     Raises:
         RankError: a rank raised (message: its rank, exception and traceback; ``.rank``, ``.original``).
         WorldTimeout: the world ran past ``timeout_s`` (``.ranks`` = the ranks still running).
+        ProtocolMismatch: the ranks' launch / collective sequences differ (``check_protocol``).
         HeapError: the heap cannot be made for this world.
     """
     from .. import envs
@@ -190,7 +203,7 @@ def run_cpu_world(world_size: int, fn: Callable, *args, timeout_s: float = 120.0
                         os.close(other)
                     except OSError:
                         pass
-                _cpu_rank_main(r, world_size, store_path, heap, fn, args, wfd)
+                _cpu_rank_main(r, world_size, store_path, heap, fn, args, wfd, check_protocol)
             os.close(wfd)
             procs[r] = pid
             fds[r] = rfd
@@ -201,7 +214,11 @@ def run_cpu_world(world_size: int, fn: Callable, *args, timeout_s: float = 120.0
             except ProcessLookupError:
                 pass
 
-        return _collect(procs, fds, timeout_s, kill, f"CPU world of {world_size}")
+        what = f"CPU world of {world_size}"
+        pairs = _collect(procs, fds, timeout_s, kill, what)
+        if check_protocol:
+            compare_sequences([log for _, log in pairs], what)
+        return [out for out, _ in pairs]
     finally:
         for pid in procs.values():
             try:

@@ -1,0 +1,82 @@
+"""The launch-sequence recorder of the CPU world: CI's check of the host protocol rule (DESIGN.md §6a).
+
+Every rank of a CPU world records, in order, each kernel launched through :class:`tritonep.ep.launch.Launcher`
+(``("launch", kernel name, grid)``) and each ``torch.distributed`` collective it calls (``("collective", name)``).
+When the world ends, :func:`compare_sequences` checks that every rank recorded the same sequence and
+:func:`tritonep.testing.run_cpu_world` raises :class:`ProtocolMismatch` otherwise. On the GPU, a rank that launches a
+signalling kernel or reaches a host collective that a peer does not is a deadlock or a silent mis-pairing; in the
+interpreter it often passes by luck, so the sequences are compared explicitly.
+"""
+
+from __future__ import annotations
+
+from ..errors import RankError
+
+__all__ = ["ProtocolMismatch", "install_recorder", "compare_sequences"]
+
+# torch.distributed entry points our code and tests call (patched per forked rank, so nothing leaks to the parent)
+_COLLECTIVES = ("barrier", "all_gather", "all_gather_object", "all_gather_into_tensor", "all_reduce",
+                "all_to_all", "all_to_all_single", "broadcast", "broadcast_object_list", "reduce_scatter_tensor",
+                "gather", "scatter", "reduce", "monitored_barrier")
+
+
+class ProtocolMismatch(RankError):
+    """The ranks of a world ran different sequences of collectives / signalling launches.
+
+    Attributes:
+        index: position of the first difference.
+        sequences: every rank's recorded sequence (list by rank).
+    """
+
+    def __init__(self, message: str, index: int = -1, sequences=None):
+        super().__init__(message)
+        self.index = index
+        self.sequences = sequences or []
+
+
+def install_recorder(log: list):
+    """In this (forked rank) process: append every Launcher launch and torch.distributed collective to ``log``."""
+    import torch.distributed as dist
+
+    from ..ep import launch
+
+    launch.set_recorder(log.append)
+    for name in _COLLECTIVES:
+        fn = getattr(dist, name, None)
+        if fn is None or getattr(fn, "_tritonep_recorded", False):
+            continue
+
+        def wrapped(*args, __fn=fn, __name=name, **kwargs):
+            log.append(("collective", __name))
+            return __fn(*args, **kwargs)
+
+        wrapped._tritonep_recorded = True
+        wrapped.__wrapped__ = fn
+        setattr(dist, name, wrapped)
+
+
+def _fmt(seq, i, width=3):
+    lo = max(0, i - width)
+    rows = [f"    [{j}] {seq[j]}" for j in range(lo, min(len(seq), i + width + 1))]
+    if i >= len(seq):
+        rows.append(f"    [{i}] <end: {len(seq)} events>")
+    return "\n".join(rows)
+
+
+def compare_sequences(seqs: list, what: str = "world"):
+    """Raise :class:`ProtocolMismatch` naming the first position where the ranks' sequences differ.
+
+    Args:
+        seqs: ``[sequence of rank 0, ...]``, each a list of event tuples.
+    """
+    if not seqs:
+        return
+    n = max(len(s) for s in seqs)
+    for i in range(n):
+        ev = [s[i] if i < len(s) else None for s in seqs]
+        if any(e != ev[0] for e in ev):
+            per_rank = "\n".join(f"  rank {r}:\n{_fmt(s, i)}" for r, s in enumerate(seqs))
+            raise ProtocolMismatch(
+                f"{what}: the ranks ran different host protocols (DESIGN.md 6a): event {i} is "
+                + ", ".join(f"rank {r}: {e}" for r, e in enumerate(ev)) + f"\n{per_rank}",
+                index=i, sequences=seqs)

@@ -242,3 +242,23 @@ def test_minimal_planner_compiles_for_sm90():
     assert {r.get("name") for r in recs} == {"plan_kernel", "plan_remap_kernel"}
     failures = compile_recorded(recs)
     assert not failures, "\n\n".join(f"{n}: {e}" for n, e in failures)
+
+
+def test_cli_plan_shows_both_modes(tmp_path):
+    """``tritonep plan --routing flame --layer 3`` (default ``--mode both``): one summary line per mode."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out_json = tmp_path / "plan.json"
+    p = subprocess.run([sys.executable, "-m", "tritonep.cli.main", "plan", "--routing", "flame", "--layer", "3",
+                        "--json", str(out_json)], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, COLUMNS="200"))
+    out = " ".join((p.stdout + p.stderr).split())
+    assert p.returncode == 0, out
+    assert "reference mode: moved routes 342 (total excess 334), max load 1536" in out
+    assert "minimal mode: moved routes 334 (total excess 334), max load 1536" in out
+    res = json.loads(out_json.read_text())
+    assert res["mode"] == "reference" and res["moved_routes"] == 342
+    assert {m: r["moved_routes"] for m, r in res["modes"].items()} == {"reference": 342, "minimal": 334}

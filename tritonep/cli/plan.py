@@ -22,6 +22,9 @@ def add_parser(sub):
     p.add_argument("--num-experts", type=int, default=64, help="experts (histograms are tiled to this many)")
     p.add_argument("--tokens", type=int, default=4096, help="tokens per rank (olmoe sampling)")
     p.add_argument("--topk", type=int, default=8, help="top-k (olmoe sampling)")
+    p.add_argument("--mode", choices=["reference", "minimal", "both"], default="both",
+                   help="placement mode: reference (MoonEP, the default of the library), minimal (only ranks over "
+                        "capacity send; moves the total excess) or both (table of the first, a summary line each)")
     p.add_argument("--json", default="", help="write the plan and metrics to this JSON file")
     p.add_argument("--plot", default="", help="PNG of per-rank load before and after")
     p.set_defaults(func=main)
@@ -46,12 +49,16 @@ def counts_for(args) -> torch.Tensor:
     return torch.stack([counts_torch(p[0], E) for p in parts])
 
 
-def plan_table(counts: torch.Tensor) -> dict:
-    """Placement + metrics of a ``[W, E]`` histogram (torch reference planner)."""
-    from ..balance import balancedness, loads_after, maxvio, place_torch, rank_loads
+def plan_table(counts: torch.Tensor, mode: str = "reference") -> dict:
+    """Placement + metrics of a ``[W, E]`` histogram (torch planner ``place_torch(counts, mode)``).
+
+    Returns a JSON-able dict: loads before/after, balancedness, maxvio, moved routes, total excess, max load, slots.
+    Raises PlanError on a bad histogram or mode.
+    """
+    from ..balance import balancedness, excess_routes, loads_after, maxvio, place_torch, rank_loads
 
     W, E = counts.shape
-    pl = place_torch(counts)
+    pl = place_torch(counts, mode)
     before = rank_loads(counts, W)
     after = loads_after(pl)
     L = E // W
@@ -61,7 +68,8 @@ def plan_table(counts: torch.Tensor) -> dict:
     return dict(before=before.tolist(), after=after.tolist(), balancedness_before=balancedness(before),
                 balancedness_after=balancedness(after), maxvio=maxvio(counts.sum(0)), moved_routes=moved,
                 slots_used=slots.tolist(), experts_to_copy=pl.experts_to_copy.tolist(),
-                capacity=pl.capacity.tolist())
+                capacity=pl.capacity.tolist(), mode=mode, excess_routes=excess_routes(counts, W),
+                max_load=int(after.max()))
 
 
 def main(args) -> int:
@@ -69,13 +77,14 @@ def main(args) -> int:
     from rich.table import Table
 
     counts = counts_for(args)
-    res = plan_table(counts)
+    modes = ["reference", "minimal"] if args.mode == "both" else [args.mode]
+    res = plan_table(counts, modes[0])
     W = args.world_size
     src = (f"flame layer {args.layer if args.layer is not None else 2}" if args.routing == "flame"
            else f"olmoe {args.domain} layer {args.layer or 0}")
     t = Table(title=f"virtual-expert plan: {src}, {W} ranks, {args.num_experts} experts "
                     f"(virtual experts = global ids held in this rank's slots)")
-    for c in ("rank", "load before", "load after", "slots used", "virtual experts"):
+    for c in ("rank", "load before", f"load after ({modes[0]})", "slots used", "virtual experts"):
         t.add_column(c, justify="right")
     for d in range(W):
         t.add_row(str(d), str(res["before"][d]), str(res["after"][d]), str(res["slots_used"][d]),
@@ -86,6 +95,14 @@ def main(args) -> int:
     con.print(t)
     con.print(f"balancedness (mean/max) {res['balancedness_before']:.3f} -> {res['balancedness_after']:.3f}; "
               f"expert maxvio (max/mean expert load - 1) {res['maxvio']:.2f}; moved routes {res['moved_routes']} of {int(counts.sum())}")
+    per_mode = {m: res if m == modes[0] else plan_table(counts, m) for m in modes}
+    for m, r in per_mode.items():
+        hosts = ", ".join(f"{d}: " + " ".join(str(e) for e in row if e >= 0)
+                          for d, row in enumerate(r["experts_to_copy"]) if max(row) >= 0) or "-"
+        con.print(f"{m} mode: moved routes {r['moved_routes']} (total excess {r['excess_routes']}), max load "
+                  f"{r['max_load']} (capacity {max(r['capacity'])}); virtual experts by rank {hosts}")
+    res["modes"] = {m: {k: r[k] for k in ("moved_routes", "excess_routes", "max_load", "after", "experts_to_copy")}
+                    for m, r in per_mode.items()}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

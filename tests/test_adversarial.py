@@ -348,6 +348,7 @@ def test_combine_subnormal_bf16_is_bitwise():
 
 def _dispatch_data_timeout_world(group):
     os.environ["TRITONEP_TIMEOUT_S"] = "2"
+    os.environ["TRITONEP_SYNC_CHECKS"] = "1"  # strict: a peer lost mid-call raises in that call
     rank = dist.get_rank(group)
     buf = tep.EPBuffer(group, 4, 64, 8, 2)
     x, idx, w = make_rank_inputs(rank, 8, 64, 4, 2, seed=1)

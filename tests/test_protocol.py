@@ -183,3 +183,55 @@ def test_default_timeout_is_at_least_300_s(monkeypatch):
     with pytest.raises(tep.errors.ConfigError, match="timeout_s"):
         from tritonep.ep.status import resolve_timeout
         resolve_timeout(-1)
+
+
+# ------------------------------------------------------------------------------------------------ host reads
+def _reads_world(group, mode):
+    os.environ["TRITONEP_SYNC_CHECKS"] = mode
+    rank = dist.get_rank(group)
+    buf = tep.EPBuffer(group, 8, 64, 8, 2, backend="triton")
+    x, idx, w = make_rank_inputs(rank, 8, 64, 8, 2, seed=5)
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    impl = buf._impl
+    reads = []
+    for _ in range(2):
+        n0 = impl.host_reads
+        d = buf.dispatch(x, idx, w)
+        n1 = impl.host_reads
+        y = buf.combine((d.x.float() * 0.5).to(BF16), d.handle)
+        n2 = impl.host_reads
+        y.float().sum().backward()
+        reads.append((n1 - n0, n2 - n1, impl.host_reads - n2))
+    buf.close()
+    return reads
+
+
+@pytest.mark.parametrize("mode,want", [("deferred", (1, 0, 0)), ("1", (2, 1, 2)), ("0", (0, 0, 0))])
+def test_host_reads_per_call(mode, want):
+    """Deferred (default): one host read per dispatch, none in combine or either backward; strict adds one status
+    read at the end of every call; 0 reads nothing."""
+    for reads in run_cpu_world(2, _reads_world, mode, timeout_s=120):
+        assert reads == [want, want], reads
+
+
+def _deferred_world(group):
+    os.environ["TRITONEP_TIMEOUT_S"] = "2"
+    rank = dist.get_rank(group)
+    buf = tep.EPBuffer(group, 4, 64, 8, 2)
+    x, idx, w = make_rank_inputs(rank, 8, 64, 4, 2, seed=1)
+    d = buf.dispatch(x, idx, w)
+    if rank == 0:  # a peer that stops during the combine of call 1
+        buf._impl._launch = lambda *a, **k: None
+        return "stopped"
+    y = buf.combine(d.x, d.handle)  # deferred: returns (rows of rank 0 missing), no host read
+    try:
+        buf.dispatch(x, idx, w)
+        return ("no error", y.shape)
+    except tep.errors.PeerTimeoutError as e:
+        return (e.wait, e.peer)
+
+
+def test_deferred_checks_raise_a_lost_peer_at_the_next_dispatch():
+    res = run_cpu_world(2, _deferred_world, timeout_s=120, check_protocol=False)  # rank 0 stops on purpose
+    assert res[1][0] in ("combine.data", "combine.ack", "dispatch.counts") and res[1][1] == 0, res[1]

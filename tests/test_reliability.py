@@ -431,6 +431,7 @@ def test_gpu_graph_soak_1000_replays():
 # ------------------------------------------------------------------------------------------------ missing peers
 def _skip_combine_world(group, kind):
     os.environ["TRITONEP_TIMEOUT_S"] = "2"
+    os.environ["TRITONEP_SYNC_CHECKS"] = "1"  # strict: a peer lost mid-call raises in that call
     rank = dist.get_rank(group)
     buf = tep.EPBuffer(group, 6, 64, 8, 2)
     x, idx, w = make_rank_inputs(rank, 8, 64, 6, 2, seed=3)
@@ -466,6 +467,7 @@ def test_peer_skips_combine_raises_peer_timeout(kind):
 
 def _skip_backward_world(group):
     os.environ["TRITONEP_TIMEOUT_S"] = "2"
+    os.environ["TRITONEP_SYNC_CHECKS"] = "1"  # strict: a peer lost mid-call raises in that call
     rank = dist.get_rank(group)
     buf = tep.EPBuffer(group, 6, 64, 8, 2)
     x, idx, w = make_rank_inputs(rank, 8, 64, 6, 2, seed=4)

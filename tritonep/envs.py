@@ -3,7 +3,7 @@
 | variable | default | meaning |
 |---|---|---|
 | TRITONEP_TIMEOUT_S | 300 | default bound of every in-kernel wait, seconds (per object: ``timeout_s=``) |
-| TRITONEP_SYNC_CHECKS | 1 | eager calls read device status on the host to raise typed errors (one sync per call); 0 skips |
+| TRITONEP_SYNC_CHECKS | deferred | ``deferred``: an eager dispatch reads (status, received rows) once, after the counts exchange, and raises any error recorded since the last read (a peer lost mid-call raises at the next dispatch); combine and backward read nothing. ``1`` (strict): also one status read at the end of every call, so a peer lost mid-call raises in that call. ``0``: no host read at all (as under graph capture; rows sized ``max_recv_tokens``) |
 | TRITONEP_NUM_SMS | 0 (= geometry table) | cap on the programs (SMs) a communication kernel may use |
 | TRITONEP_COMBINE | "" (= geometry table) | force "push" or "pull" combine |
 | TRITONEP_GEOMETRY | "" (= geometry table) | override kernel geometry fields, e.g. ``bt=2,bh=512,warps=8,grid=128`` (benchmarks) |
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["timeout_s", "sync_checks", "num_sms", "combine_kind", "geometry_override", "cpu_heap_bytes", "debug", "interpret"]
+__all__ = ["timeout_s", "sync_checks", "SYNC_NONE", "SYNC_DEFERRED", "SYNC_STRICT", "num_sms", "combine_kind", "geometry_override", "cpu_heap_bytes", "debug", "interpret"]
 
 
 def _get(name: str, default: str) -> str:
@@ -38,9 +38,18 @@ def timeout_s() -> float:
     return float(_get("TRITONEP_TIMEOUT_S", "300"))
 
 
-def sync_checks() -> bool:
-    """Whether eager calls read device status on the host to raise typed errors (TRITONEP_SYNC_CHECKS)."""
-    return _get("TRITONEP_SYNC_CHECKS", "1") not in ("0", "false", "False")
+SYNC_NONE, SYNC_DEFERRED, SYNC_STRICT = 0, 1, 2
+
+
+def sync_checks() -> int:
+    """Host reads of eager calls (TRITONEP_SYNC_CHECKS): ``SYNC_NONE`` (0), ``SYNC_DEFERRED`` (unset /
+    ``deferred``, the default) or ``SYNC_STRICT`` (``1`` / ``strict``); see the module table."""
+    v = _get("TRITONEP_SYNC_CHECKS", "deferred").strip().lower()
+    if v in ("0", "false", "off", "none"):
+        return SYNC_NONE
+    if v in ("1", "true", "on", "strict"):
+        return SYNC_STRICT
+    return SYNC_DEFERRED
 
 
 def num_sms() -> int:

@@ -187,7 +187,7 @@ class EPBuffer:
         return t if rows is None else t[:rows]
 
     def _sync(self) -> bool:
-        if not envs.sync_checks():
+        if envs.sync_checks() == envs.SYNC_NONE:
             return False
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return False
@@ -219,7 +219,7 @@ class EPBuffer:
         call's launch sequence with no tokens and a flag in its counts row, the flag reaches every rank with the
         counts exchange (no extra collective), no rows move anywhere, the buffer stays usable and the next call
         pairs correctly. Ids outside ``[-1, E)`` are found on the device in the same exchange (no host read of
-        ``topk_idx``). Eagerly (``TRITONEP_SYNC_CHECKS=1``, the default) every rank raises in this call; with sync
+        ``topk_idx``). Eagerly (``TRITONEP_SYNC_CHECKS`` deferred or 1) every rank raises in this call; with sync
         checks off or under graph capture the refusing rank raises at once and the peers at their next
         :meth:`check`, and until then their rows of this call are unspecified (``weights`` past
         ``expert_offsets[-1]`` are zero).

@@ -99,6 +99,7 @@ class TritonEP:
         self.timeout_s = resolve_timeout(timeout_s)
         self.timeout = wait_bound(device, self.timeout_s)
         self.broken: str | None = None
+        self.host_reads = 0  # device->host reads made by calls (the eager-path budget: one per dispatch)
         self._last_idx = None
         self._launch = Launcher(device, group)
         p2 = triton.next_power_of_2
@@ -130,6 +131,7 @@ class TritonEP:
 
         A capacity error is reported once and cleared (the buffer stays usable); a timeout makes it unusable.
         """
+        self.host_reads += 1
         st = self.status.cpu().clone()  # .cpu() of a CPU tensor is the tensor itself
         if int(st[0]) in (STATUS_CAPACITY, STATUS_BAD_INPUT):
             self.status.zero_()
@@ -142,11 +144,10 @@ class TritonEP:
             raise
 
     def _eager_check(self, what):
-        """Eager calls (TRITONEP_SYNC_CHECKS on, not capturing) raise a wait the kernels gave up on (one sync).
-
-        Without it a combine whose peer never arrived would return zeros silently.
+        """Strict eager calls (TRITONEP_SYNC_CHECKS=1, not capturing) raise a wait the kernels gave up on in the same
+        call (one sync). By default (deferred) the next dispatch's one host read raises it instead.
         """
-        if not envs.sync_checks() or self._launch.warming or (
+        if envs.sync_checks() != envs.SYNC_STRICT or self._launch.warming or (
                 self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             return
         self.check(what)
@@ -213,6 +214,7 @@ class TritonEP:
                      dcall_ptr=self.calls[0:1], **self._ex)
         R = None
         if sync:
+            self.host_reads += 1
             st = torch.cat([self.status, self.rows_needed[self.rank:self.rank + 1]]).cpu()
             code = int(st[0])
             if code != 0:

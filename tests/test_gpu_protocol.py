@@ -1,0 +1,68 @@
+"""GPU checks of the host protocol rule (issue 14, DESIGN.md §6a): uneven per-rank token scripts (0 included,
+changing every call) eagerly and in CUDA graphs at several geometries; a bad input on one rank."""
+
+import pytest
+import torch
+
+from tritonep.reference import combine_reference_partial, dispatch_reference
+from tritonep.testing.cases import make_rank_inputs
+
+pytestmark = pytest.mark.gpu
+
+W = 2
+# issue 14 case 2 first: rank 1 always empty, rank 0 at 1 then 2 tokens; then every mix, 0 and Tmax included
+SCRIPT_8 = [[1, 0], [2, 0], [0, 0], [8, 0], [0, 8], [3, 5], [8, 8], [0, 1], [7, 2], [1, 1], [2, 0], [0, 3]]
+SCRIPT_256 = [[1, 0], [2, 0], [0, 256], [256, 1], [200, 0], [0, 0], [17, 255], [256, 256]]
+CFGS = {
+    "decode-default": (dict(E=64, H=2048, Tmax=8, K=8), SCRIPT_8, ""),
+    "decode-fused": (dict(E=64, H=2048, Tmax=8, K=8), SCRIPT_8, "fs=8,fe=8,fc=1"),
+    "bt4-default": (dict(E=256, H=7168, Tmax=256, K=8), SCRIPT_256, ""),
+    "bt4-fused": (dict(E=256, H=7168, Tmax=256, K=8), SCRIPT_256, "fs=40,fe=88"),
+}
+
+
+def _world():
+    if not torch.cuda.is_available() or torch.cuda.device_count() < W:
+        pytest.skip(f"needs {W} GPUs")
+    from tritonep.testing import run_gpu_world
+
+    return run_gpu_world
+
+
+def _check(cfg, script, res):
+    for i, ts in enumerate(script):
+        ins = [make_rank_inputs(r, ts[r], cfg["H"], cfg["E"], cfg["K"], seed=1000 + i) for r in range(W)]
+        xs, idxs, ws = (list(a) for a in zip(*ins))
+        ref = dispatch_reference(xs, idxs, ws, cfg["E"], W)
+        yp = combine_reference_partial([res[r][i]["eo"] for r in range(W)], ref, idxs, ws, ts)
+        for r in range(W):
+            got = res[r][i]
+            assert torch.equal(got["offs"], ref[r].expert_offsets), (i, ts, r, "offs")
+            assert torch.equal(got["x"], ref[r].x), (i, ts, r, "x")
+            assert torch.equal(got["w"], ref[r].weights), (i, ts, r, "w")
+            assert torch.equal(got["y"], yp[r].to(torch.bfloat16)), (i, ts, r, "y")
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+@pytest.mark.parametrize("name", list(CFGS))
+def test_per_rank_token_script(name, graphs):
+    from tritonep.testing.gpu_protocol import t_script_world
+
+    cfg, script, geometry = CFGS[name]
+    res = _world()(W, t_script_world, cfg, script, graphs, geometry, timeout_s=300)
+    _check(cfg, script, res)
+
+
+def test_bad_input_on_one_rank_gpu():
+    from tritonep.testing.gpu_protocol import bad_input_world
+
+    res = _world()(W, bad_input_world, timeout_s=300)
+    assert res[1][1][0] == "InputError" and str(64 + 35) in res[1][1][1], res[1][1]
+    assert res[0][1][0] == "PeerInputError" and "[1]" in res[0][1][1], res[0][1]
+    for step in (0, 2):
+        assert res[0][step][0] == "ok" and res[1][step][0] == "ok"
+        ins = [make_rank_inputs(r, 1 + step, 2048, 64, 8, seed=50 + step) for r in range(W)]
+        xs, idxs, ws = (list(a) for a in zip(*ins))
+        ref = dispatch_reference(xs, idxs, ws, 64, W)
+        for r in range(W):
+            assert torch.equal(res[r][step][1], ref[r].x), (step, r)

@@ -1,0 +1,101 @@
+"""GPU rank functions for the host protocol rule (DESIGN.md §6a, issue 14): per-rank token-count scripts, eager and
+in CUDA graphs, and a bad input on one rank. Module-level so spawned ranks can import them."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .cases import make_rank_inputs
+
+__all__ = ["t_script_world", "bad_input_world"]
+
+
+def _eo(x):
+    return (x.float() * 0.5 + 1.0).to(torch.bfloat16)
+
+
+def t_script_world(group, cfg: dict, script: list, graphs: bool, geometry: str = ""):
+    """Run dispatch + combine once per entry of ``script`` (``script[i][r]`` = tokens of rank r in call i, 0 allowed).
+
+    Eager (``graphs=False``): each call's result is read back. Graphs: one CUDA graph per token count this rank
+    meets in the script is captured (every capture holds the same launch sequence whatever T: the rule under test;
+    ranks capture different numbers of graphs, which launches nothing), then each call replays the graph of this
+    rank's T; rows beyond ``expert_offsets[-1]`` are ignored. Inputs come from
+    :func:`tritonep.testing.cases.make_rank_inputs` with seed ``1000 + i``, so the host can rebuild them.
+
+    Returns:
+        list per call of dicts (CPU tensors): ``x`` (the received rows, trimmed to ``expert_offsets[-1]``),
+        ``offs``, ``w``, ``eo``, ``y``.
+    """
+    import os
+
+    import tritonep as tep
+
+    if geometry:
+        os.environ["TRITONEP_GEOMETRY"] = geometry
+    rank = dist.get_rank(group)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    E, H, Tm, K = cfg["E"], cfg["H"], cfg["Tmax"], cfg["K"]
+    buf = tep.EPBuffer(group, E, H, Tm, K)
+    out = []
+    if not graphs:
+        for i, ts in enumerate(script):
+            x, idx, w = (t.to(dev) for t in make_rank_inputs(rank, ts[rank], H, E, K, seed=1000 + i))
+            d = buf.dispatch(x, idx, w)
+            eo = buf.expert_out_buffer(d.x.shape[0])
+            eo.copy_(_eo(d.x))
+            y = buf.combine(eo, d.handle)
+            out.append(dict(x=d.x.cpu(), offs=d.expert_offsets.cpu(), w=d.weights.cpu(), eo=eo.cpu(), y=y.cpu()))
+        buf.close()
+        return out
+    static = {}
+    for T in sorted({ts[rank] for ts in script}):
+        sx = torch.zeros(T, H, dtype=torch.bfloat16, device=dev)
+        si = torch.full((T, K), -1, dtype=torch.int64, device=dev)
+        sw = torch.zeros(T, K, dtype=torch.float32, device=dev)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            d = buf.dispatch(sx, si, sw)
+            eo = buf.expert_out_buffer()
+            eo.copy_(_eo(d.x))
+            y = buf.combine(eo, d.handle)
+        static[T] = (g, sx, si, sw, d, eo, y)
+    dist.barrier(group=group, device_ids=[dev.index])
+    for i, ts in enumerate(script):
+        g, sx, si, sw, d, eo, y = static[ts[rank]]
+        x, idx, w = (t.to(dev) for t in make_rank_inputs(rank, ts[rank], H, E, K, seed=1000 + i))
+        sx.copy_(x)
+        si.copy_(idx)
+        sw.copy_(w)
+        g.replay()
+        torch.cuda.synchronize()
+        R = int(d.expert_offsets[-1])
+        out.append(dict(x=d.x[:R].cpu(), offs=d.expert_offsets.cpu(), w=d.weights[:R].cpu(), eo=eo[:R].cpu(),
+                        y=y.cpu()))
+    buf.check()
+    buf.close()
+    return out
+
+
+def bad_input_world(group, E=64, H=2048, Tm=8, K=8):
+    """Step 1: rank 1's ``topk_idx`` holds ``E + 35``; every rank must raise (InputError / PeerInputError) and
+    step 2 must pair correctly. Returns per step ``("ok", y)`` or ``(error class name, message)``."""
+    import tritonep as tep
+
+    rank = dist.get_rank(group)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    buf = tep.EPBuffer(group, E, H, Tm, K)
+    res = []
+    for step in range(3):
+        x, idx, w = (t.to(dev) for t in make_rank_inputs(rank, 1 + step, H, E, K, seed=50 + step))
+        if step == 1 and rank == 1:
+            idx[0, 0] = E + 35
+        try:
+            d = buf.dispatch(x, idx, w)
+            y = buf.combine(d.x, d.handle)
+            res.append(("ok", d.x.cpu(), y.cpu()))
+        except tep.errors.TritonEPError as e:
+            res.append((type(e).__name__, str(e)))
+    buf.close()
+    return res

@@ -5,12 +5,15 @@ from __future__ import annotations
 __all__ = ["plot_gbps_vs_tokens"]
 
 
-def plot_gbps_vs_tokens(rows: list[dict], path: str, key: str = "nvlink_gbps") -> int:
+def plot_gbps_vs_tokens(rows: list[dict], path: str, key: str = "nvlink_gbps", title: str = "") -> int:
     """Draw ``key`` (GB/s) against ``tokens`` per rank, one line per (op, num_sms); write a PNG to ``path``.
+
+    The legend sits outside the axes (right), so it never covers a line; the image is cropped to its contents.
 
     Args:
         rows: benchmark rows of :func:`tritonep.bench.ep.bench_ep` (need ``op``, ``tokens``, ``num_sms``, ``key``).
-        path: output PNG file. key: ``"nvlink_gbps"`` or ``"logical_gbps"``.
+        path: output PNG file. key: ``"nvlink_gbps"`` or ``"logical_gbps"``. title: figure title (default: what
+            is plotted).
 
     Returns:
         the number of lines drawn.
@@ -38,8 +41,9 @@ def plot_gbps_vs_tokens(rows: list[dict], path: str, key: str = "nvlink_gbps") -
     ax.set_xlabel("tokens per rank")
     ax.set_ylabel(f"{key.replace('_gbps', '')} GB/s")
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.set_title(title or f"{key.replace('_gbps', '')} GB/s vs tokens per rank", fontsize=11)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5), frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return len(series)

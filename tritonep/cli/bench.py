@@ -14,6 +14,7 @@ OPS = ("dispatch", "combine", "moe", "planner")
 
 
 def add_parser(sub):
+    """Register ``tritonep bench`` and its flags on the ``sub`` subparsers action."""
     from ..bench.ep import PROFILES
 
     p = sub.add_parser("bench", formatter_class=HelpFormatter,
@@ -29,9 +30,12 @@ def add_parser(sub):
     p.add_argument("--iters", type=int, default=30, help="timed iterations (median reported)")
     p.add_argument("--world-size", type=int, default=0, help="ranks (default: every GPU; CPU soak: 2)")
     p.add_argument("--soak", type=int, default=0,
-                   help="instead of timing: N dispatch+combine calls with fresh random routing and token counts, each "
-                        "checked bit for bit against the reference (fixed small shape: CPU E8 H64 T<=12 K3, GPU E64 "
-                        "H1024 T<=256 K6; --profile does not apply)")
+                   help="instead of timing, N checked steps with fresh random routing and token counts (CPU too; "
+                        "--profile does not apply). dispatch/combine: N dispatch+combine calls, each equal bit for "
+                        "bit to the reference (CPU E8 H64 T<=12 K3, GPU E64 H1024 T<=256 K6); moe: N MoE layer "
+                        "forward+backward steps, output and every gradient within 3e-2 of the dense fp32 reference "
+                        "(CPU E8 H64 I32 T<=8 K2, GPU E64 H1024 I512 T<=256 K6); E is rounded up to a multiple of "
+                        "the world size")
     p.add_argument("--json", default="", help="write the rows to this JSON file")
     p.add_argument("--plot", default="", help="write a PNG of NVLink GB/s vs tokens per rank (use with a --tokens sweep)")
     p.set_defaults(func=main)
@@ -51,42 +55,87 @@ def bench_rank(group, op, profile, sms_list, iters, tokens):
     return rows
 
 
+def _soak(con, args, ngpu) -> int:
+    """``tritonep bench OP --soak N``: N checked steps (dispatch/combine: bitwise; moe: fwd+bwd vs the dense
+    reference). Returns 0 when every step passed, 1 otherwise.
+
+    Raises:
+        ConfigError: ``--soak`` for ``planner``, N < 1, or a world size that is not 1..64 (CPU) / 1..#GPUs.
+    """
+    from ..errors import ConfigError
+
+    if args.op == "planner":
+        raise ConfigError("--soak is for dispatch, combine and moe; the planner's checks are `tritonep bench planner` "
+                          "(equal to its torch twin) and `tritonep plan`")
+    if args.soak < 1:
+        raise ConfigError(f"--soak {args.soak} must be >= 1 (steps)")
+    W = args.world_size or (min(ngpu, 8) if ngpu else 2)
+    if W < 1 or (ngpu and W > ngpu) or (not ngpu and W > 64):
+        raise ConfigError(f"--world-size {W} must be in 1..{ngpu if ngpu else 64} "
+                          f"({f'{ngpu} CUDA GPUs' if ngpu else 'CPU world'})")
+    if ngpu:
+        from ..testing import run_gpu_world as world
+    else:
+        from ..testing import run_cpu_world as world
+    if args.op == "moe":
+        from ..bench.moe_soak import TOL, moe_soak_world
+        from ..moe import MoEGeometry, MoERecipe
+        from ..moe.recipe import check_config
+
+        cfg = dict(E=8, H=64, I=32, Tmax=8, K=2) if not ngpu else dict(E=64, H=1024, I=512, Tmax=256, K=6)
+        cfg["E"] = -(-cfg["E"] // W) * W
+        check_config(MoERecipe(), MoEGeometry(hidden=cfg["H"], intermediate=cfg["I"], num_experts=cfg["E"],
+                                              topk=cfg["K"], max_tokens_per_rank=cfg["Tmax"]), W)
+        res = world(W, moe_soak_world, args.soak, cfg, timeout_s=max(600, 60 * args.soak))
+        bad = sorted({i for _, b, _ in res for i in b})
+        worst = max(r[2] for r in res)
+        con.print(f"MoE soak: {args.soak} forward+backward steps x {W} ranks, {cfg}: worst relative error "
+                  f"{worst:.2e} (tolerance {TOL:g}): "
+                  + ("[green]all within tolerance of the dense reference[/]" if not bad
+                     else f"[red]failing steps {bad}[/]"))
+        return 1 if bad else 0
+    from ..bench.soak import soak_world
+
+    cfg = dict(E=8, H=64, Tmax=12, K=3) if not ngpu else dict(E=64, H=1024, Tmax=256, K=6)
+    cfg["E"] = -(-cfg["E"] // W) * W
+    res = world(W, soak_world, args.soak, cfg, timeout_s=max(600, 3 * args.soak))
+    bad = sorted({i for _, b in res for i in b})
+    con.print(f"soak: {args.soak} calls x {W} ranks, {cfg}: "
+              + ("[green]all equal to the reference[/]" if not bad else f"[red]failing calls {bad}[/]"))
+    return 1 if bad else 0
+
+
 def main(args) -> int:
+    """``tritonep bench``: 0 when measured (or every soak step passed), 1 when a check failed; refusals raise
+    :class:`tritonep.errors.ConfigError` (one line, exit 2)."""
     from rich.console import Console
     from rich.table import Table
 
     from ..bench.ep import PROFILES
+    from ..errors import ConfigError
 
     import shutil
 
     con = Console(width=max(shutil.get_terminal_size((140, 24)).columns, 120))  # no mid-line wraps in logs
     ngpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if args.soak:
-        from ..bench.soak import soak_world
-
-        cfg = dict(E=8, H=64, Tmax=12, K=3) if not ngpu else dict(E=64, H=1024, Tmax=256, K=6)
-        W = args.world_size or (min(ngpu, 8) if ngpu else 2)
-        if ngpu:
-            from ..testing import run_gpu_world as world
-        else:
-            from ..testing import run_cpu_world as world
-        res = world(W, soak_world, args.soak, cfg, timeout_s=max(600, 3 * args.soak))
-        bad = sorted({i for _, b in res for i in b})
-        con.print(f"soak: {args.soak} calls x {W} ranks, {cfg}: "
-                  + ("[green]all equal to the reference[/]" if not bad else f"[red]failing calls {bad}[/]"))
-        return 1 if bad else 0
+        return _soak(con, args, ngpu)
     if args.profile not in PROFILES:
-        con.print(f"[red]unknown profile {args.profile!r}[/]; valid profiles: {', '.join(sorted(PROFILES))}")
-        return 2
+        raise ConfigError(f"unknown profile {args.profile!r}; valid profiles: {', '.join(sorted(PROFILES))}")
+    if args.plot:
+        from .run import _need_matplotlib
+
+        _need_matplotlib()
     if args.op == "planner":
         return _planner(con, args, ngpu)
     if ngpu < 2:
-        con.print(f"[red]tritonep bench {args.op} needs at least 2 CUDA GPUs (found {ngpu})[/]; on a CPU run "
-                  f"`tritonep bench dispatch --soak N` for checked calls")
-        return 2
+        raise ConfigError(f"timing {args.op} needs at least 2 CUDA GPUs (found {ngpu}); on a CPU run "
+                          f"`tritonep bench {'moe' if args.op == 'moe' else 'dispatch'} --soak N` for checked steps")
     from ..testing import run_gpu_world
 
     W = args.world_size or ngpu
+    if not 2 <= W <= ngpu:
+        raise ConfigError(f"--world-size {W} must be in 2..{ngpu} (the CUDA GPUs here)")
     if args.op == "moe":
         return _moe(con, args, W)
     res = run_gpu_world(W, bench_rank, args.op, args.profile, args.num_sms, args.iters, args.tokens,
@@ -118,8 +167,10 @@ def _planner(con, args, ngpu) -> int:
     from ..bench.planner import bench_planner
 
     if ngpu < 1:
-        con.print("[red]tritonep bench planner needs a CUDA GPU (found none)[/]; `tritonep plan` shows the plan on a CPU")
-        return 2
+        from ..errors import ConfigError
+
+        raise ConfigError("tritonep bench planner needs a CUDA GPU (found none); `tritonep plan` shows the plan on "
+                          "a CPU")
     p = PROFILES[args.profile]
     rows = bench_planner(worlds=(args.world_size,) if args.world_size else (2, 4, 8),
                          tokens=(args.tokens or [p["tokens"] or 4096])[0], topk=p["topk"], num_experts=p["num_experts"],

@@ -1,20 +1,36 @@
-"""``tritonep`` entry point (argparse): ``run`` (the main job), ``bench``, ``plan``, ``env``."""
+"""``tritonep`` entry point (argparse): ``run`` (the main job), ``bench``, ``plan``, ``env``.
+
+Exit codes, the same for every subcommand: 0 = done (and every check passed); 1 = a check failed (wrong results), or
+an unexpected crash (a bug: its traceback is printed); 2 = refused: a bad flag, file or configuration, or a library
+error (:class:`tritonep.errors.TritonEPError`), also when a rank of a multi-rank world raised it. A refusal is one
+line on stderr: ``tritonep CMD: error: ...``.
+"""
 
 from __future__ import annotations
 
 import argparse
-
-from .help import HelpFormatter
 import sys
 
-__all__ = ["main", "build_parser"]
+from .help import HelpFormatter
+
+__all__ = ["main", "build_parser", "error_line"]
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (``tritonep CMD: error: ...``, exit 2) instead of usage + error."""
+
+    def error(self, message):  # noqa: D401 - argparse API
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    """The ``tritonep`` parser with every subcommand registered (subparsers share the one-line error behaviour)."""
+    ap = _Parser(
         prog="tritonep", formatter_class=HelpFormatter,
-        description="Expert-parallel MoE dispatch/combine and virtual-expert balancing (Triton + symmetric memory).")
-    sub = ap.add_subparsers(dest="cmd", required=True)
+        description="Expert-parallel MoE dispatch/combine and virtual-expert balancing (Triton + symmetric memory).",
+        epilog="exit codes: 0 done and checked; 1 a check failed (or a crash); 2 refused: bad flag, file or "
+               "configuration (one line on stderr)")
+    sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     from . import bench, env, plan, run
 
     run.add_parser(sub)
@@ -24,18 +40,73 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv=None) -> int:
-    """Parse ``argv`` and run the subcommand; a library error (bad layer, domain, size...) prints one line, exit 2."""
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def error_line(cmd: str, exc: BaseException) -> str | None:
+    """The one-line refusal for ``exc``, or None when it is not a refusal (a bug: the caller shows the traceback).
+
+    A :class:`tritonep.errors.TritonEPError` is a refusal; a :class:`tritonep.errors.RankError` is one when the
+    rank's original exception is (the line then names the rank), and so is a world that timed out. Plain
+    ``OSError`` (an unwritable ``--json`` path, ...) is one too.
+    """
     from ..errors import RankError, TritonEPError
+    from ..testing.world import WorldTimeout
+
+    if isinstance(exc, WorldTimeout):
+        return f"tritonep {cmd}: error: {_one_line(exc)}"
+    if isinstance(exc, RankError):
+        orig = getattr(exc, "original", None)
+        if isinstance(orig, TritonEPError) and not isinstance(orig, RankError):
+            rank = getattr(exc, "rank", "?")
+            return f"tritonep {cmd}: error: {type(orig).__name__} (rank {rank}): {_one_line(orig)}"
+        return None
+    if isinstance(exc, TritonEPError):
+        return f"tritonep {cmd}: error: {type(exc).__name__}: {_one_line(exc)}"
+    if isinstance(exc, OSError):
+        where = f" {exc.filename}" if getattr(exc, "filename", None) else ""
+        return f"tritonep {cmd}: error:{where} {exc.strerror or _one_line(exc)}"
+    return None
+
+
+def _check_outputs(args) -> None:
+    """Refuse a ``--json`` / ``--plot`` path whose folder does not exist or cannot be written, before any work.
+
+    Raises:
+        ConfigError: naming the flag and the path.
+    """
+    import os
+
+    from ..errors import ConfigError
+
+    for flag in ("json", "plot"):
+        path = getattr(args, flag, "") or ""
+        if not path:
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise ConfigError(f"--{flag} {path}: the folder {folder} does not exist or is not writable")
+        if os.path.isdir(path):
+            raise ConfigError(f"--{flag} {path} is a folder; give a file name")
+
+
+def main(argv=None) -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``) and run the subcommand; returns the exit code (see module doc)."""
+    from ..errors import RankError
 
     args = build_parser().parse_args(argv)
     try:
+        _check_outputs(args)
         return int(args.func(args) or 0)
-    except RankError as e:  # a rank failed: the first line names it; the traceback follows for debugging
-        print(f"tritonep {args.cmd}: {e}", file=sys.stderr)
-        return 1
-    except TritonEPError as e:
-        print(f"tritonep {args.cmd}: error: {type(e).__name__}: {e}", file=sys.stderr)
+    except (RankError, Exception) as e:  # noqa: BLE001 - every library error becomes one line
+        line = error_line(args.cmd, e)
+        if line is None:
+            if isinstance(e, RankError):  # a rank crashed on a bug: its message carries the rank's traceback
+                print(f"tritonep {args.cmd}: {e}", file=sys.stderr)
+                return 1
+            raise
+        print(line, file=sys.stderr)
         return 2
 
 

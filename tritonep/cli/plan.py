@@ -12,41 +12,71 @@ __all__ = ["add_parser", "main", "plan_table"]
 
 
 def add_parser(sub):
+    """Register ``tritonep plan`` and its flags on the ``sub`` subparsers action."""
+    from .routing import ROUTING_HELP
+
     p = sub.add_parser("plan", formatter_class=HelpFormatter,
                        help="virtual-expert placement for a trace or histogram: per-rank load before/after")
-    p.add_argument("--routing", choices=["flame", "olmoe"], default="olmoe",
-                   help="flame: the FLAME-MoE-290M trace; olmoe: an OLMoE expert-load histogram (strong skew)")
-    p.add_argument("--layer", type=int, default=None, help="trace layer (flame 2..9, olmoe 0/7/15)")
+    p.add_argument("--routing", default="olmoe", metavar="flame|olmoe|PATH", help=ROUTING_HELP)
+    p.add_argument("--layer", type=int, default=None,
+                   help="layer (flame 2..9, olmoe 0/7/15, a file: its layer numbers; default: the first)")
     p.add_argument("--domain", default="arxiv", help="OLMoE domain")
     p.add_argument("--world-size", type=int, default=8, help="EP ranks")
-    p.add_argument("--num-experts", type=int, default=64, help="experts (histograms are tiled to this many)")
-    p.add_argument("--tokens", type=int, default=4096, help="tokens per rank (olmoe sampling)")
-    p.add_argument("--topk", type=int, default=8, help="top-k (olmoe sampling)")
+    p.add_argument("--num-experts", type=int, default=None,
+                   help="experts (default: 64 for flame/olmoe, whose histograms are tiled to this many; for a file "
+                        "its largest expert id + 1, rounded up to a multiple of the world size); fewer than a "
+                        "file's or the flame trace's largest id + 1 is an error")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="tokens per rank (default: a trace's every token, histograms 4096; more than a trace holds "
+                        "is an error)")
+    p.add_argument("--topk", type=int, default=None,
+                   help="top-k of histogram sampling (default: the file's topk, else 8; a trace has its own K)")
     p.add_argument("--mode", choices=["reference", "minimal", "both"], default="both",
                    help="placement mode: reference (MoonEP, the default of the library), minimal (only ranks over "
                         "capacity send; moves the total excess) or both (table of the first, a summary line each)")
     p.add_argument("--json", default="", help="write the plan and metrics to this JSON file")
-    p.add_argument("--plot", default="", help="PNG of per-rank load before and after")
+    p.add_argument("--plot", default="", help="PNG of per-rank load before and after, side by side")
     p.set_defaults(func=main)
 
 
-def counts_for(args) -> torch.Tensor:
-    """The ``[W, E]`` per-source histogram the planner sees for the chosen input."""
-    from ..data import (load_flame_trace, load_olmoe_histogram, sample_routing, scale_histogram_to_experts,
-                        split_across_ranks)
-    from ..kernels.layout import counts_torch
+def _source(args):
+    """``(RoutingSource, layer, num_experts, topk, total_tokens)`` of the flags, every one checked.
 
-    W, E = args.world_size, args.num_experts
-    if args.routing == "flame":
-        idx, w = load_flame_trace(args.layer if args.layer is not None else 2)
-        if E != 64:
-            idx = idx % E
-        parts = split_across_ranks(idx, w, W)
+    Raises:
+        DataError: a bad routing file, layer, domain, --num-experts, --topk or --tokens.
+        ConfigError: --world-size below 1.
+    """
+    from ..errors import ConfigError
+    from .routing import check_layers, check_tokens, check_topk, resolve
+
+    W = args.world_size
+    if W < 1:
+        raise ConfigError(f"--world-size {W} must be >= 1")
+    src = resolve(args.routing, args.domain)
+    layer = check_layers(src, [args.layer] if args.layer is not None else [src.layers[0]])[0]
+    E = args.num_experts if args.num_experts is not None else src.default_num_experts(W)
+    src.check_num_experts(E)
+    if E % W:
+        raise ConfigError(f"--num-experts {E} is not a multiple of --world-size {W} (every rank owns E / W experts)")
+    topk = check_topk(src, args.topk, [layer], E, args.domain)
+    if src.kind == "trace":
+        have = src.num_tokens([layer])
+        total = check_tokens(src, args.tokens, -(-have // W), W, [layer])
     else:
-        hist = scale_histogram_to_experts(load_olmoe_histogram(args.domain, args.layer or 0), E)
-        idx, w = sample_routing(hist, args.tokens * W, args.topk, generator=0)
-        parts = split_across_ranks(idx, w, W)
-    return torch.stack([counts_torch(p[0], E) for p in parts])
+        total = check_tokens(src, args.tokens, 4096, W, [layer])
+    return src, layer, E, topk, total
+
+
+def counts_for(args) -> torch.Tensor:
+    """The ``[W, E]`` int32 per-source histogram the planner sees for the flags in ``args`` (``--routing`` etc.).
+
+    Raises:
+        DataError, ConfigError: as :func:`_source`.
+    """
+    from .routing import layer_counts
+
+    src, layer, E, topk, total = _source(args)
+    return layer_counts(src.spec, layer, total, args.world_size, E, topk, args.domain)
 
 
 def plan_table(counts: torch.Tensor, mode: str = "reference") -> dict:
@@ -73,16 +103,21 @@ def plan_table(counts: torch.Tensor, mode: str = "reference") -> dict:
 
 
 def main(args) -> int:
+    """``tritonep plan``: print (and optionally write / plot) the plan; returns 0. Library errors propagate (exit 2)."""
     from rich.console import Console
     from rich.table import Table
 
+    if args.plot:
+        from .run import _need_matplotlib
+
+        _need_matplotlib()
+    src, layer, E, _topk, total = _source(args)
     counts = counts_for(args)
     modes = ["reference", "minimal"] if args.mode == "both" else [args.mode]
     res = plan_table(counts, modes[0])
     W = args.world_size
-    src = (f"flame layer {args.layer if args.layer is not None else 2}" if args.routing == "flame"
-           else f"olmoe {args.domain} layer {args.layer or 0}")
-    t = Table(title=f"virtual-expert plan: {src}, {W} ranks, {args.num_experts} experts "
+    what = f"{src.name} layer {layer}"
+    t = Table(title=f"virtual-expert plan: {what}, {W} ranks, {E} experts, {total} tokens "
                     f"(virtual experts = global ids held in this rank's slots)")
     for c in ("rank", "load before", f"load after ({modes[0]})", "slots used", "virtual experts"):
         t.add_column(c, justify="right")
@@ -107,19 +142,14 @@ def main(args) -> int:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
     if args.plot:
-        import matplotlib
+        from .plots import grouped_loads
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(1.5 + 0.5 * W, 3.4))
-        xs = list(range(W))
-        ax.bar([x - 0.2 for x in xs], res["before"], 0.4, label="before")
-        ax.bar([x + 0.2 for x in xs], res["after"], 0.4, label="after (virtual experts)")
-        ax.set_xlabel("rank")
-        ax.set_ylabel("routes")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=120)
+        grouped_loads([str(d) for d in range(W)],
+                      [(f"before: native experts (balancedness {res['balancedness_before']:.3f})",
+                        [[v] for v in res["before"]]),
+                       (f"after: virtual experts (balancedness {res['balancedness_after']:.3f})",
+                        [[v] for v in res["after"]])],
+                      ["routes"], args.plot, title=f"tritonep plan: {what}, {W} ranks, {E} experts",
+                      xlabel="rank", ylabel="routes computed", mean="panel")
         con.print(f"plot written to {args.plot}")
     return 0

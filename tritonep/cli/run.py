@@ -2,7 +2,8 @@
 
 Every rank (every local GPU, or a CPU world of ``--world-size`` forked ranks when there is no GPU) builds one
 :class:`tritonep.MoELayer` per layer of the trace, routes its share of the trace's tokens through it (the real
-FLAME-MoE-290M router decisions by default, or tokens drawn from an OLMoE load histogram), runs forward and backward,
+FLAME-MoE-290M router decisions by default, tokens drawn from an OLMoE load histogram, or your own router's routing
+file: ``--routing PATH``, see :mod:`tritonep.data.routing_file`), runs forward and backward,
 and returns outputs, gradients and timings. The parent checks everything against the single-process dense reference
 (:func:`tritonep.reference.moe_dense_reference` + autograd) with the same weights and routing, prints one table row
 per layer and exits 1 if any check fails.
@@ -26,23 +27,28 @@ TOL = {"bf16": 3e-2, "fp8": 0.15, "mxfp4": 0.5}
 
 
 def add_parser(sub):
+    """Register ``tritonep run`` and its flags on the ``sub`` subparsers action."""
     p = sub.add_parser("run", formatter_class=HelpFormatter,
                        help="MoE layer fwd+bwd per traced layer on real routing, checked against a dense "
                                    "reference (the main job)")
-    p.add_argument("--routing", choices=["flame", "olmoe"], default="flame",
-                   help="flame: the packaged FLAME-MoE-290M per-token trace (64 experts, top-6); olmoe: tokens "
-                        "drawn from OLMoE-1B-7B expert-load histograms (strong skew)")
+    from .routing import ROUTING_HELP
+
+    p.add_argument("--routing", default="flame", metavar="flame|olmoe|PATH", help=ROUTING_HELP)
     p.add_argument("--layers", type=int, nargs="*", default=None,
-                   help="trace layers to run (flame: 2..9, olmoe: 0 7 15); default: all")
+                   help="layers to run (flame: 2..9, olmoe: 0 7 15, a file: its layer numbers); default: all")
     p.add_argument("--domain", default="arxiv",
                    help="OLMoE domain for --routing olmoe: arxiv, book, c4, github, wikipedia, tulu")
     p.add_argument("--tokens", type=int, default=None,
-                   help="tokens per rank (default: 64 on CPU, 1024 on GPU; flame has 2048 tokens in all)")
+                   help="tokens per rank (default: 64 on CPU, 1024 on GPU, capped at what a trace holds: flame has "
+                        "2048 tokens per layer in all; asking a trace for more is an error)")
     p.add_argument("--world-size", type=int, default=4, help="ranks of the CPU world when there is no GPU")
     p.add_argument("--hidden", type=int, default=None, help="hidden size (default 64 CPU / 2048 GPU)")
     p.add_argument("--intermediate", type=int, default=None, help="expert FFN width (default 32 CPU / 1024 GPU)")
-    p.add_argument("--num-experts", type=int, default=64, help="experts (the traces have 64)")
-    p.add_argument("--topk", type=int, default=None, help="top-k (flame 6, olmoe 8)")
+    p.add_argument("--num-experts", type=int, default=None,
+                   help="experts (default: 64 for flame/olmoe; for a file its largest expert id + 1, rounded up to a "
+                        "multiple of the world size); fewer than a trace's largest id + 1 is an error, more is fine")
+    p.add_argument("--topk", type=int, default=None,
+                   help="top-k (default: a trace's own K, flame 6; histograms: the file's topk, else 8)")
     p.add_argument("--steps", type=int, default=1, help="forward+backward steps per layer")
     p.add_argument("--balance", choices=["none", "virtual"], default="none", help="virtual experts on/off")
     p.add_argument("--dispatch-wire", choices=["bf16", "fp8", "mxfp4"], default="bf16",
@@ -58,48 +64,47 @@ def add_parser(sub):
     p.set_defaults(func=main)
 
 
-def _settings(args, on_gpu):
+def _settings(args, on_gpu, world_size):
+    """The run's settings (JSON-serialisable, sent to every rank), every flag and the routing checked first.
+
+    Raises:
+        DataError: a bad routing file, layer, domain, --num-experts, --topk or --tokens (one line each).
+        ConfigError: --world-size or --steps below 1.
+    """
+    from ..errors import ConfigError
+    from .routing import check_layers, check_tokens, check_topk, resolve, token_split
+
+    if world_size < 1:
+        raise ConfigError(f"--world-size {world_size} must be >= 1")
+    if args.steps < 1:
+        raise ConfigError(f"--steps {args.steps} must be >= 1")
+    src = resolve(args.routing, args.domain)
+    layers = check_layers(src, args.layers)
+    E = args.num_experts if args.num_experts is not None else src.default_num_experts(world_size)
+    src.check_num_experts(E)
+    topk = check_topk(src, args.topk, layers, E, args.domain)
+    total = check_tokens(src, args.tokens, 1024 if on_gpu else 64, world_size, layers)
     s = dict(
-        routing=args.routing, domain=args.domain,
-        tokens=args.tokens or (1024 if on_gpu else 64),
+        routing=args.routing, routing_name=src.name, domain=args.domain, layers=layers, topk=topk,
+        total_tokens=total, tokens=max(token_split(total, world_size)),
         hidden=args.hidden or (2048 if on_gpu else (128 if "fp8" in (args.dispatch_wire, args.combine_wire)
                                                      else 64)),
         intermediate=args.intermediate or (1024 if on_gpu else 32),
-        num_experts=args.num_experts, steps=args.steps, balance=args.balance,
+        num_experts=E, steps=args.steps, balance=args.balance,
         dispatch_wire=args.dispatch_wire, combine_wire=args.combine_wire, combine=args.combine,
         expert_alignment=args.expert_alignment, check=not args.no_check,
     )
-    from ..data import flame_layers, olmoe_domains, olmoe_layers
-    from ..errors import DataError
-
-    valid = flame_layers() if args.routing == "flame" else olmoe_layers()
-    s["layers"] = args.layers or valid
-    s["topk"] = args.topk or (6 if args.routing == "flame" else 8)
-    bad = [x for x in s["layers"] if x not in valid]
-    if bad:  # checked here, before any rank starts
-        raise DataError(f"--layers {bad}: the {args.routing} data has layers {valid}")
-    if args.routing == "olmoe" and args.domain not in olmoe_domains():
-        raise DataError(f"--domain {args.domain!r}: OLMoE domains are {olmoe_domains()}")
-    if args.routing == "flame":
+    if args.routing != "olmoe":
         s.pop("domain")
     return s
 
 
 def layer_routing(s, layer, world_size):
     """Per-rank ``(topk_idx, topk_weights)`` for one layer (identical on every rank and in the parent)."""
-    from ..data import (load_flame_trace, load_olmoe_histogram, sample_routing, scale_histogram_to_experts,
-                        split_across_ranks)
+    from .routing import layer_routing as _lr
 
-    T = s["tokens"]
-    if s["routing"] == "flame":
-        idx, w = load_flame_trace(layer, renormalize=True)
-        n = min(idx.shape[0], T * world_size)
-        if s["num_experts"] != 64:
-            idx = idx % s["num_experts"]
-        return split_across_ranks(idx[:n], w[:n], world_size)
-    hist = scale_histogram_to_experts(load_olmoe_histogram(s["domain"], layer), s["num_experts"])
-    idx, w = sample_routing(hist, T * world_size, s["topk"], generator=layer)
-    return split_across_ranks(idx, w, world_size)
+    return _lr(s["routing"], layer, s["total_tokens"], world_size, s["num_experts"], s["topk"],
+               s.get("domain", "arxiv"))
 
 
 def run_rank(group, s):
@@ -197,6 +202,7 @@ def _check_settings(s, world_size: int) -> None:
 
 
 def main(args) -> int:
+    """``tritonep run``: returns 0 when every check passed, 1 when one failed; library errors propagate (exit 2)."""
     from rich.console import Console
     from rich.table import Table
     from tqdm import tqdm
@@ -204,30 +210,35 @@ def main(args) -> int:
     from ..balance.metrics import balancedness
 
     on_gpu = torch.cuda.is_available() and torch.cuda.device_count() >= 1
-    s = _settings(args, on_gpu)
+    W = torch.cuda.device_count() if on_gpu else args.world_size
+    s = _settings(args, on_gpu, W)
+    if args.plot:
+        _need_matplotlib()
     import shutil
 
+    from .routing import token_split
+
     con = Console(width=max(shutil.get_terminal_size((140, 24)).columns, 120))
-    _check_settings(s, torch.cuda.device_count() if on_gpu else args.world_size)
+    _check_settings(s, W)
+    sizes = token_split(s["total_tokens"], W)
+    per_rank = str(sizes[0]) if min(sizes) == max(sizes) else f"{min(sizes)}-{max(sizes)}"
+    what = (f"routing={s['routing_name']}, layers={s['layers']}, {s['total_tokens']} tokens per layer "
+            f"({per_rank} per rank), E={s['num_experts']}, top-{s['topk']}, H={s['hidden']}")
     if on_gpu:
         from ..testing import run_gpu_world
 
-        W = torch.cuda.device_count()
-        con.print(f"[bold]tritonep run[/]: {W} GPU rank(s), routing={s['routing']}, layers={s['layers']}")
+        con.print(f"[bold]tritonep run[/]: {W} GPU rank(s), {what}")
         t0 = time.time()
         results = run_gpu_world(W, run_rank, s, timeout_s=args.timeout)
     else:
         from ..testing import run_cpu_world
 
-        W = args.world_size
-        con.print(f"[bold]tritonep run[/]: no GPU -> CPU world of {W} ranks (Triton interpreter), "
-                  f"routing={s['routing']}, layers={s['layers']}, {s['tokens']} tokens/rank, H={s['hidden']}")
+        con.print(f"[bold]tritonep run[/]: no GPU -> CPU world of {W} ranks (Triton interpreter), {what}")
         t0 = time.time()
         results = run_cpu_world(W, run_rank, s, timeout_s=args.timeout)
     wall = time.time() - t0
     tol = max(TOL[s["dispatch_wire"]], TOL[s["combine_wire"]])
-    src = s["routing"] + (f" ({s['domain']})" if "domain" in s else "")
-    table = Table(title=f"tritonep run — {src} routing, world {W}, balance={s['balance']}, "
+    table = Table(title=f"tritonep run — {s['routing_name']}, world {W}, balance={s['balance']}, "
                         f"wires {s['dispatch_wire']}/{s['combine_wire']}")
     cols = ["layer", "tokens", "balancedness"] + (["before balancing"] if s["balance"] == "virtual" else []) + [
         "dispatch ms", "gemm ms", "combine ms", "step ms", "max rel err", "check"]
@@ -254,6 +265,7 @@ def main(args) -> int:
 
             parts = layer_routing(s, layer, W)
             native = rank_loads(torch.stack([counts_torch(q[0], s["num_experts"]) for q in parts]), W)
+            rows[-1]["rank_loads_before"] = [int(v) for v in native.tolist()]
             rows[-1]["balancedness_before"] = float(balancedness(native.double()))
             extra = [f"{rows[-1]['balancedness_before']:.3f}"]
         table.add_row(str(layer), str(rows[-1]["tokens"]), f"{bal:.3f}", *extra, f"{mx('dispatch_s'):.2f}",
@@ -266,27 +278,36 @@ def main(args) -> int:
             json.dump(dict(settings=s, world_size=W, device="cuda" if on_gpu else "cpu", wall_s=wall, layers=rows),
                       f, indent=1)
     if args.plot:
-        _plot(rows, W, args.plot)
+        _plot(rows, W, args.plot, title=f"tritonep run: {s['routing_name']}, {W} ranks, balance={s['balance']}")
         con.print(f"plot written to {args.plot}")
     con.print("[bold green]all checks passed[/]" if ok_all else "[bold red]some checks FAILED[/]")
     return 0 if ok_all else 1
 
 
-def _plot(rows, W, path):
-    import matplotlib
+def _need_matplotlib() -> None:
+    """--plot needs matplotlib: refuse before the run starts (ConfigError, exit 2) rather than after it."""
+    from ..errors import ConfigError
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ConfigError("--plot needs matplotlib (pip install 'tritonep[plot]' or pip install matplotlib)") from None
 
-    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(rows), 3.6))
-    width = 0.8 / W
-    for r in range(W):
-        ax.bar([i + r * width for i in range(len(rows))], [row["rank_loads"][r] for row in rows], width,
-               label=f"rank {r}")
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))], [str(row["layer"]) for row in rows])
-    ax.set_xlabel("layer")
-    ax.set_ylabel("routes received")
-    ax.set_title("per-rank expert load per layer")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+
+def _plot(rows, W, path, title=""):
+    """PNG of routes received per rank for every layer; with virtual experts 'before' and 'after' side by side.
+
+    Args:
+        rows: the run's per-layer rows (``layer``, ``rank_loads`` and, with balancing, ``rank_loads_before``).
+        W: ranks. path: PNG file. title: the figure title.
+    """
+    from .plots import grouped_loads
+
+    panels = []
+    if all("rank_loads_before" in r for r in rows):
+        panels.append(("before balancing (native experts)", [r["rank_loads_before"] for r in rows]))
+        panels.append(("after balancing (virtual experts)", [r["rank_loads"] for r in rows]))
+    else:
+        panels.append(("routes received per rank", [r["rank_loads"] for r in rows]))
+    grouped_loads([str(r["layer"]) for r in rows], panels, [f"rank {r}" for r in range(W)], path,
+                  title=title or "per-rank expert load per layer", xlabel="layer", ylabel="routes received")

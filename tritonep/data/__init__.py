@@ -1,4 +1,5 @@
-"""Real MoE routing data shipped with tritonep (Apache-2.0; provenance in README.md, license in LICENSE-DATA.md)."""
+"""Real MoE routing data shipped with tritonep (Apache-2.0; provenance in README.md, license in LICENSE-DATA.md), and
+the reader of routing files of your own router (:mod:`tritonep.data.routing_file`)."""
 
 from .loaders import (
     FLAME_FILE,
@@ -12,6 +13,7 @@ from .loaders import (
     scale_histogram_to_experts,
     split_across_ranks,
 )
+from .routing_file import RoutingHistogram, RoutingTrace, load_routing_file
 
 __all__ = [
     "FLAME_FILE",
@@ -24,4 +26,7 @@ __all__ = [
     "load_olmoe_histogram",
     "sample_routing",
     "scale_histogram_to_experts",
+    "load_routing_file",
+    "RoutingTrace",
+    "RoutingHistogram",
 ]

@@ -1,0 +1,80 @@
+"""tritonep under torchrun: EPBuffer dispatch/combine and an MoE layer forward + backward, each checked.
+
+    torchrun --nproc-per-node 2 examples/torchrun_moe.py    # 2 GPUs of one host, NCCL process group
+    python examples/torchrun_moe.py                         # no GPU: the same main() in a 2-rank CPU world
+
+``main(group)`` is the per-rank body (tests/test_examples.py runs it in a CPU world). It raises AssertionError if a
+result is off and returns the measured errors.
+"""
+
+import os
+
+import torch
+import torch.distributed as dist
+
+import tritonep as tep
+from tritonep.reference import moe_dense_reference
+
+
+def main(group):
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    H, I, E, K, T = (2048, 1024, 64, 6, 512) if dev.type == "cuda" else (64, 32, 8, 2, 6)  # tiny on a CPU
+    torch.manual_seed(rank)  # each rank its own tokens
+
+    # 1. EPBuffer: send every token to its K experts and back; here the "experts" double their rows
+    buf = tep.EPBuffer(group, num_experts=E, hidden=H, max_tokens_per_rank=T, topk=K, device=dev)
+    x = torch.randn(T, H, device=dev).bfloat16()
+    topk_idx = torch.rand(T, E, device=dev).argsort(dim=1)[:, :K]  # K distinct experts per token
+    topk_weights = torch.rand(T, K, device=dev)
+    out = buf.dispatch(x, topk_idx, topk_weights)  # out.x: the rows this rank's experts got, grouped by expert
+    y = buf.combine(out.x * 2, out.handle)  # y[t] = sum_k topk_weights[t, k] * 2 x[t]
+    buf.close()
+    expect = 2 * x.float() * topk_weights.sum(1, keepdim=True)
+    dispatch_err = float((y.float() - expect).abs().max() / expect.abs().max())
+    assert dispatch_err < 2e-2, f"rank {rank}: dispatch/combine off by {dispatch_err:.2e}"
+
+    # 2. MoELayer: router + SwiGLU experts (E / world per rank), forward and backward
+    geo = tep.MoEGeometry(hidden=H, intermediate=I, num_experts=E, topk=K, max_tokens_per_rank=T)
+    layer = tep.MoELayer(tep.MoERecipe(), geo, group, device=dev, seed=0)
+    x = torch.randn(T, H, device=dev).bfloat16().requires_grad_(True)
+    topk_idx, topk_weights = layer.router(x)  # what layer(x) does; kept here for the check below
+    y = layer(x, topk_idx=topk_idx, topk_weights=topk_weights)
+    y.float().square().mean().backward()  # gradients reach x, the router and this rank's experts
+    assert x.grad is not None and layer.w1.grad is not None and layer.router.weight.grad is not None
+
+    # check the forward: the dense single-process reference over every rank's tokens, same weights
+    def gather(t):
+        parts = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(parts, t.contiguous(), group=group)
+        return torch.cat(parts)
+
+    w1, w2 = tep.MoELayer.init_expert_weights(geo, seed=0)
+    ref = moe_dense_reference(gather(x.detach().float()), gather(topk_idx), gather(topk_weights.detach()),
+                              w1.float().to(dev), w2.float().to(dev))[rank * T:(rank + 1) * T]
+    moe_err = float((y.detach().float() - ref).abs().max() / ref.abs().max())
+    assert moe_err < 3e-2, f"rank {rank}: MoE layer output off by {moe_err:.2e}"
+    layer.close()
+    if rank == 0:
+        print(f"world {world} on {dev.type}: dispatch/combine error {dispatch_err:.1e}, "
+              f"MoE layer error {moe_err:.1e} vs the dense reference; backward done")
+    return {"dispatch_err": dispatch_err, "moe_err": moe_err, "grad_x_norm": float(x.grad.float().norm())}
+
+
+if __name__ == "__main__":
+    if torch.cuda.is_available():  # under torchrun: one process per GPU
+        for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                     ("NVSHMEM_DISABLE_NVLS", "1")):
+            os.environ.setdefault(k, v)  # multicast off (README, "On the GPU machine")
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+        main(dist.group.WORLD)
+        dist.destroy_process_group()
+    elif "LOCAL_RANK" in os.environ:
+        raise SystemExit("no GPU: torchrun processes cannot share a CPU heap; run `python examples/torchrun_moe.py`, "
+                         "which starts a 2-rank CPU world itself")
+    else:  # no GPU: forked CPU ranks sharing one heap, kernels in Triton's interpreter
+        from tritonep.testing import run_cpu_world
+
+        run_cpu_world(2, main)

@@ -1,0 +1,474 @@
+"""Routing files of your own router: a per-token CSV trace or a JSON expert-load histogram.
+
+CSV trace (the format of the packaged FLAME trace, ``prefill_2048tok_layers2-9_top6.csv``)::
+
+    layer,token,e0,e1,s0,s1
+    0,0,5,2,0.61,0.22
+    0,1,7,5,0.48,0.31
+
+* header: ``layer``, ``token``, ``e0..e{K-1}`` (the K chosen expert ids; K is read from the header) and optionally
+  ``s0..s{K-1}`` (their router scores), in any order; no other column.
+* ``layer``: int >= 0 (any numbering; a file may hold one or many layers).
+* ``token``: int >= 0, distinct within a layer; it is the arrival order: a layer's tokens are used in ascending
+  ``token`` order (the rows may come in any order) and split into contiguous per-rank blocks.
+* ``e<k>``: expert id, int in ``[0, E)``, or ``-1`` for "no expert" (a dropped route); no id twice in a row.
+* ``s<k>``: finite float >= 0. Without score columns every valid route weighs the same.
+* blank lines are skipped; fields may carry surrounding spaces; UTF-8 (a BOM is allowed).
+
+JSON histogram (routes per expert, e.g. counted over a run of your model)::
+
+    {"layers": [0, 7], "counts_per_layer": [[120, 3, 77, 0], [40, 40, 60, 60]], "topk": 2}
+
+``counts_per_layer``: one list of E non-negative ints per layer (all the same length, each with a positive count);
+``layers``: the layer numbers (default ``0..n-1``); ``topk``: optional, the K tokens were routed with. Other keys are
+ignored (e.g. ``"model"``). A bare list of ints is one layer numbered 0; a bare list of such lists is layers 0..n-1.
+
+Every problem raises :class:`tritonep.errors.DataError` with one line ``"FILE:LINE:COL: message"`` (1-based line and
+character column of the offending field, or where a missing one was expected).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import json.decoder
+import json.scanner
+import math
+import os
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import DataError
+
+__all__ = ["RoutingTrace", "RoutingHistogram", "load_routing_file", "load_routing_csv", "load_routing_json"]
+
+
+@dataclass
+class RoutingTrace:
+    """Per-token routing read from a CSV (see the module docstring for the format).
+
+    Attributes:
+        path: the file as given.
+        topk: K, the number of ``e<k>`` columns.
+        has_scores: whether the file has ``s<k>`` columns.
+        max_expert: the largest expert id in the file (-1 when every slot is -1).
+    """
+
+    path: str
+    topk: int
+    has_scores: bool
+    max_expert: int
+    _layers: dict = field(repr=False, default_factory=dict)  # layer -> (idx [T, K] int64, scores [T, K] float32)
+    _first_use: dict = field(repr=False, default_factory=dict)  # expert id -> (line, col) of its first occurrence
+
+    def layers(self) -> list[int]:
+        """The layer numbers in the file, ascending."""
+        return sorted(self._layers)
+
+    def num_tokens(self, layer: int) -> int:
+        """Tokens of ``layer`` (raises DataError for a layer not in the file)."""
+        return self._get(layer)[0].shape[0]
+
+    def _get(self, layer):
+        if layer not in self._layers:
+            raise DataError(f"{self.path}: no layer {layer!r}; the file has layers {self.layers()}")
+        return self._layers[layer]
+
+    def routing(self, layer: int, renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's routing in arrival (``token``) order.
+
+        Args:
+            layer: one of :meth:`layers`.
+            renormalize: True (default) divides each row's weights by their sum over the valid slots, so they sum
+                to 1 (rows whose sum is 0 stay 0); False returns the file's scores (1.0 per valid slot without score
+                columns). Slots with id -1 always weigh 0.
+
+        Returns:
+            ``(topk_idx [T, K] int64 in [-1, E), topk_weights [T, K] float32)``, fresh tensors.
+
+        Raises:
+            DataError: ``layer`` is not in the file.
+        """
+        idx, w = self._get(layer)
+        idx, w = idx.clone(), w.clone()
+        if renormalize:
+            s = w.sum(dim=1, keepdim=True)
+            w = torch.where(s > 0, w / torch.where(s > 0, s, torch.ones_like(s)), w)
+        return idx, w
+
+    def check_num_experts(self, num_experts: int, what: str = "num_experts") -> None:
+        """Raise DataError ``FILE:LINE:COL`` at the first id ``>= num_experts`` (``what`` names the setting)."""
+        bad = [(pos, e) for e, pos in self._first_use.items() if e >= num_experts]
+        if bad:
+            (line, col), e = min(bad)
+            raise DataError(f"{self.path}:{line}:{col}: expert id {e} does not fit {what}={num_experts}: the file "
+                            f"uses expert ids up to {self.max_expert}, so it needs {what} >= {self.max_expert + 1}")
+
+
+@dataclass
+class RoutingHistogram:
+    """Expert-load histograms read from a JSON file (see the module docstring for the format).
+
+    Attributes:
+        path: the file as given.
+        num_experts: E, the length of every histogram.
+        topk: the file's ``topk`` (None if absent).
+        max_expert: the largest expert id with a positive count in any layer.
+    """
+
+    path: str
+    num_experts: int
+    topk: int | None
+    max_expert: int
+    _counts: dict = field(repr=False, default_factory=dict)  # layer -> [E] int64
+    _first_use: dict = field(repr=False, default_factory=dict)  # expert id -> (line, col) of its first positive count
+
+    def layers(self) -> list[int]:
+        """The layer numbers in the file, ascending."""
+        return sorted(self._counts)
+
+    def counts(self, layer: int, num_experts: int | None = None) -> torch.Tensor:
+        """One layer's histogram ``[num_experts]`` int64 (default: the file's E; more experts are padded with 0).
+
+        Raises:
+            DataError: ``layer`` is not in the file, or ``num_experts`` cuts off experts with a positive count.
+        """
+        if layer not in self._counts:
+            raise DataError(f"{self.path}: no layer {layer!r}; the file has layers {self.layers()}")
+        c = self._counts[layer].clone()
+        if num_experts is None:
+            return c
+        self.check_num_experts(num_experts)
+        out = torch.zeros(num_experts, dtype=torch.int64)
+        n = min(num_experts, c.numel())
+        out[:n] = c[:n]
+        return out
+
+    def check_num_experts(self, num_experts: int, what: str = "num_experts") -> None:
+        """Raise DataError ``FILE:LINE:COL`` at the first positive count of an expert ``>= num_experts``."""
+        bad = [(pos, e) for e, pos in self._first_use.items() if e >= num_experts]
+        if bad:
+            (line, col), e = min(bad)
+            raise DataError(f"{self.path}:{line}:{col}: expert {e} has routes but {what}={num_experts}: the file "
+                            f"counts routes up to expert {self.max_expert}, so it needs {what} >= "
+                            f"{self.max_expert + 1}")
+
+
+def _stat_key(path: str):
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise DataError(f"{path}: cannot read the routing file ({e.strerror or e})") from None
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: not a file")
+    return os.path.abspath(path), st.st_mtime_ns, st.st_size
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise DataError(f"{path}: cannot read the routing file ({e.strerror or e})") from None
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        col = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise DataError(f"{path}:{line}:{col}: not UTF-8 text") from None
+
+
+def load_routing_file(path: str, num_experts: int | None = None) -> RoutingTrace | RoutingHistogram:
+    """Read a routing CSV trace or JSON histogram (chosen by the ``.csv`` / ``.json`` suffix, else by content).
+
+    Args:
+        path: the file.
+        num_experts: when given, every expert id (CSV) or positive count (JSON) must lie below it.
+
+    Returns:
+        :class:`RoutingTrace` (CSV) or :class:`RoutingHistogram` (JSON). Parsed files are cached per process (keyed
+        by path, size and modification time); the returned objects hand out fresh tensors.
+
+    Raises:
+        DataError: unreadable file, or any format violation, as ``"FILE:LINE:COL: message"``.
+    """
+    low = str(path).lower()
+    if low.endswith(".json"):
+        return load_routing_json(path, num_experts)
+    if low.endswith(".csv"):
+        return load_routing_csv(path, num_experts)
+    text = _read(path).lstrip()
+    return load_routing_json(path, num_experts) if text[:1] in ("{", "[") else load_routing_csv(path, num_experts)
+
+
+def load_routing_csv(path: str, num_experts: int | None = None) -> RoutingTrace:
+    """Read a per-token routing CSV (format: module docstring).
+
+    Args:
+        path: the CSV file.
+        num_experts: when given, an id ``>= num_experts`` is an error naming its line and column.
+
+    Returns:
+        :class:`RoutingTrace`: per layer ``topk_idx [T, K] int64`` and scores ``[T, K] float32`` in token order.
+
+    Raises:
+        DataError: ``"FILE:LINE:COL: message"`` for an empty file, a missing / unknown / doubled column, a row with
+            the wrong number of fields, a value that is not an int (float for scores), a negative layer or token, a
+            token twice in a layer, an id below -1 or twice in a row, a negative or non-finite score, no data rows,
+            or an id ``>= num_experts``.
+    """
+    trace = _parse_csv(path, *_stat_key(path))
+    if num_experts is not None:
+        trace.check_num_experts(num_experts)
+    return trace
+
+
+_E_COL = re.compile(r"^e(\d+)$")
+_S_COL = re.compile(r"^s(\d+)$")
+
+
+def _fields(line: str):
+    """``[(text stripped, 1-based column of its first character)]`` of one comma-separated line."""
+    out, start = [], 0
+    for part in line.split(","):
+        lead = len(part) - len(part.lstrip())
+        out.append((part.strip(), start + lead + 1))
+        start += len(part) + 1
+    return out
+
+
+def _int(path, ln, col, name, text):
+    if not text:
+        raise DataError(f"{path}:{ln}:{col}: empty value in column {name!r}")
+    try:
+        return int(text)
+    except ValueError:
+        raise DataError(f"{path}:{ln}:{col}: column {name!r}: {text!r} is not an integer") from None
+
+
+@functools.lru_cache(maxsize=8)
+def _parse_csv(path: str, _abspath: str, _mtime: int, _size: int) -> RoutingTrace:
+    text = _read(path)
+    lines = text.split("\n")
+    rows = [(i + 1, ln.rstrip("\r")) for i, ln in enumerate(lines)]
+    rows = [(i, ln) for i, ln in rows if ln.strip()]
+    if not rows:
+        raise DataError(f"{path}:1:1: empty file: expected a header 'layer,token,e0,...,e{{K-1}}[,s0,...]' "
+                        f"and one row per token")
+    hln, header = rows[0]
+    cols = _fields(header)
+    pos: dict[str, int] = {}
+    e_idx, s_idx = {}, {}
+    for j, (name, col) in enumerate(cols):
+        if not name:
+            raise DataError(f"{path}:{hln}:{col}: empty column name in the header")
+        if name in pos:
+            raise DataError(f"{path}:{hln}:{col}: column {name!r} appears twice in the header")
+        pos[name] = j
+        if m := _E_COL.match(name):
+            e_idx[int(m.group(1))] = j
+        elif m := _S_COL.match(name):
+            s_idx[int(m.group(1))] = j
+        elif name not in ("layer", "token"):
+            raise DataError(f"{path}:{hln}:{col}: unknown column {name!r}; a routing CSV has the columns layer, "
+                            f"token, e0..e{{K-1}} and optionally s0..s{{K-1}}")
+    end_col = len(header) + 1
+    for need in ("layer", "token", "e0"):
+        if need not in pos:
+            raise DataError(f"{path}:{hln}:{end_col}: the header lacks column {need!r} (header: {header.strip()!r})")
+    K = max(e_idx) + 1
+    for k in range(K):
+        if k not in e_idx:
+            raise DataError(f"{path}:{hln}:{end_col}: the header lacks column 'e{k}' (it has e-columns up to "
+                            f"e{K - 1}, so K={K})")
+    if s_idx:
+        for k in range(K):
+            if k not in s_idx:
+                raise DataError(f"{path}:{hln}:{end_col}: the header lacks column 's{k}' (score columns must be "
+                                f"s0..s{K - 1}, one per e-column, or none)")
+        extra = [k for k in s_idx if k >= K]
+        if extra:
+            j = s_idx[min(extra)]
+            raise DataError(f"{path}:{hln}:{cols[j][1]}: column 's{min(extra)}' has no matching 'e{min(extra)}' "
+                            f"(K={K} from e0..e{K - 1})")
+    ncol = len(cols)
+    jl, jt = pos["layer"], pos["token"]
+    je = [e_idx[k] for k in range(K)]
+    js = [s_idx[k] for k in range(K)] if s_idx else None
+    per_layer: dict[int, dict] = {}  # layer -> {token: (line, ids, scores)}
+    first_use: dict[int, tuple[int, int]] = {}
+    for ln, line in rows[1:]:
+        f = _fields(line)
+        if len(f) != ncol:
+            col = f[ncol][1] - 1 if len(f) > ncol else len(line) + 1
+            raise DataError(f"{path}:{ln}:{col}: row has {len(f)} fields, the header has {ncol}")
+        layer = _int(path, ln, f[jl][1], "layer", f[jl][0])
+        if layer < 0:
+            raise DataError(f"{path}:{ln}:{f[jl][1]}: column 'layer': {layer} is negative")
+        tok = _int(path, ln, f[jt][1], "token", f[jt][0])
+        if tok < 0:
+            raise DataError(f"{path}:{ln}:{f[jt][1]}: column 'token': {tok} is negative")
+        ids = []
+        for k, j in enumerate(je):
+            e = _int(path, ln, f[j][1], f"e{k}", f[j][0])
+            if e < -1:
+                raise DataError(f"{path}:{ln}:{f[j][1]}: column 'e{k}': expert id {e} is negative (-1 = no expert "
+                                f"is the only negative id)")
+            if e >= 0 and e in ids:
+                raise DataError(f"{path}:{ln}:{f[j][1]}: column 'e{k}': expert {e} appears twice in the row")
+            if e >= 0 and e not in first_use:
+                first_use[e] = (ln, f[j][1])
+            ids.append(e)
+        if js is not None:
+            sc = []
+            for k, j in enumerate(js):
+                text = f[j][0]
+                if not text:
+                    raise DataError(f"{path}:{ln}:{f[j][1]}: empty value in column 's{k}'")
+                try:
+                    v = float(text)
+                except ValueError:
+                    raise DataError(f"{path}:{ln}:{f[j][1]}: column 's{k}': {text!r} is not a number") from None
+                if not math.isfinite(v) or v < 0:
+                    raise DataError(f"{path}:{ln}:{f[j][1]}: column 's{k}': score {text} is not a finite number "
+                                    f">= 0")
+                sc.append(v if ids[k] >= 0 else 0.0)
+        else:
+            sc = [1.0 if e >= 0 else 0.0 for e in ids]
+        toks = per_layer.setdefault(layer, {})
+        if tok in toks:
+            raise DataError(f"{path}:{ln}:{f[jt][1]}: layer {layer} has token {tok} twice (first on line "
+                            f"{toks[tok][0]})")
+        toks[tok] = (ln, ids, sc)
+    if not per_layer:
+        raise DataError(f"{path}:{hln + 1}:1: no data rows after the header")
+    layers = {}
+    for layer, toks in per_layer.items():
+        order = sorted(toks)
+        layers[layer] = (torch.tensor([toks[t][1] for t in order], dtype=torch.int64).view(len(order), K),
+                         torch.tensor([toks[t][2] for t in order], dtype=torch.float32).view(len(order), K))
+    return RoutingTrace(path=path, topk=K, has_scores=js is not None, max_expert=max(first_use, default=-1),
+                        _layers=layers, _first_use=first_use)
+
+
+# ---------------------------------------------------------------------------------------------------- JSON
+class _PosList(list):
+    """A JSON array that remembers where it and each of its items start in the text (character offsets)."""
+
+    pos: int = 0
+    item_pos: list
+
+
+def _decode_with_positions(text: str):
+    """``json.loads`` whose arrays are :class:`_PosList` (pure-Python scanner, so every item start is seen)."""
+    dec = json.JSONDecoder()
+
+    def parse_array(s_and_end, scan_once):
+        s, end = s_and_end
+        starts: list[int] = []
+
+        def scan(string, idx):
+            starts.append(idx)
+            return scan_once(string, idx)
+
+        values, stop = json.decoder.JSONArray((s, end), scan)
+        out = _PosList(values)
+        out.pos, out.item_pos = end - 1, starts[: len(values)]
+        return out, stop
+
+    dec.parse_array = parse_array
+    dec.scan_once = json.scanner.py_make_scanner(dec)
+    return dec.decode(text)
+
+
+def _line_col(text: str, idx: int) -> tuple[int, int]:
+    line = text.count("\n", 0, idx) + 1
+    return line, idx - (text.rfind("\n", 0, idx) + 1) + 1
+
+
+def load_routing_json(path: str, num_experts: int | None = None) -> RoutingHistogram:
+    """Read a JSON expert-load histogram file (format: module docstring).
+
+    Args:
+        path: the JSON file.
+        num_experts: when given, an expert ``>= num_experts`` with a positive count is an error naming its position.
+
+    Returns:
+        :class:`RoutingHistogram` (per layer ``[E]`` int64 counts).
+
+    Raises:
+        DataError: ``"FILE:LINE:COL: message"`` for invalid JSON, an empty file, a missing ``counts_per_layer``,
+            histograms of different lengths, a count that is not an int >= 0, a layer with no positive count,
+            ``layers`` that do not match, a bad ``topk``, or a positive count of an expert ``>= num_experts``.
+    """
+    h = _parse_json(path, *_stat_key(path))
+    if num_experts is not None:
+        h.check_num_experts(num_experts)
+    return h
+
+
+@functools.lru_cache(maxsize=8)
+def _parse_json(path: str, _abspath: str, _mtime: int, _size: int) -> RoutingHistogram:
+    text = _read(path)
+    if not text.strip():
+        raise DataError(f"{path}:1:1: empty file: expected a JSON histogram {{\"counts_per_layer\": [[...], ...]}}")
+    try:
+        obj = _decode_with_positions(text)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}") from None
+
+    def at(idx):
+        ln, col = _line_col(text, idx)
+        return f"{path}:{ln}:{col}"
+
+    def key_at(key):
+        m = re.search(r'"' + re.escape(key) + r'"\s*:\s*', text)
+        return at(m.end() if m else 0)
+
+    if isinstance(obj, list) and obj and all(isinstance(v, list) for v in obj):
+        hists, layers, topk = obj, None, None  # a list of histograms: layers 0..n-1
+    elif isinstance(obj, list):
+        hists, layers, topk = _PosList([obj]), None, None  # one histogram: layer 0
+        hists.pos, hists.item_pos = obj.pos, [obj.pos]
+    elif isinstance(obj, dict):
+        if "counts_per_layer" not in obj:
+            raise DataError(f"{at(0)}: the object lacks the key 'counts_per_layer' (a list of per-expert count "
+                            f"lists, one per layer)")
+        hists, layers, topk = obj["counts_per_layer"], obj.get("layers"), obj.get("topk")
+        if not isinstance(hists, list) or not hists or not all(isinstance(h, list) for h in hists):
+            where = at(hists.pos) if isinstance(hists, _PosList) else key_at("counts_per_layer")
+            raise DataError(f"{where}: 'counts_per_layer' must be a non-empty list of lists of counts")
+    else:
+        raise DataError(f"{at(0)}: expected an object with 'counts_per_layer' or a list of counts")
+    E = len(hists[0])
+    first_use: dict[int, tuple[int, int]] = {}
+    counts = []
+    for i, h in enumerate(hists):
+        if len(h) == 0:
+            raise DataError(f"{at(h.pos)}: histogram {i} is empty")
+        if len(h) != E:
+            raise DataError(f"{at(h.pos)}: histogram {i} has {len(h)} experts, histogram 0 has {E}")
+        for e, v in enumerate(h):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise DataError(f"{at(h.item_pos[e])}: histogram {i}, expert {e}: {json.dumps(v)} is not an "
+                                f"integer count >= 0")
+            if v > 0 and e not in first_use:
+                first_use[e] = _line_col(text, h.item_pos[e])
+        if not any(h):
+            raise DataError(f"{at(h.pos)}: histogram {i} has no positive count (no expert received a route)")
+        counts.append(torch.tensor(list(h), dtype=torch.int64))
+    if layers is None:
+        layers = list(range(len(hists)))
+    else:
+        if not isinstance(layers, list) or len(layers) != len(hists):
+            raise DataError(f"{key_at('layers')}: 'layers' must list one layer number per histogram "
+                            f"({len(hists)})")
+        for j, v in enumerate(layers):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0 or v in layers[:j]:
+                raise DataError(f"{at(layers.item_pos[j])}: layer {json.dumps(v)} is not a distinct integer >= 0")
+    if topk is not None and (isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= E):
+        raise DataError(f"{key_at('topk')}: 'topk' must be an integer in 1..{E}, got {json.dumps(topk)}")
+    return RoutingHistogram(path=path, num_experts=E, topk=topk, max_expert=max(first_use),
+                            _counts=dict(zip((int(v) for v in layers), counts)), _first_use=first_use)

@@ -60,3 +60,109 @@ def _transport_world(group, steps, E):
 def test_push_pull_20_steps_of_changing_skew():
     res = run_cpu_world(4, _transport_world, 20, 16, timeout_s=300)
     assert res == [[], [], [], []], res
+
+
+# ------------------------------------------------------------------------------------------------ in-place pull_add
+def _skew_counts(kind, W, E):
+    """``[W, E]`` route counts: ``hot0`` (rank 0's experts hot: rank 0 uses no slot, the others hold only rank 0's
+    experts and none of theirs is held), ``even`` (nothing moves), ``rand`` (random with a hot expert)."""
+    L = E // W
+    if kind == "hot0":
+        c = torch.zeros(W, E, dtype=torch.int64)
+        c[:, :L] = 40
+        return c
+    if kind == "even":
+        return torch.full((W, E), 3, dtype=torch.int64)
+    return _counts(7, W, E)
+
+
+SHAPES = {"w1": (H, I2), "w2": (I2, H)}
+
+
+def _bits(t):
+    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+
+
+def _grads(name, rows, dtype, seed):
+    """Deterministic gradients spanning many binades (plus bf16 subnormals) so every rounding step matters."""
+    g = torch.Generator().manual_seed(seed)
+    shp = (rows, *SHAPES[name])
+    v = torch.randn(shp, generator=g) * torch.exp2(torch.randint(-20, 8, shp, generator=g).float())
+    v[..., 0] = 3e-39  # subnormal in bf16 and fp32
+    return v.to(dtype)
+
+
+def _pull_add_world(group, kinds, dtype):
+    from tritonep.balance.transport import pull_add_torch, pull_torch, used_slot_count
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    E = 4 * W
+    L = E // W
+    tr = ExpertTransport(group, E, SHAPES, dtype=dtype, device="cpu", timeout_s=60)
+    bad = []
+    for step, kind in enumerate(kinds):
+        pl = place_torch(_skew_counts(kind, W, E))
+        used = [used_slot_count(pl.experts_to_copy[d].tolist()) for d in range(W)]
+        lo = rank * L
+        held = [j for j in range(L) if bool((pl.expert_slot[lo + j] >= 0).any())]
+        slot_all = {k: [_grads(k, used[d], dtype, 1000 * step + 10 * d + i) for d in range(W)]
+                    for i, k in enumerate(("w1", "w2"))}
+        for native_none in (False, True):
+            natives = {k: None if native_none else _grads(k, L, dtype, 777 + 1000 * step + 10 * rank + i)
+                       for i, k in enumerate(("w1", "w2"))}
+            before = {k: None if v is None else v.clone() for k, v in natives.items()}
+            out = tr.pull_add(dict(natives), {k: v[rank] for k, v in slot_all.items()}, pl, used[rank], held)
+            for k in ("w1", "w2"):
+                want = pull_add_torch(before[k], slot_all[k], pl, rank)
+                got = out[k]
+                if (want is None) != (got is None) or (got is not None and not torch.equal(_bits(got), _bits(want))):
+                    bad.append((kind, native_none, k, "bits"))
+                if natives[k] is not None and got.data_ptr() != natives[k].data_ptr():
+                    bad.append((kind, k, "not in place"))
+                for j in range(L):  # experts nobody held: untouched
+                    if j not in held and got is not None and before[k] is not None and not torch.equal(got[j],
+                                                                                                      before[k][j]):
+                        bad.append((kind, k, j, "touched"))
+        # the dense pull is pull_add into zeros
+        full = {k: torch.cat([slot_all[k][rank], torch.zeros(L - used[rank], *slot_all[k][rank].shape[1:],
+                                                               dtype=dtype)]) for k in ("w1", "w2")}
+        dense = tr.pull(full, pl)
+        for k in ("w1", "w2"):
+            if not torch.equal(_bits(dense[k]), _bits(pull_torch(slot_all[k], pl, rank, SHAPES[k], dtype))):
+                bad.append((kind, k, "pull"))
+        if kind == "hot0":
+            assert used[0] == 0 and all(u > 0 for u in used[1:]) and bool(held) == (rank == 0)
+    tr.check()
+    tr.close()
+    return bad
+
+
+def test_pull_add_in_place_bit_exact_vs_twin():
+    """pull_add == pull_add_torch bit for bit (bf16 and fp32), in place, experts nobody held untouched, None kept
+    where nothing is held; ranks that hold nothing or use no slot launch the same kernels (protocol check)."""
+    for W, dtype in ((2, torch.bfloat16), (4, torch.bfloat16), (2, torch.float32)):
+        res = run_cpu_world(W, _pull_add_world, ["hot0", "rand", "even"], dtype, timeout_s=300)
+        assert res == [[]] * W, (W, dtype, res)
+
+
+def test_pull_add_torch_is_torchs_accumulation():
+    """The twin's bits are those of the previous host code: ``grad[j].add_(DT(fp32 sum over holders))``."""
+    from tritonep.balance.transport import pull_add_torch, used_slot_count
+
+    W, E = 4, 16
+    pl = place_torch(_counts(3, W, E))
+    used = [used_slot_count(pl.experts_to_copy[d].tolist()) for d in range(W)]
+    for dtype in (torch.bfloat16, torch.float32):
+        slots = [_grads("w1", used[d], dtype, d) for d in range(W)]
+        for rank in range(W):
+            g = _grads("w1", E // W, dtype, 50 + rank)
+            want = g.clone()
+            for j in range(E // W):
+                e = rank * (E // W) + j
+                acc = torch.zeros(H, I2)
+                hold = [(d, int(pl.expert_slot[e, d])) for d in range(W) if d != rank and pl.expert_slot[e, d] >= 0]
+                for d, s in hold:
+                    acc += slots[d][s].float()
+                if hold:
+                    want[j].add_(acc.to(dtype))
+            assert torch.equal(_bits(pull_add_torch(g, slots, pl, rank)), _bits(want))

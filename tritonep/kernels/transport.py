@@ -5,8 +5,9 @@ holds global expert e this step; its owner is rank ``e // L``. Both kernels read
 host sync) and are correct at grid=1.
 
 * :func:`push_weights_kernel`: the owner copies ``w[e % L]`` (a flat row of ``N`` elements) into slot s of rank d.
-* :func:`pull_grads_kernel`: for each native expert j of this rank, adds the slot gradients of every rank d that
-  held it (d ascending: a fixed order) into ``grad[j]`` in fp32.
+* :func:`pull_grads_kernel`: for each native expert j of this rank that some peer held, sums the slot gradients
+  of every holder d (d ascending: a fixed order) in fp32 and adds the sum into ``grad[j]`` in place; experts no
+  peer held are left untouched (decided on the device: the launch is the same on every rank).
 * :func:`barrier_kernel`: every rank signals every peer and waits for all (bounded); the rendezvous that keeps a
   slot from being rewritten while a peer still reads it.
 
@@ -53,30 +54,50 @@ def push_weights_kernel(w_ptr, slots_tab, etc_ptr, N, status_ptr,
                 tl.store(dst + s.to(tl.int64) * N + o, v, mask=m)
 
 
-@triton.jit(do_not_specialize=['N'])
-def pull_grads_kernel(grad_ptr, gslots_tab, slot_of_ptr, N, status_ptr,
+@triton.jit(do_not_specialize=['N', 'num_targets'])
+def pull_grads_kernel(grad_ptr, num_targets, gslots_tab, slot_of_ptr, N, status_ptr,
                       RANK: tl.constexpr, W: tl.constexpr, L: tl.constexpr, E: tl.constexpr,
                       BLOCK: tl.constexpr):
-    """``grad[j] = sum_{d ascending, d holds expert RANK*L+j in slot s} gslots_d[s]`` (fp32 sum, then cast).
+    """Add every holder's slot gradient into this rank's native gradient, IN PLACE, only for held experts.
 
-    ``slot_of_ptr``: ``expert_slot [E, W]`` of the placement (-1 where rank d holds no copy). Experts no peer
-    holds get zeros.
+    For each native expert ``j < num_targets`` of this rank (global id ``e = RANK*L + j``) that some peer ``d``
+    holds (``expert_slot[e, d] = s >= 0``, ``d != RANK``)::
+
+        grad[j] = DT(float(grad[j]) + float(DT(sum_{d ascending} float(gslots_d[s]))))
+
+    (fp32 sum over the holders in ascending rank order, rounded once to the gradient dtype DT, then added the way
+    torch adds two DT tensors: in fp32, rounded once; rounding by :func:`cast_rne`, widening by :func:`widen`, so
+    GPU and interpreter give the same bits). Experts no peer holds, and every ``j >= num_targets``, are neither
+    read nor written: the launch is the same on every rank whatever the placement (DESIGN.md §6a) and does no
+    work where nothing is held (``num_targets = 0``: ``grad_ptr`` may then be a one-element dummy).
+
+    Args:
+        grad_ptr: ``[L, N]`` native gradient (bf16 or fp32, the slots' dtype), contiguous.
+        num_targets: ``L``, or 0 for "no target" (runtime int: one compiled variant).
+        gslots_tab: int64 ``[W]`` pointer table of the ``[L, N]`` gradient slots of every rank.
+        slot_of_ptr: int32 ``[E, W]`` ``expert_slot`` of the placement (-1 where rank d holds no copy).
+        N: elements per expert. status_ptr: the transport's status word (nothing is read after a timeout).
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     live = tl.load(status_ptr) != STATUS_TIMEOUT
     offs = tl.arange(0, BLOCK)
     nchunks = tl.cdiv(N, BLOCK)
-    for item in range(pid, L * nchunks, G):
+    for item in range(pid, num_targets * nchunks, G):
         j = item // nchunks + tl.zeros((), dtype=tl.int64)
         c = item % nchunks
         e = RANK * L + j
         o = c * BLOCK + offs
         m = o < N
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        nheld = tl.zeros((), dtype=tl.int32)
         for d in range(W):
             s = tl.load(slot_of_ptr + e * W + d)
             if (s >= 0) & (d != RANK) & live:
                 src = tl.multiple_of(tl.load(gslots_tab + d).to(tl.pointer_type(grad_ptr.dtype.element_ty)), 16)
                 acc += widen(tl.load(src + s.to(tl.int64) * N + o, mask=m, other=0.0))
-        tl.store(grad_ptr + j * N + o, cast_rne(acc, grad_ptr.dtype.element_ty), mask=m)
+                nheld += 1
+        if nheld > 0:
+            g = widen(tl.load(grad_ptr + j * N + o, mask=m, other=0.0))
+            pulled = widen(cast_rne(acc, grad_ptr.dtype.element_ty))
+            tl.store(grad_ptr + j * N + o, cast_rne(g + pulled, grad_ptr.dtype.element_ty), mask=m)

@@ -49,7 +49,7 @@ def main(group):
         dist.all_gather(parts, t.contiguous(), group=group)
         return torch.cat(parts)
 
-    w1, w2 = tep.MoELayer.init_expert_weights(geo, seed=0)
+    w1, w2 = tep.MoELayer.init_expert_weights(geo, seed=0, device=dev)  # drawn where the layers drew theirs
     ref = moe_dense_reference(gather(x.detach().float()), gather(topk_idx), gather(topk_weights.detach()),
                               w1.float().to(dev), w2.float().to(dev))[rank * T:(rank + 1) * T]
     moe_err = float((y.detach().float() - ref).abs().max() / ref.abs().max())

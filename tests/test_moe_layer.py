@@ -146,8 +146,12 @@ def _world_layer_vs_reference(group, case):
     (y.float() * gy).sum().backward()
     timings, stats = dict(layer.last_timings), dict(layer.last_stats)
     # dense fp32 reference on this rank's tokens, all E experts (same bf16-rounded values)
-    w1a, w2a = MoELayer.init_expert_weights(geo, seed=3, dtype=torch.bfloat16)
-    w1a, w2a = w1a.float().to(dev).requires_grad_(), w2a.float().to(dev).requires_grad_()
+    # every expert drawn on the layer's device type (a CUDA draw differs from a CPU draw), as the layers draw theirs
+    w1a, w2a = MoELayer.init_expert_weights(geo, seed=3, dtype=torch.bfloat16, device=dev)
+    L = geo.num_experts // W
+    assert torch.equal(w1a[rank * L:(rank + 1) * L], layer.w1.detach())
+    assert torch.equal(w2a[rank * L:(rank + 1) * L], layer.w2.detach())
+    w1a, w2a = w1a.float().requires_grad_(), w2a.float().requires_grad_()
     xr = x.detach().float().requires_grad_()
     if case["router"]:
         wg = layer.router.weight.detach().clone().requires_grad_()

@@ -68,7 +68,8 @@ def moe_soak_world(group, n: int, cfg: dict, seed: int = 0):
                       max_tokens_per_rank=cfg["Tmax"])
     recipe = MoERecipe(combine=cfg.get("combine", "pull"), balance=cfg.get("balance", "none"))
     layer = MoELayer(recipe, geo, group, device=dev, seed=seed)
-    w1_all, w2_all = MoELayer.init_expert_weights(geo, seed=seed, dtype=torch.bfloat16)
+    # drawn on the layer's device type (CUDA and CPU draws differ), then to the host for the reference
+    w1_all, w2_all = (t.cpu() for t in MoELayer.init_expert_weights(geo, seed=seed, dtype=torch.bfloat16, device=dev))
     L = cfg["E"] // W
     bad, worst = [], 0.0
     try:

@@ -159,31 +159,40 @@ def _rel(a, b):
 
 
 def check_layer(s, li, layer, results, world_size):
-    """Dense reference for one layer; returns dict of max relative errors."""
+    """Dense reference for one layer; returns dict of max relative errors.
+
+    Runs on the GPU when there is one (cuda:0, after the ranks finished; the layers drew their expert weights on
+    GPUs of the same kind, so :meth:`MoELayer.init_expert_weights` rebuilds them there), else on the CPU.
+    """
     from ..moe import MoEGeometry, MoELayer
     from ..reference import moe_dense_reference
 
+    dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     parts = layer_routing(s, layer, world_size)
     tmax = max(p[0].shape[0] for p in parts)
     geo = MoEGeometry(hidden=s["hidden"], intermediate=s["intermediate"], num_experts=s["num_experts"],
                       topk=s["topk"], max_tokens_per_rank=max(tmax, 1))
-    w1, w2 = MoELayer.init_expert_weights(geo, seed=1000 + layer, dtype=torch.bfloat16)
+    w1, w2 = MoELayer.init_expert_weights(geo, seed=1000 + layer, dtype=torch.bfloat16, device=dev)
     w1 = w1.float().requires_grad_(True)
     w2 = w2.float().requires_grad_(True)
     recs = [results[r][li] for r in range(world_size)]
-    x = torch.cat([r["x"] for r in recs]).detach().float().requires_grad_(True)
-    idx = torch.cat([p[0] for p in parts])
-    w = torch.cat([p[1] for p in parts]).detach().clone().requires_grad_(True)
+
+    def cat(key):
+        return torch.cat([r[key] for r in recs]).to(dev)
+
+    x = cat("x").detach().float().requires_grad_(True)
+    idx = torch.cat([p[0] for p in parts]).to(dev)
+    w = torch.cat([p[1] for p in parts]).to(dev).detach().clone().requires_grad_(True)
     y = moe_dense_reference(x, idx, w, w1, w2)
-    gy = torch.cat([r["gy"] for r in recs]).float()
+    gy = cat("gy").float()
     (y * gy).sum().backward()
     L = s["num_experts"] // world_size
     errs = {
-        "y": _rel(torch.cat([r["y"] for r in recs]), y.detach()),
-        "grad_x": _rel(torch.cat([r["gx"] for r in recs]), x.grad),
-        "grad_w": _rel(torch.cat([r["gw"] for r in recs]), w.grad),
-        "grad_w1": _rel(torch.cat([recs[r]["gw1"] for r in range(world_size)]), w1.grad),
-        "grad_w2": _rel(torch.cat([recs[r]["gw2"] for r in range(world_size)]), w2.grad),
+        "y": _rel(cat("y"), y.detach()),
+        "grad_x": _rel(cat("gx"), x.grad),
+        "grad_w": _rel(cat("gw"), w.grad),
+        "grad_w1": _rel(cat("gw1"), w1.grad),
+        "grad_w2": _rel(cat("gw2"), w2.grad),
     }
     assert L * world_size == s["num_experts"]
     return errs

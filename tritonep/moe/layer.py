@@ -12,10 +12,18 @@ zero-copy views of only the ``n`` slots this rank uses (:class:`tritonep.balance
 host read per step (runtime offsets, slot usage, held experts) decides the split. Weight bytes moved per step and rank
 beyond ``balance='none'`` (``S`` = bytes of one expert's w1 + w2 = 3*H*I*itemsize, ``m`` = copies this rank pushes,
 ``n`` = slots it uses, ``h`` = its native experts run elsewhere): push ``m*S``, slot GEMM reads ``n*S``, slot weight
-gradients ``n*S`` written and staged once more, pull ``(copies of its experts)*S`` read plus ``3*h*S`` for the
-in-place add; when ``h > 0`` also the pull kernel's dense ``L*S`` output (it writes every native expert, zeros for
-the rest: a kernel-side limit). Before, every step concatenated ``[native; all L slots]`` (forward ~6*L*S: cat and
-slot clone) and produced, staged, pulled densely and accumulated 2L weight gradients (backward ~7*L*S).
+gradients ``n*S`` written and staged once more, pull ``(copies of its experts)*S`` read plus ``2*h*S`` for the
+in-place add into the native gradient (the pull kernel picks the held experts on the device). Before, every step
+concatenated ``[native; all L slots]`` (forward ~6*L*S: cat and slot clone) and produced, staged, pulled densely and
+accumulated 2L weight gradients (backward ~7*L*S).
+
+Host protocol (DESIGN.md §6a): forward and backward launch the same signalling kernels and run the same host
+collectives in the same order on every rank, whatever its T (0 included), routes, used slots (0 included) or held
+experts: counts exchange, plan, dispatch, push (B1, one push per weight, B2), combine; backward combine-backward,
+then the pull (B3, one pull per weight, B4) and the dispatch-backward. The split run's torch GEMMs depend on the data
+(a part with no rows runs none) but they signal nothing, and the split run is one autograd node on every rank, so
+autograd orders the backward nodes the same everywhere (the pull's node is created after the dispatch's, so it runs
+first on every rank).
 
 Idea sources: the DeepEP / Megatron-LM MoE layer split (router, token dispatcher, grouped GEMM experts).
 """
@@ -95,6 +103,13 @@ class MoELayer(nn.Module):
         record_stats: fill ``last_timings`` and ``last_stats["num_tokens_per_expert"]`` after each forward. It
             synchronises the device around every phase and reads the counts back, so it is off by default (the
             forward then has only the dispatch's own host reads).
+        timeout_s: bound of every in-kernel wait of the layer's EPBuffer, counts exchange and weight transport, in
+            seconds (default: ``TRITONEP_TIMEOUT_S``).
+
+    Initial expert weights are drawn on the layer's device (one generator per expert, seeded by ``(seed, expert)``):
+    identical for any world size on one device type, and a GPU layer never draws on the host (at DeepSeek-V3 sizes
+    that took minutes). CUDA and CPU draws differ in bits: build a dense reference with
+    :meth:`init_expert_weights` on the layer's device type.
 
     Parameters: ``router.weight [H, E]`` float32 (replicated), ``w1 [L, H, 2I]``, ``w2 [L, I, H]`` (this rank's
     experts; w1's first I output columns are the gate, the last I the up projection).
@@ -112,7 +127,8 @@ class MoELayer(nn.Module):
     """
 
     def __init__(self, recipe: MoERecipe, geometry: MoEGeometry, group, *, device=None,
-                 dtype: torch.dtype = torch.bfloat16, seed: int = 0, record_stats: bool = False):
+                 dtype: torch.dtype = torch.bfloat16, seed: int = 0, record_stats: bool = False,
+                 timeout_s: float | None = None):
         super().__init__()
         self.record_stats = bool(record_stats)
         world_size = dist.get_world_size(group)
@@ -129,27 +145,29 @@ class MoELayer(nn.Module):
         g = geometry
         self.router = TopKRouter(g.hidden, g.num_experts, g.topk, seed=seed, device=self.device)
         lo = rank * self.num_local_experts
-        w1, w2 = MoELayer._expert_weights(geometry, seed, dtype, range(lo, lo + self.num_local_experts))
-        self.w1 = nn.Parameter(w1.to(self.device))
-        self.w2 = nn.Parameter(w2.to(self.device))
+        w1, w2 = MoELayer._expert_weights(geometry, seed, dtype, range(lo, lo + self.num_local_experts), self.device)
+        self.w1 = nn.Parameter(w1)
+        self.w2 = nn.Parameter(w2)
         self.virtual = recipe.balance == "virtual"
+        self.timeout_s = timeout_s
         # with virtual experts every rank runs 2L runtime experts (L native, then L virtual slots): the buffer
         # dispatches over W * 2L runtime ids (tritonep.balance, DESIGN.md §3)
         self.buffer = EPBuffer(group, num_experts=g.num_experts * (2 if self.virtual else 1), hidden=g.hidden,
                                max_tokens_per_rank=g.max_tokens_per_rank, topk=g.topk,
                                dispatch_wire=recipe.dispatch_wire, combine_wire=recipe.combine_wire,
                                expert_alignment=recipe.expert_alignment, backend="auto", dtype=_ACT_DTYPE,
-                               device=self.device)
+                               device=self.device, timeout_s=timeout_s)
         self.counts_x = self.transport = None
         self.last_placement = None
         if self.virtual:
             from ..balance.transport import ExpertTransport
             from ..ep.counts import CountsExchange
 
-            self.counts_x = CountsExchange(group, g.num_experts, g.max_tokens_per_rank, g.topk, self.device)
+            self.counts_x = CountsExchange(group, g.num_experts, g.max_tokens_per_rank, g.topk, self.device,
+                                           timeout_s=timeout_s)
             self.transport = ExpertTransport(group, g.num_experts,
                                              {"w1": (g.hidden, 2 * g.intermediate), "w2": (g.intermediate, g.hidden)},
-                                             dtype=dtype, device=self.device)
+                                             dtype=dtype, device=self.device, timeout_s=timeout_s)
         self.layer_id = ops.register_layer(self)
         self._stash: dict = {}
         self._fwd_gen = 0  # forwards so far: a backward needs its forward to be the latest (see _StaleGuard)
@@ -160,29 +178,41 @@ class MoELayer(nn.Module):
 
     # ------------------------------------------------------------------------------------------ static
     @staticmethod
-    def _expert_weights(geometry: MoEGeometry, seed: int, dtype: torch.dtype, experts: Iterable[int]):
+    def _expert_weights(geometry: MoEGeometry, seed: int, dtype: torch.dtype, experts: Iterable[int], device=None):
+        """Weights of the given global experts, drawn on ``device`` (default CPU); see :meth:`init_expert_weights`.
+
+        Returns ``(w1 [n, H, 2I], w2 [n, I, H])`` in ``dtype`` on ``device`` (n = number of experts). Each expert is
+        drawn in float32 by its own generator and cast into the preallocated output (no ``[n, ...]`` fp32 copy).
+        """
         H, inter = geometry.hidden, geometry.intermediate
-        w1s, w2s = [], []
-        for e in experts:
-            gen = torch.Generator().manual_seed(int(seed) * 1_000_003 + 104_729 + int(e))
-            w1s.append(torch.randn(H, 2 * inter, generator=gen) / math.sqrt(H))
-            w2s.append(torch.randn(inter, H, generator=gen) / math.sqrt(inter))
-        if not w1s:
-            return torch.empty(0, H, 2 * inter, dtype=dtype), torch.empty(0, inter, H, dtype=dtype)
-        return torch.stack(w1s).to(dtype), torch.stack(w2s).to(dtype)
+        device = torch.device("cpu") if device is None else torch.device(device)
+        experts = [int(e) for e in experts]
+        w1 = torch.empty(len(experts), H, 2 * inter, dtype=dtype, device=device)
+        w2 = torch.empty(len(experts), inter, H, dtype=dtype, device=device)
+        for i, e in enumerate(experts):
+            gen = torch.Generator(device=device).manual_seed(int(seed) * 1_000_003 + 104_729 + e)
+            w1[i] = torch.randn(H, 2 * inter, generator=gen, device=device) / math.sqrt(H)
+            w2[i] = torch.randn(inter, H, generator=gen, device=device) / math.sqrt(inter)
+        return w1, w2
 
     @staticmethod
-    def init_expert_weights(geometry: MoEGeometry, seed: int = 0, dtype: torch.dtype = torch.bfloat16
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every expert's initial weights, as the layers of any world size build them (CPU tensors).
+    def init_expert_weights(geometry: MoEGeometry, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
+                            device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every expert's initial weights, as the layers of any world size on ``device``'s type build them.
 
-        Expert e's weights are drawn from a generator seeded by ``(seed, e)`` only: ``w1[e] ~ N(0, 1/H)``,
-        ``w2[e] ~ N(0, 1/I)`` (float32, then cast to ``dtype``).
+        Expert e's weights are drawn on ``device`` from a generator of that device seeded by ``(seed, e)`` only:
+        ``w1[e] ~ N(0, 1/H)``, ``w2[e] ~ N(0, 1/I)`` (float32, then cast to ``dtype``). A layer on a CUDA device
+        draws with CUDA generators, whose bits differ from the CPU's: pass the layer's device (or another GPU of the
+        same kind) to rebuild its weights.
+
+        Args:
+            geometry: the layer's geometry (H, I, E). seed: the layer's seed. dtype: the layer's weight dtype.
+            device: where to draw (default: CPU, the weights of CPU layers).
 
         Returns:
-            ``(w1_all [E, H, 2I], w2_all [E, I, H])`` in ``dtype``.
+            ``(w1_all [E, H, 2I], w2_all [E, I, H])`` in ``dtype`` on ``device``.
         """
-        return MoELayer._expert_weights(geometry, seed, dtype, range(geometry.num_experts))
+        return MoELayer._expert_weights(geometry, seed, dtype, range(geometry.num_experts), device)
 
     @staticmethod
     def required_bytes(recipe: MoERecipe, geometry: MoEGeometry, world_size: int,

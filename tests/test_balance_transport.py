@@ -1,5 +1,6 @@
 """Virtual-expert weight push / gradient pull over the CPU symmetric heap, checked against the placement."""
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -92,13 +93,16 @@ def _grads(name, rows, dtype, seed):
     return v.to(dtype)
 
 
-def _pull_add_world(group, kinds, dtype):
+def _pull_add_world(group, kinds, dtype, on_gpu=False):
+    """Rank body: pull_add (native gradient given / None) and pull for each plan kind, checked bit for bit against
+    the torch twins computed on the host from every rank's slot gradients; returns the list of failures."""
     from tritonep.balance.transport import pull_add_torch, pull_torch, used_slot_count
 
     rank, W = dist.get_rank(), dist.get_world_size()
     E = 4 * W
     L = E // W
-    tr = ExpertTransport(group, E, SHAPES, dtype=dtype, device="cpu", timeout_s=60)
+    dev = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    tr = ExpertTransport(group, E, SHAPES, dtype=dtype, device=dev, timeout_s=60)
     bad = []
     for step, kind in enumerate(kinds):
         pl = place_torch(_skew_counts(kind, W, E))
@@ -108,17 +112,17 @@ def _pull_add_world(group, kinds, dtype):
         slot_all = {k: [_grads(k, used[d], dtype, 1000 * step + 10 * d + i) for d in range(W)]
                     for i, k in enumerate(("w1", "w2"))}
         for native_none in (False, True):
-            natives = {k: None if native_none else _grads(k, L, dtype, 777 + 1000 * step + 10 * rank + i)
+            natives = {k: None if native_none else _grads(k, L, dtype, 777 + 1000 * step + 10 * rank + i).to(dev)
                        for i, k in enumerate(("w1", "w2"))}
-            before = {k: None if v is None else v.clone() for k, v in natives.items()}
-            out = tr.pull_add(dict(natives), {k: v[rank] for k, v in slot_all.items()}, pl, used[rank], held)
+            before = {k: None if v is None else v.to("cpu", copy=True) for k, v in natives.items()}
+            out = tr.pull_add(dict(natives), {k: v[rank].to(dev) for k, v in slot_all.items()}, pl, used[rank], held)
             for k in ("w1", "w2"):
                 want = pull_add_torch(before[k], slot_all[k], pl, rank)
-                got = out[k]
+                if natives[k] is not None and out[k].data_ptr() != natives[k].data_ptr():
+                    bad.append((kind, k, "not in place"))
+                got = None if out[k] is None else out[k].cpu()
                 if (want is None) != (got is None) or (got is not None and not torch.equal(_bits(got), _bits(want))):
                     bad.append((kind, native_none, k, "bits"))
-                if natives[k] is not None and got.data_ptr() != natives[k].data_ptr():
-                    bad.append((kind, k, "not in place"))
                 for j in range(L):  # experts nobody held: untouched
                     if j not in held and got is not None and before[k] is not None and not torch.equal(got[j],
                                                                                                       before[k][j]):
@@ -126,9 +130,9 @@ def _pull_add_world(group, kinds, dtype):
         # the dense pull is pull_add into zeros
         full = {k: torch.cat([slot_all[k][rank], torch.zeros(L - used[rank], *slot_all[k][rank].shape[1:],
                                                                dtype=dtype)]) for k in ("w1", "w2")}
-        dense = tr.pull(full, pl)
+        dense = tr.pull({k: v.to(dev) for k, v in full.items()}, pl)
         for k in ("w1", "w2"):
-            if not torch.equal(_bits(dense[k]), _bits(pull_torch(slot_all[k], pl, rank, SHAPES[k], dtype))):
+            if not torch.equal(_bits(dense[k].cpu()), _bits(pull_torch(slot_all[k], pl, rank, SHAPES[k], dtype))):
                 bad.append((kind, k, "pull"))
         if kind == "hot0":
             assert used[0] == 0 and all(u > 0 for u in used[1:]) and bool(held) == (rank == 0)
@@ -143,6 +147,18 @@ def test_pull_add_in_place_bit_exact_vs_twin():
     for W, dtype in ((2, torch.bfloat16), (4, torch.bfloat16), (2, torch.float32)):
         res = run_cpu_world(W, _pull_add_world, ["hot0", "rand", "even"], dtype, timeout_s=300)
         assert res == [[]] * W, (W, dtype, res)
+
+
+@pytest.mark.gpu
+def test_gpu_pull_add_bit_exact_vs_twin():
+    """The same on 2 GPUs: the kernel's rounding (cast_rne / widen) gives the twin's bits on the device too."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    from tritonep.testing import run_gpu_world
+
+    for dtype in (torch.bfloat16, torch.float32):
+        res = run_gpu_world(2, _pull_add_world, ["hot0", "rand", "even"], dtype, True, timeout_s=300)
+        assert res == [[], []], (dtype, res)
 
 
 def test_pull_add_torch_is_torchs_accumulation():

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from .cases import make_rank_inputs
 
-__all__ = ["heap_peer_write_world", "ep_cases_world", "ep_graph_world", "ep_grad_world"]
+__all__ = ["heap_peer_write_world", "ep_cases_world", "ep_graph_world", "ep_grad_world", "graph_soak_world"]
 
 
 def heap_peer_write_world(group, epochs=3):
@@ -137,14 +137,19 @@ def ep_grad_world(group, E, H, Tmax, K, T, seed=0):
     return out
 
 
-def _graph_soak_inputs(i, W, E, H, Tmax, K, seed):
+def _graph_soak_inputs(i, W, E, H, Tmax, K, seed, ranks=None):
     """Every rank's ``(x, topk_idx, topk_weights)`` of graph-soak replay ``i`` (host tensors, deterministic).
 
     Masked fraction cycles 0 / 10 / 50 / 100 % (100 %: a rank whose tokens all have no route); every 7th replay
     sends every token of every rank to experts ``0..K-1`` (all on rank 0: the worst skew the default capacity takes).
+    ``ranks``: only these ranks' inputs are made (the others are None); default every rank. A rank's inputs depend
+    only on (seed, replay, rank).
     """
     ins = []
     for r in range(W):
+        if ranks is not None and r not in ranks:
+            ins.append(None)
+            continue
         x, idx, w = make_rank_inputs(r, Tmax, H, E, K, seed=seed * 100003 + i, mask_frac=(0.0, 0.1, 0.5, 1.0)[i % 4])
         if i % 7 == 3:
             idx = torch.arange(K, dtype=torch.int64).expand(Tmax, K).clone()
@@ -152,76 +157,116 @@ def _graph_soak_inputs(i, W, E, H, Tmax, K, seed):
     return ins
 
 
-def graph_soak_world(group, E, H, Tmax, K, replays, seed=0, status_every=100):
+def _soak_expert_out(xr: torch.Tensor) -> torch.Tensor:
+    """The soak's stand-in expert: ``bf16(x * 0.5 - 0.25)`` row-wise (``[R, H]`` bf16 -> ``[R, H]`` bf16)."""
+    return (xr.float() * 0.5 - 0.25).to(torch.bfloat16)
+
+
+def graph_soak_world(group, E, H, Tmax, K, replays, seed=0, status_every=100, oracle_every=100, graph=True):
     """CUDA-graph soak: capture dispatch + combine once (``Tmax`` tokens per rank), replay ``replays`` times with
     fresh routing copied into the captured inputs (see :func:`_graph_soak_inputs`: masks 0-100 %, hot skew), and
-    check EVERY replay on this rank bit for bit against the host oracles
+    check EVERY replay on this rank bit for bit against an eager dispatch + combine of the same inputs on a second
+    buffer (rows, counts, offsets, weights and ``y``). The eager run is graph-free (host-known shapes, its own
+    symmetric memory), so a replay-only fault (a frozen epoch, a stale captured pointer, a lost signal) shows up as a
+    difference; the layout, the sums and the eager path itself are checked against the host oracles
     (:func:`tritonep.reference.dispatch_reference` rows / counts / offsets / weights and
-    :func:`tritonep.reference.combine_reference_partial` for ``y``). Every rank regenerates every rank's inputs from
-    (seed, replay), so checking needs no communication. The device status word is read every ``status_every``
-    replays and at the end (a timeout there raises :class:`tritonep.errors.PeerTimeoutError`).
+    :func:`tritonep.reference.combine_reference_partial` for ``y``) on replay 0, every ``oracle_every``-th replay and
+    the last one (the host oracle costs ~1.6 s per replay at the test's shape; the eager check a few ms). Every rank
+    regenerates the inputs it needs from (seed, replay), so checking needs no communication. The device status word
+    is read every ``status_every`` replays and at the end (a timeout there raises
+    :class:`tritonep.errors.PeerTimeoutError`).
 
     Args:
         group: the EP group (one GPU per rank). E, H, Tmax, K: buffer configuration (alignment 1, bf16 wires).
-        replays: number of graph replays. seed: input seed.
+        replays: number of graph replays. seed: input seed. status_every: replays between status reads.
+        oracle_every: replays between host-oracle checks (0: only the first and the last replay).
+        graph: False runs the captured calls eagerly instead (on the CPU when there is no GPU): checks this function
+            itself in a CPU world.
 
     Returns:
-        ``(replays done, [(replay id, what differed), ...])`` for this rank (empty list = every replay exact).
+        ``(replays done, [(replay id, what differed), ...])`` for this rank (empty list = every replay exact);
+        ``what`` names the fields, ``eager.<field>`` for the eager check and ``oracle.<field>`` for the host oracle.
     """
     import tritonep as tep
     from tritonep.reference import combine_reference_partial, dispatch_reference
 
     rank, W = dist.get_rank(group), dist.get_world_size(group)
-    dev = torch.device("cuda", torch.cuda.current_device())
+    on_gpu = graph or torch.cuda.is_available()
+    dev = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     buf = tep.EPBuffer(group, E, H, Tmax, K)
-    x0, i0, w0 = _graph_soak_inputs(0, W, E, H, Tmax, K, seed)[rank]
+    ref_buf = tep.EPBuffer(group, E, H, Tmax, K)
+    x0, i0, w0 = _graph_soak_inputs(0, W, E, H, Tmax, K, seed, ranks=(rank,))[rank]
     sx, si, sw = x0.to(dev), i0.to(dev), w0.to(dev)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):  # warm-up (compiles kernels) outside capture
-        d = buf.dispatch(sx, si, sw)
-        buf.combine(buf.expert_out_buffer(d.x.shape[0]).copy_(d.x), d.handle)
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        d = buf.dispatch(sx, si, sw)
-        eo = buf.expert_out_buffer()
-        eo.copy_((d.x.float() * 0.5 - 0.25).to(torch.bfloat16))
-        y = buf.combine(eo, d.handle)
+    if graph:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):  # warm-up outside capture
+            d = buf.dispatch(sx, si, sw)
+            buf.combine(buf.expert_out_buffer(d.x.shape[0]).copy_(d.x), d.handle)
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            d = buf.dispatch(sx, si, sw)
+            eo = buf.expert_out_buffer()
+            eo.copy_(_soak_expert_out(d.x))
+            y = buf.combine(eo, d.handle)
+        out = dict(d=d, y=y)
+
+        def step():
+            g.replay()
+    else:  # the same protocol without a graph (CPU check of this function; no replay-only faults to find)
+        out = {}
+
+        def step():
+            dd = buf.dispatch(sx, si, sw)
+            ee = buf.expert_out_buffer(dd.x.shape[0])
+            ee.copy_(_soak_expert_out(dd.x))
+            out.update(d=dd, y=buf.combine(ee, dd.handle))
+
     bad = []
     t_start = time.monotonic()
     for i in range(replays):
-        ins = _graph_soak_inputs(i, W, E, H, Tmax, K, seed)
-        x, idx, w = ins[rank]
+        oracle = i == 0 or i == replays - 1 or (oracle_every > 0 and i % oracle_every == 0)
+        ins = _graph_soak_inputs(i, W, E, H, Tmax, K, seed, ranks=None if oracle else (rank,))
+        x, idx, w = (t.to(dev) for t in ins[rank])
         sx.copy_(x)
         si.copy_(idx)
         sw.copy_(w)
-        g.replay()
-        torch.cuda.synchronize()
+        step()
+        d, y = out["d"], out["y"]
+        # the same inputs eagerly on the second buffer (collective: every rank, every replay)
+        dr = ref_buf.dispatch(x, idx, w)
+        R = dr.x.shape[0]
+        eor = ref_buf.expert_out_buffer(R)
+        eor.copy_(_soak_expert_out(dr.x))
+        yr = ref_buf.combine(eor, dr.handle)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        got = dict(num_tokens_per_expert=d.num_tokens_per_expert, expert_offsets=d.expert_offsets, x=d.x[:R],
+                   weights=d.weights[:R], y=y)
+        eager = dict(num_tokens_per_expert=dr.num_tokens_per_expert, expert_offsets=dr.expert_offsets, x=dr.x,
+                     weights=dr.weights, y=yr)
+        what = [f"eager.{k}" for k in got if not torch.equal(got[k], eager[k])]
         if (i + 1) % status_every == 0:
             buf.check()
+            ref_buf.check()
             if rank == 0:
                 print(f"graph soak: {i + 1}/{replays} replays, {time.monotonic() - t_start:.1f} s, "
                       f"{len(bad)} bad so far", flush=True)
-        xs, idxs, ws = [a[0] for a in ins], [a[1] for a in ins], [a[2] for a in ins]
-        ref = dispatch_reference(xs, idxs, ws, E, W)
-        R = ref[rank].x.shape[0]
-        what = []
-        if not torch.equal(d.num_tokens_per_expert.cpu(), ref[rank].num_tokens_per_expert):
-            what.append("num_tokens_per_expert")
-        if not torch.equal(d.expert_offsets.cpu(), ref[rank].expert_offsets):
-            what.append("expert_offsets")
-        if not torch.equal(d.x[:R].cpu(), ref[rank].x):
-            what.append("x")
-        if not torch.equal(d.weights[:R].cpu(), ref[rank].weights):
-            what.append("weights")
-        eos = [(r_.x.float() * 0.5 - 0.25).to(torch.bfloat16) for r_ in ref]
-        yp = combine_reference_partial(eos, ref, idxs, ws, [Tmax] * W)[rank]
-        if not torch.equal(y.cpu(), yp.to(torch.bfloat16)):
-            what.append("y")
+        if oracle:
+            xs, idxs, ws = [a[0] for a in ins], [a[1] for a in ins], [a[2] for a in ins]
+            ref = dispatch_reference(xs, idxs, ws, E, W)
+            eos = [_soak_expert_out(r_.x) for r_ in ref]
+            yp = combine_reference_partial(eos, ref, idxs, ws, [Tmax] * W)[rank]
+            want = dict(num_tokens_per_expert=ref[rank].num_tokens_per_expert, expert_offsets=ref[rank].expert_offsets,
+                        x=ref[rank].x, weights=ref[rank].weights, y=yp.to(torch.bfloat16))
+            what += [f"oracle.{k}" for k in got if got[k].shape != want[k].shape or
+                     not torch.equal(got[k].cpu(), want[k])]
         if what:
             bad.append((i, what))
     buf.check()
+    ref_buf.check()
     buf.close()
+    ref_buf.close()
     return replays, bad

@@ -41,12 +41,14 @@ def _case(W, E, H, K, Ts, A=1, seed=0, neg_frac=0.0, dup=False, routing=None):
 
 
 # ------------------------------------------------------------------------------------------- rank bodies
-def _run_backend(group, case, backend, device):
+def _run_backend(group, case, backend, device, nccl_triton=False):
     rank = dist.get_rank(group)
     x0, idx, w0, gy = (t.to(device) for t in case["inputs"][rank])
     buf = EPBuffer(group, case["E"], case["H"], case["Tm"], case["K"], expert_alignment=case["A"],
                    backend=backend, device=device)
     assert buf.backend == backend
+    if backend == "nccl" and nccl_triton:
+        buf._impl.use_triton = True  # the combine's Triton sums (here in the interpreter) instead of the torch twins
     x = x0.clone().requires_grad_()
     w = w0.clone().requires_grad_()
     d = buf.dispatch(x, idx, w)
@@ -60,10 +62,10 @@ def _run_backend(group, case, backend, device):
     return {k: v.cpu() for k, v in out.items()}
 
 
-def _both(group, case, backends=("triton", "nccl")):
+def _both(group, case, backends=("triton", "nccl"), nccl_triton=False):
     gpu = torch.cuda.is_available() and dist.get_backend(group) == "nccl"
     dev = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
-    return {b: _run_backend(group, case, b, dev) for b in backends}
+    return {b: _run_backend(group, case, b, dev, nccl_triton) for b in backends}
 
 
 def _auto_forced(group):
@@ -152,6 +154,15 @@ def test_nccl_matches_triton_and_reference(name):
     _check(case, run_cpu_world(W, _both, case))
 
 
+@pytest.mark.parametrize("name", ["w2_empty_rank_neg", "w3_align4_neg"])
+def test_nccl_triton_sums_match_triton_and_reference(name):
+    """The combine's Triton kernels (used on CUDA) give the torch twins' bits: same checks, kernels interpreted."""
+    spec = dict(CASES[name])
+    W = spec.pop("W")
+    case = _case(W, **spec)
+    _check(case, run_cpu_world(W, _both, case, ("triton", "nccl"), True))
+
+
 def test_nccl_matches_triton_flame_trace():
     idx, w = load_flame_trace(5)
     parts = split_across_ranks(idx[:128], w[:128], 2)
@@ -205,3 +216,245 @@ def test_gpu_nccl_matches_triton_deepseek_shape():
     case = _deepseek_case()
     _check(case, run_gpu_world(2, _both, case))
 
+
+
+# ------------------------------------------------------------------------------------------- host plan
+def test_host_plan_matches_layout_torch():
+    """The numpy layout of the nccl backend equals the shared torch twin (send_base, segments, capacity)."""
+    from tritonep.ep.nccl_backend import _host_plan
+    from tritonep.kernels.layout import layout_torch
+
+    gen = torch.Generator().manual_seed(7)
+    for W, E, A in ((1, 4, 1), (2, 8, 1), (3, 12, 4), (4, 16, 3)):
+        L = E // W
+        for _ in range(5):
+            counts = torch.randint(0, 6, (W, E), generator=gen)
+            counts[torch.rand(W, E, generator=gen) < 0.3] = 0
+            m = torch.zeros(W, E + W + 5, dtype=torch.int64)
+            m[:, :E] = counts
+            m[:, E] = torch.randint(0, 3, (W,), generator=gen)  # masked slots
+            m[:, E + 1:E + 1 + W] = torch.randint(0, 9, (W, W), generator=gen)
+            for rank in range(W):
+                lay = layout_torch(counts, rank, A)
+                need, small, ss, rs, n = _host_plan(m.numpy(), rank, W, E, A)
+                small = torch.from_numpy(small).long()
+                mine = m[rank, :E + 1]
+                start = torch.cumsum(mine, 0) - mine
+                assert torch.equal(torch.from_numpy(need), lay["rows_needed"])
+                assert torch.equal(small[:E] + start[:E], lay["send_base"].long())
+                assert torch.equal(small[E + 1:E + 1 + L], lay["num_tokens_per_expert"].long())
+                assert torch.equal(small[E + 1 + L:E + 1 + 2 * L], lay["expert_offsets"].long())
+                assert torch.equal(small[E + 1 + 2 * L:].view(W, E), counts)
+                assert ss == m[rank, E + 1:E + 1 + W].tolist() and rs == m[:, E + 1 + rank].tolist()
+                assert n == int(counts[rank].sum())
+
+
+# ------------------------------------------------------------------------------------------- bad input (issue 14)
+_BE, _BH, _BT, _BK = 8, 64, 8, 1
+
+
+def _step_inputs(rank, step):
+    gen = torch.Generator().manual_seed(100 * step + rank)
+    T = (3, 5)[rank] if step == 1 else (6, 4)[rank]
+    idx = torch.randint(0, _BE, (T, _BK), generator=gen)
+    if step == 2:
+        idx[1, 0] = -1
+    x = torch.randn(T, _BH, generator=gen).to(torch.bfloat16)
+    w = torch.rand(T, _BK, generator=gen) + 0.1
+    return x, idx, w
+
+
+def _bad_body(group, mode):
+    """Step 1 with a bad input somewhere (NcclEP called directly: the front door passes ``bad_input``), then a
+    valid step 2 through EPBuffer on every rank."""
+    rank = dist.get_rank(group)
+    buf = EPBuffer(group, _BE, _BH, _BT, _BK, backend="nccl", device="cpu")
+    moved = [0]
+    orig = dist.all_to_all_single
+
+    def counted(*a, **k):
+        moved[0] += 1
+        return orig(*a, **k)
+
+    dist.all_to_all_single = counted
+    try:
+        x, idx, w = _step_inputs(rank, 1)
+        bad_input = False
+        if mode in ("ids", "both") and rank == (1 if mode == "ids" else 0):
+            idx[3 if rank == 1 else 1, 0] = 99
+        if mode == "neg" and rank == 1:
+            idx[2, 0] = -2
+        if (mode == "refused" and rank == 1) or (mode == "both" and rank == 1):
+            x, idx, w = (torch.empty(0, _BH, dtype=torch.bfloat16), torch.empty(0, _BK, dtype=torch.int64),
+                         torch.empty(0, _BK))
+            bad_input = True
+        err = None
+        try:
+            buf._impl.dispatch_fwd(x, idx, w.float(), True, bad_input=bad_input)
+        except TritonEPError as e:
+            err = (type(e).__name__, str(e), getattr(e, "bad_ranks", None), getattr(e, "rank", None))
+        moved_1 = moved[0]
+        x2, idx2, w2 = _step_inputs(rank, 2)
+        d = buf.dispatch(x2, idx2, w2)
+        eo = (d.x.float() * 0.75 + 0.5).to(torch.bfloat16)
+        y = buf.combine(eo, d.handle)
+        return dict(err=err, moved_1=moved_1, x=d.x, w=d.weights, ntpe=d.num_tokens_per_expert,
+                    offs=d.expert_offsets, eo=eo, y=y)
+    finally:
+        dist.all_to_all_single = orig
+        buf.close()
+
+
+def _check_step2(res):
+    ins = [_step_inputs(r, 2) for r in range(2)]
+    ref = dispatch_reference([i[0] for i in ins], [i[1] for i in ins], [i[2] for i in ins], _BE, 2)
+    ys = combine_reference_partial([res[r]["eo"] for r in range(2)], ref, [i[1] for i in ins],
+                                   [i[2] for i in ins], [i[1].shape[0] for i in ins])
+    for r in range(2):
+        assert res[r]["moved_1"] == 0, f"rank {r}: rows moved in the failed call"
+        assert torch.equal(res[r]["x"], ref[r].x), f"rank {r}: step 2 rows"
+        assert torch.equal(res[r]["w"], ref[r].weights)
+        assert torch.equal(res[r]["ntpe"], ref[r].num_tokens_per_expert)
+        assert torch.equal(res[r]["offs"], ref[r].expert_offsets)
+        assert torch.equal(res[r]["y"], ys[r].to(torch.bfloat16)), f"rank {r}: step 2 combine"
+
+
+@pytest.mark.parametrize("mode", ["ids", "neg"])
+def test_bad_expert_id_raises_on_every_rank_and_next_call_pairs(mode):
+    res = run_cpu_world(2, _bad_body, mode, timeout_s=120)
+    name, msg, _, _ = res[1]["err"]
+    assert name == "InputError", res[1]["err"]
+    bad_val, pos = ("99", "topk_idx[3, 0]") if mode == "ids" else ("-2", "topk_idx[2, 0]")
+    assert bad_val in msg and pos in msg, msg
+    name, msg, bad_ranks, rank = res[0]["err"]
+    assert name == "PeerInputError" and bad_ranks == [1] and rank == 0, res[0]["err"]
+    assert "rank(s) [1]" in msg and "no rows moved" in msg
+    _check_step2(res)
+
+
+def test_refused_input_flag_raises_on_every_rank_and_next_call_pairs():
+    res = run_cpu_world(2, _bad_body, "refused", timeout_s=120)
+    for r in range(2):
+        name, msg, bad_ranks, rank = res[r]["err"]
+        assert name == "PeerInputError" and bad_ranks == [1] and rank == r, res[r]["err"]
+        assert "rank(s) [1]" in msg and "refused" in msg
+    _check_step2(res)
+
+
+def test_bad_ids_and_refused_input_on_different_ranks():
+    res = run_cpu_world(2, _bad_body, "both", timeout_s=120)
+    name, msg, _, _ = res[0]["err"]
+    assert name == "InputError" and "99" in msg and "topk_idx[1, 0]" in msg, res[0]["err"]
+    name, msg, bad_ranks, rank = res[1]["err"]
+    assert name == "PeerInputError" and bad_ranks == [0, 1] and rank == 1, res[1]["err"]
+    _check_step2(res)
+
+
+def test_timeout_kwarg_is_stored():
+    from tritonep.ep.nccl_backend import NcclEP
+
+    ep = NcclEP(None, 0, 2, 8, 64, 4, 2, 1, 64, torch.device("cpu"), torch.bfloat16, timeout_s=7.5)
+    assert ep.timeout_s == 7.5
+    assert NcclEP(None, 0, 2, 8, 64, 4, 2, 1, 64, torch.device("cpu")).timeout_s is None
+
+
+# ------------------------------------------------------------------------------------------- expert_out with spare rows
+def _spare_rows(group):
+    rank = dist.get_rank(group)
+    x, idx, w = _step_inputs(rank, 2)
+    buf = EPBuffer(group, _BE, _BH, _BT, _BK, backend="nccl", device="cpu", expert_alignment=2)
+    out = {}
+    for spare in (0, 3):
+        d = buf.dispatch(x, idx, w)
+        R = d.x.shape[0]
+        eo = torch.cat([(d.x.float() * 0.5).to(torch.bfloat16), torch.full((spare, _BH), 7.0).to(torch.bfloat16)])
+        eo.requires_grad_()
+        y = buf.combine(eo, d.handle)
+        y.float().sum().backward()
+        out[spare] = dict(y=y.detach(), g=eo.grad, R=R)
+    buf.close()
+    return out
+
+
+def test_combine_accepts_spare_expert_out_rows_with_backward():
+    for r in run_cpu_world(2, _spare_rows):
+        a, b = r[0], r[3]
+        assert torch.equal(a["y"], b["y"])
+        assert b["g"].shape[0] == a["R"] + 3
+        assert torch.equal(b["g"][:a["R"]], a["g"]) and not b["g"][a["R"]:].any()
+
+
+# ------------------------------------------------------------------------------------------- host reads
+def _reads(group):
+    rank = dist.get_rank(group)
+    x, idx, w = _step_inputs(rank, 2)
+    buf = EPBuffer(group, _BE, _BH, _BT, _BK, backend="nccl", device="cpu", expert_alignment=2)
+    impl = buf._impl
+    x.requires_grad_()
+    w.requires_grad_()
+    reads = []
+    for _ in range(2):
+        n0 = impl.host_reads
+        d = buf.dispatch(x, idx, w)
+        n1 = impl.host_reads
+        y = buf.combine((d.x.float() * 0.5).to(torch.bfloat16), d.handle)
+        n2 = impl.host_reads
+        y.float().sum().backward()
+        reads.append((n1 - n0, n2 - n1, impl.host_reads - n2))
+    buf.close()
+    return reads
+
+
+def test_host_reads_per_call():
+    """One host read per dispatch (the counts matrix), none in combine or either backward."""
+    for reads in run_cpu_world(2, _reads):
+        assert reads == [(1, 0, 0), (1, 0, 0)], reads
+
+
+# ------------------------------------------------------------------------------------------- GPU: host reads
+def _host_syncs(group):
+    import warnings
+
+    rank = dist.get_rank(group)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    E, H, Tm, K = 64, 512, 128, 4
+    buf = EPBuffer(group, E, H, Tm, K, backend="nccl", device=dev, expert_alignment=4)
+    impl = buf._impl
+    gen = torch.Generator().manual_seed(rank)
+    idx, w = _routing(100 + 7 * rank, E, K, gen, neg_frac=0.1)
+    x = torch.randn(idx.shape[0], H, generator=gen).to(torch.bfloat16).to(dev)
+    idx, w = idx.to(dev), w.to(dev)
+
+    def calls(count):
+        out, out_w, _, _, h = impl.dispatch_fwd(x, idx, w, True)
+        count("dispatch")
+        eo = (out.float() * 0.5).to(torch.bfloat16)
+        impl.combine_fwd(eo, h)
+        count("combine")
+        impl.dispatch_bwd(eo, out_w.clone(), h)
+        count("dispatch_bwd")
+        impl.combine_bwd(x, eo, h)
+        count("combine_bwd")
+
+    calls(lambda what: None)  # warm-up: compiles the kernels, creates the communicators
+    torch.cuda.synchronize()
+    seen = {}
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            def count(what):
+                seen[what] = sum("synchroniz" in str(m.message) for m in rec) - sum(seen.values())
+            calls(count)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    buf.close()
+    return seen
+
+
+@pytest.mark.gpu
+def test_gpu_nccl_host_reads():
+    """Dispatch reads the host once (the counts matrix); combine and both backward passes never."""
+    _need_two_gpus()
+    for r in run_gpu_world(2, _host_syncs):
+        assert r == {"dispatch": 1, "combine": 0, "dispatch_bwd": 0, "combine_bwd": 0}, r

@@ -47,7 +47,7 @@ def _dequant(wire, q, s, dtype):
 
 
 # ------------------------------------------------------------------------------------------- rank body
-def _both(group, dwire, cwire, ntok, cfg):
+def _both(group, dwire, cwire, ntok, cfg, nccl_triton=False):
     rank = dist.get_rank(group)
     gpu = dist.get_backend(group) == "nccl"
     dev = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
@@ -58,6 +58,8 @@ def _both(group, dwire, cwire, ntok, cfg):
         buf = EPBuffer(group, cfg["E"], cfg["H"], cfg["TMAX"], cfg["K"], dispatch_wire=dwire, combine_wire=cwire,
                        expert_alignment=cfg["A"], backend=backend, device=dev)
         assert buf.backend == backend
+        if backend == "nccl" and nccl_triton:
+            buf._impl.use_triton = True  # the combine's Triton sums (interpreted here) instead of the torch twins
         x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
         d = buf.dispatch(x, idx, w)
         eo = (d.x.float() * 0.75 + 0.5).to(torch.bfloat16)  # padding rows nonzero: combine must ignore them
@@ -133,6 +135,13 @@ def _check(res, dwire, cwire, ntok, cfg):
 def test_nccl_wires_match_triton_and_twins(dwire, cwire, W):
     ntok = TOKENS[W]
     _check(run_cpu_world(W, _both, dwire, cwire, ntok, CPU, timeout_s=300), dwire, cwire, ntok, CPU)
+
+
+@pytest.mark.parametrize("dwire,cwire", WIRES)
+def test_nccl_wires_triton_sums_match_triton_and_twins(dwire, cwire):
+    """The combine's Triton kernels (used on CUDA; interpreted here) give the same bits on every wire."""
+    ntok = TOKENS[2]
+    _check(run_cpu_world(2, _both, dwire, cwire, ntok, CPU, True, timeout_s=300), dwire, cwire, ntok, CPU)
 
 
 @pytest.mark.gpu

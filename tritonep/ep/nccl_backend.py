@@ -1,40 +1,74 @@
 """The torch.distributed backend of EPBuffer (NCCL on GPU, gloo on CPU): same API and bit-identical results.
 
-For groups whose ranks cannot map each other's memory (several hosts, no P2P). Every step is a pure-torch op or a
-``torch.distributed`` collective on the current stream; the row layout is the one of the triton backend by
-construction (it is computed by the same torch twins, :func:`tritonep.kernels.layout.layout_torch` and
-:func:`tritonep.kernels.layout.route_rows_torch`).
+For groups whose ranks cannot map each other's memory (several hosts, no P2P). Every step is a torch op, one of two
+small local kernels (:mod:`tritonep.ep.nccl_pack`) or a ``torch.distributed`` collective on the current stream. The
+row layout is the triton backend's by construction: the same segment formula (:func:`tritonep.kernels.layout.
+layout_torch`, computed on the host by its numpy twin :func:`_host_plan`) and, inside a segment, rows ordered by
+(source rank, token, k).
 
-Dispatch (one host sync, after the counts exchange):
+Host reads: dispatch reads ONE small tensor (the gathered counts matrix, below); combine and both backward passes read
+nothing (they reuse the split sizes the dispatch saved in its handle). Graph capture is refused: uneven splits need
+host sizes.
 
-1. ``counts_torch`` -> this rank's routes per expert ``[E]`` and tokens per destination rank ``[W]``;
-   one ``all_gather`` -> the ``[W, E + W]`` matrix on every rank (read on the host).
-2. ``layout_torch`` (identical on every rank) -> capacity check: if any rank would receive more than
-   ``max_recv_tokens`` rows, every rank raises :class:`CapacityError` before any row moves.
-3. Pack ONE packet per (token, destination rank) with a route there, ordered by (destination rank, token): the
-   token's K destination rows there (``route_rows_torch``; -1 for routes elsewhere), K weights (0 elsewhere) and
-   the token's wire row, as one ``uint8`` row; move all packets with one ``all_to_all_single`` with uneven splits.
-4. Scatter every received packet to its destination rows (padding rows are zero).
+Dispatch (host protocol, identical on every rank whatever its data, DESIGN.md 6a: one ``all_gather`` then, unless
+the call fails on every rank, one ``all_to_all_single``):
 
-Wires (``dispatch_wire`` / ``combine_wire``; byte layout of :mod:`tritonep.kernels.wirecodec`, bits of the twins
-in :mod:`tritonep.wire`, so both backends give identical results):
+1. Counts row of this rank, on the device, no sync: routes per expert (``scatter_add_``), packets per destination rank
+   (a packet = one (token, destination rank) with at least one route there), ``min`` / ``max`` of ``topk_idx`` and a
+   ``bad_input`` flag (the front door refused this rank's input and passes empty tensors). ``all_gather`` -> the
+   ``[W, E + W + 5]`` int64 matrix, copied to the host: THE host read of the call.
+2. On the host: any rank with an expert id outside ``[-1, E)`` or a ``bad_input`` flag -> nothing moves on any rank,
+   every rank raises :class:`PeerInputError` naming the bad ranks (a rank whose own ids are bad raises the
+   :class:`InputError` of :func:`tritonep.ep.validate.check_expert_ids`, naming the value and its (token, k); that
+   extra read happens only in this error case). Else the layout (:func:`_host_plan`); a rank that would receive
+   more than ``max_recv_tokens`` rows -> every rank raises :class:`CapacityError`, nothing sent. Else the split
+   sizes (packets per peer) and one host->device copy of the small per-call vectors (never a device sync).
+3. Device index work, one pass, no sync: the destination row of every route (a stable sort of this rank's routes
+   by expert gives each route's rank among the routes to its expert) and the packets in (destination rank, token)
+   order (a stable sort of the ``[W, T]`` presence mask).
+4. Pack: ``index_select`` straight into column ranges of ONE ``uint8`` send buffer ``[packets, row | meta]`` (the
+   token's wire row, then its K destination rows int32, K expert ids int32, K weights fp32): one copy of each
+   travelling row, no ``cat``, moved as 8-byte words where the widths allow (:func:`tritonep.ep.nccl_pack.
+   gather_rows`). One ``all_to_all_single`` with uneven splits.
+5. Unpack: per received packet, the routes whose expert lives here (``ids // L == rank``) give ``row -> packet``
+   (one ``scatter_``); the expert-grouped output is ONE ``index_select`` of the received rows, where padding rows
+   (``expert_alignment`` > 1) read an extra all-zero row appended to the receive buffer.
+
+Combine (one ``all_to_all_single`` back along the reverse splits): on the expert rank, per received packet,
+``partial = 0 + sum_{k ascending, route here} fp32(w * expert_out[row])`` in fp32 (each product rounded before the
+add), written by the partial kernel straight into the send buffer, rounded to bf16 (round-to-nearest-even) or kept
+fp32 for an fp8 / mxfp4 wire (then quantized with the twin); the source sums the partials (widened / dequantized to
+fp32) in rank order starting from 0 and rounds once: exactly :func:`tritonep.reference.combine_reference_partial`
+and the triton combine kernels for every wire. One row per (token, rank) travels, never one per route.
+
+Backward: ``dispatch_bwd`` is an unweighted combine (bf16) whose rows also carry the per-route weight gradients
+``grad_recv_w[row]`` (K fp32 columns of the same send buffer); ``combine_bwd`` moves ``grad_y`` (bf16) along the
+dispatch's packets (one ``index_select`` pack, one ``all_to_all_single``, one ``index_select`` unpack to rows).
+
+Copies per call (rows of H elements; ``Ns`` / ``Nr`` packets sent / received, ``R`` rows received):
+dispatch bf16: ``Ns`` (pack) + ``R`` (unpack); fp8 / mxfp4 add the sender's quantization of ``T`` rows and, without
+``keep_quantized``, the receiver's dequantization of ``Nr`` rows. Combine bf16: the kernel reads each routed row
+once and writes ``Nr`` partials into the send buffer; the source's kernel reads ``Ns`` partials and writes ``T``
+rows. fp8 / mxfp4 combine: the kernel writes ``Nr`` fp32 partials, the twin quantizes them (two column copies into
+the send buffer) and dequantizes ``Ns`` on the source. In combine nothing is per route except the kernel's one read
+of each ``expert_out`` row.
+
+Wires (``dispatch_wire`` / ``combine_wire``; byte layout of :mod:`tritonep.kernels.wirecodec`, bits of the twins in
+:mod:`tritonep.wire`, so both backends give identical results):
 
 * bf16: the row's 2H bytes.
-* fp8 / mxfp4 dispatch: every token row is quantized ONCE on the sender with :func:`quantize_fp8_torch` (e4m3 +
-  one fp32 scale per 128) / :func:`quantize_mxfp4_torch` (packed e2m1 + one e8m0 per 32); payload then scale
-  bytes follow the routing fields in the packet. The receiver writes ``dequantize_*_torch(q, s, bfloat16)`` (fp32
-  dequant, round-to-nearest-even cast) into the expert rows; with ``keep_quantized=True`` it returns the payload
-  rows (fp8 uint8 ``[R, H]``, mxfp4 uint8 ``[R, H/2]``) and scales (fp32 ``[R, H/128]`` / uint8 ``[R, H/32]``);
-  padding rows hold the encoding of a zero row (fp8: q 0, scale 2^-126; mxfp4: 0, e8m0 0).
-* fp8 / mxfp4 combine: the fp32 partial below is quantized with the twin (not rounded to bf16 first), moved,
-  dequantized to fp32 on the source and summed as below.
+* fp8 / mxfp4 dispatch: every token row is quantized ONCE on the sender with :func:`quantize_fp8_torch` (e4m3 + one
+  fp32 scale per 128) / :func:`quantize_mxfp4_torch` (packed e2m1 + one e8m0 per 32); payload then scale bytes.
+  The receiver writes ``dequantize_*_torch(q, s, bfloat16)`` (fp32 dequant, round-to-nearest-even cast) into the
+  expert rows; with ``keep_quantized=True`` it returns the payload rows (fp8 uint8 ``[R, H]``, mxfp4 uint8
+  ``[R, H/2]``) and scales (fp32 ``[R, H/128]`` / uint8 ``[R, H/32]``); padding rows hold the encoding of a zero
+  row (fp8: q 0, scale 2^-126; mxfp4: 0, e8m0 0).
+* fp8 / mxfp4 combine: the fp32 partial is quantized with the twin (not rounded to bf16 first), moved, dequantized
+  to fp32 on the source and summed as above.
 * Backward passes always move bf16.
 
-Combine (one ``all_to_all_single``): on the expert rank, per received packet, ``partial = 0 + sum_{k ascending,
-route here} fp32(w * expert_out[row])`` in fp32 (each product rounded before the add), then rounded to the element
-dtype (bf16 wire; round-to-nearest-even, torch's cast) or quantized (fp8 / mxfp4 wire); the partials go back
-along the reverse splits; the source sums them (widened to fp32) in rank order in fp32 and casts (exactly
-:func:`tritonep.reference.combine_reference_partial` for bf16, and the triton combine kernels for every wire).
+Timeouts: this backend has no kernel waits; a peer that never arrives is caught by the process group's own timeout
+(``torch.distributed`` / NCCL watchdog), not by ``timeout_s``.
 
 Hierarchical multi-host (not implemented; where it would go): a two-level exchange as in DeepEP's internode
 kernels -- (a) ``all_to_all_single`` inside a node group keyed by the destination's local index, sending one packet
@@ -44,68 +78,46 @@ the destination ranks of that node. The layout (step 2) stays global, so the row
 are unchanged; combine reduces per rank, then per node in rank order (the partial sum order must keep ranks
 ascending, so a node-level pre-sum is only legal for contiguous rank ranges and must round per rank first).
 
-Graph capture is refused: uneven splits need host sizes. Idea sources: DeepEP "normal" (host-synchronised) kernels,
-Megatron-LM's ``MoEAlltoAllTokenDispatcher`` (counts all_to_all, then uneven token all_to_all); quantize once per
-token before the all_to_all as DeepEP's fp8 dispatch does.
+Idea sources: DeepEP "normal" (host-synchronised) kernels, Megatron-LM's ``MoEAlltoAllTokenDispatcher`` (counts
+exchange, then uneven token all_to_all); quantize once per token before the all_to_all as DeepEP's fp8 dispatch does.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..errors import BackendError, BufferStateError, CapacityError
-from ..kernels.layout import counts_torch, layout_torch, route_rows_torch
-from ..wire.formats import check_wire, num_scales, payload_bytes, scale_bytes, scale_dtype
+from ..errors import BackendError, BufferStateError, CapacityError, InputError, PeerInputError
+from ..wire.formats import check_wire, payload_bytes, scale_bytes, scale_dtype
 from ..wire.fp8 import dequantize_fp8_torch, quantize_fp8_torch
 from ..wire.mxfp4 import dequantize_mxfp4_torch, quantize_mxfp4_torch
 from .handle import DispatchHandle
+from .launch import record
+from .nccl_pack import gather_rows, local_partials, round_up, sum_partials
+from .validate import check_expert_ids
 
 __all__ = ["NcclEP"]
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """``[N, ...]`` contiguous tensor -> ``[N, bytes per row]`` uint8 view."""
-    cols = 1
-    for n in t.shape[1:]:
-        cols *= n
-    return t.contiguous().reshape(t.shape[0], cols).view(torch.uint8)
-
-
-def _unbytes(b: torch.Tensor, dtype: torch.dtype, cols: int) -> torch.Tensor:
-    """``[N, cols * itemsize]`` uint8 (any strides) -> ``[N, cols]`` of ``dtype`` (a copy)."""
-    return b.contiguous().view(dtype).reshape(b.shape[0], cols)
-
-
-def _encode(wire: str, x: torch.Tensor) -> torch.Tensor:
-    """``[N, H]`` rows -> ``[N, row bytes]`` uint8 wire rows.
-
-    bf16: the raw bytes of ``x`` (already in the element dtype); fp8 / mxfp4: the twin quantizer applied to ``x``
-    (any float dtype; an fp32 ``x`` is quantized as is), payload bytes then scale bytes.
-    """
-    if wire == "bf16":
-        return _bytes(x)
+def _quantize(wire: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[N, H]`` rows (bf16 or fp32) -> ``(payload uint8 [N, P], scale bytes uint8 [N, S*itemsize])`` by the twin."""
     if wire == "fp8":
         q, s = quantize_fp8_torch(x)
-        q = q.view(torch.uint8)
-    else:
-        q, s = quantize_mxfp4_torch(x)
-    return torch.cat([q, _bytes(s)], 1)
+        return q.view(torch.uint8), s.view(torch.uint8)
+    q, s = quantize_mxfp4_torch(x)
+    return q, s.view(torch.uint8)
 
 
-def _split(wire: str, b: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[N, >= row bytes]`` uint8 fp8 / mxfp4 wire rows -> ``(payload uint8 [N, P], scales [N, S])`` (copies)."""
+def _wire_views(wire: str, rows: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 rows ``[N, >= row bytes]`` (any row stride) -> views ``(payload uint8 [N, P], scales [N, S])``."""
     p, nb = payload_bytes(wire, hidden), scale_bytes(wire, hidden)
-    return b[:, :p].contiguous(), _unbytes(b[:, p:p + nb], scale_dtype(wire), num_scales(wire, hidden))
+    return rows[:, :p], rows[:, p:p + nb].view(scale_dtype(wire))
 
 
-def _decode(wire: str, b: torch.Tensor, hidden: int, dtype: torch.dtype) -> torch.Tensor:
-    """``[N, >= row bytes]`` uint8 wire rows -> ``[N, H]`` of ``dtype``: bf16-wire rows are the raw bytes of rows of
-    ``dtype``; fp8 / mxfp4 rows are dequantized by the twin straight to ``dtype`` (fp32 value, one
-    round-to-nearest-even cast)."""
-    if wire == "bf16":
-        return _unbytes(b[:, :hidden * dtype.itemsize], dtype, hidden)
-    q, s = _split(wire, b, hidden)
+def _dequantize(wire: str, rows: torch.Tensor, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+    """uint8 fp8 / mxfp4 wire rows ``[N, >= row bytes]`` -> ``[N, H]`` of ``dtype`` (twin: fp32 value, one RNE cast)."""
+    q, s = _wire_views(wire, rows, hidden)
     if wire == "fp8":
         return dequantize_fp8_torch(q, s, dtype)
     return dequantize_mxfp4_torch(q, s, dtype)
@@ -116,18 +128,55 @@ def _row_bytes(wire: str, hidden: int) -> int:
     return payload_bytes(wire, hidden) + scale_bytes(wire, hidden)
 
 
+def _host_plan(m, rank: int, W: int, E: int, A: int):
+    """Layout and split sizes from the gathered counts matrix (numpy, host), as seen by ``rank``.
+
+    Same integer arithmetic as :func:`tritonep.kernels.layout.layout_torch` (tested equal), without torch's per-op
+    overhead on tiny tensors.
+
+    Args:
+        m: int64 ``[W, E + W + 5]``: per rank, routes per expert (E columns), masked slots, packets per destination
+            rank (W columns), packets to nobody, min id, max id, refused flag.
+        rank: this rank; W, E: world size and experts; A: expert alignment.
+
+    Returns:
+        ``(rows_needed int64 [W], small int32 [(E + 1) + 2L + W*E], send_splits list, recv_splits list,
+        routes of this rank)``; ``small`` = ``bms [E + 1]`` (row of this rank's route at sorted position i to
+        expert e = ``bms[e] + i``), ``num_tokens_per_expert [L]``, ``expert_offsets [L]``, ``counts [W, E]``.
+    """
+    L = E // W
+    c = m[:, :E]
+    total = c.sum(0).reshape(W, L)
+    aligned = total if A == 1 else (total + (A - 1)) // A * A
+    seg_start = np.cumsum(aligned, 1) - aligned
+    mine = m[rank, :E + 1]
+    start = np.cumsum(mine) - mine
+    bms = np.zeros(E + 1, dtype=np.int64)
+    bms[:E] = seg_start.reshape(E) + c[:rank].sum(0) - start[:E]
+    small = np.concatenate([bms, total[rank], np.cumsum(aligned[rank]), c.reshape(-1)]).astype(np.int32)
+    pk = m[:, E + 1:E + 1 + W]
+    return aligned.sum(1), small, pk[rank].tolist(), pk[:, rank].tolist(), int(mine[:E].sum())
+
+
 class NcclEP:
     """torch.distributed implementation behind :class:`tritonep.EPBuffer` (same interface as ``TritonEP``).
 
     Args: as ``TritonEP``: the group, this rank, world_size W, num_experts E, hidden H, max_tokens_per_rank, topk K,
     expert_alignment A, max_recv_tokens, device, dtype (bfloat16), ``dispatch_wire`` / ``combine_wire``
-    (``"bf16"`` | ``"fp8"`` | ``"mxfp4"``, see the module docstring).
+    (``"bf16"`` | ``"fp8"`` | ``"mxfp4"``, see the module docstring), ``timeout_s`` (stored only: this backend has
+    no kernel waits, the process group's own timeout applies).
 
-    The :class:`DispatchHandle` it returns has ``meta = wts = ntok = None`` and ``extras``: ``send_splits`` /
-    ``recv_splits`` (packets per peer, host lists), ``send_tok`` int64 ``[Ns]`` (token of each sent packet, ordered by
-    (destination rank, token)), ``send_here`` bool ``[Ns, K]`` (route k of that token lives on that destination),
-    ``recv_rows`` int64 ``[Nr, K]`` (destination row of each received route, -1 elsewhere) and ``recv_w`` float32
-    ``[Nr, K]`` (its weight, 0 elsewhere); after ``keep_quantized=True`` also ``x_scales``.
+    Attribute ``use_triton`` (default: CUDA device): the combine's local sums run as Triton kernels, else as their
+    torch twins (same bits; the twins use ``torch.nonzero`` and are meant for the CPU). ``host_reads`` counts the
+    device->host reads of calls (one per dispatch; one more only when naming this rank's bad expert id).
+
+    The :class:`DispatchHandle` it returns has ``meta = wts = ntok = None`` and ``extras``: ``counts`` int32
+    ``[W, E]``, ``send_splits`` / ``recv_splits`` (packets per peer, host lists), ``send_tok`` int64 ``[Ns]``
+    (token of each sent packet, ordered by (destination rank, token)), ``send_flat`` int64 ``[Ns]`` (``rank * T +
+    token`` of each sent packet), ``recv_rows`` int32 ``[Nr, K]`` (destination row of each received route, -1 where
+    the route is elsewhere), ``recv_w`` float32 ``[Nr, K]`` (its weight, 0 elsewhere), ``row_src`` int64 ``[R]``
+    (packet of every row, ``Nr`` on padding rows), ``row_w`` float32 ``[R]``; after ``keep_quantized=True`` also
+    ``x_scales``; the first combine / backward adds ``pos`` int64 ``[W, T]`` (packet of (rank, token), -1 if none).
 
     Raises:
         WireError: an unknown wire name or a hidden size the wire cannot take (:func:`tritonep.wire.check_wire`).
@@ -136,7 +185,8 @@ class NcclEP:
     name = "nccl"
 
     def __init__(self, group, rank, world_size, num_experts, hidden, max_tokens_per_rank, topk, expert_alignment,
-                 max_recv_tokens, device, dtype=torch.bfloat16, dispatch_wire="bf16", combine_wire="bf16"):
+                 max_recv_tokens, device, dtype=torch.bfloat16, dispatch_wire="bf16", combine_wire="bf16",
+                 timeout_s=None):
         check_wire(dispatch_wire, hidden, "dispatch_wire")
         check_wire(combine_wire, hidden, "combine_wire")
         self.dispatch_wire, self.combine_wire = dispatch_wire, combine_wire
@@ -148,6 +198,16 @@ class NcclEP:
         self.max_recv = max_recv_tokens
         self.device = torch.device(device)
         self.dtype = dtype
+        self.timeout_s = timeout_s
+        self.host_reads = 0  # device->host reads made by calls: one per dispatch (+1 naming a bad id), else none
+        self.use_triton = self.device.type == "cuda"
+        # counts row: [E + 1 route bins (last: masked) | W + 1 packet bins (last: none) | min id, max id, bad_input]
+        self._ncols = num_experts + world_size + 5
+        n = max_tokens_per_rank * topk
+        self._ones = torch.ones(n, dtype=torch.int64, device=self.device)
+        self._ar32 = torch.arange(n, dtype=torch.int32, device=self.device)
+        self._ar64 = torch.arange(world_size * max_tokens_per_rank, dtype=torch.int64, device=self.device)
+        self._pkt = self._ar64.repeat_interleave(topk)  # packet of each flattened received route
         self._eo: torch.Tensor | None = None
         self.closed = False
 
@@ -162,23 +222,93 @@ class NcclEP:
         """Nothing is recorded on the device by this backend: errors are raised where they happen."""
 
     def close(self):
+        """Drop the persistent tensors; later calls raise :class:`BufferStateError`."""
         self._eo = None
         self.closed = True
 
     def _check_usable(self):
+        """Raises BufferStateError when closed."""
         if self.closed:
             raise BufferStateError(f"EPBuffer on rank {self.rank} is closed")
 
-    def _a2a(self, send: torch.Tensor, in_splits: list, out_splits: list) -> torch.Tensor:
-        """``all_to_all_single`` of a ``[N, B]`` uint8 tensor along rows with uneven splits."""
-        recv = torch.empty(sum(out_splits), send.shape[1], dtype=send.dtype, device=self.device)
-        dist.all_to_all_single(recv, send.contiguous(), output_split_sizes=out_splits,
-                               input_split_sizes=in_splits, group=self.group)
+    def _a2a(self, recv: torch.Tensor, send: torch.Tensor, in_splits: list, out_splits: list) -> torch.Tensor:
+        """``all_to_all_single`` of contiguous ``[N, ...]`` tensors along rows with uneven splits (into ``recv``)."""
+        dist.all_to_all_single(recv, send, output_split_sizes=out_splits, input_split_sizes=in_splits,
+                               group=self.group)
         return recv
 
+    def _all_gather(self, out: torch.Tensor, inp: torch.Tensor):
+        """Gather every rank's ``inp`` (1-D, same length) into the flat ``out`` (``[W * len]``), one collective."""
+        single = getattr(dist, "all_gather_single", None)  # torch >= 2.13 deprecates all_gather_into_tensor
+        if single is None:
+            dist.all_gather_into_tensor(out, inp, group=self.group)
+        else:
+            record(("collective", "all_gather_single"))  # the CPU world's protocol recorder does not wrap it
+            single(out, inp, group=self.group)
+
     # ---------------------------------------------------------------------------------------------- dispatch
-    def dispatch_fwd(self, x, topk_idx, topk_weights, sync: bool, keep_quantized: bool = False):
-        """See :meth:`tritonep.EPBuffer.dispatch` (here ``x`` etc. are already validated).
+    def _counts_row(self, topk_idx: torch.Tensor, T: int, bad_input: bool):
+        """This rank's counts row on the device (no sync) and the pieces dispatch reuses.
+
+        Args:
+            topk_idx: ``[T, K]`` int32 / int64 (any values: ids outside ``[-1, E)`` are only flagged here).
+            T: tokens; bad_input: set the row's refused-input flag.
+
+        Returns:
+            ``(row int64 [E + W + 5], key int64 [T*K] (expert id, E for -1; out-of-range ids land in [0, E]),
+            present bool [W + 1, T] (token t has a route to rank d; row W: masked slots))``.
+        """
+        E, W, L = self.E, self.W, self.L
+        row = torch.zeros(self._ncols, dtype=torch.int64, device=self.device)
+        key = present = None
+        if T:
+            ids = topk_idx if topk_idx.dtype == torch.int64 else topk_idx.long()
+            key = torch.remainder(ids, E + 1).view(-1)  # -1 -> E
+            row[:E + 1].scatter_add_(0, key, self._ones[:key.numel()])
+            dest = torch.div(key, L, rounding_mode="floor").view(T, self.K)  # E // L = W for masked slots
+            present = torch.zeros(W + 1, T, dtype=torch.bool, device=self.device).scatter_(0, dest.t(), True)
+            torch.sum(present, 1, out=row[E + 1:E + W + 2])
+            torch.aminmax(ids, out=(row[-3], row[-2]))  # T == 0 leaves (0, 0): in range
+        if bad_input:
+            row[-1] = 1
+        return row, key, present
+
+    def _raise_bad(self, m, topk_idx: torch.Tensor, bad_input: bool):
+        """Raise if any rank's counts row carries an input error (host int64 matrix ``[W, E + W + 5]``); else return.
+
+        Raises:
+            InputError: this rank's own ids are out of range (named by :func:`check_expert_ids`).
+            PeerInputError: another rank's input was bad, or this rank's input was refused by the front door
+                (``bad_input``); ``bad_ranks`` lists them all.
+        """
+        E = self.E
+        lo, hi, refused = m[:, -3], m[:, -2], m[:, -1]
+        if lo.min() >= -1 and hi.max() < E and not refused.any():
+            return
+        bad_ids = ((lo < -1) | (hi >= E)).tolist()
+        bad_ranks = [r for r in range(self.W) if bad_ids[r] or refused[r]]
+        if bad_ids[self.rank] and not bad_input:
+            self.host_reads += 1
+            check_expert_ids(topk_idx, E)  # raises the InputError naming the value and its (token, k)
+            raise InputError(f"topk_idx holds ids outside [-1, num_experts={E}) (min {int(lo[self.rank])}, "
+                             f"max {int(hi[self.rank])})")
+        why = "; ".join(f"rank {r}: " + (f"expert ids outside [-1, {E}) (min {int(lo[r])}, max {int(hi[r])})"
+                                           if bad_ids[r] else "input refused by EPBuffer")
+                        for r in bad_ranks)
+        raise PeerInputError(f"dispatch on rank {self.rank}: invalid input on rank(s) {bad_ranks} ({why}); no rows "
+                             "moved on any rank, the buffer stays usable", bad_ranks=bad_ranks, rank=self.rank)
+
+    def dispatch_fwd(self, x, topk_idx, topk_weights, sync: bool, keep_quantized: bool = False,
+                     bad_input: bool = False):
+        """See :meth:`tritonep.EPBuffer.dispatch` (``x`` etc. have passed the front door's shape / dtype checks).
+
+        Args:
+            x: ``[T, H]`` bfloat16 contiguous; topk_idx: ``[T, K]`` int32 / int64 contiguous; topk_weights:
+                ``[T, K]`` float32 contiguous.
+            sync: must be True (host split sizes); keep_quantized: see below.
+            bad_input: the front door refused this rank's input and passes empty tensors (``[0, H]``, ``[0, K]``,
+                ``[0, K]``): the rank still joins the counts exchange with its error flag set, so every rank
+                raises and no rows move.
 
         Returns ``(out [R, H], out_w [R] f32, num_tokens_per_expert [L] i32, expert_offsets [L] i32, handle)``;
         with ``keep_quantized`` and an fp8 / mxfp4 dispatch wire ``out`` is the payload (uint8 ``[R, H]`` /
@@ -187,6 +317,9 @@ class NcclEP:
 
         Raises:
             BackendError: ``sync=False`` or CUDA-graph capture (host split sizes are needed).
+            InputError: this rank's expert ids are outside ``[-1, E)`` (names the first value and its (token, k));
+                raised after the counts exchange, nothing moved on any rank.
+            PeerInputError: another rank's input was invalid (or ``bad_input``); nothing moved on any rank.
             CapacityError: some rank would receive more than ``max_recv_tokens`` rows (raised on every rank,
                 nothing sent).
         """
@@ -196,123 +329,174 @@ class NcclEP:
             raise BackendError("the nccl backend cannot be captured in a CUDA graph nor run without host sync "
                                f"(sync={sync}, capturing={capturing}): all_to_all needs host split sizes; "
                                "use backend='triton'")
-        W, E, L, K, H = self.W, self.E, self.L, self.K, self.H
+        W, E, L, K, H, dev = self.W, self.E, self.L, self.K, self.H, self.device
         T = x.shape[0]
-        ids = topk_idx.to(torch.int64)
-        dest = torch.where(ids >= 0, ids // L, -1)  # [T, K]
-        present = (dest[:, :, None] == torch.arange(W, device=self.device)).any(1)  # [T, W]
-        mine = torch.cat([counts_torch(ids, E), present.sum(0).to(torch.int32)])
-        gathered = [torch.empty_like(mine) for _ in range(W)]
-        dist.all_gather(gathered, mine, group=self.group)
-        mat = torch.stack(gathered).cpu()  # the one host sync
-        counts, tok_per_dest = mat[:, :E], mat[:, E:]
-        lay = layout_torch(counts, self.rank, self.A)
-        need = lay["rows_needed"]
+        # 1) counts exchange: the one host read
+        row, key, present = self._counts_row(topk_idx, T, bad_input)
+        gathered = torch.empty(W * self._ncols, dtype=torch.int64, device=dev)
+        self._all_gather(gathered, row)
+        mat = gathered.view(W, self._ncols).cpu()
+        self.host_reads += 1
+        # 2) host decisions on the small matrix (numpy: a few microseconds, no device work)
+        m = mat.numpy()
+        self._raise_bad(m, topk_idx, bad_input)
+        need, small, send_splits, recv_splits, n_routes = _host_plan(m, self.rank, W, E, self.A)
         if int(need.max()) > self.max_recv:
-            worst = int(torch.argmax(need))
+            worst = int(need.argmax())
             raise CapacityError(f"dispatch: rank {worst} would receive {int(need[worst])} rows but "
                                 f"max_recv_tokens={self.max_recv}; nothing was sent",
                                 needed=int(need[worst]), available=self.max_recv)
         R = int(need[self.rank])
-        send_splits = tok_per_dest[self.rank].tolist()
-        recv_splits = tok_per_dest[:, self.rank].tolist()
-        rows = route_rows_torch(topk_idx, lay["send_base"].to(self.device))  # [T, K] int32
-        # packets: (destination rank, token) ascending
-        pd, pt = torch.nonzero(present.t(), as_tuple=True)
-        here = dest[pt] == pd[:, None]  # [Ns, K]
-        p_rows = torch.where(here, rows[pt], -1).to(torch.int32)
-        p_w = torch.where(here, topk_weights[pt], 0.0).to(torch.float32)
+        Ns, Nr = sum(send_splits), sum(recv_splits)
+        small = torch.from_numpy(small).to(dev, non_blocking=True)  # one host->device copy, no device sync
+        bms_d = small[:E + 1]
+        ntpe, offs = small[E + 1:E + 1 + L], small[E + 1 + L:E + 1 + 2 * L]
+        counts_d = small[E + 1 + 2 * L:].view(W, E)
+        # 3) rows of this rank's routes and its packets in (destination rank, token) order
         wire = self.dispatch_wire
-        xw = _encode(wire, x)  # quantized once per token, copied into every packet of the token
-        send = torch.cat([_bytes(p_rows), _bytes(p_w), xw[pt]], 1)
-        recv = self._a2a(send, send_splits, recv_splits)
-        r_rows = _unbytes(recv[:, :4 * K], torch.int32, K).to(torch.int64)
-        r_w = _unbytes(recv[:, 4 * K:8 * K], torch.float32, K)
-        r_x = recv[:, 8 * K:]
-        out_w = torch.zeros(R, dtype=torch.float32, device=self.device)
-        pi, pk = torch.nonzero(r_rows >= 0, as_tuple=True)
-        dst = r_rows[pi, pk]
-        out_w[dst] = r_w[pi, pk]
-        sc = None
-        if keep_quantized and wire != "bf16":
-            q_in, s_in = _split(wire, r_x, H)
-            out = torch.zeros(R, q_in.shape[1], dtype=torch.uint8, device=self.device)
-            # padding rows hold the encoding of a zero row (fp8 scale 2^-126, e8m0 0), as the twins give
-            sc = torch.full((R, s_in.shape[1]), 2.0 ** -126 if wire == "fp8" else 0, dtype=s_in.dtype,
-                            device=self.device)
-            out[dst] = q_in[pi]
-            sc[dst] = s_in[pi]
+        rb = H * x.element_size() if wire == "bf16" else _row_bytes(wire, H)
+        mo = round_up(rb, 8)  # meta columns: K rows int32 | K ids int32 | K weights fp32 (8-byte aligned rows)
+        width = round_up(mo + 12 * K, 8)
+        send = torch.empty(Ns, width, dtype=torch.uint8, device=dev)
+        if T:
+            ks, order = torch.sort(key, stable=True)
+            rows_sorted = bms_d[ks] + self._ar32[:T * K]
+            if n_routes < T * K:
+                rows_sorted[n_routes:] = -1  # masked slots sort last (key E)
+            rows = torch.empty(T * K, dtype=torch.int32, device=dev).scatter_(0, order, rows_sorted).view(T, K)
+            send_flat = torch.sort(present[:W].reshape(-1).view(torch.uint8), descending=True,
+                                   stable=True).indices[:Ns]
+            send_tok = torch.remainder(send_flat, T)
+            # 4) pack: every column range of the send buffer is one index_select (no cat of travelling rows)
+            ids32 = topk_idx if topk_idx.dtype == torch.int32 else topk_idx.to(torch.int32)
+            meta = torch.cat([rows, ids32, topk_weights.view(torch.int32)], 1).view(torch.uint8)
+            if wire == "bf16":
+                parts = [(x.view(torch.uint8), 0)]
+            else:
+                q, sb = _quantize(wire, x)  # once per token, whatever the number of destinations
+                parts = [(q, 0), (sb, payload_bytes(wire, H))]
+            for src, col in parts + [(meta, mo)]:
+                gather_rows(src, send_tok, out=send[:, col:col + src.shape[1]])
         else:
-            out = torch.zeros(R, H, dtype=self.dtype, device=self.device)
-            out[dst] = _decode(wire, r_x, H, self.dtype)[pi]  # one dequantization per received packet
-        ntpe = lay["num_tokens_per_expert"].to(self.device)
-        offs = lay["expert_offsets"].to(self.device)
+            rows = torch.empty(0, K, dtype=torch.int32, device=dev)
+            send_tok = send_flat = torch.empty(0, dtype=torch.int64, device=dev)
+        recv = torch.empty(Nr + 1, width, dtype=torch.uint8, device=dev)
+        recv[Nr].zero_()  # the row padding rows read: zero (fp8: scale 2^-126, the encoding of a zero row)
+        if wire == "fp8":
+            _wire_views(wire, recv[Nr:], H)[1].fill_(2.0 ** -126)
+        self._a2a(recv[:Nr], send, send_splits, recv_splits)
+        # 5) unpack: row -> packet, then one gather of whole rows
+        rmeta = recv[:Nr, mo:mo + 12 * K].view(torch.int32)
+        r_rows, r_ids, r_w = rmeta[:, :K], rmeta[:, K:2 * K], rmeta[:, 2 * K:].view(torch.float32)
+        here = torch.div(r_ids, L, rounding_mode="floor") == self.rank  # -1 // L = -1
+        recv_rows = torch.where(here, r_rows, -1)
+        recv_w = torch.where(here, r_w, 0.0)
+        dst = torch.where(here, r_rows, R).view(-1).long()  # R: a dump slot for routes elsewhere
+        row_src = torch.full((R + 1,), Nr, dtype=torch.int64, device=dev).scatter_(0, dst, self._pkt[:Nr * K])[:R]
+        out_w = torch.zeros(R + 1, dtype=torch.float32, device=dev).scatter_(0, dst, recv_w.view(-1))[:R]
+        sc = None
+        if wire == "bf16":
+            out = gather_rows(recv[:, :rb].view(self.dtype), row_src)
+        elif keep_quantized:
+            q_in, s_in = _wire_views(wire, recv, H)
+            out, sc = gather_rows(q_in, row_src), gather_rows(s_in, row_src)
+        else:  # one dequantization per received packet (and the zero row), then one gather
+            out = gather_rows(_dequantize(wire, recv, H, self.dtype), row_src)
         handle = DispatchHandle(topk_idx=topk_idx, topk_weights=topk_weights, rows=rows, meta=None, wts=None,
                                 ntok=None, num_tokens=T, num_recv_rows=R, backend=self.name,
-                                extras={"counts": counts.to(torch.int32).to(self.device),
-                                        "send_splits": send_splits, "recv_splits": recv_splits,
-                                        "send_tok": pt, "send_here": here, "recv_rows": r_rows, "recv_w": r_w})
+                                extras={"counts": counts_d, "send_splits": send_splits, "recv_splits": recv_splits,
+                                        "send_tok": send_tok, "send_flat": send_flat, "recv_rows": recv_rows,
+                                        "recv_w": recv_w, "row_src": row_src, "row_w": out_w})
         if sc is not None:
             handle.extras["x_scales"] = sc
         return out, out_w, ntpe, offs, handle
 
     # ---------------------------------------------------------------------------------------------- combine
-    def _partials(self, eo, handle, weighted):
-        """Per received packet: fp32 ``[Nr, H]`` sum over k ascending of (w *) eo[row], each product rounded first."""
-        r_rows, r_w = handle.extras["recv_rows"], handle.extras["recv_w"]
-        acc = torch.zeros(r_rows.shape[0], self.H, dtype=torch.float32, device=self.device)
-        zero = torch.zeros((), dtype=torch.float32, device=self.device)
-        for k in range(self.K):
-            rk = r_rows[:, k]
-            v = eo[rk.clamp(min=0)].float() if eo.shape[0] else acc
-            term = v * r_w[:, k:k + 1] if weighted else v
-            acc = acc + torch.where((rk >= 0)[:, None], term, zero)
-        return acc
+    def _pos(self, handle) -> torch.Tensor:
+        """int64 ``[W, T]``: packet of (destination rank, token), -1 if none (built once per handle, no sync)."""
+        ex = handle.extras
+        pos = ex.get("pos")
+        if pos is None:
+            T, Ns = handle.num_tokens, len(ex["send_tok"])
+            pos = torch.full((self.W * T,), -1, dtype=torch.int64, device=self.device)
+            pos = pos.scatter_(0, ex["send_flat"], self._ar64[:Ns]).view(self.W, T)
+            ex["pos"] = pos
+        return pos
 
     def _combine(self, eo, handle, weighted, gw=None, wire="bf16"):
         """Partials (+ per-route scalars ``gw[row]``) back to the sources; returns ``(y [T, H], gtw [T, K] | None)``.
 
-        ``wire``: "bf16" moves the partial rounded to eo's dtype; "fp8" / "mxfp4" quantize the fp32 partial.
+        Args:
+            eo: ``[R', H]`` bfloat16 contiguous, ``R' >= R`` (expert outputs or their gradient).
+            handle: the dispatch's handle; weighted: multiply by the route weights (combine) or not (backward).
+            gw: float32 ``[R]`` per-row scalars to return per route (dispatch backward), or None.
+            wire: "bf16" moves the partial rounded to bf16; "fp8" / "mxfp4" quantize the fp32 partial.
         """
         self._check_usable()
         ex = handle.extras
-        K, H = self.K, self.H
-        part = self._partials(eo, handle, weighted)
-        payload = [_encode(wire, part.to(eo.dtype) if wire == "bf16" else part)]
-        if gw is not None:
-            rr = ex["recv_rows"]
-            g = torch.where(rr >= 0, gw[rr.clamp(min=0)] if gw.shape[0] else torch.zeros_like(ex["recv_w"]), 0.0)
-            payload.append(_bytes(g.to(torch.float32)))
-        back = self._a2a(torch.cat(payload, 1), ex["recv_splits"], ex["send_splits"])
-        if wire == "bf16":  # partials in eo's dtype, widened to fp32
-            nb, pp = H * eo.element_size(), _decode(wire, back, H, eo.dtype).float()
-        else:  # dequantized straight to fp32
-            nb, pp = _row_bytes(wire, H), _decode(wire, back, H, torch.float32)
+        K, H, dev = self.K, self.H, self.device
         T = handle.num_tokens
-        y = torch.zeros(T, H, dtype=torch.float32, device=self.device)
-        pt = ex["send_tok"]
-        start = 0
-        for n in ex["send_splits"]:  # ranks ascending; one packet per token per rank
-            if n:
-                idx = pt[start:start + n]
-                y[idx] = y[idx] + pp[start:start + n]
-            start += n
+        send_splits, recv_splits = ex["send_splits"], ex["recv_splits"]
+        Ns, Nr = sum(send_splits), sum(recv_splits)
+        rr, rw = ex["recv_rows"], ex["recv_w"]
+        rb = H * eo.element_size() if wire == "bf16" else _row_bytes(wire, H)
+        mo = round_up(rb, 8)
+        width = round_up(mo + (4 * K if gw is not None else 0), 8)
+        send = torch.empty(Nr, width, dtype=torch.uint8, device=dev)
+        if wire == "bf16":  # the kernel writes the rounded partials straight into the send rows
+            local_partials(eo, rr, rw, send[:, :rb].view(eo.dtype), weighted, self.use_triton)
+        else:
+            part = torch.empty(Nr, H, dtype=torch.float32, device=dev)
+            local_partials(eo, rr, rw, part, weighted, self.use_triton)
+            q, sb = _quantize(wire, part)
+            send[:, :q.shape[1]].copy_(q)
+            send[:, q.shape[1]:rb].copy_(sb)
+        if gw is not None:
+            g = send[:, mo:mo + 4 * K].view(torch.float32)
+            if gw.shape[0]:
+                g.copy_(torch.where(rr >= 0, gw[rr.clamp(min=0).long()], 0.0))
+            else:
+                g.zero_()
+        back = torch.empty(Ns, width, dtype=torch.uint8, device=dev)
+        self._a2a(back, send, recv_splits, send_splits)
+        if wire == "bf16":  # partials in bf16, widened to fp32 by the sum
+            pp = back[:, :rb].view(eo.dtype)
+        else:  # dequantized straight to fp32
+            pp = _dequantize(wire, back, H, torch.float32)
+        y = torch.empty(T, H, dtype=eo.dtype, device=dev)
+        sum_partials(pp, self._pos(handle) if self.use_triton else None, ex["send_tok"], send_splits, y,
+                     self.use_triton)
         gtw = None
         if gw is not None:
-            g = _unbytes(back[:, nb:], torch.float32, K)
-            gtw = torch.zeros(T, K, dtype=torch.float32, device=self.device)
-            pi, pk = torch.nonzero(ex["send_here"], as_tuple=True)
-            gtw[pt[pi], pk] = g[pi, pk]
-        return y.to(eo.dtype), gtw
+            gtw = torch.zeros(T, K, dtype=torch.float32, device=dev)
+            if T and Ns:
+                ids = handle.topk_idx.long()
+                dest = torch.where(ids >= 0, torch.div(ids, self.L, rounding_mode="floor"), self.W)
+                pos = torch.cat([self._pos(handle), torch.full((1, T), -1, dtype=torch.int64, device=dev)])
+                pkt = pos.gather(0, dest.t()).t()  # [T, K]: packet that carried route (t, k), -1 if masked
+                gb = back[:, mo:mo + 4 * K].view(torch.float32)
+                gtw = torch.where(pkt >= 0, gb[pkt.clamp(min=0), torch.arange(K, device=dev)], 0.0)
+        return y, gtw
 
     def combine_fwd(self, expert_out, handle, kind=None):
-        """``y [T, H]`` over the combine wire (``kind`` is ignored: there is one combine on this backend)."""
+        """``y [T, H]`` over the combine wire (``kind`` is ignored: there is one combine on this backend).
+
+        Args:
+            expert_out: ``[R', H]`` bfloat16 contiguous, ``R' >= R``; handle: the dispatch's handle.
+        """
         y, _ = self._combine(expert_out, handle, weighted=True, wire=self.combine_wire)
         return y
 
     # ---------------------------------------------------------------------------------------------- backward
     def dispatch_bwd(self, grad_recv_x, grad_recv_w, handle):
-        """grad_x[t] = sum_k grad_recv_x[row(t,k)]; grad_topk_weights[t,k] = grad_recv_w[row(t,k)] (bf16 wire)."""
+        """grad_x[t] = sum_k grad_recv_x[row(t,k)]; grad_topk_weights[t,k] = grad_recv_w[row(t,k)] (bf16 wire).
+
+        Args:
+            grad_recv_x: ``[R, H]`` bfloat16; grad_recv_w: float32 ``[R]`` or None.
+
+        Returns:
+            ``(grad_x [T, H] bfloat16, grad_topk_weights float32 [T, K] or None)``.
+        """
         return self._combine(grad_recv_x.contiguous(), handle, weighted=False,
                              gw=grad_recv_w.contiguous() if grad_recv_w is not None else None)
 
@@ -320,20 +504,29 @@ class NcclEP:
         """grad_expert_out[row] = bf16(w * grad_y[t]); grad_recv_w[row] = <grad_y[t], expert_out[row]> (fp32).
 
         grad_y always moves as bf16 (whatever the wires), as on the triton backend.
+
+        Args:
+            grad_y: ``[T, H]`` bfloat16 contiguous; expert_out: ``[R', H]`` bfloat16 (``R' >= R``).
+
+        Returns:
+            ``(grad_expert_out [R', H] bfloat16 (rows past R and padding rows zero), grad_recv_w float32 [R]
+            (0 on padding rows))``.
         """
         self._check_usable()
         ex = handle.extras
-        pt = ex["send_tok"]
-        g_in = _bytes(grad_y.contiguous()[pt])
-        recv = self._a2a(g_in, ex["send_splits"], ex["recv_splits"])
-        gy = _unbytes(recv, grad_y.dtype, self.H).float()
-        R = expert_out.shape[0]
-        g_eo = torch.zeros(R, self.H, dtype=self.dtype, device=self.device)
-        g_w = torch.zeros(R, dtype=torch.float32, device=self.device)
-        rr, rw = ex["recv_rows"], ex["recv_w"]
-        pi, pk = torch.nonzero(rr >= 0, as_tuple=True)
-        dst = rr[pi, pk]
-        g = gy[pi]
-        g_eo[dst] = (g * rw[pi, pk][:, None]).to(self.dtype)
-        g_w[dst] = (g * expert_out[dst].float()).sum(-1)
+        send_splits, recv_splits = ex["send_splits"], ex["recv_splits"]
+        Nr = sum(recv_splits)
+        R, R2 = handle.num_recv_rows, expert_out.shape[0]
+        send = gather_rows(grad_y, ex["send_tok"])
+        recv = torch.empty(Nr + 1, self.H, dtype=grad_y.dtype, device=self.device)
+        recv[Nr].zero_()
+        self._a2a(recv[:Nr], send, send_splits, recv_splits)
+        gy = gather_rows(recv, ex["row_src"])  # [R, H]; padding rows read the zero row
+        g_rows = (gy * ex["row_w"][:, None]).to(self.dtype)
+        dots = (gy.float() * expert_out[:R].float()).sum(-1)
+        g_w = torch.where(ex["row_src"] < Nr, dots, 0.0)
+        if R2 == R:
+            return g_rows, g_w
+        g_eo = torch.zeros(R2, self.H, dtype=self.dtype, device=self.device)
+        g_eo[:R] = g_rows
         return g_eo, g_w

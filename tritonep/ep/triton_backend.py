@@ -43,7 +43,7 @@ def regions(world_size, num_experts, hidden, max_tokens_per_rank, topk, max_recv
     ncmax = max(1, triton.cdiv(Tm, bt))
     return [
         Region("flags", (NUM_FLAGS, W), torch.int64),
-        Region("status", (8,), torch.int64),
+        Region("status", (16,), torch.int64),  # [0:8] the status word (ep/status.py), [8] rows received
         Region("calls", (4,), torch.int64),
         # two [W, E+1] matrices for alternate calls (exchange_kernel DOUBLE); column E: the source's input errors
         Region("counts", (2, W, E + 1), torch.int32),
@@ -100,6 +100,9 @@ class TritonEP:
         self.timeout = wait_bound(device, self.timeout_s)
         self.broken: str | None = None
         self.host_reads = 0  # device->host reads made by calls (the eager-path budget: one per dispatch)
+        if device.type == "cuda":
+            self._st_host = torch.empty(9, dtype=torch.int64, pin_memory=True)
+            self._st_event = torch.cuda.Event()
         self._last_idx = None
         self._launch = Launcher(device, group)
         p2 = triton.next_power_of_2
@@ -132,7 +135,7 @@ class TritonEP:
         A capacity error is reported once and cleared (the buffer stays usable); a timeout makes it unusable.
         """
         self.host_reads += 1
-        st = self.status.cpu().clone()  # .cpu() of a CPU tensor is the tensor itself
+        st = self.status[:8].cpu().clone()  # .cpu() of a CPU tensor is the tensor itself
         if int(st[0]) in (STATUS_CAPACITY, STATUS_BAD_INPUT):
             self.status.zero_()
         if int(st[0]) == STATUS_BAD_INPUT and self.rank in bad_ranks(st) and self._last_idx is not None:
@@ -208,26 +211,44 @@ class TritonEP:
                      **self._kw)
         ntpe = torch.empty(self.L, dtype=torch.int32, device=self.device)
         offs = torch.empty(self.L, dtype=torch.int32, device=self.device)
+        counts = torch.empty(self.W, self.E, dtype=torch.int32, device=self.device)
         self._launch(exchange_kernel, (1,), self.hist, nc, self.tab["counts"], self.flags, self.tab["flags"],
                      self._flag_off(0), self.calls[2:], self.status, self.timeout, self.pre,
                      self.send_base, ntpe, offs, self.rows_needed, self.max_recv, int(bad_input),
-                     dcall_ptr=self.calls[0:1], **self._ex)
-        R = None
+                     dcall_ptr=self.calls[0:1], rows_out_ptr=self.status[8:9], counts_out_ptr=counts, **self._ex)
+        rows = torch.empty(T, self.K, dtype=torch.int32, device=self.device)
+        handle = DispatchHandle(topk_idx=topk_idx, topk_weights=topk_weights, rows=rows,
+                                meta=torch.empty(self.W, self.Tm, self.K, dtype=torch.int32, device=self.device),
+                                wts=torch.empty(self.W, self.Tm, self.K, dtype=torch.float32, device=self.device),
+                                ntok=torch.empty(self.W, dtype=torch.int32, device=self.device),
+                                num_tokens=T, num_recv_rows=None, backend=self.name)
+        handle.extras["counts"] = counts  # [W, E] routes of every rank per expert, this call's snapshot
+        fused = g.fused_send > 0
+        st = None
         if sync:
+            # the one host read: (status, rows this rank receives), staged right after the exchange; the send is
+            # queued before the host waits, so its NVLink time overlaps the read and the expand's launch
             self.host_reads += 1
-            st = torch.cat([self.status, self.rows_needed[self.rank:self.rank + 1]]).cpu()
-            code = int(st[0])
-            if code != 0:
-                if code in (STATUS_CAPACITY, STATUS_BAD_INPUT):
-                    # no rows move in this call on any rank (all saw the same counts); the buffer stays usable
-                    self.calls[0:1].sub_(1)
-                    self.status.zero_()
-                else:
-                    self.broken = "timeout"
-                if code == STATUS_BAD_INPUT and self.rank in bad_ranks(st) and not bad_input:
-                    check_expert_ids(topk_idx, self.E)  # raises InputError naming the value
-                raise_for_status(st[:8], self.rank, self.max_recv, "dispatch", self.timeout_s, self.device.type)
-            R = int(st[8])
+            if self.device.type == "cuda":
+                self._st_host.copy_(self.status[:9], non_blocking=True)
+                self._st_event.record()
+                if not fused:
+                    self._send(x, handle, topk_weights, compute_rows=True, nc=nc, wire=self.dwire)
+                self._st_event.synchronize()
+                st = self._st_host.clone()
+            else:
+                if not fused:
+                    self._send(x, handle, topk_weights, compute_rows=True, nc=nc, wire=self.dwire)
+                st = self.status[:9].clone()
+        elif not fused:
+            self._send(x, handle, topk_weights, compute_rows=True, nc=nc, wire=self.dwire)
+        code = int(st[0]) if st is not None else 0
+        refused = code in (STATUS_CAPACITY, STATUS_BAD_INPUT)
+        if code != 0 and not refused:
+            self.broken = "timeout"
+            raise_for_status(st[:8], self.rank, self.max_recv, "dispatch", self.timeout_s, self.device.type)
+        R = None if st is None else (0 if refused else int(st[8]))
+        handle.num_recv_rows = R
         nrows = R if R is not None else self.max_recv
         q = sc = None
         if keep_quantized and self.dwire != 0:
@@ -242,20 +263,17 @@ class TritonEP:
         # weights past the received rows stay zero (rows are not cleared: with sync checks off they are unspecified)
         out_w = torch.empty(nrows, dtype=torch.float32, device=self.device) if R is not None else \
             torch.zeros(nrows, dtype=torch.float32, device=self.device)
-        rows = torch.empty(T, self.K, dtype=torch.int32, device=self.device)
-        handle = DispatchHandle(topk_idx=topk_idx, topk_weights=topk_weights, rows=rows,
-                                meta=torch.empty(self.W, self.Tm, self.K, dtype=torch.int32, device=self.device),
-                                wts=torch.empty(self.W, self.Tm, self.K, dtype=torch.float32, device=self.device),
-                                ntok=torch.empty(self.W, dtype=torch.int32, device=self.device),
-                                num_tokens=T, num_recv_rows=R, backend=self.name)
-        # [W, E] routes of every rank per expert: the matrix of this call's parity (device-side index, no host read)
-        handle.extras["counts"] = torch.index_select(self.buf.local("counts"), 0,
-                                                     self.calls[2:3] % 2)[0, :, :self.E].clone()
-        if g.fused_send > 0:
+        # the data kernels run on every rank whatever the verdict (a refused call's kernels move no row: the
+        # exchange recorded this dispatch's number in status[5]), so the flags advance identically everywhere
+        if fused:
             self._fused(x, handle, topk_weights, out, out_w, ntpe, offs, q, sc)
         else:
-            self._send(x, handle, topk_weights, compute_rows=True, nc=nc, wire=self.dwire)
             self._expand(out, out_w, handle, ntpe, offs, keep_handle=True, wire=self.dwire, q=q, sc=sc)
+        if refused:
+            self.status.zero_()  # reported once, here; the buffer stays usable (stream-ordered after the kernels)
+            if code == STATUS_BAD_INPUT and self.rank in bad_ranks(st) and not bad_input:
+                check_expert_ids(topk_idx, self.E)  # raises InputError naming the value
+            raise_for_status(st[:8], self.rank, self.max_recv, "dispatch", self.timeout_s, self.device.type)
         if sync:
             self._eager_check("dispatch")  # a peer that stopped after the counts exchange raises in this call
         if q is not None:

@@ -234,5 +234,6 @@ def dispatch_expand_kernel(stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_ptr, out_
                         eo_ptr, gw_ptr, Tmax, K, KB, H, BH, BT, SCALE, DOT, KEEP_HANDLE, HAS_TIMER, RB, WIRE, KEEP_Q,
                         q_ptr, s_ptr)
     if A > 1:
-        zero_padding(pid, G, out_ptr, out_w_ptr, gw_ptr, ntpe_ptr, offs_ptr, L, H, BH, BA, DOT, KEEP_Q)
+        if skip == 0:  # a refused call's segments may exceed the rows allocated: write nothing
+            zero_padding(pid, G, out_ptr, out_w_ptr, gw_ptr, ntpe_ptr, offs_ptr, L, H, BH, BA, DOT, KEEP_Q)
     signal_peers(flags_tab, ack_off, W, RANK, WB)

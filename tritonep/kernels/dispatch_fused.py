@@ -79,5 +79,6 @@ def dispatch_fused_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, pre_ptr,
                             hwts_ptr, out_ptr, out_w_ptr, Tmax, K, KB, H, BH, BT, False, False, True, HAS_TIMER, RB,
                             WIRE, KEEP_Q, q_ptr, s_ptr)
         if A > 1:
-            zero_padding(e, GE, out_ptr, out_w_ptr, out_w_ptr, ntpe_ptr, offs_ptr, L, H, BH, BA, False, KEEP_Q)
+            if skip == 0:  # a refused call's segments may exceed the rows allocated: write nothing
+                zero_padding(e, GE, out_ptr, out_w_ptr, out_w_ptr, ntpe_ptr, offs_ptr, L, H, BH, BA, False, KEEP_Q)
         signal_peers(flags_tab, ack_off, W, RANK, WB)

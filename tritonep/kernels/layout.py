@@ -133,7 +133,8 @@ def exchange_kernel(hist_ptr, NC, counts_tab, flags_ptr, flags_tab, flag_off, ca
                     pre_ptr, send_base_ptr, ntpe_ptr, offs_ptr, rows_needed_ptr, max_recv, host_bad,
                     RANK: tl.constexpr, W: tl.constexpr, E: tl.constexpr, L: tl.constexpr, A: tl.constexpr,
                     WB: tl.constexpr, LB: tl.constexpr, EB: tl.constexpr, NCB: tl.constexpr, EBLK: tl.constexpr,
-                    HAS_TIMER: tl.constexpr, DOUBLE: tl.constexpr = False, dcall_ptr=None):
+                    HAS_TIMER: tl.constexpr, DOUBLE: tl.constexpr = False, dcall_ptr=None, rows_out_ptr=None,
+                    counts_out_ptr=None):
     """Counts exchange + layout (grid = 1). See the module docstring for every output.
 
     flags_ptr: this rank's int64 counters for the counts signal (one per source rank); flags_tab/flag_off: every
@@ -149,6 +150,10 @@ def exchange_kernel(hist_ptr, NC, counts_tab, flags_ptr, flags_tab, flag_off, ca
     NCB (chunk rows per step) and EBLK (experts per step) are static tile sizes: the chunk loop bound NC is a
     runtime value, so the compiled variant never depends on this call's T (a data-dependent constexpr made one rank
     compile, and once barrier, alone: issue 14 case 2).
+
+    Optional outputs (so the host needs no extra torch op per call): ``rows_out_ptr[0]`` = rows this rank receives
+    (int64, next to the status word: one device->host copy reads both); ``counts_out_ptr`` = int32 ``[W, E]`` copy
+    of this call's counts matrix (the handle's snapshot).
     """
     n = tl.load(calls_ptr)
     E1: tl.constexpr = E + 1
@@ -200,6 +205,14 @@ def exchange_kernel(hist_ptr, NC, counts_tab, flags_ptr, flags_tab, flag_off, ca
     mine_aligned = tl.sum(tl.where(d_off[:, None] == RANK, aligned, 0), 0)
     tl.store(ntpe_ptr + j_off, mine_total, mask=j_off < L)
     tl.store(offs_ptr + j_off, tl.cumsum(mine_aligned, 0), mask=j_off < L)
+    if rows_out_ptr is not None:
+        tl.store(rows_out_ptr, tl.sum(tl.where(d_off == RANK, rows, 0), 0).to(tl.int64))
+    if counts_out_ptr is not None:
+        for e0 in range(0, EB, EBLK):
+            eb = e0 + tl.arange(0, EBLK)
+            m = (s_off[:, None] < W) & (eb[None, :] < E)
+            v = tl.load(counts_local + cbuf + s_off[:, None] * E1 + eb[None, :], mask=m & (ok != 0), other=0)
+            tl.store(counts_out_ptr + s_off[:, None] * E + eb[None, :], v, mask=m)
     # input errors of any rank (column E), then capacity: every rank sees the same matrix, so the same verdict
     badv = tl.load(counts_local + cbuf + s_off * E1 + E, mask=(s_off < W) & (ok != 0), other=0)
     over = tl.max(tl.where(d_off < W, rows, 0), 0)

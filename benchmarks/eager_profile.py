@@ -1,0 +1,131 @@
+"""Where the microseconds of an EAGER dispatch / combine go (issue 15), next to graph replay, same run.
+
+Run on 2 GPUs::
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
+    PYTHONPATH=. torchrun --nproc-per-node 2 benchmarks/eager_profile.py --tokens 128 4096 --json out.json
+
+Per token count (DeepSeek-V3 shape: H 7168, 256 experts, top-8): graph-replay time, eager time (CUDA events over
+back-to-back calls, the default deferred sync checks), host (CPU) time per eager call, and the host time split by
+kernel launch (Launcher calls, by kernel name) and the rest (allocation, host read, autograd); rank 0 prints the
+top CPU ops of one call from ``torch.profiler``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+
+def _launch_timer():
+    """Wrap Launcher.__call__ to accumulate host seconds per kernel name; returns the dict."""
+    from tritonep.ep import launch
+
+    acc = defaultdict(float)
+    orig = launch.Launcher.__call__
+
+    def timed(self, kernel, grid, *args, **kwargs):
+        t0 = time.perf_counter()
+        r = orig(self, kernel, grid, *args, **kwargs)
+        acc[launch.kernel_name(kernel)] += time.perf_counter() - t0
+        return r
+
+    launch.Launcher.__call__ = timed
+    return acc, lambda: setattr(launch.Launcher, "__call__", orig)
+
+
+def profile_tokens(group, T, H=7168, E=256, K=8, iters=30):
+    import tritonep as tep
+    from tritonep.bench.ep import time_graph, time_rounds
+
+    rank = dist.get_rank(group)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    g = torch.Generator().manual_seed(rank)
+    idx = torch.argsort(torch.rand(T, E, generator=g), dim=1)[:, :K].to(dev)
+    w = torch.rand(T, K, generator=g).to(dev)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16).to(dev)
+    buf = tep.EPBuffer(group, E, H, T, K)
+    out = dict(tokens=T)
+    os.environ["TRITONEP_SYNC_CHECKS"] = "0"
+    out["dispatch_graph_us"], _ = time_graph(lambda: buf.dispatch(x, idx, w), group, iters=iters)
+    d = buf.dispatch(x, idx, w)
+    eo = buf.expert_out_buffer()
+    eo.normal_()
+    out["combine_graph_us"], _ = time_graph(lambda: buf.combine(eo, d.handle), group, iters=iters)
+    os.environ.pop("TRITONEP_SYNC_CHECKS")  # default: deferred (one host read per dispatch)
+    for _ in range(3):
+        d = buf.dispatch(x, idx, w)
+        buf.combine(eo, d.handle)
+    torch.cuda.synchronize()
+    out["dispatch_eager_us"] = time_rounds(lambda: buf.dispatch(x, idx, w), group, iters)
+    d = buf.dispatch(x, idx, w)
+    eo_r = buf.expert_out_buffer(d.x.shape[0])
+    out["combine_eager_us"] = time_rounds(lambda: buf.combine(eo_r, d.handle), group, iters)
+    # host time per call and its split
+    acc, undo = _launch_timer()
+    for name, fn in (("dispatch", lambda: buf.dispatch(x, idx, w)), ("combine", lambda: buf.combine(eo_r, d.handle))):
+        acc.clear()
+        dist.barrier(group=group, device_ids=[dev.index])
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        host = (time.perf_counter() - t0) / iters * 1e6
+        torch.cuda.synchronize()
+        out[f"{name}_host_us"] = host
+        out[f"{name}_launch_host_us"] = {k: v / iters * 1e6 for k, v in acc.items()}
+    undo()
+    if rank == 0:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                dd = buf.dispatch(x, idx, w)
+                buf.combine(buf.expert_out_buffer(dd.x.shape[0]), dd.handle)
+            torch.cuda.synchronize()
+        out["profile_table"] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+    else:
+        for _ in range(5):
+            dd = buf.dispatch(x, idx, w)
+            buf.combine(buf.expert_out_buffer(dd.x.shape[0]), dd.handle)
+        torch.cuda.synchronize()
+    buf.close()
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[128, 4096])
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    dist.init_process_group("nccl")
+    rank = dist.get_rank()
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    res = []
+    for T in a.tokens:
+        r = profile_tokens(dist.group.WORLD, T)
+        res.append(r)
+        if rank == 0:
+            print(r.pop("profile_table", ""), flush=True)
+            print(json.dumps(r, indent=1), flush=True)
+    if rank == 0:
+        print(f"{'tokens':>7} {'disp graph':>10} {'disp eager':>10} {'disp host':>10} {'comb graph':>10} "
+              f"{'comb eager':>10} {'comb host':>10}")
+        for r in res:
+            print(f"{r['tokens']:>7} {r['dispatch_graph_us']:>10.1f} {r['dispatch_eager_us']:>10.1f} "
+                  f"{r['dispatch_host_us']:>10.1f} {r['combine_graph_us']:>10.1f} {r['combine_eager_us']:>10.1f} "
+                  f"{r['combine_host_us']:>10.1f}")
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

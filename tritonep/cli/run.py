@@ -236,13 +236,13 @@ def main(args) -> int:
     if on_gpu:
         from ..testing import run_gpu_world
 
-        con.print(f"[bold]tritonep run[/]: {W} GPU rank(s), {what}")
+        con.print(f"[bold]tritonep run[/]: {W} GPU rank(s), {what}", soft_wrap=True)
         t0 = time.time()
         results = run_gpu_world(W, run_rank, s, timeout_s=args.timeout)
     else:
         from ..testing import run_cpu_world
 
-        con.print(f"[bold]tritonep run[/]: no GPU -> CPU world of {W} ranks (Triton interpreter), {what}")
+        con.print(f"[bold]tritonep run[/]: no GPU -> CPU world of {W} ranks (Triton interpreter), {what}", soft_wrap=True)
         t0 = time.time()
         results = run_cpu_world(W, run_rank, s, timeout_s=args.timeout)
     wall = time.time() - t0

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tritonep.bench.ep import PROFILES, bench_ep, peer_copy_gbps  # noqa: E402
+from tritonep.bench.ep import PROFILES, bench_ep, peer_copy_gbps, ratio_lines  # noqa: E402
 
 
 def main():
@@ -82,6 +82,8 @@ def main():
             r1 = allrows[1][i] if len(allrows) > 1 and i < len(allrows[1]) else r
             print(f"{r['profile']:12s} {r['op']:28s} {r['num_sms']:4d} {r['us']:9.1f} {r1['us']:9.1f} "
                   f"{r['logical_gbps']:9.1f} {r['nvlink_gbps']:9.1f} {r['mode']} {r.get('variant', '')}")
+        for line in ratio_lines([r for r in allrows[0] if r.get("num_sms", 0) == 0]):
+            print(line)
     dist.destroy_process_group()
 
 

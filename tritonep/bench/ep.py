@@ -24,11 +24,12 @@ import torch.distributed as dist
 
 from ..kernels.layout import layout_torch, route_rows_torch
 
-__all__ = ["PROFILES", "time_graph", "time_rounds", "peer_copy_gbps", "bench_ep"]
+__all__ = ["PROFILES", "time_graph", "time_rounds", "peer_copy_gbps", "bench_ep", "ratio_lines"]
 
 PROFILES = {
     "deepseek-v3": dict(hidden=7168, num_experts=256, topk=8, tokens=4096),
     "decode": dict(hidden=7168, num_experts=256, topk=8, tokens=128),
+    "deepseek-v3-1k": dict(hidden=7168, num_experts=256, topk=8, tokens=1024),
     "qwen3-moe": dict(hidden=4096, num_experts=128, topk=8, tokens=4096),
     # the packaged FLAME-MoE-290M router decisions (64 experts, top-6, 2048 tokens split over the ranks)
     "real-trace": dict(hidden=2048, num_experts=64, topk=6, tokens=0, trace_layer=2),
@@ -175,18 +176,26 @@ def bench_ep(group, profile: str, combine_kinds=("push", "pull"), num_sms=None, 
 
         us, mode = time_graph(disp, group, iters=iters)
         row(f"tritonep.dispatch.{wire}", us, mode, wb)
-        if wire == "bf16" and eager:
-            us, mode = time_graph(disp, group, iters=iters, capture=False)
-            row(f"tritonep.dispatch.{wire}", us, mode, wb)
         d = buf.dispatch(x, idx, w)
         eo = buf.expert_out_buffer()
         eo.normal_()
         for kind in (combine_kinds if wire == "bf16" else ("push",)):
             us, mode = time_graph(lambda: buf.combine(eo, d.handle, kind=kind), group, iters=iters)
             row(f"tritonep.combine.{kind}.{wire}", us, mode, wb)
+        if wire == "bf16" and eager:
+            # eager calls as training runs them: default sync checks (one host read per dispatch, none in combine)
+            os.environ.pop("TRITONEP_SYNC_CHECKS", None)
+            us, mode = time_graph(disp, group, iters=iters, capture=False)
+            row(f"tritonep.dispatch.{wire}", us, mode, wb)
+            de = buf.dispatch(x, idx, w)
+            eoe = buf.expert_out_buffer(de.x.shape[0])
+            eoe.normal_()
+            us, mode = time_graph(lambda: buf.combine(eoe, de.handle), group, iters=iters, capture=False)
+            row(f"tritonep.combine.{geo.combine}.{wire}", us, mode, wb)
+            os.environ["TRITONEP_SYNC_CHECKS"] = "0"
         buf.close()
         torch.cuda.empty_cache()
-    os.environ["TRITONEP_SYNC_CHECKS"] = "1"
+    os.environ.pop("TRITONEP_SYNC_CHECKS", None)
     if not baselines:
         return rows
 
@@ -241,3 +250,32 @@ def bench_ep(group, profile: str, combine_kinds=("push", "pull"), num_sms=None, 
     us, mode = time_graph(nccl_combine, group, iters=iters, capture=False)
     row("nccl.pipeline.combine", us, mode)
     return rows
+
+
+def ratio_lines(rows) -> list:
+    """Issue 15's ratios per profile from one rank's rows: eager / graph (tritonep dispatch and combine) and
+    tritonep's nccl backend / the hand-written NCCL pipeline (dispatch and combine)."""
+    out = []
+    for prof in dict.fromkeys(r["profile"] for r in rows):
+        rs = [r for r in rows if r["profile"] == prof and not r.get("variant")]
+
+        def us(op, mode=None):
+            for r in rs:
+                if r["op"] == op and (mode is None or r["mode"] == mode):
+                    return r["us"]
+            return None
+
+        parts = []
+        for name, a, b in (("dispatch eager/graph", us("tritonep.dispatch.bf16", "eager"),
+                            us("tritonep.dispatch.bf16", "graph")),
+                           ("combine eager/graph", us("tritonep.combine.push.bf16", "eager")
+                            or us("tritonep.combine.pull.bf16", "eager"), us("tritonep.combine.push.bf16", "graph")),
+                           ("nccl-backend/pipeline dispatch", us("tritonep[nccl].dispatch.bf16"),
+                            us("nccl.pipeline.dispatch")),
+                           ("nccl-backend/pipeline combine", us("tritonep[nccl].combine.bf16"),
+                            us("nccl.pipeline.combine"))):
+            if a and b:
+                parts.append(f"{name} {a / b:.2f}x ({a:.0f}/{b:.0f} us)")
+        if parts:
+            out.append(f"{prof}: " + "; ".join(parts))
+    return out

@@ -1,0 +1,19 @@
+"""The benchmark's ratio summary (issue 15) on synthetic rows (the GPU rows themselves are made on the device)."""
+
+from tritonep.bench.ep import ratio_lines
+
+
+def _row(op, us, mode="graph", profile="decode"):
+    return dict(profile=profile, op=op, us=us, mode=mode)
+
+
+def test_ratio_lines():
+    rows = [_row("tritonep.dispatch.bf16", 40.0), _row("tritonep.dispatch.bf16", 100.0, "eager"),
+            _row("tritonep.combine.push.bf16", 25.0), _row("tritonep.combine.push.bf16", 50.0, "eager"),
+            _row("tritonep[nccl].dispatch.bf16", 120.0, "eager"), _row("nccl.pipeline.dispatch", 150.0, "eager"),
+            _row("tritonep[nccl].combine.bf16", 300.0, "eager"), _row("nccl.pipeline.combine", 600.0, "eager"),
+            _row("tritonep.dispatch.bf16", 400.0, profile="deepseek-v3")]
+    lines = ratio_lines(rows)
+    assert lines == ["decode: dispatch eager/graph 2.50x (100/40 us); combine eager/graph 2.00x (50/25 us); "
+                     "nccl-backend/pipeline dispatch 0.80x (120/150 us); nccl-backend/pipeline combine 0.50x "
+                     "(300/600 us)"]

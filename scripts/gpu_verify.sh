@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# GPU verification on the device machine (2 x H200), in stages so each fits one 10-minute device command:
+#   bash scripts/gpu_verify.sh tests   # every GPU test (pytest -m gpu), incl. the 1000-replay graph soak
+#   bash scripts/gpu_verify.sh layer   # moe_bench --skew (none vs virtual, fwd+bwd) and tritonep run on both GPUs
+#   bash scripts/gpu_verify.sh bench   # ep_bench (graph + eager rows, nccl backend vs pipeline) and the eager profile
+# Logs and JSON go to $OUT (default ./gpu_out); every step has a measured time limit with margin and prints progress.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 PYTHONPATH=.
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+stage=${1:-tests}
+step() {  # step NAME LIMIT_S CMD...: run with a limit, log to $OUT/NAME.log, print the verdict
+    local name=$1 limit=$2; shift 2
+    local t0=$(date +%s)
+    echo "=== $name (limit ${limit}s): $*"
+    timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+    local rc=${PIPESTATUS[0]}
+    echo "=== $name rc=$rc in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/summary.txt"
+}
+case "$stage" in
+tests)
+    nvidia-smi -L
+    step gpu_tests 560 python -m pytest -q -m gpu tests -p no:cacheprovider --timeout 300 --durations=30 -ra
+    ;;
+layer)
+    step moe_skew 280 python benchmarks/moe_bench.py --skew --steps 3 --json "$OUT/moe_skew.json"
+    step run_2gpu 250 python -m tritonep.cli.main run --layers 2 3 4 --json "$OUT/run_2gpu.json"
+    ;;
+bench)
+    step ep_bench 380 torchrun --nproc-per-node 2 benchmarks/ep_bench.py --profiles deepseek-v3 deepseek-v3-1k decode \
+        --json "$OUT/ep_bench.json"
+    step eager_profile 150 torchrun --nproc-per-node 2 benchmarks/eager_profile.py --tokens 128 4096 \
+        --json "$OUT/eager_profile.json"
+    ;;
+*) echo "unknown stage $stage (tests | layer | bench)"; exit 2 ;;
+esac
+cat "$OUT/summary.txt"

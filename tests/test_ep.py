@@ -99,6 +99,14 @@ def test_geometry_override_errors(monkeypatch):
     from tritonep.ep.geometry import select_geometry
     from tritonep.errors import ConfigError
 
+    monkeypatch.delenv("TRITONEP_GEOMETRY", raising=False)
+    g = select_geometry("cuda", 2, 7168, 4096, 8)  # the table: fused dispatch at >= 1024 tokens, no SM cap
+    assert (g.fused_send, g.fused_expand, g.grid_send, g.grid_expand, g.fused_combine) == (40, 88, 40, 88, False)
+    g = select_geometry("cuda", 2, 7168, 4096, 8, num_sms=24)  # capped: two kernels
+    assert (g.fused_send, g.grid_send) == (0, 24)
+    assert select_geometry("cuda", 2, 7168, 128, 8).fused_send == 0  # decode: two kernels
+    monkeypatch.setenv("TRITONEP_GEOMETRY", "fs=0,fe=0")
+    assert select_geometry("cuda", 2, 7168, 4096, 8).fused_send == 0
     monkeypatch.setenv("TRITONEP_GEOMETRY", "bt=4,warps=8,grid=7")
     g = select_geometry("cuda", 2, 7168, 4096, 8)
     assert (g.bt, g.num_warps, g.grid_send, g.grid_out) == (4, 8, 7, 7)
@@ -113,7 +121,7 @@ def test_geometry_override_errors(monkeypatch):
                       ("fc=1", "needs fs"), ("fs=2,fe=2,fc=2", "0 or 1")):
         monkeypatch.setenv("TRITONEP_GEOMETRY", bad)
         with pytest.raises(ConfigError, match=what):
-            select_geometry("cuda", 2, 7168, 4096, 8)
+            select_geometry("cuda", 2, 7168, 128, 8)  # a shape whose table geometry is the two-kernel path
 
 
 def test_alignment_128_and_hidden_2880():

@@ -48,6 +48,9 @@ _OVERRIDE_FIELDS = ("bt", "bh", "warps", "grid", "combine", "fs", "fe", "fc")
 def _apply_override(g: Geometry, text: str) -> Geometry:
     """Apply a TRITONEP_GEOMETRY string (``bt=2,bh=512,warps=8,grid=128,combine=pull``) to ``g``.
 
+    ``grid=`` without ``fs``/``fe`` selects the two-kernel dispatch with that grid; ``fs=0,fe=0`` turns the fused
+    dispatch off while keeping the table's grids.
+
     Raises ConfigError naming the bad entry: unknown field, a value that is not a positive power of two (bt, bh,
     warps), a grid < 1, or a combine kind other than push/pull.
     """
@@ -87,7 +90,11 @@ def _apply_override(g: Geometry, text: str) -> Geometry:
         else:
             f["num_warps" if key == "warps" else key] = v
     gs = [grid] * 4 if grid else [g.grid_send, g.grid_expand, g.grid_partial, g.grid_out]
-    if (f["fused_send"] > 0) != (f["fused_expand"] > 0):
+    if grid and not any(p.strip().startswith(("fs=", "fe=")) for p in text.split(",")):
+        f["fused_send"] = f["fused_expand"] = 0  # grid= asks for the two-kernel path with that grid
+        f["fused_combine"] = False
+    keys = {p.strip().partition("=")[0].strip() for p in text.split(",") if p.strip()}
+    if (f["fused_send"] > 0) != (f["fused_expand"] > 0) or len(keys & {"fs", "fe"}) == 1:
         raise ConfigError(f"TRITONEP_GEOMETRY {text!r}: fs and fe must both be > 0 (fused dispatch) or both 0")
     if f["fused_combine"] and not f["fused_send"]:
         raise ConfigError(f"TRITONEP_GEOMETRY {text!r}: fc=1 needs fs/fe > 0 (the role sizes)")
@@ -121,6 +128,11 @@ def select_geometry(device_type: str, world_size: int, hidden: int, max_tokens_p
         grid = min(132, max(8, chunks * world_size))
         g = Geometry(bt=bt, bh=bh, grid_hist=min(132, chunks), grid_send=grid, grid_expand=grid,
                      grid_partial=grid, grid_out=grid, num_warps=8 if big else 4, combine="push")
+        if big and not cap:
+            # one-launch fused dispatch, 40 senders + 88 expanders: 280 us vs 371 us (two kernels) at the
+            # DeepSeek-V3 shape, EP2, 4096 tokens (benchmarks/results/ep_bench_h200x2_sweep_2026-11-30.json); with
+            # an SM cap the split roles lose (24 SMs: 889 vs 666 us), so capped buffers keep the two kernels
+            g = replace(g, fused_send=40, fused_expand=88)
     override = envs.geometry_override()
     if override:
         g = _apply_override(g, override)

@@ -42,6 +42,7 @@ import triton
 from ..errors import PlanError
 from ..ep.launch import Launcher
 from ..ep.status import raise_for_status, resolve_timeout, wait_bound
+from ..kernels import protocol as P
 from ..kernels.transport import barrier_kernel, pull_grads_kernel, push_weights_kernel
 from ..memory import Region, get_heap
 
@@ -51,8 +52,8 @@ __all__ = ["ExpertTransport", "PushWeights", "PushUsedSlots", "used_slot_count",
 
 def transport_regions(world_size: int, num_local_experts: int, shapes: dict, dtype: torch.dtype):
     """Symmetric regions of an :class:`ExpertTransport` (slots and gradient slots per weight, flags)."""
-    regs = [Region("flags", (4, world_size), torch.int64), Region("calls", (4,), torch.int64),
-            Region("status", (8,), torch.int64)]
+    regs = [Region("flags", (P.NUM_RENDEZVOUS, world_size), torch.int64),
+            Region("calls", (P.v(P.NUM_CALLS),), torch.int64), Region("status", (P.v(P.STATUS_WORDS),), torch.int64)]
     for name, shp in shapes.items():
         regs.append(Region(f"slots_{name}", (num_local_experts, *shp), dtype))
         regs.append(Region(f"gslots_{name}", (num_local_experts, *shp), dtype))
@@ -115,7 +116,7 @@ class ExpertTransport:
         w = torch.zeros(L, 1, dtype=self.dtype, device=dev)
         with precompile() as on:
             if on:
-                self._launch(barrier_kernel, (1,), i64, i64, 0, i64, 0, i64, self.timeout, 10,
+                self._launch(barrier_kernel, (1,), i64, i64, 0, i64, 0, i64, self.timeout, P.v(P.WAIT_RENDEZVOUS),
                              RANK=self.rank, W=W, WB=self.WB, HAS_TIMER=self.has_timer)
                 self._launch(push_weights_kernel, (self.G,), w, i64, etc, 1, i64, RANK=self.rank, W=W, L=L,
                              BLOCK=1024)
@@ -125,8 +126,8 @@ class ExpertTransport:
     def _barrier(self, row: int):
         """Rendezvous ``row`` (0..3 = B1..B4) of every rank: one barrier_kernel launch, bounded wait, no host sync."""
         self.calls[row:row + 1].add_(1)
-        self._launch(barrier_kernel, (1,), self.flags, self.tab["flags"], row * self.W * 8, self.calls, row,
-                     self.status, self.timeout, 10 + row, RANK=self.rank, W=self.W, WB=self.WB,
+        self._launch(barrier_kernel, (1,), self.flags, self.tab["flags"], P.flag_row_bytes(row, self.W), self.calls, row,
+                     self.status, self.timeout, P.v(P.WAIT_RENDEZVOUS) + row, RANK=self.rank, W=self.W, WB=self.WB,
                      HAS_TIMER=self.has_timer)
 
     def _check_weights(self, weights: dict):

@@ -15,7 +15,10 @@ from ..errors import InputError
 from ..kernels.layout import chunk_hist_kernel, exchange_kernel
 from ..memory import Region, get_heap
 from .launch import Launcher
+from ..kernels import protocol as P
 from .status import raise_for_status, resolve_timeout, wait_bound
+
+_CX = P.v(P.CALL_EXCHANGE)  # this buffer's exchange number (the only counter it advances)
 
 __all__ = ["CountsExchange", "counts_regions"]
 
@@ -24,8 +27,8 @@ def counts_regions(world_size: int, num_experts: int, max_tokens_per_rank: int, 
     """The symmetric regions of a :class:`CountsExchange` (for sizing before any group exists)."""
     W, E = world_size, num_experts
     ncmax = max(1, triton.cdiv(max_tokens_per_rank, bt))
-    return [Region("flags", (W,), torch.int64), Region("status", (8,), torch.int64),
-            Region("calls", (4,), torch.int64), Region("counts", (2, W, E + 1), torch.int32),
+    return [Region("flags", (W,), torch.int64), Region("status", (P.v(P.STATUS_WORDS),), torch.int64),
+            Region("calls", (P.v(P.NUM_CALLS),), torch.int64), Region("counts", (2, W, E + 1), torch.int32),
             Region("hist", (ncmax, E + 1), torch.int32), Region("pre", (ncmax, E), torch.int32),
             Region("send_base", (E,), torch.int32), Region("rows_needed", (W,), torch.int64)]
 
@@ -78,11 +81,12 @@ class CountsExchange:
         ntpe = torch.empty(L, dtype=torch.int32, device=self.device)
         offs = torch.empty(L, dtype=torch.int32, device=self.device)
         self._launch(chunk_hist_kernel, (1,), idx, b.local("hist"), T, nc, K=self.K, E=self.E, EB=EB, BT=self.BT,
-                     KB=triton.next_power_of_2(self.K), bump_a=self.calls[0:1], NBUMP=1)
-        self._launch(exchange_kernel, (1,), b.local("hist"), nc, self.tab_counts, self.flags, self.tab_flags, 0,
-                     self.calls, self.status, self.timeout, b.local("pre"), b.local("send_base"), ntpe, offs,
+                     KB=triton.next_power_of_2(self.K), bump_a=self.calls[_CX:_CX + 1], NBUMP=1)
+        self._launch(exchange_kernel, (1,), b.local("hist"), nc, self.tab_counts, self.flags, self.tab_flags,
+                     P.flag_row_bytes(P.FLAG_COUNTS, self.W), self.calls[_CX:], self.status, self.timeout,
+                     b.local("pre"), b.local("send_base"), ntpe, offs,
                      b.local("rows_needed"), 2 ** 31 - 1, 0, **self._ex)
-        n = self.calls[0:1] % 2  # device-side parity: no host read
+        n = self.calls[_CX:_CX + 1] % 2  # device-side parity: no host read
         return torch.index_select(b.local("counts"), 0, n)[0, :, :self.E].clone()
 
     def check(self):

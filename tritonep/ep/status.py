@@ -1,7 +1,7 @@
 """Device status word -> typed host errors, and wait bounds for GPU (ns) and interpreter (polls).
 
 Every EPBuffer owns ``status`` int64 ``[8]``: ``[code, wait_id, peer, errors_seen, needed_rows, skip_call,
-bad_rank_mask, waited]`` written by the kernels (:mod:`tritonep.kernels.signal`, :mod:`tritonep.kernels.layout`):
+bad_rank_mask, waited]`` (indices ``ST_*`` of :mod:`tritonep.kernels.protocol`) written by the kernels (:mod:`tritonep.kernels.signal`, :mod:`tritonep.kernels.layout`):
 ``skip_call`` is the dispatch number whose data kernels skip their rows (capacity or input error),
 ``bad_rank_mask`` has bit r set when rank r's input was refused, ``waited`` is the measured length of the wait
 that gave up (nanoseconds on GPU, polls in the interpreter).
@@ -15,17 +15,16 @@ import torch
 
 from .. import envs
 from ..errors import CapacityError, PeerInputError, PeerTimeoutError
-from ..kernels import signal as _sig
+from ..kernels import protocol as P
 
 STATUS_OK, STATUS_TIMEOUT, STATUS_CAPACITY, STATUS_BAD_INPUT = (
-    int(_sig.STATUS_OK.value), int(_sig.STATUS_TIMEOUT.value), int(_sig.STATUS_CAPACITY.value),
-    int(_sig.STATUS_BAD_INPUT.value))
+    P.v(P.STATUS_OK), P.v(P.STATUS_TIMEOUT), P.v(P.STATUS_CAPACITY), P.v(P.STATUS_BAD_INPUT))
+_CODE, _WAIT_ID, _PEER, _NEEDED, _BAD_MASK, _WAITED = (P.v(n) for n in (
+    P.ST_CODE, P.ST_WAIT_ID, P.ST_PEER, P.ST_NEEDED_ROWS, P.ST_BAD_RANK_MASK, P.ST_WAITED))
 
 __all__ = ["WAIT_NAMES", "raise_for_status", "wait_bound", "bad_ranks", "resolve_timeout"]
 
-WAIT_NAMES = {0: "dispatch.counts", 1: "dispatch.data", 2: "dispatch.ack", 3: "combine.data", 4: "combine.ack",
-              10: "transport.rendezvous0", 11: "transport.rendezvous1", 12: "transport.rendezvous2",
-              13: "transport.rendezvous3"}
+WAIT_NAMES = P.wait_names()  # wait id -> name (kernels/protocol.py WAIT_*)
 
 _POLLS_PER_S: float | None = None
 
@@ -79,13 +78,13 @@ def wait_bound(device: torch.device, timeout_s: float | None = None) -> int:
 
 
 def bad_ranks(status_host: torch.Tensor) -> list:
-    """Ranks whose input the last counts exchange refused (bits of ``status[6]``)."""
-    mask = int(status_host[6])
+    """Ranks whose input the last counts exchange refused (bits of ``status[ST_BAD_RANK_MASK]``)."""
+    mask = int(status_host[_BAD_MASK])
     return [r for r in range(64) if (mask >> r) & 1]
 
 
 def _waited(status_host, device_type: str | None) -> str:
-    v = int(status_host[7])
+    v = int(status_host[_WAITED])
     if device_type == "cuda":
         return f"after waiting {v / 1e9:.1f} s"
     if device_type == "cpu":
@@ -103,12 +102,12 @@ def raise_for_status(status_host: torch.Tensor, rank: int, max_recv: int, what: 
         CapacityError: a rank would receive more rows than ``max_recv``.
         PeerInputError: some rank's input was refused (``bad_ranks`` from the status bitmask).
     """
-    code = int(status_host[0])
+    code = int(status_host[_CODE])
     if code == STATUS_OK:
         return
     if code == STATUS_TIMEOUT:
-        wait = WAIT_NAMES.get(int(status_host[1]), f"wait#{int(status_host[1])}")
-        peer = int(status_host[2])
+        wait = WAIT_NAMES.get(int(status_host[_WAIT_ID]), f"wait#{int(status_host[_WAIT_ID])}")
+        peer = int(status_host[_PEER])
         bound = resolve_timeout(timeout_s)
         raise PeerTimeoutError(
             f"{what}: rank {rank} timed out in wait {wait!r} for peer {peer} {_waited(status_host, device_type)} "
@@ -121,8 +120,8 @@ def raise_for_status(status_host: torch.Tensor, rank: int, max_recv: int, what: 
             f"raises this; the bad rank raises the error naming its value); nothing was sent", bad_ranks=bad,
             rank=rank)
     if code == STATUS_CAPACITY:
-        needed = int(status_host[4])
+        needed = int(status_host[_NEEDED])
         raise CapacityError(
-            f"{what}: rank {int(status_host[2])} would receive {needed} rows but max_recv_tokens={max_recv}; "
+            f"{what}: rank {int(status_host[_PEER])} would receive {needed} rows but max_recv_tokens={max_recv}; "
             f"nothing was sent", needed=needed, available=max_recv)
     raise PeerTimeoutError(f"{what}: unknown device status code {code}", rank=rank)

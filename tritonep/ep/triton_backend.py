@@ -4,13 +4,14 @@ One symmetric allocation per buffer holds every region (:func:`regions`); the sa
 ``EPBuffer.required_bytes``. Call sequence of a dispatch (all on the current stream, no host sync except the one
 optional status read after the counts exchange, see ``sync``):
 
-1. chunk histograms (program 0 also advances ``calls[0]`` and ``calls[2]`` on the device), 3. counts exchange +
+1. chunk histograms (program 0 also advances ``calls[CALL_DISPATCH]`` and ``calls[CALL_EXCHANGE]`` on the device), 3. counts exchange +
 layout (grid 1),
 4. [eager only] one host read of (status, rows) -> CapacityError / PeerTimeoutError before any row moves,
 5. send, 6. expand (or 5+6 as one launch when the geometry has ``fused_send > 0``: sends and expands overlap).
 
-Combine: ``calls[1] += 1``, partial (push into the source, or into own memory for pull), output (a weighted push
-combine runs both as one launch when the geometry has ``fused_combine``).
+Combine: ``calls[CALL_COMBINE] += 1``, partial (push into the source, or into own memory for pull), output (a weighted push
+combine runs both as one launch when the geometry has ``fused_combine``). Every flag row, counter and status
+field is named in :mod:`tritonep.kernels.protocol`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from .. import envs
 from ..errors import BufferStateError, PeerTimeoutError
 from ..kernels.combine import combine_out_kernel, combine_partial_kernel
 from ..kernels.combine_fused import combine_fused_kernel
-from ..kernels.dispatch import NUM_FLAGS, dispatch_expand_kernel, dispatch_send_kernel
+from ..kernels import protocol as P
+from ..kernels.dispatch import dispatch_expand_kernel, dispatch_send_kernel
 from ..kernels.dispatch_fused import dispatch_fused_kernel
 from ..kernels.layout import chunk_hist_kernel, exchange_kernel
 from ..memory import Region, get_heap
@@ -35,6 +37,12 @@ from .validate import check_expert_ids
 
 __all__ = ["regions", "TritonEP"]
 
+_ST_ERR = P.v(P.STATUS_WORDS)  # the status word's error part
+_CODE = P.v(P.ST_CODE)
+_ROWS = P.v(P.ST_ROWS_RECEIVED)
+_ST_HOST = _ROWS + 1  # what the one host read of a dispatch copies
+_CX = P.v(P.CALL_EXCHANGE)
+
 
 def regions(world_size, num_experts, hidden, max_tokens_per_rank, topk, max_recv_tokens, dtype=torch.bfloat16,
             bt=16):
@@ -42,9 +50,9 @@ def regions(world_size, num_experts, hidden, max_tokens_per_rank, topk, max_recv
     W, E, H, Tm, K = world_size, num_experts, hidden, max_tokens_per_rank, topk
     ncmax = max(1, triton.cdiv(Tm, bt))
     return [
-        Region("flags", (NUM_FLAGS, W), torch.int64),
-        Region("status", (16,), torch.int64),  # [0:8] the status word (ep/status.py), [8] rows received
-        Region("calls", (4,), torch.int64),
+        Region("flags", (P.v(P.NUM_FLAG_ROWS), W), torch.int64),
+        Region("status", (16,), torch.int64),  # the status word (kernels/protocol.py ST_*), then rows received
+        Region("calls", (P.v(P.NUM_CALLS),), torch.int64),
         # two [W, E+1] matrices for alternate calls (exchange_kernel DOUBLE); column E: the source's input errors
         Region("counts", (2, W, E + 1), torch.int32),
         Region("ntok", (W,), torch.int32),
@@ -101,7 +109,7 @@ class TritonEP:
         self.broken: str | None = None
         self.host_reads = 0  # device->host reads made by calls (the eager-path budget: one per dispatch)
         if device.type == "cuda":
-            self._st_host = torch.empty(9, dtype=torch.int64, pin_memory=True)
+            self._st_host = torch.empty(_ST_HOST, dtype=torch.int64, pin_memory=True)
             self._st_event = torch.cuda.Event()
         self._last_idx = None
         self._launch = Launcher(device, group)
@@ -135,10 +143,10 @@ class TritonEP:
         A capacity error is reported once and cleared (the buffer stays usable); a timeout makes it unusable.
         """
         self.host_reads += 1
-        st = self.status[:8].cpu().clone()  # .cpu() of a CPU tensor is the tensor itself
-        if int(st[0]) in (STATUS_CAPACITY, STATUS_BAD_INPUT):
+        st = self.status[:_ST_ERR].cpu().clone()  # .cpu() of a CPU tensor is the tensor itself
+        if int(st[_CODE]) in (STATUS_CAPACITY, STATUS_BAD_INPUT):
             self.status.zero_()
-        if int(st[0]) == STATUS_BAD_INPUT and self.rank in bad_ranks(st) and self._last_idx is not None:
+        if int(st[_CODE]) == STATUS_BAD_INPUT and self.rank in bad_ranks(st) and self._last_idx is not None:
             check_expert_ids(self._last_idx, self.E)  # this rank's own ids: InputError naming the value
         try:
             raise_for_status(st, self.rank, self.max_recv, what, self.timeout_s, self.device.type)
@@ -155,8 +163,14 @@ class TritonEP:
             return
         self.check(what)
 
+    def _calls(self, which):
+        """One-element view of call counter ``which`` (a ``P.CALL_*``)."""
+        i = P.v(which)
+        return self.calls[i:i + 1]
+
     def _flag_off(self, row):
-        return row * self.W * 8
+        """Byte offset of flag row ``row`` (a ``P.FLAG_*``) in every rank's flags region."""
+        return P.flag_row_bytes(row, self.W)
 
     # ---------------------------------------------------------------------------------------------- construction
     def _precompile(self, group):
@@ -207,15 +221,15 @@ class TritonEP:
         self._last_idx = None if bad_input else topk_idx  # check() names a bad id found on the device
         nc = triton.cdiv(T, g.bt)
         self._launch(chunk_hist_kernel, (g.grid_hist,), topk_idx, self.hist, T, nc, K=self.K, E=self.E,
-                     EB=self._ex["EB"], BT=g.bt, KB=c["KB"], bump_a=self.calls[0:1], bump_b=self.calls[2:3], NBUMP=2,
+                     EB=self._ex["EB"], BT=g.bt, KB=c["KB"], bump_a=self._calls(P.CALL_DISPATCH), bump_b=self._calls(P.CALL_EXCHANGE), NBUMP=2,
                      **self._kw)
         ntpe = torch.empty(self.L, dtype=torch.int32, device=self.device)
         offs = torch.empty(self.L, dtype=torch.int32, device=self.device)
         counts = torch.empty(self.W, self.E, dtype=torch.int32, device=self.device)
         self._launch(exchange_kernel, (1,), self.hist, nc, self.tab["counts"], self.flags, self.tab["flags"],
-                     self._flag_off(0), self.calls[2:], self.status, self.timeout, self.pre,
+                     self._flag_off(P.FLAG_COUNTS), self.calls[_CX:], self.status, self.timeout, self.pre,
                      self.send_base, ntpe, offs, self.rows_needed, self.max_recv, int(bad_input),
-                     dcall_ptr=self.calls[0:1], rows_out_ptr=self.status[8:9], counts_out_ptr=counts, **self._ex)
+                     dcall_ptr=self._calls(P.CALL_DISPATCH), rows_out_ptr=self.status[_ROWS:_ROWS + 1], counts_out_ptr=counts, **self._ex)
         rows = torch.empty(T, self.K, dtype=torch.int32, device=self.device)
         handle = DispatchHandle(topk_idx=topk_idx, topk_weights=topk_weights, rows=rows,
                                 meta=torch.empty(self.W, self.Tm, self.K, dtype=torch.int32, device=self.device),
@@ -230,7 +244,7 @@ class TritonEP:
             # queued before the host waits, so its NVLink time overlaps the read and the expand's launch
             self.host_reads += 1
             if self.device.type == "cuda":
-                self._st_host.copy_(self.status[:9], non_blocking=True)
+                self._st_host.copy_(self.status[:_ST_HOST], non_blocking=True)
                 self._st_event.record()
                 if not fused:
                     self._send(x, handle, topk_weights, compute_rows=True, nc=nc, wire=self.dwire)
@@ -239,15 +253,15 @@ class TritonEP:
             else:
                 if not fused:
                     self._send(x, handle, topk_weights, compute_rows=True, nc=nc, wire=self.dwire)
-                st = self.status[:9].clone()
+                st = self.status[:_ST_HOST].clone()
         elif not fused:
             self._send(x, handle, topk_weights, compute_rows=True, nc=nc, wire=self.dwire)
-        code = int(st[0]) if st is not None else 0
+        code = int(st[_CODE]) if st is not None else 0
         refused = code in (STATUS_CAPACITY, STATUS_BAD_INPUT)
         if code != 0 and not refused:
             self.broken = "timeout"
-            raise_for_status(st[:8], self.rank, self.max_recv, "dispatch", self.timeout_s, self.device.type)
-        R = None if st is None else (0 if refused else int(st[8]))
+            raise_for_status(st[:_ST_ERR], self.rank, self.max_recv, "dispatch", self.timeout_s, self.device.type)
+        R = None if st is None else (0 if refused else int(st[_ROWS]))
         handle.num_recv_rows = R
         nrows = R if R is not None else self.max_recv
         q = sc = None
@@ -264,7 +278,7 @@ class TritonEP:
         out_w = torch.empty(nrows, dtype=torch.float32, device=self.device) if R is not None else \
             torch.zeros(nrows, dtype=torch.float32, device=self.device)
         # the data kernels run on every rank whatever the verdict (a refused call's kernels move no row: the
-        # exchange recorded this dispatch's number in status[5]), so the flags advance identically everywhere
+        # exchange recorded this dispatch's number in status[ST_SKIP_CALL]), so the flags advance identically everywhere
         if fused:
             self._fused(x, handle, topk_weights, out, out_w, ntpe, offs, q, sc)
         else:
@@ -273,7 +287,7 @@ class TritonEP:
             self.status.zero_()  # reported once, here; the buffer stays usable (stream-ordered after the kernels)
             if code == STATUS_BAD_INPUT and self.rank in bad_ranks(st) and not bad_input:
                 check_expert_ids(topk_idx, self.E)  # raises InputError naming the value
-            raise_for_status(st[:8], self.rank, self.max_recv, "dispatch", self.timeout_s, self.device.type)
+            raise_for_status(st[:_ST_ERR], self.rank, self.max_recv, "dispatch", self.timeout_s, self.device.type)
         if sync:
             self._eager_check("dispatch")  # a peer that stopped after the counts exchange raises in this call
         if q is not None:
@@ -286,7 +300,7 @@ class TritonEP:
         self._launch(dispatch_send_kernel, (g.grid_send,),
                      x, handle.topk_idx, topk_weights, handle.rows, handle.num_tokens, nc, self.pre, self.send_base,
                      self.tab["stage"], self.tab["meta"], self.tab["wts"], self.tab["ntok"],
-                     self.flags, self.tab["flags"], self._flag_off(1), self.calls, self.status, self.timeout,
+                     self.flags, self.tab["flags"], self._flag_off(P.FLAG_DATA), self.calls, self.status, self.timeout,
                      g.grid_expand, self.Tm, E=self.E, L=self.L, COMPUTE_ROWS=compute_rows, WIRE=wire,
                      **self._ck)
 
@@ -299,7 +313,7 @@ class TritonEP:
                      self.tab["stage"], self.tab["meta"], self.tab["wts"], self.tab["ntok"], self.tab["cflag"],
                      b.local("cflag"), b.local("stage"), b.local("meta"), b.local("wts"), b.local("ntok"), out, out_w,
                      handle.meta, handle.wts, handle.ntok, ntpe, offs,
-                     self.flags, self.tab["flags"], self._flag_off(1), self._flag_off(2), self.calls, self.status,
+                     self.flags, self.tab["flags"], self._flag_off(P.FLAG_DATA), self._flag_off(P.FLAG_ACK), self.calls, self.status,
                      self.timeout, g.grid_send, g.grid_expand, self.Tm, self.ncmax, GS=g.fused_send, E=self.E,
                      L=self.L, BA=triton.next_power_of_2(max(self.A, 1)), A=self.A, WIRE=self.dwire,
                      KEEP_Q=q is not None, q_ptr=q, s_ptr=sc,
@@ -313,7 +327,7 @@ class TritonEP:
                      b.local("stage"), b.local("meta"), b.local("wts"), b.local("ntok"), out, out_w,
                      handle.meta, handle.wts, handle.ntok, ntpe, offs,
                      eo if eo is not None else out, gw if gw is not None else out_w,
-                     self.flags, self.tab["flags"], self._flag_off(2), self.calls, self.status, self.timeout,
+                     self.flags, self.tab["flags"], self._flag_off(P.FLAG_ACK), self.calls, self.status, self.timeout,
                      g.grid_send, self.Tm, self.ncmax, L=self.L, LB=triton.next_power_of_2(self.L),
                      BA=triton.next_power_of_2(max(self.A, 1)) if keep_handle else 1, A=self.A if keep_handle else 1,
                      SCALE=scale, DOT=eo is not None,
@@ -329,13 +343,13 @@ class TritonEP:
             kind = "push"  # quantized partials and weight-gradient return are push-only
         T = handle.num_tokens
         nc = triton.cdiv(T, g.bt)
-        self.calls[1:2].add_(1)
+        self._calls(P.CALL_COMBINE).add_(1)
         stage = self.tab["cstage"]
         if g.fused_combine and kind == "push" and weighted and not want_wgrad:
             y = torch.empty(T, self.H, dtype=eo.dtype, device=self.device)
             self._launch(combine_fused_kernel, (g.fused_send + g.fused_expand,),
                          eo, handle.meta, handle.wts, handle.ntok, stage, self.tab["ccflag"], self.buf.local("ccflag"),
-                         handle.topk_idx, y, T, self.flags, self.tab["flags"], self._flag_off(3), self._flag_off(4),
+                         handle.topk_idx, y, T, self.flags, self.tab["flags"], self._flag_off(P.FLAG_CDATA), self._flag_off(P.FLAG_CACK),
                          self.calls, self.status, self.timeout, g.grid_partial, g.grid_out, self.Tm, self.ncmax,
                          GS=g.fused_send, L=self.L, WIRE=wire,
                          **self._ck)
@@ -343,7 +357,7 @@ class TritonEP:
             return y, None
         self._launch(combine_partial_kernel, (g.grid_partial,),
                      eo, handle.meta, handle.wts, handle.ntok, gw if gw is not None else handle.wts, stage,
-                     self.tab["wback"], self.flags, self.tab["flags"], self._flag_off(3), self.calls, self.status,
+                     self.tab["wback"], self.flags, self.tab["flags"], self._flag_off(P.FLAG_CDATA), self.calls, self.status,
                      self.timeout, g.grid_out, self.Tm, self.ncmax, PUSH=kind == "push", WEIGHTED=weighted,
                      SEND_WGRAD=want_wgrad, WIRE=wire,
                      **self._ck)
@@ -351,7 +365,7 @@ class TritonEP:
         gtw = torch.empty(T, self.K, dtype=torch.float32, device=self.device) if want_wgrad else None
         self._launch(combine_out_kernel, (g.grid_out,),
                      handle.topk_idx, y, T, nc, stage, self.buf.local("wback"), gtw if gtw is not None else y,
-                     self.flags, self.tab["flags"], self._flag_off(4), self.calls, self.status, self.timeout,
+                     self.flags, self.tab["flags"], self._flag_off(P.FLAG_CACK), self.calls, self.status, self.timeout,
                      g.grid_partial, self.Tm, L=self.L, PULL=kind == "pull", RECV_WGRAD=want_wgrad, WIRE=wire,
                      **self._ck)
         self._eager_check("combine" if weighted else "dispatch backward")
@@ -376,7 +390,7 @@ class TritonEP:
         g_eo = torch.zeros(R, self.H, dtype=self.dtype, device=self.device)
         g_w = torch.zeros(R, dtype=torch.float32, device=self.device)
         out_w_scratch = torch.empty(R, dtype=torch.float32, device=self.device)
-        self.calls[0:1].add_(1)
+        self._calls(P.CALL_DISPATCH).add_(1)
         nc = triton.cdiv(handle.num_tokens, self.geo.bt)
         self._send(grad_y.contiguous(), handle, handle.topk_weights, compute_rows=False, nc=nc)
         dummy = torch.empty(self.L, dtype=torch.int32, device=self.device)

@@ -22,7 +22,8 @@ import triton
 import triton.language as tl
 
 from .common import cast_rne, mul_rn, widen
-from .signal import STATUS_TIMEOUT, signal_peers, wait_all_ge
+from .protocol import CALL_COMBINE, FLAG_CACK, FLAG_CDATA, STATUS_TIMEOUT, WAIT_CACK, WAIT_CDATA
+from .signal import signal_peers, wait_all_ge
 from .wirecodec import wire_load, wire_store
 
 
@@ -126,8 +127,8 @@ def combine_partial_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, gw_ptr, stage
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
-    m = tl.load(calls_ptr + 1)
-    wait_all_ge(flags_ptr + 4 * W, W, (m - 1) * G_out, status_ptr, 4, timeout, HAS_TIMER, WB)
+    m = tl.load(calls_ptr + CALL_COMBINE)
+    wait_all_ge(flags_ptr + FLAG_CACK * W, W, (m - 1) * G_out, status_ptr, WAIT_CACK, timeout, HAS_TIMER, WB)
     live = tl.load(status_ptr) != STATUS_TIMEOUT
     for item in range(pid, W * NCmax, G):
         src = item // NCmax
@@ -153,8 +154,8 @@ def combine_out_kernel(topk_idx_ptr, y_ptr, T, NC, stage_tab, wback_ptr, gtw_ptr
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
-    m = tl.load(calls_ptr + 1)
-    wait_all_ge(flags_ptr + 3 * W, W, m * G_partial, status_ptr, 3, timeout, HAS_TIMER, WB)
+    m = tl.load(calls_ptr + CALL_COMBINE)
+    wait_all_ge(flags_ptr + FLAG_CDATA * W, W, m * G_partial, status_ptr, WAIT_CDATA, timeout, HAS_TIMER, WB)
     live = tl.load(status_ptr) != STATUS_TIMEOUT
     for c in range(pid, NC, G):
         out_chunk(c, T, live, topk_idx_ptr, y_ptr, stage_tab, wback_ptr, gtw_ptr, Tmax, RANK, W, L, K, KB, H, BH, BT,

@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 from .combine import out_chunk, partial_item
-from .signal import STATUS_TIMEOUT, signal_peers, wait_all_ge
+from .protocol import CALL_COMBINE, FLAG_CACK, STATUS_TIMEOUT, WAIT_CACK, WAIT_CDATA
+from .signal import signal_peers, wait_all_ge
 
 
 @triton.jit
@@ -48,9 +49,9 @@ def combine_fused_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, stage_tab, ccfl
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
-    m = tl.load(calls_ptr + 1)
+    m = tl.load(calls_ptr + CALL_COMBINE)
     if pid < GS:
-        wait_all_ge(flags_ptr + 4 * W, W, (m - 1) * G_out_std, status_ptr, 4, timeout, HAS_TIMER, WB)
+        wait_all_ge(flags_ptr + FLAG_CACK * W, W, (m - 1) * G_out_std, status_ptr, WAIT_CACK, timeout, HAS_TIMER, WB)
         live = tl.load(status_ptr) != STATUS_TIMEOUT
         for item in range(pid, W * NCmax, GS):
             c = item // W
@@ -66,7 +67,7 @@ def combine_fused_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, stage_tab, ccfl
         GE = G - GS
         NC = tl.cdiv(T, BT)
         for c in range(e, NC, GE):
-            wait_all_ge(ccflag_ptr + c * W, W, m, status_ptr, 3, timeout, HAS_TIMER, WB)
+            wait_all_ge(ccflag_ptr + c * W, W, m, status_ptr, WAIT_CDATA, timeout, HAS_TIMER, WB)
             live = tl.load(status_ptr) != STATUS_TIMEOUT
             if live:
                 out_chunk(c, T, live, topk_idx_ptr, y_ptr, stage_tab, y_ptr, y_ptr, Tmax, RANK, W, L, K, KB, H, BH,

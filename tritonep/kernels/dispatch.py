@@ -24,15 +24,11 @@ import triton
 import triton.language as tl
 
 from .common import cast_rne, widen
-from .signal import STATUS_TIMEOUT, signal_peers, wait_all_ge
+from .protocol import CALL_DISPATCH, FLAG_ACK, FLAG_DATA, NUM_FLAG_ROWS, ST_SKIP_CALL, STATUS_TIMEOUT, WAIT_ACK, WAIT_DATA
+from .signal import signal_peers, wait_all_ge
 from .wirecodec import wire_copy_raw, wire_encode, wire_load, wire_store_encoded
 
-FLAG_COUNTS = 0
-FLAG_DATA = 1
-FLAG_ACK = 2
-FLAG_CDATA = 3
-FLAG_CACK = 4
-NUM_FLAGS = 5
+NUM_FLAGS = int(NUM_FLAG_ROWS.value)  # rows of the flags region (old name; see protocol.py)
 
 
 @triton.jit
@@ -186,11 +182,11 @@ def dispatch_send_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, NC, pre_p
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
-    n = tl.load(calls_ptr)
+    n = tl.load(calls_ptr + CALL_DISPATCH)
     # the destinations must have consumed what the previous call staged (bounded wait; wait id 2)
-    wait_all_ge(flags_ptr + 2 * W, W, (n - 1) * G_expand, status_ptr, 2, timeout, HAS_TIMER, WB)
+    wait_all_ge(flags_ptr + FLAG_ACK * W, W, (n - 1) * G_expand, status_ptr, WAIT_ACK, timeout, HAS_TIMER, WB)
     # a timeout poisons the buffer; a capacity overflow only this call (status[5] = its dispatch number)
-    live = (tl.load(status_ptr) != STATUS_TIMEOUT) & (tl.load(status_ptr + 5) != n)
+    live = (tl.load(status_ptr) != STATUS_TIMEOUT) & (tl.load(status_ptr + ST_SKIP_CALL) != n)
     if pid == 0:
         for d in range(W):
             nt = tl.load(ntok_tab + d).to(tl.pointer_type(tl.int32))
@@ -218,9 +214,9 @@ def dispatch_expand_kernel(stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_ptr, out_
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
-    n = tl.load(calls_ptr)
-    wait_all_ge(flags_ptr + 1 * W, W, n * G_send, status_ptr, 1, timeout, HAS_TIMER, WB)
-    skip = (tl.load(status_ptr) == STATUS_TIMEOUT) | (tl.load(status_ptr + 5) == n)
+    n = tl.load(calls_ptr + CALL_DISPATCH)
+    wait_all_ge(flags_ptr + FLAG_DATA * W, W, n * G_send, status_ptr, WAIT_DATA, timeout, HAS_TIMER, WB)
+    skip = (tl.load(status_ptr) == STATUS_TIMEOUT) | (tl.load(status_ptr + ST_SKIP_CALL) == n)
     if KEEP_HANDLE:
         if pid == 0:
             w_off = tl.arange(0, WB)

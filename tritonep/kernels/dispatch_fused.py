@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 
 from .dispatch import expand_item, send_chunk, zero_padding
-from .signal import STATUS_TIMEOUT, publish_epoch, signal_peers, wait_all_ge, wait_ge
+from .protocol import CALL_DISPATCH, FLAG_ACK, ST_SKIP_CALL, STATUS_TIMEOUT, WAIT_ACK, WAIT_DATA
+from .signal import publish_epoch, signal_peers, wait_all_ge, wait_ge
 
 
 @triton.jit(do_not_specialize=['T', 'data_off', 'ack_off', 'timeout', 'G_send_std', 'G_expand_std', 'Tmax',
@@ -49,10 +50,10 @@ def dispatch_fused_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, pre_ptr,
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
-    n = tl.load(calls_ptr)
+    n = tl.load(calls_ptr + CALL_DISPATCH)
     if pid < GS:
-        wait_all_ge(flags_ptr + 2 * W, W, (n - 1) * G_expand_std, status_ptr, 2, timeout, HAS_TIMER, WB)
-        live = (tl.load(status_ptr) != STATUS_TIMEOUT) & (tl.load(status_ptr + 5) != n)
+        wait_all_ge(flags_ptr + FLAG_ACK * W, W, (n - 1) * G_expand_std, status_ptr, WAIT_ACK, timeout, HAS_TIMER, WB)
+        live = (tl.load(status_ptr) != STATUS_TIMEOUT) & (tl.load(status_ptr + ST_SKIP_CALL) != n)
         for d in range(W):
             nt = tl.load(ntok_tab + d).to(tl.pointer_type(tl.int32))
             tl.store(nt + RANK, T)
@@ -65,11 +66,11 @@ def dispatch_fused_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, pre_ptr,
     else:
         e = pid - GS
         GE = G - GS
-        skip = (tl.load(status_ptr) == STATUS_TIMEOUT) | (tl.load(status_ptr + 5) == n)
+        skip = (tl.load(status_ptr) == STATUS_TIMEOUT) | (tl.load(status_ptr + ST_SKIP_CALL) == n)
         for item in range(e, W * NCmax, GE):
             c = item // W
             src = item % W
-            wait_ge(cflag_ptr + src * NCmax + c, n, status_ptr, 1, src, timeout, HAS_TIMER)
+            wait_ge(cflag_ptr + src * NCmax + c, n, status_ptr, WAIT_DATA, src, timeout, HAS_TIMER)
             skip_now = skip | (tl.load(status_ptr) == STATUS_TIMEOUT)
             Ts = tl.load(ntok_ptr + src, volatile=True)
             if c == 0:

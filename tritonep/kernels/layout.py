@@ -32,7 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .signal import STATUS_BAD_INPUT, STATUS_CAPACITY, record_error, signal_peers, wait_all_ge
+from .protocol import (ST_BAD_RANK_MASK, ST_NEEDED_ROWS, ST_SKIP_CALL, STATUS_BAD_INPUT, STATUS_CAPACITY,
+                       WAIT_COUNTS)
+from .signal import record_error, signal_peers, wait_all_ge
 
 __all__ = ["counts_torch", "layout_torch", "route_rows_torch", "chunk_hist_kernel", "exchange_kernel"]
 
@@ -184,7 +186,7 @@ def exchange_kernel(hist_ptr, NC, counts_tab, flags_ptr, flags_tab, flag_off, ca
         dst = tl.load(counts_tab + d).to(tl.pointer_type(tl.int32))
         tl.store(dst + cbuf + RANK * E1 + E, bad)
     signal_peers(flags_tab, flag_off, W, RANK, WB)
-    ok = wait_all_ge(flags_ptr, W, n, status_ptr, 0, timeout, HAS_TIMER, WB)
+    ok = wait_all_ge(flags_ptr, W, n, status_ptr, WAIT_COUNTS, timeout, HAS_TIMER, WB)
     # 3) layout from the full matrix (3-D tile [src, dest, local expert])
     s_off = tl.arange(0, WB)
     d_off = tl.arange(0, WB)
@@ -217,13 +219,13 @@ def exchange_kernel(hist_ptr, NC, counts_tab, flags_ptr, flags_tab, flag_off, ca
     badv = tl.load(counts_local + cbuf + s_off * E1 + E, mask=(s_off < W) & (ok != 0), other=0)
     over = tl.max(tl.where(d_off < W, rows, 0), 0)
     if tl.max(badv, 0) > 0:
-        record_error(status_ptr, STATUS_BAD_INPUT, 0, tl.argmax(tl.where(badv > 0, 1, 0), 0))
-        tl.store(status_ptr + 6, tl.sum(tl.where(badv > 0, tl.full((WB,), 1, tl.int64) << s_off.to(tl.int64), 0), 0))
+        record_error(status_ptr, STATUS_BAD_INPUT, WAIT_COUNTS, tl.argmax(tl.where(badv > 0, 1, 0), 0))
+        tl.store(status_ptr + ST_BAD_RANK_MASK, tl.sum(tl.where(badv > 0, tl.full((WB,), 1, tl.int64) << s_off.to(tl.int64), 0), 0))
         if dcall_ptr is not None:
-            tl.store(status_ptr + 5, tl.load(dcall_ptr))
+            tl.store(status_ptr + ST_SKIP_CALL, tl.load(dcall_ptr))
     elif over > max_recv:
-        record_error(status_ptr, STATUS_CAPACITY, 0, tl.argmax(tl.where(d_off < W, rows, 0), 0))
-        tl.store(status_ptr + 4, over.to(tl.int64))
+        record_error(status_ptr, STATUS_CAPACITY, WAIT_COUNTS, tl.argmax(tl.where(d_off < W, rows, 0), 0))
+        tl.store(status_ptr + ST_NEEDED_ROWS, over.to(tl.int64))
         if dcall_ptr is not None:
             # the data kernels of THIS dispatch (number *dcall_ptr) skip their rows; later calls are not poisoned
-            tl.store(status_ptr + 5, tl.load(dcall_ptr))
+            tl.store(status_ptr + ST_SKIP_CALL, tl.load(dcall_ptr))

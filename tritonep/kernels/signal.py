@@ -14,11 +14,9 @@ word and returns 0, and the kernel skips the guarded work; the host turns the st
 import triton
 import triton.language as tl
 
-# tl.constexpr globals: readable from @triton.jit code (compiled mode refuses plain globals); int(...) on the host
-STATUS_OK = tl.constexpr(0)
-STATUS_TIMEOUT = tl.constexpr(1)
-STATUS_CAPACITY = tl.constexpr(2)
-STATUS_BAD_INPUT = tl.constexpr(3)
+# status codes and word fields live in protocol.py (tl.constexpr globals); re-exported here for old imports
+from .protocol import (STATUS_BAD_INPUT, STATUS_CAPACITY, STATUS_OK, STATUS_TIMEOUT, ST_ERRORS_SEEN,  # noqa: F401
+                       ST_PEER, ST_WAIT_ID, ST_WAITED)
 
 
 @triton.jit
@@ -38,9 +36,9 @@ def record_error(status_ptr, code, wait_id, peer):
     zero = tl.zeros((), dtype=tl.int64)
     old = tl.atomic_cas(status_ptr, zero, zero + code, sem="acq_rel", scope="gpu")
     if old == 0:
-        tl.store(status_ptr + 1, zero + wait_id)
-        tl.store(status_ptr + 2, zero + peer)
-    tl.atomic_add(status_ptr + 3, 1, sem="relaxed", scope="gpu")
+        tl.store(status_ptr + ST_WAIT_ID, zero + wait_id)
+        tl.store(status_ptr + ST_PEER, zero + peer)
+    tl.atomic_add(status_ptr + ST_ERRORS_SEEN, 1, sem="relaxed", scope="gpu")
     return old == 0
 
 
@@ -71,7 +69,7 @@ def _wait_flags(flag_ptr, n, target, status_ptr, wait_id, peer, timeout, HAS_TIM
                     first = record_error(status_ptr, STATUS_TIMEOUT, wait_id,
                                          tl.min(tl.where((v < target) & m, offs, WBLOCK), 0))
                 if first:
-                    tl.store(status_ptr + 7, elapsed)  # measured wait: ns on GPU, polls in the interpreter
+                    tl.store(status_ptr + ST_WAITED, elapsed)  # measured wait: ns on GPU, polls in the interpreter
                 ok = 0
                 missing = 0
             else:

@@ -18,7 +18,8 @@ import triton
 import triton.language as tl
 
 from .common import cast_rne, widen
-from .signal import STATUS_TIMEOUT, signal_peers, wait_all_ge
+from .protocol import STATUS_TIMEOUT
+from .signal import signal_peers, wait_all_ge
 
 
 @triton.jit(do_not_specialize=['row_off', 'call_idx', 'timeout', 'wait_id'])

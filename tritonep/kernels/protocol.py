@@ -1,0 +1,89 @@
+"""The symmetric-memory protocol's numbers, named once for kernels and host (DESIGN.md §6, §6a, §6b).
+
+Every name is a ``tl.constexpr`` global: @triton.jit code reads it directly (compiled mode refuses plain
+globals) and the host reads ``int(NAME.value)`` (or :func:`v`). A new kernel variant takes its flag row, counter,
+wait id and status fields from here instead of remembering numbers across files.
+
+Flag rows. A buffer's ``flags`` region is int64 ``[NUM_FLAG_ROWS, W]``: row ``r`` holds one monotonic counter per
+source rank. Kernels address row ``r`` of their own flags as ``flags_ptr + r * W`` and a peer's copy through the
+pointer table plus the byte offset :func:`flag_row_bytes` (``r * W * 8``).
+
+- ``FLAG_COUNTS``: the counts exchange's "my row of the counts matrix is written" signal.
+- ``FLAG_DATA``: dispatch send -> expand ("the staged rows of chunk c are written").
+- ``FLAG_ACK``: dispatch expand -> send ("the stage is read, it may be overwritten").
+- ``FLAG_CDATA``: combine partial -> out ("the partial sums are written").
+- ``FLAG_CACK``: combine out -> partial ("the combine stage is read").
+
+Call counters. ``calls`` is int64 ``[NUM_CALLS]``, advanced on the device (never reset):
+``CALL_DISPATCH`` (dispatches, forward and combine backward), ``CALL_COMBINE`` (combines, forward and dispatch
+backward), ``CALL_EXCHANGE`` (counts exchanges).
+
+Status word. ``status`` is int64 ``[STATUS_WORDS]`` (errors) plus ``ST_ROWS_RECEIVED`` after it (read with it in
+one device->host copy): ``[code, wait_id, peer, errors_seen, needed_rows, skip_call, bad_rank_mask, waited,
+rows_received]``. Codes are ``STATUS_*``.
+
+Wait ids (recorded in ``status[ST_WAIT_ID]`` by a wait that gave up): ``WAIT_COUNTS`` .. ``WAIT_CACK`` for the
+EP rows above, ``WAIT_RENDEZVOUS + i`` for the expert transport's rendezvous ``i`` (0..3).
+"""
+
+import triton.language as tl
+
+# status codes (status[ST_CODE])
+STATUS_OK = tl.constexpr(0)
+STATUS_TIMEOUT = tl.constexpr(1)
+STATUS_CAPACITY = tl.constexpr(2)
+STATUS_BAD_INPUT = tl.constexpr(3)
+
+# flag rows of an EPBuffer's flags region
+FLAG_COUNTS = tl.constexpr(0)
+FLAG_DATA = tl.constexpr(1)
+FLAG_ACK = tl.constexpr(2)
+FLAG_CDATA = tl.constexpr(3)
+FLAG_CACK = tl.constexpr(4)
+NUM_FLAG_ROWS = tl.constexpr(5)
+
+# call counters (calls region)
+CALL_DISPATCH = tl.constexpr(0)
+CALL_COMBINE = tl.constexpr(1)
+CALL_EXCHANGE = tl.constexpr(2)
+NUM_CALLS = tl.constexpr(4)
+
+# status word fields
+ST_CODE = tl.constexpr(0)
+ST_WAIT_ID = tl.constexpr(1)
+ST_PEER = tl.constexpr(2)
+ST_ERRORS_SEEN = tl.constexpr(3)
+ST_NEEDED_ROWS = tl.constexpr(4)
+ST_SKIP_CALL = tl.constexpr(5)
+ST_BAD_RANK_MASK = tl.constexpr(6)
+ST_WAITED = tl.constexpr(7)
+ST_ROWS_RECEIVED = tl.constexpr(8)
+STATUS_WORDS = tl.constexpr(8)  # the error part of the word (what raise_for_status reads)
+
+# wait ids
+WAIT_COUNTS = tl.constexpr(0)
+WAIT_DATA = tl.constexpr(1)
+WAIT_ACK = tl.constexpr(2)
+WAIT_CDATA = tl.constexpr(3)
+WAIT_CACK = tl.constexpr(4)
+WAIT_RENDEZVOUS = tl.constexpr(10)  # + rendezvous index (0..3) of the expert transport
+NUM_RENDEZVOUS = 4
+
+
+def v(name) -> int:
+    """Host value of a protocol constant (``v(FLAG_ACK) == 2``)."""
+    return int(getattr(name, "value", name))
+
+
+def flag_row_bytes(row, world_size: int) -> int:
+    """Byte offset of flag row ``row`` inside a rank's flags region of ``world_size`` counters per row."""
+    return v(row) * world_size * 8
+
+
+def wait_names() -> dict:
+    """Wait id -> readable name, for the host's timeout messages."""
+    names = {v(WAIT_COUNTS): "dispatch.counts", v(WAIT_DATA): "dispatch.data", v(WAIT_ACK): "dispatch.ack",
+             v(WAIT_CDATA): "combine.data", v(WAIT_CACK): "combine.ack"}
+    for i in range(NUM_RENDEZVOUS):
+        names[v(WAIT_RENDEZVOUS) + i] = f"transport.rendezvous{i}"
+    return names

@@ -166,7 +166,7 @@ def bench_ep(group, profile: str, combine_kinds=("push", "pull"), num_sms=None, 
     os.environ["TRITONEP_SYNC_CHECKS"] = "0"
     for wire in wires:
         buf = tep.EPBuffer(group, E, H, T, K, num_sms=num_sms, dispatch_wire=wire, combine_wire=wire)
-        geo = buf._impl.geo
+        geo = buf.geometry
         wb = {"wire": wire, "wire_nvlink_gbps_factor": row_bytes(wire, H) / (2 * H),
               "grid": geo.grid_send, "geometry": f"bt={geo.bt},bh={geo.bh},warps={geo.num_warps},grid={geo.grid_send},"
                                                 f"fs={geo.fused_send},fe={geo.fused_expand}"}

@@ -186,6 +186,38 @@ class EPBuffer:
         t = self._impl.expert_out_buffer()
         return t if rows is None else t[:rows]
 
+    @property
+    def geometry(self):
+        """The kernel geometry the triton backend launches with (:class:`tritonep.ep.geometry.Geometry`: grids,
+        tiles, fused roles); ``None`` for the nccl backend."""
+        return getattr(self._impl, "geo", None)
+
+    @property
+    def host_reads(self) -> int:
+        """Device->host reads this buffer's calls made so far (the eager budget: one per dispatch)."""
+        return self._impl.host_reads
+
+    def dispatch_backward(self, grad_recv_x: torch.Tensor, grad_recv_w: torch.Tensor | None,
+                          handle: DispatchHandle) -> tuple:
+        """The backward half of :meth:`dispatch`, outside autograd (for callers that chain backward pieces).
+
+        Returns ``(grad_x, grad_topk_weights)``: ``grad_x[t] = sum_k grad_recv_x[row(t, k)]`` (``[T, H]``) and
+        ``grad_topk_weights[t, k] = grad_recv_w[row(t, k)]`` (``[T, K]`` float32; ``None`` when ``grad_recv_w``
+        is ``None``). Collective: every rank calls it for the matching dispatch.
+        """
+        self._check_open()
+        return self._impl.dispatch_bwd(grad_recv_x, grad_recv_w, handle)
+
+    def combine_backward(self, grad_y: torch.Tensor, expert_out: torch.Tensor, handle: DispatchHandle) -> tuple:
+        """The backward half of :meth:`combine`, outside autograd.
+
+        Returns ``(grad_expert_out, grad_recv_weights)``: ``grad_expert_out[row] = w(row) * grad_y[t(row)]``
+        (``[R, H]``) and ``grad_recv_weights[row] = <grad_y[t(row)], expert_out[row]>`` (``[R]`` float32).
+        Collective: every rank calls it for the matching combine.
+        """
+        self._check_open()
+        return self._impl.combine_bwd(grad_y, expert_out, handle)
+
     def _sync(self) -> bool:
         if envs.sync_checks() == envs.SYNC_NONE:
             return False

@@ -429,8 +429,8 @@ class MoELayer(nn.Module):
                                    f"consumed by a backward?)")
         st = self._stash.pop(ticket)
         _check_generation(self, st["gen"])
-        impl = self.buffer._impl  # the backward halves of dispatch / combine (as used by tritonep.ep.autograd)
-        g_eo, g_rw = impl.combine_bwd(grad_y.to(_ACT_DTYPE).contiguous(), st["eo"], st["handle"])
+        buf = self.buffer  # the backward halves of dispatch / combine (as used by tritonep.ep.autograd)
+        g_eo, g_rw = buf.combine_backward(grad_y.to(_ACT_DTYPE).contiguous(), st["eo"], st["handle"])
         g_xr, g_w1, g_w2 = expert_ffn_parts_backward(g_eo, st["xr"], st["bounds"], st["offs"], st["w1"], st["w2"],
                                                      st["hs"])
         if self.virtual:
@@ -438,7 +438,7 @@ class MoELayer(nn.Module):
             g = self.transport.pull_add({"w1": g_w1[0], "w2": g_w2[0]}, {"w1": g_w1[1], "w2": g_w2[1]},
                                         st["placement"], sp.num_used, sp.held)
             g_w1, g_w2 = (g["w1"],), (g["w2"],)
-        g_x, g_tw = impl.dispatch_bwd(g_xr, g_rw, st["handle"])
+        g_x, g_tw = buf.dispatch_backward(g_xr, g_rw, st["handle"])
         return g_x, g_tw, g_w1[0], g_w2[0]
 
     # ------------------------------------------------------------------------------------------ lifetime

@@ -174,10 +174,7 @@ def _empty_rank_grad_world(group, backend, loss):
 @pytest.mark.parametrize("loss", ["sum", "float-sum"])
 @pytest.mark.parametrize("backend", [
     "triton",
-    pytest.param("nccl", marks=pytest.mark.xfail(strict=True, reason=(
-        "nccl combine_bwd on a T=0 rank: grad_y [0, H] with stride (0, 0) (y.sum().backward()) is 'contiguous' "
-        "(numel 0), so .contiguous() keeps stride 0 and nccl_pack.gather_rows -> _as_words -> t.view(torch.uint8) "
-        "raises RuntimeError 'stride(-1) must be 1' on that rank only (peers then hang in all_to_all)"))),
+    "nccl",  # was a bug: grad_y [0, H] with stride 0 broke nccl_pack._as_words (fixed)
 ])
 def test_backward_with_an_empty_rank_and_an_expanded_grad(backend, loss):
     g = run_cpu_world(2, _empty_rank_grad_world, backend, loss, timeout_s=120)
@@ -320,11 +317,6 @@ def test_sync_off_weights_past_the_end_are_zero(geometry):
     assert res[0][0]["check_again"] == ("ok", None) and res[1][0]["check_again"] == ("ok", None)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "TritonEP.check() names the bad rank's own value with check_expert_ids(self._last_idx), but _last_idx is the "
-    "LAST dispatch's topk_idx: after a later valid call, the bad rank gets PeerInputError naming itself instead of "
-    "its InputError (triton_backend.py check(); fix: keep the refused call's topk_idx, e.g. capture it when "
-    "status[5] (skip call) is set, or store the first bad value/position on the device in chunk_hist_kernel)"))
 def test_sync_off_check_after_a_later_call_names_the_bad_value():
     res = run_cpu_world(2, _nosync_world, None, timeout_s=120)
     chk = res[1][0]["check"]
@@ -473,11 +465,6 @@ def test_timeout_leaves_a_buffer_that_refuses_calls():
     assert out[2][0] == "check" and out[2][1] in ("PeerTimeoutError", "BufferStateError"), out[2]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "after a timeout found by dispatch's own status read, later calls say only 'EPBuffer on rank 0 is unusable: "
-    "timeout': TritonEP.dispatch_fwd sets self.broken = \"timeout\" before raise_for_status (triton_backend.py), "
-    "while check() stores the full message; fix: catch the PeerTimeoutError there and store str(e) (wait, peer, "
-    "measured wait)"))
 def test_unusable_buffer_error_keeps_the_timeout_details():
     out = run_cpu_world(2, _timeout_state_world, timeout_s=120, check_protocol=False)[0]
     assert "dispatch.counts" in out[1][2] and "peer 1" in out[1][2], out[1]
@@ -495,12 +482,6 @@ def _nccl_nosync_world(group):
     return y.shape
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "TRITONEP_SYNC_CHECKS=0 (documented as 'no host read' of the eager status checks) makes EVERY nccl-backend "
-    "dispatch raise BackendError ('cannot be captured ... use backend=triton', impossible across hosts): "
-    "EPBuffer._sync() returns False and NcclEP.dispatch_fwd refuses sync=False (nccl_backend.py dispatch_fwd). "
-    "Fix: the nccl backend needs its one read anyway; refuse only under graph capture, ignore the env setting "
-    "(or raise ConfigError once at construction)"))
 def test_nccl_backend_with_sync_checks_off():
     assert run_cpu_world(2, _nccl_nosync_world, timeout_s=60) == [(4, H), (4, H)]
 
@@ -526,13 +507,13 @@ def _direct_launch_world(group, how):
     return "done"
 
 
-@pytest.mark.parametrize("how", ["launch", "c10d"])
-@pytest.mark.xfail(strict=True, reason=(
-    "the recorder only sees launches through Launcher and collectives called as torch.distributed.<name>: a kernel "
-    "launched as kernel[grid](...) or a collective called through torch.distributed.distributed_c10d.<name> (or "
-    "a name bound before the fork, or one outside _COLLECTIVES such as new_group/send/recv) escapes it "
-    "(testing/protocol.py install_recorder). Fix: also patch distributed_c10d's functions and, in interpret "
-    "mode, triton's InterpretedFunction.run / JITFunction.run to record every launch"))
+@pytest.mark.parametrize("how", [
+    pytest.param("launch", marks=pytest.mark.xfail(strict=True, reason=(
+        "by design: kernels launched directly (kernel[grid](...)) are not recorded; every signalling kernel must go "
+        "through a Launcher, which tests/test_protocol.py::test_every_signalling_kernel_is_launched_through_a_launcher "
+        "checks on the source"))),
+    "c10d",  # collectives through torch.distributed.distributed_c10d are recorded (fixed)
+])
 def test_recorder_sees_direct_launches_and_c10d_collectives(how):
     from tritonep.testing import ProtocolMismatch
 

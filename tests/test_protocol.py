@@ -235,3 +235,30 @@ def _deferred_world(group):
 def test_deferred_checks_raise_a_lost_peer_at_the_next_dispatch():
     res = run_cpu_world(2, _deferred_world, timeout_s=120, check_protocol=False)  # rank 0 stops on purpose
     assert res[1][0] in ("combine.data", "combine.ack", "dispatch.counts") and res[1][1] == 0, res[1]
+
+
+def test_every_signalling_kernel_is_launched_through_a_launcher():
+    """Kernels launched directly (``name[grid](...)``) escape the recorder: none of them may signal or wait."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(tep.__file__).parent
+    sources = {p: p.read_text() for p in root.rglob("*.py") if "testing" not in p.parts}  # test-only kernels aside
+    bodies = {}
+    for text in sources.values():
+        for m in re.finditer(r"^def (\w+)\(.*?(?=^(?:@|def |class )|\Z)", text, re.S | re.M):
+            bodies[m.group(1)] = m.group(0)
+    signalling = re.compile(r"\b(signal_peers|signal_one|publish_epoch|wait_all_ge|wait_ge)\(")
+
+    def signals(name, seen=()):
+        body = bodies.get(name, "")
+        if signalling.search(body):
+            return True
+        return any(signals(c, seen + (name,)) for c in re.findall(r"\b(\w+)\(", body)
+                   if c in bodies and c not in seen and c != name)
+
+    direct = {m.group(1) for p, text in sources.items() if p.name != "launch.py"
+              for m in re.finditer(r"\b(\w+)\[[^\]]*\]\(", text) if m.group(1) in bodies}
+    assert direct, "the scan found no direct launch at all (regex broken?)"
+    bad = sorted(k for k in direct if signals(k))
+    assert not bad, f"signalling kernels launched outside a Launcher (invisible to the recorder): {bad}"

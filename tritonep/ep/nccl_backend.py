@@ -84,81 +84,22 @@ exchange, then uneven token all_to_all); quantize once per token before the all_
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from ..errors import BackendError, BufferStateError, CapacityError, InputError, PeerInputError
-from ..wire.formats import check_wire, payload_bytes, scale_bytes, scale_dtype
-from ..wire.fp8 import dequantize_fp8_torch, quantize_fp8_torch
-from ..wire.mxfp4 import dequantize_mxfp4_torch, quantize_mxfp4_torch
+from ..wire.formats import check_wire, payload_bytes
 from .handle import DispatchHandle
 from .launch import record
-from .nccl_pack import gather_rows, local_partials, round_up, sum_partials
+from .nccl_combine import NcclCombine
+from .nccl_pack import gather_rows, round_up
+from .nccl_wire import _dequantize, _host_plan, _quantize, _row_bytes, _wire_views  # noqa: F401 (old path)
 from .validate import check_expert_ids
 
 __all__ = ["NcclEP"]
 
 
-def _quantize(wire: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[N, H]`` rows (bf16 or fp32) -> ``(payload uint8 [N, P], scale bytes uint8 [N, S*itemsize])`` by the twin."""
-    if wire == "fp8":
-        q, s = quantize_fp8_torch(x)
-        return q.view(torch.uint8), s.view(torch.uint8)
-    q, s = quantize_mxfp4_torch(x)
-    return q, s.view(torch.uint8)
-
-
-def _wire_views(wire: str, rows: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """uint8 rows ``[N, >= row bytes]`` (any row stride) -> views ``(payload uint8 [N, P], scales [N, S])``."""
-    p, nb = payload_bytes(wire, hidden), scale_bytes(wire, hidden)
-    return rows[:, :p], rows[:, p:p + nb].view(scale_dtype(wire))
-
-
-def _dequantize(wire: str, rows: torch.Tensor, hidden: int, dtype: torch.dtype) -> torch.Tensor:
-    """uint8 fp8 / mxfp4 wire rows ``[N, >= row bytes]`` -> ``[N, H]`` of ``dtype`` (twin: fp32 value, one RNE cast)."""
-    q, s = _wire_views(wire, rows, hidden)
-    if wire == "fp8":
-        return dequantize_fp8_torch(q, s, dtype)
-    return dequantize_mxfp4_torch(q, s, dtype)
-
-
-def _row_bytes(wire: str, hidden: int) -> int:
-    """Bytes of one wire row (payload + scales)."""
-    return payload_bytes(wire, hidden) + scale_bytes(wire, hidden)
-
-
-def _host_plan(m, rank: int, W: int, E: int, A: int):
-    """Layout and split sizes from the gathered counts matrix (numpy, host), as seen by ``rank``.
-
-    Same integer arithmetic as :func:`tritonep.kernels.layout.layout_torch` (tested equal), without torch's per-op
-    overhead on tiny tensors.
-
-    Args:
-        m: int64 ``[W, E + W + 5]``: per rank, routes per expert (E columns), masked slots, packets per destination
-            rank (W columns), packets to nobody, min id, max id, refused flag.
-        rank: this rank; W, E: world size and experts; A: expert alignment.
-
-    Returns:
-        ``(rows_needed int64 [W], small int32 [(E + 1) + 2L + W*E], send_splits list, recv_splits list,
-        routes of this rank)``; ``small`` = ``bms [E + 1]`` (row of this rank's route at sorted position i to
-        expert e = ``bms[e] + i``), ``num_tokens_per_expert [L]``, ``expert_offsets [L]``, ``counts [W, E]``.
-    """
-    L = E // W
-    c = m[:, :E]
-    total = c.sum(0).reshape(W, L)
-    aligned = total if A == 1 else (total + (A - 1)) // A * A
-    seg_start = np.cumsum(aligned, 1) - aligned
-    mine = m[rank, :E + 1]
-    start = np.cumsum(mine) - mine
-    bms = np.zeros(E + 1, dtype=np.int64)
-    bms[:E] = seg_start.reshape(E) + c[:rank].sum(0) - start[:E]
-    small = np.concatenate([bms, total[rank], np.cumsum(aligned[rank]), c.reshape(-1)]).astype(np.int32)
-    pk = m[:, E + 1:E + 1 + W]
-    return aligned.sum(1), small, pk[rank].tolist(), pk[:, rank].tolist(), int(mine[:E].sum())
-
-
-class NcclEP:
+class NcclEP(NcclCombine):
     """torch.distributed implementation behind :class:`tritonep.EPBuffer` (same interface as ``TritonEP``).
 
     Args: as ``TritonEP``: the group, this rank, world_size W, num_experts E, hidden H, max_tokens_per_rank, topk K,
@@ -305,7 +246,8 @@ class NcclEP:
         Args:
             x: ``[T, H]`` bfloat16 contiguous; topk_idx: ``[T, K]`` int32 / int64 contiguous; topk_weights:
                 ``[T, K]`` float32 contiguous.
-            sync: must be True (host split sizes); keep_quantized: see below.
+            sync: ignored (the one host read of the split sizes is needed whatever TRITONEP_SYNC_CHECKS says);
+                keep_quantized: see below.
             bad_input: the front door refused this rank's input and passes empty tensors (``[0, H]``, ``[0, K]``,
                 ``[0, K]``): the rank still joins the counts exchange with its error flag set, so every rank
                 raises and no rows move.
@@ -316,7 +258,7 @@ class NcclEP:
         ``[R, H/32]``), as on the triton backend.
 
         Raises:
-            BackendError: ``sync=False`` or CUDA-graph capture (host split sizes are needed).
+            BackendError: CUDA-graph capture (host split sizes are needed).
             InputError: this rank's expert ids are outside ``[-1, E)`` (names the first value and its (token, k));
                 raised after the counts exchange, nothing moved on any rank.
             PeerInputError: another rank's input was invalid (or ``bad_input``); nothing moved on any rank.
@@ -325,10 +267,11 @@ class NcclEP:
         """
         self._check_usable()
         capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if not sync or capturing:
-            raise BackendError("the nccl backend cannot be captured in a CUDA graph nor run without host sync "
-                               f"(sync={sync}, capturing={capturing}): all_to_all needs host split sizes; "
-                               "use backend='triton'")
+        if capturing:
+            raise BackendError("the nccl backend cannot be captured in a CUDA graph: all_to_all needs host split "
+                               "sizes; use backend='triton' for graphs")
+        # TRITONEP_SYNC_CHECKS=0 (sync False) cannot remove the split-size read all_to_all needs: the one host
+        # read happens whatever the setting
         W, E, L, K, H, dev = self.W, self.E, self.L, self.K, self.H, self.device
         T = x.shape[0]
         # 1) counts exchange: the one host read
@@ -410,123 +353,3 @@ class NcclEP:
         if sc is not None:
             handle.extras["x_scales"] = sc
         return out, out_w, ntpe, offs, handle
-
-    # ---------------------------------------------------------------------------------------------- combine
-    def _pos(self, handle) -> torch.Tensor:
-        """int64 ``[W, T]``: packet of (destination rank, token), -1 if none (built once per handle, no sync)."""
-        ex = handle.extras
-        pos = ex.get("pos")
-        if pos is None:
-            T, Ns = handle.num_tokens, len(ex["send_tok"])
-            pos = torch.full((self.W * T,), -1, dtype=torch.int64, device=self.device)
-            pos = pos.scatter_(0, ex["send_flat"], self._ar64[:Ns]).view(self.W, T)
-            ex["pos"] = pos
-        return pos
-
-    def _combine(self, eo, handle, weighted, gw=None, wire="bf16"):
-        """Partials (+ per-route scalars ``gw[row]``) back to the sources; returns ``(y [T, H], gtw [T, K] | None)``.
-
-        Args:
-            eo: ``[R', H]`` bfloat16 contiguous, ``R' >= R`` (expert outputs or their gradient).
-            handle: the dispatch's handle; weighted: multiply by the route weights (combine) or not (backward).
-            gw: float32 ``[R]`` per-row scalars to return per route (dispatch backward), or None.
-            wire: "bf16" moves the partial rounded to bf16; "fp8" / "mxfp4" quantize the fp32 partial.
-        """
-        self._check_usable()
-        ex = handle.extras
-        K, H, dev = self.K, self.H, self.device
-        T = handle.num_tokens
-        send_splits, recv_splits = ex["send_splits"], ex["recv_splits"]
-        Ns, Nr = sum(send_splits), sum(recv_splits)
-        rr, rw = ex["recv_rows"], ex["recv_w"]
-        rb = H * eo.element_size() if wire == "bf16" else _row_bytes(wire, H)
-        mo = round_up(rb, 8)
-        width = round_up(mo + (4 * K if gw is not None else 0), 8)
-        send = torch.empty(Nr, width, dtype=torch.uint8, device=dev)
-        if wire == "bf16":  # the kernel writes the rounded partials straight into the send rows
-            local_partials(eo, rr, rw, send[:, :rb].view(eo.dtype), weighted, self.use_triton)
-        else:
-            part = torch.empty(Nr, H, dtype=torch.float32, device=dev)
-            local_partials(eo, rr, rw, part, weighted, self.use_triton)
-            q, sb = _quantize(wire, part)
-            send[:, :q.shape[1]].copy_(q)
-            send[:, q.shape[1]:rb].copy_(sb)
-        if gw is not None:
-            g = send[:, mo:mo + 4 * K].view(torch.float32)
-            if gw.shape[0]:
-                g.copy_(torch.where(rr >= 0, gw[rr.clamp(min=0).long()], 0.0))
-            else:
-                g.zero_()
-        back = torch.empty(Ns, width, dtype=torch.uint8, device=dev)
-        self._a2a(back, send, recv_splits, send_splits)
-        if wire == "bf16":  # partials in bf16, widened to fp32 by the sum
-            pp = back[:, :rb].view(eo.dtype)
-        else:  # dequantized straight to fp32
-            pp = _dequantize(wire, back, H, torch.float32)
-        y = torch.empty(T, H, dtype=eo.dtype, device=dev)
-        sum_partials(pp, self._pos(handle) if self.use_triton else None, ex["send_tok"], send_splits, y,
-                     self.use_triton)
-        gtw = None
-        if gw is not None:
-            gtw = torch.zeros(T, K, dtype=torch.float32, device=dev)
-            if T and Ns:
-                ids = handle.topk_idx.long()
-                dest = torch.where(ids >= 0, torch.div(ids, self.L, rounding_mode="floor"), self.W)
-                pos = torch.cat([self._pos(handle), torch.full((1, T), -1, dtype=torch.int64, device=dev)])
-                pkt = pos.gather(0, dest.t()).t()  # [T, K]: packet that carried route (t, k), -1 if masked
-                gb = back[:, mo:mo + 4 * K].view(torch.float32)
-                gtw = torch.where(pkt >= 0, gb[pkt.clamp(min=0), torch.arange(K, device=dev)], 0.0)
-        return y, gtw
-
-    def combine_fwd(self, expert_out, handle, kind=None):
-        """``y [T, H]`` over the combine wire (``kind`` is ignored: there is one combine on this backend).
-
-        Args:
-            expert_out: ``[R', H]`` bfloat16 contiguous, ``R' >= R``; handle: the dispatch's handle.
-        """
-        y, _ = self._combine(expert_out, handle, weighted=True, wire=self.combine_wire)
-        return y
-
-    # ---------------------------------------------------------------------------------------------- backward
-    def dispatch_bwd(self, grad_recv_x, grad_recv_w, handle):
-        """grad_x[t] = sum_k grad_recv_x[row(t,k)]; grad_topk_weights[t,k] = grad_recv_w[row(t,k)] (bf16 wire).
-
-        Args:
-            grad_recv_x: ``[R, H]`` bfloat16; grad_recv_w: float32 ``[R]`` or None.
-
-        Returns:
-            ``(grad_x [T, H] bfloat16, grad_topk_weights float32 [T, K] or None)``.
-        """
-        return self._combine(grad_recv_x.contiguous(), handle, weighted=False,
-                             gw=grad_recv_w.contiguous() if grad_recv_w is not None else None)
-
-    def combine_bwd(self, grad_y, expert_out, handle):
-        """grad_expert_out[row] = bf16(w * grad_y[t]); grad_recv_w[row] = <grad_y[t], expert_out[row]> (fp32).
-
-        grad_y always moves as bf16 (whatever the wires), as on the triton backend.
-
-        Args:
-            grad_y: ``[T, H]`` bfloat16 contiguous; expert_out: ``[R', H]`` bfloat16 (``R' >= R``).
-
-        Returns:
-            ``(grad_expert_out [R', H] bfloat16 (rows past R and padding rows zero), grad_recv_w float32 [R]
-            (0 on padding rows))``.
-        """
-        self._check_usable()
-        ex = handle.extras
-        send_splits, recv_splits = ex["send_splits"], ex["recv_splits"]
-        Nr = sum(recv_splits)
-        R, R2 = handle.num_recv_rows, expert_out.shape[0]
-        send = gather_rows(grad_y, ex["send_tok"])
-        recv = torch.empty(Nr + 1, self.H, dtype=grad_y.dtype, device=self.device)
-        recv[Nr].zero_()
-        self._a2a(recv[:Nr], send, send_splits, recv_splits)
-        gy = gather_rows(recv, ex["row_src"])  # [R, H]; padding rows read the zero row
-        g_rows = (gy * ex["row_w"][:, None]).to(self.dtype)
-        dots = (gy.float() * expert_out[:R].float()).sum(-1)
-        g_w = torch.where(ex["row_src"] < Nr, dots, 0.0)
-        if R2 == R:
-            return g_rows, g_w
-        g_eo = torch.zeros(R2, self.H, dtype=self.dtype, device=self.device)
-        g_eo[:R] = g_rows
-        return g_eo, g_w

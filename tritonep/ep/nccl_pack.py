@@ -46,7 +46,13 @@ def _word_size(t: torch.Tensor) -> int:
 
 
 def _as_words(t: torch.Tensor, w: int) -> torch.Tensor:
-    """The same bytes as ``[N, bytes per row / w]`` integer words (a view)."""
+    """The same bytes as ``[N, bytes per row / w]`` integer words (a view).
+
+    An empty tensor may carry any strides (torch calls it contiguous with stride 0, e.g. the gradient of a sum on
+    a rank with no tokens): it is re-made contiguous first, which costs nothing at 0 elements.
+    """
+    if t.numel() == 0 and t.dim() > 0 and t.stride(-1) != 1:
+        t = torch.empty(t.shape, dtype=t.dtype, device=t.device)
     return t.view(torch.uint8).view(_WORD_DTYPES[w])
 
 

@@ -1,7 +1,10 @@
 """The launch-sequence recorder of the CPU world: CI's check of the host protocol rule (DESIGN.md §6a).
 
 Every rank of a CPU world records, in order, each kernel launched through :class:`tritonep.ep.launch.Launcher`
-(``("launch", kernel name, grid)``) and each ``torch.distributed`` collective it calls (``("collective", name)``).
+(``("launch", kernel name, grid)``) and each ``torch.distributed`` collective it calls (``("collective", name)``,
+through ``torch.distributed.<name>`` or ``torch.distributed.distributed_c10d.<name>``; a collective made of other
+collectives counts once). Kernels launched directly (``kernel[grid](...)``) are not recorded: every kernel that
+signals or waits on a peer must go through a Launcher, which ``tests/test_protocol.py`` checks on the source.
 When the world ends, :func:`compare_sequences` checks that every rank recorded the same sequence and
 :func:`tritonep.testing.run_cpu_world` raises :class:`ProtocolMismatch` otherwise. On the GPU, a rank that launches a
 signalling kernel or reaches a host collective that a peer does not is a deadlock or a silent mis-pairing; in the
@@ -40,19 +43,30 @@ def install_recorder(log: list):
 
     from ..ep import launch
 
+    from torch.distributed import distributed_c10d as c10d
+
     launch.set_recorder(log.append)
+    depth = [0]  # a collective implemented with other collectives (all_gather_object) is recorded once
     for name in _COLLECTIVES:
-        fn = getattr(dist, name, None)
+        fn = getattr(c10d, name, None) or getattr(dist, name, None)
         if fn is None or getattr(fn, "_tritonep_recorded", False):
             continue
 
         def wrapped(*args, __fn=fn, __name=name, **kwargs):
-            log.append(("collective", __name))
-            return __fn(*args, **kwargs)
+            if depth[0] == 0:
+                log.append(("collective", __name))
+            depth[0] += 1
+            try:
+                return __fn(*args, **kwargs)
+            finally:
+                depth[0] -= 1
 
         wrapped._tritonep_recorded = True
         wrapped.__wrapped__ = fn
-        setattr(dist, name, wrapped)
+        # both entry points: torch.distributed.<name> and torch.distributed.distributed_c10d.<name>
+        for mod in (dist, c10d):
+            if getattr(mod, name, None) is fn:
+                setattr(mod, name, wrapped)
 
 
 def _fmt(seq, i, width=3):

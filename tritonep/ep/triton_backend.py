@@ -20,18 +20,19 @@ import torch
 import triton
 
 from .. import envs
-from ..errors import BufferStateError, PeerTimeoutError
+from ..errors import BufferStateError, InputError, PeerTimeoutError
 from ..kernels.combine import combine_out_kernel, combine_partial_kernel
 from ..kernels.combine_fused import combine_fused_kernel
 from ..kernels import protocol as P
 from ..kernels.dispatch import dispatch_expand_kernel, dispatch_send_kernel
 from ..kernels.dispatch_fused import dispatch_fused_kernel
 from ..kernels.layout import chunk_hist_kernel, exchange_kernel
-from ..memory import Region, get_heap
+from ..memory import get_heap
 from .geometry import select_geometry
 from ..kernels.wirecodec import WIRE_IDS
 from .handle import DispatchHandle
 from .launch import Launcher
+from .triton_regions import regions
 from .status import STATUS_BAD_INPUT, STATUS_CAPACITY, bad_ranks, raise_for_status, resolve_timeout, wait_bound
 from .validate import check_expert_ids
 
@@ -42,35 +43,6 @@ _CODE = P.v(P.ST_CODE)
 _ROWS = P.v(P.ST_ROWS_RECEIVED)
 _ST_HOST = _ROWS + 1  # what the one host read of a dispatch copies
 _CX = P.v(P.CALL_EXCHANGE)
-
-
-def regions(world_size, num_experts, hidden, max_tokens_per_rank, topk, max_recv_tokens, dtype=torch.bfloat16,
-            bt=16):
-    """The symmetric regions of one EPBuffer (rank-local scratch lives in the same allocation)."""
-    W, E, H, Tm, K = world_size, num_experts, hidden, max_tokens_per_rank, topk
-    ncmax = max(1, triton.cdiv(Tm, bt))
-    return [
-        Region("flags", (P.v(P.NUM_FLAG_ROWS), W), torch.int64),
-        Region("status", (16,), torch.int64),  # the status word (kernels/protocol.py ST_*), then rows received
-        Region("calls", (P.v(P.NUM_CALLS),), torch.int64),
-        # two [W, E+1] matrices for alternate calls (exchange_kernel DOUBLE); column E: the source's input errors
-        Region("counts", (2, W, E + 1), torch.int32),
-        Region("ntok", (W,), torch.int32),
-        Region("meta", (W, Tm, K), torch.int32),
-        Region("wts", (W, Tm, K), torch.float32),
-        Region("wback", (W, Tm, K), torch.float32),
-        Region("hist", (ncmax, E + 1), torch.int32),
-        Region("pre", (ncmax, E), torch.int32),
-        Region("send_base", (E,), torch.int32),
-        Region("rows_needed", (W,), torch.int64),
-        Region("cflag", (W, ncmax), torch.int64),  # per-(source, chunk) arrival epochs of the fused dispatch
-        Region("ccflag", (ncmax, W), torch.int64),  # per-(chunk, expert rank) arrival epochs of the fused combine
-        # one wire row per (source, token): 2H bytes hold a bf16 row and any quantized row (fp8 H + H/32,
-        # mxfp4 H/2 + H/32 bytes); backward passes always move bf16 through the same regions
-        Region("stage", (W, Tm, 2 * H), torch.uint8),
-        Region("cstage", (W, Tm, 2 * H), torch.uint8),
-        Region("expert_out", (max_recv_tokens, H), dtype),
-    ]
 
 
 class TritonEP:
@@ -111,7 +83,7 @@ class TritonEP:
         if device.type == "cuda":
             self._st_host = torch.empty(_ST_HOST, dtype=torch.int64, pin_memory=True)
             self._st_event = torch.cuda.Event()
-        self._last_idx = None
+        self._recent_idx: list = []  # topk_idx of the last dispatches: check() names a bad id found on the device
         self._launch = Launcher(device, group)
         p2 = triton.next_power_of_2
         self.c = dict(RANK=rank, W=world_size, K=topk, KB=p2(topk), H=hidden, BH=self.geo.bh, BT=self.geo.bt,
@@ -146,13 +118,21 @@ class TritonEP:
         st = self.status[:_ST_ERR].cpu().clone()  # .cpu() of a CPU tensor is the tensor itself
         if int(st[_CODE]) in (STATUS_CAPACITY, STATUS_BAD_INPUT):
             self.status.zero_()
-        if int(st[_CODE]) == STATUS_BAD_INPUT and self.rank in bad_ranks(st) and self._last_idx is not None:
-            check_expert_ids(self._last_idx, self.E)  # this rank's own ids: InputError naming the value
+        if int(st[_CODE]) == STATUS_BAD_INPUT and self.rank in bad_ranks(st):
+            self._raise_own_bad_ids()
         try:
             raise_for_status(st, self.rank, self.max_recv, what, self.timeout_s, self.device.type)
         except PeerTimeoutError as e:
             self.broken = str(e)
             raise
+
+    def _raise_own_bad_ids(self):
+        """This rank's input was refused on the device (sync checks off): raise InputError naming the value, from
+        the most recent of the last dispatches' ``topk_idx`` that holds an id outside ``[-1, E)``."""
+        for idx in reversed(self._recent_idx):
+            check_expert_ids(idx, self.E)
+        raise InputError(f"rank {self.rank}: the topk_idx of an earlier dispatch held an id outside "
+                         f"[-1, num_experts={self.E}) (found on the device; no longer held to name the value)")
 
     def _eager_check(self, what):
         """Strict eager calls (TRITONEP_SYNC_CHECKS=1, not capturing) raise a wait the kernels gave up on in the same
@@ -218,7 +198,8 @@ class TritonEP:
         self._check_usable()
         g, c = self.geo, self.c
         T = x.shape[0]
-        self._last_idx = None if bad_input else topk_idx  # check() names a bad id found on the device
+        if not bad_input:
+            self._recent_idx = (self._recent_idx + [topk_idx])[-4:]
         nc = triton.cdiv(T, g.bt)
         self._launch(chunk_hist_kernel, (g.grid_hist,), topk_idx, self.hist, T, nc, K=self.K, E=self.E,
                      EB=self._ex["EB"], BT=g.bt, KB=c["KB"], bump_a=self._calls(P.CALL_DISPATCH), bump_b=self._calls(P.CALL_EXCHANGE), NBUMP=2,
@@ -259,8 +240,11 @@ class TritonEP:
         code = int(st[_CODE]) if st is not None else 0
         refused = code in (STATUS_CAPACITY, STATUS_BAD_INPUT)
         if code != 0 and not refused:
-            self.broken = "timeout"
-            raise_for_status(st[:_ST_ERR], self.rank, self.max_recv, "dispatch", self.timeout_s, self.device.type)
+            try:
+                raise_for_status(st[:_ST_ERR], self.rank, self.max_recv, "dispatch", self.timeout_s, self.device.type)
+            except PeerTimeoutError as e:
+                self.broken = str(e)  # later calls repeat the wait, the peer and the measured wait
+                raise
         R = None if st is None else (0 if refused else int(st[_ROWS]))
         handle.num_recv_rows = R
         nrows = R if R is not None else self.max_recv

@@ -31,10 +31,7 @@ Idea sources: the DeepEP / Megatron-LM MoE layer split (router, token dispatcher
 from __future__ import annotations
 
 import itertools
-import math
 import time
-from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 import torch.distributed as dist
@@ -43,48 +40,13 @@ from torch import nn
 from ..ep import EPBuffer
 from ..errors import BufferStateError, ConfigError, InputError, PlanError
 from . import ops
+from .layer_parts import _ACT_DTYPE, _check_generation, _Split, _StaleGuard, expert_weights, layer_required_bytes
 from .experts import expert_ffn_parts, expert_ffn_parts_backward, expert_ffn_parts_forward
 from .recipe import MoEGeometry, MoERecipe, check_config
 from .router import TopKRouter
 
 __all__ = ["MoELayer"]
 
-_ACT_DTYPE = torch.bfloat16  # tokens, received rows and expert outputs travel in bf16
-
-
-def _check_generation(layer, gen):
-    if layer._fwd_gen != gen:
-        raise BufferStateError(
-            f"MoELayer {layer.layer_id}: backward of forward #{gen} after forward #{layer._fwd_gen} of the same layer: "
-            f"the expert outputs live in the layer's symmetric region and were overwritten; run each forward's "
-            f"backward before the next forward of this layer (or use one layer per in-flight micro-batch)")
-
-
-class _StaleGuard(torch.autograd.Function):
-    """Identity on the layer output whose backward (the first of the layer's backward) refuses a stale forward."""
-
-    @staticmethod
-    def forward(ctx, y, layer, gen):
-        ctx.layer, ctx.gen = layer, gen
-        return y.view_as(y)
-
-    @staticmethod
-    def backward(ctx, g):
-        _check_generation(ctx.layer, ctx.gen)
-        return g, None, None
-
-
-@dataclass
-class _Split:
-    """Host facts of one virtual-expert step on this rank (read once after dispatch).
-
-    ``native_end``: rows of the native experts (``expert_offsets[L-1]``); ``num_used``: virtual slots used;
-    ``held``: this rank's native expert indices some peer runs this step.
-    """
-
-    native_end: int
-    num_used: int
-    held: list
 
 
 class MoELayer(nn.Module):
@@ -177,23 +139,7 @@ class MoELayer(nn.Module):
         self.last_stats: dict = {}
 
     # ------------------------------------------------------------------------------------------ static
-    @staticmethod
-    def _expert_weights(geometry: MoEGeometry, seed: int, dtype: torch.dtype, experts: Iterable[int], device=None):
-        """Weights of the given global experts, drawn on ``device`` (default CPU); see :meth:`init_expert_weights`.
-
-        Returns ``(w1 [n, H, 2I], w2 [n, I, H])`` in ``dtype`` on ``device`` (n = number of experts). Each expert is
-        drawn in float32 by its own generator and cast into the preallocated output (no ``[n, ...]`` fp32 copy).
-        """
-        H, inter = geometry.hidden, geometry.intermediate
-        device = torch.device("cpu") if device is None else torch.device(device)
-        experts = [int(e) for e in experts]
-        w1 = torch.empty(len(experts), H, 2 * inter, dtype=dtype, device=device)
-        w2 = torch.empty(len(experts), inter, H, dtype=dtype, device=device)
-        for i, e in enumerate(experts):
-            gen = torch.Generator(device=device).manual_seed(int(seed) * 1_000_003 + 104_729 + e)
-            w1[i] = torch.randn(H, 2 * inter, generator=gen, device=device) / math.sqrt(H)
-            w2[i] = torch.randn(inter, H, generator=gen, device=device) / math.sqrt(inter)
-        return w1, w2
+    _expert_weights = staticmethod(expert_weights)
 
     @staticmethod
     def init_expert_weights(geometry: MoEGeometry, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
@@ -226,26 +172,7 @@ class MoELayer(nn.Module):
         Raises:
             ConfigError: as the constructor.
         """
-        check_config(recipe, geometry, world_size)
-        if device_type is None:
-            device_type = "cuda" if torch.cuda.is_available() else "cpu"
-        g = geometry
-        virtual = recipe.balance == "virtual"
-        total = EPBuffer.required_bytes(world_size=world_size, num_experts=g.num_experts * (2 if virtual else 1),
-                                        hidden=g.hidden, max_tokens_per_rank=g.max_tokens_per_rank, topk=g.topk,
-                                        dispatch_wire=recipe.dispatch_wire, combine_wire=recipe.combine_wire,
-                                        expert_alignment=recipe.expert_alignment, max_recv_tokens=None,
-                                        dtype=_ACT_DTYPE, device_type=device_type)
-        if virtual:
-            from ..balance.transport import transport_regions
-            from ..ep.counts import counts_regions
-            from ..memory import required_bytes as _rb
-
-            L = g.num_experts // world_size
-            total += _rb(counts_regions(world_size, g.num_experts, g.max_tokens_per_rank))
-            total += _rb(transport_regions(world_size, L, {"w1": (g.hidden, 2 * g.intermediate),
-                                                           "w2": (g.intermediate, g.hidden)}, dtype))
-        return total
+        return layer_required_bytes(recipe, geometry, world_size, device_type, dtype)
 
     @property
     def allocated_bytes(self) -> int:

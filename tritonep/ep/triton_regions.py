@@ -1,0 +1,43 @@
+"""The symmetric regions of one triton-backend EPBuffer (one allocation per buffer; also ``required_bytes``).
+
+Flag rows, call counters and the status word are laid out as :mod:`tritonep.kernels.protocol` names them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from ..kernels import protocol as P
+from ..memory import Region
+
+__all__ = ["regions"]
+
+
+def regions(world_size, num_experts, hidden, max_tokens_per_rank, topk, max_recv_tokens, dtype=torch.bfloat16,
+            bt=16):
+    """The symmetric regions of one EPBuffer (rank-local scratch lives in the same allocation)."""
+    W, E, H, Tm, K = world_size, num_experts, hidden, max_tokens_per_rank, topk
+    ncmax = max(1, triton.cdiv(Tm, bt))
+    return [
+        Region("flags", (P.v(P.NUM_FLAG_ROWS), W), torch.int64),
+        Region("status", (16,), torch.int64),  # the status word (kernels/protocol.py ST_*), then rows received
+        Region("calls", (P.v(P.NUM_CALLS),), torch.int64),
+        # two [W, E+1] matrices for alternate calls (exchange_kernel DOUBLE); column E: the source's input errors
+        Region("counts", (2, W, E + 1), torch.int32),
+        Region("ntok", (W,), torch.int32),
+        Region("meta", (W, Tm, K), torch.int32),
+        Region("wts", (W, Tm, K), torch.float32),
+        Region("wback", (W, Tm, K), torch.float32),
+        Region("hist", (ncmax, E + 1), torch.int32),
+        Region("pre", (ncmax, E), torch.int32),
+        Region("send_base", (E,), torch.int32),
+        Region("rows_needed", (W,), torch.int64),
+        Region("cflag", (W, ncmax), torch.int64),  # per-(source, chunk) arrival epochs of the fused dispatch
+        Region("ccflag", (ncmax, W), torch.int64),  # per-(chunk, expert rank) arrival epochs of the fused combine
+        # one wire row per (source, token): 2H bytes hold a bf16 row and any quantized row (fp8 H + H/32,
+        # mxfp4 H/2 + H/32 bytes); backward passes always move bf16 through the same regions
+        Region("stage", (W, Tm, 2 * H), torch.uint8),
+        Region("cstage", (W, Tm, 2 * H), torch.uint8),
+        Region("expert_out", (max_recv_tokens, H), dtype),
+    ]

@@ -251,7 +251,7 @@ def test_triton_two_launch_chunks_and_status():
     bad = topks[5].clone()
     bad[20, 1] = 64  # an id outside [0, E) in chunk 1 of 4 (and the histogram no longer matches counts[5])
     pt, rid = plan(counts, bad, 5, num_programs=4, block=16)
-    assert plan_status(pt) == 6 and rid[20, 1] == -1
+    assert plan_status(pt) == 6 and rid[20, 1] == 2 * 64  # out of the runtime range: the dispatch refuses it
     assert torch.equal(rid[:20], remap_torch(topks[5], p, 5, counts)[:20])  # earlier routes: ordinals unchanged
 
 
@@ -295,7 +295,7 @@ def test_bad_topk_raise_plan_error():
     with pytest.raises(PlanError, match="differs from counts"):
         plan(counts, torch.tensor([[0, -1], [0, -1]]), 0, validate=True)
     _, rid = plan(counts, torch.tensor([[0, 4], [0, 3]]), 0)
-    assert rid[0, 1] == -1
+    assert rid[0, 1] == 2 * 4  # outside the runtime range [0, 2E): the dispatch of the runtime ids refuses it
     with pytest.raises(PlanError, match="outside"):
         plan(counts, torch.tensor([[0, 4], [0, 3]]), 0, validate=True)
     with pytest.raises(PlanError, match="topk_idx must be"):

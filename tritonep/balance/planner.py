@@ -65,7 +65,8 @@ def plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, *, num_program
     Returns:
         ``(placement, runtime_topk_idx)``: a :class:`Placement` of int32 device tensors (``status`` is
         ``[num_programs + 1]`` int32, OR of entries = error bits, see :func:`check_plan_status`) and ``[T, K]`` int32
-        runtime expert ids (-1 stays -1).
+        runtime expert ids (-1 stays -1; an id outside ``[-1, E)`` becomes ``2E``, outside the runtime range, so the
+        dispatch of the runtime ids refuses it on every rank).
 
     Raises:
         PlanError: shape/dtype/device problems, ``E % W != 0``, ``W > MAX_PLANNER_WORLD`` (64), ``E >

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import triton
 
-from ..errors import InputError
+from ..errors import CapacityError, InputError
 from ..kernels.layout import chunk_hist_kernel, exchange_kernel
 from ..memory import Region, get_heap
 from .launch import Launcher
@@ -69,10 +69,30 @@ class CountsExchange:
                                                              device=self.device)), restore=(self.calls,))
 
     def gather(self, topk_idx: torch.Tensor) -> torch.Tensor:
-        """Exchange this rank's histogram of ``topk_idx`` ([T, K], ids in [-1, E)) and return the full matrix."""
-        if topk_idx.dim() != 2 or topk_idx.shape[1] != self.K or topk_idx.shape[0] > self.Tm:
-            raise InputError(f"topk_idx must be [T <= {self.Tm}, {self.K}], got {tuple(topk_idx.shape)}")
-        idx = topk_idx.contiguous()
+        """Exchange this rank's histogram of ``topk_idx`` ([T, K], ids in [-1, E)) and return the full matrix.
+
+        A refused ``topk_idx`` (wrong shape or dtype, or ``T > max_tokens_per_rank``) still takes part in the
+        exchange with no routes and the input-error flag in this rank's row (every rank runs the same launches,
+        DESIGN.md §6a), then raises here; ids outside ``[-1, E)`` are flagged on the device without a host read.
+
+        Raises:
+            InputError: wrong shape / dtype. CapacityError: ``T > max_tokens_per_rank``.
+        """
+        refused = None
+        if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2 or topk_idx.shape[1] != self.K \
+                or topk_idx.dtype not in (torch.int32, torch.int64) or topk_idx.device != self.device:
+            refused = InputError(f"topk_idx must be an int32/int64 [T, {self.K}] tensor on {self.device}, got "
+                                 f"{tuple(getattr(topk_idx, 'shape', ()))} {getattr(topk_idx, 'dtype', type(topk_idx))}")
+        elif topk_idx.shape[0] > self.Tm:
+            refused = CapacityError(f"num_tokens={topk_idx.shape[0]} exceeds max_tokens_per_rank={self.Tm}",
+                                    needed=topk_idx.shape[0], available=self.Tm)
+        if refused is not None:
+            self._exchange(torch.empty(0, self.K, dtype=torch.int64, device=self.device), host_bad=1)
+            raise refused
+        return self._exchange(topk_idx.contiguous(), host_bad=0)
+
+    def _exchange(self, idx: torch.Tensor, host_bad: int) -> torch.Tensor:
+        """The two launches of one exchange and the matrix of this call (device tensors, no host read)."""
         T = idx.shape[0]
         nc = triton.cdiv(T, self.BT)
         b = self.buf
@@ -85,7 +105,7 @@ class CountsExchange:
         self._launch(exchange_kernel, (1,), b.local("hist"), nc, self.tab_counts, self.flags, self.tab_flags,
                      P.flag_row_bytes(P.FLAG_COUNTS, self.W), self.calls[_CX:], self.status, self.timeout,
                      b.local("pre"), b.local("send_base"), ntpe, offs,
-                     b.local("rows_needed"), 2 ** 31 - 1, 0, **self._ex)
+                     b.local("rows_needed"), 2 ** 31 - 1, host_bad, **self._ex)
         n = self.calls[_CX:_CX + 1] % 2  # device-side parity: no host read
         return torch.index_select(b.local("counts"), 0, n)[0, :, :self.E].clone()
 

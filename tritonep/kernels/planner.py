@@ -359,7 +359,9 @@ def plan_remap_kernel(counts_ptr, stride_cr, stride_ce,
         dest = tl.sum((ends_row <= g[:, None]).to(tl.int32), axis=1)
         vslot = tl.sum(tl.where(dd == tl.minimum(dest, W - 1)[:, None], slot_row, 0), axis=1)
         rid = tl.where(dest == owner, dest * (2 * L) + j, dest * (2 * L) + L + vslot)
-        rid = tl.where(valid, rid, -1)
+        # masked routes stay -1; an id outside [-1, E) becomes 2E, outside the runtime range [0, 2E), so the
+        # dispatch that follows refuses it on every rank (its counts exchange carries the flag, DESIGN.md 6a)
+        rid = tl.where(valid, rid, tl.where((ev < -1) | (ev >= E), 2 * E, -1))
         tl.store(out_ptr + i, rid, mask=inb)
 
     status = tl.max(bad, axis=0) * 4

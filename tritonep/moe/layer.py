@@ -38,7 +38,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..ep import EPBuffer
-from ..errors import BufferStateError, ConfigError, InputError, PlanError
+from ..ep.validate import check_expert_ids
+from ..errors import BufferStateError, CapacityError, ConfigError, InputError, PeerInputError, PlanError
 from . import ops
 from .layer_parts import _ACT_DTYPE, _check_generation, _Split, _StaleGuard, expert_weights, layer_required_bytes
 from .experts import expert_ffn_parts, expert_ffn_parts_backward, expert_ffn_parts_forward
@@ -210,12 +211,43 @@ class MoELayer(nn.Module):
         planned, dispatched], placement or None, Dispatched)``."""
         t = [self._now()]
         placement = None
+        given_idx = topk_idx
         if self.virtual:
-            placement, topk_idx = self._plan(topk_idx)
+            try:
+                placement, topk_idx = self._plan(topk_idx)
+            except (InputError, CapacityError) as e:  # the counts exchange took part, flagged; now the dispatch
+                self._take_part_refused(e, planned=True)
         t.append(self._now() if self.virtual else t[-1])
-        d = self.buffer.dispatch(x, topk_idx, topk_weights)
+        try:
+            d = self.buffer.dispatch(x, topk_idx, topk_weights)
+        except PeerInputError:
+            raise
+        except InputError:
+            if self.virtual and isinstance(given_idx, torch.Tensor):
+                # the planner turned an id outside [-1, E) into 2E (outside the runtime range): name the given one
+                check_expert_ids(given_idx, self.buffer.num_experts // 2)
+            raise
         t.append(self._now())
         return t, placement, d
+
+    def _take_part_refused(self, err: Exception, planned: bool = False):
+        """This rank's input was refused before its dispatch: run the rest of the call's collective sequence as a
+        refused call (the counts exchange of the planner unless ``planned``, then the dispatch with no tokens and
+        the input-error flag in its counts row), so every rank fails this forward together (the others raise
+        :class:`tritonep.errors.PeerInputError`; DESIGN.md §6a); then raise ``err`` here."""
+        if self.virtual and not planned:
+            try:
+                self.counts_x.gather(None)  # refused on purpose: takes part with no routes and the flag
+            except (InputError, CapacityError):
+                pass
+        H, K, dev = self.buffer.hidden, self.buffer.topk, self.buffer.device
+        try:  # a row width the buffer refuses on purpose: it takes part with no tokens and the flag
+            self.buffer.dispatch(torch.empty(0, H + 1, dtype=torch.bfloat16, device=dev),
+                                 torch.empty(0, K, dtype=torch.int64, device=dev),
+                                 torch.empty(0, K, dtype=torch.float32, device=dev))
+        except (InputError, CapacityError):
+            pass
+        raise err
 
     def _split(self, offs: torch.Tensor, placement) -> _Split:
         """One host read: the native/slot row boundary, the used slots and the held native experts of this step.
@@ -265,10 +297,13 @@ class MoELayer(nn.Module):
         """
         if self._closed:
             raise BufferStateError("MoELayer is closed")
-        if (topk_idx is None) != (topk_weights is None):
-            raise InputError("give both topk_idx and topk_weights, or neither (then the router routes)")
-        if topk_idx is None:
-            topk_idx, topk_weights = self.router(x)
+        try:
+            if (topk_idx is None) != (topk_weights is None):
+                raise InputError("give both topk_idx and topk_weights, or neither (then the router routes)")
+            if topk_idx is None:
+                topk_idx, topk_weights = self.router(x)
+        except (InputError, CapacityError) as e:  # every rank fails this call together (DESIGN.md 6a)
+            self._take_part_refused(e)
         if torch.compiler.is_compiling():
             save = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weights, self.w1, self.w2))
             y, _ticket = ops.moe_layer_forward(x, topk_idx, topk_weights, self.w1, self.w2, self.layer_id, save)

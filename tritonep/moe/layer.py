@@ -41,7 +41,7 @@ from ..ep import EPBuffer
 from ..ep.validate import check_expert_ids
 from ..errors import BufferStateError, CapacityError, ConfigError, InputError, PeerInputError, PlanError
 from . import ops
-from .layer_parts import _ACT_DTYPE, _check_generation, _Split, _StaleGuard, expert_weights, layer_required_bytes
+from .layer_parts import take_part_refused, _ACT_DTYPE, _check_generation, _Split, _StaleGuard, expert_weights, layer_required_bytes
 from .experts import expert_ffn_parts, expert_ffn_parts_backward, expert_ffn_parts_forward
 from .recipe import MoEGeometry, MoERecipe, check_config
 from .router import TopKRouter
@@ -231,23 +231,8 @@ class MoELayer(nn.Module):
         return t, placement, d
 
     def _take_part_refused(self, err: Exception, planned: bool = False):
-        """This rank's input was refused before its dispatch: run the rest of the call's collective sequence as a
-        refused call (the counts exchange of the planner unless ``planned``, then the dispatch with no tokens and
-        the input-error flag in its counts row), so every rank fails this forward together (the others raise
-        :class:`tritonep.errors.PeerInputError`; DESIGN.md §6a); then raise ``err`` here."""
-        if self.virtual and not planned:
-            try:
-                self.counts_x.gather(None)  # refused on purpose: takes part with no routes and the flag
-            except (InputError, CapacityError):
-                pass
-        H, K, dev = self.buffer.hidden, self.buffer.topk, self.buffer.device
-        try:  # a row width the buffer refuses on purpose: it takes part with no tokens and the flag
-            self.buffer.dispatch(torch.empty(0, H + 1, dtype=torch.bfloat16, device=dev),
-                                 torch.empty(0, K, dtype=torch.int64, device=dev),
-                                 torch.empty(0, K, dtype=torch.float32, device=dev))
-        except (InputError, CapacityError):
-            pass
-        raise err
+        """See :func:`tritonep.moe.layer_parts.take_part_refused` (raises ``err``)."""
+        take_part_refused(self.buffer, self.counts_x if self.virtual and not planned else None, err)
 
     def _split(self, offs: torch.Tensor, placement) -> _Split:
         """One host read: the native/slot row boundary, the used slots and the held native experts of this step.

@@ -97,3 +97,33 @@ def layer_required_bytes(recipe: MoERecipe, geometry: MoEGeometry, world_size: i
         total += _rb(transport_regions(world_size, L, {"w1": (g.hidden, 2 * g.intermediate),
                                                        "w2": (g.intermediate, g.hidden)}, dtype))
     return total
+
+
+def take_part_refused(buffer, counts_x, err: Exception):
+    """A rank whose forward input was refused before its dispatch runs the rest of the call's collective sequence
+    as a refused call, so every rank fails the forward together (the others raise
+    :class:`tritonep.errors.PeerInputError`; DESIGN.md §6a), then raises ``err``.
+
+    Args:
+        buffer: the layer's :class:`tritonep.EPBuffer`; its dispatch takes part with no tokens and the flag.
+        counts_x: the planner's :class:`tritonep.ep.counts.CountsExchange` when its exchange has not run yet in
+            this call (virtual experts), else None.
+        err: the refusal to raise on this rank.
+    """
+    import torch
+
+    from ..errors import CapacityError, InputError
+
+    if counts_x is not None:
+        try:
+            counts_x.gather(None)  # refused on purpose: takes part with no routes and the flag
+        except (InputError, CapacityError):
+            pass
+    H, K, dev = buffer.hidden, buffer.topk, buffer.device
+    try:  # a row width the buffer refuses on purpose: it takes part with no tokens and the flag
+        buffer.dispatch(torch.empty(0, H + 1, dtype=torch.bfloat16, device=dev),
+                        torch.empty(0, K, dtype=torch.int64, device=dev),
+                        torch.empty(0, K, dtype=torch.float32, device=dev))
+    except (InputError, CapacityError):
+        pass
+    raise err

@@ -37,6 +37,7 @@ bench)
 short)  # layer + bench in one 10-minute command (device time is scarce): fewer layers, no eager profile
     step moe_skew 200 python benchmarks/moe_bench.py --skew --steps 3 --json "$OUT/moe_skew.json"
     step run_2gpu 110 python -m tritonep.cli.main run --layers 2 3 --json "$OUT/run_2gpu.json"
+    step torchrun_example 90 torchrun --nproc-per-node 2 examples/torchrun_moe.py
     step ep_bench 260 torchrun --nproc-per-node 2 benchmarks/ep_bench.py --profiles deepseek-v3 deepseek-v3-1k decode \
         --json "$OUT/ep_bench.json"
     ;;

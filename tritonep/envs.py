@@ -35,7 +35,13 @@ def timeout_s() -> float:
     Long enough for one rank to reach the next MoE layer minutes after another (checkpoint writing, evaluation on
     rank 0); EPBuffer / MoELayer take ``timeout_s=`` per object.
     """
-    return float(_get("TRITONEP_TIMEOUT_S", "300"))
+    v = _get("TRITONEP_TIMEOUT_S", "300")
+    try:
+        return float(v)
+    except ValueError:
+        from .errors import ConfigError
+
+        raise ConfigError(f"TRITONEP_TIMEOUT_S={v!r} is not a number of seconds") from None
 
 
 SYNC_NONE, SYNC_DEFERRED, SYNC_STRICT = 0, 1, 2
@@ -49,7 +55,11 @@ def sync_checks() -> int:
         return SYNC_NONE
     if v in ("1", "true", "on", "strict"):
         return SYNC_STRICT
-    return SYNC_DEFERRED
+    if v in ("", "deferred", "auto"):
+        return SYNC_DEFERRED
+    from .errors import ConfigError
+
+    raise ConfigError(f"TRITONEP_SYNC_CHECKS={v!r}: use 0 (none), deferred (the default) or 1 (strict)")
 
 
 def num_sms() -> int:
@@ -65,7 +75,8 @@ def combine_kind() -> str:
 def geometry_override() -> str:
     """Comma-separated ``field=value`` overrides of the kernel geometry (TRITONEP_GEOMETRY); "" = none.
 
-    Fields: ``bt``, ``bh``, ``warps``, ``grid`` (every data-kernel grid), ``combine``. Used by the benchmark to
+    Fields: ``bt``, ``bh``, ``warps``, ``grid`` (every data-kernel grid), ``combine``, ``fs``/``fe`` (fused
+    dispatch roles), ``fc`` (fused combine). Used by the benchmark to
     measure geometry variants; it must be identical on every rank (EPBuffer's cross-rank config check covers it).
     """
     return _get("TRITONEP_GEOMETRY", "")

@@ -30,7 +30,8 @@ def collect_env() -> dict:
         "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
         "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", ""),
         "TRITONEP_TIMEOUT_S": envs.timeout_s(),
-        "TRITONEP_SYNC_CHECKS": envs.sync_checks(),
+        "TRITONEP_SYNC_CHECKS": {envs.SYNC_NONE: "none", envs.SYNC_DEFERRED: "deferred",
+                                 envs.SYNC_STRICT: "strict"}[envs.sync_checks()],
         "multicast_disabled": all(os.environ.get(k) == v for k, v in (
             ("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1"))),
     }

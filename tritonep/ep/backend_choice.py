@@ -1,4 +1,5 @@
-"""Backend choice for ``backend="auto"``: triton when every rank can map every peer's memory, else nccl."""
+"""Backend choice for ``backend="auto"``: the first registered backend (:mod:`tritonep.ep.backends`) whose needs
+every rank meets: triton when every rank can map every peer's memory, else nccl."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import BackendError
+from .backends import BACKENDS
 
 __all__ = ["choose_backend", "p2p_report"]
 
@@ -46,14 +48,18 @@ def choose_backend(group, requested: str, device: torch.device):
         raise BackendError(f"ranks sit on different device types: {[r['device_type'] for r in reports]}")
     hosts = {r["host"] for r in reports}
     all_p2p = all(r["p2p"] for r in reports) and len(hosts) == 1
-    if requested == "triton":
-        if not all_p2p:
+    if requested != "auto":
+        if BACKENDS[requested].needs_peer_memory and not all_p2p:
             why = "; ".join(r["why"] for r in reports if r["why"]) or f"{len(hosts)} hosts"
-            raise BackendError(f"backend='triton' needs every rank to map every peer's memory: {why}")
-        return "triton", "requested"
-    if requested == "nccl":
-        return "nccl", "requested"
-    if all_p2p:
-        return "triton", f"all {ws} ranks on one host ({next(iter(hosts))}) with peer access"
-    why = "; ".join(r["why"] for r in reports if r["why"]) or f"group spans {len(hosts)} hosts"
-    return "nccl", f"peer memory not mappable: {why}"
+            raise BackendError(f"backend={requested!r} needs every rank to map every peer's memory: {why}")
+        return requested, "requested"
+    for spec in BACKENDS.values():  # registry order = preference order
+        if spec.needs_peer_memory and not all_p2p:
+            continue
+        if spec.needs_peer_memory:
+            return spec.name, f"all {ws} ranks on one host ({next(iter(hosts))}) with peer access"
+        if all_p2p:
+            return spec.name, "first registered backend"
+        why = "; ".join(r["why"] for r in reports if r["why"]) or f"group spans {len(hosts)} hosts"
+        return spec.name, f"peer memory not mappable: {why}"
+    raise BackendError("no registered backend can serve this group")

@@ -20,7 +20,8 @@ from ..wire.formats import check_wire
 from .autograd import CombineFn, DispatchFn
 from .backend_choice import choose_backend
 from .handle import Dispatched, DispatchHandle
-from .triton_backend import TritonEP, regions
+from .backends import backend_names, build_backend
+from .triton_regions import regions
 from .status import resolve_timeout
 from .validate import check_combine_inputs, check_dispatch_inputs
 
@@ -46,8 +47,9 @@ def _check_static(world_size, num_experts, hidden, max_tokens_per_rank, topk, di
         raise ConfigError(f"num_experts={num_experts} is not divisible by world_size={world_size}")
     if max_recv_tokens is not None and (not isinstance(max_recv_tokens, int) or max_recv_tokens < 1):
         raise ConfigError(f"max_recv_tokens must be a positive int or None, got {max_recv_tokens!r}")
-    if backend not in ("auto", "triton", "nccl"):
-        raise ConfigError(f"backend={backend!r} is not one of 'auto', 'triton', 'nccl'")
+    if backend != "auto" and backend not in backend_names():
+        names = ", ".join(repr(n) for n in ("auto",) + backend_names())
+        raise ConfigError(f"backend={backend!r} is not one of {names}")
     check_wire(dispatch_wire, hidden, "dispatch_wire")
     check_wire(combine_wire, hidden, "combine_wire")
 
@@ -119,16 +121,11 @@ class EPBuffer:
                                                num_sms=num_sms))
         self._check_same_on_all_ranks(cfg)
         self.backend, self.backend_reason = choose_backend(group, backend, self.device)
-        if self.backend == "triton":
-            self._impl = TritonEP(group, self.rank, self.world_size, num_experts, hidden, max_tokens_per_rank, topk,
-                                  expert_alignment, max_recv_tokens, self.device, dtype, num_sms=num_sms,
-                                  dispatch_wire=dispatch_wire, combine_wire=combine_wire, timeout_s=self.timeout_s)
-        else:
-            from .nccl_backend import NcclEP
-
-            self._impl = NcclEP(group, self.rank, self.world_size, num_experts, hidden, max_tokens_per_rank, topk,
-                                expert_alignment, max_recv_tokens, self.device, dtype,
-                                dispatch_wire=dispatch_wire, combine_wire=combine_wire, timeout_s=self.timeout_s)
+        self._impl = build_backend(  # an EPBackend (tritonep.ep.backends)
+            self.backend, group=group, rank=self.rank, world_size=self.world_size, num_experts=num_experts,
+            hidden=hidden, max_tokens_per_rank=max_tokens_per_rank, topk=topk, expert_alignment=expert_alignment,
+            max_recv_tokens=max_recv_tokens, device=self.device, dtype=dtype, num_sms=num_sms,
+            dispatch_wire=dispatch_wire, combine_wire=combine_wire, timeout_s=self.timeout_s)
         self._closed = False
         EPBuffer._serial += 1
         self._id = EPBuffer._serial
@@ -173,8 +170,7 @@ class EPBuffer:
     @property
     def allocated_bytes(self) -> int:
         """Symmetric bytes this rank allocated (0 for the nccl backend)."""
-        buf = getattr(self._impl, "buf", None)
-        return buf.nbytes if buf is not None else 0
+        return self._impl.allocated_bytes
 
     def expert_out_buffer(self, rows: int | None = None) -> torch.Tensor:
         """The symmetric ``[max_recv_tokens, H]`` region meant for the expert GEMM output (zero copy into combine).
@@ -190,7 +186,7 @@ class EPBuffer:
     def geometry(self):
         """The kernel geometry the triton backend launches with (:class:`tritonep.ep.geometry.Geometry`: grids,
         tiles, fused roles); ``None`` for the nccl backend."""
-        return getattr(self._impl, "geo", None)
+        return self._impl.geometry
 
     @property
     def host_reads(self) -> int:
@@ -320,8 +316,7 @@ class EPBuffer:
     def check(self):
         """Raise any error the device recorded since the last check (one host sync). For graph-captured use."""
         self._check_open()
-        if hasattr(self._impl, "check"):
-            self._impl.check()
+        self._impl.check()
 
     def close(self):
         """Release the buffer (collective: every rank closes its buffers in the same order)."""

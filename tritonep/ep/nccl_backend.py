@@ -159,6 +159,16 @@ class NcclEP(NcclCombine):
             self._eo = torch.zeros(self.max_recv, self.H, dtype=self.dtype, device=self.device)
         return self._eo
 
+    @property
+    def allocated_bytes(self) -> int:
+        """0: this backend holds no symmetric memory."""
+        return 0
+
+    @property
+    def geometry(self):
+        """None: this backend has no kernel geometry."""
+        return None
+
     def check(self, what="EPBuffer"):
         """Nothing is recorded on the device by this backend: errors are raised where they happen."""
 

@@ -103,7 +103,18 @@ class TritonEP:
 
     # ---------------------------------------------------------------------------------------------- helpers
     def expert_out_buffer(self) -> torch.Tensor:
+        """The symmetric ``[max_recv_tokens, H]`` expert-output region (zero copy into combine)."""
         return self.buf.local("expert_out")
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Symmetric bytes of this rank's allocation (0 once closed)."""
+        return self.buf.nbytes if self.buf is not None else 0
+
+    @property
+    def geometry(self):
+        """The :class:`tritonep.ep.geometry.Geometry` every launch of this buffer uses."""
+        return self.geo
 
     def _check_usable(self):
         if self.broken:

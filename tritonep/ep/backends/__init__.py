@@ -1,0 +1,143 @@
+"""What :class:`tritonep.EPBuffer` needs from a backend, and the registry ``backend=`` / ``"auto"`` choose from.
+
+A backend moves the rows of one EP group: :class:`EPBackend` lists every method and attribute EPBuffer (and its
+autograd functions, :mod:`tritonep.ep.autograd`) calls. A new backend (e.g. multi-host RDMA) is one class that
+satisfies it plus one :class:`BackendSpec` passed to :func:`register_backend`; EPBuffer builds it with keyword
+arguments only (:func:`build_backend`) and never probes it with ``hasattr``.
+
+Registered today (in ``"auto"`` preference order):
+
+* ``triton`` (:class:`tritonep.ep.triton_backend.TritonEP`): symmetric memory + Triton kernels; needs every rank
+  to map every peer's memory (one host, peer access).
+* ``nccl`` (:class:`tritonep.ep.nccl_backend.NcclEP`): ``torch.distributed`` all_to_all; works for any group.
+
+``"auto"`` picks the first registered backend whose needs every rank meets
+(:func:`tritonep.ep.backend_choice.choose_backend`, one all_gather of per-rank reports).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["EPBackend", "BackendSpec", "BACKENDS", "register_backend", "build_backend", "backend_names"]
+
+
+@runtime_checkable
+class EPBackend(Protocol):
+    """The interface of one rank's backend object (what EPBuffer calls; every call is collective over the group).
+
+    Attributes:
+        name: the registry name (``"triton"``, ``"nccl"``); handles record it.
+        host_reads: device->host reads the calls made so far (the eager budget: one per dispatch).
+        allocated_bytes: symmetric bytes this rank holds (0 when the backend holds none).
+        geometry: the kernel geometry (grids and tiles) or ``None`` when the backend has none.
+        timeout_s: the bound of its waits in seconds (``None`` when it has no waits of its own).
+    """
+
+    name: str
+    host_reads: int
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Symmetric bytes this rank holds."""
+        ...
+
+    @property
+    def geometry(self):
+        """Kernel geometry, or None."""
+        ...
+
+    def dispatch_fwd(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, sync: bool,
+                     keep_quantized: bool = False, bad_input: bool = False) -> tuple:
+        """Forward dispatch: ``(rows, row_weights, num_tokens_per_expert, expert_offsets, handle)``."""
+        ...
+
+    def combine_fwd(self, expert_out: torch.Tensor, handle, kind: str | None = None) -> torch.Tensor:
+        """Forward combine: ``y [T, H]``."""
+        ...
+
+    def dispatch_bwd(self, grad_recv_x: torch.Tensor, grad_recv_w: torch.Tensor | None, handle) -> tuple:
+        """Backward of dispatch: ``(grad_x [T, H], grad_topk_weights [T, K] or None)``."""
+        ...
+
+    def combine_bwd(self, grad_y: torch.Tensor, expert_out: torch.Tensor, handle) -> tuple:
+        """Backward of combine: ``(grad_expert_out [R', H], grad_recv_weights [R])``."""
+        ...
+
+    def expert_out_buffer(self) -> torch.Tensor:
+        """The ``[max_recv_tokens, H]`` tensor meant for the expert output (zero copy into combine)."""
+        ...
+
+    def check(self, what: str = "EPBuffer") -> None:
+        """Raise any error the device recorded (one host sync; a no-op when errors raise where they happen)."""
+        ...
+
+    def close(self) -> None:
+        """Release what the backend holds; later calls raise BufferStateError."""
+        ...
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """One registered backend.
+
+    Attributes:
+        name: the ``backend=`` value.
+        build: keyword-only constructor: ``build(group=, rank=, world_size=, num_experts=, hidden=,
+            max_tokens_per_rank=, topk=, expert_alignment=, max_recv_tokens=, device=, dtype=, num_sms=,
+            dispatch_wire=, combine_wire=, timeout_s=)`` -> :class:`EPBackend`.
+        needs_peer_memory: usable only when every rank maps every peer's memory (one host, peer access).
+        graph_capture: its calls can be captured in a CUDA graph.
+    """
+
+    name: str
+    build: Callable[..., EPBackend]
+    needs_peer_memory: bool
+    graph_capture: bool
+
+
+def _build_triton(*, group, rank, world_size, num_experts, hidden, max_tokens_per_rank, topk, expert_alignment,
+                  max_recv_tokens, device, dtype, num_sms=None, dispatch_wire="bf16", combine_wire="bf16",
+                  timeout_s=None) -> EPBackend:
+    """Keyword-only constructor of the triton backend."""
+    from ..triton_backend import TritonEP
+
+    return TritonEP(group, rank, world_size, num_experts, hidden, max_tokens_per_rank, topk, expert_alignment,
+                    max_recv_tokens, device, dtype, num_sms=num_sms, dispatch_wire=dispatch_wire,
+                    combine_wire=combine_wire, timeout_s=timeout_s)
+
+
+def _build_nccl(*, group, rank, world_size, num_experts, hidden, max_tokens_per_rank, topk, expert_alignment,
+                max_recv_tokens, device, dtype, num_sms=None, dispatch_wire="bf16", combine_wire="bf16",
+                timeout_s=None) -> EPBackend:
+    """Keyword-only constructor of the nccl backend (``num_sms`` does not apply)."""
+    from ..nccl_backend import NcclEP
+
+    return NcclEP(group, rank, world_size, num_experts, hidden, max_tokens_per_rank, topk, expert_alignment,
+                  max_recv_tokens, device, dtype, dispatch_wire=dispatch_wire, combine_wire=combine_wire,
+                  timeout_s=timeout_s)
+
+
+BACKENDS: dict[str, BackendSpec] = {}  # insertion order = "auto" preference order
+
+
+def register_backend(spec: BackendSpec) -> None:
+    """Add (or replace) a backend in the registry; a new one is preferred by ``"auto"`` after those before it."""
+    BACKENDS[spec.name] = spec
+
+
+register_backend(BackendSpec("triton", _build_triton, needs_peer_memory=True, graph_capture=True))
+register_backend(BackendSpec("nccl", _build_nccl, needs_peer_memory=False, graph_capture=False))
+
+
+def backend_names() -> tuple:
+    """Registered backend names in ``"auto"`` preference order."""
+    return tuple(BACKENDS)
+
+
+def build_backend(name: str, **kwargs) -> EPBackend:
+    """Build the registered backend ``name`` with keyword arguments only (see :class:`BackendSpec`)."""
+    return BACKENDS[name].build(**kwargs)

@@ -220,7 +220,7 @@ def test_gpu_nccl_matches_triton_deepseek_shape():
 def test_host_plan_matches_layout_torch():
     """The numpy layout of the nccl backend equals the shared torch twin (send_base, segments, capacity)."""
     from tritonep.ep.nccl_backend import _host_plan
-    from tritonep.kernels.layout import layout_torch
+    from tritonep.ep.layout import layout_torch
 
     gen = torch.Generator().manual_seed(7)
     for W, E, A in ((1, 4, 1), (2, 8, 1), (3, 12, 4), (4, 16, 3)):

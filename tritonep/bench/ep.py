@@ -22,7 +22,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from ..kernels.layout import layout_torch, route_rows_torch
+from ..ep.layout import layout_torch, route_rows_torch
 
 __all__ = ["PROFILES", "time_graph", "time_rounds", "peer_copy_gbps", "bench_ep", "ratio_lines"]
 

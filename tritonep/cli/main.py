@@ -13,7 +13,7 @@ import sys
 
 from .help import HelpFormatter
 
-__all__ = ["main", "build_parser", "error_line"]
+__all__ = ["main", "build_parser", "error_line", "use_interpreter_without_gpu"]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -91,10 +91,26 @@ def _check_outputs(args) -> None:
             raise ConfigError(f"--{flag} {path} is a folder; give a file name")
 
 
+def use_interpreter_without_gpu() -> None:
+    """Set ``TRITON_INTERPRET=1`` when this process has no CUDA device (an explicit value wins).
+
+    The command is a process entry point, so it may choose the environment; it does so before any kernel module is
+    imported (Triton decides compiled vs interpreted when a kernel is decorated). Importing :mod:`tritonep` never
+    touches the environment.
+    """
+    import os
+
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 def main(argv=None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``) and run the subcommand; returns the exit code (see module doc)."""
     from ..errors import RankError
 
+    use_interpreter_without_gpu()
     args = build_parser().parse_args(argv)
     try:
         _check_outputs(args)

@@ -62,10 +62,17 @@ class Launcher:
     Args:
         device: the owner's device; precompiling happens only on CUDA.
         group: the EP group (kept for the owner; the launcher itself runs no collective).
+
+    Raises:
+        ConfigError: the kernels were built for another device (CPU tensors without ``TRITON_INTERPRET=1`` when the
+            kernels were imported, or the reverse); see :func:`tritonep.kernels.common.check_kernel_mode`.
     """
 
     def __init__(self, device: torch.device, group=None):
+        from ..kernels.common import check_kernel_mode
+
         self.device = torch.device(device)
+        check_kernel_mode(self.device.type)  # ConfigError before any launch: kernels built for another device
         self.group = group
         self._warmup = False
 

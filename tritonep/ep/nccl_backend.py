@@ -2,7 +2,7 @@
 
 For groups whose ranks cannot map each other's memory (several hosts, no P2P). Every step is a torch op, one of two
 small local kernels (:mod:`tritonep.ep.nccl_pack`) or a ``torch.distributed`` collective on the current stream. The
-row layout is the triton backend's by construction: the same segment formula (:func:`tritonep.kernels.layout.
+row layout is the triton backend's by construction: the same segment formula (:func:`tritonep.ep.layout.
 layout_torch`, computed on the host by its numpy twin :func:`_host_plan`) and, inside a segment, rows ordered by
 (source rank, token, k).
 

@@ -48,7 +48,7 @@ def _row_bytes(wire: str, hidden: int) -> int:
 def _host_plan(m, rank: int, W: int, E: int, A: int):
     """Layout and split sizes from the gathered counts matrix (numpy, host), as seen by ``rank``.
 
-    Same integer arithmetic as :func:`tritonep.kernels.layout.layout_torch` (tested equal), without torch's per-op
+    Same integer arithmetic as :func:`tritonep.ep.layout.layout_torch` (tested equal), without torch's per-op
     overhead on tiny tensors.
 
     Args:

@@ -1,7 +1,38 @@
-"""Small device helpers shared by the kernels."""
+"""Small device helpers shared by the kernels, and the check that the kernels were built for the device in use."""
 
 import triton
 import triton.language as tl
+
+
+def kernels_interpreted() -> bool:
+    """True when this process's kernel modules were decorated for Triton's CPU interpreter.
+
+    Triton chooses compiled (``JITFunction``) or interpreted (``InterpretedFunction``) kernels when a kernel module
+    is first imported, from ``TRITON_INTERPRET``; this reads what was chosen (the kernel objects), not the variable.
+    """
+    return type(cast_rne).__name__ == "InterpretedFunction"
+
+
+def check_kernel_mode(device_type: str) -> None:
+    """Refuse a device the kernels were not built for, before anything is launched.
+
+    Args:
+        device_type: ``"cpu"`` or ``"cuda"``.
+
+    Raises:
+        ConfigError: CPU tensors with compiled kernels (``TRITON_INTERPRET=1`` was not set before the first kernel
+            module was imported), or CUDA tensors with interpreted kernels; the message says how to fix it.
+    """
+    from ..errors import ConfigError
+
+    if device_type == "cpu" and not kernels_interpreted():
+        raise ConfigError("CPU tensors need Triton's interpreter, but tritonep's kernels were built for the GPU: set "
+                          "TRITON_INTERPRET=1 before the first use of tritonep's kernels (EPBuffer, MoELayer, "
+                          "tritonep.wire quantizers), or use the tritonep command / tritonep.testing.run_cpu_world, "
+                          "which set it")
+    if device_type == "cuda" and kernels_interpreted():
+        raise ConfigError("CUDA tensors with tritonep's kernels built for Triton's CPU interpreter "
+                          "(TRITON_INTERPRET=1 was set when they were imported): unset it on a GPU machine")
 
 
 @triton.jit

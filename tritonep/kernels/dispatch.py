@@ -17,7 +17,7 @@ this rank wrote. With n = the dispatch-like call number (device memory), a send 
   computes ``dot(row, expert_out[row])`` for the weight gradient (the combine backward).
 
 Twins: the whole dispatch is specified by :func:`tritonep.reference.dispatch_reference`; the row computation by
-:func:`tritonep.kernels.layout.route_rows_torch`.
+:func:`tritonep.ep.layout.route_rows_torch`.
 """
 
 import triton

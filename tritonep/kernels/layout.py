@@ -23,12 +23,12 @@ Triton kernels (each correct at grid=1; see DESIGN.md §1):
   exclusive chunk prefixes, ``send_base[e]``, this rank's ``num_tokens_per_expert`` / ``expert_offsets`` and the
   rows every rank needs (capacity check, identical on every rank).
 
-Twins: :func:`counts_torch`, :func:`layout_torch`, :func:`route_rows_torch`.
+Twins (the specification, next to the ops that launch these kernels): :func:`tritonep.ep.layout.counts_torch`,
+:func:`tritonep.ep.layout.layout_torch`, :func:`tritonep.ep.layout.route_rows_torch`.
 """
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
@@ -36,69 +36,9 @@ from .protocol import (ST_BAD_RANK_MASK, ST_NEEDED_ROWS, ST_SKIP_CALL, STATUS_BA
                        WAIT_COUNTS)
 from .signal import record_error, signal_peers, wait_all_ge
 
-__all__ = ["counts_torch", "layout_torch", "route_rows_torch", "chunk_hist_kernel", "exchange_kernel"]
+__all__ = ["chunk_hist_kernel", "exchange_kernel"]
 
 
-# ----------------------------------------------------------------------------------------------- torch twins
-def counts_torch(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Routes of this rank per expert: int32 ``[E]`` (``-1`` slots skipped)."""
-    ids = topk_idx.reshape(-1).long()
-    ids = ids[ids >= 0]
-    return torch.bincount(ids, minlength=num_experts).to(torch.int32)
-
-
-def layout_torch(counts: torch.Tensor, rank: int, expert_alignment: int = 1):
-    """Segment layout from the full counts matrix, as seen by ``rank``.
-
-    Args:
-        counts: int ``[W, E]``, ``counts[s, e]`` = routes of source rank s to expert e.
-        rank: the rank whose view is computed.
-        expert_alignment: A >= 1.
-
-    Returns:
-        dict with ``send_base`` int32 ``[E]`` (row of this rank's first route to e on e's rank),
-        ``num_tokens_per_expert`` int32 ``[L]`` and ``expert_offsets`` int32 ``[L]`` (cumulative aligned segment
-        ends) of this rank as receiver, ``rows_needed`` int64 ``[W]`` (aligned rows every rank receives).
-    """
-    W, E = counts.shape
-    L = E // W
-    c = counts.to(torch.int64)
-    total = c.sum(0).view(W, L)
-    aligned = (total + expert_alignment - 1) // expert_alignment * expert_alignment
-    seg_start = torch.cumsum(aligned, 1) - aligned
-    prefix = c[:rank].sum(0).view(W, L)
-    send_base = (seg_start + prefix).reshape(E).to(torch.int32)
-    return {
-        "send_base": send_base,
-        "num_tokens_per_expert": total[rank].to(torch.int32),
-        "expert_offsets": torch.cumsum(aligned[rank], 0).to(torch.int32),
-        "rows_needed": aligned.sum(1),
-    }
-
-
-def route_rows_torch(topk_idx: torch.Tensor, send_base: torch.Tensor) -> torch.Tensor:
-    """Destination row of every route of this rank: int32 ``[T, K]`` (-1 for masked slots).
-
-    ``row = send_base[e] + rank of (t, k) among this rank's routes to e in (t, k) order``.
-    """
-    T, K = topk_idx.shape
-    ids = topk_idx.reshape(-1).long()
-    E = send_base.numel()
-    valid = ids >= 0
-    key = torch.where(valid, ids, torch.full_like(ids, E))
-    order = torch.sort(key, stable=True).indices
-    sorted_key = key[order]
-    counts = torch.bincount(key, minlength=E + 1)
-    start = torch.cumsum(counts, 0) - counts
-    rank_sorted = torch.arange(ids.numel(), device=ids.device) - start[sorted_key]
-    rank_in_expert = torch.empty_like(rank_sorted)
-    rank_in_expert[order] = rank_sorted
-    base = torch.cat([send_base.to(torch.int64), torch.zeros(1, dtype=torch.int64, device=ids.device)])
-    rows = torch.where(valid, base[key] + rank_in_expert, torch.full_like(ids, -1))
-    return rows.view(T, K).to(torch.int32)
-
-
-# ------------------------------------------------------------------------------------------------ kernels
 @triton.jit(do_not_specialize=['T', 'NC'])
 def chunk_hist_kernel(topk_idx_ptr, hist_ptr, T, NC, K: tl.constexpr, E: tl.constexpr, EB: tl.constexpr,
                       BT: tl.constexpr, KB: tl.constexpr, bump_a=None, bump_b=None, NBUMP: tl.constexpr = 0):

@@ -15,12 +15,13 @@ import os
 import pickle
 import select
 import signal
+import sys
 import tempfile
 import time
 import traceback
 from typing import Any, Callable
 
-from ..errors import RankError
+from ..errors import ConfigError, RankError
 from .protocol import ProtocolMismatch, compare_sequences
 
 __all__ = ["run_cpu_world", "run_gpu_world", "WorldTimeout", "ProtocolMismatch"]
@@ -182,10 +183,16 @@ def run_cpu_world(world_size: int, fn: Callable, *args, timeout_s: float = 120.0
         WorldTimeout: the world ran past ``timeout_s`` (``.ranks`` = the ranks still running).
         ProtocolMismatch: the ranks' launch / collective sequences differ (``check_protocol``).
         HeapError: the heap cannot be made for this world.
+        ConfigError: this process already imported the kernels compiled for the GPU (the ranks need the
+            interpreter).
     """
     from .. import envs
     from ..memory import CpuHeap
 
+    if "tritonep.kernels.common" in sys.modules and not sys.modules["tritonep.kernels.common"].kernels_interpreted():
+        raise ConfigError("run_cpu_world: tritonep's kernels were already imported for the GPU in this process "
+                          "(TRITON_INTERPRET was not 1 then); the forked ranks need the interpreter: set "
+                          "TRITON_INTERPRET=1 before the first use of tritonep's kernels")
     os.environ["TRITON_INTERPRET"] = "1"
     heap = CpuHeap.create(world_size, heap_bytes or envs.cpu_heap_bytes())
     tmp = tempfile.mkdtemp(prefix="tritonep_world_")

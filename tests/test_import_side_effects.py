@@ -1,0 +1,60 @@
+"""Importing tritonep has no side effects; kernels built for the wrong device are refused with a ConfigError."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _py(code: str, env_extra: dict | None = None, drop=("TRITON_INTERPRET",)):
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_import_sets_no_environment_and_no_kernels():
+    r = _py("import os, sys\nbefore = dict(os.environ)\nimport tritonep as tep\n"
+            "assert dict(os.environ) == before, 'import changed the environment'\n"
+            "bad = [m for m in sys.modules if m.startswith(('tritonep.kernels', 'tritonep.ep'))]\n"
+            "assert not bad, bad\n"
+            "assert tep.EPBuffer.__name__ == 'EPBuffer' and tep.MoERecipe.__name__ == 'MoERecipe'\n"
+            "assert 'TRITON_INTERPRET' not in os.environ\nprint('ok')")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "ok"
+
+
+def test_unknown_attribute_is_attribute_error():
+    import tritonep
+
+    with pytest.raises(AttributeError, match="no_such_name"):
+        tritonep.no_such_name  # noqa: B018
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="CPU-only check")
+def test_cpu_buffer_with_compiled_kernels_is_a_config_error():
+    r = _py("import tritonep as tep\nfrom tritonep.kernels.common import check_kernel_mode, kernels_interpreted\n"
+            "assert not kernels_interpreted()\n"
+            "try:\n    check_kernel_mode('cpu')\nexcept tep.ConfigError as e:\n    print('refused:', e)\n")
+    assert r.returncode == 0, r.stderr
+    assert "refused:" in r.stdout and "TRITON_INTERPRET=1" in r.stdout
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="CPU-only check")
+def test_run_cpu_world_refuses_compiled_kernels():
+    r = _py("import tritonep as tep\nimport tritonep.kernels.common\nfrom tritonep.testing import run_cpu_world\n"
+            "try:\n    run_cpu_world(2, lambda g: 0)\nexcept tep.ConfigError as e:\n    print('refused:', e)\n")
+    assert r.returncode == 0, r.stderr
+    assert "refused:" in r.stdout
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="CPU-only check")
+def test_cli_sets_interpreter_itself():
+    r = _py("from tritonep.cli.main import main\nimport sys\nsys.exit(main(['plan', '--help']))")
+    assert r.returncode == 0, r.stderr
+    r = _py("import os\nfrom tritonep.cli.main import use_interpreter_without_gpu\nuse_interpreter_without_gpu()\n"
+            "print(os.environ['TRITON_INTERPRET'])")
+    assert r.returncode == 0 and r.stdout.strip() == "1", r.stderr

@@ -8,6 +8,7 @@
 | TRITONEP_COMBINE | "" (= geometry table) | force "push" or "pull" combine |
 | TRITONEP_GEOMETRY | "" (= geometry table) | override kernel geometry fields, e.g. ``bt=2,bh=512,warps=8,grid=128`` (benchmarks) |
 | TRITONEP_CPU_HEAP_BYTES | 256 MiB | size of one rank's slice of the CPU (fork + mmap) symmetric heap |
+| TRITONEP_FAST_LAUNCH | 1 | GPU launches of an already compiled kernel variant call the compiled kernel directly (``0``: always through ``kernel[grid]``) |
 | TRITONEP_DEBUG | 0 | extra host-side checks and messages |
 
 Values are read at call time (not import time) so tests can change them with ``monkeypatch.setenv``.
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["timeout_s", "sync_checks", "SYNC_NONE", "SYNC_DEFERRED", "SYNC_STRICT", "num_sms", "combine_kind", "geometry_override", "cpu_heap_bytes", "debug", "interpret"]
+__all__ = ["timeout_s", "sync_checks", "SYNC_NONE", "SYNC_DEFERRED", "SYNC_STRICT", "num_sms", "combine_kind", "geometry_override", "cpu_heap_bytes", "debug", "interpret", "fast_launch"]
 
 
 def _get(name: str, default: str) -> str:
@@ -90,3 +91,17 @@ def cpu_heap_bytes() -> int:
 def debug() -> bool:
     """Extra host-side checks (TRITONEP_DEBUG)."""
     return _get("TRITONEP_DEBUG", "0") not in ("0", "", "false", "False")
+
+
+def fast_launch() -> bool:
+    """Cached direct launches of compiled kernel variants on the GPU (TRITONEP_FAST_LAUNCH, default 1).
+
+    Raises:
+        ConfigError: a value other than 0 / 1.
+    """
+    from .errors import ConfigError
+
+    v = _get("TRITONEP_FAST_LAUNCH", "1").strip()
+    if v not in ("0", "1"):
+        raise ConfigError(f"TRITONEP_FAST_LAUNCH={v!r}: use 0 or 1")
+    return v == "1"

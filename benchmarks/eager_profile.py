@@ -40,7 +40,7 @@ def _launch_timer():
     return acc, lambda: setattr(launch.Launcher, "__call__", orig)
 
 
-def profile_tokens(group, T, H=7168, E=256, K=8, iters=30):
+def profile_tokens(group, T, H=7168, E=256, K=8, iters=30, backend="triton"):
     import tritonep as tep
     from tritonep.bench.ep import time_graph, time_rounds
 
@@ -50,15 +50,18 @@ def profile_tokens(group, T, H=7168, E=256, K=8, iters=30):
     idx = torch.argsort(torch.rand(T, E, generator=g), dim=1)[:, :K].to(dev)
     w = torch.rand(T, K, generator=g).to(dev)
     x = torch.randn(T, H, generator=g).to(torch.bfloat16).to(dev)
-    buf = tep.EPBuffer(group, E, H, T, K)
-    out = dict(tokens=T)
-    os.environ["TRITONEP_SYNC_CHECKS"] = "0"
-    out["dispatch_graph_us"], _ = time_graph(lambda: buf.dispatch(x, idx, w), group, iters=iters)
-    d = buf.dispatch(x, idx, w)
+    buf = tep.EPBuffer(group, E, H, T, K, backend=backend)
+    out = dict(tokens=T, backend=backend)
     eo = buf.expert_out_buffer()
     eo.normal_()
-    out["combine_graph_us"], _ = time_graph(lambda: buf.combine(eo, d.handle), group, iters=iters)
-    os.environ.pop("TRITONEP_SYNC_CHECKS")  # default: deferred (one host read per dispatch)
+    if backend == "triton":  # the nccl backend's eager path is what users run (its host read sizes the rows)
+        os.environ["TRITONEP_SYNC_CHECKS"] = "0"
+        out["dispatch_graph_us"], _ = time_graph(lambda: buf.dispatch(x, idx, w), group, iters=iters)
+        d = buf.dispatch(x, idx, w)
+        out["combine_graph_us"], _ = time_graph(lambda: buf.combine(eo, d.handle), group, iters=iters)
+        os.environ.pop("TRITONEP_SYNC_CHECKS")  # default: deferred (one host read per dispatch)
+    else:
+        out["dispatch_graph_us"] = out["combine_graph_us"] = float("nan")
     for _ in range(3):
         d = buf.dispatch(x, idx, w)
         buf.combine(eo, d.handle)
@@ -90,6 +93,7 @@ def profile_tokens(group, T, H=7168, E=256, K=8, iters=30):
                 buf.combine(buf.expert_out_buffer(dd.x.shape[0]), dd.handle)
             torch.cuda.synchronize()
         out["profile_table"] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+        out["profile_table_cuda"] = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12)
     else:
         for _ in range(5):
             dd = buf.dispatch(x, idx, w)
@@ -103,16 +107,18 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[128, 4096])
     ap.add_argument("--json", default=None)
+    ap.add_argument("--backend", default="triton", choices=["triton", "nccl"])
     a = ap.parse_args()
     dist.init_process_group("nccl")
     rank = dist.get_rank()
     torch.cuda.set_device(rank % torch.cuda.device_count())
     res = []
     for T in a.tokens:
-        r = profile_tokens(dist.group.WORLD, T)
+        r = profile_tokens(dist.group.WORLD, T, backend=a.backend)
         res.append(r)
         if rank == 0:
             print(r.pop("profile_table", ""), flush=True)
+            print(r.pop("profile_table_cuda", ""), flush=True)
             print(json.dumps(r, indent=1), flush=True)
     if rank == 0:
         print(f"{'tokens':>7} {'disp graph':>10} {'disp eager':>10} {'disp host':>10} {'comb graph':>10} "

@@ -20,6 +20,7 @@ class _Compiled:
         self.log = log
 
     def __getitem__(self, grid):
+        assert len(grid) == 3, grid  # Triton's CompiledKernel runner reads grid[0], grid[1], grid[2]
         return lambda *vals: self.log.append(("direct", grid, vals))
 
 
@@ -44,7 +45,7 @@ def test_hit_binds_positional_keywords_and_defaults():
     c.launch(k, (4,), (x, 7), {"BLOCK": 32, "num_warps": 4})
     c.launch(k, (4,), (x, 9), {"BLOCK": 32, "num_warps": 4})
     assert (c.misses, c.hits) == (1, 1)
-    assert k.log[1] == ("direct", (4,), (x, 9, 32, False))  # num_warps is an option, not a parameter
+    assert k.log[1] == ("direct", (4, 1, 1), (x, 9, 32, False))  # num_warps is an option, not a parameter
 
 
 @pytest.mark.parametrize("change", ["alignment", "int_one", "int_div16", "int64", "constexpr", "option", "grid",

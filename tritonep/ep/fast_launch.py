@@ -21,7 +21,7 @@ import inspect
 
 import torch
 
-__all__ = ["LaunchCache", "spec_key", "bind_args"]
+__all__ = ["LaunchCache", "spec_key", "bind_args", "grid3"]
 
 _INT32 = (-(1 << 31), 1 << 31)
 
@@ -79,6 +79,11 @@ def bind_args(info: _KernelInfo, args: tuple, kwargs: dict) -> list | None:
     return vals
 
 
+def grid3(grid: tuple) -> tuple:
+    """A launch grid padded to three dimensions with 1 (what ``CompiledKernel[grid]`` indexes)."""
+    return tuple(grid) + (1,) * (3 - len(grid))
+
+
 class LaunchCache:
     """Per-owner cache ``(kernel, grid, spec_key) -> CompiledKernel`` (see the module docstring).
 
@@ -108,7 +113,7 @@ class LaunchCache:
             vals = bind_args(info, args, {k: v for k, v in kwargs.items() if k in info.nameset})
             if vals is not None:
                 self.hits += 1
-                compiled[grid](*vals)
+                compiled[grid3(grid)](*vals)  # Triton's runner indexes grid[0..2]
                 return compiled
         self.misses += 1
         compiled = kernel[grid](*args, **kwargs)

@@ -25,10 +25,17 @@ def _counts(step, W, E):
     return c
 
 
-def _transport_world(group, steps, E):
+def _make_transport(backend, group, E, shapes, dtype, dev, timeout_s=None):
+    from tritonep.ep.nccl_side import NcclExpertTransport
+
+    cls = ExpertTransport if backend == "triton" else NcclExpertTransport
+    return cls(group, E, shapes, dtype=dtype, device=dev, timeout_s=timeout_s)
+
+
+def _transport_world(group, steps, E, backend="triton"):
     rank, W = dist.get_rank(), dist.get_world_size()
     L = E // W
-    tr = ExpertTransport(group, E, {"w1": (H, I2)}, dtype=torch.bfloat16, device="cpu")
+    tr = _make_transport(backend, group, E, {"w1": (H, I2)}, torch.bfloat16, "cpu")
     bad = []
     for step in range(steps):
         pl = place_torch(_counts(step, W, E))
@@ -58,8 +65,9 @@ def _transport_world(group, steps, E):
     return bad
 
 
-def test_push_pull_20_steps_of_changing_skew():
-    res = run_cpu_world(4, _transport_world, 20, 16, timeout_s=300)
+@pytest.mark.parametrize("backend", ["triton", "nccl"])
+def test_push_pull_20_steps_of_changing_skew(backend):
+    res = run_cpu_world(4, _transport_world, 20, 16, backend, timeout_s=300)
     assert res == [[], [], [], []], res
 
 
@@ -93,16 +101,16 @@ def _grads(name, rows, dtype, seed):
     return v.to(dtype)
 
 
-def _pull_add_world(group, kinds, dtype, on_gpu=False):
-    """Rank body: pull_add (native gradient given / None) and pull for each plan kind, checked bit for bit against
+def _pull_add_world(group, kinds, dtype, on_gpu=False, backend="triton"):
+    """Rank body: pull into the native gradient (given / None) and pull for each plan kind, checked bit for bit against
     the torch twins computed on the host from every rank's slot gradients; returns the list of failures."""
-    from tritonep.balance.transport import pull_add_torch, pull_torch, used_slot_count
+    from tritonep.balance.transport import pull_torch, used_slot_count
 
     rank, W = dist.get_rank(), dist.get_world_size()
     E = 4 * W
     L = E // W
     dev = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    tr = ExpertTransport(group, E, SHAPES, dtype=dtype, device=dev, timeout_s=60)
+    tr = _make_transport(backend, group, E, SHAPES, dtype, dev, timeout_s=60)
     bad = []
     for step, kind in enumerate(kinds):
         pl = place_torch(_skew_counts(kind, W, E))
@@ -115,9 +123,9 @@ def _pull_add_world(group, kinds, dtype, on_gpu=False):
             natives = {k: None if native_none else _grads(k, L, dtype, 777 + 1000 * step + 10 * rank + i).to(dev)
                        for i, k in enumerate(("w1", "w2"))}
             before = {k: None if v is None else v.to("cpu", copy=True) for k, v in natives.items()}
-            out = tr.pull_add(dict(natives), {k: v[rank].to(dev) for k, v in slot_all.items()}, pl, used[rank], held)
+            out = tr.pull({k: v[rank].to(dev) for k, v in slot_all.items()}, pl, used[rank], held, into=dict(natives))
             for k in ("w1", "w2"):
-                want = pull_add_torch(before[k], slot_all[k], pl, rank)
+                want = pull_torch(slot_all[k], pl, rank, into=before[k])
                 if natives[k] is not None and out[k].data_ptr() != natives[k].data_ptr():
                     bad.append((kind, k, "not in place"))
                 got = None if out[k] is None else out[k].cpu()
@@ -127,12 +135,12 @@ def _pull_add_world(group, kinds, dtype, on_gpu=False):
                     if j not in held and got is not None and before[k] is not None and not torch.equal(got[j],
                                                                                                       before[k][j]):
                         bad.append((kind, k, j, "touched"))
-        # the dense pull is pull_add into zeros
+        # the dense pull accumulates into zeros
         full = {k: torch.cat([slot_all[k][rank], torch.zeros(L - used[rank], *slot_all[k][rank].shape[1:],
                                                                dtype=dtype)]) for k in ("w1", "w2")}
         dense = tr.pull({k: v.to(dev) for k, v in full.items()}, pl)
         for k in ("w1", "w2"):
-            if not torch.equal(_bits(dense[k].cpu()), _bits(pull_torch(slot_all[k], pl, rank, SHAPES[k], dtype))):
+            if not torch.equal(_bits(dense[k].cpu()), _bits(pull_torch(slot_all[k], pl, rank, shape=SHAPES[k], dtype=dtype))):
                 bad.append((kind, k, "pull"))
         if kind == "hot0":
             assert used[0] == 0 and all(u > 0 for u in used[1:]) and bool(held) == (rank == 0)
@@ -141,11 +149,13 @@ def _pull_add_world(group, kinds, dtype, on_gpu=False):
     return bad
 
 
-def test_pull_add_in_place_bit_exact_vs_twin():
-    """pull_add == pull_add_torch bit for bit (bf16 and fp32), in place, experts nobody held untouched, None kept
-    where nothing is held; ranks that hold nothing or use no slot launch the same kernels (protocol check)."""
+@pytest.mark.parametrize("backend", ["triton", "nccl"])
+def test_pull_add_in_place_bit_exact_vs_twin(backend):
+    """pull(into=...) == pull_torch bit for bit (bf16 and fp32), in place, experts nobody held untouched, None
+    kept where nothing is held; ranks that hold nothing or use no slot launch the same kernels / collectives
+    (protocol check); on both backends."""
     for W, dtype in ((2, torch.bfloat16), (4, torch.bfloat16), (2, torch.float32)):
-        res = run_cpu_world(W, _pull_add_world, ["hot0", "rand", "even"], dtype, timeout_s=300)
+        res = run_cpu_world(W, _pull_add_world, ["hot0", "rand", "even"], dtype, False, backend, timeout_s=300)
         assert res == [[]] * W, (W, dtype, res)
 
 
@@ -163,7 +173,7 @@ def test_gpu_pull_add_bit_exact_vs_twin():
 
 def test_pull_add_torch_is_torchs_accumulation():
     """The twin's bits are those of the previous host code: ``grad[j].add_(DT(fp32 sum over holders))``."""
-    from tritonep.balance.transport import pull_add_torch, used_slot_count
+    from tritonep.balance.transport import pull_torch, used_slot_count
 
     W, E = 4, 16
     pl = place_torch(_counts(3, W, E))
@@ -181,4 +191,4 @@ def test_pull_add_torch_is_torchs_accumulation():
                     acc += slots[d][s].float()
                 if hold:
                     want[j].add_(acc.to(dtype))
-            assert torch.equal(_bits(pull_add_torch(g, slots, pl, rank)), _bits(want))
+            assert torch.equal(_bits(pull_torch(slots, pl, rank, into=g)), _bits(want))

@@ -95,8 +95,10 @@ def _virtual_world(group, case):
     tmax = max(max(a[0].shape[0] for a in _step_inputs(case, s, W)) for s in range(len(case["steps"])))
     geo = MoEGeometry(hidden=H, intermediate=I, num_experts=case["E"], topk=case["K"], max_tokens_per_rank=max(tmax, 1))
     recipe = MoERecipe(balance="virtual", combine=case.get("combine", "push"), expert_alignment=case.get("A", 1))
-    layer = MoELayer(recipe, geo, group, seed=case["seed"], record_stats=True, timeout_s=120)
-    assert layer.allocated_bytes == MoELayer.required_bytes(recipe, geo, W, device_type=layer.device.type)
+    layer = MoELayer(recipe, geo, group, seed=case["seed"], record_stats=True, timeout_s=120,
+                     backend=case.get("backend", "auto"))
+    assert layer.allocated_bytes == MoELayer.required_bytes(recipe, geo, W, device_type=layer.device.type,
+                                                            backend=layer.buffer.backend)
     dev = layer.device
     out = dict(w1=layer.w1.detach().cpu().clone(), w2=layer.w2.detach().cpu().clone(), steps=[])
     L = case["E"] // W
@@ -117,9 +119,9 @@ def _virtual_world(group, case):
                    load=sum(st["num_tokens_per_expert"]))
         out["steps"].append(res)
     if case.get("compile"):
-        assert next(layer._tickets) == 0  # eager calls do not go through the custom op
+        assert not layer._stash  # eager calls go through the same op: state consumed by the backward
         out["compiled"] = run(torch.compile(layer, backend="aot_eager"), *steps[0])
-        assert next(layer._tickets) == 2 and not layer._stash  # one saved op call, consumed by its backward
+        assert next(layer._tickets) == len(steps) + 1 and not layer._stash  # one op call per step + the compiled one
     layer.close()
     return out
 
@@ -301,3 +303,44 @@ def test_virtual_split_hand_made_world_and_compile():
     assert _facts(res, "native", 0) == [26, 0, 6]
     assert _facts(res, "load", 0) == [26, 26, 26]
     assert _facts(res, "used", 1) == [0, 0, 0]
+
+
+# ------------------------------------------------------------------------------------------------ either backend
+def _backends_equal(world, W, steps, **kw):
+    """Run the virtual layer on the triton and the nccl backend; check both against the dense reference and each
+    other: outputs and gradients of x, w1 (with the pulled replica gradients), w2 bit for bit, routing-weight
+    gradients to fp32 rounding (fp32 dot products over H: the triton kernel reduces in its tile order, as in
+    test_nccl_backend). Returns the nccl run."""
+    out = {}
+    for backend in ("triton", "nccl"):
+        case = dict(steps=steps, backend=backend, **kw)
+        out[backend] = world(W, _virtual_world, case, timeout_s=600)
+        _check_dense(case, out[backend])
+    for r in range(W):
+        t, n = out["triton"][r], out["nccl"][r]
+        for step, (a, b) in enumerate(zip(t["steps"], n["steps"])):
+            for k in ("y", "gx", "gw1", "gw2"):
+                assert torch.equal(a[k], b[k]), (r, step, k)
+            assert torch.equal(a["gtw"] == 0, b["gtw"] == 0), (r, step)
+            torch.testing.assert_close(a["gtw"], b["gtw"], rtol=1e-5, atol=1e-5)
+            assert (a["used"], a["native"], a["load"]) == (b["used"], b["native"], b["load"]), (r, step)
+    return out["nccl"]
+
+
+def test_virtual_on_nccl_equals_virtual_on_triton():
+    """balance='virtual' over the nccl backend (gloo here: counts by all_gather, weights and gradients by
+    all_to_all) equals it over the triton backend (see :func:`_backends_equal`), forward and backward: W=2 with a
+    rank at T=0 whose slots run the other rank's experts, then the reverse."""
+    res = _backends_equal(run_cpu_world, 2, _W2_STEPS, E=8, K=2, seed=5, A=2, combine="push")
+    assert _facts(res, "used", 0) == [0, 2]
+
+
+@pytest.mark.gpu
+def test_gpu_virtual_on_nccl_equals_virtual_on_triton():
+    """The same on 2 GPUs (NCCL all_gather / all_to_all against symmetric memory + Triton kernels)."""
+    from tritonep.testing import run_gpu_world
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    res = _backends_equal(run_gpu_world, 2, [dict(kind="olmoe", T=64)] + _W2_STEPS, E=8, K=2, seed=7, A=8)
+    assert _facts(res, "used", 1) == [0, 2]

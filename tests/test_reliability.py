@@ -22,7 +22,7 @@ summation order) bit for bit; gradients with the tolerances of tests/test_ep.py.
 | production hidden sizes, bf16 and fp8 (fp8 refuses 2880) | test_hidden_sizes_bf16, test_hidden_sizes_fp8 |
 | fp8 / mxfp4 bit exactness, bad wire names | test_ep_wires.py |
 | quantized dispatch to a rank that receives 0 rows | test_quantized_dispatch_to_rank_with_no_rows |
-| expert-load statistics ``handle.extras["counts"]`` (both backends) | test_counts_are_global_and_identical |
+| expert-load statistics ``handle.counts`` (both backends) | test_counts_are_global_and_identical |
 | random routing soak: 30 calls (CI), 500 calls (``soak`` marker) | test_soak_30_calls, test_soak_500_calls |
 | CUDA-graph soak: 1000 replays, each checked (GPU) | test_gpu_graph_soak_1000_replays |
 | a peer that skips dispatch | test_ep.py::test_missing_peer_raises_peer_timeout |
@@ -69,7 +69,7 @@ def _calls_world(group, cfg, calls):
         eo.copy_(_eo(d.x))
         y = buf.combine(eo, d.handle)
         outs.append(dict(x=d.x.clone(), ntpe=d.num_tokens_per_expert.clone(), offs=d.expert_offsets.clone(),
-                         w=d.weights.clone(), eo=eo.clone(), y=y.clone(), counts=d.handle.extras["counts"].clone()))
+                         w=d.weights.clone(), eo=eo.clone(), y=y.clone(), counts=d.handle.counts.clone()))
     buf.close()
     return outs
 
@@ -207,7 +207,7 @@ def _capacity_world(group, backend):
     eo.copy_(_eo(d.x))
     y = buf.combine(eo, d.handle)
     out = dict(x=d.x.clone(), ntpe=d.num_tokens_per_expert.clone(), offs=d.expert_offsets.clone(),
-               w=d.weights.clone(), eo=eo.clone(), y=y.clone(), counts=d.handle.extras["counts"].clone())
+               w=d.weights.clone(), eo=eo.clone(), y=y.clone(), counts=d.handle.counts.clone())
     buf.close()
     return errs, [out]
 

@@ -10,6 +10,8 @@ pplx-kernels (static capacity, graph capture), our own protocol for the kernels 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 
@@ -20,7 +22,7 @@ from ..wire.formats import check_wire
 from .autograd import CombineFn, DispatchFn
 from .backend_choice import choose_backend
 from .handle import Dispatched, DispatchHandle
-from .backends import backend_names, build_backend
+from .backends import BACKENDS, backend_names, build_backend
 from .triton_regions import regions
 from .status import resolve_timeout
 from .validate import check_combine_inputs, check_dispatch_inputs
@@ -280,11 +282,10 @@ class EPBuffer:
             raise
         if refused is not None:
             raise refused  # sync checks off / graph capture: the peers learn it at their next check()
-        handle.recv_weights = out_w
-        handle.extras["buffer_id"] = self._id
+        handle = replace(handle, recv_weights=out_w, buffer_id=self._id)  # frozen: a stamped copy, no mutation
         if keep_quantized and self.dispatch_wire != "bf16":
             return Dispatched(x=q, num_tokens_per_expert=ntpe, expert_offsets=offs, handle=handle, weights=out_w,
-                              x_scales=handle.extras["x_scales"])
+                              x_scales=handle.x_scales)
         return Dispatched(x=out, num_tokens_per_expert=ntpe, expert_offsets=offs, handle=handle, weights=out_w)
 
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle, kind: str | None = None) -> torch.Tensor:
@@ -304,7 +305,7 @@ class EPBuffer:
             InputError, BufferStateError, PeerTimeoutError (see :meth:`dispatch`).
         """
         self._check_open()
-        if not isinstance(handle, DispatchHandle) or handle.extras.get("buffer_id") != self._id:
+        if not isinstance(handle, DispatchHandle) or handle.buffer_id != self._id:
             raise ConfigError("handle does not come from this buffer's dispatch (a handle is only valid with the "
                               "EPBuffer that made it)")
         expert_out = check_combine_inputs(expert_out, handle, hidden=self.hidden, dtype=self.dtype,
@@ -312,6 +313,44 @@ class EPBuffer:
         if kind not in (None, "push", "pull"):
             raise ConfigError(f"combine kind={kind!r} is not 'push' or 'pull'")
         return CombineFn.apply(expert_out, handle.recv_weights, self._impl, handle, kind)
+
+    def counts_exchange(self, num_experts: int | None = None):
+        """A new counts exchange of this buffer's backend (collective: every rank builds it, in the same order).
+
+        ``gather(topk_idx [T, K]) -> int32 [W, num_experts]`` routes of every rank per expert (the virtual-expert
+        planner's input); identical bits on every backend (:class:`tritonep.ep.backends.CountsExchange`).
+
+        Args:
+            num_experts: experts the histogram spans (default: this buffer's E), a multiple of the group size.
+
+        Raises:
+            ConfigError: ``num_experts`` not a positive multiple of the world size. BufferStateError: closed.
+        """
+        self._check_open()
+        E = self.num_experts if num_experts is None else num_experts
+        if not isinstance(E, int) or E < 1 or E % self.world_size:
+            raise ConfigError(f"num_experts={E!r} is not a positive multiple of world_size={self.world_size}")
+        return BACKENDS[self.backend].counts_exchange(
+            group=self.group, num_experts=E, max_tokens_per_rank=self.max_tokens_per_rank, topk=self.topk,
+            device=self.device, timeout_s=self.timeout_s)
+
+    def expert_transport(self, num_experts: int, shapes: dict, dtype: torch.dtype = torch.bfloat16):
+        """A new virtual-expert weight transport of this buffer's backend (collective, like the constructor).
+
+        Args:
+            num_experts: E of the weights (L = E / world_size native experts and L virtual slots per rank).
+            shapes: ``name -> per-expert shape``, e.g. ``{"w1": (H, 2*I), "w2": (I, H)}``.
+            dtype: weight dtype (bf16 or fp32).
+
+        Returns:
+            a :class:`tritonep.ep.backends.ExpertTransport` (push / slot_views / pull), same bits on every backend.
+
+        Raises:
+            PlanError: ``num_experts`` not divisible by the world size. BufferStateError: closed.
+        """
+        self._check_open()
+        return BACKENDS[self.backend].expert_transport(group=self.group, num_experts=num_experts, shapes=shapes,
+                                                       dtype=dtype, device=self.device, timeout_s=self.timeout_s)
 
     def check(self):
         """Raise any error the device recorded since the last check (one host sync). For graph-captured use."""

@@ -20,7 +20,7 @@ from .status import raise_for_status, resolve_timeout, wait_bound
 
 _CX = P.v(P.CALL_EXCHANGE)  # this buffer's exchange number (the only counter it advances)
 
-__all__ = ["CountsExchange", "counts_regions"]
+__all__ = ["CountsExchange", "counts_regions", "counts_input_refusal"]
 
 
 def counts_regions(world_size: int, num_experts: int, max_tokens_per_rank: int, bt: int = 16):
@@ -31,6 +31,22 @@ def counts_regions(world_size: int, num_experts: int, max_tokens_per_rank: int, 
             Region("calls", (P.v(P.NUM_CALLS),), torch.int64), Region("counts", (2, W, E + 1), torch.int32),
             Region("hist", (ncmax, E + 1), torch.int32), Region("pre", (ncmax, E), torch.int32),
             Region("send_base", (E,), torch.int32), Region("rows_needed", (W,), torch.int64)]
+
+
+def counts_input_refusal(topk_idx, topk: int, max_tokens_per_rank: int, device):
+    """The error a counts exchange refuses ``topk_idx`` with (every backend's), or None when it is accepted.
+
+    Returns:
+        InputError: not an int32/int64 ``[T, topk]`` tensor on ``device``. CapacityError: ``T > max_tokens_per_rank``.
+    """
+    if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2 or topk_idx.shape[1] != topk \
+            or topk_idx.dtype not in (torch.int32, torch.int64) or topk_idx.device != device:
+        return InputError(f"topk_idx must be an int32/int64 [T, {topk}] tensor on {device}, got "
+                          f"{tuple(getattr(topk_idx, 'shape', ()))} {getattr(topk_idx, 'dtype', type(topk_idx))}")
+    if topk_idx.shape[0] > max_tokens_per_rank:
+        return CapacityError(f"num_tokens={topk_idx.shape[0]} exceeds max_tokens_per_rank={max_tokens_per_rank}",
+                             needed=topk_idx.shape[0], available=max_tokens_per_rank)
+    return None
 
 
 class CountsExchange:
@@ -57,6 +73,7 @@ class CountsExchange:
         self.tab_counts, self.tab_flags = b.ptr_table("counts"), b.ptr_table("flags")
         self.timeout_s = resolve_timeout(timeout_s)
         self.timeout = wait_bound(self.device, self.timeout_s)
+        self.host_reads = 0  # device->host reads (gather makes none; check makes one)
         self._launch = Launcher(self.device, group)
         ncmax = max(1, triton.cdiv(max_tokens_per_rank, self.BT))
         EB = triton.next_power_of_2(self.E)
@@ -78,14 +95,7 @@ class CountsExchange:
         Raises:
             InputError: wrong shape / dtype. CapacityError: ``T > max_tokens_per_rank``.
         """
-        refused = None
-        if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2 or topk_idx.shape[1] != self.K \
-                or topk_idx.dtype not in (torch.int32, torch.int64) or topk_idx.device != self.device:
-            refused = InputError(f"topk_idx must be an int32/int64 [T, {self.K}] tensor on {self.device}, got "
-                                 f"{tuple(getattr(topk_idx, 'shape', ()))} {getattr(topk_idx, 'dtype', type(topk_idx))}")
-        elif topk_idx.shape[0] > self.Tm:
-            refused = CapacityError(f"num_tokens={topk_idx.shape[0]} exceeds max_tokens_per_rank={self.Tm}",
-                                    needed=topk_idx.shape[0], available=self.Tm)
+        refused = counts_input_refusal(topk_idx, self.K, self.Tm, self.device)
         if refused is not None:
             self._exchange(torch.empty(0, self.K, dtype=torch.int64, device=self.device), host_bad=1)
             raise refused
@@ -109,10 +119,18 @@ class CountsExchange:
         n = self.calls[_CX:_CX + 1] % 2  # device-side parity: no host read
         return torch.index_select(b.local("counts"), 0, n)[0, :, :self.E].clone()
 
+    @property
+    def allocated_bytes(self) -> int:
+        """Symmetric bytes this rank holds (0 once closed)."""
+        return self.buf.nbytes if self.buf is not None else 0
+
     def check(self):
+        """Raise a recorded device error (timeout, a refused input of some rank) on the host (one sync)."""
+        self.host_reads += 1
         raise_for_status(self.status.cpu(), self.rank, 0, "counts exchange", self.timeout_s, self.device.type)
 
     def close(self):
+        """Free the symmetric regions (collective: every rank closes in the same order). Idempotent."""
         if self.buf is not None:
             self.buf.close()
             self.buf = None

@@ -89,8 +89,8 @@ import torch.distributed as dist
 
 from ..errors import BackendError, BufferStateError, CapacityError, InputError, PeerInputError
 from ..wire.formats import check_wire, payload_bytes
-from .handle import DispatchHandle
-from .launch import record
+from .handle import NcclHandle
+from .nccl_side import all_gather_flat
 from .nccl_combine import NcclCombine
 from .nccl_pack import gather_rows, round_up
 from .nccl_wire import _dequantize, _host_plan, _quantize, _row_bytes, _wire_views  # noqa: F401 (old path)
@@ -111,13 +111,7 @@ class NcclEP(NcclCombine):
     torch twins (same bits; the twins use ``torch.nonzero`` and are meant for the CPU). ``host_reads`` counts the
     device->host reads of calls (one per dispatch; one more only when naming this rank's bad expert id).
 
-    The :class:`DispatchHandle` it returns has ``meta = wts = ntok = None`` and ``extras``: ``counts`` int32
-    ``[W, E]``, ``send_splits`` / ``recv_splits`` (packets per peer, host lists), ``send_tok`` int64 ``[Ns]``
-    (token of each sent packet, ordered by (destination rank, token)), ``send_flat`` int64 ``[Ns]`` (``rank * T +
-    token`` of each sent packet), ``recv_rows`` int32 ``[Nr, K]`` (destination row of each received route, -1 where
-    the route is elsewhere), ``recv_w`` float32 ``[Nr, K]`` (its weight, 0 elsewhere), ``row_src`` int64 ``[R]``
-    (packet of every row, ``Nr`` on padding rows), ``row_w`` float32 ``[R]``; after ``keep_quantized=True`` also
-    ``x_scales``; the first combine / backward adds ``pos`` int64 ``[W, T]`` (packet of (rank, token), -1 if none).
+    Its dispatch returns a frozen :class:`tritonep.ep.handle.NcclHandle` (split sizes, packet and row maps).
 
     Raises:
         WireError: an unknown wire name or a hidden size the wire cannot take (:func:`tritonep.wire.check_wire`).
@@ -188,15 +182,6 @@ class NcclEP(NcclCombine):
                                group=self.group)
         return recv
 
-    def _all_gather(self, out: torch.Tensor, inp: torch.Tensor):
-        """Gather every rank's ``inp`` (1-D, same length) into the flat ``out`` (``[W * len]``), one collective."""
-        single = getattr(dist, "all_gather_single", None)  # torch >= 2.13 deprecates all_gather_into_tensor
-        if single is None:
-            dist.all_gather_into_tensor(out, inp, group=self.group)
-        else:
-            record(("collective", "all_gather_single"))  # the CPU world's protocol recorder does not wrap it
-            single(out, inp, group=self.group)
-
     # ---------------------------------------------------------------------------------------------- dispatch
     def _counts_row(self, topk_idx: torch.Tensor, T: int, bad_input: bool):
         """This rank's counts row on the device (no sync) and the pieces dispatch reuses.
@@ -264,7 +249,7 @@ class NcclEP(NcclCombine):
 
         Returns ``(out [R, H], out_w [R] f32, num_tokens_per_expert [L] i32, expert_offsets [L] i32, handle)``;
         with ``keep_quantized`` and an fp8 / mxfp4 dispatch wire ``out`` is the payload (uint8 ``[R, H]`` /
-        ``[R, H/2]``) and the scales are in ``handle.extras["x_scales"]`` (fp32 ``[R, H/128]`` / uint8
+        ``[R, H/2]``) and the scales are in ``handle.x_scales`` (fp32 ``[R, H/128]`` / uint8
         ``[R, H/32]``), as on the triton backend.
 
         Raises:
@@ -287,7 +272,7 @@ class NcclEP(NcclCombine):
         # 1) counts exchange: the one host read
         row, key, present = self._counts_row(topk_idx, T, bad_input)
         gathered = torch.empty(W * self._ncols, dtype=torch.int64, device=dev)
-        self._all_gather(gathered, row)
+        all_gather_flat(gathered, row, self.group)
         mat = gathered.view(W, self._ncols).cpu()
         self.host_reads += 1
         # 2) host decisions on the small matrix (numpy: a few microseconds, no device work)
@@ -355,11 +340,9 @@ class NcclEP(NcclCombine):
             out, sc = gather_rows(q_in, row_src), gather_rows(s_in, row_src)
         else:  # one dequantization per received packet (and the zero row), then one gather
             out = gather_rows(_dequantize(wire, recv, H, self.dtype), row_src)
-        handle = DispatchHandle(topk_idx=topk_idx, topk_weights=topk_weights, rows=rows, meta=None, wts=None,
-                                ntok=None, num_tokens=T, num_recv_rows=R, backend=self.name,
-                                extras={"counts": counts_d, "send_splits": send_splits, "recv_splits": recv_splits,
-                                        "send_tok": send_tok, "send_flat": send_flat, "recv_rows": recv_rows,
-                                        "recv_w": recv_w, "row_src": row_src, "row_w": out_w})
-        if sc is not None:
-            handle.extras["x_scales"] = sc
+        pos = torch.full((W * T,), -1, dtype=torch.int64, device=dev).scatter_(0, send_flat, self._ar64[:Ns])
+        handle = NcclHandle(topk_idx=topk_idx, topk_weights=topk_weights, rows=rows, counts=counts_d, num_tokens=T,
+                            num_recv_rows=R, x_scales=sc, send_splits=tuple(send_splits),
+                            recv_splits=tuple(recv_splits), send_tok=send_tok, pos=pos.view(W, T),
+                            recv_rows=recv_rows, recv_w=recv_w, row_src=row_src, row_w=out_w)
         return out, out_w, ntpe, offs, handle

@@ -18,19 +18,8 @@ __all__ = ["NcclCombine"]
 
 class NcclCombine:
     """Combine / backward methods of :class:`tritonep.ep.nccl_backend.NcclEP` (uses its attributes: ``W``, ``K``,
-    ``H``, ``L``, ``device``, ``dtype``, ``combine_wire``, ``use_triton``, ``_ar64``, ``_a2a``,
+    ``H``, ``L``, ``device``, ``dtype``, ``combine_wire``, ``use_triton``, ``_a2a``,
     ``_check_usable``)."""
-
-    def _pos(self, handle) -> torch.Tensor:
-        """int64 ``[W, T]``: packet of (destination rank, token), -1 if none (built once per handle, no sync)."""
-        ex = handle.extras
-        pos = ex.get("pos")
-        if pos is None:
-            T, Ns = handle.num_tokens, len(ex["send_tok"])
-            pos = torch.full((self.W * T,), -1, dtype=torch.int64, device=self.device)
-            pos = pos.scatter_(0, ex["send_flat"], self._ar64[:Ns]).view(self.W, T)
-            ex["pos"] = pos
-        return pos
 
     def _combine(self, eo, handle, weighted, gw=None, wire="bf16"):
         """Partials (+ per-route scalars ``gw[row]``) back to the sources; returns ``(y [T, H], gtw [T, K] | None)``.
@@ -42,12 +31,11 @@ class NcclCombine:
             wire: "bf16" moves the partial rounded to bf16; "fp8" / "mxfp4" quantize the fp32 partial.
         """
         self._check_usable()
-        ex = handle.extras
         K, H, dev = self.K, self.H, self.device
         T = handle.num_tokens
-        send_splits, recv_splits = ex["send_splits"], ex["recv_splits"]
+        send_splits, recv_splits = list(handle.send_splits), list(handle.recv_splits)
         Ns, Nr = sum(send_splits), sum(recv_splits)
-        rr, rw = ex["recv_rows"], ex["recv_w"]
+        rr, rw = handle.recv_rows, handle.recv_w
         rb = H * eo.element_size() if wire == "bf16" else _row_bytes(wire, H)
         mo = round_up(rb, 8)
         width = round_up(mo + (4 * K if gw is not None else 0), 8)
@@ -73,7 +61,7 @@ class NcclCombine:
         else:  # dequantized straight to fp32
             pp = _dequantize(wire, back, H, torch.float32)
         y = torch.empty(T, H, dtype=eo.dtype, device=dev)
-        sum_partials(pp, self._pos(handle) if self.use_triton else None, ex["send_tok"], send_splits, y,
+        sum_partials(pp, handle.pos if self.use_triton else None, handle.send_tok, send_splits, y,
                      self.use_triton)
         gtw = None
         if gw is not None:
@@ -81,7 +69,7 @@ class NcclCombine:
             if T and Ns:
                 ids = handle.topk_idx.long()
                 dest = torch.where(ids >= 0, torch.div(ids, self.L, rounding_mode="floor"), self.W)
-                pos = torch.cat([self._pos(handle), torch.full((1, T), -1, dtype=torch.int64, device=dev)])
+                pos = torch.cat([handle.pos, torch.full((1, T), -1, dtype=torch.int64, device=dev)])
                 pkt = pos.gather(0, dest.t()).t()  # [T, K]: packet that carried route (t, k), -1 if masked
                 gb = back[:, mo:mo + 4 * K].view(torch.float32)
                 gtw = torch.where(pkt >= 0, gb[pkt.clamp(min=0), torch.arange(K, device=dev)], 0.0)
@@ -122,18 +110,17 @@ class NcclCombine:
             (0 on padding rows))``.
         """
         self._check_usable()
-        ex = handle.extras
-        send_splits, recv_splits = ex["send_splits"], ex["recv_splits"]
+        send_splits, recv_splits = list(handle.send_splits), list(handle.recv_splits)
         Nr = sum(recv_splits)
         R, R2 = handle.num_recv_rows, expert_out.shape[0]
-        send = gather_rows(grad_y, ex["send_tok"])
+        send = gather_rows(grad_y, handle.send_tok)
         recv = torch.empty(Nr + 1, self.H, dtype=grad_y.dtype, device=self.device)
         recv[Nr].zero_()
         self._a2a(recv[:Nr], send, send_splits, recv_splits)
-        gy = gather_rows(recv, ex["row_src"])  # [R, H]; padding rows read the zero row
-        g_rows = (gy * ex["row_w"][:, None]).to(self.dtype)
+        gy = gather_rows(recv, handle.row_src)  # [R, H]; padding rows read the zero row
+        g_rows = (gy * handle.row_w[:, None]).to(self.dtype)
         dots = (gy.float() * expert_out[:R].float()).sum(-1)
-        g_w = torch.where(ex["row_src"] < Nr, dots, 0.0)
+        g_w = torch.where(handle.row_src < Nr, dots, 0.0)
         if R2 == R:
             return g_rows, g_w
         g_eo = torch.zeros(R2, self.H, dtype=self.dtype, device=self.device)

@@ -16,6 +16,8 @@ field is named in :mod:`tritonep.kernels.protocol`.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 
@@ -30,7 +32,7 @@ from ..kernels.layout import chunk_hist_kernel, exchange_kernel
 from ..memory import get_heap
 from .geometry import select_geometry
 from ..kernels.wirecodec import WIRE_IDS
-from .handle import DispatchHandle
+from .handle import TritonHandle
 from .launch import Launcher
 from .triton_regions import regions
 from .status import STATUS_BAD_INPUT, STATUS_CAPACITY, bad_ranks, raise_for_status, resolve_timeout, wait_bound
@@ -223,12 +225,11 @@ class TritonEP:
                      self.send_base, ntpe, offs, self.rows_needed, self.max_recv, int(bad_input),
                      dcall_ptr=self._calls(P.CALL_DISPATCH), rows_out_ptr=self.status[_ROWS:_ROWS + 1], counts_out_ptr=counts, **self._ex)
         rows = torch.empty(T, self.K, dtype=torch.int32, device=self.device)
-        handle = DispatchHandle(topk_idx=topk_idx, topk_weights=topk_weights, rows=rows,
-                                meta=torch.empty(self.W, self.Tm, self.K, dtype=torch.int32, device=self.device),
-                                wts=torch.empty(self.W, self.Tm, self.K, dtype=torch.float32, device=self.device),
-                                ntok=torch.empty(self.W, dtype=torch.int32, device=self.device),
-                                num_tokens=T, num_recv_rows=None, backend=self.name)
-        handle.extras["counts"] = counts  # [W, E] routes of every rank per expert, this call's snapshot
+        handle = TritonHandle(topk_idx=topk_idx, topk_weights=topk_weights, rows=rows, counts=counts,
+                              meta=torch.empty(self.W, self.Tm, self.K, dtype=torch.int32, device=self.device),
+                              wts=torch.empty(self.W, self.Tm, self.K, dtype=torch.float32, device=self.device),
+                              ntok=torch.empty(self.W, dtype=torch.int32, device=self.device),
+                              num_tokens=T, num_recv_rows=None)  # R is stamped below (a new frozen handle)
         fused = g.fused_send > 0
         st = None
         if sync:
@@ -257,7 +258,6 @@ class TritonEP:
                 self.broken = str(e)  # later calls repeat the wait, the peer and the measured wait
                 raise
         R = None if st is None else (0 if refused else int(st[_ROWS]))
-        handle.num_recv_rows = R
         nrows = R if R is not None else self.max_recv
         q = sc = None
         if keep_quantized and self.dwire != 0:
@@ -285,10 +285,8 @@ class TritonEP:
             raise_for_status(st[:_ST_ERR], self.rank, self.max_recv, "dispatch", self.timeout_s, self.device.type)
         if sync:
             self._eager_check("dispatch")  # a peer that stopped after the counts exchange raises in this call
-        if q is not None:
-            handle.extras["x_scales"] = sc
-            return q, out_w, ntpe, offs, handle
-        return out, out_w, ntpe, offs, handle
+        handle = replace(handle, num_recv_rows=R, x_scales=sc)
+        return (out if q is None else q), out_w, ntpe, offs, handle
 
     def _send(self, x, handle, topk_weights, compute_rows, nc, wire=0):
         g = self.geo
@@ -373,7 +371,7 @@ class TritonEP:
     # ---------------------------------------------------------------------------------------------- backward
     def dispatch_bwd(self, grad_recv_x, grad_recv_w, handle):
         """grad_x[t] = sum_k grad_recv_x[row(t,k)]; grad_topk_weights[t,k] = grad_recv_w[row(t,k)]."""
-        gw = grad_recv_w if grad_recv_w is not None else None
+        gw = grad_recv_w
         y, gtw = self._combine(grad_recv_x.contiguous(), handle, weighted=False,
                                gw=gw.contiguous() if gw is not None else None, want_wgrad=gw is not None)
         return y, gtw

@@ -1,29 +1,27 @@
 """MoELayer: router -> dispatch -> grouped SwiGLU experts -> combine on one :class:`tritonep.EPBuffer` (DESIGN.md §8).
 
-Eager calls compose differentiable pieces (``EPBuffer.dispatch``, :class:`tritonep.moe.experts.ExpertFFN`,
-``EPBuffer.combine``), so autograd gives the gradients of ``x``, the routing weights (hence the router), ``w1`` and
-``w2``. Under ``torch.compile`` the body after the router goes through the custom op of :mod:`tritonep.moe.ops`, whose
-hand-written backward (:meth:`MoELayer._backward_raw`) chains the same backward pieces.
+One forward and one backward: every call (eager or under ``torch.compile``) runs the body after the router through
+the custom op of :mod:`tritonep.moe.ops`, whose forward is :meth:`MoELayer._forward_raw` and whose hand-written
+backward (:meth:`MoELayer._backward_raw`) chains the backward halves of combine, the expert FFN and dispatch, so
+autograd gives the gradients of ``x``, the routing weights (hence the router), ``w1`` and ``w2``.
 
 With ``balance='virtual'`` (:mod:`tritonep.balance`) the routes are remapped to 2L runtime experts per rank (L native,
-then L virtual slots) and the expert GEMMs run as a split run (:func:`tritonep.moe.experts.expert_ffn_parts`): the
-native rows ``[0, expert_offsets[L-1])`` with the parameters ``w1`` / ``w2`` themselves, the rows after them with
-zero-copy views of only the ``n`` slots this rank uses (:class:`tritonep.balance.transport.PushUsedSlots`). One small
-host read per step (runtime offsets, slot usage, held experts) decides the split. Weight bytes moved per step and rank
-beyond ``balance='none'`` (``S`` = bytes of one expert's w1 + w2 = 3*H*I*itemsize, ``m`` = copies this rank pushes,
-``n`` = slots it uses, ``h`` = its native experts run elsewhere): push ``m*S``, slot GEMM reads ``n*S``, slot weight
-gradients ``n*S`` written and staged once more, pull ``(copies of its experts)*S`` read plus ``2*h*S`` for the
-in-place add into the native gradient (the pull kernel picks the held experts on the device). Before, every step
-concatenated ``[native; all L slots]`` (forward ~6*L*S: cat and slot clone) and produced, staged, pulled densely and
-accumulated 2L weight gradients (backward ~7*L*S).
+then L virtual slots) and the expert GEMMs run as a split run (:func:`tritonep.moe.experts.expert_ffn_parts_forward`):
+the native rows ``[0, expert_offsets[L-1])`` with ``w1`` / ``w2`` themselves, the rows after them with zero-copy
+views of only the ``n`` slots this rank uses. The counts exchange and the weight transport are the backend's
+(:meth:`tritonep.EPBuffer.counts_exchange`, :meth:`tritonep.EPBuffer.expert_transport`), so virtual experts run on
+either backend with the same bits. One small host read per step (runtime offsets, the placement's
+``experts_to_copy``, held experts) decides the split and gives the nccl transport its split sizes. Weight bytes
+moved per step and rank beyond ``balance='none'`` (``S`` = bytes of one expert's w1 + w2 = 3*H*I*itemsize, ``m`` =
+copies this rank pushes, ``n`` = slots it uses, ``h`` = its native experts run elsewhere): push ``m*S``, slot GEMM
+reads ``n*S``, slot weight gradients ``n*S`` written and staged once more, pull ``(copies of its experts)*S`` read
+plus ``2*h*S`` for the in-place add into the native gradient.
 
 Host protocol (DESIGN.md §6a): forward and backward launch the same signalling kernels and run the same host
 collectives in the same order on every rank, whatever its T (0 included), routes, used slots (0 included) or held
-experts: counts exchange, plan, dispatch, push (B1, one push per weight, B2), combine; backward combine-backward,
-then the pull (B3, one pull per weight, B4) and the dispatch-backward. The split run's torch GEMMs depend on the data
-(a part with no rows runs none) but they signal nothing, and the split run is one autograd node on every rank, so
-autograd orders the backward nodes the same everywhere (the pull's node is created after the dispatch's, so it runs
-first on every rank).
+experts: counts exchange, plan, dispatch, push, combine; backward: combine-backward, the pull, dispatch-backward (one
+backward function, so the order is fixed). The split run's torch GEMMs depend on the data (a part with no rows runs
+none) but they signal nothing.
 
 Idea sources: the DeepEP / Megatron-LM MoE layer split (router, token dispatcher, grouped GEMM experts).
 """
@@ -41,14 +39,12 @@ from ..ep import EPBuffer
 from ..ep.validate import check_expert_ids
 from ..errors import BufferStateError, CapacityError, ConfigError, InputError, PeerInputError, PlanError
 from . import ops
-from .layer_parts import take_part_refused, _ACT_DTYPE, _check_generation, _Split, _StaleGuard, expert_weights, layer_required_bytes
-from .experts import expert_ffn_parts, expert_ffn_parts_backward, expert_ffn_parts_forward
+from .experts import expert_ffn_parts_backward, expert_ffn_parts_forward
+from .layer_parts import _ACT_DTYPE, _check_generation, _Split, expert_weights, layer_required_bytes, take_part_refused
 from .recipe import MoEGeometry, MoERecipe, check_config
 from .router import TopKRouter
 
 __all__ = ["MoELayer"]
-
-
 
 class MoELayer(nn.Module):
     """Expert-parallel MoE layer (SwiGLU experts) for one EP group.
@@ -68,6 +64,8 @@ class MoELayer(nn.Module):
             forward then has only the dispatch's own host reads).
         timeout_s: bound of every in-kernel wait of the layer's EPBuffer, counts exchange and weight transport, in
             seconds (default: ``TRITONEP_TIMEOUT_S``).
+        backend: the EPBuffer backend (``"auto"`` | ``"triton"`` | ``"nccl"``); the counts exchange and weight
+            transport of virtual experts are that backend's, with the same results on every backend.
 
     Initial expert weights are drawn on the layer's device (one generator per expert, seeded by ``(seed, expert)``):
     identical for any world size on one device type, and a GPU layer never draws on the host (at DeepSeek-V3 sizes
@@ -91,7 +89,7 @@ class MoELayer(nn.Module):
 
     def __init__(self, recipe: MoERecipe, geometry: MoEGeometry, group, *, device=None,
                  dtype: torch.dtype = torch.bfloat16, seed: int = 0, record_stats: bool = False,
-                 timeout_s: float | None = None):
+                 timeout_s: float | None = None, backend: str = "auto"):
         super().__init__()
         self.record_stats = bool(record_stats)
         world_size = dist.get_world_size(group)
@@ -118,22 +116,17 @@ class MoELayer(nn.Module):
         self.buffer = EPBuffer(group, num_experts=g.num_experts * (2 if self.virtual else 1), hidden=g.hidden,
                                max_tokens_per_rank=g.max_tokens_per_rank, topk=g.topk,
                                dispatch_wire=recipe.dispatch_wire, combine_wire=recipe.combine_wire,
-                               expert_alignment=recipe.expert_alignment, backend="auto", dtype=_ACT_DTYPE,
+                               expert_alignment=recipe.expert_alignment, backend=backend, dtype=_ACT_DTYPE,
                                device=self.device, timeout_s=timeout_s)
         self.counts_x = self.transport = None
         self.last_placement = None
-        if self.virtual:
-            from ..balance.transport import ExpertTransport
-            from ..ep.counts import CountsExchange
-
-            self.counts_x = CountsExchange(group, g.num_experts, g.max_tokens_per_rank, g.topk, self.device,
-                                           timeout_s=timeout_s)
-            self.transport = ExpertTransport(group, g.num_experts,
-                                             {"w1": (g.hidden, 2 * g.intermediate), "w2": (g.intermediate, g.hidden)},
-                                             dtype=dtype, device=self.device, timeout_s=timeout_s)
+        if self.virtual:  # the backend's own counts exchange and weight transport
+            self.counts_x = self.buffer.counts_exchange(g.num_experts)
+            self.transport = self.buffer.expert_transport(
+                g.num_experts, {"w1": (g.hidden, 2 * g.intermediate), "w2": (g.intermediate, g.hidden)}, dtype)
         self.layer_id = ops.register_layer(self)
         self._stash: dict = {}
-        self._fwd_gen = 0  # forwards so far: a backward needs its forward to be the latest (see _StaleGuard)
+        self._fwd_gen = 0  # forwards so far: a backward needs its forward to be the latest
         self._tickets = itertools.count()
         self._closed = False
         self.last_timings: dict = {}
@@ -163,26 +156,25 @@ class MoELayer(nn.Module):
 
     @staticmethod
     def required_bytes(recipe: MoERecipe, geometry: MoEGeometry, world_size: int,
-                       device_type: str | None = None, dtype: torch.dtype = torch.bfloat16) -> int:
-        """Symmetric bytes one rank's layer allocates (equals ``layer.buffer.allocated_bytes``); no group needed.
+                       device_type: str | None = None, dtype: torch.dtype = torch.bfloat16,
+                       backend: str = "triton") -> int:
+        """Symmetric bytes one rank's layer allocates (equals ``layer.allocated_bytes``); no group needed.
 
         Args:
             device_type: ``"cuda"`` or ``"cpu"`` (kernel tiles, hence scratch sizes, differ); default: cuda when
                 available, else cpu.
+            backend: ``"triton"`` (what ``"auto"`` picks on one host) or ``"nccl"`` (no symmetric memory: 0).
 
         Raises:
             ConfigError: as the constructor.
         """
-        return layer_required_bytes(recipe, geometry, world_size, device_type, dtype)
+        return layer_required_bytes(recipe, geometry, world_size, device_type, dtype, backend)
 
     @property
     def allocated_bytes(self) -> int:
         """Symmetric bytes this rank's layer holds (EPBuffer, plus counts exchange and slots with virtual experts)."""
-        n = self.buffer.allocated_bytes
-        for part in (self.counts_x, self.transport):
-            if part is not None and part.buf is not None:
-                n += part.buf.nbytes
-        return n
+        return self.buffer.allocated_bytes + sum(p.allocated_bytes for p in (self.counts_x, self.transport)
+                                                 if p is not None)
 
     # ------------------------------------------------------------------------------------------ forward
     def _now(self) -> float:
@@ -235,24 +227,28 @@ class MoELayer(nn.Module):
         take_part_refused(self.buffer, self.counts_x if self.virtual and not planned else None, err)
 
     def _split(self, offs: torch.Tensor, placement) -> _Split:
-        """One host read: the native/slot row boundary, the used slots and the held native experts of this step.
+        """One host read: the native/slot row boundary, the used slots, the held native experts and the placement's
+        ``experts_to_copy`` of this step (the nccl transport's split sizes).
 
         Raises:
             PlanError: rows routed to a virtual slot the placement leaves unused (they would run no weights).
         """
         from ..balance.transport import used_slot_count
 
-        L, lo = self.num_local_experts, self.rank * self.num_local_experts
+        L, W, lo = self.num_local_experts, self.world_size, self.rank * self.num_local_experts
         held = (placement.expert_slot[lo:lo + L] >= 0).any(dim=1)
-        info = torch.cat([offs.to(torch.int64), placement.experts_to_copy[self.rank].to(torch.int64),
+        info = torch.cat([offs.to(torch.int64), placement.experts_to_copy.reshape(-1).to(torch.int64),
                           held.to(torch.int64)]).tolist()
-        ends, etc, held = info[:2 * L], info[2 * L:3 * L], info[3 * L:]
-        n = used_slot_count(etc)
+        ends, held = info[:2 * L], info[2 * L + W * L:]
+        etc = [info[2 * L + d * L:2 * L + (d + 1) * L] for d in range(W)]
+        n = used_slot_count(etc[self.rank])
         last = ends[L + n - 1] if n else ends[L - 1]
         if ends[-1] != last:
             raise PlanError(f"rank {self.rank}: {ends[-1] - last} rows routed to virtual slots >= {n}, which the "
-                            f"placement leaves unused (experts_to_copy[{self.rank}]={etc}, expert_offsets={ends})")
-        return _Split(native_end=ends[L - 1], num_used=n, held=[j for j, h in enumerate(held) if h])
+                            f"placement leaves unused (experts_to_copy[{self.rank}]={etc[self.rank]}, "
+                            f"expert_offsets={ends})")
+        return _Split(native_end=ends[L - 1], num_used=n, held=[j for j, h in enumerate(held) if h],
+                      experts_to_copy=etc)
 
     def _parts(self, d, split: _Split | None):
         """``(bounds, offs)`` of the split run: one part without virtual experts, else native rows then used slots."""
@@ -287,13 +283,16 @@ class MoELayer(nn.Module):
                 raise InputError("give both topk_idx and topk_weights, or neither (then the router routes)")
             if topk_idx is None:
                 topk_idx, topk_weights = self.router(x)
+            bad = [n for n, t in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights))
+                   if not isinstance(t, torch.Tensor)]
+            if bad:
+                raise InputError(f"{', '.join(bad)} must be torch.Tensor, got "
+                                 f"{[type(t).__name__ for t in (x, topk_idx, topk_weights)]}")
         except (InputError, CapacityError) as e:  # every rank fails this call together (DESIGN.md 6a)
             self._take_part_refused(e)
-        if torch.compiler.is_compiling():
-            save = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weights, self.w1, self.w2))
-            y, _ticket = ops.moe_layer_forward(x, topk_idx, topk_weights, self.w1, self.w2, self.layer_id, save)
-            return y
-        return self._forward_autograd(x, topk_idx, topk_weights)
+        save = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weights, self.w1, self.w2))
+        y, _ticket = ops.moe_layer_forward(x, topk_idx, topk_weights, self.w1, self.w2, self.layer_id, save)
+        return y
 
     def _record(self, t, d, split):
         # t: start, planned, dispatched, pushed, gemm done, combined
@@ -307,31 +306,9 @@ class MoELayer(nn.Module):
             if split is not None:
                 self.last_timings["balance_s"] = (t[1] - t[0]) + (t[3] - t[2])
 
-    def _forward_autograd(self, x, topk_idx, topk_weights):
-        self._fwd_gen += 1
-        t, placement, d = self._plan_and_dispatch(x, topk_idx, topk_weights)
-        split = None
-        w1, w2 = (self.w1,), (self.w2,)
-        if self.virtual:
-            from ..balance.transport import PushUsedSlots
-
-            split = self._split(d.expert_offsets, placement)
-            n1, n2, s1, s2 = PushUsedSlots.apply(self.transport, placement, ("w1", "w2"), split.num_used, split.held,
-                                                 self.w1, self.w2)
-            w1, w2 = (n1, s1), (n2, s2)
-        t.append(self._now() if self.virtual else t[-1])
-        bounds, offs = self._parts(d, split)
-        eo = expert_ffn_parts(d.x, bounds, offs, w1, w2, out=self.buffer.expert_out_buffer(d.x.shape[0]))
-        t.append(self._now())
-        y = self.buffer.combine(eo, d.handle, kind=self.recipe.combine)
-        t.append(self._now())
-        self._record(t, d, split)
-        if torch.is_grad_enabled() and y.requires_grad:
-            y = _StaleGuard.apply(y, self, self._fwd_gen)
-        return y
-
     def _forward_raw(self, x, topk_idx, topk_weights, w1, w2, save: bool):
-        """No-autograd forward for the custom op; returns ``(y, ticket)`` and keeps the backward state if ``save``.
+        """The layer's one forward (run by the custom op, eager or compiled); returns ``(y, ticket)`` and keeps the
+        backward state of this call, the only one kept (an earlier call's is dropped), if ``save``.
 
         ``topk_idx`` are global expert ids and ``w1`` / ``w2`` this rank's native weights in both modes; with
         virtual experts the plan, the push and the split run happen in here (the op is opaque to the tracer).
@@ -342,7 +319,7 @@ class MoELayer(nn.Module):
             w1s, w2s = (w1,), (w2,)
             if self.virtual:
                 split = self._split(d.expert_offsets, placement)
-                self.transport.push({"w1": w1, "w2": w2}, placement)
+                self.transport.push({"w1": w1, "w2": w2}, placement, split.experts_to_copy)
                 views = self.transport.slot_views(split.num_used)
                 w1s, w2s = (w1, views["w1"]), (w2, views["w2"])
             t.append(self._now() if self.virtual else t[-1])
@@ -357,6 +334,7 @@ class MoELayer(nn.Module):
         self._fwd_gen += 1
         if save:
             ticket = next(self._tickets)
+            self._stash.clear()  # an earlier forward's backward is refused anyway (its expert outputs are gone)
             self._stash[ticket] = dict(xr=d.x, bounds=bounds, offs=offs, hs=hs, eo=eo, handle=d.handle,
                                        w1=tuple(w.detach() for w in w1s), w2=tuple(w.detach() for w in w2s),
                                        placement=placement, split=split, gen=self._fwd_gen)
@@ -367,13 +345,17 @@ class MoELayer(nn.Module):
 
         Chains the backward pieces of combine (``grad_expert_out``, per-row weight grads), the expert FFN and
         dispatch (sums rows back to tokens, gathers weight grads); with virtual experts the slot gradients are
-        pulled back into the native ones (:meth:`tritonep.balance.transport.ExpertTransport.pull_add`). The expert
-        output rows (and the slot weights) read here live in symmetric regions: a later forward of this layer
-        before this backward overwrites them.
+        pulled back into the native ones (the backend transport's ``pull`` into them). The expert output rows (and
+        the slot weights) read here live in the buffer's memory: a later forward of this layer before this backward
+        overwrites them, so that backward is refused.
+
+        Raises:
+            BufferStateError: the call's state is gone (consumed by a backward, or replaced by a later forward).
         """
         if ticket not in self._stash:
-            raise BufferStateError(f"MoELayer {self.layer_id}: no saved forward for ticket {ticket} (already "
-                                   f"consumed by a backward?)")
+            raise BufferStateError(f"MoELayer {self.layer_id}: no saved forward for ticket {ticket} (consumed by a "
+                                   f"backward, or a later forward of this layer overwrote its expert outputs: run "
+                                   f"each forward's backward before the next forward of this layer)")
         st = self._stash.pop(ticket)
         _check_generation(self, st["gen"])
         buf = self.buffer  # the backward halves of dispatch / combine (as used by tritonep.ep.autograd)
@@ -382,8 +364,8 @@ class MoELayer(nn.Module):
                                                      st["hs"])
         if self.virtual:
             sp = st["split"]
-            g = self.transport.pull_add({"w1": g_w1[0], "w2": g_w2[0]}, {"w1": g_w1[1], "w2": g_w2[1]},
-                                        st["placement"], sp.num_used, sp.held)
+            g = self.transport.pull({"w1": g_w1[1], "w2": g_w2[1]}, st["placement"], sp.num_used, sp.held,
+                                    into={"w1": g_w1[0], "w2": g_w2[0]}, experts_to_copy_host=sp.experts_to_copy)
             g_w1, g_w2 = (g["w1"],), (g["w2"],)
         g_x, g_tw = buf.dispatch_backward(g_xr, g_rw, st["handle"])
         return g_x, g_tw, g_w1[0], g_w2[0]

@@ -1,4 +1,4 @@
-"""Pieces of :class:`tritonep.moe.layer.MoELayer` that need no layer instance: the stale-backward guard, the
+"""Pieces of :class:`tritonep.moe.layer.MoELayer` that need no layer instance: the stale-backward check, the
 per-step virtual-expert facts, the seeded expert weight draw and the symmetric-memory size of a layer.
 """
 
@@ -11,7 +11,7 @@ from typing import Iterable
 import torch
 
 from ..ep import EPBuffer
-from ..errors import BufferStateError
+from ..errors import BufferStateError, ConfigError
 from .recipe import MoEGeometry, MoERecipe, check_config
 
 _ACT_DTYPE = torch.bfloat16  # tokens, received rows and expert outputs travel in bf16
@@ -28,31 +28,19 @@ def _check_generation(layer, gen):
             f"backward before the next forward of this layer (or use one layer per in-flight micro-batch)")
 
 
-class _StaleGuard(torch.autograd.Function):
-    """Identity on the layer output whose backward (the first of the layer's backward) refuses a stale forward."""
-
-    @staticmethod
-    def forward(ctx, y, layer, gen):
-        ctx.layer, ctx.gen = layer, gen
-        return y.view_as(y)
-
-    @staticmethod
-    def backward(ctx, g):
-        _check_generation(ctx.layer, ctx.gen)
-        return g, None, None
-
-
-@dataclass
+@dataclass(frozen=True)
 class _Split:
     """Host facts of one virtual-expert step on this rank (read once after dispatch).
 
     ``native_end``: rows of the native experts (``expert_offsets[L-1]``); ``num_used``: virtual slots used;
-    ``held``: this rank's native expert indices some peer runs this step.
+    ``held``: this rank's native expert indices some peer runs this step; ``experts_to_copy``: the placement's
+    ``[W, L]`` slot contents (host lists; the nccl transport's split sizes).
     """
 
     native_end: int
     num_used: int
     held: list
+    experts_to_copy: list
 
 
 def expert_weights(geometry: MoEGeometry, seed: int, dtype: torch.dtype, experts: Iterable[int], device=None):
@@ -74,10 +62,15 @@ def expert_weights(geometry: MoEGeometry, seed: int, dtype: torch.dtype, experts
 
 
 def layer_required_bytes(recipe: MoERecipe, geometry: MoEGeometry, world_size: int, device_type: str | None,
-                         dtype: torch.dtype) -> int:
+                         dtype: torch.dtype, backend: str = "triton") -> int:
     """Body of :meth:`tritonep.MoELayer.required_bytes`: symmetric bytes of one rank's layer (EPBuffer, plus the
-    counts exchange and the expert slots with virtual experts). Raises ConfigError as the layer's constructor."""
+    counts exchange and the expert slots with virtual experts; 0 on the nccl backend, which holds no symmetric
+    memory). Raises ConfigError as the layer's constructor, and for a backend other than triton / nccl."""
     check_config(recipe, geometry, world_size)
+    if backend not in ("triton", "nccl"):
+        raise ConfigError(f"backend={backend!r} is not 'triton' or 'nccl'")
+    if backend == "nccl":
+        return 0
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     g = geometry
@@ -88,8 +81,8 @@ def layer_required_bytes(recipe: MoERecipe, geometry: MoEGeometry, world_size: i
                                     expert_alignment=recipe.expert_alignment, max_recv_tokens=None,
                                     dtype=_ACT_DTYPE, device_type=device_type)
     if virtual:
-        from ..balance.transport import transport_regions
         from ..ep.counts import counts_regions
+        from ..ep.expert_transport import transport_regions
         from ..memory import required_bytes as _rb
 
         L = g.num_experts // world_size
@@ -106,8 +99,8 @@ def take_part_refused(buffer, counts_x, err: Exception):
 
     Args:
         buffer: the layer's :class:`tritonep.EPBuffer`; its dispatch takes part with no tokens and the flag.
-        counts_x: the planner's :class:`tritonep.ep.counts.CountsExchange` when its exchange has not run yet in
-            this call (virtual experts), else None.
+        counts_x: the planner's counts exchange (:class:`tritonep.ep.backends.CountsExchange`) when its exchange
+            has not run yet in this call (virtual experts), else None.
         err: the refusal to raise on this rank.
     """
     import torch

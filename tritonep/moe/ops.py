@@ -1,4 +1,6 @@
-"""torch.library custom ops so that models using :class:`tritonep.MoELayer` can be traced by ``torch.compile``.
+"""torch.library custom ops: the one forward / backward of :class:`tritonep.MoELayer`, eager and compiled.
+
+Every layer call goes through :func:`moe_layer_forward` (eager too), so there is one forward and one backward.
 
 Dispatch, the expert GEMMs and combine have data-dependent row counts and talk to peers through symmetric memory,
 which a tracer cannot see into. The whole layer body is therefore one opaque op with a fake (meta) implementation

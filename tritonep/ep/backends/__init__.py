@@ -5,11 +5,19 @@ autograd functions, :mod:`tritonep.ep.autograd`) calls. A new backend (e.g. mult
 satisfies it plus one :class:`BackendSpec` passed to :func:`register_backend`; EPBuffer builds it with keyword
 arguments only (:func:`build_backend`) and never probes it with ``hasattr``.
 
+Virtual experts (:mod:`tritonep.balance`) need two more collective services per backend, built through its
+:class:`BackendSpec` (``EPBuffer.counts_exchange`` / ``EPBuffer.expert_transport``): a :class:`CountsExchange`
+(every rank's expert histogram) and an :class:`ExpertTransport` (weights into peers' virtual slots, gradients back).
+Both give the same bits on every backend; their torch twins are :func:`tritonep.kernels.layout.counts_torch` and
+:func:`tritonep.ep.slot_transport.pull_torch`.
+
 Registered today (in ``"auto"`` preference order):
 
-* ``triton`` (:class:`tritonep.ep.triton_backend.TritonEP`): symmetric memory + Triton kernels; needs every rank
-  to map every peer's memory (one host, peer access).
-* ``nccl`` (:class:`tritonep.ep.nccl_backend.NcclEP`): ``torch.distributed`` all_to_all; works for any group.
+* ``triton`` (:class:`tritonep.ep.triton_backend.TritonEP`, :class:`tritonep.ep.counts.CountsExchange`,
+  :class:`tritonep.ep.expert_transport.ExpertTransport`): symmetric memory + Triton kernels; needs every rank to
+  map every peer's memory (one host, peer access).
+* ``nccl`` (:class:`tritonep.ep.nccl_backend.NcclEP`, :mod:`tritonep.ep.nccl_side`): ``torch.distributed``
+  collectives; works for any group.
 
 ``"auto"`` picks the first registered backend whose needs every rank meets
 (:func:`tritonep.ep.backend_choice.choose_backend`, one all_gather of per-rank reports).
@@ -22,7 +30,8 @@ from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["EPBackend", "BackendSpec", "BACKENDS", "register_backend", "build_backend", "backend_names"]
+__all__ = ["EPBackend", "CountsExchange", "ExpertTransport", "BackendSpec", "BACKENDS", "register_backend",
+           "build_backend", "backend_names"]
 
 
 @runtime_checkable
@@ -80,6 +89,72 @@ class EPBackend(Protocol):
         ...
 
 
+@runtime_checkable
+class CountsExchange(Protocol):
+    """One rank's counts exchange (collective): ``gather(topk_idx [T, K]) -> counts int32 [W, E]`` with
+    ``counts[r, e]`` = routes of rank r to expert e (ids outside ``[0, E)`` not counted; outside ``[-1, E)``
+    flagged for :meth:`check`). A refused ``topk_idx`` takes part with no routes and a flag, then raises
+    InputError / CapacityError. No host read."""
+
+    host_reads: int
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Symmetric bytes this rank holds."""
+        ...
+
+    def gather(self, topk_idx: torch.Tensor) -> torch.Tensor:
+        """The ``[W, E]`` int32 matrix of this call."""
+        ...
+
+    def check(self) -> None:
+        """Raise an error the exchange recorded (one host read)."""
+        ...
+
+    def close(self) -> None:
+        """Release what it holds (collective)."""
+        ...
+
+
+@runtime_checkable
+class ExpertTransport(Protocol):
+    """One rank's virtual-expert weight transport (collective); see :mod:`tritonep.ep.slot_transport`.
+
+    ``push(weights, placement, experts_to_copy_host=None) -> {name: slots [L, *shape]}``;
+    ``slot_views(num_used) -> {name: [num_used, *shape]}``; ``pull(slot_grads, placement, num_used=None, held=(),
+    into=None, experts_to_copy_host=None) -> {name: [L, *shape]}`` (accumulates into ``into`` in place, or into
+    zeros). ``experts_to_copy_host``: a host copy of ``placement.experts_to_copy`` for backends that need host
+    split sizes (ignored by the others).
+    """
+
+    host_reads: int
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Symmetric bytes this rank holds."""
+        ...
+
+    def push(self, weights: dict, placement, experts_to_copy_host=None) -> dict:
+        """Owners' weights into every rank's slots."""
+        ...
+
+    def slot_views(self, num_used: int) -> dict:
+        """Zero-copy views of the first ``num_used`` slots."""
+        ...
+
+    def pull(self, slot_grads: dict, placement, num_used=None, held=(), into=None, experts_to_copy_host=None) -> dict:
+        """Slot gradients back to their owners' native gradients."""
+        ...
+
+    def check(self) -> None:
+        """Raise an error the transport recorded (one host read)."""
+        ...
+
+    def close(self) -> None:
+        """Release what it holds (collective)."""
+        ...
+
+
 @dataclass(frozen=True)
 class BackendSpec:
     """One registered backend.
@@ -91,12 +166,18 @@ class BackendSpec:
             dispatch_wire=, combine_wire=, timeout_s=)`` -> :class:`EPBackend`.
         needs_peer_memory: usable only when every rank maps every peer's memory (one host, peer access).
         graph_capture: its calls can be captured in a CUDA graph.
+        counts_exchange: keyword-only constructor ``(group=, num_experts=, max_tokens_per_rank=, topk=, device=,
+            timeout_s=)`` -> :class:`CountsExchange`.
+        expert_transport: keyword-only constructor ``(group=, num_experts=, shapes=, dtype=, device=, timeout_s=)``
+            -> :class:`ExpertTransport`.
     """
 
     name: str
     build: Callable[..., EPBackend]
     needs_peer_memory: bool
     graph_capture: bool
+    counts_exchange: Callable[..., CountsExchange]
+    expert_transport: Callable[..., ExpertTransport]
 
 
 def _build_triton(*, group, rank, world_size, num_experts, hidden, max_tokens_per_rank, topk, expert_alignment,
@@ -121,6 +202,34 @@ def _build_nccl(*, group, rank, world_size, num_experts, hidden, max_tokens_per_
                   timeout_s=timeout_s)
 
 
+def _triton_counts(*, group, num_experts, max_tokens_per_rank, topk, device, timeout_s=None) -> CountsExchange:
+    """Keyword-only constructor of the triton counts exchange (symmetric memory)."""
+    from ..counts import CountsExchange as TritonCounts
+
+    return TritonCounts(group, num_experts, max_tokens_per_rank, topk, device, timeout_s=timeout_s)
+
+
+def _triton_transport(*, group, num_experts, shapes, dtype, device, timeout_s=None) -> ExpertTransport:
+    """Keyword-only constructor of the triton expert transport (symmetric memory)."""
+    from ..expert_transport import ExpertTransport as TritonTransport
+
+    return TritonTransport(group, num_experts, shapes, dtype=dtype, device=device, timeout_s=timeout_s)
+
+
+def _nccl_counts(*, group, num_experts, max_tokens_per_rank, topk, device, timeout_s=None) -> CountsExchange:
+    """Keyword-only constructor of the nccl counts exchange (one all_gather)."""
+    from ..nccl_side import NcclCountsExchange
+
+    return NcclCountsExchange(group, num_experts, max_tokens_per_rank, topk, device, timeout_s=timeout_s)
+
+
+def _nccl_transport(*, group, num_experts, shapes, dtype, device, timeout_s=None) -> ExpertTransport:
+    """Keyword-only constructor of the nccl expert transport (all_to_all)."""
+    from ..nccl_side import NcclExpertTransport
+
+    return NcclExpertTransport(group, num_experts, shapes, dtype=dtype, device=device, timeout_s=timeout_s)
+
+
 BACKENDS: dict[str, BackendSpec] = {}  # insertion order = "auto" preference order
 
 
@@ -129,8 +238,10 @@ def register_backend(spec: BackendSpec) -> None:
     BACKENDS[spec.name] = spec
 
 
-register_backend(BackendSpec("triton", _build_triton, needs_peer_memory=True, graph_capture=True))
-register_backend(BackendSpec("nccl", _build_nccl, needs_peer_memory=False, graph_capture=False))
+register_backend(BackendSpec("triton", _build_triton, needs_peer_memory=True, graph_capture=True,
+                             counts_exchange=_triton_counts, expert_transport=_triton_transport))
+register_backend(BackendSpec("nccl", _build_nccl, needs_peer_memory=False, graph_capture=False,
+                             counts_exchange=_nccl_counts, expert_transport=_nccl_transport))
 
 
 def backend_names() -> tuple:

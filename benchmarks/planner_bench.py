@@ -1,8 +1,12 @@
-"""Virtual-expert planner time on one GPU (issue 5: target <= 15 us at 4096 tokens x top-8, 256 experts).
+"""Virtual-expert planner time on one GPU (issue 18: one launch, target <= 15 us at 4096 tokens x top-8, 256 experts).
 
     PYTHONPATH=. python benchmarks/planner_bench.py --json $OUT/planner.json
+    PYTHONPATH=. python benchmarks/planner_bench.py --modes reference minimal --num-programs 0 32 128 \\
+        --blocks 0 32 128 --json $OUT/planner_sweep.json                     # chunk / tile sweep
+    python benchmarks/planner_bench.py --cpu                                 # CPU smoke run of the checks
 
-Method: :mod:`tritonep.bench.planner` (CUDA-graph replay and eager, OLMoE-skewed routing, checked against the twins).
+Method: :mod:`tritonep.bench.planner` (one launch timed as CUDA-graph replays and eagerly, OLMoE-skewed routing);
+every point checks itself against the torch twins after timing; a failed point prints FAILED and the run exits 1.
 """
 
 import argparse
@@ -14,29 +18,40 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from tritonep.bench.check import exit_code  # noqa: E402
 from tritonep.bench.planner import bench_planner  # noqa: E402
 
 
-def main():
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--num-experts", type=int, default=256)
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8])
-    ap.add_argument("--num-programs", type=int, nargs="*", default=[0], help="0 = plan()'s default")
+    ap.add_argument("--modes", nargs="+", default=["reference"], choices=["reference", "minimal"])
+    ap.add_argument("--num-programs", type=int, nargs="*", default=[0], help="route chunks; 0 = plan()'s default")
+    ap.add_argument("--blocks", type=int, nargs="*", default=[0], help="routes per tile; 0 = plan()'s default")
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--cpu", action="store_true", help="small CPU smoke run (interpreter): 16 tokens x top-2, 8 experts")
     ap.add_argument("--json", default="")
-    a = ap.parse_args()
-    rows = bench_planner(a.worlds, a.tokens, a.topk, a.num_experts, a.num_programs, a.iters)
-    print(f"{'W':>3s} {'programs':>9s} {'graph us':>9s} {'eager us':>9s} equal")
+    a = ap.parse_args(argv)
+    if a.cpu:
+        a.tokens, a.topk, a.num_experts, a.worlds, a.iters = 16, 2, 8, [2, 4], 1
+    rows = bench_planner(a.worlds, a.tokens, a.topk, a.num_experts, a.num_programs, a.iters, a.blocks, a.modes)
+    print(f"{'W':>3s} {'mode':>9s} {'programs':>9s} {'block':>7s} {'launches':>8s} {'graph us':>9s} {'eager us':>9s} "
+          "checked")
     for r in rows:
-        print(f"{r['world_size']:3d} {str(r['num_programs']):>9s} {r['graph_us']:9.1f} {r['eager_us']:9.1f} "
-              f"{r['equal_to_torch']}")
+        g = f"{r['graph_us']:9.1f}" if r["graph_us"] is not None else f"{'-':>9s}"
+        print(f"{r['world_size']:3d} {r['mode']:>9s} {str(r['num_programs']):>9s} {str(r['block']):>7s} "
+              f"{r['launches']:8d} {g} "
+              f"{r['eager_us']:9.1f} {'ok' if r['checked'] else 'FAILED'}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, command=" ".join(sys.argv),
-                           rows=rows), f, indent=1)
+            json.dump(dict(gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                           torch=torch.__version__, triton=__import__("triton").__version__,
+                           command=" ".join(sys.argv), rows=rows), f, indent=1)
+    return exit_code(rows)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -239,7 +239,7 @@ def test_minimal_planner_compiles_for_sm90():
         for world, num_experts in ((8, 64), (2, 8)):
             counts = torch.randint(0, 9, (world, num_experts), dtype=torch.int32)
             plan(counts, NO_ROUTES, 0, mode="minimal")
-    assert {r.get("name") for r in recs} == {"plan_kernel", "plan_remap_kernel"}
+    assert {r.get("name") for r in recs} == {"plan_kernel"}  # one launch per planner step
     failures = compile_recorded(recs)
     assert not failures, "\n\n".join(f"{n}: {e}" for n, e in failures)
 

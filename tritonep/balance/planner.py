@@ -1,9 +1,10 @@
-"""Host wrapper of the Triton virtual-expert planner: two launches, no host sync, bit-equal to the torch twins.
+"""Host wrapper of the Triton virtual-expert planner: ONE launch, no host sync, bit-equal to the torch twins.
 
 ``plan(counts, topk_idx, rank, mode=m)`` == ``(place_torch(counts, m), remap_torch(topk_idx, place_torch(counts,
 m), rank, counts))`` bit for bit in both modes (tested), computed by :func:`tritonep.kernels.planner.plan_kernel`
-(placement + per-chunk expert histograms; one warp while the placement tiles are small, see ``_plan_warps``) then
-:func:`tritonep.kernels.planner.plan_remap_kernel` (remap, one route chunk per program).
+(placement on one program while the others histogram, look back and remap their route chunks; one warp while the
+placement tiles are small, see ``_plan_warps``). The kernel's roles and flags use a small persistent state per
+device (``_sync_state``), zeroed once and never reset between calls.
 """
 
 from __future__ import annotations
@@ -17,24 +18,28 @@ from tritonep.balance.placement import (
 )
 from tritonep.balance.remap import check_topk_idx
 from tritonep.errors import PlanError
-from tritonep.kernels.planner import plan_kernel, plan_remap_kernel
+from tritonep.kernels.planner import plan_kernel
 
 __all__ = ["plan", "plan_status", "check_plan_status"]
 
 _STATUS_BITS = {1: "a negative entry in counts", 2: "topk_idx histogram differs from counts[rank]",
-                4: "an expert id outside [-1, num_experts) in topk_idx"}
+                4: "an expert id outside [-1, num_experts) in topk_idx",
+                8: "an internal wait of the planner kernel gave up (TRITONEP_TIMEOUT_S)"}
+MAX_PLAN_PROGRAMS = 256  # route chunks per launch (the kernel's flag vector is sized from it)
+# the kernel's persistent state per device, see _sync_state
+_SYNC: dict = {}
 
 
-# Launch 1 runs one warp while the placement's largest tile (W_PAD * max(L_PAD, W_PAD)) has at most
-# _ONE_WARP_TILE elements: every reduction of the serial placement loops is then a warp shuffle (no shared memory
-# round trip, no barrier). Larger tiles take 4 warps up to 1024 elements, else 8 (no register spills for sm_90 at
-# any W <= 64, E <= 1024, checked with ptxas). The placement loads _RB_ELEMS counts per unrolled step.
+# The launch runs one warp while the placement's largest tile (W_PAD * max(L_PAD, W_PAD)) has at most
+# _ONE_WARP_TILE elements: every reduction of the serial placement loops (the critical path) is then a warp shuffle
+# (no shared memory round trip, no barrier). Larger tiles take 4 warps up to 1024 elements, else 8. The placement
+# loads _RB_ELEMS counts per unrolled step; the chunk programs sum 1024 * warps scratch elements per step.
 _ONE_WARP_TILE = 512
 _RB_ELEMS = 2048
 
 
 def _plan_warps(w_pad: int, l_pad: int) -> int:
-    """num_warps of launch 1 for padded world ``w_pad`` and padded local experts ``l_pad`` (see above)."""
+    """num_warps of the launch for padded world ``w_pad`` and padded local experts ``l_pad`` (see above)."""
     tile = w_pad * max(l_pad, w_pad)
     return 1 if tile <= _ONE_WARP_TILE else (4 if tile <= 1024 else 8)
 
@@ -46,17 +51,19 @@ def _pow2(n: int) -> int:
 def plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, *, num_programs: Optional[int] = None,
          block: Optional[int] = None, validate: bool = False,
          mode: str = "reference") -> tuple[Placement, torch.Tensor]:
-    """Plan this step's virtual experts and remap this rank's routes, in two Triton launches.
+    """Plan this step's virtual experts and remap this rank's routes, in one Triton launch.
 
     Args:
         counts: ``[W, E]`` int32/int64 on the device, ``counts[r, e]`` = valid routes source rank ``r`` sends to
             expert ``e`` (identical on every rank: the gathered dispatch histogram). Any strides.
         topk_idx: ``[T, K]`` int32/int64 on the same device, this rank's global expert ids, -1 = masked. T may be 0.
         rank: this rank in ``[0, W)``.
-        num_programs: number of route chunks ``G`` (launch 1 runs ``G + 1`` programs: the placement and one
-            histogram per chunk; launch 2 runs ``G``: one chunk each). Default: 1 under the interpreter / on CPU,
-            else ``min(64, ceil(T*K / 512))``. Derived from shapes only, so the launches stay graph-capturable.
-        block: routes per tile, a power of two in ``[16, 256]``; default 128 on CUDA, 64 elsewhere.
+        num_programs: number of route chunks ``G`` in ``[1, 256]`` (the launch runs ``G + 1`` programs: the
+            placement and one per chunk). Default: 1 under the interpreter / on CPU, else ``min(64, ceil(T*K /
+            512))``. Derived from shapes only, so the launch stays graph-capturable.
+        block: routes per tile, a power of two in ``[16, 256]``; default on CUDA 64 when the launch runs one warp
+            (see ``_plan_warps``) or ``W > 16``, else 128; 64 elsewhere. (ptxas -v, sm_90, W in {2, 4, 8, 16, 64},
+            E <= 1024, both modes: no register spills with these defaults, except 12 bytes at W=8 minimal.)
         validate: read the status word back and raise on bad data (a host sync); default False.
         mode: ``"reference"`` (default, MoonEP / Megatron placement) or ``"minimal"`` (no rank both sends and
             receives, moved routes == total excess when the slots suffice); see
@@ -68,11 +75,18 @@ def plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, *, num_program
         runtime expert ids (-1 stays -1; an id outside ``[-1, E)`` becomes ``2E``, outside the runtime range, so the
         dispatch of the runtime ids refuses it on every rank).
 
+    Notes:
+        The launch keeps a small persistent state per device (its call number and chunk flags, see
+        ``_sync_state``): plan() calls on one device must not run concurrently on two streams, and the first call
+        on a device belongs outside a CUDA-graph capture (a warm-up), else the graph also holds the state's
+        zero-fill. A program waits only on programs that took an earlier arrival ticket, so no wait can outlive a
+        schedule; every wait is still bounded (TRITONEP_TIMEOUT_S; status bit 8).
+
     Raises:
         PlanError: shape/dtype/device problems, ``E % W != 0``, ``W > MAX_PLANNER_WORLD`` (64), ``E >
-            MAX_PLANNER_EXPERTS`` (1024), ``rank`` out of range, bad ``block``, unknown ``mode``; with
-            ``validate=True`` also bad values (negative counts, ids outside ``[-1, E)``, ``topk_idx`` not matching
-            ``counts[rank]``).
+            MAX_PLANNER_EXPERTS`` (1024), ``rank`` out of range, bad ``block`` or ``num_programs``, unknown
+            ``mode``; with ``validate=True`` also bad values (negative counts, ids outside ``[-1, E)``, ``topk_idx``
+            not matching ``counts[rank]``) and an internal wait that gave up (status bit 8).
     """
     mode_id = PLACEMENT_MODES.index(_check_mode(mode))
     check_counts(counts, max_world=MAX_PLANNER_WORLD, check_values=False)
@@ -87,18 +101,20 @@ def plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, *, num_program
     if not 0 <= int(rank) < world:
         raise PlanError(f"rank={rank} outside [0, {world})")
     on_gpu = counts.device.type == "cuda"
-    if block is None:
-        block = 128 if on_gpu else 64
+    L = num_experts // world
+    w_pad, l_pad = _pow2(world), _pow2(L)
+    warps = _plan_warps(w_pad, l_pad)
+    if block is None:  # the ordinal pass holds a [block, block] tile and [block, W_PAD] run rows in registers
+        block = (64 if warps == 1 or w_pad > 16 else 128) if on_gpu else 64
     if block not in (16, 32, 64, 128, 256):
         raise PlanError(f"block={block} must be a power of two in [16, 256]")
-    L = num_experts // world
     num_tokens, topk = int(topk_idx.shape[0]), int(topk_idx.shape[1])
     num_routes = num_tokens * topk
     num_tiles = -(-num_routes // block)
     if num_programs is None:
         num_programs = max(1, min(64, -(-num_routes // 512))) if on_gpu else 1
-    if num_programs < 1:
-        raise PlanError(f"num_programs={num_programs} must be >= 1")
+    if not 1 <= num_programs <= MAX_PLAN_PROGRAMS:
+        raise PlanError(f"num_programs={num_programs} must be in [1, {MAX_PLAN_PROGRAMS}]")
     tiles_per_program = max(1, -(-num_tiles // num_programs))
 
     dev = counts.device
@@ -112,29 +128,41 @@ def plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, *, num_program
     cap = torch.empty(world, **i32)
     status = torch.empty(num_programs + 1, **i32)
     e_pad = _pow2(num_experts)
-    hist = torch.empty(num_programs + 1, e_pad, **i32)  # row 0: prefix over lower ranks; row c+1: chunk c
+    hist = torch.empty(num_programs, e_pad, **i32)  # row c: histogram of route chunk c
     chunk = tiles_per_program * block
-    meta = dict(W=world, L=L, K=max(1, topk))
-    w_pad, l_pad = _pow2(world), _pow2(L)
+    sync, flags = _sync_state(dev, num_programs + 1)
+    from tritonep.ep.status import wait_bound
+
     plan_kernel[(num_programs + 1,)](
         counts, counts.stride(0), counts.stride(1),
         topk_idx, topk_idx.stride(0), topk_idx.stride(1), num_routes, chunk,
-        hist, alloc, etc, slot, ends, quota, cap, status,
-        int(rank), **meta, W_PAD=w_pad, L_PAD=l_pad, E_PAD=e_pad, BLOCK=block,
-        RB=max(1, min(w_pad, _RB_ELEMS // (w_pad * l_pad))),
-        MODE=mode_id, num_warps=_plan_warps(w_pad, l_pad),
-    )
-    plan_remap_kernel[(num_programs,)](
-        counts, counts.stride(0), counts.stride(1),
-        topk_idx, topk_idx.stride(0), topk_idx.stride(1), num_routes, chunk,
-        hist, ends, slot, out, status,
-        int(rank), **meta, W_PAD=_pow2(world), E_PAD=e_pad, BLOCK=block, CH=max(1, min(32, 4096 // e_pad)),
+        hist, alloc, etc, slot, ends, quota, cap, out, status, sync, flags, wait_bound(dev), int(rank),
+        W=world, L=L, K=max(1, topk), W_PAD=w_pad, L_PAD=l_pad, E_PAD=e_pad, BLOCK=block,
+        RB=max(1, min(w_pad, _RB_ELEMS // (w_pad * l_pad))), CH=max(1, min(32, 1024 * warps // e_pad)),
+        FB=_pow2(num_programs), HAS_TIMER=on_gpu, MODE=mode_id, num_warps=warps,
     )
     placement = Placement(allocation=alloc, experts_to_copy=etc, expert_slot=slot, segment_ends=ends,
                           quota=quota, capacity=cap, status=status)
     if validate:
         check_plan_status(placement)
     return placement, out.reshape(num_tokens, topk)
+
+
+def _sync_state(device: torch.device, n_flags: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's persistent state on ``device``: ``(sync [1], flags [>= n_flags])``, int64 views of one zeroed
+    tensor, made on first use and grown (zeroed again) when more flags are needed.
+
+    One state per device, so plan() calls on one device must not run at the same time (two streams at once);
+    calls in stream order and CUDA-graph replays in sequence are fine. Make the first call outside a CUDA-graph
+    capture (a warm-up, as capture needs anyway): a state first made inside a capture adds its zero-fill to the
+    graph, which stays correct (every replay restarts the call number and the flags together) but is a second
+    node in the graph."""
+    key = str(device)
+    st = _SYNC.get(key)
+    if st is None or st.numel() - 1 < n_flags:
+        st = torch.zeros(1 + max(n_flags, 65), dtype=torch.int64, device=device)
+        _SYNC[key] = st
+    return st[:1], st[1:]
 
 
 def plan_status(placement: Placement) -> int:

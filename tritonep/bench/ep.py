@@ -13,16 +13,28 @@ x H x 2; "nvlink" = rows that cross to another rank (one per (token, destination
 The NCCL pipeline is what a user would write for the same expert-grouped output: ``index_select`` pack +
 ``all_to_all_single`` (uneven splits) + ``index_copy_`` unpack (indices precomputed outside the timed region,
 which favours NCCL); combine is the reverse (gather partials, a2a back, weighted sum).
+
+Every point checks itself after it is timed (issue 18, :mod:`tritonep.bench.check`): the output of the captured
+call (graph rows; every replay rewrites its tensors) or of the last eager call is compared with the on-device
+oracle built once per (profile, wire): received rows, ``num_tokens_per_expert``, ``expert_offsets`` and weights bit
+for bit, the combine output bit for bit against the fixed-order reference (expert outputs are
+:func:`tritonep.bench.check.bench_expert` of the received rows). The NCCL baselines are checked too (bare a2a rows
+and pipeline dispatch exactly, pipeline combine within one bf16 ulp of the largest output, its sums run in atomic
+order). Each row gets ``checked``; a failed point prints FAILED and the drivers exit non-zero.
+Without CUDA (CPU world, interpreter) the same code runs eagerly with ``time.perf_counter`` timings: a smoke test
+of the checks, not a measurement.
 """
 
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 import torch.distributed as dist
 
 from ..ep.layout import layout_torch, route_rows_torch
+from .check import PointChecker, bench_expert, compare_close, compare_exact, mark_checked
 
 __all__ = ["PROFILES", "time_graph", "time_rounds", "peer_copy_gbps", "bench_ep", "ratio_lines"]
 
@@ -33,15 +45,29 @@ PROFILES = {
     "qwen3-moe": dict(hidden=4096, num_experts=128, topk=8, tokens=4096),
     # the packaged FLAME-MoE-290M router decisions (64 experts, top-6, 2048 tokens split over the ranks)
     "real-trace": dict(hidden=2048, num_experts=64, topk=6, tokens=0, trace_layer=2),
+    # CPU smoke run of the benchmark code and its checks (interpreter; times mean nothing)
+    "cpu-smoke": dict(hidden=128, num_experts=8, topk=2, tokens=6),
 }
 
 
 def _barrier(group):
-    dist.barrier(group=group, device_ids=[torch.cuda.current_device()])
+    if torch.cuda.is_available():
+        dist.barrier(group=group, device_ids=[torch.cuda.current_device()])
+    else:
+        dist.barrier(group=group)
+
+
+def _device():
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def time_graph(fn, group, iters=30, warmup=3, capture=True):
-    """Median microseconds of ``fn`` replayed from a CUDA graph (``capture=False``: eager calls); (us, mode)."""
+    """Median microseconds of ``fn`` replayed from a CUDA graph (``capture=False``: eager calls); (us, mode).
+
+    Without CUDA: one warm-up and one round of eager calls timed with ``time.perf_counter`` (mode ``"cpu"``)."""
+    if not torch.cuda.is_available():
+        fn()
+        return time_rounds(fn, group, iters, rounds=1), "cpu"
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -69,6 +95,12 @@ def time_rounds(run, group, iters=30, rounds=3) -> float:
     times = []
     for _ in range(rounds):
         _barrier(group)
+        if not torch.cuda.is_available():
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                run()
+            times.append((time.perf_counter() - t0) * 1e6 / iters)
+            continue
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         for _ in range(iters):
@@ -114,7 +146,7 @@ def bench_ep(group, profile: str, combine_kinds=("push", "pull"), num_sms=None, 
     if tokens:
         p["tokens"] = tokens
     rank, W = dist.get_rank(group), dist.get_world_size(group)
-    dev = torch.device("cuda", torch.cuda.current_device())
+    dev = _device()
     H, E, K = p["hidden"], p["num_experts"], p["topk"]
     L = E // W
     if "trace_layer" in p:
@@ -131,6 +163,8 @@ def bench_ep(group, profile: str, combine_kinds=("push", "pull"), num_sms=None, 
         T = p["tokens"]
         idx, w, _ = _routing(rank, T, E, K, seed, dev)
     x = torch.randn(T, H, device=dev).to(torch.bfloat16)
+    chk = PointChecker(group, x, idx, w, E)
+    oracle, check_dispatch, check_combine, expert_out = chk.oracle, chk.dispatch, chk.combine, chk.expert_out
     # exact layout (host) for byte counts and the NCCL pipeline
     counts_mine = torch.bincount(idx.flatten()[idx.flatten() >= 0], minlength=E).to(torch.int32)
     counts = [torch.empty_like(counts_mine) for _ in range(W)]
@@ -171,27 +205,34 @@ def bench_ep(group, profile: str, combine_kinds=("push", "pull"), num_sms=None, 
               "grid": geo.grid_send, "geometry": f"bt={geo.bt},bh={geo.bh},warps={geo.num_warps},grid={geo.grid_send},"
                                                 f"fs={geo.fused_send},fe={geo.fused_expand}"}
 
+        last = {}  # the output of the captured call (graph) or of the last eager call: what each point checks
+
         def disp():
-            buf.dispatch(x, idx, w)
+            last["d"] = buf.dispatch(x, idx, w)
 
         us, mode = time_graph(disp, group, iters=iters)
-        row(f"tritonep.dispatch.{wire}", us, mode, wb)
+        check_dispatch(row(f"tritonep.dispatch.{wire}", us, mode, wb), last["d"], wire)
         d = buf.dispatch(x, idx, w)
-        eo = buf.expert_out_buffer()
-        eo.normal_()
+        eo = expert_out(buf.expert_out_buffer(), d)
         for kind in (combine_kinds if wire == "bf16" else ("push",)):
-            us, mode = time_graph(lambda: buf.combine(eo, d.handle, kind=kind), group, iters=iters)
-            row(f"tritonep.combine.{kind}.{wire}", us, mode, wb)
+            def comb(kind=kind):
+                last["y"] = buf.combine(eo, d.handle, kind=kind)
+
+            us, mode = time_graph(comb, group, iters=iters)
+            check_combine(row(f"tritonep.combine.{kind}.{wire}", us, mode, wb), last["y"], wire)
         if wire == "bf16" and eager:
             # eager calls as training runs them: default sync checks (one host read per dispatch, none in combine)
             os.environ.pop("TRITONEP_SYNC_CHECKS", None)
             us, mode = time_graph(disp, group, iters=iters, capture=False)
-            row(f"tritonep.dispatch.{wire}", us, mode, wb)
+            check_dispatch(row(f"tritonep.dispatch.{wire}", us, mode, wb), last["d"], wire)
             de = buf.dispatch(x, idx, w)
-            eoe = buf.expert_out_buffer(de.x.shape[0])
-            eoe.normal_()
-            us, mode = time_graph(lambda: buf.combine(eoe, de.handle), group, iters=iters, capture=False)
-            row(f"tritonep.combine.{geo.combine}.{wire}", us, mode, wb)
+            eoe = expert_out(buf.expert_out_buffer(de.x.shape[0]), de)
+
+            def comb_eager():
+                last["y"] = buf.combine(eoe, de.handle)
+
+            us, mode = time_graph(comb_eager, group, iters=iters, capture=False)
+            check_combine(row(f"tritonep.combine.{geo.combine}.{wire}", us, mode, wb), last["y"], wire)
             os.environ["TRITONEP_SYNC_CHECKS"] = "0"
         buf.close()
         torch.cuda.empty_cache()
@@ -201,12 +242,21 @@ def bench_ep(group, profile: str, combine_kinds=("push", "pull"), num_sms=None, 
 
     # --- tritonep's nccl backend (same API; eager only: it needs host-side split sizes)
     nbuf = tep.EPBuffer(group, E, H, T, K, backend="nccl")
-    us, mode = time_graph(lambda: nbuf.dispatch(x, idx, w), group, iters=iters, capture=False)
-    row("tritonep[nccl].dispatch.bf16", us, mode)
+    last = {}
+
+    def ndisp():
+        last["d"] = nbuf.dispatch(x, idx, w)
+
+    us, mode = time_graph(ndisp, group, iters=iters, capture=False)
+    check_dispatch(row("tritonep[nccl].dispatch.bf16", us, mode), last["d"], "bf16")
     nd = nbuf.dispatch(x, idx, w)
-    neo = torch.randn(nd.x.shape, device=dev).to(torch.bfloat16)
-    us, mode = time_graph(lambda: nbuf.combine(neo, nd.handle), group, iters=iters, capture=False)
-    row("tritonep[nccl].combine.bf16", us, mode)
+    neo = expert_out(torch.empty(nd.x.shape, dtype=torch.bfloat16, device=dev), nd)
+
+    def ncomb():
+        last["y"] = nbuf.combine(neo, nd.handle)
+
+    us, mode = time_graph(ncomb, group, iters=iters, capture=False)
+    check_combine(row("tritonep[nccl].combine.bf16", us, mode), last["y"], "bf16")
     nbuf.close()
 
     # --- NCCL bare all_to_all_single of the deduplicated rows
@@ -217,7 +267,8 @@ def bench_ep(group, profile: str, combine_kinds=("push", "pull"), num_sms=None, 
 
     us, mode = time_graph(lambda: dist.all_to_all_single(recv_buf, send_buf, rc, sc, group=group), group,
                           iters=iters, capture=False)
-    row("nccl.a2a", us, mode)
+    to_me = ((chk.idx_all >= 0) & (chk.idx_all // L == rank)).any(-1)  # [W, T]: source tokens this rank receives
+    mark_checked(row("nccl.a2a", us, mode), compare_exact(dict(rows=recv_buf), dict(rows=chk.x_all[to_me])), rank)
 
     # --- NCCL pipeline: pack + a2a + unpack into expert segments (and combine back)
     rows_dst = route_rows_torch(idx.cpu(), lay["send_base"]).to(dev)  # [T, K] rows on the expert rank
@@ -235,21 +286,28 @@ def bench_ep(group, profile: str, combine_kinds=("push", "pull"), num_sms=None, 
         out.index_copy_(0, dst_pos, recv_buf.index_select(0, src_pos))
 
     us, mode = time_graph(nccl_dispatch, group, iters=iters, capture=False)
-    row("nccl.pipeline.dispatch", us, mode)
-    wrecv = torch.rand(int(recv_counts.sum()), K, device=dev)
+    mark_checked(row("nccl.pipeline.dispatch", us, mode), compare_exact(dict(x=out), dict(x=oracle("bf16")[0]["x"])),
+                 rank)
+    # the routes' own weights travel with the metadata, so the pipeline's combine is checkable too
+    w_send = torch.cat([torch.where(dest[to_rank[d]] == d, w[to_rank[d]], 0.0) for d in range(W)])
+    wrecv = torch.empty(int(recv_counts.sum()), K, dtype=w_send.dtype, device=dev)
+    dist.all_to_all_single(wrecv, w_send, rc, sc, group=group)
+    eo_pipe = bench_expert(out)
     back = torch.empty_like(send_buf)
     y = torch.zeros(T, H, dtype=torch.float32, device=dev)
 
     def nccl_combine():
         part = torch.zeros(recv_buf.shape[0], H, dtype=torch.float32, device=dev)
-        part.index_add_(0, src_pos, out.index_select(0, dst_pos).float() * wrecv[valid][:, None])
+        part.index_add_(0, src_pos, eo_pipe.index_select(0, dst_pos).float() * wrecv[valid][:, None])
         dist.all_to_all_single(back, part.to(torch.bfloat16), sc, rc, group=group)
         y.zero_()
         y.index_add_(0, order, back.float())
 
     us, mode = time_graph(nccl_combine, group, iters=iters, capture=False)
-    row("nccl.pipeline.combine", us, mode)
+    mark_checked(row("nccl.pipeline.combine", us, mode),
+                 compare_close("y", y, oracle("bf16")[1].float(), 2 ** -7), rank)
     return rows
+
 
 
 def ratio_lines(rows) -> list:

@@ -4,6 +4,13 @@ The reference layer is what a user writes without tritonep: sort routes by exper
 per route (differentiable, ``torch.distributed.nn.functional``), the same expert FFN (``torch._grouped_mm`` on GPU,
 a loop on CPU), ``all_to_all_single`` back, weighted sum over k. Both layers run forward + backward on the same
 routing (uniform or OLMoE-skewed) and the median step time is reported, plus the speedup.
+
+Every layer checks itself after timing (issue 18, :mod:`tritonep.bench.check`): the last step's output of each
+layer (tritonep per balance mode, and the torch + NCCL reference layer) is compared with the dense fp32 oracle
+:func:`tritonep.reference.moe_dense_reference` of this rank's tokens, within its tolerance ``max|y - ref| <= 3e-2
+* max|ref|`` (:data:`tritonep.bench.moe_soak.TOL`, the MoE layer tests' bound). The oracle is built once per run
+on the device, a chunk of experts at a time with their weights redrawn as the layer draws them
+(:meth:`tritonep.MoELayer.init_expert_weights`), so no rank ever holds every expert's weights.
 """
 
 from __future__ import annotations
@@ -14,7 +21,9 @@ import time
 import torch
 import torch.distributed as dist
 
-__all__ = ["reference_layer_step", "moe_bench_world"]
+__all__ = ["reference_layer_step", "moe_bench_world", "moe_oracle"]
+
+_ORACLE_CHUNK_BYTES = 2 << 30  # expert weights (bf16) redrawn per oracle step
 
 
 def _ffn(x, offs, w1, w2):
@@ -77,18 +86,48 @@ def _profile_step(step, sync, rows=14):
     return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
 
 
+def moe_oracle(x, topk_idx, topk_weights, geometry, seed, dtype=torch.bfloat16):
+    """Dense fp32 MoE output ``[T, H]`` of these tokens under the layer's initial weights (seed, dtype), summed over
+    chunks of experts (each chunk through :func:`tritonep.reference.moe_dense_reference`), on x's device."""
+    from ..moe.layer_parts import expert_weights
+    from ..reference import moe_dense_reference
+
+    E, H, inter = geometry.num_experts, geometry.hidden, geometry.intermediate
+    step = max(1, _ORACLE_CHUNK_BYTES // (3 * H * inter * torch.finfo(dtype).bits // 8))
+    xf = x.detach().float()
+    y = torch.zeros(x.shape[0], H, dtype=torch.float32, device=x.device)
+    for e0 in range(0, E, step):
+        e1 = min(E, e0 + step)
+        sel = (topk_idx >= e0) & (topk_idx < e1)
+        if not bool(sel.any()):
+            continue
+        w1, w2 = expert_weights(geometry, seed, dtype, range(e0, e1), x.device)
+        y += moe_dense_reference(xf, torch.where(sel, topk_idx - e0, -1), topk_weights, w1, w2)
+    return y
+
+
 def moe_bench_world(group, cfg, steps=10, warmup=2):
-    """Rank body: median fwd+bwd seconds of tritonep vs the reference layer (and their max relative difference)."""
+    """Rank body: median fwd+bwd seconds of tritonep vs the reference layer (and their max relative difference),
+    plus ``checks``: one row per layer ``{op, checked[, check_error]}`` from the oracle check after timing."""
     from ..moe import MoEGeometry, MoELayer, MoERecipe
     from ..testing.cases import random_routing
+    from .check import compare_close, mark_checked
+    from .moe_soak import TOL
 
     rank = dist.get_rank(group)
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     H, I, E, K, T = cfg["hidden"], cfg["intermediate"], cfg["num_experts"], cfg["topk"], cfg["tokens"]
     geo = MoEGeometry(hidden=H, intermediate=I, num_experts=E, topk=K, max_tokens_per_rank=T)
-    out = {}
+    out = {"checks": []}
+    seed = 1
+
+    def check(op, y, x, idx, w):
+        ref = moe_oracle(x, idx, w, geo, seed)
+        row = dict(op=op, tokens=T, hidden=H, world_size=dist.get_world_size(group), tolerance=TOL)
+        out["checks"].append(mark_checked(row, compare_close(op, y.float(), ref, TOL), rank))
+
     for bal in cfg.get("balance", ["none"]):
-        layer = MoELayer(MoERecipe(balance=bal, combine="push"), geo, group, device=dev, seed=1)
+        layer = MoELayer(MoERecipe(balance=bal, combine="push"), geo, group, device=dev, seed=seed)
         if cfg.get("skew"):
             from ..data import load_olmoe_histogram, sample_routing, scale_histogram_to_experts
 
@@ -118,6 +157,7 @@ def moe_bench_world(group, cfg, steps=10, warmup=2):
             out[f"profile.tritonep.{bal}"] = _profile_step(
                 lambda: layer(x, topk_idx=idx, topk_weights=w).float().sum().backward(), sync)
         y_tep = y.detach()
+        check(f"tritonep.{bal}", y_tep, x, idx, w)
         if bal == "none":
             w1 = layer.w1.detach().clone().requires_grad_(True)
             w2 = layer.w2.detach().clone().requires_grad_(True)
@@ -131,6 +171,7 @@ def moe_bench_world(group, cfg, steps=10, warmup=2):
                 if i >= warmup:
                     times.append(time.perf_counter() - t0)
             out["reference"] = statistics.median(times)
+            check("reference", yr.detach(), x, idx, w)
             if cfg.get("profile"):
                 out["profile.reference"] = _profile_step(
                     lambda: reference_layer_step(group, x, idx, w, w1, w2, E).float().sum().backward(), sync)

@@ -4,7 +4,9 @@ The point of ``num_sms`` (issue: "so expert GEMMs of the previous chunk can run 
 communication kernels leave the rest of the chip to compute. This measures, on each rank, with CUDA events:
 ``gemm`` alone, ``comm`` (dispatch + combine, one CUDA graph) alone, and both launched together on two streams
 (``both``); ``hidden = (gemm + comm - both) / min(gemm, comm)`` is the fraction of the shorter one that was hidden
-(1 = perfect overlap, 0 = serialised). Run under torchrun (one process per GPU).
+(1 = perfect overlap, 0 = serialised). Run under torchrun (one process per GPU). After timing, the captured
+dispatch and combine outputs are checked against the oracle (:class:`tritonep.bench.check.PointChecker`; the expert
+output is filled once outside the graph, which never writes it): the row's ``checked``.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ __all__ = ["bench_overlap"]
 
 def bench_overlap(group, profile: str = "deepseek-v3", num_sms_list=(24, 0), gemm_rows: int = 8192,
                   iters: int = 20) -> list[dict]:
-    """Rows ``{profile, num_sms, gemm_us, comm_us, both_us, hidden}`` for each SM cap (0 = the geometry table)."""
+    """Rows ``{profile, num_sms, gemm_us, comm_us, both_us, hidden, checked}`` for each SM cap (0 = the table)."""
     import tritonep as tep
 
+    from .check import PointChecker, compare_exact, mark_checked
     from .ep import PROFILES, _routing, time_rounds
 
     p = PROFILES[profile]
@@ -28,6 +31,7 @@ def bench_overlap(group, profile: str = "deepseek-v3", num_sms_list=(24, 0), gem
     H, E, K, T = p["hidden"], p["num_experts"], p["topk"], p["tokens"] or 4096
     idx, w, _ = _routing(rank, T, E, K, 0, dev)
     x = torch.randn(T, H, device=dev).to(torch.bfloat16)
+    chk = PointChecker(group, x, idx, w, E)
     ga = torch.randn(gemm_rows, H, device=dev, dtype=torch.bfloat16)
     gb = torch.randn(H, 4096, device=dev, dtype=torch.bfloat16)
     gc = torch.empty(gemm_rows, 4096, device=dev, dtype=torch.bfloat16)
@@ -42,8 +46,11 @@ def bench_overlap(group, profile: str = "deepseek-v3", num_sms_list=(24, 0), gem
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, stream=s_comm):
             d = buf.dispatch(x, idx, w)
-            buf.combine(buf.expert_out_buffer(), d.handle)
+            eo = buf.expert_out_buffer()
+            y = buf.combine(eo, d.handle)
+        g.replay()
         torch.cuda.synchronize()
+        chk.expert_out(eo, d)
         main = torch.cuda.current_stream()
 
         def comm():
@@ -65,8 +72,12 @@ def bench_overlap(group, profile: str = "deepseek-v3", num_sms_list=(24, 0), gem
         t_gemm = time_rounds(gemm, group, iters)
         t_comm = time_rounds(comm, group, iters)
         t_both = time_rounds(both, group, iters)
-        rows.append(dict(profile=profile, num_sms=sms, gemm_rows=gemm_rows, gemm_us=t_gemm, comm_us=t_comm,
-                         both_us=t_both, hidden=(t_gemm + t_comm - t_both) / max(1e-9, min(t_gemm, t_comm))))
+        r = dict(profile=profile, num_sms=sms, gemm_rows=gemm_rows, gemm_us=t_gemm, comm_us=t_comm,
+                 both_us=t_both, hidden=(t_gemm + t_comm - t_both) / max(1e-9, min(t_gemm, t_comm)))
+        torch.cuda.synchronize()
+        err = compare_exact(dict(y=y), dict(y=chk.oracle("bf16")[1]))
+        chk.dispatch(r, d, "bf16")
+        rows.append(mark_checked(r, "; ".join(e for e in (r.get("check_error", ""), err) if e), rank))
         buf.close()
         torch.cuda.empty_cache()
     return rows

@@ -6,6 +6,7 @@ import json
 
 import torch
 
+from ..bench.check import exit_code
 from .help import HelpFormatter
 
 __all__ = ["add_parser", "main", "bench_rank"]
@@ -141,12 +142,13 @@ def main(args) -> int:
     res = run_gpu_world(W, bench_rank, args.op, args.profile, args.num_sms, args.iters, args.tokens,
                         timeout_s=900)
     t = Table(title=f"tritonep bench {args.profile} (world {W}); peer copy {res[0][0]['peer_copy_gbps']:.0f} GB/s")
-    for c in ("op", "sms", "mode", "us r0", "us max", "logical GB/s", "NVLink GB/s"):
+    for c in ("op", "sms", "mode", "us r0", "us max", "logical GB/s", "NVLink GB/s", "checked"):
         t.add_column(c)
     for i, r in enumerate(res[0]):
         us_max = max(res[k][i]["us"] for k in range(W))
+        ok = all(res[k][i].get("checked") for k in range(W))
         t.add_row(r["op"], str(r["num_sms"]), r["mode"], f"{r['us']:.1f}", f"{us_max:.1f}",
-                  f"{r['logical_gbps']:.0f}", f"{r['nvlink_gbps']:.0f}")
+                  f"{r['logical_gbps']:.0f}", f"{r['nvlink_gbps']:.0f}", "ok" if ok else "FAILED")
     con.print(t)
     if args.json:
         with open(args.json, "w") as f:
@@ -156,7 +158,7 @@ def main(args) -> int:
 
         plot_gbps_vs_tokens(res[0], args.plot)
         con.print(f"wrote {args.plot}")
-    return 0
+    return exit_code([r for rs in res for r in rs])
 
 
 def _planner(con, args, ngpu) -> int:
@@ -176,16 +178,16 @@ def _planner(con, args, ngpu) -> int:
                          tokens=(args.tokens or [p["tokens"] or 4096])[0], topk=p["topk"], num_experts=p["num_experts"],
                          iters=args.iters)
     t = Table(title=f"tritonep bench planner ({args.profile})")
-    for c in ("world", "experts", "tokens", "top-k", "graph us", "eager us", "equal to twins"):
+    for c in ("world", "experts", "tokens", "top-k", "graph us", "eager us", "checked (== twins)"):
         t.add_column(c)
     for r in rows:
         t.add_row(str(r["world_size"]), str(r["num_experts"]), str(r["tokens"]), str(r["topk"]),
-                  f"{r['graph_us']:.1f}", f"{r['eager_us']:.1f}", str(r["equal_to_torch"]))
+                  f"{r['graph_us']:.1f}", f"{r['eager_us']:.1f}", "ok" if r["checked"] else "FAILED")
     con.print(t)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(rows=rows), f, indent=1)
-    return 0 if all(r["equal_to_torch"] for r in rows) else 1
+    return exit_code(rows)
 
 
 def _moe(con, args, W) -> int:
@@ -205,4 +207,4 @@ def _moe(con, args, W) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(cfg=cfg, ranks=res), f, indent=1)
-    return 0
+    return exit_code([c for o in res for c in o["checks"]])

@@ -1,0 +1,145 @@
+"""The one-launch planner (issue 18): W = 2..8 with hot/cold skews and T = 0 ranks, both modes, many chunks (the
+look-back over earlier chunks), repeated calls on one persistent state, one launch per call, bounded waits."""
+
+import pytest
+import torch
+from test_balance_planner import make_topk
+
+from tritonep.balance import place_torch, plan, plan_status, remap_torch
+from tritonep.balance import planner as planner_mod
+from tritonep.errors import PlanError
+
+
+def _skew(E, hot, cold, weight):
+    """Expert probabilities: ``hot`` experts ``weight`` times as likely, ``cold`` experts never chosen."""
+    p = torch.ones(E)
+    p[list(hot)] = weight
+    p[list(cold)] = 0.0
+    return p
+
+
+# (world, L, K, tokens per rank (a 0 on purpose), hot experts, cold experts)
+SKEWS = [
+    (2, 4, 2, [0, 23], (0, 1), (6, 7)),
+    (3, 3, 2, [14, 0, 9], (8,), (0, 1, 2)),
+    (4, 2, 3, [11, 0, 6, 17], (2, 3), (6, 7)),
+    (5, 2, 2, [9, 12, 0, 3, 10], (9,), (0, 1, 2, 3)),
+    (6, 2, 2, [0, 8, 5, 13, 0, 7], (4, 5), (10, 11)),
+    (7, 1, 2, [6, 0, 11, 4, 9, 2, 5], (0,), (6,)),
+    (8, 2, 3, [7, 3, 0, 12, 5, 9, 0, 8], (14, 15), (0, 1, 2, 3)),
+]
+
+
+@pytest.mark.parametrize("mode", ["reference", "minimal"])
+@pytest.mark.parametrize("case", range(len(SKEWS)), ids=[f"W{c[0]}" for c in SKEWS])
+def test_one_launch_equals_twins_w2_to_8(case, mode):
+    world, L, K, tokens, hot, cold = SKEWS[case]
+    E = world * L
+    topks, counts = make_topk(world, E, K, tokens, probs=_skew(E, hot, cold, 30.0), mask_p=0.1, seed=case)
+    p = place_torch(counts, mode)
+    for r in range(world):
+        want = remap_torch(topks[r], p, r, counts)
+        for G, blk in ((1, 16), (4, 16)):  # one chunk; several chunks with tiles smaller than a chunk
+            pt, rid = plan(counts, topks[r], r, num_programs=G, block=blk, validate=True, mode=mode)
+            assert pt.equal(p), (r, G)
+            assert torch.equal(rid, want), (r, G)
+
+
+def test_one_launch_per_call_and_state_survives_changing_grids():
+    """Each call is one launch; calls with different grids (and a regrown state) in a row all stay exact."""
+    topks, counts = make_topk(4, 8, 2, [10, 0, 7, 15], probs=_skew(8, (1,), (5,), 20.0), seed=4)
+    p = place_torch(counts)
+    want = remap_torch(topks[3], p, 3, counts)
+    calls = []
+    from triton.runtime.interpreter import InterpretedFunction
+
+    orig = InterpretedFunction.run
+
+    def counting(self, *a, **kw):
+        calls.append(getattr(self.fn, "__name__", "?"))
+        return orig(self, *a, **kw)
+
+    InterpretedFunction.run = counting
+    try:
+        for G in (1, 3, 2, 70, 5):  # 70 chunks regrows the flag state
+            pt, rid = plan(counts, topks[3], 3, num_programs=G, block=16, validate=True)
+            assert pt.equal(p) and torch.equal(rid, want), G
+    finally:
+        InterpretedFunction.run = orig
+    assert calls == ["plan_kernel"] * 5
+    sync = planner_mod._SYNC["cpu"]
+    assert int(sync[0]) & 0xFFFFFFFF == 0, "arrivals reset by the last program of every call"
+
+
+def test_num_programs_bounds():
+    counts = torch.zeros(2, 4, dtype=torch.int32)
+    with pytest.raises(PlanError, match="num_programs=0"):
+        plan(counts, torch.empty(0, 1, dtype=torch.int64), 0, num_programs=0)
+    with pytest.raises(PlanError, match="num_programs=257"):
+        plan(counts, torch.empty(0, 1, dtype=torch.int64), 0, num_programs=257)
+
+
+def test_wait_that_never_ends_is_bounded():
+    """A chunk whose placement never arrives gives up after the bound: status bit 8, its valid routes become 2E
+    (refused by the dispatch), masked routes stay -1. Made by launching the kernel with one arrival already
+    counted, so no program takes the placement role."""
+    from tritonep.balance.planner import _pow2
+    from tritonep.kernels.planner import plan_kernel
+
+    W, L, K, E = 2, 2, 2, 4
+    topk = torch.tensor([[0, 3], [1, -1], [2, 0]], dtype=torch.int64)
+    counts = torch.tensor([[2, 1, 1, 1], [0, 0, 0, 0]], dtype=torch.int32)
+    i32 = dict(dtype=torch.int32)
+    out = torch.full((6,), 123, **i32)
+    status = torch.zeros(2, **i32)
+    state = torch.zeros(1 + 8, dtype=torch.int64)
+    state[0] = (7 << 32) | 1  # call 7, one arrival already counted: the only program takes role 1 (chunk 0)
+    big = [torch.empty(E, W, **i32) for _ in range(3)]
+    plan_kernel[(1,)](counts, counts.stride(0), counts.stride(1), topk, topk.stride(0), topk.stride(1), 6, 8,
+                      torch.empty(1, _pow2(E), **i32), big[0], torch.empty(W, L, **i32), big[1], big[2],
+                      torch.empty(W, W, **i32), torch.empty(W, **i32), out, status, state[:1], state[1:], 50, 0,
+                      W=W, L=L, K=K, W_PAD=2, L_PAD=2, E_PAD=4, BLOCK=16, RB=2, CH=4, FB=2, HAS_TIMER=False)
+    assert status.tolist() == [0, 8]
+    assert out.tolist() == [8, 8, 8, -1, 8, 8]
+    assert int(state[1 + 1]) == 8, "its own chunk histogram was still published"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["reference", "minimal"])
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_gpu_one_launch_graph_replays(world, mode):
+    """DeepSeek-V3 size (4096 tokens x top-8, 256 experts), OLMoE skew, a rank with T = 0 among them: eager calls
+    and 50 CUDA-graph replays (flags never reset) all equal the twins; interleaved eager calls stay exact."""
+    from tritonep.data import load_olmoe_histogram, sample_routing, scale_histogram_to_experts
+
+    E, K, T = 256, 8, 4096
+    hist = scale_histogram_to_experts(load_olmoe_histogram("arxiv", 0), E)
+    idxs = [sample_routing(hist, T, K, generator=r)[0] if r != 1 else torch.empty(0, K, dtype=torch.int64)
+            for r in range(world)]
+    counts = torch.stack([torch.bincount(i[i >= 0].reshape(-1), minlength=E) for i in idxs]).to(torch.int32)
+    p = place_torch(counts, mode)
+    dev_counts = counts.cuda()
+    for r in (0, 1):
+        idx = idxs[r].cuda().to(torch.int32)
+        want = remap_torch(idxs[r], p, r, counts)
+        pt, rid = plan(dev_counts, idx, r, validate=True, mode=mode)
+        assert pt.equal(p) and torch.equal(rid.cpu(), want)
+        from tritonep.bench.planner import _count_launches
+
+        assert _count_launches(lambda: plan(dev_counts, idx, r, mode=mode)) == 1  # CUDA kernels (torch.profiler)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            plan(dev_counts, idx, r, mode=mode)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            gp, grid_out = plan(dev_counts, idx, r, mode=mode)
+        for i in range(50):
+            grid_out.fill_(-7)
+            g.replay()
+            if i % 10 == 0:
+                pe, re = plan(dev_counts, idx, r, mode=mode)
+                assert pe.equal(p) and torch.equal(re.cpu(), want), (r, i)
+            torch.cuda.synchronize()
+            assert plan_status(gp) == 0 and gp.equal(p) and torch.equal(grid_out.cpu(), want), (r, i)

@@ -8,7 +8,7 @@ arguments only (:func:`build_backend`) and never probes it with ``hasattr``.
 Virtual experts (:mod:`tritonep.balance`) need two more collective services per backend, built through its
 :class:`BackendSpec` (``EPBuffer.counts_exchange`` / ``EPBuffer.expert_transport``): a :class:`CountsExchange`
 (every rank's expert histogram) and an :class:`ExpertTransport` (weights into peers' virtual slots, gradients back).
-Both give the same bits on every backend; their torch twins are :func:`tritonep.kernels.layout.counts_torch` and
+Both give the same bits on every backend; their torch twins are :func:`tritonep.ep.layout.counts_torch` and
 :func:`tritonep.ep.slot_transport.pull_torch`.
 
 Registered today (in ``"auto"`` preference order):

@@ -134,11 +134,12 @@ def _routing(rank, T, E, K, seed, dev):
 
 
 def bench_ep(group, profile: str, combine_kinds=("push", "pull"), num_sms=None, iters=30, seed=0, tokens=None,
-             wires=("bf16", "fp8", "mxfp4"), baselines=True, eager=True):
+             wires=None, baselines=True, eager=True):
     """All rows of one profile on this rank; returns a list of dicts (same on every rank up to timings).
 
     ``baselines=False`` leaves out the NCCL rows and tritonep's nccl backend (geometry variant sweeps);
-    ``eager=False`` leaves out the eager dispatch row.
+    ``eager=False`` leaves out the eager dispatch row; ``wires`` (default: every registered wire,
+    :data:`tritonep.wire.WIRES`) the wire formats to time.
     """
     import tritonep as tep
 
@@ -195,13 +196,13 @@ def bench_ep(group, profile: str, combine_kinds=("push", "pull"), num_sms=None, 
     # --- tritonep
     import os
 
-    from ..kernels.wirecodec import row_bytes
+    from ..wire.formats import WIRES, get_wire
 
     os.environ["TRITONEP_SYNC_CHECKS"] = "0"
-    for wire in wires:
+    for wire in (WIRES if wires is None else wires):
         buf = tep.EPBuffer(group, E, H, T, K, num_sms=num_sms, dispatch_wire=wire, combine_wire=wire)
         geo = buf.geometry
-        wb = {"wire": wire, "wire_nvlink_gbps_factor": row_bytes(wire, H) / (2 * H),
+        wb = {"wire": wire, "wire_nvlink_gbps_factor": get_wire(wire).row_bytes(H) / (2 * H),
               "grid": geo.grid_send, "geometry": f"bt={geo.bt},bh={geo.bh},warps={geo.num_warps},grid={geo.grid_send},"
                                                 f"fs={geo.fused_send},fe={geo.fused_expand}"}
 
@@ -214,7 +215,7 @@ def bench_ep(group, profile: str, combine_kinds=("push", "pull"), num_sms=None, 
         check_dispatch(row(f"tritonep.dispatch.{wire}", us, mode, wb), last["d"], wire)
         d = buf.dispatch(x, idx, w)
         eo = expert_out(buf.expert_out_buffer(), d)
-        for kind in (combine_kinds if wire == "bf16" else ("push",)):
+        for kind in (("push",) if get_wire(wire).quantized else combine_kinds):
             def comb(kind=kind):
                 last["y"] = buf.combine(eo, d.handle, kind=kind)
 

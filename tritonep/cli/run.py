@@ -9,7 +9,8 @@ and returns outputs, gradients and timings. The parent checks everything against
 per layer and exits 1 if any check fails.
 
 Tolerance: relative max error ``max|got - ref| / max|ref| <= 3e-2`` for the output and every gradient (bf16 inputs,
-weights and wires; fp32 accumulation). fp8 / mxfp4 wires use 0.15 / 0.5 (quantization error, see README).
+weights and wires; fp32 accumulation). Quantized wires use their record's tolerance
+(:attr:`tritonep.wire.WireFormat.tolerance`: fp8 0.15, mxfp4 0.5, fp8_e5m2 0.3; quantization error, see README).
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ import time
 
 import torch
 
+from ..wire.formats import WIRE_FORMATS, WIRES
 from .help import HelpFormatter
 
 __all__ = ["add_parser", "main", "run_rank"]
 
-TOL = {"bf16": 3e-2, "fp8": 0.15, "mxfp4": 0.5}
+TOL = {name: f.tolerance for name, f in WIRE_FORMATS.items()}
+"""Relative tolerance of the check per wire (the wire records' own)."""
 
 
 def add_parser(sub):
@@ -51,9 +54,10 @@ def add_parser(sub):
                    help="top-k (default: a trace's own K, flame 6; histograms: the file's topk, else 8)")
     p.add_argument("--steps", type=int, default=1, help="forward+backward steps per layer")
     p.add_argument("--balance", choices=["none", "virtual"], default="none", help="virtual experts on/off")
-    p.add_argument("--dispatch-wire", choices=["bf16", "fp8", "mxfp4"], default="bf16",
-                   help="wire format of dispatch (fp8 needs hidden %% 128 == 0, mxfp4 hidden %% 32 == 0)")
-    p.add_argument("--combine-wire", choices=["bf16", "fp8", "mxfp4"], default="bf16",
+    blocks = ", ".join(f"{n} {f.block}" for n, f in WIRE_FORMATS.items() if f.quantized)
+    p.add_argument("--dispatch-wire", choices=list(WIRES), default="bf16",
+                   help=f"wire format of dispatch (hidden must be a multiple of the wire's block: {blocks})")
+    p.add_argument("--combine-wire", choices=list(WIRES), default="bf16",
                    help="wire format of the push combine (same hidden rules)")
     p.add_argument("--combine", choices=["push", "pull"], default="push", help="combine kind")
     p.add_argument("--expert-alignment", type=int, default=1, help="row alignment of expert segments")
@@ -87,8 +91,8 @@ def _settings(args, on_gpu, world_size):
     s = dict(
         routing=args.routing, routing_name=src.name, domain=args.domain, layers=layers, topk=topk,
         total_tokens=total, tokens=max(token_split(total, world_size)),
-        hidden=args.hidden or (2048 if on_gpu else (128 if "fp8" in (args.dispatch_wire, args.combine_wire)
-                                                     else 64)),
+        hidden=args.hidden or (2048 if on_gpu else max(64, *(WIRE_FORMATS[w].block
+                                                            for w in (args.dispatch_wire, args.combine_wire)))),
         intermediate=args.intermediate or (1024 if on_gpu else 32),
         num_experts=E, steps=args.steps, balance=args.balance,
         dispatch_wire=args.dispatch_wire, combine_wire=args.combine_wire, combine=args.combine,

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from .. import envs
 from ..errors import BufferStateError, CapacityError, ConfigError, InputError, PeerInputError
 from ..memory import required_bytes as _layout_bytes
-from ..wire.formats import check_wire
+from ..wire.formats import check_wire, get_wire
 from .autograd import CombineFn, DispatchFn
 from .backend_choice import choose_backend
 from .handle import Dispatched, DispatchHandle
@@ -65,7 +65,8 @@ class EPBuffer:
         hidden: H, the row width.
         max_tokens_per_rank: static capacity of T on every rank (graph capture sizes from it).
         topk: K, experts per token.
-        dispatch_wire / combine_wire: ``"bf16"`` | ``"fp8"`` | ``"mxfp4"`` (see :mod:`tritonep.wire`).
+        dispatch_wire / combine_wire: a registered wire, :data:`tritonep.wire.WIRES` (``"bf16"``, ``"fp8"``,
+            ``"mxfp4"``, ``"fp8_e5m2"``; sizes and bits in :mod:`tritonep.wire.formats`).
         expert_alignment: A; every expert segment starts at a multiple of A and its padding rows are zero.
         max_recv_tokens: rows this rank can receive (default: the worst case ``W*Tmax*K + L*(A-1)``).
         backend: ``"auto"`` (triton when every rank can map every peer's memory, else nccl) | ``"triton"`` |
@@ -231,9 +232,10 @@ class EPBuffer:
             x: ``[T, H]`` bfloat16, ``T <= max_tokens_per_rank`` (T may be 0). Non-contiguous input is copied.
             topk_idx: ``[T, K]`` int32/int64 expert ids in ``[-1, E)``; -1 = no expert.
             topk_weights: ``[T, K]`` float (converted to float32), applied in combine.
-            keep_quantized: with an fp8/mxfp4 dispatch wire, return the quantized rows (``x``: uint8 e4m3 bits
-                ``[R, H]`` / packed e2m1 ``[R, H/2]``) and ``x_scales`` (fp32 ``[R, H/128]`` / e8m0 uint8
-                ``[R, H/32]``) instead of bf16 rows; not differentiable.
+            keep_quantized: with a quantized dispatch wire, return the quantized rows (``x``: uint8 payload
+                ``[R, payload_bytes]``, e.g. e4m3 / e5m2 bits ``[R, H]``, packed e2m1 ``[R, H/2]``) and
+                ``x_scales`` (``[R, H/block]`` of the wire's scale dtype: fp32 / e8m0 uint8) instead of bf16 rows;
+                not differentiable.
 
         Returns:
             :class:`Dispatched` (rows ordered by (source rank, token, k) inside each expert segment).
@@ -268,7 +270,7 @@ class EPBuffer:
         sync = self._sync()
         flag = {"bad_input": True} if refused is not None else {}
         try:
-            if keep_quantized and self.dispatch_wire != "bf16":
+            if keep_quantized and get_wire(self.dispatch_wire).quantized:
                 with torch.no_grad():
                     q, out_w, ntpe, offs, handle = self._impl.dispatch_fwd(x, topk_idx, topk_weights, sync,
                                                                            keep_quantized=True, **flag)
@@ -283,7 +285,7 @@ class EPBuffer:
         if refused is not None:
             raise refused  # sync checks off / graph capture: the peers learn it at their next check()
         handle = replace(handle, recv_weights=out_w, buffer_id=self._id)  # frozen: a stamped copy, no mutation
-        if keep_quantized and self.dispatch_wire != "bf16":
+        if keep_quantized and get_wire(self.dispatch_wire).quantized:
             return Dispatched(x=q, num_tokens_per_expert=ntpe, expert_offsets=offs, handle=handle, weights=out_w,
                               x_scales=handle.x_scales)
         return Dispatched(x=out, num_tokens_per_expert=ntpe, expert_offsets=offs, handle=handle, weights=out_w)

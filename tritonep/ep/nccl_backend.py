@@ -57,13 +57,14 @@ Wires (``dispatch_wire`` / ``combine_wire``; byte layout of :mod:`tritonep.kerne
 :mod:`tritonep.wire`, so both backends give identical results):
 
 * bf16: the row's 2H bytes.
-* fp8 / mxfp4 dispatch: every token row is quantized ONCE on the sender with :func:`quantize_fp8_torch` (e4m3 + one
-  fp32 scale per 128) / :func:`quantize_mxfp4_torch` (packed e2m1 + one e8m0 per 32); payload then scale bytes.
+* quantized dispatch (fp8, mxfp4, fp8_e5m2, ...: every record of :mod:`tritonep.wire.formats`): every token row is
+  quantized ONCE on the sender with the record's twin (e.g. :func:`quantize_fp8_torch`: e4m3 + one fp32 scale per
+  128; :func:`quantize_mxfp4_torch`: packed e2m1 + one e8m0 per 32); payload then scale bytes.
   The receiver writes ``dequantize_*_torch(q, s, bfloat16)`` (fp32 dequant, round-to-nearest-even cast) into the
   expert rows; with ``keep_quantized=True`` it returns the payload rows (fp8 uint8 ``[R, H]``, mxfp4 uint8
   ``[R, H/2]``) and scales (fp32 ``[R, H/128]`` / uint8 ``[R, H/32]``); padding rows hold the encoding of a zero
-  row (fp8: q 0, scale 2^-126; mxfp4: 0, e8m0 0).
-* fp8 / mxfp4 combine: the fp32 partial is quantized with the twin (not rounded to bf16 first), moved, dequantized
+  row (fp8: q 0, scale 2^-126; mxfp4: 0, e8m0 0: the record's ``zero_scale``).
+* quantized combine: the fp32 partial is quantized with the twin (not rounded to bf16 first), moved, dequantized
   to fp32 on the source and summed as above.
 * Backward passes always move bf16.
 
@@ -88,12 +89,12 @@ import torch
 import torch.distributed as dist
 
 from ..errors import BackendError, BufferStateError, CapacityError, InputError, PeerInputError
-from ..wire.formats import check_wire, payload_bytes
+from ..wire.formats import check_wire, get_wire
 from .handle import NcclHandle
 from .nccl_side import all_gather_flat
 from .nccl_combine import NcclCombine
 from .nccl_pack import gather_rows, round_up
-from .nccl_wire import _dequantize, _host_plan, _quantize, _row_bytes, _wire_views  # noqa: F401 (old path)
+from .nccl_wire import _host_plan
 from .validate import check_expert_ids
 
 __all__ = ["NcclEP"]
@@ -104,7 +105,7 @@ class NcclEP(NcclCombine):
 
     Args: as ``TritonEP``: the group, this rank, world_size W, num_experts E, hidden H, max_tokens_per_rank, topk K,
     expert_alignment A, max_recv_tokens, device, dtype (bfloat16), ``dispatch_wire`` / ``combine_wire``
-    (``"bf16"`` | ``"fp8"`` | ``"mxfp4"``, see the module docstring), ``timeout_s`` (stored only: this backend has
+    (any of :data:`tritonep.wire.WIRES`, see the module docstring), ``timeout_s`` (stored only: this backend has
     no kernel waits, the process group's own timeout applies).
 
     Attribute ``use_triton`` (default: CUDA device): the combine's local sums run as Triton kernels, else as their
@@ -291,8 +292,8 @@ class NcclEP(NcclCombine):
         ntpe, offs = small[E + 1:E + 1 + L], small[E + 1 + L:E + 1 + 2 * L]
         counts_d = small[E + 1 + 2 * L:].view(W, E)
         # 3) rows of this rank's routes and its packets in (destination rank, token) order
-        wire = self.dispatch_wire
-        rb = H * x.element_size() if wire == "bf16" else _row_bytes(wire, H)
+        fmt = get_wire(self.dispatch_wire)
+        rb = fmt.row_bytes(H) if fmt.quantized else H * x.element_size()
         mo = round_up(rb, 8)  # meta columns: K rows int32 | K ids int32 | K weights fp32 (8-byte aligned rows)
         width = round_up(mo + 12 * K, 8)
         send = torch.empty(Ns, width, dtype=torch.uint8, device=dev)
@@ -308,20 +309,20 @@ class NcclEP(NcclCombine):
             # 4) pack: every column range of the send buffer is one index_select (no cat of travelling rows)
             ids32 = topk_idx if topk_idx.dtype == torch.int32 else topk_idx.to(torch.int32)
             meta = torch.cat([rows, ids32, topk_weights.view(torch.int32)], 1).view(torch.uint8)
-            if wire == "bf16":
+            if not fmt.quantized:
                 parts = [(x.view(torch.uint8), 0)]
             else:
-                q, sb = _quantize(wire, x)  # once per token, whatever the number of destinations
-                parts = [(q, 0), (sb, payload_bytes(wire, H))]
+                q, sb = fmt.quantize_bytes(x)  # once per token, whatever the number of destinations
+                parts = [(q, 0), (sb, fmt.payload_bytes(H))]
             for src, col in parts + [(meta, mo)]:
                 gather_rows(src, send_tok, out=send[:, col:col + src.shape[1]])
         else:
             rows = torch.empty(0, K, dtype=torch.int32, device=dev)
             send_tok = send_flat = torch.empty(0, dtype=torch.int64, device=dev)
         recv = torch.empty(Nr + 1, width, dtype=torch.uint8, device=dev)
-        recv[Nr].zero_()  # the row padding rows read: zero (fp8: scale 2^-126, the encoding of a zero row)
-        if wire == "fp8":
-            _wire_views(wire, recv[Nr:], H)[1].fill_(2.0 ** -126)
+        recv[Nr].zero_()  # the row padding rows read: the encoding of a zero row (fp8: scale 2^-126)
+        if fmt.quantized:
+            fmt.wire_views(recv[Nr:], H)[1].fill_(fmt.zero_scale)
         self._a2a(recv[:Nr], send, send_splits, recv_splits)
         # 5) unpack: row -> packet, then one gather of whole rows
         rmeta = recv[:Nr, mo:mo + 12 * K].view(torch.int32)
@@ -333,13 +334,13 @@ class NcclEP(NcclCombine):
         row_src = torch.full((R + 1,), Nr, dtype=torch.int64, device=dev).scatter_(0, dst, self._pkt[:Nr * K])[:R]
         out_w = torch.zeros(R + 1, dtype=torch.float32, device=dev).scatter_(0, dst, recv_w.view(-1))[:R]
         sc = None
-        if wire == "bf16":
+        if not fmt.quantized:
             out = gather_rows(recv[:, :rb].view(self.dtype), row_src)
         elif keep_quantized:
-            q_in, s_in = _wire_views(wire, recv, H)
+            q_in, s_in = fmt.wire_views(recv, H)
             out, sc = gather_rows(q_in, row_src), gather_rows(s_in, row_src)
         else:  # one dequantization per received packet (and the zero row), then one gather
-            out = gather_rows(_dequantize(wire, recv, H, self.dtype), row_src)
+            out = gather_rows(fmt.dequantize_rows(recv, H, self.dtype), row_src)
         pos = torch.full((W * T,), -1, dtype=torch.int64, device=dev).scatter_(0, send_flat, self._ar64[:Ns])
         handle = NcclHandle(topk_idx=topk_idx, topk_weights=topk_weights, rows=rows, counts=counts_d, num_tokens=T,
                             num_recv_rows=R, x_scales=sc, send_splits=tuple(send_splits),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .nccl_pack import gather_rows, local_partials, round_up, sum_partials
-from .nccl_wire import _dequantize, _quantize, _row_bytes
+from ..wire.formats import get_wire
 
 __all__ = ["NcclCombine"]
 
@@ -28,7 +28,7 @@ class NcclCombine:
             eo: ``[R', H]`` bfloat16 contiguous, ``R' >= R`` (expert outputs or their gradient).
             handle: the dispatch's handle; weighted: multiply by the route weights (combine) or not (backward).
             gw: float32 ``[R]`` per-row scalars to return per route (dispatch backward), or None.
-            wire: "bf16" moves the partial rounded to bf16; "fp8" / "mxfp4" quantize the fp32 partial.
+            wire: "bf16" moves the partial rounded to bf16; a quantized wire quantizes the fp32 partial (its twin).
         """
         self._check_usable()
         K, H, dev = self.K, self.H, self.device
@@ -36,16 +36,17 @@ class NcclCombine:
         send_splits, recv_splits = list(handle.send_splits), list(handle.recv_splits)
         Ns, Nr = sum(send_splits), sum(recv_splits)
         rr, rw = handle.recv_rows, handle.recv_w
-        rb = H * eo.element_size() if wire == "bf16" else _row_bytes(wire, H)
+        fmt = get_wire(wire)
+        rb = fmt.row_bytes(H) if fmt.quantized else H * eo.element_size()
         mo = round_up(rb, 8)
         width = round_up(mo + (4 * K if gw is not None else 0), 8)
         send = torch.empty(Nr, width, dtype=torch.uint8, device=dev)
-        if wire == "bf16":  # the kernel writes the rounded partials straight into the send rows
+        if not fmt.quantized:  # the kernel writes the rounded partials straight into the send rows
             local_partials(eo, rr, rw, send[:, :rb].view(eo.dtype), weighted, self.use_triton)
         else:
             part = torch.empty(Nr, H, dtype=torch.float32, device=dev)
             local_partials(eo, rr, rw, part, weighted, self.use_triton)
-            q, sb = _quantize(wire, part)
+            q, sb = fmt.quantize_bytes(part)
             send[:, :q.shape[1]].copy_(q)
             send[:, q.shape[1]:rb].copy_(sb)
         if gw is not None:
@@ -56,10 +57,10 @@ class NcclCombine:
                 g.zero_()
         back = torch.empty(Ns, width, dtype=torch.uint8, device=dev)
         self._a2a(back, send, recv_splits, send_splits)
-        if wire == "bf16":  # partials in bf16, widened to fp32 by the sum
+        if not fmt.quantized:  # partials in bf16, widened to fp32 by the sum
             pp = back[:, :rb].view(eo.dtype)
         else:  # dequantized straight to fp32
-            pp = _dequantize(wire, back, H, torch.float32)
+            pp = fmt.dequantize_rows(back, H, torch.float32)
         y = torch.empty(T, H, dtype=eo.dtype, device=dev)
         sum_partials(pp, handle.pos if self.use_triton else None, handle.send_tok, send_splits, y,
                      self.use_triton)

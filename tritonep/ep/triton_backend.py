@@ -31,7 +31,7 @@ from ..kernels.dispatch_fused import dispatch_fused_kernel
 from ..kernels.layout import chunk_hist_kernel, exchange_kernel
 from ..memory import get_heap
 from .geometry import select_geometry
-from ..kernels.wirecodec import WIRE_IDS
+from ..wire.formats import get_wire
 from .handle import TritonHandle
 from .launch import Launcher
 from .triton_regions import regions
@@ -45,6 +45,7 @@ _CODE = P.v(P.ST_CODE)
 _ROWS = P.v(P.ST_ROWS_RECEIVED)
 _ST_HOST = _ROWS + 1  # what the one host read of a dispatch copies
 _CX = P.v(P.CALL_EXCHANGE)
+_RAW = get_wire("bf16").codec  # backward passes move bf16
 
 
 class TritonEP:
@@ -63,7 +64,8 @@ class TritonEP:
         self.device = device
         self.dtype = dtype
         self.dispatch_wire, self.combine_wire = dispatch_wire, combine_wire
-        self.dwire, self.cwire = WIRE_IDS[dispatch_wire], WIRE_IDS[combine_wire]
+        self.dfmt = get_wire(dispatch_wire, "dispatch_wire")
+        self.dwire, self.cwire = self.dfmt.codec, get_wire(combine_wire, "combine_wire").codec  # kernels' WIRE
         self.geo = select_geometry(device.type, world_size, hidden, max_tokens_per_rank, topk, num_sms=num_sms)
         self.ncmax = max(1, triton.cdiv(max_tokens_per_rank, self.geo.bt))
         heap = get_heap(group, device)
@@ -180,7 +182,7 @@ class TritonEP:
             x = torch.zeros(T, H, dtype=self.dtype, device=dev)
             idx = torch.zeros(T, K, dtype=torch.int64, device=dev)
             w = torch.zeros(T, K, dtype=torch.float32, device=dev)
-            variants = [False, True] if self.dwire != 0 else [False]
+            variants = [False, True] if self.dwire.quantized else [False]
             for kq in variants:
                 out, out_w, _, _, handle = self.dispatch_fwd(x, idx, w, sync=False, keep_quantized=kq)
             eo = self.expert_out_buffer()
@@ -260,12 +262,9 @@ class TritonEP:
         R = None if st is None else (0 if refused else int(st[_ROWS]))
         nrows = R if R is not None else self.max_recv
         q = sc = None
-        if keep_quantized and self.dwire != 0:
-            fp8 = self.dwire == 1
-            q = torch.zeros(nrows, self.H if fp8 else self.H // 2, dtype=torch.uint8, device=self.device)
+        if keep_quantized and self.dwire.quantized:
             # padding rows hold the encoding of a zero row (fp8 scale 2^-126, e8m0 0), as the twins give
-            sc = torch.full((nrows, self.H // (128 if fp8 else 32)), 2.0 ** -126 if fp8 else 0,
-                            dtype=torch.float32 if fp8 else torch.uint8, device=self.device)
+            q, sc = self.dfmt.empty_quantized(nrows, self.H, self.device)
             out = torch.empty(0, self.H, dtype=self.dtype, device=self.device)
         else:
             out = torch.empty(nrows, self.H, dtype=self.dtype, device=self.device)
@@ -288,7 +287,7 @@ class TritonEP:
         handle = replace(handle, num_recv_rows=R, x_scales=sc)
         return (out if q is None else q), out_w, ntpe, offs, handle
 
-    def _send(self, x, handle, topk_weights, compute_rows, nc, wire=0):
+    def _send(self, x, handle, topk_weights, compute_rows, nc, wire=_RAW):
         g = self.geo
         self._launch(dispatch_send_kernel, (g.grid_send,),
                      x, handle.topk_idx, topk_weights, handle.rows, handle.num_tokens, nc, self.pre, self.send_base,
@@ -312,7 +311,7 @@ class TritonEP:
                      KEEP_Q=q is not None, q_ptr=q, s_ptr=sc,
                      **self._ck)
 
-    def _expand(self, out, out_w, handle, ntpe, offs, keep_handle, scale=False, eo=None, gw=None, wire=0, q=None,
+    def _expand(self, out, out_w, handle, ntpe, offs, keep_handle, scale=False, eo=None, gw=None, wire=_RAW, q=None,
                 sc=None):
         g = self.geo
         b = self.buf
@@ -328,11 +327,11 @@ class TritonEP:
                      **self._ck)
 
     # ---------------------------------------------------------------------------------------------- combine
-    def _combine(self, eo, handle, weighted, gw=None, want_wgrad=False, kind=None, wire=0):
+    def _combine(self, eo, handle, weighted, gw=None, want_wgrad=False, kind=None, wire=_RAW):
         self._check_usable()
         g = self.geo
         kind = kind or g.combine
-        if want_wgrad or wire != 0:
+        if want_wgrad or wire.quantized:
             kind = "push"  # quantized partials and weight-gradient return are push-only
         T = handle.num_tokens
         nc = triton.cdiv(T, g.bt)

@@ -24,7 +24,7 @@ import triton.language as tl
 from .common import cast_rne, mul_rn, widen
 from .protocol import CALL_COMBINE, FLAG_CACK, FLAG_CDATA, STATUS_TIMEOUT, WAIT_CACK, WAIT_CDATA
 from .signal import signal_peers, wait_all_ge
-from .wirecodec import wire_load, wire_store
+from .wirecodec import RAW_BF16, wire_load, wire_store
 
 
 @triton.jit
@@ -63,10 +63,7 @@ def partial_item(src, c, Ts, live, eo_ptr, hmeta_ptr, hwts_ptr, gw_ptr, stage_ta
                 acc += mul_rn(widen(v), tl.broadcast_to(wk[:, None], (BT, BH)), HAS_TIMER)
             else:
                 acc += widen(v)
-        if WIRE == 0:
-            wire_store(dst, drow, h0, cast_rne(acc, tl.bfloat16), has, H, BH, BT, 0, POW2)
-        else:
-            wire_store(dst, drow, h0, acc, has, H, BH, BT, WIRE, POW2)
+        wire_store(dst, drow, h0, acc, has, H, BH, BT, WIRE, POW2)  # bf16: RNE-rounded partial
     if SEND_WGRAD:
         g = tl.load(gw_ptr + rows, mask=rows >= 0, other=0.0)
         wb = tl.load(wback_tab + src).to(tl.pointer_type(tl.float32))
@@ -117,7 +114,7 @@ def combine_partial_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, gw_ptr, stage
                            RANK: tl.constexpr, W: tl.constexpr, K: tl.constexpr, KB: tl.constexpr,
                            H: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr, WB: tl.constexpr,
                            PUSH: tl.constexpr, WEIGHTED: tl.constexpr, SEND_WGRAD: tl.constexpr,
-                           HAS_TIMER: tl.constexpr, RB: tl.constexpr = 0, WIRE: tl.constexpr = 0,
+                           HAS_TIMER: tl.constexpr, RB: tl.constexpr = 0, WIRE: tl.constexpr = RAW_BF16,
                            POW2: tl.constexpr = False):
     """Expert-rank side of a combine: one partial row per (source, token) with routes here (see module docstring).
 
@@ -146,7 +143,7 @@ def combine_out_kernel(topk_idx_ptr, y_ptr, T, NC, stage_tab, wback_ptr, gtw_ptr
                        RANK: tl.constexpr, W: tl.constexpr, L: tl.constexpr, K: tl.constexpr, KB: tl.constexpr,
                        H: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr, WB: tl.constexpr,
                        PULL: tl.constexpr, RECV_WGRAD: tl.constexpr, HAS_TIMER: tl.constexpr,
-                       RB: tl.constexpr = 0, WIRE: tl.constexpr = 0):
+                       RB: tl.constexpr = 0, WIRE: tl.constexpr = RAW_BF16):
     """Source side of a combine: wait for every expert rank's partials, sum them in rank order (fp32) into ``y``.
 
     PULL reads the partials from the peers' memory; RECV_WGRAD gathers the per-route scalars into ``gtw [T, K]``.

@@ -22,6 +22,7 @@ import triton.language as tl
 from .combine import out_chunk, partial_item
 from .protocol import CALL_COMBINE, FLAG_CACK, STATUS_TIMEOUT, WAIT_CACK, WAIT_CDATA
 from .signal import signal_peers, wait_all_ge
+from .wirecodec import RAW_BF16
 
 
 @triton.jit
@@ -40,7 +41,7 @@ def combine_fused_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, stage_tab, ccfl
                          G_partial_std, G_out_std, Tmax, NCmax,
                          GS: tl.constexpr, RANK: tl.constexpr, W: tl.constexpr, L: tl.constexpr, K: tl.constexpr,
                          KB: tl.constexpr, H: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr, WB: tl.constexpr,
-                         HAS_TIMER: tl.constexpr, RB: tl.constexpr, WIRE: tl.constexpr = 0,
+                         HAS_TIMER: tl.constexpr, RB: tl.constexpr, WIRE: tl.constexpr = RAW_BF16,
                          POW2: tl.constexpr = False):
     """Weighted push combine in one launch (see the module docstring); grid ``GS + GE``, ``GS`` partial programs.
 

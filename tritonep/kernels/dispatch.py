@@ -26,7 +26,7 @@ import triton.language as tl
 from .common import cast_rne, widen
 from .protocol import CALL_DISPATCH, FLAG_ACK, FLAG_DATA, NUM_FLAG_ROWS, ST_SKIP_CALL, STATUS_TIMEOUT, WAIT_ACK, WAIT_DATA
 from .signal import signal_peers, wait_all_ge
-from .wirecodec import wire_copy_raw, wire_encode, wire_load, wire_store_encoded
+from .wirecodec import RAW_BF16, wire_copy_raw, wire_encode, wire_load, wire_store_encoded, wire_to
 
 NUM_FLAGS = int(NUM_FLAG_ROWS.value)  # rows of the flags region (old name; see protocol.py)
 
@@ -80,8 +80,6 @@ def send_chunk(c, x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, pre_ptr, send_ba
         hm = h < H
         xt = tl.load(x_ptr + t[:, None].to(tl.int64) * H + h[None, :], mask=tm[:, None] & hm[None, :],
                      other=0.0)
-        if WIRE != 0:
-            xt = widen(xt)
         pay, sc = wire_encode(xt, BT, BH, WIRE, POW2)  # quantize once, store to every destination
         row_off = (RANK * Tmax + t).to(tl.int64) * RB
         for d in range(W):
@@ -130,10 +128,8 @@ def expand_item(src, c, Ts, skip, stage_ptr, meta_ptr, wts_ptr, out_ptr, out_w_p
             elif SCALE:
                 wk = tl.sum(tl.where(k_off[None, :] == k, w, 0.0), 1)
                 tl.store(dst, cast_rne(widen(xt) * wk[:, None], out_ptr.dtype.element_ty), mask=mk)
-            elif WIRE == 0:
-                tl.store(dst, xt, mask=mk)
             else:
-                tl.store(dst, cast_rne(xt, out_ptr.dtype.element_ty), mask=mk)
+                tl.store(dst, wire_to(xt, out_ptr.dtype.element_ty), mask=mk)
             if DOT:
                 eo = tl.load(eo_ptr + rk[:, None].to(tl.int64) * H + h[None, :], mask=mk, other=0.0)
                 part = tl.sum(widen(eo) * widen(xt), 1)
@@ -171,7 +167,7 @@ def dispatch_send_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, NC, pre_p
                          RANK: tl.constexpr, W: tl.constexpr, E: tl.constexpr, L: tl.constexpr, K: tl.constexpr,
                          KB: tl.constexpr, H: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr, WB: tl.constexpr,
                          COMPUTE_ROWS: tl.constexpr, HAS_TIMER: tl.constexpr, RB: tl.constexpr = 0,
-                         WIRE: tl.constexpr = 0, POW2: tl.constexpr = False):
+                         WIRE: tl.constexpr = RAW_BF16, POW2: tl.constexpr = False):
     """Send side of a dispatch (see the module docstring). Grid-stride over chunks of BT tokens.
 
     Writes, for every destination rank d: ``ntok[RANK]`` (program 0), each token's K destination rows (or -1) and
@@ -205,7 +201,7 @@ def dispatch_expand_kernel(stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_ptr, out_
                            H: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr, WB: tl.constexpr, LB: tl.constexpr,
                            BA: tl.constexpr, A: tl.constexpr, SCALE: tl.constexpr, DOT: tl.constexpr,
                            KEEP_HANDLE: tl.constexpr, HAS_TIMER: tl.constexpr, RB: tl.constexpr = 0,
-                           WIRE: tl.constexpr = 0, KEEP_Q: tl.constexpr = False, q_ptr=None, s_ptr=None):
+                           WIRE: tl.constexpr = RAW_BF16, KEEP_Q: tl.constexpr = False, q_ptr=None, s_ptr=None):
     """Receive side of a dispatch: wait for every source, scatter staged rows into the expert-grouped output.
 
     ``out[row]`` = decoded staged row for each route (SCALE: times its weight; KEEP_Q: copy payload + scales to

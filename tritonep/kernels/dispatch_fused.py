@@ -27,6 +27,7 @@ import triton.language as tl
 from .dispatch import expand_item, send_chunk, zero_padding
 from .protocol import CALL_DISPATCH, FLAG_ACK, ST_SKIP_CALL, STATUS_TIMEOUT, WAIT_ACK, WAIT_DATA
 from .signal import publish_epoch, signal_peers, wait_all_ge, wait_ge
+from .wirecodec import RAW_BF16
 
 
 @triton.jit(do_not_specialize=['T', 'data_off', 'ack_off', 'timeout', 'G_send_std', 'G_expand_std', 'Tmax',
@@ -40,7 +41,7 @@ def dispatch_fused_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, pre_ptr,
                           GS: tl.constexpr, RANK: tl.constexpr, W: tl.constexpr, E: tl.constexpr,
                           L: tl.constexpr, K: tl.constexpr, KB: tl.constexpr, H: tl.constexpr, BH: tl.constexpr,
                           BT: tl.constexpr, WB: tl.constexpr, BA: tl.constexpr, A: tl.constexpr,
-                          HAS_TIMER: tl.constexpr, RB: tl.constexpr, WIRE: tl.constexpr = 0,
+                          HAS_TIMER: tl.constexpr, RB: tl.constexpr, WIRE: tl.constexpr = RAW_BF16,
                           POW2: tl.constexpr = False, KEEP_Q: tl.constexpr = False, q_ptr=None, s_ptr=None):
     """Forward dispatch in one launch (see the module docstring); grid ``GS + GE`` programs, ``GS`` senders.
 

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from .common import mul_rn
+from .wirecodec import DeviceCodec
 
 __all__ = [
     "fp8_quant_tile",
@@ -31,6 +32,10 @@ __all__ = [
     "load_as_fp32",
     "store_fp32_as",
     "KIND_OF_DTYPE",
+    "FP8_E4M3_CODEC",
+    "MXFP4_CODEC",
+    "scaled_quant_tile",
+    "rne_shift",
 ]
 
 KIND_OF_DTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -38,7 +43,7 @@ KIND_OF_DTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 @triton.jit
-def _rne_shift(m, s):
+def rne_shift(m, s):
     """Round the non-negative int32 ``m`` right-shifted by ``s`` (1 <= s <= 25) to nearest, ties to even."""
     one = m * 0 + 1
     n = m >> s
@@ -62,7 +67,7 @@ def e4m3_encode(y):
     # subnormal e4m3: round |y| * 2^9 to an integer (0..8; 8 is the smallest normal, code 0x08)
     m = (abc & 0x7FFFFF) | 0x800000
     s = tl.minimum(tl.maximum(141 - e, 1), 25)
-    code_s = tl.where(e == 0, 0, _rne_shift(m, s))
+    code_s = tl.where(e == 0, 0, rne_shift(m, s))
     code = tl.where(e >= 121, code_n, code_s) | (sign << 7)
     return tl.where(ab > 0x7F800000, 0x7F, code)
 
@@ -81,10 +86,10 @@ def e4m3_decode(b):
 
 
 @triton.jit
-def _scale_from_amax_bits(amax_bits, POW2: tl.constexpr):
-    """fp8 block scale from the int32 bits of the block amax: max(div_rn(amax, 448), 2^-126), optionally 2^ceil."""
+def _scale_from_amax_bits(amax_bits, POW2: tl.constexpr, FMAX: tl.constexpr):
+    """Block scale from the int32 bits of the block amax: max(div_rn(amax, FMAX), 2^-126), optionally 2^ceil."""
     amax = amax_bits.to(tl.float32, bitcast=True)
-    sb = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)).to(tl.int32, bitcast=True)
+    sb = tl.math.div_rn(amax, tl.full(amax.shape, FMAX, tl.float32)).to(tl.int32, bitcast=True)
     sb = tl.maximum(sb, 0x00800000)
     if POW2:
         sb = (sb + 0x7FFFFF) & 0x7F800000
@@ -99,12 +104,20 @@ def fp8_quant_tile(x, POW2: tl.constexpr):
     Rule = :func:`tritonep.wire.fp8.quantize_fp8_torch`: amax over finite elements, scale =
     max(amax/448, 2^-126) (POW2: rounded up to a power of two), q = e4m3_rne_satfinite(x / scale).
     """
+    return scaled_quant_tile(x, POW2, 448.0, e4m3_encode)
+
+
+@triton.jit
+def scaled_quant_tile(x, POW2: tl.constexpr, FMAX: tl.constexpr, ENCODE: tl.constexpr):
+    """Shared body of the fp32-scaled fp8 wires: ``x`` [G, BLK] -> (``ENCODE(x / scale)`` uint8 [G, BLK], scale fp32
+    [G]) with amax over finite elements and scale = max(div_rn(amax, FMAX), 2^-126) (POW2: rounded up to 2^k).
+    ``ENCODE``: fp32 -> int32 bit pattern of the 8-bit format (RNE, saturating to +-FMAX)."""
     xb = x.to(tl.int32, bitcast=True)
     ab = xb & 0x7FFFFFFF
     amax_bits = tl.max(tl.where(ab < 0x7F800000, ab, 0), axis=1)
-    scale = _scale_from_amax_bits(amax_bits, POW2)
+    scale = _scale_from_amax_bits(amax_bits, POW2, FMAX)
     y = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
-    return e4m3_encode(y).to(tl.uint8), scale
+    return ENCODE(y).to(tl.uint8), scale
 
 
 @triton.jit
@@ -117,8 +130,9 @@ def fp8_dequant_tile(q_bits, scale, EXACT_MUL: tl.constexpr = False):
 
 
 @triton.jit
-def mxfp4_quant_tile(x):
-    """Quantize fp32 ``x`` [G, 32] to MX fp4 (OCP Microscaling v1.0, e2m1 + e8m0).
+def mxfp4_quant_tile(x, POW2: tl.constexpr = False):
+    """Quantize fp32 ``x`` [G, 32] to MX fp4 (OCP Microscaling v1.0, e2m1 + e8m0). ``POW2`` is ignored (e8m0
+    scales are powers of two already; the parameter makes the signature the codec contract's).
 
     Returns ``(packed, e8m0)``: packed uint8 [G, 16] (element 2i in the low nibble, 2i+1 in the high nibble;
     nibble = sign<<3 | e2m1 magnitude code), e8m0 uint8 [G]. Rule = :func:`tritonep.wire.mxfp4.quantize_mxfp4_torch`.
@@ -137,7 +151,7 @@ def mxfp4_quant_tile(x):
     e_lsb = tl.where(e == 0, -149, e - 150)  # |x| = m * 2^e_lsb
     ey = tl.maximum(e - 127 - ex, 0)  # max(floor(log2 |x / 2^ex|), 0) for the e2m1 quantum
     s = tl.minimum(tl.maximum(ey - 1 + ex - e_lsb, 1), 25)
-    code = tl.minimum(_rne_shift(m, s) + 2 * ey, 7) | (((xb >> 31) & 1) << 3)
+    code = tl.minimum(rne_shift(m, s) + 2 * ey, 7) | (((xb >> 31) & 1) << 3)
     code = tl.where(bad[:, None] != 0, 0, code)
     lo, hi = tl.split(tl.reshape(code, [G, 16, 2]))
     packed = (lo | (hi << 4)).to(tl.uint8)
@@ -146,8 +160,9 @@ def mxfp4_quant_tile(x):
 
 
 @triton.jit
-def mxfp4_dequant_tile(packed, e8m0):
-    """uint8 packed e2m1 [G, 16] and uint8 e8m0 [G] -> exact fp32 [G, 32] (e8m0 == 255 -> NaN block)."""
+def mxfp4_dequant_tile(packed, e8m0, EXACT_MUL: tl.constexpr = False):
+    """uint8 packed e2m1 [G, 16] and uint8 e8m0 [G] -> exact fp32 [G, 32] (e8m0 == 255 -> NaN block). Built from
+    bits with no multiply, so ``EXACT_MUL`` (codec contract) has nothing to do."""
     p = packed.to(tl.int32)
     c = tl.interleave(p & 0xF, (p >> 4) & 0xF)  # [G, 32], element order
     mag = c & 7
@@ -197,3 +212,12 @@ def store_fp32_as(ptr, offs, v, mask, KIND: tl.constexpr):
         tl.store(ptr + offs, fp32_to_bf16_bits(v), mask=mask)
     else:
         tl.store(ptr + offs, v.to(ptr.dtype.element_ty), mask=mask)
+
+
+FP8_E4M3_CODEC = DeviceCodec("fp8", block=128, payload_bits=8, scale_bytes=4, scale_dtype=tl.float32,
+                             encode=fp8_quant_tile, decode=fp8_dequant_tile)
+"""Device codec of the ``fp8`` wire (e4m3 + one fp32 scale per 128); twin :mod:`tritonep.wire.fp8`."""
+
+MXFP4_CODEC = DeviceCodec("mxfp4", block=32, payload_bits=4, scale_bytes=1, scale_dtype=tl.uint8,
+                          encode=mxfp4_quant_tile, decode=mxfp4_dequant_tile)
+"""Device codec of the ``mxfp4`` wire (packed e2m1 + one e8m0 per 32); twin :mod:`tritonep.wire.mxfp4`."""

@@ -12,11 +12,7 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError, WireError
 
-try:  # wire names and per-wire hidden-size rules live in tritonep.wire (imports go one way: wire -> moe)
-    from ..wire.formats import WIRES, check_wire
-except ImportError:  # pragma: no cover - only while tritonep.wire is absent
-    WIRES = ("bf16", "fp8", "mxfp4")
-    check_wire = None
+from ..wire.formats import WIRES, check_wire, get_wire  # the wire registry (imports go one way: wire -> moe)
 
 __all__ = ["MoERecipe", "MoEGeometry", "check_config", "COMBINE_KINDS", "BALANCE_KINDS", "ROW_MULTIPLE"]
 
@@ -95,7 +91,8 @@ class MoERecipe:
     """How an MoE layer runs: wire formats, combine kind, load balancing, expert segment alignment.
 
     Attributes:
-        dispatch_wire: ``"bf16"`` | ``"fp8"`` | ``"mxfp4"`` (DESIGN.md §7).
+        dispatch_wire: a registered wire, :data:`tritonep.wire.WIRES` (``"bf16"``, ``"fp8"``, ``"mxfp4"``,
+            ``"fp8_e5m2"``; DESIGN.md §7).
         combine_wire: same names; anything but ``"bf16"`` needs ``combine="push"`` (a pull reads the expert
             output region as written by the GEMM, in bf16).
         combine: ``"pull"`` | ``"push"`` (see :data:`COMBINE_KINDS`).
@@ -133,10 +130,10 @@ class MoERecipe:
         if self.balance not in BALANCE_KINDS:
             raise ConfigError(f"MoERecipe.balance={self.balance!r} is not one of {BALANCE_KINDS}")
         _positive_int("MoERecipe", "expert_alignment", self.expert_alignment)
-        if self.combine_wire != "bf16" and self.combine == "pull":
+        if get_wire(self.combine_wire).quantized and self.combine == "pull":
             raise ConfigError(f"MoERecipe.combine_wire={self.combine_wire!r} needs combine='push' (quantized combine "
                               f"is push only), got MoERecipe.combine='pull'")
-        if geometry is not None and check_wire is not None:
+        if geometry is not None:
             for f in ("dispatch_wire", "combine_wire"):
                 try:
                     check_wire(getattr(self, f), geometry.hidden, f)

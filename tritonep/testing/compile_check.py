@@ -61,7 +61,7 @@ def record_launches(out: list):
                 is_const = "constexpr" in str(ann.get(n, "")) or ann.get(n) is __import__("triton").language.constexpr
                 if is_const or v is None:
                     sig[n] = "constexpr"
-                    const[n] = v
+                    const[n] = _const_to_json(v)
                 else:
                     sig[n] = _type_of(v)
             rec = dict(module=pyfn.__module__, name=pyfn.__name__, signature=sig, constexprs=const, options=opts)
@@ -79,6 +79,22 @@ def record_launches(out: list):
         InterpretedFunction.run = orig
 
 
+def _const_to_json(v):
+    """A constexpr as JSON: a wire codec (the kernels' ``WIRE``) by its wire name, anything else as it is."""
+    from tritonep.kernels.wirecodec import DeviceCodec
+
+    return {"wire_codec": v.name} if isinstance(v, DeviceCodec) else v
+
+
+def _const_from_json(v):
+    """Inverse of :func:`_const_to_json` (the codec from the wire registry)."""
+    if isinstance(v, dict) and set(v) == {"wire_codec"}:
+        from tritonep.wire import get_wire
+
+        return get_wire(v["wire_codec"]).codec
+    return v
+
+
 def compile_one(rec: dict):
     """Compile one recorded launch for sm_90 in this (non-interpreted) process; returns the compiled kernel."""
     import importlib
@@ -93,7 +109,7 @@ def compile_one(rec: dict):
     for i, n in enumerate(fn.arg_names):
         if rec["signature"][n].startswith("*"):
             attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn, rec["signature"], rec["constexprs"], attrs)
+    src = ASTSource(fn, rec["signature"], {k: _const_from_json(v) for k, v in rec["constexprs"].items()}, attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=rec.get("options") or {})
 
 

@@ -27,8 +27,10 @@ import triton
 import triton.language as tl
 
 from tritonep.errors import InputError, WireError
-from tritonep.kernels.quant import KIND_OF_DTYPE, fp8_dequant_tile, fp8_quant_tile, load_as_fp32, store_fp32_as
-from tritonep.wire.formats import check_quant_input, FP8_BLOCK
+from tritonep.kernels.quant import FP8_E4M3_CODEC, KIND_OF_DTYPE, load_as_fp32, store_fp32_as
+from tritonep.wire.checks import check_quant_input
+
+FP8_BLOCK = FP8_E4M3_CODEC.block  # 128
 
 __all__ = [
     "quantize_fp8_torch",
@@ -82,18 +84,16 @@ def e4m3_encode_torch(y: torch.Tensor) -> torch.Tensor:
     return code.to(torch.uint8)
 
 
-def _check_x(x: torch.Tensor, name: str) -> None:
-    check_quant_input(x, "fp8", name)
-
-
-def _check_q(q: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype, name: str) -> torch.Tensor:
+def _check_q(q: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype, name: str,
+             qdtype: torch.dtype = torch.float8_e4m3fn, wire: str = "fp8") -> torch.Tensor:
+    """Checks of an fp32-scaled 8-bit wire's ``(q, scales)``; returns q's uint8 view."""
     if not isinstance(q, torch.Tensor) or not isinstance(scales, torch.Tensor):
         raise InputError(f"{name}: q and scales must be torch.Tensors")
-    if q.dtype not in (torch.float8_e4m3fn, torch.uint8) or q.dim() != 2:
-        raise InputError(f"{name}: q must be 2-D float8_e4m3fn or uint8, got {q.dtype} {tuple(q.shape)}")
+    if q.dtype not in (qdtype, torch.uint8) or q.dim() != 2:
+        raise InputError(f"{name}: q must be 2-D {str(qdtype)[6:]} or uint8, got {q.dtype} {tuple(q.shape)}")
     n, h = q.shape
     if h % FP8_BLOCK != 0:
-        raise WireError(f"{name}: wire 'fp8' needs hidden % {FP8_BLOCK} == 0 (no padding); got hidden={h}")
+        raise WireError(f"{name}: wire {wire!r} needs hidden % {FP8_BLOCK} == 0 (no padding); got hidden={h}")
     if scales.dtype != torch.float32 or tuple(scales.shape) != (n, h // FP8_BLOCK):
         raise InputError(
             f"{name}: scales must be float32 of shape {(n, h // FP8_BLOCK)}, got {scales.dtype} {tuple(scales.shape)}"
@@ -118,20 +118,28 @@ def quantize_fp8_torch(x: torch.Tensor, pow2_scale: bool = False) -> tuple[torch
     Raises:
         InputError: x not 2-D or wrong dtype. WireError: H % 128 != 0.
     """
-    _check_x(x, "quantize_fp8_torch")
+    check_quant_input(x, "fp8", FP8_BLOCK, "quantize_fp8_torch")
+    q, scale = scaled_quantize_torch(x, 448.0, e4m3_encode_torch, pow2_scale)
+    return q.view(torch.float8_e4m3fn), scale
+
+
+def scaled_quantize_torch(x: torch.Tensor, fmax: float, encode, pow2_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shared spec of the fp32-scaled 8-bit wires (blocks of 128): ``(encode(x / scale) uint8 [N, H], scale fp32
+    [N, H/128])``, amax over finite elements, scale = max(amax / fmax, 2^-126) (IEEE division; pow2_scale: rounded
+    up to a power of two). ``encode``: fp32 tensor -> uint8 bits (RNE, saturating). ``x`` is checked by the caller."""
     n, h = x.shape
     xf = x.float().contiguous().reshape(n, h // FP8_BLOCK, FP8_BLOCK)
     ab = xf.view(torch.int32) & 0x7FFFFFFF
     amax_bits = torch.where(ab < 0x7F800000, ab, torch.zeros_like(ab)).amax(dim=-1)
     # divide by a tensor, not a Python scalar: on CUDA, torch turns a scalar divisor into a multiply by its
     # reciprocal (not IEEE division, differs in the last bit); a tensor divisor is a true div.rn
-    scale = amax_bits.view(torch.float32) / torch.full_like(amax_bits.view(torch.float32), 448.0)
+    scale = amax_bits.view(torch.float32) / torch.full_like(amax_bits.view(torch.float32), fmax)
     sb = torch.clamp(scale.view(torch.int32), min=_MIN_SCALE_BITS)
     if pow2_scale:
         sb = (sb + 0x7FFFFF) & 0x7F800000
     scale = sb.view(torch.float32)
-    q = e4m3_encode_torch(xf / scale[..., None])
-    return q.reshape(n, h).view(torch.float8_e4m3fn), scale
+    q = encode(xf / scale[..., None])
+    return q.reshape(n, h), scale
 
 
 def dequantize_fp8_torch(q: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -145,15 +153,22 @@ def dequantize_fp8_torch(q: torch.Tensor, scales: torch.Tensor, out_dtype: torch
         [N, H] out_dtype. Raises InputError / WireError on bad shapes or dtypes.
     """
     qb = _check_q(q, scales, out_dtype, "dequantize_fp8_torch")
-    n, h = qb.shape
-    v = qb.view(torch.float8_e4m3fn).float().reshape(n, h // FP8_BLOCK, FP8_BLOCK)
+    return scaled_dequantize_torch(qb.view(torch.float8_e4m3fn), scales, out_dtype)
+
+
+def scaled_dequantize_torch(q: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """Shared dequant spec of the fp32-scaled 8-bit wires: ``(q.float() * scale).to(out_dtype)`` per block of 128
+    (torch's exact 8-bit -> fp32 conversion, one fp32 multiply, RNE cast). ``q`` [N, H] of its float8 dtype."""
+    n, h = q.shape
+    v = q.float().reshape(n, h // FP8_BLOCK, FP8_BLOCK)
     return (v * scales[..., None]).reshape(n, h).to(out_dtype)
 
 
 @triton.jit
 def _fp8_quant_kernel(x_ptr, q_ptr, s_ptr, N, H, KIND: tl.constexpr, POW2: tl.constexpr,
-                      R: tl.constexpr, G: tl.constexpr, BLK: tl.constexpr):
-    """Programs over blocks of R rows; each walks its rows' scale blocks G at a time (tile [R*G, BLK])."""
+                      R: tl.constexpr, G: tl.constexpr, BLK: tl.constexpr, CODEC: tl.constexpr):
+    """Programs over blocks of R rows; each walks its rows' scale blocks G at a time (tile [R*G, BLK]).
+    CODEC: an 8-bit fp32-scaled :class:`tritonep.kernels.wirecodec.DeviceCodec` (e4m3, e5m2)."""
     pid = tl.program_id(0)
     nb = H // BLK
     t = tl.arange(0, R * G)
@@ -165,14 +180,14 @@ def _fp8_quant_kernel(x_ptr, q_ptr, s_ptr, N, H, KIND: tl.constexpr, POW2: tl.co
             ok = (row < N) & (g < nb)
             offs = row[:, None] * H + g[:, None] * BLK + col[None, :]
             x = load_as_fp32(x_ptr, offs, ok[:, None], KIND)
-            q, s = fp8_quant_tile(x, POW2)
+            q, s = CODEC.encode(x, POW2)
             tl.store(q_ptr + offs, q, mask=ok[:, None])
             tl.store(s_ptr + row * nb + g, s, mask=ok)
 
 
 @triton.jit
 def _fp8_dequant_kernel(q_ptr, s_ptr, o_ptr, N, H, KIND: tl.constexpr,
-                        R: tl.constexpr, G: tl.constexpr, BLK: tl.constexpr):
+                        R: tl.constexpr, G: tl.constexpr, BLK: tl.constexpr, CODEC: tl.constexpr):
     """Inverse of :func:`_fp8_quant_kernel` with the same tiling."""
     pid = tl.program_id(0)
     nb = H // BLK
@@ -186,7 +201,7 @@ def _fp8_dequant_kernel(q_ptr, s_ptr, o_ptr, N, H, KIND: tl.constexpr,
             offs = row[:, None] * H + g[:, None] * BLK + col[None, :]
             q = tl.load(q_ptr + offs, mask=ok[:, None], other=0)
             s = tl.load(s_ptr + row * nb + g, mask=ok, other=1.0)
-            store_fp32_as(o_ptr, offs, fp8_dequant_tile(q, s), ok[:, None], KIND)
+            store_fp32_as(o_ptr, offs, CODEC.decode(q, s), ok[:, None], KIND)
 
 
 def _tiling(n: int, nb: int, device: torch.device, groups: int) -> tuple[int, int, int]:
@@ -215,9 +230,16 @@ def quantize_fp8(x: torch.Tensor, pow2_scale: bool = False) -> tuple[torch.Tenso
     Raises:
         InputError: x not 2-D, not contiguous, or wrong dtype. WireError: H % 128 != 0.
     """
-    _check_x(x, "quantize_fp8")
+    check_quant_input(x, "fp8", FP8_BLOCK, "quantize_fp8")
+    q, s = scaled_quantize(x, pow2_scale, FP8_E4M3_CODEC, "quantize_fp8")
+    return q.view(torch.float8_e4m3fn), s
+
+
+def scaled_quantize(x: torch.Tensor, pow2_scale: bool, codec, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton quantization of an fp32-scaled 8-bit wire (``codec``: e4m3, e5m2): uint8 ``[N, H]`` and fp32
+    ``[N, H/128]``. ``x`` is checked by the caller except for contiguity (InputError)."""
     if not x.is_contiguous():
-        raise InputError(f"quantize_fp8: x must be contiguous, got strides {x.stride()}")
+        raise InputError(f"{name}: x must be contiguous, got strides {x.stride()}")
     n, h = x.shape
     q = torch.empty((n, h), dtype=torch.uint8, device=x.device)
     s = torch.empty((n, h // FP8_BLOCK), dtype=torch.float32, device=x.device)
@@ -225,8 +247,8 @@ def quantize_fp8(x: torch.Tensor, pow2_scale: bool = False) -> tuple[torch.Tenso
         r, g, progs = _tiling(n, h // FP8_BLOCK, x.device, 8)
         xin = x.view(torch.int16) if x.dtype == torch.bfloat16 else x
         _fp8_quant_kernel[(progs,)](xin, q, s, n, h, KIND=KIND_OF_DTYPE[x.dtype], POW2=bool(pow2_scale),
-                                    R=r, G=g, BLK=FP8_BLOCK)
-    return q.view(torch.float8_e4m3fn), s
+                                    R=r, G=g, BLK=FP8_BLOCK, CODEC=codec)
+    return q, s
 
 
 def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -240,12 +262,19 @@ def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype
         [N, H] out_dtype. Raises InputError / WireError on bad shapes, dtypes, devices or strides.
     """
     qb = _check_q(q, scales, out_dtype, "dequantize_fp8")
+    return scaled_dequantize(qb, scales, out_dtype, FP8_E4M3_CODEC, "dequantize_fp8")
+
+
+def scaled_dequantize(qb: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype, codec, name: str) -> torch.Tensor:
+    """Triton dequantization of an fp32-scaled 8-bit wire (uint8 ``qb`` checked by the caller except for
+    contiguity, InputError) -> ``[N, H]`` out_dtype."""
     if not qb.is_contiguous() or not scales.is_contiguous():
-        raise InputError("dequantize_fp8: q and scales must be contiguous")
+        raise InputError(f"{name}: q and scales must be contiguous")
     n, h = qb.shape
     out = torch.empty((n, h), dtype=out_dtype, device=qb.device)
     if n > 0:
         r, g, progs = _tiling(n, h // FP8_BLOCK, qb.device, 8)
         o = out.view(torch.int16) if out_dtype == torch.bfloat16 else out
-        _fp8_dequant_kernel[(progs,)](qb, scales, o, n, h, KIND=KIND_OF_DTYPE[out_dtype], R=r, G=g, BLK=FP8_BLOCK)
+        _fp8_dequant_kernel[(progs,)](qb, scales, o, n, h, KIND=KIND_OF_DTYPE[out_dtype], R=r, G=g, BLK=FP8_BLOCK,
+                                      CODEC=codec)
     return out

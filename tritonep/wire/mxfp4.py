@@ -28,8 +28,9 @@ import triton
 import triton.language as tl
 
 from tritonep.errors import InputError, WireError
-from tritonep.kernels.quant import KIND_OF_DTYPE, load_as_fp32, mxfp4_dequant_tile, mxfp4_quant_tile, store_fp32_as
-from tritonep.wire.formats import check_quant_input, MXFP4_BLOCK
+from tritonep.kernels.quant import (KIND_OF_DTYPE, MXFP4_CODEC, load_as_fp32, mxfp4_dequant_tile, mxfp4_quant_tile,
+                                    store_fp32_as)
+from tritonep.wire.checks import check_quant_input
 from tritonep.wire.fp8 import _rne_shift_torch, _tiling
 
 __all__ = [
@@ -47,8 +48,11 @@ _IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _TWICE_E2M1 = (0, 1, 2, 3, 4, 6, 8, 12)  # 2 * e2m1 magnitude, by code
 
 
+MXFP4_BLOCK = MXFP4_CODEC.block  # 32
+
+
 def _check_x(x: torch.Tensor, name: str) -> None:
-    check_quant_input(x, "mxfp4", name)
+    check_quant_input(x, "mxfp4", MXFP4_BLOCK, name)
 
 
 def _check_packed(packed: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype, name: str) -> int:

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Everything that runs on ONE H200 (device kind nvidia-h200), in one device command (~6-8 min):
+#   bash scripts/gpu_1gpu.sh
+# GPU tests that need one GPU (multi-GPU tests skip), the one-launch planner benchmark (W = 2..8 simulated on one
+# device, self-checked), and world-1 EP rows (kernels without NVLink: the HBM side of dispatch / combine) with the
+# eager profile with and without the cached launch path. Logs and JSON go to $OUT (default ./gpu_out); every step
+# has a measured limit with margin and prints its verdict.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 PYTHONPATH=.
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+step() {  # step NAME LIMIT_S CMD...: run with a limit, log to $OUT/NAME.log, print the verdict
+    local name=$1 limit=$2; shift 2
+    local t0=$(date +%s)
+    echo "=== $name (limit ${limit}s): $*"
+    timeout "$limit" "$@" 2>&1 | grep -v -i warning > "$OUT/$name.log"
+    local rc=${PIPESTATUS[0]}
+    tail -${TAIL:-6} "$OUT/$name.log"
+    echo "=== $name rc=$rc in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/summary.txt"
+}
+nvidia-smi -L
+step gpu_tests_1gpu 240 python -m pytest -q -m gpu tests -p no:cacheprovider --timeout 200 -ra
+step planner 100 python benchmarks/planner_bench.py --modes reference minimal --json "$OUT/planner.json"
+step eager_fast0 110 env TRITONEP_FAST_LAUNCH=0 torchrun --nproc-per-node 1 benchmarks/eager_profile.py \
+    --tokens 128 4096 --json "$OUT/eager_fast0.json"
+step eager_fast1 110 env TRITONEP_FAST_LAUNCH=1 torchrun --nproc-per-node 1 benchmarks/eager_profile.py \
+    --tokens 128 4096 --json "$OUT/eager_fast1.json"
+step ep_w1 150 torchrun --nproc-per-node 1 benchmarks/ep_bench.py --profiles deepseek-v3 decode --iters 20 \
+    --json "$OUT/ep_w1.json" ${EP_VARIANTS:-}
+cat "$OUT/summary.txt"

@@ -1,0 +1,74 @@
+"""Device codec of the ``fp8_e5m2`` wire: float8_e5m2 values, one fp32 scale per 128 elements (DESIGN.md §7).
+
+Same block scaling as the e4m3 wire (:func:`tritonep.kernels.quant.scaled_quant_tile`) with the e5m2 range:
+scale = max(amax / 57344, 2^-126), q = e5m2(x / scale) rounded to nearest even with saturation to +-57344.
+Integer-only rounding (interpreter and sm_90 give the same bits). Twin: :mod:`tritonep.wire.fp8_e5m2`.
+e5m2: 1 sign, 5 exponent (bias 15), 2 mantissa bits; normals 2^-14 .. 57344, subnormals m * 2^-16 (m = 1..3),
+0x7C = Inf, 0x7D..0x7F = NaN (OCP 8-bit floating point, 2023).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import mul_rn
+from .quant import rne_shift, scaled_quant_tile
+from .wirecodec import DeviceCodec
+
+__all__ = ["e5m2_encode", "e5m2_decode", "e5m2_quant_tile", "e5m2_dequant_tile", "FP8_E5M2_CODEC"]
+
+
+@triton.jit
+def e5m2_encode(y):
+    """fp32 tensor -> int32 float8_e5m2 bit pattern (0..255): RNE, saturating to +-57344, Inf -> +-57344,
+    NaN -> 0x7F."""
+    yb = y.to(tl.int32, bitcast=True)
+    sign = (yb >> 31) & 1
+    ab = yb & 0x7FFFFFFF
+    abc = tl.minimum(ab, 0x7F800000)
+    e = abc >> 23
+    # normal e5m2 (|y| >= 2^-14): keep 2 mantissa bits, RNE, carry into the exponent; rebias 127 -> 15
+    r = (abc + 0xFFFFF + ((abc >> 21) & 1)) >> 21
+    code_n = tl.minimum(r - (112 << 2), 0x7B)
+    # subnormal e5m2: round |y| * 2^16 to an integer (0..4; 4 is the smallest normal, code 0x04)
+    m = (abc & 0x7FFFFF) | 0x800000
+    s = tl.minimum(tl.maximum(134 - e, 1), 25)
+    code_s = tl.where(e == 0, 0, rne_shift(m, s))
+    code = tl.where(e >= 113, code_n, code_s) | (sign << 7)
+    return tl.where(ab > 0x7F800000, 0x7F, code)
+
+
+@triton.jit
+def e5m2_decode(b):
+    """int32 float8_e5m2 bit pattern (0..255) -> exact fp32 value (0x7C/0xFC -> +-Inf, 0x7D..0x7F -> NaN)."""
+    sign = (b >> 7) & 1
+    e = (b >> 2) & 0x1F
+    m = b & 3
+    nbits = ((e + 112) << 23) | (m << 21)
+    sub = m.to(tl.float32) * 0.0000152587890625  # m * 2^-16, exact
+    bits = tl.where(e == 0, sub.to(tl.int32, bitcast=True), nbits)
+    bits = tl.where(e == 31, tl.where(m == 0, 0x7F800000, 0x7FC00000), bits) | (sign << 31)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e5m2_quant_tile(x, POW2: tl.constexpr):
+    """Quantize fp32 ``x`` [G, 128] to e5m2: ``(q_bits uint8 [G, 128], scale fp32 [G])``.
+
+    Rule = :func:`tritonep.wire.fp8_e5m2.quantize_fp8_e5m2_torch`: amax over finite elements, scale =
+    max(amax/57344, 2^-126) (POW2: rounded up to a power of two), q = e5m2_rne_satfinite(x / scale).
+    """
+    return scaled_quant_tile(x, POW2, 57344.0, e5m2_encode)
+
+
+@triton.jit
+def e5m2_dequant_tile(q_bits, scale, EXACT_MUL: tl.constexpr = False):
+    """uint8 e5m2 bits [G, 128] and fp32 scale [G] -> fp32 [G, 128] = value(q) * scale (one fp32 multiply;
+    EXACT_MUL: a standalone ``mul.rn.f32`` on the GPU)."""
+    return mul_rn(e5m2_decode(q_bits.to(tl.int32)), tl.broadcast_to(scale[:, None], q_bits.shape), EXACT_MUL)
+
+
+FP8_E5M2_CODEC = DeviceCodec("fp8_e5m2", block=128, payload_bits=8, scale_bytes=4, scale_dtype=tl.float32,
+                             encode=e5m2_quant_tile, decode=e5m2_dequant_tile)
+"""Device codec of the ``fp8_e5m2`` wire."""

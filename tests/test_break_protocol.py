@@ -1,4 +1,4 @@
-"""Adversarial checks of the host protocol rule (DESIGN.md §6a) and the collective input-error contract.
+"""Adversarial checks of the host protocol rule (docs/protocols.md (host protocol rule)) and the collective input-error contract.
 
 Reviewer's tests: long mixed refused/ok call sequences on both backends and several wires / geometries, refusals
 of different kinds on different ranks in one call, earlier live handles used after a refused call, sync checks

@@ -1,4 +1,4 @@
-"""GPU checks of the host protocol rule (issue 14, DESIGN.md §6a): uneven per-rank token scripts (0 included,
+"""GPU checks of the host protocol rule (issue 14, docs/protocols.md (host protocol rule)): uneven per-rank token scripts (0 included,
 changing every call) eagerly and in CUDA graphs at several geometries; a bad input on one rank."""
 
 import pytest

@@ -5,7 +5,7 @@ every gradient (x, topk_weights, every native w1 / w2) against :func:`tritonep.r
 ALL ranks' tokens with the layers' own initial weights (fp32, autograd): ``max|got - ref| <= 3e-2 * max|ref|`` (bf16
 weights and activations; the gradient of a native expert includes its replicas' contributions pulled back from the
 peers). The balanced per-rank work must be the plan's capacity (max - min <= 1) and cover every valid route. Every
-CPU world also checks the host protocol (DESIGN.md §6a): all ranks launch the same signalling kernels and collectives.
+CPU world also checks the host protocol (docs/protocols.md (host protocol rule)): all ranks launch the same signalling kernels and collectives.
 
 Plans covered: real FLAME / OLMoE routing (W=4); hand-made W=2 and W=4 steps where one rank has T=0, the sender uses
 no slot while its experts run elsewhere, receivers hold migrated experts while none of their own is held, and a

@@ -1,4 +1,4 @@
-"""The host protocol rule (DESIGN.md §6a) on the CPU world: the launch-sequence recorder, uneven per-rank T scripts,
+"""The host protocol rule (docs/protocols.md (host protocol rule)) on the CPU world: the launch-sequence recorder, uneven per-rank T scripts,
 and a bad input on one rank failing the call on every rank (issue 14 cases 2 and 3)."""
 
 import os

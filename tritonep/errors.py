@@ -44,7 +44,7 @@ class PeerInputError(InputError):
     """Another rank's input to the same collective call was invalid, so this call failed on every rank.
 
     Raised on the ranks whose own input was fine; the rank with the bad input raises the :class:`InputError` (or
-    :class:`CapacityError`) that names its value. The flag travels with the call's counts exchange (DESIGN.md §6a):
+    :class:`CapacityError`) that names its value. The flag travels with the call's counts exchange (docs/protocols.md (host protocol rule)):
     no rows moved, the buffer stays usable and the next call pairs correctly on every rank.
 
     Attributes:
@@ -88,7 +88,7 @@ class PeerTimeoutError(TritonEPError):
         self.rank = rank
 
 
-# DESIGN.md §6 calls it ``tep.TimeoutError``; both names refer to the same class.
+# docs/protocols.md calls it ``tep.TimeoutError``; both names refer to the same class.
 TimeoutError = PeerTimeoutError  # noqa: A001
 
 

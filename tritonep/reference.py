@@ -1,7 +1,7 @@
 """Single-process pure-torch oracles for expert-parallel dispatch / combine (THE spec the kernels are tested against).
 
 Every function takes EVERY rank's inputs at once (Python lists indexed by rank) and returns every rank's expected
-outputs. Conventions (DESIGN.md §3-§4):
+outputs. Conventions (docs/architecture.md):
 
 * ``E = num_experts``, ``W = world_size``, ``L = E // W`` local experts; global expert ``e`` lives on rank ``e // L``
   with local id ``e % L``.
@@ -302,7 +302,7 @@ def combine_reference_partial(
     num_tokens: Sequence[int],
     partial_dtype: torch.dtype | None = torch.bfloat16,
 ) -> list[torch.Tensor]:
-    """Expected combine output in the EXACT reduction order of the Triton combine (DESIGN.md §6 "Combine").
+    """Expected combine output in the EXACT reduction order of the Triton combine (docs/protocols.md "Combine").
 
     For source rank r and token t: for each expert rank d = 0..W-1 in ascending order,
     ``partial_d = 0 + sum_{k ascending, route (t,k) on rank d} fp32(w[t,k] * row)`` (fp32, left to right), then

@@ -92,7 +92,7 @@ def rank_combine_oracle(expert_rows: torch.Tensor, topk_idx: torch.Tensor, topk_
                         num_experts: int, world_size: int, combine_wire: str = "bf16") -> torch.Tensor:
     """This rank's combine output when every route of token ``t`` came back as ``expert_rows[t]``.
 
-    The exact order of :func:`tritonep.reference.combine_reference_partial` (DESIGN.md §6): per expert rank ``d``
+    The exact order of :func:`tritonep.reference.combine_reference_partial` (docs/protocols.md): per expert rank ``d``
     ascending, ``partial_d = 0 + sum_{k ascending, route on d} fp32(w[t,k] * row)``, rounded over ``combine_wire``
     (bf16 rounding, or the fp8 / mxfp4 twins), then ``y = 0 + partial_0 + ... `` in fp32; returns ``[T, H]`` bf16.
 

@@ -1,4 +1,4 @@
-"""Autograd for dispatch and combine (DESIGN.md §4).
+"""Autograd for dispatch and combine (docs/architecture.md).
 
 dispatch: ``(x [T,H], topk_weights [T,K]) -> (recv_x [R,H], recv_weights [R])``; its backward is a combine without
 weights (``grad_x[t] = sum_k grad_recv_x[row(t,k)]``) plus a gather of the per-row weight gradients

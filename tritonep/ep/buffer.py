@@ -1,11 +1,11 @@
-"""EPBuffer: the public front door of dispatch / combine (DESIGN.md §4).
+"""EPBuffer: the public front door of dispatch / combine (docs/architecture.md).
 
 Checks every input before any peer is touched (:mod:`tritonep.ep.validate`), checks once at construction that every
 rank has the same static configuration, picks a backend (``triton``: symmetric memory + Triton kernels on one host;
 ``nccl``: torch.distributed all_to_all for groups that span hosts) and wraps both in autograd.
 
 Idea sources: DeepEP's ``Buffer`` (dispatch/combine with a handle, expert-grouped receive for grouped GEMMs),
-pplx-kernels (static capacity, graph capture), our own protocol for the kernels (DESIGN.md §6).
+pplx-kernels (static capacity, graph capture), our own protocol for the kernels (docs/protocols.md).
 """
 
 from __future__ import annotations
@@ -247,7 +247,7 @@ class EPBuffer:
             PeerTimeoutError: a peer never arrived; the buffer is unusable afterwards.
             BufferStateError: closed or broken buffer.
 
-        A refused input is an error on EVERY rank for that call (DESIGN.md §6a): the refusing rank still runs the
+        A refused input is an error on EVERY rank for that call (docs/protocols.md (host protocol rule)): the refusing rank still runs the
         call's launch sequence with no tokens and a flag in its counts row, the flag reaches every rank with the
         counts exchange (no extra collective), no rows move anywhere, the buffer stays usable and the next call
         pairs correctly. Ids outside ``[-1, E)`` are found on the device in the same exchange (no host read of

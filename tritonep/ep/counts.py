@@ -78,7 +78,7 @@ class CountsExchange:
         ncmax = max(1, triton.cdiv(max_tokens_per_rank, self.BT))
         EB = triton.next_power_of_2(self.E)
         L = self.E // self.W
-        # static tiles (never derived from a call's T: DESIGN.md 6a)
+        # static tiles (never derived from a call's T: docs/protocols.md (host protocol rule))
         self._ex = dict(RANK=self.rank, W=self.W, E=self.E, L=L, A=1, WB=max(2, triton.next_power_of_2(self.W)),
                         LB=triton.next_power_of_2(L), EB=EB, NCB=min(triton.next_power_of_2(ncmax), 64),
                         EBLK=min(EB, 64), HAS_TIMER=self.device.type == "cuda", DOUBLE=True)
@@ -90,7 +90,7 @@ class CountsExchange:
 
         A refused ``topk_idx`` (wrong shape or dtype, or ``T > max_tokens_per_rank``) still takes part in the
         exchange with no routes and the input-error flag in this rank's row (every rank runs the same launches,
-        DESIGN.md §6a), then raises here; ids outside ``[-1, E)`` are flagged on the device without a host read.
+        docs/protocols.md (host protocol rule)), then raises here; ids outside ``[-1, E)`` are flagged on the device without a host read.
 
         Raises:
             InputError: wrong shape / dtype. CapacityError: ``T > max_tokens_per_rank``.

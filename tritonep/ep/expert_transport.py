@@ -51,7 +51,7 @@ class ExpertTransport(SlotTransportBase):
     (default 1 on CPU, 64 on GPU). Every in-kernel rendezvous wait is bounded by ``timeout_s``.
 
     On a GPU every kernel variant is compiled at construction (before the heap's construction barrier), so no call
-    ever compiles (DESIGN.md §6a).
+    ever compiles (docs/protocols.md (host protocol rule)).
 
     Raises:
         PlanError: ``num_experts`` not divisible by the world size. ConfigError: a bad ``timeout_s``.

@@ -1,6 +1,6 @@
 """Kernel launches for multi-rank protocols: no host collective inside a call, variants compiled at construction.
 
-The host protocol rule (DESIGN.md §6a): every rank runs the same sequence of host collectives and signalling kernel
+The host protocol rule (docs/protocols.md (host protocol rule)): every rank runs the same sequence of host collectives and signalling kernel
 launches for a call, whatever its data. A launcher that compiled a variant lazily and then barriered (the design
 before 2026-11-30) broke it: a variant first seen by one rank (a data-dependent constexpr, or a kernel launched only
 when a rank held some expert) put a host barrier on that rank alone, while a kernel on the other rank waited for a

@@ -10,7 +10,7 @@ Host reads: dispatch reads ONE small tensor (the gathered counts matrix, below);
 nothing (they reuse the split sizes the dispatch saved in its handle). Graph capture is refused: uneven splits need
 host sizes.
 
-Dispatch (host protocol, identical on every rank whatever its data, DESIGN.md 6a: one ``all_gather`` then, unless
+Dispatch (host protocol, identical on every rank whatever its data, docs/protocols.md (host protocol rule): one ``all_gather`` then, unless
 the call fails on every rank, one ``all_to_all_single``):
 
 1. Counts row of this rank, on the device, no sync: routes per expert (``scatter_add_``), packets per destination rank

@@ -14,7 +14,7 @@ Why a kernel: in eager torch the per-k loop costs about ten fp32 passes over ``[
 each expert row once (2 bytes per element per route) and writes the partial once. ``index_add_`` cannot replace it:
 on CUDA its float additions are atomics in no fixed order. The kernels are plain local loads and stores (no
 signals), launched directly (not through :class:`tritonep.ep.launch.Launcher`): their grids depend on this rank's
-data, which the host protocol rule (DESIGN.md 6a) allows for non-signalling work.
+data, which the host protocol rule (docs/protocols.md (host protocol rule)) allows for non-signalling work.
 """
 
 from __future__ import annotations

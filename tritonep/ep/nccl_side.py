@@ -4,7 +4,7 @@ Same results as the triton backend's :class:`tritonep.ep.counts.CountsExchange` 
 :class:`tritonep.ep.expert_transport.ExpertTransport`, bit for bit, for groups whose ranks cannot map each other's
 memory (several hosts). Every step is a torch op or one ``torch.distributed`` collective on the current stream.
 
-Host protocol (DESIGN.md §6a; identical on every rank whatever its data: T, 0 included, the placement, the used
+Host protocol (docs/protocols.md (host protocol rule); identical on every rank whatever its data: T, 0 included, the placement, the used
 slots, the held experts):
 
 * counts ``gather``: one ``all_gather`` of the ``[E + 1]`` row (histogram of ids in ``[0, E)``, then the count of
@@ -81,7 +81,7 @@ class NcclCountsExchange:
 
         Ids outside ``[0, E)`` are not counted; those outside ``[-1, E)`` are flagged in the gathered row (no host
         read; :meth:`check` raises them). A refused ``topk_idx`` still takes part with no routes and the flag, then
-        raises here (every rank runs the same collective, DESIGN.md §6a).
+        raises here (every rank runs the same collective, docs/protocols.md (host protocol rule)).
 
         Raises:
             InputError: wrong shape / dtype / device. CapacityError: ``T > max_tokens_per_rank``.

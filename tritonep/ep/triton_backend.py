@@ -99,7 +99,7 @@ class TritonEP:
         self._ck = {k: self.c[k] for k in ("RANK", "W", "K", "KB", "H", "BH", "BT", "WB", "HAS_TIMER", "RB")}
         self._ck.update(self._kw)
         EB = p2(num_experts)
-        # static tiles of the counts exchange: never derived from this call's T (DESIGN.md 6a)
+        # static tiles of the counts exchange: never derived from this call's T (docs/protocols.md (host protocol rule))
         self._ex = dict(RANK=rank, W=world_size, E=num_experts, L=self.L, A=self.A, WB=self.c["WB"], LB=p2(self.L),
                         EB=EB, NCB=min(p2(self.ncmax), 64), EBLK=min(EB, 64), HAS_TIMER=self.has_timer, DOUBLE=True,
                         **self._kw)
@@ -173,7 +173,7 @@ class TritonEP:
 
         The dry run walks the real code paths (dispatch with and without keep_quantized, push and pull combine,
         both backwards) with every launch turned into ``kernel.warmup`` (:meth:`Launcher.dry_run`), and puts the
-        call counters and status back. No call ever compiles-and-barriers lazily (DESIGN.md 6a).
+        call counters and status back. No call ever compiles-and-barriers lazily (docs/protocols.md (host protocol rule)).
         """
         import torch.distributed as dist
 

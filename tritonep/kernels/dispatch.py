@@ -1,6 +1,6 @@
 """Dispatch data movement: send one copy per (token, destination rank), expand into expert segments.
 
-Protocol (DESIGN.md §6). Counters live in the receiver's symmetric ``flags`` region (int64):
+Protocol (docs/protocols.md). Counters live in the receiver's symmetric ``flags`` region (int64):
 ``flags[DATA, src]`` counts the send programs of rank ``src`` that finished publishing into this rank's staging;
 ``flags[ACK, d]`` (in the sender's memory) counts the expand programs of rank ``d`` that finished reading the staging
 this rank wrote. With n = the dispatch-like call number (device memory), a send waits for

@@ -14,7 +14,7 @@ where rank_s(t, k) counts the routes of rank s to the same expert that come befo
 sender knows every term once the counts matrix is exchanged, so it computes the destination row itself and sends
 it along with the token (the receiver's expand is then a pure scatter).
 
-Triton kernels (each correct at grid=1; see DESIGN.md §1):
+Triton kernels (each correct at grid=1; see docs/platform.md):
 
 * :func:`chunk_hist_kernel` (grid = chunks): per chunk of BT tokens, the histogram of its routes over E experts
   and the count of ids outside ``[-1, E)``.
@@ -83,7 +83,7 @@ def exchange_kernel(hist_ptr, NC, counts_tab, flags_ptr, flags_tab, flag_off, ca
     rank's address of the same counters. calls_ptr[0]: number of this counts exchange (1-based, advanced on the
     device before launch). Counts rows are ``E + 1`` wide: column E carries the source's input-error count (ids
     outside ``[-1, E)`` found by :func:`chunk_hist_kernel` plus ``host_bad``, a refusal by the host's front door),
-    so a bad input on one rank is known to every rank after the one exchange they run anyway (DESIGN.md §6a).
+    so a bad input on one rank is known to every rank after the one exchange they run anyway (docs/protocols.md (host protocol rule)).
 
     Errors recorded (first one wins the code; data kernels of THIS dispatch, number ``*dcall_ptr`` stored in
     status[5], skip their rows on every rank; later calls are not poisoned): STATUS_BAD_INPUT with status[2] = the

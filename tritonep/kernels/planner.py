@@ -13,7 +13,7 @@ atomic: high 32 bits = this state's call number ``n``, low 32 bits = arrivals); 
 arrival resets the arrivals and bumps ``n``, and ``n + 1`` is this call's flag mark. Flags therefore never need a
 reset (CUDA-graph replays stay correct) and a role waits only on lower roles, which took their tickets before it
 did, so every wait ends on any GPU schedule; in the interpreter programs run in order and no wait ever spins.
-(DESIGN.md's "correct at grid=1" rule exists so the interpreter never waits on a program it has not run yet; here
+(the "correct at grid=1" rule (docs/platform.md) exists so the interpreter never waits on a program it has not run yet; here
 every role needs its own program, the grid is exactly ``G + 1``, and a role only waits on earlier tickets.)
 
 - Role 0: the placement (:func:`tritonep.kernels.planner_place.place_and_store`), then ``flag[0] = mark``.
@@ -129,7 +129,7 @@ def _chunk_remap(topk_ptr, stride_tt, stride_tk, out_ptr, first, last, base, end
         vslot = tl.sum(tl.where(dd == tl.minimum(dest, W - 1)[:, None], slot_row, 0), axis=1)
         rid = tl.where(dest == esafe // L, dest * (2 * L) + esafe % L, dest * (2 * L) + L + vslot)
         # masked routes stay -1; an id outside [-1, E) (or a chunk whose wait gave up) becomes 2E, outside the
-        # runtime range [0, 2E), so the dispatch that follows refuses it on every rank (DESIGN.md 6a)
+        # runtime range [0, 2E), so the dispatch that follows refuses it on every rank (docs/protocols.md (host protocol rule))
         rid = tl.where(valid & (ok != 0), rid, tl.where((ev < -1) | (ev >= E) | (valid & (ok == 0)), 2 * E, -1))
         tl.store(out_ptr + i, rid, mask=inb)
 

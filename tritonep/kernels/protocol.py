@@ -1,4 +1,4 @@
-"""The symmetric-memory protocol's numbers, named once for kernels and host (DESIGN.md §6, §6a, §6b).
+"""The symmetric-memory protocol's numbers, named once for kernels and host (docs/protocols.md).
 
 Every name is a ``tl.constexpr`` global: @triton.jit code reads it directly (compiled mode refuses plain
 globals) and the host reads ``int(NAME.value)`` (or :func:`v`). A new kernel variant takes its flag row, counter,

@@ -1,4 +1,4 @@
-"""Triton device functions for the fp8 and mxfp4 wires (DESIGN.md §7), meant to be fused into other kernels.
+"""Triton device functions for the fp8 and mxfp4 wires (docs/wire-formats.md), meant to be fused into other kernels.
 
 All rounding is done with integer operations on fp32 bit patterns, so the Triton interpreter and sm_90 give
 the same bits as the torch twins in :mod:`tritonep.wire.fp8` / :mod:`tritonep.wire.mxfp4` (the spec). The only

@@ -1,4 +1,4 @@
-"""Device codec of the ``fp8_e5m2`` wire: float8_e5m2 values, one fp32 scale per 128 elements (DESIGN.md §7).
+"""Device codec of the ``fp8_e5m2`` wire: float8_e5m2 values, one fp32 scale per 128 elements (docs/wire-formats.md).
 
 Same block scaling as the e4m3 wire (:func:`tritonep.kernels.quant.scaled_quant_tile`) with the e5m2 range:
 scale = max(amax / 57344, 2^-126), q = e5m2(x / scale) rounded to nearest even with saturation to +-57344.

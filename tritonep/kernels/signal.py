@@ -1,4 +1,4 @@
-"""Epoch signals and bounded waits shared by every communication kernel (DESIGN.md §6, §6b).
+"""Epoch signals and bounded waits shared by every communication kernel (docs/protocols.md).
 
 Protocol: a signal is a monotonic int64 counter in the *receiver's* symmetric memory. Every sending program adds 1
 with a release atomic at system scope after a block barrier (so all its stores are ordered before the flag); the

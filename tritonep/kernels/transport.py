@@ -69,7 +69,7 @@ def pull_grads_kernel(grad_ptr, num_targets, gslots_tab, slot_of_ptr, N, status_
     (fp32 sum over the holders in ascending rank order, rounded once to the gradient dtype DT, then added the way
     torch adds two DT tensors: in fp32, rounded once; rounding by :func:`cast_rne`, widening by :func:`widen`, so
     GPU and interpreter give the same bits). Experts no peer holds, and every ``j >= num_targets``, are neither
-    read nor written: the launch is the same on every rank whatever the placement (DESIGN.md §6a) and does no
+    read nor written: the launch is the same on every rank whatever the placement (docs/protocols.md (host protocol rule)) and does no
     work where nothing is held (``num_targets = 0``: ``grad_ptr`` may then be a one-element dummy).
 
     Args:

@@ -5,7 +5,7 @@ Two implementations behind one interface (:class:`SymmetricHeap` -> :class:`Symm
 * :class:`CudaHeap`: ``torch.distributed._symmetric_memory`` (``symm_mem.empty`` + ``rendezvous``), one allocation
   per buffer; int64 device pointer tables (one entry per rank) per region.
 * :class:`CpuHeap`: one fork-shared anonymous ``mmap`` made by the parent *before* forking the ranks
-  (DESIGN.md §1). Rank r owns the slice ``[r * slice_bytes, (r + 1) * slice_bytes)``; every process sees the whole
+  (docs/platform.md). Rank r owns the slice ``[r * slice_bytes, (r + 1) * slice_bytes)``; every process sees the whole
   mapping at the same address, so the pointer tables are plain host addresses that the Triton interpreter
   dereferences. Allocations are a symmetric bump allocator: the same sequence on every rank gives the same offsets
   (checked with one small collective per allocation).
@@ -136,7 +136,7 @@ class SymmetricHeap:
 
 
 class CpuHeap(SymmetricHeap):
-    """Fork-shared mmap heap for multi-rank worlds on one CPU (DESIGN.md §1).
+    """Fork-shared mmap heap for multi-rank worlds on one CPU (docs/platform.md).
 
     Create it in the parent with :meth:`create` *before* forking, then call :meth:`attach` in each rank.
 

@@ -2,7 +2,7 @@
 
 A symmetric buffer is declared as a list of named regions (name, shape, dtype). :func:`layout` places them one
 after another at 256-byte aligned offsets; the same function answers :func:`required_bytes`, so sizing a buffer
-before any group exists and allocating it later can never disagree (DESIGN.md §5).
+before any group exists and allocating it later can never disagree (docs/protocols.md (symmetric memory)).
 """
 
 from __future__ import annotations

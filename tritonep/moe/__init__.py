@@ -1,6 +1,6 @@
 """The MoE layer on EPBuffer: recipe + geometry, softmax top-k router, grouped SwiGLU experts, MoELayer, custom ops.
 
-See DESIGN.md §8. Public names: :class:`MoELayer`, :class:`MoERecipe`, :class:`MoEGeometry`, :class:`TopKRouter`,
+See docs/moe.md. Public names: :class:`MoELayer`, :class:`MoERecipe`, :class:`MoEGeometry`, :class:`TopKRouter`,
 :func:`topk_softmax_torch`, :func:`expert_ffn` (and its forward / backward halves), :func:`check_config`.
 Importing this package registers the ``tritonep::moe_layer_forward`` / ``tritonep::moe_layer_backward`` ops.
 """

@@ -1,4 +1,4 @@
-"""Expert FFN (SwiGLU) over expert-grouped rows, forward and hand-written backward (DESIGN.md §8).
+"""Expert FFN (SwiGLU) over expert-grouped rows, forward and hand-written backward (docs/moe.md).
 
 Rows ``x [R, H]`` come from :meth:`tritonep.EPBuffer.dispatch`: segment j (local expert j) is the rows
 ``[offs[j-1], offs[j])`` with ``offs = expert_offsets`` (cumulative segment ends, ``offs[-1] = 0`` before the first).

@@ -1,4 +1,4 @@
-"""MoELayer: router -> dispatch -> grouped SwiGLU experts -> combine on one :class:`tritonep.EPBuffer` (DESIGN.md §8).
+"""MoELayer: router -> dispatch -> grouped SwiGLU experts -> combine on one :class:`tritonep.EPBuffer` (docs/moe.md).
 
 One forward and one backward: every call (eager or under ``torch.compile``) runs the body after the router through
 the custom op of :mod:`tritonep.moe.ops`, whose forward is :meth:`MoELayer._forward_raw` and whose hand-written
@@ -17,7 +17,7 @@ copies this rank pushes, ``n`` = slots it uses, ``h`` = its native experts run e
 reads ``n*S``, slot weight gradients ``n*S`` written and staged once more, pull ``(copies of its experts)*S`` read
 plus ``2*h*S`` for the in-place add into the native gradient.
 
-Host protocol (DESIGN.md §6a): forward and backward launch the same signalling kernels and run the same host
+Host protocol (docs/protocols.md (host protocol rule)): forward and backward launch the same signalling kernels and run the same host
 collectives in the same order on every rank, whatever its T (0 included), routes, used slots (0 included) or held
 experts: counts exchange, plan, dispatch, push, combine; backward: combine-backward, the pull, dispatch-backward (one
 backward function, so the order is fixed). The split run's torch GEMMs depend on the data (a part with no rows runs
@@ -112,7 +112,7 @@ class MoELayer(nn.Module):
         self.virtual = recipe.balance == "virtual"
         self.timeout_s = timeout_s
         # with virtual experts every rank runs 2L runtime experts (L native, then L virtual slots): the buffer
-        # dispatches over W * 2L runtime ids (tritonep.balance, DESIGN.md §3)
+        # dispatches over W * 2L runtime ids (tritonep.balance, docs/architecture.md)
         self.buffer = EPBuffer(group, num_experts=g.num_experts * (2 if self.virtual else 1), hidden=g.hidden,
                                max_tokens_per_rank=g.max_tokens_per_rank, topk=g.topk,
                                dispatch_wire=recipe.dispatch_wire, combine_wire=recipe.combine_wire,
@@ -288,7 +288,7 @@ class MoELayer(nn.Module):
             if bad:
                 raise InputError(f"{', '.join(bad)} must be torch.Tensor, got "
                                  f"{[type(t).__name__ for t in (x, topk_idx, topk_weights)]}")
-        except (InputError, CapacityError) as e:  # every rank fails this call together (DESIGN.md 6a)
+        except (InputError, CapacityError) as e:  # every rank fails this call together (docs/protocols.md (host protocol rule))
             self._take_part_refused(e)
         save = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weights, self.w1, self.w2))
         y, _ticket = ops.moe_layer_forward(x, topk_idx, topk_weights, self.w1, self.w2, self.layer_id, save)

@@ -95,7 +95,7 @@ def layer_required_bytes(recipe: MoERecipe, geometry: MoEGeometry, world_size: i
 def take_part_refused(buffer, counts_x, err: Exception):
     """A rank whose forward input was refused before its dispatch runs the rest of the call's collective sequence
     as a refused call, so every rank fails the forward together (the others raise
-    :class:`tritonep.errors.PeerInputError`; DESIGN.md §6a), then raises ``err``.
+    :class:`tritonep.errors.PeerInputError`; docs/protocols.md (host protocol rule)), then raises ``err``.
 
     Args:
         buffer: the layer's :class:`tritonep.EPBuffer`; its dispatch takes part with no tokens and the flag.

@@ -3,7 +3,7 @@
 Both are frozen (hashable) dataclasses, so they can key caches and be compared across ranks. Their ``check``
 methods refuse every inconsistent combination with :class:`tritonep.errors.ConfigError` naming the field and its
 value; :func:`check_config` runs all checks that need the world size. Everything here runs before any allocation
-(DESIGN.md §8).
+(docs/moe.md).
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ class MoERecipe:
 
     Attributes:
         dispatch_wire: a registered wire, :data:`tritonep.wire.WIRES` (``"bf16"``, ``"fp8"``, ``"mxfp4"``,
-            ``"fp8_e5m2"``; DESIGN.md §7).
+            ``"fp8_e5m2"``; docs/wire-formats.md).
         combine_wire: same names; anything but ``"bf16"`` needs ``combine="push"`` (a pull reads the expert
             output region as written by the GEMM, in bf16).
         combine: ``"pull"`` | ``"push"`` (see :data:`COMBINE_KINDS`).

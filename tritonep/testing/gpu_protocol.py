@@ -1,4 +1,4 @@
-"""GPU rank functions for the host protocol rule (DESIGN.md §6a, issue 14): per-rank token-count scripts, eager and
+"""GPU rank functions for the host protocol rule (docs/protocols.md (host protocol rule), issue 14): per-rank token-count scripts, eager and
 in CUDA graphs, and a bad input on one rank. Module-level so spawned ranks can import them."""
 
 from __future__ import annotations

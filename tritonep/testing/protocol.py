@@ -1,4 +1,4 @@
-"""The launch-sequence recorder of the CPU world: CI's check of the host protocol rule (DESIGN.md §6a).
+"""The launch-sequence recorder of the CPU world: CI's check of the host protocol rule (docs/protocols.md (host protocol rule)).
 
 Every rank of a CPU world records, in order, each kernel launched through :class:`tritonep.ep.launch.Launcher`
 (``("launch", kernel name, grid)``) and each ``torch.distributed`` collective it calls (``("collective", name)``,
@@ -91,6 +91,6 @@ def compare_sequences(seqs: list, what: str = "world"):
         if any(e != ev[0] for e in ev):
             per_rank = "\n".join(f"  rank {r}:\n{_fmt(s, i)}" for r, s in enumerate(seqs))
             raise ProtocolMismatch(
-                f"{what}: the ranks ran different host protocols (DESIGN.md 6a): event {i} is "
+                f"{what}: the ranks ran different host protocols (docs/protocols.md (host protocol rule)): event {i} is "
                 + ", ".join(f"rank {r}: {e}" for r, e in enumerate(ev)) + f"\n{per_rank}",
                 index=i, sequences=seqs)

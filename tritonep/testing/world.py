@@ -1,6 +1,6 @@
 """Multi-rank worlds for tests and the CLI.
 
-* :func:`run_cpu_world` forks ``world_size`` CPU ranks that share one fork-shared mmap heap (DESIGN.md §1), with a
+* :func:`run_cpu_world` forks ``world_size`` CPU ranks that share one fork-shared mmap heap (docs/platform.md), with a
   gloo process group and ``TRITON_INTERPRET=1``, so the real Triton kernels run multi-rank on a CPU.
 * :func:`run_gpu_world` spawns one process per GPU with an NCCL group (the same ``fn(group, *args)`` contract).
 
@@ -163,7 +163,7 @@ def run_cpu_world(world_size: int, fn: Callable, *args, timeout_s: float = 120.0
     thread, and ``TRITON_INTERPRET=1`` (set in the parent before forking; kernel modules must not have been imported
     in compiled mode before).
 
-    Host protocol check (DESIGN.md §6a): every rank records its sequence of launches through
+    Host protocol check (docs/protocols.md (host protocol rule)): every rank records its sequence of launches through
     :class:`tritonep.ep.launch.Launcher` and of ``torch.distributed`` collectives
     (:mod:`tritonep.testing.protocol`); when every rank returns, the sequences must be equal, else
     :class:`tritonep.testing.protocol.ProtocolMismatch` is raised. ``check_protocol=False`` turns this off (only for

@@ -1,4 +1,4 @@
-"""Wire formats of token rows between ranks: bf16, fp8 (e4m3 + fp32 scale per 128), mxfp4 and fp8_e5m2 (DESIGN.md §7).
+"""Wire formats of token rows between ranks: bf16, fp8 (e4m3 + fp32 scale per 128), mxfp4 and fp8_e5m2 (docs/wire-formats.md).
 
 :mod:`tritonep.wire.formats` is the registry (one :class:`WireFormat` record per format: sizes, codec, twins,
 tolerance). Each format has torch twins (``*_torch``, the exact-bit spec) and Triton implementations built on the

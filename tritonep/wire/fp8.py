@@ -1,4 +1,4 @@
-"""The fp8 wire: float8_e4m3fn values with one fp32 scale per 128 contiguous elements of a row (DESIGN.md §7).
+"""The fp8 wire: float8_e4m3fn values with one fp32 scale per 128 contiguous elements of a row (docs/wire-formats.md).
 
 Spec (:func:`quantize_fp8_torch`, exact bits; the Triton path gives the same bits in the interpreter and on GPU):
 

@@ -1,4 +1,4 @@
-"""The mxfp4 wire: OCP Microscaling v1.0 MXFP4 (e2m1 elements, one e8m0 scale per 32 elements) (DESIGN.md §7).
+"""The mxfp4 wire: OCP Microscaling v1.0 MXFP4 (e2m1 elements, one e8m0 scale per 32 elements) (docs/wire-formats.md).
 
 Spec (:func:`quantize_mxfp4_torch`, exact bits; the Triton path gives the same bits in the interpreter and on GPU):
 

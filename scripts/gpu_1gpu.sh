@@ -20,12 +20,12 @@ step() {  # step NAME LIMIT_S CMD...: run with a limit, log to $OUT/NAME.log, pr
     echo "=== $name rc=$rc in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/summary.txt"
 }
 nvidia-smi -L
-step gpu_tests_1gpu 240 python -m pytest -q -m gpu tests -p no:cacheprovider --timeout 200 -ra
-step planner 100 python benchmarks/planner_bench.py --modes reference minimal --json "$OUT/planner.json"
-step eager_fast0 110 env TRITONEP_FAST_LAUNCH=0 torchrun --nproc-per-node 1 benchmarks/eager_profile.py \
+step gpu_tests_1gpu 180 python -m pytest -q -m gpu tests -p no:cacheprovider --timeout 200 -ra
+step planner 80 python benchmarks/planner_bench.py --modes reference minimal --json "$OUT/planner.json"
+step eager_fast0 80 env TRITONEP_FAST_LAUNCH=0 torchrun --nproc-per-node 1 benchmarks/eager_profile.py \
     --tokens 128 4096 --json "$OUT/eager_fast0.json"
-step eager_fast1 110 env TRITONEP_FAST_LAUNCH=1 torchrun --nproc-per-node 1 benchmarks/eager_profile.py \
+step eager_fast1 80 env TRITONEP_FAST_LAUNCH=1 torchrun --nproc-per-node 1 benchmarks/eager_profile.py \
     --tokens 128 4096 --json "$OUT/eager_fast1.json"
-step ep_w1 150 torchrun --nproc-per-node 1 benchmarks/ep_bench.py --profiles deepseek-v3 decode --iters 20 \
+step ep_w1 170 torchrun --nproc-per-node 1 benchmarks/ep_bench.py --profiles deepseek-v3 decode --iters 20 \
     --json "$OUT/ep_w1.json" ${EP_VARIANTS:-}
 cat "$OUT/summary.txt"

@@ -30,6 +30,8 @@ from __future__ import annotations
 import statistics
 import time
 
+from types import SimpleNamespace
+
 import torch
 import torch.distributed as dist
 
@@ -213,6 +215,18 @@ def bench_ep(group, profile: str, combine_kinds=("push", "pull"), num_sms=None, 
 
         us, mode = time_graph(disp, group, iters=iters)
         check_dispatch(row(f"tritonep.dispatch.{wire}", us, mode, wb), last["d"], wire)
+        fmt = get_wire(wire)
+        if fmt.quantized:  # what an fp8 / fp4 grouped GEMM takes: the rows stay quantized (payload + scales)
+            def disp_q():
+                last["q"] = buf.dispatch(x, idx, w, keep_quantized=True)
+
+            us, mode = time_graph(disp_q, group, iters=iters)
+            q = last["q"]
+            n = int(q.expert_offsets[-1]) if q.expert_offsets.numel() else 0
+            q = SimpleNamespace(x=fmt.dequantize_torch(q.x[:n], q.x_scales[:n], torch.bfloat16),
+                                num_tokens_per_expert=q.num_tokens_per_expert, expert_offsets=q.expert_offsets,
+                                weights=q.weights)
+            check_dispatch(row(f"tritonep.dispatch.{wire}.kept", us, mode, wb), q, wire)
         d = buf.dispatch(x, idx, w)
         eo = expert_out(buf.expert_out_buffer(), d)
         for kind in (("push",) if get_wire(wire).quantized else combine_kinds):

@@ -93,7 +93,8 @@ def _pair_world(group, cfg, script, geometry):
             R = int(d.expert_offsets[-1]) if d.expert_offsets.numel() else 0
             r = dict(x=d.x[:R].clone(), w=d.weights[:R].clone(), ntpe=d.num_tokens_per_expert.clone(),
                      offs=d.expert_offsets.clone(), counts=d.handle.extras["counts"].clone(), y=y.clone(),
-                     eo=eo[:R].clone(), launches=(n_disp, n_comb), shape=tuple(d.x.shape))
+                     eo=eo[:R].clone(), launches=(n_disp, n_comb), shape=tuple(d.x.shape),
+                     wfull=d.weights.clone())  # with sync checks off: max_recv rows, zero past R
             if cfg["wire"] != "bf16":
                 dq = buf.dispatch(x, idx, w, keep_quantized=True)
                 r.update(q=dq.x[:R].clone(), s=dq.x_scales[:R].clone())
@@ -112,8 +113,8 @@ def _check_pair(W, cfg, script, res):
             for k in ("x", "w", "ntpe", "offs", "counts", "y", "q", "s"):
                 if k in two:
                     assert torch.equal(one[k], two[k]), f"call {i} T={ts} rank {r}: {k}"
-            if cfg.get("sync", "deferred") != "0":
-                assert one["shape"] == two["shape"], (i, r)
+            assert one["shape"] == two["shape"], (i, r)
+            assert torch.equal(one["wfull"], two["wfull"]), (i, r)
             G = res[r][1]
             assert one["launches"] == ([("launch", "dispatch_decode_kernel", (G,))],
                                        [("launch", "combine_decode_kernel", (G,))]), one["launches"]
@@ -178,7 +179,7 @@ def test_decode_peer_missing_raises_peer_timeout(where, wait):
         err, took = res[r]
         assert err[:2] == (wait, 1), err
         assert "peer 1" in err[2] and f"rank {r}" in err[2], err
-        assert took < 40, took
+        assert took < 60, f"rank {r} took {took:.1f} s to give up (TRITONEP_TIMEOUT_S=2; interpreter polls)"
 
 
 def test_decode_soak_routine_on_cpu():

@@ -40,9 +40,11 @@ class DecodePath:
         counts = torch.empty(self.W, self.E, dtype=torch.int32, device=dev)
         handle = self._new_handle(topk_idx, topk_weights, T, counts)
         # rows are known on the host only after the launch: allocate the capacity, cut to R after the host read
-        out, out_w, q, sc = self._alloc_out(self.max_recv, sync, keep_quantized)
+        # (the kernel zeroes out_w past the rows received: no memset before the launch)
+        out, out_w, q, sc = self._alloc_out(self.max_recv, True, keep_quantized)
         self._launch(dispatch_decode_kernel, (g.decode,),
-                     x, topk_idx, topk_weights, handle.rows, T, int(bad_input), self.max_recv, self.hist, self.pre,
+                     x, topk_idx, topk_weights, handle.rows, T, int(bad_input), self.max_recv, out_w.shape[0],
+                     self.hist, self.pre,
                      self.tab["counts"], b.local("counts"), self.tab["stage"], self.tab["meta"], self.tab["wts"],
                      self.tab["ntok"], self.tab["cflag"], b.local("cflag"), b.local("stage"), b.local("meta"),
                      b.local("wts"), b.local("ntok"), out, out_w, handle.meta, handle.wts, handle.ntok, ntpe, offs,

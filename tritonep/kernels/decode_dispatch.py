@@ -85,9 +85,9 @@ def _own_histogram(topk_idx_ptr, T, limit, K: tl.constexpr, KB: tl.constexpr, E:
     return tl.reshape(h, (WB, LB)), bad
 
 
-@triton.jit(do_not_specialize=['T', 'host_bad', 'max_recv', 'counts_off', 'data_off', 'ack_off', 'timeout', 'Tmax',
-                               'NCmax'])
-def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_bad, max_recv, hist_ptr, pre_ptr,
+@triton.jit(do_not_specialize=['T', 'host_bad', 'max_recv', 'nrows_w', 'counts_off', 'data_off', 'ack_off', 'timeout',
+                               'Tmax', 'NCmax'])
+def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_bad, max_recv, nrows_w, hist_ptr, pre_ptr,
                            counts_tab, counts_ptr, stage_tab, meta_tab, wts_tab, ntok_tab, cflag_tab, cflag_ptr,
                            stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_ptr, out_w_ptr, hmeta_ptr, hwts_ptr,
                            hntok_ptr, ntpe_ptr, offs_ptr, rows_needed_ptr, counts_out_ptr,
@@ -100,8 +100,9 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
     """Forward dispatch in one launch of ``G`` programs (see the module docstring).
 
     Inputs: ``x [T, H]`` bf16, ``topk_idx [T, K]`` int32/int64, ``topk_weights [T, K]`` fp32 (T <= Tmax <= TB),
-    ``host_bad`` (1 = the host refused this rank's input), ``max_recv`` (rows a rank may receive). Outputs as the
-    two-kernel path: ``rows [T, K]``, ``out``/``out_w`` (or ``q``/``s`` with KEEP_Q), the handle's
+    ``host_bad`` (1 = the host refused this rank's input), ``max_recv`` (rows a rank may receive), ``nrows_w``
+    (length of ``out_w``: its entries past the rows received are zeroed here, so the host allocates it without a
+    memset and a captured dispatch is one graph node). Outputs as the two-kernel path: ``rows [T, K]``, ``out``/``out_w`` (or ``q``/``s`` with KEEP_Q), the handle's
     ``hmeta``/``hwts``/``hntok``, ``num_tokens_per_expert``/``expert_offsets`` [L] int32, ``rows_needed`` [W],
     ``counts_out`` int32 ``[W, E]``, rows received in ``status[ST_ROWS_RECEIVED]``. Scratch owned by one program:
     ``pre[c]`` (chunk c's program) and ``hist[pid]`` (its send base), hence ``G <= NCmax``.
@@ -146,6 +147,11 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
                      W, L, WB, LB)
         tl.store(counts_out_ptr + s_off[:, None, None] * E + e2d[None, :, :], c3, mask=m3)
         record_verdict(badv, rows, max_recv, status_ptr, n, True, W, WB)
+    # out_w past the rows this rank receives (all of it for a refused call) is zero, as the two-kernel path leaves it
+    zb = tl.arange(0, 256)
+    w_from = tl.where(refused, 0, tl.sum(tl.where(d_off == RANK, rows, 0), 0))
+    for i0 in range(w_from + pid * 256, nrows_w, G * 256):
+        tl.store(out_w_ptr + i0 + zb, tl.zeros((256,), tl.float32), mask=i0 + zb < nrows_w)
     send_base = hist_ptr + pid * E1  # this program's scratch row
     tl.store(send_base + e2d, seg_start + prefix, mask=m2d)
     # 3) send this program's chunks (after the destinations consumed the previous call's staging)

@@ -100,13 +100,27 @@ def _pair_world(group, cfg, script, geometry):
                 r.update(q=dq.x[:R].clone(), s=dq.x_scales[:R].clone())
             call[name] = r
         out.append(dict(call, x=x, idx=idx, w=w))
+    dist.barrier(group=group)  # every rank's last launch has signalled this rank
+    impl = bufs["one"]._impl
+    counters = (impl.flags.clone(), impl.calls.clone())  # [NUM_FLAG_ROWS, W] per-source counters, call numbers
     for buf in bufs.values():
         buf.close()
     launch.set_recorder(rec)
-    return out, G
+    return out, G, counters
 
 
 def _check_pair(W, cfg, script, res):
+    from tritonep.kernels import protocol as P
+
+    per_call = 2 if cfg["wire"] != "bf16" else 1  # quantized wires also dispatch with keep_quantized
+    for r in range(W):  # the grid's G-weighted signals add up to the two-kernel path's per-program totals
+        G, (flags, calls) = res[r][1], res[r][2]
+        nd, nc = len(script) * per_call, len(script)
+        assert calls[P.v(P.CALL_DISPATCH)] == nd and calls[P.v(P.CALL_EXCHANGE)] == nd, calls
+        assert calls[P.v(P.CALL_COMBINE)] == nc and calls[P.v(P.DONE_DECODE_DISPATCH)] == nd * G, calls
+        for row, want in ((P.FLAG_COUNTS, nd), (P.FLAG_DATA, nd * G), (P.FLAG_ACK, nd * G), (P.FLAG_CDATA, nc * G),
+                          (P.FLAG_CACK, nc * G)):
+            assert flags[P.v(row)].tolist() == [want] * W, (r, P.v(row), flags)
     for i, ts in enumerate(script):
         for r in range(W):
             one, two = res[r][0][i]["one"], res[r][0][i]["two"]

@@ -10,14 +10,15 @@ Every program of a grid of ``G`` programs (the geometry's ``dec``, the same grid
    source's T, so its waits complete);
 3. sums the same chunk numbers of this rank's tokens: waits for ``ccflag[c, r] >= m`` of every rank ``r`` (set by
    program ``pid`` of rank ``r``) and adds the partials in rank order (:func:`tritonep.kernels.combine.out_chunk`);
-4. the last program to finish advances ``calls[CALL_COMBINE]`` (:func:`tritonep.kernels.decode_dispatch.finish_launch`),
-   so no torch op advances it before the launch.
+4. the last program to finish advances ``calls[CALL_COMBINE]`` and adds G to CDATA and CACK in every rank
+   (:func:`tritonep.kernels.decode_dispatch.finish_launch`), so no torch op advances the counter before the launch.
 
 Waits target only program ``pid`` of other ranks (the waiting program itself for its own rank) or earlier launches,
 never another program of this rank's grid: correct in the interpreter at any grid and at grid 1; on the GPU every
 program is resident with ``G <= 132`` (see :mod:`tritonep.kernels.decode_dispatch` for the full argument).
-Compatibility: every program adds 1 to CDATA and CACK and the geometry sets ``grid_partial == grid_out == G``, so the
-two-kernel combine (pull, dispatch backward) can run before or after on the same buffer. Weighted push only.
+Compatibility: the grid adds G to CDATA and CACK (once all its programs finished) and the geometry sets
+``grid_partial == grid_out == G``, so the two-kernel combine (pull, dispatch backward) can run before or after on the
+same buffer. Weighted push only.
 Summation order and bits equal the two-kernel path. Twin: :func:`tritonep.reference.combine_reference_partial`.
 """
 
@@ -28,7 +29,7 @@ from .combine import out_chunk, partial_item
 from .combine_fused import _publish_one
 from .decode_dispatch import finish_launch
 from .protocol import CALL_COMBINE, DONE_DECODE_COMBINE, FLAG_CACK, STATUS_TIMEOUT, WAIT_CACK, WAIT_CDATA
-from .signal import signal_peers, wait_all_ge
+from .signal import wait_all_ge
 
 __all__ = ["combine_decode_kernel"]
 
@@ -59,12 +60,11 @@ def combine_decode_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, stage_tab, ccf
                 partial_item(src, c, Ts, live, eo_ptr, hmeta_ptr, hwts_ptr, hwts_ptr, stage_tab, stage_tab, Tmax,
                              RANK, K, KB, H, BH, BT, True, True, False, HAS_TIMER, RB, WIRE, POW2)
             _publish_one(ccflag_tab, src, c * W + RANK, m)
-    signal_peers(flags_tab, cdata_off, W, RANK, WB)
     for c in range(pid, tl.cdiv(T, BT), G):
         wait_all_ge(ccflag_ptr + c * W, W, m, status_ptr, WAIT_CDATA, timeout, HAS_TIMER, WB)
         live_c = tl.load(status_ptr) != STATUS_TIMEOUT
         if live_c:
             out_chunk(c, T, live_c, topk_idx_ptr, y_ptr, stage_tab, y_ptr, y_ptr, Tmax, RANK, W, L, K, KB, H, BH,
                       BT, False, False, HAS_TIMER, RB, WIRE)
-    signal_peers(flags_tab, cack_off, W, RANK, WB)
-    finish_launch(calls_ptr, DONE_DECODE_COMBINE, CALL_COMBINE, m, CALL_COMBINE, m, False)
+    finish_launch(calls_ptr, DONE_DECODE_COMBINE, CALL_COMBINE, m, CALL_COMBINE, m, False, flags_tab, cdata_off,
+                  cack_off, W, RANK, WB)

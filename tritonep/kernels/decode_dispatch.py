@@ -33,9 +33,10 @@ program ``pid`` (and 0) of its peers: with ``G <= 132`` (one program per SM at m
 program is resident at once on every rank; when they are not (SMs busy with another stream), the bounded waits
 report a timeout naming the peer instead of hanging.
 
-Compatibility with the two-kernel path on the same buffer (combine backward, pull combine): every program adds 1
-to DATA after its sends and to ACK after its expands, and the geometry forces ``grid_send == grid_expand == G``, so
-the per-call totals equal the two-kernel path's; the flags hold call numbers exactly as the fused dispatch's do.
+Compatibility with the two-kernel path on the same buffer (combine backward, pull combine): the last program adds G
+to DATA and ACK in every rank once every program has sent and expanded (one remote atomic per rank and launch
+instead of one per program), and the geometry forces ``grid_send == grid_expand == G``, so the per-call totals
+equal the two-kernel path's; the chunk flags hold call numbers exactly as the fused dispatch's do.
 Ideas: DeepEP's low-latency kernels and pplx-kernels (one kernel sends, counts and receives with per-expert / per-
 rank signals; see ../shared/reference/ep_anchors.md), here with Triton programs paired across ranks.
 Twin: :func:`tritonep.reference.dispatch_reference` (same bits as the two-kernel path).
@@ -55,11 +56,15 @@ __all__ = ["dispatch_decode_kernel", "finish_launch"]
 
 @triton.jit
 def finish_launch(calls_ptr, DONE: tl.constexpr, CALL_A: tl.constexpr, a, CALL_B: tl.constexpr, b,
-                  TWO: tl.constexpr):
+                  TWO: tl.constexpr, flags_tab, off_1, off_2, W: tl.constexpr, RANK: tl.constexpr,
+                  WB: tl.constexpr):
     """Count this program done (``calls[DONE] += 1``, acq_rel); the last program of the launch stores the call
-    numbers ``calls[CALL_A] = a`` (and ``calls[CALL_B] = b`` when TWO). Every program read the counters before it
-    counts itself done, and ``calls[DONE]`` only ever advances by whole launches of the same grid, so the program
-    that sees ``old % G == G - 1`` is the last."""
+    numbers ``calls[CALL_A] = a`` (and ``calls[CALL_B] = b`` when TWO) and adds G (the grid) to the flag rows at
+    byte offsets ``off_1`` and ``off_2`` (column RANK) in every rank: the two-kernel path's per-program counters
+    (DATA/ACK, CDATA/CACK), signalled once for the whole grid when every program has finished (a G-weighted add
+    from an unfinished grid would let a waiter pass early). Every program read the counters before it counts itself
+    done, and ``calls[DONE]`` only ever advances by whole launches of the same grid, so the program that sees
+    ``old % G == G - 1`` is the last."""
     G = tl.num_programs(0)
     tl.debug_barrier()
     old = tl.atomic_add(calls_ptr + DONE, 1, sem="acq_rel", scope="gpu")
@@ -67,6 +72,8 @@ def finish_launch(calls_ptr, DONE: tl.constexpr, CALL_A: tl.constexpr, a, CALL_B
         tl.store(calls_ptr + CALL_A, a)
         if TWO:
             tl.store(calls_ptr + CALL_B, b)
+        signal_peers(flags_tab, off_1, W, RANK, WB, G.to(tl.int64))
+        signal_peers(flags_tab, off_2, W, RANK, WB, G.to(tl.int64))
 
 
 @triton.jit
@@ -169,7 +176,6 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
             send_chunk(c, x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, pre_ptr, send_base, stage_tab, meta_tab,
                        wts_tab, live, Tmax, RANK, W, E, L, K, KB, H, BH, BT, True, RB, WIRE, POW2)
         publish_epoch(cflag_tab, W, RANK * NCmax + c, n, WB)
-    signal_peers(flags_tab, data_off, W, RANK, WB)
     # 4) expand the same chunk numbers of every source (published by program pid of that source)
     skip = timed_out | refused
     for c in range(pid, NCmax, G):
@@ -188,5 +194,5 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
             if skip == 0:  # a refused call's segments may exceed the rows allocated: write nothing
                 tl.debug_barrier()  # ntpe / offs were stored by this program's threads above
                 zero_padding(0, 1, out_ptr, out_w_ptr, out_w_ptr, ntpe_ptr, offs_ptr, L, H, BH, BA, False, KEEP_Q)
-    signal_peers(flags_tab, ack_off, W, RANK, WB)
-    finish_launch(calls_ptr, DONE_DECODE_DISPATCH, CALL_DISPATCH, n, CALL_EXCHANGE, nx, True)
+    finish_launch(calls_ptr, DONE_DECODE_DISPATCH, CALL_DISPATCH, n, CALL_EXCHANGE, nx, True, flags_tab, data_off,
+                  ack_off, W, RANK, WB)

@@ -99,7 +99,8 @@ def test_ep_kernels_compile_for_sm90():
     recs = run_cpu_world(2, _ep_paths, timeout_s=120)[0]
     names = {r.get("name") for r in recs}
     assert {"chunk_hist_kernel", "exchange_kernel", "dispatch_send_kernel", "dispatch_expand_kernel",
-            "combine_partial_kernel", "combine_out_kernel", "dispatch_decode_kernel", "combine_decode_kernel"} <= names, names
+            "combine_partial_kernel", "combine_out_kernel", "dispatch_decode_kernel",
+            "combine_decode_kernel"} <= names, names
     failures = compile_recorded(recs)
     assert not failures, "\n\n".join(f"{n}: {e}" for n, e in failures)
 

@@ -109,8 +109,9 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
     Inputs: ``x [T, H]`` bf16, ``topk_idx [T, K]`` int32/int64, ``topk_weights [T, K]`` fp32 (T <= Tmax <= TB),
     ``host_bad`` (1 = the host refused this rank's input), ``max_recv`` (rows a rank may receive), ``nrows_w``
     (length of ``out_w``: its entries past the rows received are zeroed here, so the host allocates it without a
-    memset and a captured dispatch is one graph node). Outputs as the two-kernel path: ``rows [T, K]``, ``out``/``out_w`` (or ``q``/``s`` with KEEP_Q), the handle's
-    ``hmeta``/``hwts``/``hntok``, ``num_tokens_per_expert``/``expert_offsets`` [L] int32, ``rows_needed`` [W],
+    memset and a captured dispatch is one graph node). Outputs as the two-kernel path: ``rows [T, K]``,
+    ``out``/``out_w`` (or ``q``/``s`` with KEEP_Q), the handle's ``hmeta``/``hwts``/``hntok``,
+    ``num_tokens_per_expert``/``expert_offsets`` [L] int32, ``rows_needed`` [W],
     ``counts_out`` int32 ``[W, E]``, rows received in ``status[ST_ROWS_RECEIVED]``. Scratch owned by one program:
     ``pre[c]`` (chunk c's program) and ``hist[pid]`` (its send base), hence ``G <= NCmax``.
     Errors (status word, read by the host): STATUS_BAD_INPUT / STATUS_CAPACITY (no row moves on any rank),

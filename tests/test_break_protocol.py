@@ -142,6 +142,9 @@ SEQ_CASES = {
     "triton-W3": dict(W=3, backend="triton", A=1),
     "triton-W2-fused": dict(W=2, backend="triton", A=2, geometry="fs=1,fe=1,fc=1"),
     "triton-W2-fp8-strict": dict(W=2, backend="triton", A=1, dwire="fp8", cwire="fp8", sync="1", H=128),
+    "triton-W2-decode": dict(W=2, backend="triton", A=2, geometry="bt=2,dec=3"),
+    "triton-W3-decode-fp8-strict": dict(W=3, backend="triton", A=1, dwire="fp8", cwire="fp8", sync="1", H=128,
+                                        geometry="bt=4,dec=2"),
     "nccl-W2-A2": dict(W=2, backend="nccl", A=2),
     "nccl-W3-mxfp4": dict(W=3, backend="nccl", A=1, dwire="mxfp4", cwire="mxfp4"),
 }

@@ -58,6 +58,18 @@ def _ep_paths(group):
                 fb.close()
         finally:
             del os.environ["TRITONEP_GEOMETRY"]
+        os.environ["TRITONEP_GEOMETRY"] = "bt=2,dec=3"  # the one-launch decode dispatch and combine, every wire
+        try:
+            for dw in ("bf16", "fp8", "mxfp4"):
+                db = tep.EPBuffer(group, 8, 128, 16, 2, dispatch_wire=dw, combine_wire=dw, expert_alignment=4)
+                xq, iq, wq = make_rank_inputs(rank, 9, 128, 8, 2, seed=5)
+                dd = db.dispatch(xq, iq, wq)
+                db.combine(dd.x, dd.handle)
+                if dw != "bf16":
+                    db.dispatch(xq, iq, wq, keep_quantized=True)
+                db.close()
+        finally:
+            del os.environ["TRITONEP_GEOMETRY"]
     return recs
 
 
@@ -87,7 +99,8 @@ def test_ep_kernels_compile_for_sm90():
     recs = run_cpu_world(2, _ep_paths, timeout_s=120)[0]
     names = {r.get("name") for r in recs}
     assert {"chunk_hist_kernel", "exchange_kernel", "dispatch_send_kernel", "dispatch_expand_kernel",
-            "combine_partial_kernel", "combine_out_kernel"} <= names, names
+            "combine_partial_kernel", "combine_out_kernel", "dispatch_decode_kernel",
+            "combine_decode_kernel"} <= names, names
     failures = compile_recorded(recs)
     assert not failures, "\n\n".join(f"{n}: {e}" for n, e in failures)
 

@@ -83,7 +83,7 @@ def test_dispatch_combine_matches_reference(W, ntokens, A, kind):
 
 
 @pytest.mark.parametrize("geometry", ["bt=1,bh=32,grid=5", "bt=2,grid=3,combine=pull", "bt=2,fs=2,fe=3,fc=1",
-                                      "fs=3,fe=1"])
+                                      "fs=3,fe=1", "bt=4,dec=3"])
 def test_geometry_override_small_tiles(monkeypatch, geometry):
     """The GPU decode geometry uses tiny token tiles and many programs, the fused paths split the grid by role;
     every tile/grid/role choice gives the same bits (5 calls: the fused and two-kernel paths follow each other)."""

@@ -16,8 +16,10 @@ SCRIPT_256 = [[1, 0], [2, 0], [0, 256], [256, 1], [200, 0], [0, 0], [17, 255], [
 CFGS = {
     "decode-default": (dict(E=64, H=2048, Tmax=8, K=8), SCRIPT_8, ""),
     "decode-fused": (dict(E=64, H=2048, Tmax=8, K=8), SCRIPT_8, "fs=8,fe=8,fc=1"),
+    "decode-1launch": (dict(E=64, H=2048, Tmax=8, K=8), SCRIPT_8, "bt=1,dec=8"),
     "bt4-default": (dict(E=256, H=7168, Tmax=256, K=8), SCRIPT_256, ""),
     "bt4-fused": (dict(E=256, H=7168, Tmax=256, K=8), SCRIPT_256, "fs=40,fe=88"),
+    "bt4-1launch": (dict(E=256, H=7168, Tmax=256, K=8), SCRIPT_256, "dec=64"),
     # >= 1024 tokens: the table's default is the fused one-launch dispatch
     "big-default": (dict(E=256, H=7168, Tmax=1024, K=8), [[1, 0], [1024, 0], [0, 1024], [500, 700], [0, 0]], ""),
 }

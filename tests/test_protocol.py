@@ -81,6 +81,7 @@ def _check_script(W, cfg, calls, res):
 
 
 @pytest.mark.parametrize("W,backend,geometry", [(2, "triton", ""), (2, "triton", "fs=1,fe=1"), (3, "triton", ""),
+                                                (2, "triton", "bt=2,dec=3"), (3, "triton", "bt=2,dec=2"),
                                                 (2, "nccl", "")])
 def test_per_rank_token_script(W, backend, geometry):
     cfg = dict(E=4 * W, H=64, Tmax=8, K=4, backend=backend)
@@ -91,8 +92,10 @@ def test_per_rank_token_script(W, backend, geometry):
 
 
 # ------------------------------------------------------------------------------------------------ bad input
-def _bad_input_world(group, backend, how, sync):
+def _bad_input_world(group, backend, how, sync, geometry=""):
     os.environ["TRITONEP_SYNC_CHECKS"] = "1" if sync else "0"
+    if geometry:
+        os.environ["TRITONEP_GEOMETRY"] = geometry
     rank = dist.get_rank(group)
     E, H, Tm, K = 8, 64, 8, 1
     buf = tep.EPBuffer(group, E, H, Tm, K, backend=backend)
@@ -150,9 +153,11 @@ def test_bad_input_on_one_rank_fails_every_rank_then_pairs(backend, how):
             assert torch.equal(res[r][step][5], yp[r].to(BF16)), f"step {step} rank {r}: y"
 
 
-def test_bad_input_without_sync_checks_raises_on_every_rank():
-    """Sync checks off: the bad rank raises at once, the peers at their check() of the same call; next call pairs."""
-    res = run_cpu_world(2, _bad_input_world, "triton", "id", False, timeout_s=120)
+@pytest.mark.parametrize("geometry", ["", "bt=2,dec=3"])
+def test_bad_input_without_sync_checks_raises_on_every_rank(geometry):
+    """Sync checks off: the bad rank raises at once, the peers at their check() of the same call; next call pairs
+    (also with the one-launch decode dispatch, which flags the id on the device)."""
+    res = run_cpu_world(2, _bad_input_world, "triton", "id", False, geometry, timeout_s=120)
     assert res[1][1][0] == "own" and "99" in res[1][1][2]
     assert res[0][1][0] == "peer" and res[0][1][1] == [1]
     assert res[0][2][0] == "ok" and res[1][2][0] == "ok"

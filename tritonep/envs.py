@@ -77,7 +77,8 @@ def geometry_override() -> str:
     """Comma-separated ``field=value`` overrides of the kernel geometry (TRITONEP_GEOMETRY); "" = none.
 
     Fields: ``bt``, ``bh``, ``warps``, ``grid`` (every data-kernel grid), ``combine``, ``fs``/``fe`` (fused
-    dispatch roles), ``fc`` (fused combine). Used by the benchmark to
+    dispatch roles), ``fc`` (fused combine), ``dec`` (one-launch decode dispatch and combine with that many programs,
+    ``max_tokens_per_rank <= 256``). Used by the benchmark to
     measure geometry variants; it must be identical on every rank (EPBuffer's cross-rank config check covers it).
     """
     return _get("TRITONEP_GEOMETRY", "")

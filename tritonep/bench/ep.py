@@ -43,6 +43,8 @@ __all__ = ["PROFILES", "time_graph", "time_rounds", "peer_copy_gbps", "bench_ep"
 PROFILES = {
     "deepseek-v3": dict(hidden=7168, num_experts=256, topk=8, tokens=4096),
     "decode": dict(hidden=7168, num_experts=256, topk=8, tokens=128),
+    # the same shape with the one-launch decode dispatch / combine (geometry dec=G; rows carry exact_vs_two_kernel)
+    "decode-1launch": dict(hidden=7168, num_experts=256, topk=8, tokens=128, geometry="bt=1,dec=128"),
     "deepseek-v3-1k": dict(hidden=7168, num_experts=256, topk=8, tokens=1024),
     "qwen3-moe": dict(hidden=4096, num_experts=128, topk=8, tokens=4096),
     # the packaged FLAME-MoE-290M router decisions (64 experts, top-6, 2048 tokens split over the ranks)
@@ -201,12 +203,23 @@ def bench_ep(group, profile: str, combine_kinds=("push", "pull"), num_sms=None, 
     from ..wire.formats import WIRES, get_wire
 
     os.environ["TRITONEP_SYNC_CHECKS"] = "0"
+    own_geo = bool(p.get("geometry")) and not os.environ.get("TRITONEP_GEOMETRY")  # a --variants geometry wins
+    if p.get("geometry"):  # a profile with its own geometry (decode-1launch): no baselines, an exactness check
+        baselines = False
+    if own_geo:
+        os.environ["TRITONEP_GEOMETRY"] = p["geometry"]
     for wire in (WIRES if wires is None else wires):
         buf = tep.EPBuffer(group, E, H, T, K, num_sms=num_sms, dispatch_wire=wire, combine_wire=wire)
         geo = buf.geometry
         wb = {"wire": wire, "wire_nvlink_gbps_factor": get_wire(wire).row_bytes(H) / (2 * H),
               "grid": geo.grid_send, "geometry": f"bt={geo.bt},bh={geo.bh},warps={geo.num_warps},grid={geo.grid_send},"
-                                                f"fs={geo.fused_send},fe={geo.fused_expand}"}
+                                                f"fs={geo.fused_send},fe={geo.fused_expand},dec={geo.decode}"}
+        if geo.decode:
+            from .decode_check import exact_vs_two_kernel
+
+            wb["exact_vs_two_kernel"] = exact_vs_two_kernel(group, buf, x, idx, w, wire)
+            if rank == 0 and not wb["exact_vs_two_kernel"]:
+                print(f"  {profile} {wire}: FAILED: the decode path differs from the two-kernel path", flush=True)
 
         last = {}  # the output of the captured call (graph) or of the last eager call: what each point checks
 
@@ -252,6 +265,8 @@ def bench_ep(group, profile: str, combine_kinds=("push", "pull"), num_sms=None, 
         buf.close()
         torch.cuda.empty_cache()
     os.environ.pop("TRITONEP_SYNC_CHECKS", None)
+    if own_geo:
+        os.environ.pop("TRITONEP_GEOMETRY", None)
     if not baselines:
         return rows
 

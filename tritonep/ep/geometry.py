@@ -14,7 +14,11 @@ import triton
 
 from .. import envs
 
-__all__ = ["Geometry", "select_geometry"]
+__all__ = ["Geometry", "select_geometry", "DECODE_MAX_TOKENS"]
+
+# largest max_tokens_per_rank of the one-launch decode paths: their programs hold every route of the rank in one
+# [next_pow2(Tmax), next_pow2(topk)] tile (2048 ids at top-8), histogrammed redundantly by every program
+DECODE_MAX_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -26,6 +30,10 @@ class Geometry:
     ``fused_send + fused_expand`` programs (:mod:`tritonep.kernels.dispatch_fused`), else send + expand kernels;
     fused_combine: the weighted push combine also runs as one launch with the same role sizes
     (:mod:`tritonep.kernels.combine_fused`). A fused path forces its two-kernel grids to the role sizes.
+    decode: when > 0 (only for ``max_tokens_per_rank <= DECODE_MAX_TOKENS``), the forward dispatch and the weighted
+    push combine each run as ONE launch of ``decode`` programs (:mod:`tritonep.kernels.decode_dispatch`,
+    :mod:`tritonep.kernels.decode_combine`; counts exchange folded in); every two-kernel grid then equals
+    ``decode`` (at most ``cdiv(max_tokens_per_rank, bt)``, 132 and the SM cap) and the fused paths are off.
     """
 
     bt: int
@@ -40,16 +48,18 @@ class Geometry:
     fused_send: int = 0
     fused_expand: int = 0
     fused_combine: bool = False
+    decode: int = 0
 
 
-_OVERRIDE_FIELDS = ("bt", "bh", "warps", "grid", "combine", "fs", "fe", "fc")
+_OVERRIDE_FIELDS = ("bt", "bh", "warps", "grid", "combine", "fs", "fe", "fc", "dec")
 
 
 def _apply_override(g: Geometry, text: str) -> Geometry:
     """Apply a TRITONEP_GEOMETRY string (``bt=2,bh=512,warps=8,grid=128,combine=pull``) to ``g``.
 
     ``grid=`` without ``fs``/``fe`` selects the two-kernel dispatch with that grid; ``fs=0,fe=0`` turns the fused
-    dispatch off while keeping the table's grids.
+    dispatch off while keeping the table's grids; ``dec=G`` selects the one-launch decode paths with G programs
+    (``dec=0`` turns them off).
 
     Raises ConfigError naming the bad entry: unknown field, a value that is not a positive power of two (bt, bh,
     warps), a grid < 1, or a combine kind other than push/pull.
@@ -57,7 +67,7 @@ def _apply_override(g: Geometry, text: str) -> Geometry:
     from ..errors import ConfigError
 
     f = dict(bt=g.bt, bh=g.bh, num_warps=g.num_warps, combine=g.combine, fused_send=g.fused_send,
-             fused_expand=g.fused_expand, fused_combine=g.fused_combine)
+             fused_expand=g.fused_expand, fused_combine=g.fused_combine, decode=g.decode)
     grid = None
     for item in filter(None, (p.strip() for p in text.split(","))):
         key, _, val = item.partition("=")
@@ -81,6 +91,10 @@ def _apply_override(g: Geometry, text: str) -> Geometry:
             if v not in (0, 1):
                 raise ConfigError(f"TRITONEP_GEOMETRY entry {item!r}: fc must be 0 or 1")
             f["fused_combine"] = bool(v)
+        elif key == "dec":
+            if v < 0:
+                raise ConfigError(f"TRITONEP_GEOMETRY entry {item!r}: dec must be >= 0")
+            f["decode"] = v
         elif key in ("fs", "fe"):
             if v < 0:
                 raise ConfigError(f"TRITONEP_GEOMETRY entry {item!r}: {key} must be >= 0")
@@ -100,7 +114,8 @@ def _apply_override(g: Geometry, text: str) -> Geometry:
         raise ConfigError(f"TRITONEP_GEOMETRY {text!r}: fc=1 needs fs/fe > 0 (the role sizes)")
     return Geometry(bt=f["bt"], bh=f["bh"], grid_hist=g.grid_hist, grid_send=gs[0], grid_expand=gs[1],
                     grid_partial=gs[2], grid_out=gs[3], num_warps=f["num_warps"], combine=f["combine"],
-                    fused_send=f["fused_send"], fused_expand=f["fused_expand"], fused_combine=f["fused_combine"])
+                    fused_send=f["fused_send"], fused_expand=f["fused_expand"], fused_combine=f["fused_combine"],
+                    decode=f["decode"])
 
 
 def select_geometry(device_type: str, world_size: int, hidden: int, max_tokens_per_rank: int, topk: int,
@@ -151,4 +166,22 @@ def select_geometry(device_type: str, world_size: int, hidden: int, max_tokens_p
         g = replace(g, grid_send=g.fused_send, grid_expand=g.fused_expand)
     if g.fused_combine:
         g = replace(g, grid_partial=g.fused_send, grid_out=g.fused_expand)
+    if g.decode > 0:
+        g = _decode_grids(g, max_tokens_per_rank, cap)
     return g
+
+
+def _decode_grids(g: Geometry, max_tokens_per_rank: int, cap: int | None) -> Geometry:
+    """The one-launch decode geometry: ``decode`` clipped to the chunk count, 132 and the SM cap; every two-kernel
+    grid equal to it (the counters then advance by the same per-call totals on either path); fused paths off.
+
+    Raises ConfigError when ``max_tokens_per_rank`` exceeds the decode bound (the kernel holds every route in one
+    tile)."""
+    from ..errors import ConfigError
+
+    if max_tokens_per_rank > DECODE_MAX_TOKENS:
+        raise ConfigError(f"TRITONEP_GEOMETRY dec={g.decode}: the one-launch decode path takes max_tokens_per_rank <= "
+                          f"{DECODE_MAX_TOKENS}, got {max_tokens_per_rank}")
+    G = max(1, min(g.decode, triton.cdiv(max_tokens_per_rank, g.bt), 132, cap or 132))
+    return replace(g, decode=G, grid_send=G, grid_expand=G, grid_partial=G, grid_out=G, fused_send=0,
+                   fused_expand=0, fused_combine=False)

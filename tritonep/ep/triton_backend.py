@@ -10,13 +10,14 @@ layout (grid 1),
 5. send, 6. expand (or 5+6 as one launch when the geometry has ``fused_send > 0``: sends and expands overlap).
 
 Combine: ``calls[CALL_COMBINE] += 1``, partial (push into the source, or into own memory for pull), output (a weighted push
-combine runs both as one launch when the geometry has ``fused_combine``). Every flag row, counter and status
-field is named in :mod:`tritonep.kernels.protocol`.
+combine runs both as one launch when the geometry has ``fused_combine``). With the geometry's ``decode`` (small
+``max_tokens_per_rank``) the forward dispatch and the weighted push combine are ONE launch each, counts exchange
+and counter advances included (:mod:`tritonep.ep.triton_decode`). Every flag row, counter and status field is
+named in :mod:`tritonep.kernels.protocol`.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
 
 import torch
 import triton
@@ -32,8 +33,9 @@ from ..kernels.layout import chunk_hist_kernel, exchange_kernel
 from ..memory import get_heap
 from .geometry import select_geometry
 from ..wire.formats import get_wire
-from .handle import TritonHandle
 from .launch import Launcher
+from .triton_decode import DecodePath
+from .triton_outputs import ST_HOST as _ST_HOST, DispatchOutputs
 from .triton_regions import regions
 from .status import STATUS_BAD_INPUT, STATUS_CAPACITY, bad_ranks, raise_for_status, resolve_timeout, wait_bound
 from .validate import check_expert_ids
@@ -43,12 +45,11 @@ __all__ = ["regions", "TritonEP"]
 _ST_ERR = P.v(P.STATUS_WORDS)  # the status word's error part
 _CODE = P.v(P.ST_CODE)
 _ROWS = P.v(P.ST_ROWS_RECEIVED)
-_ST_HOST = _ROWS + 1  # what the one host read of a dispatch copies
 _CX = P.v(P.CALL_EXCHANGE)
 _RAW = get_wire("bf16").codec  # backward passes move bf16
 
 
-class TritonEP:
+class TritonEP(DispatchOutputs, DecodePath):
     """Triton + symmetric-memory implementation behind :class:`tritonep.EPBuffer` (see the module docstring)."""
 
     name = "triton"
@@ -215,6 +216,8 @@ class TritonEP:
         T = x.shape[0]
         if not bad_input:
             self._recent_idx = (self._recent_idx + [topk_idx])[-4:]
+        if g.decode:
+            return self._dispatch_decode(x, topk_idx, topk_weights, sync, keep_quantized, bad_input)
         nc = triton.cdiv(T, g.bt)
         self._launch(chunk_hist_kernel, (g.grid_hist,), topk_idx, self.hist, T, nc, K=self.K, E=self.E,
                      EB=self._ex["EB"], BT=g.bt, KB=c["KB"], bump_a=self._calls(P.CALL_DISPATCH), bump_b=self._calls(P.CALL_EXCHANGE), NBUMP=2,
@@ -226,12 +229,7 @@ class TritonEP:
                      self._flag_off(P.FLAG_COUNTS), self.calls[_CX:], self.status, self.timeout, self.pre,
                      self.send_base, ntpe, offs, self.rows_needed, self.max_recv, int(bad_input),
                      dcall_ptr=self._calls(P.CALL_DISPATCH), rows_out_ptr=self.status[_ROWS:_ROWS + 1], counts_out_ptr=counts, **self._ex)
-        rows = torch.empty(T, self.K, dtype=torch.int32, device=self.device)
-        handle = TritonHandle(topk_idx=topk_idx, topk_weights=topk_weights, rows=rows, counts=counts,
-                              meta=torch.empty(self.W, self.Tm, self.K, dtype=torch.int32, device=self.device),
-                              wts=torch.empty(self.W, self.Tm, self.K, dtype=torch.float32, device=self.device),
-                              ntok=torch.empty(self.W, dtype=torch.int32, device=self.device),
-                              num_tokens=T, num_recv_rows=None)  # R is stamped below (a new frozen handle)
+        handle = self._new_handle(topk_idx, topk_weights, T, counts)
         fused = g.fused_send > 0
         st = None
         if sync:
@@ -251,41 +249,16 @@ class TritonEP:
                 st = self.status[:_ST_HOST].clone()
         elif not fused:
             self._send(x, handle, topk_weights, compute_rows=True, nc=nc, wire=self.dwire)
-        code = int(st[_CODE]) if st is not None else 0
-        refused = code in (STATUS_CAPACITY, STATUS_BAD_INPUT)
-        if code != 0 and not refused:
-            try:
-                raise_for_status(st[:_ST_ERR], self.rank, self.max_recv, "dispatch", self.timeout_s, self.device.type)
-            except PeerTimeoutError as e:
-                self.broken = str(e)  # later calls repeat the wait, the peer and the measured wait
-                raise
-        R = None if st is None else (0 if refused else int(st[_ROWS]))
-        nrows = R if R is not None else self.max_recv
-        q = sc = None
-        if keep_quantized and self.dwire.quantized:
-            # padding rows hold the encoding of a zero row (fp8 scale 2^-126, e8m0 0), as the twins give
-            q, sc = self.dfmt.empty_quantized(nrows, self.H, self.device)
-            out = torch.empty(0, self.H, dtype=self.dtype, device=self.device)
-        else:
-            out = torch.empty(nrows, self.H, dtype=self.dtype, device=self.device)
-        # weights past the received rows stay zero (rows are not cleared: with sync checks off they are unspecified)
-        out_w = torch.empty(nrows, dtype=torch.float32, device=self.device) if R is not None else \
-            torch.zeros(nrows, dtype=torch.float32, device=self.device)
+        code, refused, R = self._verdict(st, handle)
+        out, out_w, q, sc = self._alloc_out(R if R is not None else self.max_recv, R is not None, keep_quantized)
         # the data kernels run on every rank whatever the verdict (a refused call's kernels move no row: the
         # exchange recorded this dispatch's number in status[ST_SKIP_CALL]), so the flags advance identically everywhere
         if fused:
             self._fused(x, handle, topk_weights, out, out_w, ntpe, offs, q, sc)
         else:
             self._expand(out, out_w, handle, ntpe, offs, keep_handle=True, wire=self.dwire, q=q, sc=sc)
-        if refused:
-            self.status.zero_()  # reported once, here; the buffer stays usable (stream-ordered after the kernels)
-            if code == STATUS_BAD_INPUT and self.rank in bad_ranks(st) and not bad_input:
-                check_expert_ids(topk_idx, self.E)  # raises InputError naming the value
-            raise_for_status(st[:_ST_ERR], self.rank, self.max_recv, "dispatch", self.timeout_s, self.device.type)
-        if sync:
-            self._eager_check("dispatch")  # a peer that stopped after the counts exchange raises in this call
-        handle = replace(handle, num_recv_rows=R, x_scales=sc)
-        return (out if q is None else q), out_w, ntpe, offs, handle
+        return self._dispatch_result(code, refused, st, sync, bad_input, topk_idx, out, out_w, q, sc, ntpe, offs,
+                                     handle, R)
 
     def _send(self, x, handle, topk_weights, compute_rows, nc, wire=_RAW):
         g = self.geo
@@ -333,6 +306,8 @@ class TritonEP:
         kind = kind or g.combine
         if want_wgrad or wire.quantized:
             kind = "push"  # quantized partials and weight-gradient return are push-only
+        if g.decode and kind == "push" and weighted and not want_wgrad:
+            return self._combine_decode(eo, handle, wire), None  # one launch; it advances CALL_COMBINE itself
         T = handle.num_tokens
         nc = triton.cdiv(T, g.bt)
         self._calls(P.CALL_COMBINE).add_(1)

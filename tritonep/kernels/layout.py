@@ -36,7 +36,7 @@ from .protocol import (ST_BAD_RANK_MASK, ST_NEEDED_ROWS, ST_SKIP_CALL, STATUS_BA
                        WAIT_COUNTS)
 from .signal import record_error, signal_peers, wait_all_ge
 
-__all__ = ["chunk_hist_kernel", "exchange_kernel"]
+__all__ = ["chunk_hist_kernel", "exchange_kernel", "layout_tiles", "store_layout", "refused_call", "record_verdict"]
 
 
 @triton.jit(do_not_specialize=['T', 'NC'])
@@ -135,20 +135,10 @@ def exchange_kernel(hist_ptr, NC, counts_tab, flags_ptr, flags_tab, flag_off, ca
     m3 = (s_off[:, None, None] < W) & (d_off[None, :, None] < W) & (j_off[None, None, :] < L)
     e3 = d_off[None, :, None] * L + j_off[None, None, :]
     c3 = tl.load(counts_local + cbuf + s_off[:, None, None] * E1 + e3, mask=m3 & (ok != 0), other=0)
-    total = tl.sum(c3, 0)  # [WB, LB]
-    aligned = (total + A - 1) // A * A
-    seg_start = tl.cumsum(aligned, 1) - aligned
-    prefix = tl.sum(tl.where(s_off[:, None, None] < RANK, c3, 0), 0)
+    total, aligned, seg_start, prefix, rows = layout_tiles(c3, s_off, RANK, A)
     m2d = (d_off[:, None] < W) & (j_off[None, :] < L)
     tl.store(send_base_ptr + d_off[:, None] * L + j_off[None, :], seg_start + prefix, mask=m2d)
-    rows = tl.sum(aligned, 1)  # [WB]
-    tl.store(rows_needed_ptr + d_off, rows.to(tl.int64), mask=d_off < W)
-    mine_total = tl.sum(tl.where(d_off[:, None] == RANK, total, 0), 0)  # [LB]
-    mine_aligned = tl.sum(tl.where(d_off[:, None] == RANK, aligned, 0), 0)
-    tl.store(ntpe_ptr + j_off, mine_total, mask=j_off < L)
-    tl.store(offs_ptr + j_off, tl.cumsum(mine_aligned, 0), mask=j_off < L)
-    if rows_out_ptr is not None:
-        tl.store(rows_out_ptr, tl.sum(tl.where(d_off == RANK, rows, 0), 0).to(tl.int64))
+    store_layout(total, aligned, rows, ntpe_ptr, offs_ptr, rows_needed_ptr, rows_out_ptr, RANK, W, L, WB, LB)
     if counts_out_ptr is not None:
         for e0 in range(0, EB, EBLK):
             eb = e0 + tl.arange(0, EBLK)
@@ -157,15 +147,71 @@ def exchange_kernel(hist_ptr, NC, counts_tab, flags_ptr, flags_tab, flag_off, ca
             tl.store(counts_out_ptr + s_off[:, None] * E + eb[None, :], v, mask=m)
     # input errors of any rank (column E), then capacity: every rank sees the same matrix, so the same verdict
     badv = tl.load(counts_local + cbuf + s_off * E1 + E, mask=(s_off < W) & (ok != 0), other=0)
+    if dcall_ptr is not None:
+        record_verdict(badv, rows, max_recv, status_ptr, tl.load(dcall_ptr), True, W, WB)
+    else:
+        record_verdict(badv, rows, max_recv, status_ptr, 0, False, W, WB)
+
+
+@triton.jit
+def layout_tiles(c3, s_off, RANK, A: tl.constexpr):
+    """Segment layout from the counts tile ``c3[src, dest, local expert]`` (int32 ``[WB, WB, LB]``, zero outside
+    the real ranks / experts), as seen by ``RANK``: ``(total, aligned, seg_start, prefix, rows)`` where ``total``,
+    ``aligned`` (rounded up to A), ``seg_start`` (exclusive prefix of ``aligned`` over the local experts of each
+    destination) and ``prefix`` (routes of the sources below RANK) are ``[WB, LB]`` and ``rows`` ``[WB]`` is the
+    aligned rows every destination receives. The send base of expert ``(d, j)`` is ``seg_start + prefix``.
+    """
+    total = tl.sum(c3, 0)  # [WB, LB]
+    aligned = (total + A - 1) // A * A
+    seg_start = tl.cumsum(aligned, 1) - aligned
+    prefix = tl.sum(tl.where(s_off[:, None, None] < RANK, c3, 0), 0)
+    rows = tl.sum(aligned, 1)  # [WB]
+    return total, aligned, seg_start, prefix, rows
+
+
+@triton.jit
+def store_layout(total, aligned, rows, ntpe_ptr, offs_ptr, rows_needed_ptr, rows_out_ptr, RANK, W: tl.constexpr,
+                 L: tl.constexpr, WB: tl.constexpr, LB: tl.constexpr):
+    """Store this rank's receive layout from :func:`layout_tiles`: ``num_tokens_per_expert`` (int32 ``[L]``),
+    ``expert_offsets`` (cumulative aligned ends, int32 ``[L]``), ``rows_needed`` (int64 ``[W]``) and, when
+    ``rows_out_ptr`` is not None, the rows this rank receives (int64, one word)."""
+    d_off = tl.arange(0, WB)
+    j_off = tl.arange(0, LB)
+    tl.store(rows_needed_ptr + d_off, rows.to(tl.int64), mask=d_off < W)
+    mine_total = tl.sum(tl.where(d_off[:, None] == RANK, total, 0), 0)  # [LB]
+    mine_aligned = tl.sum(tl.where(d_off[:, None] == RANK, aligned, 0), 0)
+    tl.store(ntpe_ptr + j_off, mine_total, mask=j_off < L)
+    tl.store(offs_ptr + j_off, tl.cumsum(mine_aligned, 0), mask=j_off < L)
+    if rows_out_ptr is not None:
+        tl.store(rows_out_ptr, tl.sum(tl.where(d_off == RANK, rows, 0), 0).to(tl.int64))
+
+
+@triton.jit
+def refused_call(badv, rows, max_recv, W: tl.constexpr, WB: tl.constexpr):
+    """1 when the call is refused on every rank: some rank flagged bad input (``badv [WB]``, column E of the counts
+    rows) or some destination would receive more than ``max_recv`` rows (``rows [WB]``)."""
+    d_off = tl.arange(0, WB)
     over = tl.max(tl.where(d_off < W, rows, 0), 0)
+    return (tl.max(tl.where(d_off < W, badv, 0), 0) > 0) | (over > max_recv)
+
+
+@triton.jit
+def record_verdict(badv, rows, max_recv, status_ptr, skip_call, HAS_SKIP: tl.constexpr, W: tl.constexpr,
+                   WB: tl.constexpr):
+    """Record the counts exchange's verdict (see :func:`exchange_kernel`): STATUS_BAD_INPUT with the lowest bad rank
+    and the bitmask of bad ranks, else STATUS_CAPACITY with the rows needed; HAS_SKIP stores ``skip_call`` (the
+    dispatch number whose data movement every rank skips) in ``status[ST_SKIP_CALL]``."""
+    s_off = tl.arange(0, WB)
+    badv = tl.where(s_off < W, badv, 0)
+    over = tl.max(tl.where(s_off < W, rows, 0), 0)
     if tl.max(badv, 0) > 0:
         record_error(status_ptr, STATUS_BAD_INPUT, WAIT_COUNTS, tl.argmax(tl.where(badv > 0, 1, 0), 0))
         tl.store(status_ptr + ST_BAD_RANK_MASK, tl.sum(tl.where(badv > 0, tl.full((WB,), 1, tl.int64) << s_off.to(tl.int64), 0), 0))
-        if dcall_ptr is not None:
-            tl.store(status_ptr + ST_SKIP_CALL, tl.load(dcall_ptr))
+        if HAS_SKIP:
+            tl.store(status_ptr + ST_SKIP_CALL, skip_call)
     elif over > max_recv:
-        record_error(status_ptr, STATUS_CAPACITY, WAIT_COUNTS, tl.argmax(tl.where(d_off < W, rows, 0), 0))
+        record_error(status_ptr, STATUS_CAPACITY, WAIT_COUNTS, tl.argmax(tl.where(s_off < W, rows, 0), 0))
         tl.store(status_ptr + ST_NEEDED_ROWS, over.to(tl.int64))
-        if dcall_ptr is not None:
-            # the data kernels of THIS dispatch (number *dcall_ptr) skip their rows; later calls are not poisoned
-            tl.store(status_ptr + ST_SKIP_CALL, tl.load(dcall_ptr))
+        if HAS_SKIP:
+            # the data kernels of THIS dispatch (number skip_call) skip their rows; later calls are not poisoned
+            tl.store(status_ptr + ST_SKIP_CALL, skip_call)

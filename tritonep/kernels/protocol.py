@@ -16,7 +16,9 @@ pointer table plus the byte offset :func:`flag_row_bytes` (``r * W * 8``).
 
 Call counters. ``calls`` is int64 ``[NUM_CALLS]``, advanced on the device (never reset):
 ``CALL_DISPATCH`` (dispatches, forward and combine backward), ``CALL_COMBINE`` (combines, forward and dispatch
-backward), ``CALL_EXCHANGE`` (counts exchanges).
+backward), ``CALL_EXCHANGE`` (counts exchanges). ``DONE_DECODE_DISPATCH`` / ``DONE_DECODE_COMBINE``: programs of
+the one-launch decode kernels that finished (:mod:`tritonep.kernels.decode_dispatch`); the last program of a launch
+advances the call counters, so no separate launch does.
 
 Status word. ``status`` is int64 ``[STATUS_WORDS]`` (errors) plus ``ST_ROWS_RECEIVED`` after it (read with it in
 one device->host copy): ``[code, wait_id, peer, errors_seen, needed_rows, skip_call, bad_rank_mask, waited,
@@ -46,7 +48,9 @@ NUM_FLAG_ROWS = tl.constexpr(5)
 CALL_DISPATCH = tl.constexpr(0)
 CALL_COMBINE = tl.constexpr(1)
 CALL_EXCHANGE = tl.constexpr(2)
-NUM_CALLS = tl.constexpr(4)
+DONE_DECODE_DISPATCH = tl.constexpr(4)
+DONE_DECODE_COMBINE = tl.constexpr(5)
+NUM_CALLS = tl.constexpr(6)
 
 # status word fields
 ST_CODE = tl.constexpr(0)

@@ -94,18 +94,19 @@ def wait_all_ge(flag_ptr, n, target, status_ptr, wait_id, timeout, HAS_TIMER: tl
 
 
 @triton.jit
-def signal_peers(ptr_table, offset_bytes, n, index, WBLOCK: tl.constexpr):
-    """Add 1 (release, system scope) to ``counter[index]`` in each of the first n ranks' memory.
+def signal_peers(ptr_table, offset_bytes, n, index, WBLOCK: tl.constexpr, value=1):
+    """Add ``value`` (default 1; release, system scope) to ``counter[index]`` in each of the first n ranks' memory.
 
     ``ptr_table[r] + offset_bytes`` is rank r's int64 counter array. Call after the stores it publishes; it issues
-    the block barrier itself so every thread's stores are ordered before the flag.
+    the block barrier itself so every thread's stores are ordered before the flag. A ``value`` > 1 stands for that
+    many programs: only signal it when all of them have finished (e.g. from the last program of a launch).
     """
     tl.debug_barrier()
     offs = tl.arange(0, WBLOCK)
     m = offs < n
     bases = tl.load(ptr_table + offs, mask=m, other=0) + offset_bytes
     ptrs = bases.to(tl.pointer_type(tl.int64)) + index
-    tl.atomic_add(ptrs, 1, mask=m, sem="release", scope="sys")
+    tl.atomic_add(ptrs, value, mask=m, sem="release", scope="sys")
 
 
 @triton.jit

@@ -15,7 +15,7 @@ def _eo(x):
     return (x.float() * 0.5 + 1.0).to(torch.bfloat16)
 
 
-def t_script_world(group, cfg: dict, script: list, graphs: bool, geometry: str = ""):
+def t_script_world(group, cfg: dict, script: list, graphs: bool, geometry: str = "", wire: str = "bf16"):
     """Run dispatch + combine once per entry of ``script`` (``script[i][r]`` = tokens of rank r in call i, 0 allowed).
 
     Eager (``graphs=False``): each call's result is read back. Graphs: one CUDA graph per token count this rank
@@ -23,6 +23,7 @@ def t_script_world(group, cfg: dict, script: list, graphs: bool, geometry: str =
     ranks capture different numbers of graphs, which launches nothing), then each call replays the graph of this
     rank's T; rows beyond ``expert_offsets[-1]`` are ignored. Inputs come from
     :func:`tritonep.testing.cases.make_rank_inputs` with seed ``1000 + i``, so the host can rebuild them.
+    ``geometry``: a TRITONEP_GEOMETRY string for this world; ``wire``: dispatch and combine wire.
 
     Returns:
         list per call of dicts (CPU tensors): ``x`` (the received rows, trimmed to ``expert_offsets[-1]``),
@@ -37,7 +38,7 @@ def t_script_world(group, cfg: dict, script: list, graphs: bool, geometry: str =
     rank = dist.get_rank(group)
     dev = torch.device("cuda", torch.cuda.current_device())
     E, H, Tm, K = cfg["E"], cfg["H"], cfg["Tmax"], cfg["K"]
-    buf = tep.EPBuffer(group, E, H, Tm, K)
+    buf = tep.EPBuffer(group, E, H, Tm, K, dispatch_wire=wire, combine_wire=wire)
     out = []
     if not graphs:
         for i, ts in enumerate(script):

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Everything that runs on ONE H200 (device kind nvidia-h200), in one device command (~6-8 min):
 #   bash scripts/gpu_1gpu.sh
-# GPU tests that need one GPU (multi-GPU tests skip), the one-launch planner benchmark (W = 2..8 simulated on one
-# device, self-checked), and world-1 EP rows (kernels without NVLink: the HBM side of dispatch / combine) with the
-# eager profile with and without the cached launch path. Logs and JSON go to $OUT (default ./gpu_out); every step
+# GPU tests that need one GPU (multi-GPU tests skip), the one-launch planner benchmark with its chunk / tile sweep
+# (W = 2..8 simulated on one device, self-checked), the eager profile (default and one-launch decode geometry), and
+# world-1 EP rows (kernels without NVLink: the HBM side of dispatch / combine), every row checked. Logs and JSON go to $OUT (default ./gpu_out); every step
 # has a measured limit with margin and prints its verdict.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,11 +21,11 @@ step() {  # step NAME LIMIT_S CMD...: run with a limit, log to $OUT/NAME.log, pr
 }
 nvidia-smi -L
 step gpu_tests_1gpu 180 python -m pytest -q -m gpu tests -p no:cacheprovider --timeout 200 -ra
-step planner 80 python benchmarks/planner_bench.py --modes reference minimal --json "$OUT/planner.json"
-step eager_fast0 80 env TRITONEP_FAST_LAUNCH=0 torchrun --nproc-per-node 1 benchmarks/eager_profile.py \
-    --tokens 128 4096 --json "$OUT/eager_fast0.json"
-step eager_fast1 80 env TRITONEP_FAST_LAUNCH=1 torchrun --nproc-per-node 1 benchmarks/eager_profile.py \
-    --tokens 128 4096 --json "$OUT/eager_fast1.json"
-step ep_w1 170 torchrun --nproc-per-node 1 benchmarks/ep_bench.py --profiles deepseek-v3 decode --iters 20 \
-    --json "$OUT/ep_w1.json" ${EP_VARIANTS:-}
+step planner 80 python benchmarks/planner_bench.py --modes reference minimal --num-programs 0 32 128 \
+    --blocks 0 32 128 --json "$OUT/planner.json"
+step eager 80 torchrun --nproc-per-node 1 benchmarks/eager_profile.py --tokens 128 4096 --json "$OUT/eager.json"
+step eager_decode 60 env TRITONEP_GEOMETRY=bt=1,dec=128 torchrun --nproc-per-node 1 benchmarks/eager_profile.py \
+    --tokens 128 --json "$OUT/eager_decode.json"
+step ep_w1 170 torchrun --nproc-per-node 1 benchmarks/ep_bench.py --profiles deepseek-v3 decode decode-1launch \
+    --iters 20 --json "$OUT/ep_w1.json" ${EP_VARIANTS:-}
 cat "$OUT/summary.txt"

@@ -66,9 +66,9 @@ def test_ep_bench_checks_every_point(tmp_path, capsys):
     rows = _rows(out)
     ops = {r["op"] for r in rows}
     assert {"tritonep.dispatch.mxfp4", "tritonep.combine.pull.bf16", "tritonep[nccl].combine.bf16", "nccl.a2a",
-            "nccl.pipeline.combine"} <= ops
-    assert len(rows) == 2 * 18 and all(r["checked"] is True for r in rows)
-    assert sum(1 for r in rows if r.get("variant")) == 2 * 4
+            "nccl.pipeline.combine", "tritonep.dispatch.fp8.kept", "tritonep.dispatch.mxfp4.kept"} <= ops
+    assert len(rows) == 2 * 21 and all(r["checked"] is True for r in rows)  # 18 rows + 2 kept-quantized + 1 in fp8 variant
+    assert sum(1 for r in rows if r.get("variant")) == 2 * 5
     capsys.readouterr()
 
     import tritonep.ep.buffer as epbuf

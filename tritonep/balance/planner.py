@@ -59,8 +59,9 @@ def plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, *, num_program
         topk_idx: ``[T, K]`` int32/int64 on the same device, this rank's global expert ids, -1 = masked. T may be 0.
         rank: this rank in ``[0, W)``.
         num_programs: number of route chunks ``G`` in ``[1, 256]`` (the launch runs ``G + 1`` programs: the
-            placement and one per chunk). Default: 1 under the interpreter / on CPU, else ``min(64, ceil(T*K /
-            512))``. Derived from shapes only, so the launch stays graph-capturable.
+            placement and one per chunk). Default: 1 under the interpreter / on CPU, else ``min(128, ceil(T*K /
+            256))`` (the H200 sweep, benchmarks/results/planner_one_launch_sweep_h200_2026-12-01.json: 128 chunks
+            beat 64 by 2-4 us at 4096 x 8 routes). Derived from shapes only, so the launch stays graph-capturable.
         block: routes per tile, a power of two in ``[16, 256]``; default on CUDA 64 when the launch runs one warp
             (see ``_plan_warps``) or ``W > 16``, else 128; 64 elsewhere. (ptxas -v, sm_90, W in {2, 4, 8, 16, 64},
             E <= 1024, both modes: no register spills with these defaults, except 12 bytes at W=8 minimal.)
@@ -112,7 +113,7 @@ def plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, *, num_program
     num_routes = num_tokens * topk
     num_tiles = -(-num_routes // block)
     if num_programs is None:
-        num_programs = max(1, min(64, -(-num_routes // 512))) if on_gpu else 1
+        num_programs = max(1, min(128, -(-num_routes // 256))) if on_gpu else 1
     if not 1 <= num_programs <= MAX_PLAN_PROGRAMS:
         raise PlanError(f"num_programs={num_programs} must be in [1, {MAX_PLAN_PROGRAMS}]")
     tiles_per_program = max(1, -(-num_tiles // num_programs))

@@ -78,3 +78,16 @@ def test_bench_plot_writes_a_png(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="nvlink_gbps"):
         plot_gbps_vs_tokens([dict(op="x")], str(path))
+
+
+def test_run_default_hidden_follows_the_wire_block_as_its_help_says():
+    from tritonep.cli.main import build_parser
+    from tritonep.cli.run import _settings
+
+    parser = build_parser()
+    for wire, hidden in (("bf16", 64), ("mxfp4", 64), ("fp8", 128), ("fp8_e5m2", 128)):
+        args = parser.parse_args(["run", "--dispatch-wire", wire, "--layers", "2"])
+        assert _settings(args, on_gpu=False, world_size=2)["hidden"] == hidden, wire
+    assert _settings(parser.parse_args(["run", "--layers", "2"]), on_gpu=True, world_size=2)["hidden"] == 2048
+    run_help = next(a for a in parser._subparsers._group_actions[0].choices["run"]._actions if a.dest == "hidden").help
+    assert "2048" in run_help and "64" in run_help and "128 with fp8" in run_help

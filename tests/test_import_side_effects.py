@@ -58,3 +58,25 @@ def test_cli_sets_interpreter_itself():
     r = _py("import os\nfrom tritonep.cli.main import use_interpreter_without_gpu\nuse_interpreter_without_gpu()\n"
             "print(os.environ['TRITON_INTERPRET'])")
     assert r.returncode == 0 and r.stdout.strip() == "1", r.stderr
+
+
+_USER_BUFFER = ("import tempfile, torch.distributed as dist\nimport tritonep as tep\n"
+                "dist.init_process_group('gloo', init_method='file://' + tempfile.mktemp(), rank=0, world_size=1)\n"
+                "try:\n    tep.EPBuffer(dist.group.WORLD, num_experts=4, hidden=64, max_tokens_per_rank=4, topk=2)\n"
+                "except tep.errors.TritonEPError as e:\n    print(type(e).__name__ + ': ' + str(e))\n")
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="CPU-only check")
+def test_cpu_epbuffer_outside_a_world_says_what_to_do():
+    """What a new user tries first: ``import tritonep`` without TRITON_INTERPRET, then an EPBuffer on a CPU gloo
+    group. One line, a ConfigError naming the variable and the CPU world (not a heap error or a Triton crash)."""
+    r = _py(_USER_BUFFER)
+    assert r.returncode == 0, r.stderr
+    line = r.stdout.strip()
+    assert "\n" not in line and line.startswith("ConfigError: "), line
+    assert "TRITON_INTERPRET=1" in line and "run_cpu_world" in line, line
+    # with the interpreter on, the missing piece is the CPU world's shared heap, and the message says so
+    r = _py(_USER_BUFFER, env_extra={"TRITON_INTERPRET": "1"})
+    assert r.returncode == 0, r.stderr
+    line = r.stdout.strip()
+    assert "\n" not in line and line.startswith("HeapError: ") and "run_cpu_world" in line, line

@@ -9,16 +9,22 @@
 | TRITONEP_GEOMETRY | "" (= geometry table) | override kernel geometry fields, e.g. ``bt=2,bh=512,warps=8,grid=128`` (benchmarks) |
 | TRITONEP_CPU_HEAP_BYTES | 256 MiB | size of one rank's slice of the CPU (fork + mmap) symmetric heap |
 | TRITONEP_FAST_LAUNCH | 1 | GPU launches of an already compiled kernel variant call the compiled kernel directly (``0``: always through ``kernel[grid]``) |
-| TRITONEP_DEBUG | 0 | extra host-side checks and messages |
+| TRITONEP_FORCE_NO_P2P | 0 | ``1``: ``backend="auto"`` acts as if no rank could map its peers' memory and picks ``nccl`` (tests, debugging) |
 
-Values are read at call time (not import time) so tests can change them with ``monkeypatch.setenv``.
+Values are read at call time (not import time) so tests can change them with ``monkeypatch.setenv``. No other
+module reads a ``TRITONEP_*`` variable (``tests/test_envs_table.py`` checks it).
 """
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["timeout_s", "sync_checks", "SYNC_NONE", "SYNC_DEFERRED", "SYNC_STRICT", "num_sms", "combine_kind", "geometry_override", "cpu_heap_bytes", "debug", "interpret", "fast_launch"]
+__all__ = ["timeout_s", "sync_checks", "SYNC_NONE", "SYNC_DEFERRED", "SYNC_STRICT", "num_sms", "combine_kind",
+           "geometry_override", "cpu_heap_bytes", "force_no_p2p", "interpret", "fast_launch", "VARIABLES"]
+
+VARIABLES = ("TRITONEP_TIMEOUT_S", "TRITONEP_SYNC_CHECKS", "TRITONEP_NUM_SMS", "TRITONEP_COMBINE", "TRITONEP_GEOMETRY",
+             "TRITONEP_CPU_HEAP_BYTES", "TRITONEP_FAST_LAUNCH", "TRITONEP_FORCE_NO_P2P")
+"""Every variable of the table above (``tritonep env`` shows the ones that are set)."""
 
 
 def _get(name: str, default: str) -> str:
@@ -89,9 +95,9 @@ def cpu_heap_bytes() -> int:
     return int(_get("TRITONEP_CPU_HEAP_BYTES", str(256 << 20)))
 
 
-def debug() -> bool:
-    """Extra host-side checks (TRITONEP_DEBUG)."""
-    return _get("TRITONEP_DEBUG", "0") not in ("0", "", "false", "False")
+def force_no_p2p() -> bool:
+    """``backend="auto"`` picks nccl as if no peer memory could be mapped (TRITONEP_FORCE_NO_P2P=1)."""
+    return _get("TRITONEP_FORCE_NO_P2P", "0") == "1"
 
 
 def fast_launch() -> bool:

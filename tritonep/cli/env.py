@@ -5,7 +5,11 @@ from __future__ import annotations
 import os
 import platform
 
-__all__ = ["add_parser", "collect_env"]
+__all__ = ["add_parser", "collect_env", "INTERPRET_SET_BY_CLI"]
+
+INTERPRET_SET_BY_CLI = "_TRITONEP_CLI_SET_INTERPRET"
+"""Marker the command sets next to ``TRITON_INTERPRET=1`` when it chose the interpreter itself (no GPU), so
+``tritonep env`` does not report the command's own choice as the user's setting."""
 
 
 def add_parser(sub):
@@ -28,13 +32,16 @@ def collect_env() -> dict:
         "numpy": numpy.__version__,
         "cuda_available": torch.cuda.is_available(),
         "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
-        "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", ""),
+        "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "") + (
+            " (set by the tritonep command: no GPU; your own scripts set it themselves)"
+            if os.environ.get(INTERPRET_SET_BY_CLI) else ""),
         "TRITONEP_TIMEOUT_S": envs.timeout_s(),
         "TRITONEP_SYNC_CHECKS": {envs.SYNC_NONE: "none", envs.SYNC_DEFERRED: "deferred",
                                  envs.SYNC_STRICT: "strict"}[envs.sync_checks()],
         "multicast_disabled": all(os.environ.get(k) == v for k, v in (
             ("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1"))),
     }
+    info.update({k: os.environ[k] for k in envs.VARIABLES if k in os.environ and k not in info})
     if info["gpus"]:
         n = info["gpus"]
         info["gpu_names"] = [torch.cuda.get_device_name(i) for i in range(n)]
@@ -48,7 +55,7 @@ def collect_env() -> dict:
         info["backend_auto"] = "triton"
         info["backend_why"] = ("no GPU: CPU worlds share one fork+mmap heap, so every rank maps every peer "
                                "(groups spanning hosts or TRITONEP_FORCE_NO_P2P=1 pick nccl)")
-    if os.environ.get("TRITONEP_FORCE_NO_P2P") == "1":
+    if envs.force_no_p2p():
         info["backend_auto"], info["backend_why"] = "nccl", "TRITONEP_FORCE_NO_P2P=1"
     return info
 

@@ -102,8 +102,10 @@ def use_interpreter_without_gpu() -> None:
 
     import torch
 
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
+        from .env import INTERPRET_SET_BY_CLI
+
+        os.environ["TRITON_INTERPRET"] = os.environ[INTERPRET_SET_BY_CLI] = "1"
 
 
 def main(argv=None) -> int:

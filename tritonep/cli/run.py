@@ -45,7 +45,8 @@ def add_parser(sub):
                    help="tokens per rank (default: 64 on CPU, 1024 on GPU, capped at what a trace holds: flame has "
                         "2048 tokens per layer in all; asking a trace for more is an error)")
     p.add_argument("--world-size", type=int, default=4, help="ranks of the CPU world when there is no GPU")
-    p.add_argument("--hidden", type=int, default=None, help="hidden size (default 64 CPU / 2048 GPU)")
+    p.add_argument("--hidden", type=int, default=None, help="hidden size (default: 2048 on a GPU; on a CPU 64, or the "
+                   "wires' block if larger: 128 with fp8 / fp8_e5m2)")
     p.add_argument("--intermediate", type=int, default=None, help="expert FFN width (default 32 CPU / 1024 GPU)")
     p.add_argument("--num-experts", type=int, default=None,
                    help="experts (default: 64 for flame/olmoe; for a file its largest expert id + 1, rounded up to a "

@@ -72,13 +72,19 @@ class EPBuffer:
         backend: ``"auto"`` (triton when every rank can map every peer's memory, else nccl) | ``"triton"`` |
             ``"nccl"``.
         dtype: element type of x and of the expert outputs: torch.bfloat16 only (ConfigError otherwise).
+        device: the rank's device (default: the current CUDA device, else CPU). A CPU buffer runs the kernels in
+            Triton's interpreter and lives in a CPU world (:func:`tritonep.testing.run_cpu_world`).
+        num_sms: cap on the programs of every communication kernel (default: ``TRITONEP_NUM_SMS``, else the
+            geometry table, :mod:`tritonep.ep.geometry`).
         timeout_s: bound of every in-kernel wait of this buffer, seconds (default ``TRITONEP_TIMEOUT_S``, 300 s):
             how long one rank may reach a call after another (checkpoint writing, evaluation on one rank) before
             the waiting rank gives up with :class:`PeerTimeoutError` (the buffer is then unusable).
 
     Raises:
         ConfigError: an invalid value, or a static configuration that differs across ranks (raised on every rank,
-            naming the field and each rank's value).
+            naming the field and each rank's value); a CPU device while tritonep's kernels were imported without
+            ``TRITON_INTERPRET=1`` (or CUDA with it), before any collective.
+        HeapError: a CPU buffer outside a CPU world (no CPU symmetric heap installed in this process).
         WireError: an unknown wire or a hidden size the wire cannot take.
     """
 
@@ -112,6 +118,9 @@ class EPBuffer:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        from ..kernels.common import check_kernel_mode
+
+        check_kernel_mode(self.device.type)  # ConfigError (what to do) before any collective or allocation
         cfg = {f: getattr(self, f, None) for f in _STATIC_FIELDS}
         cfg["backend"] = backend
         cfg["device_type"] = self.device.type

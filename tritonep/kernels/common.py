@@ -26,10 +26,11 @@ def check_kernel_mode(device_type: str) -> None:
     from ..errors import ConfigError
 
     if device_type == "cpu" and not kernels_interpreted():
-        raise ConfigError("CPU tensors need Triton's interpreter, but tritonep's kernels were built for the GPU: set "
-                          "TRITON_INTERPRET=1 before the first use of tritonep's kernels (EPBuffer, MoELayer, "
-                          "tritonep.wire quantizers), or use the tritonep command / tritonep.testing.run_cpu_world, "
-                          "which set it")
+        raise ConfigError("CPU tensors need Triton's interpreter, but tritonep's kernels were imported for the GPU "
+                          "(TRITON_INTERPRET was not 1): set TRITON_INTERPRET=1 before starting Python, and build CPU "
+                          "buffers inside tritonep.testing.run_cpu_world(world_size, fn), whose forked ranks share "
+                          "one CPU heap (it sets the variable itself when called before any other use of tritonep's "
+                          "kernels)")
     if device_type == "cuda" and kernels_interpreted():
         raise ConfigError("CUDA tensors with tritonep's kernels built for Triton's CPU interpreter "
                           "(TRITON_INTERPRET=1 was set when they were imported): unset it on a GPU machine")

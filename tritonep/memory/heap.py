@@ -298,8 +298,9 @@ def get_heap(group=None, device: torch.device | str | None = None) -> SymmetricH
     if device.type == "cpu":
         heap = _CPU_HEAP
         if heap is None:
-            raise HeapError("no CPU symmetric heap installed: run inside tritonep.testing.run_cpu_world "
-                            "(or install_cpu_heap(CpuHeap.create(...).attach(rank)))")
+            raise HeapError("no CPU symmetric heap installed: a CPU EPBuffer / MoELayer lives in the forked ranks of "
+                            "tritonep.testing.run_cpu_world(world_size, fn), which share one heap: build it inside fn "
+                            "(or tritonep.memory.install_cpu_heap(CpuHeap.create(...).attach(rank)))")
         if ws != heap.world_size:
             raise HeapError(f"group has world_size={ws} but the CPU heap holds {heap.world_size} ranks")
         if heap.group is None and group is not None:

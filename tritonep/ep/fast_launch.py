@@ -1,13 +1,13 @@
 """Cached kernel launches: skip Triton's per-call bookkeeping once a variant is compiled (GPU, eager calls).
 
-``kernel[grid](*args, **kw)`` in Triton 3.6 binds and specialises every argument, builds a cache key from the
-whole specialisation, checks every global the kernel read, then launches; with the 30-55 arguments of our protocol
-kernels that costs 30-100 us of host time per launch on the H200 (benchmarks/results/eager_profile_*), which is
-most of an eager decode call. :class:`LaunchCache` keys a launch on exactly what Triton specialises on (per
-argument: tensor dtype and 16-byte alignment; int ``== 1``, ``% 16 == 0`` and its type: i32, i64 or u64 (from
-2**63); the value of constexpr, bool and None arguments; the compile options such as ``num_warps``) and, on a
-hit, calls the compiled kernel directly (``CompiledKernel[grid](*bound_args)``, Triton's own launcher) with the
-arguments bound in parameter order with their defaults. A miss goes through ``kernel[grid]`` (which compiles if needed) and records the compiled
+``kernel[grid](*args, **kw)`` in Triton 3.6 binds and specialises every argument, builds a cache key from the whole
+specialisation, checks every global the kernel read, then launches; with the 30-55 arguments of our protocol kernels
+that costs 30-100 us of host time per launch on the H200 (benchmarks/results/eager_profile_*), which is most of an
+eager decode call. :class:`LaunchCache` keys a launch on exactly what Triton specialises on (per argument: tensor
+dtype and 16-byte alignment; int ``== 1``, ``% 16 == 0`` and its type: i32, i64 or u64 (from 2**63); the value of
+constexpr, bool and None arguments; the compile options such as ``num_warps``) and, on a hit, calls the compiled
+kernel directly (``CompiledKernel[grid](*bound_args)``, Triton's own launcher) with the arguments bound in parameter
+order with their defaults. A miss goes through ``kernel[grid]`` (which compiles if needed) and records the compiled
 kernel. Keys are conservative (a superset of Triton's specialisation), so a hit always launches the same binary
 Triton would have chosen. Graph capture is unaffected: the launch goes to the current stream either way.
 

@@ -10,6 +10,7 @@
 | TRITONEP_CPU_HEAP_BYTES | 256 MiB | size of one rank's slice of the CPU (fork + mmap) symmetric heap |
 | TRITONEP_FAST_LAUNCH | 1 | GPU launches of an already compiled kernel variant call the compiled kernel directly (``0``: always through ``kernel[grid]``) |
 | TRITONEP_DEBUG | 0 | extra host-side checks and messages |
+| TRITONEP_FORCE_NO_P2P | 0 | ``1``: ``backend="auto"`` acts as if no rank could map its peers' memory (picks nccl; tests) |
 
 Values are read at call time (not import time) so tests can change them with ``monkeypatch.setenv``.
 """
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["timeout_s", "sync_checks", "SYNC_NONE", "SYNC_DEFERRED", "SYNC_STRICT", "num_sms", "combine_kind", "geometry_override", "cpu_heap_bytes", "debug", "interpret", "fast_launch"]
+__all__ = ["timeout_s", "sync_checks", "SYNC_NONE", "SYNC_DEFERRED", "SYNC_STRICT", "num_sms", "combine_kind", "geometry_override", "cpu_heap_bytes", "debug", "interpret", "fast_launch", "force_no_p2p"]
 
 
 def _get(name: str, default: str) -> str:
@@ -136,4 +137,18 @@ def fast_launch() -> bool:
     v = _get("TRITONEP_FAST_LAUNCH", "1").strip()
     if v not in ("0", "1"):
         raise ConfigError(f"TRITONEP_FAST_LAUNCH={v!r}: use 0 or 1")
+    return v == "1"
+
+
+def force_no_p2p() -> bool:
+    """``backend="auto"`` acts as if no rank could map its peers' memory (TRITONEP_FORCE_NO_P2P, default 0).
+
+    Raises:
+        ConfigError: a value other than 0 / 1.
+    """
+    v = _get("TRITONEP_FORCE_NO_P2P", "0").strip()
+    if v not in ("0", "1", ""):
+        from .errors import ConfigError
+
+        raise ConfigError(f"TRITONEP_FORCE_NO_P2P={v!r}: use 0 or 1")
     return v == "1"

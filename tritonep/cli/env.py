@@ -48,7 +48,7 @@ def collect_env() -> dict:
         info["backend_auto"] = "triton"
         info["backend_why"] = ("no GPU: CPU worlds share one fork+mmap heap, so every rank maps every peer "
                                "(groups spanning hosts or TRITONEP_FORCE_NO_P2P=1 pick nccl)")
-    if os.environ.get("TRITONEP_FORCE_NO_P2P") == "1":
+    if envs.force_no_p2p():
         info["backend_auto"], info["backend_why"] = "nccl", "TRITONEP_FORCE_NO_P2P=1"
     return info
 

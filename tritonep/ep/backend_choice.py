@@ -3,12 +3,12 @@ every rank meets: triton when every rank can map every peer's memory, else nccl.
 
 from __future__ import annotations
 
-import os
 import socket
 
 import torch
 import torch.distributed as dist
 
+from .. import envs
 from ..errors import BackendError
 from .backends import BACKENDS
 
@@ -17,7 +17,7 @@ __all__ = ["choose_backend", "p2p_report"]
 
 def p2p_report(device: torch.device) -> dict:
     """This rank's view: host name, device type, and whether it can map every other local GPU."""
-    forced = os.environ.get("TRITONEP_FORCE_NO_P2P", "0") == "1"
+    forced = envs.force_no_p2p()
     info = {"host": socket.gethostname(), "device_type": device.type, "p2p": True, "why": ""}
     if forced:
         info.update(p2p=False, why="TRITONEP_FORCE_NO_P2P=1")

@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tritonep.bench.check import exit_code, failed_rows  # noqa: E402
 from tritonep.bench.ep import PROFILES, bench_ep, peer_copy_gbps, ratio_lines  # noqa: E402
+from tritonep.wire.formats import WIRES  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -33,7 +34,7 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", nargs="*", default=[],
                     help="geometry sweep after the main rows: entries PROFILE:SMS:WIRES:GEOMETRY, e.g. "
                          "'decode:0:bf16:bt=2,grid=128' (GEOMETRY = a TRITONEP_GEOMETRY string, '' = the table)")
-    ap.add_argument("--wires", nargs="+", default=["bf16", "fp8", "mxfp4"], choices=["bf16", "fp8", "mxfp4"])
+    ap.add_argument("--wires", nargs="+", default=["bf16", "fp8", "mxfp4"], choices=list(WIRES))
     ap.add_argument("--cpu", action="store_true", help="2-rank CPU world (interpreter), profile cpu-smoke, 1 iter: "
                                                        "runs every point and its check; times are not meaningful")
     a = ap.parse_args(argv)

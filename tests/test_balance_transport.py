@@ -192,3 +192,38 @@ def test_pull_add_torch_is_torchs_accumulation():
                 if hold:
                     want[j].add_(acc.to(dtype))
             assert torch.equal(_bits(pull_torch(slots, pl, rank, into=g)), _bits(want))
+
+
+def _pull_noncontig_world(group, backend):
+    """pull(into=) with a non-contiguous native gradient: the sums land IN that tensor (the documented in-place
+    contract), bit-equal to the twin; returns the failures."""
+    from tritonep.balance.transport import pull_torch, used_slot_count
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    E, dtype = 4 * W, torch.bfloat16
+    L = E // W
+    tr = _make_transport(backend, group, E, SHAPES, dtype, torch.device("cpu"), timeout_s=60)
+    pl = place_torch(_skew_counts("hot0", W, E))
+    used = [used_slot_count(pl.experts_to_copy[d].tolist()) for d in range(W)]
+    held = [j for j in range(L) if bool((pl.expert_slot[rank * L + j] >= 0).any())]
+    slot_all = {k: [_grads(k, used[d], dtype, 10 * d + i) for d in range(W)] for i, k in enumerate(("w1", "w2"))}
+    into = {k: _grads(k, L, dtype, 50 + rank + i).transpose(1, 2).contiguous().transpose(1, 2)
+            for i, k in enumerate(("w1", "w2"))}  # [L, *shape] values, non-contiguous strides
+    before = {k: v.clone() for k, v in into.items()}
+    out = tr.pull({k: v[rank] for k, v in slot_all.items()}, pl, used[rank], held, into=dict(into))
+    bad = []
+    for k in ("w1", "w2"):
+        assert not before[k].is_contiguous() or not into[k].is_contiguous()
+        want = pull_torch(slot_all[k], pl, rank, into=before[k])
+        if not torch.equal(_bits(out[k].contiguous()), _bits(want)):
+            bad.append((k, "returned bits"))
+        if not torch.equal(_bits(into[k].contiguous()), _bits(want)):
+            bad.append((k, "into not updated in place"))
+    tr.close()
+    return bad
+
+
+@pytest.mark.parametrize("backend", ["triton", "nccl"])
+def test_pull_into_non_contiguous_is_in_place(backend):
+    res = run_cpu_world(2, _pull_noncontig_world, backend, timeout_s=300)
+    assert res == [[], []], res

@@ -66,9 +66,14 @@ def test_ep_bench_checks_every_point(tmp_path, capsys):
     rows = _rows(out)
     ops = {r["op"] for r in rows}
     assert {"tritonep.dispatch.mxfp4", "tritonep.combine.pull.bf16", "tritonep[nccl].combine.bf16", "nccl.a2a",
-            "nccl.pipeline.combine", "tritonep.dispatch.fp8.kept", "tritonep.dispatch.mxfp4.kept"} <= ops
-    assert len(rows) == 2 * 21 and all(r["checked"] is True for r in rows)  # 18 rows + 2 kept-quantized + 1 in fp8 variant
+            "nccl.pipeline.combine"} <= ops
+    assert {"tritonep.dispatch.fp8.kept", "tritonep.dispatch.mxfp4.kept"} <= ops  # keep_quantized rows
+    assert len(rows) == 2 * 21 and all(r["checked"] is True for r in rows)
     assert sum(1 for r in rows if r.get("variant")) == 2 * 5
+    # a registered wire beyond the three defaults: its points check against its own twins
+    assert ep_bench.main(["--cpu", "--wires", "fp8_e5m2", "--json", str(out)]) == 0
+    rows = [r for r in _rows(out) if "fp8_e5m2" in r["op"]]
+    assert rows and all(r["checked"] is True for r in rows), [r.get("check_error") for r in rows]
     capsys.readouterr()
 
     import tritonep.ep.buffer as epbuf
@@ -132,3 +137,25 @@ def test_moe_bench_checks_every_layer(monkeypatch, capsys):
     assert moe_bench.main(args) == 1
     text = capsys.readouterr().out
     assert "FAILED" in text and "checks: 4 of 8 layer outputs" in text  # the reference layer still passes
+
+
+@pytest.mark.parametrize("wire", __import__("tritonep.wire.formats", fromlist=["WIRES"]).WIRES)
+def test_oracle_roundtrips_use_each_registered_wire(wire):
+    """The bench oracles decode every registered wire with its own twins (a new wire such as fp8_e5m2 must not
+    fall through to another format's roundtrip), and refuse a name that is not registered."""
+    from tritonep.bench.check import _partial_roundtrip, wire_roundtrip
+    from tritonep.errors import WireError
+    from tritonep.wire.formats import get_wire
+
+    fmt = get_wire(wire)
+    x = (torch.randn(6, 256, generator=torch.Generator().manual_seed(1)) * 3).to(torch.bfloat16)
+    part = torch.randn(6, 256, generator=torch.Generator().manual_seed(2)) * 5
+    if fmt.quantized:
+        want_x = fmt.dequantize_torch(*fmt.quantize_torch(x), torch.float32).to(torch.bfloat16)
+        want_p = fmt.dequantize_torch(*fmt.quantize_torch(part), torch.float32)
+    else:
+        want_x, want_p = x, part.to(torch.bfloat16).float()
+    assert torch.equal(wire_roundtrip(wire, x), want_x)
+    assert torch.equal(_partial_roundtrip(wire, part), want_p)
+    with pytest.raises(WireError, match="no_such_wire"):
+        wire_roundtrip("no_such_wire", x)

@@ -117,3 +117,27 @@ def test_gpu_cached_launch_matches_triton_path():
         c.launch(_axpy, (4,), (x, y, 2.0, 4000), {"BLOCK": 1024})
         torch.testing.assert_close(y, x * 2.0 + 1.0, rtol=0, atol=0)
     assert (c.misses, c.hits) == (2, 3)
+
+
+def test_key_never_merges_what_triton_specialises_apart():
+    """Any two runtime values with the same LaunchCache key get the same specialisation from Triton 3.6's own
+    (native) ``specialize_impl``, so a hit never launches a binary compiled for another signature (e.g. ``i64`` vs
+    ``u64`` above 2**63)."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    from tritonep.ep.fast_launch import _arg_key
+
+    buf = torch.zeros(64, dtype=torch.int64)
+    vals = [0, 1, -1, 2, 15, 16, 17, 32, (1 << 31) - 16, (1 << 31) - 1, 1 << 31, -(1 << 31), -(1 << 31) - 1,
+            -(1 << 31) - 16, (1 << 40) + 16, (1 << 40) + 3, (1 << 63) - 1, (1 << 63) - 16, 1 << 63, (1 << 63) + 3,
+            (1 << 64) - 16, (1 << 64) - 1, -(1 << 63), True, False, None, 0.5, 3.0,
+            buf, buf[1:], buf[2:], buf.float(), buf.to(torch.bfloat16)[1:], buf.to(torch.bfloat16)[8:]]
+
+    def spec(v):
+        return repr(native_specialize_impl(BaseBackend, v, False, True, True))
+
+    for a in vals:
+        for b in vals:
+            if _arg_key(a) == _arg_key(b):
+                assert spec(a) == spec(b), (a, b, _arg_key(a), spec(a), spec(b))

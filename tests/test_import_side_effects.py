@@ -80,3 +80,32 @@ def test_cpu_epbuffer_outside_a_world_says_what_to_do():
     assert r.returncode == 0, r.stderr
     line = r.stdout.strip()
     assert "\n" not in line and line.startswith("HeapError: ") and "run_cpu_world" in line, line
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="CPU-only check")
+def test_planner_and_wire_quantizers_with_compiled_kernels_are_config_errors():
+    """Every public entry that launches a Triton kernel outside EPBuffer (the planner, the Triton quantizers)
+    refuses CPU tensors with compiled kernels by a ConfigError, not Triton's "0 active drivers" RuntimeError."""
+    r = _py("import torch\nimport tritonep as tep\nfrom tritonep.balance import plan\n"
+            "from tritonep.wire.fp8 import quantize_fp8, dequantize_fp8\n"
+            "from tritonep.wire.fp8_e5m2 import quantize_fp8_e5m2, dequantize_fp8_e5m2\n"
+            "from tritonep.wire.mxfp4 import quantize_mxfp4, dequantize_mxfp4\n"
+            "x = torch.ones(2, 128, dtype=torch.bfloat16)\n"
+            "c = torch.ones(2, 4, dtype=torch.int32)\n"
+            "calls = {'plan': lambda: plan(c, torch.zeros(2, 2, dtype=torch.long), 0),\n"
+            "  'quantize_fp8': lambda: quantize_fp8(x),\n"
+            "  'dequantize_fp8': lambda: dequantize_fp8(torch.zeros(2, 128, dtype=torch.uint8), torch.ones(2, 1)),\n"
+            "  'quantize_fp8_e5m2': lambda: quantize_fp8_e5m2(x),\n"
+            "  'dequantize_fp8_e5m2': lambda: dequantize_fp8_e5m2(torch.zeros(2, 128, dtype=torch.uint8),\n"
+            "                                                      torch.ones(2, 1)),\n"
+            "  'quantize_mxfp4': lambda: quantize_mxfp4(x),\n"
+            "  'dequantize_mxfp4': lambda: dequantize_mxfp4(torch.zeros(2, 64, dtype=torch.uint8),\n"
+            "                                                torch.full((2, 4), 127, dtype=torch.uint8))}\n"
+            "for name, fn in calls.items():\n"
+            "    try:\n        fn()\n        print(name, 'ran')\n"
+            "    except tep.ConfigError as e:\n        assert 'TRITON_INTERPRET=1' in str(e), e\n"
+            "        print(name, 'refused')\n"
+            "    except Exception as e:\n        print(name, 'untyped', type(e).__name__, e)\n")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) == 7 and all(line.endswith(" refused") for line in lines), r.stdout

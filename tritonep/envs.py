@@ -69,14 +69,41 @@ def sync_checks() -> int:
     raise ConfigError(f"TRITONEP_SYNC_CHECKS={v!r}: use 0 (none), deferred (the default) or 1 (strict)")
 
 
+def _int_env(name: str, default: str, minimum: int) -> int:
+    """``int(os.environ[name])`` (default ``default``), at least ``minimum``; ConfigError naming the value."""
+    v = _get(name, default)
+    try:
+        n = int(v.strip())
+    except ValueError:
+        n = None
+    if n is None or n < minimum:
+        from .errors import ConfigError
+
+        raise ConfigError(f"{name}={v!r}: use an integer >= {minimum}")
+    return n
+
+
 def num_sms() -> int:
-    """Cap on programs per communication kernel; 0 means: take the geometry table's value (TRITONEP_NUM_SMS)."""
-    return int(_get("TRITONEP_NUM_SMS", "0"))
+    """Cap on programs per communication kernel; 0 means: take the geometry table's value (TRITONEP_NUM_SMS).
+
+    Raises:
+        ConfigError: not an integer >= 0.
+    """
+    return _int_env("TRITONEP_NUM_SMS", "0", 0)
 
 
 def combine_kind() -> str:
-    """Forced combine kind, "push" or "pull", or "" for the geometry table's choice (TRITONEP_COMBINE)."""
-    return _get("TRITONEP_COMBINE", "")
+    """Forced combine kind, "push" or "pull", or "" for the geometry table's choice (TRITONEP_COMBINE).
+
+    Raises:
+        ConfigError: any other value.
+    """
+    v = _get("TRITONEP_COMBINE", "")
+    if v.strip() not in ("", "push", "pull"):
+        from .errors import ConfigError
+
+        raise ConfigError(f"TRITONEP_COMBINE={v!r}: use push, pull or leave it unset")
+    return v.strip()
 
 
 def geometry_override() -> str:
@@ -91,13 +118,12 @@ def geometry_override() -> str:
 
 
 def cpu_heap_bytes() -> int:
-    """Bytes of one rank's slice of the CPU symmetric heap (TRITONEP_CPU_HEAP_BYTES)."""
-    return int(_get("TRITONEP_CPU_HEAP_BYTES", str(256 << 20)))
+    """Bytes of one rank's slice of the CPU symmetric heap (TRITONEP_CPU_HEAP_BYTES).
 
-
-def force_no_p2p() -> bool:
-    """``backend="auto"`` picks nccl as if no peer memory could be mapped (TRITONEP_FORCE_NO_P2P=1)."""
-    return _get("TRITONEP_FORCE_NO_P2P", "0") == "1"
+    Raises:
+        ConfigError: not an integer >= 1.
+    """
+    return _int_env("TRITONEP_CPU_HEAP_BYTES", str(256 << 20), 1)
 
 
 def fast_launch() -> bool:
@@ -111,4 +137,18 @@ def fast_launch() -> bool:
     v = _get("TRITONEP_FAST_LAUNCH", "1").strip()
     if v not in ("0", "1"):
         raise ConfigError(f"TRITONEP_FAST_LAUNCH={v!r}: use 0 or 1")
+    return v == "1"
+
+
+def force_no_p2p() -> bool:
+    """``backend="auto"`` acts as if no rank could map its peers' memory (TRITONEP_FORCE_NO_P2P, default 0).
+
+    Raises:
+        ConfigError: a value other than 0 / 1.
+    """
+    v = _get("TRITONEP_FORCE_NO_P2P", "0").strip()
+    if v not in ("0", "1", ""):
+        from .errors import ConfigError
+
+        raise ConfigError(f"TRITONEP_FORCE_NO_P2P={v!r}: use 0 or 1")
     return v == "1"

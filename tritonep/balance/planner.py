@@ -18,6 +18,7 @@ from tritonep.balance.placement import (
 )
 from tritonep.balance.remap import check_topk_idx
 from tritonep.errors import PlanError
+from tritonep.kernels.common import check_kernel_mode
 from tritonep.kernels.planner import plan_kernel
 
 __all__ = ["plan", "plan_status", "check_plan_status"]
@@ -88,6 +89,8 @@ def plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, *, num_program
             MAX_PLANNER_EXPERTS`` (1024), ``rank`` out of range, bad ``block`` or ``num_programs``, unknown
             ``mode``; with ``validate=True`` also bad values (negative counts, ids outside ``[-1, E)``, ``topk_idx``
             not matching ``counts[rank]``) and an internal wait that gave up (status bit 8).
+        ConfigError: the kernels were built for another device (CPU tensors without ``TRITON_INTERPRET=1``, or
+            the reverse; :func:`tritonep.kernels.common.check_kernel_mode`).
     """
     mode_id = PLACEMENT_MODES.index(_check_mode(mode))
     check_counts(counts, max_world=MAX_PLANNER_WORLD, check_values=False)
@@ -102,6 +105,7 @@ def plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, *, num_program
     if not 0 <= int(rank) < world:
         raise PlanError(f"rank={rank} outside [0, {world})")
     on_gpu = counts.device.type == "cuda"
+    check_kernel_mode(counts.device.type)
     L = num_experts // world
     w_pad, l_pad = _pow2(world), _pow2(L)
     warps = _plan_warps(w_pad, l_pad)

@@ -22,26 +22,25 @@ __all__ = ["PointChecker", "wire_roundtrip", "bench_expert", "rank_dispatch_orac
 
 
 def wire_roundtrip(wire: str, x: torch.Tensor) -> torch.Tensor:
-    """``[N, H]`` bf16 rows as the receiver decodes them after ``wire`` (bf16: unchanged; fp8 / mxfp4: the twin
-    quantizer then the twin dequantizer to fp32, rounded to bf16), i.e. what dispatch outputs for these rows."""
-    if wire == "bf16":
-        return x
-    from ..wire import dequantize_fp8_torch, dequantize_mxfp4_torch, quantize_fp8_torch, quantize_mxfp4_torch
+    """``[N, H]`` bf16 rows as the receiver decodes them after ``wire`` (bf16: unchanged; a quantized wire: its
+    registered twin quantizer then its twin dequantizer to fp32, rounded to bf16), i.e. what dispatch outputs for
+    these rows. Raises WireError for a wire that is not registered (:func:`tritonep.wire.formats.get_wire`)."""
+    from ..wire.formats import get_wire
 
-    if wire == "fp8":
-        return dequantize_fp8_torch(*quantize_fp8_torch(x), torch.float32).to(torch.bfloat16)
-    return dequantize_mxfp4_torch(*quantize_mxfp4_torch(x), torch.float32).to(torch.bfloat16)
+    fmt = get_wire(wire)
+    if not fmt.quantized:
+        return x
+    return fmt.dequantize_torch(*fmt.quantize_torch(x), torch.float32).to(torch.bfloat16)
 
 
 def _partial_roundtrip(wire: str, part: torch.Tensor) -> torch.Tensor:
-    """A combine partial ``[T, H]`` fp32 as it arrives over ``wire`` (fp32 out)."""
-    if wire == "bf16":
-        return part.to(torch.bfloat16).float()
-    from ..wire import dequantize_fp8_torch, dequantize_mxfp4_torch, quantize_fp8_torch, quantize_mxfp4_torch
+    """A combine partial ``[T, H]`` fp32 as it arrives over ``wire`` (fp32 out; the wire's registered twins)."""
+    from ..wire.formats import get_wire
 
-    if wire == "fp8":
-        return dequantize_fp8_torch(*quantize_fp8_torch(part), torch.float32)
-    return dequantize_mxfp4_torch(*quantize_mxfp4_torch(part), torch.float32)
+    fmt = get_wire(wire)
+    if not fmt.quantized:
+        return part.to(torch.bfloat16).float()
+    return fmt.dequantize_torch(*fmt.quantize_torch(part), torch.float32)
 
 
 def bench_expert(rows: torch.Tensor) -> torch.Tensor:
@@ -94,7 +93,7 @@ def rank_combine_oracle(expert_rows: torch.Tensor, topk_idx: torch.Tensor, topk_
 
     The exact order of :func:`tritonep.reference.combine_reference_partial` (docs/protocols.md): per expert rank ``d``
     ascending, ``partial_d = 0 + sum_{k ascending, route on d} fp32(w[t,k] * row)``, rounded over ``combine_wire``
-    (bf16 rounding, or the fp8 / mxfp4 twins), then ``y = 0 + partial_0 + ... `` in fp32; returns ``[T, H]`` bf16.
+    (bf16 rounding, or the wire's registered twins), then ``y = 0 + partial_0 + ... `` in fp32; returns ``[T, H]`` bf16.
 
     Args:
         expert_rows: ``[T, H]`` the expert output of each token's routes (see :func:`bench_expert`).

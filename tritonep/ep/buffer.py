@@ -25,7 +25,7 @@ from .handle import Dispatched, DispatchHandle
 from .backends import BACKENDS, backend_names, build_backend
 from .triton_regions import regions
 from .status import resolve_timeout
-from .validate import check_combine_inputs, check_dispatch_inputs
+from .validate import check_backward_inputs, check_combine_inputs, check_dispatch_inputs
 
 __all__ = ["EPBuffer"]
 
@@ -212,8 +212,17 @@ class EPBuffer:
         Returns ``(grad_x, grad_topk_weights)``: ``grad_x[t] = sum_k grad_recv_x[row(t, k)]`` (``[T, H]``) and
         ``grad_topk_weights[t, k] = grad_recv_w[row(t, k)]`` (``[T, K]`` float32; ``None`` when ``grad_recv_w``
         is ``None``). Collective: every rank calls it for the matching dispatch.
+
+        Raises:
+            ConfigError: ``handle`` does not come from this buffer. InputError: ``grad_recv_x`` not ``[rows, H]``
+                of the buffer's dtype and device with at least the dispatch's rows, or ``grad_recv_w`` not None /
+                float32 ``[rows]`` (before any launch). PeerTimeoutError as :meth:`dispatch`.
         """
         self._check_open()
+        self._check_handle(handle)
+        grad_recv_x, grad_recv_w = check_backward_inputs(
+            grad_recv_x, handle, hidden=self.hidden, dtype=self.dtype, device=self.device,
+            min_rows=handle.num_recv_rows or 0, grad_w=grad_recv_w, name="grad_recv_x")
         return self._impl.dispatch_bwd(grad_recv_x, grad_recv_w, handle)
 
     def combine_backward(self, grad_y: torch.Tensor, expert_out: torch.Tensor, handle: DispatchHandle) -> tuple:
@@ -222,9 +231,24 @@ class EPBuffer:
         Returns ``(grad_expert_out, grad_recv_weights)``: ``grad_expert_out[row] = w(row) * grad_y[t(row)]``
         (``[R, H]``) and ``grad_recv_weights[row] = <grad_y[t(row)], expert_out[row]>`` (``[R]`` float32).
         Collective: every rank calls it for the matching combine.
+
+        Raises:
+            ConfigError: ``handle`` does not come from this buffer. InputError: ``grad_y`` not ``[T, H]`` or
+                ``expert_out`` not as in :meth:`combine` (dtype, device, shape; before any launch).
         """
         self._check_open()
+        self._check_handle(handle)
+        grad_y, _ = check_backward_inputs(grad_y, handle, hidden=self.hidden, dtype=self.dtype, device=self.device,
+                                          min_rows=0)
+        expert_out = check_combine_inputs(expert_out, handle, hidden=self.hidden, dtype=self.dtype,
+                                          device=self.device, min_rows=handle.num_recv_rows or 0)
         return self._impl.combine_bwd(grad_y, expert_out, handle)
+
+    def _check_handle(self, handle):
+        """ConfigError unless ``handle`` is a :class:`DispatchHandle` stamped by this buffer's dispatch."""
+        if not isinstance(handle, DispatchHandle) or handle.buffer_id != self._id:
+            raise ConfigError("handle does not come from this buffer's dispatch (a handle is only valid with the "
+                              "EPBuffer that made it)")
 
     def _sync(self) -> bool:
         if envs.sync_checks() == envs.SYNC_NONE:
@@ -316,9 +340,7 @@ class EPBuffer:
             InputError, BufferStateError, PeerTimeoutError (see :meth:`dispatch`).
         """
         self._check_open()
-        if not isinstance(handle, DispatchHandle) or handle.buffer_id != self._id:
-            raise ConfigError("handle does not come from this buffer's dispatch (a handle is only valid with the "
-                              "EPBuffer that made it)")
+        self._check_handle(handle)
         expert_out = check_combine_inputs(expert_out, handle, hidden=self.hidden, dtype=self.dtype,
                                           device=self.device, min_rows=handle.num_recv_rows or 0)
         if kind not in (None, "push", "pull"):

@@ -167,7 +167,7 @@ class ExpertTransport(SlotTransportBase):
                          self.tab[f"gslots_{k}"], slot_of, math.prod(shp), self.status, RANK=self.rank, W=self.W,
                          L=self.L, E=self.E, BLOCK=1024)
         self._barrier(3)
-        return targets
+        return self._in_place(targets, into)
 
     def check(self):
         """Raise a recorded device error (timeout) on the host (one sync)."""

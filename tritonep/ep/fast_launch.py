@@ -1,10 +1,10 @@
 """Cached kernel launches: skip Triton's per-call bookkeeping once a variant is compiled (GPU, eager calls).
 
-``kernel[grid](*args, **kw)`` in Triton 3.6 binds and specialises every argument, builds a cache key from the
-whole specialisation, checks every global the kernel read, then launches; with the 30-55 arguments of our protocol
-kernels that costs 30-100 us of host time per launch on the H200 (benchmarks/results/eager_profile_*), which is
-most of an eager decode call. :class:`LaunchCache` keys a launch on exactly what Triton specialises on (per
-argument: tensor dtype and 16-byte alignment; int ``== 1``, ``% 16 == 0`` and 32/64-bit range; the value of
+``kernel[grid](*args, **kw)`` in Triton 3.6 binds and specialises every argument, builds a cache key from the whole
+specialisation, checks every global the kernel read, then launches; with the 30-55 arguments of our protocol kernels
+that costs 30-100 us of host time per launch on the H200 (benchmarks/results/eager_profile_*), which is most of an
+eager decode call. :class:`LaunchCache` keys a launch on exactly what Triton specialises on (per argument: tensor
+dtype and 16-byte alignment; int ``== 1``, ``% 16 == 0`` and its type: i32, i64 or u64 (from 2**63); the value of
 constexpr, bool and None arguments; the compile options such as ``num_warps``) and, on a hit, calls the compiled
 kernel directly (``CompiledKernel[grid](*bound_args)``, Triton's own launcher) with the arguments bound in parameter
 order with their defaults. A miss goes through ``kernel[grid]`` (which compiles if needed) and records the compiled
@@ -24,6 +24,7 @@ import torch
 __all__ = ["LaunchCache", "spec_key", "bind_args", "grid3"]
 
 _INT32 = (-(1 << 31), 1 << 31)
+_U64_MIN = 1 << 63  # Triton types an int argument >= 2**63 as u64, a smaller one outside int32 as i64
 
 
 def _arg_key(v):
@@ -33,7 +34,7 @@ def _arg_key(v):
     if isinstance(v, bool) or v is None:
         return v
     if isinstance(v, int):
-        return ("i", v == 1, v % 16 == 0, _INT32[0] <= v < _INT32[1])
+        return ("i", v == 1, v % 16 == 0, _INT32[0] <= v < _INT32[1], v >= _U64_MIN)
     if isinstance(v, float):
         return "f"
     return v  # constexpr values (ints are handled above), dtypes, JIT functions, strings

@@ -123,8 +123,13 @@ def select_geometry(device_type: str, world_size: int, hidden: int, max_tokens_p
     """The geometry for a static configuration (see module docstring).
 
     ``num_sms`` (or TRITONEP_NUM_SMS) caps every grid: communication kernels then leave the rest of the chip free
-    for expert GEMMs.
+    for expert GEMMs. Raises ConfigError for a ``num_sms`` that is not None or an int >= 0, or a bad environment
+    value (:mod:`tritonep.envs`).
     """
+    if num_sms is not None and (isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms < 0):
+        from ..errors import ConfigError
+
+        raise ConfigError(f"num_sms={num_sms!r}: use None (the table) or an integer >= 0 (0 = no cap)")
     cap = num_sms if num_sms else envs.num_sms()
     forced = envs.combine_kind()
     if device_type != "cuda":

@@ -234,7 +234,7 @@ class NcclExpertTransport(SlotTransportBase):
                     acc.index_add_(0, self._idx([c for c, _ in rows]), back[self._idx([i for _, i in rows])].float())
             gv = g.view(self.L, N)
             gv.index_copy_(0, jix, (gv.index_select(0, jix).float() + acc.to(self.dtype).float()).to(self.dtype))
-        return targets
+        return self._in_place(targets, into)
 
     def check(self):
         """Nothing is recorded on the device by this transport: errors are raised where they happen."""

@@ -105,12 +105,27 @@ class SlotTransportBase:
                 raise PlanError(f"native gradient {k!r} must be {self._shape_str(k, self.L)} {self.dtype} on "
                                 f"{self.device}, got {(tuple(g.shape), g.dtype, g.device)}")
             elif not g.is_contiguous():
-                g = g.contiguous()  # the sums are added into a dense [L, N] block (autograd's GEMM grads already are)
+                g = g.contiguous()  # the sums are added into a dense [L, N] block; :meth:`_in_place` copies back
             targets[k] = g
             sg = slot_grads.get(k)
             if sg is not None and tuple(sg.shape) != (n, *shp):
                 raise PlanError(f"slot gradient {k!r} must be {self._shape_str(k, n)}, got {tuple(sg.shape)}")
         return n, held, targets
+
+
+    @staticmethod
+    def _in_place(targets: dict, into: dict | None) -> dict:
+        """``pull``'s result: where a native gradient of ``into`` was not contiguous (the sums went into a dense
+        copy), copy the result back into it, so ``into``'s own tensors hold the sums (the in-place contract)."""
+        if into is None:
+            return targets
+        out = dict(targets)
+        for k, g in targets.items():
+            orig = into.get(k)
+            if orig is not None and g is not None and g is not orig:
+                orig.copy_(g)
+                out[k] = orig
+        return out
 
 
 def pull_torch(slot_grads, placement, rank: int, into=None, shape=None, dtype=torch.bfloat16):

@@ -12,7 +12,7 @@ import torch
 
 from ..errors import CapacityError, InputError
 
-__all__ = ["check_dispatch_inputs", "check_combine_inputs", "check_expert_ids"]
+__all__ = ["check_dispatch_inputs", "check_combine_inputs", "check_backward_inputs", "check_expert_ids"]
 
 _ID_DTYPES = (torch.int32, torch.int64)
 
@@ -65,20 +65,48 @@ def check_expert_ids(topk_idx: torch.Tensor, num_experts: int):
         raise InputError(f"topk_idx[{pos[0]}, {pos[1]}] = {val} is outside [-1, num_experts={num_experts})")
 
 
-def check_combine_inputs(expert_out, handle, *, hidden, dtype, device, min_rows):
-    """Validate combine inputs; returns ``expert_out`` contiguous.
+def check_combine_inputs(expert_out, handle, *, hidden, dtype, device, min_rows, name="expert_out"):
+    """Validate combine inputs (and the ``[rows, H]`` gradients of the backward halves); returns ``expert_out``
+    contiguous. ``name`` is the argument the messages name.
 
     Raises:
         InputError: wrong dtype/device/shape, or fewer rows than the dispatch produced.
     """
     if not isinstance(expert_out, torch.Tensor):
-        raise InputError(f"expert_out must be a torch.Tensor, got {type(expert_out).__name__}")
+        raise InputError(f"{name} must be a torch.Tensor, got {type(expert_out).__name__}")
     if expert_out.device != device:
-        raise InputError(f"expert_out is on {expert_out.device}, the buffer is on {device}")
+        raise InputError(f"{name} is on {expert_out.device}, the buffer is on {device}")
     if expert_out.dtype != dtype:
-        raise InputError(f"expert_out must be {dtype}, got {expert_out.dtype}")
+        raise InputError(f"{name} must be {dtype}, got {expert_out.dtype}")
     if expert_out.dim() != 2 or expert_out.shape[1] != hidden:
-        raise InputError(f"expert_out must have shape [rows, hidden={hidden}], got {tuple(expert_out.shape)}")
+        raise InputError(f"{name} must have shape [rows, hidden={hidden}], got {tuple(expert_out.shape)}")
     if expert_out.shape[0] < min_rows:
-        raise InputError(f"expert_out has {expert_out.shape[0]} rows but the dispatch produced {min_rows}")
+        raise InputError(f"{name} has {expert_out.shape[0]} rows but the dispatch produced {min_rows}")
     return expert_out.contiguous()
+
+
+def check_backward_inputs(grad, handle, *, hidden, dtype, device, min_rows, grad_w=None, name="grad_y"):
+    """Validate the inputs of :meth:`tritonep.EPBuffer.combine_backward` (``grad`` = ``grad_y [T, H]``, ``name``
+    ``"grad_y"``) or :meth:`~tritonep.EPBuffer.dispatch_backward` (``grad`` = ``grad_recv_x [rows, H]``, ``name``
+    ``"grad_recv_x"``, and ``grad_w``: None or float32 ``[rows]``); returns ``(grad, grad_w)`` contiguous.
+
+    Raises:
+        InputError: wrong type, dtype, device or shape (``grad_y`` must have ``handle.num_tokens`` rows, the row
+            gradients at least ``min_rows``), naming the argument and the value.
+    """
+    if name == "grad_y":
+        grad = check_combine_inputs(grad, handle, hidden=hidden, dtype=dtype, device=device, min_rows=0, name=name)
+        if grad.shape[0] != handle.num_tokens:
+            raise InputError(f"grad_y must have shape [num_tokens={handle.num_tokens}, hidden={hidden}], got "
+                             f"{tuple(grad.shape)}")
+        return grad, None
+    grad = check_combine_inputs(grad, handle, hidden=hidden, dtype=dtype, device=device, min_rows=min_rows,
+                                name=name)
+    if grad_w is not None:
+        if not isinstance(grad_w, torch.Tensor) or grad_w.device != device or grad_w.dtype != torch.float32 \
+                or grad_w.dim() != 1 or grad_w.shape[0] < min_rows:
+            raise InputError(f"grad_recv_w must be a float32 [rows >= {min_rows}] tensor on {device}, got "
+                             f"{tuple(getattr(grad_w, 'shape', ()))} {getattr(grad_w, 'dtype', type(grad_w))} on "
+                             f"{getattr(grad_w, 'device', None)}")
+        grad_w = grad_w.contiguous()
+    return grad, grad_w

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from tritonep.errors import InputError, WireError
+from tritonep.kernels.common import check_kernel_mode
 from tritonep.kernels.quant import FP8_E4M3_CODEC, KIND_OF_DTYPE, load_as_fp32, store_fp32_as
 from tritonep.wire.checks import check_quant_input
 
@@ -228,7 +229,8 @@ def quantize_fp8(x: torch.Tensor, pow2_scale: bool = False) -> tuple[torch.Tenso
         (q [N, H] torch.float8_e4m3fn, scales [N, H // 128] float32).
 
     Raises:
-        InputError: x not 2-D, not contiguous, or wrong dtype. WireError: H % 128 != 0.
+        InputError: x not 2-D, not contiguous, or wrong dtype. WireError: H % 128 != 0. ConfigError: the kernels
+            were built for another device (:func:`tritonep.kernels.common.check_kernel_mode`).
     """
     check_quant_input(x, "fp8", FP8_BLOCK, "quantize_fp8")
     q, s = scaled_quantize(x, pow2_scale, FP8_E4M3_CODEC, "quantize_fp8")
@@ -237,9 +239,11 @@ def quantize_fp8(x: torch.Tensor, pow2_scale: bool = False) -> tuple[torch.Tenso
 
 def scaled_quantize(x: torch.Tensor, pow2_scale: bool, codec, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton quantization of an fp32-scaled 8-bit wire (``codec``: e4m3, e5m2): uint8 ``[N, H]`` and fp32
-    ``[N, H/128]``. ``x`` is checked by the caller except for contiguity (InputError)."""
+    ``[N, H/128]``. ``x`` is checked by the caller except for contiguity (InputError). ConfigError: the kernels
+    were built for another device (:func:`tritonep.kernels.common.check_kernel_mode`)."""
     if not x.is_contiguous():
         raise InputError(f"{name}: x must be contiguous, got strides {x.stride()}")
+    check_kernel_mode(x.device.type)
     n, h = x.shape
     q = torch.empty((n, h), dtype=torch.uint8, device=x.device)
     s = torch.empty((n, h // FP8_BLOCK), dtype=torch.float32, device=x.device)
@@ -259,7 +263,8 @@ def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype
         out_dtype: bfloat16, float16 or float32.
 
     Returns:
-        [N, H] out_dtype. Raises InputError / WireError on bad shapes, dtypes, devices or strides.
+        [N, H] out_dtype. Raises InputError / WireError on bad shapes, dtypes, devices or strides;
+        ConfigError when the kernels were built for another device.
     """
     qb = _check_q(q, scales, out_dtype, "dequantize_fp8")
     return scaled_dequantize(qb, scales, out_dtype, FP8_E4M3_CODEC, "dequantize_fp8")
@@ -267,9 +272,10 @@ def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype
 
 def scaled_dequantize(qb: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype, codec, name: str) -> torch.Tensor:
     """Triton dequantization of an fp32-scaled 8-bit wire (uint8 ``qb`` checked by the caller except for
-    contiguity, InputError) -> ``[N, H]`` out_dtype."""
+    contiguity, InputError) -> ``[N, H]`` out_dtype. ConfigError: kernels built for another device."""
     if not qb.is_contiguous() or not scales.is_contiguous():
         raise InputError(f"{name}: q and scales must be contiguous")
+    check_kernel_mode(qb.device.type)
     n, h = qb.shape
     out = torch.empty((n, h), dtype=out_dtype, device=qb.device)
     if n > 0:

@@ -113,7 +113,8 @@ def quantize_fp8_e5m2(x: torch.Tensor, pow2_scale: bool = False) -> tuple[torch.
         (q [N, H] torch.float8_e5m2, scales [N, H // 128] float32).
 
     Raises:
-        InputError: x not 2-D, not contiguous, or wrong dtype. WireError: H % 128 != 0.
+        InputError: x not 2-D, not contiguous, or wrong dtype. WireError: H % 128 != 0. ConfigError: the kernels
+            were built for another device (:func:`tritonep.kernels.common.check_kernel_mode`).
     """
     check_quant_input(x, _NAME, FP8_BLOCK, "quantize_fp8_e5m2")
     q, s = scaled_quantize(x, pow2_scale, FP8_E5M2_CODEC, "quantize_fp8_e5m2")
@@ -127,7 +128,8 @@ def dequantize_fp8_e5m2(q: torch.Tensor, scales: torch.Tensor, out_dtype: torch.
         q: [N, H] float8_e5m2 or uint8 bits, contiguous. scales: [N, H // 128] float32, contiguous.
 
     Returns:
-        [N, H] out_dtype. Raises InputError / WireError on bad shapes, dtypes, devices or strides.
+        [N, H] out_dtype. Raises InputError / WireError on bad shapes, dtypes, devices or strides;
+        ConfigError when the kernels were built for another device.
     """
     qb = _check_q(q, scales, out_dtype, "dequantize_fp8_e5m2", torch.float8_e5m2, _NAME)
     return scaled_dequantize(qb, scales, out_dtype, FP8_E5M2_CODEC, "dequantize_fp8_e5m2")

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from tritonep.errors import InputError, WireError
+from tritonep.kernels.common import check_kernel_mode
 from tritonep.kernels.quant import (KIND_OF_DTYPE, MXFP4_CODEC, load_as_fp32, mxfp4_dequant_tile, mxfp4_quant_tile,
                                     store_fp32_as)
 from tritonep.wire.checks import check_quant_input
@@ -187,11 +188,13 @@ def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         (packed [N, H // 2] uint8, scales [N, H // 32] uint8 e8m0).
 
     Raises:
-        InputError: x not 2-D, not contiguous, or wrong dtype. WireError: H % 32 != 0.
+        InputError: x not 2-D, not contiguous, or wrong dtype. WireError: H % 32 != 0. ConfigError: the kernels
+            were built for another device (:func:`tritonep.kernels.common.check_kernel_mode`).
     """
     _check_x(x, "quantize_mxfp4")
     if not x.is_contiguous():
         raise InputError(f"quantize_mxfp4: x must be contiguous, got strides {x.stride()}")
+    check_kernel_mode(x.device.type)
     n, h = x.shape
     packed = torch.empty((n, h // 2), dtype=torch.uint8, device=x.device)
     s = torch.empty((n, h // MXFP4_BLOCK), dtype=torch.uint8, device=x.device)
@@ -210,11 +213,13 @@ def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, out_dtype: torc
         out_dtype: bfloat16, float16 or float32.
 
     Returns:
-        [N, H] out_dtype. Raises InputError / WireError on bad shapes, dtypes, devices or strides.
+        [N, H] out_dtype. Raises InputError / WireError on bad shapes, dtypes, devices or strides, ConfigError
+        when the kernels were built for another device.
     """
     h = _check_packed(packed, scales, out_dtype, "dequantize_mxfp4")
     if not packed.is_contiguous() or not scales.is_contiguous():
         raise InputError("dequantize_mxfp4: packed and scales must be contiguous")
+    check_kernel_mode(packed.device.type)
     n = packed.shape[0]
     out = torch.empty((n, h), dtype=out_dtype, device=packed.device)
     if n > 0:

@@ -105,6 +105,9 @@ def test_geometry_override_errors(monkeypatch):
     g = select_geometry("cuda", 2, 7168, 4096, 8, num_sms=24)  # capped: two kernels
     assert (g.fused_send, g.grid_send) == (0, 24)
     assert select_geometry("cuda", 2, 7168, 128, 8).fused_send == 0  # decode: two kernels
+    for wire in ("fp8", "mxfp4", "fp8_e5m2"):  # quantizing senders need the whole grid: two kernels (measured)
+        g = select_geometry("cuda", 2, 7168, 4096, 8, wire=wire)
+        assert (g.fused_send, g.grid_send, g.grid_expand) == (0, 132, 132), wire
     monkeypatch.setenv("TRITONEP_GEOMETRY", "fs=0,fe=0")
     assert select_geometry("cuda", 2, 7168, 4096, 8).fused_send == 0
     monkeypatch.setenv("TRITONEP_GEOMETRY", "bt=4,warps=8,grid=7")

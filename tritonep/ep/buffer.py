@@ -18,42 +18,19 @@ import torch.distributed as dist
 from .. import envs
 from ..errors import BufferStateError, CapacityError, ConfigError, InputError, PeerInputError
 from ..memory import required_bytes as _layout_bytes
-from ..wire.formats import check_wire, get_wire
+from ..wire.formats import get_wire
 from .autograd import CombineFn, DispatchFn
 from .backend_choice import choose_backend
 from .handle import Dispatched, DispatchHandle
-from .backends import BACKENDS, backend_names, build_backend
+from .backends import BACKENDS, build_backend
 from .triton_regions import regions
 from .status import resolve_timeout
-from .validate import check_backward_inputs, check_combine_inputs, check_dispatch_inputs
+from .validate import check_backward_inputs, check_combine_inputs, check_dispatch_inputs, check_static, default_max_recv
 
 __all__ = ["EPBuffer"]
 
 _STATIC_FIELDS = ("num_experts", "hidden", "max_tokens_per_rank", "topk", "dispatch_wire", "combine_wire",
                   "expert_alignment", "max_recv_tokens", "backend")
-
-
-def _default_max_recv(world_size, num_experts, max_tokens_per_rank, topk, expert_alignment):
-    L = num_experts // world_size
-    return world_size * max_tokens_per_rank * topk + L * (expert_alignment - 1)
-
-
-def _check_static(world_size, num_experts, hidden, max_tokens_per_rank, topk, dispatch_wire, combine_wire,
-                  expert_alignment, max_recv_tokens, backend):
-    for name, v in (("world_size", world_size), ("num_experts", num_experts), ("hidden", hidden),
-                    ("max_tokens_per_rank", max_tokens_per_rank), ("topk", topk),
-                    ("expert_alignment", expert_alignment)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ConfigError(f"{name} must be a positive int, got {v!r}")
-    if num_experts % world_size:
-        raise ConfigError(f"num_experts={num_experts} is not divisible by world_size={world_size}")
-    if max_recv_tokens is not None and (not isinstance(max_recv_tokens, int) or max_recv_tokens < 1):
-        raise ConfigError(f"max_recv_tokens must be a positive int or None, got {max_recv_tokens!r}")
-    if backend != "auto" and backend not in backend_names():
-        names = ", ".join(repr(n) for n in ("auto",) + backend_names())
-        raise ConfigError(f"backend={backend!r} is not one of {names}")
-    check_wire(dispatch_wire, hidden, "dispatch_wire")
-    check_wire(combine_wire, hidden, "combine_wire")
 
 
 class EPBuffer:
@@ -96,10 +73,10 @@ class EPBuffer:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        _check_static(self.world_size, num_experts, hidden, max_tokens_per_rank, topk, dispatch_wire,
+        check_static(self.world_size, num_experts, hidden, max_tokens_per_rank, topk, dispatch_wire,
                       combine_wire, expert_alignment, max_recv_tokens, backend)
         if max_recv_tokens is None:
-            max_recv_tokens = _default_max_recv(self.world_size, num_experts, max_tokens_per_rank, topk,
+            max_recv_tokens = default_max_recv(self.world_size, num_experts, max_tokens_per_rank, topk,
                                                 expert_alignment)
         if dtype != torch.bfloat16:
             raise ConfigError(f"dtype={dtype} is not supported: x and expert outputs travel as torch.bfloat16 "
@@ -130,7 +107,7 @@ class EPBuffer:
 
         # grids and the combine kind must agree: receivers wait for calls * (the senders' grid) arrivals
         cfg["geometry"] = repr(select_geometry(self.device.type, self.world_size, hidden, max_tokens_per_rank, topk,
-                                               num_sms=num_sms))
+                                               wire=dispatch_wire, num_sms=num_sms))
         self._check_same_on_all_ranks(cfg)
         self.backend, self.backend_reason = choose_backend(group, backend, self.device)
         self._impl = build_backend(  # an EPBackend (tritonep.ep.backends)
@@ -154,10 +131,10 @@ class EPBuffer:
 
         Equals what the triton backend allocates (the same region list goes through the same layout function).
         """
-        _check_static(world_size, num_experts, hidden, max_tokens_per_rank, topk, dispatch_wire, combine_wire,
+        check_static(world_size, num_experts, hidden, max_tokens_per_rank, topk, dispatch_wire, combine_wire,
                       expert_alignment, max_recv_tokens, "auto")
         if max_recv_tokens is None:
-            max_recv_tokens = _default_max_recv(world_size, num_experts, max_tokens_per_rank, topk,
+            max_recv_tokens = default_max_recv(world_size, num_experts, max_tokens_per_rank, topk,
                                                 expert_alignment)
         from .geometry import select_geometry
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 import triton
 
 from .. import envs
+from ..wire.formats import get_wire
 
 __all__ = ["Geometry", "select_geometry", "DECODE_MAX_TOKENS"]
 
@@ -120,7 +121,7 @@ def _apply_override(g: Geometry, text: str) -> Geometry:
 
 def select_geometry(device_type: str, world_size: int, hidden: int, max_tokens_per_rank: int, topk: int,
                     wire: str = "bf16", num_sms: int | None = None) -> Geometry:
-    """The geometry for a static configuration (see module docstring).
+    """The geometry for a static configuration (see module docstring); ``wire``: the dispatch wire's name.
 
     ``num_sms`` (or TRITONEP_NUM_SMS) caps every grid: communication kernels then leave the rest of the chip free
     for expert GEMMs. Raises ConfigError for a ``num_sms`` that is not None or an int >= 0, or a bad environment
@@ -148,10 +149,13 @@ def select_geometry(device_type: str, world_size: int, hidden: int, max_tokens_p
         grid = min(132, max(8, chunks * world_size))
         g = Geometry(bt=bt, bh=bh, grid_hist=min(132, chunks), grid_send=grid, grid_expand=grid,
                      grid_partial=grid, grid_out=grid, num_warps=8 if big else 4, combine="push")
-        if big and not cap:
+        if big and not cap and not get_wire(wire).quantized:
             # one-launch fused dispatch, 40 senders + 88 expanders: 280 us vs 371 us (two kernels) at the
             # DeepSeek-V3 shape, EP2, 4096 tokens (benchmarks/results/ep_bench_h200x2_sweep_2026-11-30.json); with
-            # an SM cap the split roles lose (24 SMs: 889 vs 666 us), so capped buffers keep the two kernels
+            # an SM cap the split roles lose (24 SMs: 889 vs 666 us), so capped buffers keep the two kernels.
+            # Quantized wires keep the two kernels too: the quantizing sender needs the whole grid (fp8 EP2: 390 us
+            # two kernels vs 470 us fused 64/64; world 1 on one H200: fp8 346 vs 550 us, mxfp4 363 vs 663 us,
+            # benchmarks/results/ep_bench_h200x1_w1_split_2026-12-01.json)
             g = replace(g, fused_send=40, fused_expand=88)
     override = envs.geometry_override()
     if override:

@@ -67,7 +67,8 @@ class TritonEP(DispatchOutputs, DecodePath):
         self.dispatch_wire, self.combine_wire = dispatch_wire, combine_wire
         self.dfmt = get_wire(dispatch_wire, "dispatch_wire")
         self.dwire, self.cwire = self.dfmt.codec, get_wire(combine_wire, "combine_wire").codec  # kernels' WIRE
-        self.geo = select_geometry(device.type, world_size, hidden, max_tokens_per_rank, topk, num_sms=num_sms)
+        self.geo = select_geometry(device.type, world_size, hidden, max_tokens_per_rank, topk, wire=dispatch_wire,
+                                   num_sms=num_sms)
         self.ncmax = max(1, triton.cdiv(max_tokens_per_rank, self.geo.bt))
         heap = get_heap(group, device)
         self.buf = heap.allocate(regions(world_size, num_experts, hidden, max_tokens_per_rank, topk,

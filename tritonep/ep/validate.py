@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import CapacityError, InputError
+from ..errors import CapacityError, ConfigError, InputError
 
-__all__ = ["check_dispatch_inputs", "check_combine_inputs", "check_backward_inputs", "check_expert_ids"]
+__all__ = ["check_dispatch_inputs", "check_combine_inputs", "check_backward_inputs", "check_expert_ids", "check_static",
+           "default_max_recv"]
 
 _ID_DTYPES = (torch.int32, torch.int64)
 
@@ -110,3 +111,37 @@ def check_backward_inputs(grad, handle, *, hidden, dtype, device, min_rows, grad
                              f"{getattr(grad_w, 'device', None)}")
         grad_w = grad_w.contiguous()
     return grad, grad_w
+
+
+def default_max_recv(world_size, num_experts, max_tokens_per_rank, topk, expert_alignment):
+    """Rows a rank can receive at most: every route of every rank, plus each local expert's alignment padding."""
+    L = num_experts // world_size
+    return world_size * max_tokens_per_rank * topk + L * (expert_alignment - 1)
+
+
+def check_static(world_size, num_experts, hidden, max_tokens_per_rank, topk, dispatch_wire, combine_wire,
+                 expert_alignment, max_recv_tokens, backend):
+    """Check an EPBuffer's static configuration before anything is allocated.
+
+    Raises:
+        ConfigError: a size that is not a positive int, ``num_experts`` not divisible by ``world_size``, a bad
+            ``max_recv_tokens`` or an unknown ``backend`` (the message names the value).
+        WireError: an unknown wire or a ``hidden`` the wire's block does not divide.
+    """
+    from ..wire.formats import check_wire
+    from .backends import backend_names
+
+    for name, v in (("world_size", world_size), ("num_experts", num_experts), ("hidden", hidden),
+                    ("max_tokens_per_rank", max_tokens_per_rank), ("topk", topk),
+                    ("expert_alignment", expert_alignment)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ConfigError(f"{name} must be a positive int, got {v!r}")
+    if num_experts % world_size:
+        raise ConfigError(f"num_experts={num_experts} is not divisible by world_size={world_size}")
+    if max_recv_tokens is not None and (not isinstance(max_recv_tokens, int) or max_recv_tokens < 1):
+        raise ConfigError(f"max_recv_tokens must be a positive int or None, got {max_recv_tokens!r}")
+    if backend != "auto" and backend not in backend_names():
+        names = ", ".join(repr(n) for n in ("auto",) + backend_names())
+        raise ConfigError(f"backend={backend!r} is not one of {names}")
+    check_wire(dispatch_wire, hidden, "dispatch_wire")
+    check_wire(combine_wire, hidden, "combine_wire")

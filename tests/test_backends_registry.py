@@ -40,10 +40,10 @@ def test_build_is_keyword_only_and_satisfies_protocol():
 
 
 def test_unknown_backend_is_a_config_error():
-    from tritonep.ep.buffer import _check_static
+    from tritonep.ep.validate import check_static
 
     with pytest.raises(ConfigError, match="'auto', 'triton', 'nccl'"):
-        _check_static(2, 8, 64, 4, 2, "bf16", "bf16", 1, None, "rdma")
+        check_static(2, 8, 64, 4, 2, "bf16", "bf16", 1, None, "rdma")
 
 
 # ------------------------------------------------------------------------------------------------ handles, services

@@ -26,6 +26,7 @@ __all__ = [
     "mxfp4_quant_tile",
     "mxfp4_dequant_tile",
     "e4m3_encode",
+    "fp8_encode_bits",
     "e4m3_decode",
     "bf16_bits_to_fp32",
     "fp32_to_bf16_bits",
@@ -54,22 +55,31 @@ def rne_shift(m, s):
 
 
 @triton.jit
-def e4m3_encode(y):
-    """fp32 tensor -> int32 float8_e4m3fn bit pattern (0..255): RNE, saturating to +-448, Inf -> +-448, NaN -> 0x7F."""
+def fp8_encode_bits(y, MBITS: tl.constexpr, BIAS: tl.constexpr, MAXCODE: tl.constexpr):
+    """fp32 tensor -> int32 bit pattern (0..255) of an 8-bit float with ``MBITS`` mantissa bits and exponent bias
+    ``BIAS``: RNE, saturating to the code ``MAXCODE`` (the largest finite value), Inf -> +-max, NaN -> 0x7F.
+    e4m3fn: (3, 7, 0x7E); e5m2: (2, 15, 0x7B). Integer ops only (the interpreter's fp8 casts do not round)."""
+    SHIFT: tl.constexpr = 23 - MBITS
     yb = y.to(tl.int32, bitcast=True)
     sign = (yb >> 31) & 1
     ab = yb & 0x7FFFFFFF
     abc = tl.minimum(ab, 0x7F800000)
     e = abc >> 23
-    # normal e4m3 (|y| >= 2^-6): keep 3 mantissa bits, RNE, carry into the exponent; rebias 127 -> 7
-    r = (abc + 0x7FFFF + ((abc >> 20) & 1)) >> 20
-    code_n = tl.minimum(r - (120 << 3), 0x7E)
-    # subnormal e4m3: round |y| * 2^9 to an integer (0..8; 8 is the smallest normal, code 0x08)
+    # normal (|y| >= 2^(1-BIAS)): keep MBITS mantissa bits, RNE, carry into the exponent; rebias 127 -> BIAS
+    r = (abc + ((1 << (SHIFT - 1)) - 1) + ((abc >> SHIFT) & 1)) >> SHIFT
+    code_n = tl.minimum(r - ((127 - BIAS) << MBITS), MAXCODE)
+    # subnormal: round |y| * 2^(BIAS-1+MBITS) to an integer (2^MBITS is the smallest normal's code)
     m = (abc & 0x7FFFFF) | 0x800000
-    s = tl.minimum(tl.maximum(141 - e, 1), 25)
+    s = tl.minimum(tl.maximum((150 - (BIAS - 1 + MBITS)) - e, 1), 25)
     code_s = tl.where(e == 0, 0, rne_shift(m, s))
-    code = tl.where(e >= 121, code_n, code_s) | (sign << 7)
+    code = tl.where(e >= 128 - BIAS, code_n, code_s) | (sign << 7)
     return tl.where(ab > 0x7F800000, 0x7F, code)
+
+
+@triton.jit
+def e4m3_encode(y):
+    """fp32 tensor -> int32 float8_e4m3fn bit pattern (0..255): RNE, saturating to +-448, Inf -> +-448, NaN -> 0x7F."""
+    return fp8_encode_bits(y, 3, 7, 0x7E)
 
 
 @triton.jit

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from .common import mul_rn
-from .quant import rne_shift, scaled_quant_tile
+from .quant import fp8_encode_bits, scaled_quant_tile
 from .wirecodec import DeviceCodec
 
 __all__ = ["e5m2_encode", "e5m2_decode", "e5m2_quant_tile", "e5m2_dequant_tile", "FP8_E5M2_CODEC"]
@@ -23,20 +23,7 @@ __all__ = ["e5m2_encode", "e5m2_decode", "e5m2_quant_tile", "e5m2_dequant_tile",
 def e5m2_encode(y):
     """fp32 tensor -> int32 float8_e5m2 bit pattern (0..255): RNE, saturating to +-57344, Inf -> +-57344,
     NaN -> 0x7F."""
-    yb = y.to(tl.int32, bitcast=True)
-    sign = (yb >> 31) & 1
-    ab = yb & 0x7FFFFFFF
-    abc = tl.minimum(ab, 0x7F800000)
-    e = abc >> 23
-    # normal e5m2 (|y| >= 2^-14): keep 2 mantissa bits, RNE, carry into the exponent; rebias 127 -> 15
-    r = (abc + 0xFFFFF + ((abc >> 21) & 1)) >> 21
-    code_n = tl.minimum(r - (112 << 2), 0x7B)
-    # subnormal e5m2: round |y| * 2^16 to an integer (0..4; 4 is the smallest normal, code 0x04)
-    m = (abc & 0x7FFFFF) | 0x800000
-    s = tl.minimum(tl.maximum(134 - e, 1), 25)
-    code_s = tl.where(e == 0, 0, rne_shift(m, s))
-    code = tl.where(e >= 113, code_n, code_s) | (sign << 7)
-    return tl.where(ab > 0x7F800000, 0x7F, code)
+    return fp8_encode_bits(y, 2, 15, 0x7B)
 
 
 @triton.jit

@@ -63,26 +63,37 @@ def _rne_shift_torch(m: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return n + up.to(torch.int32)
 
 
-def e4m3_encode_torch(y: torch.Tensor) -> torch.Tensor:
-    """fp32 tensor (any shape) -> uint8 float8_e4m3fn bits: RNE, saturate to +-448, Inf -> +-448, NaN -> 0x7F.
+def fp8_encode_bits_torch(y: torch.Tensor, mbits: int, bias: int, maxcode: int, name: str) -> torch.Tensor:
+    """fp32 tensor (any shape) -> uint8 bits of an 8-bit float with ``mbits`` mantissa bits and exponent ``bias``:
+    RNE, saturate to the code ``maxcode``, Inf -> +-max, NaN -> 0x7F (e4m3fn: 3, 7, 0x7E; e5m2: 2, 15, 0x7B).
 
-    Twin of :func:`tritonep.kernels.quant.e4m3_encode`. Raises InputError if ``y`` is not float32.
+    Twin of :func:`tritonep.kernels.quant.fp8_encode_bits`. Raises InputError (naming ``name``) if ``y`` is not
+    float32.
     """
     if y.dtype != torch.float32:
-        raise InputError(f"e4m3_encode_torch needs float32, got {y.dtype}")
+        raise InputError(f"{name} needs float32, got {y.dtype}")
+    shift = 23 - mbits
     yb = y.contiguous().view(torch.int32)
     sign = (yb >> 31) & 1
     ab = yb & 0x7FFFFFFF
     abc = torch.clamp(ab, max=0x7F800000)
     e = abc >> 23
-    r = (abc + 0x7FFFF + ((abc >> 20) & 1)) >> 20
-    code_n = torch.clamp(r - (120 << 3), max=0x7E)
+    r = (abc + ((1 << (shift - 1)) - 1) + ((abc >> shift) & 1)) >> shift
+    code_n = torch.clamp(r - ((127 - bias) << mbits), max=maxcode)
     m = (abc & 0x7FFFFF) | 0x800000
-    s = torch.clamp(141 - e, 1, 25)
+    s = torch.clamp((150 - (bias - 1 + mbits)) - e, 1, 25)
     code_s = torch.where(e == 0, torch.zeros_like(m), _rne_shift_torch(m, s))
-    code = torch.where(e >= 121, code_n, code_s) | (sign << 7)
+    code = torch.where(e >= 128 - bias, code_n, code_s) | (sign << 7)
     code = torch.where(ab > 0x7F800000, torch.full_like(code, 0x7F), code)
     return code.to(torch.uint8)
+
+
+def e4m3_encode_torch(y: torch.Tensor) -> torch.Tensor:
+    """fp32 tensor (any shape) -> uint8 float8_e4m3fn bits: RNE, saturate to +-448, Inf -> +-448, NaN -> 0x7F.
+
+    Twin of :func:`tritonep.kernels.quant.e4m3_encode`. Raises InputError if ``y`` is not float32.
+    """
+    return fp8_encode_bits_torch(y, 3, 7, 0x7E, "e4m3_encode_torch")
 
 
 def _check_q(q: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype, name: str,

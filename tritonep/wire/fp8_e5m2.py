@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from tritonep.errors import InputError
 from tritonep.kernels.quant_e5m2 import FP8_E5M2_CODEC
 from tritonep.wire.checks import check_quant_input
-from tritonep.wire.fp8 import (FP8_BLOCK, _check_q, _rne_shift_torch, scaled_dequantize, scaled_dequantize_torch,
+from tritonep.wire.fp8 import (FP8_BLOCK, _check_q, fp8_encode_bits_torch, scaled_dequantize, scaled_dequantize_torch,
                                scaled_quantize, scaled_quantize_torch)
 
 __all__ = [
@@ -55,21 +54,7 @@ def e5m2_encode_torch(y: torch.Tensor) -> torch.Tensor:
 
     Twin of :func:`tritonep.kernels.quant_e5m2.e5m2_encode`. Raises InputError if ``y`` is not float32.
     """
-    if y.dtype != torch.float32:
-        raise InputError(f"e5m2_encode_torch needs float32, got {y.dtype}")
-    yb = y.contiguous().view(torch.int32)
-    sign = (yb >> 31) & 1
-    ab = yb & 0x7FFFFFFF
-    abc = torch.clamp(ab, max=0x7F800000)
-    e = abc >> 23
-    r = (abc + 0xFFFFF + ((abc >> 21) & 1)) >> 21
-    code_n = torch.clamp(r - (112 << 2), max=0x7B)
-    m = (abc & 0x7FFFFF) | 0x800000
-    s = torch.clamp(134 - e, 1, 25)
-    code_s = torch.where(e == 0, torch.zeros_like(m), _rne_shift_torch(m, s))
-    code = torch.where(e >= 113, code_n, code_s) | (sign << 7)
-    code = torch.where(ab > 0x7F800000, torch.full_like(code, 0x7F), code)
-    return code.to(torch.uint8)
+    return fp8_encode_bits_torch(y, 2, 15, 0x7B, "e5m2_encode_torch")
 
 
 def quantize_fp8_e5m2_torch(x: torch.Tensor, pow2_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

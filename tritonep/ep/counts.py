@@ -12,7 +12,7 @@ import torch.distributed as dist
 import triton
 
 from ..errors import CapacityError, InputError
-from ..kernels.layout import chunk_hist_kernel, exchange_kernel
+from ..kernels.layout import chunk_hist_kernel, exchange_kernel, exchange_tiles
 from ..memory import Region, get_heap
 from .launch import Launcher
 from ..kernels import protocol as P
@@ -80,8 +80,8 @@ class CountsExchange:
         L = self.E // self.W
         # static tiles (never derived from a call's T: docs/protocols.md (host protocol rule))
         self._ex = dict(RANK=self.rank, W=self.W, E=self.E, L=L, A=1, WB=max(2, triton.next_power_of_2(self.W)),
-                        LB=triton.next_power_of_2(L), EB=EB, NCB=min(triton.next_power_of_2(ncmax), 64),
-                        EBLK=min(EB, 64), HAS_TIMER=self.device.type == "cuda", DOUBLE=True)
+                        LB=triton.next_power_of_2(L), EB=EB, **exchange_tiles(ncmax, self.E),
+                        HAS_TIMER=self.device.type == "cuda", DOUBLE=True)
         self._launch.dry_run(lambda: self.gather(torch.zeros(self.Tm, self.K, dtype=torch.int64,
                                                              device=self.device)), restore=(self.calls,))
 

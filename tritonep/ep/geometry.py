@@ -35,6 +35,9 @@ class Geometry:
     push combine each run as ONE launch of ``decode`` programs (:mod:`tritonep.kernels.decode_dispatch`,
     :mod:`tritonep.kernels.decode_combine`; counts exchange folded in); every two-kernel grid then equals
     ``decode`` (at most ``cdiv(max_tokens_per_rank, bt)``, 132 and the SM cap) and the fused paths are off.
+    cbt / cwarps: token tile and warps of the combine kernels (partial, output, fused combine; 0 = ``bt`` /
+    ``num_warps``): the combine gathers K expert rows per token, so its tile is sized by the K loads one thread
+    keeps in flight, not by the dispatch's tile (:func:`select_geometry` resolves both to non-zero values).
     """
 
     bt: int
@@ -50,25 +53,28 @@ class Geometry:
     fused_expand: int = 0
     fused_combine: bool = False
     decode: int = 0
+    cbt: int = 0
+    cwarps: int = 0
 
 
-_OVERRIDE_FIELDS = ("bt", "bh", "warps", "grid", "combine", "fs", "fe", "fc", "dec")
+_OVERRIDE_FIELDS = ("bt", "bh", "warps", "grid", "combine", "fs", "fe", "fc", "dec", "cbt", "cwarps")
 
 
 def _apply_override(g: Geometry, text: str) -> Geometry:
-    """Apply a TRITONEP_GEOMETRY string (``bt=2,bh=512,warps=8,grid=128,combine=pull``) to ``g``.
+    """Apply a TRITONEP_GEOMETRY string (``bt=2,bh=512,warps=8,grid=128,combine=pull,cbt=4,cwarps=8``) to ``g``.
 
     ``grid=`` without ``fs``/``fe`` selects the two-kernel dispatch with that grid; ``fs=0,fe=0`` turns the fused
     dispatch off while keeping the table's grids; ``dec=G`` selects the one-launch decode paths with G programs
     (``dec=0`` turns them off).
 
     Raises ConfigError naming the bad entry: unknown field, a value that is not a positive power of two (bt, bh,
-    warps), a grid < 1, or a combine kind other than push/pull.
+    warps, cbt, cwarps), a grid < 1, or a combine kind other than push/pull.
     """
     from ..errors import ConfigError
 
     f = dict(bt=g.bt, bh=g.bh, num_warps=g.num_warps, combine=g.combine, fused_send=g.fused_send,
-             fused_expand=g.fused_expand, fused_combine=g.fused_combine, decode=g.decode)
+             fused_expand=g.fused_expand, fused_combine=g.fused_combine, decode=g.decode, cbt=g.cbt,
+             cwarps=g.cwarps)
     grid = None
     for item in filter(None, (p.strip() for p in text.split(","))):
         key, _, val = item.partition("=")
@@ -116,7 +122,7 @@ def _apply_override(g: Geometry, text: str) -> Geometry:
     return Geometry(bt=f["bt"], bh=f["bh"], grid_hist=g.grid_hist, grid_send=gs[0], grid_expand=gs[1],
                     grid_partial=gs[2], grid_out=gs[3], num_warps=f["num_warps"], combine=f["combine"],
                     fused_send=f["fused_send"], fused_expand=f["fused_expand"], fused_combine=f["fused_combine"],
-                    decode=f["decode"])
+                    decode=f["decode"], cbt=f["cbt"], cwarps=f["cwarps"])
 
 
 def select_geometry(device_type: str, world_size: int, hidden: int, max_tokens_per_rank: int, topk: int,
@@ -177,7 +183,15 @@ def select_geometry(device_type: str, world_size: int, hidden: int, max_tokens_p
         g = replace(g, grid_partial=g.fused_send, grid_out=g.fused_expand)
     if g.decode > 0:
         g = _decode_grids(g, max_tokens_per_rank, cap)
-    return g
+    # the combine's tile: a thread keeps all K gathered expert rows of its columns in flight only when its share of
+    # the tile is small. DeepSeek-V3 shape on one H200 (world 1, kernels without NVLink), combine us at 132 / 24
+    # SMs: 16-token tiles x 8 warps (the dispatch's) 286 / 1234 (255 registers, spills, one route's loads at a
+    # time); 4 x 8 warps 232 / 895; 8 x 16 warps 182 / 525; 8 tokens x 32 warps (8 columns per thread, one
+    # 16-byte load per route) 170 / 421; 16 x 32 warps 280 / 621
+    # (benchmarks/results/ep_bench_h200x1_w1_combine_tiles{,2}_2026-12-01.json)
+    if device_type == "cuda" and max_tokens_per_rank >= 1024:
+        g = replace(g, cbt=g.cbt or 8, cwarps=g.cwarps or 32)
+    return replace(g, cbt=g.cbt or g.bt, cwarps=g.cwarps or g.num_warps)
 
 
 def _decode_grids(g: Geometry, max_tokens_per_rank: int, cap: int | None) -> Geometry:

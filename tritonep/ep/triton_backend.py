@@ -29,7 +29,7 @@ from ..kernels.combine_fused import combine_fused_kernel
 from ..kernels import protocol as P
 from ..kernels.dispatch import dispatch_expand_kernel, dispatch_send_kernel
 from ..kernels.dispatch_fused import dispatch_fused_kernel
-from ..kernels.layout import chunk_hist_kernel, exchange_kernel
+from ..kernels.layout import chunk_hist_kernel, exchange_kernel, exchange_tiles
 from ..memory import get_heap
 from .geometry import select_geometry
 from ..wire.formats import get_wire
@@ -100,10 +100,15 @@ class TritonEP(DispatchOutputs, DecodePath):
         # the constexpr keyword arguments every data kernel takes, built once (not per launch)
         self._ck = {k: self.c[k] for k in ("RANK", "W", "K", "KB", "H", "BH", "BT", "WB", "HAS_TIMER", "RB")}
         self._ck.update(self._kw)
+        # the combine kernels' tile and warps (Geometry.cbt / cwarps), and their chunk count per source
+        g = self.geo
+        self._cbt = g.cbt or g.bt
+        self.ncmax_c = max(1, triton.cdiv(max_tokens_per_rank, self._cbt))
+        self._cck = dict(self._ck, BT=self._cbt, num_warps=g.cwarps or g.num_warps)
         EB = p2(num_experts)
         # static tiles of the counts exchange: never derived from this call's T (docs/protocols.md (host protocol rule))
         self._ex = dict(RANK=rank, W=world_size, E=num_experts, L=self.L, A=self.A, WB=self.c["WB"], LB=p2(self.L),
-                        EB=EB, NCB=min(p2(self.ncmax), 64), EBLK=min(EB, 64), HAS_TIMER=self.has_timer, DOUBLE=True,
+                        EB=EB, **exchange_tiles(self.ncmax, num_experts), HAS_TIMER=self.has_timer, DOUBLE=True,
                         **self._kw)
         self._precompile(group)
 
@@ -310,7 +315,7 @@ class TritonEP(DispatchOutputs, DecodePath):
         if g.decode and kind == "push" and weighted and not want_wgrad:
             return self._combine_decode(eo, handle, wire), None  # one launch; it advances CALL_COMBINE itself
         T = handle.num_tokens
-        nc = triton.cdiv(T, g.bt)
+        nc = triton.cdiv(T, self._cbt)
         self._calls(P.CALL_COMBINE).add_(1)
         stage = self.tab["cstage"]
         if g.fused_combine and kind == "push" and weighted and not want_wgrad:
@@ -318,24 +323,24 @@ class TritonEP(DispatchOutputs, DecodePath):
             self._launch(combine_fused_kernel, (g.fused_send + g.fused_expand,),
                          eo, handle.meta, handle.wts, handle.ntok, stage, self.tab["ccflag"], self.buf.local("ccflag"),
                          handle.topk_idx, y, T, self.flags, self.tab["flags"], self._flag_off(P.FLAG_CDATA), self._flag_off(P.FLAG_CACK),
-                         self.calls, self.status, self.timeout, g.grid_partial, g.grid_out, self.Tm, self.ncmax,
+                         self.calls, self.status, self.timeout, g.grid_partial, g.grid_out, self.Tm, self.ncmax_c,
                          GS=g.fused_send, L=self.L, WIRE=wire,
-                         **self._ck)
+                         **self._cck)
             self._eager_check("combine")
             return y, None
         self._launch(combine_partial_kernel, (g.grid_partial,),
                      eo, handle.meta, handle.wts, handle.ntok, gw if gw is not None else handle.wts, stage,
                      self.tab["wback"], self.flags, self.tab["flags"], self._flag_off(P.FLAG_CDATA), self.calls, self.status,
-                     self.timeout, g.grid_out, self.Tm, self.ncmax, PUSH=kind == "push", WEIGHTED=weighted,
+                     self.timeout, g.grid_out, self.Tm, self.ncmax_c, PUSH=kind == "push", WEIGHTED=weighted,
                      SEND_WGRAD=want_wgrad, WIRE=wire,
-                     **self._ck)
+                     **self._cck)
         y = torch.empty(T, self.H, dtype=eo.dtype, device=self.device)
         gtw = torch.empty(T, self.K, dtype=torch.float32, device=self.device) if want_wgrad else None
         self._launch(combine_out_kernel, (g.grid_out,),
                      handle.topk_idx, y, T, nc, stage, self.buf.local("wback"), gtw if gtw is not None else y,
                      self.flags, self.tab["flags"], self._flag_off(P.FLAG_CACK), self.calls, self.status, self.timeout,
                      g.grid_partial, self.Tm, L=self.L, PULL=kind == "pull", RECV_WGRAD=want_wgrad, WIRE=wire,
-                     **self._ck)
+                     **self._cck)
         self._eager_check("combine" if weighted else "dispatch backward")
         return y, gtw
 

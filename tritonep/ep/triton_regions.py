@@ -34,7 +34,9 @@ def regions(world_size, num_experts, hidden, max_tokens_per_rank, topk, max_recv
         Region("send_base", (E,), torch.int32),
         Region("rows_needed", (W,), torch.int64),
         Region("cflag", (W, ncmax), torch.int64),  # per-(source, chunk) arrival epochs of the fused dispatch
-        Region("ccflag", (ncmax, W), torch.int64),  # per-(chunk, expert rank) arrival epochs of the fused combine
+        # per-(chunk, expert rank) arrival epochs of the fused combine: one row per token, so any combine tile
+        # (Geometry.cbt, which may differ from bt and from rank to rank's table only through the static config) fits
+        Region("ccflag", (Tm, W), torch.int64),
         # one wire row per (source, token): 2H bytes hold a bf16 row and any quantized row (fp8 H + H/32,
         # mxfp4 H/2 + H/32 bytes); backward passes always move bf16 through the same regions
         Region("stage", (W, Tm, 2 * H), torch.uint8),

@@ -28,6 +28,22 @@ from .wirecodec import RAW_BF16, wire_load, wire_store
 
 
 @triton.jit
+def partial_item_source(idx, G, W: tl.constexpr):
+    """(chunk, source) of the partial item ``idx`` taken by a program striding the items by ``G``.
+
+    Items are chunk-major (every source's chunk c before chunk c + 1: the fused combine's output role waits for
+    chunks in order), and a program's i-th item (``i = idx // G``) rotates its source by i when ``G % W == 0``, so
+    each program alternates between its own rank and the peers and, at any moment, about (W-1)/W of every rank's
+    programs push over NVLink to all peers evenly. (Source-major order made every rank push to one rank at a time:
+    with W = 2 each NVLink direction idled half of the combine; with W = 8 seven ranks pushed into one.) The map is a
+    bijection on ``[0, W * NCmax)``: within a chunk's W items the rotation is one constant (``G`` a multiple of W).
+    """
+    c = idx // W
+    rot = tl.where(G % W == 0, idx // G, 0)
+    return c, (idx % W + rot) % W
+
+
+@triton.jit
 def partial_item(src, c, Ts, live, eo_ptr, hmeta_ptr, hwts_ptr, gw_ptr, stage_tab, wback_tab, Tmax,
                  RANK: tl.constexpr, K: tl.constexpr, KB: tl.constexpr, H: tl.constexpr, BH: tl.constexpr,
                  BT: tl.constexpr, PUSH: tl.constexpr, WEIGHTED: tl.constexpr, SEND_WGRAD: tl.constexpr,
@@ -128,8 +144,7 @@ def combine_partial_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, gw_ptr, stage
     wait_all_ge(flags_ptr + FLAG_CACK * W, W, (m - 1) * G_out, status_ptr, WAIT_CACK, timeout, HAS_TIMER, WB)
     live = tl.load(status_ptr) != STATUS_TIMEOUT
     for item in range(pid, W * NCmax, G):
-        src = item // NCmax
-        c = item % NCmax
+        c, src = partial_item_source(item, G, W)
         Ts = tl.load(hntok_ptr + src)
         if c * BT < Ts:
             partial_item(src, c, Ts, live, eo_ptr, hmeta_ptr, hwts_ptr, gw_ptr, stage_tab, wback_tab, Tmax, RANK, K,

@@ -19,7 +19,7 @@ Twin: :func:`tritonep.reference.combine_reference_partial` (same bits as the two
 import triton
 import triton.language as tl
 
-from .combine import out_chunk, partial_item
+from .combine import out_chunk, partial_item, partial_item_source
 from .protocol import CALL_COMBINE, FLAG_CACK, STATUS_TIMEOUT, WAIT_CACK, WAIT_CDATA
 from .signal import signal_peers, wait_all_ge
 from .wirecodec import RAW_BF16
@@ -45,7 +45,7 @@ def combine_fused_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, stage_tab, ccfl
                          POW2: tl.constexpr = False):
     """Weighted push combine in one launch (see the module docstring); grid ``GS + GE``, ``GS`` partial programs.
 
-    ``ccflag``: ``[NCmax, W]`` int64 per rank (entry ``[c, r]`` = last combine call whose chunk-``c`` partial from
+    ``ccflag``: ``[>= NCmax, W]`` int64 per rank (entry ``[c, r]`` = last combine call whose chunk-``c`` partial from
     expert rank ``r`` arrived here). ``y``: ``[T, H]`` output of this rank.
     """
     pid = tl.program_id(0)
@@ -55,8 +55,7 @@ def combine_fused_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, stage_tab, ccfl
         wait_all_ge(flags_ptr + FLAG_CACK * W, W, (m - 1) * G_out_std, status_ptr, WAIT_CACK, timeout, HAS_TIMER, WB)
         live = tl.load(status_ptr) != STATUS_TIMEOUT
         for item in range(pid, W * NCmax, GS):
-            c = item // W
-            src = item % W
+            c, src = partial_item_source(item, GS, W)
             Ts = tl.load(hntok_ptr + src)
             if c * BT < Ts:
                 partial_item(src, c, Ts, live, eo_ptr, hmeta_ptr, hwts_ptr, hwts_ptr, stage_tab, stage_tab, Tmax,

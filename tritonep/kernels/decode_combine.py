@@ -55,7 +55,8 @@ def combine_decode_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, stage_tab, ccf
     wait_all_ge(flags_ptr + FLAG_CACK * W, W, (m - 1) * G, status_ptr, WAIT_CACK, timeout, HAS_TIMER, WB)
     live = tl.load(status_ptr) != STATUS_TIMEOUT
     for c in range(pid, NCmax, G):
-        for src in range(W):
+        for s in range(W):
+            src = (s + RANK) % W  # each rank starts with itself: the ranks' first pushes go to different peers
             Ts = tl.load(hntok_ptr + src)
             if c * BT < Ts:
                 partial_item(src, c, Ts, live, eo_ptr, hmeta_ptr, hwts_ptr, hwts_ptr, stage_tab, stage_tab, Tmax,

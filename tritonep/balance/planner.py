@@ -99,8 +99,9 @@ def plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, *, num_program
             256))`` (the H200 sweep, benchmarks/results/planner_one_launch_sweep_h200_2026-12-01.json: 128 chunks
             beat 64 by 2-4 us at 4096 x 8 routes). Derived from shapes only, so the launch stays graph-capturable.
         block: routes per tile, a power of two in ``[16, 256]``; default on CUDA 64 when the launch runs one warp
-            (see ``_plan_warps``) or ``W > 16``, else 128; 64 elsewhere. (ptxas -v, sm_90, W in {2, 4, 8, 16, 64},
-            E <= 1024, both modes: no register spills with these defaults, except 12 bytes at W=8 minimal.)
+            (see ``_plan_warps``) or ``W > 16``, else 128; 64 elsewhere. (ptxas -v, sm_90a, E = 256, W = 2 / 4 / 8,
+            both modes, these defaults: no register spills, 168-245 registers; 0-4 spill bytes with ``num_warps`` 2
+            or 4.)
         validate: read the status word back and raise on bad data (a host sync); default False.
         mode: ``"reference"`` (default, MoonEP / Megatron placement) or ``"minimal"`` (no rank both sends and
             receives, moved routes == total excess when the slots suffice); see

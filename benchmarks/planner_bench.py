@@ -3,6 +3,8 @@
     PYTHONPATH=. python benchmarks/planner_bench.py --json $OUT/planner.json
     PYTHONPATH=. python benchmarks/planner_bench.py --modes reference minimal --num-programs 0 32 128 \\
         --blocks 0 32 128 --json $OUT/planner_sweep.json                     # chunk / tile sweep
+    PYTHONPATH=. python benchmarks/planner_bench.py --modes reference minimal --warps 0 2 4 \\
+        --lookback-groups 0 1 128 --json $OUT/planner_knobs.json              # warps / look-back sweep
     python benchmarks/planner_bench.py --cpu                                 # CPU smoke run of the checks
 
 Method: :mod:`tritonep.bench.planner` (one launch timed as CUDA-graph replays and eagerly, OLMoE-skewed routing);
@@ -31,18 +33,23 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", nargs="+", default=["reference"], choices=["reference", "minimal"])
     ap.add_argument("--num-programs", type=int, nargs="*", default=[0], help="route chunks; 0 = plan()'s default")
     ap.add_argument("--blocks", type=int, nargs="*", default=[0], help="routes per tile; 0 = plan()'s default")
+    ap.add_argument("--warps", type=int, nargs="*", default=[0], help="num_warps of the launch; 0 = plan()'s default")
+    ap.add_argument("--lookback-groups", type=int, nargs="*", default=[0],
+                    help="chunks per look-back group; 0 = plan()'s default (ceil(sqrt(num_programs)))")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--cpu", action="store_true", help="small CPU smoke run (interpreter): 16 tokens x top-2, 8 experts")
     ap.add_argument("--json", default="")
     a = ap.parse_args(argv)
     if a.cpu:
         a.tokens, a.topk, a.num_experts, a.worlds, a.iters = 16, 2, 8, [2, 4], 1
-    rows = bench_planner(a.worlds, a.tokens, a.topk, a.num_experts, a.num_programs, a.iters, a.blocks, a.modes)
-    print(f"{'W':>3s} {'mode':>9s} {'programs':>9s} {'block':>7s} {'launches':>8s} {'graph us':>9s} {'eager us':>9s} "
-          "checked")
+    rows = bench_planner(a.worlds, a.tokens, a.topk, a.num_experts, a.num_programs, a.iters, a.blocks, a.modes,
+                         a.warps, a.lookback_groups)
+    print(f"{'W':>3s} {'mode':>9s} {'programs':>9s} {'block':>7s} {'warps':>7s} {'group':>7s} {'launches':>8s} "
+          f"{'graph us':>9s} {'eager us':>9s} checked")
     for r in rows:
         g = f"{r['graph_us']:9.1f}" if r["graph_us"] is not None else f"{'-':>9s}"
         print(f"{r['world_size']:3d} {r['mode']:>9s} {str(r['num_programs']):>9s} {str(r['block']):>7s} "
+              f"{str(r['num_warps']):>7s} {str(r['lookback_group']):>7s} "
               f"{r['launches']:8d} {g} "
               f"{r['eager_us']:9.1f} {'ok' if r['checked'] else 'FAILED'}")
     if a.json:

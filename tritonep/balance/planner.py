@@ -9,6 +9,7 @@ device (``_sync_state``), zeroed once and never reset between calls.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -49,9 +50,43 @@ def _pow2(n: int) -> int:
     return max(2, 1 << max(0, (int(n) - 1).bit_length()))
 
 
+def _launch_config(world: int, num_experts: int, num_routes: int, num_programs: Optional[int],
+                   block: Optional[int], num_warps: Optional[int], on_gpu: bool,
+                   lookback_group: Optional[int]) -> dict:
+    """Launch geometry of :func:`plan` from shapes only (graph-capturable): ``num_programs`` (G), ``chunk``
+    (routes per chunk), ``group`` (look-back group size), ``num_groups``, ``num_warps`` and the kernel's
+    constexprs ``W_PAD, L_PAD, E_PAD, BLOCK, CB, RB, CH, FB``. Raises :class:`PlanError` on a bad knob."""
+    L = num_experts // world
+    w_pad, l_pad, e_pad = _pow2(world), _pow2(L), _pow2(num_experts)
+    warps = _plan_warps(w_pad, l_pad) if num_warps is None else num_warps
+    if warps not in (1, 2, 4, 8):
+        raise PlanError(f"num_warps={num_warps} must be 1, 2, 4 or 8")
+    if block is None:  # the ordinal pass holds a [block, block] tile and [block, W_PAD] run rows in registers
+        block = (64 if warps == 1 or w_pad > 16 else 128) if on_gpu else 64
+    if block not in (16, 32, 64, 128, 256):
+        raise PlanError(f"block={block} must be a power of two in [16, 256]")
+    num_tiles = -(-num_routes // block)
+    if num_programs is None:
+        num_programs = max(1, min(128, -(-num_routes // 256))) if on_gpu else 1
+    if not 1 <= num_programs <= MAX_PLAN_PROGRAMS:
+        raise PlanError(f"num_programs={num_programs} must be in [1, {MAX_PLAN_PROGRAMS}]")
+    if lookback_group is None:  # ceil(sqrt(G)): minimises the longest look-back, (group - 1) + (G / group - 1) rows
+        lookback_group = math.isqrt(num_programs - 1) + 1
+    if not 1 <= lookback_group <= MAX_PLAN_PROGRAMS:
+        raise PlanError(f"lookback_group={lookback_group} must be in [1, {MAX_PLAN_PROGRAMS}]")
+    chunk = max(1, -(-num_tiles // num_programs)) * block
+    num_groups = -(-num_programs // lookback_group)
+    # pass (C) holds [CB, W_PAD] ends / slot rows: at most ~64 registers each per thread
+    cb = max(16, min(_pow2(chunk), 4 * block, max(block, 2048 * warps // w_pad)))
+    return dict(num_programs=num_programs, chunk=chunk, group=lookback_group, num_groups=num_groups,
+                num_warps=warps, W_PAD=w_pad, L_PAD=l_pad, E_PAD=e_pad, BLOCK=block, CB=cb,
+                RB=max(1, min(w_pad, _RB_ELEMS // (w_pad * l_pad))), CH=max(1, min(32, 1024 * warps // e_pad)),
+                FB=_pow2(max(lookback_group, num_groups)))
+
+
 def plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, *, num_programs: Optional[int] = None,
-         block: Optional[int] = None, validate: bool = False,
-         mode: str = "reference") -> tuple[Placement, torch.Tensor]:
+         block: Optional[int] = None, validate: bool = False, mode: str = "reference",
+         num_warps: Optional[int] = None, lookback_group: Optional[int] = None) -> tuple[Placement, torch.Tensor]:
     """Plan this step's virtual experts and remap this rank's routes, in one Triton launch.
 
     Args:
@@ -64,12 +99,19 @@ def plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, *, num_program
             256))`` (the H200 sweep, benchmarks/results/planner_one_launch_sweep_h200_2026-12-01.json: 128 chunks
             beat 64 by 2-4 us at 4096 x 8 routes). Derived from shapes only, so the launch stays graph-capturable.
         block: routes per tile, a power of two in ``[16, 256]``; default on CUDA 64 when the launch runs one warp
-            (see ``_plan_warps``) or ``W > 16``, else 128; 64 elsewhere. (ptxas -v, sm_90, W in {2, 4, 8, 16, 64},
-            E <= 1024, both modes: no register spills with these defaults, except 12 bytes at W=8 minimal.)
+            (see ``_plan_warps``) or ``W > 16``, else 128; 64 elsewhere. (ptxas -v, sm_90a, E = 256, W = 2 / 4 / 8,
+            both modes, these defaults: no register spills, 168-245 registers; 0-4 spill bytes with ``num_warps`` 2
+            or 4.)
         validate: read the status word back and raise on bad data (a host sync); default False.
         mode: ``"reference"`` (default, MoonEP / Megatron placement) or ``"minimal"`` (no rank both sends and
             receives, moved routes == total excess when the slots suffice); see
             :func:`tritonep.balance.placement.place_torch`, whose output it equals bit for bit in either mode.
+        num_warps: warps of every program of the launch (1, 2, 4 or 8); default ``_plan_warps`` (one warp while
+            the placement tiles are small). A benchmark knob (benchmarks/planner_bench.py ``--warps``).
+        lookback_group: chunks per look-back group (>= 1): a chunk sums the histograms of the earlier chunks of
+            its group and the totals of the earlier groups (published by each group's last chunk), at most
+            ``group - 1 + ceil(G / group) - 1`` rows instead of ``G - 1``. Default ``ceil(sqrt(G))``; 1 or ``G``
+            reduce to one level. A benchmark knob (``--lookback-groups``).
 
     Returns:
         ``(placement, runtime_topk_idx)``: a :class:`Placement` of int32 device tensors (``status`` is
@@ -86,7 +128,8 @@ def plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, *, num_program
 
     Raises:
         PlanError: shape/dtype/device problems, ``E % W != 0``, ``W > MAX_PLANNER_WORLD`` (64), ``E >
-            MAX_PLANNER_EXPERTS`` (1024), ``rank`` out of range, bad ``block`` or ``num_programs``, unknown
+            MAX_PLANNER_EXPERTS`` (1024), ``rank`` out of range, bad ``block``, ``num_programs``, ``num_warps`` or
+            ``lookback_group``, unknown
             ``mode``; with ``validate=True`` also bad values (negative counts, ids outside ``[-1, E)``, ``topk_idx``
             not matching ``counts[rank]``) and an internal wait that gave up (status bit 8).
         ConfigError: the kernels were built for another device (CPU tensors without ``TRITON_INTERPRET=1``, or
@@ -107,20 +150,11 @@ def plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, *, num_program
     on_gpu = counts.device.type == "cuda"
     check_kernel_mode(counts.device.type)
     L = num_experts // world
-    w_pad, l_pad = _pow2(world), _pow2(L)
-    warps = _plan_warps(w_pad, l_pad)
-    if block is None:  # the ordinal pass holds a [block, block] tile and [block, W_PAD] run rows in registers
-        block = (64 if warps == 1 or w_pad > 16 else 128) if on_gpu else 64
-    if block not in (16, 32, 64, 128, 256):
-        raise PlanError(f"block={block} must be a power of two in [16, 256]")
     num_tokens, topk = int(topk_idx.shape[0]), int(topk_idx.shape[1])
     num_routes = num_tokens * topk
-    num_tiles = -(-num_routes // block)
-    if num_programs is None:
-        num_programs = max(1, min(128, -(-num_routes // 256))) if on_gpu else 1
-    if not 1 <= num_programs <= MAX_PLAN_PROGRAMS:
-        raise PlanError(f"num_programs={num_programs} must be in [1, {MAX_PLAN_PROGRAMS}]")
-    tiles_per_program = max(1, -(-num_tiles // num_programs))
+    cfg = _launch_config(world, num_experts, num_routes, num_programs, block, num_warps, on_gpu, lookback_group)
+    num_programs = cfg.pop("num_programs")
+    chunk, group, num_groups, warps = cfg.pop("chunk"), cfg.pop("group"), cfg.pop("num_groups"), cfg.pop("num_warps")
 
     dev = counts.device
     i32 = dict(dtype=torch.int32, device=dev)
@@ -132,19 +166,16 @@ def plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, *, num_program
     quota = torch.empty(world, world, **i32)
     cap = torch.empty(world, **i32)
     status = torch.empty(num_programs + 1, **i32)
-    e_pad = _pow2(num_experts)
-    hist = torch.empty(num_programs, e_pad, **i32)  # row c: histogram of route chunk c
-    chunk = tiles_per_program * block
-    sync, flags = _sync_state(dev, num_programs + 1)
+    hist = torch.empty(num_programs, cfg["E_PAD"], **i32)  # row c: histogram of route chunk c
+    gtot = torch.empty(num_groups, cfg["E_PAD"], **i32)  # row g: routes of look-back group g (its chunks' sum)
+    sync, flags = _sync_state(dev, num_programs + 1 + num_groups)
     from tritonep.ep.status import wait_bound
 
     plan_kernel[(num_programs + 1,)](
         counts, counts.stride(0), counts.stride(1),
-        topk_idx, topk_idx.stride(0), topk_idx.stride(1), num_routes, chunk,
-        hist, alloc, etc, slot, ends, quota, cap, out, status, sync, flags, wait_bound(dev), int(rank),
-        W=world, L=L, K=max(1, topk), W_PAD=w_pad, L_PAD=l_pad, E_PAD=e_pad, BLOCK=block,
-        RB=max(1, min(w_pad, _RB_ELEMS // (w_pad * l_pad))), CH=max(1, min(32, 1024 * warps // e_pad)),
-        FB=_pow2(num_programs), HAS_TIMER=on_gpu, MODE=mode_id, num_warps=warps,
+        topk_idx, topk_idx.stride(0), topk_idx.stride(1), num_routes, chunk, group,
+        hist, gtot, alloc, etc, slot, ends, quota, cap, out, status, sync, flags, wait_bound(dev), int(rank),
+        W=world, L=L, K=max(1, topk), HAS_TIMER=on_gpu, MODE=mode_id, num_warps=warps, **cfg,
     )
     placement = Placement(allocation=alloc, experts_to_copy=etc, expert_slot=slot, segment_ends=ends,
                           quota=quota, capacity=cap, status=status)

@@ -12,6 +12,7 @@ Without CUDA the same code runs eagerly with ``time.perf_counter`` (a smoke test
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 
@@ -101,12 +102,14 @@ def _check(out, want_p, want_r) -> str:
 
 
 def bench_planner(worlds=(2, 4, 8), tokens: int = 4096, topk: int = 8, num_experts: int = 256,
-                  num_programs=(0,), iters: int = 50, blocks=(0,), modes=("reference",)) -> list[dict]:
-    """Rows ``{world_size, num_experts, tokens, topk, mode, num_programs, block, launches, graph_us, eager_us,
-    checked[, check_error]}``; ``graph_us`` is None without CUDA; ``launches`` = kernels one eager call ran
-    (torch.profiler on CUDA, interpreted launches on CPU).
+                  num_programs=(0,), iters: int = 50, blocks=(0,), modes=("reference",), warps=(0,),
+                  lookback_groups=(0,)) -> list[dict]:
+    """Rows ``{world_size, num_experts, tokens, topk, mode, num_programs, block, num_warps, lookback_group,
+    launches, graph_us, eager_us, checked[, check_error]}``; ``graph_us`` is None without CUDA; ``launches`` =
+    kernels one eager call ran (torch.profiler on CUDA, interpreted launches on CPU).
 
-    ``num_programs`` / ``blocks`` 0 = :func:`tritonep.balance.plan`'s default. A failed check prints FAILED.
+    ``num_programs`` / ``blocks`` / ``warps`` / ``lookback_groups`` 0 = :func:`tritonep.balance.plan`'s default
+    (every combination is one row). A failed check prints FAILED.
     """
     from ..balance import place_torch, plan, remap_torch
     from ..data import load_olmoe_histogram, sample_routing, scale_histogram_to_experts
@@ -123,22 +126,23 @@ def bench_planner(worlds=(2, 4, 8), tokens: int = 4096, topk: int = 8, num_exper
         for mode in modes:
             ref_p = place_torch(counts, mode)  # the oracle, once per (world size, mode)
             ref_r = remap_torch(idxs[0], ref_p, 0, counts).to(torch.int32)
-            for npg in num_programs:
-                for blk in blocks:
-                    kw = dict(mode=mode)
-                    kw.update({k: v for k, v in (("num_programs", npg), ("block", blk)) if v})
+            for npg, blk, nw, grp in itertools.product(num_programs, blocks, warps, lookback_groups):
+                kw = dict(mode=mode)
+                kw.update({k: v for k, v in (("num_programs", npg), ("block", blk), ("num_warps", nw),
+                                             ("lookback_group", grp)) if v})
 
-                    def call():
-                        return plan(counts_d, idx_d, 0, **kw)
+                def call():
+                    return plan(counts_d, idx_d, 0, **kw)
 
-                    graph_us, g_out = _time_graph(call, iters) if cuda else (None, None)
-                    eager_us, e_out = _time_eager(call, iters if cuda else 1)
-                    row = dict(world_size=W, num_experts=E, tokens=T, topk=K, mode=mode,
-                               num_programs=npg or "default", block=blk or "default", launches=_count_launches(call),
-                               graph_us=graph_us, eager_us=eager_us)
-                    if cuda:
-                        torch.cuda.synchronize()
-                    errs = [f"{name}: {e}" for name, out in (("graph", g_out), ("eager", e_out))
-                            if out is not None and (e := _check(out, ref_p, ref_r))]
-                    rows.append(mark_checked(row, "; ".join(errs)))
+                graph_us, g_out = _time_graph(call, iters) if cuda else (None, None)
+                eager_us, e_out = _time_eager(call, iters if cuda else 1)
+                row = dict(world_size=W, num_experts=E, tokens=T, topk=K, mode=mode,
+                           num_programs=npg or "default", block=blk or "default", num_warps=nw or "default",
+                           lookback_group=grp or "default", launches=_count_launches(call),
+                           graph_us=graph_us, eager_us=eager_us)
+                if cuda:
+                    torch.cuda.synchronize()
+                errs = [f"{name}: {e}" for name, out in (("graph", g_out), ("eager", e_out))
+                        if out is not None and (e := _check(out, ref_p, ref_r))]
+                rows.append(mark_checked(row, "; ".join(errs)))
     return rows

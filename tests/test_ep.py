@@ -98,6 +98,20 @@ def test_geometry_override_small_tiles(monkeypatch, W, geometry):
     _check(W, cfg, calls, res)
 
 
+def test_counts_exchange_with_several_programs():
+    """128 experts: the counts exchange runs one program per 32-expert block (grid 4, kernels.layout
+    exchange_tiles) and the last to arrive lays out; 4 calls in a row (the arrival ticket is never reset), a rank
+    with no tokens, and the protocol recorder on."""
+    from tritonep.kernels.layout import exchange_tiles
+
+    assert exchange_tiles(1, 128)[0] == 4 and exchange_tiles(256, 256) == (8, dict(NCB=256, EBLK=32))
+    W = 2
+    cfg = dict(E=128, H=32, Tmax=16, K=4, A=1, kind="push")
+    calls = _make_calls(W, cfg, [16, 0], seeds=[5, 6, 7, 8])
+    res = run_cpu_world(W, _dispatch_combine_world, cfg, calls, timeout_s=240)
+    _check(W, cfg, calls, res)
+
+
 def test_geometry_override_errors(monkeypatch):
     from tritonep.ep.geometry import select_geometry
     from tritonep.errors import ConfigError

@@ -79,8 +79,9 @@ class CountsExchange:
         EB = triton.next_power_of_2(self.E)
         L = self.E // self.W
         # static tiles (never derived from a call's T: docs/protocols.md (host protocol rule))
+        self._xgrid, xt = exchange_tiles(ncmax, self.E)
         self._ex = dict(RANK=self.rank, W=self.W, E=self.E, L=L, A=1, WB=max(2, triton.next_power_of_2(self.W)),
-                        LB=triton.next_power_of_2(L), EB=EB, **exchange_tiles(ncmax, self.E),
+                        LB=triton.next_power_of_2(L), EB=EB, **xt,
                         HAS_TIMER=self.device.type == "cuda", DOUBLE=True)
         self._launch.dry_run(lambda: self.gather(torch.zeros(self.Tm, self.K, dtype=torch.int64,
                                                              device=self.device)), restore=(self.calls,))
@@ -112,7 +113,7 @@ class CountsExchange:
         offs = torch.empty(L, dtype=torch.int32, device=self.device)
         self._launch(chunk_hist_kernel, (1,), idx, b.local("hist"), T, nc, K=self.K, E=self.E, EB=EB, BT=self.BT,
                      KB=triton.next_power_of_2(self.K), bump_a=self.calls[_CX:_CX + 1], NBUMP=1)
-        self._launch(exchange_kernel, (1,), b.local("hist"), nc, self.tab_counts, self.flags, self.tab_flags,
+        self._launch(exchange_kernel, (self._xgrid,), b.local("hist"), nc, self.tab_counts, self.flags, self.tab_flags,
                      P.flag_row_bytes(P.FLAG_COUNTS, self.W), self.calls[_CX:], self.status, self.timeout,
                      b.local("pre"), b.local("send_base"), ntpe, offs,
                      b.local("rows_needed"), 2 ** 31 - 1, host_bad, **self._ex)

@@ -107,8 +107,9 @@ class TritonEP(DispatchOutputs, DecodePath):
         self._cck = dict(self._ck, BT=self._cbt, num_warps=g.cwarps or g.num_warps)
         EB = p2(num_experts)
         # static tiles of the counts exchange: never derived from this call's T (docs/protocols.md (host protocol rule))
+        self._xgrid, xt = exchange_tiles(self.ncmax, num_experts)
         self._ex = dict(RANK=rank, W=world_size, E=num_experts, L=self.L, A=self.A, WB=self.c["WB"], LB=p2(self.L),
-                        EB=EB, **exchange_tiles(self.ncmax, num_experts), HAS_TIMER=self.has_timer, DOUBLE=True,
+                        EB=EB, **xt, HAS_TIMER=self.has_timer, DOUBLE=True,
                         **self._kw)
         self._precompile(group)
 
@@ -231,7 +232,7 @@ class TritonEP(DispatchOutputs, DecodePath):
         ntpe = torch.empty(self.L, dtype=torch.int32, device=self.device)
         offs = torch.empty(self.L, dtype=torch.int32, device=self.device)
         counts = torch.empty(self.W, self.E, dtype=torch.int32, device=self.device)
-        self._launch(exchange_kernel, (1,), self.hist, nc, self.tab["counts"], self.flags, self.tab["flags"],
+        self._launch(exchange_kernel, (self._xgrid,), self.hist, nc, self.tab["counts"], self.flags, self.tab["flags"],
                      self._flag_off(P.FLAG_COUNTS), self.calls[_CX:], self.status, self.timeout, self.pre,
                      self.send_base, ntpe, offs, self.rows_needed, self.max_recv, int(bad_input),
                      dcall_ptr=self._calls(P.CALL_DISPATCH), rows_out_ptr=self.status[_ROWS:_ROWS + 1], counts_out_ptr=counts, **self._ex)

@@ -32,8 +32,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .protocol import (ST_BAD_RANK_MASK, ST_NEEDED_ROWS, ST_SKIP_CALL, STATUS_BAD_INPUT, STATUS_CAPACITY,
-                       WAIT_COUNTS)
+from .protocol import (CALL_EXCHANGE, DONE_EXCHANGE, ST_BAD_RANK_MASK, ST_NEEDED_ROWS, ST_SKIP_CALL,
+                       STATUS_BAD_INPUT, STATUS_CAPACITY, WAIT_COUNTS)
 from .signal import record_error, signal_peers, wait_all_ge
 
 __all__ = ["chunk_hist_kernel", "exchange_kernel", "exchange_tiles", "layout_tiles", "store_layout", "refused_call", "record_verdict"]
@@ -70,14 +70,16 @@ def chunk_hist_kernel(topk_idx_ptr, hist_ptr, T, NC, K: tl.constexpr, E: tl.cons
         tl.store(hist_ptr + c * (E + 1) + E, bad)
 
 
-def exchange_tiles(max_chunks: int, num_experts: int) -> dict:
-    """Static ``NCB`` / ``EBLK`` of :func:`exchange_kernel` for at most ``max_chunks`` chunk rows and
-    ``num_experts`` experts: every chunk row in one tile (up to 256) and up to 8K counters per tile (32 per thread
-    at 8 warps), so the single program makes few dependent memory round trips. Depends only on the static
-    configuration (docs/protocols.md (host protocol rule))."""
+def exchange_tiles(max_chunks: int, num_experts: int) -> tuple[int, dict]:
+    """``(grid, {"NCB", "EBLK"})`` of :func:`exchange_kernel` for at most ``max_chunks`` chunk rows and
+    ``num_experts`` experts: every chunk row in one tile (up to 256), at most 32 experts per tile and 8K counters
+    (no spills at 8 warps), one program per expert block. Measured on one H200 at 256 chunks x 256 experts: one
+    program with 64 x 64 tiles 43 us, with 256 x 32 tiles 30 us. Depends only on the static configuration
+    (docs/protocols.md (host protocol rule))."""
     ncb = min(triton.next_power_of_2(max(1, max_chunks)), 256)
     eb = triton.next_power_of_2(num_experts)
-    return dict(NCB=ncb, EBLK=max(1, min(eb, 8192 // ncb)))
+    eblk = max(1, min(eb, 32, 8192 // ncb))
+    return triton.cdiv(eb, eblk), dict(NCB=ncb, EBLK=eblk)
 
 
 @triton.jit(do_not_specialize=['NC', 'flag_off', 'timeout', 'max_recv', 'host_bad'])
@@ -87,7 +89,8 @@ def exchange_kernel(hist_ptr, NC, counts_tab, flags_ptr, flags_tab, flag_off, ca
                     WB: tl.constexpr, LB: tl.constexpr, EB: tl.constexpr, NCB: tl.constexpr, EBLK: tl.constexpr,
                     HAS_TIMER: tl.constexpr, DOUBLE: tl.constexpr = False, dcall_ptr=None, rows_out_ptr=None,
                     counts_out_ptr=None):
-    """Counts exchange + layout (grid = 1). See the module docstring for every output.
+    """Counts exchange + layout (grid: one program per expert block, :func:`exchange_tiles`; any grid >= 1 is
+    correct). See the module docstring for every output.
 
     flags_ptr: this rank's int64 counters for the counts signal (one per source rank); flags_tab/flag_off: every
     rank's address of the same counters. calls_ptr[0]: number of this counts exchange (1-based, advanced on the
@@ -108,17 +111,18 @@ def exchange_kernel(hist_ptr, NC, counts_tab, flags_ptr, flags_tab, flag_off, ca
     of this call's counts matrix (the handle's snapshot).
     """
     n = tl.load(calls_ptr)
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
     E1: tl.constexpr = E + 1
     # DOUBLE: the counts region holds two [W, E+1] matrices used by alternate calls, so a rank that runs ahead can
     # write call n+1's row while a slower peer still reads call n's matrix (when no later collective orders them)
     cbuf = (n % 2) * (W * E1) if DOUBLE else 0
-    # 1) exclusive prefix of chunk histograms (per expert block, chunk blocks with a carry) and this rank's row.
-    # One program runs this, so its time is the number of dependent memory round trips: big [NCB, EBLK] tiles
-    # (exchange_tiles) make it one per expert block when NCB covers every chunk (43 -> ~10 us measured on one H200
-    # at 256 chunks x 256 experts); the input-error column rides along in the same loads.
+    # 1) exclusive prefix of chunk histograms and this rank's row, one expert block [NCB, EBLK] per program (the
+    # blocks are independent): the time of this part is its dependent memory round trips, one per block when NCB
+    # covers every chunk (exchange_tiles). Program 0 also sums the input-error column.
     c_off = tl.arange(0, NCB)
     bad = host_bad + tl.zeros((), dtype=tl.int32)
-    for e0 in range(0, EB, EBLK):
+    for e0 in range(pid * EBLK, EB, G * EBLK):
         eb = e0 + tl.arange(0, EBLK)
         carry = tl.zeros((EBLK,), dtype=tl.int32)
         for c0 in range(0, NC, NCB):
@@ -134,9 +138,31 @@ def exchange_kernel(hist_ptr, NC, counts_tab, flags_ptr, flags_tab, flag_off, ca
         for d in range(W):
             dst = tl.load(counts_tab + d).to(tl.pointer_type(tl.int32))
             tl.store(dst + cbuf + RANK * E1 + eb, carry, mask=eb < E)
-    for d in range(W):
-        dst = tl.load(counts_tab + d).to(tl.pointer_type(tl.int32))
-        tl.store(dst + cbuf + RANK * E1 + E, bad)
+    if pid == 0:
+        for d in range(W):
+            dst = tl.load(counts_tab + d).to(tl.pointer_type(tl.int32))
+            tl.store(dst + cbuf + RANK * E1 + E, bad)
+    # the last program to arrive (ticket ``DONE_EXCHANGE``, never reset: every call adds G) signals, waits and lays
+    # out; the acq_rel tickets order every program's row stores before its signal (release, cumulative). In the
+    # interpreter programs run in order and the last one is the last to arrive.
+    last = G == 1
+    if G > 1:
+        tl.debug_barrier()
+        ticket = tl.atomic_add(calls_ptr + (DONE_EXCHANGE - CALL_EXCHANGE), 1, sem="acq_rel", scope="sys")
+        last = ticket % G == G - 1
+    if last:
+        _exchange_finish(counts_tab, flags_ptr, flags_tab, flag_off, n, cbuf, status_ptr, timeout, send_base_ptr,
+                         ntpe_ptr, offs_ptr, rows_needed_ptr, max_recv, RANK, W, E, L, A, WB, LB, EB, HAS_TIMER,
+                         dcall_ptr, rows_out_ptr, counts_out_ptr)
+
+
+@triton.jit
+def _exchange_finish(counts_tab, flags_ptr, flags_tab, flag_off, n, cbuf, status_ptr, timeout, send_base_ptr,
+                     ntpe_ptr, offs_ptr, rows_needed_ptr, max_recv, RANK: tl.constexpr, W: tl.constexpr,
+                     E: tl.constexpr, L: tl.constexpr, A: tl.constexpr, WB: tl.constexpr, LB: tl.constexpr,
+                     EB: tl.constexpr, HAS_TIMER: tl.constexpr, dcall_ptr, rows_out_ptr, counts_out_ptr):
+    """Second half of :func:`exchange_kernel` (one program): signal the peers, wait for their rows, lay out."""
+    E1: tl.constexpr = E + 1
     signal_peers(flags_tab, flag_off, W, RANK, WB)
     ok = wait_all_ge(flags_ptr, W, n, status_ptr, WAIT_COUNTS, timeout, HAS_TIMER, WB)
     # 3) layout from the full matrix (3-D tile [src, dest, local expert])

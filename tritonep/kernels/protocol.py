@@ -16,7 +16,9 @@ pointer table plus the byte offset :func:`flag_row_bytes` (``r * W * 8``).
 
 Call counters. ``calls`` is int64 ``[NUM_CALLS]``, advanced on the device (never reset):
 ``CALL_DISPATCH`` (dispatches, forward and combine backward), ``CALL_COMBINE`` (combines, forward and dispatch
-backward), ``CALL_EXCHANGE`` (counts exchanges). ``DONE_DECODE_DISPATCH`` / ``DONE_DECODE_COMBINE``: programs of
+backward), ``CALL_EXCHANGE`` (counts exchanges). ``DONE_EXCHANGE``: programs of the counts exchange that
+finished their expert blocks (an arrival ticket: the last one of a launch signals and lays out; never reset, every
+launch adds its grid). ``DONE_DECODE_DISPATCH`` / ``DONE_DECODE_COMBINE``: programs of
 the one-launch decode kernels that finished (:mod:`tritonep.kernels.decode_dispatch`); the last program of a launch
 advances the call counters, so no separate launch does.
 
@@ -48,6 +50,7 @@ NUM_FLAG_ROWS = tl.constexpr(5)
 CALL_DISPATCH = tl.constexpr(0)
 CALL_COMBINE = tl.constexpr(1)
 CALL_EXCHANGE = tl.constexpr(2)
+DONE_EXCHANGE = tl.constexpr(3)
 DONE_DECODE_DISPATCH = tl.constexpr(4)
 DONE_DECODE_COMBINE = tl.constexpr(5)
 NUM_CALLS = tl.constexpr(6)

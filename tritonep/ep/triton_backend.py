@@ -263,7 +263,7 @@ class TritonEP(DispatchOutputs, DecodePath):
         if fused:
             self._fused(x, handle, topk_weights, out, out_w, ntpe, offs, q, sc)
         else:
-            self._expand(out, out_w, handle, ntpe, offs, keep_handle=True, wire=self.dwire, q=q, sc=sc)
+            self._expand(x, out, out_w, handle, ntpe, offs, keep_handle=True, wire=self.dwire, q=q, sc=sc)
         return self._dispatch_result(code, refused, st, sync, bad_input, topk_idx, out, out_w, q, sc, ntpe, offs,
                                      handle, R)
 
@@ -291,12 +291,13 @@ class TritonEP(DispatchOutputs, DecodePath):
                      KEEP_Q=q is not None, q_ptr=q, s_ptr=sc,
                      **self._ck)
 
-    def _expand(self, out, out_w, handle, ntpe, offs, keep_handle, scale=False, eo=None, gw=None, wire=_RAW, q=None,
-                sc=None):
+    def _expand(self, x, out, out_w, handle, ntpe, offs, keep_handle, scale=False, eo=None, gw=None, wire=_RAW,
+                q=None, sc=None):
+        """Expand launch. ``x``: the tensor the send of this call read (raw wire: own-rank rows come from it)."""
         g = self.geo
         b = self.buf
         self._launch(dispatch_expand_kernel, (g.grid_expand,),
-                     b.local("stage"), b.local("meta"), b.local("wts"), b.local("ntok"), out, out_w,
+                     x, b.local("stage"), b.local("meta"), b.local("wts"), b.local("ntok"), out, out_w,
                      handle.meta, handle.wts, handle.ntok, ntpe, offs,
                      eo if eo is not None else out, gw if gw is not None else out_w,
                      self.flags, self.tab["flags"], self._flag_off(P.FLAG_ACK), self.calls, self.status, self.timeout,
@@ -366,9 +367,10 @@ class TritonEP(DispatchOutputs, DecodePath):
         out_w_scratch = torch.empty(R, dtype=torch.float32, device=self.device)
         self._calls(P.CALL_DISPATCH).add_(1)
         nc = triton.cdiv(handle.num_tokens, self.geo.bt)
-        self._send(grad_y.contiguous(), handle, handle.topk_weights, compute_rows=False, nc=nc)
+        gy = grad_y.contiguous()  # held until the expand ran: it reads the own rank's rows from it (raw wire)
+        self._send(gy, handle, handle.topk_weights, compute_rows=False, nc=nc)
         dummy = torch.empty(self.L, dtype=torch.int32, device=self.device)
-        self._expand(g_eo, out_w_scratch, handle, dummy, dummy, keep_handle=False, scale=True,
+        self._expand(gy, g_eo, out_w_scratch, handle, dummy, dummy, keep_handle=False, scale=True,
                      eo=expert_out.contiguous(), gw=g_w)
         self._eager_check("combine backward")
         return g_eo, g_w

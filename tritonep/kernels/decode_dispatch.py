@@ -18,8 +18,8 @@ program of one grid of ``G`` programs (``G <= cdiv(Tmax, BT)``, ``G <= 132``; th
    from a per-chunk prefix it histograms itself and stores in its own scratch rows ``pre[c]`` / ``hist[pid]``),
    publishing ``cflag[RANK, c] = n`` in every destination after each chunk (also for chunks past its T);
 5. expands the same chunk numbers of every source: waits for ``cflag[src, c] >= n`` (set by program ``pid`` of
-   rank ``src``), scatters the rows (:func:`tritonep.kernels.dispatch.expand_item`); program 0 also zeroes the
-   alignment padding;
+   rank ``src``), scatters the rows (:func:`tritonep.kernels.dispatch.expand_item`; raw bf16 wire: the own rank's
+   rows come from ``x`` and were never staged); program 0 also zeroes the alignment padding;
 6. the last program to finish (a done counter ``calls[DONE_DECODE_DISPATCH]``) advances ``calls[CALL_DISPATCH]``
    and ``calls[CALL_EXCHANGE]``; every program reads them before it counts itself done, so no separate launch
    advances them (graph replays stay correct).
@@ -188,9 +188,9 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
             if c == 0:
                 tl.store(hntok_ptr + src, Ts)
             if c * BT < Ts:
-                expand_item(src, c, Ts, skip_now, stage_ptr, meta_ptr, wts_ptr, out_ptr, out_w_ptr, hmeta_ptr,
-                            hwts_ptr, out_ptr, out_w_ptr, Tmax, K, KB, H, BH, BT, False, False, True, HAS_TIMER, RB,
-                            WIRE, KEEP_Q, q_ptr, s_ptr)
+                expand_item(src, c, Ts, skip_now, x_ptr, stage_ptr, meta_ptr, wts_ptr, out_ptr, out_w_ptr,
+                            hmeta_ptr, hwts_ptr, out_ptr, out_w_ptr, Tmax, RANK, K, KB, H, BH, BT, False, False, True,
+                            HAS_TIMER, RB, WIRE, KEEP_Q, q_ptr, s_ptr)
     if A > 1:
         if pid == 0:
             if skip == 0:  # a refused call's segments may exceed the rows allocated: write nothing

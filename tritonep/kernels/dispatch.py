@@ -10,10 +10,12 @@ this rank wrote. With n = the dispatch-like call number (device memory), a send 
 * :func:`dispatch_send_kernel`: per chunk of BT tokens computes every route's destination row (chunk prefix from
   the layout + the route's rank inside the chunk by pairwise comparison), then for each destination rank writes the
   token's K destination rows (or -1) and weights, and the token's row once (wire-encoded) into
-  ``stage[rank, t]`` of that destination, if the token has at least one route there.
-* :func:`dispatch_expand_kernel`: waits for every source, then scatters each staged row to its destination rows
-  (one per route), writes the per-row weights, keeps a copy of the routing metadata for combine (the handle), and
-  zeroes the alignment padding rows. Backward mode (``SCALE``/``DOT``) multiplies each row by its route weight and
+  ``stage[rank, t]`` of that destination, if the token has at least one route there -- except, on the raw bf16
+  wire, into its OWN rank's staging: the expander reads those rows from the sender's input instead (one write +
+  read of the rows through HBM fewer; quantized wires keep staging them, the row is quantized once).
+* :func:`dispatch_expand_kernel`: waits for every source, then scatters each staged row (raw own rank: the input
+  row, :func:`source_tile`) to its destination rows (one per route), writes the per-row weights, keeps a copy of
+  the routing metadata for combine (the handle), and zeroes the alignment padding rows. Backward mode (``SCALE``/``DOT``) multiplies each row by its route weight and
   computes ``dot(row, expert_out[row])`` for the weight gradient (the combine backward).
 
 Twins: the whole dispatch is specified by :func:`tritonep.reference.dispatch_reference`; the row computation by
@@ -85,17 +87,43 @@ def send_chunk(c, x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, pre_ptr, send_ba
         for dd in range(W):
             d = (dd + RANK) % W  # each rank's stores start at a different destination (no W-to-1 incast)
             has = (tl.sum((dest == d).to(tl.int32), 1) > 0) & tm & live
+            if not WIRE.quantized:  # raw own-rank rows: the expander reads x itself (no staging copy)
+                has = has & (d != RANK)
             sd = _ptr(stage_tab, d, tl.uint8)
             wire_store_encoded(sd, row_off, h0, pay, sc, has, H, BH, WIRE)
 
 
 @triton.jit
-def expand_item(src, c, Ts, skip, stage_ptr, meta_ptr, wts_ptr, out_ptr, out_w_ptr, hmeta_ptr, hwts_ptr, eo_ptr,
-                gw_ptr, Tmax, K: tl.constexpr, KB: tl.constexpr, H: tl.constexpr, BH: tl.constexpr,
-                BT: tl.constexpr, SCALE: tl.constexpr, DOT: tl.constexpr, KEEP_HANDLE: tl.constexpr,
-                HAS_TIMER: tl.constexpr, RB: tl.constexpr, WIRE: tl.constexpr, KEEP_Q: tl.constexpr, q_ptr, s_ptr):
-    """Expand chunk ``c`` of source ``src`` (``Ts`` tokens there) from the staging into the expert rows (see
-    :func:`dispatch_expand_kernel`)."""
+def source_tile(src, t, has, x_ptr, stage_ptr, row_off, h0, RANK: tl.constexpr, H: tl.constexpr,
+                BH: tl.constexpr, BT: tl.constexpr, WIRE: tl.constexpr, EXACT_MUL: tl.constexpr):
+    """Columns [h0, h0+BH) of the wire rows of tokens ``t`` of source ``src`` as the expander sees them.
+
+    Quantized wires: decoded from the staging (``row_off``: byte offsets of the rows in ``stage``). Raw bf16 wire:
+    the rows of the own rank (``src == RANK``) are read straight from the sender's input ``x_ptr`` (``[Ts, H]``,
+    the tensor :func:`send_chunk` encodes; it stays unchanged until the expander ran: same stream or same launch)
+    and passed through the raw encoder, so the tile has the bits the staged row would hold, without the staging
+    write + read through HBM; other sources' rows come from the staging. Masked rows read as zero."""
+    if WIRE.quantized:
+        return wire_load(stage_ptr, row_off, h0, has, H, BH, BT, WIRE, EXACT_MUL)
+    else:
+        if src == RANK:
+            h = h0 + tl.arange(0, BH)
+            v = tl.load(x_ptr + t[:, None].to(tl.int64) * H + h[None, :], mask=has[:, None] & (h < H)[None, :],
+                        other=0.0)
+            xt, _ = wire_encode(v, BT, BH, WIRE, False)
+        else:
+            xt = wire_load(stage_ptr, row_off, h0, has, H, BH, BT, WIRE, EXACT_MUL)
+        return xt
+
+
+@triton.jit
+def expand_item(src, c, Ts, skip, x_ptr, stage_ptr, meta_ptr, wts_ptr, out_ptr, out_w_ptr, hmeta_ptr, hwts_ptr,
+                eo_ptr, gw_ptr, Tmax, RANK: tl.constexpr, K: tl.constexpr, KB: tl.constexpr, H: tl.constexpr,
+                BH: tl.constexpr, BT: tl.constexpr, SCALE: tl.constexpr, DOT: tl.constexpr,
+                KEEP_HANDLE: tl.constexpr, HAS_TIMER: tl.constexpr, RB: tl.constexpr, WIRE: tl.constexpr,
+                KEEP_Q: tl.constexpr, q_ptr, s_ptr):
+    """Expand chunk ``c`` of source ``src`` (``Ts`` tokens there) from the staging (raw wire, own rank: from
+    ``x_ptr``, see :func:`source_tile`) into the expert rows (see :func:`dispatch_expand_kernel`)."""
     t_off = tl.arange(0, BT)
     k_off = tl.arange(0, KB)
     h_off = tl.arange(0, BH)
@@ -119,7 +147,7 @@ def expand_item(src, c, Ts, skip, stage_ptr, meta_ptr, wts_ptr, out_ptr, out_w_p
         if KEEP_Q:
             xt = tl.zeros((BT, BH), dtype=tl.float32)
         else:
-            xt = wire_load(stage_ptr, row_off, h0, has, H, BH, BT, WIRE, HAS_TIMER)
+            xt = source_tile(src, t, has, x_ptr, stage_ptr, row_off, h0, RANK, H, BH, BT, WIRE, HAS_TIMER)
         for k in tl.static_range(K):
             rk = tl.sum(tl.where(k_off[None, :] == k, rows, 0), 1)
             mk = (rk >= 0)[:, None] & hm[None, :]
@@ -173,7 +201,7 @@ def dispatch_send_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, NC, pre_p
 
     Writes, for every destination rank d: ``ntok[RANK]`` (program 0), each token's K destination rows (or -1) and
     weights into d's ``meta``/``wts[RANK, t]``, and the wire-encoded row into d's ``stage[RANK, t]`` if the token
-    has a route on d; then raises ``flags[DATA, RANK]`` on every rank. COMPUTE_ROWS: derive the rows from the
+    has a route on d (raw wire: not for d == RANK, whose expander reads ``x_ptr``); then raises ``flags[DATA, RANK]`` on every rank. COMPUTE_ROWS: derive the rows from the
     layout (forward) instead of reading ``rows_ptr`` (combine backward). Waits first (bounded) until every
     destination consumed the previous call's staging.
     """
@@ -195,7 +223,7 @@ def dispatch_send_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, NC, pre_p
 
 
 @triton.jit(do_not_specialize=['ack_off', 'timeout', 'G_send', 'Tmax', 'NCmax'])
-def dispatch_expand_kernel(stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_ptr, out_w_ptr, hmeta_ptr, hwts_ptr,
+def dispatch_expand_kernel(x_ptr, stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_ptr, out_w_ptr, hmeta_ptr, hwts_ptr,
                            hntok_ptr, ntpe_ptr, offs_ptr, eo_ptr, gw_ptr,
                            flags_ptr, flags_tab, ack_off, calls_ptr, status_ptr, timeout, G_send, Tmax, NCmax,
                            RANK: tl.constexpr, W: tl.constexpr, L: tl.constexpr, K: tl.constexpr, KB: tl.constexpr,
@@ -204,6 +232,10 @@ def dispatch_expand_kernel(stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_ptr, out_
                            KEEP_HANDLE: tl.constexpr, HAS_TIMER: tl.constexpr, RB: tl.constexpr = 0,
                            WIRE: tl.constexpr = RAW_BF16, KEEP_Q: tl.constexpr = False, q_ptr=None, s_ptr=None):
     """Receive side of a dispatch: wait for every source, scatter staged rows into the expert-grouped output.
+
+    ``x_ptr``: the ``[T, H]`` input the send kernel of this call read on this rank (``x`` forward, ``grad_y`` for
+    the combine backward); on the raw wire the own rank's rows are read from it (:func:`source_tile`), so it must
+    stay alive and unchanged until this kernel ran (launched right after the send on the same stream).
 
     ``out[row]`` = decoded staged row for each route (SCALE: times its weight; KEEP_Q: copy payload + scales to
     ``q_ptr``/``s_ptr``), ``out_w[row]`` = route weight, DOT: ``gw[row] = <staged row, eo[row]>``; KEEP_HANDLE
@@ -223,9 +255,9 @@ def dispatch_expand_kernel(stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_ptr, out_
         c = item % NCmax
         Ts = tl.load(ntok_ptr + src)
         if c * BT < Ts:
-            expand_item(src, c, Ts, skip, stage_ptr, meta_ptr, wts_ptr, out_ptr, out_w_ptr, hmeta_ptr, hwts_ptr,
-                        eo_ptr, gw_ptr, Tmax, K, KB, H, BH, BT, SCALE, DOT, KEEP_HANDLE, HAS_TIMER, RB, WIRE, KEEP_Q,
-                        q_ptr, s_ptr)
+            expand_item(src, c, Ts, skip, x_ptr, stage_ptr, meta_ptr, wts_ptr, out_ptr, out_w_ptr, hmeta_ptr,
+                        hwts_ptr, eo_ptr, gw_ptr, Tmax, RANK, K, KB, H, BH, BT, SCALE, DOT, KEEP_HANDLE, HAS_TIMER, RB,
+                        WIRE, KEEP_Q, q_ptr, s_ptr)
     if A > 1:
         if skip == 0:  # a refused call's segments may exceed the rows allocated: write nothing
             zero_padding(pid, G, out_ptr, out_w_ptr, gw_ptr, ntpe_ptr, offs_ptr, L, H, BH, BA, DOT, KEEP_Q)

@@ -7,6 +7,8 @@ every destination (``cflag[RANK, c] = n``, the call number, atomic max with rele
 ``[GS, G)`` walk the (chunk, source) items in send order, wait for that one chunk's flag (bounded, acquire) and
 expand it (:func:`tritonep.kernels.dispatch.expand_item`) while later chunks are still in flight. Idea: the
 per-chunk signalling of DeepEP's intranode kernels and of pplx-kernels (see ../shared/reference), in a Triton grid.
+On the raw bf16 wire the own rank's rows are not staged: its expanders read them from ``x_ptr`` in this same launch
+(:func:`tritonep.kernels.dispatch.source_tile`); the own chunk flags are still waited for (the ``meta`` rows).
 
 Compatibility with the two-kernel path (combine backward still uses it on the same buffer): every program of a
 role adds 1 to DATA / ACK as the two-kernel grids do, and the geometry makes the two-kernel grids EQUAL the role
@@ -77,9 +79,9 @@ def dispatch_fused_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, pre_ptr,
             if c == 0:
                 tl.store(hntok_ptr + src, Ts)
             if c * BT < Ts:
-                expand_item(src, c, Ts, skip_now, stage_ptr, meta_ptr, wts_ptr, out_ptr, out_w_ptr, hmeta_ptr,
-                            hwts_ptr, out_ptr, out_w_ptr, Tmax, K, KB, H, BH, BT, False, False, True, HAS_TIMER, RB,
-                            WIRE, KEEP_Q, q_ptr, s_ptr)
+                expand_item(src, c, Ts, skip_now, x_ptr, stage_ptr, meta_ptr, wts_ptr, out_ptr, out_w_ptr,
+                            hmeta_ptr, hwts_ptr, out_ptr, out_w_ptr, Tmax, RANK, K, KB, H, BH, BT, False, False, True,
+                            HAS_TIMER, RB, WIRE, KEEP_Q, q_ptr, s_ptr)
         if A > 1:
             if skip == 0:  # a refused call's segments may exceed the rows allocated: write nothing
                 zero_padding(e, GE, out_ptr, out_w_ptr, out_w_ptr, ntpe_ptr, offs_ptr, L, H, BH, BA, False, KEEP_Q)

@@ -77,7 +77,8 @@ def send_chunk(c, x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, pre_ptr, send_ba
         off = (RANK * Tmax + t[:, None]).to(tl.int64) * K + k_off[None, :]
         tl.store(md + off, tl.where(dest == d, rows, -1), mask=mt)
         tl.store(wd + off, tl.where(dest == d, w, 0.0), mask=mt)
-    for h0 in range(0, H, BH):
+    # a raw wire in a world of one stages nothing (the expander reads x): no row loads either
+    for h0 in range(0, H if (WIRE.quantized or W > 1) else 0, BH):
         h = h0 + h_off
         hm = h < H
         xt = tl.load(x_ptr + t[:, None].to(tl.int64) * H + h[None, :], mask=tm[:, None] & hm[None, :],

@@ -214,21 +214,39 @@ def mxfp4_quant_tile(x, POW2: tl.constexpr = False, FAST: tl.constexpr = False):
 @triton.jit
 def mxfp4_dequant_tile(packed, e8m0, EXACT_MUL: tl.constexpr = False, FAST: tl.constexpr = False):
     """uint8 packed e2m1 [G, 16] and uint8 e8m0 [G] -> exact fp32 [G, 32] (e8m0 == 255 -> NaN block). Built from
-    bits with no multiply, so ``EXACT_MUL`` and ``FAST`` (codec contract) have nothing to do."""
+    bits with no multiply, so ``EXACT_MUL`` and ``FAST`` (codec contract) have nothing to do.
+
+    When every scale of the tile is in [2, 252] (all results normal fp32), the bits are the e2m1 code placed
+    into an fp32 pattern plus the block's exponent (about 8 integer ops per element); otherwise (subnormal or
+    overflowing results, NaN blocks) the general rule runs. Same bits either way."""
     p = packed.to(tl.int32)
     c = tl.interleave(p & 0xF, (p >> 4) & 0xF)  # [G, 32], element order
     mag = c & 7
+    sc = e8m0.to(tl.int32)[:, None]
+    edge = tl.max(tl.max(((sc < 2) | (sc > 252)).to(tl.int32), axis=1), axis=0)
+    if edge == 0:
+        # |e2m1| = 0.5 (mag 1) or (1 + (mag & 1)/2) * 2^((mag >> 1) - 1) (mag >= 2): mag << 22 puts exponent and
+        # mantissa bit in place; times 2^(sc - 127): biased exponent (mag >> 1) - 1 + sc, in [1, 254] here
+        bits = tl.where(mag >= 2, mag << 22, 0) + ((sc - 1) << 23)
+        bits = tl.where(mag == 0, 0, bits) | ((c >> 3) << 31)
+    else:
+        bits = _mxfp4_value_bits(c, mag, sc)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mxfp4_value_bits(c, mag, sc):
+    """General rule of :func:`mxfp4_dequant_tile`: int32 fp32 bits of e2m1 codes ``c`` [G, 32] times 2^(sc-127)
+    (subnormal results exact, overflow -> Inf, sc == 255 -> NaN)."""
     v = tl.where(mag < 4, mag, tl.where(mag == 4, 4, tl.where(mag == 5, 6, tl.where(mag == 6, 8, 12))))  # 2*|e2m1|
     lv = tl.where(v >= 8, 3, tl.where(v >= 4, 2, tl.where(v >= 2, 1, 0)))  # floor(log2 v)
     mbit = tl.where((v == 3) | (v == 6) | (v == 12), 1 << 22, 0)
-    sc = e8m0.to(tl.int32)[:, None]
     biased = lv + sc - 1  # value = v * 2^(sc - 128)
     nbits = tl.where(biased >= 255, 0x7F800000, (tl.maximum(biased, 0) << 23) | mbit)  # overflow -> Inf
     sbits = v << tl.minimum(tl.maximum(sc + 21, 0), 22)
     bits = tl.where(biased >= 1, nbits, sbits)
     bits = tl.where(v == 0, 0, bits) | ((c >> 3) << 31)
-    bits = tl.where(sc == 255, 0x7FC00000, bits)
-    return bits.to(tl.float32, bitcast=True)
+    return tl.where(sc == 255, 0x7FC00000, bits)
 
 
 @triton.jit

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from .check import PointChecker
 from .ep import PROFILES, _device, _routing
 
-__all__ = ["launch_timer", "kernel_breakdown", "DEFAULT_VARIANTS"]
+__all__ = ["launch_timer", "kernel_breakdown", "breakdown_lines", "DEFAULT_VARIANTS"]
 
 DEFAULT_VARIANTS = {"two-kernel": "fs=0,fe=0,fc=0", "fused": "fs=1,fe=1,fc=1"}
 """Variant name -> TRITONEP_GEOMETRY override: the two-kernel dispatch (send / expand) with the two-kernel push

@@ -17,27 +17,9 @@ import argparse
 import json
 import os
 import time
-from collections import defaultdict
 
 import torch
 import torch.distributed as dist
-
-
-def _launch_timer():
-    """Wrap Launcher.__call__ to accumulate host seconds per kernel name; returns the dict."""
-    from tritonep.ep import launch
-
-    acc = defaultdict(float)
-    orig = launch.Launcher.__call__
-
-    def timed(self, kernel, grid, *args, **kwargs):
-        t0 = time.perf_counter()
-        r = orig(self, kernel, grid, *args, **kwargs)
-        acc[launch.kernel_name(kernel)] += time.perf_counter() - t0
-        return r
-
-    launch.Launcher.__call__ = timed
-    return acc, lambda: setattr(launch.Launcher, "__call__", orig)
 
 
 def profile_tokens(group, T, H=7168, E=256, K=8, iters=30, backend="triton"):
@@ -71,19 +53,21 @@ def profile_tokens(group, T, H=7168, E=256, K=8, iters=30, backend="triton"):
     eo_r = buf.expert_out_buffer(d.x.shape[0])
     out["combine_eager_us"] = time_rounds(lambda: buf.combine(eo_r, d.handle), group, iters)
     # host time per call and its split
-    acc, undo = _launch_timer()
-    for name, fn in (("dispatch", lambda: buf.dispatch(x, idx, w)), ("combine", lambda: buf.combine(eo_r, d.handle))):
-        acc.clear()
-        dist.barrier(group=group, device_ids=[dev.index])
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        host = (time.perf_counter() - t0) / iters * 1e6
-        torch.cuda.synchronize()
-        out[f"{name}_host_us"] = host
-        out[f"{name}_launch_host_us"] = {k: v / iters * 1e6 for k, v in acc.items()}
-    undo()
+    from tritonep.bench.kernels import launch_timer
+
+    with launch_timer() as acc:
+        for name, fn in (("dispatch", lambda: buf.dispatch(x, idx, w)),
+                         ("combine", lambda: buf.combine(eo_r, d.handle))):
+            acc.clear()
+            dist.barrier(group=group, device_ids=[dev.index])
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            host = (time.perf_counter() - t0) / iters * 1e6
+            torch.cuda.synchronize()
+            out[f"{name}_host_us"] = host
+            out[f"{name}_launch_host_us"] = {k: v / iters * 1e6 for k, v in acc.items()}
     if rank == 0:
         from torch.profiler import ProfilerActivity, profile
 

@@ -159,3 +159,40 @@ def test_oracle_roundtrips_use_each_registered_wire(wire):
     assert torch.equal(_partial_roundtrip(wire, part), want_p)
     with pytest.raises(WireError, match="no_such_wire"):
         wire_roundtrip("no_such_wire", x)
+
+
+def test_kernel_breakdown_checks_every_row(tmp_path, capsys):
+    """CPU smoke of benchmarks/kernel_breakdown.py: both default variants x three wires, dispatch and combine, each
+    row names its kernels (send / expand, partial / out, or the one-launch kernels) and checks; a corrupted
+    combine output makes the combine rows FAILED and the run exit 1."""
+    kb = _driver("kernel_breakdown")
+    out = tmp_path / "kb.json"
+    assert kb.main(["--cpu", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 2 * 3 * 2 and all(r["checked"] is True for r in rows)
+    two = {r["op"]: set(r["kernels"]) for r in rows if r["variant"] == "two-kernel" and r["wire"] == "fp8"}
+    assert {"dispatch_send_kernel", "dispatch_expand_kernel"} <= two["dispatch"]
+    assert {"combine_partial_kernel", "combine_out_kernel"} <= two["combine"]
+    fused = {r["op"]: set(r["kernels"]) for r in rows if r["variant"] == "fused" and r["wire"] == "mxfp4"}
+    assert "dispatch_fused_kernel" in fused["dispatch"] and "combine_fused_kernel" in fused["combine"]
+    assert all(r["us"] > 0 and r["us"] == pytest.approx(sum(r["kernels"].values())) for r in rows)
+    capsys.readouterr()
+
+    import tritonep.ep.buffer as epbuf
+
+    orig = epbuf.EPBuffer.combine
+
+    def corrupt(self, *a, **k):
+        y = orig(self, *a, **k)
+        y.view(-1)[0] += 1
+        return y
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(epbuf.EPBuffer, "combine", corrupt)
+    try:
+        assert kb.main(["--cpu", "--wires", "bf16", "--variants", "two=fs=0,fe=0", "--json", str(out)]) == 1
+    finally:
+        mp.undo()
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["checked"] for r in rows] == [True, False]
+    assert "FAILED" in capsys.readouterr().out

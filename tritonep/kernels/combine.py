@@ -79,7 +79,7 @@ def partial_item(src, c, Ts, live, eo_ptr, hmeta_ptr, hwts_ptr, gw_ptr, stage_ta
                 acc += mul_rn(widen(v), tl.broadcast_to(wk[:, None], (BT, BH)), HAS_TIMER)
             else:
                 acc += widen(v)
-        wire_store(dst, drow, h0, acc, has, H, BH, BT, WIRE, POW2)  # bf16: RNE-rounded partial
+        wire_store(dst, drow, h0, acc, has, H, BH, BT, WIRE, POW2, HAS_TIMER)  # bf16: RNE-rounded partial
     if SEND_WGRAD:
         g = tl.load(gw_ptr + rows, mask=rows >= 0, other=0.0)
         wb = tl.load(wback_tab + src).to(tl.pointer_type(tl.float32))
@@ -114,7 +114,7 @@ def out_chunk(c, T, live, topk_idx_ptr, y_ptr, stage_tab, wback_ptr, gtw_ptr, Tm
             else:
                 base = tl.multiple_of(tl.load(stage_tab + RANK).to(tl.pointer_type(tl.uint8)), 16)
                 srow = (r * Tmax + t).to(tl.int64) * RB
-            v = wire_load(base, srow, h0, has, H, BH, BT, WIRE, HAS_TIMER)
+            v = wire_load(base, srow, h0, has, H, BH, BT, WIRE, HAS_TIMER, HAS_TIMER)
             acc += widen(v)
         tl.store(y_ptr + t[:, None].to(tl.int64) * H + h[None, :], cast_rne(acc, y_ptr.dtype.element_ty),
                  mask=tm[:, None] & hm[None, :])

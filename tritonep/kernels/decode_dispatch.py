@@ -176,7 +176,7 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
             tl.store(pre_ptr + c * E + e2d, pre_c, mask=m2d)
             tl.debug_barrier()  # the scratch rows are read back by other threads of this program
             send_chunk(c, x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, pre_ptr, send_base, stage_tab, meta_tab,
-                       wts_tab, live, Tmax, RANK, W, E, L, K, KB, H, BH, BT, True, RB, WIRE, POW2)
+                       wts_tab, live, Tmax, RANK, W, E, L, K, KB, H, BH, BT, True, RB, WIRE, POW2, HAS_TIMER)
         publish_epoch(cflag_tab, W, RANK * NCmax + c, n, WB)
     # 4) expand the same chunk numbers of every source (published by program pid of that source)
     skip = timed_out | refused

@@ -42,9 +42,11 @@ def _ptr(tab, r, DT: tl.constexpr):
 def send_chunk(c, x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, pre_ptr, send_base_ptr, stage_tab, meta_tab,
                wts_tab, live, Tmax, RANK: tl.constexpr, W: tl.constexpr, E: tl.constexpr, L: tl.constexpr,
                K: tl.constexpr, KB: tl.constexpr, H: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr,
-               COMPUTE_ROWS: tl.constexpr, RB: tl.constexpr, WIRE: tl.constexpr, POW2: tl.constexpr):
+               COMPUTE_ROWS: tl.constexpr, RB: tl.constexpr, WIRE: tl.constexpr, POW2: tl.constexpr,
+               FAST: tl.constexpr = False):
     """Send token chunk ``c`` (tokens ``[c*BT, c*BT+BT)``): rows/weights metadata and the wire row to every
-    destination rank that the token routes to (see :func:`dispatch_send_kernel`)."""
+    destination rank that the token routes to (see :func:`dispatch_send_kernel`). FAST (the callers pass
+    ``HAS_TIMER``, True exactly on the GPU): the wire's inline-PTX encoder (same bits)."""
     t_off = tl.arange(0, BT)
     k_off = tl.arange(0, KB)
     h_off = tl.arange(0, BH)
@@ -83,7 +85,7 @@ def send_chunk(c, x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, pre_ptr, send_ba
         hm = h < H
         xt = tl.load(x_ptr + t[:, None].to(tl.int64) * H + h[None, :], mask=tm[:, None] & hm[None, :],
                      other=0.0)
-        pay, sc = wire_encode(xt, BT, BH, WIRE, POW2)  # quantize once, store to every destination
+        pay, sc = wire_encode(xt, BT, BH, WIRE, POW2, FAST)  # quantize once, store to every destination
         row_off = (RANK * Tmax + t).to(tl.int64) * RB
         for dd in range(W):
             d = (dd + RANK) % W  # each rank's stores start at a different destination (no W-to-1 incast)
@@ -96,7 +98,8 @@ def send_chunk(c, x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, pre_ptr, send_ba
 
 @triton.jit
 def source_tile(src, t, has, x_ptr, stage_ptr, row_off, h0, RANK: tl.constexpr, H: tl.constexpr,
-                BH: tl.constexpr, BT: tl.constexpr, WIRE: tl.constexpr, EXACT_MUL: tl.constexpr):
+                BH: tl.constexpr, BT: tl.constexpr, WIRE: tl.constexpr, EXACT_MUL: tl.constexpr,
+                FAST: tl.constexpr = False):
     """Columns [h0, h0+BH) of the wire rows of tokens ``t`` of source ``src`` as the expander sees them.
 
     Quantized wires: decoded from the staging (``row_off``: byte offsets of the rows in ``stage``). Raw bf16 wire:
@@ -105,7 +108,7 @@ def source_tile(src, t, has, x_ptr, stage_ptr, row_off, h0, RANK: tl.constexpr, 
     and passed through the raw encoder, so the tile has the bits the staged row would hold, without the staging
     write + read through HBM; other sources' rows come from the staging. Masked rows read as zero."""
     if WIRE.quantized:
-        return wire_load(stage_ptr, row_off, h0, has, H, BH, BT, WIRE, EXACT_MUL)
+        return wire_load(stage_ptr, row_off, h0, has, H, BH, BT, WIRE, EXACT_MUL, FAST)
     else:
         if src == RANK:
             h = h0 + tl.arange(0, BH)
@@ -113,7 +116,7 @@ def source_tile(src, t, has, x_ptr, stage_ptr, row_off, h0, RANK: tl.constexpr, 
                         other=0.0)
             xt, _ = wire_encode(v, BT, BH, WIRE, False)
         else:
-            xt = wire_load(stage_ptr, row_off, h0, has, H, BH, BT, WIRE, EXACT_MUL)
+            xt = wire_load(stage_ptr, row_off, h0, has, H, BH, BT, WIRE, EXACT_MUL, FAST)
         return xt
 
 
@@ -148,7 +151,8 @@ def expand_item(src, c, Ts, skip, x_ptr, stage_ptr, meta_ptr, wts_ptr, out_ptr, 
         if KEEP_Q:
             xt = tl.zeros((BT, BH), dtype=tl.float32)
         else:
-            xt = source_tile(src, t, has, x_ptr, stage_ptr, row_off, h0, RANK, H, BH, BT, WIRE, HAS_TIMER)
+            xt = source_tile(src, t, has, x_ptr, stage_ptr, row_off, h0, RANK, H, BH, BT, WIRE, HAS_TIMER,
+                             HAS_TIMER)
         for k in tl.static_range(K):
             rk = tl.sum(tl.where(k_off[None, :] == k, rows, 0), 1)
             mk = (rk >= 0)[:, None] & hm[None, :]
@@ -219,7 +223,7 @@ def dispatch_send_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, NC, pre_p
             tl.store(nt + RANK, T)
     for c in range(pid, NC, G):
         send_chunk(c, x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, pre_ptr, send_base_ptr, stage_tab, meta_tab,
-                   wts_tab, live, Tmax, RANK, W, E, L, K, KB, H, BH, BT, COMPUTE_ROWS, RB, WIRE, POW2)
+                   wts_tab, live, Tmax, RANK, W, E, L, K, KB, H, BH, BT, COMPUTE_ROWS, RB, WIRE, POW2, HAS_TIMER)
     signal_peers(flags_tab, data_off, W, RANK, WB)
 
 

@@ -63,7 +63,8 @@ def dispatch_fused_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, pre_ptr,
         for c in range(pid, NCmax, GS):
             if c * BT < T:
                 send_chunk(c, x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, pre_ptr, send_base_ptr, stage_tab,
-                           meta_tab, wts_tab, live, Tmax, RANK, W, E, L, K, KB, H, BH, BT, True, RB, WIRE, POW2)
+                           meta_tab, wts_tab, live, Tmax, RANK, W, E, L, K, KB, H, BH, BT, True, RB, WIRE, POW2,
+                           HAS_TIMER)
             publish_epoch(cflag_tab, W, RANK * NCmax + c, n, WB)
         signal_peers(flags_tab, data_off, W, RANK, WB)
     else:

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from .common import mul_rn
+from .fp8_hw import fp8_decode_hw, fp8_encode_hw
 from .wirecodec import DeviceCodec
 
 __all__ = [
@@ -77,14 +78,28 @@ def fp8_encode_bits(y, MBITS: tl.constexpr, BIAS: tl.constexpr, MAXCODE: tl.cons
 
 
 @triton.jit
-def e4m3_encode(y):
-    """fp32 tensor -> int32 float8_e4m3fn bit pattern (0..255): RNE, saturating to +-448, Inf -> +-448, NaN -> 0x7F."""
-    return fp8_encode_bits(y, 3, 7, 0x7E)
+def e4m3_encode(y, FAST: tl.constexpr = False):
+    """fp32 tensor -> int32 float8_e4m3fn bit pattern (0..255): RNE, saturating to +-448, Inf -> +-448, NaN -> 0x7F.
+    FAST (GPU only): the same bits by the hardware conversion (:func:`tritonep.kernels.fp8_hw.fp8_encode_hw`)."""
+    if FAST:
+        return fp8_encode_hw(y, False)
+    else:
+        return fp8_encode_bits(y, 3, 7, 0x7E)
 
 
 @triton.jit
-def e4m3_decode(b):
-    """int32 float8_e4m3fn bit pattern (0..255) -> exact fp32 value (0x7F/0xFF -> NaN)."""
+def e4m3_decode(b, FAST: tl.constexpr = False):
+    """int32 float8_e4m3fn bit pattern (0..255) -> exact fp32 value (0x7F/0xFF -> NaN 0x7FC00000).
+    FAST (GPU only): the same bits by the hardware conversion (:func:`tritonep.kernels.fp8_hw.fp8_decode_hw`)."""
+    if FAST:
+        return fp8_decode_hw(b, False)
+    else:
+        return _e4m3_decode_bits(b)
+
+
+@triton.jit
+def _e4m3_decode_bits(b):
+    """Integer-only body of :func:`e4m3_decode` (interpreter and GPU)."""
     sign = (b >> 7) & 1
     e = (b >> 3) & 0xF
     m = b & 7
@@ -107,42 +122,66 @@ def _scale_from_amax_bits(amax_bits, POW2: tl.constexpr, FMAX: tl.constexpr):
 
 
 @triton.jit
-def fp8_quant_tile(x, POW2: tl.constexpr):
+def fp8_quant_tile(x, POW2: tl.constexpr, FAST: tl.constexpr = False):
     """Quantize fp32 ``x`` [G, 128] (one scale block per row of the tile) to e4m3.
 
     Returns ``(q_bits, scale)``: q_bits uint8 [G, 128] (float8_e4m3fn bit patterns), scale fp32 [G].
     Rule = :func:`tritonep.wire.fp8.quantize_fp8_torch`: amax over finite elements, scale =
     max(amax/448, 2^-126) (POW2: rounded up to a power of two), q = e4m3_rne_satfinite(x / scale).
+    FAST (GPU only): the same bits with the hardware conversion (see :func:`scaled_quant_tile`).
     """
-    return scaled_quant_tile(x, POW2, 448.0, e4m3_encode)
+    return scaled_quant_tile(x, POW2, 448.0, e4m3_encode, FAST)
 
 
 @triton.jit
-def scaled_quant_tile(x, POW2: tl.constexpr, FMAX: tl.constexpr, ENCODE: tl.constexpr):
+def scaled_quant_tile(x, POW2: tl.constexpr, FMAX: tl.constexpr, ENCODE: tl.constexpr, FAST: tl.constexpr = False):
     """Shared body of the fp32-scaled fp8 wires: ``x`` [G, BLK] -> (``ENCODE(x / scale)`` uint8 [G, BLK], scale fp32
     [G]) with amax over finite elements and scale = max(div_rn(amax, FMAX), 2^-126) (POW2: rounded up to 2^k).
-    ``ENCODE``: fp32 -> int32 bit pattern of the 8-bit format (RNE, saturating to +-FMAX)."""
+    ``ENCODE(y, FAST)``: fp32 -> int32 bit pattern of the 8-bit format (RNE, saturating to +-FMAX).
+
+    FAST (GPU only, inline PTX): ``ENCODE`` by the hardware conversion, and with POW2 the per-element division
+    becomes a multiply by the block's reciprocal 2^-k (built from the scale's bits once per block; exact, so
+    ``RN(x * 2^-k) == RN(x / 2^k)`` bit for bit, subnormal results included: ``mul.rn.f32`` does not flush).
+    Without POW2 the division stays ``div_rn`` per element (a reciprocal multiply would change bits).
+    """
     xb = x.to(tl.int32, bitcast=True)
     ab = xb & 0x7FFFFFFF
     amax_bits = tl.max(tl.where(ab < 0x7F800000, ab, 0), axis=1)
     scale = _scale_from_amax_bits(amax_bits, POW2, FMAX)
-    y = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
-    return ENCODE(y).to(tl.uint8), scale
+    if FAST and POW2:
+        # scale = 2^(e-127) with e in [1, 247] (amax <= FLT_MAX): 1/scale = 2^(127-e), biased 254-e, normal
+        rcp = ((254 << 23) - scale.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
+        y = mul_rn(x, tl.broadcast_to(rcp[:, None], x.shape), True)
+    else:
+        y = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+    return ENCODE(y, FAST).to(tl.uint8), scale
 
 
 @triton.jit
-def fp8_dequant_tile(q_bits, scale, EXACT_MUL: tl.constexpr = False):
+def fp8_dequant_tile(q_bits, scale, EXACT_MUL: tl.constexpr = False, FAST: tl.constexpr = False):
     """uint8 e4m3 bits [G, 128] and fp32 scale [G] -> fp32 [G, 128] = value(q) * scale (one fp32 multiply).
 
     EXACT_MUL (GPU only: inline PTX) emits ``mul.rn.f32``, which the compiler may not fuse with a following add.
+    FAST (GPU only): value(q) by the hardware conversion (same bits, :func:`tritonep.kernels.fp8_hw.fp8_decode_hw`).
     """
-    return mul_rn(e4m3_decode(q_bits.to(tl.int32)), tl.broadcast_to(scale[:, None], q_bits.shape), EXACT_MUL)
+    v = e4m3_decode(q_bits.to(tl.int32), FAST)
+    return mul_rn(v, tl.broadcast_to(scale[:, None], q_bits.shape), EXACT_MUL)
 
 
 @triton.jit
-def mxfp4_quant_tile(x, POW2: tl.constexpr = False):
-    """Quantize fp32 ``x`` [G, 32] to MX fp4 (OCP Microscaling v1.0, e2m1 + e8m0). ``POW2`` is ignored (e8m0
-    scales are powers of two already; the parameter makes the signature the codec contract's).
+def _mid_bits(e8, OFF: tl.constexpr, MANT: tl.constexpr):
+    """fp32 bits of the e2m1 midpoint (1 + MANT/2^23) * 2^OFF times 2^(e8-127), per block (int32 ``e8`` in
+    [0, 252]): normal when the biased exponent ``e8 + OFF`` >= 1, else the subnormal pattern (exact, shift <= 3)."""
+    b = e8 + OFF
+    sub = (0x800000 | MANT) >> tl.minimum(tl.maximum(1 - b, 0), 3)
+    return tl.where(b >= 1, (b << 23) | MANT, sub)
+
+
+@triton.jit
+def mxfp4_quant_tile(x, POW2: tl.constexpr = False, FAST: tl.constexpr = False):
+    """Quantize fp32 ``x`` [G, 32] to MX fp4 (OCP Microscaling v1.0, e2m1 + e8m0). ``POW2`` and ``FAST`` are
+    ignored (e8m0 scales are powers of two already, sm_90 has no e2m1 conversion; the parameters make the
+    signature the codec contract's).
 
     Returns ``(packed, e8m0)``: packed uint8 [G, 16] (element 2i in the low nibble, 2i+1 in the high nibble;
     nibble = sign<<3 | e2m1 magnitude code), e8m0 uint8 [G]. Rule = :func:`tritonep.wire.mxfp4.quantize_mxfp4_torch`.
@@ -154,15 +193,18 @@ def mxfp4_quant_tile(x, POW2: tl.constexpr = False):
     bad = tl.max((ab >= 0x7F800000).to(tl.int32), axis=1)  # 1 if the block holds NaN/Inf
     amax_bits = tl.max(tl.where(finite, ab, 0), axis=1)
     e8 = tl.maximum((amax_bits >> 23) - 2, 0)  # floor(log2 amax) - 2 + 127, clamped to [0, 252]
-    ex = (e8 - 127)[:, None]
-    e = ab >> 23
-    frac = ab & 0x7FFFFF
-    m = tl.where(e == 0, frac, frac | 0x800000)
-    e_lsb = tl.where(e == 0, -149, e - 150)  # |x| = m * 2^e_lsb
-    ey = tl.maximum(e - 127 - ex, 0)  # max(floor(log2 |x / 2^ex|), 0) for the e2m1 quantum
-    s = tl.minimum(tl.maximum(ey - 1 + ex - e_lsb, 1), 25)
-    code = tl.minimum(rne_shift(m, s) + 2 * ey, 7) | (((xb >> 31) & 1) << 3)
-    code = tl.where(bad[:, None] != 0, 0, code)
+    # RNE of v = |x| / 2^(e8-127) (< 8) onto e2m1 {0, .5, 1, 1.5, 2, 3, 4, 6}, saturating at 6, = the number of
+    # midpoints below v: ties (0.25, 1.25, 2.5, 5 -> down; 0.75, 1.75, 3.5 -> up) go to the even code. Compared
+    # on |x|'s bits against each midpoint * 2^(e8-127), built once per block (exact: <= 3 significant bits,
+    # >= 2^-129), so there is no per-element shift or rounding; same codes as the twin's rounding rule.
+    code = ((ab > _mid_bits(e8, -2, 0)[:, None]).to(tl.int32)
+            + (ab >= _mid_bits(e8, -1, 0x400000)[:, None]).to(tl.int32)
+            + (ab > _mid_bits(e8, 0, 0x200000)[:, None]).to(tl.int32)
+            + (ab >= _mid_bits(e8, 0, 0x600000)[:, None]).to(tl.int32)
+            + (ab > _mid_bits(e8, 1, 0x200000)[:, None]).to(tl.int32)
+            + (ab >= _mid_bits(e8, 1, 0x600000)[:, None]).to(tl.int32)
+            + (ab > _mid_bits(e8, 2, 0x200000)[:, None]).to(tl.int32))
+    code = tl.where(bad[:, None] != 0, 0, code | (((xb >> 31) & 1) << 3))
     lo, hi = tl.split(tl.reshape(code, [G, 16, 2]))
     packed = (lo | (hi << 4)).to(tl.uint8)
     e8 = tl.where(bad != 0, 255, e8).to(tl.uint8)
@@ -170,23 +212,41 @@ def mxfp4_quant_tile(x, POW2: tl.constexpr = False):
 
 
 @triton.jit
-def mxfp4_dequant_tile(packed, e8m0, EXACT_MUL: tl.constexpr = False):
+def mxfp4_dequant_tile(packed, e8m0, EXACT_MUL: tl.constexpr = False, FAST: tl.constexpr = False):
     """uint8 packed e2m1 [G, 16] and uint8 e8m0 [G] -> exact fp32 [G, 32] (e8m0 == 255 -> NaN block). Built from
-    bits with no multiply, so ``EXACT_MUL`` (codec contract) has nothing to do."""
+    bits with no multiply, so ``EXACT_MUL`` and ``FAST`` (codec contract) have nothing to do.
+
+    When every scale of the tile is in [2, 252] (all results normal fp32), the bits are the e2m1 code placed
+    into an fp32 pattern plus the block's exponent (about 8 integer ops per element); otherwise (subnormal or
+    overflowing results, NaN blocks) the general rule runs. Same bits either way."""
     p = packed.to(tl.int32)
     c = tl.interleave(p & 0xF, (p >> 4) & 0xF)  # [G, 32], element order
     mag = c & 7
+    sc = e8m0.to(tl.int32)[:, None]
+    edge = tl.max(tl.max(((sc < 2) | (sc > 252)).to(tl.int32), axis=1), axis=0)
+    if edge == 0:
+        # |e2m1| = 0.5 (mag 1) or (1 + (mag & 1)/2) * 2^((mag >> 1) - 1) (mag >= 2): mag << 22 puts exponent and
+        # mantissa bit in place; times 2^(sc - 127): biased exponent (mag >> 1) - 1 + sc, in [1, 254] here
+        bits = tl.where(mag >= 2, mag << 22, 0) + ((sc - 1) << 23)
+        bits = tl.where(mag == 0, 0, bits) | ((c >> 3) << 31)
+    else:
+        bits = _mxfp4_value_bits(c, mag, sc)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mxfp4_value_bits(c, mag, sc):
+    """General rule of :func:`mxfp4_dequant_tile`: int32 fp32 bits of e2m1 codes ``c`` [G, 32] times 2^(sc-127)
+    (subnormal results exact, overflow -> Inf, sc == 255 -> NaN)."""
     v = tl.where(mag < 4, mag, tl.where(mag == 4, 4, tl.where(mag == 5, 6, tl.where(mag == 6, 8, 12))))  # 2*|e2m1|
     lv = tl.where(v >= 8, 3, tl.where(v >= 4, 2, tl.where(v >= 2, 1, 0)))  # floor(log2 v)
     mbit = tl.where((v == 3) | (v == 6) | (v == 12), 1 << 22, 0)
-    sc = e8m0.to(tl.int32)[:, None]
     biased = lv + sc - 1  # value = v * 2^(sc - 128)
     nbits = tl.where(biased >= 255, 0x7F800000, (tl.maximum(biased, 0) << 23) | mbit)  # overflow -> Inf
     sbits = v << tl.minimum(tl.maximum(sc + 21, 0), 22)
     bits = tl.where(biased >= 1, nbits, sbits)
     bits = tl.where(v == 0, 0, bits) | ((c >> 3) << 31)
-    bits = tl.where(sc == 255, 0x7FC00000, bits)
-    return bits.to(tl.float32, bitcast=True)
+    return tl.where(sc == 255, 0x7FC00000, bits)
 
 
 @triton.jit

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from .common import mul_rn
+from .fp8_hw import fp8_decode_hw, fp8_encode_hw
 from .quant import fp8_encode_bits, scaled_quant_tile
 from .wirecodec import DeviceCodec
 
@@ -20,15 +21,28 @@ __all__ = ["e5m2_encode", "e5m2_decode", "e5m2_quant_tile", "e5m2_dequant_tile",
 
 
 @triton.jit
-def e5m2_encode(y):
+def e5m2_encode(y, FAST: tl.constexpr = False):
     """fp32 tensor -> int32 float8_e5m2 bit pattern (0..255): RNE, saturating to +-57344, Inf -> +-57344,
-    NaN -> 0x7F."""
-    return fp8_encode_bits(y, 2, 15, 0x7B)
+    NaN -> 0x7F. FAST (GPU only): the same bits by the hardware conversion (:mod:`tritonep.kernels.fp8_hw`)."""
+    if FAST:
+        return fp8_encode_hw(y, True)
+    else:
+        return fp8_encode_bits(y, 2, 15, 0x7B)
 
 
 @triton.jit
-def e5m2_decode(b):
-    """int32 float8_e5m2 bit pattern (0..255) -> exact fp32 value (0x7C/0xFC -> +-Inf, 0x7D..0x7F -> NaN)."""
+def e5m2_decode(b, FAST: tl.constexpr = False):
+    """int32 float8_e5m2 bit pattern (0..255) -> exact fp32 value (0x7C/0xFC -> +-Inf, 0x7D..0x7F -> NaN
+    0x7FC00000 with the code's sign). FAST (GPU only): the same bits by the hardware conversion."""
+    if FAST:
+        return fp8_decode_hw(b, True)
+    else:
+        return _e5m2_decode_bits(b)
+
+
+@triton.jit
+def _e5m2_decode_bits(b):
+    """Integer-only body of :func:`e5m2_decode`."""
     sign = (b >> 7) & 1
     e = (b >> 2) & 0x1F
     m = b & 3
@@ -40,20 +54,22 @@ def e5m2_decode(b):
 
 
 @triton.jit
-def e5m2_quant_tile(x, POW2: tl.constexpr):
+def e5m2_quant_tile(x, POW2: tl.constexpr, FAST: tl.constexpr = False):
     """Quantize fp32 ``x`` [G, 128] to e5m2: ``(q_bits uint8 [G, 128], scale fp32 [G])``.
 
     Rule = :func:`tritonep.wire.fp8_e5m2.quantize_fp8_e5m2_torch`: amax over finite elements, scale =
     max(amax/57344, 2^-126) (POW2: rounded up to a power of two), q = e5m2_rne_satfinite(x / scale).
+    FAST (GPU only): the same bits with the hardware conversion (:func:`tritonep.kernels.quant.scaled_quant_tile`).
     """
-    return scaled_quant_tile(x, POW2, 57344.0, e5m2_encode)
+    return scaled_quant_tile(x, POW2, 57344.0, e5m2_encode, FAST)
 
 
 @triton.jit
-def e5m2_dequant_tile(q_bits, scale, EXACT_MUL: tl.constexpr = False):
+def e5m2_dequant_tile(q_bits, scale, EXACT_MUL: tl.constexpr = False, FAST: tl.constexpr = False):
     """uint8 e5m2 bits [G, 128] and fp32 scale [G] -> fp32 [G, 128] = value(q) * scale (one fp32 multiply;
-    EXACT_MUL: a standalone ``mul.rn.f32`` on the GPU)."""
-    return mul_rn(e5m2_decode(q_bits.to(tl.int32)), tl.broadcast_to(scale[:, None], q_bits.shape), EXACT_MUL)
+    EXACT_MUL: a standalone ``mul.rn.f32`` on the GPU; FAST: value(q) by the hardware conversion, same bits)."""
+    v = e5m2_decode(q_bits.to(tl.int32), FAST)
+    return mul_rn(v, tl.broadcast_to(scale[:, None], q_bits.shape), EXACT_MUL)
 
 
 FP8_E5M2_CODEC = DeviceCodec("fp8_e5m2", block=128, payload_bits=8, scale_bytes=4, scale_dtype=tl.float32,

@@ -10,8 +10,10 @@ per-format branch (the only branch is raw bf16 vs. quantized). The host-side rec
 A wire row of ``hidden`` H holds H * payload_bits / 8 payload bytes, then H / block scales of ``scale_bytes``
 each (fp8: H bytes of e4m3, H/128 fp32; mxfp4: H/2 bytes of packed e2m1, H/32 e8m0; bf16: 2H bytes, no scales).
 ``base`` is a uint8 pointer, ``row_off`` the byte offset of each tile row (a multiple of ``scale_bytes``).
-Tile codec contract: ``encode(x fp32 [G, block], POW2) -> (payload uint8 [G, block*bits/8], scale [G])`` and
-``decode(payload, scale, EXACT_MUL) -> fp32 [G, block]``, bit-exact with the format's torch twin.
+Tile codec contract: ``encode(x fp32 [G, block], POW2, FAST) -> (payload uint8 [G, block*bits/8], scale [G])`` and
+``decode(payload, scale, EXACT_MUL, FAST) -> fp32 [G, block]``, bit-exact with the format's torch twin. ``FAST``
+(constexpr, True only on the GPU: the kernels pass ``HAS_TIMER``) lets a codec use inline PTX that gives the same
+bits more cheaply (:mod:`tritonep.kernels.fp8_hw`); False is the integer path the interpreter runs.
 """
 
 from __future__ import annotations
@@ -93,13 +95,14 @@ RAW_BF16 = DeviceCodec("bf16", block=1, payload_bits=16)
 
 
 @triton.jit
-def wire_encode(x, BT: tl.constexpr, BH: tl.constexpr, WIRE: tl.constexpr, POW2: tl.constexpr):
+def wire_encode(x, BT: tl.constexpr, BH: tl.constexpr, WIRE: tl.constexpr, POW2: tl.constexpr,
+                FAST: tl.constexpr = False):
     """Encode a ``[BT, BH]`` tile once: ``(payload, scales)``. Quantized: ``x`` (any float dtype) is widened to
     fp32 and encoded: uint8 ``[BT, BH*bits/8]`` and ``[BT, BH/block]`` scales. Raw: a bf16 tile passes through
-    (an fp32 tile is rounded to bf16, RNE) as both."""
+    (an fp32 tile is rounded to bf16, RNE) as both. FAST: the codec's GPU-only path (same bits)."""
     if WIRE.quantized:
         G: tl.constexpr = BT * (BH // WIRE.block)
-        q, sc = WIRE.encode(tl.reshape(widen(x), (G, WIRE.block)), POW2)
+        q, sc = WIRE.encode(tl.reshape(widen(x), (G, WIRE.block)), POW2, FAST)
         return tl.reshape(q, (BT, BH * WIRE.pay_mul // WIRE.pay_div)), tl.reshape(sc, (BT, BH // WIRE.block))
     else:
         if x.dtype == tl.float32:
@@ -128,20 +131,20 @@ def wire_store_encoded(base, row_off, h0, pay, sc, rmask, H: tl.constexpr, BH: t
 
 @triton.jit
 def wire_store(base, row_off, h0, x, rmask, H: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr,
-               WIRE: tl.constexpr, POW2: tl.constexpr):
-    """Encode tile ``x`` (bf16 or fp32) into columns [h0, h0+BH) of the wire rows."""
-    pay, sc = wire_encode(x, BT, BH, WIRE, POW2)
+               WIRE: tl.constexpr, POW2: tl.constexpr, FAST: tl.constexpr = False):
+    """Encode tile ``x`` (bf16 or fp32) into columns [h0, h0+BH) of the wire rows (FAST: see :func:`wire_encode`)."""
+    pay, sc = wire_encode(x, BT, BH, WIRE, POW2, FAST)
     wire_store_encoded(base, row_off, h0, pay, sc, rmask, H, BH, WIRE)
 
 
 @triton.jit
 def wire_load(base, row_off, h0, rmask, H: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr, WIRE: tl.constexpr,
-              EXACT_MUL: tl.constexpr = False):
+              EXACT_MUL: tl.constexpr = False, FAST: tl.constexpr = False):
     """Decode columns [h0, h0+BH) of the wire rows: raw bf16 tile for raw, exact fp32 values otherwise (masked
     rows decode to +0.0).
 
     EXACT_MUL (GPU): a dequant multiply is a standalone ``mul.rn`` so a caller's ``acc += decoded`` is never
-    contracted into an FMA (the twins round the product first)."""
+    contracted into an FMA (the twins round the product first). FAST (GPU): the codec's inline-PTX decode."""
     if WIRE.quantized:
         PB: tl.constexpr = WIRE.block * WIRE.pay_mul // WIRE.pay_div  # payload bytes of one block
         hb = h0 * WIRE.pay_mul // WIRE.pay_div + tl.arange(0, BH * WIRE.pay_mul // WIRE.pay_div)
@@ -152,7 +155,7 @@ def wire_load(base, row_off, h0, rmask, H: tl.constexpr, BH: tl.constexpr, BT: t
         sc = tl.load(sp + (row_off // WIRE.scale_bytes)[:, None] + g[None, :],
                      mask=rmask[:, None] & (g < H // WIRE.block)[None, :], other=0)
         G: tl.constexpr = BT * (BH // WIRE.block)
-        v = WIRE.decode(tl.reshape(q, (G, PB)), tl.reshape(sc, (G,)), EXACT_MUL)
+        v = WIRE.decode(tl.reshape(q, (G, PB)), tl.reshape(sc, (G,)), EXACT_MUL, FAST)
         return tl.reshape(v, (BT, BH))
     else:
         h = h0 + tl.arange(0, BH)

@@ -178,9 +178,11 @@ def scaled_dequantize_torch(q: torch.Tensor, scales: torch.Tensor, out_dtype: to
 
 @triton.jit
 def _fp8_quant_kernel(x_ptr, q_ptr, s_ptr, N, H, KIND: tl.constexpr, POW2: tl.constexpr,
-                      R: tl.constexpr, G: tl.constexpr, BLK: tl.constexpr, CODEC: tl.constexpr):
+                      R: tl.constexpr, G: tl.constexpr, BLK: tl.constexpr, CODEC: tl.constexpr,
+                      FAST: tl.constexpr = False):
     """Programs over blocks of R rows; each walks its rows' scale blocks G at a time (tile [R*G, BLK]).
-    CODEC: an 8-bit fp32-scaled :class:`tritonep.kernels.wirecodec.DeviceCodec` (e4m3, e5m2)."""
+    CODEC: an 8-bit fp32-scaled :class:`tritonep.kernels.wirecodec.DeviceCodec` (e4m3, e5m2); FAST: its GPU-only
+    inline-PTX path (same bits)."""
     pid = tl.program_id(0)
     nb = H // BLK
     t = tl.arange(0, R * G)
@@ -192,14 +194,15 @@ def _fp8_quant_kernel(x_ptr, q_ptr, s_ptr, N, H, KIND: tl.constexpr, POW2: tl.co
             ok = (row < N) & (g < nb)
             offs = row[:, None] * H + g[:, None] * BLK + col[None, :]
             x = load_as_fp32(x_ptr, offs, ok[:, None], KIND)
-            q, s = CODEC.encode(x, POW2)
+            q, s = CODEC.encode(x, POW2, FAST)
             tl.store(q_ptr + offs, q, mask=ok[:, None])
             tl.store(s_ptr + row * nb + g, s, mask=ok)
 
 
 @triton.jit
 def _fp8_dequant_kernel(q_ptr, s_ptr, o_ptr, N, H, KIND: tl.constexpr,
-                        R: tl.constexpr, G: tl.constexpr, BLK: tl.constexpr, CODEC: tl.constexpr):
+                        R: tl.constexpr, G: tl.constexpr, BLK: tl.constexpr, CODEC: tl.constexpr,
+                        FAST: tl.constexpr = False):
     """Inverse of :func:`_fp8_quant_kernel` with the same tiling."""
     pid = tl.program_id(0)
     nb = H // BLK
@@ -213,7 +216,7 @@ def _fp8_dequant_kernel(q_ptr, s_ptr, o_ptr, N, H, KIND: tl.constexpr,
             offs = row[:, None] * H + g[:, None] * BLK + col[None, :]
             q = tl.load(q_ptr + offs, mask=ok[:, None], other=0)
             s = tl.load(s_ptr + row * nb + g, mask=ok, other=1.0)
-            store_fp32_as(o_ptr, offs, CODEC.decode(q, s), ok[:, None], KIND)
+            store_fp32_as(o_ptr, offs, CODEC.decode(q, s, False, FAST), ok[:, None], KIND)
 
 
 def _tiling(n: int, nb: int, device: torch.device, groups: int) -> tuple[int, int, int]:
@@ -262,7 +265,7 @@ def scaled_quantize(x: torch.Tensor, pow2_scale: bool, codec, name: str) -> tupl
         r, g, progs = _tiling(n, h // FP8_BLOCK, x.device, 8)
         xin = x.view(torch.int16) if x.dtype == torch.bfloat16 else x
         _fp8_quant_kernel[(progs,)](xin, q, s, n, h, KIND=KIND_OF_DTYPE[x.dtype], POW2=bool(pow2_scale),
-                                    R=r, G=g, BLK=FP8_BLOCK, CODEC=codec)
+                                    R=r, G=g, BLK=FP8_BLOCK, CODEC=codec, FAST=x.device.type == "cuda")
     return q, s
 
 
@@ -293,5 +296,5 @@ def scaled_dequantize(qb: torch.Tensor, scales: torch.Tensor, out_dtype: torch.d
         r, g, progs = _tiling(n, h // FP8_BLOCK, qb.device, 8)
         o = out.view(torch.int16) if out_dtype == torch.bfloat16 else out
         _fp8_dequant_kernel[(progs,)](qb, scales, o, n, h, KIND=KIND_OF_DTYPE[out_dtype], R=r, G=g, BLK=FP8_BLOCK,
-                                      CODEC=codec)
+                                      CODEC=codec, FAST=qb.device.type == "cuda")
     return out

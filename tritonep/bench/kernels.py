@@ -1,0 +1,135 @@
+"""Per-kernel time of dispatch and combine (issue 18: where do the fp8 / mxfp4 microseconds go).
+
+:func:`kernel_breakdown` builds one :class:`tritonep.EPBuffer` per (geometry variant, wire), runs ``iters`` eager
+dispatch calls and ``iters`` combine calls under ``torch.profiler`` (CUDA activity only) and reports each kernel's
+device time per call (the two-kernel dispatch shows ``dispatch_send_kernel`` and ``dispatch_expand_kernel``, the
+push combine ``combine_partial_kernel`` and ``combine_out_kernel``, the fused paths their one launch). Every row is
+checked after timing (:class:`tritonep.bench.check.PointChecker`: rows and counts bit for bit, combine against the
+fixed-order oracle). Without CUDA (CPU world, interpreter) the host time of each Launcher call stands in for the
+device time: a smoke run of the code and the checks, not a measurement.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+from .check import PointChecker
+from .ep import PROFILES, _device, _routing
+
+__all__ = ["launch_timer", "kernel_breakdown", "breakdown_lines", "DEFAULT_VARIANTS"]
+
+DEFAULT_VARIANTS = {"two-kernel": "fs=0,fe=0,fc=0", "fused": "fs=1,fe=1,fc=1"}
+"""Variant name -> TRITONEP_GEOMETRY override: the two-kernel dispatch (send / expand) with the two-kernel push
+combine (partial / out), and the one-launch dispatch and combine."""
+
+
+@contextlib.contextmanager
+def launch_timer():
+    """Wrap :class:`tritonep.ep.launch.Launcher` calls; yields a dict kernel name -> accumulated host seconds."""
+    from ..ep import launch
+
+    acc = defaultdict(float)
+    orig = launch.Launcher.__call__
+
+    def timed(self, kernel, grid, *args, **kwargs):
+        t0 = time.perf_counter()
+        r = orig(self, kernel, grid, *args, **kwargs)
+        acc[launch.kernel_name(kernel)] += time.perf_counter() - t0
+        return r
+
+    launch.Launcher.__call__ = timed
+    try:
+        yield acc
+    finally:
+        launch.Launcher.__call__ = orig
+
+
+def _kernel_us(fn, iters: int) -> tuple[dict, str]:
+    """``({kernel name: microseconds per call}, mode)`` of ``iters`` calls of ``fn``."""
+    if not torch.cuda.is_available():
+        with launch_timer() as acc:
+            for _ in range(iters):
+                fn()
+        return {k: v * 1e6 / iters for k, v in acc.items()}, "cpu-host"
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        if e.self_device_time_total > 0:
+            out[e.key] = e.self_device_time_total / iters
+    return out, "profiler"
+
+
+def kernel_breakdown(group, profile: str = "deepseek-v3", wires=("bf16", "fp8", "mxfp4"), variants=None,
+                     num_sms=None, iters: int = 5, seed: int = 0) -> list:
+    """Rows (dicts) of per-kernel times on this rank: one per (variant, wire, op in dispatch / combine).
+
+    Args:
+        group: the EP group (world 1 on one GPU for the breakdown; any size works). profile: a key of
+            :data:`tritonep.bench.ep.PROFILES`. wires: wire names. variants: name -> TRITONEP_GEOMETRY string
+            (default :data:`DEFAULT_VARIANTS`). num_sms: SM cap (None: all). iters: profiled calls per op.
+
+    Returns:
+        dicts with profile, variant, geometry, wire, op, kernels ``{name: us per call}``, us (their sum), mode,
+        checked (and check_error when a check failed).
+    """
+    import tritonep as tep
+
+    p = PROFILES[profile]
+    rank = dist.get_rank(group)
+    dev = _device()
+    H, E, K, T = p["hidden"], p["num_experts"], p["topk"], p["tokens"]
+    idx, w, _ = _routing(rank, T, E, K, seed, dev)
+    x = torch.randn(T, H, device=dev).to(torch.bfloat16)
+    chk = PointChecker(group, x, idx, w, E)
+    rows = []
+    old = {k: os.environ.get(k) for k in ("TRITONEP_GEOMETRY", "TRITONEP_SYNC_CHECKS")}
+    os.environ["TRITONEP_SYNC_CHECKS"] = "0"
+    try:
+        for vname, geo in (variants or DEFAULT_VARIANTS).items():
+            os.environ["TRITONEP_GEOMETRY"] = geo
+            for wire in wires:
+                buf = tep.EPBuffer(group, E, H, T, K, num_sms=num_sms, dispatch_wire=wire, combine_wire=wire)
+                g = buf.geometry
+                base = dict(profile=profile, variant=vname, wire=wire, tokens=T, hidden=H, num_sms=num_sms or 0,
+                            geometry=f"bt={g.bt},bh={g.bh},warps={g.num_warps},grid={g.grid_send},"
+                                     f"fs={g.fused_send},fe={g.fused_expand},fc={g.fused_combine}")
+                d = buf.dispatch(x, idx, w)  # warm-up (kernels are compiled at construction)
+                eo = chk.expert_out(buf.expert_out_buffer(), d)
+                buf.combine(eo, d.handle)
+                kern, mode = _kernel_us(lambda: buf.dispatch(x, idx, w), iters)
+                r = dict(base, op="dispatch", kernels=kern, us=sum(kern.values()), mode=mode)
+                rows.append(chk.dispatch(r, buf.dispatch(x, idx, w), wire))
+                d = buf.dispatch(x, idx, w)
+                eo = chk.expert_out(buf.expert_out_buffer(), d)
+                kern, mode = _kernel_us(lambda: buf.combine(eo, d.handle), iters)
+                r = dict(base, op="combine", kernels=kern, us=sum(kern.values()), mode=mode)
+                rows.append(chk.combine(r, buf.combine(eo, d.handle), wire))
+                buf.close()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    return rows
+
+
+def breakdown_lines(rows: list) -> list:
+    """A short table: one line per (variant, wire, op) with its kernels' microseconds."""
+    out = [f"{'variant':11s} {'wire':6s} {'op':9s} {'total us':>9s}  kernels (us per call)"]
+    for r in rows:
+        ks = ", ".join(f"{k} {v:.1f}" for k, v in sorted(r["kernels"].items(), key=lambda kv: -kv[1]))
+        ok = "" if r.get("checked") else "  FAILED"
+        out.append(f"{r['variant']:11s} {r['wire']:6s} {r['op']:9s} {r['us']:9.1f}  {ks}{ok}")
+    return out

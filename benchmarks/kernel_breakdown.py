@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tritonep.bench.check import exit_code  # noqa: E402
 from tritonep.bench.ep import PROFILES  # noqa: E402
-from tritonep.bench.kernels import DEFAULT_VARIANTS, breakdown_lines, kernel_breakdown  # noqa: E402
+from tritonep.bench.kernels import DEFAULT_VARIANTS, GPU_VARIANTS, breakdown_lines, kernel_breakdown  # noqa: E402
 
 
 def _rows(group, a):
@@ -42,7 +42,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default="")
     ap.add_argument("--cpu", action="store_true", help="1-rank CPU world (interpreter), profile cpu-smoke, 1 iter")
     a = ap.parse_args(argv)
-    a.variant_map = dict(v.split("=", 1) for v in a.variants) if a.variants else dict(DEFAULT_VARIANTS)
+    a.variant_map = (dict(v.split("=", 1) for v in a.variants) if a.variants
+                     else dict(DEFAULT_VARIANTS if a.cpu else GPU_VARIANTS))
     if a.cpu:
         from tritonep.testing import run_cpu_world
 

@@ -95,8 +95,15 @@ def test_standalone_quantize_matches_twin(wire, pow2):
     qt, st = wf.quantize_torch(x.cpu(), pow2_scale=pow2)
     assert torch.equal(q.cpu(), qt.view(torch.uint8))
     assert torch.equal(s.cpu().view(torch.int32), st.view(torch.int32))
-    out = scaled_dequantize(q, s, torch.bfloat16, codec, "test")
-    assert torch.equal(out.cpu().view(torch.int16), wf.dequantize_torch(qt, st, torch.bfloat16).view(torch.int16))
+    out = scaled_dequantize(q, s, torch.bfloat16, codec, "test").cpu()
+    want = wf.dequantize_torch(qt, st, torch.bfloat16)
+    # the dequant is arithmetic (one fp32 multiply): every non-NaN value bit for bit; a NaN product (NaN codes,
+    # 0 x inf scales of non-finite blocks) is NaN on both sides, but IEEE leaves its sign and payload to the
+    # hardware (the GPU returns the canonical 0x7FFFFFFF, x86 the input's payload or 0xFFC00000)
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(out), nan)
+    bad = (out.view(torch.int16) != want.view(torch.int16)) & ~nan
+    assert not bad.any(), [(r, c, float(out[r, c]), float(want[r, c])) for r, c in bad.nonzero()[:8].tolist()]
 
 
 @pytest.mark.parametrize("dwire,cwire", [("fp8", "fp8"), ("fp8_e5m2", "fp8_e5m2"), ("mxfp4", "mxfp4")])

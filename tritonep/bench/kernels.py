@@ -22,9 +22,11 @@ import torch.distributed as dist
 from .check import PointChecker
 from .ep import PROFILES, _device, _routing
 
-__all__ = ["launch_timer", "kernel_breakdown", "breakdown_lines", "DEFAULT_VARIANTS"]
+__all__ = ["launch_timer", "kernel_breakdown", "breakdown_lines", "DEFAULT_VARIANTS", "GPU_VARIANTS"]
 
 DEFAULT_VARIANTS = {"two-kernel": "fs=0,fe=0,fc=0", "fused": "fs=1,fe=1,fc=1"}
+GPU_VARIANTS = {"two-kernel": "fs=0,fe=0,fc=0", "fused": "fs=40,fe=88,fc=1"}
+"""On the GPU the fused roles get the table's split (one program per role is the CPU smoke's choice only)."""
 """Variant name -> TRITONEP_GEOMETRY override: the two-kernel dispatch (send / expand) with the two-kernel push
 combine (partial / out), and the one-launch dispatch and combine."""
 

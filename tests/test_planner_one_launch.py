@@ -61,7 +61,7 @@ def test_one_launch_per_call_and_state_survives_changing_grids():
 
     InterpretedFunction.run = counting
     try:
-        for G in (1, 3, 2, 70, 5):  # 70 chunks regrows the flag state
+        for G in (1, 3, 2, 70, 5):  # 70 chunks: more flags than the first call (the state does not move)
             pt, rid = plan(counts, topks[3], 3, num_programs=G, block=16, validate=True)
             assert pt.equal(p) and torch.equal(rid, want), G
     finally:
@@ -235,3 +235,20 @@ def test_planner_variants_compile_for_sm90():
     assert {r.get("name") for r in recs} == {"plan_kernel"} and len(recs) == 3
     failures = compile_recorded(recs)
     assert not failures, "\n\n".join(f"{n}: {e}" for n, e in failures)
+
+
+def test_sync_state_never_moves():
+    """The planner's persistent state (call number + flags) is made once at the size of the largest launch
+    (MAX_PLAN_PROGRAMS chunks in groups of 1): a CUDA graph captured around a small plan() keeps its pointer valid
+    when a later plan() needs more flags (a regrown state freed the captured one: replays then wrote into memory
+    the caching allocator had handed to other tensors)."""
+    topks, counts = make_topk(2, 4, 2, [3, 40], mask_p=0.1, seed=12)
+    p = place_torch(counts)
+    want = remap_torch(topks[1], p, 1, counts)
+    ptrs = set()
+    for G, group in ((1, None), (70, 1), (5, 2)):  # 70 chunks in groups of 1: 1 + 70 + 70 flags
+        pt, rid = plan(counts, topks[1], 1, num_programs=G, block=16, lookback_group=group)
+        assert pt.equal(p) and torch.equal(rid, want), G
+        ptrs.add(planner_mod._SYNC["cpu"].data_ptr())
+    assert len(ptrs) == 1, "the persistent state moved"
+    assert planner_mod._SYNC["cpu"].numel() >= 1 + 2 * planner_mod.MAX_PLAN_PROGRAMS + 1

@@ -217,3 +217,34 @@ def test_counts_exchange_several_programs_w3():
                                 for s in range(W)]).to(torch.int32)
             assert torch.equal(got, want), (r, i)
         assert seq == [], (r, seq)
+
+
+def _any_grid_world(group, cfg, steps, grid):
+    import tritonep.ep.triton_backend as tb
+
+    real = tb.exchange_tiles
+    used = []
+
+    def tiles(nc, e):  # the docstring's claim: any grid >= 1 is correct
+        used.append(real(nc, e))
+        return grid, real(nc, e)[1]
+
+    tb.exchange_tiles = tiles
+    try:
+        out = _script_world(group, cfg, steps)
+    finally:
+        tb.exchange_tiles = real
+    assert used == [(4, dict(NCB=1, EBLK=32))], used
+    return out
+
+
+@pytest.mark.parametrize("grid", [1, 3, 7])
+def test_exchange_any_grid(grid):
+    """E = 128 (4 expert blocks of 32) with 1 program walking every block, 3 (one walks two) and 7 (three with
+    none): same rows, and the ticket (never reset) keeps electing the last program over 4 calls."""
+    W = 2
+    cfg = dict(E=128, H=32, Tmax=16, K=4, A=1)
+    steps = [("ok", 41, [16, 0], "push"), ("bad", 42, [3, 4], 0), ("ok", 43, [5, 16], "pull"),
+             ("ok", 44, [0, 0], None)]
+    res = run_cpu_world(W, _any_grid_world, cfg, steps, grid, timeout_s=300)
+    _check_script(W, cfg, steps, res)

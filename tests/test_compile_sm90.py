@@ -151,3 +151,36 @@ def test_heap_test_kernels_compile_for_sm90():
     """The kernels of the GPU heap test (tritonep.testing.gpu_checks.heap_peer_write_world)."""
     failures = compile_recorded(run_cpu_world(2, _peer_kernel_paths, timeout_s=60)[0])
     assert not failures, "\n\n".join(f"{n}: {e}" for n, e in failures)
+
+
+def _combine_tile_paths(group):
+    """The GPU's large-batch combine geometry (Geometry.cbt 8 / cwarps 32, select_geometry at >= 1024 tokens) on
+    every wire, two-kernel push / pull and the fused combine, BH 1024 as on the GPU; E = 96 (counts exchange grid
+    4, the arrival ticket)."""
+    rank = dist.get_rank()
+    recs = []
+    with record_launches(recs):
+        for geo in ("cbt=8,cwarps=32", "cbt=8,cwarps=32,fs=1,fe=1,fc=1"):
+            os.environ["TRITONEP_GEOMETRY"] = geo
+            try:
+                for dw in ("bf16", "fp8", "mxfp4"):
+                    b = tep.EPBuffer(group, 96, 1024, 16, 2, dispatch_wire=dw, combine_wire=dw)
+                    x, i, w = make_rank_inputs(rank, 9, 1024, 96, 2, seed=6)
+                    d = b.dispatch(x, i, w)
+                    b.combine(d.x, d.handle)
+                    if "fc" not in geo:
+                        b.combine(d.x, d.handle, kind="pull")
+                    b.close()
+            finally:
+                del os.environ["TRITONEP_GEOMETRY"]
+    return recs
+
+
+def test_combine_tile_32_warps_compile_for_sm90():
+    recs = run_cpu_world(2, _combine_tile_paths, timeout_s=300)[0]
+    combine = [r for r in recs if r.get("name") in ("combine_partial_kernel", "combine_out_kernel",
+                                                    "combine_fused_kernel")]
+    assert combine and all(r["options"].get("num_warps") == 32 and r["constexprs"]["BT"] == 8 for r in combine)
+    assert {"combine_fused_kernel", "exchange_kernel"} <= {r.get("name") for r in recs}
+    failures = compile_recorded(recs)
+    assert not failures, "\n\n".join(f"{n}: {e}" for n, e in failures)

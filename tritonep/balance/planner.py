@@ -186,17 +186,23 @@ def plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, *, num_program
 
 def _sync_state(device: torch.device, n_flags: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's persistent state on ``device``: ``(sync [1], flags [>= n_flags])``, int64 views of one zeroed
-    tensor, made on first use and grown (zeroed again) when more flags are needed.
+    tensor, made once on first use at the size of the largest launch (``MAX_PLAN_PROGRAMS`` chunks in look-back
+    groups of 1: ``2 * MAX_PLAN_PROGRAMS + 1`` flags, 4 KiB), so it never moves: a CUDA graph captured around one
+    plan() keeps a valid pointer whatever later calls need (a state regrown for a larger call freed the one a
+    graph had captured).
 
     One state per device, so plan() calls on one device must not run at the same time (two streams at once);
     calls in stream order and CUDA-graph replays in sequence are fine. Make the first call outside a CUDA-graph
     capture (a warm-up, as capture needs anyway): a state first made inside a capture adds its zero-fill to the
     graph, which stays correct (every replay restarts the call number and the flags together) but is a second
     node in the graph."""
+    size = 2 * MAX_PLAN_PROGRAMS + 1
+    if n_flags > size:  # _launch_config bounds G and the group count by MAX_PLAN_PROGRAMS
+        raise PlanError(f"the planner needs {n_flags} flags, more than its state's {size}")
     key = str(device)
     st = _SYNC.get(key)
-    if st is None or st.numel() - 1 < n_flags:
-        st = torch.zeros(1 + max(n_flags, 65), dtype=torch.int64, device=device)
+    if st is None:
+        st = torch.zeros(1 + size, dtype=torch.int64, device=device)
         _SYNC[key] = st
     return st[:1], st[1:]
 

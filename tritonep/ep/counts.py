@@ -126,9 +126,17 @@ class CountsExchange:
         return self.buf.nbytes if self.buf is not None else 0
 
     def check(self):
-        """Raise a recorded device error (timeout, a refused input of some rank) on the host (one sync)."""
+        """Raise a recorded device error (timeout, a refused input of some rank) on the host (one sync).
+
+        A refused input (PeerInputError) or capacity error is reported once and cleared, as
+        :meth:`tritonep.EPBuffer.check` does: the exchange stays usable, and a later timeout is recorded (the
+        first recorded error wins, so a refusal kept in the status word hid every later one). A timeout stays.
+        """
         self.host_reads += 1
-        raise_for_status(self.status.cpu(), self.rank, 0, "counts exchange", self.timeout_s, self.device.type)
+        st = self.status.cpu().clone()  # .cpu() of a CPU tensor is the tensor itself
+        if int(st[P.v(P.ST_CODE)]) in (P.v(P.STATUS_CAPACITY), P.v(P.STATUS_BAD_INPUT)):
+            self.status.zero_()
+        raise_for_status(st, self.rank, 0, "counts exchange", self.timeout_s, self.device.type)
 
     def close(self):
         """Free the symmetric regions (collective: every rank closes in the same order). Idempotent."""

@@ -18,10 +18,12 @@ Triton kernels (each correct at grid=1; see docs/platform.md):
 
 * :func:`chunk_hist_kernel` (grid = chunks): per chunk of BT tokens, the histogram of its routes over E experts
   and the count of ids outside ``[-1, E)``.
-* :func:`exchange_kernel` (grid = 1): sums the chunk histograms into this rank's counts row, writes it into every
-  peer's ``counts[rank, :]``, raises the counts signal, waits for every peer (bounded), then computes the layout:
-  exclusive chunk prefixes, ``send_base[e]``, this rank's ``num_tokens_per_expert`` / ``expert_offsets`` and the
-  rows every rank needs (capacity check, identical on every rank).
+* :func:`exchange_kernel` (grid: one program per expert block, :func:`exchange_tiles`; any grid >= 1 is correct):
+  each program sums the chunk histograms of its experts (exclusive chunk prefixes) into this rank's counts row and
+  writes it into every peer's ``counts[rank, :]``; the last program to arrive (ticket ``calls[DONE_EXCHANGE]``)
+  raises the counts signal, waits for every peer (bounded), then computes the layout: ``send_base[e]``, this
+  rank's ``num_tokens_per_expert`` / ``expert_offsets`` and the rows every rank needs (capacity check, identical
+  on every rank).
 
 Twins (the specification, next to the ops that launch these kernels): :func:`tritonep.ep.layout.counts_torch`,
 :func:`tritonep.ep.layout.layout_torch`, :func:`tritonep.ep.layout.route_rows_torch`.

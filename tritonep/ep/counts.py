@@ -82,7 +82,8 @@ class CountsExchange:
         self._xgrid, xt = exchange_tiles(ncmax, self.E)
         self._ex = dict(RANK=self.rank, W=self.W, E=self.E, L=L, A=1, WB=max(2, triton.next_power_of_2(self.W)),
                         LB=triton.next_power_of_2(L), EB=EB, **xt,
-                        HAS_TIMER=self.device.type == "cuda", DOUBLE=True)
+                        HAS_TIMER=self.device.type == "cuda", DOUBLE=True,
+                        num_warps=8)  # the [256, 32] prefix tiles of exchange_tiles spill at 4 warps
         self._launch.dry_run(lambda: self.gather(torch.zeros(self.Tm, self.K, dtype=torch.int64,
                                                              device=self.device)), restore=(self.calls,))
 

@@ -86,7 +86,7 @@ def test_dispatch_combine_matches_reference(W, ntokens, A, kind):
                                         (2, "bt=2,fs=2,fe=3,fc=1"), (2, "fs=3,fe=1"), (2, "bt=4,dec=3"),
                                         # combine tile != dispatch tile; grids that are multiples of W rotate each
                                         # program's partial sources (kernels.combine.partial_item_source)
-                                        (2, "bt=4,cbt=1,cwarps=2,grid=4,obh=32"), (2, "bt=1,cbt=4,fs=2,fe=2,fc=1"),
+                                        (2, "bt=4,cbt=1,cwarps=2,grid=4"), (2, "bt=1,cbt=4,fs=2,fe=2,fc=1"),
                                         (3, "bt=2,cbt=1,grid=6,combine=pull")])
 def test_geometry_override_small_tiles(monkeypatch, W, geometry):
     """The GPU decode geometry uses tiny token tiles and many programs, the fused paths split the grid by role;
@@ -149,7 +149,7 @@ def test_geometry_override_errors(monkeypatch):
     for bad, what in (("bq=2", "unknown field"), ("bt=3", "power of two"), ("grid=0", "grid"),
                       ("combine=both", "push or pull"), ("bh=x", "not an integer"), ("fs=4", "both"),
                       ("fc=1", "needs fs"), ("fs=2,fe=2,fc=2", "0 or 1"), ("cbt=3", "power of two"),
-                      ("cwarps=0", "power of two"), ("obh=96", "power of two")):
+                      ("cwarps=0", "power of two")):
         monkeypatch.setenv("TRITONEP_GEOMETRY", bad)
         with pytest.raises(ConfigError, match=what):
             select_geometry("cuda", 2, 7168, 128, 8)  # a shape whose table geometry is the two-kernel path

@@ -38,8 +38,6 @@ class Geometry:
     cbt / cwarps: token tile and warps of the combine kernels (partial, output, fused combine; 0 = ``bt`` /
     ``num_warps``): the combine gathers K expert rows per token, so its tile is sized by the K loads one thread
     keeps in flight, not by the dispatch's tile (:func:`select_geometry` resolves both to non-zero values).
-    obh: hidden columns per tile of the two-kernel combine's output kernel (0 = ``bh``): it loads one partial per
-    rank per tile, so a wider tile keeps more loads in flight per thread.
     """
 
     bt: int
@@ -57,10 +55,9 @@ class Geometry:
     decode: int = 0
     cbt: int = 0
     cwarps: int = 0
-    obh: int = 0
 
 
-_OVERRIDE_FIELDS = ("bt", "bh", "warps", "grid", "combine", "fs", "fe", "fc", "dec", "cbt", "cwarps", "obh")
+_OVERRIDE_FIELDS = ("bt", "bh", "warps", "grid", "combine", "fs", "fe", "fc", "dec", "cbt", "cwarps")
 
 
 def _apply_override(g: Geometry, text: str) -> Geometry:
@@ -71,13 +68,13 @@ def _apply_override(g: Geometry, text: str) -> Geometry:
     (``dec=0`` turns them off).
 
     Raises ConfigError naming the bad entry: unknown field, a value that is not a positive power of two (bt, bh,
-    warps, cbt, cwarps, obh), a grid < 1, or a combine kind other than push/pull.
+    warps, cbt, cwarps), a grid < 1, or a combine kind other than push/pull.
     """
     from ..errors import ConfigError
 
     f = dict(bt=g.bt, bh=g.bh, num_warps=g.num_warps, combine=g.combine, fused_send=g.fused_send,
              fused_expand=g.fused_expand, fused_combine=g.fused_combine, decode=g.decode, cbt=g.cbt,
-             cwarps=g.cwarps, obh=g.obh)
+             cwarps=g.cwarps)
     grid = None
     for item in filter(None, (p.strip() for p in text.split(","))):
         key, _, val = item.partition("=")
@@ -125,7 +122,7 @@ def _apply_override(g: Geometry, text: str) -> Geometry:
     return Geometry(bt=f["bt"], bh=f["bh"], grid_hist=g.grid_hist, grid_send=gs[0], grid_expand=gs[1],
                     grid_partial=gs[2], grid_out=gs[3], num_warps=f["num_warps"], combine=f["combine"],
                     fused_send=f["fused_send"], fused_expand=f["fused_expand"], fused_combine=f["fused_combine"],
-                    decode=f["decode"], cbt=f["cbt"], cwarps=f["cwarps"], obh=f["obh"])
+                    decode=f["decode"], cbt=f["cbt"], cwarps=f["cwarps"])
 
 
 def select_geometry(device_type: str, world_size: int, hidden: int, max_tokens_per_rank: int, topk: int,
@@ -194,7 +191,7 @@ def select_geometry(device_type: str, world_size: int, hidden: int, max_tokens_p
     # (benchmarks/results/ep_bench_h200x1_w1_combine_tiles{,2}_2026-12-01.json)
     if device_type == "cuda" and max_tokens_per_rank >= 1024:
         g = replace(g, cbt=g.cbt or 8, cwarps=g.cwarps or 32)
-    return replace(g, cbt=g.cbt or g.bt, cwarps=g.cwarps or g.num_warps, obh=g.obh or g.bh)
+    return replace(g, cbt=g.cbt or g.bt, cwarps=g.cwarps or g.num_warps)
 
 
 def _decode_grids(g: Geometry, max_tokens_per_rank: int, cap: int | None) -> Geometry:

@@ -105,7 +105,6 @@ class TritonEP(DispatchOutputs, DecodePath):
         self._cbt = g.cbt or g.bt
         self.ncmax_c = max(1, triton.cdiv(max_tokens_per_rank, self._cbt))
         self._cck = dict(self._ck, BT=self._cbt, num_warps=g.cwarps or g.num_warps)
-        self._ock = dict(self._cck, BH=g.obh or g.bh)  # the output kernel's hidden tile (Geometry.obh)
         EB = p2(num_experts)
         # static tiles of the counts exchange: never derived from this call's T (docs/protocols.md (host protocol rule))
         self._xgrid, xt = exchange_tiles(self.ncmax, num_experts)
@@ -343,7 +342,7 @@ class TritonEP(DispatchOutputs, DecodePath):
                      handle.topk_idx, y, T, nc, stage, self.buf.local("wback"), gtw if gtw is not None else y,
                      self.flags, self.tab["flags"], self._flag_off(P.FLAG_CACK), self.calls, self.status, self.timeout,
                      g.grid_partial, self.Tm, L=self.L, PULL=kind == "pull", RECV_WGRAD=want_wgrad, WIRE=wire,
-                     **self._ock)
+                     **self._cck)
         self._eager_check("combine" if weighted else "dispatch backward")
         return y, gtw
 

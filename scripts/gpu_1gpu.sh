@@ -5,20 +5,7 @@
 # (W = 2..8 simulated on one device, self-checked), the eager profile (default and one-launch decode geometry), and
 # world-1 EP rows (kernels without NVLink: the HBM side of dispatch / combine), every row checked. Logs and JSON go to $OUT (default ./gpu_out); every step
 # has a measured limit with margin and prints its verdict.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 PYTHONPATH=.
-OUT=${OUT:-gpu_out}
-mkdir -p "$OUT"
-step() {  # step NAME LIMIT_S CMD...: run with a limit, log to $OUT/NAME.log, print the verdict
-    local name=$1 limit=$2; shift 2
-    local t0=$(date +%s)
-    echo "=== $name (limit ${limit}s): $*"
-    timeout "$limit" "$@" 2>&1 | grep -v -i warning > "$OUT/$name.log"
-    local rc=${PIPESTATUS[0]}
-    tail -${TAIL:-6} "$OUT/$name.log"
-    echo "=== $name rc=$rc in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/summary.txt"
-}
+source "$(dirname "$0")/gpu_step.sh"
 nvidia-smi -L
 step gpu_tests_1gpu 180 python -m pytest -q -m gpu tests -p no:cacheprovider --timeout 200 -ra
 step planner 80 python benchmarks/planner_bench.py --modes reference minimal --num-programs 0 32 128 \

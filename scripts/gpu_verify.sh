@@ -5,20 +5,9 @@
 #   bash scripts/gpu_verify.sh bench   # ep_bench (graph + eager rows, nccl backend vs pipeline) and the eager profile
 #   bash scripts/gpu_verify.sh short   # layer + bench trimmed to fit one command
 # Logs and JSON go to $OUT (default ./gpu_out); every step has a measured time limit with margin and prints progress.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 PYTHONPATH=.
-OUT=${OUT:-gpu_out}
-mkdir -p "$OUT"
+source "$(dirname "$0")/gpu_step.sh"
+STEP_TEE=${STEP_TEE:-1}
 stage=${1:-tests}
-step() {  # step NAME LIMIT_S CMD...: run with a limit, log to $OUT/NAME.log, print the verdict
-    local name=$1 limit=$2; shift 2
-    local t0=$(date +%s)
-    echo "=== $name (limit ${limit}s): $*"
-    timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
-    local rc=${PIPESTATUS[0]}
-    echo "=== $name rc=$rc in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/summary.txt"
-}
 case "$stage" in
 tests)
     nvidia-smi -L

@@ -86,7 +86,7 @@ def test_dispatch_combine_matches_reference(W, ntokens, A, kind):
                                         (2, "bt=2,fs=2,fe=3,fc=1"), (2, "fs=3,fe=1"), (2, "bt=4,dec=3"),
                                         # combine tile != dispatch tile; grids that are multiples of W rotate each
                                         # program's partial sources (kernels.combine.partial_item_source)
-                                        (2, "bt=4,cbt=1,cwarps=2,grid=4"), (2, "bt=1,cbt=4,fs=2,fe=2,fc=1"),
+                                        (2, "bt=4,cbt=1,cwarps=2,grid=4,pf=1,bh=32"), (2, "bt=1,cbt=4,fs=2,fe=2,fc=1,pf=1"),
                                         (3, "bt=2,cbt=1,grid=6,combine=pull")])
 def test_geometry_override_small_tiles(monkeypatch, W, geometry):
     """The GPU decode geometry uses tiny token tiles and many programs, the fused paths split the grid by role;
@@ -315,7 +315,10 @@ def _grad_world(group, calls):
     return out
 
 
-def test_gradients_match_reference():
+@pytest.mark.parametrize("geometry", ["", "pf=1,bh=16"])
+def test_gradients_match_reference(monkeypatch, geometry):
+    """Both backwards; ``pf=1,bh=16``: the expander's next-tile prefetch in the combine backward (SCALE + DOT)."""
+    monkeypatch.setenv("TRITONEP_GEOMETRY", geometry)
     W = 2
     calls = [make_rank_inputs(r, [11, 6][r], 64, 8, 3, seed=5) for r in range(W)]
     res = run_cpu_world(W, _grad_world, calls, timeout_s=240)

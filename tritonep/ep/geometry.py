@@ -38,6 +38,7 @@ class Geometry:
     cbt / cwarps: token tile and warps of the combine kernels (partial, output, fused combine; 0 = ``bt`` /
     ``num_warps``): the combine gathers K expert rows per token, so its tile is sized by the K loads one thread
     keeps in flight, not by the dispatch's tile (:func:`select_geometry` resolves both to non-zero values).
+    prefetch: the dispatch expander loads the next hidden tile of a source row before storing the current one.
     """
 
     bt: int
@@ -55,9 +56,10 @@ class Geometry:
     decode: int = 0
     cbt: int = 0
     cwarps: int = 0
+    prefetch: bool = False
 
 
-_OVERRIDE_FIELDS = ("bt", "bh", "warps", "grid", "combine", "fs", "fe", "fc", "dec", "cbt", "cwarps")
+_OVERRIDE_FIELDS = ("bt", "bh", "warps", "grid", "combine", "fs", "fe", "fc", "dec", "cbt", "cwarps", "pf")
 
 
 def _apply_override(g: Geometry, text: str) -> Geometry:
@@ -74,7 +76,7 @@ def _apply_override(g: Geometry, text: str) -> Geometry:
 
     f = dict(bt=g.bt, bh=g.bh, num_warps=g.num_warps, combine=g.combine, fused_send=g.fused_send,
              fused_expand=g.fused_expand, fused_combine=g.fused_combine, decode=g.decode, cbt=g.cbt,
-             cwarps=g.cwarps)
+             cwarps=g.cwarps, prefetch=g.prefetch)
     grid = None
     for item in filter(None, (p.strip() for p in text.split(","))):
         key, _, val = item.partition("=")
@@ -94,10 +96,10 @@ def _apply_override(g: Geometry, text: str) -> Geometry:
             if v < 1:
                 raise ConfigError(f"TRITONEP_GEOMETRY entry {item!r}: grid must be >= 1")
             grid = v
-        elif key == "fc":
+        elif key in ("fc", "pf"):
             if v not in (0, 1):
-                raise ConfigError(f"TRITONEP_GEOMETRY entry {item!r}: fc must be 0 or 1")
-            f["fused_combine"] = bool(v)
+                raise ConfigError(f"TRITONEP_GEOMETRY entry {item!r}: {key} must be 0 or 1")
+            f["fused_combine" if key == "fc" else "prefetch"] = bool(v)
         elif key == "dec":
             if v < 0:
                 raise ConfigError(f"TRITONEP_GEOMETRY entry {item!r}: dec must be >= 0")
@@ -122,7 +124,7 @@ def _apply_override(g: Geometry, text: str) -> Geometry:
     return Geometry(bt=f["bt"], bh=f["bh"], grid_hist=g.grid_hist, grid_send=gs[0], grid_expand=gs[1],
                     grid_partial=gs[2], grid_out=gs[3], num_warps=f["num_warps"], combine=f["combine"],
                     fused_send=f["fused_send"], fused_expand=f["fused_expand"], fused_combine=f["fused_combine"],
-                    decode=f["decode"], cbt=f["cbt"], cwarps=f["cwarps"])
+                    decode=f["decode"], cbt=f["cbt"], cwarps=f["cwarps"], prefetch=f["prefetch"])
 
 
 def select_geometry(device_type: str, world_size: int, hidden: int, max_tokens_per_rank: int, topk: int,

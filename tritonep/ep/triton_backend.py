@@ -288,7 +288,7 @@ class TritonEP(DispatchOutputs, DecodePath):
                      self.flags, self.tab["flags"], self._flag_off(P.FLAG_DATA), self._flag_off(P.FLAG_ACK), self.calls, self.status,
                      self.timeout, g.grid_send, g.grid_expand, self.Tm, self.ncmax, GS=g.fused_send, E=self.E,
                      L=self.L, BA=triton.next_power_of_2(max(self.A, 1)), A=self.A, WIRE=self.dwire,
-                     KEEP_Q=q is not None, q_ptr=q, s_ptr=sc,
+                     KEEP_Q=q is not None, q_ptr=q, s_ptr=sc, PF=g.prefetch,
                      **self._ck)
 
     def _expand(self, x, out, out_w, handle, ntpe, offs, keep_handle, scale=False, eo=None, gw=None, wire=_RAW,
@@ -304,7 +304,7 @@ class TritonEP(DispatchOutputs, DecodePath):
                      g.grid_send, self.Tm, self.ncmax, L=self.L, LB=triton.next_power_of_2(self.L),
                      BA=triton.next_power_of_2(max(self.A, 1)) if keep_handle else 1, A=self.A if keep_handle else 1,
                      SCALE=scale, DOT=eo is not None,
-                     KEEP_HANDLE=keep_handle, WIRE=wire, KEEP_Q=q is not None, q_ptr=q, s_ptr=sc,
+                     KEEP_HANDLE=keep_handle, WIRE=wire, KEEP_Q=q is not None, q_ptr=q, s_ptr=sc, PF=g.prefetch,
                      **self._ck)
 
     # ---------------------------------------------------------------------------------------------- combine

@@ -125,9 +125,10 @@ def expand_item(src, c, Ts, skip, x_ptr, stage_ptr, meta_ptr, wts_ptr, out_ptr, 
                 eo_ptr, gw_ptr, Tmax, RANK: tl.constexpr, K: tl.constexpr, KB: tl.constexpr, H: tl.constexpr,
                 BH: tl.constexpr, BT: tl.constexpr, SCALE: tl.constexpr, DOT: tl.constexpr,
                 KEEP_HANDLE: tl.constexpr, HAS_TIMER: tl.constexpr, RB: tl.constexpr, WIRE: tl.constexpr,
-                KEEP_Q: tl.constexpr, q_ptr, s_ptr):
+                KEEP_Q: tl.constexpr, q_ptr, s_ptr, PF: tl.constexpr = False):
     """Expand chunk ``c`` of source ``src`` (``Ts`` tokens there) from the staging (raw wire, own rank: from
-    ``x_ptr``, see :func:`source_tile`) into the expert rows (see :func:`dispatch_expand_kernel`)."""
+    ``x_ptr``, see :func:`source_tile`) into the expert rows (see :func:`dispatch_expand_kernel`). ``PF``: load
+    the next hidden tile's source rows before storing the current one (its latency then overlaps the K stores)."""
     t_off = tl.arange(0, BT)
     k_off = tl.arange(0, KB)
     h_off = tl.arange(0, BH)
@@ -144,12 +145,18 @@ def expand_item(src, c, Ts, skip, x_ptr, stage_ptr, meta_ptr, wts_ptr, out_ptr, 
     tl.store(out_w_ptr + rows, w, mask=rows >= 0)
     has = tl.sum((rows >= 0).to(tl.int32), 1) > 0
     dots = tl.zeros((BT, KB), dtype=tl.float32)
+    row_off = (src * Tmax + t).to(tl.int64) * RB
+    PREFETCH: tl.constexpr = PF and not KEEP_Q
+    if PREFETCH:
+        xt = source_tile(src, t, has, x_ptr, stage_ptr, row_off, 0, RANK, H, BH, BT, WIRE, HAS_TIMER, HAS_TIMER)
     for h0 in range(0, H, BH):
         h = h0 + h_off
         hm = h < H
-        row_off = (src * Tmax + t).to(tl.int64) * RB
         if KEEP_Q:
             xt = tl.zeros((BT, BH), dtype=tl.float32)
+        elif PREFETCH:  # the next tile (masked past H); xt holds this one
+            xn = source_tile(src, t, has, x_ptr, stage_ptr, row_off, h0 + BH, RANK, H, BH, BT, WIRE, HAS_TIMER,
+                             HAS_TIMER)
         else:
             xt = source_tile(src, t, has, x_ptr, stage_ptr, row_off, h0, RANK, H, BH, BT, WIRE, HAS_TIMER,
                              HAS_TIMER)
@@ -168,6 +175,8 @@ def expand_item(src, c, Ts, skip, x_ptr, stage_ptr, meta_ptr, wts_ptr, out_ptr, 
                 eo = tl.load(eo_ptr + rk[:, None].to(tl.int64) * H + h[None, :], mask=mk, other=0.0)
                 part = tl.sum(widen(eo) * widen(xt), 1)
                 dots += tl.where(k_off[None, :] == k, part[:, None], 0.0)
+        if PREFETCH:
+            xt = xn
     if DOT:
         tl.store(gw_ptr + rows, dots, mask=rows >= 0)
 
@@ -235,7 +244,8 @@ def dispatch_expand_kernel(x_ptr, stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_pt
                            H: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr, WB: tl.constexpr, LB: tl.constexpr,
                            BA: tl.constexpr, A: tl.constexpr, SCALE: tl.constexpr, DOT: tl.constexpr,
                            KEEP_HANDLE: tl.constexpr, HAS_TIMER: tl.constexpr, RB: tl.constexpr = 0,
-                           WIRE: tl.constexpr = RAW_BF16, KEEP_Q: tl.constexpr = False, q_ptr=None, s_ptr=None):
+                           WIRE: tl.constexpr = RAW_BF16, KEEP_Q: tl.constexpr = False, q_ptr=None, s_ptr=None,
+                           PF: tl.constexpr = False):
     """Receive side of a dispatch: wait for every source, scatter staged rows into the expert-grouped output.
 
     ``x_ptr``: the ``[T, H]`` input the send kernel of this call read on this rank (``x`` forward, ``grad_y`` for
@@ -245,6 +255,7 @@ def dispatch_expand_kernel(x_ptr, stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_pt
     ``out[row]`` = decoded staged row for each route (SCALE: times its weight; KEEP_Q: copy payload + scales to
     ``q_ptr``/``s_ptr``), ``out_w[row]`` = route weight, DOT: ``gw[row] = <staged row, eo[row]>``; KEEP_HANDLE
     copies the routing metadata into the handle; A > 1 zeroes the alignment padding rows. Then acks every source.
+    PF: prefetch the next hidden tile of each source row (:func:`expand_item`).
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
@@ -262,7 +273,7 @@ def dispatch_expand_kernel(x_ptr, stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_pt
         if c * BT < Ts:
             expand_item(src, c, Ts, skip, x_ptr, stage_ptr, meta_ptr, wts_ptr, out_ptr, out_w_ptr, hmeta_ptr,
                         hwts_ptr, eo_ptr, gw_ptr, Tmax, RANK, K, KB, H, BH, BT, SCALE, DOT, KEEP_HANDLE, HAS_TIMER, RB,
-                        WIRE, KEEP_Q, q_ptr, s_ptr)
+                        WIRE, KEEP_Q, q_ptr, s_ptr, PF)
     if A > 1:
         if skip == 0:  # a refused call's segments may exceed the rows allocated: write nothing
             zero_padding(pid, G, out_ptr, out_w_ptr, gw_ptr, ntpe_ptr, offs_ptr, L, H, BH, BA, DOT, KEEP_Q)

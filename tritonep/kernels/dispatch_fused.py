@@ -44,7 +44,8 @@ def dispatch_fused_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, pre_ptr,
                           L: tl.constexpr, K: tl.constexpr, KB: tl.constexpr, H: tl.constexpr, BH: tl.constexpr,
                           BT: tl.constexpr, WB: tl.constexpr, BA: tl.constexpr, A: tl.constexpr,
                           HAS_TIMER: tl.constexpr, RB: tl.constexpr, WIRE: tl.constexpr = RAW_BF16,
-                          POW2: tl.constexpr = False, KEEP_Q: tl.constexpr = False, q_ptr=None, s_ptr=None):
+                          POW2: tl.constexpr = False, KEEP_Q: tl.constexpr = False, q_ptr=None, s_ptr=None,
+                          PF: tl.constexpr = False):
     """Forward dispatch in one launch (see the module docstring); grid ``GS + GE`` programs, ``GS`` senders.
 
     Sender side as :func:`tritonep.kernels.dispatch.dispatch_send_kernel` with COMPUTE_ROWS (every sender also
@@ -82,7 +83,7 @@ def dispatch_fused_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, pre_ptr,
             if c * BT < Ts:
                 expand_item(src, c, Ts, skip_now, x_ptr, stage_ptr, meta_ptr, wts_ptr, out_ptr, out_w_ptr,
                             hmeta_ptr, hwts_ptr, out_ptr, out_w_ptr, Tmax, RANK, K, KB, H, BH, BT, False, False, True,
-                            HAS_TIMER, RB, WIRE, KEEP_Q, q_ptr, s_ptr)
+                            HAS_TIMER, RB, WIRE, KEEP_Q, q_ptr, s_ptr, PF)
         if A > 1:
             if skip == 0:  # a refused call's segments may exceed the rows allocated: write nothing
                 zero_padding(e, GE, out_ptr, out_w_ptr, out_w_ptr, ntpe_ptr, offs_ptr, L, H, BH, BA, False, KEEP_Q)

@@ -127,6 +127,9 @@ def test_geometry_override_errors(monkeypatch):
         assert (g.fused_send, g.grid_send, g.grid_expand) == (0, 132, 132), wire
     g = select_geometry("cuda", 2, 7168, 4096, 8)  # the combine's own tile: 8 tokens x 32 warps (measured)
     assert (g.bt, g.cbt, g.num_warps, g.cwarps) == (16, 8, 8, 32)
+    g = select_geometry("cuda", 2, 7168, 4096, 8, wire="fp8", num_sms=24)  # capped fp8: 16 warps + prefetch
+    assert (g.num_warps, g.prefetch, g.cwarps) == (16, True, 32)
+    assert not select_geometry("cuda", 2, 7168, 4096, 8, num_sms=24).prefetch
     g = select_geometry("cuda", 2, 7168, 128, 8)  # decode: the dispatch's tiny tile
     assert (g.cbt, g.cwarps) == (g.bt, g.num_warps)
     assert select_geometry("cpu", 2, 96, 16, 3).cbt == select_geometry("cpu", 2, 96, 16, 3).bt

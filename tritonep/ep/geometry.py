@@ -165,6 +165,11 @@ def select_geometry(device_type: str, world_size: int, hidden: int, max_tokens_p
             # two kernels vs 470 us fused 64/64; world 1 on one H200: fp8 346 vs 550 us, mxfp4 363 vs 663 us,
             # benchmarks/results/ep_bench_h200x1_w1_split_2026-12-01.json)
             g = replace(g, fused_send=40, fused_expand=88)
+        if big and cap and wire == "fp8":
+            # an SM-capped fp8 dispatch is bound by its quantizing sender's compute: 16 warps (+ the expander's
+            # next-tile prefetch) at 24 SMs, world 1 on one H200: 1071 -> 781 us, kept 687 -> 595 us (bf16 gains
+            # nothing from either; results/ep_bench_h200x1_w1_prefetch_2026-12-01.json)
+            g = replace(g, num_warps=16, prefetch=True)
     override = envs.geometry_override()
     if override:
         g = _apply_override(g, override)

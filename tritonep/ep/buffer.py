@@ -235,7 +235,7 @@ class EPBuffer:
         return True
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                 keep_quantized: bool = False) -> Dispatched:
+                 keep_quantized: bool = False, *, sync_free: bool = False) -> Dispatched:
         """Send every token to the ranks of its experts; return the expert-grouped rows of this rank's experts.
 
         Args:
@@ -246,6 +246,13 @@ class EPBuffer:
                 ``[R, payload_bytes]``, e.g. e4m3 / e5m2 bits ``[R, H]``, packed e2m1 ``[R, H/2]``) and
                 ``x_scales`` (``[R, H/block]`` of the wire's scale dtype: fp32 / e8m0 uint8) instead of bf16 rows;
                 not differentiable.
+            sync_free: no host read in this call (the ``num_worst_tokens`` convention of DeepEP / Hybrid-EP /
+                torchtitan): ``x`` has ``max_recv_tokens`` rows, the real ones are ``[0, expert_offsets[-1])``
+                (device), the tail's rows are unspecified and its ``weights`` zero; ``handle.num_recv_rows`` is None.
+                Errors of the call (capacity, a peer's bad input, timeouts) are raised by the next call that reads
+                the status word (:meth:`check`, or a dispatch without ``sync_free``); until then the rows of a
+                refused call are unspecified. What graph capture does anyway. triton backend only
+                (:class:`ConfigError` on the nccl backend, whose all_to_all needs host split sizes).
 
         Returns:
             :class:`Dispatched` (rows ordered by (source rank, token, k) inside each expert segment).
@@ -267,6 +274,9 @@ class EPBuffer:
         ``expert_offsets[-1]`` are zero).
         """
         self._check_open()
+        if sync_free and self.backend != "triton":
+            raise ConfigError(f"dispatch(sync_free=True) needs backend='triton'; this buffer's backend is "
+                              f"{self.backend!r} (its all_to_all needs host split sizes)")
         refused = None
         try:
             x, topk_idx, topk_weights = check_dispatch_inputs(
@@ -277,7 +287,7 @@ class EPBuffer:
             x = torch.empty(0, self.hidden, dtype=self.dtype, device=self.device)
             topk_idx = torch.empty(0, self.topk, dtype=torch.int64, device=self.device)
             topk_weights = torch.empty(0, self.topk, dtype=torch.float32, device=self.device)
-        sync = self._sync()
+        sync = self._sync() and not sync_free
         flag = {"bad_input": True} if refused is not None else {}
         try:
             if keep_quantized and get_wire(self.dispatch_wire).quantized:

@@ -1,0 +1,72 @@
+"""dispatch(sync_free=True): no host read, max_recv_tokens rows, the real rows and the combine equal the synced call.
+
+Bit-exact (torch.equal): rows [0, expert_offsets[-1]), counts, offsets, weights (zero past the real rows), combine.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tritonep as tep
+from tritonep.errors import ConfigError
+from tritonep.testing import run_cpu_world
+from tritonep.testing.cases import make_rank_inputs
+
+
+def _world(group, ntokens):
+    rank = dist.get_rank()
+    E, H, Tm, K = 8, 64, 12, 3
+    buf = tep.EPBuffer(group, E, H, Tm, K)
+    out = []
+    for seed in (1, 2):
+        x, idx, w = make_rank_inputs(rank, ntokens[rank], H, E, K, seed=seed, mask_frac=0.2)
+        d = buf.dispatch(x, idx, w)
+        R = d.x.shape[0]
+        eo = buf.expert_out_buffer(R)
+        eo.copy_((d.x.float() * 0.25 - 1.0).to(torch.bfloat16))
+        y = buf.combine(eo, d.handle)
+        ref = dict(x=d.x.clone(), w=d.weights.clone(), offs=d.expert_offsets.clone(),
+                   ntpe=d.num_tokens_per_expert.clone(), y=y.clone())
+        reads = buf.host_reads
+        f = buf.dispatch(x, idx, w, sync_free=True)
+        assert buf.host_reads == reads, "sync_free dispatch read the device"
+        assert f.x.shape[0] == buf.max_recv_tokens and f.handle.num_recv_rows is None
+        eo2 = buf.expert_out_buffer()
+        eo2[:R].copy_((f.x[:R].float() * 0.25 - 1.0).to(torch.bfloat16))
+        y2 = buf.combine(eo2, f.handle)
+        assert buf.host_reads == reads
+        out.append(dict(ref=ref, x=f.x[:R].clone(), w=f.weights.clone(), offs=f.expert_offsets.clone(),
+                        ntpe=f.num_tokens_per_expert.clone(), y=y2.clone(), R=R))
+    buf.check()  # the status word holds no error
+    buf.close()
+    return out
+
+
+@pytest.mark.parametrize("ntokens", [[9, 12], [0, 7]])
+def test_sync_free_equals_synced(ntokens):
+    res = run_cpu_world(2, _world, ntokens)
+    for per_rank in res:
+        for c in per_rank:
+            ref, R = c["ref"], c["R"]
+            assert torch.equal(c["x"], ref["x"])
+            assert torch.equal(c["offs"], ref["offs"]) and torch.equal(c["ntpe"], ref["ntpe"])
+            assert torch.equal(c["w"][:R], ref["w"]) and not c["w"][R:].any()
+            assert torch.equal(c["y"], ref["y"])
+
+
+def _nccl_world(group):
+    buf = tep.EPBuffer(group, 4, 64, 8, 2, backend="nccl")
+    x = torch.zeros(2, 64, dtype=torch.bfloat16)
+    idx = torch.zeros(2, 2, dtype=torch.int64)
+    try:
+        buf.dispatch(x, idx, torch.ones(2, 2), sync_free=True)
+    except ConfigError as e:
+        return str(e)
+    finally:
+        buf.close()
+    return None
+
+
+def test_sync_free_refused_on_nccl():
+    msgs = run_cpu_world(2, _nccl_world)
+    assert all(m and "sync_free" in m for m in msgs)

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import tritonep as tep
-from tritonep.ep.launch import Launcher
+from tritonep.ep.triton.launch import Launcher
 from tritonep.kernels.layout import chunk_hist_kernel
 from tritonep.reference import combine_reference_partial, dispatch_reference
 from tritonep.testing import ProtocolMismatch, run_cpu_world

@@ -135,3 +135,15 @@ def wait_ge(flag_ptr, target, status_ptr, wait_id, peer, timeout, HAS_TIMER: tl.
     :func:`wait_all_ge` (same poll cost, so the interpreter's poll-count bound means the same seconds); on timeout
     records (STATUS_TIMEOUT, wait_id, peer) and returns 0."""
     return _wait_flags(flag_ptr, 1, target, status_ptr, wait_id, peer, timeout, HAS_TIMER, 2, True)
+
+
+@triton.jit
+def poll_bench_kernel(p, n):
+    """``n`` acquire polls of 8 words at ``p`` (their sum stored at ``p + 8``): what the interpreter's wait loop does
+    per poll, timed once by :func:`tritonep.ep.status.wait_bound` to turn a bound in seconds into a poll count."""
+    offs = tl.arange(0, 8)
+    acc = tl.zeros((), dtype=tl.int64)
+    for _ in range(n):
+        v = tl.atomic_add(p + offs, 0, sem="acquire", scope="sys")
+        acc += tl.sum(v, 0)
+    tl.store(p + 8, acc)

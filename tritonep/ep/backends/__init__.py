@@ -17,8 +17,9 @@ Registered today (in ``"auto"`` preference order):
   :class:`~tritonep.ep.triton.counts.CountsExchange`, :class:`~tritonep.ep.triton.expert_transport.ExpertTransport`):
   symmetric memory + Triton kernels; needs every rank to map every peer's memory (one host, peer access).
 * ``nccl`` (:mod:`tritonep.ep.nccl`: :class:`~tritonep.ep.nccl.backend.NcclEP`,
-  :class:`~tritonep.ep.nccl.counts.NcclCountsExchange`, :class:`~tritonep.ep.nccl.expert_transport.NcclExpertTransport`):
-  ``torch.distributed`` collectives; works for any group.
+  :class:`~tritonep.ep.nccl.counts.NcclCountsExchange`,
+  :class:`~tritonep.ep.nccl.expert_transport.NcclExpertTransport`): ``torch.distributed`` collectives; works for
+  any group.
 
 The front door (:mod:`tritonep.ep.buffer`) reaches a backend only through this registry: it builds one
 (:func:`build_backend`), sizes it (:func:`required_bytes`) and checks a ``backend=`` name

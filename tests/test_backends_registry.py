@@ -5,8 +5,8 @@ import inspect
 import pytest
 
 from tritonep.ep.backends import BACKENDS, EPBackend, backend_names, build_backend
-from tritonep.ep.nccl_backend import NcclEP
-from tritonep.ep.triton_backend import TritonEP
+from tritonep.ep.nccl.backend import NcclEP
+from tritonep.ep.triton.backend import TritonEP
 from tritonep.errors import ConfigError
 
 _MEMBERS = ("dispatch_fwd", "combine_fwd", "dispatch_bwd", "combine_bwd", "expert_out_buffer", "check", "close",
@@ -40,10 +40,11 @@ def test_build_is_keyword_only_and_satisfies_protocol():
 
 
 def test_unknown_backend_is_a_config_error():
-    from tritonep.ep.validate import check_static
+    from tritonep.ep.backends import check_backend_name
 
     with pytest.raises(ConfigError, match="'auto', 'triton', 'nccl'"):
-        check_static(2, 8, 64, 4, 2, "bf16", "bf16", 1, None, "rdma")
+        check_backend_name("rdma")
+    check_backend_name("auto")
 
 
 # ------------------------------------------------------------------------------------------------ handles, services

@@ -177,7 +177,7 @@ def _empty_rank_grad_world(group, backend, loss):
 @pytest.mark.parametrize("loss", ["sum", "float-sum"])
 @pytest.mark.parametrize("backend", [
     "triton",
-    "nccl",  # was a bug: grad_y [0, H] with stride 0 broke nccl_pack._as_words (fixed)
+    "nccl",  # was a bug: grad_y [0, H] with stride 0 broke nccl.pack._as_words (fixed)
 ])
 def test_backward_with_an_empty_rank_and_an_expanded_grad(backend, loss):
     g = run_cpu_world(2, _empty_rank_grad_world, backend, loss, timeout_s=120)
@@ -481,7 +481,7 @@ def test_nccl_backend_with_sync_checks_off():
 
 # ------------------------------------------------------------------------------------------ the recorder's blind spots
 def _direct_launch_world(group, how):
-    from tritonep.ep.launch import Launcher
+    from tritonep.ep.triton.launch import Launcher
     from tritonep.kernels.layout import chunk_hist_kernel
 
     rank = dist.get_rank(group)

@@ -75,7 +75,8 @@ def _ep_paths(group):
 
 def _transport_paths(group):
     from tritonep.balance import place_torch
-    from tritonep.balance.transport import ExpertTransport, PushWeights
+    from tritonep.balance.transport import PushWeights
+    from tritonep.ep.triton.expert_transport import ExpertTransport
 
     recs = []
     with record_launches(recs):
@@ -131,7 +132,7 @@ def test_virtual_expert_kernels_compile_for_sm90():
 
 def _peer_kernel_paths(group):
     from tritonep.memory import Region, get_heap
-    from tritonep.testing.peer_kernels import peer_wait_kernel, peer_write_kernel
+    from tritonep.kernels.probe_heap import peer_wait_kernel, peer_write_kernel
 
     rank, W = dist.get_rank(), dist.get_world_size()
     recs = []

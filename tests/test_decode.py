@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import tritonep as tep
-from tritonep.ep import launch
+from tritonep.ep import recorder
 from tritonep.ep.geometry import DECODE_MAX_TOKENS, select_geometry
 from tritonep.errors import ConfigError, PeerTimeoutError
 from tritonep.reference import combine_reference_partial, dispatch_reference
@@ -67,7 +67,7 @@ def _pair_world(group, cfg, script, geometry):
     os.environ.pop("TRITONEP_GEOMETRY", None)
     G = bufs["one"].geometry.decode
     assert G > 0 and bufs["two"].geometry.decode == 0
-    rec = launch.get_recorder()
+    rec = recorder.get_recorder()
     seen = []
 
     def spy(ev):
@@ -75,7 +75,7 @@ def _pair_world(group, cfg, script, geometry):
         if rec is not None:
             rec(ev)
 
-    launch.set_recorder(spy)
+    recorder.set_recorder(spy)
     out = []
     for i, ts in enumerate(script):
         x, idx, w = make_rank_inputs(rank, ts[rank], H, E, K, seed=500 + i, mask_frac=0.15)
@@ -105,7 +105,7 @@ def _pair_world(group, cfg, script, geometry):
     counters = (impl.flags.clone(), impl.calls.clone())  # [NUM_FLAG_ROWS, W] per-source counters, call numbers
     for buf in bufs.values():
         buf.close()
-    launch.set_recorder(rec)
+    recorder.set_recorder(rec)
     return out, G, counters
 
 

@@ -1,11 +1,11 @@
-"""LaunchCache (tritonep/ep/fast_launch.py): keys follow Triton's specialisation; hits bind every parameter."""
+"""LaunchCache (tritonep/ep/triton/fast_launch.py): keys follow Triton's specialisation; hits bind every parameter."""
 
 import inspect
 
 import pytest
 import torch
 
-from tritonep.ep.fast_launch import LaunchCache, spec_key
+from tritonep.ep.triton.fast_launch import LaunchCache, spec_key
 
 
 class _Param:
@@ -81,7 +81,7 @@ def test_every_specialisation_change_misses(change):
 
 
 def test_same_key_for_equal_specialisation():
-    from tritonep.ep.fast_launch import _KernelInfo
+    from tritonep.ep.triton.fast_launch import _KernelInfo
 
     info = _KernelInfo(_Kernel())
     x = torch.zeros(64)
@@ -126,7 +126,7 @@ def test_key_never_merges_what_triton_specialises_apart():
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
 
-    from tritonep.ep.fast_launch import _arg_key
+    from tritonep.ep.triton.fast_launch import _arg_key
 
     buf = torch.zeros(64, dtype=torch.int64)
     vals = [0, 1, -1, 2, 15, 16, 17, 32, (1 << 31) - 16, (1 << 31) - 1, 1 << 31, -(1 << 31), -(1 << 31) - 1,

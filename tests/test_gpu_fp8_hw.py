@@ -16,7 +16,7 @@ import torch
 
 from tritonep.kernels.quant import FP8_E4M3_CODEC
 from tritonep.kernels.quant_e5m2 import FP8_E5M2_CODEC
-from tritonep.testing.fp8_hw_checks import decode_codes_kernel, sweep_encode_kernel, tile_quant_kernel
+from tritonep.kernels.probe_fp8_hw import decode_codes_kernel, sweep_encode_kernel, tile_quant_kernel
 
 pytestmark = pytest.mark.gpu
 

@@ -8,7 +8,7 @@ import torch
 from tritonep.errors import HeapError, LayoutError, RankError
 from tritonep.memory import ALIGN, CpuHeap, Region, get_heap, layout, required_bytes
 from tritonep.testing import WorldTimeout, run_cpu_world
-from tritonep.testing.peer_kernels import peer_wait_kernel, peer_write_kernel
+from tritonep.kernels.probe_heap import peer_wait_kernel, peer_write_kernel
 
 
 def test_layout_is_aligned_and_sized():

@@ -219,7 +219,7 @@ def test_gpu_nccl_matches_triton_deepseek_shape():
 # ------------------------------------------------------------------------------------------- host plan
 def test_host_plan_matches_layout_torch():
     """The numpy layout of the nccl backend equals the shared torch twin (send_base, segments, capacity)."""
-    from tritonep.ep.nccl_backend import _host_plan
+    from tritonep.ep.nccl.plan import host_plan
     from tritonep.ep.layout import layout_torch
 
     gen = torch.Generator().manual_seed(7)
@@ -234,7 +234,7 @@ def test_host_plan_matches_layout_torch():
             m[:, E + 1:E + 1 + W] = torch.randint(0, 9, (W, W), generator=gen)
             for rank in range(W):
                 lay = layout_torch(counts, rank, A)
-                need, small, ss, rs, n = _host_plan(m.numpy(), rank, W, E, A)
+                need, small, ss, rs, n = host_plan(m.numpy(), rank, W, E, A)
                 small = torch.from_numpy(small).long()
                 mine = m[rank, :E + 1]
                 start = torch.cumsum(mine, 0) - mine
@@ -349,7 +349,7 @@ def test_bad_ids_and_refused_input_on_different_ranks():
 
 
 def test_timeout_kwarg_is_stored():
-    from tritonep.ep.nccl_backend import NcclEP
+    from tritonep.ep.nccl.backend import NcclEP
 
     ep = NcclEP(None, 0, 2, 8, 64, 4, 2, 1, 64, torch.device("cpu"), torch.bfloat16, timeout_s=7.5)
     assert ep.timeout_s == 7.5

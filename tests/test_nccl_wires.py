@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from tritonep.ep import EPBuffer
-from tritonep.ep.nccl_backend import NcclEP
+from tritonep.ep.nccl.backend import NcclEP
 from tritonep.errors import WireError
 from tritonep.reference import dispatch_reference
 from tritonep.testing import run_cpu_world, run_gpu_world

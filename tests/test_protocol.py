@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import tritonep as tep
-from tritonep.ep.launch import Launcher
+from tritonep.ep.triton.launch import Launcher
 from tritonep.kernels.layout import chunk_hist_kernel
 from tritonep.reference import combine_reference_partial, dispatch_reference
 from tritonep.testing import ProtocolMismatch, run_cpu_world
@@ -253,7 +253,7 @@ def test_every_signalling_kernel_is_launched_through_a_launcher():
     for text in sources.values():
         for m in re.finditer(r"^def (\w+)\(.*?(?=^(?:@|def |class )|\Z)", text, re.S | re.M):
             bodies[m.group(1)] = m.group(0)
-    signalling = re.compile(r"\b(signal_peers|signal_one|publish_epoch|wait_all_ge|wait_ge)\(")
+    signalling = re.compile(r"\b(signal_peers|signal_one|publish_epoch|publish_epoch_one|wait_all_ge|wait_ge)\(")
 
     def signals(name, seen=()):
         body = bodies.get(name, "")

@@ -170,7 +170,7 @@ def test_w3_decode_buffer_with_own_combine_tile():
 
 
 def _counts_world(group, E, Tm, K, Ts):
-    from tritonep.ep.counts import CountsExchange
+    from tritonep.ep.triton.counts import CountsExchange
 
     rank = dist.get_rank(group)
     cx = CountsExchange(group, E, Tm, K, "cpu")
@@ -220,7 +220,7 @@ def test_counts_exchange_several_programs_w3():
 
 
 def _any_grid_world(group, cfg, steps, grid):
-    import tritonep.ep.triton_backend as tb
+    import tritonep.ep.triton.backend as tb
 
     real = tb.exchange_tiles
     used = []

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from tritonep.data import load_flame_trace
-from tritonep.data.routing_file import RoutingHistogram, RoutingTrace, load_routing_file
+from tritonep.data.routing_file import load_routing_file
+from tritonep.data.routing_records import RoutingHistogram, RoutingTrace
 from tritonep.errors import DataError
 
 GOOD_CSV = "layer,token,e0,e1,s0,s1\n0,1,7,5,0.48,0.32\n0,0,5,2,0.6,0.2\n3,0,1,-1,0.9,0.0\n"

@@ -24,6 +24,8 @@ from typing import Sequence
 import torch
 
 from .errors import ConfigError, InputError
+from .reference_checks import check_routing
+from .reference_moe import moe_dense_reference  # public path of the MoE oracle
 
 __all__ = [
     "RefDispatch",
@@ -62,39 +64,6 @@ class RefDispatch:
     counts: torch.Tensor
 
 
-def _check_routing(
-    topk_idxs: Sequence[torch.Tensor], topk_weights: Sequence[torch.Tensor] | None, num_experts: int, world_size: int
-) -> tuple[int, int]:
-    """Validate per-rank routing; returns (K, L)."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ConfigError(f"world_size must be an int >= 1, got {world_size!r}")
-    if not isinstance(num_experts, int) or num_experts < 1 or num_experts % world_size != 0:
-        raise ConfigError(f"num_experts={num_experts!r} must be a positive multiple of world_size={world_size}")
-    if len(topk_idxs) != world_size:
-        raise InputError(f"topk_idxs has {len(topk_idxs)} entries, expected world_size={world_size}")
-    if topk_weights is not None and len(topk_weights) != world_size:
-        raise InputError(f"topk_weights has {len(topk_weights)} entries, expected world_size={world_size}")
-    ks = set()
-    for r, idx in enumerate(topk_idxs):
-        if idx.dim() != 2 or idx.dtype not in (torch.int32, torch.int64):
-            raise InputError(f"rank {r}: topk_idx must be [T, K] int32/int64, got {tuple(idx.shape)} {idx.dtype}")
-        ks.add(idx.shape[1])
-        if idx.numel() and (int(idx.min()) < -1 or int(idx.max()) >= num_experts):
-            raise InputError(
-                f"rank {r}: topk_idx values must be in [-1, {num_experts}), "
-                f"got min {int(idx.min())} max {int(idx.max())}"
-            )
-        if topk_weights is not None:
-            w = topk_weights[r]
-            if w.shape != idx.shape or not w.is_floating_point():
-                raise InputError(
-                    f"rank {r}: topk_weights must be float {tuple(idx.shape)}, got {tuple(w.shape)} {w.dtype}"
-                )
-    if len(ks) > 1:
-        raise InputError(f"topk (K) differs across ranks: {[tuple(i.shape) for i in topk_idxs]}")
-    return ks.pop(), num_experts // world_size
-
-
 def dispatch_reference(
     xs: Sequence[torch.Tensor],
     topk_idxs: Sequence[torch.Tensor],
@@ -118,7 +87,7 @@ def dispatch_reference(
         ConfigError: bad world_size / num_experts / expert_alignment. InputError: list lengths, shapes, dtypes, or
         ids outside ``[-1, E)``.
     """
-    _, num_local = _check_routing(topk_idxs, topk_weights, num_experts, world_size)
+    _, num_local = check_routing(topk_idxs, topk_weights, num_experts, world_size)
     if isinstance(expert_alignment, bool) or not isinstance(expert_alignment, int) or expert_alignment < 1:
         raise ConfigError(f"expert_alignment must be an int >= 1, got {expert_alignment!r}")
     if len(xs) != world_size:
@@ -196,7 +165,7 @@ def _route_rows(
     if world < 1:
         raise InputError("dispatched is empty")
     num_local = dispatched[0].num_tokens_per_expert.numel()
-    _check_routing(topk_idxs, None, num_local * world, world)
+    check_routing(topk_idxs, None, num_local * world, world)
     if row_counts is not None:
         for d, (disp, rows) in enumerate(zip(dispatched, row_counts)):
             if rows != disp.src_rank.numel():
@@ -383,5 +352,3 @@ def combine_backward_reference(
     grad_eo = list(torch.split(grad_all, [o.shape[0] for o in expert_outs], dim=0))
     return [ge.clone() for ge in grad_eo], grad_w
 
-
-from .reference_moe import moe_dense_reference  # noqa: E402 (public path of the MoE oracle)

@@ -1,6 +1,6 @@
 """The single-rank dense MoE oracle (fp32 SwiGLU experts): the end-to-end spec of :class:`tritonep.MoELayer`.
 
-Public path: :func:`tritonep.reference.moe_dense_reference` (re-exported there).
+Public path: :func:`tritonep.reference.moe_dense_reference` (re-exported there; this module imports nothing of it).
 """
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from .errors import InputError
+from .reference_checks import check_routing
 
 __all__ = ["moe_dense_reference"]
 
@@ -42,9 +43,7 @@ def moe_dense_reference(
                          f"[E, I, H])")
     if topk_idx.shape[0] != t_n:
         raise InputError(f"topk_idx has {topk_idx.shape[0]} tokens, x has {t_n}")
-    from .reference import _check_routing  # at call time: reference.py re-exports this module's function
-
-    _check_routing([topk_idx], [topk_weights], num_experts, 1)
+    check_routing([topk_idx], [topk_weights], num_experts, 1)
     xf, w = x.float(), topk_weights.float()
     outs = torch.zeros(t_n, topk_idx.shape[1], hidden, dtype=torch.float32, device=x.device)
     for e in torch.unique(topk_idx[topk_idx >= 0]).tolist():

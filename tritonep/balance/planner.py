@@ -19,14 +19,16 @@ from tritonep.balance.placement import (
 )
 from tritonep.balance.remap import check_topk_idx
 from tritonep.errors import PlanError
+from tritonep.kernels import protocol as P
 from tritonep.kernels.common import check_kernel_mode
 from tritonep.kernels.planner import plan_kernel
 
 __all__ = ["plan", "plan_status", "check_plan_status"]
 
-_STATUS_BITS = {1: "a negative entry in counts", 2: "topk_idx histogram differs from counts[rank]",
-                4: "an expert id outside [-1, num_experts) in topk_idx",
-                8: "an internal wait of the planner kernel gave up (TRITONEP_TIMEOUT_S)"}
+_STATUS_BITS = {P.v(P.PLAN_NEGATIVE_COUNT): "a negative entry in counts",
+                P.v(P.PLAN_HISTOGRAM_MISMATCH): "topk_idx histogram differs from counts[rank]",
+                P.v(P.PLAN_BAD_EXPERT_ID): "an expert id outside [-1, num_experts) in topk_idx",
+                P.v(P.PLAN_WAIT_GAVE_UP): "an internal wait of the planner kernel gave up (TRITONEP_TIMEOUT_S)"}
 MAX_PLAN_PROGRAMS = 256  # route chunks per launch (the kernel's flag vector is sized from it)
 # the kernel's persistent state per device, see _sync_state
 _SYNC: dict = {}

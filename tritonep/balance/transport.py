@@ -1,8 +1,8 @@
 """Virtual-expert weight transport as autograd: push the weights forward, pull their gradients back.
 
 The data movement lives with the backends (imports go one way: ep -> balance): every backend has an expert transport
-(:class:`tritonep.ep.backends.ExpertTransport`; triton: :class:`tritonep.ep.expert_transport.ExpertTransport`
-over symmetric memory, nccl: :class:`tritonep.ep.nccl_side.NcclExpertTransport` over all_to_all), built with
+(:class:`tritonep.ep.backends.ExpertTransport`; triton: :class:`tritonep.ep.triton.expert_transport.ExpertTransport`
+over symmetric memory, nccl: :class:`tritonep.ep.nccl.expert_transport.NcclExpertTransport` over all_to_all), built with
 :meth:`tritonep.EPBuffer.expert_transport`. This module adds the autograd function :class:`PushWeights` and the host
 helper :func:`used_slot_count`; the MoE layer calls push / pull directly from its one forward and backward.
 
@@ -13,10 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ep.expert_transport import ExpertTransport, transport_regions
-from ..ep.slot_transport import pull_torch
-
-__all__ = ["ExpertTransport", "PushWeights", "used_slot_count", "transport_regions", "pull_torch"]
+__all__ = ["PushWeights", "used_slot_count"]
 
 
 class PushWeights(torch.autograd.Function):

@@ -33,8 +33,8 @@ combine (partial / out), and the one-launch dispatch and combine."""
 
 @contextlib.contextmanager
 def launch_timer():
-    """Wrap :class:`tritonep.ep.launch.Launcher` calls; yields a dict kernel name -> accumulated host seconds."""
-    from ..ep import launch
+    """Wrap :class:`tritonep.ep.triton.launch.Launcher` calls; yields a dict kernel name -> accumulated host seconds."""
+    from ..ep.triton import launch
 
     acc = defaultdict(float)
     orig = launch.Launcher.__call__

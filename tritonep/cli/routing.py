@@ -107,7 +107,8 @@ def resolve(spec: str, domain: str = "arxiv") -> RoutingSource:
         if domain not in olmoe_domains():
             raise DataError(f"--domain {domain!r}: OLMoE domains are {olmoe_domains()}")
         return RoutingSource(spec, "histogram", olmoe_layers(), 8, -1, 64, f"olmoe ({domain}) histograms")
-    from ..data.routing_file import RoutingTrace, load_routing_file
+    from ..data.routing_file import load_routing_file
+    from ..data.routing_records import RoutingTrace
 
     f = load_routing_file(spec)
     if isinstance(f, RoutingTrace):
@@ -141,7 +142,8 @@ def layer_routing(spec: str, layer: int, total_tokens: int, world_size: int, num
         hist = scale_histogram_to_experts(load_olmoe_histogram(domain, layer), num_experts)
         idx, w = sample_routing(hist, total_tokens, topk, generator=layer)
     else:
-        from ..data.routing_file import RoutingTrace, load_routing_file
+        from ..data.routing_file import load_routing_file
+        from ..data.routing_records import RoutingTrace
 
         f = load_routing_file(spec)
         if isinstance(f, RoutingTrace):

@@ -13,7 +13,8 @@ from .loaders import (
     scale_histogram_to_experts,
     split_across_ranks,
 )
-from .routing_file import RoutingHistogram, RoutingTrace, load_routing_file
+from .routing_file import load_routing_file
+from .routing_records import RoutingHistogram, RoutingTrace
 
 __all__ = [
     "FLAME_FILE",

@@ -1,6 +1,6 @@
 """JSON expert-load histograms (the format is described in :mod:`tritonep.data.routing_file`).
 
-Public path: :func:`tritonep.data.routing_file.load_routing_json` (re-exported there). Errors are
+Called by :func:`tritonep.data.routing_file.load_routing_file` for ``.json`` files and JSON content. Errors are
 :class:`tritonep.errors.DataError` as ``"FILE:LINE:COL: message"``, positions found by a JSON decoder whose arrays
 remember where every item starts.
 """
@@ -16,6 +16,7 @@ import re
 import torch
 
 from ..errors import DataError
+from .routing_records import RoutingHistogram, read_text, stat_key
 
 __all__ = ["load_routing_json"]
 
@@ -69,9 +70,7 @@ def load_routing_json(path: str, num_experts: int | None = None):
             histograms of different lengths, a count that is not an int >= 0, a layer with no positive count,
             ``layers`` that do not match, a bad ``topk``, or a positive count of an expert ``>= num_experts``.
     """
-    from .routing_file import _stat_key  # at call time: routing_file re-exports this module's loader
-
-    h = _parse_json(path, *_stat_key(path))
+    h = _parse_json(path, *stat_key(path))
     if num_experts is not None:
         h.check_num_experts(num_experts)
     return h
@@ -80,9 +79,7 @@ def load_routing_json(path: str, num_experts: int | None = None):
 @functools.lru_cache(maxsize=8)
 def _parse_json(path: str, _abspath: str, _mtime: int, _size: int):
     """Parse (cached by path, mtime, size) a JSON histogram into a :class:`RoutingHistogram`."""
-    from .routing_file import RoutingHistogram, _read
-
-    text = _read(path)
+    text = read_text(path)
     if not text.strip():
         raise DataError(f"{path}:1:1: empty file: expected a JSON histogram {{\"counts_per_layer\": [[...], ...]}}")
     try:

@@ -17,13 +17,11 @@ import torch.distributed as dist
 
 from .. import envs
 from ..errors import BufferStateError, CapacityError, ConfigError, InputError, PeerInputError
-from ..memory import required_bytes as _layout_bytes
 from ..wire.formats import get_wire
 from .autograd import CombineFn, DispatchFn
 from .backend_choice import choose_backend
 from .handle import Dispatched, DispatchHandle
-from .backends import BACKENDS, build_backend
-from .triton_regions import regions
+from .backends import BACKENDS, build_backend, check_backend_name, required_bytes as backend_required_bytes
 from .status import resolve_timeout
 from .validate import check_backward_inputs, check_combine_inputs, check_dispatch_inputs, check_static, default_max_recv
 
@@ -74,7 +72,8 @@ class EPBuffer:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         check_static(self.world_size, num_experts, hidden, max_tokens_per_rank, topk, dispatch_wire,
-                      combine_wire, expert_alignment, max_recv_tokens, backend)
+                      combine_wire, expert_alignment, max_recv_tokens)
+        check_backend_name(backend)
         if max_recv_tokens is None:
             max_recv_tokens = default_max_recv(self.world_size, num_experts, max_tokens_per_rank, topk,
                                                 expert_alignment)
@@ -132,15 +131,13 @@ class EPBuffer:
         Equals what the triton backend allocates (the same region list goes through the same layout function).
         """
         check_static(world_size, num_experts, hidden, max_tokens_per_rank, topk, dispatch_wire, combine_wire,
-                      expert_alignment, max_recv_tokens, "auto")
+                      expert_alignment, max_recv_tokens)
         if max_recv_tokens is None:
             max_recv_tokens = default_max_recv(world_size, num_experts, max_tokens_per_rank, topk,
                                                 expert_alignment)
-        from .geometry import select_geometry
-
-        bt = select_geometry(device_type, world_size, hidden, max_tokens_per_rank, topk).bt
-        return _layout_bytes(regions(world_size, num_experts, hidden, max_tokens_per_rank, topk, max_recv_tokens,
-                                     dtype, bt))
+        return backend_required_bytes("triton", world_size=world_size, num_experts=num_experts, hidden=hidden,
+                                      max_tokens_per_rank=max_tokens_per_rank, topk=topk,
+                                      max_recv_tokens=max_recv_tokens, dtype=dtype, device_type=device_type)
 
     def _check_same_on_all_ranks(self, cfg: dict):
         gathered = [None] * self.world_size

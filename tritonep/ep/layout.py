@@ -1,6 +1,6 @@
 """Torch twins of the dispatch layout: per-expert counts, segment layout, every route's destination row.
 
-These are the specification of the counts exchange and layout that :class:`tritonep.ep.counts.CountsExchange` and
+These are the specification of the counts exchange and layout that :class:`tritonep.ep.triton.counts.CountsExchange` and
 the triton backend run with the kernels of :mod:`tritonep.kernels.layout` (whose docstring derives the row
 formula), and of the nccl backend's host plan; tests compare both against them bit for bit.
 

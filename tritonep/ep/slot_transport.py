@@ -1,11 +1,11 @@
 """What every backend's virtual-expert weight transport shares: argument checks, slot views and the torch twin.
 
-A transport (one per backend: :class:`tritonep.ep.expert_transport.ExpertTransport` over symmetric memory,
-:class:`tritonep.ep.nccl_side.NcclExpertTransport` over ``torch.distributed``) holds L virtual slots per weight on
-every rank and moves, per step, the weights the placement asks for (``push``) and their gradients back (``pull``).
-The placement contract (from :class:`tritonep.balance.Placement`, read here by attribute only: ep does not import
-balance): ``experts_to_copy [W, L]`` (slot s of rank d holds global expert e, owner ``e // L``; -1 = unused) and
-its inverse ``expert_slot [E, W]``.
+A transport (one per backend: :class:`tritonep.ep.triton.expert_transport.ExpertTransport` over symmetric
+memory, :class:`tritonep.ep.nccl.expert_transport.NcclExpertTransport` over ``torch.distributed``) holds L virtual
+slots per weight on every rank and moves, per step, the weights the placement asks for (``push``) and their
+gradients back (``pull``). The placement contract (from :class:`tritonep.balance.Placement`, read here by
+attribute only: ep does not import balance): ``experts_to_copy [W, L]`` (slot s of rank d holds global expert e,
+owner ``e // L``; -1 = unused) and its inverse ``expert_slot [E, W]``.
 
 :func:`pull_torch` is the twin of ``pull``: the exact bits on one process from every rank's slot gradients.
 

@@ -33,22 +33,12 @@ def _interp_polls_per_s() -> float:
     """Polls per second of the interpreter's wait loop, measured once (so the CPU bound is in seconds too)."""
     global _POLLS_PER_S
     if _POLLS_PER_S is None:
-        import triton
-        import triton.language as tl
-
-        @triton.jit
-        def _poll_bench(p, n):
-            offs = tl.arange(0, 8)
-            acc = tl.zeros((), dtype=tl.int64)
-            for _ in range(n):
-                v = tl.atomic_add(p + offs, 0, sem="acquire", scope="sys")
-                acc += tl.sum(v, 0)
-            tl.store(p + 8, acc)
+        from ..kernels.signal import poll_bench_kernel
 
         buf = torch.zeros(16, dtype=torch.int64)
         n = 200
         t0 = time.perf_counter()
-        _poll_bench[(1,)](buf, n)
+        poll_bench_kernel[(1,)](buf, n)
         dt = max(time.perf_counter() - t0, 1e-6)
         _POLLS_PER_S = n / dt
     return _POLLS_PER_S

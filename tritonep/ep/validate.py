@@ -13,7 +13,7 @@ import torch
 from ..errors import CapacityError, ConfigError, InputError
 
 __all__ = ["check_dispatch_inputs", "check_combine_inputs", "check_backward_inputs", "check_expert_ids", "check_static",
-           "default_max_recv"]
+           "counts_input_refusal", "default_max_recv"]
 
 _ID_DTYPES = (torch.int32, torch.int64)
 
@@ -64,6 +64,22 @@ def check_expert_ids(topk_idx: torch.Tensor, num_experts: int):
         pos = torch.nonzero(bad)[0].tolist()
         val = int(topk_idx[pos[0], pos[1]])
         raise InputError(f"topk_idx[{pos[0]}, {pos[1]}] = {val} is outside [-1, num_experts={num_experts})")
+
+
+def counts_input_refusal(topk_idx, topk: int, max_tokens_per_rank: int, device):
+    """The error a counts exchange refuses ``topk_idx`` with (every backend's), or None when it is accepted.
+
+    Returns:
+        InputError: not an int32/int64 ``[T, topk]`` tensor on ``device``. CapacityError: ``T > max_tokens_per_rank``.
+    """
+    if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2 or topk_idx.shape[1] != topk \
+            or topk_idx.dtype not in (torch.int32, torch.int64) or topk_idx.device != device:
+        return InputError(f"topk_idx must be an int32/int64 [T, {topk}] tensor on {device}, got "
+                          f"{tuple(getattr(topk_idx, 'shape', ()))} {getattr(topk_idx, 'dtype', type(topk_idx))}")
+    if topk_idx.shape[0] > max_tokens_per_rank:
+        return CapacityError(f"num_tokens={topk_idx.shape[0]} exceeds max_tokens_per_rank={max_tokens_per_rank}",
+                             needed=topk_idx.shape[0], available=max_tokens_per_rank)
+    return None
 
 
 def check_combine_inputs(expert_out, handle, *, hidden, dtype, device, min_rows, name="expert_out"):
@@ -120,16 +136,16 @@ def default_max_recv(world_size, num_experts, max_tokens_per_rank, topk, expert_
 
 
 def check_static(world_size, num_experts, hidden, max_tokens_per_rank, topk, dispatch_wire, combine_wire,
-                 expert_alignment, max_recv_tokens, backend):
-    """Check an EPBuffer's static configuration before anything is allocated.
+                 expert_alignment, max_recv_tokens):
+    """Check an EPBuffer's static configuration before anything is allocated (the ``backend=`` name is checked by
+    the registry: :func:`tritonep.ep.backends.check_backend_name`).
 
     Raises:
-        ConfigError: a size that is not a positive int, ``num_experts`` not divisible by ``world_size``, a bad
-            ``max_recv_tokens`` or an unknown ``backend`` (the message names the value).
+        ConfigError: a size that is not a positive int, ``num_experts`` not divisible by ``world_size`` or a bad
+            ``max_recv_tokens`` (the message names the value).
         WireError: an unknown wire or a ``hidden`` the wire's block does not divide.
     """
     from ..wire.formats import check_wire
-    from .backends import backend_names
 
     for name, v in (("world_size", world_size), ("num_experts", num_experts), ("hidden", hidden),
                     ("max_tokens_per_rank", max_tokens_per_rank), ("topk", topk),
@@ -140,8 +156,5 @@ def check_static(world_size, num_experts, hidden, max_tokens_per_rank, topk, dis
         raise ConfigError(f"num_experts={num_experts} is not divisible by world_size={world_size}")
     if max_recv_tokens is not None and (not isinstance(max_recv_tokens, int) or max_recv_tokens < 1):
         raise ConfigError(f"max_recv_tokens must be a positive int or None, got {max_recv_tokens!r}")
-    if backend != "auto" and backend not in backend_names():
-        names = ", ".join(repr(n) for n in ("auto",) + backend_names())
-        raise ConfigError(f"backend={backend!r} is not one of {names}")
     check_wire(dispatch_wire, hidden, "dispatch_wire")
     check_wire(combine_wire, hidden, "combine_wire")

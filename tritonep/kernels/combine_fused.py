@@ -21,16 +21,8 @@ import triton.language as tl
 
 from .combine import out_chunk, partial_item, partial_item_source
 from .protocol import CALL_COMBINE, FLAG_CACK, STATUS_TIMEOUT, WAIT_CACK, WAIT_CDATA
-from .signal import signal_peers, wait_all_ge
+from .signal import publish_epoch_one, signal_peers, wait_all_ge
 from .wirecodec import RAW_BF16
-
-
-@triton.jit
-def _publish_one(ptr_table, peer, index, value):
-    """``flag[index] = max(flag[index], value)`` (release, system scope) in rank ``peer``'s int64 flag array."""
-    tl.debug_barrier()
-    base = tl.load(ptr_table + peer)
-    tl.atomic_max(base.to(tl.pointer_type(tl.int64)) + index, value, sem="release", scope="sys")
 
 
 @triton.jit(do_not_specialize=['T', 'cdata_off', 'cack_off', 'timeout', 'G_partial_std', 'G_out_std', 'Tmax',
@@ -60,7 +52,7 @@ def combine_fused_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, stage_tab, ccfl
             if c * BT < Ts:
                 partial_item(src, c, Ts, live, eo_ptr, hmeta_ptr, hwts_ptr, hwts_ptr, stage_tab, stage_tab, Tmax,
                              RANK, K, KB, H, BH, BT, True, True, False, HAS_TIMER, RB, WIRE, POW2)
-            _publish_one(ccflag_tab, src, c * W + RANK, m)
+            publish_epoch_one(ccflag_tab, src, c * W + RANK, m)
         signal_peers(flags_tab, cdata_off, W, RANK, WB)
     else:
         e = pid - GS

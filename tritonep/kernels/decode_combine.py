@@ -11,7 +11,7 @@ Every program of a grid of ``G`` programs (the geometry's ``dec``, the same grid
 3. sums the same chunk numbers of this rank's tokens: waits for ``ccflag[c, r] >= m`` of every rank ``r`` (set by
    program ``pid`` of rank ``r``) and adds the partials in rank order (:func:`tritonep.kernels.combine.out_chunk`);
 4. the last program to finish advances ``calls[CALL_COMBINE]`` and adds G to CDATA and CACK in every rank
-   (:func:`tritonep.kernels.decode_dispatch.finish_launch`), so no torch op advances the counter before the launch.
+   (:func:`tritonep.kernels.signal.finish_launch`), so no torch op advances the counter before the launch.
 
 Waits target only program ``pid`` of other ranks (the waiting program itself for its own rank) or earlier launches,
 never another program of this rank's grid: correct in the interpreter at any grid and at grid 1; on the GPU every
@@ -26,10 +26,8 @@ import triton
 import triton.language as tl
 
 from .combine import out_chunk, partial_item
-from .combine_fused import _publish_one
-from .decode_dispatch import finish_launch
 from .protocol import CALL_COMBINE, DONE_DECODE_COMBINE, FLAG_CACK, STATUS_TIMEOUT, WAIT_CACK, WAIT_CDATA
-from .signal import wait_all_ge
+from .signal import finish_launch, publish_epoch_one, wait_all_ge
 from .wirecodec import RAW_BF16
 
 __all__ = ["combine_decode_kernel"]
@@ -61,7 +59,7 @@ def combine_decode_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, stage_tab, ccf
             if c * BT < Ts:
                 partial_item(src, c, Ts, live, eo_ptr, hmeta_ptr, hwts_ptr, hwts_ptr, stage_tab, stage_tab, Tmax,
                              RANK, K, KB, H, BH, BT, True, True, False, HAS_TIMER, RB, WIRE, POW2)
-            _publish_one(ccflag_tab, src, c * W + RANK, m)
+            publish_epoch_one(ccflag_tab, src, c * W + RANK, m)
     for c in range(pid, tl.cdiv(T, BT), G):
         wait_all_ge(ccflag_ptr + c * W, W, m, status_ptr, WAIT_CDATA, timeout, HAS_TIMER, WB)
         live_c = tl.load(status_ptr) != STATUS_TIMEOUT

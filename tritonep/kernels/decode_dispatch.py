@@ -49,32 +49,10 @@ from .dispatch import expand_item, send_chunk, zero_padding
 from .layout import layout_tiles, record_verdict, refused_call, store_layout
 from .protocol import (CALL_DISPATCH, CALL_EXCHANGE, DONE_DECODE_DISPATCH, FLAG_ACK, FLAG_COUNTS, ST_ROWS_RECEIVED,
                        STATUS_TIMEOUT, WAIT_ACK, WAIT_COUNTS, WAIT_DATA)
-from .signal import publish_epoch, signal_peers, wait_all_ge, wait_ge
+from .signal import finish_launch, publish_epoch, signal_peers, wait_all_ge, wait_ge
 from .wirecodec import RAW_BF16
 
-__all__ = ["dispatch_decode_kernel", "finish_launch"]
-
-
-@triton.jit
-def finish_launch(calls_ptr, DONE: tl.constexpr, CALL_A: tl.constexpr, a, CALL_B: tl.constexpr, b,
-                  TWO: tl.constexpr, flags_tab, off_1, off_2, W: tl.constexpr, RANK: tl.constexpr,
-                  WB: tl.constexpr):
-    """Count this program done (``calls[DONE] += 1``, acq_rel); the last program of the launch stores the call
-    numbers ``calls[CALL_A] = a`` (and ``calls[CALL_B] = b`` when TWO) and adds G (the grid) to the flag rows at
-    byte offsets ``off_1`` and ``off_2`` (column RANK) in every rank: the two-kernel path's per-program counters
-    (DATA/ACK, CDATA/CACK), signalled once for the whole grid when every program has finished (a G-weighted add
-    from an unfinished grid would let a waiter pass early). Every program read the counters before it counts itself
-    done, and ``calls[DONE]`` only ever advances by whole launches of the same grid, so the program that sees
-    ``old % G == G - 1`` is the last."""
-    G = tl.num_programs(0)
-    tl.debug_barrier()
-    old = tl.atomic_add(calls_ptr + DONE, 1, sem="acq_rel", scope="gpu")
-    if old % G == G - 1:
-        tl.store(calls_ptr + CALL_A, a)
-        if TWO:
-            tl.store(calls_ptr + CALL_B, b)
-        signal_peers(flags_tab, off_1, W, RANK, WB, G.to(tl.int64))
-        signal_peers(flags_tab, off_2, W, RANK, WB, G.to(tl.int64))
+__all__ = ["dispatch_decode_kernel"]
 
 
 @triton.jit

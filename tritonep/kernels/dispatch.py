@@ -26,11 +26,9 @@ import triton
 import triton.language as tl
 
 from .common import cast_rne, widen
-from .protocol import CALL_DISPATCH, FLAG_ACK, FLAG_DATA, NUM_FLAG_ROWS, ST_SKIP_CALL, STATUS_TIMEOUT, WAIT_ACK, WAIT_DATA
+from .protocol import CALL_DISPATCH, FLAG_ACK, FLAG_DATA, ST_SKIP_CALL, STATUS_TIMEOUT, WAIT_ACK, WAIT_DATA
 from .signal import signal_peers, wait_all_ge
 from .wirecodec import RAW_BF16, wire_copy_raw, wire_encode, wire_load, wire_store_encoded, wire_to
-
-NUM_FLAGS = int(NUM_FLAG_ROWS.value)  # rows of the flags region (old name; see protocol.py)
 
 
 @triton.jit

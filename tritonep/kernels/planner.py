@@ -9,11 +9,12 @@ the roles come from an arrival ticket as in that paper, so a program only ever w
 Ours takes the already gathered ``counts [W, E]`` (the dispatch counts exchange), supports uneven token counts and
 masked (-1) routes, and keeps the whole placement in registers (:mod:`tritonep.kernels.planner_place`).
 
-:func:`plan_kernel`, grid ``G + 1``. Every program first takes a ticket from the packed ``sync`` word (one int64
-atomic: high 32 bits = this state's call number ``n``, low 32 bits = arrivals); the ticket is its role, the last
-arrival resets the arrivals and bumps ``n``, and ``n + 1`` is this call's flag mark. Flags therefore never need a
-reset (CUDA-graph replays stay correct) and a role waits only on lower roles, which took their tickets before it
-did, so every wait ends on any GPU schedule; in the interpreter programs run in order and no wait ever spins.
+:func:`plan_kernel`, grid ``G + 1``. Every program first takes a ticket from the packed ``sync`` word
+(:func:`tritonep.kernels.signal.take_ticket`: one int64 atomic, call number ``n`` above ``TICKET_CALL_SHIFT``,
+arrivals below); the ticket is its role, the last arrival resets the arrivals and bumps ``n``, and ``n + 1`` is this
+call's flag mark (set by ``publish_mark``, awaited by ``wait_all_eq``, both in :mod:`tritonep.kernels.signal`).
+Flags therefore never need a reset (CUDA-graph replays stay correct) and a role waits only on lower roles, which
+took their tickets before it did, so every wait ends on any GPU schedule; in the interpreter programs run in order and no wait ever spins.
 (the "correct at grid=1" rule (docs/platform.md) exists so the interpreter never waits on a program it has not run yet; here
 every role needs its own program, the grid is exactly ``G + 1``, and a role only waits on earlier tickets.)
 
@@ -32,10 +33,12 @@ every role needs its own program, the grid is exactly ``G + 1``, and a role only
   gather + one store per tile when the chunk fits one tile (the default on the GPU).
   The heavy pass (A) overlaps the placement; only (C) follows it.
 
-Status word (``[G + 1]`` int32, OR them): 1 = a negative count (entry 0), 2 = ``topk_idx`` histogram differs from
-``counts[rank]`` (checked by the chunks that reach the end), 4 = an expert id outside ``[-1, E)`` (its output is
-``2E``), 8 = an internal wait gave up after ``timeout`` (ns on GPU, polls in the interpreter; then every valid
-route of that chunk is ``2E``, which the dispatch of the runtime ids refuses on every rank).
+Status word (``[G + 1]`` int32, OR them; bits named in :mod:`tritonep.kernels.protocol`): ``PLAN_NEGATIVE_COUNT``
+(1) = a negative count (entry 0), ``PLAN_HISTOGRAM_MISMATCH`` (2) = ``topk_idx`` histogram differs from
+``counts[rank]`` (checked by the chunks that reach the end), ``PLAN_BAD_EXPERT_ID`` (4) = an expert id outside
+``[-1, E)`` (its output is ``2E``), ``PLAN_WAIT_GAVE_UP`` (8) = an internal wait gave up after ``timeout`` (ns on
+GPU, polls in the interpreter; then every valid route of that chunk is ``2E``, which the dispatch of the runtime ids
+refuses on every rank).
 """
 
 from __future__ import annotations
@@ -44,36 +47,10 @@ import triton
 import triton.language as tl
 
 from .planner_place import place_and_store
-from .signal import now_ns
+from .protocol import PLAN_BAD_EXPERT_ID, PLAN_HISTOGRAM_MISMATCH, PLAN_NEGATIVE_COUNT, PLAN_WAIT_GAVE_UP
+from .signal import publish_mark, take_ticket, wait_all_eq
 
 __all__ = ["plan_kernel"]
-
-
-@triton.jit
-def _wait_marks(flag_ptr, n, mark, timeout, HAS_TIMER: tl.constexpr, FB: tl.constexpr):
-    """Wait until ``flag_ptr[i] == mark`` for every ``i < n`` (int64, acquire, gpu scope); 1 = arrived, 0 = gave up
-    after ``timeout`` (ns on GPU, polls in the interpreter)."""
-    offs = tl.arange(0, FB)
-    m = offs < n
-    t0 = now_ns(HAS_TIMER)
-    polls = tl.zeros((), dtype=tl.int64)
-    ok = tl.full((), 1, tl.int32)
-    v = tl.atomic_add(flag_ptr + offs, 0, mask=m, sem="acquire", scope="gpu")
-    missing = tl.sum(((v != mark) & m).to(tl.int32), 0)
-    while missing > 0:
-        if HAS_TIMER:
-            elapsed = now_ns(HAS_TIMER) - t0
-        else:
-            elapsed = polls
-        if elapsed > timeout:
-            ok = 0
-            missing = 0
-        else:
-            polls += 1
-            v = tl.atomic_add(flag_ptr + offs, 0, mask=m, sem="acquire", scope="gpu")
-            missing = tl.sum(((v != mark) & m).to(tl.int32), 0)
-    tl.debug_barrier()
-    return ok
 
 
 @triton.jit
@@ -171,18 +148,12 @@ def plan_kernel(counts_ptr, stride_cr, stride_ce,
     """
     E: tl.constexpr = W * L
     nprog = tl.num_programs(0)
-    ticket = tl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu")
-    role = (ticket & 0xFFFFFFFF).to(tl.int32)
-    call = ticket >> 32
-    if role == nprog - 1:  # last arrival: every program has read the call number; open the next call
-        tl.atomic_xchg(sync_ptr, (call + 1) << 32, sem="relaxed", scope="gpu")
-    mark = call + 1
+    role, mark = take_ticket(sync_ptr)
     if role == 0:
         neg = place_and_store(counts_ptr, stride_cr, stride_ce, alloc_ptr, etc_ptr, slot_ptr, ends_ptr, quota_ptr,
                               cap_ptr, rank, W, L, W_PAD, L_PAD, RB, MODE)
-        tl.store(status_ptr, neg)
-        tl.debug_barrier()
-        tl.atomic_xchg(flag_ptr, mark, sem="release", scope="gpu")
+        tl.store(status_ptr, neg * PLAN_NEGATIVE_COUNT)
+        publish_mark(flag_ptr, mark)
     else:
         c = role - 1
         first = c * chunk
@@ -191,8 +162,7 @@ def plan_kernel(counts_ptr, stride_cr, stride_ce,
         cols = tl.arange(0, E_PAD)
         cmask = cols < E
         tl.store(hist_ptr + c * E_PAD + cols, mine)
-        tl.debug_barrier()
-        tl.atomic_xchg(flag_ptr + role, mark, sem="release", scope="gpu")
+        publish_mark(flag_ptr + role, mark)
         # pass (C)'s first tile does not depend on the placement: load it now, its latency hides under the waits
         ic = first + tl.arange(0, CB)
         inb, ev, valid, esafe, o = _tile_routes(topk_ptr, stride_tt, stride_tk, out_ptr, ic, last, E, K)
@@ -202,16 +172,15 @@ def plan_kernel(counts_ptr, stride_cr, stride_ce,
         base = _sum_rows(counts_ptr, stride_cr, rank, cols * stride_ce, cmask, CH)
         grp = c // group
         pos = c - grp * group
-        ok = _wait_marks(flag_ptr + 1 + grp * group, pos, mark, timeout, HAS_TIMER, FB)
+        ok = wait_all_eq(flag_ptr + 1 + grp * group, pos, mark, timeout, HAS_TIMER, FB)
         earlier = _sum_rows(hist_ptr + grp * group * E_PAD, E_PAD, pos, cols, cmask, CH)
         if (pos == group - 1) & (role < nprog - 1) & (ok != 0):  # a later group exists and reads my total
             tl.store(gtot_ptr + grp * E_PAD + cols, earlier + mine)
-            tl.debug_barrier()
-            tl.atomic_xchg(flag_ptr + nprog + grp, mark, sem="release", scope="gpu")
-        ok = ok & _wait_marks(flag_ptr + nprog, grp, mark, timeout, HAS_TIMER, FB)
+            publish_mark(flag_ptr + nprog + grp, mark)
+        ok = ok & wait_all_eq(flag_ptr + nprog, grp, mark, timeout, HAS_TIMER, FB)
         earlier += _sum_rows(gtot_ptr, E_PAD, grp, cols, cmask, CH)
         base += earlier
-        ok = ok & _wait_marks(flag_ptr, 1, mark, timeout, HAS_TIMER, 2)
+        ok = ok & wait_all_eq(flag_ptr, 1, mark, timeout, HAS_TIMER, 2)
         # (C) after the placement: map global ordinals through segment_ends / expert_slot
         _remap_tile(out_ptr, ic, inb, ev, valid, esafe, tl.gather(base, esafe, 0) + o, ends_ptr, slot_ptr, ok,
                     W, L, W_PAD)
@@ -220,8 +189,9 @@ def plan_kernel(counts_ptr, stride_cr, stride_ce,
             inb, ev, valid, esafe, o = _tile_routes(topk_ptr, stride_tt, stride_tk, out_ptr, ic, last, E, K)
             _remap_tile(out_ptr, ic, inb, ev, valid, esafe, tl.gather(base, esafe, 0) + o, ends_ptr, slot_ptr, ok,
                         W, L, W_PAD)
-        status = bad * 4 | (1 - ok) * 8
+        status = bad * PLAN_BAD_EXPERT_ID | (1 - ok) * PLAN_WAIT_GAVE_UP
         if last >= num_routes:  # earlier chunks + this one = every route: compare with counts[rank]
             own = tl.load(counts_ptr + rank * stride_cr + cols * stride_ce, mask=cmask, other=0).to(tl.int32)
-            status = status | (tl.max(((own != earlier + mine) & cmask).to(tl.int32), axis=0) * 2)
+            differs = tl.max(((own != earlier + mine) & cmask).to(tl.int32), axis=0)
+            status = status | (differs * PLAN_HISTOGRAM_MISMATCH)
         tl.store(status_ptr + role, status)

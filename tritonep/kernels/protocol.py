@@ -28,6 +28,11 @@ rows_received]``. Codes are ``STATUS_*``.
 
 Wait ids (recorded in ``status[ST_WAIT_ID]`` by a wait that gave up): ``WAIT_COUNTS`` .. ``WAIT_CACK`` for the
 EP rows above, ``WAIT_RENDEZVOUS + i`` for the expert transport's rendezvous ``i`` (0..3).
+
+The planner (:mod:`tritonep.kernels.planner`, one launch, no peer) keeps a persistent state of its own: a packed
+arrival ticket word (``call number << TICKET_CALL_SHIFT | arrivals``, :func:`tritonep.kernels.signal.take_ticket`)
+and local flags marked with the call number (:func:`tritonep.kernels.signal.publish_mark` /
+:func:`tritonep.kernels.signal.wait_all_eq`). Its status is one int32 per program, OR of the bits ``PLAN_*``.
 """
 
 import triton.language as tl
@@ -75,6 +80,16 @@ WAIT_CDATA = tl.constexpr(3)
 WAIT_CACK = tl.constexpr(4)
 WAIT_RENDEZVOUS = tl.constexpr(10)  # + rendezvous index (0..3) of the expert transport
 NUM_RENDEZVOUS = 4
+
+# the planner's arrival ticket word (int64): call number in the high bits, arrivals of this call in the low 32
+TICKET_CALL_SHIFT = tl.constexpr(32)
+TICKET_ARRIVALS = tl.constexpr(0xFFFFFFFF)
+
+# the planner's status bits (status[program], int32; the host ORs them: tritonep.balance.planner.check_plan_status)
+PLAN_NEGATIVE_COUNT = tl.constexpr(1)  # a negative entry in counts (the placement program)
+PLAN_HISTOGRAM_MISMATCH = tl.constexpr(2)  # this rank's topk_idx histogram differs from counts[rank]
+PLAN_BAD_EXPERT_ID = tl.constexpr(4)  # an expert id outside [-1, E) in topk_idx
+PLAN_WAIT_GAVE_UP = tl.constexpr(8)  # an internal wait of the planner gave up (TRITONEP_TIMEOUT_S)
 
 
 def v(name) -> int:

@@ -14,9 +14,8 @@ word and returns 0, and the kernel skips the guarded work; the host turns the st
 import triton
 import triton.language as tl
 
-# status codes and word fields live in protocol.py (tl.constexpr globals); re-exported here for old imports
-from .protocol import (STATUS_BAD_INPUT, STATUS_CAPACITY, STATUS_OK, STATUS_TIMEOUT, ST_ERRORS_SEEN,  # noqa: F401
-                       ST_PEER, ST_WAIT_ID, ST_WAITED)
+from .protocol import (STATUS_TIMEOUT, ST_ERRORS_SEEN, ST_PEER, ST_WAIT_ID, ST_WAITED, TICKET_ARRIVALS,
+                       TICKET_CALL_SHIFT)
 
 
 @triton.jit
@@ -135,3 +134,105 @@ def wait_ge(flag_ptr, target, status_ptr, wait_id, peer, timeout, HAS_TIMER: tl.
     :func:`wait_all_ge` (same poll cost, so the interpreter's poll-count bound means the same seconds); on timeout
     records (STATUS_TIMEOUT, wait_id, peer) and returns 0."""
     return _wait_flags(flag_ptr, 1, target, status_ptr, wait_id, peer, timeout, HAS_TIMER, 2, True)
+
+
+@triton.jit
+def poll_bench_kernel(p, n):
+    """``n`` acquire polls of 8 words at ``p`` (their sum stored at ``p + 8``): what the interpreter's wait loop does
+    per poll, timed once by :func:`tritonep.ep.status.wait_bound` to turn a bound in seconds into a poll count."""
+    offs = tl.arange(0, 8)
+    acc = tl.zeros((), dtype=tl.int64)
+    for _ in range(n):
+        v = tl.atomic_add(p + offs, 0, sem="acquire", scope="sys")
+        acc += tl.sum(v, 0)
+    tl.store(p + 8, acc)
+
+
+@triton.jit
+def publish_epoch_one(ptr_table, peer, index, value):
+    """``flag[index] = max(flag[index], value)`` (release, system scope) in rank ``peer``'s int64 flag array
+    ``ptr_table[peer]``, after a block barrier: :func:`publish_epoch` for one rank (the per-chunk arrival flag of
+    the fused and decode combines)."""
+    tl.debug_barrier()
+    base = tl.load(ptr_table + peer)
+    tl.atomic_max(base.to(tl.pointer_type(tl.int64)) + index, value, sem="release", scope="sys")
+
+
+@triton.jit
+def finish_launch(calls_ptr, DONE: tl.constexpr, CALL_A: tl.constexpr, a, CALL_B: tl.constexpr, b,
+                  TWO: tl.constexpr, flags_tab, off_1, off_2, W: tl.constexpr, RANK: tl.constexpr,
+                  WB: tl.constexpr):
+    """Count this program done (``calls[DONE] += 1``, acq_rel); the last program of the launch stores the call
+    numbers ``calls[CALL_A] = a`` (and ``calls[CALL_B] = b`` when TWO) and adds G (the grid) to the flag rows at
+    byte offsets ``off_1`` and ``off_2`` (column RANK) in every rank: the two-kernel path's per-program counters
+    (DATA/ACK, CDATA/CACK), signalled once for the whole grid when every program has finished (a G-weighted add
+    from an unfinished grid would let a waiter pass early). Every program read the counters before it counts itself
+    done, and ``calls[DONE]`` only ever advances by whole launches of the same grid, so the program that sees
+    ``old % G == G - 1`` is the last."""
+    G = tl.num_programs(0)
+    tl.debug_barrier()
+    old = tl.atomic_add(calls_ptr + DONE, 1, sem="acq_rel", scope="gpu")
+    if old % G == G - 1:
+        tl.store(calls_ptr + CALL_A, a)
+        if TWO:
+            tl.store(calls_ptr + CALL_B, b)
+        signal_peers(flags_tab, off_1, W, RANK, WB, G.to(tl.int64))
+        signal_peers(flags_tab, off_2, W, RANK, WB, G.to(tl.int64))
+
+
+@triton.jit
+def wait_all_eq(flag_ptr, n, mark, timeout, HAS_TIMER: tl.constexpr, FB: tl.constexpr):
+    """Wait until ``flag_ptr[i] == mark`` for every ``i < n`` (local int64 flags, acquire, gpu scope); 1 = arrived,
+    0 = gave up after ``timeout`` (ns on GPU, polls in the interpreter).
+
+    The in-grid wait of the planner (:mod:`tritonep.kernels.planner`: programs of ONE launch on one GPU, flags
+    set by :func:`publish_mark` to the mark of :func:`take_ticket`). How it differs from :func:`wait_all_ge`:
+    a flag is compared for equality with this call's mark (flags are marked, not counted), at gpu scope (no
+    peer GPU writes these flags); it records nothing in a status word and does not return early after an earlier
+    timeout (the caller turns 0 into its own status bit, ``PLAN_WAIT_GAVE_UP``). ``FB``: a power of two >= n."""
+    offs = tl.arange(0, FB)
+    m = offs < n
+    t0 = now_ns(HAS_TIMER)
+    polls = tl.zeros((), dtype=tl.int64)
+    ok = tl.full((), 1, tl.int32)
+    v = tl.atomic_add(flag_ptr + offs, 0, mask=m, sem="acquire", scope="gpu")
+    missing = tl.sum(((v != mark) & m).to(tl.int32), 0)
+    while missing > 0:
+        if HAS_TIMER:
+            elapsed = now_ns(HAS_TIMER) - t0
+        else:
+            elapsed = polls
+        if elapsed > timeout:
+            ok = 0
+            missing = 0
+        else:
+            polls += 1
+            v = tl.atomic_add(flag_ptr + offs, 0, mask=m, sem="acquire", scope="gpu")
+            missing = tl.sum(((v != mark) & m).to(tl.int32), 0)
+    tl.debug_barrier()
+    return ok
+
+
+@triton.jit
+def take_ticket(sync_ptr):
+    """Take an arrival ticket from the packed int64 word at ``sync_ptr`` (``call << TICKET_CALL_SHIFT |
+    arrivals``; acq_rel, gpu scope). Returns ``(role, mark)``: ``role`` = the arrivals before this program (int32,
+    its role in the launch: 0 for the first to arrive), ``mark`` = call number + 1 (the value this call's flags
+    take, :func:`publish_mark`). The last arrival of the launch (``role == num_programs - 1``) opens the next call
+    (call + 1, no arrivals), so neither the word nor the flags ever need a reset (CUDA-graph replays stay
+    correct). A program then only waits on lower roles, which arrived before it (decoupled look-back, Merrill &
+    Garland 2016)."""
+    ticket = tl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu")
+    role = (ticket & TICKET_ARRIVALS).to(tl.int32)
+    call = ticket >> TICKET_CALL_SHIFT
+    if role == tl.num_programs(0) - 1:  # last arrival: every program has read the call number; open the next call
+        tl.atomic_xchg(sync_ptr, (call + 1) << TICKET_CALL_SHIFT, sem="relaxed", scope="gpu")
+    return role, call + 1
+
+
+@triton.jit
+def publish_mark(flag_ptr, mark):
+    """``*flag_ptr = mark`` (local int64 flag; exchange, release, gpu scope) after a block barrier, so every
+    thread's stores are ordered before it: the publish side of :func:`wait_all_eq`."""
+    tl.debug_barrier()
+    tl.atomic_xchg(flag_ptr, mark, sem="release", scope="gpu")

@@ -81,8 +81,8 @@ def layer_required_bytes(recipe: MoERecipe, geometry: MoEGeometry, world_size: i
                                     expert_alignment=recipe.expert_alignment, max_recv_tokens=None,
                                     dtype=_ACT_DTYPE, device_type=device_type)
     if virtual:
-        from ..ep.counts import counts_regions
-        from ..ep.expert_transport import transport_regions
+        from ..ep.triton.counts import counts_regions
+        from ..ep.triton.expert_transport import transport_regions
         from ..memory import required_bytes as _rb
 
         L = g.num_experts // world_size

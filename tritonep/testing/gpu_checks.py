@@ -22,7 +22,7 @@ def heap_peer_write_world(group, epochs=3):
 
     import triton
 
-    from .peer_kernels import peer_wait_kernel, peer_write_kernel
+    from ..kernels.probe_heap import peer_wait_kernel, peer_write_kernel
 
     rank, W = dist.get_rank(group), dist.get_world_size(group)
     dev = torch.device("cuda", torch.cuda.current_device())

@@ -59,7 +59,7 @@ class WireFormat:
         name: the wire name users pass (``dispatch_wire=`` / ``combine_wire=`` / ``--dispatch-wire``).
         id: a small stable integer (reports, logs); never reused.
         codec: the device side handed to the EP kernels as their ``WIRE`` constexpr (block, payload bits,
-            scale bytes and ``tl`` dtype, the ``@triton.jit`` tile encode / decode).
+            scale bytes and ``tl`` dtype, the Triton (jit) tile encode / decode).
         tolerance: relative max error ``max|got - ref| / max|ref|`` of an MoE layer's output and gradients
             with this wire against the dense reference (``tritonep run``, benchmarks, tests).
         max_value: largest finite magnitude of an encoded element (before the scale).

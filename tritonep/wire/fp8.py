@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
 
 from tritonep.errors import InputError, WireError
 from tritonep.kernels.common import check_kernel_mode
-from tritonep.kernels.quant import FP8_E4M3_CODEC, KIND_OF_DTYPE, load_as_fp32, store_fp32_as
+from tritonep.kernels.quant import FP8_E4M3_CODEC, KIND_OF_DTYPE
+from tritonep.kernels.wire_quant import fp8_dequant_kernel, fp8_quant_kernel
 from tritonep.wire.checks import check_quant_input
 
 FP8_BLOCK = FP8_E4M3_CODEC.block  # 128
@@ -176,51 +176,6 @@ def scaled_dequantize_torch(q: torch.Tensor, scales: torch.Tensor, out_dtype: to
     return (v * scales[..., None]).reshape(n, h).to(out_dtype)
 
 
-@triton.jit
-def _fp8_quant_kernel(x_ptr, q_ptr, s_ptr, N, H, KIND: tl.constexpr, POW2: tl.constexpr,
-                      R: tl.constexpr, G: tl.constexpr, BLK: tl.constexpr, CODEC: tl.constexpr,
-                      FAST: tl.constexpr = False):
-    """Programs over blocks of R rows; each walks its rows' scale blocks G at a time (tile [R*G, BLK]).
-    CODEC: an 8-bit fp32-scaled :class:`tritonep.kernels.wirecodec.DeviceCodec` (e4m3, e5m2); FAST: its GPU-only
-    inline-PTX path (same bits)."""
-    pid = tl.program_id(0)
-    nb = H // BLK
-    t = tl.arange(0, R * G)
-    col = tl.arange(0, BLK)
-    for r0 in range(pid * R, N, tl.num_programs(0) * R):
-        row = (r0 + t // G).to(tl.int64)
-        for g0 in range(0, nb, G):
-            g = g0 + t % G
-            ok = (row < N) & (g < nb)
-            offs = row[:, None] * H + g[:, None] * BLK + col[None, :]
-            x = load_as_fp32(x_ptr, offs, ok[:, None], KIND)
-            q, s = CODEC.encode(x, POW2, FAST)
-            tl.store(q_ptr + offs, q, mask=ok[:, None])
-            tl.store(s_ptr + row * nb + g, s, mask=ok)
-
-
-@triton.jit
-def _fp8_dequant_kernel(q_ptr, s_ptr, o_ptr, N, H, KIND: tl.constexpr,
-                        R: tl.constexpr, G: tl.constexpr, BLK: tl.constexpr, CODEC: tl.constexpr,
-                        FAST: tl.constexpr = False):
-    """Inverse of :func:`_fp8_quant_kernel` with the same tiling."""
-    pid = tl.program_id(0)
-    nb = H // BLK
-    t = tl.arange(0, R * G)
-    col = tl.arange(0, BLK)
-    for r0 in range(pid * R, N, tl.num_programs(0) * R):
-        row = (r0 + t // G).to(tl.int64)
-        for g0 in range(0, nb, G):
-            g = g0 + t % G
-            ok = (row < N) & (g < nb)
-            offs = row[:, None] * H + g[:, None] * BLK + col[None, :]
-            q = tl.load(q_ptr + offs, mask=ok[:, None], other=0)
-            s = tl.load(s_ptr + row * nb + g, mask=ok, other=1.0)
-            # EXACT_MUL on the GPU (= FAST): ``mul.rn.f32`` keeps subnormal products, which a plain multiply may
-            # flush to zero (the first GPU run of tests/test_gpu_fp8_hw.py caught it at scale 2^-126)
-            store_fp32_as(o_ptr, offs, CODEC.decode(q, s, FAST, FAST), ok[:, None], KIND)
-
-
 def _tiling(n: int, nb: int, device: torch.device, groups: int) -> tuple[int, int, int]:
     """(R rows, G groups, grid) for an [N rows, nb blocks] problem: tiles of about ``groups`` scale blocks.
 
@@ -266,7 +221,7 @@ def scaled_quantize(x: torch.Tensor, pow2_scale: bool, codec, name: str) -> tupl
     if n > 0:
         r, g, progs = _tiling(n, h // FP8_BLOCK, x.device, 8)
         xin = x.view(torch.int16) if x.dtype == torch.bfloat16 else x
-        _fp8_quant_kernel[(progs,)](xin, q, s, n, h, KIND=KIND_OF_DTYPE[x.dtype], POW2=bool(pow2_scale),
+        fp8_quant_kernel[(progs,)](xin, q, s, n, h, KIND=KIND_OF_DTYPE[x.dtype], POW2=bool(pow2_scale),
                                     R=r, G=g, BLK=FP8_BLOCK, CODEC=codec, FAST=x.device.type == "cuda")
     return q, s
 
@@ -297,6 +252,6 @@ def scaled_dequantize(qb: torch.Tensor, scales: torch.Tensor, out_dtype: torch.d
     if n > 0:
         r, g, progs = _tiling(n, h // FP8_BLOCK, qb.device, 8)
         o = out.view(torch.int16) if out_dtype == torch.bfloat16 else out
-        _fp8_dequant_kernel[(progs,)](qb, scales, o, n, h, KIND=KIND_OF_DTYPE[out_dtype], R=r, G=g, BLK=FP8_BLOCK,
+        fp8_dequant_kernel[(progs,)](qb, scales, o, n, h, KIND=KIND_OF_DTYPE[out_dtype], R=r, G=g, BLK=FP8_BLOCK,
                                       CODEC=codec, FAST=qb.device.type == "cuda")
     return out

@@ -24,13 +24,11 @@ costs at most |x| / 4. Since 2^X <= amax / 4, small elements err by at most amax
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from tritonep.errors import InputError, WireError
 from tritonep.kernels.common import check_kernel_mode
-from tritonep.kernels.quant import (KIND_OF_DTYPE, MXFP4_CODEC, load_as_fp32, mxfp4_dequant_tile, mxfp4_quant_tile,
-                                    store_fp32_as)
+from tritonep.kernels.quant import KIND_OF_DTYPE, MXFP4_CODEC
+from tritonep.kernels.wire_quant import mxfp4_dequant_kernel, mxfp4_quant_kernel
 from tritonep.wire.checks import check_quant_input
 from tritonep.wire.fp8 import _rne_shift_torch, _tiling
 
@@ -139,45 +137,6 @@ def dequantize_mxfp4_torch(packed: torch.Tensor, scales: torch.Tensor,
     return bits.view(torch.float32).reshape(n, h).to(out_dtype)
 
 
-@triton.jit
-def _mxfp4_quant_kernel(x_ptr, p_ptr, s_ptr, N, H, KIND: tl.constexpr, R: tl.constexpr, G: tl.constexpr):
-    """Programs over blocks of R rows; each walks its rows' 32-element blocks G at a time (tile [R*G, 32])."""
-    pid = tl.program_id(0)
-    nb = H // 32
-    t = tl.arange(0, R * G)
-    col = tl.arange(0, 32)
-    pcol = tl.arange(0, 16)
-    for r0 in range(pid * R, N, tl.num_programs(0) * R):
-        row = (r0 + t // G).to(tl.int64)
-        for g0 in range(0, nb, G):
-            g = g0 + t % G
-            ok = (row < N) & (g < nb)
-            x = load_as_fp32(x_ptr, row[:, None] * H + g[:, None] * 32 + col[None, :], ok[:, None], KIND)
-            packed, e8 = mxfp4_quant_tile(x)
-            tl.store(p_ptr + row[:, None] * (H // 2) + g[:, None] * 16 + pcol[None, :], packed, mask=ok[:, None])
-            tl.store(s_ptr + row * nb + g, e8, mask=ok)
-
-
-@triton.jit
-def _mxfp4_dequant_kernel(p_ptr, s_ptr, o_ptr, N, H, KIND: tl.constexpr, R: tl.constexpr, G: tl.constexpr):
-    """Inverse of :func:`_mxfp4_quant_kernel` with the same tiling."""
-    pid = tl.program_id(0)
-    nb = H // 32
-    t = tl.arange(0, R * G)
-    col = tl.arange(0, 32)
-    pcol = tl.arange(0, 16)
-    for r0 in range(pid * R, N, tl.num_programs(0) * R):
-        row = (r0 + t // G).to(tl.int64)
-        for g0 in range(0, nb, G):
-            g = g0 + t % G
-            ok = (row < N) & (g < nb)
-            packed = tl.load(p_ptr + row[:, None] * (H // 2) + g[:, None] * 16 + pcol[None, :], mask=ok[:, None],
-                             other=0)
-            e8 = tl.load(s_ptr + row * nb + g, mask=ok, other=127)
-            v = mxfp4_dequant_tile(packed, e8)
-            store_fp32_as(o_ptr, row[:, None] * H + g[:, None] * 32 + col[None, :], v, ok[:, None], KIND)
-
-
 def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton mxfp4 quantization; same bits as :func:`quantize_mxfp4_torch`.
 
@@ -201,7 +160,7 @@ def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if n > 0:
         r, g, progs = _tiling(n, h // MXFP4_BLOCK, x.device, 32)
         xin = x.view(torch.int16) if x.dtype == torch.bfloat16 else x
-        _mxfp4_quant_kernel[(progs,)](xin, packed, s, n, h, KIND=KIND_OF_DTYPE[x.dtype], R=r, G=g)
+        mxfp4_quant_kernel[(progs,)](xin, packed, s, n, h, KIND=KIND_OF_DTYPE[x.dtype], R=r, G=g)
     return packed, s
 
 
@@ -225,6 +184,6 @@ def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, out_dtype: torc
     if n > 0:
         r, g, progs = _tiling(n, h // MXFP4_BLOCK, packed.device, 32)
         o = out.view(torch.int16) if out_dtype == torch.bfloat16 else out
-        _mxfp4_dequant_kernel[(progs,)](packed, scales.view(torch.uint8), o, n, h, KIND=KIND_OF_DTYPE[out_dtype],
+        mxfp4_dequant_kernel[(progs,)](packed, scales.view(torch.uint8), o, n, h, KIND=KIND_OF_DTYPE[out_dtype],
                                         R=r, G=g)
     return out

@@ -13,11 +13,17 @@ Both give the same bits on every backend; their torch twins are :func:`tritonep.
 
 Registered today (in ``"auto"`` preference order):
 
-* ``triton`` (:class:`tritonep.ep.triton_backend.TritonEP`, :class:`tritonep.ep.counts.CountsExchange`,
-  :class:`tritonep.ep.expert_transport.ExpertTransport`): symmetric memory + Triton kernels; needs every rank to
-  map every peer's memory (one host, peer access).
-* ``nccl`` (:class:`tritonep.ep.nccl_backend.NcclEP`, :mod:`tritonep.ep.nccl_side`): ``torch.distributed``
-  collectives; works for any group.
+* ``triton`` (:mod:`tritonep.ep.triton`: :class:`~tritonep.ep.triton.backend.TritonEP`,
+  :class:`~tritonep.ep.triton.counts.CountsExchange`, :class:`~tritonep.ep.triton.expert_transport.ExpertTransport`):
+  symmetric memory + Triton kernels; needs every rank to map every peer's memory (one host, peer access).
+* ``nccl`` (:mod:`tritonep.ep.nccl`: :class:`~tritonep.ep.nccl.backend.NcclEP`,
+  :class:`~tritonep.ep.nccl.counts.NcclCountsExchange`,
+  :class:`~tritonep.ep.nccl.expert_transport.NcclExpertTransport`): ``torch.distributed`` collectives; works for
+  any group.
+
+The front door (:mod:`tritonep.ep.buffer`) reaches a backend only through this registry: it builds one
+(:func:`build_backend`), sizes it (:func:`required_bytes`) and checks a ``backend=`` name
+(:func:`check_backend_name`).
 
 ``"auto"`` picks the first registered backend whose needs every rank meets
 (:func:`tritonep.ep.backend_choice.choose_backend`, one all_gather of per-rank reports).
@@ -31,7 +37,7 @@ from typing import Callable, Protocol, runtime_checkable
 import torch
 
 __all__ = ["EPBackend", "CountsExchange", "ExpertTransport", "BackendSpec", "BACKENDS", "register_backend",
-           "build_backend", "backend_names"]
+           "build_backend", "backend_names", "check_backend_name", "required_bytes"]
 
 
 @runtime_checkable
@@ -170,6 +176,9 @@ class BackendSpec:
             timeout_s=)`` -> :class:`CountsExchange`.
         expert_transport: keyword-only constructor ``(group=, num_experts=, shapes=, dtype=, device=, timeout_s=)``
             -> :class:`ExpertTransport`.
+        required_bytes: keyword-only ``(world_size=, num_experts=, hidden=, max_tokens_per_rank=, topk=,
+            max_recv_tokens=, dtype=, device_type=)`` -> symmetric bytes one rank's backend allocates (0 for a
+            backend that holds none).
     """
 
     name: str
@@ -178,13 +187,14 @@ class BackendSpec:
     graph_capture: bool
     counts_exchange: Callable[..., CountsExchange]
     expert_transport: Callable[..., ExpertTransport]
+    required_bytes: Callable[..., int]
 
 
 def _build_triton(*, group, rank, world_size, num_experts, hidden, max_tokens_per_rank, topk, expert_alignment,
                   max_recv_tokens, device, dtype, num_sms=None, dispatch_wire="bf16", combine_wire="bf16",
                   timeout_s=None) -> EPBackend:
     """Keyword-only constructor of the triton backend."""
-    from ..triton_backend import TritonEP
+    from ..triton.backend import TritonEP
 
     return TritonEP(group, rank, world_size, num_experts, hidden, max_tokens_per_rank, topk, expert_alignment,
                     max_recv_tokens, device, dtype, num_sms=num_sms, dispatch_wire=dispatch_wire,
@@ -195,7 +205,7 @@ def _build_nccl(*, group, rank, world_size, num_experts, hidden, max_tokens_per_
                 max_recv_tokens, device, dtype, num_sms=None, dispatch_wire="bf16", combine_wire="bf16",
                 timeout_s=None) -> EPBackend:
     """Keyword-only constructor of the nccl backend (``num_sms`` does not apply)."""
-    from ..nccl_backend import NcclEP
+    from ..nccl.backend import NcclEP
 
     return NcclEP(group, rank, world_size, num_experts, hidden, max_tokens_per_rank, topk, expert_alignment,
                   max_recv_tokens, device, dtype, dispatch_wire=dispatch_wire, combine_wire=combine_wire,
@@ -204,30 +214,47 @@ def _build_nccl(*, group, rank, world_size, num_experts, hidden, max_tokens_per_
 
 def _triton_counts(*, group, num_experts, max_tokens_per_rank, topk, device, timeout_s=None) -> CountsExchange:
     """Keyword-only constructor of the triton counts exchange (symmetric memory)."""
-    from ..counts import CountsExchange as TritonCounts
+    from ..triton.counts import CountsExchange as TritonCounts
 
     return TritonCounts(group, num_experts, max_tokens_per_rank, topk, device, timeout_s=timeout_s)
 
 
 def _triton_transport(*, group, num_experts, shapes, dtype, device, timeout_s=None) -> ExpertTransport:
     """Keyword-only constructor of the triton expert transport (symmetric memory)."""
-    from ..expert_transport import ExpertTransport as TritonTransport
+    from ..triton.expert_transport import ExpertTransport as TritonTransport
 
     return TritonTransport(group, num_experts, shapes, dtype=dtype, device=device, timeout_s=timeout_s)
 
 
 def _nccl_counts(*, group, num_experts, max_tokens_per_rank, topk, device, timeout_s=None) -> CountsExchange:
     """Keyword-only constructor of the nccl counts exchange (one all_gather)."""
-    from ..nccl_side import NcclCountsExchange
+    from ..nccl.counts import NcclCountsExchange
 
     return NcclCountsExchange(group, num_experts, max_tokens_per_rank, topk, device, timeout_s=timeout_s)
 
 
 def _nccl_transport(*, group, num_experts, shapes, dtype, device, timeout_s=None) -> ExpertTransport:
     """Keyword-only constructor of the nccl expert transport (all_to_all)."""
-    from ..nccl_side import NcclExpertTransport
+    from ..nccl.expert_transport import NcclExpertTransport
 
     return NcclExpertTransport(group, num_experts, shapes, dtype=dtype, device=device, timeout_s=timeout_s)
+
+
+def _triton_bytes(*, world_size, num_experts, hidden, max_tokens_per_rank, topk, max_recv_tokens, dtype,
+                  device_type) -> int:
+    """Symmetric bytes of one triton-backend rank: its region list through the allocation's layout function."""
+    from ...memory import required_bytes as layout_bytes
+    from ..geometry import select_geometry
+    from ..triton.regions import regions
+
+    bt = select_geometry(device_type, world_size, hidden, max_tokens_per_rank, topk).bt
+    return layout_bytes(regions(world_size, num_experts, hidden, max_tokens_per_rank, topk, max_recv_tokens, dtype,
+                                bt))
+
+
+def _no_bytes(**_) -> int:
+    """The nccl backend holds no symmetric memory."""
+    return 0
 
 
 BACKENDS: dict[str, BackendSpec] = {}  # insertion order = "auto" preference order
@@ -239,9 +266,11 @@ def register_backend(spec: BackendSpec) -> None:
 
 
 register_backend(BackendSpec("triton", _build_triton, needs_peer_memory=True, graph_capture=True,
-                             counts_exchange=_triton_counts, expert_transport=_triton_transport))
+                             counts_exchange=_triton_counts, expert_transport=_triton_transport,
+                             required_bytes=_triton_bytes))
 register_backend(BackendSpec("nccl", _build_nccl, needs_peer_memory=False, graph_capture=False,
-                             counts_exchange=_nccl_counts, expert_transport=_nccl_transport))
+                             counts_exchange=_nccl_counts, expert_transport=_nccl_transport,
+                             required_bytes=_no_bytes))
 
 
 def backend_names() -> tuple:
@@ -252,3 +281,22 @@ def backend_names() -> tuple:
 def build_backend(name: str, **kwargs) -> EPBackend:
     """Build the registered backend ``name`` with keyword arguments only (see :class:`BackendSpec`)."""
     return BACKENDS[name].build(**kwargs)
+
+
+def check_backend_name(backend) -> None:
+    """Check a ``backend=`` value: ``"auto"`` or a registered name.
+
+    Raises:
+        ConfigError: any other value (the message names it and lists the choices).
+    """
+    if backend != "auto" and backend not in BACKENDS:
+        from ...errors import ConfigError
+
+        names = ", ".join(repr(n) for n in ("auto",) + backend_names())
+        raise ConfigError(f"backend={backend!r} is not one of {names}")
+
+
+def required_bytes(name: str, **kwargs) -> int:
+    """Symmetric bytes one rank of the registered backend ``name`` allocates (keyword arguments: see
+    :attr:`BackendSpec.required_bytes`)."""
+    return BACKENDS[name].required_bytes(**kwargs)

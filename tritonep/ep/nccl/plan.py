@@ -1,6 +1,6 @@
-"""The host plan of the nccl backend (:mod:`tritonep.ep.nccl_backend`).
+"""The host plan of the nccl backend (:mod:`tritonep.ep.nccl.backend`).
 
-:func:`_host_plan` turns the gathered counts matrix into the layout and the all_to_all split sizes on the host
+:func:`host_plan` turns the gathered counts matrix into the layout and the all_to_all split sizes on the host
 (numpy). Quantized rows travel as uint8 ``[payload | scale bytes]`` produced by the torch twins through the
 wire records (:meth:`tritonep.wire.WireFormat.quantize_bytes` / ``dequantize_rows``).
 """
@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = []
+__all__ = ["host_plan"]
 
 
-def _host_plan(m, rank: int, W: int, E: int, A: int):
+def host_plan(m, rank: int, W: int, E: int, A: int):
     """Layout and split sizes from the gathered counts matrix (numpy, host), as seen by ``rank``.
 
     Same integer arithmetic as :func:`tritonep.ep.layout.layout_torch` (tested equal), without torch's per-op

@@ -1,6 +1,6 @@
 """Host-side pieces of a forward dispatch shared by every path of the triton backend (two kernels, fused, decode).
 
-:class:`DispatchOutputs` is a mixin of :class:`tritonep.ep.triton_backend.TritonEP`: it reads the backend's static
+:class:`DispatchOutputs` is a mixin of :class:`tritonep.ep.triton.backend.TritonEP`: it reads the backend's static
 configuration (``W``, ``E``, ``H``, ``K``, ``Tm``, ``max_recv``, ``dwire``, ``dtype``, ``device``, ``status``,
 ``timeout_s``) and allocates the handle and the outputs, turns the one host read of the status word into the
 verdict, and raises a refused call's typed error after its launches (docs/protocols.md, host protocol rule:
@@ -13,11 +13,11 @@ import torch
 
 from dataclasses import replace
 
-from ..errors import PeerTimeoutError
-from ..kernels import protocol as P
-from .handle import TritonHandle
-from .status import STATUS_BAD_INPUT, STATUS_CAPACITY, bad_ranks, raise_for_status
-from .validate import check_expert_ids
+from ...errors import PeerTimeoutError
+from ...kernels import protocol as P
+from ..handle import TritonHandle
+from ..status import STATUS_BAD_INPUT, STATUS_CAPACITY, bad_ranks, raise_for_status
+from ..validate import check_expert_ids
 
 __all__ = ["DispatchOutputs", "ST_HOST"]
 

@@ -13,7 +13,7 @@ signal -> deadlock on the H200. Now:
   only; the interpreter has nothing to compile), so constructors compile every variant they can launch before the
   one construction-time barrier they already do.
 * On the GPU a launch whose variant was compiled before goes straight to the compiled kernel
-  (:class:`tritonep.ep.fast_launch.LaunchCache`, ``TRITONEP_FAST_LAUNCH``), skipping Triton's per-call
+  (:class:`tritonep.ep.triton.fast_launch.LaunchCache`, ``TRITONEP_FAST_LAUNCH``), skipping Triton's per-call
   bookkeeping (30-100 us of host time per launch measured on the H200).
 * Every launch is reported to the process-wide recorder if one is installed (:func:`set_recorder`): the CPU world
   (:mod:`tritonep.testing.world`) installs one in every rank and fails the test when the ranks' sequences of
@@ -27,30 +27,9 @@ from typing import Callable
 
 import torch
 
-__all__ = ["Launcher", "set_recorder", "get_recorder", "record"]
+from .. import recorder as _rec
 
-_RECORDER: Callable[[tuple], None] | None = None
-
-
-def set_recorder(fn: Callable[[tuple], None] | None):
-    """Install (or with None remove) the process-wide recorder of protocol events.
-
-    ``fn(event)`` is called with ``("launch", kernel_name, grid)`` for every launch through a :class:`Launcher` and
-    with whatever :func:`record` is given. Used by the CPU world; never set in production.
-    """
-    global _RECORDER
-    _RECORDER = fn
-
-
-def get_recorder():
-    """The installed recorder or None."""
-    return _RECORDER
-
-
-def record(event: tuple):
-    """Report a protocol event (e.g. ``("collective", "barrier")``) to the recorder, if one is installed."""
-    if _RECORDER is not None:
-        _RECORDER(event)
+__all__ = ["Launcher", "kernel_name"]
 
 
 def kernel_name(kernel) -> str:
@@ -72,9 +51,9 @@ class Launcher:
     """
 
     def __init__(self, device: torch.device, group=None):
-        from ..kernels.common import check_kernel_mode
+        from ...kernels.common import check_kernel_mode
 
-        from .. import envs
+        from ... import envs
         from .fast_launch import LaunchCache
 
         self.device = torch.device(device)
@@ -87,8 +66,8 @@ class Launcher:
         if self._warmup:
             kernel.warmup(*args, grid=grid, **kwargs)
             return None
-        if _RECORDER is not None:
-            _RECORDER(("launch", kernel_name(kernel), tuple(grid)))
+        if _rec._RECORDER is not None:
+            _rec._RECORDER(("launch", kernel_name(kernel), tuple(grid)))
         if self.cache is not None:
             return self.cache.launch(kernel, tuple(grid), args, kwargs)
         return kernel[grid](*args, **kwargs)

@@ -11,16 +11,16 @@ import torch
 import torch.distributed as dist
 import triton
 
-from ..errors import CapacityError, InputError
-from ..kernels.layout import chunk_hist_kernel, exchange_kernel, exchange_tiles
-from ..memory import Region, get_heap
+from ...kernels.layout import chunk_hist_kernel, exchange_kernel, exchange_tiles
+from ...memory import Region, get_heap
 from .launch import Launcher
-from ..kernels import protocol as P
-from .status import raise_for_status, resolve_timeout, wait_bound
+from ...kernels import protocol as P
+from ..status import raise_for_status, resolve_timeout, wait_bound
+from ..validate import counts_input_refusal
 
 _CX = P.v(P.CALL_EXCHANGE)  # this buffer's exchange number (the only counter it advances)
 
-__all__ = ["CountsExchange", "counts_regions", "counts_input_refusal"]
+__all__ = ["CountsExchange", "counts_regions"]
 
 
 def counts_regions(world_size: int, num_experts: int, max_tokens_per_rank: int, bt: int = 16):
@@ -31,22 +31,6 @@ def counts_regions(world_size: int, num_experts: int, max_tokens_per_rank: int, 
             Region("calls", (P.v(P.NUM_CALLS),), torch.int64), Region("counts", (2, W, E + 1), torch.int32),
             Region("hist", (ncmax, E + 1), torch.int32), Region("pre", (ncmax, E), torch.int32),
             Region("send_base", (E,), torch.int32), Region("rows_needed", (W,), torch.int64)]
-
-
-def counts_input_refusal(topk_idx, topk: int, max_tokens_per_rank: int, device):
-    """The error a counts exchange refuses ``topk_idx`` with (every backend's), or None when it is accepted.
-
-    Returns:
-        InputError: not an int32/int64 ``[T, topk]`` tensor on ``device``. CapacityError: ``T > max_tokens_per_rank``.
-    """
-    if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2 or topk_idx.shape[1] != topk \
-            or topk_idx.dtype not in (torch.int32, torch.int64) or topk_idx.device != device:
-        return InputError(f"topk_idx must be an int32/int64 [T, {topk}] tensor on {device}, got "
-                          f"{tuple(getattr(topk_idx, 'shape', ()))} {getattr(topk_idx, 'dtype', type(topk_idx))}")
-    if topk_idx.shape[0] > max_tokens_per_rank:
-        return CapacityError(f"num_tokens={topk_idx.shape[0]} exceeds max_tokens_per_rank={max_tokens_per_rank}",
-                             needed=topk_idx.shape[0], available=max_tokens_per_rank)
-    return None
 
 
 class CountsExchange:

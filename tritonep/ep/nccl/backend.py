@@ -1,9 +1,9 @@
 """The torch.distributed backend of EPBuffer (NCCL on GPU, gloo on CPU): same API and bit-identical results.
 
 For groups whose ranks cannot map each other's memory (several hosts, no P2P). Every step is a torch op, one of two
-small local kernels (:mod:`tritonep.ep.nccl_pack`) or a ``torch.distributed`` collective on the current stream. The
+small local kernels (:mod:`tritonep.ep.nccl.pack`) or a ``torch.distributed`` collective on the current stream. The
 row layout is the triton backend's by construction: the same segment formula (:func:`tritonep.ep.layout.
-layout_torch`, computed on the host by its numpy twin :func:`_host_plan`) and, inside a segment, rows ordered by
+layout_torch`, computed on the host by its numpy twin :func:`host_plan`) and, inside a segment, rows ordered by
 (source rank, token, k).
 
 Host reads: dispatch reads ONE small tensor (the gathered counts matrix, below); combine and both backward passes read
@@ -20,7 +20,7 @@ the call fails on every rank, one ``all_to_all_single``):
 2. On the host: any rank with an expert id outside ``[-1, E)`` or a ``bad_input`` flag -> nothing moves on any rank,
    every rank raises :class:`PeerInputError` naming the bad ranks (a rank whose own ids are bad raises the
    :class:`InputError` of :func:`tritonep.ep.validate.check_expert_ids`, naming the value and its (token, k); that
-   extra read happens only in this error case). Else the layout (:func:`_host_plan`); a rank that would receive
+   extra read happens only in this error case). Else the layout (:func:`host_plan`); a rank that would receive
    more than ``max_recv_tokens`` rows -> every rank raises :class:`CapacityError`, nothing sent. Else the split
    sizes (packets per peer) and one host->device copy of the small per-call vectors (never a device sync).
 3. Device index work, one pass, no sync: the destination row of every route (a stable sort of this rank's routes
@@ -28,7 +28,7 @@ the call fails on every rank, one ``all_to_all_single``):
    order (a stable sort of the ``[W, T]`` presence mask).
 4. Pack: ``index_select`` straight into column ranges of ONE ``uint8`` send buffer ``[packets, row | meta]`` (the
    token's wire row, then its K destination rows int32, K expert ids int32, K weights fp32): one copy of each
-   travelling row, no ``cat``, moved as 8-byte words where the widths allow (:func:`tritonep.ep.nccl_pack.
+   travelling row, no ``cat``, moved as 8-byte words where the widths allow (:func:`tritonep.ep.nccl.pack.
    gather_rows`). One ``all_to_all_single`` with uneven splits.
 5. Unpack: per received packet, the routes whose expert lives here (``ids // L == rank``) give ``row -> packet``
    (one ``scatter_``); the expert-grouped output is ONE ``index_select`` of the received rows, where padding rows
@@ -88,14 +88,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..errors import BackendError, BufferStateError, CapacityError, InputError, PeerInputError
-from ..wire.formats import check_wire, get_wire
-from .handle import NcclHandle
-from .nccl_side import all_gather_flat
-from .nccl_combine import NcclCombine
-from .nccl_pack import gather_rows, round_up
-from .nccl_wire import _host_plan
-from .validate import check_expert_ids
+from ...errors import BackendError, BufferStateError, CapacityError, InputError, PeerInputError
+from ...wire.formats import check_wire, get_wire
+from ..handle import NcclHandle
+from .collectives import all_gather_flat
+from .combine import NcclCombine
+from .pack import gather_rows, round_up
+from .plan import host_plan
+from ..validate import check_expert_ids
 
 __all__ = ["NcclEP"]
 
@@ -279,7 +279,7 @@ class NcclEP(NcclCombine):
         # 2) host decisions on the small matrix (numpy: a few microseconds, no device work)
         m = mat.numpy()
         self._raise_bad(m, topk_idx, bad_input)
-        need, small, send_splits, recv_splits, n_routes = _host_plan(m, self.rank, W, E, self.A)
+        need, small, send_splits, recv_splits, n_routes = host_plan(m, self.rank, W, E, self.A)
         if int(need.max()) > self.max_recv:
             worst = int(need.argmax())
             raise CapacityError(f"dispatch: rank {worst} would receive {int(need[worst])} rows but "

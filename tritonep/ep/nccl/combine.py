@@ -1,8 +1,8 @@
-"""Combine and backward halves of the nccl backend (a mixin of :class:`tritonep.ep.nccl_backend.NcclEP`).
+"""Combine and backward halves of the nccl backend (a mixin of :class:`tritonep.ep.nccl.backend.NcclEP`).
 
 Combine: every receiving rank reduces its rows per (token, source rank) into one partial (fp32 sums, rounded to
 the combine wire), the partials go back with one ``all_to_all_single`` and the source sums them in a fixed order
-(:mod:`tritonep.ep.nccl_pack`). The dispatch backward is the same path unweighted (optionally carrying per-route
+(:mod:`tritonep.ep.nccl.pack`). The dispatch backward is the same path unweighted (optionally carrying per-route
 scalars back); the combine backward moves ``grad_y`` forward like a bf16 dispatch.
 """
 
@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import torch
 
-from .nccl_pack import gather_rows, local_partials, round_up, sum_partials
-from ..wire.formats import get_wire
+from .pack import gather_rows, local_partials, round_up, sum_partials
+from ...wire.formats import get_wire
 
 __all__ = ["NcclCombine"]
 
 
 class NcclCombine:
-    """Combine / backward methods of :class:`tritonep.ep.nccl_backend.NcclEP` (uses its attributes: ``W``, ``K``,
+    """Combine / backward methods of :class:`tritonep.ep.nccl.backend.NcclEP` (uses its attributes: ``W``, ``K``,
     ``H``, ``L``, ``device``, ``dtype``, ``combine_wire``, ``use_triton``, ``_a2a``,
     ``_check_usable``)."""
 

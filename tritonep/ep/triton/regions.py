@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 import triton
 
-from ..kernels import protocol as P
-from ..memory import Region
+from ...kernels import protocol as P
+from ...memory import Region
 
 __all__ = ["regions"]
 

@@ -24,12 +24,12 @@ import math
 import torch
 import triton
 
-from ..kernels import protocol as P
-from ..kernels.transport import barrier_kernel, pull_grads_kernel, push_weights_kernel
-from ..memory import Region, get_heap
+from ...kernels import protocol as P
+from ...kernels.transport import barrier_kernel, pull_grads_kernel, push_weights_kernel
+from ...memory import Region, get_heap
 from .launch import Launcher
-from .slot_transport import SlotTransportBase
-from .status import raise_for_status, wait_bound
+from ..slot_transport import SlotTransportBase
+from ..status import raise_for_status, wait_bound
 
 __all__ = ["ExpertTransport", "transport_regions"]
 

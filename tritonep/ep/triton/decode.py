@@ -1,7 +1,7 @@
 """The one-launch decode paths of the triton backend (geometry ``decode > 0``, small ``max_tokens_per_rank``).
 
-:class:`DecodePath` is a mixin of :class:`tritonep.ep.triton_backend.TritonEP` (it uses the backend's regions,
-pointer tables, geometry and :class:`tritonep.ep.triton_outputs.DispatchOutputs`):
+:class:`DecodePath` is a mixin of :class:`tritonep.ep.triton.backend.TritonEP` (it uses the backend's regions,
+pointer tables, geometry and :class:`tritonep.ep.triton.outputs.DispatchOutputs`):
 
 * forward dispatch = ONE launch of :func:`tritonep.kernels.decode_dispatch.dispatch_decode_kernel` (counts exchange,
   layout, send, wait, expand; it advances the call counters itself). The outputs are allocated for
@@ -19,10 +19,10 @@ from __future__ import annotations
 import torch
 import triton
 
-from ..kernels import protocol as P
-from ..kernels.decode_combine import combine_decode_kernel
-from ..kernels.decode_dispatch import dispatch_decode_kernel
-from .triton_outputs import ST_HOST
+from ...kernels import protocol as P
+from ...kernels.decode_combine import combine_decode_kernel
+from ...kernels.decode_dispatch import dispatch_decode_kernel
+from .outputs import ST_HOST
 
 __all__ = ["DecodePath"]
 

@@ -8,7 +8,7 @@ until every rank's signal for call n arrived.
 import triton
 import triton.language as tl
 
-from ..kernels.signal import signal_peers, wait_all_ge
+from .signal import signal_peers, wait_all_ge
 
 __all__ = ["peer_write_kernel", "peer_wait_kernel"]
 

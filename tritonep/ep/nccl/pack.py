@@ -1,4 +1,5 @@
-"""Local (no communication) reductions of the nccl backend's combine: Triton kernels and their torch twins.
+"""Local (no communication) reductions of the nccl backend's combine: host wrappers of the Triton kernels
+(:mod:`tritonep.kernels.nccl_reduce`) and their torch twins.
 
 Both functions compute fixed-order fp32 sums, so the Triton kernel (CUDA; also runs in the interpreter) and the torch
 twin (CPU default) give the same bits, and the same bits as the triton backend's combine kernels
@@ -13,7 +14,7 @@ twin (CPU default) give the same bits, and the same bits as the triton backend's
 Why a kernel: in eager torch the per-k loop costs about ten fp32 passes over ``[packets, H]`` per k; the kernel reads
 each expert row once (2 bytes per element per route) and writes the partial once. ``index_add_`` cannot replace it:
 on CUDA its float additions are atomics in no fixed order. The kernels are plain local loads and stores (no
-signals), launched directly (not through :class:`tritonep.ep.launch.Launcher`): their grids depend on this rank's
+signals), launched directly (not through the triton backend's Launcher): their grids depend on this rank's
 data, which the host protocol rule (docs/protocols.md (host protocol rule)) allows for non-signalling work.
 """
 
@@ -21,9 +22,8 @@ from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
 
-from ..kernels.common import cast_rne, mul_rn, widen
+from ...kernels.nccl_reduce import partials_kernel, sum_kernel
 
 __all__ = ["local_partials", "sum_partials", "tiles", "gather_rows", "round_up"]
 
@@ -85,46 +85,6 @@ def tiles(hidden: int) -> tuple[int, int]:
     return max(1, 4096 // bh), bh
 
 
-@triton.jit(do_not_specialize=['N'])
-def _partials_kernel(eo_ptr, rows_ptr, w_ptr, out_ptr, N, out_stride, K: tl.constexpr, H: tl.constexpr,
-                     BT: tl.constexpr, BH: tl.constexpr, WEIGHTED: tl.constexpr, USE_ASM: tl.constexpr):
-    """Tile (rows ``[pid0*BT, +BT)`` of the N packets, columns ``[pid1*BH, +BH)``) of :func:`local_partials`."""
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
-    h = tl.program_id(1) * BH + tl.arange(0, BH)
-    tm = t < N
-    hm = h < H
-    acc = tl.zeros((BT, BH), dtype=tl.float32)
-    for k in tl.static_range(K):
-        rk = tl.load(rows_ptr + t.to(tl.int64) * K + k, mask=tm, other=-1)
-        mk = (rk >= 0)[:, None] & hm[None, :]
-        v = tl.load(eo_ptr + rk[:, None].to(tl.int64) * H + h[None, :], mask=mk, other=0.0)
-        if WEIGHTED:
-            wk = tl.load(w_ptr + t.to(tl.int64) * K + k, mask=tm, other=0.0)
-            acc += mul_rn(widen(v), tl.broadcast_to(wk[:, None], (BT, BH)), USE_ASM)
-        else:
-            acc += widen(v)
-    dst = out_ptr + t[:, None].to(tl.int64) * out_stride + h[None, :]
-    tl.store(dst, cast_rne(acc, out_ptr.dtype.element_ty), mask=tm[:, None] & hm[None, :])
-
-
-@triton.jit(do_not_specialize=['T'])
-def _sum_kernel(pp_ptr, pos_ptr, y_ptr, T, pp_stride, W: tl.constexpr, H: tl.constexpr, BT: tl.constexpr,
-                BH: tl.constexpr):
-    """Tile (tokens ``[pid0*BT, +BT)``, columns ``[pid1*BH, +BH)``) of :func:`sum_partials`."""
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
-    h = tl.program_id(1) * BH + tl.arange(0, BH)
-    tm = t < T
-    hm = h < H
-    acc = tl.zeros((BT, BH), dtype=tl.float32)
-    for r in tl.static_range(W):
-        p = tl.load(pos_ptr + r * T + t, mask=tm, other=-1)
-        v = tl.load(pp_ptr + p[:, None].to(tl.int64) * pp_stride + h[None, :],
-                    mask=(p >= 0)[:, None] & hm[None, :], other=0.0)
-        acc += widen(v)
-    tl.store(y_ptr + t[:, None].to(tl.int64) * H + h[None, :], cast_rne(acc, y_ptr.dtype.element_ty),
-             mask=tm[:, None] & hm[None, :])
-
-
 def local_partials(eo: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, out: torch.Tensor, weighted: bool,
                    use_triton: bool) -> None:
     """Write every packet's partial sum into ``out`` (see the module docstring for the exact arithmetic).
@@ -145,7 +105,7 @@ def local_partials(eo: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, out: t
     if use_triton:
         bt, bh = tiles(H)
         grid = (triton.cdiv(N, bt), triton.cdiv(H, bh))
-        _partials_kernel[grid](eo, rows, w, out, N, out.stride(0), K=K, H=H, BT=bt, BH=bh, WEIGHTED=weighted,
+        partials_kernel[grid](eo, rows, w, out, N, out.stride(0), K=K, H=H, BT=bt, BH=bh, WEIGHTED=weighted,
                                USE_ASM=eo.device.type == "cuda", num_warps=4)
         return
     acc = torch.zeros(N, H, dtype=torch.float32, device=eo.device)
@@ -174,7 +134,7 @@ def sum_partials(pp: torch.Tensor, pos: torch.Tensor, send_tok: torch.Tensor, sp
     if use_triton:
         bt, bh = tiles(H)
         grid = (triton.cdiv(T, bt), triton.cdiv(H, bh))
-        _sum_kernel[grid](pp, pos, y, T, pp.stride(0), W=pos.shape[0], H=H, BT=bt, BH=bh, num_warps=4)
+        sum_kernel[grid](pp, pos, y, T, pp.stride(0), W=pos.shape[0], H=H, BT=bt, BH=bh, num_warps=4)
         return
     acc = torch.zeros(T, H, dtype=torch.float32, device=y.device)
     start = 0

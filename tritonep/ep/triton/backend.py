@@ -12,7 +12,7 @@ layout (grid 1),
 Combine: ``calls[CALL_COMBINE] += 1``, partial (push into the source, or into own memory for pull), output (a weighted push
 combine runs both as one launch when the geometry has ``fused_combine``). With the geometry's ``decode`` (small
 ``max_tokens_per_rank``) the forward dispatch and the weighted push combine are ONE launch each, counts exchange
-and counter advances included (:mod:`tritonep.ep.triton_decode`). Every flag row, counter and status field is
+and counter advances included (:mod:`tritonep.ep.triton.decode`). Every flag row, counter and status field is
 named in :mod:`tritonep.kernels.protocol`.
 """
 
@@ -22,23 +22,23 @@ from __future__ import annotations
 import torch
 import triton
 
-from .. import envs
-from ..errors import BufferStateError, InputError, PeerTimeoutError
-from ..kernels.combine import combine_out_kernel, combine_partial_kernel
-from ..kernels.combine_fused import combine_fused_kernel
-from ..kernels import protocol as P
-from ..kernels.dispatch import dispatch_expand_kernel, dispatch_send_kernel
-from ..kernels.dispatch_fused import dispatch_fused_kernel
-from ..kernels.layout import chunk_hist_kernel, exchange_kernel, exchange_tiles
-from ..memory import get_heap
-from .geometry import select_geometry
-from ..wire.formats import get_wire
+from ... import envs
+from ...errors import BufferStateError, InputError, PeerTimeoutError
+from ...kernels.combine import combine_out_kernel, combine_partial_kernel
+from ...kernels.combine_fused import combine_fused_kernel
+from ...kernels import protocol as P
+from ...kernels.dispatch import dispatch_expand_kernel, dispatch_send_kernel
+from ...kernels.dispatch_fused import dispatch_fused_kernel
+from ...kernels.layout import chunk_hist_kernel, exchange_kernel, exchange_tiles
+from ...memory import get_heap
+from ..geometry import select_geometry
+from ...wire.formats import get_wire
 from .launch import Launcher
-from .triton_decode import DecodePath
-from .triton_outputs import ST_HOST as _ST_HOST, DispatchOutputs
-from .triton_regions import regions
-from .status import STATUS_BAD_INPUT, STATUS_CAPACITY, bad_ranks, raise_for_status, resolve_timeout, wait_bound
-from .validate import check_expert_ids
+from .decode import DecodePath
+from .outputs import ST_HOST as _ST_HOST, DispatchOutputs
+from .regions import regions
+from ..status import STATUS_BAD_INPUT, STATUS_CAPACITY, bad_ranks, raise_for_status, resolve_timeout, wait_bound
+from ..validate import check_expert_ids
 
 __all__ = ["regions", "TritonEP"]
 

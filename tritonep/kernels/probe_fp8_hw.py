@@ -7,9 +7,9 @@ Each compares :mod:`tritonep.kernels.fp8_hw` (GPU only) with the integer path of
 import triton
 import triton.language as tl
 
-from tritonep.kernels.fp8_hw import fp8_decode_hw, fp8_encode_hw
-from tritonep.kernels.quant import _e4m3_decode_bits, fp8_encode_bits
-from tritonep.kernels.quant_e5m2 import _e5m2_decode_bits
+from .fp8_hw import fp8_decode_hw, fp8_encode_hw
+from .quant import _e4m3_decode_bits, fp8_encode_bits
+from .quant_e5m2 import _e5m2_decode_bits
 
 __all__ = ["sweep_encode_kernel", "decode_codes_kernel", "tile_quant_kernel"]
 

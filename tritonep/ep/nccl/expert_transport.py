@@ -1,25 +1,20 @@
-"""The nccl backend's counts exchange and expert transport (virtual experts over ``torch.distributed``).
+"""The nccl backend's expert transport (virtual experts over ``torch.distributed``): all_to_all per weight.
 
-Same results as the triton backend's :class:`tritonep.ep.counts.CountsExchange` and
-:class:`tritonep.ep.expert_transport.ExpertTransport`, bit for bit, for groups whose ranks cannot map each other's
-memory (several hosts). Every step is a torch op or one ``torch.distributed`` collective on the current stream.
+Same results as the triton backend's :class:`tritonep.ep.triton.expert_transport.ExpertTransport`, bit for bit, for
+groups whose ranks cannot map each other's memory (several hosts). Every step is a torch op or one
+``torch.distributed`` collective on the current stream.
 
-Host protocol (docs/protocols.md (host protocol rule); identical on every rank whatever its data: T, 0 included, the placement, the used
-slots, the held experts):
-
-* counts ``gather``: one ``all_gather`` of the ``[E + 1]`` row (histogram of ids in ``[0, E)``, then the count of
-  ids outside ``[-1, E)`` plus the refused-input flag). No host read (as on the triton backend).
-* ``push``: one ``all_to_all_single`` per weight; ``pull``: one ``all_to_all_single`` per weight. Their uneven
-  split sizes come from the placement's ``experts_to_copy [W, L]`` on the host: pass ``experts_to_copy_host``
-  (the MoE layer reads it in the one host read its step already makes, so a step adds no read), else the transport
-  reads it once (counted in ``host_reads``).
+Host protocol (docs/protocols.md (host protocol rule); identical on every rank whatever its data: the placement, the
+used slots, the held experts): ``push``: one ``all_to_all_single`` per weight; ``pull``: one ``all_to_all_single``
+per weight. Their uneven split sizes come from the placement's ``experts_to_copy [W, L]`` on the host: pass
+``experts_to_copy_host`` (the MoE layer reads it in the one host read its step already makes, so a step adds no
+read), else the transport reads it once (counted in ``host_reads``).
 
 Bounded waits: this backend has no kernel waits; a peer that never arrives is caught by the process group's own
-timeout (``torch.distributed`` / NCCL watchdog), as for :class:`tritonep.ep.nccl_backend.NcclEP`. CUDA-graph capture
-is refused (:class:`tritonep.errors.BackendError`): host split sizes are needed.
+timeout (``torch.distributed`` / NCCL watchdog). CUDA-graph capture is refused (:class:`tritonep.errors.BackendError`):
+host split sizes are needed.
 
-Idea: Megatron-LM's all_to_all token dispatcher (counts exchange by collective), MoonEP / Megatron-LM virtual experts
-(weight push + grad reduce contracts); our code.
+Idea: MoonEP / Megatron-LM virtual experts (weight push + grad reduce contracts); our code.
 """
 
 from __future__ import annotations
@@ -29,102 +24,17 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..errors import BackendError, PlanError, PeerInputError
-from .counts import counts_input_refusal
-from .launch import record
-from .slot_transport import SlotTransportBase
+from ...errors import PlanError
+from ..slot_transport import SlotTransportBase
+from .collectives import refuse_capture
 
-__all__ = ["NcclCountsExchange", "NcclExpertTransport", "all_gather_flat"]
-
-
-def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group):
-    """Gather every rank's ``inp`` (1-D, same length) into the flat ``out`` (``[W * len]``): one collective."""
-    single = getattr(dist, "all_gather_single", None)  # torch >= 2.13 deprecates all_gather_into_tensor
-    if single is None:
-        dist.all_gather_into_tensor(out, inp, group=group)
-    else:
-        record(("collective", "all_gather_single"))  # the CPU world's protocol recorder does not wrap it
-        single(out, inp, group=group)
-
-
-def _refuse_capture(device: torch.device, what: str):
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise BackendError(f"the nccl backend's {what} cannot be captured in a CUDA graph (host split sizes); use "
-                           f"backend='triton' for graphs")
-
-
-class NcclCountsExchange:
-    """``gather(topk_idx) -> counts [W, E] int32`` (``counts[r, e]`` = routes of rank r to expert e) by all_gather.
-
-    Args: as :class:`tritonep.ep.counts.CountsExchange` (group, num_experts E, max_tokens_per_rank, topk, device,
-    ``timeout_s`` stored only: the process group's timeout applies).
-    """
-
-    def __init__(self, group, num_experts: int, max_tokens_per_rank: int, topk: int, device,
-                 timeout_s: float | None = None):
-        self.group = group
-        self.rank, self.W = dist.get_rank(group), dist.get_world_size(group)
-        self.E, self.Tm, self.K = num_experts, max_tokens_per_rank, topk
-        self.device = torch.device(device)
-        self.timeout_s = timeout_s
-        self.host_reads = 0
-        self._bad = None  # column E of the last gathered matrix (device): input errors per rank
-        self._ones = torch.ones(max_tokens_per_rank * topk, dtype=torch.int64, device=self.device)
-
-    @property
-    def allocated_bytes(self) -> int:
-        """0: no symmetric memory."""
-        return 0
-
-    def gather(self, topk_idx: torch.Tensor) -> torch.Tensor:
-        """Exchange this rank's histogram of ``topk_idx`` (``[T, K]``) and return the full ``[W, E]`` int32 matrix.
-
-        Ids outside ``[0, E)`` are not counted; those outside ``[-1, E)`` are flagged in the gathered row (no host
-        read; :meth:`check` raises them). A refused ``topk_idx`` still takes part with no routes and the flag, then
-        raises here (every rank runs the same collective, docs/protocols.md (host protocol rule)).
-
-        Raises:
-            InputError: wrong shape / dtype / device. CapacityError: ``T > max_tokens_per_rank``.
-            BackendError: CUDA-graph capture.
-        """
-        _refuse_capture(self.device, "counts exchange")
-        E = self.E
-        refused = counts_input_refusal(topk_idx, self.K, self.Tm, self.device)
-        row = torch.zeros(E + 1, dtype=torch.int64, device=self.device)
-        if refused is None and topk_idx.numel():
-            ids = topk_idx.reshape(-1).long()
-            ok = (ids >= 0) & (ids < E)
-            row.scatter_add_(0, torch.where(ok, ids, E), ok.long())
-            row[E] = ((ids < -1) | (ids >= E)).sum()
-        elif refused is not None:
-            row[E] = 1
-        out = torch.empty(self.W * (E + 1), dtype=torch.int64, device=self.device)
-        all_gather_flat(out, row, self.group)
-        m = out.view(self.W, E + 1)
-        self._bad = m[:, E]
-        if refused is not None:
-            raise refused
-        return m[:, :E].to(torch.int32)
-
-    def check(self):
-        """Raise :class:`PeerInputError` when the last exchange carried a rank's input error (one host read)."""
-        if self._bad is None:
-            return
-        self.host_reads += 1
-        bad = [r for r, v in enumerate(self._bad.tolist()) if v > 0]
-        if bad:
-            raise PeerInputError(f"counts exchange: the input of rank(s) {bad} was refused, so this call failed on "
-                                 f"every rank (rank {self.rank} raises this)", bad_ranks=bad, rank=self.rank)
-
-    def close(self):
-        """Nothing to free (kept for the interface)."""
-        self._bad = None
+__all__ = ["NcclExpertTransport"]
 
 
 class NcclExpertTransport(SlotTransportBase):
     """Virtual slots for the weights named in ``shapes`` in ordinary device memory, moved with all_to_all.
 
-    Args: as :class:`tritonep.ep.expert_transport.ExpertTransport` (``num_programs`` is ignored; ``timeout_s`` is
+    Args: as :class:`tritonep.ep.triton.expert_transport.ExpertTransport` (``num_programs`` is ignored; ``timeout_s`` is
     checked and stored: the process group's timeout applies).
 
     ``push``: owner r sends ``w[j]`` for every slot ``(d, s)`` with ``experts_to_copy[d, s] = r*L + j``, ordered by
@@ -177,14 +87,14 @@ class NcclExpertTransport(SlotTransportBase):
     def push(self, weights: dict, placement, experts_to_copy_host=None) -> dict:
         """Collective: fill every rank's virtual slots from the owners' native weights; returns this rank's slots.
 
-        Args: as :meth:`tritonep.ep.expert_transport.ExpertTransport.push`; ``experts_to_copy_host``: host copy
+        Args: as :meth:`tritonep.ep.triton.expert_transport.ExpertTransport.push`; ``experts_to_copy_host``: host copy
         (nested lists or a CPU tensor ``[W, L]``) of ``placement.experts_to_copy``, saving this call's host read.
 
         Raises:
             PlanError: a weight of the wrong shape / dtype / device (before any collective).
             BackendError: CUDA-graph capture.
         """
-        _refuse_capture(self.device, "expert transport")
+        refuse_capture(self.device, "expert transport")
         self._check_weights(weights)
         send, recv, ssplit, rsplit = self._routes(placement, experts_to_copy_host)
         src, dst = self._idx([j for _, _, j in send]), self._idx([s for _, s in recv])
@@ -198,14 +108,14 @@ class NcclExpertTransport(SlotTransportBase):
              experts_to_copy_host=None) -> dict:
         """Collective: add every holder's slot gradient to this rank's native gradients (the gradient return).
 
-        Arguments, result and bits as :meth:`tritonep.ep.expert_transport.ExpertTransport.pull`;
+        Arguments, result and bits as :meth:`tritonep.ep.triton.expert_transport.ExpertTransport.pull`;
         ``experts_to_copy_host`` as in :meth:`push`.
 
         Raises:
             PlanError: bad ``num_used`` / ``held`` / shapes, or a slot this rank uses at or past ``num_used``
                 (before any collective). BackendError: CUDA-graph capture.
         """
-        _refuse_capture(self.device, "expert transport")
+        refuse_capture(self.device, "expert transport")
         n, held, targets = self._pull_targets(slot_grads, num_used, held, into)
         send, recv, ssplit, rsplit = self._routes(placement, experts_to_copy_host)
         if any(s >= n for _, s in recv):

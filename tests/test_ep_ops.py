@@ -22,7 +22,7 @@ E, H, TM, K = 8, 64, 12, 3
 
 
 def _step(buf, bid, x, idx, w, gy, sync_free, use_ops):
-    """One differentiable dispatch -> elementwise 'expert' -> combine; returns (rows, y, grad_x, grad_w, R)."""
+    """One differentiable dispatch -> elementwise "expert" -> combine; returns its outputs and gradients (dict)."""
     x = x.clone().requires_grad_()
     w = w.clone().requires_grad_()
     if use_ops:

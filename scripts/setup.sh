@@ -8,3 +8,5 @@ if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
 python -m pip install -q --upgrade pip
 python -m pip install -q "torch==2.13.0" "triton==3.6.0" "numpy<2.3" pytest pytest-timeout rich tqdm matplotlib
 python -m pip install -q --no-deps -e .
+# optional integration tested in CI (tests/test_torchtitan.py): torchtitan and its dependencies (~60 packages)
+python -m pip install -q "numpy<2.3" "torchtitan==0.3.0"

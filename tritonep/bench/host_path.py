@@ -1,0 +1,155 @@
+"""The host path of one call, counted: torch calls, allocations, kernel launches, host reads, and Python time.
+
+A call's Python work is part of the product (issue 24). This module measures it on any machine, the CPU included,
+by running the real front door and backend code of an :class:`tritonep.EPBuffer` with every kernel launch
+replaced by a no-op that only counts (the kernels' own cost is the GPU's business; on a CPU the interpreter would
+drown the host path). Per call kind (``dispatch``, ``dispatch_sync_free``, ``combine``, ``dispatch_bwd``,
+``combine_bwd``) it reports:
+
+* ``torch_calls``: torch functions and tensor methods called from Python (a ``TorchFunctionMode`` count): each is
+  a few microseconds of host time on a GPU machine;
+* ``aten_ops`` / ``allocs``: aten operators dispatched and, among them, allocations (``empty*``, ``zeros*``, ...);
+* ``launches``: Triton launches (each ~5-80 us of host time on the GPU depending on the launch path);
+* ``host_reads``: device -> host reads the backend counted (the eager budget: one per synced dispatch);
+* ``host_us``: median Python time per call with launches stubbed (this machine; compare runs on one machine only).
+
+Counts are exact and machine independent (the tests hold budgets on them); times are this machine's.
+
+Idea: treat host overhead like a kernel (measure it, budget it); the launch-stub trick follows the way serving
+stacks profile their CPU path separately from the device path.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from contextlib import contextmanager
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["HostCounter", "stub_launches", "measure_host_path", "CALL_KINDS"]
+
+CALL_KINDS = ("dispatch", "dispatch_sync_free", "combine", "dispatch_bwd", "combine_bwd")
+_ALLOC_PREFIXES = ("empty", "zeros", "ones", "full", "new_empty", "new_zeros", "new_full", "new_ones",
+                   "empty_like", "zeros_like", "ones_like", "full_like", "clone", "_to_copy")
+
+
+class _Fn(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+        self.names: dict = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        name = getattr(func, "__name__", str(func))
+        self.names[name] = self.names.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+class _Aten(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+        self.allocs = 0
+        self.names: dict = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        name = func.overloadpacket.__name__
+        self.names[name] = self.names.get(name, 0) + 1
+        if name.startswith(_ALLOC_PREFIXES):
+            self.allocs += 1
+        return func(*args, **(kwargs or {}))
+
+
+class HostCounter:
+    """``with HostCounter() as c: <calls>`` counts torch calls (``c.torch_calls``), aten ops (``c.aten_ops``),
+    allocations (``c.allocs``) and their names (``c.torch_names``, ``c.aten_names``)."""
+
+    def __enter__(self):
+        self._fn, self._aten = _Fn(), _Aten()
+        self._fn.__enter__()
+        self._aten.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._aten.__exit__(*exc)
+        self._fn.__exit__(*exc)
+        self.torch_calls, self.aten_ops, self.allocs = self._fn.n, self._aten.n, self._aten.allocs
+        self.torch_names, self.aten_names = self._fn.names, self._aten.names
+        return False
+
+
+@contextmanager
+def stub_launches(buf):
+    """Replace every Triton launch of ``buf``'s backend by a counter (``list`` of kernel names, yielded).
+
+    The launcher class of the backend (``buf._impl._launch``) gets its ``__call__`` swapped for the duration; the
+    nccl backend's torch ops and collectives still run (they are its host path).
+    """
+    names: list = []
+    launcher = getattr(buf._impl, "_launch", None)
+    if launcher is None:
+        yield names
+        return
+    cls = type(launcher)
+    orig = cls.__call__
+
+    def fake(self, kernel, grid, *args, **kwargs):
+        fn = getattr(kernel, "fn", kernel)
+        names.append(getattr(fn, "__name__", repr(kernel)))
+
+    cls.__call__ = fake
+    try:
+        yield names
+    finally:
+        cls.__call__ = orig
+
+
+def measure_host_path(buf, x, topk_idx, topk_weights, iters: int = 20) -> dict:
+    """Count and time the host path of each call kind (module docstring) on ``buf`` with launches stubbed.
+
+    Args:
+        buf: an open EPBuffer (a CPU buffer in a CPU world of one rank is enough; collectives of the nccl backend
+            run for real). x / topk_idx / topk_weights: one call's inputs.
+        iters: timed repetitions per call kind (the median is reported).
+
+    Returns:
+        ``{kind: {torch_calls, aten_ops, allocs, launches, host_reads, host_us, torch_names, aten_names}}``.
+    """
+    out = {}
+    eo = buf.expert_out_buffer()
+    with stub_launches(buf) as launched:
+        d = buf.dispatch(x, topk_idx, topk_weights)  # warm every path once
+        rows = d.x.shape[0]
+        gx = torch.zeros(rows, buf.hidden, dtype=torch.bfloat16, device=x.device)
+        gw = torch.zeros(rows, dtype=torch.float32, device=x.device)
+        gy = torch.zeros(x.shape[0], buf.hidden, dtype=torch.bfloat16, device=x.device)
+
+        calls = {
+            "dispatch": lambda: buf.dispatch(x, topk_idx, topk_weights),
+            "dispatch_sync_free": lambda: buf.dispatch(x, topk_idx, topk_weights, sync_free=True),
+            "combine": lambda: buf.combine(eo[:rows], d.handle),
+            "dispatch_bwd": lambda: buf.dispatch_backward(gx, gw, d.handle),
+            "combine_bwd": lambda: buf.combine_backward(gy, eo[:rows], d.handle),
+        }
+        for kind, fn in calls.items():
+            if kind == "dispatch_sync_free" and buf.backend != "triton":
+                continue
+            fn()
+            n0, r0 = len(launched), buf.host_reads
+            with HostCounter() as c:
+                fn()
+            launches, reads = len(launched) - n0, buf.host_reads - r0
+            ts = []
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                fn()
+                ts.append((time.perf_counter() - t0) * 1e6)
+            out[kind] = dict(torch_calls=c.torch_calls, aten_ops=c.aten_ops, allocs=c.allocs, launches=launches,
+                             host_reads=reads, host_us=statistics.median(ts), torch_names=c.torch_names,
+                             aten_names=c.aten_names)
+    return out

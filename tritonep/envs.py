@@ -54,19 +54,31 @@ def timeout_s() -> float:
 SYNC_NONE, SYNC_DEFERRED, SYNC_STRICT = 0, 1, 2
 
 
+_SYNC_MEMO: list = [None, SYNC_DEFERRED]  # [raw value last parsed, its meaning]: a call reads the variable once
+
+
 def sync_checks() -> int:
     """Host reads of eager calls (TRITONEP_SYNC_CHECKS): ``SYNC_NONE`` (0), ``SYNC_DEFERRED`` (unset /
-    ``deferred``, the default) or ``SYNC_STRICT`` (``1`` / ``strict``); see the module table."""
-    v = _get("TRITONEP_SYNC_CHECKS", "deferred").strip().lower()
+    ``deferred``, the default) or ``SYNC_STRICT`` (``1`` / ``strict``); see the module table. Read at every call
+    (so benchmarks and tests may change it between calls) but parsed only when its text changes: on the host path
+    of every dispatch."""
+    raw = os.environ.get("TRITONEP_SYNC_CHECKS")
+    memo = _SYNC_MEMO
+    if raw == memo[0]:  # the memo starts as (unset, deferred)
+        return memo[1]
+    v = (raw if raw is not None else "deferred").strip().lower()
     if v in ("0", "false", "off", "none"):
-        return SYNC_NONE
-    if v in ("1", "true", "on", "strict"):
-        return SYNC_STRICT
-    if v in ("", "deferred", "auto"):
-        return SYNC_DEFERRED
-    from .errors import ConfigError
+        mode = SYNC_NONE
+    elif v in ("1", "true", "on", "strict"):
+        mode = SYNC_STRICT
+    elif v in ("", "deferred", "auto"):
+        mode = SYNC_DEFERRED
+    else:
+        from .errors import ConfigError
 
-    raise ConfigError(f"TRITONEP_SYNC_CHECKS={v!r}: use 0 (none), deferred (the default) or 1 (strict)")
+        raise ConfigError(f"TRITONEP_SYNC_CHECKS={v!r}: use 0 (none), deferred (the default) or 1 (strict)")
+    memo[0], memo[1] = raw, mode
+    return mode
 
 
 def _int_env(name: str, default: str, minimum: int) -> int:

@@ -33,6 +33,23 @@ class ConfigError(TritonEPError, ValueError):
     """A static configuration (buffer arguments, recipe, geometry, world) is invalid or differs across ranks."""
 
 
+class PeerConfigError(ConfigError):
+    """Another rank's configuration of the same collective object (EPBuffer, MoELayer, ...) was refused, so the
+    construction failed on every rank.
+
+    Raised on the ranks whose own arguments were fine; the rank whose arguments were refused raises its own error
+    (ConfigError, WireError, ...) naming the value. The verdicts travel in the constructor's first collective, so no
+    rank waits on a peer that already failed, and nothing is allocated anywhere.
+
+    Attributes:
+        bad_ranks: the ranks whose configuration was refused (ascending).
+    """
+
+    def __init__(self, message: str, bad_ranks=()):
+        super().__init__(message)
+        self.bad_ranks = list(bad_ranks)
+
+
 class InputError(TritonEPError, ValueError):
     """A tensor passed to a call has the wrong dtype, device, shape, contiguity or values.
 

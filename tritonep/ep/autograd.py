@@ -21,9 +21,9 @@ class DispatchFn(torch.autograd.Function):
     backward = a combine without weights plus the return of the per-row weight gradients (module docstring)."""
 
     @staticmethod
-    def forward(ctx, x, topk_weights, impl, topk_idx, sync, box, flags=None):
-        out, out_w, ntpe, offs, handle = impl.dispatch_fwd(x, topk_idx, topk_weights, sync, **(flags or {}))
-        box.append((ntpe, offs, handle))
+    def forward(ctx, x, topk_weights, impl, topk_idx, sync, box):
+        out, out_w, ntpe, offs, handle = impl.dispatch_fwd(x, topk_idx, topk_weights, sync)
+        box.append(handle)  # handle.recv_weights is out_w: the very tensor autograd returns (tracked)
         ctx.impl = impl
         ctx.handle = handle
         ctx.mark_non_differentiable(ntpe, offs)
@@ -32,10 +32,13 @@ class DispatchFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_out_w, _g1, _g2):
         if grad_out is None:
-            grad_out = torch.zeros(ctx.handle.num_recv_rows or 0, ctx.impl.H, dtype=ctx.impl.dtype,
+            cfg = ctx.impl.cfg
+            rows = ctx.handle.num_recv_rows
+            grad_out = torch.zeros(cfg.max_recv_tokens if rows is None else rows, cfg.hidden, dtype=cfg.dtype,
                                    device=ctx.impl.device)
-        grad_x, grad_w = ctx.impl.dispatch_bwd(grad_out, grad_out_w, ctx.handle)
-        return grad_x, grad_w, None, None, None, None, None
+        gw = grad_out_w.contiguous() if grad_out_w is not None else None  # autograd may hand expanded grads
+        grad_x, grad_w = ctx.impl.dispatch_bwd(grad_out.contiguous(), gw, ctx.handle)
+        return grad_x, grad_w, None, None, None, None
 
 
 class CombineFn(torch.autograd.Function):

@@ -12,7 +12,7 @@ from .. import envs
 from ..errors import BackendError
 from .backends import BACKENDS
 
-__all__ = ["choose_backend", "p2p_report"]
+__all__ = ["choose_backend", "choose_from_reports", "p2p_report"]
 
 
 def p2p_report(device: torch.device) -> dict:
@@ -33,16 +33,25 @@ def choose_backend(group, requested: str, device: torch.device):
     """Return ``(backend, reason)``; every rank computes the same answer from one all_gather of reports.
 
     Raises:
-        BackendError: ranks requested different backends or sit on different device types.
+        BackendError: ranks requested different backends or sit on different device types, or the requested
+            backend's needs are not met.
     """
     ws = dist.get_world_size(group)
-    mine = p2p_report(device)
-    mine["requested"] = requested
     reports = [None] * ws
-    dist.all_gather_object(reports, mine, group=group)
-    reqs = {r["requested"] for r in reports}
-    if len(reqs) > 1:
-        raise BackendError(f"ranks asked for different backends: {[r['requested'] for r in reports]}")
+    dist.all_gather_object(reports, p2p_report(device), group=group)
+    return choose_from_reports(requested, reports)
+
+
+def choose_from_reports(requested: str, reports: list):
+    """``(backend, reason)`` from every rank's :func:`p2p_report` (gathered by the caller; EPBuffer gathers them in
+    its one constructor collective, :func:`tritonep.ep.config.agree`, which also checked that every rank asked for
+    the same backend on the same device type).
+
+    Raises:
+        BackendError: ranks sit on different device types, or the requested backend needs every rank to map every
+            peer's memory and some cannot.
+    """
+    ws = len(reports)
     types = {r["device_type"] for r in reports}
     if len(types) > 1:
         raise BackendError(f"ranks sit on different device types: {[r['device_type'] for r in reports]}")

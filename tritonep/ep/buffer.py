@@ -10,26 +10,20 @@ pplx-kernels (static capacity, graph capture), our own protocol for the kernels 
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 import torch.distributed as dist
 
 from .. import envs
-from ..errors import BufferStateError, CapacityError, ConfigError, InputError, PeerInputError
+from ..errors import BufferStateError, CapacityError, ConfigError, InputError, PeerInputError, TritonEPError
 from ..wire.formats import get_wire
 from .autograd import CombineFn, DispatchFn
-from .backend_choice import choose_backend
+from .backend_choice import choose_from_reports, p2p_report
+from .backends import BACKENDS, build_backend, required_bytes as backend_required_bytes
+from .config import EPConfig, agree, build_config
 from .handle import Dispatched, DispatchHandle
-from .backends import BACKENDS, build_backend, check_backend_name, required_bytes as backend_required_bytes
-from .status import resolve_timeout
-from .validate import check_backward_inputs, check_combine_inputs, check_dispatch_inputs, check_static, default_max_recv
+from .validate import check_backward_inputs, check_combine_inputs, check_dispatch_inputs
 
 __all__ = ["EPBuffer"]
-
-_STATIC_FIELDS = ("num_experts", "hidden", "max_tokens_per_rank", "topk", "dispatch_wire", "combine_wire",
-                  "expert_alignment", "max_recv_tokens", "backend")
-
 
 class EPBuffer:
     """Expert-parallel dispatch / combine buffer for one process group.
@@ -70,53 +64,53 @@ class EPBuffer:
                  timeout_s: float | None = None):
         self.group = group
         self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
-        check_static(self.world_size, num_experts, hidden, max_tokens_per_rank, topk, dispatch_wire,
-                      combine_wire, expert_alignment, max_recv_tokens)
-        check_backend_name(backend)
-        if max_recv_tokens is None:
-            max_recv_tokens = default_max_recv(self.world_size, num_experts, max_tokens_per_rank, topk,
-                                                expert_alignment)
-        if dtype != torch.bfloat16:
-            raise ConfigError(f"dtype={dtype} is not supported: x and expert outputs travel as torch.bfloat16 "
-                              f"(quantized wires: dispatch_wire / combine_wire)")
-        self.timeout_s = resolve_timeout(timeout_s)
-        self.num_experts, self.hidden = num_experts, hidden
-        self.max_tokens_per_rank, self.topk = max_tokens_per_rank, topk
-        self.num_local_experts = num_experts // self.world_size
-        self.dispatch_wire, self.combine_wire = dispatch_wire, combine_wire
-        self.expert_alignment = expert_alignment
-        self.max_recv_tokens = max_recv_tokens
-        self.dtype = dtype
-        if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
-                torch.device("cpu")
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        from ..kernels.common import check_kernel_mode
-
-        check_kernel_mode(self.device.type)  # ConfigError (what to do) before any collective or allocation
-        cfg = {f: getattr(self, f, None) for f in _STATIC_FIELDS}
-        cfg["backend"] = backend
-        cfg["device_type"] = self.device.type
-        cfg["dtype"] = str(dtype)
-        cfg["num_sms"] = num_sms
-        from .geometry import select_geometry
-
-        # grids and the combine kind must agree: receivers wait for calls * (the senders' grid) arrivals
-        cfg["geometry"] = repr(select_geometry(self.device.type, self.world_size, hidden, max_tokens_per_rank, topk,
-                                               wire=dispatch_wire, num_sms=num_sms))
-        self._check_same_on_all_ranks(cfg)
-        self.backend, self.backend_reason = choose_backend(group, backend, self.device)
-        self._impl = build_backend(  # an EPBackend (tritonep.ep.backends)
-            self.backend, group=group, rank=self.rank, world_size=self.world_size, num_experts=num_experts,
-            hidden=hidden, max_tokens_per_rank=max_tokens_per_rank, topk=topk, expert_alignment=expert_alignment,
-            max_recv_tokens=max_recv_tokens, device=self.device, dtype=dtype, num_sms=num_sms,
-            dispatch_wire=dispatch_wire, combine_wire=combine_wire, timeout_s=self.timeout_s)
+        ws = dist.get_world_size(group)
+        cfg = err = report = None
+        try:  # every check of this rank's arguments, before the first collective and before any allocation
+            if device is None:
+                device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
+                    torch.device("cpu")
+            device = torch.device(device)
+            if device.type == "cuda" and device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+            cfg = build_config(world_size=ws, num_experts=num_experts, hidden=hidden,
+                               max_tokens_per_rank=max_tokens_per_rank, topk=topk, dispatch_wire=dispatch_wire,
+                               combine_wire=combine_wire, expert_alignment=expert_alignment,
+                               max_recv_tokens=max_recv_tokens, backend=backend, dtype=dtype,
+                               device_type=device.type, num_sms=num_sms, timeout_s=timeout_s)
+            report = p2p_report(device)
+        except TritonEPError as e:
+            err = e
+        # the one collective of the constructor: every rank's verdict, config and peer-access report (a refused
+        # configuration on any rank raises on every rank; differing configurations raise, naming the field)
+        reports = agree(group, cfg, err, extra=report)
+        self.config: EPConfig = cfg
+        self.device = device
+        self.backend, self.backend_reason = choose_from_reports(backend, reports)
+        self._impl = build_backend(self.backend, cfg, group=group, rank=self.rank, device=device)
         self._closed = False
         EPBuffer._serial += 1
         self._id = EPBuffer._serial
+        self._impl.buffer_id = self._id
+        self._quantized_dispatch = get_wire(cfg.dispatch_wire).quantized
+        self._sync_free_ok = self.backend == "triton"
+        self._no_input = (torch.empty(0, cfg.hidden, dtype=cfg.dtype, device=device),
+                          torch.empty(0, cfg.topk, dtype=torch.int64, device=device),
+                          torch.empty(0, cfg.topk, dtype=torch.float32, device=device))
+
+    # ------------------------------------------------------------------------------------------- config
+    world_size = property(lambda self: self.config.world_size, doc="W, ranks of the EP group.")
+    num_experts = property(lambda self: self.config.num_experts, doc="E, experts of the group.")
+    num_local_experts = property(lambda self: self.config.num_local_experts, doc="L = E / W experts per rank.")
+    hidden = property(lambda self: self.config.hidden, doc="H, row width.")
+    max_tokens_per_rank = property(lambda self: self.config.max_tokens_per_rank, doc="Static capacity of T.")
+    topk = property(lambda self: self.config.topk, doc="K, experts per token.")
+    dispatch_wire = property(lambda self: self.config.dispatch_wire, doc="The dispatch wire's name.")
+    combine_wire = property(lambda self: self.config.combine_wire, doc="The combine wire's name.")
+    expert_alignment = property(lambda self: self.config.expert_alignment, doc="A, segment start alignment.")
+    max_recv_tokens = property(lambda self: self.config.max_recv_tokens, doc="Rows a rank can receive.")
+    dtype = property(lambda self: self.config.dtype, doc="Element type of x and expert outputs.")
+    timeout_s = property(lambda self: self.config.timeout_s, doc="Bound of every in-kernel wait, seconds.")
 
     _serial = 0
 
@@ -125,28 +119,22 @@ class EPBuffer:
     def required_bytes(world_size: int, num_experts: int, hidden: int, max_tokens_per_rank: int, topk: int,
                        dispatch_wire: str = "bf16", combine_wire: str = "bf16", expert_alignment: int = 1,
                        max_recv_tokens: int | None = None, dtype: torch.dtype = torch.bfloat16,
-                       device_type: str = "cuda") -> int:
+                       device_type: str = "cuda", backend: str = "triton", num_sms: int | None = None) -> int:
         """Symmetric bytes one rank allocates for this configuration (no group needed).
 
-        Equals what the triton backend allocates (the same region list goes through the same layout function).
-        """
-        check_static(world_size, num_experts, hidden, max_tokens_per_rank, topk, dispatch_wire, combine_wire,
-                      expert_alignment, max_recv_tokens)
-        if max_recv_tokens is None:
-            max_recv_tokens = default_max_recv(world_size, num_experts, max_tokens_per_rank, topk,
-                                                expert_alignment)
-        return backend_required_bytes("triton", world_size=world_size, num_experts=num_experts, hidden=hidden,
-                                      max_tokens_per_rank=max_tokens_per_rank, topk=topk,
-                                      max_recv_tokens=max_recv_tokens, dtype=dtype, device_type=device_type)
+        Equals what the backend allocates (the same :class:`tritonep.ep.config.EPConfig` goes through the same
+        region list and layout function). ``backend``: ``"triton"`` (what ``"auto"`` picks on one host) or
+        ``"nccl"`` (no symmetric memory: 0).
 
-    def _check_same_on_all_ranks(self, cfg: dict):
-        gathered = [None] * self.world_size
-        dist.all_gather_object(gathered, cfg, group=self.group)
-        for f in cfg:
-            vals = [g.get(f) for g in gathered]
-            if any(v != vals[0] for v in vals):
-                per_rank = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(vals))
-                raise ConfigError(f"EPBuffer field {f!r} differs across ranks ({per_rank})")
+        Raises:
+            ConfigError / WireError: as the constructor.
+        """
+        cfg = build_config(world_size=world_size, num_experts=num_experts, hidden=hidden,
+                           max_tokens_per_rank=max_tokens_per_rank, topk=topk, dispatch_wire=dispatch_wire,
+                           combine_wire=combine_wire, expert_alignment=expert_alignment,
+                           max_recv_tokens=max_recv_tokens, backend=backend, dtype=dtype, device_type=device_type,
+                           num_sms=num_sms, check_kernels=False)
+        return backend_required_bytes("triton" if backend == "auto" else backend, cfg)
 
     # ------------------------------------------------------------------------------------------- calls
     def _check_open(self):
@@ -225,11 +213,10 @@ class EPBuffer:
                               "EPBuffer that made it)")
 
     def _sync(self) -> bool:
+        """Whether an eager dispatch reads its status word: not under TRITONEP_SYNC_CHECKS=0, not while capturing."""
         if envs.sync_checks() == envs.SYNC_NONE:
             return False
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return False
-        return True
+        return not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  keep_quantized: bool = False, *, sync_free: bool = False) -> Dispatched:
@@ -270,42 +257,39 @@ class EPBuffer:
         :meth:`check`, and until then their rows of this call are unspecified (``weights`` past
         ``expert_offsets[-1]`` are zero).
         """
-        self._check_open()
-        if sync_free and self.backend != "triton":
+        if self._closed:
+            self._check_open()
+        if sync_free and not self._sync_free_ok:
             raise ConfigError(f"dispatch(sync_free=True) needs backend='triton'; this buffer's backend is "
                               f"{self.backend!r} (its all_to_all needs host split sizes)")
         refused = None
+        cfg = self.config
         try:
             x, topk_idx, topk_weights = check_dispatch_inputs(
-                x, topk_idx, topk_weights, hidden=self.hidden, topk=self.topk,
-                max_tokens_per_rank=self.max_tokens_per_rank, dtype=self.dtype, device=self.device)
+                x, topk_idx, topk_weights, hidden=cfg.hidden, topk=cfg.topk,
+                max_tokens_per_rank=cfg.max_tokens_per_rank, dtype=cfg.dtype, device=self.device)
         except (InputError, CapacityError) as e:
             refused = e
-            x = torch.empty(0, self.hidden, dtype=self.dtype, device=self.device)
-            topk_idx = torch.empty(0, self.topk, dtype=torch.int64, device=self.device)
-            topk_weights = torch.empty(0, self.topk, dtype=torch.float32, device=self.device)
-        sync = self._sync() and not sync_free
-        flag = {"bad_input": True} if refused is not None else {}
+            x, topk_idx, topk_weights = self._no_input
+        sync = not sync_free and self._sync()
+        kq = keep_quantized and self._quantized_dispatch
         try:
-            if keep_quantized and get_wire(self.dispatch_wire).quantized:
-                with torch.no_grad():
-                    q, out_w, ntpe, offs, handle = self._impl.dispatch_fwd(x, topk_idx, topk_weights, sync,
-                                                                           keep_quantized=True, **flag)
+            if kq or refused is not None or not (torch.is_grad_enabled() and (
+                    x.requires_grad or topk_weights.requires_grad)):
+                out, out_w, ntpe, offs, handle = self._impl.dispatch_fwd(x, topk_idx, topk_weights, sync, kq,
+                                                                         refused is not None)
             else:
                 box: list = []
-                out, out_w, ntpe, offs = DispatchFn.apply(x, topk_weights, self._impl, topk_idx, sync, box, flag)
-                handle = box[0][2]
+                out, out_w, ntpe, offs = DispatchFn.apply(x, topk_weights, self._impl, topk_idx, sync, box)
+                handle = box[0]
         except PeerInputError:
             if refused is not None:
                 raise refused from None  # this rank's own error names its value
             raise
         if refused is not None:
             raise refused  # sync checks off / graph capture: the peers learn it at their next check()
-        handle = replace(handle, recv_weights=out_w, buffer_id=self._id)  # frozen: a stamped copy, no mutation
-        if keep_quantized and get_wire(self.dispatch_wire).quantized:
-            return Dispatched(x=q, num_tokens_per_expert=ntpe, expert_offsets=offs, handle=handle, weights=out_w,
-                              x_scales=handle.x_scales)
-        return Dispatched(x=out, num_tokens_per_expert=ntpe, expert_offsets=offs, handle=handle, weights=out_w)
+        return Dispatched(x=out, num_tokens_per_expert=ntpe, expert_offsets=offs, handle=handle, weights=out_w,
+                          x_scales=handle.x_scales)
 
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle, kind: str | None = None) -> torch.Tensor:
         """Bring expert outputs back: ``y[t] = sum_k topk_weights[t, k] * expert_out[row(t, k)]`` (fp32 sums).
@@ -323,13 +307,19 @@ class EPBuffer:
         Raises:
             InputError, BufferStateError, PeerTimeoutError (see :meth:`dispatch`).
         """
-        self._check_open()
-        self._check_handle(handle)
-        expert_out = check_combine_inputs(expert_out, handle, hidden=self.hidden, dtype=self.dtype,
+        if self._closed:
+            self._check_open()
+        if not isinstance(handle, DispatchHandle) or handle.buffer_id != self._id:
+            self._check_handle(handle)
+        cfg = self.config
+        expert_out = check_combine_inputs(expert_out, handle, hidden=cfg.hidden, dtype=cfg.dtype,
                                           device=self.device, min_rows=handle.num_recv_rows or 0)
-        if kind not in (None, "push", "pull"):
+        if kind is not None and kind not in ("push", "pull"):
             raise ConfigError(f"combine kind={kind!r} is not 'push' or 'pull'")
-        return CombineFn.apply(expert_out, handle.recv_weights, self._impl, handle, kind)
+        rw = handle.recv_weights
+        if torch.is_grad_enabled() and (expert_out.requires_grad or (rw is not None and rw.requires_grad)):
+            return CombineFn.apply(expert_out, rw, self._impl, handle, kind)
+        return self._impl.combine_fwd(expert_out, handle, kind=kind)
 
     def counts_exchange(self, num_experts: int | None = None):
         """A new counts exchange of this buffer's backend (collective: every rank builds it, in the same order).

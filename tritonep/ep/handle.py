@@ -1,10 +1,10 @@
 """What dispatch returns: :class:`Dispatched` (rows + layout) and the frozen, typed handles that undo it.
 
-A handle is built once, by the backend that dispatched, and never changed afterwards
-(``dataclasses.FrozenInstanceError`` on assignment): :class:`DispatchHandle` holds what every backend records, :class:`TritonHandle` and
-:class:`NcclHandle` add their backend's routing state as typed fields. The front door
-(:meth:`tritonep.EPBuffer.dispatch`) stamps the buffer id and the autograd-tracked row weights by making a new handle
-with :func:`dataclasses.replace`, never by mutation.
+A handle is built once, by the backend that dispatched, with every field final (the buffer id, the returned row
+weights, the row count), and never changed afterwards (``dataclasses.FrozenInstanceError`` on assignment):
+:class:`DispatchHandle` holds what every backend records, :class:`TritonHandle` and :class:`NcclHandle` add their
+backend's routing state. A handle owns the routing its combine and backward passes read (a copy made at dispatch):
+a caller that refills its ``topk_idx`` / ``topk_weights`` in place after dispatch changes nothing.
 """
 
 from __future__ import annotations
@@ -21,27 +21,27 @@ __all__ = ["Dispatched", "DispatchHandle", "TritonHandle", "NcclHandle"]
 class DispatchHandle:
     """Routing state of one dispatch, consumed by combine and by the backward passes (frozen; every backend).
 
-    Attributes:
-        topk_idx: ``[T, K]`` int32/int64 expert ids of this rank's tokens (-1 = masked).
+    A handle OWNS what combine and the backward passes read again: the routing (``topk_idx``, ``topk_weights``) is
+    the handle's own copy, made at dispatch (the caller may refill its routing tensors in place as soon as dispatch
+    returns), and ids outside ``[-1, E)`` are stored as -1 (no kernel ever indexes with them).
+
+    Attributes (every backend; the routing ones are properties or fields of the backend's subclass):
+        topk_idx: ``[T, K]`` int32 (triton) / int64 (nccl) expert ids of this rank's tokens (-1 = masked).
         topk_weights: ``[T, K]`` float32 router weights.
         rows: ``[T, K]`` int32 destination row of every route on its expert rank (-1 masked).
         counts: int32 ``[W, E]`` routes of every rank per expert, this call's snapshot (expert-load statistics).
         num_tokens: T.
-        num_recv_rows: rows of the expert-grouped output, or None when unknown on the host (graph capture /
-            ``TRITONEP_SYNC_CHECKS=0``).
+        num_recv_rows: rows of the expert-grouped output, or None when unknown on the host (graph capture,
+            ``sync_free=True``, ``TRITONEP_SYNC_CHECKS=0``).
         x_scales: wire scales of a ``keep_quantized=True`` dispatch (fp8: float32 ``[R, H/128]``; mxfp4: uint8
             ``[R, H/32]``), else None.
-        recv_weights: float32 ``[R]`` autograd-tracked per-row weights (set by the front door), else None.
-        buffer_id: id of the :class:`tritonep.EPBuffer` that made it (0 until the front door stamps it); a handle is
-            only valid with that buffer.
+        recv_weights: float32 ``[R]`` per-row weights (the tensor the dispatch returned, autograd-tracked when the
+            dispatch was), else None.
+        buffer_id: id of the :class:`tritonep.EPBuffer` that made it; a handle is only valid with that buffer.
         backend: the registry name of the backend (class constant).
     """
 
     backend: ClassVar[str] = ""
-    topk_idx: torch.Tensor
-    topk_weights: torch.Tensor
-    rows: torch.Tensor
-    counts: torch.Tensor
     num_tokens: int
     num_recv_rows: Optional[int]
     x_scales: Optional[torch.Tensor] = None
@@ -51,16 +51,33 @@ class DispatchHandle:
 
 @dataclass(frozen=True, kw_only=True)
 class TritonHandle(DispatchHandle):
-    """Handle of the triton backend: the receiver side of the symmetric-memory protocol.
+    """Handle of the triton backend: the receiver side of the symmetric-memory protocol, in ONE allocation.
 
-    Attributes (besides :class:`DispatchHandle`'s): ``meta [W, Tmax, K]`` int32 (row of route (src, t, k) here, -1
-    if elsewhere), ``wts [W, Tmax, K]`` float32 (its weight), ``ntok [W]`` int32 (tokens of every source).
+    ``store`` is the call's int32 storage block; ``views`` its per-field views (1-D, made once at dispatch by one
+    ``split``; the layout is the backend's static :class:`tritonep.ep.triton.outputs.HandleLayout`). Fields, as
+    properties: ``meta [W, Tmax, K]`` int32 (row of route (src, t, k) here, -1 if elsewhere), ``wts [W, Tmax, K]``
+    float32 (its weight), ``ntok [W]`` int32 (tokens of every source), ``rows``, ``counts``, ``topk_idx`` (int32,
+    the handle's sanitized copy), ``topk_weights`` (float32 copy), and ``ntpe`` / ``offs`` (the dispatch's
+    ``num_tokens_per_expert`` / ``expert_offsets``).
     """
 
     backend: ClassVar[str] = "triton"
-    meta: torch.Tensor
-    wts: torch.Tensor
-    ntok: torch.Tensor
+    store: torch.Tensor
+    views: tuple
+    layout: object
+
+    def _get(self, name):
+        return self.layout.shaped(self.views, name, self.num_tokens)
+
+    meta = property(lambda self: self._get("meta"))
+    wts = property(lambda self: self._get("wts"))
+    ntok = property(lambda self: self._get("ntok"))
+    rows = property(lambda self: self._get("rows"))
+    counts = property(lambda self: self._get("counts"))
+    topk_idx = property(lambda self: self._get("idx"))
+    topk_weights = property(lambda self: self._get("w"))
+    ntpe = property(lambda self: self._get("ntpe"))
+    offs = property(lambda self: self._get("offs"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,6 +94,10 @@ class NcclHandle(DispatchHandle):
     """
 
     backend: ClassVar[str] = "nccl"
+    topk_idx: torch.Tensor
+    topk_weights: torch.Tensor
+    rows: torch.Tensor
+    counts: torch.Tensor
     send_splits: tuple
     recv_splits: tuple
     send_tok: torch.Tensor

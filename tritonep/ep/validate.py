@@ -12,8 +12,8 @@ import torch
 
 from ..errors import CapacityError, ConfigError, InputError
 
-__all__ = ["check_dispatch_inputs", "check_combine_inputs", "check_backward_inputs", "check_expert_ids", "check_static",
-           "counts_input_refusal", "default_max_recv"]
+__all__ = ["check_dispatch_inputs", "check_combine_inputs", "check_backward_inputs", "check_expert_ids",
+           "counts_input_refusal"]
 
 _ID_DTYPES = (torch.int32, torch.int64)
 
@@ -21,34 +21,49 @@ _ID_DTYPES = (torch.int32, torch.int64)
 def check_dispatch_inputs(x, topk_idx, topk_weights, *, hidden, topk, max_tokens_per_rank, dtype, device):
     """Validate dispatch inputs; returns ``(x, topk_idx, topk_weights)`` contiguous, weights float32.
 
+    Cheap by design (Python ints and attributes, no device read, no copy of what already conforms): it runs on
+    every call's host path.
+
     Raises:
         InputError: wrong type, dtype, device, rank or shape (message names the tensor and the value).
         CapacityError: more tokens than ``max_tokens_per_rank``.
     """
-    for name, t in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights)):
-        if not isinstance(t, torch.Tensor):
-            raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.device != device:
-            raise InputError(f"{name} is on {t.device}, the buffer is on {device}")
-    if x.dim() != 2 or x.shape[1] != hidden:
-        raise InputError(f"x must have shape [num_tokens, hidden={hidden}], got {tuple(x.shape)}")
+    T_ = torch.Tensor
+    if not (isinstance(x, T_) and isinstance(topk_idx, T_) and isinstance(topk_weights, T_)):
+        for name, t in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights)):
+            if not isinstance(t, T_):
+                raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if x.device != device or topk_idx.device != device or topk_weights.device != device:
+        for name, t in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights)):
+            if t.device != device:
+                raise InputError(f"{name} is on {t.device}, the buffer is on {device}")
+    xs = x.shape
+    if len(xs) != 2 or xs[1] != hidden:
+        raise InputError(f"x must have shape [num_tokens, hidden={hidden}], got {tuple(xs)}")
     if x.dtype != dtype:
         raise InputError(f"x must be {dtype}, got {x.dtype}")
-    T = x.shape[0]
+    T = xs[0]
     if T > max_tokens_per_rank:
         raise CapacityError(f"num_tokens={T} exceeds max_tokens_per_rank={max_tokens_per_rank}",
                             needed=T, available=max_tokens_per_rank)
     if topk_idx.dtype not in _ID_DTYPES:
         raise InputError(f"topk_idx must be int32 or int64, got {topk_idx.dtype}")
-    if tuple(topk_idx.shape) != (T, topk):
+    if topk_idx.shape != (T, topk):
         raise InputError(f"topk_idx must have shape [num_tokens={T}, topk={topk}], got {tuple(topk_idx.shape)}")
-    if tuple(topk_weights.shape) != (T, topk):
+    if topk_weights.shape != (T, topk):
         raise InputError(f"topk_weights must have shape [num_tokens={T}, topk={topk}], "
                          f"got {tuple(topk_weights.shape)}")
-    if not topk_weights.is_floating_point():
-        raise InputError(f"topk_weights must be floating point, got {topk_weights.dtype}")
-    return (x.contiguous(), topk_idx.contiguous(),
-            topk_weights.to(torch.float32).contiguous())
+    if topk_weights.dtype != torch.float32:
+        if not topk_weights.is_floating_point():
+            raise InputError(f"topk_weights must be floating point, got {topk_weights.dtype}")
+        topk_weights = topk_weights.to(torch.float32)
+    if not x.is_contiguous():
+        x = x.contiguous()
+    if not topk_idx.is_contiguous():
+        topk_idx = topk_idx.contiguous()
+    if not topk_weights.is_contiguous():
+        topk_weights = topk_weights.contiguous()
+    return x, topk_idx, topk_weights
 
 
 def check_expert_ids(topk_idx: torch.Tensor, num_experts: int):
@@ -84,7 +99,8 @@ def counts_input_refusal(topk_idx, topk: int, max_tokens_per_rank: int, device):
 
 def check_combine_inputs(expert_out, handle, *, hidden, dtype, device, min_rows, name="expert_out"):
     """Validate combine inputs (and the ``[rows, H]`` gradients of the backward halves); returns ``expert_out``
-    contiguous. ``name`` is the argument the messages name.
+    contiguous. ``name`` is the argument the messages name. Cheap (attributes only) like
+    :func:`check_dispatch_inputs`.
 
     Raises:
         InputError: wrong dtype/device/shape, or fewer rows than the dispatch produced.
@@ -95,11 +111,12 @@ def check_combine_inputs(expert_out, handle, *, hidden, dtype, device, min_rows,
         raise InputError(f"{name} is on {expert_out.device}, the buffer is on {device}")
     if expert_out.dtype != dtype:
         raise InputError(f"{name} must be {dtype}, got {expert_out.dtype}")
-    if expert_out.dim() != 2 or expert_out.shape[1] != hidden:
-        raise InputError(f"{name} must have shape [rows, hidden={hidden}], got {tuple(expert_out.shape)}")
-    if expert_out.shape[0] < min_rows:
-        raise InputError(f"{name} has {expert_out.shape[0]} rows but the dispatch produced {min_rows}")
-    return expert_out.contiguous()
+    s = expert_out.shape
+    if len(s) != 2 or s[1] != hidden:
+        raise InputError(f"{name} must have shape [rows, hidden={hidden}], got {tuple(s)}")
+    if s[0] < min_rows:
+        raise InputError(f"{name} has {s[0]} rows but the dispatch produced {min_rows}")
+    return expert_out if expert_out.is_contiguous() else expert_out.contiguous()
 
 
 def check_backward_inputs(grad, handle, *, hidden, dtype, device, min_rows, grad_w=None, name="grad_y"):
@@ -129,32 +146,3 @@ def check_backward_inputs(grad, handle, *, hidden, dtype, device, min_rows, grad
     return grad, grad_w
 
 
-def default_max_recv(world_size, num_experts, max_tokens_per_rank, topk, expert_alignment):
-    """Rows a rank can receive at most: every route of every rank, plus each local expert's alignment padding."""
-    L = num_experts // world_size
-    return world_size * max_tokens_per_rank * topk + L * (expert_alignment - 1)
-
-
-def check_static(world_size, num_experts, hidden, max_tokens_per_rank, topk, dispatch_wire, combine_wire,
-                 expert_alignment, max_recv_tokens):
-    """Check an EPBuffer's static configuration before anything is allocated (the ``backend=`` name is checked by
-    the registry: :func:`tritonep.ep.backends.check_backend_name`).
-
-    Raises:
-        ConfigError: a size that is not a positive int, ``num_experts`` not divisible by ``world_size`` or a bad
-            ``max_recv_tokens`` (the message names the value).
-        WireError: an unknown wire or a ``hidden`` the wire's block does not divide.
-    """
-    from ..wire.formats import check_wire
-
-    for name, v in (("world_size", world_size), ("num_experts", num_experts), ("hidden", hidden),
-                    ("max_tokens_per_rank", max_tokens_per_rank), ("topk", topk),
-                    ("expert_alignment", expert_alignment)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ConfigError(f"{name} must be a positive int, got {v!r}")
-    if num_experts % world_size:
-        raise ConfigError(f"num_experts={num_experts} is not divisible by world_size={world_size}")
-    if max_recv_tokens is not None and (not isinstance(max_recv_tokens, int) or max_recv_tokens < 1):
-        raise ConfigError(f"max_recv_tokens must be a positive int or None, got {max_recv_tokens!r}")
-    check_wire(dispatch_wire, hidden, "dispatch_wire")
-    check_wire(combine_wire, hidden, "combine_wire")

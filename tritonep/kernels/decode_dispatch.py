@@ -63,9 +63,10 @@ def _own_histogram(topk_idx_ptr, T, limit, K: tl.constexpr, KB: tl.constexpr, E:
     t = tl.arange(0, TB)
     k = tl.arange(0, KB)
     m = ((t < T) & (t < limit))[:, None] & (k[None, :] < K)
-    ids = tl.load(topk_idx_ptr + t[:, None].to(tl.int64) * K + k[None, :], mask=m, other=-1).to(tl.int32)
-    bad = tl.sum(tl.sum(((ids < -1) | (ids >= E)).to(tl.int32), 1), 0)
-    ok = (ids >= 0) & (ids < E)
+    wide = tl.load(topk_idx_ptr + t[:, None].to(tl.int64) * K + k[None, :], mask=m, other=-1)
+    bad = tl.sum(tl.sum(((wide < -1) | (wide >= E)).to(tl.int32), 1), 0)  # at full width: 2**32 + 1 is bad
+    ok = (wide >= 0) & (wide < E)
+    ids = wide.to(tl.int32)
     pe = tl.where(ok, (ids // L) * LB + ids % L, 0)  # padded (destination, local expert) bin
     h = tl.histogram(tl.reshape(pe, (TB * KB,)), WB * LB, mask=tl.reshape(ok, (TB * KB,)))
     return tl.reshape(h, (WB, LB)), bad
@@ -82,7 +83,8 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
                            K: tl.constexpr, KB: tl.constexpr, H: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr,
                            WB: tl.constexpr, LB: tl.constexpr, TB: tl.constexpr, BA: tl.constexpr, A: tl.constexpr,
                            HAS_TIMER: tl.constexpr, RB: tl.constexpr, WIRE: tl.constexpr = RAW_BF16,
-                           POW2: tl.constexpr = False, KEEP_Q: tl.constexpr = False, q_ptr=None, s_ptr=None):
+                           POW2: tl.constexpr = False, KEEP_Q: tl.constexpr = False, q_ptr=None, s_ptr=None,
+                           idx_out_ptr=None, w_out_ptr=None, COPY: tl.constexpr = False):
     """Forward dispatch in one launch of ``G`` programs (see the module docstring).
 
     Inputs: ``x [T, H]`` bf16, ``topk_idx [T, K]`` int32/int64, ``topk_weights [T, K]`` fp32 (T <= Tmax <= TB),
@@ -94,7 +96,9 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
     ``counts_out`` int32 ``[W, E]``, rows received in ``status[ST_ROWS_RECEIVED]``. Scratch owned by one program:
     ``pre[c]`` (chunk c's program) and ``hist[pid]`` (its send base), hence ``G <= NCmax``.
     Errors (status word, read by the host): STATUS_BAD_INPUT / STATUS_CAPACITY (no row moves on any rank),
-    STATUS_TIMEOUT with the wait id and the peer.
+    STATUS_TIMEOUT with the wait id and the peer. COPY: program 0 also writes the handle's own copy of the routing
+    (``idx_out [T, K]`` int32, ids outside ``[-1, E)`` as -1; ``w_out [T, K]`` float32), as
+    :func:`tritonep.kernels.layout.chunk_hist_kernel` does on the other paths.
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
@@ -109,6 +113,15 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
     e2d = d_off[:, None] * L + j_off[None, :]
     h2, bad = _own_histogram(topk_idx_ptr, T, T, K, KB, E, L, TB, WB, LB)
     bad += host_bad
+    if COPY:
+        if pid == 0:
+            tt = tl.arange(0, TB)
+            kk = tl.arange(0, KB)
+            mc = (tt < T)[:, None] & (kk[None, :] < K)
+            oc = tt[:, None].to(tl.int64) * K + kk[None, :]
+            wide = tl.load(topk_idx_ptr + oc, mask=mc, other=-1)
+            tl.store(idx_out_ptr + oc, tl.where((wide >= -1) & (wide < E), wide, -1).to(tl.int32), mask=mc)
+            tl.store(w_out_ptr + oc, tl.load(topk_w_ptr + oc, mask=mc, other=0.0), mask=mc)
     # 1) the counts exchange: program 0 publishes this rank's row; everyone waits for the other ranks' rows
     if pid == 0:
         for d in range(W):

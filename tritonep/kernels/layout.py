@@ -43,13 +43,18 @@ __all__ = ["chunk_hist_kernel", "exchange_kernel", "exchange_tiles", "layout_til
 
 @triton.jit(do_not_specialize=['T', 'NC'])
 def chunk_hist_kernel(topk_idx_ptr, hist_ptr, T, NC, K: tl.constexpr, E: tl.constexpr, EB: tl.constexpr,
-                      BT: tl.constexpr, KB: tl.constexpr, bump_a=None, bump_b=None, NBUMP: tl.constexpr = 0):
+                      BT: tl.constexpr, KB: tl.constexpr, bump_a=None, bump_b=None, NBUMP: tl.constexpr = 0,
+                      w_ptr=None, idx_out_ptr=None, w_out_ptr=None, COPY: tl.constexpr = False):
     """hist[c, :E] = histogram over experts of the routes of tokens [c*BT, (c+1)*BT) (grid-stride over chunks);
     hist[c, E] = how many of those ids lie outside ``[-1, E)`` (the input check travels with the counts exchange).
 
     ``hist`` rows are ``E + 1`` wide. Program 0 also advances up to two call counters (``*bump_a += 1``,
     ``*bump_b += 1``): no program of this launch reads them, and every later kernel of the call does, so the bump
     costs no launch of its own.
+
+    COPY: also write the dispatch handle's own copy of the routing: ``idx_out[t, k]`` = the id as int32, or -1 for
+    an id outside ``[-1, E)`` (checked at full width, before the cast), ``w_out[t, k] = w[t, k]`` (float32), for
+    every ``t < T`` (issue 25: combine and the backward passes read the handle's copy, never the caller's tensors).
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
@@ -64,8 +69,13 @@ def chunk_hist_kernel(topk_idx_ptr, hist_ptr, T, NC, K: tl.constexpr, E: tl.cons
     for c in range(pid, NC, G):
         t = c * BT + t_off
         m = (t[:, None] < T) & (k_off[None, :] < K)
-        ids = tl.load(topk_idx_ptr + t[:, None].to(tl.int64) * K + k_off[None, :], mask=m, other=-1)
+        off = t[:, None].to(tl.int64) * K + k_off[None, :]
+        ids = tl.load(topk_idx_ptr + off, mask=m, other=-1)
         bad = tl.sum(tl.sum(((ids < -1) | (ids >= E)).to(tl.int32), 1), 0)
+        if COPY:
+            clean = tl.where((ids >= -1) & (ids < E), ids, -1).to(tl.int32)
+            tl.store(idx_out_ptr + off, clean, mask=m)
+            tl.store(w_out_ptr + off, tl.load(w_ptr + off, mask=m, other=0.0), mask=m)
         ids = tl.reshape(ids.to(tl.int32), (BT * KB,))
         h = tl.histogram(ids, EB, mask=(ids >= 0) & (ids < E))
         tl.store(hist_ptr + c * (E + 1) + e_off, h, mask=e_off < E)

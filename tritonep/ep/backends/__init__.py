@@ -167,18 +167,16 @@ class BackendSpec:
 
     Attributes:
         name: the ``backend=`` value.
-        build: keyword-only constructor: ``build(group=, rank=, world_size=, num_experts=, hidden=,
-            max_tokens_per_rank=, topk=, expert_alignment=, max_recv_tokens=, device=, dtype=, num_sms=,
-            dispatch_wire=, combine_wire=, timeout_s=)`` -> :class:`EPBackend`.
+        build: ``build(cfg, group=, rank=, device=)`` -> :class:`EPBackend`, ``cfg`` the buffer's
+            :class:`tritonep.ep.config.EPConfig` (handed whole: a backend reads its fields, never re-derives them).
         needs_peer_memory: usable only when every rank maps every peer's memory (one host, peer access).
         graph_capture: its calls can be captured in a CUDA graph.
         counts_exchange: keyword-only constructor ``(group=, num_experts=, max_tokens_per_rank=, topk=, device=,
             timeout_s=)`` -> :class:`CountsExchange`.
         expert_transport: keyword-only constructor ``(group=, num_experts=, shapes=, dtype=, device=, timeout_s=)``
             -> :class:`ExpertTransport`.
-        required_bytes: keyword-only ``(world_size=, num_experts=, hidden=, max_tokens_per_rank=, topk=,
-            max_recv_tokens=, dtype=, device_type=)`` -> symmetric bytes one rank's backend allocates (0 for a
-            backend that holds none).
+        required_bytes: ``required_bytes(cfg)`` -> symmetric bytes one rank's backend allocates for that config (0
+            for a backend that holds none).
     """
 
     name: str
@@ -190,26 +188,18 @@ class BackendSpec:
     required_bytes: Callable[..., int]
 
 
-def _build_triton(*, group, rank, world_size, num_experts, hidden, max_tokens_per_rank, topk, expert_alignment,
-                  max_recv_tokens, device, dtype, num_sms=None, dispatch_wire="bf16", combine_wire="bf16",
-                  timeout_s=None) -> EPBackend:
-    """Keyword-only constructor of the triton backend."""
+def _build_triton(cfg, *, group, rank, device) -> EPBackend:
+    """The triton backend of one rank for a :class:`tritonep.ep.config.EPConfig` (handed whole)."""
     from ..triton.backend import TritonEP
 
-    return TritonEP(group, rank, world_size, num_experts, hidden, max_tokens_per_rank, topk, expert_alignment,
-                    max_recv_tokens, device, dtype, num_sms=num_sms, dispatch_wire=dispatch_wire,
-                    combine_wire=combine_wire, timeout_s=timeout_s)
+    return TritonEP(cfg, group=group, rank=rank, device=device)
 
 
-def _build_nccl(*, group, rank, world_size, num_experts, hidden, max_tokens_per_rank, topk, expert_alignment,
-                max_recv_tokens, device, dtype, num_sms=None, dispatch_wire="bf16", combine_wire="bf16",
-                timeout_s=None) -> EPBackend:
-    """Keyword-only constructor of the nccl backend (``num_sms`` does not apply)."""
+def _build_nccl(cfg, *, group, rank, device) -> EPBackend:
+    """The nccl backend of one rank for a :class:`tritonep.ep.config.EPConfig` (``num_sms`` does not apply)."""
     from ..nccl.backend import NcclEP
 
-    return NcclEP(group, rank, world_size, num_experts, hidden, max_tokens_per_rank, topk, expert_alignment,
-                  max_recv_tokens, device, dtype, dispatch_wire=dispatch_wire, combine_wire=combine_wire,
-                  timeout_s=timeout_s)
+    return NcclEP(cfg, group=group, rank=rank, device=device)
 
 
 def _triton_counts(*, group, num_experts, max_tokens_per_rank, topk, device, timeout_s=None) -> CountsExchange:
@@ -240,19 +230,15 @@ def _nccl_transport(*, group, num_experts, shapes, dtype, device, timeout_s=None
     return NcclExpertTransport(group, num_experts, shapes, dtype=dtype, device=device, timeout_s=timeout_s)
 
 
-def _triton_bytes(*, world_size, num_experts, hidden, max_tokens_per_rank, topk, max_recv_tokens, dtype,
-                  device_type) -> int:
+def _triton_bytes(cfg) -> int:
     """Symmetric bytes of one triton-backend rank: its region list through the allocation's layout function."""
     from ...memory import required_bytes as layout_bytes
-    from ..geometry import select_geometry
     from ..triton.regions import regions
 
-    bt = select_geometry(device_type, world_size, hidden, max_tokens_per_rank, topk).bt
-    return layout_bytes(regions(world_size, num_experts, hidden, max_tokens_per_rank, topk, max_recv_tokens, dtype,
-                                bt))
+    return layout_bytes(regions(cfg))
 
 
-def _no_bytes(**_) -> int:
+def _no_bytes(cfg) -> int:
     """The nccl backend holds no symmetric memory."""
     return 0
 
@@ -278,9 +264,9 @@ def backend_names() -> tuple:
     return tuple(BACKENDS)
 
 
-def build_backend(name: str, **kwargs) -> EPBackend:
-    """Build the registered backend ``name`` with keyword arguments only (see :class:`BackendSpec`)."""
-    return BACKENDS[name].build(**kwargs)
+def build_backend(name: str, cfg, *, group, rank, device) -> EPBackend:
+    """Build the registered backend ``name`` for ``cfg`` (:class:`tritonep.ep.config.EPConfig`, handed whole)."""
+    return BACKENDS[name].build(cfg, group=group, rank=rank, device=device)
 
 
 def check_backend_name(backend) -> None:
@@ -296,7 +282,6 @@ def check_backend_name(backend) -> None:
         raise ConfigError(f"backend={backend!r} is not one of {names}")
 
 
-def required_bytes(name: str, **kwargs) -> int:
-    """Symmetric bytes one rank of the registered backend ``name`` allocates (keyword arguments: see
-    :attr:`BackendSpec.required_bytes`)."""
-    return BACKENDS[name].required_bytes(**kwargs)
+def required_bytes(name: str, cfg) -> int:
+    """Symmetric bytes one rank of the registered backend ``name`` allocates for ``cfg``."""
+    return BACKENDS[name].required_bytes(cfg)

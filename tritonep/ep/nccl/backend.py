@@ -120,21 +120,20 @@ class NcclEP(NcclCombine):
 
     name = "nccl"
 
-    def __init__(self, group, rank, world_size, num_experts, hidden, max_tokens_per_rank, topk, expert_alignment,
-                 max_recv_tokens, device, dtype=torch.bfloat16, dispatch_wire="bf16", combine_wire="bf16",
-                 timeout_s=None):
-        check_wire(dispatch_wire, hidden, "dispatch_wire")
-        check_wire(combine_wire, hidden, "combine_wire")
-        self.dispatch_wire, self.combine_wire = dispatch_wire, combine_wire
+    def __init__(self, cfg, *, group, rank, device):
+        self.cfg = cfg
+        self.dispatch_wire, self.combine_wire = cfg.dispatch_wire, cfg.combine_wire
         self.group = group
-        self.rank, self.W = rank, world_size
-        self.E, self.H, self.Tm, self.K = num_experts, hidden, max_tokens_per_rank, topk
-        self.L = num_experts // world_size
-        self.A = expert_alignment
-        self.max_recv = max_recv_tokens
+        self.rank, self.W = rank, cfg.world_size
+        self.E, self.H, self.Tm, self.K = cfg.num_experts, cfg.hidden, cfg.max_tokens_per_rank, cfg.topk
+        self.L = cfg.num_local_experts
+        self.A = cfg.expert_alignment
+        self.max_recv = cfg.max_recv_tokens
         self.device = torch.device(device)
-        self.dtype = dtype
-        self.timeout_s = timeout_s
+        self.dtype = cfg.dtype
+        self.timeout_s = cfg.timeout_s
+        self.buffer_id = 0  # set by the EPBuffer that owns this backend (handles carry it)
+        num_experts, world_size, max_tokens_per_rank, topk = self.E, self.W, self.Tm, self.K
         self.host_reads = 0  # device->host reads made by calls: one per dispatch (+1 naming a bad id), else none
         self.use_triton = self.device.type == "cuda"
         # counts row: [E + 1 route bins (last: masked) | W + 1 packet bins (last: none) | min id, max id, bad_input]
@@ -342,8 +341,11 @@ class NcclEP(NcclCombine):
         else:  # one dequantization per received packet (and the zero row), then one gather
             out = gather_rows(fmt.dequantize_rows(recv, H, self.dtype), row_src)
         pos = torch.full((W * T,), -1, dtype=torch.int64, device=dev).scatter_(0, send_flat, self._ar64[:Ns])
-        handle = NcclHandle(topk_idx=topk_idx, topk_weights=topk_weights, rows=rows, counts=counts_d, num_tokens=T,
-                            num_recv_rows=R, x_scales=sc, send_splits=tuple(send_splits),
+        # the handle owns the routing it reads again (the dispatch backward's weight-gradient gather): a copy, so a
+        # caller that refills its routing tensors in place after dispatch changes nothing (issue 25)
+        handle = NcclHandle(topk_idx=topk_idx.clone(), topk_weights=topk_weights.clone(), rows=rows,
+                            counts=counts_d, num_tokens=T, num_recv_rows=R, x_scales=sc, recv_weights=out_w,
+                            buffer_id=self.buffer_id, send_splits=tuple(send_splits),
                             recv_splits=tuple(recv_splits), send_tok=send_tok, pos=pos.view(W, T),
                             recv_rows=recv_rows, recv_w=recv_w, row_src=row_src, row_w=out_w)
         return out, out_w, ntpe, offs, handle

@@ -1,116 +1,95 @@
 """The Triton backend of EPBuffer: symmetric memory + the kernels of :mod:`tritonep.kernels`.
 
-One symmetric allocation per buffer holds every region (:func:`regions`); the same list answers
-``EPBuffer.required_bytes``. Call sequence of a dispatch (all on the current stream, no host sync except the one
-optional status read after the counts exchange, see ``sync``):
+One symmetric allocation per buffer holds every region (:func:`tritonep.ep.triton.regions.regions`, which also
+answers ``EPBuffer.required_bytes``). Everything the static configuration (:class:`tritonep.ep.config.EPConfig`)
+decides is computed once at construction: region views, pointer tables, the handle storage layout
+(:class:`tritonep.ep.triton.outputs.HandleLayout`) and every kernel launch with its static arguments
+(:class:`tritonep.ep.triton.calls.KernelSet`). A call validates nothing the front door did not, allocates its
+handle storage (one tensor) and outputs, launches, and returns views.
 
-1. chunk histograms (program 0 also advances ``calls[CALL_DISPATCH]`` and ``calls[CALL_EXCHANGE]`` on the device), 3. counts exchange +
-layout (grid 1),
-4. [eager only] one host read of (status, rows) -> CapacityError / PeerTimeoutError before any row moves,
-5. send, 6. expand (or 5+6 as one launch when the geometry has ``fused_send > 0``: sends and expands overlap).
+Call sequence of a dispatch (all on the current stream, no host sync except the one optional status read after the
+counts exchange, see ``sync``):
 
-Combine: ``calls[CALL_COMBINE] += 1``, partial (push into the source, or into own memory for pull), output (a weighted push
-combine runs both as one launch when the geometry has ``fused_combine``). With the geometry's ``decode`` (small
-``max_tokens_per_rank``) the forward dispatch and the weighted push combine are ONE launch each, counts exchange
-and counter advances included (:mod:`tritonep.ep.triton.decode`). Every flag row, counter and status field is
-named in :mod:`tritonep.kernels.protocol`.
+1. chunk histograms; the same launch writes the handle's own sanitized copy of the routing (ids outside
+   ``[-1, E)`` become -1) and advances ``calls[CALL_DISPATCH]`` / ``calls[CALL_EXCHANGE]`` on the device,
+2. counts exchange + layout (one program per expert block),
+3. [synced calls only] one host read of (status, rows) -> CapacityError / PeerInputError / PeerTimeoutError
+   before any row moves (the send is queued before the host waits, so its NVLink time overlaps the read),
+4. send, 5. expand (or 4+5 as one launch when the geometry has ``fused_send > 0``: sends and expands overlap).
+
+Combine: ``calls[CALL_COMBINE] += 1``, partial (push into the source, or into own memory for pull), output (a
+weighted push combine runs both as one launch when the geometry has ``fused_combine``). With the geometry's
+``decode`` (small ``max_tokens_per_rank``) the forward dispatch and the weighted push combine are ONE launch each,
+counts exchange and counter advances included (:mod:`tritonep.ep.triton.decode`). Combine and both backward passes
+read the routing from the handle (its copy), never from the caller's tensors. Every flag row, counter and status
+field is named in :mod:`tritonep.kernels.protocol`.
 """
 
 from __future__ import annotations
 
+from collections import deque
 
 import torch
-import triton
 
 from ... import envs
 from ...errors import BufferStateError, InputError, PeerTimeoutError
-from ...kernels.combine import combine_out_kernel, combine_partial_kernel
-from ...kernels.combine_fused import combine_fused_kernel
 from ...kernels import protocol as P
-from ...kernels.dispatch import dispatch_expand_kernel, dispatch_send_kernel
-from ...kernels.dispatch_fused import dispatch_fused_kernel
-from ...kernels.layout import chunk_hist_kernel, exchange_kernel, exchange_tiles
 from ...memory import get_heap
-from ..geometry import select_geometry
 from ...wire.formats import get_wire
-from .launch import Launcher
-from .decode import DecodePath
-from .outputs import ST_HOST as _ST_HOST, DispatchOutputs
-from .regions import regions
-from ..status import STATUS_BAD_INPUT, STATUS_CAPACITY, bad_ranks, raise_for_status, resolve_timeout, wait_bound
+from ..status import STATUS_BAD_INPUT, STATUS_CAPACITY, bad_ranks, raise_for_status, wait_bound
 from ..validate import check_expert_ids
+from .calls import RAW, KernelSet
+from .decode import DecodePath
+from .launch import Launcher
+from .outputs import ST_HOST, DispatchOutputs, HandleLayout
+from .regions import regions
 
-__all__ = ["regions", "TritonEP"]
+__all__ = ["TritonEP"]
 
 _ST_ERR = P.v(P.STATUS_WORDS)  # the status word's error part
 _CODE = P.v(P.ST_CODE)
-_ROWS = P.v(P.ST_ROWS_RECEIVED)
-_CX = P.v(P.CALL_EXCHANGE)
-_RAW = get_wire("bf16").codec  # backward passes move bf16
+_CC = P.v(P.CALL_COMBINE)
+_CD = P.v(P.CALL_DISPATCH)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 class TritonEP(DispatchOutputs, DecodePath):
-    """Triton + symmetric-memory implementation behind :class:`tritonep.EPBuffer` (see the module docstring)."""
+    """Triton + symmetric-memory implementation behind :class:`tritonep.EPBuffer` (see the module docstring).
+
+    Args:
+        cfg: the buffer's :class:`tritonep.ep.config.EPConfig` (read, never re-derived).
+        group: the EP group; rank: this rank; device: its device.
+    """
 
     name = "triton"
 
-    def __init__(self, group, rank, world_size, num_experts, hidden, max_tokens_per_rank, topk, expert_alignment,
-                 max_recv_tokens, device, dtype=torch.bfloat16, num_sms=None, dispatch_wire="bf16",
-                 combine_wire="bf16", timeout_s=None):
-        self.rank, self.W = rank, world_size
-        self.E, self.H, self.Tm, self.K = num_experts, hidden, max_tokens_per_rank, topk
-        self.L = num_experts // world_size
-        self.A = expert_alignment
-        self.max_recv = max_recv_tokens
-        self.device = device
-        self.dtype = dtype
-        self.dispatch_wire, self.combine_wire = dispatch_wire, combine_wire
-        self.dfmt = get_wire(dispatch_wire, "dispatch_wire")
-        self.dwire, self.cwire = self.dfmt.codec, get_wire(combine_wire, "combine_wire").codec  # kernels' WIRE
-        self.geo = select_geometry(device.type, world_size, hidden, max_tokens_per_rank, topk, wire=dispatch_wire,
-                                   num_sms=num_sms)
-        self.ncmax = max(1, triton.cdiv(max_tokens_per_rank, self.geo.bt))
-        heap = get_heap(group, device)
-        self.buf = heap.allocate(regions(world_size, num_experts, hidden, max_tokens_per_rank, topk,
-                                         max_recv_tokens, dtype, self.geo.bt))
+    def __init__(self, cfg, *, group, rank, device):
+        self.cfg, self.rank, self.device = cfg, rank, torch.device(device)
+        self.dfmt = get_wire(cfg.dispatch_wire, "dispatch_wire")
+        self.dwire, self.cwire = self.dfmt.codec, get_wire(cfg.combine_wire, "combine_wire").codec  # kernels' WIRE
+        self.buf = get_heap(group, self.device).allocate(regions(cfg))
         b = self.buf
-        self.flags = b.local("flags")
-        self.status = b.local("status")
-        self.calls = b.local("calls")
+        self.flags, self.status, self.calls = b.local("flags"), b.local("status"), b.local("calls")
         self.hist, self.pre = b.local("hist"), b.local("pre")
         self.send_base, self.rows_needed = b.local("send_base"), b.local("rows_needed")
         self.tab = {n: b.ptr_table(n) for n in ("flags", "counts", "ntok", "meta", "wts", "wback", "stage",
                                                  "cstage", "cflag", "ccflag")}
-        self.has_timer = device.type == "cuda"
-        self.timeout_s = resolve_timeout(timeout_s)
-        self.timeout = wait_bound(device, self.timeout_s)
+        self.timeout = wait_bound(self.device, cfg.timeout_s)
         self.broken: str | None = None
         self.host_reads = 0  # device->host reads made by calls (the eager-path budget: one per dispatch)
-        if device.type == "cuda":
-            self._st_host = torch.empty(_ST_HOST, dtype=torch.int64, pin_memory=True)
+        self.buffer_id = 0  # set by the EPBuffer that owns this backend (handles carry it)
+        if self.device.type == "cuda":
+            self._st_host = torch.empty(ST_HOST, dtype=torch.int64, pin_memory=True)
             self._st_event = torch.cuda.Event()
-        self._recent_idx: list = []  # topk_idx of the last dispatches: check() names a bad id found on the device
-        self._launch = Launcher(device, group)
-        p2 = triton.next_power_of_2
-        self.c = dict(RANK=rank, W=world_size, K=topk, KB=p2(topk), H=hidden, BH=self.geo.bh, BT=self.geo.bt,
-                      WB=max(2, p2(world_size)), HAS_TIMER=self.has_timer, RB=2 * hidden)
-        self._kw = {"num_warps": self.geo.num_warps}
-        if device.type == "cuda":
-            self._kw["num_stages"] = 1
-        # the constexpr keyword arguments every data kernel takes, built once (not per launch)
-        self._ck = {k: self.c[k] for k in ("RANK", "W", "K", "KB", "H", "BH", "BT", "WB", "HAS_TIMER", "RB")}
-        self._ck.update(self._kw)
-        # the combine kernels' tile and warps (Geometry.cbt / cwarps), and their chunk count per source
-        g = self.geo
-        self._cbt = g.cbt or g.bt
-        self.ncmax_c = max(1, triton.cdiv(max_tokens_per_rank, self._cbt))
-        self._cck = dict(self._ck, BT=self._cbt, num_warps=g.cwarps or g.num_warps)
-        EB = p2(num_experts)
-        # static tiles of the counts exchange: never derived from this call's T (docs/protocols.md (host protocol rule))
-        self._xgrid, xt = exchange_tiles(self.ncmax, num_experts)
-        self._ex = dict(RANK=rank, W=world_size, E=num_experts, L=self.L, A=self.A, WB=self.c["WB"], LB=p2(self.L),
-                        EB=EB, **xt, HAS_TIMER=self.has_timer, DOUBLE=True,
-                        **self._kw)
+        self._recent_idx: deque = deque(maxlen=4)  # the last dispatches' topk_idx: check() names a bad id by value
+        self.hl = HandleLayout(cfg)
+        self._no_rows = torch.empty(0, cfg.hidden, dtype=cfg.dtype, device=self.device)
+        self._counter = {which: self.calls[i:i + 1] for which, i in (("combine", _CC), ("dispatch", _CD))}
+        self._launch = Launcher(self.device, group)
+        self.k = KernelSet(self)
         self._precompile(group)
 
     # ---------------------------------------------------------------------------------------------- helpers
@@ -126,7 +105,7 @@ class TritonEP(DispatchOutputs, DecodePath):
     @property
     def geometry(self):
         """The :class:`tritonep.ep.geometry.Geometry` every launch of this buffer uses."""
-        return self.geo
+        return self.cfg.geometry
 
     def _check_usable(self):
         if self.broken:
@@ -144,18 +123,20 @@ class TritonEP(DispatchOutputs, DecodePath):
         if int(st[_CODE]) == STATUS_BAD_INPUT and self.rank in bad_ranks(st):
             self._raise_own_bad_ids()
         try:
-            raise_for_status(st, self.rank, self.max_recv, what, self.timeout_s, self.device.type)
+            raise_for_status(st, self.rank, self.cfg.max_recv_tokens, what, self.cfg.timeout_s, self.device.type)
         except PeerTimeoutError as e:
             self.broken = str(e)
             raise
 
     def _raise_own_bad_ids(self):
         """This rank's input was refused on the device (sync checks off): raise InputError naming the value, from
-        the most recent of the last dispatches' ``topk_idx`` that holds an id outside ``[-1, E)``."""
+        the most recent of the last dispatches' ``topk_idx`` that holds an id outside ``[-1, E)`` (the caller's
+        tensors, kept only to name the value: a caller that refilled them in place may see another value named)."""
         for idx in reversed(self._recent_idx):
-            check_expert_ids(idx, self.E)
+            check_expert_ids(idx, self.cfg.num_experts)
         raise InputError(f"rank {self.rank}: the topk_idx of an earlier dispatch held an id outside "
-                         f"[-1, num_experts={self.E}) (found on the device; no longer held to name the value)")
+                         f"[-1, num_experts={self.cfg.num_experts}) (found on the device; no longer held to name "
+                         f"the value)")
 
     def _eager_check(self, what):
         """Strict eager calls (TRITONEP_SYNC_CHECKS=1, not capturing) raise a wait the kernels gave up on in the same
@@ -166,39 +147,48 @@ class TritonEP(DispatchOutputs, DecodePath):
             return
         self.check(what)
 
-    def _calls(self, which):
-        """One-element view of call counter ``which`` (a ``P.CALL_*``)."""
-        i = P.v(which)
-        return self.calls[i:i + 1]
-
-    def _flag_off(self, row):
-        """Byte offset of flag row ``row`` (a ``P.FLAG_*``) in every rank's flags region."""
-        return P.flag_row_bytes(row, self.W)
+    def _read_status(self, before=None) -> list:
+        """The one host read of a dispatch: (status word, rows received) as a list of ints. ``before`` (the send
+        launch of a two-kernel dispatch) is queued after the copy and before the host waits."""
+        self.host_reads += 1
+        if self.device.type == "cuda":
+            self._st_host.copy_(self.status[:ST_HOST], non_blocking=True)
+            self._st_event.record()
+            if before is not None:
+                before()
+            self._st_event.synchronize()
+            return self._st_host.tolist()
+        if before is not None:
+            before()
+        return self.status[:ST_HOST].tolist()
 
     # ---------------------------------------------------------------------------------------------- construction
     def _precompile(self, group):
         """Compile every kernel variant this buffer can launch (GPU), then one barrier of the group (every device).
 
-        The dry run walks the real code paths (dispatch with and without keep_quantized, push and pull combine,
-        both backwards) with every launch turned into ``kernel.warmup`` (:meth:`Launcher.dry_run`), and puts the
-        call counters and status back. No call ever compiles-and-barriers lazily (docs/protocols.md (host protocol rule)).
+        The dry run walks the real code paths (dispatch with int32 and int64 ids, with and without keep_quantized,
+        push and pull combine, both backwards) with every launch turned into ``kernel.warmup``
+        (:meth:`Launcher.dry_run`), and puts the call counters and status back. No call ever compiles-and-barriers
+        lazily (docs/protocols.md, host protocol rule).
         """
-        import torch.distributed as dist
 
         def walk():
-            T, H, K, dev = self.Tm, self.H, self.K, self.device
-            x = torch.zeros(T, H, dtype=self.dtype, device=dev)
-            idx = torch.zeros(T, K, dtype=torch.int64, device=dev)
+            cfg, dev = self.cfg, self.device
+            T, H, K = cfg.max_tokens_per_rank, cfg.hidden, cfg.topk
+            x = torch.zeros(T, H, dtype=cfg.dtype, device=dev)
             w = torch.zeros(T, K, dtype=torch.float32, device=dev)
-            variants = [False, True] if self.dwire.quantized else [False]
-            for kq in variants:
-                out, out_w, _, _, handle = self.dispatch_fwd(x, idx, w, sync=False, keep_quantized=kq)
+            for id_dtype in (torch.int64, torch.int32):
+                idx = torch.zeros(T, K, dtype=id_dtype, device=dev)
+                for kq in ([False, True] if self.dwire.quantized else [False]):
+                    out, out_w, _, _, handle = self.dispatch_fwd(x, idx, w, sync=False, keep_quantized=kq)
             eo = self.expert_out_buffer()
             for kind in ("push", "pull"):
                 self._combine(eo, handle, weighted=True, kind=kind, wire=self.cwire)
             self.dispatch_bwd(eo, None, handle)
             self.dispatch_bwd(eo, out_w, handle)
             self.combine_bwd(x, eo, handle)
+
+        import torch.distributed as dist
 
         self._launch.dry_run(walk, restore=(self.calls, self.status))
         if self.device.type == "cuda":
@@ -215,138 +205,77 @@ class TritonEP(DispatchOutputs, DecodePath):
         empty and the rank still runs the whole launch sequence, flagging the refusal in its counts row, so every
         rank fails this call together (:class:`PeerInputError`) and the next call pairs correctly.
 
+        Returns ``(rows, row_weights, num_tokens_per_expert, expert_offsets, handle)``.
+
         Raises (eager, ``sync``): PeerInputError / InputError (ids outside ``[-1, E)`` on this rank),
         CapacityError, PeerTimeoutError; no row moves on any rank for the first two.
         """
-        self._check_usable()
-        g, c = self.geo, self.c
+        if self.broken:
+            self._check_usable()
+        g = self.cfg.geometry
         T = x.shape[0]
         if not bad_input:
-            self._recent_idx = (self._recent_idx + [topk_idx])[-4:]
+            self._recent_idx.append(topk_idx)
+        store, v = self.hl.new(self.device)
         if g.decode:
-            return self._dispatch_decode(x, topk_idx, topk_weights, sync, keep_quantized, bad_input)
-        nc = triton.cdiv(T, g.bt)
-        self._launch(chunk_hist_kernel, (g.grid_hist,), topk_idx, self.hist, T, nc, K=self.K, E=self.E,
-                     EB=self._ex["EB"], BT=g.bt, KB=c["KB"], bump_a=self._calls(P.CALL_DISPATCH), bump_b=self._calls(P.CALL_EXCHANGE), NBUMP=2,
-                     **self._kw)
-        ntpe = torch.empty(self.L, dtype=torch.int32, device=self.device)
-        offs = torch.empty(self.L, dtype=torch.int32, device=self.device)
-        counts = torch.empty(self.W, self.E, dtype=torch.int32, device=self.device)
-        self._launch(exchange_kernel, (self._xgrid,), self.hist, nc, self.tab["counts"], self.flags, self.tab["flags"],
-                     self._flag_off(P.FLAG_COUNTS), self.calls[_CX:], self.status, self.timeout, self.pre,
-                     self.send_base, ntpe, offs, self.rows_needed, self.max_recv, int(bad_input),
-                     dcall_ptr=self._calls(P.CALL_DISPATCH), rows_out_ptr=self.status[_ROWS:_ROWS + 1], counts_out_ptr=counts, **self._ex)
-        handle = self._new_handle(topk_idx, topk_weights, T, counts)
+            return self._dispatch_decode(x, topk_idx, topk_weights, sync, keep_quantized, bad_input, store, v)
+        i, k = self.hl.index, self.k
+        nc = _cdiv(T, g.bt)
+        idx_c, w_c, rows = v[i["idx"]], v[i["w"]], v[i["rows"]]
+        ntpe, offs = v[i["ntpe"]], v[i["offs"]]
+        k.hist(topk_idx, topk_weights, idx_c, w_c, T, nc)
+        k.exchange(nc, ntpe, offs, int(bad_input), v[i["counts"]])
         fused = g.fused_send > 0
+
+        def send():
+            k.send(x, idx_c, w_c, rows, T, nc)
+
         st = None
         if sync:
-            # the one host read: (status, rows this rank receives), staged right after the exchange; the send is
-            # queued before the host waits, so its NVLink time overlaps the read and the expand's launch
-            self.host_reads += 1
-            if self.device.type == "cuda":
-                self._st_host.copy_(self.status[:_ST_HOST], non_blocking=True)
-                self._st_event.record()
-                if not fused:
-                    self._send(x, handle, topk_weights, compute_rows=True, nc=nc, wire=self.dwire)
-                self._st_event.synchronize()
-                st = self._st_host.clone()
-            else:
-                if not fused:
-                    self._send(x, handle, topk_weights, compute_rows=True, nc=nc, wire=self.dwire)
-                st = self.status[:_ST_HOST].clone()
+            st = self._read_status(None if fused else send)
         elif not fused:
-            self._send(x, handle, topk_weights, compute_rows=True, nc=nc, wire=self.dwire)
-        code, refused, R = self._verdict(st, handle)
-        out, out_w, q, sc = self._alloc_out(R if R is not None else self.max_recv, R is not None, keep_quantized)
+            send()
+        code, refused, R = self._verdict(st)
+        out, out_w, q, sc = self._alloc_out(R if R is not None else self.cfg.max_recv_tokens, R is not None,
+                                            keep_quantized)
+        meta, wts, ntok = v[i["meta"]], v[i["wts"]], v[i["ntok"]]
         # the data kernels run on every rank whatever the verdict (a refused call's kernels move no row: the
-        # exchange recorded this dispatch's number in status[ST_SKIP_CALL]), so the flags advance identically everywhere
+        # exchange recorded this dispatch's number in status[ST_SKIP_CALL]), so the flags advance identically
+        kq = q is not None
         if fused:
-            self._fused(x, handle, topk_weights, out, out_w, ntpe, offs, q, sc)
+            k.fused(kq)(x, idx_c, w_c, rows, T, out, out_w, meta, wts, ntok, ntpe, offs, q, sc)
         else:
-            self._expand(x, out, out_w, handle, ntpe, offs, keep_handle=True, wire=self.dwire, q=q, sc=sc)
-        return self._dispatch_result(code, refused, st, sync, bad_input, topk_idx, out, out_w, q, sc, ntpe, offs,
-                                     handle, R)
-
-    def _send(self, x, handle, topk_weights, compute_rows, nc, wire=_RAW):
-        g = self.geo
-        self._launch(dispatch_send_kernel, (g.grid_send,),
-                     x, handle.topk_idx, topk_weights, handle.rows, handle.num_tokens, nc, self.pre, self.send_base,
-                     self.tab["stage"], self.tab["meta"], self.tab["wts"], self.tab["ntok"],
-                     self.flags, self.tab["flags"], self._flag_off(P.FLAG_DATA), self.calls, self.status, self.timeout,
-                     g.grid_expand, self.Tm, E=self.E, L=self.L, COMPUTE_ROWS=compute_rows, WIRE=wire,
-                     **self._ck)
-
-    def _fused(self, x, handle, topk_weights, out, out_w, ntpe, offs, q, sc):
-        """Forward dispatch as one launch (send and expand overlapped; :mod:`tritonep.kernels.dispatch_fused`)."""
-        g = self.geo
-        b = self.buf
-        self._launch(dispatch_fused_kernel, (g.fused_send + g.fused_expand,),
-                     x, handle.topk_idx, topk_weights, handle.rows, handle.num_tokens, self.pre, self.send_base,
-                     self.tab["stage"], self.tab["meta"], self.tab["wts"], self.tab["ntok"], self.tab["cflag"],
-                     b.local("cflag"), b.local("stage"), b.local("meta"), b.local("wts"), b.local("ntok"), out, out_w,
-                     handle.meta, handle.wts, handle.ntok, ntpe, offs,
-                     self.flags, self.tab["flags"], self._flag_off(P.FLAG_DATA), self._flag_off(P.FLAG_ACK), self.calls, self.status,
-                     self.timeout, g.grid_send, g.grid_expand, self.Tm, self.ncmax, GS=g.fused_send, E=self.E,
-                     L=self.L, BA=triton.next_power_of_2(max(self.A, 1)), A=self.A, WIRE=self.dwire,
-                     KEEP_Q=q is not None, q_ptr=q, s_ptr=sc, PF=g.prefetch,
-                     **self._ck)
-
-    def _expand(self, x, out, out_w, handle, ntpe, offs, keep_handle, scale=False, eo=None, gw=None, wire=_RAW,
-                q=None, sc=None):
-        """Expand launch. ``x``: the tensor the send of this call read (raw wire: own-rank rows come from it)."""
-        g = self.geo
-        b = self.buf
-        self._launch(dispatch_expand_kernel, (g.grid_expand,),
-                     x, b.local("stage"), b.local("meta"), b.local("wts"), b.local("ntok"), out, out_w,
-                     handle.meta, handle.wts, handle.ntok, ntpe, offs,
-                     eo if eo is not None else out, gw if gw is not None else out_w,
-                     self.flags, self.tab["flags"], self._flag_off(P.FLAG_ACK), self.calls, self.status, self.timeout,
-                     g.grid_send, self.Tm, self.ncmax, L=self.L, LB=triton.next_power_of_2(self.L),
-                     BA=triton.next_power_of_2(max(self.A, 1)) if keep_handle else 1, A=self.A if keep_handle else 1,
-                     SCALE=scale, DOT=eo is not None,
-                     KEEP_HANDLE=keep_handle, WIRE=wire, KEEP_Q=q is not None, q_ptr=q, s_ptr=sc, PF=g.prefetch,
-                     **self._ck)
+            k.expand(kq)(x, out, out_w, meta, wts, ntok, ntpe, offs, out, out_w, q, sc)
+        return self._finish_dispatch(code, refused, st, sync, bad_input, topk_idx, out, out_w, q, sc, store, v, T,
+                                     R)
 
     # ---------------------------------------------------------------------------------------------- combine
-    def _combine(self, eo, handle, weighted, gw=None, want_wgrad=False, kind=None, wire=_RAW):
-        self._check_usable()
-        g = self.geo
+    def _combine(self, eo, handle, weighted, gw=None, want_wgrad=False, kind=None, wire=RAW):
+        if self.broken:
+            self._check_usable()
+        g = self.cfg.geometry
         kind = kind or g.combine
         if want_wgrad or wire.quantized:
             kind = "push"  # quantized partials and weight-gradient return are push-only
         if g.decode and kind == "push" and weighted and not want_wgrad:
             return self._combine_decode(eo, handle, wire), None  # one launch; it advances CALL_COMBINE itself
         T = handle.num_tokens
-        nc = triton.cdiv(T, self._cbt)
-        self._calls(P.CALL_COMBINE).add_(1)
-        stage = self.tab["cstage"]
+        v, i, k = handle.views, self.hl.index, self.k
+        meta, wts, ntok, idx_c = v[i["meta"]], v[i["wts"]], v[i["ntok"]], v[i["idx"]]
+        self._counter["combine"].add_(1)
+        y = torch.empty(T, self.cfg.hidden, dtype=eo.dtype, device=self.device)
         if g.fused_combine and kind == "push" and weighted and not want_wgrad:
-            y = torch.empty(T, self.H, dtype=eo.dtype, device=self.device)
-            self._launch(combine_fused_kernel, (g.fused_send + g.fused_expand,),
-                         eo, handle.meta, handle.wts, handle.ntok, stage, self.tab["ccflag"], self.buf.local("ccflag"),
-                         handle.topk_idx, y, T, self.flags, self.tab["flags"], self._flag_off(P.FLAG_CDATA), self._flag_off(P.FLAG_CACK),
-                         self.calls, self.status, self.timeout, g.grid_partial, g.grid_out, self.Tm, self.ncmax_c,
-                         GS=g.fused_send, L=self.L, WIRE=wire,
-                         **self._cck)
+            k.combine_fused(wire)(eo, meta, wts, ntok, idx_c, y, T)
             self._eager_check("combine")
             return y, None
-        self._launch(combine_partial_kernel, (g.grid_partial,),
-                     eo, handle.meta, handle.wts, handle.ntok, gw if gw is not None else handle.wts, stage,
-                     self.tab["wback"], self.flags, self.tab["flags"], self._flag_off(P.FLAG_CDATA), self.calls, self.status,
-                     self.timeout, g.grid_out, self.Tm, self.ncmax_c, PUSH=kind == "push", WEIGHTED=weighted,
-                     SEND_WGRAD=want_wgrad, WIRE=wire,
-                     **self._cck)
-        y = torch.empty(T, self.H, dtype=eo.dtype, device=self.device)
-        gtw = torch.empty(T, self.K, dtype=torch.float32, device=self.device) if want_wgrad else None
-        self._launch(combine_out_kernel, (g.grid_out,),
-                     handle.topk_idx, y, T, nc, stage, self.buf.local("wback"), gtw if gtw is not None else y,
-                     self.flags, self.tab["flags"], self._flag_off(P.FLAG_CACK), self.calls, self.status, self.timeout,
-                     g.grid_partial, self.Tm, L=self.L, PULL=kind == "pull", RECV_WGRAD=want_wgrad, WIRE=wire,
-                     **self._cck)
+        k.partial(kind, weighted, want_wgrad, wire)(eo, meta, wts, ntok, gw if gw is not None else wts)
+        gtw = torch.empty(T, self.cfg.topk, dtype=torch.float32, device=self.device) if want_wgrad else None
+        k.out(kind, want_wgrad, wire)(idx_c, y, T, _cdiv(T, g.cbt), gtw if gtw is not None else y)
         self._eager_check("combine" if weighted else "dispatch backward")
         return y, gtw
 
     def combine_fwd(self, expert_out, handle, kind=None):
+        """Weighted combine ``y [T, H]`` (see the module docstring)."""
         y, _ = self._combine(expert_out, handle, weighted=True, kind=kind, wire=self.cwire)
         return y
 
@@ -354,28 +283,28 @@ class TritonEP(DispatchOutputs, DecodePath):
     def dispatch_bwd(self, grad_recv_x, grad_recv_w, handle):
         """grad_x[t] = sum_k grad_recv_x[row(t,k)]; grad_topk_weights[t,k] = grad_recv_w[row(t,k)]."""
         gw = grad_recv_w
-        y, gtw = self._combine(grad_recv_x.contiguous(), handle, weighted=False,
-                               gw=gw.contiguous() if gw is not None else None, want_wgrad=gw is not None)
-        return y, gtw
+        return self._combine(grad_recv_x, handle, weighted=False, gw=gw, want_wgrad=gw is not None)
 
     def combine_bwd(self, grad_y, expert_out, handle):
         """grad_expert_out[row] = w * grad_y[t]; grad_recv_w[row] = <grad_y[t], expert_out[row]>."""
-        self._check_usable()
-        R = expert_out.shape[0]
-        g_eo = torch.zeros(R, self.H, dtype=self.dtype, device=self.device)
-        g_w = torch.zeros(R, dtype=torch.float32, device=self.device)
-        out_w_scratch = torch.empty(R, dtype=torch.float32, device=self.device)
-        self._calls(P.CALL_DISPATCH).add_(1)
-        nc = triton.cdiv(handle.num_tokens, self.geo.bt)
-        gy = grad_y.contiguous()  # held until the expand ran: it reads the own rank's rows from it (raw wire)
-        self._send(gy, handle, handle.topk_weights, compute_rows=False, nc=nc)
-        dummy = torch.empty(self.L, dtype=torch.int32, device=self.device)
-        self._expand(gy, g_eo, out_w_scratch, handle, dummy, dummy, keep_handle=False, scale=True,
-                     eo=expert_out.contiguous(), gw=g_w)
+        if self.broken:
+            self._check_usable()
+        R, H, dev = expert_out.shape[0], self.cfg.hidden, self.device
+        g_eo = torch.zeros(R, H, dtype=self.cfg.dtype, device=dev)
+        g_w = torch.zeros(R, dtype=torch.float32, device=dev)
+        scratch = torch.empty(R, dtype=torch.float32, device=dev)
+        self._counter["dispatch"].add_(1)
+        T = handle.num_tokens
+        v, i, k = handle.views, self.hl.index, self.k
+        # grad_y is held until the expand ran: it reads the own rank's rows from it (raw wire)
+        k.send_bwd(grad_y, v[i["idx"]], v[i["w"]], v[i["rows"]], T, _cdiv(T, self.cfg.geometry.bt))
+        ntpe = v[i["ntpe"]]  # not written by this expand (KEEP_HANDLE off): any int32 [L] tensor
+        k.expand_bwd(grad_y, g_eo, scratch, v[i["meta"]], v[i["wts"]], v[i["ntok"]], ntpe, ntpe, expert_out, g_w)
         self._eager_check("combine backward")
         return g_eo, g_w
 
     def close(self):
+        """Free the symmetric allocation (collective)."""
         if self.buf is not None:
             self.buf.close()
             self.buf = None

@@ -1,17 +1,17 @@
 """Host-side pieces of a forward dispatch shared by every path of the triton backend (two kernels, fused, decode).
 
-:class:`DispatchOutputs` is a mixin of :class:`tritonep.ep.triton.backend.TritonEP`: it reads the backend's static
-configuration (``W``, ``E``, ``H``, ``K``, ``Tm``, ``max_recv``, ``dwire``, ``dtype``, ``device``, ``status``,
-``timeout_s``) and allocates the handle and the outputs, turns the one host read of the status word into the
-verdict, and raises a refused call's typed error after its launches (docs/protocols.md, host protocol rule:
-every rank launches anyway).
+* :class:`HandleLayout`: the static layout of one call's handle storage (routing copy, rows, receiver metadata,
+  counts snapshot, segment sizes and offsets): ONE int32 allocation per dispatch, cut into 1-D views by one
+  ``split`` (float fields reinterpreted), every field 256-byte aligned so the kernels' 16-byte pointer
+  specialisation never changes between calls.
+* :class:`DispatchOutputs` (a mixin of :class:`tritonep.ep.triton.backend.TritonEP`): the outputs' allocation, the
+  verdict of the one host read of a dispatch's status word, and a refused call's typed error after its launches
+  (docs/protocols.md, host protocol rule: every rank launches anyway).
 """
 
 from __future__ import annotations
 
 import torch
-
-from dataclasses import replace
 
 from ...errors import PeerTimeoutError
 from ...kernels import protocol as P
@@ -19,64 +19,109 @@ from ..handle import TritonHandle
 from ..status import STATUS_BAD_INPUT, STATUS_CAPACITY, bad_ranks, raise_for_status
 from ..validate import check_expert_ids
 
-__all__ = ["DispatchOutputs", "ST_HOST"]
+__all__ = ["DispatchOutputs", "HandleLayout", "ST_HOST"]
 
 _ST_ERR = P.v(P.STATUS_WORDS)  # the status word's error part
 _CODE = P.v(P.ST_CODE)
 _ROWS = P.v(P.ST_ROWS_RECEIVED)
 ST_HOST = _ROWS + 1  # what the one host read of a dispatch copies (status word + rows received)
+_ALIGN = 64  # int32 elements: every field starts on a 256-byte boundary
+
+
+class HandleLayout:
+    """Where each field of a call's handle storage lives (static per buffer; see the module docstring).
+
+    Fields (flat, in this order): ``idx`` ``[Tmax*K]`` (the handle's int32 copy of ``topk_idx``), ``w``
+    ``[Tmax*K]`` float32 (copy of ``topk_weights``), ``rows`` ``[Tmax*K]``, ``meta`` ``[W*Tmax*K]``, ``wts``
+    ``[W*Tmax*K]`` float32, ``ntok`` ``[W]``, ``ntpe`` ``[L]``, ``offs`` ``[L]``, ``counts`` ``[W*E]``.
+    """
+
+    FLOAT = frozenset(("w", "wts"))
+
+    def __init__(self, cfg):
+        W, E, Tm, K = cfg.world_size, cfg.num_experts, cfg.max_tokens_per_rank, cfg.topk
+        L = cfg.num_local_experts
+        self.sizes_real = dict(idx=Tm * K, w=Tm * K, rows=Tm * K, meta=W * Tm * K, wts=W * Tm * K, ntok=W, ntpe=L,
+                               offs=L, counts=W * E)
+        self.names = tuple(self.sizes_real)
+        # exact-size field views with a padding piece after each (so every field starts 256-byte aligned and a
+        # field's view needs no slicing): the field of name n is views[2 * position]
+        self.index = {n: 2 * i for i, n in enumerate(self.names)}
+        self.split_sizes = []
+        for n in self.names:
+            size = self.sizes_real[n]
+            self.split_sizes += [size, -(-size // _ALIGN) * _ALIGN - size]
+        self.numel = sum(self.split_sizes)
+        self.K, self.W, self.E, self.Tm = K, W, E, Tm
+        self._float = tuple(self.index[n] for n in self.FLOAT)
+
+    def new(self, device) -> tuple:
+        """``(store, views)`` of a new call: one allocation, one split, the float fields reinterpreted."""
+        store = torch.empty(self.numel, dtype=torch.int32, device=device)
+        views = list(store.split(self.split_sizes))
+        for i in self._float:
+            views[i] = views[i].view(torch.float32)
+        return store, tuple(views)
+
+    def shaped(self, views: tuple, name: str, num_tokens: int) -> torch.Tensor:
+        """Field ``name`` of a call's views with its logical shape (``[T, K]`` for the per-token fields)."""
+        v = views[self.index[name]]
+        K, W, Tm = self.K, self.W, self.Tm
+        if name in ("idx", "w", "rows"):
+            return v[:num_tokens * K].view(num_tokens, K)
+        if name in ("meta", "wts"):
+            return v[:W * Tm * K].view(W, Tm, K)
+        if name == "counts":
+            return v[:W * self.E].view(W, self.E)
+        return v
 
 
 class DispatchOutputs:
-    """Handle / output allocation and the verdict of a forward dispatch (see the module docstring)."""
+    """Outputs and the verdict of a forward dispatch (see the module docstring)."""
 
-    def _new_handle(self, topk_idx, topk_weights, T, counts):
-        """A forward dispatch's handle (device tensors to be filled by the kernels; ``counts``: the [W, E] snapshot).
-        ``num_recv_rows`` is stamped by :meth:`_dispatch_result` (a new frozen handle)."""
-        return TritonHandle(topk_idx=topk_idx, topk_weights=topk_weights, counts=counts,
-                            rows=torch.empty(T, self.K, dtype=torch.int32, device=self.device),
-                            meta=torch.empty(self.W, self.Tm, self.K, dtype=torch.int32, device=self.device),
-                            wts=torch.empty(self.W, self.Tm, self.K, dtype=torch.float32, device=self.device),
-                            ntok=torch.empty(self.W, dtype=torch.int32, device=self.device),
-                            num_tokens=T, num_recv_rows=None)
-
-    def _verdict(self, st, handle):
-        """``(code, refused, R)`` from the host copy of the status word (None: not read); raises PeerTimeoutError
-        (and marks the buffer unusable) for a wait that gave up."""
-        code = int(st[_CODE]) if st is not None else 0
+    def _verdict(self, st):
+        """``(code, refused, R)`` from the host copy of the status word (a list of ints; None: not read); raises
+        PeerTimeoutError (and marks the buffer unusable) for a wait that gave up."""
+        if st is None:
+            return 0, False, None
+        code = st[_CODE]
         refused = code in (STATUS_CAPACITY, STATUS_BAD_INPUT)
         if code != 0 and not refused:
             try:
-                raise_for_status(st[:_ST_ERR], self.rank, self.max_recv, "dispatch", self.timeout_s, self.device.type)
+                raise_for_status(torch.tensor(st[:_ST_ERR]), self.rank, self.cfg.max_recv_tokens, "dispatch",
+                                 self.cfg.timeout_s, self.device.type)
             except PeerTimeoutError as e:
                 self.broken = str(e)  # later calls repeat the wait, the peer and the measured wait
                 raise
-        R = None if st is None else (0 if refused else int(st[_ROWS]))
-        return code, refused, R
+        return code, refused, (0 if refused else st[_ROWS])
 
     def _alloc_out(self, nrows, exact, keep_quantized):
         """``(out, out_w, q, sc)`` for ``nrows`` received rows; ``exact=False`` (rows unknown on the host): the
         weights past the received rows stay zero (rows are not cleared: with sync checks off they are unspecified)."""
         q = sc = None
-        if keep_quantized and self.dwire.quantized:
+        dev = self.device
+        if keep_quantized and self.dfmt.quantized:
             # padding rows hold the encoding of a zero row (fp8 scale 2^-126, e8m0 0), as the twins give
-            q, sc = self.dfmt.empty_quantized(nrows, self.H, self.device)
-            out = torch.empty(0, self.H, dtype=self.dtype, device=self.device)
+            q, sc = self.dfmt.empty_quantized(nrows, self.cfg.hidden, dev)
+            out = self._no_rows
         else:
-            out = torch.empty(nrows, self.H, dtype=self.dtype, device=self.device)
-        out_w = torch.empty(nrows, dtype=torch.float32, device=self.device) if exact else \
-            torch.zeros(nrows, dtype=torch.float32, device=self.device)
+            out = torch.empty(nrows, self.cfg.hidden, dtype=self.cfg.dtype, device=dev)
+        out_w = torch.empty(nrows, dtype=torch.float32, device=dev) if exact else \
+            torch.zeros(nrows, dtype=torch.float32, device=dev)
         return out, out_w, q, sc
 
-    def _dispatch_result(self, code, refused, st, sync, bad_input, topk_idx, out, out_w, q, sc, ntpe, offs, handle,
-                         R):
-        """Raise a refused call's error (after its launches), else the forward dispatch's return tuple."""
+    def _finish_dispatch(self, code, refused, st, sync, bad_input, topk_idx, out, out_w, q, sc, store, views, T, R):
+        """Raise a refused call's error (after its launches), else the forward dispatch's return tuple
+        ``(rows, row_weights, num_tokens_per_expert, expert_offsets, handle)``."""
         if refused:
             self.status.zero_()  # reported once, here; the buffer stays usable (stream-ordered after the kernels)
-            if code == STATUS_BAD_INPUT and self.rank in bad_ranks(st) and not bad_input:
-                check_expert_ids(topk_idx, self.E)  # raises InputError naming the value
-            raise_for_status(st[:_ST_ERR], self.rank, self.max_recv, "dispatch", self.timeout_s, self.device.type)
+            if code == STATUS_BAD_INPUT and self.rank in bad_ranks(torch.tensor(st)) and not bad_input:
+                check_expert_ids(topk_idx, self.cfg.num_experts)  # raises InputError naming the value
+            raise_for_status(torch.tensor(st[:_ST_ERR]), self.rank, self.cfg.max_recv_tokens, "dispatch",
+                             self.cfg.timeout_s, self.device.type)
         if sync:
             self._eager_check("dispatch")  # a peer that stopped after the counts exchange raises in this call
-        handle = replace(handle, num_recv_rows=R, x_scales=sc)
-        return (out if q is None else q), out_w, ntpe, offs, handle
+        handle = TritonHandle(store=store, views=views, layout=self.hl, num_tokens=T, num_recv_rows=R, x_scales=sc,
+                              recv_weights=out_w, buffer_id=self.buffer_id)
+        i = self.hl.index
+        return (out if q is None else q), out_w, views[i["ntpe"]], views[i["offs"]], handle

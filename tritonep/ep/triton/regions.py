@@ -14,11 +14,12 @@ from ...memory import Region
 __all__ = ["regions"]
 
 
-def regions(world_size, num_experts, hidden, max_tokens_per_rank, topk, max_recv_tokens, dtype=torch.bfloat16,
-            bt=16):
-    """The symmetric regions of one EPBuffer (rank-local scratch lives in the same allocation)."""
-    W, E, H, Tm, K = world_size, num_experts, hidden, max_tokens_per_rank, topk
-    ncmax = max(1, triton.cdiv(Tm, bt))
+def regions(cfg):
+    """The symmetric regions of one EPBuffer of config ``cfg`` (:class:`tritonep.ep.config.EPConfig`); rank-local
+    scratch lives in the same allocation."""
+    W, E, H, Tm, K = cfg.world_size, cfg.num_experts, cfg.hidden, cfg.max_tokens_per_rank, cfg.topk
+    max_recv_tokens, dtype = cfg.max_recv_tokens, cfg.dtype
+    ncmax = max(1, triton.cdiv(Tm, cfg.geometry.bt))
     return [
         Region("flags", (P.v(P.NUM_FLAG_ROWS), W), torch.int64),
         Region("status", (16,), torch.int64),  # the status word (kernels/protocol.py ST_*), then rows received

@@ -1,0 +1,186 @@
+"""The static configuration of one EPBuffer: built once, checked across ranks once, handed whole to the backend.
+
+:class:`EPConfig` holds everything a buffer's static configuration decides (experts, hidden, tokens, top-k, wires,
+alignment, capacity, SM cap, timeout, device type, kernel geometry). :func:`build_config` validates the arguments
+and derives the rest (``max_recv_tokens``'s default, the geometry of :func:`tritonep.ep.geometry.select_geometry`,
+the wait bound); nothing below the front door recomputes or renames a field. :func:`agree` is the constructor's one
+collective: every rank contributes its config (or the error its arguments raised) and its view of peer access, so an
+invalid configuration on ANY rank is an error on EVERY rank (the bad rank raises its own error naming the value, the
+others :class:`tritonep.errors.PeerConfigError` naming the bad rank and its message), and configurations that differ
+raise :class:`tritonep.errors.ConfigError` naming the field and each rank's value (docs/protocols.md, host protocol
+rule: no rank leaves the first collective alone).
+
+Idea: DeepEP's ``Config`` (one static object per buffer) and pplx-kernels' ``AllToAll`` parameters (sizes fixed at
+construction); the "verdict in the first collective" follows torch.distributed's own ``monitored_barrier``-style
+error reporting so that no rank waits on a peer that already failed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import torch
+
+from ..errors import ConfigError, PeerConfigError, TritonEPError
+
+__all__ = ["EPConfig", "build_config", "agree", "COMPARED_FIELDS"]
+
+
+@dataclass(frozen=True)
+class EPConfig:
+    """What one EPBuffer's static configuration decides (frozen; every backend takes it whole).
+
+    Attributes:
+        world_size: W, ranks of the EP group.
+        num_experts: E (a multiple of W); ``num_local_experts`` L = E / W.
+        hidden: H, row width (elements).
+        max_tokens_per_rank: Tmax, static capacity of T on every rank.
+        topk: K, experts per token.
+        dispatch_wire / combine_wire: registered wire names (:data:`tritonep.wire.WIRES`).
+        expert_alignment: A, every expert segment starts at a multiple of A (padding rows are zero).
+        max_recv_tokens: rows a rank can receive (default ``W*Tmax*K + L*(A-1)``, the worst case).
+        backend: the requested backend (``"auto"`` | a registered name); the chosen one is EPBuffer's ``backend``.
+        dtype: element type of x and expert outputs (torch.bfloat16).
+        device_type: ``"cuda"`` or ``"cpu"`` (a CPU buffer runs the kernels in Triton's interpreter).
+        num_sms: the cap on communication kernels' programs (None: TRITONEP_NUM_SMS / the geometry table).
+        timeout_s: bound of every in-kernel wait, seconds.
+        geometry: the kernel geometry (:class:`tritonep.ep.geometry.Geometry`) of the triton backend.
+    """
+
+    world_size: int
+    num_experts: int
+    hidden: int
+    max_tokens_per_rank: int
+    topk: int
+    dispatch_wire: str
+    combine_wire: str
+    expert_alignment: int
+    max_recv_tokens: int
+    backend: str
+    dtype: torch.dtype
+    device_type: str
+    num_sms: Optional[int]
+    timeout_s: float
+    geometry: object
+
+    @property
+    def num_local_experts(self) -> int:
+        """L = E / W experts per rank."""
+        return self.num_experts // self.world_size
+
+    def compared(self) -> dict:
+        """The fields every rank must agree on, as plain values (dtype and geometry as text)."""
+        d = asdict(self)
+        d["dtype"] = str(self.dtype)
+        d["geometry"] = repr(self.geometry)
+        return d
+
+
+COMPARED_FIELDS = tuple(EPConfig.__dataclass_fields__)
+
+
+def _positive_int(name, v):
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ConfigError(f"{name} must be a positive int, got {v!r}")
+
+
+def build_config(*, world_size: int, num_experts: int, hidden: int, max_tokens_per_rank: int, topk: int,
+                 dispatch_wire: str = "bf16", combine_wire: str = "bf16", expert_alignment: int = 1,
+                 max_recv_tokens: int | None = None, backend: str = "auto", dtype: torch.dtype = torch.bfloat16,
+                 device_type: str = "cuda", num_sms: int | None = None, timeout_s: float | None = None,
+                 check_kernels: bool = True) -> EPConfig:
+    """Validate an EPBuffer's arguments and derive the rest; no collective, no allocation.
+
+    Args: as :class:`tritonep.EPBuffer` (``device_type`` instead of a device). ``check_kernels``: also check that
+    tritonep's kernels were imported for this device type (interpreter on CPU, compiled on CUDA).
+
+    Raises:
+        ConfigError: a size that is not a positive int, ``num_experts`` not divisible by ``world_size``, a bad
+            ``max_recv_tokens`` / ``num_sms`` / ``timeout_s`` / dtype / backend name / environment value, kernels
+            built for another device (each message names the value).
+        WireError: an unknown wire or a ``hidden`` the wire's block does not divide.
+    """
+    from ..wire.formats import check_wire
+    from .backends import check_backend_name
+    from .geometry import select_geometry
+    from .status import resolve_timeout
+
+    for name, v in (("world_size", world_size), ("num_experts", num_experts), ("hidden", hidden),
+                    ("max_tokens_per_rank", max_tokens_per_rank), ("topk", topk),
+                    ("expert_alignment", expert_alignment)):
+        _positive_int(name, v)
+    if num_experts % world_size:
+        raise ConfigError(f"num_experts={num_experts} is not divisible by world_size={world_size}")
+    if max_recv_tokens is not None and (not isinstance(max_recv_tokens, int) or isinstance(max_recv_tokens, bool)
+                                        or max_recv_tokens < 1):
+        raise ConfigError(f"max_recv_tokens must be a positive int or None, got {max_recv_tokens!r}")
+    check_backend_name(backend)
+    check_wire(dispatch_wire, hidden, "dispatch_wire")
+    check_wire(combine_wire, hidden, "combine_wire")
+    if dtype != torch.bfloat16:
+        raise ConfigError(f"dtype={dtype} is not supported: x and expert outputs travel as torch.bfloat16 "
+                          f"(quantized wires: dispatch_wire / combine_wire)")
+    if device_type not in ("cuda", "cpu"):
+        raise ConfigError(f"device type {device_type!r} is not 'cuda' or 'cpu'")
+    if check_kernels:
+        from ..kernels.common import check_kernel_mode
+
+        check_kernel_mode(device_type)
+    if max_recv_tokens is None:
+        L = num_experts // world_size
+        max_recv_tokens = world_size * max_tokens_per_rank * topk + L * (expert_alignment - 1)
+    geometry = select_geometry(device_type, world_size, hidden, max_tokens_per_rank, topk, wire=dispatch_wire,
+                               num_sms=num_sms)
+    return EPConfig(world_size=world_size, num_experts=num_experts, hidden=hidden,
+                    max_tokens_per_rank=max_tokens_per_rank, topk=topk, dispatch_wire=dispatch_wire,
+                    combine_wire=combine_wire, expert_alignment=expert_alignment, max_recv_tokens=max_recv_tokens,
+                    backend=backend, dtype=dtype, device_type=device_type, num_sms=num_sms,
+                    timeout_s=resolve_timeout(timeout_s), geometry=geometry)
+
+
+def agree(group, cfg: EPConfig | None, error: BaseException | None, extra: dict | None = None,
+          what: str = "EPBuffer") -> list:
+    """The constructor's one collective: exchange every rank's config (or error) and ``extra``; raise on every rank.
+
+    Args:
+        group: the EP group (every rank calls this, in the same order).
+        cfg: this rank's config, or None when its arguments were refused.
+        error: the error this rank's arguments raised (re-raised here on this rank), or None.
+        extra: small picklable per-rank facts to gather in the same collective (e.g. the peer-access report).
+        what: the object named in messages.
+
+    Returns:
+        every rank's ``extra`` (list by rank) when every rank's config is valid and equal.
+
+    Raises:
+        the rank's own ``error``; :class:`PeerConfigError` on the other ranks when any rank's arguments were refused
+        (naming each bad rank and its message); :class:`ConfigError` when the configs differ (naming the field and
+        each rank's value).
+    """
+    import torch.distributed as dist
+
+    mine = dict(cfg=cfg.compared() if cfg is not None else None, extra=extra,
+                error=None if error is None else f"{type(error).__name__}: {error}")
+    ws = dist.get_world_size(group)
+    gathered = [None] * ws
+    dist.all_gather_object(gathered, mine, group=group)
+    bad = {r: g["error"] for r, g in enumerate(gathered) if g["error"] is not None}
+    if bad:
+        if error is not None:
+            raise error
+        lines = "; ".join(f"rank {r}: {m}" for r, m in sorted(bad.items()))
+        raise PeerConfigError(f"{what}: the configuration of rank(s) {sorted(bad)} was refused ({lines}); every "
+                              f"rank raises, nothing was allocated", bad_ranks=sorted(bad))
+    for f in mine["cfg"]:
+        vals = [g["cfg"].get(f) for g in gathered]
+        if any(v != vals[0] for v in vals):
+            per_rank = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(vals))
+            raise ConfigError(f"{what} field {f!r} differs across ranks ({per_rank})")
+    return [g["extra"] for g in gathered]
+
+
+def config_error(exc: BaseException) -> bool:
+    """True for the errors a rank's own arguments can raise before the first collective (exchanged, not fatal
+    alone)."""
+    return isinstance(exc, TritonEPError)

@@ -418,13 +418,11 @@ def test_soak_500_calls():
 
 
 @pytest.mark.gpu
-def test_gpu_graph_soak_1000_replays():
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
-    from tritonep.testing import run_gpu_world
+@pytest.mark.soak
+def test_gpu_graph_soak_1000_replays(gpu_world):
     from tritonep.testing.gpu_checks import graph_soak_world
 
-    res = run_gpu_world(2, graph_soak_world, 64, 512, 128, 8, 1000, timeout_s=1200)
+    res = gpu_world(2, graph_soak_world, 64, 512, 128, 8, 1000, timeout_s=1200)
     assert res == [(1000, []), (1000, [])], res
 
 

@@ -30,7 +30,7 @@ from ..kernels import protocol as P
 from ..kernels.dispatch import dispatch_expand_kernel, dispatch_send_kernel
 from ..kernels.dispatch_fused import dispatch_fused_kernel
 from ..kernels.layout import chunk_hist_kernel, exchange_kernel, exchange_tiles
-from ..memory import get_heap
+from ..memory import get_heap, group_barrier
 from .geometry import select_geometry
 from ..wire.formats import get_wire
 from .launch import Launcher
@@ -183,8 +183,6 @@ class TritonEP(DispatchOutputs, DecodePath):
         both backwards) with every launch turned into ``kernel.warmup`` (:meth:`Launcher.dry_run`), and puts the
         call counters and status back. No call ever compiles-and-barriers lazily (docs/protocols.md (host protocol rule)).
         """
-        import torch.distributed as dist
-
         def walk():
             T, H, K, dev = self.Tm, self.H, self.K, self.device
             x = torch.zeros(T, H, dtype=self.dtype, device=dev)
@@ -201,10 +199,7 @@ class TritonEP(DispatchOutputs, DecodePath):
             self.combine_bwd(x, eo, handle)
 
         self._launch.dry_run(walk, restore=(self.calls, self.status))
-        if self.device.type == "cuda":
-            dist.barrier(group=group, device_ids=[self.device.index])
-        else:
-            dist.barrier(group=group)
+        group_barrier(group, self.device)  # NCCL or gloo (ranks that share a GPU)
 
     # ---------------------------------------------------------------------------------------------- dispatch
     def dispatch_fwd(self, x, topk_idx, topk_weights, sync: bool, keep_quantized: bool = False,

@@ -57,7 +57,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.world)
         if "gpu_world_size" in names:
             item.add_marker(pytest.mark.anyworld)
-        if "gpu" in item.keywords and not _HAS_CUDA:
+        if item.get_closest_marker("gpu") is not None and not _HAS_CUDA:  # the marker, not a test id that says gpu
             item.add_marker(skip_gpu)
 
 

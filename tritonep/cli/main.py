@@ -124,8 +124,10 @@ def main(argv=None) -> int:
             return int(args.func(args) or 0)
     except KeyboardInterrupt as e:
         signum = getattr(e, "signum", signal.SIGINT)
-        print(f"tritonep {args.cmd}: interrupted by {signal.Signals(signum).name}: every rank stopped, temporary "
-              f"files removed", file=sys.stderr, flush=True)
+        # a rank's progress bar may have left the line unfinished: clear it (terminal) or start a new one
+        fresh = "\r\033[K" if sys.stderr.isatty() else "\n"
+        print(f"{fresh}tritonep {args.cmd}: interrupted by {signal.Signals(signum).name}: every rank stopped, "
+              f"temporary files removed", file=sys.stderr, flush=True)
         return 128 + signum
     except (RankError, Exception) as e:  # noqa: BLE001 - every library error becomes one line
         line = error_line(args.cmd, e)

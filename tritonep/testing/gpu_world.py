@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 import traceback
+from dataclasses import replace
 from typing import Callable
 
 from ..errors import ConfigError, RankError
@@ -29,6 +30,7 @@ from .world import WorldTimeout, _picklable, _secondary
 __all__ = ["GpuWorld", "run_gpu_world", "gpu_world_info", "WorldResults"]
 
 _RANK_INFO: GpuWorldInfo | None = None  # set in every rank process
+_STOP = pickle.dumps(("stop",))
 
 
 def gpu_world_info() -> GpuWorldInfo | None:
@@ -84,7 +86,7 @@ def _rank_setup(rank, info: GpuWorldInfo, env: dict, store_path: str):
     else:
         dist.init_process_group("gloo", store=store, rank=rank, world_size=info.world_size)
     dist.barrier()  # the full mesh is connected on every rank before any rank may fail and exit
-    _RANK_INFO = info
+    _RANK_INFO = replace(info, max_programs=report["max_programs"])
     return dist.group.WORLD, dev, report
 
 
@@ -115,29 +117,30 @@ def _rank_main(rank, info, env, store_path, parent_pid, conn):
         conn.send_bytes(pickle.dumps(("ready", rank, report)))
         base = dict(os.environ)
         while True:
-            msg = pickle.loads(conn.recv_bytes())
-            if msg[0] == "stop":
+            raw = conn.recv_bytes()
+            if raw == _STOP:
                 break
-            _, fn, args, parent_env, path = msg
-            for p in reversed(path):
-                if p not in sys.path:
-                    sys.path.insert(0, p)
-            os.environ.clear()
-            os.environ.update(_task_env(base, parent_env))
             out = reply = None
             try:
+                _, fn, args, parent_env, path = pickle.loads(raw)  # imports fn's module: may fail like fn
+                for p in reversed(path):
+                    if p not in sys.path:
+                        sys.path.insert(0, p)
+                os.environ.clear()
+                os.environ.update(_task_env(base, parent_env))
                 out = fn(group, *args)
                 if dev.type == "cuda":
                     import torch
 
                     torch.cuda.synchronize(dev)
-                reply = ("ok", rank, _to_cpu(out))
-            except BaseException as e:  # noqa: BLE001
-                reply = ("err", rank, (type(e).__name__, str(e), traceback.format_exc(), _picklable(e)))
+                reply = pickle.dumps(("ok", rank, _to_cpu(out)))
+            except BaseException as e:  # noqa: BLE001 - also a result that does not pickle
+                reply = pickle.dumps(("err", rank, (type(e).__name__, str(e), traceback.format_exc(),
+                                                    _picklable(e))))
             finally:
                 os.environ.clear()
                 os.environ.update(base)
-            conn.send_bytes(pickle.dumps(reply))
+            conn.send_bytes(reply)
             out = reply = None  # free the task's tensors before the next one
             gc.collect()
             if dev.type == "cuda":
@@ -259,8 +262,6 @@ class GpuWorld:
                 raise RankError(f"{self._what()}: ranks computed different program caps {sorted(caps)} (GPUs of "
                                 f"different kinds?)")
             if self.info.mode == "mps":
-                from dataclasses import replace
-
                 self.info = replace(self.info, max_programs=caps.pop())
         except BaseException:
             self._kill_now()
@@ -312,7 +313,7 @@ class GpuWorld:
             with interrupts.deferred_signals():
                 for c in self._conns.values():
                     try:
-                        c.send_bytes(pickle.dumps(("stop",)))
+                        c.send_bytes(_STOP)
                     except (OSError, EOFError):
                         pass
                 for p in self._procs.values():

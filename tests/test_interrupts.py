@@ -45,12 +45,14 @@ def _alive(pids) -> list:
     return alive
 
 
-def _interrupt(argv, tmp_path, sig, ranks, ready_s=240):
+def _interrupt(argv, tmp_path, sig, ranks, ready_s=240, group=False):
     """Start ``argv`` (TMPDIR = tmp_path), wait until ``ranks`` rank processes and the world's folder exist, send
-    ``sig`` to the parent only; returns (returncode, stderr, seconds from the signal to the exit, rank pids)."""
+    ``sig`` to the parent only (``group``: to its whole process group, as a terminal's Ctrl-C does); returns
+    (returncode, stderr, seconds from the signal to the exit, rank pids)."""
     env = dict(os.environ, TMPDIR=str(tmp_path), PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                TQDM_DISABLE="1", COLUMNS="200", TRITON_INTERPRET="1")
-    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         start_new_session=group)
     try:
         deadline = time.monotonic() + ready_s
         kids = []
@@ -62,7 +64,10 @@ def _interrupt(argv, tmp_path, sig, ranks, ready_s=240):
         assert p.poll() is None and len(kids) >= ranks, f"the world never started: {p.communicate()}"
         time.sleep(1.0)  # the ranks are inside their work now
         t0 = time.monotonic()
-        p.send_signal(sig)
+        if group:
+            os.killpg(p.pid, sig)
+        else:
+            p.send_signal(sig)
         _, err = p.communicate(timeout=60)
         return p.returncode, err, time.monotonic() - t0, kids
     finally:
@@ -79,12 +84,13 @@ def _nothing_left(kids, tmp_path):
     assert not list(tmp_path.glob("tritonep_world_*")), "the world's temporary folder was left behind"
 
 
-@pytest.mark.parametrize("sig,code,ranks", [(signal.SIGINT, 130, 2), (signal.SIGTERM, 143, 3)],
-                         ids=["SIGINT", "SIGTERM"])
-def test_cli_run_interrupted_prints_one_line_and_leaves_nothing(tmp_path, sig, code, ranks):
+@pytest.mark.parametrize("sig,code,ranks,group", [(signal.SIGINT, 130, 2, False), (signal.SIGTERM, 143, 3, False),
+                                                   (signal.SIGINT, 130, 2, True)],
+                         ids=["SIGINT", "SIGTERM", "Ctrl-C-to-the-group"])
+def test_cli_run_interrupted_prints_one_line_and_leaves_nothing(tmp_path, sig, code, ranks, group):
     argv = [sys.executable, "-m", "tritonep.cli.main", "run", "--world-size", str(ranks), "--layers", "2", "--tokens",
             "4", "--steps", "500"]  # 3 ranks: the default expert count (66) fits the world size (issue 29)
-    rc, err, took, kids = _interrupt(argv, tmp_path, sig, ranks=ranks)
+    rc, err, took, kids = _interrupt(argv, tmp_path, sig, ranks=ranks, group=group)
     name = signal.Signals(sig).name
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert rc == code, (rc, err)

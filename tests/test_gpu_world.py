@@ -47,6 +47,20 @@ def test_program_share_of_the_chip_fits_every_rank_at_once():
         assert got == want and got * n <= 132, (n, got)
 
 
+def test_an_mps_daemon_already_running_caps_the_ranks_too(tmp_path, monkeypatch):
+    """Ranks join an MPS daemon of the machine without being asked (CUDA_MPS_PIPE_DIRECTORY, or the default
+    /tmp/nvidia-mps): they then run at once and get the MPS shares and program cap, and no daemon of our own."""
+    from tritonep.testing.mps import external_mps_pipe
+
+    (tmp_path / "control").write_text("")
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    assert external_mps_pipe() == str(tmp_path)
+    w = GpuWorld(2, devices=["cpu"])
+    assert w.info.mode == "mps" and w.info.active_thread_percentage == 50 and str(tmp_path) in w.info.note
+    assert w._start_mps() == {}  # the machine's daemon, not one of ours
+    assert external_mps_pipe({"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path / "none")}) is None
+
+
 def test_refusals_name_the_values():
     with pytest.raises(ConfigError, match="needs a CUDA GPU"):
         plan_world(2, [], mps=False)
@@ -208,6 +222,9 @@ def test_world_past_its_time_is_killed_and_auto_mps_falls_back(tmp_path, monkeyp
         lines = [ln for ln in err.splitlines() if "MPS" in ln]
         assert len(lines) == 1 and "time-slice instead" in lines[0], err
         assert world.info.mode == "time-sliced" and "exited 1" in world.info.note
+        for r in world.run(_env_world, timeout_s=120):  # no MPS variable reached the ranks
+            assert r[2] == "time-sliced" and r[4]["CUDA_MPS_PIPE_DIRECTORY"] is None
+            assert r[4]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] is None
         t0 = time.monotonic()
         with pytest.raises(WorldTimeout) as ei:
             world.run(_sleep, 120, timeout_s=3)

@@ -168,10 +168,11 @@ class GpuWorld:
 
     Args:
         world_size: ranks (any number; at most ``MAX_RANKS_PER_DEVICE`` = 8 per device).
-        mps: ``False`` (default): ranks that share a GPU time-slice. ``True``: a private MPS daemon for this world
-            (:class:`tritonep.testing.mps.MpsDaemon`), stopped when the world closes; raises
-            :class:`tritonep.testing.mps.MpsUnavailable` if it cannot start. ``"auto"``: try MPS, else print one
-            line saying why and time-slice. Ignored when every rank has a GPU of its own.
+        mps: ``False`` (default): ranks that share a GPU time-slice (unless an MPS daemon already serves the
+            machine, :func:`tritonep.testing.mps.external_mps_pipe`: the ranks then run under it, capped as below).
+            ``True``: a private MPS daemon for this world (:class:`tritonep.testing.mps.MpsDaemon`), stopped when the
+            world closes; raises :class:`tritonep.testing.mps.MpsUnavailable` if it cannot start. ``"auto"``: try
+            MPS, else print one line saying why and time-slice. Ignored when every rank has a GPU of its own.
         devices: where to place ranks (default: every visible GPU, ``["cuda:0", ...]``). CPU devices
             (``["cpu"]``) run the world's process machinery alone, with a gloo group and no heap: for tests of the
             world itself.
@@ -188,8 +189,15 @@ class GpuWorld:
     def __init__(self, world_size: int, *, mps: bool | str = False, devices: list | None = None):
         if mps not in (False, True, "auto"):
             raise ConfigError(f"mps={mps!r}: use False, True or 'auto'")
+        from .mps import external_mps_pipe
+
         self.devices = list(devices) if devices is not None else _visible_devices()
         self.info = plan_world(int(world_size), self.devices, mps=bool(mps))
+        self._external = None if self.info.mode != "time-sliced" else external_mps_pipe()
+        if self._external:  # the ranks would join it anyway: they run at once, so cap them as under our daemon
+            self.info = replace(plan_world(int(world_size), self.devices, mps=True),
+                                note=f"an MPS daemon already serves this machine ({self._external}): the ranks run "
+                                     f"under it")
         self.world_size = self.info.world_size
         self.mps = mps
         self._procs: dict = {}
@@ -213,7 +221,7 @@ class GpuWorld:
         self.close()
 
     def _start_mps(self):
-        if self.info.mode != "mps":
+        if self.info.mode != "mps" or self._external:
             return {}
         from .mps import MpsDaemon, MpsUnavailable
 
@@ -244,7 +252,8 @@ class GpuWorld:
         self._token = interrupts.register(self._kill_now)
         interrupts.hold_sigterm()
         try:
-            env = rank_environment(self.info, self._start_mps())
+            mps_env = self._start_mps()  # may fall back to time-slicing (mps="auto"): self.info changes first
+            env = rank_environment(self.info, mps_env)
             ctx = mp.get_context("spawn")
             store = os.path.join(self._tmp, "store")
             with interrupts.ignoring_sigint():

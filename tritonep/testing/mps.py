@@ -17,7 +17,7 @@ import time
 
 from ..errors import ConfigError
 
-__all__ = ["MpsDaemon", "MpsUnavailable", "CONTROL"]
+__all__ = ["MpsDaemon", "MpsUnavailable", "CONTROL", "external_mps_pipe"]
 
 CONTROL = "nvidia-cuda-mps-control"
 """The MPS control program (looked up on ``PATH``)."""
@@ -25,6 +25,15 @@ CONTROL = "nvidia-cuda-mps-control"
 
 class MpsUnavailable(ConfigError):
     """The MPS daemon could not be started; the message is one line saying why."""
+
+
+def external_mps_pipe(environ=None) -> str | None:
+    """The pipe folder of an MPS daemon that this process's CUDA children would join without being asked:
+    ``CUDA_MPS_PIPE_DIRECTORY``, or NVIDIA's default ``/tmp/nvidia-mps``, when its ``control`` pipe exists; else
+    None. Ranks that share a GPU under such a daemon run at once, so they need the same grid cap as under ours."""
+    env = os.environ if environ is None else environ
+    d = env.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps"
+    return d if os.path.exists(os.path.join(d, "control")) else None
 
 
 def _one_line(text: str, limit: int = 200) -> str:

@@ -22,7 +22,7 @@
 # 270), mps2 ~90 s (kernels cached by ts2), mps4 ~100 s. The 1000-replay soaks (soak marker) are a step of their own,
 # `soak` (~60 s under MPS; time-sliced they would wait ~16000 x 2.5 ms = 40 s more each): run it in a second command.
 source "$(dirname "$0")/gpu_step.sh"
-PYTEST=(python -m pytest -q -ra -p no:cacheprovider --timeout-method=signal --durations=25 tests)
+PYTEST=(python -m pytest -q -ra -p no:cacheprovider --durations=25 tests)  # pytest-timeout: SIGALRM by default
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(single ts2 ts4 run4 mps2 mps4)
 want() { local s; for s in "${steps[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }

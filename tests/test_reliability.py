@@ -24,7 +24,7 @@ summation order) bit for bit; gradients with the tolerances of tests/test_ep.py.
 | quantized dispatch to a rank that receives 0 rows | test_quantized_dispatch_to_rank_with_no_rows |
 | expert-load statistics ``handle.counts`` (both backends) | test_counts_are_global_and_identical |
 | random routing soak: 30 calls (CI), 500 calls (``soak`` marker) | test_soak_30_calls, test_soak_500_calls |
-| CUDA-graph soak: 1000 replays, each checked (GPU) | test_gpu_graph_soak_1000_replays |
+| CUDA-graph soak: 1000 replays, each checked (GPU, ``soak`` marker) | test_gpu_graph_soak_1000_replays |
 | a peer that skips dispatch | test_ep.py::test_missing_peer_raises_peer_timeout |
 | a peer that skips combine (push, pull) / the backward | test_peer_skips_combine_raises_peer_timeout, |
 |  | test_peer_skips_backward_raises_peer_timeout |

@@ -34,6 +34,7 @@ stop_leftover_mps() {  # a world killed outright could leave its private daemon:
         echo "leftover MPS daemon at $d: quitting it"
         echo quit | CUDA_MPS_PIPE_DIRECTORY="$d" CUDA_MPS_LOG_DIRECTORY="${d%/mps_pipe}/mps_log" timeout 20 \
             nvidia-cuda-mps-control || true
+        rm -rf "${d%/mps_pipe}"  # no world runs between steps: this one's owner was killed
     done
 }
 

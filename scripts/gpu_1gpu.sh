@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole GPU suite on ONE H200 (device kind nvidia-h200) in ONE device command (give it timeout_s=600):
-#   bash scripts/gpu_1gpu.sh              # every step below: ~8 min estimated, at most 520 s of step limits
+#   bash scripts/gpu_1gpu.sh              # every step below: ~7 min estimated; step limits add up to 520 s
 #   bash scripts/gpu_1gpu.sh mps2 run4    # only the named steps (single ts2 ts4 run4 mps2 mps4 soak bench)
 # Multi-rank tests put every rank on the one GPU (tests/conftest.py `gpu_world`; docs/platform.md "Several ranks on
 # one GPU"): time-sliced at W=2 and W=4, then under a private MPS daemon (one per world, stopped after it) at W=2 and
@@ -13,7 +13,7 @@
 # time-sliced at W=2, 4.5 ms at W=4, 204 / 86 us under MPS. One dispatch + combine waits on peers ~4 times; the suite
 # makes ~520 such calls per world size (graph test 200, protocol scripts 140, decode 96, cases, gradients, MoE layer,
 # virtual experts, transport, staging) -> ~2100 waits: ~5 s time-sliced at W=2, ~10 s at W=4, < 1 s under MPS. Run
-# side by side (group A: 7 contexts share the GPU) a wait costs up to ~4x more: <= 40 s. The rest is start-up
+# side by side (group A: ~11 CUDA contexts share the GPU) a wait costs up to ~4x more: <= 40 s. The rest is start-up
 # (pytest ~10 s, a world ~15 s, once per world size: worlds stay up between tests), Triton compiles on a cold cache
 # (~3 s per buffer configuration and rank process, ~25 configurations; W and the rank are compile-time constants,
 # so every world size compiles its own), the host references in the pytest process (~30 s at W=2, ~60 s at W=4),

@@ -79,6 +79,10 @@ _NEXT = [0]
 
 def register(cleanup: Callable[[], None]) -> int:
     """Register a live world's cleanup (idempotent, callable from a signal handler); returns a token."""
+    import multiprocessing.util  # noqa: F401 - registers its own exit handler, which joins child processes
+
+    atexit.unregister(kill_live_worlds)  # so ours runs first (atexit is last in, first out): kill, then join
+    atexit.register(kill_live_worlds)
     with _LOCK:
         _NEXT[0] += 1
         _LIVE[_NEXT[0]] = cleanup

@@ -54,12 +54,13 @@ def profile_tokens(group, T, H=7168, E=256, K=8, iters=30, backend="triton"):
     out["combine_eager_us"] = time_rounds(lambda: buf.combine(eo_r, d.handle), group, iters)
     # host time per call and its split
     from tritonep.bench.kernels import launch_timer
+    from tritonep.memory import group_barrier
 
     with launch_timer() as acc:
         for name, fn in (("dispatch", lambda: buf.dispatch(x, idx, w)),
                          ("combine", lambda: buf.combine(eo_r, d.handle))):
             acc.clear()
-            dist.barrier(group=group, device_ids=[dev.index])
+            group_barrier(group, dev)  # tritonep.memory: NCCL, or gloo when ranks share a GPU
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             for _ in range(iters):

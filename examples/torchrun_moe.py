@@ -1,10 +1,23 @@
 """tritonep under torchrun: EPBuffer dispatch/combine and an MoE layer forward + backward, each checked.
 
     torchrun --nproc-per-node 2 examples/torchrun_moe.py    # 2 GPUs of one host, NCCL process group
+    torchrun --nproc-per-node 4 examples/torchrun_moe.py    # 4 processes on fewer GPUs: they share GPUs (below)
     python examples/torchrun_moe.py                         # no GPU: the same main() in a 2-rank CPU world
 
 ``main(group)`` is the per-rank body (tests/test_examples.py runs it in a CPU world). It raises AssertionError if a
 result is off and returns the measured errors.
+
+More processes than GPUs (``LOCAL_WORLD_SIZE`` > GPUs), e.g. developing on one GPU before renting eight:
+
+* what works: process ``r`` uses ``cuda:{r % num_gpus}`` with a **gloo** group and
+  ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``; tritonep's symmetric memory, kernels, barriers and the MoE layer
+  run unchanged and every check below passes (docs/platform.md, "Several ranks on one GPU").
+* what does not: an NCCL group (NCCL refuses two ranks on one GPU), so neither the ``nccl`` backend's NCCL path nor
+  NCCL baselines; meaningful timings (the ranks time-slice the GPU: every cross-rank wait costs a time slice, 2.5 ms
+  at 2 ranks, 4.5 ms at 4 on an H200; and nothing crosses NVLink); running them at once needs an MPS daemon you
+  start yourself (``nvidia-cuda-mps-control -d``, with every rank's ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` summing to
+  <= 100 and ``TRITONEP_MAX_PROGRAMS`` set to each rank's share of the SMs) -- ``tritonep.testing.run_gpu_world(N,
+  fn, mps=True)`` and ``tritonep run --world-size N --mps on`` do all of that for you.
 """
 
 import os
@@ -62,13 +75,19 @@ def main(group):
 
 
 if __name__ == "__main__":
-    if torch.cuda.is_available():  # under torchrun: one process per GPU
+    if torch.cuda.is_available():  # under torchrun: one process per GPU (more processes than GPUs: see the docstring)
         for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                      ("NVSHMEM_DISABLE_NVLS", "1")):
             os.environ.setdefault(k, v)  # multicast off (README, "On the GPU machine")
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local_rank)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+        ngpu = torch.cuda.device_count()
+        if int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > ngpu:  # processes share GPUs: correct, timings meaningless
+            os.environ.setdefault("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")  # symmetric memory on one GPU
+            torch.cuda.set_device(local_rank % ngpu)
+            dist.init_process_group("gloo")  # NCCL refuses two ranks on one GPU
+        else:
+            torch.cuda.set_device(local_rank)
+            dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
         main(dist.group.WORLD)
         dist.destroy_process_group()
     elif "LOCAL_RANK" in os.environ:

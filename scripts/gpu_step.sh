@@ -12,9 +12,9 @@ step() {
     local t0=$(date +%s)
     echo "=== $name (limit ${limit}s): $*"
     if [ "${STEP_TEE:-0}" = 1 ]; then
-        timeout "$limit" "$@" 2>&1 | grep --line-buffered -v -E "Warning:|warnings\.warn|_warn_once" | tee "$OUT/$name.log"
+        timeout -k 10 "$limit" "$@" 2>&1 | grep --line-buffered -v -E "Warning:|warnings\.warn|_warn_once" | tee "$OUT/$name.log"
     else
-        timeout "$limit" "$@" 2>&1 | grep --line-buffered -v -E "Warning:|warnings\.warn|_warn_once" > "$OUT/$name.log"
+        timeout -k 10 "$limit" "$@" 2>&1 | grep --line-buffered -v -E "Warning:|warnings\.warn|_warn_once" > "$OUT/$name.log"
     fi
     local rc=${PIPESTATUS[0]}
     [ "${STEP_TEE:-0}" = 1 ] || tail -"${TAIL:-6}" "$OUT/$name.log"

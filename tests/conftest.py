@@ -1,4 +1,14 @@
-"""Pytest setup: CPU runs use the Triton interpreter; GPU tests carry the ``gpu`` marker and skip without CUDA."""
+"""Pytest setup: CPU runs use the Triton interpreter; GPU tests carry the ``gpu`` marker and skip without CUDA.
+
+Multi-rank GPU tests take the ``gpu_world`` fixture, the ONE gate and runner of GPU worlds: ``gpu_world(W, fn, *args,
+timeout_s=..., nccl=False)`` runs ``fn(group, *args)`` on ``W`` ranks placed on the GPUs present (ranks share a GPU
+when there are fewer GPUs than ranks: gloo group, time-sliced, or under MPS with ``--gpu-mps on``), in a world that
+stays up for the following tests of the same size (start-up is paid once per world, not per test). Only what needs
+one GPU per rank skips, saying why: ``nccl=True`` (an NCCL group: NCCL refuses two ranks on one GPU).
+Tests that run at any world size take ``gpu_world_size`` (``--gpu-world-sizes 2,4``; default 2).
+Markers added at collection: ``world`` (uses ``gpu_world``), ``anyworld`` (uses ``gpu_world_size``); the one-GPU
+device script selects with them (scripts/gpu_1gpu.sh).
+"""
 
 import os
 
@@ -15,13 +25,81 @@ if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_addoption(parser):
+    g = parser.getgroup("tritonep GPU worlds")
+    g.addoption("--gpu-world-sizes", default="2",
+                help="world sizes of the GPU tests that take any (comma-separated, e.g. 2,3,4; default 2); ranks share "
+                     "GPUs when there are fewer GPUs than ranks")
+    g.addoption("--gpu-mps", choices=["off", "on", "auto"], default="off",
+                help="ranks that share a GPU: off = time-sliced (default); on = one private MPS daemon per world "
+                     "(an error if it cannot start); auto = MPS if it starts")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs CUDA GPUs (run on the device machine)")
     config.addinivalue_line("markers", "soak: long soak tests, not run in CI by default")
+    config.addinivalue_line("markers", "world: runs ranks on GPUs through the gpu_world fixture")
+    config.addinivalue_line("markers", "anyworld: a GPU world test that runs at every --gpu-world-sizes")
 
 
+def pytest_generate_tests(metafunc):
+    if "gpu_world_size" in metafunc.fixturenames:
+        sizes = [int(w) for w in str(metafunc.config.getoption("--gpu-world-sizes")).split(",") if w.strip()]
+        metafunc.parametrize("gpu_world_size", sizes, ids=[f"W{w}" for w in sizes])
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: the markers below take part in the selection
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        if "gpu" in item.keywords and not _HAS_CUDA:
+        names = getattr(item, "fixturenames", ())
+        if "gpu_world" in names:
+            item.add_marker(pytest.mark.world)
+        if "gpu_world_size" in names:
+            item.add_marker(pytest.mark.anyworld)
+        if item.get_closest_marker("gpu") is not None and not _HAS_CUDA:  # the marker, not a test id that says gpu
             item.add_marker(skip_gpu)
+
+
+class _GpuWorlds:
+    """The session's GPU worlds: one live :class:`tritonep.testing.GpuWorld` at a time, reused by every test of the
+    same world size; a world that failed (a rank raised, a timeout) is gone and the next test starts a new one."""
+
+    def __init__(self, mps):
+        self.mps = mps
+        self.world = None
+
+    def __call__(self, world_size, fn, *args, timeout_s=300.0, nccl=False):
+        from tritonep.testing import GpuWorld
+        from tritonep.testing.placement import plan_world
+
+        if not _HAS_CUDA:
+            pytest.skip("needs a CUDA GPU")
+        ngpu = torch.cuda.device_count()
+        plan = plan_world(world_size, [f"cuda:{i}" for i in range(ngpu)], mps=bool(self.mps))
+        if nccl and plan.shared:
+            pytest.skip(f"needs {world_size} GPUs, one per rank: an NCCL group, and NCCL refuses two ranks on one GPU "
+                        f"({ngpu} GPU(s) here; the nccl backend's logic runs over gloo in the CPU world tests)")
+        w = self.world
+        if w is None or not w.alive or w.world_size != world_size:
+            self.close()
+            w = self.world = GpuWorld(world_size, mps=self.mps).start(timeout_s=300)
+        return w.run(fn, *args, timeout_s=timeout_s)
+
+    def close(self):
+        if self.world is not None:
+            self.world.close()
+            self.world = None
+
+
+@pytest.fixture(scope="session")
+def _gpu_worlds(request):
+    worlds = _GpuWorlds({"off": False, "on": True, "auto": "auto"}[request.config.getoption("--gpu-mps")])
+    yield worlds
+    worlds.close()
+
+
+@pytest.fixture
+def gpu_world(_gpu_worlds):
+    """``gpu_world(W, fn, *args, timeout_s=300, nccl=False)`` -> every rank's result (``.info``: how it ran)."""
+    return _gpu_worlds

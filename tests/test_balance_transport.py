@@ -162,15 +162,12 @@ def test_pull_add_in_place_bit_exact_vs_twin(backend):
 
 
 @pytest.mark.gpu
-def test_gpu_pull_add_bit_exact_vs_twin():
-    """The same on 2 GPUs: the kernel's rounding (cast_rne / widen) gives the twin's bits on the device too."""
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
-    from tritonep.testing import run_gpu_world
-
+def test_gpu_pull_add_bit_exact_vs_twin(gpu_world, gpu_world_size):
+    """The same on a GPU world: the kernel's rounding (cast_rne / widen) gives the twin's bits on the device too."""
+    W = gpu_world_size
     for dtype in (torch.bfloat16, torch.float32):
-        res = run_gpu_world(2, _pull_add_world, ["hot0", "rand", "even"], dtype, True, timeout_s=300)
-        assert res == [[], []], (dtype, res)
+        res = gpu_world(W, _pull_add_world, ["hot0", "rand", "even"], dtype, True, timeout_s=300)
+        assert res == [[]] * W, (dtype, res)
 
 
 def test_pull_add_torch_is_torchs_accumulation():

@@ -1,28 +1,25 @@
-"""GPU suite (device machine, ``pytest -m gpu``): the CPU-world checks again on real GPUs, plus CUDA graphs."""
+"""GPU suite (device machine, ``pytest -m gpu``): the CPU-world checks again on real GPUs, plus CUDA graphs.
+
+Every test runs at each ``--gpu-world-sizes`` (default 2), with ranks sharing a GPU when there are fewer GPUs than
+ranks (tests/conftest.py, ``gpu_world``). Shapes follow the world size: per-rank token counts cycle over the ranks and
+the expert count is rounded up to a multiple of it.
+"""
 
 import pytest
 import torch
 
 from tritonep.reference import (combine_backward_reference, combine_reference_partial, dispatch_backward_reference,
                                 dispatch_reference)
-from tritonep.testing.cases import make_rank_inputs
+from tritonep.testing.cases import experts_for, make_rank_inputs, tokens_for
 
 pytestmark = pytest.mark.gpu
 
 
-def _world(n):
-    if not torch.cuda.is_available() or torch.cuda.device_count() < n:
-        pytest.skip(f"needs {n} GPUs")
-    from tritonep.testing import run_gpu_world
-
-    return run_gpu_world
-
-
-@pytest.mark.parametrize("W", [2])
-def test_cuda_heap_peer_write(W):
+def test_cuda_heap_peer_write(gpu_world, gpu_world_size):
     from tritonep.testing.gpu_checks import heap_peer_write_world
 
-    res = _world(W)(W, heap_peer_write_world, 3)
+    W = gpu_world_size
+    res = gpu_world(W, heap_peer_write_world, 3)
     for outs, st in res:
         assert int(st[0]) == 0
         for e, data in enumerate(outs):
@@ -38,12 +35,13 @@ CASES = [
 ]
 
 
-def test_ep_cases_match_reference():
+def test_ep_cases_match_reference(gpu_world, gpu_world_size):
     from tritonep.testing.gpu_checks import ep_cases_world
 
-    W = 2
-    res = _world(W)(W, ep_cases_world, CASES)
-    for ci, c in enumerate(CASES):
+    W = gpu_world_size
+    cases = [dict(c, E=experts_for(c["E"], W), T=tokens_for(c["T"], W)) for c in CASES]
+    res = gpu_world(W, ep_cases_world, cases)
+    for ci, c in enumerate(cases):
         for si, s in enumerate(c["seeds"]):
             ins = [make_rank_inputs(r, c["T"][r], c["H"], c["E"], c["K"], seed=s, mask_frac=c.get("mask", 0.1))
                    for r in range(W)]
@@ -62,21 +60,23 @@ def test_ep_cases_match_reference():
                 assert torch.equal(got["y"], want), (ci, si, r, diff)
 
 
-def test_cuda_graph_100_replays():
+def test_cuda_graph_100_replays(gpu_world, gpu_world_size):
     from tritonep.testing.gpu_checks import ep_graph_world
 
-    res = _world(2)(2, ep_graph_world, 64, 512, 128, 8, 100)
-    assert res == [[], []], res
+    W = gpu_world_size
+    res = gpu_world(W, ep_graph_world, experts_for(64, W), 512, 128, 8, 100)
+    assert res == [[]] * W, res
 
 
-def test_gradients_match_reference():
+def test_gradients_match_reference(gpu_world, gpu_world_size):
     from tritonep.testing.gpu_checks import ep_grad_world
 
-    W = 2
-    res = _world(W)(W, ep_grad_world, 16, 256, 64, 4, [64, 17])
+    W = gpu_world_size
+    E = experts_for(16, W)
+    res = gpu_world(W, ep_grad_world, E, 256, 64, 4, tokens_for([64, 17], W))
     idxs = [r["idx"] for r in res]
     ws = [r["w"] for r in res]
-    ref = dispatch_reference([r["x"].bfloat16() for r in res], idxs, ws, 16, W)
+    ref = dispatch_reference([r["x"].bfloat16() for r in res], idxs, ws, E, W)
     g_eo, g_w = combine_backward_reference([r["g"] for r in res], [r["eo"] for r in res], ref, idxs, ws)
     gx = dispatch_backward_reference([0.5 * r["geo"].float() for r in res], ref, idxs, [len(r["x"]) for r in res])
     for r in range(W):

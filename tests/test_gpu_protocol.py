@@ -1,15 +1,16 @@
-"""GPU checks of the host protocol rule (issue 14, docs/protocols.md (host protocol rule)): uneven per-rank token scripts (0 included,
-changing every call) eagerly and in CUDA graphs at several geometries; a bad input on one rank."""
+"""GPU checks of the host protocol rule (issue 14, docs/protocols.md (host protocol rule)): uneven per-rank token
+scripts (0 included, changing every call) eagerly and in CUDA graphs at several geometries; a bad input on one rank.
+At each ``--gpu-world-sizes`` (the 2-rank scripts widened by :func:`tritonep.testing.cases.script_for`); ranks share a
+GPU when there are fewer GPUs than ranks."""
 
 import pytest
 import torch
 
 from tritonep.reference import combine_reference_partial, dispatch_reference
-from tritonep.testing.cases import make_rank_inputs
+from tritonep.testing.cases import experts_for, make_rank_inputs, script_for
 
 pytestmark = pytest.mark.gpu
 
-W = 2
 # issue 14 case 2 first: rank 1 always empty, rank 0 at 1 then 2 tokens; then every mix, 0 and Tmax included
 SCRIPT_8 = [[1, 0], [2, 0], [0, 0], [8, 0], [0, 8], [3, 5], [8, 8], [0, 1], [7, 2], [1, 1], [2, 0], [0, 3]]
 SCRIPT_256 = [[1, 0], [2, 0], [0, 256], [256, 1], [200, 0], [0, 0], [17, 255], [256, 256]]
@@ -25,15 +26,8 @@ CFGS = {
 }
 
 
-def _world():
-    if not torch.cuda.is_available() or torch.cuda.device_count() < W:
-        pytest.skip(f"needs {W} GPUs")
-    from tritonep.testing import run_gpu_world
-
-    return run_gpu_world
-
-
 def _check(cfg, script, res):
+    W = len(script[0])
     for i, ts in enumerate(script):
         ins = [make_rank_inputs(r, ts[r], cfg["H"], cfg["E"], cfg["K"], seed=1000 + i) for r in range(W)]
         xs, idxs, ws = (list(a) for a in zip(*ins))
@@ -49,24 +43,30 @@ def _check(cfg, script, res):
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 @pytest.mark.parametrize("name", list(CFGS))
-def test_per_rank_token_script(name, graphs):
+def test_per_rank_token_script(gpu_world, gpu_world_size, name, graphs):
     from tritonep.testing.gpu_protocol import t_script_world
 
+    W = gpu_world_size
     cfg, script, geometry = CFGS[name]
-    res = _world()(W, t_script_world, cfg, script, graphs, geometry, timeout_s=300)
+    cfg, script = dict(cfg, E=experts_for(cfg["E"], W)), script_for(script, W)
+    res = gpu_world(W, t_script_world, cfg, script, graphs, geometry, timeout_s=300)
     _check(cfg, script, res)
 
 
-def test_bad_input_on_one_rank_gpu():
+def test_bad_input_on_one_rank_gpu(gpu_world, gpu_world_size):
     from tritonep.testing.gpu_protocol import bad_input_world
 
-    res = _world()(W, bad_input_world, timeout_s=300)
-    assert res[1][1][0] == "InputError" and str(64 + 35) in res[1][1][1], res[1][1]
-    assert res[0][1][0] == "PeerInputError" and "[1]" in res[0][1][1], res[0][1]
+    W = gpu_world_size
+    E = experts_for(64, W)
+    res = gpu_world(W, bad_input_world, E, timeout_s=300)
+    assert res[1][1][0] == "InputError" and str(E + 35) in res[1][1][1], res[1][1]
+    for r in range(W):
+        if r != 1:
+            assert res[r][1][0] == "PeerInputError" and "[1]" in res[r][1][1], (r, res[r][1])
     for step in (0, 2):
-        assert res[0][step][0] == "ok" and res[1][step][0] == "ok"
-        ins = [make_rank_inputs(r, 1 + step, 2048, 64, 8, seed=50 + step) for r in range(W)]
+        assert all(res[r][step][0] == "ok" for r in range(W)), step
+        ins = [make_rank_inputs(r, 1 + step, 2048, E, 8, seed=50 + step) for r in range(W)]
         xs, idxs, ws = (list(a) for a in zip(*ins))
-        ref = dispatch_reference(xs, idxs, ws, 64, W)
+        ref = dispatch_reference(xs, idxs, ws, E, W)
         for r in range(W):
             assert torch.equal(res[r][step][1], ref[r].x), (step, r)

@@ -234,11 +234,11 @@ class _TinyModel(torch.nn.Module):
         return self.layer(x * 2) + x
 
 
-def _world_compile(group, T):
+def _world_compile(group, T, E=8):
     import torch.distributed as dist
 
     rank = dist.get_rank(group)
-    geo = _geo(8, 2, 16)
+    geo = _geo(E, 2, 16)
     model = _TinyModel(MoELayer(MoERecipe(), geo, group, seed=1))
     dev = model.layer.device
     x = torch.randn(T[rank], 64, generator=torch.Generator().manual_seed(rank)).bfloat16().to(dev)
@@ -297,16 +297,16 @@ def test_gpu_expert_ffn_grouped_matches_loop():
 
 
 @pytest.mark.gpu
-def test_gpu_world_layer_and_compile():
-    from tritonep.testing import run_gpu_world
+def test_gpu_world_layer_and_compile(gpu_world, gpu_world_size):
+    from tritonep.testing.cases import experts_for, tokens_for
 
-    n = min(2, torch.cuda.device_count())
-    case = dict(recipe=MoERecipe(expert_alignment=8), geometry=MoEGeometry(256, 128, 8 * n, 4, 128),
-                tokens=[128, 77][:n], router=True)
-    _check_world(run_gpu_world(n, _world_layer_vs_reference, case), case)
-    case = dict(recipe=MoERecipe(combine="push"), geometry=_geo(64, 6, 16), tokens=[16, 0][:n], router=False,
-                trace=2)
-    _check_world(run_gpu_world(n, _world_layer_vs_reference, case), case)
-    for eager, compiled in run_gpu_world(n, _world_compile, [12, 7][:n]):
+    W = gpu_world_size
+    case = dict(recipe=MoERecipe(expert_alignment=8), geometry=MoEGeometry(256, 128, 8 * W, 4, 128),
+                tokens=tokens_for([128, 77], W), router=True)
+    _check_world(gpu_world(W, _world_layer_vs_reference, case), case)
+    case = dict(recipe=MoERecipe(combine="push"), geometry=_geo(experts_for(64, W), 6, 16),
+                tokens=tokens_for([16, 0], W), router=False, trace=2)
+    _check_world(gpu_world(W, _world_layer_vs_reference, case), case)
+    for eager, compiled in gpu_world(W, _world_compile, tokens_for([12, 7], W), experts_for(8, W)):
         for a, b in zip(eager, compiled):
             assert _rel(a, b) < 1e-3

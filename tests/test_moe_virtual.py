@@ -181,18 +181,6 @@ def test_virtual_real_routing_matches_dense_reference(kind, K):
     assert any(_facts(res, "used", 0))  # some routes ran in virtual slots
 
 
-@pytest.mark.gpu
-def test_gpu_virtual_matches_dense_reference_grouped_gemm():
-    from tritonep.testing import run_gpu_world
-
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
-    case = dict(E=8, K=2, seed=7, steps=[dict(kind="olmoe", T=64)] + _W2_STEPS, A=8)
-    res = run_gpu_world(2, _virtual_world, case, timeout_s=600)
-    _check_dense(case, res)
-    assert any(_facts(res, "used", 0)) and _facts(res, "used", 1) == [0, 2]
-
-
 # ------------------------------------------------------------------------------------------------ hand-made plans
 # W=2, E=8: step 0 rank 0's experts are hot and rank 1 has no token: rank 1 runs two of rank 0's experts in its
 # slots (all its rows are slot rows), rank 0 uses no slot; step 1 the reverse, with uneven T.
@@ -295,6 +283,23 @@ _W3_STEPS = [dict(totals=[18, 18, 18, 18, 0, 0, 0, 0, 6, 0, 0, 0], sizes=[20, 12
              dict(totals=[5, 5, 0, 0, 10, 0, 0, 0, 2, 2, 2, 4], sizes=[3, 7, 5], seed=2)]
 
 
+# the GPU test's hand-made plans per world size: (E, steps, check of the slots used in the first hand-made step)
+_GPU_PLANS = {2: (8, _W2_STEPS, lambda u: u == [0, 2]), 3: (12, _W3_STEPS, lambda u: u == [0, 2, 2]),
+              4: (16, _W4_STEPS, lambda u: u[2] == 0 and u[3] == 0 and u[0] > 0 and u[1] > 0)}
+
+
+@pytest.mark.gpu
+def test_gpu_virtual_matches_dense_reference_grouped_gemm(gpu_world, gpu_world_size):
+    W = gpu_world_size
+    if W not in _GPU_PLANS:
+        pytest.skip(f"hand-made plans exist for worlds of {sorted(_GPU_PLANS)} ranks, not {W}")
+    E, steps, used_ok = _GPU_PLANS[W]
+    case = dict(E=E, K=2, seed=7, steps=[dict(kind="olmoe", T=64)] + steps, A=8)
+    res = gpu_world(W, _virtual_world, case, timeout_s=600)
+    _check_dense(case, res)
+    assert any(_facts(res, "used", 0)) and used_ok(_facts(res, "used", 1)), _facts(res, "used", 1)
+
+
 def test_virtual_split_hand_made_world_and_compile():
     case = dict(E=12, K=2, seed=11, steps=_W3_STEPS, A=4, compile=True)
     res = run_cpu_world(3, _virtual_world, case, timeout_s=300)
@@ -336,11 +341,11 @@ def test_virtual_on_nccl_equals_virtual_on_triton():
 
 
 @pytest.mark.gpu
-def test_gpu_virtual_on_nccl_equals_virtual_on_triton():
+def test_gpu_virtual_on_nccl_equals_virtual_on_triton(gpu_world):
     """The same on 2 GPUs (NCCL all_gather / all_to_all against symmetric memory + Triton kernels)."""
-    from tritonep.testing import run_gpu_world
 
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
-    res = _backends_equal(run_gpu_world, 2, [dict(kind="olmoe", T=64)] + _W2_STEPS, E=8, K=2, seed=7, A=8)
+    def world(W, fn, *args, timeout_s=600):
+        return gpu_world(W, fn, *args, timeout_s=timeout_s, nccl=True)
+
+    res = _backends_equal(world, 2, [dict(kind="olmoe", T=64)] + _W2_STEPS, E=8, K=2, seed=7, A=8)
     assert _facts(res, "used", 1) == [0, 2]

@@ -13,7 +13,7 @@ from tritonep.data import load_flame_trace, split_across_ranks
 from tritonep.ep import EPBuffer
 from tritonep.errors import CapacityError, TritonEPError
 from tritonep.reference import combine_backward_reference, combine_reference_partial, dispatch_reference
-from tritonep.testing import run_cpu_world, run_gpu_world
+from tritonep.testing import run_cpu_world
 
 
 # ------------------------------------------------------------------------------------------- inputs
@@ -196,23 +196,16 @@ def _deepseek_case():
     return _case(2, 256, 7168, 8, [512, 512], routing=parts, seed=4)
 
 
-def _need_two_gpus():
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
+@pytest.mark.gpu
+def test_gpu_nccl_matches_reference_deepseek_shape(gpu_world):
+    case = _deepseek_case()
+    _check(case, gpu_world(2, _both, case, ("nccl",), nccl=True), backends=("nccl",))
 
 
 @pytest.mark.gpu
-def test_gpu_nccl_matches_reference_deepseek_shape():
-    _need_two_gpus()
+def test_gpu_nccl_matches_triton_deepseek_shape(gpu_world):
     case = _deepseek_case()
-    _check(case, run_gpu_world(2, _both, case, ("nccl",)), backends=("nccl",))
-
-
-@pytest.mark.gpu
-def test_gpu_nccl_matches_triton_deepseek_shape():
-    _need_two_gpus()
-    case = _deepseek_case()
-    _check(case, run_gpu_world(2, _both, case))
+    _check(case, gpu_world(2, _both, case, nccl=True))
 
 
 
@@ -451,8 +444,7 @@ def _host_syncs(group):
 
 
 @pytest.mark.gpu
-def test_gpu_nccl_host_reads():
+def test_gpu_nccl_host_reads(gpu_world):
     """Dispatch reads the host once (the counts matrix); combine and both backward passes never."""
-    _need_two_gpus()
-    for r in run_gpu_world(2, _host_syncs):
+    for r in gpu_world(2, _host_syncs, nccl=True):
         assert r == {"dispatch": 1, "combine": 0, "dispatch_bwd": 0, "combine_bwd": 0}, r

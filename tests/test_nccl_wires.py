@@ -15,7 +15,7 @@ from tritonep.ep import EPBuffer
 from tritonep.ep.nccl.backend import NcclEP
 from tritonep.errors import WireError
 from tritonep.reference import dispatch_reference
-from tritonep.testing import run_cpu_world, run_gpu_world
+from tritonep.testing import run_cpu_world
 from tritonep.testing.cases import make_rank_inputs
 from tritonep.wire import dequantize_fp8_torch, dequantize_mxfp4_torch, quantize_fp8_torch, quantize_mxfp4_torch
 
@@ -146,11 +146,9 @@ def test_nccl_wires_triton_sums_match_triton_and_twins(dwire, cwire):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dwire,cwire", WIRES)
-def test_gpu_nccl_wires_match_triton_and_twins(dwire, cwire):
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
+def test_gpu_nccl_wires_match_triton_and_twins(gpu_world, dwire, cwire):
     ntok = [256, 200]
-    _check(run_gpu_world(2, _both, dwire, cwire, ntok, GPU, timeout_s=300), dwire, cwire, ntok, GPU)
+    _check(gpu_world(2, _both, dwire, cwire, ntok, GPU, timeout_s=300, nccl=True), dwire, cwire, ntok, GPU)
 
 
 def test_unknown_wire_and_bad_hidden_raise_wire_error():

@@ -4,11 +4,11 @@ Each rank fills its own staging rows ``stage[RANK]`` with a sentinel before a wo
 backward; bf16: the sentinel survives while every output is exact and the peer's rows are staged; fp8 / mxfp4: the
 own rows routed here hold the twin quantizer's bits (:mod:`tritonep.testing.staging_checks` states every check and
 tolerance). Paths: two kernels (CPU default geometry), the fused one-launch dispatch (``fs=1,fe=1``), the one-launch
-decode dispatch (``bt=4,dec=3``); the GPU test runs the same checks on 2 GPUs at larger shapes.
+decode dispatch (``bt=4,dec=3``); the GPU test runs the same checks on a GPU world of 2 at larger shapes (the
+ranks share a GPU when there is one).
 """
 
 import pytest
-import torch
 
 from tritonep.testing import run_cpu_world
 from tritonep.testing.staging_checks import check_own_staging, own_staging_world
@@ -42,11 +42,7 @@ GPU_CASES = [  # (wire, geometry, case): the table's geometry at a decode and a 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("wire,geometry,case", GPU_CASES)
-def test_gpu_own_rank_rows_skip_staging(monkeypatch, wire, geometry, case):
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
-    from tritonep.testing import run_gpu_world
-
+def test_gpu_own_rank_rows_skip_staging(gpu_world, monkeypatch, wire, geometry, case):
     _geometry(monkeypatch, geometry)
-    res = run_gpu_world(2, own_staging_world, wire, case)
+    res = gpu_world(2, own_staging_world, wire, case)  # the check is about one rank and its one peer: world 2
     check_own_staging(res, wire, case)

@@ -24,7 +24,7 @@ summation order) bit for bit; gradients with the tolerances of tests/test_ep.py.
 | quantized dispatch to a rank that receives 0 rows | test_quantized_dispatch_to_rank_with_no_rows |
 | expert-load statistics ``handle.counts`` (both backends) | test_counts_are_global_and_identical |
 | random routing soak: 30 calls (CI), 500 calls (``soak`` marker) | test_soak_30_calls, test_soak_500_calls |
-| CUDA-graph soak: 1000 replays, each checked (GPU) | test_gpu_graph_soak_1000_replays |
+| CUDA-graph soak: 1000 replays, each checked (GPU, ``soak`` marker) | test_gpu_graph_soak_1000_replays |
 | a peer that skips dispatch | test_ep.py::test_missing_peer_raises_peer_timeout |
 | a peer that skips combine (push, pull) / the backward | test_peer_skips_combine_raises_peer_timeout, |
 |  | test_peer_skips_backward_raises_peer_timeout |
@@ -418,13 +418,11 @@ def test_soak_500_calls():
 
 
 @pytest.mark.gpu
-def test_gpu_graph_soak_1000_replays():
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
-    from tritonep.testing import run_gpu_world
+@pytest.mark.soak
+def test_gpu_graph_soak_1000_replays(gpu_world):
     from tritonep.testing.gpu_checks import graph_soak_world
 
-    res = run_gpu_world(2, graph_soak_world, 64, 512, 128, 8, 1000, timeout_s=1200)
+    res = gpu_world(2, graph_soak_world, 64, 512, 128, 8, 1000, timeout_s=1200)
     assert res == [(1000, []), (1000, [])], res
 
 

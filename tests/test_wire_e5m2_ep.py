@@ -20,7 +20,7 @@ import torch.distributed as dist
 import tritonep as tep
 from test_nccl_wires import CPU, GPU, TOKENS, _both, _inputs
 from tritonep.reference import dispatch_reference
-from tritonep.testing import run_cpu_world, run_gpu_world
+from tritonep.testing import run_cpu_world
 from tritonep.testing.cases import make_rank_inputs
 from tritonep.testing.compile_check import compile_recorded, record_launches
 from tritonep.wire import get_wire
@@ -95,11 +95,9 @@ def test_e5m2_fused_kernels_match_twins(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_e5m2_both_backends_match_twins():
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
+def test_gpu_e5m2_both_backends_match_twins(gpu_world):
     ntok = [256, 200]
-    _check(run_gpu_world(2, _both, "fp8_e5m2", "fp8_e5m2", ntok, GPU, timeout_s=300), "fp8_e5m2", "fp8_e5m2",
+    _check(gpu_world(2, _both, "fp8_e5m2", "fp8_e5m2", ntok, GPU, timeout_s=300, nccl=True), "fp8_e5m2", "fp8_e5m2",
            ntok, GPU)
 
 

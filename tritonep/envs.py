@@ -5,6 +5,7 @@
 | TRITONEP_TIMEOUT_S | 300 | default bound of every in-kernel wait, seconds (per object: ``timeout_s=``) |
 | TRITONEP_SYNC_CHECKS | deferred | ``deferred``: an eager dispatch reads (status, received rows) once, after the counts exchange, and raises any error recorded since the last read (a peer lost mid-call raises at the next dispatch); combine and backward read nothing. ``1`` (strict): also one status read at the end of every call, so a peer lost mid-call raises in that call. ``0``: no host read at all (as under graph capture; rows sized ``max_recv_tokens``) |
 | TRITONEP_NUM_SMS | 0 (= geometry table) | cap on the programs (SMs) a communication kernel may use |
+| TRITONEP_MAX_PROGRAMS | 0 (= none) | per-process cap on the programs of every kernel that waits on another rank (every launch of the EP kernels, counts exchange, expert transport; a larger grid is a ConfigError at launch). Unlike TRITONEP_NUM_SMS it changes no choice of the geometry table, it only clips grids. ``tritonep.testing.run_gpu_world(mps=True)`` sets it in every rank of ranks that share a GPU under MPS, so all their programs fit on the chip at once (docs/platform.md) |
 | TRITONEP_COMBINE | "" (= geometry table) | force "push" or "pull" combine |
 | TRITONEP_GEOMETRY | "" (= geometry table) | override kernel geometry fields, e.g. ``bt=2,bh=512,warps=8,grid=128`` (benchmarks) |
 | TRITONEP_CPU_HEAP_BYTES | 256 MiB | size of one rank's slice of the CPU (fork + mmap) symmetric heap |
@@ -19,11 +20,13 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["timeout_s", "sync_checks", "SYNC_NONE", "SYNC_DEFERRED", "SYNC_STRICT", "num_sms", "combine_kind",
-           "geometry_override", "cpu_heap_bytes", "force_no_p2p", "interpret", "fast_launch", "VARIABLES"]
+__all__ = ["timeout_s", "sync_checks", "SYNC_NONE", "SYNC_DEFERRED", "SYNC_STRICT", "num_sms", "max_programs",
+           "combine_kind", "geometry_override", "cpu_heap_bytes", "force_no_p2p", "interpret", "fast_launch",
+           "VARIABLES", "snapshot"]
 
-VARIABLES = ("TRITONEP_TIMEOUT_S", "TRITONEP_SYNC_CHECKS", "TRITONEP_NUM_SMS", "TRITONEP_COMBINE", "TRITONEP_GEOMETRY",
-             "TRITONEP_CPU_HEAP_BYTES", "TRITONEP_FAST_LAUNCH", "TRITONEP_FORCE_NO_P2P")
+VARIABLES = ("TRITONEP_TIMEOUT_S", "TRITONEP_SYNC_CHECKS", "TRITONEP_NUM_SMS", "TRITONEP_MAX_PROGRAMS",
+             "TRITONEP_COMBINE", "TRITONEP_GEOMETRY", "TRITONEP_CPU_HEAP_BYTES", "TRITONEP_FAST_LAUNCH",
+             "TRITONEP_FORCE_NO_P2P")
 """Every variable of the table above (``tritonep env`` shows the ones that are set)."""
 
 
@@ -102,6 +105,27 @@ def num_sms() -> int:
         ConfigError: not an integer >= 0.
     """
     return _int_env("TRITONEP_NUM_SMS", "0", 0)
+
+
+def max_programs() -> int:
+    """Per-process cap on the programs of every kernel that waits on another rank; 0 means none
+    (TRITONEP_MAX_PROGRAMS).
+
+    Ranks that share one GPU under MPS run their kernels at the same time: a kernel spinning on a peer's flag holds
+    its SMs, so every waiting grid of every rank must fit on the chip together, or a peer's kernel never gets the
+    SMs it needs to raise the flag (docs/platform.md, "Several ranks on one GPU"). The geometry, the counts exchange
+    and the expert transport clip their grids to it; :class:`tritonep.ep.launch.Launcher` refuses a larger grid.
+
+    Raises:
+        ConfigError: not an integer >= 0.
+    """
+    return _int_env("TRITONEP_MAX_PROGRAMS", "0", 0)
+
+
+def snapshot() -> dict:
+    """``{name: value}`` of every variable of the table that is set in this process (what a spawned rank needs to
+    see the same configuration)."""
+    return {name: os.environ[name] for name in VARIABLES if name in os.environ}
 
 
 def combine_kind() -> str:

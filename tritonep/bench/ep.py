@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ..ep.layout import layout_torch, route_rows_torch
+from ..memory import group_barrier, uses_nccl
 from .check import PointChecker, bench_expert, compare_close, compare_exact, mark_checked
 
 __all__ = ["PROFILES", "time_graph", "time_rounds", "peer_copy_gbps", "bench_ep", "ratio_lines"]
@@ -55,10 +56,7 @@ PROFILES = {
 
 
 def _barrier(group):
-    if torch.cuda.is_available():
-        dist.barrier(group=group, device_ids=[torch.cuda.current_device()])
-    else:
-        dist.barrier(group=group)
+    group_barrier(group, _device())  # NCCL, or gloo when ranks share a GPU
 
 
 def _device():
@@ -205,6 +203,8 @@ def bench_ep(group, profile: str, combine_kinds=("push", "pull"), num_sms=None, 
     os.environ["TRITONEP_SYNC_CHECKS"] = "0"
     own_geo = bool(p.get("geometry")) and not os.environ.get("TRITONEP_GEOMETRY")  # a --variants geometry wins
     if p.get("geometry"):  # a profile with its own geometry (decode-1launch): no baselines, an exactness check
+        baselines = False
+    if not uses_nccl(group):  # ranks that share a GPU (gloo group): there is no NCCL to compare with
         baselines = False
     if own_geo:
         os.environ["TRITONEP_GEOMETRY"] = p["geometry"]

@@ -29,7 +29,12 @@ def add_parser(sub):
                    help="tokens per rank instead of the profile's (several values: a sweep, see --plot)")
     p.add_argument("--num-sms", type=int, nargs="*", default=[0], help="SM caps to measure (0 = geometry table)")
     p.add_argument("--iters", type=int, default=30, help="timed iterations (median reported)")
-    p.add_argument("--world-size", type=int, default=0, help="ranks (default: every GPU; CPU soak: 2)")
+    p.add_argument("--world-size", type=int, default=0,
+                   help="ranks (default: every GPU; CPU soak: 2); more ranks than GPUs share GPUs round-robin "
+                        "(time-sliced, or --mps): they run and check, but timings then measure nothing about NVLink")
+    p.add_argument("--mps", choices=["off", "on", "auto"], default="off",
+                   help="ranks that share a GPU: off = time-sliced; on = a private MPS daemon (refused if it cannot "
+                        "start); auto = MPS if it starts")
     p.add_argument("--soak", type=int, default=0,
                    help="instead of timing, N checked steps with fresh random routing and token counts (CPU too; "
                         "--profile does not apply). dispatch/combine: N dispatch+combine calls, each equal bit for "
@@ -71,11 +76,10 @@ def _soak(con, args, ngpu) -> int:
     if args.soak < 1:
         raise ConfigError(f"--soak {args.soak} must be >= 1 (steps)")
     W = args.world_size or (min(ngpu, 8) if ngpu else 2)
-    if W < 1 or (ngpu and W > ngpu) or (not ngpu and W > 64):
-        raise ConfigError(f"--world-size {W} must be in 1..{ngpu if ngpu else 64} "
-                          f"({f'{ngpu} CUDA GPUs' if ngpu else 'CPU world'})")
+    if W < 1 or W > 64:
+        raise ConfigError(f"--world-size {W} must be in 1..64 ({f'{ngpu} CUDA GPUs' if ngpu else 'CPU world'})")
     if ngpu:
-        from ..testing import run_gpu_world as world
+        world = _gpu_world(con, args, W, ngpu)
     else:
         from ..testing import run_cpu_world as world
     if args.op == "moe":
@@ -129,16 +133,16 @@ def main(args) -> int:
         _need_matplotlib()
     if args.op == "planner":
         return _planner(con, args, ngpu)
-    if ngpu < 2:
-        raise ConfigError(f"timing {args.op} needs at least 2 CUDA GPUs (found {ngpu}); on a CPU run "
+    if ngpu < 1:
+        raise ConfigError(f"timing {args.op} needs CUDA GPUs (found none); on a CPU run "
                           f"`tritonep bench {'moe' if args.op == 'moe' else 'dispatch'} --soak N` for checked steps")
-    from ..testing import run_gpu_world
-
     W = args.world_size or ngpu
-    if not 2 <= W <= ngpu:
-        raise ConfigError(f"--world-size {W} must be in 2..{ngpu} (the CUDA GPUs here)")
+    if not 2 <= W <= 64:
+        raise ConfigError(f"--world-size {W} must be in 2..64 (timing needs at least 2 ranks; {ngpu} CUDA GPU(s) "
+                          f"here: --world-size 2 puts 2 ranks on one GPU, whose timings measure nothing about NVLink)")
+    run_gpu_world = _gpu_world(con, args, W, ngpu)
     if args.op == "moe":
-        return _moe(con, args, W)
+        return _moe(con, args, W, run_gpu_world)
     res = run_gpu_world(W, bench_rank, args.op, args.profile, args.num_sms, args.iters, args.tokens,
                         timeout_s=900)
     t = Table(title=f"tritonep bench {args.profile} (world {W}); peer copy {res[0][0]['peer_copy_gbps']:.0f} GB/s")
@@ -152,7 +156,8 @@ def main(args) -> int:
     con.print(t)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(world_size=W, rows=res), f, indent=1)
+            json.dump(dict(world_size=W, world=res.info.as_dict(), timing_note=res.info.timing_note(), rows=res), f,
+                      indent=1)
     if args.plot:
         from ..bench.plot import plot_gbps_vs_tokens
 
@@ -190,11 +195,32 @@ def _planner(con, args, ngpu) -> int:
     return exit_code(rows)
 
 
-def _moe(con, args, W) -> int:
+def _gpu_world(con, args, W: int, ngpu: int):
+    """``run_gpu_world`` with the ``--mps`` choice, after one line saying how the ranks are placed (and, when they
+    share a GPU, that timings then measure nothing about NVLink); the results' ``.info`` says how they ran.
+
+    Raises:
+        ConfigError: more than 8 ranks on one GPU.
+    """
+    from ..testing import run_gpu_world
+    from ..testing.placement import plan_world
+
+    mps = {"off": False, "on": True, "auto": "auto"}[args.mps]
+    planned = plan_world(W, [f"cuda:{i}" for i in range(ngpu)], mps=bool(mps))
+    con.print(f"tritonep bench: {planned.describe()}", soft_wrap=True)
+    if planned.timing_note():
+        con.print(f"[bold yellow]note[/]: {planned.timing_note()}", soft_wrap=True)
+
+    def world(world_size, fn, *fargs, **kw):
+        return run_gpu_world(world_size, fn, *fargs, mps=mps, **kw)
+
+    return world
+
+
+def _moe(con, args, W, run_gpu_world) -> int:
     """``tritonep bench moe``: the MoE layer fwd+bwd vs the torch + NCCL reference layer (every GPU)."""
     from ..bench.ep import PROFILES
     from ..bench.moe import moe_bench_world
-    from ..testing import run_gpu_world
 
     p = PROFILES[args.profile]
     cfg = dict(tokens=(args.tokens or [p["tokens"] or 4096])[0], hidden=p["hidden"], intermediate=2048,
@@ -206,5 +232,6 @@ def _moe(con, args, W) -> int:
               f"{tep * 1e3:.2f} ms, torch + NCCL reference {ref * 1e3:.2f} ms, speedup {ref / tep:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(cfg=cfg, ranks=res), f, indent=1)
+            json.dump(dict(cfg=cfg, world=res.info.as_dict(), timing_note=res.info.timing_note(), ranks=res), f,
+                      indent=1)
     return exit_code([c for o in res for c in o["checks"]])

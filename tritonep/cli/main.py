@@ -2,13 +2,15 @@
 
 Exit codes, the same for every subcommand: 0 = done (and every check passed); 1 = a check failed (wrong results), or
 an unexpected crash (a bug: its traceback is printed); 2 = refused: a bad flag, file or configuration, or a library
-error (:class:`tritonep.errors.TritonEPError`), also when a rank of a multi-rank world raised it. A refusal is one
-line on stderr: ``tritonep CMD: error: ...``.
+error (:class:`tritonep.errors.TritonEPError`), also when a rank of a multi-rank world raised it; 130 / 143 =
+interrupted by SIGINT / SIGTERM (every rank of the world killed, its temporary files removed). A refusal or an
+interrupt is one line on stderr: ``tritonep CMD: error: ...`` / ``tritonep CMD: interrupted by SIGINT: ...``.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from .help import HelpFormatter
@@ -29,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="tritonep", formatter_class=HelpFormatter,
         description="Expert-parallel MoE dispatch/combine and virtual-expert balancing (Triton + symmetric memory).",
         epilog="exit codes: 0 done and checked; 1 a check failed (or a crash); 2 refused: bad flag, file or "
-               "configuration (one line on stderr)")
+               "configuration (one line on stderr); 130 / 143 interrupted by SIGINT / SIGTERM (every rank stopped)")
     sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     from . import bench, env, plan, run
 
@@ -112,11 +114,21 @@ def main(argv=None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``) and run the subcommand; returns the exit code (see module doc)."""
     from ..errors import RankError
 
+    from ..testing.interrupts import command_signals
+
     use_interpreter_without_gpu()
     args = build_parser().parse_args(argv)
     try:
-        _check_outputs(args)
-        return int(args.func(args) or 0)
+        with command_signals():  # SIGINT / SIGTERM: one line, exit 130 / 143 (every rank killed, temp files gone)
+            _check_outputs(args)
+            return int(args.func(args) or 0)
+    except KeyboardInterrupt as e:
+        signum = getattr(e, "signum", signal.SIGINT)
+        # a rank's progress bar may have left the line unfinished: clear it (terminal) or start a new one
+        fresh = "\r\033[K" if sys.stderr.isatty() else "\n"
+        print(f"{fresh}tritonep {args.cmd}: interrupted by {signal.Signals(signum).name}: every rank stopped, "
+              f"temporary files removed", file=sys.stderr, flush=True)
+        return 128 + signum
     except (RankError, Exception) as e:  # noqa: BLE001 - every library error becomes one line
         line = error_line(args.cmd, e)
         if line is None:

@@ -65,11 +65,11 @@ class RoutingSource:
         return min(f.num_tokens(layer) for layer in layers)
 
     def default_num_experts(self, world_size: int) -> int:
-        """64 for the packaged data; for a file the smallest multiple of ``world_size`` that holds its experts."""
-        if not self.is_file:
-            return 64
+        """The smallest multiple of ``world_size`` that holds the source's experts (packaged data: 64 experts, so 64
+        for 1, 2, 4, 8, ... ranks, 66 for 3, 65 for 5; a file: its largest expert id + 1). Extra experts get no
+        routes (flame) or their share of the tiled histogram (olmoe)."""
         n = max(self.file_experts, 1)
-        return -(-n // world_size) * world_size
+        return -(-n // max(1, world_size)) * max(1, world_size)
 
     def check_num_experts(self, num_experts: int) -> None:
         """Refuse a ``--num-experts`` below the source's largest expert id + 1 (more experts are fine).

@@ -1,6 +1,7 @@
 """``tritonep run``: the main job — an MoE layer forward+backward per traced layer, on real routing, checked.
 
-Every rank (every local GPU, or a CPU world of ``--world-size`` forked ranks when there is no GPU) builds one
+Every rank (one per local GPU, or ``--world-size`` ranks placed round-robin on the GPUs, sharing them when there are
+fewer GPUs than ranks; a CPU world of ``--world-size`` forked ranks when there is no GPU) builds one
 :class:`tritonep.MoELayer` per layer of the trace, routes its share of the trace's tokens through it (the real
 FLAME-MoE-290M router decisions by default, tokens drawn from an OLMoE load histogram, or your own router's routing
 file: ``--routing PATH``, see :mod:`tritonep.data.routing_file`), runs forward and backward,
@@ -44,13 +45,20 @@ def add_parser(sub):
     p.add_argument("--tokens", type=int, default=None,
                    help="tokens per rank (default: 64 on CPU, 1024 on GPU, capped at what a trace holds: flame has "
                         "2048 tokens per layer in all; asking a trace for more is an error)")
-    p.add_argument("--world-size", type=int, default=4, help="ranks of the CPU world when there is no GPU")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="ranks (default: one per GPU; 4 in the CPU world when there is no GPU). More ranks than GPUs "
+                        "share GPUs round-robin (gloo group; time-sliced, or --mps): checked the same, but the "
+                        "timings then measure nothing about NVLink")
+    p.add_argument("--mps", choices=["off", "on", "auto"], default="off",
+                   help="ranks that share a GPU: off = time-sliced; on = a private MPS daemon for this run, so they "
+                        "run at once (refused if it cannot start); auto = MPS if it starts, else time-sliced")
     p.add_argument("--hidden", type=int, default=None, help="hidden size (default: 2048 on a GPU; on a CPU 64, or the "
                    "wires' block if larger: 128 with fp8 / fp8_e5m2)")
     p.add_argument("--intermediate", type=int, default=None, help="expert FFN width (default 32 CPU / 1024 GPU)")
     p.add_argument("--num-experts", type=int, default=None,
-                   help="experts (default: 64 for flame/olmoe; for a file its largest expert id + 1, rounded up to a "
-                        "multiple of the world size); fewer than a trace's largest id + 1 is an error, more is fine")
+                   help="experts (default: the source's experts, 64 for flame/olmoe, for a file its largest expert id "
+                        "+ 1, rounded up to a multiple of the world size: 66 for 3 ranks); fewer than a trace's largest "
+                        "id + 1 is an error, more is fine")
     p.add_argument("--topk", type=int, default=None,
                    help="top-k (default: a trace's own K, flame 6; histograms: the file's topk, else 8)")
     p.add_argument("--steps", type=int, default=1, help="forward+backward steps per layer")
@@ -223,8 +231,9 @@ def main(args) -> int:
 
     from ..balance.metrics import balancedness
 
-    on_gpu = torch.cuda.is_available() and torch.cuda.device_count() >= 1
-    W = torch.cuda.device_count() if on_gpu else args.world_size
+    ngpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    on_gpu = ngpu >= 1
+    W = args.world_size if args.world_size is not None else (ngpu if on_gpu else 4)
     s = _settings(args, on_gpu, W)
     if args.plot:
         _need_matplotlib()
@@ -238,12 +247,19 @@ def main(args) -> int:
     per_rank = str(sizes[0]) if min(sizes) == max(sizes) else f"{min(sizes)}-{max(sizes)}"
     what = (f"routing={s['routing_name']}, layers={s['layers']}, {s['total_tokens']} tokens per layer "
             f"({per_rank} per rank), E={s['num_experts']}, top-{s['topk']}, H={s['hidden']}")
+    world = None
     if on_gpu:
         from ..testing import run_gpu_world
+        from ..testing.placement import plan_world
 
-        con.print(f"[bold]tritonep run[/]: {W} GPU rank(s), {what}", soft_wrap=True)
+        mps = {"off": False, "on": True, "auto": "auto"}[args.mps]
+        planned = plan_world(W, [f"cuda:{i}" for i in range(ngpu)], mps=bool(mps))  # ConfigError: > 8 per GPU
+        con.print(f"[bold]tritonep run[/]: {planned.describe()}, {what}", soft_wrap=True)
         t0 = time.time()
-        results = run_gpu_world(W, run_rank, s, timeout_s=args.timeout)
+        results = run_gpu_world(W, run_rank, s, timeout_s=args.timeout, mps=mps)
+        world = results.info
+        if world.timing_note():
+            con.print(f"[bold yellow]note[/]: {world.timing_note()}", soft_wrap=True)
     else:
         from ..testing import run_cpu_world
 
@@ -289,8 +305,10 @@ def main(args) -> int:
     con.print(f"tolerance {tol:g} (max |got-ref| / max |ref| over output and every gradient); wall {wall:.1f} s")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(settings=s, world_size=W, device="cuda" if on_gpu else "cpu", wall_s=wall, layers=rows),
-                      f, indent=1)
+            json.dump(dict(settings=s, world_size=W, device="cuda" if on_gpu else "cpu", wall_s=wall,
+                           world=world.as_dict() if world else None,
+                           timing_note=world.timing_note() if world else "CPU world: interpreter times",
+                           layers=rows), f, indent=1)
     if args.plot:
         _plot(rows, W, args.plot, title=f"tritonep run: {s['routing_name']}, {W} ranks, balance={s['balance']}")
         con.print(f"plot written to {args.plot}")

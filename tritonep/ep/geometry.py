@@ -132,7 +132,8 @@ def select_geometry(device_type: str, world_size: int, hidden: int, max_tokens_p
     """The geometry for a static configuration (see module docstring); ``wire``: the dispatch wire's name.
 
     ``num_sms`` (or TRITONEP_NUM_SMS) caps every grid: communication kernels then leave the rest of the chip free
-    for expert GEMMs. Raises ConfigError for a ``num_sms`` that is not None or an int >= 0, or a bad environment
+    for expert GEMMs. TRITONEP_MAX_PROGRAMS (set for ranks that share a GPU under MPS) clips every grid too, but
+    changes no choice of the table (fused or two-kernel dispatch, warps). Raises ConfigError for a ``num_sms`` that is not None or an int >= 0, or a bad environment
     value (:mod:`tritonep.envs`).
     """
     if num_sms is not None and (isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms < 0):
@@ -173,14 +174,17 @@ def select_geometry(device_type: str, world_size: int, hidden: int, max_tokens_p
     override = envs.geometry_override()
     if override:
         g = _apply_override(g, override)
-    if cap:
+    # the SM cap picks paths above; TRITONEP_MAX_PROGRAMS (ranks that share a GPU under MPS) only clips grids
+    caps = [c for c in (cap, envs.max_programs()) if c]
+    clip = min(caps) if caps else 0
+    if clip:
         fs, fe = g.fused_send, g.fused_expand
-        if fs and fs + fe > cap:  # keep the role split, within the cap
-            fs = max(1, cap * fs // (fs + fe))
-            fe = max(1, cap - fs)
-        g = replace(g, grid_hist=min(g.grid_hist, cap), grid_send=min(g.grid_send, cap),
-                    grid_expand=min(g.grid_expand, cap), grid_partial=min(g.grid_partial, cap),
-                    grid_out=min(g.grid_out, cap), fused_send=fs, fused_expand=fe)
+        if fs and fs + fe > clip:  # keep the role split, within the cap
+            fs = max(1, clip * fs // (fs + fe))
+            fe = max(1, clip - fs)
+        g = replace(g, grid_hist=min(g.grid_hist, clip), grid_send=min(g.grid_send, clip),
+                    grid_expand=min(g.grid_expand, clip), grid_partial=min(g.grid_partial, clip),
+                    grid_out=min(g.grid_out, clip), fused_send=fs, fused_expand=fe)
     if forced in ("push", "pull"):
         g = replace(g, combine=forced)
     # a fused path's two-kernel grids must equal its roles: both then add the same per-call counter totals
@@ -189,7 +193,7 @@ def select_geometry(device_type: str, world_size: int, hidden: int, max_tokens_p
     if g.fused_combine:
         g = replace(g, grid_partial=g.fused_send, grid_out=g.fused_expand)
     if g.decode > 0:
-        g = _decode_grids(g, max_tokens_per_rank, cap)
+        g = _decode_grids(g, max_tokens_per_rank, clip)
     # the combine's tile: a thread keeps all K gathered expert rows of its columns in flight only when its share of
     # the tile is small. DeepSeek-V3 shape on one H200 (world 1, kernels without NVLink), combine us at 132 / 24
     # SMs: 16-token tiles x 8 warps (the dispatch's) 286 / 1234 (255 registers, spills, one route's loads at a

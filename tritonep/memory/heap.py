@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import BufferStateError, ConfigError, HeapError
+from .collectives import group_barrier
 from .layout import Layout, Region, layout
 
 __all__ = ["SymmetricBuffer", "SymmetricHeap", "CpuHeap", "CudaHeap", "install_cpu_heap", "installed_cpu_heap",
@@ -114,10 +115,8 @@ class SymmetricHeap:
         raise NotImplementedError
 
     def barrier(self):
-        if self.device.type == "cuda":
-            dist.barrier(group=self.group, device_ids=[self.device.index])
-        else:
-            dist.barrier(group=self.group)
+        """Barrier of the heap's group ordering this rank's device work (:func:`tritonep.memory.group_barrier`)."""
+        group_barrier(self.group, self.device)
 
     def _peer_view(self, buf: SymmetricBuffer, name: str, rank: int) -> torch.Tensor:  # pragma: no cover
         raise NotImplementedError
@@ -224,7 +223,9 @@ class CudaHeap(SymmetricHeap):
     """CUDA symmetric heap over ``torch.distributed._symmetric_memory`` (one ``symm_mem.empty`` per buffer).
 
     Args:
-        group: the process group (NCCL) whose ranks share the buffers; one GPU per rank.
+        group: the process group whose ranks share the buffers: NCCL with one GPU per rank, or gloo for ranks that
+            share a GPU (then set ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``, as
+            :func:`tritonep.testing.run_gpu_world` does; docs/platform.md).
         device: this rank's CUDA device.
     """
 

@@ -32,6 +32,7 @@ def t_script_world(group, cfg: dict, script: list, graphs: bool, geometry: str =
     import os
 
     import tritonep as tep
+    from tritonep.memory import group_barrier
 
     if geometry:
         os.environ["TRITONEP_GEOMETRY"] = geometry
@@ -62,7 +63,7 @@ def t_script_world(group, cfg: dict, script: list, graphs: bool, geometry: str =
             eo.copy_(_eo(d.x))
             y = buf.combine(eo, d.handle)
         static[T] = (g, sx, si, sw, d, eo, y)
-    dist.barrier(group=group, device_ids=[dev.index])
+    group_barrier(group, dev)  # NCCL, or gloo when ranks share a GPU
     for i, ts in enumerate(script):
         g, sx, si, sw, d, eo, y = static[ts[rank]]
         x, idx, w = (t.to(dev) for t in make_rank_inputs(rank, ts[rank], H, E, K, seed=1000 + i))

@@ -2,11 +2,13 @@
 
 * :func:`run_cpu_world` forks ``world_size`` CPU ranks that share one fork-shared mmap heap (docs/platform.md), with a
   gloo process group and ``TRITON_INTERPRET=1``, so the real Triton kernels run multi-rank on a CPU.
-* :func:`run_gpu_world` spawns one process per GPU with an NCCL group (the same ``fn(group, *args)`` contract).
+* :func:`tritonep.testing.run_gpu_world` (:mod:`.gpu_world`) spawns ranks placed on the visible GPUs, any world size
+  on any number of GPUs (the same ``fn(group, *args)`` contract).
 
 Both return every rank's return value (a list indexed by rank), re-raise the first failing rank's exception as
 :class:`tritonep.errors.RankError` carrying that rank and its traceback, and kill every rank and raise if the world
-runs past ``timeout_s`` (a hung kernel fails the test, not CI).
+runs past ``timeout_s`` (a hung kernel fails the test, not CI). SIGINT / SIGTERM to the parent kill and reap every
+rank and remove the world's temporary folder (:mod:`.interrupts`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import os
 import pickle
 import select
+import shutil
 import signal
 import sys
 import tempfile
@@ -22,9 +25,10 @@ import traceback
 from typing import Any, Callable
 
 from ..errors import ConfigError, RankError
+from . import interrupts
 from .protocol import ProtocolMismatch, compare_sequences
 
-__all__ = ["run_cpu_world", "run_gpu_world", "WorldTimeout", "ProtocolMismatch"]
+__all__ = ["run_cpu_world", "WorldTimeout", "ProtocolMismatch"]
 
 
 class WorldTimeout(RankError):
@@ -89,7 +93,7 @@ def _picklable(e):
 def _collect(procs: dict, fds: dict, timeout_s: float, kill: Callable[[int], None], what: str):
     results: dict = {}
     bufs = {r: b"" for r in fds}
-    open_fds = dict(fds)  # rank -> fd
+    open_fds = fds  # rank -> fd still open; closed ones leave the caller's dict (it closes the rest)
     deadline = time.monotonic() + timeout_s
     first_err = None
     while open_fds:
@@ -134,6 +138,7 @@ def _collect(procs: dict, fds: dict, timeout_s: float, kill: Callable[[int], Non
                 kill(r)
             for fd in open_fds.values():
                 os.close(fd)
+            open_fds.clear()
             for r, data in bufs.items():
                 if r not in results and len(data) > 8:
                     try:
@@ -185,6 +190,9 @@ def run_cpu_world(world_size: int, fn: Callable, *args, timeout_s: float = 120.0
         HeapError: the heap cannot be made for this world.
         ConfigError: this process already imported the kernels compiled for the GPU (the ranks need the
             interpreter).
+        KeyboardInterrupt: SIGINT reached this process (every rank killed and reaped and the temporary folder
+            removed first); SIGTERM does the same cleanup and then ends the process as its default action would
+            (:mod:`tritonep.testing.interrupts`).
     """
     from .. import envs
     from ..memory import CpuHeap
@@ -198,12 +206,43 @@ def run_cpu_world(world_size: int, fn: Callable, *args, timeout_s: float = 120.0
     tmp = tempfile.mkdtemp(prefix="tritonep_world_")
     store_path = os.path.join(tmp, "store")
     procs: dict = {}
-    fds: dict = {}
+    fds: dict = {}  # rank -> read end of its result pipe, while open
+    parent = os.getpid()
+    done = []
+
+    def cleanup():
+        """Kill and reap every rank, close the pipes, remove the temporary folder (idempotent; also run by
+        SIGTERM / interpreter exit through :mod:`.interrupts`)."""
+        if done:
+            return
+        done.append(True)
+        with interrupts.deferred_signals():
+            for pid in procs.values():  # a rank blocked writing its result would never exit on its own
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            for fd in fds.values():
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            fds.clear()
+            for pid in procs.values():
+                try:
+                    os.waitpid(pid, 0)
+                except ChildProcessError:
+                    pass
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    token = interrupts.register(cleanup)
+    interrupts.hold_sigterm()
     try:
         for r in range(world_size):
             rfd, wfd = os.pipe()
             pid = os.fork()
             if pid == 0:  # child
+                interrupts.rank_process_setup(parent)
                 os.close(rfd)
                 for other in fds.values():
                     try:
@@ -227,117 +266,6 @@ def run_cpu_world(world_size: int, fn: Callable, *args, timeout_s: float = 120.0
             compare_sequences([log for _, log in pairs], what)
         return [out for out, _ in pairs]
     finally:
-        for pid in procs.values():
-            try:
-                os.waitpid(pid, 0)
-            except ChildProcessError:
-                pass
-        try:
-            for f in os.listdir(tmp):
-                os.unlink(os.path.join(tmp, f))
-            os.rmdir(tmp)
-        except OSError:
-            pass
-
-
-def _gpu_rank_main(rank, world_size, store_path, fn, args, conn):
-    status = 0
-    try:
-        import torch
-        import torch.distributed as dist
-
-        for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-                     ("NVSHMEM_DISABLE_NVLS", "1")):
-            os.environ[k] = v
-        torch.cuda.set_device(rank)
-        store = dist.FileStore(store_path, world_size)
-        dist.init_process_group("nccl", store=store, rank=rank, world_size=world_size,
-                                device_id=torch.device("cuda", rank))
-        out = fn(dist.group.WORLD, *args)
-        torch.cuda.synchronize()
-        conn.send_bytes(pickle.dumps(("ok", rank, _to_cpu(out))))
-        dist.destroy_process_group()
-    except BaseException as e:  # noqa: BLE001
-        status = 1
-        try:
-            conn.send_bytes(pickle.dumps(("err", rank, (type(e).__name__, str(e), traceback.format_exc(),
-                                                         _picklable(e)))))
-        except BaseException:
-            pass
-    finally:
-        os._exit(status)
-
-
-def _to_cpu(obj):
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(o) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    return obj
-
-
-def run_gpu_world(world_size: int, fn: Callable, *args, timeout_s: float = 300.0):
-    """Run ``fn(group, *args)`` in ``world_size`` spawned processes, one per GPU, with an NCCL group.
-
-    ``fn`` must be importable (a module-level function). Results come back moved to the CPU. Multicast stays off
-    (``NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1``).
-
-    Raises:
-        RankError / WorldTimeout: as :func:`run_cpu_world`.
-        RuntimeError: fewer than ``world_size`` GPUs (tests skip before calling).
-    """
-    import multiprocessing as mp
-
-    import torch
-
-    if torch.cuda.device_count() < world_size:
-        raise RuntimeError(f"run_gpu_world needs {world_size} GPUs, found {torch.cuda.device_count()}")
-    from multiprocessing.connection import wait
-
-    ctx = mp.get_context("spawn")
-    tmp = tempfile.mkdtemp(prefix="tritonep_gpu_world_")
-    store_path = os.path.join(tmp, "store")
-    handles, conns = {}, {}
-    for r in range(world_size):
-        rconn, wconn = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_gpu_rank_main, args=(r, world_size, store_path, fn, args, wconn))
-        p.start()
-        wconn.close()
-        handles[r] = p
-        conns[r] = rconn
-    results: dict = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(results) < world_size:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                running = sorted(set(range(world_size)) - set(results))
-                raise WorldTimeout(f"GPU world of {world_size}: ranks {running} did not finish within "
-                                   f"{timeout_s:.0f} s (killed all ranks)", running)
-            for c in wait([conns[r] for r in range(world_size) if r not in results], timeout=min(left, 1.0)):
-                r = next(k for k, v in conns.items() if v is c)
-                try:
-                    msg = pickle.loads(c.recv_bytes())
-                except EOFError:
-                    msg = ("crashed", r, None)
-                results[r] = msg
-                if msg[0] == "crashed":
-                    raise RankError(f"GPU world of {world_size}: rank {r} died without a result")
-                if msg[0] == "err":
-                    name, text, tb, exc = msg[2]
-                    err = RankError(f"GPU world of {world_size}: rank {r} raised {name}: {text}\n"
-                                    f"--- rank {r} traceback ---\n{tb}")
-                    err.rank = r
-                    err.original = exc
-                    raise err
-        return [results[r][2] for r in range(world_size)]
-    finally:
-        for p in handles.values():
-            p.join(timeout=5 if len(results) == world_size else 0.1)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+        cleanup()
+        interrupts.unregister(token)
+        interrupts.release_sigterm()

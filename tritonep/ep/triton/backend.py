@@ -34,7 +34,7 @@ import torch
 from ... import envs
 from ...errors import BufferStateError, InputError, PeerTimeoutError
 from ...kernels import protocol as P
-from ...memory import get_heap
+from ...memory import get_heap, group_barrier
 from ...wire.formats import get_wire
 from ..status import STATUS_BAD_INPUT, STATUS_CAPACITY, bad_ranks, raise_for_status, wait_bound
 from ..validate import check_expert_ids
@@ -188,13 +188,8 @@ class TritonEP(DispatchOutputs, DecodePath):
             self.dispatch_bwd(eo, out_w, handle)
             self.combine_bwd(x, eo, handle)
 
-        import torch.distributed as dist
-
         self._launch.dry_run(walk, restore=(self.calls, self.status))
-        if self.device.type == "cuda":
-            dist.barrier(group=group, device_ids=[self.device.index])
-        else:
-            dist.barrier(group=group)
+        group_barrier(group, self.device)  # NCCL or gloo (ranks that share a GPU)
 
     # ---------------------------------------------------------------------------------------------- dispatch
     def dispatch_fwd(self, x, topk_idx, topk_weights, sync: bool, keep_quantized: bool = False,

@@ -59,6 +59,7 @@ class BoundKernel:
 
     Raises:
         TypeError: a parameter neither bound nor per-call and without a default, or an unknown name.
+        ConfigError: a grid larger than the launcher's ``TRITONEP_MAX_PROGRAMS`` cap.
     """
 
     _OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
@@ -82,6 +83,12 @@ class BoundKernel:
             else:
                 raise TypeError(f"{fn.__name__}: parameter {p.name!r} is neither bound nor per-call")
         self.kernel, self.grid, self.name = kernel, tuple(grid), fn.__name__
+        cap = getattr(launcher, "max_programs", 0)
+        if cap and self.grid[0] > cap:
+            from ...errors import ConfigError
+
+            raise ConfigError(f"{self.name}: grid {self.grid} exceeds TRITONEP_MAX_PROGRAMS={cap} (ranks that share "
+                              f"a GPU must fit their waiting programs on the chip together; docs/platform.md)")
         self._launcher = launcher
         self._tmpl = tmpl
         self._pos = tuple(names.index(d) for d in dyn)

@@ -24,6 +24,7 @@ import math
 import torch
 import triton
 
+from ... import envs
 from ...kernels import protocol as P
 from ...kernels.transport import barrier_kernel, pull_grads_kernel, push_weights_kernel
 from ...memory import Region, get_heap
@@ -63,6 +64,8 @@ class ExpertTransport(SlotTransportBase):
         self.has_timer = self.device.type == "cuda"
         self.timeout = wait_bound(self.device, self.timeout_s)
         self.G = num_programs or (64 if self.device.type == "cuda" else 1)
+        if envs.max_programs():  # ranks that share a GPU under MPS (the copy loops are grid-strided)
+            self.G = min(self.G, envs.max_programs())
         self.WB = max(2, triton.next_power_of_2(self.W))
         self._launch = Launcher(self.device, group)
         # the pull kernel's target when a rank has no native gradient and holds nothing (num_targets = 0: untouched)

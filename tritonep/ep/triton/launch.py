@@ -46,7 +46,8 @@ class Launcher:
         group: the EP group (kept for the owner; the launcher itself runs no collective).
 
     Raises:
-        ConfigError: the kernels were built for another device (CPU tensors without ``TRITON_INTERPRET=1`` when the
+        ConfigError: a launch whose grid exceeds ``TRITONEP_MAX_PROGRAMS`` (read at construction); the kernels
+            were built for another device (CPU tensors without ``TRITON_INTERPRET=1`` when the
             kernels were imported, or the reverse); see :func:`tritonep.kernels.common.check_kernel_mode`.
     """
 
@@ -61,8 +62,15 @@ class Launcher:
         self.group = group
         self._warmup = False
         self.cache = LaunchCache() if (self.device.type == "cuda" and envs.fast_launch()) else None
+        self.max_programs = envs.max_programs()  # ranks that share a GPU under MPS (docs/platform.md)
 
     def __call__(self, kernel, grid, *args, **kwargs):
+        if self.max_programs and grid[0] > self.max_programs:
+            from ..errors import ConfigError
+
+            raise ConfigError(f"{kernel_name(kernel)}: grid {tuple(grid)} exceeds TRITONEP_MAX_PROGRAMS="
+                              f"{self.max_programs} (a waiting kernel larger than its share of the GPU can starve "
+                              f"a peer that shares it)")
         if self._warmup:
             kernel.warmup(*args, grid=grid, **kwargs)
             return None

@@ -66,7 +66,7 @@ class Launcher:
 
     def __call__(self, kernel, grid, *args, **kwargs):
         if self.max_programs and grid[0] > self.max_programs:
-            from ..errors import ConfigError
+            from ...errors import ConfigError
 
             raise ConfigError(f"{kernel_name(kernel)}: grid {tuple(grid)} exceeds TRITONEP_MAX_PROGRAMS="
                               f"{self.max_programs} (a waiting kernel larger than its share of the GPU can starve "

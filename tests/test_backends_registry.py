@@ -24,19 +24,23 @@ def test_backend_classes_have_every_member(cls):
         assert hasattr(cls, m), (cls, m)
 
 
-def test_build_is_keyword_only_and_satisfies_protocol():
+def test_build_takes_the_config_whole_and_satisfies_protocol():
     import torch
 
+    from tritonep.ep.config import EPConfig, build_config
+
+    cfg = build_config(world_size=2, num_experts=8, hidden=64, max_tokens_per_rank=4, topk=2, backend="nccl",
+                       device_type="cpu")
+    assert isinstance(cfg, EPConfig) and cfg.max_recv_tokens == 2 * 4 * 2 and cfg.num_local_experts == 4
     with pytest.raises(TypeError):
-        build_backend("nccl", None, 0)
-    ep = build_backend("nccl", group=None, rank=0, world_size=2, num_experts=8, hidden=64, max_tokens_per_rank=4,
-                       topk=2, expert_alignment=1, max_recv_tokens=64, device=torch.device("cpu"),
-                       dtype=torch.bfloat16)
+        build_backend("nccl", cfg, None, 0)  # group / rank / device are keyword-only
+    ep = build_backend("nccl", cfg, group=None, rank=0, device=torch.device("cpu"))
     assert isinstance(ep, EPBackend) and ep.name == "nccl" and ep.allocated_bytes == 0 and ep.geometry is None
+    assert ep.cfg is cfg  # handed whole: nothing re-spelled below the front door
     ep.close()
     for spec in BACKENDS.values():
-        params = inspect.signature(spec.build).parameters.values()
-        assert all(p.kind == p.KEYWORD_ONLY for p in params)
+        params = list(inspect.signature(spec.build).parameters.values())
+        assert params[0].name == "cfg" and all(p.kind == p.KEYWORD_ONLY for p in params[1:])
 
 
 def test_unknown_backend_is_a_config_error():

@@ -341,12 +341,14 @@ def test_bad_ids_and_refused_input_on_different_ranks():
     _check_step2(res)
 
 
-def test_timeout_kwarg_is_stored():
+def test_timeout_comes_from_the_config():
+    from tritonep.ep.config import build_config
     from tritonep.ep.nccl.backend import NcclEP
 
-    ep = NcclEP(None, 0, 2, 8, 64, 4, 2, 1, 64, torch.device("cpu"), torch.bfloat16, timeout_s=7.5)
-    assert ep.timeout_s == 7.5
-    assert NcclEP(None, 0, 2, 8, 64, 4, 2, 1, 64, torch.device("cpu")).timeout_s is None
+    cfg = build_config(world_size=2, num_experts=8, hidden=64, max_tokens_per_rank=4, topk=2, backend="nccl",
+                       device_type="cpu", timeout_s=7.5)
+    ep = NcclEP(cfg, group=None, rank=0, device=torch.device("cpu"))
+    assert ep.timeout_s == 7.5 and ep.cfg is cfg
 
 
 # ------------------------------------------------------------------------------------------- expert_out with spare rows

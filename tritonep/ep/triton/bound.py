@@ -17,7 +17,8 @@ How a bound kernel launches:
   picked by Triton's own specialisation of the per-call values only (``native_specialize_impl``: dtype and
   16-byte alignment of tensors, ``== 1`` / ``% 16`` of ints that are specialised), because the static ones never
   change. A kernel that needs Triton's global or profile scratch, or a launch while a Triton launch hook is
-  installed (a profiler), takes Triton's own path. The arguments handed to the C launcher are exactly those
+  installed (a profiler), takes Triton's own path; with no hook installed Triton hands its launcher its empty hook
+  chains and their metadata, which do nothing, so the direct call passes None for both. The arguments handed to the C launcher are exactly those
   :meth:`triton.compiler.CompiledKernel.__getitem__`'s runner hands it (``tests/test_bound_launch.py``).
 
 Idea: the "call the compiled kernel's launcher directly" pattern of vLLM's ``CachedKernel`` (vllm PR #34838:
@@ -36,6 +37,17 @@ from .. import recorder as _rec
 __all__ = ["BoundKernel", "bound_launch_enabled"]
 
 _EMPTY = inspect.Parameter.empty
+
+
+def _hooks_idle() -> bool:
+    """No Triton launch hook is installed (Triton 3.6 keeps an empty ``HookChain``; a profiler adds calls to it)."""
+    from triton import knobs
+
+    rt = knobs.runtime
+    for h in (rt.launch_enter_hook, rt.launch_exit_hook):
+        if h is not None and getattr(h, "calls", True):
+            return False
+    return True
 
 
 def bound_launch_enabled(device: torch.device) -> bool:
@@ -112,9 +124,7 @@ class BoundKernel:
         if self._fast:
             ent = self._variants.get(self._key(dyn)) if self._spec is not None else None
             if ent is not None:
-                from triton import knobs
-
-                if knobs.runtime.launch_enter_hook is None:
+                if _hooks_idle():
                     args = self._int_tmpl.copy()
                     for p, v in zip(self._pos, dyn):
                         args[p] = v.data_ptr() if isinstance(v, torch.Tensor) else v

@@ -1,0 +1,204 @@
+"""BoundKernel (tritonep/ep/triton/bound.py): the direct C-launcher call hands exactly what Triton's own runner hands.
+
+No GPU here: a fake JIT function and a fake compiled kernel record what reaches the C launcher. Triton 3.6's path is
+``CompiledKernel[grid](*args)`` -> ``CudaLauncher(gx, gy, gz, stream, function, packed_metadata, launch_metadata,
+enter_hook, exit_hook, *args)`` -> ``launch(gx, gy, gz, stream, function, coop, pdl, global_scratch,
+profile_scratch, packed_metadata, launch_metadata, enter_hook, exit_hook, *args)`` with each tensor argument turned
+into its ``data_ptr()`` by the C code. The bound path must produce that tuple with the tensors already as ints, pick
+the variant by Triton's own specialisation of the per-call values, and fall back to Triton's path for a new variant,
+a launch hook, scratch memory or the warm-up.
+"""
+
+import inspect
+
+import pytest
+import torch
+
+from tritonep.ep import recorder
+from tritonep.ep.triton import bound as bound_mod
+from tritonep.ep.triton.bound import BoundKernel
+
+_STREAM = 0x5EED
+
+
+class _Param:
+    def __init__(self, p):
+        self.name = p.name
+        self.is_const = False
+        self.do_not_specialize = p.name in ("T",)
+        self.do_not_specialize_on_alignment = False
+
+
+class _Run:
+    """Stands in for CudaLauncher: ``launch`` is the C entry point."""
+
+    def __init__(self, log, scratch=0):
+        self.log = log
+        self.launch_cooperative_grid, self.launch_pdl = False, False
+        self.global_scratch_size, self.profile_scratch_size = scratch, 0
+
+    def launch(self, *a):
+        self.log.append(("c", a))
+
+    def __call__(self, gx, gy, gz, stream, function, *args):  # what Triton's runner calls (CudaLauncher.__call__)
+        self.launch(gx, gy, gz, stream, function, self.launch_cooperative_grid, self.launch_pdl, None, None, *args)
+
+
+class _Compiled:
+    def __init__(self, log, tag, scratch=0):
+        self.run = _Run(log, scratch)
+        self.function, self.packed_metadata = ("function", tag), ("meta", tag)
+
+    def runner(self, grid, *args):
+        """Triton's CompiledKernel.__getitem__(grid)(*args) with no hooks installed."""
+        self.run(grid[0], grid[1], grid[2], _STREAM, self.function, self.packed_metadata, None, None, None, *args)
+
+
+def _fn(x_ptr, idx_ptr, out_ptr, T, table_ptr, n_static, BLOCK, FLAG=False):  # the kernel's parameters
+    pass
+
+
+class _Kernel:
+    """Stands in for a JITFunction: ``kernel[grid](*args, **options)`` compiles one variant per specialisation."""
+
+    def __init__(self, scratch=0):
+        from triton.backends.compiler import GPUTarget
+        from triton.backends.nvidia.compiler import CUDABackend
+
+        self.fn = _fn
+        self.params = [_Param(p) for p in inspect.signature(_fn).parameters.values()]
+        self.device_caches = {0: (None, None, None, CUDABackend(GPUTarget("cuda", 90, 32)), None)}
+        self.log, self.compiled, self.scratch = [], {}, scratch
+        self.warm = []
+
+    def _variant(self, args):
+        from triton.runtime.jit import native_specialize_impl
+
+        b = self.device_caches[0][3]
+        return tuple(native_specialize_impl(b, a, False, p.name != "T", True) for a, p in zip(args, self.params))
+
+    def __getitem__(self, grid):
+        def run(*args, **options):
+            key = self._variant(args)
+            c = self.compiled.setdefault(key, _Compiled(self.log, len(self.compiled), self.scratch))
+            self.log.append(("triton", grid, args, options))
+            c.runner(tuple(grid) + (1,) * (3 - len(grid)), *args)
+            return c
+        return run
+
+    def warmup(self, *args, grid, **options):
+        self.warm.append((grid, args, options))
+
+
+class _Launcher:
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self._warmup = False
+        self.max_programs = 0
+
+
+@pytest.fixture
+def gpu_like(monkeypatch):
+    monkeypatch.setattr(bound_mod, "bound_launch_enabled", lambda device: True)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda dev: _STREAM, raising=False)
+
+
+def _bound(kernel, launcher):
+    table = torch.arange(4, dtype=torch.int64)
+    return BoundKernel(launcher, kernel, (6,), dict(table_ptr=table, n_static=7, BLOCK=32, num_warps=4),
+                       dyn=("x_ptr", "idx_ptr", "out_ptr", "T")), table
+
+
+def _as_c(args):
+    return tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def test_direct_launch_equals_tritons_runner(gpu_like):
+    k = _Kernel()
+    bk, table = _bound(k, _Launcher("cuda:0"))
+    x, idx, out = torch.zeros(64, dtype=torch.bfloat16), torch.zeros(16, dtype=torch.int64), torch.zeros(64)
+    bk(x, idx, out, 5)  # first: Triton's path (compiles), then remembered
+    assert k.log[0][0] == "triton" and k.log[0][3] == {"num_warps": 4}
+    via_triton = k.log[1]
+    x2, out2 = torch.ones(64, dtype=torch.bfloat16), torch.ones(64)
+    bk(x2, idx, out2, 9)  # same variant: direct
+    assert len(k.log) == 3 and k.log[2][0] == "c"
+    direct = k.log[2][1]
+    expect = (6, 1, 1, _STREAM, ("function", 0), False, False, None, None, ("meta", 0), None, None, None,
+              *_as_c((x2, idx, out2, 9, table, 7, 32, False)))
+    assert direct == expect
+    # the Triton path's C call has the same shape (tensors there, converted by the C code)
+    assert _as_c(via_triton[1]) == expect[:13] + _as_c((x, idx, out, 5, table, 7, 32, False))
+
+
+@pytest.mark.parametrize("change", ["dtype", "alignment", "int_is_one_not_specialized"])
+def test_a_new_specialisation_goes_through_triton(gpu_like, change):
+    k = _Kernel()
+    bk, _ = _bound(k, _Launcher("cuda:0"))
+    x, idx, out = torch.zeros(64, dtype=torch.bfloat16), torch.zeros(16, dtype=torch.int64), torch.zeros(64)
+    bk(x, idx, out, 5)
+    n = len(k.log)
+    if change == "dtype":
+        bk(x, idx.to(torch.int32), out, 5)  # another compiled variant
+        assert k.log[n][0] == "triton" and len(k.compiled) == 2
+    elif change == "alignment":
+        bk(x, idx, torch.zeros(65)[1:], 5)  # 4-byte aligned out: Triton specialises on 16
+        assert k.log[n][0] == "triton" and len(k.compiled) == 2
+    else:
+        bk(x, idx, out, 1)  # T is do_not_specialize: T == 1 is the same variant
+        assert k.log[n][0] == "c" and len(k.compiled) == 1
+
+
+def test_hooks_scratch_recorder_and_warmup(gpu_like, monkeypatch):
+    from triton import knobs
+
+    x, idx, out = torch.zeros(64, dtype=torch.bfloat16), torch.zeros(16, dtype=torch.int64), torch.zeros(64)
+    k = _Kernel()
+    bk, _ = _bound(k, _Launcher("cuda:0"))
+    bk(x, idx, out, 5)
+    hook = lambda *a: None  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        n = len(k.log)
+        bk(x, idx, out, 5)
+        assert k.log[n][0] == "triton"  # a profiler's hook sees every launch
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    ks = _Kernel(scratch=128)
+    bks, _ = _bound(ks, _Launcher("cuda:0"))
+    bks(x, idx, out, 5)
+    bks(x, idx, out, 5)
+    assert [e[0] for e in ks.log].count("triton") == 2  # scratch memory: Triton's launcher allocates it
+    seen = []
+    recorder.set_recorder(seen.append)
+    try:
+        bk(x, idx, out, 5)
+    finally:
+        recorder.set_recorder(None)
+    assert seen == [("launch", "_fn", (6,))]
+    lau = _Launcher("cuda:0")
+    kw = _Kernel()
+    bkw, _ = _bound(kw, lau)
+    lau._warmup = True
+    bkw(x, idx, out, 5)
+    assert kw.warm and not kw.log  # compiled, not run
+
+
+def test_cpu_path_is_tritons_own_and_binding_errors():
+    k = _Kernel()
+    bk, table = _bound(k, _Launcher("cpu"))
+    x, idx, out = torch.zeros(64, dtype=torch.bfloat16), torch.zeros(16, dtype=torch.int64), torch.zeros(64)
+    bk(x, idx, out, 5)
+    bk(x, idx, out, 6)
+    assert [e[0] for e in k.log] == ["triton", "c", "triton", "c"]  # interpreter: every launch via kernel[grid]
+    assert k.log[2][2] == (x, idx, out, 6, table, 7, 32, False)
+    with pytest.raises(TypeError, match="neither bound nor per-call"):
+        BoundKernel(_Launcher("cpu"), k, (1,), dict(BLOCK=1), dyn=("x_ptr",))
+    with pytest.raises(TypeError, match="unknown parameters"):
+        BoundKernel(_Launcher("cpu"), k, (1,), dict(nope=1), dyn=())
+    capped = _Launcher("cpu")
+    capped.max_programs = 4
+    from tritonep.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="TRITONEP_MAX_PROGRAMS"):
+        _bound(k, capped)

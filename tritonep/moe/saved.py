@@ -16,9 +16,12 @@ backward came before the next forward, the ordinary training step). Backwards ma
 waiting forward: ``R * (2H + width) * itemsize`` of activations (received rows, ``h``, expert rows), the same a
 dense FFN of R rows keeps.
 
-Bounded: past ``max_saved_forwards`` waiting forwards the oldest is dropped (e.g. the graphs of evaluation forwards
-run with autograd on and never backpropagated); its backward then raises :class:`tritonep.errors.BufferStateError`
-naming the limit. :meth:`SavedForwards.clear` (``MoELayer.release_saved()``) drops them all.
+Lifetime: a saved forward lives as long as its autograd graph. The custom op's ticket tensor is saved for backward
+in that graph and a finalizer on it discards the entry (:meth:`SavedForwards.discard`) when the graph is freed
+without a backward (evaluation forwards with autograd on, ``torch.utils.checkpoint``, whose first forward keeps no
+saved tensor and whose recompute saves a fresh one). Bounded: past ``max_saved_forwards`` live waiting forwards the
+oldest is dropped; its backward then raises :class:`tritonep.errors.BufferStateError` naming the limit.
+:meth:`SavedForwards.clear` (``MoELayer.release_saved()``) drops them all.
 """
 
 from __future__ import annotations
@@ -97,6 +100,10 @@ class SavedForwards:
                                             "release_saved()")
             raise BufferStateError(f"{self.owner}: no saved forward for ticket {ticket}: {why}")
         return st
+
+    def discard(self, ticket: int) -> None:
+        """Forget ``ticket`` if still saved (its autograd graph is gone: no backward will come). No error."""
+        self._saved.pop(ticket, None)
 
     def clear(self) -> None:
         """Drop every saved forward (their backwards then raise BufferStateError)."""

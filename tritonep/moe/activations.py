@@ -4,8 +4,8 @@ An expert computes ``out = act(x @ w1) @ w2``. A *gated* activation splits ``h =
 (first I columns) and the up projection (last I) and returns ``f(gate) * up`` (SwiGLU: ``f = silu``, the FFN of
 Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3); a plain one returns ``f(h)`` (``h [R, I]``). Every activation is computed
 in float32 and rounded to ``h``'s dtype. ``swiglu`` has a hand-written backward (the layer's default path);
-the others differentiate their elementwise torch function with autograd inside the layer's backward, so a new one is
-a few lines: ``register_activation("name", fn, gated=...)``.
+the others differentiate their elementwise torch function with ``torch.func.vjp`` inside the layer's backward, so a
+new one is a few lines: ``register_activation("name", fn, gated=...)``.
 
 Built in: ``swiglu`` (gated, silu), ``geglu`` (gated, exact gelu), ``gelu`` (plain, exact gelu), ``relu2``
 (plain, squared ReLU; Primer / Nemotron-style).
@@ -51,7 +51,8 @@ class ExpertActivation:
         name: registry name (what :class:`tritonep.MoEGeometry.activation` holds).
         gated: True: ``fn(gate, up)`` on the two halves of ``h [R, 2I]``; False: ``fn(h)`` on ``h [R, I]``.
         fn: elementwise, differentiable torch function of float32 tensors (one or two of them).
-        hand_backward: optional ``(h, grad_a) -> grad_h`` (in ``h.dtype``) that replaces autograd of ``fn``.
+        hand_backward: optional ``(h, grad_a) -> grad_h`` (in ``h.dtype``) that replaces ``torch.func.vjp`` of
+            ``fn``.
     """
 
     name: str
@@ -79,10 +80,9 @@ class ExpertActivation:
         """``grad_h [R, width]`` (``h.dtype``) from the forward's ``h`` and ``grad_a [R, I]`` (float32 math)."""
         if self.hand_backward is not None:
             return self.hand_backward(h, grad_a)
-        with torch.enable_grad():
-            hf = h.detach().float().requires_grad_(True)
-            a = self._apply(hf)
-            (g,) = torch.autograd.grad(a, hf, grad_a.float())
+        # torch.func.vjp, not torch.autograd.grad: inside the layer's custom op autograd does not record
+        _, vjp = torch.func.vjp(self._apply, h.detach().float())
+        (g,) = vjp(grad_a.float())
         return g.to(h.dtype)
 
 
@@ -96,7 +96,7 @@ def register_activation(name: str, fn: Callable, gated: bool, hand_backward: Cal
 
     Args:
         name: a new name (str). fn: elementwise torch function on float32 tensors, ``fn(gate, up)`` when ``gated``
-            else ``fn(h)``; differentiable (its backward comes from autograd unless ``hand_backward`` is given).
+            else ``fn(h)``; differentiable by ``torch.func.vjp`` (its backward unless ``hand_backward`` is given).
         gated: see :class:`ExpertActivation`. hand_backward: optional ``(h, grad_a) -> grad_h``.
 
     Every rank must register the same activations before building its layers.

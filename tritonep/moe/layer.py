@@ -135,7 +135,8 @@ class MoELayer(nn.Module):
         self.buffer = EPBuffer(group, num_experts=g.num_experts * (2 if self.virtual else 1), hidden=g.hidden,
                                max_tokens_per_rank=g.max_tokens_per_rank, topk=g.topk,
                                dispatch_wire=recipe.dispatch_wire, combine_wire=recipe.combine_wire,
-                               expert_alignment=recipe.expert_alignment, backend=backend, dtype=_ACT_DTYPE,
+                               expert_alignment=recipe.expert_alignment, max_recv_tokens=g.max_recv_tokens,
+                               backend=backend, dtype=_ACT_DTYPE,
                                device=self.device, timeout_s=timeout_s)
         self.counts_x = self.transport = None
         self.last_placement = None

@@ -70,7 +70,7 @@ def layer_required_bytes(recipe: MoERecipe, geometry: MoEGeometry, world_size: i
     total = EPBuffer.required_bytes(world_size=world_size, num_experts=g.num_experts * (2 if virtual else 1),
                                     hidden=g.hidden, max_tokens_per_rank=g.max_tokens_per_rank, topk=g.topk,
                                     dispatch_wire=recipe.dispatch_wire, combine_wire=recipe.combine_wire,
-                                    expert_alignment=recipe.expert_alignment, max_recv_tokens=None,
+                                    expert_alignment=recipe.expert_alignment, max_recv_tokens=g.max_recv_tokens,
                                     dtype=_ACT_DTYPE, device_type=device_type)
     if virtual:
         from ..ep.counts import counts_regions

@@ -130,6 +130,9 @@ class MoEGeometry:
             (default) = no shared experts.
         shared_gate: scale the shared experts' output by ``sigmoid(x @ shared_gate)`` (Qwen2-MoE
             ``shared_expert_gate``); needs ``shared_intermediate > 0``.
+        max_recv_tokens: rows one rank can receive per call (the expert-output region's rows); None (default): the
+            worst case ``W * max_tokens_per_rank * topk + L * (expert_alignment - 1)``. Smaller saves memory; a call
+            that needs more raises CapacityError on every rank (docs/moe.md "Sizing").
 
     Raises:
         ConfigError: at construction, for any field that is not a positive int, a hidden / intermediate that is not a
@@ -145,6 +148,7 @@ class MoEGeometry:
     activation: str = "swiglu"
     shared_intermediate: int = 0
     shared_gate: bool = False
+    max_recv_tokens: int | None = None
 
     def __post_init__(self):
         self.check()
@@ -183,6 +187,8 @@ class MoEGeometry:
         si = self.shared_intermediate
         if isinstance(si, bool) or not isinstance(si, int) or si < 0:
             raise ConfigError(f"MoEGeometry.shared_intermediate must be an int >= 0, got {si!r}")
+        if self.max_recv_tokens is not None:
+            _positive_int("MoEGeometry", "max_recv_tokens", self.max_recv_tokens)
         if not isinstance(self.shared_gate, bool) or (self.shared_gate and si == 0):
             raise ConfigError(f"MoEGeometry.shared_gate={self.shared_gate!r} needs a bool and shared experts "
                               f"(shared_intermediate > 0, got {si})")

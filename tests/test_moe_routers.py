@@ -327,3 +327,32 @@ def test_max_recv_tokens_bounds_memory_and_refuses_on_every_rank():
     assert small < MoELayer.required_bytes(MoERecipe(), MoEGeometry(64, 32, 8, 2, 16), 2, "cpu")
     for err, shape in run_cpu_world(2, _capacity_world):
         assert "12" in err and shape == (3, 64), err
+
+
+def _compile_world(group):
+    rank = dist.get_rank(group)
+    rc = RouterConfig(kind="deepseek_v3", n_group=2, topk_group=1, aux_loss_coef=0.1, bias_update_rate=0.01)
+    layer = MoELayer(MoERecipe(router=rc), MoEGeometry(64, 32, 8, 2, 16, shared_intermediate=16, shared_gate=True),
+                     group, seed=3, backend="nccl")
+    x = torch.randn(12 - 5 * rank, 64, generator=torch.Generator().manual_seed(rank)).bfloat16()
+
+    def run(fn):
+        xx = x.clone().requires_grad_()
+        layer.zero_grad(set_to_none=True)
+        y = fn(xx)
+        y.float().square().sum().backward()
+        return [y.detach(), xx.grad] + [p.grad.clone() for p in layer.parameters()]
+
+    eager = run(layer)
+    counts = layer.router.tokens_per_expert.clone()
+    compiled = run(torch.compile(layer, backend="aot_eager"))
+    both = layer.router.tokens_per_expert.clone()
+    layer.close()
+    return eager, compiled, counts, both
+
+
+def test_torch_compile_with_deepseek_router_aux_loss_and_shared_experts():
+    for eager, compiled, counts, both in run_cpu_world(2, _compile_world, timeout_s=300):
+        for a, b in zip(eager, compiled):
+            assert a.shape == b.shape and _close(a, b, 1e-3)
+        assert torch.equal(both, 2 * counts)  # the compiled forward counted its routes too

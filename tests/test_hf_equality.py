@@ -177,7 +177,7 @@ def test_ep2_equals_transformers_blocks():
 
 
 def test_ep4_equals_transformers_blocks():
-    models = ("mixtral", "deepseek_v3", "qwen2_moe")
+    models = ("mixtral", "deepseek_v3")  # the two router families (all five: EP 4 on the nccl backend, below)
     _check(run_cpu_world(4, _compare_world, models, [12, 0, 16, 7], "triton", timeout_s=400), models)
 
 

@@ -1,5 +1,6 @@
 """Expert-parallel vs replicated parameters and their gradients across data parallel x expert parallel groups
-(tritonep.moe.params), by hand and with DDP, against a dense single-process computation of the same objective.
+(tritonep.moe.params), by hand, with DDP and with FSDP2 (docs/moe.md recipes), against a dense single-process
+computation of the same objective.
 
 World of 4 = DP 2 x EP 2 (EP groups {0, 1}, {2, 3}; expert-DP groups {0, 2}, {1, 3}); every rank has its own tokens and
 loss ``sum(y * gy) / T``; the objective is the mean of the 4 losses. After backward the router and shared-expert
@@ -115,3 +116,37 @@ def test_reduce_gradients_dp2_x_ep2_equals_the_dense_objective():
 
 def test_ddp_for_replicated_and_reduce_for_experts_equals_the_dense_objective():
     _check(run_cpu_world(4, _world, True), True)
+
+
+def _fsdp_world(group):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    rank = dist.get_rank(group)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))  # EP groups {0, 1}, {2, 3}
+    world = init_device_mesh("cpu", (4,))
+    layer = MoELayer(MoERecipe(), GEO, mesh["ep"].get_group(), seed=5, dtype=torch.float32, backend="nccl")
+    ref_router, ref_shared, ref_w1, ref_w2 = _dense_objective_grads(layer)
+    lo, L = layer.expert_ids[0], layer.num_local_experts
+    fully_shard(layer.router, mesh=world)  # replicated parameters: sharded over all 4 ranks, averaged over 4
+    fully_shard(layer.shared, mesh=world)
+    fully_shard(layer, mesh=mesh["dp"])  # what is left: w1, w2, sharded over the 2 ranks holding the same experts
+    layer.set_gradient_divide_factor(4.0)  # experts: sum over the DP replicas / N (docs/moe.md)
+    for m in (layer, layer.router, layer.shared):
+        m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM: reduce with SUM, divide after
+    x, gy = _data(rank)
+    y = layer(x)
+    ((y.float() * gy).sum() / len(x)).backward()
+
+    def full(p):
+        return p.grad.full_tensor()
+
+    out = dict(router=_rel(full(layer.router.weight), ref_router),
+               shared=max(_rel(full(p), r) for p, r in zip(layer.shared.parameters(), ref_shared)),
+               w1=_rel(full(layer.w1), ref_w1[lo:lo + L]), w2=_rel(full(layer.w2), ref_w2[lo:lo + L]))
+    return out
+
+
+def test_fsdp2_recipe_equals_the_dense_objective():
+    for rank, r in enumerate(run_cpu_world(4, _fsdp_world)):
+        assert max(r.values()) < TOL, (rank, r)

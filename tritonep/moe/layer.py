@@ -286,7 +286,7 @@ class MoELayer(nn.Module):
             if (topk_idx is None) != (topk_weights is None):
                 raise InputError("give both topk_idx and topk_weights, or neither (then the router routes)")
             if topk_idx is None:
-                routed = self.router.route(x)
+                routed = self.router(x, full=True)
                 topk_idx, topk_weights = routed.topk_idx, routed.topk_weights
             bad = [n for n, t in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights))
                    if not isinstance(t, torch.Tensor)]

@@ -17,7 +17,7 @@ objective the mean over all N ranks' losses:
 :func:`reduce_gradients` does both (two collectives per call, in fp32). With DDP, leave the expert parameters out of
 DDP (``DDP._set_params_and_buffers_to_ignore_for_model(model, expert_parameter_names(model))``) so DDP averages only
 the replicated ones over the world, and call ``reduce_gradients(model, world, expert_dp_group,
-replicated=False)`` after backward.
+replicated=False)`` after backward. FSDP2: docs/moe.md (the experts' FSDP module divides by N).
 
 Checkpoint keys: a layer's ``state_dict`` holds its experts under their GLOBAL id, ``<prefix>experts.<e>.w1``
 (``[H, width]``) and ``<prefix>experts.<e>.w2`` (``[I, H]``), views of the parameters (so ``torch.distributed.checkpoint``

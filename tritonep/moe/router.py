@@ -4,8 +4,9 @@ Every router is an ``nn.Module`` with a float32 gate ``weight [E, H]`` (the ``nn
 of transformers, Megatron-LM and torchtitan, so a model's gate copies in unchanged) and two calls:
 
 * ``router(x) -> (topk_idx [T, K] int64, topk_weights [T, K] float32)``;
-* ``router.route(x) -> RouterOutput`` with, besides those two, ``logits [T, E]`` (float32) and ``probs [T, E]``
-  (float32, rows summing to 1: what the switch-style aux loss, :func:`tritonep.moe.switch_aux_loss`, averages).
+* ``router(x, full=True)`` (or ``router.route(x)``) ``-> RouterOutput`` with, besides those two, ``logits [T, E]``
+  (float32) and ``probs [T, E]`` (float32, rows summing to 1: what the switch-style aux loss,
+  :func:`tritonep.moe.switch_aux_loss`, averages).
 
 The routing weights are differentiable w.r.t. the gate weight and ``x``; the chosen ids are not. No router reads
 anything back to the host (the layer's forward keeps its host reads to the dispatch's own; docs/moe.md).
@@ -139,10 +140,11 @@ class TopKRouter(nn.Module):
         idx, w, probs = _softmax_topk(logits, self.topk, self.renormalize, self.routed_scaling_factor)
         return RouterOutput(idx, w, logits, probs)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(topk_idx, topk_weights)`` of :meth:`route`."""
+    def forward(self, x: torch.Tensor, full: bool = False):
+        """``(topk_idx, topk_weights)`` of :meth:`route`, or the whole :class:`RouterOutput` with ``full=True`` (what
+        the layer calls: through ``__call__``, so module hooks, e.g. FSDP's unsharding, run)."""
         out = self.route(x)
-        return out.topk_idx, out.topk_weights
+        return out if full else (out.topk_idx, out.topk_weights)
 
     def extra_repr(self) -> str:
         return f"hidden={self.hidden}, num_experts={self.num_experts}, topk={self.topk}, " \

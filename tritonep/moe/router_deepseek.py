@@ -117,10 +117,11 @@ class DeepSeekV3Router(nn.Module):
         probs = scores / scores.sum(dim=-1, keepdim=True)  # DeepSeek-V3's normalised scores (its balance loss)
         return RouterOutput(idx, w, logits, probs)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(topk_idx, topk_weights)`` of :meth:`route`."""
+    def forward(self, x: torch.Tensor, full: bool = False):
+        """``(topk_idx, topk_weights)`` of :meth:`route`, or the whole :class:`RouterOutput` with ``full=True`` (what
+        the layer calls: through ``__call__``, so module hooks, e.g. FSDP's unsharding, run)."""
         out = self.route(x)
-        return out.topk_idx, out.topk_weights
+        return out if full else (out.topk_idx, out.topk_weights)
 
     @torch.no_grad()
     def apply_bias_update(self, total_tokens_per_expert: torch.Tensor) -> None:

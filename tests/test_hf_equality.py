@@ -95,7 +95,7 @@ def _grad(p):
 
 
 def _compare_world(group, models, tokens, backend):
-    rank, W = dist.get_rank(group), dist.get_world_size(group)
+    rank = dist.get_rank(group)
     T = tokens[rank]
     out = {}
     for name in models:
@@ -121,7 +121,6 @@ def _compare_world(group, models, tokens, backend):
         y_ref = block(xt[None])[0]
         if y_ref.requires_grad:  # a rank without tokens: their block builds no graph (every gradient is zero)
             (y_ref * gy).sum().backward()
-        lo, L = rank * layer.num_local_experts, layer.num_local_experts
         gu_grad, down_grad = (t.cpu() for t in to_hf_experts(_grad(layer.w1), _grad(layer.w2)))
         r = dict(used=len(used), T=T,
                  same_experts=torch.equal(ours_route.topk_idx.sort(-1).values, idx_ref.long().sort(-1).values),

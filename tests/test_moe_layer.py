@@ -155,7 +155,7 @@ def _world_layer_vs_reference(group, case):
     xr = x.detach().float().requires_grad_()
     if case["router"]:
         wg = layer.router.weight.detach().clone().requires_grad_()
-        probs = torch.softmax(xr @ wg, dim=-1)
+        probs = torch.softmax(xr @ wg.t(), dim=-1)
         wr, idx = torch.topk(probs, geo.topk, dim=-1)
         wr = wr / wr.sum(-1, keepdim=True)
     else:

@@ -1,4 +1,5 @@
-"""Expert FFN (SwiGLU) over expert-grouped rows, forward and hand-written backward (docs/moe.md).
+"""Expert FFN (SwiGLU, or another activation of :mod:`tritonep.moe.activations`) over expert-grouped rows, forward
+and hand-written backward (docs/moe.md).
 
 Rows ``x [R, H]`` come from :meth:`tritonep.EPBuffer.dispatch`: segment j (local expert j) is the rows
 ``[offs[j-1], offs[j])`` with ``offs = expert_offsets`` (cumulative segment ends, ``offs[-1] = 0`` before the first).
@@ -7,6 +8,9 @@ For every row r of segment j::
     h = x[r] @ w1[j]                    # [2I]: first half gate, second half up (as tritonep.reference)
     a = silu(h[:I]) * h[I:]             # [I]
     out[r] = a @ w2[j]                  # [H], written straight into the provided output tensor
+
+Every function takes ``act`` (default ``"swiglu"``), a name of :data:`tritonep.moe.ACTIVATIONS`: a gated activation
+uses w1 ``[L, H, 2I]`` as above, a plain one w1 ``[L, H, I]`` and ``a = f(h)``.
 
 Precision: the GEMMs run in the parameters' dtype (bf16 or fp32) with fp32 accumulation; the SwiGLU is computed in
 fp32 and rounded to the parameters' dtype. Against an fp32 oracle, bf16 parameters give relative errors of a few
@@ -34,6 +38,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import InputError
+from .activations import get_activation, swiglu_torch  # swiglu_torch: re-exported (public name of this module)
 
 __all__ = ["ExpertFFN", "expert_ffn", "expert_ffn_forward", "expert_ffn_backward", "ExpertFFNParts", "expert_ffn_parts",
            "expert_ffn_parts_forward", "expert_ffn_parts_backward", "swiglu_torch", "storage_alias"]
@@ -41,21 +46,17 @@ __all__ = ["ExpertFFN", "expert_ffn", "expert_ffn_forward", "expert_ffn_backward
 _GROUPED_REFUSED: set = set()  # (device type, dtype) pairs where torch._grouped_mm raised once: use the loop
 
 
-def swiglu_torch(h: torch.Tensor) -> torch.Tensor:
-    """``silu(h[:, :I]) * h[:, I:]`` computed in fp32 and returned in ``h.dtype``; ``h [R, 2I]`` -> ``[R, I]``."""
-    inter = h.shape[1] // 2
-    g, u = h[:, :inter].float(), h[:, inter:].float()
-    return (torch.nn.functional.silu(g) * u).to(h.dtype)
-
-
-def _check(x, offs, w1, w2, out):
+def _check(x, offs, w1, w2, out, act="swiglu"):
     if x.dim() != 2 or w1.dim() != 3 or w2.dim() != 3:
         raise InputError(f"need x [R, H], w1 [L, H, 2I], w2 [L, I, H]; got {tuple(x.shape)}, {tuple(w1.shape)}, "
                          f"{tuple(w2.shape)}")
     rows, hidden = x.shape
-    n_local, _, inter2 = w1.shape
-    if w1.shape[1] != hidden or inter2 % 2 or tuple(w2.shape) != (n_local, inter2 // 2, hidden):
-        raise InputError(f"w1 {tuple(w1.shape)} / w2 {tuple(w2.shape)} do not fit hidden={hidden}")
+    n_local, _, width = w1.shape
+    gated = get_activation(act).gated
+    if w1.shape[1] != hidden or (gated and width % 2) or \
+            tuple(w2.shape) != (n_local, width // 2 if gated else width, hidden):
+        raise InputError(f"w1 {tuple(w1.shape)} / w2 {tuple(w2.shape)} do not fit hidden={hidden} and the "
+                         f"{'gated' if gated else 'plain'} activation {act!r}")
     if offs.dim() != 1 or offs.shape[0] != n_local or offs.dtype not in (torch.int32, torch.int64):
         raise InputError(f"expert_offsets must be int32 [{n_local}], got {offs.dtype} {tuple(offs.shape)}")
     if w1.dtype != w2.dtype or not w1.dtype.is_floating_point:
@@ -83,7 +84,7 @@ def _gmm(a, b, offs):
 
 
 def expert_ffn_forward(x: torch.Tensor, offs: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                       out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       out: torch.Tensor | None = None, act: str = "swiglu") -> tuple[torch.Tensor, torch.Tensor]:
     """Forward of the grouped SwiGLU FFN (no autograd).
 
     Args:
@@ -92,9 +93,10 @@ def expert_ffn_forward(x: torch.Tensor, offs: torch.Tensor, w1: torch.Tensor, w2
         w1: ``[L, H, 2I]``; w2: ``[L, I, H]`` (same float dtype).
         out: contiguous ``[R, H]`` tensor that receives the result (e.g. ``EPBuffer.expert_out_buffer(R)``);
             allocated in ``x.dtype`` when None.
+        act: the activation's name (:data:`tritonep.moe.ACTIVATIONS`).
 
     Returns:
-        ``(out, h)``: ``out`` is the tensor passed in (now holding the result); ``h [R, 2I]`` (parameters' dtype)
+        ``(out, h)``: ``out`` is the tensor passed in (now holding the result); ``h [R, width]`` (parameters' dtype)
         is the first GEMM's output, kept for the backward.
 
     Raises:
@@ -103,24 +105,24 @@ def expert_ffn_forward(x: torch.Tensor, offs: torch.Tensor, w1: torch.Tensor, w2
     with torch.no_grad():
         if out is None:
             out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        return _forward_part(x, offs, w1, w2, out)
+        return _forward_part(x, offs, w1, w2, out, act)
 
 
-def _forward_part(x, offs, w1, w2, out):
-    _check(x, offs, w1, w2, out)
+def _forward_part(x, offs, w1, w2, out, act="swiglu"):
+    _check(x, offs, w1, w2, out, act)
     if w1.shape[0] == 0 or x.shape[0] == 0:  # nothing to multiply: no GEMM launch (the grouped op may refuse it)
         out.zero_()
         return out, torch.zeros(x.shape[0], w1.shape[2], dtype=w1.dtype, device=x.device)
-    return _forward_impl(x, offs, w1, w2, out)
+    return _forward_impl(x, offs, w1, w2, out, get_activation(act))
 
 
-def _forward_impl(x, offs, w1, w2, out):
+def _forward_impl(x, offs, w1, w2, out, act):
     dt = w1.dtype
     xa = x.to(dt)
     if _use_grouped(xa):
         try:
             h = _gmm(xa, w1, offs)
-            o = _gmm(swiglu_torch(h), w2, offs)
+            o = _gmm(act.forward(h), w2, offs)
             out.copy_(o)
             return out, h
         except RuntimeError:
@@ -133,7 +135,7 @@ def _forward_impl(x, offs, w1, w2, out):
     for j, s, e in segs:
         if e > s:
             torch.mm(xa[s:e], w1[j], out=h[s:e])
-    a = swiglu_torch(h)
+    a = act.forward(h)
     for j, s, e in segs:
         if e > s:
             if out.dtype == dt:
@@ -143,60 +145,51 @@ def _forward_impl(x, offs, w1, w2, out):
     return out, h
 
 
-def _swiglu_backward(h: torch.Tensor, grad_a: torch.Tensor) -> torch.Tensor:
-    inter = h.shape[1] // 2
-    g, u = h[:, :inter].float(), h[:, inter:].float()
-    sig = torch.sigmoid(g)
-    ga = grad_a.float()
-    grad_g = ga * u * (sig * (1.0 + g * (1.0 - sig)))
-    grad_u = ga * (g * sig)
-    return torch.cat([grad_g, grad_u], dim=1).to(h.dtype)
-
-
 def expert_ffn_backward(grad_out: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, w1: torch.Tensor,
-                        w2: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        w2: torch.Tensor, h: torch.Tensor, act: str = "swiglu"
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of :func:`expert_ffn_forward`, by hand.
 
     Args:
-        grad_out: ``[R, H]`` gradient of the output rows. x, offs, w1, w2: the forward's inputs. h: its ``h``.
+        grad_out: ``[R, H]`` gradient of the output rows. x, offs, w1, w2, act: the forward's inputs. h: its ``h``.
 
     Returns:
         ``(grad_x [R, H] in x.dtype, grad_w1 [L, H, 2I], grad_w2 [L, I, H])`` (weight grads in the parameters'
         dtype; experts with no rows get zeros).
     """
     with torch.no_grad():
-        return _backward_part(grad_out, x, offs, w1, w2, h)
+        return _backward_part(grad_out, x, offs, w1, w2, h, act)
 
 
-def _backward_part(grad_out, x, offs, w1, w2, h):
+def _backward_part(grad_out, x, offs, w1, w2, h, act="swiglu"):
     if w1.shape[0] == 0 or x.shape[0] == 0:
         return torch.zeros(x.shape, dtype=x.dtype, device=x.device), torch.zeros_like(w1), torch.zeros_like(w2)
-    return _backward_impl(grad_out, x, offs, w1, w2, h)
+    return _backward_impl(grad_out, x, offs, w1, w2, h, get_activation(act))
 
 
-def _backward_impl(grad_out, x, offs, w1, w2, h):
+def _backward_impl(grad_out, x, offs, w1, w2, h, act):
     dt = w1.dtype
     go = grad_out.to(dt)
     xa = x.to(dt)
-    a = swiglu_torch(h)
+    a = act.forward(h)
     if _use_grouped(xa):
         try:
             grad_a = _gmm(go, w2.transpose(1, 2), offs)
             grad_w2 = _gmm(a.t(), go, offs)
-            grad_h = _swiglu_backward(h, grad_a)
+            grad_h = act.backward(h, grad_a)
             grad_x = _gmm(grad_h, w1.transpose(1, 2), offs)
             grad_w1 = _gmm(xa.t(), grad_h, offs)
             return grad_x.to(x.dtype), grad_w1, grad_w2
         except RuntimeError:
             _GROUPED_REFUSED.add((xa.device.type, dt))
-    grad_a = torch.zeros(x.shape[0], h.shape[1] // 2, dtype=dt, device=x.device)
+    grad_a = torch.zeros(x.shape[0], w2.shape[1], dtype=dt, device=x.device)
     grad_w1, grad_w2 = torch.zeros_like(w1), torch.zeros_like(w2)
     segs = _segments(offs)
     for j, s, e in segs:
         if e > s:
             torch.mm(go[s:e], w2[j].t(), out=grad_a[s:e])
             torch.mm(a[s:e].t(), go[s:e], out=grad_w2[j])
-    grad_h = _swiglu_backward(h, grad_a)
+    grad_h = act.backward(h, grad_a)
     grad_x = torch.zeros(x.shape, dtype=dt, device=x.device)
     for j, s, e in segs:
         if e > s:
@@ -223,21 +216,22 @@ class ExpertFFN(torch.autograd.Function):
     :func:`storage_alias` of ``out`` (same memory, no view relation to the symmetric buffer)."""
 
     @staticmethod
-    def forward(ctx, x, offs, w1, w2, out):
-        res, h = expert_ffn_forward(x, offs, w1, w2, storage_alias(out))
+    def forward(ctx, x, offs, w1, w2, out, act="swiglu"):
+        res, h = expert_ffn_forward(x, offs, w1, w2, storage_alias(out), act)
         ctx.save_for_backward(x, offs, w1, w2, h)
+        ctx.act = act
         return res
 
     @staticmethod
     def backward(ctx, grad_out):
         x, offs, w1, w2, h = ctx.saved_tensors
-        gx, gw1, gw2 = expert_ffn_backward(grad_out, x, offs, w1, w2, h)
+        gx, gw1, gw2 = expert_ffn_backward(grad_out, x, offs, w1, w2, h, ctx.act)
         return (gx if ctx.needs_input_grad[0] else None), None, \
-            (gw1 if ctx.needs_input_grad[2] else None), (gw2 if ctx.needs_input_grad[3] else None), None
+            (gw1 if ctx.needs_input_grad[2] else None), (gw2 if ctx.needs_input_grad[3] else None), None, None
 
 
 def expert_ffn(x: torch.Tensor, expert_offsets: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, act: str = "swiglu") -> torch.Tensor:
     """Differentiable grouped SwiGLU FFN writing into ``out`` (zero copy into combine on the loop path).
 
     Args / errors: see :func:`expert_ffn_forward`. Differentiable w.r.t. ``x``, ``w1``, ``w2``.
@@ -249,7 +243,7 @@ def expert_ffn(x: torch.Tensor, expert_offsets: torch.Tensor, w1: torch.Tensor, 
     """
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    return ExpertFFN.apply(x, expert_offsets, w1, w2, out)
+    return ExpertFFN.apply(x, expert_offsets, w1, w2, out, act)
 
 
 # ------------------------------------------------------------------------------------------------ split runs
@@ -268,8 +262,8 @@ def _check_parts(x, bounds, offs, w1, w2, out):
     return b
 
 
-def expert_ffn_parts_forward(x: torch.Tensor, bounds, offs, w1, w2, out: torch.Tensor | None = None
-                             ) -> tuple[torch.Tensor, list]:
+def expert_ffn_parts_forward(x: torch.Tensor, bounds, offs, w1, w2, out: torch.Tensor | None = None,
+                             act: str = "swiglu") -> tuple[torch.Tensor, list]:
     """Forward of the grouped SwiGLU FFN over row parts with separate weights (no autograd, no weight copy).
 
     Equals :func:`expert_ffn_forward` over the concatenated weights ``cat(w1)`` / ``cat(w2)`` when part p's experts
@@ -296,12 +290,12 @@ def expert_ffn_parts_forward(x: torch.Tensor, bounds, offs, w1, w2, out: torch.T
             out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         hs = []
         for p in range(len(offs)):
-            hs.append(_forward_part(x[b[p]:b[p + 1]], offs[p], w1[p], w2[p], out[b[p]:b[p + 1]])[1])
+            hs.append(_forward_part(x[b[p]:b[p + 1]], offs[p], w1[p], w2[p], out[b[p]:b[p + 1]], act)[1])
         return out, hs
 
 
-def expert_ffn_parts_backward(grad_out: torch.Tensor, x: torch.Tensor, bounds, offs, w1, w2, hs
-                              ) -> tuple[torch.Tensor, list, list]:
+def expert_ffn_parts_backward(grad_out: torch.Tensor, x: torch.Tensor, bounds, offs, w1, w2, hs,
+                              act: str = "swiglu") -> tuple[torch.Tensor, list, list]:
     """Backward of :func:`expert_ffn_parts_forward`, by hand.
 
     Returns:
@@ -316,7 +310,7 @@ def expert_ffn_parts_backward(grad_out: torch.Tensor, x: torch.Tensor, bounds, o
         gx, g1, g2 = [], [], []
         for p in range(len(offs)):
             s, e = b[p], b[p + 1]
-            a, c, d = _backward_part(grad_out[s:e], x[s:e], offs[p], w1[p], w2[p], hs[p])
+            a, c, d = _backward_part(grad_out[s:e], x[s:e], offs[p], w1[p], w2[p], hs[p], act)
             gx.append(a)
             g1.append(c)
             g2.append(d)
@@ -324,14 +318,14 @@ def expert_ffn_parts_backward(grad_out: torch.Tensor, x: torch.Tensor, bounds, o
 
 
 class ExpertFFNParts(torch.autograd.Function):
-    """Autograd wrapper of a split run: ``ExpertFFNParts.apply(x, out, bounds, offs, *w1, *w2) -> out'`` (see
+    """Autograd wrapper of a split run: ``ExpertFFNParts.apply(x, out, bounds, offs, act, *w1, *w2) -> out'`` (see
     :func:`expert_ffn_parts`); ``out'`` is :func:`storage_alias` of ``out``."""
 
     @staticmethod
-    def forward(ctx, x, out, bounds, offs, *weights):
+    def forward(ctx, x, out, bounds, offs, act, *weights):
         n = len(offs)
-        res, hs = expert_ffn_parts_forward(x, bounds, offs, weights[:n], weights[n:], storage_alias(out))
-        ctx.bounds, ctx.num_parts = list(bounds), n
+        res, hs = expert_ffn_parts_forward(x, bounds, offs, weights[:n], weights[n:], storage_alias(out), act)
+        ctx.bounds, ctx.num_parts, ctx.act = list(bounds), n, act
         ctx.save_for_backward(x, *offs, *weights, *hs)
         return res
 
@@ -340,13 +334,14 @@ class ExpertFFNParts(torch.autograd.Function):
         n, saved = ctx.num_parts, ctx.saved_tensors
         x, offs, w1, w2, hs = saved[0], saved[1:1 + n], saved[1 + n:1 + 2 * n], saved[1 + 2 * n:1 + 3 * n], \
             saved[1 + 3 * n:]
-        gx, g1, g2 = expert_ffn_parts_backward(grad_out, x, ctx.bounds, offs, w1, w2, hs)
-        gw = [g if need else None for g, need in zip(g1 + g2, ctx.needs_input_grad[4:])]
-        return (gx if ctx.needs_input_grad[0] else None), None, None, None, *gw
+        gx, g1, g2 = expert_ffn_parts_backward(grad_out, x, ctx.bounds, offs, w1, w2, hs, ctx.act)
+        gw = [g if need else None for g, need in zip(g1 + g2, ctx.needs_input_grad[5:])]
+        return (gx if ctx.needs_input_grad[0] else None), None, None, None, None, *gw
 
 
-def expert_ffn_parts(x: torch.Tensor, bounds, offs, w1, w2, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Differentiable split run of the grouped SwiGLU FFN, every part writing into ``out`` (no weight copy).
+def expert_ffn_parts(x: torch.Tensor, bounds, offs, w1, w2, out: torch.Tensor | None = None,
+                     act: str = "swiglu") -> torch.Tensor:
+    """Differentiable split run of the grouped expert FFN, every part writing into ``out`` (no weight copy).
 
     Args / errors: see :func:`expert_ffn_parts_forward`. Differentiable w.r.t. ``x`` and every ``w1[p]``,
     ``w2[p]`` (each gets a gradient of its own shape: no gradient is made for experts outside the parts).
@@ -359,4 +354,4 @@ def expert_ffn_parts(x: torch.Tensor, bounds, offs, w1, w2, out: torch.Tensor | 
     offs, w1, w2 = tuple(offs), tuple(w1), tuple(w2)
     if len(w1) != len(offs) or len(w2) != len(offs):
         raise InputError(f"need one w1 and one w2 per part: {len(offs)} offsets, {len(w1)} w1, {len(w2)} w2")
-    return ExpertFFNParts.apply(x, out, list(bounds), offs, *w1, *w2)
+    return ExpertFFNParts.apply(x, out, list(bounds), offs, act, *w1, *w2)

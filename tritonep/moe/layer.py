@@ -1,4 +1,11 @@
-"""MoELayer: router -> dispatch -> grouped SwiGLU experts -> combine on one :class:`tritonep.EPBuffer` (docs/moe.md).
+"""MoELayer: router -> dispatch -> grouped expert FFN -> combine (+ shared experts) on one :class:`tritonep.EPBuffer`
+(docs/moe.md).
+
+The router is the recipe's (:class:`tritonep.moe.RouterConfig`: softmax top-k as Mixtral / Qwen / OLMoE, or
+DeepSeek-V3's sigmoid + correction bias + group-limited top-k); shared experts (geometry ``shared_intermediate``) run
+beside the routed ones in plain torch; the switch-style aux loss is attached to the output when configured
+(:mod:`tritonep.moe.losses`). Parameters, gradients across DP x EP and the checkpoint keys: :mod:`tritonep.moe.params`.
+Several forwards may precede their backwards (activation recompute, pipeline micro-batches): :mod:`tritonep.moe.saved`.
 
 One forward and one backward: every call (eager or under ``torch.compile``) runs the body after the router through
 the custom op of :mod:`tritonep.moe.ops`, whose forward is :meth:`MoELayer._forward_raw` and whose hand-written
@@ -28,7 +35,6 @@ Idea sources: the DeepEP / Megatron-LM MoE layer split (router, token dispatcher
 
 from __future__ import annotations
 
-import itertools
 import time
 
 import torch
@@ -37,25 +43,32 @@ from torch import nn
 
 from ..ep import EPBuffer
 from ..ep.validate import check_expert_ids
-from ..errors import BufferStateError, CapacityError, ConfigError, InputError, PeerInputError, PlanError
+from ..errors import BufferStateError, CapacityError, ConfigError, InputError, PeerInputError
 from . import ops
 from .experts import expert_ffn_parts_backward, expert_ffn_parts_forward
-from .layer_parts import _ACT_DTYPE, _check_generation, _Split, expert_weights, layer_required_bytes, take_part_refused
+from .layer_parts import _ACT_DTYPE, expert_weights, layer_required_bytes, take_part_refused
+from .layer_virtual import plan_routes, read_split, row_parts
+from .losses import attach_aux_loss, switch_aux_loss
+from .params import expert_load_state_dict_pre_hook, expert_parameters, expert_state_dict_hook, local_expert_ids
 from .recipe import MoEGeometry, MoERecipe, check_config
-from .router import TopKRouter
+from .router import build_router
+from .saved import SavedForwards
+from .shared import SharedExperts
 
 __all__ = ["MoELayer"]
 
 class MoELayer(nn.Module):
-    """Expert-parallel MoE layer (SwiGLU experts) for one EP group.
+    """Expert-parallel MoE layer for one EP group.
 
     Args:
-        recipe: :class:`MoERecipe` (wires, combine kind, balance, expert alignment).
-        geometry: :class:`MoEGeometry` (hidden H, intermediate I, num_experts E, topk K, max_tokens_per_rank).
+        recipe: :class:`MoERecipe` (wires, combine kind, balance, expert alignment, router, saved forwards).
+        geometry: :class:`MoEGeometry` (hidden H, intermediate I, num_experts E, topk K, max_tokens_per_rank,
+            expert activation, shared experts).
         group: the EP process group (world_size W; E must be a multiple of W; rank r owns experts
             ``[r*L, (r+1)*L)``, L = E / W).
         device: where parameters and buffers live (default: the current CUDA device, else CPU).
-        dtype: expert weight dtype, ``torch.bfloat16`` (default) or ``torch.float32``; activations are bf16.
+        dtype: expert (and shared expert) weight dtype, ``torch.bfloat16`` (default) or ``torch.float32``;
+            activations travel as bf16.
         seed: initialisation seed; the router weight and every expert's weights depend only on (seed, global
             expert id), so every rank builds the same router and a dense reference can rebuild all E experts
             (:meth:`init_expert_weights`).
@@ -72,15 +85,20 @@ class MoELayer(nn.Module):
     that took minutes). CUDA and CPU draws differ in bits: build a dense reference with
     :meth:`init_expert_weights` on the layer's device type.
 
-    Parameters: ``router.weight [H, E]`` float32 (replicated), ``w1 [L, H, 2I]``, ``w2 [L, I, H]`` (this rank's
-    experts; w1's first I output columns are the gate, the last I the up projection).
+    Parameters: ``router.weight [E, H]`` float32 (replicated; ``nn.Linear`` layout), ``w1 [L, H, width]``,
+    ``w2 [L, I, H]`` (this rank's experts, global ids :attr:`expert_ids`; for a gated activation w1's first I output
+    columns are the gate, the last I the up projection), ``shared.*`` (replicated shared experts, when configured).
+    :meth:`expert_parameters` / :meth:`replicated_parameters` split them; :func:`tritonep.moe.reduce_gradients`
+    reduces their gradients over DP x EP; ``state_dict()`` keys the experts by global id (``experts.<e>.w1``), so
+    ``torch.distributed.checkpoint`` saves every expert once and loads at any EP size (:mod:`tritonep.moe.params`).
 
     Attributes after each forward: ``last_stats`` dict with ``recv_rows`` (int) and with ``balance='virtual'``
     ``slots_used`` (int); with ``record_stats`` also ``num_tokens_per_expert`` (host list of L ints; 2L runtime
     experts with ``balance='virtual'``) and ``last_timings``, a dict of seconds ``dispatch_s``, ``gemm_s``,
     ``combine_s``, and with ``balance='virtual'`` ``balance_s`` (counts exchange, plan, split read and weight push)
     (device synchronised around each phase on CUDA; host wall clock on CPU), else ``{}``; ``last_placement`` (the
-    step's :class:`tritonep.balance.Placement` or None).
+    step's :class:`tritonep.balance.Placement` or None); ``last_aux_loss`` (detached 0-dim tensor of the last training
+    forward's switch aux loss when ``recipe.router.aux_loss_coef > 0``, else None).
 
     Raises:
         ConfigError: any inconsistent recipe / geometry / world (checked before anything is allocated, naming the
@@ -104,11 +122,12 @@ class MoELayer(nn.Module):
         self.rank, self.world_size = rank, world_size
         self.num_local_experts = geometry.num_experts // world_size
         g = geometry
-        self.router = TopKRouter(g.hidden, g.num_experts, g.topk, seed=seed, device=self.device)
-        lo = rank * self.num_local_experts
-        w1, w2 = MoELayer._expert_weights(geometry, seed, dtype, range(lo, lo + self.num_local_experts), self.device)
+        self.router = build_router(recipe.router, g.hidden, g.num_experts, g.topk, seed=seed, device=self.device)
+        w1, w2 = MoELayer._expert_weights(geometry, seed, dtype, self.expert_ids, self.device)
         self.w1 = nn.Parameter(w1)
         self.w2 = nn.Parameter(w2)
+        self.shared = SharedExperts(g.hidden, g.shared_intermediate, g.activation, g.shared_gate, seed=seed,
+                                    device=self.device, dtype=dtype) if g.shared_intermediate else None
         self.virtual = recipe.balance == "virtual"
         self.timeout_s = timeout_s
         # with virtual experts every rank runs 2L runtime experts (L native, then L virtual slots): the buffer
@@ -116,21 +135,47 @@ class MoELayer(nn.Module):
         self.buffer = EPBuffer(group, num_experts=g.num_experts * (2 if self.virtual else 1), hidden=g.hidden,
                                max_tokens_per_rank=g.max_tokens_per_rank, topk=g.topk,
                                dispatch_wire=recipe.dispatch_wire, combine_wire=recipe.combine_wire,
-                               expert_alignment=recipe.expert_alignment, backend=backend, dtype=_ACT_DTYPE,
+                               expert_alignment=recipe.expert_alignment, max_recv_tokens=g.max_recv_tokens,
+                               backend=backend, dtype=_ACT_DTYPE,
                                device=self.device, timeout_s=timeout_s)
         self.counts_x = self.transport = None
         self.last_placement = None
         if self.virtual:  # the backend's own counts exchange and weight transport
             self.counts_x = self.buffer.counts_exchange(g.num_experts)
             self.transport = self.buffer.expert_transport(
-                g.num_experts, {"w1": (g.hidden, 2 * g.intermediate), "w2": (g.intermediate, g.hidden)}, dtype)
+                g.num_experts, {"w1": (g.hidden, g.w1_width), "w2": (g.intermediate, g.hidden)}, dtype)
         self.layer_id = ops.register_layer(self)
-        self._stash: dict = {}
-        self._fwd_gen = 0  # forwards so far: a backward needs its forward to be the latest
-        self._tickets = itertools.count()
+        self._stash = SavedForwards(recipe.max_saved_forwards, f"MoELayer {self.layer_id}")
         self._closed = False
         self.last_timings: dict = {}
         self.last_stats: dict = {}
+        self.last_aux_loss = None
+        self.register_state_dict_post_hook(expert_state_dict_hook)
+        self.register_load_state_dict_pre_hook(expert_load_state_dict_pre_hook)
+
+    @property
+    def expert_ids(self) -> range:
+        """Global ids of this rank's experts, in ``w1`` / ``w2`` order: ``range(rank * L, (rank + 1) * L)``."""
+        return local_expert_ids(self)
+
+    def expert_parameters(self):
+        """This rank's expert-parallel parameters (``w1``, ``w2``): reduce their gradients over the expert DP group
+        only (:func:`tritonep.moe.reduce_gradients`)."""
+        return iter(expert_parameters(self))
+
+    def replicated_parameters(self):
+        """The parameters every rank holds the same copy of (router, shared experts): reduce their gradients over
+        the whole DP x EP group (their gradients differ per rank after backward: each rank routed its own tokens)."""
+        ids = {id(p) for p in expert_parameters(self)}
+        return (p for p in self.parameters() if id(p) not in ids)
+
+    def release_saved(self) -> None:
+        """Drop every forward still waiting for its backward (:mod:`tritonep.moe.saved`); their backwards raise."""
+        self._stash.clear()
+
+    @property
+    def _tickets(self):
+        return self._stash._tickets
 
     # ------------------------------------------------------------------------------------------ static
     _expert_weights = staticmethod(expert_weights)
@@ -185,19 +230,6 @@ class MoELayer(nn.Module):
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    def _plan(self, topk_idx: torch.Tensor):
-        """Virtual experts: gather every rank's native expert histogram (symmetric memory), plan the placement and
-        remap this rank's routes to runtime ids in one Triton launch (:func:`tritonep.balance.plan`).
-
-        Returns ``(placement, runtime topk_idx int64 [T, K])``.
-        """
-        from ..balance import plan
-
-        counts = self.counts_x.gather(topk_idx)
-        placement, rt_idx = plan(counts, topk_idx, self.rank)
-        self.last_placement = placement
-        return placement, rt_idx.to(torch.int64)
-
     def _plan_and_dispatch(self, x, topk_idx, topk_weights):
         """Both forward paths' start: (virtual experts: plan + remap), dispatch. Returns ``(clock marks [start,
         planned, dispatched], placement or None, Dispatched)``."""
@@ -206,7 +238,7 @@ class MoELayer(nn.Module):
         given_idx = topk_idx
         if self.virtual:
             try:
-                placement, topk_idx = self._plan(topk_idx)
+                placement, topk_idx = plan_routes(self, topk_idx)
             except (InputError, CapacityError) as e:  # the counts exchange took part, flagged; now the dispatch
                 self._take_part_refused(e, planned=True)
         t.append(self._now() if self.virtual else t[-1])
@@ -226,41 +258,10 @@ class MoELayer(nn.Module):
         """See :func:`tritonep.moe.layer_parts.take_part_refused` (raises ``err``)."""
         take_part_refused(self.buffer, self.counts_x if self.virtual and not planned else None, err)
 
-    def _split(self, offs: torch.Tensor, placement) -> _Split:
-        """One host read: the native/slot row boundary, the used slots, the held native experts and the placement's
-        ``experts_to_copy`` of this step (the nccl transport's split sizes).
-
-        Raises:
-            PlanError: rows routed to a virtual slot the placement leaves unused (they would run no weights).
-        """
-        from ..balance.transport import used_slot_count
-
-        L, W, lo = self.num_local_experts, self.world_size, self.rank * self.num_local_experts
-        held = (placement.expert_slot[lo:lo + L] >= 0).any(dim=1)
-        info = torch.cat([offs.to(torch.int64), placement.experts_to_copy.reshape(-1).to(torch.int64),
-                          held.to(torch.int64)]).tolist()
-        ends, held = info[:2 * L], info[2 * L + W * L:]
-        etc = [info[2 * L + d * L:2 * L + (d + 1) * L] for d in range(W)]
-        n = used_slot_count(etc[self.rank])
-        last = ends[L + n - 1] if n else ends[L - 1]
-        if ends[-1] != last:
-            raise PlanError(f"rank {self.rank}: {ends[-1] - last} rows routed to virtual slots >= {n}, which the "
-                            f"placement leaves unused (experts_to_copy[{self.rank}]={etc[self.rank]}, "
-                            f"expert_offsets={ends})")
-        return _Split(native_end=ends[L - 1], num_used=n, held=[j for j, h in enumerate(held) if h],
-                      experts_to_copy=etc)
-
-    def _parts(self, d, split: _Split | None):
-        """``(bounds, offs)`` of the split run: one part without virtual experts, else native rows then used slots."""
-        rows, offs = d.x.shape[0], d.expert_offsets
-        if split is None:
-            return [0, rows], (offs,)
-        L, ne = self.num_local_experts, split.native_end
-        return [0, ne, rows], (offs[:L], offs[L:L + split.num_used] - ne)
-
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor | None = None,
                 topk_weights: torch.Tensor | None = None) -> torch.Tensor:
-        """``y [T, H] = sum_k topk_weights[t, k] * SwiGLU_expert(topk_idx[t, k])(x[t])`` across the EP group.
+        """``y [T, H] = sum_k topk_weights[t, k] * expert(topk_idx[t, k])(x[t])`` (``+ shared(x)[t]``) across the EP
+        group.
 
         Collective: every rank of the group calls it (T may be 0 on some ranks).
 
@@ -270,7 +271,9 @@ class MoELayer(nn.Module):
                 the router (e.g. a real trace); give both or neither.
 
         Returns:
-            ``[T, H]`` bfloat16, differentiable w.r.t. x, topk_weights (router weight when routed here), w1, w2.
+            ``[T, H]`` bfloat16, differentiable w.r.t. x, topk_weights (router weight when routed here), w1, w2 and
+            the shared experts; with ``recipe.router.aux_loss_coef > 0`` (training, routed here) its backward also
+            adds the aux loss's gradient (:mod:`tritonep.moe.losses`).
 
         Raises:
             InputError: only one routing tensor given, or bad shapes / dtypes (see ``EPBuffer.dispatch``).
@@ -278,11 +281,13 @@ class MoELayer(nn.Module):
         """
         if self._closed:
             raise BufferStateError("MoELayer is closed")
+        routed = None
         try:
             if (topk_idx is None) != (topk_weights is None):
                 raise InputError("give both topk_idx and topk_weights, or neither (then the router routes)")
             if topk_idx is None:
-                topk_idx, topk_weights = self.router(x)
+                routed = self.router(x, full=True)
+                topk_idx, topk_weights = routed.topk_idx, routed.topk_weights
             bad = [n for n, t in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights))
                    if not isinstance(t, torch.Tensor)]
             if bad:
@@ -292,6 +297,13 @@ class MoELayer(nn.Module):
             self._take_part_refused(e)
         save = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weights, self.w1, self.w2))
         y, _ticket = ops.moe_layer_forward(x, topk_idx, topk_weights, self.w1, self.w2, self.layer_id, save)
+        if self.shared is not None:
+            y = (y.float() + self.shared(x).float()).to(y.dtype)
+        coef = self.recipe.router.aux_loss_coef
+        if routed is not None and coef > 0 and self.training and torch.is_grad_enabled():
+            aux = switch_aux_loss(routed.probs, topk_idx, self.geometry.num_experts)
+            self.last_aux_loss = aux.detach()
+            y = attach_aux_loss(y, aux, coef)
         return y
 
     def _record(self, t, d, split):
@@ -308,36 +320,35 @@ class MoELayer(nn.Module):
 
     def _forward_raw(self, x, topk_idx, topk_weights, w1, w2, save: bool):
         """The layer's one forward (run by the custom op, eager or compiled); returns ``(y, ticket)`` and keeps the
-        backward state of this call, the only one kept (an earlier call's is dropped), if ``save``.
+        backward state of this call if ``save`` (:class:`tritonep.moe.saved.SavedForwards`: forwards still waiting
+        for their backward have their shared tensors copied out first, as this call overwrites them).
 
         ``topk_idx`` are global expert ids and ``w1`` / ``w2`` this rank's native weights in both modes; with
         virtual experts the plan, the push and the split run happen in here (the op is opaque to the tracer).
         """
         with torch.no_grad():
+            self._stash.spill()  # even when this call saves nothing: it overwrites the expert output region
             t, placement, d = self._plan_and_dispatch(x, topk_idx, topk_weights)
             split = None
             w1s, w2s = (w1,), (w2,)
             if self.virtual:
-                split = self._split(d.expert_offsets, placement)
+                split = read_split(self, d.expert_offsets, placement)
                 self.transport.push({"w1": w1, "w2": w2}, placement, split.experts_to_copy)
                 views = self.transport.slot_views(split.num_used)
                 w1s, w2s = (w1, views["w1"]), (w2, views["w2"])
             t.append(self._now() if self.virtual else t[-1])
-            bounds, offs = self._parts(d, split)
+            bounds, offs = row_parts(self, d, split)
             eo, hs = expert_ffn_parts_forward(d.x, bounds, offs, w1s, w2s,
-                                              self.buffer.expert_out_buffer(d.x.shape[0]))
+                                              self.buffer.expert_out_buffer(d.x.shape[0]), self.geometry.activation)
             t.append(self._now())
             y = self.buffer.combine(eo, d.handle, kind=self.recipe.combine)
             t.append(self._now())
         self._record(t, d, split)
         ticket = -1
-        self._fwd_gen += 1
         if save:
-            ticket = next(self._tickets)
-            self._stash.clear()  # an earlier forward's backward is refused anyway (its expert outputs are gone)
-            self._stash[ticket] = dict(xr=d.x, bounds=bounds, offs=offs, hs=hs, eo=eo, handle=d.handle,
-                                       w1=tuple(w.detach() for w in w1s), w2=tuple(w.detach() for w in w2s),
-                                       placement=placement, split=split, gen=self._fwd_gen)
+            ticket = self._stash.add(dict(xr=d.x, bounds=bounds, offs=offs, hs=hs, eo=eo, handle=d.handle,
+                                          w1=tuple(w.detach() for w in w1s), w2=tuple(w.detach() for w in w2s),
+                                          n_slot_parts=len(w1s) - 1, placement=placement, split=split))
         return y, ticket
 
     def _backward_raw(self, ticket: int, grad_y: torch.Tensor):
@@ -345,23 +356,18 @@ class MoELayer(nn.Module):
 
         Chains the backward pieces of combine (``grad_expert_out``, per-row weight grads), the expert FFN and
         dispatch (sums rows back to tokens, gathers weight grads); with virtual experts the slot gradients are
-        pulled back into the native ones (the backend transport's ``pull`` into them). The expert output rows (and
-        the slot weights) read here live in the buffer's memory: a later forward of this layer before this backward
-        overwrites them, so that backward is refused.
+        pulled back into the native ones (the backend transport's ``pull`` into them). Backwards of several saved
+        forwards may come in any order (:mod:`tritonep.moe.saved`); every rank runs them in the same order.
 
         Raises:
-            BufferStateError: the call's state is gone (consumed by a backward, or replaced by a later forward).
+            BufferStateError: the call's state is gone (consumed by a backward, dropped past
+                ``MoERecipe.max_saved_forwards``, or released).
         """
-        if ticket not in self._stash:
-            raise BufferStateError(f"MoELayer {self.layer_id}: no saved forward for ticket {ticket} (consumed by a "
-                                   f"backward, or a later forward of this layer overwrote its expert outputs: run "
-                                   f"each forward's backward before the next forward of this layer)")
         st = self._stash.pop(ticket)
-        _check_generation(self, st["gen"])
         buf = self.buffer  # the backward halves of dispatch / combine (as used by tritonep.ep.autograd)
         g_eo, g_rw = buf.combine_backward(grad_y.to(_ACT_DTYPE).contiguous(), st["eo"], st["handle"])
         g_xr, g_w1, g_w2 = expert_ffn_parts_backward(g_eo, st["xr"], st["bounds"], st["offs"], st["w1"], st["w2"],
-                                                     st["hs"])
+                                                     st["hs"], self.geometry.activation)
         if self.virtual:
             sp = st["split"]
             g = self.transport.pull({"w1": g_w1[1], "w2": g_w2[1]}, st["placement"], sp.num_used, sp.held,

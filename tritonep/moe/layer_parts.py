@@ -1,5 +1,5 @@
-"""Pieces of :class:`tritonep.moe.layer.MoELayer` that need no layer instance: the stale-backward check, the
-per-step virtual-expert facts, the seeded expert weight draw and the symmetric-memory size of a layer.
+"""Pieces of :class:`tritonep.moe.layer.MoELayer` that need no layer instance: the per-step virtual-expert facts,
+the seeded expert weight draw and the symmetric-memory size of a layer.
 """
 
 from __future__ import annotations
@@ -11,21 +11,12 @@ from typing import Iterable
 import torch
 
 from ..ep import EPBuffer
-from ..errors import BufferStateError, ConfigError
+from ..errors import ConfigError
 from .recipe import MoEGeometry, MoERecipe, check_config
 
 _ACT_DTYPE = torch.bfloat16  # tokens, received rows and expert outputs travel in bf16
 
 __all__ = ["expert_weights", "layer_required_bytes"]
-
-
-def _check_generation(layer, gen):
-    """Raise BufferStateError when ``gen`` is not the layer's latest forward (its expert outputs were overwritten)."""
-    if layer._fwd_gen != gen:
-        raise BufferStateError(
-            f"MoELayer {layer.layer_id}: backward of forward #{gen} after forward #{layer._fwd_gen} of the same layer: "
-            f"the expert outputs live in the layer's symmetric region and were overwritten; run each forward's "
-            f"backward before the next forward of this layer (or use one layer per in-flight micro-batch)")
 
 
 @dataclass(frozen=True)
@@ -46,17 +37,18 @@ class _Split:
 def expert_weights(geometry: MoEGeometry, seed: int, dtype: torch.dtype, experts: Iterable[int], device=None):
     """Weights of the given global experts, drawn on ``device`` (default CPU); see :meth:`tritonep.MoELayer.init_expert_weights`.
 
-    Returns ``(w1 [n, H, 2I], w2 [n, I, H])`` in ``dtype`` on ``device`` (n = number of experts). Each expert is
-    drawn in float32 by its own generator and cast into the preallocated output (no ``[n, ...]`` fp32 copy).
+    Returns ``(w1 [n, H, width], w2 [n, I, H])`` in ``dtype`` on ``device`` (n = number of experts; width =
+    ``geometry.w1_width``, 2I for the gated activations). Each expert is drawn in float32 by its own generator and
+    cast into the preallocated output (no ``[n, ...]`` fp32 copy).
     """
-    H, inter = geometry.hidden, geometry.intermediate
+    H, inter, width = geometry.hidden, geometry.intermediate, geometry.w1_width
     device = torch.device("cpu") if device is None else torch.device(device)
     experts = [int(e) for e in experts]
-    w1 = torch.empty(len(experts), H, 2 * inter, dtype=dtype, device=device)
+    w1 = torch.empty(len(experts), H, width, dtype=dtype, device=device)
     w2 = torch.empty(len(experts), inter, H, dtype=dtype, device=device)
     for i, e in enumerate(experts):
         gen = torch.Generator(device=device).manual_seed(int(seed) * 1_000_003 + 104_729 + e)
-        w1[i] = torch.randn(H, 2 * inter, generator=gen, device=device) / math.sqrt(H)
+        w1[i] = torch.randn(H, width, generator=gen, device=device) / math.sqrt(H)
         w2[i] = torch.randn(inter, H, generator=gen, device=device) / math.sqrt(inter)
     return w1, w2
 
@@ -78,7 +70,7 @@ def layer_required_bytes(recipe: MoERecipe, geometry: MoEGeometry, world_size: i
     total = EPBuffer.required_bytes(world_size=world_size, num_experts=g.num_experts * (2 if virtual else 1),
                                     hidden=g.hidden, max_tokens_per_rank=g.max_tokens_per_rank, topk=g.topk,
                                     dispatch_wire=recipe.dispatch_wire, combine_wire=recipe.combine_wire,
-                                    expert_alignment=recipe.expert_alignment, max_recv_tokens=None,
+                                    expert_alignment=recipe.expert_alignment, max_recv_tokens=g.max_recv_tokens,
                                     dtype=_ACT_DTYPE, device_type=device_type)
     if virtual:
         from ..ep.triton.counts import counts_regions
@@ -87,7 +79,7 @@ def layer_required_bytes(recipe: MoERecipe, geometry: MoEGeometry, world_size: i
 
         L = g.num_experts // world_size
         total += _rb(counts_regions(world_size, g.num_experts, g.max_tokens_per_rank))
-        total += _rb(transport_regions(world_size, L, {"w1": (g.hidden, 2 * g.intermediate),
+        total += _rb(transport_regions(world_size, L, {"w1": (g.hidden, g.w1_width),
                                                        "w2": (g.intermediate, g.hidden)}, dtype))
     return total
 

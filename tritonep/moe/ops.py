@@ -14,7 +14,10 @@ of the right output shape, and its backward is a second opaque op:
 
 Layers are found through a module-level registry keyed by ``layer_id`` (weak references: a dropped layer
 disappears). ``torch.library.register_autograd`` wires the backward op to the forward op. Saved state is
-consumed by the backward (a second backward through the same call, i.e. ``retain_graph=True``, is refused).
+consumed by the backward (a second backward through the same call, i.e. ``retain_graph=True``, is refused), and
+dropped when the ticket tensor dies: the autograd graph holds the ticket (``save_for_backward``), so a graph that is
+freed without a backward (evaluation with autograd on, activation checkpointing that discards the first forward's
+saved tensors) frees its saved state too (:mod:`tritonep.moe.saved`).
 
 Idea source: the torch.library "custom ops" tutorial (custom_op + register_fake + register_autograd).
 """
@@ -58,8 +61,12 @@ def get_layer(layer_id: int):
 def moe_layer_forward(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1: torch.Tensor,
                       w2: torch.Tensor, layer_id: int, save: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Run layer ``layer_id``'s dispatch -> expert FFN -> combine on these tensors (see the module docstring)."""
-    y, ticket = get_layer(layer_id)._forward_raw(x, topk_idx, topk_weights, w1, w2, save)
-    return y, torch.tensor(ticket, dtype=torch.int64)
+    layer = get_layer(layer_id)
+    y, ticket = layer._forward_raw(x, topk_idx, topk_weights, w1, w2, save)
+    t = torch.tensor(ticket, dtype=torch.int64)
+    if ticket >= 0:  # the saved state lives as long as the ticket, i.e. as long as the autograd graph that holds it
+        weakref.finalize(t, layer._stash.discard, ticket)
+    return y, t
 
 
 @moe_layer_forward.register_fake

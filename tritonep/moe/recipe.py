@@ -1,4 +1,5 @@
-"""MoE layer configuration: :class:`MoERecipe` (how it runs) and :class:`MoEGeometry` (what it computes).
+"""MoE layer configuration: :class:`MoERecipe` (how it runs, which router), :class:`RouterConfig` (the router of a
+real model) and :class:`MoEGeometry` (what it computes: sizes, expert activation, shared experts).
 
 Both are frozen (hashable) dataclasses, so they can key caches and be compared across ranks. Their ``check``
 methods refuse every inconsistent combination with :class:`tritonep.errors.ConfigError` naming the field and its
@@ -14,7 +15,8 @@ from ..errors import ConfigError, WireError
 
 from ..wire.formats import WIRES, check_wire, get_wire  # the wire registry (imports go one way: wire -> moe)
 
-__all__ = ["MoERecipe", "MoEGeometry", "check_config", "COMBINE_KINDS", "BALANCE_KINDS", "ROW_MULTIPLE"]
+__all__ = ["MoERecipe", "MoEGeometry", "RouterConfig", "check_config", "COMBINE_KINDS", "BALANCE_KINDS",
+           "ROUTER_KINDS", "ROW_MULTIPLE"]
 
 COMBINE_KINDS = ("push", "pull")
 """``pull``: the source rank reads the partial rows from the expert rank (zero copy, bf16 only); ``push``: the
@@ -22,6 +24,11 @@ expert rank writes partials into the source's staging (the only kind that can ca
 
 BALANCE_KINDS = ("none", "virtual")
 """``none``: every route goes to its native expert; ``virtual``: per-step virtual-expert load balancing."""
+
+ROUTER_KINDS = ("softmax_topk", "deepseek_v3")
+"""``softmax_topk``: softmax over all experts, then top-k (Mixtral, Qwen2/3-MoE, OLMoE; :class:`tritonep.moe.TopKRouter`);
+``deepseek_v3``: sigmoid scores, a selection-only correction bias, group-limited top-k
+(:class:`tritonep.moe.DeepSeekV3Router`)."""
 
 ROW_MULTIPLE = 8
 """hidden and intermediate must be multiples of 8 elements: a bf16 row is then a multiple of 16 bytes, which the
@@ -34,6 +41,77 @@ def _positive_int(owner: str, field: str, value) -> None:
         raise ConfigError(f"{owner}.{field} must be a positive int, got {value!r}")
 
 
+def _real(owner: str, field: str, value, positive: bool) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value and abs(value) != float("inf")
+    if not ok or value < 0 or (positive and value == 0):
+        raise ConfigError(f"{owner}.{field} must be a finite {'positive' if positive else 'non-negative'} number, "
+                          f"got {value!r}")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """The router of an MoE layer, as the real models define it (docs/moe.md, "Routers").
+
+    Attributes:
+        kind: ``"softmax_topk"`` (default) or ``"deepseek_v3"`` (see :data:`ROUTER_KINDS`).
+        norm_topk_prob: divide the K chosen weights by their sum (Mixtral always; Qwen2/3-MoE, OLMoE, DeepSeek-V3
+            ``config.norm_topk_prob``; DeepSeek-V3 adds 1e-20 to the sum). Default True.
+        n_group, topk_group: ``deepseek_v3`` only: the E experts form ``n_group`` equal groups, a group's score is the
+            sum of its two best biased scores, and a token picks its K experts from its ``topk_group`` best groups
+            (group-limited routing, DeepSeek-V3 ``n_group`` / ``topk_group``). Default 1 / 1 (no limit).
+        routed_scaling_factor: multiplies the final routing weights (DeepSeek-V3 ``routed_scaling_factor``), > 0.
+        aux_loss_coef: switch-style load-balancing loss (:func:`tritonep.moe.switch_aux_loss`) added to the
+            training objective with this coefficient (Mixtral / Qwen ``router_aux_loss_coef``); 0 (default) = off.
+        bias_update_rate: ``deepseek_v3`` only: aux-loss-free balancing (DeepSeek-V3, section 2.1.2): per
+            :func:`tritonep.moe.update_router_biases` call every expert's correction bias moves by this amount
+            towards balance (``gamma`` in the paper, 0.001 there); 0 (default) = the bias is not updated.
+
+    Raises:
+        ConfigError: at construction, an unknown kind, a value of the wrong type or sign, group options on a
+            softmax router, ``bias_update_rate`` on a softmax router; :meth:`check` with ``num_experts`` / ``topk``:
+            groups that do not divide E, have fewer than 2 experts, or cannot supply K experts.
+    """
+
+    kind: str = "softmax_topk"
+    norm_topk_prob: bool = True
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    aux_loss_coef: float = 0.0
+    bias_update_rate: float = 0.0
+
+    def __post_init__(self):
+        self.check()
+
+    def check(self, num_experts: int | None = None, topk: int | None = None) -> None:
+        """Validate the router (and its fit to ``num_experts`` / ``topk`` when given). Raises ConfigError."""
+        o = "RouterConfig"
+        if self.kind not in ROUTER_KINDS:
+            raise ConfigError(f"{o}.kind={self.kind!r} is not one of {ROUTER_KINDS}")
+        if not isinstance(self.norm_topk_prob, bool):
+            raise ConfigError(f"{o}.norm_topk_prob must be a bool, got {self.norm_topk_prob!r}")
+        _positive_int(o, "n_group", self.n_group)
+        _positive_int(o, "topk_group", self.topk_group)
+        _real(o, "routed_scaling_factor", self.routed_scaling_factor, positive=True)
+        _real(o, "aux_loss_coef", self.aux_loss_coef, positive=False)
+        _real(o, "bias_update_rate", self.bias_update_rate, positive=False)
+        if self.topk_group > self.n_group:
+            raise ConfigError(f"{o}.topk_group={self.topk_group} exceeds {o}.n_group={self.n_group}")
+        if self.kind == "softmax_topk" and (self.n_group, self.topk_group) != (1, 1):
+            raise ConfigError(f"{o}.n_group={self.n_group} / topk_group={self.topk_group}: group-limited routing "
+                              f"needs kind='deepseek_v3'")
+        if self.kind == "softmax_topk" and self.bias_update_rate:
+            raise ConfigError(f"{o}.bias_update_rate={self.bias_update_rate}: the correction bias belongs to "
+                              f"kind='deepseek_v3'")
+        if num_experts is not None and self.n_group > 1:
+            if num_experts % self.n_group or num_experts // self.n_group < 2:
+                raise ConfigError(f"{o}.n_group={self.n_group} must split num_experts={num_experts} into equal "
+                                  f"groups of at least 2 experts")
+            if topk is not None and topk > self.topk_group * (num_experts // self.n_group):
+                raise ConfigError(f"topk={topk} exceeds the {self.topk_group} kept groups x "
+                                  f"{num_experts // self.n_group} experts ({o}.topk_group)")
+
+
 @dataclass(frozen=True)
 class MoEGeometry:
     """The shape of one MoE layer.
@@ -44,10 +122,22 @@ class MoEGeometry:
         num_experts: E, a multiple of the EP world size (checked by :meth:`check` with ``world_size``).
         topk: K, experts per token, ``1 <= K <= E``.
         max_tokens_per_rank: static capacity of tokens per rank and call.
+        activation: the expert FFN's activation, a name of :data:`tritonep.moe.ACTIVATIONS` (default
+            ``"swiglu"``: ``silu(gate) * up``, w1 ``[E, H, 2I]``; gated kinds have w1 ``[E, H, 2I]``, the others
+            ``[E, H, I]``; register your own with :func:`tritonep.moe.register_activation`).
+        shared_intermediate: width of the shared experts' dense FFN every token also runs (DeepSeek-V3:
+            ``n_shared_experts * moe_intermediate_size``; Qwen2-MoE ``shared_expert_intermediate_size``); 0
+            (default) = no shared experts.
+        shared_gate: scale the shared experts' output by ``sigmoid(x @ shared_gate)`` (Qwen2-MoE
+            ``shared_expert_gate``); needs ``shared_intermediate > 0``.
+        max_recv_tokens: rows one rank can receive per call (the expert-output region's rows); None (default): the
+            worst case ``W * max_tokens_per_rank * topk + L * (expert_alignment - 1)``. Smaller saves memory; a call
+            that needs more raises CapacityError on every rank (docs/moe.md "Sizing").
 
     Raises:
         ConfigError: at construction, for any field that is not a positive int, a hidden / intermediate that is not a
-            multiple of 8, or ``topk > num_experts`` (the message names the field and value).
+            multiple of 8, ``topk > num_experts``, an unknown activation, a negative ``shared_intermediate`` or a
+            shared gate without shared experts (the message names the field and value).
     """
 
     hidden: int
@@ -55,9 +145,21 @@ class MoEGeometry:
     num_experts: int
     topk: int
     max_tokens_per_rank: int
+    activation: str = "swiglu"
+    shared_intermediate: int = 0
+    shared_gate: bool = False
+    max_recv_tokens: int | None = None
 
     def __post_init__(self):
         self.check()
+
+    @property
+    def w1_width(self) -> int:
+        """Columns of one expert's ``w1``: ``2 * intermediate`` for a gated activation (gate | up), else
+        ``intermediate``."""
+        from .activations import get_activation
+
+        return get_activation(self.activation).width(self.intermediate)
 
     def num_local_experts(self, world_size: int) -> int:
         """L = E / world_size (raises ConfigError when E is not divisible by world_size)."""
@@ -79,6 +181,17 @@ class MoEGeometry:
                                   f"of 16 bytes for vectorised copies and torch._grouped_mm)")
         if self.topk > self.num_experts:
             raise ConfigError(f"MoEGeometry.topk={self.topk} exceeds MoEGeometry.num_experts={self.num_experts}")
+        from .activations import get_activation  # the registry (ConfigError naming the known names)
+
+        get_activation(self.activation, "MoEGeometry.activation")
+        si = self.shared_intermediate
+        if isinstance(si, bool) or not isinstance(si, int) or si < 0:
+            raise ConfigError(f"MoEGeometry.shared_intermediate must be an int >= 0, got {si!r}")
+        if self.max_recv_tokens is not None:
+            _positive_int("MoEGeometry", "max_recv_tokens", self.max_recv_tokens)
+        if not isinstance(self.shared_gate, bool) or (self.shared_gate and si == 0):
+            raise ConfigError(f"MoEGeometry.shared_gate={self.shared_gate!r} needs a bool and shared experts "
+                              f"(shared_intermediate > 0, got {si})")
         if world_size is not None:
             _positive_int("world", "world_size", world_size)
             if self.num_experts % world_size:
@@ -99,6 +212,10 @@ class MoERecipe:
         balance: ``"none"`` | ``"virtual"`` (see :data:`BALANCE_KINDS`).
         expert_alignment: every expert segment starts at a multiple of this many rows (>= 1), e.g. the M tile of
             a grouped GEMM kernel that needs aligned groups.
+        router: the :class:`RouterConfig` (default: softmax top-k, renormalised, no aux loss).
+        max_saved_forwards: forwards of the layer whose backward may still come (activation recompute, pipeline
+            micro-batches; docs/moe.md "Several forwards before their backwards"); the oldest saved forward past
+            this many is dropped and its backward raises BufferStateError. Default 8.
 
     Raises:
         ConfigError: at construction, for any invalid field or inconsistent combination (names field and value).
@@ -109,6 +226,8 @@ class MoERecipe:
     combine: str = "pull"
     balance: str = "none"
     expert_alignment: int = 1
+    router: RouterConfig = RouterConfig()
+    max_saved_forwards: int = 8
 
     def __post_init__(self):
         self.check()
@@ -130,10 +249,14 @@ class MoERecipe:
         if self.balance not in BALANCE_KINDS:
             raise ConfigError(f"MoERecipe.balance={self.balance!r} is not one of {BALANCE_KINDS}")
         _positive_int("MoERecipe", "expert_alignment", self.expert_alignment)
+        _positive_int("MoERecipe", "max_saved_forwards", self.max_saved_forwards)
+        if not isinstance(self.router, RouterConfig):
+            raise ConfigError(f"MoERecipe.router must be a RouterConfig, got {type(self.router).__name__}")
         if get_wire(self.combine_wire).quantized and self.combine == "pull":
             raise ConfigError(f"MoERecipe.combine_wire={self.combine_wire!r} needs combine='push' (quantized combine "
                               f"is push only), got MoERecipe.combine='pull'")
         if geometry is not None:
+            self.router.check(geometry.num_experts, geometry.topk)
             for f in ("dispatch_wire", "combine_wire"):
                 try:
                     check_wire(getattr(self, f), geometry.hidden, f)

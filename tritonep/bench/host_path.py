@@ -87,26 +87,34 @@ class HostCounter:
 def stub_launches(buf):
     """Replace every Triton launch of ``buf``'s backend by a counter (``list`` of kernel names, yielded).
 
-    The launcher class of the backend (``buf._impl._launch``) gets its ``__call__`` swapped for the duration; the
-    nccl backend's torch ops and collectives still run (they are its host path).
+    Both launch paths are stubbed for the duration: the backend's bound kernels
+    (:class:`tritonep.ep.triton.bound.BoundKernel`, the per-call path) and its generic launcher
+    (``buf._impl._launch``); the nccl backend's torch ops and collectives still run (they are its host path).
     """
-    names: list = []
-    launcher = getattr(buf._impl, "_launch", None)
-    if launcher is None:
-        yield names
-        return
-    cls = type(launcher)
-    orig = cls.__call__
+    from ..ep.triton.bound import BoundKernel
 
-    def fake(self, kernel, grid, *args, **kwargs):
+    names: list = []
+    patched = [BoundKernel]
+    launcher = getattr(buf._impl, "_launch", None)
+    if launcher is not None:
+        patched.append(type(launcher))
+    origs = [cls.__call__ for cls in patched]
+
+    def fake_bound(self, *dyn):
+        names.append(self.name)
+
+    def fake_launcher(self, kernel, grid, *args, **kwargs):
         fn = getattr(kernel, "fn", kernel)
         names.append(getattr(fn, "__name__", repr(kernel)))
 
-    cls.__call__ = fake
+    BoundKernel.__call__ = fake_bound
+    if launcher is not None:
+        type(launcher).__call__ = fake_launcher
     try:
         yield names
     finally:
-        cls.__call__ = orig
+        for cls, orig in zip(patched, origs):
+            cls.__call__ = orig
 
 
 def measure_host_path(buf, x, topk_idx, topk_weights, iters: int = 20) -> dict:

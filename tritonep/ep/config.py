@@ -145,7 +145,8 @@ def agree(group, cfg: EPConfig | None, error: BaseException | None, extra: dict 
 
     Args:
         group: the EP group (every rank calls this, in the same order).
-        cfg: this rank's config, or None when its arguments were refused.
+        cfg: this rank's config (an :class:`EPConfig`, or a dict of plain values for other collective objects such
+            as the MoE layer), or None when its arguments were refused.
         error: the error this rank's arguments raised (re-raised here on this rank), or None.
         extra: small picklable per-rank facts to gather in the same collective (e.g. the peer-access report).
         what: the object named in messages.
@@ -160,7 +161,8 @@ def agree(group, cfg: EPConfig | None, error: BaseException | None, extra: dict 
     """
     import torch.distributed as dist
 
-    mine = dict(cfg=cfg.compared() if cfg is not None else None, extra=extra,
+    compared = cfg if (cfg is None or isinstance(cfg, dict)) else cfg.compared()
+    mine = dict(cfg=compared, extra=extra,
                 error=None if error is None else f"{type(error).__name__}: {error}")
     ws = dist.get_world_size(group)
     gathered = [None] * ws

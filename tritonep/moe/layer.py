@@ -42,8 +42,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..ep import EPBuffer
+from ..ep.config import agree
 from ..ep.validate import check_expert_ids
-from ..errors import BufferStateError, CapacityError, ConfigError, InputError, PeerInputError
+from ..errors import BufferStateError, CapacityError, ConfigError, InputError, PeerInputError, TritonEPError
 from . import ops
 from .experts import expert_ffn_parts_backward, expert_ffn_parts_forward
 from .layer_parts import _ACT_DTYPE, expert_weights, layer_required_bytes, take_part_refused
@@ -112,9 +113,15 @@ class MoELayer(nn.Module):
         self.record_stats = bool(record_stats)
         world_size = dist.get_world_size(group)
         rank = dist.get_rank(group)
-        check_config(recipe, geometry, world_size)
-        if dtype not in (torch.bfloat16, torch.float32):
-            raise ConfigError(f"MoELayer dtype={dtype} is not torch.bfloat16 or torch.float32")
+        err = None
+        try:  # every static check before the first collective; the verdicts are exchanged in it (issue 25)
+            check_config(recipe, geometry, world_size)
+            if dtype not in (torch.bfloat16, torch.float32):
+                raise ConfigError(f"MoELayer dtype={dtype} is not torch.bfloat16 or torch.float32")
+        except TritonEPError as e:
+            err = e
+        agree(group, None if err else dict(recipe=repr(recipe), geometry=repr(geometry), dtype=str(dtype),
+                                           backend=backend), err, what="MoELayer")
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
@@ -138,6 +145,10 @@ class MoELayer(nn.Module):
                                expert_alignment=recipe.expert_alignment, max_recv_tokens=g.max_recv_tokens,
                                backend=backend, dtype=_ACT_DTYPE,
                                device=self.device, timeout_s=timeout_s)
+        if recipe.sync_free and self.buffer.backend != "triton":  # the same verdict on every rank (same backend)
+            self.buffer.close()
+            raise ConfigError(f"MoERecipe.sync_free=True needs the triton backend; the layer's buffer chose "
+                              f"{self.buffer.backend!r} ({self.buffer.backend_reason})")
         self.counts_x = self.transport = None
         self.last_placement = None
         if self.virtual:  # the backend's own counts exchange and weight transport
@@ -243,7 +254,7 @@ class MoELayer(nn.Module):
                 self._take_part_refused(e, planned=True)
         t.append(self._now() if self.virtual else t[-1])
         try:
-            d = self.buffer.dispatch(x, topk_idx, topk_weights)
+            d = self.buffer.dispatch(x, topk_idx, topk_weights, sync_free=self.recipe.sync_free)
         except PeerInputError:
             raise
         except InputError:

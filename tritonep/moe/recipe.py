@@ -216,6 +216,13 @@ class MoERecipe:
         max_saved_forwards: forwards of the layer whose backward may still come (activation recompute, pipeline
             micro-batches; docs/moe.md "Several forwards before their backwards"); the oldest saved forward past
             this many is dropped and its backward raises BufferStateError. Default 8.
+        sync_free: no host read in forward or backward (issue 24): the dispatch returns ``max_recv_tokens`` rows
+            (:meth:`tritonep.EPBuffer.dispatch` ``sync_free=True``), the expert GEMMs run over them with the device
+            ``expert_offsets`` (``torch._grouped_mm``; rows past the last segment are never read), so a whole layer
+            step can be captured in one CUDA graph. Errors (capacity, a peer's bad input, timeouts) surface at the
+            next :meth:`tritonep.EPBuffer.check`; size ``MoEGeometry.max_recv_tokens`` to a capacity, since every
+            step moves that many rows through the GEMMs. Needs ``balance="none"`` (the virtual-expert split run
+            reads its boundary on the host) and the triton backend.
 
     Raises:
         ConfigError: at construction, for any invalid field or inconsistent combination (names field and value).
@@ -228,6 +235,7 @@ class MoERecipe:
     expert_alignment: int = 1
     router: RouterConfig = RouterConfig()
     max_saved_forwards: int = 8
+    sync_free: bool = False
 
     def __post_init__(self):
         self.check()
@@ -252,6 +260,12 @@ class MoERecipe:
         _positive_int("MoERecipe", "max_saved_forwards", self.max_saved_forwards)
         if not isinstance(self.router, RouterConfig):
             raise ConfigError(f"MoERecipe.router must be a RouterConfig, got {type(self.router).__name__}")
+        if not isinstance(self.sync_free, bool):
+            raise ConfigError(f"MoERecipe.sync_free must be a bool, got {self.sync_free!r}")
+        if self.sync_free and self.balance != "none":
+            raise ConfigError(f"MoERecipe.sync_free=True needs balance='none', got MoERecipe.balance="
+                              f"{self.balance!r} (the virtual-expert split run reads its native/slot boundary on "
+                              f"the host every step)")
         if get_wire(self.combine_wire).quantized and self.combine == "pull":
             raise ConfigError(f"MoERecipe.combine_wire={self.combine_wire!r} needs combine='push' (quantized combine "
                               f"is push only), got MoERecipe.combine='pull'")

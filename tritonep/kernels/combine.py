@@ -18,7 +18,7 @@ The summation order is fixed (k ascending per rank, then ranks ascending), so re
 to run. Twin: :func:`tritonep.reference.combine_reference_partial`.
 """
 
-from typing import NamedTuple
+from collections import namedtuple
 
 import triton
 import triton.language as tl
@@ -29,34 +29,18 @@ from .signal import publish_epoch_one, signal_peers, wait_all_ge
 from .wirecodec import RAW_BF16, wire_load, wire_store
 
 
-class PartialIO(NamedTuple):
-    """What :func:`partial_item` / :func:`partial_step` read and write; the fields are
+PartialIO = namedtuple("PartialIO", "eo_ptr hmeta_ptr hwts_ptr hntok_ptr gw_ptr stage_tab wback_tab Tmax")
+PartialIO.__doc__ = """What :func:`partial_item` / :func:`partial_step` read and write; the fields are
     :func:`combine_partial_kernel`'s parameters of the same names (the weighted push combines pass ``hwts_ptr`` /
     ``stage_tab`` as the unused ``gw_ptr`` / ``wback_tab``; ``Tmax``: token rows per source in the handle and the
     staging, a runtime int)."""
 
-    eo_ptr: object
-    hmeta_ptr: object
-    hwts_ptr: object
-    hntok_ptr: object
-    gw_ptr: object
-    stage_tab: object
-    wback_tab: object
-    Tmax: object
 
-
-class OutIO(NamedTuple):
-    """What :func:`out_chunk` / :func:`sum_arrived` read and write; the fields are :func:`combine_out_kernel`'s
-    parameters of the same names (``T``: this rank's token count, a runtime int; the push combines pass ``y_ptr``
-    as the unused ``wback_ptr`` / ``gtw_ptr``; ``Tmax``: token rows per source in the staging, a runtime int)."""
-
-    topk_idx_ptr: object
-    y_ptr: object
-    T: object
-    stage_tab: object
-    wback_ptr: object
-    gtw_ptr: object
-    Tmax: object
+OutIO = namedtuple("OutIO", "topk_idx_ptr y_ptr T stage_tab wback_ptr gtw_ptr Tmax")
+OutIO.__doc__ = """What :func:`out_chunk` / :func:`sum_arrived` read and write; the fields are
+    :func:`combine_out_kernel`'s parameters of the same names (``T``: this rank's token count, a runtime int; the push
+    combines pass ``y_ptr`` as the unused ``wback_ptr`` / ``gtw_ptr``; ``Tmax``: token rows per source in the staging, a
+    runtime int)."""
 
 
 @triton.jit

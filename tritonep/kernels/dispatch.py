@@ -22,7 +22,7 @@ Twins: the whole dispatch is specified by :func:`tritonep.reference.dispatch_ref
 :func:`tritonep.ep.layout.route_rows_torch`.
 """
 
-from typing import NamedTuple
+from collections import namedtuple
 
 import triton
 import triton.language as tl
@@ -33,45 +33,19 @@ from .signal import signal_peers, wait_all_ge, wait_ge
 from .wirecodec import RAW_BF16, wire_copy_raw, wire_encode, wire_load, wire_store_encoded, wire_to
 
 
-class SendIO(NamedTuple):
-    """What :func:`send_chunk` reads and writes; the fields are the send kernels' parameters of the same names
-    (``T``: this rank's token count and ``Tmax``: token rows per source in the staging and metadata, runtime ints;
+SendIO = namedtuple("SendIO", "x_ptr topk_idx_ptr topk_w_ptr rows_ptr T pre_ptr send_base_ptr stage_tab meta_tab "
+                              "wts_tab Tmax")
+SendIO.__doc__ = """What :func:`send_chunk` reads and writes; the fields are the send kernels' parameters of the same
+    names (``T``: this rank's token count and ``Tmax``: token rows per source in the staging and metadata, runtime ints;
     ``*_tab``: int64 pointer tables of every rank's region)."""
 
-    x_ptr: object
-    topk_idx_ptr: object
-    topk_w_ptr: object
-    rows_ptr: object
-    T: object
-    pre_ptr: object
-    send_base_ptr: object
-    stage_tab: object
-    meta_tab: object
-    wts_tab: object
-    Tmax: object
 
-
-class ExpandIO(NamedTuple):
-    """What :func:`expand_item` / :func:`expand_arrived` / :func:`zero_padding` read and write; the fields are
-    :func:`dispatch_expand_kernel`'s parameters of the same names (a kernel without the backward modes passes
-    ``out_ptr`` / ``out_w_ptr`` as ``eo_ptr`` / ``gw_ptr``, unused there; ``q_ptr`` / ``s_ptr`` are None unless
-    KEEP_Q; ``Tmax``: token rows per source in the staging and metadata, a runtime int)."""
-
-    x_ptr: object
-    stage_ptr: object
-    meta_ptr: object
-    wts_ptr: object
-    ntok_ptr: object
-    out_ptr: object
-    out_w_ptr: object
-    hmeta_ptr: object
-    hwts_ptr: object
-    hntok_ptr: object
-    eo_ptr: object
-    gw_ptr: object
-    q_ptr: object
-    s_ptr: object
-    Tmax: object
+ExpandIO = namedtuple("ExpandIO", "x_ptr stage_ptr meta_ptr wts_ptr ntok_ptr out_ptr out_w_ptr hmeta_ptr hwts_ptr "
+                                  "hntok_ptr eo_ptr gw_ptr q_ptr s_ptr Tmax")
+ExpandIO.__doc__ = """What :func:`expand_item` / :func:`expand_arrived` / :func:`zero_padding` read and write; the
+    fields are :func:`dispatch_expand_kernel`'s parameters of the same names (a kernel without the backward modes passes
+    ``out_ptr`` / ``out_w_ptr`` as ``eo_ptr`` / ``gw_ptr``, unused there; ``q_ptr`` / ``s_ptr`` are None unless KEEP_Q;
+    ``Tmax``: token rows per source in the staging and metadata, a runtime int)."""
 
 
 @triton.jit

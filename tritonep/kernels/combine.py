@@ -18,13 +18,29 @@ The summation order is fixed (k ascending per rank, then ranks ascending), so re
 to run. Twin: :func:`tritonep.reference.combine_reference_partial`.
 """
 
+from collections import namedtuple
+
 import triton
 import triton.language as tl
 
-from .common import cast_rne, mul_rn, widen
+from .common import RowTile, cast_rne, chunk_index, mul_rn, widen
 from .protocol import CALL_COMBINE, FLAG_CACK, FLAG_CDATA, STATUS_TIMEOUT, WAIT_CACK, WAIT_CDATA
-from .signal import signal_peers, wait_all_ge
+from .signal import publish_epoch_one, signal_peers, wait_all_ge
 from .wirecodec import RAW_BF16, wire_load, wire_store
+
+
+PartialIO = namedtuple("PartialIO", "eo_ptr hmeta_ptr hwts_ptr hntok_ptr gw_ptr stage_tab wback_tab Tmax")
+PartialIO.__doc__ = """What :func:`partial_item` / :func:`partial_step` read and write; the fields are
+    :func:`combine_partial_kernel`'s parameters of the same names (the weighted push combines pass ``hwts_ptr`` /
+    ``stage_tab`` as the unused ``gw_ptr`` / ``wback_tab``; ``Tmax``: token rows per source in the handle and the
+    staging, a runtime int)."""
+
+
+OutIO = namedtuple("OutIO", "topk_idx_ptr y_ptr T stage_tab wback_ptr gtw_ptr Tmax")
+OutIO.__doc__ = """What :func:`out_chunk` / :func:`sum_arrived` read and write; the fields are
+    :func:`combine_out_kernel`'s parameters of the same names (``T``: this rank's token count, a runtime int; the push
+    combines pass ``y_ptr`` as the unused ``wback_ptr`` / ``gtw_ptr``; ``Tmax``: token rows per source in the staging, a
+    runtime int)."""
 
 
 @triton.jit
@@ -44,84 +60,101 @@ def partial_item_source(idx, G, W: tl.constexpr):
 
 
 @triton.jit
-def partial_item(src, c, Ts, live, eo_ptr, hmeta_ptr, hwts_ptr, gw_ptr, stage_tab, wback_tab, Tmax,
-                 RANK: tl.constexpr, K: tl.constexpr, KB: tl.constexpr, H: tl.constexpr, BH: tl.constexpr,
-                 BT: tl.constexpr, PUSH: tl.constexpr, WEIGHTED: tl.constexpr, SEND_WGRAD: tl.constexpr,
-                 HAS_TIMER: tl.constexpr, RB: tl.constexpr, WIRE: tl.constexpr, POW2: tl.constexpr):
-    """Partials of chunk ``c`` of source ``src`` (``Ts`` tokens there), see :func:`combine_partial_kernel`."""
-    t_off = tl.arange(0, BT)
-    k_off = tl.arange(0, KB)
-    h_off = tl.arange(0, BH)
-    t = c * BT + t_off
-    tm = (t < Ts) & live
-    m2 = tm[:, None] & (k_off[None, :] < K)
-    off = (src * Tmax + t[:, None]).to(tl.int64) * K + k_off[None, :]
-    rows = tl.load(hmeta_ptr + off, mask=m2, other=-1)
-    if WEIGHTED:
-        w = tl.load(hwts_ptr + off, mask=m2, other=0.0)
-    has = tl.sum((rows >= 0).to(tl.int32), 1) > 0
-    if PUSH:
-        dst = tl.multiple_of(tl.load(stage_tab + src).to(tl.pointer_type(tl.uint8)), 16)
-        drow = (RANK * Tmax + t).to(tl.int64) * RB
+def staged_partials(stage_tab, peer, t, Tmax, tile, AT_PEER: tl.constexpr):
+    """Where the partial rows of tokens ``t`` exchanged with rank ``peer`` live, as ``(uint8 base, byte offset of
+    each row)``: in ``peer``'s staging at rows ``[RANK, t]`` (AT_PEER: the partial kernel's PUSH, the output
+    kernel's PULL) or in this rank's own staging at rows ``[peer, t]``. Both sides of a combine take their rows here,
+    so they agree by construction."""
+    if AT_PEER:
+        base = tl.multiple_of(tl.load(stage_tab + peer).to(tl.pointer_type(tl.uint8)), 16)
+        rows = (tile.RANK * Tmax + t).to(tl.int64) * tile.RB
     else:
-        dst = tl.multiple_of(tl.load(stage_tab + RANK).to(tl.pointer_type(tl.uint8)), 16)
-        drow = (src * Tmax + t).to(tl.int64) * RB
-    for h0 in range(0, H, BH):
+        base = tl.multiple_of(tl.load(stage_tab + tile.RANK).to(tl.pointer_type(tl.uint8)), 16)
+        rows = (peer * Tmax + t).to(tl.int64) * tile.RB
+    return base, rows
+
+
+@triton.jit
+def partial_item(src, c, Ts, live, io, tile, PUSH: tl.constexpr, WEIGHTED: tl.constexpr,
+                 SEND_WGRAD: tl.constexpr, POW2: tl.constexpr):
+    """Partials of chunk ``c`` of source ``src`` (``Ts`` tokens there) of :class:`PartialIO` ``io``, see
+    :func:`combine_partial_kernel`; ``tile``: the :class:`tritonep.kernels.common.RowTile`."""
+    t, k_off, h_off, tm, m2 = chunk_index(c, Ts, tile, live)
+    off = (src * io.Tmax + t[:, None]).to(tl.int64) * tile.K + k_off[None, :]
+    rows = tl.load(io.hmeta_ptr + off, mask=m2, other=-1)
+    if WEIGHTED:
+        w = tl.load(io.hwts_ptr + off, mask=m2, other=0.0)
+    has = tl.sum((rows >= 0).to(tl.int32), 1) > 0
+    dst, drow = staged_partials(io.stage_tab, src, t, io.Tmax, tile, PUSH)
+    for h0 in range(0, tile.H, tile.BH):
         h = h0 + h_off
-        hm = h < H
-        acc = tl.zeros((BT, BH), dtype=tl.float32)
-        for k in tl.static_range(K):
+        hm = h < tile.H
+        acc = tl.zeros((tile.BT, tile.BH), dtype=tl.float32)
+        for k in tl.static_range(tile.K):
             rk = tl.sum(tl.where(k_off[None, :] == k, rows, 0), 1)
             mk = (rk >= 0)[:, None] & hm[None, :]
-            v = tl.load(eo_ptr + rk[:, None].to(tl.int64) * H + h[None, :], mask=mk, other=0.0)
+            v = tl.load(io.eo_ptr + rk[:, None].to(tl.int64) * tile.H + h[None, :], mask=mk, other=0.0)
             if WEIGHTED:
                 wk = tl.sum(tl.where(k_off[None, :] == k, w, 0.0), 1)
-                acc += mul_rn(widen(v), tl.broadcast_to(wk[:, None], (BT, BH)), HAS_TIMER)
+                acc += mul_rn(widen(v), tl.broadcast_to(wk[:, None], (tile.BT, tile.BH)), tile.HAS_TIMER)
             else:
                 acc += widen(v)
-        wire_store(dst, drow, h0, acc, has, H, BH, BT, WIRE, POW2, HAS_TIMER)  # bf16: RNE-rounded partial
+        # bf16: the RNE-rounded partial
+        wire_store(dst, drow, h0, acc, has, tile.H, tile.BH, tile.BT, tile.WIRE, POW2, tile.HAS_TIMER)
     if SEND_WGRAD:
-        g = tl.load(gw_ptr + rows, mask=rows >= 0, other=0.0)
-        wb = tl.load(wback_tab + src).to(tl.pointer_type(tl.float32))
-        tl.store(wb + (RANK * Tmax + t[:, None]).to(tl.int64) * K + k_off[None, :], g,
+        g = tl.load(io.gw_ptr + rows, mask=rows >= 0, other=0.0)
+        wb = tl.load(io.wback_tab + src).to(tl.pointer_type(tl.float32))
+        tl.store(wb + (tile.RANK * io.Tmax + t[:, None]).to(tl.int64) * tile.K + k_off[None, :], g,
                  mask=m2 & (rows >= 0))
 
 
 @triton.jit
-def out_chunk(c, T, live, topk_idx_ptr, y_ptr, stage_tab, wback_ptr, gtw_ptr, Tmax, RANK: tl.constexpr,
-              W: tl.constexpr, L: tl.constexpr, K: tl.constexpr, KB: tl.constexpr, H: tl.constexpr,
-              BH: tl.constexpr, BT: tl.constexpr, PULL: tl.constexpr, RECV_WGRAD: tl.constexpr,
-              HAS_TIMER: tl.constexpr, RB: tl.constexpr, WIRE: tl.constexpr):
-    """Output rows of this rank's token chunk ``c``, see :func:`combine_out_kernel`."""
-    t_off = tl.arange(0, BT)
-    k_off = tl.arange(0, KB)
-    h_off = tl.arange(0, BH)
-    t = c * BT + t_off
-    tm = t < T
-    m2 = tm[:, None] & (k_off[None, :] < K)
-    tk = t[:, None].to(tl.int64) * K + k_off[None, :]
-    ids = tl.load(topk_idx_ptr + tk, mask=m2, other=-1).to(tl.int32)
+def partial_step(src, c, live, m, ccflag_tab, io, tile, W: tl.constexpr, PUSH: tl.constexpr,
+                 WEIGHTED: tl.constexpr, SEND_WGRAD: tl.constexpr, POW2: tl.constexpr):
+    """One (chunk ``c``, source ``src``) item of a partial role: the partials of the source's chunk if it has one
+    (``c * BT < hntok[src]``, :func:`partial_item`); with a ``ccflag_tab`` (the one-launch combines) then raise
+    ``ccflag[c, RANK] = m`` in ``src``'s memory, also for chunks past the source's T, so its waits complete."""
+    Ts = tl.load(io.hntok_ptr + src)
+    if c * tile.BT < Ts:
+        partial_item(src, c, Ts, live, io, tile, PUSH, WEIGHTED, SEND_WGRAD, POW2)
+    if ccflag_tab is not None:
+        publish_epoch_one(ccflag_tab, src, c * W + tile.RANK, m)
+
+
+@triton.jit
+def out_chunk(c, live, io, tile, W: tl.constexpr, L: tl.constexpr, PULL: tl.constexpr, RECV_WGRAD: tl.constexpr):
+    """Output rows of this rank's token chunk ``c`` of :class:`OutIO` ``io``, see :func:`combine_out_kernel`."""
+    t, k_off, h_off, tm, m2 = chunk_index(c, io.T, tile)
+    tk = t[:, None].to(tl.int64) * tile.K + k_off[None, :]
+    ids = tl.load(io.topk_idx_ptr + tk, mask=m2, other=-1).to(tl.int32)
     dest = tl.where((ids >= 0) & (ids < W * L), ids // L, -1)  # ids outside [-1, E) are refused, never followed
-    for h0 in range(0, H, BH):
+    for h0 in range(0, tile.H, tile.BH):
         h = h0 + h_off
-        hm = h < H
-        acc = tl.zeros((BT, BH), dtype=tl.float32)
+        hm = h < tile.H
+        acc = tl.zeros((tile.BT, tile.BH), dtype=tl.float32)
         for r in range(W):
             has = (tl.sum((dest == r).to(tl.int32), 1) > 0) & tm & live
-            if PULL:
-                base = tl.multiple_of(tl.load(stage_tab + r).to(tl.pointer_type(tl.uint8)), 16)
-                srow = (RANK * Tmax + t).to(tl.int64) * RB
-            else:
-                base = tl.multiple_of(tl.load(stage_tab + RANK).to(tl.pointer_type(tl.uint8)), 16)
-                srow = (r * Tmax + t).to(tl.int64) * RB
-            v = wire_load(base, srow, h0, has, H, BH, BT, WIRE, HAS_TIMER, HAS_TIMER)
+            base, srow = staged_partials(io.stage_tab, r, t, io.Tmax, tile, PULL)
+            v = wire_load(base, srow, h0, has, tile.H, tile.BH, tile.BT, tile.WIRE, tile.HAS_TIMER, tile.HAS_TIMER)
             acc += widen(v)
-        tl.store(y_ptr + t[:, None].to(tl.int64) * H + h[None, :], cast_rne(acc, y_ptr.dtype.element_ty),
+        tl.store(io.y_ptr + t[:, None].to(tl.int64) * tile.H + h[None, :], cast_rne(acc, io.y_ptr.dtype.element_ty),
                  mask=tm[:, None] & hm[None, :])
     if RECV_WGRAD:
-        g = tl.load(wback_ptr + ((dest * Tmax + t[:, None]).to(tl.int64) * K + k_off[None, :]),
+        g = tl.load(io.wback_ptr + ((dest * io.Tmax + t[:, None]).to(tl.int64) * tile.K + k_off[None, :]),
                     mask=m2 & (dest >= 0) & live, other=0.0)
-        tl.store(gtw_ptr + tk, g, mask=m2)
+        tl.store(io.gtw_ptr + tk, g, mask=m2)
+
+
+@triton.jit
+def sum_arrived(c, m, ccflag_ptr, status_ptr, timeout, io, tile, W: tl.constexpr, L: tl.constexpr,
+                WB: tl.constexpr):
+    """The output step of the one-launch combines (fused, decode): wait (bounded) until every rank's partial of
+    this rank's token chunk ``c`` arrived (``ccflag[c, r] >= m``, the combine call number) and sum it
+    (:func:`out_chunk`, push); a wait that gives up leaves the chunk unwritten."""
+    wait_all_ge(ccflag_ptr + c * W, W, m, status_ptr, WAIT_CDATA, timeout, tile.HAS_TIMER, WB)
+    live = tl.load(status_ptr) != STATUS_TIMEOUT
+    if live:
+        out_chunk(c, live, io, tile, W, L, False, False)
 
 
 @triton.jit(do_not_specialize=['cdata_off', 'timeout', 'G_out', 'Tmax', 'NCmax'])
@@ -143,12 +176,11 @@ def combine_partial_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, gw_ptr, stage
     m = tl.load(calls_ptr + CALL_COMBINE)
     wait_all_ge(flags_ptr + FLAG_CACK * W, W, (m - 1) * G_out, status_ptr, WAIT_CACK, timeout, HAS_TIMER, WB)
     live = tl.load(status_ptr) != STATUS_TIMEOUT
+    tile: tl.constexpr = RowTile(RANK, K, KB, H, BH, BT, RB, WIRE, HAS_TIMER)
+    io = PartialIO(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, gw_ptr, stage_tab, wback_tab, Tmax)
     for item in range(pid, W * NCmax, G):
         c, src = partial_item_source(item, G, W)
-        Ts = tl.load(hntok_ptr + src)
-        if c * BT < Ts:
-            partial_item(src, c, Ts, live, eo_ptr, hmeta_ptr, hwts_ptr, gw_ptr, stage_tab, wback_tab, Tmax, RANK, K,
-                         KB, H, BH, BT, PUSH, WEIGHTED, SEND_WGRAD, HAS_TIMER, RB, WIRE, POW2)
+        partial_step(src, c, live, m, None, io, tile, W, PUSH, WEIGHTED, SEND_WGRAD, POW2)
     signal_peers(flags_tab, cdata_off, W, RANK, WB)
 
 
@@ -169,7 +201,8 @@ def combine_out_kernel(topk_idx_ptr, y_ptr, T, NC, stage_tab, wback_ptr, gtw_ptr
     m = tl.load(calls_ptr + CALL_COMBINE)
     wait_all_ge(flags_ptr + FLAG_CDATA * W, W, m * G_partial, status_ptr, WAIT_CDATA, timeout, HAS_TIMER, WB)
     live = tl.load(status_ptr) != STATUS_TIMEOUT
+    tile: tl.constexpr = RowTile(RANK, K, KB, H, BH, BT, RB, WIRE, HAS_TIMER)
+    io = OutIO(topk_idx_ptr, y_ptr, T, stage_tab, wback_ptr, gtw_ptr, Tmax)
     for c in range(pid, NC, G):
-        out_chunk(c, T, live, topk_idx_ptr, y_ptr, stage_tab, wback_ptr, gtw_ptr, Tmax, RANK, W, L, K, KB, H, BH, BT,
-                  PULL, RECV_WGRAD, HAS_TIMER, RB, WIRE)
+        out_chunk(c, live, io, tile, W, L, PULL, RECV_WGRAD)
     signal_peers(flags_tab, cack_off, W, RANK, WB)

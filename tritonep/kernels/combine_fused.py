@@ -2,11 +2,12 @@
 
 The two-kernel combine (:mod:`tritonep.kernels.combine`) starts summing only after every expert rank pushed every
 partial. Here programs ``[0, GS)`` (expert-rank role) walk the (chunk, source) items in chunk order, push the
-partials of source ``src``'s token chunk ``c`` into ``src``'s staging
-(:func:`tritonep.kernels.combine.partial_item`) and then raise ``ccflag[c, RANK] = m`` (the combine call number,
-atomic max, release) in ``src``'s memory only; programs ``[GS, G)`` (source role) take this rank's token chunks in
-order, wait until every rank's flag of that chunk reached ``m`` (bounded, acquire) and sum the chunk
-(:func:`tritonep.kernels.combine.out_chunk`) while later chunks are still in flight. Same idea as
+partials of source ``src``'s token chunk ``c`` into ``src``'s staging and then raise ``ccflag[c, RANK] = m`` (the
+combine call number, atomic max, release) in ``src``'s memory only (:func:`tritonep.kernels.combine.partial_step`);
+programs ``[GS, G)`` (source role) take this rank's token chunks in order, wait until every rank's flag of that chunk
+reached ``m`` (bounded, acquire) and sum the chunk (:func:`tritonep.kernels.combine.sum_arrived`) while later chunks
+are still in flight. The decode combine (:mod:`tritonep.kernels.decode_combine`) runs the same two steps, every
+program taking both roles. Same idea as
 :mod:`tritonep.kernels.dispatch_fused` (per-chunk signalling of DeepEP / pplx-kernels).
 
 Compatibility: every program adds 1 to CDATA / CACK and the geometry makes ``grid_partial == GS`` and ``grid_out
@@ -19,9 +20,10 @@ Twin: :func:`tritonep.reference.combine_reference_partial` (same bits as the two
 import triton
 import triton.language as tl
 
-from .combine import out_chunk, partial_item, partial_item_source
-from .protocol import CALL_COMBINE, FLAG_CACK, STATUS_TIMEOUT, WAIT_CACK, WAIT_CDATA
-from .signal import publish_epoch_one, signal_peers, wait_all_ge
+from .combine import OutIO, PartialIO, partial_item_source, partial_step, sum_arrived
+from .common import RowTile
+from .protocol import CALL_COMBINE, FLAG_CACK, STATUS_TIMEOUT, WAIT_CACK
+from .signal import signal_peers, wait_all_ge
 from .wirecodec import RAW_BF16
 
 
@@ -43,25 +45,20 @@ def combine_fused_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, stage_tab, ccfl
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     m = tl.load(calls_ptr + CALL_COMBINE)
+    tile: tl.constexpr = RowTile(RANK, K, KB, H, BH, BT, RB, WIRE, HAS_TIMER)
     if pid < GS:
         wait_all_ge(flags_ptr + FLAG_CACK * W, W, (m - 1) * G_out_std, status_ptr, WAIT_CACK, timeout, HAS_TIMER, WB)
         live = tl.load(status_ptr) != STATUS_TIMEOUT
+        partial_io = PartialIO(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, hwts_ptr, stage_tab, stage_tab, Tmax)
         for item in range(pid, W * NCmax, GS):
             c, src = partial_item_source(item, GS, W)
-            Ts = tl.load(hntok_ptr + src)
-            if c * BT < Ts:
-                partial_item(src, c, Ts, live, eo_ptr, hmeta_ptr, hwts_ptr, hwts_ptr, stage_tab, stage_tab, Tmax,
-                             RANK, K, KB, H, BH, BT, True, True, False, HAS_TIMER, RB, WIRE, POW2)
-            publish_epoch_one(ccflag_tab, src, c * W + RANK, m)
+            partial_step(src, c, live, m, ccflag_tab, partial_io, tile, W, True, True, False, POW2)
         signal_peers(flags_tab, cdata_off, W, RANK, WB)
     else:
         e = pid - GS
         GE = G - GS
         NC = tl.cdiv(T, BT)
+        out_io = OutIO(topk_idx_ptr, y_ptr, T, stage_tab, y_ptr, y_ptr, Tmax)
         for c in range(e, NC, GE):
-            wait_all_ge(ccflag_ptr + c * W, W, m, status_ptr, WAIT_CDATA, timeout, HAS_TIMER, WB)
-            live = tl.load(status_ptr) != STATUS_TIMEOUT
-            if live:
-                out_chunk(c, T, live, topk_idx_ptr, y_ptr, stage_tab, y_ptr, y_ptr, Tmax, RANK, W, L, K, KB, H, BH,
-                          BT, False, False, HAS_TIMER, RB, WIRE)
+            sum_arrived(c, m, ccflag_ptr, status_ptr, timeout, out_io, tile, W, L, WB)
         signal_peers(flags_tab, cack_off, W, RANK, WB)

@@ -1,7 +1,43 @@
-"""Small device helpers shared by the kernels, and the check that the kernels were built for the device in use."""
+"""Small device helpers shared by the kernels, the row-tile bundle the EP helpers take, and the check that the kernels
+were built for the device in use."""
+
+from collections import namedtuple
 
 import triton
 import triton.language as tl
+
+
+RowTile = namedtuple("RowTile", "RANK K KB H BH BT RB WIRE HAS_TIMER")
+RowTile.__doc__ = """The static geometry of the row tiles an EP data-movement helper moves
+    (:mod:`tritonep.kernels.dispatch`, :mod:`tritonep.kernels.combine`), bound once in a kernel from its own constexpr
+    parameters and handed whole to the helpers:
+    ``tile: tl.constexpr = RowTile(RANK, K, KB, H, BH, BT, RB, WIRE, HAS_TIMER)``.
+
+    Every field is a compile-time constant and the bundle is one too (bind it with the ``tl.constexpr`` annotation: a
+    plain assignment would turn its fields into tensors); a helper reads ``tile.BT``, ``tile.WIRE.quantized``, ... as
+    constants. The generated code is the same as with loose arguments (``scripts/ptx_snapshot.py`` compares the PTX).
+    The runtime values a helper needs travel in its own named tuple of pointers (e.g.
+    :class:`tritonep.kernels.dispatch.ExpandIO`).
+
+    Fields: ``RANK``, ``K`` (top-k), ``KB`` (power of two >= K), ``H`` (hidden), ``BH`` (hidden tile), ``BT`` (token
+    tile), ``RB`` (bytes of one wire row), ``WIRE`` (:class:`tritonep.kernels.wirecodec.DeviceCodec`), ``HAS_TIMER``
+    (True exactly on the GPU: the ``%globaltimer`` waits, and the codecs' FAST / exact-multiply paths)."""
+
+
+@triton.jit
+def chunk_index(c, n, tile, live=None):
+    """Index vectors of token chunk ``c`` (tokens ``[c*BT, c*BT+BT)``) of a source with ``n`` tokens, for the
+    :class:`RowTile` ``tile``: ``t`` [BT] token ids, ``k_off`` [KB] and ``h_off`` [BH] offsets, ``tm`` [BT] (``t <
+    n``, and ``live`` when given) and ``m2`` [BT, KB] (the (token, k) slots that exist)."""
+    t_off = tl.arange(0, tile.BT)
+    k_off = tl.arange(0, tile.KB)
+    h_off = tl.arange(0, tile.BH)
+    t = c * tile.BT + t_off
+    tm = t < n
+    if live is not None:
+        tm = tm & live
+    m2 = tm[:, None] & (k_off[None, :] < tile.K)
+    return t, k_off, h_off, tm, m2
 
 
 def kernels_interpreted() -> bool:

@@ -5,11 +5,12 @@ Every program of a grid of ``G`` programs (the geometry's ``dec``, the same grid
 1. waits (bounded) until every source finished reading the previous combine's partials (CACK, as the two-kernel
    partial kernel does);
 2. for its token-chunk numbers ``c = pid, pid + G, ...`` and every source rank ``src``: reduces the routes of the
-   source's chunk that live here (:func:`tritonep.kernels.combine.partial_item`, k ascending, fp32, wire-encoded),
-   pushes them into ``src``'s combine staging and raises ``ccflag[c, RANK] = m`` there (also for chunks past the
-   source's T, so its waits complete);
+   source's chunk that live here (k ascending, fp32, wire-encoded), pushes them into ``src``'s combine staging and
+   raises ``ccflag[c, RANK] = m`` there, also for chunks past the source's T, so its waits complete
+   (:func:`tritonep.kernels.combine.partial_step`, the fused combine's partial step);
 3. sums the same chunk numbers of this rank's tokens: waits for ``ccflag[c, r] >= m`` of every rank ``r`` (set by
-   program ``pid`` of rank ``r``) and adds the partials in rank order (:func:`tritonep.kernels.combine.out_chunk`);
+   program ``pid`` of rank ``r``) and adds the partials in rank order (:func:`tritonep.kernels.combine.sum_arrived`,
+   the fused combine's output step);
 4. the last program to finish advances ``calls[CALL_COMBINE]`` and adds G to CDATA and CACK in every rank
    (:func:`tritonep.kernels.signal.finish_launch`), so no torch op advances the counter before the launch.
 
@@ -25,9 +26,10 @@ Summation order and bits equal the two-kernel path. Twin: :func:`tritonep.refere
 import triton
 import triton.language as tl
 
-from .combine import out_chunk, partial_item
-from .protocol import CALL_COMBINE, DONE_DECODE_COMBINE, FLAG_CACK, STATUS_TIMEOUT, WAIT_CACK, WAIT_CDATA
-from .signal import finish_launch, publish_epoch_one, wait_all_ge
+from .combine import OutIO, PartialIO, partial_step, sum_arrived
+from .common import RowTile
+from .protocol import CALL_COMBINE, DONE_DECODE_COMBINE, FLAG_CACK, STATUS_TIMEOUT, WAIT_CACK
+from .signal import finish_launch, wait_all_ge
 from .wirecodec import RAW_BF16
 
 __all__ = ["combine_decode_kernel"]
@@ -52,19 +54,14 @@ def combine_decode_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, stage_tab, ccf
     m = tl.load(calls_ptr + CALL_COMBINE) + 1
     wait_all_ge(flags_ptr + FLAG_CACK * W, W, (m - 1) * G, status_ptr, WAIT_CACK, timeout, HAS_TIMER, WB)
     live = tl.load(status_ptr) != STATUS_TIMEOUT
+    tile: tl.constexpr = RowTile(RANK, K, KB, H, BH, BT, RB, WIRE, HAS_TIMER)
+    partial_io = PartialIO(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, hwts_ptr, stage_tab, stage_tab, Tmax)
     for c in range(pid, NCmax, G):
         for s in range(W):
             src = (s + RANK) % W  # each rank starts with itself: the ranks' first pushes go to different peers
-            Ts = tl.load(hntok_ptr + src)
-            if c * BT < Ts:
-                partial_item(src, c, Ts, live, eo_ptr, hmeta_ptr, hwts_ptr, hwts_ptr, stage_tab, stage_tab, Tmax,
-                             RANK, K, KB, H, BH, BT, True, True, False, HAS_TIMER, RB, WIRE, POW2)
-            publish_epoch_one(ccflag_tab, src, c * W + RANK, m)
+            partial_step(src, c, live, m, ccflag_tab, partial_io, tile, W, True, True, False, POW2)
+    out_io = OutIO(topk_idx_ptr, y_ptr, T, stage_tab, y_ptr, y_ptr, Tmax)
     for c in range(pid, tl.cdiv(T, BT), G):
-        wait_all_ge(ccflag_ptr + c * W, W, m, status_ptr, WAIT_CDATA, timeout, HAS_TIMER, WB)
-        live_c = tl.load(status_ptr) != STATUS_TIMEOUT
-        if live_c:
-            out_chunk(c, T, live_c, topk_idx_ptr, y_ptr, stage_tab, y_ptr, y_ptr, Tmax, RANK, W, L, K, KB, H, BH,
-                      BT, False, False, HAS_TIMER, RB, WIRE)
+        sum_arrived(c, m, ccflag_ptr, status_ptr, timeout, out_io, tile, W, L, WB)
     finish_launch(calls_ptr, DONE_DECODE_COMBINE, CALL_COMBINE, m, CALL_COMBINE, m, False, flags_tab, cdata_off,
                   cack_off, W, RANK, WB)

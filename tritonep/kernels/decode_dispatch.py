@@ -14,11 +14,12 @@ program of one grid of ``G`` programs (``G <= cdiv(Tmax, BT)``, ``G <= 132``; th
 3. computes the layout (:func:`tritonep.kernels.layout.layout_tiles`) and the verdict (bad input anywhere /
    capacity: the same on every rank); program 0 stores ``num_tokens_per_expert``, ``expert_offsets``, the rows
    received and the counts snapshot and records the error;
-4. sends its token chunks ``c = pid, pid + G, ...`` (:func:`tritonep.kernels.dispatch.send_chunk`, rows derived
+4. sends its token chunks ``c = pid, pid + G, ...`` (after the sender prologue all dispatch kernels share,
+   :func:`tritonep.kernels.dispatch.open_send`; :func:`tritonep.kernels.dispatch.send_chunk`, rows derived
    from a per-chunk prefix it histograms itself and stores in its own scratch rows ``pre[c]`` / ``hist[pid]``),
    publishing ``cflag[RANK, c] = n`` in every destination after each chunk (also for chunks past its T);
 5. expands the same chunk numbers of every source: waits for ``cflag[src, c] >= n`` (set by program ``pid`` of
-   rank ``src``), scatters the rows (:func:`tritonep.kernels.dispatch.expand_item`; raw bf16 wire: the own rank's
+   rank ``src``), scatters the rows (:func:`tritonep.kernels.dispatch.expand_arrived`; raw bf16 wire: the own rank's
    rows come from ``x`` and were never staged); program 0 also zeroes the alignment padding;
 6. the last program to finish (a done counter ``calls[DONE_DECODE_DISPATCH]``) advances ``calls[CALL_DISPATCH]``
    and ``calls[CALL_EXCHANGE]``; every program reads them before it counts itself done, so no separate launch
@@ -45,11 +46,11 @@ Twin: :func:`tritonep.reference.dispatch_reference` (same bits as the two-kernel
 import triton
 import triton.language as tl
 
-from .dispatch import expand_item, send_chunk, zero_padding
+from .common import RowTile
+from .dispatch import ExpandIO, SendIO, expand_arrived, open_send, send_chunk, zero_padding
 from .layout import layout_tiles, record_verdict, refused_call, store_layout
-from .protocol import (CALL_DISPATCH, CALL_EXCHANGE, DONE_DECODE_DISPATCH, FLAG_ACK, FLAG_COUNTS, ST_ROWS_RECEIVED,
-                       STATUS_TIMEOUT, WAIT_ACK, WAIT_COUNTS, WAIT_DATA)
-from .signal import finish_launch, publish_epoch, signal_peers, wait_all_ge, wait_ge
+from .protocol import CALL_DISPATCH, CALL_EXCHANGE, DONE_DECODE_DISPATCH, FLAG_COUNTS, ST_ROWS_RECEIVED, WAIT_COUNTS
+from .signal import finish_launch, publish_epoch, signal_peers, wait_ge
 from .wirecodec import RAW_BF16
 
 __all__ = ["dispatch_decode_kernel"]
@@ -105,6 +106,7 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
     n = tl.load(calls_ptr + CALL_DISPATCH) + 1
     nx = tl.load(calls_ptr + CALL_EXCHANGE) + 1
     E1: tl.constexpr = E + 1
+    tile: tl.constexpr = RowTile(RANK, K, KB, H, BH, BT, RB, WIRE, HAS_TIMER)
     cbuf = (nx % 2) * (W * E1)  # the counts region's two matrices for alternate exchanges (exchange_kernel DOUBLE)
     d_off = tl.arange(0, WB)
     j_off = tl.arange(0, LB)
@@ -155,37 +157,27 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
     send_base = hist_ptr + pid * E1  # this program's scratch row
     tl.store(send_base + e2d, seg_start + prefix, mask=m2d)
     # 3) send this program's chunks (after the destinations consumed the previous call's staging)
-    wait_all_ge(flags_ptr + FLAG_ACK * W, W, (n - 1) * G, status_ptr, WAIT_ACK, timeout, HAS_TIMER, WB)
-    timed_out = tl.load(status_ptr) == STATUS_TIMEOUT
-    live = (timed_out == 0) & (refused == 0)
-    for d in range(W):
-        nt = tl.load(ntok_tab + d).to(tl.pointer_type(tl.int32))
-        tl.store(nt + RANK, T)
+    timed_out, live = open_send(n, G, refused, 0, T, flags_ptr, status_ptr, ntok_tab, timeout, tile, W, WB)
+    send_io = SendIO(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, pre_ptr, send_base, stage_tab, meta_tab, wts_tab,
+                     Tmax)
     for c in range(pid, NCmax, G):
         if c * BT < T:
             pre_c, _ = _own_histogram(topk_idx_ptr, T, c * BT, K, KB, E, L, TB, WB, LB)
             tl.store(pre_ptr + c * E + e2d, pre_c, mask=m2d)
             tl.debug_barrier()  # the scratch rows are read back by other threads of this program
-            send_chunk(c, x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, pre_ptr, send_base, stage_tab, meta_tab,
-                       wts_tab, live, Tmax, RANK, W, E, L, K, KB, H, BH, BT, True, RB, WIRE, POW2, HAS_TIMER)
+            send_chunk(c, live, send_io, tile, W, E, L, True, POW2)
         publish_epoch(cflag_tab, W, RANK * NCmax + c, n, WB)
     # 4) expand the same chunk numbers of every source (published by program pid of that source)
     skip = timed_out | refused
+    expand_io = ExpandIO(x_ptr, stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_ptr, out_w_ptr, hmeta_ptr, hwts_ptr,
+                         hntok_ptr, out_ptr, out_w_ptr, q_ptr, s_ptr, Tmax)
     for c in range(pid, NCmax, G):
         for src in range(W):
-            wait_ge(cflag_ptr + src * NCmax + c, n, status_ptr, WAIT_DATA, src, timeout, HAS_TIMER)
-            skip_now = skip | (tl.load(status_ptr) == STATUS_TIMEOUT)
-            Ts = tl.load(ntok_ptr + src, volatile=True)
-            if c == 0:
-                tl.store(hntok_ptr + src, Ts)
-            if c * BT < Ts:
-                expand_item(src, c, Ts, skip_now, x_ptr, stage_ptr, meta_ptr, wts_ptr, out_ptr, out_w_ptr,
-                            hmeta_ptr, hwts_ptr, out_ptr, out_w_ptr, Tmax, RANK, K, KB, H, BH, BT, False, False, True,
-                            HAS_TIMER, RB, WIRE, KEEP_Q, q_ptr, s_ptr)
+            expand_arrived(src, c, n, skip, cflag_ptr, NCmax, status_ptr, timeout, expand_io, tile, KEEP_Q, False)
     if A > 1:
         if pid == 0:
             if skip == 0:  # a refused call's segments may exceed the rows allocated: write nothing
                 tl.debug_barrier()  # ntpe / offs were stored by this program's threads above
-                zero_padding(0, 1, out_ptr, out_w_ptr, out_w_ptr, ntpe_ptr, offs_ptr, L, H, BH, BA, False, KEEP_Q)
+                zero_padding(0, 1, expand_io, ntpe_ptr, offs_ptr, tile, L, BA, False, KEEP_Q)
     finish_launch(calls_ptr, DONE_DECODE_DISPATCH, CALL_DISPATCH, n, CALL_EXCHANGE, nx, True, flags_tab, data_off,
                   ack_off, W, RANK, WB)

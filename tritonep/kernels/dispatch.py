@@ -22,13 +22,30 @@ Twins: the whole dispatch is specified by :func:`tritonep.reference.dispatch_ref
 :func:`tritonep.ep.layout.route_rows_torch`.
 """
 
+from collections import namedtuple
+
 import triton
 import triton.language as tl
 
-from .common import cast_rne, widen
+from .common import RowTile, cast_rne, chunk_index, widen
 from .protocol import CALL_DISPATCH, FLAG_ACK, FLAG_DATA, ST_SKIP_CALL, STATUS_TIMEOUT, WAIT_ACK, WAIT_DATA
-from .signal import signal_peers, wait_all_ge
+from .signal import signal_peers, wait_all_ge, wait_ge
 from .wirecodec import RAW_BF16, wire_copy_raw, wire_encode, wire_load, wire_store_encoded, wire_to
+
+
+SendIO = namedtuple("SendIO", "x_ptr topk_idx_ptr topk_w_ptr rows_ptr T pre_ptr send_base_ptr stage_tab meta_tab "
+                              "wts_tab Tmax")
+SendIO.__doc__ = """What :func:`send_chunk` reads and writes; the fields are the send kernels' parameters of the same
+    names (``T``: this rank's token count and ``Tmax``: token rows per source in the staging and metadata, runtime ints;
+    ``*_tab``: int64 pointer tables of every rank's region)."""
+
+
+ExpandIO = namedtuple("ExpandIO", "x_ptr stage_ptr meta_ptr wts_ptr ntok_ptr out_ptr out_w_ptr hmeta_ptr hwts_ptr "
+                                  "hntok_ptr eo_ptr gw_ptr q_ptr s_ptr Tmax")
+ExpandIO.__doc__ = """What :func:`expand_item` / :func:`expand_arrived` / :func:`zero_padding` read and write; the
+    fields are :func:`dispatch_expand_kernel`'s parameters of the same names (a kernel without the backward modes passes
+    ``out_ptr`` / ``out_w_ptr`` as ``eo_ptr`` / ``gw_ptr``, unused there; ``q_ptr`` / ``s_ptr`` are None unless KEEP_Q;
+    ``Tmax``: token rows per source in the staging and metadata, a runtime int)."""
 
 
 @triton.jit
@@ -37,23 +54,39 @@ def _ptr(tab, r, DT: tl.constexpr):
 
 
 @triton.jit
-def send_chunk(c, x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, pre_ptr, send_base_ptr, stage_tab, meta_tab,
-               wts_tab, live, Tmax, RANK: tl.constexpr, W: tl.constexpr, E: tl.constexpr, L: tl.constexpr,
-               K: tl.constexpr, KB: tl.constexpr, H: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr,
-               COMPUTE_ROWS: tl.constexpr, RB: tl.constexpr, WIRE: tl.constexpr, POW2: tl.constexpr,
-               FAST: tl.constexpr = False):
-    """Send token chunk ``c`` (tokens ``[c*BT, c*BT+BT)``): rows/weights metadata and the wire row to every
-    destination rank that the token routes to (see :func:`dispatch_send_kernel`). FAST (the callers pass
-    ``HAS_TIMER``, True exactly on the GPU): the wire's inline-PTX encoder (same bits)."""
-    t_off = tl.arange(0, BT)
-    k_off = tl.arange(0, KB)
-    h_off = tl.arange(0, BH)
-    R: tl.constexpr = BT * KB
-    t = c * BT + t_off
-    tm = t < T
-    m2 = tm[:, None] & (k_off[None, :] < K)
-    tk = t[:, None].to(tl.int64) * K + k_off[None, :]
-    ids = tl.load(topk_idx_ptr + tk, mask=m2, other=-1).to(tl.int32)
+def open_send(n, G_expand, refused, writer, T, flags_ptr, status_ptr, ntok_tab, timeout, tile,
+              W: tl.constexpr, WB: tl.constexpr):
+    """The sender prologue of every dispatch kernel: wait (bounded) until every destination consumed the staging of
+    the previous call (``flags[ACK, d] >= (n - 1) * G_expand``), then, if ``writer == 0``, write ``ntok[RANK] = T``
+    in every destination (the two-kernel send passes its program id: program 0 writes; the one-launch kernels pass
+    0: every sender writes, before its first chunk flag). ``refused``: this call's refusal (bad input / capacity)
+    when the caller computed it, or None to read it from the status word (``status[ST_SKIP_CALL] == n``, recorded
+    by the layout kernel). Returns ``(timed_out, live)``: the buffer timed out (this or an earlier call), and rows
+    may move (neither timed out nor refused; a capacity overflow skips only this call, a timeout poisons the
+    buffer)."""
+    wait_all_ge(flags_ptr + FLAG_ACK * W, W, (n - 1) * G_expand, status_ptr, WAIT_ACK, timeout, tile.HAS_TIMER, WB)
+    timed_out = tl.load(status_ptr) == STATUS_TIMEOUT
+    if refused is None:
+        refused = tl.load(status_ptr + ST_SKIP_CALL) == n
+    live = (timed_out == 0) & (refused == 0)
+    if writer == 0:
+        for d in range(W):
+            nt = tl.load(ntok_tab + d).to(tl.pointer_type(tl.int32))
+            tl.store(nt + tile.RANK, T)
+    return timed_out, live
+
+
+@triton.jit
+def send_chunk(c, live, io, tile, W: tl.constexpr, E: tl.constexpr, L: tl.constexpr, COMPUTE_ROWS: tl.constexpr,
+               POW2: tl.constexpr):
+    """Send token chunk ``c`` (tokens ``[c*BT, c*BT+BT)``) of :class:`SendIO` ``io``: rows/weights metadata and the
+    wire row to every destination rank that the token routes to (see :func:`dispatch_send_kernel`); ``tile``: the
+    :class:`tritonep.kernels.common.RowTile` (HAS_TIMER, True exactly on the GPU, selects the wire's inline-PTX
+    encoder: same bits)."""
+    R: tl.constexpr = tile.BT * tile.KB
+    t, k_off, h_off, tm, m2 = chunk_index(c, io.T, tile)
+    tk = t[:, None].to(tl.int64) * tile.K + k_off[None, :]
+    ids = tl.load(io.topk_idx_ptr + tk, mask=m2, other=-1).to(tl.int32)
     valid = (ids >= 0) & (ids < E)  # ids outside [-1, E) are refused by the counts exchange, never followed
     ids = tl.where(valid, ids, -1)
     if COMPUTE_ROWS:
@@ -61,129 +94,139 @@ def send_chunk(c, x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, pre_ptr, send_ba
         fv = fid >= 0
         i_off = tl.arange(0, R)
         eq = (fid[:, None] == fid[None, :]) & (i_off[None, :] < i_off[:, None]) & fv[None, :]
-        within = tl.reshape(tl.sum(eq.to(tl.int32), 1), (BT, KB))
-        carry = tl.load(pre_ptr + c * E + ids, mask=valid, other=0)
-        base = tl.load(send_base_ptr + ids, mask=valid, other=0)
+        within = tl.reshape(tl.sum(eq.to(tl.int32), 1), (tile.BT, tile.KB))
+        carry = tl.load(io.pre_ptr + c * E + ids, mask=valid, other=0)
+        base = tl.load(io.send_base_ptr + ids, mask=valid, other=0)
         rows = tl.where(valid, base + carry + within, -1)
-        tl.store(rows_ptr + tk, rows, mask=m2)
+        tl.store(io.rows_ptr + tk, rows, mask=m2)
     else:
-        rows = tl.load(rows_ptr + tk, mask=m2, other=-1)
-    w = tl.load(topk_w_ptr + tk, mask=m2, other=0.0)
+        rows = tl.load(io.rows_ptr + tk, mask=m2, other=-1)
+    w = tl.load(io.topk_w_ptr + tk, mask=m2, other=0.0)
     dest = tl.where(valid, ids // L, -1)
-    mt = tm[:, None] & (k_off[None, :] < K)
+    mt = tm[:, None] & (k_off[None, :] < tile.K)
     for d in range(W):
-        md = tl.load(meta_tab + d).to(tl.pointer_type(tl.int32))
-        wd = tl.load(wts_tab + d).to(tl.pointer_type(tl.float32))
-        off = (RANK * Tmax + t[:, None]).to(tl.int64) * K + k_off[None, :]
+        md = tl.load(io.meta_tab + d).to(tl.pointer_type(tl.int32))
+        wd = tl.load(io.wts_tab + d).to(tl.pointer_type(tl.float32))
+        off = (tile.RANK * io.Tmax + t[:, None]).to(tl.int64) * tile.K + k_off[None, :]
         tl.store(md + off, tl.where(dest == d, rows, -1), mask=mt)
         tl.store(wd + off, tl.where(dest == d, w, 0.0), mask=mt)
     # a raw wire in a world of one stages nothing (the expander reads x): no row loads either
-    for h0 in range(0, H if (WIRE.quantized or W > 1) else 0, BH):
+    for h0 in range(0, tile.H if (tile.WIRE.quantized or W > 1) else 0, tile.BH):
         h = h0 + h_off
-        hm = h < H
-        xt = tl.load(x_ptr + t[:, None].to(tl.int64) * H + h[None, :], mask=tm[:, None] & hm[None, :],
+        hm = h < tile.H
+        xt = tl.load(io.x_ptr + t[:, None].to(tl.int64) * tile.H + h[None, :], mask=tm[:, None] & hm[None, :],
                      other=0.0)
-        pay, sc = wire_encode(xt, BT, BH, WIRE, POW2, FAST)  # quantize once, store to every destination
-        row_off = (RANK * Tmax + t).to(tl.int64) * RB
+        pay, sc = wire_encode(xt, tile.BT, tile.BH, tile.WIRE, POW2, tile.HAS_TIMER)  # quantize once, store to all
+        row_off = (tile.RANK * io.Tmax + t).to(tl.int64) * tile.RB
         for dd in range(W):
-            d = (dd + RANK) % W  # each rank's stores start at a different destination (no W-to-1 incast)
+            d = (dd + tile.RANK) % W  # each rank's stores start at a different destination (no W-to-1 incast)
             has = (tl.sum((dest == d).to(tl.int32), 1) > 0) & tm & live
-            if not WIRE.quantized:  # raw own-rank rows: the expander reads x itself (no staging copy)
-                has = has & (d != RANK)
-            sd = _ptr(stage_tab, d, tl.uint8)
-            wire_store_encoded(sd, row_off, h0, pay, sc, has, H, BH, WIRE)
+            if not tile.WIRE.quantized:  # raw own-rank rows: the expander reads x itself (no staging copy)
+                has = has & (d != tile.RANK)
+            sd = _ptr(io.stage_tab, d, tl.uint8)
+            wire_store_encoded(sd, row_off, h0, pay, sc, has, tile.H, tile.BH, tile.WIRE)
 
 
 @triton.jit
-def source_tile(src, t, has, x_ptr, stage_ptr, row_off, h0, RANK: tl.constexpr, H: tl.constexpr,
-                BH: tl.constexpr, BT: tl.constexpr, WIRE: tl.constexpr, EXACT_MUL: tl.constexpr,
-                FAST: tl.constexpr = False):
+def source_tile(src, t, has, io, row_off, h0, tile):
     """Columns [h0, h0+BH) of the wire rows of tokens ``t`` of source ``src`` as the expander sees them.
 
-    Quantized wires: decoded from the staging (``row_off``: byte offsets of the rows in ``stage``). Raw bf16 wire:
-    the rows of the own rank (``src == RANK``) are read straight from the sender's input ``x_ptr`` (``[Ts, H]``,
-    the tensor :func:`send_chunk` encodes; it stays unchanged until the expander ran: same stream or same launch)
-    and passed through the raw encoder, so the tile has the bits the staged row would hold, without the staging
-    write + read through HBM; other sources' rows come from the staging. Masked rows read as zero."""
-    if WIRE.quantized:
-        return wire_load(stage_ptr, row_off, h0, has, H, BH, BT, WIRE, EXACT_MUL, FAST)
+    Quantized wires: decoded from the staging (``row_off``: byte offsets of the rows in ``io.stage_ptr``). Raw bf16
+    wire: the rows of the own rank (``src == RANK``) are read straight from the sender's input ``io.x_ptr``
+    (``[Ts, H]``, the tensor :func:`send_chunk` encodes; it stays unchanged until the expander ran: same stream or
+    same launch) and passed through the raw encoder, so the tile has the bits the staged row would hold, without the
+    staging write + read through HBM; other sources' rows come from the staging. Masked rows read as zero. On the
+    GPU (``tile.HAS_TIMER``) the decoder multiplies exactly and takes its FAST path (same bits)."""
+    if tile.WIRE.quantized:
+        return wire_load(io.stage_ptr, row_off, h0, has, tile.H, tile.BH, tile.BT, tile.WIRE, tile.HAS_TIMER,
+                         tile.HAS_TIMER)
     else:
-        if src == RANK:
-            h = h0 + tl.arange(0, BH)
-            v = tl.load(x_ptr + t[:, None].to(tl.int64) * H + h[None, :], mask=has[:, None] & (h < H)[None, :],
-                        other=0.0)
-            xt, _ = wire_encode(v, BT, BH, WIRE, False)
+        if src == tile.RANK:
+            h = h0 + tl.arange(0, tile.BH)
+            v = tl.load(io.x_ptr + t[:, None].to(tl.int64) * tile.H + h[None, :],
+                        mask=has[:, None] & (h < tile.H)[None, :], other=0.0)
+            xt, _ = wire_encode(v, tile.BT, tile.BH, tile.WIRE, False)
         else:
-            xt = wire_load(stage_ptr, row_off, h0, has, H, BH, BT, WIRE, EXACT_MUL, FAST)
+            xt = wire_load(io.stage_ptr, row_off, h0, has, tile.H, tile.BH, tile.BT, tile.WIRE, tile.HAS_TIMER,
+                           tile.HAS_TIMER)
         return xt
 
 
 @triton.jit
-def expand_item(src, c, Ts, skip, x_ptr, stage_ptr, meta_ptr, wts_ptr, out_ptr, out_w_ptr, hmeta_ptr, hwts_ptr,
-                eo_ptr, gw_ptr, Tmax, RANK: tl.constexpr, K: tl.constexpr, KB: tl.constexpr, H: tl.constexpr,
-                BH: tl.constexpr, BT: tl.constexpr, SCALE: tl.constexpr, DOT: tl.constexpr,
-                KEEP_HANDLE: tl.constexpr, HAS_TIMER: tl.constexpr, RB: tl.constexpr, WIRE: tl.constexpr,
-                KEEP_Q: tl.constexpr, q_ptr, s_ptr, PF: tl.constexpr = False):
-    """Expand chunk ``c`` of source ``src`` (``Ts`` tokens there) from the staging (raw wire, own rank: from
-    ``x_ptr``, see :func:`source_tile`) into the expert rows (see :func:`dispatch_expand_kernel`). ``PF``: load
-    the next hidden tile's source rows before storing the current one (its latency then overlaps the K stores)."""
-    t_off = tl.arange(0, BT)
-    k_off = tl.arange(0, KB)
-    h_off = tl.arange(0, BH)
-    t = c * BT + t_off
-    tm = t < Ts
-    m2 = tm[:, None] & (k_off[None, :] < K)
-    off = (src * Tmax + t[:, None]).to(tl.int64) * K + k_off[None, :]
-    rows = tl.load(meta_ptr + off, mask=m2, other=-1)
+def expand_item(src, c, Ts, skip, io, tile, SCALE: tl.constexpr, DOT: tl.constexpr, KEEP_HANDLE: tl.constexpr,
+                KEEP_Q: tl.constexpr, PF: tl.constexpr):
+    """Expand chunk ``c`` of source ``src`` (``Ts`` tokens there) of :class:`ExpandIO` ``io`` from the staging (raw
+    wire, own rank: from ``io.x_ptr``, see :func:`source_tile`) into the expert rows (see
+    :func:`dispatch_expand_kernel`). ``PF``: load the next hidden tile's source rows before storing the current one
+    (its latency then overlaps the K stores)."""
+    t, k_off, h_off, tm, m2 = chunk_index(c, Ts, tile)
+    off = (src * io.Tmax + t[:, None]).to(tl.int64) * tile.K + k_off[None, :]
+    rows = tl.load(io.meta_ptr + off, mask=m2, other=-1)
     rows = tl.where(skip, -1, rows)
-    w = tl.load(wts_ptr + off, mask=m2, other=0.0)
+    w = tl.load(io.wts_ptr + off, mask=m2, other=0.0)
     if KEEP_HANDLE:
-        tl.store(hmeta_ptr + off, rows, mask=m2)
-        tl.store(hwts_ptr + off, w, mask=m2)
-    tl.store(out_w_ptr + rows, w, mask=rows >= 0)
+        tl.store(io.hmeta_ptr + off, rows, mask=m2)
+        tl.store(io.hwts_ptr + off, w, mask=m2)
+    tl.store(io.out_w_ptr + rows, w, mask=rows >= 0)
     has = tl.sum((rows >= 0).to(tl.int32), 1) > 0
-    dots = tl.zeros((BT, KB), dtype=tl.float32)
-    row_off = (src * Tmax + t).to(tl.int64) * RB
+    dots = tl.zeros((tile.BT, tile.KB), dtype=tl.float32)
+    row_off = (src * io.Tmax + t).to(tl.int64) * tile.RB
     PREFETCH: tl.constexpr = PF and not KEEP_Q
     if PREFETCH:
-        xt = source_tile(src, t, has, x_ptr, stage_ptr, row_off, 0, RANK, H, BH, BT, WIRE, HAS_TIMER, HAS_TIMER)
-    for h0 in range(0, H, BH):
+        xt = source_tile(src, t, has, io, row_off, 0, tile)
+    for h0 in range(0, tile.H, tile.BH):
         h = h0 + h_off
-        hm = h < H
+        hm = h < tile.H
         if KEEP_Q:
-            xt = tl.zeros((BT, BH), dtype=tl.float32)
+            xt = tl.zeros((tile.BT, tile.BH), dtype=tl.float32)
         elif PREFETCH:  # the next tile (masked past H); xt holds this one
-            xn = source_tile(src, t, has, x_ptr, stage_ptr, row_off, h0 + BH, RANK, H, BH, BT, WIRE, HAS_TIMER,
-                             HAS_TIMER)
+            xn = source_tile(src, t, has, io, row_off, h0 + tile.BH, tile)
         else:
-            xt = source_tile(src, t, has, x_ptr, stage_ptr, row_off, h0, RANK, H, BH, BT, WIRE, HAS_TIMER,
-                             HAS_TIMER)
-        for k in tl.static_range(K):
+            xt = source_tile(src, t, has, io, row_off, h0, tile)
+        for k in tl.static_range(tile.K):
             rk = tl.sum(tl.where(k_off[None, :] == k, rows, 0), 1)
             mk = (rk >= 0)[:, None] & hm[None, :]
-            dst = out_ptr + rk[:, None].to(tl.int64) * H + h[None, :]
+            dst = io.out_ptr + rk[:, None].to(tl.int64) * tile.H + h[None, :]
             if KEEP_Q:
-                wire_copy_raw(stage_ptr, row_off, h0, has, q_ptr, s_ptr, rk, rk >= 0, H, BH, WIRE)
+                wire_copy_raw(io.stage_ptr, row_off, h0, has, io.q_ptr, io.s_ptr, rk, rk >= 0, tile.H, tile.BH,
+                              tile.WIRE)
             elif SCALE:
                 wk = tl.sum(tl.where(k_off[None, :] == k, w, 0.0), 1)
-                tl.store(dst, cast_rne(widen(xt) * wk[:, None], out_ptr.dtype.element_ty), mask=mk)
+                tl.store(dst, cast_rne(widen(xt) * wk[:, None], io.out_ptr.dtype.element_ty), mask=mk)
             else:
-                tl.store(dst, wire_to(xt, out_ptr.dtype.element_ty), mask=mk)
+                tl.store(dst, wire_to(xt, io.out_ptr.dtype.element_ty), mask=mk)
             if DOT:
-                eo = tl.load(eo_ptr + rk[:, None].to(tl.int64) * H + h[None, :], mask=mk, other=0.0)
+                eo = tl.load(io.eo_ptr + rk[:, None].to(tl.int64) * tile.H + h[None, :], mask=mk, other=0.0)
                 part = tl.sum(widen(eo) * widen(xt), 1)
                 dots += tl.where(k_off[None, :] == k, part[:, None], 0.0)
         if PREFETCH:
             xt = xn
     if DOT:
-        tl.store(gw_ptr + rows, dots, mask=rows >= 0)
+        tl.store(io.gw_ptr + rows, dots, mask=rows >= 0)
 
 
 @triton.jit
-def zero_padding(pid, G, out_ptr, out_w_ptr, gw_ptr, ntpe_ptr, offs_ptr, L: tl.constexpr, H: tl.constexpr,
-                 BH: tl.constexpr, BA: tl.constexpr, DOT: tl.constexpr, KEEP_Q: tl.constexpr):
-    """Zero the alignment padding rows of local expert segments ``pid, pid+G, ...`` (rows, weights, grads)."""
-    h_off = tl.arange(0, BH)
+def expand_arrived(src, c, n, skip, cflag_ptr, NCmax, status_ptr, timeout, io, tile, KEEP_Q: tl.constexpr,
+                   PF: tl.constexpr):
+    """The receive step of the one-launch dispatches (fused, decode): wait (bounded, naming ``src``) for chunk
+    ``c`` of source ``src`` (its flag ``cflag[src, c]`` reaches the call number ``n``), read the source's token
+    count (``ntok[src]``, written before its first flag; kept in the handle with chunk 0) and expand the chunk with
+    the handle kept (:func:`expand_item`); ``skip``: the call moves no rows (a timeout during this wait skips too)."""
+    wait_ge(cflag_ptr + src * NCmax + c, n, status_ptr, WAIT_DATA, src, timeout, tile.HAS_TIMER)
+    skip_now = skip | (tl.load(status_ptr) == STATUS_TIMEOUT)
+    Ts = tl.load(io.ntok_ptr + src, volatile=True)
+    if c == 0:
+        tl.store(io.hntok_ptr + src, Ts)
+    if c * tile.BT < Ts:
+        expand_item(src, c, Ts, skip_now, io, tile, False, False, True, KEEP_Q, PF)
+
+
+@triton.jit
+def zero_padding(pid, G, io, ntpe_ptr, offs_ptr, tile, L: tl.constexpr, BA: tl.constexpr, DOT: tl.constexpr,
+                 KEEP_Q: tl.constexpr):
+    """Zero the alignment padding rows of local expert segments ``pid, pid+G, ...`` (rows ``io.out_ptr``, weights
+    ``io.out_w_ptr``, and with DOT the weight grads ``io.gw_ptr``)."""
+    h_off = tl.arange(0, tile.BH)
     a_off = tl.arange(0, BA)
     for j in range(pid, L, G):
         end = tl.load(offs_ptr + j)
@@ -191,14 +234,15 @@ def zero_padding(pid, G, out_ptr, out_w_ptr, gw_ptr, ntpe_ptr, offs_ptr, L: tl.c
         real_end = begin + tl.load(ntpe_ptr + j)
         r = real_end + a_off
         rm = r < end
-        tl.store(out_w_ptr + r, tl.zeros((BA,), dtype=tl.float32), mask=rm)
+        tl.store(io.out_w_ptr + r, tl.zeros((BA,), dtype=tl.float32), mask=rm)
         if DOT:
-            tl.store(gw_ptr + r, tl.zeros((BA,), dtype=tl.float32), mask=rm)
+            tl.store(io.gw_ptr + r, tl.zeros((BA,), dtype=tl.float32), mask=rm)
         if KEEP_Q == 0:  # quantized outputs are allocated zeroed
-            for h0 in range(0, H, BH):
+            for h0 in range(0, tile.H, tile.BH):
                 h = h0 + h_off
-                tl.store(out_ptr + r[:, None].to(tl.int64) * H + h[None, :],
-                         tl.zeros((BA, BH), dtype=out_ptr.dtype.element_ty), mask=rm[:, None] & (h < H)[None, :])
+                tl.store(io.out_ptr + r[:, None].to(tl.int64) * tile.H + h[None, :],
+                         tl.zeros((BA, tile.BH), dtype=io.out_ptr.dtype.element_ty),
+                         mask=rm[:, None] & (h < tile.H)[None, :])
 
 
 @triton.jit(do_not_specialize=['T', 'NC', 'data_off', 'timeout', 'G_expand', 'Tmax'])
@@ -213,24 +257,19 @@ def dispatch_send_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, NC, pre_p
 
     Writes, for every destination rank d: ``ntok[RANK]`` (program 0), each token's K destination rows (or -1) and
     weights into d's ``meta``/``wts[RANK, t]``, and the wire-encoded row into d's ``stage[RANK, t]`` if the token
-    has a route on d (raw wire: not for d == RANK, whose expander reads ``x_ptr``); then raises ``flags[DATA, RANK]`` on every rank. COMPUTE_ROWS: derive the rows from the
-    layout (forward) instead of reading ``rows_ptr`` (combine backward). Waits first (bounded) until every
-    destination consumed the previous call's staging.
+    has a route on d (raw wire: not for d == RANK, whose expander reads ``x_ptr``); then raises ``flags[DATA, RANK]``
+    on every rank. COMPUTE_ROWS: derive the rows from the layout (forward) instead of reading ``rows_ptr`` (combine
+    backward). Waits first (bounded) until every destination consumed the previous call's staging.
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     n = tl.load(calls_ptr + CALL_DISPATCH)
-    # the destinations must have consumed what the previous call staged (bounded wait; wait id 2)
-    wait_all_ge(flags_ptr + FLAG_ACK * W, W, (n - 1) * G_expand, status_ptr, WAIT_ACK, timeout, HAS_TIMER, WB)
-    # a timeout poisons the buffer; a capacity overflow only this call (status[5] = its dispatch number)
-    live = (tl.load(status_ptr) != STATUS_TIMEOUT) & (tl.load(status_ptr + ST_SKIP_CALL) != n)
-    if pid == 0:
-        for d in range(W):
-            nt = tl.load(ntok_tab + d).to(tl.pointer_type(tl.int32))
-            tl.store(nt + RANK, T)
+    tile: tl.constexpr = RowTile(RANK, K, KB, H, BH, BT, RB, WIRE, HAS_TIMER)
+    _, live = open_send(n, G_expand, None, pid, T, flags_ptr, status_ptr, ntok_tab, timeout, tile, W, WB)
+    io = SendIO(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, pre_ptr, send_base_ptr, stage_tab, meta_tab, wts_tab,
+                Tmax)
     for c in range(pid, NC, G):
-        send_chunk(c, x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, pre_ptr, send_base_ptr, stage_tab, meta_tab,
-                   wts_tab, live, Tmax, RANK, W, E, L, K, KB, H, BH, BT, COMPUTE_ROWS, RB, WIRE, POW2, HAS_TIMER)
+        send_chunk(c, live, io, tile, W, E, L, COMPUTE_ROWS, POW2)
     signal_peers(flags_tab, data_off, W, RANK, WB)
 
 
@@ -264,15 +303,16 @@ def dispatch_expand_kernel(x_ptr, stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_pt
         if pid == 0:
             w_off = tl.arange(0, WB)
             tl.store(hntok_ptr + w_off, tl.load(ntok_ptr + w_off, mask=w_off < W, other=0), mask=w_off < W)
+    tile: tl.constexpr = RowTile(RANK, K, KB, H, BH, BT, RB, WIRE, HAS_TIMER)
+    io = ExpandIO(x_ptr, stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_ptr, out_w_ptr, hmeta_ptr, hwts_ptr, hntok_ptr,
+                  eo_ptr, gw_ptr, q_ptr, s_ptr, Tmax)
     for item in range(pid, W * NCmax, G):
         src = item // NCmax
         c = item % NCmax
         Ts = tl.load(ntok_ptr + src)
         if c * BT < Ts:
-            expand_item(src, c, Ts, skip, x_ptr, stage_ptr, meta_ptr, wts_ptr, out_ptr, out_w_ptr, hmeta_ptr,
-                        hwts_ptr, eo_ptr, gw_ptr, Tmax, RANK, K, KB, H, BH, BT, SCALE, DOT, KEEP_HANDLE, HAS_TIMER, RB,
-                        WIRE, KEEP_Q, q_ptr, s_ptr, PF)
+            expand_item(src, c, Ts, skip, io, tile, SCALE, DOT, KEEP_HANDLE, KEEP_Q, PF)
     if A > 1:
         if skip == 0:  # a refused call's segments may exceed the rows allocated: write nothing
-            zero_padding(pid, G, out_ptr, out_w_ptr, gw_ptr, ntpe_ptr, offs_ptr, L, H, BH, BA, DOT, KEEP_Q)
+            zero_padding(pid, G, io, ntpe_ptr, offs_ptr, tile, L, BA, DOT, KEEP_Q)
     signal_peers(flags_tab, ack_off, W, RANK, WB)

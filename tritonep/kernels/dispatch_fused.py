@@ -5,8 +5,10 @@ NVLink time and the HBM expand time add up. Here the grid is split by role: prog
 (:func:`tritonep.kernels.dispatch.send_chunk`) and after each chunk publish a per-(source, chunk) arrival flag in
 every destination (``cflag[RANK, c] = n``, the call number, atomic max with release semantics); programs
 ``[GS, G)`` walk the (chunk, source) items in send order, wait for that one chunk's flag (bounded, acquire) and
-expand it (:func:`tritonep.kernels.dispatch.expand_item`) while later chunks are still in flight. Idea: the
-per-chunk signalling of DeepEP's intranode kernels and of pplx-kernels (see ../shared/reference), in a Triton grid.
+expand it (:func:`tritonep.kernels.dispatch.expand_arrived`, the receive step it shares with the decode dispatch)
+while later chunks are still in flight. The senders open with the prologue every dispatch kernel shares
+(:func:`tritonep.kernels.dispatch.open_send`). Idea: the per-chunk signalling of DeepEP's intranode kernels and of
+pplx-kernels (see ../shared/reference), in a Triton grid.
 On the raw bf16 wire the own rank's rows are not staged: its expanders read them from ``x_ptr`` in this same launch
 (:func:`tritonep.kernels.dispatch.source_tile`); the own chunk flags are still waited for (the ``meta`` rows).
 
@@ -26,9 +28,10 @@ Twin: :func:`tritonep.reference.dispatch_reference` (the output equals the two-k
 import triton
 import triton.language as tl
 
-from .dispatch import expand_item, send_chunk, zero_padding
-from .protocol import CALL_DISPATCH, FLAG_ACK, ST_SKIP_CALL, STATUS_TIMEOUT, WAIT_ACK, WAIT_DATA
-from .signal import publish_epoch, signal_peers, wait_all_ge, wait_ge
+from .common import RowTile
+from .dispatch import ExpandIO, SendIO, expand_arrived, open_send, send_chunk, zero_padding
+from .protocol import CALL_DISPATCH, ST_SKIP_CALL, STATUS_TIMEOUT
+from .signal import publish_epoch, signal_peers
 from .wirecodec import RAW_BF16
 
 
@@ -55,36 +58,27 @@ def dispatch_fused_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, pre_ptr,
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     n = tl.load(calls_ptr + CALL_DISPATCH)
+    tile: tl.constexpr = RowTile(RANK, K, KB, H, BH, BT, RB, WIRE, HAS_TIMER)
     if pid < GS:
-        wait_all_ge(flags_ptr + FLAG_ACK * W, W, (n - 1) * G_expand_std, status_ptr, WAIT_ACK, timeout, HAS_TIMER, WB)
-        live = (tl.load(status_ptr) != STATUS_TIMEOUT) & (tl.load(status_ptr + ST_SKIP_CALL) != n)
-        for d in range(W):
-            nt = tl.load(ntok_tab + d).to(tl.pointer_type(tl.int32))
-            tl.store(nt + RANK, T)
+        _, live = open_send(n, G_expand_std, None, 0, T, flags_ptr, status_ptr, ntok_tab, timeout, tile, W, WB)
+        send_io = SendIO(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, pre_ptr, send_base_ptr, stage_tab, meta_tab,
+                         wts_tab, Tmax)
         for c in range(pid, NCmax, GS):
             if c * BT < T:
-                send_chunk(c, x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, pre_ptr, send_base_ptr, stage_tab,
-                           meta_tab, wts_tab, live, Tmax, RANK, W, E, L, K, KB, H, BH, BT, True, RB, WIRE, POW2,
-                           HAS_TIMER)
+                send_chunk(c, live, send_io, tile, W, E, L, True, POW2)
             publish_epoch(cflag_tab, W, RANK * NCmax + c, n, WB)
         signal_peers(flags_tab, data_off, W, RANK, WB)
     else:
         e = pid - GS
         GE = G - GS
         skip = (tl.load(status_ptr) == STATUS_TIMEOUT) | (tl.load(status_ptr + ST_SKIP_CALL) == n)
+        expand_io = ExpandIO(x_ptr, stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_ptr, out_w_ptr, hmeta_ptr, hwts_ptr,
+                             hntok_ptr, out_ptr, out_w_ptr, q_ptr, s_ptr, Tmax)
         for item in range(e, W * NCmax, GE):
             c = item // W
             src = item % W
-            wait_ge(cflag_ptr + src * NCmax + c, n, status_ptr, WAIT_DATA, src, timeout, HAS_TIMER)
-            skip_now = skip | (tl.load(status_ptr) == STATUS_TIMEOUT)
-            Ts = tl.load(ntok_ptr + src, volatile=True)
-            if c == 0:
-                tl.store(hntok_ptr + src, Ts)
-            if c * BT < Ts:
-                expand_item(src, c, Ts, skip_now, x_ptr, stage_ptr, meta_ptr, wts_ptr, out_ptr, out_w_ptr,
-                            hmeta_ptr, hwts_ptr, out_ptr, out_w_ptr, Tmax, RANK, K, KB, H, BH, BT, False, False, True,
-                            HAS_TIMER, RB, WIRE, KEEP_Q, q_ptr, s_ptr, PF)
+            expand_arrived(src, c, n, skip, cflag_ptr, NCmax, status_ptr, timeout, expand_io, tile, KEEP_Q, PF)
         if A > 1:
             if skip == 0:  # a refused call's segments may exceed the rows allocated: write nothing
-                zero_padding(e, GE, out_ptr, out_w_ptr, out_w_ptr, ntpe_ptr, offs_ptr, L, H, BH, BA, False, KEEP_Q)
+                zero_padding(e, GE, expand_io, ntpe_ptr, offs_ptr, tile, L, BA, False, KEEP_Q)
         signal_peers(flags_tab, ack_off, W, RANK, WB)

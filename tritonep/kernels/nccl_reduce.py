@@ -40,6 +40,7 @@ def sum_kernel(pp_ptr, pos_ptr, y_ptr, T, pp_stride, W: tl.constexpr, H: tl.cons
                BH: tl.constexpr):
     """Tile (tokens ``[pid0*BT, +BT)``, columns ``[pid1*BH, +BH)``) of
     :func:`tritonep.ep.nccl.pack.sum_partials`."""
+    # the [BT, BH] tile prelude of partials_kernel, kept inline: five index lines before two different sums
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     h = tl.program_id(1) * BH + tl.arange(0, BH)
     tm = t < T

@@ -91,6 +91,7 @@ def e4m3_encode(y, FAST: tl.constexpr = False):
 def e4m3_decode(b, FAST: tl.constexpr = False):
     """int32 float8_e4m3fn bit pattern (0..255) -> exact fp32 value (0x7F/0xFF -> NaN 0x7FC00000).
     FAST (GPU only): the same bits by the hardware conversion (:func:`tritonep.kernels.fp8_hw.fp8_decode_hw`)."""
+    # the FAST-or-integer switch of e4m3_encode (and of the e5m2 codec), kept: a shared switch would only rename it
     if FAST:
         return fp8_decode_hw(b, False)
     else:

@@ -43,6 +43,7 @@ def e5m2_decode(b, FAST: tl.constexpr = False):
 @triton.jit
 def _e5m2_decode_bits(b):
     """Integer-only body of :func:`e5m2_decode`."""
+    # the shape of quant._e4m3_decode_bits with e5m2's fields, kept per format: e5m2 has Inf, e4m3fn has none
     sign = (b >> 7) & 1
     e = (b >> 2) & 0x1F
     m = b & 3

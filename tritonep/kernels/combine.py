@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 
 from .common import RowTile, cast_rne, chunk_index, mul_rn, widen
-from .protocol import CALL_COMBINE, FLAG_CACK, FLAG_CDATA, STATUS_TIMEOUT, WAIT_CACK, WAIT_CDATA
-from .signal import publish_epoch_one, signal_peers, wait_all_ge
+from .protocol import CALL_COMBINE, DONE_COMBINE_OUT, FLAG_CACK, FLAG_CDATA, STATUS_TIMEOUT, WAIT_CACK, WAIT_CDATA
+from .signal import advance_on_last, publish_epoch_one, signal_peers, wait_all_ge
 from .wirecodec import RAW_BF16, wire_load, wire_store
 
 
@@ -173,7 +173,7 @@ def combine_partial_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, gw_ptr, stage
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
-    m = tl.load(calls_ptr + CALL_COMBINE)
+    m = tl.load(calls_ptr + CALL_COMBINE) + 1  # this combine's number (combine_out_kernel advances the counter)
     wait_all_ge(flags_ptr + FLAG_CACK * W, W, (m - 1) * G_out, status_ptr, WAIT_CACK, timeout, HAS_TIMER, WB)
     live = tl.load(status_ptr) != STATUS_TIMEOUT
     tile: tl.constexpr = RowTile(RANK, K, KB, H, BH, BT, RB, WIRE, HAS_TIMER)
@@ -194,11 +194,12 @@ def combine_out_kernel(topk_idx_ptr, y_ptr, T, NC, stage_tab, wback_ptr, gtw_ptr
     """Source side of a combine: wait for every expert rank's partials, sum them in rank order (fp32) into ``y``.
 
     PULL reads the partials from the peers' memory; RECV_WGRAD gathers the per-route scalars into ``gtw [T, K]``.
-    Tokens without a valid route get zeros. Acks every expert rank afterwards.
+    Tokens without a valid route get zeros. Acks every expert rank afterwards; its last program advances
+    ``calls[CALL_COMBINE]`` (no host op does).
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
-    m = tl.load(calls_ptr + CALL_COMBINE)
+    m = tl.load(calls_ptr + CALL_COMBINE) + 1  # this combine's number; its last program advances the counter
     wait_all_ge(flags_ptr + FLAG_CDATA * W, W, m * G_partial, status_ptr, WAIT_CDATA, timeout, HAS_TIMER, WB)
     live = tl.load(status_ptr) != STATUS_TIMEOUT
     tile: tl.constexpr = RowTile(RANK, K, KB, H, BH, BT, RB, WIRE, HAS_TIMER)
@@ -206,3 +207,4 @@ def combine_out_kernel(topk_idx_ptr, y_ptr, T, NC, stage_tab, wback_ptr, gtw_ptr
     for c in range(pid, NC, G):
         out_chunk(c, live, io, tile, W, L, PULL, RECV_WGRAD)
     signal_peers(flags_tab, cack_off, W, RANK, WB)
+    advance_on_last(calls_ptr, DONE_COMBINE_OUT, CALL_COMBINE, m)

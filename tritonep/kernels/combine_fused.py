@@ -22,8 +22,8 @@ import triton.language as tl
 
 from .combine import OutIO, PartialIO, partial_item_source, partial_step, sum_arrived
 from .common import RowTile
-from .protocol import CALL_COMBINE, FLAG_CACK, STATUS_TIMEOUT, WAIT_CACK
-from .signal import signal_peers, wait_all_ge
+from .protocol import CALL_COMBINE, DONE_COMBINE_FUSED, FLAG_CACK, STATUS_TIMEOUT, WAIT_CACK
+from .signal import advance_on_last, signal_peers, wait_all_ge
 from .wirecodec import RAW_BF16
 
 
@@ -44,7 +44,7 @@ def combine_fused_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, stage_tab, ccfl
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
-    m = tl.load(calls_ptr + CALL_COMBINE)
+    m = tl.load(calls_ptr + CALL_COMBINE) + 1  # this combine's number; its last program advances the counter
     tile: tl.constexpr = RowTile(RANK, K, KB, H, BH, BT, RB, WIRE, HAS_TIMER)
     if pid < GS:
         wait_all_ge(flags_ptr + FLAG_CACK * W, W, (m - 1) * G_out_std, status_ptr, WAIT_CACK, timeout, HAS_TIMER, WB)
@@ -62,3 +62,4 @@ def combine_fused_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, stage_tab, ccfl
         for c in range(e, NC, GE):
             sum_arrived(c, m, ccflag_ptr, status_ptr, timeout, out_io, tile, W, L, WB)
         signal_peers(flags_tab, cack_off, W, RANK, WB)
+    advance_on_last(calls_ptr, DONE_COMBINE_FUSED, CALL_COMBINE, m)

@@ -28,8 +28,9 @@ import triton
 import triton.language as tl
 
 from .common import RowTile, cast_rne, chunk_index, widen
-from .protocol import CALL_DISPATCH, FLAG_ACK, FLAG_DATA, ST_SKIP_CALL, STATUS_TIMEOUT, WAIT_ACK, WAIT_DATA
-from .signal import signal_peers, wait_all_ge, wait_ge
+from .protocol import (CALL_DISPATCH, DONE_EXPAND_BWD, FLAG_ACK, FLAG_DATA, ST_SKIP_CALL, STATUS_TIMEOUT, WAIT_ACK,
+                       WAIT_DATA)
+from .signal import advance_on_last, signal_peers, wait_all_ge, wait_ge
 from .wirecodec import RAW_BF16, wire_copy_raw, wire_encode, wire_load, wire_store_encoded, wire_to
 
 
@@ -252,18 +253,20 @@ def dispatch_send_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, NC, pre_p
                          RANK: tl.constexpr, W: tl.constexpr, E: tl.constexpr, L: tl.constexpr, K: tl.constexpr,
                          KB: tl.constexpr, H: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr, WB: tl.constexpr,
                          COMPUTE_ROWS: tl.constexpr, HAS_TIMER: tl.constexpr, RB: tl.constexpr = 0,
-                         WIRE: tl.constexpr = RAW_BF16, POW2: tl.constexpr = False):
+                         WIRE: tl.constexpr = RAW_BF16, POW2: tl.constexpr = False, ADV: tl.constexpr = 0):
     """Send side of a dispatch (see the module docstring). Grid-stride over chunks of BT tokens.
 
     Writes, for every destination rank d: ``ntok[RANK]`` (program 0), each token's K destination rows (or -1) and
     weights into d's ``meta``/``wts[RANK, t]``, and the wire-encoded row into d's ``stage[RANK, t]`` if the token
     has a route on d (raw wire: not for d == RANK, whose expander reads ``x_ptr``); then raises ``flags[DATA, RANK]``
     on every rank. COMPUTE_ROWS: derive the rows from the layout (forward) instead of reading ``rows_ptr`` (combine
-    backward). Waits first (bounded) until every destination consumed the previous call's staging.
+    backward). Waits first (bounded) until every destination consumed the previous call's staging. ``ADV`` (the
+    combine backward, whose call has no histogram launch to advance the counter): this call's number is
+    ``calls[CALL_DISPATCH] + 1`` and the expand's last program advances the counter.
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
-    n = tl.load(calls_ptr + CALL_DISPATCH)
+    n = tl.load(calls_ptr + CALL_DISPATCH) + ADV
     tile: tl.constexpr = RowTile(RANK, K, KB, H, BH, BT, RB, WIRE, HAS_TIMER)
     _, live = open_send(n, G_expand, None, pid, T, flags_ptr, status_ptr, ntok_tab, timeout, tile, W, WB)
     io = SendIO(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, pre_ptr, send_base_ptr, stage_tab, meta_tab, wts_tab,
@@ -282,7 +285,7 @@ def dispatch_expand_kernel(x_ptr, stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_pt
                            BA: tl.constexpr, A: tl.constexpr, SCALE: tl.constexpr, DOT: tl.constexpr,
                            KEEP_HANDLE: tl.constexpr, HAS_TIMER: tl.constexpr, RB: tl.constexpr = 0,
                            WIRE: tl.constexpr = RAW_BF16, KEEP_Q: tl.constexpr = False, q_ptr=None, s_ptr=None,
-                           PF: tl.constexpr = False):
+                           PF: tl.constexpr = False, ADV: tl.constexpr = 0):
     """Receive side of a dispatch: wait for every source, scatter staged rows into the expert-grouped output.
 
     ``x_ptr``: the ``[T, H]`` input the send kernel of this call read on this rank (``x`` forward, ``grad_y`` for
@@ -292,11 +295,12 @@ def dispatch_expand_kernel(x_ptr, stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_pt
     ``out[row]`` = decoded staged row for each route (SCALE: times its weight; KEEP_Q: copy payload + scales to
     ``q_ptr``/``s_ptr``), ``out_w[row]`` = route weight, DOT: ``gw[row] = <staged row, eo[row]>``; KEEP_HANDLE
     copies the routing metadata into the handle; A > 1 zeroes the alignment padding rows. Then acks every source.
-    PF: prefetch the next hidden tile of each source row (:func:`expand_item`).
+    PF: prefetch the next hidden tile of each source row (:func:`expand_item`). ``ADV``: as
+    :func:`dispatch_send_kernel`; this kernel's last program advances ``calls[CALL_DISPATCH]``.
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
-    n = tl.load(calls_ptr + CALL_DISPATCH)
+    n = tl.load(calls_ptr + CALL_DISPATCH) + ADV
     wait_all_ge(flags_ptr + FLAG_DATA * W, W, n * G_send, status_ptr, WAIT_DATA, timeout, HAS_TIMER, WB)
     skip = (tl.load(status_ptr) == STATUS_TIMEOUT) | (tl.load(status_ptr + ST_SKIP_CALL) == n)
     if KEEP_HANDLE:
@@ -316,3 +320,5 @@ def dispatch_expand_kernel(x_ptr, stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_pt
         if skip == 0:  # a refused call's segments may exceed the rows allocated: write nothing
             zero_padding(pid, G, io, ntpe_ptr, offs_ptr, tile, L, BA, DOT, KEEP_Q)
     signal_peers(flags_tab, ack_off, W, RANK, WB)
+    if ADV:
+        advance_on_last(calls_ptr, DONE_EXPAND_BWD, CALL_DISPATCH, n)

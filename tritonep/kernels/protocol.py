@@ -20,7 +20,11 @@ backward), ``CALL_EXCHANGE`` (counts exchanges). ``DONE_EXCHANGE``: programs of 
 finished their expert blocks (an arrival ticket: the last one of a launch signals and lays out; never reset, every
 launch adds its grid). ``DONE_DECODE_DISPATCH`` / ``DONE_DECODE_COMBINE``: programs of
 the one-launch decode kernels that finished (:mod:`tritonep.kernels.decode_dispatch`); the last program of a launch
-advances the call counters, so no separate launch does.
+advances the call counters, so no separate launch does. ``DONE_COMBINE_OUT`` / ``DONE_COMBINE_FUSED`` /
+``DONE_EXPAND_BWD``: the same tickets for the last launch of a two-kernel combine, of a fused combine, and of a
+combine backward (send + expand): their last program advances ``CALL_COMBINE`` / ``CALL_DISPATCH`` (every program
+of the call read "counter + 1" as its number), so no host op advances a counter (one ticket counter per kernel:
+the modulo test needs one grid per counter).
 
 Status word. ``status`` is int64 ``[STATUS_WORDS]`` (errors) plus ``ST_ROWS_RECEIVED`` after it (read with it in
 one device->host copy): ``[code, wait_id, peer, errors_seen, needed_rows, skip_call, bad_rank_mask, waited,
@@ -58,7 +62,10 @@ CALL_EXCHANGE = tl.constexpr(2)
 DONE_EXCHANGE = tl.constexpr(3)
 DONE_DECODE_DISPATCH = tl.constexpr(4)
 DONE_DECODE_COMBINE = tl.constexpr(5)
-NUM_CALLS = tl.constexpr(6)
+DONE_COMBINE_OUT = tl.constexpr(6)
+DONE_COMBINE_FUSED = tl.constexpr(7)
+DONE_EXPAND_BWD = tl.constexpr(8)
+NUM_CALLS = tl.constexpr(9)
 
 # status word fields
 ST_CODE = tl.constexpr(0)

@@ -181,6 +181,20 @@ def finish_launch(calls_ptr, DONE: tl.constexpr, CALL_A: tl.constexpr, a, CALL_B
 
 
 @triton.jit
+def advance_on_last(calls_ptr, DONE: tl.constexpr, CALL: tl.constexpr, value):
+    """Count this program done (``calls[DONE] += 1``, acq_rel); the last program of the launch stores
+    ``calls[CALL] = value``. The call's kernels read "counter + 1" as their call number before this runs, and
+    ``calls[DONE]`` only ever advances by whole launches of this kernel (one grid per counter), so the program that
+    sees ``old % G == G - 1`` is the last: the counter advances on the device with no separate launch (the next
+    call's kernels, later on the stream, see it)."""
+    G = tl.num_programs(0)
+    tl.debug_barrier()
+    old = tl.atomic_add(calls_ptr + DONE, 1, sem="acq_rel", scope="gpu")
+    if old % G == G - 1:
+        tl.store(calls_ptr + CALL, value)
+
+
+@triton.jit
 def wait_all_eq(flag_ptr, n, mark, timeout, HAS_TIMER: tl.constexpr, FB: tl.constexpr):
     """Wait until ``flag_ptr[i] == mark`` for every ``i < n`` (local int64 flags, acquire, gpu scope); 1 = arrived,
     0 = gave up after ``timeout`` (ns on GPU, polls in the interpreter).

@@ -17,8 +17,9 @@ counts exchange, see ``sync``):
    before any row moves (the send is queued before the host waits, so its NVLink time overlaps the read),
 4. send, 5. expand (or 4+5 as one launch when the geometry has ``fused_send > 0``: sends and expands overlap).
 
-Combine: ``calls[CALL_COMBINE] += 1``, partial (push into the source, or into own memory for pull), output (a
-weighted push combine runs both as one launch when the geometry has ``fused_combine``). With the geometry's
+Combine: partial (push into the source, or into own memory for pull), output (a weighted push combine runs both
+as one launch when the geometry has ``fused_combine``); the call's last launch advances ``calls[CALL_COMBINE]``
+itself (no host op; the combine backward's expand likewise advances ``calls[CALL_DISPATCH]``). With the geometry's
 ``decode`` (small ``max_tokens_per_rank``) the forward dispatch and the weighted push combine are ONE launch each,
 counts exchange and counter advances included (:mod:`tritonep.ep.triton.decode`). Combine and both backward passes
 read the routing from the handle (its copy), never from the caller's tensors. Every flag row, counter and status
@@ -48,8 +49,6 @@ __all__ = ["TritonEP"]
 
 _ST_ERR = P.v(P.STATUS_WORDS)  # the status word's error part
 _CODE = P.v(P.ST_CODE)
-_CC = P.v(P.CALL_COMBINE)
-_CD = P.v(P.CALL_DISPATCH)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -87,7 +86,6 @@ class TritonEP(DispatchOutputs, DecodePath):
         self._recent_idx: deque = deque(maxlen=4)  # the last dispatches' topk_idx: check() names a bad id by value
         self.hl = HandleLayout(cfg)
         self._no_rows = torch.empty(0, cfg.hidden, dtype=cfg.dtype, device=self.device)
-        self._counter = {which: self.calls[i:i + 1] for which, i in (("combine", _CC), ("dispatch", _CD))}
         self._launch = Launcher(self.device, group)
         self.k = KernelSet(self)
         self._precompile(group)
@@ -257,7 +255,6 @@ class TritonEP(DispatchOutputs, DecodePath):
         T = handle.num_tokens
         v, i, k = handle.views, self.hl.index, self.k
         meta, wts, ntok, idx_c = v[i["meta"]], v[i["wts"]], v[i["ntok"]], v[i["idx"]]
-        self._counter["combine"].add_(1)
         y = torch.empty(T, self.cfg.hidden, dtype=eo.dtype, device=self.device)
         if g.fused_combine and kind == "push" and weighted and not want_wgrad:
             k.combine_fused(wire)(eo, meta, wts, ntok, idx_c, y, T)
@@ -288,7 +285,6 @@ class TritonEP(DispatchOutputs, DecodePath):
         g_eo = torch.zeros(R, H, dtype=self.cfg.dtype, device=dev)
         g_w = torch.zeros(R, dtype=torch.float32, device=dev)
         scratch = torch.empty(R, dtype=torch.float32, device=dev)
-        self._counter["dispatch"].add_(1)
         T = handle.num_tokens
         v, i, k = handle.views, self.hl.index, self.k
         # grad_y is held until the expand ran: it reads the own rank's rows from it (raw wire)

@@ -81,12 +81,12 @@ class KernelSet:
         self.send = BoundKernel(self._lau, dispatch_send_kernel, (g.grid_send,),
                                 dict(send, COMPUTE_ROWS=True, WIRE=ep.dwire), sdyn)
         self.send_bwd = BoundKernel(self._lau, dispatch_send_kernel, (g.grid_send,),
-                                    dict(send, COMPUTE_ROWS=False, WIRE=RAW), sdyn)
+                                    dict(send, COMPUTE_ROWS=False, WIRE=RAW, ADV=1), sdyn)
         self._expand_static = dict(stage_ptr=b.local("stage"), meta_ptr=b.local("meta"), wts_ptr=b.local("wts"),
                                    ntok_ptr=b.local("ntok"), ack_off=fo(P.FLAG_ACK), G_send=g.grid_send, Tmax=Tm,
                                    NCmax=self.ncmax, L=L, LB=_p2(L), PF=g.prefetch, **common, **ck)
         self.expand_bwd = BoundKernel(self._lau, dispatch_expand_kernel, (g.grid_expand,), dict(
-            self._expand_static, BA=1, A=1, SCALE=True, DOT=True, KEEP_HANDLE=False, WIRE=RAW, KEEP_Q=False),
+            self._expand_static, BA=1, A=1, SCALE=True, DOT=True, KEEP_HANDLE=False, WIRE=RAW, KEEP_Q=False, ADV=1),
             dyn=("x_ptr", "out_ptr", "out_w_ptr", "hmeta_ptr", "hwts_ptr", "hntok_ptr", "ntpe_ptr", "offs_ptr",
                  "eo_ptr", "gw_ptr"))
         self._cache: dict = {}

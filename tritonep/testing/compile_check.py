@@ -117,7 +117,7 @@ def compile_recorded(records: list, timeout_s: float = 600.0) -> list:
     """Compile each record in a fresh process (kernels imported in compiled mode); returns failures
     ``[(name, error text)]`` (empty = all compiled)."""
     recs = [r for r in records if "error" not in r]
-    for r in list(recs):  # the interpreter runs the poll-count wait; the GPU takes the %globaltimer branch
+    for r in list(recs):  # the interpreter reads the host clock; the GPU takes the %globaltimer branch
         if r["constexprs"].get("HAS_TIMER") is False:
             recs.append(dict(r, constexprs=dict(r["constexprs"], HAS_TIMER=True)))
     payload = json.dumps(recs)

@@ -66,8 +66,10 @@ def chunk_hist_kernel(topk_idx_ptr, hist_ptr, T, NC, K: tl.constexpr, E: tl.cons
         m = (t[:, None] < T) & (k_off[None, :] < K)
         ids = tl.load(topk_idx_ptr + t[:, None].to(tl.int64) * K + k_off[None, :], mask=m, other=-1)
         bad = tl.sum(tl.sum(((ids < -1) | (ids >= E)).to(tl.int32), 1), 0)
-        ids = tl.reshape(ids.to(tl.int32), (BT * KB,))
-        h = tl.histogram(ids, EB, mask=(ids >= 0) & (ids < E))
+        # range-check at the ids' own width, then cast: an int64 id 2**32 + 1 is flagged, never counted as expert 1
+        ok = tl.reshape((ids >= 0) & (ids < E), (BT * KB,))
+        ids = tl.reshape(tl.where((ids >= 0) & (ids < E), ids, 0).to(tl.int32), (BT * KB,))
+        h = tl.histogram(ids, EB, mask=ok)
         tl.store(hist_ptr + c * (E + 1) + e_off, h, mask=e_off < E)
         tl.store(hist_ptr + c * (E + 1) + E, bad)
 

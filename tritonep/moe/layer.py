@@ -41,6 +41,7 @@ from ..errors import BufferStateError, CapacityError, ConfigError, InputError, P
 from . import ops
 from .experts import expert_ffn_parts_backward, expert_ffn_parts_forward
 from .layer_parts import _ACT_DTYPE, _check_generation, _Split, expert_weights, layer_required_bytes, take_part_refused
+from .layer_status import consume_refusal, raise_balance_status, strict_check
 from .recipe import MoEGeometry, MoERecipe, check_config
 from .router import TopKRouter
 
@@ -212,10 +213,11 @@ class MoELayer(nn.Module):
         t.append(self._now() if self.virtual else t[-1])
         try:
             d = self.buffer.dispatch(x, topk_idx, topk_weights)
-        except PeerInputError:
-            raise
-        except InputError:
-            if self.virtual and isinstance(given_idx, torch.Tensor):
+        except (InputError, CapacityError) as e:
+            if self.virtual:  # the call's counts exchange saw the same refusal: read (and clear) it too
+                consume_refusal(self.counts_x)
+            if self.virtual and isinstance(given_idx, torch.Tensor) and not isinstance(e, PeerInputError) \
+                    and isinstance(e, InputError):
                 # the planner turned an id outside [-1, E) into 2E (outside the runtime range): name the given one
                 check_expert_ids(given_idx, self.buffer.num_experts // 2)
             raise
@@ -223,22 +225,35 @@ class MoELayer(nn.Module):
         return t, placement, d
 
     def _take_part_refused(self, err: Exception, planned: bool = False):
-        """See :func:`tritonep.moe.layer_parts.take_part_refused` (raises ``err``)."""
-        take_part_refused(self.buffer, self.counts_x if self.virtual and not planned else None, err)
+        """See :func:`tritonep.moe.layer_parts.take_part_refused` (raises ``err``); with virtual experts the
+        refusal the counts exchange recorded is read (and cleared) too."""
+        try:
+            take_part_refused(self.buffer, self.counts_x if self.virtual and not planned else None, err)
+        finally:
+            if self.virtual:
+                consume_refusal(self.counts_x)
 
-    def _split(self, offs: torch.Tensor, placement) -> _Split:
+    def _split(self, offs: torch.Tensor, placement, given_idx=None) -> _Split:
         """One host read: the native/slot row boundary, the used slots, the held native experts and the placement's
-        ``experts_to_copy`` of this step (the nccl transport's split sizes).
+        ``experts_to_copy`` of this step (the nccl transport's split sizes), and in the same read every status
+        word of the virtual-expert machinery (:func:`tritonep.moe.layer_parts.raise_balance_status`): this
+        call's counts exchange and planner, the weight transport's (its last push / pull).
 
         Raises:
-            PlanError: rows routed to a virtual slot the placement leaves unused (they would run no weights).
+            PeerTimeoutError, InputError, PeerInputError: a status word's error (see ``raise_balance_status``).
+            PlanError: a planner status bit, or rows routed to a virtual slot the placement leaves unused (they
+                would run no weights).
         """
         from ..balance.transport import used_slot_count
 
         L, W, lo = self.num_local_experts, self.world_size, self.rank * self.num_local_experts
         held = (placement.expert_slot[lo:lo + L] >= 0).any(dim=1)
+        words = [self.counts_x.status_words(), placement.status, self.transport.status_words()]
         info = torch.cat([offs.to(torch.int64), placement.experts_to_copy.reshape(-1).to(torch.int64),
-                          held.to(torch.int64)]).tolist()
+                          held.to(torch.int64)] + [w.reshape(-1).to(torch.int64) for w in words]).tolist()
+        n_words = sum(w.numel() for w in words)
+        info, status = info[:len(info) - n_words], info[len(info) - n_words:]
+        raise_balance_status(self, status, [w.numel() for w in words], given_idx)
         ends, held = info[:2 * L], info[2 * L + W * L:]
         etc = [info[2 * L + d * L:2 * L + (d + 1) * L] for d in range(W)]
         n = used_slot_count(etc[self.rank])
@@ -318,8 +333,9 @@ class MoELayer(nn.Module):
             split = None
             w1s, w2s = (w1,), (w2,)
             if self.virtual:
-                split = self._split(d.expert_offsets, placement)
+                split = self._split(d.expert_offsets, placement, topk_idx)
                 self.transport.push({"w1": w1, "w2": w2}, placement, split.experts_to_copy)
+                strict_check(self.transport)
                 views = self.transport.slot_views(split.num_used)
                 w1s, w2s = (w1, views["w1"]), (w2, views["w2"])
             t.append(self._now() if self.virtual else t[-1])
@@ -366,6 +382,7 @@ class MoELayer(nn.Module):
             sp = st["split"]
             g = self.transport.pull({"w1": g_w1[1], "w2": g_w2[1]}, st["placement"], sp.num_used, sp.held,
                                     into={"w1": g_w1[0], "w2": g_w2[0]}, experts_to_copy_host=sp.experts_to_copy)
+            strict_check(self.transport)
             g_w1, g_w2 = (g["w1"],), (g["w2"],)
         g_x, g_tw = buf.dispatch_backward(g_xr, g_rw, st["handle"])
         return g_x, g_tw, g_w1[0], g_w2[0]

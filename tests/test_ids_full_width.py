@@ -117,6 +117,15 @@ def test_planner_refuses_64_bit_ids_alone():
             plan(c, idx, 0, validate=True)
 
 
+def _bad_ranks_of(cx):
+    """``cx.check()``: None, or the bad ranks of the PeerInputError it raises."""
+    try:
+        cx.check()
+        return None
+    except PeerInputError as e:
+        return tuple(e.bad_ranks)
+
+
 def _counts_world(group, backend):
     import tritonep as tep
 
@@ -130,11 +139,7 @@ def _counts_world(group, backend):
     if rank == 1:
         bad[1, 0] = 2 ** 32 + 2  # low bits: expert 2
     counts = cx.gather(bad).clone()
-    try:
-        cx.check()
-        err = None
-    except PeerInputError as e:
-        err = tuple(e.bad_ranks)
+    err = _bad_ranks_of(cx)
     again = cx.gather(idx).clone()
     cx.check()  # the refusal was reported once
     cx.close()
@@ -259,3 +264,47 @@ def test_transport_timeout_in_backward_is_raised_at_the_next_forward():
     res = run_cpu_world(2, _skip_world, "backward", timeout_s=120, check_protocol=False)
     msg = res[0][0]
     assert "expert transport" in msg and "peer 1" in msg, msg
+
+
+def _gpu_ids_world(group):
+    """World 1 on one GPU: the counts exchange, the default and the decode dispatch refuse 2**32 + 1."""
+    import tritonep as tep
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    out = []
+    for geo in ("", "dec=1"):
+        os.environ["TRITONEP_GEOMETRY"] = geo
+        buf = tep.EPBuffer(group, E, H, 8, K)
+        os.environ.pop("TRITONEP_GEOMETRY")
+        x, idx, w = (t.to(dev) for t in make_rank_inputs(0, 5, H, E, K, seed=6))
+        bad = idx.clone()
+        bad[2, 0] = 2 ** 32 + 1
+        cx = buf.counts_exchange(E)
+        counts = cx.gather(bad).cpu()
+        cerr = _bad_ranks_of(cx)
+        want = torch.bincount(bad[(bad >= 0) & (bad < E)].cpu(), minlength=E)  # 2**32 + 1 is not counted
+        out.append((_err(lambda: buf.dispatch(x, bad, w)), counts, want, cerr))
+        cx.close()
+        buf.close()
+    return out
+
+
+@pytest.mark.gpu
+def test_gpu_64_bit_ids_refused_by_planner_exchange_and_dispatch():
+    """On the device: the planner maps 2**32 + 1 to 2E with the bad-id bit; the counts exchange does not count it
+    and flags it; the default and the decode dispatch raise InputError naming it."""
+    from tritonep.balance import plan
+    from tritonep.kernels import protocol as P
+    from tritonep.testing import run_gpu_world
+
+    dev = torch.device("cuda", 0)
+    topk = torch.tensor([[0, 1], [2, 3], [1, -1]], dtype=torch.int64)
+    counts = torch.stack([torch.bincount(topk[topk >= 0], minlength=E), torch.tensor([1, 1, 0, 0])])
+    bad = topk.clone()
+    bad[1, 1] = 2 ** 32 + 1
+    counts[0, 3] -= 1
+    placement, rt = plan(counts.to(dev), bad.to(dev), 0)
+    assert int(rt[1, 1]) == 2 * E and int(placement.status.max()) & P.v(P.PLAN_BAD_EXPERT_ID), rt
+    for err, counts, want, cerr in run_gpu_world(1, _gpu_ids_world, timeout_s=600):
+        assert err[0] == "InputError" and f"= {2 ** 32 + 1} is outside" in err[1], err
+        assert torch.equal(counts[0], want.to(counts.dtype)) and cerr == (0,), (counts, want, cerr)

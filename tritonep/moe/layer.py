@@ -37,7 +37,7 @@ from torch import nn
 
 from ..ep import EPBuffer
 from ..ep.validate import check_expert_ids
-from ..errors import BufferStateError, CapacityError, ConfigError, InputError, PeerInputError, PlanError
+from ..errors import BufferStateError, CapacityError, ConfigError, InputError, PlanError
 from . import ops
 from .experts import expert_ffn_parts_backward, expert_ffn_parts_forward
 from .layer_parts import _ACT_DTYPE, _check_generation, _Split, expert_weights, layer_required_bytes, take_part_refused
@@ -216,8 +216,7 @@ class MoELayer(nn.Module):
         except (InputError, CapacityError) as e:
             if self.virtual:  # the call's counts exchange saw the same refusal: read (and clear) it too
                 consume_refusal(self.counts_x)
-            if self.virtual and isinstance(given_idx, torch.Tensor) and not isinstance(e, PeerInputError) \
-                    and isinstance(e, InputError):
+            if self.virtual and isinstance(given_idx, torch.Tensor) and type(e) is InputError:
                 # the planner turned an id outside [-1, E) into 2E (outside the runtime range): name the given one
                 check_expert_ids(given_idx, self.buffer.num_experts // 2)
             raise
@@ -225,8 +224,7 @@ class MoELayer(nn.Module):
         return t, placement, d
 
     def _take_part_refused(self, err: Exception, planned: bool = False):
-        """See :func:`tritonep.moe.layer_parts.take_part_refused` (raises ``err``); with virtual experts the
-        refusal the counts exchange recorded is read (and cleared) too."""
+        """See :func:`tritonep.moe.layer_parts.take_part_refused` (raises ``err``; clears the exchange's record)."""
         try:
             take_part_refused(self.buffer, self.counts_x if self.virtual and not planned else None, err)
         finally:
@@ -234,15 +232,12 @@ class MoELayer(nn.Module):
                 consume_refusal(self.counts_x)
 
     def _split(self, offs: torch.Tensor, placement, given_idx=None) -> _Split:
-        """One host read: the native/slot row boundary, the used slots, the held native experts and the placement's
-        ``experts_to_copy`` of this step (the nccl transport's split sizes), and in the same read every status
-        word of the virtual-expert machinery (:func:`tritonep.moe.layer_parts.raise_balance_status`): this
-        call's counts exchange and planner, the weight transport's (its last push / pull).
+        """One host read: the native/slot row boundary, the used slots, the held native experts, the placement's
+        ``experts_to_copy`` (the nccl transport's split sizes) and the status words of the counts exchange, planner
+        and transport, raised by :func:`tritonep.moe.layer_status.raise_balance_status` (its errors).
 
         Raises:
-            PeerTimeoutError, InputError, PeerInputError: a status word's error (see ``raise_balance_status``).
-            PlanError: a planner status bit, or rows routed to a virtual slot the placement leaves unused (they
-                would run no weights).
+            PlanError: also rows routed to a virtual slot the placement leaves unused (they would run no weights).
         """
         from ..balance.transport import used_slot_count
 

@@ -51,7 +51,7 @@ def _peer_write_world(group, epochs, skip_rank):
                                     RANK=rank, W=W, WB=4)
         t0 = time.time()
         peer_wait_kernel[(1,)](buf.local("flags"), buf.local("calls"), buf.local("status"),
-                               2000 if skip_rank >= 0 else 10**9, W=W, WB=4, HAS_TIMER=False)
+                               3 * 10**9 if skip_rank >= 0 else 60 * 10**9, W=W, WB=4, HAS_TIMER=False)  # ns
         out["epochs"].append(buf.local("data").clone())
         out["wait_s"] = time.time() - t0
         if skip_rank < 0:

@@ -179,7 +179,8 @@ def _timeout_s_world(group):
 
 def test_timeout_is_per_buffer_and_states_the_measured_wait():
     msg = run_cpu_world(2, _timeout_s_world, timeout_s=120, check_protocol=False)[0]
-    assert "polls" in msg and "interpreter" in msg and "bound 1.5 s" in msg, msg
+    waited = float(msg.split("after waiting ")[1].split(" s")[0])  # measured wall time, also in the interpreter
+    assert 1.5 <= waited < 30 and "bound 1.5 s" in msg, msg
 
 
 def test_default_timeout_is_at_least_300_s(monkeypatch):

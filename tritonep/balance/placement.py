@@ -65,7 +65,8 @@ import torch
 
 from tritonep.errors import PlanError
 
-__all__ = ["Placement", "place_torch", "check_counts", "PLACEMENT_MODES", "MAX_PLANNER_WORLD", "MAX_PLANNER_EXPERTS"]
+__all__ = ["Placement", "place_torch", "check_counts", "check_planner_limits", "PLACEMENT_MODES", "MAX_PLANNER_WORLD",
+           "MAX_PLANNER_EXPERTS"]
 
 # Largest world / expert count the Triton planner keeps in registers (place_torch has no limit of its own).
 MAX_PLANNER_WORLD = 64
@@ -160,6 +161,28 @@ def check_counts(counts: torch.Tensor, *, max_world: Optional[int] = None, check
     if check_values and counts.numel() and int(counts.min()) < 0:
         r, e = divmod(int(torch.argmin(counts.reshape(-1))), num_experts)
         raise PlanError(f"counts[{r}, {e}]={int(counts[r, e])} is negative")
+
+
+def check_planner_limits(world_size: int, num_experts: int, what: str = "virtual experts") -> None:
+    """The Triton planner's static limits, for a constructor to check before it allocates anything (the planner
+    keeps the whole placement in registers: :data:`MAX_PLANNER_WORLD` ranks, :data:`MAX_PLANNER_EXPERTS` experts).
+
+    Args:
+        world_size: W of the EP group; num_experts: E (global, native experts).
+        what: what the limits are checked for (named in the message).
+
+    Raises:
+        ConfigError: ``world_size > MAX_PLANNER_WORLD`` or ``num_experts > MAX_PLANNER_EXPERTS`` (the message names
+            the value and the limit).
+    """
+    from tritonep.errors import ConfigError
+
+    if int(num_experts) > MAX_PLANNER_EXPERTS:
+        raise ConfigError(f"{what}: num_experts={num_experts} exceeds the planner limit MAX_PLANNER_EXPERTS="
+                          f"{MAX_PLANNER_EXPERTS} (the Triton planner keeps every expert's load in registers)")
+    if int(world_size) > MAX_PLANNER_WORLD:
+        raise ConfigError(f"{what}: world_size={world_size} exceeds the planner limit MAX_PLANNER_WORLD="
+                          f"{MAX_PLANNER_WORLD}")
 
 
 def _argmax_lowest(values: list[int]) -> int:

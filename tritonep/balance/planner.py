@@ -23,7 +23,7 @@ from tritonep.kernels import protocol as P
 from tritonep.kernels.common import check_kernel_mode
 from tritonep.kernels.planner import plan_kernel
 
-__all__ = ["plan", "plan_status", "check_plan_status"]
+__all__ = ["plan", "plan_status", "check_plan_status", "raise_plan_bits"]
 
 _STATUS_BITS = {P.v(P.PLAN_NEGATIVE_COUNT): "a negative entry in counts",
                 P.v(P.PLAN_HISTOGRAM_MISMATCH): "topk_idx histogram differs from counts[rank]",
@@ -221,7 +221,13 @@ def plan_status(placement: Placement) -> int:
 
 def check_plan_status(placement: Placement) -> None:
     """Raise :class:`PlanError` naming every error bit set by the planner kernel (a host sync)."""
-    bits = plan_status(placement)
+    raise_plan_bits(plan_status(placement))
+
+
+def raise_plan_bits(bits: int) -> None:
+    """Raise :class:`PlanError` naming every bit of ``bits`` (the OR of a host copy of ``placement.status``, for
+    an owner that reads it with its other host values); 0 returns."""
+    bits = int(bits)
     if bits:
         names = [msg for bit, msg in _STATUS_BITS.items() if bits & bit]
         raise PlanError(f"planner status {bits}: " + "; ".join(names))

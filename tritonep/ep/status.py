@@ -1,15 +1,13 @@
-"""Device status word -> typed host errors, and wait bounds for GPU (ns) and interpreter (polls).
+"""Device status word -> typed host errors, and wait bounds (wall-clock nanoseconds on GPU and in the interpreter).
 
 Every EPBuffer owns ``status`` int64 ``[8]``: ``[code, wait_id, peer, errors_seen, needed_rows, skip_call,
 bad_rank_mask, waited]`` (indices ``ST_*`` of :mod:`tritonep.kernels.protocol`) written by the kernels (:mod:`tritonep.kernels.signal`, :mod:`tritonep.kernels.layout`):
 ``skip_call`` is the dispatch number whose data kernels skip their rows (capacity or input error),
 ``bad_rank_mask`` has bit r set when rank r's input was refused, ``waited`` is the measured length of the wait
-that gave up (nanoseconds on GPU, polls in the interpreter).
+that gave up in nanoseconds (``%globaltimer`` on GPU, the host's monotonic clock in the interpreter).
 """
 
 from __future__ import annotations
-
-import time
 
 import torch
 
@@ -25,23 +23,6 @@ _CODE, _WAIT_ID, _PEER, _NEEDED, _BAD_MASK, _WAITED = (P.v(n) for n in (
 __all__ = ["WAIT_NAMES", "raise_for_status", "wait_bound", "bad_ranks", "resolve_timeout"]
 
 WAIT_NAMES = P.wait_names()  # wait id -> name (kernels/protocol.py WAIT_*)
-
-_POLLS_PER_S: float | None = None
-
-
-def _interp_polls_per_s() -> float:
-    """Polls per second of the interpreter's wait loop, measured once (so the CPU bound is in seconds too)."""
-    global _POLLS_PER_S
-    if _POLLS_PER_S is None:
-        from ..kernels.signal import poll_bench_kernel
-
-        buf = torch.zeros(16, dtype=torch.int64)
-        n = 200
-        t0 = time.perf_counter()
-        poll_bench_kernel[(1,)](buf, n)
-        dt = max(time.perf_counter() - t0, 1e-6)
-        _POLLS_PER_S = n / dt
-    return _POLLS_PER_S
 
 
 def resolve_timeout(timeout_s: float | None) -> float:
@@ -60,11 +41,9 @@ def resolve_timeout(timeout_s: float | None) -> float:
 
 def wait_bound(device: torch.device, timeout_s: float | None = None) -> int:
     """The ``timeout`` argument of the kernels for a bound of ``timeout_s`` seconds (default: TRITONEP_TIMEOUT_S):
-    nanoseconds on GPU, a poll count in the interpreter (calibrated once to the interpreter's polls per second)."""
-    s = resolve_timeout(timeout_s)
-    if device.type == "cuda":
-        return int(s * 1e9)
-    return max(1, int(s * _interp_polls_per_s()))
+    nanoseconds of wall time on every device (:func:`tritonep.kernels.signal.now_ns`). ``device`` is kept so every
+    caller states where the kernels run; the unit no longer depends on it."""
+    return int(resolve_timeout(timeout_s) * 1e9)
 
 
 def bad_ranks(status_host: torch.Tensor) -> list:
@@ -73,14 +52,9 @@ def bad_ranks(status_host: torch.Tensor) -> list:
     return [r for r in range(64) if (mask >> r) & 1]
 
 
-def _waited(status_host, device_type: str | None) -> str:
-    v = int(status_host[_WAITED])
-    if device_type == "cuda":
-        return f"after waiting {v / 1e9:.1f} s"
-    if device_type == "cpu":
-        return (f"after {v} polls (~{v / _interp_polls_per_s():.1f} s: the interpreter bounds waits in poll "
-                f"counts calibrated to seconds)")
-    return "after its bound"
+def _waited(status_host, device_type: str | None = None) -> str:
+    """The measured wait of a timeout (``status[ST_WAITED]``, ns on every device) in seconds."""
+    return f"after waiting {int(status_host[_WAITED]) / 1e9:.2f} s"
 
 
 def raise_for_status(status_host: torch.Tensor, rank: int, max_recv: int, what: str,

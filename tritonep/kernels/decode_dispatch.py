@@ -64,10 +64,11 @@ def _own_histogram(topk_idx_ptr, T, limit, K: tl.constexpr, KB: tl.constexpr, E:
     t = tl.arange(0, TB)
     k = tl.arange(0, KB)
     m = ((t < T) & (t < limit))[:, None] & (k[None, :] < K)
-    wide = tl.load(topk_idx_ptr + t[:, None].to(tl.int64) * K + k[None, :], mask=m, other=-1)
-    bad = tl.sum(tl.sum(((wide < -1) | (wide >= E)).to(tl.int32), 1), 0)  # at full width: 2**32 + 1 is bad
-    ok = (wide >= 0) & (wide < E)
-    ids = wide.to(tl.int32)
+    raw = tl.load(topk_idx_ptr + t[:, None].to(tl.int64) * K + k[None, :], mask=m, other=-1)
+    # range-check at the ids' own width before the int32 cast (an int64 id 2**32 + 1 is not expert 1: issue 25)
+    bad = tl.sum(tl.sum(((raw < -1) | (raw >= E)).to(tl.int32), 1), 0)
+    ok = (raw >= 0) & (raw < E)
+    ids = tl.where(ok, raw, 0).to(tl.int32)
     pe = tl.where(ok, (ids // L) * LB + ids % L, 0)  # padded (destination, local expert) bin
     h = tl.histogram(tl.reshape(pe, (TB * KB,)), WB * LB, mask=tl.reshape(ok, (TB * KB,)))
     return tl.reshape(h, (WB, LB)), bad

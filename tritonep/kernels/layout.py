@@ -77,8 +77,10 @@ def chunk_hist_kernel(topk_idx_ptr, hist_ptr, T, NC, K: tl.constexpr, E: tl.cons
             clean = tl.where((ids >= -1) & (ids < E), ids, -1).to(tl.int32)
             tl.store(idx_out_ptr + off, clean, mask=m)
             tl.store(w_out_ptr + off, tl.load(w_ptr + off, mask=m, other=0.0), mask=m)
-        ids = tl.reshape(ids.to(tl.int32), (BT * KB,))
-        h = tl.histogram(ids, EB, mask=(ids >= 0) & (ids < E))
+        # range-check at the ids' own width, then cast: an int64 id 2**32 + 1 is flagged, never counted as expert 1
+        ok = tl.reshape((ids >= 0) & (ids < E), (BT * KB,))
+        ids = tl.reshape(tl.where((ids >= 0) & (ids < E), ids, 0).to(tl.int32), (BT * KB,))
+        h = tl.histogram(ids, EB, mask=ok)
         tl.store(hist_ptr + c * (E + 1) + e_off, h, mask=e_off < E)
         tl.store(hist_ptr + c * (E + 1) + E, bad)
 

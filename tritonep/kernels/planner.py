@@ -36,9 +36,9 @@ every role needs its own program, the grid is exactly ``G + 1``, and a role only
 Status word (``[G + 1]`` int32, OR them; bits named in :mod:`tritonep.kernels.protocol`): ``PLAN_NEGATIVE_COUNT``
 (1) = a negative count (entry 0), ``PLAN_HISTOGRAM_MISMATCH`` (2) = ``topk_idx`` histogram differs from
 ``counts[rank]`` (checked by the chunks that reach the end), ``PLAN_BAD_EXPERT_ID`` (4) = an expert id outside
-``[-1, E)`` (its output is ``2E``), ``PLAN_WAIT_GAVE_UP`` (8) = an internal wait gave up after ``timeout`` (ns on
-GPU, polls in the interpreter; then every valid route of that chunk is ``2E``, which the dispatch of the runtime ids
-refuses on every rank).
+``[-1, E)`` (its output is ``2E``), ``PLAN_WAIT_GAVE_UP`` (8) = an internal wait gave up after ``timeout`` (ns of
+wall time; then every valid route of that chunk is ``2E``, which the dispatch of the runtime ids refuses on every
+rank).
 """
 
 from __future__ import annotations
@@ -67,8 +67,12 @@ def _sum_rows(ptr, row_stride, n_rows, cols, cmask, CH: tl.constexpr):
 
 @triton.jit
 def _load_routes(topk_ptr, stride_tt, stride_tk, i, inb, E: tl.constexpr, K: tl.constexpr):
-    """Expert ids of routes ``i`` (flat ``t*K + k``): ``(ev, valid, esafe)``; out of bounds = -1, invalid -> 0."""
-    ev = tl.load(topk_ptr + (i // K) * stride_tt + (i % K) * stride_tk, mask=inb, other=-1).to(tl.int32)
+    """Expert ids of routes ``i`` (flat ``t*K + k``): ``(ev, valid, esafe)``; out of bounds = -1, invalid -> 0.
+
+    The range check runs at the ids' own width (int64 ids are not truncated first: 2**32 + 1 is not expert 1);
+    an id outside ``[-1, E)`` becomes -2 in the int32 ``ev``, so it stays outside ``[-1, E)`` after the cast."""
+    raw = tl.load(topk_ptr + (i // K) * stride_tt + (i % K) * stride_tk, mask=inb, other=-1)
+    ev = tl.where((raw >= -1) & (raw < E), raw, -2).to(tl.int32)
     valid = inb & (ev >= 0) & (ev < E)
     return ev, valid, tl.where(valid, ev, 0)
 

@@ -28,6 +28,6 @@ def peer_write_kernel(data_tab, flags_tab, calls_ptr, N: tl.constexpr, RANK: tl.
 @triton.jit
 def peer_wait_kernel(flags_ptr, calls_ptr, status_ptr, timeout, W: tl.constexpr, WB: tl.constexpr,
                      HAS_TIMER: tl.constexpr):
-    """Wait until ``flags[r] >= calls`` for every rank r (timeout: ns on GPU, polls in the interpreter)."""
+    """Wait until ``flags[r] >= calls`` for every rank r (timeout: ns of wall time, GPU and interpreter)."""
     n = tl.load(calls_ptr)
     wait_all_ge(flags_ptr, W, n, status_ptr, 7, timeout, HAS_TIMER, WB)

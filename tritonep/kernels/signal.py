@@ -5,27 +5,46 @@ with a release atomic at system scope after a block barrier (so all its stores a
 receiver waits until the counter reaches ``calls * programs_per_call``. Counters never need a reset, so CUDA-graph
 replays stay correct as long as the call number lives in device memory.
 
-Every wait is bounded: on GPU by ``%globaltimer`` nanoseconds, in the interpreter by a poll count calibrated to
-seconds (see :mod:`tritonep.ep.status`). A wait that gives up records (code, wait id, peer) in a local status
-word and returns 0, and the kernel skips the guarded work; the host turns the status into
-:class:`tritonep.errors.PeerTimeoutError`.
+Every wait is bounded in wall-clock nanoseconds (:func:`now_ns`): on GPU by ``%globaltimer``, in the interpreter
+by the host's monotonic clock, so a bound of ``timeout_s`` seconds means the same on both (an earlier poll-count
+bound, calibrated once, gave up after 1.7-2.8 s of a 6 s bound: issue 25). A wait that gives up records (code,
+wait id, peer, measured ns) in a local status word and returns 0, and the kernel skips the guarded work; the host
+turns the status into :class:`tritonep.errors.PeerTimeoutError`.
 """
+
+import time
 
 import triton
 import triton.language as tl
 
+from .common import kernels_interpreted
 from .protocol import (STATUS_TIMEOUT, ST_ERRORS_SEEN, ST_PEER, ST_WAIT_ID, ST_WAITED, TICKET_ARRIVALS,
                        TICKET_CALL_SHIFT)
+
+if kernels_interpreted():
+    def _clock_ns():
+        """The host's monotonic clock in ns (``time.monotonic_ns``) as an int64 scalar: the interpreter runs a kernel
+        as Python, so a wait in a CPU world reads real time (every rank is a process of one host: one clock)."""
+        return tl.full((), time.monotonic_ns(), tl.int64)
+else:
+    @triton.jit
+    def _clock_ns():
+        """Compiled kernels: ``%globaltimer`` (ns), so a GPU launch with HAS_TIMER=False is still bounded in time."""
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                         pack=1)
 
 
 @triton.jit
 def now_ns(HAS_TIMER: tl.constexpr):
-    """Global nanosecond timer on GPU; 0 in the interpreter (waits there are bounded by poll counts)."""
+    """Wall-clock nanoseconds: the global timer on GPU (HAS_TIMER), the host's monotonic clock in the interpreter.
+
+    The HAS_TIMER branch is the only one the GPU compiler visits for GPU launches (a constexpr ``if``), so the GPU
+    code is what it was; the other branch calls :func:`_clock_ns`, plain Python under the interpreter."""
     if HAS_TIMER:
         return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
                                          pack=1)
     else:
-        return tl.zeros((), dtype=tl.int64)
+        return _clock_ns()
 
 
 @triton.jit
@@ -53,14 +72,10 @@ def _wait_flags(flag_ptr, n, target, status_ptr, wait_id, peer, timeout, HAS_TIM
         ok = 0
     else:
         t0 = now_ns(HAS_TIMER)
-        polls = tl.zeros((), dtype=tl.int64)
         v = tl.atomic_add(flag_ptr + offs, 0, mask=m, sem="acquire", scope="sys")
         missing = tl.sum(((v < target) & m).to(tl.int32), 0)
         while missing > 0:
-            if HAS_TIMER:
-                elapsed = now_ns(HAS_TIMER) - t0
-            else:
-                elapsed = polls
+            elapsed = now_ns(HAS_TIMER) - t0
             if elapsed > timeout:
                 if NAMED_PEER:
                     first = record_error(status_ptr, STATUS_TIMEOUT, wait_id, peer)
@@ -68,11 +83,10 @@ def _wait_flags(flag_ptr, n, target, status_ptr, wait_id, peer, timeout, HAS_TIM
                     first = record_error(status_ptr, STATUS_TIMEOUT, wait_id,
                                          tl.min(tl.where((v < target) & m, offs, WBLOCK), 0))
                 if first:
-                    tl.store(status_ptr + ST_WAITED, elapsed)  # measured wait: ns on GPU, polls in the interpreter
+                    tl.store(status_ptr + ST_WAITED, elapsed)  # measured wait in ns (GPU and interpreter)
                 ok = 0
                 missing = 0
             else:
-                polls += 1
                 v = tl.atomic_add(flag_ptr + offs, 0, mask=m, sem="acquire", scope="sys")
                 missing = tl.sum(((v < target) & m).to(tl.int32), 0)
     tl.debug_barrier()
@@ -84,7 +98,7 @@ def wait_all_ge(flag_ptr, n, target, status_ptr, wait_id, timeout, HAS_TIMER: tl
                 WBLOCK: tl.constexpr):
     """Wait until ``flag_ptr[i] >= target`` for every i < n (local int64 counters, acquire at system scope).
 
-    ``timeout`` is nanoseconds on GPU (HAS_TIMER) or a poll count in the interpreter. Returns 1 when every flag
+    ``timeout`` is in nanoseconds of wall time (:func:`now_ns`). Returns 1 when every flag
     arrived, 0 on timeout (after recording STATUS_TIMEOUT with the first missing index as the peer). A buffer that
     already timed out returns 0 at once, so a broken protocol never blocks a later call. Other recorded errors
     (capacity) keep the protocol running: kernels skip the data but still signal and wait.
@@ -131,21 +145,9 @@ def publish_epoch(ptr_table, n, index, value, WBLOCK: tl.constexpr):
 @triton.jit
 def wait_ge(flag_ptr, target, status_ptr, wait_id, peer, timeout, HAS_TIMER: tl.constexpr):
     """Wait until the local int64 ``*flag_ptr >= target`` (acquire, system scope), bounded like
-    :func:`wait_all_ge` (same poll cost, so the interpreter's poll-count bound means the same seconds); on timeout
+    :func:`wait_all_ge` (``timeout`` in ns of wall time); on timeout
     records (STATUS_TIMEOUT, wait_id, peer) and returns 0."""
     return _wait_flags(flag_ptr, 1, target, status_ptr, wait_id, peer, timeout, HAS_TIMER, 2, True)
-
-
-@triton.jit
-def poll_bench_kernel(p, n):
-    """``n`` acquire polls of 8 words at ``p`` (their sum stored at ``p + 8``): what the interpreter's wait loop does
-    per poll, timed once by :func:`tritonep.ep.status.wait_bound` to turn a bound in seconds into a poll count."""
-    offs = tl.arange(0, 8)
-    acc = tl.zeros((), dtype=tl.int64)
-    for _ in range(n):
-        v = tl.atomic_add(p + offs, 0, sem="acquire", scope="sys")
-        acc += tl.sum(v, 0)
-    tl.store(p + 8, acc)
 
 
 @triton.jit
@@ -197,7 +199,7 @@ def advance_on_last(calls_ptr, DONE: tl.constexpr, CALL: tl.constexpr, value):
 @triton.jit
 def wait_all_eq(flag_ptr, n, mark, timeout, HAS_TIMER: tl.constexpr, FB: tl.constexpr):
     """Wait until ``flag_ptr[i] == mark`` for every ``i < n`` (local int64 flags, acquire, gpu scope); 1 = arrived,
-    0 = gave up after ``timeout`` (ns on GPU, polls in the interpreter).
+    0 = gave up after ``timeout`` ns of wall time.
 
     The in-grid wait of the planner (:mod:`tritonep.kernels.planner`: programs of ONE launch on one GPU, flags
     set by :func:`publish_mark` to the mark of :func:`take_ticket`). How it differs from :func:`wait_all_ge`:
@@ -207,20 +209,15 @@ def wait_all_eq(flag_ptr, n, mark, timeout, HAS_TIMER: tl.constexpr, FB: tl.cons
     offs = tl.arange(0, FB)
     m = offs < n
     t0 = now_ns(HAS_TIMER)
-    polls = tl.zeros((), dtype=tl.int64)
     ok = tl.full((), 1, tl.int32)
     v = tl.atomic_add(flag_ptr + offs, 0, mask=m, sem="acquire", scope="gpu")
     missing = tl.sum(((v != mark) & m).to(tl.int32), 0)
     while missing > 0:
-        if HAS_TIMER:
-            elapsed = now_ns(HAS_TIMER) - t0
-        else:
-            elapsed = polls
+        elapsed = now_ns(HAS_TIMER) - t0
         if elapsed > timeout:
             ok = 0
             missing = 0
         else:
-            polls += 1
             v = tl.atomic_add(flag_ptr + offs, 0, mask=m, sem="acquire", scope="gpu")
             missing = tl.sum(((v != mark) & m).to(tl.int32), 0)
     tl.debug_barrier()

@@ -7,8 +7,9 @@ Two implementations behind one interface (:class:`SymmetricHeap` -> :class:`Symm
 * :class:`CpuHeap`: one fork-shared anonymous ``mmap`` made by the parent *before* forking the ranks
   (docs/platform.md). Rank r owns the slice ``[r * slice_bytes, (r + 1) * slice_bytes)``; every process sees the whole
   mapping at the same address, so the pointer tables are plain host addresses that the Triton interpreter
-  dereferences. Allocations are a symmetric bump allocator: the same sequence on every rank gives the same offsets
-  (checked with one small collective per allocation).
+  dereferences. Allocations are first-fit over the free extents of the slice (freed space is reused wherever it
+  lies, neighbouring free extents coalesce): the same sequence of allocations and frees on every rank gives the
+  same offsets (checked with one small collective per allocation).
 
 Construction of a buffer zeroes this rank's copy and then barriers across the group, so no peer can write into a
 buffer that is still being zeroed (the seeds record a first-call hang from exactly that race).
@@ -22,7 +23,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ..errors import BufferStateError, ConfigError, HeapError
+from ..errors import BufferStateError, ConfigError, HeapError, LayoutError
 from .collectives import group_barrier
 from .layout import Layout, Region, layout
 
@@ -124,12 +125,16 @@ class SymmetricHeap:
     def _free(self, buf: SymmetricBuffer):  # pragma: no cover
         raise NotImplementedError
 
-    def _check_symmetric(self, value: int, what: str):
-        """All ranks must agree on ``value`` (offset, size); raises HeapError on every rank naming the values."""
+    def _gather(self, value: int) -> list:
+        """Every rank's ``value`` (one small all_gather of the heap's group), in rank order."""
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
         out = [torch.zeros_like(t) for _ in range(self.world_size)]
         dist.all_gather(out, t, group=self.group)
-        vals = [int(o.item()) for o in out]
+        return [int(o.item()) for o in out]
+
+    def _check_symmetric(self, value: int, what: str):
+        """All ranks must agree on ``value`` (offset, size); raises HeapError on every rank naming the values."""
+        vals = self._gather(value)
         if len(set(vals)) != 1:
             raise HeapError(f"symmetric allocation diverged across ranks: {what} per rank = {vals}")
 
@@ -163,8 +168,8 @@ class CpuHeap(SymmetricHeap):
         self.rank = -1
         self.group = None
         self.device = torch.device("cpu")
-        self._top = 0
-        self._stack: list = []  # [offset, nbytes, freed]
+        self._live: dict = {}  # allocation id -> (offset, nbytes), the buffers not yet freed
+        self._next_id = 0
 
     @classmethod
     def create(cls, world_size: int, slice_bytes: int) -> "CpuHeap":
@@ -181,22 +186,68 @@ class CpuHeap(SymmetricHeap):
     def slice(self, rank: int) -> torch.Tensor:
         return self._all[rank * self.slice_bytes: (rank + 1) * self.slice_bytes]
 
+    def free_extents(self) -> list:
+        """The free extents of this rank's slice, ``[(offset, nbytes), ...]`` in offset order (neighbours coalesced:
+        a freed buffer next to free space forms one extent with it)."""
+        out, pos = [], 0
+        for off, n in sorted(self._live.values()):
+            if off > pos:
+                out.append((pos, off - pos))
+            pos = max(pos, off + n)
+        if pos < self.slice_bytes:
+            out.append((pos, self.slice_bytes - pos))
+        return out
+
+    def _fit(self, nbytes: int) -> int:
+        """First fit: the lowest offset of a free extent that holds ``nbytes``, or -1."""
+        for off, n in self.free_extents():
+            if n >= nbytes:
+                return off
+        return -1
+
     def allocate(self, regions: Sequence[Region], zero: bool = True) -> SymmetricBuffer:
+        """Allocate ``regions`` at the same offset of every rank's slice (collective: every rank allocates and
+        frees in the same order).
+
+        The buffer takes the lowest free extent that holds it (first fit), so space freed anywhere (not only at
+        the top) is reused: a rebuild-on-capacity loop (new buffer, then close the old one) runs in a heap sized
+        for two buffers. Every rank's offset (or its lack of space) is exchanged in one all_gather, so a buffer
+        that does not fit raises on every rank.
+
+        Raises:
+            HeapError: the heap is not attached, or the ranks' offsets / sizes differ (diverged sequences).
+            LayoutError: no free extent holds the buffer (on every rank; the message names the bytes needed, the
+                largest free extent and the free bytes).
+        """
         if self.rank < 0:
             raise HeapError("CPU heap is not attached to a rank (call attach(rank) in the forked process)")
-        lay = layout(regions, capacity=self.slice_bytes - self._top)
-        off = self._top
+        lay = layout(regions)
+        off = self._fit(lay.total)
         if self.group is not None or dist.is_initialized():
-            self._check_symmetric(off, "CPU heap offset")
+            offs = self._gather(off)
+            if -1 in offs or len(set(offs)) != 1:
+                short = [r for r, o in enumerate(offs) if o < 0]
+                if not short:
+                    raise HeapError(f"symmetric allocation diverged across ranks: CPU heap offset per rank = {offs}")
+                off = -1
             self._check_symmetric(lay.total, "CPU heap allocation size")
-        self._top = off + lay.total
-        self._stack.append([off, lay.total, False])
+        if off < 0:
+            ext = self.free_extents()
+            raise LayoutError(
+                f"CPU heap: a buffer of {lay.total} bytes ({len(lay.regions)} regions) does not fit in this rank's "
+                f"slice of {self.slice_bytes} bytes: {sum(n for _, n in ext)} bytes free in {len(ext)} extents, "
+                f"the largest {max((n for _, n in ext), default=0)} bytes, {len(self._live)} buffers live (raise "
+                f"TRITONEP_CPU_HEAP_BYTES or run_cpu_world(heap_bytes=...), or close buffers first)")
+        aid = self._next_id
+        self._next_id += 1
+        self._live[aid] = (off, lay.total)
         local = self.slice(self.rank)[off: off + lay.total]
         if zero:
             local.zero_()
         bases = [self.base + r * self.slice_bytes + off for r in range(self.world_size)]
         buf = SymmetricBuffer(self, lay, bases, local)
         buf._heap_offset = off
+        buf._heap_id = aid
         if dist.is_initialized():
             self.barrier()
         return buf
@@ -207,16 +258,14 @@ class CpuHeap(SymmetricHeap):
         return self.slice(rank)[off: off + r.nbytes].view(r.dtype).view(r.shape)
 
     def _free(self, buf: SymmetricBuffer):
-        for ent in self._stack:
-            if ent[0] == buf._heap_offset:
-                ent[2] = True
-        while self._stack and self._stack[-1][2]:
-            off, _, _ = self._stack.pop()
-            self._top = off
+        """Return ``buf``'s extent to the free space (no collective; :meth:`allocate`'s all_gather orders a later
+        reuse after every rank's close: kernels run synchronously in the interpreter, so none still touches it)."""
+        self._live.pop(buf._heap_id, None)
 
     @property
     def used_bytes(self) -> int:
-        return self._top
+        """Bytes of this rank's slice held by live buffers."""
+        return sum(n for _, n in self._live.values())
 
 
 class CudaHeap(SymmetricHeap):

@@ -44,10 +44,11 @@ from torch import nn
 from ..ep import EPBuffer
 from ..ep.config import agree
 from ..ep.validate import check_expert_ids
-from ..errors import BufferStateError, CapacityError, ConfigError, InputError, PeerInputError, TritonEPError
+from ..errors import BufferStateError, CapacityError, ConfigError, InputError, TritonEPError
 from . import ops
 from .experts import expert_ffn_parts_backward, expert_ffn_parts_forward
 from .layer_parts import _ACT_DTYPE, expert_weights, layer_required_bytes, take_part_refused
+from .layer_status import consume_refusal, strict_check
 from .layer_virtual import plan_routes, read_split, row_parts
 from .losses import attach_aux_loss, switch_aux_loss
 from .params import expert_load_state_dict_pre_hook, expert_parameters, expert_state_dict_hook, local_expert_ids
@@ -255,10 +256,10 @@ class MoELayer(nn.Module):
         t.append(self._now() if self.virtual else t[-1])
         try:
             d = self.buffer.dispatch(x, topk_idx, topk_weights, sync_free=self.recipe.sync_free)
-        except PeerInputError:
-            raise
-        except InputError:
-            if self.virtual and isinstance(given_idx, torch.Tensor):
+        except (InputError, CapacityError) as e:
+            if self.virtual:  # the call's counts exchange saw the same refusal: read (and clear) it too
+                consume_refusal(self.counts_x)
+            if self.virtual and isinstance(given_idx, torch.Tensor) and type(e) is InputError:
                 # the planner turned an id outside [-1, E) into 2E (outside the runtime range): name the given one
                 check_expert_ids(given_idx, self.buffer.num_experts // 2)
             raise
@@ -266,8 +267,12 @@ class MoELayer(nn.Module):
         return t, placement, d
 
     def _take_part_refused(self, err: Exception, planned: bool = False):
-        """See :func:`tritonep.moe.layer_parts.take_part_refused` (raises ``err``)."""
-        take_part_refused(self.buffer, self.counts_x if self.virtual and not planned else None, err)
+        """See :func:`tritonep.moe.layer_parts.take_part_refused` (raises ``err``; clears the exchange's record)."""
+        try:
+            take_part_refused(self.buffer, self.counts_x if self.virtual and not planned else None, err)
+        finally:
+            if self.virtual:
+                consume_refusal(self.counts_x)
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor | None = None,
                 topk_weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -343,8 +348,9 @@ class MoELayer(nn.Module):
             split = None
             w1s, w2s = (w1,), (w2,)
             if self.virtual:
-                split = read_split(self, d.expert_offsets, placement)
+                split = read_split(self, d.expert_offsets, placement, topk_idx)
                 self.transport.push({"w1": w1, "w2": w2}, placement, split.experts_to_copy)
+                strict_check(self.transport)
                 views = self.transport.slot_views(split.num_used)
                 w1s, w2s = (w1, views["w1"]), (w2, views["w2"])
             t.append(self._now() if self.virtual else t[-1])
@@ -383,6 +389,7 @@ class MoELayer(nn.Module):
             sp = st["split"]
             g = self.transport.pull({"w1": g_w1[1], "w2": g_w2[1]}, st["placement"], sp.num_used, sp.held,
                                     into={"w1": g_w1[0], "w2": g_w2[0]}, experts_to_copy_host=sp.experts_to_copy)
+            strict_check(self.transport)
             g_w1, g_w2 = (g["w1"],), (g["w2"],)
         g_x, g_tw = buf.dispatch_backward(g_xr, g_rw, st["handle"])
         return g_x, g_tw, g_w1[0], g_w2[0]

@@ -28,19 +28,26 @@ def plan_routes(layer, topk_idx: torch.Tensor):
     return placement, rt_idx.to(torch.int64)
 
 
-def read_split(layer, offs: torch.Tensor, placement) -> _Split:
-    """One host read: the native/slot row boundary, the used slots, the held native experts and the placement's
-    ``experts_to_copy`` of this step (the nccl transport's split sizes).
+def read_split(layer, offs: torch.Tensor, placement, given_idx=None) -> _Split:
+    """One host read: the native/slot row boundary, the used slots, the held native experts, the placement's
+    ``experts_to_copy`` (the nccl transport's split sizes) and the status words of the counts exchange, planner
+    and transport, raised by :func:`tritonep.moe.layer_status.raise_balance_status` (its errors; ``given_idx``:
+    this rank's global ids, to name a refused value).
 
     Raises:
-        PlanError: rows routed to a virtual slot the placement leaves unused (they would run no weights).
+        PlanError: also rows routed to a virtual slot the placement leaves unused (they would run no weights).
     """
     from ..balance.transport import used_slot_count
+    from .layer_status import raise_balance_status
 
     L, W, lo = layer.num_local_experts, layer.world_size, layer.rank * layer.num_local_experts
     held = (placement.expert_slot[lo:lo + L] >= 0).any(dim=1)
+    words = [layer.counts_x.status_words(), placement.status, layer.transport.status_words()]
     info = torch.cat([offs.to(torch.int64), placement.experts_to_copy.reshape(-1).to(torch.int64),
-                      held.to(torch.int64)]).tolist()
+                      held.to(torch.int64)] + [w.reshape(-1).to(torch.int64) for w in words]).tolist()
+    n_words = sum(w.numel() for w in words)
+    info, status = info[:len(info) - n_words], info[len(info) - n_words:]
+    raise_balance_status(layer, status, [w.numel() for w in words], given_idx)
     ends, held = info[:2 * L], info[2 * L + W * L:]
     etc = [info[2 * L + d * L:2 * L + (d + 1) * L] for d in range(W)]
     n = used_slot_count(etc[layer.rank])

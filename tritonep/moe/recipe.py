@@ -283,7 +283,9 @@ def check_config(recipe: MoERecipe, geometry: MoEGeometry, world_size: int) -> N
     """Run every static check of a (recipe, geometry, world_size) triple; nothing is allocated.
 
     Raises:
-        ConfigError: the first inconsistent field (see :meth:`MoERecipe.check`, :meth:`MoEGeometry.check`).
+        ConfigError: the first inconsistent field (see :meth:`MoERecipe.check`, :meth:`MoEGeometry.check`); with
+            ``balance='virtual'`` also an expert count or world size beyond the planner's limits
+            (:func:`tritonep.balance.placement.check_planner_limits`).
     """
     if not isinstance(recipe, MoERecipe):
         raise ConfigError(f"recipe must be a MoERecipe, got {type(recipe).__name__}")
@@ -291,3 +293,7 @@ def check_config(recipe: MoERecipe, geometry: MoEGeometry, world_size: int) -> N
         raise ConfigError(f"geometry must be a MoEGeometry, got {type(geometry).__name__}")
     geometry.check(world_size)
     recipe.check(geometry)
+    if recipe.balance == "virtual":  # the planner's limits, before anything is allocated (not at every forward)
+        from ..balance.placement import check_planner_limits
+
+        check_planner_limits(world_size, geometry.num_experts, "MoERecipe.balance='virtual'")

@@ -161,7 +161,7 @@ def compile_one(rec: dict):
 
 def with_gpu_twins(records: list) -> list:
     """The records without recording errors, plus a ``HAS_TIMER=True`` twin of each ``HAS_TIMER=False`` launch: the
-    interpreter runs the poll-count wait, the GPU takes the ``%globaltimer`` branch (and the FAST codec paths)."""
+    interpreter reads the host clock, the GPU takes the ``%globaltimer`` branch (and the FAST codec paths)."""
     recs = [r for r in records if "error" not in r]
     for r in list(recs):
         if r["constexprs"].get("HAS_TIMER") is False:

@@ -117,6 +117,14 @@ class CountsExchange(Protocol):
         """Raise an error the exchange recorded (one host read)."""
         ...
 
+    def status_words(self) -> torch.Tensor:
+        """What :meth:`check` reads (int64 device tensor, no copy), for an owner that folds it into one host read."""
+        ...
+
+    def raise_status(self, values) -> None:
+        """Raise what a host copy of :meth:`status_words` records (as :meth:`check`, without the read)."""
+        ...
+
     def close(self) -> None:
         """Release what it holds (collective)."""
         ...
@@ -154,6 +162,14 @@ class ExpertTransport(Protocol):
 
     def check(self) -> None:
         """Raise an error the transport recorded (one host read)."""
+        ...
+
+    def status_words(self) -> torch.Tensor:
+        """What :meth:`check` reads (int64 device tensor, no copy), for an owner that folds it into one host read."""
+        ...
+
+    def raise_status(self, values) -> None:
+        """Raise what a host copy of :meth:`status_words` records (as :meth:`check`, without the read)."""
         ...
 
     def close(self) -> None:

@@ -85,8 +85,21 @@ class NcclCountsExchange:
         if self._bad is None:
             return
         self.host_reads += 1
-        bad = [r for r, v in enumerate(self._bad.tolist()) if v > 0]
+        self.raise_status(self._bad.tolist())
+
+    def status_words(self) -> torch.Tensor:
+        """Column E of the last gathered matrix (int64 ``[W]`` device tensor: input errors per rank; empty before
+        the first exchange), for an owner that reads it with its other host values (see :meth:`raise_status`)."""
+        if self._bad is None:
+            return torch.zeros(0, dtype=torch.int64, device=self.device)
+        return self._bad
+
+    def raise_status(self, values) -> None:
+        """Raise :class:`PeerInputError` when ``values`` (a host copy of :meth:`status_words`) names a refused rank;
+        reported once (the exchange forgets it)."""
+        bad = [r for r, v in enumerate(list(values)) if int(v) > 0]
         if bad:
+            self._bad = None
             raise PeerInputError(f"counts exchange: the input of rank(s) {bad} was refused, so this call failed on "
                                  f"every rank (rank {self.rank} raises this)", bad_ranks=bad, rank=self.rank)
 

@@ -149,6 +149,13 @@ class NcclExpertTransport(SlotTransportBase):
     def check(self):
         """Nothing is recorded on the device by this transport: errors are raised where they happen."""
 
+    def status_words(self) -> torch.Tensor:
+        """Empty: nothing is recorded on the device (kept for the interface, see :meth:`raise_status`)."""
+        return torch.zeros(0, dtype=torch.int64, device=self.device)
+
+    def raise_status(self, values) -> None:
+        """Nothing to raise (see :meth:`status_words`)."""
+
     def close(self):
         """Drop the slots. Idempotent."""
         self._slots = {}

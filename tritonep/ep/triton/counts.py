@@ -118,7 +118,17 @@ class CountsExchange:
         first recorded error wins, so a refusal kept in the status word hid every later one). A timeout stays.
         """
         self.host_reads += 1
-        st = self.status.cpu().clone()  # .cpu() of a CPU tensor is the tensor itself
+        self.raise_status(self.status_words().cpu().clone())  # .cpu() of a CPU tensor is the tensor itself
+
+    def status_words(self) -> torch.Tensor:
+        """The status word the exchange kernel writes (int64 device view, no copy), for an owner that reads it
+        together with its other host values in one read and hands the values to :meth:`raise_status`."""
+        return self.status[:P.v(P.STATUS_WORDS)]
+
+    def raise_status(self, values) -> None:
+        """Raise the error ``values`` (a host copy of :meth:`status_words`) records, as :meth:`check` does (a
+        refusal is cleared on the device: reported once)."""
+        st = torch.as_tensor(values, dtype=torch.int64)
         if int(st[P.v(P.ST_CODE)]) in (P.v(P.STATUS_CAPACITY), P.v(P.STATUS_BAD_INPUT)):
             self.status.zero_()
         raise_for_status(st, self.rank, 0, "counts exchange", self.timeout_s, self.device.type)

@@ -175,7 +175,18 @@ class ExpertTransport(SlotTransportBase):
     def check(self):
         """Raise a recorded device error (timeout) on the host (one sync)."""
         self.host_reads += 1
-        raise_for_status(self.status.cpu(), self.rank, 0, "expert transport", self.timeout_s, self.device.type)
+        self.raise_status(self.status_words().cpu())
+
+    def status_words(self) -> torch.Tensor:
+        """The status word the rendezvous kernels write (int64 device view, no copy), for an owner that reads it
+        with its other host values (see :meth:`raise_status`)."""
+        return self.status[:P.v(P.STATUS_WORDS)]
+
+    def raise_status(self, values) -> None:
+        """Raise the error ``values`` (a host copy of :meth:`status_words`) records (a timeout: it stays, the
+        transport is unusable after it)."""
+        raise_for_status(torch.as_tensor(values, dtype=torch.int64), self.rank, 0, "expert transport",
+                         self.timeout_s, self.device.type)
 
     def close(self):
         """Free the symmetric regions (collective: every rank closes in the same order). Idempotent."""

@@ -353,9 +353,10 @@ def _dispatch_data_timeout_world(group):
     buf = tep.EPBuffer(group, 4, 64, 8, 2)
     x, idx, w = make_rank_inputs(rank, 8, 64, 4, 2, seed=1)
     if rank == 0:  # takes part in the counts exchange, then never sends (a peer that dies mid-dispatch)
-        buf._impl._send = lambda *a, **k: None
-        buf._impl._expand = lambda *a, **k: None
-        buf._impl._fused = lambda *a, **k: None  # the one-launch dispatch (geometry with fused_send > 0)
+        ks = buf._impl.k  # the backend's bound launches (tritonep.ep.triton.calls.KernelSet)
+        ks.send = lambda *a: None
+        ks.expand = lambda kq: (lambda *a: None)
+        ks.fused = lambda kq: (lambda *a: None)  # the one-launch dispatch (geometry with fused_send > 0)
     try:
         buf.dispatch(x, idx, w)
         return "returned normally"

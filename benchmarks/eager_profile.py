@@ -41,7 +41,18 @@ def profile_tokens(group, T, H=7168, E=256, K=8, iters=30, backend="triton"):
         out["dispatch_graph_us"], _ = time_graph(lambda: buf.dispatch(x, idx, w), group, iters=iters)
         d = buf.dispatch(x, idx, w)
         out["combine_graph_us"], _ = time_graph(lambda: buf.combine(eo, d.handle), group, iters=iters)
+        gx = torch.randn(buf.max_recv_tokens, H, device=dev).to(torch.bfloat16)
+        gw = torch.rand(buf.max_recv_tokens, device=dev)
+        gy = torch.randn(T, H, device=dev).to(torch.bfloat16)
+        out["dispatch_bwd_graph_us"], _ = time_graph(lambda: buf.dispatch_backward(gx, gw, d.handle), group,
+                                                     iters=iters)
+        out["combine_bwd_graph_us"], _ = time_graph(lambda: buf.combine_backward(gy, eo, d.handle), group,
+                                                    iters=iters)
         os.environ.pop("TRITONEP_SYNC_CHECKS")  # default: deferred (one host read per dispatch)
+        out["dispatch_sync_free_eager_us"] = time_rounds(lambda: buf.dispatch(x, idx, w, sync_free=True), group,
+                                                         iters)
+        out["dispatch_bwd_eager_us"] = time_rounds(lambda: buf.dispatch_backward(gx, gw, d.handle), group, iters)
+        out["combine_bwd_eager_us"] = time_rounds(lambda: buf.combine_backward(gy, eo, d.handle), group, iters)
     else:
         out["dispatch_graph_us"] = out["combine_graph_us"] = float("nan")
     for _ in range(3):

@@ -218,9 +218,12 @@ def test_gpu_nccl_matches_triton_deepseek_shape():
 
 # ------------------------------------------------------------------------------------------- host plan
 def test_host_plan_matches_layout_torch():
-    """The numpy layout of the nccl backend equals the shared torch twin (send_base, segments, capacity)."""
-    from tritonep.ep.nccl.plan import host_plan
+    """The numpy layout of the nccl backend equals the shared torch twin (send_base, segments, capacity), and the
+    packet starts / split sizes are the counts matrix's packet columns."""
+    import numpy as np
+
     from tritonep.ep.layout import layout_torch
+    from tritonep.ep.nccl.plan import host_plan, plan_size
 
     gen = torch.Generator().manual_seed(7)
     for W, E, A in ((1, 4, 1), (2, 8, 1), (3, 12, 4), (4, 16, 3)):
@@ -228,23 +231,23 @@ def test_host_plan_matches_layout_torch():
         for _ in range(5):
             counts = torch.randint(0, 6, (W, E), generator=gen)
             counts[torch.rand(W, E, generator=gen) < 0.3] = 0
-            m = torch.zeros(W, E + W + 5, dtype=torch.int64)
+            m = torch.zeros(W, E + W + 2, dtype=torch.int32)
             m[:, :E] = counts
-            m[:, E] = torch.randint(0, 3, (W,), generator=gen)  # masked slots
-            m[:, E + 1:E + 1 + W] = torch.randint(0, 9, (W, W), generator=gen)
+            m[:, E:E + W] = torch.randint(0, 9, (W, W), generator=gen)
             for rank in range(W):
                 lay = layout_torch(counts, rank, A)
-                need, small, ss, rs, n = host_plan(m.numpy(), rank, W, E, A)
-                small = torch.from_numpy(small).long()
-                mine = m[rank, :E + 1]
-                start = torch.cumsum(mine, 0) - mine
-                assert torch.equal(torch.from_numpy(need), lay["rows_needed"])
-                assert torch.equal(small[:E] + start[:E], lay["send_base"].long())
-                assert torch.equal(small[E + 1:E + 1 + L], lay["num_tokens_per_expert"].long())
-                assert torch.equal(small[E + 1 + L:E + 1 + 2 * L], lay["expert_offsets"].long())
-                assert torch.equal(small[E + 1 + 2 * L:].view(W, E), counts)
-                assert ss == m[rank, E + 1:E + 1 + W].tolist() and rs == m[:, E + 1 + rank].tolist()
-                assert n == int(counts[rank].sum())
+                out = np.full(plan_size(W, E), -7, dtype=np.int32)
+                need, ss, rs = host_plan(m.numpy(), rank, W, E, A, out)
+                small = torch.from_numpy(out).long()
+                assert torch.equal(torch.from_numpy(need), lay["rows_needed"].long())
+                assert torch.equal(small[:E], lay["send_base"].long())
+                pk = m[rank, E:E + W].long()
+                assert torch.equal(small[E:E + W], torch.cumsum(pk, 0) - pk)
+                o = E + W
+                assert torch.equal(small[o:o + L], lay["num_tokens_per_expert"].long())
+                assert torch.equal(small[o + L:o + 2 * L], lay["expert_offsets"].long())
+                assert torch.equal(small[o + 2 * L:].view(W, E), counts)
+                assert ss == tuple(pk.tolist()) and rs == tuple(m[:, E + rank].tolist())
 
 
 # ------------------------------------------------------------------------------------------- bad input (issue 14)

@@ -16,13 +16,14 @@ __all__ = ["partials_kernel", "sum_kernel"]
 
 @triton.jit(do_not_specialize=['N'])
 def partials_kernel(eo_ptr, rows_ptr, w_ptr, out_ptr, gw_ptr, N, K: tl.constexpr, KB: tl.constexpr,
-                    H: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, OUT_DT: tl.constexpr,
+                    H: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, OUT_BF16: tl.constexpr,
                     OSTRIDE: tl.constexpr, WEIGHTED: tl.constexpr, GW: tl.constexpr, GCOL: tl.constexpr,
                     GSTRIDE: tl.constexpr, USE_ASM: tl.constexpr):
     """Tile (rows ``[pid0*BT, +BT)`` of the N packets, columns ``[pid1*BH, +BH)``) of
-    :func:`tritonep.ep.nccl.pack.local_partials`: the partial of packet p goes to ``out`` read as OUT_DT (row
-    stride OSTRIDE elements); with GW the programs of column tile 0 also store ``gw[rows[p, k]]`` (0 where ``rows``
-    is -1) as float32 at int32 column ``GCOL + k`` of ``out`` (row stride GSTRIDE)."""
+    :func:`tritonep.ep.nccl.pack.local_partials`: the partial of packet p goes to ``out`` read as bfloat16
+    (OUT_BF16, rounded to nearest even) or float32 (row stride OSTRIDE elements); with GW the programs of column
+    tile 0 also store ``gw[rows[p, k]]`` (0 where ``rows`` is -1) as float32 at int32 column ``GCOL + k`` of
+    ``out`` (row stride GSTRIDE)."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     h = tl.program_id(1) * BH + tl.arange(0, BH)
     tm = t < N
@@ -37,8 +38,12 @@ def partials_kernel(eo_ptr, rows_ptr, w_ptr, out_ptr, gw_ptr, N, K: tl.constexpr
             acc += mul_rn(widen(v), tl.broadcast_to(wk[:, None], (BT, BH)), USE_ASM)
         else:
             acc += widen(v)
-    o = out_ptr.to(tl.pointer_type(OUT_DT))
-    tl.store(o + t[:, None].to(tl.int64) * OSTRIDE + h[None, :], cast_rne(acc, OUT_DT), mask=tm[:, None] & hm[None, :])
+    dst = t[:, None].to(tl.int64) * OSTRIDE + h[None, :]
+    if OUT_BF16:
+        tl.store(out_ptr.to(tl.pointer_type(tl.bfloat16)) + dst, cast_rne(acc, tl.bfloat16),
+                 mask=tm[:, None] & hm[None, :])
+    else:
+        tl.store(out_ptr.to(tl.pointer_type(tl.float32)) + dst, acc, mask=tm[:, None] & hm[None, :])
     if GW:
         if tl.program_id(1) == 0:
             k_off = tl.arange(0, KB)
@@ -51,13 +56,13 @@ def partials_kernel(eo_ptr, rows_ptr, w_ptr, out_ptr, gw_ptr, N, K: tl.constexpr
 
 @triton.jit(do_not_specialize=['T'])
 def sum_kernel(pp_ptr, pkt_ptr, y_ptr, gb_ptr, gtw_ptr, T, K: tl.constexpr, KB: tl.constexpr, H: tl.constexpr,
-               BT: tl.constexpr, BH: tl.constexpr, PP_DT: tl.constexpr, PSTRIDE: tl.constexpr, GTW: tl.constexpr,
+               BT: tl.constexpr, BH: tl.constexpr, PP_BF16: tl.constexpr, PSTRIDE: tl.constexpr, GTW: tl.constexpr,
                GCOL: tl.constexpr, GSTRIDE: tl.constexpr):
     """Tile (tokens ``[pid0*BT, +BT)``, columns ``[pid1*BH, +BH)``) of :func:`tritonep.ep.nccl.pack.sum_partials`:
-    ``pp`` read as PP_DT (row stride PSTRIDE elements); the packets of a token are the distinct values of
-    ``pkt[t, :]``, taken in ascending order (= destination ranks ascending); with GTW the programs of column tile 0
-    also store ``gtw[t, k]`` = the float32 at int32 column ``GCOL + k`` of ``gb``'s row ``pkt[t, k]`` (row stride
-    GSTRIDE; 0 where ``pkt`` is -1)."""
+    ``pp`` read as bfloat16 (PP_BF16) or float32 (row stride PSTRIDE elements); the packets of a token are the
+    distinct values of ``pkt[t, :]``, taken in ascending order (= destination ranks ascending); with GTW the
+    programs of column tile 0 also store ``gtw[t, k]`` = the float32 at int32 column ``GCOL + k`` of ``gb``'s row
+    ``pkt[t, k]`` (row stride GSTRIDE; 0 where ``pkt`` is -1)."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     h = tl.program_id(1) * BH + tl.arange(0, BH)
     tm = t < T
@@ -65,7 +70,10 @@ def sum_kernel(pp_ptr, pkt_ptr, y_ptr, gb_ptr, gtw_ptr, T, K: tl.constexpr, KB: 
     k_off = tl.arange(0, KB)
     m2 = tm[:, None] & (k_off[None, :] < K)
     pk = tl.load(pkt_ptr + t[:, None].to(tl.int64) * K + k_off[None, :], mask=m2, other=-1)
-    pp = pp_ptr.to(tl.pointer_type(PP_DT))
+    if PP_BF16:
+        pp = pp_ptr.to(tl.pointer_type(tl.bfloat16))
+    else:
+        pp = pp_ptr.to(tl.pointer_type(tl.float32))
     acc = tl.zeros((BT, BH), dtype=tl.float32)
     prev = tl.full((BT,), -1, dtype=tl.int32)
     big = 2147483647

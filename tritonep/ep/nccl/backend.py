@@ -17,8 +17,8 @@ GPU a bf16 dispatch is 3 launches, 2 collectives, 1 device->host and 1 host->dev
 combine 2 launches, 1 collective, 3 allocations (counted, with the torch calls, by
 ``tests/test_nccl_host_path.py``).
 
-Dispatch (host protocol, identical on every rank whatever its data, docs/protocols.md (host protocol rule): one ``all_gather`` then, unless
-the call fails on every rank, one ``all_to_all_single``):
+Dispatch (host protocol, identical on every rank whatever its data, docs/protocols.md (host protocol rule): one
+``all_gather`` then, unless the call fails on every rank, one ``all_to_all_single``):
 
 1. Counts row of this rank, on the device, one launch, no sync (:meth:`Router.count`): routes per expert, packets
    per destination rank (a packet = one (token, destination rank) with at least one route there), the number of

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
 
 from ...kernels.nccl_reduce import partials_kernel, sum_kernel
 
@@ -49,9 +48,6 @@ def tiles(hidden: int) -> tuple[int, int]:
     """``(BT, BH)``: rows and columns of one program's tile (BH a power of two <= 1024, BT * BH = 4096)."""
     bh = min(triton.next_power_of_2(hidden), 1024)
     return max(1, 4096 // bh), bh
-
-
-_TL = {torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
 def typed_rows(s: torch.Tensor, c: int, st: int, n: int, width: int, dtype: torch.dtype) -> torch.Tensor:
@@ -89,8 +85,8 @@ def local_partials(launch, eo: torch.Tensor, rows: torch.Tensor, w: torch.Tensor
         bt, bh = tiles(H)
         grid = (triton.cdiv(N, bt), triton.cdiv(H, bh))
         launch(partials_kernel, grid, eo, rows, w, send, w if gw is None else gw, N, K=K,
-               KB=triton.next_power_of_2(K), H=H, BT=bt, BH=bh, OUT_DT=_TL[out_dtype], OSTRIDE=lay.width // es,
-               WEIGHTED=weighted, GW=gw is not None, GCOL=lay.mo // 4, GSTRIDE=lay.width // 4,
+               KB=triton.next_power_of_2(K), H=H, BT=bt, BH=bh, OUT_BF16=out_dtype == torch.bfloat16,
+               OSTRIDE=lay.width // es, WEIGHTED=weighted, GW=gw is not None, GCOL=lay.mo // 4, GSTRIDE=lay.width // 4,
                USE_ASM=eo.device.type == "cuda", num_warps=4)
         return
     acc = torch.zeros(N, H, dtype=torch.float32, device=eo.device)
@@ -129,7 +125,7 @@ def sum_partials(launch, pp: torch.Tensor, pp_dtype: torch.dtype, pstride: int, 
         grid = (triton.cdiv(T, bt), triton.cdiv(H, bh))
         g = gtw is not None
         launch(sum_kernel, grid, pp, pkt, y, pp, gtw if g else y, T, K=K, KB=triton.next_power_of_2(K), H=H, BT=bt,
-               BH=bh, PP_DT=_TL[pp_dtype], PSTRIDE=pstride, GTW=g, GCOL=lay.mo // 4 if g else 0,
+               BH=bh, PP_BF16=pp_dtype == torch.bfloat16, PSTRIDE=pstride, GTW=g, GCOL=lay.mo // 4 if g else 0,
                GSTRIDE=lay.width // 4 if g else 0, num_warps=4)
         return
     if Ns == 0:  # nothing was sent: every slot is masked

@@ -157,7 +157,7 @@ def test_unpack_kernel_equals_twin(name, wire, keep):
             rr = torch.full((Nr, K), -9, dtype=torch.int32)
             rw = torch.full((Nr, K), 9.0)
             if R:
-                up.unpack(recv, srcs, o, ow, rr, rw, ranks[d]["plan"], Nr, zero_row, ut)
+                up.unpack(recv, srcs, o, tuple(t.shape[1] for t in o), ow, rr, rw, ranks[d]["plan"], Nr, zero_row, ut)
             outs[ut] = o + [ow, rr, rw]
         for i, (a, b) in enumerate(zip(outs[True], outs[False])):
             assert torch.equal(a.view(torch.uint8) if a.dtype != torch.uint8 else a,
@@ -178,19 +178,19 @@ def test_combine_kernels_equal_twins():
         rr = torch.empty(Nr, K, dtype=torch.int32)
         rw = torch.empty(Nr, K)
         if R:
-            up.unpack(recv, [(recv, 0, lay.width // 2)], [torch.empty(R, H, dtype=torch.bfloat16)], torch.empty(R),
-                      rr, rw, ranks[d]["plan"], Nr, False, False)
+            up.unpack(recv, [(recv, 0, lay.width // 2)], [torch.empty(R, H, dtype=torch.bfloat16)], (H,),
+                      torch.empty(R), rr, rw, ranks[d]["plan"], Nr, False, False)
         eo = torch.randn(R + 2, H, generator=gen).to(torch.bfloat16)
         gw = torch.randn(R, generator=gen)
         gy = torch.randn(Nr, H, generator=gen).to(torch.bfloat16)
         sends, geos, gws = {}, {}, {}
         for ut in (False, True):
             s = torch.full((Nr, clay.width), 0x5A, dtype=torch.uint8)
-            local_partials(_LAUNCH, eo, rr, rw, s, clay, torch.bfloat16, True, ut, gw)
+            local_partials(_LAUNCH, eo, rr, rw, s, clay, torch.bfloat16, True, ut, Nr, H, K, False, gw)
             sends[ut] = s
             p32 = torch.full((Nr, H), 3.0)
             part_lay = send_layout(4 * H, K, 0)._replace(mo=4 * H, width=4 * H)
-            local_partials(_LAUNCH, eo, rr, rw, p32, part_lay, torch.float32, False, ut)
+            local_partials(_LAUNCH, eo, rr, rw, p32, part_lay, torch.float32, False, ut, Nr, H, K, False)
             sends[(ut, "fp32")] = p32
             geos[ut] = torch.zeros(R + 2, H, dtype=torch.bfloat16)
             gws[ut] = torch.zeros(R)
@@ -209,7 +209,7 @@ def test_combine_kernels_equal_twins():
         for ut in (False, True):
             ys[ut] = torch.full((T, H), 1.0, dtype=torch.bfloat16)
             gtws[ut] = torch.full((T, K), 4.0)
-            sum_partials(_LAUNCH, back, torch.bfloat16, clay.width // 2, pkt, ys[ut], Ns, ut, clay, gtws[ut])
+            sum_partials(_LAUNCH, back, torch.bfloat16, clay.width // 2, pkt, ys[ut], ut, T, H, K, Ns, clay, gtws[ut])
             packed[ut] = torch.zeros(Ns, H, dtype=torch.bfloat16)
             if Ns:
                 up.pack_rows(ranks[d]["x"], pkt, packed[ut], T, ut)

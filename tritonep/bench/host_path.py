@@ -84,13 +84,25 @@ class HostCounter:
 
 
 @contextmanager
-def stub_launches(buf):
+def _uncounted():
+    """Pause every torch function / dispatch mode (the counters) for the duration."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with torch._C.DisableTorchFunction(), _disable_current_modes():
+        yield
+
+
+@contextmanager
+def stub_launches(buf, run: bool = False):
     """Replace every Triton launch of ``buf``'s backend by a counter (``list`` of kernel names, yielded).
 
     The launcher class of the backend (``buf._impl._launch``) gets its ``__call__`` swapped for the duration; the
-    nccl backend's torch ops and collectives still run (they are its host path).
+    nccl backend's torch ops and collectives still run (they are its host path). With ``run`` the launch also
+    runs for real, outside the counters (no torch call, aten op or allocation it makes is counted), and the
+    seconds it took are added to ``names.spent``, so a caller can leave them out of the host time: what a path
+    whose later steps read the kernels' outputs needs (the nccl backend's GPU path in the interpreter).
     """
-    names: list = []
+    names = _Names()
     launcher = getattr(buf._impl, "_launch", None)
     if launcher is None:
         yield names
@@ -101,6 +113,11 @@ def stub_launches(buf):
     def fake(self, kernel, grid, *args, **kwargs):
         fn = getattr(kernel, "fn", kernel)
         names.append(getattr(fn, "__name__", repr(kernel)))
+        if run:
+            t0 = time.perf_counter()
+            with _uncounted():
+                orig(self, kernel, grid, *args, **kwargs)
+            names.spent += time.perf_counter() - t0
 
     cls.__call__ = fake
     try:
@@ -109,20 +126,29 @@ def stub_launches(buf):
         cls.__call__ = orig
 
 
-def measure_host_path(buf, x, topk_idx, topk_weights, iters: int = 20) -> dict:
+class _Names(list):
+    """Kernel names launched, and ``spent``: seconds inside launches that ran for real."""
+
+    spent = 0.0
+
+
+def measure_host_path(buf, x, topk_idx, topk_weights, iters: int = 20, run_kernels: bool = False) -> dict:
     """Count and time the host path of each call kind (module docstring) on ``buf`` with launches stubbed.
 
     Args:
         buf: an open EPBuffer (a CPU buffer in a CPU world of one rank is enough; collectives of the nccl backend
             run for real). x / topk_idx / topk_weights: one call's inputs.
         iters: timed repetitions per call kind (the median is reported).
+        run_kernels: launches run for real outside the counters and their time is left out of ``host_us``
+            (:func:`stub_launches` with ``run``); needed when later host steps read what a kernel wrote (the nccl
+            backend with ``use_triton`` on the CPU: its GPU path, kernels interpreted).
 
     Returns:
         ``{kind: {torch_calls, aten_ops, allocs, launches, host_reads, host_us, torch_names, aten_names}}``.
     """
     out = {}
     eo = buf.expert_out_buffer()
-    with stub_launches(buf) as launched:
+    with stub_launches(buf, run=run_kernels) as launched:
         d = buf.dispatch(x, topk_idx, topk_weights)  # warm every path once
         rows = d.x.shape[0]
         gx = torch.zeros(rows, buf.hidden, dtype=torch.bfloat16, device=x.device)
@@ -146,9 +172,10 @@ def measure_host_path(buf, x, topk_idx, topk_weights, iters: int = 20) -> dict:
             launches, reads = len(launched) - n0, buf.host_reads - r0
             ts = []
             for _ in range(iters):
+                s0 = launched.spent
                 t0 = time.perf_counter()
                 fn()
-                ts.append((time.perf_counter() - t0) * 1e6)
+                ts.append((time.perf_counter() - t0 - (launched.spent - s0)) * 1e6)
             out[kind] = dict(torch_calls=c.torch_calls, aten_ops=c.aten_ops, allocs=c.allocs, launches=launches,
                              host_reads=reads, host_us=statistics.median(ts), torch_names=c.torch_names,
                              aten_names=c.aten_names)

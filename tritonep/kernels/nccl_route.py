@@ -40,11 +40,12 @@ def column(v, k, KB: tl.constexpr):
     return tl.sum(tl.where(tl.arange(0, KB)[None, :] == k, v, 0), 1)
 
 
-@triton.jit(do_not_specialize=["T", "NC", "refused"])
-def route_count_kernel(idx_ptr, hist_ptr, row_ptr, ticket_ptr, T, NC, refused, K: tl.constexpr,
+@triton.jit(do_not_specialize=["T", "refused"])
+def route_count_kernel(idx_ptr, hist_ptr, row_ptr, ticket_ptr, T, refused, K: tl.constexpr,
                        KB: tl.constexpr, E: tl.constexpr, L: tl.constexpr, W: tl.constexpr, EB: tl.constexpr,
                        WB: tl.constexpr, BT: tl.constexpr, NCB: tl.constexpr, CB: tl.constexpr):
-    """Counts row of this rank and the chunk prefixes (module docstring); grid-stride over the NC chunks.
+    """Counts row of this rank and the chunk prefixes (module docstring); grid-stride over the ``cdiv(T, BT)``
+    chunks.
 
     ``hist`` int32 ``[>= NC, C]`` with C = E + W + 1 (experts | packets per rank | bad ids); ``row`` int32
     ``[C + 1]`` (the same columns summed over chunks, then ``refused``); ``ticket`` int32 ``[1]``, 0 between launches.
@@ -52,6 +53,7 @@ def route_count_kernel(idx_ptr, hist_ptr, row_ptr, ticket_ptr, T, NC, refused, K
     C: tl.constexpr = E + W + 1
     pid = tl.program_id(0)
     G = tl.num_programs(0)
+    NC = tl.cdiv(T, BT)
     t_off = tl.arange(0, BT)
     k_off = tl.arange(0, KB)
     e_off = tl.arange(0, EB)
@@ -94,15 +96,15 @@ def route_count_kernel(idx_ptr, hist_ptr, row_ptr, ticket_ptr, T, NC, refused, K
         tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")
 
 
-@triton.jit(do_not_specialize=["T", "NC"])
-def route_pack_kernel(idx_ptr, w_ptr, src0_ptr, src1_ptr, hist_ptr, small_ptr, rows_ptr, pkt_ptr, send_ptr, T, NC,
+@triton.jit(do_not_specialize=["T"])
+def route_pack_kernel(idx_ptr, w_ptr, src0_ptr, src1_ptr, hist_ptr, small_ptr, rows_ptr, pkt_ptr, send_ptr, T,
                       K: tl.constexpr, KB: tl.constexpr, E: tl.constexpr, L: tl.constexpr, W: tl.constexpr,
                       BT: tl.constexpr, N0: tl.constexpr, ROW0: tl.constexpr, N1: tl.constexpr,
                       ROW1: tl.constexpr, COL1: tl.constexpr, META: tl.constexpr, ROW32: tl.constexpr,
                       BH: tl.constexpr):
     """Rows, packet slots and the packed send rows of chunks ``pid, pid + G, ...`` (module docstring).
 
-    ``hist``: the exclusive chunk prefixes left by :func:`route_count_kernel` (``[NC, E + W + 1]``); ``small``
+    ``hist``: the exclusive chunk prefixes left by :func:`route_count_kernel` (``[cdiv(T, BT), E + W + 1]``); ``small``
     int32: ``send_base [E]`` then ``dest_start [W]`` (the host plan). Send row of packet s: ``src0[t, :N0]`` at
     element 0 (row stride ROW0 elements of src0's dtype), ``src1[t, :N1]`` at element COL1 (stride ROW1 of src1's
     dtype) when N1 > 0, and the int32 meta at int32 column META (stride ROW32): ``rows[t, :K] | topk_idx[t, :K] |
@@ -112,6 +114,7 @@ def route_pack_kernel(idx_ptr, w_ptr, src0_ptr, src1_ptr, hist_ptr, small_ptr, r
     R: tl.constexpr = BT * KB
     pid = tl.program_id(0)
     G = tl.num_programs(0)
+    NC = tl.cdiv(T, BT)
     t_off = tl.arange(0, BT)
     k_off = tl.arange(0, KB)
     i_off = tl.arange(0, R)

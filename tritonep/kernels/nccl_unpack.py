@@ -7,7 +7,7 @@ bits, int32); route k of the packet is HERE when ``0 <= id < E`` and ``id // L =
   every packet's row to the expert row of each of its routes here (one or two sources: the wire row, or payload
   and scales when the rows stay quantized), the row weights, and the per-packet routes of the handle
   (``rr [Nr, K]`` row or -1, ``rw [Nr, K]`` weight or 0); the extra programs fill the padding rows of one local
-  expert each (zeros, or a copy of source row ``zrow``: the encoding of a zero row) with weight 0.
+  expert each (zeros, or a copy of source row ``Nr``: the encoding of a zero row) with weight 0.
 * :func:`pack_rows_kernel` (grid = token tiles): ``send[pkt[t, k]] = src[t]`` for every valid route (the packets
   of a dispatch, written again by each further route of the same packet with the same bits).
 * :func:`grad_expand_kernel` (grid = packet tiles): the combine backward on the expert rank, per route here:
@@ -62,9 +62,9 @@ def _scatter_rows(src, out_ptr, p, pm, rr, S: tl.constexpr, N: tl.constexpr, K: 
             tl.store(out_ptr + rk.to(tl.int64)[:, None] * N + h[None, :], v, mask=(rk >= 0)[:, None] & hm[None, :])
 
 
-@triton.jit(do_not_specialize=["Nr", "zrow"])
+@triton.jit(do_not_specialize=["Nr"])
 def route_unpack_kernel(recv_ptr, src0_ptr, src1_ptr, out0_ptr, out1_ptr, out_w_ptr, rr_ptr, rw_ptr, lay_ptr, Nr,
-                        zrow, K: tl.constexpr, KB: tl.constexpr, E: tl.constexpr, L: tl.constexpr,
+                        K: tl.constexpr, KB: tl.constexpr, E: tl.constexpr, L: tl.constexpr,
                         RANK: tl.constexpr, BP: tl.constexpr, META: tl.constexpr, ROW32: tl.constexpr,
                         S0: tl.constexpr, C0: tl.constexpr, N0: tl.constexpr, S1: tl.constexpr, C1: tl.constexpr,
                         N1: tl.constexpr, NTPE: tl.constexpr, OFFS: tl.constexpr, PAD: tl.constexpr,
@@ -102,10 +102,10 @@ def route_unpack_kernel(recv_ptr, src0_ptr, src1_ptr, out0_ptr, out1_ptr, out_w_
             _scatter_rows(s1, out1_ptr, p, pm, rr, S1, N1, K, KB, BH)
     elif PAD != 0:
         j = pid - ntiles
-        r, rm = _pad_rows(j, lay_ptr, s0, out0_ptr, zrow, NTPE, OFFS, S0, N0, PAD, BA, BH)
+        r, rm = _pad_rows(j, lay_ptr, s0, out0_ptr, Nr, NTPE, OFFS, S0, N0, PAD, BA, BH)
         tl.store(out_w_ptr + r, tl.zeros((BA,), dtype=tl.float32), mask=rm)
         if N1 > 0:
-            _pad_rows(j, lay_ptr, s1, out1_ptr, zrow, NTPE, OFFS, S1, N1, PAD, BA, BH)
+            _pad_rows(j, lay_ptr, s1, out1_ptr, Nr, NTPE, OFFS, S1, N1, PAD, BA, BH)
 
 
 @triton.jit(do_not_specialize=["T"])

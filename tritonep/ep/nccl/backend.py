@@ -152,10 +152,10 @@ class NcclEP(NcclCombine):
         self.dtype = dtype
         self.timeout_s = timeout_s
         self.host_reads = 0  # device->host reads made by calls: one per dispatch (+1 naming a bad id), else none
-        self.use_triton = dev.type == "cuda"
+        self.use_triton = self._cuda = dev.type == "cuda"
         self._launch = Launch()
         W, E, K, H = world_size, num_experts, topk, hidden
-        es = torch.empty(0, dtype=dtype).element_size()
+        self._es = es = torch.empty(0, dtype=dtype).element_size()
         # dispatch rows: the wire row (one source, or payload + scale bytes) and the meta
         fmt = self._dfmt = get_wire(dispatch_wire)
         if fmt.quantized:
@@ -166,7 +166,9 @@ class NcclEP(NcclCombine):
             self._lay = send_layout(H * es, K)
             srcs = (es, H), None
         self._router = Router(W, E, K, max_tokens_per_rank, dev, self._launch, self._lay, *srcs)
-        self._unpacker = Unpacker(rank, E, L, K, H, expert_alignment, self._launch, self._lay, (E + W, E + W + L))
+        self._unpacker = Unpacker(rank, E, L, K, H, expert_alignment, self._launch, self._lay, (E + W, E + W + L),
+                                  self._cuda)
+        self._kept = (fmt.payload_bytes(H), fmt.num_scales(H)) if fmt.quantized else None
         # combine rows per (wire, carries weight gradients): (format, send layout, fp32 partial layout)
         part = SendLayout(4 * H, 4 * H, 4 * H)
         cf = get_wire(combine_wire)
@@ -331,18 +333,19 @@ class NcclEP(NcclCombine):
         sc = None
         if not fmt.quantized:
             out = torch.empty(R, H, dtype=self.dtype, device=dev)
-            srcs = [(recv, 0, lay.width // out.element_size())] if R else []
+            srcs, widths = [(recv, 0, lay.width // self._es)], (H,)
         elif kq:
-            out = torch.empty(R, fmt.payload_bytes(H), dtype=torch.uint8, device=dev)
-            sc = torch.empty(R, fmt.num_scales(H), dtype=fmt.scale_dtype, device=dev)
-            se = sc.element_size()
-            srcs = [(recv, 0, lay.width), (recv, fmt.payload_bytes(H) // se, lay.width // se)]
+            pb, ns = self._kept
+            out = torch.empty(R, pb, dtype=torch.uint8, device=dev)
+            sc = torch.empty(R, ns, dtype=fmt.scale_dtype, device=dev)
+            se = fmt.codec.scale_bytes
+            srcs, widths = [(recv, 0, lay.width), (recv, pb // se, lay.width // se)], (pb, ns)
         else:  # one dequantization per received packet, then the scatter
             out = torch.empty(R, H, dtype=self.dtype, device=dev)
-            srcs = [(fmt.dequantize_rows(recv, H, self.dtype), 0, H)] if R else []
+            srcs, widths = ([(fmt.dequantize_rows(recv, H, self.dtype), 0, H)] if R else []), (H,)
         if R:
-            self._unpacker.unpack(recv, srcs, [out] if sc is None else [out, sc], out_w, rr, rw, plan, Nr, zero_row,
-                                  ut)
+            self._unpacker.unpack(recv, srcs, [out] if sc is None else [out, sc], widths, out_w, rr, rw, plan, Nr,
+                                  zero_row, ut)
         handle = NcclHandle(topk_idx=topk_idx, topk_weights=topk_weights, rows=rows, counts=counts.view(W, E),
                             num_tokens=T, num_recv_rows=R, x_scales=sc, send_splits=send_splits,
                             recv_splits=recv_splits, num_send=Ns, num_recv=Nr, pkt=pkt, recv_rows=rr, recv_w=rw)

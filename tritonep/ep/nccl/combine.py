@@ -20,8 +20,8 @@ __all__ = ["NcclCombine"]
 
 class NcclCombine:
     """Combine / backward methods of :class:`tritonep.ep.nccl.backend.NcclEP` (uses its attributes: ``K``, ``H``,
-    ``device``, ``dtype``, ``combine_wire``, ``use_triton``, ``closed``, ``rank``, ``A``, ``_launch``,
-    ``_unpacker``, ``_combine_rows``, ``_a2a``)."""
+    ``device``, ``dtype`` (bfloat16: expert outputs and gradients have it), ``combine_wire``, ``use_triton``,
+    ``closed``, ``rank``, ``A``, ``_cuda``, ``_launch``, ``_unpacker``, ``_combine_rows``, ``_a2a``)."""
 
     def _combine(self, eo, handle, weighted, gw=None, wire="bf16"):
         """Partials (+ per-route scalars ``gw[row]``) back to the sources; returns ``(y [T, H], gtw [T, K] | None)``.
@@ -34,30 +34,31 @@ class NcclCombine:
         """
         if self.closed:
             raise BufferStateError(f"EPBuffer on rank {self.rank} is closed")
-        K, H, dev, ut = self.K, self.H, self.device, self.use_triton
+        K, H, dev, ut, bf = self.K, self.H, self.device, self.use_triton, self.dtype
         T = handle.num_tokens
         ss, rs = handle.send_splits, handle.recv_splits
         Ns, Nr = handle.num_send, handle.num_recv
         fmt, lay, part_lay = self._combine_rows[(wire, gw is not None)]
         send = torch.empty(Nr, lay.width, dtype=torch.uint8, device=dev)
         if not fmt.quantized:  # the kernel writes the rounded partials (and the scalars) straight into the send rows
-            local_partials(self._launch, eo, handle.recv_rows, handle.recv_w, send, lay, eo.dtype, weighted, ut, gw)
+            local_partials(self._launch, eo, handle.recv_rows, handle.recv_w, send, lay, bf, weighted, ut, Nr, H, K,
+                           self._cuda, gw)
         else:  # fp32 partials, quantized by the twin (combine wires only: the backward passes move bf16)
             part = torch.empty(Nr, H, dtype=torch.float32, device=dev)
             local_partials(self._launch, eo, handle.recv_rows, handle.recv_w, part, part_lay, torch.float32,
-                           weighted, ut)
+                           weighted, ut, Nr, H, K, self._cuda)
             q, sb = fmt.quantize_bytes(part)
             send[:, :q.shape[1]].copy_(q)
             send[:, q.shape[1]:lay.rb].copy_(sb)
         back = torch.empty(Ns, lay.width, dtype=torch.uint8, device=dev)
         self._a2a(back, send, rs, ss)
-        y = torch.empty(T, H, dtype=eo.dtype, device=dev)
+        y = torch.empty(T, H, dtype=bf, device=dev)
         gtw = None if gw is None else torch.empty(T, K, dtype=torch.float32, device=dev)
         if not fmt.quantized:  # partials in bf16, widened to fp32 by the sum
-            sum_partials(self._launch, back, eo.dtype, lay.width // 2, handle.pkt, y, Ns, ut, lay, gtw)
+            sum_partials(self._launch, back, bf, lay.width // 2, handle.pkt, y, ut, T, H, K, Ns, lay, gtw)
         else:  # dequantized straight to fp32
             sum_partials(self._launch, fmt.dequantize_rows(back, H, torch.float32), torch.float32, H, handle.pkt, y,
-                         Ns, ut)
+                         ut, T, H, K, Ns)
         return y, gtw
 
     def combine_fwd(self, expert_out, handle, kind=None):
@@ -96,17 +97,17 @@ class NcclCombine:
         """
         if self.closed:
             raise BufferStateError(f"EPBuffer on rank {self.rank} is closed")
-        dev, ut, H = self.device, self.use_triton, self.H
+        dev, ut, H, bf = self.device, self.use_triton, self.H, self.dtype
         ss, rs = handle.send_splits, handle.recv_splits
         Ns, Nr = handle.num_send, handle.num_recv
         R, R2, T = handle.num_recv_rows, expert_out.shape[0], handle.num_tokens
-        send = torch.empty(Ns, H, dtype=grad_y.dtype, device=dev)
+        send = torch.empty(Ns, H, dtype=bf, device=dev)
         if Ns:
             self._unpacker.pack_rows(grad_y, handle.pkt, send, T, ut)
-        recv = torch.empty(Nr, H, dtype=grad_y.dtype, device=dev)
+        recv = torch.empty(Nr, H, dtype=bf, device=dev)
         self._a2a(recv, send, ss, rs)
         dense = R2 == R and self.A == 1  # every row is some route's: nothing to zero
-        g_eo = (torch.empty if dense else torch.zeros)(R2, H, dtype=self.dtype, device=dev)
+        g_eo = (torch.empty if dense else torch.zeros)(R2, H, dtype=bf, device=dev)
         g_w = (torch.empty if dense else torch.zeros)(R, dtype=torch.float32, device=dev)
         if Nr:
             self._unpacker.grad_expand(recv, expert_out, handle.recv_rows, handle.recv_w, g_eo, g_w, Nr, ut)

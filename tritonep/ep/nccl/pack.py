@@ -61,7 +61,8 @@ def typed_rows(s: torch.Tensor, c: int, st: int, n: int, width: int, dtype: torc
 
 
 def local_partials(launch, eo: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, send: torch.Tensor, lay,
-                   out_dtype: torch.dtype, weighted: bool, use_triton: bool, gw: torch.Tensor | None = None) -> None:
+                   out_dtype: torch.dtype, weighted: bool, use_triton: bool, N: int, H: int, K: int, use_asm: bool,
+                   gw: torch.Tensor | None = None) -> None:
     """Write every packet's partial sum into its send row (see the module docstring for the exact arithmetic).
 
     Args:
@@ -74,10 +75,10 @@ def local_partials(launch, eo: torch.Tensor, rows: torch.Tensor, w: torch.Tensor
             with ``gw``, ``gw[rows[p, k]]`` (float32, 0 where ``rows`` is -1) at byte ``lay.mo + 4k``.
         weighted: multiply each row by its weight (combine) or not (dispatch backward).
         use_triton: the Triton kernel (CUDA, or the interpreter) instead of the torch twin.
+        N / H / K: packets, hidden, topk (the caller knows them: no tensor attribute is read on the fixed path);
+            use_asm: ``mul.rn`` products (CUDA).
         gw: float32 ``[R]`` per-row scalars (the dispatch backward's weight gradients), or None.
     """
-    N, K = rows.shape
-    H = eo.shape[1]
     if N == 0:
         return
     es = 2 if out_dtype == torch.bfloat16 else 4
@@ -85,9 +86,9 @@ def local_partials(launch, eo: torch.Tensor, rows: torch.Tensor, w: torch.Tensor
         bt, bh = tiles(H)
         grid = (triton.cdiv(N, bt), triton.cdiv(H, bh))
         launch(partials_kernel, grid, eo, rows, w, send, w if gw is None else gw, N, K=K,
-               KB=triton.next_power_of_2(K), H=H, BT=bt, BH=bh, OUT_BF16=out_dtype == torch.bfloat16,
-               OSTRIDE=lay.width // es, WEIGHTED=weighted, GW=gw is not None, GCOL=lay.mo // 4, GSTRIDE=lay.width // 4,
-               USE_ASM=eo.device.type == "cuda", num_warps=4)
+               KB=triton.next_power_of_2(K), H=H, BT=bt, BH=bh, OUT_BF16=es == 2, OSTRIDE=lay.width // es,
+               WEIGHTED=weighted, GW=gw is not None, GCOL=lay.mo // 4, GSTRIDE=lay.width // 4, USE_ASM=use_asm,
+               num_warps=4)
         return
     acc = torch.zeros(N, H, dtype=torch.float32, device=eo.device)
     for k in range(K):
@@ -102,7 +103,8 @@ def local_partials(launch, eo: torch.Tensor, rows: torch.Tensor, w: torch.Tensor
 
 
 def sum_partials(launch, pp: torch.Tensor, pp_dtype: torch.dtype, pstride: int, pkt: torch.Tensor, y: torch.Tensor,
-                 Ns: int, use_triton: bool, lay=None, gtw: torch.Tensor | None = None) -> None:
+                 use_triton: bool, T: int, H: int, K: int, Ns: int, lay=None,
+                 gtw: torch.Tensor | None = None) -> None:
     """``y[t] = 0 + sum over the packets of token t (ascending) of pp[packet]`` in fp32, rounded to ``y``'s dtype.
 
     Args:
@@ -112,14 +114,12 @@ def sum_partials(launch, pp: torch.Tensor, pp_dtype: torch.dtype, pstride: int, 
         pkt: int32 ``[T, K]`` contiguous: the packet that carried route (t, k), -1 for a masked slot (the routes of
             one token to one rank share their packet).
         y: ``[T, H]`` contiguous output (bfloat16).
-        Ns: packets (rows of ``pp``); use_triton: the Triton kernel instead of the torch twin.
+        use_triton: the Triton kernel instead of the torch twin. T / H / K / Ns: tokens, hidden, topk, packets.
         lay / gtw: with ``gtw`` (float32 ``[T, K]`` contiguous), ``gtw[t, k]`` = the float32 at byte
             ``lay.mo + 4k`` of ``pp``'s row ``pkt[t, k]`` (0 where ``pkt`` is -1; ``lay.width`` bytes a row).
     """
-    T, H = y.shape
     if T == 0:
         return
-    K = pkt.shape[1]
     if use_triton:
         bt, bh = tiles(H)
         grid = (triton.cdiv(T, bt), triton.cdiv(H, bh))

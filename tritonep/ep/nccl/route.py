@@ -151,7 +151,7 @@ class Router:
                 self.row[-1] = 1
         elif use_triton:
             nc = triton.cdiv(T, self.BT)
-            self.launch(route_count_kernel, (nc,), topk_idx, self.hist, self.row, self.ticket, T, nc, int(refused),
+            self.launch(route_count_kernel, (nc,), topk_idx, self.hist, self.row, self.ticket, T, int(refused),
                         **self._count_kw)
         else:
             self.row.copy_(count_row_torch(topk_idx, self.E, self.W, refused))
@@ -166,7 +166,7 @@ class Router:
         if use_triton:
             nc = triton.cdiv(T, self.BT)
             self.launch(route_pack_kernel, (nc,), topk_idx, topk_weights, src0, src0 if src1 is None else src1,
-                        self.hist, small, rows, pkt, send, T, nc, **self._pack_kw)
+                        self.hist, small, rows, pkt, send, T, **self._pack_kw)
             return
         E, W = self.E, self.W
         r, p = pack_send_torch(src0, src1, topk_idx, topk_weights, small[:E], small[E:E + W], E, W, send,

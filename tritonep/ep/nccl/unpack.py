@@ -88,11 +88,13 @@ class Unpacker:
         rank, num_experts E, local experts L, topk K, hidden H, expert_alignment A; launch: the backend's
         :class:`tritonep.ep.nccl.pack.Launch`; lay: the dispatch wire's send layout
         (:class:`tritonep.ep.nccl.route.SendLayout`); lay_offsets: where ``num_tokens_per_expert`` and
-        ``expert_offsets`` sit in the per-call int32 plan vector.
+        ``expert_offsets`` sit in the per-call int32 plan vector; cuda: the device is a GPU (``mul.rn`` products).
     """
 
-    def __init__(self, rank: int, E: int, L: int, K: int, H: int, A: int, launch, lay, lay_offsets: tuple):
+    def __init__(self, rank: int, E: int, L: int, K: int, H: int, A: int, launch, lay, lay_offsets: tuple,
+                 cuda: bool = False):
         self.rank, self.E, self.L, self.K, self.H, self.A = rank, E, L, K, H, A
+        self.cuda = cuda
         self.launch, self.lay = launch, lay
         self.KB = triton.next_power_of_2(K)
         self.BP = max(1, 128 // self.KB)
@@ -101,28 +103,28 @@ class Unpacker:
                         NTPE=ntpe, OFFS=offs, BA=triton.next_power_of_2(A), num_warps=4)
         self._bh = min(triton.next_power_of_2(H), max(16, 4096 // self.BP))
 
-    def unpack(self, recv, srcs: list, outs: list, out_w, rr, rw, small, Nr: int, zero_row: bool,
+    def unpack(self, recv, srcs: list, outs: list, widths: tuple, out_w, rr, rw, small, Nr: int, zero_row: bool,
                use_triton: bool) -> None:
         """Run :func:`unpack_torch`'s spec on ``recv`` (uint8 ``[Nr (+1), width]``).
 
         ``srcs``: one or two ``(tensor, element offset of row 0, row stride)`` read as the matching output's
-        dtype (the kernel path takes e.g. the receive buffer itself); ``outs``: ``[R, n]`` outputs.
+        dtype (the kernel path takes e.g. the receive buffer itself); ``outs``: ``[R, n]`` outputs with ``n`` in
+        ``widths``.
         """
         if use_triton:
             (s0, c0, st0), o0 = srcs[0], outs[0]
-            (s1, c1, st1), o1 = srcs[1] if len(srcs) > 1 else (s0, 0, 0), outs[1] if len(outs) > 1 else o0
-            n0 = o0.shape[1]
-            n1 = o1.shape[1] if len(outs) > 1 else 0
+            (s1, c1, st1), o1 = srcs[-1], outs[-1]
+            n0, n1 = widths[0], (widths[1] if len(widths) > 1 else 0)
             pad = 0 if self.A == 1 else (2 if zero_row else 1)
             grid = (triton.cdiv(Nr, self.BP) + (self.L if pad else 0),)
-            self.launch(route_unpack_kernel, grid, recv, s0, s1, o0, o1, out_w, rr, rw, small, Nr, Nr, S0=st0, C0=c0,
+            self.launch(route_unpack_kernel, grid, recv, s0, s1, o0, o1, out_w, rr, rw, small, Nr, S0=st0, C0=c0,
                         N0=n0, S1=st1, C1=c1, N1=n1, PAD=pad, BH=min(self._bh, triton.next_power_of_2(max(n0, n1))),
                         **self._kw)
             return
         lay, K = self.lay, self.K
         meta = recv[:Nr, lay.mo:lay.mo + 12 * K].view(torch.int32)
         n = Nr + (1 if zero_row else 0)
-        views = [typed_rows(s, c, st, n, o.shape[1], o.dtype) for (s, c, st), o in zip(srcs, outs)]
+        views = [typed_rows(s, c, st, n, w, o.dtype) for (s, c, st), o, w in zip(srcs, outs, widths)]
         unpack_torch(meta, views, outs, out_w, rr, rw, self.rank, self.E, self.L, zero_row)
 
     def pack_rows(self, src, pkt, send, T: int, use_triton: bool) -> None:
@@ -138,7 +140,6 @@ class Unpacker:
         """The combine backward's expert-side step (:func:`grad_expand_torch`)."""
         if use_triton:
             self.launch(grad_expand_kernel, (triton.cdiv(Nr, self.BP),), gy, eo, rr, rw, geo, gw, Nr, K=self.K,
-                        KB=self.KB, H=self.H, BP=self.BP, BH=self._bh, USE_ASM=gy.device.type == "cuda",
-                        num_warps=4)
+                        KB=self.KB, H=self.H, BP=self.BP, BH=self._bh, USE_ASM=self.cuda, num_warps=4)
             return
         grad_expand_torch(gy, eo, rr, rw, geo, gw)

@@ -185,3 +185,33 @@ def test_combine_tile_32_warps_compile_for_sm90():
     assert {"combine_fused_kernel", "exchange_kernel"} <= {r.get("name") for r in recs}
     failures = compile_recorded(recs)
     assert not failures, "\n\n".join(f"{n}: {e}" for n, e in failures)
+
+
+def _nccl_paths(group):
+    """The nccl backend's GPU path (``use_triton``): every kernel and variant (padding, kept quantized rows, two
+    sources, backward passes) at a small shape and the DeepSeek-V3 shape (H 7168, 256 experts, top-8)."""
+    rank = dist.get_rank()
+    recs = []
+    with record_launches(recs):
+        for E, H, K, T, A, wire in ((8, 64, 2, 9, 4, "bf16"), (8, 128, 2, 9, 4, "fp8"), (8, 128, 2, 9, 1, "mxfp4"),
+                                    (256, 7168, 8, 20, 1, "bf16")):
+            b = tep.EPBuffer(group, E, H, 32, K, backend="nccl", dispatch_wire=wire, combine_wire=wire,
+                             expert_alignment=A)
+            b._impl.use_triton = True
+            x, i, w = make_rank_inputs(rank, T, H, E, K, seed=7)
+            x.requires_grad_(True)
+            w.requires_grad_(True)
+            d = b.dispatch(x, i, w)
+            b.combine(d.x * 1, d.handle).float().sum().backward()
+            if wire != "bf16":
+                b.dispatch(x.detach(), i, w.detach(), keep_quantized=True)
+            b.close()
+    return recs
+
+
+def test_nccl_kernels_compile_for_sm90():
+    recs = run_cpu_world(2, _nccl_paths, timeout_s=600)[0]
+    assert {"route_count_kernel", "route_pack_kernel", "route_unpack_kernel", "partials_kernel", "sum_kernel",
+            "pack_rows_kernel", "grad_expand_kernel"} <= {r.get("name") for r in recs}
+    failures = compile_recorded(recs)
+    assert not failures, "\n\n".join(f"{n}: {e}" for n, e in failures)

@@ -48,6 +48,8 @@ def _exchange(W, E, K, H, Ts, A=1, seed=0, mode="random", wire="bf16"):
     ins = _inputs(W, E, K, H, Ts, seed, mode)
     Tm = max(max(Ts), 1)
     routers = {ut: [Router(W, E, K, Tm, "cpu", _LAUNCH, lay, *srcs) for _ in range(W)] for ut in (False, True)}
+    for ro in routers[True]:
+        ro.target = 7  # several program columns per chunk (the GPU's split of long rows), uneven
     rows_of = {}
     for ut in (False, True):
         rows_of[ut] = torch.stack([routers[ut][r].count(ins[r][1], Ts[r], False, ut).clone() for r in range(W)])
@@ -90,7 +92,14 @@ CASES = {
     "w3_empty_rank_k3": dict(W=3, E=12, K=3, H=33, Ts=[70, 0, 9], A=3),  # BT 32, hidden odd, padding
     "w1_one_expert": dict(W=1, E=4, K=2, H=16, Ts=[130], mode="one_expert"),  # BT 64, > two chunks
     "w4_k1": dict(W=4, E=8, K=1, H=24, Ts=[200, 3, 0, 129], A=2),  # BT 128
+    "w2_long_rows": dict(W=2, E=8, K=8, H=600, Ts=[40, 17], A=2),  # rows split over 3 program columns
 }
+
+
+def test_long_rows_are_split():
+    from tritonep.ep.nccl.pack import h_split
+
+    assert h_split(3, 600, 256, 7) == (3, 256) and h_split(300, 600, 256, 7) == (1, 768)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -122,7 +131,7 @@ def test_count_kernel_bad_ids_and_repeated_calls():
                        count_row_torch(torch.empty(0, 2, dtype=torch.int64), 8, 2, True))
 
 
-@pytest.mark.parametrize("name,wire,keep", [("w3_empty_rank_k3", "bf16", False), ("w2_chunks", "bf16", False),
+@pytest.mark.parametrize("name,wire,keep", [("w3_empty_rank_k3", "bf16", False), ("w2_long_rows", "bf16", False),
                                             ("w4_k1", "fp8", True), ("w4_k1", "mxfp4", False)])
 def test_unpack_kernel_equals_twin(name, wire, keep):
     c = dict(CASES[name])
@@ -140,6 +149,7 @@ def test_unpack_kernel_equals_twin(name, wire, keep):
             fmt.wire_views(recv[Nr:], H)[1].fill_(fmt.zero_scale)
         R = int(ranks[d]["need"][d])
         up = Unpacker(d, E, E // W, K, H, A, _LAUNCH, lay, (E + W, E + W + E // W))
+        up.target = 64  # several program columns (the GPU split of long rows)
         outs = {}
         for ut in (False, True):
             if not fmt.quantized:
@@ -167,7 +177,7 @@ def test_unpack_kernel_equals_twin(name, wire, keep):
 def test_combine_kernels_equal_twins():
     """partials (+ the per-route scalars), sums by per-route packets (+ their read-back), the combine backward's
     pack and expand: kernel = twin (dot products within fp32 rounding)."""
-    W, E, K, H, Ts, A = 3, 12, 3, 40, [70, 0, 9], 2
+    W, E, K, H, Ts, A = 3, 12, 3, 600, [70, 0, 9], 2
     ins, ranks, lay, _ = _exchange(W, E, K, H, Ts, A=A, seed=5)
     clay = send_layout(2 * H, K, K)
     gen = torch.Generator().manual_seed(9)
@@ -175,6 +185,7 @@ def test_combine_kernels_equal_twins():
         recv = _recv(ranks, d, lay)
         Nr, R, T = sum(ranks[d]["rs"]), int(ranks[d]["need"][d]), Ts[d]
         up = Unpacker(d, E, E // W, K, H, A, _LAUNCH, lay, (E + W, E + W + E // W))
+        up.target = 64
         rr = torch.empty(Nr, K, dtype=torch.int32)
         rw = torch.empty(Nr, K)
         if R:

@@ -96,13 +96,15 @@ def route_count_kernel(idx_ptr, hist_ptr, row_ptr, ticket_ptr, T, refused, K: tl
         tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")
 
 
-@triton.jit(do_not_specialize=["T"])
-def route_pack_kernel(idx_ptr, w_ptr, src0_ptr, src1_ptr, hist_ptr, small_ptr, rows_ptr, pkt_ptr, send_ptr, T,
+@triton.jit(do_not_specialize=["T", "HC"])
+def route_pack_kernel(idx_ptr, w_ptr, src0_ptr, src1_ptr, hist_ptr, small_ptr, rows_ptr, pkt_ptr, send_ptr, T, HC,
                       K: tl.constexpr, KB: tl.constexpr, E: tl.constexpr, L: tl.constexpr, W: tl.constexpr,
                       BT: tl.constexpr, N0: tl.constexpr, ROW0: tl.constexpr, N1: tl.constexpr,
                       ROW1: tl.constexpr, COL1: tl.constexpr, META: tl.constexpr, ROW32: tl.constexpr,
                       BH: tl.constexpr):
-    """Rows, packet slots and the packed send rows of chunks ``pid, pid + G, ...`` (module docstring).
+    """Rows, packet slots and the packed send rows of chunks ``pid0, pid0 + G, ...`` (module docstring); program
+    column ``pid1`` copies src0 elements ``[pid1 * HC, +HC)`` (HC a multiple of BH), column 0 also stores ``rows``,
+    ``pkt``, the meta and src1 (the index work is redone per column: cheaper than a second launch).
 
     ``hist``: the exclusive chunk prefixes left by :func:`route_count_kernel` (``[cdiv(T, BT), E + W + 1]``); ``small``
     int32: ``send_base [E]`` then ``dest_start [W]`` (the host plan). Send row of packet s: ``src0[t, :N0]`` at
@@ -114,6 +116,9 @@ def route_pack_kernel(idx_ptr, w_ptr, src0_ptr, src1_ptr, hist_ptr, small_ptr, r
     R: tl.constexpr = BT * KB
     pid = tl.program_id(0)
     G = tl.num_programs(0)
+    col0 = tl.program_id(1) == 0
+    hs = tl.program_id(1) * HC
+    he = tl.minimum(hs + HC, N0)
     NC = tl.cdiv(T, BT)
     t_off = tl.arange(0, BT)
     k_off = tl.arange(0, KB)
@@ -137,7 +142,7 @@ def route_pack_kernel(idx_ptr, w_ptr, src0_ptr, src1_ptr, hist_ptr, small_ptr, r
         carry = tl.load(hrow + ids, mask=valid, other=0)
         base = tl.load(small_ptr + ids, mask=valid, other=0)
         rows = tl.where(valid, base + carry + within, -1)
-        tl.store(rows_ptr + tk, rows, mask=m2)
+        tl.store(rows_ptr + tk, rows, mask=m2 & col0)
         # packet slots: rank among the chunk's earlier tokens with a packet to the same rank
         dest = tl.where(valid, ids // L, -1)
         first = first_route(dest, KB)
@@ -149,36 +154,37 @@ def route_pack_kernel(idx_ptr, w_ptr, src0_ptr, src1_ptr, hist_ptr, small_ptr, r
         pc = tl.load(hrow + E + dest, mask=valid, other=0)
         ds = tl.load(small_ptr + E + dest, mask=valid, other=0)
         slot = tl.where(valid, ds + pc + prank, -1)
-        tl.store(pkt_ptr + tk, slot, mask=m2)
+        tl.store(pkt_ptr + tk, slot, mask=m2 & col0)
         # meta of every packet (written by its first route)
         wbits = tl.load(w_ptr + tk, mask=m2, other=0.0).to(tl.int32, bitcast=True)
         raw32 = raw.to(tl.int32)
         fi = first.to(tl.int32)
         for k in tl.static_range(K):
             sk = column(slot, k, KB)
-            fk = (column(fi, k, KB) > 0) & tm
+            fk = (column(fi, k, KB) > 0) & tm & col0
             mk = fk[:, None] & (k_off[None, :] < K)
             mb = send32 + sk.to(tl.int64)[:, None] * ROW32 + META + k_off[None, :]
             tl.store(mb, rows, mask=mk)
             tl.store(mb + K, raw32, mask=mk)
             tl.store(mb + 2 * K, wbits, mask=mk)
         # the token's wire row: loaded once, stored once per packet
-        for h0 in range(0, N0, BH):
+        for h0 in range(hs, he, BH):
             h = h0 + h_off
-            hm = h < N0
+            hm = h < he
             v = tl.load(src0_ptr + t[:, None].to(tl.int64) * N0 + h[None, :], mask=tm[:, None] & hm[None, :])
             for k in tl.static_range(K):
                 sk = column(slot, k, KB)
                 fk = (column(fi, k, KB) > 0) & tm
                 tl.store(send0 + sk.to(tl.int64)[:, None] * ROW0 + h[None, :], v, mask=fk[:, None] & hm[None, :])
         if N1 > 0:
-            send1 = send_ptr.to(tl.pointer_type(src1_ptr.dtype.element_ty))
-            for h0 in range(0, N1, BH):
-                h = h0 + h_off
-                hm = h < N1
-                v = tl.load(src1_ptr + t[:, None].to(tl.int64) * N1 + h[None, :], mask=tm[:, None] & hm[None, :])
-                for k in tl.static_range(K):
-                    sk = column(slot, k, KB)
-                    fk = (column(fi, k, KB) > 0) & tm
-                    tl.store(send1 + sk.to(tl.int64)[:, None] * ROW1 + COL1 + h[None, :], v,
-                             mask=fk[:, None] & hm[None, :])
+            if col0:
+                send1 = send_ptr.to(tl.pointer_type(src1_ptr.dtype.element_ty))
+                for h0 in range(0, N1, BH):
+                    h = h0 + h_off
+                    hm = h < N1
+                    v = tl.load(src1_ptr + t[:, None].to(tl.int64) * N1 + h[None, :], mask=tm[:, None] & hm[None, :])
+                    for k in tl.static_range(K):
+                        sk = column(slot, k, KB)
+                        fk = (column(fi, k, KB) > 0) & tm
+                        tl.store(send1 + sk.to(tl.int64)[:, None] * ROW1 + COL1 + h[None, :], v,
+                                 mask=fk[:, None] & hm[None, :])

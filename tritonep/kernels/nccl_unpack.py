@@ -27,18 +27,19 @@ __all__ = ["route_unpack_kernel", "pack_rows_kernel", "grad_expand_kernel"]
 
 
 @triton.jit
-def _pad_rows(j, lay_ptr, src, out_ptr, zrow, NTPE: tl.constexpr, OFFS: tl.constexpr, S: tl.constexpr,
+def _pad_rows(j, lay_ptr, src, out_ptr, zrow, hs, he, NTPE: tl.constexpr, OFFS: tl.constexpr, S: tl.constexpr,
               N: tl.constexpr, PAD: tl.constexpr, BA: tl.constexpr, BH: tl.constexpr):
-    """Padding rows of local expert ``j`` (``[offs[j-1] + ntpe[j], offs[j])``) of ``out`` (N elements a row):
-    zeros (PAD == 1) or row ``zrow`` of ``src`` (row stride S; PAD == 2). Returns the rows and their mask."""
+    """Elements ``[hs, he)`` of the padding rows of local expert ``j`` (``[offs[j-1] + ntpe[j], offs[j])``) of
+    ``out`` (N elements a row): zeros (PAD == 1) or row ``zrow`` of ``src`` (row stride S; PAD == 2). Returns the
+    rows and their mask."""
     end = tl.load(lay_ptr + OFFS + j)
     begin = tl.load(lay_ptr + OFFS + j - 1, mask=j > 0, other=0)
     r = begin + tl.load(lay_ptr + NTPE + j) + tl.arange(0, BA)
     rm = r < end
     h_off = tl.arange(0, BH)
-    for h0 in range(0, N, BH):
+    for h0 in range(hs, he, BH):
         h = h0 + h_off
-        hm = h < N
+        hm = h < he
         if PAD == 1:
             v = tl.zeros((BA, BH), dtype=out_ptr.dtype.element_ty)
         else:
@@ -49,28 +50,30 @@ def _pad_rows(j, lay_ptr, src, out_ptr, zrow, NTPE: tl.constexpr, OFFS: tl.const
 
 
 @triton.jit
-def _scatter_rows(src, out_ptr, p, pm, rr, S: tl.constexpr, N: tl.constexpr, K: tl.constexpr, KB: tl.constexpr,
-                  BH: tl.constexpr):
-    """``out[rr[i, k], :N] = src[p[i], :N]`` for every ``rr >= 0`` (each source row loaded once)."""
+def _scatter_rows(src, out_ptr, p, pm, rr, hs, he, S: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
+                  KB: tl.constexpr, BH: tl.constexpr):
+    """``out[rr[i, k], hs:he] = src[p[i], hs:he]`` for every ``rr >= 0`` (each source row loaded once; N elements
+    a row of ``out``)."""
     h_off = tl.arange(0, BH)
-    for h0 in range(0, N, BH):
+    for h0 in range(hs, he, BH):
         h = h0 + h_off
-        hm = h < N
+        hm = h < he
         v = tl.load(src + p.to(tl.int64)[:, None] * S + h[None, :], mask=pm[:, None] & hm[None, :])
         for k in tl.static_range(K):
             rk = column(rr, k, KB)
             tl.store(out_ptr + rk.to(tl.int64)[:, None] * N + h[None, :], v, mask=(rk >= 0)[:, None] & hm[None, :])
 
 
-@triton.jit(do_not_specialize=["Nr"])
-def route_unpack_kernel(recv_ptr, src0_ptr, src1_ptr, out0_ptr, out1_ptr, out_w_ptr, rr_ptr, rw_ptr, lay_ptr, Nr,
+@triton.jit(do_not_specialize=["Nr", "HC"])
+def route_unpack_kernel(recv_ptr, src0_ptr, src1_ptr, out0_ptr, out1_ptr, out_w_ptr, rr_ptr, rw_ptr, lay_ptr, Nr, HC,
                         K: tl.constexpr, KB: tl.constexpr, E: tl.constexpr, L: tl.constexpr,
                         RANK: tl.constexpr, BP: tl.constexpr, META: tl.constexpr, ROW32: tl.constexpr,
                         S0: tl.constexpr, C0: tl.constexpr, N0: tl.constexpr, S1: tl.constexpr, C1: tl.constexpr,
                         N1: tl.constexpr, NTPE: tl.constexpr, OFFS: tl.constexpr, PAD: tl.constexpr,
                         BA: tl.constexpr, BH: tl.constexpr):
-    """Packets ``[pid*BP, +BP)`` to expert rows, or (``pid >= cdiv(Nr, BP)``, PAD != 0) the padding rows of local
-    expert ``pid - cdiv(Nr, BP)`` (module docstring).
+    """Packets ``[pid0*BP, +BP)`` to expert rows, or (``pid0 >= cdiv(Nr, BP)``, PAD != 0) the padding rows of local
+    expert ``pid0 - cdiv(Nr, BP)`` (module docstring); program column ``pid1`` moves src0 elements
+    ``[pid1 * HC, +HC)`` (HC a multiple of BH), column 0 also the routes, weights and src1.
 
     ``recv``: the receive rows (any dtype; int32 meta at int32 column META, row stride ROW32 int32 words).
     ``src0``: any tensor read as ``out0``'s dtype: row p's N0 elements start at element ``C0 + p * S0``; they go to
@@ -79,6 +82,9 @@ def route_unpack_kernel(recv_ptr, src0_ptr, src1_ptr, out0_ptr, out1_ptr, out_w_
     OFFS (L each).
     """
     pid = tl.program_id(0)
+    col0 = tl.program_id(1) == 0
+    hs = tl.program_id(1) * HC
+    he = tl.minimum(hs + HC, N0)
     ntiles = tl.cdiv(Nr, BP)
     k_off = tl.arange(0, KB)
     s0 = src0_ptr.to(tl.pointer_type(out0_ptr.dtype.element_ty)) + C0
@@ -94,34 +100,38 @@ def route_unpack_kernel(recv_ptr, src0_ptr, src1_ptr, out0_ptr, out1_ptr, out_w_
         here = m2 & (ids >= 0) & (ids < E) & (ids // L == RANK)
         rr = tl.where(here, rows, -1)
         pk = p.to(tl.int64)[:, None] * K + k_off[None, :]
-        tl.store(rr_ptr + pk, rr, mask=m2)
-        tl.store(rw_ptr + pk, tl.where(here, w, 0.0), mask=m2)
-        tl.store(out_w_ptr + rr, w, mask=here)
-        _scatter_rows(s0, out0_ptr, p, pm, rr, S0, N0, K, KB, BH)
+        tl.store(rr_ptr + pk, rr, mask=m2 & col0)
+        tl.store(rw_ptr + pk, tl.where(here, w, 0.0), mask=m2 & col0)
+        tl.store(out_w_ptr + rr, w, mask=here & col0)
+        _scatter_rows(s0, out0_ptr, p, pm, rr, hs, he, S0, N0, K, KB, BH)
         if N1 > 0:
-            _scatter_rows(s1, out1_ptr, p, pm, rr, S1, N1, K, KB, BH)
+            if col0:
+                _scatter_rows(s1, out1_ptr, p, pm, rr, 0, N1, S1, N1, K, KB, BH)
     elif PAD != 0:
         j = pid - ntiles
-        r, rm = _pad_rows(j, lay_ptr, s0, out0_ptr, Nr, NTPE, OFFS, S0, N0, PAD, BA, BH)
-        tl.store(out_w_ptr + r, tl.zeros((BA,), dtype=tl.float32), mask=rm)
+        r, rm = _pad_rows(j, lay_ptr, s0, out0_ptr, Nr, hs, he, NTPE, OFFS, S0, N0, PAD, BA, BH)
+        tl.store(out_w_ptr + r, tl.zeros((BA,), dtype=tl.float32), mask=rm & col0)
         if N1 > 0:
-            _pad_rows(j, lay_ptr, s1, out1_ptr, Nr, NTPE, OFFS, S1, N1, PAD, BA, BH)
+            if col0:
+                _pad_rows(j, lay_ptr, s1, out1_ptr, Nr, 0, N1, NTPE, OFFS, S1, N1, PAD, BA, BH)
 
 
-@triton.jit(do_not_specialize=["T"])
-def pack_rows_kernel(src_ptr, pkt_ptr, send_ptr, T, K: tl.constexpr, KB: tl.constexpr, N: tl.constexpr,
+@triton.jit(do_not_specialize=["T", "HC"])
+def pack_rows_kernel(src_ptr, pkt_ptr, send_ptr, T, HC, K: tl.constexpr, KB: tl.constexpr, N: tl.constexpr,
                      BT: tl.constexpr, BH: tl.constexpr):
-    """``send[pkt[t, k], :N] = src[t, :N]`` for tokens ``[pid*BT, +BT)`` and every k with ``pkt >= 0`` (both
-    contiguous with N elements a row)."""
+    """``send[pkt[t, k], h] = src[t, h]`` for tokens ``[pid0*BT, +BT)``, elements ``h`` in ``[pid1 * HC, +HC)``
+    and every k with ``pkt >= 0`` (both contiguous with N elements a row)."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     tm = t < T
     k_off = tl.arange(0, KB)
     h_off = tl.arange(0, BH)
     pk = tl.load(pkt_ptr + t[:, None].to(tl.int64) * K + k_off[None, :], mask=tm[:, None] & (k_off[None, :] < K),
                  other=-1)
-    for h0 in range(0, N, BH):
+    hs = tl.program_id(1) * HC
+    he = tl.minimum(hs + HC, N)
+    for h0 in range(hs, he, BH):
         h = h0 + h_off
-        hm = h < N
+        hm = h < he
         v = tl.load(src_ptr + t[:, None].to(tl.int64) * N + h[None, :], mask=tm[:, None] & hm[None, :])
         for k in tl.static_range(K):
             sk = column(pk, k, KB)

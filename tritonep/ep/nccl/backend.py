@@ -167,7 +167,7 @@ class NcclEP(NcclCombine):
             srcs = (es, H), None
         self._router = Router(W, E, K, max_tokens_per_rank, dev, self._launch, self._lay, *srcs)
         self._unpacker = Unpacker(rank, E, L, K, H, expert_alignment, self._launch, self._lay, (E + W, E + W + L),
-                                  self._cuda)
+                                  self._cuda, dev)
         self._kept = (fmt.payload_bytes(H), fmt.num_scales(H)) if fmt.quantized else None
         # combine rows per (wire, carries weight gradients): (format, send layout, fp32 partial layout)
         part = SendLayout(4 * H, 4 * H, 4 * H)

@@ -27,7 +27,7 @@ import triton
 
 from ...kernels.nccl_reduce import partials_kernel, sum_kernel
 
-__all__ = ["Launch", "local_partials", "sum_partials", "tiles", "round_up", "typed_rows"]
+__all__ = ["Launch", "local_partials", "sum_partials", "tiles", "round_up", "typed_rows", "h_split", "target_programs"]
 
 
 class Launch:
@@ -42,6 +42,24 @@ class Launch:
 def round_up(n: int, m: int) -> int:
     """``n`` rounded up to a multiple of ``m``."""
     return (n + m - 1) // m * m
+
+
+def target_programs(device) -> int:
+    """Programs a row-moving launch should reach: two per SM on a GPU, 1 elsewhere (the interpreter: fewest)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 1
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def h_split(tiles: int, n: int, bh: int, target: int) -> tuple[int, int]:
+    """``(splits, elements per split)``: rows of ``n`` elements cut in BH-multiples so that ``tiles * splits``
+    reaches about ``target`` programs (a decode-sized call would otherwise leave most SMs idle); 1 split when
+    ``tiles >= target``."""
+    most = triton.cdiv(n, bh)
+    hs = max(1, min(most, triton.cdiv(target, max(tiles, 1))))
+    hc = triton.cdiv(most, hs) * bh
+    return triton.cdiv(n, hc), hc
 
 
 def tiles(hidden: int) -> tuple[int, int]:

@@ -24,7 +24,7 @@ import torch
 import triton
 
 from ...kernels.nccl_route import route_count_kernel, route_pack_kernel
-from .pack import round_up
+from .pack import h_split, round_up, target_programs
 
 __all__ = ["Router", "SendLayout", "count_row_torch", "pack_send_torch", "send_layout"]
 
@@ -139,6 +139,8 @@ class Router:
         e0, n0 = src0
         e1, n1 = (1, 0) if src1 is None else src1
         bh = min(triton.next_power_of_2(max(n0, n1, 1)), max(16, 4096 // self.BT))
+        self.target = target_programs(device)  # programs the pack launch aims at (h splits; tests may raise it)
+        self._n0, self._bh = n0, bh
         self._pack_kw = dict(K=topk, KB=self.KB, E=num_experts, L=self.L, W=world_size, BT=self.BT, N0=n0,
                              ROW0=lay.width // e0, N1=n1, ROW1=lay.width // e1, COL1=(n0 * e0) // e1, META=lay.mo // 4,
                              ROW32=lay.width // 4, BH=bh, num_warps=4)
@@ -165,8 +167,9 @@ class Router:
         """
         if use_triton:
             nc = triton.cdiv(T, self.BT)
-            self.launch(route_pack_kernel, (nc,), topk_idx, topk_weights, src0, src0 if src1 is None else src1,
-                        self.hist, small, rows, pkt, send, T, **self._pack_kw)
+            hs, hc = h_split(nc, self._n0, self._bh, self.target)
+            self.launch(route_pack_kernel, (nc, hs), topk_idx, topk_weights, src0, src0 if src1 is None else src1,
+                        self.hist, small, rows, pkt, send, T, hc, **self._pack_kw)
             return
         E, W = self.E, self.W
         r, p = pack_send_torch(src0, src1, topk_idx, topk_weights, small[:E], small[E:E + W], E, W, send,

@@ -17,7 +17,7 @@ import torch
 import triton
 
 from ...kernels.nccl_unpack import grad_expand_kernel, pack_rows_kernel, route_unpack_kernel
-from .pack import typed_rows
+from .pack import h_split, target_programs, typed_rows
 
 __all__ = ["Unpacker", "unpack_torch", "pack_rows_torch", "grad_expand_torch"]
 
@@ -88,11 +88,12 @@ class Unpacker:
         rank, num_experts E, local experts L, topk K, hidden H, expert_alignment A; launch: the backend's
         :class:`tritonep.ep.nccl.pack.Launch`; lay: the dispatch wire's send layout
         (:class:`tritonep.ep.nccl.route.SendLayout`); lay_offsets: where ``num_tokens_per_expert`` and
-        ``expert_offsets`` sit in the per-call int32 plan vector; cuda: the device is a GPU (``mul.rn`` products).
+        ``expert_offsets`` sit in the per-call int32 plan vector; cuda: the device is a GPU (``mul.rn`` products);
+        launch_device: the device whose SM count sizes the row-moving grids (None: one program column).
     """
 
     def __init__(self, rank: int, E: int, L: int, K: int, H: int, A: int, launch, lay, lay_offsets: tuple,
-                 cuda: bool = False):
+                 cuda: bool = False, launch_device=None):
         self.rank, self.E, self.L, self.K, self.H, self.A = rank, E, L, K, H, A
         self.cuda = cuda
         self.launch, self.lay = launch, lay
@@ -102,6 +103,7 @@ class Unpacker:
         self._kw = dict(K=K, KB=self.KB, E=E, L=L, RANK=rank, BP=self.BP, META=lay.mo // 4, ROW32=lay.width // 4,
                         NTPE=ntpe, OFFS=offs, BA=triton.next_power_of_2(A), num_warps=4)
         self._bh = min(triton.next_power_of_2(H), max(16, 4096 // self.BP))
+        self.target = target_programs(launch_device) if launch_device is not None else 1  # h splits (tests raise it)
 
     def unpack(self, recv, srcs: list, outs: list, widths: tuple, out_w, rr, rw, small, Nr: int, zero_row: bool,
                use_triton: bool) -> None:
@@ -116,10 +118,11 @@ class Unpacker:
             (s1, c1, st1), o1 = srcs[-1], outs[-1]
             n0, n1 = widths[0], (widths[1] if len(widths) > 1 else 0)
             pad = 0 if self.A == 1 else (2 if zero_row else 1)
-            grid = (triton.cdiv(Nr, self.BP) + (self.L if pad else 0),)
-            self.launch(route_unpack_kernel, grid, recv, s0, s1, o0, o1, out_w, rr, rw, small, Nr, S0=st0, C0=c0,
-                        N0=n0, S1=st1, C1=c1, N1=n1, PAD=pad, BH=min(self._bh, triton.next_power_of_2(max(n0, n1))),
-                        **self._kw)
+            tiles = triton.cdiv(Nr, self.BP) + (self.L if pad else 0)
+            bh = min(self._bh, triton.next_power_of_2(max(n0, n1)))
+            hs, hc = h_split(tiles, n0, bh, self.target)
+            self.launch(route_unpack_kernel, (tiles, hs), recv, s0, s1, o0, o1, out_w, rr, rw, small, Nr, hc, S0=st0,
+                        C0=c0, N0=n0, S1=st1, C1=c1, N1=n1, PAD=pad, BH=bh, **self._kw)
             return
         lay, K = self.lay, self.K
         meta = recv[:Nr, lay.mo:lay.mo + 12 * K].view(torch.int32)
@@ -131,7 +134,9 @@ class Unpacker:
         """``send[pkt[t, k]] = src[t]`` (``src [T, H]`` / ``send [Ns, H]`` contiguous, same dtype)."""
         if use_triton:
             bt = max(1, 128 // self.KB)
-            self.launch(pack_rows_kernel, (triton.cdiv(T, bt),), src, pkt, send, T, K=self.K, KB=self.KB, N=self.H,
+            tiles = triton.cdiv(T, bt)
+            hs, hc = h_split(tiles, self.H, self._bh, self.target)
+            self.launch(pack_rows_kernel, (tiles, hs), src, pkt, send, T, hc, K=self.K, KB=self.KB, N=self.H,
                         BT=bt, BH=self._bh, num_warps=4)
             return
         pack_rows_torch(src, pkt, send)
@@ -139,7 +144,9 @@ class Unpacker:
     def grad_expand(self, gy, eo, rr, rw, geo, gw, Nr: int, use_triton: bool) -> None:
         """The combine backward's expert-side step (:func:`grad_expand_torch`)."""
         if use_triton:
-            self.launch(grad_expand_kernel, (triton.cdiv(Nr, self.BP),), gy, eo, rr, rw, geo, gw, Nr, K=self.K,
-                        KB=self.KB, H=self.H, BP=self.BP, BH=self._bh, USE_ASM=self.cuda, num_warps=4)
+            bp = 4  # few packets a program: a decode-sized call still spreads over the SMs (the dot needs whole rows)
+            self.launch(grad_expand_kernel, (triton.cdiv(Nr, bp),), gy, eo, rr, rw, geo, gw, Nr, K=self.K,
+                        KB=self.KB, H=self.H, BP=bp, BH=min(triton.next_power_of_2(self.H), 1024), USE_ASM=self.cuda,
+                        num_warps=4)
             return
         grad_expand_torch(gy, eo, rr, rw, geo, gw)

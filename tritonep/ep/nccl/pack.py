@@ -22,12 +22,14 @@ rank's data, which the host protocol rule (docs/protocols.md (host protocol rule
 
 from __future__ import annotations
 
+import functools
+
 import torch
-import triton
 
 from ...kernels.nccl_reduce import partials_kernel, sum_kernel
 
-__all__ = ["Launch", "local_partials", "sum_partials", "tiles", "round_up", "typed_rows", "h_split", "target_programs"]
+__all__ = ["Launch", "local_partials", "sum_partials", "tiles", "round_up", "typed_rows", "h_split", "target_programs",
+           "cdiv", "pow2"]
 
 
 class Launch:
@@ -37,6 +39,17 @@ class Launch:
 
     def __call__(self, kernel, grid, *args, **kwargs):
         kernel[grid](*args, **kwargs)
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` of non-negative ints in plain Python (``triton.cdiv`` is a JIT function: microseconds a call
+    on the per-call path)."""
+    return -(-a // b)
+
+
+def pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (>= 1), in plain Python."""
+    return 1 << max(n - 1, 0).bit_length()
 
 
 def round_up(n: int, m: int) -> int:
@@ -56,15 +69,16 @@ def h_split(tiles: int, n: int, bh: int, target: int) -> tuple[int, int]:
     """``(splits, elements per split)``: rows of ``n`` elements cut in BH-multiples so that ``tiles * splits``
     reaches about ``target`` programs (a decode-sized call would otherwise leave most SMs idle); 1 split when
     ``tiles >= target``."""
-    most = triton.cdiv(n, bh)
-    hs = max(1, min(most, triton.cdiv(target, max(tiles, 1))))
-    hc = triton.cdiv(most, hs) * bh
-    return triton.cdiv(n, hc), hc
+    most = cdiv(n, bh)
+    hs = max(1, min(most, cdiv(target, max(tiles, 1))))
+    hc = cdiv(most, hs) * bh
+    return cdiv(n, hc), hc
 
 
+@functools.lru_cache(maxsize=None)
 def tiles(hidden: int) -> tuple[int, int]:
     """``(BT, BH)``: rows and columns of one program's tile (BH a power of two <= 1024, BT * BH = 4096)."""
-    bh = min(triton.next_power_of_2(hidden), 1024)
+    bh = min(pow2(hidden), 1024)
     return max(1, 4096 // bh), bh
 
 
@@ -102,9 +116,9 @@ def local_partials(launch, eo: torch.Tensor, rows: torch.Tensor, w: torch.Tensor
     es = 2 if out_dtype == torch.bfloat16 else 4
     if use_triton:
         bt, bh = tiles(H)
-        grid = (triton.cdiv(N, bt), triton.cdiv(H, bh))
+        grid = (cdiv(N, bt), cdiv(H, bh))
         launch(partials_kernel, grid, eo, rows, w, send, w if gw is None else gw, N, K=K,
-               KB=triton.next_power_of_2(K), H=H, BT=bt, BH=bh, OUT_BF16=es == 2, OSTRIDE=lay.width // es,
+               KB=pow2(K), H=H, BT=bt, BH=bh, OUT_BF16=es == 2, OSTRIDE=lay.width // es,
                WEIGHTED=weighted, GW=gw is not None, GCOL=lay.mo // 4, GSTRIDE=lay.width // 4, USE_ASM=use_asm,
                num_warps=4)
         return
@@ -140,9 +154,9 @@ def sum_partials(launch, pp: torch.Tensor, pp_dtype: torch.dtype, pstride: int, 
         return
     if use_triton:
         bt, bh = tiles(H)
-        grid = (triton.cdiv(T, bt), triton.cdiv(H, bh))
+        grid = (cdiv(T, bt), cdiv(H, bh))
         g = gtw is not None
-        launch(sum_kernel, grid, pp, pkt, y, pp, gtw if g else y, T, K=K, KB=triton.next_power_of_2(K), H=H, BT=bt,
+        launch(sum_kernel, grid, pp, pkt, y, pp, gtw if g else y, T, K=K, KB=pow2(K), H=H, BT=bt,
                BH=bh, PP_BF16=pp_dtype == torch.bfloat16, PSTRIDE=pstride, GTW=g, GCOL=lay.mo // 4 if g else 0,
                GSTRIDE=lay.width // 4 if g else 0, num_warps=4)
         return

@@ -21,10 +21,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import triton
 
 from ...kernels.nccl_route import route_count_kernel, route_pack_kernel
-from .pack import h_split, round_up, target_programs
+from .pack import cdiv, h_split, pow2, round_up, target_programs
 
 __all__ = ["Router", "SendLayout", "count_row_torch", "pack_send_torch", "send_layout"]
 
@@ -125,20 +124,20 @@ class Router:
         self.W, self.E, self.K = world_size, num_experts, topk
         self.L = num_experts // world_size
         self.launch, self.lay = launch, lay
-        self.KB = triton.next_power_of_2(topk)
+        self.KB = pow2(topk)
         self.BT = max(1, 128 // self.KB)  # BT * KB = 128 routes: the pairwise rank tile of 128 x 128
         self.C = num_experts + world_size + 1
-        nc = max(1, triton.cdiv(max_tokens_per_rank, self.BT))
-        ncb = min(triton.next_power_of_2(nc), 256)
+        nc = max(1, cdiv(max_tokens_per_rank, self.BT))
+        ncb = min(pow2(nc), 256)
         self._count_kw = dict(K=topk, KB=self.KB, E=num_experts, L=self.L, W=world_size,
-                              EB=triton.next_power_of_2(num_experts), WB=triton.next_power_of_2(world_size),
+                              EB=pow2(num_experts), WB=pow2(world_size),
                               BT=self.BT, NCB=ncb, CB=max(1, min(32, 8192 // ncb)), num_warps=4)
         self.hist = torch.empty(nc, self.C, dtype=torch.int32, device=device)
         self.ticket = torch.zeros(1, dtype=torch.int32, device=device)
         self.row = torch.zeros(self.C + 1, dtype=torch.int32, device=device)
         e0, n0 = src0
         e1, n1 = (1, 0) if src1 is None else src1
-        bh = min(triton.next_power_of_2(max(n0, n1, 1)), max(16, 4096 // self.BT))
+        bh = min(pow2(max(n0, n1, 1)), max(16, 4096 // self.BT))
         self.target = target_programs(device)  # programs the pack launch aims at (h splits; tests may raise it)
         self._n0, self._bh = n0, bh
         self._pack_kw = dict(K=topk, KB=self.KB, E=num_experts, L=self.L, W=world_size, BT=self.BT, N0=n0,
@@ -152,7 +151,7 @@ class Router:
             if refused:
                 self.row[-1] = 1
         elif use_triton:
-            nc = triton.cdiv(T, self.BT)
+            nc = cdiv(T, self.BT)
             self.launch(route_count_kernel, (nc,), topk_idx, self.hist, self.row, self.ticket, T, int(refused),
                         **self._count_kw)
         else:
@@ -166,7 +165,7 @@ class Router:
         :meth:`count` left in ``hist`` (same call, same T).
         """
         if use_triton:
-            nc = triton.cdiv(T, self.BT)
+            nc = cdiv(T, self.BT)
             hs, hc = h_split(nc, self._n0, self._bh, self.target)
             self.launch(route_pack_kernel, (nc, hs), topk_idx, topk_weights, src0, src0 if src1 is None else src1,
                         self.hist, small, rows, pkt, send, T, hc, **self._pack_kw)

@@ -14,10 +14,9 @@ products of :func:`grad_expand_torch`, which sum in another order: tolerance 1e-
 from __future__ import annotations
 
 import torch
-import triton
 
 from ...kernels.nccl_unpack import grad_expand_kernel, pack_rows_kernel, route_unpack_kernel
-from .pack import h_split, target_programs, typed_rows
+from .pack import cdiv, h_split, pow2, target_programs, typed_rows
 
 __all__ = ["Unpacker", "unpack_torch", "pack_rows_torch", "grad_expand_torch"]
 
@@ -97,12 +96,12 @@ class Unpacker:
         self.rank, self.E, self.L, self.K, self.H, self.A = rank, E, L, K, H, A
         self.cuda = cuda
         self.launch, self.lay = launch, lay
-        self.KB = triton.next_power_of_2(K)
+        self.KB = pow2(K)
         self.BP = max(1, 128 // self.KB)
         ntpe, offs = lay_offsets
         self._kw = dict(K=K, KB=self.KB, E=E, L=L, RANK=rank, BP=self.BP, META=lay.mo // 4, ROW32=lay.width // 4,
-                        NTPE=ntpe, OFFS=offs, BA=triton.next_power_of_2(A), num_warps=4)
-        self._bh = min(triton.next_power_of_2(H), max(16, 4096 // self.BP))
+                        NTPE=ntpe, OFFS=offs, BA=pow2(A), num_warps=4)
+        self._bh = min(pow2(H), max(16, 4096 // self.BP))
         self.target = target_programs(launch_device) if launch_device is not None else 1  # h splits (tests raise it)
 
     def unpack(self, recv, srcs: list, outs: list, widths: tuple, out_w, rr, rw, small, Nr: int, zero_row: bool,
@@ -118,8 +117,8 @@ class Unpacker:
             (s1, c1, st1), o1 = srcs[-1], outs[-1]
             n0, n1 = widths[0], (widths[1] if len(widths) > 1 else 0)
             pad = 0 if self.A == 1 else (2 if zero_row else 1)
-            tiles = triton.cdiv(Nr, self.BP) + (self.L if pad else 0)
-            bh = min(self._bh, triton.next_power_of_2(max(n0, n1)))
+            tiles = cdiv(Nr, self.BP) + (self.L if pad else 0)
+            bh = min(self._bh, pow2(max(n0, n1)))
             hs, hc = h_split(tiles, n0, bh, self.target)
             self.launch(route_unpack_kernel, (tiles, hs), recv, s0, s1, o0, o1, out_w, rr, rw, small, Nr, hc, S0=st0,
                         C0=c0, N0=n0, S1=st1, C1=c1, N1=n1, PAD=pad, BH=bh, **self._kw)
@@ -134,7 +133,7 @@ class Unpacker:
         """``send[pkt[t, k]] = src[t]`` (``src [T, H]`` / ``send [Ns, H]`` contiguous, same dtype)."""
         if use_triton:
             bt = max(1, 128 // self.KB)
-            tiles = triton.cdiv(T, bt)
+            tiles = cdiv(T, bt)
             hs, hc = h_split(tiles, self.H, self._bh, self.target)
             self.launch(pack_rows_kernel, (tiles, hs), src, pkt, send, T, hc, K=self.K, KB=self.KB, N=self.H,
                         BT=bt, BH=self._bh, num_warps=4)
@@ -145,8 +144,8 @@ class Unpacker:
         """The combine backward's expert-side step (:func:`grad_expand_torch`)."""
         if use_triton:
             bp = 4  # few packets a program: a decode-sized call still spreads over the SMs (the dot needs whole rows)
-            self.launch(grad_expand_kernel, (triton.cdiv(Nr, bp),), gy, eo, rr, rw, geo, gw, Nr, K=self.K,
-                        KB=self.KB, H=self.H, BP=bp, BH=min(triton.next_power_of_2(self.H), 1024), USE_ASM=self.cuda,
+            self.launch(grad_expand_kernel, (cdiv(Nr, bp),), gy, eo, rr, rw, geo, gw, Nr, K=self.K,
+                        KB=self.KB, H=self.H, BP=bp, BH=min(pow2(self.H), 1024), USE_ASM=self.cuda,
                         num_warps=4)
             return
         grad_expand_torch(gy, eo, rr, rw, geo, gw)

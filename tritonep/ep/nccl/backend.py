@@ -12,10 +12,11 @@ host sizes.
 
 The host path is fixed per call (issue 24): what the static configuration decides (tiles, row layouts, kernel
 constants, the counts row, the gathered matrix and its host copy, the host plan vector) is made at construction;
-a call allocates only what it returns or hands to its handle plus the two row buffers of its collective. On the
-GPU a bf16 dispatch is 3 launches, 2 collectives, 1 device->host and 1 host->device copy and 8 allocations; a
-combine 2 launches, 1 collective, 3 allocations (counted, with the torch calls, by
-``tests/test_nccl_host_path.py``).
+a call allocates only what it returns or hands to its handle plus the two row buffers of its collective, and reads
+no tensor attribute it already knows. On the GPU a bf16 dispatch is 3 launches, 2 collectives, 1 device->host and 1
+host->device copy, 9 allocations and 15 torch calls from Python; a combine 2 launches, 1 collective, 3 allocations,
+4 torch calls (budgets held by ``tests/test_nccl_host_path.py``). A rank without tokens fills its counts row
+instead of launching, and skips the pack.
 
 Dispatch (host protocol, identical on every rank whatever its data, docs/protocols.md (host protocol rule): one
 ``all_gather`` then, unless the call fails on every rank, one ``all_to_all_single``):

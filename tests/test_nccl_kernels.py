@@ -88,18 +88,20 @@ def _recv(ranks, d, lay, extra_row=False):
 
 
 CASES = {
-    "w2_chunks": dict(W=2, E=8, K=8, H=40, Ts=[40, 17]),  # BT 16: three chunks
-    "w3_empty_rank_k3": dict(W=3, E=12, K=3, H=33, Ts=[70, 0, 9], A=3),  # BT 32, hidden odd, padding
-    "w1_one_expert": dict(W=1, E=4, K=2, H=16, Ts=[130], mode="one_expert"),  # BT 64, > two chunks
-    "w4_k1": dict(W=4, E=8, K=1, H=24, Ts=[200, 3, 0, 129], A=2),  # BT 128
-    "w2_long_rows": dict(W=2, E=8, K=8, H=600, Ts=[40, 17], A=2),  # rows split over 3 program columns
+    "w2_chunks": dict(W=2, E=8, K=8, H=40, Ts=[40, 17]),  # chunks of BT = 64 / KB = 8 tokens: five chunks
+    "w3_empty_rank_k3": dict(W=3, E=12, K=3, H=33, Ts=[70, 0, 9], A=3),  # BT 16, hidden odd, padding
+    "w1_one_expert": dict(W=1, E=4, K=2, H=16, Ts=[130], mode="one_expert"),  # BT 32, five chunks
+    "w4_k1": dict(W=4, E=8, K=1, H=24, Ts=[200, 3, 0, 129], A=2),  # BT 64
+    "w2_long_rows": dict(W=2, E=8, K=8, H=600, Ts=[40, 17], A=2),  # rows split over several program columns
 }
 
 
 def test_long_rows_are_split():
+    """The split rule: enough program columns to reach the target, in BH multiples, one column for a large grid."""
     from tritonep.ep.nccl.pack import h_split
 
     assert h_split(3, 600, 256, 7) == (3, 256) and h_split(300, 600, 256, 7) == (1, 768)
+    assert h_split(5, 600, 128, 7) == (2, 384) and h_split(8, 600, 64, 64) == (5, 128)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -125,7 +125,7 @@ class Router:
         self.L = num_experts // world_size
         self.launch, self.lay = launch, lay
         self.KB = pow2(topk)
-        self.BT = max(1, 128 // self.KB)  # BT * KB = 128 routes: the pairwise rank tile of 128 x 128
+        self.BT = max(1, 64 // self.KB)  # BT * KB = 64 routes: pairwise rank tiles of 64 x 64 (no register spills)
         self.C = num_experts + world_size + 1
         nc = max(1, cdiv(max_tokens_per_rank, self.BT))
         ncb = min(pow2(nc), 256)
@@ -137,12 +137,12 @@ class Router:
         self.row = torch.zeros(self.C + 1, dtype=torch.int32, device=device)
         e0, n0 = src0
         e1, n1 = (1, 0) if src1 is None else src1
-        bh = min(pow2(max(n0, n1, 1)), max(16, 4096 // self.BT))
+        bh = min(pow2(max(n0, n1, 1)), max(16, 1024 // self.BT))  # 1K-element tiles: no register spills
         self.target = target_programs(device)  # programs the pack launch aims at (h splits; tests may raise it)
         self._n0, self._bh = n0, bh
         self._pack_kw = dict(K=topk, KB=self.KB, E=num_experts, L=self.L, W=world_size, BT=self.BT, N0=n0,
                              ROW0=lay.width // e0, N1=n1, ROW1=lay.width // e1, COL1=(n0 * e0) // e1, META=lay.mo // 4,
-                             ROW32=lay.width // 4, BH=bh, num_warps=4)
+                             ROW32=lay.width // 4, BH=bh, num_warps=8)
 
     def count(self, topk_idx: torch.Tensor, T: int, refused: bool, use_triton: bool) -> torch.Tensor:
         """Write this rank's counts row into ``self.row`` (no host read) and return it; T = 0 costs one fill."""

@@ -100,8 +100,8 @@ class Unpacker:
         self.BP = max(1, 128 // self.KB)
         ntpe, offs = lay_offsets
         self._kw = dict(K=K, KB=self.KB, E=E, L=L, RANK=rank, BP=self.BP, META=lay.mo // 4, ROW32=lay.width // 4,
-                        NTPE=ntpe, OFFS=offs, BA=pow2(A), num_warps=4)
-        self._bh = min(pow2(H), max(16, 4096 // self.BP))
+                        NTPE=ntpe, OFFS=offs, BA=pow2(A), num_warps=8)
+        self._bh = min(pow2(H), max(16, 1024 // self.BP))  # 1K-element tiles: no register spills
         self.target = target_programs(launch_device) if launch_device is not None else 1  # h splits (tests raise it)
 
     def unpack(self, recv, srcs: list, outs: list, widths: tuple, out_w, rr, rw, small, Nr: int, zero_row: bool,
@@ -145,7 +145,7 @@ class Unpacker:
         if use_triton:
             bp = 4  # few packets a program: a decode-sized call still spreads over the SMs (the dot needs whole rows)
             self.launch(grad_expand_kernel, (cdiv(Nr, bp),), gy, eo, rr, rw, geo, gw, Nr, K=self.K,
-                        KB=self.KB, H=self.H, BP=bp, BH=min(pow2(self.H), 1024), USE_ASM=self.cuda,
+                        KB=self.KB, H=self.H, BP=bp, BH=min(pow2(self.H), 512), USE_ASM=self.cuda,
                         num_warps=4)
             return
         grad_expand_torch(gy, eo, rr, rw, geo, gw)

@@ -7,10 +7,21 @@ Counted at the backend (``EPBuffer._impl``), so the front door's own checks (EPB
 numbers. The budgets are exact counts of today's path (independent of shapes and of the machine); lower is welcome
 (then lower the budget), higher fails.
 
-For reference, the 30-line pipeline of :mod:`tritonep.bench.ep` (indices precomputed outside the call) is 4 torch
-calls, 2 allocations, 3 kernels and 1 collective per dispatch; the same output with the indices made inside the
-call needs at least the counts exchange (1 kernel, 1 collective, 1 device->host read), one host->device copy of the
-layout and one pass to build the indices: what ``dispatch`` below spends (3 launches, 2 collectives, 1 read).
+Lowest possible, for the same output. The 30-line pipeline of :mod:`tritonep.bench.ep` (index_select pack +
+``all_to_all_single`` + index_select / ``index_copy_`` unpack) is 4 torch calls, 2 allocations, 3 kernels and 1
+collective per dispatch, but its indices, split sizes and layout are computed once outside the timed call and it
+returns neither ``num_tokens_per_expert`` / ``expert_offsets`` / row weights nor any state for combine or backward.
+With routing that changes every call (what a dispatch is), the same output needs at least: the counts of this
+rank (1 kernel), their exchange (1 collective), one device->host read (``all_to_all_single`` takes host split sizes),
+the layout and split sizes (host arithmetic), the layout back on the device (1 host->device copy, or 1 more
+kernel), building the per-route rows and packing the travelling rows (1 kernel), the exchange (1 collective) and
+the unpack (1 kernel), plus allocating what is returned (rows, row weights, counts / offsets) and the two row
+buffers: 3 kernels, 2 collectives, 2 copies, 5 allocations. ``dispatch`` below is exactly that plus the 4
+allocations its handle owns for combine and backward (per-route rows and packets, per-packet rows and weights; a
+handle must own them: two dispatches may be in flight before their combines): 15 torch calls = 2 collectives,
+the device->host copy, 9 allocations (8 + the host->device copy), a split and a view of the plan vector, one shape
+read. Combine: the pipeline is ~9 torch ops (zeros, gather, float, mul, index_add_, cast, collective,
+zero_, index_add_); here 2 launches, 1 collective, 3 allocations (the send and receive rows and the output).
 """
 
 import pytest

@@ -2,9 +2,12 @@
 with launches stubbed (:mod:`tritonep.bench.host_path`), in a CPU world (no GPU needed).
 
     PYTHONPATH=. python benchmarks/host_path.py --tokens 128 --json out.json
+    PYTHONPATH=. python benchmarks/host_path.py --tokens 128 --backends nccl --gpu-path
 
 Default shape: DeepSeek-V3 (H 7168, 256 experts, top-8) at world 1 (``--world-size`` for more CPU ranks); both
 backends. The counts are machine independent; ``host_us`` is this machine's Python time per call without launches.
+``--gpu-path``: the nccl backend takes its GPU path (``use_triton``: the Triton kernels, here interpreted, run
+outside the counts and the times) instead of its CPU twins; use few ``--iters``, the interpreter is slow.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import torch  # noqa: E402
 
 
-def _rank(group, T, H, E, K, backend, iters):
+def _rank(group, T, H, E, K, backend, iters, gpu_path=False):
     import torch.distributed as dist
 
     import tritonep as tep
@@ -29,8 +32,11 @@ def _rank(group, T, H, E, K, backend, iters):
     w = torch.rand(T, K, generator=g)
     x = torch.randn(T, H, generator=g).to(torch.bfloat16)
     buf = tep.EPBuffer(group, E, H, T, K, backend=backend)
+    run = gpu_path and backend == "nccl"
+    if run:
+        buf._impl.use_triton = True
     try:
-        res = measure_host_path(buf, x, idx, w, iters=iters)
+        res = measure_host_path(buf, x, idx, w, iters=iters, run_kernels=run)
     finally:
         buf.close()
     for r in res.values():
@@ -48,6 +54,7 @@ def main():
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--backends", nargs="+", default=["triton", "nccl"])
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--gpu-path", action="store_true", help="nccl backend: its GPU path (kernels interpreted)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     from tritonep.testing import run_cpu_world
@@ -56,7 +63,7 @@ def main():
     for T in a.tokens:
         for backend in a.backends:
             heap = 64 * 2**20 + 3 * a.world_size * T * a.topk * a.hidden * 2
-            res = run_cpu_world(a.world_size, _rank, T, a.hidden, a.experts, a.topk, backend, a.iters,
+            res = run_cpu_world(a.world_size, _rank, T, a.hidden, a.experts, a.topk, backend, a.iters, a.gpu_path,
                                 heap_bytes=heap, check_protocol=False, timeout_s=900)[0]
             for kind, r in res.items():
                 rows.append(dict(tokens=T, backend=backend, call=kind, **r))
@@ -68,7 +75,8 @@ def main():
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(world_size=a.world_size, hidden=a.hidden, experts=a.experts, topk=a.topk,
-                           torch=torch.__version__, note="launches stubbed; counts exact, host_us this machine",
+                           torch=torch.__version__, gpu_path=a.gpu_path,
+                           note="launches stubbed; counts exact, host_us this machine",
                            rows=rows), f, indent=1)
 
 

@@ -208,12 +208,31 @@ def test_gpu_nccl_matches_triton_deepseek_shape(gpu_world):
     _check(case, gpu_world(2, _both, case, nccl=True))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("A,neg", [(1, 0.0), (4, 0.1)])
+def test_gpu_nccl_world1_matches_reference(gpu_world, A, neg):
+    """One GPU: the nccl backend's kernels (count, pack, unpack, partials, sums, backward) at the DeepSeek-V3 shape
+    against the reference, bit for bit (weight gradients within fp32 rounding); with padding and masked slots."""
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(700, 256, generator=gen) + torch.linspace(0, 2, 256)
+    idx = logits.topk(8, dim=1).indices
+    w = torch.softmax(logits.gather(1, idx), dim=1)
+    if neg:
+        idx[torch.rand(idx.shape, generator=gen) < neg] = -1
+        idx[::5, -1] = idx[::5, 0]  # one expert twice in a token
+    case = _case(1, 256, 7168, 8, [700], A=A, routing=[(idx, w)], seed=12)
+    _check(case, gpu_world(1, _both, case, ("nccl",), nccl=True), backends=("nccl",))
+
+
 
 # ------------------------------------------------------------------------------------------- host plan
 def test_host_plan_matches_layout_torch():
-    """The numpy layout of the nccl backend equals the shared torch twin (send_base, segments, capacity)."""
-    from tritonep.ep.nccl.plan import host_plan
+    """The numpy layout of the nccl backend equals the shared torch twin (send_base, segments, capacity), and the
+    packet starts / split sizes are the counts matrix's packet columns."""
+    import numpy as np
+
     from tritonep.ep.layout import layout_torch
+    from tritonep.ep.nccl.plan import host_plan, plan_size
 
     gen = torch.Generator().manual_seed(7)
     for W, E, A in ((1, 4, 1), (2, 8, 1), (3, 12, 4), (4, 16, 3)):
@@ -221,23 +240,23 @@ def test_host_plan_matches_layout_torch():
         for _ in range(5):
             counts = torch.randint(0, 6, (W, E), generator=gen)
             counts[torch.rand(W, E, generator=gen) < 0.3] = 0
-            m = torch.zeros(W, E + W + 5, dtype=torch.int64)
+            m = torch.zeros(W, E + W + 2, dtype=torch.int32)
             m[:, :E] = counts
-            m[:, E] = torch.randint(0, 3, (W,), generator=gen)  # masked slots
-            m[:, E + 1:E + 1 + W] = torch.randint(0, 9, (W, W), generator=gen)
+            m[:, E:E + W] = torch.randint(0, 9, (W, W), generator=gen)
             for rank in range(W):
                 lay = layout_torch(counts, rank, A)
-                need, small, ss, rs, n = host_plan(m.numpy(), rank, W, E, A)
-                small = torch.from_numpy(small).long()
-                mine = m[rank, :E + 1]
-                start = torch.cumsum(mine, 0) - mine
-                assert torch.equal(torch.from_numpy(need), lay["rows_needed"])
-                assert torch.equal(small[:E] + start[:E], lay["send_base"].long())
-                assert torch.equal(small[E + 1:E + 1 + L], lay["num_tokens_per_expert"].long())
-                assert torch.equal(small[E + 1 + L:E + 1 + 2 * L], lay["expert_offsets"].long())
-                assert torch.equal(small[E + 1 + 2 * L:].view(W, E), counts)
-                assert ss == m[rank, E + 1:E + 1 + W].tolist() and rs == m[:, E + 1 + rank].tolist()
-                assert n == int(counts[rank].sum())
+                out = np.full(plan_size(W, E), -7, dtype=np.int32)
+                need, ss, rs = host_plan(m.numpy(), rank, W, E, A, out)
+                small = torch.from_numpy(out).long()
+                assert torch.equal(torch.from_numpy(need), lay["rows_needed"].long())
+                assert torch.equal(small[:E], lay["send_base"].long())
+                pk = m[rank, E:E + W].long()
+                assert torch.equal(small[E:E + W], torch.cumsum(pk, 0) - pk)
+                o = E + W
+                assert torch.equal(small[o:o + L], lay["num_tokens_per_expert"].long())
+                assert torch.equal(small[o + L:o + 2 * L], lay["expert_offsets"].long())
+                assert torch.equal(small[o + 2 * L:].view(W, E), counts)
+                assert ss == tuple(pk.tolist()) and rs == tuple(m[:, E + rank].tolist())
 
 
 # ------------------------------------------------------------------------------------------- bad input (issue 14)
@@ -446,7 +465,8 @@ def _host_syncs(group):
 
 
 @pytest.mark.gpu
-def test_gpu_nccl_host_reads(gpu_world):
+@pytest.mark.parametrize("W", [1, 2])
+def test_gpu_nccl_host_reads(gpu_world, W):
     """Dispatch reads the host once (the counts matrix); combine and both backward passes never."""
-    for r in gpu_world(2, _host_syncs, nccl=True):
+    for r in gpu_world(W, _host_syncs, nccl=True):
         assert r == {"dispatch": 1, "combine": 0, "dispatch_bwd": 0, "combine_bwd": 0}, r

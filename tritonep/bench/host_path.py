@@ -84,53 +84,81 @@ class HostCounter:
 
 
 @contextmanager
-def stub_launches(buf):
-    """Replace every Triton launch of ``buf``'s backend by a counter (``list`` of kernel names, yielded).
+def _uncounted():
+    """Pause every torch function / dispatch mode (the counters) for the duration."""
+    from torch.utils._python_dispatch import _disable_current_modes
 
-    Both launch paths are stubbed for the duration: the backend's bound kernels
-    (:class:`tritonep.ep.triton.bound.BoundKernel`, the per-call path) and its generic launcher
-    (``buf._impl._launch``); the nccl backend's torch ops and collectives still run (they are its host path).
+    with torch._C.DisableTorchFunction(), _disable_current_modes():
+        yield
+
+
+@contextmanager
+def stub_launches(buf, run: bool = False):
+    """Replace every Triton launch of ``buf``'s backend by a counter (a ``list`` of kernel names, yielded).
+
+    Both launch paths are swapped for the duration: the triton backend's bound kernels
+    (:class:`tritonep.ep.triton.bound.BoundKernel`, its per-call path) and the backend's generic launcher
+    (``buf._impl._launch``); the nccl backend's torch ops and collectives still run (they are its host path). With
+    ``run`` the launch also runs for real, outside the counters (no torch call, aten op or allocation it makes is
+    counted), and the seconds it took are added to ``names.spent``, so a caller can leave them out of the host time:
+    what a path whose later steps read the kernels' outputs needs (the nccl backend's GPU path in the interpreter).
     """
     from ..ep.triton.bound import BoundKernel
 
-    names: list = []
-    patched = [BoundKernel]
+    names = _Names()
+    patched = {BoundKernel: BoundKernel.__call__}
     launcher = getattr(buf._impl, "_launch", None)
     if launcher is not None:
-        patched.append(type(launcher))
-    origs = [cls.__call__ for cls in patched]
+        patched[type(launcher)] = type(launcher).__call__
+
+    def timed(orig, *args, **kwargs):
+        if run:
+            t0 = time.perf_counter()
+            with _uncounted():
+                orig(*args, **kwargs)
+            names.spent += time.perf_counter() - t0
 
     def fake_bound(self, *dyn):
         names.append(self.name)
+        timed(patched[BoundKernel], self, *dyn)
 
     def fake_launcher(self, kernel, grid, *args, **kwargs):
         fn = getattr(kernel, "fn", kernel)
         names.append(getattr(fn, "__name__", repr(kernel)))
+        timed(patched[type(self)], self, kernel, grid, *args, **kwargs)
 
-    BoundKernel.__call__ = fake_bound
-    if launcher is not None:
-        type(launcher).__call__ = fake_launcher
+    for cls in patched:
+        cls.__call__ = fake_bound if cls is BoundKernel else fake_launcher
     try:
         yield names
     finally:
-        for cls, orig in zip(patched, origs):
+        for cls, orig in patched.items():
             cls.__call__ = orig
 
 
-def measure_host_path(buf, x, topk_idx, topk_weights, iters: int = 20) -> dict:
+class _Names(list):
+    """Kernel names launched, and ``spent``: seconds inside launches that ran for real."""
+
+    spent = 0.0
+
+
+def measure_host_path(buf, x, topk_idx, topk_weights, iters: int = 20, run_kernels: bool = False) -> dict:
     """Count and time the host path of each call kind (module docstring) on ``buf`` with launches stubbed.
 
     Args:
         buf: an open EPBuffer (a CPU buffer in a CPU world of one rank is enough; collectives of the nccl backend
             run for real). x / topk_idx / topk_weights: one call's inputs.
         iters: timed repetitions per call kind (the median is reported).
+        run_kernels: launches run for real outside the counters and their time is left out of ``host_us``
+            (:func:`stub_launches` with ``run``); needed when later host steps read what a kernel wrote (the nccl
+            backend with ``use_triton`` on the CPU: its GPU path, kernels interpreted).
 
     Returns:
         ``{kind: {torch_calls, aten_ops, allocs, launches, host_reads, host_us, torch_names, aten_names}}``.
     """
     out = {}
     eo = buf.expert_out_buffer()
-    with stub_launches(buf) as launched:
+    with stub_launches(buf, run=run_kernels) as launched:
         d = buf.dispatch(x, topk_idx, topk_weights)  # warm every path once
         rows = d.x.shape[0]
         gx = torch.zeros(rows, buf.hidden, dtype=torch.bfloat16, device=x.device)
@@ -154,9 +182,10 @@ def measure_host_path(buf, x, topk_idx, topk_weights, iters: int = 20) -> dict:
             launches, reads = len(launched) - n0, buf.host_reads - r0
             ts = []
             for _ in range(iters):
+                s0 = launched.spent
                 t0 = time.perf_counter()
                 fn()
-                ts.append((time.perf_counter() - t0) * 1e6)
+                ts.append((time.perf_counter() - t0 - (launched.spent - s0)) * 1e6)
             out[kind] = dict(torch_calls=c.torch_calls, aten_ops=c.aten_ops, allocs=c.allocs, launches=launches,
                              host_reads=reads, host_us=statistics.median(ts), torch_names=c.torch_names,
                              aten_names=c.aten_names)

@@ -33,23 +33,29 @@ combine (partial / out), and the one-launch dispatch and combine."""
 
 @contextlib.contextmanager
 def launch_timer():
-    """Wrap :class:`tritonep.ep.triton.launch.Launcher` calls; yields a dict kernel name -> accumulated host seconds."""
+    """Wrap every kernel launch of both backends (:class:`tritonep.ep.triton.launch.Launcher` and
+    :class:`tritonep.ep.nccl.pack.Launch` calls); yields a dict kernel name -> accumulated host seconds."""
+    from ..ep.nccl.pack import Launch
     from ..ep.triton import launch
 
     acc = defaultdict(float)
-    orig = launch.Launcher.__call__
+    origs = [(cls, cls.__call__) for cls in (launch.Launcher, Launch)]
 
-    def timed(self, kernel, grid, *args, **kwargs):
-        t0 = time.perf_counter()
-        r = orig(self, kernel, grid, *args, **kwargs)
-        acc[launch.kernel_name(kernel)] += time.perf_counter() - t0
-        return r
+    def timed_by(orig):
+        def timed(self, kernel, grid, *args, **kwargs):
+            t0 = time.perf_counter()
+            r = orig(self, kernel, grid, *args, **kwargs)
+            acc[launch.kernel_name(kernel)] += time.perf_counter() - t0
+            return r
+        return timed
 
-    launch.Launcher.__call__ = timed
+    for cls, orig in origs:
+        cls.__call__ = timed_by(orig)
     try:
         yield acc
     finally:
-        launch.Launcher.__call__ = orig
+        for cls, orig in origs:
+            cls.__call__ = orig
 
 
 def _kernel_us(fn, iters: int) -> tuple[dict, str]:

@@ -82,15 +82,15 @@ class TritonHandle(DispatchHandle):
 
 @dataclass(frozen=True, kw_only=True)
 class NcclHandle(DispatchHandle):
-    """Handle of the nccl backend: the packets of one ``all_to_all_single`` and how rows map onto them.
+    """Handle of the nccl backend: the packets of one ``all_to_all_single`` and how routes map onto them.
 
-    Attributes (besides :class:`DispatchHandle`'s; ``Ns`` / ``Nr`` packets sent / received, ``R`` rows):
-        send_splits / recv_splits: packets per peer (host tuples of W ints).
-        send_tok: int64 ``[Ns]`` token of each sent packet, ordered by (destination rank, token).
-        pos: int64 ``[W, T]`` packet of (destination rank, token), -1 if none.
+    Attributes (besides :class:`DispatchHandle`'s; ``Ns`` / ``Nr`` packets sent / received, packets ordered by
+    (destination rank, token)):
+        send_splits / recv_splits: packets per peer (host tuples of W ints); num_send / num_recv: Ns / Nr.
+        pkt: int32 ``[T, K]`` send packet of every route (-1 for a masked slot; the routes of a token to one rank
+            share their packet).
         recv_rows: int32 ``[Nr, K]`` destination row of each received route (-1 where the route is elsewhere).
         recv_w: float32 ``[Nr, K]`` its weight (0 elsewhere).
-        row_src: int64 ``[R]`` packet of every row (``Nr`` on padding rows). row_w: float32 ``[R]`` its weight.
     """
 
     backend: ClassVar[str] = "nccl"
@@ -100,12 +100,11 @@ class NcclHandle(DispatchHandle):
     counts: torch.Tensor
     send_splits: tuple
     recv_splits: tuple
-    send_tok: torch.Tensor
-    pos: torch.Tensor
+    num_send: int
+    num_recv: int
+    pkt: torch.Tensor
     recv_rows: torch.Tensor
     recv_w: torch.Tensor
-    row_src: torch.Tensor
-    row_w: torch.Tensor
 
 
 @dataclass

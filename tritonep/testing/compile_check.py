@@ -18,7 +18,7 @@ import sys
 import torch
 
 __all__ = ["record_launches", "record_launches_to", "read_records", "compile_recorded", "compile_one",
-           "variant_key", "with_gpu_twins"]
+           "variant_key", "with_gpu_twins", "ptxas_usage", "usage_recorded"]
 
 _DT = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16", torch.int32: "i32",
        torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8", torch.int16: "i16", torch.bool: "i1",
@@ -291,3 +291,46 @@ def compare_ptx_dirs(before: str, after: str) -> dict:
         else:
             res["different"][k] = "\n".join(difflib.unified_diff(a, b, "before/" + k, "after/" + k, lineterm="", n=2))
     return res
+
+
+def ptxas_usage(rec: dict) -> dict:
+    """Registers and spill bytes of one recorded launch compiled for sm_90 (this process must import the kernels
+    compiled): the PTX goes through the ptxas bundled with Triton with ``-v``. Returns ``{"name", "registers",
+    "spill_stores", "spill_loads"}``; raises FileNotFoundError without a bundled ptxas."""
+    import re
+    import tempfile
+
+    import triton.backends.nvidia as nv
+
+    ptxas = os.path.join(os.path.dirname(nv.__file__), "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        raise FileNotFoundError(ptxas)
+    k = compile_one(rec)
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(k.asm["ptx"])
+        p = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", src, "-o", os.path.join(d, "k.cubin")],
+                           capture_output=True, text=True, check=True)
+    text = p.stdout + p.stderr
+    num = lambda pat: int(re.search(pat, text).group(1))  # noqa: E731
+    return dict(name=rec["name"], registers=num(r"Used (\d+) registers"),
+                spill_stores=num(r"(\d+) bytes spill stores"), spill_loads=num(r"(\d+) bytes spill loads"))
+
+
+def usage_recorded(records: list, timeout_s: float = 600.0) -> list:
+    """:func:`ptxas_usage` of every record, in a fresh process (kernels compiled); a record that fails gives
+    ``{"name", "error"}``."""
+    recs = [r for r in records if "error" not in r]
+    code = ("import json,sys\nfrom tritonep.testing.compile_check import ptxas_usage\nout=[]\n"
+            "for r in json.loads(sys.stdin.read()):\n    try:\n        out.append(dict(ptxas_usage(r), "
+            "constexprs=r['constexprs']))\n    except Exception as e:\n"
+            "        out.append(dict(name=r['name'], error=repr(e)[-1500:]))\nprint('@@'+json.dumps(out))\n")
+    env = dict(os.environ)
+    env["TRITON_INTERPRET"] = "0"
+    p = subprocess.run([sys.executable, "-c", code], input=json.dumps(recs), capture_output=True, text=True, env=env,
+                       timeout=timeout_s)
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("@@")]
+    if not line:
+        return [dict(name="<process>", error=p.stderr[-3000:])]
+    return json.loads(line[-1][2:])

@@ -1,38 +1,47 @@
 """The torch.distributed backend of EPBuffer (NCCL on GPU, gloo on CPU): same API and bit-identical results.
 
-For groups whose ranks cannot map each other's memory (several hosts, no P2P). Every step is a torch op, one of two
-small local kernels (:mod:`tritonep.ep.nccl.pack`) or a ``torch.distributed`` collective on the current stream. The
-row layout is the triton backend's by construction: the same segment formula (:func:`tritonep.ep.layout.
-layout_torch`, computed on the host by its numpy twin :func:`host_plan`) and, inside a segment, rows ordered by
-(source rank, token, k).
+For groups whose ranks cannot map each other's memory (several hosts, no P2P). Every step is a small local Triton
+kernel (:mod:`tritonep.ep.nccl.route`, :mod:`tritonep.ep.nccl.unpack`, :mod:`tritonep.ep.nccl.pack`; on the CPU
+their torch twins, same bits) or a ``torch.distributed`` collective on the current stream. The row layout is the
+triton backend's by construction: the same segment formula (:func:`tritonep.ep.layout.layout_torch`, computed on
+the host by its numpy twin :func:`host_plan`) and, inside a segment, rows ordered by (source rank, token, k).
 
 Host reads: dispatch reads ONE small tensor (the gathered counts matrix, below); combine and both backward passes read
 nothing (they reuse the split sizes the dispatch saved in its handle). Graph capture is refused: uneven splits need
 host sizes.
 
-Dispatch (host protocol, identical on every rank whatever its data, docs/protocols.md (host protocol rule): one ``all_gather`` then, unless
-the call fails on every rank, one ``all_to_all_single``):
+The host path is fixed per call (issue 24): what the static configuration decides (tiles, row layouts, kernel
+constants, the counts row, the gathered matrix and its host copy, the host plan vector) is made at construction;
+a call allocates only what it returns or hands to its handle plus the two row buffers of its collective, and reads
+no tensor attribute it already knows. On the GPU a bf16 dispatch is 3 launches, 2 collectives, 1 device->host and 1
+host->device copy, 9 allocations and 15 torch calls from Python; a combine 2 launches, 1 collective, 3 allocations,
+4 torch calls (budgets held by ``tests/test_nccl_host_path.py``). A rank without tokens fills its counts row
+instead of launching, and skips the pack.
 
-1. Counts row of this rank, on the device, no sync: routes per expert (``scatter_add_``), packets per destination rank
-   (a packet = one (token, destination rank) with at least one route there), ``min`` / ``max`` of ``topk_idx`` and a
-   ``bad_input`` flag (the front door refused this rank's input and passes empty tensors). ``all_gather`` -> the
-   ``[W, E + W + 5]`` int64 matrix, copied to the host: THE host read of the call.
-2. On the host: any rank with an expert id outside ``[-1, E)`` or a ``bad_input`` flag -> nothing moves on any rank,
+Dispatch (host protocol, identical on every rank whatever its data, docs/protocols.md (host protocol rule): one
+``all_gather`` then, unless the call fails on every rank, one ``all_to_all_single``):
+
+1. Counts row of this rank, on the device, one launch, no sync (:meth:`Router.count`): routes per expert, packets
+   per destination rank (a packet = one (token, destination rank) with at least one route there), the number of
+   ids outside ``[-1, E)`` and a refused flag (the front door refused this rank's input and passes empty tensors).
+   ``all_gather`` -> the ``[W, E + W + 2]`` int32 matrix, copied to the host: THE host read of the call.
+2. On the host: any rank with an expert id outside ``[-1, E)`` or a refused flag -> nothing moves on any rank,
    every rank raises :class:`PeerInputError` naming the bad ranks (a rank whose own ids are bad raises the
    :class:`InputError` of :func:`tritonep.ep.validate.check_expert_ids`, naming the value and its (token, k); that
-   extra read happens only in this error case). Else the layout (:func:`host_plan`); a rank that would receive
-   more than ``max_recv_tokens`` rows -> every rank raises :class:`CapacityError`, nothing sent. Else the split
-   sizes (packets per peer) and one host->device copy of the small per-call vectors (never a device sync).
-3. Device index work, one pass, no sync: the destination row of every route (a stable sort of this rank's routes
-   by expert gives each route's rank among the routes to its expert) and the packets in (destination rank, token)
-   order (a stable sort of the ``[W, T]`` presence mask).
-4. Pack: ``index_select`` straight into column ranges of ONE ``uint8`` send buffer ``[packets, row | meta]`` (the
-   token's wire row, then its K destination rows int32, K expert ids int32, K weights fp32): one copy of each
-   travelling row, no ``cat``, moved as 8-byte words where the widths allow (:func:`tritonep.ep.nccl.pack.
-   gather_rows`). One ``all_to_all_single`` with uneven splits.
-5. Unpack: per received packet, the routes whose expert lives here (``ids // L == rank``) give ``row -> packet``
-   (one ``scatter_``); the expert-grouped output is ONE ``index_select`` of the received rows, where padding rows
-   (``expert_alignment`` > 1) read an extra all-zero row appended to the receive buffer.
+   extra read happens only in this error case). Else the layout (:func:`host_plan`, numpy, into a persistent
+   vector); a rank that would receive more than ``max_recv_tokens`` rows -> every rank raises
+   :class:`CapacityError`, nothing sent. Else the split sizes (packets per peer) and one host->device copy of the
+   plan vector (``send_base``, packet starts per rank, ``num_tokens_per_expert``, ``expert_offsets``, counts;
+   never a device sync).
+3. Pack, one launch (:meth:`Router.pack`): the destination row of every route (chunk prefix from step 1 + its rank
+   among the chunk's routes to the same expert), the packet slot of every route (packets in (destination rank,
+   token) order) and ONE ``uint8`` send buffer ``[packets, row | meta]`` (the token's wire row, then its K
+   destination rows int32, K expert ids int32, K weights fp32): one copy of each travelling row, no ``cat``. One
+   ``all_to_all_single`` with uneven splits.
+4. Unpack, one launch (:meth:`Unpacker.unpack`): per received packet, each route whose expert lives here
+   (``ids // L == rank``) copies the packet's row to its expert row and its weight to the row weights; alignment
+   padding rows (``expert_alignment`` > 1) are zeroed by extra programs. The per-packet routes (row or -1,
+   weight or 0) go to the handle for combine.
 
 Combine (one ``all_to_all_single`` back along the reverse splits): on the expert rank, per received packet,
 ``partial = 0 + sum_{k ascending, route here} fp32(w * expert_out[row])`` in fp32 (each product rounded before the
@@ -42,8 +51,10 @@ fp32) in rank order starting from 0 and rounds once: exactly :func:`tritonep.ref
 and the triton combine kernels for every wire. One row per (token, rank) travels, never one per route.
 
 Backward: ``dispatch_bwd`` is an unweighted combine (bf16) whose rows also carry the per-route weight gradients
-``grad_recv_w[row]`` (K fp32 columns of the same send buffer); ``combine_bwd`` moves ``grad_y`` (bf16) along the
-dispatch's packets (one ``index_select`` pack, one ``all_to_all_single``, one ``index_select`` unpack to rows).
+``grad_recv_w[row]`` (K fp32 columns of the same send buffer, written by the partial kernel and read back by the sum
+kernel); ``combine_bwd`` moves ``grad_y`` (bf16) along the dispatch's packets (one pack launch, one
+``all_to_all_single``, one launch that scales each row by its weight and takes the dot product for the weight
+gradient).
 
 Copies per call (rows of H elements; ``Ns`` / ``Nr`` packets sent / received, ``R`` rows received):
 dispatch bf16: ``Ns`` (pack) + ``R`` (unpack); fp8 / mxfp4 add the sender's quantization of ``T`` rows and, without
@@ -68,8 +79,9 @@ Wires (``dispatch_wire`` / ``combine_wire``; byte layout of :mod:`tritonep.kerne
   to fp32 on the source and summed as above.
 * Backward passes always move bf16.
 
-Timeouts: this backend has no kernel waits; a peer that never arrives is caught by the process group's own timeout
-(``torch.distributed`` / NCCL watchdog), not by ``timeout_s``.
+Calls of one buffer run on one CUDA stream at a time (the persistent counts row and chunk scratch are used inside
+one dispatch, in stream order). Timeouts: this backend has no kernel waits; a peer that never arrives is caught by
+the process group's own timeout (``torch.distributed`` / NCCL watchdog), not by ``timeout_s``.
 
 Hierarchical multi-host (not implemented; where it would go): a two-level exchange as in DeepEP's internode
 kernels -- (a) ``all_to_all_single`` inside a node group keyed by the destination's local index, sending one packet
@@ -80,22 +92,26 @@ are unchanged; combine reduces per rank, then per node in rank order (the partia
 ascending, so a node-level pre-sum is only legal for contiguous rank ranges and must round per rank first).
 
 Idea sources: DeepEP "normal" (host-synchronised) kernels, Megatron-LM's ``MoEAlltoAllTokenDispatcher`` (counts
-exchange, then uneven token all_to_all); quantize once per token before the all_to_all as DeepEP's fp8 dispatch does.
+exchange, then uneven token all_to_all); quantize once per token before the all_to_all as DeepEP's fp8 dispatch does;
+the fixed per-call host path of vLLM's ``CachedKernel`` / pplx-kernels (everything static made once).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from ...errors import BackendError, BufferStateError, CapacityError, InputError, PeerInputError
-from ...wire.formats import check_wire, get_wire
+from ...wire.formats import get_wire
 from ..handle import NcclHandle
+from ..validate import check_expert_ids
 from .collectives import all_gather_flat
 from .combine import NcclCombine
-from .pack import gather_rows, round_up
-from .plan import host_plan
-from ..validate import check_expert_ids
+from .pack import Launch
+from .plan import host_plan, plan_size
+from .route import Router, SendLayout, send_layout
+from .unpack import Unpacker
 
 __all__ = ["NcclEP"]
 
@@ -108,11 +124,12 @@ class NcclEP(NcclCombine):
     (any of :data:`tritonep.wire.WIRES`, see the module docstring), ``timeout_s`` (stored only: this backend has
     no kernel waits, the process group's own timeout applies).
 
-    Attribute ``use_triton`` (default: CUDA device): the combine's local sums run as Triton kernels, else as their
-    torch twins (same bits; the twins use ``torch.nonzero`` and are meant for the CPU). ``host_reads`` counts the
+    Attribute ``use_triton`` (default: CUDA device): the local steps run as Triton kernels, else as their torch
+    twins (same bits; the twins use ``torch.nonzero`` and are meant for the CPU). ``host_reads`` counts the
     device->host reads of calls (one per dispatch; one more only when naming this rank's bad expert id).
 
-    Its dispatch returns a frozen :class:`tritonep.ep.handle.NcclHandle` (split sizes, packet and row maps).
+    Its dispatch returns a frozen :class:`tritonep.ep.handle.NcclHandle` (split sizes, per-route packets, per-packet
+    routes).
 
     Raises:
         WireError: an unknown wire name or a hidden size the wire cannot take (:func:`tritonep.wire.check_wire`).
@@ -126,23 +143,54 @@ class NcclEP(NcclCombine):
         self.group = group
         self.rank, self.W = rank, cfg.world_size
         self.E, self.H, self.Tm, self.K = cfg.num_experts, cfg.hidden, cfg.max_tokens_per_rank, cfg.topk
-        self.L = cfg.num_local_experts
+        self.L = L = cfg.num_local_experts
         self.A = cfg.expert_alignment
         self.max_recv = cfg.max_recv_tokens
-        self.device = torch.device(device)
-        self.dtype = cfg.dtype
+        self.device = dev = torch.device(device)
+        self.dtype = dtype = cfg.dtype
         self.timeout_s = cfg.timeout_s
         self.buffer_id = 0  # set by the EPBuffer that owns this backend (handles carry it)
-        num_experts, world_size, max_tokens_per_rank, topk = self.E, self.W, self.Tm, self.K
+        world_size, num_experts, hidden, topk = cfg.world_size, cfg.num_experts, cfg.hidden, cfg.topk
+        max_tokens_per_rank, expert_alignment = cfg.max_tokens_per_rank, cfg.expert_alignment
+        dispatch_wire, combine_wire = cfg.dispatch_wire, cfg.combine_wire
         self.host_reads = 0  # device->host reads made by calls: one per dispatch (+1 naming a bad id), else none
-        self.use_triton = self.device.type == "cuda"
-        # counts row: [E + 1 route bins (last: masked) | W + 1 packet bins (last: none) | min id, max id, bad_input]
-        self._ncols = num_experts + world_size + 5
-        n = max_tokens_per_rank * topk
-        self._ones = torch.ones(n, dtype=torch.int64, device=self.device)
-        self._ar32 = torch.arange(n, dtype=torch.int32, device=self.device)
-        self._ar64 = torch.arange(world_size * max_tokens_per_rank, dtype=torch.int64, device=self.device)
-        self._pkt = self._ar64.repeat_interleave(topk)  # packet of each flattened received route
+        self.use_triton = self._cuda = dev.type == "cuda"
+        self._launch = Launch()
+        W, E, K, H = world_size, num_experts, topk, hidden
+        self._es = es = torch.empty(0, dtype=dtype).element_size()
+        # dispatch rows: the wire row (one source, or payload + scale bytes) and the meta
+        fmt = self._dfmt = get_wire(dispatch_wire)
+        if fmt.quantized:
+            pb, sb = fmt.payload_bytes(H), fmt.scale_bytes(H)
+            self._lay = send_layout(pb + sb, K)
+            srcs = (1, pb), (1, sb)
+        else:
+            self._lay = send_layout(H * es, K)
+            srcs = (es, H), None
+        self._router = Router(W, E, K, max_tokens_per_rank, dev, self._launch, self._lay, *srcs)
+        self._unpacker = Unpacker(rank, E, L, K, H, expert_alignment, self._launch, self._lay, (E + W, E + W + L),
+                                  self._cuda, dev)
+        self._kept = (fmt.payload_bytes(H), fmt.num_scales(H)) if fmt.quantized else None
+        # combine rows per (wire, carries weight gradients): (format, send layout, fp32 partial layout)
+        part = SendLayout(4 * H, 4 * H, 4 * H)
+        cf = get_wire(combine_wire)
+        self._combine_rows = {
+            (combine_wire, False): (cf, send_layout(cf.row_bytes(H) if cf.quantized else H * es, K, 0), part),
+            ("bf16", False): (get_wire("bf16"), send_layout(H * es, K, 0), part),
+            ("bf16", True): (get_wire("bf16"), send_layout(H * es, K, K), part),
+        }
+        # the counts exchange: gathered matrix, its host copy, the host plan vector (numpy views made once)
+        self._ncols = E + W + 2
+        self._gathered = torch.empty(W * self._ncols, dtype=torch.int32, device=dev)
+        self._host = torch.empty(W * self._ncols, dtype=torch.int32)
+        self._host_np = self._host.numpy().reshape(W, self._ncols)
+        self._plan_np = np.zeros(plan_size(W, E), dtype=np.int32)
+        self._plan_t = torch.from_numpy(self._plan_np)
+        self._split = [E + W, L, L, W * E]
+        # shared empties of calls with no tokens / no packets (never written)
+        self._no_routes = torch.empty(0, K, dtype=torch.int32, device=dev)
+        self._no_w = torch.empty(0, K, dtype=torch.float32, device=dev)
+        self._no_send = torch.empty(0, self._lay.width, dtype=torch.uint8, device=dev)
         self._eo: torch.Tensor | None = None
         self.closed = False
 
@@ -171,66 +219,37 @@ class NcclEP(NcclCombine):
         self._eo = None
         self.closed = True
 
-    def _check_usable(self):
-        """Raises BufferStateError when closed."""
-        if self.closed:
-            raise BufferStateError(f"EPBuffer on rank {self.rank} is closed")
-
-    def _a2a(self, recv: torch.Tensor, send: torch.Tensor, in_splits: list, out_splits: list) -> torch.Tensor:
+    def _a2a(self, recv: torch.Tensor, send: torch.Tensor, in_splits, out_splits) -> torch.Tensor:
         """``all_to_all_single`` of contiguous ``[N, ...]`` tensors along rows with uneven splits (into ``recv``)."""
         dist.all_to_all_single(recv, send, output_split_sizes=out_splits, input_split_sizes=in_splits,
                                group=self.group)
         return recv
 
+    def _plan_to_device(self) -> torch.Tensor:
+        """A new device copy of the host plan vector: one host->device copy, never a sync (a pageable source is
+        staged by the driver before the call returns, so the next call may rewrite it)."""
+        if self.device.type == "cuda":
+            return self._plan_t.to(self.device, non_blocking=True)
+        return self._plan_t.clone()
+
     # ---------------------------------------------------------------------------------------------- dispatch
-    def _counts_row(self, topk_idx: torch.Tensor, T: int, bad_input: bool):
-        """This rank's counts row on the device (no sync) and the pieces dispatch reuses.
-
-        Args:
-            topk_idx: ``[T, K]`` int32 / int64 (any values: ids outside ``[-1, E)`` are only flagged here).
-            T: tokens; bad_input: set the row's refused-input flag.
-
-        Returns:
-            ``(row int64 [E + W + 5], key int64 [T*K] (expert id, E for -1; out-of-range ids land in [0, E]),
-            present bool [W + 1, T] (token t has a route to rank d; row W: masked slots))``.
-        """
-        E, W, L = self.E, self.W, self.L
-        row = torch.zeros(self._ncols, dtype=torch.int64, device=self.device)
-        key = present = None
-        if T:
-            ids = topk_idx if topk_idx.dtype == torch.int64 else topk_idx.long()
-            key = torch.remainder(ids, E + 1).view(-1)  # -1 -> E
-            row[:E + 1].scatter_add_(0, key, self._ones[:key.numel()])
-            dest = torch.div(key, L, rounding_mode="floor").view(T, self.K)  # E // L = W for masked slots
-            present = torch.zeros(W + 1, T, dtype=torch.bool, device=self.device).scatter_(0, dest.t(), True)
-            torch.sum(present, 1, out=row[E + 1:E + W + 2])
-            torch.aminmax(ids, out=(row[-3], row[-2]))  # T == 0 leaves (0, 0): in range
-        if bad_input:
-            row[-1] = 1
-        return row, key, present
-
     def _raise_bad(self, m, topk_idx: torch.Tensor, bad_input: bool):
-        """Raise if any rank's counts row carries an input error (host int64 matrix ``[W, E + W + 5]``); else return.
+        """Raise the input error the counts matrix carries (host int32 ``[W, E + W + 2]``; the caller saw one).
 
         Raises:
             InputError: this rank's own ids are out of range (named by :func:`check_expert_ids`).
             PeerInputError: another rank's input was bad, or this rank's input was refused by the front door
                 (``bad_input``); ``bad_ranks`` lists them all.
         """
-        E = self.E
-        lo, hi, refused = m[:, -3], m[:, -2], m[:, -1]
-        if lo.min() >= -1 and hi.max() < E and not refused.any():
-            return
-        bad_ids = ((lo < -1) | (hi >= E)).tolist()
-        bad_ranks = [r for r in range(self.W) if bad_ids[r] or refused[r]]
-        if bad_ids[self.rank] and not bad_input:
+        E, W = self.E, self.W
+        nbad, refused = m[:, E + W].tolist(), m[:, E + W + 1].tolist()
+        bad_ranks = [r for r in range(W) if nbad[r] or refused[r]]
+        if nbad[self.rank] and not bad_input:
             self.host_reads += 1
             check_expert_ids(topk_idx, E)  # raises the InputError naming the value and its (token, k)
-            raise InputError(f"topk_idx holds ids outside [-1, num_experts={E}) (min {int(lo[self.rank])}, "
-                             f"max {int(hi[self.rank])})")
-        why = "; ".join(f"rank {r}: " + (f"expert ids outside [-1, {E}) (min {int(lo[r])}, max {int(hi[r])})"
-                                           if bad_ids[r] else "input refused by EPBuffer")
-                        for r in bad_ranks)
+            raise InputError(f"topk_idx holds {nbad[self.rank]} ids outside [-1, num_experts={E})")
+        why = "; ".join(f"rank {r}: " + (f"{nbad[r]} expert ids outside [-1, {E})" if nbad[r]
+                                         else "input refused by EPBuffer") for r in bad_ranks)
         raise PeerInputError(f"dispatch on rank {self.rank}: invalid input on rank(s) {bad_ranks} ({why}); no rows "
                              "moved on any rank, the buffer stays usable", bad_ranks=bad_ranks, rank=self.rank)
 
@@ -260,92 +279,79 @@ class NcclEP(NcclCombine):
             CapacityError: some rank would receive more than ``max_recv_tokens`` rows (raised on every rank,
                 nothing sent).
         """
-        self._check_usable()
-        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if capturing:
+        if self.closed:
+            raise BufferStateError(f"EPBuffer on rank {self.rank} is closed")
+        dev = self.device
+        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise BackendError("the nccl backend cannot be captured in a CUDA graph: all_to_all needs host split "
                                "sizes; use backend='triton' for graphs")
         # TRITONEP_SYNC_CHECKS=0 (sync False) cannot remove the split-size read all_to_all needs: the one host
         # read happens whatever the setting
-        W, E, L, K, H, dev = self.W, self.E, self.L, self.K, self.H, self.device
+        W, E, K, H, ut, lay, fmt = self.W, self.E, self.K, self.H, self.use_triton, self._lay, self._dfmt
         T = x.shape[0]
         # 1) counts exchange: the one host read
-        row, key, present = self._counts_row(topk_idx, T, bad_input)
-        gathered = torch.empty(W * self._ncols, dtype=torch.int64, device=dev)
-        all_gather_flat(gathered, row, self.group)
-        mat = gathered.view(W, self._ncols).cpu()
+        row = self._router.count(topk_idx, T, bad_input, ut)
+        all_gather_flat(self._gathered, row, self.group)
+        self._host.copy_(self._gathered)
         self.host_reads += 1
+        m = self._host_np
         # 2) host decisions on the small matrix (numpy: a few microseconds, no device work)
-        m = mat.numpy()
-        self._raise_bad(m, topk_idx, bad_input)
-        need, small, send_splits, recv_splits, n_routes = host_plan(m, self.rank, W, E, self.A)
-        if int(need.max()) > self.max_recv:
+        if m[:, E + W:].any():
+            self._raise_bad(m, topk_idx, bad_input)
+        need, send_splits, recv_splits = host_plan(m, self.rank, W, E, self.A, self._plan_np)
+        if need.max() > self.max_recv:
             worst = int(need.argmax())
             raise CapacityError(f"dispatch: rank {worst} would receive {int(need[worst])} rows but "
                                 f"max_recv_tokens={self.max_recv}; nothing was sent",
                                 needed=int(need[worst]), available=self.max_recv)
         R = int(need[self.rank])
         Ns, Nr = sum(send_splits), sum(recv_splits)
-        small = torch.from_numpy(small).to(dev, non_blocking=True)  # one host->device copy, no device sync
-        bms_d = small[:E + 1]
-        ntpe, offs = small[E + 1:E + 1 + L], small[E + 1 + L:E + 1 + 2 * L]
-        counts_d = small[E + 1 + 2 * L:].view(W, E)
-        # 3) rows of this rank's routes and its packets in (destination rank, token) order
-        fmt = get_wire(self.dispatch_wire)
-        rb = fmt.row_bytes(H) if fmt.quantized else H * x.element_size()
-        mo = round_up(rb, 8)  # meta columns: K rows int32 | K ids int32 | K weights fp32 (8-byte aligned rows)
-        width = round_up(mo + 12 * K, 8)
-        send = torch.empty(Ns, width, dtype=torch.uint8, device=dev)
+        plan = self._plan_to_device()
+        _, ntpe, offs, counts = torch.split(plan, self._split)
+        # 3) pack: rows, packet slots and the send rows in one pass
         if T:
-            ks, order = torch.sort(key, stable=True)
-            rows_sorted = bms_d[ks] + self._ar32[:T * K]
-            if n_routes < T * K:
-                rows_sorted[n_routes:] = -1  # masked slots sort last (key E)
-            rows = torch.empty(T * K, dtype=torch.int32, device=dev).scatter_(0, order, rows_sorted).view(T, K)
-            send_flat = torch.sort(present[:W].reshape(-1).view(torch.uint8), descending=True,
-                                   stable=True).indices[:Ns]
-            send_tok = torch.remainder(send_flat, T)
-            # 4) pack: every column range of the send buffer is one index_select (no cat of travelling rows)
-            ids32 = topk_idx if topk_idx.dtype == torch.int32 else topk_idx.to(torch.int32)
-            meta = torch.cat([rows, ids32, topk_weights.view(torch.int32)], 1).view(torch.uint8)
-            if not fmt.quantized:
-                parts = [(x.view(torch.uint8), 0)]
-            else:
-                q, sb = fmt.quantize_bytes(x)  # once per token, whatever the number of destinations
-                parts = [(q, 0), (sb, fmt.payload_bytes(H))]
-            for src, col in parts + [(meta, mo)]:
-                gather_rows(src, send_tok, out=send[:, col:col + src.shape[1]])
+            rows = torch.empty(T, K, dtype=torch.int32, device=dev)
+            pkt = torch.empty(T, K, dtype=torch.int32, device=dev)
+            send = torch.empty(Ns, lay.width, dtype=torch.uint8, device=dev)
+            src0, src1 = fmt.quantize_bytes(x) if fmt.quantized else (x, None)  # quantized once per token
+            self._router.pack(src0, src1, topk_idx, topk_weights, plan, send, rows, pkt, T, ut)
         else:
-            rows = torch.empty(0, K, dtype=torch.int32, device=dev)
-            send_tok = send_flat = torch.empty(0, dtype=torch.int64, device=dev)
-        recv = torch.empty(Nr + 1, width, dtype=torch.uint8, device=dev)
-        recv[Nr].zero_()  # the row padding rows read: the encoding of a zero row (fp8: scale 2^-126)
-        if fmt.quantized:
+            rows = pkt = self._no_routes
+            send = self._no_send
+        kq = keep_quantized and fmt.quantized
+        zero_row = kq and self.A > 1  # kept padding rows copy the encoding of a zero row (row Nr)
+        recv = torch.empty(Nr + zero_row, lay.width, dtype=torch.uint8, device=dev)
+        if zero_row:
+            recv[Nr].zero_()
             fmt.wire_views(recv[Nr:], H)[1].fill_(fmt.zero_scale)
-        self._a2a(recv[:Nr], send, send_splits, recv_splits)
-        # 5) unpack: row -> packet, then one gather of whole rows
-        rmeta = recv[:Nr, mo:mo + 12 * K].view(torch.int32)
-        r_rows, r_ids, r_w = rmeta[:, :K], rmeta[:, K:2 * K], rmeta[:, 2 * K:].view(torch.float32)
-        here = torch.div(r_ids, L, rounding_mode="floor") == self.rank  # -1 // L = -1
-        recv_rows = torch.where(here, r_rows, -1)
-        recv_w = torch.where(here, r_w, 0.0)
-        dst = torch.where(here, r_rows, R).view(-1).long()  # R: a dump slot for routes elsewhere
-        row_src = torch.full((R + 1,), Nr, dtype=torch.int64, device=dev).scatter_(0, dst, self._pkt[:Nr * K])[:R]
-        out_w = torch.zeros(R + 1, dtype=torch.float32, device=dev).scatter_(0, dst, recv_w.view(-1))[:R]
+        self._a2a(recv[:Nr] if zero_row else recv, send, send_splits, recv_splits)
+        # 4) unpack: every packet's row to the rows of its routes here
+        if Nr:
+            rr = torch.empty(Nr, K, dtype=torch.int32, device=dev)
+            rw = torch.empty(Nr, K, dtype=torch.float32, device=dev)
+        else:
+            rr, rw = self._no_routes, self._no_w
+        out_w = torch.empty(R, dtype=torch.float32, device=dev)
         sc = None
         if not fmt.quantized:
-            out = gather_rows(recv[:, :rb].view(self.dtype), row_src)
-        elif keep_quantized:
-            q_in, s_in = fmt.wire_views(recv, H)
-            out, sc = gather_rows(q_in, row_src), gather_rows(s_in, row_src)
-        else:  # one dequantization per received packet (and the zero row), then one gather
-            out = gather_rows(fmt.dequantize_rows(recv, H, self.dtype), row_src)
-        pos = torch.full((W * T,), -1, dtype=torch.int64, device=dev).scatter_(0, send_flat, self._ar64[:Ns])
+            out = torch.empty(R, H, dtype=self.dtype, device=dev)
+            srcs, widths = [(recv, 0, lay.width // self._es)], (H,)
+        elif kq:
+            pb, ns = self._kept
+            out = torch.empty(R, pb, dtype=torch.uint8, device=dev)
+            sc = torch.empty(R, ns, dtype=fmt.scale_dtype, device=dev)
+            se = fmt.codec.scale_bytes
+            srcs, widths = [(recv, 0, lay.width), (recv, pb // se, lay.width // se)], (pb, ns)
+        else:  # one dequantization per received packet, then the scatter
+            out = torch.empty(R, H, dtype=self.dtype, device=dev)
+            srcs, widths = ([(fmt.dequantize_rows(recv, H, self.dtype), 0, H)] if R else []), (H,)
+        if R:
+            self._unpacker.unpack(recv, srcs, [out] if sc is None else [out, sc], widths, out_w, rr, rw, plan, Nr,
+                                  zero_row, ut)
         # the handle owns the routing it reads again (the dispatch backward's weight-gradient gather): a copy, so a
         # caller that refills its routing tensors in place after dispatch changes nothing (issue 25)
         handle = NcclHandle(topk_idx=topk_idx.clone(), topk_weights=topk_weights.clone(), rows=rows,
-                            counts=counts_d, num_tokens=T, num_recv_rows=R, x_scales=sc, recv_weights=out_w,
-                            buffer_id=self.buffer_id, send_splits=tuple(send_splits),
-                            recv_splits=tuple(recv_splits), send_tok=send_tok, pos=pos.view(W, T),
-                            recv_rows=recv_rows, recv_w=recv_w, row_src=row_src, row_w=out_w)
+                            counts=counts.view(W, E), num_tokens=T, num_recv_rows=R, x_scales=sc,
+                            recv_weights=out_w, buffer_id=self.buffer_id, send_splits=send_splits,
+                            recv_splits=recv_splits, num_send=Ns, num_recv=Nr, pkt=pkt, recv_rows=rr, recv_w=rw)
         return out, out_w, ntpe, offs, handle

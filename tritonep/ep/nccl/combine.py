@@ -2,24 +2,26 @@
 
 Combine: every receiving rank reduces its rows per (token, source rank) into one partial (fp32 sums, rounded to
 the combine wire), the partials go back with one ``all_to_all_single`` and the source sums them in a fixed order
-(:mod:`tritonep.ep.nccl.pack`). The dispatch backward is the same path unweighted (optionally carrying per-route
-scalars back); the combine backward moves ``grad_y`` forward like a bf16 dispatch.
+(:mod:`tritonep.ep.nccl.pack`). The dispatch backward is the same path unweighted, carrying the per-route weight
+gradients back in the same rows; the combine backward moves ``grad_y`` forward along the dispatch's packets
+(:mod:`tritonep.ep.nccl.unpack`). Per call on the GPU: the output and two row buffers allocated, two launches, one
+collective; nothing read on the host.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .pack import gather_rows, local_partials, round_up, sum_partials
-from ...wire.formats import get_wire
+from ...errors import BufferStateError
+from .pack import local_partials, sum_partials
 
 __all__ = ["NcclCombine"]
 
 
 class NcclCombine:
-    """Combine / backward methods of :class:`tritonep.ep.nccl.backend.NcclEP` (uses its attributes: ``W``, ``K``,
-    ``H``, ``L``, ``device``, ``dtype``, ``combine_wire``, ``use_triton``, ``_a2a``,
-    ``_check_usable``)."""
+    """Combine / backward methods of :class:`tritonep.ep.nccl.backend.NcclEP` (uses its attributes: ``K``, ``H``,
+    ``device``, ``dtype`` (bfloat16: expert outputs and gradients have it), ``combine_wire``, ``use_triton``,
+    ``closed``, ``rank``, ``A``, ``_cuda``, ``_launch``, ``_unpacker``, ``_combine_rows``, ``_a2a``)."""
 
     def _combine(self, eo, handle, weighted, gw=None, wire="bf16"):
         """Partials (+ per-route scalars ``gw[row]``) back to the sources; returns ``(y [T, H], gtw [T, K] | None)``.
@@ -30,50 +32,33 @@ class NcclCombine:
             gw: float32 ``[R]`` per-row scalars to return per route (dispatch backward), or None.
             wire: "bf16" moves the partial rounded to bf16; a quantized wire quantizes the fp32 partial (its twin).
         """
-        self._check_usable()
-        K, H, dev = self.K, self.H, self.device
+        if self.closed:
+            raise BufferStateError(f"EPBuffer on rank {self.rank} is closed")
+        K, H, dev, ut, bf = self.K, self.H, self.device, self.use_triton, self.dtype
         T = handle.num_tokens
-        send_splits, recv_splits = list(handle.send_splits), list(handle.recv_splits)
-        Ns, Nr = sum(send_splits), sum(recv_splits)
-        rr, rw = handle.recv_rows, handle.recv_w
-        fmt = get_wire(wire)
-        rb = fmt.row_bytes(H) if fmt.quantized else H * eo.element_size()
-        mo = round_up(rb, 8)
-        width = round_up(mo + (4 * K if gw is not None else 0), 8)
-        send = torch.empty(Nr, width, dtype=torch.uint8, device=dev)
-        if not fmt.quantized:  # the kernel writes the rounded partials straight into the send rows
-            local_partials(eo, rr, rw, send[:, :rb].view(eo.dtype), weighted, self.use_triton)
-        else:
+        ss, rs = handle.send_splits, handle.recv_splits
+        Ns, Nr = handle.num_send, handle.num_recv
+        fmt, lay, part_lay = self._combine_rows[(wire, gw is not None)]
+        send = torch.empty(Nr, lay.width, dtype=torch.uint8, device=dev)
+        if not fmt.quantized:  # the kernel writes the rounded partials (and the scalars) straight into the send rows
+            local_partials(self._launch, eo, handle.recv_rows, handle.recv_w, send, lay, bf, weighted, ut, Nr, H, K,
+                           self._cuda, gw)
+        else:  # fp32 partials, quantized by the twin (combine wires only: the backward passes move bf16)
             part = torch.empty(Nr, H, dtype=torch.float32, device=dev)
-            local_partials(eo, rr, rw, part, weighted, self.use_triton)
+            local_partials(self._launch, eo, handle.recv_rows, handle.recv_w, part, part_lay, torch.float32,
+                           weighted, ut, Nr, H, K, self._cuda)
             q, sb = fmt.quantize_bytes(part)
             send[:, :q.shape[1]].copy_(q)
-            send[:, q.shape[1]:rb].copy_(sb)
-        if gw is not None:
-            g = send[:, mo:mo + 4 * K].view(torch.float32)
-            if gw.shape[0]:
-                g.copy_(torch.where(rr >= 0, gw[rr.clamp(min=0).long()], 0.0))
-            else:
-                g.zero_()
-        back = torch.empty(Ns, width, dtype=torch.uint8, device=dev)
-        self._a2a(back, send, recv_splits, send_splits)
+            send[:, q.shape[1]:lay.rb].copy_(sb)
+        back = torch.empty(Ns, lay.width, dtype=torch.uint8, device=dev)
+        self._a2a(back, send, rs, ss)
+        y = torch.empty(T, H, dtype=bf, device=dev)
+        gtw = None if gw is None else torch.empty(T, K, dtype=torch.float32, device=dev)
         if not fmt.quantized:  # partials in bf16, widened to fp32 by the sum
-            pp = back[:, :rb].view(eo.dtype)
+            sum_partials(self._launch, back, bf, lay.width // 2, handle.pkt, y, ut, T, H, K, Ns, lay, gtw)
         else:  # dequantized straight to fp32
-            pp = fmt.dequantize_rows(back, H, torch.float32)
-        y = torch.empty(T, H, dtype=eo.dtype, device=dev)
-        sum_partials(pp, handle.pos if self.use_triton else None, handle.send_tok, send_splits, y,
-                     self.use_triton)
-        gtw = None
-        if gw is not None:
-            gtw = torch.zeros(T, K, dtype=torch.float32, device=dev)
-            if T and Ns:
-                ids = handle.topk_idx.long()
-                dest = torch.where(ids >= 0, torch.div(ids, self.L, rounding_mode="floor"), self.W)
-                pos = torch.cat([handle.pos, torch.full((1, T), -1, dtype=torch.int64, device=dev)])
-                pkt = pos.gather(0, dest.t()).t()  # [T, K]: packet that carried route (t, k), -1 if masked
-                gb = back[:, mo:mo + 4 * K].view(torch.float32)
-                gtw = torch.where(pkt >= 0, gb[pkt.clamp(min=0), torch.arange(K, device=dev)], 0.0)
+            sum_partials(self._launch, fmt.dequantize_rows(back, H, torch.float32), torch.float32, H, handle.pkt, y,
+                         ut, T, H, K, Ns)
         return y, gtw
 
     def combine_fwd(self, expert_out, handle, kind=None):
@@ -104,26 +89,26 @@ class NcclCombine:
         grad_y always moves as bf16 (whatever the wires), as on the triton backend.
 
         Args:
-            grad_y: ``[T, H]`` bfloat16 contiguous; expert_out: ``[R', H]`` bfloat16 (``R' >= R``).
+            grad_y: ``[T, H]`` bfloat16 contiguous; expert_out: ``[R', H]`` bfloat16 contiguous (``R' >= R``).
 
         Returns:
             ``(grad_expert_out [R', H] bfloat16 (rows past R and padding rows zero), grad_recv_w float32 [R]
             (0 on padding rows))``.
         """
-        self._check_usable()
-        send_splits, recv_splits = list(handle.send_splits), list(handle.recv_splits)
-        Nr = sum(recv_splits)
-        R, R2 = handle.num_recv_rows, expert_out.shape[0]
-        send = gather_rows(grad_y, handle.send_tok)
-        recv = torch.empty(Nr + 1, self.H, dtype=grad_y.dtype, device=self.device)
-        recv[Nr].zero_()
-        self._a2a(recv[:Nr], send, send_splits, recv_splits)
-        gy = gather_rows(recv, handle.row_src)  # [R, H]; padding rows read the zero row
-        g_rows = (gy * handle.row_w[:, None]).to(self.dtype)
-        dots = (gy.float() * expert_out[:R].float()).sum(-1)
-        g_w = torch.where(handle.row_src < Nr, dots, 0.0)
-        if R2 == R:
-            return g_rows, g_w
-        g_eo = torch.zeros(R2, self.H, dtype=self.dtype, device=self.device)
-        g_eo[:R] = g_rows
+        if self.closed:
+            raise BufferStateError(f"EPBuffer on rank {self.rank} is closed")
+        dev, ut, H, bf = self.device, self.use_triton, self.H, self.dtype
+        ss, rs = handle.send_splits, handle.recv_splits
+        Ns, Nr = handle.num_send, handle.num_recv
+        R, R2, T = handle.num_recv_rows, expert_out.shape[0], handle.num_tokens
+        send = torch.empty(Ns, H, dtype=bf, device=dev)
+        if Ns:
+            self._unpacker.pack_rows(grad_y, handle.pkt, send, T, ut)
+        recv = torch.empty(Nr, H, dtype=bf, device=dev)
+        self._a2a(recv, send, ss, rs)
+        dense = R2 == R and self.A == 1  # every row is some route's: nothing to zero
+        g_eo = (torch.empty if dense else torch.zeros)(R2, H, dtype=bf, device=dev)
+        g_w = (torch.empty if dense else torch.zeros)(R, dtype=torch.float32, device=dev)
+        if Nr:
+            self._unpacker.grad_expand(recv, expert_out, handle.recv_rows, handle.recv_w, g_eo, g_w, Nr, ut)
         return g_eo, g_w

@@ -1,0 +1,89 @@
+"""Per-call host-path budgets of the nccl backend (issue 24), counted on the CPU: a regression fails here.
+
+The backend's four calls run on its GPU path (``use_triton``; the kernels run in the interpreter, outside the
+counters: :func:`tritonep.bench.host_path.stub_launches` with ``run``) and are counted by
+:class:`tritonep.bench.host_path.HostCounter`: torch calls from Python, allocations, Triton launches and host reads.
+Counted at the backend (``EPBuffer._impl``), so the front door's own checks (EPBuffer, autograd) are not in these
+numbers. The budgets are exact counts of today's path (independent of shapes and of the machine); lower is welcome
+(then lower the budget), higher fails.
+
+Lowest possible, for the same output. The 30-line pipeline of :mod:`tritonep.bench.ep` (index_select pack +
+``all_to_all_single`` + index_select / ``index_copy_`` unpack) is 4 torch calls, 2 allocations, 3 kernels and 1
+collective per dispatch, but its indices, split sizes and layout are computed once outside the timed call and it
+returns neither ``num_tokens_per_expert`` / ``expert_offsets`` / row weights nor any state for combine or backward.
+With routing that changes every call (what a dispatch is), the same output needs at least: the counts of this
+rank (1 kernel), their exchange (1 collective), one device->host read (``all_to_all_single`` takes host split sizes),
+the layout and split sizes (host arithmetic), the layout back on the device (1 host->device copy, or 1 more
+kernel), building the per-route rows and packing the travelling rows (1 kernel), the exchange (1 collective) and
+the unpack (1 kernel), plus allocating what is returned (rows, row weights, counts / offsets) and the two row
+buffers: 3 kernels, 2 collectives, 2 copies, 5 allocations. ``dispatch`` below is exactly that plus the 4
+allocations its handle owns for combine and backward (per-route rows and packets, per-packet rows and weights; a
+handle must own them: two dispatches may be in flight before their combines): 15 torch calls = 2 collectives,
+the device->host copy, 9 allocations (8 + the host->device copy), a split and a view of the plan vector, one shape
+read. Combine: the pipeline is ~9 torch ops (zeros, gather, float, mul, index_add_, cast, collective,
+zero_, index_add_); here 2 launches, 1 collective, 3 allocations (the send and receive rows and the output).
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tritonep.testing import run_cpu_world
+
+# call -> (torch calls, allocations, launches, host reads): world 2, bf16, expert_alignment 1, tokens on both ranks
+BUDGET = {
+    "dispatch": (15, 9, 3, 1),  # 8 empties + the plan copy; all_gather, device->host copy, split, view, a2a
+    "combine": (4, 3, 2, 0),  # send, back, y; a2a
+    "dispatch_bwd": (7, 4, 2, 0),  # + the weight gradients; contiguous() of the autograd gradients (2)
+    "combine_bwd": (6, 4, 2, 0),  # send, recv, grad_expert_out, grad_w; a2a
+}
+# a rank without tokens: no count launch (one fill of the counts row), no pack, no sum; it still unpacks and
+# reduces the rows it receives
+BUDGET_EMPTY = {"dispatch": (13, 6, 1, 1), "combine": (4, 3, 1, 0), "dispatch_bwd": (7, 4, 1, 0),
+                "combine_bwd": (6, 4, 1, 0)}
+
+
+def _count(group, T0, T1):
+    from tritonep import EPBuffer
+    from tritonep.bench.host_path import HostCounter, stub_launches
+    from tritonep.testing.cases import make_rank_inputs
+
+    rank = dist.get_rank(group)
+    T = (T0, T1)[rank]
+    x, idx, w = make_rank_inputs(rank, T, 64, 8, 2, seed=4, mask_frac=0.2)
+    buf = EPBuffer(group, 8, 64, 16, 2, backend="nccl", device="cpu")
+    impl = buf._impl
+    impl.use_triton = True  # the GPU path; its kernels run in the interpreter, uncounted
+    w = w.float()
+    out = {}
+    with stub_launches(buf, run=True) as launched:
+        def measure(name, fn):
+            fn()  # warm
+            n0, r0 = len(launched), impl.host_reads
+            with HostCounter() as c:
+                res = fn()
+            out[name] = (c.torch_calls, c.allocs, len(launched) - n0, impl.host_reads - r0)
+            out[name + ".names"] = c.torch_names
+            return res
+
+        o, ow, _, _, h = measure("dispatch", lambda: impl.dispatch_fwd(x, idx, w, True))
+        eo = (o.float() * 0.5).to(torch.bfloat16)
+        measure("combine", lambda: impl.combine_fwd(eo, h))
+        measure("dispatch_bwd", lambda: impl.dispatch_bwd(eo, ow, h))
+        gy = torch.randn(T, 64).to(torch.bfloat16)
+        measure("combine_bwd", lambda: impl.combine_bwd(gy, eo, h))
+    buf.close()
+    return out
+
+
+@pytest.mark.parametrize("tokens", [(12, 9), (12, 0)])
+def test_nccl_per_call_host_budget(tokens):
+    res = run_cpu_world(2, _count, *tokens, timeout_s=300)
+    for rank, out in enumerate(res):
+        want = BUDGET_EMPTY if tokens[rank] == 0 else BUDGET
+        for call, (calls, allocs, launches, reads) in want.items():
+            got = out[call]
+            assert got[2] == launches and got[3] == reads, (rank, call, got, out[call + ".names"])
+            assert got[0] <= calls and got[1] <= allocs, (
+                f"rank {rank} {call}: {got[0]} torch calls / {got[1]} allocations, budget {calls} / {allocs} "
+                f"({out[call + '.names']})")

@@ -33,13 +33,15 @@ combine (partial / out), and the one-launch dispatch and combine."""
 
 @contextlib.contextmanager
 def launch_timer():
-    """Wrap every kernel launch of both backends (:class:`tritonep.ep.triton.launch.Launcher` and
-    :class:`tritonep.ep.nccl.pack.Launch` calls); yields a dict kernel name -> accumulated host seconds."""
+    """Wrap every kernel launch of both backends (the triton backend's bound kernels,
+    :class:`tritonep.ep.triton.bound.BoundKernel`, and its generic :class:`tritonep.ep.triton.launch.Launcher`; the
+    nccl backend's :class:`tritonep.ep.nccl.pack.Launch`); yields a dict kernel name -> accumulated host seconds."""
     from ..ep.nccl.pack import Launch
     from ..ep.triton import launch
+    from ..ep.triton.bound import BoundKernel
 
     acc = defaultdict(float)
-    origs = [(cls, cls.__call__) for cls in (launch.Launcher, Launch)]
+    origs = [(cls, cls.__call__) for cls in (launch.Launcher, Launch, BoundKernel)]
 
     def timed_by(orig):
         def timed(self, kernel, grid, *args, **kwargs):
@@ -49,8 +51,15 @@ def launch_timer():
             return r
         return timed
 
+    def timed_bound(orig):
+        def timed(self, *dyn):
+            t0 = time.perf_counter()
+            orig(self, *dyn)
+            acc[self.name] += time.perf_counter() - t0
+        return timed
+
     for cls, orig in origs:
-        cls.__call__ = timed_by(orig)
+        cls.__call__ = timed_bound(orig) if cls is BoundKernel else timed_by(orig)
     try:
         yield acc
     finally:

@@ -152,11 +152,16 @@ def test_gpu_nccl_wires_match_triton_and_twins(gpu_world, dwire, cwire):
 
 
 def test_unknown_wire_and_bad_hidden_raise_wire_error():
-    args = (None, 0, 2, 8, 256, 4, 2, 1, 64, torch.device("cpu"), torch.bfloat16)
+    from tritonep.ep.config import build_config
+
+    def cfg(**kw):
+        return build_config(world_size=2, num_experts=8, max_tokens_per_rank=4, topk=2, backend="nccl",
+                            device_type="cpu", **{"hidden": 256, **kw})
+
     with pytest.raises(WireError, match="fp4"):
-        NcclEP(*args, dispatch_wire="fp4")
+        cfg(dispatch_wire="fp4")
     with pytest.raises(WireError, match="combine_wire.*128"):
-        NcclEP(None, 0, 2, 8, 96, 4, 2, 1, 64, torch.device("cpu"), torch.bfloat16, combine_wire="fp8")
+        cfg(hidden=96, combine_wire="fp8")
     for wire in ("fp8", "mxfp4"):  # accepted now
-        ep = NcclEP(*args, dispatch_wire=wire, combine_wire=wire)
+        ep = NcclEP(cfg(dispatch_wire=wire, combine_wire=wire), group=None, rank=0, device=torch.device("cpu"))
         assert (ep.dispatch_wire, ep.combine_wire) == (wire, wire)

@@ -142,7 +142,8 @@ def check_backward_inputs(grad, handle, *, hidden, dtype, device, min_rows, grad
             raise InputError(f"grad_recv_w must be a float32 [rows >= {min_rows}] tensor on {device}, got "
                              f"{tuple(getattr(grad_w, 'shape', ()))} {getattr(grad_w, 'dtype', type(grad_w))} on "
                              f"{getattr(grad_w, 'device', None)}")
-        grad_w = grad_w.contiguous()
+        if not grad_w.is_contiguous():
+            grad_w = grad_w.contiguous()
     return grad, grad_w
 
 

@@ -1,0 +1,48 @@
+"""Per-call host-path budgets of the triton backend through the front door (issue 24), counted on the CPU.
+
+:mod:`tritonep.bench.host_path` runs the real ``EPBuffer`` calls with every launch stubbed and counts what a call
+does on the host: torch calls from Python (each a few microseconds on a GPU machine), allocations, Triton launches
+and device->host reads. Launches and host reads must match exactly (the protocol and the eager budget: one read per
+synced dispatch, none elsewhere); torch calls and allocations may only go down (then lower the budget). Before the
+host-path rewrite (2026-12-01, same counter): dispatch 56 torch calls / 14 allocations, combine 16 / 2, dispatch
+backward 23 / 3, combine backward 43 / 8. The counts include ~6-12 cheap attribute reads (``x.shape``, ``x.device``)
+that the counter sees as torch calls.
+"""
+
+import pytest
+import torch.distributed as dist
+
+from tritonep.testing import run_cpu_world
+
+# call -> (torch calls, allocations, launches, host reads), world 2, bf16, two-kernel CPU geometry
+BUDGET = {
+    "dispatch": (23, 3, 4, 1),  # handle storage + rows + row weights; hist, exchange, send, expand; one status read
+    "dispatch_sync_free": (21, 3, 4, 0),  # rows + zeroed row weights, no read
+    "combine": (9, 1, 2, 0),  # the output; partial, out (the counter advances in the out kernel)
+    "dispatch_bwd": (11, 2, 2, 0),  # grad_x, grad_topk_weights
+    "combine_bwd": (14, 3, 2, 0),  # grad rows (zeroed: padding rows), grad weights (zeroed), scratch; send, expand
+}
+
+
+def _count(group, T):
+    import tritonep as tep
+    from tritonep.bench.host_path import measure_host_path
+    from tritonep.testing.cases import make_rank_inputs
+
+    rank = dist.get_rank(group)
+    x, idx, w = make_rank_inputs(rank, T, 64, 8, 2, seed=4, mask_frac=0.2)
+    buf = tep.EPBuffer(group, 8, 64, 16, 2)
+    res = measure_host_path(buf, x, idx, w.contiguous(), iters=2)
+    buf.close()
+    return {k: (v["torch_calls"], v["allocs"], v["launches"], v["host_reads"], v["torch_names"]) for k, v in res.items()}
+
+
+@pytest.mark.parametrize("T", [16, 0])
+def test_triton_per_call_host_budget(T):
+    for rank, out in enumerate(run_cpu_world(2, _count, T, timeout_s=300)):
+        for call, (calls, allocs, launches, reads) in BUDGET.items():
+            got = out[call]
+            assert got[2] == launches and got[3] == reads, (rank, call, got)
+            assert got[0] <= calls and got[1] <= allocs, (
+                f"rank {rank} {call}: {got[0]} torch calls / {got[1]} allocations, budget {calls} / {allocs} "
+                f"({got[4]})")

@@ -19,7 +19,7 @@ BUDGET = {
     "dispatch": (23, 3, 4, 1),  # handle storage + rows + row weights; hist, exchange, send, expand; one status read
     "dispatch_sync_free": (21, 3, 4, 0),  # rows + zeroed row weights, no read
     "combine": (9, 1, 2, 0),  # the output; partial, out (the counter advances in the out kernel)
-    "dispatch_bwd": (11, 2, 2, 0),  # grad_x, grad_topk_weights
+    "dispatch_bwd": (12, 2, 2, 0),  # grad_x, grad_topk_weights
     "combine_bwd": (14, 3, 2, 0),  # grad rows (zeroed: padding rows), grad weights (zeroed), scratch; send, expand
 }
 

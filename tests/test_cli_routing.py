@@ -124,8 +124,9 @@ def test_every_refusal_is_one_line_exit_2(capsys):
                                                                             "--domain 'reddit'"),
                        (["bench", "planner", "--soak", "2"], "tritonep bench: error: ConfigError: --soak is for"),
                        (["bench", "moe", "--soak", "-1"], "tritonep bench: error: ConfigError: --soak -1"),
-                       (["plan", "--world-size", "3"], "tritonep plan: error: ConfigError: --num-experts 64 is not "
-                                                       "a multiple of --world-size 3"),
+                       (["plan", "--world-size", "3", "--num-experts", "64"], "tritonep plan: error: ConfigError: "
+                                                                              "--num-experts 64 is not a multiple of "
+                                                                              "--world-size 3"),
                        (["plan", "--json", "/nonexistent/dir/p.json"], "tritonep plan: error: ConfigError: --json "
                                                                        "/nonexistent/dir/p.json: the folder")]:
         assert cli_main(argv) == 2, argv

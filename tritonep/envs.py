@@ -57,7 +57,7 @@ def timeout_s() -> float:
 SYNC_NONE, SYNC_DEFERRED, SYNC_STRICT = 0, 1, 2
 
 
-_SYNC_MEMO: list = [None, SYNC_DEFERRED]  # [raw value last parsed, its meaning]: a call reads the variable once
+_SYNC_MEMO: list = ["deferred", SYNC_DEFERRED]  # [text last parsed, its meaning]: a call reads the variable once
 
 
 def sync_checks() -> int:
@@ -65,11 +65,11 @@ def sync_checks() -> int:
     ``deferred``, the default) or ``SYNC_STRICT`` (``1`` / ``strict``); see the module table. Read at every call
     (so benchmarks and tests may change it between calls) but parsed only when its text changes: on the host path
     of every dispatch."""
-    raw = os.environ.get("TRITONEP_SYNC_CHECKS")
+    raw = _get("TRITONEP_SYNC_CHECKS", "deferred")
     memo = _SYNC_MEMO
-    if raw == memo[0]:  # the memo starts as (unset, deferred)
+    if raw == memo[0]:
         return memo[1]
-    v = (raw if raw is not None else "deferred").strip().lower()
+    v = raw.strip().lower()
     if v in ("0", "false", "off", "none"):
         mode = SYNC_NONE
     elif v in ("1", "true", "on", "strict"):

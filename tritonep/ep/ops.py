@@ -3,7 +3,8 @@
 Four ops, each an opaque call of the buffer's public methods (same kernels, same bits as the plain calls):
 
 * ``tritonep::dispatch(Tensor x, Tensor topk_idx, Tensor topk_weights, int buffer_id, bool sync_free)
-  -> (recv_x [R, H], recv_weights [R] f32, num_tokens_per_expert [L] i32, expert_offsets [L] i32, ticket)``
+  -> (recv_x [R, H], recv_weights [R] f32, [num_tokens_per_expert | expert_offsets] [2L] i32, ticket)`` (one
+  tensor for the two: an op's outputs may not alias each other, and the backends keep them side by side)
   (:meth:`EPBuffer.dispatch`). ``sync_free=True``: ``R = max_recv_tokens`` (static), no host read, the real rows are
   ``[0, expert_offsets[-1])``. ``sync_free=False``: ``R`` is data dependent; the fake gives it an unbacked SymInt.
 * ``tritonep::combine(Tensor expert_out, Tensor recv_weights, Tensor ticket, int buffer_id, SymInt num_tokens)
@@ -92,12 +93,24 @@ def get_handle(ticket: torch.Tensor):
 
 
 # ------------------------------------------------------------------------------------------------ dispatch
+def _layout_pair(ntpe: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``num_tokens_per_expert`` and ``expert_offsets`` as ONE ``[2L]`` int32 tensor (an op's outputs must not
+    alias each other; both backends keep the two side by side in one allocation): a view when they are adjacent,
+    else a copy."""
+    L = ntpe.numel()
+    if (offs.untyped_storage().data_ptr() == ntpe.untyped_storage().data_ptr() and ntpe.is_contiguous()
+            and offs.data_ptr() == ntpe.data_ptr() + L * ntpe.element_size()):
+        return torch.as_strided(ntpe, (2 * L,), (1,), ntpe.storage_offset())
+    return torch.cat([ntpe, offs])
+
+
 @torch.library.custom_op("tritonep::dispatch", mutates_args=())
 def dispatch_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, buffer_id: int,
-                sync_free: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:meth:`EPBuffer.dispatch` of buffer ``buffer_id`` as an op (module docstring)."""
+                sync_free: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:meth:`EPBuffer.dispatch` of buffer ``buffer_id`` as an op (module docstring): ``(rows, row weights,
+    [num_tokens_per_expert | expert_offsets] [2L] int32, ticket)``."""
     d = get_buffer(buffer_id).dispatch(x, topk_idx, topk_weights, sync_free=sync_free)
-    return d.x, d.weights, d.num_tokens_per_expert, d.expert_offsets, _new_ticket(d.handle)
+    return d.x, d.weights, _layout_pair(d.num_tokens_per_expert, d.expert_offsets), _new_ticket(d.handle)
 
 
 @dispatch_op.register_fake
@@ -106,8 +119,7 @@ def _dispatch_fake(x, topk_idx, topk_weights, buffer_id, sync_free):
     rows = buf.max_recv_tokens if sync_free else torch.library.get_ctx().new_dynamic_size()
     L = buf.num_local_experts
     return (x.new_empty(rows, buf.hidden, dtype=buf.dtype), x.new_empty(rows, dtype=torch.float32),
-            x.new_empty(L, dtype=torch.int32), x.new_empty(L, dtype=torch.int32),
-            torch.empty((), dtype=torch.int64, device="cpu"))
+            x.new_empty(2 * L, dtype=torch.int32), torch.empty((), dtype=torch.int64, device="cpu"))
 
 
 @torch.library.custom_op("tritonep::dispatch_backward", mutates_args=())
@@ -131,13 +143,13 @@ def _dispatch_backward_fake(grad_recv_x, grad_recv_w, ticket, buffer_id, num_tok
 
 def _dispatch_setup(ctx, inputs, output):
     x, _idx, topk_weights, bid, _sync_free = inputs
-    recv_x, _w, _ntpe, _offs, ticket = output
+    recv_x, _w, _layout, ticket = output
     ctx.save_for_backward(ticket)
     ctx.buffer_id, ctx.num_tokens, ctx.w_dtype = bid, x.shape[0], topk_weights.dtype
     ctx.recv_rows = recv_x.shape[0]
 
 
-def _dispatch_backward(ctx, grad_recv_x, grad_recv_w, _g_ntpe, _g_offs, _g_ticket):
+def _dispatch_backward(ctx, grad_recv_x, grad_recv_w, _g_layout, _g_ticket):
     (ticket,) = ctx.saved_tensors
     if grad_recv_x is None:
         buf = get_buffer(ctx.buffer_id)
@@ -222,8 +234,9 @@ def dispatch(bid: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: to
 
     Raises: what :meth:`EPBuffer.dispatch` raises; ConfigError for an unknown ``bid``.
     """
-    out = torch.ops.tritonep.dispatch(x, topk_idx, topk_weights, bid, sync_free)
-    return OpDispatched(*out, bid, x.shape[0])
+    rows, w, layout, ticket = torch.ops.tritonep.dispatch(x, topk_idx, topk_weights, bid, sync_free)
+    L = layout.shape[0] // 2
+    return OpDispatched(rows, w, layout[:L], layout[L:], ticket, bid, x.shape[0])
 
 
 def combine(expert_out: torch.Tensor, d: OpDispatched) -> torch.Tensor:

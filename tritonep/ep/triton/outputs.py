@@ -50,7 +50,11 @@ class HandleLayout:
         self.split_sizes = []
         for n in self.names:
             size = self.sizes_real[n]
-            self.split_sizes += [size, -(-size // _ALIGN) * _ALIGN - size]
+            # ntpe and offs side by side (no padding between): one [2L] view serves callers that want both in one
+            # tensor (tritonep.ep.ops: an op's outputs may not alias each other)
+            pad = 0 if n == "ntpe" else -(-(size + (self.sizes_real["ntpe"] if n == "offs" else 0)) // _ALIGN) \
+                * _ALIGN - size - (self.sizes_real["ntpe"] if n == "offs" else 0)
+            self.split_sizes += [size, pad]
         self.numel = sum(self.split_sizes)
         self.K, self.W, self.E, self.Tm = K, W, E, Tm
         self._float = tuple(self.index[n] for n in self.FLOAT)

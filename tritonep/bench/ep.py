@@ -204,7 +204,7 @@ def bench_ep(group, profile: str, combine_kinds=("push", "pull"), num_sms=None, 
     own_geo = bool(p.get("geometry")) and not os.environ.get("TRITONEP_GEOMETRY")  # a --variants geometry wins
     if p.get("geometry"):  # a profile with its own geometry (decode-1launch): no baselines, an exactness check
         baselines = False
-    if not uses_nccl(group):  # ranks that share a GPU (gloo group): there is no NCCL to compare with
+    if torch.cuda.is_available() and not uses_nccl(group):  # ranks sharing a GPU (gloo): no NCCL to compare with
         baselines = False
     if own_geo:
         os.environ["TRITONEP_GEOMETRY"] = p["geometry"]

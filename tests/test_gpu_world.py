@@ -296,7 +296,7 @@ def test_max_programs_clips_every_waiting_grid_and_keeps_the_table_s_choices(mon
 
 
 def test_launcher_refuses_a_grid_above_the_cap(monkeypatch):
-    from tritonep.ep.launch import Launcher
+    from tritonep.ep.triton.launch import Launcher
     from tritonep.kernels.layout import chunk_hist_kernel
 
     monkeypatch.setenv("TRITONEP_MAX_PROGRAMS", "2")

@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 4 examples/torchrun_moe.py    # 4 processes on fewer GPUs: they share GPUs (below)
     python examples/torchrun_moe.py                         # no GPU: the same main() in a 2-rank CPU world
 
-``main(group)`` is the per-rank body (tests/test_examples.py runs it in a CPU world). It raises AssertionError if a
+``main(group)`` is the per-rank body (tests/docs/test_examples.py runs it in a CPU world). It raises AssertionError if a
 result is off and returns the measured errors.
 
 More processes than GPUs (``LOCAL_WORLD_SIZE`` > GPUs), e.g. developing on one GPU before renting eight:

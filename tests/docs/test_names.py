@@ -3,9 +3,9 @@ the README's Status cites."""
 
 import dataclasses
 import re
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests import ROOT
+
 README = (ROOT / "README.md").read_text()
 
 

@@ -3,7 +3,7 @@
 Every CPU test runs the real Triton kernels (interpreter) in a forked multi-rank world (``run_cpu_world``), whose own
 ``timeout_s`` turns any hang into a failure. Data movement is checked bit for bit against
 :func:`tritonep.reference.dispatch_reference`; combine against :func:`combine_reference_partial` (the kernels'
-summation order) bit for bit; gradients with the tolerances of tests/test_ep.py.
+summation order) bit for bit; gradients with the tolerances of tests/ep/test_dispatch_combine.py.
 
 | failure kind | test (here unless a file is named) |
 |---|---|

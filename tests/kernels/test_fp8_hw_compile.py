@@ -1,6 +1,6 @@
 """The inline-PTX fp8 fast paths (tritonep/kernels/fp8_hw.py) compile for sm_90, checked offline without a GPU.
 
-The EP kernels' FAST variants are compiled by tests/test_compile_sm90.py (every recorded launch again with
+The EP kernels' FAST variants are compiled by tests/kernels/test_compile_sm90.py (every recorded launch again with
 HAS_TIMER=True, which selects FAST); this adds the standalone quantize / dequantize kernels and the kernels of the
 GPU test (tritonep/kernels/probe_fp8_hw.py), including tiles smaller than one element per thread per pack.
 """

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests import ROOT
 
 
 def _children(pid: int) -> list:
@@ -108,17 +108,15 @@ run_cpu_world(2, lambda group: time.sleep(600), timeout_s=900)
 """
 
 _GPU_SCRIPT = """
-import sys, time
-sys.path.insert(0, {tests!r})
 from tritonep.testing import run_gpu_world
-import test_gpu_world
+from tests.testing import test_gpu_world  # the repository root is on PYTHONPATH (_interrupt)
 run_gpu_world(2, test_gpu_world._sleep, 600, timeout_s=900, devices=["cpu"])
 """
 
 
 @pytest.mark.parametrize("world", ["run_cpu_world", "run_gpu_world"])
 def test_library_world_sigterm_kills_ranks_then_ends_by_sigterm(tmp_path, world):
-    script = _CPU_SCRIPT if world == "run_cpu_world" else _GPU_SCRIPT.format(tests=str(ROOT / "tests"))
+    script = _CPU_SCRIPT if world == "run_cpu_world" else _GPU_SCRIPT
     rc, err, took, kids = _interrupt([sys.executable, "-c", script], tmp_path, signal.SIGTERM, ranks=2)
     assert rc == -signal.SIGTERM, (rc, err)  # the default end by SIGTERM: a shell reports 143
     assert "Traceback" not in err, err

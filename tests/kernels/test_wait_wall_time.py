@@ -14,7 +14,7 @@ Cases (CPU worlds, real kernels in the interpreter; upper bounds generous for a 
   nanoseconds on every device (no world).
 
 (The MoE layer's waits, and that a wait that gives up in a layer's counts exchange, planner or weight transport is
-raised, are in tests/test_layer_status_words.py.)
+raised, are in tests/moe/test_ids_full_width.py.)
 """
 
 import os

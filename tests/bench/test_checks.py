@@ -14,7 +14,7 @@ from tritonep.bench.check import (bench_expert, compare_close, exit_code, mark_c
 from tritonep.reference import combine_reference_partial, dispatch_reference
 from tritonep.testing.cases import make_rank_inputs
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests import ROOT
 
 
 def _driver(name):

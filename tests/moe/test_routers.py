@@ -4,7 +4,7 @@ exist, and inside the layer in CPU worlds.
 
 Tolerances: routers and aux losses run in float32 on both sides with the same ops: values and gradients within 1e-6
 relative (the chosen experts identical). Layer outputs against the dense fp32 oracle: ``3e-2 * max|ref|`` as in
-tests/test_moe_layer.py (bf16 activations and weights).
+tests/moe/test_layer.py (bf16 activations and weights).
 """
 
 from __future__ import annotations

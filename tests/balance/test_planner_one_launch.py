@@ -3,7 +3,7 @@ look-back over earlier chunks), repeated calls on one persistent state, one laun
 
 import pytest
 import torch
-from test_balance_planner import make_topk
+from tests.balance.test_planner import make_topk
 
 from tritonep.balance import place_torch, plan, plan_status, remap_torch
 from tritonep.balance import planner as planner_mod

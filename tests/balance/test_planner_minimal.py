@@ -8,7 +8,7 @@ import zlib
 
 import pytest
 import torch
-from test_balance_planner import CASES, check_remap, make_topk
+from tests.balance.test_planner import CASES, check_remap, make_topk
 
 from tritonep.balance import (
     PLACEMENT_MODES, Placement, excess_routes, loads_after, moved_routes, place_torch, plan, plan_status, rank_loads,

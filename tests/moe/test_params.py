@@ -7,7 +7,7 @@ loss ``sum(y * gy) / T``; the objective is the mean of the 4 losses. After backw
 gradients differ per rank (each rank routed its own tokens); after :func:`tritonep.moe.reduce_gradients` they are
 bit-equal on all ranks and equal the dense objective's, and every rank's expert gradients equal the dense ones of its
 experts (bit-equal between the two DP replicas). Tolerance ``2e-2 * max|ref|`` (bf16 activations, as in
-tests/test_hf_equality.py). The nccl backend serves the EP subgroups (the CPU world's symmetric heap spans the
+tests/moe/test_hf_equality.py). The nccl backend serves the EP subgroups (the CPU world's symmetric heap spans the
 whole world only).
 """
 

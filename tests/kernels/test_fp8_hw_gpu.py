@@ -8,7 +8,7 @@
   ``quantize_fp8`` / ``dequantize_fp8`` (FAST on the GPU) against the torch twins;
 * fp8 / fp8_e5m2 / mxfp4 dispatch + combine at world 1 (the kernels pass FAST=HAS_TIMER=True) against the twins.
 
-Run: ``PYTHONPATH=. python -m pytest -q -m gpu tests/test_gpu_fp8_hw.py``.
+Run: ``PYTHONPATH=. python -m pytest -q -m gpu tests/kernels/test_fp8_hw_gpu.py``.
 """
 
 import pytest

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import tritonep as tep
-from test_nccl_wires import CPU, GPU, TOKENS, _both, _inputs
+from tests.ep.nccl.test_wires import CPU, GPU, TOKENS, _both, _inputs
 from tritonep.reference import dispatch_reference
 from tritonep.testing import run_cpu_world
 from tritonep.testing.cases import make_rank_inputs

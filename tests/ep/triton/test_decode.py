@@ -197,7 +197,7 @@ def test_decode_peer_missing_raises_peer_timeout(where, wait):
 
 
 def test_decode_soak_routine_on_cpu():
-    """The GPU soak's rank function (tests/test_gpu_decode.py) with eager calls: masks 0-100 %, hot experts, each
+    """The GPU soak's rank function (tests/ep/triton/test_decode_gpu.py) with eager calls: masks 0-100 %, hot experts, each
     call against a second buffer and the host oracles."""
     from tritonep.testing.gpu_decode import decode_soak_world
 

@@ -6,12 +6,12 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests import ROOT
+
 README = (ROOT / "README.md").read_text()
 EXAMPLE = ROOT / "examples" / "torchrun_moe.py"
 

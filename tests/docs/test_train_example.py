@@ -5,7 +5,6 @@ the loss curve the example draws."""
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ import torch.distributed.checkpoint  # noqa: F401  (likewise)
 
 from tritonep.testing import run_cpu_world
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests import ROOT
 
 
 def _example():

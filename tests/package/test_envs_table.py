@@ -5,14 +5,14 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from tritonep import envs
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests import ROOT
+
 NAME = re.compile(r"\bTRITONEP_[A-Z0-9_]+")
 
 

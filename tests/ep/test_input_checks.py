@@ -1,11 +1,17 @@
-"""EPBuffer.dispatch_backward / combine_backward (the backward halves the MoE layer chains outside autograd) check
-their inputs like combine does: a typed error naming the value before any launch, never a kernel reading a
-tensor of the wrong dtype or width. Every rank passes the same bad input here, so no rank waits for another."""
+"""Bad inputs are named before any peer is touched: a typed error naming the value (dtype, shape, id, top-k, an
+expert id == E from an appended shared-expert column, a non-bf16 buffer, a handle of another buffer) and the
+buffer stays usable; non-contiguous inputs give the contiguous result. The backward halves the MoE layer chains
+outside autograd (dispatch_backward / combine_backward) check their inputs like combine does; every rank passes the
+same bad input there, so no rank waits for another."""
 
+
+import pytest
 import torch
 import torch.distributed as dist
 
 import tritonep as tep
+from tritonep.errors import ConfigError, InputError
+from tritonep.reference import combine_reference_partial, dispatch_reference
 from tritonep.testing import run_cpu_world
 from tritonep.testing.cases import make_rank_inputs
 
@@ -60,3 +66,141 @@ def test_backward_halves_refuse_bad_inputs():
             accepted = [k for k, v in out.items() if v == "accepted"]
             assert not accepted, (backend, r, accepted)
             assert all(v == "ConfigError" for k, v in out.items() if "foreign" in k), out
+
+
+def _dtype_refused_world(group, dtype, backend):
+    try:
+        tep.EPBuffer(group, 4, 64, 4, 1, dtype=dtype, backend=backend)
+        return "no error"
+    except ConfigError as e:
+        return str(e)
+
+
+@pytest.mark.parametrize("backend", ["triton", "nccl"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_non_bf16_dtype_is_refused(dtype, backend):
+    # was: float32/float16 accepted and silently rounded through bf16 rows (triton backend); now refused by name
+    for msg in run_cpu_world(2, _dtype_refused_world, dtype, backend, timeout_s=60):
+        assert f"dtype={dtype}" in msg and "bfloat16" in msg
+
+
+def _foreign_handle_world(group):
+    rank = dist.get_rank(group)
+    a = tep.EPBuffer(group, 4, 64, 8, 2)
+    b = tep.EPBuffer(group, 8, 64, 8, 2)  # differs only in num_experts
+    x, idx, w = make_rank_inputs(rank, 8, 64, 4, 2, seed=1)
+    d = a.dispatch(x, idx, w)
+    try:
+        b.combine(d.x, d.handle)
+        out = "no error"
+    except ConfigError as e:
+        out = str(e)
+    b.close()
+    a.close()
+    return out
+
+
+def test_handle_from_another_buffer_is_refused():
+    for msg in run_cpu_world(2, _foreign_handle_world, timeout_s=60):
+        assert msg != "no error"
+
+
+def _bad_input_world(group):
+    buf = tep.EPBuffer(group, 8, 64, 8, 2)
+    x = torch.randn(4, 64).bfloat16()
+    idx = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]])
+    w = torch.ones(4, 2)
+    errs = {}
+    cases = {
+        "dtype": (x.float(), idx, w),
+        "shape": (x[:, :32], idx, w),
+        "idx_dtype": (x, idx.float(), w),
+        "topk": (x, idx[:, :1], w[:, :1]),
+        "id_high": (x, torch.tensor([[0, 1], [2, 3], [4, 8], [6, 7]]), w),
+        "id_low": (x, torch.tensor([[0, -2], [2, 3], [4, 5], [6, 7]]), w),
+    }
+    for name, args in cases.items():
+        try:
+            buf.dispatch(*args)
+            errs[name] = None
+        except InputError as e:
+            errs[name] = str(e)
+    # a transposed (non-contiguous) view gives the same result as the contiguous tensor
+    xt = x.t().contiguous().t()
+    a = buf.dispatch(x, idx, w).x.clone()
+    b = buf.dispatch(xt, idx, w).x.clone()
+    buf.close()
+    return errs, torch.equal(a, b), xt.is_contiguous()
+
+
+def test_bad_inputs_are_named_before_any_peer_is_touched():
+    res = run_cpu_world(2, _bad_input_world, timeout_s=120)
+    for errs, same, contig in res:
+        assert not contig and same
+        assert "bfloat16" in errs["dtype"]
+        assert "hidden=64" in errs["shape"]
+        assert "int32 or int64" in errs["idx_dtype"]
+        assert "topk=2" in errs["topk"]
+        assert "topk_idx[2, 1] = 8" in errs["id_high"]
+        assert "topk_idx[0, 1] = -2" in errs["id_low"]
+
+
+BF16 = torch.bfloat16
+
+
+def _eo(x):
+    """The test's expert "FFN": a deterministic elementwise function of the received rows."""
+    return (x.float() * 0.5 + 1.0).to(BF16)
+
+
+def _shared_column_world(group, backend):
+    rank = dist.get_rank(group)
+    E, K = 256, 4
+    buf = tep.EPBuffer(group, E, 64, 4, K, backend=backend)
+    x, idx, w = make_rank_inputs(rank, 3, 64, E, K - 1, seed=2)
+    idx_shared = torch.cat([idx, torch.full((3, 1), E, dtype=idx.dtype)], 1)  # the shared expert as id E
+    w4 = torch.cat([w, torch.ones(3, 1)], 1)
+    try:
+        buf.dispatch(x, idx_shared, w4)
+        err = None
+    except InputError as e:
+        err = str(e)
+    # nothing was touched: the next valid call works
+    ok_idx = torch.cat([idx, torch.full((3, 1), -1, dtype=idx.dtype)], 1)
+    d = buf.dispatch(x, ok_idx, w4)
+    y = buf.combine(_eo(d.x), d.handle)
+    buf.close()
+    return err, y
+
+
+@pytest.mark.parametrize("backend", ["triton", "nccl"])
+def test_shared_expert_column_is_named(backend):
+    res = run_cpu_world(2, _shared_column_world, backend, timeout_s=120)
+    ins = [make_rank_inputs(r, 3, 64, 256, 3, seed=2) for r in range(2)]
+    ref = dispatch_reference([a[0] for a in ins], [a[1] for a in ins], [a[2] for a in ins], 256, 2)
+    yp = combine_reference_partial([_eo(rr.x) for rr in ref], ref, [a[1] for a in ins], [a[2] for a in ins], [3, 3])
+    for r, (err, y) in enumerate(res):
+        assert err is not None and "topk_idx[0, 3] = 256" in err and "num_experts=256" in err, err
+        assert torch.equal(y, yp[r].to(BF16)), r
+
+
+def _noncontig_world(group, backend):
+    rank = dist.get_rank(group)
+    buf = tep.EPBuffer(group, 8, 64, 8, 3, backend=backend)
+    x, idx, w = make_rank_inputs(rank, 7, 64, 8, 3, seed=8)
+    wide = torch.stack([x, torch.zeros_like(x)], 2).reshape(7, 128)  # x == wide[:, ::2], a strided view
+    views = (wide[:, ::2], idx.t().contiguous().t(), w.t().contiguous().t())
+    assert not any(v.is_contiguous() for v in views)
+    outs = []
+    for args in ((x, idx, w), views):
+        d = buf.dispatch(*args)
+        y = buf.combine(_eo(d.x), d.handle)
+        outs.append((d.x.clone(), d.weights.clone(), d.expert_offsets.clone(), y.clone()))
+    buf.close()
+    return outs
+
+
+@pytest.mark.parametrize("backend", ["triton", "nccl"])
+def test_non_contiguous_inputs_equal_contiguous(backend):
+    for r, (a, b) in enumerate(run_cpu_world(2, _noncontig_world, backend, timeout_s=120)):
+        assert all(torch.equal(u, v) for u, v in zip(a, b)), f"rank {r}: non-contiguous inputs changed the result"

@@ -8,7 +8,8 @@ their expert output rows out of the shared region (one spill per later forward),
 triton backend (push combine with virtual experts, so both the expert rows and the slot weights live in symmetric
 memory; 2 micro-batches) and the nccl backend, (c) on the nccl backend (the saved-state lifetime is
 backend-independent), in 2-rank CPU worlds. A forward past ``MoERecipe.max_saved_forwards`` drops the oldest, whose
-backward raises BufferStateError naming the limit.
+backward raises BufferStateError naming the limit. A second forward before the first backward, on a plain layer,
+gives the first backward's gradients unchanged.
 """
 
 from __future__ import annotations
@@ -100,3 +101,36 @@ def test_forwards_before_backwards_equal_interleaved(recipe_kw, backend, modes, 
         assert spills_a == 0
         if backend == "nccl":
             assert "max_saved_forwards=2" in r["limit"], r["limit"]
+
+
+BF16 = torch.bfloat16
+
+
+def _moe_two_forwards_world(group, interleave):
+    from tritonep.moe import MoEGeometry, MoELayer, MoERecipe
+
+    rank = dist.get_rank(group)
+    geo = MoEGeometry(hidden=64, intermediate=32, num_experts=4, topk=2, max_tokens_per_rank=8)
+    layer = MoELayer(MoERecipe(), geo, group, seed=3)
+    g = torch.Generator().manual_seed(rank)
+    xa = torch.randn(8, 64, generator=g).to(BF16).requires_grad_(True)
+    xb = torch.randn(8, 64, generator=g).to(BF16).requires_grad_(True)
+    ya = layer(xa)
+    if interleave:
+        layer(xb)  # a second forward (next micro-batch / recompute) before the first backward
+    try:
+        ya.float().sum().backward()
+    except RuntimeError:
+        layer.close()
+        return "error"  # a loud refusal would be acceptable
+    out = (xa.grad.clone(), layer.router.weight.grad.clone())
+    layer.close()
+    return out
+
+
+def test_moe_second_forward_before_backward_is_correct_or_refused():
+    ref = run_cpu_world(2, _moe_two_forwards_world, False, timeout_s=120)
+    got = run_cpu_world(2, _moe_two_forwards_world, True, timeout_s=120)
+    for r in range(2):
+        if got[r] != "error":
+            assert torch.equal(got[r][0], ref[r][0]) and torch.equal(got[r][1], ref[r][1])

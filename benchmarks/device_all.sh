@@ -25,7 +25,7 @@ tests)
   step 80 python -m pytest -q -m gpu tests/ep/test_gpu.py -p no:cacheprovider --durations=3
   step 80 env TRITONEP_GEOMETRY=bt=2,fs=64,fe=64,fc=1 python -m pytest -q -m gpu tests/ep/test_gpu.py -k "cases or graph" -p no:cacheprovider
   step 80 python -m pytest -q -m gpu tests/wire/test_quantizers.py tests/balance/test_planner.py tests/balance/test_planner_one_launch.py "tests/ep/nccl/test_wires.py::test_gpu_nccl_wires_match_triton_and_twins[fp8-fp8]" -p no:cacheprovider
-  step 100 python -m pytest -q -s -m gpu tests/ep/test_failure_kinds.py -p no:cacheprovider
+  step 100 python -m pytest -q -s -m gpu tests/ep/test_soak.py -p no:cacheprovider
   step 60 python benchmarks/planner_bench.py --modes reference minimal --json $OUT/planner.json
   step 150 python benchmarks/moe_bench.py --skew --steps 5 --json $OUT/moe_skew.json ;;
 moe)

@@ -12,23 +12,10 @@ from tritonep.balance import (
 )
 from tritonep.errors import PlanError
 
+from tests.balance.planner_cases import CASES, check_remap, hot, make_topk
+
 
 # ----------------------------------------------------------------------------------------------------- helpers
-def make_topk(world, num_experts, topk, tokens, probs=None, mask_p=0.0, seed=0, dtype=torch.int64):
-    """Per-rank topk_idx (distinct experts per token, -1 masked with prob mask_p) and the gathered counts."""
-    g = torch.Generator().manual_seed(seed)
-    probs = torch.ones(num_experts) if probs is None else torch.as_tensor(probs, dtype=torch.float64)
-    out = []
-    for r in range(world):
-        t = tokens[r]
-        if t == 0:
-            out.append(torch.empty(0, topk, dtype=dtype))
-            continue
-        idx = torch.multinomial(probs.float().expand(t, -1), topk, replacement=False, generator=g)
-        idx = torch.where(torch.rand(t, topk, generator=g) < mask_p, torch.full_like(idx, -1), idx)
-        out.append(idx.to(dtype))
-    counts = torch.stack([torch.bincount(x[x >= 0].reshape(-1), minlength=num_experts) for x in out]).to(torch.int32)
-    return out, counts
 
 
 def check_placement(counts, p: Placement):
@@ -59,39 +46,6 @@ def check_placement(counts, p: Placement):
         # every route that migrates to d comes from its single sender
         senders = {e // L for e in remote}
         assert len(senders) <= 1 and all(q[s, d] > 0 for s in senders)
-
-
-def decode(rid, p: Placement):
-    """Runtime ids -> the global expert whose weights run them (native or via experts_to_copy)."""
-    L = p.num_local_experts
-    d, j = rid // (2 * L), rid % (2 * L)
-    etc = p.experts_to_copy.to(torch.int64)
-    virt = etc[d.clamp(min=0), (j - L).clamp(min=0)]
-    return torch.where(rid < 0, -1, torch.where(j < L, d * L + j, virt))
-
-
-def check_remap(topks, counts, p: Placement, rids):
-    """Remap invariants over all ranks' runtime ids (rids[r] = remap of rank r's topk)."""
-    world, num_experts = counts.shape
-    L = num_experts // world
-    alloc = p.allocation.to(torch.int64)
-    observed = torch.zeros(num_experts, world, dtype=torch.int64)
-    seq = [[] for _ in range(num_experts)]  # destinations in global stable order, per expert
-    for r in range(world):
-        e = topks[r].reshape(-1).to(torch.int64)
-        rid = rids[r].reshape(-1).to(torch.int64)
-        assert rid.dtype == torch.int64 and torch.equal(rid < 0, e < 0), "-1 stays -1, valid stays valid"
-        assert torch.equal(decode(rid, p), e), "never a slot whose experts_to_copy entry is another expert"
-        for ee, rr in zip(e.tolist(), rid.tolist()):
-            if ee >= 0:
-                observed[ee, rr // (2 * L)] += 1
-                seq[ee].append(rr // (2 * L))
-    assert torch.equal(observed, alloc), "each runtime expert receives exactly allocation-many routes"
-    for e in range(num_experts):
-        want = [d for d in range(world) for _ in range(int(alloc[e, d]))]
-        assert seq[e] == want, "contiguous runs per destination in rank order over the global stable order"
-        if alloc[e, e // L] == alloc[e].sum():
-            assert all(d == e // L for d in seq[e]), "not migrated -> stays native"
 
 
 def run_case(topks, counts, triton=True, **plan_kw):
@@ -135,29 +89,6 @@ def test_reference_worked_example_exact():
 
 
 # --------------------------------------------------------------------------------------- histogram invariants
-W4, E16 = 4, 16
-
-
-def _hot(e_hot, weight, n=E16):
-    p = torch.ones(n)
-    p[e_hot] = weight
-    return p
-
-
-CASES = {
-    "uniform": dict(world=4, E=16, K=2, tokens=[24, 24, 24, 24]),
-    "hot_expert": dict(world=4, E=16, K=2, tokens=[20, 20, 20, 20], probs=_hot(5, 200.0)),
-    "hot_rank": dict(world=4, E=16, K=3, tokens=[16, 16, 16, 16], probs=[50.0] * 4 + [1.0] * 12),
-    "two_ranks_own_everything": dict(world=4, E=16, K=2, tokens=[16, 16, 16, 16], probs=[1.0] * 8 + [0.0] * 8),
-    "empty_experts": dict(world=4, E=16, K=1, tokens=[10, 10, 10, 10], probs=[1.0, 0.0] * 8),
-    "uneven_tokens": dict(world=4, E=16, K=2, tokens=[0, 5, 40, 13], probs=_hot(12, 20.0)),
-    "masked_routes": dict(world=4, E=16, K=4, tokens=[12, 30, 7, 20], mask_p=0.35, probs=_hot(2, 30.0)),
-    "all_masked": dict(world=4, E=16, K=2, tokens=[5, 0, 3, 2], mask_p=1.0),
-    "world8_L1": dict(world=8, E=8, K=2, tokens=[6, 9, 0, 4, 12, 3, 7, 5], probs=[30.0] + [1.0] * 7),
-    "world3_L4": dict(world=3, E=12, K=2, tokens=[11, 4, 9], probs=_hot(0, 40.0, 12)),
-    "world2_L3": dict(world=2, E=6, K=3, tokens=[13, 2], mask_p=0.2),
-    "world1": dict(world=1, E=4, K=2, tokens=[9]),
-}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -226,7 +157,7 @@ def test_triton_many_pieces_and_slot_ties():
 
 
 def test_triton_multi_program_noncontiguous_int32():
-    topks, counts = make_topk(4, 16, 3, [40, 33, 0, 21], probs=_hot(9, 25.0), mask_p=0.1, seed=3,
+    topks, counts = make_topk(4, 16, 3, [40, 33, 0, 21], probs=hot(9, 25.0), mask_p=0.1, seed=3,
                               dtype=torch.int32)
     p = place_torch(counts)
     counts_nc = counts.to(torch.int64).t().contiguous().t()  # int64, non-contiguous
@@ -240,7 +171,7 @@ def test_triton_multi_program_noncontiguous_int32():
 
 def test_triton_two_launch_chunks_and_status():
     """More chunks than tiles (empty chunks), many chunks over a larger shape, status bits from a middle chunk."""
-    topks, counts = make_topk(8, 64, 4, [30, 0, 17, 25, 9, 40, 3, 12], probs=_hot(11, 40.0, 64), mask_p=0.1, seed=5)
+    topks, counts = make_topk(8, 64, 4, [30, 0, 17, 25, 9, 40, 3, 12], probs=hot(11, 40.0, 64), mask_p=0.1, seed=5)
     p = place_torch(counts)
     for r in (0, 5, 7):
         want = remap_torch(topks[r], p, r, counts)
@@ -314,7 +245,7 @@ def test_metrics():
         balancedness(torch.tensor([1, -1]))
     with pytest.raises(PlanError):
         rank_loads(torch.zeros(10), 4)
-    topks, counts = make_topk(4, 16, 2, [30, 10, 0, 17], probs=_hot(1, 50.0), seed=11)
+    topks, counts = make_topk(4, 16, 2, [30, 10, 0, 17], probs=hot(1, 50.0), seed=11)
     loads = rank_loads(counts, 4)
     assert torch.equal(loads, rank_loads(counts.sum(0), 4)) and int(loads.sum()) == int(counts.sum())
     before = balancedness(loads)
@@ -329,7 +260,7 @@ def test_metrics():
                                                          (16, 1024, 6, 3000)])
 def test_gpu_plan_matches_torch(world, num_experts, topk, tokens):
     """Compiled kernel on CUDA (multi-program) == torch twins; uneven tokens, masked routes, a hot expert."""
-    probs = _hot(3, 50.0, num_experts)
+    probs = hot(3, 50.0, num_experts)
     toks = [tokens - 37 * (r % 3) for r in range(world)]
     topks, counts = make_topk(world, num_experts, topk, toks, probs=probs, mask_p=0.05, seed=world)
     p = place_torch(counts)

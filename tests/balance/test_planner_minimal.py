@@ -1,6 +1,6 @@
 """Minimal placement mode (issue 16): invariants, Triton == torch, the flame layer 3 regression, slot exhaustion.
 
-The reference mode (the default) is covered by test_balance_planner.py; here it only appears as the contrast.
+The reference mode (the default) is covered by test_planner.py; here it only appears as the contrast.
 """
 
 import itertools
@@ -8,7 +8,6 @@ import zlib
 
 import pytest
 import torch
-from tests.balance.test_planner import CASES, check_remap, make_topk
 
 from tritonep.balance import (
     PLACEMENT_MODES, Placement, excess_routes, loads_after, moved_routes, place_torch, plan, plan_status, rank_loads,
@@ -19,6 +18,8 @@ from tritonep.data import (
     split_across_ranks,
 )
 from tritonep.errors import PlanError
+
+from tests.balance.planner_cases import CASES, check_remap, make_topk
 
 NO_ROUTES = torch.empty(0, 1, dtype=torch.int64)  # placement-only kernel runs (status bit 2 is then expected)
 

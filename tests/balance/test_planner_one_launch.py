@@ -3,11 +3,12 @@ look-back over earlier chunks), repeated calls on one persistent state, one laun
 
 import pytest
 import torch
-from tests.balance.test_planner import make_topk
 
 from tritonep.balance import place_torch, plan, plan_status, remap_torch
 from tritonep.balance import planner as planner_mod
 from tritonep.errors import PlanError
+
+from tests.balance.planner_cases import make_topk
 
 
 def _skew(E, hot, cold, weight):

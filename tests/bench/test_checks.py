@@ -11,8 +11,8 @@ import torch
 
 from tritonep.bench.check import (bench_expert, compare_close, exit_code, mark_checked, rank_combine_oracle,
                                   rank_dispatch_oracle)
-from tritonep.reference import combine_reference_partial, dispatch_reference
 from tritonep.testing.cases import make_rank_inputs
+from tritonep.testing.harness import diff, expected
 
 from tests import ROOT
 
@@ -29,18 +29,16 @@ def test_rank_oracles_equal_the_reference(W, A):
     E, H, T, K = 4 * W, 32, 9, 3
     ins = [make_rank_inputs(r, T, H, E, K, seed=5, mask_frac=0.2) for r in range(W)]
     xs, idxs, ws = [i[0] for i in ins], [i[1] for i in ins], [i[2] for i in ins]
-    ref = dispatch_reference(xs, idxs, ws, E, W, expert_alignment=A)
-    eos = [bench_expert(r.x) for r in ref]
-    yp = combine_reference_partial(eos, ref, idxs, ws, [T] * W)
+    want = expected(ins, E, A, fn=bench_expert)
     x_all, idx_all, w_all = torch.stack(xs), torch.stack(idxs), torch.stack(ws)
     for r in range(W):
         o = rank_dispatch_oracle(x_all, idx_all, w_all, E, r, expert_alignment=A)
-        for k in ("x", "num_tokens_per_expert", "expert_offsets", "weights"):
-            assert torch.equal(o[k], getattr(ref[r], k)), (r, k)
-        src = torch.where(ref[r].src_rank >= 0, ref[r].src_rank.long() * T + ref[r].src_token.long(), -1)
-        assert torch.equal(o["src"], src)
         y = rank_combine_oracle(bench_expert(xs[r]), idxs[r], ws[r], E, W)
-        assert torch.equal(y, yp[r].to(torch.bfloat16)), r
+        got = dict(x=o["x"], ntpe=o["num_tokens_per_expert"], offs=o["expert_offsets"], w=o["weights"], y=y)
+        assert diff(got, want[r]) == [], r
+        ref = want[r]["ref"]
+        src = torch.where(ref.src_rank >= 0, ref.src_rank.long() * T + ref.src_token.long(), -1)
+        assert torch.equal(o["src"], src)
 
 
 def test_mark_and_exit_code(capsys):

@@ -11,11 +11,9 @@ import torch.distributed as dist
 
 import tritonep as tep
 from tritonep.errors import CapacityError
-from tritonep.reference import combine_reference, combine_reference_partial, dispatch_reference
 from tritonep.testing import run_cpu_world
 from tritonep.testing.cases import make_rank_inputs
-
-BF16 = torch.bfloat16
+from tritonep.testing.harness import BF16, calls_world, check_calls, run_call
 
 
 def _nosync_capacity_world(group):
@@ -80,61 +78,15 @@ def test_capacity_error_seen_by_every_rank_with_a_slow_peer():
     assert run_cpu_world(2, _capacity_race_world, timeout_s=120) == [["capacity", "ok"]] * 2
 
 
-def _close_fp32(y, ref):
-    err = (y.float() - ref).abs()
-    return bool((err <= 2 ** -7 * ref.abs().clamp_min(1.0)).all())
-
-
-def _dispatch_combine_world(group, cfg, calls):
-    rank = dist.get_rank()
-    buf = tep.EPBuffer(group, cfg["E"], cfg["H"], cfg["Tmax"], cfg["K"], expert_alignment=cfg.get("A", 1),
-                       max_recv_tokens=cfg.get("max_recv"))
-    outs = []
-    for i, (x, idx, w) in enumerate(calls[rank]):
-        d = buf.dispatch(x, idx, w)
-        # expert output: a deterministic function of the rows so combine checks real data
-        eo = buf.expert_out_buffer(d.x.shape[0])
-        eo.copy_((d.x.float() * 0.5 + 1.0).to(torch.bfloat16))
-        y = buf.combine(eo, d.handle, kind=cfg.get("kind"))
-        y2 = buf.combine(eo, d.handle, kind=cfg.get("kind")) if i == 0 else None
-        outs.append(dict(x=d.x.clone(), ntpe=d.num_tokens_per_expert.clone(), offs=d.expert_offsets.clone(),
-                         w=d.weights.clone(), eo=eo.clone(), y=y.clone(), y2=None if y2 is None else y2.clone()))
-    buf.close()
-    return outs
-
-
-def _check(W, cfg, calls, res):
-    for i in range(len(calls[0])):
-        xs = [calls[r][i][0] for r in range(W)]
-        idxs = [calls[r][i][1] for r in range(W)]
-        ws = [calls[r][i][2] for r in range(W)]
-        ref = dispatch_reference(xs, idxs, ws, cfg["E"], W, expert_alignment=cfg.get("A", 1))
-        for r in range(W):
-            got = res[r][i]
-            assert torch.equal(got["ntpe"], ref[r].num_tokens_per_expert), (r, i)
-            assert torch.equal(got["offs"], ref[r].expert_offsets), (r, i)
-            assert torch.equal(got["x"], ref[r].x), (r, i)
-            assert torch.equal(got["w"], ref[r].weights), (r, i)
-        eos = [res[r][i]["eo"] for r in range(W)]
-        yp = combine_reference_partial(eos, ref, idxs, ws, [len(x) for x in xs])
-        yf = combine_reference(eos, ref, idxs, ws, [len(x) for x in xs])
-        for r in range(W):
-            y = res[r][i]["y"]
-            assert torch.equal(y, yp[r].to(torch.bfloat16)), (r, i)
-            assert _close_fp32(y, yf[r]), (r, i)
-            if res[r][i]["y2"] is not None:
-                assert torch.equal(res[r][i]["y2"], y)  # bitwise reproducible
-
-
 def test_all_tokens_to_one_expert_and_exact_capacity():
     W, T, K = 2, 8, 1
-    cfg = dict(E=4, H=64, Tmax=T, K=K, max_recv=2 * T)  # expert 1 gets exactly max_recv rows
+    cfg = dict(E=4, H=64, Tmax=T, K=K, max_recv=2 * T, repeat=True)  # expert 1 gets exactly max_recv rows
     calls = []
     for r in range(W):
         x = torch.randn(T, 64, generator=torch.Generator().manual_seed(r)).bfloat16()
         calls.append([(x, torch.ones(T, K, dtype=torch.int64), torch.ones(T, K))])
-    res = run_cpu_world(W, _dispatch_combine_world, cfg, calls, timeout_s=120)
-    _check(W, cfg, calls, res)
+    res = run_cpu_world(W, calls_world, cfg, calls, timeout_s=120)
+    check_calls(cfg, calls, res, fp32=True)
     assert res[0][0]["ntpe"].tolist() == [0, 2 * T]
 
 
@@ -175,27 +127,6 @@ def test_capacity_error_then_usable():
         assert "max_tokens_per_rank=8" in over
 
 
-def _eo(x):
-    """The test's expert "FFN": a deterministic elementwise function of the received rows."""
-    return (x.float() * 0.5 + 1.0).to(BF16)
-
-
-def _check_calls(W, cfg, calls, res, rows=None):
-    """Every call of every rank against the reference; ``rows(ref_x)`` maps reference rows (wire rounding)."""
-    for i in range(len(calls[0])):
-        xs, idxs, ws = ([calls[r][i][j] for r in range(W)] for j in range(3))
-        ref = dispatch_reference(xs, idxs, ws, cfg["E"], W, expert_alignment=cfg.get("A", 1))
-        for r in range(W):
-            got = res[r][i]
-            want_x = ref[r].x if rows is None else rows(ref[r].x)
-            for k, want in (("ntpe", ref[r].num_tokens_per_expert), ("offs", ref[r].expert_offsets),
-                            ("x", want_x), ("w", ref[r].weights), ("counts", ref[r].counts)):
-                assert torch.equal(got[k], want), f"call {i} rank {r}: {k} differs from the reference"
-        yp = combine_reference_partial([res[r][i]["eo"] for r in range(W)], ref, idxs, ws, [len(x) for x in xs])
-        for r in range(W):
-            assert torch.equal(res[r][i]["y"], yp[r].to(BF16)), f"call {i} rank {r}: y differs from the reference"
-
-
 def _capacity_world(group, backend):
     rank = dist.get_rank(group)
     buf = tep.EPBuffer(group, 4, 64, 8, 2, max_recv_tokens=16, backend=backend)
@@ -211,13 +142,7 @@ def _capacity_world(group, backend):
             errs.append(None)
         except CapacityError as e:
             errs.append((str(e), e.needed, e.available))
-    x, idx, w = make_rank_inputs(rank, 4, 64, 4, 2, seed=5)  # <= 2 * 4 * 2 = 16 rows anywhere: fits
-    d = buf.dispatch(x, idx, w)
-    eo = buf.expert_out_buffer(d.x.shape[0])
-    eo.copy_(_eo(d.x))
-    y = buf.combine(eo, d.handle)
-    out = dict(x=d.x.clone(), ntpe=d.num_tokens_per_expert.clone(), offs=d.expert_offsets.clone(),
-               w=d.weights.clone(), eo=eo.clone(), y=y.clone(), counts=d.handle.counts.clone())
+    out = run_call(buf, *make_rank_inputs(rank, 4, 64, 4, 2, seed=5))  # <= 2 * 4 * 2 = 16 rows anywhere: fits
     buf.close()
     return errs, [out]
 
@@ -234,4 +159,4 @@ def test_capacity_errors_then_usable(backend):
             assert "32" in text and "max_recv_tokens=16" in text and "rank 0" in text, text
     cfg = dict(E=4, H=64, Tmax=8, K=2)
     calls = [[make_rank_inputs(r, 4, 64, 4, 2, seed=5)] for r in range(2)]
-    _check_calls(2, cfg, calls, [o for _, o in res])
+    check_calls(cfg, calls, [o for _, o in res])

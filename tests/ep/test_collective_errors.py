@@ -3,40 +3,21 @@ the call on EVERY rank (InputError / CapacityError on the bad rank naming its va
 ranks on the others) and the next call pairs; long mixed refused / ok sequences on both backends, wires and
 geometries; refusals of different kinds on different ranks; a live handle used after a refused call."""
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
 
 import tritonep as tep
-from tritonep.errors import CapacityError, InputError, PeerInputError
-from tritonep.reference import combine_reference_partial, dispatch_reference
 from tritonep.testing import run_cpu_world
 from tritonep.testing.cases import make_rank_inputs
-
-BF16 = torch.bfloat16
-
+from tritonep.testing.harness import (BF16, check_calls, check_grads, diff, expected, open_buffer, outcome, record,
+                                      run_call, run_grad_call, set_env)
 
 H = 64
 
 
-def _env(**kv):
-    for k, v in kv.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-
-
-def _outcome(fn):
-    """Run fn(); return ("ok", value) or (kind, exception type name, message, bad_ranks)."""
-    try:
-        return ("ok", fn())
-    except PeerInputError as e:
-        return ("peer", type(e).__name__, str(e), list(e.bad_ranks))
-    except (InputError, CapacityError) as e:
-        return ("own", type(e).__name__, str(e), None)
+def _identity(x):
+    return x
 
 
 # per call: {rank: how} for the refused ranks; "id" (expert id 99), "neg" (-2), "cap" (T > Tmax), "dtype"
@@ -61,12 +42,12 @@ def _make_call(rank, W, i, how, E, K, Tm, T, H=H):
 
 
 def _seq_world(group, cfg):
-    _env(TRITONEP_GEOMETRY=cfg.get("geometry"), TRITONEP_SYNC_CHECKS=cfg.get("sync"))
+    """The SEQ calls on one buffer: a good call runs dispatch -> expert -> combine -> backward
+    (:func:`run_grad_call`), a refused one the forward only (its inputs need no gradient)."""
+    set_env(TRITONEP_GEOMETRY=cfg.get("geometry"), TRITONEP_SYNC_CHECKS=cfg.get("sync"))
     rank, W = dist.get_rank(group), dist.get_world_size(group)
-    E, K, Tm, A, H = cfg["E"], cfg["K"], cfg["Tmax"], cfg["A"], cfg.get("H", 64)
-    buf = tep.EPBuffer(group, E, H, Tm, K, backend=cfg["backend"], expert_alignment=A,
-                       dispatch_wire=cfg.get("dwire", "bf16"), combine_wire=cfg.get("cwire", "bf16"),
-                       max_recv_tokens=cfg.get("max_recv"))
+    E, K, Tm, H = cfg["E"], cfg["K"], cfg["Tmax"], cfg["H"]
+    buf = open_buffer(group, cfg)
     res = []
     for i, plan in enumerate(SEQ):
         T = [5, 0, 7, 3][(i + rank) % 4] if isinstance(plan, dict) else Tm
@@ -74,27 +55,20 @@ def _seq_world(group, cfg):
         x, idx, w = _make_call(rank, W, i, how, E, K, Tm, T, H)
         if plan == "recv+id" and rank == 1:  # over capacity AND a bad id: the input error wins on every rank
             idx[2, 0] = 99
-        xg = x.detach().clone().requires_grad_(True) if how is None else x
-        gy = torch.randn(x.shape[0], H, generator=torch.Generator().manual_seed(i * 10 + rank))
-
-        def run():
-            d = buf.dispatch(xg, idx, w)
-            eo = (d.x.float() * 0.5 + 1.0).to(BF16)
-            y = buf.combine(eo, d.handle)
-            (y.float() * gy).sum().backward()  # a dense grad_y (the stride-0 case has its own test)
-            return dict(x=d.x.detach().clone(), offs=d.expert_offsets.clone(), wts=d.weights.detach().clone(),
-                        eo=eo, y=y.detach().clone(), gx=xg.grad.clone(), gy=gy)
-
-        out = _outcome(run)
-        res.append((out, x, idx, w))
+        if how is None:  # a dense grad_y (the stride-0 case has its own test, in test_backward.py)
+            res.append(outcome(lambda: run_grad_call(buf, x, idx, w, grad_seed=i * 10 + rank, bias=1.0)))
+        else:
+            res.append(outcome(lambda: run_call(buf, x, idx, w, out_buffer=False)))
     buf.close()
     return res
 
 
 def _check_seq(W, cfg, res):
-    E, A, H = cfg["E"], cfg["A"], cfg.get("H", 64)
+    wires = (cfg.get("dwire", "bf16"), cfg.get("cwire", "bf16"))
+    fields = ("ntpe", "offs", "w", "counts") + (("x",) if wires[0] == "bf16" else ()) + \
+        (("y",) if wires == ("bf16", "bf16") else ())
     for i, plan in enumerate(SEQ):
-        kinds = [res[r][i][0] for r in range(W)]
+        kinds = [res[r][i] for r in range(W)]
         if plan == "recv":
             assert all(k[0] == "own" and k[1] == "CapacityError" for k in kinds), (i, kinds)
             continue
@@ -117,22 +91,11 @@ def _check_seq(W, cfg, res):
                     assert k[0] == "peer" and k[3] == bad, (i, r, k)
             continue
         assert all(k[0] == "ok" for k in kinds), (i, kinds)
-        xs, idxs, ws = ([res[r][i][j] for r in range(W)] for j in (1, 2, 3))
-        ref = dispatch_reference(xs, idxs, ws, E, W, expert_alignment=A) if A > 1 else \
-            dispatch_reference(xs, idxs, ws, E, W)
-        eos = [kinds[r][1]["eo"] for r in range(W)]
-        yp = combine_reference_partial(eos, ref, idxs, ws, [len(x) for x in xs])
+        got = [k[1] for k in kinds]
+        want = expected([(g["xin"], g["idx"], g["win"]) for g in got], cfg["E"], cfg["A"], eos=[g["eo"] for g in got])
         for r in range(W):
-            got = kinds[r][1]
-            if cfg.get("dwire", "bf16") == "bf16":
-                assert torch.equal(got["x"], ref[r].x), f"call {i} rank {r}: rows"
-            assert torch.equal(got["offs"], ref[r].expert_offsets), f"call {i} rank {r}: offsets"
-            assert torch.equal(got["wts"], ref[r].weights), f"call {i} rank {r}: weights"
-            if cfg.get("dwire", "bf16") == "bf16" and cfg.get("cwire", "bf16") == "bf16":
-                assert torch.equal(got["y"], yp[r].to(BF16)), f"call {i} rank {r}: y"
-            # grad_x[t] = sum_k 0.5 * w[t,k] * gy[t] over valid routes (bf16 rounding aside)
-            want_g = 0.5 * (ws[r] * (idxs[r] >= 0)).sum(1, keepdim=True) * got["gy"]
-            assert torch.allclose(got["gx"].float(), want_g, atol=5e-2, rtol=3e-2), f"call {i} rank {r}: grad"
+            assert diff(got[r], want[r], fields) == [], f"call {i} rank {r}"
+        check_grads(cfg["E"], got, expert_alignment=cfg["A"], where=f"call {i}")
 
 
 SEQ_CASES = {
@@ -150,7 +113,7 @@ SEQ_CASES = {
 
 @pytest.mark.parametrize("case", list(SEQ_CASES))
 def test_mixed_refused_and_ok_sequence(case):
-    cfg = dict(SEQ_CASES[case])
+    cfg = dict(dict(H=64), **SEQ_CASES[case])
     W = cfg.pop("W")
     cfg.update(E=4 * W, K=2, Tmax=8, max_recv=W * 8 * 2 - 1)  # only "recv" (all routes to expert 0) is over it
     res = run_cpu_world(W, _seq_world, cfg, timeout_s=300)
@@ -158,54 +121,46 @@ def test_mixed_refused_and_ok_sequence(case):
 
 
 def _live_handle_world(group, backend, geometry):
-    _env(TRITONEP_GEOMETRY=geometry)
+    set_env(TRITONEP_GEOMETRY=geometry)
     rank = dist.get_rank(group)
     E, K = 8, 2
     buf = tep.EPBuffer(group, E, H, 8, K, backend=backend, expert_alignment=2)
-    x, idx, w = make_rank_inputs(rank, 6 - 3 * rank, H, E, K, seed=21)
-    x.requires_grad_(True)
+    x0, idx, w0 = make_rank_inputs(rank, 6 - 3 * rank, H, E, K, seed=21)
+    x, w = x0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
     d1 = buf.dispatch(x, idx, w)
     eo1 = (d1.x.float() * 0.25 - 1).to(BF16)
+    eo1.retain_grad()
     # call 2 refused (rank 0: bad id found on the device, rank 1: wrong dtype refused at the front door)
     x2, idx2, w2 = make_rank_inputs(rank, 4, H, E, K, seed=22)
     if rank == 0:
         idx2[1, 1] = E
     else:
         x2 = x2.float()
-    second = _outcome(lambda: buf.dispatch(x2, idx2, w2))
+    second = outcome(lambda: buf.dispatch(x2, idx2, w2))
     y1 = buf.combine(eo1, d1.handle)  # the earlier handle still pairs
     gy = torch.randn(y1.shape, generator=torch.Generator().manual_seed(rank)).to(BF16)
     (y1.float() * gy.float()).sum().backward()
+    first = dict(record(d1, eo1, y1), g=gy, geo=eo1.grad.clone(), gx=x.grad.clone(), gw=w.grad.clone(), xin=x0,
+                 idx=idx, win=w0)
     # and a third, valid call after all that
-    x3, idx3, w3 = make_rank_inputs(rank, 3 + rank, H, E, K, seed=23)
-    d3 = buf.dispatch(x3, idx3, w3)
-    y3 = buf.combine(d3.x, d3.handle)
+    third = (*make_rank_inputs(rank, 3 + rank, H, E, K, seed=23),)
+    rec3 = run_call(buf, *third, fn=_identity, out_buffer=False)
     buf.close()
-    return dict(second=second[:2], x=x.detach(), idx=idx, w=w, eo1=eo1, y1=y1.detach(), gx=x.grad,
-                gy=gy, x3=x3, idx3=idx3, w3=w3, d3=d3.x, y3=y3)
+    return second[:2], first, third, rec3
 
 
 @pytest.mark.parametrize("backend,geometry", [("triton", None), ("triton", "fs=1,fe=1,fc=1"), ("nccl", None)])
 def test_refused_call_between_dispatch_and_combine_of_a_live_handle(backend, geometry):
     res = run_cpu_world(2, _live_handle_world, backend, geometry, timeout_s=120)
-    assert res[0]["second"] == ("own", "InputError") and res[1]["second"] == ("own", "InputError"), \
-        [r["second"] for r in res]
-    xs, idxs, ws = ([r[k] for r in res] for k in ("x", "idx", "w"))
-    ref = dispatch_reference(xs, idxs, ws, 8, 2, expert_alignment=2)
-    yp = combine_reference_partial([r["eo1"] for r in res], ref, idxs, ws, [len(x) for x in xs])
-    for r in range(2):
-        assert torch.equal(res[r]["y1"], yp[r].to(BF16)), f"rank {r}: y of the earlier handle"
-        want = (0.25 * (ws[r] * (idxs[r] >= 0)).sum(1, keepdim=True) * res[r]["gy"].float())
-        assert torch.allclose(res[r]["gx"].float(), want, atol=3e-2, rtol=3e-2), f"rank {r}: grad"
-    xs, idxs, ws = ([r[k] for r in res] for k in ("x3", "idx3", "w3"))
-    ref = dispatch_reference(xs, idxs, ws, 8, 2, expert_alignment=2)
-    yp = combine_reference_partial([r["d3"] for r in res], ref, idxs, ws, [len(x) for x in xs])
-    for r in range(2):
-        assert torch.equal(res[r]["d3"], ref[r].x) and torch.equal(res[r]["y3"], yp[r].to(BF16)), f"rank {r}"
+    assert [r[0] for r in res] == [("own", "InputError")] * 2, [r[0] for r in res]
+    firsts = [r[1] for r in res]
+    check_calls(dict(E=8, A=2), [[(f["xin"], f["idx"], f["win"])] for f in firsts], [[f] for f in firsts])
+    check_grads(8, firsts, scale=0.25, expert_alignment=2, where="the earlier handle")
+    check_calls(dict(E=8, A=2), [[r[2]] for r in res], [[r[3]] for r in res])
 
 
 def _odd_ids_world(group, backend, how):
-    rank, W = dist.get_rank(group), dist.get_world_size(group)
+    rank = dist.get_rank(group)
     E, K = 6, 2
     buf = tep.EPBuffer(group, E, H, 4, K, backend=backend)
     T = 0 if rank == 2 else 3
@@ -220,12 +175,11 @@ def _odd_ids_world(group, backend, how):
             x, idx, w = torch.zeros(0, H), torch.zeros(0, K, dtype=torch.int64), torch.zeros(0, K)
     if rank == 2 and how == "t0-dtype":
         x = torch.zeros(0, H)  # the T=0 rank's own input is refused too
-    out = [_outcome(lambda: buf.dispatch(x, idx, w))[:4]]
-    x, idx, w = make_rank_inputs(rank, 2, H, E, K, seed=32)
-    d = buf.dispatch(x, idx, w)
-    out.append((x, idx, w, d.x))
+    first = outcome(lambda: buf.dispatch(x, idx, w))[:4]
+    nxt = make_rank_inputs(rank, 2, H, E, K, seed=32)
+    rec = run_call(buf, *nxt, out_buffer=False)
     buf.close()
-    return out
+    return first, nxt, rec
 
 
 @pytest.mark.parametrize("backend", ["triton", "nccl"])
@@ -243,16 +197,12 @@ def test_odd_ids_and_empty_bad_ranks_fail_every_rank(backend, how):
         assert str(2 ** 40 + 1) in first[0][2], first[0][2]
     if how == "int32":
         assert str(-(2 ** 31)) in first[0][2], first[0][2]
-    xs, idxs, ws, got = zip(*[r[1] for r in res])
-    ref = dispatch_reference(list(xs), list(idxs), list(ws), 6, 3)
-    for r in range(3):
-        assert torch.equal(got[r], ref[r].x), f"rank {r}: the call after the refused one"
+    check_calls(dict(E=6), [[r[1]] for r in res], [[r[2]] for r in res])  # the call after the refused one
 
 
 def _bad_input_world(group, backend, how, sync, geometry=""):
-    os.environ["TRITONEP_SYNC_CHECKS"] = "1" if sync else "0"
-    if geometry:
-        os.environ["TRITONEP_GEOMETRY"] = geometry
+    """Three calls (T = 1, 2, 3; K = 1, identity expert); in call 1 rank 1's input is bad (``how``)."""
+    set_env(TRITONEP_SYNC_CHECKS="1" if sync else "0", TRITONEP_GEOMETRY=geometry or None)
     rank = dist.get_rank(group)
     E, H, Tm, K = 8, 64, 8, 1
     buf = tep.EPBuffer(group, E, H, Tm, K, backend=backend)
@@ -271,18 +221,24 @@ def _bad_input_world(group, backend, how, sync, geometry=""):
             else:  # "capacity": more tokens than max_tokens_per_rank
                 x, idx, w = torch.zeros(Tm + 1, H, dtype=BF16), torch.zeros(Tm + 1, K, dtype=torch.int64), \
                     torch.ones(Tm + 1, K)
-        try:
-            d = buf.dispatch(x, idx, w)
-            y = buf.combine(d.x, d.handle)
+
+        def call():
+            rec = run_call(buf, x, idx, w, fn=_identity, out_buffer=False)
             if not sync:
                 buf.check()
-            steps.append(("ok", x, idx, w, d.x.clone(), y.clone()))
-        except tep.errors.PeerInputError as e:
-            steps.append(("peer", e.bad_ranks, str(e)))
-        except (tep.errors.InputError, tep.errors.CapacityError) as e:
-            steps.append(("own", type(e).__name__, str(e)))
+            return rec
+
+        steps.append((outcome(call), (x, idx, w)))
     buf.close()
     return steps
+
+
+def _check_steps_pair(res, steps, padded=False):
+    """The given steps pair correctly on every rank (nothing of a refused step leaks into the next one);
+    ``padded``: sync checks off (the calls return max_recv_tokens rows)."""
+    for step in steps:
+        assert [r[step][0][0] for r in res] == ["ok"] * len(res), step
+        check_calls(dict(E=8), [[r[step][1]] for r in res], [[r[step][0][1]] for r in res], padded=padded)
 
 
 @pytest.mark.parametrize("backend", ["triton", "nccl"])
@@ -290,21 +246,24 @@ def _bad_input_world(group, backend, how, sync, geometry=""):
 def test_bad_input_on_one_rank_fails_every_rank_then_pairs(backend, how):
     res = run_cpu_world(2, _bad_input_world, backend, how, True, timeout_s=120)
     # step 1: rank 1 names its own value, rank 0 names rank 1
-    kind, name, text = res[1][1]
-    assert kind == "own", res[1][1]
+    kind, name, text, _ = res[1][1][0]
+    assert kind == "own", res[1][1][0]
     if how == "id":
         assert name == "InputError" and "99" in text and "topk_idx[1, 0]" in text, text
     elif how == "shape":
         assert name == "InputError" and "65" in text, text
     else:
         assert name == "CapacityError" and "9" in text, text
-    assert res[0][1][0] == "peer" and res[0][1][1] == [1] and "rank(s) [1]" in res[0][1][2], res[0][1]
-    # steps 0 and 2 pair correctly on every rank (nothing of the refused step leaks into the next one)
-    for step in (0, 2):
-        xs, idxs, ws = ([res[r][step][j] for r in range(2)] for j in (1, 2, 3))
-        ref = dispatch_reference(xs, idxs, ws, 8, 2)
-        yp = combine_reference_partial([res[r][step][4] for r in range(2)], ref, idxs, ws, [len(x) for x in xs])
-        for r in range(2):
-            assert res[r][step][0] == "ok"
-            assert torch.equal(res[r][step][4], ref[r].x), f"step {step} rank {r}: rows"
-            assert torch.equal(res[r][step][5], yp[r].to(BF16)), f"step {step} rank {r}: y"
+    peer = res[0][1][0]
+    assert peer[0] == "peer" and peer[3] == [1] and "rank(s) [1]" in peer[2], peer
+    _check_steps_pair(res, (0, 2))
+
+
+@pytest.mark.parametrize("geometry", ["", "bt=2,dec=3"])
+def test_bad_input_without_sync_checks_raises_on_every_rank(geometry):
+    """Sync checks off: the bad rank raises at once, the peers at their check() of the same call; next call pairs
+    (also with the one-launch decode dispatch, which flags the id on the device)."""
+    res = run_cpu_world(2, _bad_input_world, "triton", "id", False, geometry, timeout_s=120)
+    assert res[1][1][0][0] == "own" and "99" in res[1][1][0][2]
+    assert res[0][1][0][0] == "peer" and res[0][1][0][3] == [1]
+    _check_steps_pair(res, (2,), padded=True)

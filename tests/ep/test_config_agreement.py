@@ -11,14 +11,13 @@ worlds run with a short bound: a rank left waiting fails the test as a timeout.
 import os
 
 import pytest
-import torch
 import torch.distributed as dist
 
 import tritonep as tep
 from tritonep.errors import ConfigError, PeerConfigError, WireError
-from tritonep.reference import combine_reference_partial, dispatch_reference
 from tritonep.testing import run_cpu_world
 from tritonep.testing.cases import make_rank_inputs
+from tritonep.testing.harness import check_calls, run_call
 
 
 def _build(group, per_rank: dict, what: str):
@@ -80,35 +79,6 @@ def test_peer_config_error_is_a_config_error():
     assert issubclass(PeerConfigError, ConfigError) and tep.PeerConfigError is PeerConfigError
 
 
-BF16 = torch.bfloat16
-
-
-def _eo(x):
-    return (x.float() * 0.5 + 1.0).to(BF16)
-
-
-def _dc(buf, x, idx, w, kind=None):
-    d = buf.dispatch(x, idx, w)
-    eo = _eo(d.x)
-    y = buf.combine(eo, d.handle, kind=kind)
-    return dict(x=d.x.clone(), ntpe=d.num_tokens_per_expert.clone(), offs=d.expert_offsets.clone(),
-                w=d.weights.clone(), eo=eo, y=y.clone())
-
-
-def _bad(W, E, A, calls, outs, equal=torch.equal):
-    """Compare every rank's outputs of one call with the reference; returns the list of mismatches."""
-    xs, idxs, ws = ([calls[r][j] for r in range(W)] for j in range(3))
-    ref = dispatch_reference(xs, idxs, ws, E, W, expert_alignment=A)
-    yp = combine_reference_partial([outs[r]["eo"] for r in range(W)], ref, idxs, ws, [len(x) for x in xs])
-    bad = []
-    for r in range(W):
-        for k, want in (("ntpe", ref[r].num_tokens_per_expert), ("offs", ref[r].expert_offsets),
-                        ("x", ref[r].x), ("w", ref[r].weights), ("y", yp[r].to(BF16))):
-            if not equal(outs[r][k], want):
-                bad.append((r, k))
-    return bad
-
-
 def _combine_env_world(group):
     rank = dist.get_rank(group)
     os.environ["TRITONEP_COMBINE"] = ["push", "pull"][rank]
@@ -117,7 +87,7 @@ def _combine_env_world(group):
     except ConfigError:
         return "ConfigError"
     x, idx, w = make_rank_inputs(rank, 8, 64, 4, 2, seed=1)
-    out = _dc(buf, x, idx, w)
+    out = run_call(buf, x, idx, w, out_buffer=False)
     buf.close()
     return (x, idx, w), out
 
@@ -125,8 +95,7 @@ def _combine_env_world(group):
 def test_geometry_mismatch_across_ranks_is_refused_or_harmless():
     res = run_cpu_world(2, _combine_env_world, timeout_s=60)
     if res != ["ConfigError", "ConfigError"]:
-        calls = [r[0] for r in res]
-        assert _bad(2, 4, 1, calls, [r[1] for r in res]) == []
+        check_calls(dict(E=4), [[r[0]] for r in res], [[r[1]] for r in res])
 
 
 def _num_sms_world(group):
@@ -142,29 +111,15 @@ def test_num_sms_mismatch_is_refused():
         assert "num_sms" in msg
 
 
-def _mismatch_world(group):
-    rank = dist.get_rank()
+def _mismatch_world(group, backend):
     try:
-        tep.EPBuffer(group, 6, 64, 8 + rank, 2)
+        tep.EPBuffer(group, 6, 64, 8 + dist.get_rank(group), 2, backend=backend)
         return "no error"
     except ConfigError as e:
         return str(e)
 
 
-def test_config_mismatch_raises_on_every_rank():
-    res = run_cpu_world(3, _mismatch_world, timeout_s=60)
-    for msg in res:
-        assert "max_tokens_per_rank" in msg and "rank 0: 8" in msg and "rank 2: 10" in msg
-
-
-def _mismatch_nccl_world(group):
-    try:
-        tep.EPBuffer(group, 6, 64, 8 + dist.get_rank(group), 2, backend="nccl")
-        return "no error"
-    except ConfigError as e:
-        return str(e)
-
-
-def test_config_mismatch_nccl_raises_on_every_rank():
-    for msg in run_cpu_world(3, _mismatch_nccl_world, timeout_s=60):
+@pytest.mark.parametrize("backend", ["triton", "nccl"])
+def test_max_tokens_mismatch_raises_on_every_rank(backend):
+    for msg in run_cpu_world(3, _mismatch_world, backend, timeout_s=60):
         assert "max_tokens_per_rank" in msg and "rank 0: 8" in msg and "rank 2: 10" in msg, msg

@@ -8,9 +8,8 @@ the expert count is rounded up to a multiple of it.
 import pytest
 import torch
 
-from tritonep.reference import (combine_backward_reference, combine_reference_partial, dispatch_backward_reference,
-                                dispatch_reference)
 from tritonep.testing.cases import experts_for, make_rank_inputs, tokens_for
+from tritonep.testing.harness import check_calls, check_grads
 
 pytestmark = pytest.mark.gpu
 
@@ -42,22 +41,9 @@ def test_ep_cases_match_reference(gpu_world, gpu_world_size):
     cases = [dict(c, E=experts_for(c["E"], W), T=tokens_for(c["T"], W)) for c in CASES]
     res = gpu_world(W, ep_cases_world, cases)
     for ci, c in enumerate(cases):
-        for si, s in enumerate(c["seeds"]):
-            ins = [make_rank_inputs(r, c["T"][r], c["H"], c["E"], c["K"], seed=s, mask_frac=c.get("mask", 0.1))
-                   for r in range(W)]
-            xs, idxs, ws = zip(*ins)
-            ref = dispatch_reference(list(xs), list(idxs), list(ws), c["E"], W, expert_alignment=c.get("A", 1))
-            eos = [res[r][ci][si]["eo"] for r in range(W)]
-            yp = combine_reference_partial(eos, ref, list(idxs), list(ws), [len(x) for x in xs])
-            for r in range(W):
-                got = res[r][ci][si]
-                assert torch.equal(got["ntpe"], ref[r].num_tokens_per_expert), (ci, si, r)
-                assert torch.equal(got["offs"], ref[r].expert_offsets), (ci, si, r)
-                assert torch.equal(got["x"], ref[r].x), (ci, si, r)
-                assert torch.equal(got["w"], ref[r].weights), (ci, si, r)
-                want = yp[r].to(torch.bfloat16)
-                diff = (got["y"].float() - want.float()).abs().max().item() if want.numel() else 0.0
-                assert torch.equal(got["y"], want), (ci, si, r, diff)
+        calls = [[make_rank_inputs(r, c["T"][r], c["H"], c["E"], c["K"], seed=s, mask_frac=c.get("mask", 0.1))
+                  for s in c["seeds"]] for r in range(W)]
+        check_calls(c, calls, [res[r][ci] for r in range(W)])
 
 
 def test_cuda_graph_100_replays(gpu_world, gpu_world_size):
@@ -74,12 +60,4 @@ def test_gradients_match_reference(gpu_world, gpu_world_size):
     W = gpu_world_size
     E = experts_for(16, W)
     res = gpu_world(W, ep_grad_world, E, 256, 64, 4, tokens_for([64, 17], W))
-    idxs = [r["idx"] for r in res]
-    ws = [r["w"] for r in res]
-    ref = dispatch_reference([r["x"].bfloat16() for r in res], idxs, ws, E, W)
-    g_eo, g_w = combine_backward_reference([r["g"] for r in res], [r["eo"] for r in res], ref, idxs, ws)
-    gx = dispatch_backward_reference([0.5 * r["geo"].float() for r in res], ref, idxs, [len(r["x"]) for r in res])
-    for r in range(W):
-        assert torch.allclose(res[r]["geo"].float(), g_eo[r].float(), rtol=2 ** -7, atol=1e-6)
-        assert torch.allclose(res[r]["gx"].float(), gx[r].float(), rtol=2 ** -6, atol=2 ** -6)
-        assert torch.allclose(res[r]["gw"], g_w[r].float(), rtol=1e-3, atol=1e-3)
+    check_grads(E, res)

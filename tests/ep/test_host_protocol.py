@@ -6,15 +6,12 @@ tests/testing/test_protocol_recorder.py."""
 import os
 
 import pytest
-import torch
 import torch.distributed as dist
 
 import tritonep as tep
-from tritonep.reference import combine_reference_partial, dispatch_reference
 from tritonep.testing import run_cpu_world
 from tritonep.testing.cases import make_rank_inputs
-
-BF16 = torch.bfloat16
+from tritonep.testing.harness import BF16, calls_world, check_calls, set_env
 
 
 # every call changes T on every rank, 0 and Tmax included; rank 1 starts with T=0 (data-parallel decode)
@@ -23,32 +20,8 @@ T_SCRIPT = {2: [[1, 0], [2, 0], [0, 3], [8, 8], [0, 0], [5, 1], [8, 0], [3, 7]],
 
 
 def _script_world(group, cfg, calls, geometry):
-    if geometry:
-        os.environ["TRITONEP_GEOMETRY"] = geometry
-    rank = dist.get_rank(group)
-    buf = tep.EPBuffer(group, cfg["E"], cfg["H"], cfg["Tmax"], cfg["K"], backend=cfg["backend"])
-    outs = []
-    for x, idx, w in calls[rank]:
-        d = buf.dispatch(x, idx, w)
-        eo = buf.expert_out_buffer(d.x.shape[0])
-        eo.copy_((d.x.float() * 0.5 + 1.0).to(BF16))
-        y = buf.combine(eo, d.handle)
-        outs.append(dict(x=d.x.clone(), offs=d.expert_offsets.clone(), w=d.weights.clone(), eo=eo.clone(),
-                         y=y.clone()))
-    buf.close()
-    return outs
-
-
-def _check_script(W, cfg, calls, res):
-    for i in range(len(calls[0])):
-        xs, idxs, ws = ([calls[r][i][j] for r in range(W)] for j in range(3))
-        ref = dispatch_reference(xs, idxs, ws, cfg["E"], W)
-        for r in range(W):
-            for k, want in (("x", ref[r].x), ("offs", ref[r].expert_offsets), ("w", ref[r].weights)):
-                assert torch.equal(res[r][i][k], want), f"call {i} rank {r} (T={[len(x) for x in xs]}): {k}"
-        yp = combine_reference_partial([res[r][i]["eo"] for r in range(W)], ref, idxs, ws, [len(x) for x in xs])
-        for r in range(W):
-            assert torch.equal(res[r][i]["y"], yp[r].to(BF16)), f"call {i} rank {r}: y"
+    set_env(TRITONEP_GEOMETRY=geometry or None)
+    return calls_world(group, cfg, calls)
 
 
 @pytest.mark.parametrize("W,backend,geometry", [(2, "triton", ""), (2, "triton", "fs=1,fe=1"), (3, "triton", ""),
@@ -59,7 +32,7 @@ def test_per_rank_token_script(W, backend, geometry):
     calls = [[make_rank_inputs(r, ts[r], cfg["H"], cfg["E"], cfg["K"], seed=100 + i, mask_frac=0.1)
               for i, ts in enumerate(T_SCRIPT[W])] for r in range(W)]
     res = run_cpu_world(W, _script_world, cfg, calls, geometry, timeout_s=240)
-    _check_script(W, cfg, calls, res)
+    check_calls(cfg, calls, res)
 
 
 def _reads_world(group, mode):

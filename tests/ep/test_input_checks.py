@@ -11,11 +11,9 @@ import torch.distributed as dist
 
 import tritonep as tep
 from tritonep.errors import ConfigError, InputError
-from tritonep.reference import combine_reference_partial, dispatch_reference
 from tritonep.testing import run_cpu_world
 from tritonep.testing.cases import make_rank_inputs
-
-BF16 = torch.bfloat16
+from tritonep.testing.harness import BF16, check_calls, diff, run_call
 
 
 def _bad_backward_world(group, backend):
@@ -145,14 +143,6 @@ def test_bad_inputs_are_named_before_any_peer_is_touched():
         assert "topk_idx[0, 1] = -2" in errs["id_low"]
 
 
-BF16 = torch.bfloat16
-
-
-def _eo(x):
-    """The test's expert "FFN": a deterministic elementwise function of the received rows."""
-    return (x.float() * 0.5 + 1.0).to(BF16)
-
-
 def _shared_column_world(group, backend):
     rank = dist.get_rank(group)
     E, K = 256, 4
@@ -166,22 +156,18 @@ def _shared_column_world(group, backend):
     except InputError as e:
         err = str(e)
     # nothing was touched: the next valid call works
-    ok_idx = torch.cat([idx, torch.full((3, 1), -1, dtype=idx.dtype)], 1)
-    d = buf.dispatch(x, ok_idx, w4)
-    y = buf.combine(_eo(d.x), d.handle)
+    ok = (x, torch.cat([idx, torch.full((3, 1), -1, dtype=idx.dtype)], 1), w4)
+    rec = run_call(buf, *ok, out_buffer=False)
     buf.close()
-    return err, y
+    return err, ok, rec
 
 
 @pytest.mark.parametrize("backend", ["triton", "nccl"])
 def test_shared_expert_column_is_named(backend):
     res = run_cpu_world(2, _shared_column_world, backend, timeout_s=120)
-    ins = [make_rank_inputs(r, 3, 64, 256, 3, seed=2) for r in range(2)]
-    ref = dispatch_reference([a[0] for a in ins], [a[1] for a in ins], [a[2] for a in ins], 256, 2)
-    yp = combine_reference_partial([_eo(rr.x) for rr in ref], ref, [a[1] for a in ins], [a[2] for a in ins], [3, 3])
-    for r, (err, y) in enumerate(res):
+    for err, _, _ in res:
         assert err is not None and "topk_idx[0, 3] = 256" in err and "num_experts=256" in err, err
-        assert torch.equal(y, yp[r].to(BF16)), r
+    check_calls(dict(E=256), [[ok] for _, ok, _ in res], [[rec] for _, _, rec in res])
 
 
 def _noncontig_world(group, backend):
@@ -191,11 +177,7 @@ def _noncontig_world(group, backend):
     wide = torch.stack([x, torch.zeros_like(x)], 2).reshape(7, 128)  # x == wide[:, ::2], a strided view
     views = (wide[:, ::2], idx.t().contiguous().t(), w.t().contiguous().t())
     assert not any(v.is_contiguous() for v in views)
-    outs = []
-    for args in ((x, idx, w), views):
-        d = buf.dispatch(*args)
-        y = buf.combine(_eo(d.x), d.handle)
-        outs.append((d.x.clone(), d.weights.clone(), d.expert_offsets.clone(), y.clone()))
+    outs = [run_call(buf, *args, out_buffer=False) for args in ((x, idx, w), views)]
     buf.close()
     return outs
 
@@ -203,4 +185,4 @@ def _noncontig_world(group, backend):
 @pytest.mark.parametrize("backend", ["triton", "nccl"])
 def test_non_contiguous_inputs_equal_contiguous(backend):
     for r, (a, b) in enumerate(run_cpu_world(2, _noncontig_world, backend, timeout_s=120)):
-        assert all(torch.equal(u, v) for u, v in zip(a, b)), f"rank {r}: non-contiguous inputs changed the result"
+        assert diff(b, a) == [], f"rank {r}: non-contiguous inputs changed the result"

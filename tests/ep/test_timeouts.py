@@ -7,13 +7,13 @@ import os
 import time
 
 import pytest
-import torch
 import torch.distributed as dist
 
 import tritonep as tep
 from tritonep.errors import BufferStateError, PeerTimeoutError
 from tritonep.testing import run_cpu_world
 from tritonep.testing.cases import make_rank_inputs
+from tritonep.testing.harness import BF16, expert
 
 
 def _dispatch_data_timeout_world(group):
@@ -68,8 +68,14 @@ def _timeout_state_world(group):
     return out
 
 
-def test_timeout_leaves_a_buffer_that_refuses_calls():
-    out = run_cpu_world(2, _timeout_state_world, timeout_s=120, check_protocol=False)[0]
+@pytest.fixture(scope="module")
+def timed_out_buffer():
+    """Rank 0's log of a 2-rank world where rank 1 never dispatches (one world for the tests that read it)."""
+    return run_cpu_world(2, _timeout_state_world, timeout_s=120, check_protocol=False)[0]  # rank 1 skips on purpose
+
+
+def test_timeout_leaves_a_buffer_that_refuses_calls(timed_out_buffer):
+    out = timed_out_buffer
     wait, peer, msg = out[0]
     assert wait == "dispatch.counts" and peer == 1, out[0]
     assert "bound 1 s" in msg and "after waiting " in msg and "unusable" in msg, msg
@@ -77,8 +83,8 @@ def test_timeout_leaves_a_buffer_that_refuses_calls():
     assert out[2][0] == "check" and out[2][1] in ("PeerTimeoutError", "BufferStateError"), out[2]
 
 
-def test_unusable_buffer_error_keeps_the_timeout_details():
-    out = run_cpu_world(2, _timeout_state_world, timeout_s=120, check_protocol=False)[0]
+def test_unusable_buffer_error_keeps_the_timeout_details(timed_out_buffer):
+    out = timed_out_buffer
     assert "dispatch.counts" in out[1][2] and "peer 1" in out[1][2], out[1]
 
 
@@ -160,14 +166,6 @@ def test_deferred_checks_raise_a_lost_peer_at_the_next_dispatch():
     assert res[1][0] in ("combine.data", "combine.ack", "dispatch.counts") and res[1][1] == 0, res[1]
 
 
-BF16 = torch.bfloat16
-
-
-def _eo(x):
-    """The test's expert "FFN": a deterministic elementwise function of the received rows."""
-    return (x.float() * 0.5 + 1.0).to(BF16)
-
-
 def _skip_combine_world(group, kind):
     os.environ["TRITONEP_TIMEOUT_S"] = "2"
     os.environ["TRITONEP_SYNC_CHECKS"] = "1"  # strict: a peer lost mid-call raises in that call
@@ -179,7 +177,7 @@ def _skip_combine_world(group, kind):
         return "skipped"  # this rank never calls combine
     t0 = time.monotonic()
     try:
-        y = buf.combine(_eo(d.x), d.handle, kind=kind)
+        y = buf.combine(expert(d.x), d.handle, kind=kind)
         err = "no error (silent result)", float(y.float().abs().sum())
     except PeerTimeoutError as e:
         err = (e.wait, e.peer, str(e))

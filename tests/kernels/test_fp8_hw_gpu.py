@@ -107,11 +107,9 @@ def test_standalone_quantize_matches_twin(wire, pow2):
 
 
 @pytest.mark.parametrize("dwire,cwire", [("fp8", "fp8"), ("fp8_e5m2", "fp8_e5m2"), ("mxfp4", "mxfp4")])
-def test_wires_bit_exact_world1(dwire, cwire):
-    from tritonep.testing import run_gpu_world
+def test_wires_bit_exact_world1(gpu_world, dwire, cwire):
     from tritonep.testing.wire_checks import check_wire_roundtrip, wire_roundtrip_world
 
-    _cuda()
     shape, ntok = (16, 1024, 64, 4), [61]
-    res = run_gpu_world(1, wire_roundtrip_world, dwire, cwire, ntok, shape, timeout_s=600)
+    res = gpu_world(1, wire_roundtrip_world, dwire, cwire, ntok, shape, timeout_s=600)
     check_wire_roundtrip(res, dwire, cwire, ntok, shape)

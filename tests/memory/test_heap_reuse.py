@@ -23,9 +23,9 @@ import torch.distributed as dist
 import tritonep as tep
 from tritonep.errors import LayoutError
 from tritonep.memory import Region, get_heap
-from tritonep.reference import dispatch_reference
 from tritonep.testing import run_cpu_world
 from tritonep.testing.cases import make_rank_inputs
+from tritonep.testing.harness import diff, expected
 
 W, E, H, K = 2, 4, 64, 2
 
@@ -54,13 +54,12 @@ def test_rebuild_before_close_loop_runs_in_a_heap_for_two_buffers():
     cycles = 6
     res = run_cpu_world(W, _rebuild_world, cycles, timeout_s=240, heap_bytes=2 * _buf_bytes(8) + 4096)
     for c in range(cycles):
-        calls = [make_rank_inputs(r, 6, H, E, K, seed=c) for r in range(W)]
-        ref = dispatch_reference(*zip(*calls), E, W)
+        want = expected([make_rank_inputs(r, 6, H, E, K, seed=c) for r in range(W)], E)
         offs = {res[r][0][c][2] for r in range(W)}
         assert len(offs) == 1, f"cycle {c}: offsets differ across ranks {offs}"
         for r in range(W):
             got_x, got_n, _ = res[r][0][c]
-            assert torch.equal(got_x, ref[r].x) and torch.equal(got_n, ref[r].num_tokens_per_expert), (c, r)
+            assert diff(dict(x=got_x, ntpe=got_n), want[r]) == [], (c, r)
     assert [res[0][0][c][2] for c in range(cycles)][:3] == [0, _buf_bytes(8), 0]  # the two places alternate
     assert all(used == 0 for _, used in res)
 
@@ -199,12 +198,10 @@ def _gpu_rebuild_world(group, cycles):
 
 
 @pytest.mark.gpu
-def test_gpu_rebuild_loop_returns_closed_buffers_memory():
+def test_gpu_rebuild_loop_returns_closed_buffers_memory(gpu_world):
     """CUDA heap: each buffer is its own symm_mem allocation, so a closed one must give its memory back (no heap
     offsets to fragment); 12 rebuild cycles may not lose more than one buffer's bytes of free device memory."""
-    from tritonep.testing import run_gpu_world
-
     nbytes = tep.EPBuffer.required_bytes(world_size=1, num_experts=16, hidden=2048, max_tokens_per_rank=1024, topk=4)
-    free = run_gpu_world(1, _gpu_rebuild_world, 12, timeout_s=600)[0]
+    free = gpu_world(1, _gpu_rebuild_world, 12, timeout_s=600)[0]
     lost = free[1] - min(free[1:])
     assert lost <= nbytes, f"free device memory fell by {lost} bytes over 11 cycles (one buffer: {nbytes})"

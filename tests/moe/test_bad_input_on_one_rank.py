@@ -6,24 +6,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tritonep.errors import CapacityError, InputError, PeerInputError
 from tritonep.testing import run_cpu_world
-
-BF16 = torch.bfloat16
-
+from tritonep.testing.harness import BF16, outcome
 
 H = 64
 LE, LK, LT, LI = 4, 2, 8, 32
-
-
-def _outcome(fn):
-    """Run fn(); return ("ok", value) or (kind, exception type name, message, bad_ranks)."""
-    try:
-        return ("ok", fn())
-    except PeerInputError as e:
-        return ("peer", type(e).__name__, str(e), list(e.bad_ranks))
-    except (InputError, CapacityError) as e:
-        return ("own", type(e).__name__, str(e), None)
 
 
 def _layer_inputs(rank, step, how):
@@ -70,7 +57,7 @@ def _layer_world(group, balance, how):
             return y.detach().float(), xx.grad.float()
 
         try:
-            out.append(_outcome(run))
+            out.append(outcome(run))
         except Exception as e:  # noqa: BLE001 - a timeout or anything else: report, go on
             out.append(("other", type(e).__name__, str(e)[:300], None))
     layer.close()

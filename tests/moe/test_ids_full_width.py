@@ -290,13 +290,11 @@ def _gpu_ids_world(group):
 
 
 @pytest.mark.gpu
-def test_gpu_64_bit_ids_refused_by_planner_exchange_and_dispatch():
+def test_gpu_64_bit_ids_refused_by_planner_exchange_and_dispatch(gpu_world):
     """On the device: the planner maps 2**32 + 1 to 2E with the bad-id bit; the counts exchange does not count it
     and flags it; the default and the decode dispatch raise InputError naming it."""
     from tritonep.balance import plan
     from tritonep.kernels import protocol as P
-    from tritonep.testing import run_gpu_world
-
     dev = torch.device("cuda", 0)
     topk = torch.tensor([[0, 1], [2, 3], [1, -1]], dtype=torch.int64)
     counts = torch.stack([torch.bincount(topk[topk >= 0], minlength=E), torch.tensor([1, 1, 0, 0])])
@@ -305,6 +303,6 @@ def test_gpu_64_bit_ids_refused_by_planner_exchange_and_dispatch():
     counts[0, 3] -= 1
     placement, rt = plan(counts.to(dev), bad.to(dev), 0)
     assert int(rt[1, 1]) == 2 * E and int(placement.status.max()) & P.v(P.PLAN_BAD_EXPERT_ID), rt
-    for err, counts, want, cerr in run_gpu_world(1, _gpu_ids_world, timeout_s=600):
+    for err, counts, want, cerr in gpu_world(1, _gpu_ids_world, timeout_s=600):
         assert err[0] == "InputError" and f"= {2 ** 32 + 1} is outside" in err[1], err
         assert torch.equal(counts[0], want.to(counts.dtype)) and cerr == (0,), (counts, want, cerr)

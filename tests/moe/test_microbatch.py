@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from tritonep.errors import BufferStateError
 from tritonep.moe import MoEGeometry, MoELayer, MoERecipe
 from tritonep.testing import run_cpu_world
+from tritonep.testing.harness import BF16
 
 TOKENS = [[12, 16, 5], [9, 0, 16]]  # per rank, per micro-batch (a rank with 0 tokens in micro-batch 2)
 
@@ -101,9 +102,6 @@ def test_forwards_before_backwards_equal_interleaved(recipe_kw, backend, modes, 
         assert spills_a == 0
         if backend == "nccl":
             assert "max_saved_forwards=2" in r["limit"], r["limit"]
-
-
-BF16 = torch.bfloat16
 
 
 def _moe_two_forwards_world(group, interleave):

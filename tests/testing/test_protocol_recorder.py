@@ -36,8 +36,8 @@ def _direct_launch_world(group, how):
 @pytest.mark.parametrize("how", [
     pytest.param("launch", marks=pytest.mark.xfail(strict=True, reason=(
         "by design: kernels launched directly (kernel[grid](...)) are not recorded; every signalling kernel must go "
-        "through a Launcher, which tests/ep/test_host_protocol.py::test_every_signalling_kernel_is_launched_through_a_launcher "
-        "checks on the source"))),
+        "through a Launcher, which test_every_signalling_kernel_is_launched_through_a_launcher (this file) checks on "
+        "the source"))),
     "c10d",  # collectives through torch.distributed.distributed_c10d are recorded (fixed)
 ])
 def test_recorder_sees_direct_launches_and_c10d_collectives(how):

@@ -12,8 +12,9 @@ import torch.distributed as dist
 from tritonep.data import load_flame_trace, split_across_ranks
 from tritonep.ep import EPBuffer
 from tritonep.errors import CapacityError, TritonEPError
-from tritonep.reference import combine_backward_reference, combine_reference_partial, dispatch_reference
+from tritonep.reference import combine_backward_reference
 from tritonep.testing import run_cpu_world
+from tritonep.testing.harness import check_calls, diff, expected, record
 
 
 # ------------------------------------------------------------------------------------------- inputs
@@ -105,10 +106,8 @@ def _mixed(group):
 # ------------------------------------------------------------------------------------------- checks
 def _check(case, res, backends=("triton", "nccl")):
     W = case["W"]
-    xs = [i[0] for i in case["inputs"]]
     idxs = [i[1] for i in case["inputs"]]
     ws = [i[2] for i in case["inputs"]]
-    ref = dispatch_reference(xs, idxs, ws, case["E"], W, case["A"])
     for r in range(W):
         if "triton" not in backends:
             break
@@ -119,16 +118,11 @@ def _check(case, res, backends=("triton", "nccl")):
         # to fp32 rounding only (same routes, same masked zeros)
         assert torch.equal(t["gw"] == 0, n["gw"] == 0)
         torch.testing.assert_close(t["gw"], n["gw"], rtol=1e-5, atol=1e-5)
+    want = expected([i[:3] for i in case["inputs"]], case["E"], case["A"], eos=[res[r]["nccl"]["eo"] for r in range(W)])
     for r in range(W):
         n = res[r]["nccl"]
-        assert torch.equal(n["x"], ref[r].x), f"rank {r}: x differs from the reference"
-        assert torch.equal(n["ntpe"], ref[r].num_tokens_per_expert)
-        assert torch.equal(n["offs"], ref[r].expert_offsets)
-        assert torch.equal(n["weights"], ref[r].weights)
-    ys = combine_reference_partial([res[r]["nccl"]["eo"] for r in range(W)], ref, idxs, ws,
-                                   [i.shape[0] for i in idxs])
-    for r in range(W):
-        assert torch.equal(res[r]["nccl"]["y"], ys[r].to(torch.bfloat16)), f"rank {r}: y differs from reference"
+        assert diff(dict(n, w=n["weights"]), want[r], ("x", "ntpe", "offs", "w", "y")) == [], f"rank {r}"
+    ref = [w["ref"] for w in want]
     gys = [i[3].to(torch.bfloat16) for i in case["inputs"]]  # grad of y (bf16) of the loss sum(y * gy)
     geos, gws = combine_backward_reference(gys, [res[r]["nccl"]["eo"] for r in range(W)], ref, idxs, ws)
     for r in range(W):
@@ -308,25 +302,16 @@ def _bad_body(group, mode):
         d = buf.dispatch(x2, idx2, w2)
         eo = (d.x.float() * 0.75 + 0.5).to(torch.bfloat16)
         y = buf.combine(eo, d.handle)
-        return dict(err=err, moved_1=moved_1, x=d.x, w=d.weights, ntpe=d.num_tokens_per_expert,
-                    offs=d.expert_offsets, eo=eo, y=y)
+        return dict(record(d, eo, y), err=err, moved_1=moved_1)
     finally:
         dist.all_to_all_single = orig
         buf.close()
 
 
 def _check_step2(res):
-    ins = [_step_inputs(r, 2) for r in range(2)]
-    ref = dispatch_reference([i[0] for i in ins], [i[1] for i in ins], [i[2] for i in ins], _BE, 2)
-    ys = combine_reference_partial([res[r]["eo"] for r in range(2)], ref, [i[1] for i in ins],
-                                   [i[2] for i in ins], [i[1].shape[0] for i in ins])
     for r in range(2):
         assert res[r]["moved_1"] == 0, f"rank {r}: rows moved in the failed call"
-        assert torch.equal(res[r]["x"], ref[r].x), f"rank {r}: step 2 rows"
-        assert torch.equal(res[r]["w"], ref[r].weights)
-        assert torch.equal(res[r]["ntpe"], ref[r].num_tokens_per_expert)
-        assert torch.equal(res[r]["offs"], ref[r].expert_offsets)
-        assert torch.equal(res[r]["y"], ys[r].to(torch.bfloat16)), f"rank {r}: step 2 combine"
+    check_calls(dict(E=_BE), [[_step_inputs(r, 2)] for r in range(2)], [[res[r]] for r in range(2)])
 
 
 @pytest.mark.parametrize("mode", ["ids", "neg"])

@@ -7,125 +7,28 @@ between good calls, push / pull / fused combines and both backwards alternating 
 checked bit for bit against the reference, the host protocol recorder on. Also the virtual experts' CountsExchange.
 """
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
 
-import tritonep as tep
-from tritonep.errors import CapacityError, InputError, PeerInputError
-from tritonep.reference import combine_reference, combine_reference_partial, dispatch_reference
+from tritonep.errors import CapacityError, PeerInputError
 from tritonep.testing import run_cpu_world
 from tritonep.testing.cases import make_rank_inputs
-
-BF16 = torch.bfloat16
-
-
-def _eo(x):
-    return (x.float() * 0.5 + 1.0).to(BF16)
+from tritonep.testing.harness import calls_world, check_calls, check_script, make_calls, script_world
 
 
-def _script_world(group, cfg, steps):
-    """Run ``steps`` on one buffer: ("ok", seed, Ts, kind) dispatches + combines (kind None / push / pull /
-    "grad": autograd through both, dispatch backward = unweighted combine, combine backward = dispatch);
-    ("bad", seed, Ts, bad_rank) gives ``bad_rank`` an expert id E; ("cap", seed, Ts) exceeds max_recv."""
-    os.environ["TRITONEP_SYNC_CHECKS"] = "1"
-    if cfg.get("geometry"):
-        os.environ["TRITONEP_GEOMETRY"] = cfg["geometry"]
-    rank = dist.get_rank(group)
-    E, H, Tm, K, A = cfg["E"], cfg["H"], cfg["Tmax"], cfg["K"], cfg.get("A", 1)
-    buf = tep.EPBuffer(group, E, H, Tm, K, expert_alignment=A, max_recv_tokens=cfg.get("max_recv"))
-    os.environ.pop("TRITONEP_GEOMETRY", None)
-    out = []
-    for step in steps:
-        what, seed, Ts = step[:3]
-        x, idx, w = make_rank_inputs(rank, Ts[rank], H, E, K, seed=seed, mask_frac=0.15)
-        if what == "bad" and rank == step[3] and Ts[rank] > 0:
-            idx = idx.clone()
-            idx[-1, 0] = E
-        if what == "cap":
-            idx = torch.zeros_like(idx)  # every route to expert 0: rank 0 receives more than max_recv rows
-        if what != "ok":
-            try:
-                buf.dispatch(x, idx, w)
-                out.append("no error")
-            except (InputError, PeerInputError, CapacityError) as e:
-                out.append(type(e).__name__)
-            continue
-        kind = step[3]
-        if kind == "grad":
-            xr = x.clone().requires_grad_(True)
-            wr = w.clone().requires_grad_(True)
-            d = buf.dispatch(xr, idx, wr)
-            y = buf.combine(_eo(d.x), d.handle)
-            g = torch.randn(Ts[rank], H, generator=torch.Generator().manual_seed(seed + rank)).to(BF16)
-            (y.float() * g.float()).sum().backward()
-            out.append(dict(x=d.x.detach().clone(), ntpe=d.num_tokens_per_expert.clone(),
-                            offs=d.expert_offsets.clone(), w=d.weights.detach().clone(), y=y.detach().clone(),
-                            gx=xr.grad.clone(), gw=wr.grad.clone(), g=g))
-        else:
-            d = buf.dispatch(x, idx, w)
-            y = buf.combine(_eo(d.x), d.handle, kind=kind)
-            out.append(dict(x=d.x.clone(), ntpe=d.num_tokens_per_expert.clone(), offs=d.expert_offsets.clone(),
-                            w=d.weights.clone(), y=y.clone()))
-    geo = buf.geometry
-    buf.close()
-    return out + [(geo.bt, geo.cbt, geo.decode, geo.fused_combine, geo.grid_partial)]
+def test_counts_exchange_with_several_programs():
+    """128 experts: the counts exchange runs one program per 32-expert block (grid 4, kernels.layout
+    exchange_tiles) and the last to arrive lays out; 4 calls in a row (the arrival ticket is never reset), a rank
+    with no tokens, and the protocol recorder on."""
+    from tritonep.kernels.layout import exchange_tiles
 
-
-def _check_script(W, cfg, steps, res, geo=None):
-    """Every rank's results of ``steps`` against the reference; ``geo``: the expected (bt, cbt, decode,
-    fused_combine, grid_partial) of the buffer."""
-    E, H, K, A = cfg["E"], cfg["H"], cfg["K"], cfg.get("A", 1)
-    if geo is not None:
-        assert all(res[r][-1] == geo for r in range(W)), [res[r][-1] for r in range(W)]
-    for i, step in enumerate(steps):
-        what, seed, Ts = step[:3]
-        if what == "bad":
-            got = [res[r][i] for r in range(W)]
-            want = ["InputError" if r == step[3] and Ts[r] > 0 else "PeerInputError" for r in range(W)]
-            assert got == want, (i, got)
-            continue
-        if what == "cap":
-            assert [res[r][i] for r in range(W)] == ["CapacityError"] * W, (i, [res[r][i] for r in range(W)])
-            continue
-        ins = [make_rank_inputs(r, Ts[r], H, E, K, seed=seed, mask_frac=0.15) for r in range(W)]
-        xs, idxs, ws = ([t[j] for t in ins] for j in range(3))
-        ref = dispatch_reference(xs, idxs, ws, E, W, expert_alignment=A)
-        eos = [_eo(ref[r].x) for r in range(W)]
-        yp = combine_reference_partial(eos, ref, idxs, ws, Ts)
-        for r in range(W):
-            got = res[r][i]
-            for k, want in (("ntpe", ref[r].num_tokens_per_expert), ("offs", ref[r].expert_offsets),
-                            ("x", ref[r].x), ("w", ref[r].weights), ("y", yp[r].to(BF16))):
-                assert torch.equal(got[k], want), (i, r, k, step)
-        if step[3] == "grad":
-            _check_grads(W, cfg, ins, [res[r][i] for r in range(W)], i)
-
-
-def _check_grads(W, cfg, ins, got, i):
-    """x.grad / w.grad of the autograd step against torch autograd through the fp32 reference (dispatch is a
-    permutation, so x.grad = 0.5 * g * sum of the valid routes' weights, up to the kernels' bf16 roundings: 2e-2;
-    w.grad against autograd through the fp32 reference within 1e-2)."""
-    from tritonep.reference import combine_reference
-
-    E = cfg["E"]
-    xs = [t[0].float().requires_grad_(True) for t in ins]
-    ws = [t[2].float().requires_grad_(True) for t in ins]
-    idxs = [t[1] for t in ins]
-    ref = dispatch_reference([x.detach().to(BF16) for x in xs], idxs, [w.detach() for w in ws], E, W,
-                             expert_alignment=cfg.get("A", 1))
-    eos = [_eo(ref[r].x) for r in range(W)]
-    ys = combine_reference(eos, ref, idxs, ws, [len(x) for x in xs])
-    loss = sum((ys[r] * got[r]["g"].float()).sum() for r in range(W))
-    loss.backward()
-    for r in range(W):
-        gw_ref = ws[r].grad
-        assert torch.allclose(got[r]["gw"], gw_ref, rtol=1e-2, atol=1e-2), (i, r, "gw")
-        wsum = torch.where(idxs[r] >= 0, ins[r][2].float(), 0.0).sum(1, keepdim=True)
-        gx_ref = 0.5 * wsum * got[r]["g"].float()  # d/dx of sum_k w_k * (0.5 x + 1) . g
-        assert torch.allclose(got[r]["gx"].float(), gx_ref, rtol=2e-2, atol=2e-2), (i, r, "gx")
+    assert exchange_tiles(1, 128)[0] == 4 and exchange_tiles(256, 256) == (8, dict(NCB=256, EBLK=32))
+    W = 2
+    cfg = dict(E=128, H=32, Tmax=16, K=4, A=1, kind="push", repeat=True)
+    calls = make_calls(W, cfg, [16, 0], seeds=[5, 6, 7, 8])
+    res = run_cpu_world(W, calls_world, cfg, calls, timeout_s=240)
+    check_calls(cfg, calls, res, fp32=True)
 
 
 _STEPS3 = [("ok", 1, [16, 0, 7], "push"), ("ok", 2, [0, 0, 0], "pull"), ("bad", 3, [5, 9, 16], 1),
@@ -144,8 +47,8 @@ def test_w3_e_not_multiple_of_32_many_calls(geometry, want):
     assert exchange_tiles(8, 99)[0] == 4
     W = 3
     cfg = dict(E=99, H=64, Tmax=16, K=4, A=2, max_recv=180, geometry=geometry)
-    res = run_cpu_world(W, _script_world, cfg, _STEPS3, timeout_s=600)
-    _check_script(W, cfg, _STEPS3, res, geo=want)
+    res = run_cpu_world(W, script_world, cfg, _STEPS3, timeout_s=600)
+    check_script(cfg, _STEPS3, res, geo=want)
 
 
 def test_w5_exchange_grid_and_backward():
@@ -155,8 +58,8 @@ def test_w5_exchange_grid_and_backward():
     cfg = dict(E=70, H=32, Tmax=8, K=3, A=1, geometry="bt=2,cbt=1,grid=10")
     steps = [("ok", 11, [8, 0, 3, 8, 1], "grad"), ("ok", 12, [0, 5, 0, 0, 8], "pull"),
              ("bad", 13, [2, 2, 2, 2, 2], 4), ("ok", 14, [8, 8, 8, 8, 8], "grad")]
-    res = run_cpu_world(W, _script_world, cfg, steps, timeout_s=600)
-    _check_script(W, cfg, steps, res, geo=(2, 1, 0, False, 10))
+    res = run_cpu_world(W, script_world, cfg, steps, timeout_s=600)
+    check_script(cfg, steps, res, geo=(2, 1, 0, False, 10))
 
 
 def _counts_world(group, E, Tm, K, Ts):
@@ -221,7 +124,7 @@ def _any_grid_world(group, cfg, steps, grid):
 
     tb.exchange_tiles = tiles
     try:
-        out = _script_world(group, cfg, steps)
+        out = script_world(group, cfg, steps)
     finally:
         tb.exchange_tiles = real
     assert used == [(4, dict(NCB=1, EBLK=32))], used
@@ -237,69 +140,4 @@ def test_exchange_any_grid(grid):
     steps = [("ok", 41, [16, 0], "push"), ("bad", 42, [3, 4], 0), ("ok", 43, [5, 16], "pull"),
              ("ok", 44, [0, 0], None)]
     res = run_cpu_world(W, _any_grid_world, cfg, steps, grid, timeout_s=300)
-    _check_script(W, cfg, steps, res)
-
-
-def _close_fp32(y, ref):
-    err = (y.float() - ref).abs()
-    return bool((err <= 2 ** -7 * ref.abs().clamp_min(1.0)).all())
-
-
-def _dispatch_combine_world(group, cfg, calls):
-    rank = dist.get_rank()
-    buf = tep.EPBuffer(group, cfg["E"], cfg["H"], cfg["Tmax"], cfg["K"], expert_alignment=cfg.get("A", 1),
-                       max_recv_tokens=cfg.get("max_recv"))
-    outs = []
-    for i, (x, idx, w) in enumerate(calls[rank]):
-        d = buf.dispatch(x, idx, w)
-        # expert output: a deterministic function of the rows so combine checks real data
-        eo = buf.expert_out_buffer(d.x.shape[0])
-        eo.copy_((d.x.float() * 0.5 + 1.0).to(torch.bfloat16))
-        y = buf.combine(eo, d.handle, kind=cfg.get("kind"))
-        y2 = buf.combine(eo, d.handle, kind=cfg.get("kind")) if i == 0 else None
-        outs.append(dict(x=d.x.clone(), ntpe=d.num_tokens_per_expert.clone(), offs=d.expert_offsets.clone(),
-                         w=d.weights.clone(), eo=eo.clone(), y=y.clone(), y2=None if y2 is None else y2.clone()))
-    buf.close()
-    return outs
-
-
-def _make_calls(W, cfg, ntokens, seeds, mask=0.1):
-    return [[make_rank_inputs(r, ntokens[r], cfg["H"], cfg["E"], cfg["K"], seed=s, mask_frac=mask)
-             for s in seeds] for r in range(W)]
-
-
-def _check(W, cfg, calls, res):
-    for i in range(len(calls[0])):
-        xs = [calls[r][i][0] for r in range(W)]
-        idxs = [calls[r][i][1] for r in range(W)]
-        ws = [calls[r][i][2] for r in range(W)]
-        ref = dispatch_reference(xs, idxs, ws, cfg["E"], W, expert_alignment=cfg.get("A", 1))
-        for r in range(W):
-            got = res[r][i]
-            assert torch.equal(got["ntpe"], ref[r].num_tokens_per_expert), (r, i)
-            assert torch.equal(got["offs"], ref[r].expert_offsets), (r, i)
-            assert torch.equal(got["x"], ref[r].x), (r, i)
-            assert torch.equal(got["w"], ref[r].weights), (r, i)
-        eos = [res[r][i]["eo"] for r in range(W)]
-        yp = combine_reference_partial(eos, ref, idxs, ws, [len(x) for x in xs])
-        yf = combine_reference(eos, ref, idxs, ws, [len(x) for x in xs])
-        for r in range(W):
-            y = res[r][i]["y"]
-            assert torch.equal(y, yp[r].to(torch.bfloat16)), (r, i)
-            assert _close_fp32(y, yf[r]), (r, i)
-            if res[r][i]["y2"] is not None:
-                assert torch.equal(res[r][i]["y2"], y)  # bitwise reproducible
-
-
-def test_counts_exchange_with_several_programs():
-    """128 experts: the counts exchange runs one program per 32-expert block (grid 4, kernels.layout
-    exchange_tiles) and the last to arrive lays out; 4 calls in a row (the arrival ticket is never reset), a rank
-    with no tokens, and the protocol recorder on."""
-    from tritonep.kernels.layout import exchange_tiles
-
-    assert exchange_tiles(1, 128)[0] == 4 and exchange_tiles(256, 256) == (8, dict(NCB=256, EBLK=32))
-    W = 2
-    cfg = dict(E=128, H=32, Tmax=16, K=4, A=1, kind="push")
-    calls = _make_calls(W, cfg, [16, 0], seeds=[5, 6, 7, 8])
-    res = run_cpu_world(W, _dispatch_combine_world, cfg, calls, timeout_s=240)
-    _check(W, cfg, calls, res)
+    check_script(cfg, steps, res)

@@ -18,17 +18,10 @@ import torch.distributed as dist
 import tritonep as tep
 from tritonep.ep import recorder
 from tritonep.ep.geometry import DECODE_MAX_TOKENS, select_geometry
-from tritonep.errors import CapacityError, ConfigError, InputError, PeerInputError, PeerTimeoutError
-from tritonep.reference import combine_reference_partial, dispatch_reference
+from tritonep.errors import ConfigError, PeerTimeoutError
 from tritonep.testing import run_cpu_world
 from tritonep.testing.cases import make_rank_inputs
-
-BF16 = torch.bfloat16
-
-
-def _eo(x):
-    return (x.float() * 0.5 + 1.0).to(BF16)
-
+from tritonep.testing.harness import BF16, check_script, diff, expected, expert, script_world
 
 def test_decode_geometry():
     os.environ.pop("TRITONEP_GEOMETRY", None)
@@ -87,7 +80,7 @@ def _pair_world(group, cfg, script, geometry):
             d = buf.dispatch(x, idx, w)
             n_disp = list(seen)
             eo = buf.expert_out_buffer(d.x.shape[0])
-            eo.copy_(_eo(d.x))
+            eo.copy_(expert(d.x))
             del seen[:]
             y = buf.combine(eo, d.handle)
             n_comb = list(seen)
@@ -134,14 +127,10 @@ def _check_pair(W, cfg, script, res):
             assert one["launches"] == ([("launch", "dispatch_decode_kernel", (G,))],
                                        [("launch", "combine_decode_kernel", (G,))]), one["launches"]
         if cfg["wire"] == "bf16":  # and both equal the oracles
-            xs, idxs, ws = ([res[r][0][i][k] for r in range(W)] for k in ("x", "idx", "w"))
-            ref = dispatch_reference(xs, idxs, ws, cfg["E"], W, expert_alignment=cfg["A"])
-            yp = combine_reference_partial([res[r][0][i]["one"]["eo"] for r in range(W)], ref, idxs, ws, ts)
+            calls = [(res[r][0][i]["x"], res[r][0][i]["idx"], res[r][0][i]["w"]) for r in range(W)]
+            want = expected(calls, cfg["E"], cfg["A"], eos=[res[r][0][i]["one"]["eo"] for r in range(W)])
             for r in range(W):
-                one = res[r][0][i]["one"]
-                assert torch.equal(one["x"], ref[r].x) and torch.equal(one["offs"], ref[r].expert_offsets), (i, r)
-                assert torch.equal(one["ntpe"], ref[r].num_tokens_per_expert), (i, r)
-                assert torch.equal(one["y"], yp[r].to(BF16)), (i, r)
+                assert diff(res[r][0][i]["one"], want[r]) == [], (i, r)
 
 
 PAIR_CASES = {
@@ -177,7 +166,7 @@ def _skip_world(group, where):
     t0 = time.monotonic()
     try:
         if where == "combine":
-            buf.combine(_eo(d.x), d.handle)
+            buf.combine(expert(d.x), d.handle)
         else:
             buf.dispatch(x, idx, w)
         err = ("no error",)
@@ -198,8 +187,8 @@ def test_decode_peer_missing_raises_peer_timeout(where, wait):
 
 
 def test_decode_soak_routine_on_cpu():
-    """The GPU soak's rank function (tests/ep/triton/test_decode_gpu.py) with eager calls: masks 0-100 %, hot experts, each
-    call against a second buffer and the host oracles."""
+    """The GPU soak's rank function (tests/ep/triton/test_decode_gpu.py) with eager calls: masks 0-100 %, hot
+    experts, each call against a second buffer and the host oracles."""
     from tritonep.testing.gpu_decode import decode_soak_world
 
     res = run_cpu_world(2, decode_soak_world, "bt=4,dec=2", 8, 64, 16, 2, 6, False, timeout_s=300)
@@ -222,9 +211,6 @@ def _bench_check_world(group, T):
 def test_bench_exactness_check_on_cpu():
     """The decode-1launch benchmark rows' ``exact_vs_two_kernel`` (tritonep/bench/decode_check.py), T=0 on a rank."""
     assert run_cpu_world(2, _bench_check_world, [8, 0], timeout_s=120) == [True, True]
-
-
-BF16 = torch.bfloat16
 
 
 def _mixed_world(group, Ts):
@@ -268,112 +254,6 @@ def test_decode_buffer_autograd_and_pull_equal_two_kernel_buffer():
             assert all(eq), f"rank {r} call {i} T={Ts[i]}: (y, x.grad, w.grad, y pull, y push) equal = {eq}"
 
 
-def _eo(x):
-    return (x.float() * 0.5 + 1.0).to(BF16)
-
-
-def _script_world(group, cfg, steps):
-    """Run ``steps`` on one buffer: ("ok", seed, Ts, kind) dispatches + combines (kind None / push / pull /
-    "grad": autograd through both, dispatch backward = unweighted combine, combine backward = dispatch);
-    ("bad", seed, Ts, bad_rank) gives ``bad_rank`` an expert id E; ("cap", seed, Ts) exceeds max_recv."""
-    os.environ["TRITONEP_SYNC_CHECKS"] = "1"
-    if cfg.get("geometry"):
-        os.environ["TRITONEP_GEOMETRY"] = cfg["geometry"]
-    rank = dist.get_rank(group)
-    E, H, Tm, K, A = cfg["E"], cfg["H"], cfg["Tmax"], cfg["K"], cfg.get("A", 1)
-    buf = tep.EPBuffer(group, E, H, Tm, K, expert_alignment=A, max_recv_tokens=cfg.get("max_recv"))
-    os.environ.pop("TRITONEP_GEOMETRY", None)
-    out = []
-    for step in steps:
-        what, seed, Ts = step[:3]
-        x, idx, w = make_rank_inputs(rank, Ts[rank], H, E, K, seed=seed, mask_frac=0.15)
-        if what == "bad" and rank == step[3] and Ts[rank] > 0:
-            idx = idx.clone()
-            idx[-1, 0] = E
-        if what == "cap":
-            idx = torch.zeros_like(idx)  # every route to expert 0: rank 0 receives more than max_recv rows
-        if what != "ok":
-            try:
-                buf.dispatch(x, idx, w)
-                out.append("no error")
-            except (InputError, PeerInputError, CapacityError) as e:
-                out.append(type(e).__name__)
-            continue
-        kind = step[3]
-        if kind == "grad":
-            xr = x.clone().requires_grad_(True)
-            wr = w.clone().requires_grad_(True)
-            d = buf.dispatch(xr, idx, wr)
-            y = buf.combine(_eo(d.x), d.handle)
-            g = torch.randn(Ts[rank], H, generator=torch.Generator().manual_seed(seed + rank)).to(BF16)
-            (y.float() * g.float()).sum().backward()
-            out.append(dict(x=d.x.detach().clone(), ntpe=d.num_tokens_per_expert.clone(),
-                            offs=d.expert_offsets.clone(), w=d.weights.detach().clone(), y=y.detach().clone(),
-                            gx=xr.grad.clone(), gw=wr.grad.clone(), g=g))
-        else:
-            d = buf.dispatch(x, idx, w)
-            y = buf.combine(_eo(d.x), d.handle, kind=kind)
-            out.append(dict(x=d.x.clone(), ntpe=d.num_tokens_per_expert.clone(), offs=d.expert_offsets.clone(),
-                            w=d.weights.clone(), y=y.clone()))
-    geo = buf.geometry
-    buf.close()
-    return out + [(geo.bt, geo.cbt, geo.decode, geo.fused_combine, geo.grid_partial)]
-
-
-def _check_script(W, cfg, steps, res, geo=None):
-    """Every rank's results of ``steps`` against the reference; ``geo``: the expected (bt, cbt, decode,
-    fused_combine, grid_partial) of the buffer."""
-    E, H, K, A = cfg["E"], cfg["H"], cfg["K"], cfg.get("A", 1)
-    if geo is not None:
-        assert all(res[r][-1] == geo for r in range(W)), [res[r][-1] for r in range(W)]
-    for i, step in enumerate(steps):
-        what, seed, Ts = step[:3]
-        if what == "bad":
-            got = [res[r][i] for r in range(W)]
-            want = ["InputError" if r == step[3] and Ts[r] > 0 else "PeerInputError" for r in range(W)]
-            assert got == want, (i, got)
-            continue
-        if what == "cap":
-            assert [res[r][i] for r in range(W)] == ["CapacityError"] * W, (i, [res[r][i] for r in range(W)])
-            continue
-        ins = [make_rank_inputs(r, Ts[r], H, E, K, seed=seed, mask_frac=0.15) for r in range(W)]
-        xs, idxs, ws = ([t[j] for t in ins] for j in range(3))
-        ref = dispatch_reference(xs, idxs, ws, E, W, expert_alignment=A)
-        eos = [_eo(ref[r].x) for r in range(W)]
-        yp = combine_reference_partial(eos, ref, idxs, ws, Ts)
-        for r in range(W):
-            got = res[r][i]
-            for k, want in (("ntpe", ref[r].num_tokens_per_expert), ("offs", ref[r].expert_offsets),
-                            ("x", ref[r].x), ("w", ref[r].weights), ("y", yp[r].to(BF16))):
-                assert torch.equal(got[k], want), (i, r, k, step)
-        if step[3] == "grad":
-            _check_grads(W, cfg, ins, [res[r][i] for r in range(W)], i)
-
-
-def _check_grads(W, cfg, ins, got, i):
-    """x.grad / w.grad of the autograd step against torch autograd through the fp32 reference (dispatch is a
-    permutation, so x.grad = 0.5 * g * sum of the valid routes' weights, up to the kernels' bf16 roundings: 2e-2;
-    w.grad against autograd through the fp32 reference within 1e-2)."""
-    from tritonep.reference import combine_reference
-
-    E = cfg["E"]
-    xs = [t[0].float().requires_grad_(True) for t in ins]
-    ws = [t[2].float().requires_grad_(True) for t in ins]
-    idxs = [t[1] for t in ins]
-    ref = dispatch_reference([x.detach().to(BF16) for x in xs], idxs, [w.detach() for w in ws], E, W,
-                             expert_alignment=cfg.get("A", 1))
-    eos = [_eo(ref[r].x) for r in range(W)]
-    ys = combine_reference(eos, ref, idxs, ws, [len(x) for x in xs])
-    loss = sum((ys[r] * got[r]["g"].float()).sum() for r in range(W))
-    loss.backward()
-    for r in range(W):
-        gw_ref = ws[r].grad
-        assert torch.allclose(got[r]["gw"], gw_ref, rtol=1e-2, atol=1e-2), (i, r, "gw")
-        wsum = torch.where(idxs[r] >= 0, ins[r][2].float(), 0.0).sum(1, keepdim=True)
-        gx_ref = 0.5 * wsum * got[r]["g"].float()  # d/dx of sum_k w_k * (0.5 x + 1) . g
-        assert torch.allclose(got[r]["gx"].float(), gx_ref, rtol=2e-2, atol=2e-2), (i, r, "gx")
-
-
 def test_w3_decode_buffer_with_own_combine_tile():
     """W = 3 decode buffer (dec=3: one-launch dispatch and push combine, tile 1) whose two-kernel combines (pull,
     dispatch backward) use a combine tile of 2 and grid 3 (rotated partial sources), alternating on one buffer."""
@@ -381,5 +261,5 @@ def test_w3_decode_buffer_with_own_combine_tile():
     cfg = dict(E=48, H=32, Tmax=8, K=3, A=2, geometry="bt=1,cbt=2,dec=3")
     steps = [("ok", 21, [8, 0, 5], "grad"), ("ok", 22, [1, 8, 0], "pull"), ("ok", 23, [0, 0, 0], None),
              ("bad", 24, [3, 3, 3], 0), ("ok", 25, [8, 8, 8], "grad"), ("ok", 26, [2, 7, 3], "pull")]
-    res = run_cpu_world(W, _script_world, cfg, steps, timeout_s=600)
-    _check_script(W, cfg, steps, res, geo=(1, 2, 3, False, 3))
+    res = run_cpu_world(W, script_world, cfg, steps, timeout_s=600)
+    check_script(cfg, steps, res, geo=(1, 2, 3, False, 3))

@@ -7,7 +7,7 @@ bf16 and fp8 wires, at each ``--gpu-world-sizes`` (ranks share a GPU when there 
 of 2). On the GPU machine::
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
-      python -m pytest -q -m gpu tests/ep/triton/test_decode_gpu.py          # add -m "gpu" --gpu-world-sizes 2,4 for more
+      python -m pytest -q -m gpu tests/ep/triton/test_decode_gpu.py  # add -m "gpu" --gpu-world-sizes 2,4 for more
 """
 
 import pytest

@@ -2,65 +2,10 @@
 and their refusals, and that every tile / grid / role split gives the same bits."""
 
 import pytest
-import torch
-import torch.distributed as dist
 
-import tritonep as tep
 from tritonep.errors import ConfigError
-from tritonep.reference import combine_reference, combine_reference_partial, dispatch_reference
 from tritonep.testing import run_cpu_world
-from tritonep.testing.cases import make_rank_inputs
-
-
-def _close_fp32(y, ref):
-    err = (y.float() - ref).abs()
-    return bool((err <= 2 ** -7 * ref.abs().clamp_min(1.0)).all())
-
-
-def _dispatch_combine_world(group, cfg, calls):
-    rank = dist.get_rank()
-    buf = tep.EPBuffer(group, cfg["E"], cfg["H"], cfg["Tmax"], cfg["K"], expert_alignment=cfg.get("A", 1),
-                       max_recv_tokens=cfg.get("max_recv"))
-    outs = []
-    for i, (x, idx, w) in enumerate(calls[rank]):
-        d = buf.dispatch(x, idx, w)
-        # expert output: a deterministic function of the rows so combine checks real data
-        eo = buf.expert_out_buffer(d.x.shape[0])
-        eo.copy_((d.x.float() * 0.5 + 1.0).to(torch.bfloat16))
-        y = buf.combine(eo, d.handle, kind=cfg.get("kind"))
-        y2 = buf.combine(eo, d.handle, kind=cfg.get("kind")) if i == 0 else None
-        outs.append(dict(x=d.x.clone(), ntpe=d.num_tokens_per_expert.clone(), offs=d.expert_offsets.clone(),
-                         w=d.weights.clone(), eo=eo.clone(), y=y.clone(), y2=None if y2 is None else y2.clone()))
-    buf.close()
-    return outs
-
-
-def _make_calls(W, cfg, ntokens, seeds, mask=0.1):
-    return [[make_rank_inputs(r, ntokens[r], cfg["H"], cfg["E"], cfg["K"], seed=s, mask_frac=mask)
-             for s in seeds] for r in range(W)]
-
-
-def _check(W, cfg, calls, res):
-    for i in range(len(calls[0])):
-        xs = [calls[r][i][0] for r in range(W)]
-        idxs = [calls[r][i][1] for r in range(W)]
-        ws = [calls[r][i][2] for r in range(W)]
-        ref = dispatch_reference(xs, idxs, ws, cfg["E"], W, expert_alignment=cfg.get("A", 1))
-        for r in range(W):
-            got = res[r][i]
-            assert torch.equal(got["ntpe"], ref[r].num_tokens_per_expert), (r, i)
-            assert torch.equal(got["offs"], ref[r].expert_offsets), (r, i)
-            assert torch.equal(got["x"], ref[r].x), (r, i)
-            assert torch.equal(got["w"], ref[r].weights), (r, i)
-        eos = [res[r][i]["eo"] for r in range(W)]
-        yp = combine_reference_partial(eos, ref, idxs, ws, [len(x) for x in xs])
-        yf = combine_reference(eos, ref, idxs, ws, [len(x) for x in xs])
-        for r in range(W):
-            y = res[r][i]["y"]
-            assert torch.equal(y, yp[r].to(torch.bfloat16)), (r, i)
-            assert _close_fp32(y, yf[r]), (r, i)
-            if res[r][i]["y2"] is not None:
-                assert torch.equal(res[r][i]["y2"], y)  # bitwise reproducible
+from tritonep.testing.harness import calls_world, check_calls, make_calls
 
 
 @pytest.mark.parametrize("W,geometry", [(2, "bt=1,bh=32,grid=5"), (2, "bt=2,grid=3,combine=pull"),
@@ -73,10 +18,10 @@ def test_geometry_override_small_tiles(monkeypatch, W, geometry):
     """The GPU decode geometry uses tiny token tiles and many programs, the fused paths split the grid by role;
     every tile/grid/role choice gives the same bits (2 calls: the fused and two-kernel paths follow each other)."""
     monkeypatch.setenv("TRITONEP_GEOMETRY", geometry)
-    cfg = dict(E=4 * W, H=96, Tmax=16, K=3, A=2, kind=None)
-    calls = _make_calls(W, cfg, [11, 5, 9][:W], seeds=[3, 4])
-    res = run_cpu_world(W, _dispatch_combine_world, cfg, calls, timeout_s=240)
-    _check(W, cfg, calls, res)
+    cfg = dict(E=4 * W, H=96, Tmax=16, K=3, A=2, kind=None, repeat=True)
+    calls = make_calls(W, cfg, [11, 5, 9][:W], seeds=[3, 4])
+    res = run_cpu_world(W, calls_world, cfg, calls, timeout_s=240)
+    check_calls(cfg, calls, res, fp32=True)
 
 
 def test_geometry_override_errors(monkeypatch):

@@ -13,9 +13,9 @@ import torch.distributed as dist
 
 import tritonep as tep
 from tritonep.errors import WireError
-from tritonep.reference import combine_reference_partial, dispatch_reference
 from tritonep.testing import run_cpu_world
-from tritonep.testing.wire_checks import check_wire_roundtrip, wire_roundtrip_world
+from tritonep.testing.harness import BF16, check_calls, run_call
+from tritonep.testing.wire_checks import check_wire_roundtrip, twin_rows, wire_roundtrip_world
 
 SHAPE = (8, 256, 12, 3)  # E, H, Tmax, K
 
@@ -47,9 +47,6 @@ def test_bad_wire_names_and_hidden():
     assert "48" in errs[2] and "32" in errs[2]
 
 
-BF16 = torch.bfloat16
-
-
 def _empty_quantized_world(group, wire):
     rank = dist.get_rank(group)
     H = 256
@@ -57,13 +54,16 @@ def _empty_quantized_world(group, wire):
     x = torch.randn(4, H, generator=torch.Generator().manual_seed(rank)).to(BF16)
     idx, w = torch.tensor([[0, 1]] * 4), torch.rand(4, 2, generator=torch.Generator().manual_seed(3))
     dq = buf.dispatch(x, idx, w, keep_quantized=True)  # experts 0, 1 live on rank 0: rank 1 receives nothing
-    d = buf.dispatch(x, idx, w)
-    y = buf.combine(buf.expert_out_buffer(d.x.shape[0]).copy_(d.x), d.handle)
+    rec = run_call(buf, x, idx, w, fn=_identity)
     out = dict(q=(dq.x.dtype, tuple(dq.x.shape)), s=(dq.x_scales.dtype, tuple(dq.x_scales.shape)),
-               x=(d.x.dtype, tuple(d.x.shape)), w=tuple(d.weights.shape), ntpe=d.num_tokens_per_expert.tolist(),
-               y=y.clone(), rows=d.x.clone())
+               x=(rec["x"].dtype, tuple(rec["x"].shape)), w=tuple(rec["w"].shape), ntpe=rec["ntpe"].tolist(),
+               call=(x, idx, w), rec=rec)
     buf.close()
     return out
+
+
+def _identity(x):
+    return x
 
 
 @pytest.mark.parametrize("wire,q_cols,s_dtype,s_cols", [("fp8", 256, torch.float32, 2),
@@ -74,10 +74,6 @@ def test_quantized_dispatch_to_rank_with_no_rows(wire, q_cols, s_dtype, s_cols):
     assert e["q"] == (torch.uint8, (0, q_cols)) and e["s"] == (s_dtype, (0, s_cols)), (e["q"], e["s"])
     assert e["x"] == (BF16, (0, 256)) and e["w"] == (0,) and e["ntpe"] == [0, 0]
     assert res[0]["q"] == (torch.uint8, (16, q_cols)) and res[0]["ntpe"] == [8, 8]
-    # y of both ranks: sum_k w * row, rows as received (wire-rounded), computed in the kernels' order
-    x = [torch.randn(4, 256, generator=torch.Generator().manual_seed(r)).to(BF16) for r in range(2)]
-    idx, w = [torch.tensor([[0, 1]] * 4)] * 2, [torch.rand(4, 2, generator=torch.Generator().manual_seed(3))] * 2
-    ref = dispatch_reference(x, idx, w, 4, 2)
-    yp = combine_reference_partial([res[0]["rows"], res[1]["rows"]], ref, idx, w, [4, 4])
-    for r in range(2):
-        assert torch.equal(res[r]["y"], yp[r].to(BF16)), r
+    # rows as the wire delivers them; y of both ranks: sum_k w * row over the received rows, in the kernels' order
+    check_calls(dict(E=4), [[r["call"]] for r in res], [[r["rec"]] for r in res],
+                rows=lambda x: twin_rows(wire, x.float()))

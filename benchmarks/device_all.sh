@@ -4,7 +4,8 @@
 #                                         # MoE layer none vs virtual experts on skewed routing
 #   bash benchmarks/device_all.sh bench   # EP benchmark + geometry sweep, MoE layer fwd+bwd vs torch+NCCL (profiled)
 #   bash benchmarks/device_all.sh moe     # only the MoE layer benchmark
-# Results land under $OUT (logs + JSON); commit the JSON under benchmarks/results/ with this command.
+# Results land under $OUT (logs + JSON); index each JSON with `python scripts/results_index.py add FILE --machine
+# h200x2` (benchmarks/README.md "Results and their history") and commit it with this command.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD

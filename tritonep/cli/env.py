@@ -61,13 +61,14 @@ def collect_env() -> dict:
 
 
 def main(args) -> int:
-    from rich.console import Console
     from rich.table import Table
+
+    from .console import make_console
 
     t = Table(title="tritonep env")
     t.add_column("key")
     t.add_column("value")
     for k, v in collect_env().items():
         t.add_row(k, str(v))
-    Console().print(t)
+    make_console().print(t)
     return 0

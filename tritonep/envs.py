@@ -30,7 +30,7 @@ VARIABLES = ("TRITONEP_TIMEOUT_S", "TRITONEP_SYNC_CHECKS", "TRITONEP_NUM_SMS", "
 """Every variable of the table above (``tritonep env`` shows the ones that are set)."""
 
 
-def _get(name: str, default: str) -> str:
+def _get(name: str, default: str | None) -> str | None:
     return os.environ.get(name, default)
 
 
@@ -71,7 +71,7 @@ def sync_checks() -> int:
     ``deferred``, the default) or ``SYNC_STRICT`` (``1`` / ``strict``); see the module table. Read at every call
     (so benchmarks and tests may change it between calls) but parsed only when its text changes: on the host path
     of every dispatch."""
-    raw = os.environ.get("TRITONEP_SYNC_CHECKS")
+    raw = _get("TRITONEP_SYNC_CHECKS", None)
     memo = _SYNC_MEMO
     if raw == memo[0]:  # the memo starts as (unset, deferred)
         return memo[1]

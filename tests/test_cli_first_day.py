@@ -69,6 +69,7 @@ def test_bad_environment_refused_before_any_world(monkeypatch, capsys, name, val
      "--combine-wire fp8_e5m2 quantizes hidden in blocks of 128 elements"),
     (["run", "--hidden", "100"], "tritonep run: error: ConfigError: --hidden 100 is not a multiple of 8"),
     (["run", "--hidden", "0"], "tritonep run: error: ConfigError: --hidden 0 must be a positive integer"),
+    (["run", "--timeout", "-1"], "tritonep run: error: ConfigError: --timeout -1 must be a positive number of seconds"),
 ])
 def test_refusals_name_the_flag_as_typed(capsys, argv, line):
     assert cli_main(argv) == 2

@@ -23,9 +23,9 @@ def add_parser(sub):
     p.add_argument("--domain", default="arxiv", help="OLMoE domain")
     p.add_argument("--world-size", type=int, default=8, help="EP ranks")
     p.add_argument("--num-experts", type=int, default=None,
-                   help="experts (default: 64 for flame/olmoe, whose histograms are tiled to this many; for a file "
-                        "its largest expert id + 1, rounded up to a multiple of the world size); fewer than a "
-                        "file's or the flame trace's largest id + 1 is an error")
+                   help="experts (default: the source's experts, 64 for flame/olmoe, for a file its largest expert "
+                        "id + 1, rounded up to a multiple of the world size: 66 for 3 ranks; olmoe's histograms are "
+                        "tiled to this many); fewer than a file's or the flame trace's largest id + 1 is an error")
     p.add_argument("--tokens", type=int, default=None,
                    help="tokens per rank (default: a trace's every token, histograms 4096; more than a trace holds "
                         "is an error)")

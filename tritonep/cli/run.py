@@ -82,7 +82,7 @@ def _settings(args, on_gpu, world_size):
 
     Raises:
         DataError: a bad routing file, layer, domain, --num-experts, --topk or --tokens (one line each).
-        ConfigError: --world-size or --steps below 1.
+        ConfigError: --world-size or --steps below 1, --timeout not positive.
     """
     from ..errors import ConfigError
     from .routing import check_layers, check_tokens, check_topk, resolve, token_split
@@ -91,6 +91,8 @@ def _settings(args, on_gpu, world_size):
         raise ConfigError(f"--world-size {world_size} must be >= 1")
     if args.steps < 1:
         raise ConfigError(f"--steps {args.steps} must be >= 1")
+    if not args.timeout > 0:
+        raise ConfigError(f"--timeout {args.timeout:g} must be a positive number of seconds")
     src = resolve(args.routing, args.domain)
     layers = check_layers(src, args.layers)
     E = args.num_experts if args.num_experts is not None else src.default_num_experts(world_size)

@@ -3,9 +3,16 @@
     torchrun --nproc-per-node 2 examples/torchrun_moe.py    # 2 GPUs of one host, NCCL process group
     torchrun --nproc-per-node 4 examples/torchrun_moe.py    # 4 processes on fewer GPUs: they share GPUs (below)
     python examples/torchrun_moe.py                         # no GPU: the same main() in a 2-rank CPU world
+    torchrun --nproc-per-node 2 examples/torchrun_moe.py    # no GPU: a gloo group and backend="nccl" (below)
 
-``main(group)`` is the per-rank body (tests/docs/test_examples.py runs it in a CPU world). It raises AssertionError if a
-result is off and returns the measured errors.
+``main(group)`` is the per-rank body (tests/docs/test_examples.py runs it in a CPU world,
+tests/docs/test_torchrun_cpu.py under torchrun without a GPU). It raises AssertionError if a result is off and
+returns the measured errors.
+
+Without a GPU, torchrun's processes share no memory, so the ``triton`` backend (symmetric memory: in a CPU world one
+fork + mmap heap) has nothing to map; the ``nccl`` backend needs none: its exchanges are ``torch.distributed``
+collectives, which a gloo group runs on CPU tensors, and its few kernels run in Triton's interpreter
+(``TRITON_INTERPRET=1``, set here before tritonep's kernels are imported). Same API and same bits as in a CPU world.
 
 More processes than GPUs (``LOCAL_WORLD_SIZE`` > GPUs), e.g. developing on one GPU before renting eight:
 
@@ -29,14 +36,14 @@ import tritonep as tep
 from tritonep.reference import moe_dense_reference
 
 
-def main(group):
+def main(group, backend="auto"):
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     H, I, E, K, T = (2048, 1024, 64, 6, 512) if dev.type == "cuda" else (64, 32, 8, 2, 6)  # tiny on a CPU
     torch.manual_seed(rank)  # each rank its own tokens
 
     # 1. EPBuffer: send every token to its K experts and back; here the "experts" double their rows
-    buf = tep.EPBuffer(group, num_experts=E, hidden=H, max_tokens_per_rank=T, topk=K, device=dev)
+    buf = tep.EPBuffer(group, num_experts=E, hidden=H, max_tokens_per_rank=T, topk=K, device=dev, backend=backend)
     x = torch.randn(T, H, device=dev).bfloat16()
     topk_idx = torch.rand(T, E, device=dev).argsort(dim=1)[:, :K]  # K distinct experts per token
     topk_weights = torch.rand(T, K, device=dev)
@@ -49,7 +56,7 @@ def main(group):
 
     # 2. MoELayer: router + SwiGLU experts (E / world per rank), forward and backward
     geo = tep.MoEGeometry(hidden=H, intermediate=I, num_experts=E, topk=K, max_tokens_per_rank=T)
-    layer = tep.MoELayer(tep.MoERecipe(), geo, group, device=dev, seed=0)
+    layer = tep.MoELayer(tep.MoERecipe(), geo, group, device=dev, seed=0, backend=backend)
     x = torch.randn(T, H, device=dev).bfloat16().requires_grad_(True)
     topk_idx, topk_weights = layer.router(x)  # what layer(x) does; kept here for the check below
     y = layer(x, topk_idx=topk_idx, topk_weights=topk_weights)
@@ -69,7 +76,7 @@ def main(group):
     assert moe_err < 3e-2, f"rank {rank}: MoE layer output off by {moe_err:.2e}"
     layer.close()
     if rank == 0:
-        print(f"world {world} on {dev.type}: dispatch/combine error {dispatch_err:.1e}, "
+        print(f"world {world} on {dev.type}, {buf.backend} backend: dispatch/combine error {dispatch_err:.1e}, "
               f"MoE layer error {moe_err:.1e} vs the dense reference; backward done")
     return {"dispatch_err": dispatch_err, "moe_err": moe_err, "grad_x_norm": float(x.grad.float().norm())}
 
@@ -90,9 +97,11 @@ if __name__ == "__main__":
             dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
         main(dist.group.WORLD)
         dist.destroy_process_group()
-    elif "LOCAL_RANK" in os.environ:
-        raise SystemExit("no GPU: torchrun processes cannot share a CPU heap; run `python examples/torchrun_moe.py`, "
-                         "which starts a 2-rank CPU world itself")
+    elif "LOCAL_RANK" in os.environ:  # torchrun without a GPU: a gloo group and the nccl backend (below)
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before tritonep's kernels are imported (main imports them)
+        dist.init_process_group("gloo")
+        main(dist.group.WORLD, backend="nccl")
+        dist.destroy_process_group()
     else:  # no GPU: forked CPU ranks sharing one heap, kernels in Triton's interpreter
         from tritonep.testing import run_cpu_world
 

@@ -28,7 +28,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from tritonep.integrations.torchtitan import close_buffers, shard_routed_experts, use_tritonep
+if not torch.cuda.is_available():  # no GPU: tritonep's kernels run in Triton's interpreter, which Triton reads when
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # a kernel is defined: before the next import defines them
+
+from tritonep.integrations.torchtitan import close_buffers, shard_routed_experts, use_tritonep  # noqa: E402
 
 
 def moe_layer_config(**dispatcher_fields):

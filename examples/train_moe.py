@@ -3,6 +3,7 @@ aux-loss-free balancing and a shared expert, checkpoint save + bit-exact resume,
 
     torchrun --nproc-per-node 4 examples/train_moe.py --ep 2            # GPUs of one host: DP 2 x EP 2
     python examples/train_moe.py                                        # no GPU: a 4-rank CPU world (DP 2 x EP 2)
+    torchrun --nproc-per-node 4 examples/train_moe.py                   # no GPU: gloo, EP groups on the nccl backend
     python examples/train_moe.py --steps 300 --plot docs/train_moe_loss.png
 
 The model: token embedding -> RMSNorm -> causal self-attention -> RMSNorm -> MoE layer (routed experts over the EP
@@ -31,9 +32,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-import tritonep as tep
-from tritonep.moe import RouterConfig, reduce_gradients, update_router_biases
-from tritonep.moe import checkpoint as ckpt
+if not torch.cuda.is_available():  # no GPU: tritonep's kernels run in Triton's interpreter, which Triton reads when
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # a kernel is defined: before tritonep.moe imports them (below)
+
+import tritonep as tep  # noqa: E402
+from tritonep.moe import RouterConfig, reduce_gradients, update_router_biases  # noqa: E402
+from tritonep.moe import checkpoint as ckpt  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -194,8 +198,10 @@ if __name__ == "__main__":
         dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
         main(dist.group.WORLD)
         dist.destroy_process_group()
-    elif "LOCAL_RANK" in os.environ:
-        raise SystemExit("no GPU: run `python examples/train_moe.py`, which starts a 4-rank CPU world itself")
+    elif "LOCAL_RANK" in os.environ:  # torchrun without a GPU: a gloo group; the EP groups use the nccl backend
+        dist.init_process_group("gloo")
+        main(dist.group.WORLD)
+        dist.destroy_process_group()
     else:  # no GPU: forked CPU ranks, gloo; the EP subgroups use the nccl (torch.distributed) backend
         import sys
 

@@ -22,7 +22,7 @@ import os
 
 __all__ = ["timeout_s", "sync_checks", "SYNC_NONE", "SYNC_DEFERRED", "SYNC_STRICT", "num_sms", "max_programs",
            "combine_kind", "geometry_override", "cpu_heap_bytes", "force_no_p2p", "interpret", "fast_launch",
-           "VARIABLES", "snapshot"]
+           "VARIABLES", "snapshot", "check_all"]
 
 VARIABLES = ("TRITONEP_TIMEOUT_S", "TRITONEP_SYNC_CHECKS", "TRITONEP_NUM_SMS", "TRITONEP_MAX_PROGRAMS",
              "TRITONEP_COMBINE", "TRITONEP_GEOMETRY", "TRITONEP_CPU_HEAP_BYTES", "TRITONEP_FAST_LAUNCH",
@@ -30,7 +30,7 @@ VARIABLES = ("TRITONEP_TIMEOUT_S", "TRITONEP_SYNC_CHECKS", "TRITONEP_NUM_SMS", "
 """Every variable of the table above (``tritonep env`` shows the ones that are set)."""
 
 
-def _get(name: str, default: str) -> str:
+def _get(name: str, default: str | None) -> str | None:
     return os.environ.get(name, default)
 
 
@@ -44,14 +44,20 @@ def timeout_s() -> float:
 
     Long enough for one rank to reach the next MoE layer minutes after another (checkpoint writing, evaluation on
     rank 0); EPBuffer / MoELayer take ``timeout_s=`` per object.
+
+    Raises:
+        ConfigError: not a positive, finite number.
     """
     v = _get("TRITONEP_TIMEOUT_S", "300")
     try:
-        return float(v)
+        s = float(v)
     except ValueError:
+        s = None
+    if s is None or not 0 < s < float("inf"):
         from .errors import ConfigError
 
-        raise ConfigError(f"TRITONEP_TIMEOUT_S={v!r} is not a number of seconds") from None
+        raise ConfigError(f"TRITONEP_TIMEOUT_S={v!r}: use a positive number of seconds (default 300)")
+    return s
 
 
 SYNC_NONE, SYNC_DEFERRED, SYNC_STRICT = 0, 1, 2
@@ -188,3 +194,21 @@ def force_no_p2p() -> bool:
 
         raise ConfigError(f"TRITONEP_FORCE_NO_P2P={v!r}: use 0 or 1")
     return v == "1"
+
+
+def check_all() -> None:
+    """Parse every variable of the table that has a parser here, so a bad value is refused before any work starts
+    (the ``tritonep`` command calls this first; TRITONEP_GEOMETRY's fields are parsed by
+    :func:`tritonep.ep.geometry.select_geometry`, which the command calls too).
+
+    Raises:
+        ConfigError: the first bad value, naming the variable, the value and what to use.
+    """
+    timeout_s()
+    sync_checks()
+    num_sms()
+    max_programs()
+    combine_kind()
+    cpu_heap_bytes()
+    fast_launch()
+    force_no_p2p()

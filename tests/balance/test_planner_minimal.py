@@ -258,8 +258,8 @@ def test_cli_plan_shows_both_modes(tmp_path):
                        env=dict(os.environ, COLUMNS="200"))
     out = " ".join((p.stdout + p.stderr).split())
     assert p.returncode == 0, out
-    assert "reference mode: moved routes 342 (total excess 334), max load 1536" in out
-    assert "minimal mode: moved routes 334 (total excess 334), max load 1536" in out
+    assert "reference mode: balancedness 1.000, moved routes 342 (total excess 334), max load 1536" in out
+    assert "minimal mode: balancedness 1.000, moved routes 334 (total excess 334), max load 1536" in out
     res = json.loads(out_json.read_text())
     assert res["mode"] == "reference" and res["moved_routes"] == 342
     assert {m: r["moved_routes"] for m, r in res["modes"].items()} == {"reference": 342, "minimal": 334}

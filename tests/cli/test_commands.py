@@ -62,10 +62,10 @@ def test_run_help_and_bad_layer():
     rc, out = _cli("run", "--layers", "99", "--no-check")
     assert rc == 2, out
     assert "99" in out
-    rc, out = _cli("run", "--hidden", "100", "--layers", "2")  # refused before any rank starts, naming the field
-    assert rc == 2 and "MoEGeometry.hidden=100" in out and "Traceback" not in out, out
+    rc, out = _cli("run", "--hidden", "100", "--layers", "2")  # refused before any rank starts, naming the flag
+    assert rc == 2 and "--hidden 100 is not a multiple of 8" in out and "Traceback" not in out, out
     rc, out = _cli("run", "--hidden", "64", "--dispatch-wire", "fp8", "--layers", "2")
-    assert rc == 2 and "dispatch_wire='fp8'" in out and "Traceback" not in out, out
+    assert rc == 2 and "--dispatch-wire fp8 quantizes hidden in blocks of 128" in out and "Traceback" not in out, out
 
 
 def test_bench_plot_writes_a_png(tmp_path):

@@ -63,7 +63,7 @@ REFUSALS = {  # case: (file text, or None for the random trace of 10 tokens x to
     "tokens_beyond_trace": (None, ["--tokens", "6"], r"--tokens 6: 2 ranks x 6 = 12 tokens per layer, but the trace "
                                                      r"{csv} has 10 tokens per layer"),
     "topk_differs": (None, ["--topk", "3"], r"--topk 3: .* K=2"),
-    "bad_layer": (None, ["--layers", "1"], r"--layers \[1\]: .* has layers \[0\]"),
+    "bad_layer": (None, ["--layers", "1"], r"--layers 1: no layer 1 in the trace .* \(its layers: 0\)"),
     "ragged_row": ("layer,token,e0,e1\n0,0,1,2\n0,1,1\n", [], r"{csv}:3:6: row has 3 fields"),
     "missing_column": ("layer,e0\n0,1\n", [], r"{csv}:1:9: the header lacks column 'token'"),
     "id_out_of_range": ("layer,token,e0\n0,0,99\n", ["--num-experts", "16"],

@@ -6,7 +6,7 @@ for the two placement modes (``"reference"``, the default, and ``"minimal"``).
 """
 
 from tritonep.balance.metrics import (
-    balancedness, excess_routes, loads_after, maxvio, moved_routes, rank_loads, straggler_factor,
+    balancedness, excess_routes, loads_after, maxvio, moved_routes, plan_shortfall, rank_loads, straggler_factor,
 )
 from tritonep.balance.placement import (
     MAX_PLANNER_EXPERTS, MAX_PLANNER_WORLD, PLACEMENT_MODES, Placement, check_counts, place_torch,
@@ -26,6 +26,7 @@ __all__ = [
     "loads_after",
     "moved_routes",
     "excess_routes",
+    "plan_shortfall",
     "balancedness",
     "straggler_factor",
     "maxvio",

@@ -12,8 +12,8 @@ import torch
 from tritonep.balance.placement import Placement
 from tritonep.errors import PlanError
 
-__all__ = ["rank_loads", "loads_after", "moved_routes", "excess_routes", "balancedness", "straggler_factor",
-           "maxvio"]
+__all__ = ["rank_loads", "loads_after", "moved_routes", "excess_routes", "plan_shortfall", "balancedness",
+           "straggler_factor", "maxvio"]
 
 
 def rank_loads(counts: torch.Tensor, world_size: int) -> torch.Tensor:
@@ -86,6 +86,33 @@ def excess_routes(counts: torch.Tensor, world_size: int) -> int:
     n = int(loads.sum())
     cap = torch.tensor([n // world_size + (1 if d < n % world_size else 0) for d in range(world_size)])
     return int((loads - cap).clamp(min=0).sum())
+
+
+def plan_shortfall(placement: Placement) -> dict:
+    """What a plan left unbalanced, and why: the routes still over capacity and the ranks that could not take them.
+
+    A reference-mode plan (and a minimal-mode one whose slots sufficed) balances exactly, so this reports nothing.
+    A minimal-mode plan stops early when every rank still under capacity has all ``L`` virtual slots in use (a slot
+    holds one expert; :mod:`tritonep.balance.placement`, "Minimal mode"): the ranks over capacity then keep their
+    excess.
+
+    Args:
+        placement: a :class:`Placement` of either mode (torch or Triton; a host sync on a GPU plan).
+
+    Returns:
+        A JSON-able dict: ``unmoved_routes`` (``sum_d max(0, after[d] - capacity[d])``, 0 for a balanced plan),
+        ``over_capacity`` (``[{"rank", "load", "capacity"}]`` of the ranks above capacity after the plan),
+        ``under_capacity`` (``[{"rank", "load", "capacity", "slots_used"}]`` of the ranks below it) and
+        ``slots_per_rank`` (``L``).
+    """
+    after = loads_after(placement).cpu().tolist()
+    cap = placement.capacity.detach().to("cpu", torch.int64).tolist()
+    used = (placement.experts_to_copy.detach().cpu() >= 0).sum(1).tolist()
+    over = [dict(rank=d, load=int(a), capacity=int(c)) for d, (a, c) in enumerate(zip(after, cap)) if a > c]
+    under = [dict(rank=d, load=int(a), capacity=int(c), slots_used=int(used[d]))
+             for d, (a, c) in enumerate(zip(after, cap)) if a < c]
+    return dict(unmoved_routes=sum(o["load"] - o["capacity"] for o in over), over_capacity=over,
+                under_capacity=under, slots_per_rank=placement.num_local_experts)
 
 
 def _as_float_vector(x: torch.Tensor, name: str) -> torch.Tensor:

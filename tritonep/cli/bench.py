@@ -7,9 +7,9 @@ import json
 import torch
 
 from ..bench.check import exit_code
-from .help import HelpFormatter
+from .help import EpilogTableFormatter
 
-__all__ = ["add_parser", "main", "bench_rank"]
+__all__ = ["add_parser", "main", "bench_rank", "profiles_epilog"]
 
 OPS = ("dispatch", "combine", "moe", "planner")
 
@@ -18,13 +18,13 @@ def add_parser(sub):
     """Register ``tritonep bench`` and its flags on the ``sub`` subparsers action."""
     from ..bench.ep import PROFILES
 
-    p = sub.add_parser("bench", formatter_class=HelpFormatter,
+    p = sub.add_parser("bench", formatter_class=EpilogTableFormatter, epilog=profiles_epilog(PROFILES),
                        help="benchmarks vs NCCL all_to_all_single (GPU) and --soak checks")
     p.add_argument("op", choices=OPS, help="what to measure: dispatch/combine (one run measures both rows), moe (the "
                                             "MoE layer fwd+bwd vs the torch + NCCL reference; --profile deepseek-v3 "
                                             "shapes, intermediate 2048), planner (virtual-expert planner, one GPU)")
     p.add_argument("--profile", default="deepseek-v3",
-                   help=f"one of: {', '.join(sorted(PROFILES))} (hidden/experts/top-k/tokens per rank)")
+                   help=f"one of: {', '.join(sorted(PROFILES))} (their shapes: the table below)")
     p.add_argument("--tokens", type=int, nargs="*", default=None,
                    help="tokens per rank instead of the profile's (several values: a sweep, see --plot)")
     p.add_argument("--num-sms", type=int, nargs="*", default=[0], help="SM caps to measure (0 = geometry table)")
@@ -45,6 +45,27 @@ def add_parser(sub):
     p.add_argument("--json", default="", help="write the rows to this JSON file")
     p.add_argument("--plot", default="", help="write a PNG of NVLink GB/s vs tokens per rank (use with a --tokens sweep)")
     p.set_defaults(func=main)
+
+
+def profiles_epilog(profiles: dict) -> str:
+    """The ``--help`` epilog of ``tritonep bench``: one line per profile of ``profiles`` (:data:`tritonep.bench.ep.
+    PROFILES`) with its hidden size, experts, top-k and tokens per rank, and what else it sets."""
+    head = ("profile", "hidden", "experts", "top-k", "tokens/rank")
+    rows = []
+    for name, p in profiles.items():
+        tokens = str(p["tokens"]) if p["tokens"] else "trace/W"
+        notes = []
+        if "trace_layer" in p:
+            notes.append(f"FLAME-MoE-290M trace layer {p['trace_layer']}, its tokens split over W ranks")
+        if "geometry" in p:
+            notes.append(f"TRITONEP_GEOMETRY={p['geometry']}")
+        rows.append((name, str(p["hidden"]), str(p["num_experts"]), str(p["topk"]), tokens, "; ".join(notes)))
+    width = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
+    fmt = "  {:<%d}  {:>%d}  {:>%d}  {:>%d}  {:>%d}" % tuple(width)
+    lines = ["profiles (--profile; --tokens replaces the tokens per rank; moe adds intermediate 2048):",
+             fmt.format(*head)]
+    lines += [(fmt.format(*r[:5]) + (f"  {r[5]}" if r[5] else "")) for r in rows]
+    return "\n".join(lines)
 
 
 def bench_rank(group, op, profile, sms_list, iters, tokens):
@@ -113,15 +134,13 @@ def _soak(con, args, ngpu) -> int:
 def main(args) -> int:
     """``tritonep bench``: 0 when measured (or every soak step passed), 1 when a check failed; refusals raise
     :class:`tritonep.errors.ConfigError` (one line, exit 2)."""
-    from rich.console import Console
     from rich.table import Table
 
     from ..bench.ep import PROFILES
     from ..errors import ConfigError
+    from .console import make_console
 
-    import shutil
-
-    con = Console(width=max(shutil.get_terminal_size((140, 24)).columns, 120))  # no mid-line wraps in logs
+    con = make_console()
     ngpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if args.soak:
         return _soak(con, args, ngpu)

@@ -54,20 +54,23 @@ def collect_env() -> dict:
     else:
         info["backend_auto"] = "triton"
         info["backend_why"] = ("no GPU: CPU worlds share one fork+mmap heap, so every rank maps every peer "
-                               "(groups spanning hosts or TRITONEP_FORCE_NO_P2P=1 pick nccl)")
+                               "(groups spanning hosts or TRITONEP_FORCE_NO_P2P=1 pick nccl; CPU processes outside a "
+                               "CPU world, e.g. under torchrun, have no shared heap: pass backend='nccl' on a gloo "
+                               "group)")
     if envs.force_no_p2p():
         info["backend_auto"], info["backend_why"] = "nccl", "TRITONEP_FORCE_NO_P2P=1"
     return info
 
 
 def main(args) -> int:
-    from rich.console import Console
     from rich.table import Table
+
+    from .console import make_console
 
     t = Table(title="tritonep env")
     t.add_column("key")
     t.add_column("value")
     for k, v in collect_env().items():
         t.add_row(k, str(v))
-    Console().print(t)
+    make_console().print(t)
     return 0

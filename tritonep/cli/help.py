@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["HelpFormatter"]
+__all__ = ["HelpFormatter", "EpilogTableFormatter"]
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -16,3 +16,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default in (None, "", []) or "default" in text:
             return text
         return super()._get_help_string(action)
+
+
+class EpilogTableFormatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """:class:`HelpFormatter` that prints the description and epilog as written (a table stays a table)."""

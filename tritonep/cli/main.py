@@ -15,7 +15,7 @@ import sys
 
 from .help import HelpFormatter
 
-__all__ = ["main", "build_parser", "error_line", "use_interpreter_without_gpu"]
+__all__ = ["main", "build_parser", "error_line", "check_environment", "use_interpreter_without_gpu"]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -93,6 +93,28 @@ def _check_outputs(args) -> None:
             raise ConfigError(f"--{flag} {path} is a folder; give a file name")
 
 
+def check_environment() -> None:
+    """Every ``TRITONEP_*`` value, parsed when the command starts, before any world or file is touched
+    (:func:`tritonep.envs.check_all`, and TRITONEP_GEOMETRY through the geometry table's own parser).
+
+    Raises:
+        ConfigError: the first bad value, naming the variable and the value.
+    """
+    from .. import envs
+    from ..ep.geometry import select_geometry
+
+    envs.check_all()
+    if envs.geometry_override():
+        select_geometry("cpu", 2, 128, 1, 1)  # applies TRITONEP_GEOMETRY to a small static config: its field checks
+
+
+def _fresh_line() -> str:
+    """What starts the command's last line on stderr: on a terminal, a rank's progress bar (tqdm, rank 0 of a world;
+    bars are drawn on terminals only) may have left the line unfinished when the world was interrupted or failed,
+    and only the parent is left to clear it; elsewhere nothing."""
+    return "\r\033[K" if sys.stderr.isatty() else ""
+
+
 def use_interpreter_without_gpu() -> None:
     """Set ``TRITON_INTERPRET=1`` when this process has no CUDA device (an explicit value wins).
 
@@ -120,23 +142,22 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         with command_signals():  # SIGINT / SIGTERM: one line, exit 130 / 143 (every rank killed, temp files gone)
+            check_environment()
             _check_outputs(args)
             return int(args.func(args) or 0)
     except KeyboardInterrupt as e:
         signum = getattr(e, "signum", signal.SIGINT)
-        # a rank's progress bar may have left the line unfinished: clear it (terminal) or start a new one
-        fresh = "\r\033[K" if sys.stderr.isatty() else "\n"
-        print(f"{fresh}tritonep {args.cmd}: interrupted by {signal.Signals(signum).name}: every rank stopped, "
-              f"temporary files removed", file=sys.stderr, flush=True)
+        print(f"{_fresh_line()}tritonep {args.cmd}: interrupted by {signal.Signals(signum).name}: every rank "
+              f"stopped, temporary files removed", file=sys.stderr, flush=True)
         return 128 + signum
     except (RankError, Exception) as e:  # noqa: BLE001 - every library error becomes one line
         line = error_line(args.cmd, e)
         if line is None:
             if isinstance(e, RankError):  # a rank crashed on a bug: its message carries the rank's traceback
-                print(f"tritonep {args.cmd}: {e}", file=sys.stderr)
+                print(f"{_fresh_line()}tritonep {args.cmd}: {e}", file=sys.stderr)
                 return 1
             raise
-        print(line, file=sys.stderr)
+        print(f"{_fresh_line()}{line}", file=sys.stderr)
         return 2
 
 

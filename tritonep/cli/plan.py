@@ -23,17 +23,19 @@ def add_parser(sub):
     p.add_argument("--domain", default="arxiv", help="OLMoE domain")
     p.add_argument("--world-size", type=int, default=8, help="EP ranks")
     p.add_argument("--num-experts", type=int, default=None,
-                   help="experts (default: 64 for flame/olmoe, whose histograms are tiled to this many; for a file "
-                        "its largest expert id + 1, rounded up to a multiple of the world size); fewer than a "
-                        "file's or the flame trace's largest id + 1 is an error")
+                   help="experts (default: the source's experts, 64 for flame/olmoe, for a file its largest expert "
+                        "id + 1, rounded up to a multiple of the world size: 66 for 3 ranks; olmoe's histograms are "
+                        "tiled to this many); fewer than a file's or the flame trace's largest id + 1 is an error")
     p.add_argument("--tokens", type=int, default=None,
                    help="tokens per rank (default: a trace's every token, histograms 4096; more than a trace holds "
                         "is an error)")
     p.add_argument("--topk", type=int, default=None,
                    help="top-k of histogram sampling (default: the file's topk, else 8; a trace has its own K)")
     p.add_argument("--mode", choices=["reference", "minimal", "both"], default="both",
-                   help="placement mode: reference (MoonEP, the default of the library), minimal (only ranks over "
-                        "capacity send; moves the total excess) or both (table of the first, a summary line each)")
+                   help="placement mode: reference (MoonEP, the default of the library: always balances exactly, "
+                        "may move more than the total excess), minimal (only ranks over capacity send, only ranks "
+                        "under it receive: moves the total excess when the virtual slots suffice, else says what it "
+                        "could not move and why) or both (side by side)")
     p.add_argument("--json", default="", help="write the plan and metrics to this JSON file")
     p.add_argument("--plot", default="", help="PNG of per-rank load before and after, side by side")
     p.set_defaults(func=main)
@@ -53,7 +55,7 @@ def _source(args):
     if W < 1:
         raise ConfigError(f"--world-size {W} must be >= 1")
     src = resolve(args.routing, args.domain)
-    layer = check_layers(src, [args.layer] if args.layer is not None else [src.layers[0]])[0]
+    layer = check_layers(src, [args.layer] if args.layer is not None else [src.layers[0]], flag="--layer")[0]
     E = args.num_experts if args.num_experts is not None else src.default_num_experts(W)
     src.check_num_experts(E)
     if E % W:
@@ -82,10 +84,13 @@ def counts_for(args) -> torch.Tensor:
 def plan_table(counts: torch.Tensor, mode: str = "reference") -> dict:
     """Placement + metrics of a ``[W, E]`` histogram (torch planner ``place_torch(counts, mode)``).
 
-    Returns a JSON-able dict: loads before/after, balancedness, maxvio, moved routes, total excess, max load, slots.
-    Raises PlanError on a bad histogram or mode.
+    Returns a JSON-able dict: loads before/after, balancedness, maxvio, moved routes, total excess, max load, slots,
+    and ``unmoved_routes`` / ``shortfall`` (:func:`tritonep.balance.plan_shortfall`: the routes a minimal-mode plan
+    left over capacity, which ranks keep them and which under-capacity ranks had no free slot; 0 / empty lists when
+    the plan balances exactly). Raises PlanError on a bad histogram or mode.
     """
-    from ..balance import balancedness, excess_routes, loads_after, maxvio, place_torch, rank_loads
+    from ..balance import (balancedness, excess_routes, loads_after, maxvio, place_torch, plan_shortfall,
+                           rank_loads)
 
     W, E = counts.shape
     pl = place_torch(counts, mode)
@@ -95,17 +100,39 @@ def plan_table(counts: torch.Tensor, mode: str = "reference") -> dict:
     native = torch.stack([pl.allocation[d * L:(d + 1) * L, d] for d in range(W)])  # routes kept native
     moved = int(counts.sum()) - int(native.sum())
     slots = (pl.experts_to_copy >= 0).sum(1)
+    short = plan_shortfall(pl)
     return dict(before=before.tolist(), after=after.tolist(), balancedness_before=balancedness(before),
                 balancedness_after=balancedness(after), maxvio=maxvio(counts.sum(0)), moved_routes=moved,
                 slots_used=slots.tolist(), experts_to_copy=pl.experts_to_copy.tolist(),
                 capacity=pl.capacity.tolist(), mode=mode, excess_routes=excess_routes(counts, W),
-                max_load=int(after.max()))
+                max_load=int(after.max()), unmoved_routes=short["unmoved_routes"], shortfall=short)
+
+
+def shortfall_line(mode: str, r: dict) -> str:
+    """The sentence saying what a plan (:func:`plan_table`'s dict ``r``) could not move and why; "" when nothing."""
+    sf = r["shortfall"]
+    if not sf["unmoved_routes"]:
+        return ""
+    L = sf["slots_per_rank"]
+    over = ", ".join(f"rank {o['rank']} at {o['load']} (capacity {o['capacity']})" for o in sf["over_capacity"])
+    under = ", ".join(f"rank {u['rank']} at {u['load']}" for u in sf["under_capacity"])
+    slots = "its only virtual slot" if L == 1 else f"all {L} of its virtual slots"
+    return (f"{mode} mode could not move {sf['unmoved_routes']} of the {r['excess_routes']} routes of total excess: "
+            f"{over} stay{'s' if len(sf['over_capacity']) == 1 else ''} over capacity, because every rank under "
+            f"capacity ({under}) has {slots} in use (a slot holds one expert; E / W = {L} experts per rank give {L} "
+            f"slot{'s' if L != 1 else ''} per rank). More experts per rank give more slots; --mode reference always "
+            f"balances exactly, at the price of moving more routes.")
 
 
 def main(args) -> int:
-    """``tritonep plan``: print (and optionally write / plot) the plan; returns 0. Library errors propagate (exit 2)."""
-    from rich.console import Console
+    """``tritonep plan``: print (and optionally write / plot) the plan; returns 0. Library errors propagate (exit 2).
+
+    Output: one table row per rank (load before, capacity, and for each mode the load after and the virtual experts
+    it hosts, one column each, so a list wraps inside its cell and never across the table), then one line per
+    mode; a plan that could not move its whole excess (minimal mode out of slots) says how much, where and why."""
     from rich.table import Table
+
+    from .console import make_console
 
     if args.plot:
         from .run import _need_matplotlib
@@ -114,29 +141,32 @@ def main(args) -> int:
     src, layer, E, _topk, total = _source(args)
     counts = counts_for(args)
     modes = ["reference", "minimal"] if args.mode == "both" else [args.mode]
-    res = plan_table(counts, modes[0])
+    per_mode = {m: plan_table(counts, m) for m in modes}
+    res = dict(per_mode[modes[0]])
     W = args.world_size
     what = f"{src.name} layer {layer}"
     t = Table(title=f"virtual-expert plan: {what}, {W} ranks, {E} experts, {total} tokens "
                     f"(virtual experts = global ids held in this rank's slots)")
-    for c in ("rank", "load before", f"load after ({modes[0]})", "slots used", "virtual experts"):
+    for c in ["rank", "load before", "capacity"] + [h for m in modes for h in (f"after ({m})",
+                                                                               f"virtual experts ({m})")]:
         t.add_column(c, justify="right")
     for d in range(W):
-        t.add_row(str(d), str(res["before"][d]), str(res["after"][d]), str(res["slots_used"][d]),
-                  " ".join(str(e) for e in res["experts_to_copy"][d] if e >= 0) or "-")
-    import shutil
-
-    con = Console(width=max(shutil.get_terminal_size((140, 24)).columns, 120))
+        cells = [str(d), str(res["before"][d]), str(res["capacity"][d])]
+        for m in modes:
+            r = per_mode[m]
+            cells += [str(r["after"][d]), " ".join(str(e) for e in r["experts_to_copy"][d] if e >= 0) or "-"]
+        t.add_row(*cells)
+    con = make_console()
     con.print(t)
-    con.print(f"balancedness (mean/max) {res['balancedness_before']:.3f} -> {res['balancedness_after']:.3f}; "
-              f"expert maxvio (max/mean expert load - 1) {res['maxvio']:.2f}; moved routes {res['moved_routes']} of {int(counts.sum())}")
-    per_mode = {m: res if m == modes[0] else plan_table(counts, m) for m in modes}
+    con.print(f"before: balancedness (mean/max) {res['balancedness_before']:.3f}, expert maxvio (max/mean expert "
+              f"load - 1) {res['maxvio']:.2f}, total excess {res['excess_routes']} of {int(counts.sum())} routes")
     for m, r in per_mode.items():
-        hosts = ", ".join(f"{d}: " + " ".join(str(e) for e in row if e >= 0)
-                          for d, row in enumerate(r["experts_to_copy"]) if max(row) >= 0) or "-"
-        con.print(f"{m} mode: moved routes {r['moved_routes']} (total excess {r['excess_routes']}), max load "
-                  f"{r['max_load']} (capacity {max(r['capacity'])}); virtual experts by rank {hosts}")
-    res["modes"] = {m: {k: r[k] for k in ("moved_routes", "excess_routes", "max_load", "after", "experts_to_copy")}
+        con.print(f"{m} mode: balancedness {r['balancedness_after']:.3f}, moved routes {r['moved_routes']} (total "
+                  f"excess {r['excess_routes']}), max load {r['max_load']} (capacity {max(r['capacity'])})")
+        if shortfall_line(m, r):
+            con.print(f"[bold yellow]note[/]: {shortfall_line(m, r)}")
+    res["modes"] = {m: {k: r[k] for k in ("moved_routes", "excess_routes", "unmoved_routes", "max_load",
+                                          "balancedness_after", "after", "experts_to_copy", "shortfall")}
                     for m, r in per_mode.items()}
     if args.json:
         with open(args.json, "w") as f:

@@ -191,12 +191,19 @@ def check_topk(src: RoutingSource, topk: int | None, layers, num_experts: int, d
     return k
 
 
-def check_layers(src: RoutingSource, layers) -> list[int]:
-    """``layers`` (default: all of the source's), each checked to exist (DataError lists the valid ones)."""
+def check_layers(src: RoutingSource, layers, flag: str = "--layers") -> list[int]:
+    """``layers`` (default: all of the source's), each checked to exist.
+
+    Raises:
+        DataError: naming ``flag`` as the user typed it (``--layers 5 99`` for ``run``, ``--layer 99`` for ``plan``),
+            the layers that do not exist and the valid ones.
+    """
     layers = list(layers) if layers else list(src.layers)
     bad = [x for x in layers if x not in src.layers]
     if bad:
-        raise DataError(f"--layers {bad}: the {src.name} has layers {src.layers}")
+        given = " ".join(str(x) for x in bad)
+        raise DataError(f"{flag} {given}: no layer{'s' if len(bad) > 1 else ''} {given} in the {src.name} (its "
+                        f"layers: {' '.join(str(x) for x in src.layers)})")
     return layers
 
 

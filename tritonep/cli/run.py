@@ -82,7 +82,7 @@ def _settings(args, on_gpu, world_size):
 
     Raises:
         DataError: a bad routing file, layer, domain, --num-experts, --topk or --tokens (one line each).
-        ConfigError: --world-size or --steps below 1.
+        ConfigError: --world-size or --steps below 1, --timeout not positive.
     """
     from ..errors import ConfigError
     from .routing import check_layers, check_tokens, check_topk, resolve, token_split
@@ -91,6 +91,8 @@ def _settings(args, on_gpu, world_size):
         raise ConfigError(f"--world-size {world_size} must be >= 1")
     if args.steps < 1:
         raise ConfigError(f"--steps {args.steps} must be >= 1")
+    if not args.timeout > 0:
+        raise ConfigError(f"--timeout {args.timeout:g} must be a positive number of seconds")
     src = resolve(args.routing, args.domain)
     layers = check_layers(src, args.layers)
     E = args.num_experts if args.num_experts is not None else src.default_num_experts(world_size)
@@ -100,16 +102,45 @@ def _settings(args, on_gpu, world_size):
     s = dict(
         routing=args.routing, routing_name=src.name, domain=args.domain, layers=layers, topk=topk,
         total_tokens=total, tokens=max(token_split(total, world_size)),
-        hidden=args.hidden or (2048 if on_gpu else max(64, *(WIRE_FORMATS[w].block
+        hidden=args.hidden if args.hidden is not None else (2048 if on_gpu else max(64, *(WIRE_FORMATS[w].block
                                                             for w in (args.dispatch_wire, args.combine_wire)))),
-        intermediate=args.intermediate or (1024 if on_gpu else 32),
+        intermediate=args.intermediate if args.intermediate is not None else (1024 if on_gpu else 32),
         num_experts=E, steps=args.steps, balance=args.balance,
         dispatch_wire=args.dispatch_wire, combine_wire=args.combine_wire, combine=args.combine,
         expert_alignment=args.expert_alignment, check=not args.no_check,
     )
     if args.routing != "olmoe":
         s.pop("domain")
+    _check_widths(args, s)
     return s
+
+
+def _check_widths(args, s) -> None:
+    """``--hidden`` / ``--intermediate`` against the rules that apply to them, each named by its flag: a positive
+    multiple of 8 (rows of 16 bytes), and for hidden the block of every quantized wire it travels on (fp8 128,
+    mxfp4 32: one scale per block, no padding), so fp8 with ``--hidden 100`` names fp8's block, not the row rule.
+
+    Raises:
+        ConfigError: naming the flag, the value and a value that works.
+    """
+    from ..errors import ConfigError
+    from ..moe.recipe import ROW_MULTIPLE
+
+    for flag, v in (("--hidden", args.hidden), ("--intermediate", args.intermediate)):
+        if v is not None and v < 1:
+            raise ConfigError(f"{flag} {v} must be a positive integer")
+    H = s["hidden"]
+    for flag in ("--dispatch-wire", "--combine-wire"):
+        wire = WIRE_FORMATS[s[flag[2:].replace("-", "_")]]
+        if wire.quantized and H % wire.block:
+            raise ConfigError(f"--hidden {H}: {flag} {wire.name} quantizes hidden in blocks of {wire.block} elements "
+                              f"(one scale per block, no padding): use a multiple of {wire.block}, e.g. "
+                              f"{-(-H // wire.block) * wire.block}")
+    for flag, v in (("--hidden", H), ("--intermediate", s["intermediate"])):
+        if v % ROW_MULTIPLE:
+            raise ConfigError(f"{flag} {v} is not a multiple of {ROW_MULTIPLE} (rows must be multiples of 16 bytes "
+                              f"for vectorised copies and torch._grouped_mm), e.g. "
+                              f"{-(-v // ROW_MULTIPLE) * ROW_MULTIPLE}")
 
 
 def layer_routing(s, layer, world_size):
@@ -133,7 +164,8 @@ def run_rank(group, s):
     out = []
     from tqdm import tqdm
 
-    for li, layer in enumerate(tqdm(s["layers"], desc=f"layers (rank 0 of {W})", disable=rank != 0, leave=False)):
+    for li, layer in enumerate(tqdm(s["layers"], desc=f"layers (rank 0 of {W})", leave=False,
+                                    disable=None if rank == 0 else True)):  # None: a bar on a terminal only
         parts = layer_routing(s, layer, W)
         idx, w = parts[rank]
         T = idx.shape[0]
@@ -225,7 +257,6 @@ def _check_settings(s, world_size: int) -> None:
 
 def main(args) -> int:
     """``tritonep run``: returns 0 when every check passed, 1 when one failed; library errors propagate (exit 2)."""
-    from rich.console import Console
     from rich.table import Table
     from tqdm import tqdm
 
@@ -237,11 +268,10 @@ def main(args) -> int:
     s = _settings(args, on_gpu, W)
     if args.plot:
         _need_matplotlib()
-    import shutil
-
+    from .console import make_console
     from .routing import token_split
 
-    con = Console(width=max(shutil.get_terminal_size((140, 24)).columns, 120))
+    con = make_console()
     _check_settings(s, W)
     sizes = token_split(s["total_tokens"], W)
     per_rank = str(sizes[0]) if min(sizes) == max(sizes) else f"{min(sizes)}-{max(sizes)}"
@@ -275,7 +305,8 @@ def main(args) -> int:
     for c in cols:
         table.add_column(c, justify="right")
     rows, ok_all = [], True
-    for li, layer in enumerate(tqdm(s["layers"], desc="dense reference", disable=not s["check"], leave=False)):
+    for li, layer in enumerate(tqdm(s["layers"], desc="dense reference", leave=False,
+                                    disable=None if s["check"] else True)):
         loads = [sum(results[r][li]["recv_per_expert"]) for r in range(W)]
         bal = balancedness(torch.tensor(loads, dtype=torch.float64)) if sum(loads) else 1.0
         tim = [results[r][li]["timings"][-1] for r in range(W)]

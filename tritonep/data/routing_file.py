@@ -12,7 +12,9 @@ CSV trace (the format of the packaged FLAME trace, ``prefill_2048tok_layers2-9_t
 * ``token``: int >= 0, distinct within a layer; it is the arrival order: a layer's tokens are used in ascending
   ``token`` order (the rows may come in any order) and split into contiguous per-rank blocks.
 * ``e<k>``: expert id, int in ``[0, E)``, or ``-1`` for "no expert" (a dropped route); no id twice in a row.
-* ``s<k>``: finite float >= 0. Without score columns every valid route weighs the same.
+* ``s<k>``: finite float >= 0, not all 0 in a row with a valid route (its token would weigh nothing: a router's
+  chosen experts score above 0, a softmax top-1 at least 1/E, a sigmoid always; all zeros mean scores written with
+  too few decimals or a broken export). Without score columns every valid route weighs the same.
 * blank lines are skipped; fields may carry surrounding spaces; UTF-8 (a BOM is allowed).
 
 JSON histogram (routes per expert, e.g. counted over a run of your model)::
@@ -78,8 +80,8 @@ def load_routing_csv(path: str, num_experts: int | None = None) -> RoutingTrace:
     Raises:
         DataError: ``"FILE:LINE:COL: message"`` for an empty file, a missing / unknown / doubled column, a row with
             the wrong number of fields, a value that is not an int (float for scores), a negative layer or token, a
-            token twice in a layer, an id below -1 or twice in a row, a negative or non-finite score, no data rows,
-            or an id ``>= num_experts``.
+            token twice in a layer, an id below -1 or twice in a row, a negative or non-finite score, a row whose
+            valid routes all score 0, no data rows, or an id ``>= num_experts``.
     """
     trace = _parse_csv(path, *stat_key(path))
     if num_experts is not None:
@@ -197,6 +199,11 @@ def _parse_csv(path: str, _abspath: str, _mtime: int, _size: int) -> RoutingTrac
                     raise DataError(f"{path}:{ln}:{f[j][1]}: column 's{k}': score {text} is not a finite number "
                                     f">= 0")
                 sc.append(v if ids[k] >= 0 else 0.0)
+            if any(e >= 0 for e in ids) and not any(sc):
+                raise DataError(f"{path}:{ln}:{f[js[0]][1]}: the scores of this row's routes are all 0, so its "
+                                f"token would weigh nothing in the combine; a router's chosen experts score above 0 "
+                                f"(a softmax top-1 is at least 1/E, a sigmoid is positive): were the scores written "
+                                f"with too few decimals? Leave the s-columns out for equal weights")
         else:
             sc = [1.0 if e >= 0 else 0.0 for e in ids]
         toks = per_layer.setdefault(layer, {})

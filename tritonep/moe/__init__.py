@@ -17,7 +17,8 @@ from .losses import attach_aux_loss, switch_aux_loss
 from .params import expert_parameter_names, expert_parameters, reduce_gradients, replicated_parameters
 from .recipe import (BALANCE_KINDS, COMBINE_KINDS, ROUTER_KINDS, ROW_MULTIPLE, MoEGeometry, MoERecipe, RouterConfig,
                      check_config)
-from .router import RouterOutput, TopKRouter, build_router, topk_softmax_torch
+from .router import RouterOutput, TopKRouter, topk_softmax_torch
+from .routers import build_router
 from .router_deepseek import DeepSeekV3Router, deepseek_v3_topk_torch, update_router_biases
 from .shared import SharedExperts
 

@@ -51,9 +51,10 @@ from .layer_parts import _ACT_DTYPE, expert_weights, layer_required_bytes, take_
 from .layer_status import consume_refusal, strict_check
 from .layer_virtual import plan_routes, read_split, row_parts
 from .losses import attach_aux_loss, switch_aux_loss
-from .params import expert_load_state_dict_pre_hook, expert_parameters, expert_state_dict_hook, local_expert_ids
+from .params import (EXPERT_WEIGHTS, expert_load_state_dict_pre_hook, expert_parameters, expert_state_dict_hook,
+                     local_expert_ids)
 from .recipe import MoEGeometry, MoERecipe, check_config
-from .router import build_router
+from .routers import build_router
 from .saved import SavedForwards
 from .shared import SharedExperts
 
@@ -106,6 +107,8 @@ class MoELayer(nn.Module):
         ConfigError: any inconsistent recipe / geometry / world (checked before anything is allocated, naming the
             field), an unsupported dtype.
     """
+
+    expert_parallel_weights = EXPERT_WEIGHTS  # the parameters that differ per rank (tritonep.moe.params)
 
     def __init__(self, recipe: MoERecipe, geometry: MoEGeometry, group, *, device=None,
                  dtype: torch.dtype = torch.bfloat16, seed: int = 0, record_stats: bool = False,

@@ -42,9 +42,9 @@ EXPERT_WEIGHTS = ("w1", "w2")
 
 
 def _moe_layers(model: nn.Module):
-    from .layer import MoELayer
-
-    return [m for m in model.modules() if isinstance(m, MoELayer)]
+    """The modules of ``model`` that declare expert-parallel weights (``MoELayer.expert_parallel_weights``; no
+    import of the layer, which imports this module)."""
+    return [m for m in model.modules() if getattr(type(m), "expert_parallel_weights", None) == EXPERT_WEIGHTS]
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:

@@ -31,7 +31,7 @@ from torch import nn
 
 from ..errors import ConfigError, InputError
 
-__all__ = ["RouterOutput", "TopKRouter", "topk_softmax_torch", "router_init", "build_router"]
+__all__ = ["RouterOutput", "TopKRouter", "topk_softmax_torch", "router_init"]
 
 
 class RouterOutput(NamedTuple):
@@ -149,22 +149,3 @@ class TopKRouter(nn.Module):
     def extra_repr(self) -> str:
         return f"hidden={self.hidden}, num_experts={self.num_experts}, topk={self.topk}, " \
                f"renormalize={self.renormalize}, routed_scaling_factor={self.routed_scaling_factor}"
-
-
-def build_router(config, hidden: int, num_experts: int, topk: int, *, seed: int = 0, device=None) -> nn.Module:
-    """The router a :class:`tritonep.moe.RouterConfig` describes (:class:`TopKRouter` or
-    :class:`tritonep.moe.DeepSeekV3Router`), initialised from ``seed`` on ``device``.
-
-    Raises:
-        ConfigError: as :meth:`tritonep.moe.RouterConfig.check` for these sizes.
-    """
-    config.check(num_experts, topk)
-    if config.kind == "deepseek_v3":
-        from .router_deepseek import DeepSeekV3Router
-
-        return DeepSeekV3Router(hidden, num_experts, topk, n_group=config.n_group, topk_group=config.topk_group,
-                                norm_topk_prob=config.norm_topk_prob,
-                                routed_scaling_factor=config.routed_scaling_factor,
-                                bias_update_rate=config.bias_update_rate, seed=seed, device=device)
-    return TopKRouter(hidden, num_experts, topk, renormalize=config.norm_topk_prob,
-                      routed_scaling_factor=config.routed_scaling_factor, seed=seed, device=device)

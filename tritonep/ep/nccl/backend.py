@@ -141,13 +141,10 @@ class NcclEP(NcclCombine):
         self.cfg = cfg
         self.dispatch_wire, self.combine_wire = cfg.dispatch_wire, cfg.combine_wire
         self.group = group
-        self.rank, self.W = rank, cfg.world_size
-        self.E, self.H, self.Tm, self.K = cfg.num_experts, cfg.hidden, cfg.max_tokens_per_rank, cfg.topk
-        self.L = L = cfg.num_local_experts
-        self.A = cfg.expert_alignment
-        self.max_recv = cfg.max_recv_tokens
+        self.rank = rank
+        L = cfg.num_local_experts
         self.device = dev = torch.device(device)
-        self.dtype = dtype = cfg.dtype
+        dtype = cfg.dtype
         self.timeout_s = cfg.timeout_s
         self.buffer_id = 0  # set by the EPBuffer that owns this backend (handles carry it)
         world_size, num_experts, hidden, topk = cfg.world_size, cfg.num_experts, cfg.hidden, cfg.topk
@@ -198,7 +195,7 @@ class NcclEP(NcclCombine):
     def expert_out_buffer(self) -> torch.Tensor:
         """Persistent ``[max_recv_tokens, H]`` tensor for the expert output (allocated on first use)."""
         if self._eo is None:
-            self._eo = torch.zeros(self.max_recv, self.H, dtype=self.dtype, device=self.device)
+            self._eo = torch.zeros(self.cfg.max_recv_tokens, self.cfg.hidden, dtype=self.cfg.dtype, device=self.device)
         return self._eo
 
     @property
@@ -241,7 +238,7 @@ class NcclEP(NcclCombine):
             PeerInputError: another rank's input was bad, or this rank's input was refused by the front door
                 (``bad_input``); ``bad_ranks`` lists them all.
         """
-        E, W = self.E, self.W
+        E, W = self.cfg.num_experts, self.cfg.world_size
         nbad, refused = m[:, E + W].tolist(), m[:, E + W + 1].tolist()
         bad_ranks = [r for r in range(W) if nbad[r] or refused[r]]
         if nbad[self.rank] and not bad_input:
@@ -287,7 +284,7 @@ class NcclEP(NcclCombine):
                                "sizes; use backend='triton' for graphs")
         # TRITONEP_SYNC_CHECKS=0 (sync False) cannot remove the split-size read all_to_all needs: the one host
         # read happens whatever the setting
-        W, E, K, H, ut, lay, fmt = self.W, self.E, self.K, self.H, self.use_triton, self._lay, self._dfmt
+        W, E, K, H, ut, lay, fmt = self.cfg.world_size, self.cfg.num_experts, self.cfg.topk, self.cfg.hidden, self.use_triton, self._lay, self._dfmt
         T = x.shape[0]
         # 1) counts exchange: the one host read
         row = self._router.count(topk_idx, T, bad_input, ut)
@@ -298,12 +295,12 @@ class NcclEP(NcclCombine):
         # 2) host decisions on the small matrix (numpy: a few microseconds, no device work)
         if m[:, E + W:].any():
             self._raise_bad(m, topk_idx, bad_input)
-        need, send_splits, recv_splits = host_plan(m, self.rank, W, E, self.A, self._plan_np)
-        if need.max() > self.max_recv:
+        need, send_splits, recv_splits = host_plan(m, self.rank, W, E, self.cfg.expert_alignment, self._plan_np)
+        if need.max() > self.cfg.max_recv_tokens:
             worst = int(need.argmax())
             raise CapacityError(f"dispatch: rank {worst} would receive {int(need[worst])} rows but "
-                                f"max_recv_tokens={self.max_recv}; nothing was sent",
-                                needed=int(need[worst]), available=self.max_recv)
+                                f"max_recv_tokens={self.cfg.max_recv_tokens}; nothing was sent",
+                                needed=int(need[worst]), available=self.cfg.max_recv_tokens)
         R = int(need[self.rank])
         Ns, Nr = sum(send_splits), sum(recv_splits)
         plan = self._plan_to_device()
@@ -319,7 +316,7 @@ class NcclEP(NcclCombine):
             rows = pkt = self._no_routes
             send = self._no_send
         kq = keep_quantized and fmt.quantized
-        zero_row = kq and self.A > 1  # kept padding rows copy the encoding of a zero row (row Nr)
+        zero_row = kq and self.cfg.expert_alignment > 1  # kept padding rows copy the encoding of a zero row (row Nr)
         recv = torch.empty(Nr + zero_row, lay.width, dtype=torch.uint8, device=dev)
         if zero_row:
             recv[Nr].zero_()
@@ -334,7 +331,7 @@ class NcclEP(NcclCombine):
         out_w = torch.empty(R, dtype=torch.float32, device=dev)
         sc = None
         if not fmt.quantized:
-            out = torch.empty(R, H, dtype=self.dtype, device=dev)
+            out = torch.empty(R, H, dtype=self.cfg.dtype, device=dev)
             srcs, widths = [(recv, 0, lay.width // self._es)], (H,)
         elif kq:
             pb, ns = self._kept
@@ -343,8 +340,8 @@ class NcclEP(NcclCombine):
             se = fmt.codec.scale_bytes
             srcs, widths = [(recv, 0, lay.width), (recv, pb // se, lay.width // se)], (pb, ns)
         else:  # one dequantization per received packet, then the scatter
-            out = torch.empty(R, H, dtype=self.dtype, device=dev)
-            srcs, widths = ([(fmt.dequantize_rows(recv, H, self.dtype), 0, H)] if R else []), (H,)
+            out = torch.empty(R, H, dtype=self.cfg.dtype, device=dev)
+            srcs, widths = ([(fmt.dequantize_rows(recv, H, self.cfg.dtype), 0, H)] if R else []), (H,)
         if R:
             self._unpacker.unpack(recv, srcs, [out] if sc is None else [out, sc], widths, out_w, rr, rw, plan, Nr,
                                   zero_row, ut)

@@ -34,7 +34,7 @@ class NcclCombine:
         """
         if self.closed:
             raise BufferStateError(f"EPBuffer on rank {self.rank} is closed")
-        K, H, dev, ut, bf = self.K, self.H, self.device, self.use_triton, self.dtype
+        K, H, dev, ut, bf = self.cfg.topk, self.cfg.hidden, self.device, self.use_triton, self.cfg.dtype
         T = handle.num_tokens
         ss, rs = handle.send_splits, handle.recv_splits
         Ns, Nr = handle.num_send, handle.num_recv
@@ -97,7 +97,7 @@ class NcclCombine:
         """
         if self.closed:
             raise BufferStateError(f"EPBuffer on rank {self.rank} is closed")
-        dev, ut, H, bf = self.device, self.use_triton, self.H, self.dtype
+        dev, ut, H, bf = self.device, self.use_triton, self.cfg.hidden, self.cfg.dtype
         ss, rs = handle.send_splits, handle.recv_splits
         Ns, Nr = handle.num_send, handle.num_recv
         R, R2, T = handle.num_recv_rows, expert_out.shape[0], handle.num_tokens
@@ -106,7 +106,7 @@ class NcclCombine:
             self._unpacker.pack_rows(grad_y, handle.pkt, send, T, ut)
         recv = torch.empty(Nr, H, dtype=bf, device=dev)
         self._a2a(recv, send, ss, rs)
-        dense = R2 == R and self.A == 1  # every row is some route's: nothing to zero
+        dense = R2 == R and self.cfg.expert_alignment == 1  # every row is some route's: nothing to zero
         g_eo = (torch.empty if dense else torch.zeros)(R2, H, dtype=bf, device=dev)
         g_w = (torch.empty if dense else torch.zeros)(R, dtype=torch.float32, device=dev)
         if Nr:

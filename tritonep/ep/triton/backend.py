@@ -105,6 +105,11 @@ class TritonEP(DispatchOutputs, DecodePath):
         """The :class:`tritonep.ep.geometry.Geometry` every launch of this buffer uses."""
         return self.cfg.geometry
 
+    @property
+    def timeout_s(self) -> float:
+        """The bound of every wait of this buffer, seconds (the config's)."""
+        return self.cfg.timeout_s
+
     def _check_usable(self):
         if self.broken:
             raise BufferStateError(f"EPBuffer on rank {self.rank} is unusable: {self.broken}")

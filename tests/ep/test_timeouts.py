@@ -13,15 +13,19 @@ import tritonep as tep
 from tritonep.errors import BufferStateError, PeerTimeoutError
 from tritonep.testing import run_cpu_world
 from tritonep.testing.cases import make_rank_inputs
-from tritonep.testing.harness import BF16, expert
+from tritonep.testing.harness import BF16, expert, set_env
+
+
+def _strict_buffer(group, E, seed):
+    """``(rank, buffer, this rank's inputs)``: waits bounded at 2 s, strict sync checks (a peer lost mid-call raises
+    in that call); E experts, H 64, 8 tokens, top-2."""
+    set_env(TRITONEP_TIMEOUT_S="2", TRITONEP_SYNC_CHECKS="1")
+    rank = dist.get_rank(group)
+    return rank, tep.EPBuffer(group, E, 64, 8, 2), make_rank_inputs(rank, 8, 64, E, 2, seed=seed)
 
 
 def _dispatch_data_timeout_world(group):
-    os.environ["TRITONEP_TIMEOUT_S"] = "2"
-    os.environ["TRITONEP_SYNC_CHECKS"] = "1"  # strict: a peer lost mid-call raises in that call
-    rank = dist.get_rank(group)
-    buf = tep.EPBuffer(group, 4, 64, 8, 2)
-    x, idx, w = make_rank_inputs(rank, 8, 64, 4, 2, seed=1)
+    rank, buf, (x, idx, w) = _strict_buffer(group, 4, seed=1)
     if rank == 0:  # takes part in the counts exchange, then never sends (a peer that dies mid-dispatch)
         ks = buf._impl.k  # the backend's bound launches (tritonep.ep.triton.calls.KernelSet)
         ks.send = lambda *a: None
@@ -167,11 +171,7 @@ def test_deferred_checks_raise_a_lost_peer_at_the_next_dispatch():
 
 
 def _skip_combine_world(group, kind):
-    os.environ["TRITONEP_TIMEOUT_S"] = "2"
-    os.environ["TRITONEP_SYNC_CHECKS"] = "1"  # strict: a peer lost mid-call raises in that call
-    rank = dist.get_rank(group)
-    buf = tep.EPBuffer(group, 6, 64, 8, 2)
-    x, idx, w = make_rank_inputs(rank, 8, 64, 6, 2, seed=3)
+    rank, buf, (x, idx, w) = _strict_buffer(group, 6, seed=3)
     d = buf.dispatch(x, idx, w)
     if rank == 1:
         return "skipped"  # this rank never calls combine
@@ -203,11 +203,7 @@ def test_peer_skips_combine_raises_peer_timeout(kind):
 
 
 def _skip_backward_world(group):
-    os.environ["TRITONEP_TIMEOUT_S"] = "2"
-    os.environ["TRITONEP_SYNC_CHECKS"] = "1"  # strict: a peer lost mid-call raises in that call
-    rank = dist.get_rank(group)
-    buf = tep.EPBuffer(group, 6, 64, 8, 2)
-    x, idx, w = make_rank_inputs(rank, 8, 64, 6, 2, seed=4)
+    rank, buf, (x, idx, w) = _strict_buffer(group, 6, seed=4)
     x = x.clone().requires_grad_(True)
     d = buf.dispatch(x, idx, w)
     y = buf.combine((d.x.float() * 0.5).to(BF16), d.handle)

@@ -106,6 +106,7 @@ def test_standalone_quantize_matches_twin(wire, pow2):
     assert not bad.any(), [(r, c, float(out[r, c]), float(want[r, c])) for r, c in bad.nonzero()[:8].tolist()]
 
 
+@pytest.mark.world1
 @pytest.mark.parametrize("dwire,cwire", [("fp8", "fp8"), ("fp8_e5m2", "fp8_e5m2"), ("mxfp4", "mxfp4")])
 def test_wires_bit_exact_world1(gpu_world, dwire, cwire):
     from tritonep.testing.wire_checks import check_wire_roundtrip, wire_roundtrip_world

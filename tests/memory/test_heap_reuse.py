@@ -197,6 +197,7 @@ def _gpu_rebuild_world(group, cycles):
     return free
 
 
+@pytest.mark.world1
 @pytest.mark.gpu
 def test_gpu_rebuild_loop_returns_closed_buffers_memory(gpu_world):
     """CUDA heap: each buffer is its own symm_mem allocation, so a closed one must give its memory back (no heap

@@ -226,7 +226,8 @@ def test_import_from_checkpoint_file_layout_equals_module_layout():
             assert f"experts.{e}.{names}.weight" in r[name + "_missing"], r[name + "_missing"]
 
 
+@pytest.mark.world1
 @pytest.mark.gpu
-def test_gpu_ep_equals_transformers_blocks(gpu_world):
+def test_gpu_ep_equals_transformers_blocks(gpu_world):  # world1: on the one-GPU machine n = 1
     n = min(2, torch.cuda.device_count())  # EP over the GPUs present (one GPU: EP 1)
     _check(gpu_world(n, _compare_world, ALL, [16, 9][:n], "auto", timeout_s=300), ALL)

@@ -289,6 +289,7 @@ def _gpu_ids_world(group):
     return out
 
 
+@pytest.mark.world1
 @pytest.mark.gpu
 def test_gpu_64_bit_ids_refused_by_planner_exchange_and_dispatch(gpu_world):
     """On the device: the planner maps 2**32 + 1 to 2E with the bad-id bit; the counts exchange does not count it

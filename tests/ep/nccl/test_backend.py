@@ -201,6 +201,7 @@ def test_gpu_nccl_matches_triton_deepseek_shape(gpu_world):
     _check(case, gpu_world(2, _both, case, nccl=True))
 
 
+@pytest.mark.world1
 @pytest.mark.gpu
 @pytest.mark.parametrize("A,neg", [(1, 0.0), (4, 0.1)])
 def test_gpu_nccl_world1_matches_reference(gpu_world, A, neg):

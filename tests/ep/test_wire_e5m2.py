@@ -88,4 +88,4 @@ def test_cli_run_with_e5m2_wires_passes_its_check():
     p = subprocess.run([sys.executable, "-m", "tritonep.cli.main", "run", "--hidden", "64", "--dispatch-wire",
                         "fp8_e5m2", "--layers", "2"], capture_output=True, text=True, timeout=600, env=env)
     out = p.stdout + p.stderr
-    assert p.returncode == 2 and "dispatch_wire='fp8_e5m2'" in out and "Traceback" not in out, out
+    assert p.returncode == 2 and "--dispatch-wire fp8_e5m2" in out and "128" in out and "Traceback" not in out, out

@@ -4,7 +4,8 @@
 #                                         # MoE layer none vs virtual experts on skewed routing
 #   bash benchmarks/device_all.sh bench   # EP benchmark + geometry sweep, MoE layer fwd+bwd vs torch+NCCL (profiled)
 #   bash benchmarks/device_all.sh moe     # only the MoE layer benchmark
-# Results land under $OUT (logs + JSON); commit the JSON under benchmarks/results/ with this command.
+# Results land under $OUT (logs + JSON); index each JSON with `python scripts/results_index.py add FILE --machine
+# h200x2` (benchmarks/README.md "Results and their history") and commit it with this command.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD
@@ -22,10 +23,10 @@ step() { local t=$1; shift; echo "=== [$(date +%T)] $* (limit ${t}s)" | tee -a $
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader | tee -a $LOG
 case $1 in
 tests)
-  step 80 python -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider --durations=3
-  step 80 env TRITONEP_GEOMETRY=bt=2,fs=64,fe=64,fc=1 python -m pytest -q -m gpu tests/test_gpu.py -k "cases or graph" -p no:cacheprovider
-  step 80 python -m pytest -q -m gpu tests/test_wire.py tests/test_balance_planner.py tests/test_planner_one_launch.py "tests/test_nccl_wires.py::test_gpu_nccl_wires_match_triton_and_twins[fp8-fp8]" -p no:cacheprovider
-  step 100 python -m pytest -q -s -m gpu tests/test_reliability.py -p no:cacheprovider
+  step 80 python -m pytest -q -m gpu tests/ep/test_gpu.py -p no:cacheprovider --durations=3
+  step 80 env TRITONEP_GEOMETRY=bt=2,fs=64,fe=64,fc=1 python -m pytest -q -m gpu tests/ep/test_gpu.py -k "cases or graph" -p no:cacheprovider
+  step 80 python -m pytest -q -m gpu tests/wire/test_quantizers.py tests/balance/test_planner.py tests/balance/test_planner_one_launch.py "tests/ep/nccl/test_wires.py::test_gpu_nccl_wires_match_triton_and_twins[fp8-fp8]" -p no:cacheprovider
+  step 100 python -m pytest -q -s -m gpu tests/ep/test_soak.py -p no:cacheprovider
   step 60 python benchmarks/planner_bench.py --modes reference minimal --json $OUT/planner.json
   step 150 python benchmarks/moe_bench.py --skew --steps 5 --json $OUT/moe_skew.json ;;
 moe)

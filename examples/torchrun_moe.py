@@ -5,8 +5,9 @@
     python examples/torchrun_moe.py                         # no GPU: the same main() in a 2-rank CPU world
     torchrun --nproc-per-node 2 examples/torchrun_moe.py    # no GPU: a gloo group and backend="nccl" (below)
 
-``main(group)`` is the per-rank body (tests/test_examples.py runs it in a CPU world and under torchrun without a
-GPU). It raises AssertionError if a result is off and returns the measured errors.
+``main(group)`` is the per-rank body (tests/docs/test_examples.py runs it in a CPU world,
+tests/docs/test_torchrun_cpu.py under torchrun without a GPU). It raises AssertionError if a result is off and
+returns the measured errors.
 
 Without a GPU, torchrun's processes share no memory, so the ``triton`` backend (symmetric memory: in a CPU world one
 fork + mmap heap) has nothing to map; the ``nccl`` backend needs none: its exchanges are ``torch.distributed``

@@ -16,7 +16,7 @@ With torchtitan's own trainer (full model, GPUs) select the dispatcher with its 
         --parallelism.expert_parallel_degree 8 --training.disable_cuda_graphs \\
         --override.imports 'tritonep.integrations.torchtitan.tritonep_token_dispatcher={"num_max_tokens_per_rank": 16384}'
 
-``main(group)`` is the per-rank body (tests/test_examples.py runs it in a CPU world); it raises AssertionError when
+``main(group)`` is the per-rank body (tests/docs/test_examples.py runs it in a CPU world); it raises AssertionError when
 the loss does not fall and returns the losses.
 """
 

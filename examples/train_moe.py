@@ -17,7 +17,7 @@ by the world size), AdamW, :func:`tritonep.moe.update_router_biases` (the aux-lo
 Checkpoints: :mod:`tritonep.moe.checkpoint` (torch.distributed.checkpoint; experts keyed by global id, so a
 checkpoint can be loaded at another EP size).
 
-``main(group, argv)`` is the per-rank body (tests/test_train_example.py runs it in a CPU world); it returns the loss of
+``main(group, argv)`` is the per-rank body (tests/docs/test_train_example.py runs it in a CPU world); it returns the loss of
 every step (the mean over all ranks) and the final weights' checksums.
 """
 

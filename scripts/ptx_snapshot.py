@@ -3,7 +3,8 @@
 Three steps (run from the repository root with ``PYTHONPATH=.``):
 
     # 1. run CPU tests and record every interpreted launch (kernel, argument types, constexprs, num_warps)
-    python scripts/ptx_snapshot.py record /tmp/launches.jsonl -- tests/test_ep.py tests/test_decode.py -x -q
+    python scripts/ptx_snapshot.py record /tmp/launches.jsonl -- tests/ep/test_dispatch_combine.py \\
+        tests/ep/triton/test_geometry.py tests/ep/triton/test_decode.py -x -q
     # 2. compile each recorded variant (and its HAS_TIMER=True GPU twin) for sm_90: one PTX file per variant
     python scripts/ptx_snapshot.py snapshot /tmp/launches.jsonl /tmp/ptx_before
     # ... edit the kernels, then snapshot the SAME launches again (and re-record to check the set is unchanged)

@@ -7,9 +7,9 @@ cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
-# transformers: the reference MoE blocks of tests/test_hf_equality.py (pinned; resolves together with torchtitan 0.3.0)
+# transformers: the reference MoE blocks of tests/moe/test_hf_equality.py (pinned; resolves together with torchtitan 0.3.0)
 python -m pip install -q "torch==2.13.0" "triton==3.6.0" "numpy<2.3" pytest pytest-timeout rich tqdm matplotlib \
   "transformers==5.24.0"
 python -m pip install -q --no-deps -e .
-# optional integration tested in CI (tests/test_torchtitan.py): torchtitan and its dependencies (~60 packages)
+# optional integration tested in CI (tests/integrations/test_torchtitan.py): torchtitan and its dependencies (~60 packages)
 python -m pip install -q "numpy<2.3" "torchtitan==0.3.0"

@@ -6,8 +6,8 @@ when there are fewer GPUs than ranks: gloo group, time-sliced, or under MPS with
 stays up for the following tests of the same size (start-up is paid once per world, not per test). Only what needs
 one GPU per rank skips, saying why: ``nccl=True`` (an NCCL group: NCCL refuses two ranks on one GPU).
 Tests that run at any world size take ``gpu_world_size`` (``--gpu-world-sizes 2,4``; default 2).
-Markers added at collection: ``world`` (uses ``gpu_world``), ``anyworld`` (uses ``gpu_world_size``); the one-GPU
-device script selects with them (scripts/gpu_1gpu.sh).
+Markers added at collection: ``world`` (uses ``gpu_world``), ``anyworld`` (uses ``gpu_world_size``); set by hand:
+``world1`` (a world of one rank); the one-GPU device script selects with them (scripts/gpu_1gpu.sh).
 """
 
 import os
@@ -40,6 +40,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "soak: long soak tests, not run in CI by default")
     config.addinivalue_line("markers", "world: runs ranks on GPUs through the gpu_world fixture")
     config.addinivalue_line("markers", "anyworld: a GPU world test that runs at every --gpu-world-sizes")
+    config.addinivalue_line("markers", "world1: a GPU world of one rank (gpu_world(1, ...)); scripts/gpu_1gpu.sh runs "
+                                       "it with the one-process GPU tests, not in its shared-GPU worlds")
 
 
 def pytest_generate_tests(metafunc):

@@ -13,7 +13,7 @@
 | TRITONEP_FORCE_NO_P2P | 0 | ``1``: ``backend="auto"`` acts as if no rank could map its peers' memory and picks ``nccl`` (tests, debugging) |
 
 Values are read at call time (not import time) so tests can change them with ``monkeypatch.setenv``. No other
-module reads a ``TRITONEP_*`` variable (``tests/test_envs_table.py`` checks it).
+module reads a ``TRITONEP_*`` variable (``tests/package/test_envs_table.py`` checks it).
 """
 
 from __future__ import annotations

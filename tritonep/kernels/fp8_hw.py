@@ -17,7 +17,7 @@ per two elements (PTX ISA, ``cvt``, "Convert between different types and sizes")
   and every f16 value an fp32 value). NaN codes get the integer decoder's NaN bits.
 
 Only call these with a constexpr that is True on the GPU (the kernels pass ``HAS_TIMER``): the interpreter cannot
-run inline asm. The GPU test ``tests/test_gpu_fp8_hw.py`` compares both paths on every bf16 pattern, random fp32
+run inline asm. The GPU test ``tests/kernels/test_fp8_hw_gpu.py`` compares both paths on every bf16 pattern, random fp32
 and the specials. Idea: Triton's own fp8 lowering and CUTLASS ``NumericConverter`` use the same instructions.
 """
 

@@ -1,6 +1,6 @@
-"""Kernels of the GPU test of the inline-PTX fp8 fast paths (``tests/test_gpu_fp8_hw.py``).
+"""Kernels of the GPU test of the inline-PTX fp8 fast paths (``tests/kernels/test_fp8_hw_gpu.py``).
 
-Module-level so the offline sm_90 compile check (``tests/test_fp8_hw_compile.py``) can compile them without a GPU.
+Module-level so the offline sm_90 compile check (``tests/kernels/test_fp8_hw_compile.py``) can compile them without a GPU.
 Each compares :mod:`tritonep.kernels.fp8_hw` (GPU only) with the integer path of :mod:`tritonep.kernels.quant`.
 """
 

@@ -54,7 +54,7 @@ def fp8_dequant_kernel(q_ptr, s_ptr, o_ptr, N, H, KIND: tl.constexpr,
             q = tl.load(q_ptr + offs, mask=ok[:, None], other=0)
             s = tl.load(s_ptr + row * nb + g, mask=ok, other=1.0)
             # EXACT_MUL on the GPU (= FAST): ``mul.rn.f32`` keeps subnormal products, which a plain multiply may
-            # flush to zero (the first GPU run of tests/test_gpu_fp8_hw.py caught it at scale 2^-126)
+            # flush to zero (the first GPU run of tests/kernels/test_fp8_hw_gpu.py caught it at scale 2^-126)
             store_fp32_as(o_ptr, offs, CODEC.decode(q, s, FAST, FAST), ok[:, None], KIND)
 
 

@@ -21,7 +21,7 @@ grouped GEMM multiplies rows by ``[H, ...]`` matrices where ``nn.Linear`` stores
 experts are read (a full model's expert tensors may stay on the CPU or be lazily loaded slices).
 
 Idea source: the weight names of transformers' Mixtral / Qwen2-MoE / Qwen3-MoE / OLMoE / DeepSeek-V3 modeling files
-and of their checkpoint files; tests/test_hf_equality.py checks the import by equality of outputs and gradients.
+and of their checkpoint files; tests/moe/test_hf_equality.py checks the import by equality of outputs and gradients.
 """
 
 from __future__ import annotations

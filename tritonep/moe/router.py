@@ -17,7 +17,7 @@ largest probabilities are chosen (ties go to the lower expert id), optionally re
 Qwen3-MoE / OLMoE follow ``config.norm_topk_prob`` (OLMoE-1B-7B: False).
 
 Idea source: the Switch / Mixtral style softmax top-k gate, as written in transformers' ``MixtralTopKRouter`` /
-``Qwen3MoeTopKRouter`` / ``OlmoeTopKRouter`` (tests/test_hf_equality.py holds ours equal to them).
+``Qwen3MoeTopKRouter`` / ``OlmoeTopKRouter`` (tests/moe/test_hf_equality.py holds ours equal to them).
 """
 
 from __future__ import annotations

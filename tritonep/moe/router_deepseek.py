@@ -20,7 +20,7 @@ counts. Only the sign of each expert's deviation matters, so a forward that runs
 every count and leaves the update unchanged. The bias is a persistent buffer: it is saved and loaded with the model.
 
 Idea sources: DeepSeek-V3 technical report (arXiv 2412.19437, sections 2.1.2 and 4.2); transformers'
-``DeepseekV3TopkRouter`` (tests/test_hf_equality.py holds ours equal to it).
+``DeepseekV3TopkRouter`` (tests/moe/test_hf_equality.py holds ours equal to it).
 """
 
 from __future__ import annotations

@@ -44,27 +44,18 @@ def heap_peer_write_world(group, epochs=3):
 
 
 def ep_cases_world(group, cases):
-    """Run dispatch + combine for every case dict (E, H, Tmax, K, A, T per rank, seed, kind) and return results."""
-    import tritonep as tep
+    """Run dispatch -> expert -> combine (:func:`tritonep.testing.harness.run_call`) for every case dict (E, H, Tmax,
+    K, A, T per rank, seeds, mask, kind) on this rank's GPU; per case the records of its calls."""
+    from .harness import open_buffer, run_call
 
     rank = dist.get_rank(group)
-    dev = torch.device("cuda", torch.cuda.current_device())
     res = []
     for c in cases:
-        buf = tep.EPBuffer(group, c["E"], c["H"], c["Tmax"], c["K"], expert_alignment=c.get("A", 1),
-                           max_recv_tokens=c.get("max_recv"))
-        outs = []
-        for s in c.get("seeds", [0]):
-            x, idx, w = make_rank_inputs(rank, c["T"][rank], c["H"], c["E"], c["K"], seed=s,
-                                         mask_frac=c.get("mask", 0.1))
-            d = buf.dispatch(x.to(dev), idx.to(dev), w.to(dev))
-            eo = buf.expert_out_buffer(d.x.shape[0])
-            eo.copy_((d.x.float() * 0.5 + 1.0).to(torch.bfloat16))
-            y = buf.combine(eo, d.handle, kind=c.get("kind"))
-            outs.append(dict(x=d.x.cpu(), ntpe=d.num_tokens_per_expert.cpu(), offs=d.expert_offsets.cpu(),
-                             w=d.weights.cpu(), eo=eo.cpu(), y=y.cpu()))
+        buf = open_buffer(group, c)
+        res.append([run_call(buf, *make_rank_inputs(rank, c["T"][rank], c["H"], c["E"], c["K"], seed=s,
+                                                    mask_frac=c.get("mask", 0.1)), kind=c.get("kind"))
+                    for s in c.get("seeds", [0])])
         buf.close()
-        res.append(outs)
     return res
 
 
@@ -116,23 +107,13 @@ def ep_graph_world(group, E, H, Tmax, K, replays, seed=0):
 
 
 def ep_grad_world(group, E, H, Tmax, K, T, seed=0):
-    """dispatch -> x*0.5 -> combine, backward; returns inputs and grads for a host reference check."""
-    import tritonep as tep
+    """dispatch -> x*0.5 -> combine, backward (:func:`tritonep.testing.harness.run_grad_call`, grad seed 99 + rank);
+    the record, for :func:`tritonep.testing.harness.check_grads` on the host."""
+    from .harness import open_buffer, run_grad_call
 
     rank = dist.get_rank(group)
-    dev = torch.device("cuda", torch.cuda.current_device())
-    x, idx, w = (t.to(dev) for t in make_rank_inputs(rank, T[rank], H, E, K, seed=seed))
-    x.requires_grad_(True)
-    w.requires_grad_(True)
-    buf = tep.EPBuffer(group, E, H, Tmax, K)
-    d = buf.dispatch(x, idx, w)
-    eo = (d.x.float() * 0.5).to(torch.bfloat16)
-    eo.retain_grad()
-    y = buf.combine(eo, d.handle)
-    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(99 + rank)).to(torch.bfloat16).to(dev)
-    (y.float() * g.float()).sum().backward()
-    out = dict(x=x.detach().cpu(), idx=idx.cpu(), w=w.detach().cpu(), gx=x.grad.cpu(), gw=w.grad.cpu(),
-               geo=eo.grad.cpu(), eo=eo.detach().cpu(), g=g.cpu())
+    buf = open_buffer(group, dict(E=E, H=H, Tmax=Tmax, K=K))
+    out = run_grad_call(buf, *make_rank_inputs(rank, T[rank], H, E, K, seed=seed), grad_seed=99 + rank)
     buf.close()
     return out
 
@@ -170,7 +151,8 @@ def graph_soak_world(group, E, H, Tmax, K, replays, seed=0, status_every=100, or
     symmetric memory), so a replay-only fault (a frozen epoch, a stale captured pointer, a lost signal) shows up as a
     difference; the layout, the sums and the eager path itself are checked against the host oracles
     (:func:`tritonep.reference.dispatch_reference` rows / counts / offsets / weights and
-    :func:`tritonep.reference.combine_reference_partial` for ``y``) on replay 0, every ``oracle_every``-th replay and
+    :func:`tritonep.reference.combine_reference_partial` for ``y``, through :func:`tritonep.testing.harness.expected`)
+    on replay 0, every ``oracle_every``-th replay and
     the last one (the host oracle costs ~1.6 s per replay at the test's shape; the eager check a few ms). Every rank
     regenerates the inputs it needs from (seed, replay), so checking needs no communication. The device status word
     is read every ``status_every`` replays and at the end (a timeout there raises
@@ -188,7 +170,8 @@ def graph_soak_world(group, E, H, Tmax, K, replays, seed=0, status_every=100, or
         ``what`` names the fields, ``eager.<field>`` for the eager check and ``oracle.<field>`` for the host oracle.
     """
     import tritonep as tep
-    from tritonep.reference import combine_reference_partial, dispatch_reference
+
+    from .harness import diff, expected
 
     rank, W = dist.get_rank(group), dist.get_world_size(group)
     on_gpu = graph or torch.cuda.is_available()
@@ -243,10 +226,8 @@ def graph_soak_world(group, E, H, Tmax, K, replays, seed=0, status_every=100, or
         yr = ref_buf.combine(eor, dr.handle)
         if dev.type == "cuda":
             torch.cuda.synchronize()
-        got = dict(num_tokens_per_expert=d.num_tokens_per_expert, expert_offsets=d.expert_offsets, x=d.x[:R],
-                   weights=d.weights[:R], y=y)
-        eager = dict(num_tokens_per_expert=dr.num_tokens_per_expert, expert_offsets=dr.expert_offsets, x=dr.x,
-                     weights=dr.weights, y=yr)
+        got = dict(ntpe=d.num_tokens_per_expert, offs=d.expert_offsets, x=d.x[:R], w=d.weights[:R], y=y)
+        eager = dict(ntpe=dr.num_tokens_per_expert, offs=dr.expert_offsets, x=dr.x, w=dr.weights, y=yr)
         what = [f"eager.{k}" for k in got if not torch.equal(got[k], eager[k])]
         if (i + 1) % status_every == 0:
             buf.check()
@@ -254,15 +235,9 @@ def graph_soak_world(group, E, H, Tmax, K, replays, seed=0, status_every=100, or
             if rank == 0:
                 print(f"graph soak: {i + 1}/{replays} replays, {time.monotonic() - t_start:.1f} s, "
                       f"{len(bad)} bad so far", flush=True)
-        if oracle:
-            xs, idxs, ws = [a[0] for a in ins], [a[1] for a in ins], [a[2] for a in ins]
-            ref = dispatch_reference(xs, idxs, ws, E, W)
-            eos = [_soak_expert_out(r_.x) for r_ in ref]
-            yp = combine_reference_partial(eos, ref, idxs, ws, [Tmax] * W)[rank]
-            want = dict(num_tokens_per_expert=ref[rank].num_tokens_per_expert, expert_offsets=ref[rank].expert_offsets,
-                        x=ref[rank].x, weights=ref[rank].weights, y=yp.to(torch.bfloat16))
-            what += [f"oracle.{k}" for k in got if got[k].shape != want[k].shape or
-                     not torch.equal(got[k].cpu(), want[k])]
+        if oracle:  # every rank's expert output is the soak expert of the reference rows
+            want = expected(ins, E, fn=_soak_expert_out)[rank]
+            what += [f"oracle.{k}" for k in diff(got, want, tuple(got))]
         if what:
             bad.append((i, what))
     buf.check()

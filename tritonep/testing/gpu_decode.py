@@ -1,5 +1,5 @@
 """GPU rank functions for the one-launch decode paths (geometry ``dec=G``). Module-level so spawned ranks can import
-them; the tests are ``tests/test_gpu_decode.py``."""
+them; the tests are ``tests/ep/triton/test_decode_gpu.py``."""
 
 from __future__ import annotations
 

@@ -11,10 +11,6 @@ from .cases import make_rank_inputs
 __all__ = ["t_script_world", "bad_input_world"]
 
 
-def _eo(x):
-    return (x.float() * 0.5 + 1.0).to(torch.bfloat16)
-
-
 def t_script_world(group, cfg: dict, script: list, graphs: bool, geometry: str = "", wire: str = "bf16"):
     """Run dispatch + combine once per entry of ``script`` (``script[i][r]`` = tokens of rank r in call i, 0 allowed).
 
@@ -26,13 +22,15 @@ def t_script_world(group, cfg: dict, script: list, graphs: bool, geometry: str =
     ``geometry``: a TRITONEP_GEOMETRY string for this world; ``wire``: dispatch and combine wire.
 
     Returns:
-        list per call of dicts (CPU tensors): ``x`` (the received rows, trimmed to ``expert_offsets[-1]``),
-        ``offs``, ``w``, ``eo``, ``y``.
+        list per call of records (:mod:`tritonep.testing.harness`; CPU tensors; graphs: ``x``, ``w`` and ``eo``
+        trimmed to ``expert_offsets[-1]``).
     """
     import os
 
     import tritonep as tep
     from tritonep.memory import group_barrier
+
+    from .harness import expert, record, run_call
 
     if geometry:
         os.environ["TRITONEP_GEOMETRY"] = geometry
@@ -42,13 +40,7 @@ def t_script_world(group, cfg: dict, script: list, graphs: bool, geometry: str =
     buf = tep.EPBuffer(group, E, H, Tm, K, dispatch_wire=wire, combine_wire=wire)
     out = []
     if not graphs:
-        for i, ts in enumerate(script):
-            x, idx, w = (t.to(dev) for t in make_rank_inputs(rank, ts[rank], H, E, K, seed=1000 + i))
-            d = buf.dispatch(x, idx, w)
-            eo = buf.expert_out_buffer(d.x.shape[0])
-            eo.copy_(_eo(d.x))
-            y = buf.combine(eo, d.handle)
-            out.append(dict(x=d.x.cpu(), offs=d.expert_offsets.cpu(), w=d.weights.cpu(), eo=eo.cpu(), y=y.cpu()))
+        out = [run_call(buf, *make_rank_inputs(rank, ts[rank], H, E, K, seed=1000 + i)) for i, ts in enumerate(script)]
         buf.close()
         return out
     static = {}
@@ -60,7 +52,7 @@ def t_script_world(group, cfg: dict, script: list, graphs: bool, geometry: str =
         with torch.cuda.graph(g):
             d = buf.dispatch(sx, si, sw)
             eo = buf.expert_out_buffer()
-            eo.copy_(_eo(d.x))
+            eo.copy_(expert(d.x))
             y = buf.combine(eo, d.handle)
         static[T] = (g, sx, si, sw, d, eo, y)
     group_barrier(group, dev)  # NCCL, or gloo when ranks share a GPU
@@ -73,17 +65,24 @@ def t_script_world(group, cfg: dict, script: list, graphs: bool, geometry: str =
         g.replay()
         torch.cuda.synchronize()
         R = int(d.expert_offsets[-1])
-        out.append(dict(x=d.x[:R].cpu(), offs=d.expert_offsets.cpu(), w=d.weights[:R].cpu(), eo=eo[:R].cpu(),
-                        y=y.cpu()))
+        out.append(record(d, eo[:R], y))
+        out[-1].update(x=out[-1]["x"][:R], w=out[-1]["w"][:R])
     buf.check()
     buf.close()
     return out
 
 
+def _identity(x):
+    return x
+
+
 def bad_input_world(group, E=64, H=2048, Tm=8, K=8):
     """Step 1: rank 1's ``topk_idx`` holds ``E + 35``; every rank must raise (InputError / PeerInputError) and
-    step 2 must pair correctly. Returns per step ``("ok", y)`` or ``(error class name, message)``."""
+    step 2 must pair correctly. Returns per step ``("ok", record)`` (identity expert) or ``(error class name,
+    message)``."""
     import tritonep as tep
+
+    from .harness import run_call
 
     rank = dist.get_rank(group)
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -94,9 +93,7 @@ def bad_input_world(group, E=64, H=2048, Tm=8, K=8):
         if step == 1 and rank == 1:
             idx[0, 0] = E + 35
         try:
-            d = buf.dispatch(x, idx, w)
-            y = buf.combine(d.x, d.handle)
-            res.append(("ok", d.x.cpu(), y.cpu()))
+            res.append(("ok", run_call(buf, x, idx, w, fn=_identity, out_buffer=False)))
         except tep.errors.TritonEPError as e:
             res.append((type(e).__name__, str(e)))
     buf.close()

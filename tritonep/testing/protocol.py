@@ -4,7 +4,7 @@ Every rank of a CPU world records, in order, each kernel launched through :class
 (``("launch", kernel name, grid)``) and each ``torch.distributed`` collective it calls (``("collective", name)``,
 through ``torch.distributed.<name>`` or ``torch.distributed.distributed_c10d.<name>``; a collective made of other
 collectives counts once). Kernels launched directly (``kernel[grid](...)``) are not recorded: every kernel that
-signals or waits on a peer must go through a Launcher, which ``tests/test_protocol.py`` checks on the source.
+signals or waits on a peer must go through a Launcher, which ``tests/ep/test_host_protocol.py`` checks on the source.
 When the world ends, :func:`compare_sequences` checks that every rank recorded the same sequence and
 :func:`tritonep.testing.run_cpu_world` raises :class:`ProtocolMismatch` otherwise. On the GPU, a rank that launches a
 signalling kernel or reaches a host collective that a peer does not is a deadlock or a silent mis-pairing; in the

@@ -15,7 +15,7 @@ constants, the counts row, the gathered matrix and its host copy, the host plan 
 a call allocates only what it returns or hands to its handle plus the two row buffers of its collective, and reads
 no tensor attribute it already knows. On the GPU a bf16 dispatch is 3 launches, 2 collectives, 1 device->host and 1
 host->device copy, 9 allocations and 15 torch calls from Python; a combine 2 launches, 1 collective, 3 allocations,
-4 torch calls (budgets held by ``tests/test_nccl_host_path.py``). A rank without tokens fills its counts row
+4 torch calls (budgets held by ``tests/ep/nccl/test_host_path_budget.py``). A rank without tokens fills its counts row
 instead of launching, and skips the pack.
 
 Dispatch (host protocol, identical on every rank whatever its data, docs/protocols.md (host protocol rule): one

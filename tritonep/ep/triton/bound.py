@@ -19,7 +19,7 @@ How a bound kernel launches:
   change. A kernel that needs Triton's global or profile scratch, or a launch while a Triton launch hook is
   installed (a profiler), takes Triton's own path; with no hook installed Triton hands its launcher its empty hook
   chains and their metadata, which do nothing, so the direct call passes None for both. The arguments handed to the C launcher are exactly those
-  :meth:`triton.compiler.CompiledKernel.__getitem__`'s runner hands it (``tests/test_bound_launch.py``).
+  :meth:`triton.compiler.CompiledKernel.__getitem__`'s runner hands it (``tests/ep/triton/test_bound_launch.py``).
 
 Idea: the "call the compiled kernel's launcher directly" pattern of vLLM's ``CachedKernel`` (vllm PR #34838:
 8.68 -> 4.51 us per launch) and helion PR #3004 (``CompiledKernel.run`` floor ~5.6 us), applied with the static

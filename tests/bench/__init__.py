@@ -1,0 +1,1 @@
+"""Benchmark plumbing: every point checks itself, the ratio summary."""

@@ -1,0 +1,1 @@
+"""The tritonep command line: subcommands, --routing files, world sizes."""

@@ -1,0 +1,1 @@
+"""Packaged routing data and users' routing files."""

@@ -1,0 +1,68 @@
+"""The examples without a GPU (issue 29). ``torchrun ... examples/torchrun_moe.py`` runs on a gloo group with
+``backend="nccl"``, an EPBuffer and an MoE layer outside ``run_cpu_world``, and exits 0 with its one result line (it
+used to exit 1 with a message, which torchrun turns into its own ChildFailedError traceback: any non-zero exit of a
+worker does). ``examples/train_moe.py`` runs from ``python`` (the README's command, which used to be refused) and
+under torchrun. README, "Two GPUs with torchrun", "On the GPU machine" and "Train a real model"."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests import ROOT
+
+TORCHRUN = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
+
+
+def _run(argv, env_extra=None, timeout=300):
+    """``argv`` in a fresh process group from the repository root, TRITON_INTERPRET unset (the examples set it
+    themselves, before tritonep's kernels are imported); ``(returncode, stdout, stderr)``. On a timeout every process
+    of the group (torchrun and its workers) is killed."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env_extra or {}))
+    env.pop("TRITON_INTERPRET", None)
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+                         start_new_session=True)
+    try:
+        stdout, stderr = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        stdout, stderr = p.communicate()
+        pytest.fail(f"{argv} did not finish in {timeout} s:\n{stdout}{stderr}")
+    return p.returncode, stdout, stderr
+
+
+NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU paths of the examples (GPUs: the device "
+                                                              "machine)")
+NEEDS_TORCHRUN = pytest.mark.skipif(TORCHRUN is None, reason="torchrun is not installed next to this Python")
+
+
+@NO_GPU
+@NEEDS_TORCHRUN
+def test_torchrun_example_without_gpu_runs_on_gloo_with_the_nccl_backend():
+    rc, stdout, stderr = _run([TORCHRUN, "--standalone", "--nproc-per-node", "2",  # --standalone: a free port
+                               str(ROOT / "examples" / "torchrun_moe.py")])
+    out = stdout + stderr
+    assert rc == 0, out
+    assert "Traceback" not in out and "ChildFailedError" not in out, out
+    line = [ln for ln in stdout.splitlines() if ln.startswith("world 2 on cpu")]
+    assert len(line) == 1 and "nccl backend" in line[0] and "backward done" in line[0], stdout
+
+
+@NO_GPU
+@NEEDS_TORCHRUN
+def test_train_example_under_torchrun_and_python_without_gpu():
+    """``examples/train_moe.py``: ``python examples/train_moe.py`` (the README's command) imported tritonep's
+    kernels before choosing the interpreter and was refused; under torchrun it exited 1 (torchrun's traceback).
+    Both now train, with the same losses (the EP groups use the nccl backend either way)."""
+    steps = ["--steps", "2"]
+    rc, stdout, stderr = _run([sys.executable, str(ROOT / "examples" / "train_moe.py"), *steps])
+    assert rc == 0, stdout + stderr
+    world = [ln for ln in stdout.splitlines() if ln.startswith("step")]
+    rc, stdout, stderr = _run([TORCHRUN, "--standalone", "--nproc-per-node", "4",
+                               str(ROOT / "examples" / "train_moe.py"), *steps])
+    assert rc == 0 and "Traceback" not in stdout + stderr, stdout + stderr
+    assert [ln for ln in stdout.splitlines() if ln.startswith("step")] == world and len(world) == 2, (world, stdout)

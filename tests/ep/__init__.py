@@ -1,0 +1,1 @@
+"""EPBuffer, the front door: dispatch / combine on both backends against tritonep.reference, errors, protocol."""

@@ -1,0 +1,69 @@
+"""The triton backend's launch geometry (tritonep.ep.geometry): the table's choices, TRITONEP_GEOMETRY overrides
+and their refusals, and that every tile / grid / role split gives the same bits."""
+
+import pytest
+
+from tritonep.errors import ConfigError
+from tritonep.testing import run_cpu_world
+from tritonep.testing.harness import calls_world, check_calls, make_calls
+
+
+@pytest.mark.parametrize("W,geometry", [(2, "bt=1,bh=32,grid=5"), (2, "bt=2,grid=3,combine=pull"),
+                                        (2, "bt=2,fs=2,fe=3,fc=1"), (2, "fs=3,fe=1"), (2, "bt=4,dec=3"),
+                                        # combine tile != dispatch tile; grids that are multiples of W rotate each
+                                        # program's partial sources (kernels.combine.partial_item_source)
+                                        (2, "bt=4,cbt=1,cwarps=2,grid=4,pf=1,bh=32"), (2, "bt=1,cbt=4,fs=2,fe=2,fc=1,pf=1"),
+                                        (3, "bt=2,cbt=1,grid=6,combine=pull")])
+def test_geometry_override_small_tiles(monkeypatch, W, geometry):
+    """The GPU decode geometry uses tiny token tiles and many programs, the fused paths split the grid by role;
+    every tile/grid/role choice gives the same bits (2 calls: the fused and two-kernel paths follow each other)."""
+    monkeypatch.setenv("TRITONEP_GEOMETRY", geometry)
+    cfg = dict(E=4 * W, H=96, Tmax=16, K=3, A=2, kind=None, repeat=True)
+    calls = make_calls(W, cfg, [11, 5, 9][:W], seeds=[3, 4])
+    res = run_cpu_world(W, calls_world, cfg, calls, timeout_s=240)
+    check_calls(cfg, calls, res, fp32=True)
+
+
+def test_geometry_override_errors(monkeypatch):
+    from tritonep.ep.geometry import select_geometry
+
+    monkeypatch.delenv("TRITONEP_GEOMETRY", raising=False)
+    g = select_geometry("cuda", 2, 7168, 4096, 8)  # the table: fused dispatch at >= 1024 tokens, no SM cap
+    assert (g.fused_send, g.fused_expand, g.grid_send, g.grid_expand, g.fused_combine) == (40, 88, 40, 88, False)
+    g = select_geometry("cuda", 2, 7168, 4096, 8, num_sms=24)  # capped: two kernels
+    assert (g.fused_send, g.grid_send) == (0, 24)
+    assert select_geometry("cuda", 2, 7168, 128, 8).fused_send == 0  # decode: two kernels
+    for wire in ("fp8", "mxfp4", "fp8_e5m2"):  # quantizing senders need the whole grid: two kernels (measured)
+        g = select_geometry("cuda", 2, 7168, 4096, 8, wire=wire)
+        assert (g.fused_send, g.grid_send, g.grid_expand) == (0, 132, 132), wire
+    g = select_geometry("cuda", 2, 7168, 4096, 8)  # the combine's own tile: 8 tokens x 32 warps (measured)
+    assert (g.bt, g.cbt, g.num_warps, g.cwarps) == (16, 8, 8, 32)
+    g = select_geometry("cuda", 2, 7168, 4096, 8, wire="fp8", num_sms=24)  # capped fp8: 16 warps + prefetch
+    assert (g.num_warps, g.prefetch, g.cwarps) == (16, True, 32)
+    assert not select_geometry("cuda", 2, 7168, 4096, 8, num_sms=24).prefetch
+    g = select_geometry("cuda", 2, 7168, 128, 8)  # decode: the dispatch's tiny tile
+    assert (g.cbt, g.cwarps) == (g.bt, g.num_warps)
+    assert select_geometry("cpu", 2, 96, 16, 3).cbt == select_geometry("cpu", 2, 96, 16, 3).bt
+    monkeypatch.setenv("TRITONEP_GEOMETRY", "cbt=8,cwarps=16")
+    g = select_geometry("cuda", 2, 7168, 4096, 8)
+    assert (g.bt, g.cbt, g.num_warps, g.cwarps) == (16, 8, 8, 16)
+    monkeypatch.setenv("TRITONEP_GEOMETRY", "cbt=2")
+    assert (select_geometry("cuda", 2, 7168, 4096, 8).cbt, select_geometry("cuda", 2, 7168, 4096, 8).cwarps) == (2, 32)
+    monkeypatch.setenv("TRITONEP_GEOMETRY", "fs=0,fe=0")
+    assert select_geometry("cuda", 2, 7168, 4096, 8).fused_send == 0
+    monkeypatch.setenv("TRITONEP_GEOMETRY", "bt=4,warps=8,grid=7")
+    g = select_geometry("cuda", 2, 7168, 4096, 8)
+    assert (g.bt, g.num_warps, g.grid_send, g.grid_out) == (4, 8, 7, 7)
+    monkeypatch.setenv("TRITONEP_GEOMETRY", "fs=40,fe=88")
+    g = select_geometry("cuda", 2, 7168, 4096, 8)
+    assert (g.grid_send, g.grid_expand, g.grid_partial, g.fused_combine) == (40, 88, 132, False)
+    monkeypatch.setenv("TRITONEP_GEOMETRY", "fs=40,fe=88,fc=1")
+    g = select_geometry("cuda", 2, 7168, 4096, 8, num_sms=24)  # the cap keeps the role split
+    assert (g.fused_send, g.fused_expand, g.grid_send, g.grid_out) == (7, 17, 7, 17)
+    for bad, what in (("bq=2", "unknown field"), ("bt=3", "power of two"), ("grid=0", "grid"),
+                      ("combine=both", "push or pull"), ("bh=x", "not an integer"), ("fs=4", "both"),
+                      ("fc=1", "needs fs"), ("fs=2,fe=2,fc=2", "0 or 1"), ("cbt=3", "power of two"),
+                      ("cwarps=0", "power of two")):
+        monkeypatch.setenv("TRITONEP_GEOMETRY", bad)
+        with pytest.raises(ConfigError, match=what):
+            select_geometry("cuda", 2, 7168, 128, 8)  # a shape whose table geometry is the two-kernel path

@@ -1,0 +1,1 @@
+"""Symmetric memory: region layout, the CPU heap (allocation, reuse, peer views), peer-writing kernels."""

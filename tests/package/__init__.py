@@ -1,0 +1,1 @@
+"""The package as a whole: import side effects, TRITONEP_* environment variables."""

@@ -1,0 +1,1 @@
+"""The pure-torch oracles (tritonep.reference) against hand-worked cases and autograd."""

@@ -1,0 +1,1 @@
+"""Wire formats: quantizers and codecs (Triton == torch twin == independent reference), the registry."""

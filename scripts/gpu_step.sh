@@ -1,7 +1,8 @@
 # Sourced by the device scripts (scripts/gpu_1gpu.sh, gpu_sweep.sh, gpu_verify.sh): the repo root as working
 # directory, the no-multicast environment, $OUT, and `step NAME LIMIT_S CMD...`, which runs CMD under its measured
 # time limit, logs it line by line to $OUT/NAME.log (Python warning lines dropped, pytest's summary line kept), prints
-# the last $TAIL lines (default 6; STEP_TEE=1 streams the whole log) and the verdict, also into $OUT/summary.txt.
+# the last $TAIL lines. Past its limit CMD gets SIGINT (pytest then prints its failures and durations so far),
+# SIGKILL 15 s later; it prints (default 6; STEP_TEE=1 streams the whole log) and the verdict, also into $OUT/summary.txt.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 PYTHONPATH=.
@@ -12,9 +13,9 @@ step() {
     local t0=$(date +%s)
     echo "=== $name (limit ${limit}s): $*"
     if [ "${STEP_TEE:-0}" = 1 ]; then
-        timeout -k 10 "$limit" "$@" 2>&1 | grep --line-buffered -v -E "Warning:|warnings\.warn|_warn_once" | tee "$OUT/$name.log"
+        timeout -s INT -k 15 "$limit" "$@" 2>&1 | grep --line-buffered -v -E "Warning:|warnings\.warn|_warn_once" | tee "$OUT/$name.log"
     else
-        timeout -k 10 "$limit" "$@" 2>&1 | grep --line-buffered -v -E "Warning:|warnings\.warn|_warn_once" > "$OUT/$name.log"
+        timeout -s INT -k 15 "$limit" "$@" 2>&1 | grep --line-buffered -v -E "Warning:|warnings\.warn|_warn_once" > "$OUT/$name.log"
     fi
     local rc=${PIPESTATUS[0]}
     [ "${STEP_TEE:-0}" = 1 ] || tail -"${TAIL:-6}" "$OUT/$name.log"

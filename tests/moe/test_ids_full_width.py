@@ -304,6 +304,7 @@ def test_gpu_64_bit_ids_refused_by_planner_exchange_and_dispatch(gpu_world):
     counts[0, 3] -= 1
     placement, rt = plan(counts.to(dev), bad.to(dev), 0)
     assert int(rt[1, 1]) == 2 * E and int(placement.status.max()) & P.v(P.PLAN_BAD_EXPERT_ID), rt
-    for err, counts, want, cerr in gpu_world(1, _gpu_ids_world, timeout_s=600):
+    (rank0,) = gpu_world(1, _gpu_ids_world, timeout_s=600)  # one rank's result: one row per geometry
+    for err, counts, want, cerr in rank0:
         assert err[0] == "InputError" and f"= {2 ** 32 + 1} is outside" in err[1], err
         assert torch.equal(counts[0], want.to(counts.dtype)) and cerr == (0,), (counts, want, cerr)

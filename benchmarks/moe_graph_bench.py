@@ -44,31 +44,31 @@ def bench(group, T, shape, iters):
     idx = torch.argsort(torch.rand(T, s["num_experts"], device=dev, generator=g), dim=1)[:, :s["topk"]].contiguous()
     w = torch.rand(T, s["topk"], device=dev, generator=g).requires_grad_(True)
     params = (x, w, layer.w1, layer.w2)
-    for _ in range(3):
-        _step(layer, x, idx, w)
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    torch.cuda.synchronize()
 
     def eager():
         for p in params:
-            p.grad.zero_()
+            p.grad = None  # each step's gradients are new tensors, as in the captured step
         return _step(layer, x, idx, w)
 
-    eager_us = time_rounds(eager, group, iters)
-    y_e = eager()
-    ref = [t.detach().clone() for t in (y_e,) + tuple(p.grad for p in params)]
+    # PyTorch's whole-network capture recipe: warm-up, eager steps and capture on ONE side stream, gradients set to
+    # None before capture (backward ops run on their forward op's stream; gradients created on the legacy default
+    # stream make the capture fail with cudaErrorStreamCaptureImplicit)
     st = torch.cuda.Stream()
     st.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(st):
+        for _ in range(3):
+            eager()
+        eager_us = time_rounds(eager, group, iters)
+        y_e = eager()
+        ref = [t.detach().clone() for t in (y_e,) + tuple(p.grad for p in params)]
+        for p in params:
+            p.grad = None
+        graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=st):
-            for p in params:
-                p.grad.zero_()
             y_g = _step(layer, x, idx, w)
+        graph_us = time_rounds(graph.replay, group, iters)
+        graph.replay()
     torch.cuda.current_stream().wait_stream(st)
-    graph_us = time_rounds(graph.replay, group, iters)
-    graph.replay()
     torch.cuda.synchronize()
     got = [t.detach().clone() for t in (y_g,) + tuple(p.grad for p in params)]
     checked = all(torch.equal(a, b) for a, b in zip(ref, got))

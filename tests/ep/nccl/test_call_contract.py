@@ -167,6 +167,7 @@ def test_host_reads_per_call():
 
 
 def _host_syncs(group):
+    import traceback
     import warnings
 
     rank = dist.get_rank(group)
@@ -191,23 +192,31 @@ def _host_syncs(group):
 
     calls(lambda what: None)  # warm-up: compiles the kernels, creates the communicators
     torch.cuda.synchronize()
-    seen = {}
-    with warnings.catch_warnings(record=True) as rec:
+    seen, where, rec = {}, {}, []
+
+    def hook(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):  # where in tritonep the sync happened, for the failure message
+            rec.append(next((f"{f.filename.rsplit('tritonep/', 1)[-1]}:{f.lineno}" for f in
+                             reversed(traceback.extract_stack()[:-1]) if "/tritonep/" in f.filename), "?"))
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = hook
         torch.cuda.set_sync_debug_mode("warn")
         try:
             def count(what):
-                seen[what] = sum("synchroniz" in str(m.message) for m in rec) - sum(seen.values())
+                n = sum(seen.values())
+                seen[what], where[what] = len(rec) - n, rec[n:]
             calls(count)
         finally:
             torch.cuda.set_sync_debug_mode(0)
     buf.close()
-    return seen
+    return seen, where
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("W", [1, 2])
 def test_gpu_nccl_host_reads(gpu_world, W):
     """Dispatch reads the host once (the counts matrix); combine and both backward passes never."""
-    for r in gpu_world(W, _host_syncs, nccl=True):
-        assert r == {"dispatch": 1, "combine": 0, "dispatch_bwd": 0, "combine_bwd": 0}, r
+    for seen, where in gpu_world(W, _host_syncs, nccl=True):
+        assert seen == {"dispatch": 1, "combine": 0, "dispatch_bwd": 0, "combine_bwd": 0}, where

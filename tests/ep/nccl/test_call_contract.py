@@ -195,9 +195,12 @@ def _host_syncs(group):
     seen, where, rec = {}, {}, []
 
     def hook(message, category, filename, lineno, file=None, line=None):
-        if "synchroniz" in str(message):  # where in tritonep the sync happened, for the failure message
-            rec.append(next((f"{f.filename.rsplit('tritonep/', 1)[-1]}:{f.lineno}" for f in
-                             reversed(traceback.extract_stack()[:-1]) if "/tritonep/" in f.filename), "?"))
+        # the innermost Python frame of each sync: the library's (tritonep/, not tritonep/testing/) are counted,
+        # any other (this test's own ops, the harness) is listed in the failure message only
+        if "synchroniz" in str(message):
+            f = next(f for f in reversed(traceback.extract_stack()[:-1]) if "/warnings" not in f.filename)
+            rec.append((f"{f.filename}:{f.lineno}", "/tritonep/" in f.filename and "/tritonep/testing/" not in
+                        f.filename))
 
     with warnings.catch_warnings():
         warnings.simplefilter("always")
@@ -205,8 +208,9 @@ def _host_syncs(group):
         torch.cuda.set_sync_debug_mode("warn")
         try:
             def count(what):
-                n = sum(seen.values())
-                seen[what], where[what] = len(rec) - n, rec[n:]
+                n = sum(len(v) for v in where.values())
+                where[what] = rec[n:]
+                seen[what] = sum(lib for _, lib in where[what])
             calls(count)
         finally:
             torch.cuda.set_sync_debug_mode(0)

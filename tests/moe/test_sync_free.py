@@ -96,31 +96,35 @@ def _gpu_graph_body(group):
     x = torch.randn(256, 1024, device=dev, generator=g).to(torch.bfloat16).requires_grad_(True)
     idx = torch.argsort(torch.rand(256, 16, device=dev, generator=g), dim=1)[:, :4].contiguous()
     w = torch.rand(256, 4, device=dev, generator=g).requires_grad_(True)
-    for _ in range(3):  # warm-up: compiles, allocator pools
-        _gpu_step(layer, x, idx, w)
-    torch.cuda.synchronize()
-    for p in (x, w, layer.w1, layer.w2):
-        p.grad = None
-    torch.cuda.set_sync_debug_mode("error")  # any host sync in the step raises
-    try:
-        y_eager = _gpu_step(layer, x, idx, w)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    ref = [t.detach().clone() for t in (y_eager, x.grad, w.grad, layer.w1.grad, layer.w2.grad)]
-    for p in (x, w, layer.w1, layer.w2):
-        p.grad = torch.zeros_like(p)
+    params = (x, w, layer.w1, layer.w2)
+    # PyTorch's whole-network capture recipe: warm-up, the eager step and the capture on ONE side stream, gradients
+    # None before each step (backward ops run on their forward op's stream; gradients made on the legacy default
+    # stream fail the capture with cudaErrorStreamCaptureImplicit, as seen on an H200 on 2026-12-01)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(s):
+        for _ in range(3):  # warm-up: compiles, allocator pools
+            for p in params:
+                p.grad = None
+            _gpu_step(layer, x, idx, w)
+        torch.cuda.synchronize()
+        for p in params:
+            p.grad = None
+        torch.cuda.set_sync_debug_mode("error")  # any host sync in the step raises
+        try:
+            y_eager = _gpu_step(layer, x, idx, w)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        ref = [t.detach().clone() for t in (y_eager,) + tuple(p.grad for p in params)]
+        for p in params:
+            p.grad = None
+        graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=s):
             y_g = _gpu_step(layer, x, idx, w)
+        graph.replay()
     torch.cuda.current_stream().wait_stream(s)
-    for p in (x, w, layer.w1, layer.w2):
-        p.grad.zero_()
-    graph.replay()
     torch.cuda.synchronize()
-    got = [t.detach().clone() for t in (y_g, x.grad, w.grad, layer.w1.grad, layer.w2.grad)]
+    got = [t.detach().clone() for t in (y_g,) + tuple(p.grad for p in params)]
     layer.buffer.check()
     layer.close()
     for a, b in zip(ref, got):

@@ -13,12 +13,15 @@ Every result file of a device run stays as it was written under ``benchmarks/res
 Usage (repository root)::
 
     python scripts/results_index.py add $OUT/ep.json --machine h200x1 [--label final] [--bench ep_bench]
+    python scripts/results_index.py add $OUT/peer.json --machine h200x1 --command "torchrun ... peer_bench.py ..."
     python scripts/results_index.py rebuild   # every history and the README again from the raw files
     python scripts/results_index.py check     # exit 1 if a history or the README is out of date (CI, no git)
 
 ``add`` copies a run's JSON to its raw name, appends its line to its history and rewrites the README; the
 benchmark is read from the command in the file (``benchmarks/ep_bench.py`` -> ``ep_bench``) unless ``--bench``
-names it. Commit the raw file, the history and the README together.
+names it. A JSON that holds no command (eager_profile, peer_bench, moe_graph_bench and host_cost write none) takes
+it from ``--command "..."``, kept in ``benchmarks/results/commands.jsonl`` (one ``{"raw", "command"}`` a line; the
+raw file stays as written). Commit the raw file, the history, commands.jsonl and the README together.
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ HISTORY = RESULTS / "history"
 README = RESULTS / "README.md"
 
 PREFIXES = {"ep_bench": "ep_bench", "eager_profile": "eager_profile", "kernel_breakdown": "kernel_breakdown",
-            "moe_bench": "moe_bench", "planner": "planner_bench", "tritonep_run": "tritonep_run"}
+            "moe_bench": "moe_bench", "moe_graph_bench": "moe_graph_bench", "peer_bench": "peer_bench",
+            "host_cost": "host_cost", "planner": "planner_bench", "tritonep_run": "tritonep_run"}
 """Raw-file name prefix -> benchmark (the planner's files are ``planner_*``, written by planner_bench.py)."""
 COLUMNS = {
     "ep_bench": ("profile", "op", "mode", "num_sms", "tokens", "hidden", "variant", "geometry", "us", "logical_gbps",
@@ -50,6 +54,10 @@ COLUMNS = {
                       "graph_us", "eager_us", "checked"),
     "moe_bench": None,  # the rank's timings: every key
     "tritonep_run": ("layer", "tokens", "balancedness", "dispatch_ms", "gemm_ms", "combine_ms", "step_ms"),
+    "moe_graph_bench": ("tokens", "shape", "world_size", "eager_us", "graph_us", "eager_over_graph", "checked"),
+    "peer_bench": ("T", "tep_round_eager_us", "tep_round_graph_us", "tep_sync_free_round_eager_us",
+                   "mae_round_eager_us", "mae_round_graph_us", "eager_tep_over_mae", "checked"),
+    "host_cost": ("name", "us"),  # the file's {name: us} rows, one row each
 }
 """README columns of each benchmark's rows (rank 0's rows only)."""
 MAX_README_ROWS = 40
@@ -85,18 +93,41 @@ def _log_command(path: Path) -> str | None:
     return None
 
 
+def _commands_file() -> Path:
+    return RESULTS / "commands.jsonl"
+
+
+def recorded_commands() -> dict:
+    """``{raw file name: command}`` of the raw files whose JSON holds no command (``add --command`` records it in
+    ``benchmarks/results/commands.jsonl``, one ``{"raw": ..., "command": ...}`` a line, the raw file untouched)."""
+    f = _commands_file()
+    if not f.is_file():
+        return {}
+    return {ln["raw"]: ln["command"] for ln in map(json.loads, f.read_text().splitlines()) if ln}
+
+
+def _own_command(data) -> str | None:
+    if not isinstance(data, dict):
+        return None
+    meta = data.get("meta") or data.get("cfg") or {}
+    return data.get("command") or (meta.get("command") if isinstance(meta, dict) else None)
+
+
 def normalize(path: Path) -> dict:
     """The history fields a raw file holds (all but ``commit``): meta, command and the flattened rows."""
     data = json.loads(path.read_text())
     name = parse_name(path)
     meta = {}
     if isinstance(data, dict):
-        meta = data.get("meta") or data.get("cfg") or {k: v for k, v in data.items() if not isinstance(v, list)}
+        meta = (data.get("meta") or data.get("cfg") or data.get("info")
+                or {k: v for k, v in data.items() if not isinstance(v, list)})
     rows: list = []
     if isinstance(data, list):
         rows = data
     elif "rows" in data:
         rows = data["rows"]
+        if isinstance(rows, dict):  # host_cost: {name: us}
+            rows = [dict(name=k, us=v) for k, v in rows.items()]
     elif "ranks" in data:
         rows = [dict({k: v for k, v in r.items() if not k.startswith("profile.")}, rank=i)
                 for i, r in enumerate(data["ranks"])]
@@ -104,12 +135,16 @@ def normalize(path: Path) -> dict:
         rows = data["layers"]
     if rows and all(isinstance(r, list) for r in rows):  # one list per rank
         rows = [dict(r, rank=i) for i, rs in enumerate(rows) for r in rs]
-    command = (data.get("command") if isinstance(data, dict) else None) or meta.get("command") or _log_command(path)
+    command = _own_command(data) or recorded_commands().get(path.name) or _log_command(path)
     versions = {k: meta.get(k, data.get(k) if isinstance(data, dict) else None) for k in ("torch", "triton", "nccl")}
     checked = meta.get("checked") if "checked" in meta else (all(r.get("checked", False) for r in rows)
                                                              if rows and all("checked" in r for r in rows) else None)
     gpu = meta.get("gpu") or (data.get("gpu") if isinstance(data, dict) else None)
+    if gpu is None and rows and len({r.get("gpu") for r in rows}) == 1:
+        gpu = rows[0].get("gpu")
     world = meta.get("world_size") or (data.get("world_size") if isinstance(data, dict) else None)
+    if world is None and rows and len({r.get("world_size") for r in rows}) == 1:  # every row names the same world
+        world = rows[0].get("world_size")
     return dict(date=name["date"], label=name["label"], raw=str(path.relative_to(ROOT)), command=command, gpu=gpu,
                 world_size=world, versions={k: v for k, v in versions.items() if v}, checked=checked, rows=rows)
 
@@ -176,10 +211,11 @@ def _ordered(line: dict) -> dict:
 
 def _cell(v) -> str:
     if isinstance(v, float):
-        return f"{v:.4g}" if abs(v) < 1 else f"{v:.1f}"
+        return f"{v:.4g}" if abs(v) < 10 else f"{v:.1f}"  # ratios near 1 keep 3 decimals
     if isinstance(v, (dict, list)):
         return json.dumps(v)[:60]
-    return "" if v is None else str(v).replace("|", "/")
+    text = "" if v is None else str(v).replace("|", "/")
+    return text if len(text) <= 80 else text[:77] + "..."  # e.g. a capture error (the history line has it whole)
 
 
 def readme(histories: dict) -> str:
@@ -250,8 +286,8 @@ def check() -> list[str]:
     return problems
 
 
-def _bench_of(data, path: Path) -> str:
-    command = (data.get("command") or (data.get("meta") or {}).get("command") or "") if isinstance(data, dict) else ""
+def _bench_of(data, path: Path, command: str | None = None) -> str:
+    command = _own_command(data) or command or ""
     m = re.search(r"benchmarks/(\w+)\.py", command)
     if m and m.group(1) in COLUMNS:
         return m.group(1)
@@ -260,15 +296,20 @@ def _bench_of(data, path: Path) -> str:
     raise SystemExit(f"{path}: cannot tell the benchmark from its command {command!r}; pass --bench")
 
 
-def add(src: Path, machine: str, label: str = "", bench: str | None = None, date: str | None = None) -> Path:
+def add(src: Path, machine: str, label: str = "", bench: str | None = None, date: str | None = None,
+        command: str | None = None) -> Path:
     """Copy a run's JSON to its raw name under benchmarks/results/, append its history line, rewrite the README.
 
-    Returns:
+    ``command``: the command that wrote a JSON holding none (recorded in ``commands.jsonl`` under the raw name; the
+    raw file stays as written). Returns:
         the raw file's path. Raises SystemExit naming the problem (unknown benchmark, a raw file of that name
-        already there, a machine kind not like ``h200x2``).
+        already there, a machine kind not like ``h200x2``, ``command`` given for a JSON that holds another).
     """
     data = json.loads(Path(src).read_text())
-    bench = bench or _bench_of(data, src)
+    own = _own_command(data)
+    if command and own and command != own:
+        raise SystemExit(f"{src}: holds its own command {own!r}; --command {command!r} differs")
+    bench = bench or _bench_of(data, src, command)
     if not _MACHINE.match(machine) or "x" not in machine:
         raise SystemExit(f"--machine {machine!r}: a machine kind like h200x1 or h200x2")
     date = date or datetime.date.today().isoformat()
@@ -278,6 +319,9 @@ def add(src: Path, machine: str, label: str = "", bench: str | None = None, date
     if dst.exists():
         raise SystemExit(f"{dst.relative_to(ROOT)} exists: pick another --label")
     shutil.copyfile(src, dst)
+    if command and not own:
+        with _commands_file().open("a") as f:
+            f.write(json.dumps(dict(raw=dst.name, command=command)) + "\n")
     hist = read_histories()
     line = _ordered(dict(normalize(dst), commit=_head()))
     hist.setdefault((bench, machine), []).append(line)
@@ -294,11 +338,13 @@ def main(argv=None) -> int:
     a.add_argument("--label", default="", help="what distinguishes this run from others of the day (a word)")
     a.add_argument("--bench", choices=sorted(COLUMNS), help="the benchmark (default: from the file's command)")
     a.add_argument("--date", help="YYYY-MM-DD of the run (default: today)")
+    a.add_argument("--command", help="the command that wrote the JSON, when the JSON holds none (kept in "
+                   "benchmarks/results/commands.jsonl)")
     sub.add_parser("rebuild", help="every history and the README from the raw files")
     sub.add_parser("check", help="exit 1 if a history or the README is out of date")
     args = ap.parse_args(argv)
     if args.cmd == "add":
-        print(add(args.json, args.machine, args.label, args.bench, args.date).relative_to(ROOT))
+        print(add(args.json, args.machine, args.label, args.bench, args.date, args.command).relative_to(ROOT))
     elif args.cmd == "rebuild":
         _write(rebuilt())
     else:

@@ -1,31 +1,54 @@
 #!/usr/bin/env bash
-# The whole GPU suite on ONE H200 (device kind nvidia-h200) in ONE device command (give it timeout_s=600):
-#   bash scripts/gpu_1gpu.sh              # every step below: ~7 min estimated; step limits add up to 520 s
+# The whole GPU suite on ONE H200 (device kind nvidia-h200), in four device commands of at most 600 s each (give
+# each timeout_s=600); the four take a whole 30-minute device session, so pick the calls a change needs:
+#   bash scripts/gpu_1gpu.sh call1   # single + run4 + ts2 side by side      ~420 s cold (limits 260/120/500)
+#   bash scripts/gpu_1gpu.sh call2   # mps2, then soak (W=2 under MPS)       ~360 s + soak (limits 390 + 150)
+#   bash scripts/gpu_1gpu.sh call3   # mps4 (W=4 under MPS)                  ~400 s cold (limit 480)
+#   bash scripts/gpu_1gpu.sh call4   # ts4 (W=4 time-sliced)                 ~450 s cold (limit 520)
 #   bash scripts/gpu_1gpu.sh mps2 run4    # only the named steps (single ts2 ts4 run4 mps2 mps4 soak bench)
+# call2 and call3 run every multi-rank test at W=2 and W=4 with the ranks at once (MPS): the first to run; call1
+# the one-process tests, the CLI at W=4 and the W=2 tests time-sliced; call4 the W=4 tests time-sliced.
 # Multi-rank tests put every rank on the one GPU (tests/conftest.py `gpu_world`; docs/platform.md "Several ranks on
-# one GPU"): time-sliced at W=2 and W=4, then under a private MPS daemon (one per world, stopped after it) at W=2 and
-# W=4; tests that need one GPU per rank (an NCCL group) skip saying so. Logs and JSON go to $OUT (default ./gpu_out):
-# one log per step with pytest's --durations list (re-measure these estimates from it), a verdict line per step in
-# $OUT/summary.txt. Every step runs under a time limit with margin; a step past it is stopped by SIGTERM, which ends
-# its ranks and its MPS daemon (tritonep.testing.interrupts).
+# one GPU"); tests that need one GPU per rank (an NCCL group) skip saying so. Logs and JSON go to $OUT (default
+# ./gpu_out): one log per step, pytest -v (every test's name is printed when it starts, so a step killed at its limit
+# still says which test was running) with skip reasons (-ra) and the --durations list; a verdict line per step in
+# $OUT/summary.txt. Past its limit a step gets SIGINT (pytest prints its failures and durations so far), SIGKILL 15 s
+# later; that ends its ranks and its MPS daemon (tritonep.testing.interrupts).
 #
-# Step times, estimated (none of these steps has run yet) from DESIGN.md §1b's cross-rank flag round trip: 2.5 ms
-# time-sliced at W=2, 4.5 ms at W=4, 204 / 86 us under MPS. One dispatch + combine waits on peers ~4 times; the suite
-# makes ~520 such calls per world size (graph test 200, protocol scripts 140, decode 96, cases, gradients, MoE layer,
-# virtual experts, transport, staging) -> ~2100 waits: ~5 s time-sliced at W=2, ~10 s at W=4, < 1 s under MPS. Run
-# side by side (group A: ~11 CUDA contexts share the GPU) a wait costs up to ~4x more: <= 40 s. The rest is start-up
-# (pytest ~10 s, a world ~15 s, once per world size: worlds stay up between tests), Triton compiles on a cold cache
-# (~3 s per buffer configuration and rank process, ~25 configurations; W and the rank are compile-time constants,
-# so every world size compiles its own), the host references in the pytest process (~30 s at W=2, ~60 s at W=4),
-# torch.compile in the MoE layer test (~40 s) and, for `single`, the one-process GPU tests (85 s measured on
-# 2026-12-01). Estimates: single ~90 s, ts2 ~200 s, ts4 ~230 s, run4 ~60 s (group A, side by side: ~230 s, limit
-# 270), mps2 ~90 s (kernels cached by ts2), mps4 ~100 s. The 1000-replay soaks (soak marker) are a step of their own,
-# `soak` (~60 s under MPS; time-sliced they would wait ~16000 x 2.5 ms = 40 s more each): run it in a second command.
-source "$(dirname "$0")/gpu_step.sh"
-PYTEST=(python -m pytest -q -ra -p no:cacheprovider --durations=25 tests)  # pytest-timeout: SIGALRM by default
-steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(single ts2 ts4 run4 mps2 mps4)
+# Step times, measured on 2026-12-01 (session 4, one H200, cold Triton caches: every world size compiles its own
+# kernels, W and the rank being compile-time constants; benchmarks/results/device_session4_2026-12-01.md and the
+# gpu_tests_*_h200x1_session4_2026-12-01.log files):
+#   single  41 tests, 200 s side by side with ts2, ts4, run4 (38 passed, the one failure a test bug fixed since)
+#   run4    tritonep run --world-size 4 --layers 2 3, time-sliced: 58 s side by side (48.5 s of it the run's wall)
+#   ts2     37 of 43 tests in 271 s side by side with single, ts4, run4 (stopped at the then limit of 270 s); the
+#           6 left are the slowest W=2 tests under MPS (MoE layer + compile 23 s, virtual experts 17 s, own-rank
+#           staging 18 s): ~400 s for all 43
+#   ts4     18 of 28 tests in 271 s side by side (stopped at its limit); ~450 s alone is an extrapolation
+#   mps2    cold: 30 tests in 202 s, then the other 14 (+2 repeated) in 175 s, two commands: ~360 s for the 44 in
+#           one run; warm (kernels cached by ts2 in the same command): 39 tests in 130 s
+#   mps4    cold: 25 of 28 tests in 317 s (stopped at its limit of 320 s; the 3 left not measured): ~400 s
+#   soak    not measured yet (two 1000-replay CUDA-graph soaks at W=2 under MPS; kernels cached by mps2)
+# The slowest single tests: test_ep_cases_match_reference 40 s (W=2 MPS) / 53 s (W=4 MPS), the host-protocol script
+# "big" 13-34 s, the decode one-launch test 22-27 s on its first (compiling) case, test_gpu_plan_matches_torch 12-24 s.
+# A warm machine (same session, caches kept) runs about twice as fast; these limits assume cold caches.
+steps=()
+for a in "$@"; do
+    case "$a" in
+        call1) steps+=(single run4 ts2) ;;
+        call2) steps+=(mps2 soak) ;;
+        call3) steps+=(mps4) ;;
+        call4) steps+=(ts4) ;;
+        single|ts2|ts4|run4|mps2|mps4|soak|bench) steps+=("$a") ;;
+        *) echo "unknown step $a (call1 call2 call3 call4; steps single ts2 ts4 run4 mps2 mps4 soak bench)"; exit 2 ;;
+    esac
+done
+if [ ${#steps[@]} -eq 0 ]; then
+    sed -n '2,10p' "$0"  # the usage lines above: the suite no longer fits one 600 s command
+    exit 2
+fi
 want() { local s; for s in "${steps[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
+source "$(dirname "$0")/gpu_step.sh"
+PYTEST=(python -m pytest -v -ra -p no:cacheprovider --durations=40 tests)  # pytest-timeout: SIGALRM by default
 
 stop_leftover_mps() {  # a world killed outright could leave its private daemon: quit it by its own pipe folder
     local d
@@ -42,31 +65,30 @@ nvidia-smi -L
 nvidia-smi --query-gpu=compute_mode --format=csv,noheader
 command -v nvidia-cuda-mps-control || echo "nvidia-cuda-mps-control not found: the MPS steps will fail at start"
 
-# group A, side by side (no MPS daemon runs meanwhile): one-process tests, time-sliced worlds of 2 and 4, the CLI
-want single && OMP_NUM_THREADS=4 step single 270 "${PYTEST[@]}" -m "gpu and (not world or world1) and not soak" \
+# group A, side by side (no MPS daemon runs meanwhile): one-process tests, the CLI, time-sliced worlds of 2 and 4
+# (ts2 and ts4 together would need ~500 s each: name them in one command only with nothing after them)
+want single && OMP_NUM_THREADS=4 step single 260 "${PYTEST[@]}" -m "gpu and (not world or world1) and not soak" \
     --timeout 200 &
-want ts2 && OMP_NUM_THREADS=4 step ts2 270 "${PYTEST[@]}" -m "gpu and world and not world1 and not soak" \
-    --gpu-world-sizes 2 \
-    --timeout 200 --maxfail 8 &
-want ts4 && OMP_NUM_THREADS=4 step ts4 270 "${PYTEST[@]}" -m "gpu and anyworld and not soak" --gpu-world-sizes 4 \
-    --timeout 200 --maxfail 8 &
-want run4 && OMP_NUM_THREADS=4 step run4 270 python -m tritonep.cli.main run --world-size 4 --layers 2 3 \
+want run4 && OMP_NUM_THREADS=4 step run4 120 python -m tritonep.cli.main run --world-size 4 --layers 2 3 \
     --json "$OUT/run_w4.json" &
+want ts2 && OMP_NUM_THREADS=4 step ts2 500 "${PYTEST[@]}" -m "gpu and world and not world1 and not soak" \
+    --gpu-world-sizes 2 --timeout 200 --maxfail 8 &
+want ts4 && OMP_NUM_THREADS=4 step ts4 520 "${PYTEST[@]}" -m "gpu and anyworld and not soak" --gpu-world-sizes 4 \
+    --timeout 200 --maxfail 8 &
 wait
 stop_leftover_mps
 
 # group B, one after the other (one MPS daemon at a time; their ranks' SM shares must not add up past the chip)
-want mps2 && step mps2 130 "${PYTEST[@]}" -m "gpu and world and not world1 and not soak" --gpu-world-sizes 2 \
-    --gpu-mps on \
-    --timeout 100 --maxfail 4
+want mps2 && step mps2 390 "${PYTEST[@]}" -m "gpu and world and not world1 and not soak" --gpu-world-sizes 2 \
+    --gpu-mps on --timeout 120 --maxfail 4
 stop_leftover_mps
-want mps4 && step mps4 120 "${PYTEST[@]}" -m "gpu and anyworld and not soak" --gpu-world-sizes 4 --gpu-mps on \
-    --timeout 100 --maxfail 4
+want soak && step soak 150 "${PYTEST[@]}" -m "gpu and soak" --gpu-world-sizes 2 --gpu-mps on --timeout 140
+stop_leftover_mps
+want mps4 && step mps4 480 "${PYTEST[@]}" -m "gpu and anyworld and not soak" --gpu-world-sizes 4 --gpu-mps on \
+    --timeout 120 --maxfail 4
 stop_leftover_mps
 
-# not in the default run: the 1000-replay CUDA-graph soaks (world of 2, under MPS) and the world-1 benchmarks
-want soak && step soak 240 "${PYTEST[@]}" -m "gpu and soak" --gpu-world-sizes 2 --gpu-mps on --timeout 220
-stop_leftover_mps
+# not in any call: the world-1 benchmarks (a command of their own)
 if want bench; then  # world-1 rows (kernels without NVLink), planner sweep, eager profile: ~6 min
     step planner 80 python benchmarks/planner_bench.py --modes reference minimal --num-programs 0 32 128 \
         --blocks 0 32 128 --json "$OUT/planner.json"

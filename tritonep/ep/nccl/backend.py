@@ -152,7 +152,7 @@ class NcclEP(NcclCombine):
         dispatch_wire, combine_wire = cfg.dispatch_wire, cfg.combine_wire
         self.host_reads = 0  # device->host reads made by calls: one per dispatch (+1 naming a bad id), else none
         self.use_triton = self._cuda = dev.type == "cuda"
-        self._launch = Launch()
+        self._launch = Launch(dev)
         W, E, K, H = world_size, num_experts, topk, hidden
         self._es = es = torch.empty(0, dtype=dtype).element_size()
         # dispatch rows: the wire row (one source, or payload + scale bytes) and the meta

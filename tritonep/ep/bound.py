@@ -23,9 +23,9 @@ How a bound kernel launches:
   picked by Triton's own specialisation of the per-call values only (``native_specialize_impl``: dtype and
   16-byte alignment of tensors, ``== 1`` / ``% 16`` of ints that are specialised), because the static ones never
   change (the grid is not part of a variant: Triton compiles without it). A kernel that needs Triton's global or
-  profile scratch, or a launch while a Triton launch hook is
-  installed (a profiler), takes Triton's own path; with no hook installed Triton hands its launcher its empty hook
-  chains and their metadata, which do nothing, so the direct call passes None for both. The arguments handed to the C launcher are exactly those
+  profile scratch, or a launch while a Triton launch hook is installed (a profiler), takes Triton's own path; with
+  no hook installed Triton hands its launcher its empty hook chains and their metadata, which do nothing, so the
+  direct call passes None for both. The arguments handed to the C launcher are exactly those
   :meth:`triton.compiler.CompiledKernel.__getitem__`'s runner hands it (``tests/ep/test_bound_launch.py``).
 
 Idea: the "call the compiled kernel's launcher directly" pattern of vLLM's ``CachedKernel`` (vllm PR #34838:

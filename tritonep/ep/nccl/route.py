@@ -110,9 +110,9 @@ class Router:
 
     Args:
         world_size W, num_experts E, topk K, max_tokens_per_rank, device; launch: the backend's
-        :class:`tritonep.ep.nccl.pack.Launch` (both kernels are bound here, once); lay: the dispatch wire's :class:`SendLayout`; src0 / src1:
-        ``(element size, elements a row)`` of the wire row's sources (bf16: ``(2, H)``, None; quantized wires:
-        ``(1, payload bytes)``, ``(1, scale bytes)``).
+        :class:`tritonep.ep.nccl.pack.Launch` (both kernels are bound here, once); lay: the dispatch wire's
+        :class:`SendLayout`; src0 / src1: ``(element size, elements a row)`` of the wire row's sources (bf16:
+        ``(2, H)``, None; quantized wires: ``(1, payload bytes)``, ``(1, scale bytes)``).
 
     Persistent tensors (one stream at a time, as every buffer of this library): ``row`` int32 ``[E + W + 2]`` (the
     counts row the exchange reads), the kernels' chunk scratch ``hist`` and ticket. Both steps use them within one

@@ -106,8 +106,9 @@ class Unpacker:
         self.target = target_programs(launch_device) if launch_device is not None else 1  # h splits (tests raise it)
         self._unpack: dict = {}  # source layout -> bound route_unpack_kernel
         self._rows_bt = max(1, 128 // self.KB)
-        self._pack_rows = launch.bind(pack_rows_kernel, dict(K=K, KB=self.KB, N=H, BT=self._rows_bt, BH=self._bh,
-                                                             num_warps=4), ("src_ptr", "pkt_ptr", "send_ptr", "T", "HC"))
+        self._pack_rows = launch.bind(pack_rows_kernel, dict(
+            K=K, KB=self.KB, N=H, BT=self._rows_bt, BH=self._bh, num_warps=4),
+            ("src_ptr", "pkt_ptr", "send_ptr", "T", "HC"))
         self._expand_bp = 4  # few packets a program: a decode-sized call still spreads over the SMs (dots need rows)
         self._grad_expand = launch.bind(grad_expand_kernel, dict(
             K=K, KB=self.KB, H=H, BP=self._expand_bp, BH=min(pow2(H), 512), USE_ASM=cuda, num_warps=4),

@@ -111,6 +111,7 @@ def measure(iters: int, reps: int) -> dict:
     flat = torch.empty(1 << 20, dtype=torch.int32, device=dev)
     sizes = [1024] * 9
     rows["torch.split_9"] = _time(lambda: flat[:9216].split(sizes), iters, reps)
+    rows["torch.split_with_sizes_9"] = _time(lambda: flat[:9216].split_with_sizes(sizes), iters, reps)  # outputs.py
     rows["torch.slice"] = _time(lambda: flat[:100], iters, reps)
     rows["torch.view_2d"] = _time(lambda: flat[:1024].view(32, 32), iters, reps)
     x = torch.empty(128, 7168, dtype=torch.bfloat16, device=dev)

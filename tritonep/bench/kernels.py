@@ -33,15 +33,14 @@ combine (partial / out), and the one-launch dispatch and combine."""
 
 @contextlib.contextmanager
 def launch_timer():
-    """Wrap every kernel launch of both backends (the triton backend's bound kernels,
-    :class:`tritonep.ep.triton.bound.BoundKernel`, and its generic :class:`tritonep.ep.triton.launch.Launcher`; the
-    nccl backend's :class:`tritonep.ep.nccl.pack.Launch`); yields a dict kernel name -> accumulated host seconds."""
-    from ..ep.nccl.pack import Launch
+    """Wrap every kernel launch of both backends (bound kernels, :class:`tritonep.ep.bound.BoundKernel`: every
+    launch of the nccl backend and the triton backend's per-call path; the triton backend's generic
+    :class:`tritonep.ep.triton.launch.Launcher`); yields a dict kernel name -> accumulated host seconds."""
+    from ..ep.bound import BoundKernel
     from ..ep.triton import launch
-    from ..ep.triton.bound import BoundKernel
 
     acc = defaultdict(float)
-    origs = [(cls, cls.__call__) for cls in (launch.Launcher, Launch, BoundKernel)]
+    origs = [(cls, cls.__call__) for cls in (launch.Launcher, BoundKernel)]
 
     def timed_by(orig):
         def timed(self, kernel, grid, *args, **kwargs):

@@ -23,12 +23,17 @@ handle must own them: two dispatches may be in flight before their combines) and
 device->host copy, 11 allocations (8 + the host->device copy + 2 routing clones), a split and a view of the plan
 vector, one shape read. Combine: the pipeline is ~9 torch ops (zeros, gather, float, mul, index_add_, cast, collective,
 zero_, index_add_); here 2 launches, 1 collective, 3 allocations (the send and receive rows and the output).
+
+Launch path (issue 24): every launch is a bound one (:class:`tritonep.ep.bound.BoundKernel`; none through a generic
+launcher), and on a fake GPU (``tests/ep/nccl/fake_gpu.py``) a warm call's launches are all direct C-launcher calls:
+none goes through Triton's ``kernel[grid]`` path (38-61 us of host time a launch on the H200, issue 24).
 """
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from tests.ep.nccl.fake_gpu import fake_gpu
 from tritonep.testing import run_cpu_world
 
 # call -> (torch calls, allocations, launches, host reads): world 2, bf16, expert_alignment 1, tokens on both ranks
@@ -46,13 +51,19 @@ BUDGET_EMPTY = {"dispatch": (15, 8, 1, 1), "combine": (4, 3, 1, 0), "dispatch_bw
 
 
 def _count(group, T0, T1):
-    from tritonep import EPBuffer
-    from tritonep.bench.host_path import HostCounter, stub_launches
     from tritonep.testing.cases import make_rank_inputs
 
     rank = dist.get_rank(group)
     T = (T0, T1)[rank]
     x, idx, w = make_rank_inputs(rank, T, 64, 8, 2, seed=4, mask_frac=0.2)
+    with fake_gpu() as log:  # bound kernels on a fake GPU: the direct path after a variant's first launch
+        return _count_calls(group, x, idx, w, T, log)
+
+
+def _count_calls(group, x, idx, w, T, log):
+    from tritonep import EPBuffer
+    from tritonep.bench.host_path import HostCounter, stub_launches
+
     buf = EPBuffer(group, 8, 64, 16, 2, backend="nccl", device="cpu")
     impl = buf._impl
     impl.use_triton = True  # the GPU path; its kernels run in the interpreter, uncounted
@@ -61,11 +72,12 @@ def _count(group, T0, T1):
     with stub_launches(buf, run=True) as launched:
         def measure(name, fn):
             fn()  # warm
-            n0, r0 = len(launched), impl.host_reads
+            n0, r0, g0, l0 = len(launched), impl.host_reads, launched.generic, len(log)
             with HostCounter() as c:
                 res = fn()
             out[name] = (c.torch_calls, c.allocs, len(launched) - n0, impl.host_reads - r0)
             out[name + ".names"] = c.torch_names
+            out[name + ".paths"] = (launched.generic - g0, [k for k, _ in log[l0:]])
             return res
 
         o, ow, _, _, h = measure("dispatch", lambda: impl.dispatch_fwd(x, idx, w, True))
@@ -86,6 +98,8 @@ def test_nccl_per_call_host_budget(tokens):
         for call, (calls, allocs, launches, reads) in want.items():
             got = out[call]
             assert got[2] == launches and got[3] == reads, (rank, call, got, out[call + ".names"])
+            generic, paths = out[call + ".paths"]
+            assert generic == 0 and paths == ["direct"] * launches, (rank, call, generic, paths)  # bound, direct
             assert got[0] <= calls and got[1] <= allocs, (
                 f"rank {rank} {call}: {got[0]} torch calls / {got[1]} allocations, budget {calls} / {allocs} "
                 f"({out[call + '.names']})")

@@ -19,7 +19,7 @@ from tritonep.ep.nccl.unpack import Unpacker
 from tritonep.testing.cases import make_rank_inputs
 from tritonep.wire.formats import get_wire
 
-_LAUNCH = Launch()
+_LAUNCH = Launch("cpu")
 
 
 def _inputs(W, E, K, H, Ts, seed, mode):

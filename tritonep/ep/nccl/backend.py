@@ -15,8 +15,10 @@ constants, the counts row, the gathered matrix and its host copy, the host plan 
 a call allocates only what it returns or hands to its handle plus the two row buffers of its collective, and reads
 no tensor attribute it already knows. On the GPU a bf16 dispatch is 3 launches, 2 collectives, 1 device->host and 1
 host->device copy, 9 allocations and 15 torch calls from Python; a combine 2 launches, 1 collective, 3 allocations,
-4 torch calls (budgets held by ``tests/ep/nccl/test_host_path_budget.py``). A rank without tokens fills its counts row
-instead of launching, and skips the pack.
+4 torch calls (budgets held by ``tests/ep/nccl/test_host_path_budget.py``). Every launch is a
+:class:`tritonep.ep.bound.BoundKernel` bound once with its constants (:class:`tritonep.ep.nccl.pack.Launch`): on the
+GPU a launch whose variant ran before calls the compiled kernel's C launcher directly, not ``kernel[grid]``. A rank
+without tokens fills its counts row instead of launching, and skips the pack.
 
 Dispatch (host protocol, identical on every rank whatever its data, docs/protocols.md (host protocol rule): one
 ``all_gather`` then, unless the call fails on every rank, one ``all_to_all_single``):
@@ -152,7 +154,7 @@ class NcclEP(NcclCombine):
         dispatch_wire, combine_wire = cfg.dispatch_wire, cfg.combine_wire
         self.host_reads = 0  # device->host reads made by calls: one per dispatch (+1 naming a bad id), else none
         self.use_triton = self._cuda = dev.type == "cuda"
-        self._launch = Launch()
+        self._launch = Launch(dev)
         W, E, K, H = world_size, num_experts, topk, hidden
         self._es = es = torch.empty(0, dtype=dtype).element_size()
         # dispatch rows: the wire row (one source, or payload + scale bytes) and the meta

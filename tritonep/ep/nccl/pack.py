@@ -16,8 +16,8 @@ twin (CPU default) give the same bits, and the same bits as the triton backend's
 Why a kernel: in eager torch the per-k loop costs about ten fp32 passes over ``[packets, H]`` per k; the kernel reads
 each expert row once (2 bytes per element per route) and writes the partial once. ``index_add_`` cannot replace it:
 on CUDA its float additions are atomics in no fixed order. The kernels are plain local loads and stores (no
-signals), launched through :class:`Launch` (not the triton backend's recorded Launcher): their grids depend on this
-rank's data, which the host protocol rule (docs/protocols.md (host protocol rule)) allows for non-signalling work.
+signals), bound through :class:`Launch` (not recorded by the protocol recorder): their grids depend on this rank's
+data, which the host protocol rule (docs/protocols.md (host protocol rule)) allows for non-signalling work.
 """
 
 from __future__ import annotations
@@ -27,18 +27,45 @@ import functools
 import torch
 
 from ...kernels.nccl_reduce import partials_kernel, sum_kernel
+from ..bound import BoundKernel
 
 __all__ = ["Launch", "local_partials", "sum_partials", "tiles", "round_up", "typed_rows", "h_split", "target_programs",
            "cdiv", "pow2"]
 
 
 class Launch:
-    """``launch(kernel, grid, *args, **kwargs)`` = ``kernel[grid](*args, **kwargs)``: every Triton launch of the nccl
-    backend goes through one object (``NcclEP._launch``), so :func:`tritonep.bench.host_path.stub_launches` can
-    count them. Not recorded by the protocol recorder: these kernels signal nobody."""
+    """The launch context of one nccl backend (``NcclEP._launch``) and its bound kernels.
 
-    def __call__(self, kernel, grid, *args, **kwargs):
-        kernel[grid](*args, **kwargs)
+    Every Triton launch of the backend is a :class:`tritonep.ep.bound.BoundKernel` bound once with its constants and
+    compile options (by :class:`tritonep.ep.nccl.route.Router`, :class:`tritonep.ep.nccl.unpack.Unpacker`, or here per
+    variant of the combine's reductions); a call passes its grid (it follows the call's data) and its tensors and
+    sizes, and on the GPU a launch whose variant ran before calls the compiled kernel's C launcher directly (issue 24,
+    H200, DeepSeek-V3 shape: 38-61 us of host time a launch through ``kernel[grid]``; the triton backend's bound
+    launches 15-24 us). Not recorded
+    by the protocol recorder (``record=False``): these kernels signal nobody. No precompile: a variant compiles on
+    its first launch on one rank alone, which is harmless because nothing waits for it inside a kernel.
+
+    Args:
+        device: the backend's device (CUDA: direct launches; CPU: Triton's interpreter path every launch).
+    """
+
+    max_programs = 0  # no cap: no program of these kernels waits for a peer (docs/platform.md, MPS)
+    _warmup = False  # BoundKernel's precompile flag: never set here
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self._variants: dict = {}
+
+    def bind(self, kernel, static: dict, dyn: tuple) -> BoundKernel:
+        """``kernel`` bound with ``static`` (constants and options) and per-call ``dyn`` values after the grid."""
+        return BoundKernel(self, kernel, None, static, dyn, record=False)
+
+    def variant(self, key, kernel, make_static, dyn: tuple) -> BoundKernel:
+        """The bound kernel of variant ``key`` (a hashable of what decides ``make_static()``), bound on first use."""
+        bk = self._variants.get(key)
+        if bk is None:
+            bk = self._variants[key] = self.bind(kernel, make_static(), dyn)
+        return bk
 
 
 def cdiv(a: int, b: int) -> int:
@@ -116,11 +143,14 @@ def local_partials(launch, eo: torch.Tensor, rows: torch.Tensor, w: torch.Tensor
     es = 2 if out_dtype == torch.bfloat16 else 4
     if use_triton:
         bt, bh = tiles(H)
-        grid = (cdiv(N, bt), cdiv(H, bh))
-        launch(partials_kernel, grid, eo, rows, w, send, w if gw is None else gw, N, K=K,
-               KB=pow2(K), H=H, BT=bt, BH=bh, OUT_BF16=es == 2, OSTRIDE=lay.width // es,
-               WEIGHTED=weighted, GW=gw is not None, GCOL=lay.mo // 4, GSTRIDE=lay.width // 4, USE_ASM=use_asm,
-               num_warps=4)
+        g = gw is not None
+        bk = launch.variant(
+            ("partials", H, K, es, lay.width, lay.mo, weighted, g, use_asm), partials_kernel,
+            lambda: dict(K=K, KB=pow2(K), H=H, BT=bt, BH=bh, OUT_BF16=es == 2, OSTRIDE=lay.width // es,
+                         WEIGHTED=weighted, GW=g, GCOL=lay.mo // 4, GSTRIDE=lay.width // 4, USE_ASM=use_asm,
+                         num_warps=4),
+            ("eo_ptr", "rows_ptr", "w_ptr", "out_ptr", "gw_ptr", "N"))
+        bk((cdiv(N, bt), cdiv(H, bh)), eo, rows, w, send, gw if g else w, N)
         return
     acc = torch.zeros(N, H, dtype=torch.float32, device=eo.device)
     for k in range(K):
@@ -154,11 +184,13 @@ def sum_partials(launch, pp: torch.Tensor, pp_dtype: torch.dtype, pstride: int, 
         return
     if use_triton:
         bt, bh = tiles(H)
-        grid = (cdiv(T, bt), cdiv(H, bh))
         g = gtw is not None
-        launch(sum_kernel, grid, pp, pkt, y, pp, gtw if g else y, T, K=K, KB=pow2(K), H=H, BT=bt,
-               BH=bh, PP_BF16=pp_dtype == torch.bfloat16, PSTRIDE=pstride, GTW=g, GCOL=lay.mo // 4 if g else 0,
-               GSTRIDE=lay.width // 4 if g else 0, num_warps=4)
+        bk = launch.variant(
+            ("sum", H, K, pp_dtype, pstride, g, lay.width if g else 0, lay.mo if g else 0), sum_kernel,
+            lambda: dict(K=K, KB=pow2(K), H=H, BT=bt, BH=bh, PP_BF16=pp_dtype == torch.bfloat16, PSTRIDE=pstride,
+                         GTW=g, GCOL=lay.mo // 4 if g else 0, GSTRIDE=lay.width // 4 if g else 0, num_warps=4),
+            ("pp_ptr", "pkt_ptr", "y_ptr", "gb_ptr", "gtw_ptr", "T"))
+        bk((cdiv(T, bt), cdiv(H, bh)), pp, pkt, y, pp, gtw if g else y, T)
         return
     if Ns == 0:  # nothing was sent: every slot is masked
         y.zero_()

@@ -110,9 +110,9 @@ class Router:
 
     Args:
         world_size W, num_experts E, topk K, max_tokens_per_rank, device; launch: the backend's
-        :class:`tritonep.ep.nccl.pack.Launch`; lay: the dispatch wire's :class:`SendLayout`; src0 / src1:
-        ``(element size, elements a row)`` of the wire row's sources (bf16: ``(2, H)``, None; quantized wires:
-        ``(1, payload bytes)``, ``(1, scale bytes)``).
+        :class:`tritonep.ep.nccl.pack.Launch` (both kernels are bound here, once); lay: the dispatch wire's
+        :class:`SendLayout`; src0 / src1: ``(element size, elements a row)`` of the wire row's sources (bf16:
+        ``(2, H)``, None; quantized wires: ``(1, payload bytes)``, ``(1, scale bytes)``).
 
     Persistent tensors (one stream at a time, as every buffer of this library): ``row`` int32 ``[E + W + 2]`` (the
     counts row the exchange reads), the kernels' chunk scratch ``hist`` and ticket. Both steps use them within one
@@ -123,26 +123,29 @@ class Router:
                  lay: SendLayout, src0: tuple, src1: tuple | None):
         self.W, self.E, self.K = world_size, num_experts, topk
         self.L = num_experts // world_size
-        self.launch, self.lay = launch, lay
+        self.lay = lay
         self.KB = pow2(topk)
         self.BT = max(1, 64 // self.KB)  # BT * KB = 64 routes: pairwise rank tiles of 64 x 64 (no register spills)
         self.C = num_experts + world_size + 1
         nc = max(1, cdiv(max_tokens_per_rank, self.BT))
         ncb = min(pow2(nc), 256)
-        self._count_kw = dict(K=topk, KB=self.KB, E=num_experts, L=self.L, W=world_size,
-                              EB=pow2(num_experts), WB=pow2(world_size),
-                              BT=self.BT, NCB=ncb, CB=max(1, min(32, 8192 // ncb)), num_warps=4)
         self.hist = torch.empty(nc, self.C, dtype=torch.int32, device=device)
         self.ticket = torch.zeros(1, dtype=torch.int32, device=device)
         self.row = torch.zeros(self.C + 1, dtype=torch.int32, device=device)
+        self._count = launch.bind(route_count_kernel, dict(
+            hist_ptr=self.hist, row_ptr=self.row, ticket_ptr=self.ticket, K=topk, KB=self.KB, E=num_experts,
+            L=self.L, W=world_size, EB=pow2(num_experts), WB=pow2(world_size), BT=self.BT, NCB=ncb,
+            CB=max(1, min(32, 8192 // ncb)), num_warps=4), ("idx_ptr", "T", "refused"))
         e0, n0 = src0
         e1, n1 = (1, 0) if src1 is None else src1
         bh = min(pow2(max(n0, n1, 1)), max(16, 1024 // self.BT))  # 1K-element tiles: no register spills
         self.target = target_programs(device)  # programs the pack launch aims at (h splits; tests may raise it)
         self._n0, self._bh = n0, bh
-        self._pack_kw = dict(K=topk, KB=self.KB, E=num_experts, L=self.L, W=world_size, BT=self.BT, N0=n0,
-                             ROW0=lay.width // e0, N1=n1, ROW1=lay.width // e1, COL1=(n0 * e0) // e1, META=lay.mo // 4,
-                             ROW32=lay.width // 4, BH=bh, num_warps=8)
+        self._pack = launch.bind(route_pack_kernel, dict(
+            hist_ptr=self.hist, K=topk, KB=self.KB, E=num_experts, L=self.L, W=world_size, BT=self.BT, N0=n0,
+            ROW0=lay.width // e0, N1=n1, ROW1=lay.width // e1, COL1=(n0 * e0) // e1, META=lay.mo // 4,
+            ROW32=lay.width // 4, BH=bh, num_warps=8),
+            ("idx_ptr", "w_ptr", "src0_ptr", "src1_ptr", "small_ptr", "rows_ptr", "pkt_ptr", "send_ptr", "T", "HC"))
 
     def count(self, topk_idx: torch.Tensor, T: int, refused: bool, use_triton: bool) -> torch.Tensor:
         """Write this rank's counts row into ``self.row`` (no host read) and return it; T = 0 costs one fill."""
@@ -151,9 +154,7 @@ class Router:
             if refused:
                 self.row[-1] = 1
         elif use_triton:
-            nc = cdiv(T, self.BT)
-            self.launch(route_count_kernel, (nc,), topk_idx, self.hist, self.row, self.ticket, T, int(refused),
-                        **self._count_kw)
+            self._count((cdiv(T, self.BT),), topk_idx, T, int(refused))
         else:
             self.row.copy_(count_row_torch(topk_idx, self.E, self.W, refused))
         return self.row
@@ -167,8 +168,8 @@ class Router:
         if use_triton:
             nc = cdiv(T, self.BT)
             hs, hc = h_split(nc, self._n0, self._bh, self.target)
-            self.launch(route_pack_kernel, (nc, hs), topk_idx, topk_weights, src0, src0 if src1 is None else src1,
-                        self.hist, small, rows, pkt, send, T, hc, **self._pack_kw)
+            self._pack((nc, hs), topk_idx, topk_weights, src0, src0 if src1 is None else src1, small, rows, pkt, send,
+                       T, hc)
             return
         E, W = self.E, self.W
         r, p = pack_send_torch(src0, src1, topk_idx, topk_weights, small[:E], small[E:E + W], E, W, send,

@@ -85,7 +85,8 @@ class Unpacker:
 
     Args:
         rank, num_experts E, local experts L, topk K, hidden H, expert_alignment A; launch: the backend's
-        :class:`tritonep.ep.nccl.pack.Launch`; lay: the dispatch wire's send layout
+        :class:`tritonep.ep.nccl.pack.Launch` (the row-move and gradient kernels are bound here, the unpack once per
+        source layout on first use); lay: the dispatch wire's send layout
         (:class:`tritonep.ep.nccl.route.SendLayout`); lay_offsets: where ``num_tokens_per_expert`` and
         ``expert_offsets`` sit in the per-call int32 plan vector; cuda: the device is a GPU (``mul.rn`` products);
         launch_device: the device whose SM count sizes the row-moving grids (None: one program column).
@@ -103,6 +104,15 @@ class Unpacker:
                         NTPE=ntpe, OFFS=offs, BA=pow2(A), num_warps=8)
         self._bh = min(pow2(H), max(16, 1024 // self.BP))  # 1K-element tiles: no register spills
         self.target = target_programs(launch_device) if launch_device is not None else 1  # h splits (tests raise it)
+        self._unpack: dict = {}  # source layout -> bound route_unpack_kernel
+        self._rows_bt = max(1, 128 // self.KB)
+        self._pack_rows = launch.bind(pack_rows_kernel, dict(
+            K=K, KB=self.KB, N=H, BT=self._rows_bt, BH=self._bh, num_warps=4),
+            ("src_ptr", "pkt_ptr", "send_ptr", "T", "HC"))
+        self._expand_bp = 4  # few packets a program: a decode-sized call still spreads over the SMs (dots need rows)
+        self._grad_expand = launch.bind(grad_expand_kernel, dict(
+            K=K, KB=self.KB, H=H, BP=self._expand_bp, BH=min(pow2(H), 512), USE_ASM=cuda, num_warps=4),
+            ("gy_ptr", "eo_ptr", "rr_ptr", "rw_ptr", "geo_ptr", "gw_ptr", "Nr"))
 
     def unpack(self, recv, srcs: list, outs: list, widths: tuple, out_w, rr, rw, small, Nr: int, zero_row: bool,
                use_triton: bool) -> None:
@@ -120,8 +130,14 @@ class Unpacker:
             tiles = cdiv(Nr, self.BP) + (self.L if pad else 0)
             bh = min(self._bh, pow2(max(n0, n1)))
             hs, hc = h_split(tiles, n0, bh, self.target)
-            self.launch(route_unpack_kernel, (tiles, hs), recv, s0, s1, o0, o1, out_w, rr, rw, small, Nr, hc, S0=st0,
-                        C0=c0, N0=n0, S1=st1, C1=c1, N1=n1, PAD=pad, BH=bh, **self._kw)
+            key = (st0, c0, n0, st1, c1, n1, pad)  # the source layout (wire, keep_quantized, padding)
+            bk = self._unpack.get(key)
+            if bk is None:
+                bk = self._unpack[key] = self.launch.bind(route_unpack_kernel, dict(
+                    S0=st0, C0=c0, N0=n0, S1=st1, C1=c1, N1=n1, PAD=pad, BH=bh, **self._kw),
+                    ("recv_ptr", "src0_ptr", "src1_ptr", "out0_ptr", "out1_ptr", "out_w_ptr", "rr_ptr", "rw_ptr",
+                     "lay_ptr", "Nr", "HC"))
+            bk((tiles, hs), recv, s0, s1, o0, o1, out_w, rr, rw, small, Nr, hc)
             return
         lay, K = self.lay, self.K
         meta = recv[:Nr, lay.mo:lay.mo + 12 * K].view(torch.int32)
@@ -132,20 +148,15 @@ class Unpacker:
     def pack_rows(self, src, pkt, send, T: int, use_triton: bool) -> None:
         """``send[pkt[t, k]] = src[t]`` (``src [T, H]`` / ``send [Ns, H]`` contiguous, same dtype)."""
         if use_triton:
-            bt = max(1, 128 // self.KB)
-            tiles = cdiv(T, bt)
+            tiles = cdiv(T, self._rows_bt)
             hs, hc = h_split(tiles, self.H, self._bh, self.target)
-            self.launch(pack_rows_kernel, (tiles, hs), src, pkt, send, T, hc, K=self.K, KB=self.KB, N=self.H,
-                        BT=bt, BH=self._bh, num_warps=4)
+            self._pack_rows((tiles, hs), src, pkt, send, T, hc)
             return
         pack_rows_torch(src, pkt, send)
 
     def grad_expand(self, gy, eo, rr, rw, geo, gw, Nr: int, use_triton: bool) -> None:
         """The combine backward's expert-side step (:func:`grad_expand_torch`)."""
         if use_triton:
-            bp = 4  # few packets a program: a decode-sized call still spreads over the SMs (the dot needs whole rows)
-            self.launch(grad_expand_kernel, (cdiv(Nr, bp),), gy, eo, rr, rw, geo, gw, Nr, K=self.K,
-                        KB=self.KB, H=self.H, BP=bp, BH=min(pow2(self.H), 512), USE_ASM=self.cuda,
-                        num_warps=4)
+            self._grad_expand((cdiv(Nr, self._expand_bp),), gy, eo, rr, rw, geo, gw, Nr)
             return
         grad_expand_torch(gy, eo, rr, rw, geo, gw)

@@ -1,6 +1,6 @@
 """Every kernel launch of one triton-backend buffer, bound once at construction (:class:`KernelSet`).
 
-Each launch of a dispatch, combine or backward is a :class:`tritonep.ep.triton.bound.BoundKernel` whose static
+Each launch of a dispatch, combine or backward is a :class:`tritonep.ep.bound.BoundKernel` whose static
 arguments (regions, pointer tables, flag offsets, call counters, status word, wait bound, tiles, ranks, wires,
 grids) come from the buffer's :class:`tritonep.ep.config.EPConfig` and regions here, once; a call passes only its
 per-call values, named in the ``dyn`` tuple of each kernel below, in that order. Variants that depend on the call
@@ -24,7 +24,7 @@ from ...kernels.dispatch import dispatch_expand_kernel, dispatch_send_kernel
 from ...kernels.dispatch_fused import dispatch_fused_kernel
 from ...kernels.layout import chunk_hist_kernel, exchange_kernel, exchange_tiles
 from ...wire.formats import get_wire
-from .bound import BoundKernel
+from ..bound import BoundKernel
 
 __all__ = ["KernelSet", "RAW"]
 

@@ -1,4 +1,4 @@
-"""BoundKernel (tritonep/ep/triton/bound.py): the direct C-launcher call hands exactly what Triton's own runner hands.
+"""BoundKernel (tritonep/ep/bound.py): the direct C-launcher call hands exactly what Triton's own runner hands.
 
 No GPU here: a fake JIT function and a fake compiled kernel record what reaches the C launcher. Triton 3.6's path is
 ``CompiledKernel[grid](*args)`` -> ``CudaLauncher(gx, gy, gz, stream, function, packed_metadata, launch_metadata,
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from tritonep.ep import recorder
-from tritonep.ep.triton import bound as bound_mod
-from tritonep.ep.triton.bound import BoundKernel
+from tritonep.ep import bound as bound_mod
+from tritonep.ep.bound import BoundKernel
 
 _STREAM = 0x5EED
 
@@ -202,3 +202,32 @@ def test_cpu_path_is_tritons_own_and_binding_errors():
 
     with pytest.raises(ConfigError, match="TRITONEP_MAX_PROGRAMS"):
         _bound(k, capped)
+
+
+def test_per_call_grid_unrecorded(gpu_like):
+    """``grid=None`` (the nccl backend): the grid is the first value of a call, it is not part of the variant, the
+    direct call gets it padded to three dimensions, and ``record=False`` keeps the launch out of the recorder."""
+    k = _Kernel()
+    table = torch.arange(4, dtype=torch.int64)
+    bk = BoundKernel(_Launcher("cuda:0"), k, None, dict(table_ptr=table, n_static=7, BLOCK=32, num_warps=4),
+                     dyn=("x_ptr", "idx_ptr", "out_ptr", "T"), record=False)
+    x, idx, out = torch.zeros(64, dtype=torch.bfloat16), torch.zeros(16, dtype=torch.int64), torch.zeros(64)
+    seen = []
+    recorder.set_recorder(seen.append)
+    try:
+        bk((3, 2), x, idx, out, 5)
+        bk((9,), x, idx, out, 7)  # another grid, same variant: direct
+    finally:
+        recorder.set_recorder(None)
+    assert seen == []
+    assert [e[0] for e in k.log] == ["triton", "c", "c"] and k.log[0][1] == (3, 2)
+    assert k.log[2][1] == (9, 1, 1, _STREAM, ("function", 0), False, False, None, None, ("meta", 0), None, None, None,
+                           *_as_c((x, idx, out, 7, table, 7, 32, False)))
+    capped = _Launcher("cuda:0")
+    capped.max_programs = 4
+    bkc = BoundKernel(capped, k, None, dict(table_ptr=table, n_static=7, BLOCK=32), dyn=("x_ptr", "idx_ptr",
+                                                                                         "out_ptr", "T"))
+    from tritonep.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="TRITONEP_MAX_PROGRAMS"):
+        bkc((5,), x, idx, out, 5)

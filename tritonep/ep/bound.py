@@ -48,7 +48,7 @@ _EMPTY = inspect.Parameter.empty
 
 def _hooks_idle() -> bool:
     """No Triton launch hook is installed (Triton 3.6 keeps an empty ``HookChain``; a profiler adds calls to it)."""
-    from triton import knobs
+    from triton import knobs  # a cached module: the import statement costs a dict lookup, the object is live
 
     rt = knobs.runtime
     for h in (rt.launch_enter_hook, rt.launch_exit_hook):
@@ -122,6 +122,7 @@ class BoundKernel:
         self._int_tmpl = None  # the static arguments as device addresses (after the first compile)
         self._spec = None  # per-call parameter -> (is_const, specialize, align) for native_specialize_impl
         self._backend = None
+        self._specialize = None  # triton's native_specialize_impl, looked up once with the first variant
         self._dev = launcher.device.index if launcher.device.index is not None else 0
 
     def _check_grid(self, grid):
@@ -173,10 +174,8 @@ class BoundKernel:
     # ------------------------------------------------------------------------------------------------ variants
     def _key(self, dyn) -> tuple:
         """Triton's own specialisation of the per-call values (what selects the compiled variant)."""
-        from triton.runtime.jit import native_specialize_impl
-
-        b = self._backend
-        return tuple(native_specialize_impl(b, v, c, s, a) for v, (c, s, a) in zip(dyn, self._spec))
+        b, spec = self._backend, self._specialize
+        return tuple(spec(b, v, c, s, a) for v, (c, s, a) in zip(dyn, self._spec))
 
     def _remember(self, compiled, dyn):
         """After Triton's own launch: bind the compiled variant for the direct path (when it allows one)."""
@@ -185,6 +184,9 @@ class BoundKernel:
         if launch is None or getattr(run, "global_scratch_size", 0) or getattr(run, "profile_scratch_size", 0):
             return  # scratch buffers are allocated by Triton's Python launcher: keep its path
         if self._spec is None:
+            from triton.runtime.jit import native_specialize_impl
+
+            self._specialize = native_specialize_impl
             kp = self.kernel.params
             self._spec = tuple((kp[p].is_const, not kp[p].do_not_specialize,
                                 not kp[p].do_not_specialize_on_alignment) for p in self._pos)

@@ -226,9 +226,9 @@ def main(argv=None) -> int:
             rows.append(row)
             if dist.get_rank() == 0:
                 print(json.dumps(row), flush=True)
-    if args.json and dist.get_rank() == 0:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        if args.json and dist.get_rank() == 0:  # after every point: a run stopped at its time limit keeps its rows
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
     dist.destroy_process_group()
     return 0 if all(r["checked"] for r in rows) else 1
 

@@ -30,8 +30,8 @@ from tests import ROOT  # noqa: E402
 from tritonep.errors import ConfigError  # noqa: E402
 from tritonep.testing.torchtitan_compat import DEEPSEEK_V3_MOE, deepseek_v3_moe_config  # noqa: E402
 
-# Python run by the emulation test: torch 2.11's view of the two names, then the benchmark's CPU smoke and the
-# torchtitan example's main() in a 2-rank CPU world, then proof that the removed name really blocks torchtitan's
+# Python run by the emulation test: torch 2.11's view of the two names, then the torchtitan example's main() in a
+# 2-rank CPU world and the benchmark's CPU smoke, then proof that the removed name really blocks torchtitan's
 # deepseek_v3 package in this process.
 AS_TORCH_211 = """
 import json, sys
@@ -39,12 +39,12 @@ import torch, torch.compiler, torch.distributed.fsdp as fsdp
 assert not any(m.startswith("torchtitan") for m in sys.modules)
 del fsdp.DataParallelMeshDims
 del torch.compiler._is_non_strict_tracing
-sys.path.insert(0, "benchmarks")
-import titan_bench
-rc = titan_bench.main(["--cpu"])
 import runpy
 from tritonep.testing import run_cpu_world
-losses = run_cpu_world(2, runpy.run_path("examples/torchtitan_moe.py")["main"], timeout_s=300)
+losses = run_cpu_world(2, runpy.run_path("examples/torchtitan_moe.py")["main"], timeout_s=300)  # needs no shim
+sys.path.insert(0, "benchmarks")
+import titan_bench
+rc = titan_bench.main(["--cpu"])  # defines torch.compiler._is_non_strict_tracing (AllToAll calls it)
 assert "torchtitan.models.deepseek_v3" not in sys.modules
 try:
     import torchtitan.models.deepseek_v3

@@ -17,6 +17,12 @@ Per tokens-per-rank point (``--tokens``, default 128 4096) and dispatcher: a ste
 3e-2: bf16 expert GEMMs on the same rows, combine sums rounded differently). torchtitan's spmd backend is set to
 ``partial_dtensor`` so AllToAll runs its functional-collective path on the given mesh (the ``spmd_types`` path needs
 torchtitan's full parallelize). Exit code 1 if a check fails.
+
+Runs on torch 2.11 (the GPU machine's) as on 2.13: the layer config is built from ``torchtitan.models.common``
+classes (torchtitan 0.3.0's ``deepseek_v3`` package imports ``DataParallelMeshDims``, absent in 2.11), and
+``torch.compiler._is_non_strict_tracing``, which AllToAll's eager dispatch calls and 2.11 lacks, is defined as False
+(:mod:`tritonep.testing.torchtitan_compat`; rows list it in ``torch_names_added``).
+tests/integrations/test_torchtitan_compat.py runs ``--cpu`` with both names removed from torch 2.13.
 """
 
 import argparse
@@ -36,10 +42,12 @@ TOL = 3e-2
 
 
 def moe_config(layer: str):
-    from torchtitan.models.deepseek_v3 import deepseekv3_configs
+    """The first MoE layer's config of that DeepSeek-V3 flavor, built from ``torchtitan.models.common`` classes
+    (:func:`tritonep.testing.torchtitan_compat.deepseek_v3_moe_config`; torchtitan 0.3.0's ``deepseek_v3`` package
+    does not import on torch 2.11)."""
+    from tritonep.testing.torchtitan_compat import deepseek_v3_moe_config
 
-    flavor, idx = {"671b": ("671B", 3), "16b": ("16B", 1), "debug": ("debugmodel", 1)}[layer]
-    return deepseekv3_configs[flavor](attn_backend="flex", moe_comm_backend="standard").layers[idx].moe
+    return deepseek_v3_moe_config({"671b": "671B", "16b": "16B", "debug": "debugmodel"}[layer])
 
 
 def dispatchers(moe_cfg, T, dev, mesh):
@@ -190,6 +198,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default="")
     ap.add_argument("--cpu", action="store_true", help="smoke run of this script: 2-rank CPU world, debugmodel layer")
     args = ap.parse_args(argv)
+    from tritonep.testing.torchtitan_compat import add_missing_torch_names
+
+    shims = add_missing_torch_names()  # torch 2.11: AllToAll's eager dispatch calls a name it lacks
     if args.cpu:
         from tritonep.testing import run_cpu_world
 
@@ -210,13 +221,14 @@ def main(argv=None) -> int:
     rows = []
     for T in args.tokens:
         for row in bench_point(group, mesh, args.layer, T, args.iters, not args.no_compile):
-            row.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__, tritonep=tep.__version__)
+            row.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__, tritonep=tep.__version__,
+                       torch_names_added=shims)
             rows.append(row)
             if dist.get_rank() == 0:
                 print(json.dumps(row), flush=True)
-    if args.json and dist.get_rank() == 0:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        if args.json and dist.get_rank() == 0:  # after every point: a run stopped at its time limit keeps its rows
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
     dist.destroy_process_group()
     return 0 if all(r["checked"] for r in rows) else 1
 

@@ -35,11 +35,12 @@ from tritonep.integrations.torchtitan import close_buffers, shard_routed_experts
 
 
 def moe_layer_config(**dispatcher_fields):
-    """torchtitan's DeepSeek-V3 debugmodel MoE layer config, with tritonep's token dispatcher."""
-    from torchtitan.models.deepseek_v3 import deepseekv3_configs
+    """torchtitan's DeepSeek-V3 debugmodel MoE layer config, with tritonep's token dispatcher. Built from
+    ``torchtitan.models.common`` classes, equal to ``deepseekv3_configs["debugmodel"](...).layers[1].moe`` (torchtitan
+    0.3.0's ``deepseek_v3`` package needs ``torch.distributed.fsdp.DataParallelMeshDims``, absent in torch 2.11)."""
+    from tritonep.testing.torchtitan_compat import deepseek_v3_moe_config
 
-    moe = deepseekv3_configs["debugmodel"](attn_backend="flex", moe_comm_backend="standard").layers[1].moe
-    return use_tritonep(moe, **dispatcher_fields)
+    return use_tritonep(deepseek_v3_moe_config("debugmodel"), **dispatcher_fields)
 
 
 class TinyMoEModel(nn.Module):

@@ -8,13 +8,22 @@ third of a rank's time: cProfile of one rank of
 ``tests/ep/test_dispatch_combine.py::test_only_rank0_has_tokens_100_calls`` (10 calls): ``_patch_lang`` 3.5 s of
 10.1 s, 2006 calls, 97 % of them helper calls.
 
-:func:`install` (called by :mod:`tritonep.kernels.common` when the kernels are interpreted) replaces
-``triton.runtime.interpreter._patch_builtin`` with one that visits only the names a first scan of each package found
-to be builtins (the scan is made here, on the unpatched modules) and still checks ``is_builtin`` on each member as it
-is now, so it patches exactly the attributes the original patches, in the same (sorted) order
-(``tests/kernels/test_interpreter_speed.py`` compares both). Only Triton 3.6.x, whose interpreter this was read
-from; on any other version (or if the function is not there) nothing changes. Compiled (GPU) kernels never go
-through the interpreter.
+:func:`install` (called by :mod:`tritonep.kernels.common` when the kernels are interpreted) changes three things,
+each doing what the interpreter did:
+
+* ``_patch_builtin`` visits only the names a first scan of each package found to be builtins (the scan is made
+  here, on the unpatched modules) and still checks ``is_builtin`` on each member as it is now, so it patches exactly
+  the attributes the original patches, in the same (sorted) order;
+* ``_patch_lang`` called for a helper inside a running launch returns at once when every language module the helper
+  sees is already patched: by the launch itself (restored when the launch ends) or by an earlier helper of the
+  launch (the interpreter never restores a helper's patches); anything else goes to the original;
+* ``_get_np_dtype`` answers the scalar dtypes from a table taken from the original (which built a dict of 19
+  dtypes on every call).
+
+Together: the 100-call only-rank-0 test 89 -> 56 s of CPU before the wait pause of :mod:`.signal`.
+``tests/kernels/test_interpreter_speed.py`` holds the patches and dtypes equal to the original's. Only Triton 3.6.x,
+whose interpreter this was read from; on any other version (or if a function is not there) nothing changes.
+Compiled (GPU) kernels never go through the interpreter.
 """
 
 from __future__ import annotations

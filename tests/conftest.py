@@ -37,7 +37,9 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs CUDA GPUs (run on the device machine)")
-    config.addinivalue_line("markers", "soak: long soak tests, not run in CI by default")
+    config.addinivalue_line("markers", "soak: long soak tests: not in the default run; CI's second step runs them")
+    config.addinivalue_line("markers", "compile: compiles recorded launches for sm_90 offline (minutes on a cold Triton "
+                                       "cache): not in the default run; CI's second step runs them")
     config.addinivalue_line("markers", "world: runs ranks on GPUs through the gpu_world fixture")
     config.addinivalue_line("markers", "anyworld: a GPU world test that runs at every --gpu-world-sizes")
     config.addinivalue_line("markers", "world1: a GPU world of one rank (gpu_world(1, ...)); scripts/gpu_1gpu.sh runs "

@@ -231,6 +231,7 @@ def test_mode_argument():
     assert excess_routes(counts.sum(0), 2) == 8
 
 
+@pytest.mark.compile
 def test_minimal_planner_compiles_for_sm90():
     """The interpreter accepts code the compiler refuses: compile both modes' launches for sm_90 offline."""
     from tritonep.testing.compile_check import compile_recorded, record_launches

@@ -225,6 +225,7 @@ def test_group_total_that_never_arrives_is_bounded():
     assert int(state[1 + G + 1]) != 8, "group 0's total was not published by a chunk that gave up"
 
 
+@pytest.mark.compile
 def test_planner_variants_compile_for_sm90():
     """Every new launch shape compiles for sm_90 offline (the interpreter accepts code the compiler refuses):
     one-level and two-level look-back, a chunk longer than one pass-(C) tile, 1 / 2 / 4 warps, both modes."""

@@ -84,7 +84,7 @@ def test_world_timeout_on_a_terminal_ends_the_progress_bar_line(tmp_path):
     main_fd, sub_fd = pty.openpty()
     fcntl.ioctl(sub_fd, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 160, 0, 0))  # a terminal of 160 columns
     env = dict(os.environ, COLUMNS="200", TMPDIR=str(tmp_path))
-    p = subprocess.Popen([sys.executable, "-m", "tritonep.cli.main", "run", "--world-size", "2", "--timeout", "12",
+    p = subprocess.Popen([sys.executable, "-m", "tritonep.cli.main", "run", "--world-size", "2", "--timeout", "6",
                           "--tokens", "4", "--layers", "2", "3", "--steps", "500"], stdin=subprocess.DEVNULL,
                          stdout=sub_fd, stderr=sub_fd, env=env)
     os.close(sub_fd)
@@ -104,7 +104,7 @@ def test_world_timeout_on_a_terminal_ends_the_progress_bar_line(tmp_path):
     err = [ln for ln in text.replace("\r\n", "\n").split("\n") if "tritonep run: error:" in ln]
     assert len(err) == 1, text
     assert err[0].split("\r")[-1].startswith("\033[Ktritonep run: error: CPU world of 2:"), repr(err[0])
-    assert "did not finish within 12 s" in err[0]
+    assert "did not finish within 6 s" in err[0]
 
 
 def test_csv_row_whose_routes_all_score_zero_is_refused(tmp_path):

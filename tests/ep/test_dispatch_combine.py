@@ -199,9 +199,11 @@ def _rank0_only_world(group, reps):
     E, H, Tm, K = 2 * W, 64, 8, 2
     buf = tep.EPBuffer(group, E, H, Tm, K)
     g = torch.Generator().manual_seed(1234 + rank)
-    bad = []
+    bad, seen = [], []
     for i in range(reps):
         T = int(torch.randint(1 if rank == 0 else 0, Tm + 1, (1,), generator=g))
+        if i < 2:  # the edges first: rank 0 at capacity with the others empty, then 1 token against full -1 rows
+            T = (Tm, 1)[i] if rank == 0 else (0, Tm)[i]
         x = torch.randn(T, H, generator=g).to(BF16)
         if rank == 0:
             idx, w = torch.tensor([0, 1]).expand(T, K).clone(), torch.ones(T, K)
@@ -217,12 +219,25 @@ def _rank0_only_world(group, reps):
                   and tuple(y.shape) == (T, H) and y.dtype == BF16 and not bool(y.any()))
         if not ok:
             bad.append((i, T))
+        seen.append(T)
     buf.close()
-    return bad
+    return bad, seen
 
 
+def test_only_rank0_has_tokens_12_calls():
+    """12 calls on one buffer prove what the 100 of the soak step do: each of the counts exchange's two alternating
+    matrices (call parity) is reused 6 times, the device-side call numbers and epochs advance every call (they
+    never wrap: int64), and the first two calls are the edges (rank 0 at capacity with the others empty, then one
+    token against full -1 rows) before random counts."""
+    res = run_cpu_world(3, _rank0_only_world, 12, timeout_s=300)
+    assert [bad for bad, _ in res] == [[], [], []]
+    seen = [set(s) for _, s in res]
+    assert {1, 8} <= seen[0] and all({0, 8} <= s and len(s) >= 4 for s in seen[1:]), seen
+
+
+@pytest.mark.soak
 def test_only_rank0_has_tokens_100_calls():
-    assert run_cpu_world(3, _rank0_only_world, 100, timeout_s=300) == [[], [], []]
+    assert [bad for bad, _ in run_cpu_world(3, _rank0_only_world, 100, timeout_s=300)] == [[], [], []]
 
 
 @pytest.mark.parametrize("backend", ["triton", "nccl"])

@@ -1,5 +1,6 @@
 """Soaks: many dispatch + combine calls with fresh random routing on one buffer, each checked against the
-reference (30 calls in CI; 500 and the 1000-replay CUDA-graph soak carry the ``soak`` marker)."""
+reference (30 calls in the default run; 500 calls and the 1000-replay CUDA-graph soak carry the ``soak`` marker:
+CI runs the 500 in its second step, the GPU soak runs on the device machine)."""
 
 import pytest
 

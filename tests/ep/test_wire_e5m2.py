@@ -69,6 +69,7 @@ def _e5m2_paths(group):
     return recs
 
 
+@pytest.mark.compile
 def test_e5m2_kernels_compile_for_sm90():
     recs = run_cpu_world(2, _e5m2_paths, timeout_s=180)[0]
     assert {"dispatch_send_kernel", "dispatch_expand_kernel", "dispatch_fused_kernel", "combine_partial_kernel",

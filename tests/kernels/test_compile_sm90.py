@@ -6,6 +6,7 @@ every EP path (push/pull combine, alignment padding, backward) and compiles each
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -13,6 +14,8 @@ import tritonep as tep
 from tritonep.testing import run_cpu_world
 from tritonep.testing.cases import make_rank_inputs
 from tritonep.testing.compile_check import compile_recorded, record_launches, usage_recorded
+
+pytestmark = pytest.mark.compile  # CI's second step (.ci/run); minutes on a cold Triton cache
 
 
 def _ep_paths(group):

@@ -5,8 +5,11 @@ HAS_TIMER=True, which selects FAST); this adds the standalone quantize / dequant
 GPU test (tritonep/kernels/probe_fp8_hw.py), including tiles smaller than one element per thread per pack.
 """
 
+import pytest
 
 from tritonep.testing.compile_check import compile_recorded
+
+pytestmark = pytest.mark.compile  # CI's second step (.ci/run)
 
 _FP8 = [{"wire_codec": "fp8"}, {"wire_codec": "fp8_e5m2"}]
 

@@ -96,11 +96,13 @@ if __name__ == "__main__":
             torch.cuda.set_device(local_rank)
             dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
         main(dist.group.WORLD)
+        dist.barrier()  # no rank tears its group down while a peer still talks to it
         dist.destroy_process_group()
     elif "LOCAL_RANK" in os.environ:  # torchrun without a GPU: a gloo group and the nccl backend (below)
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before tritonep's kernels are imported (main imports them)
         dist.init_process_group("gloo")
         main(dist.group.WORLD, backend="nccl")
+        dist.barrier()  # no rank tears the gloo pairs down while a peer still uses them (else: an abort at exit)
         dist.destroy_process_group()
     else:  # no GPU: forked CPU ranks sharing one heap, kernels in Triton's interpreter
         from tritonep.testing import run_cpu_world

@@ -45,7 +45,7 @@ def _alive(pids) -> list:
     return alive
 
 
-def _interrupt(argv, tmp_path, sig, ranks, ready_s=240, group=False):
+def _interrupt(argv, tmp_path, sig, ranks, ready_s=240, group=False, ready_files=False):
     """Start ``argv`` (TMPDIR = tmp_path), wait until ``ranks`` rank processes and the world's folder exist, send
     ``sig`` to the parent only (``group``: to its whole process group, as a terminal's Ctrl-C does); returns
     (returncode, stderr, seconds from the signal to the exit, rank pids)."""
@@ -62,18 +62,37 @@ def _interrupt(argv, tmp_path, sig, ranks, ready_s=240, group=False):
                 break
             time.sleep(0.2)
         assert p.poll() is None and len(kids) >= ranks, f"the world never started: {p.communicate()}"
+        while ready_files and time.monotonic() < deadline and len(list(tmp_path.glob("ready*"))) < ranks:
+            time.sleep(0.2)  # the script's ranks touch TMPDIR/ready<rank> once inside their work
         time.sleep(1.0)  # the ranks are inside their work now
+        before = _signal_state(p.pid)
         t0 = time.monotonic()
         if group:
             os.killpg(p.pid, sig)
         else:
             p.send_signal(sig)
-        _, err = p.communicate(timeout=60)
+        try:
+            _, err = p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:  # say why: the parent's signal masks before / now and where it sleeps
+            raise AssertionError(f"no exit 60 s after {signal.Signals(sig).name}; parent {p.pid} before the "
+                                 f"signal: {before}; now: {_signal_state(p.pid)}") from None
         return p.returncode, err, time.monotonic() - t0, kids
     finally:
         if p.poll() is None:
             p.kill()
             p.communicate()
+
+
+def _signal_state(pid: int) -> str:
+    """SigBlk / SigIgn / SigCgt / Threads / State of ``pid`` and its kernel wait channel (/proc), for a failure."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+        keep = [ln.replace("\t", " ") for ln in lines if ln.split(":")[0] in ("State", "Threads", "SigBlk", "SigIgn",
+                                                                               "SigCgt")]
+        wchan = Path(f"/proc/{pid}/wchan").read_text()
+        return "; ".join(keep) + f"; wchan {wchan}"
+    except OSError as e:
+        return f"unreadable ({e})"
 
 
 def _nothing_left(kids, tmp_path):
@@ -127,17 +146,21 @@ def test_library_world_sigterm_kills_ranks_then_ends_by_sigterm(tmp_path, world)
 
 
 _CPU_SIGINT_SCRIPT = """
-import time
+import os, time
 from tritonep.testing import run_cpu_world
+def work(group):
+    open(os.path.join(os.environ["TMPDIR"], "ready%d" % group.rank()), "w").close()
+    time.sleep(600)
 try:
-    run_cpu_world(2, lambda group: time.sleep(600), timeout_s=900)
+    run_cpu_world(2, work, timeout_s=900)
 except KeyboardInterrupt:
     raise SystemExit(130)  # the caller got KeyboardInterrupt, after the world's cleanup
 """
 
 
 def test_library_cpu_world_sigint_is_keyboard_interrupt_after_cleanup(tmp_path):
-    rc, err, took, kids = _interrupt([sys.executable, "-c", _CPU_SIGINT_SCRIPT], tmp_path, signal.SIGINT, ranks=2)
+    rc, err, took, kids = _interrupt([sys.executable, "-c", _CPU_SIGINT_SCRIPT], tmp_path, signal.SIGINT, ranks=2,
+                                     ready_files=True)
     assert rc == 130 and "Traceback" not in err, (rc, err)
     assert took < 15
     _nothing_left(kids, tmp_path)

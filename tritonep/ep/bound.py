@@ -21,11 +21,11 @@ How a bound kernel launches:
   directly with the static tensors already turned into device addresses (Python ints: no ``data_ptr()`` call and
   no ``cuPointerGetAttribute`` per argument), the current raw stream, and the per-call values. The variant is
   picked by Triton's own specialisation of the per-call values only (``native_specialize_impl``: dtype and
-  16-byte alignment of tensors, ``== 1`` / ``% 16`` of ints that are specialised), because the static ones never
-  change (the grid is not part of a variant: Triton compiles without it). A kernel that needs Triton's global or
-  profile scratch, or a launch while a Triton launch hook is installed (a profiler), takes Triton's own path; with
-  no hook installed Triton hands its launcher its empty hook chains and their metadata, which do nothing, so the
-  direct call passes None for both. The arguments handed to the C launcher are exactly those
+  16-byte alignment of tensors, ``== 1`` / ``% 16`` of ints that are specialised; a constexpr by its value), because
+  the static ones never change (the grid is not part of a variant: Triton compiles without it). A kernel that needs
+  Triton's global or profile scratch, or a launch while a Triton launch hook is installed (a profiler), takes
+  Triton's own path; with no hook installed Triton hands its launcher its empty hook chains and their metadata,
+  which do nothing, so the direct call passes None for both. The arguments handed to the C launcher are exactly those
   :meth:`triton.compiler.CompiledKernel.__getitem__`'s runner hands it (``tests/ep/test_bound_launch.py``).
 
 Idea: the "call the compiled kernel's launcher directly" pattern of vLLM's ``CachedKernel`` (vllm PR #34838:
@@ -120,7 +120,8 @@ class BoundKernel:
         self._fast = bound_launch_enabled(launcher.device)
         self._variants: dict = {}  # specialisation of the per-call values -> (launch, function, metadata, coop, pdl)
         self._int_tmpl = None  # the static arguments as device addresses (after the first compile)
-        self._spec = None  # per-call parameter -> (is_const, specialize, align) for native_specialize_impl
+        self._spec = None  # per-call parameter -> (is_const, specialize, align) for native_specialize_impl; ()
+        # for a constexpr, whose value itself selects the variant
         self._backend = None
         self._specialize = None  # triton's native_specialize_impl, looked up once with the first variant
         self._dev = launcher.device.index if launcher.device.index is not None else 0
@@ -175,7 +176,7 @@ class BoundKernel:
     def _key(self, dyn) -> tuple:
         """Triton's own specialisation of the per-call values (what selects the compiled variant)."""
         b, spec = self._backend, self._specialize
-        return tuple(spec(b, v, c, s, a) for v, (c, s, a) in zip(dyn, self._spec))
+        return tuple(spec(b, v, *f) if f else v for v, f in zip(dyn, self._spec))
 
     def _remember(self, compiled, dyn):
         """After Triton's own launch: bind the compiled variant for the direct path (when it allows one)."""
@@ -188,8 +189,10 @@ class BoundKernel:
 
             self._specialize = native_specialize_impl
             kp = self.kernel.params
-            self._spec = tuple((kp[p].is_const, not kp[p].do_not_specialize,
-                                not kp[p].do_not_specialize_on_alignment) for p in self._pos)
+            # a constexpr is its value (Triton's binder: ("constexpr", value)); () marks one
+            self._spec = tuple(() if kp[p].is_constexpr else (kp[p].is_const, not kp[p].do_not_specialize,
+                                                                not kp[p].do_not_specialize_on_alignment)
+                               for p in self._pos)
             device = self._dev
             self._backend = self.kernel.device_caches[device][3]
             self._int_tmpl = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in self._tmpl]

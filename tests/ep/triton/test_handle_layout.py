@@ -5,13 +5,14 @@ The caller refills its routing tensors in place after every dispatch and combine
 first one last, after three later dispatches, and twice): every combine must equal the reference of its own call's
 inputs, because each handle owns its storage and its copy of the routing. The views themselves: dtype, shape,
 contiguity, 16-byte (on the GPU 256-byte) alignment of every field, ``ntpe`` right before ``offs``, no two handles
-sharing storage.
+sharing storage. After ``close`` every call raises BufferStateError, also the backward of a call made before it.
 """
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from tritonep.errors import BufferStateError
 from tritonep.testing import run_cpu_world
 from tritonep.testing.harness import _host, call_inputs, diff, expected, expert, make_calls, open_buffer
 
@@ -57,7 +58,22 @@ def _world(group, backend):
                    w=_host(d.weights), counts=_host(d.handle.counts), eo=_host(eo), y=_host(y))
         assert out[i] is None or torch.equal(out[i]["y"], rec["y"]), f"call {i} rank {rank}: second combine differs"
         out[i] = rec
+    # two calls with gradients: the first one's backward binds every backward kernel, the second's runs after close
+    x, idx, w = calls[0][rank][0]
+    ys = []
+    for _ in range(2):
+        xg, wg = x.clone().requires_grad_(True), w.float().requires_grad_(True)
+        dg = buf.dispatch(xg, idx, wg)
+        ys.append(buf.combine(expert(dg.x), dg.handle).float().sum())
+    ys[0].backward()
     buf.close()
+    # calls after close: typed refusals, nothing launched (the bound kernels hold the freed regions' addresses);
+    # the autograd backward reaches the backend without the EPBuffer's front door
+    d, eo = kept[0]
+    for call in (lambda: buf.dispatch(x, idx, w), lambda: buf.combine(eo, d.handle), ys[1].backward,
+                 lambda: buf._impl.combine_fwd(eo, d.handle)):
+        with pytest.raises(BufferStateError, match="closed"):
+            call()
     return out
 
 

@@ -198,6 +198,8 @@ def test_cpu_path_is_tritons_own_and_binding_errors():
         BoundKernel(_Launcher("cpu"), k, (1,), dict(BLOCK=1), dyn=("x_ptr",))
     with pytest.raises(TypeError, match="unknown parameters"):
         BoundKernel(_Launcher("cpu"), k, (1,), dict(nope=1), dyn=())
+    with pytest.raises(TypeError, match="3 per-call values, bound for 4"):
+        bk(x, idx, out)  # T missing: it would reach the kernel as None
     capped = _Launcher("cpu")
     capped.max_programs = 4
     from tritonep.errors import ConfigError

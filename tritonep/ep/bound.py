@@ -82,7 +82,8 @@ class BoundKernel:
             depends on the rank's data must not).
 
     Raises:
-        TypeError: a parameter neither bound nor per-call and without a default, or an unknown name.
+        TypeError: a parameter neither bound nor per-call and without a default, or an unknown name; a call with
+            another number of per-call values (checked on Triton's own path: every CPU launch, a variant's first).
         ConfigError: a grid larger than the launcher's ``TRITONEP_MAX_PROGRAMS`` cap (at construction for a static
             grid, at the call for a per-call grid).
     """
@@ -116,6 +117,7 @@ class BoundKernel:
         self._record = record
         self._tmpl = tmpl
         self._pos = tuple(names.index(d) for d in dyn)
+        self._dyn = tuple(dyn)
         self._grid3 = None if grid is None else tuple(self.grid) + (1,) * (3 - len(self.grid))
         self._fast = bound_launch_enabled(launcher.device)
         self._variants: dict = {}  # specialisation of the per-call values -> (launch, function, metadata, coop, pdl)
@@ -167,6 +169,10 @@ class BoundKernel:
             self._remember(compiled, dyn)
 
     def _args(self, dyn) -> list:
+        """Every argument of Triton's own path (the CPU's every launch, a GPU variant's first): the static ones and
+        ``dyn``, whose count is checked here (a missing pointer would reach the kernel as None)."""
+        if len(dyn) != len(self._pos):
+            raise TypeError(f"{self.name}: {len(dyn)} per-call values, bound for {len(self._pos)}: {self._dyn}")
         args = self._tmpl.copy()
         for p, v in zip(self._pos, dyn):
             args[p] = v

@@ -13,6 +13,8 @@ import inspect
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from tritonep.ep import recorder
 from tritonep.ep import bound as bound_mod
@@ -24,7 +26,7 @@ _STREAM = 0x5EED
 class _Param:
     def __init__(self, p):
         self.name = p.name
-        self.is_const = False
+        self.is_const = self.is_constexpr = False
         self.do_not_specialize = p.name in ("T",)
         self.do_not_specialize_on_alignment = False
 
@@ -196,6 +198,8 @@ def test_cpu_path_is_tritons_own_and_binding_errors():
         BoundKernel(_Launcher("cpu"), k, (1,), dict(BLOCK=1), dyn=("x_ptr",))
     with pytest.raises(TypeError, match="unknown parameters"):
         BoundKernel(_Launcher("cpu"), k, (1,), dict(nope=1), dyn=())
+    with pytest.raises(TypeError, match="3 per-call values, bound for 4"):
+        bk(x, idx, out)  # T missing: it would reach the kernel as None
     capped = _Launcher("cpu")
     capped.max_programs = 4
     from tritonep.errors import ConfigError
@@ -231,3 +235,100 @@ def test_per_call_grid_unrecorded(gpu_like):
 
     with pytest.raises(ConfigError, match="TRITONEP_MAX_PROGRAMS"):
         bkc((5,), x, idx, out, 5)
+
+
+# ---------------------------------------------------------------------------------------------------- attacks
+# A kernel whose variants are keyed by Triton's own binder (what ``JITFunction.run`` compiles by): a direct launch
+# whose compiled function names another key than the binder gives for this launch's arguments is a stale variant.
+
+@triton.jit(do_not_specialize=["T"])
+def _spec_kernel(x_ptr, idx_ptr, out_ptr, T, n, BLOCK: tl.constexpr, FLAG: tl.constexpr = False):
+    pass
+
+
+class _TritonKeyed:
+    """JIT stand-in: ``kernel[grid](*args)`` "compiles" one variant per Triton binder key and runs it; ``launch``
+    logs ``("c", key of the function it was handed, the key Triton's binder gives for these arguments)``."""
+
+    def __init__(self):
+        from triton.backends.compiler import GPUTarget
+        from triton.backends.nvidia.compiler import CUDABackend
+        from triton.runtime.jit import JITFunction, create_function_from_signature
+
+        jf = JITFunction(_spec_kernel.fn, do_not_specialize=["T"])
+        self.fn, self.params = jf.fn, jf.params
+        backend = CUDABackend(GPUTarget("cuda", 90, 32))
+        self.device_caches = {0: (None, None, None, backend, None)}
+        self._binder = create_function_from_signature(jf.signature, jf.params, backend)
+        self.log, self.compiled, self.last = [], {}, None
+
+    def key(self, args, options=None):
+        return str(self._binder(*args, **(options or {}))[1])
+
+    def __getitem__(self, grid):
+        def run(*args, **options):
+            key = self.key(args, options)
+            self.compiled.setdefault(key, len(self.compiled))
+            self.log.append(("triton", key, key))
+            return _KeyedCompiled(self, key)
+        return run
+
+
+class _KeyedCompiled:
+    def __init__(self, kernel, key):
+        self.run = _KeyedRun(kernel)
+        self.function, self.packed_metadata = ("function", key), ("meta", key)
+
+
+class _KeyedRun:
+    launch_cooperative_grid = launch_pdl = False
+    global_scratch_size = profile_scratch_size = 0
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def launch(self, gx, gy, gz, stream, function, coop, pdl, gs, ps, meta, lmeta, enter, exit_, *args):
+        k = self.kernel
+        grid, full = k.last
+        assert (gx, gy, gz) == tuple(grid) + (1,) * (3 - len(grid)) and args == _as_c(full)
+        k.log.append(("c", function[1], k.key(full)))
+
+
+def test_per_call_values_never_launch_a_stale_variant(gpu_like):
+    """Alternating per-call values of every kind Triton specialises on (tensor dtype, 16-byte alignment of a bf16
+    view 2 elements in, ints 0 / 1 / 16 / across the int32 range, a do_not_specialize int, a per-call constexpr),
+    a grid of 0 programs, a launch hook installed and removed: every launch runs the variant Triton's binder picks
+    for its arguments (the first launch of a variant through ``kernel[grid]``, later ones direct)."""
+    from triton import knobs
+
+    k = _TritonKeyed()
+    bk = BoundKernel(_Launcher("cuda:0"), k, None, dict(num_warps=4),
+                     dyn=("x_ptr", "idx_ptr", "out_ptr", "T", "n", "BLOCK"), record=False)
+    base = torch.zeros(80, dtype=torch.bfloat16)
+    x, x_off = base[:64], base[2:66]  # x_off: 4-byte aligned (Triton's "D" specialisation off)
+    i64, i32, out = torch.zeros(16, dtype=torch.int64), torch.zeros(16, dtype=torch.int32), torch.zeros(64)
+    calls = [((3,), x, i64, out, 5, 3, 16), ((3,), x_off, i64, out, 5, 3, 16), ((2,), x, i32, out, 7, 3, 16),
+             ((0,), x, i64, out, 0, 3, 16), ((1,), x, i64, out, 2**31, 3, 16), ((1,), x, i64, out, 5, 1, 16),
+             ((1,), x, i64, out, 5, 16, 16), ((1,), x, i64, out, 5, 2**31 + 16, 16), ((1,), x, i64, out, 5, -2**31 - 1,
+                                                                                  16), ((4,), x, i64, out, 5, 3, 32)]
+
+    def launch(c):
+        k.last = (c[0], bk._args(c[1:]))
+        bk(*c)
+        kind, ran, want = k.log[-1]
+        assert ran == want, (kind, c[0], [getattr(v, "dtype", v) for v in c[1:]])
+        return kind
+
+    for c in calls + calls[::-1] + calls:
+        launch(c)
+    variants = {k.key(bk._args(c[1:])) for c in calls}
+    assert len(variants) == len(calls) - 1  # T is do_not_specialize: T = 0 (grid 0) is T = 5's variant
+    assert len(k.compiled) == len(variants)
+    assert [e[0] for e in k.log].count("triton") == len(variants)  # compiled once each, every later launch direct
+    hook = lambda *a: None  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        assert launch(calls[1]) == "triton"  # a profiler sees the launch
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert launch(calls[1]) == "c" and launch(calls[2]) == "c"  # hook gone: direct again, right variants

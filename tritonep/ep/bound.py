@@ -21,11 +21,11 @@ How a bound kernel launches:
   directly with the static tensors already turned into device addresses (Python ints: no ``data_ptr()`` call and
   no ``cuPointerGetAttribute`` per argument), the current raw stream, and the per-call values. The variant is
   picked by Triton's own specialisation of the per-call values only (``native_specialize_impl``: dtype and
-  16-byte alignment of tensors, ``== 1`` / ``% 16`` of ints that are specialised), because the static ones never
-  change (the grid is not part of a variant: Triton compiles without it). A kernel that needs Triton's global or
-  profile scratch, or a launch while a Triton launch hook is installed (a profiler), takes Triton's own path; with
-  no hook installed Triton hands its launcher its empty hook chains and their metadata, which do nothing, so the
-  direct call passes None for both. The arguments handed to the C launcher are exactly those
+  16-byte alignment of tensors, ``== 1`` / ``% 16`` of ints that are specialised; a constexpr by its value), because
+  the static ones never change (the grid is not part of a variant: Triton compiles without it). A kernel that needs
+  Triton's global or profile scratch, or a launch while a Triton launch hook is installed (a profiler), takes
+  Triton's own path; with no hook installed Triton hands its launcher its empty hook chains and their metadata,
+  which do nothing, so the direct call passes None for both. The arguments handed to the C launcher are exactly those
   :meth:`triton.compiler.CompiledKernel.__getitem__`'s runner hands it (``tests/ep/test_bound_launch.py``).
 
 Idea: the "call the compiled kernel's launcher directly" pattern of vLLM's ``CachedKernel`` (vllm PR #34838:
@@ -82,7 +82,8 @@ class BoundKernel:
             depends on the rank's data must not).
 
     Raises:
-        TypeError: a parameter neither bound nor per-call and without a default, or an unknown name.
+        TypeError: a parameter neither bound nor per-call and without a default, or an unknown name; a call with
+            another number of per-call values (checked on Triton's own path: every CPU launch, a variant's first).
         ConfigError: a grid larger than the launcher's ``TRITONEP_MAX_PROGRAMS`` cap (at construction for a static
             grid, at the call for a per-call grid).
     """
@@ -116,11 +117,13 @@ class BoundKernel:
         self._record = record
         self._tmpl = tmpl
         self._pos = tuple(names.index(d) for d in dyn)
+        self._dyn = tuple(dyn)
         self._grid3 = None if grid is None else tuple(self.grid) + (1,) * (3 - len(self.grid))
         self._fast = bound_launch_enabled(launcher.device)
         self._variants: dict = {}  # specialisation of the per-call values -> (launch, function, metadata, coop, pdl)
         self._int_tmpl = None  # the static arguments as device addresses (after the first compile)
-        self._spec = None  # per-call parameter -> (is_const, specialize, align) for native_specialize_impl
+        self._spec = None  # per-call parameter -> (is_const, specialize, align) for native_specialize_impl; ()
+        # for a constexpr, whose value itself selects the variant
         self._backend = None
         self._specialize = None  # triton's native_specialize_impl, looked up once with the first variant
         self._dev = launcher.device.index if launcher.device.index is not None else 0
@@ -166,6 +169,10 @@ class BoundKernel:
             self._remember(compiled, dyn)
 
     def _args(self, dyn) -> list:
+        """Every argument of Triton's own path (the CPU's every launch, a GPU variant's first): the static ones and
+        ``dyn``, whose count is checked here (a missing pointer would reach the kernel as None)."""
+        if len(dyn) != len(self._pos):
+            raise TypeError(f"{self.name}: {len(dyn)} per-call values, bound for {len(self._pos)}: {self._dyn}")
         args = self._tmpl.copy()
         for p, v in zip(self._pos, dyn):
             args[p] = v
@@ -175,7 +182,7 @@ class BoundKernel:
     def _key(self, dyn) -> tuple:
         """Triton's own specialisation of the per-call values (what selects the compiled variant)."""
         b, spec = self._backend, self._specialize
-        return tuple(spec(b, v, c, s, a) for v, (c, s, a) in zip(dyn, self._spec))
+        return tuple(spec(b, v, *f) if f else v for v, f in zip(dyn, self._spec))
 
     def _remember(self, compiled, dyn):
         """After Triton's own launch: bind the compiled variant for the direct path (when it allows one)."""
@@ -188,8 +195,10 @@ class BoundKernel:
 
             self._specialize = native_specialize_impl
             kp = self.kernel.params
-            self._spec = tuple((kp[p].is_const, not kp[p].do_not_specialize,
-                                not kp[p].do_not_specialize_on_alignment) for p in self._pos)
+            # a constexpr is its value (Triton's binder: ("constexpr", value)); () marks one
+            self._spec = tuple(() if kp[p].is_constexpr else (kp[p].is_const, not kp[p].do_not_specialize,
+                                                                not kp[p].do_not_specialize_on_alignment)
+                               for p in self._pos)
             device = self._dev
             self._backend = self.kernel.device_caches[device][3]
             self._int_tmpl = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in self._tmpl]

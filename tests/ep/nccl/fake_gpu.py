@@ -2,10 +2,12 @@
 
 :func:`fake_gpu` (CPU, interpreter): every BoundKernel made inside it believes it is on a GPU. Its kernel is wrapped
 so that Triton's own path (``kernel[grid]``: the first launch of a variant) runs the interpreted kernel, logs
-``("jit", name)`` and hands back a compiled-kernel stand-in; a later launch of the same variant then takes the
+``("jit", name)`` and hands back a compiled-kernel stand-in named by the specialisation Triton's own binder gives
+the launch's arguments (one per variant Triton would compile); a later launch of the same variant then takes the
 direct path, whose C-launcher call lands in the stand-in: it logs ``("direct", name)``, checks that the call is
 exactly what Triton's runner would hand the C launcher for this launch (grid padded to three dimensions, every
-tensor as its ``data_ptr()``, in parameter order: the contract of ``tests/ep/test_bound_launch.py``) and runs the
+tensor as its ``data_ptr()``, in parameter order: the contract of ``tests/ep/test_bound_launch.py``; a compiled
+function of another variant than Triton's binder picks for these arguments is logged ``("stale", name)``) and runs the
 interpreted kernel with the real tensors, so the backend's outputs stay checkable bit for bit.
 
 :func:`count_paths` (a real GPU): counts BoundKernel calls and the ones that went through ``kernel[grid]``; the
@@ -46,17 +48,21 @@ class _Run:
         full = bk._args(dyn)
         want = tuple(grid) + (1,) * (3 - len(grid))
         assert (gx, gy, gz) == want, (k.name, (gx, gy, gz), want)
-        assert (stream, function, meta, coop, pdl) == (0, ("function", k.name), ("meta", k.name), False, False)
+        assert (stream, meta[:2], coop, pdl) == (0, ("meta", k.name), False, False)
         assert (gscratch, pscratch, lmeta, enter, exit_) == (None,) * 5
         assert args == _ptrs(full), (k.name, args, _ptrs(full))
-        k.log.append(("direct", k.name))
+        # the variant handed over must be the one Triton's binder picks for this launch's arguments; a stale one is
+        # logged, not raised, so the ranks stay in step through their collectives and the test fails at once
+        key = k.key(full, bk.options)
+        ok = function == ("function", k.name, key) and meta == ("meta", k.name, key)
+        k.log.append(("direct", k.name) if ok else ("stale", k.name))
         k.real[want](*full, **bk.options)
 
 
 class _Compiled:
-    def __init__(self, kernel):
+    def __init__(self, kernel, key):
         self.run = _Run(kernel)
-        self.function, self.packed_metadata = ("function", kernel.name), ("meta", kernel.name)
+        self.function, self.packed_metadata = ("function", kernel.name, key), ("meta", kernel.name, key)
 
 
 class _FakeJIT:
@@ -65,26 +71,34 @@ class _FakeJIT:
     def __init__(self, real, bound, log):
         from triton.backends.compiler import GPUTarget
         from triton.backends.nvidia.compiler import CUDABackend
-        from triton.runtime.jit import JITFunction
+        from triton.runtime.jit import JITFunction, create_function_from_signature
 
         kw = getattr(real, "kwargs", {})
         self.real, self.bound, self.log, self.fn = real, bound, log, real.fn
         self.name = real.fn.__name__
-        self.params = JITFunction(real.fn, do_not_specialize=kw.get("do_not_specialize"),
-                                  do_not_specialize_on_alignment=kw.get("do_not_specialize_on_alignment")).params
-        self.device_caches = {0: (None, None, None, CUDABackend(GPUTarget("cuda", 90, 32)), None)}
+        jf = JITFunction(real.fn, do_not_specialize=kw.get("do_not_specialize"),
+                         do_not_specialize_on_alignment=kw.get("do_not_specialize_on_alignment"))
+        self.params = jf.params
+        backend = CUDABackend(GPUTarget("cuda", 90, 32))
+        self.device_caches = {0: (None, None, None, backend, None)}
+        self._binder = create_function_from_signature(jf.signature, jf.params, backend)
+
+    def key(self, args, options) -> str:
+        """The specialisation Triton's own binder computes for ``args`` (what ``JITFunction.run`` compiles by)."""
+        return str(self._binder(*args, **options)[1])
 
     def __getitem__(self, grid):
         def run(*args, **options):
             self.log.append(("jit", self.name))
             self.real[grid](*args, **options)
-            return _Compiled(self)
+            return _Compiled(self, self.key(args, options))
         return run
 
 
 @contextlib.contextmanager
 def fake_gpu():
-    """Yields the launch log (a list of ``("jit" | "direct", kernel name)``); see the module docstring."""
+    """Yields the launch log (a list of ``("jit" | "direct" | "stale", kernel name)``; "stale": a direct launch
+    handed a variant Triton would not pick for its arguments); see the module docstring."""
     log = []
     init, call = BoundKernel.__init__, BoundKernel.__call__
     enabled = bound_mod.bound_launch_enabled

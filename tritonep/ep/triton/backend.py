@@ -300,7 +300,10 @@ class TritonEP(DispatchOutputs, DecodePath):
         return g_eo, g_w
 
     def close(self):
-        """Free the symmetric allocation (collective)."""
+        """Free the symmetric allocation (collective). Later calls raise :class:`BufferStateError`, also those that do
+        not pass the EPBuffer's front door (the autograd backward of a call made before the close): its bound kernels
+        hold the freed regions' addresses."""
+        self.broken = "closed" + (f" (unusable before: {self.broken})" if self.broken else "")
         if self.buf is not None:
             self.buf.close()
             self.buf = None

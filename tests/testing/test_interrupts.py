@@ -45,14 +45,23 @@ def _alive(pids) -> list:
     return alive
 
 
+def _default_sigint():
+    """In the child between fork and exec: SIGINT and SIGQUIT take their default action."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+
+
 def _interrupt(argv, tmp_path, sig, ranks, ready_s=240, group=False, ready_files=False):
     """Start ``argv`` (TMPDIR = tmp_path), wait until ``ranks`` rank processes and the world's folder exist, send
     ``sig`` to the parent only (``group``: to its whole process group, as a terminal's Ctrl-C does); returns
     (returncode, stderr, seconds from the signal to the exit, rank pids)."""
     env = dict(os.environ, TMPDIR=str(tmp_path), PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                TQDM_DISABLE="1", COLUMNS="200", TRITON_INTERPRET="1")
+    # SIGINT / SIGQUIT back to their defaults in the child: a shell starts background jobs with them ignored
+    # (bash without job control: `cmd &`), Python keeps an inherited ignored SIGINT and the script would never see
+    # KeyboardInterrupt (seen as SigIgn 0x...1007 in a CI run started with `nohup ... &`)
     p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                         start_new_session=group)
+                         start_new_session=group, preexec_fn=_default_sigint)
     try:
         deadline = time.monotonic() + ready_s
         kids = []

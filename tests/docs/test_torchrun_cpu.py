@@ -54,6 +54,7 @@ def test_torchrun_example_without_gpu_runs_on_gloo_with_the_nccl_backend():
 
 @NO_GPU
 @NEEDS_TORCHRUN
+@pytest.mark.slow  # 17 s on 2 cores: CI second step
 def test_train_example_under_torchrun_and_python_without_gpu():
     """``examples/train_moe.py``: ``python examples/train_moe.py`` (the README's command) imported tritonep's
     kernels before choosing the interpreter and was refused; under torchrun it exited 1 (torchrun's traceback).

@@ -108,6 +108,7 @@ def test_moe_config_bad_flavor_or_dense_layer():
         deepseek_v3_moe_config("debugmodel", 6)
 
 
+@pytest.mark.slow  # 13 s: CI second step
 def test_titan_bench_and_example_as_on_torch_211():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     p = subprocess.run([sys.executable, "-c", AS_TORCH_211], cwd=ROOT, env=env, capture_output=True, text=True,

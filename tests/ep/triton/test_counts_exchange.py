@@ -51,6 +51,7 @@ def test_w3_e_not_multiple_of_32_many_calls(geometry, want):
     check_script(cfg, _STEPS3, res, geo=want)
 
 
+@pytest.mark.slow  # 11 s: CI second step (W=3 cases stay)
 def test_w5_exchange_grid_and_backward():
     """W = 5, E = 70 (EB 128: exchange grid 4), autograd steps (unweighted combine with weight gradients, scaled
     dispatch) between forward calls; grid 10 (a multiple of W: rotated partial sources)."""

@@ -169,6 +169,7 @@ def test_triton_multi_program_noncontiguous_int32():
         assert pt.equal(p) and torch.equal(rid, remap_torch(topks[r], p, r, counts))
 
 
+@pytest.mark.slow  # > 4 s on 2 cores: CI's second step
 def test_triton_two_launch_chunks_and_status():
     """More chunks than tiles (empty chunks), many chunks over a larger shape, status bits from a middle chunk."""
     topks, counts = make_topk(8, 64, 4, [30, 0, 17, 25, 9, 40, 3, 12], probs=hot(11, 40.0, 64), mask_p=0.1, seed=5)

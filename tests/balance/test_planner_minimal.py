@@ -246,6 +246,7 @@ def test_minimal_planner_compiles_for_sm90():
     assert not failures, "\n\n".join(f"{n}: {e}" for n, e in failures)
 
 
+@pytest.mark.slow  # > 4 s on 2 cores: CI's second step
 def test_cli_plan_shows_both_modes(tmp_path):
     """``tritonep plan --routing flame --layer 3`` (default ``--mode both``): one summary line per mode."""
     import json

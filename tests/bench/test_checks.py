@@ -54,6 +54,7 @@ def _rows(path):
     return [r for rs in json.load(open(path))["rows"] for r in rs]
 
 
+@pytest.mark.slow  # > 4 s on 2 cores: CI's second step
 def test_ep_bench_checks_every_point(tmp_path, capsys):
     """Graph-less CPU run of every point (both backends, three wires, the NCCL baselines, a fused and a small-tile
     geometry variant): all checked; a corrupted dispatch row makes those points FAILED and the run exit 1."""
@@ -121,6 +122,7 @@ def test_planner_bench_checks_every_point(tmp_path, monkeypatch, capsys):
     assert "FAILED" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # > 4 s on 2 cores: CI's second step
 def test_moe_bench_checks_every_layer(monkeypatch, capsys):
     moe_bench = _driver("moe_bench")
     args = ["--cpu", "--tokens", "6", "--hidden", "64", "--intermediate", "32", "--num-experts", "8", "--topk", "2",

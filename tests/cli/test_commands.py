@@ -55,6 +55,7 @@ def test_bench_unknown_profile_lists_the_valid_ones():
         assert name in out
 
 
+@pytest.mark.slow  # > 4 s on 2 cores: CI's second step
 def test_run_help_and_bad_layer():
     rc, out = _cli("run", "--help")
     assert rc == 0 and "--routing" in out and "--balance" in out

@@ -78,6 +78,7 @@ def test_refusals_name_the_flag_as_typed(capsys, argv, line):
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a CPU world")
+@pytest.mark.slow  # > 4 s on 2 cores: CI's second step
 def test_world_timeout_on_a_terminal_ends_the_progress_bar_line(tmp_path):
     """On a terminal, rank 0 draws a progress bar; a world killed by --timeout used to print its error line after
     the bar on the same line. Now the line is cleared first (and no bar is drawn when stderr is not a terminal)."""

@@ -35,6 +35,7 @@ def write_trace_csv(path, layers, tokens, num_experts, topk, seed=0, scores=True
     return str(path)
 
 
+@pytest.mark.slow  # > 4 s on 2 cores: CI's second step
 def test_run_on_a_random_csv_trace_passes(tmp_path):
     """The issue's acceptance test: a CSV written here from random routing runs through `tritonep run` and passes."""
     csv = write_trace_csv(tmp_path / "mine.csv", layers=[0, 5], tokens=24, num_experts=8, topk=2)
@@ -147,6 +148,7 @@ def test_rank_error_from_a_cpu_world_is_one_line_exit_2():
     assert "Traceback" not in out + err
 
 
+@pytest.mark.slow  # > 4 s on 2 cores: CI's second step
 def test_bench_moe_soak_checks_the_layer():
     rc, out, err = _cli("bench", "moe", "--soak", "2")
     assert rc == 0, out + err

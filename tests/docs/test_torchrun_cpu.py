@@ -42,6 +42,7 @@ NEEDS_TORCHRUN = pytest.mark.skipif(TORCHRUN is None, reason="torchrun is not in
 
 @NO_GPU
 @NEEDS_TORCHRUN
+@pytest.mark.slow  # > 4 s on 2 cores: CI's second step
 def test_torchrun_example_without_gpu_runs_on_gloo_with_the_nccl_backend():
     rc, stdout, stderr = _run([TORCHRUN, "--standalone", "--nproc-per-node", "2",  # --standalone: a free port
                                str(ROOT / "examples" / "torchrun_moe.py")])

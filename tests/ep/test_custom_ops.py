@@ -108,6 +108,7 @@ def test_ops_equal_plain_calls_aot_eager():
     _check(run_cpu_world(2, _world, [9, 12], ((1, False), (2, True)), "aot_eager", timeout_s=300))
 
 
+@pytest.mark.slow  # > 4 s on 2 cores: CI's second step
 def test_sync_free_op_inductor_fullgraph():
     """The sync-free op under inductor (C++ codegen on CPU), a rank with 0 tokens."""
     _check(run_cpu_world(2, _world, [0, 7], ((3, True),), "inductor", timeout_s=400))

@@ -79,6 +79,7 @@ def test_e5m2_kernels_compile_for_sm90():
     assert not failures, "\n\n".join(f"{n}: {e}" for n, e in failures)
 
 
+@pytest.mark.slow  # > 4 s on 2 cores: CI's second step
 def test_cli_run_with_e5m2_wires_passes_its_check():
     env = dict(os.environ, COLUMNS="200")
     p = subprocess.run([sys.executable, "-m", "tritonep.cli.main", "run", "--dispatch-wire", "fp8_e5m2",

@@ -158,6 +158,7 @@ def _check_crafted(ref):
     assert (ref["last_rank_ids"] == torch.tensor(SKEWED)).all(), "the last rank's tokens do not all pick SKEWED"
 
 
+@pytest.mark.slow  # > 4 s on 2 cores: CI's second step
 def test_world2_two_layers_share_a_buffer_sync_free():
     """Natural routing, two stacked MoE layers on one shared buffer (layer 1 fwd, layer 2 fwd, layer 2 bwd, layer 1
     bwd), sync-free dispatch (max_recv_tokens rows, device counts)."""

@@ -21,6 +21,7 @@ import os
 import re
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -52,6 +53,7 @@ def _late_peer_world(group):
     return out
 
 
+@pytest.mark.slow  # > 4 s on 2 cores: CI's second step
 def test_late_peer_within_bound_succeeds_and_short_bound_fails_after_it():
     res = run_cpu_world(2, _late_peer_world, timeout_s=120, check_protocol=False)
     kind, took, ntpe = res[0]["a"]
@@ -80,6 +82,7 @@ def _per_wait_world(group):
     return time.monotonic() - t0, y.shape
 
 
+@pytest.mark.slow  # > 4 s on 2 cores: CI's second step
 def test_bound_is_per_wait_not_per_call():
     """Two waits of 2.5 s each in one call (5 s in total) under a 4 s bound."""
     res = run_cpu_world(2, _per_wait_world, timeout_s=120, check_protocol=False)

@@ -253,6 +253,7 @@ def _skip_world(group, where):
     return out
 
 
+@pytest.mark.slow  # > 4 s on 2 cores: CI's second step
 def test_counts_exchange_timeout_is_raised_by_the_layer():
     res = run_cpu_world(2, _skip_world, "forward", timeout_s=120, check_protocol=False)
     assert res[1] == "skipped"
@@ -260,6 +261,7 @@ def test_counts_exchange_timeout_is_raised_by_the_layer():
     assert "counts exchange" in msg and "peer 1" in msg and "after waiting" in msg, msg
 
 
+@pytest.mark.slow  # > 4 s on 2 cores: CI's second step
 def test_transport_timeout_in_backward_is_raised_at_the_next_forward():
     res = run_cpu_world(2, _skip_world, "backward", timeout_s=120, check_protocol=False)
     msg = res[0][0]

@@ -300,6 +300,7 @@ def test_gpu_virtual_matches_dense_reference_grouped_gemm(gpu_world, gpu_world_s
     assert any(_facts(res, "used", 0)) and used_ok(_facts(res, "used", 1)), _facts(res, "used", 1)
 
 
+@pytest.mark.slow  # > 4 s on 2 cores: CI's second step
 def test_virtual_split_hand_made_world_and_compile():
     case = dict(E=12, K=2, seed=11, steps=_W3_STEPS, A=4, compile=True)
     res = run_cpu_world(3, _virtual_world, case, timeout_s=300)

@@ -54,6 +54,7 @@ def test_force_no_p2p_is_read_through_envs(monkeypatch):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only: the command sets the interpreter itself")
+@pytest.mark.slow  # > 4 s on 2 cores: CI's second step
 def test_env_command_shows_set_variables_and_who_set_the_interpreter():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(COLUMNS="250", TRITONEP_GEOMETRY="bt=2,grid=8", PYTHONPATH=str(ROOT))

@@ -52,6 +52,7 @@ def test_run_cpu_world_refuses_compiled_kernels():
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="CPU-only check")
+@pytest.mark.slow  # > 4 s on 2 cores: CI's second step
 def test_cli_sets_interpreter_itself():
     r = _py("from tritonep.cli.main import main\nimport sys\nsys.exit(main(['plan', '--help']))")
     assert r.returncode == 0, r.stderr
@@ -67,6 +68,7 @@ _USER_BUFFER = ("import tempfile, torch.distributed as dist\nimport tritonep as 
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="CPU-only check")
+@pytest.mark.slow  # > 4 s on 2 cores: CI's second step
 def test_cpu_epbuffer_outside_a_world_says_what_to_do():
     """What a new user tries first: ``import tritonep`` without TRITON_INTERPRET, then an EPBuffer on a CPU gloo
     group. One line, a ConfigError naming the variable and the CPU world (not a heap error or a Triton crash)."""

@@ -171,6 +171,7 @@ def _alive(pids):
     return out
 
 
+@pytest.mark.slow  # > 4 s on 2 cores: CI's second step
 def test_world_runs_tasks_with_the_callers_environment_and_cleans_up(tmp_path, monkeypatch, fake_mps):
     """One world of 2 ranks sharing one (CPU) device under a (fake) MPS daemon: several tasks in the same processes,
     the parent's TRITONEP_* at each call, the world's own variables, a failing rank, then everything gone."""
@@ -213,6 +214,7 @@ def test_world_runs_tasks_with_the_callers_environment_and_cleans_up(tmp_path, m
     assert [c["stdin"] for c in fake_mps() if c["stdin"] == "quit\n"] == ["quit\n"]  # the daemon was stopped
 
 
+@pytest.mark.slow  # > 4 s on 2 cores: CI's second step
 def test_world_past_its_time_is_killed_and_auto_mps_falls_back(tmp_path, monkeypatch, fake_mps, capfd):
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     monkeypatch.setenv("FAKE_MPS_MODE", "fail")

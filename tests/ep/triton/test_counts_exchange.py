@@ -38,6 +38,7 @@ _STEPS3 = [("ok", 1, [16, 0, 7], "push"), ("ok", 2, [0, 0, 0], "pull"), ("bad", 
 
 @pytest.mark.parametrize("geometry,want", [(None, (16, 16, 0, False, 1)), ("bt=2,cbt=1,grid=6", (2, 1, 0, False, 6)),
                                            ("bt=1,cbt=4,fs=3,fe=2,fc=1", (1, 4, 0, True, 3))])
+@pytest.mark.slow  # > 4 s on 2 cores: CI's second step
 def test_w3_e_not_multiple_of_32_many_calls(geometry, want):
     """W = 3, E = 99 (EB 128: exchange grid 4, one program with no expert), refused + capacity calls between
     good ones, T = 0 on one rank and on every rank, push / pull / default combines; the fused combine with GS = 3

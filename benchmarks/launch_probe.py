@@ -1,0 +1,154 @@
+"""Where a bound launch's host microseconds go, per kernel of one eager dispatch + combine (world 1, one GPU).
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
+    PYTHONPATH=. torchrun --nproc-per-node 1 benchmarks/launch_probe.py --tokens 128 [--geometry dec=128]
+
+For every BoundKernel a dispatch + combine launches (their per-call values captured from one real call): host us of
+the whole ``bk(*dyn)``, of its variant key alone, of the C launcher alone with the same int arguments, each idle
+(synchronised before every launch) and back-to-back; then the host cost of the pieces around the launches (the
+status read's copy + event + synchronize, torch.empty, a view) and whether a Triton kernel can store straight into a
+pinned host tensor (zero-copy status, DeepEP's mapped counter) and how long the host then waits for it.
+"""
+
+import argparse
+import json
+import os
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _poke(dst_ptr, val):
+    tl.store(dst_ptr, val)
+
+
+def _us(fn, n=200, sync=True):
+    ts = []
+    for _ in range(n):
+        if sync:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    ts.sort()
+    return round(ts[len(ts) // 2] * 1e6, 2)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--geometry", default="")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    if a.geometry:
+        os.environ["TRITONEP_GEOMETRY"] = a.geometry
+    dist.init_process_group("nccl")
+    torch.cuda.set_device(0)
+    import tritonep as tep
+    from tritonep.ep.bound import BoundKernel
+
+    T, H, E, K = a.tokens, 7168, 256, 8
+    dev = torch.device("cuda", 0)
+    g = torch.Generator().manual_seed(0)
+    idx = torch.argsort(torch.rand(T, E, generator=g), dim=1)[:, :K].to(dev)
+    w = torch.rand(T, K, generator=g).to(dev)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16).to(dev)
+    buf = tep.EPBuffer(dist.group.WORLD, E, H, T, K)
+    for _ in range(3):
+        d = buf.dispatch(x, idx, w)
+        buf.combine(buf.expert_out_buffer(d.x.shape[0]), d.handle)
+    torch.cuda.synchronize()
+    seen = []
+    orig = BoundKernel.__call__
+
+    def spy(self, *dyn):
+        seen.append((self, dyn))
+        return orig(self, *dyn)
+
+    BoundKernel.__call__ = spy
+    d = buf.dispatch(x, idx, w)
+    eo = buf.expert_out_buffer(d.x.shape[0])
+    buf.combine(eo, d.handle)
+    BoundKernel.__call__ = orig
+    torch.cuda.synchronize()
+    out = {"tokens": T, "geometry": a.geometry, "kernels": []}
+    for bk, dyn in seen:
+        row = {"name": bk.name, "n_args": len(bk._tmpl), "n_dyn": len(dyn), "grid": bk.grid}
+        key = bk._key(dyn)
+        ent = bk._variants.get(key)
+        row["direct"] = ent is not None
+        row["call_idle_us"] = _us(lambda: bk(*dyn))
+        row["call_b2b_us"] = _us(lambda: bk(*dyn), sync=False) if "decode" not in bk.name else None
+        row["key_us"] = _us(lambda: bk._key(dyn), sync=False)
+        if ent is not None:
+            launch, function, meta, coop, pdl = ent
+            args = bk._int_tmpl.copy()
+            for p, v in zip(bk._pos, dyn):
+                args[p] = v.data_ptr() if isinstance(v, torch.Tensor) else v
+            g3 = bk._grid3
+            s = torch.cuda.current_stream().cuda_stream
+
+            def raw():
+                launch(g3[0], g3[1], g3[2], s, function, coop, pdl, None, None, meta, None, None, None, *args)
+            row["raw_idle_us"] = _us(raw)
+            if "decode" not in bk.name and "exchange" not in bk.name:
+                row["raw_b2b_us"] = _us(raw, sync=False)
+            meta_d = getattr(function, "__class__", None)
+            row["function"] = str(meta_d)
+        print(json.dumps(row), flush=True)
+        out["kernels"].append(row)
+    # pieces around the launches
+    st = torch.zeros(8, dtype=torch.int64, device=dev)
+    host = torch.empty(8, dtype=torch.int64, pin_memory=True)
+    ev = torch.cuda.Event()
+
+    def read():
+        host.copy_(st, non_blocking=True)
+        ev.record()
+        ev.synchronize()
+        return host.tolist()
+    out["status_read_us"] = _us(read)
+    out["empty_us"] = _us(lambda: torch.empty(T * K, H, dtype=torch.bfloat16, device=dev), sync=False)
+    out["view_us"] = _us(lambda: d.x[:5], sync=False)
+    out["dispatch_idle_us"] = _us(lambda: buf.dispatch(x, idx, w))
+    out["dispatch_sync_free_idle_us"] = _us(lambda: buf.dispatch(x, idx, w, sync_free=True))
+    out["combine_idle_us"] = _us(lambda: buf.combine(eo, d.handle))
+    # zero-copy: a kernel stores into pinned host memory; the host spins on a numpy view
+    pin = torch.zeros(16, dtype=torch.int64, pin_memory=True)
+    view = pin.numpy()
+    ok = True
+    try:
+        _poke[(1,)](pin, 7)
+        torch.cuda.synchronize()
+        out["mapped_store_seen"] = int(view[0])
+        waits = []
+        for i in range(200):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            _poke[(1,)](pin, 100 + i)
+            while view[0] != 100 + i:
+                if time.perf_counter() - t0 > 1.0:
+                    ok = False
+                    break
+            waits.append(time.perf_counter() - t0)
+        waits.sort()
+        out["mapped_launch_to_seen_us"] = round(waits[100] * 1e6, 2)
+        out["mapped_ok"] = ok
+    except Exception as e:  # noqa: BLE001 - report, do not fail the probe
+        out["mapped_error"] = repr(e)[:300]
+    print(json.dumps({k: v for k, v in out.items() if k != "kernels"}), flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+    buf.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

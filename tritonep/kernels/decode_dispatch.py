@@ -49,8 +49,9 @@ import triton.language as tl
 from .common import RowTile
 from .dispatch import ExpandIO, SendIO, expand_arrived, open_send, send_chunk, zero_padding
 from .layout import layout_tiles, record_verdict, refused_call, store_layout
-from .protocol import CALL_DISPATCH, CALL_EXCHANGE, DONE_DECODE_DISPATCH, FLAG_COUNTS, ST_ROWS_RECEIVED, WAIT_COUNTS
-from .signal import finish_launch, publish_epoch, signal_peers, wait_ge
+from .protocol import (CALL_DISPATCH, CALL_EXCHANGE, DONE_DECODE_DISPATCH, FLAG_COUNTS, ST_ROWS_RECEIVED,
+                       WAIT_COUNTS)
+from .signal import finish_launch, publish_epoch, publish_host_status, signal_peers, wait_ge
 from .wirecodec import RAW_BF16
 
 __all__ = ["dispatch_decode_kernel"]
@@ -75,7 +76,7 @@ def _own_histogram(topk_idx_ptr, T, limit, K: tl.constexpr, KB: tl.constexpr, E:
 
 
 @triton.jit(do_not_specialize=['T', 'host_bad', 'max_recv', 'nrows_w', 'counts_off', 'data_off', 'ack_off', 'timeout',
-                               'Tmax', 'NCmax'])
+                               'Tmax', 'NCmax', 'ticket'])
 def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_bad, max_recv, nrows_w, hist_ptr, pre_ptr,
                            counts_tab, counts_ptr, stage_tab, meta_tab, wts_tab, ntok_tab, cflag_tab, cflag_ptr,
                            stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_ptr, out_w_ptr, hmeta_ptr, hwts_ptr,
@@ -86,7 +87,8 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
                            WB: tl.constexpr, LB: tl.constexpr, TB: tl.constexpr, BA: tl.constexpr, A: tl.constexpr,
                            HAS_TIMER: tl.constexpr, RB: tl.constexpr, WIRE: tl.constexpr = RAW_BF16,
                            POW2: tl.constexpr = False, KEEP_Q: tl.constexpr = False, q_ptr=None, s_ptr=None,
-                           idx_out_ptr=None, w_out_ptr=None, COPY: tl.constexpr = False):
+                           idx_out_ptr=None, w_out_ptr=None, COPY: tl.constexpr = False, host_st_ptr=None, ticket=0,
+                           HOST_ST: tl.constexpr = 0):
     """Forward dispatch in one launch of ``G`` programs (see the module docstring).
 
     Inputs: ``x [T, H]`` bf16, ``topk_idx [T, K]`` int32/int64, ``topk_weights [T, K]`` fp32 (T <= Tmax <= TB),
@@ -100,7 +102,12 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
     Errors (status word, read by the host): STATUS_BAD_INPUT / STATUS_CAPACITY (no row moves on any rank),
     STATUS_TIMEOUT with the wait id and the peer. COPY: program 0 also writes the handle's own copy of the routing
     (``idx_out [T, K]`` int32, ids outside ``[-1, E)`` as -1; ``w_out [T, K]`` float32), as
-    :func:`tritonep.kernels.layout.chunk_hist_kernel` does on the other paths.
+    :func:`tritonep.kernels.layout.chunk_hist_kernel` does on the other paths. HOST_ST (> 0: the number of status
+    words the host reads): program 0 publishes ``status[:HOST_ST]`` and then ``ticket`` into the pinned host tensor
+    ``host_st_ptr`` once the verdict is recorded, before any row moves (:func:`tritonep.kernels.signal.
+    publish_host_status`): the host's one read of an eager dispatch waits for that, not for the whole launch (a
+    wait that gives up later in this launch is recorded in the status word and raised by the next read, as on the
+    two-kernel path, whose read follows the counts exchange).
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
@@ -150,6 +157,8 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
                      W, L, WB, LB)
         tl.store(counts_out_ptr + s_off[:, None, None] * E + e2d[None, :, :], c3, mask=m3)
         record_verdict(badv, rows, max_recv, status_ptr, n, True, W, WB)
+        if HOST_ST > 0:
+            publish_host_status(status_ptr, host_st_ptr, ticket, HOST_ST, HAS_TIMER)
     # out_w past the rows this rank receives (all of it for a refused call) is zero, as the two-kernel path leaves it
     zb = tl.arange(0, 256)
     w_from = tl.where(refused, 0, tl.sum(tl.where(d_off == RANK, rows, 0), 0))

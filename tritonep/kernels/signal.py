@@ -271,3 +271,22 @@ def publish_mark(flag_ptr, mark):
     thread's stores are ordered before it: the publish side of :func:`wait_all_eq`."""
     tl.debug_barrier()
     tl.atomic_xchg(flag_ptr, mark, sem="release", scope="gpu")
+
+
+@triton.jit
+def publish_host_status(status_ptr, host_ptr, ticket, WORDS: tl.constexpr, HAS_TIMER: tl.constexpr):
+    """Copy ``status[:WORDS]`` into ``host_ptr[:WORDS]`` (a pinned host tensor: under unified addressing its host
+    address is valid on the device) and then store ``host_ptr[WORDS] = ticket``: the host spins on that word for its
+    call's ticket instead of a device-to-host copy + event + synchronize (one program calls this, after its own
+    status stores). Compiled, a system-scope fence orders the words before the ticket for the host's reads; the
+    interpreter runs stores in program order. WORDS <= 16. Idea: DeepEP's host-mapped receive counter
+    (``moe_recv_counter_mapped``, its normal-mode dispatch layout)."""
+    tl.debug_barrier()
+    o = tl.arange(0, 16)
+    v = tl.load(status_ptr + o, mask=o < WORDS, other=0, volatile=True)
+    tl.store(host_ptr + o, v, mask=o < WORDS)
+    tl.debug_barrier()
+    if HAS_TIMER:  # compiled for the GPU (the interpreter has no inline asm)
+        tl.inline_asm_elementwise("fence.sc.sys;\n mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
+                                  pack=1)
+    tl.store(host_ptr + WORDS, ticket.to(tl.int64))

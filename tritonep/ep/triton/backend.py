@@ -42,6 +42,7 @@ from ..validate import check_expert_ids
 from .calls import RAW, KernelSet
 from .decode import DecodePath
 from .launch import Launcher
+from .host_status import HostStatus
 from .outputs import ST_HOST, DispatchOutputs, HandleLayout
 from .regions import regions
 
@@ -83,6 +84,10 @@ class TritonEP(DispatchOutputs, DecodePath):
         if self.device.type == "cuda":
             self._st_host = torch.empty(ST_HOST, dtype=torch.int64, pin_memory=True)
             self._st_event = torch.cuda.Event()
+        # the decode dispatch publishes its status words + the call's ticket here (pinned: the kernel stores into it
+        # through unified addressing; CPU: the interpreter writes it directly): HostStatus.read spins on the ticket
+        self.st_mapped = torch.zeros(ST_HOST + 1, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        self.host_status = HostStatus(self.st_mapped, ST_HOST, self.rank, cfg.timeout_s)
         self._recent_idx: deque = deque(maxlen=4)  # the last dispatches' topk_idx: check() names a bad id by value
         self.hl = HandleLayout(cfg)
         self._no_rows = torch.empty(0, cfg.hidden, dtype=cfg.dtype, device=self.device)

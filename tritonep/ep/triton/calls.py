@@ -25,6 +25,7 @@ from ...kernels.dispatch_fused import dispatch_fused_kernel
 from ...kernels.layout import chunk_hist_kernel, exchange_kernel, exchange_tiles
 from ...wire.formats import get_wire
 from ..bound import BoundKernel
+from .outputs import ST_HOST
 
 __all__ = ["KernelSet", "RAW"]
 
@@ -143,10 +144,10 @@ class KernelSet:
                 Tmax=cfg.max_tokens_per_rank, NCmax=self.ncmax, E=cfg.num_experts, L=cfg.num_local_experts,
                 LB=_p2(cfg.num_local_experts), TB=_p2(cfg.max_tokens_per_rank),
                 BA=_p2(max(cfg.expert_alignment, 1)), A=cfg.expert_alignment, WIRE=ep.dwire, KEEP_Q=kq, COPY=True,
-                **self._common, **self._ck),
+                host_st_ptr=ep.st_mapped, HOST_ST=ST_HOST, **self._common, **self._ck),
                 dyn=("x_ptr", "topk_idx_ptr", "topk_w_ptr", "rows_ptr", "T", "host_bad", "nrows_w", "out_ptr",
                      "out_w_ptr", "hmeta_ptr", "hwts_ptr", "hntok_ptr", "ntpe_ptr", "offs_ptr", "counts_out_ptr",
-                     "q_ptr", "s_ptr", "idx_out_ptr", "w_out_ptr"))
+                     "q_ptr", "s_ptr", "idx_out_ptr", "w_out_ptr", "ticket"))
         return self._get(("decode", kq), make)
 
     # ------------------------------------------------------------------------------------------------ combine

@@ -6,8 +6,9 @@ bound kernels, handle layout and :class:`tritonep.ep.triton.outputs.DispatchOutp
 * forward dispatch = ONE launch of :func:`tritonep.kernels.decode_dispatch.dispatch_decode_kernel` (counts exchange,
   layout, send, wait, expand, the handle's copy of the routing; it advances the call counters itself). The outputs
   are allocated for ``max_recv_tokens`` rows before the launch; with sync checks on (eager) the one host read of the
-  status word comes after the launch and the outputs are cut to the rows received (the same shapes and bits as the
-  two-kernel path); refused calls raise the same typed errors after the launch, on every rank.
+  status word waits for the launch to publish it into pinned host memory (:class:`tritonep.ep.triton.host_status.
+  HostStatus`: no device-to-host copy, no event) and the outputs are cut to the rows received (the same shapes and
+  bits as the two-kernel path); refused calls raise the same typed errors after the launch, on every rank.
 * weighted push combine = ONE launch of :func:`tritonep.kernels.decode_combine.combine_decode_kernel` (no torch op
   advances the combine counter first).
 
@@ -34,10 +35,15 @@ class DecodePath:
         # rows are known on the host only after the launch: allocate the capacity, cut to R after the host read
         # (the kernel zeroes out_w past the rows received: no memset before the launch)
         out, out_w, q, sc = self._alloc_out(max_recv, True, keep_quantized)
+        hs = self.host_status
+        ticket = hs.next_ticket()
         self.k.decode(q is not None)(x, topk_idx, topk_weights, v[i["rows"]], T, int(bad_input), max_recv, out,
                                      out_w, v[i["meta"]], v[i["wts"]], v[i["ntok"]], v[i["ntpe"]], v[i["offs"]],
-                                     v[i["counts"]], q, sc, v[i["idx"]], v[i["w"]])
-        st = self._read_status() if sync else None
+                                     v[i["counts"]], q, sc, v[i["idx"]], v[i["w"]], ticket)
+        st = None
+        if sync:
+            self.host_reads += 1
+            st = hs.read(ticket)  # published by the launch once the verdict is known: no copy, no event
         code, refused, R = self._verdict(st)
         if R is not None:
             out, out_w = (out if q is not None else out[:R]), out_w[:R]

@@ -47,6 +47,7 @@ import inspect
 import torch
 
 from . import recorder as _rec
+from .field_view import FieldView
 
 __all__ = ["BoundKernel", "bound_launch_enabled"]
 
@@ -170,7 +171,7 @@ class BoundKernel:
             raise TypeError(f"{self.name}: {len(dyn)} per-call values, bound for {len(self._pos)}: {self._dyn}")
         args = self._tmpl.copy()
         for p, v in zip(self._pos, dyn):
-            args[p] = v
+            args[p] = v.tensor() if v.__class__ is FieldView else v  # Triton's path gets tensors, never a FieldView
         return args
 
     # ------------------------------------------------------------------------------------------------ variants
@@ -284,7 +285,7 @@ def _spec_exprs(a: str, v, kp, ns: dict) -> tuple:
         return [], [f"{a}.__class__", a], a
     spec, align = not kp.do_not_specialize, not kp.do_not_specialize_on_alignment
     native = f"_spec(_b, {a}, {kp.is_const}, {spec}, {align})"
-    if isinstance(v, torch.Tensor):
+    if isinstance(v, (torch.Tensor, FieldView)):  # a FieldView: an address and a dtype, like a tensor here
         p = "p" + a[1:]
         return [f"{p} = {a}.data_ptr()"], [f"{a}.dtype"] + ([f"{p} & 15 == 0"] if spec and align else []), p
     if v is None:

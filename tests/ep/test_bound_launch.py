@@ -276,10 +276,22 @@ class _TritonKeyed:
         return run
 
     def warmup(self, *args, grid, **options):
+        """Like Triton's: compiled, binary not loaded (``function`` None until ``_init_handles``)."""
         key = self.key(args, options)
         self.compiled.setdefault(key, len(self.compiled))
         self.log.append(("warm", key, key))
-        return _KeyedCompiled(self, key)
+        return _UnloadedCompiled(self, key)
+
+
+class _UnloadedCompiled:
+    """A warm-up's CompiledKernel: ``function`` is None until ``_init_handles`` loads the binary."""
+
+    def __init__(self, kernel, key):
+        self._loaded = _KeyedCompiled(kernel, key)
+        self.run, self.packed_metadata, self.function = self._loaded.run, self._loaded.packed_metadata, None
+
+    def _init_handles(self):
+        self.function = self._loaded.function
 
 
 class _KeyedCompiled:

@@ -162,6 +162,12 @@ class BoundKernel:
         grid, vals = (self.grid, dyn) if self.grid is not None else (dyn[0], dyn[1:])
         compiled = self.kernel.warmup(*self._args(vals), grid=grid, **self.options)
         if self._fast and compiled is not None and not hasattr(compiled, "result"):  # not an async compile's future
+            init = getattr(compiled, "_init_handles", None)
+            if init is not None:
+                try:  # a warm-up leaves the binary unloaded (function None): load it now, as a first launch would
+                    init()
+                except Exception:  # noqa: BLE001 - a variant that cannot load (OutOfResources) raises at its
+                    return  # first real launch on Triton's path, as before
             self._remember(compiled, dyn)
 
     def _args(self, dyn) -> list:

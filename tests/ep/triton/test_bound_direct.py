@@ -8,6 +8,7 @@ through Triton's path (tensors materialised), round 2 launches every kernel dire
 rounds give the bits of the same calls on a buffer that never took the direct path.
 """
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -61,3 +62,35 @@ def test_triton_backend_launches_direct_from_field_addresses():
         assert r2 and all(k == "direct" for k, _ in r2), (rank, r2)  # round 2: every launch direct
         assert sorted(n for _, n in r2) == sorted(n for _, n in r1), (rank, r1, r2)
         assert {n for k, n in r1 if k == "jit"} == {n for _, n in r2}, (rank, r1)
+
+
+def _gpu_first_call(group, T):
+    from tests.ep.nccl.fake_gpu import count_paths
+    from tritonep.testing.harness import expected, make_calls, open_buffer, run_call
+
+    cfg = dict(E=256, H=7168, Tmax=T, K=8, backend="triton")
+    (c,) = make_calls(1, cfg, [T], [11])[0]
+    with count_paths() as counts:
+        buf = open_buffer(group, cfg)  # construction's dry run compiles AND binds every variant
+        first = run_call(buf, *c)
+        torch.cuda.synchronize()
+        n1 = dict(counts)
+        again = run_call(buf, *c)
+        torch.cuda.synchronize()
+    buf.close()
+    want = expected([c], cfg["E"], eos=[first["eo"]])[0]
+    return dict(first=n1, both=dict(counts), bad=[f for f in ("x", "w", "ntpe", "offs", "counts", "y")
+                                                  if not torch.equal(first[f].cpu(), want[f])],
+                same=all(torch.equal(first[f], again[f]) for f in ("x", "w", "y")))
+
+
+@pytest.mark.world1
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [128, 4096])
+def test_gpu_fresh_buffer_first_call_is_direct(gpu_world, T):
+    """One GPU, DeepSeek-V3 shape: the FIRST dispatch + combine of a fresh buffer launches every kernel on the
+    direct path (the dry run bound what it compiled: no kernel[grid]), equals the reference bit for bit, and the
+    second call gives the same bits. Times nothing."""
+    (res,) = gpu_world(1, _gpu_first_call, T)
+    assert res["first"]["calls"] > 0 and res["first"]["jit"] == 0, res
+    assert res["both"]["jit"] == 0 and not res["bad"] and res["same"], res

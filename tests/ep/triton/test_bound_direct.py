@@ -31,9 +31,13 @@ def _calls(buf, x, idx, w, gy):
     return res
 
 
-def _world(group, T):
+def _world(group, T, geometry):
+    import os
+
     from tritonep import EPBuffer
 
+    if geometry:
+        os.environ["TRITONEP_GEOMETRY"] = geometry
     rank = dist.get_rank(group)
     H = 64
     x, idx, w = make_rank_inputs(rank, T[rank], H, 8, 2, seed=7, mask_frac=0.2)
@@ -56,8 +60,18 @@ def _world(group, T):
     return rounds
 
 
-def test_triton_backend_launches_direct_from_field_addresses():
-    for rank, (r1, r2) in enumerate(run_cpu_world(2, _world, (12, 5), timeout_s=300)):
+@pytest.mark.parametrize("geometry,kernels", [
+    ("", {"chunk_hist_kernel", "exchange_kernel", "dispatch_send_kernel", "dispatch_expand_kernel",
+          "combine_partial_kernel", "combine_out_kernel"}),
+    ("fs=1,fe=1,fc=1", {"chunk_hist_kernel", "exchange_kernel", "dispatch_fused_kernel", "combine_fused_kernel",
+                        "combine_partial_kernel", "combine_out_kernel", "dispatch_send_kernel",
+                        "dispatch_expand_kernel"}),
+    ("dec=2", {"dispatch_decode_kernel", "combine_decode_kernel", "combine_partial_kernel", "combine_out_kernel",
+               "dispatch_send_kernel", "dispatch_expand_kernel"})], ids=["two-kernel", "fused", "decode"])
+def test_triton_backend_launches_direct_from_field_addresses(geometry, kernels):
+    res = run_cpu_world(2, _world, (12, 5), geometry, timeout_s=300)
+    assert {n for _, n in res[0][1]} == kernels  # each geometry's kernels (the backwards: send, expand, partial, out)
+    for rank, (r1, r2) in enumerate(res):
         assert "stale" not in {k for k, _ in r1 + r2}, (rank, r1, r2)
         assert r2 and all(k == "direct" for k, _ in r2), (rank, r2)  # round 2: every launch direct
         assert sorted(n for _, n in r2) == sorted(n for _, n in r1), (rank, r1, r2)

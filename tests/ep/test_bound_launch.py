@@ -89,7 +89,9 @@ class _Kernel:
         return run
 
     def warmup(self, *args, grid, **options):
+        """Triton's warm-up: compile this variant (no launch) and return it."""
         self.warm.append((grid, args, options))
+        return self.compiled.setdefault(self._variant(args), _Compiled(self.log, len(self.compiled), self.scratch))
 
 
 class _Launcher:
@@ -273,6 +275,24 @@ class _TritonKeyed:
             return _KeyedCompiled(self, key)
         return run
 
+    def warmup(self, *args, grid, **options):
+        """Like Triton's: compiled, binary not loaded (``function`` None until ``_init_handles``)."""
+        key = self.key(args, options)
+        self.compiled.setdefault(key, len(self.compiled))
+        self.log.append(("warm", key, key))
+        return _UnloadedCompiled(self, key)
+
+
+class _UnloadedCompiled:
+    """A warm-up's CompiledKernel: ``function`` is None until ``_init_handles`` loads the binary."""
+
+    def __init__(self, kernel, key):
+        self._loaded = _KeyedCompiled(kernel, key)
+        self.run, self.packed_metadata, self.function = self._loaded.run, self._loaded.packed_metadata, None
+
+    def _init_handles(self):
+        self.function = self._loaded.function
+
 
 class _KeyedCompiled:
     def __init__(self, kernel, key):
@@ -332,3 +352,83 @@ def test_per_call_values_never_launch_a_stale_variant(gpu_like):
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
     assert launch(calls[1]) == "c" and launch(calls[2]) == "c"  # hook gone: direct again, right variants
+
+
+def test_warmup_binds_the_direct_path(gpu_like):
+    """The owner's dry run (``launcher._warmup``) compiles AND binds: the first real call with the warm-up's
+    specialisation launches directly (no ``kernel[grid]``), one with another specialisation (a 4-byte aligned view,
+    another T kind) still goes through Triton's path once and is bound then."""
+    k = _TritonKeyed()
+    lau = _Launcher("cuda:0")
+    bk = BoundKernel(lau, k, None, dict(num_warps=4), dyn=("x_ptr", "idx_ptr", "out_ptr", "T", "n", "BLOCK"),
+                     record=False)
+    base = torch.zeros(80, dtype=torch.bfloat16)
+    x, i64, out = base[:64], torch.zeros(16, dtype=torch.int64), torch.zeros(64)
+    lau._warmup = True
+    bk((3,), x, i64, out, 128, 32, 16)  # the dry run's dummy values: T = max tokens, n a multiple of 16
+    lau._warmup = False
+    assert [e[0] for e in k.log] == ["warm"]
+
+    def launch(c):
+        k.last = (c[0], bk._args(c[1:]))
+        bk(*c)
+        kind, ran, want = k.log[-1]
+        assert ran == want
+        return kind
+
+    # real calls: other T (do_not_specialize), other tensors of the same dtype and alignment, other n % 16 == 0
+    assert launch(((3,), torch.ones(64, dtype=torch.bfloat16), i64, torch.ones(64), 7, 48, 16)) == "c"
+    assert launch(((3,), base[2:66], i64, out, 7, 32, 16)) == "triton"  # 4-byte aligned x: a new variant
+    assert launch(((3,), base[2:66], i64, out, 9, 32, 16)) == "c"
+    assert launch(((3,), x, i64, out, 7, 1, 16)) == "triton"  # n == 1: Triton makes it a constexpr
+    assert launch(((3,), x, i64, out, 7, 17, 16)) == "triton"  # n % 16 != 0
+    assert launch(((3,), x, i64, out, 7, 33, 16)) == "c"
+    assert [e[0] for e in k.log].count("triton") == 3
+
+
+class _OneParam:
+    """``_one(v)`` with the given flags: what ``key_of`` makes of one per-call value."""
+
+    def __init__(self, constexpr=False, spec=True, align=True, const=False):
+        from triton.backends.compiler import GPUTarget
+        from triton.backends.nvidia.compiler import CUDABackend
+
+        p = type("P", (), dict(name="v", is_constexpr=constexpr, is_const=const, do_not_specialize=not spec,
+                               do_not_specialize_on_alignment=not align))()
+        self.fn, self.params = (lambda v: None), [p]
+        self.fn.__name__ = "_one"
+        self.device_caches = {0: (None, None, None, CUDABackend(GPUTarget("cuda", 90, 32)), None)}
+
+
+@pytest.mark.parametrize("spec,align,const", [(True, True, False), (True, False, False), (False, True, False),
+                                              (True, True, True)])
+def test_key_is_exactly_tritons_specialisation(gpu_like, spec, align, const):
+    """Two values share a ``key_of`` exactly when ``native_specialize_impl`` (Triton's binder) gives them the same
+    specialisation, for ints across every range and residue Triton tells apart, bools and floats (first bound
+    value an int), and for tensors of several dtypes and alignments (first bound value a tensor)."""
+    from triton.runtime.jit import native_specialize_impl
+
+    ints = [0, 1, 2, 15, 16, 17, -1, -16, 2**31 - 16, 2**31 - 1, 2**31, 2**32, 2**63 - 16, 2**63, 2**64 - 1,
+            -2**31, -2**31 - 1, -2**31 - 16, -2**63, True, False, 1.0, 16.0]
+    base = torch.zeros(64, dtype=torch.float32)
+    tensors = [base, base[1:], base[4:], base[2:].view(torch.float16), base.view(torch.bfloat16)[1:],
+               base.view(torch.int32), base.view(torch.int32)[3:]]
+    for first, values in ((5, ints), (base, tensors)):
+        k = _OneParam(spec=spec, align=align, const=const)
+        bk = BoundKernel(_Launcher("cuda:0"), k, (1,), {}, dyn=("v",))
+        bk._bind((first,))
+        b = k.device_caches[0][3]
+        for u in values:
+            for v in values:
+                same_triton = native_specialize_impl(b, u, const, spec, align) == \
+                    native_specialize_impl(b, v, const, spec, align)
+                assert (bk.key_of((u,)) == bk.key_of((v,))) == same_triton, (u, v)
+    kc = _OneParam(constexpr=True)
+    bkc = BoundKernel(_Launcher("cuda:0"), kc, (1,), {}, dyn=("v",))
+    bkc._bind((4,))
+    assert bkc.key_of((4,)) != bkc.key_of((True,)) and bkc.key_of((1,)) != bkc.key_of((True,))
+    assert bkc.key_of((4,)) == bkc.key_of((4,)) and bkc.key_of((4,)) != bkc.key_of((5,))
+    kn = _OneParam()
+    bkn = BoundKernel(_Launcher("cuda:0"), kn, (1,), {}, dyn=("v",))
+    bkn._bind((None,))
+    assert bkn.key_of((None,)) is not None and bkn.key_of((base,)) is None  # another kind: Triton's path

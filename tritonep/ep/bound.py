@@ -14,19 +14,26 @@ How a bound kernel launches:
 
 * recorder / precompile: like :class:`tritonep.ep.triton.launch.Launcher` (the protocol recorder sees
   ``("launch", name, grid)`` unless the kernel was bound with ``record=False``; inside ``Launcher.precompile`` the
-  kernel is compiled, not run).
-* CPU (interpreter) and the first launch of each variant on the GPU: ``kernel[grid](*args, **options)``, Triton's
-  own path.
+  kernel is compiled, not run, and on the GPU the compiled variant is bound for the direct path at once: the
+  owner's dry run at construction makes the first real call of a fresh buffer direct when its values specialise
+  like the dry run's).
+* CPU (interpreter) and the first launch of each variant not bound by a dry run on the GPU: ``kernel[grid](*args,
+  **options)``, Triton's own path; the variant it compiled is then bound.
 * later GPU launches (``TRITONEP_FAST_LAUNCH=1``, the default): the compiled kernel's C launcher is called
-  directly with the static tensors already turned into device addresses (Python ints: no ``data_ptr()`` call and
-  no ``cuPointerGetAttribute`` per argument), the current raw stream, and the per-call values. The variant is
-  picked by Triton's own specialisation of the per-call values only (``native_specialize_impl``: dtype and
-  16-byte alignment of tensors, ``== 1`` / ``% 16`` of ints that are specialised; a constexpr by its value), because
-  the static ones never change (the grid is not part of a variant: Triton compiles without it). A kernel that needs
-  Triton's global or profile scratch, or a launch while a Triton launch hook is installed (a profiler), takes
+  directly with the static tensors already turned into device addresses (Python ints, literals in the launch's
+  generated source: no ``data_ptr()`` call and no ``cuPointerGetAttribute`` per argument), the current raw stream,
+  and the per-call values. The variant is picked by a key of the per-call values only, computed by one function
+  generated at the first binding (:meth:`BoundKernel._bind`, the same source for binding and look-up), exactly as
+  fine as Triton's own specialisation (``native_specialize_impl``: dtype and 16-byte alignment of tensors, the
+  address computed once and also passed to the launch; ``== 1`` / ``% 16`` and the int32 range of ints that are
+  specialised; a constexpr by its type and value; see :func:`_spec_exprs`), because the static ones never change
+  (the grid is not part of a variant: Triton compiles without it). A kernel that needs Triton's global or profile
+  scratch, a per-call value of another kind than at binding (e.g. a tensor where None was), or a launch while a
+  Triton launch hook is installed (a profiler; checked by identity and emptiness of Triton's two hook chains), takes
   Triton's own path; with no hook installed Triton hands its launcher its empty hook chains and their metadata,
   which do nothing, so the direct call passes None for both. The arguments handed to the C launcher are exactly those
-  :meth:`triton.compiler.CompiledKernel.__getitem__`'s runner hands it (``tests/ep/test_bound_launch.py``).
+  :meth:`triton.compiler.CompiledKernel.__getitem__`'s runner hands it (``tests/ep/test_bound_launch.py``). Host
+  cost of the direct path without a GPU: ``benchmarks/bound_overhead.py``.
 
 Idea: the "call the compiled kernel's launcher directly" pattern of vLLM's ``CachedKernel`` (vllm PR #34838:
 8.68 -> 4.51 us per launch) and helion PR #3004 (``CompiledKernel.run`` floor ~5.6 us), applied with the static
@@ -40,6 +47,7 @@ import inspect
 import torch
 
 from . import recorder as _rec
+from .field_view import FieldView
 
 __all__ = ["BoundKernel", "bound_launch_enabled"]
 
@@ -120,12 +128,9 @@ class BoundKernel:
         self._dyn = tuple(dyn)
         self._grid3 = None if grid is None else tuple(self.grid) + (1,) * (3 - len(self.grid))
         self._fast = bound_launch_enabled(launcher.device)
-        self._variants: dict = {}  # specialisation of the per-call values -> (launch, function, metadata, coop, pdl)
-        self._int_tmpl = None  # the static arguments as device addresses (after the first compile)
-        self._spec = None  # per-call parameter -> (is_const, specialize, align) for native_specialize_impl; ()
-        # for a constexpr, whose value itself selects the variant
-        self._backend = None
-        self._specialize = None  # triton's native_specialize_impl, looked up once with the first variant
+        self._variants: dict = {}  # variant key of the per-call values -> (launch, function, metadata, coop, pdl)
+        self._keyof = self._direct = None  # built with the first bound variant (_bind)
+        self._src = ""  # their source (for reading and tests)
         self._dev = launcher.device.index if launcher.device.index is not None else 0
 
     def _check_grid(self, grid):
@@ -137,35 +142,32 @@ class BoundKernel:
 
     # ------------------------------------------------------------------------------------------------ launch
     def __call__(self, *dyn):
-        grid = self.grid
-        if grid is None:  # per-call grid: the first value
-            grid, dyn = dyn[0], dyn[1:]
-            if self._cap:
-                self._check_grid(grid)
-        lau = self._launcher
-        if lau._warmup:
-            args = self._args(dyn)
-            self.kernel.warmup(*args, grid=grid, **self.options)
-            return
+        if self.grid is None and self._cap:  # per-call grid: the first value
+            self._check_grid(dyn[0])
+        if self._launcher._warmup:
+            return self._warm(dyn)
         if self._record and _rec._RECORDER is not None:
-            _rec._RECORDER(("launch", self.name, tuple(grid)))
+            _rec._RECORDER(("launch", self.name, tuple(dyn[0] if self.grid is None else self.grid)))
+        direct = self._direct
+        if direct is not None and direct(dyn):
+            return
+        grid, vals = (self.grid, dyn) if self.grid is not None else (dyn[0], dyn[1:])
+        compiled = self.kernel[grid](*self._args(vals), **self.options)
         if self._fast:
-            ent = self._variants.get(self._key(dyn)) if self._spec is not None else None
-            if ent is not None:
-                if _hooks_idle():
-                    args = self._int_tmpl.copy()
-                    for p, v in zip(self._pos, dyn):
-                        args[p] = v.data_ptr() if isinstance(v, torch.Tensor) else v
-                    launch, function, meta, coop, pdl = ent
-                    g = self._grid3
-                    if g is None:
-                        n = len(grid)
-                        g = (grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1)
-                    launch(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(self._dev), function, coop, pdl,
-                           None, None, meta, None, None, None, *args)
-                    return
-        compiled = self.kernel[grid](*self._args(dyn), **self.options)
-        if self._fast:
+            self._remember(compiled, dyn)
+
+    def _warm(self, dyn):
+        """Precompile (the owner's dry run): compile this call's variant and bind it for the direct path, so the
+        first real call with the same specialisation already launches directly."""
+        grid, vals = (self.grid, dyn) if self.grid is not None else (dyn[0], dyn[1:])
+        compiled = self.kernel.warmup(*self._args(vals), grid=grid, **self.options)
+        if self._fast and compiled is not None and not hasattr(compiled, "result"):  # not an async compile's future
+            init = getattr(compiled, "_init_handles", None)
+            if init is not None:
+                try:  # a warm-up leaves the binary unloaded (function None): load it now, as a first launch would
+                    init()
+                except Exception:  # noqa: BLE001 - a variant that cannot load (OutOfResources) raises at its
+                    return  # first real launch on Triton's path, as before
             self._remember(compiled, dyn)
 
     def _args(self, dyn) -> list:
@@ -175,32 +177,127 @@ class BoundKernel:
             raise TypeError(f"{self.name}: {len(dyn)} per-call values, bound for {len(self._pos)}: {self._dyn}")
         args = self._tmpl.copy()
         for p, v in zip(self._pos, dyn):
-            args[p] = v
+            args[p] = v.tensor() if v.__class__ is FieldView else v  # Triton's path gets tensors, never a FieldView
         return args
 
     # ------------------------------------------------------------------------------------------------ variants
-    def _key(self, dyn) -> tuple:
-        """Triton's own specialisation of the per-call values (what selects the compiled variant)."""
-        b, spec = self._backend, self._specialize
-        return tuple(spec(b, v, *f) if f else v for v, f in zip(dyn, self._spec))
-
     def _remember(self, compiled, dyn):
-        """After Triton's own launch: bind the compiled variant for the direct path (when it allows one)."""
+        """After Triton's own launch or a warm-up compile: bind the compiled variant for the direct path (when it
+        allows one), under the key :meth:`key_of` gives for this call's values (``dyn``: what the call was given,
+        the grid first when it is per-call)."""
         run = getattr(compiled, "run", None)
         launch = getattr(run, "launch", None)
         if launch is None or getattr(run, "global_scratch_size", 0) or getattr(run, "profile_scratch_size", 0):
             return  # scratch buffers are allocated by Triton's Python launcher: keep its path
-        if self._spec is None:
-            from triton.runtime.jit import native_specialize_impl
+        if self._keyof is None:
+            self._bind(dyn)
+        try:
+            key = self._keyof(dyn)
+        except _MISSES:  # values of another kind than at binding (e.g. a tensor where None was): Triton's path
+            return
+        self._variants[key] = (launch, compiled.function, compiled.packed_metadata, run.launch_cooperative_grid,
+                               run.launch_pdl)
 
-            self._specialize = native_specialize_impl
-            kp = self.kernel.params
-            # a constexpr is its value (Triton's binder: ("constexpr", value)); () marks one
-            self._spec = tuple(() if kp[p].is_constexpr else (kp[p].is_const, not kp[p].do_not_specialize,
-                                                                not kp[p].do_not_specialize_on_alignment)
-                               for p in self._pos)
-            device = self._dev
-            self._backend = self.kernel.device_caches[device][3]
-            self._int_tmpl = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in self._tmpl]
-        self._variants[self._key(dyn)] = (launch, compiled.function, compiled.packed_metadata,
-                                          run.launch_cooperative_grid, run.launch_pdl)
+    def key_of(self, dyn) -> tuple | None:
+        """The variant key of a call's values (``dyn`` as the call passes them), or None before the first variant
+        was bound or for values the direct path does not take (then Triton's own path runs). Two calls share a key
+        only if Triton's binder gives them the same specialisation (see :func:`_spec_exprs`)."""
+        if self._keyof is None:
+            return None
+        try:
+            return self._keyof(dyn)
+        except _MISSES:
+            return None
+
+    def _bind(self, dyn):
+        """Build, once, the two functions of the direct path from one source: ``keyof(dyn)`` (the variant key) and
+        ``direct(dyn)`` (key, look-up, launch; False when the call must take Triton's path). The kind of every
+        per-call value (tensor, Python int, None, other) is taken from this first bound call; a later value of
+        another kind fails a guard and takes Triton's path (correct, not fast)."""
+        from triton import knobs
+        from triton.runtime.jit import native_specialize_impl
+
+        kp = self.kernel.params
+        ns = {"_spec": native_specialize_impl, "_b": self.kernel.device_caches[self._dev][3], "_Other": _Other,
+              "_get": self._variants.get, "_idle": _hooks_idle, "_stream": torch._C._cuda_getCurrentRawStream,
+              "_MISSES": _MISSES}
+        rt = knobs.runtime
+        e, x = rt.launch_enter_hook, rt.launch_exit_hook
+        if hasattr(e, "calls") and hasattr(x, "calls"):  # the empty HookChains: identity + emptiness, no call
+            ns.update(_rt=rt, _E=e, _X=x, _Ec=e.calls, _Xc=x.calls)
+            idle = "(_rt.launch_enter_hook is _E and _rt.launch_exit_hook is _X and not _Ec and not _Xc or _idle())"
+        else:
+            idle = "_idle()"
+        vals = dyn if self.grid is not None else dyn[1:]
+        names = [f"a{j}" for j in range(len(vals))]
+        unpack = ", ".join(([] if self.grid is not None else ["g"]) + names)
+        stmts, key, cargs = [f"{unpack}, = d"] if unpack else [], [], {}
+        for j, (pos, v) in enumerate(zip(self._pos, vals)):
+            s, k, c = _spec_exprs(f"a{j}", v, kp[pos], ns)
+            stmts += s
+            key += k
+            cargs[pos] = c
+        args = []
+        for pos, v in enumerate(self._tmpl):
+            if pos in cargs:
+                args.append(cargs[pos])
+            else:
+                args.append(_literal(v.data_ptr() if isinstance(v, torch.Tensor) else v, f"_s{pos}", ns))
+        if self.grid is not None:
+            gx, gy, gz = (str(int(v)) for v in self._grid3)
+        else:
+            stmts += ["n = len(g)", "gx = g[0]", "gy = g[1] if n > 1 else 1", "gz = g[2] if n > 2 else 1"]
+            gx, gy, gz = "gx", "gy", "gz"
+        keyx = "(" + "".join(f"{k}, " for k in key) + ")"
+        body = "\n".join("        " + st for st in stmts or ["pass"])
+        src = (f"def keyof(d):\n    if True:\n{body}\n    return {keyx}\n\n"
+               f"def direct(d):\n    try:\n{body}\n        ent = _get({keyx})\n    except _MISSES:\n        return False\n"
+               f"    if ent is None or not {idle}:\n        return False\n"
+               f"    launch, function, meta, coop, pdl = ent\n"
+               f"    launch({gx}, {gy}, {gz}, _stream({self._dev}), function, coop, pdl, None, None, meta, None, None, "
+               f"None, {', '.join(args)})\n    return True\n")
+        exec(compile(src, f"<BoundKernel {self.name}>", "exec"), ns)
+        self._keyof, self._direct, self._src = ns["keyof"], ns["direct"], src
+
+
+class _Other(Exception):
+    """A per-call value of another kind than at binding (the direct path's guard)."""
+
+
+_MISSES = (_Other, AttributeError, TypeError, ValueError)
+
+
+def _literal(v, name: str, ns: dict) -> str:
+    """Source text of a static argument: an int / bool / None literal, else a name bound in ``ns``."""
+    if v is None or type(v) in (int, bool):
+        return repr(v)
+    ns[name] = v
+    return name
+
+
+def _spec_exprs(a: str, v, kp, ns: dict) -> tuple:
+    """``(statements, key parts, C-launcher argument)`` for per-call value ``a`` of parameter ``kp``, by the kind
+    of its first bound value ``v``. The key parts are exactly as fine as Triton's binder (``native_specialize_impl``
+    with the parameter's ``is_const`` / ``do_not_specialize`` / ``do_not_specialize_on_alignment``), or finer:
+
+    * constexpr parameter: ``(type, value)`` (Triton: the value);
+    * tensor: ``dtype`` and, when specialised on alignment, ``data_ptr & 15 == 0`` (Triton: ``*dtype`` and "D"),
+      the address computed once, also the argument the launch passes;
+    * Python int in int32 range: 0, or with specialisation ``1`` for 1 (Triton makes it a constexpr) and, with
+      alignment, ``16`` for multiples of 16 ("D"); any other int (other range, bool) Triton's own tuple;
+    * None: guarded (another kind raises ``_Other``: Triton's path); anything else: Triton's own tuple.
+    """
+    if kp.is_constexpr:
+        return [], [f"{a}.__class__", a], a
+    spec, align = not kp.do_not_specialize, not kp.do_not_specialize_on_alignment
+    native = f"_spec(_b, {a}, {kp.is_const}, {spec}, {align})"
+    if isinstance(v, (torch.Tensor, FieldView)):  # a FieldView: an address and a dtype, like a tensor here
+        p = "p" + a[1:]
+        return [f"{p} = {a}.data_ptr()"], [f"{a}.dtype"] + ([f"{p} & 15 == 0"] if spec and align else []), p
+    if v is None:
+        return [f"if {a} is not None: raise _Other"], [], a
+    if type(v) is int:
+        cls = "(1 if {a} == 1 else 16 if not {a} & 15 else 0)" if spec and align else \
+            "(1 if {a} == 1 else 0)" if spec else "0"
+        return [], [f"{cls.format(a=a)} if {a}.__class__ is int and -2147483648 <= {a} <= 2147483647 else {native}"], a
+    return [], [native], a

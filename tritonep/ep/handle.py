@@ -53,8 +53,9 @@ class DispatchHandle:
 class TritonHandle(DispatchHandle):
     """Handle of the triton backend: the receiver side of the symmetric-memory protocol, in ONE allocation.
 
-    ``store`` is the call's int32 storage block; ``views`` its per-field views (1-D, made once at dispatch by one
-    ``split``; the layout is the backend's static :class:`tritonep.ep.triton.outputs.HandleLayout`). Fields, as
+    ``store`` is the call's int32 storage block; ``views`` its fields as :class:`tritonep.ep.field_view.FieldView` s
+    (an address and a dtype each; the tensor view is built on first read and cached; the layout is the backend's
+    static :class:`tritonep.ep.triton.outputs.HandleLayout`). Fields, as
     properties: ``meta [W, Tmax, K]`` int32 (row of route (src, t, k) here, -1 if elsewhere), ``wts [W, Tmax, K]``
     float32 (its weight), ``ntok [W]`` int32 (tokens of every source), ``rows``, ``counts``, ``topk_idx`` (int32,
     the handle's sanitized copy), ``topk_weights`` (float32 copy), and ``ntpe`` / ``offs`` (the dispatch's

@@ -1,5 +1,5 @@
-"""Handles as :class:`tritonep.ep.triton.outputs.HandleLayout` cuts them (one int32 block per dispatch, one
-``split_with_sizes``): handles of different T alive at once, each kept across later dispatches of the same buffer.
+"""Handles as :class:`tritonep.ep.triton.outputs.HandleLayout` cuts them (one int32 block per dispatch, its fields
+:class:`tritonep.ep.field_view.FieldView` s whose tensors are built on first read): handles of different T alive at once, each kept across later dispatches of the same buffer.
 
 The caller refills its routing tensors in place after every dispatch and combines the calls in reverse order (the
 first one last, after three later dispatches, and twice): every combine must equal the reference of its own call's
@@ -33,6 +33,10 @@ def _check_views(h, T, cfg, W):
         if name != "offs" and v.numel():  # (an empty view's data_ptr() is 0)
             assert (v.data_ptr() - base) % 256 == 0, (name, v.data_ptr() - base)
     assert h.offs.data_ptr() == h.ntpe.data_ptr() + 4 * L  # side by side: one [2L] view serves both
+    for fv in h.views:  # what the direct launch path passes: the address and dtype of the tensor a reader gets
+        t = fv.tensor()
+        assert (fv.data_ptr(), fv.dtype) == (t.data_ptr(), t.dtype) and t.dim() == 1, fv
+        assert fv.tensor() is t  # built once
 
 
 def _world(group, backend):

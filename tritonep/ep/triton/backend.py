@@ -5,7 +5,8 @@ answers ``EPBuffer.required_bytes``). Everything the static configuration (:clas
 decides is computed once at construction: region views, pointer tables, the handle storage layout
 (:class:`tritonep.ep.triton.outputs.HandleLayout`) and every kernel launch with its static arguments
 (:class:`tritonep.ep.triton.calls.KernelSet`). A call validates nothing the front door did not, allocates its
-handle storage (one tensor) and outputs, launches, and returns views.
+handle storage (one tensor, whose fields reach the kernels as addresses: :class:`tritonep.ep.field_view.FieldView`)
+and outputs, launches, and returns views.
 
 Call sequence of a dispatch (all on the current stream, no host sync except the one optional status read after the
 counts exchange, see ``sync``):
@@ -73,6 +74,7 @@ class TritonEP(DispatchOutputs, DecodePath):
         self.buf = get_heap(group, self.device).allocate(regions(cfg))
         b = self.buf
         self.flags, self.status, self.calls = b.local("flags"), b.local("status"), b.local("calls")
+        self._st_view = self.status[:ST_HOST]  # what the one host read of a dispatch copies (a view made once)
         self.hist, self.pre = b.local("hist"), b.local("pre")
         self.send_base, self.rows_needed = b.local("send_base"), b.local("rows_needed")
         self.tab = {n: b.ptr_table(n) for n in ("flags", "counts", "ntok", "meta", "wts", "wback", "stage",
@@ -160,7 +162,7 @@ class TritonEP(DispatchOutputs, DecodePath):
         launch of a two-kernel dispatch) is queued after the copy and before the host waits."""
         self.host_reads += 1
         if self.device.type == "cuda":
-            self._st_host.copy_(self.status[:ST_HOST], non_blocking=True)
+            self._st_host.copy_(self._st_view, non_blocking=True)
             self._st_event.record()
             if before is not None:
                 before()
@@ -168,7 +170,7 @@ class TritonEP(DispatchOutputs, DecodePath):
             return self._st_host.tolist()
         if before is not None:
             before()
-        return self.status[:ST_HOST].tolist()
+        return self._st_view.tolist()
 
     # ---------------------------------------------------------------------------------------------- construction
     def _precompile(self, group):

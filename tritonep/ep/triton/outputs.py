@@ -1,9 +1,10 @@
 """Host-side pieces of a forward dispatch shared by every path of the triton backend (two kernels, fused, decode).
 
 * :class:`HandleLayout`: the static layout of one call's handle storage (routing copy, rows, receiver metadata,
-  counts snapshot, segment sizes and offsets): ONE int32 allocation per dispatch, cut into 1-D views by one
-  ``split_with_sizes`` (float fields reinterpreted), every field 256-byte aligned so the kernels' 16-byte pointer
-  specialisation never changes between calls.
+  counts snapshot, segment sizes and offsets): ONE int32 allocation per dispatch whose fields are
+  :class:`tritonep.ep.field_view.FieldView` s (an address and a dtype; the tensor view is built only when Triton's
+  own launch path or a reader needs it: no ``split_with_sizes`` per call, ~17 us of GPU-host time before), every
+  field 256-byte aligned so the kernels' 16-byte pointer specialisation never changes between calls.
 * :class:`DispatchOutputs` (a mixin of :class:`tritonep.ep.triton.backend.TritonEP`): the outputs' allocation, the
   verdict of the one host read of a dispatch's status word, and a refused call's typed error after its launches
   (docs/protocols.md, host protocol rule: every rank launches anyway).
@@ -15,6 +16,7 @@ import torch
 
 from ...errors import PeerTimeoutError
 from ...kernels import protocol as P
+from ..field_view import FieldView
 from ..handle import TritonHandle
 from ..status import STATUS_BAD_INPUT, STATUS_CAPACITY, bad_ranks, raise_for_status
 from ..validate import check_expert_ids
@@ -44,34 +46,27 @@ class HandleLayout:
         self.sizes_real = dict(idx=Tm * K, w=Tm * K, rows=Tm * K, meta=W * Tm * K, wts=W * Tm * K, ntok=W, ntpe=L,
                                offs=L, counts=W * E)
         self.names = tuple(self.sizes_real)
-        # exact-size field views with a padding piece after each (so every field starts 256-byte aligned and a
-        # field's view needs no slicing): the field of name n is views[2 * position]
-        self.index = {n: 2 * i for i, n in enumerate(self.names)}
-        self.split_sizes = []
+        # every field starts on a 256-byte boundary (a padding gap after it), except that offs follows ntpe with no
+        # gap (one [2L] view serves callers that want both in one tensor: tritonep.ep.ops, an op's outputs may not
+        # alias each other); the field of name n is views[index[n]]
+        self.index = {n: i for i, n in enumerate(self.names)}
+        self.fields, start = [], 0
         for n in self.names:
             size = self.sizes_real[n]
-            # ntpe and offs side by side (no padding between): one [2L] view serves callers that want both in one
-            # tensor (tritonep.ep.ops: an op's outputs may not alias each other)
-            pad = 0 if n == "ntpe" else -(-(size + (self.sizes_real["ntpe"] if n == "offs" else 0)) // _ALIGN) \
-                * _ALIGN - size - (self.sizes_real["ntpe"] if n == "offs" else 0)
-            self.split_sizes += [size, pad]
-        self.numel = sum(self.split_sizes)
+            self.fields.append((start, size, torch.float32 if n in self.FLOAT else torch.int32))
+            start = start + size if n == "ntpe" else -(-(start + size) // _ALIGN) * _ALIGN
+        self.numel = start
         self.K, self.W, self.E, self.Tm = K, W, E, Tm
-        self._float = tuple(self.index[n] for n in self.FLOAT)
 
     def new(self, device) -> tuple:
-        """``(store, views)`` of a new call: one allocation, one split, the float fields reinterpreted."""
+        """``(store, views)`` of a new call: one allocation; ``views`` a tuple of :class:`FieldView` (no tensor op)."""
         store = torch.empty(self.numel, dtype=torch.int32, device=device)
-        # the C++ method directly: Tensor.split is a Python wrapper around the same op (same views; ~2 of ~10 us
-        # saved per call on the CPU host, 18 pieces; benchmarks/host_cost.py measures it on the GPU host)
-        views = list(store.split_with_sizes(self.split_sizes))
-        for i in self._float:
-            views[i] = views[i].view(torch.float32)
-        return store, tuple(views)
+        base = store.data_ptr()
+        return store, tuple([FieldView(store, base, s, n, dt) for s, n, dt in self.fields])
 
     def shaped(self, views: tuple, name: str, num_tokens: int) -> torch.Tensor:
         """Field ``name`` of a call's views with its logical shape (``[T, K]`` for the per-token fields)."""
-        v = views[self.index[name]]
+        v = views[self.index[name]].tensor()
         K, W, Tm = self.K, self.W, self.Tm
         if name in ("idx", "w", "rows"):
             return v[:num_tokens * K].view(num_tokens, K)
@@ -130,4 +125,4 @@ class DispatchOutputs:
         handle = TritonHandle(store=store, views=views, layout=self.hl, num_tokens=T, num_recv_rows=R, x_scales=sc,
                               recv_weights=out_w, buffer_id=self.buffer_id)
         i = self.hl.index
-        return (out if q is None else q), out_w, views[i["ntpe"]], views[i["offs"]], handle
+        return (out if q is None else q), out_w, views[i["ntpe"]].tensor(), views[i["offs"]].tensor(), handle

@@ -166,6 +166,13 @@ def select_geometry(device_type: str, world_size: int, hidden: int, max_tokens_p
             # two kernels vs 470 us fused 64/64; world 1 on one H200: fp8 346 vs 550 us, mxfp4 363 vs 663 us,
             # benchmarks/results/ep_bench_h200x1_w1_split_2026-12-01.json)
             g = replace(g, fused_send=40, fused_expand=88)
+        if max_tokens_per_rank <= DECODE_MAX_TOKENS:
+            # the one-launch decode paths (one dispatch launch, one combine launch) for small batches: an eager call
+            # is host-bound and one launch costs what one of the four launches of the two-kernel dispatch costs.
+            # DeepSeek-V3 shape, 128 tokens, world 1 on one H200 (benchmarks/results/*session5*): graph replay
+            # dispatch 18.0 us (two kernels 20.2), combine 15.2 (14.2); eager host: launch_probe.py
+            # (one token per tile up to 128 tokens: every program gets a chunk of every source at any world size)
+            g = replace(g, decode=grid, bt=min(bt, triton.next_power_of_2(triton.cdiv(max_tokens_per_rank, 128))))
         if big and cap and wire == "fp8":
             # an SM-capped fp8 dispatch is bound by its quantizing sender's compute: 16 warps (+ the expander's
             # next-tile prefetch) at 24 SMs, world 1 on one H200: 1071 -> 781 us, kept 687 -> 595 us (bf16 gains

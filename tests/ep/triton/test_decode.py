@@ -25,7 +25,13 @@ from tritonep.testing.harness import BF16, check_script, diff, expected, expert,
 
 def test_decode_geometry():
     os.environ.pop("TRITONEP_GEOMETRY", None)
-    assert select_geometry("cuda", 2, 7168, 128, 8).decode == 0  # opt-in until measured on the GPU
+    # the default for small batches on the GPU (measured, tritonep/ep/geometry.py); dec=0 turns it off; CPU: off
+    assert select_geometry("cuda", 2, 7168, 128, 8).decode == 128
+    assert select_geometry("cuda", 1, 7168, 256, 8).decode == 128
+    assert select_geometry("cuda", 2, 7168, DECODE_MAX_TOKENS + 1, 8).decode == 0
+    assert select_geometry("cpu", 2, 64, 16, 2).decode == 0
+    os.environ["TRITONEP_GEOMETRY"] = "dec=0"
+    assert select_geometry("cuda", 2, 7168, 128, 8).decode == 0
     os.environ["TRITONEP_GEOMETRY"] = "bt=1,dec=200"
     try:
         g = select_geometry("cuda", 2, 7168, 128, 8)

@@ -46,7 +46,7 @@ def _real_rows(ntpe, offs, nrows):
 def _world(group, A, sync_free, geometry, monkeypatch_torch=True):
     rank = dist.get_rank(group)
     set_env(TRITONEP_GEOMETRY=geometry)
-    buf = tep.EPBuffer(group, E, H, TM, K, expert_alignment=A)
+    buf = tep.EPBuffer(group, E, H, TM, K, expert_alignment=A, timeout_s=20.0)
     set_env(TRITONEP_GEOMETRY=None)
     x, idx, w = make_rank_inputs(rank, TOKENS[rank], H, E, K, seed=21, mask_frac=0.15)
     d = buf.dispatch(x, idx, w, sync_free=sync_free)
@@ -60,15 +60,20 @@ def _world(group, A, sync_free, geometry, monkeypatch_torch=True):
     backend_module.torch = _PoisonedTorch()
     try:
         g_eo, g_w = buf.combine_backward(gy, eo, d.handle)
+        # the next dispatch-like calls pair with this one's acks (its expand may run another grid than the forward's)
+        d2 = buf.dispatch(x, idx, w, sync_free=sync_free)
+        again = buf.combine_backward(gy, eo, d2.handle)
     finally:
         backend_module.torch = orig
     total = int(d.expert_offsets[-1])
     buf.close()
+    assert torch.equal(again[0].view(torch.int16), g_eo.view(torch.int16)) and torch.equal(again[1], g_w)
     return dict(x=x, idx=idx, w=w, gy=gy, eo=eo, g_eo=g_eo, g_w=g_w, total=total)
 
 
 @pytest.mark.parametrize("A,sync_free,geometry", [(4, False, None), (4, True, None), (1, False, None),
-                                                  (8, False, "bbt=2,bwarps=2"), (4, True, "bt=4,bbt=1,grid=3")])
+                                                  (8, False, "bbt=2,bwarps=2"), (4, True, "bt=4,bbt=1,grid=3,bgrid=5"),
+                                                  (1, False, "bt=2,fs=2,fe=3"), (4, False, "grid=3,bgrid=1")])
 def test_combine_backward_writes_every_row(A, sync_free, geometry):
     res = run_cpu_world(2, _world, A, sync_free, geometry, timeout_s=240)
     W = len(res)

@@ -33,7 +33,7 @@ import triton.language as tl
 from .common import RowTile, cast_rne, chunk_index, widen
 from .protocol import (CALL_DISPATCH, DONE_EXPAND_BWD, FLAG_ACK, FLAG_DATA, ST_SKIP_CALL, STATUS_TIMEOUT, WAIT_ACK,
                        WAIT_DATA)
-from .signal import advance_on_last, signal_peers, wait_all_ge, wait_ge
+from .signal import ack_on_last, signal_peers, wait_all_ge, wait_ge
 from .wirecodec import RAW_BF16, wire_copy_raw, wire_encode, wire_load, wire_store_encoded, wire_to
 
 
@@ -321,7 +321,7 @@ def dispatch_expand_kernel(x_ptr, stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_pt
                            BA: tl.constexpr, A: tl.constexpr, SCALE: tl.constexpr, DOT: tl.constexpr,
                            KEEP_HANDLE: tl.constexpr, HAS_TIMER: tl.constexpr, RB: tl.constexpr = 0,
                            WIRE: tl.constexpr = RAW_BF16, KEEP_Q: tl.constexpr = False, q_ptr=None, s_ptr=None,
-                           PF: tl.constexpr = False, ADV: tl.constexpr = 0, nrows=0):
+                           PF: tl.constexpr = False, ADV: tl.constexpr = 0, nrows=0, GA: tl.constexpr = 0):
     """Receive side of a dispatch: wait for every source, scatter staged rows into the expert-grouped output.
 
     ``x_ptr``: the ``[T, H]`` input the send kernel of this call read on this rank (``x`` forward, ``grad_y`` for
@@ -334,7 +334,8 @@ def dispatch_expand_kernel(x_ptr, stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_pt
     combine backward) writes every one of its ``nrows`` output rows (:func:`zero_unwritten`: padding and the rows
     past the layout's end are zero), so its outputs need no zero fill. Then acks every source.
     PF: prefetch the next hidden tile of each source row (:func:`expand_item`). ``ADV``: as
-    :func:`dispatch_send_kernel`; this kernel's last program advances ``calls[CALL_DISPATCH]``.
+    :func:`dispatch_send_kernel`; this kernel's last program advances ``calls[CALL_DISPATCH]`` and acks every source
+    once for ``GA`` programs (the senders wait for ``grid_expand`` acks per call), so its grid may differ.
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
@@ -359,6 +360,7 @@ def dispatch_expand_kernel(x_ptr, stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_pt
     elif A > 1:
         if skip == 0:  # a refused call's segments may exceed the rows allocated: write nothing
             zero_padding(pid, G, io, ntpe_ptr, offs_ptr, tile, L, BA, KEEP_Q)
-    signal_peers(flags_tab, ack_off, W, RANK, WB)
-    if ADV:
-        advance_on_last(calls_ptr, DONE_EXPAND_BWD, CALL_DISPATCH, n)
+    if ADV:  # its own grid: the last program acks every source for GA programs (the forward's grid_expand)
+        ack_on_last(calls_ptr, DONE_EXPAND_BWD, CALL_DISPATCH, n, flags_tab, ack_off, GA, W, RANK, WB)
+    else:
+        signal_peers(flags_tab, ack_off, W, RANK, WB)

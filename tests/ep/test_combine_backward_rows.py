@@ -17,8 +17,10 @@ from tritonep.testing import run_cpu_world
 from tritonep.testing.cases import make_rank_inputs
 from tritonep.testing.harness import set_env
 
-E, H, TM, K = 8, 64, 16, 3
-TOKENS = [11, 6]
+CPU = dict(E=8, H=64, Tmax=16, K=3, T=[11, 6])
+# the GPU table's large-batch geometry (select_geometry, >= 1024 tokens: backward tile 8 x 32 warps, its grid the
+# forward's 40 + 88 fused programs while the senders count 88 acks); BH 1024
+GPU = dict(E=32, H=2048, Tmax=1024, K=8, T=[1000, 333, 1024, 0])
 
 
 class _PoisonedTorch:
@@ -43,39 +45,61 @@ def _real_rows(ntpe, offs, nrows):
     return real
 
 
-def _world(group, A, sync_free, geometry, monkeypatch_torch=True):
+def _world(group, case, A, sync_free, geometry):
+    """Rank body: dispatch, the combine backward with poisoned allocations and NaN in the expert output's padding /
+    tail rows, then the same again on a new dispatch (the acks of the first pair with the next calls); host copies."""
     rank = dist.get_rank(group)
+    E, H, K = case["E"], case["H"], case["K"]
+    T = case["T"][rank % len(case["T"])]
     set_env(TRITONEP_GEOMETRY=geometry)
-    buf = tep.EPBuffer(group, E, H, TM, K, expert_alignment=A, timeout_s=20.0)
+    buf = tep.EPBuffer(group, E, H, case["Tmax"], K, expert_alignment=A, timeout_s=60.0)
     set_env(TRITONEP_GEOMETRY=None)
-    x, idx, w = make_rank_inputs(rank, TOKENS[rank], H, E, K, seed=21, mask_frac=0.15)
-    d = buf.dispatch(x, idx, w, sync_free=sync_free)
+    dev = buf.device
+    x, idx, w = make_rank_inputs(rank, T, H, E, K, seed=21, mask_frac=0.15)
+    d = buf.dispatch(x.to(dev), idx.to(dev), w.to(dev), sync_free=sync_free)
     R = buf.max_recv_tokens  # longer than the layout: rows past offs[-1] must come back zero
-    real = _real_rows(d.num_tokens_per_expert, d.expert_offsets, R)
-    eo = torch.full((R, H), math.nan, dtype=torch.bfloat16)
+    real = _real_rows(d.num_tokens_per_expert.cpu(), d.expert_offsets.cpu(), R).to(dev)
+    eo = torch.full((R, H), math.nan, dtype=torch.bfloat16, device=dev)
     n = d.x.shape[0]
     eo[:n][real[:n]] = (d.x[real[:n]].float() * 0.5 + 1.0).to(torch.bfloat16)
-    gy = torch.randn(TOKENS[rank], H, generator=torch.Generator().manual_seed(7 + rank)).to(torch.bfloat16)
+    gy = torch.randn(T, H, generator=torch.Generator().manual_seed(7 + rank)).to(torch.bfloat16).to(dev)
     orig = backend_module.torch
     backend_module.torch = _PoisonedTorch()
     try:
         g_eo, g_w = buf.combine_backward(gy, eo, d.handle)
         # the next dispatch-like calls pair with this one's acks (its expand may run another grid than the forward's)
-        d2 = buf.dispatch(x, idx, w, sync_free=sync_free)
+        d2 = buf.dispatch(x.to(dev), idx.to(dev), w.to(dev), sync_free=sync_free)
         again = buf.combine_backward(gy, eo, d2.handle)
     finally:
         backend_module.torch = orig
     total = int(d.expert_offsets[-1])
     buf.close()
     assert torch.equal(again[0].view(torch.int16), g_eo.view(torch.int16)) and torch.equal(again[1], g_w)
-    return dict(x=x, idx=idx, w=w, gy=gy, eo=eo, g_eo=g_eo, g_w=g_w, total=total)
+    return dict(x=x, idx=idx, w=w, gy=gy.cpu(), eo=eo.cpu(), g_eo=g_eo.cpu(), g_w=g_w.cpu(), total=total)
 
 
 @pytest.mark.parametrize("A,sync_free,geometry", [(4, False, None), (4, True, None), (1, False, None),
                                                   (8, False, "bbt=2,bwarps=2"), (4, True, "bt=4,bbt=1,grid=3,bgrid=5"),
                                                   (1, False, "bt=2,fs=2,fe=3"), (4, False, "grid=3,bgrid=1")])
 def test_combine_backward_writes_every_row(A, sync_free, geometry):
-    res = run_cpu_world(2, _world, A, sync_free, geometry, timeout_s=240)
+    _check(CPU["E"], A, run_cpu_world(2, _world, CPU, A, sync_free, geometry, timeout_s=240))
+
+
+@pytest.mark.gpu
+@pytest.mark.world1
+@pytest.mark.parametrize("A,sync_free", [(16, False), (1, True)])
+def test_combine_backward_writes_every_row_gpu_w1(gpu_world, A, sync_free):
+    """The same on one GPU with the table's large-batch geometry (the lead's world-1 measurement's tile and grid)."""
+    _check(GPU["E"], A, gpu_world(1, _world, GPU, A, sync_free, None))
+
+
+@pytest.mark.gpu
+def test_combine_backward_writes_every_row_gpu(gpu_world, gpu_world_size):
+    _check(GPU["E"], 16, gpu_world(gpu_world_size, _world, GPU, 16, False, None))
+
+
+def _check(E, A, res):
+    """Every rank's rows against the twin (see the module docstring)."""
     W = len(res)
     ref = dispatch_reference([r["x"] for r in res], [r["idx"] for r in res], [r["w"] for r in res], E, W,
                              expert_alignment=A)

@@ -5,8 +5,8 @@ does on the host: torch calls from Python (each a few microseconds on a GPU mach
 and device->host reads. Launches and host reads must match exactly (the protocol and the eager budget: one read per
 synced dispatch, none elsewhere); torch calls and allocations may only go down (then lower the budget). Before the
 host-path rewrite (2026-12-01, same counter): dispatch 56 torch calls / 14 allocations, combine 16 / 2, dispatch
-backward 23 / 3, combine backward 43 / 8 (14 / 3 before its expand wrote the zero rows itself). The counts include ~6-12 cheap attribute reads (``x.shape``, ``x.device``)
-that the counter sees as torch calls.
+backward 23 / 3, combine backward 43 / 8 (14 / 3 before its expand wrote the zero rows itself). The counts include
+~6-12 cheap attribute reads (``x.shape``, ``x.device``) that the counter sees as torch calls.
 """
 
 import pytest

@@ -71,11 +71,13 @@ _OVERRIDE_FIELDS = ("bt", "bh", "warps", "grid", "combine", "fs", "fe", "fc", "d
                     "bwarps", "bgrid")
 
 # the combine backward's expand tile on the GPU, by the dispatch's token tile: (bbt, bwarps). Chosen by ptxas -v at
-# the DeepSeek-V3 shape (H 7168 -> BH 1024, top-8, bf16; tritonep.testing.compile_check.ptxas_usage, sm_90a): the
-# dispatch's tile 16 tokens x 8 warps uses 255 registers and spills 2956 / 2592 bytes (stores / loads), the K
-# expert-output tiles of the weight gradient being in flight at once; 8 x 32 warps (8 columns per thread, one 16-byte
-# load per route, the combine's tile) 59 registers, no spill; 4 x 8 255 / 0; 2 x 16 116 / 0; 1 x 4 64 / 0 (4 x 16 and
-# 2 x 8 spill 16 / 28 bytes). tests/kernels/test_compile_sm90.py keeps them spill-free.
+# the DeepSeek-V3 shape (H 7168 -> BH 1024, top-8, bf16, alignment 16; tritonep.testing.compile_check.ptxas_usage,
+# sm_90a), registers / spill bytes stored / loaded: the dispatch's tile 16 tokens x 8 warps 255 / 2956 / 2592 (the
+# K expert-output tiles of the weight gradient in flight at once; 32 / 8408 / 11388 with the in-kernel zeroing);
+# 8 x 32 warps (8 columns per thread, one 16-byte load per route, the combine's tile) 62 / 0 / 0; 4 x 8 255 / 0;
+# 2 x 16 117 / 0; 1 x 4 64 / 0 (8 x 16 spills 140 / 152, 4 x 16 20 / 28, 2 x 8 32 / 40). Not timed yet: the GPU
+# picks by TRITONEP_GEOMETRY=bbt=..,bwarps=..,bgrid=.. (benchmarks/eager_profile.py combine_bwd_*);
+# tests/kernels/test_compile_sm90.py keeps the table spill-free.
 _BWD_TILE = {16: (8, 32), 8: (8, 32), 4: (4, 8), 2: (2, 16), 1: (1, 4)}
 
 

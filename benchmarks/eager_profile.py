@@ -34,6 +34,11 @@ def profile_tokens(group, T, H=7168, E=256, K=8, iters=30, backend="triton"):
     x = torch.randn(T, H, generator=g).to(torch.bfloat16).to(dev)
     buf = tep.EPBuffer(group, E, H, T, K, backend=backend)
     out = dict(tokens=T, backend=backend)
+    if backend == "triton":  # the tiles and grids behind the numbers (TRITONEP_GEOMETRY overrides show here)
+        g = buf.geometry
+        out["geometry"] = (f"bt={g.bt},bh={g.bh},warps={g.num_warps},grid_send={g.grid_send},"
+                           f"grid_expand={g.grid_expand},fs={g.fused_send},fe={g.fused_expand},dec={g.decode},"
+                           f"cbt={g.cbt},cwarps={g.cwarps},bbt={g.bbt},bwarps={g.bwarps},bgrid={g.bgrid}")
     eo = buf.expert_out_buffer()
     eo.normal_()
     if backend == "triton":  # the nccl backend's eager path is what users run (its host read sizes the rows)

@@ -227,3 +227,42 @@ def test_nccl_kernels_compile_for_sm90():
     assert len(usage) == len(big) and not [u for u in usage if "error" in u], usage
     spilled = [u for u in usage if u["spill_stores"] or u["spill_loads"]]
     assert not spilled, spilled
+
+
+def _backward_tile_paths(group, tokens):
+    """The combine backward at the DeepSeek-V3 shape (H 7168, 256 experts, top-8, alignment 16) with the GPU table's
+    geometry for ``tokens`` per rank (its bbt / bwarps tile, select_geometry), world 1."""
+    from tritonep.ep.geometry import select_geometry
+
+    g = select_geometry("cuda", 1, 7168, tokens, 8)
+    geo = f"bt={g.bt},bh={g.bh},warps={g.num_warps},cbt={g.cbt},cwarps={g.cwarps},bbt={g.bbt},bwarps={g.bwarps}"
+    recs = []
+    os.environ["TRITONEP_GEOMETRY"] = geo
+    try:
+        with record_launches(recs):
+            b = tep.EPBuffer(group, 256, 7168, 16, 8, expert_alignment=16)
+            x, i, w = make_rank_inputs(0, 9, 7168, 256, 8, seed=8)
+            d = b.dispatch(x, i, w)
+            b.combine_backward(x, d.x, d.handle)
+            b.dispatch_backward(d.x, d.weights, d.handle)
+            b.close()
+    finally:
+        del os.environ["TRITONEP_GEOMETRY"]
+    return recs, (g.bbt, g.bwarps)
+
+
+@pytest.mark.parametrize("tokens", [4096, 128])
+def test_backward_tiles_do_not_spill_for_sm90(tokens):
+    """The combine backward's expand (SCALE + DOT: K expert-output tiles in flight for the weight gradient) in the
+    GPU table's own backward tile (Geometry.bbt / bwarps) uses no spill memory at the DeepSeek-V3 shape (ptxas -v;
+    the dispatch's 16-token x 8-warp tile spilled 2956 / 2592 bytes, 255 registers); the dispatch backward's
+    kernels neither."""
+    recs, (bbt, bwarps) = run_cpu_world(1, _backward_tile_paths, tokens, timeout_s=300)[0]
+    bwd = [r for r in recs if r.get("name") == "dispatch_expand_kernel" and r["constexprs"].get("DOT")]
+    assert bwd and all(r["constexprs"]["BT"] == bbt and r["options"]["num_warps"] == bwarps for r in bwd), bwd
+    wgrad = [r for r in recs if r.get("constexprs", {}).get("SEND_WGRAD") or r.get("constexprs", {}).get("RECV_WGRAD")]
+    assert len(wgrad) == 2, [r.get("name") for r in recs]
+    usage = usage_recorded([dict(r, constexprs=dict(r["constexprs"], HAS_TIMER=True)) for r in bwd + wgrad])
+    assert len(usage) == 3 and not [u for u in usage if "error" in u], usage
+    spilled = [u for u in usage if u["spill_stores"] or u["spill_loads"]]
+    assert not spilled, spilled

@@ -39,6 +39,11 @@ class Geometry:
     ``num_warps``): the combine gathers K expert rows per token, so its tile is sized by the K loads one thread
     keeps in flight, not by the dispatch's tile (:func:`select_geometry` resolves both to non-zero values).
     prefetch: the dispatch expander loads the next hidden tile of a source row before storing the current one.
+    bbt / bwarps / bgrid: token tile, warps and grid of the combine backward's expand (0 = ``bt`` / ``num_warps`` /
+    every program of the forward dispatch: ``fused_send + fused_expand`` when fused, else ``grid_expand``; its last
+    program acknowledges the sources for ``grid_expand`` programs, so the grid is free): per route it loads an
+    expert-output tile next to the source tile for the weight gradient, so its tile is sized so that no registers
+    spill (:func:`select_geometry` resolves all three to non-zero values).
     """
 
     bt: int
@@ -57,9 +62,23 @@ class Geometry:
     cbt: int = 0
     cwarps: int = 0
     prefetch: bool = False
+    bbt: int = 0
+    bwarps: int = 0
+    bgrid: int = 0
 
 
-_OVERRIDE_FIELDS = ("bt", "bh", "warps", "grid", "combine", "fs", "fe", "fc", "dec", "cbt", "cwarps", "pf")
+_OVERRIDE_FIELDS = ("bt", "bh", "warps", "grid", "combine", "fs", "fe", "fc", "dec", "cbt", "cwarps", "pf", "bbt",
+                    "bwarps", "bgrid")
+
+# the combine backward's expand tile on the GPU, by the dispatch's token tile: (bbt, bwarps). Chosen by ptxas -v at
+# the DeepSeek-V3 shape (H 7168 -> BH 1024, top-8, bf16, alignment 16; tritonep.testing.compile_check.ptxas_usage,
+# sm_90a), registers / spill bytes stored / loaded: the dispatch's tile 16 tokens x 8 warps 255 / 2956 / 2592 (the
+# K expert-output tiles of the weight gradient in flight at once; 32 / 8408 / 11388 with the in-kernel zeroing);
+# 8 x 32 warps (8 columns per thread, one 16-byte load per route, the combine's tile) 62 / 0 / 0; 4 x 8 255 / 0;
+# 2 x 16 117 / 0; 1 x 4 64 / 0 (8 x 16 spills 140 / 152, 4 x 16 20 / 28, 2 x 8 32 / 40). Not timed yet: the GPU
+# picks by TRITONEP_GEOMETRY=bbt=..,bwarps=..,bgrid=.. (benchmarks/eager_profile.py combine_bwd_*);
+# tests/kernels/test_compile_sm90.py keeps the table spill-free.
+_BWD_TILE = {16: (8, 32), 8: (8, 32), 4: (4, 8), 2: (2, 16), 1: (1, 4)}
 
 
 def _apply_override(g: Geometry, text: str) -> Geometry:
@@ -70,13 +89,13 @@ def _apply_override(g: Geometry, text: str) -> Geometry:
     (``dec=0`` turns them off).
 
     Raises ConfigError naming the bad entry: unknown field, a value that is not a positive power of two (bt, bh,
-    warps, cbt, cwarps), a grid < 1, or a combine kind other than push/pull.
+    warps, cbt, cwarps, bbt, bwarps), a grid or bgrid < 1, or a combine kind other than push/pull.
     """
     from ..errors import ConfigError
 
     f = dict(bt=g.bt, bh=g.bh, num_warps=g.num_warps, combine=g.combine, fused_send=g.fused_send,
              fused_expand=g.fused_expand, fused_combine=g.fused_combine, decode=g.decode, cbt=g.cbt,
-             cwarps=g.cwarps, prefetch=g.prefetch)
+             cwarps=g.cwarps, prefetch=g.prefetch, bbt=g.bbt, bwarps=g.bwarps, bgrid=g.bgrid)
     grid = None
     for item in filter(None, (p.strip() for p in text.split(","))):
         key, _, val = item.partition("=")
@@ -92,10 +111,13 @@ def _apply_override(g: Geometry, text: str) -> Geometry:
             v = int(val)
         except ValueError:
             raise ConfigError(f"TRITONEP_GEOMETRY entry {item!r}: {val!r} is not an integer") from None
-        if key == "grid":
+        if key in ("grid", "bgrid"):
             if v < 1:
-                raise ConfigError(f"TRITONEP_GEOMETRY entry {item!r}: grid must be >= 1")
-            grid = v
+                raise ConfigError(f"TRITONEP_GEOMETRY entry {item!r}: {key} must be >= 1")
+            if key == "grid":
+                grid = v
+            else:
+                f["bgrid"] = v
         elif key in ("fc", "pf"):
             if v not in (0, 1):
                 raise ConfigError(f"TRITONEP_GEOMETRY entry {item!r}: {key} must be 0 or 1")
@@ -124,7 +146,8 @@ def _apply_override(g: Geometry, text: str) -> Geometry:
     return Geometry(bt=f["bt"], bh=f["bh"], grid_hist=g.grid_hist, grid_send=gs[0], grid_expand=gs[1],
                     grid_partial=gs[2], grid_out=gs[3], num_warps=f["num_warps"], combine=f["combine"],
                     fused_send=f["fused_send"], fused_expand=f["fused_expand"], fused_combine=f["fused_combine"],
-                    decode=f["decode"], cbt=f["cbt"], cwarps=f["cwarps"], prefetch=f["prefetch"])
+                    decode=f["decode"], cbt=f["cbt"], cwarps=f["cwarps"], prefetch=f["prefetch"], bbt=f["bbt"],
+                    bwarps=f["bwarps"], bgrid=f["bgrid"])
 
 
 def select_geometry(device_type: str, world_size: int, hidden: int, max_tokens_per_rank: int, topk: int,
@@ -209,7 +232,14 @@ def select_geometry(device_type: str, world_size: int, hidden: int, max_tokens_p
     # (benchmarks/results/ep_bench_h200x1_w1_combine_tiles{,2}_2026-12-01.json)
     if device_type == "cuda" and max_tokens_per_rank >= 1024:
         g = replace(g, cbt=g.cbt or 8, cwarps=g.cwarps or 32)
-    return replace(g, cbt=g.cbt or g.bt, cwarps=g.cwarps or g.num_warps)
+    if device_type == "cuda" and g.bt in _BWD_TILE:
+        bbt, bwarps = _BWD_TILE[g.bt]
+        g = replace(g, bbt=g.bbt or bbt, bwarps=g.bwarps or bwarps)
+    # the backward expand's grid: every program the forward dispatch runs on (fused: both roles; 128 vs the 88
+    # expanders at >= 1024 tokens), within the caps
+    bgrid = g.bgrid or (g.fused_send + g.fused_expand if g.fused_send else g.grid_expand)
+    return replace(g, cbt=g.cbt or g.bt, cwarps=g.cwarps or g.num_warps, bbt=g.bbt or g.bt,
+                   bwarps=g.bwarps or g.num_warps, bgrid=min(bgrid, clip) if clip else bgrid)
 
 
 def _decode_grids(g: Geometry, max_tokens_per_rank: int, cap: int | None) -> Geometry:

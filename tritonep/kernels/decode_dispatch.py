@@ -188,6 +188,6 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
         if pid == 0:
             if skip == 0:  # a refused call's segments may exceed the rows allocated: write nothing
                 tl.debug_barrier()  # ntpe / offs were stored by this program's threads above
-                zero_padding(0, 1, expand_io, ntpe_ptr, offs_ptr, tile, L, BA, False, KEEP_Q)
+                zero_padding(0, 1, expand_io, ntpe_ptr, offs_ptr, tile, L, BA, KEEP_Q)
     finish_launch(calls_ptr, DONE_DECODE_DISPATCH, CALL_DISPATCH, n, CALL_EXCHANGE, nx, True, flags_tab, data_off,
                   ack_off, W, RANK, WB)

@@ -16,7 +16,10 @@ this rank wrote. With n = the dispatch-like call number (device memory), a send 
 * :func:`dispatch_expand_kernel`: waits for every source, then scatters each staged row (raw own rank: the input
   row, :func:`source_tile`) to its destination rows (one per route), writes the per-row weights, keeps a copy of
   the routing metadata for combine (the handle), and zeroes the alignment padding rows. Backward mode (``SCALE``/``DOT``) multiplies each row by its route weight and
-  computes ``dot(row, expert_out[row])`` for the weight gradient (the combine backward).
+  computes ``dot(row, expert_out[row])`` for the weight gradient (the combine backward); it also zeroes every row of
+  its outputs that no route writes (padding, rows past the layout's end: :func:`zero_unwritten`), so the combine
+  backward allocates them empty, and runs in its own token tile (``Geometry.bbt`` / ``bwarps``: the K expert-output
+  tiles it keeps in flight spill registers in the dispatch's).
 
 Twins: the whole dispatch is specified by :func:`tritonep.reference.dispatch_reference`; the row computation by
 :func:`tritonep.ep.layout.route_rows_torch`.
@@ -30,7 +33,7 @@ import triton.language as tl
 from .common import RowTile, cast_rne, chunk_index, widen
 from .protocol import (CALL_DISPATCH, DONE_EXPAND_BWD, FLAG_ACK, FLAG_DATA, ST_SKIP_CALL, STATUS_TIMEOUT, WAIT_ACK,
                        WAIT_DATA)
-from .signal import advance_on_last, signal_peers, wait_all_ge, wait_ge
+from .signal import ack_on_last, signal_peers, wait_all_ge, wait_ge
 from .wirecodec import RAW_BF16, wire_copy_raw, wire_encode, wire_load, wire_store_encoded, wire_to
 
 
@@ -168,7 +171,8 @@ def expand_item(src, c, Ts, skip, io, tile, SCALE: tl.constexpr, DOT: tl.constex
     if KEEP_HANDLE:
         tl.store(io.hmeta_ptr + off, rows, mask=m2)
         tl.store(io.hwts_ptr + off, w, mask=m2)
-    tl.store(io.out_w_ptr + rows, w, mask=rows >= 0)
+    if not DOT:  # the combine backward has no row weights to return (its out_w_ptr is gw_ptr)
+        tl.store(io.out_w_ptr + rows, w, mask=rows >= 0)
     has = tl.sum((rows >= 0).to(tl.int32), 1) > 0
     dots = tl.zeros((tile.BT, tile.KB), dtype=tl.float32)
     row_off = (src * io.Tmax + t).to(tl.int64) * tile.RB
@@ -223,10 +227,9 @@ def expand_arrived(src, c, n, skip, cflag_ptr, NCmax, status_ptr, timeout, io, t
 
 
 @triton.jit
-def zero_padding(pid, G, io, ntpe_ptr, offs_ptr, tile, L: tl.constexpr, BA: tl.constexpr, DOT: tl.constexpr,
-                 KEEP_Q: tl.constexpr):
-    """Zero the alignment padding rows of local expert segments ``pid, pid+G, ...`` (rows ``io.out_ptr``, weights
-    ``io.out_w_ptr``, and with DOT the weight grads ``io.gw_ptr``)."""
+def zero_padding(pid, G, io, ntpe_ptr, offs_ptr, tile, L: tl.constexpr, BA: tl.constexpr, KEEP_Q: tl.constexpr):
+    """Zero the alignment padding rows of local expert segments ``pid, pid+G, ...`` of a forward dispatch (rows
+    ``io.out_ptr``, weights ``io.out_w_ptr``; the combine backward zeroes its own with :func:`zero_unwritten`)."""
     h_off = tl.arange(0, tile.BH)
     a_off = tl.arange(0, BA)
     for j in range(pid, L, G):
@@ -236,14 +239,47 @@ def zero_padding(pid, G, io, ntpe_ptr, offs_ptr, tile, L: tl.constexpr, BA: tl.c
         r = real_end + a_off
         rm = r < end
         tl.store(io.out_w_ptr + r, tl.zeros((BA,), dtype=tl.float32), mask=rm)
-        if DOT:
-            tl.store(io.gw_ptr + r, tl.zeros((BA,), dtype=tl.float32), mask=rm)
         if KEEP_Q == 0:  # quantized outputs are allocated zeroed
             for h0 in range(0, tile.H, tile.BH):
                 h = h0 + h_off
                 tl.store(io.out_ptr + r[:, None].to(tl.int64) * tile.H + h[None, :],
                          tl.zeros((BA, tile.BH), dtype=io.out_ptr.dtype.element_ty),
                          mask=rm[:, None] & (h < tile.H)[None, :])
+
+
+@triton.jit
+def zero_rows(begin, end, part, parts, out_ptr, gw_ptr, tile):
+    """Zero rows ``[begin, end)`` of ``out_ptr`` (``[*, H]``) and ``gw_ptr`` (``[*]`` float32) in blocks of
+    ``tile.BT`` rows x ``tile.BH`` columns (the caller's own tile: no extra registers); this program takes blocks
+    ``part, part + parts, ...``. ``begin`` / ``end`` are runtime values (read on the device)."""
+    r_off = tl.arange(0, tile.BT)
+    h_off = tl.arange(0, tile.BH)
+    for r0 in range(begin + part * tile.BT, end, parts * tile.BT):
+        r = r0 + r_off
+        rm = r < end
+        tl.store(gw_ptr + r, tl.zeros((tile.BT,), dtype=tl.float32), mask=rm)
+        for h0 in range(0, tile.H, tile.BH):
+            h = h0 + h_off
+            tl.store(out_ptr + r[:, None].to(tl.int64) * tile.H + h[None, :],
+                     tl.zeros((tile.BT, tile.BH), dtype=out_ptr.dtype.element_ty),
+                     mask=rm[:, None] & (h < tile.H)[None, :])
+
+
+@triton.jit
+def zero_unwritten(pid, G, skip, nrows, out_ptr, gw_ptr, ntpe_ptr, offs_ptr, tile, L: tl.constexpr, A: tl.constexpr):
+    """The rows of the combine backward's ``[nrows, H]`` outputs that no route writes, zeroed in the same launch (no
+    memset of the whole output first): the alignment padding of every local expert segment (A > 1; segments
+    ``pid, pid+G, ...``), and the rows past the segments' end ``offs[L-1]`` -- every row when the call moves none
+    (``skip``: a timeout) -- in ``tile.BT``-row blocks spread over the grid. Rows at or past ``nrows`` are never
+    touched (a caller's ``expert_out`` shorter than the layout)."""
+    total = tl.load(offs_ptr + L - 1)
+    if A > 1:
+        if skip == 0:
+            for j in range(pid, L, G):
+                end = tl.minimum(tl.load(offs_ptr + j), nrows)
+                begin = tl.load(offs_ptr + j - 1, mask=j > 0, other=0)
+                zero_rows(begin + tl.load(ntpe_ptr + j), end, 0, 1, out_ptr, gw_ptr, tile)
+    zero_rows(tl.where(skip, 0, total), nrows, pid, G, out_ptr, gw_ptr, tile)
 
 
 @triton.jit(do_not_specialize=['T', 'NC', 'data_off', 'timeout', 'G_expand', 'Tmax'])
@@ -276,7 +312,7 @@ def dispatch_send_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, NC, pre_p
     signal_peers(flags_tab, data_off, W, RANK, WB)
 
 
-@triton.jit(do_not_specialize=['ack_off', 'timeout', 'G_send', 'Tmax', 'NCmax'])
+@triton.jit(do_not_specialize=['ack_off', 'timeout', 'G_send', 'Tmax', 'NCmax', 'nrows'])
 def dispatch_expand_kernel(x_ptr, stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_ptr, out_w_ptr, hmeta_ptr, hwts_ptr,
                            hntok_ptr, ntpe_ptr, offs_ptr, eo_ptr, gw_ptr,
                            flags_ptr, flags_tab, ack_off, calls_ptr, status_ptr, timeout, G_send, Tmax, NCmax,
@@ -285,7 +321,7 @@ def dispatch_expand_kernel(x_ptr, stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_pt
                            BA: tl.constexpr, A: tl.constexpr, SCALE: tl.constexpr, DOT: tl.constexpr,
                            KEEP_HANDLE: tl.constexpr, HAS_TIMER: tl.constexpr, RB: tl.constexpr = 0,
                            WIRE: tl.constexpr = RAW_BF16, KEEP_Q: tl.constexpr = False, q_ptr=None, s_ptr=None,
-                           PF: tl.constexpr = False, ADV: tl.constexpr = 0):
+                           PF: tl.constexpr = False, ADV: tl.constexpr = 0, nrows=0, GA: tl.constexpr = 0):
     """Receive side of a dispatch: wait for every source, scatter staged rows into the expert-grouped output.
 
     ``x_ptr``: the ``[T, H]`` input the send kernel of this call read on this rank (``x`` forward, ``grad_y`` for
@@ -293,10 +329,13 @@ def dispatch_expand_kernel(x_ptr, stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_pt
     stay alive and unchanged until this kernel ran (launched right after the send on the same stream).
 
     ``out[row]`` = decoded staged row for each route (SCALE: times its weight; KEEP_Q: copy payload + scales to
-    ``q_ptr``/``s_ptr``), ``out_w[row]`` = route weight, DOT: ``gw[row] = <staged row, eo[row]>``; KEEP_HANDLE
-    copies the routing metadata into the handle; A > 1 zeroes the alignment padding rows. Then acks every source.
+    ``q_ptr``/``s_ptr``), ``out_w[row]`` = route weight (not with DOT), DOT: ``gw[row] = <staged row, eo[row]>``;
+    KEEP_HANDLE copies the routing metadata into the handle; A > 1 zeroes the alignment padding rows. DOT (the
+    combine backward) writes every one of its ``nrows`` output rows (:func:`zero_unwritten`: padding and the rows
+    past the layout's end are zero), so its outputs need no zero fill. Then acks every source.
     PF: prefetch the next hidden tile of each source row (:func:`expand_item`). ``ADV``: as
-    :func:`dispatch_send_kernel`; this kernel's last program advances ``calls[CALL_DISPATCH]``.
+    :func:`dispatch_send_kernel`; this kernel's last program advances ``calls[CALL_DISPATCH]`` and acks every source
+    once for ``GA`` programs (the senders wait for ``grid_expand`` acks per call), so its grid may differ.
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
@@ -316,9 +355,12 @@ def dispatch_expand_kernel(x_ptr, stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_pt
         Ts = tl.load(ntok_ptr + src)
         if c * BT < Ts:
             expand_item(src, c, Ts, skip, io, tile, SCALE, DOT, KEEP_HANDLE, KEEP_Q, PF)
-    if A > 1:
+    if DOT:
+        zero_unwritten(pid, G, skip, nrows, out_ptr, gw_ptr, ntpe_ptr, offs_ptr, tile, L, A)
+    elif A > 1:
         if skip == 0:  # a refused call's segments may exceed the rows allocated: write nothing
-            zero_padding(pid, G, io, ntpe_ptr, offs_ptr, tile, L, BA, DOT, KEEP_Q)
-    signal_peers(flags_tab, ack_off, W, RANK, WB)
-    if ADV:
-        advance_on_last(calls_ptr, DONE_EXPAND_BWD, CALL_DISPATCH, n)
+            zero_padding(pid, G, io, ntpe_ptr, offs_ptr, tile, L, BA, KEEP_Q)
+    if ADV:  # its own grid: the last program acks every source for GA programs (the forward's grid_expand)
+        ack_on_last(calls_ptr, DONE_EXPAND_BWD, CALL_DISPATCH, n, flags_tab, ack_off, GA, W, RANK, WB)
+    else:
+        signal_peers(flags_tab, ack_off, W, RANK, WB)

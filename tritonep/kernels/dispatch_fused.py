@@ -80,5 +80,5 @@ def dispatch_fused_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, pre_ptr,
             expand_arrived(src, c, n, skip, cflag_ptr, NCmax, status_ptr, timeout, expand_io, tile, KEEP_Q, PF)
         if A > 1:
             if skip == 0:  # a refused call's segments may exceed the rows allocated: write nothing
-                zero_padding(e, GE, expand_io, ntpe_ptr, offs_ptr, tile, L, BA, False, KEEP_Q)
+                zero_padding(e, GE, expand_io, ntpe_ptr, offs_ptr, tile, L, BA, KEEP_Q)
         signal_peers(flags_tab, ack_off, W, RANK, WB)

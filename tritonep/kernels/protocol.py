@@ -24,7 +24,9 @@ advances the call counters, so no separate launch does. ``DONE_COMBINE_OUT`` / `
 ``DONE_EXPAND_BWD``: the same tickets for the last launch of a two-kernel combine, of a fused combine, and of a
 combine backward (send + expand): their last program advances ``CALL_COMBINE`` / ``CALL_DISPATCH`` (every program
 of the call read "counter + 1" as its number), so no host op advances a counter (one ticket counter per kernel:
-the modulo test needs one grid per counter).
+the modulo test needs one grid per counter). The combine backward's last expand program also adds the forward's
+``grid_expand`` to ``FLAG_ACK`` in every source at once (:func:`tritonep.kernels.signal.ack_on_last`), so that
+expand may run its own grid (``Geometry.bgrid``) while the senders keep counting ``grid_expand`` acks per call.
 
 Status word. ``status`` is int64 ``[STATUS_WORDS]`` (errors) plus ``ST_ROWS_RECEIVED`` after it (read with it in
 one device->host copy): ``[code, wait_id, peer, errors_seen, needed_rows, skip_call, bad_rank_mask, waited,

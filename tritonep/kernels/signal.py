@@ -207,6 +207,22 @@ def finish_launch(calls_ptr, DONE: tl.constexpr, CALL_A: tl.constexpr, a, CALL_B
 
 
 @triton.jit
+def ack_on_last(calls_ptr, DONE: tl.constexpr, CALL: tl.constexpr, value, flags_tab, off, count: tl.constexpr,
+                W: tl.constexpr, RANK: tl.constexpr, WB: tl.constexpr):
+    """:func:`advance_on_last`, and the last program adds ``count`` to the flag row at byte offset ``off`` (column
+    RANK) in every rank, once every program of the launch has finished: a per-program counter (``FLAG_ACK``) whose
+    waiters expect ``count`` programs per call from a launch of another grid (the combine backward's expand acks
+    as the forward's ``grid_expand`` programs). As :func:`finish_launch`: every program counts itself done after
+    its reads and stores (acq_rel), so the last one's release covers them."""
+    G = tl.num_programs(0)
+    tl.debug_barrier()
+    old = tl.atomic_add(calls_ptr + DONE, 1, sem="acq_rel", scope="gpu")
+    if old % G == G - 1:
+        tl.store(calls_ptr + CALL, value)
+        signal_peers(flags_tab, off, W, RANK, WB, tl.full((), count, tl.int64))
+
+
+@triton.jit
 def advance_on_last(calls_ptr, DONE: tl.constexpr, CALL: tl.constexpr, value):
     """Count this program done (``calls[DONE] += 1``, acq_rel); the last program of the launch stores
     ``calls[CALL] = value``. The call's kernels read "counter + 1" as their call number before this runs, and

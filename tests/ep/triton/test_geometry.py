@@ -67,3 +67,33 @@ def test_geometry_override_errors(monkeypatch):
         monkeypatch.setenv("TRITONEP_GEOMETRY", bad)
         with pytest.raises(ConfigError, match=what):
             select_geometry("cuda", 2, 7168, 128, 8)  # a shape whose table geometry is the two-kernel path
+
+
+def test_backward_expand_tile(monkeypatch):
+    """The combine backward's expand has its own tile (Geometry.bbt / bwarps, chosen spill-free by ptxas -v,
+    tests/kernels/test_compile_sm90.py): 8 tokens x 32 warps under the dispatch's 16-token tile, the decode tiles
+    kept; the CPU and an override follow the dispatch's unless set. Its grid (bgrid) is every program of the
+    forward dispatch (both fused roles), within the SM cap."""
+    from tritonep.ep.geometry import select_geometry
+
+    monkeypatch.delenv("TRITONEP_GEOMETRY", raising=False)
+    g = select_geometry("cuda", 1, 7168, 4096, 8)
+    assert (g.bt, g.num_warps, g.bbt, g.bwarps, g.grid_expand, g.bgrid) == (16, 8, 8, 32, 88, 128)
+    g = select_geometry("cuda", 1, 7168, 128, 8)
+    assert (g.bt, g.num_warps, g.bbt, g.bwarps, g.grid_expand, g.bgrid) == (1, 4, 1, 4, 128, 128)
+    g = select_geometry("cuda", 1, 7168, 4096, 8, num_sms=24)
+    assert (g.grid_expand, g.bgrid) == (24, 24)
+    assert (select_geometry("cuda", 2, 7168, 128, 8).bbt, select_geometry("cuda", 2, 7168, 128, 8).bwarps) == (2, 16)
+    g = select_geometry("cpu", 2, 96, 16, 3)
+    assert (g.bbt, g.bwarps, g.bgrid) == (g.bt, g.num_warps, g.grid_expand)
+    monkeypatch.setenv("TRITONEP_GEOMETRY", "bbt=4,bwarps=16,bgrid=64")
+    g = select_geometry("cuda", 1, 7168, 4096, 8)
+    assert (g.bt, g.bbt, g.bwarps, g.bgrid, g.grid_expand) == (16, 4, 16, 64, 88)
+    monkeypatch.setenv("TRITONEP_GEOMETRY", "bgrid=64")
+    assert select_geometry("cuda", 1, 7168, 4096, 8, num_sms=24).bgrid == 24  # the cap clips it
+    monkeypatch.setenv("TRITONEP_GEOMETRY", "bt=4")
+    assert select_geometry("cuda", 1, 7168, 4096, 8).bbt == 4  # the table's tile for the override's bt
+    for bad, what in (("bbt=3", "power of two"), ("bwarps=0", "power of two"), ("bgrid=0", "bgrid must be")):
+        monkeypatch.setenv("TRITONEP_GEOMETRY", bad)
+        with pytest.raises(ConfigError, match=what):
+            select_geometry("cuda", 1, 7168, 4096, 8)

@@ -5,7 +5,7 @@ does on the host: torch calls from Python (each a few microseconds on a GPU mach
 and device->host reads. Launches and host reads must match exactly (the protocol and the eager budget: one read per
 synced dispatch, none elsewhere); torch calls and allocations may only go down (then lower the budget). Before the
 host-path rewrite (2026-12-01, same counter): dispatch 56 torch calls / 14 allocations, combine 16 / 2, dispatch
-backward 23 / 3, combine backward 43 / 8. The counts include ~6-12 cheap attribute reads (``x.shape``, ``x.device``)
+backward 23 / 3, combine backward 43 / 8 (14 / 3 before its expand wrote the zero rows itself). The counts include ~6-12 cheap attribute reads (``x.shape``, ``x.device``)
 that the counter sees as torch calls. Aten ops (what reaches the dispatcher: allocations and views) may only go down
 too: 2026-12-02 the handle storage stopped being cut by ``split_with_sizes`` per call (its fields reach the kernels
 as :class:`tritonep.ep.field_view.FieldView` addresses) and the status read's view is made once: dispatch 9 -> 5
@@ -24,7 +24,7 @@ BUDGET = {
     "dispatch_sync_free": (21, 5, 3, 4, 0),  # rows + zeroed row weights, no read
     "combine": (9, 2, 1, 2, 0),  # the output; partial, out (the counter advances in the out kernel)
     "dispatch_bwd": (12, 2, 2, 2, 0),  # grad_x, grad_topk_weights
-    "combine_bwd": (14, 4, 3, 2, 0),  # grad rows (zeroed: padding rows), grad weights (zeroed), scratch; send, expand
+    "combine_bwd": (13, 3, 2, 2, 0),  # grad rows, grad weights (both empty: the expand writes every row); send, expand
 }
 
 

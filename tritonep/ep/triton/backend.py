@@ -294,15 +294,16 @@ class TritonEP(DispatchOutputs, DecodePath):
         if self.broken:
             self._check_usable()
         R, H, dev = expert_out.shape[0], self.cfg.hidden, self.device
-        g_eo = torch.zeros(R, H, dtype=self.cfg.dtype, device=dev)
-        g_w = torch.zeros(R, dtype=torch.float32, device=dev)
-        scratch = torch.empty(R, dtype=torch.float32, device=dev)
+        # no zero fill: the expand writes every row (routes; alignment padding and rows past the layout's end, read
+        # from the handle's segment sizes / offsets on the device, as zeros)
+        g_eo = torch.empty(R, H, dtype=self.cfg.dtype, device=dev)
+        g_w = torch.empty(R, dtype=torch.float32, device=dev)
         T = handle.num_tokens
         v, i, k = handle.views, self.hl.index, self.k
         # grad_y is held until the expand ran: it reads the own rank's rows from it (raw wire)
         k.send_bwd(grad_y, v[i["idx"]], v[i["w"]], v[i["rows"]], T, _cdiv(T, self.cfg.geometry.bt))
-        ntpe = v[i["ntpe"]]  # not written by this expand (KEEP_HANDLE off): any int32 [L] tensor
-        k.expand_bwd(grad_y, g_eo, scratch, v[i["meta"]], v[i["wts"]], v[i["ntok"]], ntpe, ntpe, expert_out, g_w)
+        k.expand_bwd(grad_y, g_eo, v[i["meta"]], v[i["wts"]], v[i["ntok"]], v[i["ntpe"]], v[i["offs"]], expert_out,
+                     g_w, g_w, R)
         self._eager_check("combine backward")
         return g_eo, g_w
 

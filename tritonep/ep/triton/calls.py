@@ -86,10 +86,16 @@ class KernelSet:
         self._expand_static = dict(stage_ptr=b.local("stage"), meta_ptr=b.local("meta"), wts_ptr=b.local("wts"),
                                    ntok_ptr=b.local("ntok"), ack_off=fo(P.FLAG_ACK), G_send=g.grid_send, Tmax=Tm,
                                    NCmax=self.ncmax, L=L, LB=_p2(L), PF=g.prefetch, **common, **ck)
-        self.expand_bwd = BoundKernel(self._lau, dispatch_expand_kernel, (g.grid_expand,), dict(
-            self._expand_static, BA=1, A=1, SCALE=True, DOT=True, KEEP_HANDLE=False, WIRE=RAW, KEEP_Q=False, ADV=1),
-            dyn=("x_ptr", "out_ptr", "out_w_ptr", "hmeta_ptr", "hwts_ptr", "hntok_ptr", "ntpe_ptr", "offs_ptr",
-                 "eo_ptr", "gw_ptr"))
+        # the combine backward's expand: its own tile and grid (Geometry.bbt / bwarps / bgrid: the weight gradient's
+        # expert-output loads spill registers in the dispatch's tile; its last program acks the sources for
+        # grid_expand programs); it zeroes the rows no route writes itself (padding, rows past the layout's end), so
+        # its outputs are allocated empty
+        self.expand_bwd = BoundKernel(self._lau, dispatch_expand_kernel, (g.bgrid,), dict(
+            self._expand_static, BT=g.bbt, num_warps=g.bwarps, NCmax=max(1, triton.cdiv(Tm, g.bbt)), PF=False,
+            GA=g.grid_expand,
+            BA=1, A=A, SCALE=True, DOT=True, KEEP_HANDLE=False, WIRE=RAW, KEEP_Q=False, ADV=1),
+            dyn=("x_ptr", "out_ptr", "hmeta_ptr", "hwts_ptr", "hntok_ptr", "ntpe_ptr", "offs_ptr", "eo_ptr",
+                 "gw_ptr", "out_w_ptr", "nrows"))
         self._cache: dict = {}
 
     def _get(self, key, make):

@@ -13,7 +13,8 @@ chunks of BT (chunk c = tokens ``[c*BT, c*BT + BT)``).
   ``send_base[e] + prefix[c, e] + (routes to e before it inside the chunk)`` and every route's packet slot
   ``dest_start[d] + prefix[c, E + d] + (packets to d of earlier tokens inside the chunk)``; writes ``rows`` and
   ``pkt`` ([T, K] int32, -1 for masked slots) and packs each packet once into its send row: the token's wire row
-  (one or two sources) and the meta (K rows, K ids, K weight bits, int32).
+  (one or two sources) and the meta (K rows, K ids, K weight bits, int32); it also copies ``topk_idx`` /
+  ``topk_weights`` into the dispatch handle's own tensors (no separate clone launches).
 
 Twins (the specification): :func:`tritonep.ep.nccl.route.count_row_torch` and
 :func:`tritonep.ep.nccl.route.pack_send_torch`. Plain local loads and stores and one local ticket: no signals, no
@@ -97,7 +98,8 @@ def route_count_kernel(idx_ptr, hist_ptr, row_ptr, ticket_ptr, T, refused, K: tl
 
 
 @triton.jit(do_not_specialize=["T", "HC"])
-def route_pack_kernel(idx_ptr, w_ptr, src0_ptr, src1_ptr, hist_ptr, small_ptr, rows_ptr, pkt_ptr, send_ptr, T, HC,
+def route_pack_kernel(idx_ptr, w_ptr, src0_ptr, src1_ptr, hist_ptr, small_ptr, rows_ptr, pkt_ptr, send_ptr,
+                      idx_copy_ptr, w_copy_ptr, T, HC,
                       K: tl.constexpr, KB: tl.constexpr, E: tl.constexpr, L: tl.constexpr, W: tl.constexpr,
                       BT: tl.constexpr, N0: tl.constexpr, ROW0: tl.constexpr, N1: tl.constexpr,
                       ROW1: tl.constexpr, COL1: tl.constexpr, META: tl.constexpr, ROW32: tl.constexpr,
@@ -110,7 +112,8 @@ def route_pack_kernel(idx_ptr, w_ptr, src0_ptr, src1_ptr, hist_ptr, small_ptr, r
     int32: ``send_base [E]`` then ``dest_start [W]`` (the host plan). Send row of packet s: ``src0[t, :N0]`` at
     element 0 (row stride ROW0 elements of src0's dtype), ``src1[t, :N1]`` at element COL1 (stride ROW1 of src1's
     dtype) when N1 > 0, and the int32 meta at int32 column META (stride ROW32): ``rows[t, :K] | topk_idx[t, :K] |
-    bits of topk_weights[t, :K]``.
+    bits of topk_weights[t, :K]``. Column 0 also stores the handle's own copy of the routing: ``idx_copy`` (the
+    ids as loaded, same dtype) and ``w_copy`` (the weights' bits), so a dispatch needs no separate clone of either.
     """
     C: tl.constexpr = E + W + 1
     R: tl.constexpr = BT * KB
@@ -132,6 +135,7 @@ def route_pack_kernel(idx_ptr, w_ptr, src0_ptr, src1_ptr, hist_ptr, small_ptr, r
         m2 = tm[:, None] & (k_off[None, :] < K)
         tk = t[:, None].to(tl.int64) * K + k_off[None, :]
         raw = tl.load(idx_ptr + tk, mask=m2, other=-1)
+        tl.store(idx_copy_ptr + tk, raw, mask=m2 & col0)
         valid = (raw >= 0) & (raw < E)
         ids = tl.where(valid, raw, -1).to(tl.int32)
         # destination rows: rank among the chunk's routes to the same expert by pairwise comparison
@@ -156,7 +160,9 @@ def route_pack_kernel(idx_ptr, w_ptr, src0_ptr, src1_ptr, hist_ptr, small_ptr, r
         slot = tl.where(valid, ds + pc + prank, -1)
         tl.store(pkt_ptr + tk, slot, mask=m2 & col0)
         # meta of every packet (written by its first route)
-        wbits = tl.load(w_ptr + tk, mask=m2, other=0.0).to(tl.int32, bitcast=True)
+        wv = tl.load(w_ptr + tk, mask=m2, other=0.0)
+        tl.store(w_copy_ptr + tk, wv, mask=m2 & col0)
+        wbits = wv.to(tl.int32, bitcast=True)
         raw32 = raw.to(tl.int32)
         fi = first.to(tl.int32)
         for k in tl.static_range(K):

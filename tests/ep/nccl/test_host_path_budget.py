@@ -20,7 +20,8 @@ buffers: 3 kernels, 2 collectives, 2 copies, 5 allocations. ``dispatch`` below i
 allocations its handle owns for combine and backward (per-route rows and packets, per-packet rows and weights; a
 handle must own them: two dispatches may be in flight before their combines) and its copy of the routing (issue
 25: a caller may refill its routing tensors in place after dispatch): 17 torch calls = 2 collectives, the
-device->host copy, 11 allocations (8 + the host->device copy + 2 routing clones), a split and a view of the plan
+device->host copy, 11 allocations (8 + the host->device copy + the 2 tensors of the routing copy, which the pack
+launch writes: no clone kernels), a split and a view of the plan
 vector, one shape read. Combine: the pipeline is ~9 torch ops (zeros, gather, float, mul, index_add_, cast, collective,
 zero_, index_add_); here 2 launches, 1 collective, 3 allocations (the send and receive rows and the output).
 
@@ -38,15 +39,15 @@ from tritonep.testing import run_cpu_world
 
 # call -> (torch calls, allocations, launches, host reads): world 2, bf16, expert_alignment 1, tokens on both ranks
 BUDGET = {
-    "dispatch": (17, 11, 3, 1),  # 8 empties + the plan copy + the handle's own routing (2 clones); all_gather,
-    # device->host copy, split, view, a2a
+    "dispatch": (17, 11, 3, 1),  # 8 empties + the plan copy + the handle's own routing (2 empty_like, written by
+    # the pack launch); all_gather, device->host copy, split, view, a2a
     "combine": (4, 3, 2, 0),  # send, back, y; a2a
     "dispatch_bwd": (7, 4, 2, 0),  # + the weight gradients; contiguous() of the autograd gradients (2)
     "combine_bwd": (6, 4, 2, 0),  # send, recv, grad_expert_out, grad_w; a2a
 }
 # a rank without tokens: no count launch (one fill of the counts row), no pack, no sum; it still unpacks and
 # reduces the rows it receives
-BUDGET_EMPTY = {"dispatch": (15, 8, 1, 1), "combine": (4, 3, 1, 0), "dispatch_bwd": (7, 4, 1, 0),
+BUDGET_EMPTY = {"dispatch": (14, 7, 1, 1), "combine": (4, 3, 1, 0), "dispatch_bwd": (7, 4, 1, 0),
                 "combine_bwd": (6, 4, 1, 0)}
 
 

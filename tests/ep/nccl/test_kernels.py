@@ -69,7 +69,9 @@ def _exchange(W, E, K, H, Ts, A=1, seed=0, mode="random", wire="bf16"):
             send = torch.full((sum(ss), lay.width), 0xAB, dtype=torch.uint8)
             s0, s1 = fmt.quantize_bytes(x) if fmt.quantized else (x, None)
             if T:
-                routers[ut][r].pack(s0, s1, idx, w, planT, send, rows, pkt, T, ut)
+                idx_c, w_c = torch.full_like(idx, -5), torch.full_like(w, -5.0)
+                routers[ut][r].pack(s0, s1, idx, w, planT, send, rows, pkt, T, ut, idx_c, w_c)
+                assert torch.equal(idx_c, idx) and torch.equal(w_c, w), "the routing copy differs"
             res[ut] = dict(rows=rows, pkt=pkt, send=send)
         ranks.append(dict(x=x, idx=idx, w=w, plan=planT, need=need, ss=ss, rs=rs, res=res))
     return ins, ranks, lay, fmt

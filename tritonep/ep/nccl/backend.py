@@ -13,8 +13,10 @@ host sizes.
 The host path is fixed per call (issue 24): what the static configuration decides (tiles, row layouts, kernel
 constants, the counts row, the gathered matrix and its host copy, the host plan vector) is made at construction;
 a call allocates only what it returns or hands to its handle plus the two row buffers of its collective, and reads
-no tensor attribute it already knows. On the GPU a bf16 dispatch is 3 launches, 2 collectives, 1 device->host and 1
-host->device copy, 9 allocations and 15 torch calls from Python; a combine 2 launches, 1 collective, 3 allocations,
+no tensor attribute it already knows. On the GPU a bf16 dispatch is 3 launches, 2 collectives, 1 device->host
+copy (into a pinned buffer: the one read) and 1 host->device copy (from a pinned vector, asynchronous), 11
+allocations and 17 torch calls from Python, and no other copy (the handle's own copy of the routing is written by the
+pack launch, not by two clones); a combine 2 launches, 1 collective, 3 allocations,
 4 torch calls (budgets held by ``tests/ep/nccl/test_host_path_budget.py``). Every launch is a
 :class:`tritonep.ep.bound.BoundKernel` bound once with its constants (:class:`tritonep.ep.nccl.pack.Launch`): on the
 GPU a launch whose variant ran before calls the compiled kernel's C launcher directly, not ``kernel[grid]``. A rank
@@ -180,11 +182,17 @@ class NcclEP(NcclCombine):
         }
         # the counts exchange: gathered matrix, its host copy, the host plan vector (numpy views made once)
         self._ncols = E + W + 2
+        # on a GPU both host buffers are pinned: the one read is a direct DMA, the plan copy truly asynchronous (a
+        # pageable copy is staged through a driver buffer). The next call rewrites the plan vector only after its
+        # host read synchronised its stream, which covers the previous plan copy when it was made on the same
+        # stream (the raw stream is remembered; after a stream change the device is synchronised once)
         self._gathered = torch.empty(W * self._ncols, dtype=torch.int32, device=dev)
-        self._host = torch.empty(W * self._ncols, dtype=torch.int32)
+        self._host = torch.empty(W * self._ncols, dtype=torch.int32, pin_memory=self._cuda)
         self._host_np = self._host.numpy().reshape(W, self._ncols)
-        self._plan_np = np.zeros(plan_size(W, E), dtype=np.int32)
-        self._plan_t = torch.from_numpy(self._plan_np)
+        self._plan_t = torch.zeros(plan_size(W, E), dtype=torch.int32, pin_memory=self._cuda)
+        self._plan_np = self._plan_t.numpy()
+        self._plan_stream = None  # raw CUDA stream of the last plan copy (0 is the default stream; None: none)
+        self._dev_index = dev.index if dev.index is not None else (torch.cuda.current_device() if self._cuda else 0)
         self._split = [E + W, L, L, W * E]
         # shared empties of calls with no tokens / no packets (never written)
         self._no_routes = torch.empty(0, K, dtype=torch.int32, device=dev)
@@ -225,11 +233,22 @@ class NcclEP(NcclCombine):
         return recv
 
     def _plan_to_device(self) -> torch.Tensor:
-        """A new device copy of the host plan vector: one host->device copy, never a sync (a pageable source is
-        staged by the driver before the call returns, so the next call may rewrite it)."""
-        if self.device.type == "cuda":
-            return self._plan_t.to(self.device, non_blocking=True)
+        """A new device copy of the host plan vector: one host->device copy, never a sync (on a GPU from the pinned
+        vector, asynchronously; see :meth:`_plan_writable`)."""
+        if self._cuda:
+            plan = self._plan_t.to(self.device, non_blocking=True)  # pinned source: asynchronous
+            self._plan_stream = torch._C._cuda_getCurrentRawStream(self._dev_index)
+            return plan
         return self._plan_t.clone()
+
+    def _plan_writable(self):
+        """Make sure the previous call's asynchronous plan copy has read the pinned vector before it is rewritten.
+
+        Called after this call's host read, which synchronised the current stream: nothing more to wait for when
+        the previous copy was made on this stream; after a stream change, one device synchronisation (rare)."""
+        if torch._C._cuda_getCurrentRawStream(self._dev_index) != self._plan_stream:
+            torch.cuda.synchronize(self.device)
+        self._plan_stream = None
 
     # ---------------------------------------------------------------------------------------------- dispatch
     def _raise_bad(self, m, topk_idx: torch.Tensor, bad_input: bool):
@@ -297,6 +316,8 @@ class NcclEP(NcclCombine):
         # 2) host decisions on the small matrix (numpy: a few microseconds, no device work)
         if m[:, E + W:].any():
             self._raise_bad(m, topk_idx, bad_input)
+        if self._plan_stream is not None:
+            self._plan_writable()
         need, send_splits, recv_splits = host_plan(m, self.rank, W, E, self.cfg.expert_alignment, self._plan_np)
         if need.max() > self.cfg.max_recv_tokens:
             worst = int(need.argmax())
@@ -312,11 +333,16 @@ class NcclEP(NcclCombine):
             rows = torch.empty(T, K, dtype=torch.int32, device=dev)
             pkt = torch.empty(T, K, dtype=torch.int32, device=dev)
             send = torch.empty(Ns, lay.width, dtype=torch.uint8, device=dev)
+            # the handle owns the routing it reads again (the dispatch backward's weight-gradient gather): a copy,
+            # written by the pack launch, so a caller that refills its routing tensors in place after dispatch
+            # changes nothing (issue 25)
+            idx_c, w_c = torch.empty_like(topk_idx), torch.empty_like(topk_weights)
             src0, src1 = fmt.quantize_bytes(x) if fmt.quantized else (x, None)  # quantized once per token
-            self._router.pack(src0, src1, topk_idx, topk_weights, plan, send, rows, pkt, T, ut)
+            self._router.pack(src0, src1, topk_idx, topk_weights, plan, send, rows, pkt, T, ut, idx_c, w_c)
         else:
             rows = pkt = self._no_routes
             send = self._no_send
+            idx_c, w_c = topk_idx.new_empty(0, K), self._no_w
         kq = keep_quantized and fmt.quantized
         zero_row = kq and self.cfg.expert_alignment > 1  # kept padding rows copy the encoding of a zero row (row Nr)
         recv = torch.empty(Nr + zero_row, lay.width, dtype=torch.uint8, device=dev)
@@ -347,9 +373,7 @@ class NcclEP(NcclCombine):
         if R:
             self._unpacker.unpack(recv, srcs, [out] if sc is None else [out, sc], widths, out_w, rr, rw, plan, Nr,
                                   zero_row, ut)
-        # the handle owns the routing it reads again (the dispatch backward's weight-gradient gather): a copy, so a
-        # caller that refills its routing tensors in place after dispatch changes nothing (issue 25)
-        handle = NcclHandle(topk_idx=topk_idx.clone(), topk_weights=topk_weights.clone(), rows=rows,
+        handle = NcclHandle(topk_idx=idx_c, topk_weights=w_c, rows=rows,
                             counts=counts.view(W, E), num_tokens=T, num_recv_rows=R, x_scales=sc,
                             recv_weights=out_w, buffer_id=self.buffer_id, send_splits=send_splits,
                             recv_splits=recv_splits, num_send=Ns, num_recv=Nr, pkt=pkt, recv_rows=rr, recv_w=rw)

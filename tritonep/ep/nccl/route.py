@@ -145,7 +145,8 @@ class Router:
             hist_ptr=self.hist, K=topk, KB=self.KB, E=num_experts, L=self.L, W=world_size, BT=self.BT, N0=n0,
             ROW0=lay.width // e0, N1=n1, ROW1=lay.width // e1, COL1=(n0 * e0) // e1, META=lay.mo // 4,
             ROW32=lay.width // 4, BH=bh, num_warps=8),
-            ("idx_ptr", "w_ptr", "src0_ptr", "src1_ptr", "small_ptr", "rows_ptr", "pkt_ptr", "send_ptr", "T", "HC"))
+            ("idx_ptr", "w_ptr", "src0_ptr", "src1_ptr", "small_ptr", "rows_ptr", "pkt_ptr", "send_ptr",
+             "idx_copy_ptr", "w_copy_ptr", "T", "HC"))
 
     def count(self, topk_idx: torch.Tensor, T: int, refused: bool, use_triton: bool) -> torch.Tensor:
         """Write this rank's counts row into ``self.row`` (no host read) and return it; T = 0 costs one fill."""
@@ -159,8 +160,11 @@ class Router:
             self.row.copy_(count_row_torch(topk_idx, self.E, self.W, refused))
         return self.row
 
-    def pack(self, src0, src1, topk_idx, topk_weights, small, send, rows, pkt, T: int, use_triton: bool):
-        """Fill ``rows``/``pkt`` (int32 ``[T, K]``) and the send rows (uint8 ``[Ns, width]``) after the host plan.
+    def pack(self, src0, src1, topk_idx, topk_weights, small, send, rows, pkt, T: int, use_triton: bool,
+             idx_copy, w_copy):
+        """Fill ``rows``/``pkt`` (int32 ``[T, K]``) and the send rows (uint8 ``[Ns, width]``) after the host plan,
+        and copy the routing into ``idx_copy`` / ``w_copy`` (``[T, K]``, the dtypes of ``topk_idx`` /
+        ``topk_weights``: the handle's own copy, written by the same launch instead of two clones).
 
         ``small`` int32 holds ``send_base [E]`` then ``dest_start [W]``; the kernel reads the chunk prefixes that
         :meth:`count` left in ``hist`` (same call, same T).
@@ -169,8 +173,10 @@ class Router:
             nc = cdiv(T, self.BT)
             hs, hc = h_split(nc, self._n0, self._bh, self.target)
             self._pack((nc, hs), topk_idx, topk_weights, src0, src0 if src1 is None else src1, small, rows, pkt, send,
-                       T, hc)
+                       idx_copy, w_copy, T, hc)
             return
+        idx_copy.copy_(topk_idx)
+        w_copy.copy_(topk_weights)
         E, W = self.E, self.W
         r, p = pack_send_torch(src0, src1, topk_idx, topk_weights, small[:E], small[E:E + W], E, W, send,
                                self.lay)

@@ -4,8 +4,8 @@
     PYTHONPATH=. torchrun --nproc-per-node 1 benchmarks/launch_probe.py --tokens 128 [--geometry dec=128]
 
 For every BoundKernel a dispatch + combine launches (their per-call values captured from one real call): host us of
-the whole ``bk(*dyn)``, of its variant key alone, of the C launcher alone with the same int arguments, each idle
-(synchronised before every launch) and back-to-back; then the host cost of the pieces around the launches (the
+the whole ``bk(*dyn)`` (synchronised before every launch: only whole-call kernels, the decode
+geometry's, may be launched alone) and of its variant key alone (``benchmarks/host_cost.py`` times the bare C launcher); then the host cost of the pieces around the launches (the
 status read's copy + event + synchronize, torch.empty, a view) and whether a Triton kernel can store straight into a
 pinned host tensor (zero-copy status, DeepEP's mapped counter) and how long the host then waits for it.
 """
@@ -79,28 +79,13 @@ def main():
     torch.cuda.synchronize()
     out = {"tokens": T, "geometry": a.geometry, "kernels": []}
     for bk, dyn in seen:
+        if "decode" not in bk.name:  # a kernel of a multi-launch call waits for its partners: never alone
+            continue
         row = {"name": bk.name, "n_args": len(bk._tmpl), "n_dyn": len(dyn), "grid": bk.grid}
-        key = bk._key(dyn)
-        ent = bk._variants.get(key)
-        row["direct"] = ent is not None
+        key = bk.key_of(dyn)
+        row["direct"] = key is not None and key in bk._variants
         row["call_idle_us"] = _us(lambda: bk(*dyn))
-        row["call_b2b_us"] = _us(lambda: bk(*dyn), sync=False) if "decode" not in bk.name else None
-        row["key_us"] = _us(lambda: bk._key(dyn), sync=False)
-        if ent is not None:
-            launch, function, meta, coop, pdl = ent
-            args = bk._int_tmpl.copy()
-            for p, v in zip(bk._pos, dyn):
-                args[p] = v.data_ptr() if isinstance(v, torch.Tensor) else v
-            g3 = bk._grid3
-            s = torch.cuda.current_stream().cuda_stream
-
-            def raw():
-                launch(g3[0], g3[1], g3[2], s, function, coop, pdl, None, None, meta, None, None, None, *args)
-            row["raw_idle_us"] = _us(raw)
-            if "decode" not in bk.name and "exchange" not in bk.name:
-                row["raw_b2b_us"] = _us(raw, sync=False)
-            meta_d = getattr(function, "__class__", None)
-            row["function"] = str(meta_d)
+        row["key_us"] = _us(lambda: bk.key_of(dyn), sync=False)
         print(json.dumps(row), flush=True)
         out["kernels"].append(row)
     # pieces around the launches

@@ -88,8 +88,8 @@ def _gpu_world1(group):
     T, E, K, H = 512, 256, 8, 7168
     logits = torch.randn(T, E, generator=gen)
     idx = logits.topk(K, dim=1).indices
+    w = torch.softmax(logits.gather(1, idx), dim=1)  # weights of the top-k first: gather takes no -1 ids
     idx[torch.rand(idx.shape, generator=gen) < 0.05] = -1
-    w = torch.softmax(logits.gather(1, idx), dim=1)
     x = torch.randn(T, H, generator=gen).to(torch.bfloat16)
     gy = torch.randn(T, H, generator=gen).to(torch.bfloat16)
     x, idx, w, gy = (t.to(dev) for t in (x, idx, w, gy))

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Issue 24, session 5 (2026-12-02): verification on ONE H200 in two device commands (timeout_s=600 each):
 #   bash scripts/gpu_verify5.sh A     # single (world-1 GPU tests) eager eager_dec0 probe hostpy       ~330 s
-#   bash scripts/gpu_verify5.sh B     # peer epb layer run mps2dec (needs carry [".whl"])                ~400 s
+#   bash scripts/gpu_verify5.sh B     # eager tests1 peer layer epb run (needs carry [".whl"])            ~400 s
 # or name steps. Logs and JSON under $OUT, packed into $OUT/logs.tgz (the device returns few files).
 source "$(dirname "$0")/gpu_step.sh"
 steps=()
 for a in "$@"; do
     case $a in
         A) steps+=(single eager eager_dec0 probe hostpy) ;;
-        B) steps+=(peer epb layer run mps2dec) ;;
+        B) steps+=(eager tests1 peer layer epb run) ;;
         *) steps+=("$a") ;;
     esac
 done
@@ -27,6 +27,10 @@ want eager_dec0 && TRITONEP_GEOMETRY=dec=0 step eager_dec0 60 torchrun --nproc-p
 want probe && step probe 60 torchrun --nproc-per-node 1 benchmarks/launch_probe.py --tokens 128 \
     --json "$OUT/launch_probe.json"
 want hostpy && step hostpy 60 torchrun --nproc-per-node 1 benchmarks/host_profile.py --tokens 128 --calls 200 --top 25
+want tests1 && OMP_NUM_THREADS=4 step tests1 150 python -m pytest -v -ra -p no:cacheprovider --durations=20 -m "gpu and (not world or world1) and not soak" \
+    --timeout 120 tests/ep/test_combine_backward_rows.py tests/ep/triton/test_decode_gpu.py \
+    tests/ep/nccl/test_bound_launches.py tests/ep/nccl/test_pinned_plan_gpu.py tests/ep/triton/test_own_rank_staging.py \
+    tests/ep/triton/test_bound_direct.py tests/moe/test_sync_free.py
 want peer && step peer 120 torchrun --nproc-per-node 1 benchmarks/peer_bench.py --json "$OUT/peer_bench.json"
 want epb && step epb 90 torchrun --nproc-per-node 1 benchmarks/ep_bench.py --wires bf16 --json "$OUT/ep_bench_bf16.json"
 want layer && step layer 100 torchrun --nproc-per-node 1 benchmarks/moe_graph_bench.py --tokens 128 4096 \

@@ -31,8 +31,11 @@ def _calls(impl, x, idx, w, gy, kq=False):
 
 def _compare(got, want, where):
     for k in want:
-        if k == "grw":  # dot products: the twin sums in another order (tritonep.ep.nccl.unpack)
-            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=f"{where} {k}")
+        if k == "grw":  # dot products over H: the twin sums in another order (tritonep.ep.nccl.unpack); fp32
+            # reordering moves a cancelling sum by ~sqrt(H) ulps of its terms, not of the result (H 7168 on the GPU:
+            # 1e-5 relative failed), so the bound is relative to the largest gradient; a wrong row or weight is O(1)
+            scale = float(want[k].abs().max()) if want[k].numel() else 1.0
+            torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5 * scale, msg=f"{where} {k}")
         else:
             assert got[k].dtype == want[k].dtype and torch.equal(got[k].view(-1).view(torch.uint8),
                                                                  want[k].view(-1).view(torch.uint8)), (where, k)

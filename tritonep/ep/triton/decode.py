@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from ...errors import PeerTimeoutError
+
 __all__ = ["DecodePath"]
 
 
@@ -43,7 +45,11 @@ class DecodePath:
         st = None
         if sync:
             self.host_reads += 1
-            st = hs.read(ticket)  # published by the launch once the verdict is known: no copy, no event
+            try:
+                st = hs.read(ticket)  # published by the launch once the verdict is known: no copy, no event
+            except PeerTimeoutError as e:
+                self.broken = str(e)  # as a kernel's own wait that gave up: the launch may still run later
+                raise
         code, refused, R = self._verdict(st)
         if R is not None:
             out, out_w = (out if q is not None else out[:R]), out_w[:R]

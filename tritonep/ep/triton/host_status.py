@@ -51,7 +51,9 @@ class HostStatus:
         """The status words (a list of ints) once the launch carrying ``ticket`` published them.
 
         Raises:
-            PeerTimeoutError: not published within ``2 * timeout_s + 5`` seconds (the launch did not run).
+            PeerTimeoutError: not published within ``2 * timeout_s + 5`` seconds (the launch did not run; ``wait``
+                ``"dispatch.host_status"``, ``rank`` this rank). The caller marks its buffer unusable, as for a
+                kernel's own wait that gave up (the launch may still run later).
         """
         a, w = self._np, self.words
         if a[w] != ticket:
@@ -64,7 +66,7 @@ class HostStatus:
                         raise PeerTimeoutError(
                             f"rank {self.rank}: the dispatch launch with ticket {ticket} did not publish its status "
                             f"within {self.bound_s:.0f} s (the launch did not run: the stream is blocked; last ticket "
-                            f"seen {int(a[w])})")
+                            f"seen {int(a[w])})", wait="dispatch.host_status", rank=self.rank)
                     if spins & 0xFFFF == 0:
                         time.sleep(0)  # let other Python threads run during a long wait
         return a[:w].tolist()

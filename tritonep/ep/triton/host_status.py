@@ -42,8 +42,10 @@ class HostStatus:
         self._ticket = 0
 
     def next_ticket(self) -> int:
-        """A ticket no launch still in flight carries (1 .. 2**31 - 2, cycling; a captured graph keeps the ticket
-        of its capture, older than every later eager call's)."""
+        """The ticket of a launch whose words the host will read: 1 .. 2**31 - 2, cycling. Launches nobody reads
+        (sync-free calls, sync checks off, graph captures, whose replays publish their frozen ticket) pass 0, which
+        no read waits for: the word a read finds before its launch published is 0 or an earlier read's ticket, never
+        its own (a captured ticket would have been, after a cycle)."""
         self._ticket = self._ticket % _TICKET_MAX + 1
         return self._ticket
 

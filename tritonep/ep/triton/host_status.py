@@ -42,8 +42,10 @@ class HostStatus:
         self._ticket = 0
 
     def next_ticket(self) -> int:
-        """A ticket no launch still in flight carries (1 .. 2**31 - 2, cycling; a captured graph keeps the ticket
-        of its capture, older than every later eager call's)."""
+        """The ticket of a launch whose words the host will read: 1 .. 2**31 - 2, cycling. Launches nobody reads
+        (sync-free calls, sync checks off, graph captures, whose replays publish their frozen ticket) pass 0, which
+        no read waits for: the word a read finds before its launch published is 0 or an earlier read's ticket, never
+        its own (a captured ticket would have been, after a cycle)."""
         self._ticket = self._ticket % _TICKET_MAX + 1
         return self._ticket
 
@@ -51,7 +53,9 @@ class HostStatus:
         """The status words (a list of ints) once the launch carrying ``ticket`` published them.
 
         Raises:
-            PeerTimeoutError: not published within ``2 * timeout_s + 5`` seconds (the launch did not run).
+            PeerTimeoutError: not published within ``2 * timeout_s + 5`` seconds (the launch did not run; ``wait``
+                ``"dispatch.host_status"``, ``rank`` this rank). The caller marks its buffer unusable, as for a
+                kernel's own wait that gave up (the launch may still run later).
         """
         a, w = self._np, self.words
         if a[w] != ticket:
@@ -64,7 +68,7 @@ class HostStatus:
                         raise PeerTimeoutError(
                             f"rank {self.rank}: the dispatch launch with ticket {ticket} did not publish its status "
                             f"within {self.bound_s:.0f} s (the launch did not run: the stream is blocked; last ticket "
-                            f"seen {int(a[w])})")
+                            f"seen {int(a[w])})", wait="dispatch.host_status", rank=self.rank)
                     if spins & 0xFFFF == 0:
                         time.sleep(0)  # let other Python threads run during a long wait
         return a[:w].tolist()

@@ -70,3 +70,35 @@ def _nccl_world(group):
 def test_sync_free_refused_on_nccl():
     msgs = run_cpu_world(2, _nccl_world)
     assert all(m and "sync_free" in m for m in msgs)
+
+
+def _short_world(group):
+    from tritonep.errors import InputError
+
+    rank = dist.get_rank()
+    buf = tep.EPBuffer(group, 8, 64, 12, 3)
+    x, idx, w = make_rank_inputs(rank, 9, 64, 8, 3, seed=3)
+    f = buf.dispatch(x, idx, w, sync_free=True)
+    M = buf.max_recv_tokens
+    short = buf.expert_out_buffer()[:M - 1]  # the kernels may address any row of the layout up to M
+    errs = []
+    for call in (lambda: buf.combine(short, f.handle), lambda: buf.combine_backward(torch.zeros_like(x), short,
+                                                                                     f.handle),
+                 lambda: buf.dispatch_backward(short, None, f.handle)):
+        try:
+            call()
+            errs.append(None)
+        except InputError as e:
+            errs.append(str(e))
+    y = buf.combine(buf.expert_out_buffer(), f.handle)  # the full rows pass; the calls above launched nothing
+    buf.check()
+    buf.close()
+    return errs, tuple(y.shape), M
+
+
+def test_sync_free_handle_needs_max_recv_rows():
+    """A sync-free handle's rows are unknown on the host: combine and both backwards refuse an input shorter than the
+    max_recv_tokens rows its dispatch returned (before any launch), rather than letting the kernels address past it."""
+    for errs, yshape, M in run_cpu_world(2, _short_world):
+        assert all(e is not None and f"{M - 1} rows" in e and str(M) in e for e in errs), errs
+        assert yshape == (9, 64)

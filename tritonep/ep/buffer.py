@@ -184,7 +184,7 @@ class EPBuffer:
         self._check_handle(handle)
         grad_recv_x, grad_recv_w = check_backward_inputs(
             grad_recv_x, handle, hidden=self.hidden, dtype=self.dtype, device=self.device,
-            min_rows=handle.num_recv_rows or 0, grad_w=grad_recv_w, name="grad_recv_x")
+            min_rows=self._rows_of(handle), grad_w=grad_recv_w, name="grad_recv_x")
         return self._impl.dispatch_bwd(grad_recv_x, grad_recv_w, handle)
 
     def combine_backward(self, grad_y: torch.Tensor, expert_out: torch.Tensor, handle: DispatchHandle) -> tuple:
@@ -203,8 +203,15 @@ class EPBuffer:
         grad_y, _ = check_backward_inputs(grad_y, handle, hidden=self.hidden, dtype=self.dtype, device=self.device,
                                           min_rows=0)
         expert_out = check_combine_inputs(expert_out, handle, hidden=self.hidden, dtype=self.dtype,
-                                          device=self.device, min_rows=handle.num_recv_rows or 0)
+                                          device=self.device, min_rows=self._rows_of(handle))
         return self._impl.combine_bwd(grad_y, expert_out, handle)
+
+    def _rows_of(self, handle) -> int:
+        """Rows a combine / backward input must have for ``handle``: the rows received, or for a sync-free handle
+        (rows unknown on the host) the ``max_recv_tokens`` rows its dispatch returned (the kernels address any row of
+        the layout, up to that bound: a shorter tensor would be read and written past its end)."""
+        R = handle.num_recv_rows
+        return self.config.max_recv_tokens if R is None else R
 
     def _check_handle(self, handle):
         """ConfigError unless ``handle`` is a :class:`DispatchHandle` stamped by this buffer's dispatch."""
@@ -313,7 +320,7 @@ class EPBuffer:
             self._check_handle(handle)
         cfg = self.config
         expert_out = check_combine_inputs(expert_out, handle, hidden=cfg.hidden, dtype=cfg.dtype,
-                                          device=self.device, min_rows=handle.num_recv_rows or 0)
+                                          device=self.device, min_rows=self._rows_of(handle))
         if kind is not None and kind not in ("push", "pull"):
             raise ConfigError(f"combine kind={kind!r} is not 'push' or 'pull'")
         rw = handle.recv_weights

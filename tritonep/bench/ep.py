@@ -12,7 +12,10 @@ skew to every call.) Bytes: "logical" = rows this rank receives (expert-grouped,
 x H x 2; "nvlink" = rows that cross to another rank (one per (token, destination rank)) x H x 2, per direction.
 The NCCL pipeline is what a user would write for the same expert-grouped output: ``index_select`` pack +
 ``all_to_all_single`` (uneven splits) + ``index_copy_`` unpack (indices precomputed outside the timed region,
-which favours NCCL); combine is the reverse (gather partials, a2a back, weighted sum).
+which favours NCCL); combine is the reverse (gather partials, a2a back, weighted sum). ``nccl.pipeline_full.dispatch``
+is the same dispatch as a user writes it when the routing changes every call (what a dispatch call must do): the
+counts all_to_all, one host read of the split sizes, the metadata and rows all_to_all and the expert grouping (a
+stable sort) all inside the timed call.
 
 Every point checks itself after it is timed (issue 18, :mod:`tritonep.bench.check`): the output of the captured
 call (graph rows; every replay rewrites its tensors) or of the last eager call is compared with the on-device
@@ -318,6 +321,33 @@ def bench_ep(group, profile: str, combine_kinds=("push", "pull"), num_sms=None, 
     us, mode = time_graph(nccl_dispatch, group, iters=iters, capture=False)
     mark_checked(row("nccl.pipeline.dispatch", us, mode), compare_exact(dict(x=out), dict(x=oracle("bf16")[0]["x"])),
                  rank)
+    # --- the same pipeline as a user writes it when the routing changes every call: destinations, the counts
+    # all_to_all, one host read of the split sizes, the metadata and the rows all_to_all, the expert grouping, all
+    # inside the timed call (the row above computes its layout once, outside it)
+    ranks = torch.arange(W, device=dev)
+
+    def nccl_dispatch_full():
+        dest = torch.where(idx >= 0, idx // L, -1)  # [T, K] destination rank of each route
+        hit = (dest[None] == ranks[:, None, None]).any(-1)  # [W, T]
+        nz = torch.nonzero(hit)  # (destination, token), destination-major
+        d_of, t_of = nz[:, 0], nz[:, 1]
+        send_n = hit.sum(1)
+        recv_n = torch.empty_like(send_n)
+        dist.all_to_all_single(recv_n, send_n, group=group)
+        s_l, r_l = send_n.tolist(), recv_n.tolist()  # the host read
+        meta = torch.where(dest.index_select(0, t_of) == d_of[:, None], idx.index_select(0, t_of) % L, -1)
+        meta_r = torch.empty(sum(r_l), K, dtype=meta.dtype, device=dev)
+        dist.all_to_all_single(meta_r, meta, r_l, s_l, group=group)
+        rows_r = torch.empty(sum(r_l), H, dtype=x.dtype, device=dev)
+        dist.all_to_all_single(rows_r, x.index_select(0, t_of), r_l, s_l, group=group)
+        ok = meta_r >= 0
+        src = torch.nonzero(ok)[:, 0]  # received routes in (source rank, token, k) order
+        perm = torch.argsort(meta_r[ok], stable=True)  # grouped by local expert, that order kept inside
+        return rows_r.index_select(0, src.index_select(0, perm))
+
+    us, mode = time_graph(nccl_dispatch_full, group, iters=iters, capture=False)
+    mark_checked(row("nccl.pipeline_full.dispatch", us, mode),
+                 compare_exact(dict(x=nccl_dispatch_full()), dict(x=oracle("bf16")[0]["x"])), rank)
     # the routes' own weights travel with the metadata, so the pipeline's combine is checkable too
     w_send = torch.cat([torch.where(dest[to_rank[d]] == d, w[to_rank[d]], 0.0) for d in range(W)])
     wrecv = torch.empty(int(recv_counts.sum()), K, dtype=w_send.dtype, device=dev)
@@ -360,6 +390,8 @@ def ratio_lines(rows) -> list:
                             or us("tritonep.combine.pull.bf16", "eager"), us("tritonep.combine.push.bf16", "graph")),
                            ("nccl-backend/pipeline dispatch", us("tritonep[nccl].dispatch.bf16"),
                             us("nccl.pipeline.dispatch")),
+                           ("nccl-backend/full pipeline dispatch", us("tritonep[nccl].dispatch.bf16"),
+                            us("nccl.pipeline_full.dispatch")),
                            ("nccl-backend/pipeline combine", us("tritonep[nccl].combine.bf16"),
                             us("nccl.pipeline.combine"))):
             if a and b:

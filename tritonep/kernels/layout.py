@@ -172,8 +172,8 @@ def exchange_kernel(hist_ptr, NC, counts_tab, flags_ptr, flags_tab, flag_off, ca
     last = G == 1
     if G > 1:
         tl.debug_barrier()
-        ticket = tl.atomic_add(calls_ptr + (DONE_EXCHANGE - CALL_EXCHANGE), 1, sem="acq_rel", scope="sys")
-        last = ticket % G == G - 1
+        arrival = tl.atomic_add(calls_ptr + (DONE_EXCHANGE - CALL_EXCHANGE), 1, sem="acq_rel", scope="sys")
+        last = arrival % G == G - 1
     if last:
         _exchange_finish(counts_tab, flags_ptr, flags_tab, flag_off, n, cbuf, status_ptr, timeout, send_base_ptr,
                          ntpe_ptr, offs_ptr, rows_needed_ptr, max_recv, RANK, W, E, L, A, WB, LB, EB, HAS_TIMER,

@@ -82,10 +82,11 @@ def _call(buf, fn):
     return res, events, w.ops
 
 
-def _sequence_world(group, geometry):
+def _sequence_world(group, geometry, E):
     set_env(TRITONEP_GEOMETRY=geometry or None)
     rank = dist.get_rank(group)
     buf = tep.EPBuffer(group, E, H, TM, K, max_recv_tokens=2 * TM * K - 1)
+    grid = buf._impl.k.exchange.grid[0]
     out = []
     for i, how in enumerate(["ok", "cap", "id", "ok"]):
         x, idx, w = make_rank_inputs(rank, TM if how == "cap" else 5 + rank, H, E, K, seed=40 + i)
@@ -95,7 +96,7 @@ def _sequence_world(group, geometry):
             idx[1, 0] = 99
         out.append(_call(buf, lambda: buf.dispatch(x, idx, w)))
     buf.close()
-    return out
+    return grid, out
 
 
 def _check_read(events, fused, raised_at_read=False):
@@ -110,10 +111,12 @@ def _check_read(events, fused, raised_at_read=False):
     assert names == (want[:-1] if raised_at_read else want), names
 
 
-@pytest.mark.parametrize("geometry", ["", "fs=1,fe=1,fc=1"])
-def test_two_kernel_and_fused_dispatch_read_without_a_copy(geometry):
-    res = run_cpu_world(2, _sequence_world, geometry, timeout_s=300)
-    for rank, calls in enumerate(res):
+@pytest.mark.parametrize("geometry,E", [("", 4), ("", 64), ("fs=1,fe=1,fc=1", 64)])
+def test_two_kernel_and_fused_dispatch_read_without_a_copy(geometry, E):
+    """E = 64: an exchange grid of 2 programs (the last to arrive publishes; its arrival ticket is not the host's)."""
+    res = run_cpu_world(2, _sequence_world, geometry, E, timeout_s=300)
+    for rank, (grid, calls) in enumerate(res):
+        assert grid == (1 if E == 4 else 2), grid
         for i, (got, events, ops) in enumerate(calls):
             _check_read(events, bool(geometry))
             assert not [n for n, hit in ops if hit and n != "zero_"], (rank, i, ops)  # the status is never read

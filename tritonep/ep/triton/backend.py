@@ -186,9 +186,12 @@ class TritonEP(DispatchOutputs, DecodePath):
         group_barrier(group, self.device)  # NCCL or gloo (ranks that share a GPU)
 
     # ---------------------------------------------------------------------------------------------- dispatch
-    def dispatch_fwd(self, x, topk_idx, topk_weights, sync: bool, keep_quantized: bool = False,
+    def dispatch_fwd(self, x, topk_idx, topk_weights, sync: int, keep_quantized: bool = False,
                      bad_input: bool = False):
         """Forward dispatch (see the module docstring for the launch sequence).
+
+        ``sync``: the call's ``TRITONEP_SYNC_CHECKS`` mode, read once by the front door (``envs.SYNC_NONE`` = 0: no
+        host read, e.g. under capture; ``SYNC_DEFERRED``: one read; ``SYNC_STRICT``: also a check at the end).
 
         ``bad_input=True``: the front door refused this rank's input; ``x``/``topk_idx``/``topk_weights`` are
         empty and the rank still runs the whole launch sequence, flagging the refusal in its counts row, so every

@@ -108,6 +108,9 @@ class KernelSet:
     # ------------------------------------------------------------------------------------------------ dispatch
     def expand(self, kq: bool) -> BoundKernel:
         """Forward expand (dispatch wire; ``kq``: keep_quantized output)."""
+        bk = self._cache.get(("expand", kq))  # every call after the first: no closure built
+        if bk is not None:
+            return bk
         ep, g, cfg = self._ep, self._ep.cfg.geometry, self._ep.cfg
 
         def make():
@@ -120,6 +123,9 @@ class KernelSet:
 
     def fused(self, kq: bool) -> BoundKernel:
         """One-launch forward dispatch (send and expand roles; ``kq``: keep_quantized output)."""
+        bk = self._cache.get(("fused", kq))  # every call after the first: no closure built
+        if bk is not None:
+            return bk
         ep, g, cfg, b = self._ep, self._ep.cfg.geometry, self._ep.cfg, self._ep.buf
 
         def make():
@@ -138,6 +144,9 @@ class KernelSet:
 
     def decode(self, kq: bool) -> BoundKernel:
         """One-launch decode dispatch (counts exchange folded in; ``kq``: keep_quantized output)."""
+        bk = self._cache.get(("decode", kq))  # every call after the first: no closure built
+        if bk is not None:
+            return bk
         ep, g, cfg, b = self._ep, self._ep.cfg.geometry, self._ep.cfg, self._ep.buf
 
         def make():

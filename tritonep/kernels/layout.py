@@ -128,7 +128,8 @@ def exchange_kernel(hist_ptr, NC, counts_tab, flags_ptr, flags_tab, flag_off, ca
     (int64, next to the status word: one device->host copy reads both); ``counts_out_ptr`` = int32 ``[W, E]`` copy
     of this call's counts matrix (the handle's snapshot).
 
-    HOST_ST (> 0: the number of status words the host reads, ``rows_out_ptr`` among them): the last program, after
+    ``host_st_ptr`` (not None; HOST_ST: the number of status words the host reads, ``rows_out_ptr`` among them;
+    the MoE layer's counts exchange passes neither): the last program, after
     it recorded the verdict and the rows received (no other program of the launch writes the status word), publishes
     ``status_ptr[:HOST_ST]`` and then ``ticket`` into the pinned host tensor ``host_st_ptr``
     (:func:`tritonep.kernels.signal.publish_host_status`): the host's one read of an eager dispatch spins on that
@@ -187,7 +188,7 @@ def _exchange_finish(counts_tab, flags_ptr, flags_tab, flag_off, n, cbuf, status
                      EB: tl.constexpr, HAS_TIMER: tl.constexpr, dcall_ptr, rows_out_ptr, counts_out_ptr, host_st_ptr,
                      ticket, HOST_ST: tl.constexpr):
     """Second half of :func:`exchange_kernel` (one program): signal the peers, wait for their rows, lay out, and
-    (HOST_ST > 0) publish the status words and ``ticket`` to the host once the last status store is done."""
+    (``host_st_ptr`` not None) publish the status words and ``ticket`` to the host after the last status store."""
     E1: tl.constexpr = E + 1
     signal_peers(flags_tab, flag_off, W, RANK, WB)
     ok = wait_all_ge(flags_ptr, W, n, status_ptr, WAIT_COUNTS, timeout, HAS_TIMER, WB)
@@ -214,7 +215,7 @@ def _exchange_finish(counts_tab, flags_ptr, flags_tab, flag_off, n, cbuf, status
         record_verdict(badv, rows, max_recv, status_ptr, tl.load(dcall_ptr), True, W, WB)
     else:
         record_verdict(badv, rows, max_recv, status_ptr, 0, False, W, WB)
-    if HOST_ST > 0:  # every status store of this launch is above (this program's): publish words, then the ticket
+    if host_st_ptr is not None:  # every status store of this launch is above (this program's): words, then ticket
         publish_host_status(status_ptr, host_st_ptr, ticket, HOST_ST, HAS_TIMER)
 
 

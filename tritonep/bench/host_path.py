@@ -123,6 +123,8 @@ def stub_launches(buf, run: bool = False):
     def fake_bound(self, *dyn):
         names.append(self.name)
         timed(patched[BoundKernel], self, *dyn)
+        if not run and "ticket" in self._dyn:
+            _publish_host_status(self, dyn)
 
     def fake_launcher(self, kernel, grid, *args, **kwargs):
         fn = getattr(kernel, "fn", kernel)
@@ -137,6 +139,21 @@ def stub_launches(buf, run: bool = False):
     finally:
         for cls, orig in patched.items():
             cls.__call__ = orig
+
+
+def _publish_host_status(bk, dyn):
+    """What a stubbed launch that publishes its status to the host (a kernel bound with ``HOST_ST > 0`` and a
+    per-call ``ticket``: the counts exchange, the decode dispatch) must still do for the host to go on: store the
+    status words as they stand and then the call's ticket into the pinned tensor
+    (:func:`tritonep.kernels.signal.publish_host_status`), uncounted. Without it the host's spin read would wait
+    for a ticket no stub publishes."""
+    words = bk.arg("HOST_ST")
+    if not words:
+        return
+    with _uncounted():
+        host = bk.arg("host_st_ptr")
+        host[:words] = bk.arg("status_ptr")[:words]
+        host[words] = bk.arg("ticket", dyn)
 
 
 class _Names(list):

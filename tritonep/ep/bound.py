@@ -126,6 +126,7 @@ class BoundKernel:
         self._tmpl = tmpl
         self._pos = tuple(names.index(d) for d in dyn)
         self._dyn = tuple(dyn)
+        self._names = tuple(names)
         self._grid3 = None if grid is None else tuple(self.grid) + (1,) * (3 - len(self.grid))
         self._fast = bound_launch_enabled(launcher.device)
         self._variants: dict = {}  # variant key of the per-call values -> (launch, function, metadata, coop, pdl)
@@ -155,6 +156,14 @@ class BoundKernel:
         compiled = self.kernel[grid](*self._args(vals), **self.options)
         if self._fast:
             self._remember(compiled, dyn)
+
+    def arg(self, name: str, dyn: tuple = ()):
+        """The value parameter ``name`` takes in a call with per-call values ``dyn`` (as the call passes them; a
+        static parameter's bound value needs none). Raises ValueError for an unknown name."""
+        if name in self._dyn:
+            vals = dyn if self.grid is not None else dyn[1:]
+            return vals[self._dyn.index(name)]
+        return self._tmpl[self._names.index(name)]
 
     def _warm(self, dyn):
         """Precompile (the owner's dry run): compile this call's variant and bind it for the direct path, so the

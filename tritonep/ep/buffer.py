@@ -219,11 +219,15 @@ class EPBuffer:
             raise ConfigError("handle does not come from this buffer's dispatch (a handle is only valid with the "
                               "EPBuffer that made it)")
 
-    def _sync(self) -> bool:
-        """Whether an eager dispatch reads its status word: not under TRITONEP_SYNC_CHECKS=0, not while capturing."""
-        if envs.sync_checks() == envs.SYNC_NONE:
-            return False
-        return not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+    def _sync(self) -> int:
+        """Whether an eager dispatch reads its status word, as the ``TRITONEP_SYNC_CHECKS`` mode of this call:
+        ``envs.SYNC_NONE`` (0, falsy: no read) under ``TRITONEP_SYNC_CHECKS=0`` or while capturing, else
+        ``SYNC_DEFERRED`` / ``SYNC_STRICT`` (the backend's end-of-call check follows it: the variable is read once
+        per call)."""
+        mode = envs.sync_checks()
+        if mode == envs.SYNC_NONE or (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            return envs.SYNC_NONE
+        return mode
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  keep_quantized: bool = False, *, sync_free: bool = False) -> Dispatched:
@@ -278,7 +282,7 @@ class EPBuffer:
         except (InputError, CapacityError) as e:
             refused = e
             x, topk_idx, topk_weights = self._no_input
-        sync = not sync_free and self._sync()
+        sync = envs.SYNC_NONE if sync_free else self._sync()
         kq = keep_quantized and self._quantized_dispatch
         try:
             if kq or refused is not None or not (torch.is_grad_enabled() and (

@@ -23,7 +23,8 @@ Triton kernels (each correct at grid=1; see docs/platform.md):
   writes it into every peer's ``counts[rank, :]``; the last program to arrive (ticket ``calls[DONE_EXCHANGE]``)
   raises the counts signal, waits for every peer (bounded), then computes the layout: ``send_base[e]``, this
   rank's ``num_tokens_per_expert`` / ``expert_offsets`` and the rows every rank needs (capacity check, identical
-  on every rank).
+  on every rank); with ``HOST_ST`` it then publishes the status words and the call's ticket into pinned host memory
+  (the host's copy-free read, :class:`tritonep.ep.triton.host_status.HostStatus`).
 
 Twins (the specification, next to the ops that launch these kernels): :func:`tritonep.ep.layout.counts_torch`,
 :func:`tritonep.ep.layout.layout_torch`, :func:`tritonep.ep.layout.route_rows_torch`.
@@ -37,7 +38,7 @@ import triton.language as tl
 from .. import envs
 from .protocol import (CALL_EXCHANGE, DONE_EXCHANGE, ST_BAD_RANK_MASK, ST_NEEDED_ROWS, ST_SKIP_CALL,
                        STATUS_BAD_INPUT, STATUS_CAPACITY, WAIT_COUNTS)
-from .signal import record_error, signal_peers, wait_all_ge
+from .signal import publish_host_status, record_error, signal_peers, wait_all_ge
 
 __all__ = ["chunk_hist_kernel", "exchange_kernel", "exchange_tiles", "layout_tiles", "store_layout", "refused_call", "record_verdict"]
 
@@ -99,13 +100,13 @@ def exchange_tiles(max_chunks: int, num_experts: int) -> tuple[int, dict]:
     return (min(grid, cap) if cap else grid), dict(NCB=ncb, EBLK=eblk)
 
 
-@triton.jit(do_not_specialize=['NC', 'flag_off', 'timeout', 'max_recv', 'host_bad'])
+@triton.jit(do_not_specialize=['NC', 'flag_off', 'timeout', 'max_recv', 'host_bad', 'ticket'])
 def exchange_kernel(hist_ptr, NC, counts_tab, flags_ptr, flags_tab, flag_off, calls_ptr, status_ptr, timeout,
                     pre_ptr, send_base_ptr, ntpe_ptr, offs_ptr, rows_needed_ptr, max_recv, host_bad,
                     RANK: tl.constexpr, W: tl.constexpr, E: tl.constexpr, L: tl.constexpr, A: tl.constexpr,
                     WB: tl.constexpr, LB: tl.constexpr, EB: tl.constexpr, NCB: tl.constexpr, EBLK: tl.constexpr,
                     HAS_TIMER: tl.constexpr, DOUBLE: tl.constexpr = False, dcall_ptr=None, rows_out_ptr=None,
-                    counts_out_ptr=None):
+                    counts_out_ptr=None, host_st_ptr=None, ticket=0, HOST_ST: tl.constexpr = 0):
     """Counts exchange + layout (grid: one program per expert block, :func:`exchange_tiles`; any grid >= 1 is
     correct). See the module docstring for every output.
 
@@ -126,6 +127,13 @@ def exchange_kernel(hist_ptr, NC, counts_tab, flags_ptr, flags_tab, flag_off, ca
     Optional outputs (so the host needs no extra torch op per call): ``rows_out_ptr[0]`` = rows this rank receives
     (int64, next to the status word: one device->host copy reads both); ``counts_out_ptr`` = int32 ``[W, E]`` copy
     of this call's counts matrix (the handle's snapshot).
+
+    ``host_st_ptr`` (not None; HOST_ST: the number of status words the host reads, ``rows_out_ptr`` among them;
+    the MoE layer's counts exchange passes neither): the last program, after
+    it recorded the verdict and the rows received (no other program of the launch writes the status word), publishes
+    ``status_ptr[:HOST_ST]`` and then ``ticket`` into the pinned host tensor ``host_st_ptr``
+    (:func:`tritonep.kernels.signal.publish_host_status`): the host's one read of an eager dispatch spins on that
+    ticket instead of a device-to-host copy + event + synchronize (a timed-out wait still publishes).
     """
     n = tl.load(calls_ptr)
     pid = tl.program_id(0)
@@ -165,20 +173,22 @@ def exchange_kernel(hist_ptr, NC, counts_tab, flags_ptr, flags_tab, flag_off, ca
     last = G == 1
     if G > 1:
         tl.debug_barrier()
-        ticket = tl.atomic_add(calls_ptr + (DONE_EXCHANGE - CALL_EXCHANGE), 1, sem="acq_rel", scope="sys")
-        last = ticket % G == G - 1
+        arrival = tl.atomic_add(calls_ptr + (DONE_EXCHANGE - CALL_EXCHANGE), 1, sem="acq_rel", scope="sys")
+        last = arrival % G == G - 1
     if last:
         _exchange_finish(counts_tab, flags_ptr, flags_tab, flag_off, n, cbuf, status_ptr, timeout, send_base_ptr,
                          ntpe_ptr, offs_ptr, rows_needed_ptr, max_recv, RANK, W, E, L, A, WB, LB, EB, HAS_TIMER,
-                         dcall_ptr, rows_out_ptr, counts_out_ptr)
+                         dcall_ptr, rows_out_ptr, counts_out_ptr, host_st_ptr, ticket, HOST_ST)
 
 
 @triton.jit
 def _exchange_finish(counts_tab, flags_ptr, flags_tab, flag_off, n, cbuf, status_ptr, timeout, send_base_ptr,
                      ntpe_ptr, offs_ptr, rows_needed_ptr, max_recv, RANK: tl.constexpr, W: tl.constexpr,
                      E: tl.constexpr, L: tl.constexpr, A: tl.constexpr, WB: tl.constexpr, LB: tl.constexpr,
-                     EB: tl.constexpr, HAS_TIMER: tl.constexpr, dcall_ptr, rows_out_ptr, counts_out_ptr):
-    """Second half of :func:`exchange_kernel` (one program): signal the peers, wait for their rows, lay out."""
+                     EB: tl.constexpr, HAS_TIMER: tl.constexpr, dcall_ptr, rows_out_ptr, counts_out_ptr, host_st_ptr,
+                     ticket, HOST_ST: tl.constexpr):
+    """Second half of :func:`exchange_kernel` (one program): signal the peers, wait for their rows, lay out, and
+    (``host_st_ptr`` not None) publish the status words and ``ticket`` to the host after the last status store."""
     E1: tl.constexpr = E + 1
     signal_peers(flags_tab, flag_off, W, RANK, WB)
     ok = wait_all_ge(flags_ptr, W, n, status_ptr, WAIT_COUNTS, timeout, HAS_TIMER, WB)
@@ -205,6 +215,8 @@ def _exchange_finish(counts_tab, flags_ptr, flags_tab, flag_off, n, cbuf, status
         record_verdict(badv, rows, max_recv, status_ptr, tl.load(dcall_ptr), True, W, WB)
     else:
         record_verdict(badv, rows, max_recv, status_ptr, 0, False, W, WB)
+    if host_st_ptr is not None:  # every status store of this launch is above (this program's): words, then ticket
+        publish_host_status(status_ptr, host_st_ptr, ticket, HOST_ST, HAS_TIMER)
 
 
 @triton.jit

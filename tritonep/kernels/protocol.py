@@ -28,9 +28,11 @@ the modulo test needs one grid per counter). The combine backward's last expand 
 ``grid_expand`` to ``FLAG_ACK`` in every source at once (:func:`tritonep.kernels.signal.ack_on_last`), so that
 expand may run its own grid (``Geometry.bgrid``) while the senders keep counting ``grid_expand`` acks per call.
 
-Status word. ``status`` is int64 ``[STATUS_WORDS]`` (errors) plus ``ST_ROWS_RECEIVED`` after it (read with it in
-one device->host copy): ``[code, wait_id, peer, errors_seen, needed_rows, skip_call, bad_rank_mask, waited,
-rows_received]``. Codes are ``STATUS_*``.
+Status word. ``status`` is int64 ``[STATUS_WORDS]`` (errors) plus ``ST_ROWS_RECEIVED`` after it (the host reads
+both at once: a dispatch's verdict launch, the counts exchange's last program or the decode dispatch's program 0,
+publishes them with a ticket into pinned host memory, :func:`tritonep.kernels.signal.publish_host_status`):
+``[code, wait_id, peer, errors_seen, needed_rows, skip_call, bad_rank_mask, waited, rows_received]``. Codes are
+``STATUS_*``.
 
 Wait ids (recorded in ``status[ST_WAIT_ID]`` by a wait that gave up): ``WAIT_COUNTS`` .. ``WAIT_CACK`` for the
 EP rows above, ``WAIT_RENDEZVOUS + i`` for the expert transport's rendezvous ``i`` (0..3).

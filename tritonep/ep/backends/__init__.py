@@ -65,9 +65,10 @@ class EPBackend(Protocol):
         """Kernel geometry, or None."""
         ...
 
-    def dispatch_fwd(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, sync: bool,
+    def dispatch_fwd(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, sync: int,
                      keep_quantized: bool = False, bad_input: bool = False) -> tuple:
-        """Forward dispatch: ``(rows, row_weights, num_tokens_per_expert, expert_offsets, handle)``."""
+        """Forward dispatch: ``(rows, row_weights, num_tokens_per_expert, expert_offsets, handle)``. ``sync``: the
+        call's ``TRITONEP_SYNC_CHECKS`` mode from the front door (``tritonep.envs.SYNC_*``; 0 = no host read)."""
         ...
 
     def combine_fwd(self, expert_out: torch.Tensor, handle, kind: str | None = None) -> torch.Tensor:

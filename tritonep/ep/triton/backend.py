@@ -13,9 +13,11 @@ counts exchange, see ``sync``):
 
 1. chunk histograms; the same launch writes the handle's own sanitized copy of the routing (ids outside
    ``[-1, E)`` become -1) and advances ``calls[CALL_DISPATCH]`` / ``calls[CALL_EXCHANGE]`` on the device,
-2. counts exchange + layout (one program per expert block),
-3. [synced calls only] one host read of (status, rows) -> CapacityError / PeerInputError / PeerTimeoutError
-   before any row moves (the send is queued before the host waits, so its NVLink time overlaps the read),
+2. counts exchange + layout (one program per expert block); its last program publishes (status, rows received)
+   and the call's ticket into pinned host memory (:class:`tritonep.ep.triton.host_status.HostStatus`),
+3. [synced calls only] one host read of (status, rows): a spin on the published ticket, no device-to-host copy or
+   event -> CapacityError / PeerInputError / PeerTimeoutError before any row moves (the send is queued before the
+   host waits, so its NVLink time overlaps the read),
 4. send, 5. expand (or 4+5 as one launch when the geometry has ``fused_send > 0``: sends and expands overlap).
 
 Combine: partial (push into the source, or into own memory for pull), output (a weighted push combine runs both
@@ -74,7 +76,6 @@ class TritonEP(DispatchOutputs, DecodePath):
         self.buf = get_heap(group, self.device).allocate(regions(cfg))
         b = self.buf
         self.flags, self.status, self.calls = b.local("flags"), b.local("status"), b.local("calls")
-        self._st_view = self.status[:ST_HOST]  # what the one host read of a dispatch copies (a view made once)
         self.hist, self.pre = b.local("hist"), b.local("pre")
         self.send_base, self.rows_needed = b.local("send_base"), b.local("rows_needed")
         self.tab = {n: b.ptr_table(n) for n in ("flags", "counts", "ntok", "meta", "wts", "wback", "stage",
@@ -83,11 +84,9 @@ class TritonEP(DispatchOutputs, DecodePath):
         self.broken: str | None = None
         self.host_reads = 0  # device->host reads made by calls (the eager-path budget: one per dispatch)
         self.buffer_id = 0  # set by the EPBuffer that owns this backend (handles carry it)
-        if self.device.type == "cuda":
-            self._st_host = torch.empty(ST_HOST, dtype=torch.int64, pin_memory=True)
-            self._st_event = torch.cuda.Event()
-        # the decode dispatch publishes its status words + the call's ticket here (pinned: the kernel stores into it
-        # through unified addressing; CPU: the interpreter writes it directly): HostStatus.read spins on the ticket
+        # every dispatch publishes its status words + the call's ticket here (the counts exchange's last program, or
+        # the decode kernel's program 0; pinned: the kernel stores into it through unified addressing; CPU: the
+        # interpreter writes it directly): HostStatus.read spins on the ticket, no device-to-host copy
         self.st_mapped = torch.zeros(ST_HOST + 1, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         self.host_status = HostStatus(self.st_mapped, ST_HOST, self.rank, cfg.timeout_s)
         self._recent_idx: deque = deque(maxlen=4)  # the last dispatches' topk_idx: check() names a bad id by value
@@ -157,21 +156,6 @@ class TritonEP(DispatchOutputs, DecodePath):
             return
         self.check(what)
 
-    def _read_status(self, before=None) -> list:
-        """The one host read of a dispatch: (status word, rows received) as a list of ints. ``before`` (the send
-        launch of a two-kernel dispatch) is queued after the copy and before the host waits."""
-        self.host_reads += 1
-        if self.device.type == "cuda":
-            self._st_host.copy_(self._st_view, non_blocking=True)
-            self._st_event.record()
-            if before is not None:
-                before()
-            self._st_event.synchronize()
-            return self._st_host.tolist()
-        if before is not None:
-            before()
-        return self._st_view.tolist()
-
     # ---------------------------------------------------------------------------------------------- construction
     def _precompile(self, group):
         """Compile every kernel variant this buffer can launch (GPU), then one barrier of the group (every device).
@@ -202,9 +186,12 @@ class TritonEP(DispatchOutputs, DecodePath):
         group_barrier(group, self.device)  # NCCL or gloo (ranks that share a GPU)
 
     # ---------------------------------------------------------------------------------------------- dispatch
-    def dispatch_fwd(self, x, topk_idx, topk_weights, sync: bool, keep_quantized: bool = False,
+    def dispatch_fwd(self, x, topk_idx, topk_weights, sync: int, keep_quantized: bool = False,
                      bad_input: bool = False):
         """Forward dispatch (see the module docstring for the launch sequence).
+
+        ``sync``: the call's ``TRITONEP_SYNC_CHECKS`` mode, read once by the front door (``envs.SYNC_NONE`` = 0: no
+        host read, e.g. under capture; ``SYNC_DEFERRED``: one read; ``SYNC_STRICT``: also a check at the end).
 
         ``bad_input=True``: the front door refused this rank's input; ``x``/``topk_idx``/``topk_weights`` are
         empty and the rank still runs the whole launch sequence, flagging the refusal in its counts row, so every
@@ -228,18 +215,17 @@ class TritonEP(DispatchOutputs, DecodePath):
         nc = _cdiv(T, g.bt)
         idx_c, w_c, rows = v[i["idx"]], v[i["w"]], v[i["rows"]]
         ntpe, offs = v[i["ntpe"]], v[i["offs"]]
+        hs = self.host_status
+        ticket = hs.next_ticket()
         k.hist(topk_idx, topk_weights, idx_c, w_c, T, nc)
-        k.exchange(nc, ntpe, offs, int(bad_input), v[i["counts"]])
+        k.exchange(nc, ntpe, offs, int(bad_input), v[i["counts"]], ticket)  # publishes status + ticket to the host
         fused = g.fused_send > 0
-
-        def send():
-            k.send(x, idx_c, w_c, rows, T, nc)
-
+        if not fused:
+            k.send(x, idx_c, w_c, rows, T, nc)  # queued before the host waits: its NVLink time overlaps the read
         st = None
         if sync:
-            st = self._read_status(None if fused else send)
-        elif not fused:
-            send()
+            self.host_reads += 1
+            st = hs.read(ticket)  # the exchange's last program published it: no copy, no event
         code, refused, R = self._verdict(st)
         out, out_w, q, sc = self._alloc_out(R if R is not None else self.cfg.max_recv_tokens, R is not None,
                                             keep_quantized)

@@ -73,8 +73,9 @@ class KernelSet:
             pre_ptr=ep.pre, send_base_ptr=ep.send_base, rows_needed_ptr=ep.rows_needed,
             max_recv=cfg.max_recv_tokens, RANK=ep.rank, W=W, E=E, L=L, A=A, WB=ck["WB"], LB=_p2(L), EB=_p2(E),
             HAS_TIMER=ck["HAS_TIMER"], DOUBLE=True, dcall_ptr=calls(P.CALL_DISPATCH),
-            rows_out_ptr=ep.status[P.v(P.ST_ROWS_RECEIVED):P.v(P.ST_ROWS_RECEIVED) + 1], **xt, **opts),
-            dyn=("NC", "ntpe_ptr", "offs_ptr", "host_bad", "counts_out_ptr"))
+            rows_out_ptr=ep.status[P.v(P.ST_ROWS_RECEIVED):P.v(P.ST_ROWS_RECEIVED) + 1], host_st_ptr=ep.st_mapped,
+            HOST_ST=ST_HOST, **xt, **opts),
+            dyn=("NC", "ntpe_ptr", "offs_ptr", "host_bad", "counts_out_ptr", "ticket"))
         send = dict(pre_ptr=ep.pre, send_base_ptr=ep.send_base, stage_tab=ep.tab["stage"], meta_tab=ep.tab["meta"],
                     wts_tab=ep.tab["wts"], ntok_tab=ep.tab["ntok"], data_off=fo(P.FLAG_DATA), G_expand=g.grid_expand,
                     Tmax=Tm, E=E, L=L, **common, **ck)
@@ -107,6 +108,9 @@ class KernelSet:
     # ------------------------------------------------------------------------------------------------ dispatch
     def expand(self, kq: bool) -> BoundKernel:
         """Forward expand (dispatch wire; ``kq``: keep_quantized output)."""
+        bk = self._cache.get(("expand", kq))  # every call after the first: no closure built
+        if bk is not None:
+            return bk
         ep, g, cfg = self._ep, self._ep.cfg.geometry, self._ep.cfg
 
         def make():
@@ -119,6 +123,9 @@ class KernelSet:
 
     def fused(self, kq: bool) -> BoundKernel:
         """One-launch forward dispatch (send and expand roles; ``kq``: keep_quantized output)."""
+        bk = self._cache.get(("fused", kq))  # every call after the first: no closure built
+        if bk is not None:
+            return bk
         ep, g, cfg, b = self._ep, self._ep.cfg.geometry, self._ep.cfg, self._ep.buf
 
         def make():
@@ -137,6 +144,9 @@ class KernelSet:
 
     def decode(self, kq: bool) -> BoundKernel:
         """One-launch decode dispatch (counts exchange folded in; ``kq``: keep_quantized output)."""
+        bk = self._cache.get(("decode", kq))  # every call after the first: no closure built
+        if bk is not None:
+            return bk
         ep, g, cfg, b = self._ep, self._ep.cfg.geometry, self._ep.cfg, self._ep.buf
 
         def make():

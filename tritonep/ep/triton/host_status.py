@@ -2,12 +2,16 @@
 
 A synced eager dispatch must know (status, rows received) on the host before it returns. The copy path costs a
 device-to-host copy, an event record and an event synchronize (19.5 us on an idle H200 host, measured with
-``benchmarks/launch_probe.py``) and waits for the whole launch. Here the one-launch decode dispatch
-(:func:`tritonep.kernels.decode_dispatch.dispatch_decode_kernel`, ``HOST_ST``) stores the words and then this call's
-``ticket`` into a pinned tensor (:func:`tritonep.kernels.signal.publish_host_status`) as soon as the verdict is
-known, and the host spins on a NumPy view of it (a plain memory load per poll). The wait is bounded: the kernel's
-own waits give up after the buffer's ``timeout_s`` and still publish, so a ticket that never arrives means the
-launch never ran (the stream is blocked); the host then raises :class:`tritonep.errors.PeerTimeoutError`.
+``benchmarks/launch_probe.py``) and waits for the whole launch. Here the launch that decides the verdict stores the
+words and then this call's ``ticket`` into a pinned tensor (:func:`tritonep.kernels.signal.publish_host_status`) as
+soon as the verdict is known, and the host spins on a NumPy view of it (a plain memory load per poll): program 0 of
+the one-launch decode dispatch (:func:`tritonep.kernels.decode_dispatch.dispatch_decode_kernel`, ``HOST_ST``), or
+the last program of the two-kernel / fused dispatch's counts exchange (:func:`tritonep.kernels.layout.
+exchange_kernel`, ``host_st_ptr``; the send launch of a two-kernel dispatch is queued before the host waits).
+One tensor and one ticket sequence serve both (the launches of one buffer run in stream order). The wait is
+bounded: the kernel's own waits give up after the buffer's ``timeout_s`` and still publish, so a ticket that never
+arrives means the launch never ran (the stream is blocked); the host then raises
+:class:`tritonep.errors.PeerTimeoutError`.
 
 Idea: DeepEP's normal-mode dispatch, whose notify kernel writes the received-token counts into host-mapped memory
 (``moe_recv_counter_mapped``) that the CPU busy-waits on.

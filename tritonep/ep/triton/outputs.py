@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ...envs import SYNC_STRICT
 from ...errors import PeerTimeoutError
 from ...kernels import protocol as P
 from ..field_view import FieldView
@@ -120,8 +121,8 @@ class DispatchOutputs:
                 check_expert_ids(topk_idx, self.cfg.num_experts)  # raises InputError naming the value
             raise_for_status(torch.tensor(st[:_ST_ERR]), self.rank, self.cfg.max_recv_tokens, "dispatch",
                              self.cfg.timeout_s, self.device.type)
-        if sync:
-            self._eager_check("dispatch")  # a peer that stopped after the counts exchange raises in this call
+        if sync == SYNC_STRICT:  # the front door's mode (``sync``, read once per call; never under capture / dry run)
+            self.check("dispatch")  # a peer that stopped after the counts exchange raises in this call
         handle = TritonHandle(store=store, views=views, layout=self.hl, num_tokens=T, num_recv_rows=R, x_scales=sc,
                               recv_weights=out_w, buffer_id=self.buffer_id)
         i = self.hl.index

@@ -1,0 +1,160 @@
+"""The two-kernel and fused dispatches read their status word without a device-to-host copy (issue 24).
+
+The counts exchange's last program publishes ``status[:ST_HOST]`` and the call's ticket into the pinned host tensor
+(:func:`tritonep.kernels.layout.exchange_kernel`, ``HOST_ST``); the host's one read of a synced dispatch is
+:meth:`tritonep.ep.triton.host_status.HostStatus.read` of that ticket. Checked here on a CPU world, kernels
+interpreted and run for real: per synced dispatch exactly one ``HostStatus.read`` of the ticket the exchange
+launch carried, no host torch op touches the status region (except a refused call's ``zero_``, a write) and a good
+call makes no copy / item / tolist at all; the two-kernel path still queues its send launch before the host waits;
+CapacityError / InputError + PeerInputError / PeerTimeoutError come out as before, and the calls after a refusal
+pair.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_flatten
+
+import tritonep as tep
+from tritonep.ep.bound import BoundKernel
+from tritonep.ep.triton.host_status import HostStatus
+from tritonep.testing import run_cpu_world
+from tritonep.testing.cases import make_rank_inputs
+from tritonep.testing.harness import outcome, set_env
+
+H, E, K, TM = 64, 4, 2, 8
+_READS = frozenset(("tolist", "item", "cpu", "numpy", "copy_", "to", "__int__", "__index__", "__float__",
+                    "__bool__", "_local_scalar_dense"))
+
+
+class _Watch(TorchFunctionMode):
+    """Every torch function called on the host (kernel launches excluded: they run with the modes off) as
+    ``(name, touches the status region)``."""
+
+    def __init__(self, status):
+        super().__init__()
+        self.lo, self.hi = status.data_ptr(), status.data_ptr() + status.numel() * status.element_size()
+        self.ops = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        flat, _ = tree_flatten((args, kwargs or {}))
+        hit = any(isinstance(t, torch.Tensor) and t.numel() and self.lo <= t.data_ptr() < self.hi for t in flat)
+        self.ops.append((getattr(func, "__name__", str(func)), hit))
+        return func(*args, **(kwargs or {}))
+
+
+def _instrument(events):
+    """Patch BoundKernel launches and HostStatus.read to log ``("launch", name, ticket)`` / ``("read", ticket)``
+    in order; launches run outside every torch function mode (the interpreter's own tensor work is not the host
+    path). Returns the undo function."""
+    launch, read = BoundKernel.__call__, HostStatus.read
+
+    def spy_launch(self, *dyn):
+        events.append(("launch", self.name, self.arg("ticket", dyn) if "ticket" in self._dyn else None))
+        with torch._C.DisableTorchFunction(), _disable_current_modes():
+            return launch(self, *dyn)
+
+    def spy_read(self, ticket):
+        events.append(("read", ticket))
+        return read(self, ticket)
+
+    BoundKernel.__call__, HostStatus.read = spy_launch, spy_read
+
+    def undo():
+        BoundKernel.__call__, HostStatus.read = launch, read
+    return undo
+
+
+def _call(buf, fn):
+    """``(outcome, events, host ops)`` of one dispatch."""
+    events = []
+    undo = _instrument(events)
+    try:
+        with _Watch(buf._impl.status) as w:
+            res = outcome(fn)
+    finally:
+        undo()
+    if res[0] == "ok":
+        d = res[1]
+        res = ("ok", int(d.x.shape[0]), int(d.expert_offsets[-1]))
+    return res, events, w.ops
+
+
+def _sequence_world(group, geometry, E):
+    set_env(TRITONEP_GEOMETRY=geometry or None)
+    rank = dist.get_rank(group)
+    buf = tep.EPBuffer(group, E, H, TM, K, max_recv_tokens=2 * TM * K - 1)
+    grid = buf._impl.k.exchange.grid[0]
+    out = []
+    for i, how in enumerate(["ok", "cap", "id", "ok"]):
+        x, idx, w = make_rank_inputs(rank, TM if how == "cap" else 5 + rank, H, E, K, seed=40 + i)
+        if how == "cap":  # every route of both ranks to expert 0: rank 0 would receive 2 * TM * K rows
+            idx = torch.zeros_like(idx)
+        if how == "id" and rank == 1:
+            idx[1, 0] = 99
+        out.append(_call(buf, lambda: buf.dispatch(x, idx, w)))
+    buf.close()
+    return grid, out
+
+
+def _check_read(events, fused, raised_at_read=False):
+    """One HostStatus.read, of the exchange's ticket, after the exchange (and after the send on two kernels);
+    ``raised_at_read``: the read raised (a timeout), so no data launch follows it."""
+    names = [e[1] if e[0] == "launch" else "READ" for e in events]
+    tickets = [e[2] for e in events if e[0] == "launch" and e[1] == "exchange_kernel"]
+    reads = [e[1] for e in events if e[0] == "read"]
+    assert len(tickets) == 1 and reads == tickets, events
+    data = ["dispatch_fused_kernel"] if fused else ["dispatch_send_kernel", "READ", "dispatch_expand_kernel"]
+    want = ["chunk_hist_kernel", "exchange_kernel"] + (["READ"] + data if fused else data)
+    assert names == (want[:-1] if raised_at_read else want), names
+
+
+@pytest.mark.parametrize("geometry,E", [("", 4), ("", 64), ("fs=1,fe=1,fc=1", 64)])
+def test_two_kernel_and_fused_dispatch_read_without_a_copy(geometry, E):
+    """E = 64: an exchange grid of 2 programs (the last to arrive publishes; its arrival ticket is not the host's)."""
+    res = run_cpu_world(2, _sequence_world, geometry, E, timeout_s=300)
+    for rank, (grid, calls) in enumerate(res):
+        assert grid == (1 if E == 4 else 2), grid
+        for i, (got, events, ops) in enumerate(calls):
+            _check_read(events, bool(geometry))
+            assert not [n for n, hit in ops if hit and n != "zero_"], (rank, i, ops)  # the status is never read
+            if i in (0, 3):
+                assert got[0] == "ok" and got[1] == got[2] > 0, (rank, i, got)
+                assert not [n for n, _ in ops if n in _READS], (rank, i, ops)  # no copy, item or tolist at all
+            elif i == 1:
+                assert got[:2] == ("own", "CapacityError") and str(2 * TM * K) in got[2], (rank, got)
+            elif rank == 1:
+                assert got[:2] == ("own", "InputError") and "99" in got[2], got
+            else:
+                assert got[0] == "peer" and got[3] == [1], got
+
+
+def _timeout_world(group, geometry):
+    set_env(TRITONEP_GEOMETRY=geometry or None)
+    rank = dist.get_rank(group)
+    buf = tep.EPBuffer(group, E, H, TM, K, timeout_s=1.0)
+    if rank == 1:  # never dispatches: rank 0's counts wait gives up, and the exchange still publishes
+        return None
+    x, idx, w = make_rank_inputs(rank, 5, H, E, K, seed=7)
+    events = []
+    undo = _instrument(events)
+    try:
+        with _Watch(buf._impl.status) as wt:
+            try:
+                buf.dispatch(x, idx, w)
+                err = None
+            except tep.errors.PeerTimeoutError as e:
+                err = (e.wait, e.peer)
+    finally:
+        undo()
+    return err, events, wt.ops
+
+
+@pytest.mark.parametrize("geometry", ["", "fs=1,fe=1,fc=1"])
+def test_copy_free_read_raises_peer_timeout(geometry):
+    err, events, ops = run_cpu_world(2, _timeout_world, geometry, timeout_s=120, check_protocol=False)[0]
+    assert err == ("dispatch.counts", 1), err
+    _check_read(events, bool(geometry), raised_at_read=True)
+    assert not [n for n, hit in ops if hit], ops

@@ -156,6 +156,17 @@ class TritonEP(DispatchOutputs, DecodePath):
             return
         self.check(what)
 
+    def _read_host_status(self, ticket: int) -> list:
+        """The one host read of a synced dispatch: the status words its launch published with ``ticket`` (a spin
+        on pinned memory, no copy or event). A read that gives up (the launch never ran) makes the buffer unusable,
+        as a kernel's own wait that gave up does: the launch may still run later and would pair with nothing."""
+        self.host_reads += 1
+        try:
+            return self.host_status.read(ticket)
+        except PeerTimeoutError as e:
+            self.broken = str(e)
+            raise
+
     # ---------------------------------------------------------------------------------------------- construction
     def _precompile(self, group):
         """Compile every kernel variant this buffer can launch (GPU), then one barrier of the group (every device).
@@ -215,17 +226,13 @@ class TritonEP(DispatchOutputs, DecodePath):
         nc = _cdiv(T, g.bt)
         idx_c, w_c, rows = v[i["idx"]], v[i["w"]], v[i["rows"]]
         ntpe, offs = v[i["ntpe"]], v[i["offs"]]
-        hs = self.host_status
-        ticket = hs.next_ticket()
+        ticket = self.host_status.next_ticket() if sync else 0  # only a read takes a ticket (decode.py says why)
         k.hist(topk_idx, topk_weights, idx_c, w_c, T, nc)
         k.exchange(nc, ntpe, offs, int(bad_input), v[i["counts"]], ticket)  # publishes status + ticket to the host
         fused = g.fused_send > 0
         if not fused:
             k.send(x, idx_c, w_c, rows, T, nc)  # queued before the host waits: its NVLink time overlaps the read
-        st = None
-        if sync:
-            self.host_reads += 1
-            st = hs.read(ticket)  # the exchange's last program published it: no copy, no event
+        st = self._read_host_status(ticket) if sync else None  # the exchange's last program published it
         code, refused, R = self._verdict(st)
         out, out_w, q, sc = self._alloc_out(R if R is not None else self.cfg.max_recv_tokens, R is not None,
                                             keep_quantized)

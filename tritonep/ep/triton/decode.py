@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import torch
 
-from ...errors import PeerTimeoutError
 
 __all__ = ["DecodePath"]
 
@@ -37,21 +36,13 @@ class DecodePath:
         # rows are known on the host only after the launch: allocate the capacity, cut to R after the host read
         # (the kernel zeroes out_w past the rows received: no memset before the launch)
         out, out_w, q, sc = self._alloc_out(max_recv, True, keep_quantized)
-        hs = self.host_status
         # only a read takes a ticket; a launch nobody reads (sync-free, sync checks off, a graph capture whose replays
         # publish it forever) publishes ticket 0, which no read waits for, so a cycled eager ticket never meets it
-        ticket = hs.next_ticket() if sync else 0
+        ticket = self.host_status.next_ticket() if sync else 0
         self.k.decode(q is not None)(x, topk_idx, topk_weights, v[i["rows"]], T, int(bad_input), max_recv, out,
                                      out_w, v[i["meta"]], v[i["wts"]], v[i["ntok"]], v[i["ntpe"]], v[i["offs"]],
                                      v[i["counts"]], q, sc, v[i["idx"]], v[i["w"]], ticket)
-        st = None
-        if sync:
-            self.host_reads += 1
-            try:
-                st = hs.read(ticket)  # published by the launch once the verdict is known: no copy, no event
-            except PeerTimeoutError as e:
-                self.broken = str(e)  # as a kernel's own wait that gave up: the launch may still run later
-                raise
+        st = self._read_host_status(ticket) if sync else None  # published once the verdict is known
         code, refused, R = self._verdict(st)
         if R is not None:
             out, out_w = (out if q is not None else out[:R]), out_w[:R]

@@ -41,7 +41,7 @@ from tritonep.moe import checkpoint as ckpt  # noqa: E402
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--ep", type=int, default=2, help="expert-parallel group size (the world divides into DP x EP)")
     p.add_argument("--steps", type=int, default=300, help="train until this step (counted from 0, resumes included)")
     p.add_argument("--lr", type=float, default=3e-3)
@@ -210,4 +210,5 @@ if __name__ == "__main__":
 
         from tritonep.testing import run_cpu_world
 
+        parse_args(sys.argv[1:])  # --help and bad flags answered once, here, not by every forked rank
         run_cpu_world(4, main, sys.argv[1:], timeout_s=3600)

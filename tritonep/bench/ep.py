@@ -46,15 +46,18 @@ __all__ = ["PROFILES", "time_graph", "time_rounds", "peer_copy_gbps", "bench_ep"
 
 PROFILES = {
     "deepseek-v3": dict(hidden=7168, num_experts=256, topk=8, tokens=4096),
-    "decode": dict(hidden=7168, num_experts=256, topk=8, tokens=128),
-    # the same shape with the one-launch decode dispatch / combine (geometry dec=G; rows carry exact_vs_two_kernel)
+    "decode": dict(hidden=7168, num_experts=256, topk=8, tokens=128,
+                   note="the table picks the one-launch decode path (TRITONEP_GEOMETRY=dec=0: two kernels)"),
+    # the same shape with the one-launch decode dispatch / combine pinned (geometry dec=G; rows carry
+    # exact_vs_two_kernel; no NCCL baselines); since session 5 the table picks that path for `decode` too
     "decode-1launch": dict(hidden=7168, num_experts=256, topk=8, tokens=128, geometry="bt=1,dec=128"),
     "deepseek-v3-1k": dict(hidden=7168, num_experts=256, topk=8, tokens=1024),
     "qwen3-moe": dict(hidden=4096, num_experts=128, topk=8, tokens=4096),
     # the packaged FLAME-MoE-290M router decisions (64 experts, top-6, 2048 tokens split over the ranks)
     "real-trace": dict(hidden=2048, num_experts=64, topk=6, tokens=0, trace_layer=2),
     # CPU smoke run of the benchmark code and its checks (interpreter; times mean nothing)
-    "cpu-smoke": dict(hidden=128, num_experts=8, topk=2, tokens=6),
+    "cpu-smoke": dict(hidden=128, num_experts=8, topk=2, tokens=6,
+                      note="checks only, on a CPU: python benchmarks/ep_bench.py --cpu"),
 }
 
 

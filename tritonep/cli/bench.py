@@ -59,6 +59,8 @@ def profiles_epilog(profiles: dict) -> str:
             notes.append(f"FLAME-MoE-290M trace layer {p['trace_layer']}, its tokens split over W ranks")
         if "geometry" in p:
             notes.append(f"TRITONEP_GEOMETRY={p['geometry']}")
+        if "note" in p:  # what the shape alone does not say (help text only)
+            notes.append(p["note"])
         rows.append((name, str(p["hidden"]), str(p["num_experts"]), str(p["topk"]), tokens, "; ".join(notes)))
     width = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
     fmt = "  {:<%d}  {:>%d}  {:>%d}  {:>%d}  {:>%d}" % tuple(width)

@@ -350,7 +350,8 @@ def get_heap(group=None, device: torch.device | str | None = None) -> SymmetricH
         if heap is None:
             raise HeapError("no CPU symmetric heap installed: a CPU EPBuffer / MoELayer lives in the forked ranks of "
                             "tritonep.testing.run_cpu_world(world_size, fn), which share one heap: build it inside fn "
-                            "(or tritonep.memory.install_cpu_heap(CpuHeap.create(...).attach(rank)))")
+                            "(or tritonep.memory.install_cpu_heap(CpuHeap.create(...).attach(rank))); on your own gloo group "
+                            "(torchrun) pass backend='nccl', which maps no peer memory")
         if ws != heap.world_size:
             raise HeapError(f"group has world_size={ws} but the CPU heap holds {heap.world_size} ranks")
         if heap.group is None and group is not None:

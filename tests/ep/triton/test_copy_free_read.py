@@ -158,3 +158,50 @@ def test_copy_free_read_raises_peer_timeout(geometry):
     assert err == ("dispatch.counts", 1), err
     _check_read(events, bool(geometry), raised_at_read=True)
     assert not [n for n, hit in ops if hit], ops
+
+
+def _stale_world(group, geometry, how):
+    """A call refused without a read (``how``: ``sync_free`` or ``TRITONEP_SYNC_CHECKS=0``), then two synced good
+    calls; every expand / fused launch is logged with its output rows and the rows its layout writes."""
+    set_env(TRITONEP_GEOMETRY=geometry or None)
+    rank = dist.get_rank(group)
+    buf = tep.EPBuffer(group, E, H, TM, K, max_recv_tokens=2 * TM * K - 1)
+    writes = []
+    launch = BoundKernel.__call__
+
+    def spy(self, *dyn):
+        out = launch(self, *dyn)
+        if self.name in ("dispatch_expand_kernel", "dispatch_fused_kernel"):
+            writes.append((int(self.arg("out_ptr", dyn).shape[0]), int(self.arg("offs_ptr", dyn).tensor()[-1])))
+        return out
+
+    x, idx, w = make_rank_inputs(rank, TM, H, E, K, seed=3)
+    idx = torch.zeros_like(idx)  # every route to expert 0: rank 0 would receive 2 * TM * K rows
+    if how == "sync_checks_0":
+        set_env(TRITONEP_SYNC_CHECKS="0")
+    first = outcome(lambda: buf.dispatch(x, idx, w, sync_free=how == "sync_free"))
+    set_env(TRITONEP_SYNC_CHECKS=None)
+    out = [first[:2] if first[0] != "ok" else ("ok",)]
+    BoundKernel.__call__ = spy
+    try:
+        for seed in (4, 5):
+            x, idx, w = make_rank_inputs(rank, 5 + rank, H, E, K, seed=seed)
+            got = outcome(lambda: buf.dispatch(x, idx, w))
+            out.append(got[:3] if got[0] != "ok" else ("ok", int(got[1].x.shape[0]), int(got[1].expert_offsets[-1])))
+    finally:
+        BoundKernel.__call__ = launch
+    buf.close()
+    return out, writes
+
+
+@pytest.mark.parametrize("geometry,how", [("", "sync_free"), ("fs=1,fe=1,fc=1", "sync_free"), ("", "sync_checks_0")])
+def test_unread_refusal_raised_by_the_next_read_without_writing_past_its_rows(geometry, how):
+    """A refusal nobody read (sync-free / sync checks off) is raised by the next synced call, which is itself a good
+    call: its data kernels move its rows, so its outputs must hold them (they were allocated with 0 rows: the
+    expand wrote past them, a segmentation fault in the interpreter, an out-of-bounds write on the GPU)."""
+    res = run_cpu_world(2, _stale_world, geometry, how, timeout_s=300)
+    for rank, (calls, writes) in enumerate(res):
+        assert calls[0] == ("ok",), (rank, calls)  # not read: nobody raises in the refused call
+        assert calls[1][:2] == ("own", "CapacityError") and str(2 * TM * K) in calls[1][2], (rank, calls)
+        assert calls[2][0] == "ok" and calls[2][1] == calls[2][2] > 0, (rank, calls)
+        assert len(writes) == 2 and all(rows >= used for rows, used in writes), (rank, writes)

@@ -95,7 +95,11 @@ class DispatchOutputs:
             except PeerTimeoutError as e:
                 self.broken = str(e)  # later calls repeat the wait, the peer and the measured wait
                 raise
-        return code, refused, (0 if refused else st[_ROWS])
+        # a refusal may be an earlier call's that nobody read (sync-free, sync checks off, a graph replay): this call
+        # is then a good one whose data kernels move its rows (the skip is keyed to the refused call's number), so a
+        # refused call's outputs still hold the rows its layout gives (at most max_recv_tokens: a refusal of its own
+        # moves nothing); it raises after its launches all the same
+        return code, refused, (min(st[_ROWS], self.cfg.max_recv_tokens) if refused else st[_ROWS])
 
     def _alloc_out(self, nrows, exact, keep_quantized):
         """``(out, out_w, q, sc)`` for ``nrows`` received rows; ``exact=False`` (rows unknown on the host): the

@@ -205,3 +205,32 @@ def test_unread_refusal_raised_by_the_next_read_without_writing_past_its_rows(ge
         assert calls[1][:2] == ("own", "CapacityError") and str(2 * TM * K) in calls[1][2], (rank, calls)
         assert calls[2][0] == "ok" and calls[2][1] == calls[2][2] > 0, (rank, calls)
         assert len(writes) == 2 and all(rows >= used for rows, used in writes), (rank, writes)
+
+
+def _stale_timeout_world(group, geometry):
+    set_env(TRITONEP_GEOMETRY=geometry or None)
+    rank = dist.get_rank(group)
+    buf = tep.EPBuffer(group, E, H, TM, K, max_recv_tokens=2 * TM * K - 1, timeout_s=1.0)
+    x, idx, w = make_rank_inputs(rank, TM, H, E, K, seed=3)
+    buf.dispatch(x, torch.zeros_like(idx), w, sync_free=True)  # refused on every rank (capacity), nobody reads it
+    if rank == 1:  # then never dispatches again: rank 0's next counts wait gives up
+        return None
+    out = []
+    for seed in (4, 5):
+        x, idx, w = make_rank_inputs(rank, 5, H, E, K, seed=seed)
+        try:
+            got = outcome(lambda: buf.dispatch(x, idx, w))
+            out.append(got[:2])
+        except (tep.errors.PeerTimeoutError, tep.errors.BufferStateError) as e:
+            out.append((type(e).__name__, getattr(e, "wait", None), getattr(e, "peer", None)))
+    return out
+
+
+@pytest.mark.parametrize("geometry", ["", "fs=1,fe=1,fc=1", "dec=1"])
+def test_timeout_after_an_unread_refusal_is_raised_not_masked(geometry):
+    """A peer lost after a refusal nobody read: the timeout is the error of the next read (PeerTimeoutError naming
+    the peer, then BufferStateError). The first recorded error used to win, so the stale refusal hid the timeout:
+    the read raised CapacityError, the buffer stayed usable, and the expand of the two-kernel / fused path wrote the
+    rows of a layout the timed-out exchange never completed (a segmentation fault in the interpreter)."""
+    out = run_cpu_world(2, _stale_timeout_world, geometry, timeout_s=120, check_protocol=False)[0]
+    assert out == [("PeerTimeoutError", "dispatch.counts", 1), ("BufferStateError", None, None)], out

@@ -234,3 +234,27 @@ def test_timeout_after_an_unread_refusal_is_raised_not_masked(geometry):
     rows of a layout the timed-out exchange never completed (a segmentation fault in the interpreter)."""
     out = run_cpu_world(2, _stale_timeout_world, geometry, timeout_s=120, check_protocol=False)[0]
     assert out == [("PeerTimeoutError", "dispatch.counts", 1), ("BufferStateError", None, None)], out
+
+
+def _stale_bad_id_world(group, geometry):
+    set_env(TRITONEP_GEOMETRY=geometry or None)
+    rank = dist.get_rank(group)
+    buf = tep.EPBuffer(group, E, H, TM, K)
+    x, idx, w = make_rank_inputs(rank, 5, H, E, K, seed=6)
+    if rank == 1:
+        idx[2, 1] = 99  # found on the device only: a sync-free call raises nowhere
+    first = outcome(lambda: buf.dispatch(x, idx, w, sync_free=True))[0]
+    x, idx, w = make_rank_inputs(rank, 5, H, E, K, seed=7)
+    got = outcome(lambda: buf.dispatch(x, idx, w))
+    buf.close()
+    return first, got[:2], got[2]
+
+
+@pytest.mark.parametrize("geometry", ["", "dec=1"])
+def test_unread_bad_id_named_by_the_bad_rank_at_the_next_read(geometry):
+    """The next synced dispatch raises an unread refusal as :meth:`EPBuffer.check` does: the bad rank InputError
+    naming its value (it raised PeerInputError naming itself, "the bad rank raises the error naming its value"),
+    the others PeerInputError naming it."""
+    res = run_cpu_world(2, _stale_bad_id_world, geometry, timeout_s=300)
+    assert res[0][:2] == ("ok", ("peer", "PeerInputError")) and "rank(s) [1]" in res[0][2], res[0]
+    assert res[1][:2] == ("ok", ("own", "InputError")) and "99" in res[1][2], res[1]

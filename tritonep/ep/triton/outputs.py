@@ -20,7 +20,6 @@ from ...kernels import protocol as P
 from ..field_view import FieldView
 from ..handle import TritonHandle
 from ..status import STATUS_BAD_INPUT, STATUS_CAPACITY, bad_ranks, raise_for_status
-from ..validate import check_expert_ids
 
 __all__ = ["DispatchOutputs", "HandleLayout", "ST_HOST"]
 
@@ -116,13 +115,14 @@ class DispatchOutputs:
             torch.zeros(nrows, dtype=torch.float32, device=dev)
         return out, out_w, q, sc
 
-    def _finish_dispatch(self, code, refused, st, sync, bad_input, topk_idx, out, out_w, q, sc, store, views, T, R):
+    def _finish_dispatch(self, code, refused, st, sync, bad_input, out, out_w, q, sc, store, views, T, R):
         """Raise a refused call's error (after its launches), else the forward dispatch's return tuple
         ``(rows, row_weights, num_tokens_per_expert, expert_offsets, handle)``."""
         if refused:
             self.status.zero_()  # reported once, here; the buffer stays usable (stream-ordered after the kernels)
             if code == STATUS_BAD_INPUT and self.rank in bad_ranks(torch.tensor(st)) and not bad_input:
-                check_expert_ids(topk_idx, self.cfg.num_experts)  # raises InputError naming the value
+                # raises InputError naming the value: this call's ids, or an earlier sync-free call's that nobody read
+                self._raise_own_bad_ids()
             raise_for_status(torch.tensor(st[:_ST_ERR]), self.rank, self.cfg.max_recv_tokens, "dispatch",
                              self.cfg.timeout_s, self.device.type)
         if sync == SYNC_STRICT:  # the front door's mode (``sync``, read once per call; never under capture / dry run)

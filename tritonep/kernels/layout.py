@@ -116,8 +116,9 @@ def exchange_kernel(hist_ptr, NC, counts_tab, flags_ptr, flags_tab, flag_off, ca
     outside ``[-1, E)`` found by :func:`chunk_hist_kernel` plus ``host_bad``, a refusal by the host's front door),
     so a bad input on one rank is known to every rank after the one exchange they run anyway (docs/protocols.md (host protocol rule)).
 
-    Errors recorded (first one wins the code; data kernels of THIS dispatch, number ``*dcall_ptr`` stored in
-    status[5], skip their rows on every rank; later calls are not poisoned): STATUS_BAD_INPUT with status[2] = the
+    Errors recorded (first one wins the code, but a later timeout replaces a refusal: signal.record_error; data
+    kernels of THIS dispatch, number ``*dcall_ptr`` stored in status[5], skip their rows on every rank; later calls
+    are not poisoned): STATUS_BAD_INPUT with status[2] = the
     lowest bad rank and status[6] = the bitmask of bad ranks; STATUS_CAPACITY with the rows needed (status[4]).
 
     NCB (chunk rows per step) and EBLK (experts per step) are static tile sizes: the chunk loop bound NC is a

@@ -158,3 +158,103 @@ def test_copy_free_read_raises_peer_timeout(geometry):
     assert err == ("dispatch.counts", 1), err
     _check_read(events, bool(geometry), raised_at_read=True)
     assert not [n for n, hit in ops if hit], ops
+
+
+def _stale_world(group, geometry, how):
+    """A call refused without a read (``how``: ``sync_free`` or ``TRITONEP_SYNC_CHECKS=0``), then two synced good
+    calls; every expand / fused launch is logged with its output rows and the rows its layout writes."""
+    set_env(TRITONEP_GEOMETRY=geometry or None)
+    rank = dist.get_rank(group)
+    buf = tep.EPBuffer(group, E, H, TM, K, max_recv_tokens=2 * TM * K - 1)
+    writes = []
+    launch = BoundKernel.__call__
+
+    def spy(self, *dyn):
+        out = launch(self, *dyn)
+        if self.name in ("dispatch_expand_kernel", "dispatch_fused_kernel"):
+            writes.append((int(self.arg("out_ptr", dyn).shape[0]), int(self.arg("offs_ptr", dyn).tensor()[-1])))
+        return out
+
+    x, idx, w = make_rank_inputs(rank, TM, H, E, K, seed=3)
+    idx = torch.zeros_like(idx)  # every route to expert 0: rank 0 would receive 2 * TM * K rows
+    if how == "sync_checks_0":
+        set_env(TRITONEP_SYNC_CHECKS="0")
+    first = outcome(lambda: buf.dispatch(x, idx, w, sync_free=how == "sync_free"))
+    set_env(TRITONEP_SYNC_CHECKS=None)
+    out = [first[:2] if first[0] != "ok" else ("ok",)]
+    BoundKernel.__call__ = spy
+    try:
+        for seed in (4, 5):
+            x, idx, w = make_rank_inputs(rank, 5 + rank, H, E, K, seed=seed)
+            got = outcome(lambda: buf.dispatch(x, idx, w))
+            out.append(got[:3] if got[0] != "ok" else ("ok", int(got[1].x.shape[0]), int(got[1].expert_offsets[-1])))
+    finally:
+        BoundKernel.__call__ = launch
+    buf.close()
+    return out, writes
+
+
+@pytest.mark.parametrize("geometry,how", [("", "sync_free"), ("fs=1,fe=1,fc=1", "sync_free"), ("", "sync_checks_0")])
+def test_unread_refusal_raised_by_the_next_read_without_writing_past_its_rows(geometry, how):
+    """A refusal nobody read (sync-free / sync checks off) is raised by the next synced call, which is itself a good
+    call: its data kernels move its rows, so its outputs must hold them (they were allocated with 0 rows: the
+    expand wrote past them, a segmentation fault in the interpreter, an out-of-bounds write on the GPU)."""
+    res = run_cpu_world(2, _stale_world, geometry, how, timeout_s=300)
+    for rank, (calls, writes) in enumerate(res):
+        assert calls[0] == ("ok",), (rank, calls)  # not read: nobody raises in the refused call
+        assert calls[1][:2] == ("own", "CapacityError") and str(2 * TM * K) in calls[1][2], (rank, calls)
+        assert calls[2][0] == "ok" and calls[2][1] == calls[2][2] > 0, (rank, calls)
+        assert len(writes) == 2 and all(rows >= used for rows, used in writes), (rank, writes)
+
+
+def _stale_timeout_world(group, geometry):
+    set_env(TRITONEP_GEOMETRY=geometry or None)
+    rank = dist.get_rank(group)
+    buf = tep.EPBuffer(group, E, H, TM, K, max_recv_tokens=2 * TM * K - 1, timeout_s=1.0)
+    x, idx, w = make_rank_inputs(rank, TM, H, E, K, seed=3)
+    buf.dispatch(x, torch.zeros_like(idx), w, sync_free=True)  # refused on every rank (capacity), nobody reads it
+    if rank == 1:  # then never dispatches again: rank 0's next counts wait gives up
+        return None
+    out = []
+    for seed in (4, 5):
+        x, idx, w = make_rank_inputs(rank, 5, H, E, K, seed=seed)
+        try:
+            got = outcome(lambda: buf.dispatch(x, idx, w))
+            out.append(got[:2])
+        except (tep.errors.PeerTimeoutError, tep.errors.BufferStateError) as e:
+            out.append((type(e).__name__, getattr(e, "wait", None), getattr(e, "peer", None)))
+    return out
+
+
+@pytest.mark.parametrize("geometry", ["", "fs=1,fe=1,fc=1", "dec=1"])
+def test_timeout_after_an_unread_refusal_is_raised_not_masked(geometry):
+    """A peer lost after a refusal nobody read: the timeout is the error of the next read (PeerTimeoutError naming
+    the peer, then BufferStateError). The first recorded error used to win, so the stale refusal hid the timeout:
+    the read raised CapacityError, the buffer stayed usable, and the expand of the two-kernel / fused path wrote the
+    rows of a layout the timed-out exchange never completed (a segmentation fault in the interpreter)."""
+    out = run_cpu_world(2, _stale_timeout_world, geometry, timeout_s=120, check_protocol=False)[0]
+    assert out == [("PeerTimeoutError", "dispatch.counts", 1), ("BufferStateError", None, None)], out
+
+
+def _stale_bad_id_world(group, geometry):
+    set_env(TRITONEP_GEOMETRY=geometry or None)
+    rank = dist.get_rank(group)
+    buf = tep.EPBuffer(group, E, H, TM, K)
+    x, idx, w = make_rank_inputs(rank, 5, H, E, K, seed=6)
+    if rank == 1:
+        idx[2, 1] = 99  # found on the device only: a sync-free call raises nowhere
+    first = outcome(lambda: buf.dispatch(x, idx, w, sync_free=True))[0]
+    x, idx, w = make_rank_inputs(rank, 5, H, E, K, seed=7)
+    got = outcome(lambda: buf.dispatch(x, idx, w))
+    buf.close()
+    return first, got[:2], got[2]
+
+
+@pytest.mark.parametrize("geometry", ["", "dec=1"])
+def test_unread_bad_id_named_by_the_bad_rank_at_the_next_read(geometry):
+    """The next synced dispatch raises an unread refusal as :meth:`EPBuffer.check` does: the bad rank InputError
+    naming its value (it raised PeerInputError naming itself, "the bad rank raises the error naming its value"),
+    the others PeerInputError naming it."""
+    res = run_cpu_world(2, _stale_bad_id_world, geometry, timeout_s=300)
+    assert res[0][:2] == ("ok", ("peer", "PeerInputError")) and "rank(s) [1]" in res[0][2], res[0]
+    assert res[1][:2] == ("ok", ("own", "InputError")) and "99" in res[1][2], res[1]

@@ -244,8 +244,7 @@ class TritonEP(DispatchOutputs, DecodePath):
             k.fused(kq)(x, idx_c, w_c, rows, T, out, out_w, meta, wts, ntok, ntpe, offs, q, sc)
         else:
             k.expand(kq)(x, out, out_w, meta, wts, ntok, ntpe, offs, out, out_w, q, sc)
-        return self._finish_dispatch(code, refused, st, sync, bad_input, topk_idx, out, out_w, q, sc, store, v, T,
-                                     R)
+        return self._finish_dispatch(code, refused, st, sync, bad_input, out, out_w, q, sc, store, v, T, R)
 
     # ---------------------------------------------------------------------------------------------- combine
     def _combine(self, eo, handle, weighted, gw=None, want_wgrad=False, kind=None, wire=RAW):

@@ -48,7 +48,7 @@ class DecodePath:
             out, out_w = (out if q is not None else out[:R]), out_w[:R]
             if q is not None:
                 q, sc = q[:R], sc[:R]
-        return self._finish_dispatch(code, refused, st, sync, bad_input, topk_idx, out, out_w, q, sc, store, v, T, R)
+        return self._finish_dispatch(code, refused, st, sync, bad_input, out, out_w, q, sc, store, v, T, R)
 
     def _combine_decode(self, eo, handle, wire):
         """Weighted push combine in one launch: ``y [T, H]`` (eo's dtype)."""

@@ -20,7 +20,6 @@ from ...kernels import protocol as P
 from ..field_view import FieldView
 from ..handle import TritonHandle
 from ..status import STATUS_BAD_INPUT, STATUS_CAPACITY, bad_ranks, raise_for_status
-from ..validate import check_expert_ids
 
 __all__ = ["DispatchOutputs", "HandleLayout", "ST_HOST"]
 
@@ -95,7 +94,11 @@ class DispatchOutputs:
             except PeerTimeoutError as e:
                 self.broken = str(e)  # later calls repeat the wait, the peer and the measured wait
                 raise
-        return code, refused, (0 if refused else st[_ROWS])
+        # a refusal may be an earlier call's that nobody read (sync-free, sync checks off, a graph replay): this call
+        # is then a good one whose data kernels move its rows (the skip is keyed to the refused call's number), so a
+        # refused call's outputs still hold the rows its layout gives (at most max_recv_tokens: a refusal of its own
+        # moves nothing); it raises after its launches all the same
+        return code, refused, (min(st[_ROWS], self.cfg.max_recv_tokens) if refused else st[_ROWS])
 
     def _alloc_out(self, nrows, exact, keep_quantized):
         """``(out, out_w, q, sc)`` for ``nrows`` received rows; ``exact=False`` (rows unknown on the host): the
@@ -112,13 +115,14 @@ class DispatchOutputs:
             torch.zeros(nrows, dtype=torch.float32, device=dev)
         return out, out_w, q, sc
 
-    def _finish_dispatch(self, code, refused, st, sync, bad_input, topk_idx, out, out_w, q, sc, store, views, T, R):
+    def _finish_dispatch(self, code, refused, st, sync, bad_input, out, out_w, q, sc, store, views, T, R):
         """Raise a refused call's error (after its launches), else the forward dispatch's return tuple
         ``(rows, row_weights, num_tokens_per_expert, expert_offsets, handle)``."""
         if refused:
             self.status.zero_()  # reported once, here; the buffer stays usable (stream-ordered after the kernels)
             if code == STATUS_BAD_INPUT and self.rank in bad_ranks(torch.tensor(st)) and not bad_input:
-                check_expert_ids(topk_idx, self.cfg.num_experts)  # raises InputError naming the value
+                # raises InputError naming the value: this call's ids, or an earlier sync-free call's that nobody read
+                self._raise_own_bad_ids()
             raise_for_status(torch.tensor(st[:_ST_ERR]), self.rank, self.cfg.max_recv_tokens, "dispatch",
                              self.cfg.timeout_s, self.device.type)
         if sync == SYNC_STRICT:  # the front door's mode (``sync``, read once per call; never under capture / dry run)

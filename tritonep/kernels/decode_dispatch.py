@@ -102,8 +102,8 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
     Errors (status word, read by the host): STATUS_BAD_INPUT / STATUS_CAPACITY (no row moves on any rank),
     STATUS_TIMEOUT with the wait id and the peer. COPY: program 0 also writes the handle's own copy of the routing
     (``idx_out [T, K]`` int32, ids outside ``[-1, E)`` as -1; ``w_out [T, K]`` float32), as
-    :func:`tritonep.kernels.layout.chunk_hist_kernel` does on the other paths. HOST_ST (> 0: the number of status
-    words the host reads): program 0 publishes ``status[:HOST_ST]`` and then ``ticket`` into the pinned host tensor
+    :func:`tritonep.kernels.layout.chunk_hist_kernel` does on the other paths. ``host_st_ptr`` (not None; HOST_ST: the number
+    of status words the host reads, as :func:`tritonep.kernels.layout.exchange_kernel`): program 0 publishes ``status[:HOST_ST]`` and then ``ticket`` into the pinned host tensor
     ``host_st_ptr`` once the verdict is recorded, before any row moves (:func:`tritonep.kernels.signal.
     publish_host_status`): the host's one read of an eager dispatch waits for that, not for the whole launch (a
     wait that gives up later in this launch is recorded in the status word and raised by the next read, as on the
@@ -157,7 +157,7 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
                      W, L, WB, LB)
         tl.store(counts_out_ptr + s_off[:, None, None] * E + e2d[None, :, :], c3, mask=m3)
         record_verdict(badv, rows, max_recv, status_ptr, n, True, W, WB)
-        if HOST_ST > 0:
+        if host_st_ptr is not None:
             publish_host_status(status_ptr, host_st_ptr, ticket, HOST_ST, HAS_TIMER)
     # out_w past the rows this rank receives (all of it for a refused call) is zero, as the two-kernel path leaves it
     zb = tl.arange(0, 256)

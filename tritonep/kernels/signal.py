@@ -193,6 +193,18 @@ def publish_epoch_one(ptr_table, peer, index, value):
 
 
 @triton.jit
+def last_program(done_ptr):
+    """Count this program done (``*done_ptr += 1``, acq_rel, after a block barrier) and return whether it is the
+    launch's last: ``*done_ptr`` only ever advances by whole launches of one grid, so the program that sees
+    ``old % G == G - 1`` is the last, and its acquire covers every other program's reads and stores (the shared
+    step of :func:`finish_launch`, :func:`ack_on_last` and :func:`advance_on_last`)."""
+    G = tl.num_programs(0)
+    tl.debug_barrier()
+    old = tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu")
+    return old % G == G - 1
+
+
+@triton.jit
 def finish_launch(calls_ptr, DONE: tl.constexpr, CALL_A: tl.constexpr, a, CALL_B: tl.constexpr, b,
                   TWO: tl.constexpr, flags_tab, off_1, off_2, W: tl.constexpr, RANK: tl.constexpr,
                   WB: tl.constexpr):
@@ -203,15 +215,13 @@ def finish_launch(calls_ptr, DONE: tl.constexpr, CALL_A: tl.constexpr, a, CALL_B
     from an unfinished grid would let a waiter pass early). Every program read the counters before it counts itself
     done, and ``calls[DONE]`` only ever advances by whole launches of the same grid, so the program that sees
     ``old % G == G - 1`` is the last."""
-    G = tl.num_programs(0)
-    tl.debug_barrier()
-    old = tl.atomic_add(calls_ptr + DONE, 1, sem="acq_rel", scope="gpu")
-    if old % G == G - 1:
+    if last_program(calls_ptr + DONE):
         tl.store(calls_ptr + CALL_A, a)
         if TWO:
             tl.store(calls_ptr + CALL_B, b)
-        signal_peers(flags_tab, off_1, W, RANK, WB, G.to(tl.int64))
-        signal_peers(flags_tab, off_2, W, RANK, WB, G.to(tl.int64))
+        G = tl.num_programs(0).to(tl.int64)
+        signal_peers(flags_tab, off_1, W, RANK, WB, G)
+        signal_peers(flags_tab, off_2, W, RANK, WB, G)
 
 
 @triton.jit
@@ -222,10 +232,7 @@ def ack_on_last(calls_ptr, DONE: tl.constexpr, CALL: tl.constexpr, value, flags_
     waiters expect ``count`` programs per call from a launch of another grid (the combine backward's expand acks
     as the forward's ``grid_expand`` programs). As :func:`finish_launch`: every program counts itself done after
     its reads and stores (acq_rel), so the last one's release covers them."""
-    G = tl.num_programs(0)
-    tl.debug_barrier()
-    old = tl.atomic_add(calls_ptr + DONE, 1, sem="acq_rel", scope="gpu")
-    if old % G == G - 1:
+    if last_program(calls_ptr + DONE):
         tl.store(calls_ptr + CALL, value)
         signal_peers(flags_tab, off, W, RANK, WB, tl.full((), count, tl.int64))
 
@@ -237,10 +244,7 @@ def advance_on_last(calls_ptr, DONE: tl.constexpr, CALL: tl.constexpr, value):
     ``calls[DONE]`` only ever advances by whole launches of this kernel (one grid per counter), so the program that
     sees ``old % G == G - 1`` is the last: the counter advances on the device with no separate launch (the next
     call's kernels, later on the stream, see it)."""
-    G = tl.num_programs(0)
-    tl.debug_barrier()
-    old = tl.atomic_add(calls_ptr + DONE, 1, sem="acq_rel", scope="gpu")
-    if old % G == G - 1:
+    if last_program(calls_ptr + DONE):
         tl.store(calls_ptr + CALL, value)
 
 

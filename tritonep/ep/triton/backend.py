@@ -44,8 +44,8 @@ from ..status import STATUS_BAD_INPUT, STATUS_CAPACITY, bad_ranks, raise_for_sta
 from ..validate import check_expert_ids
 from .calls import RAW, KernelSet
 from .decode import DecodePath
-from .launch import Launcher
 from .host_status import HostStatus
+from .launch import Launcher
 from .outputs import ST_HOST, DispatchOutputs, HandleLayout
 from .regions import regions
 
@@ -226,7 +226,7 @@ class TritonEP(DispatchOutputs, DecodePath):
         nc = _cdiv(T, g.bt)
         idx_c, w_c, rows = v[i["idx"]], v[i["w"]], v[i["rows"]]
         ntpe, offs = v[i["ntpe"]], v[i["offs"]]
-        ticket = self.host_status.next_ticket() if sync else 0  # only a read takes a ticket (decode.py says why)
+        ticket = self.host_status.ticket(sync)  # only a read takes one (HostStatus.next_ticket says why)
         k.hist(topk_idx, topk_weights, idx_c, w_c, T, nc)
         k.exchange(nc, ntpe, offs, int(bad_input), v[i["counts"]], ticket)  # publishes status + ticket to the host
         fused = g.fused_send > 0

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import torch
 
-
 __all__ = ["DecodePath"]
 
 
@@ -36,9 +35,7 @@ class DecodePath:
         # rows are known on the host only after the launch: allocate the capacity, cut to R after the host read
         # (the kernel zeroes out_w past the rows received: no memset before the launch)
         out, out_w, q, sc = self._alloc_out(max_recv, True, keep_quantized)
-        # only a read takes a ticket; a launch nobody reads (sync-free, sync checks off, a graph capture whose replays
-        # publish it forever) publishes ticket 0, which no read waits for, so a cycled eager ticket never meets it
-        ticket = self.host_status.next_ticket() if sync else 0
+        ticket = self.host_status.ticket(sync)  # only a read takes one (HostStatus.next_ticket says why)
         self.k.decode(q is not None)(x, topk_idx, topk_weights, v[i["rows"]], T, int(bad_input), max_recv, out,
                                      out_w, v[i["meta"]], v[i["wts"]], v[i["ntok"]], v[i["ntpe"]], v[i["offs"]],
                                      v[i["counts"]], q, sc, v[i["idx"]], v[i["w"]], ticket)

@@ -45,6 +45,10 @@ class HostStatus:
         self.bound_s = 2.0 * float(timeout_s) + 5.0  # the kernel's own waits give up first and still publish
         self._ticket = 0
 
+    def ticket(self, sync) -> int:
+        """This launch's ticket: :meth:`next_ticket` for a call that will read (``sync`` true), else 0."""
+        return self.next_ticket() if sync else 0
+
     def next_ticket(self) -> int:
         """The ticket of a launch whose words the host will read: 1 .. 2**31 - 2, cycling. Launches nobody reads
         (sync-free calls, sync checks off, graph captures, whose replays publish their frozen ticket) pass 0, which

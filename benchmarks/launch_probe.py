@@ -101,6 +101,27 @@ def main():
     out["status_read_us"] = _us(read)
     out["empty_us"] = _us(lambda: torch.empty(T * K, H, dtype=torch.bfloat16, device=dev), sync=False)
     out["view_us"] = _us(lambda: d.x[:5], sync=False)
+    # the host pieces of one eager decode dispatch, each alone (issue 24): front door (input checks + sync mode),
+    # the three allocations (handle block, rows, row weights), the returned handle and Dispatched
+    from tritonep.ep.handle import Dispatched, TritonHandle
+    from tritonep.ep.validate import check_dispatch_inputs
+
+    impl, cfg = buf._impl, buf.config
+
+    def front():
+        check_dispatch_inputs(x, idx, w, hidden=cfg.hidden, topk=cfg.topk,
+                              max_tokens_per_rank=cfg.max_tokens_per_rank, dtype=cfg.dtype, device=dev)
+        buf._sync()
+    out["front_us"] = _us(front, sync=False)
+    out["allocs_us"] = _us(lambda: (impl.hl.new(dev), impl._alloc_out(cfg.max_recv_tokens, True, False)),
+                           sync=False)
+
+    def objects():
+        h = TritonHandle(store=d.handle.store, layout=impl.hl, num_tokens=T, num_recv_rows=5, x_scales=None,
+                         recv_weights=d.weights, buffer_id=1)
+        return Dispatched(x=d.x, num_tokens_per_expert=d.num_tokens_per_expert, expert_offsets=d.expert_offsets,
+                          handle=h, weights=d.weights, x_scales=None)
+    out["objects_us"] = _us(objects, sync=False)
     out["dispatch_idle_us"] = _us(lambda: buf.dispatch(x, idx, w))
     out["dispatch_sync_free_idle_us"] = _us(lambda: buf.dispatch(x, idx, w, sync_free=True))
     out["combine_idle_us"] = _us(lambda: buf.combine(eo, d.handle))

@@ -432,3 +432,36 @@ def test_key_is_exactly_tritons_specialisation(gpu_like, spec, align, const):
     bkn = BoundKernel(_Launcher("cuda:0"), kn, (1,), {}, dyn=("v",))
     bkn._bind((None,))
     assert bkn.key_of((None,)) is not None and bkn.key_of((base,)) is None  # another kind: Triton's path
+
+
+def test_storage_block_fields(gpu_like):
+    """Fields of one per-call int32 block (``fields`` + ``STORE``): Triton's path gets the typed views, the direct
+    path the block's address plus each field's byte offset, the same C tuple; the variant key follows the block's
+    alignment residue (a field's alignment is the block's plus its fixed offset)."""
+    k = _Kernel()
+    table = torch.arange(4, dtype=torch.int64)
+    fields = {"idx_ptr": (4, 8, torch.int32), "out_ptr": (64, 16, torch.float32)}
+    bk = BoundKernel(_Launcher("cuda:0"), k, (6,), dict(table_ptr=table, n_static=7, BLOCK=32, num_warps=4),
+                     dyn=("x_ptr", bound_mod.STORE, "T"), fields=fields)
+    x = torch.zeros(64, dtype=torch.bfloat16)
+    store = torch.zeros(128, dtype=torch.int32)
+    bk(x, store, 5)  # Triton's path: the fields as views of the block
+    args = k.log[0][2]
+    assert args[1].dtype == torch.int32 and args[1].data_ptr() == store.data_ptr() + 16 and args[1].numel() == 8
+    assert args[2].dtype == torch.float32 and args[2].data_ptr() == store.data_ptr() + 256 and args[2].numel() == 16
+    store2 = torch.ones(128, dtype=torch.int32)
+    bk(x, store2, 9)  # direct: base + 4 * start
+    direct = k.log[-1]
+    assert direct[0] == "c" and len(k.log) == 3
+    b = store2.data_ptr()
+    assert direct[1][13:] == _as_c((x, b + 16, b + 256, 9, table, 7, 32, False))
+    assert bk.arg("out_ptr", (x, store2, 9)).data_ptr() == b + 256  # what a reader of the call gets
+    # the key: the block's residue mod 16 (a block 4 bytes off moves the idx field off its 16-byte alignment)
+    assert bk.key_of((x, store2, 9)) == bk.key_of((x, store, 5))
+    off = torch.zeros(129, dtype=torch.int32)[1:]
+    assert bk.key_of((x, off, 9)) != bk.key_of((x, store2, 9))
+    bk(x, off, 9)  # a new specialisation: Triton's path again
+    assert k.log[-2][0] == "triton" and len(k.compiled) == 2
+    with pytest.raises(TypeError, match="need the per-call value"):
+        BoundKernel(_Launcher("cuda:0"), k, (6,), dict(table_ptr=table, n_static=7, BLOCK=32), dyn=("x_ptr", "T"),
+                    fields=fields)

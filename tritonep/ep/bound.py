@@ -49,9 +49,10 @@ import torch
 from . import recorder as _rec
 from .field_view import FieldView
 
-__all__ = ["BoundKernel", "bound_launch_enabled"]
+__all__ = ["BoundKernel", "bound_launch_enabled", "STORE"]
 
 _EMPTY = inspect.Parameter.empty
+STORE = "@store"  # the per-call value of a kernel bound with ``fields``: the int32 storage block they live in
 
 
 def _hooks_idle() -> bool:
@@ -88,6 +89,13 @@ class BoundKernel:
         dyn: the per-call parameter names, in the order a call passes their values.
         record: report each launch to the protocol recorder (signalling kernels must; local kernels whose launch
             depends on the rank's data must not).
+        fields: parameter name -> ``(start, numel, dtype)`` for parameters that are fields of ONE per-call int32
+            storage block (the triton backend's handle storage, :class:`tritonep.ep.triton.outputs.HandleLayout`):
+            the block itself is the per-call value named :data:`STORE` in ``dyn``, and each field parameter gets
+            the block's address plus the field's static byte offset (``4 * start``) on the direct path, or the view
+            ``block[start:start + numel]`` (reinterpreted as ``dtype``) on Triton's own path. One per-call value
+            (one address, one 16-byte alignment test in the variant key) instead of one per field: the block's
+            fields are at fixed offsets, so their alignments follow the block's.
 
     Raises:
         TypeError: a parameter neither bound nor per-call and without a default, or an unknown name; a call with
@@ -98,17 +106,23 @@ class BoundKernel:
 
     _OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 
-    def __init__(self, launcher, kernel, grid, static: dict, dyn: tuple, record: bool = True):
+    def __init__(self, launcher, kernel, grid, static: dict, dyn: tuple, record: bool = True,
+                 fields: dict | None = None):
         fn = getattr(kernel, "fn", kernel)
         params = list(inspect.signature(fn).parameters.values())
         names = [p.name for p in params]
-        unknown = [n for n in list(static) + list(dyn) if n not in names and n not in self._OPTIONS]
+        fields = fields or {}
+        unknown = [n for n in list(static) + list(dyn) + list(fields)
+                   if n not in names and n not in self._OPTIONS and n != STORE]
         if unknown:
             raise TypeError(f"{fn.__name__}: unknown parameters {unknown}")
+        if bool(fields) != (STORE in dyn):
+            raise TypeError(f"{fn.__name__}: field parameters {list(fields)} need the per-call value {STORE!r} in "
+                            f"dyn, and it needs them")
         self.options = {k: v for k, v in static.items() if k in self._OPTIONS}
         tmpl = []
         for p in params:
-            if p.name in dyn:
+            if p.name in dyn or p.name in fields:
                 tmpl.append(None)
             elif p.name in static:
                 tmpl.append(static[p.name])
@@ -124,7 +138,8 @@ class BoundKernel:
         self._launcher = launcher
         self._record = record
         self._tmpl = tmpl
-        self._pos = tuple(names.index(d) for d in dyn)
+        self._pos = tuple(-1 if d == STORE else names.index(d) for d in dyn)
+        self._fields = tuple((names.index(n), int(st), int(nu), dt) for n, (st, nu, dt) in fields.items())
         self._dyn = tuple(dyn)
         self._names = tuple(names)
         self._grid3 = None if grid is None else tuple(self.grid) + (1,) * (3 - len(self.grid))
@@ -159,9 +174,15 @@ class BoundKernel:
 
     def arg(self, name: str, dyn: tuple = ()):
         """The value parameter ``name`` takes in a call with per-call values ``dyn`` (as the call passes them; a
-        static parameter's bound value needs none). Raises ValueError for an unknown name."""
+        static parameter's bound value needs none; a field parameter's is a
+        :class:`tritonep.ep.field_view.FieldView` of the call's storage block). Raises ValueError for an unknown
+        name."""
+        vals = dyn if self.grid is not None else dyn[1:]
+        for pos, start, numel, dt in self._fields:
+            if self._names[pos] == name:
+                store = vals[self._dyn.index(STORE)]
+                return FieldView(store, store.data_ptr(), start, numel, dt)
         if name in self._dyn:
-            vals = dyn if self.grid is not None else dyn[1:]
             return vals[self._dyn.index(name)]
         return self._tmpl[self._names.index(name)]
 
@@ -185,8 +206,15 @@ class BoundKernel:
         if len(dyn) != len(self._pos):
             raise TypeError(f"{self.name}: {len(dyn)} per-call values, bound for {len(self._pos)}: {self._dyn}")
         args = self._tmpl.copy()
+        store = None
         for p, v in zip(self._pos, dyn):
+            if p < 0:
+                store = v
+                continue
             args[p] = v.tensor() if v.__class__ is FieldView else v  # Triton's path gets tensors, never a FieldView
+        for pos, start, numel, dt in self._fields:  # the storage block's fields, as views
+            t = store[start:start + numel]
+            args[pos] = t if dt is torch.int32 else t.view(dt)
         return args
 
     # ------------------------------------------------------------------------------------------------ variants
@@ -242,6 +270,14 @@ class BoundKernel:
         unpack = ", ".join(([] if self.grid is not None else ["g"]) + names)
         stmts, key, cargs = [f"{unpack}, = d"] if unpack else [], [], {}
         for j, (pos, v) in enumerate(zip(self._pos, vals)):
+            if pos < 0:  # the storage block: its address once; its fields' alignments all follow its own
+                if not (isinstance(v, torch.Tensor) and v.dtype is torch.int32):
+                    raise TypeError(f"{self.name}: the {STORE} value must be an int32 tensor, got {v!r}")
+                stmts.append(f"ps = a{j}.data_ptr()")
+                key.append("ps & 15")  # the residue: with it every field's own 16-byte alignment is known
+                for fpos, start, _, _ in self._fields:
+                    cargs[fpos] = f"(ps + {4 * start})"
+                continue
             s, k, c = _spec_exprs(f"a{j}", v, kp[pos], ns)
             stmts += s
             key += k

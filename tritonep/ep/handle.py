@@ -10,6 +10,7 @@ a caller that refills its ``topk_idx`` / ``topk_weights`` in place after dispatc
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import ClassVar, Optional
 
 import torch
@@ -53,8 +54,9 @@ class DispatchHandle:
 class TritonHandle(DispatchHandle):
     """Handle of the triton backend: the receiver side of the symmetric-memory protocol, in ONE allocation.
 
-    ``store`` is the call's int32 storage block; ``views`` its fields as :class:`tritonep.ep.field_view.FieldView` s
-    (an address and a dtype each; the tensor view is built on first read and cached; the layout is the backend's
+    ``store`` is the call's int32 storage block (the kernels take the block itself and add each field's static
+    offset: :data:`tritonep.ep.bound.STORE`); ``views`` its fields as :class:`tritonep.ep.field_view.FieldView` s
+    (an address and a dtype each; made on first read, like each field's tensor view; the layout is the backend's
     static :class:`tritonep.ep.triton.outputs.HandleLayout`). Fields, as
     properties: ``meta [W, Tmax, K]`` int32 (row of route (src, t, k) here, -1 if elsewhere), ``wts [W, Tmax, K]``
     float32 (its weight), ``ntok [W]`` int32 (tokens of every source), ``rows``, ``counts``, ``topk_idx`` (int32,
@@ -64,8 +66,12 @@ class TritonHandle(DispatchHandle):
 
     backend: ClassVar[str] = "triton"
     store: torch.Tensor
-    views: tuple
     layout: object
+
+    @cached_property
+    def views(self) -> tuple:
+        """The fields of :attr:`store` as :class:`tritonep.ep.field_view.FieldView` s (made once, on first read)."""
+        return self.layout.views(self.store)
 
     def _get(self, name):
         return self.layout.shaped(self.views, name, self.num_tokens)

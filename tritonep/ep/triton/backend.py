@@ -92,6 +92,7 @@ class TritonEP(DispatchOutputs, DecodePath):
         self._recent_idx: deque = deque(maxlen=4)  # the last dispatches' topk_idx: check() names a bad id by value
         self.hl = HandleLayout(cfg)
         self._no_rows = torch.empty(0, cfg.hidden, dtype=cfg.dtype, device=self.device)
+        self._no_w = torch.zeros(1, dtype=torch.float32, device=self.device)  # the weighted combine's unused gw_ptr
         self._launch = Launcher(self.device, group)
         self.k = KernelSet(self)
         self._precompile(group)
@@ -219,32 +220,30 @@ class TritonEP(DispatchOutputs, DecodePath):
         T = x.shape[0]
         if not bad_input:
             self._recent_idx.append(topk_idx)
-        store, v = self.hl.new(self.device)
+        store = self.hl.new(self.device)
         if g.decode:
-            return self._dispatch_decode(x, topk_idx, topk_weights, sync, keep_quantized, bad_input, store, v)
-        i, k = self.hl.index, self.k
+            return self._dispatch_decode(x, topk_idx, topk_weights, sync, keep_quantized, bad_input, store)
+        k = self.k
         nc = _cdiv(T, g.bt)
-        idx_c, w_c, rows = v[i["idx"]], v[i["w"]], v[i["rows"]]
-        ntpe, offs = v[i["ntpe"]], v[i["offs"]]
         ticket = self.host_status.ticket(sync)  # only a read takes one (HostStatus.next_ticket says why)
-        k.hist(topk_idx, topk_weights, idx_c, w_c, T, nc)
-        k.exchange(nc, ntpe, offs, int(bad_input), v[i["counts"]], ticket)  # publishes status + ticket to the host
+        k.hist(topk_idx, topk_weights, store, T, nc)
+        k.exchange(nc, store, int(bad_input), ticket)  # publishes status + ticket to the host
         fused = g.fused_send > 0
         if not fused:
-            k.send(x, idx_c, w_c, rows, T, nc)  # queued before the host waits: its NVLink time overlaps the read
+            k.send(x, store, T, nc)  # queued before the host waits: its NVLink time overlaps the read
+        ntpe, offs = self.hl.tensor(store, "ntpe"), self.hl.tensor(store, "offs")  # while the exchange runs
         st = self._read_host_status(ticket) if sync else None  # the exchange's last program published it
         code, refused, R = self._verdict(st)
         out, out_w, q, sc = self._alloc_out(R if R is not None else self.cfg.max_recv_tokens, R is not None,
                                             keep_quantized)
-        meta, wts, ntok = v[i["meta"]], v[i["wts"]], v[i["ntok"]]
         # the data kernels run on every rank whatever the verdict (a refused call's kernels move no row: the
         # exchange recorded this dispatch's number in status[ST_SKIP_CALL]), so the flags advance identically
         kq = q is not None
         if fused:
-            k.fused(kq)(x, idx_c, w_c, rows, T, out, out_w, meta, wts, ntok, ntpe, offs, q, sc)
+            k.fused(kq)(x, store, T, out, out_w, q, sc)
         else:
-            k.expand(kq)(x, out, out_w, meta, wts, ntok, ntpe, offs, out, out_w, q, sc)
-        return self._finish_dispatch(code, refused, st, sync, bad_input, out, out_w, q, sc, store, v, T, R)
+            k.expand(kq)(x, out, out_w, store, out, out_w, q, sc)
+        return self._finish_dispatch(code, refused, st, sync, bad_input, out, out_w, q, sc, store, ntpe, offs, T, R)
 
     # ---------------------------------------------------------------------------------------------- combine
     def _combine(self, eo, handle, weighted, gw=None, want_wgrad=False, kind=None, wire=RAW):
@@ -256,17 +255,15 @@ class TritonEP(DispatchOutputs, DecodePath):
             kind = "push"  # quantized partials and weight-gradient return are push-only
         if g.decode and kind == "push" and weighted and not want_wgrad:
             return self._combine_decode(eo, handle, wire), None  # one launch; it advances CALL_COMBINE itself
-        T = handle.num_tokens
-        v, i, k = handle.views, self.hl.index, self.k
-        meta, wts, ntok, idx_c = v[i["meta"]], v[i["wts"]], v[i["ntok"]], v[i["idx"]]
+        T, store, k = handle.num_tokens, handle.store, self.k
         y = torch.empty(T, self.cfg.hidden, dtype=eo.dtype, device=self.device)
         if g.fused_combine and kind == "push" and weighted and not want_wgrad:
-            k.combine_fused(wire)(eo, meta, wts, ntok, idx_c, y, T)
+            k.combine_fused(wire)(eo, store, y, T)
             self._eager_check("combine")
             return y, None
-        k.partial(kind, weighted, want_wgrad, wire)(eo, meta, wts, ntok, gw if gw is not None else wts)
+        k.partial(kind, weighted, want_wgrad, wire)(eo, store, gw if gw is not None else self._no_w)
         gtw = torch.empty(T, self.cfg.topk, dtype=torch.float32, device=self.device) if want_wgrad else None
-        k.out(kind, want_wgrad, wire)(idx_c, y, T, _cdiv(T, g.cbt), gtw if gtw is not None else y)
+        k.out(kind, want_wgrad, wire)(store, y, T, _cdiv(T, g.cbt), gtw if gtw is not None else y)
         self._eager_check("combine" if weighted else "dispatch backward")
         return y, gtw
 
@@ -290,12 +287,10 @@ class TritonEP(DispatchOutputs, DecodePath):
         # from the handle's segment sizes / offsets on the device, as zeros)
         g_eo = torch.empty(R, H, dtype=self.cfg.dtype, device=dev)
         g_w = torch.empty(R, dtype=torch.float32, device=dev)
-        T = handle.num_tokens
-        v, i, k = handle.views, self.hl.index, self.k
+        T, store, k = handle.num_tokens, handle.store, self.k
         # grad_y is held until the expand ran: it reads the own rank's rows from it (raw wire)
-        k.send_bwd(grad_y, v[i["idx"]], v[i["w"]], v[i["rows"]], T, _cdiv(T, self.cfg.geometry.bt))
-        k.expand_bwd(grad_y, g_eo, v[i["meta"]], v[i["wts"]], v[i["ntok"]], v[i["ntpe"]], v[i["offs"]], expert_out,
-                     g_w, g_w, R)
+        k.send_bwd(grad_y, store, T, _cdiv(T, self.cfg.geometry.bt))
+        k.expand_bwd(grad_y, g_eo, store, expert_out, g_w, g_w, R)
         self._eager_check("combine backward")
         return g_eo, g_w
 

@@ -24,7 +24,7 @@ from ...kernels.dispatch import dispatch_expand_kernel, dispatch_send_kernel
 from ...kernels.dispatch_fused import dispatch_fused_kernel
 from ...kernels.layout import chunk_hist_kernel, exchange_kernel, exchange_tiles
 from ...wire.formats import get_wire
-from ..bound import BoundKernel
+from ..bound import STORE, BoundKernel
 from .outputs import ST_HOST
 
 __all__ = ["KernelSet", "RAW"]
@@ -42,7 +42,7 @@ class KernelSet:
     """
 
     def __init__(self, ep):
-        cfg, g, b = ep.cfg, ep.cfg.geometry, ep.buf
+        cfg, g, b, hl = ep.cfg, ep.cfg.geometry, ep.buf, ep.hl
         self._ep, self._lau = ep, ep._launch
         W, E, K, L, A = cfg.world_size, cfg.num_experts, cfg.topk, cfg.num_local_experts, cfg.expert_alignment
         Tm, H = cfg.max_tokens_per_rank, cfg.hidden
@@ -65,7 +65,7 @@ class KernelSet:
         self.hist = BoundKernel(self._lau, chunk_hist_kernel, (g.grid_hist,), dict(
             hist_ptr=ep.hist, K=K, E=E, EB=_p2(E), BT=g.bt, KB=_p2(K), bump_a=calls(P.CALL_DISPATCH),
             bump_b=calls(P.CALL_EXCHANGE), NBUMP=2, COPY=True, **opts),
-            dyn=("topk_idx_ptr", "w_ptr", "idx_out_ptr", "w_out_ptr", "T", "NC"))
+            dyn=("topk_idx_ptr", "w_ptr", STORE, "T", "NC"), fields=hl.fields_of(idx_out_ptr="idx", w_out_ptr="w"))
         xgrid, xt = exchange_tiles(self.ncmax, E)  # static tiles: never derived from this call's T
         self.exchange = BoundKernel(self._lau, exchange_kernel, (xgrid,), dict(
             hist_ptr=ep.hist, counts_tab=ep.tab["counts"], flags_ptr=ep.flags, flags_tab=ep.tab["flags"],
@@ -75,15 +75,19 @@ class KernelSet:
             HAS_TIMER=ck["HAS_TIMER"], DOUBLE=True, dcall_ptr=calls(P.CALL_DISPATCH),
             rows_out_ptr=ep.status[P.v(P.ST_ROWS_RECEIVED):P.v(P.ST_ROWS_RECEIVED) + 1], host_st_ptr=ep.st_mapped,
             HOST_ST=ST_HOST, **xt, **opts),
-            dyn=("NC", "ntpe_ptr", "offs_ptr", "host_bad", "counts_out_ptr", "ticket"))
+            dyn=("NC", STORE, "host_bad", "ticket"),
+            fields=hl.fields_of(ntpe_ptr="ntpe", offs_ptr="offs", counts_out_ptr="counts"))
         send = dict(pre_ptr=ep.pre, send_base_ptr=ep.send_base, stage_tab=ep.tab["stage"], meta_tab=ep.tab["meta"],
                     wts_tab=ep.tab["wts"], ntok_tab=ep.tab["ntok"], data_off=fo(P.FLAG_DATA), G_expand=g.grid_expand,
                     Tmax=Tm, E=E, L=L, **common, **ck)
-        sdyn = ("x_ptr", "topk_idx_ptr", "topk_w_ptr", "rows_ptr", "T", "NC")
+        sdyn, sf = ("x_ptr", STORE, "T", "NC"), hl.fields_of(topk_idx_ptr="idx", topk_w_ptr="w", rows_ptr="rows")
         self.send = BoundKernel(self._lau, dispatch_send_kernel, (g.grid_send,),
-                                dict(send, COMPUTE_ROWS=True, WIRE=ep.dwire), sdyn)
+                                dict(send, COMPUTE_ROWS=True, WIRE=ep.dwire), sdyn, fields=sf)
         self.send_bwd = BoundKernel(self._lau, dispatch_send_kernel, (g.grid_send,),
-                                    dict(send, COMPUTE_ROWS=False, WIRE=RAW, ADV=1), sdyn)
+                                    dict(send, COMPUTE_ROWS=False, WIRE=RAW, ADV=1), sdyn, fields=sf)
+        # the receiver-side fields of the handle (expand, partial, combine)
+        self._recv = hl.fields_of(hmeta_ptr="meta", hwts_ptr="wts", hntok_ptr="ntok")
+        self._layout = dict(self._recv, **hl.fields_of(ntpe_ptr="ntpe", offs_ptr="offs"))
         self._expand_static = dict(stage_ptr=b.local("stage"), meta_ptr=b.local("meta"), wts_ptr=b.local("wts"),
                                    ntok_ptr=b.local("ntok"), ack_off=fo(P.FLAG_ACK), G_send=g.grid_send, Tmax=Tm,
                                    NCmax=self.ncmax, L=L, LB=_p2(L), PF=g.prefetch, **common, **ck)
@@ -95,8 +99,7 @@ class KernelSet:
             self._expand_static, BT=g.bbt, num_warps=g.bwarps, NCmax=max(1, triton.cdiv(Tm, g.bbt)), PF=False,
             GA=g.grid_expand,
             BA=1, A=A, SCALE=True, DOT=True, KEEP_HANDLE=False, WIRE=RAW, KEEP_Q=False, ADV=1),
-            dyn=("x_ptr", "out_ptr", "hmeta_ptr", "hwts_ptr", "hntok_ptr", "ntpe_ptr", "offs_ptr", "eo_ptr",
-                 "gw_ptr", "out_w_ptr", "nrows"))
+            dyn=("x_ptr", "out_ptr", STORE, "eo_ptr", "gw_ptr", "out_w_ptr", "nrows"), fields=self._layout)
         self._cache: dict = {}
 
     def _get(self, key, make):
@@ -117,8 +120,8 @@ class KernelSet:
             return BoundKernel(self._lau, dispatch_expand_kernel, (g.grid_expand,), dict(
                 self._expand_static, BA=_p2(max(cfg.expert_alignment, 1)), A=cfg.expert_alignment, SCALE=False,
                 DOT=False, KEEP_HANDLE=True, WIRE=ep.dwire, KEEP_Q=kq),
-                dyn=("x_ptr", "out_ptr", "out_w_ptr", "hmeta_ptr", "hwts_ptr", "hntok_ptr", "ntpe_ptr", "offs_ptr",
-                     "eo_ptr", "gw_ptr", "q_ptr", "s_ptr"))
+                dyn=("x_ptr", "out_ptr", "out_w_ptr", STORE, "eo_ptr", "gw_ptr", "q_ptr", "s_ptr"),
+                fields=self._layout)
         return self._get(("expand", kq), make)
 
     def fused(self, kq: bool) -> BoundKernel:
@@ -138,8 +141,8 @@ class KernelSet:
                 Tmax=cfg.max_tokens_per_rank, NCmax=self.ncmax, GS=g.fused_send, E=cfg.num_experts,
                 L=cfg.num_local_experts, BA=_p2(max(cfg.expert_alignment, 1)), A=cfg.expert_alignment,
                 WIRE=ep.dwire, KEEP_Q=kq, PF=g.prefetch, **self._common, **self._ck),
-                dyn=("x_ptr", "topk_idx_ptr", "topk_w_ptr", "rows_ptr", "T", "out_ptr", "out_w_ptr", "hmeta_ptr",
-                     "hwts_ptr", "hntok_ptr", "ntpe_ptr", "offs_ptr", "q_ptr", "s_ptr"))
+                dyn=("x_ptr", STORE, "T", "out_ptr", "out_w_ptr", "q_ptr", "s_ptr"),
+                fields=dict(self._layout, **ep.hl.fields_of(topk_idx_ptr="idx", topk_w_ptr="w", rows_ptr="rows")))
         return self._get(("fused", kq), make)
 
     def decode(self, kq: bool) -> BoundKernel:
@@ -161,9 +164,10 @@ class KernelSet:
                 LB=_p2(cfg.num_local_experts), TB=_p2(cfg.max_tokens_per_rank),
                 BA=_p2(max(cfg.expert_alignment, 1)), A=cfg.expert_alignment, WIRE=ep.dwire, KEEP_Q=kq, COPY=True,
                 host_st_ptr=ep.st_mapped, HOST_ST=ST_HOST, **self._common, **self._ck),
-                dyn=("x_ptr", "topk_idx_ptr", "topk_w_ptr", "rows_ptr", "T", "host_bad", "nrows_w", "out_ptr",
-                     "out_w_ptr", "hmeta_ptr", "hwts_ptr", "hntok_ptr", "ntpe_ptr", "offs_ptr", "counts_out_ptr",
-                     "q_ptr", "s_ptr", "idx_out_ptr", "w_out_ptr", "ticket"))
+                dyn=("x_ptr", "topk_idx_ptr", "topk_w_ptr", STORE, "T", "host_bad", "nrows_w", "out_ptr",
+                     "out_w_ptr", "q_ptr", "s_ptr", "ticket"),
+                fields=dict(self._layout, **ep.hl.fields_of(rows_ptr="rows", counts_out_ptr="counts",
+                                                           idx_out_ptr="idx", w_out_ptr="w")))
         return self._get(("decode", kq), make)
 
     # ------------------------------------------------------------------------------------------------ combine
@@ -176,7 +180,7 @@ class KernelSet:
                 stage_tab=ep.tab["cstage"], wback_tab=ep.tab["wback"], cdata_off=self._fo(P.FLAG_CDATA),
                 G_out=g.grid_out, Tmax=cfg.max_tokens_per_rank, NCmax=self.ncmax_c, PUSH=kind == "push",
                 WEIGHTED=weighted, SEND_WGRAD=wgrad, WIRE=wire, **self._common, **self._cck),
-                dyn=("eo_ptr", "hmeta_ptr", "hwts_ptr", "hntok_ptr", "gw_ptr"))
+                dyn=("eo_ptr", STORE, "gw_ptr"), fields=self._recv)
         return self._get(("partial", kind, weighted, wgrad, wire), make)
 
     def out(self, kind: str, wgrad: bool, wire) -> BoundKernel:
@@ -188,7 +192,7 @@ class KernelSet:
                 stage_tab=ep.tab["cstage"], wback_ptr=ep.buf.local("wback"), cack_off=self._fo(P.FLAG_CACK),
                 G_partial=g.grid_partial, Tmax=cfg.max_tokens_per_rank, L=cfg.num_local_experts,
                 PULL=kind == "pull", RECV_WGRAD=wgrad, WIRE=wire, **self._common, **self._cck),
-                dyn=("topk_idx_ptr", "y_ptr", "T", "NC", "gtw_ptr"))
+                dyn=(STORE, "y_ptr", "T", "NC", "gtw_ptr"), fields=ep.hl.fields_of(topk_idx_ptr="idx"))
         return self._get(("out", kind, wgrad, wire), make)
 
     def combine_fused(self, wire) -> BoundKernel:
@@ -201,7 +205,7 @@ class KernelSet:
                 cdata_off=self._fo(P.FLAG_CDATA), cack_off=self._fo(P.FLAG_CACK), G_partial_std=g.grid_partial,
                 G_out_std=g.grid_out, Tmax=cfg.max_tokens_per_rank, NCmax=self.ncmax_c, GS=g.fused_send,
                 L=cfg.num_local_experts, WIRE=wire, **self._common, **self._cck),
-                dyn=("eo_ptr", "hmeta_ptr", "hwts_ptr", "hntok_ptr", "topk_idx_ptr", "y_ptr", "T"))
+                dyn=("eo_ptr", STORE, "y_ptr", "T"), fields=dict(self._recv, **ep.hl.fields_of(topk_idx_ptr="idx")))
         return self._get(("combine_fused", wire), make)
 
     def combine_decode(self, wire) -> BoundKernel:
@@ -213,5 +217,5 @@ class KernelSet:
                 stage_tab=ep.tab["cstage"], ccflag_tab=ep.tab["ccflag"], ccflag_ptr=ep.buf.local("ccflag"),
                 cdata_off=self._fo(P.FLAG_CDATA), cack_off=self._fo(P.FLAG_CACK), Tmax=cfg.max_tokens_per_rank,
                 NCmax=self.ncmax, L=cfg.num_local_experts, WIRE=wire, **self._common, **self._ck),
-                dyn=("eo_ptr", "hmeta_ptr", "hwts_ptr", "hntok_ptr", "topk_idx_ptr", "y_ptr", "T"))
+                dyn=("eo_ptr", STORE, "y_ptr", "T"), fields=dict(self._recv, **ep.hl.fields_of(topk_idx_ptr="idx")))
         return self._get(("combine_decode", wire), make)

@@ -25,33 +25,32 @@ __all__ = ["DecodePath"]
 class DecodePath:
     """Forward dispatch and weighted push combine as one launch each (see the module docstring)."""
 
-    def _dispatch_decode(self, x, topk_idx, topk_weights, sync, keep_quantized, bad_input, store, v):
+    def _dispatch_decode(self, x, topk_idx, topk_weights, sync, keep_quantized, bad_input, store):
         """Forward dispatch in one launch; returns what ``TritonEP.dispatch_fwd`` returns and raises what it raises
-        (CapacityError / PeerInputError / InputError / PeerTimeoutError when ``sync``). ``store`` / ``v``: this
-        call's handle storage and its views."""
+        (CapacityError / PeerInputError / InputError / PeerTimeoutError when ``sync``). ``store``: this call's
+        handle storage block."""
         T = x.shape[0]
-        i = self.hl.index
         max_recv = self.cfg.max_recv_tokens
         # rows are known on the host only after the launch: allocate the capacity, cut to R after the host read
         # (the kernel zeroes out_w past the rows received: no memset before the launch)
         out, out_w, q, sc = self._alloc_out(max_recv, True, keep_quantized)
         ticket = self.host_status.ticket(sync)  # only a read takes one (HostStatus.next_ticket says why)
-        self.k.decode(q is not None)(x, topk_idx, topk_weights, v[i["rows"]], T, int(bad_input), max_recv, out,
-                                     out_w, v[i["meta"]], v[i["wts"]], v[i["ntok"]], v[i["ntpe"]], v[i["offs"]],
-                                     v[i["counts"]], q, sc, v[i["idx"]], v[i["w"]], ticket)
+        self.k.decode(q is not None)(x, topk_idx, topk_weights, store, T, int(bad_input), max_recv, out, out_w, q, sc,
+                                     ticket)
+        # what needs no verdict is made while the launch runs (the host read waits for it anyway)
+        ntpe, offs = self.hl.tensor(store, "ntpe"), self.hl.tensor(store, "offs")
         st = self._read_host_status(ticket) if sync else None  # published once the verdict is known
         code, refused, R = self._verdict(st)
         if R is not None:
             out, out_w = (out if q is not None else out[:R]), out_w[:R]
             if q is not None:
                 q, sc = q[:R], sc[:R]
-        return self._finish_dispatch(code, refused, st, sync, bad_input, out, out_w, q, sc, store, v, T, R)
+        return self._finish_dispatch(code, refused, st, sync, bad_input, out, out_w, q, sc, store, ntpe, offs, T, R)
 
     def _combine_decode(self, eo, handle, wire):
         """Weighted push combine in one launch: ``y [T, H]`` (eo's dtype)."""
         T = handle.num_tokens
-        v, i = handle.views, self.hl.index
         y = torch.empty(T, self.cfg.hidden, dtype=eo.dtype, device=self.device)
-        self.k.combine_decode(wire)(eo, v[i["meta"]], v[i["wts"]], v[i["ntok"]], v[i["idx"]], y, T)
+        self.k.combine_decode(wire)(eo, handle.store, y, T)
         self._eager_check("combine")
         return y

@@ -58,11 +58,27 @@ class HandleLayout:
         self.numel = start
         self.K, self.W, self.E, self.Tm = K, W, E, Tm
 
-    def new(self, device) -> tuple:
-        """``(store, views)`` of a new call: one allocation; ``views`` a tuple of :class:`FieldView` (no tensor op)."""
-        store = torch.empty(self.numel, dtype=torch.int32, device=device)
+    def new(self, device) -> torch.Tensor:
+        """A new call's storage block: one allocation, no view (kernels bound with :meth:`fields` take the block
+        itself, :data:`tritonep.ep.bound.STORE`; a handle makes its :meth:`views` when someone reads a field)."""
+        return torch.empty(self.numel, dtype=torch.int32, device=device)
+
+    def views(self, store: torch.Tensor) -> tuple:
+        """The fields of ``store`` as a tuple of :class:`FieldView` (no tensor op), in :attr:`names` order."""
         base = store.data_ptr()
-        return store, tuple([FieldView(store, base, s, n, dt) for s, n, dt in self.fields])
+        return tuple([FieldView(store, base, s, n, dt) for s, n, dt in self.fields])
+
+    def fields_of(self, **params) -> dict:
+        """``{kernel parameter: (start, numel, dtype)}`` for ``parameter=field_name`` pairs: the ``fields`` of a
+        :class:`tritonep.ep.bound.BoundKernel` whose per-call storage block is this layout's."""
+        return {p: self.fields[self.index[n]] for p, n in params.items()}
+
+    def tensor(self, store: torch.Tensor, name: str) -> torch.Tensor:
+        """Field ``name`` of ``store`` as a 1-D tensor view (one slice, plus a reinterpreting view for float
+        fields): what a dispatch returns for ``num_tokens_per_expert`` / ``expert_offsets``."""
+        s, n, dt = self.fields[self.index[name]]
+        t = store[s:s + n]
+        return t if dt is torch.int32 else t.view(dt)
 
     def shaped(self, views: tuple, name: str, num_tokens: int) -> torch.Tensor:
         """Field ``name`` of a call's views with its logical shape (``[T, K]`` for the per-token fields)."""
@@ -115,9 +131,10 @@ class DispatchOutputs:
             torch.zeros(nrows, dtype=torch.float32, device=dev)
         return out, out_w, q, sc
 
-    def _finish_dispatch(self, code, refused, st, sync, bad_input, out, out_w, q, sc, store, views, T, R):
+    def _finish_dispatch(self, code, refused, st, sync, bad_input, out, out_w, q, sc, store, ntpe, offs, T, R):
         """Raise a refused call's error (after its launches), else the forward dispatch's return tuple
-        ``(rows, row_weights, num_tokens_per_expert, expert_offsets, handle)``."""
+        ``(rows, row_weights, num_tokens_per_expert, expert_offsets, handle)`` (``ntpe`` / ``offs``: the two
+        views of ``store`` it returns, made by the caller, e.g. while its launch runs)."""
         if refused:
             self.status.zero_()  # reported once, here; the buffer stays usable (stream-ordered after the kernels)
             if code == STATUS_BAD_INPUT and self.rank in bad_ranks(torch.tensor(st)) and not bad_input:
@@ -127,7 +144,6 @@ class DispatchOutputs:
                              self.cfg.timeout_s, self.device.type)
         if sync == SYNC_STRICT:  # the front door's mode (``sync``, read once per call; never under capture / dry run)
             self.check("dispatch")  # a peer that stopped after the counts exchange raises in this call
-        handle = TritonHandle(store=store, views=views, layout=self.hl, num_tokens=T, num_recv_rows=R, x_scales=sc,
+        handle = TritonHandle(store=store, layout=self.hl, num_tokens=T, num_recv_rows=R, x_scales=sc,
                               recv_weights=out_w, buffer_id=self.buffer_id)
-        i = self.hl.index
-        return (out if q is None else q), out_w, views[i["ntpe"]].tensor(), views[i["offs"]].tensor(), handle
+        return (out if q is None else q), out_w, ntpe, offs, handle

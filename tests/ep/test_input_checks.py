@@ -186,3 +186,15 @@ def _noncontig_world(group, backend):
 def test_non_contiguous_inputs_equal_contiguous(backend):
     for r, (a, b) in enumerate(run_cpu_world(2, _noncontig_world, backend, timeout_s=120)):
         assert diff(b, a) == [], f"rank {r}: non-contiguous inputs changed the result"
+
+
+def test_script_bad_rank_with_no_tokens_is_refused_at_the_front_door():
+    """A refused step whose bad rank has no token (:func:`tritonep.testing.harness.script_world`: its topk_idx is
+    ``[0, K + 1]``): that rank raises InputError naming the shape, its peer PeerInputError naming it; then a good
+    call, and a bad id found on the device with the other rank empty."""
+    from tritonep.testing.harness import check_script, script_world
+
+    cfg = dict(E=8, H=32, Tmax=8, K=2, A=1)
+    steps = [("bad", 1, [0, 3], 0), ("ok", 2, [3, 2], None), ("bad", 3, [0, 4], 1)]
+    res = run_cpu_world(2, script_world, cfg, steps, timeout_s=300)
+    check_script(cfg, steps, res)

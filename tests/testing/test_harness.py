@@ -83,3 +83,32 @@ def test_check_grads_fails_on_a_wrong_gradient():
     res[1]["gw"] = res[1]["gw"] + 0.1
     with pytest.raises(AssertionError, match="rank 1: gw"):
         check_grads(CFG["E"], res, expert_alignment=CFG["A"])
+
+
+def test_check_script_bad_step_wants_the_bad_rank_input_error_naming_its_value():
+    """A refused step of :func:`check_script`: the bad rank raises InputError naming its value whatever its T (the id
+    E found on the device, or with no token the ``[0, K + 1]`` topk_idx refused at the front door; the harness used
+    to expect PeerInputError from a T = 0 bad rank and planted nothing there, so a correct buffer failed), its peers
+    PeerInputError naming it; anything else fails, naming the step."""
+    from tritonep.testing.harness import check_script
+
+    cfg = dict(CFG, E=8, K=3)
+    steps = [("bad", 1, [0, 3], 0), ("bad", 2, [2, 4], 1), ("cap", 3, [8, 8])]
+    peer = lambda b: ("PeerInputError", f"dispatch: the input of rank(s) [{b}] was refused")  # noqa: E731
+    good = [[("InputError", "topk_idx must have shape [num_tokens=0, topk=3], got (0, 4)"), peer(1),
+             ("CapacityError", "")],
+            [peer(0), ("InputError", "topk_idx[1, 0] = 8 is outside [-1, num_experts=8)"), ("CapacityError", "")]]
+    check_script(cfg, steps, good)
+    wrong = {"the old expectation at T = 0": (0, 0, peer(0)), "no error": (0, 0, ("no error", "")),
+             "the value not named": (0, 0, ("InputError", "topk_idx must have shape")),
+             "the peer names no rank": (1, 0, ("PeerInputError", "the input was refused")),
+             "a device id not named": (1, 1, ("InputError", "topk_idx[1, 0] = 7 is outside"))}
+    for what, (rank, step, rec) in wrong.items():
+        res = [list(r) for r in good]
+        res[rank][step] = rec
+        try:
+            check_script(cfg, steps, res)
+        except AssertionError as e:
+            assert str(e).startswith(f"({step}, "), (what, str(e))
+        else:
+            pytest.fail(f"check_script accepted {what}")

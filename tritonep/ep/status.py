@@ -2,7 +2,8 @@
 
 Every EPBuffer owns ``status`` int64 ``[8]``: ``[code, wait_id, peer, errors_seen, needed_rows, skip_call,
 bad_rank_mask, waited]`` (indices ``ST_*`` of :mod:`tritonep.kernels.protocol`) written by the kernels (:mod:`tritonep.kernels.signal`, :mod:`tritonep.kernels.layout`):
-``skip_call`` is the dispatch number whose data kernels skip their rows (capacity or input error),
+``skip_call`` is the dispatch number whose data kernels skip their rows (capacity or input error; a dispatch's own
+read compares it with its number, ``status[ST_THIS_CALL]`` after the 8 words, to say whose refusal it raises),
 ``bad_rank_mask`` has bit r set when rank r's input was refused, ``waited`` is the measured length of the wait
 that gave up in nanoseconds (``%globaltimer`` on GPU, the host's monotonic clock in the interpreter).
 """
@@ -17,8 +18,8 @@ from ..kernels import protocol as P
 
 STATUS_OK, STATUS_TIMEOUT, STATUS_CAPACITY, STATUS_BAD_INPUT = (
     P.v(P.STATUS_OK), P.v(P.STATUS_TIMEOUT), P.v(P.STATUS_CAPACITY), P.v(P.STATUS_BAD_INPUT))
-_CODE, _WAIT_ID, _PEER, _NEEDED, _BAD_MASK, _WAITED = (P.v(n) for n in (
-    P.ST_CODE, P.ST_WAIT_ID, P.ST_PEER, P.ST_NEEDED_ROWS, P.ST_BAD_RANK_MASK, P.ST_WAITED))
+_CODE, _WAIT_ID, _PEER, _NEEDED, _SKIP_CALL, _BAD_MASK, _WAITED = (P.v(n) for n in (
+    P.ST_CODE, P.ST_WAIT_ID, P.ST_PEER, P.ST_NEEDED_ROWS, P.ST_SKIP_CALL, P.ST_BAD_RANK_MASK, P.ST_WAITED))
 
 __all__ = ["WAIT_NAMES", "raise_for_status", "wait_bound", "bad_ranks", "resolve_timeout"]
 
@@ -57,9 +58,29 @@ def _waited(status_host, device_type: str | None = None) -> str:
     return f"after waiting {int(status_host[_WAITED]) / 1e9:.2f} s"
 
 
+def _refused_call(status_host, this_call: int | None) -> str:
+    """Which call a refusal skipped, for the message: this call's own (nothing was sent), or an earlier dispatch's
+    that nobody read (sync-free, sync checks off, a graph replay), raised by the first read after it although this
+    call's rows moved. ``this_call``: the number of the dispatch whose read found the refusal (``status[ST_THIS_CALL]``
+    as its verdict launch published it), None for a read outside a dispatch (:meth:`EPBuffer.check`, the MoE
+    layer's counts exchange). Numbers count the buffer's dispatches and combine backwards (``calls[CALL_DISPATCH]``)."""
+    skip = int(status_host[_SKIP_CALL])
+    if this_call is None or skip <= 0:
+        return "the refused call moved no rows on any rank"
+    if skip == int(this_call):
+        return "nothing was sent"
+    return (f"the refusal is an earlier dispatch's that nobody read (sync_free=True, TRITONEP_SYNC_CHECKS=0 or a "
+            f"graph replay; call {skip} of this buffer, this is call {int(this_call)}, counting dispatches and "
+            f"combine backwards): that call moved no rows; this call's rows were sent, but it raises the refusal as "
+            f"the first read after it, so its outputs are not returned")
+
+
 def raise_for_status(status_host: torch.Tensor, rank: int, max_recv: int, what: str,
-                     timeout_s: float | None = None, device_type: str | None = None):
+                     timeout_s: float | None = None, device_type: str | None = None, this_call: int | None = None):
     """Raise the typed error a status word holds (``status_host``: int64 ``[8]`` on the host), else return.
+
+    ``this_call``: a dispatch's own read passes its number (``status[ST_THIS_CALL]``), so a refusal's message says
+    whether that call's rows were sent (an earlier call's refusal nobody read) or not (its own); None elsewhere.
 
     Raises:
         PeerTimeoutError: a wait gave up (message: the wait, the peer, the measured wait and the bound).
@@ -81,11 +102,11 @@ def raise_for_status(status_host: torch.Tensor, rank: int, max_recv: int, what: 
         bad = bad_ranks(status_host)
         raise PeerInputError(
             f"{what}: the input of rank(s) {bad} was refused, so this call failed on every rank (rank {rank} "
-            f"raises this; the bad rank raises the error naming its value); nothing was sent", bad_ranks=bad,
-            rank=rank)
+            f"raises this; the bad rank raises the error naming its value); {_refused_call(status_host, this_call)}",
+            bad_ranks=bad, rank=rank)
     if code == STATUS_CAPACITY:
         needed = int(status_host[_NEEDED])
         raise CapacityError(
             f"{what}: rank {int(status_host[_PEER])} would receive {needed} rows but max_recv_tokens={max_recv}; "
-            f"nothing was sent", needed=needed, available=max_recv)
+            f"{_refused_call(status_host, this_call)}", needed=needed, available=max_recv)
     raise PeerTimeoutError(f"{what}: unknown device status code {code}", rank=rank)

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from .. import envs
-from .protocol import (CALL_EXCHANGE, DONE_EXCHANGE, ST_BAD_RANK_MASK, ST_NEEDED_ROWS, ST_SKIP_CALL,
+from .protocol import (CALL_EXCHANGE, DONE_EXCHANGE, ST_BAD_RANK_MASK, ST_NEEDED_ROWS, ST_SKIP_CALL, ST_THIS_CALL,
                        STATUS_BAD_INPUT, STATUS_CAPACITY, WAIT_COUNTS)
 from .signal import publish_host_status, record_error, signal_peers, wait_all_ge
 
@@ -266,9 +266,13 @@ def refused_call(badv, rows, max_recv, W: tl.constexpr, WB: tl.constexpr):
 def record_verdict(badv, rows, max_recv, status_ptr, skip_call, HAS_SKIP: tl.constexpr, W: tl.constexpr,
                    WB: tl.constexpr):
     """Record the counts exchange's verdict (see :func:`exchange_kernel`): STATUS_BAD_INPUT with the lowest bad rank
-    and the bitmask of bad ranks, else STATUS_CAPACITY with the rows needed; HAS_SKIP stores ``skip_call`` (the
-    dispatch number whose data movement every rank skips) in ``status[ST_SKIP_CALL]``."""
+    and the bitmask of bad ranks, else STATUS_CAPACITY with the rows needed; HAS_SKIP: ``skip_call`` is this
+    dispatch's number, stored in ``status[ST_THIS_CALL]`` always and in ``status[ST_SKIP_CALL]`` when the call is
+    refused (every rank's data kernels then skip its rows): the host tells this call's refusal from an earlier one
+    nobody read."""
     s_off = tl.arange(0, WB)
+    if HAS_SKIP:
+        tl.store(status_ptr + ST_THIS_CALL, skip_call)
     badv = tl.where(s_off < W, badv, 0)
     over = tl.max(tl.where(s_off < W, rows, 0), 0)
     if tl.max(badv, 0) > 0:

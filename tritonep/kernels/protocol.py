@@ -28,11 +28,15 @@ the modulo test needs one grid per counter). The combine backward's last expand 
 ``grid_expand`` to ``FLAG_ACK`` in every source at once (:func:`tritonep.kernels.signal.ack_on_last`), so that
 expand may run its own grid (``Geometry.bgrid``) while the senders keep counting ``grid_expand`` acks per call.
 
-Status word. ``status`` is int64 ``[STATUS_WORDS]`` (errors) plus ``ST_ROWS_RECEIVED`` after it (the host reads
-both at once: a dispatch's verdict launch, the counts exchange's last program or the decode dispatch's program 0,
-publishes them with a ticket into pinned host memory, :func:`tritonep.kernels.signal.publish_host_status`):
-``[code, wait_id, peer, errors_seen, needed_rows, skip_call, bad_rank_mask, waited, rows_received]``. Codes are
-``STATUS_*``.
+Status word. ``status`` is int64 ``[STATUS_WORDS]`` (errors) plus ``ST_ROWS_RECEIVED`` and ``ST_THIS_CALL`` after
+it (the host reads them at once: a dispatch's verdict launch, the counts exchange's last program or the decode
+dispatch's program 0, publishes them with a ticket into pinned host memory,
+:func:`tritonep.kernels.signal.publish_host_status`):
+``[code, wait_id, peer, errors_seen, needed_rows, skip_call, bad_rank_mask, waited, rows_received, this_call]``.
+Codes are ``STATUS_*``. ``skip_call`` is the number (``calls[CALL_DISPATCH]``) of the dispatch a refusal skipped;
+``this_call`` the number of the dispatch whose verdict launch published last: equal, the refusal is that call's
+own; ``skip_call`` lower, it is an earlier call's that nobody read (sync-free, sync checks off, a graph replay) and
+this call's rows moved.
 
 Wait ids (recorded in ``status[ST_WAIT_ID]`` by a wait that gave up): ``WAIT_COUNTS`` .. ``WAIT_CACK`` for the
 EP rows above, ``WAIT_RENDEZVOUS + i`` for the expert transport's rendezvous ``i`` (0..3).
@@ -81,6 +85,7 @@ ST_SKIP_CALL = tl.constexpr(5)
 ST_BAD_RANK_MASK = tl.constexpr(6)
 ST_WAITED = tl.constexpr(7)
 ST_ROWS_RECEIVED = tl.constexpr(8)
+ST_THIS_CALL = tl.constexpr(9)  # the number of the forward dispatch whose verdict launch wrote the words last
 STATUS_WORDS = tl.constexpr(8)  # the error part of the word (what raise_for_status reads)
 
 # wait ids

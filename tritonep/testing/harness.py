@@ -262,8 +262,11 @@ def check_grads(num_experts: int, res, *, scale: float = 0.5, expert_alignment: 
 def _script_inputs(rank: int, cfg: Mapping, step) -> tuple:
     what, seed, Ts = step[:3]
     x, idx, w = make_rank_inputs(rank, Ts[rank], cfg["H"], cfg["E"], cfg["K"], seed=seed, mask_frac=0.15)
-    if what == "bad" and rank == step[3] and Ts[rank] > 0:
-        idx[-1, 0] = cfg["E"]
+    if what == "bad" and rank == step[3]:
+        if Ts[rank] > 0:
+            idx[-1, 0] = cfg["E"]  # found on the device, in the counts exchange
+        else:  # no token to hold a bad id: a topk_idx one column too wide, refused at the front door
+            idx = torch.zeros(0, cfg["K"] + 1, dtype=idx.dtype)
     if what == "cap":
         idx = torch.zeros_like(idx)  # every route to expert 0: rank 0 receives more than max_recv rows
     return x, idx, w
@@ -273,13 +276,14 @@ def script_world(group, cfg: Mapping, steps) -> list:
     """Rank body: ``steps`` on one buffer of the case (strict sync checks; ``cfg["geometry"]``, a TRITONEP_GEOMETRY
     string, for this buffer only). A step is ``("ok", seed, Ts, kind)``: :func:`run_call` (combine ``kind`` None /
     push / pull, the expert output a plain tensor) or, for kind ``"grad"``, :func:`run_grad_call` with the same
-    expert (grad seed ``seed + rank``); ``("bad", seed, Ts, bad_rank)``: ``bad_rank``'s last token picks expert E;
+    expert (grad seed ``seed + rank``); ``("bad", seed, Ts, bad_rank)``: ``bad_rank``'s last token picks expert E
+    (found on the device), or with no token its ``topk_idx`` is ``[0, K + 1]`` (refused at the front door);
     ``("cap", seed, Ts)``: every route to expert 0 (over ``max_recv``). ``Ts``: tokens per rank; inputs from
     :func:`tritonep.testing.cases.make_rank_inputs` (mask 0.15).
 
     Returns:
-        per step the record or the refused call's error class name, then the buffer's geometry
-        ``(bt, cbt, decode, fused_combine, grid_partial)``.
+        per step the record or, for a refused step, ``(error class name, message)`` (``("no error", "")`` if the
+        call returned), then the buffer's geometry ``(bt, cbt, decode, fused_combine, grid_partial)``.
     """
     import torch.distributed as dist
 
@@ -295,9 +299,9 @@ def script_world(group, cfg: Mapping, steps) -> list:
         if step[0] != "ok":
             try:
                 buf.dispatch(x, idx, w)
-                out.append("no error")
+                out.append(("no error", ""))
             except (InputError, PeerInputError, CapacityError) as e:
-                out.append(type(e).__name__)
+                out.append((type(e).__name__, str(e)))
         elif step[3] == "grad":
             out.append(run_grad_call(buf, x, idx, w, grad_seed=step[1] + rank, bias=1.0))
         else:
@@ -308,8 +312,9 @@ def script_world(group, cfg: Mapping, steps) -> list:
 
 
 def check_script(cfg: Mapping, steps, res, geo: tuple | None = None) -> None:
-    """Every rank's :func:`script_world` result: refused steps refused on every rank (the bad rank's InputError,
-    its peers' PeerInputError; CapacityError everywhere), good steps against :func:`expected`, grad steps also
+    """Every rank's :func:`script_world` result: refused steps refused on every rank (the bad rank's InputError
+    naming its value, whatever its T: the id E, or with no token the ``[0, K + 1]`` shape; its peers'
+    PeerInputError naming it; CapacityError everywhere), good steps against :func:`expected`, grad steps also
     :func:`check_grads`; ``geo``: the buffer's expected geometry tuple.
 
     Raises:
@@ -322,10 +327,14 @@ def check_script(cfg: Mapping, steps, res, geo: tuple | None = None) -> None:
         got = [res[r][i] for r in range(W)]
         what, _, Ts = step[:3]
         if what == "bad":
-            assert got == ["InputError" if r == step[3] and Ts[r] > 0 else "PeerInputError" for r in range(W)], (i, got)
+            bad = step[3]
+            assert [g[0] for g in got] == ["InputError" if r == bad else "PeerInputError" for r in range(W)], (i, got)
+            value = f"= {cfg['E']} is outside" if Ts[bad] > 0 else f"got (0, {cfg['K'] + 1})"
+            assert value in got[bad][1], (i, bad, got[bad][1])
+            assert all(f"rank(s) [{bad}]" in got[r][1] for r in range(W) if r != bad), (i, got)
             continue
         if what == "cap":
-            assert got == ["CapacityError"] * W, (i, got)
+            assert [g[0] for g in got] == ["CapacityError"] * W, (i, got)
             continue
         want = expected([_script_inputs(r, cfg, step) for r in range(W)], cfg["E"], cfg.get("A", 1),
                         eos=[g["eo"] for g in got])

@@ -198,11 +198,15 @@ def _stale_world(group, geometry, how):
 def test_unread_refusal_raised_by_the_next_read_without_writing_past_its_rows(geometry, how):
     """A refusal nobody read (sync-free / sync checks off) is raised by the next synced call, which is itself a good
     call: its data kernels move its rows, so its outputs must hold them (they were allocated with 0 rows: the
-    expand wrote past them, a segmentation fault in the interpreter, an out-of-bounds write on the GPU)."""
+    expand wrote past them, a segmentation fault in the interpreter, an out-of-bounds write on the GPU). Its message
+    says so (it said "nothing was sent"): the refused call is dispatch 1, this one dispatch 2, whose rows were sent."""
     res = run_cpu_world(2, _stale_world, geometry, how, timeout_s=300)
     for rank, (calls, writes) in enumerate(res):
         assert calls[0] == ("ok",), (rank, calls)  # not read: nobody raises in the refused call
         assert calls[1][:2] == ("own", "CapacityError") and str(2 * TM * K) in calls[1][2], (rank, calls)
+        msg = calls[1][2]
+        assert "call 1 of this buffer, this is call 2" in msg and "this call's rows were sent" in msg, msg
+        assert "nothing was sent" not in msg, msg
         assert calls[2][0] == "ok" and calls[2][1] == calls[2][2] > 0, (rank, calls)
         assert len(writes) == 2 and all(rows >= used for rows, used in writes), (rank, writes)
 
@@ -246,15 +250,22 @@ def _stale_bad_id_world(group, geometry):
     first = outcome(lambda: buf.dispatch(x, idx, w, sync_free=True))[0]
     x, idx, w = make_rank_inputs(rank, 5, H, E, K, seed=7)
     got = outcome(lambda: buf.dispatch(x, idx, w))
+    if rank == 1:
+        idx[0, 0] = 77  # now a synced call refused for its own input
+    own = outcome(lambda: buf.dispatch(x, idx, w))
     buf.close()
-    return first, got[:2], got[2]
+    return first, got[:2], got[2], own[:3]
 
 
 @pytest.mark.parametrize("geometry", ["", "dec=1"])
 def test_unread_bad_id_named_by_the_bad_rank_at_the_next_read(geometry):
     """The next synced dispatch raises an unread refusal as :meth:`EPBuffer.check` does: the bad rank InputError
     naming its value (it raised PeerInputError naming itself, "the bad rank raises the error naming its value"),
-    the others PeerInputError naming it."""
+    the others PeerInputError naming it, and saying whose refusal it is: the earlier call's (this call's rows were
+    sent), then, for a synced call refused for its own input, this call's (nothing was sent)."""
     res = run_cpu_world(2, _stale_bad_id_world, geometry, timeout_s=300)
     assert res[0][:2] == ("ok", ("peer", "PeerInputError")) and "rank(s) [1]" in res[0][2], res[0]
+    assert "an earlier dispatch's that nobody read" in res[0][2] and "this call's rows were sent" in res[0][2], res[0]
     assert res[1][:2] == ("ok", ("own", "InputError")) and "99" in res[1][2], res[1]
+    assert res[0][3][:2] == ("peer", "PeerInputError") and res[0][3][2].endswith("nothing was sent"), res[0][3]
+    assert res[1][3][:2] == ("own", "InputError") and "77" in res[1][3][2], res[1][3]

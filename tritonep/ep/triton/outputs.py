@@ -26,7 +26,8 @@ __all__ = ["DispatchOutputs", "HandleLayout", "ST_HOST"]
 _ST_ERR = P.v(P.STATUS_WORDS)  # the status word's error part
 _CODE = P.v(P.ST_CODE)
 _ROWS = P.v(P.ST_ROWS_RECEIVED)
-ST_HOST = _ROWS + 1  # what the one host read of a dispatch copies (status word + rows received)
+_THIS_CALL = P.v(P.ST_THIS_CALL)
+ST_HOST = _THIS_CALL + 1  # what the one host read of a dispatch copies (status word, rows received, this call's number)
 _ALIGN = 64  # int32 elements: every field starts on a 256-byte boundary
 
 
@@ -141,7 +142,7 @@ class DispatchOutputs:
                 # raises InputError naming the value: this call's ids, or an earlier sync-free call's that nobody read
                 self._raise_own_bad_ids()
             raise_for_status(torch.tensor(st[:_ST_ERR]), self.rank, self.cfg.max_recv_tokens, "dispatch",
-                             self.cfg.timeout_s, self.device.type)
+                             self.cfg.timeout_s, self.device.type, this_call=st[_THIS_CALL])
         if sync == SYNC_STRICT:  # the front door's mode (``sync``, read once per call; never under capture / dry run)
             self.check("dispatch")  # a peer that stopped after the counts exchange raises in this call
         handle = TritonHandle(store=store, layout=self.hl, num_tokens=T, num_recv_rows=R, x_scales=sc,

@@ -6,6 +6,8 @@
 #   bash scripts/gpu_verify6.sh H     # the host-path change: launch tests (world 1 + W=2 MPS), eager new vs the
 #                                     #   tree of 0d6c281 (carry .ab: `git archive 0d6c281 tritonep | tar -x -C
 #                                     #   .ab/old`), probe, epb                                                 ~300 s
+#   bash scripts/gpu_verify6.sh F     # final: world-1 ep + moe GPU tests, W=2 MPS (ep core, host protocol,
+#                                     #   decode bf16), eager, probe, peer, layer                               ~500 s
 # or name steps. Carry [".whl"] (torchtitan 0.3.0 for the peer/titan tests). Logs and JSON under $OUT, packed into
 # $OUT/logs.tgz (the device returns few files).
 source "$(dirname "$0")/gpu_step.sh"
@@ -15,6 +17,7 @@ for a in "$@"; do
         V) steps+=(single mps2) ;;
         M) steps+=(eager eager_dec0 peer epb layer run) ;;
         H) steps+=(tests_host eager eager_old probe epb) ;;
+        F) steps+=(tests_ep tests_w2 eager probe peer layer) ;;
         *) steps+=("$a") ;;
     esac
 done
@@ -35,6 +38,10 @@ want tests_host && OMP_NUM_THREADS=4 step tests_host 110 "${PYTEST[@]}" -m "gpu 
     tests/ep/triton/test_fast_launch.py tests/moe/test_layer.py tests/moe/test_ids_full_width.py
 want tests_host && step tests_host_w2 150 "${PYTEST[@]}" -m "gpu and world and not world1 and not soak" \
     -k "test_gpu.py or (decode_gpu and bf16)" --gpu-world-sizes 2 --gpu-mps on --timeout 100 --maxfail 3
+want tests_ep && OMP_NUM_THREADS=4 step tests_ep 150 "${PYTEST[@]}" -m "gpu and (not world or world1) and not soak" \
+    --timeout 100 tests/ep tests/moe/test_layer.py tests/moe/test_sync_free.py
+want tests_w2 && step tests_w2 230 "${PYTEST[@]}" -m "gpu and world and not world1 and not soak" \
+    -k "test_gpu.py or host_protocol or (decode_gpu and bf16)" --gpu-world-sizes 2 --gpu-mps on --timeout 120 --maxfail 3
 want eager_old && PYTHONPATH=.ab/old step eager_old 70 torchrun --nproc-per-node 1 benchmarks/eager_profile.py \
     --tokens 128 4096 --json "$OUT/eager_triton_old.json"
 want eager && step eager 70 torchrun --nproc-per-node 1 benchmarks/eager_profile.py --tokens 128 4096 \
@@ -44,9 +51,9 @@ want eager_dec0 && TRITONEP_GEOMETRY=dec=0 step eager_dec0 60 torchrun --nproc-p
 want probe && step probe 50 torchrun --nproc-per-node 1 benchmarks/launch_probe.py --tokens 128 \
     --json "$OUT/launch_probe.json"
 want hostpy && step hostpy 60 torchrun --nproc-per-node 1 benchmarks/host_profile.py --tokens 128 --calls 200 --top 25
-want peer && step peer 120 torchrun --nproc-per-node 1 benchmarks/peer_bench.py --json "$OUT/peer_bench.json"
+want peer && step peer 60 torchrun --nproc-per-node 1 benchmarks/peer_bench.py --json "$OUT/peer_bench.json"
 want epb && step epb 60 torchrun --nproc-per-node 1 benchmarks/ep_bench.py --wires bf16 --json "$OUT/ep_bench_bf16.json"
-want layer && step layer 100 torchrun --nproc-per-node 1 benchmarks/moe_graph_bench.py --tokens 128 4096 \
+want layer && step layer 60 torchrun --nproc-per-node 1 benchmarks/moe_graph_bench.py --tokens 128 4096 \
     --json "$OUT/moe_graph.json"
 want run && step run 140 python -m tritonep.cli.main run --steps 3 --json "$OUT/run_w1.json"
 cat "$OUT/summary.txt"

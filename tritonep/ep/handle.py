@@ -68,6 +68,13 @@ class TritonHandle(DispatchHandle):
     store: torch.Tensor
     layout: object
 
+    def _finish(self, num_recv_rows, recv_weights, x_scales):
+        """Set the fields known only after a synced dispatch's host read (the backend builds its handle while the
+        launch runs; the handle reaches no caller before this)."""
+        object.__setattr__(self, "num_recv_rows", num_recv_rows)
+        object.__setattr__(self, "recv_weights", recv_weights)
+        object.__setattr__(self, "x_scales", x_scales)
+
     @cached_property
     def views(self) -> tuple:
         """The fields of :attr:`store` as :class:`tritonep.ep.field_view.FieldView` s (made once, on first read)."""

@@ -110,7 +110,10 @@ def dispatch_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Ten
     """:meth:`EPBuffer.dispatch` of buffer ``buffer_id`` as an op (module docstring): ``(rows, row weights,
     [num_tokens_per_expert | expert_offsets] [2L] int32, ticket)``."""
     d = get_buffer(buffer_id).dispatch(x, topk_idx, topk_weights, sync_free=sync_free)
-    return d.x, d.weights, _layout_pair(d.num_tokens_per_expert, d.expert_offsets), _new_ticket(d.handle)
+    pair = _layout_pair(d.num_tokens_per_expert, d.expert_offsets)
+    if pair.untyped_storage().data_ptr() == d.weights.untyped_storage().data_ptr():
+        pair = pair.clone()  # the triton backend keeps a synced call's row weights in the same storage block
+    return d.x, d.weights, pair, _new_ticket(d.handle)
 
 
 @dispatch_op.register_fake

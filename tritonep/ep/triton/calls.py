@@ -164,10 +164,10 @@ class KernelSet:
                 LB=_p2(cfg.num_local_experts), TB=_p2(cfg.max_tokens_per_rank),
                 BA=_p2(max(cfg.expert_alignment, 1)), A=cfg.expert_alignment, WIRE=ep.dwire, KEEP_Q=kq, COPY=True,
                 host_st_ptr=ep.st_mapped, HOST_ST=ST_HOST, **self._common, **self._ck),
-                dyn=("x_ptr", "topk_idx_ptr", "topk_w_ptr", STORE, "T", "host_bad", "nrows_w", "out_ptr",
-                     "out_w_ptr", "q_ptr", "s_ptr", "ticket"),
+                dyn=("x_ptr", "topk_idx_ptr", "topk_w_ptr", STORE, "T", "host_bad", "nrows_w", "out_ptr", "q_ptr",
+                     "s_ptr", "ticket"),
                 fields=dict(self._layout, **ep.hl.fields_of(rows_ptr="rows", counts_out_ptr="counts",
-                                                           idx_out_ptr="idx", w_out_ptr="w")))
+                                                           idx_out_ptr="idx", w_out_ptr="w", out_w_ptr="rw")))
         return self._get(("decode", kq), make)
 
     # ------------------------------------------------------------------------------------------------ combine

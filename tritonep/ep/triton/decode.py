@@ -33,19 +33,21 @@ class DecodePath:
         max_recv = self.cfg.max_recv_tokens
         # rows are known on the host only after the launch: allocate the capacity, cut to R after the host read
         # (the kernel zeroes out_w past the rows received: no memset before the launch)
-        out, out_w, q, sc = self._alloc_out(max_recv, True, keep_quantized)
+        # (the row weights are the handle storage's field ``rw``: no allocation of their own)
+        out, q, sc = self._alloc_rows(max_recv, keep_quantized)
         ticket = self.host_status.ticket(sync)  # only a read takes one (HostStatus.next_ticket says why)
-        self.k.decode(q is not None)(x, topk_idx, topk_weights, store, T, int(bad_input), max_recv, out, out_w, q, sc,
-                                     ticket)
+        self.k.decode(q is not None)(x, topk_idx, topk_weights, store, T, int(bad_input), max_recv, out, q, sc, ticket)
         # what needs no verdict is made while the launch runs (the host read waits for it anyway)
-        ntpe, offs = self.hl.tensor(store, "ntpe"), self.hl.tensor(store, "offs")
+        hl = self.hl
+        ntpe, offs, out_w = hl.tensor(store, "ntpe"), hl.tensor(store, "offs"), hl.tensor(store, "rw")
+        handle = self._new_handle(store, T)
         st = self._read_host_status(ticket) if sync else None  # published once the verdict is known
         code, refused, R = self._verdict(st)
         if R is not None:
             out, out_w = (out if q is not None else out[:R]), out_w[:R]
             if q is not None:
                 q, sc = q[:R], sc[:R]
-        return self._finish_dispatch(code, refused, st, sync, bad_input, out, out_w, q, sc, store, ntpe, offs, T, R)
+        return self._finish_dispatch(code, refused, st, sync, bad_input, out, out_w, q, sc, handle, ntpe, offs, R)
 
     def _combine_decode(self, eo, handle, wire):
         """Weighted push combine in one launch: ``y [T, H]`` (eo's dtype)."""

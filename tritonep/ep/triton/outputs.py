@@ -36,16 +36,18 @@ class HandleLayout:
 
     Fields (flat, in this order): ``idx`` ``[Tmax*K]`` (the handle's int32 copy of ``topk_idx``), ``w``
     ``[Tmax*K]`` float32 (copy of ``topk_weights``), ``rows`` ``[Tmax*K]``, ``meta`` ``[W*Tmax*K]``, ``wts``
-    ``[W*Tmax*K]`` float32, ``ntok`` ``[W]``, ``ntpe`` ``[L]``, ``offs`` ``[L]``, ``counts`` ``[W*E]``.
+    ``[W*Tmax*K]`` float32, ``ntok`` ``[W]``, ``ntpe`` ``[L]``, ``offs`` ``[L]``, ``counts`` ``[W*E]``, ``rw``
+    ``[max_recv_tokens]`` float32 (the row weights a synced dispatch returns, its first R elements: one allocation
+    fewer per call, made before the launch; the sync-free two-kernel path allocates its zeroed weights apart).
     """
 
-    FLOAT = frozenset(("w", "wts"))
+    FLOAT = frozenset(("w", "wts", "rw"))
 
     def __init__(self, cfg):
         W, E, Tm, K = cfg.world_size, cfg.num_experts, cfg.max_tokens_per_rank, cfg.topk
         L = cfg.num_local_experts
         self.sizes_real = dict(idx=Tm * K, w=Tm * K, rows=Tm * K, meta=W * Tm * K, wts=W * Tm * K, ntok=W, ntpe=L,
-                               offs=L, counts=W * E)
+                               offs=L, counts=W * E, rw=cfg.max_recv_tokens)
         self.names = tuple(self.sizes_real)
         # every field starts on a 256-byte boundary (a padding gap after it), except that offs follows ntpe with no
         # gap (one [2L] view serves callers that want both in one tensor: tritonep.ep.ops, an op's outputs may not
@@ -74,11 +76,12 @@ class HandleLayout:
         :class:`tritonep.ep.bound.BoundKernel` whose per-call storage block is this layout's."""
         return {p: self.fields[self.index[n]] for p, n in params.items()}
 
-    def tensor(self, store: torch.Tensor, name: str) -> torch.Tensor:
-        """Field ``name`` of ``store`` as a 1-D tensor view (one slice, plus a reinterpreting view for float
-        fields): what a dispatch returns for ``num_tokens_per_expert`` / ``expert_offsets``."""
-        s, n, dt = self.fields[self.index[name]]
-        t = store[s:s + n]
+    def tensor(self, store: torch.Tensor, name: str, n: int | None = None) -> torch.Tensor:
+        """Field ``name`` of ``store`` (its first ``n`` elements; all by default) as a 1-D tensor view (one slice,
+        plus a reinterpreting view for float fields): what a dispatch returns for ``num_tokens_per_expert`` /
+        ``expert_offsets`` / the row weights."""
+        s, size, dt = self.fields[self.index[name]]
+        t = store[s:s + (size if n is None else n)]
         return t if dt is torch.int32 else t.view(dt)
 
     def shaped(self, views: tuple, name: str, num_tokens: int) -> torch.Tensor:
@@ -117,25 +120,26 @@ class DispatchOutputs:
         # moves nothing); it raises after its launches all the same
         return code, refused, (min(st[_ROWS], self.cfg.max_recv_tokens) if refused else st[_ROWS])
 
-    def _alloc_out(self, nrows, exact, keep_quantized):
-        """``(out, out_w, q, sc)`` for ``nrows`` received rows; ``exact=False`` (rows unknown on the host): the
-        weights past the received rows stay zero (rows are not cleared: with sync checks off they are unspecified)."""
-        q = sc = None
-        dev = self.device
+    def _alloc_rows(self, nrows, keep_quantized):
+        """``(out, q, sc)`` for ``nrows`` received rows (rows are not cleared: with sync checks off they are
+        unspecified); the row weights live in the handle storage (field ``rw``) or, sync-free on the two-kernel
+        path, in a zeroed tensor of their own."""
         if keep_quantized and self.dfmt.quantized:
             # padding rows hold the encoding of a zero row (fp8 scale 2^-126, e8m0 0), as the twins give
-            q, sc = self.dfmt.empty_quantized(nrows, self.cfg.hidden, dev)
-            out = self._no_rows
-        else:
-            out = torch.empty(nrows, self.cfg.hidden, dtype=self.cfg.dtype, device=dev)
-        out_w = torch.empty(nrows, dtype=torch.float32, device=dev) if exact else \
-            torch.zeros(nrows, dtype=torch.float32, device=dev)
-        return out, out_w, q, sc
+            q, sc = self.dfmt.empty_quantized(nrows, self.cfg.hidden, self.device)
+            return self._no_rows, q, sc
+        return torch.empty(nrows, self.cfg.hidden, dtype=self.cfg.dtype, device=self.device), None, None
 
-    def _finish_dispatch(self, code, refused, st, sync, bad_input, out, out_w, q, sc, store, ntpe, offs, T, R):
+    def _new_handle(self, store, T):
+        """This call's handle; its row count, row weights and scales are set by :meth:`_finish_dispatch` (made by
+        the caller while its launch runs)."""
+        return TritonHandle(store=store, layout=self.hl, num_tokens=T, num_recv_rows=None, buffer_id=self.buffer_id)
+
+    def _finish_dispatch(self, code, refused, st, sync, bad_input, out, out_w, q, sc, handle, ntpe, offs, R):
         """Raise a refused call's error (after its launches), else the forward dispatch's return tuple
-        ``(rows, row_weights, num_tokens_per_expert, expert_offsets, handle)`` (``ntpe`` / ``offs``: the two
-        views of ``store`` it returns, made by the caller, e.g. while its launch runs)."""
+        ``(rows, row_weights, num_tokens_per_expert, expert_offsets, handle)`` (``handle`` from
+        :meth:`_new_handle`; ``ntpe`` / ``offs``: the two views of its storage the call returns, made by the caller,
+        e.g. while its launch runs)."""
         if refused:
             self.status.zero_()  # reported once, here; the buffer stays usable (stream-ordered after the kernels)
             if code == STATUS_BAD_INPUT and self.rank in bad_ranks(torch.tensor(st)) and not bad_input:
@@ -145,6 +149,5 @@ class DispatchOutputs:
                              self.cfg.timeout_s, self.device.type, this_call=st[_THIS_CALL])
         if sync == SYNC_STRICT:  # the front door's mode (``sync``, read once per call; never under capture / dry run)
             self.check("dispatch")  # a peer that stopped after the counts exchange raises in this call
-        handle = TritonHandle(store=store, layout=self.hl, num_tokens=T, num_recv_rows=R, x_scales=sc,
-                              recv_weights=out_w, buffer_id=self.buffer_id)
+        handle._finish(R, out_w, sc)
         return (out if q is None else q), out_w, ntpe, offs, handle

@@ -113,7 +113,7 @@ def main():
                               max_tokens_per_rank=cfg.max_tokens_per_rank, dtype=cfg.dtype, device=dev)
         buf._sync()
     out["front_us"] = _us(front, sync=False)
-    out["allocs_us"] = _us(lambda: (impl.hl.new(dev), impl._alloc_out(cfg.max_recv_tokens, True, False)),
+    out["allocs_us"] = _us(lambda: (impl.hl.new(dev), impl._alloc_rows(cfg.max_recv_tokens, False)),
                            sync=False)
 
     def objects():

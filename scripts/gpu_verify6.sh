@@ -26,19 +26,21 @@ if [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
-PYTEST=(python -m pytest -v -ra -p no:cacheprovider --durations=30 tests)
+PYT=(python -m pytest -v -ra -p no:cacheprovider --durations=30)  # + the paths to run
+PYTEST=("${PYT[@]}" tests)  # the whole suite (a step that names files uses PYT: session 6's tests_host / tests_ep
+                            # named them after PYTEST's own `tests` and ran the whole suite from tests/balance)
 want single && OMP_NUM_THREADS=4 step single 290 "${PYTEST[@]}" -m "gpu and (not world or world1) and not soak" \
     --timeout 200
 want mps2 && step mps2 210 "${PYTEST[@]}" -m "gpu and world and not world1 and not soak" \
     -k "test_gpu.py or host_protocol or decode_gpu" --gpu-world-sizes 2 --gpu-mps on --timeout 120 --maxfail 6
 want mps2rest && step mps2rest 300 "${PYTEST[@]}" -m "gpu and world and not world1 and not soak" \
     -k "not (test_gpu.py or host_protocol or decode_gpu)" --gpu-world-sizes 2 --gpu-mps on --timeout 120 --maxfail 6
-want tests_host && OMP_NUM_THREADS=4 step tests_host 110 "${PYTEST[@]}" -m "gpu and (not world or world1) and not soak" \
+want tests_host && OMP_NUM_THREADS=4 step tests_host 110 "${PYT[@]}" -m "gpu and (not world or world1) and not soak" \
     --timeout 100 tests/ep/triton/test_bound_direct.py tests/ep/test_combine_backward_rows.py \
     tests/ep/triton/test_fast_launch.py tests/moe/test_layer.py tests/moe/test_ids_full_width.py
 want tests_host && step tests_host_w2 150 "${PYTEST[@]}" -m "gpu and world and not world1 and not soak" \
     -k "test_gpu.py or (decode_gpu and bf16)" --gpu-world-sizes 2 --gpu-mps on --timeout 100 --maxfail 3
-want tests_ep && OMP_NUM_THREADS=4 step tests_ep 150 "${PYTEST[@]}" -m "gpu and (not world or world1) and not soak" \
+want tests_ep && OMP_NUM_THREADS=4 step tests_ep 150 "${PYT[@]}" -m "gpu and (not world or world1) and not soak" \
     --timeout 100 tests/ep tests/moe/test_layer.py tests/moe/test_sync_free.py
 want tests_w2 && step tests_w2 230 "${PYTEST[@]}" -m "gpu and world and not world1 and not soak" \
     -k "test_gpu.py or host_protocol or (decode_gpu and bf16)" --gpu-world-sizes 2 --gpu-mps on --timeout 120 --maxfail 3

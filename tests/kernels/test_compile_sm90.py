@@ -66,6 +66,12 @@ def _ep_paths(group):
             for dw in ("bf16", "fp8", "mxfp4"):
                 db = tep.EPBuffer(group, 8, 128, 16, 2, dispatch_wire=dw, combine_wire=dw, expert_alignment=4)
                 xq, iq, wq = make_rank_inputs(rank, 9, 128, 8, 2, seed=5)
+                if dw == "bf16":  # the backward too: the decode combine's unweighted variant with the wgrad return
+                    xq.requires_grad_(True)
+                    wq.requires_grad_(True)
+                    dd = db.dispatch(xq, iq, wq)
+                    db.combine(dd.x * 1, dd.handle).float().sum().backward()
+                    xq, wq = xq.detach(), wq.detach()
                 dd = db.dispatch(xq, iq, wq)
                 db.combine(dd.x, dd.handle)
                 if dw != "bf16":
@@ -105,6 +111,8 @@ def test_ep_kernels_compile_for_sm90():
     assert {"chunk_hist_kernel", "exchange_kernel", "dispatch_send_kernel", "dispatch_expand_kernel",
             "combine_partial_kernel", "combine_out_kernel", "dispatch_decode_kernel",
             "combine_decode_kernel"} <= names, names
+    assert any(r.get("name") == "combine_decode_kernel" and r["constexprs"].get("WGRAD")
+               and not r["constexprs"].get("WEIGHTED") for r in recs), "the decode dispatch backward was not recorded"
     failures = compile_recorded(recs)
     assert not failures, "\n\n".join(f"{n}: {e}" for n, e in failures)
 

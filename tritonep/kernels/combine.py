@@ -147,14 +147,15 @@ def out_chunk(c, live, io, tile, W: tl.constexpr, L: tl.constexpr, PULL: tl.cons
 
 @triton.jit
 def sum_arrived(c, m, ccflag_ptr, status_ptr, timeout, io, tile, W: tl.constexpr, L: tl.constexpr,
-                WB: tl.constexpr):
+                WB: tl.constexpr, RECV_WGRAD: tl.constexpr):
     """The output step of the one-launch combines (fused, decode): wait (bounded) until every rank's partial of
     this rank's token chunk ``c`` arrived (``ccflag[c, r] >= m``, the combine call number) and sum it
-    (:func:`out_chunk`, push); a wait that gives up leaves the chunk unwritten."""
+    (:func:`out_chunk`, push; RECV_WGRAD: also gather the per-route scalars the partial step pushed before raising
+    the flag); a wait that gives up leaves the chunk unwritten."""
     wait_all_ge(ccflag_ptr + c * W, W, m, status_ptr, WAIT_CDATA, timeout, tile.HAS_TIMER, WB)
     live = tl.load(status_ptr) != STATUS_TIMEOUT
     if live:
-        out_chunk(c, live, io, tile, W, L, False, False)
+        out_chunk(c, live, io, tile, W, L, False, RECV_WGRAD)
 
 
 @triton.jit(do_not_specialize=['cdata_off', 'timeout', 'G_out', 'Tmax', 'NCmax'])

@@ -60,6 +60,6 @@ def combine_fused_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, stage_tab, ccfl
         NC = tl.cdiv(T, BT)
         out_io = OutIO(topk_idx_ptr, y_ptr, T, stage_tab, y_ptr, y_ptr, Tmax)
         for c in range(e, NC, GE):
-            sum_arrived(c, m, ccflag_ptr, status_ptr, timeout, out_io, tile, W, L, WB)
+            sum_arrived(c, m, ccflag_ptr, status_ptr, timeout, out_io, tile, W, L, WB, False)
         signal_peers(flags_tab, cack_off, W, RANK, WB)
     advance_on_last(calls_ptr, DONE_COMBINE_FUSED, CALL_COMBINE, m)

@@ -1,4 +1,5 @@
-"""Decode combine: partials, their push, the per-chunk wait and the output sums in ONE launch (small T).
+"""Decode combine: partials, their push, the per-chunk wait and the output sums in ONE launch (small T); also the
+dispatch backward of the decode geometry (``WEIGHTED=False``, with ``WGRAD`` the per-route weight gradients).
 
 Every program of a grid of ``G`` programs (the geometry's ``dec``, the same grid as the decode dispatch):
 
@@ -19,7 +20,9 @@ never another program of this rank's grid: correct in the interpreter at any gri
 program is resident with ``G <= 132`` (see :mod:`tritonep.kernels.decode_dispatch` for the full argument).
 Compatibility: the grid adds G to CDATA and CACK (once all its programs finished) and the geometry sets
 ``grid_partial == grid_out == G``, so the two-kernel combine (pull, dispatch backward) can run before or after on the
-same buffer. Weighted push only.
+same buffer. Push only: the weighted combine, or (``WEIGHTED=False``) the dispatch backward, whose partial step
+with ``WGRAD`` also pushes ``gw[row]`` into the source's ``wback`` before raising the chunk's flag and whose sum step
+gathers them into ``gtw [T, K]`` (the two-kernel path's SEND_WGRAD / RECV_WGRAD).
 Summation order and bits equal the two-kernel path. Twin: :func:`tritonep.reference.combine_reference_partial`.
 """
 
@@ -41,13 +44,17 @@ def combine_decode_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, stage_tab, ccf
                           NCmax, RANK: tl.constexpr, W: tl.constexpr, L: tl.constexpr, K: tl.constexpr,
                           KB: tl.constexpr, H: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr, WB: tl.constexpr,
                           HAS_TIMER: tl.constexpr, RB: tl.constexpr, WIRE: tl.constexpr = RAW_BF16,
-                          POW2: tl.constexpr = False):
-    """Weighted push combine in one launch (see the module docstring).
+                          POW2: tl.constexpr = False, gw_ptr=None, wback_tab=None, wback_ptr=None, gtw_ptr=None,
+                          WEIGHTED: tl.constexpr = True, WGRAD: tl.constexpr = False):
+    """Weighted push combine (or, ``WEIGHTED=False``, the dispatch backward) in one launch (module docstring).
 
     ``eo [R, H]`` expert outputs (bf16), the dispatch handle's ``hmeta``/``hwts [W, Tmax, K]`` and ``hntok [W]``,
     this rank's ``topk_idx [T, K]``; output ``y [T, H]`` (bf16) = sum over ranks ascending of the partials, each
     partial = sum over k ascending of ``w * eo[row]`` in fp32 (wire-rounded). ``ccflag``: int64 ``[NCmax, W]``.
     A wait that gives up records STATUS_TIMEOUT with the peer and the chunk's output is left unwritten.
+    ``WEIGHTED=False``: partials without the weights (the dispatch backward); ``WGRAD`` also returns
+    ``gtw[t, k] = gw[row(t, k)]`` (float32 ``gw [R]``, ``gtw [T, K]``; 0 where the route is masked) through
+    ``wback`` (``wback_tab`` the peers' regions, ``wback_ptr`` this rank's).
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
@@ -55,13 +62,17 @@ def combine_decode_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, stage_tab, ccf
     wait_all_ge(flags_ptr + FLAG_CACK * W, W, (m - 1) * G, status_ptr, WAIT_CACK, timeout, HAS_TIMER, WB)
     live = tl.load(status_ptr) != STATUS_TIMEOUT
     tile: tl.constexpr = RowTile(RANK, K, KB, H, BH, BT, RB, WIRE, HAS_TIMER)
-    partial_io = PartialIO(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, hwts_ptr, stage_tab, stage_tab, Tmax)
+    if WGRAD:
+        partial_io = PartialIO(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, gw_ptr, stage_tab, wback_tab, Tmax)
+        out_io = OutIO(topk_idx_ptr, y_ptr, T, stage_tab, wback_ptr, gtw_ptr, Tmax)
+    else:
+        partial_io = PartialIO(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, hwts_ptr, stage_tab, stage_tab, Tmax)
+        out_io = OutIO(topk_idx_ptr, y_ptr, T, stage_tab, y_ptr, y_ptr, Tmax)
     for c in range(pid, NCmax, G):
         for s in range(W):
             src = (s + RANK) % W  # each rank starts with itself: the ranks' first pushes go to different peers
-            partial_step(src, c, live, m, ccflag_tab, partial_io, tile, W, True, True, False, POW2)
-    out_io = OutIO(topk_idx_ptr, y_ptr, T, stage_tab, y_ptr, y_ptr, Tmax)
+            partial_step(src, c, live, m, ccflag_tab, partial_io, tile, W, True, WEIGHTED, WGRAD, POW2)
     for c in range(pid, tl.cdiv(T, BT), G):
-        sum_arrived(c, m, ccflag_ptr, status_ptr, timeout, out_io, tile, W, L, WB)
+        sum_arrived(c, m, ccflag_ptr, status_ptr, timeout, out_io, tile, W, L, WB, WGRAD)
     finish_launch(calls_ptr, DONE_DECODE_COMBINE, CALL_COMBINE, m, CALL_COMBINE, m, False, flags_tab, cdata_off,
                   cack_off, W, RANK, WB)

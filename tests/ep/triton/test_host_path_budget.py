@@ -40,7 +40,7 @@ BUDGET_DECODE = {
     "dispatch": (24, 9, 2, 1, 1),  # handle storage + rows; one launch; the weights' view; one read; rows[:R], weights[:R]
     "dispatch_sync_free": (22, 7, 2, 1, 0),
     "combine": (9, 2, 1, 1, 0),  # the output; one launch
-    "dispatch_bwd": (12, 2, 2, 2, 0),
+    "dispatch_bwd": (12, 2, 2, 1, 0),  # grad_x, grad_topk_weights; one launch (the decode combine, unweighted)
     "combine_bwd": (13, 3, 2, 2, 0),
 }
 

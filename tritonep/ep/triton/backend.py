@@ -264,8 +264,8 @@ class TritonEP(DispatchOutputs, DecodePath):
         kind = kind or g.combine
         if want_wgrad or wire.quantized:
             kind = "push"  # quantized partials and weight-gradient return are push-only
-        if g.decode and kind == "push" and weighted and not want_wgrad:
-            return self._combine_decode(eo, handle, wire), None  # one launch; it advances CALL_COMBINE itself
+        if g.decode and kind == "push":  # one launch (also the dispatch backward); it advances CALL_COMBINE itself
+            return self._combine_decode(eo, handle, wire, weighted, gw if want_wgrad else None)
         T, store, k = handle.num_tokens, handle.store, self.k
         y = torch.empty(T, self.cfg.hidden, dtype=eo.dtype, device=self.device)
         if g.fused_combine and kind == "push" and weighted and not want_wgrad:

@@ -38,7 +38,8 @@ class KernelSet:
 
     Attributes: ``hist``, ``exchange``, ``send`` (forward, dispatch wire), ``send_bwd`` (combine backward, raw),
     ``expand_bwd``; methods ``expand(kq)``, ``fused(kq)``, ``decode(kq)``, ``partial(kind, weighted, wgrad,
-    wire)``, ``out(kind, wgrad, wire)``, ``combine_fused(wire)``, ``combine_decode(wire)`` for the variants.
+    wire)``, ``out(kind, wgrad, wire)``, ``combine_fused(wire)``, ``combine_decode(wire, weighted, wgrad)`` for the
+    variants.
     """
 
     def __init__(self, ep):
@@ -208,14 +209,17 @@ class KernelSet:
                 dyn=("eo_ptr", STORE, "y_ptr", "T"), fields=dict(self._recv, **ep.hl.fields_of(topk_idx_ptr="idx")))
         return self._get(("combine_fused", wire), make)
 
-    def combine_decode(self, wire) -> BoundKernel:
-        """Weighted push combine of the decode geometry in one launch."""
+    def combine_decode(self, wire, weighted: bool = True, wgrad: bool = False) -> BoundKernel:
+        """Push combine of the decode geometry in one launch: weighted (combine) or not (dispatch backward,
+        ``wgrad``: with the weight gradients' return)."""
         ep, g, cfg = self._ep, self._ep.cfg.geometry, self._ep.cfg
 
         def make():
             return BoundKernel(self._lau, combine_decode_kernel, (g.decode,), dict(
                 stage_tab=ep.tab["cstage"], ccflag_tab=ep.tab["ccflag"], ccflag_ptr=ep.buf.local("ccflag"),
                 cdata_off=self._fo(P.FLAG_CDATA), cack_off=self._fo(P.FLAG_CACK), Tmax=cfg.max_tokens_per_rank,
-                NCmax=self.ncmax, L=cfg.num_local_experts, WIRE=wire, **self._common, **self._ck),
-                dyn=("eo_ptr", STORE, "y_ptr", "T"), fields=dict(self._recv, **ep.hl.fields_of(topk_idx_ptr="idx")))
-        return self._get(("combine_decode", wire), make)
+                NCmax=self.ncmax, L=cfg.num_local_experts, WIRE=wire, wback_tab=ep.tab["wback"],
+                wback_ptr=ep.buf.local("wback"), WEIGHTED=weighted, WGRAD=wgrad, **self._common, **self._ck),
+                dyn=("eo_ptr", STORE, "y_ptr", "T", "gw_ptr", "gtw_ptr"),
+                fields=dict(self._recv, **ep.hl.fields_of(topk_idx_ptr="idx")))
+        return self._get(("combine_decode", wire, weighted, wgrad), make)

@@ -9,8 +9,9 @@ bound kernels, handle layout and :class:`tritonep.ep.triton.outputs.DispatchOutp
   status word waits for the launch to publish it into pinned host memory (:class:`tritonep.ep.triton.host_status.
   HostStatus`: no device-to-host copy, no event) and the outputs are cut to the rows received (the same shapes and
   bits as the two-kernel path); refused calls raise the same typed errors after the launch, on every rank.
-* weighted push combine = ONE launch of :func:`tritonep.kernels.decode_combine.combine_decode_kernel` (no torch op
-  advances the combine counter first).
+* push combine = ONE launch of :func:`tritonep.kernels.decode_combine.combine_decode_kernel` (no torch op
+  advances the combine counter first): the weighted combine, and the dispatch backward (unweighted, with the
+  weight gradients' return when asked).
 
 Every rank makes the same launch with the same grid whatever its T (0 included) or input validity (docs/protocols.md, host protocol rule).
 """
@@ -23,7 +24,7 @@ __all__ = ["DecodePath"]
 
 
 class DecodePath:
-    """Forward dispatch and weighted push combine as one launch each (see the module docstring)."""
+    """Forward dispatch and push combine (weighted, or the dispatch backward) as one launch each (see the module docstring)."""
 
     def _dispatch_decode(self, x, topk_idx, topk_weights, sync, keep_quantized, bad_input, store):
         """Forward dispatch in one launch; returns what ``TritonEP.dispatch_fwd`` returns and raises what it raises
@@ -49,10 +50,14 @@ class DecodePath:
                 q, sc = q[:R], sc[:R]
         return self._finish_dispatch(code, refused, st, sync, bad_input, out, out_w, q, sc, handle, ntpe, offs, R)
 
-    def _combine_decode(self, eo, handle, wire):
-        """Weighted push combine in one launch: ``y [T, H]`` (eo's dtype)."""
+    def _combine_decode(self, eo, handle, wire, weighted=True, gw=None):
+        """Push combine in one launch: ``(y [T, H] (eo's dtype), gtw)``; ``weighted=False`` is the dispatch
+        backward, whose ``gw [R]`` float32 (or None) comes back per route as ``gtw [T, K]`` float32 (else None)."""
         T = handle.num_tokens
         y = torch.empty(T, self.cfg.hidden, dtype=eo.dtype, device=self.device)
-        self.k.combine_decode(wire)(eo, handle.store, y, T)
-        self._eager_check("combine")
-        return y
+        gtw = torch.empty(T, self.cfg.topk, dtype=torch.float32, device=self.device) if gw is not None else None
+        self.k.combine_decode(wire, weighted, gw is not None)(eo, handle.store, y, T,
+                                                              self._no_w if gw is None else gw,
+                                                              y if gtw is None else gtw)
+        self._eager_check("combine" if weighted else "dispatch backward")
+        return y, gtw

@@ -8,6 +8,9 @@
 #                                     #   .ab/old`), probe, epb                                                 ~300 s
 #   bash scripts/gpu_verify6.sh F     # final: world-1 ep + moe GPU tests, W=2 MPS (ep core, host protocol,
 #                                     #   decode bf16), eager, probe, peer, layer                               ~500 s
+#   bash scripts/gpu_verify6.sh N     # first call of session 7: world-1 ep + moe GPU tests (never run on the
+#                                     #   session-6 tree), W=2 MPS (incl. gradients: the one-launch decode dispatch
+#                                     #   backward), eager (its 128-token dispatch_bwd row), peer             ~470 s
 # or name steps. Carry [".whl"] (torchtitan 0.3.0 for the peer/titan tests). Logs and JSON under $OUT, packed into
 # $OUT/logs.tgz (the device returns few files).
 source "$(dirname "$0")/gpu_step.sh"
@@ -18,6 +21,7 @@ for a in "$@"; do
         M) steps+=(eager eager_dec0 peer epb layer run) ;;
         H) steps+=(tests_host eager eager_old probe epb) ;;
         F) steps+=(tests_ep tests_w2 eager probe peer layer) ;;
+        N) steps+=(tests_ep tests_w2 eager peer) ;;  # next session's first call: what session 6 could not run
         *) steps+=("$a") ;;
     esac
 done

@@ -100,7 +100,7 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
     ``counts_out`` int32 ``[W, E]``, rows received in ``status[ST_ROWS_RECEIVED]``. Scratch owned by one program:
     ``pre[c]`` (chunk c's program) and ``hist[pid]`` (its send base), hence ``G <= NCmax``.
     Errors (status word, read by the host): STATUS_BAD_INPUT / STATUS_CAPACITY (no row moves on any rank),
-    STATUS_TIMEOUT with the wait id and the peer. COPY: program 0 also writes the handle's own copy of the routing
+    STATUS_TIMEOUT with the wait id and the peer. COPY: the last program also writes the handle's own copy of the routing
     (``idx_out [T, K]`` int32, ids outside ``[-1, E)`` as -1; ``w_out [T, K]`` float32), as
     :func:`tritonep.kernels.layout.chunk_hist_kernel` does on the other paths. ``host_st_ptr`` (not None; HOST_ST: the number
     of status words the host reads, as :func:`tritonep.kernels.layout.exchange_kernel`): program 0 publishes ``status[:HOST_ST]`` and then ``ticket`` into the pinned host tensor
@@ -124,7 +124,7 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
     h2, bad = _own_histogram(topk_idx_ptr, T, T, K, KB, E, L, TB, WB, LB)
     bad += host_bad
     if COPY:
-        if pid == 0:
+        if pid == G - 1:  # not program 0: its work until the host publish is the host read's latency
             tt = tl.arange(0, TB)
             kk = tl.arange(0, KB)
             mc = (tt < T)[:, None] & (kk[None, :] < K)
@@ -155,10 +155,10 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
     if pid == 0:
         store_layout(total, aligned, rows, ntpe_ptr, offs_ptr, rows_needed_ptr, status_ptr + ST_ROWS_RECEIVED, RANK,
                      W, L, WB, LB)
-        tl.store(counts_out_ptr + s_off[:, None, None] * E + e2d[None, :, :], c3, mask=m3)
         record_verdict(badv, rows, max_recv, status_ptr, n, True, W, WB)
         if host_st_ptr is not None:
             publish_host_status(status_ptr, host_st_ptr, ticket, HOST_ST, HAS_TIMER)
+        tl.store(counts_out_ptr + s_off[:, None, None] * E + e2d[None, :, :], c3, mask=m3)  # the handle's snapshot
     # out_w past the rows this rank receives (all of it for a refused call) is zero, as the two-kernel path leaves it
     zb = tl.arange(0, 256)
     w_from = tl.where(refused, 0, tl.sum(tl.where(d_off == RANK, rows, 0), 0))

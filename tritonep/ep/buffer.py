@@ -293,9 +293,9 @@ class EPBuffer:
                 box: list = []
                 out, out_w, ntpe, offs = DispatchFn.apply(x, topk_weights, self._impl, topk_idx, sync, box)
                 handle = box[0]
-        except PeerInputError:
-            if refused is not None:
-                raise refused from None  # this rank's own error names its value
+        except (PeerInputError, CapacityError):
+            if refused is not None:  # this rank's own error names its value (a CapacityError here is an earlier
+                raise refused from None  # refusal nobody read: the code is the first unread refusal's)
             raise
         if refused is not None:
             raise refused  # sync checks off / graph capture: the peers learn it at their next check()

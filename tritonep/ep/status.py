@@ -5,7 +5,10 @@ bad_rank_mask, waited]`` (indices ``ST_*`` of :mod:`tritonep.kernels.protocol`) 
 ``skip_call`` is the dispatch number whose data kernels skip their rows (capacity or input error; a dispatch's own
 read compares it with its number, ``status[ST_THIS_CALL]`` after the 8 words, to say whose refusal it raises),
 ``bad_rank_mask`` has bit r set when rank r's input was refused, ``waited`` is the measured length of the wait
-that gave up in nanoseconds (``%globaltimer`` on GPU, the host's monotonic clock in the interpreter).
+that gave up in nanoseconds (``%globaltimer`` on GPU, the host's monotonic clock in the interpreter). Refusals
+nobody read yet (sync-free calls, sync checks off, graph replays) pile up until the next read, which clears the
+word: code, peer and rows needed are the first one's, ``errors_seen`` counts them, ``skip_call`` is the latest
+refused call's and ``bad_rank_mask`` gathers every one's bad ranks.
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ from ..kernels import protocol as P
 
 STATUS_OK, STATUS_TIMEOUT, STATUS_CAPACITY, STATUS_BAD_INPUT = (
     P.v(P.STATUS_OK), P.v(P.STATUS_TIMEOUT), P.v(P.STATUS_CAPACITY), P.v(P.STATUS_BAD_INPUT))
-_CODE, _WAIT_ID, _PEER, _NEEDED, _SKIP_CALL, _BAD_MASK, _WAITED = (P.v(n) for n in (
-    P.ST_CODE, P.ST_WAIT_ID, P.ST_PEER, P.ST_NEEDED_ROWS, P.ST_SKIP_CALL, P.ST_BAD_RANK_MASK, P.ST_WAITED))
+_CODE, _WAIT_ID, _PEER, _SEEN, _NEEDED, _SKIP_CALL, _BAD_MASK, _WAITED = (P.v(n) for n in (
+    P.ST_CODE, P.ST_WAIT_ID, P.ST_PEER, P.ST_ERRORS_SEEN, P.ST_NEEDED_ROWS, P.ST_SKIP_CALL, P.ST_BAD_RANK_MASK,
+    P.ST_WAITED))
 
 __all__ = ["WAIT_NAMES", "raise_for_status", "wait_bound", "bad_ranks", "resolve_timeout"]
 
@@ -48,7 +52,7 @@ def wait_bound(device: torch.device, timeout_s: float | None = None) -> int:
 
 
 def bad_ranks(status_host: torch.Tensor) -> list:
-    """Ranks whose input the last counts exchange refused (bits of ``status[ST_BAD_RANK_MASK]``)."""
+    """Ranks whose input a refused call since the last read held (bits of ``status[ST_BAD_RANK_MASK]``)."""
     mask = int(status_host[_BAD_MASK])
     return [r for r in range(64) if (mask >> r) & 1]
 
@@ -67,6 +71,14 @@ def _refused_call(status_host, this_call: int | None) -> str:
     skip = int(status_host[_SKIP_CALL])
     if this_call is None or skip <= 0:
         return "the refused call moved no rows on any rank"
+    seen = int(status_host[_SEEN])
+    if seen > 1:  # refusals nobody read piled up: the code is the first one's, ST_SKIP_CALL the latest one's
+        this = (f"this call (call {int(this_call)}) was refused too: nothing was sent" if skip == int(this_call) else
+                f"the latest was call {skip}; this call's rows were sent, but it raises the refusal as the first "
+                f"read after them, so its outputs are not returned")
+        return (f"{seen} refusals were recorded since the last read and this one is the first, an earlier "
+                f"dispatch's that nobody read (sync_free=True, TRITONEP_SYNC_CHECKS=0 or a graph replay), and moved "
+                f"no rows; {this}")
     if skip == int(this_call):
         return "nothing was sent"
     return (f"the refusal is an earlier dispatch's that nobody read (sync_free=True, TRITONEP_SYNC_CHECKS=0 or a "
@@ -106,7 +118,9 @@ def raise_for_status(status_host: torch.Tensor, rank: int, max_recv: int, what: 
             bad_ranks=bad, rank=rank)
     if code == STATUS_CAPACITY:
         needed = int(status_host[_NEEDED])
+        bad = bad_ranks(status_host)  # a later refused call's bad inputs (the code is the first refusal's)
+        also = f"; the input of rank(s) {bad} was refused too (the bad rank names its value)" if bad else ""
         raise CapacityError(
             f"{what}: rank {int(status_host[_PEER])} would receive {needed} rows but max_recv_tokens={max_recv}; "
-            f"{_refused_call(status_host, this_call)}", needed=needed, available=max_recv)
+            f"{_refused_call(status_host, this_call)}{also}", needed=needed, available=max_recv)
     raise PeerTimeoutError(f"{what}: unknown device status code {code}", rank=rank)

@@ -269,7 +269,9 @@ def record_verdict(badv, rows, max_recv, status_ptr, skip_call, HAS_SKIP: tl.con
     and the bitmask of bad ranks, else STATUS_CAPACITY with the rows needed; HAS_SKIP: ``skip_call`` is this
     dispatch's number, stored in ``status[ST_THIS_CALL]`` always and in ``status[ST_SKIP_CALL]`` when the call is
     refused (every rank's data kernels then skip its rows): the host tells this call's refusal from an earlier one
-    nobody read."""
+    nobody read. Refusals nobody read yet pile up until the next read (which clears the word): the code, peer and
+    rows needed stay the first one's (record_error), the bad-rank mask gathers every refused call's bad ranks (this
+    program is the only writer of its rank's word), so each bad rank still names its own value."""
     s_off = tl.arange(0, WB)
     if HAS_SKIP:
         tl.store(status_ptr + ST_THIS_CALL, skip_call)
@@ -277,12 +279,13 @@ def record_verdict(badv, rows, max_recv, status_ptr, skip_call, HAS_SKIP: tl.con
     over = tl.max(tl.where(s_off < W, rows, 0), 0)
     if tl.max(badv, 0) > 0:
         record_error(status_ptr, STATUS_BAD_INPUT, WAIT_COUNTS, tl.argmax(tl.where(badv > 0, 1, 0), 0))
-        tl.store(status_ptr + ST_BAD_RANK_MASK, tl.sum(tl.where(badv > 0, tl.full((WB,), 1, tl.int64) << s_off.to(tl.int64), 0), 0))
+        mask = tl.sum(tl.where(badv > 0, tl.full((WB,), 1, tl.int64) << s_off.to(tl.int64), 0), 0)
+        tl.store(status_ptr + ST_BAD_RANK_MASK, tl.load(status_ptr + ST_BAD_RANK_MASK) | mask)
         if HAS_SKIP:
             tl.store(status_ptr + ST_SKIP_CALL, skip_call)
     elif over > max_recv:
-        record_error(status_ptr, STATUS_CAPACITY, WAIT_COUNTS, tl.argmax(tl.where(s_off < W, rows, 0), 0))
-        tl.store(status_ptr + ST_NEEDED_ROWS, over.to(tl.int64))
+        if record_error(status_ptr, STATUS_CAPACITY, WAIT_COUNTS, tl.argmax(tl.where(s_off < W, rows, 0), 0)):
+            tl.store(status_ptr + ST_NEEDED_ROWS, over.to(tl.int64))  # with its peer: one refusal's numbers
         if HAS_SKIP:
             # the data kernels of THIS dispatch (number skip_call) skip their rows; later calls are not poisoned
             tl.store(status_ptr + ST_SKIP_CALL, skip_call)

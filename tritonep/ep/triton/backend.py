@@ -131,8 +131,8 @@ class TritonEP(DispatchOutputs, DecodePath):
         st = self.status[:_ST_ERR].cpu().clone()  # .cpu() of a CPU tensor is the tensor itself
         if int(st[_CODE]) in (STATUS_CAPACITY, STATUS_BAD_INPUT):
             self.status.zero_()
-        if int(st[_CODE]) == STATUS_BAD_INPUT and self.rank in bad_ranks(st):
-            self._raise_own_bad_ids()
+            if self.rank in bad_ranks(st):  # this rank's ids in a refused call (the code may be an earlier one's)
+                self._raise_own_bad_ids()
         try:
             raise_for_status(st, self.rank, self.cfg.max_recv_tokens, what, self.cfg.timeout_s, self.device.type)
         except PeerTimeoutError as e:

@@ -142,8 +142,10 @@ class DispatchOutputs:
         e.g. while its launch runs)."""
         if refused:
             self.status.zero_()  # reported once, here; the buffer stays usable (stream-ordered after the kernels)
-            if code == STATUS_BAD_INPUT and self.rank in bad_ranks(torch.tensor(st)) and not bad_input:
+            if self.rank in bad_ranks(torch.tensor(st)) and not bad_input:
                 # raises InputError naming the value: this call's ids, or an earlier sync-free call's that nobody read
+                # (also behind an earlier capacity refusal nobody read: the code is the first refusal's, the mask
+                # every unread refused call's bad ranks)
                 self._raise_own_bad_ids()
             raise_for_status(torch.tensor(st[:_ST_ERR]), self.rank, self.cfg.max_recv_tokens, "dispatch",
                              self.cfg.timeout_s, self.device.type, this_call=st[_THIS_CALL])

@@ -465,3 +465,14 @@ def test_storage_block_fields(gpu_like):
     with pytest.raises(TypeError, match="need the per-call value"):
         BoundKernel(_Launcher("cuda:0"), k, (6,), dict(table_ptr=table, n_static=7, BLOCK=32), dyn=("x_ptr", "T"),
                     fields=fields)
+
+
+def test_field_arg_needs_the_call_values(gpu_like):
+    k = _Kernel()
+    table = torch.arange(4, dtype=torch.int64)
+    bk = BoundKernel(_Launcher("cuda:0"), k, (6,), dict(table_ptr=table, n_static=7, BLOCK=32),
+                     dyn=("x_ptr", bound_mod.STORE, "T"),
+                     fields={"idx_ptr": (0, 8, torch.int32), "out_ptr": (64, 8, torch.float32)})
+    with pytest.raises(ValueError, match="field of the per-call storage block"):
+        bk.arg("out_ptr")
+    assert bk.arg("n_static") == 7

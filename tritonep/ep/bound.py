@@ -180,6 +180,9 @@ class BoundKernel:
         vals = dyn if self.grid is not None else dyn[1:]
         for pos, start, numel, dt in self._fields:
             if self._names[pos] == name:
+                if len(vals) != len(self._dyn):
+                    raise ValueError(f"{self.name}: {name!r} is a field of the per-call storage block: pass the call's "
+                                     f"per-call values ({self._dyn}) to read it")
                 store = vals[self._dyn.index(STORE)]
                 return FieldView(store, store.data_ptr(), start, numel, dt)
         if name in self._dyn:

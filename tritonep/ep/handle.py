@@ -1,7 +1,9 @@
 """What dispatch returns: :class:`Dispatched` (rows + layout) and the frozen, typed handles that undo it.
 
-A handle is built once, by the backend that dispatched, with every field final (the buffer id, the returned row
-weights, the row count), and never changed afterwards (``dataclasses.FrozenInstanceError`` on assignment):
+A handle is built by the backend that dispatched, and every field is final (the buffer id, the returned row weights,
+the row count) before the dispatch returns it; it never changes afterwards (``dataclasses.FrozenInstanceError`` on
+assignment; the triton backend builds its handle while the launch runs and sets the row count, row weights and scales
+after its host read, :meth:`TritonHandle._finish`, before anyone else sees the handle):
 :class:`DispatchHandle` holds what every backend records, :class:`TritonHandle` and :class:`NcclHandle` add their
 backend's routing state. A handle owns the routing its combine and backward passes read (a copy made at dispatch):
 a caller that refills its ``topk_idx`` / ``topk_weights`` in place after dispatch changes nothing.

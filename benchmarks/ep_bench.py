@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if "--cpu" in sys.argv[1:]:  # before tritonep's kernels are imported: the CPU world runs them in the interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tritonep.bench.check import exit_code, failed_rows  # noqa: E402
 from tritonep.bench.ep import PROFILES, bench_ep, peer_copy_gbps, ratio_lines  # noqa: E402
@@ -23,18 +25,21 @@ from tritonep.wire.formats import WIRES  # noqa: E402
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--profiles", nargs="+", default=["deepseek-v3", "decode"], choices=sorted(PROFILES))
-    ap.add_argument("--num-sms", type=int, nargs="*", default=[0])
-    ap.add_argument("--iters", type=int, default=30)
-    ap.add_argument("--json", default="")
+    ap = argparse.ArgumentParser(description="\n\n".join(__doc__.split("\n\n")[:2]),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profiles", nargs="+", default=["deepseek-v3", "decode"], choices=sorted(PROFILES),
+                    help="shapes to measure (default: deepseek-v3 decode; `tritonep bench --help` gives their shapes)")
+    ap.add_argument("--num-sms", type=int, nargs="*", default=[0], help="SM caps to measure (default 0 = the geometry table)")
+    ap.add_argument("--iters", type=int, default=30, help="timed iterations per point, median reported (default 30)")
+    ap.add_argument("--json", default="", help="write the rows (each with its check) to this JSON file")
     ap.add_argument("--overlap", type=int, nargs="*", default=None,
                     help="also run the overlap benchmark (dispatch+combine beside a GEMM on another stream) for "
                          "these SM caps, e.g. --overlap 24 0 (tritonep/bench/overlap.py)")
     ap.add_argument("--variants", nargs="*", default=[],
                     help="geometry sweep after the main rows: entries PROFILE:SMS:WIRES:GEOMETRY, e.g. "
                          "'decode:0:bf16:bt=2,grid=128' (GEOMETRY = a TRITONEP_GEOMETRY string, '' = the table)")
-    ap.add_argument("--wires", nargs="+", default=["bf16", "fp8", "mxfp4"], choices=list(WIRES))
+    ap.add_argument("--wires", nargs="+", default=["bf16", "fp8", "mxfp4"], choices=list(WIRES),
+                    help="dispatch / combine wire formats to measure (default: bf16 fp8 mxfp4)")
     ap.add_argument("--cpu", action="store_true", help="2-rank CPU world (interpreter), profile cpu-smoke, 1 iter: "
                                                        "runs every point and its check; times are not meaningful")
     a = ap.parse_args(argv)

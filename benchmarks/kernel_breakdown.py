@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if "--cpu" in sys.argv[1:]:  # before tritonep's kernels are imported: the CPU world runs them in the interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tritonep.bench.check import exit_code  # noqa: E402
 from tritonep.bench.ep import PROFILES  # noqa: E402

@@ -82,6 +82,10 @@ def main(group, backend="auto"):
 
 
 if __name__ == "__main__":
+    import argparse
+
+    argparse.ArgumentParser(description="\n\n".join(__doc__.split("\n\n")[:3]),  # --help: what it does, no options
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     if torch.cuda.is_available():  # under torchrun: one process per GPU (more processes than GPUs: see the docstring)
         for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                      ("NVSHMEM_DISABLE_NVLS", "1")):

@@ -3,6 +3,10 @@
     python examples/torchtitan_moe.py                          # no GPU: main() in a 2-rank CPU world (interpreter)
     torchrun --nproc-per-node 2 examples/torchtitan_moe.py     # 2 GPUs of one host (1 works too: EP degree 1)
 
+Under torchrun without a GPU it stops with one line: the dispatcher builds its ``EPBuffer`` with the ``triton``
+backend (symmetric memory), which a CPU has only inside ``run_cpu_world``'s forked ranks (examples/torchrun_moe.py
+and train_moe.py run under torchrun on a CPU with the ``nccl`` backend instead).
+
 The MoE layers are torchtitan 0.3.0's own ``MoE`` modules, configured as its DeepSeek-V3 ``debugmodel`` MoE layer
 (dim 256, 8 routed experts, top-3, 2 shared experts); :func:`tritonep.integrations.torchtitan.use_tritonep` swaps
 their token dispatcher for tritonep's and :func:`shard_routed_experts` gives every rank its 8 / W experts. Around them:
@@ -21,6 +25,8 @@ the loss does not fall and returns the losses.
 """
 
 import os
+import sys
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -30,6 +36,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 if not torch.cuda.is_available():  # no GPU: tritonep's kernels run in Triton's interpreter, which Triton reads when
     os.environ.setdefault("TRITON_INTERPRET", "1")  # a kernel is defined: before the next import defines them
+    # torchtitan's router asks CPU autocast for fp32, which CPU autocast does not offer (it turns itself off; the
+    # model is fp32 here anyway): a warning from every rank, nothing wrong
+    warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype is not supported")
 
 from tritonep.integrations.torchtitan import close_buffers, shard_routed_experts, use_tritonep  # noqa: E402
 
@@ -107,6 +116,14 @@ def main(group, steps=4, n_layers=1, B=1, S=16, vocab=64):
 
 
 if __name__ == "__main__":
+    import argparse
+
+    argparse.ArgumentParser(description="\n\n".join(__doc__.split("\n\n")[:3]),  # --help: what it does, no options
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    if "RANK" in os.environ and not torch.cuda.is_available():  # one line, not a HeapError traceback from every rank
+        sys.exit("examples/torchtitan_moe.py under torchrun needs GPUs: tritonep's torchtitan dispatcher uses the "
+                 "triton backend, whose symmetric memory a CPU has only inside run_cpu_world's forked ranks; without a "
+                 "GPU run: python examples/torchtitan_moe.py")
     if "RANK" in os.environ:  # torchrun
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))

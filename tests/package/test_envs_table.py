@@ -64,6 +64,8 @@ def test_env_command_shows_set_variables_and_who_set_the_interpreter():
     out = p.stdout
     assert re.search(r"TRITONEP_GEOMETRY\s*│\s*bt=2,grid=8", out), out
     assert "set by the tritonep command" in out, out
+    if env.get("NCCL_NVLS_ENABLE") != "0":  # multicast not disabled: the bare False says what is missing and why
+        assert "GPU runs want them" in " ".join(out.split()), out
     env["TRITON_INTERPRET"] = "1"  # the user's own setting is shown as it is
     p = subprocess.run([sys.executable, "-m", "tritonep.cli.main", "env"], capture_output=True, text=True,
                        timeout=300, env=env)

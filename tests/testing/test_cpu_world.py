@@ -38,3 +38,44 @@ def test_hung_rank_fails_fast():
         run_cpu_world(3, _hang_on_rank_2, timeout_s=4)
     assert 2 in ei.value.ranks
     assert time.time() - t0 < 20
+
+
+_KERNELS_FIRST = """
+import sys
+import tritonep as tep
+from tritonep.errors import ConfigError
+from tritonep.testing import run_cpu_world
+geo = tep.MoEGeometry(hidden=64, intermediate=32, num_experts=8, topk=2, max_tokens_per_rank=16)  # imports kernels
+heap = tep.EPBuffer.required_bytes(2, 8, 64, 16, 2) + (1 << 20)  # the README's sizing of a CPU world
+try:
+    print("ranks", run_cpu_world(2, lambda group: group.rank(), heap_bytes=heap))
+except ConfigError as e:
+    print("refused:", e)
+"""
+
+
+@pytest.mark.parametrize("interpret", ["", "1"])
+def test_kernels_imported_before_the_world_refused_unless_interpreted(interpret):
+    """``MoEGeometry`` / ``EPBuffer.required_bytes`` in the parent import tritonep's kernels; without
+    ``TRITON_INTERPRET=1`` at start-up they are compiled kernels, which the forked ranks cannot run: refused with a
+    message naming those uses and the remedy (README, "A CPU world gives every rank ..."). With it, the README's
+    ``heap_bytes=tep.EPBuffer.required_bytes(...) + (1 << 20)`` world runs."""
+    import os
+    import subprocess
+    import sys
+
+    from tests import ROOT
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret:
+        env["TRITON_INTERPRET"] = interpret
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    p = subprocess.run([sys.executable, "-c", _KERNELS_FIRST], capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    if interpret:
+        assert "ranks [0, 1]" in p.stdout, p.stdout + p.stderr
+    else:
+        msg = " ".join(p.stdout.split())
+        assert msg.startswith("refused:"), p.stdout + p.stderr
+        for words in ("required_bytes", "MoEGeometry", "start Python with TRITON_INTERPRET=1", "inside the rank function"):
+            assert words in msg, msg

@@ -155,8 +155,10 @@ def main(args) -> int:
     if args.op == "planner":
         return _planner(con, args, ngpu)
     if ngpu < 1:
-        raise ConfigError(f"timing {args.op} needs CUDA GPUs (found none); on a CPU run "
-                          f"`tritonep bench {'moe' if args.op == 'moe' else 'dispatch'} --soak N` for checked steps")
+        cpu = (f"`tritonep bench moe --soak N` for checked steps" if args.op == "moe" else
+               "`tritonep bench dispatch --soak N` for checked steps, or, in a clone of the repository, "
+               "`python benchmarks/ep_bench.py --cpu` for every benchmark point of the cpu-smoke profile with its check")
+        raise ConfigError(f"timing {args.op} needs CUDA GPUs (found none); on a CPU run {cpu}")
     W = args.world_size or ngpu
     if not 2 <= W <= 64:
         raise ConfigError(f"--world-size {W} must be in 2..64 (timing needs at least 2 ranks; {ngpu} CUDA GPU(s) "

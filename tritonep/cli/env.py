@@ -33,7 +33,8 @@ def collect_env() -> dict:
         "cuda_available": torch.cuda.is_available(),
         "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
         "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "") + (
-            " (set by the tritonep command: no GPU; your own scripts set it themselves)"
+            " (set by the tritonep command: no GPU; in your own scripts run_cpu_world sets it if nothing imported "
+            "tritonep's kernels before it, else start Python with TRITON_INTERPRET=1)"
             if os.environ.get(INTERPRET_SET_BY_CLI) else ""),
         "TRITONEP_TIMEOUT_S": envs.timeout_s(),
         "TRITONEP_SYNC_CHECKS": {envs.SYNC_NONE: "none", envs.SYNC_DEFERRED: "deferred",
@@ -62,6 +63,14 @@ def collect_env() -> dict:
     return info
 
 
+_NOTES = {
+    ("multicast_disabled", False): (" (not all of NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 "
+                                    "NVSHMEM_DISABLE_NVLS=1 are set: GPU runs want them, README 'On the GPU machine'; "
+                                    "no effect on a CPU)"),
+}
+"""What a value means when the bare value does not say (``(key, value)`` -> a note printed after it)."""
+
+
 def main(args) -> int:
     from rich.table import Table
 
@@ -71,6 +80,6 @@ def main(args) -> int:
     t.add_column("key")
     t.add_column("value")
     for k, v in collect_env().items():
-        t.add_row(k, str(v))
+        t.add_row(k, str(v) + _NOTES.get((k, v), ""))
     make_console().print(t)
     return 0

@@ -199,8 +199,10 @@ def run_cpu_world(world_size: int, fn: Callable, *args, timeout_s: float = 120.0
 
     if "tritonep.kernels.common" in sys.modules and not sys.modules["tritonep.kernels.common"].kernels_interpreted():
         raise ConfigError("run_cpu_world: tritonep's kernels were already imported for the GPU in this process "
-                          "(TRITON_INTERPRET was not 1 then); the forked ranks need the interpreter: set "
-                          "TRITON_INTERPRET=1 before the first use of tritonep's kernels")
+                          "(TRITON_INTERPRET was not 1 then: any use of tep.EPBuffer, EPBuffer.required_bytes "
+                          "included, tep.MoELayer / MoERecipe / MoEGeometry or tritonep.wire before this call imports "
+                          "them); the forked ranks need the interpreter: start Python with TRITON_INTERPRET=1, or make "
+                          "those objects inside the rank function")
     os.environ["TRITON_INTERPRET"] = "1"
     heap = CpuHeap.create(world_size, heap_bytes or envs.cpu_heap_bytes())
     tmp = tempfile.mkdtemp(prefix="tritonep_world_")

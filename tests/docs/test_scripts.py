@@ -1,0 +1,72 @@
+"""The README's scripts behave as it says: ``bash scripts/test.sh PATH`` runs only PATH (it used to append ``tests``
+to every command line, so ``scripts/test.sh tests/docs -x`` ran the whole suite), and the benchmark drivers' ``--cpu``
+runs start from a plain shell (they imported tritonep's kernels compiled before their CPU world, which refused them;
+the tests of tests/bench call their ``main`` in a process that already has ``TRITON_INTERPRET=1``), and the examples'
+``--help`` prints what the script does instead of running it."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests import ROOT
+
+CPU_DRIVERS = ("ep_bench", "kernel_breakdown", "planner_bench", "moe_bench")
+
+
+@pytest.mark.slow  # 4-7 s on 2 cores (collection in a subprocess): CI's second step
+def test_test_sh_with_a_path_collects_only_that_path():
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    p = subprocess.run(["bash", str(ROOT / "scripts" / "test.sh"), "tests/docs/test_names.py", "--collect-only", "-q"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    files = set(re.findall(r"^(tests/\S+?): \d+$", p.stdout, flags=re.M))  # test.sh's -q and ours: "FILE: N" lines
+    assert files == {"tests/docs/test_names.py"}, p.stdout
+
+
+def test_benchmark_drivers_with_cpu_import_the_kernels_interpreted():
+    """Each driver's module, loaded as ``python benchmarks/X.py --cpu`` loads it (argv, TRITON_INTERPRET unset), leaves
+    tritonep's kernels interpreted, which ``run_cpu_world`` requires."""
+    code = ("import importlib.util, sys\n"
+            f"for name in {CPU_DRIVERS!r}:\n"
+            f"    path = {str(ROOT / 'benchmarks')!r} + '/' + name + '.py'\n"
+            "    sys.argv = [path, '--cpu']\n"
+            "    spec = importlib.util.spec_from_file_location(name, path)\n"
+            "    spec.loader.exec_module(importlib.util.module_from_spec(spec))\n"
+            "import tritonep.kernels.common as c\n"
+            "print('interpreted', c.kernels_interpreted())\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "interpreted True" in p.stdout, p.stdout + p.stderr
+
+
+@pytest.mark.slow  # three subprocesses importing torch (and torchtitan): CI's second step
+@pytest.mark.parametrize("example", ["torchrun_moe", "torchtitan_moe", "train_moe"])
+def test_example_help_describes_and_runs_nothing(example):
+    if example == "torchtitan_moe":
+        pytest.importorskip("torchtitan")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, str(ROOT / "examples" / f"{example}.py"), "--help"], capture_output=True,
+                       text=True, timeout=300, env=env, cwd=ROOT)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stdout.startswith(f"usage: {example}.py"), p.stdout
+    assert "step 0" not in p.stdout and "world 2 on" not in p.stdout, p.stdout  # the runs' own lines: it ran nothing
+
+
+@pytest.mark.slow  # imports torchtitan in a subprocess: CI's second step
+def test_torchtitan_example_under_torchrun_without_gpu_says_so_in_one_line():
+    """torchrun's environment (RANK set) without a GPU: one line naming the CPU command, no traceback (the dispatcher's
+    triton backend has no symmetric heap outside a CPU world; it used to raise HeapError on every rank)."""
+    pytest.importorskip("torchtitan")
+    if torch.cuda.is_available():
+        pytest.skip("the no-GPU path")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    p = subprocess.run([sys.executable, str(ROOT / "examples" / "torchtitan_moe.py")], capture_output=True, text=True,
+                       timeout=300, env=env, cwd=ROOT)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "Traceback" not in p.stderr and "python examples/torchtitan_moe.py" in p.stderr, p.stderr

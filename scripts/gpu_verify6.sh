@@ -11,7 +11,7 @@
 #   bash scripts/gpu_verify6.sh N     # first call of session 7: world-1 ep + moe GPU tests (never run on the
 #                                     #   session-6 tree), W=2 MPS (incl. gradients: the one-launch decode dispatch
 #                                     #   backward), eager (its 128-token dispatch_bwd row), peer             ~470 s
-# or name steps. Carry [".whl"] (torchtitan 0.3.0 for the peer/titan tests). Logs and JSON under $OUT, packed into
+# or name steps (also session 5's: hostpy tests1 mps2dec; scripts/gpu_verify5.sh A / B name them). Carry [".whl"] (torchtitan 0.3.0 for the peer/titan tests). Logs and JSON under $OUT, packed into
 # $OUT/logs.tgz (the device returns few files).
 source "$(dirname "$0")/gpu_step.sh"
 steps=()
@@ -57,6 +57,12 @@ want eager_dec0 && TRITONEP_GEOMETRY=dec=0 step eager_dec0 60 torchrun --nproc-p
 want probe && step probe 50 torchrun --nproc-per-node 1 benchmarks/launch_probe.py --tokens 128 \
     --json "$OUT/launch_probe.json"
 want hostpy && step hostpy 60 torchrun --nproc-per-node 1 benchmarks/host_profile.py --tokens 128 --calls 200 --top 25
+want tests1 && OMP_NUM_THREADS=4 step tests1 150 "${PYT[@]}" -m "gpu and (not world or world1) and not soak" \
+    --timeout 120 tests/ep/test_combine_backward_rows.py tests/ep/triton/test_decode_gpu.py \
+    tests/ep/nccl/test_bound_launches.py tests/ep/nccl/test_pinned_plan_gpu.py tests/ep/triton/test_own_rank_staging.py \
+    tests/ep/triton/test_bound_direct.py tests/moe/test_sync_free.py
+want mps2dec && step mps2dec 150 "${PYTEST[@]}" -m "gpu and world and not world1 and not soak" -k "decode or sync_free" \
+    --gpu-world-sizes 2 --gpu-mps on --timeout 120 --maxfail 4
 want peer && step peer 60 torchrun --nproc-per-node 1 benchmarks/peer_bench.py --json "$OUT/peer_bench.json"
 want epb && step epb 60 torchrun --nproc-per-node 1 benchmarks/ep_bench.py --wires bf16 --json "$OUT/ep_bench_bf16.json"
 want layer && step layer 60 torchrun --nproc-per-node 1 benchmarks/moe_graph_bench.py --tokens 128 4096 \

@@ -11,6 +11,8 @@
 #   bash scripts/gpu_verify6.sh N     # first call of session 7: world-1 ep + moe GPU tests (never run on the
 #                                     #   session-6 tree), W=2 MPS (incl. gradients: the one-launch decode dispatch
 #                                     #   backward), eager (its 128-token dispatch_bwd row), peer             ~470 s
+#   bash scripts/gpu_verify6.sh P     # session 7: host cProfile at 4096, eager at 4096 on the two-kernel
+#                                     #   (unfused) path                                                    ~80 s
 # or name steps (also session 5's: hostpy tests1 mps2dec; scripts/gpu_verify5.sh A / B name them). Carry [".whl"] (torchtitan 0.3.0 for the peer/titan tests). Logs and JSON under $OUT, packed into
 # $OUT/logs.tgz (the device returns few files).
 source "$(dirname "$0")/gpu_step.sh"
@@ -22,6 +24,7 @@ for a in "$@"; do
         H) steps+=(tests_host eager eager_old probe epb) ;;
         F) steps+=(tests_ep tests_w2 eager probe peer layer) ;;
         N) steps+=(tests_ep tests_w2 eager peer) ;;  # next session's first call: what session 6 could not run
+        P) steps+=(hostpy4k eager_fs0) ;;
         *) steps+=("$a") ;;
     esac
 done
@@ -63,6 +66,10 @@ want tests1 && OMP_NUM_THREADS=4 step tests1 150 "${PYT[@]}" -m "gpu and (not wo
     tests/ep/triton/test_bound_direct.py tests/moe/test_sync_free.py
 want mps2dec && step mps2dec 150 "${PYTEST[@]}" -m "gpu and world and not world1 and not soak" -k "decode or sync_free" \
     --gpu-world-sizes 2 --gpu-mps on --timeout 120 --maxfail 4
+want hostpy4k && step hostpy4k 90 torchrun --nproc-per-node 1 benchmarks/host_profile.py --tokens 4096 --calls 100 \
+    --top 30
+want eager_fs0 && TRITONEP_GEOMETRY=fs=0,fe=0 step eager_fs0 60 torchrun --nproc-per-node 1 \
+    benchmarks/eager_profile.py --tokens 4096 --json "$OUT/eager_triton_fs0.json"
 want peer && step peer 60 torchrun --nproc-per-node 1 benchmarks/peer_bench.py --json "$OUT/peer_bench.json"
 want epb && step epb 60 torchrun --nproc-per-node 1 benchmarks/ep_bench.py --wires bf16 --json "$OUT/ep_bench_bf16.json"
 want layer && step layer 60 torchrun --nproc-per-node 1 benchmarks/moe_graph_bench.py --tokens 128 4096 \

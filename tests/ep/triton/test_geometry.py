@@ -30,6 +30,7 @@ def test_geometry_override_errors(monkeypatch):
     monkeypatch.delenv("TRITONEP_GEOMETRY", raising=False)
     g = select_geometry("cuda", 2, 7168, 4096, 8)  # the table: fused dispatch at >= 1024 tokens, no SM cap
     assert (g.fused_send, g.fused_expand, g.grid_send, g.grid_expand, g.fused_combine) == (40, 88, 40, 88, False)
+    assert select_geometry("cuda", 1, 7168, 4096, 8).fused_send == 0  # world 1: no transfer to overlap
     g = select_geometry("cuda", 2, 7168, 4096, 8, num_sms=24)  # capped: two kernels
     assert (g.fused_send, g.grid_send) == (0, 24)
     assert select_geometry("cuda", 2, 7168, 128, 8).fused_send == 0  # decode: two kernels
@@ -77,8 +78,10 @@ def test_backward_expand_tile(monkeypatch):
     from tritonep.ep.geometry import select_geometry
 
     monkeypatch.delenv("TRITONEP_GEOMETRY", raising=False)
-    g = select_geometry("cuda", 1, 7168, 4096, 8)
+    g = select_geometry("cuda", 2, 7168, 4096, 8)  # fused: both roles
     assert (g.bt, g.num_warps, g.bbt, g.bwarps, g.grid_expand, g.bgrid) == (16, 8, 8, 32, 88, 128)
+    g = select_geometry("cuda", 1, 7168, 4096, 8)  # world 1: two kernels, the expand's grid
+    assert (g.bt, g.num_warps, g.bbt, g.bwarps, g.grid_expand, g.bgrid) == (16, 8, 8, 32, 132, 132)
     g = select_geometry("cuda", 1, 7168, 128, 8)
     assert (g.bt, g.num_warps, g.bbt, g.bwarps, g.grid_expand, g.bgrid) == (1, 4, 1, 4, 128, 128)
     g = select_geometry("cuda", 1, 7168, 4096, 8, num_sms=24)
@@ -90,7 +93,7 @@ def test_backward_expand_tile(monkeypatch):
     assert (g.bbt, g.bwarps, g.bgrid) == (g.bt, g.num_warps, g.grid_expand)
     monkeypatch.setenv("TRITONEP_GEOMETRY", "bbt=4,bwarps=16,bgrid=64")
     g = select_geometry("cuda", 1, 7168, 4096, 8)
-    assert (g.bt, g.bbt, g.bwarps, g.bgrid, g.grid_expand) == (16, 4, 16, 64, 88)
+    assert (g.bt, g.bbt, g.bwarps, g.bgrid, g.grid_expand) == (16, 4, 16, 64, 132)
     monkeypatch.setenv("TRITONEP_GEOMETRY", "bgrid=64")
     assert select_geometry("cuda", 1, 7168, 4096, 8, num_sms=24).bgrid == 24  # the cap clips it
     monkeypatch.setenv("TRITONEP_GEOMETRY", "bt=4")

@@ -7,7 +7,9 @@ Run on 2 GPUs::
 
 Per token count (DeepSeek-V3 shape: H 7168, 256 experts, top-8): graph-replay time, eager time (CUDA events over
 back-to-back calls, the default deferred sync checks), host (CPU) time per eager call, and the host time split by
-kernel launch (Launcher calls, by kernel name) and the rest (allocation, host read, autograd); rank 0 prints the
+kernel launch (Launcher calls, by kernel name) and the rest (allocation, host read, autograd), and of it the time
+the host spent waiting in the dispatch's one host read for the device's verdict (``*_host_wait_us``; the host's own
+work is ``*_host_work_us``, the issue-24 host-CPU figure without the GPU's time); rank 0 prints the
 top CPU ops of one call from ``torch.profiler``.
 """
 
@@ -72,10 +74,24 @@ def profile_tokens(group, T, H=7168, E=256, K=8, iters=30, backend="triton"):
     from tritonep.bench.kernels import launch_timer
     from tritonep.memory import group_barrier
 
+    # the host read's own time (a spin until the device published the call's verdict): waiting for the GPU, not
+    # host work; host_work_us = host_us - host_wait_us
+    impl = getattr(buf, "_impl", None)
+    read0 = getattr(impl, "_read_host_status", None)
+    waited = [0.0]
+    if read0 is not None:
+        def read(ticket):
+            t = time.perf_counter()
+            try:
+                return read0(ticket)
+            finally:
+                waited[0] += time.perf_counter() - t
+        impl._read_host_status = read
     with launch_timer() as acc:
         for name, fn in (("dispatch", lambda: buf.dispatch(x, idx, w)),
                          ("combine", lambda: buf.combine(eo_r, d.handle))):
             acc.clear()
+            waited[0] = 0.0
             group_barrier(group, dev)  # tritonep.memory: NCCL, or gloo when ranks share a GPU
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -84,7 +100,12 @@ def profile_tokens(group, T, H=7168, E=256, K=8, iters=30, backend="triton"):
             host = (time.perf_counter() - t0) / iters * 1e6
             torch.cuda.synchronize()
             out[f"{name}_host_us"] = host
+            if read0 is not None:
+                out[f"{name}_host_wait_us"] = waited[0] / iters * 1e6
+                out[f"{name}_host_work_us"] = host - waited[0] / iters * 1e6
             out[f"{name}_launch_host_us"] = {k: v / iters * 1e6 for k, v in acc.items()}
+    if read0 is not None:
+        del impl._read_host_status  # the class's method again
     if rank == 0:
         from torch.profiler import ProfilerActivity, profile
 
@@ -122,12 +143,12 @@ def main():
             print(r.pop("profile_table_cuda", ""), flush=True)
             print(json.dumps(r, indent=1), flush=True)
     if rank == 0:
-        print(f"{'tokens':>7} {'disp graph':>10} {'disp eager':>10} {'disp host':>10} {'comb graph':>10} "
-              f"{'comb eager':>10} {'comb host':>10}")
+        print(f"{'tokens':>7} {'disp graph':>10} {'disp eager':>10} {'disp host':>10} {'disp work':>10} "
+              f"{'comb graph':>10} {'comb eager':>10} {'comb host':>10}")
         for r in res:
             print(f"{r['tokens']:>7} {r['dispatch_graph_us']:>10.1f} {r['dispatch_eager_us']:>10.1f} "
-                  f"{r['dispatch_host_us']:>10.1f} {r['combine_graph_us']:>10.1f} {r['combine_eager_us']:>10.1f} "
-                  f"{r['combine_host_us']:>10.1f}")
+                  f"{r['dispatch_host_us']:>10.1f} {r.get('dispatch_host_work_us', float('nan')):>10.1f} "
+                  f"{r['combine_graph_us']:>10.1f} {r['combine_eager_us']:>10.1f} {r['combine_host_us']:>10.1f}")
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(res, f, indent=1)

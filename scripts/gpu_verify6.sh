@@ -11,6 +11,8 @@
 #   bash scripts/gpu_verify6.sh N     # first call of session 7: world-1 ep + moe GPU tests (never run on the
 #                                     #   session-6 tree), W=2 MPS (incl. gradients: the one-launch decode dispatch
 #                                     #   backward), eager (its 128-token dispatch_bwd row), peer             ~470 s
+#   bash scripts/gpu_verify6.sh Z     # session 7's last: eager (the world-1 two-kernel default) and the fused
+#                                     #   dispatch in the same call, peer, `tritonep run`, the world-1 GPU suite ~520 s
 #   bash scripts/gpu_verify6.sh P     # session 7: host cProfile at 4096, eager at 4096 on the two-kernel
 #                                     #   (unfused) path                                                    ~80 s
 # or name steps (also session 5's: hostpy tests1 mps2dec; scripts/gpu_verify5.sh A / B name them). Carry [".whl"] (torchtitan 0.3.0 for the peer/titan tests). Logs and JSON under $OUT, packed into
@@ -25,6 +27,7 @@ for a in "$@"; do
         F) steps+=(tests_ep tests_w2 eager probe peer layer) ;;
         N) steps+=(tests_ep tests_w2 eager peer) ;;  # next session's first call: what session 6 could not run
         P) steps+=(hostpy4k eager_fs0) ;;
+        Z) steps+=(eager eager_fused peer run single) ;;  # session 7's last: world 1 two kernels vs fused, same call
         *) steps+=("$a") ;;
     esac
 done
@@ -40,7 +43,7 @@ want single && OMP_NUM_THREADS=4 step single 290 "${PYTEST[@]}" -m "gpu and (not
     --timeout 200
 want mps2 && step mps2 210 "${PYTEST[@]}" -m "gpu and world and not world1 and not soak" \
     -k "test_gpu.py or host_protocol or decode_gpu" --gpu-world-sizes 2 --gpu-mps on --timeout 120 --maxfail 6
-want mps2rest && step mps2rest 300 "${PYTEST[@]}" -m "gpu and world and not world1 and not soak" \
+want mps2rest && step mps2rest 265 "${PYTEST[@]}" -m "gpu and world and not world1 and not soak" \
     -k "not (test_gpu.py or host_protocol or decode_gpu)" --gpu-world-sizes 2 --gpu-mps on --timeout 120 --maxfail 6
 want tests_host && OMP_NUM_THREADS=4 step tests_host 110 "${PYT[@]}" -m "gpu and (not world or world1) and not soak" \
     --timeout 100 tests/ep/triton/test_bound_direct.py tests/ep/test_combine_backward_rows.py \
@@ -53,8 +56,10 @@ want tests_w2 && step tests_w2 230 "${PYTEST[@]}" -m "gpu and world and not worl
     -k "test_gpu.py or host_protocol or (decode_gpu and bf16)" --gpu-world-sizes 2 --gpu-mps on --timeout 120 --maxfail 3
 want eager_old && PYTHONPATH=.ab/old step eager_old 70 torchrun --nproc-per-node 1 benchmarks/eager_profile.py \
     --tokens 128 4096 --json "$OUT/eager_triton_old.json"
-want eager && step eager 70 torchrun --nproc-per-node 1 benchmarks/eager_profile.py --tokens 128 4096 \
+want eager && step eager 80 torchrun --nproc-per-node 1 benchmarks/eager_profile.py --tokens 128 1024 4096 \
     --json "$OUT/eager_triton.json"
+want eager_fused && TRITONEP_GEOMETRY=fs=40,fe=88 step eager_fused 60 torchrun --nproc-per-node 1 \
+    benchmarks/eager_profile.py --tokens 1024 4096 --json "$OUT/eager_triton_fused.json"
 want eager_dec0 && TRITONEP_GEOMETRY=dec=0 step eager_dec0 60 torchrun --nproc-per-node 1 \
     benchmarks/eager_profile.py --tokens 128 --json "$OUT/eager_triton_dec0.json"
 want probe && step probe 50 torchrun --nproc-per-node 1 benchmarks/launch_probe.py --tokens 128 \

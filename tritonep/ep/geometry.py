@@ -181,17 +181,19 @@ def select_geometry(device_type: str, world_size: int, hidden: int, max_tokens_p
         grid = min(132, max(8, chunks * world_size))
         g = Geometry(bt=bt, bh=bh, grid_hist=min(132, chunks), grid_send=grid, grid_expand=grid,
                      grid_partial=grid, grid_out=grid, num_warps=8 if big else 4, combine="push")
-        if big and not cap and not get_wire(wire).quantized and world_size > 1:
+        if big and not cap and not get_wire(wire).quantized and (world_size > 1 or max_tokens_per_rank < 4096):
             # one-launch fused dispatch, 40 senders + 88 expanders: 280 us vs 371 us (two kernels) at the
             # DeepSeek-V3 shape, EP2, 4096 tokens (benchmarks/results/ep_bench_h200x2_sweep_2026-11-30.json); with
             # an SM cap the split roles lose (24 SMs: 889 vs 666 us), so capped buffers keep the two kernels.
             # Quantized wires keep the two kernels too: the quantizing sender needs the whole grid (fp8 EP2: 390 us
             # two kernels vs 470 us fused 64/64; world 1 on one H200: fp8 346 vs 550 us, mxfp4 363 vs 663 us,
             # benchmarks/results/ep_bench_h200x1_w1_split_2026-12-01.json)
-            # World 1 keeps the two kernels: no peer, so no transfer for the expand to overlap (the raw wire's own
-            # rows are read in place, the send writes only the routing), and an eager synced call queues the send
-            # before its host read: DeepSeek-V3 shape, 4096 tokens, one H200, graph 175.7 vs 187.3 us, eager
-            # 195.0 vs 239.5 (benchmarks/results/eager_profile_h200x1_session7{fs0,first}_2026-12-02.json)
+            # World 1 at >= 4096 tokens keeps the two kernels: no peer, so no transfer for the expand to overlap
+            # (the raw wire's own rows are read in place, the send writes only the routing), and an eager synced
+            # call queues the send before its host read. DeepSeek-V3 shape, one H200, same call
+            # (benchmarks/results/eager_profile_h200x1_session7{two,fused}_2026-12-02.json): 4096 tokens two
+            # kernels graph 179.6 / eager 187.7 us vs fused 184.7 / 202.7; 1024 tokens 60.9 / 130.3 vs 68.5 / 98.7
+            # (the eager call is host-bound there, and the fused dispatch launches once fewer)
             g = replace(g, fused_send=40, fused_expand=88)
         if max_tokens_per_rank <= DECODE_MAX_TOKENS:
             # the one-launch decode paths (one dispatch launch, one combine launch) for small batches: an eager call

@@ -31,6 +31,7 @@ def test_geometry_override_errors(monkeypatch):
     g = select_geometry("cuda", 2, 7168, 4096, 8)  # the table: fused dispatch at >= 1024 tokens, no SM cap
     assert (g.fused_send, g.fused_expand, g.grid_send, g.grid_expand, g.fused_combine) == (40, 88, 40, 88, False)
     assert select_geometry("cuda", 1, 7168, 4096, 8).fused_send == 0  # world 1: no transfer to overlap
+    assert select_geometry("cuda", 1, 7168, 1024, 8).fused_send == 40  # ... but host-bound eager calls at 1024
     g = select_geometry("cuda", 2, 7168, 4096, 8, num_sms=24)  # capped: two kernels
     assert (g.fused_send, g.grid_send) == (0, 24)
     assert select_geometry("cuda", 2, 7168, 128, 8).fused_send == 0  # decode: two kernels

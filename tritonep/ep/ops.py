@@ -4,9 +4,9 @@ Four ops, each an opaque call of the buffer's public methods (same kernels, same
 
 * ``tritonep::dispatch(Tensor x, Tensor topk_idx, Tensor topk_weights, int buffer_id, bool sync_free)
   -> (recv_x [R, H], recv_weights [R] f32, [num_tokens_per_expert | expert_offsets] [2L] i32, ticket)`` (one
-  tensor for the two: an op's outputs may not alias each other, and the backends keep them side by side)
-  (:meth:`EPBuffer.dispatch`). ``sync_free=True``: ``R = max_recv_tokens`` (static), no host read, the real rows are
-  ``[0, expert_offsets[-1])``. ``sync_free=False``: ``R`` is data dependent; the fake gives it an unbacked SymInt.
+  new tensor for the two: an op's outputs may not alias each other) (:meth:`EPBuffer.dispatch`).
+  ``sync_free=True``: ``R = max_recv_tokens`` (static), no host read, the real rows are ``[0, expert_offsets[-1])``.
+  ``sync_free=False``: ``R`` is data dependent; the fake gives it an unbacked SymInt.
 * ``tritonep::combine(Tensor expert_out, Tensor recv_weights, Tensor ticket, int buffer_id, SymInt num_tokens)
   -> y [T, H]`` (:meth:`EPBuffer.combine`). ``recv_weights`` only carries the gradient of the router weights (the
   values used are the ones the dispatch moved); pass the dispatch's ``recv_weights``.
@@ -21,6 +21,10 @@ Opaque objects cross the op boundary as ids, like :mod:`tritonep.moe.ops`:
   op. The handle lives exactly as long as the ticket tensor does (``weakref.finalize``): autograd and
   ``torch.compile`` keep the ticket alive while a combine or a backward still needs it, and nothing leaks when no
   backward ever runs (evaluation, ``no_grad``). A ticket is read on the host (a CPU tensor: no device sync).
+
+Fakes: every output of an op has the metadata its fake gives (storage offset 0, contiguous), checked by
+``torch.library.opcheck`` (tests/ep/test_custom_ops_opcheck.py). The row weights of the triton backend are a view
+of the handle's storage, whose layout puts them first (:class:`tritonep.ep.triton.outputs.HandleLayout`).
 
 Collectives: every op is a collective of the buffer's group (every rank calls the same ops in the same order,
 docs/protocols.md (host protocol rule)); activation checkpointing recomputes them in the same order on every rank.
@@ -93,26 +97,15 @@ def get_handle(ticket: torch.Tensor):
 
 
 # ------------------------------------------------------------------------------------------------ dispatch
-def _layout_pair(ntpe: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """``num_tokens_per_expert`` and ``expert_offsets`` as ONE ``[2L]`` int32 tensor (an op's outputs must not
-    alias each other; both backends keep the two side by side in one allocation): a view when they are adjacent,
-    else a copy."""
-    L = ntpe.numel()
-    if (offs.untyped_storage().data_ptr() == ntpe.untyped_storage().data_ptr() and ntpe.is_contiguous()
-            and offs.data_ptr() == ntpe.data_ptr() + L * ntpe.element_size()):
-        return torch.as_strided(ntpe, (2 * L,), (1,), ntpe.storage_offset())
-    return torch.cat([ntpe, offs])
-
-
 @torch.library.custom_op("tritonep::dispatch", mutates_args=())
 def dispatch_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, buffer_id: int,
                 sync_free: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:meth:`EPBuffer.dispatch` of buffer ``buffer_id`` as an op (module docstring): ``(rows, row weights,
     [num_tokens_per_expert | expert_offsets] [2L] int32, ticket)``."""
     d = get_buffer(buffer_id).dispatch(x, topk_idx, topk_weights, sync_free=sync_free)
-    pair = _layout_pair(d.num_tokens_per_expert, d.expert_offsets)
-    if pair.untyped_storage().data_ptr() == d.weights.untyped_storage().data_ptr():
-        pair = pair.clone()  # the triton backend keeps a synced call's row weights in the same storage block
+    # one copy (a single small launch): the two are views of the handle's storage (triton) or of the plan vector
+    # (nccl), and an output must not alias another output nor sit at a storage offset its fake does not have
+    pair = torch.cat([d.num_tokens_per_expert, d.expert_offsets])
     return d.x, d.weights, pair, _new_ticket(d.handle)
 
 

@@ -4,8 +4,9 @@
 The caller refills its routing tensors in place after every dispatch and combines the calls in reverse order (the
 first one last, after three later dispatches, and twice): every combine must equal the reference of its own call's
 inputs, because each handle owns its storage and its copy of the routing. The views themselves: dtype, shape,
-contiguity, 16-byte (on the GPU 256-byte) alignment of every field, ``ntpe`` right before ``offs``, no two handles
-sharing storage. After ``close`` every call raises BufferStateError, also the backward of a call made before it.
+contiguity, 16-byte (on the GPU 256-byte) alignment of every field, the row weights (field ``rw``) at storage offset
+0, no two handles sharing storage. After ``close`` every call raises BufferStateError, also the backward of a call
+made before it.
 """
 
 import pytest
@@ -30,9 +31,11 @@ def _check_views(h, T, cfg, W):
         v = getattr(h, name)
         assert (v.dtype, tuple(v.shape)) == (dt, shape) and v.is_contiguous(), (name, v.dtype, v.shape, v.stride())
         assert v.untyped_storage().data_ptr() == h.store.untyped_storage().data_ptr(), name  # one block
-        if name != "offs" and v.numel():  # (an empty view's data_ptr() is 0)
+        if v.numel():  # (an empty view's data_ptr() is 0)
             assert (v.data_ptr() - base) % 256 == 0, (name, v.data_ptr() - base)
-    assert h.offs.data_ptr() == h.ntpe.data_ptr() + 4 * L  # side by side: one [2L] view serves both
+    rw = h.recv_weights  # at storage offset 0 of the block, contiguous: what the fake of tritonep::dispatch gives
+    assert rw.storage_offset() == 0 and rw.is_contiguous()
+    assert rw.untyped_storage().data_ptr() == h.store.untyped_storage().data_ptr()
     for fv in h.views:  # what the direct launch path passes: the address and dtype of the tensor a reader gets
         t = fv.tensor()
         assert (fv.data_ptr(), fv.dtype) == (t.data_ptr(), t.dtype) and t.dim() == 1, fv

@@ -40,7 +40,6 @@ from ...errors import BufferStateError, InputError, PeerTimeoutError
 from ...kernels import protocol as P
 from ...memory import get_heap, group_barrier
 from ...wire.formats import get_wire
-from ..field_view import FieldView
 from ..status import STATUS_BAD_INPUT, STATUS_CAPACITY, bad_ranks, raise_for_status, wait_bound
 from ..validate import check_expert_ids
 from .calls import RAW, KernelSet
@@ -238,7 +237,7 @@ class TritonEP(DispatchOutputs, DecodePath):
         out, q, sc = self._alloc_rows(R if R is not None else self.cfg.max_recv_tokens, keep_quantized)
         # row weights: R known -> the handle storage's field (written whole by the data kernels: no allocation);
         # unknown (sync-free, no read) -> max_recv_tokens zeros (the rows past the received ones stay 0)
-        w_arg = self._rw(store) if R is not None else \
+        w_arg = self.hl.field_view(store, "rw") if R is not None else \
             torch.zeros(self.cfg.max_recv_tokens, dtype=torch.float32, device=self.device)
         # the data kernels run on every rank whatever the verdict (a refused call's kernels move no row: the
         # exchange recorded this dispatch's number in status[ST_SKIP_CALL]), so the flags advance identically
@@ -250,11 +249,6 @@ class TritonEP(DispatchOutputs, DecodePath):
         out_w = w_arg if R is None else self.hl.tensor(store, "rw", R)  # while the data kernels run
         handle = self._new_handle(store, T)
         return self._finish_dispatch(code, refused, st, sync, bad_input, out, out_w, q, sc, handle, ntpe, offs, R)
-
-    def _rw(self, store):
-        """The row-weights field of a call's handle storage as a launch argument (an address and a dtype)."""
-        s, n, dt = self.hl.fields[self.hl.index["rw"]]
-        return FieldView(store, store.data_ptr(), s, n, dt)
 
     # ---------------------------------------------------------------------------------------------- combine
     def _combine(self, eo, handle, weighted, gw=None, want_wgrad=False, kind=None, wire=RAW):

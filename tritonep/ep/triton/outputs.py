@@ -34,11 +34,13 @@ _ALIGN = 64  # int32 elements: every field starts on a 256-byte boundary
 class HandleLayout:
     """Where each field of a call's handle storage lives (static per buffer; see the module docstring).
 
-    Fields (flat, in this order): ``idx`` ``[Tmax*K]`` (the handle's int32 copy of ``topk_idx``), ``w``
-    ``[Tmax*K]`` float32 (copy of ``topk_weights``), ``rows`` ``[Tmax*K]``, ``meta`` ``[W*Tmax*K]``, ``wts``
-    ``[W*Tmax*K]`` float32, ``ntok`` ``[W]``, ``ntpe`` ``[L]``, ``offs`` ``[L]``, ``counts`` ``[W*E]``, ``rw``
-    ``[max_recv_tokens]`` float32 (the row weights a synced dispatch returns, its first R elements: one allocation
-    fewer per call, made before the launch; the sync-free two-kernel path allocates its zeroed weights apart).
+    Fields (flat, in this order, each starting on a 256-byte boundary): ``rw`` ``[max_recv_tokens]`` float32 (the
+    row weights a dispatch returns, its first R elements: one allocation fewer per call, made before the launch; the
+    sync-free two-kernel path allocates its zeroed weights apart), ``idx`` ``[Tmax*K]`` (the handle's int32 copy of
+    ``topk_idx``), ``w`` ``[Tmax*K]`` float32 (copy of ``topk_weights``), ``rows`` ``[Tmax*K]``, ``meta``
+    ``[W*Tmax*K]``, ``wts`` ``[W*Tmax*K]`` float32, ``ntok`` ``[W]``, ``ntpe`` ``[L]``, ``offs`` ``[L]``,
+    ``counts`` ``[W*E]``. ``rw`` is first so the weights view starts at storage offset 0, contiguous: the
+    metadata of a fresh tensor, what the fake of ``tritonep::dispatch`` (:mod:`tritonep.ep.ops`) gives.
     """
 
     FLOAT = frozenset(("w", "wts", "rw"))
@@ -46,18 +48,15 @@ class HandleLayout:
     def __init__(self, cfg):
         W, E, Tm, K = cfg.world_size, cfg.num_experts, cfg.max_tokens_per_rank, cfg.topk
         L = cfg.num_local_experts
-        self.sizes_real = dict(idx=Tm * K, w=Tm * K, rows=Tm * K, meta=W * Tm * K, wts=W * Tm * K, ntok=W, ntpe=L,
-                               offs=L, counts=W * E, rw=cfg.max_recv_tokens)
+        self.sizes_real = dict(rw=cfg.max_recv_tokens, idx=Tm * K, w=Tm * K, rows=Tm * K, meta=W * Tm * K,
+                               wts=W * Tm * K, ntok=W, ntpe=L, offs=L, counts=W * E)
         self.names = tuple(self.sizes_real)
-        # every field starts on a 256-byte boundary (a padding gap after it), except that offs follows ntpe with no
-        # gap (one [2L] view serves callers that want both in one tensor: tritonep.ep.ops, an op's outputs may not
-        # alias each other); the field of name n is views[index[n]]
-        self.index = {n: i for i, n in enumerate(self.names)}
+        self.index = {n: i for i, n in enumerate(self.names)}  # the field of name n is views[index[n]]
         self.fields, start = [], 0
         for n in self.names:
             size = self.sizes_real[n]
             self.fields.append((start, size, torch.float32 if n in self.FLOAT else torch.int32))
-            start = start + size if n == "ntpe" else -(-(start + size) // _ALIGN) * _ALIGN
+            start = -(-(start + size) // _ALIGN) * _ALIGN  # a padding gap after it: the next starts on 256 bytes
         self.numel = start
         self.K, self.W, self.E, self.Tm = K, W, E, Tm
 
@@ -70,6 +69,12 @@ class HandleLayout:
         """The fields of ``store`` as a tuple of :class:`FieldView` (no tensor op), in :attr:`names` order."""
         base = store.data_ptr()
         return tuple([FieldView(store, base, s, n, dt) for s, n, dt in self.fields])
+
+    def field_view(self, store: torch.Tensor, name: str) -> FieldView:
+        """Field ``name`` of ``store`` as one :class:`FieldView` (an address and a dtype, no tensor op): a launch
+        argument, e.g. the row weights the data kernels write."""
+        s, n, dt = self.fields[self.index[name]]
+        return FieldView(store, store.data_ptr(), s, n, dt)
 
     def fields_of(self, **params) -> dict:
         """``{kernel parameter: (start, numel, dtype)}`` for ``parameter=field_name`` pairs: the ``fields`` of a

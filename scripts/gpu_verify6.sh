@@ -13,6 +13,8 @@
 #                                     #   backward), eager (its 128-token dispatch_bwd row), peer             ~470 s
 #   bash scripts/gpu_verify6.sh Z     # session 7's last: eager (the world-1 two-kernel default) and the fused
 #                                     #   dispatch in the same call, peer, `tritonep run`, the world-1 GPU suite ~520 s
+#   bash scripts/gpu_verify6.sh L     # session 7's last call: world-1 ep + moe GPU tests, W=2 MPS core, eager,
+#                                     #   peer, `tritonep run` on the final tree                            ~420 s
 #   bash scripts/gpu_verify6.sh P     # session 7: host cProfile at 4096, eager at 4096 on the two-kernel
 #                                     #   (unfused) path                                                    ~80 s
 # or name steps (also session 5's: hostpy tests1 mps2dec; scripts/gpu_verify5.sh A / B name them). Carry [".whl"] (torchtitan 0.3.0 for the peer/titan tests). Logs and JSON under $OUT, packed into
@@ -27,7 +29,8 @@ for a in "$@"; do
         F) steps+=(tests_ep tests_w2 eager probe peer layer) ;;
         N) steps+=(tests_ep tests_w2 eager peer) ;;  # next session's first call: what session 6 could not run
         P) steps+=(hostpy4k eager_fs0) ;;
-        Z) steps+=(eager eager_fused peer run single) ;;  # session 7's last: world 1 two kernels vs fused, same call
+        Z) steps+=(eager eager_fused peer run single) ;;  # session 7: world 1 two kernels vs fused, same call
+        L) steps+=(tests_ep tests_w2 eager peer run) ;;  # session 7's last: the handle layout (rw first), geometry
         *) steps+=("$a") ;;
     esac
 done

@@ -142,7 +142,8 @@ def _apply_override(g: Geometry, text: str) -> Geometry:
     if (f["fused_send"] > 0) != (f["fused_expand"] > 0) or len(keys & {"fs", "fe"}) == 1:
         raise ConfigError(f"TRITONEP_GEOMETRY {text!r}: fs and fe must both be > 0 (fused dispatch) or both 0")
     if f["fused_combine"] and not f["fused_send"]:
-        raise ConfigError(f"TRITONEP_GEOMETRY {text!r}: fc=1 needs fs/fe > 0 (the role sizes)")
+        raise ConfigError(f"TRITONEP_GEOMETRY {text!r}: fc=1 needs fs/fe > 0 (the role sizes), and the dispatch is "
+                          "the two-kernel one here (the table's choice or fs=0,fe=0): give them, e.g. fs=40,fe=88,fc=1")
     return Geometry(bt=f["bt"], bh=f["bh"], grid_hist=g.grid_hist, grid_send=gs[0], grid_expand=gs[1],
                     grid_partial=gs[2], grid_out=gs[3], num_warps=f["num_warps"], combine=f["combine"],
                     fused_send=f["fused_send"], fused_expand=f["fused_expand"], fused_combine=f["fused_combine"],

@@ -135,10 +135,11 @@ def _apply_override(g: Geometry, text: str) -> Geometry:
         else:
             f["num_warps" if key == "warps" else key] = v
     gs = [grid] * 4 if grid else [g.grid_send, g.grid_expand, g.grid_partial, g.grid_out]
-    if grid and not any(p.strip().startswith(("fs=", "fe=")) for p in text.split(",")):
-        f["fused_send"] = f["fused_expand"] = 0  # grid= asks for the two-kernel path with that grid
-        f["fused_combine"] = False
     keys = {p.strip().partition("=")[0].strip() for p in text.split(",") if p.strip()}
+    if grid and not keys & {"fs", "fe"}:
+        f["fused_send"] = f["fused_expand"] = 0  # grid= asks for the two-kernel path with that grid
+        if "fc" not in keys:  # (an explicit fc=1 is refused below: it needs the fused roles grid= turned off)
+            f["fused_combine"] = False
     if (f["fused_send"] > 0) != (f["fused_expand"] > 0) or len(keys & {"fs", "fe"}) == 1:
         raise ConfigError(f"TRITONEP_GEOMETRY {text!r}: fs and fe must both be > 0 (fused dispatch) or both 0")
     if f["fused_combine"] and not f["fused_send"]:

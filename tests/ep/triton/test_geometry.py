@@ -70,6 +70,9 @@ def test_geometry_override_errors(monkeypatch):
         monkeypatch.setenv("TRITONEP_GEOMETRY", bad)
         with pytest.raises(ConfigError, match=what):
             select_geometry("cuda", 2, 7168, 128, 8)  # a shape whose table geometry is the two-kernel path
+    monkeypatch.setenv("TRITONEP_GEOMETRY", "grid=128,fc=1")  # grid= turns the fused roles off: fc=1 is refused,
+    with pytest.raises(ConfigError, match="fc=1 needs fs"):  # not silently dropped
+        select_geometry("cuda", 2, 7168, 4096, 8)
     monkeypatch.setenv("TRITONEP_GEOMETRY", "fc=1")  # world 1 from 4096 tokens: two kernels, the error says what to add
     with pytest.raises(ConfigError, match="e.g. fs=40,fe=88,fc=1"):
         select_geometry("cuda", 1, 7168, 4096, 8)

@@ -57,6 +57,22 @@ def test_bad_environment_refused_before_any_world(monkeypatch, capsys, name, val
         assert time.monotonic() - t0 < 10, argv
 
 
+@pytest.mark.parametrize("value", ["fc=1", "dec=128", "bt=2,grid=128"])
+def test_geometry_valid_for_some_configuration_passes_the_start_check(monkeypatch, value):
+    """TRITONEP_GEOMETRY entries valid for some configurations only (fc=1 alone: the table's fused roles, >= 1024
+    tokens per rank on a GPU; dec=: <= 256 tokens per rank) pass the command's start-up check (``tritonep env`` and
+    ``bench`` on 2 GPUs were refused for fc=1 because the check used a tiny CPU config); what no configuration takes is
+    refused there (test above, and fc=1 with dec=)."""
+    from tritonep.cli.main import check_environment
+    from tritonep.errors import ConfigError
+
+    monkeypatch.setenv("TRITONEP_GEOMETRY", value)
+    check_environment()
+    monkeypatch.setenv("TRITONEP_GEOMETRY", "fc=1,dec=128")  # the fused combine needs roles, decode turns them off
+    with pytest.raises(ConfigError, match="TRITONEP_GEOMETRY"):
+        check_environment()
+
+
 @pytest.mark.parametrize("argv,line", [
     (["plan", "--layer", "99"], "tritonep plan: error: DataError: --layer 99: no layer 99 in the olmoe (arxiv) "
                                 "histograms (its layers: 0 7 15)"),

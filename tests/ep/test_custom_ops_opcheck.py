@@ -1,8 +1,9 @@
 """``torch.library.opcheck`` on the four ops of :mod:`tritonep.ep.ops` (dispatch, combine and their backwards).
 
 Every default sub-check (schema, autograd registration, fake tensor, AOT dispatch with dynamic shapes) on every op,
-in CPU worlds of 1 and 2 ranks, on the triton backend's two-kernel and one-launch decode paths
-(``TRITONEP_GEOMETRY=dec=2``), with and without ``sync_free``, and on the nccl backend. The fake-tensor check
+in CPU worlds of 1 and 2 ranks, on the triton backend's two-kernel, one-launch decode (``TRITONEP_GEOMETRY=dec=2``)
+and fused (``fs=1,fe=1``: the GPU table's dispatch at >= 1024 tokens per rank, EP >= 2) paths, with and without
+``sync_free``, and on the nccl backend. The fake-tensor check
 compares every real output's sizes, strides and storage offset with its fake's: the row weights are a view of the
 triton handle's storage (its field ``rw`` comes first in :class:`tritonep.ep.triton.outputs.HandleLayout`, so that
 view starts at offset 0 as the fake's fresh tensor does) and the ``[2L]`` ``num_tokens_per_expert |
@@ -34,7 +35,7 @@ E, H, TM, K = 8, 64, 8, 2
 TOKENS = (6, 3)  # per rank
 # (backend, TRITONEP_GEOMETRY, sync_free); the nccl backend has no sync-free dispatch
 CASES = (("triton", "", False), ("triton", "", True), ("triton", "dec=2", False), ("triton", "dec=2", True),
-         ("nccl", "", False))
+         ("triton", "fs=1,fe=1", False), ("triton", "fs=1,fe=1", True), ("nccl", "", False))
 _AOT = "test_aot_dispatch_dynamic"
 _OPS = torch.ops.tritonep
 
@@ -74,7 +75,9 @@ def _world(group, ntokens, cases):
         os.environ["TRITONEP_GEOMETRY"] = geometry
         buf = tep.EPBuffer(group, E, H, TM, K, backend=backend)
         os.environ.pop("TRITONEP_GEOMETRY")
-        assert buf.backend == backend and ((buf.geometry.decode if buf.geometry else 0) > 0) == bool(geometry)
+        g = buf.geometry
+        assert buf.backend == backend and ((g.decode if g else 0) > 0) == geometry.startswith("dec")
+        assert ((g.fused_send if g else 0) > 0) == geometry.startswith("fs")
         bid = ops.buffer_id(buf)
         case = f"{backend} {geometry or 'two-kernel' if backend == 'triton' else ''} sync_free={sync_free}"
         x, idx, w = make_rank_inputs(rank, T, H, E, K, seed=3, mask_frac=0.2)

@@ -102,10 +102,21 @@ def check_environment() -> None:
     """
     from .. import envs
     from ..ep.geometry import select_geometry
+    from ..errors import ConfigError
 
     envs.check_all()
     if envs.geometry_override():
-        select_geometry("cpu", 2, 128, 1, 1)  # applies TRITONEP_GEOMETRY to a small static config: its field checks
+        # TRITONEP_GEOMETRY's field checks, refusing here only what no configuration accepts: some entries are valid
+        # for some configurations only (fc=1 alone needs the table's fused roles, >= 1024 tokens per rank on a GPU;
+        # dec= needs max_tokens_per_rank <= 256), so it is applied to a decode-size config and to one whose table
+        # geometry is the fused dispatch; what a run's own configuration refuses, its buffer refuses
+        try:
+            select_geometry("cpu", 2, 128, 1, 1)
+        except ConfigError as small:
+            try:
+                select_geometry("cuda", 2, 128, 1024, 1)
+            except ConfigError:
+                raise small from None
 
 
 def _fresh_line() -> str:

@@ -135,14 +135,16 @@ def _apply_override(g: Geometry, text: str) -> Geometry:
         else:
             f["num_warps" if key == "warps" else key] = v
     gs = [grid] * 4 if grid else [g.grid_send, g.grid_expand, g.grid_partial, g.grid_out]
-    if grid and not any(p.strip().startswith(("fs=", "fe=")) for p in text.split(",")):
-        f["fused_send"] = f["fused_expand"] = 0  # grid= asks for the two-kernel path with that grid
-        f["fused_combine"] = False
     keys = {p.strip().partition("=")[0].strip() for p in text.split(",") if p.strip()}
+    if grid and not keys & {"fs", "fe"}:
+        f["fused_send"] = f["fused_expand"] = 0  # grid= asks for the two-kernel path with that grid
+        if "fc" not in keys:  # (an explicit fc=1 is refused below: it needs the fused roles grid= turned off)
+            f["fused_combine"] = False
     if (f["fused_send"] > 0) != (f["fused_expand"] > 0) or len(keys & {"fs", "fe"}) == 1:
         raise ConfigError(f"TRITONEP_GEOMETRY {text!r}: fs and fe must both be > 0 (fused dispatch) or both 0")
     if f["fused_combine"] and not f["fused_send"]:
-        raise ConfigError(f"TRITONEP_GEOMETRY {text!r}: fc=1 needs fs/fe > 0 (the role sizes)")
+        raise ConfigError(f"TRITONEP_GEOMETRY {text!r}: fc=1 needs fs/fe > 0 (the role sizes), and the dispatch is "
+                          "the two-kernel one here (the table's choice or fs=0,fe=0): give them, e.g. fs=40,fe=88,fc=1")
     return Geometry(bt=f["bt"], bh=f["bh"], grid_hist=g.grid_hist, grid_send=gs[0], grid_expand=gs[1],
                     grid_partial=gs[2], grid_out=gs[3], num_warps=f["num_warps"], combine=f["combine"],
                     fused_send=f["fused_send"], fused_expand=f["fused_expand"], fused_combine=f["fused_combine"],

@@ -1,4 +1,4 @@
-"""torchtitan token dispatcher over :class:`tritonep.EPBuffer` (torchtitan 0.3.0; ``pip install tritonep[torchtitan]``).
+"""torchtitan token dispatcher over :class:`tritonep.EPBuffer` (torchtitan 0.3.0; ``pip install -e '.[torchtitan]'``).
 
 torchtitan's MoE (``torchtitan.models.common.moe``) runs ``RoutedExperts``: ``token_dispatcher.dispatch`` ->
 ``GroupedExperts`` (``torch._grouped_mm`` with ``offs = cumsum(num_tokens_per_local_expert)``) ->

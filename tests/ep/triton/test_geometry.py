@@ -64,11 +64,18 @@ def test_geometry_override_errors(monkeypatch):
     assert (g.fused_send, g.fused_expand, g.grid_send, g.grid_out) == (7, 17, 7, 17)
     for bad, what in (("bq=2", "unknown field"), ("bt=3", "power of two"), ("grid=0", "grid"),
                       ("combine=both", "push or pull"), ("bh=x", "not an integer"), ("fs=4", "both"),
-                      ("fc=1", "needs fs"), ("fs=2,fe=2,fc=2", "0 or 1"), ("cbt=3", "power of two"),
+                      ("fc=1", "needs fs.*e.g. fs=40,fe=88,fc=1"), ("fs=2,fe=2,fc=2", "0 or 1"),
+                      ("cbt=3", "power of two"),
                       ("cwarps=0", "power of two")):
         monkeypatch.setenv("TRITONEP_GEOMETRY", bad)
         with pytest.raises(ConfigError, match=what):
             select_geometry("cuda", 2, 7168, 128, 8)  # a shape whose table geometry is the two-kernel path
+    monkeypatch.setenv("TRITONEP_GEOMETRY", "grid=128,fc=1")  # grid= turns the fused roles off: fc=1 is refused,
+    with pytest.raises(ConfigError, match="fc=1 needs fs"):  # not silently dropped
+        select_geometry("cuda", 2, 7168, 4096, 8)
+    monkeypatch.setenv("TRITONEP_GEOMETRY", "fc=1")  # world 1 from 4096 tokens: two kernels, the error says what to add
+    with pytest.raises(ConfigError, match="e.g. fs=40,fe=88,fc=1"):
+        select_geometry("cuda", 1, 7168, 4096, 8)
 
 
 def test_backward_expand_tile(monkeypatch):

@@ -1,7 +1,7 @@
 """Host-side pieces of a forward dispatch shared by every path of the triton backend (two kernels, fused, decode).
 
-* :class:`HandleLayout`: the static layout of one call's handle storage (routing copy, rows, receiver metadata,
-  counts snapshot, segment sizes and offsets): ONE int32 allocation per dispatch whose fields are
+* :class:`HandleLayout`: the static layout of one call's handle storage (row weights, routing copy, rows, receiver
+  metadata, segment sizes and offsets, counts snapshot): ONE int32 allocation per dispatch whose fields are
   :class:`tritonep.ep.field_view.FieldView` s (an address and a dtype; the tensor view is built only when Triton's
   own launch path or a reader needs it: no ``split_with_sizes`` per call, ~17 us of GPU-host time before), every
   field 256-byte aligned so the kernels' 16-byte pointer specialisation never changes between calls.
@@ -35,8 +35,8 @@ class HandleLayout:
     """Where each field of a call's handle storage lives (static per buffer; see the module docstring).
 
     Fields (flat, in this order, each starting on a 256-byte boundary): ``rw`` ``[max_recv_tokens]`` float32 (the
-    row weights a dispatch returns, its first R elements: one allocation fewer per call, made before the launch; the
-    sync-free two-kernel path allocates its zeroed weights apart), ``idx`` ``[Tmax*K]`` (the handle's int32 copy of
+    row weights a dispatch returns, its first R elements: one allocation fewer per call, made before the launch; a
+    sync-free call off the decode path, two-kernel or fused, allocates its zeroed weights apart), ``idx`` ``[Tmax*K]`` (the handle's int32 copy of
     ``topk_idx``), ``w`` ``[Tmax*K]`` float32 (copy of ``topk_weights``), ``rows`` ``[Tmax*K]``, ``meta``
     ``[W*Tmax*K]``, ``wts`` ``[W*Tmax*K]`` float32, ``ntok`` ``[W]``, ``ntpe`` ``[L]``, ``offs`` ``[L]``,
     ``counts`` ``[W*E]``. ``rw`` is first so the weights view starts at storage offset 0, contiguous: the

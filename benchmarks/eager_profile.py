@@ -8,8 +8,10 @@ Run on 2 GPUs::
 Per token count (DeepSeek-V3 shape: H 7168, 256 experts, top-8): graph-replay time, eager time (CUDA events over
 back-to-back calls, the default deferred sync checks), host (CPU) time per eager call, and the host time split by
 kernel launch (Launcher calls, by kernel name) and the rest (allocation, host read, autograd), and of it the time
-the host spent waiting in the dispatch's one host read for the device's verdict (``*_host_wait_us``; the host's own
-work is ``*_host_work_us``, the issue-24 host-CPU figure without the GPU's time); rank 0 prints the
+the host spent waiting in the dispatch's one host read for the device's verdict (``*_host_wait_us``; the rest is
+``*_host_work_us``, the issue-24 host-CPU figure without that wait: it still holds any time a launch or allocation
+itself blocks, e.g. 143 us at 1024 tokens vs 77 at 4096 for the same four launches on one H200, unexplained;
+benchmarks/results/eager_profile_h200x1_session7two_2026-12-02.json); rank 0 prints the
 top CPU ops of one call from ``torch.profiler``.
 """
 

@@ -115,6 +115,9 @@ def main():
     out["front_us"] = _us(front, sync=False)
     out["allocs_us"] = _us(lambda: (impl.hl.new(dev), impl._alloc_rows(cfg.max_recv_tokens, False)),
                            sync=False)
+    # what replaces them (session 8): the output pool's take (a set found free by its reference counts; the set of
+    # the held ``d`` is checked first and skipped)
+    out["pool_take_us"] = _us(lambda: impl._pool.take(), sync=False)
 
     def objects():
         h = TritonHandle(store=d.handle.store, layout=impl.hl, num_tokens=T, num_recv_rows=5, x_scales=None,

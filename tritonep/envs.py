@@ -10,6 +10,7 @@
 | TRITONEP_GEOMETRY | "" (= geometry table) | override kernel geometry fields, e.g. ``bt=2,bh=512,warps=8,grid=128`` (benchmarks) |
 | TRITONEP_CPU_HEAP_BYTES | 256 MiB | size of one rank's slice of the CPU (fork + mmap) symmetric heap |
 | TRITONEP_FAST_LAUNCH | 1 | GPU launches of an already compiled kernel variant call the compiled kernel directly (``0``: always through ``kernel[grid]``) |
+| TRITONEP_OUTPUT_POOL | 2 | sets of per-call outputs a triton-backend buffer reuses per CUDA stream once nobody holds them (the handle storage and its views; on the decode geometry also the dispatch rows and the combine output), read at construction; ``0``: every call allocates (:mod:`tritonep.ep.triton.pool`) |
 | TRITONEP_FORCE_NO_P2P | 0 | ``1``: ``backend="auto"`` acts as if no rank could map its peers' memory and picks ``nccl`` (tests, debugging) |
 
 Values are read at call time (not import time) so tests can change them with ``monkeypatch.setenv``. No other
@@ -21,12 +22,12 @@ from __future__ import annotations
 import os
 
 __all__ = ["timeout_s", "sync_checks", "SYNC_NONE", "SYNC_DEFERRED", "SYNC_STRICT", "num_sms", "max_programs",
-           "combine_kind", "geometry_override", "cpu_heap_bytes", "force_no_p2p", "interpret", "fast_launch",
+           "combine_kind", "geometry_override", "cpu_heap_bytes", "force_no_p2p", "interpret", "fast_launch", "output_pool",
            "VARIABLES", "snapshot", "check_all"]
 
 VARIABLES = ("TRITONEP_TIMEOUT_S", "TRITONEP_SYNC_CHECKS", "TRITONEP_NUM_SMS", "TRITONEP_MAX_PROGRAMS",
              "TRITONEP_COMBINE", "TRITONEP_GEOMETRY", "TRITONEP_CPU_HEAP_BYTES", "TRITONEP_FAST_LAUNCH",
-             "TRITONEP_FORCE_NO_P2P")
+             "TRITONEP_FORCE_NO_P2P", "TRITONEP_OUTPUT_POOL")
 """Every variable of the table above (``tritonep env`` shows the ones that are set)."""
 
 
@@ -128,6 +129,16 @@ def max_programs() -> int:
     return _int_env("TRITONEP_MAX_PROGRAMS", "0", 0)
 
 
+def output_pool() -> int:
+    """Sets of per-call outputs a triton-backend buffer reuses per stream (TRITONEP_OUTPUT_POOL, default 2; 0 = off),
+    read once at the buffer's construction (:class:`tritonep.ep.triton.pool.OutputPool`).
+
+    Raises:
+        ConfigError: not an integer >= 0.
+    """
+    return _int_env("TRITONEP_OUTPUT_POOL", "2", 0)
+
+
 def snapshot() -> dict:
     """``{name: value}`` of every variable of the table that is set in this process (what a spawned rank needs to
     see the same configuration)."""
@@ -212,3 +223,4 @@ def check_all() -> None:
     cpu_heap_bytes()
     fast_launch()
     force_no_p2p()
+    output_pool()

@@ -86,6 +86,7 @@ class EPBuffer:
         reports = agree(group, cfg, err, extra=report)
         self.config: EPConfig = cfg
         self.device = device
+        self._cuda = device.type == "cuda"
         self.backend, self.backend_reason = choose_from_reports(backend, reports)
         self._impl = build_backend(self.backend, cfg, group=group, rank=self.rank, device=device)
         self._closed = False
@@ -225,7 +226,7 @@ class EPBuffer:
         ``SYNC_DEFERRED`` / ``SYNC_STRICT`` (the backend's end-of-call check follows it: the variable is read once
         per call)."""
         mode = envs.sync_checks()
-        if mode == envs.SYNC_NONE or (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        if mode == envs.SYNC_NONE or (self._cuda and torch._C._cuda_isCurrentStreamCapturing()):
             return envs.SYNC_NONE
         return mode
 

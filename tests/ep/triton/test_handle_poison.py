@@ -10,6 +10,11 @@ holds the previous call's bits (glibc reuses the freed block), so an element no 
 repeated calls; the poison makes it show. Checked: the synced call's records and gradients against the reference
 (:func:`tritonep.testing.harness.check_calls` / ``check_grads``), the sync-free call's rows, weights (zero past
 ``expert_offsets[-1]``), layout and combine.
+
+Since session 8 the block comes from the buffer's output pool (:mod:`tritonep.ep.triton.pool`) and is reused once
+nobody holds it, holding the previous call's bits: the poison is applied to every set the pool hands out too, so
+a reused block is as poisoned as a fresh one (and the decode geometry's pooled rows: their padding rows must be
+written by the kernel as well).
 """
 
 import pytest
@@ -17,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from tritonep.ep.triton.outputs import HandleLayout
+from tritonep.ep.triton.pool import OutputPool
 from tritonep.testing import run_cpu_world
 from tritonep.testing.harness import (_host, check_calls, check_grads, expert, make_calls, open_buffer, record,
                                       run_grad_call, set_env)
@@ -33,8 +39,22 @@ def _poisoned_new(orig):
     return new
 
 
+def _poisoned_take(orig):
+    def take(self):
+        got = orig(self)
+        if got is not None:
+            for t in got[:2]:  # the store (and on the decode geometry the rows; a combine pool's output)
+                if t.dim() == 1 and t.dtype == torch.int32:
+                    t.fill_(POISON)
+                elif t.is_floating_point():
+                    t.fill_(float("nan"))
+        return got
+    return take
+
+
 def _world(group, geometry, calls):
     HandleLayout.new = _poisoned_new(HandleLayout.new)  # this forked rank only
+    OutputPool.take = _poisoned_take(OutputPool.take)
     rank = dist.get_rank(group)
     set_env(TRITONEP_GEOMETRY=geometry or None)
     buf = open_buffer(group, CFG)

@@ -14,7 +14,11 @@ torch calls. The combine / combine-backward slice is the measuring caller's ``ex
 (session 6): the row weights of a synced dispatch became a field of the handle storage (one allocation fewer: 3 -> 2)
 and their view (a slice and a float32 view, 2 -> 4 more aten ops on the CPU counter) is made while the launches run,
 not before them (decode: before the one launch; two-kernel: between the host read and the data launch, where the GPU
-waits for the host); the counts may go up only by such trades, stated here.
+waits for the host); the counts may go up only by such trades, stated here. Session 8: the output pool
+(:mod:`tritonep.ep.triton.pool`) hands a released call's handle storage and its views (decode: also the rows and
+the combine output) back: dispatch 22 -> 18 torch calls, 7 -> 2 aten ops (the two slices ``rows[:R]`` /
+``weights[:R]``), 2 -> 1 allocation (0 on the decode geometry); decode combine 1 -> 0 allocations (its output is a
+slice of a pooled block). A caller that keeps every output gets the old counts (``test_output_pool.py``).
 """
 
 import pytest
@@ -26,20 +30,20 @@ from tritonep.testing import run_cpu_world
 BUDGET = {
     # handle storage + rows (the weights: a view of the storage); hist, exchange, send, expand; one read (22 -> 21
     # torch calls when the read began spinning on the ticket the exchange publishes: no tolist of the status view)
-    "dispatch": (22, 7, 2, 4, 1),
-    "dispatch_sync_free": (20, 5, 3, 4, 0),  # rows + zeroed row weights, no read
+    "dispatch": (18, 2, 1, 4, 1),  # rows (the storage block and its views: the output pool's)
+    "dispatch_sync_free": (17, 2, 2, 4, 0),  # rows + zeroed row weights, no read
     "combine": (9, 2, 1, 2, 0),  # the output; partial, out (the counter advances in the out kernel)
     "dispatch_bwd": (12, 2, 2, 2, 0),  # grad_x, grad_topk_weights
     "combine_bwd": (13, 3, 2, 2, 0),  # grad rows, grad weights (both empty: the expand writes every row); send, expand
 }
 
 
-# the one-launch decode geometry (TRITONEP_GEOMETRY=bt=2,dec=3): the dispatch allocates max_recv_tokens rows before
-# its one launch and cuts them to the rows received after the read (two more views than the two-kernel path)
+# the one-launch decode geometry (TRITONEP_GEOMETRY=bt=2,dec=3): the dispatch takes max_recv_tokens rows (pooled)
+# before its one launch and cuts them to the rows received after the read
 BUDGET_DECODE = {
-    "dispatch": (24, 9, 2, 1, 1),  # handle storage + rows; one launch; the weights' view; one read; rows[:R], weights[:R]
-    "dispatch_sync_free": (22, 7, 2, 1, 0),
-    "combine": (9, 2, 1, 1, 0),  # the output; one launch
+    "dispatch": (18, 2, 0, 1, 1),  # storage + rows from the pool; one launch; one read; rows[:R], weights[:R]
+    "dispatch_sync_free": (18, 2, 0, 1, 0),  # the same two slices (fresh views of the pooled tensors)
+    "combine": (8, 2, 0, 1, 0),  # the output: a slice of a pooled block; one launch
     "dispatch_bwd": (12, 2, 2, 1, 0),  # grad_x, grad_topk_weights; one launch (the decode combine, unweighted)
     "combine_bwd": (13, 3, 2, 2, 0),
 }

@@ -47,6 +47,7 @@ from .decode import DecodePath
 from .host_status import HostStatus
 from .launch import Launcher
 from .outputs import ST_HOST, DispatchOutputs, HandleLayout
+from .pool import OutputPool
 from .regions import regions
 
 __all__ = ["TritonEP"]
@@ -95,9 +96,33 @@ class TritonEP(DispatchOutputs, DecodePath):
         self._no_w = torch.zeros(1, dtype=torch.float32, device=self.device)  # the weighted combine's unused gw_ptr
         self._launch = Launcher(self.device, group)
         self.k = KernelSet(self)
+        # per-call outputs reused once nobody holds them (pool.py): the handle storage block and the views a
+        # dispatch returns of it; on the decode geometry also the max_recv_tokens rows and the combine's [Tmax, H]
+        slots = envs.output_pool()
+        self._pool = OutputPool(self._make_set, slots, self.device)
+        self._ypool = OutputPool(self._make_y, slots if cfg.geometry.decode else 0, self.device)
         self._precompile(group)
 
     # ---------------------------------------------------------------------------------------------- helpers
+    def _make_set(self):
+        """A new set of the output pool: ``(store[, rows]), (ntpe, offs, row weights)`` (all fields whole)."""
+        hl, cfg = self.hl, self.cfg
+        store = hl.new(self.device)
+        bases = (store,)
+        if cfg.geometry.decode:
+            bases += (torch.empty(cfg.max_recv_tokens, cfg.hidden, dtype=cfg.dtype, device=self.device),)
+        return bases, (hl.tensor(store, "ntpe"), hl.tensor(store, "offs"), hl.tensor(store, "rw"))
+
+    def _make_y(self):
+        """A new set of the decode combine's output pool: one ``[max_tokens_per_rank, H]`` block."""
+        cfg = self.cfg
+        return (torch.empty(cfg.max_tokens_per_rank, cfg.hidden, dtype=cfg.dtype, device=self.device),), ()
+
+    @property
+    def output_pool_bytes(self) -> int:
+        """Device bytes the output pools hold (outside the symmetric heap; :mod:`tritonep.ep.triton.pool`)."""
+        return self._pool.nbytes + self._ypool.nbytes
+
     def expert_out_buffer(self) -> torch.Tensor:
         """The symmetric ``[max_recv_tokens, H]`` expert-output region (zero copy into combine)."""
         return self.buf.local("expert_out")
@@ -220,9 +245,15 @@ class TritonEP(DispatchOutputs, DecodePath):
         T = x.shape[0]
         if not bad_input:
             self._recent_idx.append(topk_idx)
-        store = self.hl.new(self.device)
+        # the pool's set (store, [rows,] ntpe, offs, row weights) or None: allocate as before (quantized rows kept,
+        # graph capture, every set held)
+        got = None if keep_quantized else self._pool.take()
         if g.decode:
-            return self._dispatch_decode(x, topk_idx, topk_weights, sync, keep_quantized, bad_input, store)
+            return self._dispatch_decode(x, topk_idx, topk_weights, sync, keep_quantized, bad_input, got)
+        if got is not None:
+            store, ntpe, offs, rw = got
+        else:
+            store, ntpe, offs, rw = self.hl.new(self.device), None, None, None
         k = self.k
         nc = _cdiv(T, g.bt)
         ticket = self.host_status.ticket(sync)  # only a read takes one (HostStatus.next_ticket says why)
@@ -231,7 +262,8 @@ class TritonEP(DispatchOutputs, DecodePath):
         fused = g.fused_send > 0
         if not fused:
             k.send(x, store, T, nc)  # queued before the host waits: its NVLink time overlaps the read
-        ntpe, offs = self.hl.tensor(store, "ntpe"), self.hl.tensor(store, "offs")  # while the exchange runs
+        if ntpe is None:
+            ntpe, offs = self.hl.tensor(store, "ntpe"), self.hl.tensor(store, "offs")  # while the exchange runs
         st = self._read_host_status(ticket) if sync else None  # the exchange's last program published it
         code, refused, R = self._verdict(st)
         out, q, sc = self._alloc_rows(R if R is not None else self.cfg.max_recv_tokens, keep_quantized)
@@ -246,7 +278,8 @@ class TritonEP(DispatchOutputs, DecodePath):
             k.fused(kq)(x, store, T, out, w_arg, q, sc)
         else:
             k.expand(kq)(x, out, w_arg, store, out, w_arg, q, sc)
-        out_w = w_arg if R is None else self.hl.tensor(store, "rw", R)  # while the data kernels run
+        # while the data kernels run: the weights' view (a fresh slice of the pooled field, never the field itself)
+        out_w = w_arg if R is None else rw[:R] if rw is not None else self.hl.tensor(store, "rw", R)
         handle = self._new_handle(store, T)
         return self._finish_dispatch(code, refused, st, sync, bad_input, out, out_w, q, sc, handle, ntpe, offs, R)
 

@@ -26,35 +26,46 @@ __all__ = ["DecodePath"]
 class DecodePath:
     """Forward dispatch and push combine (weighted, or the dispatch backward) as one launch each (see the module docstring)."""
 
-    def _dispatch_decode(self, x, topk_idx, topk_weights, sync, keep_quantized, bad_input, store):
+    def _dispatch_decode(self, x, topk_idx, topk_weights, sync, keep_quantized, bad_input, got):
         """Forward dispatch in one launch; returns what ``TritonEP.dispatch_fwd`` returns and raises what it raises
-        (CapacityError / PeerInputError / InputError / PeerTimeoutError when ``sync``). ``store``: this call's
-        handle storage block."""
+        (CapacityError / PeerInputError / InputError / PeerTimeoutError when ``sync``). ``got``: a set of the output
+        pool (:mod:`tritonep.ep.triton.pool`: ``(store, rows, ntpe, offs, row weights)``), or None: allocate."""
         T = x.shape[0]
         max_recv = self.cfg.max_recv_tokens
-        # rows are known on the host only after the launch: allocate the capacity, cut to R after the host read
-        # (the kernel zeroes out_w past the rows received: no memset before the launch)
-        # (the row weights are the handle storage's field ``rw``: no allocation of their own)
-        out, q, sc = self._alloc_rows(max_recv, keep_quantized)
+        hl = self.hl
+        # rows are known on the host only after the launch: the outputs hold the capacity, cut to R after the host
+        # read (the kernel zeroes the row weights past the rows received: no memset before the launch; they are the
+        # handle storage's field ``rw``)
+        if got is not None:
+            store, out, ntpe, offs, rw = got
+            q = sc = None
+        else:
+            store = hl.new(self.device)
+            out, q, sc = self._alloc_rows(max_recv, keep_quantized)
         ticket = self.host_status.ticket(sync)  # only a read takes one (HostStatus.next_ticket says why)
         self.k.decode(q is not None)(x, topk_idx, topk_weights, store, T, int(bad_input), max_recv, out, q, sc, ticket)
         # what needs no verdict is made while the launch runs (the host read waits for it anyway)
-        hl = self.hl
-        ntpe, offs, out_w = hl.tensor(store, "ntpe"), hl.tensor(store, "offs"), hl.tensor(store, "rw")
+        if got is None:
+            ntpe, offs, rw = hl.tensor(store, "ntpe"), hl.tensor(store, "offs"), hl.tensor(store, "rw")
         handle = self._new_handle(store, T)
         st = self._read_host_status(ticket) if sync else None  # published once the verdict is known
         code, refused, R = self._verdict(st)
         if R is not None:
-            out, out_w = (out if q is not None else out[:R]), out_w[:R]
+            out, out_w = (out if q is not None else out[:R]), rw[:R]
             if q is not None:
                 q, sc = q[:R], sc[:R]
+        elif got is not None:  # sync-free: fresh views, never the pooled tensors themselves (autograd would mark
+            out, out_w = out[:max_recv], rw[:max_recv]  # them, and the marks would outlive this call)
+        else:
+            out_w = rw
         return self._finish_dispatch(code, refused, st, sync, bad_input, out, out_w, q, sc, handle, ntpe, offs, R)
 
     def _combine_decode(self, eo, handle, wire, weighted=True, gw=None):
         """Push combine in one launch: ``(y [T, H] (eo's dtype), gtw)``; ``weighted=False`` is the dispatch
         backward, whose ``gw [R]`` float32 (or None) comes back per route as ``gtw [T, K]`` float32 (else None)."""
         T = handle.num_tokens
-        y = torch.empty(T, self.cfg.hidden, dtype=eo.dtype, device=self.device)
+        got = self._ypool.take() if weighted else None  # the forward combine's output: pooled (pool.py)
+        y = got[0][:T] if got is not None else torch.empty(T, self.cfg.hidden, dtype=eo.dtype, device=self.device)
         gtw = torch.empty(T, self.cfg.topk, dtype=torch.float32, device=self.device) if gw is not None else None
         self.k.combine_decode(wire, weighted, gw is not None)(eo, handle.store, y, T,
                                                               self._no_w if gw is None else gw,

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Issue 24, session 8 (2026-12-02): the output pool (tritonep/ep/triton/pool.py) on ONE H200, one device command per
+# letter (timeout_s=600 each), carry [".whl"] (torchtitan 0.3.0 for the peer benchmark):
+#   bash scripts/gpu_verify8.sh A   # world-1 ep + moe GPU tests (incl. the pool's streams / capture test), the pool
+#                                   #   test at W=2 under MPS, eager with the pool and without it (same call), probe
+#   bash scripts/gpu_verify8.sh B   # final: W=2 MPS core (ep cases, graph replays, gradients, host protocol, decode
+#                                   #   bf16, pool) and the rest (MoE layer, virtual experts, wires), eager, peer
+#   bash scripts/gpu_verify8.sh C   # final: the world-1 GPU suite, `tritonep run`, the MoE layer eager vs graph
+# Logs and JSON under $OUT, packed into $OUT/logs.tgz.
+source "$(dirname "$0")/gpu_step.sh"
+steps=()
+for a in "$@"; do
+    case $a in
+        A) steps+=(tests_ep pool_w2 eager eager_nopool probe) ;;
+        B) steps+=(tests_w2 mps2rest eager peer) ;;
+        C) steps+=(single run layer) ;;
+        *) steps+=("$a") ;;
+    esac
+done
+want() { local s; for s in "${steps[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+PYT=(python -m pytest -v -ra -p no:cacheprovider --durations=30)
+PYTEST=("${PYT[@]}" tests)
+want tests_ep && OMP_NUM_THREADS=4 step tests_ep 150 "${PYT[@]}" -m "gpu and (not world or world1) and not soak" \
+    --timeout 100 tests/ep tests/moe/test_layer.py tests/moe/test_sync_free.py
+want pool_w2 && step pool_w2 90 "${PYTEST[@]}" -m "gpu and world and not world1 and not soak" -k "output_pool" \
+    --gpu-world-sizes 2 --gpu-mps on --timeout 80 --maxfail 1
+want tests_w2 && step tests_w2 240 "${PYTEST[@]}" -m "gpu and world and not world1 and not soak" \
+    -k "test_gpu.py or host_protocol or (decode_gpu and bf16) or output_pool" --gpu-world-sizes 2 --gpu-mps on \
+    --timeout 120 --maxfail 3
+want mps2rest && step mps2rest 265 "${PYTEST[@]}" -m "gpu and world and not world1 and not soak" \
+    -k "not (test_gpu.py or host_protocol or decode_gpu or output_pool)" --gpu-world-sizes 2 --gpu-mps on \
+    --timeout 120 --maxfail 6
+want single && OMP_NUM_THREADS=4 step single 290 "${PYTEST[@]}" -m "gpu and (not world or world1) and not soak" \
+    --timeout 200
+want eager && step eager 80 torchrun --nproc-per-node 1 benchmarks/eager_profile.py --tokens 128 1024 4096 \
+    --json "$OUT/eager_triton.json"
+want eager_nopool && TRITONEP_OUTPUT_POOL=0 step eager_nopool 80 torchrun --nproc-per-node 1 \
+    benchmarks/eager_profile.py --tokens 128 1024 4096 --json "$OUT/eager_triton_nopool.json"
+want probe && step probe 50 torchrun --nproc-per-node 1 benchmarks/launch_probe.py --tokens 128 \
+    --json "$OUT/launch_probe.json"
+want peer && step peer 60 torchrun --nproc-per-node 1 benchmarks/peer_bench.py --json "$OUT/peer_bench.json"
+want layer && step layer 60 torchrun --nproc-per-node 1 benchmarks/moe_graph_bench.py --tokens 128 4096 \
+    --json "$OUT/moe_graph.json"
+want run && step run 140 python -m tritonep.cli.main run --steps 3 --json "$OUT/run_w1.json"
+cat "$OUT/summary.txt"
+cd "$OUT" && tar czf logs.tgz *.log *.json summary.txt 2>/dev/null; rm -f *.log *.json summary.txt

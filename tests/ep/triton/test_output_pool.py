@@ -1,0 +1,110 @@
+"""The output pool of the triton backend (:mod:`tritonep.ep.triton.pool`): a dispatch's handle storage and views (and
+on the decode geometry its rows and the combine's output) are reused only once nobody holds any of them.
+
+Checked: the pool's own rules (a held tuple, tensor, view of a tensor or a view of the storage keeps a set; a set is
+reused once released; ``slots`` bounds the sets; ``slots=0`` is off); in the CPU world of 2 ranks on every geometry
+(two kernels, fused, decode): outputs a caller keeps over later calls are never overwritten (every kept record equal
+to the reference after all the calls), a caller that drops its outputs gets the same block back (the pool is
+used: no allocation), ``TRITONEP_OUTPUT_POOL=0`` turns it off, and autograd state never travels with a reused set
+(an inference call after a differentiable one returns tensors without ``grad_fn``). Reuse under poison:
+``test_handle_poison.py``.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tritonep.ep.triton.pool import OutputPool
+from tritonep.testing import run_cpu_world
+from tritonep.testing.harness import (check_calls, expert, make_calls, open_buffer, record, run_grad_call,
+                                      set_env)
+
+CFG = dict(E=8, H=64, Tmax=8, K=3, A=4)
+GEOMETRIES = pytest.mark.parametrize("geometry", ["", "fs=2,fe=2,fc=1", "bt=2,dec=3"],
+                                     ids=["two-kernel", "fused", "decode"])
+
+
+def _make():
+    s = torch.zeros(256, dtype=torch.int32)
+    o = torch.zeros(4, 8)
+    return (s, o), (s[0:8], s[64:72], s[128:200].view(torch.float32))
+
+
+def test_pool_rules():
+    p = OutputPool(_make, 2, torch.device("cpu"))
+    a = p.take()
+    assert len(a) == 5 and p.nbytes == 256 * 4 + 4 * 8 * 4
+    b = p.take()
+    assert b is not a and p.take() is None  # two sets, both held (as tuples)
+    del a
+    a = p.take()
+    assert a is not None and p.take() is None
+    held = [a[1][:2], a[0], a[4], a[0][10:20].view(torch.float32)]  # a view, a base, a pooled view, a storage view
+    del a, b
+    while held:  # any one of them keeps its set: only the other one is handed out
+        got = p.take()
+        mine = {t.untyped_storage().data_ptr() for t in got[:2]}
+        assert not mine & {h.untyped_storage().data_ptr() for h in held}, "the held set was handed out"
+        assert p.take() is None, f"a set held by {len(held)} outside tensors was handed out again"
+        del got
+        held.pop(0)
+    x, y = p.take(), p.take()
+    assert x is not None and y is not None and x is not y
+    assert OutputPool(_make, 0, torch.device("cpu")).take() is None
+
+
+def _world(group, geometry, pool, calls):
+    set_env(TRITONEP_GEOMETRY=geometry or None, TRITONEP_OUTPUT_POOL=pool)
+    rank = dist.get_rank(group)
+    buf = open_buffer(group, CFG)
+    # a caller that keeps every output of every call: no call may write into what an earlier one returned
+    kept = []
+    for x, idx, w in calls[rank]:
+        d = buf.dispatch(x, idx, w)
+        eo = expert(d.x)
+        y = buf.combine(eo, d.handle)
+        kept.append((d, eo, y))
+    records = [record(d, eo, y) for d, eo, y in kept]  # read after all the calls
+    del kept, d, eo, y
+    # a caller that drops its outputs: the next call gets the same handle block (and decode rows) back
+    ptrs = []
+    for _ in range(3):
+        d = buf.dispatch(*calls[rank][0])
+        y = buf.combine(expert(d.x), d.handle)
+        ptrs.append((d.handle.store.data_ptr(), d.x.data_ptr(), y.data_ptr()))
+        del d, y
+    # autograd state never travels with a set: an inference call after a differentiable one (synced and sync-free)
+    grad = run_grad_call(buf, *calls[rank][1], grad_seed=3 + rank)
+    xr = calls[rank][1][0].clone().requires_grad_(True)
+    df = buf.dispatch(xr, calls[rank][1][1], calls[rank][1][2], sync_free=True)
+    del df, xr
+    flags = []
+    for sync_free in (False, True):
+        d = buf.dispatch(*calls[rank][1], sync_free=sync_free)
+        flags += [d.x.requires_grad, d.weights.requires_grad, d.x.grad_fn is not None,
+                  d.num_tokens_per_expert.requires_grad]
+        del d
+    pool_bytes = buf._impl.output_pool_bytes
+    buf.close()
+    return records, ptrs, grad, flags, pool_bytes
+
+
+@GEOMETRIES
+def test_kept_outputs_intact_and_released_sets_reused(geometry):
+    calls = make_calls(2, CFG, [7, 0], [11, 12, 13], mask_frac=0.2)
+    res = run_cpu_world(2, _world, geometry, None, calls, timeout_s=300)
+    check_calls(CFG, calls, [r[0] for r in res])
+    check_calls(CFG, [[c[1]] for c in calls], [[r[2]] for r in res])
+    for rank, (_, ptrs, _, flags, pool_bytes) in enumerate(res):
+        assert pool_bytes > 0
+        assert len({p[0] for p in ptrs}) == 1, f"rank {rank}: the handle block was not reused: {ptrs}"
+        if geometry.startswith("bt=2,dec"):  # decode: the rows and the combine output are pooled too
+            assert len({p[1] for p in ptrs}) == 1 and len({p[2] for p in ptrs if p[2]}) <= 1, ptrs
+        assert not any(flags), f"rank {rank}: an inference call returned autograd state: {flags}"
+
+
+def test_pool_off():
+    calls = make_calls(2, CFG, [7, 5], [11, 12], mask_frac=0.2)
+    res = run_cpu_world(2, _world, "bt=2,dec=3", "0", calls, timeout_s=300)
+    check_calls(CFG, calls, [r[0] for r in res])
+    assert all(r[4] == 0 for r in res)

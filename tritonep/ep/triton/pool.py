@@ -1,0 +1,120 @@
+"""Per-call output blocks reused once nobody holds them: a dispatch's allocations and views at the cost of a count.
+
+An eager dispatch of the triton backend allocates its handle storage block (and, on the one-launch decode path, the
+``max_recv_tokens`` rows it cuts after the host read) and makes views of the block (``num_tokens_per_expert``,
+``expert_offsets``, the row weights): on the H200 host ~15 of the ~47 us of host work of a 128-token decode
+dispatch (``benchmarks/results/launch_probe_h200x1_session6``: ``torch.empty`` 4.2 us, a view 3.0 us). An
+:class:`OutputPool` keeps up to ``slots`` such sets per CUDA stream, made once, and hands a set out again when no
+one outside the pool holds any of its tensors: the storage use count of every base tensor and the Python reference
+count of every tensor object the set hands out are back at their values when the set was made (a caller's view, a
+handle holding the block, an autograd node that saved a row: each raises one of them).
+
+Reuse rules (those of PyTorch's caching allocator, which hands a freed block again only to the next allocation on
+the stream it was made on, ordered after every earlier use on that stream):
+
+* a set is reused only on the stream it was made on (at most :data:`MAX_STREAMS` streams get sets; another stream
+  allocates as before);
+* never while the current stream is capturing a CUDA graph (a capture's outputs come from its private pool: every
+  replay writes them) and never while the pool is off (``slots=0``, ``TRITONEP_OUTPUT_POOL=0``);
+* when every set of the stream is held, the call allocates as before (a fresh, unpooled set).
+
+The differences to the caching allocator: ``Tensor.record_stream`` does not protect a pooled output (a caller that
+uses an output on another stream must keep a reference to it until that stream's work is done), and an output whose
+storage is swapped in place (``Tensor.set_``, assigning ``.data``) is not supported (docs/api.md).
+
+Memory: at most ``slots * MAX_STREAMS`` sets per pool, :attr:`OutputPool.nbytes` bytes once made (the dry run at
+construction makes the first set of the construction stream).
+
+Idea: pplx-kernels and DeepEP's low-latency mode hand out receive buffers allocated once per buffer; here the
+reuse is decided per call by reference counts, so a caller that keeps an output never sees it overwritten.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+__all__ = ["OutputPool", "MAX_STREAMS"]
+
+MAX_STREAMS = 2  # streams that get sets of their own; calls on more streams allocate as before
+
+_use_count = torch._C._storage_Use_Count
+_refcount = sys.getrefcount
+
+
+class _Set:
+    """One set of a pool: ``objs`` (the base tensors, then the views made of them; handed out as one tuple) and the
+    reference counts that say nobody outside holds any of them."""
+
+    __slots__ = ("objs", "_keep", "_cdata", "_base", "nbytes")
+
+    def __init__(self, bases: tuple, views: tuple):
+        self.objs = tuple(bases) + tuple(views)
+        self._keep = tuple(t.untyped_storage() for t in bases)  # keeps each storage's address valid (counted once)
+        self._cdata = tuple(s._cdata for s in self._keep)
+        self.nbytes = sum(s.nbytes() for s in self._keep)
+        self._base = None  # :meth:`seal`, once the caller's temporaries (``bases``, ``views``) are gone
+
+    def seal(self):
+        """Record the count of 'nobody outside holds it' (called by the pool right after making the set)."""
+        self._base = self._count()
+
+    def _count(self) -> int:
+        # one sum: no count can fall below its value at seal() (the set's own references stay), so the sum equals
+        # the sealed one exactly when every count does
+        objs = self.objs  # the tuple too: a caller may hold it unpacked or not
+        return sum(map(_use_count, self._cdata)) + sum(map(_refcount, objs)) + _refcount(objs)
+
+    def free(self) -> bool:
+        """True when no tensor of this set, and no view of its storage, is held outside the pool."""
+        return self._count() == self._base
+
+
+class OutputPool:
+    """Sets of per-call outputs reused by reference count (see the module docstring).
+
+    Args:
+        make: ``make() -> (bases, views)``: a new set's base tensors (fresh allocations) and the views of them a call
+            hands out, as two tuples; :meth:`take` returns ``bases + views``.
+        slots: sets per stream (0: the pool is off, :meth:`take` returns None).
+        device: the buffer's device (CUDA: sets per stream, none under capture).
+    """
+
+    def __init__(self, make, slots: int, device: torch.device):
+        self._make, self.slots = make, int(slots)
+        self._cuda = device.type == "cuda"
+        self._dev = device.index if device.index is not None else 0
+        self._sets: dict = {}  # stream (raw handle; 0 on CPU) -> [_Set]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every set made so far (device memory outside the symmetric heap)."""
+        return sum(s.nbytes for sets in self._sets.values() for s in sets)
+
+    def take(self):
+        """The objects of a set nobody holds (``bases + views`` of ``make``), or None: pool off, graph capture,
+        every set of this stream held (``slots`` made), or a stream past :data:`MAX_STREAMS`. The caller then
+        allocates as it would without a pool."""
+        if not self.slots:
+            return None
+        if self._cuda:
+            if torch._C._cuda_isCurrentStreamCapturing():
+                return None
+            stream = torch._C._cuda_getCurrentRawStream(self._dev)
+        else:
+            stream = 0
+        sets = self._sets.get(stream)
+        if sets is None:
+            if len(self._sets) >= MAX_STREAMS:
+                return None
+            sets = self._sets[stream] = []
+        for s in sets:
+            if s.free():
+                return s.objs
+        if len(sets) < self.slots:
+            s = _Set(*self._make())
+            s.seal()
+            sets.append(s)
+            return s.objs
+        return None

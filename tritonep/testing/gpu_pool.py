@@ -70,7 +70,7 @@ def pool_streams_world(group, E: int, H: int, Tmax: int, K: int, T: int):
         eo = buf.expert_out_buffer()
         eo.copy_(expert(dg.x))
         yg = buf.combine(eo, dg.handle)
-    pooled = _pooled_ptrs(impl._pool) | _pooled_ptrs(impl._ypool)
+    pooled = _pooled_ptrs(impl._pool) | _pooled_ptrs(impl._rpool) | _pooled_ptrs(impl._ypool)
     out["graph_pooled"] = bool({dg.handle.store.data_ptr(), dg.x.data_ptr(), yg.data_ptr()} & pooled)
     g.replay()
     torch.cuda.synchronize()

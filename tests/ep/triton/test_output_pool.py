@@ -6,8 +6,9 @@ reused once released; ``slots`` bounds the sets; ``slots=0`` is off); in the CPU
 (two kernels, fused, decode): outputs a caller keeps over later calls are never overwritten (every kept record equal
 to the reference after all the calls), a caller that drops its outputs gets the same block back (the pool is
 used: no allocation), ``TRITONEP_OUTPUT_POOL=0`` turns it off, and autograd state never travels with a reused set
-(an inference call after a differentiable one returns tensors without ``grad_fn``). Reuse under poison:
-``test_handle_poison.py``.
+(an inference call after a differentiable one returns tensors without ``grad_fn``). The decode rows and combine output
+pools are shared by the buffers of one shape (one per MoE layer) and dropped with their last buffer. Reuse under
+poison: ``test_handle_poison.py``.
 """
 
 import pytest
@@ -108,3 +109,47 @@ def test_pool_off():
     res = run_cpu_world(2, _world, "bt=2,dec=3", "0", calls, timeout_s=300)
     check_calls(CFG, calls, [r[0] for r in res])
     assert all(r[4] == 0 for r in res)
+
+
+def test_shared_pools_follow_their_users():
+    from tritonep.ep.triton import pool as P
+
+    key, dev = ("rows", "test", 4, 8), torch.device("cpu")
+    a = P.acquire_shared(key, _make, 2, dev)
+    b = P.acquire_shared(key, _make, 2, dev)
+    assert a is b and a.slots == 2
+    assert P.acquire_shared(key, _make, 0, dev) is not a  # a pool off is never shared
+    P.release_shared(key, 2)
+    assert P.acquire_shared(key, _make, 2, dev) is a  # one user left: the same pool
+    P.release_shared(key, 2)
+    P.release_shared(key, 2)
+    assert P.acquire_shared(key, _make, 2, dev) is not a  # the last user released it: a new one
+    P.release_shared(key, 2)
+    assert not any(k[0] == key for k in P._SHARED)
+
+
+def _two_buffers_world(group, calls):
+    from tritonep.ep.triton import pool as P
+
+    set_env(TRITONEP_GEOMETRY="bt=2,dec=3", TRITONEP_OUTPUT_POOL=None)
+    rank = dist.get_rank(group)
+    one, two = open_buffer(group, CFG), open_buffer(group, CFG)  # two "layers" of the same shape
+    ptrs = []
+    for buf in (one, two, one, two):
+        d = buf.dispatch(*calls[rank][0])
+        y = buf.combine(expert(d.x), d.handle)
+        ptrs.append((d.x.data_ptr(), y.data_ptr(), d.handle.store.data_ptr()))
+        del d, y
+    shared = one._impl._rpool is two._impl._rpool and one._impl._ypool is two._impl._ypool
+    one.close()
+    kept = any(e[0] is two._impl._rpool for e in P._SHARED.values())  # still used by `two`
+    two.close()
+    return ptrs, shared, kept
+
+
+def test_decode_rows_shared_by_buffers_of_one_shape():
+    calls = make_calls(2, CFG, [7, 5], [11], mask_frac=0.2)
+    for ptrs, shared, kept in run_cpu_world(2, _two_buffers_world, calls, timeout_s=300):
+        assert shared and kept
+        assert len({p[0] for p in ptrs}) == 1 and len({p[1] for p in ptrs}) == 1, ptrs  # one rows block, one y block
+        assert len({p[2] for p in ptrs}) == 2, ptrs  # each buffer its own handle block

@@ -47,7 +47,7 @@ from .decode import DecodePath
 from .host_status import HostStatus
 from .launch import Launcher
 from .outputs import ST_HOST, DispatchOutputs, HandleLayout
-from .pool import OutputPool
+from .pool import OutputPool, acquire_shared, release_shared
 from .regions import regions
 
 __all__ = ["TritonEP"]
@@ -96,32 +96,31 @@ class TritonEP(DispatchOutputs, DecodePath):
         self._no_w = torch.zeros(1, dtype=torch.float32, device=self.device)  # the weighted combine's unused gw_ptr
         self._launch = Launcher(self.device, group)
         self.k = KernelSet(self)
-        # per-call outputs reused once nobody holds them (pool.py): the handle storage block and the views a
-        # dispatch returns of it; on the decode geometry also the max_recv_tokens rows and the combine's [Tmax, H]
-        slots = envs.output_pool()
+        # per-call outputs reused once nobody holds them (pool.py): this buffer's handle storage block and the views
+        # a dispatch returns of it; on the decode geometry the max_recv_tokens rows and the combine's [Tmax, H]
+        # output come from pools shared by every buffer of the same shape (one per MoE layer: run one at a time)
+        self._slots = slots = envs.output_pool()
         self._pool = OutputPool(self._make_set, slots, self.device)
-        self._ypool = OutputPool(self._make_y, slots if cfg.geometry.decode else 0, self.device)
+        dec = bool(cfg.geometry.decode)
+        dev, H, dt = self.device, cfg.hidden, cfg.dtype
+        self._shared = (("rows", str(dev), cfg.max_recv_tokens, H, dt), ("y", str(dev), cfg.max_tokens_per_rank, H, dt))
+        mk = lambda n: lambda: ((torch.empty(n, H, dtype=dt, device=dev),), ())  # noqa: E731 - one block of n rows
+        self._rpool = acquire_shared(self._shared[0], mk(cfg.max_recv_tokens), slots if dec else 0, dev)
+        self._ypool = acquire_shared(self._shared[1], mk(cfg.max_tokens_per_rank), slots if dec else 0, dev)
         self._precompile(group)
 
     # ---------------------------------------------------------------------------------------------- helpers
     def _make_set(self):
-        """A new set of the output pool: ``(store[, rows]), (ntpe, offs, row weights)`` (all fields whole)."""
-        hl, cfg = self.hl, self.cfg
+        """A new set of the output pool: ``(store,), (ntpe, offs, row weights)`` (all fields whole)."""
+        hl = self.hl
         store = hl.new(self.device)
-        bases = (store,)
-        if cfg.geometry.decode:
-            bases += (torch.empty(cfg.max_recv_tokens, cfg.hidden, dtype=cfg.dtype, device=self.device),)
-        return bases, (hl.tensor(store, "ntpe"), hl.tensor(store, "offs"), hl.tensor(store, "rw"))
-
-    def _make_y(self):
-        """A new set of the decode combine's output pool: one ``[max_tokens_per_rank, H]`` block."""
-        cfg = self.cfg
-        return (torch.empty(cfg.max_tokens_per_rank, cfg.hidden, dtype=cfg.dtype, device=self.device),), ()
+        return (store,), (hl.tensor(store, "ntpe"), hl.tensor(store, "offs"), hl.tensor(store, "rw"))
 
     @property
     def output_pool_bytes(self) -> int:
-        """Device bytes the output pools hold (outside the symmetric heap; :mod:`tritonep.ep.triton.pool`)."""
-        return self._pool.nbytes + self._ypool.nbytes
+        """Device bytes the output pools this buffer uses hold (outside the symmetric heap; the shared pools of the
+        decode rows / combine output counted whole: :mod:`tritonep.ep.triton.pool`)."""
+        return self._pool.nbytes + self._rpool.nbytes + self._ypool.nbytes
 
     def expert_out_buffer(self) -> torch.Tensor:
         """The symmetric ``[max_recv_tokens, H]`` expert-output region (zero copy into combine)."""
@@ -245,9 +244,8 @@ class TritonEP(DispatchOutputs, DecodePath):
         T = x.shape[0]
         if not bad_input:
             self._recent_idx.append(topk_idx)
-        # the pool's set (store, [rows,] ntpe, offs, row weights) or None: allocate as before (quantized rows kept,
-        # graph capture, every set held)
-        got = None if keep_quantized else self._pool.take()
+        # the pool's set (store, ntpe, offs, row weights) or None: allocate as before (graph capture, every set held)
+        got = self._pool.take()
         if g.decode:
             return self._dispatch_decode(x, topk_idx, topk_weights, sync, keep_quantized, bad_input, got)
         if got is not None:
@@ -340,3 +338,5 @@ class TritonEP(DispatchOutputs, DecodePath):
         if self.buf is not None:
             self.buf.close()
             self.buf = None
+            for key in self._shared:
+                release_shared(key, self._slots)

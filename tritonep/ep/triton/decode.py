@@ -29,7 +29,8 @@ class DecodePath:
     def _dispatch_decode(self, x, topk_idx, topk_weights, sync, keep_quantized, bad_input, got):
         """Forward dispatch in one launch; returns what ``TritonEP.dispatch_fwd`` returns and raises what it raises
         (CapacityError / PeerInputError / InputError / PeerTimeoutError when ``sync``). ``got``: a set of the output
-        pool (:mod:`tritonep.ep.triton.pool`: ``(store, rows, ntpe, offs, row weights)``), or None: allocate."""
+        pool (:mod:`tritonep.ep.triton.pool`: ``(store, ntpe, offs, row weights)``), or None: allocate; the rows come
+        from the pool shared by the buffers of this shape (or are allocated)."""
         T = x.shape[0]
         max_recv = self.cfg.max_recv_tokens
         hl = self.hl
@@ -37,10 +38,13 @@ class DecodePath:
         # read (the kernel zeroes the row weights past the rows received: no memset before the launch; they are the
         # handle storage's field ``rw``)
         if got is not None:
-            store, out, ntpe, offs, rw = got
-            q = sc = None
+            store, ntpe, offs, rw = got
         else:
             store = hl.new(self.device)
+        rows = None if keep_quantized else self._rpool.take()  # the shared pool's [max_recv, H] block, or None
+        if rows is not None:
+            out, q, sc = rows[0], None, None
+        else:
             out, q, sc = self._alloc_rows(max_recv, keep_quantized)
         ticket = self.host_status.ticket(sync)  # only a read takes one (HostStatus.next_ticket says why)
         self.k.decode(q is not None)(x, topk_idx, topk_weights, store, T, int(bad_input), max_recv, out, q, sc, ticket)
@@ -54,10 +58,9 @@ class DecodePath:
             out, out_w = (out if q is not None else out[:R]), rw[:R]
             if q is not None:
                 q, sc = q[:R], sc[:R]
-        elif got is not None:  # sync-free: fresh views, never the pooled tensors themselves (autograd would mark
-            out, out_w = out[:max_recv], rw[:max_recv]  # them, and the marks would outlive this call)
-        else:
-            out_w = rw
+        else:  # sync-free: fresh views, never the pooled tensors themselves (autograd would mark them, and the marks
+            out = out[:max_recv] if rows is not None else out  # would outlive this call)
+            out_w = rw[:max_recv] if got is not None else rw
         return self._finish_dispatch(code, refused, st, sync, bad_input, out, out_w, q, sc, handle, ntpe, offs, R)
 
     def _combine_decode(self, eo, handle, wire, weighted=True, gw=None):

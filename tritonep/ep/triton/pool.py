@@ -23,7 +23,12 @@ uses an output on another stream must keep a reference to it until that stream's
 storage is swapped in place (``Tensor.set_``, assigning ``.data``) is not supported (docs/api.md).
 
 Memory: at most ``slots * MAX_STREAMS`` sets per pool, :attr:`OutputPool.nbytes` bytes once made (the dry run at
-construction makes the first set of the construction stream).
+construction makes the first set of the construction stream). The large blocks (the decode dispatch's
+``max_recv_tokens`` rows, the decode combine's ``[max_tokens_per_rank, H]`` output) live in pools SHARED by every
+buffer of the process with the same shape, dtype and device (:func:`acquire_shared`): a model builds one buffer
+per MoE layer and runs them one after another, so a per-buffer pool of rows would hold ``layers x slots`` blocks the
+caching allocator would have shared; a shared pool holds ``slots`` per stream. Only the small handle block (its
+fields' size) is pooled per buffer.
 
 Idea: pplx-kernels and DeepEP's low-latency mode hand out receive buffers allocated once per buffer; here the
 reuse is decided per call by reference counts, so a caller that keeps an output never sees it overwritten.
@@ -35,7 +40,7 @@ import sys
 
 import torch
 
-__all__ = ["OutputPool", "MAX_STREAMS"]
+__all__ = ["OutputPool", "MAX_STREAMS", "acquire_shared", "release_shared"]
 
 MAX_STREAMS = 2  # streams that get sets of their own; calls on more streams allocate as before
 
@@ -118,3 +123,33 @@ class OutputPool:
             sets.append(s)
             return s.objs
         return None
+
+
+_SHARED: dict = {}  # key -> [OutputPool, users]
+
+
+def acquire_shared(key: tuple, make, slots: int, device: torch.device) -> OutputPool:
+    """The process-wide pool of ``key`` (made with ``make`` / ``slots`` / ``device`` by its first user), one more
+    user counted. ``key`` must decide what ``make`` makes (e.g. ``("rows", device, rows, H, dtype)``) and the slots;
+    a pool off (``slots=0``) is never shared. Pair with :func:`release_shared`."""
+    if not slots:
+        return OutputPool(make, 0, device)
+    key = (key, int(slots))
+    entry = _SHARED.get(key)
+    if entry is None:
+        entry = _SHARED[key] = [OutputPool(make, slots, device), 0]
+    entry[1] += 1
+    return entry[0]
+
+
+def release_shared(key: tuple, slots: int):
+    """One user of :func:`acquire_shared`'s pool fewer; the last one drops the pool (its sets are freed once no
+    caller holds their tensors)."""
+    if not slots:
+        return
+    key = (key, int(slots))
+    entry = _SHARED.get(key)
+    if entry is not None:
+        entry[1] -= 1
+        if entry[1] <= 0:
+            del _SHARED[key]

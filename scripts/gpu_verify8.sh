@@ -5,7 +5,9 @@
 #                                   #   test at W=2 under MPS, eager with the pool and without it (same call), probe
 #   bash scripts/gpu_verify8.sh B   # final: W=2 MPS core (ep cases, graph replays, gradients, host protocol, decode
 #                                   #   bf16, pool) and the rest (MoE layer, virtual experts, wires), eager, peer
-#   bash scripts/gpu_verify8.sh C   # final: the world-1 GPU suite, `tritonep run`, the MoE layer eager vs graph
+#   bash scripts/gpu_verify8.sh C   # final: the world-1 GPU suite, `tritonep run`, the MoE layer eager vs graph, ep_bench
+#   bash scripts/gpu_verify8.sh D   # the MoE layer eager vs graph, ep_bench bf16 (nccl backend vs the pipeline),
+#                                   #   host cProfile at 1024 tokens (the fused path's host work)
 # Logs and JSON under $OUT, packed into $OUT/logs.tgz.
 source "$(dirname "$0")/gpu_step.sh"
 steps=()
@@ -13,7 +15,8 @@ for a in "$@"; do
     case $a in
         A) steps+=(tests_ep pool_w2 eager eager_nopool probe) ;;
         B) steps+=(tests_w2 mps2rest eager peer) ;;
-        C) steps+=(single run layer) ;;
+        C) steps+=(single run layer epb) ;;
+        D) steps+=(layer epb hostpy1k) ;;
         *) steps+=("$a") ;;
     esac
 done
@@ -45,6 +48,9 @@ want probe && step probe 50 torchrun --nproc-per-node 1 benchmarks/launch_probe.
 want peer && step peer 60 torchrun --nproc-per-node 1 benchmarks/peer_bench.py --json "$OUT/peer_bench.json"
 want layer && step layer 60 torchrun --nproc-per-node 1 benchmarks/moe_graph_bench.py --tokens 128 4096 \
     --json "$OUT/moe_graph.json"
+want epb && step epb 60 torchrun --nproc-per-node 1 benchmarks/ep_bench.py --wires bf16 --json "$OUT/ep_bench_bf16.json"
+want hostpy1k && step hostpy1k 60 torchrun --nproc-per-node 1 benchmarks/host_profile.py --tokens 1024 --calls 100 \
+    --top 30
 want run && step run 140 python -m tritonep.cli.main run --steps 3 --json "$OUT/run_w1.json"
 cat "$OUT/summary.txt"
 cd "$OUT" && tar czf logs.tgz *.log *.json summary.txt 2>/dev/null; rm -f *.log *.json summary.txt

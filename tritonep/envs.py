@@ -35,6 +35,15 @@ def _get(name: str, default: str | None) -> str | None:
     return os.environ.get(name, default)
 
 
+# the per-call read of TRITONEP_SYNC_CHECKS (every dispatch's host path): os.environ keeps its values encoded in a
+# dict (``_data``, CPython's os module on POSIX, updated by every os.environ write and monkeypatch.setenv); reading it
+# skips the key's encoding and the value's decoding (~0.5-1 us a call). Elsewhere os.environ.get.
+_ENV_DATA = getattr(os.environ, "_data", None)
+_SYNC_KEY = os.environ.encodekey("TRITONEP_SYNC_CHECKS") if hasattr(os.environ, "encodekey") else None
+if not (isinstance(_ENV_DATA, dict) and isinstance(_SYNC_KEY, bytes)):
+    _ENV_DATA = None
+
+
 def interpret() -> bool:
     """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -64,7 +73,7 @@ def timeout_s() -> float:
 SYNC_NONE, SYNC_DEFERRED, SYNC_STRICT = 0, 1, 2
 
 
-_SYNC_MEMO: list = ["deferred", SYNC_DEFERRED]  # [text last parsed, its meaning]: a call reads the variable once
+_SYNC_MEMO: list = [object(), SYNC_DEFERRED]  # [raw value last parsed, its meaning]: a call reads the variable once
 
 
 def sync_checks() -> int:
@@ -72,11 +81,17 @@ def sync_checks() -> int:
     ``deferred``, the default) or ``SYNC_STRICT`` (``1`` / ``strict``); see the module table. Read at every call
     (so benchmarks and tests may change it between calls) but parsed only when its text changes: on the host path
     of every dispatch."""
-    raw = _get("TRITONEP_SYNC_CHECKS", "deferred")
     memo = _SYNC_MEMO
-    if raw == memo[0]:
-        return memo[1]
-    v = raw.strip().lower()
+    if _ENV_DATA is not None:
+        raw = _ENV_DATA.get(_SYNC_KEY)  # bytes, or None when unset
+        if raw == memo[0]:
+            return memo[1]
+        text = "deferred" if raw is None else os.fsdecode(raw)
+    else:
+        raw = text = _get("TRITONEP_SYNC_CHECKS", "deferred")
+        if raw == memo[0]:
+            return memo[1]
+    v = text.strip().lower()
     if v in ("0", "false", "off", "none"):
         mode = SYNC_NONE
     elif v in ("1", "true", "on", "strict"):

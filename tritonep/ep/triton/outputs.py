@@ -138,7 +138,7 @@ class DispatchOutputs:
     def _new_handle(self, store, T):
         """This call's handle; its row count, row weights and scales are set by :meth:`_finish_dispatch` (made by
         the caller while its launch runs)."""
-        return TritonHandle(store=store, layout=self.hl, num_tokens=T, num_recv_rows=None, buffer_id=self.buffer_id)
+        return TritonHandle._start(store, self.hl, T, self.buffer_id)
 
     def _finish_dispatch(self, code, refused, st, sync, bad_input, out, out_w, q, sc, handle, ntpe, offs, R):
         """Raise a refused call's error (after its launches), else the forward dispatch's return tuple

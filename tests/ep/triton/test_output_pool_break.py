@@ -11,8 +11,9 @@ of a view of ``expert_offsets``, ``num_tokens_per_expert`` in a closure, the han
 calls), the combine output (decode: pooled), a refused call's exception (its traceback holds the call's set), two
 autograd graphs backwarded after later calls (the second one twice, ``retain_graph``), and a sync-free call's
 outputs over a synced one. Also: an in-place op on a differentiable combine output (decode: a view of the pooled
-block), of ``EPBuffer.combine`` and of the ``tritonep::combine`` op, works as without the pool (it raised "a view created inside a custom Function" before the fix), and
-``close`` lets the pool's blocks go (it kept them while the buffer object lived).
+block), of ``EPBuffer.combine`` and of the ``tritonep::combine`` op, works as without the pool (it raised "a view
+created inside a custom Function" before the fix), and ``close`` lets the pool's blocks go (it kept them while the
+buffer object lived).
 
 The pool's own rules for the two new counts: :func:`test_pool_counts_storage_objects_and_base_holders`.
 """

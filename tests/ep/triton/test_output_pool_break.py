@@ -18,6 +18,8 @@ buffer object lived).
 The pool's own rules for the two new counts: :func:`test_pool_counts_storage_objects_and_base_holders`.
 """
 
+import gc
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -63,110 +65,153 @@ def _meta(t):
     return t.dtype, t.storage_offset(), tuple(t.shape), t.stride()
 
 
+def _pooled(buf, t) -> bool:
+    """Whether ``t`` lies in one of the buffer's pooled blocks (the scenario tests the pool, not a fresh block)."""
+    impl, ptr = buf._impl, t.untyped_storage().data_ptr()
+    return any(k.data_ptr() == ptr for p in (impl._pool, impl._ypool) for sets in p._sets.values() for s in sets
+               for k in s._keep)
+
+
 def _world(group, geometry, pool, calls):
     set_env(TRITONEP_GEOMETRY=geometry or None, TRITONEP_OUTPUT_POOL=pool)
     rank = dist.get_rank(group)
     buf = open_buffer(group, CFG)
-    hl = buf._impl.hl
     c0, c1, c2 = calls[rank]
-    kept, out = {}, {}
+    out, pooled = {}, {}
+
+    def churn():  # later calls: each one reuses the pool's set if the pool thinks nobody holds it
+        for c in (c1, c2):
+            d = buf.dispatch(*c)
+            buf.combine(expert(d.x), d.handle)
 
     def grad_fwd(c):
         x = c[0].clone().requires_grad_(True)
         w = c[2].clone().requires_grad_(True)
         d = buf.dispatch(x, c[1], w)
         y = buf.combine(expert(d.x) * 1.0, d.handle)
-        return (y.float() * (1.0 + rank)).sum(), x, w
+        return (y.float() * (1.0 + rank)).sum(), x, w, d.handle.store
 
-    # the storage objects alone (rows: the decode geometry pools them; the handle block on every geometry)
-    d = buf.dispatch(*c0)
-    kept["st_x"], kept["st_n"] = d.x.untyped_storage(), d.num_tokens_per_expert.untyped_storage()
-    kept["m_x"], kept["m_n"] = _meta(d.x), _meta(d.num_tokens_per_expert)
-    # a first graph, backwarded after later calls
-    loss_a, xa, wa = grad_fwd(c1)
-    d = buf.dispatch(*c1)
-    kept["cap"], kept["m_c"] = torch.utils.dlpack.to_dlpack(d.handle.store), hl.tensor(d.handle.store, "counts")
-    kept["m_c"] = _meta(kept["m_c"])
-    d = buf.dispatch(*c2)
-    kept["w"] = d.weights
-    d = buf.dispatch(*c0)
-    kept["vv"] = d.expert_offsets[1:][:2]
-    d = buf.dispatch(*c1)
-    kept["closure"] = (lambda n=d.num_tokens_per_expert: n)
-    d = buf.dispatch(*c2)
-    kept["handle"], kept["eo"] = d.handle, expert(d.x)
-    d = buf.dispatch(*c0)
-    kept["y"] = buf.combine(expert(d.x), d.handle)
-    # a refused call (an id outside [-1, E) on rank 1): its exception (traceback) kept
-    bad = c1[1].clone()
-    if rank == 1 and bad.numel():
-        bad[0, 0] = 99
-    try:
-        buf.dispatch(c1[0], bad, c1[2])
-        kept["err"] = None
-    except (InputError, PeerInputError) as e:
-        kept["err"] = e
+    def scenario(name, make):
+        """``make() -> (a tensor of the call, read)``: the call's outputs are dropped but what ``read`` closes over;
+        ``read()`` now and after later calls (host copies) are recorded."""
+        probe, read = make()
+        pooled[name] = _pooled(buf, probe)
+        del probe
+        now = read()
+        churn()
+        out[name] = (now, read())
+
+    def storage_of(t):
+        st, m = t.untyped_storage(), _meta(t)
+        return lambda: _host(_view_from(st, m))
+
+    def dlpack_store():
+        d = buf.dispatch(*c1)
+        cap, m = [torch.utils.dlpack.to_dlpack(d.handle.store)], _meta(buf._impl.hl.tensor(d.handle.store, "counts"))
+
+        def read():  # a capsule is consumed once: its tensor (a C++ holder of the block as well) is read again
+            cap[0] = torch.from_dlpack(cap[0]) if not isinstance(cap[0], torch.Tensor) else cap[0]
+            return _host(cap[0][m[1]:m[1] + m[2][0]])
+        return d.handle.store, read
+
+    def via_handle():
+        d = buf.dispatch(*c2)
+        h, eo = d.handle, expert(d.x)
+        return d.handle.store, lambda: [_host(buf.combine(eo, h)), _host(h.counts), _host(h.topk_weights)]
+
+    def kept(c, pick, **kw):
+        d = buf.dispatch(*c, **kw)
+        t = pick(d)
+        return d.handle.store, lambda: _host(t)
+
+    def combined():
+        d = buf.dispatch(*c0)
+        y = buf.combine(expert(d.x), d.handle)
+        return (y if geometry else d.handle.store), lambda: _host(y)  # decode: y is pooled
+
+    def sync_free():
+        d = buf.dispatch(*c2, sync_free=True)
+        x, w, offs = d.x, d.weights, d.expert_offsets
+        return d.handle.store, lambda: [_host(x[:int(offs[-1])]), _host(w), _host(offs)]  # rows past offs[-1]: unspec.
+
+    def refused():  # an id outside [-1, E) on rank 1: every rank raises; the exception (its traceback) is kept
+        bad = c1[1].clone()
+        if rank == 1:
+            bad[0, 0] = 99
+        try:
+            buf.dispatch(c1[0], bad, c1[2])
+        except (InputError, PeerInputError) as e:
+            err = e
+        tb = err.__traceback__
+        while "store" not in tb.tb_frame.f_locals:  # the refused call's own set (its frame holds it)
+            tb = tb.tb_next
+        return tb.tb_frame.f_locals["store"], lambda: type(err).__name__
+
+    def autograd():  # two graphs backwarded after later calls (the second twice) == each one backwarded at once
+        loss_a, xa, wa, probe = grad_fwd(c1)
+        churn()
+        loss_b, xb, wb, _ = grad_fwd(c2)
+        churn()
+        loss_a.backward()
+        loss_b.backward(retain_graph=True)
+        churn()
+        loss_b.backward()
+        later = [_host(t.grad) for t in (xa, wa, xb, wb)]
+        del loss_a, loss_b, xa, wa, xb, wb
+        now = []
+        for c in (c1, c2):
+            loss, x, w, _ = grad_fwd(c)
+            loss.backward()
+            if c is c2:
+                loss, *_ = grad_fwd(c)  # the second graph, twice
+                loss.backward(retain_graph=True)
+                loss.backward()
+            now += [_host(x.grad), _host(w.grad)]
+        now[2], now[3] = now[2] * 2, now[3] * 2  # b's grads accumulated twice
+        pooled["autograd"], out["autograd"] = _pooled(buf, probe), (now, later)
+
+    if geometry:  # decode: the rows are pooled
+        scenario("storage_x", lambda: (lambda d: (d.x, storage_of(d.x)))(buf.dispatch(*c0)))
+    scenario("storage_n", lambda: (lambda d: (d.handle.store, storage_of(d.num_tokens_per_expert)))(
+        buf.dispatch(*c0)))
+    scenario("dlpack_store", dlpack_store)
+    scenario("weights", lambda: kept(c2, lambda d: d.weights))
+    scenario("view_of_view", lambda: kept(c0, lambda d: d.expert_offsets[1:][:2]))
+    scenario("closure", lambda: kept(c1, lambda d: (lambda n=d.num_tokens_per_expert: n)()))
+    scenario("handle", via_handle)
+    scenario("y", combined)
+    scenario("sync_free", sync_free)
+    scenario("refused", refused)
+    gc.collect()  # the kept exception's traceback holds its frames, whose locals hold the exception: a cycle
+    autograd()
     # T > max_tokens_per_rank on rank 0: refused everywhere
-    big = [torch.zeros(CFG["Tmax"] + 1, CFG["H"], dtype=torch.bfloat16), torch.zeros(CFG["Tmax"] + 1, CFG["K"],
-                                                                                      dtype=torch.int64),
-           torch.ones(CFG["Tmax"] + 1, CFG["K"])]
+    big = (torch.zeros(9, CFG["H"], dtype=torch.bfloat16), torch.zeros(9, CFG["K"], dtype=torch.int64),
+           torch.ones(9, CFG["K"]))
     try:
         buf.dispatch(*(big if rank == 0 else c2))
         out["capacity"] = "none"
     except (CapacityError, PeerInputError) as e:
         out["capacity"] = type(e).__name__
-    # a sync-free call's outputs kept over a synced one
-    d = buf.dispatch(*c2, sync_free=True)
-    kept["sf"] = (d.x, d.weights, d.expert_offsets)
-    d = buf.dispatch(*c1)
-    kept["synced"] = (d.x, d.weights, d.num_tokens_per_expert)
-    # a second graph; the first one backwarded now, the second twice (retain_graph) around more calls
-    loss_b, xb, wb = grad_fwd(c2)
-    loss_a.backward()
-    loss_b.backward(retain_graph=True)
-    for c in (c0, c1, c2):
-        d = buf.dispatch(*c)
-        buf.combine(expert(d.x), d.handle)
-    loss_b.backward()
-    # an in-place op on a differentiable combine output (residual add)
-    x = c0[0].clone().requires_grad_(True)
-    d = buf.dispatch(x, c0[1], c0[2])
+    churn()
+    # an in-place op on a differentiable combine output (a residual add), EPBuffer.combine and the op
     from tritonep.ep import ops  # imported in the rank (the kernels must load under the interpreter)
 
-    od = ops.dispatch(ops.buffer_id(buf), x, c0[1], c0[2])  # the custom ops' autograd (torch.library)
-    try:
-        y = buf.combine(expert(d.x) * 1.0, d.handle)
-        y.add_(1.0)
-        y = ops.combine(expert(od.x) * 1.0, od)
-        y.add_(1.0)
-        out["inplace"] = "ok"
-    except RuntimeError as e:
-        out["inplace"] = str(e)[:80]
-    del d, od, x, y
-    for c in (c0, c1, c2):  # more reuse before the kept values are read
-        d = buf.dispatch(*c)
-        buf.combine(expert(d.x), d.handle)
-    del d
-    # read everything kept, now
-    out["st_x"] = _host(_view_from(kept["st_x"], kept["m_x"]))
-    out["st_n"] = _host(_view_from(kept["st_n"], kept["m_n"]))
-    store = torch.from_dlpack(kept["cap"])
-    out["cap"] = _host(store[kept["m_c"][1]:].view(kept["m_c"][0])[:kept["m_c"][2][0]])
-    for k in ("w", "vv", "y"):
-        out[k] = _host(kept[k])
-    out["closure"] = _host(kept["closure"]())
-    out["handle_y"] = _host(buf.combine(kept["eo"], kept["handle"]))
-    out["handle_counts"] = _host(kept["handle"].counts)
-    out["err"] = type(kept["err"]).__name__
-    out["sf"] = [_host(t) for t in kept["sf"]]
-    out["sf"][0] = out["sf"][0][:int(out["sf"][2][-1])]  # rows past expert_offsets[-1] are unspecified
-    out["synced"] = [_host(t) for t in kept["synced"]]
-    out["grads"] = [_host(t.grad) for t in (xa, wa, xb, wb)]
-    del kept, store, loss_a, loss_b
+    x = c0[0].clone().requires_grad_(True)
+    for name, fwd in (("inplace", lambda: buf.combine(expert(d.x) * 1.0, d.handle)),
+                      ("inplace_op", lambda: ops.combine(expert(d.x) * 1.0, d))):
+        d = buf.dispatch(x, c0[1], c0[2]) if name == "inplace" else ops.dispatch(ops.buffer_id(buf), x, c0[1], c0[2])
+        y = fwd()
+        if geometry:  # decode: y is pooled
+            pooled[name] = _pooled(buf, y)
+        try:
+            y.add_(1.0)
+            out[name] = "ok"
+        except RuntimeError as e:
+            out[name] = str(e)[:80]
+        del d, y
     buf.close()
-    impl = buf._impl
-    out["pool_bytes_after_close"] = impl.output_pool_bytes
-    return out
+    out["pool_bytes_after_close"] = buf._impl.output_pool_bytes
+    return out, pooled
 
 
 def _equal(a, b, where):
@@ -187,11 +232,12 @@ def _equal(a, b, where):
 @pytest.mark.parametrize("geometry", ["", "bt=2,dec=3"], ids=["two-kernel", "decode"])
 def test_kept_by_adversarial_callers(geometry):
     calls = make_calls(2, CFG, [7, 5], [21, 22, 23], mask_frac=0.2)
-    on = run_cpu_world(2, _world, geometry, "1", calls, timeout_s=300)
-    off = run_cpu_world(2, _world, geometry, "0", calls, timeout_s=300)
-    for rank in range(2):
-        assert on[rank]["inplace"] == "ok", f"rank {rank}: {on[rank]['inplace']}"
-        assert on[rank]["capacity"] == off[rank]["capacity"] != "none"
-        assert on[rank]["err"] in ("InputError", "PeerInputError")
-        assert on[rank]["pool_bytes_after_close"] == 0, "close kept the pool's blocks"
-        _equal(on[rank], off[rank], f"rank {rank}")
+    for rank, (got, pooled) in enumerate(run_cpu_world(2, _world, geometry, "1", calls, timeout_s=300)):
+        not_pooled = [k for k, v in pooled.items() if not v]
+        assert not not_pooled, f"rank {rank}: these scenarios did not get the pool's set: {not_pooled}"
+        assert got["inplace"] == got["inplace_op"] == "ok", f"rank {rank}: {got['inplace']} / {got['inplace_op']}"
+        assert got["capacity"] != "none" and got["refused"][0] in ("InputError", "PeerInputError")
+        assert got["pool_bytes_after_close"] == 0, "close kept the pool's blocks"
+        for name, v in got.items():
+            if isinstance(v, tuple):  # (read at once, read after later calls)
+                _equal(v[0], v[1], f"rank {rank}: {name}")

@@ -1,7 +1,8 @@
-"""Adversarial callers of the output pool (:mod:`tritonep.ep.triton.pool`), differential: the same script of calls
-runs in the CPU world of 2 ranks with the pool on (``TRITONEP_OUTPUT_POOL=1``: one set per stream, so every release
-is reused by the very next call) and off (``0``), and every value a caller kept is read at the END of the script;
-the two runs must agree bitwise (the kernels are deterministic), so any kept output the pool handed out again shows.
+"""Adversarial callers of the output pool (:mod:`tritonep.ep.triton.pool`) in the CPU world of 2 ranks, with one set
+per stream (``TRITONEP_OUTPUT_POOL=1``: a released set is reused by the very next call). Each scenario makes a call
+whose set comes from the pool (checked), drops every output but one way of holding it, reads the held values at
+once and again after a later call (with other values); the two reads must be equal bitwise. Autograd: two graphs
+backwarded after later calls (the second twice) give the gradients of each graph backwarded at once.
 
 What the caller keeps, each time as the ONLY reference, over later calls (synced, sync-free, refused, autograd):
 the storage object of the rows / of the handle block (``untyped_storage()``: the pool's own Python object, no use
@@ -9,11 +10,11 @@ count moves; missed before session 8's fix), a DLPack capsule of ``handle.store`
 TensorImpl the set's own views already share: no Python count moves; missed before the fix), the row weights, a view
 of a view of ``expert_offsets``, ``num_tokens_per_expert`` in a closure, the handle alone (combined after later
 calls), the combine output (decode: pooled), a refused call's exception (its traceback holds the call's set), two
-autograd graphs backwarded after later calls (the second one twice, ``retain_graph``), and a sync-free call's
-outputs over a synced one. Also: an in-place op on a differentiable combine output (decode: a view of the pooled
-block), of ``EPBuffer.combine`` and of the ``tritonep::combine`` op, works as without the pool (it raised "a view
-created inside a custom Function" before the fix), and ``close`` lets the pool's blocks go (it kept them while the
-buffer object lived).
+autograd graphs (``retain_graph``), and a sync-free call's outputs over a synced one; a capacity refusal in
+between. Also: an in-place op on a differentiable combine output (decode: a view of the pooled block), of
+``EPBuffer.combine`` and of the ``tritonep::combine`` op, works as without the pool (it raised "a view created
+inside a custom Function" before the fix), and ``close`` lets the pool's blocks go (it kept them while the buffer
+object lived). Interpreter cycles: ``tritonep/kernels/interpreter_speed.py`` (the sets are reused at once, checked).
 
 The pool's own rules for the two new counts: :func:`test_pool_counts_storage_objects_and_base_holders`.
 """
@@ -79,7 +80,7 @@ def _world(group, geometry, pool, calls):
     c0, c1, c2 = calls[rank]
     out, pooled = {}, {}
 
-    def churn():  # a later call: it reuses the pool's set (one per stream) if the pool thinks nobody holds it
+    def churn():  # a later call (c1: a scenario keeps c0 or c2, whose values differ) reuses the set if "free"
         d = buf.dispatch(*c1)
         buf.combine(expert(d.x), d.handle)
 
@@ -105,7 +106,7 @@ def _world(group, geometry, pool, calls):
         return lambda: _host(_view_from(st, m))
 
     def dlpack_store():
-        d = buf.dispatch(*c1)
+        d = buf.dispatch(*c2)
         cap, m = [torch.utils.dlpack.to_dlpack(d.handle.store)], _meta(buf._impl.hl.tensor(d.handle.store, "counts"))
 
         def read():  # a capsule is consumed once: its tensor (a C++ holder of the block as well) is read again
@@ -176,7 +177,7 @@ def _world(group, geometry, pool, calls):
     scenario("dlpack_store", dlpack_store)
     scenario("weights", lambda: kept(c2, lambda d: d.weights))
     scenario("view_of_view", lambda: kept(c0, lambda d: d.expert_offsets[1:][:2]))
-    scenario("closure", lambda: kept(c1, lambda d: (lambda n=d.num_tokens_per_expert: n)()))
+    scenario("closure", lambda: kept(c2, lambda d: (lambda n=d.num_tokens_per_expert: n)()))
     scenario("handle", via_handle)
     scenario("y", combined)
     scenario("sync_free", sync_free)

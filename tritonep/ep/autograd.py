@@ -48,6 +48,8 @@ class CombineFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, expert_out, recv_weights, impl, handle, kind):
         y = impl.combine_fwd(expert_out, handle, kind=kind)
+        if y._base is not None:  # a view of a pooled block (decode, tritonep/ep/triton/pool.py): autograd refuses
+            y = y.detach()  # in-place ops on a view made inside a custom Function; an alias of its own is no view
         ctx.impl = impl
         ctx.handle = handle
         ctx.save_for_backward(expert_out)

@@ -162,7 +162,9 @@ dispatch_op.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
 def combine_op(expert_out: torch.Tensor, recv_weights: torch.Tensor, ticket: torch.Tensor, buffer_id: int,
                num_tokens: int) -> torch.Tensor:
     """:meth:`EPBuffer.combine` of the dispatch ``ticket`` names (module docstring): ``y [num_tokens, H]``."""
-    return get_buffer(buffer_id).combine(expert_out, get_handle(ticket))
+    y = get_buffer(buffer_id).combine(expert_out, get_handle(ticket))
+    # a view of a pooled block (decode, tritonep/ep/triton/pool.py): the op's autograd would refuse in-place ops on it
+    return y.detach() if y._base is not None else y
 
 
 @combine_op.register_fake

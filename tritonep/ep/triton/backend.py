@@ -333,8 +333,10 @@ class TritonEP(DispatchOutputs, DecodePath):
     def close(self):
         """Free the symmetric allocation (collective). Later calls raise :class:`BufferStateError`, also those that do
         not pass the EPBuffer's front door (the autograd backward of a call made before the close): its bound kernels
-        hold the freed regions' addresses."""
+        hold the freed regions' addresses. The output pools let their blocks go."""
         self.broken = "closed" + (f" (unusable before: {self.broken})" if self.broken else "")
+        self._pool.clear()  # the output pools' blocks go with the buffer (a caller's kept outputs stay valid)
+        self._ypool.clear()
         if self.buf is not None:
             self.buf.close()
             self.buf = None

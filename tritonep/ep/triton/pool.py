@@ -5,9 +5,10 @@ An eager dispatch of the triton backend allocates its handle storage block (and,
 ``expert_offsets``, the row weights): on the H200 host ~15 of the ~47 us of host work of a 128-token decode
 dispatch (``benchmarks/results/launch_probe_h200x1_session6``: ``torch.empty`` 4.2 us, a view 3.0 us). An
 :class:`OutputPool` keeps up to ``slots`` such sets per CUDA stream, made once, and hands a set out again when no
-one outside the pool holds any of its tensors: the storage use count of every base tensor and the Python reference
-count of every tensor object the set hands out are back at their values when the set was made (a caller's view, a
-handle holding the block, an autograd node that saved a row: each raises one of them).
+one outside the pool holds any of its tensors: the storage use count of every base tensor, the Python reference
+count of every tensor object the set hands out and of each base's storage object, and the C++ reference count of
+every base tensor are back at their values when the set was made (a caller's view, a handle holding the block, an
+autograd node that saved a row, a held ``untyped_storage()``, a DLPack capsule of a base: each raises one of them).
 
 Reuse rules (those of PyTorch's caching allocator, which hands a freed block again only to the next allocation on
 the stream it was made on, ordered after every earlier use on that stream):
@@ -45,6 +46,7 @@ __all__ = ["OutputPool", "MAX_STREAMS", "acquire_shared", "release_shared"]
 MAX_STREAMS = 2  # streams that get sets of their own; calls on more streams allocate as before
 
 _use_count = torch._C._storage_Use_Count
+_impl_count = torch.Tensor._use_count  # references to a tensor's C++ object (TensorImpl)
 _refcount = sys.getrefcount
 
 
@@ -52,11 +54,13 @@ class _Set:
     """One set of a pool: ``objs`` (the base tensors, then the views made of them; handed out as one tuple) and the
     reference counts that say nobody outside holds any of them."""
 
-    __slots__ = ("objs", "_keep", "_cdata", "_base", "nbytes")
+    __slots__ = ("objs", "_bases", "_keep", "_cdata", "_base", "nbytes")
 
     def __init__(self, bases: tuple, views: tuple):
         self.objs = tuple(bases) + tuple(views)
-        self._keep = tuple(t.untyped_storage() for t in bases)  # keeps each storage's address valid (counted once)
+        self._bases = self.objs[:len(bases)]
+        # keeps each storage's address valid; the Python object is the one ``t.untyped_storage()`` hands a caller
+        self._keep = tuple(t.untyped_storage() for t in bases)
         self._cdata = tuple(s._cdata for s in self._keep)
         self.nbytes = sum(s.nbytes() for s in self._keep)
         self._base = None  # :meth:`seal`, once the caller's temporaries (``bases``, ``views``) are gone
@@ -67,9 +71,13 @@ class _Set:
 
     def _count(self) -> int:
         # one sum: no count can fall below its value at seal() (the set's own references stay), so the sum equals
-        # the sealed one exactly when every count does
+        # the sealed one exactly when every count does. Besides the storages' use counts and the tensors' Python
+        # counts: the storages' Python objects (a caller's ``t.untyped_storage()`` is the pool's own object: no use
+        # count moves) and the bases' C++ counts (the set's views already hold each base's TensorImpl, so a C++
+        # holder of a base, e.g. a DLPack capsule or a saved tensor, no longer moves its Python count)
         objs = self.objs  # the tuple too: a caller may hold it unpacked or not
-        return sum(map(_use_count, self._cdata)) + sum(map(_refcount, objs)) + _refcount(objs)
+        return (sum(map(_use_count, self._cdata)) + sum(map(_refcount, self._keep))
+                + sum(map(_impl_count, self._bases)) + sum(map(_refcount, objs)) + _refcount(objs))
 
     def free(self) -> bool:
         """True when no tensor of this set, and no view of its storage, is held outside the pool."""
@@ -96,6 +104,12 @@ class OutputPool:
     def nbytes(self) -> int:
         """Bytes of every set made so far (device memory outside the symmetric heap)."""
         return sum(s.nbytes for sets in self._sets.values() for s in sets)
+
+    def clear(self):
+        """Let every set go and hand out no more (the buffer's close): a set a caller still holds lives on through
+        the caller's references, the others are freed."""
+        self._sets.clear()
+        self.slots = 0
 
     def take(self):
         """The objects of a set nobody holds (``bases + views`` of ``make``), or None: pool off, graph capture,

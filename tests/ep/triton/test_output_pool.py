@@ -153,3 +153,29 @@ def test_decode_rows_shared_by_buffers_of_one_shape():
         assert shared and kept
         assert len({p[0] for p in ptrs}) == 1 and len({p[1] for p in ptrs}) == 1, ptrs  # one rows block, one y block
         assert len({p[2] for p in ptrs}) == 2, ptrs  # each buffer its own handle block
+
+
+class _Keep(torch.autograd.Function):
+    """Saves its second input for backward: a C++ holder of that tensor (no Python reference)."""
+
+    @staticmethod
+    def forward(ctx, x, kept):
+        ctx.save_for_backward(kept)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        (kept,) = ctx.saved_tensors
+        return g * kept.sum(), None
+
+
+def test_a_view_saved_by_autograd_keeps_its_set():
+    p = OutputPool(_make, 1, torch.device("cpu"))
+    got = p.take()
+    x = torch.ones(3, requires_grad=True)
+    y = _Keep.apply(x, got[3])  # only the autograd graph of y holds the pooled view (in C++)
+    del got
+    assert p.take() is None, "a view saved by autograd was handed out again"
+    y.sum().backward()
+    del y
+    assert p.take() is not None

@@ -335,10 +335,10 @@ class TritonEP(DispatchOutputs, DecodePath):
         not pass the EPBuffer's front door (the autograd backward of a call made before the close): its bound kernels
         hold the freed regions' addresses. The output pools let their blocks go."""
         self.broken = "closed" + (f" (unusable before: {self.broken})" if self.broken else "")
-        self._pool.clear()  # the output pools' blocks go with the buffer (a caller's kept outputs stay valid)
-        self._ypool.clear()
+        self._pool.clear()  # the output pool's blocks go with the buffer (a caller's kept outputs stay valid)
         if self.buf is not None:
             self.buf.close()
             self.buf = None
-            for key in self._shared:
+            for key in self._shared:  # the shared pools: one user fewer (the last one lets their blocks go)
                 release_shared(key, self._slots)
+            self._rpool = self._ypool = OutputPool(None, 0, self.device)

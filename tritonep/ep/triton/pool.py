@@ -21,7 +21,8 @@ the stream it was made on, ordered after every earlier use on that stream):
 
 The differences to the caching allocator: ``Tensor.record_stream`` does not protect a pooled output (a caller that
 uses an output on another stream must keep a reference to it until that stream's work is done), and an output whose
-storage is swapped in place (``Tensor.set_``, assigning ``.data``) is not supported (docs/api.md).
+storage is swapped or resized in place (``Tensor.set_``, assigning ``.data``, ``untyped_storage().resize_()``) is
+not supported (README, Guarantees).
 
 Memory: at most ``slots * MAX_STREAMS`` sets per pool, :attr:`OutputPool.nbytes` bytes once made (the dry run at
 construction makes the first set of the construction stream). The large blocks (the decode dispatch's
@@ -73,11 +74,12 @@ class _Set:
         # one sum: no count can fall below its value at seal() (the set's own references stay), so the sum equals
         # the sealed one exactly when every count does. Besides the storages' use counts and the tensors' Python
         # counts: the storages' Python objects (a caller's ``t.untyped_storage()`` is the pool's own object: no use
-        # count moves) and the bases' C++ counts (the set's views already hold each base's TensorImpl, so a C++
-        # holder of a base, e.g. a DLPack capsule or a saved tensor, no longer moves its Python count)
+        # count moves) and every tensor's C++ count (a C++ holder of a tensor, e.g. a DLPack capsule or an autograd
+        # node that saved it, moves its Python count only while nothing else in C++ holds it: torch keeps a tensor's
+        # Python object alive for its C++ holders; a base is already held by the set's own views)
         objs = self.objs  # the tuple too: a caller may hold it unpacked or not
         return (sum(map(_use_count, self._cdata)) + sum(map(_refcount, self._keep))
-                + sum(map(_impl_count, self._bases)) + sum(map(_refcount, objs)) + _refcount(objs))
+                + sum(map(_impl_count, objs)) + sum(map(_refcount, objs)) + _refcount(objs))
 
     def free(self) -> bool:
         """True when no tensor of this set, and no view of its storage, is held outside the pool."""

@@ -130,8 +130,10 @@ class OutputPool:
             if len(self._sets) >= MAX_STREAMS:
                 return None
             sets = self._sets[stream] = []
-        for s in sets:
+        for i, s in enumerate(sets):
             if s.free():
+                if i + 1 < len(sets):  # least recently handed out first: a caller that keeps the previous call's
+                    sets.append(sets.pop(i))  # outputs while it makes the next call finds the free set at once
                 return s.objs
         if len(sets) < self.slots:
             s = _Set(*self._make())

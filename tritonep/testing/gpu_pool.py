@@ -18,7 +18,9 @@ def pool_streams_world(group, E: int, H: int, Tmax: int, K: int, T: int):
     checks:
 
     * ``default``: (storage block, rows, combine output) addresses of 3 calls on the default stream whose outputs the
-      caller dropped (one set: the same three addresses);
+      caller dropped; ``default_pooled``: whether every one of them is a block of the pools' sets of that stream
+      (the sets are used in turn, least recently handed out first); ``default_grew``: whether the pools made a set
+      during those calls (they must not: the construction's dry run made the default stream's sets);
     * ``side`` / ``third``: the storage block address of a call on a second / third stream and the pool's bytes
       after it (a second stream gets a set of its own; a third allocates: the bytes do not grow);
     * ``graph_pooled``: whether a captured dispatch's storage block, rows or combine output is a pool set's tensor
@@ -48,12 +50,17 @@ def pool_streams_world(group, E: int, H: int, Tmax: int, K: int, T: int):
 
     out, ys = {}, []
     ptrs = []
+    bytes0 = impl.output_pool_bytes
     for _ in range(3):
         d, y = call()
         ptrs.append((d.handle.store.data_ptr(), d.x.data_ptr(), y.data_ptr()))
         ys.append(y.clone())
         del d, y
     out["default"] = ptrs
+    sets = [{o.data_ptr() for ss in p._sets.values() for st in ss for o in st.objs[:1]}
+            for p in (impl._pool, impl._rpool, impl._ypool)]
+    out["default_pooled"] = all(a in sets[0] and b in sets[1] and c in sets[2] for a, b, c in ptrs)
+    out["default_grew"] = impl.output_pool_bytes != bytes0
     for name in ("side", "third"):
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())

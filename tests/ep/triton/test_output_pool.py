@@ -54,6 +54,28 @@ def test_pool_rules():
     assert OutputPool(_make, 0, torch.device("cpu")).take() is None
 
 
+def test_stream_key_and_held_first():
+    """A caller's stream key serves the take (None, a capturing stream: nothing pooled); a set held since long ago,
+    which is checked first (least recently handed out), is passed over every time, whatever holds it (a view, the
+    storage object, the tuple: the last two move neither the storage use count nor the base's reference count that
+    the quick check reads, so the full count must catch them)."""
+    p = OutputPool(_make, 2, torch.device("cpu"))
+    assert p.stream_key() == 0 and p.take(None) is None and p.nbytes == 0
+    for holder in (lambda s: s[2], lambda s: s[0].untyped_storage(), lambda s: s):
+        p = OutputPool(_make, 2, torch.device("cpu"))
+        kept = p.take(0)
+        ptr = kept[0].untyped_storage().data_ptr()
+        h = holder(kept)
+        del kept
+        for _ in range(3):
+            got = p.take(p.stream_key())
+            assert got is not None and got[0].untyped_storage().data_ptr() != ptr, "a held set was handed out"
+            del got
+        assert len(p._sets[0]) == 2
+        del h
+        assert p.take(0)[0].untyped_storage().data_ptr() == ptr  # released: least recently handed out, first
+
+
 def _world(group, geometry, pool, calls):
     set_env(TRITONEP_GEOMETRY=geometry or None, TRITONEP_OUTPUT_POOL=pool)
     rank = dist.get_rank(group)

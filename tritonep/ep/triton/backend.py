@@ -103,7 +103,8 @@ class TritonEP(DispatchOutputs, DecodePath):
         self._pool = OutputPool(self._make_set, slots, self.device)
         dec = bool(cfg.geometry.decode)
         dev, H, dt = self.device, cfg.hidden, cfg.dtype
-        self._shared = (("rows", str(dev), cfg.max_recv_tokens, H, dt), ("y", str(dev), cfg.max_tokens_per_rank, H, dt))
+        self._shared = (("rows", str(dev), cfg.max_recv_tokens, H, dt),
+                        ("y", str(dev), cfg.max_tokens_per_rank, H, dt))
         mk = lambda n: lambda: ((torch.empty(n, H, dtype=dt, device=dev),), ())  # noqa: E731 - one block of n rows
         self._rpool = acquire_shared(self._shared[0], mk(cfg.max_recv_tokens), slots if dec else 0, dev)
         self._ypool = acquire_shared(self._shared[1], mk(cfg.max_tokens_per_rank), slots if dec else 0, dev)
@@ -245,9 +246,10 @@ class TritonEP(DispatchOutputs, DecodePath):
         if not bad_input:
             self._recent_idx.append(topk_idx)
         # the pool's set (store, ntpe, offs, row weights) or None: allocate as before (graph capture, every set held)
-        got = self._pool.take()
+        key = self._pool.stream_key() if self._slots else None  # one capture / stream query for both pools
+        got = self._pool.take(key)
         if g.decode:
-            return self._dispatch_decode(x, topk_idx, topk_weights, sync, keep_quantized, bad_input, got)
+            return self._dispatch_decode(x, topk_idx, topk_weights, sync, keep_quantized, bad_input, got, key)
         if got is not None:
             store, ntpe, offs, rw = got
         else:

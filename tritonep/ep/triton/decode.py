@@ -26,11 +26,12 @@ __all__ = ["DecodePath"]
 class DecodePath:
     """Forward dispatch and push combine (weighted, or the dispatch backward) as one launch each (see the module docstring)."""
 
-    def _dispatch_decode(self, x, topk_idx, topk_weights, sync, keep_quantized, bad_input, got):
+    def _dispatch_decode(self, x, topk_idx, topk_weights, sync, keep_quantized, bad_input, got, key):
         """Forward dispatch in one launch; returns what ``TritonEP.dispatch_fwd`` returns and raises what it raises
         (CapacityError / PeerInputError / InputError / PeerTimeoutError when ``sync``). ``got``: a set of the output
         pool (:mod:`tritonep.ep.triton.pool`: ``(store, ntpe, offs, row weights)``), or None: allocate; the rows come
-        from the pool shared by the buffers of this shape (or are allocated)."""
+        from the pool shared by the buffers of this shape (or are allocated); ``key``: the call's
+        :meth:`tritonep.ep.triton.pool.OutputPool.stream_key` (None: nothing pooled)."""
         T = x.shape[0]
         max_recv = self.cfg.max_recv_tokens
         hl = self.hl
@@ -41,7 +42,7 @@ class DecodePath:
             store, ntpe, offs, rw = got
         else:
             store = hl.new(self.device)
-        rows = None if keep_quantized else self._rpool.take()  # the shared pool's [max_recv, H] block, or None
+        rows = None if keep_quantized else self._rpool.take(key)  # the shared pool's [max_recv, H] block, or None
         if rows is not None:
             out, q, sc = rows[0], None, None
         else:

@@ -55,20 +55,26 @@ class _Set:
     """One set of a pool: ``objs`` (the base tensors, then the views made of them; handed out as one tuple) and the
     reference counts that say nobody outside holds any of them."""
 
-    __slots__ = ("objs", "_bases", "_keep", "_cdata", "_base", "nbytes")
+    __slots__ = ("objs", "_keep", "_cdata", "_base", "_quick", "nbytes")
 
     def __init__(self, bases: tuple, views: tuple):
         self.objs = tuple(bases) + tuple(views)
-        self._bases = self.objs[:len(bases)]
         # keeps each storage's address valid; the Python object is the one ``t.untyped_storage()`` hands a caller
         self._keep = tuple(t.untyped_storage() for t in bases)
         self._cdata = tuple(s._cdata for s in self._keep)
         self.nbytes = sum(s.nbytes() for s in self._keep)
         self._base = None  # :meth:`seal`, once the caller's temporaries (``bases``, ``views``) are gone
+        self._quick = None
 
     def seal(self):
         """Record the count of 'nobody outside holds it' (called by the pool right after making the set)."""
         self._base = self._count()
+        self._quick = self._quick_count()
+
+    def _quick_count(self) -> int:
+        # the two counts a held set raises most often (a view of the first base's storage; the first base itself,
+        # e.g. held by a handle): a held set is rejected with two reads instead of the full count
+        return _use_count(self._cdata[0]) + _refcount(self.objs[0])
 
     def _count(self) -> int:
         # one sum: no count can fall below its value at seal() (the set's own references stay), so the sum equals
@@ -83,7 +89,7 @@ class _Set:
 
     def free(self) -> bool:
         """True when no tensor of this set, and no view of its storage, is held outside the pool."""
-        return self._count() == self._base
+        return self._quick_count() == self._quick and self._count() == self._base
 
 
 class OutputPool:
@@ -113,18 +119,29 @@ class OutputPool:
         self._sets.clear()
         self.slots = 0
 
-    def take(self):
-        """The objects of a set nobody holds (``bases + views`` of ``make``), or None: pool off, graph capture,
-        every set of this stream held (``slots`` made), or a stream past :data:`MAX_STREAMS`. The caller then
-        allocates as it would without a pool."""
-        if not self.slots:
-            return None
+    def stream_key(self):
+        """Where this call's sets live: the current raw CUDA stream (0 on the CPU), or None while the stream is
+        capturing a graph (nothing is pooled then). One query serves every pool of the same device in one call
+        (:meth:`take`'s ``stream``)."""
         if self._cuda:
             if torch._C._cuda_isCurrentStreamCapturing():
                 return None
-            stream = torch._C._cuda_getCurrentRawStream(self._dev)
-        else:
-            stream = 0
+            return torch._C._cuda_getCurrentRawStream(self._dev)
+        return 0
+
+    def take(self, stream=-1):
+        """The objects of a set nobody holds (``bases + views`` of ``make``), or None: pool off, graph capture,
+        every set of this stream held (``slots`` made), or a stream past :data:`MAX_STREAMS`. The caller then
+        allocates as it would without a pool.
+
+        ``stream``: :meth:`stream_key` of this call when the caller already asked it (a pool of the same device),
+        else the pool asks."""
+        if not self.slots:
+            return None
+        if stream == -1:
+            stream = self.stream_key()
+        if stream is None:
+            return None
         sets = self._sets.get(stream)
         if sets is None:
             if len(self._sets) >= MAX_STREAMS:

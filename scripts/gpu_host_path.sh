@@ -22,10 +22,7 @@ source "$(dirname "$0")/gpu_step.sh"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(probe eager nccl hostpy peer titan titanc layer)
 want() { local s; for s in "${steps[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
-if [ -d .whl ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
-fi
+use_wheels
 nvidia-smi -L
 want probe && step probe 120 python benchmarks/host_cost.py --json "$OUT/host_cost.json"
 want eager && step eager 150 torchrun --nproc-per-node 1 benchmarks/eager_profile.py --tokens 128 4096 \

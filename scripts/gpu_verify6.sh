@@ -35,10 +35,7 @@ for a in "$@"; do
     esac
 done
 want() { local s; for s in "${steps[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
-if [ -d .whl ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
-fi
+use_wheels
 PYT=(python -m pytest -v -ra -p no:cacheprovider --durations=30)  # + the paths to run
 PYTEST=("${PYT[@]}" tests)  # the whole suite (a step that names files uses PYT: session 6's tests_host / tests_ep
                             # named them after PYTEST's own `tests` and ran the whole suite from tests/balance)

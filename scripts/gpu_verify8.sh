@@ -21,10 +21,7 @@ for a in "$@"; do
     esac
 done
 want() { local s; for s in "${steps[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
-if [ -d .whl ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
-fi
+use_wheels
 PYT=(python -m pytest -v -ra -p no:cacheprovider --durations=30)
 PYTEST=("${PYT[@]}" tests)
 want tests_ep && OMP_NUM_THREADS=4 step tests_ep 150 "${PYT[@]}" -m "gpu and (not world or world1) and not soak" \

@@ -1,0 +1,91 @@
+"""Host cost of the torch.distributed collectives a dispatch can use, next to a Triton launch and torch ops, eager.
+
+Run (one GPU, one rank: NCCL's host path, not the wire)::
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
+    torchrun --nproc-per-node 1 benchmarks/collective_cost.py --json out.json
+
+Per op: ``host_us`` = host time per call of ``iters`` back-to-back calls (no sync inside), ``call_us`` = the same
+including the final synchronize / iters (what an eager loop of that op costs). Shapes are the nccl backend's at
+decode (DeepSeek-V3: 128 tokens, H 7168 bf16 rows + 96 meta bytes; a counts row of E + W + 2 int32). Why: to choose
+between one and two collectives per sync-free nccl dispatch (issue 24). Checks: every op's output is compared with
+its expected value once after timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _empty_kernel(a_ptr, b_ptr, n, m):
+    pass
+
+
+def timed(fn, iters=200, rounds=5):
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    host, call = [], []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        host.append((t1 - t0) / iters * 1e6)
+        call.append((t2 - t0) / iters * 1e6)
+    return dict(host_us=sorted(host)[rounds // 2], call_us=sorted(call)[rounds // 2])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--tokens", type=int, default=128)
+    a = ap.parse_args()
+    dist.init_process_group("nccl")
+    rank, W = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(dev)
+    T, width, ncols = a.tokens, 7168 * 2 + 96, 256 + W + 2
+    row = torch.arange(ncols, dtype=torch.int32, device=dev)
+    gathered = torch.empty(W * ncols, dtype=torch.int32, device=dev)
+    send = torch.randint(0, 255, (W * T, width), dtype=torch.uint8, device=dev)
+    recv = torch.empty_like(send)
+    splits = [T] * W
+    x = torch.randn(T, 7168, device=dev).to(torch.bfloat16)
+    order = torch.randperm(T, device=dev)
+    out = torch.empty_like(x)
+    res = {}
+    res["all_gather_into_tensor"] = timed(lambda: dist.all_gather_into_tensor(gathered, row))
+    res["all_to_all_single_even"] = timed(lambda: dist.all_to_all_single(recv, send))
+    res["all_to_all_single_splits"] = timed(lambda: dist.all_to_all_single(recv, send, splits, splits))
+    res["triton_launch_4args"] = timed(lambda: _empty_kernel[(1,)](row, gathered, 1, 2))
+    res["index_select_rows"] = timed(lambda: x.index_select(0, order))
+    res["index_copy_rows"] = timed(lambda: out.index_copy_(0, order, x))
+    res["empty_rows"] = timed(lambda: torch.empty(T, 7168, dtype=torch.bfloat16, device=dev))
+    torch.cuda.synchronize()
+    ok = bool(torch.equal(gathered.view(W, ncols)[rank], row) and torch.equal(recv, send) if W == 1 else True)
+    res.update(checked=ok, tokens=T, world_size=W, gpu=torch.cuda.get_device_name(dev), torch=torch.__version__)
+    if rank == 0:
+        for k, v in res.items():
+            print(k, v, flush=True)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(dict(command="torchrun --nproc-per-node 1 benchmarks/collective_cost.py", **res), f, indent=1)
+    dist.destroy_process_group()
+    if not ok:
+        raise SystemExit("collective_cost: an output did not match")
+
+
+if __name__ == "__main__":
+    main()

@@ -68,3 +68,29 @@ def test_rank_with_zero_tokens_forward_and_backward():
     check_calls(cfg, calls, res)
     for s in range(len(_ZERO_STEPS)):
         check_grads(cfg["E"], [r[s] for r in res], where=f"step {s}")
+
+
+def _inplace_rows_world(group, geometry):
+    from tritonep.testing.harness import set_env
+
+    set_env(TRITONEP_GEOMETRY=geometry or None)
+    rank = dist.get_rank(group)
+    buf = tep.EPBuffer(group, 8, H, 8, 3)
+    x, idx, w = make_rank_inputs(rank, 6, H, 8, 3, seed=21)
+    grads = []
+    for inplace in (True, False):
+        xx = x.clone().requires_grad_(True)
+        d = buf.dispatch(xx, idx, w)
+        r = d.x.mul_(2) if inplace else d.x * 2  # was a bug on the decode geometry: the rows were a view made
+        r.float().sum().backward()  # inside DispatchFn (a cut of the pooled block) and in-place ops raised
+        grads.append(xx.grad.clone())
+    buf.close()
+    return grads
+
+
+@pytest.mark.parametrize("geometry", ["", "bt=2,dec=3"], ids=["two-kernel", "decode"])
+def test_inplace_on_dispatched_rows(geometry):
+    """A differentiable dispatch's rows take in-place ops (as any autograd output does) with the same gradient as the
+    out-of-place op."""
+    for inplace, outplace in run_cpu_world(2, _inplace_rows_world, geometry, timeout_s=240):
+        assert inplace.abs().sum() > 0 and (inplace == outplace).all()

@@ -23,6 +23,12 @@ class DispatchFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_weights, impl, topk_idx, sync, box):
         out, out_w, ntpe, offs, handle = impl.dispatch_fwd(x, topk_idx, topk_weights, sync)
+        # autograd refuses in-place ops on a view made inside a custom Function, and the rows may be a cut of a
+        # larger block (decode, pooled: tritonep/ep/triton/pool.py): hand out an alias of its own (no view; same
+        # storage, so the pool still sees it held). The row weights stay a view on purpose: combine uses the
+        # weights the dispatch moved, so an in-place change of them would change the gradient but not the sum
+        if out._base is not None:
+            out = out.detach()
         box.append(handle)  # handle.recv_weights is out_w: the very tensor autograd returns (tracked)
         ctx.impl = impl
         ctx.handle = handle

@@ -40,8 +40,8 @@ def _poisoned_new(orig):
 
 
 def _poisoned_take(orig):
-    def take(self):
-        got = orig(self)
+    def take(self, *stream):
+        got = orig(self, *stream)
         if got is not None:
             for t in got[:2]:  # the store (and on the decode geometry the rows; a combine pool's output)
                 if t.dim() == 1 and t.dtype == torch.int32:

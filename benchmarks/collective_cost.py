@@ -9,7 +9,7 @@ Per op: ``host_us`` = host time per call of ``iters`` back-to-back calls (no syn
 including the final synchronize / iters (what an eager loop of that op costs). Shapes are the nccl backend's at
 decode (DeepSeek-V3: 128 tokens, H 7168 bf16 rows + 96 meta bytes; a counts row of E + W + 2 int32). Why: to choose
 between one and two collectives per sync-free nccl dispatch (issue 24). Checks: every op's output is compared with
-its expected value once after timing.
+its expected value once after timing. The JSON has host_cost.py's format (``{info, rows: {name: us}}``).
 """
 
 from __future__ import annotations
@@ -75,13 +75,17 @@ def main():
     res["empty_rows"] = timed(lambda: torch.empty(T, 7168, dtype=torch.bfloat16, device=dev))
     torch.cuda.synchronize()
     ok = bool(torch.equal(gathered.view(W, ncols)[rank], row) and torch.equal(recv, send) if W == 1 else True)
-    res.update(checked=ok, tokens=T, world_size=W, gpu=torch.cuda.get_device_name(dev), torch=torch.__version__)
+    info = dict(command="torchrun --nproc-per-node 1 benchmarks/collective_cost.py", checked=ok, tokens=T,
+                world_size=W, gpu=torch.cuda.get_device_name(dev), torch=torch.__version__)
+    # host_cost's file format ({info, rows: {name: us}}): scripts/results_index.py indexes it as a host_cost run
+    rows = {f"{k}.{m}": v[m] for k, v in res.items() for m in ("host_us", "call_us")}
     if rank == 0:
         for k, v in res.items():
             print(k, v, flush=True)
+        print(info, flush=True)
         if a.json:
             with open(a.json, "w") as f:
-                json.dump(dict(command="torchrun --nproc-per-node 1 benchmarks/collective_cost.py", **res), f, indent=1)
+                json.dump(dict(info=info, rows=rows), f, indent=1)
     dist.destroy_process_group()
     if not ok:
         raise SystemExit("collective_cost: an output did not match")

@@ -8,6 +8,9 @@
 #   bash scripts/gpu_verify8.sh C   # final: the world-1 GPU suite, `tritonep run`, the MoE layer eager vs graph, ep_bench
 #   bash scripts/gpu_verify8.sh D   # the MoE layer eager vs graph, ep_bench bf16 (nccl backend vs the pipeline),
 #                                   #   host cProfile at 1024 tokens (the fused path's host work)
+#   bash scripts/gpu_verify8.sh E   # session 9 final: world-1 ep + moe GPU tests (incl. the nccl sync-free eager and
+#                                   #   captured test), the pool at W=2, eager, ep_bench (nccl sync-free row), peer,
+#                                   #   collective host costs
 # Logs and JSON under $OUT, packed into $OUT/logs.tgz.
 source "$(dirname "$0")/gpu_step.sh"
 steps=()
@@ -17,6 +20,7 @@ for a in "$@"; do
         B) steps+=(tests_w2 mps2rest eager peer) ;;
         C) steps+=(single run layer epb) ;;
         D) steps+=(layer epb hostpy1k) ;;
+        E) steps+=(tests_ep pool_w2 eager epb peer coll) ;;
         *) steps+=("$a") ;;
     esac
 done
@@ -48,6 +52,7 @@ want layer && step layer 60 torchrun --nproc-per-node 1 benchmarks/moe_graph_ben
 want epb && step epb 60 torchrun --nproc-per-node 1 benchmarks/ep_bench.py --wires bf16 --json "$OUT/ep_bench_bf16.json"
 want hostpy1k && step hostpy1k 60 torchrun --nproc-per-node 1 benchmarks/host_profile.py --tokens 1024 --calls 100 \
     --top 30
+want coll && step coll 60 torchrun --nproc-per-node 1 benchmarks/collective_cost.py --json "$OUT/collective_cost.json"
 want run && step run 140 python -m tritonep.cli.main run --steps 3 --json "$OUT/run_w1.json"
 cat "$OUT/summary.txt"
 cd "$OUT" && tar czf logs.tgz *.log *.json summary.txt 2>/dev/null; rm -f *.log *.json summary.txt

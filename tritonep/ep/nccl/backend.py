@@ -113,14 +113,15 @@ from ..validate import check_expert_ids
 from .collectives import all_gather_flat
 from .combine import NcclCombine
 from .pack import Launch
-from .plan import host_plan, plan_size
+from .plan import host_plan, plan_size, status_size
 from .route import Router, SendLayout, send_layout
+from .sync_free import NcclSyncFree
 from .unpack import Unpacker
 
 __all__ = ["NcclEP"]
 
 
-class NcclEP(NcclCombine):
+class NcclEP(NcclSyncFree, NcclCombine):
     """torch.distributed implementation behind :class:`tritonep.EPBuffer` (same interface as ``TritonEP``).
 
     Args: as ``TritonEP``: the group, this rank, world_size W, num_experts E, hidden H, max_tokens_per_rank, topk K,
@@ -186,9 +187,14 @@ class NcclEP(NcclCombine):
         # pageable copy is staged through a driver buffer). The next call rewrites the plan vector only after its
         # host read synchronised its stream, which covers the previous plan copy when it was made on the same
         # stream (the raw stream is remembered; after a stream change the device is synchronised once)
-        self._gathered = torch.empty(W * self._ncols, dtype=torch.int32, device=dev)
-        self._host = torch.empty(W * self._ncols, dtype=torch.int32, pin_memory=self._cuda)
-        self._host_np = self._host.numpy().reshape(W, self._ncols)
+        # the gathered matrix and the status word (sync-free refusals) share one device block: the synced
+        # dispatch's one device->host copy reads both
+        ng = W * self._ncols
+        self._dev_block = torch.zeros(ng + status_size(W), dtype=torch.int32, device=dev)
+        self._gathered, self._status = self._dev_block[:ng], self._dev_block[ng:]
+        self._host = torch.empty(ng + status_size(W), dtype=torch.int32, pin_memory=self._cuda)
+        self._host_np = self._host.numpy()[:ng].reshape(W, self._ncols)
+        self._host_st = self._host.numpy()[ng:]
         self._plan_t = torch.zeros(plan_size(W, E), dtype=torch.int32, pin_memory=self._cuda)
         self._plan_np = self._plan_t.numpy()
         self._plan_stream = None  # raw CUDA stream of the last plan copy (0 is the default stream; None: none)
@@ -199,6 +205,7 @@ class NcclEP(NcclCombine):
         self._no_w = torch.empty(0, K, dtype=torch.float32, device=dev)
         self._no_send = torch.empty(0, self._lay.width, dtype=torch.uint8, device=dev)
         self._eo: torch.Tensor | None = None
+        self._init_sync_free()
         self.closed = False
 
     # ---------------------------------------------------------------------------------------------- helpers
@@ -218,12 +225,10 @@ class NcclEP(NcclCombine):
         """None: this backend has no kernel geometry."""
         return None
 
-    def check(self, what="EPBuffer"):
-        """Nothing is recorded on the device by this backend: errors are raised where they happen."""
-
     def close(self):
         """Drop the persistent tensors; later calls raise :class:`BufferStateError`."""
         self._eo = None
+        self._sf_bufs = None
         self.closed = True
 
     def _a2a(self, recv: torch.Tensor, send: torch.Tensor, in_splits, out_splits) -> torch.Tensor:
@@ -299,10 +304,12 @@ class NcclEP(NcclCombine):
         """
         if self.closed:
             raise BufferStateError(f"EPBuffer on rank {self.rank} is closed")
+        if sync is None:
+            return self._dispatch_sync_free(x, topk_idx, topk_weights, keep_quantized, bad_input)
         dev = self.device
         if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise BackendError("the nccl backend cannot be captured in a CUDA graph: all_to_all needs host split "
-                               "sizes; use backend='triton' for graphs")
+            raise BackendError("the nccl backend's synced dispatch cannot be captured in a CUDA graph: all_to_all "
+                               "needs host split sizes; use dispatch(..., sync_free=True) or backend='triton'")
         # TRITONEP_SYNC_CHECKS=0 (sync False) cannot remove the split-size read all_to_all needs: the one host
         # read happens whatever the setting
         W, E, K, H, ut, lay, fmt = self.cfg.world_size, self.cfg.num_experts, self.cfg.topk, self.cfg.hidden, self.use_triton, self._lay, self._dfmt
@@ -310,10 +317,14 @@ class NcclEP(NcclCombine):
         # 1) counts exchange: the one host read
         row = self._router.count(topk_idx, T, bad_input, ut)
         all_gather_flat(self._gathered, row, self.group)
-        self._host.copy_(self._gathered)
+        self._host.copy_(self._dev_block)
         self.host_reads += 1
         m = self._host_np
-        # 2) host decisions on the small matrix (numpy: a few microseconds, no device work)
+        # 2) host decisions on the small matrix (numpy: a few microseconds, no device work); first a refusal of an
+        # earlier sync-free dispatch nobody read (the status word came with the matrix): nothing moves
+        if self._host_st[0]:
+            self._status.zero_()
+            self._raise_status(self._host_st.tolist(), "dispatch")
         if m[:, E + W:].any():
             self._raise_bad(m, topk_idx, bad_input)
         if self._plan_stream is not None:

@@ -6,9 +6,19 @@ their torch twins, same bits) or a ``torch.distributed`` collective on the curre
 triton backend's by construction: the same segment formula (:func:`tritonep.ep.layout.layout_torch`, computed on
 the host by its numpy twin :func:`host_plan`) and, inside a segment, rows ordered by (source rank, token, k).
 
-Host reads: dispatch reads ONE small tensor (the gathered counts matrix, below); combine and both backward passes read
-nothing (they reuse the split sizes the dispatch saved in its handle). Graph capture is refused: uneven splits need
-host sizes.
+Host reads: dispatch reads ONE small tensor (the gathered counts matrix and, in the same copy, the status word,
+below); combine and both backward passes read nothing (they reuse the split sizes the dispatch saved in its handle).
+Graph capture of this synced dispatch is refused: uneven splits need host sizes.
+
+Sync-free dispatch (``dispatch(..., sync_free=True)``, :mod:`tritonep.ep.nccl.sync_free`): NO host read. The layout
+is computed on the device (one more single-program launch: the device plan, same rows bit for bit), every peer gets
+``max_tokens_per_rank`` fixed packet slots, ONE ``all_to_all_single`` with equal host-static splits moves them and
+the unpack drops the slots each source left empty. 4 launches (count, plan, pack, unpack; a rank without tokens: 2),
+2 collectives, 0 host reads, no host->device copy, 9 allocations and 14 torch calls (the send / receive rows are
+persistent); ``max_recv_tokens`` rows returned, ``num_recv_rows`` None. Its errors (a bad id or refused input on any
+rank, capacity) are recorded in the backend's status word on every rank and raised by :meth:`check` or the next
+synced dispatch on every rank; combine and both backward passes run unchanged on its handle (equal splits, empty
+slots' routes -1). Not refused under graph capture.
 
 The host path is fixed per call (issue 24): what the static configuration decides (tiles, row layouts, kernel
 constants, the counts row, the gathered matrix and its host copy, the host plan vector) is made at construction;
@@ -131,7 +141,8 @@ class NcclEP(NcclSyncFree, NcclCombine):
 
     Attribute ``use_triton`` (default: CUDA device): the local steps run as Triton kernels, else as their torch
     twins (same bits; the twins use ``torch.nonzero`` and are meant for the CPU). ``host_reads`` counts the
-    device->host reads of calls (one per dispatch; one more only when naming this rank's bad expert id).
+    device->host reads of calls (one per synced dispatch, one per :meth:`check`, none per sync-free dispatch; one more
+    only when naming this rank's bad expert id).
 
     Its dispatch returns a frozen :class:`tritonep.ep.handle.NcclHandle` (split sizes, per-route packets, per-packet
     routes).
@@ -283,8 +294,10 @@ class NcclEP(NcclSyncFree, NcclCombine):
         Args:
             x: ``[T, H]`` bfloat16 contiguous; topk_idx: ``[T, K]`` int32 / int64 contiguous; topk_weights:
                 ``[T, K]`` float32 contiguous.
-            sync: ignored (the one host read of the split sizes is needed whatever TRITONEP_SYNC_CHECKS says);
-                keep_quantized: see below.
+            sync: None for ``sync_free=True`` (:meth:`_dispatch_sync_free`: no host read, ``max_recv_tokens``
+                rows, errors raised by the next :meth:`check` / synced dispatch); any other value is ignored (the
+                one host read of the split sizes is needed whatever TRITONEP_SYNC_CHECKS says); keep_quantized: see
+                below.
             bad_input: the front door refused this rank's input and passes empty tensors (``[0, H]``, ``[0, K]``,
                 ``[0, K]``): the rank still joins the counts exchange with its error flag set, so every rank
                 raises and no rows move.
@@ -295,12 +308,14 @@ class NcclEP(NcclSyncFree, NcclCombine):
         ``[R, H/32]``), as on the triton backend.
 
         Raises:
-            BackendError: CUDA-graph capture (host split sizes are needed).
+            BackendError: CUDA-graph capture of a synced dispatch (host split sizes are needed).
             InputError: this rank's expert ids are outside ``[-1, E)`` (names the first value and its (token, k));
                 raised after the counts exchange, nothing moved on any rank.
             PeerInputError: another rank's input was invalid (or ``bad_input``); nothing moved on any rank.
             CapacityError: some rank would receive more than ``max_recv_tokens`` rows (raised on every rank,
                 nothing sent).
+            Synced only, also: the refusal of an earlier sync-free dispatch nobody read (its InputError /
+                PeerInputError / CapacityError, on every rank; this call moves nothing).
         """
         if self.closed:
             raise BufferStateError(f"EPBuffer on rank {self.rank} is closed")

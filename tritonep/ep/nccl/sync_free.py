@@ -175,12 +175,12 @@ class NcclSyncFree:
         recent, self._recent_idx = self._recent_idx, deque(maxlen=4)
         when = (f"{seen} sync_free dispatch(es) since the last read were refused on every rank and moved no rows; "
                 f"this is the first one's error")
+        if self.rank in bad_ids:  # this rank's own ids (also behind an earlier capacity refusal, as on triton)
+            for idx in reversed(recent):
+                check_expert_ids(idx, E)  # raises the InputError naming the value and its (token, k)
+            raise InputError(f"{what} on rank {self.rank}: the topk_idx of an earlier sync_free dispatch held an "
+                             f"id outside [-1, num_experts={E}) ({when})")
         if code == STATUS_BAD_INPUT:
-            if self.rank in bad_ids:
-                for idx in reversed(recent):
-                    check_expert_ids(idx, E)  # raises the InputError naming the value and its (token, k)
-                raise InputError(f"{what} on rank {self.rank}: the topk_idx of an earlier sync_free dispatch held an "
-                                 f"id outside [-1, num_experts={E}) ({when})")
             why = "; ".join(f"rank {r}: " + ("expert ids outside [-1, E)" if r in bad_ids else
                                              "input refused by EPBuffer") for r in bad)
             raise PeerInputError(f"{what} on rank {self.rank}: invalid input on rank(s) {bad} ({why}); {when}",

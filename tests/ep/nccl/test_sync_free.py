@@ -86,6 +86,9 @@ CASES_W2 = [
     (1, "bf16", False, (6, 4), True, False),  # every id of rank 0 masked
     (2, "fp8", False, (6, 3), False, False),  # quantized wires (dispatch and combine)
     (2, "fp8", False, (6, 3), False, True),  # keep_quantized: payload + scales, padding = zero encoding
+    (2, "mxfp4", False, (4, 6), False, True),
+    (2, "fp8", True, (6, 3), False, True),  # kept rows through the kernels: two sources, zero-row padding
+    (1, "fp8", True, (5, 2), False, False),  # dequantized rows, quantized combine, backward (kernels)
     (1, "bf16", True, (5, 6), False, False),  # the Triton kernels (interpreter)
     (3, "bf16", True, (0, 4), False, False),
 ]

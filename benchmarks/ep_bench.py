@@ -119,7 +119,8 @@ def _report(allrows, meta, a, pc) -> int:
         with open(a.json, "w") as f:
             json.dump(dict(meta=meta, rows=allrows), f, indent=1)
     print(f"peer copy {pc or 0:.0f} GB/s  {meta}")
-    print(f"{'profile':12s} {'op':38s} {'sms':>4s} {'us(r0)':>9s} {'us(r1)':>9s} {'log GB/s':>9s} {'nvl GB/s':>9s} mode")
+    print(f"{'profile':12s} {'op':38s} {'sms':>4s} {'us(r0)':>9s} {'us(r1)':>9s} {'log GB/s':>9s} "
+          f"{'nvl GB/s':>9s} mode")
     for i, r in enumerate(allrows[0]):
         r1 = allrows[1][i] if len(allrows) > 1 and i < len(allrows[1]) else r
         ok = "ok" if r.get("checked") and r1.get("checked") else "FAILED"

@@ -119,11 +119,12 @@ def _report(allrows, meta, a, pc) -> int:
         with open(a.json, "w") as f:
             json.dump(dict(meta=meta, rows=allrows), f, indent=1)
     print(f"peer copy {pc or 0:.0f} GB/s  {meta}")
-    print(f"{'profile':12s} {'op':28s} {'sms':>4s} {'us(r0)':>9s} {'us(r1)':>9s} {'log GB/s':>9s} {'nvl GB/s':>9s} mode")
+    print(f"{'profile':12s} {'op':38s} {'sms':>4s} {'us(r0)':>9s} {'us(r1)':>9s} {'log GB/s':>9s} "
+          f"{'nvl GB/s':>9s} mode")
     for i, r in enumerate(allrows[0]):
         r1 = allrows[1][i] if len(allrows) > 1 and i < len(allrows[1]) else r
         ok = "ok" if r.get("checked") and r1.get("checked") else "FAILED"
-        print(f"{r['profile']:12s} {r['op']:28s} {r['num_sms']:4d} {r['us']:9.1f} {r1['us']:9.1f} "
+        print(f"{r['profile']:12s} {r['op']:38s} {r['num_sms']:4d} {r['us']:9.1f} {r1['us']:9.1f} "
               f"{r['logical_gbps']:9.1f} {r['nvlink_gbps']:9.1f} {r['mode']} {ok} {r.get('variant', '')}")
     for line in ratio_lines([r for r in allrows[0] if r.get("num_sms", 0) == 0]):
         print(line)

@@ -33,9 +33,9 @@ from tritonep.testing.cases import make_rank_inputs
 
 E, H, TM, K = 8, 64, 8, 2
 TOKENS = (6, 3)  # per rank
-# (backend, TRITONEP_GEOMETRY, sync_free); the nccl backend has no sync-free dispatch
+# (backend, TRITONEP_GEOMETRY, sync_free)
 CASES = (("triton", "", False), ("triton", "", True), ("triton", "dec=2", False), ("triton", "dec=2", True),
-         ("triton", "fs=1,fe=1", False), ("triton", "fs=1,fe=1", True), ("nccl", "", False))
+         ("triton", "fs=1,fe=1", False), ("triton", "fs=1,fe=1", True), ("nccl", "", False), ("nccl", "", True))
 _AOT = "test_aot_dispatch_dynamic"
 _OPS = torch.ops.tritonep
 

@@ -216,6 +216,12 @@ def _nccl_paths(group):
             b.combine(d.x * 1, d.handle).float().sum().backward()
             if wire != "bf16":
                 b.dispatch(x.detach(), i, w.detach(), keep_quantized=True)
+            # the sync-free dispatch: the device plan and the slot-masked unpack variants
+            f = b.dispatch(x.detach(), i, w.detach(), sync_free=True)
+            b.combine(f.x * 1, f.handle)
+            if wire != "bf16":
+                b.dispatch(x.detach(), i, w.detach(), keep_quantized=True, sync_free=True)
+            b.check()
             b.close()
     return recs
 
@@ -226,7 +232,7 @@ def test_nccl_kernels_compile_for_sm90():
     128-route pairwise tiles and 2K-element row tiles)."""
     recs = run_cpu_world(2, _nccl_paths, timeout_s=600)[0]
     assert {"route_count_kernel", "route_pack_kernel", "route_unpack_kernel", "partials_kernel", "sum_kernel",
-            "pack_rows_kernel", "grad_expand_kernel"} <= {r.get("name") for r in recs}
+            "pack_rows_kernel", "grad_expand_kernel", "sync_free_plan_kernel"} <= {r.get("name") for r in recs}
     failures = compile_recorded(recs)
     assert not failures, "\n\n".join(f"{n}: {e}" for n, e in failures)
     big = [r for r in recs if 7168 in (r["constexprs"].get("H"), r["constexprs"].get("N0"), r["constexprs"].get("N"))

@@ -15,7 +15,10 @@ The NCCL pipeline is what a user would write for the same expert-grouped output:
 which favours NCCL); combine is the reverse (gather partials, a2a back, weighted sum). ``nccl.pipeline_full.dispatch``
 is the same dispatch as a user writes it when the routing changes every call (what a dispatch call must do): the
 counts all_to_all, one host read of the split sizes, the metadata and rows all_to_all and the expert grouping (a
-stable sort) all inside the timed call.
+stable sort) all inside the timed call. ``tritonep[nccl].dispatch_sync_free.bf16`` is the nccl backend's
+``sync_free=True`` dispatch (no host read: fixed per-peer packet slots, one equal-split all_to_all), checked like
+the others on its real rows ``[0, expert_offsets[-1])``; the summary's "nccl-backend sync-free/pipeline dispatch"
+ratio compares it with ``nccl.pipeline.dispatch`` (issue 24's target: <= 1 at 128 tokens).
 
 Every point checks itself after it is timed (issue 18, :mod:`tritonep.bench.check`): the output of the captured
 call (graph rows; every replay rewrites its tensors) or of the last eager call is compared with the on-device
@@ -285,6 +288,14 @@ def bench_ep(group, profile: str, combine_kinds=("push", "pull"), num_sms=None, 
 
     us, mode = time_graph(ndisp, group, iters=iters, capture=False)
     check_dispatch(row("tritonep[nccl].dispatch.bf16", us, mode), last["d"], "bf16")
+
+    def ndisp_sf():  # no host read (issue 24): fixed per-peer slots, one equal-split all_to_all
+        last["d"] = nbuf.dispatch(x, idx, w, sync_free=True)
+
+    us, mode = time_graph(ndisp_sf, group, iters=iters, capture=False)
+    # checked like the others: the real rows [0, expert_offsets[-1]) bit-equal to the oracle's
+    check_dispatch(row("tritonep[nccl].dispatch_sync_free.bf16", us, mode), last["d"], "bf16")
+    nbuf.check()  # the sync-free calls recorded no refusal
     nd = nbuf.dispatch(x, idx, w)
     neo = expert_out(torch.empty(nd.x.shape, dtype=torch.bfloat16, device=dev), nd)
 
@@ -395,6 +406,8 @@ def ratio_lines(rows) -> list:
                             us("nccl.pipeline.dispatch")),
                            ("nccl-backend/full pipeline dispatch", us("tritonep[nccl].dispatch.bf16"),
                             us("nccl.pipeline_full.dispatch")),
+                           ("nccl-backend sync-free/pipeline dispatch",
+                            us("tritonep[nccl].dispatch_sync_free.bf16"), us("nccl.pipeline.dispatch")),
                            ("nccl-backend/pipeline combine", us("tritonep[nccl].combine.bf16"),
                             us("nccl.pipeline.combine"))):
             if a and b:

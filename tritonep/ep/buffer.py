@@ -94,7 +94,7 @@ class EPBuffer:
         self._id = EPBuffer._serial
         self._impl.buffer_id = self._id
         self._quantized_dispatch = get_wire(cfg.dispatch_wire).quantized
-        self._sync_free_ok = self.backend == "triton"
+        self._sync_free_ok = self.backend in ("triton", "nccl")
         self._no_input = (torch.empty(0, cfg.hidden, dtype=cfg.dtype, device=device),
                           torch.empty(0, cfg.topk, dtype=torch.int64, device=device),
                           torch.empty(0, cfg.topk, dtype=torch.float32, device=device))
@@ -247,8 +247,9 @@ class EPBuffer:
                 (device), the tail's rows are unspecified and its ``weights`` zero; ``handle.num_recv_rows`` is None.
                 Errors of the call (capacity, a peer's bad input, timeouts) are raised by the next call that reads
                 the status word (:meth:`check`, or a dispatch without ``sync_free``); until then the rows of a
-                refused call are unspecified. What graph capture does anyway. triton backend only
-                (:class:`ConfigError` on the nccl backend, whose all_to_all needs host split sizes).
+                refused call are unspecified (zero weights, counts and offsets on the nccl backend, whose refused
+                call moves no row). What graph capture does anyway. Both backends (nccl: fixed per-peer packet
+                slots and one all_to_all with equal splits, :mod:`tritonep.ep.nccl.sync_free`).
 
         Returns:
             :class:`Dispatched` (rows ordered by (source rank, token, k) inside each expert segment).
@@ -272,8 +273,8 @@ class EPBuffer:
         if self._closed:
             self._check_open()
         if sync_free and not self._sync_free_ok:
-            raise ConfigError(f"dispatch(sync_free=True) needs backend='triton'; this buffer's backend is "
-                              f"{self.backend!r} (its all_to_all needs host split sizes)")
+            raise ConfigError(f"dispatch(sync_free=True) is not supported by this buffer's backend "
+                              f"{self.backend!r}")
         refused = None
         cfg = self.config
         try:
@@ -283,7 +284,7 @@ class EPBuffer:
         except (InputError, CapacityError) as e:
             refused = e
             x, topk_idx, topk_weights = self._no_input
-        sync = envs.SYNC_NONE if sync_free else self._sync()
+        sync = None if sync_free else self._sync()  # None: sync-free (no read; the nccl backend's own path)
         kq = keep_quantized and self._quantized_dispatch
         try:
             if kq or refused is not None or not (torch.is_grad_enabled() and (

@@ -117,6 +117,10 @@ class NcclHandle(DispatchHandle):
             share their packet).
         recv_rows: int32 ``[Nr, K]`` destination row of each received route (-1 where the route is elsewhere).
         recv_w: float32 ``[Nr, K]`` its weight (0 elsewhere).
+
+    A sync-free dispatch's handle (:mod:`tritonep.ep.nccl.sync_free`) has fixed slots: splits of
+    ``max_tokens_per_rank`` packets per peer, ``Ns = Nr = W * max_tokens_per_rank``; a slot its source left empty has
+    routes -1 and weights 0 (combine and the backward passes need nothing else), ``num_recv_rows`` is None.
     """
 
     backend: ClassVar[str] = "nccl"

@@ -121,7 +121,8 @@ class TritonEPTokenDispatcher(BaseEPTokenDispatcher):
                 (:data:`tritonep.wire.WIRES`); the experts always get bf16 rows.
             pad_multiple: every expert segment starts at a multiple of this (zero padding rows), for padded
                 (fp8 / mxfp8) grouped GEMMs; None = 1.
-            sync_free: no host read per dispatch (``max_recv_tokens`` rows, device counts).
+            sync_free: no host read per dispatch (``max_recv_tokens`` rows, device counts); both backends (the
+                nccl one moves fixed per-peer packet slots with one equal-split all_to_all).
             max_recv_tokens: rows one rank can receive; None = the worst case ``W * Tmax * min(K, L) + L * (A-1)``.
             num_sms: cap on the programs of every communication kernel (None: the geometry table).
         """

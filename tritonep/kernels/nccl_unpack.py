@@ -70,7 +70,7 @@ def route_unpack_kernel(recv_ptr, src0_ptr, src1_ptr, out0_ptr, out1_ptr, out_w_
                         RANK: tl.constexpr, BP: tl.constexpr, META: tl.constexpr, ROW32: tl.constexpr,
                         S0: tl.constexpr, C0: tl.constexpr, N0: tl.constexpr, S1: tl.constexpr, C1: tl.constexpr,
                         N1: tl.constexpr, NTPE: tl.constexpr, OFFS: tl.constexpr, PAD: tl.constexpr,
-                        BA: tl.constexpr, BH: tl.constexpr):
+                        BA: tl.constexpr, BH: tl.constexpr, SLOTS: tl.constexpr, RCNT: tl.constexpr):
     """Packets ``[pid0*BP, +BP)`` to expert rows, or (``pid0 >= cdiv(Nr, BP)``, PAD != 0) the padding rows of local
     expert ``pid0 - cdiv(Nr, BP)`` (module docstring); program column ``pid1`` moves src0 elements
     ``[pid1 * HC, +HC)`` (HC a multiple of BH), column 0 also the routes, weights and src1.
@@ -80,6 +80,10 @@ def route_unpack_kernel(recv_ptr, src0_ptr, src1_ptr, out0_ptr, out1_ptr, out_w_
     ``out0 [R, N0]``. ``src1`` / ``out1`` likewise when N1 > 0. ``out_w`` float32 ``[R]``; ``rr`` int32 /
     ``rw`` float32 ``[Nr, K]``; ``lay`` int32 with ``num_tokens_per_expert`` at NTPE and ``expert_offsets`` at
     OFFS (L each).
+
+    ``SLOTS`` > 0 (the sync-free dispatch: fixed packet slots, ``SLOTS`` per source rank): packet p is live only when
+    ``p % SLOTS < lay[RCNT + p // SLOTS]`` (the packets that source sent); the others are dropped (their routes
+    ``rr = -1``, ``rw = 0``, nothing written).
     """
     pid = tl.program_id(0)
     col0 = tl.program_id(1) == 0
@@ -93,20 +97,25 @@ def route_unpack_kernel(recv_ptr, src0_ptr, src1_ptr, out0_ptr, out1_ptr, out_w_
         p = pid * BP + tl.arange(0, BP)
         pm = p < Nr
         m2 = pm[:, None] & (k_off[None, :] < K)
+        if SLOTS > 0:
+            live = pm & ((p % SLOTS) < tl.load(lay_ptr + RCNT + p // SLOTS, mask=pm, other=0))
+        else:
+            live = pm
+        ml = live[:, None] & (k_off[None, :] < K)
         mb = recv_ptr.to(tl.pointer_type(tl.int32)) + p.to(tl.int64)[:, None] * ROW32 + META + k_off[None, :]
-        rows = tl.load(mb, mask=m2, other=-1)
-        ids = tl.load(mb + K, mask=m2, other=-1)
-        w = tl.load(mb + 2 * K, mask=m2, other=0).to(tl.float32, bitcast=True)
-        here = m2 & (ids >= 0) & (ids < E) & (ids // L == RANK)
+        rows = tl.load(mb, mask=ml, other=-1)
+        ids = tl.load(mb + K, mask=ml, other=-1)
+        w = tl.load(mb + 2 * K, mask=ml, other=0).to(tl.float32, bitcast=True)
+        here = ml & (ids >= 0) & (ids < E) & (ids // L == RANK)
         rr = tl.where(here, rows, -1)
         pk = p.to(tl.int64)[:, None] * K + k_off[None, :]
         tl.store(rr_ptr + pk, rr, mask=m2 & col0)
         tl.store(rw_ptr + pk, tl.where(here, w, 0.0), mask=m2 & col0)
         tl.store(out_w_ptr + rr, w, mask=here & col0)
-        _scatter_rows(s0, out0_ptr, p, pm, rr, hs, he, S0, N0, K, KB, BH)
+        _scatter_rows(s0, out0_ptr, p, live, rr, hs, he, S0, N0, K, KB, BH)
         if N1 > 0:
             if col0:
-                _scatter_rows(s1, out1_ptr, p, pm, rr, 0, N1, S1, N1, K, KB, BH)
+                _scatter_rows(s1, out1_ptr, p, live, rr, 0, N1, S1, N1, K, KB, BH)
     elif PAD != 0:
         j = pid - ntiles
         r, rm = _pad_rows(j, lay_ptr, s0, out0_ptr, Nr, hs, he, NTPE, OFFS, S0, N0, PAD, BA, BH)

@@ -149,10 +149,6 @@ class MoELayer(nn.Module):
                                expert_alignment=recipe.expert_alignment, max_recv_tokens=g.max_recv_tokens,
                                backend=backend, dtype=_ACT_DTYPE,
                                device=self.device, timeout_s=timeout_s)
-        if recipe.sync_free and self.buffer.backend != "triton":  # the same verdict on every rank (same backend)
-            self.buffer.close()
-            raise ConfigError(f"MoERecipe.sync_free=True needs the triton backend; the layer's buffer chose "
-                              f"{self.buffer.backend!r} ({self.buffer.backend_reason})")
         self.counts_x = self.transport = None
         self.last_placement = None
         if self.virtual:  # the backend's own counts exchange and weight transport

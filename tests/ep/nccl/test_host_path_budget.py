@@ -25,6 +25,11 @@ launch writes: no clone kernels), a split and a view of the plan
 vector, one shape read. Combine: the pipeline is ~9 torch ops (zeros, gather, float, mul, index_add_, cast, collective,
 zero_, index_add_); here 2 launches, 1 collective, 3 allocations (the send and receive rows and the output).
 
+Sync-free dispatch (``sync_free=True``, :mod:`tritonep.ep.nccl.sync_free`): no host read and no host->device
+copy (the layout is computed by one more launch, the device plan), the send / receive rows persistent: 14 torch
+calls, 9 allocations, 4 launches (a rank without tokens: 12, 6, 2). Combine and both backward passes on its handle
+cost what they cost on a synced handle.
+
 Launch path (issue 24): every launch is a bound one (:class:`tritonep.ep.bound.BoundKernel`; none through a generic
 launcher), and on a fake GPU (``tests/ep/nccl/fake_gpu.py``) a warm call's launches are all direct C-launcher calls:
 none goes through Triton's ``kernel[grid]`` path (38-61 us of host time a launch on the H200, issue 24).
@@ -44,11 +49,20 @@ BUDGET = {
     "combine": (4, 3, 2, 0),  # send, back, y; a2a
     "dispatch_bwd": (7, 4, 2, 0),  # + the weight gradients; contiguous() of the autograd gradients (2)
     "combine_bwd": (6, 4, 2, 0),  # send, recv, grad_expert_out, grad_w; a2a
+    # sync-free (issue 24): no host read, no host->device copy; count, plan, pack, unpack launches; the send /
+    # receive rows are persistent, so the allocations are the plan vector, the rows, the zeroed row weights and
+    # the handle's six tensors (rows, packets, the routing copy, per-slot routes and weights)
+    "sf_dispatch": (14, 9, 4, 0),  # 6 empties + 2 empty_like + zeros; all_gather, a2a, split, view, shape read
+    "sf_combine": (4, 3, 2, 0),  # the same calls as on a synced handle (equal splits)
+    "sf_dispatch_bwd": (7, 4, 2, 0),
+    "sf_combine_bwd": (6, 4, 2, 0),
 }
 # a rank without tokens: no count launch (one fill of the counts row), no pack, no sum; it still unpacks and
 # reduces the rows it receives
 BUDGET_EMPTY = {"dispatch": (14, 7, 1, 1), "combine": (4, 3, 1, 0), "dispatch_bwd": (7, 4, 1, 0),
-                "combine_bwd": (6, 4, 1, 0)}
+                "combine_bwd": (6, 4, 1, 0),
+                "sf_dispatch": (12, 6, 2, 0), "sf_combine": (4, 3, 1, 0), "sf_dispatch_bwd": (7, 4, 1, 0),
+                "sf_combine_bwd": (6, 4, 1, 0)}
 
 
 def _count(group, T0, T1):
@@ -87,6 +101,12 @@ def _count_calls(group, x, idx, w, T, log):
         measure("dispatch_bwd", lambda: impl.dispatch_bwd(eo, ow, h))
         gy = torch.randn(T, 64).to(torch.bfloat16)
         measure("combine_bwd", lambda: impl.combine_bwd(gy, eo, h))
+        # the sync-free dispatch (sync None) and the calls on its handle (max_recv_tokens rows)
+        o, ow, _, _, h = measure("sf_dispatch", lambda: impl.dispatch_fwd(x, idx, w, None))
+        eo = (o.float().nan_to_num() * 0.5).to(torch.bfloat16)
+        measure("sf_combine", lambda: impl.combine_fwd(eo, h))
+        measure("sf_dispatch_bwd", lambda: impl.dispatch_bwd(eo, ow, h))
+        measure("sf_combine_bwd", lambda: impl.combine_bwd(gy, eo, h))
     buf.close()
     return out
 

@@ -6,9 +6,19 @@ their torch twins, same bits) or a ``torch.distributed`` collective on the curre
 triton backend's by construction: the same segment formula (:func:`tritonep.ep.layout.layout_torch`, computed on
 the host by its numpy twin :func:`host_plan`) and, inside a segment, rows ordered by (source rank, token, k).
 
-Host reads: dispatch reads ONE small tensor (the gathered counts matrix, below); combine and both backward passes read
-nothing (they reuse the split sizes the dispatch saved in its handle). Graph capture is refused: uneven splits need
-host sizes.
+Host reads: dispatch reads ONE small tensor (the gathered counts matrix and, in the same copy, the status word,
+below); combine and both backward passes read nothing (they reuse the split sizes the dispatch saved in its handle).
+Graph capture of this synced dispatch is refused: uneven splits need host sizes.
+
+Sync-free dispatch (``dispatch(..., sync_free=True)``, :mod:`tritonep.ep.nccl.sync_free`): NO host read. The layout
+is computed on the device (one more single-program launch: the device plan, same rows bit for bit), every peer gets
+``max_tokens_per_rank`` fixed packet slots, ONE ``all_to_all_single`` with equal host-static splits moves them and
+the unpack drops the slots each source left empty. 4 launches (count, plan, pack, unpack; a rank without tokens: 2),
+2 collectives, 0 host reads, no host->device copy, 9 allocations and 14 torch calls (the send / receive rows are
+persistent); ``max_recv_tokens`` rows returned, ``num_recv_rows`` None. Its errors (a bad id or refused input on any
+rank, capacity) are recorded in the backend's status word on every rank and raised by :meth:`check` or the next
+synced dispatch on every rank; combine and both backward passes run unchanged on its handle (equal splits, empty
+slots' routes -1). Not refused under graph capture.
 
 The host path is fixed per call (issue 24): what the static configuration decides (tiles, row layouts, kernel
 constants, the counts row, the gathered matrix and its host copy, the host plan vector) is made at construction;
@@ -113,14 +123,15 @@ from ..validate import check_expert_ids
 from .collectives import all_gather_flat
 from .combine import NcclCombine
 from .pack import Launch
-from .plan import host_plan, plan_size
+from .plan import host_plan, plan_size, status_size
 from .route import Router, SendLayout, send_layout
+from .sync_free import NcclSyncFree
 from .unpack import Unpacker
 
 __all__ = ["NcclEP"]
 
 
-class NcclEP(NcclCombine):
+class NcclEP(NcclSyncFree, NcclCombine):
     """torch.distributed implementation behind :class:`tritonep.EPBuffer` (same interface as ``TritonEP``).
 
     Args: as ``TritonEP``: the group, this rank, world_size W, num_experts E, hidden H, max_tokens_per_rank, topk K,
@@ -130,7 +141,8 @@ class NcclEP(NcclCombine):
 
     Attribute ``use_triton`` (default: CUDA device): the local steps run as Triton kernels, else as their torch
     twins (same bits; the twins use ``torch.nonzero`` and are meant for the CPU). ``host_reads`` counts the
-    device->host reads of calls (one per dispatch; one more only when naming this rank's bad expert id).
+    device->host reads of calls (one per synced dispatch, one per :meth:`check`, none per sync-free dispatch; one more
+    only when naming this rank's bad expert id).
 
     Its dispatch returns a frozen :class:`tritonep.ep.handle.NcclHandle` (split sizes, per-route packets, per-packet
     routes).
@@ -186,9 +198,14 @@ class NcclEP(NcclCombine):
         # pageable copy is staged through a driver buffer). The next call rewrites the plan vector only after its
         # host read synchronised its stream, which covers the previous plan copy when it was made on the same
         # stream (the raw stream is remembered; after a stream change the device is synchronised once)
-        self._gathered = torch.empty(W * self._ncols, dtype=torch.int32, device=dev)
-        self._host = torch.empty(W * self._ncols, dtype=torch.int32, pin_memory=self._cuda)
-        self._host_np = self._host.numpy().reshape(W, self._ncols)
+        # the gathered matrix and the status word (sync-free refusals) share one device block: the synced
+        # dispatch's one device->host copy reads both
+        ng = W * self._ncols
+        self._dev_block = torch.zeros(ng + status_size(W), dtype=torch.int32, device=dev)
+        self._gathered, self._status = self._dev_block[:ng], self._dev_block[ng:]
+        self._host = torch.empty(ng + status_size(W), dtype=torch.int32, pin_memory=self._cuda)
+        self._host_np = self._host.numpy()[:ng].reshape(W, self._ncols)
+        self._host_st = self._host.numpy()[ng:]
         self._plan_t = torch.zeros(plan_size(W, E), dtype=torch.int32, pin_memory=self._cuda)
         self._plan_np = self._plan_t.numpy()
         self._plan_stream = None  # raw CUDA stream of the last plan copy (0 is the default stream; None: none)
@@ -199,6 +216,7 @@ class NcclEP(NcclCombine):
         self._no_w = torch.empty(0, K, dtype=torch.float32, device=dev)
         self._no_send = torch.empty(0, self._lay.width, dtype=torch.uint8, device=dev)
         self._eo: torch.Tensor | None = None
+        self._init_sync_free()
         self.closed = False
 
     # ---------------------------------------------------------------------------------------------- helpers
@@ -218,12 +236,10 @@ class NcclEP(NcclCombine):
         """None: this backend has no kernel geometry."""
         return None
 
-    def check(self, what="EPBuffer"):
-        """Nothing is recorded on the device by this backend: errors are raised where they happen."""
-
     def close(self):
         """Drop the persistent tensors; later calls raise :class:`BufferStateError`."""
         self._eo = None
+        self._sf_bufs = None
         self.closed = True
 
     def _a2a(self, recv: torch.Tensor, send: torch.Tensor, in_splits, out_splits) -> torch.Tensor:
@@ -278,8 +294,10 @@ class NcclEP(NcclCombine):
         Args:
             x: ``[T, H]`` bfloat16 contiguous; topk_idx: ``[T, K]`` int32 / int64 contiguous; topk_weights:
                 ``[T, K]`` float32 contiguous.
-            sync: ignored (the one host read of the split sizes is needed whatever TRITONEP_SYNC_CHECKS says);
-                keep_quantized: see below.
+            sync: None for ``sync_free=True`` (:meth:`_dispatch_sync_free`: no host read, ``max_recv_tokens``
+                rows, errors raised by the next :meth:`check` / synced dispatch); any other value is ignored (the
+                one host read of the split sizes is needed whatever TRITONEP_SYNC_CHECKS says); keep_quantized: see
+                below.
             bad_input: the front door refused this rank's input and passes empty tensors (``[0, H]``, ``[0, K]``,
                 ``[0, K]``): the rank still joins the counts exchange with its error flag set, so every rank
                 raises and no rows move.
@@ -290,19 +308,23 @@ class NcclEP(NcclCombine):
         ``[R, H/32]``), as on the triton backend.
 
         Raises:
-            BackendError: CUDA-graph capture (host split sizes are needed).
+            BackendError: CUDA-graph capture of a synced dispatch (host split sizes are needed).
             InputError: this rank's expert ids are outside ``[-1, E)`` (names the first value and its (token, k));
                 raised after the counts exchange, nothing moved on any rank.
             PeerInputError: another rank's input was invalid (or ``bad_input``); nothing moved on any rank.
             CapacityError: some rank would receive more than ``max_recv_tokens`` rows (raised on every rank,
                 nothing sent).
+            Synced only, also: the refusal of an earlier sync-free dispatch nobody read (its InputError /
+                PeerInputError / CapacityError, on every rank; this call moves nothing).
         """
         if self.closed:
             raise BufferStateError(f"EPBuffer on rank {self.rank} is closed")
+        if sync is None:
+            return self._dispatch_sync_free(x, topk_idx, topk_weights, keep_quantized, bad_input)
         dev = self.device
         if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise BackendError("the nccl backend cannot be captured in a CUDA graph: all_to_all needs host split "
-                               "sizes; use backend='triton' for graphs")
+            raise BackendError("the nccl backend's synced dispatch cannot be captured in a CUDA graph: all_to_all "
+                               "needs host split sizes; use dispatch(..., sync_free=True) or backend='triton'")
         # TRITONEP_SYNC_CHECKS=0 (sync False) cannot remove the split-size read all_to_all needs: the one host
         # read happens whatever the setting
         W, E, K, H, ut, lay, fmt = self.cfg.world_size, self.cfg.num_experts, self.cfg.topk, self.cfg.hidden, self.use_triton, self._lay, self._dfmt
@@ -310,10 +332,14 @@ class NcclEP(NcclCombine):
         # 1) counts exchange: the one host read
         row = self._router.count(topk_idx, T, bad_input, ut)
         all_gather_flat(self._gathered, row, self.group)
-        self._host.copy_(self._gathered)
+        self._host.copy_(self._dev_block)
         self.host_reads += 1
         m = self._host_np
-        # 2) host decisions on the small matrix (numpy: a few microseconds, no device work)
+        # 2) host decisions on the small matrix (numpy: a few microseconds, no device work); first a refusal of an
+        # earlier sync-free dispatch nobody read (the status word came with the matrix): nothing moves
+        if self._host_st[0]:
+            self._status.zero_()
+            self._raise_status(self._host_st.tolist(), "dispatch")
         if m[:, E + W:].any():
             self._raise_bad(m, topk_idx, bad_input)
         if self._plan_stream is not None:

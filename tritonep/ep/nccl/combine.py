@@ -101,12 +101,14 @@ class NcclCombine:
         ss, rs = handle.send_splits, handle.recv_splits
         Ns, Nr = handle.num_send, handle.num_recv
         R, R2, T = handle.num_recv_rows, expert_out.shape[0], handle.num_tokens
+        dense = R2 == R and self.cfg.expert_alignment == 1  # every row is some route's: nothing to zero
+        if R is None:  # a sync-free handle: its dispatch returned max_recv_tokens rows, the tail's gradients are 0
+            R = self.cfg.max_recv_tokens
         send = torch.empty(Ns, H, dtype=bf, device=dev)
-        if Ns:
+        if Ns and T:  # (a sync-free handle has W * Tcap send slots even without tokens)
             self._unpacker.pack_rows(grad_y, handle.pkt, send, T, ut)
         recv = torch.empty(Nr, H, dtype=bf, device=dev)
         self._a2a(recv, send, ss, rs)
-        dense = R2 == R and self.cfg.expert_alignment == 1  # every row is some route's: nothing to zero
         g_eo = (torch.empty if dense else torch.zeros)(R2, H, dtype=bf, device=dev)
         g_w = (torch.empty if dense else torch.zeros)(R, dtype=torch.float32, device=dev)
         if Nr:

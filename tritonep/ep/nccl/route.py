@@ -73,7 +73,8 @@ def pack_send_torch(src0: torch.Tensor, src1: torch.Tensor | None, topk_idx: tor
             bytes placed right after src0's bytes, or None.
         topk_idx: ``[T, K]`` ids in ``[-1, E)``; topk_weights: float32 ``[T, K]``.
         send_base: int32 ``[E]``; dest_start: int32 ``[W]`` (exclusive prefix of this rank's packets per rank).
-        send: uint8 ``[Ns, lay.width]``, written (bytes outside the wire row and meta are left as they are).
+        send: uint8 ``[>= Ns, lay.width]``, row ``dest_start[d] + i`` written for the i-th packet to rank d (bytes
+            outside the wire row and meta, and rows of no packet, are left as they are).
 
     Returns:
         ``(rows int32 [T, K], pkt int32 [T, K])``.
@@ -82,26 +83,28 @@ def pack_send_torch(src0: torch.Tensor, src1: torch.Tensor | None, topk_idx: tor
     L = E // W
     dev = topk_idx.device
     ids = topk_idx.long()
-    valid = ids >= 0
+    valid = (ids >= 0) & (ids < E)  # ids outside [-1, E) only reach here in a refused sync-free call: no route
     key = torch.where(valid, ids, E).view(-1)
     ks, order = torch.sort(key, stable=True)
     cnt = torch.bincount(key, minlength=E + 1)
     within_sorted = torch.arange(T * K, device=dev) - (torch.cumsum(cnt, 0) - cnt)[ks]
     within = torch.empty_like(within_sorted).scatter_(0, order, within_sorted).view(T, K)
-    rows = torch.where(valid, send_base.long()[ids.clamp(min=0)] + within, -1).to(torch.int32)
+    rows = torch.where(valid, send_base.long()[ids.clamp(0, E - 1)] + within, -1).to(torch.int32)
     dest = torch.where(valid, torch.div(ids, L, rounding_mode="floor"), W)
     present = torch.zeros(T, W + 1, dtype=torch.bool, device=dev).scatter_(1, dest, True)[:, :W]
     pi = present.long()
     slot_tw = dest_start.long()[None, :] + torch.cumsum(pi, 0) - pi  # [T, W]
     pkt = torch.where(valid, slot_tw.gather(1, dest.clamp(max=W - 1)), -1).to(torch.int32)
-    tok = torch.nonzero(present.t())[:, 1]  # the packets in (destination rank, token) order = slot order
+    nz = torch.nonzero(present.t())  # the packets in (destination rank, token) order = slot order
+    tok = nz[:, 1]
+    pos = slot_tw[tok, nz[:, 0]]  # their slots: 0..Ns-1 (synced), or d * slots + i (sync-free)
     b0 = src0.view(torch.uint8)
-    send[:, :b0.shape[1]] = b0.index_select(0, tok)
+    send[pos, :b0.shape[1]] = b0.index_select(0, tok)
     if src1 is not None:
         b1 = src1.view(torch.uint8)
-        send[:, b0.shape[1]:b0.shape[1] + b1.shape[1]] = b1.index_select(0, tok)
+        send[pos, b0.shape[1]:b0.shape[1] + b1.shape[1]] = b1.index_select(0, tok)
     meta = torch.cat([rows, topk_idx.to(torch.int32), topk_weights.view(torch.int32)], 1)
-    send[:, lay.mo:lay.mo + 12 * K] = meta.index_select(0, tok).view(torch.uint8)
+    send[pos, lay.mo:lay.mo + 12 * K] = meta.index_select(0, tok).view(torch.uint8)
     return rows, pkt
 
 

@@ -115,12 +115,14 @@ class Unpacker:
             ("gy_ptr", "eo_ptr", "rr_ptr", "rw_ptr", "geo_ptr", "gw_ptr", "Nr"))
 
     def unpack(self, recv, srcs: list, outs: list, widths: tuple, out_w, rr, rw, small, Nr: int, zero_row: bool,
-               use_triton: bool) -> None:
+               use_triton: bool, slots: tuple = (0, 0)) -> None:
         """Run :func:`unpack_torch`'s spec on ``recv`` (uint8 ``[Nr (+1), width]``).
 
         ``srcs``: one or two ``(tensor, element offset of row 0, row stride)`` read as the matching output's
         dtype (the kernel path takes e.g. the receive buffer itself); ``outs``: ``[R, n]`` outputs with ``n`` in
-        ``widths``.
+        ``widths``. ``slots``: ``(S, o)`` with S > 0 for the sync-free dispatch's fixed slots (S per source rank):
+        packet p is live only when ``p % S < small[o + p // S]`` (the packets its source sent); the others are
+        dropped (routes -1, weights 0).
         """
         if use_triton:
             (s0, c0, st0), o0 = srcs[0], outs[0]
@@ -130,17 +132,24 @@ class Unpacker:
             tiles = cdiv(Nr, self.BP) + (self.L if pad else 0)
             bh = min(self._bh, pow2(max(n0, n1)))
             hs, hc = h_split(tiles, n0, bh, self.target)
-            key = (st0, c0, n0, st1, c1, n1, pad)  # the source layout (wire, keep_quantized, padding)
+            key = (st0, c0, n0, st1, c1, n1, pad, slots)  # the source layout (wire, keep_quantized, padding, slots)
             bk = self._unpack.get(key)
             if bk is None:
                 bk = self._unpack[key] = self.launch.bind(route_unpack_kernel, dict(
-                    S0=st0, C0=c0, N0=n0, S1=st1, C1=c1, N1=n1, PAD=pad, BH=bh, **self._kw),
+                    S0=st0, C0=c0, N0=n0, S1=st1, C1=c1, N1=n1, PAD=pad, BH=bh, SLOTS=slots[0], RCNT=slots[1],
+                    **self._kw),
                     ("recv_ptr", "src0_ptr", "src1_ptr", "out0_ptr", "out1_ptr", "out_w_ptr", "rr_ptr", "rw_ptr",
                      "lay_ptr", "Nr", "HC"))
             bk((tiles, hs), recv, s0, s1, o0, o1, out_w, rr, rw, small, Nr, hc)
             return
         lay, K = self.lay, self.K
         meta = recv[:Nr, lay.mo:lay.mo + 12 * K].view(torch.int32)
+        if slots[0]:  # drop the slots their source left empty: ids -1
+            S, o = slots
+            p = torch.arange(Nr, device=meta.device)
+            dead = (p % S) >= small[o:o + Nr // S].long().repeat_interleave(S)
+            meta = meta.clone()
+            meta[:, K:2 * K].masked_fill_(dead[:, None], -1)
         n = Nr + (1 if zero_row else 0)
         views = [typed_rows(s, c, st, n, w, o.dtype) for (s, c, st), o, w in zip(srcs, outs, widths)]
         unpack_torch(meta, views, outs, out_w, rr, rw, self.rank, self.E, self.L, zero_row)

@@ -1,0 +1,190 @@
+"""The nccl backend's sync-free dispatch (``dispatch(..., sync_free=True)``; a mixin of
+:class:`tritonep.ep.nccl.backend.NcclEP`) and its status word.
+
+No host read, no host sync, nothing data-dependent on the host (the ``num_worst_tokens`` convention of DeepEP /
+Hybrid-EP / torchtitan): every size is static. Call sequence (host protocol, identical on every rank whatever its
+data, docs/protocols.md (host protocol rule): one ``all_gather`` then one ``all_to_all_single``, always):
+
+1. The counts launch (:meth:`tritonep.ep.nccl.route.Router.count`) and the ``all_gather`` of the counts row into the
+   persistent matrix, as the synced dispatch does.
+2. The device plan, one single-program launch (:func:`tritonep.kernels.nccl_plan.sync_free_plan_kernel`, twin
+   :func:`tritonep.ep.nccl.plan.device_plan_torch`): the synced host plan's layout (same segment formula, so the
+   same rows) with FIXED packet slots per peer (``dest_start[d] = d * Tcap``, ``Tcap = max_tokens_per_rank``: a
+   token is at most one packet per destination rank), the packets each source sent here, and the verdict: a bad
+   expert id or a refused input on ANY rank, or ANY rank needing more than ``max_recv_tokens`` rows -> zero
+   counts, offsets and received packets (no row lands anywhere) and the refusal recorded in the status word. Every
+   rank sees the same matrix: the same verdict everywhere.
+3. The pack launch into the persistent send rows ``[W * Tcap, width]`` (slots of no packet are not written).
+4. ONE ``all_to_all_single`` with equal splits (``Tcap`` rows per peer, host-static) into the persistent receive
+   rows.
+5. The unpack launch over the ``W * Tcap`` slots, dropping each slot at or past its source's packet count (routes
+   -1 / weights 0 in the handle: combine, both backward passes and every wire work unchanged on the equal splits).
+
+Returns ``max_recv_tokens`` rows (real rows ``[0, expert_offsets[-1])``, bit-identical to the synced dispatch; the
+tail's rows unspecified, its weights zero), ``num_tokens_per_expert`` / ``expert_offsets`` on the device and a handle
+whose ``num_recv_rows`` is None. Per call: 4 launches (3 on a rank without tokens: no pack), 2 collectives, no host
+read; allocations: the rows, the row weights (zeroed), the plan vector and the handle's six tensors. The send and
+receive rows are persistent (made on the first sync-free call: a buffer never used this way pays nothing; one
+stream at a time, as every buffer of this library: the next call's pack is stream-ordered after this call's
+collective). Cost of the fixed sizes: every call moves ``W * Tcap`` rows (as DeepEP's low-latency kernels do).
+
+Errors are raised later, on every rank (nothing silent): by :meth:`check` or by the next synced dispatch, whose
+one host read carries the status word with the counts matrix (it then moves nothing). Codes, rank and rows are the
+first unread refusal's; the flags gather every one's. A rank whose own ids were bad raises the
+:class:`InputError` naming the value (from the last sync-free calls' ``topk_idx``, kept for that).
+
+Graph capture: this path has no host read and no host-data-dependent size, so it is not refused (NCCL collectives
+can be captured); nor are the combine and backward passes on its handles.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+import torch.distributed as dist
+
+from ...errors import CapacityError, InputError, PeerInputError
+from ...kernels.nccl_plan import sync_free_plan_kernel
+from ..handle import NcclHandle
+from ..status import STATUS_BAD_INPUT, STATUS_CAPACITY
+from ..validate import check_expert_ids
+from .collectives import all_gather_flat
+from .pack import pow2
+from .plan import device_plan_torch, plan_size, sf_plan_size
+
+__all__ = ["NcclSyncFree"]
+
+
+class NcclSyncFree:
+    """Sync-free dispatch and status word of :class:`tritonep.ep.nccl.backend.NcclEP` (uses its attributes)."""
+
+    def _init_sync_free(self):
+        """The static part of the sync-free path (called once by the constructor, after the counts buffers)."""
+        cfg = self.cfg
+        W, E, L = cfg.world_size, cfg.num_experts, cfg.num_local_experts
+        self._tcap = cfg.max_tokens_per_rank
+        self._slots_n = W * self._tcap
+        self._eq_splits = (self._tcap,) * W
+        self._sf_size = sf_plan_size(W, E)
+        self._sf_split = [E + W, L, L, W * E, W]
+        self._sf_slots = (self._tcap, plan_size(W, E))
+        self._sf_bufs = None  # (send [W*Tcap, width], receive [W*Tcap + 1, width], its first W*Tcap rows)
+        self._recent_idx: deque = deque(maxlen=4)  # the last sync-free calls' topk_idx (to name a bad id)
+        self._codes = (STATUS_CAPACITY, STATUS_BAD_INPUT)
+        self._sf_plan = self._launch.bind(sync_free_plan_kernel, dict(
+            m_ptr=self._gathered, st_ptr=self._status, RANK=self.rank, W=W, E=E, L=L, A=cfg.expert_alignment,
+            TCAP=self._tcap, MAXR=cfg.max_recv_tokens, WB=pow2(W), LB=pow2(L), CODE_CAP=STATUS_CAPACITY,
+            CODE_BAD=STATUS_BAD_INPUT, num_warps=4), ("plan_ptr",))
+
+    def _sf_buffers(self):
+        """The persistent send / receive rows (made on the first sync-free call). The receive rows have one more
+        row holding the encoding of a zero row (padding rows of a ``keep_quantized`` dispatch copy it)."""
+        N, lay, dev = self._slots_n, self._lay, self.device
+        send = torch.empty(N, lay.width, dtype=torch.uint8, device=dev)
+        recv = torch.zeros(N + 1, lay.width, dtype=torch.uint8, device=dev)
+        if self._dfmt.quantized:
+            self._dfmt.wire_views(recv[N:], self.cfg.hidden)[1].fill_(self._dfmt.zero_scale)
+        self._sf_bufs = send, recv, recv[:N]
+        return self._sf_bufs
+
+    def _dispatch_sync_free(self, x, topk_idx, topk_weights, keep_quantized: bool, bad_input: bool):
+        """The sync-free dispatch (module docstring); arguments and return as :meth:`NcclEP.dispatch_fwd`."""
+        cfg, dev, ut, lay, fmt = self.cfg, self.device, self.use_triton, self._lay, self._dfmt
+        W, E, K, H, MR = cfg.world_size, cfg.num_experts, cfg.topk, cfg.hidden, cfg.max_recv_tokens
+        T = x.shape[0]
+        if not bad_input:
+            self._recent_idx.append(topk_idx)
+        # 1) counts row, exchanged into the persistent matrix
+        row = self._router.count(topk_idx, T, bad_input, ut)
+        all_gather_flat(self._gathered, row, self.group)
+        # 2) the device plan and verdict
+        plan = torch.empty(self._sf_size, dtype=torch.int32, device=dev)
+        if ut:
+            self._sf_plan((1,), plan)
+        else:
+            device_plan_torch(self._gathered, self.rank, W, E, cfg.expert_alignment, self._tcap, MR, plan,
+                              self._status, self._codes)
+        _, ntpe, offs, counts, _ = torch.split(plan, self._sf_split)
+        send, recv, recv_n = self._sf_bufs or self._sf_buffers()
+        # 3) pack into the fixed slots
+        if T:
+            rows = torch.empty(T, K, dtype=torch.int32, device=dev)
+            pkt = torch.empty(T, K, dtype=torch.int32, device=dev)
+            idx_c, w_c = torch.empty_like(topk_idx), torch.empty_like(topk_weights)
+            src0, src1 = fmt.quantize_bytes(x) if fmt.quantized else (x, None)
+            self._router.pack(src0, src1, topk_idx, topk_weights, plan, send, rows, pkt, T, ut, idx_c, w_c)
+        else:
+            rows = pkt = self._no_routes
+            idx_c, w_c = topk_idx.new_empty(0, K), self._no_w
+        # 4) one all_to_all, equal host-static splits
+        dist.all_to_all_single(recv_n, send, group=self.group)
+        # 5) unpack the live slots
+        N = self._slots_n
+        rr = torch.empty(N, K, dtype=torch.int32, device=dev)
+        rw = torch.empty(N, K, dtype=torch.float32, device=dev)
+        out_w = torch.zeros(MR, dtype=torch.float32, device=dev)
+        kq = keep_quantized and fmt.quantized
+        zero_row = kq and cfg.expert_alignment > 1
+        sc = None
+        if not fmt.quantized:
+            out = torch.empty(MR, H, dtype=cfg.dtype, device=dev)
+            srcs, widths = [(recv, 0, lay.width // self._es)], (H,)
+        elif kq:
+            pb, ns = self._kept
+            out = torch.empty(MR, pb, dtype=torch.uint8, device=dev)
+            sc = torch.empty(MR, ns, dtype=fmt.scale_dtype, device=dev)
+            se = fmt.codec.scale_bytes
+            srcs, widths = [(recv, 0, lay.width), (recv, pb // se, lay.width // se)], (pb, ns)
+        else:
+            out = torch.empty(MR, H, dtype=cfg.dtype, device=dev)
+            srcs, widths = [(fmt.dequantize_rows(recv_n, H, cfg.dtype), 0, H)], (H,)
+        self._unpacker.unpack(recv, srcs, [out] if sc is None else [out, sc], widths, out_w, rr, rw, plan, N,
+                              zero_row, ut, self._sf_slots)
+        handle = NcclHandle(topk_idx=idx_c, topk_weights=w_c, rows=rows, counts=counts.view(W, E), num_tokens=T,
+                            num_recv_rows=None, x_scales=sc, recv_weights=out_w, buffer_id=self.buffer_id,
+                            send_splits=self._eq_splits, recv_splits=self._eq_splits, num_send=N, num_recv=N,
+                            pkt=pkt, recv_rows=rr, recv_w=rw)
+        return out, out_w, ntpe, offs, handle
+
+    # ---------------------------------------------------------------------------------------------- status
+    def check(self, what="EPBuffer"):
+        """Read the status word (one host read) and raise the refusal of an earlier sync-free dispatch nobody read
+        yet (reported once: the word is cleared; the buffer stays usable). Collective in effect: every rank holds
+        the same word, so every rank raises the same error.
+
+        Raises:
+            InputError: this rank's own ids were outside ``[-1, E)`` (names the value when the call's ``topk_idx``
+                is still among the last four sync-free calls').
+            PeerInputError: another rank's input was bad or refused (``bad_ranks``).
+            CapacityError: some rank would have received more than ``max_recv_tokens`` rows.
+        """
+        self.host_reads += 1
+        st = self._status.tolist()
+        if st[0]:
+            self._status.zero_()
+            self._raise_status(st, what)
+
+    def _raise_status(self, st: list, what: str):
+        """Raise the refusal the host copy ``st`` of the status word holds (its code is nonzero)."""
+        W, E, MR = self.cfg.world_size, self.cfg.num_experts, self.cfg.max_recv_tokens
+        code, peer, seen, needed = st[:4]
+        bad_ids = [r for r in range(W) if st[4 + r]]
+        refused = [r for r in range(W) if st[4 + W + r]]
+        bad = sorted(set(bad_ids) | set(refused))
+        recent, self._recent_idx = self._recent_idx, deque(maxlen=4)
+        when = (f"{seen} sync_free dispatch(es) since the last read were refused on every rank and moved no rows; "
+                f"this is the first one's error")
+        if self.rank in bad_ids:  # this rank's own ids (also behind an earlier capacity refusal, as on triton)
+            for idx in reversed(recent):
+                check_expert_ids(idx, E)  # raises the InputError naming the value and its (token, k)
+            raise InputError(f"{what} on rank {self.rank}: the topk_idx of an earlier sync_free dispatch held an "
+                             f"id outside [-1, num_experts={E}) ({when})")
+        if code == STATUS_BAD_INPUT:
+            why = "; ".join(f"rank {r}: " + ("expert ids outside [-1, E)" if r in bad_ids else
+                                             "input refused by EPBuffer") for r in bad)
+            raise PeerInputError(f"{what} on rank {self.rank}: invalid input on rank(s) {bad} ({why}); {when}",
+                                 bad_ranks=bad, rank=self.rank)
+        also = f"; the input of rank(s) {bad} was refused too" if bad else ""
+        raise CapacityError(f"{what}: rank {peer} would receive {needed} rows but max_recv_tokens={MR}; {when}{also}",
+                            needed=needed, available=MR)

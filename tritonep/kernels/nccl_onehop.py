@@ -8,20 +8,21 @@ element COL1 of its own dtype), then int32 meta at column META: ``lr[t, :K] | to
 where ``lr[t, k]`` is the rank of route (t, k) among the SENDER's routes to expert ``idx[t, k]`` in (t, k) order
 (-1 for masked / invalid ids).
 
-* :func:`onehop_send_kernel` (grid = ``max(1, cdiv(T, BT))`` token tiles): tile c computes the routes and packets
-  of tokens before it by redundant pairwise scans of the earlier tiles (no chunk scratch, no ticket, no grid sync;
-  ``c * BT * KB`` pairwise compares of ``BT * KB`` routes: free at decode, about 4096^2 * K^2 / (2 * BT * KB)
-  compares per program at T = 4096 -- use the two-launch route kernels there); program 0 also scans every tile for
-  the histograms and writes the header into slot 0 of EVERY block. Packets are written for every valid id
-  whatever the flags (the receiver ignores a call whose headers say bad input).
-* :func:`onehop_recv_kernel` (grid = packet tiles over all ``W * BLK`` slots, then row tiles over
-  ``[0, MAXR)``): every program reads the W headers and derives the verdict (bad input: any source's bad-id count
-  or refused flag; capacity: some rank's aligned total rows > MAXR -- every rank sees every source's full row, so
-  every rank reaches the same verdict) and this rank's layout (:func:`tritonep.ep.layout.layout_torch`); a packet
-  tile scatters its valid packets (index in block < header packets-to-this-rank) to
-  ``row = seg_start[j] + sum_{s' < s} counts[s', e] + lr`` and writes the per-slot routes ``rr`` / ``rw``; a row
-  tile zeros the weights of padding and tail rows and the padding rows; program 0 writes ``ntpe``, ``offs``,
-  ``status``. A refused verdict writes no rows (``rr`` -1, weights 0, ``ntpe`` / ``offs`` 0).
+* :func:`onehop_send_kernel` (grid = ``max(1, cdiv(T, BT))`` token tiles x column splits of the row): tile c
+  computes the routes and packets of tokens before it by redundant pairwise scans of the earlier tiles (no chunk
+  scratch, no ticket, no grid sync; ``c * BT * KB`` pairwise compares of ``BT * KB`` routes: free at decode, about
+  4096^2 * K^2 / (2 * BT * KB) compares per program at T = 4096 -- use the two-launch route kernels there);
+  program 0 also scans every tile for the histograms and writes the header into slot 0 of EVERY block. Packets are
+  written for every valid id whatever the flags (the receiver ignores a call whose headers say bad input).
+* :func:`onehop_recv_kernel` (static grid = packet tiles over all ``W * BLK`` slots, then row tiles over
+  ``[0, MAXR)``; x column splits of the row): every program reads the W headers and derives the verdict (bad
+  input: any source's bad-id count or refused flag; capacity: some rank's aligned total rows > MAXR -- every rank
+  sees every source's full row, so every rank reaches the same verdict) and this rank's layout
+  (:func:`tritonep.ep.layout.layout_torch`); a packet tile scatters its valid packets (index in block < header
+  packets-to-this-rank) to ``row = seg_start[j] + sum_{s' < s} counts[s', e] + lr`` and writes the per-slot
+  routes ``rr`` / ``rw``; a row tile zeros the weights of padding and tail rows and the padding rows; program 0
+  writes ``ntpe``, ``offs``, ``status``. A refused verdict writes no rows (``rr`` -1, weights 0, ``ntpe`` /
+  ``offs`` 0).
 
 Twins: :mod:`tritonep.ep.nccl.onehop`. Plain local loads and stores: no signals, no waits. Idea source: DeepEP's
 low-latency mode (fixed per-expert receive slots, counts carried with the data), pplx-kernels' dispatch.
@@ -51,13 +52,16 @@ def _tile_ids(idx_ptr, c, T, K: tl.constexpr, KB: tl.constexpr, E: tl.constexpr,
     return raw, valid, ids, dest, first, m2
 
 
-@triton.jit(do_not_specialize=["T", "refused"])
+@triton.jit(do_not_specialize=["T", "refused", "HC"])
 def onehop_send_kernel(idx_ptr, w_ptr, src0_ptr, src1_ptr, send_ptr, pkt_ptr, idx_copy_ptr, w_copy_ptr, T, refused,
+                       HC,
                        K: tl.constexpr, KB: tl.constexpr, E: tl.constexpr, L: tl.constexpr, W: tl.constexpr,
                        EB: tl.constexpr, WB: tl.constexpr, BT: tl.constexpr, TCAP: tl.constexpr, N0: tl.constexpr,
                        ROW0: tl.constexpr, N1: tl.constexpr, ROW1: tl.constexpr, COL1: tl.constexpr,
                        META: tl.constexpr, ROW32: tl.constexpr, BH: tl.constexpr):
-    """Send side of tokens ``[pid * BT, +BT)`` (module docstring).
+    """Send side of tokens ``[pid0 * BT, +BT)`` (module docstring); program column ``pid1`` copies src0 elements
+    ``[pid1 * HC, +HC)`` (HC a multiple of BH; the index work is redone per column), column 0 also writes ``pkt``,
+    the routing copies, the meta, src1 and (program (0, 0)) the headers.
 
     ``idx`` int32 / int64 ``[T, K]``, ``w`` float32 ``[T, K]``, ``src0 [T, N0]`` (wire row; ROW0 elements of its
     dtype a send row), ``src1 [T, N1]`` (scale bytes at element COL1, ROW1 a row; N1 = 0: none), ``send`` uint8
@@ -67,6 +71,9 @@ def onehop_send_kernel(idx_ptr, w_ptr, src0_ptr, src1_ptr, send_ptr, pkt_ptr, id
     R: tl.constexpr = BT * KB
     BLK: tl.constexpr = 1 + TCAP
     pid = tl.program_id(0)
+    col0 = tl.program_id(1) == 0
+    hs = tl.program_id(1) * HC
+    he = tl.minimum(hs + HC, N0)
     NC = tl.cdiv(T, BT)
     t_off = tl.arange(0, BT)
     k_off = tl.arange(0, KB)
@@ -78,7 +85,7 @@ def onehop_send_kernel(idx_ptr, w_ptr, src0_ptr, src1_ptr, send_ptr, pkt_ptr, id
     tm = t < T
     raw, valid, ids, dest, first, m2 = _tile_ids(idx_ptr, pid, T, K, KB, E, L, BT)
     tk = t[:, None].to(tl.int64) * K + k_off[None, :]
-    tl.store(idx_copy_ptr + tk, raw, mask=m2)
+    tl.store(idx_copy_ptr + tk, raw, mask=m2 & col0)
     fid = tl.reshape(ids, (R,))
     dflat = tl.reshape(dest, (R,))
     fd = tl.reshape(tl.where(first, dest, -1), (R,))
@@ -97,29 +104,29 @@ def onehop_send_kernel(idx_ptr, w_ptr, src0_ptr, src1_ptr, send_ptr, pkt_ptr, id
         pr_acc += tl.sum(((dflat[:, None] == fd0[None, :]) & (fd0[None, :] >= 0)).to(tl.int32), 1)
     lr = tl.where(valid, tl.reshape(lr_acc, (BT, KB)), -1)
     slot = tl.where(valid, dest * BLK + 1 + tl.reshape(pr_acc, (BT, KB)), -1)
-    tl.store(pkt_ptr + tk, slot, mask=m2)
+    tl.store(pkt_ptr + tk, slot, mask=m2 & col0)
     wv = tl.load(w_ptr + tk, mask=m2, other=0.0)
-    tl.store(w_copy_ptr + tk, wv, mask=m2)
+    tl.store(w_copy_ptr + tk, wv, mask=m2 & col0)
     wbits = wv.to(tl.int32, bitcast=True)
     raw32 = raw.to(tl.int32)
     fi = first.to(tl.int32)
     for k in tl.static_range(K):  # the meta of each packet, by its first route
         sk = column(slot, k, KB)
-        fk = (column(fi, k, KB) > 0) & tm
+        fk = (column(fi, k, KB) > 0) & tm & col0
         mk = fk[:, None] & (k_off[None, :] < K)
         mb = send32 + sk.to(tl.int64)[:, None] * ROW32 + META + k_off[None, :]
         tl.store(mb, lr, mask=mk)
         tl.store(mb + K, raw32, mask=mk)
         tl.store(mb + 2 * K, wbits, mask=mk)
-    for h0 in range(0, N0, BH):  # the token's wire row: loaded once, stored once per packet
+    for h0 in range(hs, he, BH):  # the token's wire row: loaded once, stored once per packet
         h = h0 + h_off
-        hm = h < N0
+        hm = h < he
         v = tl.load(src0_ptr + t[:, None].to(tl.int64) * N0 + h[None, :], mask=tm[:, None] & hm[None, :])
         for k in tl.static_range(K):
             sk = column(slot, k, KB)
             fk = (column(fi, k, KB) > 0) & tm
             tl.store(send0 + sk.to(tl.int64)[:, None] * ROW0 + h[None, :], v, mask=fk[:, None] & hm[None, :])
-    if N1 > 0:
+    if N1 > 0 and col0:
         send1 = send_ptr.to(tl.pointer_type(src1_ptr.dtype.element_ty))
         for h0 in range(0, N1, BH):
             h = h0 + h_off
@@ -130,7 +137,7 @@ def onehop_send_kernel(idx_ptr, w_ptr, src0_ptr, src1_ptr, send_ptr, pkt_ptr, id
                 fk = (column(fi, k, KB) > 0) & tm
                 tl.store(send1 + sk.to(tl.int64)[:, None] * ROW1 + COL1 + h[None, :], v,
                          mask=fk[:, None] & hm[None, :])
-    if pid == 0:  # the header: this rank's counts row, into slot 0 of every block
+    if (pid == 0) and col0:  # the header: this rank's counts row, into slot 0 of every block
         e_off = tl.arange(0, EB)
         w_off = tl.arange(0, WB)
         he = tl.zeros((EB,), dtype=tl.int32)
@@ -157,8 +164,8 @@ def _pick(vec, j, NB: tl.constexpr):
     return tl.sum(tl.where(j[:, :, None] == n[None, None, :], vec[None, None, :], 0), 2)
 
 
-@triton.jit
-def onehop_recv_kernel(recv_ptr, out_ptr, out_w_ptr, rr_ptr, rw_ptr, ntpe_ptr, offs_ptr, status_ptr,
+@triton.jit(do_not_specialize=["HC"])
+def onehop_recv_kernel(recv_ptr, out_ptr, out_w_ptr, rr_ptr, rw_ptr, ntpe_ptr, offs_ptr, status_ptr, HC,
                        K: tl.constexpr, KB: tl.constexpr, E: tl.constexpr, L: tl.constexpr, W: tl.constexpr,
                        RANK: tl.constexpr, EB: tl.constexpr, LB: tl.constexpr, WB: tl.constexpr,
                        TCAP: tl.constexpr, A: tl.constexpr, MAXR: tl.constexpr, BP: tl.constexpr,
@@ -168,12 +175,16 @@ def onehop_recv_kernel(recv_ptr, out_ptr, out_w_ptr, rr_ptr, rw_ptr, ntpe_ptr, o
     wire row read as ``out``'s dtype, S0 elements a row, N0 elements copied); writes ``out [MAXR, N0]`` (real and
     padding rows), ``out_w`` float32 ``[MAXR]`` (every row), ``rr`` int32 / ``rw`` float32 ``[W * (1 + TCAP), K]``,
     ``ntpe`` / ``offs`` int32 ``[L]``, ``status`` int64 ``[4]`` = ``[code, bad-rank mask, rows needed by the worst
-    rank, that rank]``.
+    rank, that rank]``. Program column ``pid1`` moves (or zeros) elements ``[pid1 * HC, +HC)`` of the rows; column
+    0 also writes ``rr``, ``rw``, the weights and (program (0, 0)) ``ntpe``, ``offs``, ``status``.
     """
     BLK: tl.constexpr = 1 + TCAP
     NSLOT: tl.constexpr = W * BLK
     NT: tl.constexpr = (NSLOT + BP - 1) // BP
     pid = tl.program_id(0)
+    col0 = tl.program_id(1) == 0
+    hs = tl.program_id(1) * HC
+    he = tl.minimum(hs + HC, N0)
     recv32 = recv_ptr.to(tl.pointer_type(tl.int32))
     # the verdict, from the W headers (every rank reads the same W rows: the same verdict everywhere)
     s_off = tl.arange(0, WB)
@@ -229,12 +240,12 @@ def onehop_recv_kernel(recv_ptr, out_ptr, out_w_ptr, rr_ptr, rw_ptr, ntpe_ptr, o
         rr = tl.where(here, row, -1)
         pk = p.to(tl.int64)[:, None] * K + k_off[None, :]
         km = pm[:, None] & (k_off[None, :] < K)
-        tl.store(rr_ptr + pk, rr, mask=km)
-        tl.store(rw_ptr + pk, tl.where(here, w, 0.0), mask=km)
-        tl.store(out_w_ptr + rr, w, mask=here)
-        for h0 in range(0, N0, BH):
+        tl.store(rr_ptr + pk, rr, mask=km & col0)
+        tl.store(rw_ptr + pk, tl.where(here, w, 0.0), mask=km & col0)
+        tl.store(out_w_ptr + rr, w, mask=here & col0)
+        for h0 in range(hs, he, BH):
             h = h0 + h_off
-            hm = h < N0
+            hm = h < he
             v = tl.load(src + p.to(tl.int64)[:, None] * S0 + h[None, :], mask=live[:, None] & hm[None, :])
             for k in tl.static_range(K):
                 rk = column(rr, k, KB)
@@ -248,13 +259,13 @@ def onehop_recv_kernel(recv_ptr, out_ptr, out_w_ptr, rr_ptr, rw_ptr, ntpe_ptr, o
         real_end = tl.sum(_pick(starts + cnt, seg2, LB), 1)
         tail = r >= used
         pad = rm & (r < used) & (r >= real_end)
-        tl.store(out_w_ptr + r, tl.zeros((BZ,), dtype=tl.float32), mask=rm & (tail | pad))
-        for h0 in range(0, N0, BH):
+        tl.store(out_w_ptr + r, tl.zeros((BZ,), dtype=tl.float32), mask=rm & (tail | pad) & col0)
+        for h0 in range(hs, he, BH):
             h = h0 + h_off
-            hm = h < N0
+            hm = h < he
             tl.store(out_ptr + r.to(tl.int64)[:, None] * N0 + h[None, :],
                      tl.zeros((BZ, BH), dtype=out_ptr.dtype.element_ty), mask=pad[:, None] & hm[None, :])
-    if pid == 0:
+    if (pid == 0) and col0:
         tl.store(ntpe_ptr + j_off, cnt, mask=jm)
         tl.store(offs_ptr + j_off, ends, mask=jm)
         tl.store(status_ptr, code.to(tl.int64))

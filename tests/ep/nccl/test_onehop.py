@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from tritonep.ep.layout import layout_torch, route_rows_torch
 from tritonep.ep.nccl.onehop import OneHopDispatch, onehop_layout, onehop_recv_torch, onehop_send_torch
-from tritonep.ep.nccl.pack import Launch, cdiv, pow2
+from tritonep.ep.nccl.pack import Launch, cdiv, h_split, pow2
 from tritonep.ep.nccl.route import count_row_torch
 from tritonep.ep.status import STATUS_BAD_INPUT, STATUS_CAPACITY, STATUS_OK
 from tritonep.kernels.nccl_onehop import onehop_send_kernel
@@ -38,14 +38,16 @@ def _inputs(T, E, K, H, seed, idx_dtype=torch.int64, mask_frac=0.25, bad=False):
     return x, idx.to(idx_dtype).contiguous(), w.float()
 
 
-def _oh(W, E, K, H, Tcap, A=1, maxr=None, rank=0, use_triton=False):
+def _oh(W, E, K, H, Tcap, A=1, maxr=None, rank=0, use_triton=False, target=7):
+    """A dispatcher without a group (the tests drive its steps); target 7: uneven column splits of the rows."""
     return OneHopDispatch(group=None, rank=rank, world_size=W, num_experts=E, topk=K, hidden=H,
                           max_tokens_per_rank=Tcap, expert_alignment=A,
-                          max_recv_tokens=maxr or W * Tcap * K + (E // W) * (A - 1), use_triton=use_triton)
+                          max_recv_tokens=maxr or W * Tcap * K + (E // W) * (A - 1), use_triton=use_triton,
+                          target=target)
 
 
 SEND_CASES = {  # W, E, K, H, Tcap, T, idx dtype, bad ids
-    "w2_int64_tiles": (2, 8, 4, 24, 40, 37, torch.int64, False),  # BT 16: three tiles (redundant prefix scans)
+    "w2_int64_tiles": (2, 8, 4, 200, 40, 37, torch.int64, False),  # BT 16: 3 tiles (prefix scans), 2 column splits
     "w3_int32_k3": (3, 6, 3, 10, 20, 20, torch.int32, False),  # KB 4, hidden odd-sized tiles
     "w2_t0": (2, 4, 2, 16, 8, 0, torch.int64, False),
     "w4_bad_ids": (4, 8, 2, 16, 50, 45, torch.int64, True),
@@ -63,7 +65,10 @@ def test_send_kernel_equals_twin(name):
         pkt = torch.full((T, K), -7, dtype=torch.int32)
         ic, wc = torch.full_like(idx, -5), torch.full_like(w, -5.0)
         if ut:
-            oh._send_k((max(1, cdiv(T, oh.BT)),), idx, w, x, x, pkt, ic, wc, T, 0)
+            nc = max(1, cdiv(T, oh.BT))
+            hs, hc = h_split(nc, H, oh._send_bh, oh.target)
+            assert hs > 1 or name != "w2_int64_tiles", "the case must split rows"
+            oh._send_k((nc, hs), idx, w, x, x, pkt, ic, wc, T, 0, hc)
             assert torch.equal(ic, idx) and torch.equal(wc, w), "routing copies"
         else:
             pkt = onehop_send_torch(x, None, idx, w, False, E, W, Tcap, oh.send, oh.lay)
@@ -94,13 +99,13 @@ def test_send_kernel_quantized_sources():
         K=K, KB=pow2(K), E=E, L=E // W, W=W, EB=pow2(E), WB=pow2(W), BT=bt, TCAP=Tcap, N0=pb, ROW0=lay.width,
         N1=nb, ROW1=lay.width, COL1=pb, META=lay.mo // 4, ROW32=lay.width // 4, BH=64),
         ("idx_ptr", "w_ptr", "src0_ptr", "src1_ptr", "send_ptr", "pkt_ptr", "idx_copy_ptr", "w_copy_ptr", "T",
-         "refused"))
+         "refused", "HC"))
     sends = {}
     for ut in (False, True):
         s = torch.full((W * (1 + Tcap), lay.width), 0x3C, dtype=torch.uint8)
         if ut:
             pkt = torch.empty(T, K, dtype=torch.int32)
-            bk((cdiv(T, bt),), idx, w, q, sb, s, pkt, torch.empty_like(idx), torch.empty_like(w), T, 1)
+            bk((cdiv(T, bt), 2), idx, w, q, sb, s, pkt, torch.empty_like(idx), torch.empty_like(w), T, 1, 64)
         else:
             pkt = onehop_send_torch(q, sb, idx, w, True, E, W, Tcap, s, lay)
         sends[ut] = (s, pkt)
@@ -151,7 +156,7 @@ def _receive(oh, ut):
              status=torch.full((4,), -1, dtype=torch.int64))
     args = [o[k] for k in ("out", "out_w", "rr", "rw", "ntpe", "offs", "status")]
     if ut:
-        oh._recv_k(oh._recv_grid, *args)
+        oh._recv_k(oh._recv_grid, *args, oh._recv_hc)
     else:
         onehop_recv_torch(oh.recv, *args, oh.rank, oh.E, oh.W, oh.Tcap, oh.A, oh.maxr, oh.lay,
                           oh.lay.width // 2)
@@ -159,7 +164,7 @@ def _receive(oh, ut):
 
 
 RECV_CASES = {  # W, E, K, H, Tcap, Ts, A
-    "w2_a1": (2, 8, 4, 24, 12, [11, 5], 1),
+    "w2_a1": (2, 8, 4, 72, 12, [11, 5], 1),  # 3 column splits
     "w3_a4_k3": (3, 6, 3, 20, 9, [9, 0, 4], 4),
     "w2_all_empty_a4": (2, 4, 2, 16, 6, [0, 0], 4),
 }
@@ -169,6 +174,7 @@ RECV_CASES = {  # W, E, K, H, Tcap, Ts, A
 def test_recv_kernel_equals_twin_and_layout(name):
     W, E, K, H, Tcap, Ts, A = RECV_CASES[name]
     ohs, ins = _exchange(W, E, K, H, Tcap, Ts, A, use_triton=True)
+    assert ohs[0]._recv_grid[1] > 1 or name != "w2_a1", "the case must split rows"
     for d, oh in enumerate(ohs):
         k, t = _receive(oh, True), _receive(oh, False)
         R = int(t["offs"][-1])
@@ -213,7 +219,7 @@ def _world(group, W, E, K, H, Tcap, A, Ts, use_triton):
     rank = dist.get_rank(group)
     buf = EPBuffer(group, E, H, Tcap, K, expert_alignment=A, backend="nccl", device="cpu")
     cfg = buf._impl.cfg
-    oh = OneHopDispatch.from_config(cfg, group=group, rank=rank, device="cpu", use_triton=use_triton)
+    oh = OneHopDispatch.from_config(cfg, group=group, rank=rank, device="cpu", use_triton=use_triton, target=5)
     res = []
     for call, T in enumerate([Tcap, Ts[rank]]):  # a full call first: its packets are stale in the second
         x, idx, w = _inputs(T, E, K, H, 1000 * call + rank)
@@ -250,7 +256,7 @@ def _world(group, W, E, K, H, Tcap, A, Ts, use_triton):
 
 @pytest.mark.parametrize("W,use_triton", [(2, True), (3, False)])
 def test_world_equals_synced_dispatch_and_combine(W, use_triton):
-    E, K, H, Tcap, A = 3 * W, 4, 24, 20, 2  # BT = 16 tokens: two send tiles
+    E, K, H, Tcap, A = 3 * W, 4, 80, 20, 2  # BT = 16 tokens: two send tiles; rows split in column ranges
     Ts = [19, 0, 7][:W]
     res = run_cpu_world(W, _world, W, E, K, H, Tcap, A, Ts, use_triton, timeout_s=120)
     for r, calls in enumerate(res):

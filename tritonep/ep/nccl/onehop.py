@@ -50,7 +50,7 @@ import torch.distributed as dist
 from ...errors import CapacityError, ConfigError, WireError
 from ...kernels.nccl_onehop import onehop_recv_kernel, onehop_send_kernel
 from ..status import STATUS_BAD_INPUT, STATUS_CAPACITY, STATUS_OK
-from .pack import Launch, cdiv, pow2, round_up, typed_rows
+from .pack import Launch, cdiv, h_split, pow2, round_up, target_programs, typed_rows
 from .route import SendLayout, count_row_torch, send_layout
 
 __all__ = ["OneHopDispatch", "OneHopOut", "onehop_layout", "onehop_send_torch", "onehop_recv_torch"]
@@ -185,7 +185,9 @@ class OneHopDispatch:
 
     Args (keywords): group (``torch.distributed`` group), rank, world_size W, num_experts E (a multiple of W), topk
     K, hidden H, max_tokens_per_rank Tcap, expert_alignment A, max_recv_tokens, dtype (bfloat16), wire ("bf16"),
-    device, use_triton (default: CUDA device; False runs the torch twins, e.g. on gloo / CPU).
+    device, use_triton (default: CUDA device; False runs the torch twins, e.g. on gloo / CPU), target (programs
+    a launch aims at by splitting rows into column ranges, :func:`tritonep.ep.nccl.pack.h_split`; default two per
+    SM on a GPU, 1 elsewhere; tests raise it to exercise the split).
 
     Raises:
         ConfigError: E not a multiple of W, W > 63 (the status mask), or a non-bfloat16 dtype.
@@ -194,7 +196,7 @@ class OneHopDispatch:
 
     def __init__(self, *, group, rank: int, world_size: int, num_experts: int, topk: int, hidden: int,
                  max_tokens_per_rank: int, expert_alignment: int = 1, max_recv_tokens: int, dtype=torch.bfloat16,
-                 wire: str = "bf16", device="cpu", use_triton: bool | None = None):
+                 wire: str = "bf16", device="cpu", use_triton: bool | None = None, target: int | None = None):
         W, E, K, H = world_size, num_experts, topk, hidden
         if E % W or W > 63:
             raise ConfigError(f"one-hop dispatch: num_experts={E} must be a multiple of world_size={W} <= 63")
@@ -213,29 +215,35 @@ class OneHopDispatch:
         self.send = torch.zeros(self.nslot, lay.width, dtype=torch.uint8, device=dev)
         self.recv = torch.zeros(self.nslot, lay.width, dtype=torch.uint8, device=dev)
         self._launch = launch = Launch(dev)
+        self.target = target_programs(dev) if target is None else target
         KB = pow2(K)
         self.BT = max(1, 64 // KB)
+        self._send_bh = min(pow2(H), max(16, 1024 // self.BT))
         self._send_k = launch.bind(onehop_send_kernel, dict(
             send_ptr=self.send, K=K, KB=KB, E=E, L=self.L, W=W, EB=pow2(E), WB=pow2(W), BT=self.BT, TCAP=self.Tcap,
             N0=H, ROW0=lay.width // es, N1=0, ROW1=lay.width, COL1=0, META=lay.mo // 4, ROW32=lay.width // 4,
-            BH=min(pow2(H), max(16, 1024 // self.BT)), num_warps=4),
-            ("idx_ptr", "w_ptr", "src0_ptr", "src1_ptr", "pkt_ptr", "idx_copy_ptr", "w_copy_ptr", "T", "refused"))
+            BH=self._send_bh, num_warps=4),
+            ("idx_ptr", "w_ptr", "src0_ptr", "src1_ptr", "pkt_ptr", "idx_copy_ptr", "w_copy_ptr", "T", "refused",
+             "HC"))
         bp, bz = max(1, 128 // KB), 64
-        self._recv_grid = (cdiv(self.nslot, bp) + cdiv(self.maxr, bz),)
+        rbh = min(pow2(H), max(16, 1024 // bp))
+        tiles = cdiv(self.nslot, bp) + cdiv(self.maxr, bz)
+        hs, self._recv_hc = h_split(tiles, H, rbh, self.target)
+        self._recv_grid = (tiles, hs)  # static: the recv launch's grid never depends on the data
         self._recv_k = launch.bind(onehop_recv_kernel, dict(
             recv_ptr=self.recv, K=K, KB=KB, E=E, L=self.L, W=W, RANK=rank, EB=pow2(E), LB=pow2(self.L), WB=pow2(W),
             TCAP=self.Tcap, A=self.A, MAXR=self.maxr, BP=bp, BZ=bz, N0=H, S0=lay.width // es, META=lay.mo // 4,
-            ROW32=lay.width // 4, BH=min(pow2(H), max(16, 1024 // bp)), CODE_CAP=STATUS_CAPACITY,
-            CODE_BAD=STATUS_BAD_INPUT, num_warps=4),
-            ("out_ptr", "out_w_ptr", "rr_ptr", "rw_ptr", "ntpe_ptr", "offs_ptr", "status_ptr"))
+            ROW32=lay.width // 4, BH=rbh, CODE_CAP=STATUS_CAPACITY, CODE_BAD=STATUS_BAD_INPUT, num_warps=4),
+            ("out_ptr", "out_w_ptr", "rr_ptr", "rw_ptr", "ntpe_ptr", "offs_ptr", "status_ptr", "HC"))
 
     @classmethod
-    def from_config(cls, cfg, *, group, rank: int, device, use_triton: bool | None = None) -> "OneHopDispatch":
+    def from_config(cls, cfg, *, group, rank: int, device, use_triton: bool | None = None,
+                    target: int | None = None) -> "OneHopDispatch":
         """Built from an :class:`tritonep.ep.config.EPConfig` (its dispatch wire, alignment, max_recv_tokens)."""
         return cls(group=group, rank=rank, world_size=cfg.world_size, num_experts=cfg.num_experts, topk=cfg.topk,
                    hidden=cfg.hidden, max_tokens_per_rank=cfg.max_tokens_per_rank,
                    expert_alignment=cfg.expert_alignment, max_recv_tokens=cfg.max_recv_tokens, dtype=cfg.dtype,
-                   wire=cfg.dispatch_wire, device=device, use_triton=use_triton)
+                   wire=cfg.dispatch_wire, device=device, use_triton=use_triton, target=target)
 
     @property
     def splits(self) -> tuple:
@@ -258,8 +266,9 @@ class OneHopDispatch:
         pkt = torch.empty(T, K, dtype=torch.int32, device=dev)
         idx_c, w_c = torch.empty_like(topk_idx), torch.empty_like(topk_weights)
         if self.use_triton:
-            self._send_k((max(1, cdiv(T, self.BT)),), topk_idx, topk_weights, x, x, pkt, idx_c, w_c, T,
-                         int(refused))
+            nc = max(1, cdiv(T, self.BT))
+            hs, hc = h_split(nc, self.H, self._send_bh, self.target)
+            self._send_k((nc, hs), topk_idx, topk_weights, x, x, pkt, idx_c, w_c, T, int(refused), hc)
         else:
             idx_c.copy_(topk_idx)
             w_c.copy_(topk_weights)
@@ -274,7 +283,7 @@ class OneHopDispatch:
         rr = torch.empty(self.nslot, K, dtype=torch.int32, device=dev)
         rw = torch.empty(self.nslot, K, dtype=torch.float32, device=dev)
         if self.use_triton:
-            self._recv_k(self._recv_grid, out, out_w, rr, rw, ntpe, offs, status)
+            self._recv_k(self._recv_grid, out, out_w, rr, rw, ntpe, offs, status, self._recv_hc)
         else:
             onehop_recv_torch(self.recv, out, out_w, rr, rw, ntpe, offs, status, self.rank, self.E, self.W,
                               self.Tcap, self.A, self.maxr, self.lay, self.lay.width // self.es)

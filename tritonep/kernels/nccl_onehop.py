@@ -126,35 +126,36 @@ def onehop_send_kernel(idx_ptr, w_ptr, src0_ptr, src1_ptr, send_ptr, pkt_ptr, id
             sk = column(slot, k, KB)
             fk = (column(fi, k, KB) > 0) & tm
             tl.store(send0 + sk.to(tl.int64)[:, None] * ROW0 + h[None, :], v, mask=fk[:, None] & hm[None, :])
-    if N1 > 0 and col0:
+    if N1 > 0:
         send1 = send_ptr.to(tl.pointer_type(src1_ptr.dtype.element_ty))
         for h0 in range(0, N1, BH):
             h = h0 + h_off
-            hm = h < N1
+            hm = (h < N1) & col0
             v = tl.load(src1_ptr + t[:, None].to(tl.int64) * N1 + h[None, :], mask=tm[:, None] & hm[None, :])
             for k in tl.static_range(K):
                 sk = column(slot, k, KB)
                 fk = (column(fi, k, KB) > 0) & tm
                 tl.store(send1 + sk.to(tl.int64)[:, None] * ROW1 + COL1 + h[None, :], v,
                          mask=fk[:, None] & hm[None, :])
-    if (pid == 0) and col0:  # the header: this rank's counts row, into slot 0 of every block
+    if (pid == 0) & col0:  # the header: this rank's counts row, into slot 0 of every block
         e_off = tl.arange(0, EB)
         w_off = tl.arange(0, WB)
-        he = tl.zeros((EB,), dtype=tl.int32)
-        hd = tl.zeros((WB,), dtype=tl.int32)
+        hist_e = tl.zeros((EB,), dtype=tl.int32)
+        hist_d = tl.zeros((WB,), dtype=tl.int32)
         badv = tl.zeros((BT,), dtype=tl.int32)
         for c0 in range(0, NC):
             r0, v0, ids0, dest0, first0, m0 = _tile_ids(idx_ptr, c0, T, K, KB, E, L, BT)
             badv += tl.sum((m0 & ((r0 < -1) | (r0 >= E))).to(tl.int32), 1)
-            he += tl.histogram(tl.reshape(tl.where(v0, ids0, 0), (R,)), EB, mask=tl.reshape(v0, (R,)))
-            hd += tl.histogram(tl.reshape(tl.where(first0, dest0, 0), (R,)), WB, mask=tl.reshape(first0, (R,)))
+            hist_e += tl.histogram(tl.reshape(tl.where(v0, ids0, 0), (R,)), EB, mask=tl.reshape(v0, (R,)))
+            hist_d += tl.histogram(tl.reshape(tl.where(first0, dest0, 0), (R,)), WB, mask=tl.reshape(first0, (R,)))
         bad = tl.sum(badv, 0)
+        hb = send32  # a 64-bit pointer stepped per block (no 32-bit block offsets)
         for d in range(W):
-            hb = send32 + d * BLK * ROW32
-            tl.store(hb + e_off, he, mask=e_off < E)
-            tl.store(hb + E + w_off, hd, mask=w_off < W)
+            tl.store(hb + e_off, hist_e, mask=e_off < E)
+            tl.store(hb + E + w_off, hist_d, mask=w_off < W)
             tl.store(hb + E + W, bad)
             tl.store(hb + E + W + 1, refused)
+            hb += BLK * ROW32
 
 
 @triton.jit
@@ -198,8 +199,10 @@ def onehop_recv_kernel(recv_ptr, out_ptr, out_w_ptr, rr_ptr, rw_ptr, ntpe_ptr, o
     e_off = tl.arange(0, EB)
     em = e_off < E
     tot = tl.zeros((EB,), dtype=tl.int32)
+    hb = recv32  # header of source s (a 64-bit pointer stepped per block)
     for s in range(W):
-        tot += tl.load(recv32 + s * BLK * ROW32 + e_off, mask=em, other=0)
+        tot += tl.load(hb + e_off, mask=em, other=0)
+        hb += BLK * ROW32
     alig = (tot + (A - 1)) // A * A
     need = tl.sum(tl.where(((e_off // L)[None, :] == s_off[:, None]) & em[None, :], alig[None, :], 0), 1)
     worst = tl.max(need, 0)
@@ -210,8 +213,10 @@ def onehop_recv_kernel(recv_ptr, out_ptr, out_w_ptr, rr_ptr, rw_ptr, ntpe_ptr, o
     j_off = tl.arange(0, LB)
     jm = j_off < L
     cnt = tl.zeros((LB,), dtype=tl.int32)
+    hb = recv32
     for s in range(W):
-        cnt += tl.load(recv32 + s * BLK * ROW32 + RANK * L + j_off, mask=jm & ok, other=0)
+        cnt += tl.load(hb + RANK * L + j_off, mask=jm & ok, other=0)
+        hb += BLK * ROW32
     al_loc = (cnt + (A - 1)) // A * A
     ends = tl.cumsum(al_loc, 0)
     starts = ends - al_loc
@@ -233,8 +238,10 @@ def onehop_recv_kernel(recv_ptr, out_ptr, out_w_ptr, rr_ptr, rw_ptr, ntpe_ptr, o
         w = tl.load(mb + 2 * K, mask=m2, other=0).to(tl.float32, bitcast=True)
         here = m2 & (ids >= 0) & (ids < E) & (ids // L == RANK)
         pre = tl.zeros((BP, KB), dtype=tl.int32)
+        hb = recv32
         for s in range(W):  # routes of earlier sources to the same expert
-            pre += tl.load(recv32 + s * BLK * ROW32 + ids, mask=here & (s < s_p[:, None]), other=0)
+            pre += tl.load(hb + ids, mask=here & (s < s_p[:, None]), other=0)
+            hb += BLK * ROW32
         row = _pick(starts, tl.where(here, ids - RANK * L, 0), LB) + pre + lr
         here = here & (lr >= 0) & (row < MAXR)
         rr = tl.where(here, row, -1)
@@ -265,7 +272,7 @@ def onehop_recv_kernel(recv_ptr, out_ptr, out_w_ptr, rr_ptr, rw_ptr, ntpe_ptr, o
             hm = h < he
             tl.store(out_ptr + r.to(tl.int64)[:, None] * N0 + h[None, :],
                      tl.zeros((BZ, BH), dtype=out_ptr.dtype.element_ty), mask=pad[:, None] & hm[None, :])
-    if (pid == 0) and col0:
+    if (pid == 0) & col0:
         tl.store(ntpe_ptr + j_off, cnt, mask=jm)
         tl.store(offs_ptr + j_off, ends, mask=jm)
         tl.store(status_ptr, code.to(tl.int64))

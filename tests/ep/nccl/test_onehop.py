@@ -270,3 +270,21 @@ def test_world_equals_synced_dispatch_and_combine(W, use_triton):
     assert all(b == bad[0] for b in bad) and bad[0]["status"][0] == STATUS_BAD_INPUT
     assert bad[0]["status"][1] == 0b10 and bad[0]["nothing"]
     assert all(c == cap[0] for c in cap) and cap[0]["status"][0] == STATUS_CAPACITY and cap[0]["nothing"]
+
+
+@pytest.mark.compile
+def test_onehop_kernels_compile_for_sm90():
+    """Both launches (int32 and int64 ids, one and two sources, column splits) compile for sm_90 offline: the
+    interpreter accepts code the compiler refuses."""
+    from tritonep.testing.compile_check import compile_recorded, record_launches
+
+    recs = []
+    with record_launches(recs):
+        test_send_kernel_equals_twin("w3_int32_k3")
+        test_send_kernel_equals_twin("w2_int64_tiles")
+        test_send_kernel_quantized_sources()
+        test_recv_kernel_equals_twin_and_layout("w2_a1")
+    names = {r.get("name") for r in recs}
+    assert names == {"onehop_send_kernel", "onehop_recv_kernel"}, names
+    failures = compile_recorded(recs)
+    assert not failures, "\n\n".join(f"{n}: {e}" for n, e in failures)

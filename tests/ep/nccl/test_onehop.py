@@ -239,15 +239,19 @@ def _world(group, W, E, K, H, Tcap, A, Ts, use_triton):
                         offs=torch.equal(o.offs, d.expert_offsets), status=o.status.tolist(),
                         y=torch.equal(y1.view(torch.int16), y.view(torch.int16)),
                         copies=torch.equal(o.idx_c, idx) and torch.equal(o.w_c, w)))
-    # refusals: rank 1 sends a bad id; rank 0 floods rank W-1's experts past max_recv_tokens = Tcap
-    for case in ("bad", "cap"):
+    # refusals: rank 1 sends a bad id; rank 0 floods rank W-1's experts past max_recv_tokens = Tcap; the front door
+    # refused rank W-1's input (it joins with T = 0 and the flag)
+    for case in ("bad", "cap", "refused"):
         oh2 = OneHopDispatch(group=group, rank=rank, world_size=W, num_experts=E, topk=K, hidden=H,
                              max_tokens_per_rank=Tcap, expert_alignment=A,
                              max_recv_tokens=Tcap if case == "cap" else cfg.max_recv_tokens, use_triton=use_triton)
         x, idx, w = _inputs(Tcap, E, K, H, 7 + rank, bad=case == "bad" and rank == 1)
         if case == "cap" and rank == 0:
             idx = (E - 1 - torch.arange(K)).expand(Tcap, K).contiguous()
-        o = oh2(x, idx, w)
+        refused = case == "refused" and rank == W - 1
+        if refused:
+            x, idx, w = x[:0], idx[:0], w[:0]
+        o = oh2(x, idx, w, refused)
         res.append(dict(status=o.status.tolist(), nothing=bool((o.out_w == 0).all() and (o.rr == -1).all()
                                                                and (o.offs == 0).all() and (o.ntpe == 0).all())))
     buf.close()
@@ -270,6 +274,10 @@ def test_world_equals_synced_dispatch_and_combine(W, use_triton):
     assert all(b == bad[0] for b in bad) and bad[0]["status"][0] == STATUS_BAD_INPUT
     assert bad[0]["status"][1] == 0b10 and bad[0]["nothing"]
     assert all(c == cap[0] for c in cap) and cap[0]["status"][0] == STATUS_CAPACITY and cap[0]["nothing"]
+    assert cap[0]["status"][2] >= 3 * Tcap and cap[0]["status"][3] == W - 1, "rows the worst rank needs, that rank"
+    ref = [calls[4] for calls in res]
+    assert all(c == ref[0] for c in ref) and ref[0]["status"][:2] == [STATUS_BAD_INPUT, 1 << (W - 1)]
+    assert ref[0]["nothing"]
 
 
 @pytest.mark.compile

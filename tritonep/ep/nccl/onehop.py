@@ -30,11 +30,16 @@ verdict no row is written: ``out_w`` all 0, ``ntpe`` / ``offs`` 0, ``rr`` -1.
 Combine: :meth:`tritonep.ep.nccl.combine.NcclCombine._combine` works unchanged with a handle whose splits are the
 even ``(1 + Tcap,) * W`` and ``num_send = num_recv = W * (1 + Tcap)`` (tested bit-equal to the synced combine).
 
-Costs per call: 2 launches, 1 collective, 0 host reads, 0 host syncs; allocations: the 10 returned tensors (the
-send / recv buffers are persistent). Bytes moved: ``W * (1 + Tcap) * width`` per rank whatever T (fixed blocks:
+Costs per call: 2 launches (the receive launch's grid is static, the send launch's follows T: a host int), 1
+collective, 0 host reads, 0 host syncs, no data-dependent host value; allocations: the 10 returned tensors (the
+send / recv buffers are persistent and reused in stream order: the synchronous collective orders the next call's
+send launch after this call's transfer). Bytes moved: ``W * (1 + Tcap) * width`` per rank whatever T (fixed blocks:
 the price of no counts exchange). The send kernel's prefix scans are redundant per tile (quadratic in T: fine at
 decode sizes, T <= a few hundred; at T = 4096 use the two-launch route kernels). Only the bf16 wire is supported
-by :class:`OneHopDispatch` (the send kernel and its twin also take quantized payload + scale bytes).
+by :class:`OneHopDispatch` (the send kernel and its twin also take quantized payload + scale bytes; the receive
+side would need the kept-quantized padding encoding or a dequantization step). Status: tested in the interpreter
+and in gloo worlds (``tests/ep/nccl/test_onehop.py``); both kernels compile for sm_90 offline (its
+``compile``-marked test); not yet run or timed on a GPU.
 
 Idea sources: DeepEP's low-latency mode (fixed per-expert receive slots, counts carried with the data, the
 ``num_worst_tokens`` output convention), pplx-kernels' dispatch; our code.
@@ -253,7 +258,9 @@ class OneHopDispatch:
     def __call__(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  refused: bool = False) -> OneHopOut:
         """Dispatch ``x [T, H]`` bfloat16 by ``topk_idx [T, K]`` int32 / int64 and ``topk_weights [T, K]``
-        float32 (all contiguous; ``refused``: the front door refused this rank's input and passes ``T = 0``).
+        float32 (all contiguous, on the device, past the front door's shape / dtype checks: nothing is re-checked
+        here; ``refused``: the front door refused this rank's input and passes ``T = 0``). Returns
+        :class:`OneHopOut` (module docstring); read ``status`` (when the caller chooses) for the verdict.
 
         Raises:
             CapacityError: ``T > max_tokens_per_rank`` (a shape, known on the host; raised before any collective,

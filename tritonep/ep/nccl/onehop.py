@@ -1,0 +1,297 @@
+"""One-hop sync-free dispatch of the nccl backend: 2 launches + ONE even ``all_to_all_single``, no host read.
+
+Protocol (identical on every rank whatever its data; nothing on the host depends on the data):
+
+1. Send launch (:func:`tritonep.kernels.nccl_onehop.onehop_send_kernel`, twin :func:`onehop_send_torch`) into the
+   persistent uint8 send buffer ``[W * (1 + Tcap), width]`` (``Tcap = max_tokens_per_rank``): block d (to rank d)
+   = slot 0 the HEADER (int32 ``[E + W + 2]``: this rank's counts row, exactly
+   :func:`tritonep.ep.nccl.route.count_row_torch`: routes per expert, packets per destination, ids outside
+   ``[-1, E)``, the refused flag; the same row in every block), slots ``1..Tcap`` the packets to d in token order
+   (wire row, then int32 meta ``lr[t, :K] | topk_idx[t, :K] | weight bits[t, :K]``; ``lr`` = rank of the route
+   among THIS rank's routes to its expert in (t, k) order, -1 masked). Also ``pkt [T, K]`` int32 (absolute send
+   slot of each route, -1 masked) and the handle's routing copies. Packets are written for every valid id even when
+   the header says bad input (the receivers ignore that call).
+2. ``all_to_all_single(recv, send)`` with even splits (``1 + Tcap`` rows per peer; no split lists).
+3. Receive launch (:func:`tritonep.kernels.nccl_onehop.onehop_recv_kernel`, twin :func:`onehop_recv_torch`): from
+   the W headers every rank derives the SAME verdict (status code 0 ok; ``STATUS_BAD_INPUT``: some source has bad
+   ids or was refused -- wins over capacity; ``STATUS_CAPACITY``: some rank's aligned total rows exceed
+   ``max_recv_tokens``) and this rank's layout (:func:`tritonep.ep.layout.layout_torch`: rows of a local expert
+   ordered by (source rank, token, k), segments aligned to A). Valid packets (index in block < the source's
+   packets to this rank) go to ``row = seg_start[j] + routes of earlier sources to e + lr``.
+
+Outputs (:class:`OneHopOut`, DeepEP's ``num_worst_tokens`` convention): ``out [max_recv_tokens, H]`` (real rows
+``[0, offs[-1])``, padding rows zero, tail rows unspecified), ``out_w`` float32 ``[max_recv_tokens]`` (0 on
+padding and tail rows), ``ntpe`` / ``offs`` int32 ``[L]``, ``status`` int64 ``[4]`` = ``[code, bad-rank mask (bit
+s = source s had bad ids or was refused), rows the worst rank needs, that rank]``, ``pkt`` int32 ``[T, K]``,
+``rr`` int32 / ``rw`` float32 ``[W * (1 + Tcap), K]`` (row / weight of each received route, -1 / 0 on header,
+empty and foreign slots: the combine's per-packet routes), ``idx_c`` / ``w_c`` (routing copies). On a refused
+verdict no row is written: ``out_w`` all 0, ``ntpe`` / ``offs`` 0, ``rr`` -1.
+
+Combine: :meth:`tritonep.ep.nccl.combine.NcclCombine._combine` works unchanged with a handle whose splits are the
+even ``(1 + Tcap,) * W`` and ``num_send = num_recv = W * (1 + Tcap)`` (tested bit-equal to the synced combine).
+
+Costs per call: 2 launches (the receive launch's grid is static, the send launch's follows T: a host int), 1
+collective, 0 host reads, 0 host syncs, no data-dependent host value; allocations: the 10 returned tensors (the
+send / recv buffers are persistent and reused in stream order: the synchronous collective orders the next call's
+send launch after this call's transfer). Bytes moved: ``W * (1 + Tcap) * width`` per rank whatever T (fixed blocks:
+the price of no counts exchange). The send kernel's prefix scans are redundant per tile (quadratic in T: fine at
+decode sizes, T <= a few hundred; at T = 4096 use the two-launch route kernels). Only the bf16 wire is supported
+by :class:`OneHopDispatch` (the send kernel and its twin also take quantized payload + scale bytes; the receive
+side would need the kept-quantized padding encoding or a dequantization step). Status: tested in the interpreter
+and in gloo worlds (``tests/ep/nccl/test_onehop.py``); both kernels compile for sm_90 offline (its
+``compile``-marked test); not yet run or timed on a GPU.
+
+Idea sources: DeepEP's low-latency mode (fixed per-expert receive slots, counts carried with the data, the
+``num_worst_tokens`` output convention), pplx-kernels' dispatch; our code.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from ...errors import CapacityError, ConfigError, WireError
+from ...kernels.nccl_onehop import onehop_recv_kernel, onehop_send_kernel
+from ..status import STATUS_BAD_INPUT, STATUS_CAPACITY, STATUS_OK
+from .pack import Launch, cdiv, h_split, pow2, round_up, target_programs, typed_rows
+from .route import SendLayout, count_row_torch, send_layout
+
+__all__ = ["OneHopDispatch", "OneHopOut", "onehop_layout", "onehop_send_torch", "onehop_recv_torch"]
+
+
+class OneHopOut(NamedTuple):
+    """What :meth:`OneHopDispatch.__call__` returns (module docstring)."""
+
+    out: torch.Tensor
+    out_w: torch.Tensor
+    ntpe: torch.Tensor
+    offs: torch.Tensor
+    status: torch.Tensor
+    pkt: torch.Tensor
+    rr: torch.Tensor
+    rw: torch.Tensor
+    idx_c: torch.Tensor
+    w_c: torch.Tensor
+
+
+def onehop_layout(row_bytes: int, K: int, E: int, W: int) -> SendLayout:
+    """The dispatch wire's :func:`send_layout`, widened (16-byte multiple) so a row holds the int32 header
+    ``[E + W + 2]``."""
+    lay = send_layout(row_bytes, K)
+    return lay._replace(width=max(lay.width, round_up(4 * (E + W + 2), 16)))
+
+
+def _within(ids: torch.Tensor, valid: torch.Tensor, E: int) -> torch.Tensor:
+    """int64 ``[T, K]``: rank of route (t, k) among the valid routes to the same expert in (t, k) order."""
+    T, K = ids.shape
+    key = torch.where(valid, ids, E).view(-1)
+    ks, order = torch.sort(key, stable=True)
+    cnt = torch.bincount(key, minlength=E + 1)
+    ws = torch.arange(T * K, device=ids.device) - (torch.cumsum(cnt, 0) - cnt)[ks]
+    return torch.empty_like(ws).scatter_(0, order, ws).view(T, K)
+
+
+def onehop_send_torch(src0: torch.Tensor, src1, topk_idx: torch.Tensor, topk_weights: torch.Tensor, refused: bool,
+                      E: int, W: int, Tcap: int, send: torch.Tensor, lay: SendLayout) -> torch.Tensor:
+    """Twin of :func:`tritonep.kernels.nccl_onehop.onehop_send_kernel` (module docstring); returns ``pkt``.
+
+    Args:
+        src0: ``[T, n0]`` contiguous wire row (bf16 rows or quantized payload bytes); src1: ``[T, n1]`` scale bytes
+            right after src0's bytes, or None. topk_idx: int32 / int64 ``[T, K]`` (any values);
+            topk_weights: float32 ``[T, K]``; refused: the front door's flag (header column ``E + W + 1``).
+        send: uint8 ``[W * (1 + Tcap), lay.width]``: headers and packets written, other bytes left as they are.
+    """
+    T, K = topk_idx.shape
+    L, blk = E // W, 1 + Tcap
+    dev = topk_idx.device
+    s32 = send.view(torch.int32)
+    s32[0::blk, :E + W + 2] = count_row_torch(topk_idx, E, W, refused)
+    ids = topk_idx.long()
+    valid = (ids >= 0) & (ids < E)
+    lr = torch.where(valid, _within(ids, valid, E), -1).to(torch.int32)
+    dest = torch.where(valid, torch.div(ids, L, rounding_mode="floor"), W)
+    present = torch.zeros(T, W + 1, dtype=torch.bool, device=dev).scatter_(1, dest, True)[:, :W]
+    pi = present.long()
+    slot_tw = torch.arange(W, device=dev)[None, :] * blk + 1 + torch.cumsum(pi, 0) - pi  # [T, W]
+    pkt = torch.where(valid, slot_tw.gather(1, dest.clamp(max=W - 1)), -1).to(torch.int32)
+    nz = torch.nonzero(present)  # the twin runs on the CPU: no device sync
+    tok, slots = nz[:, 0], slot_tw[nz[:, 0], nz[:, 1]]
+    b0 = src0.view(torch.uint8)
+    send[slots, :b0.shape[1]] = b0.index_select(0, tok)
+    if src1 is not None:
+        b1 = src1.view(torch.uint8)
+        send[slots, b0.shape[1]:b0.shape[1] + b1.shape[1]] = b1.index_select(0, tok)
+    meta = torch.cat([lr, topk_idx.to(torch.int32), topk_weights.view(torch.int32)], 1)
+    send[slots, lay.mo:lay.mo + 12 * K] = meta.index_select(0, tok).view(torch.uint8)
+    return pkt
+
+
+def onehop_recv_torch(recv: torch.Tensor, out: torch.Tensor, out_w, rr, rw, ntpe, offs, status, rank: int, E: int,
+                      W: int, Tcap: int, A: int, maxr: int, lay: SendLayout, stride: int) -> None:
+    """Twin of :func:`tritonep.kernels.nccl_onehop.onehop_recv_kernel`, written in place.
+
+    Args:
+        recv: uint8 ``[W * (1 + Tcap), lay.width]`` (block s from rank s); its wire rows are read as ``out``'s
+            dtype, ``stride`` elements a row, ``out.shape[1]`` elements copied.
+        out: ``[maxr, n0]`` (real and padding rows written); out_w: float32 ``[maxr]``; rr / rw: int32 / float32
+            ``[W * (1 + Tcap), K]``; ntpe / offs: int32 ``[L]``; status: int64 ``[4]``.
+    """
+    L, blk, C = E // W, 1 + Tcap, E + W + 2
+    K = rr.shape[1]
+    r32 = recv.view(torch.int32)
+    hdr = r32[0::blk, :C].long()
+    counts = hdr[:, :E]
+    badv = (hdr[:, E + W] != 0) | (hdr[:, E + W + 1] != 0)
+    mask = sum(1 << s for s in range(W) if bool(badv[s]))
+    total = counts.sum(0).view(W, L)
+    aligned = (total + A - 1) // A * A
+    need = aligned.sum(1)
+    worst, worst_rank = int(need.max()), int(torch.argmax(need))
+    code = STATUS_BAD_INPUT if mask else (STATUS_CAPACITY if worst > maxr else STATUS_OK)
+    status.copy_(torch.tensor([code, mask, worst, worst_rank], dtype=torch.int64))
+    rr.fill_(-1)
+    rw.zero_()
+    out_w.zero_()
+    if code != STATUS_OK:
+        ntpe.zero_()
+        offs.zero_()
+        return
+    cnt, al = total[rank], aligned[rank]
+    ends = torch.cumsum(al, 0)
+    starts = ends - al
+    ntpe.copy_(cnt)
+    offs.copy_(ends)
+    p = torch.arange(W * blk, device=recv.device)
+    s, i = p // blk, p % blk
+    live = (i >= 1) & (i - 1 < hdr[s, E + rank])
+    meta = r32[:, lay.mo // 4:lay.mo // 4 + 3 * K]
+    lr, ids, w = meta[:, :K].long(), meta[:, K:2 * K].long(), meta[:, 2 * K:].view(torch.float32)
+    here = live[:, None] & (ids >= 0) & (ids < E) & (torch.div(ids, L, rounding_mode="floor") == rank)
+    j = torch.where(here, ids - rank * L, 0)
+    mine = counts[:, rank * L:(rank + 1) * L]
+    pre = torch.cumsum(mine, 0) - mine  # [W, L]: routes of earlier sources to local expert j
+    row = starts[j] + pre[s[:, None].expand_as(j), j] + lr
+    here &= (lr >= 0) & (row < maxr)
+    rr.copy_(torch.where(here, row, -1))
+    rw.copy_(torch.where(here, w, 0.0))
+    pp, kk = torch.nonzero(here, as_tuple=True)
+    rows = row[pp, kk]
+    out_w[rows] = w[pp, kk]
+    wire = typed_rows(recv, 0, stride, W * blk, out.shape[1], out.dtype)
+    out[rows] = wire[pp]
+    for jj in range(L):  # padding rows
+        out[int(starts[jj] + cnt[jj]):int(ends[jj])] = 0
+
+
+class OneHopDispatch:
+    """The one-hop dispatch of one rank (module docstring): static shapes, bound kernels, persistent buffers.
+
+    Args (keywords): group (``torch.distributed`` group), rank, world_size W, num_experts E (a multiple of W), topk
+    K, hidden H, max_tokens_per_rank Tcap, expert_alignment A, max_recv_tokens, dtype (bfloat16), wire ("bf16"),
+    device, use_triton (default: CUDA device; False runs the torch twins, e.g. on gloo / CPU), target (programs
+    a launch aims at by splitting rows into column ranges, :func:`tritonep.ep.nccl.pack.h_split`; default two per
+    SM on a GPU, 1 elsewhere; tests raise it to exercise the split).
+
+    Raises:
+        ConfigError: E not a multiple of W, W > 63 (the status mask), or a non-bfloat16 dtype.
+        WireError: a quantized wire (not supported here yet).
+    """
+
+    def __init__(self, *, group, rank: int, world_size: int, num_experts: int, topk: int, hidden: int,
+                 max_tokens_per_rank: int, expert_alignment: int = 1, max_recv_tokens: int, dtype=torch.bfloat16,
+                 wire: str = "bf16", device="cpu", use_triton: bool | None = None, target: int | None = None):
+        W, E, K, H = world_size, num_experts, topk, hidden
+        if E % W or W > 63:
+            raise ConfigError(f"one-hop dispatch: num_experts={E} must be a multiple of world_size={W} <= 63")
+        if dtype != torch.bfloat16:
+            raise ConfigError(f"one-hop dispatch: dtype must be torch.bfloat16, got {dtype}")
+        if wire != "bf16":
+            raise WireError(f"one-hop dispatch: wire {wire!r} is not supported yet (bf16 only)")
+        self.group, self.rank, self.W, self.E, self.K, self.H = group, rank, W, E, K, H
+        self.L, self.Tcap, self.A, self.maxr = E // W, max_tokens_per_rank, expert_alignment, max_recv_tokens
+        self.device = dev = torch.device(device)
+        self.dtype = dtype
+        self.use_triton = dev.type == "cuda" if use_triton is None else use_triton
+        self.es = es = torch.empty(0, dtype=dtype).element_size()
+        self.lay = lay = onehop_layout(H * es, K, E, W)
+        self.nslot = W * (1 + self.Tcap)
+        self.send = torch.zeros(self.nslot, lay.width, dtype=torch.uint8, device=dev)
+        self.recv = torch.zeros(self.nslot, lay.width, dtype=torch.uint8, device=dev)
+        self._launch = launch = Launch(dev)
+        self.target = target_programs(dev) if target is None else target
+        KB = pow2(K)
+        self.BT = max(1, 64 // KB)
+        self._send_bh = min(pow2(H), max(16, 1024 // self.BT))
+        self._send_k = launch.bind(onehop_send_kernel, dict(
+            send_ptr=self.send, K=K, KB=KB, E=E, L=self.L, W=W, EB=pow2(E), WB=pow2(W), BT=self.BT, TCAP=self.Tcap,
+            N0=H, ROW0=lay.width // es, N1=0, ROW1=lay.width, COL1=0, META=lay.mo // 4, ROW32=lay.width // 4,
+            BH=self._send_bh, num_warps=4),
+            ("idx_ptr", "w_ptr", "src0_ptr", "src1_ptr", "pkt_ptr", "idx_copy_ptr", "w_copy_ptr", "T", "refused",
+             "HC"))
+        bp, bz = max(1, 128 // KB), 64
+        rbh = min(pow2(H), max(16, 1024 // bp))
+        tiles = cdiv(self.nslot, bp) + cdiv(self.maxr, bz)
+        hs, self._recv_hc = h_split(tiles, H, rbh, self.target)
+        self._recv_grid = (tiles, hs)  # static: the recv launch's grid never depends on the data
+        self._recv_k = launch.bind(onehop_recv_kernel, dict(
+            recv_ptr=self.recv, K=K, KB=KB, E=E, L=self.L, W=W, RANK=rank, EB=pow2(E), LB=pow2(self.L), WB=pow2(W),
+            TCAP=self.Tcap, A=self.A, MAXR=self.maxr, BP=bp, BZ=bz, N0=H, S0=lay.width // es, META=lay.mo // 4,
+            ROW32=lay.width // 4, BH=rbh, CODE_CAP=STATUS_CAPACITY, CODE_BAD=STATUS_BAD_INPUT, num_warps=4),
+            ("out_ptr", "out_w_ptr", "rr_ptr", "rw_ptr", "ntpe_ptr", "offs_ptr", "status_ptr", "HC"))
+
+    @classmethod
+    def from_config(cls, cfg, *, group, rank: int, device, use_triton: bool | None = None,
+                    target: int | None = None) -> "OneHopDispatch":
+        """Built from an :class:`tritonep.ep.config.EPConfig` (its dispatch wire, alignment, max_recv_tokens)."""
+        return cls(group=group, rank=rank, world_size=cfg.world_size, num_experts=cfg.num_experts, topk=cfg.topk,
+                   hidden=cfg.hidden, max_tokens_per_rank=cfg.max_tokens_per_rank,
+                   expert_alignment=cfg.expert_alignment, max_recv_tokens=cfg.max_recv_tokens, dtype=cfg.dtype,
+                   wire=cfg.dispatch_wire, device=device, use_triton=use_triton, target=target)
+
+    @property
+    def splits(self) -> tuple:
+        """The even split sizes of both directions: ``(1 + Tcap,) * W`` (for a combine handle)."""
+        return (1 + self.Tcap,) * self.W
+
+    def __call__(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                 refused: bool = False) -> OneHopOut:
+        """Dispatch ``x [T, H]`` bfloat16 by ``topk_idx [T, K]`` int32 / int64 and ``topk_weights [T, K]``
+        float32 (all contiguous, on the device, past the front door's shape / dtype checks: nothing is re-checked
+        here; ``refused``: the front door refused this rank's input and passes ``T = 0``). Returns
+        :class:`OneHopOut` (module docstring); read ``status`` (when the caller chooses) for the verdict.
+
+        Raises:
+            CapacityError: ``T > max_tokens_per_rank`` (a shape, known on the host; raised before any collective,
+                so only for a caller that lets shapes differ between ranks -- the front door refuses it first).
+        """
+        T, K, dev = x.shape[0], self.K, self.device
+        if T > self.Tcap:
+            raise CapacityError(f"one-hop dispatch: T={T} tokens > max_tokens_per_rank={self.Tcap}", needed=T,
+                                available=self.Tcap)
+        pkt = torch.empty(T, K, dtype=torch.int32, device=dev)
+        idx_c, w_c = torch.empty_like(topk_idx), torch.empty_like(topk_weights)
+        if self.use_triton:
+            nc = max(1, cdiv(T, self.BT))
+            hs, hc = h_split(nc, self.H, self._send_bh, self.target)
+            self._send_k((nc, hs), topk_idx, topk_weights, x, x, pkt, idx_c, w_c, T, int(refused), hc)
+        else:
+            idx_c.copy_(topk_idx)
+            w_c.copy_(topk_weights)
+            pkt.copy_(onehop_send_torch(x, None, topk_idx, topk_weights, refused, self.E, self.W, self.Tcap,
+                                        self.send, self.lay))
+        dist.all_to_all_single(self.recv, self.send, group=self.group)
+        out = torch.empty(self.maxr, self.H, dtype=self.dtype, device=dev)
+        out_w = torch.empty(self.maxr, dtype=torch.float32, device=dev)
+        ntpe = torch.empty(self.L, dtype=torch.int32, device=dev)
+        offs = torch.empty(self.L, dtype=torch.int32, device=dev)
+        status = torch.empty(4, dtype=torch.int64, device=dev)
+        rr = torch.empty(self.nslot, K, dtype=torch.int32, device=dev)
+        rw = torch.empty(self.nslot, K, dtype=torch.float32, device=dev)
+        if self.use_triton:
+            self._recv_k(self._recv_grid, out, out_w, rr, rw, ntpe, offs, status, self._recv_hc)
+        else:
+            onehop_recv_torch(self.recv, out, out_w, rr, rw, ntpe, offs, status, self.rank, self.E, self.W,
+                              self.Tcap, self.A, self.maxr, self.lay, self.lay.width // self.es)
+        return OneHopOut(out, out_w, ntpe, offs, status, pkt, rr, rw, idx_c, w_c)

@@ -224,3 +224,24 @@ def test_gpu_nccl_host_reads(gpu_world, W):
     """Dispatch reads the host once (the counts matrix); combine and both backward passes never."""
     for seen, where in gpu_world(W, _host_syncs, nccl=True):
         assert seen == {"dispatch": 1, "combine": 0, "dispatch_bwd": 0, "combine_bwd": 0}, where
+
+
+def _handle_fields(group, sync_free):
+    import dataclasses
+
+    from tritonep.ep.handle import NcclHandle
+
+    buf = EPBuffer(group, _BE, _BH, _BT, _BK, backend="nccl")
+    h = buf.dispatch(*_step_inputs(dist.get_rank(group), 1), sync_free=sync_free).handle
+    names = {f.name for f in dataclasses.fields(NcclHandle)}
+    same = NcclHandle(**{n: getattr(h, n) for n in names}) == h  # the fast-built handle equals the constructor's
+    buf.close()
+    return sorted(set(h.__dict__) ^ names), same
+
+
+@pytest.mark.parametrize("sync_free", [False, True])
+def test_fast_built_handle_has_every_field(sync_free):
+    """The dispatch builds its handle with ``NcclHandle._new`` (no generated ``__init__``): every dataclass field is
+    set, nothing else, and it equals the handle the constructor makes of the same values."""
+    for extra, same in run_cpu_world(2, _handle_fields, sync_free, timeout_s=120):
+        assert extra == [] and same

@@ -240,6 +240,7 @@ class NcclEP(NcclSyncFree, NcclCombine):
         """Drop the persistent tensors; later calls raise :class:`BufferStateError`."""
         self._eo = None
         self._sf_bufs = None
+        self._oh = None
         self.closed = True
 
     def _a2a(self, recv: torch.Tensor, send: torch.Tensor, in_splits, out_splits) -> torch.Tensor:

@@ -263,12 +263,13 @@ class OneHopDispatch:
 
     @classmethod
     def from_config(cls, cfg, *, group, rank: int, device, use_triton: bool | None = None,
-                    target: int | None = None) -> "OneHopDispatch":
+                    target: int | None = None, status_word: torch.Tensor | None = None) -> "OneHopDispatch":
         """Built from an :class:`tritonep.ep.config.EPConfig` (its dispatch wire, alignment, max_recv_tokens)."""
         return cls(group=group, rank=rank, world_size=cfg.world_size, num_experts=cfg.num_experts, topk=cfg.topk,
                    hidden=cfg.hidden, max_tokens_per_rank=cfg.max_tokens_per_rank,
                    expert_alignment=cfg.expert_alignment, max_recv_tokens=cfg.max_recv_tokens, dtype=cfg.dtype,
-                   wire=cfg.dispatch_wire, device=device, use_triton=use_triton, target=target)
+                   wire=cfg.dispatch_wire, device=device, use_triton=use_triton, target=target,
+                   status_word=status_word)
 
     @property
     def splits(self) -> tuple:

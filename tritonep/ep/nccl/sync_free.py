@@ -44,16 +44,48 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from ...errors import CapacityError, InputError, PeerInputError
+from ... import envs
+from ...errors import CapacityError, ConfigError, InputError, PeerInputError, WireError
 from ...kernels.nccl_plan import sync_free_plan_kernel
 from ..handle import NcclHandle
 from ..status import STATUS_BAD_INPUT, STATUS_CAPACITY
 from ..validate import check_expert_ids
 from .collectives import all_gather_flat
+from .onehop import OneHopDispatch, OneHopOut
 from .pack import pow2
 from .plan import device_plan_torch, plan_size, sf_plan_size
 
-__all__ = ["NcclSyncFree"]
+__all__ = ["NcclSyncFree", "ONEHOP_MAX_TOKENS", "sync_free_mode"]
+
+# The default rule's threshold: one-hop when max_tokens_per_rank <= this. The one-hop send launch finds each
+# route's rank among earlier tokens by redundant pairwise scans of every earlier token tile (quadratic in T, no
+# scratch, no grid sync): free at decode sizes, a waste from a few hundred tokens on, where the gather mode's
+# count + plan launches cost less than the scans.
+ONEHOP_MAX_TOKENS = 256
+
+
+def sync_free_mode(cfg) -> str:
+    """The sync-free mode of an nccl buffer of configuration ``cfg``: TRITONEP_NCCL_SYNC_FREE (read now, at
+    construction) or, unset, ``"onehop"`` for a bf16 dispatch wire, ``world_size <= 63`` and
+    ``max_tokens_per_rank <= ONEHOP_MAX_TOKENS``, else ``"gather"``.
+
+    Raises:
+        WireError: ``onehop`` asked for with a quantized dispatch wire (one-hop moves bf16 rows only).
+        ConfigError: ``onehop`` asked for with ``world_size > 63`` (its status mask) or a bad variable value.
+    """
+    mode = envs.nccl_sync_free()
+    bf16 = cfg.dispatch_wire == "bf16" and cfg.dtype == torch.bfloat16
+    if mode == "onehop":
+        if not bf16:
+            raise WireError(f"TRITONEP_NCCL_SYNC_FREE=onehop: dispatch_wire={cfg.dispatch_wire!r} is not supported "
+                            f"by the one-hop mode (bf16 only); use gather or leave the variable unset")
+        if cfg.world_size > 63:
+            raise ConfigError(f"TRITONEP_NCCL_SYNC_FREE=onehop: world_size={cfg.world_size} > 63 is not supported "
+                              f"(its status mask); use gather")
+        return mode
+    if mode == "gather":
+        return mode
+    return "onehop" if bf16 and cfg.world_size <= 63 and cfg.max_tokens_per_rank <= ONEHOP_MAX_TOKENS else "gather"
 
 
 class NcclSyncFree:
@@ -76,6 +108,17 @@ class NcclSyncFree:
             m_ptr=self._gathered, st_ptr=self._status, RANK=self.rank, W=W, E=E, L=L, A=cfg.expert_alignment,
             TCAP=self._tcap, MAXR=cfg.max_recv_tokens, WB=pow2(W), LB=pow2(L), CODE_CAP=STATUS_CAPACITY,
             CODE_BAD=STATUS_BAD_INPUT, num_warps=4), ("plan_ptr",))
+        self.sync_free_mode = sync_free_mode(cfg)
+        self._oh = None  # the one-hop dispatcher (made on the first one-hop call: its buffers, bound launches)
+
+    def _onehop(self):
+        """The one-hop dispatcher of this buffer (:class:`OneHopDispatch`, its verdicts merged into the status
+        word), its int64 per-call verdict scratch (read by nobody: the status word carries the verdict) and the
+        static sizes of the per-call block."""
+        oh = OneHopDispatch.from_config(self.cfg, group=self.group, rank=self.rank, device=self.device,
+                                        status_word=self._status)
+        self._oh = oh, torch.empty(4, dtype=torch.int64, device=self.device)
+        return self._oh
 
     def _sf_buffers(self):
         """The persistent send / receive rows (made on the first sync-free call). The receive rows have one more
@@ -95,6 +138,8 @@ class NcclSyncFree:
         T = x.shape[0]
         if not bad_input:
             self._recent_idx.append(topk_idx)
+        if self.sync_free_mode == "onehop":
+            return self._dispatch_onehop(x, topk_idx, topk_weights, bad_input)
         # 1) counts row, exchanged into the persistent matrix
         row = self._router.count(topk_idx, T, bad_input, ut)
         all_gather_flat(self._gathered, row, self.group)
@@ -146,6 +191,31 @@ class NcclSyncFree:
                             send_splits=self._eq_splits, recv_splits=self._eq_splits, num_send=N, num_recv=N,
                             pkt=pkt, recv_rows=rr, recv_w=rw)
         return out, out_w, ntpe, offs, handle
+
+    def _dispatch_onehop(self, x, topk_idx, topk_weights, bad_input: bool):
+        """The one-hop mode (module docstring): send launch, one even ``all_to_all_single``, receive launch (its
+        verdict merged into the status word). Allocations: one float32 block (row weights first, so they start
+        at offset 0 as a fresh tensor would, then the per-slot weights, the routing weights' copy and, viewed as
+        int32, packets, per-slot rows, ``num_tokens_per_expert``, ``expert_offsets``, the counts snapshot), the
+        rows, the routing ids' copy (``topk_idx``'s dtype)."""
+        cfg, dev = self.cfg, self.device
+        W, E, K, L, MR = cfg.world_size, cfg.num_experts, cfg.topk, cfg.num_local_experts, cfg.max_recv_tokens
+        oh, st64 = self._oh or self._onehop()
+        T, N = x.shape[0], oh.nslot
+        TK, NK = T * K, N * K
+        blk = torch.empty(MR + 2 * NK + 2 * TK + 2 * L + W * E, dtype=torch.float32, device=dev)
+        out_w, rw, w_c, ints = torch.split(blk, (MR, NK, TK, NK + TK + 2 * L + W * E))
+        rr, pkt, ntpe, offs, counts = torch.split(ints.view(torch.int32), (NK, TK, L, L, W * E))
+        o = OneHopOut(out=torch.empty(MR, cfg.hidden, dtype=cfg.dtype, device=dev), out_w=out_w, ntpe=ntpe,
+                      offs=offs, status=st64, pkt=pkt.view(T, K), rr=rr.view(N, K), rw=rw.view(N, K),
+                      idx_c=torch.empty_like(topk_idx), w_c=w_c.view(T, K), counts=counts.view(W, E))
+        oh.run(x, topk_idx, topk_weights, bad_input, o, self.use_triton)
+        splits = oh.splits
+        handle = NcclHandle(topk_idx=o.idx_c, topk_weights=o.w_c, rows=self._no_routes, counts=o.counts,
+                            num_tokens=T, num_recv_rows=None, x_scales=None, recv_weights=out_w,
+                            buffer_id=self.buffer_id, send_splits=splits, recv_splits=splits, num_send=N,
+                            num_recv=N, pkt=o.pkt, recv_rows=o.rr, recv_w=o.rw)
+        return o.out, out_w, ntpe, offs, handle
 
     # ---------------------------------------------------------------------------------------------- status
     def check(self, what="EPBuffer"):

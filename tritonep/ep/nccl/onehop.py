@@ -302,15 +302,15 @@ class OneHopDispatch:
         rr = torch.empty(self.nslot, K, dtype=torch.int32, device=dev)
         rw = torch.empty(self.nslot, K, dtype=torch.float32, device=dev)
         o = OneHopOut(out, out_w, ntpe, offs, status, pkt, rr, rw, idx_c, w_c, counts)
-        self.run(x, topk_idx, topk_weights, refused, o, self.use_triton)
+        self.run(x, topk_idx, topk_weights, refused, o, self.use_triton, T)
         return o
 
     def run(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, refused: bool, o: OneHopOut,
-            ut: bool) -> None:
+            ut: bool, T: int | None = None) -> None:
         """The call's two launches and its collective into the caller's outputs ``o`` (shapes of
         :class:`OneHopOut`; any storage, e.g. views of one allocation); ``ut``: Triton kernels, else the twins.
-        ``x.shape[0] <= max_tokens_per_rank`` is the caller's to ensure."""
-        T = x.shape[0]
+        ``T = x.shape[0] <= max_tokens_per_rank`` (passed when the caller knows it) is the caller's to ensure."""
+        T = x.shape[0] if T is None else T
         if ut:
             nc = max(1, cdiv(T, self.BT))
             hs, hc = h_split(nc, self.H, self._send_bh, self.target)

@@ -139,7 +139,7 @@ class NcclSyncFree:
         if not bad_input:
             self._recent_idx.append(topk_idx)
         if self.sync_free_mode == "onehop":
-            return self._dispatch_onehop(x, topk_idx, topk_weights, bad_input)
+            return self._dispatch_onehop(x, topk_idx, topk_weights, bad_input, T)
         # 1) counts row, exchanged into the persistent matrix
         row = self._router.count(topk_idx, T, bad_input, ut)
         all_gather_flat(self._gathered, row, self.group)
@@ -192,7 +192,7 @@ class NcclSyncFree:
                             pkt=pkt, recv_rows=rr, recv_w=rw)
         return out, out_w, ntpe, offs, handle
 
-    def _dispatch_onehop(self, x, topk_idx, topk_weights, bad_input: bool):
+    def _dispatch_onehop(self, x, topk_idx, topk_weights, bad_input: bool, T: int):
         """The one-hop mode (module docstring): send launch, one even ``all_to_all_single``, receive launch (its
         verdict merged into the status word). Allocations: one float32 block (row weights first, so they start
         at offset 0 as a fresh tensor would, then the per-slot weights, the routing weights' copy and, viewed as
@@ -201,7 +201,7 @@ class NcclSyncFree:
         cfg, dev = self.cfg, self.device
         W, E, K, L, MR = cfg.world_size, cfg.num_experts, cfg.topk, cfg.num_local_experts, cfg.max_recv_tokens
         oh, st64 = self._oh or self._onehop()
-        T, N = x.shape[0], oh.nslot
+        N = oh.nslot
         TK, NK = T * K, N * K
         blk = torch.empty(MR + 2 * NK + 2 * TK + 2 * L + W * E, dtype=torch.float32, device=dev)
         out_w, rw, w_c, ints = torch.split(blk, (MR, NK, TK, NK + TK + 2 * L + W * E))
@@ -209,7 +209,7 @@ class NcclSyncFree:
         o = OneHopOut(out=torch.empty(MR, cfg.hidden, dtype=cfg.dtype, device=dev), out_w=out_w, ntpe=ntpe,
                       offs=offs, status=st64, pkt=pkt.view(T, K), rr=rr.view(N, K), rw=rw.view(N, K),
                       idx_c=torch.empty_like(topk_idx), w_c=w_c.view(T, K), counts=counts.view(W, E))
-        oh.run(x, topk_idx, topk_weights, bad_input, o, self.use_triton)
+        oh.run(x, topk_idx, topk_weights, bad_input, o, self.use_triton, T)
         splits = oh.splits
         handle = NcclHandle(topk_idx=o.idx_c, topk_weights=o.w_c, rows=self._no_routes, counts=o.counts,
                             num_tokens=T, num_recv_rows=None, x_scales=None, recv_weights=out_w,

@@ -27,7 +27,9 @@ zero_, index_add_); here 2 launches, 1 collective, 3 allocations (the send and r
 
 Sync-free dispatch (``sync_free=True``, :mod:`tritonep.ep.nccl.sync_free`): no host read and no host->device
 copy (the layout is computed by one more launch, the device plan), the send / receive rows persistent: 14 torch
-calls, 9 allocations, 4 launches (a rank without tokens: 12, 6, 2). Combine and both backward passes on its handle
+calls, 9 allocations, 4 launches (a rank without tokens: 12, 6, 2). Its one-hop mode (``TRITONEP_NCCL_SYNC_FREE=onehop``,
+:mod:`tritonep.ep.nccl.onehop`): 13 torch calls, 3 allocations (the rows, one float32 block viewed as every small
+output, the routing ids' copy), 2 launches, with or without tokens. Combine and both backward passes on its handle
 cost what they cost on a synced handle.
 
 Launch path (issue 24): every launch is a bound one (:class:`tritonep.ep.bound.BoundKernel`; none through a generic

@@ -24,14 +24,21 @@ Outputs (:class:`OneHopOut`, DeepEP's ``num_worst_tokens`` convention): ``out [m
 padding and tail rows), ``ntpe`` / ``offs`` int32 ``[L]``, ``status`` int64 ``[4]`` = ``[code, bad-rank mask (bit
 s = source s had bad ids or was refused), rows the worst rank needs, that rank]``, ``pkt`` int32 ``[T, K]``,
 ``rr`` int32 / ``rw`` float32 ``[W * (1 + Tcap), K]`` (row / weight of each received route, -1 / 0 on header,
-empty and foreign slots: the combine's per-packet routes), ``idx_c`` / ``w_c`` (routing copies). On a refused
+empty and foreign slots: the combine's per-packet routes), ``idx_c`` / ``w_c`` (routing copies), ``counts`` int32
+``[W, E]`` (every source's routes per expert, from the headers, whatever the verdict). On a refused
 verdict no row is written: ``out_w`` all 0, ``ntpe`` / ``offs`` 0, ``rr`` -1.
 
 Combine: :meth:`tritonep.ep.nccl.combine.NcclCombine._combine` works unchanged with a handle whose splits are the
 even ``(1 + Tcap,) * W`` and ``num_send = num_recv = W * (1 + Tcap)`` (tested bit-equal to the synced combine).
 
-Costs per call: 2 launches (the receive launch's grid is static, the send launch's follows T: a host int), 1
-collective, 0 host reads, 0 host syncs, no data-dependent host value; allocations: the 10 returned tensors (the
+Wired into the nccl backend as its sync-free ``onehop`` mode (:mod:`tritonep.ep.nccl.sync_free`,
+``TRITONEP_NCCL_SYNC_FREE``): there the receive launch also writes the handle's ``counts`` snapshot (int32
+``[W, E]`` from the headers) and merges its verdict into the backend's status word (``status_word=``, the kernel's
+``MERGE``), and the outputs are views of one per-call float32 block (:meth:`OneHopDispatch.run` takes the caller's
+outputs): 2 launches, 1 collective, 3 allocations.
+
+Costs per call of :meth:`OneHopDispatch.__call__`: 2 launches (the receive launch's grid is static, the send launch's follows T: a host int), 1
+collective, 0 host reads, 0 host syncs, no data-dependent host value; allocations: the 11 returned tensors (the
 send / recv buffers are persistent and reused in stream order: the synchronous collective orders the next call's
 send launch after this call's transfer). Bytes moved: ``W * (1 + Tcap) * width`` per rank whatever T (fixed blocks:
 the price of no counts exchange). The send kernel's prefix scans are redundant per tile (quadratic in T: fine at

@@ -2,8 +2,27 @@
 :class:`tritonep.ep.nccl.backend.NcclEP`) and its status word.
 
 No host read, no host sync, nothing data-dependent on the host (the ``num_worst_tokens`` convention of DeepEP /
-Hybrid-EP / torchtitan): every size is static. Call sequence (host protocol, identical on every rank whatever its
-data, docs/protocols.md (host protocol rule): one ``all_gather`` then one ``all_to_all_single``, always):
+Hybrid-EP / torchtitan): every size is static. Two modes, chosen once at construction (:func:`sync_free_mode`:
+``TRITONEP_NCCL_SYNC_FREE`` = ``onehop`` | ``gather``; unset: ``onehop`` for a bf16 dispatch wire and
+``max_tokens_per_rank <= ONEHOP_MAX_TOKENS`` (256), else ``gather``), same public contract (rows bit-identical to
+the synced dispatch, tail weights zero, the same handle fields for combine / both backward passes, the same status
+word and errors):
+
+**one-hop** (:mod:`tritonep.ep.nccl.onehop`; bf16 dispatch wire only): the send launch writes this rank's counts
+row as a header into slot 0 of every per-peer block of the persistent send rows ``[W * (1 + Tcap), width]`` plus
+the packets in slots ``1..Tcap``; ONE ``all_to_all_single`` with equal splits (``1 + Tcap`` rows per peer); the
+receive launch derives the verdict and layout from the W headers (every rank the same), writes the rows, weights,
+``num_tokens_per_expert`` / ``expert_offsets``, the per-slot routes, the handle's counts snapshot and merges the
+verdict into the status word (program 0, as the device plan below does). Per call: 2 launches (a rank without
+tokens too: its send launch writes the headers), 1 collective, 0 host reads; 3 allocations (the rows; one float32
+block holding the row weights at offset 0, the per-slot weights, the routing weights' copy and, viewed as int32,
+the packets, per-slot rows, ``num_tokens_per_expert``, ``expert_offsets`` and counts; the routing ids' copy) and
+13 torch calls. The handle's ``rows`` (destination row of each route, known only on the expert rank here) is an
+empty ``[0, K]`` tensor: nothing on this backend reads it. The send kernel's prefix scans are quadratic in T, hence
+the threshold.
+
+**gather** (every wire). Call sequence (host protocol, identical on every rank whatever its data,
+docs/protocols.md (host protocol rule): one ``all_gather`` then one ``all_to_all_single``, always):
 
 1. The counts launch (:meth:`tritonep.ep.nccl.route.Router.count`) and the ``all_gather`` of the counts row into the
    persistent matrix, as the synced dispatch does.
@@ -20,9 +39,9 @@ data, docs/protocols.md (host protocol rule): one ``all_gather`` then one ``all_
 5. The unpack launch over the ``W * Tcap`` slots, dropping each slot at or past its source's packet count (routes
    -1 / weights 0 in the handle: combine, both backward passes and every wire work unchanged on the equal splits).
 
-Returns ``max_recv_tokens`` rows (real rows ``[0, expert_offsets[-1])``, bit-identical to the synced dispatch; the
+Both modes return ``max_recv_tokens`` rows (real rows ``[0, expert_offsets[-1])``, bit-identical to the synced dispatch; the
 tail's rows unspecified, its weights zero), ``num_tokens_per_expert`` / ``expert_offsets`` on the device and a handle
-whose ``num_recv_rows`` is None. Per call: 4 launches (3 on a rank without tokens: no pack), 2 collectives, no host
+whose ``num_recv_rows`` is None. Per gather call: 4 launches (3 on a rank without tokens: no pack), 2 collectives, no host
 read; allocations: the rows, the row weights (zeroed), the plan vector and the handle's six tensors. The send and
 receive rows are persistent (made on the first sync-free call: a buffer never used this way pays nothing; one
 stream at a time, as every buffer of this library: the next call's pack is stream-ordered after this call's

@@ -308,8 +308,8 @@ def test_world_equals_synced_dispatch_and_combine(W, use_triton):
 
 @pytest.mark.compile
 def test_onehop_kernels_compile_for_sm90():
-    """Both launches (int32 and int64 ids, one and two sources, column splits) compile for sm_90 offline: the
-    interpreter accepts code the compiler refuses."""
+    """Both launches (int32 and int64 ids, one and two sources, column splits, the receive launch with and without
+    the status-word merge) compile for sm_90 offline: the interpreter accepts code the compiler refuses."""
     from tritonep.testing.compile_check import compile_recorded, record_launches
 
     recs = []
@@ -318,6 +318,7 @@ def test_onehop_kernels_compile_for_sm90():
         test_send_kernel_equals_twin("w2_int64_tiles")
         test_send_kernel_quantized_sources()
         test_recv_kernel_equals_twin_and_layout("w2_a1")
+        test_status_word_merge_equals_gather_plan()  # MERGE: the backend's sync-free one-hop mode
     names = {r.get("name") for r in recs}
     assert names == {"onehop_send_kernel", "onehop_recv_kernel"}, names
     failures = compile_recorded(recs)

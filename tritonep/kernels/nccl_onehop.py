@@ -22,8 +22,8 @@ where ``lr[t, k]`` is the rank of route (t, k) among the SENDER's routes to expe
   packets-to-this-rank) to ``row = seg_start[j] + sum_{s' < s} counts[s', e] + lr`` and writes the per-slot
   routes ``rr`` / ``rw``; a row tile zeros the weights of padding and tail rows and the padding rows; program 0
   writes ``ntpe``, ``offs``, ``status``, the ``counts`` snapshot and (``MERGE``, the nccl backend's sync-free
-  one-hop mode) merges the verdict into the backend's status word. A refused verdict writes no rows (``rr`` -1, weights 0, ``ntpe`` /
-  ``offs`` 0).
+  one-hop mode) merges the verdict into the backend's status word. A refused verdict writes no rows (``rr`` -1,
+  weights 0, ``ntpe`` / ``offs`` 0).
 
 Twins: :mod:`tritonep.ep.nccl.onehop`. Plain local loads and stores: no signals, no waits. Idea source: DeepEP's
 low-latency mode (fixed per-expert receive slots, counts carried with the data), pplx-kernels' dispatch.
@@ -181,8 +181,9 @@ def onehop_recv_kernel(recv_ptr, out_ptr, out_w_ptr, rr_ptr, rw_ptr, ntpe_ptr, o
     rank, that rank]``, ``counts`` int32 ``[W, E]`` (every source's routes per expert, from the headers; written
     whatever the verdict) and, when ``MERGE``, merges the verdict into the nccl backend's int32 status word ``st``
     ``[4 + 2W]`` exactly as :func:`tritonep.kernels.nccl_plan.sync_free_plan_kernel` does (the first unread
-    refusal's code / worst rank / rows, refusals counted, per-rank bad-id and refused flags gathered). Program column ``pid1`` moves (or zeros) elements ``[pid1 * HC, +HC)`` of the rows; column
-    0 also writes ``rr``, ``rw``, the weights and (program (0, 0)) ``ntpe``, ``offs``, ``status``.
+    refusal's code / worst rank / rows, refusals counted, per-rank bad-id and refused flags gathered). Program
+    column ``pid1`` moves (or zeros) elements ``[pid1 * HC, +HC)`` of the rows; column 0 also writes ``rr``,
+    ``rw``, the weights and (program (0, 0)) ``ntpe``, ``offs``, ``status``, ``counts`` and the merge.
     """
     BLK: tl.constexpr = 1 + TCAP
     NSLOT: tl.constexpr = W * BLK

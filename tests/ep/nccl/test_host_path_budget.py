@@ -25,12 +25,12 @@ launch writes: no clone kernels), a split and a view of the plan
 vector, one shape read. Combine: the pipeline is ~9 torch ops (zeros, gather, float, mul, index_add_, cast, collective,
 zero_, index_add_); here 2 launches, 1 collective, 3 allocations (the send and receive rows and the output).
 
-Sync-free dispatch (``sync_free=True``, :mod:`tritonep.ep.nccl.sync_free`): no host read and no host->device
-copy (the layout is computed by one more launch, the device plan), the send / receive rows persistent: 14 torch
-calls, 9 allocations, 4 launches (a rank without tokens: 12, 6, 2). Its one-hop mode (``TRITONEP_NCCL_SYNC_FREE=onehop``,
+Sync-free dispatch (``sync_free=True``, :mod:`tritonep.ep.nccl.sync_free`): no host read and no host->device copy (the
+layout is computed by one more launch, the device plan), the send / receive rows persistent: 14 torch calls, 9
+allocations, 4 launches (a rank without tokens: 12, 6, 2). Its one-hop mode (``TRITONEP_NCCL_SYNC_FREE=onehop``,
 :mod:`tritonep.ep.nccl.onehop`): 13 torch calls, 3 allocations (the rows, one float32 block viewed as every small
-output, the routing ids' copy), 2 launches, with or without tokens. Combine and both backward passes on its handle
-cost what they cost on a synced handle.
+output, the routing ids' copy), 2 launches, with or without tokens. Combine and both backward passes on its handle cost
+what they cost on a synced handle.
 
 Launch path (issue 24): every launch is a bound one (:class:`tritonep.ep.bound.BoundKernel`; none through a generic
 launcher), and on a fake GPU (``tests/ep/nccl/fake_gpu.py``) a warm call's launches are all direct C-launcher calls:
@@ -71,8 +71,8 @@ BUDGET_EMPTY = {"dispatch": (14, 7, 1, 1), "combine": (4, 3, 1, 0), "dispatch_bw
 # the one-hop sync-free mode (TRITONEP_NCCL_SYNC_FREE=onehop): send and receive launches, one collective, no
 # count / plan launch; allocations: one float32 block (row weights, per-slot weights, the routing weights' copy and,
 # as int32, packets, per-slot rows, ntpe, offsets, counts), the rows and the routing ids' copy
-BUDGET_ONEHOP = {"sf_dispatch": (13, 3, 2, 0),  # 2 empties + empty_like; 2 splits, 6 views, a2a, shape read "sf_combine": (4, 3, 2, 0), "sf_dispatch_bwd": (7, 4, 2, 0),
-                 "sf_combine_bwd": (6, 4, 2, 0)}
+BUDGET_ONEHOP = {"sf_dispatch": (13, 3, 2, 0),  # 2 empties + empty_like; 2 splits, 6 views, a2a, shape read
+                 "sf_combine": (4, 3, 2, 0), "sf_dispatch_bwd": (7, 4, 2, 0), "sf_combine_bwd": (6, 4, 2, 0)}
 BUDGET_ONEHOP_EMPTY = {"sf_dispatch": (13, 3, 2, 0), "sf_combine": (4, 3, 1, 0), "sf_dispatch_bwd": (7, 4, 1, 0),
                        "sf_combine_bwd": (6, 4, 1, 0)}
 

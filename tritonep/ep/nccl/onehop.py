@@ -37,16 +37,16 @@ Wired into the nccl backend as its sync-free ``onehop`` mode (:mod:`tritonep.ep.
 ``MERGE``), and the outputs are views of one per-call float32 block (:meth:`OneHopDispatch.run` takes the caller's
 outputs): 2 launches, 1 collective, 3 allocations.
 
-Costs per call of :meth:`OneHopDispatch.__call__`: 2 launches (the receive launch's grid is static, the send launch's follows T: a host int), 1
-collective, 0 host reads, 0 host syncs, no data-dependent host value; allocations: the 11 returned tensors (the
-send / recv buffers are persistent and reused in stream order: the synchronous collective orders the next call's
-send launch after this call's transfer). Bytes moved: ``W * (1 + Tcap) * width`` per rank whatever T (fixed blocks:
-the price of no counts exchange). The send kernel's prefix scans are redundant per tile (quadratic in T: fine at
-decode sizes, T <= a few hundred; at T = 4096 use the two-launch route kernels). Only the bf16 wire is supported
-by :class:`OneHopDispatch` (the send kernel and its twin also take quantized payload + scale bytes; the receive
-side would need the kept-quantized padding encoding or a dequantization step). Status: tested in the interpreter
-and in gloo worlds (``tests/ep/nccl/test_onehop.py``); both kernels compile for sm_90 offline (its
-``compile``-marked test); not yet run or timed on a GPU.
+Costs per call of :meth:`OneHopDispatch.__call__`: 2 launches (the receive launch's grid is static, the send launch's
+follows T: a host int), 1 collective, 0 host reads, 0 host syncs, no data-dependent host value; allocations: the 11
+returned tensors (the send / recv buffers are persistent and reused in stream order: the synchronous collective orders
+the next call's send launch after this call's transfer). Bytes moved: ``W * (1 + Tcap) * width`` per rank whatever T
+(fixed blocks: the price of no counts exchange). The send kernel's prefix scans are redundant per tile (quadratic in T:
+fine at decode sizes, T <= a few hundred; at T = 4096 use the two-launch route kernels). Only the bf16 wire is supported
+by :class:`OneHopDispatch` (the send kernel and its twin also take quantized payload + scale bytes; the receive side
+would need the kept-quantized padding encoding or a dequantization step). Status: tested in the interpreter and in gloo
+worlds (``tests/ep/nccl/test_onehop.py``); both kernels compile for sm_90 offline (its ``compile``-marked test); not yet
+run or timed on a GPU.
 
 Idea sources: DeepEP's low-latency mode (fixed per-expert receive slots, counts carried with the data, the
 ``num_worst_tokens`` output convention), pplx-kernels' dispatch; our code.
@@ -262,7 +262,8 @@ class OneHopDispatch:
         hs, self._recv_hc = h_split(tiles, H, rbh, self.target)
         self._recv_grid = (tiles, hs)  # static: the recv launch's grid never depends on the data
         self._recv_k = launch.bind(onehop_recv_kernel, dict(
-            recv_ptr=self.recv, st_ptr=st, MERGE=merge, K=K, KB=KB, E=E, L=self.L, W=W, RANK=rank, EB=pow2(E), LB=pow2(self.L), WB=pow2(W),
+            recv_ptr=self.recv, st_ptr=st, MERGE=merge, K=K, KB=KB, E=E, L=self.L, W=W, RANK=rank, EB=pow2(E),
+            LB=pow2(self.L), WB=pow2(W),
             TCAP=self.Tcap, A=self.A, MAXR=self.maxr, BP=bp, BZ=bz, N0=H, S0=lay.width // es, META=lay.mo // 4,
             ROW32=lay.width // 4, BH=rbh, CODE_CAP=STATUS_CAPACITY, CODE_BAD=STATUS_BAD_INPUT, num_warps=4),
             ("out_ptr", "out_w_ptr", "rr_ptr", "rw_ptr", "ntpe_ptr", "offs_ptr", "status_ptr", "counts_ptr", "HC"))

@@ -39,12 +39,12 @@ docs/protocols.md (host protocol rule): one ``all_gather`` then one ``all_to_all
 5. The unpack launch over the ``W * Tcap`` slots, dropping each slot at or past its source's packet count (routes
    -1 / weights 0 in the handle: combine, both backward passes and every wire work unchanged on the equal splits).
 
-Both modes return ``max_recv_tokens`` rows (real rows ``[0, expert_offsets[-1])``, bit-identical to the synced dispatch; the
-tail's rows unspecified, its weights zero), ``num_tokens_per_expert`` / ``expert_offsets`` on the device and a handle
-whose ``num_recv_rows`` is None. Per gather call: 4 launches (3 on a rank without tokens: no pack), 2 collectives, no host
-read; allocations: the rows, the row weights (zeroed), the plan vector and the handle's six tensors. The send and
-receive rows are persistent (made on the first sync-free call: a buffer never used this way pays nothing; one
-stream at a time, as every buffer of this library: the next call's pack is stream-ordered after this call's
+Both modes return ``max_recv_tokens`` rows (real rows ``[0, expert_offsets[-1])``, bit-identical to the synced dispatch;
+the tail's rows unspecified, its weights zero), ``num_tokens_per_expert`` / ``expert_offsets`` on the device and a
+handle whose ``num_recv_rows`` is None. Per gather call: 4 launches (3 on a rank without tokens: no pack), 2
+collectives, no host read; allocations: the rows, the row weights (zeroed), the plan vector and the handle's six
+tensors. The send and receive rows are persistent (made on the first sync-free call: a buffer never used this way pays
+nothing; one stream at a time, as every buffer of this library: the next call's pack is stream-ordered after this call's
 collective). Cost of the fixed sizes: every call moves ``W * Tcap`` rows (as DeepEP's low-latency kernels do).
 
 Errors are raised later, on every rank (nothing silent): by :meth:`check` or by the next synced dispatch, whose
@@ -131,9 +131,9 @@ class NcclSyncFree:
         self._oh = None  # the one-hop dispatcher (made on the first one-hop call: its buffers, bound launches)
 
     def _onehop(self):
-        """The one-hop dispatcher of this buffer (:class:`OneHopDispatch`, its verdicts merged into the status
-        word), its int64 per-call verdict scratch (read by nobody: the status word carries the verdict) and the
-        static sizes of the per-call block."""
+        """``(dispatcher, scratch)``: the one-hop dispatcher of this buffer (:class:`OneHopDispatch`, its verdicts
+        merged into the status word; its send / receive rows persistent, made here on the first one-hop call) and
+        its int64 ``[4]`` per-call verdict scratch (read by nobody: the status word carries the verdict)."""
         oh = OneHopDispatch.from_config(self.cfg, group=self.group, rank=self.rank, device=self.device,
                                         status_word=self._status)
         self._oh = oh, torch.empty(4, dtype=torch.int64, device=self.device)

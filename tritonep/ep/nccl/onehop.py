@@ -254,7 +254,10 @@ class OneHopDispatch:
             BH=self._send_bh, num_warps=4),
             ("idx_ptr", "w_ptr", "src0_ptr", "src1_ptr", "pkt_ptr", "idx_copy_ptr", "w_copy_ptr", "T", "refused",
              "HC"))
-        bp, bz = max(1, 128 // KB), 64
+        # packet / row tiles: the layout picks (``_pick``) hold [BP, KB, LB] and [BZ, 1, LB] registers, so the
+        # tiles shrink with L (2048 elements: no spill at the DeepSeek-V3 shape, 128 local experts, ptxas -v)
+        LBp = pow2(self.L)
+        bp, bz = max(1, min(128 // KB, 2048 // (KB * LBp))), max(1, min(64, 2048 // LBp))
         rbh = min(pow2(H), max(16, 1024 // bp))
         merge = status_word is not None
         st = status_word if merge else torch.zeros(1, dtype=torch.int32, device=dev)  # (not read without MERGE)

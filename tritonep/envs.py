@@ -11,6 +11,7 @@
 | TRITONEP_CPU_HEAP_BYTES | 256 MiB | size of one rank's slice of the CPU (fork + mmap) symmetric heap |
 | TRITONEP_FAST_LAUNCH | 1 | GPU launches of an already compiled kernel variant call the compiled kernel directly (``0``: always through ``kernel[grid]``) |
 | TRITONEP_OUTPUT_POOL | 2 | sets of per-call outputs a triton-backend buffer reuses per CUDA stream once nobody holds them (the handle storage and its views; on the decode geometry also the dispatch rows and the combine output), read at construction; ``0``: every call allocates (:mod:`tritonep.ep.triton.pool`) |
+| TRITONEP_NCCL_SYNC_FREE | "" (= rule) | the nccl backend's ``dispatch(sync_free=True)`` mode, read at construction: ``onehop`` (one ``all_to_all_single`` carrying the counts in a header slot, 2 launches; bf16 dispatch wire only), ``gather`` (``all_gather`` of the counts, device plan, then the ``all_to_all_single``; every wire) or unset: ``onehop`` for a bf16 wire, ``max_tokens_per_rank <= 256`` and at most 63 ranks, else ``gather`` (:mod:`tritonep.ep.nccl.sync_free`) |
 | TRITONEP_FORCE_NO_P2P | 0 | ``1``: ``backend="auto"`` acts as if no rank could map its peers' memory and picks ``nccl`` (tests, debugging) |
 
 Values are read at call time (not import time) so tests can change them with ``monkeypatch.setenv``. No other
@@ -23,11 +24,12 @@ import os
 
 __all__ = ["timeout_s", "sync_checks", "SYNC_NONE", "SYNC_DEFERRED", "SYNC_STRICT", "num_sms", "max_programs",
            "combine_kind", "geometry_override", "cpu_heap_bytes", "force_no_p2p", "interpret", "fast_launch", "output_pool",
+           "nccl_sync_free",
            "VARIABLES", "snapshot", "check_all"]
 
 VARIABLES = ("TRITONEP_TIMEOUT_S", "TRITONEP_SYNC_CHECKS", "TRITONEP_NUM_SMS", "TRITONEP_MAX_PROGRAMS",
              "TRITONEP_COMBINE", "TRITONEP_GEOMETRY", "TRITONEP_CPU_HEAP_BYTES", "TRITONEP_FAST_LAUNCH",
-             "TRITONEP_FORCE_NO_P2P", "TRITONEP_OUTPUT_POOL")
+             "TRITONEP_FORCE_NO_P2P", "TRITONEP_OUTPUT_POOL", "TRITONEP_NCCL_SYNC_FREE")
 """Every variable of the table above (``tritonep env`` shows the ones that are set)."""
 
 
@@ -160,6 +162,21 @@ def snapshot() -> dict:
     return {name: os.environ[name] for name in VARIABLES if name in os.environ}
 
 
+def nccl_sync_free() -> str:
+    """The nccl backend's sync-free mode (TRITONEP_NCCL_SYNC_FREE): "onehop", "gather" or "" (the backend's rule,
+    :data:`tritonep.ep.nccl.sync_free.ONEHOP_MAX_TOKENS`), read once at the buffer's construction.
+
+    Raises:
+        ConfigError: any other value.
+    """
+    v = _get("TRITONEP_NCCL_SYNC_FREE", "").strip()
+    if v not in ("", "onehop", "gather"):
+        from .errors import ConfigError
+
+        raise ConfigError(f"TRITONEP_NCCL_SYNC_FREE={v!r}: use onehop, gather or leave it unset")
+    return v
+
+
 def combine_kind() -> str:
     """Forced combine kind, "push" or "pull", or "" for the geometry table's choice (TRITONEP_COMBINE).
 
@@ -239,3 +256,4 @@ def check_all() -> None:
     fast_launch()
     force_no_p2p()
     output_pool()
+    nccl_sync_free()

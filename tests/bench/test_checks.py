@@ -65,9 +65,10 @@ def test_ep_bench_checks_every_point(tmp_path, capsys):
     rows = _rows(out)
     ops = {r["op"] for r in rows}
     assert {"tritonep.dispatch.mxfp4", "tritonep.combine.pull.bf16", "tritonep[nccl].combine.bf16", "nccl.a2a",
-            "nccl.pipeline.combine", "nccl.pipeline_full.dispatch", "tritonep[nccl].dispatch_sync_free.bf16"} <= ops
+            "nccl.pipeline.combine", "nccl.pipeline_full.dispatch", "tritonep[nccl].dispatch_sync_free_onehop.bf16",
+            "tritonep[nccl].dispatch_sync_free_gather.bf16", "tritonep[nccl].combine_sync_free_onehop.bf16"} <= ops
     assert {"tritonep.dispatch.fp8.kept", "tritonep.dispatch.mxfp4.kept"} <= ops  # keep_quantized rows
-    assert len(rows) == 2 * 23 and all(r["checked"] is True for r in rows)
+    assert len(rows) == 2 * 25 and all(r["checked"] is True for r in rows)
     assert sum(1 for r in rows if r.get("variant")) == 2 * 5
     # a registered wire beyond the three defaults: its points check against its own twins
     assert ep_bench.main(["--cpu", "--wires", "fp8_e5m2", "--json", str(out)]) == 0

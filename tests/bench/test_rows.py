@@ -17,3 +17,11 @@ def test_ratio_lines():
     assert lines == ["decode: dispatch eager/graph 2.50x (100/40 us); combine eager/graph 2.00x (50/25 us); "
                      "nccl-backend/pipeline dispatch 0.80x (120/150 us); nccl-backend/pipeline combine 0.50x "
                      "(300/600 us)"]
+
+
+def test_ratio_lines_sync_free_modes():
+    rows = [_row("nccl.pipeline.dispatch", 127.0, "eager"),
+            _row("tritonep[nccl].dispatch_sync_free_onehop.bf16", 100.0, "eager"),
+            _row("tritonep[nccl].dispatch_sync_free_gather.bf16", 190.5, "eager")]
+    assert ratio_lines(rows) == ["decode: nccl-backend sync-free onehop/pipeline dispatch 0.79x (100/127 us); "
+                                 "nccl-backend sync-free gather/pipeline dispatch 1.50x (190/127 us)"]

@@ -206,8 +206,12 @@ def _nccl_paths(group):
     with record_launches(recs):
         for E, H, K, T, A, wire in ((8, 64, 2, 9, 4, "bf16"), (8, 128, 2, 9, 4, "fp8"), (8, 128, 2, 9, 1, "mxfp4"),
                                     (256, 7168, 8, 20, 1, "bf16")):
-            b = tep.EPBuffer(group, E, H, 32, K, backend="nccl", dispatch_wire=wire, combine_wire=wire,
-                             expert_alignment=A)
+            os.environ["TRITONEP_NCCL_SYNC_FREE"] = "gather"  # (a forked rank: its own environment)
+            try:
+                b = tep.EPBuffer(group, E, H, 32, K, backend="nccl", dispatch_wire=wire, combine_wire=wire,
+                                 expert_alignment=A)
+            finally:
+                os.environ.pop("TRITONEP_NCCL_SYNC_FREE", None)
             b._impl.use_triton = True
             x, i, w = make_rank_inputs(rank, T, H, E, K, seed=7)
             x.requires_grad_(True)
@@ -223,6 +227,17 @@ def _nccl_paths(group):
                 b.dispatch(x.detach(), i, w.detach(), keep_quantized=True, sync_free=True)
             b.check()
             b.close()
+            if wire == "bf16":  # the one-hop sync-free mode (send / receive launches, the status-word merge)
+                os.environ["TRITONEP_NCCL_SYNC_FREE"] = "onehop"
+                try:
+                    b = tep.EPBuffer(group, E, H, 32, K, backend="nccl", expert_alignment=A)
+                finally:
+                    os.environ.pop("TRITONEP_NCCL_SYNC_FREE", None)
+                b._impl.use_triton = True
+                f = b.dispatch(x.detach(), i, w.detach(), sync_free=True)
+                b.combine(f.x * 1, f.handle)
+                b.check()
+                b.close()
     return recs
 
 
@@ -232,7 +247,8 @@ def test_nccl_kernels_compile_for_sm90():
     128-route pairwise tiles and 2K-element row tiles)."""
     recs = run_cpu_world(2, _nccl_paths, timeout_s=600)[0]
     assert {"route_count_kernel", "route_pack_kernel", "route_unpack_kernel", "partials_kernel", "sum_kernel",
-            "pack_rows_kernel", "grad_expand_kernel", "sync_free_plan_kernel"} <= {r.get("name") for r in recs}
+            "pack_rows_kernel", "grad_expand_kernel", "sync_free_plan_kernel", "onehop_send_kernel",
+            "onehop_recv_kernel"} <= {r.get("name") for r in recs}
     failures = compile_recorded(recs)
     assert not failures, "\n\n".join(f"{n}: {e}" for n, e in failures)
     big = [r for r in recs if 7168 in (r["constexprs"].get("H"), r["constexprs"].get("N0"), r["constexprs"].get("N"))

@@ -15,10 +15,14 @@ The NCCL pipeline is what a user would write for the same expert-grouped output:
 which favours NCCL); combine is the reverse (gather partials, a2a back, weighted sum). ``nccl.pipeline_full.dispatch``
 is the same dispatch as a user writes it when the routing changes every call (what a dispatch call must do): the
 counts all_to_all, one host read of the split sizes, the metadata and rows all_to_all and the expert grouping (a
-stable sort) all inside the timed call. ``tritonep[nccl].dispatch_sync_free.bf16`` is the nccl backend's
-``sync_free=True`` dispatch (no host read: fixed per-peer packet slots, one equal-split all_to_all), checked like
-the others on its real rows ``[0, expert_offsets[-1])``; the summary's "nccl-backend sync-free/pipeline dispatch"
-ratio compares it with ``nccl.pipeline.dispatch`` (issue 24's target: <= 1 at 128 tokens).
+stable sort) all inside the timed call. ``tritonep[nccl].dispatch_sync_free_onehop.bf16`` and
+``..._gather.bf16`` are the nccl backend's ``sync_free=True`` dispatch (no host read: fixed per-peer packet slots,
+one equal-split all_to_all) in each mode of ``TRITONEP_NCCL_SYNC_FREE`` (one-hop: the counts ride in a header slot,
+1 collective + 2 launches; gather: counts all_gather + device plan, 2 collectives + 4 launches; a buffer per mode,
+the variable restored), checked like the others on their real rows ``[0, expert_offsets[-1])``;
+``tritonep[nccl].combine_sync_free_onehop.bf16`` is the combine on a one-hop handle (equal splits), checked bit for
+bit. The summary's "nccl-backend sync-free onehop/pipeline dispatch" and "... gather/pipeline dispatch" ratios
+compare them with ``nccl.pipeline.dispatch`` (issue 24's target: <= 1 at 128 tokens).
 
 Every point checks itself after it is timed (issue 18, :mod:`tritonep.bench.check`): the output of the captured
 call (graph rows; every replay rewrites its tensors) or of the last eager call is compared with the on-device
@@ -289,13 +293,35 @@ def bench_ep(group, profile: str, combine_kinds=("push", "pull"), num_sms=None, 
     us, mode = time_graph(ndisp, group, iters=iters, capture=False)
     check_dispatch(row("tritonep[nccl].dispatch.bf16", us, mode), last["d"], "bf16")
 
-    def ndisp_sf():  # no host read (issue 24): fixed per-peer slots, one equal-split all_to_all
-        last["d"] = nbuf.dispatch(x, idx, w, sync_free=True)
+    # the sync-free dispatch (no host read, issue 24) in each mode of TRITONEP_NCCL_SYNC_FREE (a buffer per mode,
+    # the variable set for its construction and restored); the combine on the one-hop handle
+    for sf_mode in ("onehop", "gather"):
+        old_mode = os.environ.pop("TRITONEP_NCCL_SYNC_FREE", None)
+        os.environ["TRITONEP_NCCL_SYNC_FREE"] = sf_mode
+        try:
+            sbuf = tep.EPBuffer(group, E, H, T, K, backend="nccl")
+        finally:
+            os.environ.pop("TRITONEP_NCCL_SYNC_FREE", None)
+            if old_mode is not None:
+                os.environ["TRITONEP_NCCL_SYNC_FREE"] = old_mode
 
-    us, mode = time_graph(ndisp_sf, group, iters=iters, capture=False)
-    # checked like the others: the real rows [0, expert_offsets[-1]) bit-equal to the oracle's
-    check_dispatch(row("tritonep[nccl].dispatch_sync_free.bf16", us, mode), last["d"], "bf16")
-    nbuf.check()  # the sync-free calls recorded no refusal
+        def ndisp_sf(sbuf=sbuf):
+            last["d"] = sbuf.dispatch(x, idx, w, sync_free=True)
+
+        us, mode = time_graph(ndisp_sf, group, iters=iters, capture=False)
+        # checked like the others: the real rows [0, expert_offsets[-1]) bit-equal to the oracle's
+        check_dispatch(row(f"tritonep[nccl].dispatch_sync_free_{sf_mode}.bf16", us, mode), last["d"], "bf16")
+        if sf_mode == "onehop":
+            sd = last["d"]
+            seo = expert_out(torch.zeros(sd.x.shape, dtype=torch.bfloat16, device=dev), sd)
+
+            def scomb(sbuf=sbuf, sd=sd, seo=seo):
+                last["y"] = sbuf.combine(seo, sd.handle)
+
+            us, mode = time_graph(scomb, group, iters=iters, capture=False)
+            check_combine(row("tritonep[nccl].combine_sync_free_onehop.bf16", us, mode), last["y"], "bf16")
+        sbuf.check()  # the sync-free calls recorded no refusal
+        sbuf.close()
     nd = nbuf.dispatch(x, idx, w)
     neo = expert_out(torch.empty(nd.x.shape, dtype=torch.bfloat16, device=dev), nd)
 
@@ -406,8 +432,10 @@ def ratio_lines(rows) -> list:
                             us("nccl.pipeline.dispatch")),
                            ("nccl-backend/full pipeline dispatch", us("tritonep[nccl].dispatch.bf16"),
                             us("nccl.pipeline_full.dispatch")),
-                           ("nccl-backend sync-free/pipeline dispatch",
-                            us("tritonep[nccl].dispatch_sync_free.bf16"), us("nccl.pipeline.dispatch")),
+                           ("nccl-backend sync-free onehop/pipeline dispatch",
+                            us("tritonep[nccl].dispatch_sync_free_onehop.bf16"), us("nccl.pipeline.dispatch")),
+                           ("nccl-backend sync-free gather/pipeline dispatch",
+                            us("tritonep[nccl].dispatch_sync_free_gather.bf16"), us("nccl.pipeline.dispatch")),
                            ("nccl-backend/pipeline combine", us("tritonep[nccl].combine.bf16"),
                             us("nccl.pipeline.combine"))):
             if a and b:

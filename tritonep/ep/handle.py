@@ -120,7 +120,10 @@ class NcclHandle(DispatchHandle):
 
     A sync-free dispatch's handle (:mod:`tritonep.ep.nccl.sync_free`) has fixed slots: splits of
     ``max_tokens_per_rank`` packets per peer, ``Ns = Nr = W * max_tokens_per_rank``; a slot its source left empty has
-    routes -1 and weights 0 (combine and the backward passes need nothing else), ``num_recv_rows`` is None.
+    routes -1 and weights 0 (combine and the backward passes need nothing else), ``num_recv_rows`` is None. In the
+    one-hop mode (``TRITONEP_NCCL_SYNC_FREE=onehop``) every peer block has one more slot (the header: routes -1),
+    splits of ``1 + max_tokens_per_rank``, and ``rows`` is an empty ``[0, K]`` tensor (the destination rows are known
+    only on the expert ranks; nothing on this backend reads it).
     """
 
     backend: ClassVar[str] = "nccl"

@@ -21,8 +21,9 @@ where ``lr[t, k]`` is the rank of route (t, k) among the SENDER's routes to expe
   (:func:`tritonep.ep.layout.layout_torch`); a packet tile scatters its valid packets (index in block < header
   packets-to-this-rank) to ``row = seg_start[j] + sum_{s' < s} counts[s', e] + lr`` and writes the per-slot
   routes ``rr`` / ``rw``; a row tile zeros the weights of padding and tail rows and the padding rows; program 0
-  writes ``ntpe``, ``offs``, ``status``. A refused verdict writes no rows (``rr`` -1, weights 0, ``ntpe`` /
-  ``offs`` 0).
+  writes ``ntpe``, ``offs``, ``status``, the ``counts`` snapshot and (``MERGE``, the nccl backend's sync-free
+  one-hop mode) merges the verdict into the backend's status word. A refused verdict writes no rows (``rr`` -1,
+  weights 0, ``ntpe`` / ``offs`` 0).
 
 Twins: :mod:`tritonep.ep.nccl.onehop`. Plain local loads and stores: no signals, no waits. Idea source: DeepEP's
 low-latency mode (fixed per-expert receive slots, counts carried with the data), pplx-kernels' dispatch.
@@ -166,7 +167,8 @@ def _pick(vec, j, NB: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["HC"])
-def onehop_recv_kernel(recv_ptr, out_ptr, out_w_ptr, rr_ptr, rw_ptr, ntpe_ptr, offs_ptr, status_ptr, HC,
+def onehop_recv_kernel(recv_ptr, out_ptr, out_w_ptr, rr_ptr, rw_ptr, ntpe_ptr, offs_ptr, status_ptr, counts_ptr,
+                       st_ptr, HC, MERGE: tl.constexpr,
                        K: tl.constexpr, KB: tl.constexpr, E: tl.constexpr, L: tl.constexpr, W: tl.constexpr,
                        RANK: tl.constexpr, EB: tl.constexpr, LB: tl.constexpr, WB: tl.constexpr,
                        TCAP: tl.constexpr, A: tl.constexpr, MAXR: tl.constexpr, BP: tl.constexpr,
@@ -176,8 +178,12 @@ def onehop_recv_kernel(recv_ptr, out_ptr, out_w_ptr, rr_ptr, rw_ptr, ntpe_ptr, o
     wire row read as ``out``'s dtype, S0 elements a row, N0 elements copied); writes ``out [MAXR, N0]`` (real and
     padding rows), ``out_w`` float32 ``[MAXR]`` (every row), ``rr`` int32 / ``rw`` float32 ``[W * (1 + TCAP), K]``,
     ``ntpe`` / ``offs`` int32 ``[L]``, ``status`` int64 ``[4]`` = ``[code, bad-rank mask, rows needed by the worst
-    rank, that rank]``. Program column ``pid1`` moves (or zeros) elements ``[pid1 * HC, +HC)`` of the rows; column
-    0 also writes ``rr``, ``rw``, the weights and (program (0, 0)) ``ntpe``, ``offs``, ``status``.
+    rank, that rank]``, ``counts`` int32 ``[W, E]`` (every source's routes per expert, from the headers; written
+    whatever the verdict) and, when ``MERGE``, merges the verdict into the nccl backend's int32 status word ``st``
+    ``[4 + 2W]`` exactly as :func:`tritonep.kernels.nccl_plan.sync_free_plan_kernel` does (the first unread
+    refusal's code / worst rank / rows, refusals counted, per-rank bad-id and refused flags gathered). Program
+    column ``pid1`` moves (or zeros) elements ``[pid1 * HC, +HC)`` of the rows; column 0 also writes ``rr``,
+    ``rw``, the weights and (program (0, 0)) ``ntpe``, ``offs``, ``status``, ``counts`` and the merge.
     """
     BLK: tl.constexpr = 1 + TCAP
     NSLOT: tl.constexpr = W * BLK
@@ -279,3 +285,19 @@ def onehop_recv_kernel(recv_ptr, out_ptr, out_w_ptr, rr_ptr, rw_ptr, ntpe_ptr, o
         tl.store(status_ptr + 1, mask)
         tl.store(status_ptr + 2, worst.to(tl.int64))
         tl.store(status_ptr + 3, worst_rank.to(tl.int64))
+        hb = recv32
+        for s in range(W):  # the handle's counts snapshot: every source's routes per expert
+            tl.store(counts_ptr + s * E + e_off, tl.load(hb + e_off, mask=em, other=0), mask=em)
+            hb += BLK * ROW32
+        if MERGE:  # the backend's status word (the gather mode's plan kernel writes it the same way)
+            err = code != 0
+            code0 = tl.load(st_ptr)
+            first = err & (code0 == 0)
+            tl.store(st_ptr, tl.where(first, code, code0))
+            tl.store(st_ptr + 1, tl.where(first, worst_rank.to(tl.int32), tl.load(st_ptr + 1)))
+            tl.store(st_ptr + 2, tl.load(st_ptr + 2) + err.to(tl.int32))
+            tl.store(st_ptr + 3, tl.where(first, worst, tl.load(st_ptr + 3)))
+            fb = tl.load(st_ptr + 4 + s_off, mask=sm, other=0)
+            tl.store(st_ptr + 4 + s_off, tl.maximum(fb, (nbad != 0).to(tl.int32)), mask=sm)
+            fr = tl.load(st_ptr + 4 + W + s_off, mask=sm, other=0)
+            tl.store(st_ptr + 4 + W + s_off, tl.maximum(fr, (refd != 0).to(tl.int32)), mask=sm)

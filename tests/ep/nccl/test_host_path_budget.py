@@ -25,15 +25,19 @@ launch writes: no clone kernels), a split and a view of the plan
 vector, one shape read. Combine: the pipeline is ~9 torch ops (zeros, gather, float, mul, index_add_, cast, collective,
 zero_, index_add_); here 2 launches, 1 collective, 3 allocations (the send and receive rows and the output).
 
-Sync-free dispatch (``sync_free=True``, :mod:`tritonep.ep.nccl.sync_free`): no host read and no host->device
-copy (the layout is computed by one more launch, the device plan), the send / receive rows persistent: 14 torch
-calls, 9 allocations, 4 launches (a rank without tokens: 12, 6, 2). Combine and both backward passes on its handle
-cost what they cost on a synced handle.
+Sync-free dispatch (``sync_free=True``, :mod:`tritonep.ep.nccl.sync_free`): no host read and no host->device copy (the
+layout is computed by one more launch, the device plan), the send / receive rows persistent: 14 torch calls, 9
+allocations, 4 launches (a rank without tokens: 12, 6, 2). Its one-hop mode (``TRITONEP_NCCL_SYNC_FREE=onehop``,
+:mod:`tritonep.ep.nccl.onehop`): 13 torch calls, 3 allocations (the rows, one float32 block viewed as every small
+output, the routing ids' copy), 2 launches, with or without tokens. Combine and both backward passes on its handle cost
+what they cost on a synced handle.
 
 Launch path (issue 24): every launch is a bound one (:class:`tritonep.ep.bound.BoundKernel`; none through a generic
 launcher), and on a fake GPU (``tests/ep/nccl/fake_gpu.py``) a warm call's launches are all direct C-launcher calls:
 none goes through Triton's ``kernel[grid]`` path (38-61 us of host time a launch on the H200, issue 24).
 """
+
+import os
 
 import pytest
 import torch
@@ -64,22 +68,32 @@ BUDGET_EMPTY = {"dispatch": (14, 7, 1, 1), "combine": (4, 3, 1, 0), "dispatch_bw
                 "sf_dispatch": (12, 6, 2, 0), "sf_combine": (4, 3, 1, 0), "sf_dispatch_bwd": (7, 4, 1, 0),
                 "sf_combine_bwd": (6, 4, 1, 0)}
 
+# the one-hop sync-free mode (TRITONEP_NCCL_SYNC_FREE=onehop): send and receive launches, one collective, no
+# count / plan launch; allocations: one float32 block (row weights, per-slot weights, the routing weights' copy and,
+# as int32, packets, per-slot rows, ntpe, offsets, counts), the rows and the routing ids' copy
+BUDGET_ONEHOP = {"sf_dispatch": (13, 3, 2, 0),  # 2 empties + empty_like; 2 splits, 6 views, a2a, shape read
+                 "sf_combine": (4, 3, 2, 0), "sf_dispatch_bwd": (7, 4, 2, 0), "sf_combine_bwd": (6, 4, 2, 0)}
+BUDGET_ONEHOP_EMPTY = {"sf_dispatch": (13, 3, 2, 0), "sf_combine": (4, 3, 1, 0), "sf_dispatch_bwd": (7, 4, 1, 0),
+                       "sf_combine_bwd": (6, 4, 1, 0)}
 
-def _count(group, T0, T1):
+
+def _count(group, T0, T1, mode="gather"):
     from tritonep.testing.cases import make_rank_inputs
 
     rank = dist.get_rank(group)
     T = (T0, T1)[rank]
     x, idx, w = make_rank_inputs(rank, T, 64, 8, 2, seed=4, mask_frac=0.2)
     with fake_gpu() as log:  # bound kernels on a fake GPU: the direct path after a variant's first launch
-        return _count_calls(group, x, idx, w, T, log)
+        return _count_calls(group, x, idx, w, T, log, mode)
 
 
-def _count_calls(group, x, idx, w, T, log):
+def _count_calls(group, x, idx, w, T, log, mode):
     from tritonep import EPBuffer
     from tritonep.bench.host_path import HostCounter, stub_launches
 
+    os.environ["TRITONEP_NCCL_SYNC_FREE"] = mode  # (a forked rank: its own environment)
     buf = EPBuffer(group, 8, 64, 16, 2, backend="nccl", device="cpu")
+    assert buf._impl.sync_free_mode == mode
     impl = buf._impl
     impl.use_triton = True  # the GPU path; its kernels run in the interpreter, uncounted
     w = w.float()
@@ -111,11 +125,14 @@ def _count_calls(group, x, idx, w, T, log):
     return out
 
 
+@pytest.mark.parametrize("mode", ["gather", "onehop"])
 @pytest.mark.parametrize("tokens", [(12, 9), (12, 0)])
-def test_nccl_per_call_host_budget(tokens):
-    res = run_cpu_world(2, _count, *tokens, timeout_s=300)
+def test_nccl_per_call_host_budget(tokens, mode):
+    res = run_cpu_world(2, _count, *tokens, mode, timeout_s=300)
     for rank, out in enumerate(res):
-        want = BUDGET_EMPTY if tokens[rank] == 0 else BUDGET
+        want = dict(BUDGET_EMPTY if tokens[rank] == 0 else BUDGET)
+        if mode == "onehop":
+            want.update(BUDGET_ONEHOP_EMPTY if tokens[rank] == 0 else BUDGET_ONEHOP)
         for call, (calls, allocs, launches, reads) in want.items():
             got = out[call]
             assert got[2] == launches and got[3] == reads, (rank, call, got, out[call + ".names"])

@@ -38,12 +38,12 @@ def _inputs(T, E, K, H, seed, idx_dtype=torch.int64, mask_frac=0.25, bad=False):
     return x, idx.to(idx_dtype).contiguous(), w.float()
 
 
-def _oh(W, E, K, H, Tcap, A=1, maxr=None, rank=0, use_triton=False, target=7):
+def _oh(W, E, K, H, Tcap, A=1, maxr=None, rank=0, use_triton=False, target=7, status_word=None):
     """A dispatcher without a group (the tests drive its steps); target 7: uneven column splits of the rows."""
     return OneHopDispatch(group=None, rank=rank, world_size=W, num_experts=E, topk=K, hidden=H,
                           max_tokens_per_rank=Tcap, expert_alignment=A,
                           max_recv_tokens=maxr or W * Tcap * K + (E // W) * (A - 1), use_triton=use_triton,
-                          target=target)
+                          target=target, status_word=status_word)
 
 
 SEND_CASES = {  # W, E, K, H, Tcap, T, idx dtype, bad ids
@@ -153,13 +153,13 @@ def _receive(oh, ut):
     o = dict(out=torch.full((oh.maxr, oh.H), 7.0, dtype=torch.bfloat16), out_w=torch.full((oh.maxr,), 5.0),
              rr=torch.full((oh.nslot, K), -9, dtype=torch.int32), rw=torch.full((oh.nslot, K), 9.0),
              ntpe=torch.full((L,), -3, dtype=torch.int32), offs=torch.full((L,), -3, dtype=torch.int32),
-             status=torch.full((4,), -1, dtype=torch.int64))
-    args = [o[k] for k in ("out", "out_w", "rr", "rw", "ntpe", "offs", "status")]
+             status=torch.full((4,), -1, dtype=torch.int64), counts=torch.full((oh.W, oh.E), -4, dtype=torch.int32))
+    args = [o[k] for k in ("out", "out_w", "rr", "rw", "ntpe", "offs", "status", "counts")]
     if ut:
         oh._recv_k(oh._recv_grid, *args, oh._recv_hc)
     else:
-        onehop_recv_torch(oh.recv, *args, oh.rank, oh.E, oh.W, oh.Tcap, oh.A, oh.maxr, oh.lay,
-                          oh.lay.width // 2)
+        onehop_recv_torch(oh.recv, *args[:7], oh.rank, oh.E, oh.W, oh.Tcap, oh.A, oh.maxr, oh.lay,
+                          oh.lay.width // 2, args[7], oh._st)
     return o
 
 
@@ -178,7 +178,7 @@ def test_recv_kernel_equals_twin_and_layout(name):
     for d, oh in enumerate(ohs):
         k, t = _receive(oh, True), _receive(oh, False)
         R = int(t["offs"][-1])
-        for n in ("out_w", "rr", "rw", "ntpe", "offs", "status"):
+        for n in ("out_w", "rr", "rw", "ntpe", "offs", "status", "counts"):
             assert torch.equal(k[n], t[n]), f"rank {d}: {n} differs from the twin"
         assert torch.equal(k["out"][:R].view(torch.int16), t["out"][:R].view(torch.int16)), f"rank {d}: rows"
         assert torch.equal(k["out"][R:], t["out"][R:]) and bool((t["out"][R:] == 7.0).all()), "tail untouched"
@@ -188,6 +188,32 @@ def test_recv_kernel_equals_twin_and_layout(name):
         assert torch.equal(t["out"][:R].view(torch.int16), out.view(torch.int16)), f"rank {d}: rows vs layout"
         assert torch.equal(t["out_w"][:R], ow) and bool((t["out_w"][R:] == 0).all()), f"rank {d}: weights"
         assert int((t["rr"] >= 0).sum()) == int(ntpe.sum()), f"rank {d}: one received route per real row"
+        want = torch.stack([count_row_torch(idx, E, W, False)[:E] for _, idx, _ in ins])
+        assert torch.equal(t["counts"], want), f"rank {d}: counts snapshot"
+
+
+def test_status_word_merge_equals_gather_plan():
+    """``MERGE``: the receive launch (kernel and twin) merges each verdict into the backend's status word exactly
+    as the gather mode's device plan does on the same counts matrix (the W headers): ok, capacity, then bad ids
+    (the first refusal's code / rank / rows kept, refusals counted, flags gathered)."""
+    from tritonep.ep.nccl.plan import device_plan_torch, sf_plan_size, status_size
+
+    W, E, K, H, Tcap, Ts, A, maxr = 3, 6, 2, 16, 8, [8, 3, 5], 2, 10
+    words = {(d, n): torch.zeros(status_size(W), dtype=torch.int32) for d in range(W) for n in ("k", "t", "plan")}
+    for kw in (dict(), dict(flood=True), dict(bad_rank=1)):
+        ohs, _ = _exchange(W, E, K, H, Tcap, Ts, A, maxr=maxr, **kw)
+        for d, oh in enumerate(ohs):
+            for n, ut in (("k", True), ("t", False)):
+                m = _oh(W, E, K, H, Tcap, A, maxr, rank=d, use_triton=True, status_word=words[d, n])
+                m.recv.copy_(oh.recv)
+                _receive(m, ut)
+            mat = oh.recv.view(torch.int32)[0::1 + Tcap, :E + W + 2].reshape(-1).clone()
+            device_plan_torch(mat, d, W, E, A, Tcap, maxr, torch.empty(sf_plan_size(W, E), dtype=torch.int32),
+                              words[d, "plan"], (STATUS_CAPACITY, STATUS_BAD_INPUT))
+            assert torch.equal(words[d, "k"], words[d, "t"]), (d, kw, words[d, "k"], words[d, "t"])
+            assert torch.equal(words[d, "t"], words[d, "plan"]), (d, kw, words[d, "t"], words[d, "plan"])
+    st = words[0, "plan"].tolist()
+    assert st[0] == STATUS_CAPACITY and st[1] == 2 and st[2] == 2 and st[4:4 + W] == [0, 1, 0], st
 
 
 @pytest.mark.parametrize("kind", ["capacity", "bad_id"])
@@ -282,8 +308,8 @@ def test_world_equals_synced_dispatch_and_combine(W, use_triton):
 
 @pytest.mark.compile
 def test_onehop_kernels_compile_for_sm90():
-    """Both launches (int32 and int64 ids, one and two sources, column splits) compile for sm_90 offline: the
-    interpreter accepts code the compiler refuses."""
+    """Both launches (int32 and int64 ids, one and two sources, column splits, the receive launch with and without
+    the status-word merge) compile for sm_90 offline: the interpreter accepts code the compiler refuses."""
     from tritonep.testing.compile_check import compile_recorded, record_launches
 
     recs = []
@@ -292,6 +318,7 @@ def test_onehop_kernels_compile_for_sm90():
         test_send_kernel_equals_twin("w2_int64_tiles")
         test_send_kernel_quantized_sources()
         test_recv_kernel_equals_twin_and_layout("w2_a1")
+        test_status_word_merge_equals_gather_plan()  # MERGE: the backend's sync-free one-hop mode
     names = {r.get("name") for r in recs}
     assert names == {"onehop_send_kernel", "onehop_recv_kernel"}, names
     failures = compile_recorded(recs)

@@ -3,9 +3,16 @@
 offsets), combine and both backward passes through the sync-free handle equal the synced ones; errors on any rank
 are recorded on the device and raised on EVERY rank by the next ``check()`` / synced dispatch, nothing moved.
 
+Both modes (``TRITONEP_NCCL_SYNC_FREE``: ``gather``, ``onehop``; :mod:`tritonep.ep.nccl.sync_free`) run the same
+cases (one-hop: the bf16 cases; a quantized wire under the default rule resolves to gather, an explicit one-hop
+with it is refused at construction).
+
 CPU worlds (gloo): the torch twins, and (``use_triton``) the Triton kernels in the interpreter. The device plan
 kernel against its twin and the host plan in one process.
 """
+
+import os
+
 
 import numpy as np
 import pytest
@@ -13,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from tritonep.ep import EPBuffer
-from tritonep.errors import CapacityError, InputError, PeerInputError
+from tritonep.errors import CapacityError, ConfigError, InputError, PeerInputError, WireError
 from tritonep.testing import run_cpu_world
 from tritonep.testing.cases import make_rank_inputs
 
@@ -63,12 +70,31 @@ def _compare(a, b):
     return bad
 
 
-def _equal_world(group, cases):
+MODES = ("gather", "onehop")
+
+
+def _buffer(group, mode, *args, **kw):
+    """An nccl EPBuffer made with TRITONEP_NCCL_SYNC_FREE = ``mode`` (None: unset), the variable restored."""
+    old = os.environ.pop("TRITONEP_NCCL_SYNC_FREE", None)
+    if mode is not None:
+        os.environ["TRITONEP_NCCL_SYNC_FREE"] = mode
+    try:
+        return EPBuffer(group, *args, backend="nccl", device="cpu", **kw)
+    finally:
+        os.environ.pop("TRITONEP_NCCL_SYNC_FREE", None)
+        if old is not None:
+            os.environ["TRITONEP_NCCL_SYNC_FREE"] = old
+
+
+def _equal_world(group, cases, mode="gather"):
     rank, W = dist.get_rank(group), dist.get_world_size(group)
     out = []
     for A, wire, ut, Ts, masked, kq in cases:
-        buf = EPBuffer(group, E * W // 2, H, TM, K, expert_alignment=A, dispatch_wire=wire, combine_wire=wire,
-                       backend="nccl", device="cpu")
+        if mode == "onehop" and wire != "bf16":
+            continue
+        buf = _buffer(group, mode, E * W // 2, H, TM, K, expert_alignment=A, dispatch_wire=wire,
+                      combine_wire=wire)
+        assert buf._impl.sync_free_mode == mode, (mode, buf._impl.sync_free_mode)
         buf._impl.use_triton = ut
         for seed in (1, 2):
             x, idx, w = _inputs(rank, Ts[rank], seed, masked and rank == 0, E * W // 2)
@@ -101,18 +127,48 @@ def _check(res, max_recv):
             assert reads == 0 and nrows == max_recv(case), (case, reads, nrows)
 
 
-def test_sync_free_equals_synced_w2():
-    res = run_cpu_world(2, _equal_world, CASES_W2, timeout_s=300)
+@pytest.mark.parametrize("mode", MODES)
+def test_sync_free_equals_synced_w2(mode):
+    res = run_cpu_world(2, _equal_world, CASES_W2, mode, timeout_s=300)
     _check(res, lambda c: 2 * TM * min(K, E // 2) + (E // 2) * (c[0] - 1))
     assert any(R > 0 for per_rank in res for *_, R in per_rank)
+    assert len(res[0]) == 2 * sum(c[1] == "bf16" or mode == "gather" for c in CASES_W2)
 
 
-def test_sync_free_equals_synced_w1_w4():
+@pytest.mark.parametrize("mode", MODES)
+def test_sync_free_equals_synced_w1_w4(mode):
     res = run_cpu_world(1, _equal_world, [(1, "bf16", False, (6,), False, False),
-                                          (2, "bf16", True, (5,), False, False)], timeout_s=300)
+                                          (2, "bf16", True, (5,), False, False)], mode, timeout_s=300)
     _check(res, lambda c: TM * K + 4 * (c[0] - 1))  # L = 4 local experts at every world size
-    res = run_cpu_world(4, _equal_world, [(2, "bf16", False, (4, 0, 6, 3), False, False)], timeout_s=300)
+    res = run_cpu_world(4, _equal_world, [(2, "bf16", False, (4, 0, 6, 3), False, False)], mode, timeout_s=300)
     _check(res, lambda c: 4 * TM * K + 4 * (c[0] - 1))
+
+
+def test_mode_rule_and_refusals(monkeypatch):
+    """The default rule (one-hop for a bf16 wire up to ONEHOP_MAX_TOKENS tokens per rank), the variable's
+    override, and the refusals named at construction."""
+    from types import SimpleNamespace
+
+    from tritonep.ep.nccl.sync_free import ONEHOP_MAX_TOKENS, sync_free_mode
+
+    def cfg(wire="bf16", T=ONEHOP_MAX_TOKENS, W=2):
+        return SimpleNamespace(dispatch_wire=wire, dtype=torch.bfloat16, world_size=W, max_tokens_per_rank=T)
+
+    monkeypatch.delenv("TRITONEP_NCCL_SYNC_FREE", raising=False)
+    assert sync_free_mode(cfg()) == "onehop"
+    assert sync_free_mode(cfg(T=ONEHOP_MAX_TOKENS + 1)) == "gather"
+    assert sync_free_mode(cfg(wire="fp8")) == "gather" and sync_free_mode(cfg(W=64)) == "gather"
+    monkeypatch.setenv("TRITONEP_NCCL_SYNC_FREE", "gather")
+    assert sync_free_mode(cfg()) == "gather"
+    monkeypatch.setenv("TRITONEP_NCCL_SYNC_FREE", "onehop")
+    assert sync_free_mode(cfg(T=4096)) == "onehop"
+    with pytest.raises(WireError, match="'fp8'"):
+        sync_free_mode(cfg(wire="fp8"))
+    with pytest.raises(ConfigError, match="world_size=64"):
+        sync_free_mode(cfg(W=64))
+    monkeypatch.setenv("TRITONEP_NCCL_SYNC_FREE", "one-hop")
+    with pytest.raises(ConfigError, match="'one-hop'"):
+        sync_free_mode(cfg())
 
 
 # ------------------------------------------------------------------------------------------------ errors
@@ -124,9 +180,10 @@ def _raised(fn):
     return None
 
 
-def _error_world(group, ut):
+def _error_world(group, ut, mode):
     rank = dist.get_rank(group)
-    buf = EPBuffer(group, E, H, TM, K, max_recv_tokens=20, backend="nccl", device="cpu")
+    buf = _buffer(group, mode, E, H, TM, K, max_recv_tokens=20)
+    assert buf._impl.sync_free_mode == mode
     buf._impl.use_triton = ut
     x, idx, w = _inputs(rank, 5, 3)
     log = {}
@@ -165,9 +222,10 @@ def _error_world(group, ut):
     return log
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("ut", [False, True])
-def test_sync_free_errors_raised_on_every_rank(ut):
-    logs = run_cpu_world(2, _error_world, ut, timeout_s=300)
+def test_sync_free_errors_raised_on_every_rank(ut, mode):
+    logs = run_cpu_world(2, _error_world, ut, mode, timeout_s=300)
     for rank, log in enumerate(logs):
         reads, ntpe, offs, anyw = log["bad_call"]
         assert reads == 0 and not any(ntpe) and not any(offs) and not anyw, log["bad_call"]

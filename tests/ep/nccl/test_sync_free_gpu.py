@@ -2,19 +2,36 @@
 
 Written on a CPU-only host (session 9): NOT yet run on a GPU. Under ``torch.cuda.set_sync_debug_mode("error")`` a
 sync-free dispatch + combine raises on any host sync; the same pair captured in one CUDA graph (NCCL collectives
-captured) replays bit-equal to the synced dispatch's real rows and combine.
+captured) replays bit-equal to the synced dispatch's real rows and combine. Both sync-free modes
+(``TRITONEP_NCCL_SYNC_FREE`` = ``gather`` / ``onehop``; the one-hop parametrization added in session 9, not yet run
+on a GPU either).
 """
+
+import os
 
 import pytest
 import torch
 
+MODES = ("gather", "onehop")
 
-def _body(group):
+
+def _buffer(group, mode, *args):
+    """An nccl EPBuffer whose sync-free mode is ``mode`` (the variable set for its construction only)."""
     import tritonep as tep
 
+    os.environ["TRITONEP_NCCL_SYNC_FREE"] = mode
+    try:
+        buf = tep.EPBuffer(group, *args, backend="nccl")
+    finally:
+        os.environ.pop("TRITONEP_NCCL_SYNC_FREE", None)
+    assert buf._impl.sync_free_mode == mode
+    return buf
+
+
+def _body(group, mode):
     dev = torch.device("cuda", torch.cuda.current_device())
     E, H, T, K = 64, 256, 128, 4
-    buf = tep.EPBuffer(group, E, H, T, K, backend="nccl")
+    buf = _buffer(group, mode, E, H, T, K)
     gen = torch.Generator().manual_seed(5)
     logits = torch.randn(T, E, generator=gen)
     idx = logits.topk(K, dim=1).indices.to(dev)
@@ -57,20 +74,19 @@ def _body(group):
 
 @pytest.mark.world1
 @pytest.mark.gpu
-def test_gpu_nccl_sync_free_no_host_sync_and_graph_replay(gpu_world):
-    (res,) = gpu_world(1, _body, nccl=True)
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_nccl_sync_free_no_host_sync_and_graph_replay(gpu_world, mode):
+    (res,) = gpu_world(1, _body, mode, nccl=True)
     assert all(res), res
 
 
-def _replays(group):
+def _replays(group, mode):
     """Eager sync-free == synced (real rows, weights, counts, zero tail, combine); then dispatch + expert + combine
     captured once and replayed on three new routings written into the captured inputs, each equal to the synced
     calls on that routing."""
-    import tritonep as tep
-
     dev = torch.device("cuda", torch.cuda.current_device())
     E, H, T, K = 64, 256, 96, 4
-    buf = tep.EPBuffer(group, E, H, T, K, backend="nccl")
+    buf = _buffer(group, mode, E, H, T, K)
     gen = torch.Generator().manual_seed(5)
 
     def routing(i):
@@ -138,7 +154,8 @@ def _replays(group):
 
 @pytest.mark.world1
 @pytest.mark.gpu
-def test_gpu_nccl_sync_free_eager_and_captured(gpu_world):
-    (res,) = gpu_world(1, _replays, nccl=True)
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_nccl_sync_free_eager_and_captured(gpu_world, mode):
+    (res,) = gpu_world(1, _replays, mode, nccl=True)
     bad = {k: v for k, v in res.items() if not all(v.values())}
     assert not bad, bad

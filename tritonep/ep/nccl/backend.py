@@ -10,15 +10,17 @@ Host reads: dispatch reads ONE small tensor (the gathered counts matrix and, in 
 below); combine and both backward passes read nothing (they reuse the split sizes the dispatch saved in its handle).
 Graph capture of this synced dispatch is refused: uneven splits need host sizes.
 
-Sync-free dispatch (``dispatch(..., sync_free=True)``, :mod:`tritonep.ep.nccl.sync_free`): NO host read. The layout
-is computed on the device (one more single-program launch: the device plan, same rows bit for bit), every peer gets
-``max_tokens_per_rank`` fixed packet slots, ONE ``all_to_all_single`` with equal host-static splits moves them and
-the unpack drops the slots each source left empty. 4 launches (count, plan, pack, unpack; a rank without tokens: 2),
-2 collectives, 0 host reads, no host->device copy, 9 allocations and 14 torch calls (the send / receive rows are
-persistent); ``max_recv_tokens`` rows returned, ``num_recv_rows`` None. Its errors (a bad id or refused input on any
-rank, capacity) are recorded in the backend's status word on every rank and raised by :meth:`check` or the next
-synced dispatch on every rank; combine and both backward passes run unchanged on its handle (equal splits, empty
-slots' routes -1). Not refused under graph capture.
+Sync-free dispatch (``dispatch(..., sync_free=True)``, :mod:`tritonep.ep.nccl.sync_free`): NO host read. The layout is
+computed on the device (one more single-program launch: the device plan, same rows bit for bit), every peer gets
+``max_tokens_per_rank`` fixed packet slots, ONE ``all_to_all_single`` with equal host-static splits moves them and the
+unpack drops the slots each source left empty. Mode ``gather``: 4 launches (count, plan, pack, unpack; a rank without
+tokens: 2), 2 collectives, 0 host reads, no host->device copy, 9 allocations and 14 torch calls (the send / receive rows
+are persistent). Mode ``onehop`` (``TRITONEP_NCCL_SYNC_FREE``; the default for a bf16 wire up to 256 tokens per rank):
+the counts travel as a header slot of every per-peer block of the one ``all_to_all_single``, so 2 launches (send,
+receive), 1 collective, 3 allocations and 13 torch calls. Either way ``max_recv_tokens`` rows returned,
+``num_recv_rows`` None. Its errors (a bad id or refused input on any rank, capacity) are recorded in the backend's
+status word on every rank and raised by :meth:`check` or the next synced dispatch on every rank; combine and both
+backward passes run unchanged on its handle (equal splits, empty slots' routes -1). Not refused under graph capture.
 
 The host path is fixed per call (issue 24): what the static configuration decides (tiles, row layouts, kernel
 constants, the counts row, the gathered matrix and its host copy, the host plan vector) is made at construction;
@@ -240,6 +242,7 @@ class NcclEP(NcclSyncFree, NcclCombine):
         """Drop the persistent tensors; later calls raise :class:`BufferStateError`."""
         self._eo = None
         self._sf_bufs = None
+        self._oh = None
         self.closed = True
 
     def _a2a(self, recv: torch.Tensor, send: torch.Tensor, in_splits, out_splits) -> torch.Tensor:

@@ -24,22 +24,29 @@ Outputs (:class:`OneHopOut`, DeepEP's ``num_worst_tokens`` convention): ``out [m
 padding and tail rows), ``ntpe`` / ``offs`` int32 ``[L]``, ``status`` int64 ``[4]`` = ``[code, bad-rank mask (bit
 s = source s had bad ids or was refused), rows the worst rank needs, that rank]``, ``pkt`` int32 ``[T, K]``,
 ``rr`` int32 / ``rw`` float32 ``[W * (1 + Tcap), K]`` (row / weight of each received route, -1 / 0 on header,
-empty and foreign slots: the combine's per-packet routes), ``idx_c`` / ``w_c`` (routing copies). On a refused
+empty and foreign slots: the combine's per-packet routes), ``idx_c`` / ``w_c`` (routing copies), ``counts`` int32
+``[W, E]`` (every source's routes per expert, from the headers, whatever the verdict). On a refused
 verdict no row is written: ``out_w`` all 0, ``ntpe`` / ``offs`` 0, ``rr`` -1.
 
 Combine: :meth:`tritonep.ep.nccl.combine.NcclCombine._combine` works unchanged with a handle whose splits are the
 even ``(1 + Tcap,) * W`` and ``num_send = num_recv = W * (1 + Tcap)`` (tested bit-equal to the synced combine).
 
-Costs per call: 2 launches (the receive launch's grid is static, the send launch's follows T: a host int), 1
-collective, 0 host reads, 0 host syncs, no data-dependent host value; allocations: the 10 returned tensors (the
-send / recv buffers are persistent and reused in stream order: the synchronous collective orders the next call's
-send launch after this call's transfer). Bytes moved: ``W * (1 + Tcap) * width`` per rank whatever T (fixed blocks:
-the price of no counts exchange). The send kernel's prefix scans are redundant per tile (quadratic in T: fine at
-decode sizes, T <= a few hundred; at T = 4096 use the two-launch route kernels). Only the bf16 wire is supported
-by :class:`OneHopDispatch` (the send kernel and its twin also take quantized payload + scale bytes; the receive
-side would need the kept-quantized padding encoding or a dequantization step). Status: tested in the interpreter
-and in gloo worlds (``tests/ep/nccl/test_onehop.py``); both kernels compile for sm_90 offline (its
-``compile``-marked test); not yet run or timed on a GPU.
+Wired into the nccl backend as its sync-free ``onehop`` mode (:mod:`tritonep.ep.nccl.sync_free`,
+``TRITONEP_NCCL_SYNC_FREE``): there the receive launch also writes the handle's ``counts`` snapshot (int32
+``[W, E]`` from the headers) and merges its verdict into the backend's status word (``status_word=``, the kernel's
+``MERGE``), and the outputs are views of one per-call float32 block (:meth:`OneHopDispatch.run` takes the caller's
+outputs): 2 launches, 1 collective, 3 allocations.
+
+Costs per call of :meth:`OneHopDispatch.__call__`: 2 launches (the receive launch's grid is static, the send launch's
+follows T: a host int), 1 collective, 0 host reads, 0 host syncs, no data-dependent host value; allocations: the 11
+returned tensors (the send / recv buffers are persistent and reused in stream order: the synchronous collective orders
+the next call's send launch after this call's transfer). Bytes moved: ``W * (1 + Tcap) * width`` per rank whatever T
+(fixed blocks: the price of no counts exchange). The send kernel's prefix scans are redundant per tile (quadratic in T:
+fine at decode sizes, T <= a few hundred; at T = 4096 use the two-launch route kernels). Only the bf16 wire is supported
+by :class:`OneHopDispatch` (the send kernel and its twin also take quantized payload + scale bytes; the receive side
+would need the kept-quantized padding encoding or a dequantization step). Status: tested in the interpreter and in gloo
+worlds (``tests/ep/nccl/test_onehop.py``); both kernels compile for sm_90 offline (its ``compile``-marked test); not yet
+run or timed on a GPU.
 
 Idea sources: DeepEP's low-latency mode (fixed per-expert receive slots, counts carried with the data, the
 ``num_worst_tokens`` output convention), pplx-kernels' dispatch; our code.
@@ -74,6 +81,7 @@ class OneHopOut(NamedTuple):
     rw: torch.Tensor
     idx_c: torch.Tensor
     w_c: torch.Tensor
+    counts: torch.Tensor
 
 
 def onehop_layout(row_bytes: int, K: int, E: int, W: int) -> SendLayout:
@@ -129,7 +137,8 @@ def onehop_send_torch(src0: torch.Tensor, src1, topk_idx: torch.Tensor, topk_wei
 
 
 def onehop_recv_torch(recv: torch.Tensor, out: torch.Tensor, out_w, rr, rw, ntpe, offs, status, rank: int, E: int,
-                      W: int, Tcap: int, A: int, maxr: int, lay: SendLayout, stride: int) -> None:
+                      W: int, Tcap: int, A: int, maxr: int, lay: SendLayout, stride: int, counts=None,
+                      st=None) -> None:
     """Twin of :func:`tritonep.kernels.nccl_onehop.onehop_recv_kernel`, written in place.
 
     Args:
@@ -137,20 +146,32 @@ def onehop_recv_torch(recv: torch.Tensor, out: torch.Tensor, out_w, rr, rw, ntpe
             dtype, ``stride`` elements a row, ``out.shape[1]`` elements copied.
         out: ``[maxr, n0]`` (real and padding rows written); out_w: float32 ``[maxr]``; rr / rw: int32 / float32
             ``[W * (1 + Tcap), K]``; ntpe / offs: int32 ``[L]``; status: int64 ``[4]``.
+        counts: int32 ``[W, E]`` or None: every source's routes per expert (the headers), written whatever the
+            verdict. st: int32 ``[4 + 2W]`` or None: the nccl backend's status word, the verdict merged into it as
+            :func:`tritonep.ep.nccl.plan.device_plan_torch` does (the kernel's ``MERGE``).
     """
     L, blk, C = E // W, 1 + Tcap, E + W + 2
     K = rr.shape[1]
     r32 = recv.view(torch.int32)
     hdr = r32[0::blk, :C].long()
-    counts = hdr[:, :E]
+    cnt_all = hdr[:, :E]
     badv = (hdr[:, E + W] != 0) | (hdr[:, E + W + 1] != 0)
     mask = sum(1 << s for s in range(W) if bool(badv[s]))
-    total = counts.sum(0).view(W, L)
+    total = cnt_all.sum(0).view(W, L)
     aligned = (total + A - 1) // A * A
     need = aligned.sum(1)
     worst, worst_rank = int(need.max()), int(torch.argmax(need))
     code = STATUS_BAD_INPUT if mask else (STATUS_CAPACITY if worst > maxr else STATUS_OK)
     status.copy_(torch.tensor([code, mask, worst, worst_rank], dtype=torch.int64))
+    if counts is not None:
+        counts.copy_(cnt_all)
+    if st is not None:  # merged as the gather mode's plan merges (first unread refusal kept, flags gathered)
+        err = code != STATUS_OK
+        if err and int(st[0]) == 0:
+            st[0], st[1], st[3] = code, worst_rank, worst
+        st[2] += int(err)
+        st[4:4 + W] = torch.maximum(st[4:4 + W], (hdr[:, E + W] != 0).to(torch.int32))
+        st[4 + W:] = torch.maximum(st[4 + W:], (hdr[:, E + W + 1] != 0).to(torch.int32))
     rr.fill_(-1)
     rw.zero_()
     out_w.zero_()
@@ -170,7 +191,7 @@ def onehop_recv_torch(recv: torch.Tensor, out: torch.Tensor, out_w, rr, rw, ntpe
     lr, ids, w = meta[:, :K].long(), meta[:, K:2 * K].long(), meta[:, 2 * K:].view(torch.float32)
     here = live[:, None] & (ids >= 0) & (ids < E) & (torch.div(ids, L, rounding_mode="floor") == rank)
     j = torch.where(here, ids - rank * L, 0)
-    mine = counts[:, rank * L:(rank + 1) * L]
+    mine = cnt_all[:, rank * L:(rank + 1) * L]
     pre = torch.cumsum(mine, 0) - mine  # [W, L]: routes of earlier sources to local expert j
     row = starts[j] + pre[s[:, None].expand_as(j), j] + lr
     here &= (lr >= 0) & (row < maxr)
@@ -192,7 +213,9 @@ class OneHopDispatch:
     K, hidden H, max_tokens_per_rank Tcap, expert_alignment A, max_recv_tokens, dtype (bfloat16), wire ("bf16"),
     device, use_triton (default: CUDA device; False runs the torch twins, e.g. on gloo / CPU), target (programs
     a launch aims at by splitting rows into column ranges, :func:`tritonep.ep.nccl.pack.h_split`; default two per
-    SM on a GPU, 1 elsewhere; tests raise it to exercise the split).
+    SM on a GPU, 1 elsewhere; tests raise it to exercise the split), status_word (the nccl backend's int32 status
+    word ``[4 + 2W]``: the receive launch merges each call's verdict into it, :mod:`tritonep.ep.nccl.sync_free`;
+    None: only the per-call ``status``).
 
     Raises:
         ConfigError: E not a multiple of W, W > 63 (the status mask), or a non-bfloat16 dtype.
@@ -201,7 +224,8 @@ class OneHopDispatch:
 
     def __init__(self, *, group, rank: int, world_size: int, num_experts: int, topk: int, hidden: int,
                  max_tokens_per_rank: int, expert_alignment: int = 1, max_recv_tokens: int, dtype=torch.bfloat16,
-                 wire: str = "bf16", device="cpu", use_triton: bool | None = None, target: int | None = None):
+                 wire: str = "bf16", device="cpu", use_triton: bool | None = None, target: int | None = None,
+                 status_word: torch.Tensor | None = None):
         W, E, K, H = world_size, num_experts, topk, hidden
         if E % W or W > 63:
             raise ConfigError(f"one-hop dispatch: num_experts={E} must be a multiple of world_size={W} <= 63")
@@ -230,25 +254,33 @@ class OneHopDispatch:
             BH=self._send_bh, num_warps=4),
             ("idx_ptr", "w_ptr", "src0_ptr", "src1_ptr", "pkt_ptr", "idx_copy_ptr", "w_copy_ptr", "T", "refused",
              "HC"))
-        bp, bz = max(1, 128 // KB), 64
+        # packet / row tiles: the layout picks (``_pick``) hold [BP, KB, LB] and [BZ, 1, LB] registers, so the
+        # tiles shrink with L (2048 elements: no spill at the DeepSeek-V3 shape, 128 local experts, ptxas -v)
+        LBp = pow2(self.L)
+        bp, bz = max(1, min(128 // KB, 2048 // (KB * LBp))), max(1, min(64, 2048 // LBp))
         rbh = min(pow2(H), max(16, 1024 // bp))
+        merge = status_word is not None
+        st = status_word if merge else torch.zeros(1, dtype=torch.int32, device=dev)  # (not read without MERGE)
         tiles = cdiv(self.nslot, bp) + cdiv(self.maxr, bz)
         hs, self._recv_hc = h_split(tiles, H, rbh, self.target)
         self._recv_grid = (tiles, hs)  # static: the recv launch's grid never depends on the data
         self._recv_k = launch.bind(onehop_recv_kernel, dict(
-            recv_ptr=self.recv, K=K, KB=KB, E=E, L=self.L, W=W, RANK=rank, EB=pow2(E), LB=pow2(self.L), WB=pow2(W),
+            recv_ptr=self.recv, st_ptr=st, MERGE=merge, K=K, KB=KB, E=E, L=self.L, W=W, RANK=rank, EB=pow2(E),
+            LB=pow2(self.L), WB=pow2(W),
             TCAP=self.Tcap, A=self.A, MAXR=self.maxr, BP=bp, BZ=bz, N0=H, S0=lay.width // es, META=lay.mo // 4,
             ROW32=lay.width // 4, BH=rbh, CODE_CAP=STATUS_CAPACITY, CODE_BAD=STATUS_BAD_INPUT, num_warps=4),
-            ("out_ptr", "out_w_ptr", "rr_ptr", "rw_ptr", "ntpe_ptr", "offs_ptr", "status_ptr", "HC"))
+            ("out_ptr", "out_w_ptr", "rr_ptr", "rw_ptr", "ntpe_ptr", "offs_ptr", "status_ptr", "counts_ptr", "HC"))
+        self._st = status_word
 
     @classmethod
     def from_config(cls, cfg, *, group, rank: int, device, use_triton: bool | None = None,
-                    target: int | None = None) -> "OneHopDispatch":
+                    target: int | None = None, status_word: torch.Tensor | None = None) -> "OneHopDispatch":
         """Built from an :class:`tritonep.ep.config.EPConfig` (its dispatch wire, alignment, max_recv_tokens)."""
         return cls(group=group, rank=rank, world_size=cfg.world_size, num_experts=cfg.num_experts, topk=cfg.topk,
                    hidden=cfg.hidden, max_tokens_per_rank=cfg.max_tokens_per_rank,
                    expert_alignment=cfg.expert_alignment, max_recv_tokens=cfg.max_recv_tokens, dtype=cfg.dtype,
-                   wire=cfg.dispatch_wire, device=device, use_triton=use_triton, target=target)
+                   wire=cfg.dispatch_wire, device=device, use_triton=use_triton, target=target,
+                   status_word=status_word)
 
     @property
     def splits(self) -> tuple:
@@ -272,26 +304,38 @@ class OneHopDispatch:
                                 available=self.Tcap)
         pkt = torch.empty(T, K, dtype=torch.int32, device=dev)
         idx_c, w_c = torch.empty_like(topk_idx), torch.empty_like(topk_weights)
-        if self.use_triton:
-            nc = max(1, cdiv(T, self.BT))
-            hs, hc = h_split(nc, self.H, self._send_bh, self.target)
-            self._send_k((nc, hs), topk_idx, topk_weights, x, x, pkt, idx_c, w_c, T, int(refused), hc)
-        else:
-            idx_c.copy_(topk_idx)
-            w_c.copy_(topk_weights)
-            pkt.copy_(onehop_send_torch(x, None, topk_idx, topk_weights, refused, self.E, self.W, self.Tcap,
-                                        self.send, self.lay))
-        dist.all_to_all_single(self.recv, self.send, group=self.group)
         out = torch.empty(self.maxr, self.H, dtype=self.dtype, device=dev)
         out_w = torch.empty(self.maxr, dtype=torch.float32, device=dev)
         ntpe = torch.empty(self.L, dtype=torch.int32, device=dev)
         offs = torch.empty(self.L, dtype=torch.int32, device=dev)
         status = torch.empty(4, dtype=torch.int64, device=dev)
+        counts = torch.empty(self.W, self.E, dtype=torch.int32, device=dev)
         rr = torch.empty(self.nslot, K, dtype=torch.int32, device=dev)
         rw = torch.empty(self.nslot, K, dtype=torch.float32, device=dev)
-        if self.use_triton:
-            self._recv_k(self._recv_grid, out, out_w, rr, rw, ntpe, offs, status, self._recv_hc)
+        o = OneHopOut(out, out_w, ntpe, offs, status, pkt, rr, rw, idx_c, w_c, counts)
+        self.run(x, topk_idx, topk_weights, refused, o, self.use_triton, T)
+        return o
+
+    def run(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, refused: bool, o: OneHopOut,
+            ut: bool, T: int | None = None) -> None:
+        """The call's two launches and its collective into the caller's outputs ``o`` (shapes of
+        :class:`OneHopOut`; any storage, e.g. views of one allocation); ``ut``: Triton kernels, else the twins.
+        ``T = x.shape[0] <= max_tokens_per_rank`` (passed when the caller knows it) is the caller's to ensure."""
+        T = x.shape[0] if T is None else T
+        if ut:
+            nc = max(1, cdiv(T, self.BT))
+            hs, hc = h_split(nc, self.H, self._send_bh, self.target)
+            self._send_k((nc, hs), topk_idx, topk_weights, x, x, o.pkt, o.idx_c, o.w_c, T, int(refused), hc)
         else:
-            onehop_recv_torch(self.recv, out, out_w, rr, rw, ntpe, offs, status, self.rank, self.E, self.W,
-                              self.Tcap, self.A, self.maxr, self.lay, self.lay.width // self.es)
-        return OneHopOut(out, out_w, ntpe, offs, status, pkt, rr, rw, idx_c, w_c)
+            o.idx_c.copy_(topk_idx)
+            o.w_c.copy_(topk_weights)
+            o.pkt.copy_(onehop_send_torch(x, None, topk_idx, topk_weights, refused, self.E, self.W, self.Tcap,
+                                          self.send, self.lay))
+        dist.all_to_all_single(self.recv, self.send, group=self.group)
+        if ut:
+            self._recv_k(self._recv_grid, o.out, o.out_w, o.rr, o.rw, o.ntpe, o.offs, o.status, o.counts,
+                         self._recv_hc)
+        else:
+            onehop_recv_torch(self.recv, o.out, o.out_w, o.rr, o.rw, o.ntpe, o.offs, o.status, self.rank, self.E,
+                              self.W, self.Tcap, self.A, self.maxr, self.lay, self.lay.width // self.es, o.counts,
+                              self._st)

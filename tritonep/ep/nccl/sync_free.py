@@ -2,8 +2,27 @@
 :class:`tritonep.ep.nccl.backend.NcclEP`) and its status word.
 
 No host read, no host sync, nothing data-dependent on the host (the ``num_worst_tokens`` convention of DeepEP /
-Hybrid-EP / torchtitan): every size is static. Call sequence (host protocol, identical on every rank whatever its
-data, docs/protocols.md (host protocol rule): one ``all_gather`` then one ``all_to_all_single``, always):
+Hybrid-EP / torchtitan): every size is static. Two modes, chosen once at construction (:func:`sync_free_mode`:
+``TRITONEP_NCCL_SYNC_FREE`` = ``onehop`` | ``gather``; unset: ``onehop`` for a bf16 dispatch wire and
+``max_tokens_per_rank <= ONEHOP_MAX_TOKENS`` (256), else ``gather``), same public contract (rows bit-identical to
+the synced dispatch, tail weights zero, the same handle fields for combine / both backward passes, the same status
+word and errors):
+
+**one-hop** (:mod:`tritonep.ep.nccl.onehop`; bf16 dispatch wire only): the send launch writes this rank's counts
+row as a header into slot 0 of every per-peer block of the persistent send rows ``[W * (1 + Tcap), width]`` plus
+the packets in slots ``1..Tcap``; ONE ``all_to_all_single`` with equal splits (``1 + Tcap`` rows per peer); the
+receive launch derives the verdict and layout from the W headers (every rank the same), writes the rows, weights,
+``num_tokens_per_expert`` / ``expert_offsets``, the per-slot routes, the handle's counts snapshot and merges the
+verdict into the status word (program 0, as the device plan below does). Per call: 2 launches (a rank without
+tokens too: its send launch writes the headers), 1 collective, 0 host reads; 3 allocations (the rows; one float32
+block holding the row weights at offset 0, the per-slot weights, the routing weights' copy and, viewed as int32,
+the packets, per-slot rows, ``num_tokens_per_expert``, ``expert_offsets`` and counts; the routing ids' copy) and
+13 torch calls. The handle's ``rows`` (destination row of each route, known only on the expert rank here) is an
+empty ``[0, K]`` tensor: nothing on this backend reads it. The send kernel's prefix scans are quadratic in T, hence
+the threshold.
+
+**gather** (every wire). Call sequence (host protocol, identical on every rank whatever its data,
+docs/protocols.md (host protocol rule): one ``all_gather`` then one ``all_to_all_single``, always):
 
 1. The counts launch (:meth:`tritonep.ep.nccl.route.Router.count`) and the ``all_gather`` of the counts row into the
    persistent matrix, as the synced dispatch does.
@@ -20,12 +39,12 @@ data, docs/protocols.md (host protocol rule): one ``all_gather`` then one ``all_
 5. The unpack launch over the ``W * Tcap`` slots, dropping each slot at or past its source's packet count (routes
    -1 / weights 0 in the handle: combine, both backward passes and every wire work unchanged on the equal splits).
 
-Returns ``max_recv_tokens`` rows (real rows ``[0, expert_offsets[-1])``, bit-identical to the synced dispatch; the
-tail's rows unspecified, its weights zero), ``num_tokens_per_expert`` / ``expert_offsets`` on the device and a handle
-whose ``num_recv_rows`` is None. Per call: 4 launches (3 on a rank without tokens: no pack), 2 collectives, no host
-read; allocations: the rows, the row weights (zeroed), the plan vector and the handle's six tensors. The send and
-receive rows are persistent (made on the first sync-free call: a buffer never used this way pays nothing; one
-stream at a time, as every buffer of this library: the next call's pack is stream-ordered after this call's
+Both modes return ``max_recv_tokens`` rows (real rows ``[0, expert_offsets[-1])``, bit-identical to the synced dispatch;
+the tail's rows unspecified, its weights zero), ``num_tokens_per_expert`` / ``expert_offsets`` on the device and a
+handle whose ``num_recv_rows`` is None. Per gather call: 4 launches (3 on a rank without tokens: no pack), 2
+collectives, no host read; allocations: the rows, the row weights (zeroed), the plan vector and the handle's six
+tensors. The send and receive rows are persistent (made on the first sync-free call: a buffer never used this way pays
+nothing; one stream at a time, as every buffer of this library: the next call's pack is stream-ordered after this call's
 collective). Cost of the fixed sizes: every call moves ``W * Tcap`` rows (as DeepEP's low-latency kernels do).
 
 Errors are raised later, on every rank (nothing silent): by :meth:`check` or by the next synced dispatch, whose
@@ -44,16 +63,48 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from ...errors import CapacityError, InputError, PeerInputError
+from ... import envs
+from ...errors import CapacityError, ConfigError, InputError, PeerInputError, WireError
 from ...kernels.nccl_plan import sync_free_plan_kernel
 from ..handle import NcclHandle
 from ..status import STATUS_BAD_INPUT, STATUS_CAPACITY
 from ..validate import check_expert_ids
 from .collectives import all_gather_flat
+from .onehop import OneHopDispatch, OneHopOut
 from .pack import pow2
 from .plan import device_plan_torch, plan_size, sf_plan_size
 
-__all__ = ["NcclSyncFree"]
+__all__ = ["NcclSyncFree", "ONEHOP_MAX_TOKENS", "sync_free_mode"]
+
+# The default rule's threshold: one-hop when max_tokens_per_rank <= this. The one-hop send launch finds each
+# route's rank among earlier tokens by redundant pairwise scans of every earlier token tile (quadratic in T, no
+# scratch, no grid sync): free at decode sizes, a waste from a few hundred tokens on, where the gather mode's
+# count + plan launches cost less than the scans.
+ONEHOP_MAX_TOKENS = 256
+
+
+def sync_free_mode(cfg) -> str:
+    """The sync-free mode of an nccl buffer of configuration ``cfg``: TRITONEP_NCCL_SYNC_FREE (read now, at
+    construction) or, unset, ``"onehop"`` for a bf16 dispatch wire, ``world_size <= 63`` and
+    ``max_tokens_per_rank <= ONEHOP_MAX_TOKENS``, else ``"gather"``.
+
+    Raises:
+        WireError: ``onehop`` asked for with a quantized dispatch wire (one-hop moves bf16 rows only).
+        ConfigError: ``onehop`` asked for with ``world_size > 63`` (its status mask) or a bad variable value.
+    """
+    mode = envs.nccl_sync_free()
+    bf16 = cfg.dispatch_wire == "bf16" and cfg.dtype == torch.bfloat16
+    if mode == "onehop":
+        if not bf16:
+            raise WireError(f"TRITONEP_NCCL_SYNC_FREE=onehop: dispatch_wire={cfg.dispatch_wire!r} is not supported "
+                            f"by the one-hop mode (bf16 only); use gather or leave the variable unset")
+        if cfg.world_size > 63:
+            raise ConfigError(f"TRITONEP_NCCL_SYNC_FREE=onehop: world_size={cfg.world_size} > 63 is not supported "
+                              f"(its status mask); use gather")
+        return mode
+    if mode == "gather":
+        return mode
+    return "onehop" if bf16 and cfg.world_size <= 63 and cfg.max_tokens_per_rank <= ONEHOP_MAX_TOKENS else "gather"
 
 
 class NcclSyncFree:
@@ -76,6 +127,17 @@ class NcclSyncFree:
             m_ptr=self._gathered, st_ptr=self._status, RANK=self.rank, W=W, E=E, L=L, A=cfg.expert_alignment,
             TCAP=self._tcap, MAXR=cfg.max_recv_tokens, WB=pow2(W), LB=pow2(L), CODE_CAP=STATUS_CAPACITY,
             CODE_BAD=STATUS_BAD_INPUT, num_warps=4), ("plan_ptr",))
+        self.sync_free_mode = sync_free_mode(cfg)
+        self._oh = None  # the one-hop dispatcher (made on the first one-hop call: its buffers, bound launches)
+
+    def _onehop(self):
+        """``(dispatcher, scratch)``: the one-hop dispatcher of this buffer (:class:`OneHopDispatch`, its verdicts
+        merged into the status word; its send / receive rows persistent, made here on the first one-hop call) and
+        its int64 ``[4]`` per-call verdict scratch (read by nobody: the status word carries the verdict)."""
+        oh = OneHopDispatch.from_config(self.cfg, group=self.group, rank=self.rank, device=self.device,
+                                        status_word=self._status)
+        self._oh = oh, torch.empty(4, dtype=torch.int64, device=self.device)
+        return self._oh
 
     def _sf_buffers(self):
         """The persistent send / receive rows (made on the first sync-free call). The receive rows have one more
@@ -95,6 +157,8 @@ class NcclSyncFree:
         T = x.shape[0]
         if not bad_input:
             self._recent_idx.append(topk_idx)
+        if self.sync_free_mode == "onehop":
+            return self._dispatch_onehop(x, topk_idx, topk_weights, bad_input, T)
         # 1) counts row, exchanged into the persistent matrix
         row = self._router.count(topk_idx, T, bad_input, ut)
         all_gather_flat(self._gathered, row, self.group)
@@ -146,6 +210,31 @@ class NcclSyncFree:
                             send_splits=self._eq_splits, recv_splits=self._eq_splits, num_send=N, num_recv=N,
                             pkt=pkt, recv_rows=rr, recv_w=rw)
         return out, out_w, ntpe, offs, handle
+
+    def _dispatch_onehop(self, x, topk_idx, topk_weights, bad_input: bool, T: int):
+        """The one-hop mode (module docstring): send launch, one even ``all_to_all_single``, receive launch (its
+        verdict merged into the status word). Allocations: one float32 block (row weights first, so they start
+        at offset 0 as a fresh tensor would, then the per-slot weights, the routing weights' copy and, viewed as
+        int32, packets, per-slot rows, ``num_tokens_per_expert``, ``expert_offsets``, the counts snapshot), the
+        rows, the routing ids' copy (``topk_idx``'s dtype)."""
+        cfg, dev = self.cfg, self.device
+        W, E, K, L, MR = cfg.world_size, cfg.num_experts, cfg.topk, cfg.num_local_experts, cfg.max_recv_tokens
+        oh, st64 = self._oh or self._onehop()
+        N = oh.nslot
+        TK, NK = T * K, N * K
+        blk = torch.empty(MR + 2 * NK + 2 * TK + 2 * L + W * E, dtype=torch.float32, device=dev)
+        out_w, rw, w_c, ints = torch.split(blk, (MR, NK, TK, NK + TK + 2 * L + W * E))
+        rr, pkt, ntpe, offs, counts = torch.split(ints.view(torch.int32), (NK, TK, L, L, W * E))
+        o = OneHopOut(out=torch.empty(MR, cfg.hidden, dtype=cfg.dtype, device=dev), out_w=out_w, ntpe=ntpe,
+                      offs=offs, status=st64, pkt=pkt.view(T, K), rr=rr.view(N, K), rw=rw.view(N, K),
+                      idx_c=torch.empty_like(topk_idx), w_c=w_c.view(T, K), counts=counts.view(W, E))
+        oh.run(x, topk_idx, topk_weights, bad_input, o, self.use_triton, T)
+        splits = oh.splits
+        handle = NcclHandle(topk_idx=o.idx_c, topk_weights=o.w_c, rows=self._no_routes, counts=o.counts,
+                            num_tokens=T, num_recv_rows=None, x_scales=None, recv_weights=out_w,
+                            buffer_id=self.buffer_id, send_splits=splits, recv_splits=splits, num_send=N,
+                            num_recv=N, pkt=o.pkt, recv_rows=o.rr, recv_w=o.rw)
+        return o.out, out_w, ntpe, offs, handle
 
     # ---------------------------------------------------------------------------------------------- status
     def check(self, what="EPBuffer"):

@@ -226,10 +226,13 @@ def test_gpu_nccl_host_reads(gpu_world, W):
         assert seen == {"dispatch": 1, "combine": 0, "dispatch_bwd": 0, "combine_bwd": 0}, where
 
 
-def _handle_fields(group, sync_free):
+def _handle_fields(group, sync_free, mode):
     import dataclasses
 
     from tritonep.ep.handle import NcclHandle
+    from tritonep.testing.harness import set_env
+
+    set_env(TRITONEP_NCCL_SYNC_FREE=mode)
 
     buf = EPBuffer(group, _BE, _BH, _BT, _BK, backend="nccl")
     h = buf.dispatch(*_step_inputs(dist.get_rank(group), 1), sync_free=sync_free).handle
@@ -239,9 +242,9 @@ def _handle_fields(group, sync_free):
     return sorted(set(h.__dict__) ^ names), same
 
 
-@pytest.mark.parametrize("sync_free", [False, True])
-def test_fast_built_handle_has_every_field(sync_free):
+@pytest.mark.parametrize("sync_free,mode", [(False, None), (True, "onehop"), (True, "gather")])
+def test_fast_built_handle_has_every_field(sync_free, mode):
     """The dispatch builds its handle with ``NcclHandle._new`` (no generated ``__init__``): every dataclass field is
     set, nothing else, and it equals the handle the constructor makes of the same values."""
-    for extra, same in run_cpu_world(2, _handle_fields, sync_free, timeout_s=120):
+    for extra, same in run_cpu_world(2, _handle_fields, sync_free, mode, timeout_s=120):
         assert extra == [] and same

@@ -403,7 +403,8 @@ class NcclEP(NcclSyncFree, NcclCombine):
             self._unpacker.unpack(recv, srcs, [out] if sc is None else [out, sc], widths, out_w, rr, rw, plan, Nr,
                                   zero_row, ut)
         handle = NcclHandle._new(topk_idx=idx_c, topk_weights=w_c, rows=rows,
-                            counts=counts.view(W, E), num_tokens=T, num_recv_rows=R, x_scales=sc,
-                            recv_weights=out_w, buffer_id=self.buffer_id, send_splits=send_splits,
-                            recv_splits=recv_splits, num_send=Ns, num_recv=Nr, pkt=pkt, recv_rows=rr, recv_w=rw)
+                                 counts=counts.view(W, E), num_tokens=T, num_recv_rows=R, x_scales=sc,
+                                 recv_weights=out_w, buffer_id=self.buffer_id, send_splits=send_splits,
+                                 recv_splits=recv_splits, num_send=Ns, num_recv=Nr, pkt=pkt, recv_rows=rr,
+                                 recv_w=rw)
         return out, out_w, ntpe, offs, handle

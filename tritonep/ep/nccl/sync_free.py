@@ -205,10 +205,11 @@ class NcclSyncFree:
             srcs, widths = [(fmt.dequantize_rows(recv_n, H, cfg.dtype), 0, H)], (H,)
         self._unpacker.unpack(recv, srcs, [out] if sc is None else [out, sc], widths, out_w, rr, rw, plan, N,
                               zero_row, ut, self._sf_slots)
-        handle = NcclHandle(topk_idx=idx_c, topk_weights=w_c, rows=rows, counts=counts.view(W, E), num_tokens=T,
-                            num_recv_rows=None, x_scales=sc, recv_weights=out_w, buffer_id=self.buffer_id,
-                            send_splits=self._eq_splits, recv_splits=self._eq_splits, num_send=N, num_recv=N,
-                            pkt=pkt, recv_rows=rr, recv_w=rw)
+        handle = NcclHandle._new(topk_idx=idx_c, topk_weights=w_c, rows=rows, counts=counts.view(W, E),
+                                 num_tokens=T, num_recv_rows=None, x_scales=sc, recv_weights=out_w,
+                                 buffer_id=self.buffer_id, send_splits=self._eq_splits,
+                                 recv_splits=self._eq_splits, num_send=N, num_recv=N, pkt=pkt, recv_rows=rr,
+                                 recv_w=rw)
         return out, out_w, ntpe, offs, handle
 
     def _dispatch_onehop(self, x, topk_idx, topk_weights, bad_input: bool, T: int):
@@ -230,10 +231,10 @@ class NcclSyncFree:
                       idx_c=torch.empty_like(topk_idx), w_c=w_c.view(T, K), counts=counts.view(W, E))
         oh.run(x, topk_idx, topk_weights, bad_input, o, self.use_triton, T)
         splits = oh.splits
-        handle = NcclHandle(topk_idx=o.idx_c, topk_weights=o.w_c, rows=self._no_routes, counts=o.counts,
-                            num_tokens=T, num_recv_rows=None, x_scales=None, recv_weights=out_w,
-                            buffer_id=self.buffer_id, send_splits=splits, recv_splits=splits, num_send=N,
-                            num_recv=N, pkt=o.pkt, recv_rows=o.rr, recv_w=o.rw)
+        handle = NcclHandle._new(topk_idx=o.idx_c, topk_weights=o.w_c, rows=self._no_routes, counts=o.counts,
+                                 num_tokens=T, num_recv_rows=None, x_scales=None, recv_weights=out_w,
+                                 buffer_id=self.buffer_id, send_splits=splits, recv_splits=splits, num_send=N,
+                                 num_recv=N, pkt=o.pkt, recv_rows=o.rr, recv_w=o.rw)
         return o.out, out_w, ntpe, offs, handle
 
     # ---------------------------------------------------------------------------------------------- status

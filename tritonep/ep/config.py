@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from .. import envs
 from ..errors import ConfigError, PeerConfigError, TritonEPError
 
 __all__ = ["EPConfig", "build_config", "agree", "COMPARED_FIELDS"]
@@ -46,6 +47,9 @@ class EPConfig:
         num_sms: the cap on communication kernels' programs (None: TRITONEP_NUM_SMS / the geometry table).
         timeout_s: bound of every in-kernel wait, seconds.
         geometry: the kernel geometry (:class:`tritonep.ep.geometry.Geometry`) of the triton backend.
+        nccl_sync_free: ``TRITONEP_NCCL_SYNC_FREE`` as read at construction (``"onehop"`` | ``"gather"`` | ``""``:
+            the rule of :func:`tritonep.ep.nccl.sync_free.sync_free_mode`): a field so that every rank agrees on
+            it (ranks in different modes would run different collectives).
     """
 
     world_size: int
@@ -63,6 +67,7 @@ class EPConfig:
     num_sms: Optional[int]
     timeout_s: float
     geometry: object
+    nccl_sync_free: str = ""
 
     @property
     def num_local_experts(self) -> int:
@@ -136,7 +141,7 @@ def build_config(*, world_size: int, num_experts: int, hidden: int, max_tokens_p
                     max_tokens_per_rank=max_tokens_per_rank, topk=topk, dispatch_wire=dispatch_wire,
                     combine_wire=combine_wire, expert_alignment=expert_alignment, max_recv_tokens=max_recv_tokens,
                     backend=backend, dtype=dtype, device_type=device_type, num_sms=num_sms,
-                    timeout_s=resolve_timeout(timeout_s), geometry=geometry)
+                    timeout_s=resolve_timeout(timeout_s), geometry=geometry, nccl_sync_free=envs.nccl_sync_free())
 
 
 def agree(group, cfg: EPConfig | None, error: BaseException | None, extra: dict | None = None,

@@ -146,13 +146,13 @@ def test_sync_free_equals_synced_w1_w4(mode):
 
 def test_mode_rule_and_refusals(monkeypatch):
     """The default rule (one-hop for a bf16 wire up to ONEHOP_MAX_TOKENS tokens per rank), the variable's
-    override, and the refusals named at construction."""
-    from types import SimpleNamespace
-
+    override (read by build_config into the agreed config), and the refusals named at construction."""
+    from tritonep.ep.config import build_config
     from tritonep.ep.nccl.sync_free import ONEHOP_MAX_TOKENS, sync_free_mode
 
     def cfg(wire="bf16", T=ONEHOP_MAX_TOKENS, W=2):
-        return SimpleNamespace(dispatch_wire=wire, dtype=torch.bfloat16, world_size=W, max_tokens_per_rank=T)
+        return build_config(world_size=W, num_experts=2 * W, hidden=128, max_tokens_per_rank=T, topk=2,
+                            dispatch_wire=wire, device_type="cpu")
 
     monkeypatch.delenv("TRITONEP_NCCL_SYNC_FREE", raising=False)
     assert sync_free_mode(cfg()) == "onehop"
@@ -168,7 +168,7 @@ def test_mode_rule_and_refusals(monkeypatch):
         sync_free_mode(cfg(W=64))
     monkeypatch.setenv("TRITONEP_NCCL_SYNC_FREE", "one-hop")
     with pytest.raises(ConfigError, match="'one-hop'"):
-        sync_free_mode(cfg())
+        cfg()  # a bad value is refused before the constructor's collective, like every TRITONEP_* value
 
 
 # ------------------------------------------------------------------------------------------------ errors

@@ -63,7 +63,6 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from ... import envs
 from ...errors import CapacityError, ConfigError, InputError, PeerInputError, WireError
 from ...kernels.nccl_plan import sync_free_plan_kernel
 from ..handle import NcclHandle
@@ -84,15 +83,15 @@ ONEHOP_MAX_TOKENS = 256
 
 
 def sync_free_mode(cfg) -> str:
-    """The sync-free mode of an nccl buffer of configuration ``cfg``: TRITONEP_NCCL_SYNC_FREE (read now, at
-    construction) or, unset, ``"onehop"`` for a bf16 dispatch wire, ``world_size <= 63`` and
+    """The sync-free mode of an nccl buffer of configuration ``cfg``: ``cfg.nccl_sync_free`` (TRITONEP_NCCL_SYNC_FREE
+    as read by :func:`tritonep.ep.config.build_config`, agreed by every rank) or, unset, ``"onehop"`` for a bf16 dispatch wire, ``world_size <= 63`` and
     ``max_tokens_per_rank <= ONEHOP_MAX_TOKENS``, else ``"gather"``.
 
     Raises:
         WireError: ``onehop`` asked for with a quantized dispatch wire (one-hop moves bf16 rows only).
         ConfigError: ``onehop`` asked for with ``world_size > 63`` (its status mask) or a bad variable value.
     """
-    mode = envs.nccl_sync_free()
+    mode = cfg.nccl_sync_free
     bf16 = cfg.dispatch_wire == "bf16" and cfg.dtype == torch.bfloat16
     if mode == "onehop":
         if not bf16:

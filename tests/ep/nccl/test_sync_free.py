@@ -145,21 +145,19 @@ def test_sync_free_equals_synced_w1_w4(mode):
 
 
 def test_mode_rule_and_refusals(monkeypatch):
-    """The default rule (one-hop for a bf16 wire up to ONEHOP_MAX_TOKENS tokens per rank), the variable's
-    override (read by build_config into the agreed config), and the refusals named at construction."""
+    """The default (gather, the measured winner), the variable's override (read by build_config into the agreed
+    config), and the refusals named at construction."""
     from tritonep.ep.config import build_config
-    from tritonep.ep.nccl.sync_free import ONEHOP_MAX_TOKENS, sync_free_mode
+    from tritonep.ep.nccl.sync_free import sync_free_mode
 
-    def cfg(wire="bf16", T=ONEHOP_MAX_TOKENS, W=2):
+    def cfg(wire="bf16", T=128, W=2):
         return build_config(world_size=W, num_experts=2 * W, hidden=128, max_tokens_per_rank=T, topk=2,
                             dispatch_wire=wire, device_type="cpu")
 
     monkeypatch.delenv("TRITONEP_NCCL_SYNC_FREE", raising=False)
+    assert sync_free_mode(cfg()) == "gather" and sync_free_mode(cfg(wire="fp8")) == "gather"
+    monkeypatch.setenv("TRITONEP_NCCL_SYNC_FREE", "onehop")
     assert sync_free_mode(cfg()) == "onehop"
-    assert sync_free_mode(cfg(T=ONEHOP_MAX_TOKENS + 1)) == "gather"
-    assert sync_free_mode(cfg(wire="fp8")) == "gather" and sync_free_mode(cfg(W=64)) == "gather"
-    monkeypatch.setenv("TRITONEP_NCCL_SYNC_FREE", "gather")
-    assert sync_free_mode(cfg()) == "gather"
     monkeypatch.setenv("TRITONEP_NCCL_SYNC_FREE", "onehop")
     assert sync_free_mode(cfg(T=4096)) == "onehop"
     with pytest.raises(WireError, match="'fp8'"):

@@ -15,7 +15,7 @@ computed on the device (one more single-program launch: the device plan, same ro
 ``max_tokens_per_rank`` fixed packet slots, ONE ``all_to_all_single`` with equal host-static splits moves them and the
 unpack drops the slots each source left empty. Mode ``gather``: 4 launches (count, plan, pack, unpack; a rank without
 tokens: 2), 2 collectives, 0 host reads, no host->device copy, 9 allocations and 14 torch calls (the send / receive rows
-are persistent). Mode ``onehop`` (``TRITONEP_NCCL_SYNC_FREE``; the default for a bf16 wire up to 256 tokens per rank):
+are persistent). Mode ``onehop`` (``TRITONEP_NCCL_SYNC_FREE=onehop``; opt-in, the gather mode measured faster):
 the counts travel as a header slot of every per-peer block of the one ``all_to_all_single``, so 2 launches (send,
 receive), 1 collective, 3 allocations and 13 torch calls. Either way ``max_recv_tokens`` rows returned,
 ``num_recv_rows`` None. Its errors (a bad id or refused input on any rank, capacity) are recorded in the backend's

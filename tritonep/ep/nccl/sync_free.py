@@ -3,8 +3,8 @@
 
 No host read, no host sync, nothing data-dependent on the host (the ``num_worst_tokens`` convention of DeepEP /
 Hybrid-EP / torchtitan): every size is static. Two modes, chosen once at construction (:func:`sync_free_mode`:
-``TRITONEP_NCCL_SYNC_FREE`` = ``onehop`` | ``gather``; unset: ``onehop`` for a bf16 dispatch wire and
-``max_tokens_per_rank <= ONEHOP_MAX_TOKENS`` (256), else ``gather``), same public contract (rows bit-identical to
+``TRITONEP_NCCL_SYNC_FREE`` = ``onehop`` | ``gather``; unset: ``gather``, the measured winner), same public
+contract (rows bit-identical to
 the synced dispatch, tail weights zero, the same handle fields for combine / both backward passes, the same status
 word and errors):
 
@@ -18,8 +18,14 @@ tokens too: its send launch writes the headers), 1 collective, 0 host reads; 3 a
 block holding the row weights at offset 0, the per-slot weights, the routing weights' copy and, viewed as int32,
 the packets, per-slot rows, ``num_tokens_per_expert``, ``expert_offsets`` and counts; the routing ids' copy) and
 13 torch calls. The handle's ``rows`` (destination row of each route, known only on the expert rank here) is an
-empty ``[0, K]`` tensor: nothing on this backend reads it. The send kernel's prefix scans are quadratic in T, hence
-the threshold.
+empty ``[0, K]`` tensor: nothing on this backend reads it. The send kernel's prefix scans are quadratic in T.
+
+Measured (one H200, world 1, 128 tokens, H 7168, top-8 of 256, session 9; ``ep_bench_h200x1_session9final`` and
+``nccl_sync_free_profile_h200x1_session9_2026-12-02.log``): eager dispatch one-hop 161 us vs gather 155 us (the precomputed-layout
+pipeline 60); device time per call one-hop 71 us (send 35.5, receive 27.3, all_to_all 8.0) vs gather 29 us (pack
+9.9, count 7.6, unpack 6.5, plan 1.6, both collectives 2.4); at 4096 tokens one-hop 1922 us (the quadratic scans)
+vs gather 448. So ``gather`` is the default everywhere. One-hop stays as an option for groups whose collectives
+are slow (across hosts one collective fewer saves a network round trip per call): unmeasured there.
 
 **gather** (every wire). Call sequence (host protocol, identical on every rank whatever its data,
 docs/protocols.md (host protocol rule): one ``all_gather`` then one ``all_to_all_single``, always):
@@ -73,19 +79,13 @@ from .onehop import OneHopDispatch, OneHopOut
 from .pack import pow2
 from .plan import device_plan_torch, plan_size, sf_plan_size
 
-__all__ = ["NcclSyncFree", "ONEHOP_MAX_TOKENS", "sync_free_mode"]
-
-# The default rule's threshold: one-hop when max_tokens_per_rank <= this. The one-hop send launch finds each
-# route's rank among earlier tokens by redundant pairwise scans of every earlier token tile (quadratic in T, no
-# scratch, no grid sync): free at decode sizes, a waste from a few hundred tokens on, where the gather mode's
-# count + plan launches cost less than the scans.
-ONEHOP_MAX_TOKENS = 256
+__all__ = ["NcclSyncFree", "sync_free_mode"]
 
 
 def sync_free_mode(cfg) -> str:
     """The sync-free mode of an nccl buffer of configuration ``cfg``: ``cfg.nccl_sync_free`` (TRITONEP_NCCL_SYNC_FREE
-    as read by :func:`tritonep.ep.config.build_config`, agreed by every rank) or, unset, ``"onehop"`` for a bf16 dispatch wire, ``world_size <= 63`` and
-    ``max_tokens_per_rank <= ONEHOP_MAX_TOKENS``, else ``"gather"``.
+    as read by :func:`tritonep.ep.config.build_config`, agreed by every rank) or, unset, ``"gather"`` (the measured
+    winner: module docstring).
 
     Raises:
         WireError: ``onehop`` asked for with a quantized dispatch wire (one-hop moves bf16 rows only).
@@ -103,7 +103,7 @@ def sync_free_mode(cfg) -> str:
         return mode
     if mode == "gather":
         return mode
-    return "onehop" if bf16 and cfg.world_size <= 63 and cfg.max_tokens_per_rank <= ONEHOP_MAX_TOKENS else "gather"
+    return "gather"
 
 
 class NcclSyncFree:

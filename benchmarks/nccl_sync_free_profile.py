@@ -27,6 +27,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--modes", nargs="+", default=["onehop", "gather"], choices=["onehop", "gather"],
+                    help="the modes to run, in order (one per process keeps each mode's host timing clean of the "
+                         "other's torch.profiler section)")
     a = ap.parse_args()
     dist.init_process_group("nccl")
     dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -40,7 +43,7 @@ def main():
     w = torch.rand(T, K, generator=g).to(dev)
     x = torch.randn(T, H, generator=g).to(torch.bfloat16).to(dev)
     res = {}
-    for mode in ("onehop", "gather"):
+    for mode in a.modes:
         os.environ["TRITONEP_NCCL_SYNC_FREE"] = mode
         buf = tep.EPBuffer(dist.group.WORLD, E, H, T, K, backend="nccl")
         ref = buf.dispatch(x, idx, w)
@@ -68,7 +71,7 @@ def main():
     if a.json and dist.get_rank() == 0:
         with open(a.json, "w") as f:
             json.dump(dict(command="torchrun --nproc-per-node 1 benchmarks/nccl_sync_free_profile.py --tokens "
-                           f"{T}", tokens=T, **res), f, indent=1)
+                           f"{T} --modes {' '.join(a.modes)}", tokens=T, **res), f, indent=1)
     dist.destroy_process_group()
 
 

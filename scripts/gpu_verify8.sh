@@ -11,6 +11,8 @@
 #   bash scripts/gpu_verify8.sh E   # session 9 final: world-1 ep + moe GPU tests (incl. the nccl sync-free eager and
 #                                   #   captured test), the pool at W=2, eager, ep_bench (nccl sync-free row), peer,
 #                                   #   collective host costs
+#   bash scripts/gpu_verify8.sh F   # session 10: the nccl GPU tests (both sync-free modes), the sync-free profile
+#                                   #   one process per mode, ep_bench bf16 (the nccl decode rows)
 # Logs and JSON under $OUT, packed into $OUT/logs.tgz.
 source "$(dirname "$0")/gpu_step.sh"
 steps=()
@@ -21,6 +23,7 @@ for a in "$@"; do
         C) steps+=(single run layer epb) ;;
         D) steps+=(layer epb hostpy1k) ;;
         E) steps+=(tests_ep pool_w2 eager epb peer coll) ;;
+        F) steps+=(tests_nccl sfprof epb) ;;
         *) steps+=("$a") ;;
     esac
 done
@@ -30,6 +33,12 @@ PYT=(python -m pytest -v -ra -p no:cacheprovider --durations=30)
 PYTEST=("${PYT[@]}" tests)
 want tests_ep && OMP_NUM_THREADS=4 step tests_ep 150 "${PYT[@]}" -m "gpu and (not world or world1) and not soak" \
     --timeout 100 tests/ep tests/moe/test_layer.py tests/moe/test_sync_free.py
+want tests_nccl && step tests_nccl 120 "${PYT[@]}" -m "gpu and (not world or world1) and not soak" --timeout 100 \
+    tests/ep/nccl
+want sfprof && step sfprof_onehop 45 torchrun --nproc-per-node 1 benchmarks/nccl_sync_free_profile.py --tokens 128 \
+    --modes onehop --json "$OUT/sfprof_onehop.json"
+want sfprof && step sfprof_gather 45 torchrun --nproc-per-node 1 benchmarks/nccl_sync_free_profile.py --tokens 128 \
+    --modes gather --json "$OUT/sfprof_gather.json"
 want pool_w2 && step pool_w2 90 "${PYTEST[@]}" -m "gpu and world and not world1 and not soak" -k "output_pool" \
     --gpu-world-sizes 2 --gpu-mps on --timeout 80 --maxfail 1
 want tests_w2 && step tests_w2 240 "${PYTEST[@]}" -m "gpu and world and not world1 and not soak" \

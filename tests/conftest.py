@@ -52,10 +52,31 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("gpu_world_size", sizes, ids=[f"W{w}" for w in sizes])
 
 
+_SLOW_LIST = os.path.join(os.path.dirname(__file__), "slow_tests.txt")
+
+
+def _slow_ids() -> set:
+    """Node ids listed in tests/slow_tests.txt (``seconds node-id`` lines, ``#`` comments): the tests measured
+    slowest on a 2-core CPU host (scripts/slow_tests.py writes the list from a ``--durations`` log). They get the
+    ``slow`` marker: the default run deselects them (pyproject addopts) and CI's second step runs them."""
+    ids = set()
+    with open(_SLOW_LIST) as f:
+        for line in f:
+            line = line.split("#", 1)[0].split()
+            if line:
+                ids.add(line[-1])
+    return ids
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m deselects: the markers below take part in the selection
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    slow = _slow_ids()
+    seen = set()
     for item in items:
+        if item.nodeid in slow:
+            item.add_marker(pytest.mark.slow)
+            seen.add(item.nodeid)
         names = getattr(item, "fixturenames", ())
         if "gpu_world" in names:
             item.add_marker(pytest.mark.world)
@@ -63,6 +84,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.anyworld)
         if item.get_closest_marker("gpu") is not None and not _HAS_CUDA:  # the marker, not a test id that says gpu
             item.add_marker(skip_gpu)
+    # a listed id that names no test of a module collected here: renamed or removed; the list must follow it
+    files = {item.nodeid.split("::", 1)[0] for item in items}
+    whole = config.args_source == pytest.Config.ArgsSource.TESTPATHS or not config.args
+    stale = sorted(i for i in slow - seen if whole and i.split("::", 1)[0] in files)
+    if stale:
+        raise pytest.UsageError(f"tests/slow_tests.txt lists test ids that do not exist: {stale}; rename or remove "
+                                f"them (scripts/slow_tests.py)")
 
 
 class _GpuWorlds:

@@ -59,7 +59,8 @@ def onehop_send_kernel(idx_ptr, w_ptr, src0_ptr, src1_ptr, send_ptr, pkt_ptr, id
                        K: tl.constexpr, KB: tl.constexpr, E: tl.constexpr, L: tl.constexpr, W: tl.constexpr,
                        EB: tl.constexpr, WB: tl.constexpr, BT: tl.constexpr, TCAP: tl.constexpr, N0: tl.constexpr,
                        ROW0: tl.constexpr, N1: tl.constexpr, ROW1: tl.constexpr, COL1: tl.constexpr,
-                       META: tl.constexpr, ROW32: tl.constexpr, BH: tl.constexpr):
+                       META: tl.constexpr, ROW32: tl.constexpr, BH: tl.constexpr, HT: tl.constexpr = 0,
+                       ST: tl.constexpr = 0):
     """Send side of tokens ``[pid0 * BT, +BT)`` (module docstring); program column ``pid1`` copies src0 elements
     ``[pid1 * HC, +HC)`` (HC a multiple of BH; the index work is redone per column), column 0 also writes ``pkt``,
     the routing copies, the meta, src1 and (program (0, 0)) the headers.
@@ -67,7 +68,9 @@ def onehop_send_kernel(idx_ptr, w_ptr, src0_ptr, src1_ptr, send_ptr, pkt_ptr, id
     ``idx`` int32 / int64 ``[T, K]``, ``w`` float32 ``[T, K]``, ``src0 [T, N0]`` (wire row; ROW0 elements of its
     dtype a send row), ``src1 [T, N1]`` (scale bytes at element COL1, ROW1 a row; N1 = 0: none), ``send`` uint8
     ``[W * (1 + TCAP), 4 * ROW32]``; writes ``pkt`` int32 ``[T, K]`` (absolute send slot, -1 masked) and the
-    routing copies ``idx_copy`` / ``w_copy``.
+    routing copies ``idx_copy`` / ``w_copy``. ``HT``: tokens per step of program (0, 0)'s header scan, ``ST``:
+    tokens per step of a tile's scan of the tokens before it (0: BT); large steps keep these serial chains of loads,
+    compares and histograms short (a step or a few at decode sizes).
     """
     R: tl.constexpr = BT * KB
     BLK: tl.constexpr = 1 + TCAP
@@ -75,7 +78,6 @@ def onehop_send_kernel(idx_ptr, w_ptr, src0_ptr, src1_ptr, send_ptr, pkt_ptr, id
     col0 = tl.program_id(1) == 0
     hs = tl.program_id(1) * HC
     he = tl.minimum(hs + HC, N0)
-    NC = tl.cdiv(T, BT)
     t_off = tl.arange(0, BT)
     k_off = tl.arange(0, KB)
     i_off = tl.arange(0, R)
@@ -96,11 +98,13 @@ def onehop_send_kernel(idx_ptr, w_ptr, src0_ptr, src1_ptr, send_ptr, pkt_ptr, id
     lr_acc = tl.sum(eq.to(tl.int32), 1)
     eqp = (dflat[:, None] == fd[None, :]) & (tok[None, :] < tok[:, None]) & (fd[None, :] >= 0)
     pr_acc = tl.sum(eqp.to(tl.int32), 1)
-    # the same over every earlier tile (redundant scans: no scratch, no grid sync)
-    for c0 in range(0, pid):
-        _r0, _v0, ids0, dest0, first0, _m0 = _tile_ids(idx_ptr, c0, T, K, KB, E, L, BT)
-        f0 = tl.reshape(ids0, (R,))
-        fd0 = tl.reshape(tl.where(first0, dest0, -1), (R,))
+    # the same over every earlier token (redundant scans, ST tokens a step: no scratch, no grid sync)
+    SS: tl.constexpr = BT if ST == 0 else ST
+    lim = pid * BT  # the tokens before this tile
+    for c0 in range(0, tl.cdiv(lim, SS)):
+        _r0, _v0, ids0, dest0, first0, _m0 = _tile_ids(idx_ptr, c0, lim, K, KB, E, L, SS)
+        f0 = tl.reshape(ids0, (SS * KB,))
+        fd0 = tl.reshape(tl.where(first0, dest0, -1), (SS * KB,))
         lr_acc += tl.sum(((fid[:, None] == f0[None, :]) & (f0[None, :] >= 0)).to(tl.int32), 1)
         pr_acc += tl.sum(((dflat[:, None] == fd0[None, :]) & (fd0[None, :] >= 0)).to(tl.int32), 1)
     lr = tl.where(valid, tl.reshape(lr_acc, (BT, KB)), -1)
@@ -139,16 +143,18 @@ def onehop_send_kernel(idx_ptr, w_ptr, src0_ptr, src1_ptr, send_ptr, pkt_ptr, id
                 tl.store(send1 + sk.to(tl.int64)[:, None] * ROW1 + COL1 + h[None, :], v,
                          mask=fk[:, None] & hm[None, :])
     if (pid == 0) & col0:  # the header: this rank's counts row, into slot 0 of every block
+        HS: tl.constexpr = BT if HT == 0 else HT
+        RH: tl.constexpr = HS * KB
         e_off = tl.arange(0, EB)
         w_off = tl.arange(0, WB)
         hist_e = tl.zeros((EB,), dtype=tl.int32)
         hist_d = tl.zeros((WB,), dtype=tl.int32)
-        badv = tl.zeros((BT,), dtype=tl.int32)
-        for c0 in range(0, NC):
-            r0, v0, ids0, dest0, first0, m0 = _tile_ids(idx_ptr, c0, T, K, KB, E, L, BT)
+        badv = tl.zeros((HS,), dtype=tl.int32)
+        for c0 in range(0, tl.cdiv(T, HS)):
+            r0, v0, ids0, dest0, first0, m0 = _tile_ids(idx_ptr, c0, T, K, KB, E, L, HS)
             badv += tl.sum((m0 & ((r0 < -1) | (r0 >= E))).to(tl.int32), 1)
-            hist_e += tl.histogram(tl.reshape(tl.where(v0, ids0, 0), (R,)), EB, mask=tl.reshape(v0, (R,)))
-            hist_d += tl.histogram(tl.reshape(tl.where(first0, dest0, 0), (R,)), WB, mask=tl.reshape(first0, (R,)))
+            hist_e += tl.histogram(tl.reshape(tl.where(v0, ids0, 0), (RH,)), EB, mask=tl.reshape(v0, (RH,)))
+            hist_d += tl.histogram(tl.reshape(tl.where(first0, dest0, 0), (RH,)), WB, mask=tl.reshape(first0, (RH,)))
         bad = tl.sum(badv, 0)
         hb = send32  # a 64-bit pointer stepped per block (no 32-bit block offsets)
         for d in range(W):
@@ -157,13 +163,6 @@ def onehop_send_kernel(idx_ptr, w_ptr, src0_ptr, src1_ptr, send_ptr, pkt_ptr, id
             tl.store(hb + E + W, bad)
             tl.store(hb + E + W + 1, refused)
             hb += BLK * ROW32
-
-
-@triton.jit
-def _pick(vec, j, NB: tl.constexpr):
-    """``vec[j]`` for an int tile ``j [M, N]`` and a register vector ``vec [NB]`` (one-hot sum; 0 outside)."""
-    n = tl.arange(0, NB)
-    return tl.sum(tl.where(j[:, :, None] == n[None, None, :], vec[None, None, :], 0), 2)
 
 
 @triton.jit(do_not_specialize=["HC"])
@@ -248,7 +247,8 @@ def onehop_recv_kernel(recv_ptr, out_ptr, out_w_ptr, rr_ptr, rw_ptr, ntpe_ptr, o
         for s in range(W):  # routes of earlier sources to the same expert
             pre += tl.load(hb + ids, mask=here & (s < s_p[:, None]), other=0)
             hb += BLK * ROW32
-        row = _pick(starts, tl.where(here, ids - RANK * L, 0), LB) + pre + lr
+        jj = tl.reshape(tl.where(here, ids - RANK * L, 0), (BP * KB,))
+        row = tl.reshape(tl.gather(starts, jj, 0), (BP, KB)) + pre + lr
         here = here & (lr >= 0) & (row < MAXR)
         rr = tl.where(here, row, -1)
         pk = p.to(tl.int64)[:, None] * K + k_off[None, :]
@@ -267,17 +267,20 @@ def onehop_recv_kernel(recv_ptr, out_ptr, out_w_ptr, rr_ptr, rw_ptr, ntpe_ptr, o
     else:  # rows [z * BZ, +BZ): weights of padding and tail rows, zeros in the padding rows
         r = (pid - NT) * BZ + tl.arange(0, BZ)
         rm = r < MAXR
-        seg = tl.sum((jm[None, :] & (ends[None, :] <= r[:, None])).to(tl.int32), 1)
-        seg2 = seg[:, None] + tl.zeros((1, 1), dtype=tl.int32)
-        real_end = tl.sum(_pick(starts + cnt, seg2, LB), 1)
         tail = r >= used
-        pad = rm & (r < used) & (r >= real_end)
-        tl.store(out_w_ptr + r, tl.zeros((BZ,), dtype=tl.float32), mask=rm & (tail | pad) & col0)
-        for h0 in range(hs, he, BH):
-            h = h0 + h_off
-            hm = h < he
-            tl.store(out_ptr + r.to(tl.int64)[:, None] * N0 + h[None, :],
-                     tl.zeros((BZ, BH), dtype=out_ptr.dtype.element_ty), mask=pad[:, None] & hm[None, :])
+        if A > 1:  # padding rows (none when A == 1: no segment search, large row tiles)
+            seg = tl.sum((jm[None, :] & (ends[None, :] <= r[:, None])).to(tl.int32), 1)
+            # (a row past every segment, seg >= L, is a tail row whatever real_end says: the index is clamped)
+            real_end = tl.gather(starts + cnt, tl.minimum(seg, LB - 1), 0)
+            pad = rm & (r < used) & (r >= real_end)
+            tl.store(out_w_ptr + r, tl.zeros((BZ,), dtype=tl.float32), mask=rm & (tail | pad) & col0)
+            for h0 in range(hs, he, BH):
+                h = h0 + h_off
+                hm = h < he
+                tl.store(out_ptr + r.to(tl.int64)[:, None] * N0 + h[None, :],
+                         tl.zeros((BZ, BH), dtype=out_ptr.dtype.element_ty), mask=pad[:, None] & hm[None, :])
+        else:
+            tl.store(out_w_ptr + r, tl.zeros((BZ,), dtype=tl.float32), mask=rm & tail & col0)
     if (pid == 0) & col0:
         tl.store(ntpe_ptr + j_off, cnt, mask=jm)
         tl.store(offs_ptr + j_off, ends, mask=jm)

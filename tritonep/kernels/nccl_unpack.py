@@ -3,7 +3,8 @@
 A received packet p carries a wire row and the meta of its token (K destination rows, K expert ids, K weight
 bits, int32); route k of the packet is HERE when ``0 <= id < E`` and ``id // L == RANK``.
 
-* :func:`route_unpack_kernel` (grid = packet tiles, plus L programs when the segments have padding rows): writes
+* :func:`route_unpack_kernel` (grid = packet tiles, plus L programs when the segments have padding rows, plus
+  tail programs in the sync-free dispatch, which zero the weights of the rows past the real and padding ones): writes
   every packet's row to the expert row of each of its routes here (one or two sources: the wire row, or payload
   and scales when the rows stay quantized), the row weights, and the per-packet routes of the handle
   (``rr [Nr, K]`` row or -1, ``rw [Nr, K]`` weight or 0); the extra programs fill the padding rows of one local
@@ -70,7 +71,8 @@ def route_unpack_kernel(recv_ptr, src0_ptr, src1_ptr, out0_ptr, out1_ptr, out_w_
                         RANK: tl.constexpr, BP: tl.constexpr, META: tl.constexpr, ROW32: tl.constexpr,
                         S0: tl.constexpr, C0: tl.constexpr, N0: tl.constexpr, S1: tl.constexpr, C1: tl.constexpr,
                         N1: tl.constexpr, NTPE: tl.constexpr, OFFS: tl.constexpr, PAD: tl.constexpr,
-                        BA: tl.constexpr, BH: tl.constexpr, SLOTS: tl.constexpr, RCNT: tl.constexpr):
+                        BA: tl.constexpr, BH: tl.constexpr, SLOTS: tl.constexpr, RCNT: tl.constexpr,
+                        NPAD: tl.constexpr = 0, MAXR: tl.constexpr = 0, BZ: tl.constexpr = 1024):
     """Packets ``[pid0*BP, +BP)`` to expert rows, or (``pid0 >= cdiv(Nr, BP)``, PAD != 0) the padding rows of local
     expert ``pid0 - cdiv(Nr, BP)`` (module docstring); program column ``pid1`` moves src0 elements
     ``[pid1 * HC, +HC)`` (HC a multiple of BH), column 0 also the routes, weights and src1.
@@ -84,6 +86,11 @@ def route_unpack_kernel(recv_ptr, src0_ptr, src1_ptr, out0_ptr, out1_ptr, out_w_
     ``SLOTS`` > 0 (the sync-free dispatch: fixed packet slots, ``SLOTS`` per source rank): packet p is live only when
     ``p % SLOTS < lay[RCNT + p // SLOTS]`` (the packets that source sent); the others are dropped (their routes
     ``rr = -1``, ``rw = 0``, nothing written).
+
+    ``MAXR`` > 0 (the sync-free dispatch's ``max_recv_tokens`` rows, a fresh ``out_w``): programs after the
+    ``NPAD`` (L when PAD != 0, else 0) padding programs zero the tail weights ``out_w[offs[L-1]:MAXR]``, BZ rows
+    each; with the real and padding rows' weights written above, every weight of the call is written (no zeroing
+    launch, no ``torch.zeros``).
     """
     pid = tl.program_id(0)
     col0 = tl.program_id(1) == 0
@@ -116,13 +123,17 @@ def route_unpack_kernel(recv_ptr, src0_ptr, src1_ptr, out0_ptr, out1_ptr, out_w_
         if N1 > 0:
             if col0:
                 _scatter_rows(s1, out1_ptr, p, live, rr, 0, N1, S1, N1, K, KB, BH)
-    elif PAD != 0:
+    elif pid < ntiles + NPAD:
         j = pid - ntiles
         r, rm = _pad_rows(j, lay_ptr, s0, out0_ptr, Nr, hs, he, NTPE, OFFS, S0, N0, PAD, BA, BH)
         tl.store(out_w_ptr + r, tl.zeros((BA,), dtype=tl.float32), mask=rm & col0)
         if N1 > 0:
             if col0:
                 _pad_rows(j, lay_ptr, s1, out1_ptr, Nr, 0, N1, NTPE, OFFS, S1, N1, PAD, BA, BH)
+    elif MAXR > 0:  # the tail rows' weights
+        r = (pid - ntiles - NPAD) * BZ + tl.arange(0, BZ)
+        used = tl.load(lay_ptr + OFFS + L - 1)
+        tl.store(out_w_ptr + r, tl.zeros((BZ,), dtype=tl.float32), mask=(r >= used) & (r < MAXR) & col0)
 
 
 @triton.jit(do_not_specialize=["T", "HC"])

@@ -251,13 +251,14 @@ class OneHopDispatch:
         self._send_k = launch.bind(onehop_send_kernel, dict(
             send_ptr=self.send, K=K, KB=KB, E=E, L=self.L, W=W, EB=pow2(E), WB=pow2(W), BT=self.BT, TCAP=self.Tcap,
             N0=H, ROW0=lay.width // es, N1=0, ROW1=lay.width, COL1=0, META=lay.mo // 4, ROW32=lay.width // 4,
-            BH=self._send_bh, num_warps=4),
+            BH=self._send_bh, HT=max(self.BT, 1024 // KB), ST=max(self.BT, 256 // KB), num_warps=4),
             ("idx_ptr", "w_ptr", "src0_ptr", "src1_ptr", "pkt_ptr", "idx_copy_ptr", "w_copy_ptr", "T", "refused",
              "HC"))
-        # packet / row tiles: the layout picks (``_pick``) hold [BP, KB, LB] and [BZ, 1, LB] registers, so the
-        # tiles shrink with L (2048 elements: no spill at the DeepSeek-V3 shape, 128 local experts, ptxas -v)
+        # packet / row tiles: a route's segment start is a ``tl.gather`` from the layout vector (no [BP, KB, LB]
+        # one-hot: packet tiles need not shrink with L); a row tile's segment search holds [BZ, LB] (2048 elements)
+        # when there are padding rows (A > 1), else it only zeroes tail weights (1024 rows a program)
         LBp = pow2(self.L)
-        bp, bz = max(1, min(128 // KB, 2048 // (KB * LBp))), max(1, min(64, 2048 // LBp))
+        bp, bz = max(1, 128 // KB), (max(1, min(64, 2048 // LBp)) if self.A > 1 else 1024)
         rbh = min(pow2(H), max(16, 1024 // bp))
         merge = status_word is not None
         st = status_word if merge else torch.zeros(1, dtype=torch.int32, device=dev)  # (not read without MERGE)

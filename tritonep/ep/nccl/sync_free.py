@@ -48,8 +48,8 @@ docs/protocols.md (host protocol rule): one ``all_gather`` then one ``all_to_all
 Both modes return ``max_recv_tokens`` rows (real rows ``[0, expert_offsets[-1])``, bit-identical to the synced dispatch;
 the tail's rows unspecified, its weights zero), ``num_tokens_per_expert`` / ``expert_offsets`` on the device and a
 handle whose ``num_recv_rows`` is None. Per gather call: 4 launches (3 on a rank without tokens: no pack), 2
-collectives, no host read; allocations: the rows, the row weights (zeroed), the plan vector and the handle's six
-tensors. The send and receive rows are persistent (made on the first sync-free call: a buffer never used this way pays
+collectives, no host read; allocations: the rows, the row weights (the unpack launch writes every one, the tail's
+zeros too: no zeroing launch), the plan vector and the handle's six tensors. The send and receive rows are persistent (made on the first sync-free call: a buffer never used this way pays
 nothing; one stream at a time, as every buffer of this library: the next call's pack is stream-ordered after this call's
 collective). Cost of the fixed sizes: every call moves ``W * Tcap`` rows (as DeepEP's low-latency kernels do).
 
@@ -118,7 +118,7 @@ class NcclSyncFree:
         self._eq_splits = (self._tcap,) * W
         self._sf_size = sf_plan_size(W, E)
         self._sf_split = [E + W, L, L, W * E, W]
-        self._sf_slots = (self._tcap, plan_size(W, E))
+        self._sf_slots = (self._tcap, plan_size(W, E), cfg.max_recv_tokens)
         self._sf_bufs = None  # (send [W*Tcap, width], receive [W*Tcap + 1, width], its first W*Tcap rows)
         self._recent_idx: deque = deque(maxlen=4)  # the last sync-free calls' topk_idx (to name a bad id)
         self._codes = (STATUS_CAPACITY, STATUS_BAD_INPUT)
@@ -182,11 +182,11 @@ class NcclSyncFree:
             idx_c, w_c = topk_idx.new_empty(0, K), self._no_w
         # 4) one all_to_all, equal host-static splits
         dist.all_to_all_single(recv_n, send, group=self.group)
-        # 5) unpack the live slots
+        # 5) unpack the live slots (every row weight written by the unpack launch: the tail's zeroed there)
         N = self._slots_n
         rr = torch.empty(N, K, dtype=torch.int32, device=dev)
         rw = torch.empty(N, K, dtype=torch.float32, device=dev)
-        out_w = torch.zeros(MR, dtype=torch.float32, device=dev)
+        out_w = torch.empty(MR, dtype=torch.float32, device=dev)
         kq = keep_quantized and fmt.quantized
         zero_row = kq and cfg.expert_alignment > 1
         sc = None

@@ -105,6 +105,7 @@ class Unpacker:
         self._bh = min(pow2(H), max(16, 1024 // self.BP))  # 1K-element tiles: no register spills
         self.target = target_programs(launch_device) if launch_device is not None else 1  # h splits (tests raise it)
         self._unpack: dict = {}  # source layout -> bound route_unpack_kernel
+        self._bz = 1024  # tail weights zeroed per program (sync-free dispatch)
         self._rows_bt = max(1, 128 // self.KB)
         self._pack_rows = launch.bind(pack_rows_kernel, dict(
             K=K, KB=self.KB, N=H, BT=self._rows_bt, BH=self._bh, num_warps=4),
@@ -115,21 +116,23 @@ class Unpacker:
             ("gy_ptr", "eo_ptr", "rr_ptr", "rw_ptr", "geo_ptr", "gw_ptr", "Nr"))
 
     def unpack(self, recv, srcs: list, outs: list, widths: tuple, out_w, rr, rw, small, Nr: int, zero_row: bool,
-               use_triton: bool, slots: tuple = (0, 0)) -> None:
+               use_triton: bool, slots: tuple = (0, 0, 0)) -> None:
         """Run :func:`unpack_torch`'s spec on ``recv`` (uint8 ``[Nr (+1), width]``).
 
         ``srcs``: one or two ``(tensor, element offset of row 0, row stride)`` read as the matching output's
         dtype (the kernel path takes e.g. the receive buffer itself); ``outs``: ``[R, n]`` outputs with ``n`` in
-        ``widths``. ``slots``: ``(S, o)`` with S > 0 for the sync-free dispatch's fixed slots (S per source rank):
+        ``widths``. ``slots``: ``(S, o, R)`` with S > 0 for the sync-free dispatch's fixed slots (S per source rank):
         packet p is live only when ``p % S < small[o + p // S]`` (the packets its source sent); the others are
-        dropped (routes -1, weights 0).
+        dropped (routes -1, weights 0); R > 0: ``out_w`` has R rows and the kernel also zeroes the tail weights
+        (every weight written: ``out_w`` may be uninitialised, as in the twin, which writes all of them).
         """
         if use_triton:
             (s0, c0, st0), o0 = srcs[0], outs[0]
             (s1, c1, st1), o1 = srcs[-1], outs[-1]
             n0, n1 = widths[0], (widths[1] if len(widths) > 1 else 0)
             pad = 0 if self.A == 1 else (2 if zero_row else 1)
-            tiles = cdiv(Nr, self.BP) + (self.L if pad else 0)
+            npad = self.L if pad else 0
+            tiles = cdiv(Nr, self.BP) + npad + (cdiv(slots[2], self._bz) if slots[2] else 0)
             bh = min(self._bh, pow2(max(n0, n1)))
             hs, hc = h_split(tiles, n0, bh, self.target)
             key = (st0, c0, n0, st1, c1, n1, pad, slots)  # the source layout (wire, keep_quantized, padding, slots)
@@ -137,7 +140,7 @@ class Unpacker:
             if bk is None:
                 bk = self._unpack[key] = self.launch.bind(route_unpack_kernel, dict(
                     S0=st0, C0=c0, N0=n0, S1=st1, C1=c1, N1=n1, PAD=pad, BH=bh, SLOTS=slots[0], RCNT=slots[1],
-                    **self._kw),
+                    NPAD=npad, MAXR=slots[2], BZ=self._bz, **self._kw),
                     ("recv_ptr", "src0_ptr", "src1_ptr", "out0_ptr", "out1_ptr", "out_w_ptr", "rr_ptr", "rw_ptr",
                      "lay_ptr", "Nr", "HC"))
             bk((tiles, hs), recv, s0, s1, o0, o1, out_w, rr, rw, small, Nr, hc)
@@ -145,7 +148,7 @@ class Unpacker:
         lay, K = self.lay, self.K
         meta = recv[:Nr, lay.mo:lay.mo + 12 * K].view(torch.int32)
         if slots[0]:  # drop the slots their source left empty: ids -1
-            S, o = slots
+            S, o = slots[:2]
             p = torch.arange(Nr, device=meta.device)
             dead = (p % S) >= small[o:o + Nr // S].long().repeat_interleave(S)
             meta = meta.clone()

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 24, session 8 (2026-12-02): the output pool (tritonep/ep/triton/pool.py) on ONE H200, one device command per
+# Issue 24, session 8 (2026-12-02): the output pool (tritonep/ep/pool.py) on ONE H200, one device command per
 # letter (timeout_s=600 each), carry [".whl"] (torchtitan 0.3.0 for the peer benchmark):
 #   bash scripts/gpu_verify8.sh A   # world-1 ep + moe GPU tests (incl. the pool's streams / capture test), the pool
 #                                   #   test at W=2 under MPS, eager with the pool and without it (same call), probe

@@ -20,7 +20,7 @@ from collections import defaultdict
 LIST = os.path.join(os.path.dirname(__file__), "..", "tests", "slow_tests.txt")
 HEADER = ("# Tests measured slowest on a 2-core CPU host: `seconds node-id` (setup + call + teardown; written by\n"
           "# scripts/slow_tests.py from a --durations log). tests/conftest.py marks them `slow`: the default run\n"
-          "# deselects them (pyproject addopts) and CI's second step (.ci/run: -m \"soak or compile or slow\") runs them.\n")
+          "# deselects them (pyproject addopts); CI's second step runs them (.ci/run: -m \"soak or compile or slow\").\n")
 
 
 def read_durations(path: str) -> tuple[dict, float | None]:

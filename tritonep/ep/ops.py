@@ -163,7 +163,7 @@ def combine_op(expert_out: torch.Tensor, recv_weights: torch.Tensor, ticket: tor
                num_tokens: int) -> torch.Tensor:
     """:meth:`EPBuffer.combine` of the dispatch ``ticket`` names (module docstring): ``y [num_tokens, H]``."""
     y = get_buffer(buffer_id).combine(expert_out, get_handle(ticket))
-    # a view of a pooled block (decode, tritonep/ep/triton/pool.py): the op's autograd would refuse in-place ops on it
+    # a view of a pooled block (decode, tritonep/ep/pool.py): the op's autograd would refuse in-place ops on it
     return y.detach() if y._base is not None else y
 
 

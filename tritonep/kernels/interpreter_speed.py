@@ -22,7 +22,7 @@ each doing what the interpreter did:
 * ``GridExecutor._init_args_hst`` / ``_restore_args_dev`` (the host copies of a launch's tensor arguments and the
   copy back) walk the arguments with module functions instead of recursive closures: the original closures refer to
   themselves, so every launch left a reference cycle holding its arguments' storage objects (``untyped_storage()``)
-  until the next garbage collection, and the triton backend's output pool (:mod:`tritonep.ep.triton.pool`, which
+  until the next garbage collection, and the triton backend's output pool (:mod:`tritonep.ep.pool`, which
   counts references to those objects) saw its sets held until then.
 
 Together: the 100-call only-rank-0 test 89 -> 56 s of CPU before the wait pause of :mod:`.signal`.

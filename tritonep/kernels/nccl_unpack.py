@@ -131,9 +131,9 @@ def route_unpack_kernel(recv_ptr, src0_ptr, src1_ptr, out0_ptr, out1_ptr, out_w_
             if col0:
                 _pad_rows(j, lay_ptr, s1, out1_ptr, Nr, 0, N1, NTPE, OFFS, S1, N1, PAD, BA, BH)
     elif MAXR > 0:  # the tail rows' weights
-        r = (pid - ntiles - NPAD) * BZ + tl.arange(0, BZ)
+        rt = (pid - ntiles - NPAD) * BZ + tl.arange(0, BZ)  # (not `r`: a name's type must agree across branches)
         used = tl.load(lay_ptr + OFFS + L - 1)
-        tl.store(out_w_ptr + r, tl.zeros((BZ,), dtype=tl.float32), mask=(r >= used) & (r < MAXR) & col0)
+        tl.store(out_w_ptr + rt, tl.zeros((BZ,), dtype=tl.float32), mask=(rt >= used) & (rt < MAXR) & col0)
 
 
 @triton.jit(do_not_specialize=["T", "HC"])

@@ -1,4 +1,4 @@
-"""GPU rank function for the output pool (:mod:`tritonep.ep.triton.pool`): per-stream sets and graph capture.
+"""GPU rank function for the output pool (:mod:`tritonep.ep.pool`): per-stream sets and graph capture.
 Module-level so spawned ranks can import it; the test is ``tests/ep/triton/test_output_pool_gpu.py``."""
 
 from __future__ import annotations

@@ -111,7 +111,10 @@ def fake_gpu():
 
     def noting_call(self, *dyn):
         self._fake_last = (dyn[0], dyn[1:]) if self.grid is None else (self.grid, dyn)
-        call(self, *dyn)
+        try:
+            call(self, *dyn)
+        finally:  # read by the fake launcher during the call only: hold no tensor past it (the output pool would
+            self._fake_last = None  # see the call's pooled outputs as held by a caller)
 
     BoundKernel.__init__, BoundKernel.__call__ = fake_init, noting_call
     bound_mod.bound_launch_enabled = lambda device: True

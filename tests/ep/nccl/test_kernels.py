@@ -137,7 +137,8 @@ def test_count_kernel_bad_ids_and_repeated_calls():
 
 @pytest.mark.parametrize("name,wire,keep,tail", [("w3_empty_rank_k3", "bf16", False, 0),
                                                  ("w2_long_rows", "bf16", False, 0), ("w4_k1", "fp8", True, 0),
-                                                 ("w4_k1", "mxfp4", False, 0), ("w3_empty_rank_k3", "bf16", False, 1037)])
+                                                 ("w4_k1", "mxfp4", False, 0),
+                                                 ("w3_empty_rank_k3", "bf16", False, 1037)])
 def test_unpack_kernel_equals_twin(name, wire, keep, tail):
     """Kernel == twin on poisoned outputs; ``tail``: the sync-free dispatch's ``max_recv_tokens`` rows past the
     real ones (``slots[2]``): the kernel's tail programs must zero those weights as the twin does (its rows stay

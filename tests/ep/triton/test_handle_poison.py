@@ -11,7 +11,7 @@ repeated calls; the poison makes it show. Checked: the synced call's records and
 (:func:`tritonep.testing.harness.check_calls` / ``check_grads``), the sync-free call's rows, weights (zero past
 ``expert_offsets[-1]``), layout and combine.
 
-Since session 8 the block comes from the buffer's output pool (:mod:`tritonep.ep.triton.pool`) and is reused once
+Since session 8 the block comes from the buffer's output pool (:mod:`tritonep.ep.pool`) and is reused once
 nobody holds it, holding the previous call's bits: the poison is applied to every set the pool hands out too, so
 a reused block is as poisoned as a fresh one (and the decode geometry's pooled rows: their padding rows must be
 written by the kernel as well).
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from tritonep.ep.triton.outputs import HandleLayout
-from tritonep.ep.triton.pool import OutputPool
+from tritonep.ep.pool import OutputPool
 from tritonep.testing import run_cpu_world
 from tritonep.testing.harness import (_host, check_calls, check_grads, expert, make_calls, open_buffer, record,
                                       run_grad_call, set_env)

@@ -15,7 +15,7 @@ torch calls. The combine / combine-backward slice is the measuring caller's ``ex
 and their view (a slice and a float32 view, 2 -> 4 more aten ops on the CPU counter) is made while the launches run,
 not before them (decode: before the one launch; two-kernel: between the host read and the data launch, where the GPU
 waits for the host); the counts may go up only by such trades, stated here. Session 8: the output pool
-(:mod:`tritonep.ep.triton.pool`) hands a released call's handle storage and its views (decode: also the rows and
+(:mod:`tritonep.ep.pool`) hands a released call's handle storage and its views (decode: also the rows and
 the combine output) back: dispatch 22 -> 18 torch calls, 7 -> 2 aten ops (the two slices ``rows[:R]`` /
 ``weights[:R]``), 2 -> 1 allocation (0 on the decode geometry); decode combine 1 -> 0 allocations (its output is a
 slice of a pooled block). A caller that keeps every output gets the old counts (``test_output_pool.py``).

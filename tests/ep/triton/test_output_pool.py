@@ -1,4 +1,4 @@
-"""The output pool of the triton backend (:mod:`tritonep.ep.triton.pool`): a dispatch's handle storage and views (and
+"""The output pool of the triton backend (:mod:`tritonep.ep.pool`): a dispatch's handle storage and views (and
 on the decode geometry its rows and the combine's output) are reused only once nobody holds any of them.
 
 Checked: the pool's own rules (a held tuple, tensor, view of a tensor or a view of the storage keeps a set; a set is
@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tritonep.ep.triton.pool import OutputPool
+from tritonep.ep.pool import OutputPool
 from tritonep.testing import run_cpu_world
 from tritonep.testing.harness import (check_calls, expert, make_calls, open_buffer, record, run_grad_call,
                                       set_env)
@@ -143,7 +143,7 @@ def test_pool_off():
 
 
 def test_shared_pools_follow_their_users():
-    from tritonep.ep.triton import pool as P
+    from tritonep.ep import pool as P
 
     key, dev = ("rows", "test", 4, 8), torch.device("cpu")
     a = P.acquire_shared(key, _make, 2, dev)
@@ -160,7 +160,7 @@ def test_shared_pools_follow_their_users():
 
 
 def _two_buffers_world(group, calls):
-    from tritonep.ep.triton import pool as P
+    from tritonep.ep import pool as P
 
     set_env(TRITONEP_GEOMETRY="bt=2,dec=3", TRITONEP_OUTPUT_POOL=None)
     rank = dist.get_rank(group)

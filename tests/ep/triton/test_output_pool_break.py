@@ -1,4 +1,4 @@
-"""Adversarial callers of the output pool (:mod:`tritonep.ep.triton.pool`) in the CPU world of 2 ranks, with one set
+"""Adversarial callers of the output pool (:mod:`tritonep.ep.pool`) in the CPU world of 2 ranks, with one set
 per stream (``TRITONEP_OUTPUT_POOL=1``: a released set is reused by the very next call). Each scenario makes a call
 whose set comes from the pool (checked), drops every output but one way of holding it, reads the held values at
 once and again after a later call (with other values); the two reads must be equal bitwise. Autograd: two graphs
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from tritonep.errors import CapacityError, InputError, PeerInputError
-from tritonep.ep.triton.pool import OutputPool
+from tritonep.ep.pool import OutputPool
 from tritonep.testing import run_cpu_world
 from tritonep.testing.harness import _host, expert, make_calls, open_buffer, set_env
 

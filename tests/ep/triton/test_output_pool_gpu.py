@@ -1,4 +1,4 @@
-"""GPU checks of the output pool (:mod:`tritonep.ep.triton.pool`): sets per CUDA stream (a second stream gets its
+"""GPU checks of the output pool (:mod:`tritonep.ep.pool`): sets per CUDA stream (a second stream gets its
 own, a third allocates), never under graph capture (a captured call's outputs are the capture's, and eager calls
 after a replay do not write them), the same results on every stream and under replay. World 1 and each
 ``--gpu-world-sizes`` (ranks share a GPU when there are fewer GPUs than ranks)::

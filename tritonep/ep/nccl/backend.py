@@ -243,6 +243,8 @@ class NcclEP(NcclSyncFree, NcclCombine):
         self._eo = None
         self._sf_bufs = None
         self._oh = None
+        if not self.closed:
+            self._close_sync_free()
         self.closed = True
 
     def _a2a(self, recv: torch.Tensor, send: torch.Tensor, in_splits, out_splits) -> torch.Tensor:

@@ -21,10 +21,10 @@ the packets, per-slot rows, ``num_tokens_per_expert``, ``expert_offsets`` and co
 empty ``[0, K]`` tensor: nothing on this backend reads it. The send kernel's prefix scans are quadratic in T.
 
 Measured (one H200, world 1, 128 tokens, H 7168, top-8 of 256, session 9; ``ep_bench_h200x1_session9final`` and
-``nccl_sync_free_profile_h200x1_session9_2026-12-02.log``): eager dispatch one-hop 161 us vs gather 155 us (the precomputed-layout
-pipeline 60); device time per call one-hop 71 us (send 35.5, receive 27.3, all_to_all 8.0) vs gather 29 us (pack
-9.9, count 7.6, unpack 6.5, plan 1.6, both collectives 2.4); at 4096 tokens one-hop 1922 us (the quadratic scans)
-vs gather 448. So ``gather`` is the default everywhere. One-hop stays as an option for groups whose collectives
+``nccl_sync_free_profile_h200x1_session9_2026-12-02.log``): eager dispatch one-hop 161 us vs gather 155 us (the
+precomputed-layout pipeline 60); device time per call one-hop 71 us (send 35.5, receive 27.3, all_to_all 8.0) vs gather
+29 us (pack 9.9, count 7.6, unpack 6.5, plan 1.6, both collectives 2.4); at 4096 tokens one-hop 1922 us (the quadratic
+scans) vs gather 448. So ``gather`` is the default everywhere. One-hop stays as an option for groups whose collectives
 are slow (across hosts one collective fewer saves a network round trip per call): unmeasured there.
 
 **gather** (every wire). Call sequence (host protocol, identical on every rank whatever its data,
@@ -48,9 +48,14 @@ docs/protocols.md (host protocol rule): one ``all_gather`` then one ``all_to_all
 Both modes return ``max_recv_tokens`` rows (real rows ``[0, expert_offsets[-1])``, bit-identical to the synced dispatch;
 the tail's rows unspecified, its weights zero), ``num_tokens_per_expert`` / ``expert_offsets`` on the device and a
 handle whose ``num_recv_rows`` is None. Per gather call: 4 launches (3 on a rank without tokens: no pack), 2
-collectives, no host read; allocations: the rows, the row weights (the unpack launch writes every one, the tail's
-zeros too: no zeroing launch), the plan vector and the handle's six tensors. The send and receive rows are persistent (made on the first sync-free call: a buffer never used this way pays
-nothing; one stream at a time, as every buffer of this library: the next call's pack is stream-ordered after this call's
+collectives, no host read; outputs: the rows, the row weights (the unpack launch writes every one, the tail's zeros too:
+no zeroing launch), the plan vector and the handle's six tensors, taken from the output pool (:mod:`tritonep.ep.pool`: a
+set per token count and ``topk_idx`` dtype, reused once the caller let the call's outputs go; the ``[max_recv_tokens,
+H]`` rows from the process-wide pool of that shape, shared with every buffer of the same shape; the rows and row weights
+are handed out as aliases, so autograd marks never stay on a pooled tensor) or, when every set is held, under graph
+capture, without tokens or with ``TRITONEP_OUTPUT_POOL=0``, allocated. The one-hop mode pools its outputs the same way.
+The send and receive rows are persistent (made on the first sync-free call: a buffer never used this way pays nothing;
+one stream at a time, as every buffer of this library: the next call's pack is stream-ordered after this call's
 collective). Cost of the fixed sizes: every call moves ``W * Tcap`` rows (as DeepEP's low-latency kernels do).
 
 Errors are raised later, on every rank (nothing silent): by :meth:`check` or by the next synced dispatch, whose
@@ -64,14 +69,16 @@ can be captured); nor are the combine and backward passes on its handles.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 
 import torch
 import torch.distributed as dist
 
+from ... import envs
 from ...errors import CapacityError, ConfigError, InputError, PeerInputError, WireError
 from ...kernels.nccl_plan import sync_free_plan_kernel
 from ..handle import NcclHandle
+from ..pool import OutputPool, acquire_shared, release_shared
 from ..status import STATUS_BAD_INPUT, STATUS_CAPACITY
 from ..validate import check_expert_ids
 from .collectives import all_gather_flat
@@ -128,6 +135,15 @@ class NcclSyncFree:
             CODE_BAD=STATUS_BAD_INPUT, num_warps=4), ("plan_ptr",))
         self.sync_free_mode = sync_free_mode(cfg)
         self._oh = None  # the one-hop dispatcher (made on the first one-hop call: its buffers, bound launches)
+        # the gather mode's per-call outputs, reused once nobody holds them (:mod:`tritonep.ep.pool`): a pool of
+        # the small tensors per (T, topk_idx dtype) (the POOL_KEYS most recent), the [max_recv_tokens, H] rows from
+        # the process-wide pool of that shape (shared with every buffer of the same shape, both backends)
+        self._sf_slots_n = envs.output_pool()
+        self._sf_pools: OrderedDict = OrderedDict()
+        dev, MR, H, dt = self.device, cfg.max_recv_tokens, cfg.hidden, cfg.dtype
+        self._sf_rows_key = ("rows", str(dev), MR, H, dt)
+        self._sf_rpool = acquire_shared(self._sf_rows_key, lambda: ((torch.empty(MR, H, dtype=dt, device=dev),), ()),
+                                        self._sf_slots_n, dev)
 
     def _onehop(self):
         """``(dispatcher, scratch)``: the one-hop dispatcher of this buffer (:class:`OneHopDispatch`, its verdicts
@@ -137,6 +153,47 @@ class NcclSyncFree:
                                         status_word=self._status)
         self._oh = oh, torch.empty(4, dtype=torch.int64, device=self.device)
         return self._oh
+
+    POOL_KEYS = 4  # token counts whose small per-call outputs are pooled at once (least recently used dropped)
+
+    def _sf_make(self, T: int, idt: torch.dtype):
+        """A new pooled set of the gather mode's per-call tensors for ``T > 0`` tokens and ``topk_idx`` dtype
+        ``idt``: ``(plan, rows, pkt, idx_c, w_c, rr, rw, out_w), (ntpe, offs, counts [W, E])``."""
+        cfg, dev = self.cfg, self.device
+        K, N, i32 = cfg.topk, self._slots_n, torch.int32
+        plan = torch.empty(self._sf_size, dtype=i32, device=dev)
+        _, ntpe, offs, counts, _ = torch.split(plan, self._sf_split)
+        return ((plan, torch.empty(T, K, dtype=i32, device=dev), torch.empty(T, K, dtype=i32, device=dev),
+                 torch.empty(T, K, dtype=idt, device=dev), torch.empty(T, K, dtype=torch.float32, device=dev),
+                 torch.empty(N, K, dtype=i32, device=dev), torch.empty(N, K, dtype=torch.float32, device=dev),
+                 torch.empty(cfg.max_recv_tokens, dtype=torch.float32, device=dev)),
+                (ntpe, offs, counts.view(cfg.world_size, cfg.num_experts)))
+
+    def _sf_take(self, T: int, idt: torch.dtype, rows: bool):
+        """``(small set or None, rows block or None)`` of this call from the pools (None: allocate; ``rows``: the
+        call returns ``[max_recv_tokens, H]`` rows of the buffer's dtype, not kept-quantized ones)."""
+        key = self._sf_rpool.stream_key()  # None while capturing: a capture's outputs come from its own pool
+        if key is None:
+            return None, None
+        pk = (T, idt)
+        pool = self._sf_pools.get(pk)
+        if pool is None:
+            if len(self._sf_pools) >= self.POOL_KEYS:
+                self._sf_pools.popitem(last=False)[1].clear()
+            make = self._oh_make if self.sync_free_mode == "onehop" else self._sf_make
+            pool = self._sf_pools[pk] = OutputPool(lambda: make(T, idt), self._sf_slots_n, self.device)
+        else:
+            self._sf_pools.move_to_end(pk)
+        return pool.take(key), (self._sf_rpool.take(key) if rows else None)
+
+    def _close_sync_free(self):
+        """Let the pools go (the buffer's close): sets a caller still holds live on through its references."""
+        for pool in self._sf_pools.values():
+            pool.clear()
+        self._sf_pools.clear()
+        if self._sf_rpool.slots:
+            self._sf_rpool = OutputPool(None, 0, self.device)
+            release_shared(self._sf_rows_key, self._sf_slots_n)
 
     def _sf_buffers(self):
         """The persistent send / receive rows (made on the first sync-free call). The receive rows have one more
@@ -161,20 +218,35 @@ class NcclSyncFree:
         # 1) counts row, exchanged into the persistent matrix
         row = self._router.count(topk_idx, T, bad_input, ut)
         all_gather_flat(self._gathered, row, self.group)
+        # the call's outputs: pooled sets or fresh allocations (the rows and row weights handed out as aliases:
+        # autograd marks what a Function returns, and a mark on a pooled tensor would outlive the call)
+        got = rows_blk = None
+        if T and self._sf_slots_n:
+            got, rows_blk = self._sf_take(T, topk_idx.dtype, not (keep_quantized and fmt.quantized))
+        N = self._slots_n
+        if got is not None:
+            plan, rows, pkt, idx_c, w_c, rr, rw, out_w, ntpe, offs, counts = got
+            out_w = out_w.detach()
+        else:
+            plan = torch.empty(self._sf_size, dtype=torch.int32, device=dev)
+            _, ntpe, offs, counts, _ = torch.split(plan, self._sf_split)
+            counts = counts.view(W, E)
+            rr = torch.empty(N, K, dtype=torch.int32, device=dev)
+            rw = torch.empty(N, K, dtype=torch.float32, device=dev)
+            out_w = torch.empty(MR, dtype=torch.float32, device=dev)
         # 2) the device plan and verdict
-        plan = torch.empty(self._sf_size, dtype=torch.int32, device=dev)
         if ut:
             self._sf_plan((1,), plan)
         else:
             device_plan_torch(self._gathered, self.rank, W, E, cfg.expert_alignment, self._tcap, MR, plan,
                               self._status, self._codes)
-        _, ntpe, offs, counts, _ = torch.split(plan, self._sf_split)
         send, recv, recv_n = self._sf_bufs or self._sf_buffers()
         # 3) pack into the fixed slots
         if T:
-            rows = torch.empty(T, K, dtype=torch.int32, device=dev)
-            pkt = torch.empty(T, K, dtype=torch.int32, device=dev)
-            idx_c, w_c = torch.empty_like(topk_idx), torch.empty_like(topk_weights)
+            if got is None:
+                rows = torch.empty(T, K, dtype=torch.int32, device=dev)
+                pkt = torch.empty(T, K, dtype=torch.int32, device=dev)
+                idx_c, w_c = torch.empty_like(topk_idx), torch.empty_like(topk_weights)
             src0, src1 = fmt.quantize_bytes(x) if fmt.quantized else (x, None)
             self._router.pack(src0, src1, topk_idx, topk_weights, plan, send, rows, pkt, T, ut, idx_c, w_c)
         else:
@@ -183,15 +255,11 @@ class NcclSyncFree:
         # 4) one all_to_all, equal host-static splits
         dist.all_to_all_single(recv_n, send, group=self.group)
         # 5) unpack the live slots (every row weight written by the unpack launch: the tail's zeroed there)
-        N = self._slots_n
-        rr = torch.empty(N, K, dtype=torch.int32, device=dev)
-        rw = torch.empty(N, K, dtype=torch.float32, device=dev)
-        out_w = torch.empty(MR, dtype=torch.float32, device=dev)
         kq = keep_quantized and fmt.quantized
         zero_row = kq and cfg.expert_alignment > 1
         sc = None
         if not fmt.quantized:
-            out = torch.empty(MR, H, dtype=cfg.dtype, device=dev)
+            out = rows_blk[0].detach() if rows_blk is not None else torch.empty(MR, H, dtype=cfg.dtype, device=dev)
             srcs, widths = [(recv, 0, lay.width // self._es)], (H,)
         elif kq:
             pb, ns = self._kept
@@ -200,41 +268,58 @@ class NcclSyncFree:
             se = fmt.codec.scale_bytes
             srcs, widths = [(recv, 0, lay.width), (recv, pb // se, lay.width // se)], (pb, ns)
         else:
-            out = torch.empty(MR, H, dtype=cfg.dtype, device=dev)
+            out = rows_blk[0].detach() if rows_blk is not None else torch.empty(MR, H, dtype=cfg.dtype, device=dev)
             srcs, widths = [(fmt.dequantize_rows(recv_n, H, cfg.dtype), 0, H)], (H,)
         self._unpacker.unpack(recv, srcs, [out] if sc is None else [out, sc], widths, out_w, rr, rw, plan, N,
                               zero_row, ut, self._sf_slots)
-        handle = NcclHandle._new(topk_idx=idx_c, topk_weights=w_c, rows=rows, counts=counts.view(W, E),
+        handle = NcclHandle._new(topk_idx=idx_c, topk_weights=w_c, rows=rows, counts=counts,
                                  num_tokens=T, num_recv_rows=None, x_scales=sc, recv_weights=out_w,
                                  buffer_id=self.buffer_id, send_splits=self._eq_splits,
                                  recv_splits=self._eq_splits, num_send=N, num_recv=N, pkt=pkt, recv_rows=rr,
                                  recv_w=rw)
         return out, out_w, ntpe, offs, handle
 
-    def _dispatch_onehop(self, x, topk_idx, topk_weights, bad_input: bool, T: int):
-        """The one-hop mode (module docstring): send launch, one even ``all_to_all_single``, receive launch (its
-        verdict merged into the status word). Allocations: one float32 block (row weights first, so they start
-        at offset 0 as a fresh tensor would, then the per-slot weights, the routing weights' copy and, viewed as
-        int32, packets, per-slot rows, ``num_tokens_per_expert``, ``expert_offsets``, the counts snapshot), the
-        rows, the routing ids' copy (``topk_idx``'s dtype)."""
+    def _oh_make(self, T: int, idt: torch.dtype):
+        """The one-hop mode's per-call tensors (pooled or not): ``(blk, idx_c), (out_w, rw, w_c, rr, pkt, ntpe,
+        offs, counts)``: one float32 block (row weights first, at offset 0 as a fresh tensor, then the per-slot
+        weights, the routing weights' copy and, viewed as int32, packets, per-slot rows, ``num_tokens_per_expert``,
+        ``expert_offsets``, the counts snapshot) and the routing ids' copy (``topk_idx``'s dtype)."""
         cfg, dev = self.cfg, self.device
         W, E, K, L, MR = cfg.world_size, cfg.num_experts, cfg.topk, cfg.num_local_experts, cfg.max_recv_tokens
-        oh, st64 = self._oh or self._onehop()
-        N = oh.nslot
+        N = self._oh[0].nslot
         TK, NK = T * K, N * K
         blk = torch.empty(MR + 2 * NK + 2 * TK + 2 * L + W * E, dtype=torch.float32, device=dev)
         out_w, rw, w_c, ints = torch.split(blk, (MR, NK, TK, NK + TK + 2 * L + W * E))
         rr, pkt, ntpe, offs, counts = torch.split(ints.view(torch.int32), (NK, TK, L, L, W * E))
-        o = OneHopOut(out=torch.empty(MR, cfg.hidden, dtype=cfg.dtype, device=dev), out_w=out_w, ntpe=ntpe,
-                      offs=offs, status=st64, pkt=pkt.view(T, K), rr=rr.view(N, K), rw=rw.view(N, K),
-                      idx_c=torch.empty_like(topk_idx), w_c=w_c.view(T, K), counts=counts.view(W, E))
+        return ((blk, torch.empty(T, K, dtype=idt, device=dev)),
+                (out_w, rw.view(N, K), w_c.view(T, K), rr.view(N, K), pkt.view(T, K), ntpe, offs, counts.view(W, E)))
+
+    def _dispatch_onehop(self, x, topk_idx, topk_weights, bad_input: bool, T: int):
+        """The one-hop mode (module docstring): send launch, one even ``all_to_all_single``, receive launch (its
+        verdict merged into the status word). Outputs: :meth:`_oh_make`'s tensors and the rows, from the pools
+        when this call has tokens (as the gather mode), else allocated."""
+        cfg, dev = self.cfg, self.device
+        oh, st64 = self._oh or self._onehop()
+        got = rows_blk = None
+        if T and self._sf_slots_n:
+            got, rows_blk = self._sf_take(T, topk_idx.dtype, True)
+        if got is None:
+            got = sum(self._oh_make(T, topk_idx.dtype), ())
+        else:  # the rows and row weights handed out as aliases (the gather mode says why)
+            got = got[:2] + (got[2].detach(),) + got[3:]
+        _, idx_c, out_w, rw, w_c, rr, pkt, ntpe, offs, counts = got
+        out = rows_blk[0].detach() if rows_blk is not None else torch.empty(cfg.max_recv_tokens, cfg.hidden,
+                                                                            dtype=cfg.dtype, device=dev)
+        o = OneHopOut(out=out, out_w=out_w, ntpe=ntpe, offs=offs, status=st64, pkt=pkt, rr=rr, rw=rw, idx_c=idx_c,
+                      w_c=w_c, counts=counts)
         oh.run(x, topk_idx, topk_weights, bad_input, o, self.use_triton, T)
         splits = oh.splits
-        handle = NcclHandle._new(topk_idx=o.idx_c, topk_weights=o.w_c, rows=self._no_routes, counts=o.counts,
+        N = oh.nslot
+        handle = NcclHandle._new(topk_idx=idx_c, topk_weights=w_c, rows=self._no_routes, counts=counts,
                                  num_tokens=T, num_recv_rows=None, x_scales=None, recv_weights=out_w,
                                  buffer_id=self.buffer_id, send_splits=splits, recv_splits=splits, num_send=N,
-                                 num_recv=N, pkt=o.pkt, recv_rows=o.rr, recv_w=o.rw)
-        return o.out, out_w, ntpe, offs, handle
+                                 num_recv=N, pkt=pkt, recv_rows=rr, recv_w=rw)
+        return out, out_w, ntpe, offs, handle
 
     # ---------------------------------------------------------------------------------------------- status
     def check(self, what="EPBuffer"):

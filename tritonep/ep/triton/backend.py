@@ -47,7 +47,7 @@ from .decode import DecodePath
 from .host_status import HostStatus
 from .launch import Launcher
 from .outputs import ST_HOST, DispatchOutputs, HandleLayout
-from .pool import OutputPool, acquire_shared, release_shared
+from ..pool import OutputPool, acquire_shared, release_shared
 from .regions import regions
 
 __all__ = ["TritonEP"]
@@ -120,7 +120,7 @@ class TritonEP(DispatchOutputs, DecodePath):
     @property
     def output_pool_bytes(self) -> int:
         """Device bytes the output pools this buffer uses hold (outside the symmetric heap; the shared pools of the
-        decode rows / combine output counted whole: :mod:`tritonep.ep.triton.pool`)."""
+        decode rows / combine output counted whole: :mod:`tritonep.ep.pool`)."""
         return self._pool.nbytes + self._rpool.nbytes + self._ypool.nbytes
 
     def expert_out_buffer(self) -> torch.Tensor:

@@ -29,9 +29,9 @@ class DecodePath:
     def _dispatch_decode(self, x, topk_idx, topk_weights, sync, keep_quantized, bad_input, got, key):
         """Forward dispatch in one launch; returns what ``TritonEP.dispatch_fwd`` returns and raises what it raises
         (CapacityError / PeerInputError / InputError / PeerTimeoutError when ``sync``). ``got``: a set of the output
-        pool (:mod:`tritonep.ep.triton.pool`: ``(store, ntpe, offs, row weights)``), or None: allocate; the rows come
+        pool (:mod:`tritonep.ep.pool`: ``(store, ntpe, offs, row weights)``), or None: allocate; the rows come
         from the pool shared by the buffers of this shape (or are allocated); ``key``: the call's
-        :meth:`tritonep.ep.triton.pool.OutputPool.stream_key` (None: nothing pooled)."""
+        :meth:`tritonep.ep.pool.OutputPool.stream_key` (None: nothing pooled)."""
         T = x.shape[0]
         max_recv = self.cfg.max_recv_tokens
         hl = self.hl

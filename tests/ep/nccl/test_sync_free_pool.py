@@ -1,0 +1,101 @@
+"""The output pool of the nccl backend's sync-free dispatch (session 10; :mod:`tritonep.ep.pool`): a call without
+autograd takes its outputs (rows, row weights, counts, offsets and the handle's tensors) from a pooled set once the
+caller let the previous call's go, so an inference loop allocates nothing per call. What must hold, in both modes
+(``gather``, ``onehop``), on the twins and on the kernels (interpreter), W = 2:
+
+* a caller that keeps a call's outputs never sees them change: the next call gets another set (no shared storage),
+  and the kept outputs stay bit-equal to their snapshot through later calls and a combine on them;
+* a released set is reused (the same storage comes back) and the reused call's real rows, weights, counts and
+  offsets equal a synced dispatch of the same input, its tail weights zero, its combine equal the synced combine;
+* a call with autograd gets its gradients, and no autograd mark stays on a pooled tensor (the rows and row weights
+  are handed out as aliases: autograd marks what a Function returns).
+"""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tritonep.ep import EPBuffer
+from tritonep.testing import run_cpu_world
+from tritonep.testing.cases import make_rank_inputs
+
+E, H, K, TM = 8, 64, 3, 6
+
+
+def _snap(d):
+    R = int(d.expert_offsets[-1])
+    return dict(R=R, x=d.x[:R].clone(), w=d.weights.clone(), ntpe=d.num_tokens_per_expert.clone(),
+                offs=d.expert_offsets.clone(), pkt=d.handle.pkt.clone(), rr=d.handle.recv_rows.clone(),
+                idx=d.handle.topk_idx.clone(), counts=d.handle.counts.clone())
+
+
+def _same(a, b):
+    return all(torch.equal(a[k], b[k]) for k in a if k != "R") and a["R"] == b["R"]
+
+
+def _world(group, mode, ut):
+    os.environ["TRITONEP_NCCL_SYNC_FREE"] = mode
+    rank = dist.get_rank(group)
+    buf = EPBuffer(group, E, H, TM, K, backend="nccl", device="cpu")
+    buf._impl.use_triton = ut
+    ins = [make_rank_inputs(rank, 5 + rank, H, E, K, seed=s, mask_frac=0.25) for s in (1, 2)]
+    ins = [(x, idx, w.float()) for x, idx, w in ins]
+    ref = []
+    for x, idx, w in ins:  # the synced dispatch + combine of each input (the oracle)
+        d = buf.dispatch(x, idx, w)
+        eo = (d.x.float() * 0.5).to(torch.bfloat16)
+        ref.append((d.x.clone(), d.weights.clone(), d.num_tokens_per_expert.clone(), d.expert_offsets.clone(),
+                    buf.combine(eo, d.handle).clone()))
+    bad = []
+
+    def check(d, i, what):
+        R = int(d.expert_offsets[-1])
+        rx, rw, rn, ro, ry = ref[i]
+        ok = (torch.equal(d.x[:R], rx) and torch.equal(d.weights[:R], rw) and not d.weights[R:].any()
+              and torch.equal(d.num_tokens_per_expert, rn) and torch.equal(d.expert_offsets, ro))
+        y = buf.combine((d.x.float() * 0.5).to(torch.bfloat16), d.handle)
+        if not (ok and torch.equal(y, ry)):
+            bad.append(f"{what}: outputs differ from the synced dispatch / combine")
+
+    d1 = buf.dispatch(*ins[0], sync_free=True)
+    s1, p1 = _snap(d1), d1.x.data_ptr()
+    d2 = buf.dispatch(*ins[1], sync_free=True)  # d1 held: another set
+    if d2.x.data_ptr() == p1 or d2.weights.data_ptr() == d1.weights.data_ptr() or \
+            d2.handle.pkt.data_ptr() == d1.handle.pkt.data_ptr():
+        bad.append("a held call's outputs were handed out again")
+    check(d2, 1, "second call (first held)")
+    if not _same(_snap(d1), s1):
+        bad.append("a held call's outputs changed under the next call")
+    check(d1, 0, "held first call")
+    del d1
+    d3 = buf.dispatch(*ins[1], sync_free=True)  # the first set is free again: reused
+    if d3.x.data_ptr() != p1:
+        bad.append("a released set was not reused")
+    check(d3, 1, "reused set")
+    del d2, d3
+    # autograd: the gradients flow (the row weights handed out are the handle's), and no mark of the autograd
+    # graph stays on a pooled tensor (the next call without autograd gets plain tensors)
+    xg, wg = ins[0][0].clone().requires_grad_(True), ins[0][2].clone().requires_grad_(True)
+    d4 = buf.dispatch(xg, ins[0][1], wg, sync_free=True)
+    y = buf.combine((d4.x.float() * 0.5).to(torch.bfloat16), d4.handle)
+    y.float().sum().backward()
+    if xg.grad is None or wg.grad is None or not torch.equal(y, ref[0][4]):
+        bad.append("autograd through a pooled call: no gradient or a wrong combine")
+    del d4, y
+    d5 = buf.dispatch(*ins[0], sync_free=True)
+    objs = [t for p in buf._impl._sf_pools.values() for ss in p._sets.values() for st in ss for t in st.objs]
+    if any(t.requires_grad or t.grad_fn is not None for t in objs) or d5.x.requires_grad or d5.weights.requires_grad:
+        bad.append("an autograd mark stayed on a pooled tensor")
+    check(d5, 0, "after an autograd call")
+    buf.check()
+    buf.close()
+    return bad
+
+
+@pytest.mark.parametrize("ut", [False, True], ids=["twins", "kernels"])
+@pytest.mark.parametrize("mode", ["gather", "onehop"])
+def test_pooled_sync_free_outputs(mode, ut):
+    res = run_cpu_world(2, _world, mode, ut, timeout_s=240)
+    assert res == [[], []], res

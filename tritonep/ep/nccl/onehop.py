@@ -251,7 +251,7 @@ class OneHopDispatch:
         self._send_k = launch.bind(onehop_send_kernel, dict(
             send_ptr=self.send, K=K, KB=KB, E=E, L=self.L, W=W, EB=pow2(E), WB=pow2(W), BT=self.BT, TCAP=self.Tcap,
             N0=H, ROW0=lay.width // es, N1=0, ROW1=lay.width, COL1=0, META=lay.mo // 4, ROW32=lay.width // 4,
-            BH=self._send_bh, HT=max(self.BT, 1024 // KB), ST=max(self.BT, 256 // KB), num_warps=4),
+            BH=self._send_bh, HT=max(self.BT, 1024 // KB), ST=max(self.BT, 256 // KB), num_warps=8),
             ("idx_ptr", "w_ptr", "src0_ptr", "src1_ptr", "pkt_ptr", "idx_copy_ptr", "w_copy_ptr", "T", "refused",
              "HC"))
         # packet / row tiles: a route's segment start is a ``tl.gather`` from the layout vector (no [BP, KB, LB]

@@ -11,7 +11,7 @@
 | TRITONEP_CPU_HEAP_BYTES | 256 MiB | size of one rank's slice of the CPU (fork + mmap) symmetric heap |
 | TRITONEP_FAST_LAUNCH | 1 | GPU launches of an already compiled kernel variant call the compiled kernel directly (``0``: always through ``kernel[grid]``) |
 | TRITONEP_OUTPUT_POOL | 2 | sets of per-call outputs a triton-backend buffer reuses per CUDA stream once nobody holds them (the handle storage and its views; on the decode geometry also the dispatch rows and the combine output), read at construction; ``0``: every call allocates (:mod:`tritonep.ep.pool`) |
-| TRITONEP_NCCL_SYNC_FREE | "" (= gather) | the nccl backend's ``dispatch(sync_free=True)`` mode, read at construction (a field of the agreed config): ``gather`` (``all_gather`` of the counts, device plan, then the ``all_to_all_single``; every wire; the default, measured faster) or ``onehop`` (one ``all_to_all_single`` carrying the counts in a header slot, 2 launches; bf16 dispatch wire only) (:mod:`tritonep.ep.nccl.sync_free`) |
+| TRITONEP_NCCL_SYNC_FREE | "" (= the rule) | the nccl backend's ``dispatch(sync_free=True)`` mode, read at construction (a field of the agreed config): ``gather`` (``all_gather`` of the counts, device plan, then the ``all_to_all_single``; every wire) or ``onehop`` (one ``all_to_all_single`` carrying the counts in a header slot, 2 launches; bf16 dispatch wire only); unset: the measured rule, one-hop for a bf16 buffer of ``max_tokens_per_rank <= 256`` (decode), gather otherwise (:mod:`tritonep.ep.nccl.sync_free`) |
 | TRITONEP_FORCE_NO_P2P | 0 | ``1``: ``backend="auto"`` acts as if no rank could map its peers' memory and picks ``nccl`` (tests, debugging) |
 
 Values are read at call time (not import time) so tests can change them with ``monkeypatch.setenv``. No other
@@ -163,8 +163,8 @@ def snapshot() -> dict:
 
 
 def nccl_sync_free() -> str:
-    """The nccl backend's sync-free mode (TRITONEP_NCCL_SYNC_FREE): "onehop", "gather" or "" (the default, gather:
-    :func:`tritonep.ep.nccl.sync_free.sync_free_mode`), read once at the buffer's construction.
+    """The nccl backend's sync-free mode (TRITONEP_NCCL_SYNC_FREE): "onehop", "gather" or "" (the default: the rule
+    of :func:`tritonep.ep.nccl.sync_free.sync_free_mode`), read once at the buffer's construction.
 
     Raises:
         ConfigError: any other value.

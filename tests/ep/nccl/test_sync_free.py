@@ -145,8 +145,8 @@ def test_sync_free_equals_synced_w1_w4(mode):
 
 
 def test_mode_rule_and_refusals(monkeypatch):
-    """The default (gather, the measured winner), the variable's override (read by build_config into the agreed
-    config), and the refusals named at construction."""
+    """The default rule (one-hop for a decode-sized bf16 buffer, gather otherwise: the measured winners), the
+    variable's override (read by build_config into the agreed config), and the refusals named at construction."""
     from tritonep.ep.config import build_config
     from tritonep.ep.nccl.sync_free import sync_free_mode
 
@@ -155,7 +155,11 @@ def test_mode_rule_and_refusals(monkeypatch):
                             dispatch_wire=wire, device_type="cpu")
 
     monkeypatch.delenv("TRITONEP_NCCL_SYNC_FREE", raising=False)
-    assert sync_free_mode(cfg()) == "gather" and sync_free_mode(cfg(wire="fp8")) == "gather"
+    assert sync_free_mode(cfg()) == "onehop" and sync_free_mode(cfg(T=256)) == "onehop"
+    assert sync_free_mode(cfg(T=257)) == "gather" and sync_free_mode(cfg(wire="fp8")) == "gather"
+    assert sync_free_mode(cfg(W=64)) == "gather"
+    monkeypatch.setenv("TRITONEP_NCCL_SYNC_FREE", "gather")
+    assert sync_free_mode(cfg()) == "gather"
     monkeypatch.setenv("TRITONEP_NCCL_SYNC_FREE", "onehop")
     assert sync_free_mode(cfg()) == "onehop"
     monkeypatch.setenv("TRITONEP_NCCL_SYNC_FREE", "onehop")

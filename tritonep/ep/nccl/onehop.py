@@ -272,6 +272,7 @@ class OneHopDispatch:
             ROW32=lay.width // 4, BH=rbh, CODE_CAP=STATUS_CAPACITY, CODE_BAD=STATUS_BAD_INPUT, num_warps=4),
             ("out_ptr", "out_w_ptr", "rr_ptr", "rw_ptr", "ntpe_ptr", "offs_ptr", "status_ptr", "counts_ptr", "HC"))
         self._st = status_word
+        self._send_grids: dict = {}  # T -> ((grid), column split) of the send launch
 
     @classmethod
     def from_config(cls, cfg, *, group, rank: int, device, use_triton: bool | None = None,
@@ -324,9 +325,12 @@ class OneHopDispatch:
         ``T = x.shape[0] <= max_tokens_per_rank`` (passed when the caller knows it) is the caller's to ensure."""
         T = x.shape[0] if T is None else T
         if ut:
-            nc = max(1, cdiv(T, self.BT))
-            hs, hc = h_split(nc, self.H, self._send_bh, self.target)
-            self._send_k((nc, hs), topk_idx, topk_weights, x, x, o.pkt, o.idx_c, o.w_c, T, int(refused), hc)
+            g = self._send_grids.get(T)
+            if g is None:  # the send launch's grid and column split of T tokens (host ints, made once per T)
+                nc = max(1, cdiv(T, self.BT))
+                hs, hc = h_split(nc, self.H, self._send_bh, self.target)
+                g = self._send_grids[T] = ((nc, hs), hc)
+            self._send_k(g[0], topk_idx, topk_weights, x, x, o.pkt, o.idx_c, o.w_c, T, int(refused), g[1])
         else:
             o.idx_c.copy_(topk_idx)
             o.w_c.copy_(topk_weights)

@@ -3,29 +3,32 @@
 
 No host read, no host sync, nothing data-dependent on the host (the ``num_worst_tokens`` convention of DeepEP /
 Hybrid-EP / torchtitan): every size is static. Two modes, chosen once at construction (:func:`sync_free_mode`:
-``TRITONEP_NCCL_SYNC_FREE`` = ``onehop`` | ``gather``; unset: ``gather``, the measured winner), same public
-contract (rows bit-identical to
-the synced dispatch, tail weights zero, the same handle fields for combine / both backward passes, the same status
-word and errors):
+``TRITONEP_NCCL_SYNC_FREE`` = ``onehop`` | ``gather``; unset: one-hop for a decode-sized bf16 buffer, gather otherwise,
+the measured winners), same public contract (rows bit-identical to the synced dispatch, tail weights zero, the same
+handle fields for combine / both backward passes, the same status word and errors):
 
-**one-hop** (:mod:`tritonep.ep.nccl.onehop`; bf16 dispatch wire only): the send launch writes this rank's counts
-row as a header into slot 0 of every per-peer block of the persistent send rows ``[W * (1 + Tcap), width]`` plus
-the packets in slots ``1..Tcap``; ONE ``all_to_all_single`` with equal splits (``1 + Tcap`` rows per peer); the
-receive launch derives the verdict and layout from the W headers (every rank the same), writes the rows, weights,
-``num_tokens_per_expert`` / ``expert_offsets``, the per-slot routes, the handle's counts snapshot and merges the
-verdict into the status word (program 0, as the device plan below does). Per call: 2 launches (a rank without
-tokens too: its send launch writes the headers), 1 collective, 0 host reads; 3 allocations (the rows; one float32
-block holding the row weights at offset 0, the per-slot weights, the routing weights' copy and, viewed as int32,
-the packets, per-slot rows, ``num_tokens_per_expert``, ``expert_offsets`` and counts; the routing ids' copy) and
-13 torch calls. The handle's ``rows`` (destination row of each route, known only on the expert rank here) is an
-empty ``[0, K]`` tensor: nothing on this backend reads it. The send kernel's prefix scans are quadratic in T.
+**one-hop** (:mod:`tritonep.ep.nccl.onehop`; bf16 dispatch wire only): the send launch writes this rank's counts row as
+a header into slot 0 of every per-peer block of the persistent send rows ``[W * (1 + Tcap), width]`` plus the packets in
+slots ``1..Tcap``; ONE ``all_to_all_single`` with equal splits (``1 + Tcap`` rows per peer); the receive launch derives
+the verdict and layout from the W headers (every rank the same), writes the rows, weights, ``num_tokens_per_expert`` /
+``expert_offsets``, the per-slot routes, the handle's counts snapshot and merges the verdict into the status word
+(program 0, as the device plan below does). Per call: 2 launches (a rank without tokens too: its send launch writes the
+headers), 1 collective, 0 host reads; its outputs (the rows; one float32 block holding the row weights at offset 0, the
+per-slot weights, the routing weights' copy and, viewed as int32, the packets, per-slot rows, ``num_tokens_per_expert``,
+``expert_offsets`` and counts; the routing ids' copy) from the output pool as in the gather mode below: 5 torch calls
+(unpooled: 14, 3 allocations). The handle's ``rows`` (destination row of each route, known only on the expert rank here)
+is an empty ``[0, K]`` tensor: nothing on this backend reads it. The send kernel's prefix scans are quadratic in T.
 
-Measured (one H200, world 1, 128 tokens, H 7168, top-8 of 256, session 9; ``ep_bench_h200x1_session9final`` and
-``nccl_sync_free_profile_h200x1_session9_2026-12-02.log``): eager dispatch one-hop 161 us vs gather 155 us (the
-precomputed-layout pipeline 60); device time per call one-hop 71 us (send 35.5, receive 27.3, all_to_all 8.0) vs gather
-29 us (pack 9.9, count 7.6, unpack 6.5, plan 1.6, both collectives 2.4); at 4096 tokens one-hop 1922 us (the quadratic
-scans) vs gather 448. So ``gather`` is the default everywhere. One-hop stays as an option for groups whose collectives
-are slow (across hosts one collective fewer saves a network round trip per call): unmeasured there.
+Measured (one H200, world 1, 128 tokens, H 7168, top-8 of 256). Session 9 (``ep_bench_h200x1_session9final``):
+eager dispatch one-hop 161 us vs gather 155 us, the precomputed-layout pipeline 60; device time one-hop 71 us (send
+35.5, receive 27.3, all_to_all 8.0) vs gather 29 us (pack 9.9, count 7.6, unpack 6.5, plan 1.6, collectives 2.4).
+Session 10, after the pooled outputs and the receive kernel's ``tl.gather`` (no one-hot layout picks, so 16-packet
+tiles instead of 1), on a slower host (``ep_bench_h200x1_session10call2``, ``nccl_sync_free_profile_..._session10``):
+one-hop 122 us, gather 233, the pipeline 117 (all_to_all alone 43); device time one-hop 60 us (send 41, receive
+11, all_to_all 8). At 4096 tokens gather 441 us vs one-hop 1746 (the send scans are quadratic in T). Hence the
+unset rule: one-hop up to ``ONEHOP_MAX_TOKENS`` tokens per rank, gather above. One-hop is also the mode for groups
+whose collectives are slow (across hosts one collective fewer saves a network round trip per call): unmeasured
+there.
 
 **gather** (every wire). Call sequence (host protocol, identical on every rank whatever its data,
 docs/protocols.md (host protocol rule): one ``all_gather`` then one ``all_to_all_single``, always):
@@ -86,17 +89,23 @@ from .onehop import OneHopDispatch, OneHopOut
 from .pack import pow2
 from .plan import device_plan_torch, plan_size, sf_plan_size
 
-__all__ = ["NcclSyncFree", "sync_free_mode"]
+__all__ = ["NcclSyncFree", "sync_free_mode", "ONEHOP_MAX_TOKENS"]
+
+
+ONEHOP_MAX_TOKENS = 256  # the unset variable's rule picks one-hop up to this max_tokens_per_rank (decode buffers)
 
 
 def sync_free_mode(cfg) -> str:
     """The sync-free mode of an nccl buffer of configuration ``cfg``: ``cfg.nccl_sync_free`` (TRITONEP_NCCL_SYNC_FREE
-    as read by :func:`tritonep.ep.config.build_config`, agreed by every rank) or, unset, ``"gather"`` (the measured
-    winner: module docstring).
+    as read by :func:`tritonep.ep.config.build_config`, agreed by every rank) or, unset, the measured rule: ``onehop``
+    for a decode-sized buffer (``max_tokens_per_rank <= ONEHOP_MAX_TOKENS``, bf16 wire and dtype, ``world_size <=
+    63``), else ``gather`` (module docstring: at 128 tokens one-hop 122 us vs gather 233 us, the pipeline 117, session
+    10; at 4096 tokens gather 441 us vs one-hop 1746, whose send scans are quadratic in T). A rule of the agreed
+    config only: every rank picks the same mode.
 
     Raises:
         WireError: ``onehop`` asked for with a quantized dispatch wire (one-hop moves bf16 rows only).
-        ConfigError: ``onehop`` asked for with ``world_size > 63`` (its status mask) or a bad variable value.
+        ConfigError: ``onehop`` asked for with ``world_size > 63`` (its status mask).
     """
     mode = cfg.nccl_sync_free
     bf16 = cfg.dispatch_wire == "bf16" and cfg.dtype == torch.bfloat16
@@ -110,7 +119,8 @@ def sync_free_mode(cfg) -> str:
         return mode
     if mode == "gather":
         return mode
-    return "gather"
+    small = cfg.max_tokens_per_rank <= ONEHOP_MAX_TOKENS
+    return "onehop" if small and bf16 and cfg.world_size <= 63 else "gather"
 
 
 class NcclSyncFree:
@@ -303,11 +313,12 @@ class NcclSyncFree:
         got = rows_blk = None
         if T and self._sf_slots_n:
             got, rows_blk = self._sf_take(T, topk_idx.dtype, True)
-        if got is None:
+        pooled = got is not None
+        if not pooled:
             got = sum(self._oh_make(T, topk_idx.dtype), ())
-        else:  # the rows and row weights handed out as aliases (the gather mode says why)
-            got = got[:2] + (got[2].detach(),) + got[3:]
         _, idx_c, out_w, rw, w_c, rr, pkt, ntpe, offs, counts = got
+        if pooled:  # the row weights (and rows, below) handed out as aliases (the gather mode says why)
+            out_w = out_w.detach()
         out = rows_blk[0].detach() if rows_blk is not None else torch.empty(cfg.max_recv_tokens, cfg.hidden,
                                                                             dtype=cfg.dtype, device=dev)
         o = OneHopOut(out=out, out_w=out_w, ntpe=ntpe, offs=offs, status=st64, pkt=pkt, rr=rr, rw=rw, idx_c=idx_c,

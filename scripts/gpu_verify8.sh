@@ -13,6 +13,9 @@
 #                                   #   collective host costs
 #   bash scripts/gpu_verify8.sh F   # session 10: the nccl GPU tests (both sync-free modes), the sync-free profile
 #                                   #   one process per mode, ep_bench bf16 (the nccl decode rows)
+#   bash scripts/gpu_verify8.sh G   # session 10: world-1 ep + moe GPU tests, the one-hop send launch's variants
+#   bash scripts/gpu_verify8.sh H   # session 10 final: world-1 ep + moe GPU tests, the pool at W=2, eager, ep_bench,
+#                                   #   peer, the sync-free profile per mode, the send probe, collective host costs
 # Logs and JSON under $OUT, packed into $OUT/logs.tgz.
 source "$(dirname "$0")/gpu_step.sh"
 steps=()
@@ -24,6 +27,8 @@ for a in "$@"; do
         D) steps+=(layer epb hostpy1k) ;;
         E) steps+=(tests_ep pool_w2 eager epb peer coll) ;;
         F) steps+=(tests_nccl sfprof epb) ;;
+        G) steps+=(tests_ep sendprobe) ;;
+        H) steps+=(tests_ep pool_w2 eager epb peer sfprof sendprobe coll) ;;
         *) steps+=("$a") ;;
     esac
 done
@@ -39,6 +44,8 @@ want sfprof && step sfprof_onehop 45 torchrun --nproc-per-node 1 benchmarks/nccl
     --modes onehop --json "$OUT/sfprof_onehop.json"
 want sfprof && step sfprof_gather 45 torchrun --nproc-per-node 1 benchmarks/nccl_sync_free_profile.py --tokens 128 \
     --modes gather --json "$OUT/sfprof_gather.json"
+want sendprobe && step sendprobe 60 torchrun --nproc-per-node 1 benchmarks/onehop_send_probe.py \
+    --json "$OUT/onehop_send_probe.json"
 want pool_w2 && step pool_w2 90 "${PYTEST[@]}" -m "gpu and world and not world1 and not soak" -k "output_pool" \
     --gpu-world-sizes 2 --gpu-mps on --timeout 80 --maxfail 1
 want tests_w2 && step tests_w2 240 "${PYTEST[@]}" -m "gpu and world and not world1 and not soak" \

@@ -47,7 +47,8 @@ def _oh(W, E, K, H, Tcap, A=1, maxr=None, rank=0, use_triton=False, target=7, st
 
 
 SEND_CASES = {  # W, E, K, H, Tcap, T, idx dtype, bad ids
-    "w2_int64_tiles": (2, 8, 4, 200, 40, 37, torch.int64, False),  # BT 16: 3 tiles (prefix scans), 2 column splits
+    "w2_int64_tiles": (2, 8, 4, 600, 40, 37, torch.int64, False),  # BT 2: 19 tiles (prefix scans over 16-token
+    # steps), 2 column splits of 512 (target 40)
     "w3_int32_k3": (3, 6, 3, 10, 20, 20, torch.int32, False),  # KB 4, hidden odd-sized tiles
     "w2_t0": (2, 4, 2, 16, 8, 0, torch.int64, False),
     "w4_bad_ids": (4, 8, 2, 16, 50, 45, torch.int64, True),
@@ -58,7 +59,7 @@ SEND_CASES = {  # W, E, K, H, Tcap, T, idx dtype, bad ids
 def test_send_kernel_equals_twin(name):
     W, E, K, H, Tcap, T, dt, bad = SEND_CASES[name]
     x, idx, w = _inputs(T, E, K, H, 1, dt, bad=bad)
-    oh = _oh(W, E, K, H, Tcap, use_triton=True)
+    oh = _oh(W, E, K, H, Tcap, use_triton=True, target=40)
     got = {}
     for ut in (False, True):
         oh.send.fill_(0xAB)

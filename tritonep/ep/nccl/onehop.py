@@ -246,16 +246,17 @@ class OneHopDispatch:
         self._launch = launch = Launch(dev)
         self.target = target_programs(dev) if target is None else target
         KB = pow2(K)
-        # send tiles of 32 routes, 8 warps, scan steps of 128 routes: every program column redoes its tile's index
-        # work (pairwise compares against the tokens before it), so small tiles win (benchmarks/onehop_send_probe.py,
-        # session 10, 128 tokens of DeepSeek-V3 on the H200: 8-token tiles 32.6 us with 4 warps, 41 with 8; 4-token
-        # tiles 22.0 with 8 warps; 16-token 73.9); larger steps or 4 warps spill for sm_90 (ptxas, 8-12 bytes)
-        self.BT = max(1, 32 // KB)
+        # send tiles of 8 routes (one token at top-8), 4 warps, scan steps of 128 routes: every program column redoes
+        # its tile's index work (pairwise compares against the tokens before it), so small tiles win
+        # (benchmarks/onehop_send_probe.py, session 10, 128 tokens of DeepSeek-V3 on the H200: tiles of 16 / 8 / 4 /
+        # 2 / 1 tokens 73.9 / 32.6-41 / 22 / 17.4 / 14.5 us); no spill for sm_90 (ptxas; 4-token tiles with 4 warps
+        # or larger scan steps spilled 8-12 bytes)
+        self.BT = max(1, 8 // KB)
         self._send_bh = min(pow2(H), max(16, 1024 // self.BT))
         self._send_k = launch.bind(onehop_send_kernel, dict(
             send_ptr=self.send, K=K, KB=KB, E=E, L=self.L, W=W, EB=pow2(E), WB=pow2(W), BT=self.BT, TCAP=self.Tcap,
             N0=H, ROW0=lay.width // es, N1=0, ROW1=lay.width, COL1=0, META=lay.mo // 4, ROW32=lay.width // 4,
-            BH=self._send_bh, HT=max(self.BT, 128 // KB), ST=max(self.BT, 128 // KB), num_warps=8),
+            BH=self._send_bh, HT=max(self.BT, 128 // KB), ST=max(self.BT, 128 // KB), num_warps=4),
             ("idx_ptr", "w_ptr", "src0_ptr", "src1_ptr", "pkt_ptr", "idx_copy_ptr", "w_copy_ptr", "T", "refused",
              "HC"))
         # packet / row tiles: a route's segment start is a ``tl.gather`` from the layout vector (no [BP, KB, LB]

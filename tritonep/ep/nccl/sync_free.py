@@ -19,16 +19,16 @@ per-slot weights, the routing weights' copy and, viewed as int32, the packets, p
 (unpooled: 14, 3 allocations). The handle's ``rows`` (destination row of each route, known only on the expert rank here)
 is an empty ``[0, K]`` tensor: nothing on this backend reads it. The send kernel's prefix scans are quadratic in T.
 
-Measured (one H200, world 1, 128 tokens, H 7168, top-8 of 256). Session 9 (``ep_bench_h200x1_session9final``):
-eager dispatch one-hop 161 us vs gather 155 us, the precomputed-layout pipeline 60; device time one-hop 71 us (send
-35.5, receive 27.3, all_to_all 8.0) vs gather 29 us (pack 9.9, count 7.6, unpack 6.5, plan 1.6, collectives 2.4).
-Session 10, after the pooled outputs and the receive kernel's ``tl.gather`` (no one-hot layout picks, so 16-packet
-tiles instead of 1), on a slower host (``ep_bench_h200x1_session10call2``, ``nccl_sync_free_profile_..._session10``):
-one-hop 122 us, gather 233, the pipeline 117 (all_to_all alone 43); device time one-hop 60 us (send 41, receive
-11, all_to_all 8). At 4096 tokens gather 441 us vs one-hop 1746 (the send scans are quadratic in T). Hence the
-unset rule: one-hop up to ``ONEHOP_MAX_TOKENS`` tokens per rank, gather above. One-hop is also the mode for groups
-whose collectives are slow (across hosts one collective fewer saves a network round trip per call): unmeasured
-there.
+Measured (one H200, world 1, 128 tokens, H 7168, top-8 of 256). Session 9 (``ep_bench_h200x1_session9final``): eager
+dispatch one-hop 161 us vs gather 155 us, the precomputed-layout pipeline 60; device time one-hop 71 us (send 35.5,
+receive 27.3, all_to_all 8.0) vs gather 29 us (pack 9.9, count 7.6, unpack 6.5, plan 1.6, collectives 2.4). Session 10,
+after the pooled outputs, the receive kernel's ``tl.gather`` (no one-hot layout picks: 16-packet tiles instead of 1) and
+one-token send tiles (``benchmarks/onehop_send_probe.py``: the send launch 41 -> 14.5 us), last call
+(``ep_bench_h200x1_session10call5``, all_to_all alone 26 us): one-hop 83 us, gather 151, the pipeline 68; device time
+one-hop 33 us (send 14.5, receive 11.0, all_to_all 7.2). On a slower host (call 4, all_to_all 34 us): 102 / 178 / 89. At
+4096 tokens gather 432 us vs one-hop 1543 (the send scans are quadratic in T). Hence the unset rule: one-hop up to
+``ONEHOP_MAX_TOKENS`` tokens per rank, gather above. One-hop is also the mode for groups whose collectives are slow
+(across hosts one collective fewer saves a network round trip per call): unmeasured there.
 
 **gather** (every wire). Call sequence (host protocol, identical on every rank whatever its data,
 docs/protocols.md (host protocol rule): one ``all_gather`` then one ``all_to_all_single``, always):
@@ -99,8 +99,8 @@ def sync_free_mode(cfg) -> str:
     """The sync-free mode of an nccl buffer of configuration ``cfg``: ``cfg.nccl_sync_free`` (TRITONEP_NCCL_SYNC_FREE
     as read by :func:`tritonep.ep.config.build_config`, agreed by every rank) or, unset, the measured rule: ``onehop``
     for a decode-sized buffer (``max_tokens_per_rank <= ONEHOP_MAX_TOKENS``, bf16 wire and dtype, ``world_size <=
-    63``), else ``gather`` (module docstring: at 128 tokens one-hop 122 us vs gather 233 us, the pipeline 117, session
-    10; at 4096 tokens gather 441 us vs one-hop 1746, whose send scans are quadratic in T). A rule of the agreed
+    63``), else ``gather`` (module docstring: at 128 tokens one-hop 83 us vs gather 151 us, the pipeline 68, session
+    10; at 4096 tokens gather 432 us vs one-hop 1543, whose send scans are quadratic in T). A rule of the agreed
     config only: every rank picks the same mode.
 
     Raises:

@@ -5,6 +5,7 @@ caller let the previous call's go, so an inference loop allocates nothing per ca
 
 * a caller that keeps a call's outputs never sees them change: the next call gets another set (no shared storage),
   and the kept outputs stay bit-equal to their snapshot through later calls and a combine on them;
+* with every set held (2 slots) a call allocates its own outputs, equally right;
 * a released set is reused (the same storage comes back) and the reused call's real rows, weights, counts and
   offsets equal a synced dispatch of the same input, its tail weights zero, its combine equal the synced combine;
 * a call with autograd gets its gradients, and no autograd mark stays on a pooled tensor (the rows and row weights
@@ -69,7 +70,13 @@ def _world(group, mode, ut):
     if not _same(_snap(d1), s1):
         bad.append("a held call's outputs changed under the next call")
     check(d1, 0, "held first call")
-    del d1
+    d6 = buf.dispatch(*ins[1], sync_free=True)  # both sets held (2 slots): allocated, not pooled, still right
+    objs = [t for p in buf._impl._sf_pools.values() for ss in p._sets.values() for st in ss for t in st.objs]
+    if {d6.x.untyped_storage().data_ptr(), d6.handle.pkt.untyped_storage().data_ptr()} & \
+            {t.untyped_storage().data_ptr() for t in objs + [d1.x, d2.x]}:
+        bad.append("a call with every set held shared a pooled set's storage")
+    check(d6, 1, "every set held")
+    del d1, d6
     d3 = buf.dispatch(*ins[1], sync_free=True)  # the first set is free again: reused
     if d3.x.data_ptr() != p1:
         bad.append("a released set was not reused")

@@ -167,8 +167,9 @@ class NcclSyncFree:
     POOL_KEYS = 4  # token counts whose small per-call outputs are pooled at once (least recently used dropped)
 
     def _sf_make(self, T: int, idt: torch.dtype):
-        """A new pooled set of the gather mode's per-call tensors for ``T > 0`` tokens and ``topk_idx`` dtype
-        ``idt``: ``(plan, rows, pkt, idx_c, w_c, rr, rw, out_w), (ntpe, offs, counts [W, E])``."""
+        """The gather mode's per-call tensors (a pooled set, or a call's own when no set is free) for ``T > 0``
+        tokens and ``topk_idx`` dtype ``idt``: ``(plan, rows, pkt, idx_c, w_c, rr, rw, out_w), (ntpe, offs,
+        counts [W, E])``."""
         cfg, dev = self.cfg, self.device
         K, N, i32 = cfg.topk, self._slots_n, torch.int32
         plan = torch.empty(self._sf_size, dtype=i32, device=dev)
@@ -234,10 +235,14 @@ class NcclSyncFree:
         if T and self._sf_slots_n:
             got, rows_blk = self._sf_take(T, topk_idx.dtype, not (keep_quantized and fmt.quantized))
         N = self._slots_n
+        pooled = got is not None
+        if T and not pooled:  # every set held, capture, or the pool off: the same tensors, allocated
+            got = sum(self._sf_make(T, topk_idx.dtype), ())
         if got is not None:
             plan, rows, pkt, idx_c, w_c, rr, rw, out_w, ntpe, offs, counts = got
-            out_w = out_w.detach()
-        else:
+            if pooled:
+                out_w = out_w.detach()
+        else:  # no tokens: the shared empty routing tensors
             plan = torch.empty(self._sf_size, dtype=torch.int32, device=dev)
             _, ntpe, offs, counts, _ = torch.split(plan, self._sf_split)
             counts = counts.view(W, E)
@@ -253,10 +258,6 @@ class NcclSyncFree:
         send, recv, recv_n = self._sf_bufs or self._sf_buffers()
         # 3) pack into the fixed slots
         if T:
-            if got is None:
-                rows = torch.empty(T, K, dtype=torch.int32, device=dev)
-                pkt = torch.empty(T, K, dtype=torch.int32, device=dev)
-                idx_c, w_c = torch.empty_like(topk_idx), torch.empty_like(topk_weights)
             src0, src1 = fmt.quantize_bytes(x) if fmt.quantized else (x, None)
             self._router.pack(src0, src1, topk_idx, topk_weights, plan, send, rows, pkt, T, ut, idx_c, w_c)
         else:

@@ -17,6 +17,7 @@
 #   bash scripts/gpu_verify8.sh H   # session 10 final: world-1 ep + moe GPU tests, the pool at W=2, eager, ep_bench,
 #                                   #   peer, the sync-free profile per mode, the send probe, collective host costs
 #   bash scripts/gpu_verify8.sh I   # session 10 last: nccl GPU tests, sync-free profile, send probe, ep_bench
+#   bash scripts/gpu_verify8.sh J   # the whole world-1 GPU suite, then the W=2 MPS core (ranks sharing the GPU)
 # Logs and JSON under $OUT, packed into $OUT/logs.tgz.
 source "$(dirname "$0")/gpu_step.sh"
 steps=()
@@ -31,6 +32,7 @@ for a in "$@"; do
         G) steps+=(tests_ep sendprobe) ;;
         H) steps+=(tests_ep pool_w2 eager epb peer sfprof sendprobe coll) ;;
         I) steps+=(tests_nccl sfprof sendprobe epb) ;;
+        J) steps+=(single tests_w2) ;;
         *) steps+=("$a") ;;
     esac
 done

@@ -8,7 +8,9 @@ Run (one GPU, one rank: NCCL's host path, not the wire)::
 Per op: ``host_us`` = host time per call of ``iters`` back-to-back calls (no sync inside), ``call_us`` = the same
 including the final synchronize / iters (what an eager loop of that op costs). Shapes are the nccl backend's at
 decode (DeepSeek-V3: 128 tokens, H 7168 bf16 rows + 96 meta bytes; a counts row of E + W + 2 int32). Why: to choose
-between one and two collectives per sync-free nccl dispatch (issue 24). Checks: every op's output is compared with
+between one and two collectives per sync-free nccl dispatch (issue 24); ``*_bound``: the nccl backend's bound paths
+(:class:`tritonep.ep.nccl.collectives.BoundCollective`: the process group's backend called directly;
+:class:`tritonep.ep.bound.BoundKernel`: the compiled kernel's C launcher). Checks: every op's output is compared with
 its expected value once after timing. The JSON has host_cost.py's format (``{info, rows: {name: us}}``).
 """
 
@@ -69,12 +71,21 @@ def main():
     res["all_gather_into_tensor"] = timed(lambda: dist.all_gather_into_tensor(gathered, row))
     res["all_to_all_single_even"] = timed(lambda: dist.all_to_all_single(recv, send))
     res["all_to_all_single_splits"] = timed(lambda: dist.all_to_all_single(recv, send, splits, splits))
+    from tritonep.ep.nccl.collectives import BoundCollective
+    from tritonep.ep.nccl.pack import Launch
+
+    recv_b = torch.empty_like(send)
+    bound_a2a = BoundCollective(recv_b, send, None)  # the nccl backend's even all_to_all: the backend called directly
+    res["all_to_all_single_even_bound"] = timed(bound_a2a)
     res["triton_launch_4args"] = timed(lambda: _empty_kernel[(1,)](row, gathered, 1, 2))
+    bk = Launch(dev).bind(_empty_kernel, {}, ("a_ptr", "b_ptr", "n", "m"))  # the backends' bound direct launch
+    res["bound_launch_4args"] = timed(lambda: bk((1,), row, gathered, 1, 2))
     res["index_select_rows"] = timed(lambda: x.index_select(0, order))
     res["index_copy_rows"] = timed(lambda: out.index_copy_(0, order, x))
     res["empty_rows"] = timed(lambda: torch.empty(T, 7168, dtype=torch.bfloat16, device=dev))
     torch.cuda.synchronize()
-    ok = bool(torch.equal(gathered.view(W, ncols)[rank], row) and torch.equal(recv, send) if W == 1 else True)
+    ok = bool(torch.equal(gathered.view(W, ncols)[rank], row) and torch.equal(recv, send)
+              and torch.equal(recv_b, send) if W == 1 else True)
     info = dict(command="torchrun --nproc-per-node 1 benchmarks/collective_cost.py", checked=ok, tokens=T,
                 world_size=W, gpu=torch.cuda.get_device_name(dev), torch=torch.__version__)
     # host_cost's file format ({info, rows: {name: us}}): scripts/results_index.py indexes it as a host_cost run

@@ -18,6 +18,7 @@
 #                                   #   peer, the sync-free profile per mode, the send probe, collective host costs
 #   bash scripts/gpu_verify8.sh I   # session 10 last: nccl GPU tests, sync-free profile, send probe, ep_bench
 #   bash scripts/gpu_verify8.sh J   # the whole world-1 GPU suite, then the W=2 MPS core (ranks sharing the GPU)
+#   bash scripts/gpu_verify8.sh K   # session 11: nccl GPU tests, sync-free profile, collective host costs, ep_bench
 # Logs and JSON under $OUT, packed into $OUT/logs.tgz.
 source "$(dirname "$0")/gpu_step.sh"
 steps=()
@@ -33,6 +34,7 @@ for a in "$@"; do
         H) steps+=(tests_ep pool_w2 eager epb peer sfprof sendprobe coll) ;;
         I) steps+=(tests_nccl sfprof sendprobe epb) ;;
         J) steps+=(single tests_w2) ;;
+        K) steps+=(tests_nccl sfprof coll epb) ;;
         *) steps+=("$a") ;;
     esac
 done

@@ -55,13 +55,18 @@ class _Set:
     """One set of a pool: ``objs`` (the base tensors, then the views made of them; handed out as one tuple) and the
     reference counts that say nobody outside holds any of them."""
 
-    __slots__ = ("objs", "_keep", "_cdata", "_base", "_quick", "nbytes")
+    __slots__ = ("objs", "extra", "_keep", "_cdata", "_py", "_base", "_quick", "_q", "nbytes")
 
-    def __init__(self, bases: tuple, views: tuple):
+    def __init__(self, bases: tuple, views: tuple, extra=None):
         self.objs = tuple(bases) + tuple(views)
+        self.extra = extra  # the owner's per-set constant (e.g. a handle's fields): never handed out by the pool
         # keeps each storage's address valid; the Python object is the one ``t.untyped_storage()`` hands a caller
         self._keep = tuple(t.untyped_storage() for t in bases)
         self._cdata = tuple(s._cdata for s in self._keep)
+        self._py = self._keep + self.objs + (self.objs,)  # every Python object whose count says "held"
+        # the quick test's objects: the first base and the first view (the one a caller's result or handle holds
+        # most surely: e.g. the row weights); holding a view OBJECT moves no storage use count, only its own
+        self._q = (self.objs[0], self.objs[len(bases)] if views else self.objs[0])
         self.nbytes = sum(s.nbytes() for s in self._keep)
         self._base = None  # :meth:`seal`, once the caller's temporaries (``bases``, ``views``) are gone
         self._quick = None
@@ -72,9 +77,10 @@ class _Set:
         self._quick = self._quick_count()
 
     def _quick_count(self) -> int:
-        # the two counts a held set raises most often (a view of the first base's storage; the first base itself,
-        # e.g. held by a handle): a held set is rejected with two reads instead of the full count
-        return _use_count(self._cdata[0]) + _refcount(self.objs[0])
+        # the counts a held set raises most often (a new view of the first base's storage; the first base or the
+        # first view handed out, e.g. held by a handle): a held set is rejected with three reads, not the full count
+        q = self._q
+        return _use_count(self._cdata[0]) + _refcount(q[0]) + _refcount(q[1])
 
     def _count(self) -> int:
         # one sum: no count can fall below its value at seal() (the set's own references stay), so the sum equals
@@ -83,9 +89,8 @@ class _Set:
         # count moves) and every tensor's C++ count (a C++ holder of a tensor, e.g. a DLPack capsule or an autograd
         # node that saved it, moves its Python count only while nothing else in C++ holds it: torch keeps a tensor's
         # Python object alive for its C++ holders; a base is already held by the set's own views)
-        objs = self.objs  # the tuple too: a caller may hold it unpacked or not
-        return (sum(map(_use_count, self._cdata)) + sum(map(_refcount, self._keep))
-                + sum(map(_impl_count, objs)) + sum(map(_refcount, objs)) + _refcount(objs))
+        # (``_py`` holds the storages, the tensors and the tuple itself: a caller may hold it unpacked or not)
+        return sum(map(_use_count, self._cdata)) + sum(map(_impl_count, self.objs)) + sum(map(_refcount, self._py))
 
     def free(self) -> bool:
         """True when no tensor of this set, and no view of its storage, is held outside the pool."""
@@ -96,8 +101,9 @@ class OutputPool:
     """Sets of per-call outputs reused by reference count (see the module docstring).
 
     Args:
-        make: ``make() -> (bases, views)``: a new set's base tensors (fresh allocations) and the views of them a call
-            hands out, as two tuples; :meth:`take` returns ``bases + views``.
+        make: ``make() -> (bases, views)`` or ``(bases, views, extra)``: a new set's base tensors (fresh
+            allocations) and the views of them a call hands out, as two tuples (:meth:`take` returns ``bases +
+            views``), and optionally the owner's constant of the set (:meth:`take_set`), e.g. a handle's fields.
         slots: sets per stream (0: the pool is off, :meth:`take` returns None).
         device: the buffer's device (CUDA: sets per stream, none under capture).
     """
@@ -136,6 +142,11 @@ class OutputPool:
 
         ``stream``: :meth:`stream_key` of this call when the caller already asked it (a pool of the same device),
         else the pool asks."""
+        s = self.take_set(stream)
+        return None if s is None else s.objs
+
+    def take_set(self, stream=-1):
+        """As :meth:`take`, but the set itself (``objs``, ``extra``) or None."""
         if not self.slots:
             return None
         if stream == -1:
@@ -147,16 +158,17 @@ class OutputPool:
             if len(self._sets) >= MAX_STREAMS:
                 return None
             sets = self._sets[stream] = []
+        last = len(sets) - 1
         for i, s in enumerate(sets):
-            if s.free():
-                if i + 1 < len(sets):  # least recently handed out first: a caller that keeps the previous call's
-                    sets.append(sets.pop(i))  # outputs while it makes the next call finds the free set at once
-                return s.objs
+            if s._quick_count() == s._quick and s._count() == s._base:
+                if i < last:  # least recently handed out first: a caller that keeps the previous call's outputs
+                    sets.append(sets.pop(i))  # while it makes the next call finds the free set at once
+                return s
         if len(sets) < self.slots:
             s = _Set(*self._make())
             s.seal()
             sets.append(s)
-            return s.objs
+            return s
         return None
 
 

@@ -64,13 +64,18 @@ def test_send_kernel_equals_twin(name):
     for ut in (False, True):
         oh.send.fill_(0xAB)
         pkt = torch.full((T, K), -7, dtype=torch.int32)
-        ic, wc = torch.full_like(idx, -5), torch.full_like(w, -5.0)
-        if ut:
+        if ut:  # the block's fields the send launch writes (routing copies, packets): sentinels first
+            blk, ic = oh.outputs(T, idx.dtype)
+            v = oh.views(blk, T)
+            ic.fill_(-5)
+            v["w_c"].fill_(-5.0)
+            v["pkt"].fill_(-7)
             nc = max(1, cdiv(T, oh.BT))
             hs, hc = h_split(nc, H, oh._send_bh, oh.target)
             assert hs > 1 or name != "w2_int64_tiles", "the case must split rows"
-            oh._send_k((nc, hs), idx, w, x, x, pkt, ic, wc, T, 0, hc)
-            assert torch.equal(ic, idx) and torch.equal(wc, w), "routing copies"
+            oh._send_k((nc, hs), idx, w, x, blk, ic, T, 0, hc)
+            pkt = v["pkt"]
+            assert torch.equal(ic, idx) and torch.equal(v["w_c"], w), "routing copies"
         else:
             pkt = onehop_send_torch(x, None, idx, w, False, E, W, Tcap, oh.send, oh.lay)
         got[ut] = (oh.send.clone(), pkt)
@@ -150,14 +155,14 @@ def _exchange(W, E, K, H, Tcap, Ts, A=1, maxr=None, bad_rank=None, use_triton=Fa
 
 def _receive(oh, ut):
     """Outputs of the receive step (kernel or twin) from sentinel-filled tensors."""
-    L, K = oh.L, oh.K
-    o = dict(out=torch.full((oh.maxr, oh.H), 7.0, dtype=torch.bfloat16), out_w=torch.full((oh.maxr,), 5.0),
-             rr=torch.full((oh.nslot, K), -9, dtype=torch.int32), rw=torch.full((oh.nslot, K), 9.0),
-             ntpe=torch.full((L,), -3, dtype=torch.int32), offs=torch.full((L,), -3, dtype=torch.int32),
-             status=torch.full((4,), -1, dtype=torch.int64), counts=torch.full((oh.W, oh.E), -4, dtype=torch.int32))
+    blk, _ = oh.outputs(0, torch.int64)
+    o = oh.views(blk, 0)
+    for n, v in dict(out_w=5.0, rr=-9, rw=9.0, ntpe=-3, offs=-3, status=-1, counts=-4).items():
+        o[n].fill_(v)
+    o["out"] = torch.full((oh.maxr, oh.H), 7.0, dtype=torch.bfloat16)
     args = [o[k] for k in ("out", "out_w", "rr", "rw", "ntpe", "offs", "status", "counts")]
-    if ut:
-        oh._recv_k(oh._recv_grid, *args, oh._recv_hc)
+    if ut:  # the block's fields at their static offsets: the launch takes the rows and the block
+        oh._recv_k(oh._recv_grid, o["out"], blk)
     else:
         onehop_recv_torch(oh.recv, *args[:7], oh.rank, oh.E, oh.W, oh.Tcap, oh.A, oh.maxr, oh.lay,
                           oh.lay.width // 2, args[7], oh._st)

@@ -59,15 +59,20 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 
 from ...errors import CapacityError, ConfigError, WireError
 from ...kernels.nccl_onehop import onehop_recv_kernel, onehop_send_kernel
 from ..status import STATUS_BAD_INPUT, STATUS_CAPACITY, STATUS_OK
+from ..bound import STORE
+from .collectives import BoundCollective
 from .pack import Launch, cdiv, h_split, pow2, round_up, target_programs, typed_rows
 from .route import SendLayout, count_row_torch, send_layout
 
 __all__ = ["OneHopDispatch", "OneHopOut", "onehop_layout", "onehop_send_torch", "onehop_recv_torch"]
+
+
+_VIEW_NAMES = {"status_ptr": "status", "out_w_ptr": "out_w", "rw_ptr": "rw", "rr_ptr": "rr", "ntpe_ptr": "ntpe",
+               "offs_ptr": "offs", "counts_ptr": "counts", "w_copy_ptr": "w_c", "pkt_ptr": "pkt"}
 
 
 class OneHopOut(NamedTuple):
@@ -246,6 +251,18 @@ class OneHopDispatch:
         self.send = torch.zeros(self.nslot, lay.width, dtype=torch.uint8, device=dev)
         self.recv = torch.zeros(self.nslot, lay.width, dtype=torch.uint8, device=dev)
         self._launch = launch = Launch(dev)
+        # the per-call outputs besides the rows: fields of ONE int32 block (:meth:`outputs`) at static offsets, so
+        # a launch passes the block's address once (BoundKernel ``fields``); the token-sized fields get Tcap rows
+        MR, NK, TK, L = self.maxr, self.nslot * K, self.Tcap * K, self.L
+        f32, i32 = torch.float32, torch.int32
+        sizes = (("status_ptr", 8, torch.int64), ("out_w_ptr", MR, f32), ("rw_ptr", NK, f32), ("rr_ptr", NK, i32),
+                 ("ntpe_ptr", L, i32), ("offs_ptr", L, i32), ("counts_ptr", W * E, i32), ("w_copy_ptr", TK, f32),
+                 ("pkt_ptr", TK, i32))
+        self.fields, at = {}, 0
+        for name, n, dt in sizes:
+            self.fields[name] = (at, n, dt)
+            at += n
+        self.block_numel = at
         self.target = target_programs(dev) if target is None else target
         KB = pow2(K)
         # send tiles of 8 routes (one token at top-8), 4 warps, scan steps of 128 routes: every program column redoes
@@ -258,9 +275,9 @@ class OneHopDispatch:
         self._send_k = launch.bind(onehop_send_kernel, dict(
             send_ptr=self.send, K=K, KB=KB, E=E, L=self.L, W=W, EB=pow2(E), WB=pow2(W), BT=self.BT, TCAP=self.Tcap,
             N0=H, ROW0=lay.width // es, N1=0, ROW1=lay.width, COL1=0, META=lay.mo // 4, ROW32=lay.width // 4,
-            BH=self._send_bh, HT=max(self.BT, 128 // KB), ST=max(self.BT, 128 // KB), num_warps=4),
-            ("idx_ptr", "w_ptr", "src0_ptr", "src1_ptr", "pkt_ptr", "idx_copy_ptr", "w_copy_ptr", "T", "refused",
-             "HC"))
+            BH=self._send_bh, HT=max(self.BT, 128 // KB), ST=max(self.BT, 128 // KB), src1_ptr=self.send,
+            num_warps=4), ("idx_ptr", "w_ptr", "src0_ptr", STORE, "idx_copy_ptr", "T", "refused", "HC"),
+            fields={n: self.fields[n] for n in ("w_copy_ptr", "pkt_ptr")})
         # packet / row tiles: a route's segment start is a ``tl.gather`` from the layout vector (no [BP, KB, LB]
         # one-hot: packet tiles need not shrink with L); a row tile's segment search holds [BZ, LB] (2048 elements)
         # when there are padding rows (A > 1), else it only zeroes tail weights (1024 rows a program)
@@ -276,9 +293,12 @@ class OneHopDispatch:
             recv_ptr=self.recv, st_ptr=st, MERGE=merge, K=K, KB=KB, E=E, L=self.L, W=W, RANK=rank, EB=pow2(E),
             LB=pow2(self.L), WB=pow2(W),
             TCAP=self.Tcap, A=self.A, MAXR=self.maxr, BP=bp, BZ=bz, N0=H, S0=lay.width // es, META=lay.mo // 4,
-            ROW32=lay.width // 4, BH=rbh, CODE_CAP=STATUS_CAPACITY, CODE_BAD=STATUS_BAD_INPUT, num_warps=4),
-            ("out_ptr", "out_w_ptr", "rr_ptr", "rw_ptr", "ntpe_ptr", "offs_ptr", "status_ptr", "counts_ptr", "HC"))
+            ROW32=lay.width // 4, BH=rbh, CODE_CAP=STATUS_CAPACITY, CODE_BAD=STATUS_BAD_INPUT, HC=self._recv_hc,
+            num_warps=4), ("out_ptr", STORE),
+            fields={n: self.fields[n] for n in ("out_w_ptr", "rr_ptr", "rw_ptr", "ntpe_ptr", "offs_ptr", "status_ptr",
+                                                "counts_ptr")})
         self._st = status_word
+        self._a2a = BoundCollective(self.recv, self.send, group)
         self._send_grids: dict = {}  # T -> ((grid), column split) of the send launch
 
     @classmethod
@@ -296,58 +316,71 @@ class OneHopDispatch:
         """The even split sizes of both directions: ``(1 + Tcap,) * W`` (for a combine handle)."""
         return (1 + self.Tcap,) * self.W
 
+    def outputs(self, T: int, idt: torch.dtype) -> tuple:
+        """A call's outputs besides the rows, for ``T`` tokens and ``topk_idx`` dtype ``idt``: ``(blk, idx_c)`` --
+        ``blk`` the int32 block of every other field (:attr:`fields`: name -> ``(start, numel, dtype)`` in int32
+        elements; the kernels get its address once), ``idx_c`` ``[T, K]`` of ``idt`` (the routing ids' copy)."""
+        return (torch.empty(self.block_numel, dtype=torch.int32, device=self.device),
+                torch.empty(T, self.K, dtype=idt, device=self.device))
+
+    def views(self, blk: torch.Tensor, T: int) -> dict:
+        """The fields of ``blk`` (:meth:`outputs`) as tensors of :class:`OneHopOut`'s shapes: ``out_w``, ``rw`` /
+        ``rr`` ``[W * (1 + Tcap), K]``, ``ntpe``, ``offs``, ``counts`` ``[W, E]``, ``w_c`` / ``pkt`` ``[T, K]``,
+        ``status`` int64 ``[4]``."""
+        shape = {"rw_ptr": (self.nslot, self.K), "rr_ptr": (self.nslot, self.K), "counts_ptr": (self.W, self.E),
+                 "w_copy_ptr": (T, self.K), "pkt_ptr": (T, self.K)}
+        out = {}
+        for name, (at, n, dt) in self.fields.items():
+            v = blk[at:at + n]
+            if dt is not torch.int32:
+                v = v.view(dt)
+            if name in ("w_copy_ptr", "pkt_ptr"):
+                v = v[:T * self.K]
+            out[_VIEW_NAMES[name]] = v.view(shape[name]) if name in shape else v
+        return out
+
     def __call__(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  refused: bool = False) -> OneHopOut:
         """Dispatch ``x [T, H]`` bfloat16 by ``topk_idx [T, K]`` int32 / int64 and ``topk_weights [T, K]``
         float32 (all contiguous, on the device, past the front door's shape / dtype checks: nothing is re-checked
         here; ``refused``: the front door refused this rank's input and passes ``T = 0``). Returns
-        :class:`OneHopOut` (module docstring); read ``status`` (when the caller chooses) for the verdict.
+        :class:`OneHopOut` (module docstring; fresh tensors, the small ones views of one block); read ``status``
+        (when the caller chooses) for the verdict.
 
         Raises:
             CapacityError: ``T > max_tokens_per_rank`` (a shape, known on the host; raised before any collective,
                 so only for a caller that lets shapes differ between ranks -- the front door refuses it first).
         """
-        T, K, dev = x.shape[0], self.K, self.device
+        T = x.shape[0]
         if T > self.Tcap:
             raise CapacityError(f"one-hop dispatch: T={T} tokens > max_tokens_per_rank={self.Tcap}", needed=T,
                                 available=self.Tcap)
-        pkt = torch.empty(T, K, dtype=torch.int32, device=dev)
-        idx_c, w_c = torch.empty_like(topk_idx), torch.empty_like(topk_weights)
-        out = torch.empty(self.maxr, self.H, dtype=self.dtype, device=dev)
-        out_w = torch.empty(self.maxr, dtype=torch.float32, device=dev)
-        ntpe = torch.empty(self.L, dtype=torch.int32, device=dev)
-        offs = torch.empty(self.L, dtype=torch.int32, device=dev)
-        status = torch.empty(4, dtype=torch.int64, device=dev)
-        counts = torch.empty(self.W, self.E, dtype=torch.int32, device=dev)
-        rr = torch.empty(self.nslot, K, dtype=torch.int32, device=dev)
-        rw = torch.empty(self.nslot, K, dtype=torch.float32, device=dev)
-        o = OneHopOut(out, out_w, ntpe, offs, status, pkt, rr, rw, idx_c, w_c, counts)
-        self.run(x, topk_idx, topk_weights, refused, o, self.use_triton, T)
-        return o
+        blk, idx_c = self.outputs(T, topk_idx.dtype)
+        out = torch.empty(self.maxr, self.H, dtype=self.dtype, device=self.device)
+        self.run(x, topk_idx, topk_weights, refused, out, blk, idx_c, self.use_triton, T)
+        return OneHopOut(out=out, idx_c=idx_c, **self.views(blk, T))
 
-    def run(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, refused: bool, o: OneHopOut,
-            ut: bool, T: int | None = None) -> None:
-        """The call's two launches and its collective into the caller's outputs ``o`` (shapes of
-        :class:`OneHopOut`; any storage, e.g. views of one allocation); ``ut``: Triton kernels, else the twins.
-        ``T = x.shape[0] <= max_tokens_per_rank`` (passed when the caller knows it) is the caller's to ensure."""
-        T = x.shape[0] if T is None else T
+    def run(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, refused: bool,
+            out: torch.Tensor, blk: torch.Tensor, idx_c: torch.Tensor, ut: bool, T: int) -> None:
+        """The call's two launches and its collective into the caller's rows ``out`` ``[max_recv_tokens, H]``,
+        block ``blk`` and ids' copy ``idx_c`` (:meth:`outputs`: any such tensors, e.g. pooled ones); ``ut``:
+        Triton kernels, else the twins. ``T = x.shape[0] <= max_tokens_per_rank`` is the caller's to ensure."""
         if ut:
             g = self._send_grids.get(T)
             if g is None:  # the send launch's grid and column split of T tokens (host ints, made once per T)
                 nc = max(1, cdiv(T, self.BT))
                 hs, hc = h_split(nc, self.H, self._send_bh, self.target)
                 g = self._send_grids[T] = ((nc, hs), hc)
-            self._send_k(g[0], topk_idx, topk_weights, x, x, o.pkt, o.idx_c, o.w_c, T, int(refused), g[1])
-        else:
-            o.idx_c.copy_(topk_idx)
-            o.w_c.copy_(topk_weights)
-            o.pkt.copy_(onehop_send_torch(x, None, topk_idx, topk_weights, refused, self.E, self.W, self.Tcap,
-                                          self.send, self.lay))
-        dist.all_to_all_single(self.recv, self.send, group=self.group)
-        if ut:
-            self._recv_k(self._recv_grid, o.out, o.out_w, o.rr, o.rw, o.ntpe, o.offs, o.status, o.counts,
-                         self._recv_hc)
-        else:
-            onehop_recv_torch(self.recv, o.out, o.out_w, o.rr, o.rw, o.ntpe, o.offs, o.status, self.rank, self.E,
-                              self.W, self.Tcap, self.A, self.maxr, self.lay, self.lay.width // self.es, o.counts,
-                              self._st)
+            self._send_k(g[0], topk_idx, topk_weights, x, blk, idx_c, T, int(refused), g[1])
+            self._a2a()
+            self._recv_k(self._recv_grid, out, blk)
+            return
+        o = self.views(blk, T)
+        idx_c.copy_(topk_idx)
+        o["w_c"].copy_(topk_weights)
+        o["pkt"].copy_(onehop_send_torch(x, None, topk_idx, topk_weights, refused, self.E, self.W, self.Tcap,
+                                         self.send, self.lay))
+        self._a2a()
+        onehop_recv_torch(self.recv, out, o["out_w"], o["rr"], o["rw"], o["ntpe"], o["offs"], o["status"], self.rank,
+                          self.E, self.W, self.Tcap, self.A, self.maxr, self.lay, self.lay.width // self.es,
+                          o["counts"], self._st)

@@ -56,9 +56,10 @@ class Launch:
         self.device = torch.device(device)
         self._variants: dict = {}
 
-    def bind(self, kernel, static: dict, dyn: tuple) -> BoundKernel:
-        """``kernel`` bound with ``static`` (constants and options) and per-call ``dyn`` values after the grid."""
-        return BoundKernel(self, kernel, None, static, dyn, record=False)
+    def bind(self, kernel, static: dict, dyn: tuple, fields: dict | None = None) -> BoundKernel:
+        """``kernel`` bound with ``static`` (constants and options) and per-call ``dyn`` values after the grid;
+        ``fields``: parameters that are fields of one per-call int32 block (:class:`BoundKernel`)."""
+        return BoundKernel(self, kernel, None, static, dyn, record=False, fields=fields)
 
     def variant(self, key, kernel, make_static, dyn: tuple) -> BoundKernel:
         """The bound kernel of variant ``key`` (a hashable of what decides ``make_static()``), bound on first use."""

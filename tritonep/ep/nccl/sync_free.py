@@ -75,7 +75,6 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 
 import torch
-import torch.distributed as dist
 
 from ... import envs
 from ...errors import CapacityError, ConfigError, InputError, PeerInputError, WireError
@@ -84,8 +83,8 @@ from ..handle import NcclHandle
 from ..pool import OutputPool, acquire_shared, release_shared
 from ..status import STATUS_BAD_INPUT, STATUS_CAPACITY
 from ..validate import check_expert_ids
-from .collectives import all_gather_flat
-from .onehop import OneHopDispatch, OneHopOut
+from .collectives import BoundCollective, all_gather_flat
+from .onehop import OneHopDispatch
 from .pack import pow2
 from .plan import device_plan_torch, plan_size, sf_plan_size
 
@@ -136,6 +135,7 @@ class NcclSyncFree:
         self._sf_size = sf_plan_size(W, E)
         self._sf_split = [E + W, L, L, W * E, W]
         self._sf_slots = (self._tcap, plan_size(W, E), cfg.max_recv_tokens)
+        self._sf_a2a = None  # the gather mode's bound all_to_all (made with the send / receive rows)
         self._sf_bufs = None  # (send [W*Tcap, width], receive [W*Tcap + 1, width], its first W*Tcap rows)
         self._recent_idx: deque = deque(maxlen=4)  # the last sync-free calls' topk_idx (to name a bad id)
         self._codes = (STATUS_CAPACITY, STATUS_BAD_INPUT)
@@ -150,18 +150,17 @@ class NcclSyncFree:
         # the process-wide pool of that shape (shared with every buffer of the same shape, both backends)
         self._sf_slots_n = envs.output_pool()
         self._sf_pools: OrderedDict = OrderedDict()
+        self._sf_last = None  # the key of the most recently used pool
         dev, MR, H, dt = self.device, cfg.max_recv_tokens, cfg.hidden, cfg.dtype
         self._sf_rows_key = ("rows", str(dev), MR, H, dt)
         self._sf_rpool = acquire_shared(self._sf_rows_key, lambda: ((torch.empty(MR, H, dtype=dt, device=dev),), ()),
                                         self._sf_slots_n, dev)
 
-    def _onehop(self):
-        """``(dispatcher, scratch)``: the one-hop dispatcher of this buffer (:class:`OneHopDispatch`, its verdicts
-        merged into the status word; its send / receive rows persistent, made here on the first one-hop call) and
-        its int64 ``[4]`` per-call verdict scratch (read by nobody: the status word carries the verdict)."""
-        oh = OneHopDispatch.from_config(self.cfg, group=self.group, rank=self.rank, device=self.device,
-                                        status_word=self._status)
-        self._oh = oh, torch.empty(4, dtype=torch.int64, device=self.device)
+    def _onehop(self) -> OneHopDispatch:
+        """The one-hop dispatcher of this buffer (:class:`OneHopDispatch`, its verdicts merged into the status word;
+        its send / receive rows persistent, made here on the first one-hop call)."""
+        self._oh = OneHopDispatch.from_config(self.cfg, group=self.group, rank=self.rank, device=self.device,
+                                              status_word=self._status)
         return self._oh
 
     POOL_KEYS = 4  # token counts whose small per-call outputs are pooled at once (least recently used dropped)
@@ -182,26 +181,32 @@ class NcclSyncFree:
 
     def _sf_take(self, T: int, idt: torch.dtype, rows: bool):
         """``(small set or None, rows block or None)`` of this call from the pools (None: allocate; ``rows``: the
-        call returns ``[max_recv_tokens, H]`` rows of the buffer's dtype, not kept-quantized ones)."""
+        call returns ``[max_recv_tokens, H]`` rows of the buffer's dtype, not kept-quantized ones). The small set
+        is the pool's set object (``objs``, ``extra``)."""
         key = self._sf_rpool.stream_key()  # None while capturing: a capture's outputs come from its own pool
         if key is None:
             return None, None
         pk = (T, idt)
-        pool = self._sf_pools.get(pk)
-        if pool is None:
-            if len(self._sf_pools) >= self.POOL_KEYS:
-                self._sf_pools.popitem(last=False)[1].clear()
-            make = self._oh_make if self.sync_free_mode == "onehop" else self._sf_make
-            pool = self._sf_pools[pk] = OutputPool(lambda: make(T, idt), self._sf_slots_n, self.device)
+        if pk == self._sf_last:  # the common case: the token count of the last call (already last in LRU order)
+            pool = self._sf_pools[pk]
         else:
-            self._sf_pools.move_to_end(pk)
-        return pool.take(key), (self._sf_rpool.take(key) if rows else None)
+            pool = self._sf_pools.get(pk)
+            if pool is None:
+                if len(self._sf_pools) >= self.POOL_KEYS:
+                    self._sf_pools.popitem(last=False)[1].clear()
+                make = self._oh_make if self.sync_free_mode == "onehop" else self._sf_make
+                pool = self._sf_pools[pk] = OutputPool(lambda: make(T, idt), self._sf_slots_n, self.device)
+            else:
+                self._sf_pools.move_to_end(pk)
+            self._sf_last = pk
+        return pool.take_set(key), (self._sf_rpool.take(key) if rows else None)
 
     def _close_sync_free(self):
         """Let the pools go (the buffer's close): sets a caller still holds live on through its references."""
         for pool in self._sf_pools.values():
             pool.clear()
         self._sf_pools.clear()
+        self._sf_last = None
         if self._sf_rpool.slots:
             self._sf_rpool = OutputPool(None, 0, self.device)
             release_shared(self._sf_rows_key, self._sf_slots_n)
@@ -217,6 +222,12 @@ class NcclSyncFree:
         self._sf_bufs = send, recv, recv[:N]
         return self._sf_bufs
 
+    def _sf_bind_a2a(self):
+        """The gather mode's all_to_all between the persistent send / receive rows, bound once."""
+        send, _, recv_n = self._sf_bufs or self._sf_buffers()
+        self._sf_a2a = BoundCollective(recv_n, send, self.group)
+        return self._sf_a2a
+
     def _dispatch_sync_free(self, x, topk_idx, topk_weights, keep_quantized: bool, bad_input: bool):
         """The sync-free dispatch (module docstring); arguments and return as :meth:`NcclEP.dispatch_fwd`."""
         cfg, dev, ut, lay, fmt = self.cfg, self.device, self.use_triton, self._lay, self._dfmt
@@ -229,19 +240,19 @@ class NcclSyncFree:
         # 1) counts row, exchanged into the persistent matrix
         row = self._router.count(topk_idx, T, bad_input, ut)
         all_gather_flat(self._gathered, row, self.group)
-        # the call's outputs: pooled sets or fresh allocations (the rows and row weights handed out as aliases:
-        # autograd marks what a Function returns, and a mark on a pooled tensor would outlive the call)
+        # the call's outputs: pooled sets or fresh allocations (pooled ones handed out as they are: the autograd
+        # path aliases the rows and row weights of a handle marked ``pooled``, :class:`DispatchFn`)
         got = rows_blk = None
         if T and self._sf_slots_n:
             got, rows_blk = self._sf_take(T, topk_idx.dtype, not (keep_quantized and fmt.quantized))
         N = self._slots_n
-        pooled = got is not None
-        if T and not pooled:  # every set held, capture, or the pool off: the same tensors, allocated
+        pooled = got is not None or rows_blk is not None
+        if got is not None:
+            got = got.objs
+        elif T:  # every set held, capture, or the pool off: the same tensors, allocated
             got = sum(self._sf_make(T, topk_idx.dtype), ())
         if got is not None:
             plan, rows, pkt, idx_c, w_c, rr, rw, out_w, ntpe, offs, counts = got
-            if pooled:
-                out_w = out_w.detach()
         else:  # no tokens: the shared empty routing tensors
             plan = torch.empty(self._sf_size, dtype=torch.int32, device=dev)
             _, ntpe, offs, counts, _ = torch.split(plan, self._sf_split)
@@ -264,13 +275,13 @@ class NcclSyncFree:
             rows = pkt = self._no_routes
             idx_c, w_c = topk_idx.new_empty(0, K), self._no_w
         # 4) one all_to_all, equal host-static splits
-        dist.all_to_all_single(recv_n, send, group=self.group)
+        (self._sf_a2a or self._sf_bind_a2a())()
         # 5) unpack the live slots (every row weight written by the unpack launch: the tail's zeroed there)
         kq = keep_quantized and fmt.quantized
         zero_row = kq and cfg.expert_alignment > 1
         sc = None
         if not fmt.quantized:
-            out = rows_blk[0].detach() if rows_blk is not None else torch.empty(MR, H, dtype=cfg.dtype, device=dev)
+            out = rows_blk[0] if rows_blk is not None else torch.empty(MR, H, dtype=cfg.dtype, device=dev)
             srcs, widths = [(recv, 0, lay.width // self._es)], (H,)
         elif kq:
             pb, ns = self._kept
@@ -279,7 +290,7 @@ class NcclSyncFree:
             se = fmt.codec.scale_bytes
             srcs, widths = [(recv, 0, lay.width), (recv, pb // se, lay.width // se)], (pb, ns)
         else:
-            out = rows_blk[0].detach() if rows_blk is not None else torch.empty(MR, H, dtype=cfg.dtype, device=dev)
+            out = rows_blk[0] if rows_blk is not None else torch.empty(MR, H, dtype=cfg.dtype, device=dev)
             srcs, widths = [(fmt.dequantize_rows(recv_n, H, cfg.dtype), 0, H)], (H,)
         self._unpacker.unpack(recv, srcs, [out] if sc is None else [out, sc], widths, out_w, rr, rw, plan, N,
                               zero_row, ut, self._sf_slots)
@@ -288,49 +299,50 @@ class NcclSyncFree:
                                  buffer_id=self.buffer_id, send_splits=self._eq_splits,
                                  recv_splits=self._eq_splits, num_send=N, num_recv=N, pkt=pkt, recv_rows=rr,
                                  recv_w=rw)
+        if pooled:
+            handle.__dict__["pooled"] = True
         return out, out_w, ntpe, offs, handle
 
     def _oh_make(self, T: int, idt: torch.dtype):
-        """The one-hop mode's per-call tensors (pooled or not): ``(blk, idx_c), (out_w, rw, w_c, rr, pkt, ntpe,
-        offs, counts)``: one float32 block (row weights first, at offset 0 as a fresh tensor, then the per-slot
-        weights, the routing weights' copy and, viewed as int32, packets, per-slot rows, ``num_tokens_per_expert``,
-        ``expert_offsets``, the counts snapshot) and the routing ids' copy (``topk_idx``'s dtype)."""
-        cfg, dev = self.cfg, self.device
-        W, E, K, L, MR = cfg.world_size, cfg.num_experts, cfg.topk, cfg.num_local_experts, cfg.max_recv_tokens
-        N = self._oh[0].nslot
-        TK, NK = T * K, N * K
-        blk = torch.empty(MR + 2 * NK + 2 * TK + 2 * L + W * E, dtype=torch.float32, device=dev)
-        out_w, rw, w_c, ints = torch.split(blk, (MR, NK, TK, NK + TK + 2 * L + W * E))
-        rr, pkt, ntpe, offs, counts = torch.split(ints.view(torch.int32), (NK, TK, L, L, W * E))
-        return ((blk, torch.empty(T, K, dtype=idt, device=dev)),
-                (out_w, rw.view(N, K), w_c.view(T, K), rr.view(N, K), pkt.view(T, K), ntpe, offs, counts.view(W, E)))
+        """The one-hop mode's per-call tensors for ``T`` tokens and ``topk_idx`` dtype ``idt`` (a pooled set,
+        or a call's own when none is free): ``(blk, idx_c), (out_w, ntpe, offs), handle fields`` -- the int32
+        block of every small output (:meth:`OneHopDispatch.outputs`: row weights, per-slot routes and weights,
+        ``num_tokens_per_expert``, ``expert_offsets``, the counts snapshot, the routing weights' copy, the
+        packets), the routing ids' copy, the views a call returns, and the handle's fields (every one fixed by the
+        set: a call makes its handle from them without a constructor)."""
+        oh = self._oh
+        blk, idx_c = oh.outputs(T, idt)
+        v = oh.views(blk, T)
+        N = oh.nslot
+        fields = dict(topk_idx=idx_c, topk_weights=v["w_c"], rows=self._no_routes, counts=v["counts"], num_tokens=T,
+                      num_recv_rows=None, x_scales=None, recv_weights=v["out_w"], buffer_id=self.buffer_id,
+                      send_splits=oh.splits, recv_splits=oh.splits, num_send=N, num_recv=N, pkt=v["pkt"],
+                      recv_rows=v["rr"], recv_w=v["rw"])
+        return (blk, idx_c), (v["out_w"], v["ntpe"], v["offs"]), fields
 
     def _dispatch_onehop(self, x, topk_idx, topk_weights, bad_input: bool, T: int):
         """The one-hop mode (module docstring): send launch, one even ``all_to_all_single``, receive launch (its
         verdict merged into the status word). Outputs: :meth:`_oh_make`'s tensors and the rows, from the pools
-        when this call has tokens (as the gather mode), else allocated."""
-        cfg, dev = self.cfg, self.device
-        oh, st64 = self._oh or self._onehop()
-        got = rows_blk = None
-        if T and self._sf_slots_n:
-            got, rows_blk = self._sf_take(T, topk_idx.dtype, True)
-        pooled = got is not None
-        if not pooled:
-            got = sum(self._oh_make(T, topk_idx.dtype), ())
-        _, idx_c, out_w, rw, w_c, rr, pkt, ntpe, offs, counts = got
-        if pooled:  # the row weights (and rows, below) handed out as aliases (the gather mode says why)
-            out_w = out_w.detach()
-        out = rows_blk[0].detach() if rows_blk is not None else torch.empty(cfg.max_recv_tokens, cfg.hidden,
-                                                                            dtype=cfg.dtype, device=dev)
-        o = OneHopOut(out=out, out_w=out_w, ntpe=ntpe, offs=offs, status=st64, pkt=pkt, rr=rr, rw=rw, idx_c=idx_c,
-                      w_c=w_c, counts=counts)
-        oh.run(x, topk_idx, topk_weights, bad_input, o, self.use_triton, T)
-        splits = oh.splits
-        N = oh.nslot
-        handle = NcclHandle._new(topk_idx=idx_c, topk_weights=w_c, rows=self._no_routes, counts=counts,
-                                 num_tokens=T, num_recv_rows=None, x_scales=None, recv_weights=out_w,
-                                 buffer_id=self.buffer_id, send_splits=splits, recv_splits=splits, num_send=N,
-                                 num_recv=N, pkt=pkt, recv_rows=rr, recv_w=rw)
+        (also without tokens), else allocated. Pooled tensors are handed out as they are
+        (no alias): the autograd path (:class:`tritonep.ep.autograd.DispatchFn`) aliases the rows and row weights
+        of a handle marked ``pooled`` before autograd marks them."""
+        oh = self._oh or self._onehop()
+        st = rows = None
+        if self._sf_slots_n:  # a rank without tokens too (its outputs are the same fixed-size set)
+            st, rows = self._sf_take(T, topk_idx.dtype, True)
+        if st is None:
+            (blk, idx_c), (out_w, ntpe, offs), fields = self._oh_make(T, topk_idx.dtype)
+        else:
+            (blk, idx_c, out_w, ntpe, offs), fields = st.objs, st.extra
+        if rows is None:
+            out = torch.empty(self.cfg.max_recv_tokens, self.cfg.hidden, dtype=self.cfg.dtype, device=self.device)
+        else:
+            out = rows[0]
+        oh.run(x, topk_idx, topk_weights, bad_input, out, blk, idx_c, self.use_triton, T)
+        handle = NcclHandle.__new__(NcclHandle)
+        handle.__dict__.update(fields)
+        if st is not None or rows is not None:
+            handle.__dict__["pooled"] = True
         return out, out_w, ntpe, offs, handle
 
     # ---------------------------------------------------------------------------------------------- status

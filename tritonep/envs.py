@@ -10,7 +10,7 @@
 | TRITONEP_GEOMETRY | "" (= geometry table) | override kernel geometry fields, e.g. ``bt=2,bh=512,warps=8,grid=128`` (benchmarks) |
 | TRITONEP_CPU_HEAP_BYTES | 256 MiB | size of one rank's slice of the CPU (fork + mmap) symmetric heap |
 | TRITONEP_FAST_LAUNCH | 1 | GPU launches of an already compiled kernel variant call the compiled kernel directly (``0``: always through ``kernel[grid]``) |
-| TRITONEP_OUTPUT_POOL | 2 | sets of per-call outputs a buffer reuses per CUDA stream once nobody holds them (triton backend: the handle storage and its views; on the decode geometry also the dispatch rows and the combine output; nccl backend: the sync-free dispatch's outputs), read at construction; ``0``: every call allocates (:mod:`tritonep.ep.pool`) |
+| TRITONEP_OUTPUT_POOL | 3 | sets of per-call outputs a buffer reuses per CUDA stream once nobody holds them (triton backend: the handle storage and its views; on the decode geometry also the dispatch rows and the combine output; nccl backend: the sync-free dispatch's outputs of a decode-sized buffer, ``max_tokens_per_rank <= 256``), read at construction; ``0``: every call allocates (:mod:`tritonep.ep.pool`). 3: a caller that holds the previous call's outputs and one more (a combine's handle) still gets pooled ones |
 | TRITONEP_NCCL_SYNC_FREE | "" (= the rule) | the nccl backend's ``dispatch(sync_free=True)`` mode, read at construction (a field of the agreed config): ``gather`` (``all_gather`` of the counts, device plan, then the ``all_to_all_single``; every wire) or ``onehop`` (one ``all_to_all_single`` carrying the counts in a header slot, 2 launches; bf16 dispatch wire only); unset: the measured rule, one-hop for a bf16 buffer of ``max_tokens_per_rank <= 256`` (decode), gather otherwise (:mod:`tritonep.ep.nccl.sync_free`) |
 | TRITONEP_FORCE_NO_P2P | 0 | ``1``: ``backend="auto"`` acts as if no rank could map its peers' memory and picks ``nccl`` (tests, debugging) |
 
@@ -147,13 +147,13 @@ def max_programs() -> int:
 
 
 def output_pool() -> int:
-    """Sets of per-call outputs a buffer reuses per stream (TRITONEP_OUTPUT_POOL, default 2; 0 = off),
+    """Sets of per-call outputs a buffer reuses per stream (TRITONEP_OUTPUT_POOL, default 3; 0 = off),
     read once at the buffer's construction (:class:`tritonep.ep.pool.OutputPool`).
 
     Raises:
         ConfigError: not an integer >= 0.
     """
-    return _int_env("TRITONEP_OUTPUT_POOL", "2", 0)
+    return _int_env("TRITONEP_OUTPUT_POOL", "3", 0)
 
 
 def snapshot() -> dict:

@@ -8,8 +8,9 @@ caller let the previous call's go, so an inference loop allocates nothing per ca
 * with every set held (2 slots) a call allocates its own outputs, equally right;
 * a released set is reused (the same storage comes back) and the reused call's real rows, weights, counts and
   offsets equal a synced dispatch of the same input, its tail weights zero, its combine equal the synced combine;
-* a call with autograd gets its gradients, and no autograd mark stays on a pooled tensor (the rows and row weights
-  are handed out as aliases: autograd marks what a Function returns).
+* a call with autograd takes a pooled set, gets its gradients, and no autograd mark stays on a pooled tensor (the
+  autograd path hands out aliases of the rows and row weights: autograd marks what a Function returns; a call
+  without autograd gets the pooled tensors themselves).
 """
 
 import os
@@ -38,6 +39,7 @@ def _same(a, b):
 
 def _world(group, mode, ut):
     os.environ["TRITONEP_NCCL_SYNC_FREE"] = mode
+    os.environ["TRITONEP_OUTPUT_POOL"] = "2"  # 2 sets per stream: the third held call allocates
     rank = dist.get_rank(group)
     buf = EPBuffer(group, E, H, TM, K, backend="nccl", device="cpu")
     buf._impl.use_triton = ut
@@ -71,9 +73,10 @@ def _world(group, mode, ut):
         bad.append("a held call's outputs changed under the next call")
     check(d1, 0, "held first call")
     d6 = buf.dispatch(*ins[1], sync_free=True)  # both sets held (2 slots): allocated, not pooled, still right
-    objs = [t for p in buf._impl._sf_pools.values() for ss in p._sets.values() for st in ss for t in st.objs]
+    held = {t.untyped_storage().data_ptr() for p in buf._impl._sf_pools.values() for ss in p._sets.values()
+            for st in ss for t in st.objs}  # addresses only: a list of the pooled tensors would hold every set
     if {d6.x.untyped_storage().data_ptr(), d6.handle.pkt.untyped_storage().data_ptr()} & \
-            {t.untyped_storage().data_ptr() for t in objs + [d1.x, d2.x]}:
+            (held | {d1.x.untyped_storage().data_ptr(), d2.x.untyped_storage().data_ptr()}):
         bad.append("a call with every set held shared a pooled set's storage")
     check(d6, 1, "every set held")
     del d1, d6
@@ -86,16 +89,45 @@ def _world(group, mode, ut):
     # graph stays on a pooled tensor (the next call without autograd gets plain tensors)
     xg, wg = ins[0][0].clone().requires_grad_(True), ins[0][2].clone().requires_grad_(True)
     d4 = buf.dispatch(xg, ins[0][1], wg, sync_free=True)
+    impl = buf._impl
+    pooled = {t.untyped_storage().data_ptr() for p in [impl._sf_rpool, *impl._sf_pools.values()]
+              for ss in p._sets.values() for st in ss for t in st.objs}
+    if not {d4.x.untyped_storage().data_ptr(), d4.weights.untyped_storage().data_ptr()} <= pooled:
+        bad.append("the autograd call did not take pooled outputs")
     y = buf.combine((d4.x.float() * 0.5).to(torch.bfloat16), d4.handle)
     y.float().sum().backward()
     if xg.grad is None or wg.grad is None or not torch.equal(y, ref[0][4]):
         bad.append("autograd through a pooled call: no gradient or a wrong combine")
     del d4, y
     d5 = buf.dispatch(*ins[0], sync_free=True)
-    objs = [t for p in buf._impl._sf_pools.values() for ss in p._sets.values() for st in ss for t in st.objs]
+    objs = [t for p in [impl._sf_rpool, *impl._sf_pools.values()] for ss in p._sets.values() for st in ss
+            for t in st.objs]
     if any(t.requires_grad or t.grad_fn is not None for t in objs) or d5.x.requires_grad or d5.weights.requires_grad:
         bad.append("an autograd mark stayed on a pooled tensor")
+    del objs
     check(d5, 0, "after an autograd call")
+    del d5
+    # the same through the ``tritonep::dispatch`` / ``combine`` ops (what the torchtitan adapter calls): the op's
+    # own autograd marks what it returns, so it too must hand out aliases of the pooled rows and row weights
+    from tritonep.ep.ops import buffer_id
+
+    bid = buffer_id(buf)
+    xg, wg = ins[0][0].clone().requires_grad_(True), ins[0][2].clone().requires_grad_(True)
+    rx, rw_, pair, ticket = torch.ops.tritonep.dispatch(xg, ins[0][1], wg, bid, True)
+    if not {rx.untyped_storage().data_ptr(), rw_.untyped_storage().data_ptr()} <= pooled:
+        bad.append("the op's autograd call did not take pooled outputs")
+    y = torch.ops.tritonep.combine((rx.float() * 0.5).to(torch.bfloat16), rw_, ticket, bid, xg.shape[0])
+    y.float().sum().backward()
+    if xg.grad is None or wg.grad is None or not torch.equal(y, ref[0][4]):
+        bad.append("autograd through the ops on a pooled call: no gradient or a wrong combine")
+    del rx, rw_, pair, ticket, y
+    d7 = buf.dispatch(*ins[0], sync_free=True)
+    objs = [t for p in [impl._sf_rpool, *impl._sf_pools.values()] for ss in p._sets.values() for st in ss
+            for t in st.objs]
+    if any(t.requires_grad or t.grad_fn is not None for t in objs):
+        bad.append("an autograd mark of the ops stayed on a pooled tensor")
+    del objs
+    check(d7, 0, "after the ops' autograd call")
     buf.check()
     buf.close()
     return bad

@@ -148,7 +148,9 @@ class NcclSyncFree:
         # the gather mode's per-call outputs, reused once nobody holds them (:mod:`tritonep.ep.pool`): a pool of
         # the small tensors per (T, topk_idx dtype) (the POOL_KEYS most recent), the [max_recv_tokens, H] rows from
         # the process-wide pool of that shape (shared with every buffer of the same shape, both backends)
-        self._sf_slots_n = envs.output_pool()
+        # pooled only for a decode-sized buffer (where a call's host time matters; a prefill-sized set of rows is
+        # hundreds of MB that the caching allocator had better share)
+        self._sf_slots_n = envs.output_pool() if cfg.max_tokens_per_rank <= ONEHOP_MAX_TOKENS else 0
         self._sf_pools: OrderedDict = OrderedDict()
         self._sf_last = None  # the key of the most recently used pool
         dev, MR, H, dt = self.device, cfg.max_recv_tokens, cfg.hidden, cfg.dtype

@@ -19,6 +19,8 @@
 #   bash scripts/gpu_verify8.sh I   # session 10 last: nccl GPU tests, sync-free profile, send probe, ep_bench
 #   bash scripts/gpu_verify8.sh J   # the whole world-1 GPU suite, then the W=2 MPS core (ranks sharing the GPU)
 #   bash scripts/gpu_verify8.sh K   # session 11: nccl GPU tests, sync-free profile, collective host costs, ep_bench
+#   bash scripts/gpu_verify8.sh L   # session 11: world-1 geometry sweep at 4096 tokens (bf16 dispatch + push combine,
+#                                   #   graph replay), eager, peer (carry .whl)
 # Logs and JSON under $OUT, packed into $OUT/logs.tgz.
 source "$(dirname "$0")/gpu_step.sh"
 steps=()
@@ -35,6 +37,7 @@ for a in "$@"; do
         I) steps+=(tests_nccl sfprof sendprobe epb) ;;
         J) steps+=(single tests_w2) ;;
         K) steps+=(tests_nccl sfprof coll epb) ;;
+        L) steps+=(sweep4k eager peer) ;;
         *) steps+=("$a") ;;
     esac
 done
@@ -75,6 +78,12 @@ want epb && step epb 60 torchrun --nproc-per-node 1 benchmarks/ep_bench.py --wir
 want hostpy1k && step hostpy1k 60 torchrun --nproc-per-node 1 benchmarks/host_profile.py --tokens 1024 --calls 100 \
     --top 30
 want coll && step coll 60 torchrun --nproc-per-node 1 benchmarks/collective_cost.py --json "$OUT/collective_cost.json"
+SWEEP4K=("deepseek-v3:0:bf16:" "deepseek-v3:0:bf16:grid=264" "deepseek-v3:0:bf16:warps=16"
+         "deepseek-v3:0:bf16:pf=1" "deepseek-v3:0:bf16:grid=264,warps=16" "deepseek-v3:0:bf16:grid=396"
+         "deepseek-v3:0:bf16:bt=8" "deepseek-v3:0:bf16:grid=264,pf=1" "deepseek-v3:0:bf16:cbt=4"
+         "deepseek-v3:0:bf16:cwarps=16" "deepseek-v3:0:bf16:grid=264,cbt=4,cwarps=16")
+want sweep4k && TAIL=40 step sweep4k 240 torchrun --nproc-per-node 1 benchmarks/ep_bench.py --profiles deepseek-v3 \
+    --wires bf16 --iters 20 --json "$OUT/sweep4k.json" --variants "${SWEEP4K[@]}"
 want run && step run 140 python -m tritonep.cli.main run --steps 3 --json "$OUT/run_w1.json"
 cat "$OUT/summary.txt"
 cd "$OUT" && tar czf logs.tgz *.log *.json summary.txt 2>/dev/null; rm -f *.log *.json summary.txt

@@ -34,8 +34,11 @@ even ``(1 + Tcap,) * W`` and ``num_send = num_recv = W * (1 + Tcap)`` (tested bi
 Wired into the nccl backend as its sync-free ``onehop`` mode (:mod:`tritonep.ep.nccl.sync_free`,
 ``TRITONEP_NCCL_SYNC_FREE``): there the receive launch also writes the handle's ``counts`` snapshot (int32
 ``[W, E]`` from the headers) and merges its verdict into the backend's status word (``status_word=``, the kernel's
-``MERGE``), and the outputs are views of one per-call float32 block (:meth:`OneHopDispatch.run` takes the caller's
-outputs): 2 launches, 1 collective, 3 allocations.
+``MERGE``), and every output but the rows and the ids' copy is a field of ONE per-call int32 block at a static
+offset (:attr:`OneHopDispatch.fields`, :meth:`OneHopDispatch.outputs` / :meth:`OneHopDispatch.views`; the launches get
+the block's address once: :class:`tritonep.ep.bound.BoundKernel` ``fields``), pooled by the backend; the
+``all_to_all`` is bound once to the process group's backend (:class:`tritonep.ep.nccl.collectives.BoundCollective`):
+2 launches (3 and 2 per-call values), 1 collective, no torch call but two shape reads.
 
 Costs per call of :meth:`OneHopDispatch.__call__`: 2 launches (the receive launch's grid is static, the send launch's
 follows T: a host int, cached per T), 1 collective, 0 host reads, 0 host syncs, no data-dependent host value;

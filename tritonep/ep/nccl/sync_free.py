@@ -13,11 +13,13 @@ slots ``1..Tcap``; ONE ``all_to_all_single`` with equal splits (``1 + Tcap`` row
 the verdict and layout from the W headers (every rank the same), writes the rows, weights, ``num_tokens_per_expert`` /
 ``expert_offsets``, the per-slot routes, the handle's counts snapshot and merges the verdict into the status word
 (program 0, as the device plan below does). Per call: 2 launches (a rank without tokens too: its send launch writes the
-headers), 1 collective, 0 host reads; its outputs (the rows; one float32 block holding the row weights at offset 0, the
-per-slot weights, the routing weights' copy and, viewed as int32, the packets, per-slot rows, ``num_tokens_per_expert``,
-``expert_offsets`` and counts; the routing ids' copy) from the output pool as in the gather mode below: 5 torch calls
-(unpooled: 14, 3 allocations). The handle's ``rows`` (destination row of each route, known only on the expert rank here)
-is an empty ``[0, K]`` tensor: nothing on this backend reads it. The send kernel's prefix scans are quadratic in T.
+headers), 1 collective, 0 host reads; its outputs (the rows; one int32 block of every small output at static offsets:
+row weights, per-slot routes and weights, ``num_tokens_per_expert``, ``expert_offsets``, counts, the routing weights'
+copy, the packets; the routing ids' copy) from the output pool as in the gather mode below, also on a rank without
+tokens, with the handle's fields kept per pooled set: 2 torch calls (shape reads), 0 allocations; the
+``all_to_all_single`` bound once to the process group's backend (:class:`tritonep.ep.nccl.collectives.BoundCollective`:
+14.1 vs 19.6 us of host time through ``dist.all_to_all_single`` on the H200 host of session 11's call 1). The
+handle's ``rows`` (destination row of each route, known only on the expert rank here) is an empty ``[0, K]`` tensor: nothing on this backend reads it. The send kernel's prefix scans are quadratic in T.
 
 Measured (one H200, world 1, 128 tokens, H 7168, top-8 of 256). Session 9 (``ep_bench_h200x1_session9final``): eager
 dispatch one-hop 161 us vs gather 155 us, the precomputed-layout pipeline 60; device time one-hop 71 us (send 35.5,
@@ -25,7 +27,10 @@ receive 27.3, all_to_all 8.0) vs gather 29 us (pack 9.9, count 7.6, unpack 6.5, 
 after the pooled outputs, the receive kernel's ``tl.gather`` (no one-hot layout picks: 16-packet tiles instead of 1) and
 one-token send tiles (``benchmarks/onehop_send_probe.py``: the send launch 41 -> 14.5 us), last call
 (``ep_bench_h200x1_session10call5``, all_to_all alone 26 us): one-hop 83 us, gather 151, the pipeline 68; device time
-one-hop 33 us (send 14.5, receive 11.0, all_to_all 7.2). On a slower host (call 4, all_to_all 34 us): 102 / 178 / 89. At
+one-hop 33 us (send 14.5, receive 11.0, all_to_all 7.2). On a slower host (call 4, all_to_all 34 us): 102 / 178 / 89.
+Session 11, after the bound all_to_all, the block outputs passed once and the pooled handle fields
+(``ep_bench_h200x1_session11call1``, a slow host: all_to_all alone 38 us): one-hop 64.7 us vs the pipeline 89.9
+(0.72x), gather 154. At
 4096 tokens gather 432 us vs one-hop 1543 (the send scans are quadratic in T). Hence the unset rule: one-hop up to
 ``ONEHOP_MAX_TOKENS`` tokens per rank, gather above. One-hop is also the mode for groups whose collectives are slow
 (across hosts one collective fewer saves a network round trip per call): unmeasured there.
@@ -55,7 +60,10 @@ collectives, no host read; outputs: the rows, the row weights (the unpack launch
 no zeroing launch), the plan vector and the handle's six tensors, taken from the output pool (:mod:`tritonep.ep.pool`: a
 set per token count and ``topk_idx`` dtype, reused once the caller let the call's outputs go; the ``[max_recv_tokens,
 H]`` rows from the process-wide pool of that shape, shared with every buffer of the same shape; the rows and row weights
-are handed out as aliases, so autograd marks never stay on a pooled tensor) or, when every set is held, under graph
+are handed out as they are; the autograd path, :class:`tritonep.ep.autograd.DispatchFn` and the
+``tritonep::dispatch`` op, hands out aliases of the rows and row weights of a handle marked ``pooled``, so autograd
+marks never stay on a pooled tensor; decode-sized buffers only, ``max_tokens_per_rank <= ONEHOP_MAX_TOKENS``: a
+prefill-sized set of rows is hundreds of MB) or, when every set is held, under graph
 capture, without tokens or with ``TRITONEP_OUTPUT_POOL=0``, allocated. The one-hop mode pools its outputs the same way.
 The send and receive rows are persistent (made on the first sync-free call: a buffer never used this way pays nothing;
 one stream at a time, as every buffer of this library: the next call's pack is stream-ordered after this call's
@@ -99,7 +107,7 @@ def sync_free_mode(cfg) -> str:
     as read by :func:`tritonep.ep.config.build_config`, agreed by every rank) or, unset, the measured rule: ``onehop``
     for a decode-sized buffer (``max_tokens_per_rank <= ONEHOP_MAX_TOKENS``, bf16 wire and dtype, ``world_size <=
     63``), else ``gather`` (module docstring: at 128 tokens one-hop 83 us vs gather 151 us, the pipeline 68, session
-    10; at 4096 tokens gather 432 us vs one-hop 1543, whose send scans are quadratic in T). A rule of the agreed
+    10; one-hop 64.7 vs the pipeline 89.9 on a slower host, session 11; at 4096 tokens gather 432 us vs one-hop 1543, whose send scans are quadratic in T). A rule of the agreed
     config only: every rank picks the same mode.
 
     Raises:

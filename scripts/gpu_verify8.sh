@@ -21,6 +21,8 @@
 #   bash scripts/gpu_verify8.sh K   # session 11: nccl GPU tests, sync-free profile, collective host costs, ep_bench
 #   bash scripts/gpu_verify8.sh L   # session 11: world-1 geometry sweep at 4096 tokens (bf16 dispatch + push combine,
 #                                   #   graph replay), eager, peer (carry .whl)
+#   bash scripts/gpu_verify8.sh M   # session 11 final: the whole world-1 GPU suite, ep_bench bf16
+#   bash scripts/gpu_verify8.sh N   # session 11 final: the W=2 MPS core and the rest of the W=2 suite
 # Logs and JSON under $OUT, packed into $OUT/logs.tgz.
 source "$(dirname "$0")/gpu_step.sh"
 steps=()
@@ -38,6 +40,8 @@ for a in "$@"; do
         J) steps+=(single tests_w2) ;;
         K) steps+=(tests_nccl sfprof coll epb) ;;
         L) steps+=(sweep4k eager peer) ;;
+        M) steps+=(single epb) ;;
+        N) steps+=(tests_w2 mps2rest) ;;
         *) steps+=("$a") ;;
     esac
 done

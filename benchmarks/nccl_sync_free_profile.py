@@ -31,17 +31,13 @@ def main():
                     help="the modes to run, in order (one per process keeps each mode's host timing clean of the "
                          "other's torch.profiler section)")
     a = ap.parse_args()
-    dist.init_process_group("nccl")
-    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    torch.cuda.set_device(dev)
+    from tritonep.bench.ep import one_gpu_inputs
+
+    T, H, E, K = a.tokens, 7168, 256, 8
+    dev, x, idx, w = one_gpu_inputs(T, H, E, K)
     import tritonep as tep
     from torch.profiler import ProfilerActivity, profile
 
-    T, H, E, K = a.tokens, 7168, 256, 8
-    g = torch.Generator().manual_seed(0)
-    idx = torch.argsort(torch.rand(T, E, generator=g), dim=1)[:, :K].to(dev)
-    w = torch.rand(T, K, generator=g).to(dev)
-    x = torch.randn(T, H, generator=g).to(torch.bfloat16).to(dev)
     res = {}
     for mode in a.modes:
         os.environ["TRITONEP_NCCL_SYNC_FREE"] = mode

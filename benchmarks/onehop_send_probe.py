@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 import torch
 import torch.distributed as dist
@@ -31,18 +30,14 @@ def main():
     ap.add_argument("--iters", type=int, default=50, help="launches per captured graph (5 replays timed)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    dist.init_process_group("nccl")
-    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    torch.cuda.set_device(dev)
+    from tritonep.bench.ep import one_gpu_inputs
+
+    T, H, E, K = a.tokens, 7168, 256, 8
+    dev, x, idx, w = one_gpu_inputs(T, H, E, K)
     from tritonep.ep.nccl.onehop import OneHopDispatch
     from tritonep.ep.nccl.pack import h_split, pow2
     from tritonep.kernels.nccl_onehop import onehop_send_kernel
 
-    T, H, E, K = a.tokens, 7168, 256, 8
-    g = torch.Generator().manual_seed(0)
-    idx = torch.argsort(torch.rand(T, E, generator=g), dim=1)[:, :K].to(dev)
-    w = torch.rand(T, K, generator=g).to(dev)
-    x = torch.randn(T, H, generator=g).to(torch.bfloat16).to(dev)
     oh = OneHopDispatch(group=dist.group.WORLD, rank=0, world_size=1, num_experts=E, topk=K, hidden=H,
                         max_tokens_per_rank=T, max_recv_tokens=T * K, device=dev)
     KB, lay = pow2(K), oh.lay

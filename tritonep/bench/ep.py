@@ -140,6 +140,23 @@ def peer_copy_gbps(group, nbytes=256 << 20):
     return nbytes / us / 1e3
 
 
+def one_gpu_inputs(T: int, H: int = 7168, E: int = 256, K: int = 8, seed: int = 0):
+    """The one-GPU probes' setup (``benchmarks/onehop_send_probe.py``, ``benchmarks/nccl_sync_free_profile.py``, run
+    under ``torchrun``): the NCCL process group (made here), the rank's device (``LOCAL_RANK``, made current) and
+    one call's inputs ``x [T, H]`` bf16, ``topk_idx [T, K]`` int64 (K distinct experts of E per token), ``topk_weights
+    [T, K]`` float32 from generator ``seed``. Returns ``(device, x, topk_idx, topk_weights)``."""
+    import os
+
+    dist.init_process_group("nccl")
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(dev)
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.argsort(torch.rand(T, E, generator=g), dim=1)[:, :K].to(dev)
+    w = torch.rand(T, K, generator=g).to(dev)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16).to(dev)
+    return dev, x, idx, w
+
+
 def _routing(rank, T, E, K, seed, dev):
     g = torch.Generator().manual_seed(seed * 131 + rank)
     idx = torch.argsort(torch.rand(T, E, generator=g), dim=1)[:, :K]

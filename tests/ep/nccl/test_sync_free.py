@@ -129,7 +129,7 @@ def _check(res, max_recv):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_sync_free_equals_synced_w2(mode):
-    res = run_cpu_world(2, _equal_world, CASES_W2, mode, timeout_s=300)
+    res = run_cpu_world(2, _equal_world, CASES_W2, mode, timeout_s=150)
     _check(res, lambda c: 2 * TM * min(K, E // 2) + (E // 2) * (c[0] - 1))
     assert any(R > 0 for per_rank in res for *_, R in per_rank)
     assert len(res[0]) == 2 * sum(c[1] == "bf16" or mode == "gather" for c in CASES_W2)
@@ -138,9 +138,9 @@ def test_sync_free_equals_synced_w2(mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_sync_free_equals_synced_w1_w4(mode):
     res = run_cpu_world(1, _equal_world, [(1, "bf16", False, (6,), False, False),
-                                          (2, "bf16", True, (5,), False, False)], mode, timeout_s=300)
+                                          (2, "bf16", True, (5,), False, False)], mode, timeout_s=150)
     _check(res, lambda c: TM * K + 4 * (c[0] - 1))  # L = 4 local experts at every world size
-    res = run_cpu_world(4, _equal_world, [(2, "bf16", False, (4, 0, 6, 3), False, False)], mode, timeout_s=300)
+    res = run_cpu_world(4, _equal_world, [(2, "bf16", False, (4, 0, 6, 3), False, False)], mode, timeout_s=150)
     _check(res, lambda c: 4 * TM * K + 4 * (c[0] - 1))
 
 
@@ -227,7 +227,7 @@ def _error_world(group, ut, mode):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("ut", [False, True])
 def test_sync_free_errors_raised_on_every_rank(ut, mode):
-    logs = run_cpu_world(2, _error_world, ut, mode, timeout_s=300)
+    logs = run_cpu_world(2, _error_world, ut, mode, timeout_s=150)
     for rank, log in enumerate(logs):
         reads, ntpe, offs, anyw = log["bad_call"]
         assert reads == 0 and not any(ntpe) and not any(offs) and not anyw, log["bad_call"]

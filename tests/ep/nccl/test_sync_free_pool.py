@@ -61,6 +61,8 @@ def _world(group, mode, ut):
         y = buf.combine((d.x.float() * 0.5).to(torch.bfloat16), d.handle)
         if not (ok and torch.equal(y, ry)):
             bad.append(f"{what}: outputs differ from the synced dispatch / combine")
+        if d.weights.storage_offset() or d.x.storage_offset():  # what the tritonep::dispatch op's fake promises
+            bad.append(f"{what}: rows / row weights not at storage offset 0")
 
     d1 = buf.dispatch(*ins[0], sync_free=True)
     s1, p1 = _snap(d1), d1.x.data_ptr()

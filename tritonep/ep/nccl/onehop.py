@@ -258,11 +258,14 @@ class OneHopDispatch:
         # a launch passes the block's address once (BoundKernel ``fields``); the token-sized fields get Tcap rows
         MR, NK, TK, L = self.maxr, self.nslot * K, self.Tcap * K, self.L
         f32, i32 = torch.float32, torch.int32
-        sizes = (("status_ptr", 8, torch.int64), ("out_w_ptr", MR, f32), ("rw_ptr", NK, f32), ("rr_ptr", NK, i32),
-                 ("ntpe_ptr", L, i32), ("offs_ptr", L, i32), ("counts_ptr", W * E, i32), ("w_copy_ptr", TK, f32),
-                 ("pkt_ptr", TK, i32))
+        # the row weights first: at storage offset 0, as a fresh tensor (the ``tritonep::dispatch`` op's fake says
+        # so); the int64 status word last, at an even offset (8-byte aligned)
+        sizes = (("out_w_ptr", MR, f32), ("rw_ptr", NK, f32), ("rr_ptr", NK, i32), ("ntpe_ptr", L, i32),
+                 ("offs_ptr", L, i32), ("counts_ptr", W * E, i32), ("w_copy_ptr", TK, f32), ("pkt_ptr", TK, i32),
+                 ("status_ptr", 8, torch.int64))
         self.fields, at = {}, 0
         for name, n, dt in sizes:
+            at += at & 1 if dt is torch.int64 else 0
             self.fields[name] = (at, n, dt)
             at += n
         self.block_numel = at

@@ -23,6 +23,8 @@
 #                                   #   graph replay), eager, peer (carry .whl)
 #   bash scripts/gpu_verify8.sh M   # session 11 final: the whole world-1 GPU suite, ep_bench bf16
 #   bash scripts/gpu_verify8.sh N   # session 11 final: the W=2 MPS core and the rest of the W=2 suite
+#   bash scripts/gpu_verify8.sh O   # session 11 last: nccl + world-1 ep / moe GPU tests, sync-free profile, send
+#                                   #   probe, ep_bench (the one-hop block with the row weights at offset 0)
 # Logs and JSON under $OUT, packed into $OUT/logs.tgz.
 source "$(dirname "$0")/gpu_step.sh"
 steps=()
@@ -42,6 +44,7 @@ for a in "$@"; do
         L) steps+=(sweep4k eager peer) ;;
         M) steps+=(single epb) ;;
         N) steps+=(tests_w2 mps2rest) ;;
+        O) steps+=(tests_nccl tests_ep sfprof sendprobe epb) ;;
         *) steps+=("$a") ;;
     esac
 done

@@ -27,12 +27,8 @@ class DispatchFn(torch.autograd.Function):
         # larger block (decode, pooled: tritonep/ep/pool.py): hand out an alias of its own (no view; same
         # storage, so the pool still sees it held). The row weights stay a view on purpose: combine uses the
         # weights the dispatch moved, so an in-place change of them would change the gradient but not the sum
-        pooled = handle.pooled
-        if pooled or out._base is not None:
+        if out._base is not None:
             out = out.detach()
-        if pooled:  # the outputs are the pool's own tensor objects (the nccl backend's sync-free path): autograd
-            out_w = out_w.detach()  # marks what a Function returns, and a mark must not stay on a pooled object
-            handle = handle._with(recv_weights=out_w)
         box.append(handle)  # handle.recv_weights is out_w: the very tensor autograd returns (tracked)
         ctx.impl = impl
         ctx.handle = handle

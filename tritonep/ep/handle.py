@@ -45,22 +45,11 @@ class DispatchHandle:
     """
 
     backend: ClassVar[str] = ""
-    # True on a handle whose rows / row weights are an output pool's own tensor objects (the nccl backend's sync-free
-    # dispatch sets it per instance): the autograd path hands out aliases of them (tritonep/ep/autograd.py)
-    pooled: ClassVar[bool] = False
     num_tokens: int
     num_recv_rows: Optional[int]
     x_scales: Optional[torch.Tensor] = None
     recv_weights: Optional[torch.Tensor] = None
     buffer_id: int = 0
-
-    def _with(self, **changes) -> "DispatchHandle":
-        """A copy with ``changes`` (field name -> value) applied, made like the backends' ``_new`` (no frozen
-        ``__init__``); for handles whose state lives in their instance dictionary (the nccl backend's)."""
-        h = self.__class__.__new__(self.__class__)
-        h.__dict__.update(self.__dict__)
-        h.__dict__.update(changes)
-        return h
 
 
 @dataclass(frozen=True, kw_only=True)

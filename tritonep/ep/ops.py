@@ -106,8 +106,6 @@ def dispatch_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Ten
     # one copy (a single small launch): the two are views of the handle's storage (triton) or of the plan vector
     # (nccl), and an output must not alias another output nor sit at a storage offset its fake does not have
     pair = torch.cat([d.num_tokens_per_expert, d.expert_offsets])
-    if d.handle.pooled:  # an output pool's own objects (nccl sync-free): the op's autograd marks what it returns
-        return d.x.detach(), d.weights.detach(), pair, _new_ticket(d.handle)
     return d.x, d.weights, pair, _new_ticket(d.handle)
 
 

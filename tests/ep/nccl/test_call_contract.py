@@ -239,14 +239,12 @@ def _handle_fields(group, sync_free, mode):
     names = {f.name for f in dataclasses.fields(NcclHandle)}
     same = NcclHandle(**{n: getattr(h, n) for n in names}) == h  # the fast-built handle equals the constructor's
     buf.close()
-    return sorted(set(h.__dict__) ^ names), same, h.pooled
+    return sorted(set(h.__dict__) ^ names), same
 
 
 @pytest.mark.parametrize("sync_free,mode", [(False, None), (True, "onehop"), (True, "gather")])
 def test_fast_built_handle_has_every_field(sync_free, mode):
-    """The dispatch builds its handle without the generated ``__init__`` (``NcclHandle._new`` / the sync-free
-    pools' field dictionaries): every dataclass field is set, nothing else but the ``pooled`` mark of a sync-free
-    call's pooled outputs, and it equals the handle the constructor makes of the same values."""
-    for extra, same, pooled in run_cpu_world(2, _handle_fields, sync_free, mode, timeout_s=120):
-        assert extra == (["pooled"] if sync_free else []) and same
-        assert pooled is bool(sync_free)
+    """The dispatch builds its handle with ``NcclHandle._new`` (no generated ``__init__``): every dataclass field is
+    set, nothing else, and it equals the handle the constructor makes of the same values."""
+    for extra, same in run_cpu_world(2, _handle_fields, sync_free, mode, timeout_s=120):
+        assert extra == [] and same

@@ -27,14 +27,14 @@ zero_, index_add_); here 2 launches, 1 collective, 3 allocations (the send and r
 
 Sync-free dispatch (``sync_free=True``, :mod:`tritonep.ep.nccl.sync_free`): no host read and no host->device copy (the
 layout is computed by one more launch, the device plan), the send / receive rows persistent, and (session 10) the
-per-call outputs from the output pool (:mod:`tritonep.ep.pool`) once the caller let the previous ones go; session 11:
-the pooled tensors handed out as they are (the autograd path aliases them) and the ``all_to_all`` bound once
-(:class:`tritonep.ep.nccl.collectives.BoundCollective`: the process group's backend called directly, no torch
-function): 3 torch calls (the all_gather, 2 shape reads), 0 allocations, 4 launches (a rank without tokens, which
-allocates: 11, 6, 2). Its one-hop mode (``TRITONEP_NCCL_SYNC_FREE=onehop``, :mod:`tritonep.ep.nccl.onehop`): 2 torch
-calls (shape reads), 0 allocations, 2 launches, with or without tokens (the one-hop outputs are pooled for a rank
-without tokens too: their sizes are fixed). Combine and both backward passes on its handle cost what they cost on a
-synced handle.
+per-call outputs from the output pool (:mod:`tritonep.ep.pool`) once the caller let the previous ones go (session
+10), and (session 11) the ``all_to_all`` bound once (:class:`tritonep.ep.nccl.collectives.BoundCollective`: the process
+group's backend called directly, no torch function): 5 torch calls (the all_gather, 2 aliases of the rows and row
+weights, 2 shape reads), 0 allocations, 4 launches (a rank without tokens, which allocates: 11, 6, 2). Its one-hop mode
+(``TRITONEP_NCCL_SYNC_FREE=onehop``, :mod:`tritonep.ep.nccl.onehop`): 4 torch calls (the 2 aliases, 2 shape reads), 0
+allocations, 2 launches, with or without tokens (the one-hop outputs are pooled for a rank without tokens too: their
+sizes are fixed; the handle's fields are kept per pooled set). Combine and both backward passes on its handle cost what
+they cost on a synced handle.
 
 Launch path (issue 24): every launch is a bound one (:class:`tritonep.ep.bound.BoundKernel`; none through a generic
 launcher), and on a fake GPU (``tests/ep/nccl/fake_gpu.py``) a warm call's launches are all direct C-launcher calls:
@@ -60,7 +60,8 @@ BUDGET = {
     # sync-free (issue 24): no host read, no host->device copy; count, plan, pack, unpack launches; the send /
     # receive rows are persistent and the call's outputs (the plan vector, the rows, the row weights and the
     # handle's six tensors) come from the output pool once the previous call's are let go
-    "sf_dispatch": (3, 0, 4, 0),  # pooled outputs; all_gather, 2 shape reads (the a2a is bound: no torch call)
+    "sf_dispatch": (5, 0, 4, 0),  # pooled outputs; all_gather, 2 aliases (rows, row weights), 2 shape reads (the
+    # a2a is bound: no torch call)
     "sf_combine": (4, 3, 2, 0),  # the same calls as on a synced handle (equal splits)
     "sf_dispatch_bwd": (7, 4, 2, 0),
     "sf_combine_bwd": (6, 4, 2, 0),
@@ -75,10 +76,10 @@ BUDGET_EMPTY = {"dispatch": (14, 7, 1, 1), "combine": (4, 3, 1, 0), "dispatch_bw
 # the one-hop sync-free mode (TRITONEP_NCCL_SYNC_FREE=onehop): send and receive launches, one collective, no
 # count / plan launch; allocations: one float32 block (row weights, per-slot weights, the routing weights' copy and,
 # as int32, packets, per-slot rows, ntpe, offsets, counts), the rows and the routing ids' copy
-BUDGET_ONEHOP = {"sf_dispatch": (2, 0, 2, 0),  # pooled outputs; 2 shape reads (the a2a is bound: no torch call)
+BUDGET_ONEHOP = {"sf_dispatch": (4, 0, 2, 0),  # pooled outputs; 2 aliases, 2 shape reads (the a2a is bound)
                  "sf_combine": (4, 3, 2, 0), "sf_dispatch_bwd": (7, 4, 2, 0), "sf_combine_bwd": (6, 4, 2, 0)}
 # a rank without tokens: its outputs are pooled too (fixed sizes)
-BUDGET_ONEHOP_EMPTY = {"sf_dispatch": (2, 0, 2, 0), "sf_combine": (4, 3, 1, 0), "sf_dispatch_bwd": (7, 4, 1, 0),
+BUDGET_ONEHOP_EMPTY = {"sf_dispatch": (4, 0, 2, 0), "sf_combine": (4, 3, 1, 0), "sf_dispatch_bwd": (7, 4, 1, 0),
                        "sf_combine_bwd": (6, 4, 1, 0)}
 
 

@@ -9,10 +9,14 @@ caller let the previous call's go, so an inference loop allocates nothing per ca
 * a released set is reused (the same storage comes back) and the reused call's real rows, weights, counts and
   offsets equal a synced dispatch of the same input, its tail weights zero, its combine equal the synced combine;
 * a call with autograd takes a pooled set, gets its gradients, and no autograd mark stays on a pooled tensor (the
-  autograd path hands out aliases of the rows and row weights: autograd marks what a Function returns; a call
-  without autograd gets the pooled tensors themselves).
+  rows and row weights are handed out as aliases: autograd marks what a Function returns), through EPBuffer and
+  through the ``tritonep::dispatch`` / ``combine`` ops; nor does the mark of an in-place op with a differentiable
+  operand on the outputs of a call without autograd;
+* a caller that keeps only a handle field (``handle.counts``, ``pkt``, ``recv_rows``, ...) keeps the set: the next
+  call does not overwrite it.
 """
 
+import gc
 import os
 
 import pytest
@@ -89,6 +93,8 @@ def _world(group, mode, ut):
     del d2, d3
     # autograd: the gradients flow (the row weights handed out are the handle's), and no mark of the autograd
     # graph stays on a pooled tensor (the next call without autograd gets plain tensors)
+    gc.collect()  # (an autograd call leaves a reference cycle: its handle holds the tracked row weights, whose
+    # backward node holds the handle; its set stays held until the cyclic collector runs)
     xg, wg = ins[0][0].clone().requires_grad_(True), ins[0][2].clone().requires_grad_(True)
     d4 = buf.dispatch(xg, ins[0][1], wg, sync_free=True)
     impl = buf._impl
@@ -101,6 +107,7 @@ def _world(group, mode, ut):
     if xg.grad is None or wg.grad is None or not torch.equal(y, ref[0][4]):
         bad.append("autograd through a pooled call: no gradient or a wrong combine")
     del d4, y
+    gc.collect()
     d5 = buf.dispatch(*ins[0], sync_free=True)
     objs = [t for p in [impl._sf_rpool, *impl._sf_pools.values()] for ss in p._sets.values() for st in ss
             for t in st.objs]
@@ -109,11 +116,38 @@ def _world(group, mode, ut):
     del objs
     check(d5, 0, "after an autograd call")
     del d5
+    # an in-place op with a differentiable operand on a call's outputs (no autograd in the call itself): the mark is
+    # the alias's, never the pooled tensor's
+    scale = torch.ones(H, requires_grad=True)
+    d8 = buf.dispatch(*ins[0], sync_free=True)
+    d8.x.mul_(scale.to(torch.bfloat16))
+    d8.weights.mul_(scale[:1])
+    del d8
+    d9 = buf.dispatch(*ins[0], sync_free=True)
+    objs = [t for p in [impl._sf_rpool, *impl._sf_pools.values()] for ss in p._sets.values() for st in ss
+            for t in st.objs]
+    if any(t.requires_grad or t.grad_fn is not None for t in objs) or d9.x.requires_grad or d9.weights.requires_grad:
+        bad.append("an in-place op's autograd mark stayed on a pooled tensor")
+    del objs
+    check(d9, 0, "after an in-place op with a differentiable operand")
+    # a caller that keeps only handle fields keeps the set (each is counted), also the ones no call returns
+    kept = {n: getattr(d9.handle, n) for n in ("counts", "pkt", "recv_rows", "recv_w", "topk_weights")}
+    snap = {n: t.clone() for n, t in kept.items()}
+    del d9
+    for _ in range(3):  # every set of the pool, with another input
+        d10 = buf.dispatch(*ins[1], sync_free=True)
+        check(d10, 1, "while handle fields of an earlier call are kept")
+        del d10
+    for n, t in kept.items():
+        if not torch.equal(t, snap[n]):
+            bad.append(f"a kept handle field ({n}) was overwritten by a later call")
+    del kept, snap
     # the same through the ``tritonep::dispatch`` / ``combine`` ops (what the torchtitan adapter calls): the op's
     # own autograd marks what it returns, so it too must hand out aliases of the pooled rows and row weights
     from tritonep.ep.ops import buffer_id
 
     bid = buffer_id(buf)
+    gc.collect()
     xg, wg = ins[0][0].clone().requires_grad_(True), ins[0][2].clone().requires_grad_(True)
     rx, rw_, pair, ticket = torch.ops.tritonep.dispatch(xg, ins[0][1], wg, bid, True)
     if not {rx.untyped_storage().data_ptr(), rw_.untyped_storage().data_ptr()} <= pooled:
@@ -123,6 +157,7 @@ def _world(group, mode, ut):
     if xg.grad is None or wg.grad is None or not torch.equal(y, ref[0][4]):
         bad.append("autograd through the ops on a pooled call: no gradient or a wrong combine")
     del rx, rw_, pair, ticket, y
+    gc.collect()
     d7 = buf.dispatch(*ins[0], sync_free=True)
     objs = [t for p in [impl._sf_rpool, *impl._sf_pools.values()] for ss in p._sets.values() for st in ss
             for t in st.objs]

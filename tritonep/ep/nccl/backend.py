@@ -14,10 +14,10 @@ Sync-free dispatch (``dispatch(..., sync_free=True)``, :mod:`tritonep.ep.nccl.sy
 computed on the device (one more single-program launch: the device plan, same rows bit for bit), every peer gets
 ``max_tokens_per_rank`` fixed packet slots, ONE ``all_to_all_single`` with equal host-static splits moves them and the
 unpack drops the slots each source left empty. Mode ``gather``: 4 launches (count, plan, pack, unpack; a rank without
-tokens: 2), 2 collectives, 0 host reads, no host->device copy, 0 allocations (pooled outputs) and 3 torch calls (the
+tokens: 2), 2 collectives, 0 host reads, no host->device copy, 0 allocations (pooled outputs) and 5 torch calls (the
 send / receive rows are persistent). Mode ``onehop`` (the default for decode-sized bf16 buffers, :func:`tritonep.ep.
 nccl.sync_free.sync_free_mode`): the counts travel as a header slot of every per-peer block of the one
-``all_to_all_single``, so 2 launches (send, receive), 1 collective, 0 allocations and 2 torch calls (the
+``all_to_all_single``, so 2 launches (send, receive), 1 collective, 0 allocations and 4 torch calls (the
 ``all_to_all`` goes straight to the process group's backend: :class:`tritonep.ep.nccl.collectives.BoundCollective`).
 Either way ``max_recv_tokens`` rows returned,
 ``num_recv_rows`` None. Its errors (a bad id or refused input on any rank, capacity) are recorded in the backend's

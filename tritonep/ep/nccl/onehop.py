@@ -38,7 +38,8 @@ Wired into the nccl backend as its sync-free ``onehop`` mode (:mod:`tritonep.ep.
 offset (:attr:`OneHopDispatch.fields`, :meth:`OneHopDispatch.outputs` / :meth:`OneHopDispatch.views`; the launches get
 the block's address once: :class:`tritonep.ep.bound.BoundKernel` ``fields``), pooled by the backend; the
 ``all_to_all`` is bound once to the process group's backend (:class:`tritonep.ep.nccl.collectives.BoundCollective`):
-2 launches (3 and 2 per-call values), 1 collective, no torch call but two shape reads.
+2 launches (3 and 2 per-call values), 1 collective; the backend adds two shape reads and the aliases of the pooled
+rows and row weights.
 
 Costs per call of :meth:`OneHopDispatch.__call__`: 2 launches (the receive launch's grid is static, the send launch's
 follows T: a host int, cached per T), 1 collective, 0 host reads, 0 host syncs, no data-dependent host value;

@@ -16,7 +16,8 @@ the verdict and layout from the W headers (every rank the same), writes the rows
 headers), 1 collective, 0 host reads; its outputs (the rows; one int32 block of every small output at static offsets:
 row weights, per-slot routes and weights, ``num_tokens_per_expert``, ``expert_offsets``, counts, the routing weights'
 copy, the packets; the routing ids' copy) from the output pool as in the gather mode below, also on a rank without
-tokens, with the handle's fields kept per pooled set: 2 torch calls (shape reads), 0 allocations; the
+tokens, with the handle's fields kept per pooled set: 4 torch calls (shape reads, the aliases of the rows and row
+weights), 0 allocations; the
 ``all_to_all_single`` bound once to the process group's backend (:class:`tritonep.ep.nccl.collectives.BoundCollective`:
 14.1 vs 19.6 us of host time through ``dist.all_to_all_single`` on the H200 host of session 11's call 1). The
 handle's ``rows`` (destination row of each route, known only on the expert rank here) is an empty ``[0, K]`` tensor: nothing on this backend reads it. The send kernel's prefix scans are quadratic in T.
@@ -60,10 +61,10 @@ collectives, no host read; outputs: the rows, the row weights (the unpack launch
 no zeroing launch), the plan vector and the handle's six tensors, taken from the output pool (:mod:`tritonep.ep.pool`: a
 set per token count and ``topk_idx`` dtype, reused once the caller let the call's outputs go; the ``[max_recv_tokens,
 H]`` rows from the process-wide pool of that shape, shared with every buffer of the same shape; the rows and row weights
-are handed out as they are; the autograd path, :class:`tritonep.ep.autograd.DispatchFn` and the
-``tritonep::dispatch`` op, hands out aliases of the rows and row weights of a handle marked ``pooled``, so autograd
-marks never stay on a pooled tensor; decode-sized buffers only, ``max_tokens_per_rank <= ONEHOP_MAX_TOKENS``: a
-prefill-sized set of rows is hundreds of MB) or, when every set is held, under graph
+are handed out as aliases, so no mark of autograd or of an in-place op with a differentiable operand stays on a
+pooled tensor; every view a call hands out or its handle holds is counted by the pool; decode-sized buffers only,
+``max_tokens_per_rank <= ONEHOP_MAX_TOKENS``: a prefill-sized set of rows is hundreds of MB) or, when every set is
+held, under graph
 capture, without tokens or with ``TRITONEP_OUTPUT_POOL=0``, allocated. The one-hop mode pools its outputs the same way.
 The send and receive rows are persistent (made on the first sync-free call: a buffer never used this way pays nothing;
 one stream at a time, as every buffer of this library: the next call's pack is stream-ordered after this call's
@@ -250,19 +251,21 @@ class NcclSyncFree:
         # 1) counts row, exchanged into the persistent matrix
         row = self._router.count(topk_idx, T, bad_input, ut)
         all_gather_flat(self._gathered, row, self.group)
-        # the call's outputs: pooled sets or fresh allocations (pooled ones handed out as they are: the autograd
-        # path aliases the rows and row weights of a handle marked ``pooled``, :class:`DispatchFn`)
+        # the call's outputs: pooled sets or fresh allocations (the rows and row weights handed out as aliases:
+        # a mark autograd or an in-place op with a differentiable operand puts on them must not outlive the call)
         got = rows_blk = None
         if T and self._sf_slots_n:
             got, rows_blk = self._sf_take(T, topk_idx.dtype, not (keep_quantized and fmt.quantized))
         N = self._slots_n
-        pooled = got is not None or rows_blk is not None
-        if got is not None:
+        pooled = got is not None
+        if pooled:
             got = got.objs
         elif T:  # every set held, capture, or the pool off: the same tensors, allocated
             got = sum(self._sf_make(T, topk_idx.dtype), ())
         if got is not None:
             plan, rows, pkt, idx_c, w_c, rr, rw, out_w, ntpe, offs, counts = got
+            if pooled:
+                out_w = out_w.detach()
         else:  # no tokens: the shared empty routing tensors
             plan = torch.empty(self._sf_size, dtype=torch.int32, device=dev)
             _, ntpe, offs, counts, _ = torch.split(plan, self._sf_split)
@@ -291,7 +294,7 @@ class NcclSyncFree:
         zero_row = kq and cfg.expert_alignment > 1
         sc = None
         if not fmt.quantized:
-            out = rows_blk[0] if rows_blk is not None else torch.empty(MR, H, dtype=cfg.dtype, device=dev)
+            out = rows_blk[0].detach() if rows_blk is not None else torch.empty(MR, H, dtype=cfg.dtype, device=dev)
             srcs, widths = [(recv, 0, lay.width // self._es)], (H,)
         elif kq:
             pb, ns = self._kept
@@ -300,7 +303,7 @@ class NcclSyncFree:
             se = fmt.codec.scale_bytes
             srcs, widths = [(recv, 0, lay.width), (recv, pb // se, lay.width // se)], (pb, ns)
         else:
-            out = rows_blk[0] if rows_blk is not None else torch.empty(MR, H, dtype=cfg.dtype, device=dev)
+            out = rows_blk[0].detach() if rows_blk is not None else torch.empty(MR, H, dtype=cfg.dtype, device=dev)
             srcs, widths = [(fmt.dequantize_rows(recv_n, H, cfg.dtype), 0, H)], (H,)
         self._unpacker.unpack(recv, srcs, [out] if sc is None else [out, sc], widths, out_w, rr, rw, plan, N,
                               zero_row, ut, self._sf_slots)
@@ -309,17 +312,15 @@ class NcclSyncFree:
                                  buffer_id=self.buffer_id, send_splits=self._eq_splits,
                                  recv_splits=self._eq_splits, num_send=N, num_recv=N, pkt=pkt, recv_rows=rr,
                                  recv_w=rw)
-        if pooled:
-            handle.__dict__["pooled"] = True
         return out, out_w, ntpe, offs, handle
 
     def _oh_make(self, T: int, idt: torch.dtype):
-        """The one-hop mode's per-call tensors for ``T`` tokens and ``topk_idx`` dtype ``idt`` (a pooled set,
-        or a call's own when none is free): ``(blk, idx_c), (out_w, ntpe, offs), handle fields`` -- the int32
-        block of every small output (:meth:`OneHopDispatch.outputs`: row weights, per-slot routes and weights,
-        ``num_tokens_per_expert``, ``expert_offsets``, the counts snapshot, the routing weights' copy, the
-        packets), the routing ids' copy, the views a call returns, and the handle's fields (every one fixed by the
-        set: a call makes its handle from them without a constructor)."""
+        """The one-hop mode's per-call tensors for ``T`` tokens and ``topk_idx`` dtype ``idt`` (a pooled set, or a
+        call's own when none is free): ``(blk, idx_c), (out_w, ntpe, offs, w_c, counts, pkt, rr, rw), handle
+        fields`` -- the int32 block of every small output (:meth:`OneHopDispatch.outputs`), the routing ids' copy,
+        EVERY view a call hands out (returned or held by its handle: the pool counts each, so a caller that keeps
+        any one of them, e.g. ``handle.counts``, keeps the set) and the handle's fields made of them (a call makes
+        its handle from them without a constructor)."""
         oh = self._oh
         blk, idx_c = oh.outputs(T, idt)
         v = oh.views(blk, T)
@@ -328,32 +329,34 @@ class NcclSyncFree:
                       num_recv_rows=None, x_scales=None, recv_weights=v["out_w"], buffer_id=self.buffer_id,
                       send_splits=oh.splits, recv_splits=oh.splits, num_send=N, num_recv=N, pkt=v["pkt"],
                       recv_rows=v["rr"], recv_w=v["rw"])
-        return (blk, idx_c), (v["out_w"], v["ntpe"], v["offs"]), fields
+        views = tuple(v[n] for n in ("out_w", "ntpe", "offs", "w_c", "counts", "pkt", "rr", "rw"))
+        return (blk, idx_c), views, fields
 
     def _dispatch_onehop(self, x, topk_idx, topk_weights, bad_input: bool, T: int):
         """The one-hop mode (module docstring): send launch, one even ``all_to_all_single``, receive launch (its
         verdict merged into the status word). Outputs: :meth:`_oh_make`'s tensors and the rows, from the pools
-        (also without tokens), else allocated. Pooled tensors are handed out as they are
-        (no alias): the autograd path (:class:`tritonep.ep.autograd.DispatchFn`) aliases the rows and row weights
-        of a handle marked ``pooled`` before autograd marks them."""
+        (also without tokens), else allocated; the pooled rows and row weights are handed out as aliases (a mark
+        autograd or an in-place op with a differentiable operand puts on them must not stay on a pooled tensor),
+        the handle holding the row weights' alias as the dispatch returns it."""
         oh = self._oh or self._onehop()
         st = rows = None
         if self._sf_slots_n:  # a rank without tokens too (its outputs are the same fixed-size set)
             st, rows = self._sf_take(T, topk_idx.dtype, True)
         if st is None:
-            (blk, idx_c), (out_w, ntpe, offs), fields = self._oh_make(T, topk_idx.dtype)
+            (blk, idx_c), (out_w, ntpe, offs, *_), fields = self._oh_make(T, topk_idx.dtype)
         else:
-            (blk, idx_c, out_w, ntpe, offs), fields = st.objs, st.extra
+            (blk, idx_c, out_w, ntpe, offs, *_), fields = st.objs, st.extra
+            out_w = out_w.detach()
         if rows is None:
             out = torch.empty(self.cfg.max_recv_tokens, self.cfg.hidden, dtype=self.cfg.dtype, device=self.device)
         else:
             out = rows[0]
         oh.run(x, topk_idx, topk_weights, bad_input, out, blk, idx_c, self.use_triton, T)
         handle = NcclHandle.__new__(NcclHandle)
-        handle.__dict__.update(fields)
-        if st is not None or rows is not None:
-            handle.__dict__["pooled"] = True
-        return out, out_w, ntpe, offs, handle
+        d = handle.__dict__
+        d.update(fields)
+        d["recv_weights"] = out_w
+        return (out if rows is None else out.detach()), out_w, ntpe, offs, handle
 
     # ---------------------------------------------------------------------------------------------- status
     def check(self, what="EPBuffer"):

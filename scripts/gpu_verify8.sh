@@ -25,6 +25,7 @@
 #   bash scripts/gpu_verify8.sh N   # session 11 final: the W=2 MPS core and the rest of the W=2 suite
 #   bash scripts/gpu_verify8.sh O   # session 11 last: nccl + world-1 ep / moe GPU tests, sync-free profile, send
 #                                   #   probe, ep_bench (the one-hop block with the row weights at offset 0)
+#   bash scripts/gpu_verify8.sh P   # session 11 after the review fixes: nccl + world-1 ep / moe GPU tests, ep_bench
 # Logs and JSON under $OUT, packed into $OUT/logs.tgz.
 source "$(dirname "$0")/gpu_step.sh"
 steps=()
@@ -45,6 +46,7 @@ for a in "$@"; do
         M) steps+=(single epb) ;;
         N) steps+=(tests_w2 mps2rest) ;;
         O) steps+=(tests_nccl tests_ep sfprof sendprobe epb) ;;
+        P) steps+=(tests_nccl tests_ep epb) ;;
         *) steps+=("$a") ;;
     esac
 done

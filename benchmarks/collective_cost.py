@@ -10,7 +10,9 @@ including the final synchronize / iters (what an eager loop of that op costs). S
 decode (DeepSeek-V3: 128 tokens, H 7168 bf16 rows + 96 meta bytes; a counts row of E + W + 2 int32). Why: to choose
 between one and two collectives per sync-free nccl dispatch (issue 24); ``*_bound``: the nccl backend's bound paths
 (:class:`tritonep.ep.nccl.collectives.BoundCollective`: the process group's backend called directly;
-:class:`tritonep.ep.bound.BoundKernel`: the compiled kernel's C launcher). Checks: every op's output is compared with
+:class:`tritonep.ep.bound.BoundKernel`: the compiled kernel's C launcher; ``*_wide_*``: a 57-argument kernel through
+Triton's ``kernel[grid]``, the bound launch through Triton's C launcher and the bound packed launch,
+:mod:`tritonep.ep.packed_launch`). Checks: every op's output is compared with
 its expected value once after timing. The JSON has host_cost.py's format (``{info, rows: {name: us}}``).
 """
 
@@ -30,6 +32,19 @@ import triton.language as tl
 @triton.jit
 def _empty_kernel(a_ptr, b_ptr, n, m):
     pass
+
+
+@triton.jit
+def _wide_kernel(out_ptr, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17, a18, a19,
+                 a20, a21, a22, a23, a24, a25, a26, a27, a28, a29, a30, a31, a32, a33, a34, a35, a36, a37, a38, a39,
+                 C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr,
+                 C5: tl.constexpr, C6: tl.constexpr, C7: tl.constexpr, C8: tl.constexpr, C9: tl.constexpr,
+                 C10: tl.constexpr, C11: tl.constexpr, C12: tl.constexpr, C13: tl.constexpr, C14: tl.constexpr,
+                 C15: tl.constexpr):
+    # 41 runtime arguments and 16 constexprs (the decode dispatch has 47 and 21): stores their sum (the check)
+    s = a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7 + a8 + a9 + a10 + a11 + a12 + a13 + a14 + a15 + a16 + a17 + a18 + a19
+    s += a20 + a21 + a22 + a23 + a24 + a25 + a26 + a27 + a28 + a29 + a30 + a31 + a32 + a33 + a34 + a35 + a36 + a37
+    tl.store(out_ptr, s + a38 + a39 + C0 + C15)
 
 
 def timed(fn, iters=200, rounds=5):
@@ -80,12 +95,28 @@ def main():
     res["triton_launch_4args"] = timed(lambda: _empty_kernel[(1,)](row, gathered, 1, 2))
     bk = Launch(dev).bind(_empty_kernel, {}, ("a_ptr", "b_ptr", "n", "m"))  # the backends' bound direct launch
     res["bound_launch_4args"] = timed(lambda: bk((1,), row, gathered, 1, 2))
+    # a wide launch (41 + 16 arguments) three ways: Triton's kernel[grid], the bound launch through Triton's C
+    # launcher (every argument each launch), the bound packed launch (tritonep.ep.packed_launch: the per-call values)
+    wide_out = torch.zeros(3, dtype=torch.int64, device=dev)
+    wo = [wide_out[i:i + 1] for i in range(3)]
+    vals = list(range(2, 42))
+    consts = {f"C{i}": i for i in range(16)}
+    res["triton_launch_wide"] = timed(lambda: _wide_kernel[(1,)](wo[0], *vals, **consts))
+    # bound: the constexprs and 37 of the ints static (as a buffer binds its regions and tiles), 4 per-call values
+    static = dict(consts, **{f"a{i}": vals[i] for i in range(3, 40)})
+    for j, (name, packed) in enumerate((("bound_launch_wide_triton_launcher", "0"),
+                                        ("bound_launch_wide_packed", "1"))):
+        os.environ["TRITONEP_PACKED_LAUNCH"] = packed  # read when the kernel is bound
+        bw = Launch(dev).bind(_wide_kernel, static, ("out_ptr", "a0", "a1", "a2"))
+        res[name] = timed(lambda: bw((1,), wo[1 + j], *vals[:3]))
+    os.environ.pop("TRITONEP_PACKED_LAUNCH")
     res["index_select_rows"] = timed(lambda: x.index_select(0, order))
     res["index_copy_rows"] = timed(lambda: out.index_copy_(0, order, x))
     res["empty_rows"] = timed(lambda: torch.empty(T, 7168, dtype=torch.bfloat16, device=dev))
     torch.cuda.synchronize()
     ok = bool(torch.equal(gathered.view(W, ncols)[rank], row) and torch.equal(recv, send)
               and torch.equal(recv_b, send) if W == 1 else True)
+    ok = ok and wide_out.tolist() == [sum(vals) + 15] * 3
     info = dict(command="torchrun --nproc-per-node 1 benchmarks/collective_cost.py", checked=ok, tokens=T,
                 world_size=W, gpu=torch.cuda.get_device_name(dev), torch=torch.__version__)
     # host_cost's file format ({info, rows: {name: us}}): scripts/results_index.py indexes it as a host_cost run

@@ -26,6 +26,9 @@
 #   bash scripts/gpu_verify8.sh O   # session 11 last: nccl + world-1 ep / moe GPU tests, sync-free profile, send
 #                                   #   probe, ep_bench (the one-hop block with the row weights at offset 0)
 #   bash scripts/gpu_verify8.sh P   # session 11 after the review fixes: nccl + world-1 ep / moe GPU tests, ep_bench
+#   bash scripts/gpu_verify8.sh Q   # session 12: the packed launches (tritonep/ep/packed_launch.py): their GPU tests,
+#                                   #   collective host costs (the wide launch three ways), eager with packed launches
+#                                   #   and without (TRITONEP_PACKED_LAUNCH=0), world-1 ep / moe GPU tests
 # Logs and JSON under $OUT, packed into $OUT/logs.tgz.
 source "$(dirname "$0")/gpu_step.sh"
 steps=()
@@ -47,6 +50,7 @@ for a in "$@"; do
         N) steps+=(tests_w2 mps2rest) ;;
         O) steps+=(tests_nccl tests_ep sfprof sendprobe epb) ;;
         P) steps+=(tests_nccl tests_ep epb) ;;
+        Q) steps+=(packtest coll eager eager_tl tests_ep) ;;
         *) steps+=("$a") ;;
     esac
 done
@@ -56,6 +60,8 @@ PYT=(python -m pytest -v -ra -p no:cacheprovider --durations=30)
 PYTEST=("${PYT[@]}" tests)
 want tests_ep && OMP_NUM_THREADS=4 step tests_ep 150 "${PYT[@]}" -m "gpu and (not world or world1) and not soak" \
     --timeout 100 tests/ep tests/moe/test_layer.py tests/moe/test_sync_free.py
+want packtest && step packtest 120 "${PYT[@]}" -m "gpu and (not world or world1) and not soak" --timeout 100 \
+    tests/ep/test_packed_launch.py tests/ep/test_bound_launch.py tests/ep/triton/test_bound_direct.py
 want tests_nccl && step tests_nccl 120 "${PYT[@]}" -m "gpu and (not world or world1) and not soak" --timeout 100 \
     tests/ep/nccl
 want sfprof && step sfprof_onehop 45 torchrun --nproc-per-node 1 benchmarks/nccl_sync_free_profile.py --tokens 128 \
@@ -78,6 +84,8 @@ want eager && step eager 80 torchrun --nproc-per-node 1 benchmarks/eager_profile
     --json "$OUT/eager_triton.json"
 want eager_nopool && TRITONEP_OUTPUT_POOL=0 step eager_nopool 80 torchrun --nproc-per-node 1 \
     benchmarks/eager_profile.py --tokens 128 1024 4096 --json "$OUT/eager_triton_nopool.json"
+want eager_tl && TRITONEP_PACKED_LAUNCH=0 step eager_tl 80 torchrun --nproc-per-node 1 benchmarks/eager_profile.py \
+    --tokens 128 1024 4096 --json "$OUT/eager_triton_launcher.json"
 want probe && step probe 50 torchrun --nproc-per-node 1 benchmarks/launch_probe.py --tokens 128 \
     --json "$OUT/launch_probe.json"
 want peer && step peer 60 torchrun --nproc-per-node 1 benchmarks/peer_bench.py --json "$OUT/peer_bench.json"

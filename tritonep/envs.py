@@ -10,6 +10,7 @@
 | TRITONEP_GEOMETRY | "" (= geometry table) | override kernel geometry fields, e.g. ``bt=2,bh=512,warps=8,grid=128`` (benchmarks) |
 | TRITONEP_CPU_HEAP_BYTES | 256 MiB | size of one rank's slice of the CPU (fork + mmap) symmetric heap |
 | TRITONEP_FAST_LAUNCH | 1 | GPU launches of an already compiled kernel variant call the compiled kernel directly (``0``: always through ``kernel[grid]``) |
+| TRITONEP_PACKED_LAUNCH | 1 | with TRITONEP_FAST_LAUNCH=1, a bound kernel's variant keeps its parameters packed once and a launch passes only its per-call values (:mod:`tritonep.ep.packed_launch`; falls back to Triton's launcher where the C module cannot be built); ``0``: Triton's own C launcher with every argument |
 | TRITONEP_OUTPUT_POOL | 3 | sets of per-call outputs a buffer reuses per CUDA stream once nobody holds them (triton backend: the handle storage and its views; on the decode geometry also the dispatch rows and the combine output; nccl backend: the sync-free dispatch's outputs of a decode-sized buffer, ``max_tokens_per_rank <= 256``), read at construction; ``0``: every call allocates (:mod:`tritonep.ep.pool`). 3: a caller that holds the previous call's outputs and one more (a combine's handle) still gets pooled ones |
 | TRITONEP_NCCL_SYNC_FREE | "" (= the rule) | the nccl backend's ``dispatch(sync_free=True)`` mode, read at construction (a field of the agreed config): ``gather`` (``all_gather`` of the counts, device plan, then the ``all_to_all_single``; every wire) or ``onehop`` (one ``all_to_all_single`` carrying the counts in a header slot, 2 launches; bf16 dispatch wire only); unset: the measured rule, one-hop for a bf16 buffer of ``max_tokens_per_rank <= 256`` (decode), gather otherwise (:mod:`tritonep.ep.nccl.sync_free`) |
 | TRITONEP_FORCE_NO_P2P | 0 | ``1``: ``backend="auto"`` acts as if no rank could map its peers' memory and picks ``nccl`` (tests, debugging) |
@@ -23,13 +24,13 @@ from __future__ import annotations
 import os
 
 __all__ = ["timeout_s", "sync_checks", "SYNC_NONE", "SYNC_DEFERRED", "SYNC_STRICT", "num_sms", "max_programs",
-           "combine_kind", "geometry_override", "cpu_heap_bytes", "force_no_p2p", "interpret", "fast_launch", "output_pool",
-           "nccl_sync_free",
+           "combine_kind", "geometry_override", "cpu_heap_bytes", "force_no_p2p", "interpret", "fast_launch",
+           "packed_launch", "output_pool", "nccl_sync_free",
            "VARIABLES", "snapshot", "check_all"]
 
 VARIABLES = ("TRITONEP_TIMEOUT_S", "TRITONEP_SYNC_CHECKS", "TRITONEP_NUM_SMS", "TRITONEP_MAX_PROGRAMS",
              "TRITONEP_COMBINE", "TRITONEP_GEOMETRY", "TRITONEP_CPU_HEAP_BYTES", "TRITONEP_FAST_LAUNCH",
-             "TRITONEP_FORCE_NO_P2P", "TRITONEP_OUTPUT_POOL", "TRITONEP_NCCL_SYNC_FREE")
+             "TRITONEP_PACKED_LAUNCH", "TRITONEP_FORCE_NO_P2P", "TRITONEP_OUTPUT_POOL", "TRITONEP_NCCL_SYNC_FREE")
 """Every variable of the table above (``tritonep env`` shows the ones that are set)."""
 
 
@@ -225,6 +226,21 @@ def fast_launch() -> bool:
     return v == "1"
 
 
+def packed_launch() -> bool:
+    """Packed launches of bound kernel variants (TRITONEP_PACKED_LAUNCH, default 1; only with
+    TRITONEP_FAST_LAUNCH=1 on the GPU).
+
+    Raises:
+        ConfigError: a value other than 0 / 1.
+    """
+    from .errors import ConfigError
+
+    v = _get("TRITONEP_PACKED_LAUNCH", "1").strip()
+    if v not in ("0", "1"):
+        raise ConfigError(f"TRITONEP_PACKED_LAUNCH={v!r}: use 0 or 1")
+    return v == "1"
+
+
 def force_no_p2p() -> bool:
     """``backend="auto"`` acts as if no rank could map its peers' memory (TRITONEP_FORCE_NO_P2P, default 0).
 
@@ -254,6 +270,7 @@ def check_all() -> None:
     combine_kind()
     cpu_heap_bytes()
     fast_launch()
+    packed_launch()
     force_no_p2p()
     output_pool()
     nccl_sync_free()

@@ -66,6 +66,12 @@ def _hooks_idle() -> bool:
     return True
 
 
+def _packed_enabled() -> bool:
+    from .. import envs
+
+    return envs.packed_launch()
+
+
 def bound_launch_enabled(device: torch.device) -> bool:
     """Direct C-launcher calls on this device (CUDA and ``TRITONEP_FAST_LAUNCH=1``, the default)."""
     from .. import envs
@@ -144,6 +150,9 @@ class BoundKernel:
         self._names = tuple(names)
         self._grid3 = None if grid is None else tuple(self.grid) + (1,) * (3 - len(self.grid))
         self._fast = bound_launch_enabled(launcher.device)
+        self._packed = self._fast and _packed_enabled()
+        self._cpos: tuple = ()  # positions of the parameters a call fills (per-call values, storage fields): _bind
+        self._cset: frozenset = frozenset()
         self._variants: dict = {}  # variant key of the per-call values -> (launch, function, metadata, coop, pdl)
         self._keyof = self._direct = None  # built with the first bound variant (_bind)
         self._src = ""  # their source (for reading and tests)
@@ -235,8 +244,16 @@ class BoundKernel:
             key = self._keyof(dyn)
         except _MISSES:  # values of another kind than at binding (e.g. a tensor where None was): Triton's path
             return
-        self._variants[key] = (launch, compiled.function, compiled.packed_metadata, run.launch_cooperative_grid,
-                               run.launch_pdl)
+        ent = None
+        if self._packed:  # the variant's parameters packed once: a launch passes only the per-call values
+            from . import packed_launch
+
+            static = {pos: (v.data_ptr() if isinstance(v, torch.Tensor) else v)
+                      for pos, v in enumerate(self._tmpl) if pos not in self._cset}
+            ent = packed_launch.bind(compiled, static, self._cpos, self._grid3)
+        if ent is None:  # Triton's own C launcher with every argument
+            ent = (launch, compiled.function, compiled.packed_metadata, run.launch_cooperative_grid, run.launch_pdl)
+        self._variants[key] = ent
 
     def key_of(self, dyn) -> tuple | None:
         """The variant key of a call's values (``dyn`` as the call passes them), or None before the first variant
@@ -296,12 +313,26 @@ class BoundKernel:
         else:
             stmts += ["n = len(g)", "gx = g[0]", "gy = g[1] if n > 1 else 1", "gz = g[2] if n > 2 else 1"]
             gx, gy, gz = "gx", "gy", "gz"
+        self._cpos = tuple(sorted(cargs))
+        self._cset = frozenset(self._cpos)
+        if self._packed:
+            from . import packed_launch
+
+            mod = packed_launch.module()
+            if mod is None:
+                self._packed = False
+            else:
+                ns.update(_run=mod.run, _run_grid=mod.run_grid)
+        cvals = "".join(f", {cargs[p]}" for p in self._cpos)
+        packed = (f"_run(ent, _stream({self._dev}){cvals})" if self.grid is not None else
+                  f"_run_grid(ent, gx, gy, gz, _stream({self._dev}){cvals})")
         keyx = "(" + "".join(f"{k}, " for k in key) + ")"
         body = "\n".join("        " + st for st in stmts or ["pass"])
         src = (f"def keyof(d):\n    if True:\n{body}\n    return {keyx}\n\n"
                f"def direct(d):\n    try:\n{body}\n        ent = _get({keyx})\n    except _MISSES:\n        return False\n"
                f"    if ent is None or not {idle}:\n        return False\n"
-               f"    launch, function, meta, coop, pdl = ent\n"
+               + (f"    if ent.__class__ is not tuple:\n        {packed}\n        return True\n" if self._packed else "")
+               + f"    launch, function, meta, coop, pdl = ent\n"
                f"    launch({gx}, {gy}, {gz}, _stream({self._dev}), function, coop, pdl, None, None, meta, None, None, "
                f"None, {', '.join(args)})\n    return True\n")
         exec(compile(src, f"<BoundKernel {self.name}>", "exec"), ns)

@@ -10,6 +10,9 @@ count of every tensor object the set hands out and of each base's storage object
 every base tensor are back at their values when the set was made (a caller's view, a handle holding the block, an
 autograd node that saved a row, a held ``untyped_storage()``, a DLPack capsule of a base: each raises one of them).
 
+A set whose tensor a caller's in-place op with a differentiable operand put into an autograd graph (its views would
+inherit the stale ``grad_fn``) is dropped, not reused (:meth:`_Set.marked`).
+
 Reuse rules (those of PyTorch's caching allocator, which hands a freed block again only to the next allocation on
 the stream it was made on, ordered after every earlier use on that stream):
 
@@ -96,6 +99,17 @@ class _Set:
         """True when no tensor of this set, and no view of its storage, is held outside the pool."""
         return self._quick_count() == self._quick and self._count() == self._base
 
+    def marked(self) -> bool:
+        """A tensor of the set carries autograd state: a caller's in-place op with a differentiable operand on a
+        view it was handed (``d.x.mul_(w)``, ``w.requires_grad``) made the view's differentiable base part of that
+        call's graph (``CopySlices``): a base of the set, or one of its views that changes the dtype (``.view(
+        torch.float32)`` of the int32 block is a base of its own for autograd). Its later views would inherit the
+        stale ``grad_fn``; such a set is never handed out again (:meth:`OutputPool.take_set` drops it)."""
+        for t in self.objs:
+            if t.requires_grad:
+                return True
+        return False
+
 
 class OutputPool:
     """Sets of per-call outputs reused by reference count (see the module docstring).
@@ -161,6 +175,9 @@ class OutputPool:
         last = len(sets) - 1
         for i, s in enumerate(sets):
             if s._quick_count() == s._quick and s._count() == s._base:
+                if s.marked():  # autograd state on a base (Set.marked): dropped, a fresh set takes its place
+                    sets.pop(i)
+                    break
                 if i < last:  # least recently handed out first: a caller that keeps the previous call's outputs
                     sets.append(sets.pop(i))  # while it makes the next call finds the free set at once
                 return s

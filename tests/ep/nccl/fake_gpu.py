@@ -8,7 +8,9 @@ direct path, whose C-launcher call lands in the stand-in: it logs ``("direct", n
 exactly what Triton's runner would hand the C launcher for this launch (grid padded to three dimensions, every
 tensor as its ``data_ptr()``, in parameter order: the contract of ``tests/ep/test_bound_launch.py``; a compiled
 function of another variant than Triton's binder picks for these arguments is logged ``("stale", name)``) and runs the
-interpreted kernel with the real tensors, so the backend's outputs stay checkable bit for bit.
+interpreted kernel with the real tensors, so the backend's outputs stay checkable bit for bit. With packed launches on
+(``TRITONEP_PACKED_LAUNCH``, the default) a direct launch goes through the packed launcher instead: the real C
+module packs the parameters and its bytes are checked against the twin of the same call (``log.packed`` counts them).
 
 :func:`count_paths` (a real GPU): counts BoundKernel calls and the ones that went through ``kernel[grid]``; the
 rest were direct C-launcher calls.
@@ -54,15 +56,77 @@ class _Run:
         # the variant handed over must be the one Triton's binder picks for this launch's arguments; a stale one is
         # logged, not raised, so the ranks stay in step through their collectives and the test fails at once
         key = k.key(full, bk.options)
-        ok = function == ("function", k.name, key) and meta == ("meta", k.name, key)
+        ok = function == _function_id(k.name, key) and meta == ("meta", k.name, key)
         k.log.append(("direct", k.name) if ok else ("stale", k.name))
         k.real[want](*full, **bk.options)
 
 
+_FUNCTIONS: dict = {}
+
+
+def _function_id(name, key) -> int:
+    """The stand-in CUfunction handle of one variant (a distinct nonzero int per (kernel, specialisation))."""
+    return _FUNCTIONS.setdefault((name, key), len(_FUNCTIONS) + 1)
+
+
+class _Meta:
+    num_warps, num_ctas, shared, launch_cooperative_grid, launch_pdl = 4, 1, 0, False, False
+
+
+class _Src:
+    def __init__(self, signature):
+        self.signature = signature
+
+
 class _Compiled:
-    def __init__(self, kernel, key):
+    def __init__(self, kernel, key, types):
         self.run = _Run(kernel)
-        self.function, self.packed_metadata = ("function", kernel.name, key), ("meta", kernel.name, key)
+        self.function, self.packed_metadata = _function_id(kernel.name, key), ("meta", kernel.name, key)
+        # what the packed path reads (tritonep.ep.packed_launch.bind): Triton's signature of this variant, its
+        # metadata and its loaded function (an int handle, one per variant)
+        self.src = _Src(dict(zip([p.name for p in kernel.params], types)))
+        self.metadata = _Meta()
+        self.key, self.types = key, types
+
+
+class _Packed:
+    """Stands in for the packed launcher's C module (tritonep/ep/packed_launch.py): ``make`` and ``fill`` are the
+    real C functions; ``run`` / ``run_grid`` check the bytes a launch would hand the driver against the twin
+    (:func:`tritonep.ep.packed_launch.pack_twin` of what Triton's runner would pass for this launch), log
+    ``("direct", name)`` (``("stale", name)`` for a variant other than Triton's binder picks) and run the
+    interpreted kernel."""
+
+    def __init__(self, real, log):
+        self._real, self.log, self.caps = real, log, {}
+        self.make, self.fill = real.make, real.fill
+
+    def run(self, cap, stream, *dyn):
+        self._launch(cap, None, stream, dyn)
+
+    def run_grid(self, cap, gx, gy, gz, stream, *dyn):
+        self._launch(cap, (gx, gy, gz), stream, dyn)
+
+    def _launch(self, cap, g3, stream, dyn):
+        from tritonep.ep import packed_launch
+
+        k, key, types = self.caps[id(cap)]
+        bk = k.bound
+        grid, fdyn = bk._fake_last
+        full = bk._args(fdyn)
+        want = tuple(grid) + (1,) * (3 - len(grid))
+        assert stream == 0 and (g3 is None) == (bk.grid is not None) and (g3 is None or g3 == want), (k.name, g3)
+        got = self._real.fill(cap, *dyn)
+        assert got == packed_launch.pack_twin(types, _ptrs(full)), (k.name, types)
+        ok = key == k.key(full, bk.options)
+        k.log.append(("direct", k.name) if ok else ("stale", k.name))
+        self.log.packed += 1
+        k.real[want](*full, **bk.options)
+
+
+class _Log(list):
+    """The launch log; ``packed``: how many direct launches went through the packed launcher."""
+
+    packed = 0
 
 
 class _FakeJIT:
@@ -87,11 +151,15 @@ class _FakeJIT:
         """The specialisation Triton's own binder computes for ``args`` (what ``JITFunction.run`` compiles by)."""
         return str(self._binder(*args, **options)[1])
 
+    def types(self, args, options) -> list:
+        """The signature types of that specialisation (a compiled kernel's ``src.signature`` values)."""
+        return [s[0] for s in self._binder(*args, **options)[1]]
+
     def __getitem__(self, grid):
         def run(*args, **options):
             self.log.append(("jit", self.name))
             self.real[grid](*args, **options)
-            return _Compiled(self, self.key(args, options))
+            return _Compiled(self, self.key(args, options), self.types(args, options))
         return run
 
 
@@ -99,9 +167,20 @@ class _FakeJIT:
 def fake_gpu():
     """Yields the launch log (a list of ``("jit" | "direct" | "stale", kernel name)``; "stale": a direct launch
     handed a variant Triton would not pick for its arguments); see the module docstring."""
-    log = []
+    from tritonep.ep import packed_launch
+
+    log = _Log()
     init, call = BoundKernel.__init__, BoundKernel.__call__
     enabled = bound_mod.bound_launch_enabled
+    module, bind = packed_launch.module, packed_launch.bind
+    real = module()
+    shim = _Packed(real, log) if real is not None else None
+
+    def recording_bind(compiled, static, call_pos, grid3):
+        cap = bind(compiled, static, call_pos, grid3)
+        if cap is not None:
+            shim.caps[id(cap)] = (compiled.run.kernel, compiled.key, compiled.types)
+        return cap
     had_stream = hasattr(torch._C, "_cuda_getCurrentRawStream")
     stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
@@ -119,11 +198,14 @@ def fake_gpu():
     BoundKernel.__init__, BoundKernel.__call__ = fake_init, noting_call
     bound_mod.bound_launch_enabled = lambda device: True
     torch._C._cuda_getCurrentRawStream = lambda dev: 0
+    if shim is not None:
+        packed_launch.module, packed_launch.bind = (lambda: shim), recording_bind
     try:
         yield log
     finally:
         BoundKernel.__init__, BoundKernel.__call__ = init, call
         bound_mod.bound_launch_enabled = enabled
+        packed_launch.module, packed_launch.bind = module, bind
         if had_stream:
             torch._C._cuda_getCurrentRawStream = stream
         else:

@@ -55,9 +55,9 @@ def _fake_gpu_world(group, T, wire, kq):
         impl = buf._impl
         impl.use_triton = True
         first = _calls(impl, x, idx, w, gy, kq)
-        n1 = len(log)
+        n1, p1 = len(log), log.packed
         again = _calls(impl, x, idx, w, gy, kq)
-        rounds = (log[:n1], log[n1:])
+        rounds = (log[:n1], log[n1:], log.packed - p1)
     impl.use_triton = False
     twin = _calls(impl, x, idx, w, gy, kq)
     buf.close()
@@ -69,14 +69,16 @@ def _fake_gpu_world(group, T, wire, kq):
 @pytest.mark.parametrize("wire,kq", [("bf16", False), ("fp8", True)])
 def test_nccl_bound_launches_go_direct_and_match_twins(wire, kq):
     """Round 1 compiles each variant through Triton's path (one "jit" per kernel variant); round 2 of the same calls
-    launches every kernel directly (no "jit"), with exactly the arguments Triton's runner would hand; both rounds give
+    launches every kernel directly (no "jit") through the packed launcher, whose bytes are the twin of exactly the
+    arguments Triton's runner would hand (tests/ep/nccl/fake_gpu.py); both rounds give
     the torch twins' bits on both ranks (one without tokens)."""
     res = run_cpu_world(2, _fake_gpu_world, (12, 0), wire, kq, timeout_s=300)
-    for rank, (r1, r2) in enumerate(res):
+    for rank, (r1, r2, packed) in enumerate(res):
         assert r2 and all(kind == "direct" for kind, _ in r2), (rank, r2)
+        assert packed == len(r2), (rank, packed, r2)  # round 2: every direct launch through the packed launcher
         assert sorted(n for _, n in r2) == sorted(n for _, n in r1), (rank, r1, r2)  # same launches, every one direct
         assert {n for k, n in r1 if k == "jit"} == {n for _, n in r2}, (rank, r1)
-    names = {n for _, r2 in res for _, n in r2}
+    names = {n for _, r2, _ in res for _, n in r2}
     want = {"route_count_kernel", "route_pack_kernel", "route_unpack_kernel"}
     if not kq:
         want |= {"partials_kernel", "sum_kernel", "pack_rows_kernel", "grad_expand_kernel"}

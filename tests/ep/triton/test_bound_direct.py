@@ -31,13 +31,14 @@ def _calls(buf, x, idx, w, gy):
     return res
 
 
-def _world(group, T, geometry):
+def _world(group, T, geometry, packed="1"):
     import os
 
     from tritonep import EPBuffer
 
     if geometry:
         os.environ["TRITONEP_GEOMETRY"] = geometry
+    os.environ["TRITONEP_PACKED_LAUNCH"] = packed
     rank = dist.get_rank(group)
     H = 64
     x, idx, w = make_rank_inputs(rank, T[rank], H, 8, 2, seed=7, mask_frac=0.2)
@@ -48,16 +49,17 @@ def _world(group, T, geometry):
     plain.close()
     with fake_gpu() as log:
         buf = EPBuffer(group, 8, H, 16, 2, device="cpu")
-        rounds = []
+        rounds, packed = [], []
         for _ in range(2):
-            n = len(log)
+            n, p0 = len(log), log.packed
             got = _calls(buf, x, idx, w, gy)
             rounds.append(log[n:])
+            packed.append(log.packed - p0)
             for k in want:
                 assert got[k].dtype == want[k].dtype and torch.equal(got[k].view(torch.uint8),
                                                                      want[k].view(torch.uint8)), (rank, k)
         buf.close()
-    return rounds
+    return rounds, packed
 
 
 @pytest.mark.parametrize("geometry,kernels", [
@@ -69,10 +71,14 @@ def _world(group, T, geometry):
     # decode: the combine and the dispatch backward are both the decode combine (weighted / unweighted + wgrad)
     ("dec=2", {"dispatch_decode_kernel", "combine_decode_kernel", "dispatch_send_kernel", "dispatch_expand_kernel"})],
     ids=["two-kernel", "fused", "decode"])
-def test_triton_backend_launches_direct_from_field_addresses(geometry, kernels):
-    res = run_cpu_world(2, _world, (12, 5), geometry, timeout_s=300)
-    assert {n for _, n in res[0][1]} == kernels  # each geometry's kernels (the backwards: send, expand, partial, out)
-    for rank, (r1, r2) in enumerate(res):
+@pytest.mark.parametrize("packed", ["1", "0"], ids=["packed", "triton-launcher"])
+def test_triton_backend_launches_direct_from_field_addresses(geometry, kernels, packed):
+    """Round 2's direct launches go through the packed launcher (its bytes checked against the twin of each
+    launch, tests/ep/nccl/fake_gpu.py) or, with TRITONEP_PACKED_LAUNCH=0, through Triton's C launcher."""
+    res = run_cpu_world(2, _world, (12, 5), geometry, packed, timeout_s=300)
+    assert {n for _, n in res[0][0][1]} == kernels  # each geometry's kernels (the backwards: send, expand, partial, out)
+    for rank, ((r1, r2), (p1, p2)) in enumerate(res):
+        assert p2 == (len(r2) if packed == "1" else 0), (rank, p2, r2)  # every direct launch packed, or none
         assert "stale" not in {k for k, _ in r1 + r2}, (rank, r1, r2)
         assert r2 and all(k == "direct" for k, _ in r2), (rank, r2)  # round 2: every launch direct
         assert sorted(n for _, n in r2) == sorted(n for _, n in r1), (rank, r1, r2)

@@ -6,7 +6,8 @@ reused once released; ``slots`` bounds the sets; ``slots=0`` is off); in the CPU
 (two kernels, fused, decode): outputs a caller keeps over later calls are never overwritten (every kept record equal
 to the reference after all the calls), a caller that drops its outputs gets the same block back (the pool is
 used: no allocation), ``TRITONEP_OUTPUT_POOL=0`` turns it off, and autograd state never travels with a reused set
-(an inference call after a differentiable one returns tensors without ``grad_fn``). The decode rows and combine output
+(an inference call after a differentiable one, or after a caller's in-place op with a differentiable operand on its
+outputs, returns tensors without ``grad_fn``). The decode rows and combine output
 pools are shared by the buffers of one shape (one per MoE layer) and dropped with their last buffer. Reuse under
 poison: ``test_handle_poison.py``.
 """
@@ -113,6 +114,26 @@ def _world(group, geometry, pool, calls):
         flags += [d.x.requires_grad, d.weights.requires_grad, d.x.grad_fn is not None,
                   d.num_tokens_per_expert.requires_grad]
         del d
+    # a caller's in-place op with a differentiable operand on outputs it was handed puts their autograd base (the
+    # pooled rows, the row weights' float32 view of the block, the combine output) into its graph: such a set must
+    # never come back with that mark (pool.py: _Set.marked)
+    import gc
+
+    p = torch.ones((), requires_grad=True)
+    eo = buf.expert_out_buffer()
+    for sync_free in (False, True):
+        d = buf.dispatch(*calls[rank][1], sync_free=sync_free)
+        y = buf.combine(eo, d.handle)
+        d.x.mul_(p.to(d.x.dtype))
+        d.weights.mul_(p)
+        y.mul_(p.to(y.dtype))
+        del d, y
+        gc.collect()
+        for _ in range(3):
+            d = buf.dispatch(*calls[rank][1], sync_free=sync_free)
+            y = buf.combine(eo, d.handle)
+            flags += [d.x.requires_grad, d.weights.requires_grad, y.requires_grad]
+            del d, y
     pool_bytes = buf._impl.output_pool_bytes
     buf.close()
     return records, ptrs, grad, flags, pool_bytes

@@ -29,6 +29,8 @@
 #   bash scripts/gpu_verify8.sh Q   # session 12: the packed launches (tritonep/ep/packed_launch.py): their GPU tests,
 #                                   #   collective host costs (the wide launch three ways), eager with packed launches
 #                                   #   and without (TRITONEP_PACKED_LAUNCH=0), world-1 ep / moe GPU tests
+#   bash scripts/gpu_verify8.sh R   # session 12 final: packed-launch tests, world-1 ep / moe and nccl GPU tests,
+#                                   #   collective host costs, eager both ways, the W=2 MPS core
 # Logs and JSON under $OUT, packed into $OUT/logs.tgz.
 source "$(dirname "$0")/gpu_step.sh"
 steps=()
@@ -51,6 +53,7 @@ for a in "$@"; do
         O) steps+=(tests_nccl tests_ep sfprof sendprobe epb) ;;
         P) steps+=(tests_nccl tests_ep epb) ;;
         Q) steps+=(packtest coll eager eager_tl tests_ep) ;;
+        R) steps+=(packtest tests_ep tests_nccl coll eager eager_tl tests_w2) ;;
         *) steps+=("$a") ;;
     esac
 done

@@ -212,18 +212,23 @@ def cpu_heap_bytes() -> int:
     return _int_env("TRITONEP_CPU_HEAP_BYTES", str(256 << 20), 1)
 
 
+def _flag(name: str, default: str, empty_ok: bool = False) -> bool:
+    """A 0 / 1 variable (``empty_ok``: an empty value means 0). Raises ConfigError for anything else."""
+    v = _get(name, default).strip()
+    if v not in ("0", "1") and not (empty_ok and v == ""):
+        from .errors import ConfigError
+
+        raise ConfigError(f"{name}={v!r}: use 0 or 1")
+    return v == "1"
+
+
 def fast_launch() -> bool:
     """Cached direct launches of compiled kernel variants on the GPU (TRITONEP_FAST_LAUNCH, default 1).
 
     Raises:
         ConfigError: a value other than 0 / 1.
     """
-    from .errors import ConfigError
-
-    v = _get("TRITONEP_FAST_LAUNCH", "1").strip()
-    if v not in ("0", "1"):
-        raise ConfigError(f"TRITONEP_FAST_LAUNCH={v!r}: use 0 or 1")
-    return v == "1"
+    return _flag("TRITONEP_FAST_LAUNCH", "1")
 
 
 def packed_launch() -> bool:
@@ -233,12 +238,7 @@ def packed_launch() -> bool:
     Raises:
         ConfigError: a value other than 0 / 1.
     """
-    from .errors import ConfigError
-
-    v = _get("TRITONEP_PACKED_LAUNCH", "1").strip()
-    if v not in ("0", "1"):
-        raise ConfigError(f"TRITONEP_PACKED_LAUNCH={v!r}: use 0 or 1")
-    return v == "1"
+    return _flag("TRITONEP_PACKED_LAUNCH", "1")
 
 
 def force_no_p2p() -> bool:
@@ -247,12 +247,7 @@ def force_no_p2p() -> bool:
     Raises:
         ConfigError: a value other than 0 / 1.
     """
-    v = _get("TRITONEP_FORCE_NO_P2P", "0").strip()
-    if v not in ("0", "1", ""):
-        from .errors import ConfigError
-
-        raise ConfigError(f"TRITONEP_FORCE_NO_P2P={v!r}: use 0 or 1")
-    return v == "1"
+    return _flag("TRITONEP_FORCE_NO_P2P", "0", empty_ok=True)
 
 
 def check_all() -> None:

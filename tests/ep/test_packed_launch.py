@@ -8,6 +8,7 @@ path passes for the same call, for static and per-call grids, storage-block fiel
 is 1 (a constexpr in that variant). The GPU run of real kernels is tests/ep/test_packed_launch_gpu.py.
 """
 
+import math
 import random
 import shutil
 import struct
@@ -76,6 +77,8 @@ def test_layout_and_twin_spec():
     assert b == struct.pack("<QQ", 0xABC0, 0xFFFFFFFE) + struct.pack("<fI", 1.5, 0) + bytes(16)
     assert pl.layout(["*bf16", ("i32", "i32")]) is None and pl.layout(["bf16"]) is None
     assert pl.kind_of("nvTmaDesc") is None and pl.kind_of("*fp8e4nv") == "p"
+    # a static fp32 beyond float32 packs as an infinity (the C cast and Triton's pack_fp32 give one), not an error
+    assert pl.pack_twin(["fp32"], [1e39])[:4] == struct.pack("<f", math.inf)
 
 
 def test_errors_name_the_value(mod):
@@ -94,7 +97,8 @@ def test_errors_name_the_value(mod):
     with pytest.raises(TypeError, match="per-call value 1: an integer"):
         mod.fill(cap, 0, 1.0, 0, 0.0)
     with pytest.raises(TypeError, match="use run_grid"):
-        mod.run(_make(mod, types, {}, (0,), grid=(0, 0, 0)), 0, 0)
+        mod.run(_make(mod, types, {}, (0,), grid=(-1, -1, -1)), 0, 0)
+    assert mod.run(_make(mod, types, {}, (0,), grid=(0, 1, 1)), 0, 0) is None  # a bound empty grid: no launch
     assert mod.run(_make(mod, types, {}, (0,), grid=(3, 0, 1)), 0, 0) is None  # an empty grid: no launch
     assert mod.run_grid(cap, 0, 1, 1, 0, 0, 0, 0, 0.0) is None  # an empty grid launches nothing, opens no driver
     with pytest.raises(ValueError, match="num_ctas must be 1"):

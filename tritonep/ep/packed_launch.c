@@ -7,7 +7,7 @@
  *     offset of each kernel parameter in it (a tuple of ints, in the kernel's order, the two scratch pointers last);
  *     ``kinds``: one byte per per-call value (see KIND below); ``dyn_offsets``: the byte offset each per-call value
  *     is stored at (a tuple of ints, ignored for kind 'x').
- * run(cap, stream, *dyn)                 launch on ``stream`` with the bound grid (gx <= 0: a per-call grid is needed)
+ * run(cap, stream, *dyn)                 launch on ``stream`` with the bound grid (gx < 0: none bound, use run_grid)
  * run_grid(cap, gx, gy, gz, stream, *dyn) launch with a per-call grid
  * fill(cap, *dyn) -> bytes               store the per-call values only and return the parameter storage (tests)
  *
@@ -16,8 +16,10 @@
  * parameter of this variant (a constexpr: its value is compiled in; the value is not read).
  *
  * The CUDA driver is opened with dlopen at the first launch (the module builds and packs without a GPU). The GIL is
- * held for the whole call, so one capsule's storage is never filled by two threads at once; cuLaunchKernelEx copies
- * the parameters before it returns. The launch mirrors Triton 3.6's generated launcher (grid X times num_ctas,
+ * held for the call, cuLaunchKernelEx included (it copies the parameters before it returns), so one capsule's
+ * storage is filled by one thread at a time as long as the per-call values are ints, floats or None (a float-like
+ * object's ``__float__`` could let another thread in); unlike Triton's launcher no other Python thread runs during
+ * the driver call (tritonep's ranks are processes, never threads of one process). The launch mirrors Triton 3.6's generated launcher (grid X times num_ctas,
  * 32 * num_warps threads, the cooperative / PDL attributes, no launch on an empty grid, the current context made
  * the device's primary one when none is current).
  */
@@ -255,7 +257,7 @@ static PyObject *py_make(PyObject *self, PyObject *args) {
   for (int i = 0; i < p->nparams; ++i) {
     Py_ssize_t o = PyLong_AsSsize_t(PyTuple_GET_ITEM(offsets, i));
     if (o == -1 && PyErr_Occurred()) goto fail;
-    if (o < 0 || o + 1 > blob.len) {
+    if (o < 0 || o > blob.len - 8) { /* every slot holds 8 bytes (packed_launch.layout) */
       PyErr_Format(PyExc_ValueError, "tritonep packed launch: parameter %d offset %zd outside the %zd-byte blob", i, o,
                    blob.len);
       goto fail;
@@ -297,7 +299,7 @@ static PyObject *py_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
   }
   Packed *p = get(args[0]);
   if (!p) return NULL;
-  if (p->gx <= 0) {
+  if (p->gx < 0) {
     PyErr_SetString(PyExc_TypeError, "tritonep packed launch: bound without a grid: use run_grid");
     return NULL;
   }

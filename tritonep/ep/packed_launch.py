@@ -28,6 +28,7 @@ also bypasses its per-launch argument parsing.
 
 from __future__ import annotations
 
+import math
 import struct
 from pathlib import Path
 
@@ -102,7 +103,13 @@ def layout(types) -> tuple | None:
 def _pack_one(buf: bytearray, off: int, k: str, v):
     if k == "p":
         v = 0 if v is None else v
-    elif k in "fd":
+    elif k == "f":
+        v = float(v)
+        try:
+            struct.pack("<f", v)
+        except OverflowError:  # beyond float32: the C cast gives an infinity, as Triton's pack_fp32 does
+            v = math.copysign(math.inf, v)
+    elif k == "d":
         v = float(v)
     else:
         v = int(v)  # a bool is an int
@@ -155,7 +162,7 @@ def bind(compiled, static: dict, call_pos: tuple, grid3: tuple | None):
     kinds = "".join(kind_of(types[p]) for p in call_pos)
     dyn_off = tuple(-1 if offsets[p] is None else offsets[p] for p in call_pos)
     kernel_offsets = tuple(o for o in offsets if o is not None)
-    gx, gy, gz = grid3 if grid3 is not None else (0, 0, 0)
+    gx, gy, gz = grid3 if grid3 is not None else (-1, -1, -1)  # -1: no bound grid (run_grid); 0: an empty grid
     coop = int(bool(getattr(md, "launch_cooperative_grid", False)))
     pdl = int(bool(getattr(md, "launch_pdl", False)))
     return mod.make(int(function), int(gx), int(gy), int(gz), int(md.num_warps), 1, int(md.shared), coop, pdl,

@@ -172,15 +172,17 @@ class OutputPool:
             if len(self._sets) >= MAX_STREAMS:
                 return None
             sets = self._sets[stream] = []
-        last = len(sets) - 1
-        for i, s in enumerate(sets):
+        i = 0
+        while i < len(sets):
+            s = sets[i]
             if s._quick_count() == s._quick and s._count() == s._base:
-                if s.marked():  # autograd state on a base (Set.marked): dropped, a fresh set takes its place
+                if s.marked():  # autograd state on a tensor of it (_Set.marked): dropped, the scan goes on
                     sets.pop(i)
-                    break
-                if i < last:  # least recently handed out first: a caller that keeps the previous call's outputs
-                    sets.append(sets.pop(i))  # while it makes the next call finds the free set at once
+                    continue
+                if i < len(sets) - 1:  # least recently handed out first: a caller that keeps the previous call's
+                    sets.append(sets.pop(i))  # outputs while it makes the next call finds the free set at once
                 return s
+            i += 1
         if len(sets) < self.slots:
             s = _Set(*self._make())
             s.seal()

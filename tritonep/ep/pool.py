@@ -58,10 +58,12 @@ class _Set:
     """One set of a pool: ``objs`` (the base tensors, then the views made of them; handed out as one tuple) and the
     reference counts that say nobody outside holds any of them."""
 
-    __slots__ = ("objs", "extra", "_keep", "_cdata", "_py", "_base", "_quick", "_q", "nbytes")
+    __slots__ = ("objs", "extra", "_keep", "_cdata", "_py", "_base", "_quick", "_q", "nbytes", "_float")
 
     def __init__(self, bases: tuple, views: tuple, extra=None):
         self.objs = tuple(bases) + tuple(views)
+        # the tensors that can carry autograd state (:meth:`marked`): an integer tensor never requires grad
+        self._float = tuple(t for t in self.objs if t.is_floating_point() or t.is_complex())
         self.extra = extra  # the owner's per-set constant (e.g. a handle's fields): never handed out by the pool
         # keeps each storage's address valid; the Python object is the one ``t.untyped_storage()`` hands a caller
         self._keep = tuple(t.untyped_storage() for t in bases)
@@ -105,7 +107,7 @@ class _Set:
         call's graph (``CopySlices``): a base of the set, or one of its views that changes the dtype (``.view(
         torch.float32)`` of the int32 block is a base of its own for autograd). Its later views would inherit the
         stale ``grad_fn``; such a set is never handed out again (:meth:`OutputPool.take_set` drops it)."""
-        for t in self.objs:
+        for t in self._float:
             if t.requires_grad:
                 return True
         return False

@@ -60,8 +60,9 @@ BUDGET = {
     # sync-free (issue 24): no host read, no host->device copy; count, plan, pack, unpack launches; the send /
     # receive rows are persistent and the call's outputs (the plan vector, the rows, the row weights and the
     # handle's six tensors) come from the output pool once the previous call's are let go
-    "sf_dispatch": (5, 0, 4, 0),  # pooled outputs; all_gather, 2 aliases (rows, row weights), 2 shape reads (the
-    # a2a is bound: no torch call)
+    "sf_dispatch": (9, 0, 4, 0),  # pooled outputs; all_gather, 2 aliases (rows, row weights), 2 shape reads (the
+    # a2a is bound: no torch call), 4 requires_grad reads of the pooled float tensors (pool.py _Set.marked: property
+    # reads, not torch ops)
     "sf_combine": (4, 3, 2, 0),  # the same calls as on a synced handle (equal splits)
     "sf_dispatch_bwd": (7, 4, 2, 0),
     "sf_combine_bwd": (6, 4, 2, 0),
@@ -76,10 +77,11 @@ BUDGET_EMPTY = {"dispatch": (14, 7, 1, 1), "combine": (4, 3, 1, 0), "dispatch_bw
 # the one-hop sync-free mode (TRITONEP_NCCL_SYNC_FREE=onehop): send and receive launches, one collective, no
 # count / plan launch; allocations: one float32 block (row weights, per-slot weights, the routing weights' copy and,
 # as int32, packets, per-slot rows, ntpe, offsets, counts), the rows and the routing ids' copy
-BUDGET_ONEHOP = {"sf_dispatch": (4, 0, 2, 0),  # pooled outputs; 2 aliases, 2 shape reads (the a2a is bound)
+BUDGET_ONEHOP = {"sf_dispatch": (8, 0, 2, 0),  # pooled outputs; 2 aliases, 2 shape reads (the a2a is bound), 4
+                 # requires_grad reads of the pooled float tensors (pool.py _Set.marked)
                  "sf_combine": (4, 3, 2, 0), "sf_dispatch_bwd": (7, 4, 2, 0), "sf_combine_bwd": (6, 4, 2, 0)}
 # a rank without tokens: its outputs are pooled too (fixed sizes)
-BUDGET_ONEHOP_EMPTY = {"sf_dispatch": (4, 0, 2, 0), "sf_combine": (4, 3, 1, 0), "sf_dispatch_bwd": (7, 4, 1, 0),
+BUDGET_ONEHOP_EMPTY = {"sf_dispatch": (8, 0, 2, 0), "sf_combine": (4, 3, 1, 0), "sf_dispatch_bwd": (7, 4, 1, 0),
                        "sf_combine_bwd": (6, 4, 1, 0)}
 
 

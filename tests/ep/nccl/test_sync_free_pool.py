@@ -95,9 +95,24 @@ def _world(group, mode, ut):
     # graph stays on a pooled tensor (the next call without autograd gets plain tensors)
     gc.collect()  # (an autograd call leaves a reference cycle: its handle holds the tracked row weights, whose
     # backward node holds the handle; its set stays held until the cyclic collector runs)
+    impl = buf._impl
+
+    def pools():
+        return [impl._sf_rpool, *impl._sf_pools.values()]
+
+    def unmarked(d, what):
+        """No autograd mark on any pooled tensor nor on ``d``'s outputs, and no set dropped since ``sets0`` (the
+        aliases keep marks off the pooled tensors, so the pool never has to drop a marked set: pool.py
+        _Set.marked)."""
+        objs = [t for p in pools() for ss in p._sets.values() for st in ss for t in st.objs]
+        if any(t.requires_grad or t.grad_fn is not None for t in objs) or d.x.requires_grad or d.weights.requires_grad:
+            bad.append(what)
+        if not sets0 <= {id(st) for p in pools() for ss in p._sets.values() for st in ss}:
+            bad.append(what + ": a pooled set was dropped")
+
+    sets0 = {id(st) for p in pools() for ss in p._sets.values() for st in ss}
     xg, wg = ins[0][0].clone().requires_grad_(True), ins[0][2].clone().requires_grad_(True)
     d4 = buf.dispatch(xg, ins[0][1], wg, sync_free=True)
-    impl = buf._impl
     pooled = {t.untyped_storage().data_ptr() for p in [impl._sf_rpool, *impl._sf_pools.values()]
               for ss in p._sets.values() for st in ss for t in st.objs}
     if not {d4.x.untyped_storage().data_ptr(), d4.weights.untyped_storage().data_ptr()} <= pooled:
@@ -109,11 +124,7 @@ def _world(group, mode, ut):
     del d4, y
     gc.collect()
     d5 = buf.dispatch(*ins[0], sync_free=True)
-    objs = [t for p in [impl._sf_rpool, *impl._sf_pools.values()] for ss in p._sets.values() for st in ss
-            for t in st.objs]
-    if any(t.requires_grad or t.grad_fn is not None for t in objs) or d5.x.requires_grad or d5.weights.requires_grad:
-        bad.append("an autograd mark stayed on a pooled tensor")
-    del objs
+    unmarked(d5, "an autograd mark stayed on a pooled tensor")
     check(d5, 0, "after an autograd call")
     del d5
     # an in-place op with a differentiable operand on a call's outputs (no autograd in the call itself): the mark is
@@ -124,11 +135,7 @@ def _world(group, mode, ut):
     d8.weights.mul_(scale[:1])
     del d8
     d9 = buf.dispatch(*ins[0], sync_free=True)
-    objs = [t for p in [impl._sf_rpool, *impl._sf_pools.values()] for ss in p._sets.values() for st in ss
-            for t in st.objs]
-    if any(t.requires_grad or t.grad_fn is not None for t in objs) or d9.x.requires_grad or d9.weights.requires_grad:
-        bad.append("an in-place op's autograd mark stayed on a pooled tensor")
-    del objs
+    unmarked(d9, "an in-place op's autograd mark stayed on a pooled tensor")
     check(d9, 0, "after an in-place op with a differentiable operand")
     # a caller that keeps only handle fields keeps the set (each is counted), also the ones no call returns
     kept = {n: getattr(d9.handle, n) for n in ("counts", "pkt", "recv_rows", "recv_w", "topk_weights")}

@@ -30,8 +30,9 @@ from tritonep.testing import run_cpu_world
 BUDGET = {
     # handle storage + rows (the weights: a view of the storage); hist, exchange, send, expand; one read (22 -> 21
     # torch calls when the read began spinning on the ticket the exchange publishes: no tolist of the status view)
-    "dispatch": (18, 2, 1, 4, 1),  # rows (the storage block and its views: the output pool's)
-    "dispatch_sync_free": (17, 2, 2, 4, 0),  # rows + zeroed row weights, no read
+    "dispatch": (19, 2, 1, 4, 1),  # rows (the storage block and its views: the output pool's; +1: the pooled row
+    # weights' requires_grad read, pool.py _Set.marked, a property read, not a torch op)
+    "dispatch_sync_free": (18, 2, 2, 4, 0),  # rows + zeroed row weights, no read (+1 requires_grad read, as above)
     "combine": (9, 2, 1, 2, 0),  # the output; partial, out (the counter advances in the out kernel)
     "dispatch_bwd": (12, 2, 2, 2, 0),  # grad_x, grad_topk_weights
     "combine_bwd": (13, 3, 2, 2, 0),  # grad rows, grad weights (both empty: the expand writes every row); send, expand
@@ -41,9 +42,10 @@ BUDGET = {
 # the one-launch decode geometry (TRITONEP_GEOMETRY=bt=2,dec=3): the dispatch takes max_recv_tokens rows (pooled)
 # before its one launch and cuts them to the rows received after the read
 BUDGET_DECODE = {
-    "dispatch": (18, 2, 0, 1, 1),  # storage + rows from the pool; one launch; one read; rows[:R], weights[:R]
-    "dispatch_sync_free": (18, 2, 0, 1, 0),  # the same two slices (fresh views of the pooled tensors)
-    "combine": (8, 2, 0, 1, 0),  # the output: a slice of a pooled block; one launch
+    "dispatch": (20, 2, 0, 1, 1),  # storage + rows from the pool; one launch; one read; rows[:R], weights[:R];
+    # +2: the requires_grad reads of the pooled row weights and rows (pool.py _Set.marked)
+    "dispatch_sync_free": (20, 2, 0, 1, 0),  # the same two slices (fresh views of the pooled tensors), +2 as above
+    "combine": (9, 2, 0, 1, 0),  # the output: a slice of a pooled block; one launch; +1 its requires_grad read
     "dispatch_bwd": (12, 2, 2, 1, 0),  # grad_x, grad_topk_weights; one launch (the decode combine, unweighted)
     "combine_bwd": (13, 3, 2, 2, 0),
 }

@@ -292,12 +292,17 @@ done:
   return cap;
 }
 
-static PyObject *py_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-  if (nargs < 2) {
-    PyErr_SetString(PyExc_TypeError, "run(cap, stream, *dyn)");
+/* the capsule of a call with at least ``n`` arguments (NULL with a TypeError naming ``usage`` otherwise) */
+static Packed *entry(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t n, const char *usage) {
+  if (nargs < n) {
+    PyErr_SetString(PyExc_TypeError, usage);
     return NULL;
   }
-  Packed *p = get(args[0]);
+  return get(args[0]);
+}
+
+static PyObject *py_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  Packed *p = entry(args, nargs, 2, "run(cap, stream, *dyn)");
   if (!p) return NULL;
   if (p->gx < 0) {
     PyErr_SetString(PyExc_TypeError, "tritonep packed launch: bound without a grid: use run_grid");
@@ -308,11 +313,7 @@ static PyObject *py_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 }
 
 static PyObject *py_run_grid(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-  if (nargs < 5) {
-    PyErr_SetString(PyExc_TypeError, "run_grid(cap, gx, gy, gz, stream, *dyn)");
-    return NULL;
-  }
-  Packed *p = get(args[0]);
+  Packed *p = entry(args, nargs, 5, "run_grid(cap, gx, gy, gz, stream, *dyn)");
   if (!p) return NULL;
   int g[3];
   for (int i = 0; i < 3; ++i) {
@@ -329,11 +330,7 @@ static PyObject *py_run_grid(PyObject *self, PyObject *const *args, Py_ssize_t n
 }
 
 static PyObject *py_fill(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-  if (nargs < 1) {
-    PyErr_SetString(PyExc_TypeError, "fill(cap, *dyn)");
-    return NULL;
-  }
-  Packed *p = get(args[0]);
+  Packed *p = entry(args, nargs, 1, "fill(cap, *dyn)");
   if (!p) return NULL;
   if (fill_values(p, args + 1, nargs - 1) < 0) return NULL;
   return PyBytes_FromStringAndSize(p->buf, p->nbuf);

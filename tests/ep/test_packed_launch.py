@@ -20,6 +20,8 @@ from tritonep.ep import bound as bound_mod
 from tritonep.ep import packed_launch as pl
 from tritonep.ep.bound import BoundKernel
 
+from tests.ep.nccl.fake_gpu import _Meta, _Src
+
 from .test_bound_launch import _STREAM, _as_c, _Kernel, _Launcher, gpu_like  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("clang") is None,
@@ -107,15 +109,6 @@ def test_errors_name_the_value(mod):
         mod.make(1, 1, 1, 1, 4, 1, 0, 0, 0, bytes(8), (8,), b"", ())
     with pytest.raises(ValueError, match="unknown kind"):
         mod.make(1, 1, 1, 1, 4, 1, 0, 0, 0, bytes(8), (0,), b"z", (0,))
-
-
-class _Meta:
-    num_warps, num_ctas, shared, launch_cooperative_grid, launch_pdl = 4, 1, 0, False, False
-
-
-class _Src:
-    def __init__(self, signature):
-        self.signature = signature
 
 
 class _PackedKernel(_Kernel):

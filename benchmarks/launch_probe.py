@@ -103,27 +103,26 @@ def main():
     out["view_us"] = _us(lambda: d.x[:5], sync=False)
     # the host pieces of one eager decode dispatch, each alone (issue 24): front door (input checks + sync mode),
     # the three allocations (handle block, rows, row weights), the returned handle and Dispatched
-    from tritonep.ep.handle import Dispatched, TritonHandle
+    from tritonep import envs
+    from tritonep.ep.handle import Dispatched
     from tritonep.ep.validate import check_dispatch_inputs
 
     impl, cfg = buf._impl, buf.config
 
     def front():
-        check_dispatch_inputs(x, idx, w, hidden=cfg.hidden, topk=cfg.topk,
-                              max_tokens_per_rank=cfg.max_tokens_per_rank, dtype=cfg.dtype, device=dev)
-        buf._sync()
+        check_dispatch_inputs(x, idx, w, *buf._din)
+        envs.sync_checks()
     out["front_us"] = _us(front, sync=False)
     out["allocs_us"] = _us(lambda: (impl.hl.new(dev), impl._alloc_rows(cfg.max_recv_tokens, False)),
                            sync=False)
-    # what replaces them (session 8): the output pool's take (a set found free by its reference counts; the set of
-    # the held ``d`` is checked first and skipped)
-    out["pool_take_us"] = _us(lambda: impl._pool.take(), sync=False)
+    # what replaces them (session 8; one take per call since session 13): the decode pool's take (a set found free by
+    # its reference counts; the set of the held ``d`` is checked first and skipped)
+    out["pool_take_us"] = _us(lambda: impl._dpool.take(), sync=False)
 
     def objects():
-        h = TritonHandle(store=d.handle.store, layout=impl.hl, num_tokens=T, num_recv_rows=5, x_scales=None,
-                         recv_weights=d.weights, buffer_id=1)
-        return Dispatched(x=d.x, num_tokens_per_expert=d.num_tokens_per_expert, expert_offsets=d.expert_offsets,
-                          handle=h, weights=d.weights, x_scales=None)
+        h = impl._new_handle()
+        h._fill(d.handle.store, impl.hl, T, 1, 5, d.weights, None)
+        return Dispatched(d.x, d.num_tokens_per_expert, d.expert_offsets, h, d.weights, None)
     out["objects_us"] = _us(objects, sync=False)
     out["dispatch_idle_us"] = _us(lambda: buf.dispatch(x, idx, w))
     out["dispatch_sync_free_idle_us"] = _us(lambda: buf.dispatch(x, idx, w, sync_free=True))

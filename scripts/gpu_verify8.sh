@@ -31,6 +31,12 @@
 #                                   #   and without (TRITONEP_PACKED_LAUNCH=0), world-1 ep / moe GPU tests
 #   bash scripts/gpu_verify8.sh R   # session 12 final: packed-launch tests, world-1 ep / moe and nccl GPU tests,
 #                                   #   collective host costs, eager both ways, the W=2 MPS core
+#   bash scripts/gpu_verify8.sh S   # session 13 start: the whole world-1 GPU suite, the rest of the W=2 suite under
+#                                   #   MPS (MoE layer, virtual experts, wires), eager, peer (carry .whl)
+#   bash scripts/gpu_verify8.sh T   # session 13: the 4 world-1 GPU tests S ran out of time for, eager A/B against the
+#                                   #   tree before the change (.base/tritonep, `git archive`: carry .base), world-1
+#                                   #   ep / moe GPU tests, peer, `tritonep run` (carry .base and .whl)
+#   bash scripts/gpu_verify8.sh U   # session 13: the W=2 MPS core (ranks sharing the GPU: the shared decode pool)
 # Logs and JSON under $OUT, packed into $OUT/logs.tgz.
 source "$(dirname "$0")/gpu_step.sh"
 steps=()
@@ -54,6 +60,9 @@ for a in "$@"; do
         P) steps+=(tests_nccl tests_ep epb) ;;
         Q) steps+=(packtest coll eager eager_tl tests_ep) ;;
         R) steps+=(packtest tests_ep tests_nccl coll eager eager_tl tests_w2) ;;
+        S) steps+=(single mps2rest eager peer) ;;
+        T) steps+=(rest4 eager_ab tests_ep peer run) ;;
+        U) steps+=(tests_w2) ;;
         *) steps+=("$a") ;;
     esac
 done
@@ -83,6 +92,19 @@ want mps2rest && step mps2rest 265 "${PYTEST[@]}" -m "gpu and world and not worl
     --timeout 120 --maxfail 6
 want single && OMP_NUM_THREADS=4 step single 290 "${PYTEST[@]}" -m "gpu and (not world or world1) and not soak" \
     --timeout 200
+want rest4 && step rest4 150 "${PYT[@]}" -m "gpu and (not world or world1) and not soak" --timeout 100 \
+    tests/moe/test_ids_full_width.py tests/moe/test_layer.py tests/moe/test_virtual.py tests/wire/test_quantizers.py
+# eager_ab: the tree before the change (.base/tritonep) and this one, alternating twice on the same host
+if want eager_ab; then
+    for r in 1 2; do
+        for v in base new; do
+            pp=.; [ $v = base ] && pp=.base
+            PYTHONPATH=$pp python -c "import tritonep; print('tritonep from', tritonep.__file__)"
+            PYTHONPATH=$pp step eager_${v}$r 80 torchrun --nproc-per-node 1 benchmarks/eager_profile.py \
+                --tokens 128 1024 4096 --json "$OUT/eager_${v}$r.json"
+        done
+    done
+fi
 want eager && step eager 80 torchrun --nproc-per-node 1 benchmarks/eager_profile.py --tokens 128 1024 4096 \
     --json "$OUT/eager_triton.json"
 want eager_nopool && TRITONEP_OUTPUT_POOL=0 step eager_nopool 80 torchrun --nproc-per-node 1 \

@@ -95,6 +95,9 @@ class EPBuffer:
         self._impl.buffer_id = self._id
         self._quantized_dispatch = get_wire(cfg.dispatch_wire).quantized
         self._sync_free_ok = self.backend in ("triton", "nccl")
+        # the front door's static arguments, made once: check_dispatch_inputs' and check_combine_inputs'
+        self._din = (cfg.hidden, cfg.topk, cfg.max_tokens_per_rank, cfg.dtype, device)
+        self._cin = (cfg.hidden, cfg.dtype, device)
         self._no_input = (torch.empty(0, cfg.hidden, dtype=cfg.dtype, device=device),
                           torch.empty(0, cfg.topk, dtype=torch.int64, device=device),
                           torch.empty(0, cfg.topk, dtype=torch.float32, device=device))
@@ -220,16 +223,6 @@ class EPBuffer:
             raise ConfigError("handle does not come from this buffer's dispatch (a handle is only valid with the "
                               "EPBuffer that made it)")
 
-    def _sync(self) -> int:
-        """Whether an eager dispatch reads its status word, as the ``TRITONEP_SYNC_CHECKS`` mode of this call:
-        ``envs.SYNC_NONE`` (0, falsy: no read) under ``TRITONEP_SYNC_CHECKS=0`` or while capturing, else
-        ``SYNC_DEFERRED`` / ``SYNC_STRICT`` (the backend's end-of-call check follows it: the variable is read once
-        per call)."""
-        mode = envs.sync_checks()
-        if mode == envs.SYNC_NONE or (self._cuda and torch._C._cuda_isCurrentStreamCapturing()):
-            return envs.SYNC_NONE
-        return mode
-
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  keep_quantized: bool = False, *, sync_free: bool = False) -> Dispatched:
         """Send every token to the ranks of its experts; return the expert-grouped rows of this rank's experts.
@@ -276,15 +269,17 @@ class EPBuffer:
             raise ConfigError(f"dispatch(sync_free=True) is not supported by this buffer's backend "
                               f"{self.backend!r}")
         refused = None
-        cfg = self.config
         try:
-            x, topk_idx, topk_weights = check_dispatch_inputs(
-                x, topk_idx, topk_weights, hidden=cfg.hidden, topk=cfg.topk,
-                max_tokens_per_rank=cfg.max_tokens_per_rank, dtype=cfg.dtype, device=self.device)
+            x, topk_idx, topk_weights = check_dispatch_inputs(x, topk_idx, topk_weights, *self._din)
         except (InputError, CapacityError) as e:
             refused = e
             x, topk_idx, topk_weights = self._no_input
-        sync = None if sync_free else self._sync()  # None: sync-free (no read; the nccl backend's own path)
+        if sync_free:
+            sync = None  # no read; the nccl backend's own path
+        else:  # whether this call reads its status word: the TRITONEP_SYNC_CHECKS mode (read once per call; the
+            sync = envs.sync_checks()  # backend's end-of-call check follows it), SYNC_NONE (0) while capturing
+            if sync and self._cuda and torch._C._cuda_isCurrentStreamCapturing():
+                sync = envs.SYNC_NONE
         kq = keep_quantized and self._quantized_dispatch
         try:
             if kq or refused is not None or not (torch.is_grad_enabled() and (
@@ -301,8 +296,8 @@ class EPBuffer:
             raise
         if refused is not None:
             raise refused  # sync checks off / graph capture: the peers learn it at their next check()
-        return Dispatched(x=out, num_tokens_per_expert=ntpe, expert_offsets=offs, handle=handle, weights=out_w,
-                          x_scales=handle.x_scales)
+        return Dispatched(out, ntpe, offs, handle, out_w, handle.x_scales)  # positional: x, num_tokens_per_expert,
+        # expert_offsets, handle, weights, x_scales (the dataclass's order; half the host time of keywords)
 
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle, kind: str | None = None) -> torch.Tensor:
         """Bring expert outputs back: ``y[t] = sum_k topk_weights[t, k] * expert_out[row(t, k)]`` (fp32 sums).
@@ -324,9 +319,9 @@ class EPBuffer:
             self._check_open()
         if not isinstance(handle, DispatchHandle) or handle.buffer_id != self._id:
             self._check_handle(handle)
-        cfg = self.config
-        expert_out = check_combine_inputs(expert_out, handle, hidden=cfg.hidden, dtype=cfg.dtype,
-                                          device=self.device, min_rows=self._rows_of(handle))
+        R = handle.num_recv_rows  # _rows_of(handle), inline
+        expert_out = check_combine_inputs(expert_out, handle, *self._cin,
+                                          self.config.max_recv_tokens if R is None else R)
         if kind is not None and kind not in ("push", "pull"):
             raise ConfigError(f"combine kind={kind!r} is not 'push' or 'pull'")
         rw = handle.recv_weights

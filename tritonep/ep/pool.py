@@ -32,8 +32,9 @@ construction makes the first set of the construction stream). The large blocks (
 ``max_recv_tokens`` rows, the decode combine's ``[max_tokens_per_rank, H]`` output) live in pools SHARED by every
 buffer of the process with the same shape, dtype and device (:func:`acquire_shared`): a model builds one buffer
 per MoE layer and runs them one after another, so a per-buffer pool of rows would hold ``layers x slots`` blocks the
-caching allocator would have shared; a shared pool holds ``slots`` per stream. Only the small handle block (its
-fields' size) is pooled per buffer.
+caching allocator would have shared; a shared pool holds ``slots`` per stream. On the decode geometry a set holds the
+call's handle block AND its rows (the pool's key includes the block's layout), so a call takes one set; the two-kernel
+and fused geometries pool only the small handle block (its fields' size), per buffer.
 
 Idea: pplx-kernels and DeepEP's low-latency mode hand out receive buffers allocated once per buffer; here the
 reuse is decided per call by reference counts, so a caller that keeps an output never sees it overwritten.
@@ -54,11 +55,27 @@ _impl_count = torch.Tensor._use_count  # references to a tensor's C++ object (Te
 _refcount = sys.getrefcount
 
 
+_COUNTERS: dict = {}  # (storages, tensors, Python objects) -> the unrolled sum of their counts
+
+
+def _counter(n_storages: int, n_tensors: int, n_py: int):
+    """``f(cdata, objs, py)``: the sum of the storages' use counts, the tensors' C++ counts and the Python objects'
+    reference counts, unrolled for a set of this shape (a ``sum(map(...))`` per kind costs ~3x more on every take)."""
+    key = (n_storages, n_tensors, n_py)
+    f = _COUNTERS.get(key)
+    if f is None:
+        terms = ([f"_uc(c[{i}])" for i in range(n_storages)] + [f"_ic(o[{i}])" for i in range(n_tensors)]
+                 + [f"_rc(p[{i}])" for i in range(n_py)])
+        f = _COUNTERS[key] = eval(f"lambda c, o, p: {' + '.join(terms)}",  # noqa: S307 - our own text, ints only
+                                  {"_uc": _use_count, "_ic": _impl_count, "_rc": _refcount})
+    return f
+
+
 class _Set:
     """One set of a pool: ``objs`` (the base tensors, then the views made of them; handed out as one tuple) and the
     reference counts that say nobody outside holds any of them."""
 
-    __slots__ = ("objs", "extra", "_keep", "_cdata", "_py", "_base", "_quick", "_q", "nbytes", "_float")
+    __slots__ = ("objs", "extra", "_keep", "_cdata", "_py", "_base", "_quick", "_q", "nbytes", "_float", "_sum")
 
     def __init__(self, bases: tuple, views: tuple, extra=None):
         self.objs = tuple(bases) + tuple(views)
@@ -69,6 +86,7 @@ class _Set:
         self._keep = tuple(t.untyped_storage() for t in bases)
         self._cdata = tuple(s._cdata for s in self._keep)
         self._py = self._keep + self.objs + (self.objs,)  # every Python object whose count says "held"
+        self._sum = _counter(len(self._cdata), len(self.objs), len(self._py))
         # the quick test's objects: the first base and the first view (the one a caller's result or handle holds
         # most surely: e.g. the row weights); holding a view OBJECT moves no storage use count, only its own
         self._q = (self.objs[0], self.objs[len(bases)] if views else self.objs[0])
@@ -95,7 +113,7 @@ class _Set:
         # node that saved it, moves its Python count only while nothing else in C++ holds it: torch keeps a tensor's
         # Python object alive for its C++ holders; a base is already held by the set's own views)
         # (``_py`` holds the storages, the tensors and the tuple itself: a caller may hold it unpacked or not)
-        return sum(map(_use_count, self._cdata)) + sum(map(_impl_count, self.objs)) + sum(map(_refcount, self._py))
+        return self._sum(self._cdata, self.objs, self._py)
 
     def free(self) -> bool:
         """True when no tensor of this set, and no view of its storage, is held outside the pool."""
@@ -134,6 +152,10 @@ class OutputPool:
     def nbytes(self) -> int:
         """Bytes of every set made so far (device memory outside the symmetric heap)."""
         return sum(s.nbytes for sets in self._sets.values() for s in sets)
+
+    def base_ptrs(self) -> set:
+        """Addresses of every set's base blocks (tests and benchmarks ask whether an output lies in a pooled block)."""
+        return {k.data_ptr() for sets in self._sets.values() for s in sets for k in s._keep}
 
     def clear(self):
         """Let every set go and hand out no more (the buffer's close): a set a caller still holds lives on through

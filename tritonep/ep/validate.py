@@ -18,11 +18,12 @@ __all__ = ["check_dispatch_inputs", "check_combine_inputs", "check_backward_inpu
 _ID_DTYPES = (torch.int32, torch.int64)
 
 
-def check_dispatch_inputs(x, topk_idx, topk_weights, *, hidden, topk, max_tokens_per_rank, dtype, device):
+def check_dispatch_inputs(x, topk_idx, topk_weights, hidden, topk, max_tokens_per_rank, dtype, device):
     """Validate dispatch inputs; returns ``(x, topk_idx, topk_weights)`` contiguous, weights float32.
 
     Cheap by design (Python ints and attributes, no device read, no copy of what already conforms): it runs on
-    every call's host path.
+    every call's host path (the buffer passes its static arguments positionally, from one tuple made at
+    construction).
 
     Raises:
         InputError: wrong type, dtype, device, rank or shape (message names the tensor and the value).
@@ -97,7 +98,7 @@ def counts_input_refusal(topk_idx, topk: int, max_tokens_per_rank: int, device):
     return None
 
 
-def check_combine_inputs(expert_out, handle, *, hidden, dtype, device, min_rows, name="expert_out"):
+def check_combine_inputs(expert_out, handle, hidden, dtype, device, min_rows, name="expert_out"):
     """Validate combine inputs (and the ``[rows, H]`` gradients of the backward halves); returns ``expert_out``
     contiguous. ``name`` is the argument the messages name. Cheap (attributes only) like
     :func:`check_dispatch_inputs`.

@@ -9,8 +9,8 @@ import torch.distributed as dist
 __all__ = ["pool_streams_world"]
 
 
-def _pooled_ptrs(pool) -> set:
-    return {o.data_ptr() for sets in pool._sets.values() for s in sets for o in s.objs[:2]}
+def _pooled_ptrs(impl) -> set:
+    return set().union(*(p.base_ptrs() for p in impl.output_pools()))
 
 
 def pool_streams_world(group, E: int, H: int, Tmax: int, K: int, T: int):
@@ -57,9 +57,8 @@ def pool_streams_world(group, E: int, H: int, Tmax: int, K: int, T: int):
         ys.append(y.clone())
         del d, y
     out["default"] = ptrs
-    sets = [{o.data_ptr() for ss in p._sets.values() for st in ss for o in st.objs[:1]}
-            for p in (impl._pool, impl._rpool, impl._ypool)]
-    out["default_pooled"] = all(a in sets[0] and b in sets[1] and c in sets[2] for a, b, c in ptrs)
+    pooled = _pooled_ptrs(impl)
+    out["default_pooled"] = all(a in pooled and b in pooled and c in pooled for a, b, c in ptrs)
     out["default_grew"] = impl.output_pool_bytes != bytes0
     for name in ("side", "third"):
         s = torch.cuda.Stream()
@@ -77,7 +76,7 @@ def pool_streams_world(group, E: int, H: int, Tmax: int, K: int, T: int):
         eo = buf.expert_out_buffer()
         eo.copy_(expert(dg.x))
         yg = buf.combine(eo, dg.handle)
-    pooled = _pooled_ptrs(impl._pool) | _pooled_ptrs(impl._rpool) | _pooled_ptrs(impl._ypool)
+    pooled = _pooled_ptrs(impl)
     out["graph_pooled"] = bool({dg.handle.store.data_ptr(), dg.x.data_ptr(), yg.data_ptr()} & pooled)
     g.replay()
     torch.cuda.synchronize()

@@ -42,9 +42,10 @@ BUDGET = {
 # the one-launch decode geometry (TRITONEP_GEOMETRY=bt=2,dec=3): the dispatch takes max_recv_tokens rows (pooled)
 # before its one launch and cuts them to the rows received after the read
 BUDGET_DECODE = {
-    "dispatch": (20, 2, 0, 1, 1),  # storage + rows from the pool; one launch; one read; rows[:R], weights[:R];
-    # +2: the requires_grad reads of the pooled row weights and rows (pool.py _Set.marked)
-    "dispatch_sync_free": (20, 2, 0, 1, 0),  # the same two slices (fresh views of the pooled tensors), +2 as above
+    "dispatch": (19, 2, 0, 1, 1),  # storage + rows: ONE set of the shared pool (session 13; 20 -> 19: one stream
+    # query fewer); one launch; one read; rows[:R], weights[:R]; +2: the requires_grad reads of the pooled row
+    # weights and rows (pool.py _Set.marked)
+    "dispatch_sync_free": (19, 2, 0, 1, 0),  # the same two slices (fresh views of the pooled tensors), as above
     "combine": (9, 2, 0, 1, 0),  # the output: a slice of a pooled block; one launch; +1 its requires_grad read
     "dispatch_bwd": (12, 2, 2, 1, 0),  # grad_x, grad_topk_weights; one launch (the decode combine, unweighted)
     "combine_bwd": (13, 3, 2, 2, 0),

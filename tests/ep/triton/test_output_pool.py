@@ -7,8 +7,9 @@ reused once released; ``slots`` bounds the sets; ``slots=0`` is off); in the CPU
 to the reference after all the calls), a caller that drops its outputs gets the same block back (the pool is
 used: no allocation), ``TRITONEP_OUTPUT_POOL=0`` turns it off, and autograd state never travels with a reused set
 (an inference call after a differentiable one, or after a caller's in-place op with a differentiable operand on its
-outputs, returns tensors without ``grad_fn``). The decode rows and combine output
-pools are shared by the buffers of one shape (one per MoE layer) and dropped with their last buffer. Reuse under
+outputs, returns tensors without ``grad_fn``). The decode geometry's sets (handle block + rows: one take per call)
+and combine outputs come from pools shared by the buffers of one shape (one per MoE layer), dropped with their last
+buffer. Reuse under
 poison: ``test_handle_poison.py``.
 """
 
@@ -100,8 +101,7 @@ def _world(group, geometry, pool, calls):
         y = buf.combine(expert(d.x), d.handle)
         ptrs.append((d.handle.store.data_ptr(), d.x.data_ptr(), y.data_ptr()))
         del d, y
-    pooled = [{s.objs[0].data_ptr() for sets in p._sets.values() for s in sets}
-              for p in (impl._pool, impl._rpool, impl._ypool)]
+    pooled = set().union(*(p.base_ptrs() for p in impl.output_pools()))
     ptrs = (ptrs, pooled, bytes_before == impl.output_pool_bytes)
     # autograd state never travels with a set: an inference call after a differentiable one (synced and sync-free)
     grad = run_grad_call(buf, *calls[rank][1], grad_seed=3 + rank)
@@ -149,10 +149,10 @@ def test_kept_outputs_intact_and_released_sets_reused(geometry):
         assert pool_bytes > 0
         ptrs, pooled, no_new_set = ptrs
         assert no_new_set, f"rank {rank}: a caller that drops its outputs made the pools grow"
-        assert all(p[0] in pooled[0] for p in ptrs), f"rank {rank}: a handle block was not the pool's: {ptrs}"
+        assert all(p[0] in pooled for p in ptrs), f"rank {rank}: a handle block was not the pool's: {ptrs}"
         if geometry.startswith("bt=2,dec"):  # decode: the rows and the combine output are pooled too
-            assert all(p[1] in pooled[1] for p in ptrs), (rank, ptrs, pooled)
-            assert all(p[2] in pooled[2] or not p[2] for p in ptrs), (rank, ptrs, pooled)
+            assert all(p[1] in pooled for p in ptrs), (rank, ptrs, pooled)
+            assert all(p[2] in pooled or not p[2] for p in ptrs), (rank, ptrs, pooled)
         assert not any(flags), f"rank {rank}: an inference call returned autograd state: {flags}"
 
 
@@ -186,25 +186,32 @@ def _two_buffers_world(group, calls):
     set_env(TRITONEP_GEOMETRY="bt=2,dec=3", TRITONEP_OUTPUT_POOL=None)
     rank = dist.get_rank(group)
     one, two = open_buffer(group, CFG), open_buffer(group, CFG)  # two "layers" of the same shape
-    ptrs = []
-    for buf in (one, two, one, two):
-        d = buf.dispatch(*calls[rank][0])
-        y = buf.combine(expert(d.x), d.handle)
+    ptrs, records = [], []
+    for buf, c in zip((one, two, one, two), calls[rank]):
+        d = buf.dispatch(*c)
+        eo = expert(d.x)
+        y = buf.combine(eo, d.handle)
         ptrs.append((d.x.data_ptr(), y.data_ptr(), d.handle.store.data_ptr()))
+        records.append(record(d, eo, y))  # copies: read now, before the next layer's call reuses the set
         del d, y
-    shared = one._impl._rpool is two._impl._rpool and one._impl._ypool is two._impl._ypool
+    shared = one._impl._dpool is two._impl._dpool and one._impl._ypool is two._impl._ypool
     one.close()
-    kept = any(e[0] is two._impl._rpool for e in P._SHARED.values())  # still used by `two`
+    kept = any(e[0] is two._impl._dpool for e in P._SHARED.values())  # still used by `two`
     two.close()
-    return ptrs, shared, kept
+    return ptrs, shared, kept, records
 
 
-def test_decode_rows_shared_by_buffers_of_one_shape():
-    calls = make_calls(2, CFG, [7, 5], [11], mask_frac=0.2)
-    for ptrs, shared, kept in run_cpu_world(2, _two_buffers_world, calls, timeout_s=300):
+def test_decode_sets_shared_by_buffers_of_one_shape():
+    """The decode geometry's one set per call (handle block + rows) and the combine output come from pools shared by
+    the buffers of one shape: layers run one after another reuse the same blocks, and every call is still right."""
+    calls = make_calls(2, CFG, [7, 5], [11, 12, 13, 14], mask_frac=0.2)
+    res = run_cpu_world(2, _two_buffers_world, calls, timeout_s=300)
+    check_calls(CFG, calls, [r[3] for r in res])
+    for ptrs, shared, kept, _ in res:
         assert shared and kept
-        assert len({p[0] for p in ptrs}) == 1 and len({p[1] for p in ptrs}) == 1, ptrs  # one rows block, one y block
-        assert len({p[2] for p in ptrs}) == 2, ptrs  # each buffer its own handle block
+        # one rows block, one y block, one handle block: each layer's call hands the set back for the next layer
+        assert len({p[0] for p in ptrs}) == 1 and len({p[1] for p in ptrs}) == 1, ptrs
+        assert len({p[2] for p in ptrs}) == 1, ptrs
 
 
 class _Keep(torch.autograd.Function):

@@ -69,8 +69,7 @@ def _meta(t):
 def _pooled(buf, t) -> bool:
     """Whether ``t`` lies in one of the buffer's pooled blocks (the scenario tests the pool, not a fresh block)."""
     impl, ptr = buf._impl, t.untyped_storage().data_ptr()
-    return any(k.data_ptr() == ptr for p in (impl._pool, impl._rpool, impl._ypool) for sets in p._sets.values() for s in sets
-               for k in s._keep)
+    return any(ptr in p.base_ptrs() for p in impl.output_pools())
 
 
 def _world(group, geometry, pool, calls):

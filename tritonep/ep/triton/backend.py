@@ -60,6 +60,18 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _decode_set_maker(hl: HandleLayout, rows: int, H: int, dtype: torch.dtype, device: torch.device):
+    """``make()`` of the decode geometry's shared pool (:mod:`tritonep.ep.pool`): ``(store, rows), (row weights,
+    ntpe, offs)``, the handle block of layout ``hl`` and the ``[rows, H]`` rows; the row weights first among the views
+    (the pool's quick test reads them: a caller's kept weights or handle hold them). It holds no buffer: the pool
+    outlives the buffer that made it while another buffer of the shape uses it."""
+    def make():
+        store = hl.new(device)
+        return ((store, torch.empty(rows, H, dtype=dtype, device=device)),
+                (hl.tensor(store, "rw"), hl.tensor(store, "ntpe"), hl.tensor(store, "offs")))
+    return make
+
+
 class TritonEP(DispatchOutputs, DecodePath):
     """Triton + symmetric-memory implementation behind :class:`tritonep.EPBuffer` (see the module docstring).
 
@@ -96,32 +108,44 @@ class TritonEP(DispatchOutputs, DecodePath):
         self._no_w = torch.zeros(1, dtype=torch.float32, device=self.device)  # the weighted combine's unused gw_ptr
         self._launch = Launcher(self.device, group)
         self.k = KernelSet(self)
-        # per-call outputs reused once nobody holds them (pool.py): this buffer's handle storage block and the views
-        # a dispatch returns of it; on the decode geometry the max_recv_tokens rows and the combine's [Tmax, H]
-        # output come from pools shared by every buffer of the same shape (one per MoE layer: run one at a time)
+        # per-call outputs reused once nobody holds them (pool.py). Two-kernel / fused geometry: this buffer's handle
+        # storage blocks and the views a dispatch returns of them. Decode geometry: ONE pool shared by every buffer of
+        # the same shape (one per MoE layer: run one at a time) whose sets hold the handle block AND the
+        # max_recv_tokens rows (one take per call), and one of the combine's [Tmax, H] outputs
         self._slots = slots = envs.output_pool()
-        self._pool = OutputPool(self._make_set, slots, self.device)
         dec = bool(cfg.geometry.decode)
         dev, H, dt = self.device, cfg.hidden, cfg.dtype
-        self._shared = (("rows", str(dev), cfg.max_recv_tokens, H, dt),
+        self._pool = OutputPool(self._make_set, 0 if dec else slots, dev)
+        hl = self.hl
+        self._shared = (("dec", str(dev), cfg.max_recv_tokens, H, dt, hl.numel, tuple(hl.fields)),
                         ("y", str(dev), cfg.max_tokens_per_rank, H, dt))
-        mk = lambda n: lambda: ((torch.empty(n, H, dtype=dt, device=dev),), ())  # noqa: E731 - one block of n rows
-        self._rpool = acquire_shared(self._shared[0], mk(cfg.max_recv_tokens), slots if dec else 0, dev)
-        self._ypool = acquire_shared(self._shared[1], mk(cfg.max_tokens_per_rank), slots if dec else 0, dev)
+        self._dpool = acquire_shared(self._shared[0], _decode_set_maker(hl, cfg.max_recv_tokens, H, dt, dev),
+                                     slots if dec else 0, dev)
+        Tm = cfg.max_tokens_per_rank
+        self._ypool = acquire_shared(self._shared[1], lambda: ((torch.empty(Tm, H, dtype=dt, device=dev),), ()),
+                                     slots if dec else 0, dev)
+        self._cdec = None  # the decode geometry's weighted combine launch (bound kernel; set on its first call)
+        # a combine without a kind override is the decode geometry's one launch (as _combine decides it)
+        self._decode_push = dec and (cfg.geometry.combine == "push" or self.cwire.quantized)
         self._precompile(group)
 
     # ---------------------------------------------------------------------------------------------- helpers
     def _make_set(self):
-        """A new set of the output pool: ``(store,), (ntpe, offs, row weights)`` (all fields whole)."""
+        """A new set of the two-kernel / fused geometry's output pool: ``(store,), (ntpe, offs, row weights)``
+        (all fields whole)."""
         hl = self.hl
         store = hl.new(self.device)
         return (store,), (hl.tensor(store, "ntpe"), hl.tensor(store, "offs"), hl.tensor(store, "rw"))
+
+    def output_pools(self) -> tuple:
+        """The output pools this buffer takes sets from (:mod:`tritonep.ep.pool`; shared ones included)."""
+        return self._pool, self._dpool, self._ypool
 
     @property
     def output_pool_bytes(self) -> int:
         """Device bytes the output pools this buffer uses hold (outside the symmetric heap; the shared pools of the
         decode rows / combine output counted whole: :mod:`tritonep.ep.pool`)."""
-        return self._pool.nbytes + self._rpool.nbytes + self._ypool.nbytes
+        return sum(p.nbytes for p in self.output_pools())
 
     def expert_out_buffer(self) -> torch.Tensor:
         """The symmetric ``[max_recv_tokens, H]`` expert-output region (zero copy into combine)."""
@@ -245,11 +269,10 @@ class TritonEP(DispatchOutputs, DecodePath):
         T = x.shape[0]
         if not bad_input:
             self._recent_idx.append(topk_idx)
-        # the pool's set (store, ntpe, offs, row weights) or None: allocate as before (graph capture, every set held)
-        key = self._pool.stream_key() if self._slots else None  # one capture / stream query for both pools
-        got = self._pool.take(key)
         if g.decode:
-            return self._dispatch_decode(x, topk_idx, topk_weights, sync, keep_quantized, bad_input, got, key)
+            return self._dispatch_decode(x, topk_idx, topk_weights, sync, keep_quantized, bad_input, T)
+        # the pool's set (store, ntpe, offs, row weights) or None: allocate as before (graph capture, every set held)
+        got = self._pool.take()
         if got is not None:
             store, ntpe, offs, rw = got
         else:
@@ -280,8 +303,8 @@ class TritonEP(DispatchOutputs, DecodePath):
             k.expand(kq)(x, out, w_arg, store, out, w_arg, q, sc)
         # while the data kernels run: the weights' view (a fresh slice of the pooled field, never the field itself)
         out_w = w_arg if R is None else rw[:R] if rw is not None else self.hl.tensor(store, "rw", R)
-        handle = self._new_handle(store, T)
-        return self._finish_dispatch(code, refused, st, sync, bad_input, out, out_w, q, sc, handle, ntpe, offs, R)
+        return self._finish_dispatch(code, refused, st, sync, bad_input, out, out_w, q, sc, self._new_handle(), store,
+                                     T, ntpe, offs, R)
 
     # ---------------------------------------------------------------------------------------------- combine
     def _combine(self, eo, handle, weighted, gw=None, want_wgrad=False, kind=None, wire=RAW):
@@ -307,6 +330,8 @@ class TritonEP(DispatchOutputs, DecodePath):
 
     def combine_fwd(self, expert_out, handle, kind=None):
         """Weighted combine ``y [T, H]`` (see the module docstring)."""
+        if kind is None and self._decode_push and not self.broken:  # what _combine picks, without its branches
+            return self._combine_decode(expert_out, handle, self.cwire)[0]
         y, _ = self._combine(expert_out, handle, weighted=True, kind=kind, wire=self.cwire)
         return y
 
@@ -343,4 +368,4 @@ class TritonEP(DispatchOutputs, DecodePath):
             self.buf = None
             for key in self._shared:  # the shared pools: one user fewer (the last one lets their blocks go)
                 release_shared(key, self._slots)
-            self._rpool = self._ypool = OutputPool(None, 0, self.device)
+            self._dpool = self._ypool = OutputPool(None, 0, self.device)

@@ -23,6 +23,8 @@ from ..status import STATUS_BAD_INPUT, STATUS_CAPACITY, bad_ranks, raise_for_sta
 
 __all__ = ["DispatchOutputs", "HandleLayout", "ST_HOST"]
 
+_new_handle = object.__new__  # an instance of a (frozen) dataclass without its generated ``__init__``
+
 _ST_ERR = P.v(P.STATUS_WORDS)  # the status word's error part
 _CODE = P.v(P.ST_CODE)
 _ROWS = P.v(P.ST_ROWS_RECEIVED)
@@ -135,16 +137,19 @@ class DispatchOutputs:
             return self._no_rows, q, sc
         return torch.empty(nrows, self.cfg.hidden, dtype=self.cfg.dtype, device=self.device), None, None
 
-    def _new_handle(self, store, T):
-        """This call's handle; its row count, row weights and scales are set by :meth:`_finish_dispatch` (made by
-        the caller while its launch runs)."""
-        return TritonHandle._start(store, self.hl, T, self.buffer_id)
+    @staticmethod
+    def _new_handle():
+        """This call's handle, still empty: :meth:`_finish_dispatch` fills every field at once (the backend makes it
+        while its launch runs; it reaches no caller before)."""
+        return _new_handle(TritonHandle)
 
-    def _finish_dispatch(self, code, refused, st, sync, bad_input, out, out_w, q, sc, handle, ntpe, offs, R):
+    def _finish_dispatch(self, code, refused, st, sync, bad_input, out, out_w, q, sc, handle, store, T, ntpe, offs,
+                         R):
         """Raise a refused call's error (after its launches), else the forward dispatch's return tuple
         ``(rows, row_weights, num_tokens_per_expert, expert_offsets, handle)`` (``handle`` from
-        :meth:`_new_handle`; ``ntpe`` / ``offs``: the two views of its storage the call returns, made by the caller,
-        e.g. while its launch runs)."""
+        :meth:`_new_handle`, filled here: the call's storage block ``store``, ``T`` tokens, ``R`` rows received;
+        ``ntpe`` / ``offs``: the two views of its storage the call returns, made by the caller, e.g. while its
+        launch runs)."""
         if refused:
             self.status.zero_()  # reported once, here; the buffer stays usable (stream-ordered after the kernels)
             if self.rank in bad_ranks(torch.tensor(st)) and not bad_input:
@@ -156,5 +161,5 @@ class DispatchOutputs:
                              self.cfg.timeout_s, self.device.type, this_call=st[_THIS_CALL])
         if sync == SYNC_STRICT:  # the front door's mode (``sync``, read once per call; never under capture / dry run)
             self.check("dispatch")  # a peer that stopped after the counts exchange raises in this call
-        handle._finish(R, out_w, sc)
+        handle._fill(store, self.hl, T, self.buffer_id, R, out_w, sc)
         return (out if q is None else q), out_w, ntpe, offs, handle

@@ -99,7 +99,7 @@ if want eager_ab; then
     for r in 1 2; do
         for v in base new; do
             pp=.; [ $v = base ] && pp=.base
-            PYTHONPATH=$pp python -c "import tritonep; print('tritonep from', tritonep.__file__)"
+            PYTHONPATH=$pp python -c "import sys; sys.path.pop(0); import tritonep; print('tritonep from', tritonep.__file__)"
             PYTHONPATH=$pp step eager_${v}$r 80 torchrun --nproc-per-node 1 benchmarks/eager_profile.py \
                 --tokens 128 1024 4096 --json "$OUT/eager_${v}$r.json"
         done

@@ -37,6 +37,9 @@
 #                                   #   tree before the change (.base/tritonep, `git archive`: carry .base), world-1
 #                                   #   ep / moe GPU tests, peer, `tritonep run` (carry .base and .whl)
 #   bash scripts/gpu_verify8.sh U   # session 13: the W=2 MPS core (ranks sharing the GPU: the shared decode pool)
+#   bash scripts/gpu_verify8.sh V   # session 13 final: the W=2 MPS core, then eager A/B with BOTH trees imported the
+#                                   #   same way (.base/tritonep and .new/tritonep, `git archive`: carry both), three
+#                                   #   alternations at 128 and 4096 tokens
 # Logs and JSON under $OUT, packed into $OUT/logs.tgz.
 source "$(dirname "$0")/gpu_step.sh"
 steps=()
@@ -63,6 +66,7 @@ for a in "$@"; do
         S) steps+=(single mps2rest eager peer) ;;
         T) steps+=(rest4 eager_ab tests_ep peer run) ;;
         U) steps+=(tests_w2) ;;
+        V) steps+=(tests_w2 eager_ab3) ;;
         *) steps+=("$a") ;;
     esac
 done
@@ -102,6 +106,16 @@ if want eager_ab; then
             PYTHONPATH=$pp python -c "import sys; sys.path.pop(0); import tritonep; print('tritonep from', tritonep.__file__)"
             PYTHONPATH=$pp step eager_${v}$r 80 torchrun --nproc-per-node 1 benchmarks/eager_profile.py \
                 --tokens 128 1024 4096 --json "$OUT/eager_${v}$r.json"
+        done
+    done
+fi
+# eager_ab3: both trees through PYTHONPATH (same import path shape), three alternations
+if want eager_ab3; then
+    for r in 1 2 3; do
+        for v in base new; do
+            PYTHONPATH=.$v python -c "import sys; sys.path.pop(0); import tritonep; print('tritonep from', tritonep.__file__)"
+            PYTHONPATH=.$v step eager_${v}$r 60 torchrun --nproc-per-node 1 benchmarks/eager_profile.py \
+                --tokens 128 4096 --json "$OUT/eager_${v}$r.json"
         done
     done
 fi

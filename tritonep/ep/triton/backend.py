@@ -285,15 +285,18 @@ class TritonEP(DispatchOutputs, DecodePath):
         fused = g.fused_send > 0
         if not fused:
             k.send(x, store, T, nc)  # queued before the host waits: its NVLink time overlaps the read
+        # while the exchange runs: what needs no verdict (between the read and the data launch the GPU may wait for
+        # the host). Row weights: a synced call (R known after the read) -> the handle storage's field (written
+        # whole by the data kernels: no allocation); sync-free (no read) -> max_recv_tokens zeros (the rows past
+        # the received ones stay 0)
         if ntpe is None:
-            ntpe, offs = self.hl.tensor(store, "ntpe"), self.hl.tensor(store, "offs")  # while the exchange runs
+            ntpe, offs = self.hl.tensor(store, "ntpe"), self.hl.tensor(store, "offs")
+        w_arg = self.hl.field_view(store, "rw") if sync else \
+            torch.zeros(self.cfg.max_recv_tokens, dtype=torch.float32, device=self.device)
+        handle = self._new_handle()
         st = self._read_host_status(ticket) if sync else None  # the exchange's last program published it
         code, refused, R = self._verdict(st)
         out, q, sc = self._alloc_rows(R if R is not None else self.cfg.max_recv_tokens, keep_quantized)
-        # row weights: R known -> the handle storage's field (written whole by the data kernels: no allocation);
-        # unknown (sync-free, no read) -> max_recv_tokens zeros (the rows past the received ones stay 0)
-        w_arg = self.hl.field_view(store, "rw") if R is not None else \
-            torch.zeros(self.cfg.max_recv_tokens, dtype=torch.float32, device=self.device)
         # the data kernels run on every rank whatever the verdict (a refused call's kernels move no row: the
         # exchange recorded this dispatch's number in status[ST_SKIP_CALL]), so the flags advance identically
         kq = q is not None
@@ -303,8 +306,8 @@ class TritonEP(DispatchOutputs, DecodePath):
             k.expand(kq)(x, out, w_arg, store, out, w_arg, q, sc)
         # while the data kernels run: the weights' view (a fresh slice of the pooled field, never the field itself)
         out_w = w_arg if R is None else rw[:R] if rw is not None else self.hl.tensor(store, "rw", R)
-        return self._finish_dispatch(code, refused, st, sync, bad_input, out, out_w, q, sc, self._new_handle(), store,
-                                     T, ntpe, offs, R)
+        return self._finish_dispatch(code, refused, st, sync, bad_input, out, out_w, q, sc, handle, store, T, ntpe,
+                                     offs, R)
 
     # ---------------------------------------------------------------------------------------------- combine
     def _combine(self, eo, handle, weighted, gw=None, want_wgrad=False, kind=None, wire=RAW):

@@ -117,7 +117,8 @@ def main():
                            sync=False)
     # what replaces them (session 8; one take per call since session 13): the decode pool's take (a set found free by
     # its reference counts; the set of the held ``d`` is checked first and skipped)
-    out["pool_take_us"] = _us(lambda: impl._dpool.take(), sync=False)
+    pool = impl._dpool if impl.geometry.decode else impl._pool  # the pool this geometry's dispatch takes from
+    out["pool_take_us"] = _us(lambda: pool.take(), sync=False)
 
     def objects():
         h = impl._new_handle()

@@ -195,6 +195,9 @@ def _two_buffers_world(group, calls):
         records.append(record(d, eo, y))  # copies: read now, before the next layer's call reuses the set
         del d, y
     shared = one._impl._dpool is two._impl._dpool and one._impl._ypool is two._impl._ypool
+    set_env(TRITONEP_GEOMETRY=None)  # a two-kernel buffer of the same shape: it never uses the decode pools, and
+    other = open_buffer(group, CFG)  # its close must not take a user away from them (`kept` below)
+    other.close()
     one.close()
     kept = any(e[0] is two._impl._dpool for e in P._SHARED.values())  # still used by `two`
     two.close()

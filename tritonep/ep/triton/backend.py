@@ -112,18 +112,19 @@ class TritonEP(DispatchOutputs, DecodePath):
         # storage blocks and the views a dispatch returns of them. Decode geometry: ONE pool shared by every buffer of
         # the same shape (one per MoE layer: run one at a time) whose sets hold the handle block AND the
         # max_recv_tokens rows (one take per call), and one of the combine's [Tmax, H] outputs
-        self._slots = slots = envs.output_pool()
+        slots = envs.output_pool()
         dec = bool(cfg.geometry.decode)
         dev, H, dt = self.device, cfg.hidden, cfg.dtype
         self._pool = OutputPool(self._make_set, 0 if dec else slots, dev)
         hl = self.hl
         self._shared = (("dec", str(dev), cfg.max_recv_tokens, H, dt, hl.numel, tuple(hl.fields)),
                         ("y", str(dev), cfg.max_tokens_per_rank, H, dt))
+        self._shared_slots = slots if dec else 0  # what this buffer registered with the shared pools (0: none)
         self._dpool = acquire_shared(self._shared[0], _decode_set_maker(hl, cfg.max_recv_tokens, H, dt, dev),
-                                     slots if dec else 0, dev)
+                                     self._shared_slots, dev)
         Tm = cfg.max_tokens_per_rank
         self._ypool = acquire_shared(self._shared[1], lambda: ((torch.empty(Tm, H, dtype=dt, device=dev),), ()),
-                                     slots if dec else 0, dev)
+                                     self._shared_slots, dev)
         self._cdec = None  # the decode geometry's weighted combine launch (bound kernel; set on its first call)
         # a combine without a kind override is the decode geometry's one launch (as _combine decides it)
         self._decode_push = dec and (cfg.geometry.combine == "push" or self.cwire.quantized)
@@ -370,5 +371,6 @@ class TritonEP(DispatchOutputs, DecodePath):
             self.buf.close()
             self.buf = None
             for key in self._shared:  # the shared pools: one user fewer (the last one lets their blocks go)
-                release_shared(key, self._slots)
+                release_shared(key, self._shared_slots)  # only what it registered: a buffer of another geometry
+                # with the same shape must not take a user away from the decode buffers' pools
             self._dpool = self._ypool = OutputPool(None, 0, self.device)

@@ -34,7 +34,10 @@ buffer of the process with the same shape, dtype and device (:func:`acquire_shar
 per MoE layer and runs them one after another, so a per-buffer pool of rows would hold ``layers x slots`` blocks the
 caching allocator would have shared; a shared pool holds ``slots`` per stream. On the decode geometry a set holds the
 call's handle block AND its rows (the pool's key includes the block's layout), so a call takes one set; the two-kernel
-and fused geometries pool only the small handle block (its fields' size), per buffer.
+and fused geometries pool only the small handle block (its fields' size), per buffer. So on the decode geometry a
+kept handle keeps its set's rows too (a ``keep_quantized`` call's set leaves its rows unused): where every layer's
+handle is kept (training: until backward) only ``slots`` calls per stream get pooled sets and the others allocate
+both, as without a pool.
 
 Idea: pplx-kernels and DeepEP's low-latency mode hand out receive buffers allocated once per buffer; here the
 reuse is decided per call by reference counts, so a caller that keeps an output never sees it overwritten.

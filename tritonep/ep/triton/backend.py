@@ -125,7 +125,6 @@ class TritonEP(DispatchOutputs, DecodePath):
         Tm = cfg.max_tokens_per_rank
         self._ypool = acquire_shared(self._shared[1], lambda: ((torch.empty(Tm, H, dtype=dt, device=dev),), ()),
                                      self._shared_slots, dev)
-        self._cdec = None  # the decode geometry's weighted combine launch (bound kernel; set on its first call)
         # a combine without a kind override is the decode geometry's one launch (as _combine decides it)
         self._decode_push = dec and (cfg.geometry.combine == "push" or self.cwire.quantized)
         self._precompile(group)

@@ -212,6 +212,10 @@ class KernelSet:
     def combine_decode(self, wire, weighted: bool = True, wgrad: bool = False) -> BoundKernel:
         """Push combine of the decode geometry in one launch: weighted (combine) or not (dispatch backward,
         ``wgrad``: with the weight gradients' return)."""
+        key = ("combine_decode", wire, weighted, wgrad)
+        bk = self._cache.get(key)  # every call after the first: no closure built (a combine's host path)
+        if bk is not None:
+            return bk
         ep, g, cfg = self._ep, self._ep.cfg.geometry, self._ep.cfg
 
         def make():
@@ -222,4 +226,4 @@ class KernelSet:
                 wback_ptr=ep.buf.local("wback"), WEIGHTED=weighted, WGRAD=wgrad, **self._common, **self._ck),
                 dyn=("eo_ptr", STORE, "y_ptr", "T", "gw_ptr", "gtw_ptr"),
                 fields=dict(self._recv, **ep.hl.fields_of(topk_idx_ptr="idx")))
-        return self._get(("combine_decode", wire, weighted, wgrad), make)
+        return self._get(key, make)

@@ -72,15 +72,10 @@ class DecodePath:
         """Push combine in one launch: ``(y [T, H] (eo's dtype), gtw)``; ``weighted=False`` is the dispatch
         backward, whose ``gw [R]`` float32 (or None) comes back per route as ``gtw [T, K]`` float32 (else None)."""
         T = handle.num_tokens
-        if weighted:  # the forward combine: its output pooled (pool.py), its launch looked up once per buffer
+        if weighted:  # the forward combine: its output pooled (pool.py)
             got = self._ypool.take()
             y = got[0][:T] if got is not None else torch.empty(T, self.cfg.hidden, dtype=eo.dtype, device=self.device)
-            bk = self._cdec if wire is self.cwire else None
-            if bk is None:
-                bk = self.k.combine_decode(wire, True, False)
-                if wire is self.cwire:
-                    self._cdec = bk
-            bk(eo, handle.store, y, T, self._no_w, y)
+            self.k.combine_decode(wire, True, False)(eo, handle.store, y, T, self._no_w, y)
             self._eager_check("combine")
             return y, None
         y = torch.empty(T, self.cfg.hidden, dtype=eo.dtype, device=self.device)

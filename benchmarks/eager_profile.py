@@ -10,9 +10,12 @@ back-to-back calls, the default deferred sync checks), host (CPU) time per eager
 kernel launch (Launcher calls, by kernel name; measured in a second loop, so the timer's own wrapper stays out of the
 host time) and the rest (allocation, host read, autograd), and of it the time the host spent waiting in the
 dispatch's one host read for the device's verdict (``*_host_wait_us``; the rest is ``*_host_work_us``, the issue-24
-host-CPU figure without that wait: it still holds any time a launch or allocation itself blocks, e.g. 143 us at 1024 tokens vs 77 at 4096 for the same four launches on one H200, unexplained;
-benchmarks/results/eager_profile_h200x1_session7two_2026-12-02.json); rank 0 prints the
-top CPU ops of one call from ``torch.profiler``.
+host-CPU figure without that wait: it still holds any time a launch or allocation itself blocks, e.g. 143 us at 1024
+tokens vs 77 at 4096 for the same four launches on one H200, unexplained;
+benchmarks/results/eager_profile_h200x1_session7two_2026-12-02.json); rank 0 prints the top CPU ops of one call from
+``torch.profiler``. Every token count's JSON also holds this host's speed
+(:func:`tritonep.bench.host_path.host_calibration`): the lent hosts differ by up to 2x, so host times of two runs
+compare only next to it.
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ def profile_tokens(group, T, H=7168, E=256, K=8, iters=30, backend="triton"):
     x = torch.randn(T, H, generator=g).to(torch.bfloat16).to(dev)
     buf = tep.EPBuffer(group, E, H, T, K, backend=backend)
     out = dict(tokens=T, backend=backend)
+    from tritonep.bench.host_path import host_calibration
+
+    out.update(host_calibration(dev))  # this host's speed: read every host time below next to it
     if backend == "triton":  # the tiles and grids behind the numbers (TRITONEP_GEOMETRY overrides show here)
         g = buf.geometry
         out["geometry"] = (f"bt={g.bt},bh={g.bh},warps={g.num_warps},grid_send={g.grid_send},"

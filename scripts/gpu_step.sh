@@ -22,9 +22,10 @@ step() {
     echo "=== $name rc=$rc in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/summary.txt"
 }
 # `use_wheels`: the carried wheels (.whl/, filled here by scripts/gpu_wheels.sh; the device has no internet) installed
-# into /tmp/site and put on PYTHONPATH (torchtitan 0.3.0 for the peer / titan benchmarks); nothing without .whl/.
+# into /tmp/site and put on PYTHONPATH (torchtitan 0.3.0 for the peer / titan benchmarks; ninja for
+# benchmarks/host_primitives.py --cpp), their scripts on PATH; nothing without .whl/.
 use_wheels() {
     [ -d .whl ] || return 0
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+        .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site" PATH="$PATH:/tmp/site/bin"
 }

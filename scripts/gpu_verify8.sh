@@ -40,6 +40,16 @@
 #   bash scripts/gpu_verify8.sh V   # session 13 final: the W=2 MPS core, then eager A/B with BOTH trees imported the
 #                                   #   same way (.base/tritonep and .new/tritonep, `git archive`: carry both), three
 #                                   #   alternations at 128 and 4096 tokens
+#   bash scripts/gpu_verify8.sh W   # session 14 start: what each piece of the decode host path costs on this host
+#                                   #   (benchmarks/host_primitives.py, with the C++ candidate: carry .whl for ninja),
+#                                   #   eager twice
+#   bash scripts/gpu_verify8.sh X   # session 14 final rows: host pieces (calibrated), eager three processes, peer,
+#                                   #   `tritonep run`, the MoE layer eager vs graph, ep_bench bf16 (carry .whl)
+#   bash scripts/gpu_verify8.sh Y   # session 14 final tests: the whole world-1 GPU suite (one step, 400 s), then the
+#                                   #   W=2 MPS core
+#   bash scripts/gpu_verify8.sh Z   # session 14: the decode ep_bench rows (nccl one-hop vs the pipeline), session
+#                                   #   11's final tree (.base = `git archive 65cfba8 tritonep`) and this one (.new),
+#                                   #   alternating twice (carry .base and .new)
 # Logs and JSON under $OUT, packed into $OUT/logs.tgz.
 source "$(dirname "$0")/gpu_step.sh"
 steps=()
@@ -67,6 +77,10 @@ for a in "$@"; do
         T) steps+=(rest4 eager_ab tests_ep peer run) ;;
         U) steps+=(tests_w2) ;;
         V) steps+=(tests_w2 eager_ab3) ;;
+        W) steps+=(hostprim eager eager2) ;;
+        X) steps+=(hostprim2 eager eager2 eager3 peer run layer epb) ;;
+        Y) steps+=(single2 tests_w2) ;;
+        Z) steps+=(epb_dec_ab) ;;
         *) steps+=("$a") ;;
     esac
 done
@@ -96,6 +110,8 @@ want mps2rest && step mps2rest 265 "${PYTEST[@]}" -m "gpu and world and not worl
     --timeout 120 --maxfail 6
 want single && OMP_NUM_THREADS=4 step single 290 "${PYTEST[@]}" -m "gpu and (not world or world1) and not soak" \
     --timeout 200
+want single2 && OMP_NUM_THREADS=4 step single2 400 "${PYTEST[@]}" -m "gpu and (not world or world1) and not soak" \
+    --timeout 200
 want rest4 && step rest4 150 "${PYT[@]}" -m "gpu and (not world or world1) and not soak" --timeout 100 \
     tests/moe/test_ids_full_width.py tests/moe/test_layer.py tests/moe/test_virtual.py tests/wire/test_quantizers.py
 # eager_ab: the tree before the change (.base/tritonep) and this one, alternating twice on the same host
@@ -119,8 +135,25 @@ if want eager_ab3; then
         done
     done
 fi
+if want epb_dec_ab; then
+    for r in 1 2; do
+        for v in base new; do
+            PYTHONPATH=.$v python -c "import sys; sys.path.pop(0); import tritonep; print('tritonep from', tritonep.__file__)"
+            PYTHONPATH=.$v step epb_dec_${v}$r 60 torchrun --nproc-per-node 1 benchmarks/ep_bench.py --profiles decode \
+                --wires bf16 --json "$OUT/ep_bench_decode_${v}$r.json"
+        done
+    done
+fi
 want eager && step eager 80 torchrun --nproc-per-node 1 benchmarks/eager_profile.py --tokens 128 1024 4096 \
     --json "$OUT/eager_triton.json"
+want eager2 && step eager2 80 torchrun --nproc-per-node 1 benchmarks/eager_profile.py --tokens 128 1024 4096 \
+    --json "$OUT/eager_triton2.json"
+want eager3 && step eager3 80 torchrun --nproc-per-node 1 benchmarks/eager_profile.py --tokens 128 1024 4096 \
+    --json "$OUT/eager_triton3.json"
+want hostprim && step hostprim 150 torchrun --nproc-per-node 1 benchmarks/host_primitives.py --cpp \
+    --json "$OUT/host_primitives.json"
+want hostprim2 && step hostprim2 60 torchrun --nproc-per-node 1 benchmarks/host_primitives.py \
+    --json "$OUT/host_primitives2.json"
 want eager_nopool && TRITONEP_OUTPUT_POOL=0 step eager_nopool 80 torchrun --nproc-per-node 1 \
     benchmarks/eager_profile.py --tokens 128 1024 4096 --json "$OUT/eager_triton_nopool.json"
 want eager_tl && TRITONEP_PACKED_LAUNCH=0 step eager_tl 80 torchrun --nproc-per-node 1 benchmarks/eager_profile.py \

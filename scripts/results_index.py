@@ -19,7 +19,8 @@ Usage (repository root)::
 
 ``add`` copies a run's JSON to its raw name, appends its line to its history and rewrites the README; the
 benchmark is read from the command in the file (``benchmarks/ep_bench.py`` -> ``ep_bench``) unless ``--bench``
-names it. A JSON that holds no command (eager_profile, peer_bench, moe_graph_bench and host_cost write none) takes
+names it. A JSON that holds no command (eager_profile, peer_bench, moe_graph_bench, host_cost and host_primitives write
+none) takes
 it from ``--command "..."``, kept in ``benchmarks/results/commands.jsonl`` (one ``{"raw", "command"}`` a line; the
 raw file stays as written). Commit the raw file, the history, commands.jsonl and the README together.
 """
@@ -42,7 +43,8 @@ README = RESULTS / "README.md"
 
 PREFIXES = {"ep_bench": "ep_bench", "eager_profile": "eager_profile", "kernel_breakdown": "kernel_breakdown",
             "moe_bench": "moe_bench", "moe_graph_bench": "moe_graph_bench", "peer_bench": "peer_bench",
-            "host_cost": "host_cost", "planner": "planner_bench", "tritonep_run": "tritonep_run"}
+            "host_cost": "host_cost", "planner": "planner_bench", "tritonep_run": "tritonep_run",
+            "host_primitives": "host_primitives"}
 """Raw-file name prefix -> benchmark (the planner's files are ``planner_*``, written by planner_bench.py)."""
 COLUMNS = {
     "ep_bench": ("profile", "op", "mode", "num_sms", "tokens", "hidden", "variant", "geometry", "us", "logical_gbps",
@@ -58,6 +60,7 @@ COLUMNS = {
     "peer_bench": ("T", "tep_round_eager_us", "tep_round_graph_us", "tep_sync_free_round_eager_us",
                    "mae_round_eager_us", "mae_round_graph_us", "eager_tep_over_mae", "checked"),
     "host_cost": ("name", "us"),  # the file's {name: us} rows, one row each
+    "host_primitives": ("name", "us"),  # likewise
 }
 """README columns of each benchmark's rows (rank 0's rows only)."""
 MAX_README_ROWS = 40
@@ -126,7 +129,7 @@ def normalize(path: Path) -> dict:
         rows = data
     elif "rows" in data:
         rows = data["rows"]
-        if isinstance(rows, dict):  # host_cost: {name: us}
+        if isinstance(rows, dict):  # host_cost, host_primitives: {name: us}
             rows = [dict(name=k, us=v) for k, v in rows.items()]
     elif "ranks" in data:
         rows = [dict({k: v for k, v in r.items() if not k.startswith("profile.")}, rank=i)

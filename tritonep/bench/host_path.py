@@ -29,7 +29,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["HostCounter", "stub_launches", "measure_host_path", "CALL_KINDS"]
+__all__ = ["HostCounter", "stub_launches", "measure_host_path", "host_calibration", "CALL_KINDS"]
 
 CALL_KINDS = ("dispatch", "dispatch_sync_free", "combine", "dispatch_bwd", "combine_bwd")
 _ALLOC_PREFIXES = ("empty", "zeros", "ones", "full", "new_empty", "new_zeros", "new_full", "new_ones",
@@ -212,3 +212,27 @@ def measure_host_path(buf, x, topk_idx, topk_weights, iters: int = 20, run_kerne
                              host_reads=reads, host_us=statistics.median(ts), torch_names=c.torch_names,
                              aten_names=c.aten_names)
     return out
+
+
+def host_calibration(device, iters: int = 2000, rounds: int = 7) -> dict:
+    """This host's speed at the two kinds of work a call's host path is made of, microseconds (minimum over
+    ``rounds`` of the mean of ``iters``): ``calib_python_loop_100_us`` (a list comprehension over 100 ints: the
+    interpreter) and ``calib_slice_us`` (``t[:500]`` of a ``[1024, 7168]`` bf16 tensor on ``device``: torch's
+    Python binding, dispatcher and view creation, what the views and checks of a call cost).
+
+    The lent GPU hosts differ by up to 2x in both and drift within a call (session 13's note), so every host-time
+    figure of ``benchmarks/eager_profile.py`` / ``benchmarks/host_primitives.py`` comes with these two; compare
+    host times between runs only next to them."""
+    data = list(range(100))
+    t = torch.empty(1024, 7168, dtype=torch.bfloat16, device=device)
+
+    def best(fn):
+        b = float("inf")
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            b = min(b, (time.perf_counter() - t0) / iters * 1e6)
+        return b
+
+    return dict(calib_python_loop_100_us=best(lambda: [v * 2 for v in data]), calib_slice_us=best(lambda: t[:500]))

@@ -22,6 +22,7 @@ slice of a pooled block). A caller that keeps every output gets the old counts (
 """
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from tritonep.testing import run_cpu_world
@@ -80,3 +81,13 @@ def test_triton_per_call_host_budget(T, geometry):
             assert got[0] <= calls and got[1] <= aten and got[2] <= allocs, (
                 f"rank {rank} {call}: {got[0]} torch calls / {got[1]} aten ops / {got[2]} allocations, budget "
                 f"{calls} / {aten} / {allocs} ({got[5]}; {got[6]})")
+
+
+def test_host_calibration_measures_this_host():
+    """The host-speed figures every eager profile carries: both kinds of work timed, in microseconds, and the slice
+    is a real view op (a tensor of another device or a no-op loop would read far below a microsecond's tenth)."""
+    from tritonep.bench.host_path import host_calibration
+
+    cal = host_calibration(torch.device("cpu"), iters=200, rounds=2)
+    assert set(cal) == {"calib_python_loop_100_us", "calib_slice_us"}
+    assert all(0.05 < v < 1000 for v in cal.values()), cal

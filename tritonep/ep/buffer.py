@@ -88,7 +88,9 @@ class EPBuffer:
         self.device = device
         self._cuda = device.type == "cuda"
         self.backend, self.backend_reason = choose_from_reports(backend, reports)
-        self._impl = build_backend(self.backend, cfg, group=group, rank=self.rank, device=device)
+        with torch.inference_mode(False):  # the backend's persistent tensors: normal ones, also for a buffer built
+            # inside inference mode (calls in grad mode update them in place)
+            self._impl = build_backend(self.backend, cfg, group=group, rank=self.rank, device=device)
         self._closed = False
         EPBuffer._serial += 1
         self._id = EPBuffer._serial

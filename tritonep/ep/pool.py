@@ -11,7 +11,8 @@ every base tensor are back at their values when the set was made (a caller's vie
 autograd node that saved a row, a held ``untyped_storage()``, a DLPack capsule of a base: each raises one of them).
 
 A set whose tensor a caller's in-place op with a differentiable operand put into an autograd graph (its views would
-inherit the stale ``grad_fn``) is dropped, not reused (:meth:`_Set.marked`).
+inherit the stale ``grad_fn``), or gave a forward-mode tangent, is dropped, not reused (:meth:`_Set.marked`). A set is
+always made of normal tensors, also by a call inside ``torch.inference_mode()`` (a later call in grad mode may get it).
 
 Reuse rules (those of PyTorch's caching allocator, which hands a freed block again only to the next allocation on
 the stream it was made on, ordered after every earlier use on that stream):
@@ -48,6 +49,7 @@ from __future__ import annotations
 import sys
 
 import torch
+from torch.autograd import forward_ad as _fwd
 
 __all__ = ["OutputPool", "MAX_STREAMS", "acquire_shared", "release_shared"]
 
@@ -127,10 +129,17 @@ class _Set:
         view it was handed (``d.x.mul_(w)``, ``w.requires_grad``) made the view's differentiable base part of that
         call's graph (``CopySlices``): a base of the set, or one of its views that changes the dtype (``.view(
         torch.float32)`` of the int32 block is a base of its own for autograd). Its later views would inherit the
-        stale ``grad_fn``; such a set is never handed out again (:meth:`OutputPool.take_set` drops it)."""
+        stale ``grad_fn``; such a set is never handed out again (:meth:`OutputPool.take_set` drops it). Likewise a
+        forward-mode tangent (``d.x.mul_(dual)`` inside ``torch.autograd.forward_ad.dual_level()``: the base gets a
+        tangent, ``requires_grad`` stays False): looked for only while a dual level is open (leaving the level
+        discards its tangents), so a take outside forward AD pays one global read for it."""
         for t in self._float:
             if t.requires_grad:
                 return True
+        if _fwd._current_level >= 0:
+            for t in self._float:
+                if _fwd.unpack_dual(t).tangent is not None:
+                    return True
         return False
 
 
@@ -211,7 +220,13 @@ class OutputPool:
                 return s
             i += 1
         if len(sets) < self.slots:
-            s = _Set(*self._make())
+            if torch.is_inference_mode_enabled():
+                # a set outlives the call that made it: made as normal tensors even inside inference mode, or a
+                # later call in grad mode would get inference tensors (no in-place op, not savable for backward)
+                with torch.inference_mode(False):
+                    s = _Set(*self._make())
+            else:
+                s = _Set(*self._make())
             s.seal()
             sets.append(s)
             return s

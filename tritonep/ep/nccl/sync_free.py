@@ -170,8 +170,9 @@ class NcclSyncFree:
     def _onehop(self) -> OneHopDispatch:
         """The one-hop dispatcher of this buffer (:class:`OneHopDispatch`, its verdicts merged into the status word;
         its send / receive rows persistent, made here on the first one-hop call)."""
-        self._oh = OneHopDispatch.from_config(self.cfg, group=self.group, rank=self.rank, device=self.device,
-                                              status_word=self._status)
+        with torch.inference_mode(False):  # persistent state: normal tensors even when made by an inference call
+            self._oh = OneHopDispatch.from_config(self.cfg, group=self.group, rank=self.rank, device=self.device,
+                                                  status_word=self._status)
         return self._oh
 
     POOL_KEYS = 4  # token counts whose small per-call outputs are pooled at once (least recently used dropped)
@@ -223,14 +224,16 @@ class NcclSyncFree:
             release_shared(self._sf_rows_key, self._sf_slots_n)
 
     def _sf_buffers(self):
-        """The persistent send / receive rows (made on the first sync-free call). The receive rows have one more
-        row holding the encoding of a zero row (padding rows of a ``keep_quantized`` dispatch copy it)."""
+        """The persistent send / receive rows (made on the first sync-free call, as normal tensors also inside
+        ``torch.inference_mode()``). The receive rows have one more row holding the encoding of a zero row (padding
+        rows of a ``keep_quantized`` dispatch copy it)."""
         N, lay, dev = self._slots_n, self._lay, self.device
-        send = torch.empty(N, lay.width, dtype=torch.uint8, device=dev)
-        recv = torch.zeros(N + 1, lay.width, dtype=torch.uint8, device=dev)
-        if self._dfmt.quantized:
-            self._dfmt.wire_views(recv[N:], self.cfg.hidden)[1].fill_(self._dfmt.zero_scale)
-        self._sf_bufs = send, recv, recv[:N]
+        with torch.inference_mode(False):  # persistent: normal tensors even when made by an inference call
+            send = torch.empty(N, lay.width, dtype=torch.uint8, device=dev)
+            recv = torch.zeros(N + 1, lay.width, dtype=torch.uint8, device=dev)
+            if self._dfmt.quantized:
+                self._dfmt.wire_views(recv[N:], self.cfg.hidden)[1].fill_(self._dfmt.zero_scale)
+            self._sf_bufs = send, recv, recv[:N]
         return self._sf_bufs
 
     def _sf_bind_a2a(self):

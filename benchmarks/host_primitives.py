@@ -49,13 +49,9 @@ py::tuple front_and_views(const at::Tensor& x, const at::Tensor& idx, const at::
 
 
 def timed(fn, iters, rounds):
-    best = float("inf")
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / iters * 1e6)
-    return best
+    from tritonep.bench.host_path import best_time_us
+
+    return best_time_us(fn, iters, rounds)
 
 
 def _call_values(bk, dyn) -> tuple:

@@ -29,7 +29,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["HostCounter", "stub_launches", "measure_host_path", "host_calibration", "CALL_KINDS"]
+__all__ = ["HostCounter", "stub_launches", "measure_host_path", "host_calibration", "best_time_us", "CALL_KINDS"]
 
 CALL_KINDS = ("dispatch", "dispatch_sync_free", "combine", "dispatch_bwd", "combine_bwd")
 _ALLOC_PREFIXES = ("empty", "zeros", "ones", "full", "new_empty", "new_zeros", "new_full", "new_ones",
@@ -225,14 +225,16 @@ def host_calibration(device, iters: int = 2000, rounds: int = 7) -> dict:
     host times between runs only next to them."""
     data = list(range(100))
     t = torch.empty(1024, 7168, dtype=torch.bfloat16, device=device)
+    return dict(calib_python_loop_100_us=best_time_us(lambda: [v * 2 for v in data], iters, rounds),
+                calib_slice_us=best_time_us(lambda: t[:500], iters, rounds))
 
-    def best(fn):
-        b = float("inf")
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                fn()
-            b = min(b, (time.perf_counter() - t0) / iters * 1e6)
-        return b
 
-    return dict(calib_python_loop_100_us=best(lambda: [v * 2 for v in data]), calib_slice_us=best(lambda: t[:500]))
+def best_time_us(fn, iters: int, rounds: int) -> float:
+    """Host microseconds of one ``fn()`` call: the minimum over ``rounds`` of the mean over ``iters`` calls."""
+    b = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        b = min(b, (time.perf_counter() - t0) / iters * 1e6)
+    return b

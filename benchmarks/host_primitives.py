@@ -48,17 +48,9 @@ py::tuple front_and_views(const at::Tensor& x, const at::Tensor& idx, const at::
 """
 
 
-def timed(fn, iters, rounds):
-    from tritonep.bench.host_path import best_time_us
-
-    return best_time_us(fn, iters, rounds)
-
-
 def _call_values(bk, dyn) -> tuple:
     """The values the generated direct launch of ``bk`` hands the packed C launcher for per-call values ``dyn`` (in
     its ``_cpos`` order: the storage block's fields as addresses, tensors as addresses, the rest as they are)."""
-    from tritonep.ep.bound import STORE
-
     by_pos = {}
     for p, v in zip(bk._pos, dyn):
         if p < 0:
@@ -67,7 +59,6 @@ def _call_values(bk, dyn) -> tuple:
                 by_pos[fpos] = base + 4 * start
         else:
             by_pos[p] = v.data_ptr() if isinstance(v, torch.Tensor) else v
-    assert STORE in bk._dyn or not bk._fields
     return tuple(by_pos[p] for p in bk._cpos)
 
 
@@ -92,6 +83,7 @@ def main():
 
 def measure(group, a):
     import tritonep as tep
+    from tritonep.bench.host_path import best_time_us as timed, host_calibration
     from tritonep.ep.validate import check_dispatch_inputs
 
     T, H, E, K = a.tokens, 7168, 256, 8
@@ -112,8 +104,6 @@ def measure(group, a):
     res = dict(device=torch.cuda.get_device_name() if cuda else "cpu", tokens=T, rows=R,
                geometry_decode=int(buf.geometry.decode), torch=torch.__version__)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    from tritonep.bench.host_path import host_calibration
-
     res.update(host_calibration(dev, it, rd))  # the host's interpreter and torch-binding speed
     pieces = {
         "two_views": lambda: (rows[:R], rw[:R]),
@@ -150,6 +140,7 @@ def measure(group, a):
             run_c, stream = packed_launch.module().run, torch._C._cuda_getCurrentRawStream(dev.index or 0)
             cvals = _call_values(bk, dyn)
             whole.append(("decode_launch_c_only", lambda: run_c(ent, stream, *cvals)))
+
     def host_of(fn, reps):  # host time per call, the GPU drained between batches (not timed)
         best = float("inf")
         for _ in range(rd):

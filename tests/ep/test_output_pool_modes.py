@@ -1,5 +1,5 @@
 """The output pool (:mod:`tritonep.ep.pool`) across autograd modes: a set outlives the call that made it, so the mode
-of that call must not reach a later call (session 14's break-it review found both, with the pool on only).
+of that call must not reach a later call (session 14's break-it review found these; the first two with the pool on only).
 
 * A set made inside ``torch.inference_mode()`` (a rollout / eval that keeps one call's outputs while it makes the
   next) held inference tensors; a later call in grad mode got them: ``expert_offsets`` could not be saved for the
@@ -8,7 +8,6 @@ of that call must not reach a later call (session 14's break-it review found bot
 * A forward-mode tangent a caller's in-place op put on a pooled base (``d.x.mul_(dual)`` / ``d.weights.mul_(dual)``
   inside ``forward_ad.dual_level()``) came back on the next call's outputs (a wrong JVP, silently); such a set is now
   dropped like one with a reverse-mode mark.
-
 * A buffer's persistent tensors made inside inference mode (the buffer built there, or the nccl backend's sync-free
   send / receive rows made by its first sync-free call there) could not be updated in place by later grad-mode calls
   ("Inplace update to inference tensor outside InferenceMode"); they are now made as normal tensors.

@@ -136,7 +136,7 @@ class _Set:
         for t in self._float:
             if t.requires_grad:
                 return True
-        if _fwd._current_level >= 0:
+        if getattr(_fwd, "_current_level", 0) >= 0:  # torch's open dual level (-1: none); unknown: look
             for t in self._float:
                 if _fwd.unpack_dual(t).tangent is not None:
                     return True

@@ -206,8 +206,9 @@ def _rel(a, b):
 def check_layer(s, li, layer, results, world_size):
     """Dense reference for one layer; returns dict of max relative errors.
 
-    Runs on the GPU when there is one (cuda:0, after the ranks finished; the layers drew their expert weights on
-    GPUs of the same kind, so :meth:`MoELayer.init_expert_weights` rebuilds them there), else on the CPU.
+    Runs on the GPU when there is one (cuda:0, after the ranks finished), else on the CPU;
+    :meth:`MoELayer.init_expert_weights` rebuilds the ranks' expert weights bit for bit on any GPU, whatever SM share
+    the ranks saw (MPS).
     """
     from ..moe import MoEGeometry, MoELayer
     from ..reference import moe_dense_reference

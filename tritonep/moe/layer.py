@@ -196,10 +196,10 @@ class MoELayer(nn.Module):
                             device=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Every expert's initial weights, as the layers of any world size on ``device``'s type build them.
 
-        Expert e's weights are drawn on ``device`` from a generator of that device seeded by ``(seed, e)`` only:
-        ``w1[e] ~ N(0, 1/H)``, ``w2[e] ~ N(0, 1/I)`` (float32, then cast to ``dtype``). A layer on a CUDA device
-        draws with CUDA generators, whose bits differ from the CPU's: pass the layer's device (or another GPU of the
-        same kind) to rebuild its weights.
+        Expert e's weights depend on ``(seed, e)`` only: ``w1[e] ~ N(0, 1/H)``, ``w2[e] ~ N(0, 1/I)``, drawn on
+        ``device`` by a counter-based generator (:mod:`tritonep.moe.counter_rng`; float64, rounded once to
+        ``dtype``), so every GPU, whatever SM count it shows the process (MPS shares included), draws the same bits,
+        and a CPU the same values up to the last bit of rare float32 roundings.
 
         Args:
             geometry: the layer's geometry (H, I, E). seed: the layer's seed. dtype: the layer's weight dtype.

@@ -12,6 +12,7 @@ import torch
 
 from ..ep import EPBuffer
 from ..errors import ConfigError
+from .counter_rng import counter_normal, stream_key
 from .recipe import MoEGeometry, MoERecipe, check_config
 
 _ACT_DTYPE = torch.bfloat16  # tokens, received rows and expert outputs travel in bf16
@@ -38,8 +39,10 @@ def expert_weights(geometry: MoEGeometry, seed: int, dtype: torch.dtype, experts
     """Weights of the given global experts, drawn on ``device`` (default CPU); see :meth:`tritonep.MoELayer.init_expert_weights`.
 
     Returns ``(w1 [n, H, width], w2 [n, I, H])`` in ``dtype`` on ``device`` (n = number of experts; width =
-    ``geometry.w1_width``, 2I for the gated activations). Each expert is drawn in float32 by its own generator and
-    cast into the preallocated output (no ``[n, ...]`` fp32 copy).
+    ``geometry.w1_width``, 2I for the gated activations). Expert e's tensors are the counter-based streams
+    ``(seed, e, 1)`` and ``(seed, e, 2)`` of :func:`tritonep.moe.counter_rng.counter_normal`, written straight into
+    the preallocated output: the same values on every device and SM count (``torch.randn`` on CUDA depends on the
+    SM count the process sees, which MPS lowers for ranks sharing a GPU).
     """
     H, inter, width = geometry.hidden, geometry.intermediate, geometry.w1_width
     device = torch.device("cpu") if device is None else torch.device(device)
@@ -47,9 +50,8 @@ def expert_weights(geometry: MoEGeometry, seed: int, dtype: torch.dtype, experts
     w1 = torch.empty(len(experts), H, width, dtype=dtype, device=device)
     w2 = torch.empty(len(experts), inter, H, dtype=dtype, device=device)
     for i, e in enumerate(experts):
-        gen = torch.Generator(device=device).manual_seed(int(seed) * 1_000_003 + 104_729 + e)
-        w1[i] = torch.randn(H, width, generator=gen, device=device) / math.sqrt(H)
-        w2[i] = torch.randn(inter, H, generator=gen, device=device) / math.sqrt(inter)
+        counter_normal(stream_key(seed, e, 1), (H, width), out=w1[i], std=1.0 / math.sqrt(H))
+        counter_normal(stream_key(seed, e, 2), (inter, H), out=w2[i], std=1.0 / math.sqrt(inter))
     return w1, w2
 
 

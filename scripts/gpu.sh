@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# The one GPU runner: named suites, each sized to fit one 10-minute device command (timeout_s=600) with cold Triton
+# caches on one H100 / H200. Run from the repository root on the GPU machine:
+#   bash scripts/gpu.sh SUITE [SUITE ...]
+# Suites (limits in seconds are each step's own; measured times in docs/gpu.md):
+#   single   world-1 GPU tests (one process, one GPU)                                      limit 300
+#   mps2     every multi-rank GPU test at W=2, ranks sharing the GPU under MPS             limit 400
+#   mps4     every multi-rank GPU test at W=4 under MPS                                     limit 480
+#   ts2/ts4  the same, time-sliced (no MPS)                                                 limit 500 / 520
+#   soak     the 1000-replay CUDA-graph soaks at W=2 under MPS                              limit 150
+#   runs2    `tritonep run` at W=2 under MPS: every layer; balance none / virtual, push / pull, bf16 / fp8
+#   runs4    the same at W=4 under MPS (run2 / run4: only the default recipe)
+#   caps     dispatch / combine / backward exact at every program cap (world 1 and W=2 under MPS)
+#   probe    does a rank's random draw depend on the SM share MPS gives it (benchmarks/probes/mps_sm_share.py)
+#   bench    world-1 benchmarks (dispatch / combine vs the copy floor, eager vs graph)
+# Every step's log and JSON go to $WORK (default /tmp/gpu_work), packed after every step into $OUT/logs.tgz with a
+# verdict line per step in $OUT/summary.txt (what comes back from the device). Past its limit a step gets SIGINT
+# (pytest then prints its failures and durations so far), SIGKILL 15 s later. Multicast stays off.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+OUT=${OUT:-gpu_out}
+WORK=${WORK:-/tmp/gpu_work}
+mkdir -p "$OUT" "$WORK"
+
+pack() { tar czf "$OUT/logs.tgz" -C "$WORK" . 2>/dev/null; cp "$WORK/summary.txt" "$OUT/summary.txt" 2>/dev/null; }
+step() {  # step NAME LIMIT_S CMD...: CMD under its limit, logged to $WORK/NAME.log, a verdict line
+    local name=$1 limit=$2; shift 2
+    local t0
+    t0=$(date +%s)
+    echo "=== $name (limit ${limit}s): $*"
+    timeout -s INT -k 15 "$limit" "$@" 2>&1 | grep --line-buffered -v -E "Warning:|warnings\.warn|_warn_once" \
+        > "$WORK/$name.log"
+    local rc=${PIPESTATUS[0]}
+    tail -"${TAIL:-8}" "$WORK/$name.log"
+    echo "=== $name rc=$rc in $(( $(date +%s) - t0 )) s" | tee -a "$WORK/summary.txt"
+    pack
+}
+stop_leftover_mps() {  # a world killed outright could leave its private daemon: quit it by its own pipe folder
+    local d
+    for d in "${TMPDIR:-/tmp}"/tritonep_world_*/mps_pipe; do
+        [ -e "$d" ] || continue
+        echo "leftover MPS daemon at $d: quitting it"
+        echo quit | CUDA_MPS_PIPE_DIRECTORY="$d" CUDA_MPS_LOG_DIRECTORY="${d%/mps_pipe}/mps_log" timeout 20 \
+            nvidia-cuda-mps-control || true
+        rm -rf "${d%/mps_pipe}"
+    done
+}
+PYTEST=(python -m pytest -v -ra -p no:cacheprovider --durations=30 tests)
+RUN=(python -m tritonep.cli.main run)
+
+run_base() {  # run_base W: `tritonep run` under MPS at W ranks, every layer of the default trace, default recipe
+    step "run${1}_none_push_bf16" 150 "${RUN[@]}" --world-size "$1" --mps on --json "$WORK/run${1}_none_push_bf16.json"
+    stop_leftover_mps
+}
+run_matrix() {  # run_matrix W: the base run, then the other recipes (balance, combine kind, wires)
+    local W=$1
+    run_base "$W"
+    step "run${W}_virtual_pull_bf16" 150 "${RUN[@]}" --world-size "$W" --mps on --balance virtual --combine pull \
+        --json "$WORK/run${W}_virtual_pull_bf16.json"
+    stop_leftover_mps
+    step "run${W}_none_pull_fp8" 150 "${RUN[@]}" --world-size "$W" --mps on --combine pull --dispatch-wire fp8 \
+        --json "$WORK/run${W}_none_pull_fp8.json"
+    stop_leftover_mps
+    step "run${W}_virtual_push_fp8" 150 "${RUN[@]}" --world-size "$W" --mps on --balance virtual --dispatch-wire fp8 \
+        --combine-wire fp8 --json "$WORK/run${W}_virtual_push_fp8.json"
+    stop_leftover_mps
+}
+
+[ $# -gt 0 ] || { sed -n '2,20p' "$0"; exit 2; }
+nvidia-smi -L
+command -v nvidia-cuda-mps-control >/dev/null || echo "nvidia-cuda-mps-control not found: the MPS suites will fail"
+for suite in "$@"; do
+    case "$suite" in
+        single) step single 300 "${PYTEST[@]}" -m "gpu and (not world or world1) and not soak" --timeout 200 ;;
+        mps2) step mps2 400 "${PYTEST[@]}" -m "gpu and world and not world1 and not soak" --gpu-world-sizes 2 \
+                  --gpu-mps on --timeout 120 --maxfail 4 ;;
+        mps4) step mps4 480 "${PYTEST[@]}" -m "gpu and anyworld and not soak" --gpu-world-sizes 4 --gpu-mps on \
+                  --timeout 120 --maxfail 4 ;;
+        ts2) step ts2 500 "${PYTEST[@]}" -m "gpu and world and not world1 and not soak" --gpu-world-sizes 2 \
+                 --timeout 200 --maxfail 8 ;;
+        ts4) step ts4 520 "${PYTEST[@]}" -m "gpu and anyworld and not soak" --gpu-world-sizes 4 --timeout 200 \
+                 --maxfail 8 ;;
+        soak) step soak 150 "${PYTEST[@]}" -m "gpu and soak" --gpu-world-sizes 2 --gpu-mps on --timeout 140 ;;
+        run2) run_base 2 ;;
+        run4) run_base 4 ;;
+        runs2) run_matrix 2 ;;
+        runs4) run_matrix 4 ;;
+        caps) step caps 400 "${PYTEST[@]}" -m "gpu and caps" --gpu-world-sizes 2 --gpu-mps on --timeout 300 ;;
+        probe) step probe 120 python benchmarks/probes/mps_sm_share.py --world-size 2 --mps on \
+                   --json "$WORK/probe_w2.json"
+               step probe4 120 python benchmarks/probes/mps_sm_share.py --world-size 4 --mps on \
+                   --json "$WORK/probe_w4.json" ;;
+        *) echo "unknown suite $suite"; sed -n '2,20p' "$0"; exit 2 ;;
+    esac
+    stop_leftover_mps
+done
+cat "$WORK/summary.txt"

@@ -73,21 +73,23 @@ nvidia-smi -L
 command -v nvidia-cuda-mps-control >/dev/null || echo "nvidia-cuda-mps-control not found: the MPS suites will fail"
 for suite in "$@"; do
     case "$suite" in
-        single) step single 300 "${PYTEST[@]}" -m "gpu and (not world or world1) and not soak" --timeout 200 ;;
-        mps2) step mps2 400 "${PYTEST[@]}" -m "gpu and world and not world1 and not soak" --gpu-world-sizes 2 \
+        single) step single 300 "${PYTEST[@]}" -m "gpu and (not world or world1) and not soak and not caps" --timeout 200 ;;
+        mps2) step mps2 400 "${PYTEST[@]}" -m "gpu and world and not world1 and not soak and not caps" --gpu-world-sizes 2 \
                   --gpu-mps on --timeout 120 --maxfail 4 ;;
-        mps4) step mps4 480 "${PYTEST[@]}" -m "gpu and anyworld and not soak" --gpu-world-sizes 4 --gpu-mps on \
+        mps4) step mps4 480 "${PYTEST[@]}" -m "gpu and anyworld and not soak and not caps" --gpu-world-sizes 4 --gpu-mps on \
                   --timeout 120 --maxfail 4 ;;
-        ts2) step ts2 500 "${PYTEST[@]}" -m "gpu and world and not world1 and not soak" --gpu-world-sizes 2 \
+        ts2) step ts2 500 "${PYTEST[@]}" -m "gpu and world and not world1 and not soak and not caps" --gpu-world-sizes 2 \
                  --timeout 200 --maxfail 8 ;;
-        ts4) step ts4 520 "${PYTEST[@]}" -m "gpu and anyworld and not soak" --gpu-world-sizes 4 --timeout 200 \
+        ts4) step ts4 520 "${PYTEST[@]}" -m "gpu and anyworld and not soak and not caps" --gpu-world-sizes 4 --timeout 200 \
                  --maxfail 8 ;;
         soak) step soak 150 "${PYTEST[@]}" -m "gpu and soak" --gpu-world-sizes 2 --gpu-mps on --timeout 140 ;;
         run2) run_base 2 ;;
         run4) run_base 4 ;;
         runs2) run_matrix 2 ;;
         runs4) run_matrix 4 ;;
-        caps) step caps 400 "${PYTEST[@]}" -m "gpu and caps" --gpu-world-sizes 2 --gpu-mps on --timeout 300 ;;
+        caps) step caps1 200 "${PYTEST[@]}" -m "gpu and caps and world1" --timeout 180
+              step caps2 300 "${PYTEST[@]}" -m "gpu and caps and not world1" --gpu-world-sizes 2 --gpu-mps on \
+                  --timeout 280 ;;
         probe) step probe 120 python benchmarks/probes/mps_sm_share.py --world-size 2 --mps on \
                    --json "$WORK/probe_w2.json"
                step probe4 120 python benchmarks/probes/mps_sm_share.py --world-size 4 --mps on \

@@ -216,13 +216,16 @@ def select_geometry(device_type: str, world_size: int, hidden: int, max_tokens_p
     caps = [c for c in (cap, envs.max_programs()) if c]
     clip = min(caps) if caps else 0
     if clip:
-        fs, fe = g.fused_send, g.fused_expand
-        if fs and fs + fe > clip:  # keep the role split, within the cap
+        fs, fe, fc = g.fused_send, g.fused_expand, g.fused_combine
+        if fs and clip < 2:  # a fused launch needs a sender and an expander at once: one program takes two kernels
+            fs = fe = 0
+            fc = False
+        elif fs and fs + fe > clip:  # keep the role split, within the cap
             fs = max(1, clip * fs // (fs + fe))
             fe = max(1, clip - fs)
         g = replace(g, grid_hist=min(g.grid_hist, clip), grid_send=min(g.grid_send, clip),
                     grid_expand=min(g.grid_expand, clip), grid_partial=min(g.grid_partial, clip),
-                    grid_out=min(g.grid_out, clip), fused_send=fs, fused_expand=fe)
+                    grid_out=min(g.grid_out, clip), fused_send=fs, fused_expand=fe, fused_combine=fc)
     if forced in ("push", "pull"):
         g = replace(g, combine=forced)
     # a fused path's two-kernel grids must equal its roles: both then add the same per-call counter totals

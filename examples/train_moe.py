@@ -201,7 +201,7 @@ if __name__ == "__main__":
     if torch.cuda.is_available():  # under torchrun: one process per GPU
         for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                      ("NVSHMEM_DISABLE_NVLS", "1")):
-            os.environ.setdefault(k, v)  # multicast off (README, "On the GPU machine")
+            os.environ.setdefault(k, v)  # multicast off (README, "Install on a GPU machine")
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local_rank)
         dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))

@@ -48,24 +48,9 @@ import torch.distributed as dist
 from ..ep.layout import layout_torch, route_rows_torch
 from ..memory import group_barrier, uses_nccl
 from .check import PointChecker, bench_expert, compare_close, compare_exact, mark_checked
+from .profiles import PROFILES
 
 __all__ = ["PROFILES", "time_graph", "time_rounds", "peer_copy_gbps", "bench_ep", "ratio_lines"]
-
-PROFILES = {
-    "deepseek-v3": dict(hidden=7168, num_experts=256, topk=8, tokens=4096),
-    "decode": dict(hidden=7168, num_experts=256, topk=8, tokens=128,
-                   note="the table picks the one-launch decode path (TRITONEP_GEOMETRY=dec=0: two kernels)"),
-    # the same shape with the one-launch decode dispatch / combine pinned (geometry dec=G; rows carry
-    # exact_vs_two_kernel; no NCCL baselines); since session 5 the table picks that path for `decode` too
-    "decode-1launch": dict(hidden=7168, num_experts=256, topk=8, tokens=128, geometry="bt=1,dec=128"),
-    "deepseek-v3-1k": dict(hidden=7168, num_experts=256, topk=8, tokens=1024),
-    "qwen3-moe": dict(hidden=4096, num_experts=128, topk=8, tokens=4096),
-    # the packaged FLAME-MoE-290M router decisions (64 experts, top-6, 2048 tokens split over the ranks)
-    "real-trace": dict(hidden=2048, num_experts=64, topk=6, tokens=0, trace_layer=2),
-    # CPU smoke run of the benchmark code and its checks (interpreter; times mean nothing)
-    "cpu-smoke": dict(hidden=128, num_experts=8, topk=2, tokens=6,
-                      note="checks only, on a CPU: python benchmarks/ep_bench.py --cpu"),
-}
 
 
 def _barrier(group):
@@ -140,8 +125,8 @@ def peer_copy_gbps(group, nbytes=256 << 20):
     return nbytes / us / 1e3
 
 
-def one_gpu_inputs(T: int, H: int = 7168, E: int = 256, K: int = 8, seed: int = 0):
-    """The one-GPU probes' setup (``benchmarks/onehop_send_probe.py``, ``benchmarks/nccl_sync_free_profile.py``, run
+def one_gpu_inputs(T: int, H: int, E: int, K: int, seed: int = 0):
+    """The one-GPU probes' setup (``benchmarks/probes/onehop_send_probe.py``, ``.../nccl_sync_free_profile.py``, run
     under ``torchrun``): the NCCL process group (made here), the rank's device (``LOCAL_RANK``, made current) and
     one call's inputs ``x [T, H]`` bf16, ``topk_idx [T, K]`` int64 (K distinct experts of E per token), ``topk_weights
     [T, K]`` float32 from generator ``seed``. Returns ``(device, x, topk_idx, topk_weights)``."""

@@ -221,7 +221,7 @@ def host_calibration(device, iters: int = 2000, rounds: int = 7) -> dict:
     Python binding, dispatcher and view creation, what the views and checks of a call cost).
 
     The lent GPU hosts differ by up to 2x in both and drift within a call (session 13's note), so every host-time
-    figure of ``benchmarks/eager_profile.py`` / ``benchmarks/host_primitives.py`` comes with these two; compare
+    figure of ``benchmarks/eager_profile.py`` / ``benchmarks/probes/host_primitives.py`` comes with these two; compare
     host times between runs only next to them."""
     data = list(range(100))
     t = torch.empty(1024, 7168, dtype=torch.bfloat16, device=device)

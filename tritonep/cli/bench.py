@@ -7,6 +7,8 @@ import json
 import torch
 
 from ..bench.check import exit_code
+from ..bench.meta import run_meta
+from ..bench.profiles import DEFAULT_INTERMEDIATE
 from .help import EpilogTableFormatter
 
 __all__ = ["add_parser", "main", "bench_rank", "profiles_epilog"]
@@ -32,13 +34,13 @@ def positive_int(text: str) -> int:
 
 def add_parser(sub):
     """Register ``tritonep bench`` and its flags on the ``sub`` subparsers action."""
-    from ..bench.ep import PROFILES
+    from ..bench.profiles import PROFILES
 
     p = sub.add_parser("bench", formatter_class=EpilogTableFormatter, epilog=profiles_epilog(PROFILES),
                        help="benchmarks vs NCCL all_to_all_single (GPU) and --soak checks")
     p.add_argument("op", choices=OPS, help="what to measure: dispatch/combine (one run measures both rows), moe (the "
-                                            "MoE layer fwd+bwd vs the torch + NCCL reference; --profile deepseek-v3 "
-                                            "shapes, intermediate 2048), planner (virtual-expert planner, one GPU)")
+                                            "MoE layer fwd+bwd vs the torch + NCCL reference at the profile's shape "
+                                            "and expert width), planner (virtual-expert planner, one GPU)")
     p.add_argument("--profile", default="deepseek-v3",
                    help=f"one of: {', '.join(sorted(PROFILES))} (their shapes: the table below)")
     p.add_argument("--tokens", type=int, nargs="*", default=None,
@@ -66,10 +68,11 @@ def add_parser(sub):
 def profiles_epilog(profiles: dict) -> str:
     """The ``--help`` epilog of ``tritonep bench``: one line per profile of ``profiles`` (:data:`tritonep.bench.ep.
     PROFILES`) with its hidden size, experts, top-k and tokens per rank, and what else it sets."""
-    head = ("profile", "hidden", "experts", "top-k", "tokens/rank")
+    head = ("profile", "hidden", "experts", "top-k", "tokens/rank", "interm.")
     rows = []
     for name, p in profiles.items():
         tokens = str(p["tokens"]) if p["tokens"] else "trace/W"
+        inter = str(p.get("intermediate", DEFAULT_INTERMEDIATE))
         notes = []
         if "trace_layer" in p:
             notes.append(f"FLAME-MoE-290M trace layer {p['trace_layer']}, its tokens split over W ranks")
@@ -77,12 +80,13 @@ def profiles_epilog(profiles: dict) -> str:
             notes.append(f"TRITONEP_GEOMETRY={p['geometry']}")
         if "note" in p:  # what the shape alone does not say (help text only)
             notes.append(p["note"])
-        rows.append((name, str(p["hidden"]), str(p["num_experts"]), str(p["topk"]), tokens, "; ".join(notes)))
+        rows.append((name, str(p["hidden"]), str(p["num_experts"]), str(p["topk"]), tokens, inter,
+                     "; ".join(notes)))
     width = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
-    fmt = "  {:<%d}  {:>%d}  {:>%d}  {:>%d}  {:>%d}" % tuple(width)
-    lines = ["profiles (--profile; --tokens replaces the tokens per rank; moe adds intermediate 2048):",
-             fmt.format(*head)]
-    lines += [(fmt.format(*r[:5]) + (f"  {r[5]}" if r[5] else "")) for r in rows]
+    fmt = "  {:<%d}  {:>%d}  {:>%d}  {:>%d}  {:>%d}  {:>%d}" % tuple(width)
+    lines = ["profiles (tritonep/bench/profiles.py; --profile; --tokens replaces the tokens per rank; interm. = the "
+             "expert width of `moe`):", fmt.format(*head)]
+    lines += [(fmt.format(*r[:6]) + (f"  {r[6]}" if r[6] else "")) for r in rows]
     return "\n".join(lines)
 
 
@@ -186,8 +190,8 @@ def main(args) -> int:
     _ep_table(con, res, f"tritonep bench {args.profile} (world {W}); peer copy {res[0][0]['peer_copy_gbps']:.0f} GB/s")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(world_size=W, world=res.info.as_dict(), timing_note=res.info.timing_note(), rows=res), f,
-                      indent=1)
+            json.dump(dict(meta=run_meta(world_size=W), world_size=W, world=res.info.as_dict(),
+                           timing_note=res.info.timing_note(), rows=res), f, indent=1)
     if args.plot:
         from ..bench.plot import plot_gbps_vs_tokens
 
@@ -223,7 +227,7 @@ def cpu_smoke_rank(group, op, tokens):
         from ..bench.moe import moe_bench_world
 
         p = PROFILES[CPU_PROFILE]
-        cfg = dict(tokens=(tokens or [p["tokens"]])[0], hidden=p["hidden"], intermediate=32,
+        cfg = dict(tokens=(tokens or [p["tokens"]])[0], hidden=p["hidden"], intermediate=p["intermediate"],
                    num_experts=p["num_experts"], topk=p["topk"], skew=False, balance=["none"])
         return moe_bench_world(group, cfg, 1, 1)
     rows = []
@@ -259,7 +263,7 @@ def _cpu_smoke(con, args) -> int:
         rows = [r for rs in res for r in rs]
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(world_size=W, device="cpu", rows=list(res)), f, indent=1)
+            json.dump(dict(meta=run_meta(world_size=W), world_size=W, device="cpu", rows=list(res)), f, indent=1)
     return exit_code(rows)
 
 
@@ -288,7 +292,7 @@ def _planner(con, args, ngpu) -> int:
     con.print(t)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(rows=rows), f, indent=1)
+            json.dump(dict(meta=run_meta(world_size=1), rows=rows), f, indent=1)
     return exit_code(rows)
 
 
@@ -320,7 +324,8 @@ def _moe(con, args, W, run_gpu_world) -> int:
     from ..bench.moe import moe_bench_world
 
     p = PROFILES[args.profile]
-    cfg = dict(tokens=(args.tokens or [p["tokens"] or 4096])[0], hidden=p["hidden"], intermediate=2048,
+    cfg = dict(tokens=(args.tokens or [p["tokens"] or 4096])[0], hidden=p["hidden"],
+               intermediate=p.get("intermediate", DEFAULT_INTERMEDIATE),
                num_experts=p["num_experts"], topk=p["topk"], skew=False, balance=["none"])
     res = run_gpu_world(W, moe_bench_world, cfg, args.iters, timeout_s=1800)
     tep = max(o["tritonep.none"] for o in res)
@@ -329,6 +334,6 @@ def _moe(con, args, W, run_gpu_world) -> int:
               f"{tep * 1e3:.2f} ms, torch + NCCL reference {ref * 1e3:.2f} ms, speedup {ref / tep:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(cfg=cfg, world=res.info.as_dict(), timing_note=res.info.timing_note(), ranks=res), f,
-                      indent=1)
+            json.dump(dict(meta=run_meta(world_size=W), cfg=cfg, world=res.info.as_dict(),
+                           timing_note=res.info.timing_note(), ranks=res), f, indent=1)
     return exit_code([c for o in res for c in o["checks"]])

@@ -375,8 +375,10 @@ def main(args) -> int:
     con.print(table)
     con.print(f"tolerance {tol:g} (max |got-ref| / max |ref| over output and every gradient); wall {wall:.1f} s")
     if args.json:
+        from ..bench.meta import run_meta
+
         with open(args.json, "w") as f:
-            json.dump(dict(settings=s, world_size=W, device="cuda" if on_gpu else "cpu", wall_s=wall,
+            json.dump(dict(meta=run_meta(world_size=W), settings=s, world_size=W, device="cuda" if on_gpu else "cpu", wall_s=wall,
                            world=world.as_dict() if world else None,
                            timing_note=world.timing_note() if world else "CPU world: interpreter times",
                            layers=rows), f, indent=1)

@@ -274,7 +274,7 @@ class OneHopDispatch:
         KB = pow2(K)
         # send tiles of 8 routes (one token at top-8), 4 warps, scan steps of 128 routes: every program column redoes
         # its tile's index work (pairwise compares against the tokens before it), so small tiles win
-        # (benchmarks/onehop_send_probe.py, session 10, 128 tokens of DeepSeek-V3 on the H200: tiles of 16 / 8 / 4 /
+        # (benchmarks/probes/onehop_send_probe.py, session 10, 128 tokens of DeepSeek-V3 on the H200: tiles of 16 / 8 / 4 /
         # 2 / 1 tokens 73.9 / 32.6-41 / 22 / 17.4 / 14.5 us); no spill for sm_90 (ptxas; 4-token tiles with 4 warps
         # or larger scan steps spilled 8-12 bytes)
         self.BT = max(1, 8 // KB)

@@ -26,7 +26,7 @@ Measured (one H200, world 1, 128 tokens, H 7168, top-8 of 256). Session 9 (``ep_
 dispatch one-hop 161 us vs gather 155 us, the precomputed-layout pipeline 60; device time one-hop 71 us (send 35.5,
 receive 27.3, all_to_all 8.0) vs gather 29 us (pack 9.9, count 7.6, unpack 6.5, plan 1.6, collectives 2.4). Session 10,
 after the pooled outputs, the receive kernel's ``tl.gather`` (no one-hot layout picks: 16-packet tiles instead of 1) and
-one-token send tiles (``benchmarks/onehop_send_probe.py``: the send launch 41 -> 14.5 us), last call
+one-token send tiles (``benchmarks/probes/onehop_send_probe.py``: the send launch 41 -> 14.5 us), last call
 (``ep_bench_h200x1_session10call5``, all_to_all alone 26 us): one-hop 83 us, gather 151, the pipeline 68; device time
 one-hop 33 us (send 14.5, receive 11.0, all_to_all 7.2). On a slower host (call 4, all_to_all 34 us): 102 / 178 / 89.
 Session 11, after the bound all_to_all, the block outputs passed once and the pooled handle fields

@@ -118,3 +118,20 @@ def test_one_benchmark_script_per_question_and_one_shape_table():
     assert top == ["eager_profile", "ep_bench", "moe_bench", "peer_bench", "planner_bench", "titan_bench"], top
     for f in (ROOT / "benchmarks").rglob("*.py"):
         assert "7168" not in f.read_text(), f"{f.relative_to(ROOT)} retypes the DeepSeek-V3 hidden size"
+
+
+def test_setup_prints_a_line_before_each_step():
+    """scripts/setup.sh is silent pip work of a minute or more: every install step is announced on its own line first
+    (``setup [i/N, t s]: what``), and the last line names the next commands."""
+    lines = [ln.strip() for ln in (ROOT / "scripts" / "setup.sh").read_text().splitlines()]
+    steps = [i for i, ln in enumerate(lines) if ln.startswith("say ")]
+    assert [lines[i].split()[1] for i in steps] == ["1", "2", "3", "4"], steps
+    say = next(ln for ln in lines if ln.startswith("say()"))
+    assert 'echo "setup [$1/4' in say, say
+    installs = [i for i, ln in enumerate(lines) if "pip install" in ln and "--upgrade pip" not in ln]
+    assert installs
+    for i in installs:  # the nearest announcement before each install is a step of its own
+        before = max(j for j in steps if j < i)
+        assert not any("pip install" in lines[k] and "--upgrade pip" not in lines[k] for k in range(before + 1, i)), \
+            (lines[before], lines[i])
+    assert lines[-1].startswith('echo "setup done in') and "tritonep run" in lines[-1]

@@ -1,4 +1,4 @@
-"""Every benchmark point checks itself (issue 18): the on-device oracles equal the reference oracles, a correct CPU
+"""Every benchmark point checks itself: the on-device oracles equal the reference oracles, a correct CPU
 run of each driver records ``checked: true`` on every row and exits 0, a corrupted output makes its points FAILED
 and the run exit 1."""
 

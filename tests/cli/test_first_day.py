@@ -1,7 +1,7 @@
-"""What a new user met on the first day (issue 29), each now true: ``bench --help`` gives the profiles' shapes; every
-TRITONEP_* value is refused when the command starts (before any world), naming the variable; a refusal names the
-flag the user typed (``--layer``, ``--hidden`` with the wire's own block); a world that times out on a terminal
-prints its error on a line of its own after the progress lines; a CSV row whose routes all score 0 is refused at FILE:LINE:COL."""
+"""What a new user meets on the first day: ``bench --help`` gives the profiles' shapes; every TRITONEP_* value is
+refused when the command starts (before any world), naming the variable; a refusal names the flag the user typed
+(``--layer``, ``--hidden`` with the wire's own block); a world that times out on a terminal prints its error on a
+line of its own after the progress lines; a CSV row whose routes all score 0 is refused at FILE:LINE:COL."""
 
 import fcntl
 import os

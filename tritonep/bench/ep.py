@@ -6,9 +6,8 @@ Run under torchrun (one process per GPU)::
     torchrun --nproc-per-node 2 -m tritonep.cli.main bench dispatch --profile deepseek-v3 --json out.json
 
 Every timing is the median over 3 rounds of (CUDA-event time of ``iters`` back-to-back CUDA-graph replays) / iters,
-both ranks released together by a barrier before each round. (The first device run, committed as
-``benchmarks/results/ep_bench_h200x2_2026-11-30.json``, used one barrier per call instead, which adds the ranks'
-skew to every call.) Bytes: "logical" = rows this rank receives (expert-grouped, one per route)
+both ranks released together by a barrier before each round (a barrier per call would add the ranks' skew to
+every call). Bytes: "logical" = rows this rank receives (expert-grouped, one per route)
 x H x 2; "nvlink" = rows that cross to another rank (one per (token, destination rank)) x H x 2, per direction.
 The NCCL pipeline is what a user would write for the same expert-grouped output: ``index_select`` pack +
 ``all_to_all_single`` (uneven splits) + ``index_copy_`` unpack (indices precomputed outside the timed region,
@@ -22,9 +21,9 @@ one equal-split all_to_all) in each mode of ``TRITONEP_NCCL_SYNC_FREE`` (one-hop
 the variable restored), checked like the others on their real rows ``[0, expert_offsets[-1])``;
 ``tritonep[nccl].combine_sync_free_onehop.bf16`` is the combine on a one-hop handle (equal splits), checked bit for
 bit. The summary's "nccl-backend sync-free onehop/pipeline dispatch" and "... gather/pipeline dispatch" ratios
-compare them with ``nccl.pipeline.dispatch`` (issue 24's target: <= 1 at 128 tokens).
+compare them with ``nccl.pipeline.dispatch`` (the goal: <= 1 at 128 tokens).
 
-Every point checks itself after it is timed (issue 18, :mod:`tritonep.bench.check`): the output of the captured
+Every point checks itself after it is timed (:mod:`tritonep.bench.check`): the output of the captured
 call (graph rows; every replay rewrites its tensors) or of the last eager call is compared with the on-device
 oracle built once per (profile, wire): received rows, ``num_tokens_per_expert``, ``expert_offsets`` and weights bit
 for bit, the combine output bit for bit against the fixed-order reference (expert outputs are
@@ -295,7 +294,7 @@ def bench_ep(group, profile: str, combine_kinds=("push", "pull"), num_sms=None, 
     us, mode = time_graph(ndisp, group, iters=iters, capture=False)
     check_dispatch(row("tritonep[nccl].dispatch.bf16", us, mode), last["d"], "bf16")
 
-    # the sync-free dispatch (no host read, issue 24) in each mode of TRITONEP_NCCL_SYNC_FREE (a buffer per mode,
+    # the sync-free dispatch (no host read) in each mode of TRITONEP_NCCL_SYNC_FREE (a buffer per mode,
     # the variable set for its construction and restored); the combine on the one-hop handle
     for sf_mode in ("onehop", "gather"):
         old_mode = os.environ.pop("TRITONEP_NCCL_SYNC_FREE", None)
@@ -413,7 +412,7 @@ def bench_ep(group, profile: str, combine_kinds=("push", "pull"), num_sms=None, 
 
 
 def ratio_lines(rows) -> list:
-    """Issue 15's ratios per profile from one rank's rows: eager / graph (tritonep dispatch and combine) and
+    """The eager-cost ratios per profile from one rank's rows: eager / graph (tritonep dispatch and combine) and
     tritonep's nccl backend / the hand-written NCCL pipeline (dispatch and combine)."""
     out = []
     for prof in dict.fromkeys(r["profile"] for r in rows):

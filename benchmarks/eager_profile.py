@@ -1,21 +1,18 @@
-"""Where the microseconds of an EAGER dispatch / combine go (issue 15), next to graph replay, same run.
-
-Run on 2 GPUs::
+"""The host path: what does an EAGER dispatch / combine cost next to its CUDA-graph replay, and where do the host's
+microseconds go?
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
-    PYTHONPATH=. torchrun --nproc-per-node 2 benchmarks/eager_profile.py --tokens 128 4096 --json out.json
+    torchrun --nproc-per-node 1 benchmarks/eager_profile.py --tokens 128 1024 4096 --json $OUT/eager_profile.json
 
-Per token count (DeepSeek-V3 shape: H 7168, 256 experts, top-8): graph-replay time, eager time (CUDA events over
-back-to-back calls, the default deferred sync checks), host (CPU) time per eager call, and the host time split by
-kernel launch (Launcher calls, by kernel name; measured in a second loop, so the timer's own wrapper stays out of the
-host time) and the rest (allocation, host read, autograd), and of it the time the host spent waiting in the
-dispatch's one host read for the device's verdict (``*_host_wait_us``; the rest is ``*_host_work_us``, the issue-24
-host-CPU figure without that wait: it still holds any time a launch or allocation itself blocks, e.g. 143 us at 1024
-tokens vs 77 at 4096 for the same four launches on one H200, unexplained;
-benchmarks/results/eager_profile_h200x1_session7two_2026-12-02.json); rank 0 prints the top CPU ops of one call from
-``torch.profiler``. Every token count's JSON also holds this host's speed
-(:func:`tritonep.bench.host_path.host_calibration`): the lent hosts differ by up to 2x, so host times of two runs
-compare only next to it.
+Per token count (``--profile`` of tritonep/bench/profiles.py, default DeepSeek-V3): graph-replay time, eager time
+(CUDA events over back-to-back calls, the default deferred sync checks), host (CPU) time per eager call, and the host
+time split by kernel launch (by kernel name; measured in a second loop, so the timer's own wrapper stays out of the
+host time) and the rest (allocation, host read, autograd), and of it the time the host waited in the dispatch's one
+host read for the device's verdict (``*_host_wait_us``; the rest is ``*_host_work_us``, the host's own work; it
+still holds any time a launch or allocation itself blocks). Rank 0 prints the top CPU ops of one call from
+``torch.profiler``. Every token count's row also holds this host's speed
+(:func:`tritonep.bench.host_path.host_calibration`): the GPU machines' hosts differ by up to 2x in CPU speed, so
+host times of two runs compare only next to it.
 """
 
 from __future__ import annotations
@@ -32,10 +29,12 @@ import torch.distributed as dist
 ROUNDS = 5  # eager timings: median of 5 rounds (3 gave +-20 % between calls of one session at 1024 tokens)
 
 
-def profile_tokens(group, T, H=7168, E=256, K=8, iters=30, backend="triton"):
+def profile_tokens(group, T, profile="deepseek-v3", iters=30, backend="triton"):
     import tritonep as tep
+    from tritonep.bench.profiles import profile_shape
     from tritonep.bench.ep import time_graph, time_rounds
 
+    H, E, K, _ = profile_shape(profile)
     rank = dist.get_rank(group)
     dev = torch.device("cuda", torch.cuda.current_device())
     g = torch.Generator().manual_seed(rank)
@@ -43,7 +42,7 @@ def profile_tokens(group, T, H=7168, E=256, K=8, iters=30, backend="triton"):
     w = torch.rand(T, K, generator=g).to(dev)
     x = torch.randn(T, H, generator=g).to(torch.bfloat16).to(dev)
     buf = tep.EPBuffer(group, E, H, T, K, backend=backend)
-    out = dict(tokens=T, backend=backend)
+    out = dict(tokens=T, backend=backend, profile=profile)
     from tritonep.bench.host_path import host_calibration
 
     out.update(host_calibration(dev))  # this host's speed: read every host time below next to it
@@ -153,6 +152,7 @@ def profile_tokens(group, T, H=7168, E=256, K=8, iters=30, backend="triton"):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[128, 4096])
+    ap.add_argument("--profile", default="deepseek-v3", help="shape: a profile of tritonep/bench/profiles.py")
     ap.add_argument("--json", default=None)
     ap.add_argument("--backend", default="triton", choices=["triton", "nccl"])
     a = ap.parse_args()
@@ -161,7 +161,7 @@ def main():
     torch.cuda.set_device(rank % torch.cuda.device_count())
     res = []
     for T in a.tokens:
-        r = profile_tokens(dist.group.WORLD, T, backend=a.backend)
+        r = profile_tokens(dist.group.WORLD, T, profile=a.profile, backend=a.backend)
         res.append(r)
         if rank == 0:
             print(r.pop("profile_table", ""), flush=True)
@@ -175,8 +175,10 @@ def main():
                   f"{r['dispatch_host_us']:>10.1f} {r.get('dispatch_host_work_us', float('nan')):>10.1f} "
                   f"{r['combine_graph_us']:>10.1f} {r['combine_eager_us']:>10.1f} {r['combine_host_us']:>10.1f}")
         if a.json:
+            from tritonep.bench.meta import run_meta
+
             with open(a.json, "w") as f:
-                json.dump(res, f, indent=1)
+                json.dump(dict(meta=run_meta(world_size=dist.get_world_size()), rows=res), f, indent=1)
     dist.destroy_process_group()
 
 

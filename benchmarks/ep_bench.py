@@ -3,6 +3,11 @@
     torchrun --nproc-per-node 2 benchmarks/ep_bench.py --profiles deepseek-v3 decode --json $OUT/ep.json
     python benchmarks/ep_bench.py --cpu        # 2-rank CPU world, profile cpu-smoke: the checks only, no timing
 
+How fast are dispatch and combine, against what a user would otherwise write? Per profile (the shapes of
+tritonep/bench/profiles.py), wire and SM cap: tritonep's dispatch / combine replayed from a CUDA graph and eager, its
+nccl backend, NCCL's bare ``all_to_all_single`` and the NCCL pipeline a user writes for the same expert-grouped
+output (:mod:`tritonep.bench.ep` says how each is timed and counted).
+
 Every point checks itself after timing (:mod:`tritonep.bench.check`); a point that fails prints FAILED, its row
 holds ``checked: false`` and ``check_error``, and the run exits 1 (also when a geometry variant crashed).
 """
@@ -21,6 +26,7 @@ if "--cpu" in sys.argv[1:]:  # before tritonep's kernels are imported: the CPU w
 
 from tritonep.bench.check import exit_code, failed_rows  # noqa: E402
 from tritonep.bench.ep import PROFILES, bench_ep, peer_copy_gbps, ratio_lines  # noqa: E402
+from tritonep.bench.meta import run_meta  # noqa: E402
 from tritonep.wire.formats import WIRES  # noqa: E402
 
 
@@ -49,7 +55,7 @@ def main(argv=None) -> int:
         a.profiles, a.num_sms, a.iters, a.overlap = ["cpu-smoke"], [0], 1, None
         a.variants = [v.replace(v.split(":", 1)[0], "cpu-smoke", 1) for v in a.variants]
         res = run_cpu_world(2, _rank_rows, a, timeout_s=1800)
-        return _report(res, dict(device="cpu", world_size=2, command=" ".join(sys.argv)), a, None)
+        return _report(res, run_meta(world_size=2), a, None)
     for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
         os.environ[k] = v
     rank = int(os.environ["LOCAL_RANK"])
@@ -63,9 +69,7 @@ def main(argv=None) -> int:
     dist.all_gather_object(allrows, rows)
     code = 0
     if rank == 0:
-        meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, world_size=dist.get_world_size(),
-                    triton=__import__("triton").__version__, nccl=".".join(map(str, torch.cuda.nccl.version())),
-                    command=" ".join(sys.argv))
+        meta = run_meta(world_size=dist.get_world_size())
         code = _report(allrows, meta, a, pc)
     dist.destroy_process_group()
     return code

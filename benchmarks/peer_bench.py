@@ -1,17 +1,18 @@
-"""tritonep dispatch + combine vs torchtitan 0.3.0 MinimalAsyncEP's (our nearest public peer: Triton over torch
-symmetric memory, no CPU sync), same inputs, outputs cross-checked, eager and CUDA graph; JSON.
+"""Peers: tritonep's dispatch + combine vs torchtitan 0.3.0 MinimalAsyncEP's (the nearest public peer: Triton over
+torch symmetric memory, no CPU sync), same inputs, outputs cross-checked, eager and CUDA graph; JSON.
 
     torchrun --nproc-per-node 1 benchmarks/peer_bench.py --json $OUT/peer_bench.json
 
-Shape: DeepSeek-V3 (H 7168, 256 experts, top-8), 128 and 4096 tokens per rank (``--tokens``). Per point, each side
+Shape: ``--profile`` of tritonep/bench/profiles.py (default DeepSeek-V3), 128 and 4096 tokens per rank
+(``--tokens``). Per point, each side
 runs its round trip (dispatch, then combine of the received rows as the expert output): tritonep synced (one host
 read per dispatch), tritonep ``sync_free=True`` and MinimalAsyncEP (its ``dispatch_op`` / ``combine_op``, as its
 token dispatcher calls them), eager (median of 3 rounds of ``--iters`` calls, CUDA events) and replayed from a CUDA
 graph. Check: every side's ``y`` against the fp32 oracle ``y[t] = x[t] * sum_k w[t, k]`` (relative max error; bf16
 rows, so <= 2e-2 passes), and against each other. Exit code 1 if a check fails.
 
-Needs torchtitan (and its import-time dependency spmd_types) importable; on the GPU machine carry the wheels
-(scripts/gpu_wheels.sh) and put them on PYTHONPATH.
+Needs torchtitan (and its import-time dependency spmd_types) importable; a GPU machine without internet gets them as
+wheels: ``bash scripts/gpu.sh wheels`` here, then ``bash scripts/gpu.sh peers`` there (docs/gpu.md).
 """
 
 import argparse
@@ -94,6 +95,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="+", default=[128, 4096])
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--profile", default="deepseek-v3", help="shape: a profile of tritonep/bench/profiles.py")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
@@ -103,15 +105,20 @@ def main(argv=None) -> int:
 
     rows = []
     for T in args.tokens:
-        row = bench_point(group, T, 7168, 256, 8, args.iters)
-        row.update(profile="deepseek-v3", gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+        from tritonep.bench.profiles import profile_shape
+
+        H, E, K, _ = profile_shape(args.profile)
+        row = bench_point(group, T, H, E, K, args.iters)
+        row.update(profile=args.profile, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                    torchtitan=getattr(torchtitan, "__version__", "0.3.0"), tritonep=tep.__version__)
         rows.append(row)
         if dist.get_rank() == 0:
             print(json.dumps(row), flush=True)
     if args.json and dist.get_rank() == 0:
+        from tritonep.bench.meta import run_meta
+
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump(dict(meta=run_meta(world_size=dist.get_world_size()), rows=rows), f, indent=1)
     dist.destroy_process_group()
     return 0 if all(r["checked"] for r in rows) else 1
 

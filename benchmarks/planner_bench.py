@@ -1,11 +1,13 @@
-"""Virtual-expert planner time on one GPU (issue 18: one launch, target <= 15 us at 4096 tokens x top-8, 256 experts).
+"""Planner: how long does the virtual-expert planner take per step (one launch; one GPU, the histograms of W ranks)?
 
-    PYTHONPATH=. python benchmarks/planner_bench.py --json $OUT/planner.json
-    PYTHONPATH=. python benchmarks/planner_bench.py --modes reference minimal --num-programs 0 32 128 \\
+    python benchmarks/planner_bench.py --json $OUT/planner.json
+    python benchmarks/planner_bench.py --modes reference minimal --num-programs 0 32 128 \\
         --blocks 0 32 128 --json $OUT/planner_sweep.json                     # chunk / tile sweep
-    PYTHONPATH=. python benchmarks/planner_bench.py --modes reference minimal --warps 0 2 4 \\
+    python benchmarks/planner_bench.py --modes reference minimal --warps 0 2 4 \\
         --lookback-groups 0 1 128 --json $OUT/planner_knobs.json              # warps / look-back sweep
     python benchmarks/planner_bench.py --cpu                                 # CPU smoke run of the checks
+
+Shape: ``--profile`` of tritonep/bench/profiles.py (default DeepSeek-V3: 4096 tokens x top-8 over 256 experts).
 
 Method: :mod:`tritonep.bench.planner` (one launch timed as CUDA-graph replays and eagerly, OLMoE-skewed routing);
 every point checks itself against the torch twins after timing; a failed point prints FAILED and the run exits 1.
@@ -27,10 +29,8 @@ from tritonep.bench.planner import bench_planner  # noqa: E402
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--topk", type=int, default=8)
-    ap.add_argument("--num-experts", type=int, default=256)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--profile", default="deepseek-v3", help="shape: a profile of tritonep/bench/profiles.py")
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--modes", nargs="+", default=["reference"], choices=["reference", "minimal"])
     ap.add_argument("--num-programs", type=int, nargs="*", default=[0], help="route chunks; 0 = plan()'s default")
@@ -39,11 +39,18 @@ def main(argv=None) -> int:
     ap.add_argument("--lookback-groups", type=int, nargs="*", default=[0],
                     help="chunks per look-back group; 0 = plan()'s default (ceil(sqrt(num_programs)))")
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--cpu", action="store_true", help="small CPU smoke run (interpreter): 16 tokens x top-2, 8 experts")
+    ap.add_argument("--cpu", action="store_true", help="small CPU smoke run (interpreter): 16 tokens of the cpu-smoke "
+                                                       "profile (top-2, 8 experts)")
     ap.add_argument("--json", default="")
     a = ap.parse_args(argv)
+    from tritonep.bench.profiles import profile_shape
+
     if a.cpu:
-        a.tokens, a.topk, a.num_experts, a.worlds, a.iters = 16, 2, 8, [2, 4], 1
+        a.profile, a.worlds, a.iters = "cpu-smoke", [2, 4], 1
+    _, a.num_experts, a.topk, a.tokens = profile_shape(a.profile)
+    if a.cpu:
+        a.tokens = 16
+    a.tokens = a.tokens or 4096  # a trace profile: the histogram of 4096 tokens
     rows = bench_planner(a.worlds, a.tokens, a.topk, a.num_experts, a.num_programs, a.iters, a.blocks, a.modes,
                          a.warps, a.lookback_groups)
     print(f"{'W':>3s} {'mode':>9s} {'programs':>9s} {'block':>7s} {'warps':>7s} {'group':>7s} {'launches':>8s} "
@@ -55,10 +62,10 @@ def main(argv=None) -> int:
               f"{r['launches']:8d} {g} "
               f"{r['eager_us']:9.1f} {'ok' if r['checked'] else 'FAILED'}")
     if a.json:
+        from tritonep.bench.meta import run_meta
+
         with open(a.json, "w") as f:
-            json.dump(dict(gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                           torch=torch.__version__, triton=__import__("triton").__version__,
-                           command=" ".join(sys.argv), rows=rows), f, indent=1)
+            json.dump(dict(meta=run_meta(world_size=1), rows=rows), f, indent=1)
     return exit_code(rows)
 
 

@@ -1,13 +1,14 @@
-"""torchtitan's MoE layer, forward + backward, with tritonep's token dispatcher vs torchtitan's MinimalAsyncEP and
-AllToAll dispatchers: same module, same weights, same inputs, same run; outputs cross-checked; eager and compiled.
+"""The torchtitan layer: torchtitan's MoE layer, forward + backward, with tritonep's token dispatcher vs torchtitan's
+MinimalAsyncEP and AllToAll dispatchers: same module, same weights, same inputs, same run; outputs cross-checked;
+eager and compiled.
 
     torchrun --nproc-per-node 1 benchmarks/titan_bench.py --json $OUT/titan_bench.json
-    torchrun --nproc-per-node 2 benchmarks/titan_bench.py ...   # 2 GPUs; ranks sharing one GPU: see the README
+    torchrun --nproc-per-node 2 benchmarks/titan_bench.py ...   # 2 GPUs; ranks sharing one GPU: docs/gpu.md
 
-The layer is torchtitan 0.3.0's ``MoE`` configured as DeepSeek-V3 671B's MoE layer (dim 7168, 256 routed experts of
-hidden 2048, top-8 sigmoid router with 8 groups / 4 limited, 1 shared expert), bf16 weights, experts sharded over the
-EP group (:func:`tritonep.integrations.torchtitan.shard_routed_experts`); ``--layer 16b`` takes DeepSeek 16B's (dim
-2048, 64 experts of 1408, top-6). One module is built once; each dispatcher is swapped in as
+The layer is torchtitan 0.3.0's ``MoE`` configured as DeepSeek-V3 671B's MoE layer (torchtitan's own flavor, as
+:func:`tritonep.testing.torchtitan_compat.deepseek_v3_moe_config` builds it: sigmoid router with groups, 1 shared
+expert), bf16 weights, experts sharded over the EP group
+(:func:`tritonep.integrations.torchtitan.shard_routed_experts`); ``--layer 16b`` takes DeepSeek 16B's flavor. One module is built once; each dispatcher is swapped in as
 ``moe.routed_experts.token_dispatcher`` (wired to the same EP mesh), so nothing but the dispatcher differs.
 
 Per tokens-per-rank point (``--tokens``, default 128 4096) and dispatcher: a step = ``moe(x)``, ``(y * g).sum()
@@ -227,8 +228,10 @@ def main(argv=None) -> int:
             if dist.get_rank() == 0:
                 print(json.dumps(row), flush=True)
         if args.json and dist.get_rank() == 0:  # after every point: a run stopped at its time limit keeps its rows
+            from tritonep.bench.meta import run_meta
+
             with open(args.json, "w") as f:
-                json.dump(rows, f, indent=1)
+                json.dump(dict(meta=run_meta(world_size=dist.get_world_size()), rows=rows), f, indent=1)
     dist.destroy_process_group()
     return 0 if all(r["checked"] for r in rows) else 1
 

@@ -89,7 +89,7 @@ if __name__ == "__main__":
     if torch.cuda.is_available():  # under torchrun: one process per GPU (more processes than GPUs: see the docstring)
         for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                      ("NVSHMEM_DISABLE_NVLS", "1")):
-            os.environ.setdefault(k, v)  # multicast off (README, "On the GPU machine")
+            os.environ.setdefault(k, v)  # multicast off (README, "Install on a GPU machine")
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         ngpu = torch.cuda.device_count()
         if int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > ngpu:  # processes share GPUs: correct, timings meaningless

@@ -4,7 +4,7 @@ aux-loss-free balancing and a shared expert, checkpoint save + bit-exact resume,
     torchrun --nproc-per-node 4 examples/train_moe.py --ep 2            # GPUs of one host: DP 2 x EP 2
     python examples/train_moe.py                                        # no GPU: a 4-rank CPU world (DP 2 x EP 2)
     torchrun --nproc-per-node 4 examples/train_moe.py                   # no GPU: gloo, EP groups on the nccl backend
-    python examples/train_moe.py --steps 300 --plot docs/train_moe_loss.png
+    python examples/train_moe.py --steps 300 --plot                      # the loss curve: out/train_moe/loss.png
 
 The model: token embedding -> RMSNorm -> causal self-attention -> RMSNorm -> MoE layer (routed experts over the EP
 group + a shared expert) -> RMSNorm -> vocabulary head. The data: sequences of a fixed random Markov chain whose every
@@ -52,7 +52,9 @@ def parse_args(argv=None):
     p.add_argument("--ckpt", default=None, help="checkpoint directory (--save-at writes it, --resume reads it)")
     p.add_argument("--resume", action="store_true", help="load --ckpt and continue from its step")
     p.add_argument("--log", default=None, help="write the per-step losses as JSON (rank 0)")
-    p.add_argument("--plot", default=None, help="draw the loss curve into this PNG (rank 0, matplotlib)")
+    p.add_argument("--out", default=os.path.join("out", "train_moe"),
+                   help="output folder of --plot (created if missing; default out/train_moe, which git ignores)")
+    p.add_argument("--plot", action="store_true", help="draw the loss curve into OUT/loss.png (rank 0, matplotlib)")
     p.add_argument("--backend", default=None, help="EPBuffer backend (default: auto on GPU, nccl in a CPU world)")
     return p.parse_args(argv)
 
@@ -164,8 +166,13 @@ def main(group, argv=None):
     return result
 
 
+def plot_path(args) -> str:
+    """Where ``--plot`` draws: ``loss.png`` in the output folder (``--out``), never a file of the repository's docs."""
+    return os.path.join(args.out, "loss.png")
+
+
 def write_outputs(args, start, losses):
-    """The JSON log and the loss-curve PNG of rank 0 (``--log`` / ``--plot``)."""
+    """The JSON log and the loss-curve PNG of rank 0 (``--log`` / ``--plot``: :func:`plot_path`)."""
     if args.log:
         with open(args.log, "w") as f:
             json.dump({"start": start, "losses": losses}, f)
@@ -185,14 +192,16 @@ def write_outputs(args, start, losses):
         ax.set_title("examples/train_moe.py: DP 2 x EP 2, DeepSeek-V3 router + shared expert", fontsize=9)
         ax.legend(fontsize=8)
         fig.tight_layout()
-        fig.savefig(args.plot)
+        os.makedirs(args.out, exist_ok=True)
+        fig.savefig(plot_path(args))
+        print(f"loss curve written to {plot_path(args)}")
 
 
 if __name__ == "__main__":
     if torch.cuda.is_available():  # under torchrun: one process per GPU
         for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                      ("NVSHMEM_DISABLE_NVLS", "1")):
-            os.environ.setdefault(k, v)  # multicast off (README, "On the GPU machine")
+            os.environ.setdefault(k, v)  # multicast off (README, "Install on a GPU machine")
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local_rank)
         dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))

@@ -9,15 +9,34 @@
 #   ts2/ts4  the same, time-sliced (no MPS)                                                 limit 500 / 520
 #   soak     the 1000-replay CUDA-graph soaks at W=2 under MPS                              limit 150
 #   runs2    `tritonep run` at W=2 under MPS: every layer; balance none / virtual, push / pull, bf16 / fp8
-#   runs4    the same at W=4 under MPS (run2 / run4: only the default recipe)
+#   runs4    the same at W=4 under MPS
+#   run2/run4  `tritonep run` at W=2 / W=4 under MPS, the default recipe only                   limit 150
 #   caps     dispatch / combine / backward exact at every program cap (world 1 and W=2 under MPS)
 #   probe    does a rank's random draw depend on the SM share MPS gives it (benchmarks/probes/mps_sm_share.py)
-#   bench    world-1 benchmarks (dispatch / combine vs the copy floor, eager vs graph)
+#   bench    world-1 benchmarks: dispatch / combine vs NCCL, eager vs graph, the MoE layer's step in one graph,
+#            the planner (limits 170 + 120 + 120 + 80); their JSON in $OUT for scripts/results_index.py add
+#   peers    vs torchtitan 0.3.0: dispatch + combine vs MinimalAsyncEP, torchtitan's MoE layer with each
+#            dispatcher, eager (limits 150 + 150); needs the wheels in .whl/ (carry it; see `wheels`)
+#   titanc   torchtitan's MoE layer compiled (torch.compile fullgraph) per dispatcher               limit 420
+#   wheels   NOT on the GPU machine: on a machine with internet, download into .whl/ the pure-Python wheels the
+#            peers / titanc suites need (torchtitan 0.3.0 and its imports beyond torch); then carry .whl
 # Every step's log and JSON go to $WORK (default /tmp/gpu_work), packed after every step into $OUT/logs.tgz with a
-# verdict line per step in $OUT/summary.txt (what comes back from the device). Past its limit a step gets SIGINT
-# (pytest then prints its failures and durations so far), SIGKILL 15 s later. Multicast stays off.
+# verdict line per step in $OUT/summary.txt (what comes back from the device); the benchmark JSONs also go to $OUT.
+# Past its limit a step gets SIGINT (pytest then prints its failures and durations so far), SIGKILL 15 s later.
+# Multicast stays off.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+wheels() {  # the torchtitan benchmarks' wheels into .whl/ (pure Python: only the Python version is pinned)
+    mkdir -p .whl
+    local req
+    for req in "torchtitan==0.3.0" "spmd_types==0.2.3" "tyro==1.0.17" "docstring-parser==0.18.0" \
+               "typeguard==4.6.1" "typing-extensions==4.16.0"; do
+        python3 -m pip download -q --no-deps --only-binary=:all: --python-version "${WHEEL_PY:-3.12}" -d .whl "$req" \
+            || return 1
+    done
+    ls -l .whl
+}
+if [ "$*" = wheels ]; then wheels; exit $?; fi
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-gpu_out}
@@ -68,7 +87,14 @@ run_matrix() {  # run_matrix W: the base run, then the other recipes (balance, c
     stop_leftover_mps
 }
 
-[ $# -gt 0 ] || { sed -n '2,20p' "$0"; exit 2; }
+use_wheels() {  # the carried wheels installed into $WORK/site (the GPU machine has no internet), put on PYTHONPATH
+    ls .whl/*.whl >/dev/null 2>&1 || { echo "no .whl/: run 'bash scripts/gpu.sh wheels' on a machine with internet"
+                                       echo "and carry .whl"; return 1; }
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" \
+        .whl/*.whl && export PYTHONPATH="$PYTHONPATH:$WORK/site"
+}
+
+[ $# -gt 0 ] || { sed -n '2,27p' "$0"; exit 2; }
 nvidia-smi -L
 command -v nvidia-cuda-mps-control >/dev/null || echo "nvidia-cuda-mps-control not found: the MPS suites will fail"
 for suite in "$@"; do
@@ -94,7 +120,23 @@ for suite in "$@"; do
                    --json "$WORK/probe_w2.json"
                step probe4 120 python benchmarks/probes/mps_sm_share.py --world-size 4 --mps on \
                    --json "$WORK/probe_w4.json" ;;
-        *) echo "unknown suite $suite"; sed -n '2,20p' "$0"; exit 2 ;;
+        bench) step ep_bench 170 torchrun --nproc-per-node 1 benchmarks/ep_bench.py --profiles deepseek-v3 decode \
+                   --wires bf16 --json "$OUT/ep_bench.json"
+               step eager_profile 120 torchrun --nproc-per-node 1 benchmarks/eager_profile.py --tokens 128 1024 4096 \
+                   --json "$OUT/eager_profile.json"
+               step moe_graph 120 torchrun --nproc-per-node 1 benchmarks/moe_bench.py --graph --tokens 128 4096 \
+                   --json "$OUT/moe_bench_graph.json"
+               step planner 80 python benchmarks/planner_bench.py --modes reference minimal \
+                   --json "$OUT/planner_bench.json" ;;
+        peers) use_wheels || exit 2
+               step peer_bench 150 torchrun --nproc-per-node 1 benchmarks/peer_bench.py --json "$OUT/peer_bench.json"
+               step titan_bench 150 torchrun --nproc-per-node 1 benchmarks/titan_bench.py --no-compile \
+                   --json "$OUT/titan_bench.json" ;;
+        titanc) use_wheels || exit 2
+                step titan_compiled 420 torchrun --nproc-per-node 1 benchmarks/titan_bench.py \
+                    --json "$OUT/titan_bench_compiled.json" ;;
+        wheels) echo "the wheels suite runs alone, on a machine with internet: bash scripts/gpu.sh wheels"; exit 2 ;;
+        *) echo "unknown suite $suite"; sed -n '2,27p' "$0"; exit 2 ;;
     esac
     stop_leftover_mps
 done

@@ -1,28 +1,28 @@
-"""Index of the benchmark results: one JSON-lines history per benchmark and machine kind, and a README of the latest.
+"""The benchmark results: one JSON per benchmark and GPU kind, the index of them, and the figures the docs quote.
 
-Every result file of a device run stays as it was written under ``benchmarks/results/`` (the raw file, named
-``<benchmark>_<machine>[_<label>]_<YYYY-MM-DD>.json``). This script keeps two things derived from them:
+``benchmarks/results/<benchmark>.<kind>.json`` holds the latest run of one benchmark on one kind of GPU machine
+(older runs live in git's history only)::
 
-* ``benchmarks/results/history/<benchmark>.<machine>.jsonl``: one line per run, oldest first: ``date``, ``label``,
-  ``raw`` (the raw file), ``commit``, ``command``, ``gpu``, ``world_size``, ``versions``, ``checked`` and ``rows``
-  (the benchmark's rows, ranks flattened with a ``rank`` field; torch.profiler text tables stay in the raw file).
-  ``commit``: for a run indexed from a raw file already in git, the commit that added that file; for a run added
-  with ``add``, HEAD of the checkout that added it (``+`` when it had uncommitted changes).
-* ``benchmarks/results/README.md``: per history the latest run's rows, its command and file, then the logs.
+    {"meta": {"benchmark", "kind", "command", "commit", "date", "gpu", "world_size", "torch", "triton", "checked",
+              "note"?}, "data": <the JSON the benchmark wrote, as written>}
+
+``kind``: the GPU model and count (``h200x1``: one H200, ``h200x2``: two), then, for ranks sharing one GPU, how
+(``h200x1-mps2``: 2 ranks under MPS, ``h200x1-ts4``: 4 ranks time-sliced). ``command``: what makes the file again
+on the current tree; ``commit``: the code that ran (``+``: the tree had changes on top of that commit); ``checked``:
+every point was compared with the reference oracles (None: the benchmark predates the self-checks).
 
 Usage (repository root)::
 
-    python scripts/results_index.py add $OUT/ep.json --machine h200x1 [--label final] [--bench ep_bench]
-    python scripts/results_index.py add $OUT/peer.json --machine h200x1 --command "torchrun ... peer_bench.py ..."
-    python scripts/results_index.py rebuild   # every history and the README again from the raw files
-    python scripts/results_index.py check     # exit 1 if a history or the README is out of date (CI, no git)
+    python scripts/results_index.py add $OUT/ep_bench.json --kind h200x1          # replaces ep_bench.h200x1.json
+    python scripts/results_index.py add $OUT/peer.json --kind h200x1 --commit 1a2b3c4
+    python scripts/results_index.py rebuild     # the index (benchmarks/results/README.md) and the docs' figures
+    python scripts/results_index.py check       # exit 1 if anything is out of date (a CPU test runs it)
 
-``add`` copies a run's JSON to its raw name, appends its line to its history and rewrites the README; the
-benchmark is read from the command in the file (``benchmarks/ep_bench.py`` -> ``ep_bench``) unless ``--bench``
-names it. A JSON that holds no command (eager_profile, peer_bench, moe_graph_bench, host_cost and host_primitives write
-none) takes
-it from ``--command "..."``, kept in ``benchmarks/results/commands.jsonl`` (one ``{"raw", "command"}`` a line; the
-raw file stays as written). Commit the raw file, the history, commands.jsonl and the README together.
+``add`` reads the benchmark from the JSON's ``meta.command`` (``--bench`` overrides), takes ``meta`` as the run wrote
+it (:func:`tritonep.bench.meta.run_meta`) and fills what the run could not know (``--commit`` when the GPU
+machine's copy had no git, else this checkout's HEAD), writes the file, then rebuilds the index and the figures.
+The figures (:data:`FIGURES`) are the table of docs/performance.md and the headline of the README, each generated
+between ``<!-- figures:NAME -->`` and ``<!-- /figures:NAME -->`` from the files.
 """
 
 from __future__ import annotations
@@ -30,139 +30,308 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-HISTORY = RESULTS / "history"
-README = RESULTS / "README.md"
+INDEX = RESULTS / "README.md"
+MAX_FILES = 40
+META_KEYS = ("benchmark", "kind", "command", "commit", "date", "gpu", "world_size", "torch", "triton", "checked")
+"""Keys every result file's meta holds (``note`` optional)."""
+_KIND = re.compile(r"^[a-z]\d+x\d+(-(mps|ts)\d+)?$")
+_NAME = re.compile(r"^(?P<bench>[a-z0-9_]+)\.(?P<kind>[a-z0-9-]+)\.json$")
 
-PREFIXES = {"ep_bench": "ep_bench", "eager_profile": "eager_profile", "kernel_breakdown": "kernel_breakdown",
-            "moe_bench": "moe_bench", "moe_graph_bench": "moe_graph_bench", "peer_bench": "peer_bench",
-            "host_cost": "host_cost", "planner": "planner_bench", "tritonep_run": "tritonep_run",
-            "host_primitives": "host_primitives"}
-"""Raw-file name prefix -> benchmark (the planner's files are ``planner_*``, written by planner_bench.py)."""
-COLUMNS = {
-    "ep_bench": ("profile", "op", "mode", "num_sms", "tokens", "hidden", "variant", "geometry", "us", "logical_gbps",
-                 "nvlink_gbps", "checked"),
-    "kernel_breakdown": ("profile", "variant", "wire", "op", "mode", "tokens", "geometry", "us", "checked"),
-    "eager_profile": ("tokens", "backend", "dispatch_graph_us", "combine_graph_us", "dispatch_eager_us",
-                      "combine_eager_us", "dispatch_host_us", "combine_host_us"),
-    "planner_bench": ("world_size", "num_experts", "tokens", "topk", "mode", "num_programs", "block", "launches",
-                      "graph_us", "eager_us", "checked"),
-    "moe_bench": None,  # the rank's timings: every key
-    "tritonep_run": ("layer", "tokens", "balancedness", "dispatch_ms", "gemm_ms", "combine_ms", "step_ms"),
-    "moe_graph_bench": ("tokens", "shape", "world_size", "eager_us", "graph_us", "eager_over_graph", "checked"),
-    "peer_bench": ("T", "tep_round_eager_us", "tep_round_graph_us", "tep_sync_free_round_eager_us",
-                   "mae_round_eager_us", "mae_round_graph_us", "eager_tep_over_mae", "checked"),
-    "host_cost": ("name", "us"),  # the file's {name: us} rows, one row each
-    "host_primitives": ("name", "us"),  # likewise
+BENCHMARKS = {
+    "ep_bench": ("benchmarks/ep_bench.py", ("profile", "op", "mode", "num_sms", "tokens", "variant", "us",
+                                             "logical_gbps", "nvlink_gbps", "checked")),
+    "eager_profile": ("benchmarks/eager_profile.py", ("tokens", "backend", "dispatch_graph_us", "dispatch_eager_us",
+                                                       "dispatch_host_work_us", "combine_graph_us", "combine_eager_us",
+                                                       "combine_host_us")),
+    "moe_bench": ("benchmarks/moe_bench.py", None),
+    "moe_bench_skew": ("benchmarks/moe_bench.py --skew", None),
+    "moe_bench_graph": ("benchmarks/moe_bench.py --graph", ("tokens", "shape", "world_size", "eager_us", "graph_us",
+                                                            "eager_over_graph", "checked")),
+    "planner_bench": ("benchmarks/planner_bench.py", ("world_size", "num_experts", "tokens", "topk", "mode",
+                                                      "num_programs", "launches", "graph_us", "eager_us", "checked")),
+    "peer_bench": ("benchmarks/peer_bench.py", ("T", "tep_round_eager_us", "tep_round_graph_us",
+                                                "tep_sync_free_round_eager_us", "mae_round_eager_us",
+                                                "mae_round_graph_us", "eager_tep_over_mae", "checked")),
+    "titan_bench": ("benchmarks/titan_bench.py", None),
+    "tritonep_run": ("tritonep run", ("layer", "tokens", "balancedness", "dispatch_ms", "gemm_ms", "combine_ms",
+                                      "step_ms", "ok")),
+    "kernel_breakdown": ("benchmarks/probes/kernel_breakdown.py", ("variant", "wire", "op", "mode", "tokens", "us",
+                                                                   "checked")),
+    "host_cost": ("benchmarks/probes/host_cost.py", ("name", "us")),
+    "collective_cost": ("benchmarks/probes/collective_cost.py", ("name", "us")),
+    "host_primitives": ("benchmarks/probes/host_primitives.py", ("name", "us")),
 }
-"""README columns of each benchmark's rows (rank 0's rows only)."""
-MAX_README_ROWS = 40
-_NAME = re.compile(r"^(?P<stem>.+?)_(?P<date>\d{4}-\d{2}-\d{2})$")
-_MACHINE = re.compile(r"^h200(x\d+)?$")
+"""Benchmark -> (the script that makes it, the index's columns of its rows; None: every key of rank 0's row)."""
+MAX_INDEX_ROWS = 30
 
 
-def parse_name(path: Path) -> dict:
-    """``{bench, machine, label, date}`` of a raw file name; ValueError for a name that does not follow the rule."""
-    m = _NAME.match(path.stem)
-    if not m:
-        raise ValueError(f"{path.name}: not <benchmark>_<machine>[_<label>]_<YYYY-MM-DD>.json")
-    stem = m.group("stem")
-    bench = next((b for p, b in PREFIXES.items() if stem == p or stem.startswith(p + "_")), None)
-    if bench is None:
-        raise ValueError(f"{path.name}: unknown benchmark (known prefixes: {', '.join(PREFIXES)})")
-    prefix = next(p for p in PREFIXES if stem == p or stem.startswith(p + "_"))
-    parts = stem[len(prefix) + 1:].split("_") if stem != prefix else []
-    machine = next((p for p in parts if _MACHINE.match(p)), None)
-    if machine is None:
-        raise ValueError(f"{path.name}: no machine kind (h200x1, h200x2, ...) in the name")
-    label = "_".join(p for p in parts if p != machine and not re.fullmatch(r"w\d+", p))
-    return dict(bench=bench, machine=machine if "x" in machine else machine + "x1", label=label, date=m.group("date"))
-
-
-def _log_command(path: Path) -> str | None:
-    """The command of a device step's log next to the raw file (``=== [hh:mm:ss] CMD (limit Ns)``)."""
-    log = path.with_suffix(".log")
-    if log.is_file():
-        m = re.match(r"=== \[[\d:]+\] (.+?) \(limit \d+s\)", log.read_text(errors="replace").split("\n", 1)[0])
-        if m:
-            return m.group(1)
-    return None
-
-
-def _commands_file() -> Path:
-    return RESULTS / "commands.jsonl"
-
-
-def recorded_commands() -> dict:
-    """``{raw file name: command}`` of the raw files whose JSON holds no command (``add --command`` records it in
-    ``benchmarks/results/commands.jsonl``, one ``{"raw": ..., "command": ...}`` a line, the raw file untouched)."""
-    f = _commands_file()
-    if not f.is_file():
-        return {}
-    return {ln["raw"]: ln["command"] for ln in map(json.loads, f.read_text().splitlines()) if ln}
-
-
-def _own_command(data) -> str | None:
-    if not isinstance(data, dict):
-        return None
-    meta = data.get("meta") or data.get("cfg") or {}
-    return data.get("command") or (meta.get("command") if isinstance(meta, dict) else None)
-
-
-def normalize(path: Path) -> dict:
-    """The history fields a raw file holds (all but ``commit``): meta, command and the flattened rows."""
-    data = json.loads(path.read_text())
-    name = parse_name(path)
-    meta = {}
-    if isinstance(data, dict):
-        meta = (data.get("meta") or data.get("cfg") or data.get("info")
-                or {k: v for k, v in data.items() if not isinstance(v, list)})
-    rows: list = []
+def _rows(bench: str, data) -> list[dict]:
+    """Rank 0's rows of a benchmark's JSON (a list; ``rows`` as a list, a list per rank or a ``{name: us}`` dict;
+    ``ranks``; ``layers``), each a flat dict."""
     if isinstance(data, list):
         rows = data
     elif "rows" in data:
         rows = data["rows"]
-        if isinstance(rows, dict):  # host_cost, host_primitives: {name: us}
+        if isinstance(rows, dict):
             rows = [dict(name=k, us=v) for k, v in rows.items()]
     elif "ranks" in data:
-        rows = [dict({k: v for k, v in r.items() if not k.startswith("profile.")}, rank=i)
-                for i, r in enumerate(data["ranks"])]
+        rows = [{k: v for k, v in data["ranks"][0].items() if not k.startswith("profile.") and k != "checks"}]
     elif "layers" in data:
         rows = data["layers"]
-    if rows and all(isinstance(r, list) for r in rows):  # one list per rank
-        rows = [dict(r, rank=i) for i, rs in enumerate(rows) for r in rs]
-    command = _own_command(data) or recorded_commands().get(path.name) or _log_command(path)
-    versions = {k: meta.get(k, data.get(k) if isinstance(data, dict) else None) for k in ("torch", "triton", "nccl")}
-    checked = meta.get("checked") if "checked" in meta else (all(r.get("checked", False) for r in rows)
-                                                             if rows and all("checked" in r for r in rows) else None)
-    gpu = meta.get("gpu") or (data.get("gpu") if isinstance(data, dict) else None)
-    if gpu is None and rows and len({r.get("gpu") for r in rows}) == 1:
-        gpu = rows[0].get("gpu")
-    world = meta.get("world_size") or (data.get("world_size") if isinstance(data, dict) else None)
-    if world is None and rows and len({r.get("world_size") for r in rows}) == 1:  # every row names the same world
-        world = rows[0].get("world_size")
-    return dict(date=name["date"], label=name["label"], raw=str(path.relative_to(ROOT)), command=command, gpu=gpu,
-                world_size=world, versions={k: v for k, v in versions.items() if v}, checked=checked, rows=rows)
+    else:
+        rows = []
+    if rows and all(isinstance(r, list) for r in rows):  # one list per rank: rank 0's
+        rows = rows[0]
+    if bench == "tritonep_run":
+        rows = [dict(r, ok=r.get("ok")) for r in rows]
+    return [r for r in rows if isinstance(r, dict)]
+
+
+def result_files() -> list[Path]:
+    """Every result JSON under benchmarks/results, sorted by name."""
+    return sorted(RESULTS.glob("*.json"))
+
+
+def load(path: Path) -> dict:
+    """A result file as ``{"meta": ..., "data": ...}``."""
+    return json.loads(path.read_text())
+
+
+# --------------------------------------------------------------------------------------------------- figures
+FIGURES = {
+    "performance": [
+        # (figure, file, selector over rank 0's rows, field, unit)
+        ("dispatch, bf16, 4096 tokens/rank, EP2, table geometry (two kernels), graph", "ep_bench.h200x2.json",
+         dict(profile="deepseek-v3", op="tritonep.dispatch.bf16", mode="graph", num_sms=0, variant=None), "us", "us"),
+        ("dispatch, bf16, 4096 tokens/rank, EP2, fused (fs=40, fe=88; the table's default at >= 1024 tokens now)",
+         "ep_bench.h200x2.json", dict(profile="deepseek-v3", op="tritonep.dispatch.bf16", variant="fs=40,fe=88"),
+         "us", "us"),
+        ("combine push, bf16, 4096 tokens/rank, EP2, graph", "ep_bench.h200x2.json",
+         dict(profile="deepseek-v3", op="tritonep.combine.push.bf16", mode="graph", num_sms=0, variant=None), "us",
+         "us"),
+        ("dispatch, fp8 wire, 4096 tokens/rank, EP2, graph", "ep_bench.h200x2.json",
+         dict(profile="deepseek-v3", op="tritonep.dispatch.fp8", mode="graph", num_sms=0, variant=None), "us", "us"),
+        ("NCCL all_to_all_single alone (same bytes, no layout), 4096 tokens/rank, EP2", "ep_bench.h200x2.json",
+         dict(profile="deepseek-v3", op="nccl.a2a", num_sms=0, variant=None), "us", "us"),
+        ("NCCL pipeline dispatch a user writes (pack, all_to_all, unpack), 4096 tokens/rank, EP2",
+         "ep_bench.h200x2.json", dict(profile="deepseek-v3", op="nccl.pipeline.dispatch", num_sms=0, variant=None),
+         "us", "us"),
+        ("dispatch, bf16, 4096 tokens, world 1 (no NVLink), graph", "ep_bench.h200x1.json",
+         dict(profile="deepseek-v3", op="tritonep.dispatch.bf16", mode="graph"), "us", "us"),
+        ("combine push, bf16, 4096 tokens, world 1, graph", "ep_bench.h200x1.json",
+         dict(profile="deepseek-v3", op="tritonep.combine.push.bf16", mode="graph"), "us", "us"),
+        ("decode dispatch (one launch), bf16, 128 tokens, world 1, graph", "ep_bench.h200x1.json",
+         dict(profile="decode", op="tritonep.dispatch.bf16", mode="graph"), "us", "us"),
+        ("decode combine push (one launch), bf16, 128 tokens, world 1, graph", "ep_bench.h200x1.json",
+         dict(profile="decode", op="tritonep.combine.push.bf16", mode="graph"), "us", "us"),
+        ("nccl backend, sync-free one-hop dispatch, 128 tokens, world 1, eager", "ep_bench.h200x1.json",
+         dict(profile="decode", op="tritonep[nccl].dispatch_sync_free_onehop.bf16", mode="eager"), "us", "us"),
+        ("the NCCL pipeline dispatch with its layout precomputed, 128 tokens, world 1", "ep_bench.h200x1.json",
+         dict(profile="decode", op="nccl.pipeline.dispatch", mode="eager"), "us", "us"),
+        ("eager dispatch, 128 tokens, world 1", "eager_profile.h200x1.json", dict(tokens=128, backend="triton"),
+         "dispatch_eager_us", "us"),
+        ("... the same dispatch replayed from a CUDA graph", "eager_profile.h200x1.json",
+         dict(tokens=128, backend="triton"), "dispatch_graph_us", "us"),
+        ("... its host work (CPU time per call, without waiting for the device)", "eager_profile.h200x1.json",
+         dict(tokens=128, backend="triton"), "dispatch_host_work_us", "us"),
+        ("eager dispatch, 4096 tokens, world 1", "eager_profile.h200x1.json", dict(tokens=4096, backend="triton"),
+         "dispatch_eager_us", "us"),
+        ("dispatch + combine round trip, 128 tokens, world 1, eager: tritonep", "peer_bench.h200x1.json",
+         dict(T=128), "tep_round_eager_us", "us"),
+        ("... torchtitan 0.3.0 MinimalAsyncEP, same inputs", "peer_bench.h200x1.json", dict(T=128),
+         "mae_round_eager_us", "us"),
+        ("dispatch + combine round trip, 4096 tokens, world 1, eager: tritonep", "peer_bench.h200x1.json",
+         dict(T=4096), "tep_round_eager_us", "us"),
+        ("... torchtitan 0.3.0 MinimalAsyncEP, same inputs", "peer_bench.h200x1.json", dict(T=4096),
+         "mae_round_eager_us", "us"),
+        ("MoE layer fwd+bwd (H 7168, I 2048, 256 experts, top-8, 4096 tokens/rank), EP2: tritonep",
+         "moe_bench.h200x2.json", dict(), "tritonep.none", "s"),
+        ("... the torch + NCCL layer a user writes, same run", "moe_bench.h200x2.json", dict(), "reference", "s"),
+        ("MoE layer, OLMoE-skewed routing, EP2: balance='virtual' (an earlier version of the virtual layer)",
+         "moe_bench_skew.h200x2.json", dict(), "tritonep.virtual", "s"),
+        ("... balance='none', same run", "moe_bench_skew.h200x2.json", dict(), "tritonep.none", "s"),
+        ("MoE layer step (sync-free), 4096 tokens, world 1: eager / one captured CUDA graph",
+         "moe_bench_graph.h200x1.json", dict(tokens=4096), "eager_over_graph", "x"),
+        ("virtual-expert planner, one launch, 4096 tokens x top-8, 256 experts, histograms of 8 ranks, graph",
+         "planner_bench.h200x1.json", dict(world_size=8, mode="reference"), "graph_us", "us"),
+    ],
+}
+"""Generated figure tables: name -> rows ``(figure, file, selector, field, unit)``. The selector picks the first of
+rank 0's rows whose fields equal its values (``None``: the field is absent or null); unit ``s`` is shown in ms."""
+FIGURES["headline"] = [FIGURES["performance"][i] for i in (1, 5, 8, 16, 17, 20, 21)]
+
+
+FIGURE_DOCS = {"performance": ROOT / "docs" / "performance.md", "headline": ROOT / "README.md"}
+"""Where each figure table lives."""
+
+
+def select(rows: list[dict], selector: dict) -> dict:
+    """The first row matching ``selector`` (KeyError naming the selector when none does)."""
+    for r in rows:
+        if all(r.get(k) == v for k, v in selector.items()):
+            return r
+    raise KeyError(f"no row matches {selector}")
+
+
+def _value(v, unit: str) -> str:
+    if unit == "s":
+        return f"{v * 1e3:.1f} ms"
+    if unit == "x":
+        return f"{v:.3f}x"
+    return f"{v:.1f} us"
+
+
+def _where(meta: dict) -> str:
+    """``2 x H200``, ``1 x H200, world 1``, ``1 x H200, 4 ranks time-sliced``, ``1 x H200, 2 ranks under MPS``."""
+    m = re.match(r"^[a-z]\d+x(\d+)(?:-(mps|ts)(\d+))?$", meta["kind"])
+    gpus, how, ranks = (m.group(1), m.group(2), m.group(3)) if m else ("?", None, None)
+    text = f"{gpus} x {meta['gpu'].replace('NVIDIA ', '')}"
+    if how:
+        return text + f", {ranks} ranks " + ("under MPS" if how == "mps" else "time-sliced")
+    return text + (", world 1" if meta["world_size"] == 1 else "")
+
+
+def figures_table(name: str) -> str:
+    """The markdown table of :data:`FIGURES` ``name`` from the result files, then each file's command."""
+    out = ["| figure | value | GPUs | results file |", "|---|---|---|---|"]
+    files = []
+    for figure, file, selector, field, unit in FIGURES[name]:
+        res = load(RESULTS / file)
+        row = select(_rows(res["meta"]["benchmark"], res["data"]), selector)
+        link = os.path.relpath(RESULTS / file, FIGURE_DOCS[name].parent)
+        out.append(f"| {figure} | {_value(row[field], unit)} | {_where(res['meta'])} | [{file}]({link}) |")
+        if file not in files:
+            files.append(file)
+    if name != "performance":  # a summary: the commands are docs/performance.md's
+        return "\n".join(out + ["", "Every figure with its command: [docs/performance.md](docs/performance.md)."])
+    out += ["", "Commands (each file's `meta`; the code that ran: its commit):", ""]
+    for file in files:
+        m = load(RESULTS / file)["meta"]
+        out.append(f"- `{file}` ({m['date'][:10]}, commit {m['commit']}): `{m['command']}`")
+    return "\n".join(out)
+
+
+def _block(name: str) -> re.Pattern:
+    return re.compile(rf"(<!-- figures:{name} -->\n)(.*?)(<!-- /figures:{name} -->)", re.S)
+
+
+def render_doc(name: str, text: str) -> str:
+    """``text`` with its ``figures:name`` block replaced by :func:`figures_table` (ValueError: no such block)."""
+    pat = _block(name)
+    if not pat.search(text):
+        raise ValueError(f"no <!-- figures:{name} --> block")
+    return pat.sub(lambda m: m.group(1) + figures_table(name) + "\n" + m.group(3), text)
+
+
+# ------------------------------------------------------------------------------------------------------ index
+def _cell(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}" if abs(v) < 10 else f"{v:.1f}"
+    if isinstance(v, (dict, list)):
+        return json.dumps(v)[:60]
+    text = "" if v is None else str(v).replace("|", "/")
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def index() -> str:
+    """benchmarks/results/README.md: per file its meta and rank 0's rows."""
+    out = ["# Benchmark results", "",
+           "Generated by `python scripts/results_index.py rebuild` from the JSON files here: the latest run of each",
+           "benchmark on each kind of GPU machine (older runs: git history). Each file is `{\"meta\": ..., \"data\": "
+           "...}`;", "the file's docstring in scripts/results_index.py says what every field means. Times are "
+           "microseconds", "(`*_us`, `us`) or milliseconds (`*_ms`); `checked`: every point was compared with the "
+           "reference oracles.", ""]
+    for path in result_files():
+        res = load(path)
+        m, bench = res["meta"], res["meta"]["benchmark"]
+        out += [f"## {path.name}", "",
+                f"{bench} on {m['gpu']} ({m['kind']}, world {m['world_size']}), {m['date'][:10]}, commit "
+                f"{m['commit']}, torch {m['torch']}, Triton {m['triton']}, checked: {m['checked']}"
+                + (f". {m['note']}" if m.get("note") else "") + ".", "", "```", m["command"], "```", ""]
+        rows = _rows(bench, res["data"])
+        cols = BENCHMARKS[bench][1] or [k for k in rows[0] if not isinstance(rows[0][k], (dict, list))] if rows \
+            else []
+        cols = [c for c in cols if any(c in r for r in rows)]
+        if rows and cols:
+            out += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+            out += ["| " + " | ".join(_cell(r.get(c)) for c in cols) + " |" for r in rows[:MAX_INDEX_ROWS]]
+            if len(rows) > MAX_INDEX_ROWS:
+                out.append(f"\n({len(rows) - MAX_INDEX_ROWS} more rows in the file.)")
+            out.append("")
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+def rebuild() -> None:
+    """Write the index and every figure block."""
+    INDEX.write_text(index())
+    for name, doc in FIGURE_DOCS.items():
+        doc.write_text(render_doc(name, doc.read_text()))
+
+
+def check() -> list[str]:
+    """What is out of date or broken: file names, meta, the file count, files that are not result JSON, the index
+    and the figure blocks."""
+    problems = []
+    files = list(RESULTS.iterdir())
+    extra = [p.name for p in files if p.suffix != ".json" and p.name != "README.md"]
+    if extra:
+        problems.append(f"benchmarks/results holds files that are not results: {extra} (logs stay out of git)")
+    if len(files) > MAX_FILES:
+        problems.append(f"benchmarks/results holds {len(files)} files (at most {MAX_FILES}: the latest run of each "
+                        f"benchmark and GPU kind)")
+    for path in result_files():
+        m = _NAME.match(path.name)
+        if not m or m.group("bench") not in BENCHMARKS or not _KIND.match(m.group("kind")):
+            problems.append(f"{path.name}: not <benchmark>.<kind>.json with a known benchmark "
+                            f"({', '.join(BENCHMARKS)}) and a kind like h200x1 or h200x1-mps2")
+            continue
+        res = load(path)
+        meta = res.get("meta", {})
+        missing = [k for k in META_KEYS if k not in meta or (meta[k] is None and k != "checked")]
+        if missing or "data" not in res:
+            problems.append(f"{path.name}: meta lacks {missing}" if missing else f"{path.name}: no data")
+            continue
+        if (meta["benchmark"], meta["kind"]) != (m.group("bench"), m.group("kind")):
+            problems.append(f"{path.name}: meta says {meta['benchmark']}.{meta['kind']}")
+    if not problems:
+        if not INDEX.is_file() or INDEX.read_text() != index():
+            problems.append("benchmarks/results/README.md is not the generated index: python scripts/results_index.py "
+                            "rebuild")
+        for name, doc in FIGURE_DOCS.items():
+            try:
+                if render_doc(name, doc.read_text()) != doc.read_text():
+                    problems.append(f"{doc.relative_to(ROOT)}: its figures:{name} block differs from the results: "
+                                    f"python scripts/results_index.py rebuild")
+            except (ValueError, KeyError, FileNotFoundError) as e:
+                problems.append(f"{doc.relative_to(ROOT)}: figures:{name}: {e}")
+    return problems
+
+
+# ------------------------------------------------------------------------------------------------------- add
+def bench_of(command: str) -> str:
+    """The benchmark a command ran (``benchmarks/moe_bench.py --graph`` -> ``moe_bench_graph``)."""
+    if re.search(r"tritonep(\.cli\.main)? run\b", command):
+        return "tritonep_run"
+    m = re.search(r"benchmarks/(?:probes/)?(\w+)\.py", command)
+    if not m or m.group(1) not in BENCHMARKS:
+        raise SystemExit(f"cannot tell the benchmark from the command {command!r}; pass --bench")
+    bench = m.group(1)
+    if bench == "moe_bench":
+        bench = "moe_bench_graph" if "--graph" in command.split() else "moe_bench_skew" if "--skew" in \
+            command.split() else bench
+    return bench
 
 
 def _git(*args) -> str:
     return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-
-
-def _added_in(path: Path) -> tuple[str | None, int]:
-    """(short commit that added ``path``, its commit time); (None, now) for a file not in git."""
-    out = _git("log", "--diff-filter=A", "--format=%h %ct", "--", str(path.relative_to(ROOT))).splitlines()
-    if not out:
-        return None, int(datetime.datetime.now().timestamp())
-    sha, t = out[-1].split()
-    return sha, int(t)
 
 
 def _head() -> str:
@@ -170,189 +339,90 @@ def _head() -> str:
     return _git("rev-parse", "--short", "HEAD") + ("+" if dirty else "")
 
 
-def _raw_files() -> list[Path]:
-    return sorted(p for p in RESULTS.glob("*.json"))
+def wrap(data, kind: str, bench: str | None = None, command: str | None = None, commit: str | None = None,
+         date: str | None = None, note: str | None = None, **known) -> dict:
+    """A result file's content from a benchmark's JSON ``data``: its ``meta`` (written by the run, see
+    :func:`tritonep.bench.meta.run_meta`) completed by the arguments and by what the data holds (GPU, versions,
+    world size, checks).
 
-
-def read_histories() -> dict:
-    """``{(bench, machine): [line, ...]}`` of the committed histories."""
-    out = {}
-    for f in sorted(HISTORY.glob("*.jsonl")):
-        bench, machine = f.stem.split(".")
-        out[(bench, machine)] = [json.loads(ln) for ln in f.read_text().splitlines() if ln.strip()]
-    return out
-
-
-def rebuilt() -> dict:
-    """Every history from the raw files; ``commit`` kept from the committed history where the raw file is already
-    indexed, else the commit that added the file (git)."""
-    known = {ln["raw"]: ln for lines in read_histories().values() for ln in lines}
-    entries = []
-    for p in _raw_files():
-        name = parse_name(p)
-        line = normalize(p)
-        rel = line["raw"]
-        if rel in known:
-            line["commit"], order = known[rel]["commit"], None
-        else:
-            line["commit"], order = _added_in(p)
-        entries.append((name["bench"], name["machine"], line, order))
-    out = {}
-    for bench, machine, line, _ in entries:
-        out.setdefault((bench, machine), []).append(line)
-    pos = {ln["raw"]: i for lines in read_histories().values() for i, ln in enumerate(lines)}
-    times = {e[2]["raw"]: e[3] for e in entries}
-    for lines in out.values():  # oldest first: date, then the committed order, then when git added the file
-        lines.sort(key=lambda ln: (ln["date"], pos.get(ln["raw"], 10 ** 9), times.get(ln["raw"]) or 0, ln["raw"]))
-    return {k: [_ordered(ln) for ln in v] for k, v in out.items()}
-
-
-def _ordered(line: dict) -> dict:
-    keys = ("date", "label", "raw", "commit", "command", "gpu", "world_size", "versions", "checked", "rows")
-    return {k: line.get(k) for k in keys}
-
-
-def _cell(v) -> str:
-    if isinstance(v, float):
-        return f"{v:.4g}" if abs(v) < 10 else f"{v:.1f}"  # ratios near 1 keep 3 decimals
-    if isinstance(v, (dict, list)):
-        return json.dumps(v)[:60]
-    text = "" if v is None else str(v).replace("|", "/")
-    return text if len(text) <= 80 else text[:77] + "..."  # e.g. a capture error (the history line has it whole)
-
-
-def readme(histories: dict) -> str:
-    """The README: per benchmark and machine the latest run (its command, file and rank 0's rows), then the logs."""
-    out = ["# Benchmark results", "",
-           "Generated by `python scripts/results_index.py rebuild` from the raw files in this folder (do not edit:",
-           "`python scripts/results_index.py add RUN.json --machine h200x1` indexes a new run; docs: the script's",
-           "docstring and benchmarks/README.md). Every run of a benchmark on a machine kind is one line of",
-           "`history/<benchmark>.<machine>.jsonl`; below, the latest run of each. Times are microseconds (`*_us`) or",
-           "milliseconds (`*_ms`); `checked`: the run compared every point with the reference oracles.", ""]
-    for (bench, machine), lines in sorted(histories.items()):
-        last = lines[-1]
-        out += [f"## {bench} on {machine}", "",
-                f"Latest of {len(lines)} run(s): `{Path(last['raw']).name}` ({last['date']}"
-                + (f", {last['label']}" if last["label"] else "") + f", commit {last['commit'] or 'not in git'}).",
-                "", "```", last["command"] or "(command not recorded in the raw file)", "```", ""]
-        rows = [r for r in last["rows"] if r.get("rank", 0) == 0]
-        cols = COLUMNS.get(bench) or [k for k in rows[0] if k != "rank"] if rows else []
-        cols = [c for c in cols if any(c in r for r in rows)]
-        if rows:
-            out += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-            out += ["| " + " | ".join(_cell(r.get(c)) for c in cols) + " |" for r in rows[:MAX_README_ROWS]]
-            if len(rows) > MAX_README_ROWS:
-                out.append(f"\n({len(rows) - MAX_README_ROWS} more rows in the history line.)")
-            out.append("")
-    logs = sorted(RESULTS.glob("*.log"), key=lambda p: (p.stem[-10:], p.name))
-    out += ["## Logs", "", "Device logs kept as they were written (GPU test runs, profiles, the raw files' steps):", ""]
-    out += [f"- {p.stem[-10:]}: `{p.name}`" for p in logs]
-    return "\n".join(out) + "\n"
-
-
-def _write(histories: dict) -> None:
-    HISTORY.mkdir(exist_ok=True)
-    for (bench, machine), lines in histories.items():
-        (HISTORY / f"{bench}.{machine}.jsonl").write_text("".join(json.dumps(ln) + "\n" for ln in lines))
-    README.write_text(readme(histories))
-
-
-def check() -> list[str]:
-    """What is out of date (no git needed): a raw file missing from the histories or indexed twice, a history line
-    whose rows or fields differ from its raw file, a README not generated from the histories."""
-    problems = []
-    hist = read_histories()
-    seen = {}
-    for (bench, machine), lines in hist.items():
-        for ln in lines:
-            seen.setdefault(ln["raw"], []).append((bench, machine))
-            p = ROOT / ln["raw"]
-            if not p.is_file():
-                problems.append(f"{bench}.{machine}: {ln['raw']} does not exist")
-                continue
-            want = normalize(p)
-            name = parse_name(p)
-            if (name["bench"], name["machine"]) != (bench, machine):
-                problems.append(f"{ln['raw']} is in history/{bench}.{machine}.jsonl, its name says "
-                                f"{name['bench']}.{name['machine']}")
-            for k, v in want.items():
-                if json.dumps(ln.get(k), sort_keys=True) != json.dumps(v, sort_keys=True):
-                    problems.append(f"{bench}.{machine}: {ln['raw']}: {k} differs from the raw file")
-    for p in _raw_files():
-        rel = str(p.relative_to(ROOT))
-        if len(seen.get(rel, [])) != 1:
-            problems.append(f"{rel} is indexed {len(seen.get(rel, []))} times (want 1): "
-                            "python scripts/results_index.py add / rebuild")
-    if not README.is_file() or README.read_text() != readme(hist):
-        problems.append("benchmarks/results/README.md is not the one generated from the histories: "
-                        "python scripts/results_index.py rebuild")
-    return problems
-
-
-def _bench_of(data, path: Path, command: str | None = None) -> str:
-    command = _own_command(data) or command or ""
-    m = re.search(r"benchmarks/(\w+)\.py", command)
-    if m and m.group(1) in COLUMNS:
-        return m.group(1)
-    if "tritonep.cli" in command or "tritonep run" in command:
-        return "tritonep_run"
-    raise SystemExit(f"{path}: cannot tell the benchmark from its command {command!r}; pass --bench")
-
-
-def add(src: Path, machine: str, label: str = "", bench: str | None = None, date: str | None = None,
-        command: str | None = None) -> Path:
-    """Copy a run's JSON to its raw name under benchmarks/results/, append its history line, rewrite the README.
-
-    ``command``: the command that wrote a JSON holding none (recorded in ``commands.jsonl`` under the raw name; the
-    raw file stays as written). Returns:
-        the raw file's path. Raises SystemExit naming the problem (unknown benchmark, a raw file of that name
-        already there, a machine kind not like ``h200x2``, ``command`` given for a JSON that holds another).
+    Raises:
+        SystemExit: a kind not like ``h200x1``; no command; a command that names no known benchmark.
     """
-    data = json.loads(Path(src).read_text())
-    own = _own_command(data)
-    if command and own and command != own:
-        raise SystemExit(f"{src}: holds its own command {own!r}; --command {command!r} differs")
-    bench = bench or _bench_of(data, src, command)
-    if not _MACHINE.match(machine) or "x" not in machine:
-        raise SystemExit(f"--machine {machine!r}: a machine kind like h200x1 or h200x2")
-    date = date or datetime.date.today().isoformat()
-    prefix = next(p for p, b in PREFIXES.items() if b == bench)
-    dst = RESULTS / "_".join([prefix, machine] + ([label] if label else []) + [date])
-    dst = dst.with_suffix(".json")
-    if dst.exists():
-        raise SystemExit(f"{dst.relative_to(ROOT)} exists: pick another --label")
-    shutil.copyfile(src, dst)
-    if command and not own:
-        with _commands_file().open("a") as f:
-            f.write(json.dumps(dict(raw=dst.name, command=command)) + "\n")
-    hist = read_histories()
-    line = _ordered(dict(normalize(dst), commit=_head()))
-    hist.setdefault((bench, machine), []).append(line)
-    _write(hist)
+    if not _KIND.match(kind):
+        raise SystemExit(f"--kind {kind!r}: the GPU model and count, e.g. h200x1, h200x2, h200x1-mps2")
+    own = data.get("meta", {}) if isinstance(data, dict) else {}
+    first = {}
+    for r in (data if isinstance(data, list) else data.get("rows") if isinstance(data, dict) else None) or []:
+        if isinstance(r, dict):
+            first = r
+            break
+    command = command or own.get("command") or (data.get("command") if isinstance(data, dict) else None)
+    if not command:
+        raise SystemExit("the JSON holds no command: pass --command")
+    bench = bench or bench_of(command)
+    if bench not in BENCHMARKS:
+        raise SystemExit(f"unknown benchmark {bench!r} (known: {', '.join(BENCHMARKS)})")
+    rows = _rows(bench, data)
+
+    def pick(key):
+        for src in (known, own, data if isinstance(data, dict) else {}, first):
+            if src.get(key) is not None:
+                return src[key]
+        return None
+
+    checked = pick("checked")
+    if checked is None and rows and all("checked" in r for r in rows):
+        checked = all(r["checked"] for r in rows)
+    if checked is None and bench == "tritonep_run" and rows:
+        checked = all(r.get("ok") for r in rows)
+    meta = dict(benchmark=bench, kind=kind, command=command, commit=commit or own.get("commit") or _head(),
+                date=date or own.get("date") or datetime.date.today().isoformat(), gpu=pick("gpu"),
+                world_size=pick("world_size"), torch=pick("torch"), triton=pick("triton"), checked=checked)
+    for k in ("cuda", "nccl"):
+        if pick(k):
+            meta[k] = pick(k)
+    if note:
+        meta["note"] = note
+    return dict(meta=meta, data=data)
+
+
+def add(src: Path, kind: str, bench: str | None = None, command: str | None = None, commit: str | None = None,
+        date: str | None = None, note: str | None = None) -> Path:
+    """Write ``src``'s run as ``benchmarks/results/<benchmark>.<kind>.json`` (replacing the previous run), then
+    rebuild the index and the figures. Returns the file. Raises SystemExit as :func:`wrap`, or when the meta is
+    incomplete (pass the missing fields)."""
+    res = wrap(json.loads(Path(src).read_text()), kind, bench, command, commit, date, note)
+    missing = [k for k in META_KEYS if res["meta"].get(k) is None and k != "checked"]
+    if missing:
+        raise SystemExit(f"{src}: the run recorded no {missing}; rerun with a benchmark that writes meta")
+    dst = RESULTS / f"{res['meta']['benchmark']}.{kind}.json"
+    dst.write_text(json.dumps(res, indent=1) + "\n")
+    rebuild()
     return dst
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    a = sub.add_parser("add", help="index a new run's JSON")
+    a = sub.add_parser("add", help="make a run's JSON the current result of its benchmark and GPU kind")
     a.add_argument("json", type=Path)
-    a.add_argument("--machine", required=True, help="machine kind, e.g. h200x1 (one H200), h200x2")
-    a.add_argument("--label", default="", help="what distinguishes this run from others of the day (a word)")
-    a.add_argument("--bench", choices=sorted(COLUMNS), help="the benchmark (default: from the file's command)")
-    a.add_argument("--date", help="YYYY-MM-DD of the run (default: today)")
-    a.add_argument("--command", help="the command that wrote the JSON, when the JSON holds none (kept in "
-                   "benchmarks/results/commands.jsonl)")
-    sub.add_parser("rebuild", help="every history and the README from the raw files")
-    sub.add_parser("check", help="exit 1 if a history or the README is out of date")
+    a.add_argument("--kind", required=True, help="GPU model and count: h200x1, h200x2, h200x1-mps2, ...")
+    a.add_argument("--bench", choices=sorted(BENCHMARKS), help="the benchmark (default: from the JSON's command)")
+    a.add_argument("--command", help="the command, when the JSON holds none")
+    a.add_argument("--commit", help="the code that ran (default: the JSON's, else this checkout's HEAD)")
+    a.add_argument("--date", help="YYYY-MM-DD of the run (default: the JSON's, else today)")
+    a.add_argument("--note", help="one sentence a reader of the figures needs")
+    sub.add_parser("rebuild", help="the index and the docs' figure blocks from the files")
+    sub.add_parser("check", help="exit 1 if a file, the index or a figure block is out of date")
     args = ap.parse_args(argv)
     if args.cmd == "add":
-        print(add(args.json, args.machine, args.label, args.bench, args.date, args.command).relative_to(ROOT))
+        print(add(args.json, args.kind, args.bench, args.command, args.commit, args.date, args.note)
+              .relative_to(ROOT))
     elif args.cmd == "rebuild":
-        _write(rebuilt())
+        rebuild()
     else:
         problems = check()
-        print("\n".join(problems) or "benchmark results index up to date")
+        print("\n".join(problems) or "benchmark results up to date")
         return 1 if problems else 0
     return 0
 

@@ -7,7 +7,7 @@ stays up for the following tests of the same size (start-up is paid once per wor
 one GPU per rank skips, saying why: ``nccl=True`` (an NCCL group: NCCL refuses two ranks on one GPU).
 Tests that run at any world size take ``gpu_world_size`` (``--gpu-world-sizes 2,4``; default 2).
 Markers added at collection: ``world`` (uses ``gpu_world``), ``anyworld`` (uses ``gpu_world_size``); set by hand:
-``world1`` (a world of one rank); the one-GPU device script selects with them (scripts/gpu_1gpu.sh).
+``world1`` (a world of one rank); the GPU runner selects with them (scripts/gpu.sh).
 """
 
 import os
@@ -42,7 +42,7 @@ def pytest_configure(config):
                                        "cache): not in the default run; CI's second step runs them")
     config.addinivalue_line("markers", "world: runs ranks on GPUs through the gpu_world fixture")
     config.addinivalue_line("markers", "anyworld: a GPU world test that runs at every --gpu-world-sizes")
-    config.addinivalue_line("markers", "world1: a GPU world of one rank (gpu_world(1, ...)); scripts/gpu_1gpu.sh runs "
+    config.addinivalue_line("markers", "world1: a GPU world of one rank (gpu_world(1, ...)); scripts/gpu.sh runs "
                                        "it with the one-process GPU tests, not in its shared-GPU worlds")
 
 

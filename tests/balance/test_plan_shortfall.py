@@ -1,5 +1,5 @@
-"""Minimal mode says what it could not move (issue 29): on an 8-rank, 8-expert routing file it moved 12 of the 20
-routes of total excess and left ranks at 54 against a capacity of 50 (balancedness 0.926) without a word. Now
+"""Minimal mode says what it could not move: on an 8-rank, 8-expert routing file it moves 12 of the 20 routes of
+total excess and leaves ranks at 54 against a capacity of 50 (balancedness 0.926);
 :func:`tritonep.balance.plan_shortfall`, ``tritonep plan``'s output and its JSON name the unmoved routes, the ranks
 that keep them and the full slots of the ranks that could have taken them. The plan's table keeps every list inside
 its cell (one column per mode), so no line wraps mid-list."""

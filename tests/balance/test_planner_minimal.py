@@ -1,4 +1,4 @@
-"""Minimal placement mode (issue 16): invariants, Triton == torch, the flame layer 3 regression, slot exhaustion.
+"""Minimal placement mode: invariants, Triton == torch, the flame layer 3 regression, slot exhaustion.
 
 The reference mode (the default) is covered by test_planner.py; here it only appears as the contrast.
 """
@@ -103,8 +103,8 @@ def trace_topks(layer, world):
     return topks, counts
 
 
-# ----------------------------------------------------------------------------------------- issue 16 regression
-def test_issue16_flame_layer3_eight_ranks():
+# ----------------------------------------------------------------------------------- the flame layer 3 regression
+def test_minimal_mode_flame_layer3_eight_ranks():
     """Ranks 2 and 5 start over capacity (1550, 1658 > 1536): the reference makes them host expert 63 of rank 7 and
     moves 342 routes; the minimal mode moves exactly the total excess, 334, and ranks 2 and 5 only send."""
     topks, counts = trace_topks(3, 8)

@@ -1,4 +1,4 @@
-"""The one-launch planner (issue 18): W = 2..8 with hot/cold skews and T = 0 ranks, both modes, many chunks (the
+"""The one-launch planner: W = 2..8 with hot/cold skews and T = 0 ranks, both modes, many chunks (the
 look-back over earlier chunks), repeated calls on one persistent state, one launch per call, bounded waits."""
 
 import pytest

@@ -1,8 +1,10 @@
-"""The benchmark results index (scripts/results_index.py): every raw result file is one line of its history, the
-lines hold the raw files' rows, the README is the one the histories give; ``add`` indexes a new run."""
+"""The benchmark results (scripts/results_index.py): one JSON per benchmark and GPU kind with its meta, no logs, at
+most 40 files; the index and the figure tables of docs/performance.md and the README are the ones the files give;
+``add`` makes a run the current result of its benchmark and kind."""
 
 import importlib.util
 import json
+import re
 import shutil
 
 import pytest
@@ -17,99 +19,111 @@ def _index():
     return mod
 
 
-def test_committed_histories_and_readme_are_up_to_date():
+def test_committed_results_index_and_figures_are_up_to_date():
     assert _index().check() == []
 
 
-def test_names_give_benchmark_machine_label_and_date():
+def test_every_figure_is_the_value_in_its_file():
+    """Each row of docs/performance.md's generated table shows the selected row's field of the file it names (a
+    second path to the same numbers: the table read back, the JSON read directly)."""
     idx = _index()
-    p = ROOT / "benchmarks" / "results"
-    assert idx.parse_name(p / "ep_bench_h200x1_w1_final2_2026-12-01.json") == dict(
-        bench="ep_bench", machine="h200x1", label="final2", date="2026-12-01")
-    assert idx.parse_name(p / "planner_one_launch_h200_2026-12-01.json") == dict(
-        bench="planner_bench", machine="h200x1", label="one_launch", date="2026-12-01")
-    assert idx.parse_name(p / "moe_graph_bench_h200x1_session4_2026-12-01.json") == dict(
-        bench="moe_graph_bench", machine="h200x1", label="session4", date="2026-12-01")
-    assert idx.parse_name(p / "peer_bench_h200x1_2026-12-01.json")["bench"] == "peer_bench"
-    assert idx.parse_name(p / "host_cost_h200x1_s4_2026-12-01.json")["bench"] == "host_cost"
-    for bad in ("ep_bench_h200x1.json", "titan_bench_h200x1_2026-12-01.json", "ep_bench_final_2026-12-01.json"):
-        with pytest.raises(ValueError):
-            idx.parse_name(p / bad)
+    text = (ROOT / "docs" / "performance.md").read_text()
+    block = text[text.index("<!-- figures:performance -->"):text.index("<!-- /figures:performance -->")]
+    lines = [ln for ln in block.splitlines() if ln.startswith("| ") and not ln.startswith("| figure |")]
+    assert len(lines) == len(idx.FIGURES["performance"])
+    for line, (figure, file, selector, field, unit) in zip(lines, idx.FIGURES["performance"]):
+        data = json.loads((ROOT / "benchmarks" / "results" / file).read_text())
+        rows = data["data"]["rows"][0] if file.startswith("ep_bench") else None
+        if rows is None:
+            rows = idx._rows(data["meta"]["benchmark"], data["data"])
+        row = next(r for r in rows if all(r.get(k) == v for k, v in selector.items()))
+        assert line.startswith(f"| {figure} |") and f"(../benchmarks/results/{file})" in line, line
+        shown = line.split(" | ")[1]
+        v = row[field]
+        want = f"{v * 1e3:.1f} ms" if unit == "s" else f"{v:.3f}x" if unit == "x" else f"{v:.1f} us"
+        assert shown == want, (figure, shown, want)
 
 
-def test_add_indexes_a_new_run(tmp_path, monkeypatch):
+def test_the_folder_holds_results_only():
+    files = sorted(p.name for p in (ROOT / "benchmarks" / "results").iterdir())
+    assert len(files) <= 40, files
+    assert all(f.endswith(".json") or f == "README.md" for f in files), files
+    assert not [f for f in files if re.search(r"\d{4}-\d{2}-\d{2}", f)], files  # no dated names
+
+
+def test_check_finds_what_is_wrong(tmp_path, monkeypatch):
     idx = _index()
     results = tmp_path / "benchmarks" / "results"
     results.mkdir(parents=True)
-    raw = ROOT / "benchmarks" / "results" / "planner_two_level_final_h200_2026-12-01.json"
-    shutil.copy(raw, results / raw.name)
-    for name, value in dict(ROOT=tmp_path, RESULTS=results, HISTORY=results / "history",
-                            README=results / "README.md").items():
-        monkeypatch.setattr(idx, name, value)
-    monkeypatch.setattr(idx, "_added_in", lambda path: ("abc1234", 0))
-    monkeypatch.setattr(idx, "_head", lambda: "def5678+")
-    idx._write(idx.rebuilt())
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    monkeypatch.setattr(idx, "ROOT", tmp_path)
+    monkeypatch.setattr(idx, "RESULTS", results)
+    monkeypatch.setattr(idx, "INDEX", results / "README.md")
+    monkeypatch.setattr(idx, "FIGURE_DOCS", {})
+    shutil.copy(ROOT / "benchmarks" / "results" / "planner_bench.h200x1.json", results)
+    idx.rebuild()
     assert idx.check() == []
+    (results / "run.log").write_text("a log")
+    assert any("not results" in p for p in idx.check())
+    (results / "run.log").unlink()
+    shutil.copy(results / "planner_bench.h200x1.json", results / "planner_bench_2026-12-01.json")
+    assert any("not <benchmark>.<kind>.json" in p for p in idx.check())
+    (results / "planner_bench_2026-12-01.json").unlink()
+    bad = json.loads((results / "planner_bench.h200x1.json").read_text())
+    bad["meta"]["torch"] = None
+    (results / "planner_bench.h200x1.json").write_text(json.dumps(bad))
+    assert any("meta lacks ['torch']" in p for p in idx.check())
+
+
+def test_add_replaces_the_result_and_rebuilds(tmp_path, monkeypatch):
+    idx = _index()
+    results = tmp_path / "benchmarks" / "results"
+    results.mkdir(parents=True)
+    doc = tmp_path / "perf.md"
+    doc.write_text("# x\n\n<!-- figures:t -->\nold\n<!-- /figures:t -->\n")
+    monkeypatch.setattr(idx, "ROOT", tmp_path)
+    monkeypatch.setattr(idx, "RESULTS", results)
+    monkeypatch.setattr(idx, "INDEX", results / "README.md")
+    monkeypatch.setattr(idx, "FIGURE_DOCS", {"t": doc})
+    monkeypatch.setitem(idx.FIGURES, "t", [("planner at W=2", "planner_bench.h100x1.json",
+                                            dict(world_size=2, mode="reference"), "graph_us", "us")])
+    monkeypatch.setattr(idx, "_head", lambda: "abc1234+")
+    raw = json.loads((ROOT / "benchmarks" / "results" / "planner_bench.h200x1.json").read_text())["data"]
     run = tmp_path / "planner.json"
-    data = json.loads(raw.read_text())
-    data["rows"] = data["rows"][:2]
-    run.write_text(json.dumps(data))
-    dst = idx.add(run, "h200x1", label="rerun", date="2026-12-02")
-    assert dst.name == "planner_h200x1_rerun_2026-12-02.json"
-    lines = [json.loads(ln) for ln in (results / "history" / "planner_bench.h200x1.jsonl").read_text().splitlines()]
-    assert [(ln["label"], ln["commit"]) for ln in lines] == [("two_level_final", "abc1234"), ("rerun", "def5678+")]
-    assert lines[-1]["rows"] == data["rows"] and lines[-1]["command"] == data["command"]
-    assert "planner_h200x1_rerun_2026-12-02.json" in (results / "README.md").read_text()
+    run.write_text(json.dumps(dict(meta=dict(command="python benchmarks/planner_bench.py --json x.json",
+                                             torch="2.11.0+cu130", triton="3.6.0", gpu="NVIDIA H100 80GB HBM3",
+                                             date="2026-12-09T10:00:00+00:00", commit=None, world_size=1),
+                                   rows=raw["rows"])))
+    dst = idx.add(run, "h100x1")
+    assert dst.name == "planner_bench.h100x1.json"
+    m = json.loads(dst.read_text())["meta"]
+    assert (m["benchmark"], m["kind"], m["commit"], m["checked"], m["gpu"]) == (
+        "planner_bench", "h100x1", "abc1234+", True, "NVIDIA H100 80GB HBM3")
     assert idx.check() == []
-    (results / "planner_h200x1_rerun_2026-12-02.json").write_text(json.dumps(dict(data, rows=data["rows"][:1])))
-    assert any("rows differs" in p for p in idx.check())
-    with pytest.raises(SystemExit, match="exists"):
-        idx.add(run, "h200x1", label="rerun", date="2026-12-02")
+    assert "| planner at W=2 | 13.3 us | 1 x H100 80GB HBM3, world 1 |" in doc.read_text()
+    assert "## planner_bench.h100x1.json" in (results / "README.md").read_text()
+    row = next(r for r in raw["rows"] if r["world_size"] == 2 and r["mode"] == "reference")
+    row["graph_us"] = 99.0  # a newer run replaces the file; the figure follows it
+    run.write_text(json.dumps(dict(meta=dict(command="python benchmarks/planner_bench.py", torch="2.11",
+                                             triton="3.6.0", gpu="NVIDIA H100 80GB HBM3", date="2026-12-10",
+                                             world_size=1),
+                                   rows=raw["rows"])))
+    idx.add(run, "h100x1", commit="def5678")
+    assert "| planner at W=2 | 99.0 us |" in doc.read_text() and len(list(results.glob("*.json"))) == 1
+    with pytest.raises(SystemExit, match="--kind"):
+        idx.add(run, "H100")
+    run.write_text(json.dumps(dict(rows=[])))
+    with pytest.raises(SystemExit, match="no command"):
+        idx.add(run, "h100x1")
 
 
-def test_new_kinds_and_recorded_commands(tmp_path, monkeypatch):
-    """moe_graph_bench / peer_bench rows as written, host_cost's {name: us} flattened to name/us rows; a command
-    given to ``add`` for a JSON that holds none lives in commands.jsonl and survives check and rebuild."""
+def test_benchmark_is_read_from_the_command():
     idx = _index()
-    results = tmp_path / "benchmarks" / "results"
-    results.mkdir(parents=True)
-    for name, value in dict(ROOT=tmp_path, RESULTS=results, HISTORY=results / "history",
-                            README=results / "README.md").items():
-        monkeypatch.setattr(idx, name, value)
-    monkeypatch.setattr(idx, "_added_in", lambda path: ("abc1234", 0))
-    monkeypatch.setattr(idx, "_head", lambda: "def5678")
-    host = tmp_path / "host.json"
-    host.write_text(json.dumps(dict(info=dict(gpu="H200", torch="2.11"), rows={"launch.jit.4args": 18.8,
-                                                                              "launch.c_ints.4args": 5.4})))
-    peer = tmp_path / "peer.json"
-    peer.write_text(json.dumps([dict(T=128, world_size=1, gpu="H200", tep_round_eager_us=329.2,
-                                     mae_round_graph_us="capture failed: RuntimeError: " + "x" * 200,
-                                     checked=True)]))
-    graph = tmp_path / "graph.json"
-    graph.write_text(json.dumps(dict(torch="2.11", gpu="H200", rows=[dict(
-        tokens=128, shape="deepseek-v3", world_size=1, eager_us=21880.3, graph_us=21645.2, eager_over_graph=1.0109,
-        checked=True)])))
-    cmd = "python benchmarks/host_cost.py --json out.json"
-    dst = idx.add(host, "h200x1", label="s4", date="2026-12-01", command=cmd)
-    assert dst.name == "host_cost_h200x1_s4_2026-12-01.json" and dst.read_text() == host.read_text()
-    idx.add(peer, "h200x1", date="2026-12-01", command="torchrun benchmarks/peer_bench.py")  # bench from the command
-    idx.add(graph, "h200x1", date="2026-12-01", bench="moe_graph_bench", command="torchrun x.py")
-    hist = idx.read_histories()
-    (h,), (p,), (g,) = (hist[(bench, "h200x1")] for bench in ("host_cost", "peer_bench", "moe_graph_bench"))
-    assert h["rows"] == [dict(name="launch.jit.4args", us=18.8), dict(name="launch.c_ints.4args", us=5.4)]
-    assert (h["command"], h["gpu"], h["versions"]) == (cmd, "H200", {"torch": "2.11"})
-    assert (p["world_size"], p["gpu"], p["checked"], p["command"]) == (1, "H200", True,
-                                                                      "torchrun benchmarks/peer_bench.py")
-    assert (g["world_size"], g["checked"]) == (1, True)
-    text = (results / "README.md").read_text()
-    assert "| launch.c_ints.4args | 5.4 |" in text and "| 1.011 | True |" in text
-    assert "capture failed: RuntimeError: xxx" in text and "x" * 100 not in text  # long cells cut in the README
-    assert idx.check() == []
-    idx._write(idx.rebuilt())
-    assert idx.check() == [] and idx.read_histories() == hist
-    (results / "commands.jsonl").write_text("")  # the command is nowhere else: check names the line
-    assert any("command differs" in q for q in idx.check())
-    own = tmp_path / "own.json"
-    own.write_text(json.dumps(dict(command="python benchmarks/moe_bench.py", rows=[])))
-    with pytest.raises(SystemExit, match="holds its own command"):
-        idx.add(own, "h200x1", date="2026-12-01", command="python benchmarks/other.py")
+    assert idx.bench_of("torchrun --nproc-per-node 1 benchmarks/moe_bench.py --graph --tokens 128") == \
+        "moe_bench_graph"
+    assert idx.bench_of("python benchmarks/moe_bench.py --skew") == "moe_bench_skew"
+    assert idx.bench_of("python benchmarks/probes/host_cost.py --json x") == "host_cost"
+    assert idx.bench_of("python -m tritonep.cli.main run --steps 3") == "tritonep_run"
+    with pytest.raises(SystemExit, match="--bench"):
+        idx.bench_of("python " + "benchmarks/" + "unknown.py")

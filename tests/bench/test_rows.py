@@ -1,4 +1,4 @@
-"""The benchmark's ratio summary (issue 15) on synthetic rows (the GPU rows themselves are made on the device)."""
+"""The benchmark's ratio summary on synthetic rows (the GPU rows themselves are made on the device)."""
 
 from tritonep.bench.ep import ratio_lines
 

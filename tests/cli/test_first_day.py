@@ -1,7 +1,7 @@
-"""What a new user met on the first day (issue 29), each now true: ``bench --help`` gives the profiles' shapes; every
-TRITONEP_* value is refused when the command starts (before any world), naming the variable; a refusal names the
-flag the user typed (``--layer``, ``--hidden`` with the wire's own block); a world that times out on a terminal
-ends its progress bar's line before the error line; a CSV row whose routes all score 0 is refused at FILE:LINE:COL."""
+"""What a new user meets on the first day: ``bench --help`` gives the profiles' shapes; every TRITONEP_* value is
+refused when the command starts (before any world), naming the variable; a refusal names the flag the user typed
+(``--layer``, ``--hidden`` with the wire's own block); a world that times out on a terminal prints its error on a
+line of its own after the progress lines; a CSV row whose routes all score 0 is refused at FILE:LINE:COL."""
 
 import fcntl
 import os
@@ -95,9 +95,9 @@ def test_refusals_name_the_flag_as_typed(capsys, argv, line):
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a CPU world")
 @pytest.mark.slow  # > 4 s on 2 cores: CI's second step
-def test_world_timeout_on_a_terminal_ends_the_progress_bar_line(tmp_path):
-    """On a terminal, rank 0 draws a progress bar; a world killed by --timeout used to print its error line after
-    the bar on the same line. Now the line is cleared first (and no bar is drawn when stderr is not a terminal)."""
+def test_world_timeout_on_a_terminal_prints_progress_then_one_error_line(tmp_path):
+    """On a terminal: the parent's progress lines (no rank draws a bar), then, when --timeout kills the world, the
+    error on a line of its own (cleared first)."""
     main_fd, sub_fd = pty.openpty()
     fcntl.ioctl(sub_fd, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 160, 0, 0))  # a terminal of 160 columns
     env = dict(os.environ, COLUMNS="200", TMPDIR=str(tmp_path))
@@ -117,7 +117,7 @@ def test_world_timeout_on_a_terminal_ends_the_progress_bar_line(tmp_path):
     os.close(main_fd)
     assert p.wait(timeout=120) == 2
     text = b"".join(chunks).decode(errors="replace")
-    assert "layers (rank 0 of 2)" in text, text  # the bar was drawn on the terminal
+    assert "tritonep run: 2 ranks started; running 2 layers" in text, text  # the parent's progress line
     err = [ln for ln in text.replace("\r\n", "\n").split("\n") if "tritonep run: error:" in ln]
     assert len(err) == 1, text
     assert err[0].split("\r")[-1].startswith("\033[Ktritonep run: error: CPU world of 2:"), repr(err[0])

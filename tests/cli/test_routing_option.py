@@ -56,6 +56,12 @@ def test_run_on_a_json_histogram_with_more_experts(tmp_path, capsys):
     out = capsys.readouterr()
     assert rc == 0, out.out + out.err
     assert "all checks passed" in out.out and "E=8, top-2" in out.out
+    # progress: one line per layer on stderr from the command's own process (a log shows the run advancing)
+    err = out.err.splitlines()
+    want = ["tritonep run: 2 ranks started; running 1 layer (forward + backward)",
+            "tritonep run: layer 4 done (1 of 1) in ",
+            "tritonep run: checking 1 layer against the dense single-process reference"]
+    assert len(err) == len(want) and all(e.startswith(w) for e, w in zip(err, want)), err
 
 
 REFUSALS = {  # case: (file text, or None for the random trace of 10 tokens x top-2 over 16 experts; flags; pattern)

@@ -1,6 +1,6 @@
 """The README's examples run and check themselves: the "Use" snippet (its own lines, on small shapes), the CPU EPBuffer
-example, and examples/torchrun_moe.py (its ``main(group)`` in a 2-rank CPU world); the README quotes the torchrun
-script as it is."""
+example, and examples/torchrun_moe.py (its ``main(group)`` in a 2-rank CPU world); docs/integrations.md quotes the
+torchrun script as it is."""
 
 import importlib.util
 import os
@@ -116,8 +116,9 @@ def test_torchrun_example_main_in_a_cpu_world():
         assert r["dispatch_err"] < 2e-2 and r["moe_err"] < 3e-2 and r["grad_x_norm"] > 0
 
 
-def test_readme_quotes_the_torchrun_example_as_it_is():
-    block = next(b for b in _python_blocks() if "def main(group" in b)
+def test_integrations_doc_quotes_the_torchrun_example_as_it_is():
+    doc = (ROOT / "docs" / "integrations.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", doc, flags=re.S) if "def main(group" in b)
     src = EXAMPLE.read_text().splitlines()
     pos = 0
     for line in block.splitlines():
@@ -126,7 +127,8 @@ def test_readme_quotes_the_torchrun_example_as_it_is():
         try:
             pos = src.index(line, pos) + 1  # every quoted line is in the script, in order
         except ValueError:
-            pytest.fail(f"README line not in {EXAMPLE.name} (in this order): {line!r}")
+            pytest.fail(f"docs/integrations.md line not in {EXAMPLE.name} (in this order): {line!r}")
+    assert "torchrun --nproc-per-node 2 examples/torchrun_moe.py" in doc
     assert "torchrun --nproc-per-node 2 examples/torchrun_moe.py" in README
 
 

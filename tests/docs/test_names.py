@@ -1,5 +1,4 @@
-"""The README and docs/ name what the code has: recipe / geometry fields, benchmark profiles, and the result files
-the README's Status cites."""
+"""The README and docs/ name what the code has: recipe / geometry fields and benchmark profiles."""
 
 import dataclasses
 import re
@@ -28,19 +27,8 @@ def test_moe_doc_lists_exactly_the_recipe_and_geometry_fields():
 
 
 def test_readme_lists_every_bench_profile():
-    from tritonep.bench.ep import PROFILES
+    from tritonep.bench.profiles import PROFILES
 
     row = next(line for line in README.splitlines() if line.startswith("| `tritonep bench"))
     listed = set(re.findall(r"`([a-z0-9-]+)`", row))
     assert set(PROFILES) <= listed, f"profiles missing from the README's bench row: {set(PROFILES) - listed}"
-
-
-def test_readme_status_cites_existing_result_files():
-    status = README[README.index("## Status"):]
-    cited = re.findall(r"`([a-z0-9_]+_2026-1[12]-[0-9]{2}(?:\.[a-z]+|\.\{[a-z,]+\}))`", status)
-    assert len(cited) >= 8, cited
-    for name in cited:
-        stem, _, ext = name.rpartition(".")
-        exts = ext.strip("{}").split(",")
-        for e in exts:
-            assert (ROOT / "benchmarks" / "results" / f"{stem}.{e}").is_file(), f"README cites missing {stem}.{e}"

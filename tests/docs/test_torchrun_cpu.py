@@ -1,8 +1,8 @@
-"""The examples without a GPU (issue 29). ``torchrun ... examples/torchrun_moe.py`` runs on a gloo group with
-``backend="nccl"``, an EPBuffer and an MoE layer outside ``run_cpu_world``, and exits 0 with its one result line (it
-used to exit 1 with a message, which torchrun turns into its own ChildFailedError traceback: any non-zero exit of a
-worker does). ``examples/train_moe.py`` runs from ``python`` (the README's command, which used to be refused) and
-under torchrun. README, "Two GPUs with torchrun", "On the GPU machine" and "Train a real model"."""
+"""The examples without a GPU. ``torchrun ... examples/torchrun_moe.py`` runs on a gloo group with
+``backend="nccl"``, an EPBuffer and an MoE layer outside ``run_cpu_world``, and exits 0 with its one result line (a
+non-zero exit of a worker would become torchrun's own ChildFailedError traceback). ``examples/train_moe.py`` runs
+from ``python`` (the README's command) and under torchrun. docs/integrations.md, "torchrun"; README, "Train a real
+model"."""
 
 import os
 import shutil

@@ -1,4 +1,4 @@
-"""A configuration refused on ONE rank is an error on EVERY rank, at once, with nothing allocated (issue 25 class 3).
+"""A configuration refused on ONE rank is an error on EVERY rank, at once, with nothing allocated.
 
 Before: the bad rank raised alone and its peers blocked in the constructor's collective until its process exited,
 then failed with gloo's "connection closed". Now every check runs before the first collective and the verdicts

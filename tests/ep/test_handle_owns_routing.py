@@ -1,4 +1,4 @@
-"""Issue 25 class 1: a dispatch handle owns the routing that combine and the backward passes read again.
+"""A dispatch handle owns the routing that combine and the backward passes read again.
 
 A caller that refills its ``topk_idx`` / ``topk_weights`` in place between dispatch and combine (a serving loop that
 reuses its buffers; vLLM fixed the same bug in its MoRI path) must get the same combine rows and the same gradients

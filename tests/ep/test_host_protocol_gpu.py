@@ -1,4 +1,4 @@
-"""GPU checks of the host protocol rule (issue 14, docs/protocols.md (host protocol rule)): uneven per-rank token
+"""GPU checks of the host protocol rule (docs/protocols.md, "Host protocol rule"): uneven per-rank token
 scripts (0 included, changing every call) eagerly and in CUDA graphs at several geometries; a bad input on one rank.
 At each ``--gpu-world-sizes`` (the 2-rank scripts widened by :func:`tritonep.testing.cases.script_for`); ranks share a
 GPU when there are fewer GPUs than ranks."""
@@ -10,7 +10,8 @@ from tritonep.testing.harness import check_calls
 
 pytestmark = pytest.mark.gpu
 
-# issue 14 case 2 first: rank 1 always empty, rank 0 at 1 then 2 tokens; then every mix, 0 and Tmax included
+# first the case that once made one rank compile (and barrier) alone: rank 1 always empty, rank 0 at 1 then 2
+# tokens; then every mix, 0 and Tmax included
 SCRIPT_8 = [[1, 0], [2, 0], [0, 0], [8, 0], [0, 8], [3, 5], [8, 8], [0, 1], [7, 2], [1, 1], [2, 0], [0, 3]]
 SCRIPT_256 = [[1, 0], [2, 0], [0, 256], [256, 1], [200, 0], [0, 0], [17, 255], [256, 256]]
 CFGS = {

@@ -1,5 +1,5 @@
 """The output pool (:mod:`tritonep.ep.pool`) across autograd modes: a set outlives the call that made it, so the mode
-of that call must not reach a later call (session 14's break-it review found these; the first two with the pool on only).
+of that call must not reach a later call (the first two matter with the pool on only).
 
 * A set made inside ``torch.inference_mode()`` (a rollout / eval that keeps one call's outputs while it makes the
   next) held inference tensors; a later call in grad mode got them: ``expert_offsets`` could not be saved for the

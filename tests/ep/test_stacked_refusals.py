@@ -4,11 +4,10 @@ the read raises the earlier call's error; but a rank whose own input was refused
 raise the error naming its value (docs: "the bad rank raises the error naming its value"), and the peers' message
 must not present the earlier call's refusal as this call's own ("nothing was sent").
 
-Found 2026-12-02 (break6): a capacity refusal nobody read, then a synced call in which rank 1's ``topk_idx`` held an
-id outside ``[-1, E)`` (found on the device) or was one column too wide (refused at the front door): both ranks
-raised ``CapacityError: rank 0 would receive 36 rows ...; nothing was sent`` (call 1's refusal, told as call 3's
-own); rank 1's own error was never raised. Likewise two unread bad-id calls of different ranks: the mask kept only
-the later one, so the first bad rank got PeerInputError naming the other rank.
+The cases: a capacity refusal nobody read, then a synced call in which rank 1's ``topk_idx`` holds an id outside
+``[-1, E)`` (found on the device) or is one column too wide (refused at the API entry): rank 1 must raise its own
+error, not ``CapacityError: rank 0 would receive 36 rows ...; nothing was sent`` (call 1's refusal, told as call 3's
+own). Likewise two unread bad-id calls of different ranks: each bad rank names its own value, not the other rank.
 """
 
 import pytest

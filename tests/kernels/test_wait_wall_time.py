@@ -1,4 +1,4 @@
-"""CPU-world waits are bounded in wall time (issue 25, class 4).
+"""CPU-world waits are bounded in wall time.
 
 The interpreter used to bound a wait by a poll count calibrated once to seconds; a wait bounded at 6 s gave up after
 1.7-2.8 s of wall time when a peer arrived 4.5 s late (the interpreter polls at different speeds in different

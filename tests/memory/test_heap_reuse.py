@@ -1,4 +1,4 @@
-"""The CPU symmetric heap reuses freed space wherever it lies (issue 25, class 5).
+"""The CPU symmetric heap reuses freed space wherever it lies.
 
 The heap used to reclaim only the top of its allocation stack: a rebuild-on-capacity loop (build the new buffer,
 then close the old one) failed at its fifth cycle with a LayoutError on a heap sized for six buffers. Now

@@ -1,4 +1,4 @@
-"""Expert ids are checked at full width on every path, and the MoE layer reads every status word (issue 25, class 2).
+"""Expert ids are checked at full width on every path, and the MoE layer reads every status word.
 
 With ``balance="virtual"`` an int64 id of 2**32 + 1 or -(2**32) + 2 used to be served silently by expert 1 or 2:
 the planner's histogram and route remap and the triton counts exchange's histogram loaded ids as int32 (the

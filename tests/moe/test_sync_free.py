@@ -1,4 +1,4 @@
-"""MoERecipe(sync_free=True): the MoE layer with no host read in forward or backward (issue 24).
+"""MoERecipe(sync_free=True): the MoE layer with no host read in forward or backward.
 
 CPU worlds: the sync-free layer equals the synced one bit for bit (output, every gradient) and its buffer makes no
 host read; the recipe refuses combinations that need one. GPU (one device, world 1): torch's sync debug mode raises on
@@ -87,7 +87,7 @@ def _gpu_graph_body(group):
     params = (x, w, layer.w1, layer.w2)
     # PyTorch's whole-network capture recipe: warm-up, the eager step and the capture on ONE side stream, gradients
     # None before each step (backward ops run on their forward op's stream; gradients made on the legacy default
-    # stream fail the capture with cudaErrorStreamCaptureImplicit, as seen on an H200 on 2026-12-01)
+    # stream fail the capture with cudaErrorStreamCaptureImplicit, as seen on an H200)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):

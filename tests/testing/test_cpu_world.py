@@ -58,8 +58,8 @@ except ConfigError as e:
 def test_kernels_imported_before_the_world_refused_unless_interpreted(interpret):
     """``MoEGeometry`` / ``EPBuffer.required_bytes`` in the parent import tritonep's kernels; without
     ``TRITON_INTERPRET=1`` at start-up they are compiled kernels, which the forked ranks cannot run: refused with a
-    message naming those uses and the remedy (README, "A CPU world gives every rank ..."). With it, the README's
-    ``heap_bytes=tep.EPBuffer.required_bytes(...) + (1 << 20)`` world runs."""
+    message naming those uses and the remedy (docs/integrations.md, "CPU worlds in your own scripts"). With it, the
+    doc's ``heap_bytes=tep.EPBuffer.required_bytes(...) + (1 << 20)`` world runs."""
     import os
     import subprocess
     import sys

@@ -1,4 +1,4 @@
-"""Several ranks on one GPU (issue 23), the parts a CPU can check: rank placement and each rank's environment, the
+"""Several ranks on one GPU, the parts a CPU can check: rank placement and each rank's environment, the
 MPS daemon's commands (a fake ``nvidia-cuda-mps-control`` on PATH), the world's process machinery (spawned ranks on
 CPU devices: tasks, environment forwarding, failures, timeouts, cleanup), the barrier every group backend supports,
 and the per-process program cap (TRITONEP_MAX_PROGRAMS) of ranks that share a GPU under MPS."""

@@ -1,4 +1,4 @@
-"""SIGINT / SIGTERM to the parent of a world (issue 29): every rank ends within seconds, nothing is left behind.
+"""SIGINT / SIGTERM to the parent of a world: every rank ends within seconds, nothing is left behind.
 
 A real ``tritonep run`` (CPU world) and scripts around ``run_cpu_world`` / ``run_gpu_world`` (ranks on the CPU
 device) run in a subprocess; once their ranks are up, the parent alone gets the signal. The CLI prints one line and
@@ -117,7 +117,7 @@ def _nothing_left(kids, tmp_path):
                          ids=["SIGINT", "SIGTERM", "Ctrl-C-to-the-group"])
 def test_cli_run_interrupted_prints_one_line_and_leaves_nothing(tmp_path, sig, code, ranks, group):
     argv = [sys.executable, "-m", "tritonep.cli.main", "run", "--world-size", str(ranks), "--layers", "2", "--tokens",
-            "4", "--steps", "500"]  # 3 ranks: the default expert count (66) fits the world size (issue 29)
+            "4", "--steps", "500"]  # 3 ranks: the default expert count (66) fits the world size
     rc, err, took, kids = _interrupt(argv, tmp_path, sig, ranks=ranks, group=group)
     name = signal.Signals(sig).name
     lines = [ln for ln in err.splitlines() if ln.strip()]

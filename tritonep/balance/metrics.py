@@ -54,7 +54,7 @@ def moved_routes(placement: Placement) -> int:
     """Routes served away from their expert's owner under ``placement`` (a host sync on a GPU plan).
 
     ``allocation.sum() - sum_e allocation[e, e // L]`` (equals ``placement.quota.sum()``): the routes whose
-    expert runs in a virtual slot of another rank, i.e. the work the balancer relocates (issue 16 compares it with
+    expert runs in a virtual slot of another rank, i.e. the work the balancer relocates (compare it with
     :func:`excess_routes`).
 
     Args:
@@ -73,7 +73,7 @@ def excess_routes(counts: torch.Tensor, world_size: int) -> int:
     """Total excess ``sum_d max(0, load[d] - cap[d])`` of a histogram: the fewest routes any balancing plan moves.
 
     ``load`` = :func:`rank_loads`, ``cap[d] = N // W`` plus one on the ``N % W`` lowest ranks (the planner's
-    capacity). A minimal-mode plan moves exactly this many routes when its slots suffice (issue 16).
+    capacity). A minimal-mode plan moves exactly this many routes when its slots suffice.
 
     Args:
         counts: ``[W_src, E]`` or ``[E]`` non-negative integer routes; ``E`` divisible by ``world_size``.

@@ -30,7 +30,7 @@ is balanced exactly: ``allocation.sum(0) == capacity``. The price is over-migrat
 capacity and then host another sender's experts (see the worked example in the tests). The unreachable failure
 branches raise :class:`tritonep.errors.PlanError` instead of returning a wrong plan.
 
-Minimal mode (``mode="minimal"``, ours; tritonep issue 16): the reference moves the receiver's whole deficit, so
+Minimal mode (``mode="minimal"``, ours): the reference moves the receiver's whole deficit, so
 a sender can drop below capacity and then receive (flame layer 3 on 8 ranks: ranks 2 and 5 start over capacity
 yet host expert 63 of rank 7; 342 routes move where the total excess is 334). The minimal mode keeps step 1 and
 step 4 and replaces steps 2-3 by one greedy over pieces, at most ``W*L`` rounds (each round fills one slot):

@@ -98,8 +98,8 @@ def plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, *, num_program
         rank: this rank in ``[0, W)``.
         num_programs: number of route chunks ``G`` in ``[1, 256]`` (the launch runs ``G + 1`` programs: the
             placement and one per chunk). Default: 1 under the interpreter / on CPU, else ``min(128, ceil(T*K /
-            256))`` (the H200 sweep, benchmarks/results/planner_one_launch_sweep_h200_2026-12-01.json: 128 chunks
-            beat 64 by 2-4 us at 4096 x 8 routes). Derived from shapes only, so the launch stays graph-capturable.
+            256))`` (a sweep on the H200, ``benchmarks/planner_bench.py --num-programs``: 128 chunks beat 64 by 2-4
+            us at 4096 x 8 routes). Derived from shapes only, so the launch stays graph-capturable.
         block: routes per tile, a power of two in ``[16, 256]``; default on CUDA 64 when the launch runs one warp
             (see ``_plan_warps``) or ``W > 16``, else 128; 64 elsewhere. (ptxas -v, sm_90a, E = 256, W = 2 / 4 / 8,
             both modes, these defaults: no register spills, 168-245 registers; 0-4 spill bytes with ``num_warps`` 2

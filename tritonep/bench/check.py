@@ -1,4 +1,4 @@
-"""Benchmark self-checks (issue 18): every timed point compares one call's output with the oracle afterwards.
+"""Benchmark self-checks: every timed point compares one call's output with the oracle afterwards.
 
 As the seed's EPv2 benchmark does with ``CHECK=1``: after a point is timed, the output of one of its calls (the
 captured call of a CUDA graph, whose tensors every replay rewrites, or the last eager call) is compared with the

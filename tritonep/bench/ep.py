@@ -6,9 +6,8 @@ Run under torchrun (one process per GPU)::
     torchrun --nproc-per-node 2 -m tritonep.cli.main bench dispatch --profile deepseek-v3 --json out.json
 
 Every timing is the median over 3 rounds of (CUDA-event time of ``iters`` back-to-back CUDA-graph replays) / iters,
-both ranks released together by a barrier before each round. (The first device run, committed as
-``benchmarks/results/ep_bench_h200x2_2026-11-30.json``, used one barrier per call instead, which adds the ranks'
-skew to every call.) Bytes: "logical" = rows this rank receives (expert-grouped, one per route)
+both ranks released together by a barrier before each round (a barrier per call would add the ranks' skew to
+every call). Bytes: "logical" = rows this rank receives (expert-grouped, one per route)
 x H x 2; "nvlink" = rows that cross to another rank (one per (token, destination rank)) x H x 2, per direction.
 The NCCL pipeline is what a user would write for the same expert-grouped output: ``index_select`` pack +
 ``all_to_all_single`` (uneven splits) + ``index_copy_`` unpack (indices precomputed outside the timed region,
@@ -22,9 +21,9 @@ one equal-split all_to_all) in each mode of ``TRITONEP_NCCL_SYNC_FREE`` (one-hop
 the variable restored), checked like the others on their real rows ``[0, expert_offsets[-1])``;
 ``tritonep[nccl].combine_sync_free_onehop.bf16`` is the combine on a one-hop handle (equal splits), checked bit for
 bit. The summary's "nccl-backend sync-free onehop/pipeline dispatch" and "... gather/pipeline dispatch" ratios
-compare them with ``nccl.pipeline.dispatch`` (issue 24's target: <= 1 at 128 tokens).
+compare them with ``nccl.pipeline.dispatch`` (the goal: <= 1 at 128 tokens).
 
-Every point checks itself after it is timed (issue 18, :mod:`tritonep.bench.check`): the output of the captured
+Every point checks itself after it is timed (:mod:`tritonep.bench.check`): the output of the captured
 call (graph rows; every replay rewrites its tensors) or of the last eager call is compared with the on-device
 oracle built once per (profile, wire): received rows, ``num_tokens_per_expert``, ``expert_offsets`` and weights bit
 for bit, the combine output bit for bit against the fixed-order reference (expert outputs are
@@ -48,24 +47,9 @@ import torch.distributed as dist
 from ..ep.layout import layout_torch, route_rows_torch
 from ..memory import group_barrier, uses_nccl
 from .check import PointChecker, bench_expert, compare_close, compare_exact, mark_checked
+from .profiles import PROFILES
 
 __all__ = ["PROFILES", "time_graph", "time_rounds", "peer_copy_gbps", "bench_ep", "ratio_lines"]
-
-PROFILES = {
-    "deepseek-v3": dict(hidden=7168, num_experts=256, topk=8, tokens=4096),
-    "decode": dict(hidden=7168, num_experts=256, topk=8, tokens=128,
-                   note="the table picks the one-launch decode path (TRITONEP_GEOMETRY=dec=0: two kernels)"),
-    # the same shape with the one-launch decode dispatch / combine pinned (geometry dec=G; rows carry
-    # exact_vs_two_kernel; no NCCL baselines); since session 5 the table picks that path for `decode` too
-    "decode-1launch": dict(hidden=7168, num_experts=256, topk=8, tokens=128, geometry="bt=1,dec=128"),
-    "deepseek-v3-1k": dict(hidden=7168, num_experts=256, topk=8, tokens=1024),
-    "qwen3-moe": dict(hidden=4096, num_experts=128, topk=8, tokens=4096),
-    # the packaged FLAME-MoE-290M router decisions (64 experts, top-6, 2048 tokens split over the ranks)
-    "real-trace": dict(hidden=2048, num_experts=64, topk=6, tokens=0, trace_layer=2),
-    # CPU smoke run of the benchmark code and its checks (interpreter; times mean nothing)
-    "cpu-smoke": dict(hidden=128, num_experts=8, topk=2, tokens=6,
-                      note="checks only, on a CPU: python benchmarks/ep_bench.py --cpu"),
-}
 
 
 def _barrier(group):
@@ -140,8 +124,8 @@ def peer_copy_gbps(group, nbytes=256 << 20):
     return nbytes / us / 1e3
 
 
-def one_gpu_inputs(T: int, H: int = 7168, E: int = 256, K: int = 8, seed: int = 0):
-    """The one-GPU probes' setup (``benchmarks/onehop_send_probe.py``, ``benchmarks/nccl_sync_free_profile.py``, run
+def one_gpu_inputs(T: int, H: int, E: int, K: int, seed: int = 0):
+    """The one-GPU probes' setup (``benchmarks/probes/onehop_send_probe.py``, ``.../nccl_sync_free_profile.py``, run
     under ``torchrun``): the NCCL process group (made here), the rank's device (``LOCAL_RANK``, made current) and
     one call's inputs ``x [T, H]`` bf16, ``topk_idx [T, K]`` int64 (K distinct experts of E per token), ``topk_weights
     [T, K]`` float32 from generator ``seed``. Returns ``(device, x, topk_idx, topk_weights)``."""
@@ -310,7 +294,7 @@ def bench_ep(group, profile: str, combine_kinds=("push", "pull"), num_sms=None, 
     us, mode = time_graph(ndisp, group, iters=iters, capture=False)
     check_dispatch(row("tritonep[nccl].dispatch.bf16", us, mode), last["d"], "bf16")
 
-    # the sync-free dispatch (no host read, issue 24) in each mode of TRITONEP_NCCL_SYNC_FREE (a buffer per mode,
+    # the sync-free dispatch (no host read) in each mode of TRITONEP_NCCL_SYNC_FREE (a buffer per mode,
     # the variable set for its construction and restored); the combine on the one-hop handle
     for sf_mode in ("onehop", "gather"):
         old_mode = os.environ.pop("TRITONEP_NCCL_SYNC_FREE", None)
@@ -428,7 +412,7 @@ def bench_ep(group, profile: str, combine_kinds=("push", "pull"), num_sms=None, 
 
 
 def ratio_lines(rows) -> list:
-    """Issue 15's ratios per profile from one rank's rows: eager / graph (tritonep dispatch and combine) and
+    """The eager-cost ratios per profile from one rank's rows: eager / graph (tritonep dispatch and combine) and
     tritonep's nccl backend / the hand-written NCCL pipeline (dispatch and combine)."""
     out = []
     for prof in dict.fromkeys(r["profile"] for r in rows):

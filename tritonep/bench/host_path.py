@@ -1,6 +1,6 @@
 """The host path of one call, counted: torch calls, allocations, kernel launches, host reads, and Python time.
 
-A call's Python work is part of the product (issue 24). This module measures it on any machine, the CPU included,
+A call's Python work is part of the product. This module measures it on any machine, the CPU included,
 by running the real front door and backend code of an :class:`tritonep.EPBuffer` with every kernel launch
 replaced by a no-op that only counts (the kernels' own cost is the GPU's business; on a CPU the interpreter would
 drown the host path). Per call kind (``dispatch``, ``dispatch_sync_free``, ``combine``, ``dispatch_bwd``,
@@ -220,8 +220,8 @@ def host_calibration(device, iters: int = 2000, rounds: int = 7) -> dict:
     interpreter) and ``calib_slice_us`` (``t[:500]`` of a ``[1024, 7168]`` bf16 tensor on ``device``: torch's
     Python binding, dispatcher and view creation, what the views and checks of a call cost).
 
-    The lent GPU hosts differ by up to 2x in both and drift within a call (session 13's note), so every host-time
-    figure of ``benchmarks/eager_profile.py`` / ``benchmarks/host_primitives.py`` comes with these two; compare
+    The GPU machines' hosts differ by up to 2x in both and drift within a call, so every host-time
+    figure of ``benchmarks/eager_profile.py`` / ``benchmarks/probes/host_primitives.py`` comes with these two; compare
     host times between runs only next to them."""
     data = list(range(100))
     t = torch.empty(1024, 7168, dtype=torch.bfloat16, device=device)

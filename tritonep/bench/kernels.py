@@ -1,4 +1,4 @@
-"""Per-kernel time of dispatch and combine (issue 18: where do the fp8 / mxfp4 microseconds go).
+"""Per-kernel time of dispatch and combine: where do the microseconds of each wire go.
 
 :func:`kernel_breakdown` builds one :class:`tritonep.EPBuffer` per (geometry variant, wire), runs ``iters`` eager
 dispatch calls and ``iters`` combine calls under ``torch.profiler`` (CUDA activity only) and reports each kernel's

@@ -5,7 +5,7 @@ per route (differentiable, ``torch.distributed.nn.functional``), the same expert
 a loop on CPU), ``all_to_all_single`` back, weighted sum over k. Both layers run forward + backward on the same
 routing (uniform or OLMoE-skewed) and the median step time is reported, plus the speedup.
 
-Every layer checks itself after timing (issue 18, :mod:`tritonep.bench.check`): the last step's output of each
+Every layer checks itself after timing (:mod:`tritonep.bench.check`): the last step's output of each
 layer (tritonep per balance mode, and the torch + NCCL reference layer) is compared with the dense fp32 oracle
 :func:`tritonep.reference.moe_dense_reference` of this rank's tokens, within its tolerance ``max|y - ref| <= 3e-2
 * max|ref|`` (:data:`tritonep.bench.moe_soak.TOL`, the MoE layer tests' bound). The oracle is built once per run

@@ -1,10 +1,10 @@
-"""Virtual-expert planner timing on one GPU (issue 18: one launch, <= 15 us at 4096 tokens x top-8, 256 experts).
+"""Virtual-expert planner timing on one GPU (one launch; the goal: <= 15 us at 4096 tokens x top-8, 256 experts).
 
 Times :func:`tritonep.balance.plan` (one Triton launch) as a CUDA-graph replay (median over rounds of 20
 back-to-back replays, CUDA events) and eagerly, on OLMoE-skewed routing for the given world sizes (the planner's
 input is the gathered ``[W, E]`` histogram; this rank's ``topk_idx`` is sampled from the same histogram), for each
-placement mode, chunk count and tile size asked for. Every point checks itself after timing (issue 18,
-:mod:`tritonep.bench.check`): the captured call's outputs (every replay rewrites them) and the last eager call's
+placement mode, chunk count and tile size asked for. Every point checks itself after timing
+(:mod:`tritonep.bench.check`): the captured call's outputs (every replay rewrites them) and the last eager call's
 outputs must equal the torch twins (:func:`tritonep.balance.place_torch`, :func:`tritonep.balance.remap_torch`,
 built once per (world size, mode)) bit for bit, with a zero status word; the row records ``checked``.
 Without CUDA the same code runs eagerly with ``time.perf_counter`` (a smoke test of the checks, no measurement).

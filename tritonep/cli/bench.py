@@ -7,30 +7,48 @@ import json
 import torch
 
 from ..bench.check import exit_code
+from ..bench.meta import run_meta
+from ..bench.profiles import DEFAULT_INTERMEDIATE
 from .help import EpilogTableFormatter
 
 __all__ = ["add_parser", "main", "bench_rank", "profiles_epilog"]
 
 OPS = ("dispatch", "combine", "moe", "planner")
+CPU_PROFILE = "cpu-smoke"
+"""The one profile that runs without a GPU: a CPU world of Triton-interpreted ranks runs every point and its
+check (interpreter times, no performance meaning)."""
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (``--world-size 0`` is refused by the parser: one line, exit 2)."""
+    import argparse
+
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{v} must be >= 1")
+    return v
 
 
 def add_parser(sub):
     """Register ``tritonep bench`` and its flags on the ``sub`` subparsers action."""
-    from ..bench.ep import PROFILES
+    from ..bench.profiles import PROFILES
 
     p = sub.add_parser("bench", formatter_class=EpilogTableFormatter, epilog=profiles_epilog(PROFILES),
                        help="benchmarks vs NCCL all_to_all_single (GPU) and --soak checks")
     p.add_argument("op", choices=OPS, help="what to measure: dispatch/combine (one run measures both rows), moe (the "
-                                            "MoE layer fwd+bwd vs the torch + NCCL reference; --profile deepseek-v3 "
-                                            "shapes, intermediate 2048), planner (virtual-expert planner, one GPU)")
+                                            "MoE layer fwd+bwd vs the torch + NCCL reference at the profile's shape "
+                                            "and expert width), planner (virtual-expert planner, one GPU)")
     p.add_argument("--profile", default="deepseek-v3",
                    help=f"one of: {', '.join(sorted(PROFILES))} (their shapes: the table below)")
     p.add_argument("--tokens", type=int, nargs="*", default=None,
                    help="tokens per rank instead of the profile's (several values: a sweep, see --plot)")
     p.add_argument("--num-sms", type=int, nargs="*", default=[0], help="SM caps to measure (0 = geometry table)")
     p.add_argument("--iters", type=int, default=30, help="timed iterations (median reported)")
-    p.add_argument("--world-size", type=int, default=0,
-                   help="ranks (default: every GPU; CPU soak: 2); more ranks than GPUs share GPUs round-robin "
+    p.add_argument("--world-size", type=positive_int, default=None,
+                   help="ranks, >= 1 (default: every GPU; on a CPU: 2); more ranks than GPUs share GPUs round-robin "
                         "(time-sliced, or --mps): they run and check, but timings then measure nothing about NVLink")
     p.add_argument("--mps", choices=["off", "on", "auto"], default="off",
                    help="ranks that share a GPU: off = time-sliced; on = a private MPS daemon (refused if it cannot "
@@ -50,10 +68,11 @@ def add_parser(sub):
 def profiles_epilog(profiles: dict) -> str:
     """The ``--help`` epilog of ``tritonep bench``: one line per profile of ``profiles`` (:data:`tritonep.bench.ep.
     PROFILES`) with its hidden size, experts, top-k and tokens per rank, and what else it sets."""
-    head = ("profile", "hidden", "experts", "top-k", "tokens/rank")
+    head = ("profile", "hidden", "experts", "top-k", "tokens/rank", "interm.")
     rows = []
     for name, p in profiles.items():
         tokens = str(p["tokens"]) if p["tokens"] else "trace/W"
+        inter = str(p.get("intermediate", DEFAULT_INTERMEDIATE))
         notes = []
         if "trace_layer" in p:
             notes.append(f"FLAME-MoE-290M trace layer {p['trace_layer']}, its tokens split over W ranks")
@@ -61,12 +80,13 @@ def profiles_epilog(profiles: dict) -> str:
             notes.append(f"TRITONEP_GEOMETRY={p['geometry']}")
         if "note" in p:  # what the shape alone does not say (help text only)
             notes.append(p["note"])
-        rows.append((name, str(p["hidden"]), str(p["num_experts"]), str(p["topk"]), tokens, "; ".join(notes)))
+        rows.append((name, str(p["hidden"]), str(p["num_experts"]), str(p["topk"]), tokens, inter,
+                     "; ".join(notes)))
     width = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
-    fmt = "  {:<%d}  {:>%d}  {:>%d}  {:>%d}  {:>%d}" % tuple(width)
-    lines = ["profiles (--profile; --tokens replaces the tokens per rank; moe adds intermediate 2048):",
-             fmt.format(*head)]
-    lines += [(fmt.format(*r[:5]) + (f"  {r[5]}" if r[5] else "")) for r in rows]
+    fmt = "  {:<%d}  {:>%d}  {:>%d}  {:>%d}  {:>%d}  {:>%d}" % tuple(width)
+    lines = ["profiles (tritonep/bench/profiles.py; --profile; --tokens replaces the tokens per rank; interm. = the "
+             "expert width of `moe`):", fmt.format(*head)]
+    lines += [(fmt.format(*r[:6]) + (f"  {r[6]}" if r[6] else "")) for r in rows]
     return "\n".join(lines)
 
 
@@ -98,7 +118,7 @@ def _soak(con, args, ngpu) -> int:
                           "(equal to its torch twin) and `tritonep plan`")
     if args.soak < 1:
         raise ConfigError(f"--soak {args.soak} must be >= 1 (steps)")
-    W = args.world_size or (min(ngpu, 8) if ngpu else 2)
+    W = args.world_size if args.world_size is not None else (min(ngpu, 8) if ngpu else 2)
     if W < 1 or W > 64:
         raise ConfigError(f"--world-size {W} must be in 1..64 ({f'{ngpu} CUDA GPUs' if ngpu else 'CPU world'})")
     if ngpu:
@@ -136,8 +156,6 @@ def _soak(con, args, ngpu) -> int:
 def main(args) -> int:
     """``tritonep bench``: 0 when measured (or every soak step passed), 1 when a check failed; refusals raise
     :class:`tritonep.errors.ConfigError` (one line, exit 2)."""
-    from rich.table import Table
-
     from ..bench.ep import PROFILES
     from ..errors import ConfigError
     from .console import make_console
@@ -155,11 +173,12 @@ def main(args) -> int:
     if args.op == "planner":
         return _planner(con, args, ngpu)
     if ngpu < 1:
-        cpu = (f"`tritonep bench moe --soak N` for checked steps" if args.op == "moe" else
-               "`tritonep bench dispatch --soak N` for checked steps, or, in a clone of the repository, "
-               "`python benchmarks/ep_bench.py --cpu` for every benchmark point of the cpu-smoke profile with its check")
-        raise ConfigError(f"timing {args.op} needs CUDA GPUs (found none); on a CPU run {cpu}")
-    W = args.world_size or ngpu
+        if args.profile == CPU_PROFILE:
+            return _cpu_smoke(con, args)
+        raise ConfigError(f"timing {args.op} needs CUDA GPUs (found none); on a CPU run `tritonep bench {args.op} "
+                          f"--profile {CPU_PROFILE}` (every point and its check, in a CPU world; interpreter times) or "
+                          f"`tritonep bench {args.op} --soak N` (N checked steps)")
+    W = args.world_size if args.world_size is not None else ngpu
     if not 2 <= W <= 64:
         raise ConfigError(f"--world-size {W} must be in 2..64 (timing needs at least 2 ranks; {ngpu} CUDA GPU(s) "
                           f"here: --world-size 2 puts 2 ranks on one GPU, whose timings measure nothing about NVLink)")
@@ -168,25 +187,84 @@ def main(args) -> int:
         return _moe(con, args, W, run_gpu_world)
     res = run_gpu_world(W, bench_rank, args.op, args.profile, args.num_sms, args.iters, args.tokens,
                         timeout_s=900)
-    t = Table(title=f"tritonep bench {args.profile} (world {W}); peer copy {res[0][0]['peer_copy_gbps']:.0f} GB/s")
-    for c in ("op", "sms", "mode", "us r0", "us max", "logical GB/s", "NVLink GB/s", "checked"):
-        t.add_column(c)
-    for i, r in enumerate(res[0]):
-        us_max = max(res[k][i]["us"] for k in range(W))
-        ok = all(res[k][i].get("checked") for k in range(W))
-        t.add_row(r["op"], str(r["num_sms"]), r["mode"], f"{r['us']:.1f}", f"{us_max:.1f}",
-                  f"{r['logical_gbps']:.0f}", f"{r['nvlink_gbps']:.0f}", "ok" if ok else "FAILED")
-    con.print(t)
+    _ep_table(con, res, f"tritonep bench {args.profile} (world {W}); peer copy {res[0][0]['peer_copy_gbps']:.0f} GB/s")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(world_size=W, world=res.info.as_dict(), timing_note=res.info.timing_note(), rows=res), f,
-                      indent=1)
+            json.dump(dict(meta=run_meta(world_size=W), world_size=W, world=res.info.as_dict(),
+                           timing_note=res.info.timing_note(), rows=res), f, indent=1)
     if args.plot:
         from ..bench.plot import plot_gbps_vs_tokens
 
         plot_gbps_vs_tokens(res[0], args.plot)
         con.print(f"wrote {args.plot}")
     return exit_code([r for rs in res for r in rs])
+
+
+def _ep_table(con, res, title: str) -> None:
+    """Print the dispatch / combine rows of every rank of ``res`` (one row per point: rank 0's time, the slowest
+    rank's, bandwidths and whether every rank's check passed)."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    t = Table(title=escape(title))
+    for c in ("op", "sms", "mode", "us r0", "us max", "logical GB/s", "NVLink GB/s", "checked"):
+        t.add_column(c)
+    for i, r in enumerate(res[0]):
+        us_max = max(rs[i]["us"] for rs in res)
+        ok = all(rs[i].get("checked") for rs in res)
+        t.add_row(escape(r["op"]), str(r["num_sms"]), r["mode"], f"{r['us']:.1f}", f"{us_max:.1f}",
+                  f"{r['logical_gbps']:.0f}", f"{r['nvlink_gbps']:.0f}", "ok" if ok else "FAILED")
+    con.print(t)
+
+
+def cpu_smoke_rank(group, op, tokens):
+    """Rank body of ``tritonep bench dispatch|combine|moe --profile cpu-smoke`` in a CPU world: dispatch / combine
+    rows of the profile (every wire, both backends, the NCCL baselines; one timed call each) or the MoE layer at the
+    profile's shape (intermediate 32), each checked."""
+    from ..bench.ep import PROFILES, bench_ep
+
+    if op == "moe":
+        from ..bench.moe import moe_bench_world
+
+        p = PROFILES[CPU_PROFILE]
+        cfg = dict(tokens=(tokens or [p["tokens"]])[0], hidden=p["hidden"], intermediate=p["intermediate"],
+                   num_experts=p["num_experts"], topk=p["topk"], skew=False, balance=["none"])
+        return moe_bench_world(group, cfg, 1, 1)
+    rows = []
+    for t in (tokens or [None]):
+        for r in bench_ep(group, CPU_PROFILE, iters=1, tokens=t):
+            r.update(num_sms=0, peer_copy_gbps=None, op_group=op)
+            rows.append(r)
+    return rows
+
+
+def _cpu_smoke(con, args) -> int:
+    """``tritonep bench dispatch|combine|moe --profile cpu-smoke`` without a GPU: the profile's points in a CPU world
+    (default 2 ranks), each checked; the times are interpreter times."""
+    from ..errors import ConfigError
+    from ..testing import run_cpu_world
+
+    W = args.world_size if args.world_size is not None else 2
+    if not 2 <= W <= 8:
+        raise ConfigError(f"--world-size {W}: --profile {CPU_PROFILE} runs 2..8 CPU ranks (its 8 experts are split "
+                          f"over them)")
+    if args.plot:
+        raise ConfigError(f"--plot draws NVLink GB/s of a GPU run; --profile {CPU_PROFILE} measures no bandwidth")
+    con.print(f"tritonep bench: no GPU -> CPU world of {W} ranks (Triton interpreter), profile {CPU_PROFILE}: every "
+              f"point checked; the times are interpreter times, not a measurement", soft_wrap=True)
+    res = run_cpu_world(W, cpu_smoke_rank, args.op, args.tokens, timeout_s=1800)
+    if args.op == "moe":
+        checks = [c for o in res for c in o["checks"]]
+        con.print(f"MoE layer fwd+bwd ({CPU_PROFILE}, CPU world of {W}): {sum(c['checked'] for c in checks)} of "
+                  f"{len(checks)} layer outputs within tolerance of the dense fp32 reference")
+        rows = checks
+    else:
+        _ep_table(con, res, f"tritonep bench {CPU_PROFILE} (CPU world of {W}; interpreter times)")
+        rows = [r for rs in res for r in rs]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=run_meta(world_size=W), world_size=W, device="cpu", rows=list(res)), f, indent=1)
+    return exit_code(rows)
 
 
 def _planner(con, args, ngpu) -> int:
@@ -202,11 +280,11 @@ def _planner(con, args, ngpu) -> int:
         raise ConfigError("tritonep bench planner needs a CUDA GPU (found none); `tritonep plan` shows the plan on "
                           "a CPU")
     p = PROFILES[args.profile]
-    rows = bench_planner(worlds=(args.world_size,) if args.world_size else (2, 4, 8),
+    rows = bench_planner(worlds=(args.world_size,) if args.world_size is not None else (2, 4, 8),
                          tokens=(args.tokens or [p["tokens"] or 4096])[0], topk=p["topk"], num_experts=p["num_experts"],
                          iters=args.iters)
     t = Table(title=f"tritonep bench planner ({args.profile})")
-    for c in ("world", "experts", "tokens", "top-k", "graph us", "eager us", "checked (== twins)"):
+    for c in ("world", "experts", "tokens", "top-k", "graph us", "eager us", "checked (== torch reference)"):
         t.add_column(c)
     for r in rows:
         t.add_row(str(r["world_size"]), str(r["num_experts"]), str(r["tokens"]), str(r["topk"]),
@@ -214,7 +292,7 @@ def _planner(con, args, ngpu) -> int:
     con.print(t)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(rows=rows), f, indent=1)
+            json.dump(dict(meta=run_meta(world_size=1), rows=rows), f, indent=1)
     return exit_code(rows)
 
 
@@ -246,7 +324,8 @@ def _moe(con, args, W, run_gpu_world) -> int:
     from ..bench.moe import moe_bench_world
 
     p = PROFILES[args.profile]
-    cfg = dict(tokens=(args.tokens or [p["tokens"] or 4096])[0], hidden=p["hidden"], intermediate=2048,
+    cfg = dict(tokens=(args.tokens or [p["tokens"] or 4096])[0], hidden=p["hidden"],
+               intermediate=p.get("intermediate", DEFAULT_INTERMEDIATE),
                num_experts=p["num_experts"], topk=p["topk"], skew=False, balance=["none"])
     res = run_gpu_world(W, moe_bench_world, cfg, args.iters, timeout_s=1800)
     tep = max(o["tritonep.none"] for o in res)
@@ -255,6 +334,6 @@ def _moe(con, args, W, run_gpu_world) -> int:
               f"{tep * 1e3:.2f} ms, torch + NCCL reference {ref * 1e3:.2f} ms, speedup {ref / tep:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(cfg=cfg, world=res.info.as_dict(), timing_note=res.info.timing_note(), ranks=res), f,
-                      indent=1)
+            json.dump(dict(meta=run_meta(world_size=W), cfg=cfg, world=res.info.as_dict(),
+                           timing_note=res.info.timing_note(), ranks=res), f, indent=1)
     return exit_code([c for o in res for c in o["checks"]])

@@ -65,8 +65,8 @@ def collect_env() -> dict:
 
 _NOTES = {
     ("multicast_disabled", False): (" (not all of NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 "
-                                    "NVSHMEM_DISABLE_NVLS=1 are set: GPU runs want them, README 'On the GPU machine'; "
-                                    "no effect on a CPU)"),
+                                    "NVSHMEM_DISABLE_NVLS=1 are set: GPU runs want them, README 'Install on a GPU "
+                                    "machine'; no effect on a CPU)"),
 }
 """What a value means when the bare value does not say (``(key, value)`` -> a note printed after it)."""
 

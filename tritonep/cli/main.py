@@ -15,7 +15,8 @@ import sys
 
 from .help import HelpFormatter
 
-__all__ = ["main", "build_parser", "error_line", "check_environment", "use_interpreter_without_gpu"]
+__all__ = ["main", "build_parser", "error_line", "check_environment", "use_interpreter_without_gpu",
+           "check_interpreter"]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -120,9 +121,9 @@ def check_environment() -> None:
 
 
 def _fresh_line() -> str:
-    """What starts the command's last line on stderr: on a terminal, a rank's progress bar (tqdm, rank 0 of a world;
-    bars are drawn on terminals only) may have left the line unfinished when the world was interrupted or failed,
-    and only the parent is left to clear it; elsewhere nothing."""
+    """What starts the command's last line on stderr: on a terminal, a rank's own output may have left the line
+    unfinished when the world was interrupted or failed, and only the parent is left to clear it; elsewhere
+    nothing."""
     return "\r\033[K" if sys.stderr.isatty() else ""
 
 
@@ -143,6 +144,32 @@ def use_interpreter_without_gpu() -> None:
         os.environ["TRITON_INTERPRET"] = os.environ[INTERPRET_SET_BY_CLI] = "1"
 
 
+_TRUE = ("1", "true", "yes", "on", "y")
+"""Values Triton reads as true in ``TRITON_INTERPRET`` (case-insensitive)."""
+
+
+def check_interpreter(cmd: str) -> None:
+    """Refuse, in the command's own terms, a ``TRITON_INTERPRET`` that turns the interpreter off on a machine without a
+    CUDA GPU (``run`` and ``bench`` run Triton kernels; ``plan`` and ``env`` run none).
+
+    Raises:
+        ConfigError: ``TRITON_INTERPRET`` is set to a false value (``0``, ``false``, ...) and torch sees no GPU.
+    """
+    import os
+
+    import torch
+
+    from ..errors import ConfigError
+
+    value = os.environ.get("TRITON_INTERPRET")
+    if cmd not in ("run", "bench") or value is None or torch.cuda.is_available():
+        return
+    if value.strip().lower() not in _TRUE:
+        raise ConfigError(f"TRITON_INTERPRET={value} asks Triton to compile the kernels for a GPU, but this machine "
+                          f"has no CUDA GPU: unset TRITON_INTERPRET (tritonep {cmd} then runs every rank's kernels in "
+                          f"Triton's CPU interpreter) or set TRITON_INTERPRET=1")
+
+
 def main(argv=None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``) and run the subcommand; returns the exit code (see module doc)."""
     from ..errors import RankError
@@ -154,6 +181,7 @@ def main(argv=None) -> int:
     try:
         with command_signals():  # SIGINT / SIGTERM: one line, exit 130 / 143 (every rank killed, temp files gone)
             check_environment()
+            check_interpreter(args.cmd)
             _check_outputs(args)
             return int(args.func(args) or 0)
     except KeyboardInterrupt as e:

@@ -32,8 +32,9 @@ def add_parser(sub):
     p.add_argument("--topk", type=int, default=None,
                    help="top-k of histogram sampling (default: the file's topk, else 8; a trace has its own K)")
     p.add_argument("--mode", choices=["reference", "minimal", "both"], default="both",
-                   help="placement mode: reference (MoonEP, the default of the library: always balances exactly, "
-                        "may move more than the total excess), minimal (only ranks over capacity send, only ranks "
+                   help="placement mode: reference (the library's default: the placement rule of Megatron-LM's "
+                        "virtual experts, after MoonshotAI's MoonEP; always balances exactly, may move more than the "
+                        "total excess), minimal (only ranks over capacity send, only ranks "
                         "under it receive: moves the total excess when the virtual slots suffice, else says what it "
                         "could not move and why) or both (side by side)")
     p.add_argument("--json", default="", help="write the plan and metrics to this JSON file")

@@ -22,8 +22,8 @@ PACKAGED = ("flame", "olmoe")
 
 ROUTING_HELP = ("flame: the packaged FLAME-MoE-290M per-token trace (64 experts, top-6); olmoe: tokens drawn from "
                 "the packaged OLMoE-1B-7B expert-load histograms (64 experts, strong skew); or the PATH of your own "
-                "routing: a CSV trace 'layer,token,e0..e{K-1}[,s0..s{K-1}]' or a JSON histogram (format: README, "
-                "'Routing files')")
+                "routing: a CSV trace 'layer,token,e0..e{K-1}[,s0..s{K-1}]' or a JSON histogram (format: "
+                "docs/cli.md, 'Routing files')")
 
 
 @dataclass

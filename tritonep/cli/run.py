@@ -11,18 +11,20 @@ per layer and exits 1 if any check fails.
 
 Tolerance: relative max error ``max|got - ref| / max|ref| <= 3e-2`` for the output and every gradient (bf16 inputs,
 weights and wires; fp32 accumulation). Quantized wires use their record's tolerance
-(:attr:`tritonep.wire.WireFormat.tolerance`: fp8 0.15, mxfp4 0.5, fp8_e5m2 0.3; quantization error, see README).
+(:attr:`tritonep.wire.WireFormat.tolerance`: fp8 0.15, mxfp4 0.5, fp8_e5m2 0.3; quantization error, see docs/wire-formats.md).
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import time
 
 import torch
 
 from ..wire.formats import WIRE_FORMATS, WIRES
 from .help import HelpFormatter
+from .progress import ProgressLines, report
 
 __all__ = ["add_parser", "main", "run_rank"]
 
@@ -162,10 +164,15 @@ def run_rank(group, s):
     recipe = MoERecipe(dispatch_wire=s["dispatch_wire"], combine_wire=s["combine_wire"], combine=s["combine"],
                        balance=s["balance"], expert_alignment=s["expert_alignment"])
     out = []
-    from tqdm import tqdm
-
-    for li, layer in enumerate(tqdm(s["layers"], desc=f"layers (rank 0 of {W})", leave=False,
-                                    disable=None if rank == 0 else True)):  # None: a bar on a terminal only
+    if dev.type == "cuda":
+        _check_rank_memory(s, W, rank, dev)
+    progress = s.get("progress") if rank == 0 else None
+    n = len(s["layers"])
+    report(progress, f"{W} ranks started; running {n} layer{'s' if n != 1 else ''} (forward + backward"
+                     + (f", {s['steps']} steps each" if s["steps"] > 1 else "") + ")")
+    t_start = time.perf_counter()
+    for li, layer in enumerate(s["layers"]):
+        t_layer = time.perf_counter()
         parts = layer_routing(s, layer, W)
         idx, w = parts[rank]
         T = idx.shape[0]
@@ -196,7 +203,27 @@ def run_rank(group, s):
                        gw1=moe.w1.grad.detach().float().cpu(), gw2=moe.w2.grad.detach().float().cpu())
         moe.close()
         out.append(rec)
+        report(progress, f"layer {layer} done ({li + 1} of {len(s['layers'])}) in "
+                         f"{time.perf_counter() - t_layer:.1f} s, {time.perf_counter() - t_start:.0f} s so far")
     return out
+
+
+def _check_rank_memory(s, world_size, rank, dev) -> None:
+    """On a GPU rank, before the first allocation: the run's sizes against the free memory of its device (shared with
+    the other ranks placed there) and, on rank 0, the reference check's against cuda:0's total memory.
+
+    Raises:
+        ConfigError: the sizes cannot fit (one line, see :mod:`tritonep.cli.memory`).
+    """
+    from ..testing import gpu_world_info
+    from .memory import check_device_memory, run_memory
+
+    info = gpu_world_info()
+    here = str(dev)
+    sharing = sum(1 for d in info.devices if str(d) == here) if info is not None else 1
+    free, total = torch.cuda.mem_get_info(dev)
+    check_device_memory(run_memory(s, world_size, "cuda"), free, sharing,
+                        total if rank == 0 and s["check"] else None)
 
 
 def _rel(a, b):
@@ -259,7 +286,6 @@ def _check_settings(s, world_size: int) -> None:
 def main(args) -> int:
     """``tritonep run``: returns 0 when every check passed, 1 when one failed; library errors propagate (exit 2)."""
     from rich.table import Table
-    from tqdm import tqdm
 
     from ..balance.metrics import balancedness
 
@@ -274,6 +300,10 @@ def main(args) -> int:
 
     con = make_console()
     _check_settings(s, W)
+    from .memory import check_host_memory, run_memory
+
+    mem = run_memory(s, W, "cuda" if on_gpu else "cpu")
+    check_host_memory(mem, W, cpu_world=not on_gpu)
     sizes = token_split(s["total_tokens"], W)
     per_rank = str(sizes[0]) if min(sizes) == max(sizes) else f"{min(sizes)}-{max(sizes)}"
     what = (f"routing={s['routing_name']}, layers={s['layers']}, {s['total_tokens']} tokens per layer "
@@ -287,16 +317,22 @@ def main(args) -> int:
         planned = plan_world(W, [f"cuda:{i}" for i in range(ngpu)], mps=bool(mps))  # ConfigError: > 8 per GPU
         con.print(f"[bold]tritonep run[/]: {planned.describe()}, {what}", soft_wrap=True)
         t0 = time.time()
-        results = run_gpu_world(W, run_rank, s, timeout_s=args.timeout, mps=mps)
+        with ProgressLines("tritonep run: ") as progress:
+            results = run_gpu_world(W, run_rank, dict(s, progress=progress.path), timeout_s=args.timeout, mps=mps,
+                                    on_wait=progress.poll)
         world = results.info
         if world.timing_note():
             con.print(f"[bold yellow]note[/]: {world.timing_note()}", soft_wrap=True)
     else:
+        from .. import envs
         from ..testing import run_cpu_world
 
         con.print(f"[bold]tritonep run[/]: no GPU -> CPU world of {W} ranks (Triton interpreter), {what}", soft_wrap=True)
         t0 = time.time()
-        results = run_cpu_world(W, run_rank, s, timeout_s=args.timeout)
+        heap = max(envs.cpu_heap_bytes(), mem.symmetric + (1 << 20))  # one layer's buffers at a time
+        with ProgressLines("tritonep run: ") as progress:
+            results = run_cpu_world(W, run_rank, dict(s, progress=progress.path), timeout_s=args.timeout,
+                                    heap_bytes=heap, on_wait=progress.poll)
     wall = time.time() - t0
     tol = max(TOL[s["dispatch_wire"]], TOL[s["combine_wire"]])
     table = Table(title=f"tritonep run — {s['routing_name']}, world {W}, balance={s['balance']}, "
@@ -306,8 +342,11 @@ def main(args) -> int:
     for c in cols:
         table.add_column(c, justify="right")
     rows, ok_all = [], True
-    for li, layer in enumerate(tqdm(s["layers"], desc="dense reference", leave=False,
-                                    disable=None if s["check"] else True)):
+    if s["check"]:
+        n = len(s["layers"])
+        print(f"tritonep run: checking {n} layer{'s' if n != 1 else ''} against the dense single-process reference",
+              file=sys.stderr, flush=True)
+    for li, layer in enumerate(s["layers"]):
         loads = [sum(results[r][li]["recv_per_expert"]) for r in range(W)]
         bal = balancedness(torch.tensor(loads, dtype=torch.float64)) if sum(loads) else 1.0
         tim = [results[r][li]["timings"][-1] for r in range(W)]
@@ -336,8 +375,10 @@ def main(args) -> int:
     con.print(table)
     con.print(f"tolerance {tol:g} (max |got-ref| / max |ref| over output and every gradient); wall {wall:.1f} s")
     if args.json:
+        from ..bench.meta import run_meta
+
         with open(args.json, "w") as f:
-            json.dump(dict(settings=s, world_size=W, device="cuda" if on_gpu else "cpu", wall_s=wall,
+            json.dump(dict(meta=run_meta(world_size=W), settings=s, world_size=W, device="cuda" if on_gpu else "cpu", wall_s=wall,
                            world=world.as_dict() if world else None,
                            timing_note=world.timing_note() if world else "CPU world: interpreter times",
                            layers=rows), f, indent=1)

@@ -79,7 +79,8 @@ def load_routing_csv(path: str, num_experts: int | None = None) -> RoutingTrace:
 
     Raises:
         DataError: ``"FILE:LINE:COL: message"`` for an empty file, a missing / unknown / doubled column, a row with
-            the wrong number of fields, a value that is not an int (float for scores), a negative layer or token, a
+            the wrong number of fields, a value that is not an int (float for scores) or an int outside the int64
+            range, a negative layer or token, a
             token twice in a layer, an id below -1 or twice in a row, a negative or non-finite score, a row whose
             valid routes all score 0, no data rows, or an id ``>= num_experts``.
     """
@@ -89,6 +90,8 @@ def load_routing_csv(path: str, num_experts: int | None = None) -> RoutingTrace:
     return trace
 
 
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+"""The range of the int64 tensors a trace loads into: every integer field must lie in it."""
 _E_COL = re.compile(r"^e(\d+)$")
 _S_COL = re.compile(r"^s(\d+)$")
 
@@ -107,9 +110,13 @@ def _int(path, ln, col, name, text):
     if not text:
         raise DataError(f"{path}:{ln}:{col}: empty value in column {name!r}")
     try:
-        return int(text)
+        v = int(text)
     except ValueError:
         raise DataError(f"{path}:{ln}:{col}: column {name!r}: {text!r} is not an integer") from None
+    if not INT64_MIN <= v <= INT64_MAX:
+        raise DataError(f"{path}:{ln}:{col}: column {name!r}: {text} is outside the 64-bit integer range "
+                        f"[-2^63, 2^63 - 1] that routing tensors (int64) hold")
+    return v
 
 
 @functools.lru_cache(maxsize=8)

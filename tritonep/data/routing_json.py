@@ -50,6 +50,11 @@ def _decode_with_positions(text: str):
     return dec.decode(text)
 
 
+MAX_COUNT = 1 << 53
+"""The largest count per expert and per histogram: tokens are drawn from a histogram's proportions in float64,
+exact up to 2^53 (and far inside int64)."""
+
+
 def _line_col(text: str, idx: int) -> tuple[int, int]:
     line = text.count("\n", 0, idx) + 1
     return line, idx - (text.rfind("\n", 0, idx) + 1) + 1
@@ -67,8 +72,9 @@ def load_routing_json(path: str, num_experts: int | None = None):
 
     Raises:
         DataError: ``"FILE:LINE:COL: message"`` for invalid JSON, an empty file, a missing ``counts_per_layer``,
-            histograms of different lengths, a count that is not an int >= 0, a layer with no positive count,
-            ``layers`` that do not match, a bad ``topk``, or a positive count of an expert ``>= num_experts``.
+            histograms of different lengths, a count that is not an int >= 0 or counts beyond 2^53, a layer with no
+            positive count, ``layers`` that do not match, a bad ``topk``, or a positive count of an expert
+            ``>= num_experts``.
     """
     h = _parse_json(path, *stat_key(path))
     if num_experts is not None:
@@ -122,10 +128,16 @@ def _parse_json(path: str, _abspath: str, _mtime: int, _size: int):
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise DataError(f"{at(h.item_pos[e])}: histogram {i}, expert {e}: {json.dumps(v)} is not an "
                                 f"integer count >= 0")
+            if v > MAX_COUNT:
+                raise DataError(f"{at(h.item_pos[e])}: histogram {i}, expert {e}: {v} routes is beyond the "
+                                f"largest count a histogram may hold (2^53: tokens are drawn in float64)")
             if v > 0 and e not in first_use:
                 first_use[e] = _line_col(text, h.item_pos[e])
         if not any(h):
             raise DataError(f"{at(h.pos)}: histogram {i} has no positive count (no expert received a route)")
+        if sum(h) > MAX_COUNT:
+            raise DataError(f"{at(h.pos)}: histogram {i} counts {sum(h)} routes in all, beyond 2^53 (tokens are "
+                            f"drawn from its proportions in float64)")
         counts.append(torch.tensor(list(h), dtype=torch.int64))
     if layers is None:
         layers = list(range(len(hists)))

@@ -33,7 +33,7 @@ How a bound kernel launches:
   Triton's own path; with no hook installed Triton hands its launcher its empty hook chains and their metadata,
   which do nothing, so the direct call passes None for both. The arguments handed to the C launcher are exactly those
   :meth:`triton.compiler.CompiledKernel.__getitem__`'s runner hands it (``tests/ep/test_bound_launch.py``). Host
-  cost of the direct path without a GPU: ``benchmarks/bound_overhead.py``.
+  cost of the direct path without a GPU: ``benchmarks/probes/bound_overhead.py``.
 
 Idea: the "call the compiled kernel's launcher directly" pattern of vLLM's ``CachedKernel`` (vllm PR #34838:
 8.68 -> 4.51 us per launch) and helion PR #3004 (``CompiledKernel.run`` floor ~5.6 us), applied with the static

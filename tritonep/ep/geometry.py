@@ -1,7 +1,8 @@
 """Kernel geometry (tile sizes, grids, combine kind) from a small static table, never autotuned at run time.
 
-Keyed by (device kind, world_size, hidden, token bucket, wire). The GPU rows were measured on the H200 with
-``benchmarks/ep_bench.py`` (see benchmarks/README.md); CPU rows keep interpreter runs short (one program, big tiles).
+Keyed by (device kind, world_size, hidden, token bucket, wire). The GPU choices were measured on the H200 with
+``benchmarks/ep_bench.py``; docs/performance.md ("Why the defaults") gives the figures behind each. CPU rows keep
+interpreter runs short (one program, big tiles).
 Grids must be identical on every rank (receivers wait for ``calls * grid`` arrivals), so the choice depends only on
 the static configuration, which EPBuffer checks is the same on every rank.
 """
@@ -174,8 +175,7 @@ def select_geometry(device_type: str, world_size: int, hidden: int, max_tokens_p
     else:
         bh = min(triton.next_power_of_2(hidden), 1024)
         # token tile: about 128 (source, chunk) items over the grid; small batches (decode) take tiny tiles so every
-        # SM gets work (EP2, H 7168, 128 tokens: bt 2 / grid 128 measured 39 us dispatch, 25 us combine vs 157 / 123
-        # us at bt 16 / grid 16; benchmarks/results/ep_bench_h200x2_sweep_2026-11-30.json)
+        # SM gets work (4x faster at 128 tokens than 16-token tiles on 16 programs)
         bt = max(1, min(16 if topk <= 8 else 8, triton.next_power_of_2(triton.cdiv(world_size * max_tokens_per_rank,
                                                                                     128))))
         chunks = max(1, triton.cdiv(max_tokens_per_rank, bt))
@@ -184,30 +184,20 @@ def select_geometry(device_type: str, world_size: int, hidden: int, max_tokens_p
         g = Geometry(bt=bt, bh=bh, grid_hist=min(132, chunks), grid_send=grid, grid_expand=grid,
                      grid_partial=grid, grid_out=grid, num_warps=8 if big else 4, combine="push")
         if big and not cap and not get_wire(wire).quantized and (world_size > 1 or max_tokens_per_rank < 4096):
-            # one-launch fused dispatch, 40 senders + 88 expanders: 280 us vs 371 us (two kernels) at the
-            # DeepSeek-V3 shape, EP2, 4096 tokens (benchmarks/results/ep_bench_h200x2_sweep_2026-11-30.json); with
-            # an SM cap the split roles lose (24 SMs: 889 vs 666 us), so capped buffers keep the two kernels.
-            # Quantized wires keep the two kernels too: the quantizing sender needs the whole grid (fp8 EP2: 390 us
-            # two kernels vs 470 us fused 64/64; world 1 on one H200: fp8 346 vs 550 us, mxfp4 363 vs 663 us,
-            # benchmarks/results/ep_bench_h200x1_w1_split_2026-12-01.json)
-            # World 1 at >= 4096 tokens keeps the two kernels: no peer, so no transfer for the expand to overlap
-            # (the raw wire's own rows are read in place, the send writes only the routing), and an eager synced
-            # call queues the send before its host read. DeepSeek-V3 shape, one H200, same call
-            # (benchmarks/results/eager_profile_h200x1_session7{two,fused}_2026-12-02.json): 4096 tokens two
-            # kernels graph 179.6 / eager 187.7 us vs fused 184.7 / 202.7; 1024 tokens 60.9 / 130.3 vs 68.5 / 98.7
-            # (the eager call is host-bound there, and the fused dispatch launches once fewer)
+            # one-launch fused dispatch, 40 senders + 88 expanders: it overlaps the NVLink send with the expand.
+            # With an SM cap the split roles lose, so capped buffers keep the two kernels; quantized wires too (the
+            # quantizing sender needs the whole grid); and world 1 from 4096 tokens (no peer, so no transfer for
+            # the expand to overlap, and an eager synced call queues the send before its host read). Figures:
+            # docs/performance.md, "Why the defaults"
             g = replace(g, fused_send=40, fused_expand=88)
         if max_tokens_per_rank <= DECODE_MAX_TOKENS:
             # the one-launch decode paths (one dispatch launch, one combine launch) for small batches: an eager call
-            # is host-bound and one launch costs what one of the four launches of the two-kernel dispatch costs.
-            # DeepSeek-V3 shape, 128 tokens, world 1 on one H200 (benchmarks/results/*session5*): graph replay
-            # dispatch 18.0 us (two kernels 20.2), combine 15.2 (14.2); eager host: launch_probe.py
+            # is host-bound and one launch costs what one of the four launches of the two-kernel dispatch costs
             # (one token per tile up to 128 tokens: every program gets a chunk of every source at any world size)
             g = replace(g, decode=grid, bt=min(bt, triton.next_power_of_2(triton.cdiv(max_tokens_per_rank, 128))))
         if big and cap and wire == "fp8":
             # an SM-capped fp8 dispatch is bound by its quantizing sender's compute: 16 warps (+ the expander's
-            # next-tile prefetch) at 24 SMs, world 1 on one H200: 1071 -> 781 us, kept 687 -> 595 us (bf16 gains
-            # nothing from either; results/ep_bench_h200x1_w1_prefetch_2026-12-01.json)
+            # next-tile prefetch) at 24 SMs (bf16 gains nothing from either; docs/performance.md)
             g = replace(g, num_warps=16, prefetch=True)
     override = envs.geometry_override()
     if override:
@@ -236,11 +226,8 @@ def select_geometry(device_type: str, world_size: int, hidden: int, max_tokens_p
     if g.decode > 0:
         g = _decode_grids(g, max_tokens_per_rank, clip)
     # the combine's tile: a thread keeps all K gathered expert rows of its columns in flight only when its share of
-    # the tile is small. DeepSeek-V3 shape on one H200 (world 1, kernels without NVLink), combine us at 132 / 24
-    # SMs: 16-token tiles x 8 warps (the dispatch's) 286 / 1234 (255 registers, spills, one route's loads at a
-    # time); 4 x 8 warps 232 / 895; 8 x 16 warps 182 / 525; 8 tokens x 32 warps (8 columns per thread, one
-    # 16-byte load per route) 170 / 421; 16 x 32 warps 280 / 621
-    # (benchmarks/results/ep_bench_h200x1_w1_combine_tiles{,2}_2026-12-01.json)
+    # the tile is small: 8 tokens x 32 warps (8 columns per thread, one 16-byte load per route) beat the dispatch's
+    # 16 x 8 tile (which spills) by 1.7x at 132 SMs and 2.9x at 24 (docs/performance.md, "Why the defaults")
     if device_type == "cuda" and max_tokens_per_rank >= 1024:
         g = replace(g, cbt=g.cbt or 8, cwarps=g.cwarps or 32)
     if device_type == "cuda" and g.bt in _BWD_TILE:

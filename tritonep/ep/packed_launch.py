@@ -2,7 +2,7 @@
 
 Triton 3.6's C launcher takes every argument of a kernel at every launch (runtime ones and constexprs alike, parsed
 by ``PyArg_ParseTuple``): on the H200 host ~0.12 us per argument, 11.6 us for the 68 of the one-launch decode
-dispatch against 7.9 us for the 38 of the decode combine (``benchmarks/results/eager_profile_h200x1_session11call2``).
+dispatch against 7.9 us for the 38 of the decode combine (``benchmarks/eager_profile.py``).
 A :func:`bind` packs the parameter storage of one compiled variant ONCE (static device addresses, tiles, ranks,
 the zero scratch pointers) and the launch (``_tritonep_launch.run``, a ``METH_FASTCALL`` C function) stores only
 the per-call values (input addresses, T, the call's storage block) into their slots and calls ``cuLaunchKernelEx``

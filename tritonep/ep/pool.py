@@ -3,7 +3,7 @@
 An eager dispatch of the triton backend allocates its handle storage block (and, on the one-launch decode path, the
 ``max_recv_tokens`` rows it cuts after the host read) and makes views of the block (``num_tokens_per_expert``,
 ``expert_offsets``, the row weights): on the H200 host ~15 of the ~47 us of host work of a 128-token decode
-dispatch (``benchmarks/results/launch_probe_h200x1_session6``: ``torch.empty`` 4.2 us, a view 3.0 us). An
+dispatch (``benchmarks/probes/launch_probe.py``: ``torch.empty`` 4.2 us, a view 3.0 us). An
 :class:`OutputPool` keeps up to ``slots`` such sets per CUDA stream, made once, and hands a set out again when no
 one outside the pool holds any of its tensors: the storage use count of every base tensor, the Python reference
 count of every tensor object the set hands out and of each base's storage object, and the C++ reference count of
@@ -26,7 +26,7 @@ the stream it was made on, ordered after every earlier use on that stream):
 The differences to the caching allocator: ``Tensor.record_stream`` does not protect a pooled output (a caller that
 uses an output on another stream must keep a reference to it until that stream's work is done), and an output whose
 storage is swapped or resized in place (``Tensor.set_``, assigning ``.data``, ``untyped_storage().resize_()``) is
-not supported (README, Guarantees).
+not supported (docs/guarantees.md).
 
 Memory: at most ``slots * MAX_STREAMS`` sets per pool, :attr:`OutputPool.nbytes` bytes once made (the dry run at
 construction makes the first set of the construction stream). The large blocks (the decode dispatch's

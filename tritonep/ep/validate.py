@@ -1,6 +1,6 @@
 """Front-door checks of every EPBuffer call, run before any peer is touched (shared by all backends).
 
-Policy (documented in README "Guarantees"): a non-contiguous ``x`` / ``expert_out`` is copied to a contiguous
+Policy (documented in docs/guarantees.md): a non-contiguous ``x`` / ``expert_out`` is copied to a contiguous
 tensor (same values, never wrong data); ``topk_weights`` of another float dtype is converted to float32; everything
 else that does not match is refused with :class:`tritonep.errors.InputError` or
 :class:`tritonep.errors.CapacityError` naming the value.

@@ -66,7 +66,7 @@ def _own_histogram(topk_idx_ptr, T, limit, K: tl.constexpr, KB: tl.constexpr, E:
     k = tl.arange(0, KB)
     m = ((t < T) & (t < limit))[:, None] & (k[None, :] < K)
     raw = tl.load(topk_idx_ptr + t[:, None].to(tl.int64) * K + k[None, :], mask=m, other=-1)
-    # range-check at the ids' own width before the int32 cast (an int64 id 2**32 + 1 is not expert 1: issue 25)
+    # range-check at the ids' own width before the int32 cast (an int64 id 2**32 + 1 is not expert 1)
     bad = tl.sum(tl.sum(((raw < -1) | (raw >= E)).to(tl.int32), 1), 0)
     ok = (raw >= 0) & (raw < E)
     ids = tl.where(ok, raw, 0).to(tl.int32)

@@ -56,7 +56,7 @@ def chunk_hist_kernel(topk_idx_ptr, hist_ptr, T, NC, K: tl.constexpr, E: tl.cons
 
     COPY: also write the dispatch handle's own copy of the routing: ``idx_out[t, k]`` = the id as int32, or -1 for
     an id outside ``[-1, E)`` (checked at full width, before the cast), ``w_out[t, k] = w[t, k]`` (float32), for
-    every ``t < T`` (issue 25: combine and the backward passes read the handle's copy, never the caller's tensors).
+    every ``t < T`` (combine and the backward passes read the handle's copy, never the caller's tensors).
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
@@ -123,7 +123,7 @@ def exchange_kernel(hist_ptr, NC, counts_tab, flags_ptr, flags_tab, flag_off, ca
 
     NCB (chunk rows per step) and EBLK (experts per step) are static tile sizes: the chunk loop bound NC is a
     runtime value, so the compiled variant never depends on this call's T (a data-dependent constexpr made one rank
-    compile, and once barrier, alone: issue 14 case 2).
+    compile, and once barrier, alone).
 
     Optional outputs (so the host needs no extra torch op per call): ``rows_out_ptr[0]`` = rows this rank receives
     (int64, next to the status word: one device->host copy reads both); ``counts_out_ptr`` = int32 ``[W, E]`` copy

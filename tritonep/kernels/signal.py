@@ -7,7 +7,7 @@ replays stay correct as long as the call number lives in device memory.
 
 Every wait is bounded in wall-clock nanoseconds (:func:`now_ns`): on GPU by ``%globaltimer``, in the interpreter
 by the host's monotonic clock, so a bound of ``timeout_s`` seconds means the same on both (an earlier poll-count
-bound, calibrated once, gave up after 1.7-2.8 s of a 6 s bound: issue 25). A wait that gives up records (code,
+bound, calibrated once, gave up after 1.7-2.8 s of a 6 s bound). A wait that gives up records (code,
 wait id, peer, measured ns) in a local status word and returns 0, and the kernel skips the guarded work; the host
 turns the status into :class:`tritonep.errors.PeerTimeoutError`.
 """

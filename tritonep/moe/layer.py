@@ -118,7 +118,7 @@ class MoELayer(nn.Module):
         world_size = dist.get_world_size(group)
         rank = dist.get_rank(group)
         err = None
-        try:  # every static check before the first collective; the verdicts are exchanged in it (issue 25)
+        try:  # every static check before the first collective; the verdicts are exchanged in it
             check_config(recipe, geometry, world_size)
             if dtype not in (torch.bfloat16, torch.float32):
                 raise ConfigError(f"MoELayer dtype={dtype} is not torch.bfloat16 or torch.float32")

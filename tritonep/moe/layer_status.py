@@ -1,4 +1,4 @@
-"""The MoE layer reads every status word its call's kernels write (issue 25: nothing silent).
+"""The MoE layer reads every status word its call's kernels write: nothing fails silently.
 
 With ``balance='virtual'`` a forward runs, besides the EPBuffer (which reads its own status word), the backend's
 counts exchange, the planner and the weight transport; each records errors on the device (a wait that gave up, a

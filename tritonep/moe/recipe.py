@@ -216,7 +216,7 @@ class MoERecipe:
         max_saved_forwards: forwards of the layer whose backward may still come (activation recompute, pipeline
             micro-batches; docs/moe.md "Several forwards before their backwards"); the oldest saved forward past
             this many is dropped and its backward raises BufferStateError. Default 8.
-        sync_free: no host read in forward or backward (issue 24): the dispatch returns ``max_recv_tokens`` rows
+        sync_free: no host read in forward or backward: the dispatch returns ``max_recv_tokens`` rows
             (:meth:`tritonep.EPBuffer.dispatch` ``sync_free=True``), the expert GEMMs run over them with the device
             ``expert_offsets`` (``torch._grouped_mm``; rows past the last segment are never read), so a whole layer
             step can be captured in one CUDA graph. Errors (capacity, a peer's bad input, timeouts) surface at the

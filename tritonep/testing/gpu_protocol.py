@@ -1,5 +1,6 @@
-"""GPU rank functions for the host protocol rule (docs/protocols.md (host protocol rule), issue 14): per-rank token-count scripts, eager and
-in CUDA graphs, and a bad input on one rank. Module-level so spawned ranks can import them."""
+"""GPU rank functions for the host protocol rule (docs/protocols.md, "Host protocol rule": every rank issues the
+same collectives and launches whatever its data): per-rank token-count scripts, eager and in CUDA graphs, and a bad
+input on one rank. Module-level so spawned ranks can import them."""
 
 from __future__ import annotations
 

@@ -157,11 +157,13 @@ class GpuWorld:
             raise
         return self
 
-    def run(self, fn: Callable, *args, timeout_s: float = 300.0) -> WorldResults:
+    def run(self, fn: Callable, *args, timeout_s: float = 300.0,
+            on_wait: Callable[[], None] | None = None) -> WorldResults:
         """Run ``fn(group, *args)`` on every rank; returns :class:`WorldResults` (by rank, with ``.info``).
 
         ``fn`` must be importable by the ranks (a module-level function) and its arguments and results must pickle
-        (results are moved to the CPU first).
+        (results are moved to the CPU first). ``on_wait``: called in this process about every 0.5 s while it waits
+        (as :func:`tritonep.testing.run_cpu_world`'s).
 
         Raises:
             ConfigError: ``fn`` or ``args`` do not pickle; the world is closed or broken.
@@ -183,7 +185,7 @@ class GpuWorld:
         try:
             for r in range(self.world_size):
                 self._conns[r].send_bytes(payload)
-            out = self._collect(set(range(self.world_size)), timeout_s, getattr(fn, "__name__", "fn"))
+            out = self._collect(set(range(self.world_size)), timeout_s, getattr(fn, "__name__", "fn"), on_wait)
         except BaseException as e:
             self.broken = f"{type(e).__name__} in a previous run"
             self._kill_now()
@@ -237,7 +239,7 @@ class GpuWorld:
     def _what(self) -> str:
         return f"GPU world of {self.world_size} ({self.info.mode})"
 
-    def _collect(self, ranks: set, timeout_s: float, task: str) -> dict:
+    def _collect(self, ranks: set, timeout_s: float, task: str, on_wait: Callable[[], None] | None = None) -> dict:
         """Wait for one message of every rank in ``ranks``; raise the first failure (the primary one)."""
         from multiprocessing.connection import wait
 
@@ -251,7 +253,10 @@ class GpuWorld:
                 raise WorldTimeout(f"{self._what()}: ranks {running} did not finish {task} within {timeout_s:.0f} s "
                                    f"(killed all ranks)", running)
             waiting = {self._conns[r]: r for r in ranks if r not in results}
-            for c in wait(list(waiting), timeout=min(left, 1.0)):
+            ready = wait(list(waiting), timeout=min(left, 0.5))
+            if on_wait is not None:
+                on_wait()
+            for c in ready:
                 r = waiting[c]
                 try:
                     msg = pickle.loads(c.recv_bytes())
@@ -292,7 +297,7 @@ class GpuWorld:
 
 
 def run_gpu_world(world_size: int, fn: Callable, *args, timeout_s: float = 300.0, mps: bool | str = False,
-                  devices: list | None = None) -> WorldResults:
+                  devices: list | None = None, on_wait: Callable[[], None] | None = None) -> WorldResults:
     """Run ``fn(group, *args)`` in ``world_size`` spawned rank processes placed on the visible GPUs.
 
     Ranks go round-robin over the GPUs (rank ``r`` on ``cuda:{r % num_gpus}``): one rank per GPU keeps an NCCL group;
@@ -301,6 +306,7 @@ def run_gpu_world(world_size: int, fn: Callable, *args, timeout_s: float = 300.0
     grids capped (``TRITONEP_MAX_PROGRAMS``) so they always fit on the chip together (docs/platform.md, "Several
     ranks on one GPU"). Multicast stays off. ``fn`` must be importable (a module-level function); results come back
     moved to the CPU. One :class:`GpuWorld` started and closed around the call; ``timeout_s`` bounds both.
+    ``on_wait``: called in this process about every 0.5 s while the ranks run ``fn`` (see :meth:`GpuWorld.run`).
 
     Returns:
         :class:`WorldResults`: ``[result of rank 0, ...]`` with ``.info`` (:class:`GpuWorldInfo`: ranks per GPU,
@@ -317,7 +323,7 @@ def run_gpu_world(world_size: int, fn: Callable, *args, timeout_s: float = 300.0
     with GpuWorld(world_size, mps=mps, devices=devices) as world:
         try:
             world.start(timeout_s)
-            return world.run(fn, *args, timeout_s=max(1.0, deadline - time.monotonic()))
+            return world.run(fn, *args, timeout_s=max(1.0, deadline - time.monotonic()), on_wait=on_wait)
         except WorldTimeout as e:
             raise WorldTimeout(f"{world._what()}: ranks {e.ranks} did not finish within {timeout_s:.0f} s, start-up "
                                f"included (killed all ranks)", e.ranks) from None

@@ -1,8 +1,8 @@
 """Signals and the processes of a world: SIGINT / SIGTERM to the parent end every rank; no rank outlives it.
 
-Issue 29 found three ways a world could be left running or hung: SIGINT to the parent alone hung it (the parent
-waited for ranks that were blocked writing their results), Ctrl-C to the process group printed a traceback, and
-SIGTERM to the parent left the ranks running as orphans with their temporary folders. The rules now:
+A world can be left running or hung three ways, which these rules close: SIGINT to the parent alone (the parent
+would wait for ranks blocked writing their results), Ctrl-C to the process group (a traceback from every rank), and
+SIGTERM to the parent (ranks left running as orphans with their temporary folders). The rules:
 
 * Ranks (:func:`rank_process_setup`, the first thing every rank does): SIGINT is ignored (a terminal's Ctrl-C
   reaches the whole foreground process group; the parent decides), SIGTERM has its default action, and the kernel

@@ -1,4 +1,4 @@
-"""Own-rank staging checks (issue 18), shared by the CPU-world and the GPU tests (module-level: spawn imports it).
+"""Own-rank staging checks, shared by the CPU-world and the GPU tests (module-level: spawn imports it).
 
 On the raw bf16 wire the dispatch sender does not stage its own rank's rows (the expander reads them from the
 sender's input); quantized wires still stage them once (quantized in the sender). :func:`own_staging_world` fills

@@ -3,7 +3,7 @@
 2.11 lacks. Support for benchmarks, examples and tests; not part of the integration's API.
 
 What torch 2.11 lacks (checked against torch 2.11.0's Python sources, every ``torch.*`` name the loaded torchtitan /
-spmd_types modules use; 2026-12-02):
+spmd_types modules use):
 
 * ``torch.distributed.fsdp.DataParallelMeshDims``: imported at module level by ``torchtitan/models/deepseek_v3/
   mtp.py``, so ``import torchtitan.models.deepseek_v3`` (hence ``deepseekv3_configs``) raises ImportError on torch

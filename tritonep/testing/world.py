@@ -90,7 +90,8 @@ def _picklable(e):
         return None
 
 
-def _collect(procs: dict, fds: dict, timeout_s: float, kill: Callable[[int], None], what: str):
+def _collect(procs: dict, fds: dict, timeout_s: float, kill: Callable[[int], None], what: str,
+             on_wait: Callable[[], None] | None = None):
     results: dict = {}
     bufs = {r: b"" for r in fds}
     open_fds = fds  # rank -> fd still open; closed ones leave the caller's dict (it closes the rest)
@@ -105,6 +106,8 @@ def _collect(procs: dict, fds: dict, timeout_s: float, kill: Callable[[int], Non
             raise WorldTimeout(f"{what}: ranks {running} did not finish within {timeout_s:.0f} s (killed all ranks)",
                                running)
         rlist, _, _ = select.select(list(open_fds.values()), [], [], min(left, 0.5))
+        if on_wait is not None:
+            on_wait()
         for fd in rlist:
             r = next(k for k, v in open_fds.items() if v == fd)
             chunk = os.read(fd, 1 << 20)
@@ -160,7 +163,7 @@ def _collect(procs: dict, fds: dict, timeout_s: float, kill: Callable[[int], Non
 
 
 def run_cpu_world(world_size: int, fn: Callable, *args, timeout_s: float = 120.0, heap_bytes: int | None = None,
-                  check_protocol: bool = True):
+                  check_protocol: bool = True, on_wait: Callable[[], None] | None = None):
     """Run ``fn(group, *args)`` on ``world_size`` forked CPU ranks and return their results (list by rank).
 
     Each rank gets a gloo process group (``group``, the world), the shared CPU symmetric heap installed (see
@@ -179,6 +182,8 @@ def run_cpu_world(world_size: int, fn: Callable, *args, timeout_s: float = 120.0
         fn: called as ``fn(group, *args)`` in every rank; its return value must pickle (tensors do).
         timeout_s: wall-clock bound for the whole world; past it every rank is killed.
         heap_bytes: bytes of each rank's heap slice.
+        on_wait: called in this process about every 0.5 s while it waits for the ranks (e.g. to print the progress
+            the ranks write to a file: ``tritonep run`` does); it must return quickly and not raise.
 
     Returns:
         ``[result of rank 0, ..., result of rank world_size-1]``.
@@ -263,7 +268,7 @@ def run_cpu_world(world_size: int, fn: Callable, *args, timeout_s: float = 120.0
                 pass
 
         what = f"CPU world of {world_size}"
-        pairs = _collect(procs, fds, timeout_s, kill, what)
+        pairs = _collect(procs, fds, timeout_s, kill, what, on_wait)
         if check_protocol:
             compare_sequences([log for _, log in pairs], what)
         return [out for out, _ in pairs]

@@ -1,4 +1,4 @@
-"""Bound launches of the nccl backend under calls that change everything a variant depends on (issue 24 attack).
+"""Bound launches of the nccl backend under calls that change everything a variant depends on.
 
 One buffer per case, built under the fake GPU (``tests/ep/nccl/fake_gpu.py``: the second launch of a variant goes
 direct, and the direct call must hand over the variant Triton's own binder picks for its arguments), then a script

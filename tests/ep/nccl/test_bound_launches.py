@@ -1,4 +1,4 @@
-"""The nccl backend launches every kernel through a bound launch (:class:`tritonep.ep.bound.BoundKernel`, issue 24):
+"""The nccl backend launches every kernel through a bound launch (:class:`tritonep.ep.bound.BoundKernel`):
 after a variant's first launch, later calls take the direct C-launcher path, and the results stay the twins' bits.
 
 CPU: a fake GPU (``tests/ep/nccl/fake_gpu.py``) makes the direct path reachable in the interpreter; each direct call

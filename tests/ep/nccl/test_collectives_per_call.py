@@ -1,4 +1,4 @@
-"""Per-call collectives, host reads and copies of the nccl backend (issue 24), counted on the CPU: a regression fails.
+"""Per-call collectives, host reads and copies of the nccl backend, counted on the CPU: a regression fails.
 
 The backend's calls run on its GPU path (``use_triton``; the kernels run in the interpreter, outside the counters:
 :func:`tritonep.bench.host_path.stub_launches` with ``run``). A ``TorchDispatchMode`` sees every ``c10d`` op (what
@@ -9,7 +9,7 @@ Pinned here (world 2, bf16; a rank with tokens and one without):
 
 * dispatch: exactly one all_gather (the counts matrix) then one all_to_all (the packets, counts of the layout in the
   host plan), one host read, two copies: the read of the gathered matrix and the host->device copy of the plan
-  vector. The handle's own copy of the routing (issue 25) is written by the pack launch, not by two clones.
+  vector. The handle's own copy of the routing is written by the pack launch, not by two clones.
 * combine: one all_to_all, no host read, no copy.
 * a rank with an expert id outside ``[-1, E)``: every rank runs the same one all_gather and nothing else (no rows
   move), then raises its typed error; the next dispatch is counted as above.

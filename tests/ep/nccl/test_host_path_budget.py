@@ -1,4 +1,4 @@
-"""Per-call host-path budgets of the nccl backend (issue 24), counted on the CPU: a regression fails here.
+"""Per-call host-path budgets of the nccl backend, counted on the CPU: a regression fails here.
 
 The backend's four calls run on its GPU path (``use_triton``; the kernels run in the interpreter, outside the
 counters: :func:`tritonep.bench.host_path.stub_launches` with ``run``) and are counted by
@@ -18,17 +18,17 @@ kernel), building the per-route rows and packing the travelling rows (1 kernel),
 the unpack (1 kernel), plus allocating what is returned (rows, row weights, counts / offsets) and the two row
 buffers: 3 kernels, 2 collectives, 2 copies, 5 allocations. ``dispatch`` below is exactly that plus the 4
 allocations its handle owns for combine and backward (per-route rows and packets, per-packet rows and weights; a
-handle must own them: two dispatches may be in flight before their combines) and its copy of the routing (issue
-25: a caller may refill its routing tensors in place after dispatch): 17 torch calls = 2 collectives, the
+handle must own them: two dispatches may be in flight before their combines) and its copy of the routing (a
+caller may refill its routing tensors in place after dispatch): 17 torch calls = 2 collectives, the
 device->host copy, 11 allocations (8 + the host->device copy + the 2 tensors of the routing copy, which the pack
 launch writes: no clone kernels), a split and a view of the plan
 vector, one shape read. Combine: the pipeline is ~9 torch ops (zeros, gather, float, mul, index_add_, cast, collective,
 zero_, index_add_); here 2 launches, 1 collective, 3 allocations (the send and receive rows and the output).
 
 Sync-free dispatch (``sync_free=True``, :mod:`tritonep.ep.nccl.sync_free`): no host read and no host->device copy (the
-layout is computed by one more launch, the device plan), the send / receive rows persistent, and (session 10) the
-per-call outputs from the output pool (:mod:`tritonep.ep.pool`) once the caller let the previous ones go (session
-10), and (session 11) the ``all_to_all`` bound once (:class:`tritonep.ep.nccl.collectives.BoundCollective`: the process
+layout is computed by one more launch, the device plan), the send / receive rows persistent, the
+per-call outputs from the output pool (:mod:`tritonep.ep.pool`) once the caller let the previous ones go, and the
+``all_to_all`` bound once (:class:`tritonep.ep.nccl.collectives.BoundCollective`: the process
 group's backend called directly, no torch function): 5 torch calls (the all_gather, 2 aliases of the rows and row
 weights, 2 shape reads), 0 allocations, 4 launches (a rank without tokens, which allocates: 11, 6, 2). Its one-hop mode
 (``TRITONEP_NCCL_SYNC_FREE=onehop``, :mod:`tritonep.ep.nccl.onehop`): 4 torch calls (the 2 aliases, 2 shape reads), 0
@@ -36,9 +36,9 @@ allocations, 2 launches, with or without tokens (the one-hop outputs are pooled 
 sizes are fixed; the handle's fields are kept per pooled set). Combine and both backward passes on its handle cost what
 they cost on a synced handle.
 
-Launch path (issue 24): every launch is a bound one (:class:`tritonep.ep.bound.BoundKernel`; none through a generic
+Launch path: every launch is a bound one (:class:`tritonep.ep.bound.BoundKernel`; none through a generic
 launcher), and on a fake GPU (``tests/ep/nccl/fake_gpu.py``) a warm call's launches are all direct C-launcher calls:
-none goes through Triton's ``kernel[grid]`` path (38-61 us of host time a launch on the H200, issue 24).
+none goes through Triton's ``kernel[grid]`` path (38-61 us of host time a launch on the H200).
 """
 
 import os
@@ -57,7 +57,7 @@ BUDGET = {
     "combine": (4, 3, 2, 0),  # send, back, y; a2a
     "dispatch_bwd": (7, 4, 2, 0),  # + the weight gradients; contiguous() of the autograd gradients (2)
     "combine_bwd": (6, 4, 2, 0),  # send, recv, grad_expert_out, grad_w; a2a
-    # sync-free (issue 24): no host read, no host->device copy; count, plan, pack, unpack launches; the send /
+    # sync-free: no host read, no host->device copy; count, plan, pack, unpack launches; the send /
     # receive rows are persistent and the call's outputs (the plan vector, the rows, the row weights and the
     # handle's six tensors) come from the output pool once the previous call's are let go
     "sf_dispatch": (9, 0, 4, 0),  # pooled outputs; all_gather, 2 aliases (rows, row weights), 2 shape reads (the

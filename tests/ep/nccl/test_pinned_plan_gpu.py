@@ -1,4 +1,4 @@
-"""GPU (world 1): the nccl backend's pinned plan vector is never rewritten under a pending copy (issue 24).
+"""GPU (world 1): the nccl backend's pinned plan vector is never rewritten under a pending copy.
 
 The dispatch copies its host plan (layout, ``num_tokens_per_expert``, ``expert_offsets``, counts) from one pinned
 host vector to a fresh device tensor asynchronously; the next dispatch rewrites the vector after its own host read.

@@ -1,4 +1,4 @@
-"""dispatch(sync_free=True) on the nccl backend (issue 24): no host read, ``max_recv_tokens`` rows whose real rows
+"""dispatch(sync_free=True) on the nccl backend: no host read, ``max_recv_tokens`` rows whose real rows
 ``[0, expert_offsets[-1])`` equal the synced dispatch's bit for bit (rows, weights (zero past them), counts,
 offsets), combine and both backward passes through the sync-free handle equal the synced ones; errors on any rank
 are recorded on the device and raised on EVERY rank by the next ``check()`` / synced dispatch, nothing moved.

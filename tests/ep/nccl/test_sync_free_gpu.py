@@ -1,10 +1,8 @@
 """GPU (world 1, NCCL): the nccl backend's sync-free dispatch makes no host sync and replays in a CUDA graph.
 
-Written on a CPU-only host (session 9): NOT yet run on a GPU. Under ``torch.cuda.set_sync_debug_mode("error")`` a
-sync-free dispatch + combine raises on any host sync; the same pair captured in one CUDA graph (NCCL collectives
-captured) replays bit-equal to the synced dispatch's real rows and combine. Both sync-free modes
-(``TRITONEP_NCCL_SYNC_FREE`` = ``gather`` / ``onehop``; the one-hop parametrization added in session 9, not yet run
-on a GPU either).
+Under ``torch.cuda.set_sync_debug_mode("error")`` a sync-free dispatch + combine raises on any host sync; the same
+pair captured in one CUDA graph (NCCL collectives captured) replays bit-equal to the synced dispatch's real rows and
+combine. Both sync-free modes (``TRITONEP_NCCL_SYNC_FREE`` = ``gather`` / ``onehop``).
 """
 
 import os

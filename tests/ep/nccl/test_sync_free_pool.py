@@ -1,4 +1,4 @@
-"""The output pool of the nccl backend's sync-free dispatch (session 10; :mod:`tritonep.ep.pool`): a call without
+"""The output pool of the nccl backend's sync-free dispatch (:mod:`tritonep.ep.pool`): a call without
 autograd takes its outputs (rows, row weights, counts, offsets and the handle's tensors) from a pooled set once the
 caller let the previous call's go, so an inference loop allocates nothing per call. What must hold, in both modes
 (``gather``, ``onehop``), on the twins and on the kernels (interpreter), W = 2:

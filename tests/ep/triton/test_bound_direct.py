@@ -1,4 +1,4 @@
-"""The triton backend's launches on the direct path (:class:`tritonep.ep.bound.BoundKernel`, issue 24), on the CPU.
+"""The triton backend's launches on the direct path (:class:`tritonep.ep.bound.BoundKernel`), on the CPU.
 
 A fake GPU (``tests/ep/nccl/fake_gpu.py``) makes the direct C-launcher path reachable in the interpreter: each direct
 call is checked against what Triton's runner would hand the C launcher (grid, every pointer as an int in parameter

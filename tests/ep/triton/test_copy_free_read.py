@@ -1,4 +1,4 @@
-"""The two-kernel and fused dispatches read their status word without a device-to-host copy (issue 24).
+"""The two-kernel and fused dispatches read their status word without a device-to-host copy.
 
 The counts exchange's last program publishes ``status[:ST_HOST]`` and the call's ticket into the pinned host tensor
 (:func:`tritonep.kernels.layout.exchange_kernel`, ``HOST_ST``); the host's one read of a synced dispatch is

@@ -3,15 +3,15 @@ kernels: the block (:meth:`tritonep.ep.triton.outputs.HandleLayout.new`, ``torch
 pattern before the launches (NaN as float32, 2**31 - 2**22 + 0x123 as int32), on every geometry (two kernels, fused,
 decode), with alignment padding (A = 4) and a rank of 0 tokens.
 
-Since 2026-12-02 the row weights a synced dispatch returns are a view of the block's ``rw`` field, written only by
+The row weights a synced dispatch returns are a view of the block's ``rw`` field, written only by
 the data kernels (routes and alignment padding), and the decode dispatch's sync-free weights are the whole field
-(zeroed past the rows received by the kernel); no allocation zeroes them any more. On the CPU a fresh block often
+(zeroed past the rows received by the kernel); no allocation zeroes them. On the CPU a fresh block often
 holds the previous call's bits (glibc reuses the freed block), so an element no kernel writes can pass a test of
 repeated calls; the poison makes it show. Checked: the synced call's records and gradients against the reference
 (:func:`tritonep.testing.harness.check_calls` / ``check_grads``), the sync-free call's rows, weights (zero past
 ``expert_offsets[-1]``), layout and combine.
 
-Since session 8 the block comes from the buffer's output pool (:mod:`tritonep.ep.pool`) and is reused once
+The block comes from the buffer's output pool (:mod:`tritonep.ep.pool`) and is reused once
 nobody holds it, holding the previous call's bits: the poison is applied to every set the pool hands out too, so
 a reused block is as poisoned as a fresh one (and the decode geometry's pooled rows: their padding rows must be
 written by the kernel as well).

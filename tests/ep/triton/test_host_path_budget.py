@@ -1,24 +1,17 @@
-"""Per-call host-path budgets of the triton backend through the front door (issue 24), counted on the CPU.
+"""Per-call host-path budgets of the triton backend through the API entry (``EPBuffer``), counted on the CPU.
 
 :mod:`tritonep.bench.host_path` runs the real ``EPBuffer`` calls with every launch stubbed and counts what a call
 does on the host: torch calls from Python (each a few microseconds on a GPU machine), allocations, Triton launches
 and device->host reads. Launches and host reads must match exactly (the protocol and the eager budget: one read per
-synced dispatch, none elsewhere); torch calls and allocations may only go down (then lower the budget). Before the
-host-path rewrite (2026-12-01, same counter): dispatch 56 torch calls / 14 allocations, combine 16 / 2, dispatch
-backward 23 / 3, combine backward 43 / 8 (14 / 3 before its expand wrote the zero rows itself). The counts include ~6-12 cheap attribute reads (``x.shape``, ``x.device``)
-that the counter sees as torch calls. Aten ops (what reaches the dispatcher: allocations and views) may only go down
-too: 2026-12-02 the handle storage stopped being cut by ``split_with_sizes`` per call (its fields reach the kernels
-as :class:`tritonep.ep.field_view.FieldView` addresses) and the status read's view is made once: dispatch 9 -> 5
-aten ops (the 3 allocations and the two views ``num_tokens_per_expert`` / ``expert_offsets`` it returns), 23 -> 22
-torch calls. The combine / combine-backward slice is the measuring caller's ``expert_out[:rows]``. 2026-12-02
-(session 6): the row weights of a synced dispatch became a field of the handle storage (one allocation fewer: 3 -> 2)
-and their view (a slice and a float32 view, 2 -> 4 more aten ops on the CPU counter) is made while the launches run,
-not before them (decode: before the one launch; two-kernel: between the host read and the data launch, where the GPU
-waits for the host); the counts may go up only by such trades, stated here. Session 8: the output pool
-(:mod:`tritonep.ep.pool`) hands a released call's handle storage and its views (decode: also the rows and
-the combine output) back: dispatch 22 -> 18 torch calls, 7 -> 2 aten ops (the two slices ``rows[:R]`` /
-``weights[:R]``), 2 -> 1 allocation (0 on the decode geometry); decode combine 1 -> 0 allocations (its output is a
-slice of a pooled block). A caller that keeps every output gets the old counts (``test_output_pool.py``).
+synced dispatch, none elsewhere); torch calls, aten ops (what reaches the dispatcher: allocations and views) and
+allocations may only go down (then lower the budget), or go up by a trade stated here. The counts include ~6-12 cheap
+attribute reads (``x.shape``, ``x.device``) that the counter sees as torch calls. The handle storage's fields reach
+the kernels as addresses (:class:`tritonep.ep.field_view.FieldView`), not as per-call slices; the row weights of a
+synced dispatch are a field of the handle storage, their view made while the launches run; the output pool
+(:mod:`tritonep.ep.pool`) hands a released call's handle storage and its views back (decode: also the rows and the
+combine output), so a dispatch makes one allocation (none on the decode geometry) and returns two slices
+(``rows[:R]``, ``weights[:R]``). The combine / combine-backward slice is the measuring caller's ``expert_out[:rows]``.
+A caller that keeps every output gets fresh allocations (``test_output_pool.py``).
 """
 
 import pytest
@@ -43,9 +36,8 @@ BUDGET = {
 # the one-launch decode geometry (TRITONEP_GEOMETRY=bt=2,dec=3): the dispatch takes max_recv_tokens rows (pooled)
 # before its one launch and cuts them to the rows received after the read
 BUDGET_DECODE = {
-    "dispatch": (19, 2, 0, 1, 1),  # storage + rows: ONE set of the shared pool (session 13; 20 -> 19: one stream
-    # query fewer); one launch; one read; rows[:R], weights[:R]; +2: the requires_grad reads of the pooled row
-    # weights and rows (pool.py _Set.marked)
+    "dispatch": (19, 2, 0, 1, 1),  # storage + rows: ONE set of the shared pool; one launch; one read; rows[:R],
+    # weights[:R]; +2: the requires_grad reads of the pooled row weights and rows (pool.py _Set.marked)
     "dispatch_sync_free": (19, 2, 0, 1, 0),  # the same two slices (fresh views of the pooled tensors), as above
     "combine": (9, 2, 0, 1, 0),  # the output: a slice of a pooled block; one launch; +1 its requires_grad read
     "dispatch_bwd": (12, 2, 2, 1, 0),  # grad_x, grad_topk_weights; one launch (the decode combine, unweighted)

@@ -6,8 +6,8 @@ backwarded after later calls (the second twice) give the gradients of each graph
 
 What the caller keeps, each time as the ONLY reference, over later calls (synced, sync-free, refused, autograd):
 the storage object of the rows / of the handle block (``untyped_storage()``: the pool's own Python object, no use
-count moves; missed before session 8's fix), a DLPack capsule of ``handle.store`` (a C++ holder of a base whose
-TensorImpl the set's own views already share: no Python count moves; missed before the fix), the row weights, a view
+count moves), a DLPack capsule of ``handle.store`` (a C++ holder of a base whose
+TensorImpl the set's own views already share: no Python count moves), the row weights, a view
 of a view of ``expert_offsets``, ``num_tokens_per_expert`` in a closure, the handle alone (combined after later
 calls), the combine output (decode: pooled), a refused call's exception (its traceback holds the call's set), two
 autograd graphs (``retain_graph``), and a sync-free call's outputs over a synced one; a capacity refusal in

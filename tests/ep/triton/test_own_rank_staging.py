@@ -1,4 +1,4 @@
-"""Own-rank routes skip the staging copy on the raw bf16 wire (issue 18), and quantized wires still stage.
+"""Own-rank routes skip the staging copy on the raw bf16 wire, and quantized wires still stage.
 
 Each rank fills its own staging rows ``stage[RANK]`` with a sentinel before a world-2 dispatch and a combine
 backward; bf16: the sentinel survives while every output is exact and the peer's rows are staged; fp8 / mxfp4: the

@@ -6,112 +6,28 @@ their torch twins, same bits) or a ``torch.distributed`` collective on the curre
 triton backend's by construction: the same segment formula (:func:`tritonep.ep.layout.layout_torch`, computed on
 the host by its numpy twin :func:`host_plan`) and, inside a segment, rows ordered by (source rank, token, k).
 
-Host reads: dispatch reads ONE small tensor (the gathered counts matrix and, in the same copy, the status word,
-below); combine and both backward passes read nothing (they reuse the split sizes the dispatch saved in its handle).
-Graph capture of this synced dispatch is refused: uneven splits need host sizes.
+A synced dispatch: the counts launch and one ``all_gather`` of the counts rows, THE one host read of the call (the
+gathered matrix and the status word), the host plan (refusals and capacity decided here, the same on every rank),
+one pack launch into one ``uint8`` send buffer (each token's wire row once per destination rank, then its routing),
+one ``all_to_all_single`` with uneven splits, one unpack launch into the expert rows. Combine sends one weighted
+fp32-summed partial per (token, rank) back along the reverse splits and sums the partials in rank order: exactly
+:func:`tritonep.reference.combine_reference_partial` and the triton backend's bits, for every wire. Combine and
+both backward passes read nothing on the host. Graph capture of a synced dispatch is refused (uneven splits need
+host sizes); the sync-free dispatch (:mod:`tritonep.ep.nccl.sync_free`) reads nothing and can be captured.
 
-Sync-free dispatch (``dispatch(..., sync_free=True)``, :mod:`tritonep.ep.nccl.sync_free`): NO host read. The layout is
-computed on the device (one more single-program launch: the device plan, same rows bit for bit), every peer gets
-``max_tokens_per_rank`` fixed packet slots, ONE ``all_to_all_single`` with equal host-static splits moves them and the
-unpack drops the slots each source left empty. Mode ``gather``: 4 launches (count, plan, pack, unpack; a rank without
-tokens: 2), 2 collectives, 0 host reads, no host->device copy, 0 allocations (pooled outputs) and 5 torch calls (the
-send / receive rows are persistent). Mode ``onehop`` (the default for decode-sized bf16 buffers, :func:`tritonep.ep.
-nccl.sync_free.sync_free_mode`): the counts travel as a header slot of every per-peer block of the one
-``all_to_all_single``, so 2 launches (send, receive), 1 collective, 0 allocations and 4 torch calls (the
-``all_to_all`` goes straight to the process group's backend: :class:`tritonep.ep.nccl.collectives.BoundCollective`).
-Either way ``max_recv_tokens`` rows returned,
-``num_recv_rows`` None. Its errors (a bad id or refused input on any rank, capacity) are recorded in the backend's
-status word on every rank and raised by :meth:`check` or the next synced dispatch on every rank; combine and both
-backward passes run unchanged on its handle (equal splits, empty slots' routes -1). Not refused under graph capture.
+Every launch is a :class:`tritonep.ep.bound.BoundKernel` bound once with its constants
+(:class:`tritonep.ep.nccl.pack.Launch`), and the host path is fixed per call: what the static configuration decides
+is made at construction. On the GPU a bf16 dispatch is 3 launches, 2 collectives, 1 device->host copy (into a pinned
+buffer: the one read), 1 asynchronous host->device copy of the plan vector, 11 allocations and 17 torch calls; a
+combine 2 launches, 1 collective, 3 allocations, 4 torch calls (budgets held by
+``tests/ep/nccl/test_host_path_budget.py``). Calls of one buffer run on
+one CUDA stream at a time. Timeouts: this backend has no kernel waits; a peer that never arrives is caught by the
+process group's own timeout (NCCL watchdog), not by ``timeout_s``.
 
-The host path is fixed per call (issue 24): what the static configuration decides (tiles, row layouts, kernel
-constants, the counts row, the gathered matrix and its host copy, the host plan vector) is made at construction;
-a call allocates only what it returns or hands to its handle plus the two row buffers of its collective, and reads
-no tensor attribute it already knows. On the GPU a bf16 dispatch is 3 launches, 2 collectives, 1 device->host
-copy (into a pinned buffer: the one read) and 1 host->device copy (from a pinned vector, asynchronous), 11
-allocations and 17 torch calls from Python, and no other copy (the handle's own copy of the routing is written by the
-pack launch, not by two clones); a combine 2 launches, 1 collective, 3 allocations,
-4 torch calls (budgets held by ``tests/ep/nccl/test_host_path_budget.py``). Every launch is a
-:class:`tritonep.ep.bound.BoundKernel` bound once with its constants (:class:`tritonep.ep.nccl.pack.Launch`): on the
-GPU a launch whose variant ran before calls the compiled kernel's C launcher directly, not ``kernel[grid]``. A rank
-without tokens fills its counts row instead of launching, and skips the pack.
-
-Dispatch (host protocol, identical on every rank whatever its data, docs/protocols.md (host protocol rule): one
-``all_gather`` then, unless the call fails on every rank, one ``all_to_all_single``):
-
-1. Counts row of this rank, on the device, one launch, no sync (:meth:`Router.count`): routes per expert, packets
-   per destination rank (a packet = one (token, destination rank) with at least one route there), the number of
-   ids outside ``[-1, E)`` and a refused flag (the front door refused this rank's input and passes empty tensors).
-   ``all_gather`` -> the ``[W, E + W + 2]`` int32 matrix, copied to the host: THE host read of the call.
-2. On the host: any rank with an expert id outside ``[-1, E)`` or a refused flag -> nothing moves on any rank,
-   every rank raises :class:`PeerInputError` naming the bad ranks (a rank whose own ids are bad raises the
-   :class:`InputError` of :func:`tritonep.ep.validate.check_expert_ids`, naming the value and its (token, k); that
-   extra read happens only in this error case). Else the layout (:func:`host_plan`, numpy, into a persistent
-   vector); a rank that would receive more than ``max_recv_tokens`` rows -> every rank raises
-   :class:`CapacityError`, nothing sent. Else the split sizes (packets per peer) and one host->device copy of the
-   plan vector (``send_base``, packet starts per rank, ``num_tokens_per_expert``, ``expert_offsets``, counts;
-   never a device sync).
-3. Pack, one launch (:meth:`Router.pack`): the destination row of every route (chunk prefix from step 1 + its rank
-   among the chunk's routes to the same expert), the packet slot of every route (packets in (destination rank,
-   token) order) and ONE ``uint8`` send buffer ``[packets, row | meta]`` (the token's wire row, then its K
-   destination rows int32, K expert ids int32, K weights fp32): one copy of each travelling row, no ``cat``. One
-   ``all_to_all_single`` with uneven splits.
-4. Unpack, one launch (:meth:`Unpacker.unpack`): per received packet, each route whose expert lives here
-   (``ids // L == rank``) copies the packet's row to its expert row and its weight to the row weights; alignment
-   padding rows (``expert_alignment`` > 1) are zeroed by extra programs. The per-packet routes (row or -1,
-   weight or 0) go to the handle for combine.
-
-Combine (one ``all_to_all_single`` back along the reverse splits): on the expert rank, per received packet,
-``partial = 0 + sum_{k ascending, route here} fp32(w * expert_out[row])`` in fp32 (each product rounded before the
-add), written by the partial kernel straight into the send buffer, rounded to bf16 (round-to-nearest-even) or kept
-fp32 for an fp8 / mxfp4 wire (then quantized with the twin); the source sums the partials (widened / dequantized to
-fp32) in rank order starting from 0 and rounds once: exactly :func:`tritonep.reference.combine_reference_partial`
-and the triton combine kernels for every wire. One row per (token, rank) travels, never one per route.
-
-Backward: ``dispatch_bwd`` is an unweighted combine (bf16) whose rows also carry the per-route weight gradients
-``grad_recv_w[row]`` (K fp32 columns of the same send buffer, written by the partial kernel and read back by the sum
-kernel); ``combine_bwd`` moves ``grad_y`` (bf16) along the dispatch's packets (one pack launch, one
-``all_to_all_single``, one launch that scales each row by its weight and takes the dot product for the weight
-gradient).
-
-Copies per call (rows of H elements; ``Ns`` / ``Nr`` packets sent / received, ``R`` rows received):
-dispatch bf16: ``Ns`` (pack) + ``R`` (unpack); fp8 / mxfp4 add the sender's quantization of ``T`` rows and, without
-``keep_quantized``, the receiver's dequantization of ``Nr`` rows. Combine bf16: the kernel reads each routed row
-once and writes ``Nr`` partials into the send buffer; the source's kernel reads ``Ns`` partials and writes ``T``
-rows. fp8 / mxfp4 combine: the kernel writes ``Nr`` fp32 partials, the twin quantizes them (two column copies into
-the send buffer) and dequantizes ``Ns`` on the source. In combine nothing is per route except the kernel's one read
-of each ``expert_out`` row.
-
-Wires (``dispatch_wire`` / ``combine_wire``; byte layout of :mod:`tritonep.kernels.wirecodec`, bits of the twins in
-:mod:`tritonep.wire`, so both backends give identical results):
-
-* bf16: the row's 2H bytes.
-* quantized dispatch (fp8, mxfp4, fp8_e5m2, ...: every record of :mod:`tritonep.wire.formats`): every token row is
-  quantized ONCE on the sender with the record's twin (e.g. :func:`quantize_fp8_torch`: e4m3 + one fp32 scale per
-  128; :func:`quantize_mxfp4_torch`: packed e2m1 + one e8m0 per 32); payload then scale bytes.
-  The receiver writes ``dequantize_*_torch(q, s, bfloat16)`` (fp32 dequant, round-to-nearest-even cast) into the
-  expert rows; with ``keep_quantized=True`` it returns the payload rows (fp8 uint8 ``[R, H]``, mxfp4 uint8
-  ``[R, H/2]``) and scales (fp32 ``[R, H/128]`` / uint8 ``[R, H/32]``); padding rows hold the encoding of a zero
-  row (fp8: q 0, scale 2^-126; mxfp4: 0, e8m0 0: the record's ``zero_scale``).
-* quantized combine: the fp32 partial is quantized with the twin (not rounded to bf16 first), moved, dequantized
-  to fp32 on the source and summed as above.
-* Backward passes always move bf16.
-
-Calls of one buffer run on one CUDA stream at a time (the persistent counts row and chunk scratch are used inside
-one dispatch, in stream order). Timeouts: this backend has no kernel waits; a peer that never arrives is caught by
-the process group's own timeout (``torch.distributed`` / NCCL watchdog), not by ``timeout_s``.
-
-Hierarchical multi-host (not implemented; where it would go): a two-level exchange as in DeepEP's internode
-kernels -- (a) ``all_to_all_single`` inside a node group keyed by the destination's local index, sending one packet
-per (token, destination NODE) to the peer with the same local index on that node over the inter-node group
-(``dist.new_group`` per local index), (b) an intra-node forward (NVLink / triton backend) fanning the packet out to
-the destination ranks of that node. The layout (step 2) stays global, so the rows and the bit-exact summation order
-are unchanged; combine reduces per rank, then per node in rank order (the partial sum order must keep ranks
-ascending, so a node-level pre-sum is only legal for contiguous rank ranges and must round per rank first).
-
-Idea sources: DeepEP "normal" (host-synchronised) kernels, Megatron-LM's ``MoEAlltoAllTokenDispatcher`` (counts
-exchange, then uneven token all_to_all); quantize once per token before the all_to_all as DeepEP's fp8 dispatch does;
-the fixed per-call host path of vLLM's ``CachedKernel`` / pplx-kernels (everything static made once).
+The protocol step by step (dispatch, combine, backward, copies per call, wires, a hierarchical multi-host design):
+docs/protocols.md, "The nccl backend". Idea sources: DeepEP "normal" (host-synchronised) kernels, Megatron-LM's
+``MoEAlltoAllTokenDispatcher`` (counts exchange, then uneven token all_to_all); quantize once per token before the
+all_to_all as DeepEP's fp8 dispatch does; the fixed per-call host path of vLLM's ``CachedKernel`` / pplx-kernels.
 """
 
 from __future__ import annotations
@@ -368,7 +284,7 @@ class NcclEP(NcclSyncFree, NcclCombine):
             send = torch.empty(Ns, lay.width, dtype=torch.uint8, device=dev)
             # the handle owns the routing it reads again (the dispatch backward's weight-gradient gather): a copy,
             # written by the pack launch, so a caller that refills its routing tensors in place after dispatch
-            # changes nothing (issue 25)
+            # changes nothing
             idx_c, w_c = torch.empty_like(topk_idx), torch.empty_like(topk_weights)
             src0, src1 = fmt.quantize_bytes(x) if fmt.quantized else (x, None)  # quantized once per token
             self._router.pack(src0, src1, topk_idx, topk_weights, plan, send, rows, pkt, T, ut, idx_c, w_c)

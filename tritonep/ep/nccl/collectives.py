@@ -34,7 +34,7 @@ class BoundCollective:
     backend method with the same options, so on NCCL the collective is ordered on the caller's current stream, and
     ``wait()`` as the wrapper does), but the call goes straight to the process group's backend object for ``out``'s
     device: torch's Python wrapper (argument checks, a logging decorator, ``AllToAllOptions`` made per call, the c10d
-    dispatcher op) is skipped. Host cost on the H200 host: ``benchmarks/collective_cost.py`` row
+    dispatcher op) is skipped. Host cost on the H200 host: ``benchmarks/probes/collective_cost.py`` row
     ``all_to_all_single_even_bound`` next to the wrapper's ``all_to_all_single_even``. Where the group has no backend
     object for the device (a fake or wrapped group), the call takes the wrapper.
 

@@ -51,8 +51,8 @@ rank whatever T (fixed blocks: the price of no counts exchange). The send kernel
 wire is supported by :class:`OneHopDispatch` (the send kernel and its twin also take quantized payload + scale bytes;
 the receive side would need the kept-quantized padding encoding or a dequantization step). Status: tested in the
 interpreter and in gloo worlds (``tests/ep/nccl/test_onehop.py``); both kernels compile for sm_90 offline without
-spills (the ``compile``-marked tests); on one H200 (session 10, 128 tokens of DeepSeek-V3, world 1) the GPU tests of
-both sync-free modes pass and the launches take 14.5 us (send) and 11.0 us (receive).
+spills (the ``compile``-marked tests); on one H200 (128 tokens of DeepSeek-V3, world 1) the GPU tests of both
+sync-free modes pass and the launches take 14.5 us (send) and 11.0 us (receive).
 
 Idea sources: DeepEP's low-latency mode (fixed per-expert receive slots, counts carried with the data, the
 ``num_worst_tokens`` output convention), pplx-kernels' dispatch; our code.
@@ -274,8 +274,8 @@ class OneHopDispatch:
         KB = pow2(K)
         # send tiles of 8 routes (one token at top-8), 4 warps, scan steps of 128 routes: every program column redoes
         # its tile's index work (pairwise compares against the tokens before it), so small tiles win
-        # (benchmarks/onehop_send_probe.py, session 10, 128 tokens of DeepSeek-V3 on the H200: tiles of 16 / 8 / 4 /
-        # 2 / 1 tokens 73.9 / 32.6-41 / 22 / 17.4 / 14.5 us); no spill for sm_90 (ptxas; 4-token tiles with 4 warps
+        # (benchmarks/probes/onehop_send_probe.py, 128 tokens of DeepSeek-V3 on the H200: tiles of 16 / 8 / 4 / 2 / 1
+        # tokens 73.9 / 32.6-41 / 22 / 17.4 / 14.5 us); no spill for sm_90 (ptxas; 4-token tiles with 4 warps
         # or larger scan steps spilled 8-12 bytes)
         self.BT = max(1, 8 // KB)
         self._send_bh = min(pow2(H), max(16, 1024 // self.BT))

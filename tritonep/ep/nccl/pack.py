@@ -39,7 +39,7 @@ class Launch:
     Every Triton launch of the backend is a :class:`tritonep.ep.bound.BoundKernel` bound once with its constants and
     compile options (by :class:`tritonep.ep.nccl.route.Router`, :class:`tritonep.ep.nccl.unpack.Unpacker`, or here per
     variant of the combine's reductions); a call passes its grid (it follows the call's data) and its tensors and
-    sizes, and on the GPU a launch whose variant ran before calls the compiled kernel's C launcher directly (issue 24,
+    sizes, and on the GPU a launch whose variant ran before calls the compiled kernel's C launcher directly (on the
     H200, DeepSeek-V3 shape: 38-61 us of host time a launch through ``kernel[grid]``; the triton backend's bound
     launches 15-24 us). Not recorded
     by the protocol recorder (``record=False``): these kernels signal nobody. No precompile: a variant compiles on

@@ -1,82 +1,17 @@
 """The nccl backend's sync-free dispatch (``dispatch(..., sync_free=True)``; a mixin of
 :class:`tritonep.ep.nccl.backend.NcclEP`) and its status word.
 
-No host read, no host sync, nothing data-dependent on the host (the ``num_worst_tokens`` convention of DeepEP /
-Hybrid-EP / torchtitan): every size is static. Two modes, chosen once at construction (:func:`sync_free_mode`:
-``TRITONEP_NCCL_SYNC_FREE`` = ``onehop`` | ``gather``; unset: one-hop for a decode-sized bf16 buffer, gather otherwise,
-the measured winners), same public contract (rows bit-identical to the synced dispatch, tail weights zero, the same
-handle fields for combine / both backward passes, the same status word and errors):
-
-**one-hop** (:mod:`tritonep.ep.nccl.onehop`; bf16 dispatch wire only): the send launch writes this rank's counts row as
-a header into slot 0 of every per-peer block of the persistent send rows ``[W * (1 + Tcap), width]`` plus the packets in
-slots ``1..Tcap``; ONE ``all_to_all_single`` with equal splits (``1 + Tcap`` rows per peer); the receive launch derives
-the verdict and layout from the W headers (every rank the same), writes the rows, weights, ``num_tokens_per_expert`` /
-``expert_offsets``, the per-slot routes, the handle's counts snapshot and merges the verdict into the status word
-(program 0, as the device plan below does). Per call: 2 launches (a rank without tokens too: its send launch writes the
-headers), 1 collective, 0 host reads; its outputs (the rows; one int32 block of every small output at static offsets:
-row weights, per-slot routes and weights, ``num_tokens_per_expert``, ``expert_offsets``, counts, the routing weights'
-copy, the packets; the routing ids' copy) from the output pool as in the gather mode below, also on a rank without
-tokens, with the handle's fields kept per pooled set: 4 torch calls (shape reads, the aliases of the rows and row
-weights), 0 allocations; the
-``all_to_all_single`` bound once to the process group's backend (:class:`tritonep.ep.nccl.collectives.BoundCollective`:
-14.1 vs 19.6 us of host time through ``dist.all_to_all_single`` on the H200 host of session 11's call 1). The
-handle's ``rows`` (destination row of each route, known only on the expert rank here) is an empty ``[0, K]`` tensor: nothing on this backend reads it. The send kernel's prefix scans are quadratic in T.
-
-Measured (one H200, world 1, 128 tokens, H 7168, top-8 of 256). Session 9 (``ep_bench_h200x1_session9final``): eager
-dispatch one-hop 161 us vs gather 155 us, the precomputed-layout pipeline 60; device time one-hop 71 us (send 35.5,
-receive 27.3, all_to_all 8.0) vs gather 29 us (pack 9.9, count 7.6, unpack 6.5, plan 1.6, collectives 2.4). Session 10,
-after the pooled outputs, the receive kernel's ``tl.gather`` (no one-hot layout picks: 16-packet tiles instead of 1) and
-one-token send tiles (``benchmarks/onehop_send_probe.py``: the send launch 41 -> 14.5 us), last call
-(``ep_bench_h200x1_session10call5``, all_to_all alone 26 us): one-hop 83 us, gather 151, the pipeline 68; device time
-one-hop 33 us (send 14.5, receive 11.0, all_to_all 7.2). On a slower host (call 4, all_to_all 34 us): 102 / 178 / 89.
-Session 11, after the bound all_to_all, the block outputs passed once and the pooled handle fields
-(``ep_bench_h200x1_session11call1``, a slow host: all_to_all alone 38 us): one-hop 64.7 us vs the pipeline 89.9
-(0.72x), gather 154. At
-4096 tokens gather 432 us vs one-hop 1543 (the send scans are quadratic in T). Hence the unset rule: one-hop up to
-``ONEHOP_MAX_TOKENS`` tokens per rank, gather above. One-hop is also the mode for groups whose collectives are slow
-(across hosts one collective fewer saves a network round trip per call): unmeasured there.
-
-**gather** (every wire). Call sequence (host protocol, identical on every rank whatever its data,
-docs/protocols.md (host protocol rule): one ``all_gather`` then one ``all_to_all_single``, always):
-
-1. The counts launch (:meth:`tritonep.ep.nccl.route.Router.count`) and the ``all_gather`` of the counts row into the
-   persistent matrix, as the synced dispatch does.
-2. The device plan, one single-program launch (:func:`tritonep.kernels.nccl_plan.sync_free_plan_kernel`, twin
-   :func:`tritonep.ep.nccl.plan.device_plan_torch`): the synced host plan's layout (same segment formula, so the
-   same rows) with FIXED packet slots per peer (``dest_start[d] = d * Tcap``, ``Tcap = max_tokens_per_rank``: a
-   token is at most one packet per destination rank), the packets each source sent here, and the verdict: a bad
-   expert id or a refused input on ANY rank, or ANY rank needing more than ``max_recv_tokens`` rows -> zero
-   counts, offsets and received packets (no row lands anywhere) and the refusal recorded in the status word. Every
-   rank sees the same matrix: the same verdict everywhere.
-3. The pack launch into the persistent send rows ``[W * Tcap, width]`` (slots of no packet are not written).
-4. ONE ``all_to_all_single`` with equal splits (``Tcap`` rows per peer, host-static) into the persistent receive
-   rows.
-5. The unpack launch over the ``W * Tcap`` slots, dropping each slot at or past its source's packet count (routes
-   -1 / weights 0 in the handle: combine, both backward passes and every wire work unchanged on the equal splits).
-
-Both modes return ``max_recv_tokens`` rows (real rows ``[0, expert_offsets[-1])``, bit-identical to the synced dispatch;
-the tail's rows unspecified, its weights zero), ``num_tokens_per_expert`` / ``expert_offsets`` on the device and a
-handle whose ``num_recv_rows`` is None. Per gather call: 4 launches (3 on a rank without tokens: no pack), 2
-collectives, no host read; outputs: the rows, the row weights (the unpack launch writes every one, the tail's zeros too:
-no zeroing launch), the plan vector and the handle's six tensors, taken from the output pool (:mod:`tritonep.ep.pool`: a
-set per token count and ``topk_idx`` dtype, reused once the caller let the call's outputs go; the ``[max_recv_tokens,
-H]`` rows from the process-wide pool of that shape, shared with every buffer of the same shape; the rows and row weights
-are handed out as aliases, so no mark of autograd or of an in-place op with a differentiable operand stays on a
-pooled tensor; every view a call hands out or its handle holds is counted by the pool; decode-sized buffers only,
-``max_tokens_per_rank <= ONEHOP_MAX_TOKENS``: a prefill-sized set of rows is hundreds of MB) or, when every set is
-held, under graph
-capture, without tokens or with ``TRITONEP_OUTPUT_POOL=0``, allocated. The one-hop mode pools its outputs the same way.
-The send and receive rows are persistent (made on the first sync-free call: a buffer never used this way pays nothing;
-one stream at a time, as every buffer of this library: the next call's pack is stream-ordered after this call's
-collective). Cost of the fixed sizes: every call moves ``W * Tcap`` rows (as DeepEP's low-latency kernels do).
-
-Errors are raised later, on every rank (nothing silent): by :meth:`check` or by the next synced dispatch, whose
-one host read carries the status word with the counts matrix (it then moves nothing). Codes, rank and rows are the
-first unread refusal's; the flags gather every one's. A rank whose own ids were bad raises the
-:class:`InputError` naming the value (from the last sync-free calls' ``topk_idx``, kept for that).
-
-Graph capture: this path has no host read and no host-data-dependent size, so it is not refused (NCCL collectives
-can be captured); nor are the combine and backward passes on its handles.
+No host read and nothing data-dependent on the host: every size is static (``max_recv_tokens`` rows returned, the
+real ones ``[0, expert_offsets[-1])`` bit-identical to the synced dispatch), so the call can be captured in a CUDA
+graph and never waits for the device. Every peer gets ``max_tokens_per_rank`` fixed packet slots and ONE
+``all_to_all_single`` with equal splits moves them. Two modes, chosen once at construction (:func:`sync_free_mode`):
+**one-hop** (:mod:`tritonep.ep.nccl.onehop`, bf16 only: the counts travel as a header slot of every per-peer block;
+2 launches, 1 collective) and **gather** (every wire: an ``all_gather`` of the counts, a device plan, pack,
+``all_to_all_single``, unpack; 4 launches, 2 collectives). Outputs come from the output pool
+(:mod:`tritonep.ep.pool`); the send and receive rows are persistent. Errors (a bad id or refused input on any rank,
+capacity) are recorded in the status word on every rank and raised by :meth:`check` or the next synced dispatch;
+combine and both backward passes run unchanged on its handles. The protocol step by step: docs/protocols.md, "The
+nccl backend"; the measurements behind the mode rule: docs/performance.md, "Why the defaults".
 """
 
 from __future__ import annotations
@@ -107,9 +42,9 @@ def sync_free_mode(cfg) -> str:
     """The sync-free mode of an nccl buffer of configuration ``cfg``: ``cfg.nccl_sync_free`` (TRITONEP_NCCL_SYNC_FREE
     as read by :func:`tritonep.ep.config.build_config`, agreed by every rank) or, unset, the measured rule: ``onehop``
     for a decode-sized buffer (``max_tokens_per_rank <= ONEHOP_MAX_TOKENS``, bf16 wire and dtype, ``world_size <=
-    63``), else ``gather`` (module docstring: at 128 tokens one-hop 83 us vs gather 151 us, the pipeline 68, session
-    10; one-hop 64.7 vs the pipeline 89.9 on a slower host, session 11; at 4096 tokens gather 432 us vs one-hop 1543, whose send scans are quadratic in T). A rule of the agreed
-    config only: every rank picks the same mode.
+    63``), else ``gather`` (one H200: at 128 tokens one-hop 83 us vs gather 151; at 4096 tokens gather 432 us vs
+    one-hop 1543, whose send scans are quadratic in T). A rule of the agreed config only: every rank picks the same
+    mode.
 
     Raises:
         WireError: ``onehop`` asked for with a quantized dispatch wire (one-hop moves bf16 rows only).

@@ -2,8 +2,8 @@
 
 A synced eager dispatch must know (status, rows received) on the host before it returns. The copy path costs a
 device-to-host copy, an event record and an event synchronize (19.5 us on an idle H200 host, measured with
-``benchmarks/launch_probe.py``) and waits for the whole launch. Here the launch that decides the verdict stores the
-words and then this call's ``ticket`` into a pinned tensor (:func:`tritonep.kernels.signal.publish_host_status`) as
+``benchmarks/probes/launch_probe.py``) and waits for the whole launch. Here the launch that decides the verdict stores
+the words and then this call's ``ticket`` into a pinned tensor (:func:`tritonep.kernels.signal.publish_host_status`) as
 soon as the verdict is known, and the host spins on a NumPy view of it (a plain memory load per poll): program 0 of
 the one-launch decode dispatch (:func:`tritonep.kernels.decode_dispatch.dispatch_decode_kernel`, ``HOST_ST``), or
 the last program of the two-kernel / fused dispatch's counts exchange (:func:`tritonep.kernels.layout.

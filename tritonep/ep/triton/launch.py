@@ -1,10 +1,10 @@
 """Kernel launches for multi-rank protocols: no host collective inside a call, variants compiled at construction.
 
-The host protocol rule (docs/protocols.md (host protocol rule)): every rank runs the same sequence of host collectives and signalling kernel
-launches for a call, whatever its data. A launcher that compiled a variant lazily and then barriered (the design
-before 2026-11-30) broke it: a variant first seen by one rank (a data-dependent constexpr, or a kernel launched only
-when a rank held some expert) put a host barrier on that rank alone, while a kernel on the other rank waited for a
-signal -> deadlock on the H200. Now:
+The host protocol rule (docs/protocols.md, "Host protocol rule"): every rank runs the same sequence of host
+collectives and signalling kernel launches for a call, whatever its data. A launcher that compiled a variant lazily
+and then barriered would break it: a variant first seen by one rank (a data-dependent constexpr, or a kernel
+launched only when a rank holds some expert) puts a host barrier on that rank alone, while a kernel on the other
+rank waits for a signal (a deadlock, seen on the H200). So:
 
 * :meth:`Launcher.__call__` only launches (no barrier, no sync, no per-launch key building). A variant that was not
   compiled before compiles on first use on that rank alone, which is harmless: waits are bounded by

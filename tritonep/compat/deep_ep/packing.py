@@ -131,7 +131,7 @@ def split_weights(w: torch.Tensor) -> torch.Tensor:
     """float32 ``[N, K]`` -> bf16 ``[N, 3K]``: three numbers (hi | mid | lo) whose float32 sum is ``w`` exactly.
 
     ``hi`` = w with its low 16 bits cleared (a bf16 value), ``mid`` the same of ``w - hi``, ``lo`` the rest (at most 8
-    significant bits: a bf16 value). Exact for finite |w| >= 2^-110 and 0; a non-finite weight comes back as NaN.
+    significant bits: a bf16 value). Exact for finite |w| >= 2^-110 and 0; +-inf and NaN come back as themselves.
     """
     hi = (w.view(torch.int32) & _HI).view(torch.float32)
     r = torch.where(torch.isfinite(w), w - hi, 0.0)

@@ -1,0 +1,112 @@
+"""The compat Buffer's torch ops against plain loops, and the fact they build on: rows travel as bits.
+
+- every 16-bit pattern (NaN payloads, infinities, subnormals, -0) crosses a compat dispatch unchanged, both backends:
+  the premise of handing caller-quantized rows and top-k metadata on in bf16 rows;
+- the layout (ids -1 and out of range select nothing, repeated ids count twice);
+- top-k metadata packing and the local-id table (never wraps an id onto an expert);
+- quantized rows (strided float scales, int32 scales) packed and unpacked bit for bit;
+- the weight split: three bf16 numbers that add up to the float32 weight exactly;
+- the low-latency slot map and the UE8M0 packing.
+"""
+
+import torch
+
+from tests.compat.deepep_reference import layout_ref
+from tritonep.compat.deep_ep.low_latency import expert_slots, ue8m0_pack
+from tritonep.compat.deep_ep.packing import (layout_torch, local_id_table, merge_weights, meta_width, pack_meta,
+                                             pack_quantized, split_weights, unpack_meta, unpack_quantized)
+from tritonep.testing import run_cpu_world
+
+
+def _all_patterns(group, backend):
+    import tritonep.compat.deep_ep as deep_ep
+
+    rank, W = group.rank(), group.size()
+    T, H = 32, 1024  # 2 ranks x 32 rows x 1024 = every 16-bit pattern once
+    bits = (torch.arange(T * H, dtype=torch.int32) + rank * T * H).to(torch.int16).view(T, H)
+    buf = deep_ep.Buffer(group, 0, 0, backend=backend)
+    itr = torch.ones(T, W, dtype=torch.bool)
+    rx, *_ = buf.dispatch(bits.view(torch.bfloat16), num_tokens_per_rank=itr.sum(0, dtype=torch.int32),
+                          is_token_in_rank=itr, num_tokens_per_expert=torch.zeros(W, dtype=torch.int32))
+    buf.destroy()
+    expect = torch.cat([(torch.arange(T * H, dtype=torch.int32) + s * T * H).to(torch.int16).view(T, H)
+                        for s in range(W)])
+    return torch.equal(rx.view(torch.int16), expect)
+
+
+def test_every_bf16_bit_pattern_crosses_unchanged():
+    assert run_cpu_world(2, _all_patterns, "triton") == [True, True]
+    assert run_cpu_world(2, _all_patterns, "nccl") == [True, True]
+
+
+def test_layout_matches_loops():
+    gen = torch.Generator().manual_seed(0)
+    for W, E, T, K in ((2, 4, 9, 2), (3, 12, 17, 4), (4, 4, 5, 3), (1, 3, 4, 2), (2, 8, 0, 3)):
+        idx = torch.randint(-2, E + 2, (T, K), generator=gen)  # -1, -2 and ids >= E select nothing
+        if T:
+            idx[0, :2] = 0  # a repeated id counts twice per expert, once per rank
+        got = layout_torch(idx, E, W)
+        ref = layout_ref(idx, E, W)
+        for g, r in zip(got, ref):
+            assert g.dtype == r.dtype and torch.equal(g, r)
+
+
+def test_meta_round_trip_and_local_ids():
+    gen = torch.Generator().manual_seed(1)
+    E, W, K = 12, 3, 4
+    L = E // W
+    idx = torch.randint(-1, E, (7, K), generator=gen)
+    idx[0, 0], idx[1, 1] = E + 5, -7  # outside [-1, E): read as -1, never wrapped onto an expert
+    w = torch.rand(7, K, generator=gen)
+    rows = pack_meta(idx, w)
+    assert rows.shape == (7, meta_width(K)) and rows.dtype == torch.bfloat16
+    for rank in range(W):
+        table = local_id_table(rank, L, E, torch.int64, "cpu")
+        local, weights, hist = unpack_meta(rows, K, table, E, L)
+        for t in range(7):
+            for k in range(K):
+                g = int(idx[t, k])
+                exp = g - rank * L if rank * L <= g < (rank + 1) * L else -1
+                assert int(local[t, k]) == exp
+                assert float(weights[t, k]) == (float(w[t, k]) if exp >= 0 else 0.0)
+        assert hist.tolist() == [int((local == j - 1).sum()) for j in range(L + 1)]
+
+
+def test_quantized_rows_round_trip_bit_exact():
+    gen = torch.Generator().manual_seed(2)
+    T, H = 5, 256
+    q = torch.randint(0, 256, (T, H), generator=gen, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    for scales in (torch.rand(H // 128, T, generator=gen).T,  # column-major float scales
+                   torch.randint(-2**31, 2**31 - 1, (T, 2), generator=gen, dtype=torch.int64).to(torch.int32)):
+        rows = pack_quantized(q, scales)
+        assert rows.shape == (T, H) and rows.dtype == torch.bfloat16
+        rq, rs = unpack_quantized(rows, q.dtype, scales.dtype, scales.shape[1])
+        assert torch.equal(rq.view(torch.uint8), q.view(torch.uint8)) and torch.equal(rs, scales.contiguous())
+        assert rq.is_contiguous() and rs.is_contiguous()
+
+
+def test_weight_split_sums_exactly():
+    gen = torch.Generator().manual_seed(3)
+    w = torch.cat([torch.randn(64, 3, generator=gen) * 10.0 ** torch.randint(-30, 30, (64, 3), generator=gen),
+                   torch.tensor([[0.0, -0.0, 1.0], [2.0 ** -100, -3.0e38, 1 / 3]])])
+    parts = split_weights(w)
+    assert parts.dtype == torch.bfloat16 and parts.shape == (66, 9)
+    assert torch.equal(merge_weights(parts, 3), w)
+    # a combine sums each column over the ranks in fp32 and rounds to bf16: with one non-zero contributor per slot
+    # (zeros elsewhere) the weight comes back exactly
+    summed = (parts.float() + torch.zeros_like(parts).float()).bfloat16()
+    assert torch.equal(merge_weights(summed, 3), w)
+    odd = torch.tensor([[float("inf"), -float("inf"), float("nan")]])
+    assert torch.equal(merge_weights(split_weights(odd), 3)[:, :2], odd[:, :2])
+    assert torch.isnan(merge_weights(split_weights(odd), 3)[0, 2])
+
+
+def test_expert_slots_and_ue8m0():
+    offs = torch.tensor([3, 3, 7], dtype=torch.int32)  # segments [0,3) [3,3) [3,7), rows 7.. past the end
+    ntpe = torch.tensor([3, 0, 4], dtype=torch.int32)
+    seg, pos = expert_slots(offs, ntpe, 9, slots=3)  # expert 2 has 4 rows but 3 slots: its 4th goes nowhere
+    assert seg.tolist() == [0, 0, 0, 2, 2, 2, 3, 3, 3] and pos.tolist() == [0, 1, 2, 0, 1, 2, 0, 0, 0]
+    s = torch.tensor([[2.0 ** -3, 1.0, 2.0 ** 5, 2.0 ** -126]])
+    packed = ue8m0_pack(s)
+    assert packed.dtype == torch.int32 and packed.shape == (1, 1)
+    assert packed.view(torch.uint8).tolist() == [[124, 127, 132, 1]]

@@ -3,9 +3,9 @@
 - every 16-bit pattern (NaN payloads, infinities, subnormals, -0) crosses a compat dispatch unchanged, both backends:
   the premise of handing caller-quantized rows and top-k metadata on in bf16 rows;
 - the layout (ids -1 and out of range select nothing, repeated ids count twice);
-- top-k metadata packing and the local-id table (never wraps an id onto an expert);
+- the per-rank slots, the meta lane's K slots per rank, top-k id packing and the local-id table (never wraps an id
+  onto an expert);
 - quantized rows (strided float scales, int32 scales) packed and unpacked bit for bit;
-- the weight split: three bf16 numbers that add up to the float32 weight exactly;
 - the low-latency slot map and the UE8M0 packing.
 """
 
@@ -13,8 +13,8 @@ import torch
 
 from tests.compat.deepep_reference import layout_ref
 from tritonep.compat.deep_ep.low_latency import expert_slots, ue8m0_pack
-from tritonep.compat.deep_ep.packing import (layout_torch, local_id_table, merge_weights, meta_width, pack_meta,
-                                             pack_quantized, split_weights, unpack_meta, unpack_quantized)
+from tritonep.compat.deep_ep.packing import (layout_torch, local_id_table, meta_slots, meta_width, pack_meta,
+                                             pack_quantized, rank_slots, unpack_meta, unpack_quantized)
 from tritonep.testing import run_cpu_world
 
 
@@ -58,17 +58,25 @@ def test_meta_round_trip_and_local_ids():
     idx = torch.randint(-1, E, (7, K), generator=gen)
     idx[0, 0], idx[1, 1] = E + 5, -7  # outside [-1, E): read as -1, never wrapped onto an expert
     w = torch.rand(7, K, generator=gen)
-    rows = pack_meta(idx, w)
+    rows = pack_meta(idx)
     assert rows.shape == (7, meta_width(K)) and rows.dtype == torch.bfloat16
+    in_rank = torch.rand(7, W, generator=gen) < 0.6
+    slots = rank_slots(in_rank, torch.arange(W, dtype=torch.int32))
+    assert slots.tolist() == [[r if in_rank[t, r] else -1 for r in range(W)] for t in range(7)]
+    ms = meta_slots(slots, K)
+    assert ms.tolist() == [[r if in_rank[t, r] else -1 for r in range(W) for _ in range(K)] for t in range(7)]
     for rank in range(W):
         table = local_id_table(rank, L, E, torch.int64, "cpu")
-        local, weights, hist = unpack_meta(rows, K, table, E, L)
-        for t in range(7):
+        # what the meta lane hands this rank: K rows per received token (each a copy of the token's row) and the
+        # route weights, slot by slot
+        got = in_rank[:, rank]
+        local, weights, hist = unpack_meta(rows[got].repeat_interleave(K, 0), w[got].reshape(-1), K, table, E, L)
+        for i, t in enumerate(torch.nonzero(got)[:, 0].tolist()):
             for k in range(K):
                 g = int(idx[t, k])
                 exp = g - rank * L if rank * L <= g < (rank + 1) * L else -1
-                assert int(local[t, k]) == exp
-                assert float(weights[t, k]) == (float(w[t, k]) if exp >= 0 else 0.0)
+                assert int(local[i, k]) == exp
+                assert float(weights[i, k]) == (float(w[t, k]) if exp >= 0 else 0.0)
         assert hist.tolist() == [int((local == j - 1).sum()) for j in range(L + 1)]
 
 
@@ -83,22 +91,6 @@ def test_quantized_rows_round_trip_bit_exact():
         rq, rs = unpack_quantized(rows, q.dtype, scales.dtype, scales.shape[1])
         assert torch.equal(rq.view(torch.uint8), q.view(torch.uint8)) and torch.equal(rs, scales.contiguous())
         assert rq.is_contiguous() and rs.is_contiguous()
-
-
-def test_weight_split_sums_exactly():
-    gen = torch.Generator().manual_seed(3)
-    w = torch.cat([torch.randn(64, 3, generator=gen) * 10.0 ** torch.randint(-30, 30, (64, 3), generator=gen),
-                   torch.tensor([[0.0, -0.0, 1.0], [2.0 ** -100, -3.0e38, 1 / 3]])])
-    parts = split_weights(w)
-    assert parts.dtype == torch.bfloat16 and parts.shape == (66, 9)
-    assert torch.equal(merge_weights(parts, 3), w)
-    # a combine sums each column over the ranks in fp32 and rounds to bf16: with one non-zero contributor per slot
-    # (zeros elsewhere) the weight comes back exactly
-    summed = (parts.float() + torch.zeros_like(parts).float()).bfloat16()
-    assert torch.equal(merge_weights(summed, 3), w)
-    odd = torch.tensor([[float("inf"), -float("inf"), float("nan")]])
-    assert torch.equal(merge_weights(split_weights(odd), 3)[:, :2], odd[:, :2])
-    assert torch.isnan(merge_weights(split_weights(odd), 3)[0, 2])
 
 
 def test_expert_slots_and_ue8m0():

@@ -253,8 +253,8 @@ class Buffer:
             x: ``[R, H]`` bfloat16, one row per row the dispatch returned (``num_worst_tokens`` rows after such a
                 dispatch).
             handle: the dispatch's handle.
-            topk_weights: ``[R, K]`` float32 or None: summed over the ranks the same way (exactly when one rank gives a
-                token's slot a non-zero value, as DeepEP's dispatch output does; to bf16 precision otherwise).
+            topk_weights: ``[R, K]`` float32 or None: each slot summed over the ranks that received the token, in
+                float32 (DeepEP's reduction; megatron passes its probability gradients here).
             bias: a ``[T, H]`` bfloat16 tensor or a tuple of two, added to the result (in fp32, after the sum's
                 bf16 rounding).
             config / previous_event / async_finish / allocate_on_comm_stream: as :meth:`dispatch`.

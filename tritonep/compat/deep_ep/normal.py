@@ -6,8 +6,10 @@ The composition (docs/deep_ep.md, "How it is built"): the rows travel in an EPBu
 (token, receiving rank), ordered by (source rank, source token), the caller's own tensor when ``x`` is bf16 (no
 copy); its combine is DeepEP's combine: the unweighted sum over the receiving ranks (fp32, ranks in order, one bf16
 rounding). The top-k ids and weights travel in a second, narrow EPBuffer with the same routing (the "meta lane"),
-so the rows lane never copies ``x``: measured against the alternative of widening every row by the meta columns in
-docs/deep_ep.md.
+so the rows lane never copies ``x`` (the alternative, widening every row by the meta columns, costs a copy of the rows on
+both sides of both calls: docs/deep_ep.md). Its routing has K slots per rank, so each received token arrives there
+as K rows; the route weights are the top-k weights, which EPBuffer moves as float32 both ways (dispatch, and back
+unsummed through ``dispatch_backward`` for DeepEP's combine of ``topk_weights``).
 
 Every call runs on the caller's current stream; an ``async_finish`` call returns an event recorded after its work.
 """
@@ -18,8 +20,8 @@ import torch
 
 from ...errors import CapacityError, InputError, PeerInputError, TritonEPError
 from .handles import NormalHandle
-from .packing import (layout_torch, local_id_table, merge_weights, meta_width, pack_meta, pack_quantized,
-                      rank_slots, split_weights, unpack_meta, unpack_quantized)
+from .packing import (layout_torch, local_id_table, meta_slots, meta_width, pack_meta, pack_quantized, rank_slots,
+                      unpack_meta, unpack_quantized)
 
 __all__ = ["NormalMode"]
 
@@ -53,6 +55,7 @@ class NormalMode:
         self._ranks = {}   # device -> int32 arange(W)
         self._ones = {}    # device -> float32 ones [n, W] (grown on demand)
         self._tables = {}  # (E, dtype, device) -> local id table
+        self._zeros = {}   # (rows, width, device) -> bf16 zeros: the meta lane's rows in a weights-only backward
         self._last_x_key = None
 
     # ------------------------------------------------------------------------------------------------- helpers
@@ -69,6 +72,13 @@ class NormalMode:
                                                 dtype=torch.float32, device=device)
         return t[:n]
 
+    def _zero_rows(self, n: int, width: int, device):
+        key = (n, width, device)
+        t = self._zeros.get(key)
+        if t is None:
+            t = self._zeros[key] = torch.zeros(n, width, dtype=torch.bfloat16, device=device)
+        return t
+
     def _table(self, E: int, dtype, device):
         key = (E, dtype, device)
         t = self._tables.get(key)
@@ -82,9 +92,10 @@ class NormalMode:
         return self.lanes.get(key, T, num_experts=self.W, hidden=width, topk=self.W, max_recv_tokens=mrt)
 
     def _meta_lane(self, K: int, worst: int, T: int):
-        key = ("meta", meta_width(K), worst)
-        mrt = worst if worst else (lambda tcap: self.W * tcap)
-        return self.lanes.get(key, T, num_experts=self.W, hidden=meta_width(K), topk=self.W, max_recv_tokens=mrt)
+        key = ("meta", K, worst)
+        mrt = worst * K if worst else (lambda tcap: self.W * tcap * K)
+        return self.lanes.get(key, T, num_experts=self.W, hidden=meta_width(K), topk=self.W * K,
+                              max_recv_tokens=mrt)
 
     def _send(self, key, payload, slots, T: int, sync_free: bool, device):
         """One rows-lane dispatch, growing the shared capacity when a synced call was refused for it."""
@@ -191,11 +202,11 @@ class NormalMode:
         meta_lane = meta_handle = recv_idx = recv_w = None
         if K:
             meta_lane = self._meta_lane(K, worst, T)
-            mout = meta_lane.dispatch(pack_meta(topk_idx, topk_weights), slots, self._ones_rows(T, dev),
+            mout = meta_lane.dispatch(pack_meta(topk_idx), meta_slots(slots, K), topk_weights.repeat(1, self.W),
                                       sync_free=True)
             meta_handle = mout.handle
             table = self._table(E, topk_idx.dtype, dev)
-            recv_idx, recv_w, hist = unpack_meta(mout.x[:R], K, table, E, E // self.W)
+            recv_idx, recv_w, hist = unpack_meta(mout.x[:R * K], mout.weights[:R * K], K, table, E, E // self.W)
             if worst:  # rows past the received ones: -1, weight 0 (their lane rows are unspecified)
                 live = torch.arange(R, device=dev) < out.expert_offsets[-1]
                 recv_idx = torch.where(live[:, None], recv_idx, -1)
@@ -264,17 +275,18 @@ class NormalMode:
         if tuple(x.shape) != (h.num_rows, h.x_lane.hidden):
             raise InputError(f"combine: x must be [{h.num_rows}, {h.x_lane.hidden}] (the dispatch's rows), got "
                              f"{tuple(x.shape)}")
-        parts = None
+        wback = None
         if topk_weights is not None:
             _tensor(topk_weights, "topk_weights", 2, (torch.float32,))
-            K = topk_weights.shape[1]
-            if h.meta_lane is None or 3 * K > h.meta_lane.hidden or topk_weights.shape[0] != h.num_rows:
+            K = h.topk
+            if h.meta_lane is None or tuple(topk_weights.shape) != (h.num_rows, K):
                 raise InputError(f"combine(topk_weights {tuple(topk_weights.shape)}) needs a dispatch that carried "
-                                 f"top-k (K >= {K}) and one weight row per received row ({h.num_rows})")
-            # the meta lane's handle is sync-free: its combine reads rows up to the lane's receive capacity
-            parts = torch.zeros(h.meta_lane.max_recv_tokens, h.meta_lane.hidden, dtype=torch.bfloat16,
-                                device=x.device)
-            parts[:h.num_rows, :3 * K] = split_weights(topk_weights)
+                                 f"top-k and one weight row per received row: [{h.num_rows}, {K}]")
+            # the weights go back unsummed on the meta lane's routes (one per (token, rank, slot)), the meta lane's
+            # handle is sync-free: its backward reads rows up to the lane's receive capacity
+            n = h.meta_lane.max_recv_tokens
+            wback = torch.zeros(n, dtype=torch.float32, device=x.device)
+            wback[:h.num_rows * K] = topk_weights.reshape(-1)
         biases = ()
         if bias is not None:
             biases = [b for b in (bias if isinstance(bias, tuple) else (bias,)) if b is not None]
@@ -286,8 +298,10 @@ class NormalMode:
                     raise InputError(f"bias must be [{h.num_tokens}, {x.shape[1]}], got {tuple(b.shape)}")
         y = h.x_lane.combine(x, h.x_handle)
         w = None
-        if parts is not None:
-            w = merge_weights(h.meta_lane.combine(parts, h.meta_handle), K)
+        if wback is not None:
+            rows = self._zero_rows(n, h.meta_lane.hidden, x.device)
+            _, per_slot = h.meta_lane.dispatch_backward(rows, wback, h.meta_handle)  # [T, W*K], exact
+            w = per_slot.view(h.num_tokens, self.W, K).sum(1)  # DeepEP: the ranks' values summed in float32
         if biases:  # DeepEP adds the biases to the fp32 sum before its one rounding; here after it (one more)
             yf = y.float()
             for b in biases:

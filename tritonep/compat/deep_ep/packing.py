@@ -7,13 +7,12 @@ compat Buffer uses that to carry what DeepEP carries besides bf16 rows:
 * a caller-quantized dispatch ``(x_fp8, scales)``: the row's bytes (``H`` one-byte elements, then the scales' bytes,
   any 4-byte dtype) packed into a ``[T, H]`` bf16 row (:func:`pack_quantized`; ``H`` bf16 = ``2H`` bytes hold
   ``H + 4S``) and taken apart on the receiver (:func:`unpack_quantized`): the caller's bits, unchanged;
-* the top-k ids and weights of every row (:func:`pack_meta` / :func:`unpack_meta`): int32 ids and float32 weights as
-  bf16 pairs, in a second, narrow lane.
-
-The combine direction adds rows (fp32 sums, one bf16 rounding), so bits cannot travel there; the reduced
-``topk_weights`` of DeepEP's combine travel as three bf16 numbers per weight whose sum is the weight exactly
-(:func:`split_weights` / :func:`merge_weights`): a weight that comes from one rank only (the case of every DeepEP
-caller: a rank's received weights are zero off its experts) is summed exactly.
+* the top-k ids of every row (:func:`pack_meta` / :func:`unpack_meta`): int32 ids as bf16 pairs, in a second, narrow
+  lane whose routing has K slots per rank (:func:`meta_slots`), so that each received token arrives as K rows there,
+  one per top-k slot. The weights ride that lane's per-route weight, which EPBuffer moves as float32 both ways: to
+  the receiver in the dispatch (``Dispatched.weights``) and, for DeepEP's combine of ``topk_weights``, back to the
+  source unsummed through :meth:`tritonep.EPBuffer.dispatch_backward` (``grad_topk_weights[t, k] = w[row(t, k)]``),
+  where the K-slot groups of the ranks are summed in float32: DeepEP's reduction, exact to float32.
 
 Idea: DeepEP's intranode layout and row order (``csrc/kernels/layout.cu``, ``intranode.cu`` of its V1 API), written
 anew on tritonep's EPBuffer.
@@ -23,10 +22,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["layout_torch", "rank_slots", "meta_width", "pack_meta", "unpack_meta", "local_id_table",
-           "pack_quantized", "unpack_quantized", "split_weights", "merge_weights"]
-
-_HI = -65536  # int32 mask keeping a float32's top 16 bits: its bf16 truncation
+__all__ = ["layout_torch", "rank_slots", "meta_slots", "meta_width", "pack_meta", "unpack_meta", "local_id_table",
+           "pack_quantized", "unpack_quantized"]
 
 
 def layout_torch(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
@@ -64,22 +61,25 @@ def rank_slots(is_token_in_rank: torch.Tensor, ranks: torch.Tensor) -> torch.Ten
     return torch.where(is_token_in_rank, ranks, -1)
 
 
+def meta_slots(slots: torch.Tensor, topk: int) -> torch.Tensor:
+    """The meta lane's routing: ``[T, W*K]`` int32, slot ``r*K + k`` = r where token t goes to rank r, else -1. Each
+    received token then arrives as K consecutive rows (slot k = 0..K-1) in the meta lane's (source rank, source
+    token, slot) order, aligned with the rows lane's rows."""
+    return slots.repeat_interleave(topk, dim=1)
+
+
 def meta_width(topk: int) -> int:
-    """bf16 elements of a meta row: ``2K`` (int32 ids) + ``2K`` (float32 weights), rounded up to a multiple of 8
-    (16-byte rows)."""
-    return (4 * topk + 7) // 8 * 8
+    """bf16 elements of a meta row: ``2K`` (the token's K int32 ids), rounded up to a multiple of 8 (16-byte rows)."""
+    return (2 * topk + 7) // 8 * 8
 
 
-def pack_meta(topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-    """``[T, meta_width(K)]`` bf16 rows holding each token's int32 ids, then its float32 weights (bit patterns).
-
-    Ids are narrowed to int32 (DeepEP's ids fit: experts < 2^31)."""
+def pack_meta(topk_idx: torch.Tensor) -> torch.Tensor:
+    """``[T, meta_width(K)]`` bf16 rows holding each token's ids as int32 bit patterns (DeepEP's ids fit: experts <
+    2^31)."""
     T, K = topk_idx.shape
-    parts = [topk_idx.to(torch.int32).view(torch.bfloat16), topk_weights.to(torch.float32).view(torch.bfloat16)]
-    pad = meta_width(K) - 4 * K
-    if pad:
-        parts.append(torch.zeros(T, pad, dtype=torch.bfloat16, device=topk_idx.device))
-    return torch.cat(parts, 1)
+    ids = topk_idx.to(torch.int32).view(torch.bfloat16)
+    pad = meta_width(K) - 2 * K
+    return torch.cat([ids, ids.new_zeros(T, pad)], 1) if pad else ids
 
 
 def local_id_table(rank: int, num_local_experts: int, num_experts: int, dtype, device) -> torch.Tensor:
@@ -91,19 +91,21 @@ def local_id_table(rank: int, num_local_experts: int, num_experts: int, dtype, d
     return t.to(device)
 
 
-def unpack_meta(rows: torch.Tensor, topk: int, table: torch.Tensor, num_experts: int, num_local_experts: int):
-    """Received meta rows -> ``(recv_topk_idx [R, K] table.dtype, recv_topk_weights [R, K] float32, hist [L + 1])``.
+def unpack_meta(rows: torch.Tensor, weights: torch.Tensor, topk: int, table: torch.Tensor, num_experts: int,
+                num_local_experts: int):
+    """The meta lane's received rows ``[R*K, meta_width]`` and route weights ``[R*K]`` ->
+    ``(recv_topk_idx [R, K] table.dtype, recv_topk_weights [R, K] float32, hist [L + 1])``.
 
     ``recv_topk_idx``: local expert ids, -1 where the expert lives elsewhere (or the id was -1 / outside
     ``[-1, E)``); ``recv_topk_weights``: the weight, 0 where the id is -1 (DeepEP's rule); ``hist[0]``: slots with
     -1, ``hist[1 + j]``: slots with local expert j (DeepEP's per-expert receive count, before alignment)."""
     K = topk
-    ids = rows[:, :2 * K].view(torch.int32).clamp(-1, num_experts)  # an id outside [-1, E) reads the -1 entry
-    local = table[ids]
-    w = rows[:, 2 * K:4 * K].view(torch.float32)
-    weights = torch.where(local >= 0, w, 0.0)
+    R = rows.shape[0] // K
+    ids = rows.view(R, K, rows.shape[1])[:, 0, :2 * K].view(torch.int32).clamp(-1, num_experts)
+    local = table[ids]  # an id outside [-1, E) reads the last entry: -1
+    w = torch.where(local >= 0, weights.view(R, K), 0.0)
     hist = torch.bincount((local + 1).reshape(-1), minlength=num_local_experts + 1)
-    return local, weights, hist
+    return local, w, hist
 
 
 def pack_quantized(xq: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -125,22 +127,3 @@ def unpack_quantized(rows: torch.Tensor, x_dtype: torch.dtype, scale_dtype: torc
     xq = b[:, :H].contiguous().view(x_dtype)
     scales = b[:, H:H + 4 * num_scales].contiguous().view(scale_dtype)
     return xq, scales
-
-
-def split_weights(w: torch.Tensor) -> torch.Tensor:
-    """float32 ``[N, K]`` -> bf16 ``[N, 3K]``: three numbers (hi | mid | lo) whose float32 sum is ``w`` exactly.
-
-    ``hi`` = w with its low 16 bits cleared (a bf16 value), ``mid`` the same of ``w - hi``, ``lo`` the rest (at most 8
-    significant bits: a bf16 value). Exact for finite |w| >= 2^-110 and 0; +-inf and NaN come back as themselves.
-    """
-    hi = (w.view(torch.int32) & _HI).view(torch.float32)
-    r = torch.where(torch.isfinite(w), w - hi, 0.0)
-    mid = (r.view(torch.int32) & _HI).view(torch.float32)
-    return torch.cat([hi, mid, r - mid], 1).to(torch.bfloat16)
-
-
-def merge_weights(parts: torch.Tensor, topk: int) -> torch.Tensor:
-    """bf16 ``[N, >= 3K]`` (the hi | mid | lo columns first) -> float32 ``[N, K]`` = hi + mid + lo (in that order)."""
-    K = topk
-    p = parts[:, :3 * K].float()
-    return p[:, :K] + p[:, K:2 * K] + p[:, 2 * K:]

@@ -14,6 +14,15 @@ import torch
 import torch.distributed as dist
 
 
+def assert_close(got: torch.Tensor, ref: torch.Tensor, rtol: float, atol: float, what: str = ""):
+    """``|got - ref| <= atol + rtol * |ref|`` elementwise, no NaN (torch.testing.assert_close imports DTensor and
+    sympy on first use: seconds in every forked rank)."""
+    g, r = got.detach().cpu().double(), ref.detach().cpu().double()
+    assert g.shape == r.shape, (what, g.shape, r.shape)
+    bad = ~((g - r).abs() <= atol + rtol * r.abs())
+    assert not bool(bad.any()), (what, int(bad.sum()), float((g - r).abs().max()))
+
+
 def gather(group, obj):
     """Every rank's ``obj`` (CPU copies of tensors), in rank order."""
     out = [None] * dist.get_world_size(group)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.compat.deepep_reference import gather, ll_ref, routing
+from tests.compat.deepep_reference import assert_close, gather, ll_ref, routing
 
 H, L, K, M = 512, 2, 3, 12
 TOKENS = (9, 0, 12, 5, 7, 1, 11, 3)  # per rank, <= M: uneven, rank 1 has none
@@ -113,7 +113,7 @@ def ll_case(group, backend: str, seed: int):
                     e = int(idx_[t, k])
                     if e >= 0:
                         ref[t] += float(w_[t, k]) * expert_out(xr[t:t + 1], e).float()[0]
-            torch.testing.assert_close(y.cpu().float(), ref.bfloat16().float(), rtol=2 ** -7, atol=2 ** -7)
+            assert_close(y.cpu().float(), ref.bfloat16().float(), rtol=2 ** -7, atol=2 ** -7)
             assert not torch.isnan(y).any()
         held = []
     buf.clean_low_latency_buffer(M, H, E)

@@ -6,7 +6,7 @@ import torch
 
 from tests.compat.deepep_reference import assert_close, gather, ll_ref, routing
 
-H, L, K, M = 512, 2, 3, 12
+H, L, TOPK, M = 512, 2, 3, 12
 TOKENS = (9, 0, 12, 5, 7, 1, 11, 3)  # per rank, <= M: uneven, rank 1 has none
 
 
@@ -37,6 +37,7 @@ def ll_case(group, backend: str, seed: int):
 
     rank, W = group.rank(), group.size()
     dev, E = _dev(), L * W
+    K = min(TOPK, E)  # distinct experts per token (a world of one has two)
     buf = deep_ep.Buffer(group, 0, deep_ep.Buffer.get_low_latency_rdma_size_hint(M, H, W, E), low_latency_mode=True,
                          num_qps_per_rank=L, backend=backend)
     held = []

@@ -18,25 +18,27 @@ from tritonep.compat.deep_ep.packing import (layout_torch, local_id_table, meta_
 from tritonep.testing import run_cpu_world
 
 
-def _all_patterns(group, backend):
+def all_patterns(group, backend):
+    """Every 16-bit pattern through a compat dispatch (rows to every rank); True when every rank got them all."""
     import tritonep.compat.deep_ep as deep_ep
 
     rank, W = group.rank(), group.size()
-    T, H = 32, 1024  # 2 ranks x 32 rows x 1024 = every 16-bit pattern once
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    T, H = 65536 // (1024 * W), 1024  # W ranks x T rows x 1024 = every 16-bit pattern once
     bits = (torch.arange(T * H, dtype=torch.int32) + rank * T * H).to(torch.int16).view(T, H)
     buf = deep_ep.Buffer(group, 0, 0, backend=backend)
-    itr = torch.ones(T, W, dtype=torch.bool)
-    rx, *_ = buf.dispatch(bits.view(torch.bfloat16), num_tokens_per_rank=itr.sum(0, dtype=torch.int32),
-                          is_token_in_rank=itr, num_tokens_per_expert=torch.zeros(W, dtype=torch.int32))
+    itr = torch.ones(T, W, dtype=torch.bool, device=dev)
+    rx, *_ = buf.dispatch(bits.to(dev).view(torch.bfloat16), num_tokens_per_rank=itr.sum(0, dtype=torch.int32),
+                          is_token_in_rank=itr, num_tokens_per_expert=torch.zeros(W, dtype=torch.int32, device=dev))
     buf.destroy()
     expect = torch.cat([(torch.arange(T * H, dtype=torch.int32) + s * T * H).to(torch.int16).view(T, H)
                         for s in range(W)])
-    return torch.equal(rx.view(torch.int16), expect)
+    return torch.equal(rx.cpu().view(torch.int16), expect)
 
 
 def test_every_bf16_bit_pattern_crosses_unchanged():
-    assert run_cpu_world(2, _all_patterns, "triton") == [True, True]
-    assert run_cpu_world(2, _all_patterns, "nccl") == [True, True]
+    assert run_cpu_world(2, all_patterns, "triton") == [True, True]
+    assert run_cpu_world(2, all_patterns, "nccl") == [True, True]
 
 
 def test_layout_matches_loops():

@@ -2,9 +2,9 @@
 
 - every 16-bit pattern (NaN payloads, infinities, subnormals, -0) crosses a compat dispatch unchanged, both backends:
   the premise of handing caller-quantized rows and top-k metadata on in bf16 rows;
-- the layout (ids -1 and out of range select nothing, repeated ids count twice);
+- the layout (ids -1 and out of range select nothing, repeated ids count twice), twin and kernel;
 - the per-rank slots, the meta lane's K slots per rank, top-k id packing and the local-id table (never wraps an id
-  onto an expert);
+  onto an expert), the unpacking twin and kernel (received tokens only when the count lives on the device);
 - quantized rows (strided float scales, int32 scales) packed and unpacked bit for bit;
 - the low-latency slot map and the UE8M0 packing.
 """
@@ -12,6 +12,7 @@
 import torch
 
 from tests.compat.deepep_reference import layout_ref
+from tritonep.compat.deep_ep.kernels import meta as kernels
 from tritonep.compat.deep_ep.low_latency import expert_slots, ue8m0_pack
 from tritonep.compat.deep_ep.packing import (layout_torch, local_id_table, meta_slots, meta_width, pack_meta,
                                              pack_quantized, rank_slots, unpack_meta, unpack_quantized)
@@ -47,10 +48,11 @@ def test_layout_matches_loops():
         idx = torch.randint(-2, E + 2, (T, K), generator=gen)  # -1, -2 and ids >= E select nothing
         if T:
             idx[0, :2] = 0  # a repeated id counts twice per expert, once per rank
-        got = layout_torch(idx, E, W)
         ref = layout_ref(idx, E, W)
-        for g, r in zip(got, ref):
-            assert g.dtype == r.dtype and torch.equal(g, r)
+        for dt in (torch.int64, torch.int32):
+            for got in (layout_torch(idx.to(dt), E, W), kernels.layout(idx.to(dt), E, W)):
+                for g, r in zip(got, ref):
+                    assert g.dtype == r.dtype and torch.equal(g, r)
 
 
 def test_meta_round_trip_and_local_ids():
@@ -72,7 +74,20 @@ def test_meta_round_trip_and_local_ids():
         # what the meta lane hands this rank: K rows per received token (each a copy of the token's row) and the
         # route weights, slot by slot
         got = in_rank[:, rank]
-        local, weights, hist = unpack_meta(rows[got].repeat_interleave(K, 0), w[got].reshape(-1), K, table, E, L)
+        lane_rows, lane_w = rows[got].repeat_interleave(K, 0), w[got].reshape(-1)
+        local, weights, hist = unpack_meta(lane_rows, lane_w, K, table, E, L)
+        R = lane_rows.shape[0] // K
+        for dt in (torch.int64, torch.int32):  # the kernel, on the lane's rows with spare rows after the received
+            spare = torch.full((3 * K, lane_rows.shape[1]), 77, dtype=torch.int16).view(torch.bfloat16)
+            ki, kw, kh = kernels.unpack_meta(torch.cat([lane_rows, spare]), torch.cat([lane_w, torch.ones(3 * K)]),
+                                             R, K, rank, L, dt)
+            assert ki.dtype == dt and torch.equal(ki.long(), local) and torch.equal(kw, weights)
+            assert torch.equal(kh, hist.to(torch.int32))
+            live = torch.tensor(max(R - 2, 0), dtype=torch.int32)  # num_worst_tokens: the count on the device
+            ki, kw, kh = kernels.unpack_meta(lane_rows, lane_w, R, K, rank, L, dt, live=live)
+            n = int(live)
+            assert torch.equal(ki[:n].long(), local[:n]) and bool((ki[n:] == -1).all()) and not kw[n:].any()
+            assert torch.equal(kw[:n], weights[:n])
         for i, t in enumerate(torch.nonzero(got)[:, 0].tolist()):
             for k in range(K):
                 g = int(idx[t, k])

@@ -20,8 +20,7 @@ import torch
 
 from ...errors import CapacityError, InputError, PeerInputError, TritonEPError
 from .handles import NormalHandle
-from .packing import (layout_torch, local_id_table, meta_slots, meta_width, pack_meta, pack_quantized, rank_slots,
-                      unpack_meta, unpack_quantized)
+from .packing import meta_slots, meta_width, pack_meta, pack_quantized, rank_slots, unpack_quantized
 
 __all__ = ["NormalMode"]
 
@@ -54,7 +53,6 @@ class NormalMode:
         self.owner, self.lanes, self.rank, self.W = owner, lanes, rank, world_size
         self._ranks = {}   # device -> int32 arange(W)
         self._ones = {}    # device -> float32 ones [n, W] (grown on demand)
-        self._tables = {}  # (E, dtype, device) -> local id table
         self._zeros = {}   # (rows, width, device) -> bf16 zeros: the meta lane's rows in a weights-only backward
         self._last_x_key = None
 
@@ -77,13 +75,6 @@ class NormalMode:
         t = self._zeros.get(key)
         if t is None:
             t = self._zeros[key] = torch.zeros(n, width, dtype=torch.bfloat16, device=device)
-        return t
-
-    def _table(self, E: int, dtype, device):
-        key = (E, dtype, device)
-        t = self._tables.get(key)
-        if t is None:
-            t = self._tables[key] = local_id_table(self.rank, E // self.W, E, dtype, device)
         return t
 
     def _x_lane(self, key, T: int):
@@ -135,11 +126,14 @@ class NormalMode:
 
     # -------------------------------------------------------------------------------------------------- layout
     def layout(self, topk_idx, num_experts):
-        """``get_dispatch_layout`` (see :func:`tritonep.compat.deep_ep.packing.layout_torch`)."""
+        """``get_dispatch_layout``: one launch of :func:`tritonep.compat.deep_ep.kernels.meta.layout` (twin:
+        :func:`tritonep.compat.deep_ep.packing.layout_torch`)."""
+        from .kernels.meta import layout
+
         _tensor(topk_idx, "topk_idx", 2, _ID_DTYPES)
         if not isinstance(num_experts, int) or num_experts < 1 or num_experts % self.W:
             raise InputError(f"num_experts={num_experts!r} must be a positive multiple of the group size {self.W}")
-        return layout_torch(topk_idx, num_experts, self.W)
+        return layout(topk_idx if topk_idx.is_contiguous() else topk_idx.contiguous(), num_experts, self.W)
 
     # ------------------------------------------------------------------------------------------------ dispatch
     def dispatch(self, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
@@ -205,12 +199,11 @@ class NormalMode:
             mout = meta_lane.dispatch(pack_meta(topk_idx), meta_slots(slots, K), topk_weights.repeat(1, self.W),
                                       sync_free=True)
             meta_handle = mout.handle
-            table = self._table(E, topk_idx.dtype, dev)
-            recv_idx, recv_w, hist = unpack_meta(mout.x[:R * K], mout.weights[:R * K], K, table, E, E // self.W)
-            if worst:  # rows past the received ones: -1, weight 0 (their lane rows are unspecified)
-                live = torch.arange(R, device=dev) < out.expert_offsets[-1]
-                recv_idx = torch.where(live[:, None], recv_idx, -1)
-                recv_w = torch.where(live[:, None], recv_w, 0.0)
+            from .kernels.meta import unpack_meta
+
+            # worst: the tokens past the received ones (their lane rows are unspecified) get ids -1 and weight 0
+            recv_idx, recv_w, hist = unpack_meta(mout.x, mout.weights, R, K, self.rank, E // self.W, topk_idx.dtype,
+                                                 live=out.expert_offsets[-1] if worst else None)
         if worst:
             counts = []
         elif K:

@@ -14,5 +14,5 @@ python -m pip install -q --no-deps -e .
 # optional integration tested in CI (tests/integrations/test_torchtitan.py): torchtitan and its dependencies (~60 packages)
 python -m pip install -q "numpy<2.3" "torchtitan==0.3.0"
 # megatron-core's own DeepEP path on tritonep's DeepEP-compatible Buffer (tests/compat/test_megatron.py): the newest
-# release that installs on Python 3.11 (its wheel is cp311); pure Python apart from its dataset helpers, no CUDA
+# release that installs on Python 3.11 (its wheel is cp311); pure Python apart from its dataset index builder, no CUDA
 python -m pip install -q "numpy<2.3" "megatron-core==0.16.1"

@@ -25,6 +25,9 @@ def test_install_aliases_deep_ep(monkeypatch):
         assert deep_ep is compat and Buffer is compat.Buffer and Config is compat.Config
         assert EventOverlap is compat.EventOverlap and EventHandle is compat.EventHandle
         assert deep_ep.topk_idx_t is torch.int64 and compat.DEFAULTS["backend"] == "nccl"
+        import importlib.util
+
+        assert importlib.util.find_spec("deep_ep") is not None  # vLLM's has_deep_ep()
         with pytest.raises(ConfigError, match="no_such"):
             compat.install(no_such=1)
     finally:

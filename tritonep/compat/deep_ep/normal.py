@@ -56,7 +56,7 @@ class NormalMode:
         self._zeros = {}   # (rows, width, device) -> bf16 zeros: the meta lane's rows in a weights-only backward
         self._last_x_key = None
 
-    # ------------------------------------------------------------------------------------------------- helpers
+    # -------------------------------------------------------------------------------------------------- shared
     def _ranks_on(self, device):
         t = self._ranks.get(device)
         if t is None:

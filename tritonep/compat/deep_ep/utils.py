@@ -1,4 +1,4 @@
-"""``deep_ep.utils``: :class:`EventHandle` and :class:`EventOverlap`, DeepEP's stream-event helpers.
+"""``deep_ep.utils``: :class:`EventHandle` and :class:`EventOverlap`, DeepEP's stream-event wrappers.
 
 DeepEP's V1 ``EventHandle`` (C++) records a CUDA event on the current stream when constructed and makes the current
 stream wait for it in ``current_stream_wait()``; ``EventOverlap`` wraps one (or None) with the tensors an async call

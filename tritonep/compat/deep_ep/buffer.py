@@ -117,7 +117,9 @@ class Buffer:
 
     # ------------------------------------------------------------------------------------------------ lifetime
     def destroy(self) -> None:
-        """Release every EPBuffer (collective, as DeepEP's). Later calls raise BufferStateError."""
+        """Release every EPBuffer (collective, as DeepEP's). Later calls raise BufferStateError. A Buffer dropped
+        without it keeps its memory until the process ends (releasing is collective: never done from a
+        destructor, whatever ``explicitly_destroy`` says)."""
         self.lanes.close()
 
     def _open(self):
@@ -216,6 +218,8 @@ class Buffer:
             expert_alignment: the per-expert counts returned are rounded up to a multiple of it (rows are not).
             num_worst_tokens: when > 0: no host read (CUDA-graph capturable): ``num_worst_tokens`` rows returned,
                 the received ones first, the rest with ids -1 and weight 0; the count list is empty. Needs top-k.
+                A rank that receives more rows (or sends more tokens than the capacity) raises CapacityError at its
+                next synced call, as EPBuffer's ``sync_free`` calls do.
             config: ignored (DeepEP's chunk sizes). previous_event / async_finish / allocate_on_comm_stream: stream
                 ordering, as DeepEP (every call runs on the current stream).
 

@@ -104,7 +104,7 @@ def _refusals(group):
     with pytest.raises(InputError, match="zero_copy"):
         ll.low_latency_combine(recv, idx, torch.ones(2, 1), h, zero_copy=True)
     with pytest.raises(InputError, match="LowLatencyHandle"):
-        buf.low_latency_combine if False else ll.low_latency_combine(recv, idx, torch.ones(2, 1), (1, 2, 3, 4, 5))
+        ll.low_latency_combine(recv, idx, torch.ones(2, 1), (1, 2, 3, 4, 5))
     y, _, _ = ll.low_latency_combine(recv, idx, torch.full((2, 1), 0.5), h)
     assert torch.equal(y, (x.float() * 0.5).bfloat16())
     n, _, nte, itr, _ = buf.get_dispatch_layout(idx, 2)

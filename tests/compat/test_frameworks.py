@@ -229,7 +229,6 @@ def _sglang(group, mode: str, backend: str):
     ref = sum(topk_weights[:, k:k + 1] * _expert(xr, topk_ids[:, k:k + 1]) * (topk_ids[:, k:k + 1] >= 0)
               for k in range(K))
     assert_close(combined_x.float(), ref, rtol=2 ** -6, atol=2 ** -6)
-    del deep_ep
     return True
 
 

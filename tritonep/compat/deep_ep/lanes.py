@@ -15,7 +15,6 @@ Making or growing a lane is collective and allocates: it happens in an eager cal
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
 from ...errors import BufferStateError, ConfigError

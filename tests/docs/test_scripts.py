@@ -115,7 +115,8 @@ def test_one_benchmark_script_per_question_and_one_shape_table():
     torchtitan layer, the host path); probes of past questions in benchmarks/probes/; no benchmark retypes the
     DeepSeek-V3 shape (they take it from tritonep/bench/profiles.py)."""
     top = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py"))
-    assert top == ["eager_profile", "ep_bench", "moe_bench", "peer_bench", "planner_bench", "titan_bench"], top
+    assert top == ["deep_ep_compat", "eager_profile", "ep_bench", "moe_bench", "peer_bench", "planner_bench",
+                   "titan_bench"], top
     for f in (ROOT / "benchmarks").rglob("*.py"):
         assert "7168" not in f.read_text(), f"{f.relative_to(ROOT)} retypes the DeepSeek-V3 hidden size"
 
@@ -125,9 +126,9 @@ def test_setup_prints_a_line_before_each_step():
     (``setup [i/N, t s]: what``), and the last line names the next commands."""
     lines = [ln.strip() for ln in (ROOT / "scripts" / "setup.sh").read_text().splitlines()]
     steps = [i for i, ln in enumerate(lines) if ln.startswith("say ")]
-    assert [lines[i].split()[1] for i in steps] == ["1", "2", "3", "4"], steps
+    assert [lines[i].split()[1] for i in steps] == ["1", "2", "3", "4", "5"], steps
     say = next(ln for ln in lines if ln.startswith("say()"))
-    assert 'echo "setup [$1/4' in say, say
+    assert 'echo "setup [$1/5' in say, say
     installs = [i for i, ln in enumerate(lines) if "pip install" in ln and "--upgrade pip" not in ln]
     assert installs
     for i in installs:  # the nearest announcement before each install is a step of its own

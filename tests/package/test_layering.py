@@ -11,7 +11,7 @@ ROOT = pathlib.Path(tritonep.__file__).parent
 # package (or top-level module) -> layer; a module may import its own layer and any lower one
 LAYER = {"errors": 0, "envs": 0, "memory": 1, "wire": 2, "kernels": 2, "reference": 2, "reference_checks": 2,
          "reference_moe": 2, "ep": 3, "moe": 4, "balance": 4, "data": 4, "testing": 5, "bench": 5,
-         "integrations": 6, "cli": 6}
+         "integrations": 6, "compat": 6, "cli": 6}
 
 
 def _imported_packages(path: pathlib.Path, source: str):

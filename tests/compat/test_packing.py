@@ -1,0 +1,121 @@
+"""The compat Buffer's torch ops against plain loops, and the fact they build on: rows travel as bits.
+
+- every 16-bit pattern (NaN payloads, infinities, subnormals, -0) crosses a compat dispatch unchanged, both backends:
+  the premise of handing caller-quantized rows and top-k metadata on in bf16 rows;
+- the layout (ids -1 and out of range select nothing, repeated ids count twice), twin and kernel;
+- the per-rank slots, the meta lane's K slots per rank, top-k id packing and the local-id table (never wraps an id
+  onto an expert), the unpacking twin and kernel (received tokens only when the count lives on the device);
+- quantized rows (strided float scales, int32 scales) packed and unpacked bit for bit;
+- the low-latency slot map and the UE8M0 packing.
+"""
+
+import torch
+
+from tests.compat.deepep_reference import layout_ref
+from tritonep.compat.deep_ep.kernels import meta as kernels
+from tritonep.compat.deep_ep.low_latency import expert_slots, ue8m0_pack
+from tritonep.compat.deep_ep.packing import (layout_torch, local_id_table, meta_slots, meta_width, pack_meta,
+                                             pack_quantized, rank_slots, unpack_meta, unpack_quantized)
+from tritonep.testing import run_cpu_world
+
+
+def all_patterns(group, backend):
+    """Every 16-bit pattern through a compat dispatch (rows to every rank); True when every rank got them all."""
+    import tritonep.compat.deep_ep as deep_ep
+
+    rank, W = group.rank(), group.size()
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    T, H = 65536 // (1024 * W), 1024  # W ranks x T rows x 1024 = every 16-bit pattern once
+    bits = (torch.arange(T * H, dtype=torch.int32) + rank * T * H).to(torch.int16).view(T, H)
+    buf = deep_ep.Buffer(group, 0, 0, backend=backend)
+    itr = torch.ones(T, W, dtype=torch.bool, device=dev)
+    rx, *_ = buf.dispatch(bits.to(dev).view(torch.bfloat16), num_tokens_per_rank=itr.sum(0, dtype=torch.int32),
+                          is_token_in_rank=itr, num_tokens_per_expert=torch.zeros(W, dtype=torch.int32, device=dev))
+    buf.destroy()
+    expect = torch.cat([(torch.arange(T * H, dtype=torch.int32) + s * T * H).to(torch.int16).view(T, H)
+                        for s in range(W)])
+    return torch.equal(rx.cpu().view(torch.int16), expect)
+
+
+def test_every_bf16_bit_pattern_crosses_unchanged():
+    assert run_cpu_world(2, all_patterns, "triton") == [True, True]
+    assert run_cpu_world(2, all_patterns, "nccl") == [True, True]
+
+
+def test_layout_matches_loops():
+    gen = torch.Generator().manual_seed(0)
+    for W, E, T, K in ((2, 4, 9, 2), (3, 12, 17, 4), (4, 4, 5, 3), (1, 3, 4, 2), (2, 8, 0, 3)):
+        idx = torch.randint(-2, E + 2, (T, K), generator=gen)  # -1, -2 and ids >= E select nothing
+        if T:
+            idx[0, :2] = 0  # a repeated id counts twice per expert, once per rank
+        ref = layout_ref(idx, E, W)
+        for dt in (torch.int64, torch.int32):
+            for got in (layout_torch(idx.to(dt), E, W), kernels.layout(idx.to(dt), E, W)):
+                for g, r in zip(got, ref):
+                    assert g.dtype == r.dtype and torch.equal(g, r)
+
+
+def test_meta_round_trip_and_local_ids():
+    gen = torch.Generator().manual_seed(1)
+    E, W, K = 12, 3, 4
+    L = E // W
+    idx = torch.randint(-1, E, (7, K), generator=gen)
+    idx[0, 0], idx[1, 1] = E + 5, -7  # outside [-1, E): read as -1, never wrapped onto an expert
+    w = torch.rand(7, K, generator=gen)
+    rows = pack_meta(idx)
+    assert rows.shape == (7, meta_width(K)) and rows.dtype == torch.bfloat16
+    in_rank = torch.rand(7, W, generator=gen) < 0.6
+    slots = rank_slots(in_rank, torch.arange(W, dtype=torch.int32))
+    assert slots.tolist() == [[r if in_rank[t, r] else -1 for r in range(W)] for t in range(7)]
+    ms = meta_slots(slots, K)
+    assert ms.tolist() == [[r if in_rank[t, r] else -1 for r in range(W) for _ in range(K)] for t in range(7)]
+    for rank in range(W):
+        table = local_id_table(rank, L, E, torch.int64, "cpu")
+        # what the meta lane hands this rank: K rows per received token (each a copy of the token's row) and the
+        # route weights, slot by slot
+        got = in_rank[:, rank]
+        lane_rows, lane_w = rows[got].repeat_interleave(K, 0), w[got].reshape(-1)
+        local, weights, hist = unpack_meta(lane_rows, lane_w, K, table, E, L)
+        R = lane_rows.shape[0] // K
+        for dt in (torch.int64, torch.int32):  # the kernel, on the lane's rows with spare rows after the received
+            spare = torch.full((3 * K, lane_rows.shape[1]), 77, dtype=torch.int16).view(torch.bfloat16)
+            ki, kw, kh = kernels.unpack_meta(torch.cat([lane_rows, spare]), torch.cat([lane_w, torch.ones(3 * K)]),
+                                             R, K, rank, L, dt)
+            assert ki.dtype == dt and torch.equal(ki.long(), local) and torch.equal(kw, weights)
+            assert torch.equal(kh, hist.to(torch.int32))
+            live = torch.tensor(max(R - 2, 0), dtype=torch.int32)  # num_worst_tokens: the count on the device
+            ki, kw, kh = kernels.unpack_meta(lane_rows, lane_w, R, K, rank, L, dt, live=live)
+            n = int(live)
+            assert torch.equal(ki[:n].long(), local[:n]) and bool((ki[n:] == -1).all()) and not kw[n:].any()
+            assert torch.equal(kw[:n], weights[:n])
+        for i, t in enumerate(torch.nonzero(got)[:, 0].tolist()):
+            for k in range(K):
+                g = int(idx[t, k])
+                exp = g - rank * L if rank * L <= g < (rank + 1) * L else -1
+                assert int(local[i, k]) == exp
+                assert float(weights[i, k]) == (float(w[t, k]) if exp >= 0 else 0.0)
+        assert hist.tolist() == [int((local == j - 1).sum()) for j in range(L + 1)]
+
+
+def test_quantized_rows_round_trip_bit_exact():
+    gen = torch.Generator().manual_seed(2)
+    T, H = 5, 256
+    q = torch.randint(0, 256, (T, H), generator=gen, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    for scales in (torch.rand(H // 128, T, generator=gen).T,  # column-major float scales
+                   torch.randint(-2**31, 2**31 - 1, (T, 2), generator=gen, dtype=torch.int64).to(torch.int32)):
+        rows = pack_quantized(q, scales)
+        assert rows.shape == (T, H) and rows.dtype == torch.bfloat16
+        rq, rs = unpack_quantized(rows, q.dtype, scales.dtype, scales.shape[1])
+        assert torch.equal(rq.view(torch.uint8), q.view(torch.uint8)) and torch.equal(rs, scales.contiguous())
+        assert rq.is_contiguous() and rs.is_contiguous()
+
+
+def test_expert_slots_and_ue8m0():
+    offs = torch.tensor([3, 3, 7], dtype=torch.int32)  # segments [0,3) [3,3) [3,7), rows 7.. past the end
+    ntpe = torch.tensor([3, 0, 4], dtype=torch.int32)
+    seg, pos = expert_slots(offs, ntpe, 9, slots=3)  # expert 2 has 4 rows but 3 slots: its 4th goes nowhere
+    assert seg.tolist() == [0, 0, 0, 2, 2, 2, 3, 3, 3] and pos.tolist() == [0, 1, 2, 0, 1, 2, 0, 0, 0]
+    s = torch.tensor([[2.0 ** -3, 1.0, 2.0 ** 5, 2.0 ** -126]])
+    packed = ue8m0_pack(s)
+    assert packed.dtype == torch.int32 and packed.shape == (1, 1)
+    assert packed.view(torch.uint8).tolist() == [[124, 127, 132, 1]]

@@ -1,0 +1,83 @@
+"""The handles the compat Buffer returns: tuples shaped like DeepEP's, carrying tritonep's own state.
+
+DeepEP's V1 handles are plain tuples its ``combine`` / cached ``dispatch`` / ``low_latency_combine`` take back, and
+its own tests read a few of their fields. The handles here are tuples of the same length whose fields that exist in
+tritonep hold what DeepEP puts there (computed when first read), and which carry the state tritonep needs in
+attributes (a tuple subclass has an instance dictionary). A handle is valid only with the Buffer that made it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["NormalHandle", "LowLatencyHandle"]
+
+
+class NormalHandle(tuple):
+    """Handle of a normal-mode dispatch: a 6-tuple in DeepEP's intranode order.
+
+    Fields (index: DeepEP's name):
+        0 ``rank_prefix_matrix``: int32 ``[W, W]``, entry ``[i, j]`` = rows rank j receives from ranks ``0..i``
+          (computed from the exchange's counts when first read; device op).
+        1 ``channel_prefix_matrix``, 2 ``recv_channel_prefix_matrix``, 3 ``recv_src_idx``, 5 ``send_head``: None
+          (tritonep has no channels; the source of each row is implied by the row order).
+        4 ``is_token_in_rank``: bool ``[T, W]``, as passed to the dispatch.
+
+    Attributes (tritonep's): ``owner`` (the compat Buffer's id), ``x_lane`` / ``x_handle`` (the EPBuffer and
+    :class:`tritonep.DispatchHandle` of the rows), ``meta_lane`` / ``meta_handle`` (of the top-k ids and weights;
+    None when the dispatch carried none), ``slots`` (int32 ``[T, W]`` routing of the per-rank composition),
+    ``num_tokens`` (T), ``num_rows`` (rows the dispatch returned: received rows, or ``num_worst_tokens``),
+    ``topk`` (K of the carried top-k, or 0), ``worst`` (whether the dispatch used ``num_worst_tokens``).
+    """
+
+    def __new__(cls, *, owner, x_lane, x_handle, meta_lane, meta_handle, slots, num_tokens, num_rows, topk,
+                is_token_in_rank, worst):
+        h = tuple.__new__(cls, (None,) * 6)
+        h.__dict__.update(owner=owner, x_lane=x_lane, x_handle=x_handle, meta_lane=meta_lane,
+                          meta_handle=meta_handle, slots=slots, num_tokens=num_tokens, num_rows=num_rows, topk=topk,
+                          is_token_in_rank=is_token_in_rank, worst=worst, _rpm=None)
+        return h
+
+    def _field(self, i: int):
+        if i == 0:
+            if self._rpm is None:
+                self._rpm = torch.cumsum(self.x_handle.counts, 0, dtype=torch.int32)
+            return self._rpm
+        if i == 4:
+            return self.is_token_in_rank
+        return None
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return tuple(self._field(j) for j in range(6)[i])
+        if not -6 <= i < 6:
+            raise IndexError("handle index out of range (a DeepEP normal handle has 6 fields)")
+        return self._field(i % 6)
+
+    def __iter__(self):
+        return (self._field(j) for j in range(6))
+
+    def __repr__(self):
+        return f"NormalHandle(num_tokens={self.num_tokens}, num_rows={self.num_rows}, topk={self.topk})"
+
+
+class LowLatencyHandle(tuple):
+    """Handle of a low-latency dispatch: DeepEP's 5-tuple ``(src_info, layout_range,
+    num_max_dispatch_tokens_per_rank, hidden, num_experts)``.
+
+    ``src_info``: int32 ``[L, W*M]``, the source token index of each received row (valid in each expert's prefix
+    ``[0, recv_count[e])``); ``layout_range``: int64 ``[L, W]``, ``(begin << 32) | count`` of each source rank's rows in
+    each expert's prefix. Both are filled by the dispatch (or by its receive hook).
+
+    Attributes (tritonep's): ``owner``, ``lane`` / ``ep_handle`` (the EPBuffer and its handle), ``num_tokens`` (T),
+    ``topk`` (K), ``gather_index`` (int64 ``[R]``: the flat ``[L*W*M]`` slot of every row of the EPBuffer's
+    expert-grouped layout; what the combine gathers), ``combine_buffer`` (the tensor of
+    :meth:`Buffer.get_next_low_latency_combine_buffer`, made on request).
+    """
+
+    def __new__(cls, src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts, *, owner, lane,
+                ep_handle, num_tokens, topk, gather_index):
+        h = tuple.__new__(cls, (src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts))
+        h.__dict__.update(owner=owner, lane=lane, ep_handle=ep_handle, num_tokens=num_tokens, topk=topk,
+                          gather_index=gather_index, combine_buffer=None)
+        return h

@@ -1,0 +1,3 @@
+"""The compat Buffer's own Triton kernels (local, no peer access): DeepEP's dispatch layout and the unpacking of the
+meta lane's rows. Their torch twins are :func:`tritonep.compat.deep_ep.packing.layout_torch` and
+:func:`tritonep.compat.deep_ep.packing.unpack_meta`."""

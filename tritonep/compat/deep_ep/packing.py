@@ -1,0 +1,129 @@
+"""Torch ops of the DeepEP-compatible normal mode: the layout, the per-rank slots, and how rows travel as bits.
+
+Every EPBuffer row is bfloat16 and its raw (``bf16``) wire moves rows as they are, bit for bit (loads and stores
+only, on both backends; ``tests/compat/test_packing.py`` sends every 16-bit pattern, NaN payloads included). The
+compat Buffer uses that to carry what DeepEP carries besides bf16 rows:
+
+* a caller-quantized dispatch ``(x_fp8, scales)``: the row's bytes (``H`` one-byte elements, then the scales' bytes,
+  any 4-byte dtype) packed into a ``[T, H]`` bf16 row (:func:`pack_quantized`; ``H`` bf16 = ``2H`` bytes hold
+  ``H + 4S``) and taken apart on the receiver (:func:`unpack_quantized`): the caller's bits, unchanged;
+* the top-k ids of every row (:func:`pack_meta` / :func:`unpack_meta`): int32 ids as bf16 pairs, in a second, narrow
+  lane whose routing has K slots per rank (:func:`meta_slots`), so that each received token arrives as K rows there,
+  one per top-k slot. The weights ride that lane's per-route weight, which EPBuffer moves as float32 both ways: to
+  the receiver in the dispatch (``Dispatched.weights``) and, for DeepEP's combine of ``topk_weights``, back to the
+  source unsummed through :meth:`tritonep.EPBuffer.dispatch_backward` (``grad_topk_weights[t, k] = w[row(t, k)]``),
+  where the K-slot groups of the ranks are summed in float32: DeepEP's reduction, exact to float32.
+
+Idea: DeepEP's intranode layout and row order (``csrc/kernels/layout.cu``, ``intranode.cu`` of its V1 API), written
+anew on tritonep's EPBuffer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["layout_torch", "rank_slots", "meta_slots", "meta_width", "pack_meta", "unpack_meta", "local_id_table",
+           "pack_quantized", "unpack_quantized"]
+
+
+def layout_torch(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
+    """DeepEP's dispatch layout of this rank's routing.
+
+    Args:
+        topk_idx: ``[T, K]`` int32/int64 expert ids; -1 (and any id outside ``[0, E)``) selects nothing.
+        num_experts: E, a multiple of ``num_ranks``; expert e lives on rank ``e // (E / num_ranks)``.
+        num_ranks: W.
+
+    Returns:
+        ``(num_tokens_per_rank int32 [W], num_tokens_per_expert int32 [E], is_token_in_rank bool [T, W])``: tokens
+        sent to each rank (a token counts once per rank), routes to each expert (a repeated id counts twice), and
+        whether token t goes to rank r. Device ops only (no host read).
+    """
+    T = topk_idx.shape[0]
+    L = num_experts // num_ranks
+    ids = topk_idx.long()
+    valid = (ids >= 0) & (ids < num_experts)
+    ids = torch.where(valid, ids, num_experts)  # every invalid slot -> the spare bin E
+    in_rank = torch.zeros(T, num_ranks + 1, dtype=torch.bool, device=ids.device)
+    in_rank.scatter_(1, ids // L, True)  # the spare bin E lands in the spare column W
+    is_token_in_rank = in_rank[:, :num_ranks].contiguous()
+    per_rank = is_token_in_rank.sum(0, dtype=torch.int32)
+    per_expert = torch.bincount(ids.reshape(-1), minlength=num_experts + 1)[:num_experts].to(torch.int32)
+    return per_rank, per_expert, is_token_in_rank
+
+
+def rank_slots(is_token_in_rank: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
+    """The routing of the per-rank composition: ``[T, W]`` int32, slot r = r where token t goes to rank r, else -1.
+
+    An EPBuffer with ``num_experts = W`` (one pseudo-expert per rank), ``topk = W`` and these ids, weight 1, receives
+    exactly DeepEP's rows: one per (token, receiving rank), in (source rank, source token) order, and its combine
+    is the unweighted sum over ranks. ``ranks``: ``arange(W)`` int32 on the device (cached by the caller)."""
+    return torch.where(is_token_in_rank, ranks, -1)
+
+
+def meta_slots(slots: torch.Tensor, topk: int) -> torch.Tensor:
+    """The meta lane's routing: ``[T, W*K]`` int32, slot ``r*K + k`` = r where token t goes to rank r, else -1. Each
+    received token then arrives as K consecutive rows (slot k = 0..K-1) in the meta lane's (source rank, source
+    token, slot) order, aligned with the rows lane's rows."""
+    return slots.repeat_interleave(topk, dim=1)
+
+
+def meta_width(topk: int) -> int:
+    """bf16 elements of a meta row: ``2K`` (the token's K int32 ids), rounded up to a multiple of 8 (16-byte rows)."""
+    return (2 * topk + 7) // 8 * 8
+
+
+def pack_meta(topk_idx: torch.Tensor) -> torch.Tensor:
+    """``[T, meta_width(K)]`` bf16 rows holding each token's ids as int32 bit patterns (DeepEP's ids fit: experts <
+    2^31)."""
+    T, K = topk_idx.shape
+    ids = topk_idx.to(torch.int32).view(torch.bfloat16)
+    pad = meta_width(K) - 2 * K
+    return torch.cat([ids, ids.new_zeros(T, pad)], 1) if pad else ids
+
+
+def local_id_table(rank: int, num_local_experts: int, num_experts: int, dtype, device) -> torch.Tensor:
+    """``[E + 1]`` table: entry g = g - rank*L for this rank's experts, -1 for the others; the last entry (index -1)
+    is -1. ``table[ids]`` turns global ids (-1 included) into DeepEP's local ids without ever wrapping."""
+    t = torch.full((num_experts + 1,), -1, dtype=dtype)
+    lo = rank * num_local_experts
+    t[lo:lo + num_local_experts] = torch.arange(num_local_experts, dtype=dtype)
+    return t.to(device)
+
+
+def unpack_meta(rows: torch.Tensor, weights: torch.Tensor, topk: int, table: torch.Tensor, num_experts: int,
+                num_local_experts: int):
+    """The meta lane's received rows ``[R*K, meta_width]`` and route weights ``[R*K]`` ->
+    ``(recv_topk_idx [R, K] table.dtype, recv_topk_weights [R, K] float32, hist [L + 1])``.
+
+    ``recv_topk_idx``: local expert ids, -1 where the expert lives elsewhere (or the id was -1 / outside
+    ``[-1, E)``); ``recv_topk_weights``: the weight, 0 where the id is -1 (DeepEP's rule); ``hist[0]``: slots with
+    -1, ``hist[1 + j]``: slots with local expert j (DeepEP's per-expert receive count, before alignment)."""
+    K = topk
+    R = rows.shape[0] // K
+    ids = rows.view(R, K, rows.shape[1])[:, 0, :2 * K].view(torch.int32).clamp(-1, num_experts)
+    local = table[ids]  # an id outside [-1, E) reads the last entry: -1
+    w = torch.where(local >= 0, weights.view(R, K), 0.0)
+    hist = torch.bincount((local + 1).reshape(-1), minlength=num_local_experts + 1)
+    return local, w, hist
+
+
+def pack_quantized(xq: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``(xq [T, H] one-byte dtype, scales [T, S] four-byte dtype, any strides)`` -> ``[T, H]`` bf16 rows whose bytes
+    are xq's row, then the scales' bytes, then 2H - H - 4S bytes left unset. The caller checks 4S <= H."""
+    T, H = xq.shape
+    S = scales.shape[1]
+    out = torch.empty(T, 2 * H, dtype=torch.uint8, device=xq.device)
+    out[:, :H].copy_(xq.view(torch.uint8))
+    out[:, H:H + 4 * S].view(scales.dtype).copy_(scales)
+    return out.view(torch.bfloat16)
+
+
+def unpack_quantized(rows: torch.Tensor, x_dtype: torch.dtype, scale_dtype: torch.dtype, num_scales: int):
+    """Received ``[R, H]`` bf16 rows of :func:`pack_quantized` -> ``(xq [R, H] x_dtype, scales [R, S] scale_dtype)``,
+    both contiguous, bit for bit what the sender packed."""
+    R, H = rows.shape
+    b = rows.view(torch.uint8)
+    xq = b[:, :H].contiguous().view(x_dtype)
+    scales = b[:, H:H + 4 * num_scales].contiguous().view(scale_dtype)
+    return xq, scales

@@ -4,7 +4,7 @@ API allows one); every point checked; JSON.
     torchrun --nproc-per-node 1 benchmarks/deep_ep_compat.py --json $OUT/deep_ep_compat.json   # GPU, world 1
     python benchmarks/deep_ep_compat.py --cpu                                                # 2-rank CPU world: checks
 
-Shape: the ``deepseek-v3`` profile of :data:`tritonep.bench.ep.PROFILES` (H 7168, 256 experts, top-8, uniform random
+Shape: the ``deepseek-v3`` profile of :data:`tritonep.bench.profiles.PROFILES` (its hidden size, 256 experts, top-8, uniform random
 routing), 128 and 4096 tokens per rank (``--tokens``). Sides, each a round trip of the received rows as the expert
 output (median of 3 rounds of ``--iters`` calls, CUDA events; graph: the same replayed from a CUDA graph):
 
@@ -39,7 +39,8 @@ import torch.distributed as dist  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import tritonep as tep  # noqa: E402
-from tritonep.bench.ep import PROFILES, time_graph, time_rounds  # noqa: E402
+from tritonep.bench.ep import time_graph, time_rounds  # noqa: E402
+from tritonep.bench.profiles import PROFILES  # noqa: E402
 
 
 def _inputs(rank, T, H, E, K, dev, seed=0):

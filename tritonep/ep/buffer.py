@@ -241,9 +241,10 @@ class EPBuffer:
                 torchtitan): ``x`` has ``max_recv_tokens`` rows, the real ones are ``[0, expert_offsets[-1])``
                 (device), the tail's rows are unspecified and its ``weights`` zero; ``handle.num_recv_rows`` is None.
                 Errors of the call (capacity, a peer's bad input, timeouts) are raised by the next call that reads
-                the status word (:meth:`check`, or a dispatch without ``sync_free``); until then the rows of a
-                refused call are unspecified (zero weights, counts and offsets on the nccl backend, whose refused
-                call moves no row). What graph capture does anyway. Both backends (nccl: fixed per-peer packet
+                the status word (:meth:`check`, or a dispatch without ``sync_free``); a refused call moves no row and
+                returns the empty layout on every backend (``num_tokens_per_expert``, ``expert_offsets`` and
+                ``weights`` 0, its rows unspecified; its combine gives zeros and both backward passes zero
+                gradients: no kernel addresses a row of the refused layout). What graph capture does anyway. Both backends (nccl: fixed per-peer packet
                 slots and one all_to_all with equal splits, :mod:`tritonep.ep.nccl.sync_free`).
 
         Returns:

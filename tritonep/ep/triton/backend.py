@@ -296,14 +296,16 @@ class TritonEP(DispatchOutputs, DecodePath):
         handle = self._new_handle()
         st = self._read_host_status(ticket) if sync else None  # the exchange's last program published it
         code, refused, R = self._verdict(st)
-        out, q, sc = self._alloc_rows(R if R is not None else self.cfg.max_recv_tokens, keep_quantized)
+        nrows = R if R is not None else self.cfg.max_recv_tokens
+        out, q, sc = self._alloc_rows(nrows, keep_quantized)
         # the data kernels run on every rank whatever the verdict (a refused call's kernels move no row: the
-        # exchange recorded this dispatch's number in status[ST_SKIP_CALL]), so the flags advance identically
+        # exchange recorded this dispatch's number in status[ST_SKIP_CALL]), so the flags advance identically; they
+        # write no row at or past ``nrows`` (the rows just allocated), whatever the layout says
         kq = q is not None
         if fused:
-            k.fused(kq)(x, store, T, out, w_arg, q, sc)
+            k.fused(kq)(x, store, T, out, w_arg, q, sc, nrows)
         else:
-            k.expand(kq)(x, out, w_arg, store, out, w_arg, q, sc)
+            k.expand(kq)(x, out, w_arg, store, out, w_arg, q, sc, nrows)
         # while the data kernels run: the weights' view (a fresh slice of the pooled field, never the field itself)
         out_w = w_arg if R is None else rw[:R] if rw is not None else self.hl.tensor(store, "rw", R)
         return self._finish_dispatch(code, refused, st, sync, bad_input, out, out_w, q, sc, handle, store, T, ntpe,

@@ -121,7 +121,7 @@ class KernelSet:
             return BoundKernel(self._lau, dispatch_expand_kernel, (g.grid_expand,), dict(
                 self._expand_static, BA=_p2(max(cfg.expert_alignment, 1)), A=cfg.expert_alignment, SCALE=False,
                 DOT=False, KEEP_HANDLE=True, WIRE=ep.dwire, KEEP_Q=kq),
-                dyn=("x_ptr", "out_ptr", "out_w_ptr", STORE, "eo_ptr", "gw_ptr", "q_ptr", "s_ptr"),
+                dyn=("x_ptr", "out_ptr", "out_w_ptr", STORE, "eo_ptr", "gw_ptr", "q_ptr", "s_ptr", "nrows"),
                 fields=self._layout)
         return self._get(("expand", kq), make)
 
@@ -142,7 +142,7 @@ class KernelSet:
                 Tmax=cfg.max_tokens_per_rank, NCmax=self.ncmax, GS=g.fused_send, E=cfg.num_experts,
                 L=cfg.num_local_experts, BA=_p2(max(cfg.expert_alignment, 1)), A=cfg.expert_alignment,
                 WIRE=ep.dwire, KEEP_Q=kq, PF=g.prefetch, **self._common, **self._ck),
-                dyn=("x_ptr", STORE, "T", "out_ptr", "out_w_ptr", "q_ptr", "s_ptr"),
+                dyn=("x_ptr", STORE, "T", "out_ptr", "out_w_ptr", "q_ptr", "s_ptr", "nrows"),
                 fields=dict(self._layout, **ep.hl.fields_of(topk_idx_ptr="idx", topk_w_ptr="w", rows_ptr="rows")))
         return self._get(("fused", kq), make)
 

@@ -33,10 +33,16 @@ class DispatchFn(torch.autograd.Function):
         ctx.impl = impl
         ctx.handle = handle
         ctx.mark_non_differentiable(ntpe, offs)
+        # saved for its version counter only: combine and the backward passes use the weights the dispatch moved, so
+        # an in-place change of the returned weights (``d.weights.mul_(2)``) would change the gradient (through the
+        # in-place op's own backward) but not the forward sum; autograd refuses it at backward, as torch does for
+        # any saved tensor modified in place (every path: pooled or not, either backend, graph capture)
+        ctx.save_for_backward(out_w)
         return out, out_w, ntpe, offs
 
     @staticmethod
     def backward(ctx, grad_out, grad_out_w, _g1, _g2):
+        ctx.saved_tensors  # noqa: B018 - raises if the returned weights were modified in place since the dispatch
         if grad_out is None:
             cfg = ctx.impl.cfg
             rows = ctx.handle.num_recv_rows

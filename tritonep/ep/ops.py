@@ -139,14 +139,16 @@ def _dispatch_backward_fake(grad_recv_x, grad_recv_w, ticket, buffer_id, num_tok
 
 def _dispatch_setup(ctx, inputs, output):
     x, _idx, topk_weights, bid, _sync_free = inputs
-    recv_x, _w, _layout, ticket = output
-    ctx.save_for_backward(ticket)
+    recv_x, recv_w, _layout, ticket = output
+    # the row weights are saved for their version counter (tritonep.ep.autograd.DispatchFn says why): an in-place
+    # change of them before the backward is refused there, as torch does for any saved tensor
+    ctx.save_for_backward(ticket, recv_w)
     ctx.buffer_id, ctx.num_tokens, ctx.w_dtype = bid, x.shape[0], topk_weights.dtype
     ctx.recv_rows = recv_x.shape[0]
 
 
 def _dispatch_backward(ctx, grad_recv_x, grad_recv_w, _g_layout, _g_ticket):
-    (ticket,) = ctx.saved_tensors
+    ticket, _recv_w = ctx.saved_tensors
     if grad_recv_x is None:
         buf = get_buffer(ctx.buffer_id)
         grad_recv_x = torch.zeros(ctx.recv_rows, buf.hidden, dtype=buf.dtype, device=buf.device)

@@ -68,7 +68,13 @@ def buffer_id(buffer) -> int:
 
 
 def get_buffer(bid: int):
-    """The registered buffer of ``bid``. Raises ConfigError when unknown (never registered or garbage collected)."""
+    """The registered buffer of ``bid``. Raises ConfigError when unknown (never registered or garbage collected).
+
+    ``bid`` may be a SymInt: ``torch.compile(dynamic=True)`` makes the int a compiled function closes over symbolic
+    too, and the fakes look the buffer up with it; it is read as its value (one guard on it, a recompile for another
+    buffer), as a buffer id is a constant of the compiled code (an unhashable SymInt failed the lookup before)."""
+    if isinstance(bid, torch.SymInt):
+        bid = int(bid)
     buf = _BUFFERS.get(bid)
     if buf is None:
         raise ConfigError(f"no EPBuffer with op buffer_id={bid} (never registered with tritonep.ep.ops.buffer_id, "

@@ -51,8 +51,8 @@ from .layer_parts import _ACT_DTYPE, expert_weights, layer_required_bytes, take_
 from .layer_status import consume_refusal, strict_check
 from .layer_virtual import plan_routes, read_split, row_parts
 from .losses import attach_aux_loss, switch_aux_loss
-from .params import (EXPERT_WEIGHTS, expert_load_state_dict_pre_hook, expert_parameters, expert_state_dict_hook,
-                     local_expert_ids)
+from .params import (EXPERT_WEIGHTS, expert_load_state_dict_post_hook, expert_load_state_dict_pre_hook,
+                     expert_parameters, expert_state_dict_hook, local_expert_ids)
 from .recipe import MoEGeometry, MoERecipe, check_config
 from .routers import build_router
 from .saved import SavedForwards
@@ -163,6 +163,7 @@ class MoELayer(nn.Module):
         self.last_aux_loss = None
         self.register_state_dict_post_hook(expert_state_dict_hook)
         self.register_load_state_dict_pre_hook(expert_load_state_dict_pre_hook)
+        self.register_load_state_dict_post_hook(expert_load_state_dict_post_hook)
 
     @property
     def expert_ids(self) -> range:

@@ -12,7 +12,10 @@ Four ops, each an opaque call of the buffer's public methods (same kernels, same
   values used are the ones the dispatch moved); pass the dispatch's ``recv_weights``.
 * ``tritonep::dispatch_backward`` / ``tritonep::combine_backward``: the backward halves
   (:meth:`EPBuffer.dispatch_backward`, :meth:`EPBuffer.combine_backward`), wired to the forward ops by
-  ``register_autograd``. No double backward.
+  ``register_autograd``. Higher orders (``create_graph=True``) as :mod:`tritonep.ep.autograd` explains: the
+  dispatch backward op's own backward is a new ``tritonep::dispatch`` along the handle's routing, and under
+  ``create_graph`` the combine's backward is built from such a dispatch of ``grad_y`` with torch ops (so autograd
+  differentiates it w.r.t. ``grad_y``, the row weights and the expert rows).
 
 Opaque objects cross the op boundary as ids, like :mod:`tritonep.moe.ops`:
 
@@ -165,6 +168,37 @@ def _dispatch_backward(ctx, grad_recv_x, grad_recv_w, _g_layout, _g_ticket):
 dispatch_op.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
 
 
+def _redispatch(ticket, bid: int, u: torch.Tensor, v: torch.Tensor | None):
+    """``(P u, S v)`` (:mod:`tritonep.ep.autograd`): ``u [T, H]`` and ``v [T, K]`` (None: zeros) dispatched by
+    ``tritonep::dispatch`` along the routing of the dispatch ``ticket`` names, with its rows (a sync-free one's tail
+    zero). Differentiable (the dispatch op's autograd). Collective."""
+    handle, buf = get_handle(ticket), get_buffer(bid)
+    sync_free = handle.num_recv_rows is None
+    if v is None:
+        v = torch.zeros(handle.num_tokens, buf.topk, dtype=torch.float32, device=u.device)
+    rows, w, layout, _ticket = torch.ops.tritonep.dispatch(u.to(buf.dtype), handle.topk_idx, v.float(), bid,
+                                                          sync_free)
+    if sync_free:
+        real = torch.arange(rows.shape[0], device=rows.device) < layout[-1]
+        rows = torch.where(real[:, None], rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+    return rows, w
+
+
+def _dispatch_backward_setup(ctx, inputs, output):
+    _g, grad_recv_w, ticket, bid, _T = inputs
+    ctx.save_for_backward(ticket)
+    ctx.buffer_id, ctx.has_w = bid, grad_recv_w is not None
+
+
+def _dispatch_backward_backward(ctx, u, v):
+    (ticket,) = ctx.saved_tensors
+    rows, w = _redispatch(ticket, ctx.buffer_id, u, v if ctx.has_w else None)
+    return rows, (w if ctx.has_w else None), None, None, None
+
+
+dispatch_backward_op.register_autograd(_dispatch_backward_backward, setup_context=_dispatch_backward_setup)
+
+
 # ------------------------------------------------------------------------------------------------ combine
 @torch.library.custom_op("tritonep::combine", mutates_args=())
 def combine_op(expert_out: torch.Tensor, recv_weights: torch.Tensor, ticket: torch.Tensor, buffer_id: int,
@@ -194,12 +228,22 @@ def _combine_backward_fake(grad_y, expert_out, ticket, buffer_id):
 
 def _combine_setup(ctx, inputs, output):
     expert_out, recv_weights, ticket, bid, _T = inputs
-    ctx.save_for_backward(expert_out, ticket)
+    ctx.save_for_backward(expert_out, ticket, recv_weights)
     ctx.buffer_id, ctx.w_dtype = bid, recv_weights.dtype
 
 
 def _combine_backward(ctx, grad_y):
-    expert_out, ticket = ctx.saved_tensors
+    expert_out, ticket, recv_weights = ctx.saved_tensors
+    if torch.is_grad_enabled():  # create_graph: differentiable in grad_y, the row weights and the expert rows
+        pg, _ = _redispatch(ticket, ctx.buffer_id, grad_y, None)
+        R = pg.shape[0]
+        g_eo = (recv_weights[:R, None].float() * pg.float()).to(expert_out.dtype)
+        if expert_out.shape[0] > R:
+            g_eo = torch.cat([g_eo, g_eo.new_zeros(expert_out.shape[0] - R, g_eo.shape[1])])
+        g_w = (pg.float() * expert_out[:R].float()).sum(-1)
+        if recv_weights.shape[0] > R:
+            g_w = torch.cat([g_w, g_w.new_zeros(recv_weights.shape[0] - R)])
+        return g_eo, g_w.to(ctx.w_dtype), None, None, None
     g_eo, g_w = torch.ops.tritonep.combine_backward(grad_y.to(expert_out.dtype).contiguous(), expert_out, ticket,
                                                     ctx.buffer_id)
     return g_eo, g_w.to(ctx.w_dtype), None, None, None

@@ -135,8 +135,8 @@ class CombineFn(torch.autograd.Function):
     ``<grad_y, expert_out row>`` per row (module docstring)."""
 
     @staticmethod
-    def forward(ctx, expert_out, recv_weights, impl, handle, kind):
-        y = impl.combine_fwd(expert_out, handle, kind=kind)
+    def forward(ctx, expert_out, recv_weights, impl, handle, kind, read=False):
+        y = impl.combine_fwd(expert_out, handle, kind=kind, read=read)
         if y._base is not None:  # a view of a pooled block (decode, tritonep/ep/pool.py): autograd refuses
             y = y.detach()  # in-place ops on a view made inside a custom Function; an alias of its own is no view
         ctx.impl = impl
@@ -150,7 +150,7 @@ class CombineFn(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph: from P grad_y with torch ops (module docstring)
             return _combine_bwd_graph(ctx, grad_y, expert_out, recv_weights)
         g_eo, g_w = ctx.impl.combine_bwd(grad_y.contiguous(), expert_out, ctx.handle)
-        return g_eo, g_w, None, None, None
+        return g_eo, g_w, None, None, None, None
 
 
 def _combine_bwd_graph(ctx, grad_y, expert_out, recv_weights):
@@ -169,4 +169,4 @@ def _combine_bwd_graph(ctx, grad_y, expert_out, recv_weights):
         g_w = (pg.float() * expert_out[:R].float()).sum(-1)
         if recv_weights.shape[0] > R:
             g_w = torch.cat([g_w, g_w.new_zeros(recv_weights.shape[0] - R)])
-    return g_eo, g_w, None, None, None
+    return g_eo, g_w, None, None, None, None

@@ -50,7 +50,7 @@ from .common import RowTile
 from .dispatch import ExpandIO, SendIO, expand_arrived, open_send, send_chunk, zero_padding
 from .layout import layout_tiles, record_verdict, refused_call, store_layout
 from .protocol import (CALL_DISPATCH, CALL_EXCHANGE, DONE_DECODE_DISPATCH, FLAG_COUNTS, ST_ROWS_RECEIVED,
-                       WAIT_COUNTS)
+                       STATUS_TIMEOUT, WAIT_COUNTS)
 from .signal import finish_launch, publish_epoch, publish_host_status, signal_peers, wait_ge
 from .wirecodec import RAW_BF16
 
@@ -124,7 +124,7 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
     m2d = (d_off[:, None] < W) & (j_off[None, :] < L)
     e2d = d_off[:, None] * L + j_off[None, :]
     h2, bad = _own_histogram(topk_idx_ptr, T, T, K, KB, E, L, TB, WB, LB)
-    bad += host_bad
+    bad += host_bad + (tl.load(status_ptr) == STATUS_TIMEOUT).to(tl.int32)  # as exchange_kernel: a timed-out rank
     # 1) the counts exchange: program 0 publishes this rank's row; everyone waits for the other ranks' rows
     if pid == 0:
         for d in range(W):

@@ -37,7 +37,7 @@ import triton.language as tl
 
 from .. import envs
 from .protocol import (CALL_EXCHANGE, DONE_EXCHANGE, ST_BAD_RANK_MASK, ST_NEEDED_ROWS, ST_SKIP_CALL, ST_THIS_CALL,
-                       STATUS_BAD_INPUT, STATUS_CAPACITY, WAIT_COUNTS)
+                       STATUS_BAD_INPUT, STATUS_CAPACITY, STATUS_TIMEOUT, WAIT_COUNTS)
 from .signal import publish_host_status, record_error, signal_peers, wait_all_ge
 
 __all__ = ["chunk_hist_kernel", "exchange_kernel", "exchange_tiles", "layout_tiles", "store_layout", "refused_call", "record_verdict"]
@@ -147,7 +147,9 @@ def exchange_kernel(hist_ptr, NC, counts_tab, flags_ptr, flags_tab, flag_off, ca
     # blocks are independent): the time of this part is its dependent memory round trips, one per block when NCB
     # covers every chunk (exchange_tiles). Program 0 also sums the input-error column.
     c_off = tl.arange(0, NCB)
-    bad = host_bad + tl.zeros((), dtype=tl.int32)
+    # a rank whose buffer timed out earlier (a wait that gave up, not read yet) flags its row too: its data kernels
+    # would skip their rows while signalling, so its peers refuse the call instead of taking stale rows
+    bad = host_bad + (tl.load(status_ptr) == STATUS_TIMEOUT).to(tl.int32)
     for e0 in range(pid * EBLK, EB, G * EBLK):
         eb = e0 + tl.arange(0, EBLK)
         carry = tl.zeros((EBLK,), dtype=tl.int32)

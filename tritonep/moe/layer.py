@@ -392,9 +392,15 @@ class MoELayer(nn.Module):
                 views = self.transport.slot_views(split.num_used)
                 w1s, w2s = (w1, views["w1"]), (w2, views["w2"])
             t.append(self._now() if self.virtual else t[-1])
-            bounds, offs = row_parts(self, d, split)
-            eo, hs = expert_ffn_parts_forward(d.x, bounds, offs, w1s, w2s,
-                                              self.buffer.expert_out_buffer(d.x.shape[0]), self.geometry.activation)
+            try:
+                bounds, offs = row_parts(self, d, split)
+                eo, hs = expert_ffn_parts_forward(d.x, bounds, offs, w1s, w2s,
+                                                  self.buffer.expert_out_buffer(d.x.shape[0]),
+                                                  self.geometry.activation)
+            except Exception:  # this rank failed between dispatch and combine (e.g. out of memory in its experts):
+                # it still takes part in the combine, so the peers fail the call at once instead of waiting for it
+                self.buffer.cancel_combine(d.handle, kind=self.recipe.combine)
+                raise
             t.append(self._now())
             y = self.buffer.combine(eo, d.handle, kind=self.recipe.combine)
             t.append(self._now())

@@ -21,7 +21,7 @@ from tritonep.testing.harness import BF16, check_grads, open_buffer, run_grad_ca
 # max_recv 10 rows: every route to expert 0 of W ranks x 6 tokens is 6W > 10 rows on rank 0
 CFG = dict(H=64, Tmax=8, K=2, max_recv=10)
 PATHS = {  # name -> (backend, TRITONEP_GEOMETRY, TRITONEP_NCCL_SYNC_FREE)
-    "two_kernel": ("triton", None, None),
+    "two_kernel": ("triton", "dec=0,fs=0,fe=0,fc=0", None),
     "fused": ("triton", "fs=1,fe=1,fc=1", None),
     "decode": ("triton", "bt=2,dec=2", None),
     "onehop": ("nccl", None, "onehop"),
@@ -49,8 +49,10 @@ def _good_inputs(rank, W, seed):
 
 def _refused_step(buf, x, idx, w, sync_free):
     """dispatch (refused on every rank) -> expert -> combine -> backward, then both backward halves called
-    directly with full-size inputs; what every output holds."""
-    xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    directly with full-size inputs; what every output holds (on the buffer's device: CPU worlds and GPU ones)."""
+    dev = buf.device
+    xr, wr = x.to(dev).clone().requires_grad_(True), w.to(dev).clone().requires_grad_(True)
+    idx = idx.to(dev)
     d = buf.dispatch(xr, idx, wr, sync_free=sync_free)
     M = buf.max_recv_tokens
     rec = dict(rows=d.x.shape[0], offs=d.expert_offsets.tolist(), ntpe=d.num_tokens_per_expert.tolist(),
@@ -60,9 +62,10 @@ def _refused_step(buf, x, idx, w, sync_free):
     g = torch.ones_like(y, dtype=torch.float32)
     (y.float() * g).sum().backward()
     rec.update(y_zero=not y.any(), gx_zero=not xr.grad.any(), gw_zero=not wr.grad.any())
-    gx, gtw = buf.dispatch_backward(torch.ones(M, CFG["H"], dtype=BF16), torch.ones(M), d.handle)
-    geo, grw = buf.combine_backward(torch.ones(x.shape[0], CFG["H"], dtype=BF16), torch.ones(M, CFG["H"], dtype=BF16),
+    gx, gtw = buf.dispatch_backward(torch.ones(M, CFG["H"], dtype=BF16, device=dev), torch.ones(M, device=dev),
                                     d.handle)
+    geo, grw = buf.combine_backward(torch.ones(x.shape[0], CFG["H"], dtype=BF16, device=dev),
+                                    torch.ones(M, CFG["H"], dtype=BF16, device=dev), d.handle)
     rec.update(halves_zero=not (gx.any() or gtw.any() or geo.any() or grw.any()), geo_rows=geo.shape[0])
     return rec
 
@@ -104,8 +107,9 @@ def _assert_world(res, path, A=1):
             assert rec["geo_rows"] == CFG["max_recv"], (r, rec)
         assert out["check"].startswith("CapacityError") and f"max_recv_tokens={CFG['max_recv']}" in out["check"], out
         assert out["check_again"] == "no error", out
-    if PATHS[path][1] is not None:  # the geometry the path names really ran
-        assert res[0]["geometry"][0 if path == "decode" else 1] > 0, res[0]["geometry"]
+    if PATHS[path][0] == "triton":  # the geometry the path names really ran: (decode programs, fused senders)
+        dec, fs = res[0]["geometry"]
+        assert (dec > 0, fs > 0) == (path == "decode", path == "fused"), (path, res[0]["geometry"])
     for i in range(2):
         check_grads(2 * W, [out["good"][i] for out in res], expert_alignment=A, where=f"{path} good call {i}")
 

@@ -97,6 +97,7 @@ def _jitter_world(group, backend):
     return out
 
 
+@pytest.mark.slow
 def test_mixtral_jitter_equals_transformers_block_in_training():
     for out in run_cpu_world(2, _jitter_world, "triton", timeout_s=120):
         ours, theirs = out["ours"].float(), out["theirs"].float()

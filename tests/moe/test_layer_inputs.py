@@ -54,7 +54,7 @@ def _world(group, backend):
     return out
 
 
-@pytest.mark.parametrize("W,backend", [(2, "triton"), (3, "nccl")])
+@pytest.mark.parametrize("W,backend", [pytest.param(2, "triton", marks=pytest.mark.slow), (3, "nccl")])
 def test_layer_takes_any_leading_shape_and_float_dtype(W, backend):
     res = run_cpu_world(W, _world, backend, timeout_s=240)
     w1, w2 = tep.MoELayer.init_expert_weights(_geo(W), seed=5)

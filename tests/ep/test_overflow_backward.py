@@ -267,3 +267,39 @@ def test_kernels_write_no_row_past_the_rows_given(path):
     for out in run_cpu_world(2, _bounds_world, path, timeout_s=240):
         assert out["n"] == max(out["R"] - 2, 0) and out["R"] > 2, out
         assert out["fwd_guard"] and out["fwd_rows"] and out["bwd_guard"] and out["bwd_rows"], out
+
+
+def _nccl_bounds_world(group, use_triton):
+    """The nccl backend's unpack handed 2 rows fewer than the packets address (its outputs cut short inside guarded
+    tensors): no write past them, the rows in front equal the full call's."""
+    from tritonep.testing.cases import make_rank_inputs
+
+    rank, W = dist.get_rank(group), dist.get_world_size(group)
+    buf = open_buffer(group, _cfg(W), backend="nccl")
+    impl, H = buf._impl, CFG["H"]
+    impl.use_triton = use_triton  # the Triton kernel (in the interpreter) or its torch twin
+    x, idx, w = make_rank_inputs(rank, 4, H, 2 * W, CFG["K"], seed=7, mask_frac=0.0)
+    full = buf.dispatch(x, idx, w)
+    R = full.x.shape[0]
+    ref = full.x.clone()
+    orig, seen = impl._unpacker.unpack, {}
+
+    def short(recv, srcs, outs, widths, out_w, rr, rw, small, Nr, zero_row, ut, slots=(0, 0, 0), R=None):
+        n = out_w.shape[0] - 2
+        big = torch.full((n + 6, H), 3.0, dtype=outs[0].dtype)
+        bw = torch.full((n + 6,), 3.0)
+        orig(recv, srcs, [big[:n]], widths, bw[:n], rr, rw, small, Nr, zero_row, ut, slots, n)
+        seen.update(n=n, guard=bool((big[n:].float() == 3.0).all() and (bw[n:] == 3.0).all()),
+                    rows=torch.equal(big[:n], ref[:n]))
+
+    impl._unpacker.unpack = short
+    buf.dispatch(x, idx, w)
+    impl._unpacker.unpack = orig
+    buf.close()
+    return dict(seen, R=R)
+
+
+@pytest.mark.parametrize("use_triton", [True, False])
+def test_nccl_unpack_writes_no_row_past_the_rows_given(use_triton):
+    for out in run_cpu_world(2, _nccl_bounds_world, use_triton, timeout_s=240):
+        assert out["R"] > 2 and out["n"] == out["R"] - 2 and out["guard"] and out["rows"], out

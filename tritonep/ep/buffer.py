@@ -245,8 +245,9 @@ class EPBuffer:
                 the status word (:meth:`check`, or a dispatch without ``sync_free``); a refused call moves no row and
                 returns the empty layout on every backend (``num_tokens_per_expert``, ``expert_offsets`` and
                 ``weights`` 0, its rows unspecified; its combine gives zeros and both backward passes zero
-                gradients: no kernel addresses a row of the refused layout). What graph capture does anyway. Both backends (nccl: fixed per-peer packet
-                slots and one all_to_all with equal splits, :mod:`tritonep.ep.nccl.sync_free`).
+                gradients: no kernel addresses a row of the refused layout). What graph capture does anyway. Both
+                backends (nccl: fixed per-peer packet slots and one all_to_all with equal splits,
+                :mod:`tritonep.ep.nccl.sync_free`).
 
         Returns:
             :class:`Dispatched` (rows ordered by (source rank, token, k) inside each expert segment).

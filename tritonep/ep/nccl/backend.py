@@ -422,7 +422,7 @@ class NcclEP(NcclSyncFree, NcclCombine):
             srcs, widths = ([(fmt.dequantize_rows(recv, H, self.cfg.dtype), 0, H)] if R else []), (H,)
         if R:
             self._unpacker.unpack(recv, srcs, [out] if sc is None else [out, sc], widths, out_w, rr, rw, plan, Nr,
-                                  zero_row, ut)
+                                  zero_row, ut, R=R)
         handle = NcclHandle._new(topk_idx=idx_c, topk_weights=w_c, rows=rows,
                                  counts=counts.view(W, E), num_tokens=T, num_recv_rows=R, x_scales=sc,
                                  recv_weights=out_w, buffer_id=self.buffer_id, send_splits=send_splits,

@@ -309,7 +309,7 @@ class NcclSyncFree:
             out = rows_blk[0].detach() if rows_blk is not None else torch.empty(MR, H, dtype=cfg.dtype, device=dev)
             srcs, widths = [(fmt.dequantize_rows(recv_n, H, cfg.dtype), 0, H)], (H,)
         self._unpacker.unpack(recv, srcs, [out] if sc is None else [out, sc], widths, out_w, rr, rw, plan, N,
-                              zero_row, ut, self._sf_slots)
+                              zero_row, ut, self._sf_slots, MR)
         handle = NcclHandle._new(topk_idx=idx_c, topk_weights=w_c, rows=rows, counts=counts,
                                  num_tokens=T, num_recv_rows=None, x_scales=sc, recv_weights=out_w,
                                  buffer_id=self.buffer_id, send_splits=self._eq_splits,

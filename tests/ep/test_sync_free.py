@@ -91,15 +91,21 @@ def _short_world(group):
             errs.append(None)
         except InputError as e:
             errs.append(str(e))
-    y = buf.combine(buf.expert_out_buffer(), f.handle)  # the full rows pass; the calls above launched nothing
+    y = buf.combine(buf.expert_out_buffer(), f.handle)  # the full rows pass
+    try:  # the refused combine took part as refused on both ranks (tests/ep/test_failed_peer.py): reported once
+        buf.check()
+        refused = None
+    except tep.errors.PeerInputError as e:
+        refused = sorted(e.bad_ranks)
     buf.check()
     buf.close()
-    return errs, tuple(y.shape), M
+    return errs, tuple(y.shape), M, refused
 
 
 def test_sync_free_handle_needs_max_recv_rows():
     """A sync-free handle's rows are unknown on the host: combine and both backwards refuse an input shorter than the
-    max_recv_tokens rows its dispatch returned (before any launch), rather than letting the kernels address past it."""
-    for errs, yshape, M in run_cpu_world(2, _short_world):
+    max_recv_tokens rows its dispatch returned (before any kernel could address past it); the refused combine still
+    takes part (as refused: no row moves), so the next check() reports it on every rank."""
+    for errs, yshape, M, refused in run_cpu_world(2, _short_world):
         assert all(e is not None and f"{M - 1} rows" in e and str(M) in e for e in errs), errs
-        assert yshape == (9, 64)
+        assert yshape == (9, 64) and refused == [0, 1]

@@ -7,13 +7,90 @@ weights (``grad_x[t] = sum_k grad_recv_x[row(t,k)]``) plus a gather of the per-r
 combine: ``(expert_out [R,H], recv_weights [R]) -> y [T,H]``; its backward is a dispatch of ``grad_y`` scaled by the
 route weight (``grad_expert_out[row] = w * grad_y[t]``) plus ``grad_recv_weights[row] = <grad_y[t], expert_out[row]>``
 computed where the row lives.
+
+Higher-order gradients (``torch.autograd.grad(..., create_graph=True)``: a gradient penalty, a Hessian-vector
+product). Dispatch is linear in the tokens and in the weights, combine bilinear in (expert rows, weights), so with
+``P`` the ``[R, T]`` row map of the handle (``P[row(t, k), t] = 1``) and ``S`` its ``[R, T*K]`` route map:
+dispatch = ``(P x, S w)``, its backward ``(P^T g, S^T g_w)`` (:class:`DispatchBwdFn`, linear again), whose own
+backward is ``(P u, S v)``: a new dispatch of ``(u, v)`` along the handle's routing (:class:`Redispatch`: same
+routing, hence the same layout and rows). Combine's backward is ``g_eo = diag(w) P g_y`` and ``g_w[row] =
+<(P g_y)[row], eo[row]>``; under ``create_graph`` it is computed from ``P g_y`` (a :class:`Redispatch` of ``g_y``)
+with torch ops on ``w`` and ``eo``, so autograd differentiates it w.r.t. ``g_y``, ``w`` and ``eo`` (same bits for
+``g_eo``: ``w * g`` in fp32 rounded once to bf16, as the kernel). Without ``create_graph`` the backward passes are
+the kernels' (:meth:`TritonEP.dispatch_bwd` / ``combine_bwd``), never graph-building. Every function here is a
+collective (every rank differentiates the same graph, so every rank runs the same calls in the same order).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["DispatchFn", "CombineFn"]
+__all__ = ["DispatchFn", "CombineFn", "DispatchBwdFn", "Redispatch"]
+
+
+def _dispatch_rows(impl, handle, u, v):
+    """``(P u [rows, H], S v [rows])``: ``u [T, H]`` (and ``v [T, K]`` float32, or zeros) dispatched along
+    ``handle``'s routing (the handle's own copy), with the rows the handle's dispatch returned: exactly ``R`` for a
+    synced handle, ``max_recv_tokens`` (the tail zero) for a sync-free one. Collective."""
+    cfg = impl.cfg
+    T, K = handle.num_tokens, cfg.topk
+    sync_free = handle.num_recv_rows is None
+    u = u.to(cfg.dtype).contiguous()
+    v = torch.zeros(T, K, dtype=torch.float32, device=u.device) if v is None else v.float().contiguous()
+    from .. import envs
+
+    out, out_w, _, offs, _ = impl.dispatch_fwd(u, handle.topk_idx, v, None if sync_free else envs.SYNC_DEFERRED)
+    if sync_free:  # rows past the layout are unspecified: a gradient there is 0
+        real = torch.arange(out.shape[0], device=out.device) < offs[-1]
+        out = torch.where(real[:, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
+    elif out._base is not None:
+        out = out.clone()  # a pooled block's cut: a tensor of its own
+    return out, out_w.clone()
+
+
+class Redispatch(torch.autograd.Function):
+    """``(u [T, H], v [T, K] | None) -> (P u, S v)`` along an existing handle's routing (module docstring); its
+    backward is :class:`DispatchBwdFn` (the transpose), so it is differentiable to any order."""
+
+    @staticmethod
+    def forward(ctx, u, v, impl, handle):
+        ctx.impl, ctx.handle = impl, handle
+        ctx.has_v = v is not None
+        return _dispatch_rows(impl, handle, u, v)
+
+    @staticmethod
+    def backward(ctx, g, g_w):
+        g = torch.zeros(0) if g is None else g
+        gx, gw = DispatchBwdFn.apply(_rows_like(ctx, g), g_w, ctx.impl, ctx.handle)
+        return gx, (gw if ctx.has_v else None), None, None
+
+
+def _rows_like(ctx, g):
+    """``g``, or zeros of the handle's rows when autograd gave none."""
+    if g.dim() == 2:
+        return g
+    cfg, rows = ctx.impl.cfg, ctx.handle.num_recv_rows
+    return torch.zeros(cfg.max_recv_tokens if rows is None else rows, cfg.hidden, dtype=cfg.dtype,
+                       device=ctx.impl.device)
+
+
+class DispatchBwdFn(torch.autograd.Function):
+    """``(g [R, H], g_w [R] | None) -> (P^T g [T, H], S^T g_w [T, K] | None)``: the dispatch backward
+    (:meth:`dispatch_bwd` of the backend) as a differentiable function; its backward is :class:`Redispatch`."""
+
+    @staticmethod
+    def forward(ctx, g, g_w, impl, handle):
+        ctx.impl, ctx.handle = impl, handle
+        ctx.has_w = g_w is not None
+        return impl.dispatch_bwd(g.contiguous(), g_w.contiguous() if g_w is not None else None, handle)
+
+    @staticmethod
+    def backward(ctx, u, v):
+        if u is None:
+            h = ctx.handle
+            u = torch.zeros(h.num_tokens, ctx.impl.cfg.hidden, dtype=ctx.impl.cfg.dtype, device=ctx.impl.device)
+        pu, sv = Redispatch.apply(u, v if ctx.has_w else None, ctx.impl, ctx.handle)
+        return pu, (sv if ctx.has_w else None), None, None
 
 
 class DispatchFn(torch.autograd.Function):
@@ -33,15 +110,21 @@ class DispatchFn(torch.autograd.Function):
         ctx.impl = impl
         ctx.handle = handle
         ctx.mark_non_differentiable(ntpe, offs)
+        # saved for its version counter only: combine and the backward passes use the weights the dispatch moved, so
+        # an in-place change of the returned weights (``d.weights.mul_(2)``) would change the gradient (through the
+        # in-place op's own backward) but not the forward sum; autograd refuses it at backward, as torch does for
+        # any saved tensor modified in place (every path: pooled or not, either backend, graph capture)
+        ctx.save_for_backward(out_w)
         return out, out_w, ntpe, offs
 
     @staticmethod
     def backward(ctx, grad_out, grad_out_w, _g1, _g2):
+        ctx.saved_tensors  # noqa: B018 - raises if the returned weights were modified in place since the dispatch
         if grad_out is None:
-            cfg = ctx.impl.cfg
-            rows = ctx.handle.num_recv_rows
-            grad_out = torch.zeros(cfg.max_recv_tokens if rows is None else rows, cfg.hidden, dtype=cfg.dtype,
-                                   device=ctx.impl.device)
+            grad_out = _rows_like(ctx, torch.zeros(0))
+        if torch.is_grad_enabled():  # create_graph: the backward is differentiable again (module docstring)
+            grad_x, grad_w = DispatchBwdFn.apply(grad_out, grad_out_w, ctx.impl, ctx.handle)
+            return grad_x, grad_w, None, None, None, None
         gw = grad_out_w.contiguous() if grad_out_w is not None else None  # autograd may hand expanded grads
         grad_x, grad_w = ctx.impl.dispatch_bwd(grad_out.contiguous(), gw, ctx.handle)
         return grad_x, grad_w, None, None, None, None
@@ -52,17 +135,38 @@ class CombineFn(torch.autograd.Function):
     ``<grad_y, expert_out row>`` per row (module docstring)."""
 
     @staticmethod
-    def forward(ctx, expert_out, recv_weights, impl, handle, kind):
-        y = impl.combine_fwd(expert_out, handle, kind=kind)
+    def forward(ctx, expert_out, recv_weights, impl, handle, kind, read=False):
+        y = impl.combine_fwd(expert_out, handle, kind=kind, read=read)
         if y._base is not None:  # a view of a pooled block (decode, tritonep/ep/pool.py): autograd refuses
             y = y.detach()  # in-place ops on a view made inside a custom Function; an alias of its own is no view
         ctx.impl = impl
         ctx.handle = handle
-        ctx.save_for_backward(expert_out)
+        ctx.save_for_backward(expert_out, recv_weights)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        (expert_out,) = ctx.saved_tensors
+        expert_out, recv_weights = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph: from P grad_y with torch ops (module docstring)
+            return _combine_bwd_graph(ctx, grad_y, expert_out, recv_weights)
         g_eo, g_w = ctx.impl.combine_bwd(grad_y.contiguous(), expert_out, ctx.handle)
-        return g_eo, g_w, None, None, None
+        return g_eo, g_w, None, None, None, None
+
+
+def _combine_bwd_graph(ctx, grad_y, expert_out, recv_weights):
+    """Combine's backward as differentiable ops: ``g_eo = bf16(w * P g_y)``, ``g_w = <P g_y, eo>`` per row (rows
+    past ``expert_out``'s used rows get 0; ``recv_weights`` None: the handle's weights, not differentiated)."""
+    handle = ctx.handle
+    pg, _ = Redispatch.apply(grad_y, None, ctx.impl, handle)
+    R = pg.shape[0]
+    w = recv_weights if recv_weights is not None else handle.recv_weights.detach()
+    w = w[:R]
+    g_eo = (w[:, None] * pg.float()).to(expert_out.dtype)
+    if expert_out.shape[0] > R:  # a longer expert_out (e.g. the whole expert_out_buffer): its extra rows get 0
+        g_eo = torch.cat([g_eo, g_eo.new_zeros(expert_out.shape[0] - R, g_eo.shape[1])])
+    g_w = None
+    if recv_weights is not None:
+        g_w = (pg.float() * expert_out[:R].float()).sum(-1)
+        if recv_weights.shape[0] > R:
+            g_w = torch.cat([g_w, g_w.new_zeros(recv_weights.shape[0] - R)])
+    return g_eo, g_w, None, None, None, None

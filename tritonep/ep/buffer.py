@@ -100,6 +100,7 @@ class EPBuffer:
         # the front door's static arguments, made once: check_dispatch_inputs' and check_combine_inputs'
         self._din = (cfg.hidden, cfg.topk, cfg.max_tokens_per_rank, cfg.dtype, device)
         self._cin = (cfg.hidden, cfg.dtype, device)
+        self._last_synced = True
         self._no_input = (torch.empty(0, cfg.hidden, dtype=cfg.dtype, device=device),
                           torch.empty(0, cfg.topk, dtype=torch.int64, device=device),
                           torch.empty(0, cfg.topk, dtype=torch.float32, device=device))
@@ -241,10 +242,12 @@ class EPBuffer:
                 torchtitan): ``x`` has ``max_recv_tokens`` rows, the real ones are ``[0, expert_offsets[-1])``
                 (device), the tail's rows are unspecified and its ``weights`` zero; ``handle.num_recv_rows`` is None.
                 Errors of the call (capacity, a peer's bad input, timeouts) are raised by the next call that reads
-                the status word (:meth:`check`, or a dispatch without ``sync_free``); until then the rows of a
-                refused call are unspecified (zero weights, counts and offsets on the nccl backend, whose refused
-                call moves no row). What graph capture does anyway. Both backends (nccl: fixed per-peer packet
-                slots and one all_to_all with equal splits, :mod:`tritonep.ep.nccl.sync_free`).
+                the status word (:meth:`check`, or a dispatch without ``sync_free``); a refused call moves no row and
+                returns the empty layout on every backend (``num_tokens_per_expert``, ``expert_offsets`` and
+                ``weights`` 0, its rows unspecified; its combine gives zeros and both backward passes zero
+                gradients: no kernel addresses a row of the refused layout). What graph capture does anyway. Both
+                backends (nccl: fixed per-peer packet slots and one all_to_all with equal splits,
+                :mod:`tritonep.ep.nccl.sync_free`).
 
         Returns:
             :class:`Dispatched` (rows ordered by (source rank, token, k) inside each expert segment).
@@ -298,6 +301,7 @@ class EPBuffer:
             raise
         if refused is not None:
             raise refused  # sync checks off / graph capture: the peers learn it at their next check()
+        self._last_synced = handle.num_recv_rows is not None  # what cancel_combine assumes without a handle
         return Dispatched(out, ntpe, offs, handle, out_w, handle.x_scales)  # positional: x, num_tokens_per_expert,
         # expert_offsets, handle, weights, x_scales (the dataclass's order; half the host time of keywords)
 
@@ -314,22 +318,65 @@ class EPBuffer:
             ``[T, H]`` in ``expert_out``'s dtype; tokens without a valid route get zeros. Summation order is fixed
             (per rank k ascending, then ranks ascending): bitwise reproducible.
 
+        A refused input (this rank raises InputError / ConfigError) still takes part in the call
+        (:meth:`cancel_combine`), so no peer waits for this rank: an eager combine (its dispatch read the host) raises
+        :class:`PeerInputError` on every other rank; otherwise their output is NaN and their next :meth:`check` or
+        synced call raises. Likewise a peer that never arrives: PeerTimeoutError in an eager call, else NaN and the
+        next read. An eager combine reads its status once at its end (one host read, TRITONEP_SYNC_CHECKS not 0).
+
         Raises:
-            InputError, BufferStateError, PeerTimeoutError (see :meth:`dispatch`).
+            InputError / ConfigError: this rank's input or handle (refused on every rank, see above).
+            PeerInputError: a peer's combine input was refused (or it cancelled: :meth:`cancel_combine`).
+            BufferStateError, PeerTimeoutError (see :meth:`dispatch`).
         """
         if self._closed:
             self._check_open()
-        if not isinstance(handle, DispatchHandle) or handle.buffer_id != self._id:
-            self._check_handle(handle)
-        R = handle.num_recv_rows  # _rows_of(handle), inline
-        expert_out = check_combine_inputs(expert_out, handle, *self._cin,
-                                          self.config.max_recv_tokens if R is None else R)
-        if kind is not None and kind not in ("push", "pull"):
-            raise ConfigError(f"combine kind={kind!r} is not 'push' or 'pull'")
+        try:
+            if not isinstance(handle, DispatchHandle) or handle.buffer_id != self._id:
+                self._check_handle(handle)
+            R = handle.num_recv_rows  # _rows_of(handle), inline
+            expert_out = check_combine_inputs(expert_out, handle, *self._cin,
+                                              self.config.max_recv_tokens if R is None else R)
+            if kind is not None and kind not in ("push", "pull"):
+                raise ConfigError(f"combine kind={kind!r} is not 'push' or 'pull'")
+        except (InputError, ConfigError):
+            # refused on this rank: it still takes part (host protocol rule), so every peer's combine fails too
+            # (raises in an eager call, NaN output and a recorded error otherwise) instead of waiting for it
+            self.cancel_combine(handle if isinstance(handle, DispatchHandle) else None, kind)
+            raise
+        # an eager combine (the handle's dispatch read the host) reads its status once at its end: a peer that
+        # refused the call or never arrived raises here, on every rank, never a value computed without its data
+        read = R is not None and self._reads_combine()
         rw = handle.recv_weights
         if torch.is_grad_enabled() and (expert_out.requires_grad or (rw is not None and rw.requires_grad)):
-            return CombineFn.apply(expert_out, rw, self._impl, handle, kind)
-        return self._impl.combine_fwd(expert_out, handle, kind=kind)
+            return CombineFn.apply(expert_out, rw, self._impl, handle, kind, read)
+        return self._impl.combine_fwd(expert_out, handle, kind=kind, read=read)
+
+    def _reads_combine(self) -> bool:
+        """Whether a combine of a synced handle reads its status now (TRITONEP_SYNC_CHECKS not 0, not capturing)."""
+        return envs.sync_checks() != envs.SYNC_NONE and not (self._cuda and torch.cuda.is_current_stream_capturing())
+
+    def cancel_combine(self, handle: DispatchHandle | None = None, kind: str | None = None) -> None:
+        """Take part in the combine that matches ``handle`` (default: this buffer's latest dispatch) WITHOUT an
+        expert output: for a rank whose own code failed between dispatch and combine (call it in the ``except``
+        block, then re-raise), so its peers do not wait for it and no rank returns a value computed without its data.
+
+        Collective: it stands for this rank's :meth:`combine` call (same launches, no row moves). Every other rank's
+        combine of that call fails: in an eager call (the handle's dispatch read the host) it raises
+        :class:`PeerInputError` naming this rank; otherwise (sync-free, sync checks off, graph capture) its output
+        is NaN and the next :meth:`check` or synced call raises it on every rank, this one included. The buffer
+        stays usable on every rank. :meth:`combine` does the same by itself when it refuses its input (wrong dtype,
+        too few rows, another buffer's handle), then raises that error. ``MoELayer`` cancels for you.
+
+        Args:
+            handle: the dispatch's handle on this rank (decides whether the peers read: see above), or None.
+            kind: the combine kind the peers pass (``"push"`` / ``"pull"``; None: the geometry's).
+        """
+        self._check_open()
+        own = isinstance(handle, DispatchHandle) and handle.buffer_id == self._id
+        synced = handle.num_recv_rows is not None if own else self._last_synced
+        self._impl.combine_refused(kind if kind in ("push", "pull") else None,
+                                   record_own=not (synced and self._reads_combine()), handle=handle if own else None)
 
     def counts_exchange(self, num_experts: int | None = None):
         """A new counts exchange of this buffer's backend (collective: every rank builds it, in the same order).

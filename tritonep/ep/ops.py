@@ -12,7 +12,10 @@ Four ops, each an opaque call of the buffer's public methods (same kernels, same
   values used are the ones the dispatch moved); pass the dispatch's ``recv_weights``.
 * ``tritonep::dispatch_backward`` / ``tritonep::combine_backward``: the backward halves
   (:meth:`EPBuffer.dispatch_backward`, :meth:`EPBuffer.combine_backward`), wired to the forward ops by
-  ``register_autograd``. No double backward.
+  ``register_autograd``. Higher orders (``create_graph=True``) as :mod:`tritonep.ep.autograd` explains: the
+  dispatch backward op's own backward is a new ``tritonep::dispatch`` along the handle's routing, and under
+  ``create_graph`` the combine's backward is built from such a dispatch of ``grad_y`` with torch ops (so autograd
+  differentiates it w.r.t. ``grad_y``, the row weights and the expert rows).
 
 Opaque objects cross the op boundary as ids, like :mod:`tritonep.moe.ops`:
 
@@ -68,7 +71,13 @@ def buffer_id(buffer) -> int:
 
 
 def get_buffer(bid: int):
-    """The registered buffer of ``bid``. Raises ConfigError when unknown (never registered or garbage collected)."""
+    """The registered buffer of ``bid``. Raises ConfigError when unknown (never registered or garbage collected).
+
+    ``bid`` may be a SymInt: ``torch.compile(dynamic=True)`` makes the int a compiled function closes over symbolic
+    too, and the fakes look the buffer up with it; it is read as its value (one guard on it, a recompile for another
+    buffer), as a buffer id is a constant of the compiled code (an unhashable SymInt failed the lookup before)."""
+    if isinstance(bid, torch.SymInt):
+        bid = int(bid)
     buf = _BUFFERS.get(bid)
     if buf is None:
         raise ConfigError(f"no EPBuffer with op buffer_id={bid} (never registered with tritonep.ep.ops.buffer_id, "
@@ -139,14 +148,16 @@ def _dispatch_backward_fake(grad_recv_x, grad_recv_w, ticket, buffer_id, num_tok
 
 def _dispatch_setup(ctx, inputs, output):
     x, _idx, topk_weights, bid, _sync_free = inputs
-    recv_x, _w, _layout, ticket = output
-    ctx.save_for_backward(ticket)
+    recv_x, recv_w, _layout, ticket = output
+    # the row weights are saved for their version counter (tritonep.ep.autograd.DispatchFn says why): an in-place
+    # change of them before the backward is refused there, as torch does for any saved tensor
+    ctx.save_for_backward(ticket, recv_w)
     ctx.buffer_id, ctx.num_tokens, ctx.w_dtype = bid, x.shape[0], topk_weights.dtype
     ctx.recv_rows = recv_x.shape[0]
 
 
 def _dispatch_backward(ctx, grad_recv_x, grad_recv_w, _g_layout, _g_ticket):
-    (ticket,) = ctx.saved_tensors
+    ticket, _recv_w = ctx.saved_tensors
     if grad_recv_x is None:
         buf = get_buffer(ctx.buffer_id)
         grad_recv_x = torch.zeros(ctx.recv_rows, buf.hidden, dtype=buf.dtype, device=buf.device)
@@ -155,6 +166,37 @@ def _dispatch_backward(ctx, grad_recv_x, grad_recv_w, _g_layout, _g_ticket):
 
 
 dispatch_op.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
+
+
+def _redispatch(ticket, bid: int, u: torch.Tensor, v: torch.Tensor | None):
+    """``(P u, S v)`` (:mod:`tritonep.ep.autograd`): ``u [T, H]`` and ``v [T, K]`` (None: zeros) dispatched by
+    ``tritonep::dispatch`` along the routing of the dispatch ``ticket`` names, with its rows (a sync-free one's tail
+    zero). Differentiable (the dispatch op's autograd). Collective."""
+    handle, buf = get_handle(ticket), get_buffer(bid)
+    sync_free = handle.num_recv_rows is None
+    if v is None:
+        v = torch.zeros(handle.num_tokens, buf.topk, dtype=torch.float32, device=u.device)
+    rows, w, layout, _ticket = torch.ops.tritonep.dispatch(u.to(buf.dtype), handle.topk_idx, v.float(), bid,
+                                                          sync_free)
+    if sync_free:
+        real = torch.arange(rows.shape[0], device=rows.device) < layout[-1]
+        rows = torch.where(real[:, None], rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+    return rows, w
+
+
+def _dispatch_backward_setup(ctx, inputs, output):
+    _g, grad_recv_w, ticket, bid, _T = inputs
+    ctx.save_for_backward(ticket)
+    ctx.buffer_id, ctx.has_w = bid, grad_recv_w is not None
+
+
+def _dispatch_backward_backward(ctx, u, v):
+    (ticket,) = ctx.saved_tensors
+    rows, w = _redispatch(ticket, ctx.buffer_id, u, v if ctx.has_w else None)
+    return rows, (w if ctx.has_w else None), None, None, None
+
+
+dispatch_backward_op.register_autograd(_dispatch_backward_backward, setup_context=_dispatch_backward_setup)
 
 
 # ------------------------------------------------------------------------------------------------ combine
@@ -186,12 +228,22 @@ def _combine_backward_fake(grad_y, expert_out, ticket, buffer_id):
 
 def _combine_setup(ctx, inputs, output):
     expert_out, recv_weights, ticket, bid, _T = inputs
-    ctx.save_for_backward(expert_out, ticket)
+    ctx.save_for_backward(expert_out, ticket, recv_weights)
     ctx.buffer_id, ctx.w_dtype = bid, recv_weights.dtype
 
 
 def _combine_backward(ctx, grad_y):
-    expert_out, ticket = ctx.saved_tensors
+    expert_out, ticket, recv_weights = ctx.saved_tensors
+    if torch.is_grad_enabled():  # create_graph: differentiable in grad_y, the row weights and the expert rows
+        pg, _ = _redispatch(ticket, ctx.buffer_id, grad_y, None)
+        R = pg.shape[0]
+        g_eo = (recv_weights[:R, None].float() * pg.float()).to(expert_out.dtype)
+        if expert_out.shape[0] > R:
+            g_eo = torch.cat([g_eo, g_eo.new_zeros(expert_out.shape[0] - R, g_eo.shape[1])])
+        g_w = (pg.float() * expert_out[:R].float()).sum(-1)
+        if recv_weights.shape[0] > R:
+            g_w = torch.cat([g_w, g_w.new_zeros(recv_weights.shape[0] - R)])
+        return g_eo, g_w.to(ctx.w_dtype), None, None, None
     g_eo, g_w = torch.ops.tritonep.combine_backward(grad_y.to(expert_out.dtype).contiguous(), expert_out, ticket,
                                                     ctx.buffer_id)
     return g_eo, g_w.to(ctx.w_dtype), None, None, None

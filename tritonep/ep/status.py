@@ -19,8 +19,9 @@ from .. import envs
 from ..errors import CapacityError, PeerInputError, PeerTimeoutError
 from ..kernels import protocol as P
 
-STATUS_OK, STATUS_TIMEOUT, STATUS_CAPACITY, STATUS_BAD_INPUT = (
-    P.v(P.STATUS_OK), P.v(P.STATUS_TIMEOUT), P.v(P.STATUS_CAPACITY), P.v(P.STATUS_BAD_INPUT))
+STATUS_OK, STATUS_TIMEOUT, STATUS_CAPACITY, STATUS_BAD_INPUT, STATUS_COMBINE_REFUSED = (
+    P.v(P.STATUS_OK), P.v(P.STATUS_TIMEOUT), P.v(P.STATUS_CAPACITY), P.v(P.STATUS_BAD_INPUT),
+    P.v(P.STATUS_COMBINE_REFUSED))
 _CODE, _WAIT_ID, _PEER, _SEEN, _NEEDED, _SKIP_CALL, _BAD_MASK, _WAITED = (P.v(n) for n in (
     P.ST_CODE, P.ST_WAIT_ID, P.ST_PEER, P.ST_ERRORS_SEEN, P.ST_NEEDED_ROWS, P.ST_SKIP_CALL, P.ST_BAD_RANK_MASK,
     P.ST_WAITED))
@@ -97,7 +98,8 @@ def raise_for_status(status_host: torch.Tensor, rank: int, max_recv: int, what: 
     Raises:
         PeerTimeoutError: a wait gave up (message: the wait, the peer, the measured wait and the bound).
         CapacityError: a rank would receive more rows than ``max_recv``.
-        PeerInputError: some rank's input was refused (``bad_ranks`` from the status bitmask).
+        PeerInputError: some rank's input was refused (``bad_ranks`` from the status bitmask), or some rank took
+            part in a combine as refused (STATUS_COMBINE_REFUSED).
     """
     code = int(status_host[_CODE])
     if code == STATUS_OK:
@@ -108,14 +110,23 @@ def raise_for_status(status_host: torch.Tensor, rank: int, max_recv: int, what: 
         bound = resolve_timeout(timeout_s)
         raise PeerTimeoutError(
             f"{what}: rank {rank} timed out in wait {wait!r} for peer {peer} {_waited(status_host, device_type)} "
-            f"(bound {bound:g} s: timeout_s / TRITONEP_TIMEOUT_S); the buffer is now unusable",
+            f"(bound {bound:g} s: timeout_s / TRITONEP_TIMEOUT_S); the buffer is now unusable: close it and build "
+            f"a new EPBuffer on every rank",
             wait=wait, peer=peer, rank=rank)
     if code == STATUS_BAD_INPUT:
         bad = bad_ranks(status_host)
         raise PeerInputError(
             f"{what}: the input of rank(s) {bad} was refused, so this call failed on every rank (rank {rank} "
-            f"raises this; the bad rank raises the error naming its value); {_refused_call(status_host, this_call)}",
+            f"raises this; the bad rank raises the error naming its value, or, when its buffer timed out earlier, "
+            f"PeerTimeoutError: rebuild the buffers then); {_refused_call(status_host, this_call)}",
             bad_ranks=bad, rank=rank)
+    if code == STATUS_COMBINE_REFUSED:
+        bad = bad_ranks(status_host)
+        raise PeerInputError(
+            f"{what}: rank(s) {bad} took part in a combine as refused (its combine input was refused, or its code "
+            f"failed between dispatch and combine and cancelled it: EPBuffer.cancel_combine), so that combine failed "
+            f"on every rank (rank {rank} raises this; a refused rank raises the error naming its input) and its "
+            f"output is NaN; the buffer stays usable", bad_ranks=bad, rank=rank)
     if code == STATUS_CAPACITY:
         needed = int(status_host[_NEEDED])
         bad = bad_ranks(status_host)  # a later refused call's bad inputs (the code is the first refusal's)

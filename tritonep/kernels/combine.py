@@ -24,8 +24,9 @@ import triton
 import triton.language as tl
 
 from .common import RowTile, cast_rne, chunk_index, mul_rn, widen
-from .protocol import CALL_COMBINE, DONE_COMBINE_OUT, FLAG_CACK, FLAG_CDATA, STATUS_TIMEOUT, WAIT_CACK, WAIT_CDATA
-from .signal import advance_on_last, publish_epoch_one, signal_peers, wait_all_ge
+from .protocol import (CALL_COMBINE, DONE_COMBINE_OUT, FLAG_CACK, FLAG_CDATA, STATUS_COMBINE_REFUSED, STATUS_TIMEOUT,
+                       ST_BAD_RANK_MASK, WAIT_CACK, WAIT_CDATA)
+from .signal import last_program, publish_epoch_one, publish_host_status, record_error, signal_peers, wait_all_ge
 from .wirecodec import RAW_BF16, wire_load, wire_store
 
 
@@ -41,6 +42,52 @@ OutIO.__doc__ = """What :func:`out_chunk` / :func:`sum_arrived` read and write; 
     :func:`combine_out_kernel`'s parameters of the same names (``T``: this rank's token count, a runtime int; the push
     combines pass ``y_ptr`` as the unused ``wback_ptr`` / ``gtw_ptr``; ``Tmax``: token rows per source in the staging, a
     runtime int)."""
+
+
+@triton.jit
+def mark_refused(cbad_tab, m, W: tl.constexpr, RANK: tl.constexpr, WB: tl.constexpr):
+    """This rank takes part in combine number ``m`` as refused (its input was refused, or it cancelled the call):
+    ``cbad[RANK] = m`` in every OTHER rank's memory. Plain stores: the caller's later signals and publishes (block
+    barrier + release) order them, so a peer that acquired any of them sees the mark."""
+    offs = tl.arange(0, WB)
+    msk = (offs < W) & (offs != RANK)
+    bases = tl.load(cbad_tab + offs, mask=msk, other=0)
+    tl.store(bases.to(tl.pointer_type(tl.int64)) + RANK, tl.zeros([WB], tl.int64) + m, mask=msk)
+
+
+@triton.jit
+def refused_ranks(cbad_ptr, m, W: tl.constexpr, WB: tl.constexpr):
+    """``(mask, lowest)``: the int64 bitmask of the ranks that marked combine number ``m`` refused in this rank's
+    ``cbad`` (after an acquire of their signals) and the lowest of them (WB when none)."""
+    offs = tl.arange(0, WB)
+    v = tl.load(cbad_ptr + offs, mask=offs < W, other=0, volatile=True)
+    hit = (offs < W) & (v == m)
+    mask = tl.sum(tl.where(hit, tl.full((WB,), 1, tl.int64) << offs.to(tl.int64), 0), 0)
+    return mask, tl.min(tl.where(hit, offs, WB), 0)
+
+
+@triton.jit
+def record_refusal(status_ptr, mask, lowest):
+    """Record STATUS_COMBINE_REFUSED (peer: ``lowest``) and OR ``mask`` into the bad-rank bitmask (atomic: the
+    partial and output roles of one launch may both record)."""
+    if mask != 0:
+        record_error(status_ptr, STATUS_COMBINE_REFUSED, WAIT_CDATA, lowest)
+        tl.atomic_or(status_ptr + ST_BAD_RANK_MASK, mask, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def open_partial(bad, m, cbad_tab, status_ptr, W: tl.constexpr, RANK: tl.constexpr, WB: tl.constexpr):
+    """The partial side's prologue after its CACK wait: ``live`` (rows move: no timeout, not refused) and, for a
+    refused call (``bad`` 1: record it in this rank's status too, for the host's next read; 2: the host raises it
+    itself and reads nothing), the mark in every peer (:func:`mark_refused`); every program marks before its first
+    signal or publish."""
+    live = (tl.load(status_ptr) != STATUS_TIMEOUT) & (bad == 0)
+    if bad != 0:
+        mark_refused(cbad_tab, m, W, RANK, WB)
+        if bad == 1:
+            if tl.program_id(0) == 0:
+                record_refusal(status_ptr, tl.full((), 1, tl.int64) << RANK, RANK)
+    return live
 
 
 @triton.jit
@@ -122,8 +169,11 @@ def partial_step(src, c, live, m, ccflag_tab, io, tile, W: tl.constexpr, PUSH: t
 
 
 @triton.jit
-def out_chunk(c, live, io, tile, W: tl.constexpr, L: tl.constexpr, PULL: tl.constexpr, RECV_WGRAD: tl.constexpr):
-    """Output rows of this rank's token chunk ``c`` of :class:`OutIO` ``io``, see :func:`combine_out_kernel`."""
+def out_chunk(c, live, io, tile, W: tl.constexpr, L: tl.constexpr, PULL: tl.constexpr, RECV_WGRAD: tl.constexpr,
+              poison=0):
+    """Output rows of this rank's token chunk ``c`` of :class:`OutIO` ``io``, see :func:`combine_out_kernel`.
+    ``poison``: the call failed (a wait gave up, a peer refused the call): every row (and per-route scalar) of the
+    chunk is NaN, so it cannot pass for a result."""
     t, k_off, h_off, tm, m2 = chunk_index(c, io.T, tile)
     tk = t[:, None].to(tl.int64) * tile.K + k_off[None, :]
     ids = tl.load(io.topk_idx_ptr + tk, mask=m2, other=-1).to(tl.int32)
@@ -137,46 +187,63 @@ def out_chunk(c, live, io, tile, W: tl.constexpr, L: tl.constexpr, PULL: tl.cons
             base, srow = staged_partials(io.stage_tab, r, t, io.Tmax, tile, PULL)
             v = wire_load(base, srow, h0, has, tile.H, tile.BH, tile.BT, tile.WIRE, tile.HAS_TIMER, tile.HAS_TIMER)
             acc += widen(v)
+        acc = tl.where(poison != 0, float("nan"), acc)
         tl.store(io.y_ptr + t[:, None].to(tl.int64) * tile.H + h[None, :], cast_rne(acc, io.y_ptr.dtype.element_ty),
                  mask=tm[:, None] & hm[None, :])
     if RECV_WGRAD:
         g = tl.load(io.wback_ptr + ((dest * io.Tmax + t[:, None]).to(tl.int64) * tile.K + k_off[None, :]),
                     mask=m2 & (dest >= 0) & live, other=0.0)
-        tl.store(io.gtw_ptr + tk, g, mask=m2)
+        tl.store(io.gtw_ptr + tk, tl.where(poison != 0, float("nan"), g), mask=m2)
 
 
 @triton.jit
 def sum_arrived(c, m, ccflag_ptr, status_ptr, timeout, io, tile, W: tl.constexpr, L: tl.constexpr,
-                WB: tl.constexpr, RECV_WGRAD: tl.constexpr):
+                WB: tl.constexpr, RECV_WGRAD: tl.constexpr, cbad_ptr):
     """The output step of the one-launch combines (fused, decode): wait (bounded) until every rank's partial of
     this rank's token chunk ``c`` arrived (``ccflag[c, r] >= m``, the combine call number) and sum it
     (:func:`out_chunk`, push; RECV_WGRAD: also gather the per-route scalars the partial step pushed before raising
-    the flag); a wait that gives up leaves the chunk unwritten."""
+    the flag); a wait that gives up, or a rank that took part as refused (:func:`mark_refused`), makes the chunk
+    NaN. Chunk 0 (or, with no token, :func:`watch_refusals`) records a refusal in the status word: every rank's
+    program that publishes chunk 0 here marked before it. Returns the refused ranks' ``(mask, lowest)``."""
     wait_all_ge(ccflag_ptr + c * W, W, m, status_ptr, WAIT_CDATA, timeout, tile.HAS_TIMER, WB)
     live = tl.load(status_ptr) != STATUS_TIMEOUT
-    if live:
-        out_chunk(c, live, io, tile, W, L, False, RECV_WGRAD)
+    mask, lowest = refused_ranks(cbad_ptr, m, W, WB)
+    out_chunk(c, live, io, tile, W, L, False, RECV_WGRAD, (live == 0) | (mask != 0))
+    if c == 0:
+        record_refusal(status_ptr, mask, lowest)
 
 
-@triton.jit(do_not_specialize=['cdata_off', 'timeout', 'G_out', 'Tmax', 'NCmax'])
+@triton.jit
+def watch_refusals(m, ccflag_ptr, status_ptr, timeout, cbad_ptr, W: tl.constexpr, WB: tl.constexpr,
+                   HAS_TIMER: tl.constexpr):
+    """A rank with no token still learns, in the same call, whether some rank refused the one-launch combine number
+    ``m``: wait (bounded) for chunk 0's flags of every rank (every rank publishes every chunk here, also past this
+    rank's T) and record the refused ranks (:func:`sum_arrived` does it for chunk 0 when there is one)."""
+    wait_all_ge(ccflag_ptr, W, m, status_ptr, WAIT_CDATA, timeout, HAS_TIMER, WB)
+    mask, lowest = refused_ranks(cbad_ptr, m, W, WB)
+    record_refusal(status_ptr, mask, lowest)
+
+
+@triton.jit(do_not_specialize=['cdata_off', 'timeout', 'G_out', 'Tmax', 'NCmax', 'bad'])
 def combine_partial_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, gw_ptr, stage_tab, wback_tab,
                            flags_ptr, flags_tab, cdata_off, calls_ptr, status_ptr, timeout, G_out, Tmax, NCmax,
                            RANK: tl.constexpr, W: tl.constexpr, K: tl.constexpr, KB: tl.constexpr,
                            H: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr, WB: tl.constexpr,
                            PUSH: tl.constexpr, WEIGHTED: tl.constexpr, SEND_WGRAD: tl.constexpr,
                            HAS_TIMER: tl.constexpr, RB: tl.constexpr = 0, WIRE: tl.constexpr = RAW_BF16,
-                           POW2: tl.constexpr = False):
+                           POW2: tl.constexpr = False, bad=0, cbad_tab=None):
     """Expert-rank side of a combine: one partial row per (source, token) with routes here (see module docstring).
 
     PUSH writes into the source's ``stage[RANK, t]``, pull into this rank's ``stage[src, t]``; WIRE encodes the fp32
     partial (bf16 RNE, fp8, mxfp4); SEND_WGRAD also pushes ``gw[row]`` to the source's ``wback``. Signals
-    ``flags[CDATA, RANK]`` on every rank after waiting (bounded) for the previous call's readers.
+    ``flags[CDATA, RANK]`` on every rank after waiting (bounded) for the previous call's readers. ``bad`` != 0: this
+    rank takes part as refused (:func:`open_partial`: no partial row, the mark in every peer).
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     m = tl.load(calls_ptr + CALL_COMBINE) + 1  # this combine's number (combine_out_kernel advances the counter)
     wait_all_ge(flags_ptr + FLAG_CACK * W, W, (m - 1) * G_out, status_ptr, WAIT_CACK, timeout, HAS_TIMER, WB)
-    live = tl.load(status_ptr) != STATUS_TIMEOUT
+    live = open_partial(bad, m, cbad_tab, status_ptr, W, RANK, WB)
     tile: tl.constexpr = RowTile(RANK, K, KB, H, BH, BT, RB, WIRE, HAS_TIMER)
     io = PartialIO(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, gw_ptr, stage_tab, wback_tab, Tmax)
     for item in range(pid, W * NCmax, G):
@@ -185,27 +252,47 @@ def combine_partial_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, gw_ptr, stage
     signal_peers(flags_tab, cdata_off, W, RANK, WB)
 
 
-@triton.jit(do_not_specialize=['T', 'NC', 'cack_off', 'timeout', 'G_partial', 'Tmax'])
+@triton.jit
+def finish_combine(calls_ptr, DONE: tl.constexpr, m, status_ptr, host_st_ptr, ticket, HOST_ST: tl.constexpr,
+                   HAS_TIMER: tl.constexpr):
+    """The last program of a combine's last launch (a done ticket ``calls[DONE]``, :func:`last_program`) advances
+    ``calls[CALL_COMBINE]`` to ``m`` and, when the host reads this call (``ticket`` != 0), publishes the status words
+    and the ticket into the pinned host tensor (:func:`publish_host_status`): every status store of the call is
+    done (the last program's acquire covers every program's)."""
+    if last_program(calls_ptr + DONE):
+        tl.store(calls_ptr + CALL_COMBINE, m)
+        if HOST_ST > 0:
+            if ticket != 0:
+                publish_host_status(status_ptr, host_st_ptr, ticket, HOST_ST, HAS_TIMER)
+
+
+@triton.jit(do_not_specialize=['T', 'NC', 'cack_off', 'timeout', 'G_partial', 'Tmax', 'ticket'])
 def combine_out_kernel(topk_idx_ptr, y_ptr, T, NC, stage_tab, wback_ptr, gtw_ptr,
                        flags_ptr, flags_tab, cack_off, calls_ptr, status_ptr, timeout, G_partial, Tmax,
                        RANK: tl.constexpr, W: tl.constexpr, L: tl.constexpr, K: tl.constexpr, KB: tl.constexpr,
                        H: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr, WB: tl.constexpr,
                        PULL: tl.constexpr, RECV_WGRAD: tl.constexpr, HAS_TIMER: tl.constexpr,
-                       RB: tl.constexpr = 0, WIRE: tl.constexpr = RAW_BF16):
+                       RB: tl.constexpr = 0, WIRE: tl.constexpr = RAW_BF16, cbad_ptr=None, host_st_ptr=None,
+                       ticket=0, HOST_ST: tl.constexpr = 0):
     """Source side of a combine: wait for every expert rank's partials, sum them in rank order (fp32) into ``y``.
 
     PULL reads the partials from the peers' memory; RECV_WGRAD gathers the per-route scalars into ``gtw [T, K]``.
-    Tokens without a valid route get zeros. Acks every expert rank afterwards; its last program advances
-    ``calls[CALL_COMBINE]`` (no host op does).
+    Tokens without a valid route get zeros. A wait that gave up, or a rank that took part as refused (its mark in
+    ``cbad``, :func:`mark_refused`; program 0 records it), makes every output NaN. Acks every expert rank
+    afterwards; its last program advances ``calls[CALL_COMBINE]`` (no host op does) and publishes the status for the
+    host's read of an eager combine (:func:`finish_combine`).
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     m = tl.load(calls_ptr + CALL_COMBINE) + 1  # this combine's number; its last program advances the counter
     wait_all_ge(flags_ptr + FLAG_CDATA * W, W, m * G_partial, status_ptr, WAIT_CDATA, timeout, HAS_TIMER, WB)
     live = tl.load(status_ptr) != STATUS_TIMEOUT
+    mask, lowest = refused_ranks(cbad_ptr, m, W, WB)
+    if pid == 0:
+        record_refusal(status_ptr, mask, lowest)
     tile: tl.constexpr = RowTile(RANK, K, KB, H, BH, BT, RB, WIRE, HAS_TIMER)
     io = OutIO(topk_idx_ptr, y_ptr, T, stage_tab, wback_ptr, gtw_ptr, Tmax)
     for c in range(pid, NC, G):
-        out_chunk(c, live, io, tile, W, L, PULL, RECV_WGRAD)
+        out_chunk(c, live, io, tile, W, L, PULL, RECV_WGRAD, (live == 0) | (mask != 0))
     signal_peers(flags_tab, cack_off, W, RANK, WB)
-    advance_on_last(calls_ptr, DONE_COMBINE_OUT, CALL_COMBINE, m)
+    finish_combine(calls_ptr, DONE_COMBINE_OUT, m, status_ptr, host_st_ptr, ticket, HOST_ST, HAS_TIMER)

@@ -50,7 +50,7 @@ from .common import RowTile
 from .dispatch import ExpandIO, SendIO, expand_arrived, open_send, send_chunk, zero_padding
 from .layout import layout_tiles, record_verdict, refused_call, store_layout
 from .protocol import (CALL_DISPATCH, CALL_EXCHANGE, DONE_DECODE_DISPATCH, FLAG_COUNTS, ST_ROWS_RECEIVED,
-                       WAIT_COUNTS)
+                       STATUS_TIMEOUT, WAIT_COUNTS)
 from .signal import finish_launch, publish_epoch, publish_host_status, signal_peers, wait_ge
 from .wirecodec import RAW_BF16
 
@@ -93,15 +93,17 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
 
     Inputs: ``x [T, H]`` bf16, ``topk_idx [T, K]`` int32/int64, ``topk_weights [T, K]`` fp32 (T <= Tmax <= TB),
     ``host_bad`` (1 = the host refused this rank's input), ``max_recv`` (rows a rank may receive), ``nrows_w``
-    (length of ``out_w``: its entries past the rows received are zeroed here, so the host allocates it without a
-    memset and a captured dispatch is one graph node). Outputs as the two-kernel path: ``rows [T, K]``,
+    (length of ``out_w`` and rows of ``out`` / ``q`` / ``s``: no row at or past it is written; the entries of
+    ``out_w`` past the rows received are zeroed here, so the host allocates it without a memset and a captured
+    dispatch is one graph node). Outputs as the two-kernel path: ``rows [T, K]``,
     ``out``/``out_w`` (or ``q``/``s`` with KEEP_Q), the handle's ``hmeta``/``hwts``/``hntok``,
     ``num_tokens_per_expert``/``expert_offsets`` [L] int32, ``rows_needed`` [W],
     ``counts_out`` int32 ``[W, E]``, rows received in ``status[ST_ROWS_RECEIVED]``. Scratch owned by one program:
     ``pre[c]`` (chunk c's program) and ``hist[pid]`` (its send base), hence ``G <= NCmax``.
     Errors (status word, read by the host): STATUS_BAD_INPUT / STATUS_CAPACITY (no row moves on any rank),
     STATUS_TIMEOUT with the wait id and the peer. COPY: the last program also writes the handle's own copy of the routing
-    (``idx_out [T, K]`` int32, ids outside ``[-1, E)`` as -1; ``w_out [T, K]`` float32), as
+    (``idx_out [T, K]`` int32, ids outside ``[-1, E)`` as -1, every id of a refused call -1: its layout is empty;
+    ``w_out [T, K]`` float32), as
     :func:`tritonep.kernels.layout.chunk_hist_kernel` does on the other paths. ``host_st_ptr`` (not None; HOST_ST: the number
     of status words the host reads, as :func:`tritonep.kernels.layout.exchange_kernel`): program 0 publishes ``status[:HOST_ST]`` and then ``ticket`` into the pinned host tensor
     ``host_st_ptr`` once the verdict is recorded, before any row moves (:func:`tritonep.kernels.signal.
@@ -122,16 +124,7 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
     m2d = (d_off[:, None] < W) & (j_off[None, :] < L)
     e2d = d_off[:, None] * L + j_off[None, :]
     h2, bad = _own_histogram(topk_idx_ptr, T, T, K, KB, E, L, TB, WB, LB)
-    bad += host_bad
-    if COPY:
-        if pid == G - 1:  # not program 0: its work until the host publish is the host read's latency
-            tt = tl.arange(0, TB)
-            kk = tl.arange(0, KB)
-            mc = (tt < T)[:, None] & (kk[None, :] < K)
-            oc = tt[:, None].to(tl.int64) * K + kk[None, :]
-            wide = tl.load(topk_idx_ptr + oc, mask=mc, other=-1)
-            tl.store(idx_out_ptr + oc, tl.where((wide >= -1) & (wide < E), wide, -1).to(tl.int32), mask=mc)
-            tl.store(w_out_ptr + oc, tl.load(topk_w_ptr + oc, mask=mc, other=0.0), mask=mc)
+    bad += host_bad + (tl.load(status_ptr) == STATUS_TIMEOUT).to(tl.int32)  # as exchange_kernel: a timed-out rank
     # 1) the counts exchange: program 0 publishes this rank's row; everyone waits for the other ranks' rows
     if pid == 0:
         for d in range(W):
@@ -152,9 +145,20 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
     badv = tl.load(counts_ptr + cbuf + s_off * E1 + E, mask=(s_off < W) & (s_off != RANK) & (ok != 0), other=0)
     badv = tl.where(s_off == RANK, bad, badv)
     refused = refused_call(badv, rows, max_recv, W, WB)
+    if COPY:
+        if pid == G - 1:  # not program 0: its work until the host publish is the host read's latency
+            tt = tl.arange(0, TB)
+            kk = tl.arange(0, KB)
+            mc = (tt < T)[:, None] & (kk[None, :] < K)
+            oc = tt[:, None].to(tl.int64) * K + kk[None, :]
+            wide = tl.load(topk_idx_ptr + oc, mask=mc, other=-1)
+            # a refused call routes nowhere (its handle addresses no row: tritonep.kernels.dispatch.send_chunk)
+            keep = (wide >= -1) & (wide < E) & (refused == 0)
+            tl.store(idx_out_ptr + oc, tl.where(keep, wide, -1).to(tl.int32), mask=mc)
+            tl.store(w_out_ptr + oc, tl.load(topk_w_ptr + oc, mask=mc, other=0.0), mask=mc)
     if pid == 0:
         store_layout(total, aligned, rows, ntpe_ptr, offs_ptr, rows_needed_ptr, status_ptr + ST_ROWS_RECEIVED, RANK,
-                     W, L, WB, LB)
+                     W, L, WB, LB, refused)
         record_verdict(badv, rows, max_recv, status_ptr, n, True, W, WB)
         if host_st_ptr is not None:
             publish_host_status(status_ptr, host_st_ptr, ticket, HOST_ST, HAS_TIMER)
@@ -180,7 +184,7 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
     # 4) expand the same chunk numbers of every source (published by program pid of that source)
     skip = timed_out | refused
     expand_io = ExpandIO(x_ptr, stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_ptr, out_w_ptr, hmeta_ptr, hwts_ptr,
-                         hntok_ptr, out_ptr, out_w_ptr, q_ptr, s_ptr, Tmax)
+                         hntok_ptr, out_ptr, out_w_ptr, q_ptr, s_ptr, Tmax, nrows_w)
     for c in range(pid, NCmax, G):
         for src in range(W):
             expand_arrived(src, c, n, skip, cflag_ptr, NCmax, status_ptr, timeout, expand_io, tile, KEEP_Q, False)

@@ -45,11 +45,13 @@ SendIO.__doc__ = """What :func:`send_chunk` reads and writes; the fields are the
 
 
 ExpandIO = namedtuple("ExpandIO", "x_ptr stage_ptr meta_ptr wts_ptr ntok_ptr out_ptr out_w_ptr hmeta_ptr hwts_ptr "
-                                  "hntok_ptr eo_ptr gw_ptr q_ptr s_ptr Tmax")
+                                  "hntok_ptr eo_ptr gw_ptr q_ptr s_ptr Tmax nrows")
 ExpandIO.__doc__ = """What :func:`expand_item` / :func:`expand_arrived` / :func:`zero_padding` read and write; the
     fields are :func:`dispatch_expand_kernel`'s parameters of the same names (a kernel without the backward modes passes
     ``out_ptr`` / ``out_w_ptr`` as ``eo_ptr`` / ``gw_ptr``, unused there; ``q_ptr`` / ``s_ptr`` are None unless KEEP_Q;
-    ``Tmax``: token rows per source in the staging and metadata, a runtime int)."""
+    ``Tmax``: token rows per source in the staging and metadata, a runtime int; ``nrows``: the rows of the outputs
+    (``out`` / ``q`` / ``s`` / ``out_w``, and ``eo`` / ``gw`` of the combine backward) the caller allocated, a runtime
+    int: no row at or past it is ever written or read, whatever the layout says)."""
 
 
 @triton.jit
@@ -82,17 +84,25 @@ def open_send(n, G_expand, refused, writer, T, flags_ptr, status_ptr, ntok_tab, 
 
 @triton.jit
 def send_chunk(c, live, io, tile, W: tl.constexpr, E: tl.constexpr, L: tl.constexpr, COMPUTE_ROWS: tl.constexpr,
-               POW2: tl.constexpr):
+               POW2: tl.constexpr, OWN_IDX: tl.constexpr = False):
     """Send token chunk ``c`` (tokens ``[c*BT, c*BT+BT)``) of :class:`SendIO` ``io``: rows/weights metadata and the
     wire row to every destination rank that the token routes to (see :func:`dispatch_send_kernel`); ``tile``: the
     :class:`tritonep.kernels.common.RowTile` (HAS_TIMER, True exactly on the GPU, selects the wire's inline-PTX
-    encoder: same bits)."""
+    encoder: same bits).
+
+    A call that moves no rows (``live`` 0: refused or timed out) routes nowhere: its rows (COMPUTE_ROWS) and the
+    metadata every destination receives are -1, and with OWN_IDX (``io.topk_idx_ptr`` is the handle's own int32 copy
+    of the routing, not the caller's tensor) that copy is set to -1 too, so the combine and both backward passes of
+    the refused call's handle address no row and read no stale partial (a token without routes combines to 0)."""
     R: tl.constexpr = tile.BT * tile.KB
     t, k_off, h_off, tm, m2 = chunk_index(c, io.T, tile)
     tk = t[:, None].to(tl.int64) * tile.K + k_off[None, :]
     ids = tl.load(io.topk_idx_ptr + tk, mask=m2, other=-1).to(tl.int32)
-    valid = (ids >= 0) & (ids < E)  # ids outside [-1, E) are refused by the counts exchange, never followed
+    valid = (ids >= 0) & (ids < E) & (live != 0)  # ids outside [-1, E) are refused by the counts exchange
     ids = tl.where(valid, ids, -1)
+    if OWN_IDX:
+        if live == 0:
+            tl.store(io.topk_idx_ptr + tk, ids, mask=m2)
     if COMPUTE_ROWS:
         fid = tl.reshape(ids, (R,))
         fv = fid >= 0
@@ -166,7 +176,9 @@ def expand_item(src, c, Ts, skip, io, tile, SCALE: tl.constexpr, DOT: tl.constex
     t, k_off, h_off, tm, m2 = chunk_index(c, Ts, tile)
     off = (src * io.Tmax + t[:, None]).to(tl.int64) * tile.K + k_off[None, :]
     rows = tl.load(io.meta_ptr + off, mask=m2, other=-1)
-    rows = tl.where(skip, -1, rows)
+    # every access below is bounded by the rows the caller allocated (a route past them is dropped, also from the
+    # handle's copy, so the combine never reads past the expert rows either)
+    rows = tl.where(skip | (rows >= io.nrows), -1, rows)
     w = tl.load(io.wts_ptr + off, mask=m2, other=0.0)
     if KEEP_HANDLE:
         tl.store(io.hmeta_ptr + off, rows, mask=m2)
@@ -233,7 +245,7 @@ def zero_padding(pid, G, io, ntpe_ptr, offs_ptr, tile, L: tl.constexpr, BA: tl.c
     h_off = tl.arange(0, tile.BH)
     a_off = tl.arange(0, BA)
     for j in range(pid, L, G):
-        end = tl.load(offs_ptr + j)
+        end = tl.minimum(tl.load(offs_ptr + j), io.nrows)
         begin = tl.load(offs_ptr + j - 1, mask=j > 0, other=0)
         real_end = begin + tl.load(ntpe_ptr + j)
         r = real_end + a_off
@@ -308,7 +320,7 @@ def dispatch_send_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, NC, pre_p
     io = SendIO(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, pre_ptr, send_base_ptr, stage_tab, meta_tab, wts_tab,
                 Tmax)
     for c in range(pid, NC, G):
-        send_chunk(c, live, io, tile, W, E, L, COMPUTE_ROWS, POW2)
+        send_chunk(c, live, io, tile, W, E, L, COMPUTE_ROWS, POW2, COMPUTE_ROWS)
     signal_peers(flags_tab, data_off, W, RANK, WB)
 
 
@@ -332,7 +344,9 @@ def dispatch_expand_kernel(x_ptr, stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_pt
     ``q_ptr``/``s_ptr``), ``out_w[row]`` = route weight (not with DOT), DOT: ``gw[row] = <staged row, eo[row]>``;
     KEEP_HANDLE copies the routing metadata into the handle; A > 1 zeroes the alignment padding rows. DOT (the
     combine backward) writes every one of its ``nrows`` output rows (:func:`zero_unwritten`: padding and the rows
-    past the layout's end are zero), so its outputs need no zero fill. Then acks every source.
+    past the layout's end are zero), so its outputs need no zero fill. ``nrows``: the rows of the outputs (``out``,
+    ``q``/``s``, ``out_w``; DOT: ``out``, ``eo``, ``gw``): no row at or past it is written or read. Then acks every
+    source.
     PF: prefetch the next hidden tile of each source row (:func:`expand_item`). ``ADV``: as
     :func:`dispatch_send_kernel`; this kernel's last program advances ``calls[CALL_DISPATCH]`` and acks every source
     once for ``GA`` programs (the senders wait for ``grid_expand`` acks per call), so its grid may differ.
@@ -348,7 +362,7 @@ def dispatch_expand_kernel(x_ptr, stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_pt
             tl.store(hntok_ptr + w_off, tl.load(ntok_ptr + w_off, mask=w_off < W, other=0), mask=w_off < W)
     tile: tl.constexpr = RowTile(RANK, K, KB, H, BH, BT, RB, WIRE, HAS_TIMER)
     io = ExpandIO(x_ptr, stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_ptr, out_w_ptr, hmeta_ptr, hwts_ptr, hntok_ptr,
-                  eo_ptr, gw_ptr, q_ptr, s_ptr, Tmax)
+                  eo_ptr, gw_ptr, q_ptr, s_ptr, Tmax, nrows)
     for item in range(pid, W * NCmax, G):
         src = item // NCmax
         c = item % NCmax

@@ -36,7 +36,7 @@ from .wirecodec import RAW_BF16
 
 
 @triton.jit(do_not_specialize=['T', 'data_off', 'ack_off', 'timeout', 'G_send_std', 'G_expand_std', 'Tmax',
-                               'NCmax'])
+                               'NCmax', 'nrows'])
 def dispatch_fused_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, pre_ptr, send_base_ptr,
                           stage_tab, meta_tab, wts_tab, ntok_tab, cflag_tab, cflag_ptr,
                           stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_ptr, out_w_ptr, hmeta_ptr, hwts_ptr,
@@ -48,12 +48,13 @@ def dispatch_fused_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, pre_ptr,
                           BT: tl.constexpr, WB: tl.constexpr, BA: tl.constexpr, A: tl.constexpr,
                           HAS_TIMER: tl.constexpr, RB: tl.constexpr, WIRE: tl.constexpr = RAW_BF16,
                           POW2: tl.constexpr = False, KEEP_Q: tl.constexpr = False, q_ptr=None, s_ptr=None,
-                          PF: tl.constexpr = False):
+                          PF: tl.constexpr = False, nrows=0):
     """Forward dispatch in one launch (see the module docstring); grid ``GS + GE`` programs, ``GS`` senders.
 
     Sender side as :func:`tritonep.kernels.dispatch.dispatch_send_kernel` with COMPUTE_ROWS (every sender also
     writes ``ntok[RANK] = T`` in every destination before its first flag); receiver side as
-    :func:`tritonep.kernels.dispatch.dispatch_expand_kernel` with KEEP_HANDLE (no backward modes).
+    :func:`tritonep.kernels.dispatch.dispatch_expand_kernel` with KEEP_HANDLE (no backward modes); ``nrows``: the
+    rows of ``out`` / ``q`` / ``s`` / ``out_w`` (no row at or past it is written).
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
@@ -65,7 +66,7 @@ def dispatch_fused_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, pre_ptr,
                          wts_tab, Tmax)
         for c in range(pid, NCmax, GS):
             if c * BT < T:
-                send_chunk(c, live, send_io, tile, W, E, L, True, POW2)
+                send_chunk(c, live, send_io, tile, W, E, L, True, POW2, True)
             publish_epoch(cflag_tab, W, RANK * NCmax + c, n, WB)
         signal_peers(flags_tab, data_off, W, RANK, WB)
     else:
@@ -73,7 +74,7 @@ def dispatch_fused_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, pre_ptr,
         GE = G - GS
         skip = (tl.load(status_ptr) == STATUS_TIMEOUT) | (tl.load(status_ptr + ST_SKIP_CALL) == n)
         expand_io = ExpandIO(x_ptr, stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_ptr, out_w_ptr, hmeta_ptr, hwts_ptr,
-                             hntok_ptr, out_ptr, out_w_ptr, q_ptr, s_ptr, Tmax)
+                             hntok_ptr, out_ptr, out_w_ptr, q_ptr, s_ptr, Tmax, nrows)
         for item in range(e, W * NCmax, GE):
             c = item // W
             src = item % W

@@ -37,7 +37,7 @@ import triton.language as tl
 
 from .. import envs
 from .protocol import (CALL_EXCHANGE, DONE_EXCHANGE, ST_BAD_RANK_MASK, ST_NEEDED_ROWS, ST_SKIP_CALL, ST_THIS_CALL,
-                       STATUS_BAD_INPUT, STATUS_CAPACITY, WAIT_COUNTS)
+                       STATUS_BAD_INPUT, STATUS_CAPACITY, STATUS_TIMEOUT, WAIT_COUNTS)
 from .signal import publish_host_status, record_error, signal_peers, wait_all_ge
 
 __all__ = ["chunk_hist_kernel", "exchange_kernel", "exchange_tiles", "layout_tiles", "store_layout", "refused_call", "record_verdict"]
@@ -147,7 +147,9 @@ def exchange_kernel(hist_ptr, NC, counts_tab, flags_ptr, flags_tab, flag_off, ca
     # blocks are independent): the time of this part is its dependent memory round trips, one per block when NCB
     # covers every chunk (exchange_tiles). Program 0 also sums the input-error column.
     c_off = tl.arange(0, NCB)
-    bad = host_bad + tl.zeros((), dtype=tl.int32)
+    # a rank whose buffer timed out earlier (a wait that gave up, not read yet) flags its row too: its data kernels
+    # would skip their rows while signalling, so its peers refuse the call instead of taking stale rows
+    bad = host_bad + (tl.load(status_ptr) == STATUS_TIMEOUT).to(tl.int32)
     for e0 in range(pid * EBLK, EB, G * EBLK):
         eb = e0 + tl.arange(0, EBLK)
         carry = tl.zeros((EBLK,), dtype=tl.int32)
@@ -204,14 +206,17 @@ def _exchange_finish(counts_tab, flags_ptr, flags_tab, flag_off, n, cbuf, status
     total, aligned, seg_start, prefix, rows = layout_tiles(c3, s_off, RANK, A)
     m2d = (d_off[:, None] < W) & (j_off[None, :] < L)
     tl.store(send_base_ptr + d_off[:, None] * L + j_off[None, :], seg_start + prefix, mask=m2d)
-    store_layout(total, aligned, rows, ntpe_ptr, offs_ptr, rows_needed_ptr, rows_out_ptr, RANK, W, L, WB, LB)
+    # input errors of any rank (column E), then capacity: every rank sees the same matrix, so the same verdict; a
+    # refused call's layout is empty (no segment, no row received), so nothing later addresses the refused rows
+    badv = tl.load(counts_local + cbuf + s_off * E1 + E, mask=(s_off < W) & (ok != 0), other=0)
+    refused = refused_call(badv, rows, max_recv, W, WB)
+    store_layout(total, aligned, rows, ntpe_ptr, offs_ptr, rows_needed_ptr, rows_out_ptr, RANK, W, L, WB, LB,
+                 refused)
     if counts_out_ptr is not None:  # the whole [W, E] matrix in one tile (one round trip)
         eb = tl.arange(0, EB)
         m = (s_off[:, None] < W) & (eb[None, :] < E)
         v = tl.load(counts_local + cbuf + s_off[:, None] * E1 + eb[None, :], mask=m & (ok != 0), other=0)
         tl.store(counts_out_ptr + s_off[:, None] * E + eb[None, :], v, mask=m)
-    # input errors of any rank (column E), then capacity: every rank sees the same matrix, so the same verdict
-    badv = tl.load(counts_local + cbuf + s_off * E1 + E, mask=(s_off < W) & (ok != 0), other=0)
     if dcall_ptr is not None:
         record_verdict(badv, rows, max_recv, status_ptr, tl.load(dcall_ptr), True, W, WB)
     else:
@@ -238,19 +243,22 @@ def layout_tiles(c3, s_off, RANK, A: tl.constexpr):
 
 @triton.jit
 def store_layout(total, aligned, rows, ntpe_ptr, offs_ptr, rows_needed_ptr, rows_out_ptr, RANK, W: tl.constexpr,
-                 L: tl.constexpr, WB: tl.constexpr, LB: tl.constexpr):
+                 L: tl.constexpr, WB: tl.constexpr, LB: tl.constexpr, refused=0):
     """Store this rank's receive layout from :func:`layout_tiles`: ``num_tokens_per_expert`` (int32 ``[L]``),
     ``expert_offsets`` (cumulative aligned ends, int32 ``[L]``), ``rows_needed`` (int64 ``[W]``) and, when
-    ``rows_out_ptr`` is not None, the rows this rank receives (int64, one word)."""
+    ``rows_out_ptr`` is not None, the rows this rank receives (int64, one word). ``refused`` (the call's verdict,
+    :func:`refused_call`): the layout stored is the empty one (segment sizes, offsets and rows received 0), so a
+    refused call's outputs, handle and backward passes address no row (``rows_needed`` keeps the rows asked for)."""
     d_off = tl.arange(0, WB)
     j_off = tl.arange(0, LB)
     tl.store(rows_needed_ptr + d_off, rows.to(tl.int64), mask=d_off < W)
-    mine_total = tl.sum(tl.where(d_off[:, None] == RANK, total, 0), 0)  # [LB]
-    mine_aligned = tl.sum(tl.where(d_off[:, None] == RANK, aligned, 0), 0)
+    keep = refused == 0
+    mine_total = tl.sum(tl.where((d_off[:, None] == RANK) & keep, total, 0), 0)  # [LB]
+    mine_aligned = tl.sum(tl.where((d_off[:, None] == RANK) & keep, aligned, 0), 0)
     tl.store(ntpe_ptr + j_off, mine_total, mask=j_off < L)
     tl.store(offs_ptr + j_off, tl.cumsum(mine_aligned, 0), mask=j_off < L)
     if rows_out_ptr is not None:
-        tl.store(rows_out_ptr, tl.sum(tl.where(d_off == RANK, rows, 0), 0).to(tl.int64))
+        tl.store(rows_out_ptr, tl.sum(tl.where((d_off == RANK) & keep, rows, 0), 0).to(tl.int64))
 
 
 @triton.jit

@@ -65,8 +65,8 @@ def _scatter_rows(src, out_ptr, p, pm, rr, hs, he, S: tl.constexpr, N: tl.conste
             tl.store(out_ptr + rk.to(tl.int64)[:, None] * N + h[None, :], v, mask=(rk >= 0)[:, None] & hm[None, :])
 
 
-@triton.jit(do_not_specialize=["Nr", "HC"])
-def route_unpack_kernel(recv_ptr, src0_ptr, src1_ptr, out0_ptr, out1_ptr, out_w_ptr, rr_ptr, rw_ptr, lay_ptr, Nr, HC,
+@triton.jit(do_not_specialize=["Nr", "HC", "NR"])
+def route_unpack_kernel(recv_ptr, src0_ptr, src1_ptr, out0_ptr, out1_ptr, out_w_ptr, rr_ptr, rw_ptr, lay_ptr, Nr, HC, NR,
                         K: tl.constexpr, KB: tl.constexpr, E: tl.constexpr, L: tl.constexpr,
                         RANK: tl.constexpr, BP: tl.constexpr, META: tl.constexpr, ROW32: tl.constexpr,
                         S0: tl.constexpr, C0: tl.constexpr, N0: tl.constexpr, S1: tl.constexpr, C1: tl.constexpr,
@@ -113,7 +113,9 @@ def route_unpack_kernel(recv_ptr, src0_ptr, src1_ptr, out0_ptr, out1_ptr, out_w_
         rows = tl.load(mb, mask=ml, other=-1)
         ids = tl.load(mb + K, mask=ml, other=-1)
         w = tl.load(mb + 2 * K, mask=ml, other=0).to(tl.float32, bitcast=True)
-        here = ml & (ids >= 0) & (ids < E) & (ids // L == RANK)
+        # NR: the rows of the outputs (a route past them is dropped: no write outside the rows given, whatever
+        # the packet says; the route's -1 in ``rr`` keeps combine and the backward passes inside them too)
+        here = ml & (ids >= 0) & (ids < E) & (ids // L == RANK) & (rows < NR)
         rr = tl.where(here, rows, -1)
         pk = p.to(tl.int64)[:, None] * K + k_off[None, :]
         tl.store(rr_ptr + pk, rr, mask=m2 & col0)

@@ -33,7 +33,11 @@ it (the host reads them at once: a dispatch's verdict launch, the counts exchang
 dispatch's program 0, publishes them with a ticket into pinned host memory,
 :func:`tritonep.kernels.signal.publish_host_status`):
 ``[code, wait_id, peer, errors_seen, needed_rows, skip_call, bad_rank_mask, waited, rows_received, this_call]``.
-Codes are ``STATUS_*``. ``skip_call`` is the number (``calls[CALL_DISPATCH]``) of the dispatch a refusal skipped;
+Codes are ``STATUS_*``; ``STATUS_COMBINE_REFUSED``: some rank took part in a combine as refused (its input was
+refused, or it cancelled the combine), ``peer`` the lowest such rank, their bits in ``bad_rank_mask``; the
+``cbad`` region (int64 ``[W]`` per rank) carries it: a refused rank stores the combine's number ``m`` into
+``cbad[RANK]`` of every peer before it signals, and every rank's output side compares ``cbad[r] == m``.
+``skip_call`` is the number (``calls[CALL_DISPATCH]``) of the dispatch a refusal skipped;
 ``this_call`` the number of the dispatch whose verdict launch published last: equal, the refusal is that call's
 own; ``skip_call`` lower, it is an earlier call's that nobody read (sync-free, sync checks off, a graph replay) and
 this call's rows moved.
@@ -54,6 +58,7 @@ STATUS_OK = tl.constexpr(0)
 STATUS_TIMEOUT = tl.constexpr(1)
 STATUS_CAPACITY = tl.constexpr(2)
 STATUS_BAD_INPUT = tl.constexpr(3)
+STATUS_COMBINE_REFUSED = tl.constexpr(4)  # a rank refused (or cancelled) a combine: its outputs are NaN everywhere
 
 # flag rows of an EPBuffer's flags region
 FLAG_COUNTS = tl.constexpr(0)

@@ -18,8 +18,8 @@ import triton
 import triton.language as tl
 
 from .common import kernels_interpreted
-from .protocol import (STATUS_BAD_INPUT, STATUS_CAPACITY, STATUS_TIMEOUT, ST_ERRORS_SEEN, ST_PEER, ST_WAIT_ID,
-                       ST_WAITED, TICKET_ARRIVALS, TICKET_CALL_SHIFT)
+from .protocol import (STATUS_BAD_INPUT, STATUS_CAPACITY, STATUS_COMBINE_REFUSED, STATUS_TIMEOUT, ST_ERRORS_SEEN,
+                       ST_PEER, ST_WAIT_ID, ST_WAITED, TICKET_ARRIVALS, TICKET_CALL_SHIFT)
 
 if kernels_interpreted():
     _POLL_PAUSE_S = 1e-3  # a poll round of an interpreted wait sleeps this long first
@@ -75,14 +75,15 @@ def poll_ns(HAS_TIMER: tl.constexpr):
 def record_error(status_ptr, code, wait_id, peer):
     """Record the first error of this buffer: status = [code, wait_id, peer, count]; returns 1 if this call's error
     is the recorded one (the first), else 0. A timeout (fatal) also replaces a recorded refusal (STATUS_CAPACITY /
-    STATUS_BAD_INPUT, reported once by the next read): a refusal nobody read must not hide a lost peer."""
+    STATUS_BAD_INPUT / STATUS_COMBINE_REFUSED, reported once by the next read): a refusal nobody read must not hide a
+    lost peer."""
     zero = tl.zeros((), dtype=tl.int64)
     old = tl.atomic_cas(status_ptr, zero, zero + code, sem="acq_rel", scope="gpu")
     if code == STATUS_TIMEOUT:
         # a timeout is fatal and replaces a refusal nobody read yet (sync-free, sync checks off, graph replays;
         # refusals are reported once, then cleared): kept, the refusal hid the timeout from the next read, which
         # then raised the refusal and let the call's data kernels run on a layout the timed-out wait never completed
-        if (old == STATUS_CAPACITY) | (old == STATUS_BAD_INPUT):
+        if (old == STATUS_CAPACITY) | (old == STATUS_BAD_INPUT) | (old == STATUS_COMBINE_REFUSED):
             if tl.atomic_cas(status_ptr, old, zero + code, sem="acq_rel", scope="gpu") == old:
                 old = zero
     if old == 0:
@@ -214,14 +215,16 @@ def finish_launch(calls_ptr, DONE: tl.constexpr, CALL_A: tl.constexpr, a, CALL_B
     (DATA/ACK, CDATA/CACK), signalled once for the whole grid when every program has finished (a G-weighted add
     from an unfinished grid would let a waiter pass early). Every program read the counters before it counts itself
     done, and ``calls[DONE]`` only ever advances by whole launches of the same grid, so the program that sees
-    ``old % G == G - 1`` is the last."""
-    if last_program(calls_ptr + DONE):
+    ``old % G == G - 1`` is the last. Returns whether this program was the last."""
+    last = last_program(calls_ptr + DONE)
+    if last:
         tl.store(calls_ptr + CALL_A, a)
         if TWO:
             tl.store(calls_ptr + CALL_B, b)
         G = tl.num_programs(0).to(tl.int64)
         signal_peers(flags_tab, off_1, W, RANK, WB, G)
         signal_peers(flags_tab, off_2, W, RANK, WB, G)
+    return last
 
 
 @triton.jit

@@ -39,20 +39,42 @@ HF_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3")
 
 _ACTS = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu"}
 
+# config fields that change what one MoE block computes but have no counterpart here: ``config_from_hf`` refuses
+# a model whose value differs from the one the layer computes (``field -> (the values honoured, why)``); a caller
+# who accepts the difference passes the field in ``ignore``. Fields it maps are read in config_from_hf itself
+# (Mixtral's ``router_jitter_noise`` -> ``RouterConfig.jitter_noise``); fields of the model around the block
+# (which layers are MoE: ``decoder_sparse_step``, ``mlp_only_layers``, ``first_k_dense_replace``, ``moe_layer_freq``;
+# attention, norms) and ``output_router_logits`` / ``router_aux_loss_coef`` (the ``aux_loss`` argument) are not the
+# block's.
+_UNSUPPORTED = {
+    "deepseek_v3": {
+        "scoring_func": (("sigmoid",), "the deepseek_v3 router scores with a sigmoid"),
+        "topk_method": (("noaux_tc",), "the deepseek_v3 router picks with the correction bias and group limit "
+                                        "(noaux_tc)"),
+    },
+}
 
-def config_from_hf(config, max_tokens_per_rank: int, aux_loss: bool = False, **recipe_kwargs
-                   ) -> tuple[MoERecipe, MoEGeometry]:
+
+def config_from_hf(config, max_tokens_per_rank: int, aux_loss: bool = False, ignore: tuple = (),
+                   **recipe_kwargs) -> tuple[MoERecipe, MoEGeometry]:
     """The :class:`MoERecipe` / :class:`MoEGeometry` of one MoE block of a transformers model config.
+
+    Every config field that changes what the block computes is either mapped (sizes, activation, router kind and
+    options, shared experts, Mixtral's ``router_jitter_noise`` as ``RouterConfig.jitter_noise``) or, when its
+    value is one the layer does not compute (e.g. a DeepSeek ``scoring_func`` other than ``"sigmoid"``), refused.
 
     Args:
         config: a transformers ``PretrainedConfig`` of a model in :data:`HF_MODEL_TYPES` (read by attribute only;
             transformers itself is not imported).
         max_tokens_per_rank: the layer's static token capacity per rank and call.
         aux_loss: take the model's ``router_aux_loss_coef`` as ``RouterConfig.aux_loss_coef`` (models that have one).
+        ignore: names of config fields whose value may differ from what the layer computes (the caller accepts
+            the difference; e.g. ``("router_jitter_noise",)`` trains a Mixtral block without its jitter).
         **recipe_kwargs: the other :class:`MoERecipe` fields (wires, combine, balance, ...).
 
     Raises:
-        ConfigError: an unknown ``model_type`` or ``hidden_act``.
+        ConfigError: an unknown ``model_type`` or ``hidden_act``; a field the layer does not compute with the
+            model's value (named with the value and what the layer computes instead), unless in ``ignore``.
     """
     mt = getattr(config, "model_type", None)
     if mt not in HF_MODEL_TYPES:
@@ -61,10 +83,18 @@ def config_from_hf(config, max_tokens_per_rank: int, aux_loss: bool = False, **r
     if act is None:
         raise ConfigError(f"config.hidden_act={config.hidden_act!r} has no gated expert activation here "
                           f"(known: {sorted(_ACTS)})")
+    ignore = (ignore,) if isinstance(ignore, str) else tuple(ignore)
+    for field, (ok, what) in _UNSUPPORTED.get(mt, {}).items():
+        v = getattr(config, field, None)
+        if v is not None and v not in ok and field not in ignore:
+            raise ConfigError(f"config.{field}={v!r} ({mt}) is not supported: {what}; pass ignore=({field!r},) to "
+                              f"build the layer anyway")
     coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if aux_loss else 0.0
     shared, gate = 0, False
     if mt == "mixtral":
-        E, inter, router = config.num_local_experts, config.intermediate_size, RouterConfig(aux_loss_coef=coef)
+        jitter = 0.0 if "router_jitter_noise" in ignore else float(getattr(config, "router_jitter_noise", 0.0) or 0.0)
+        E, inter = config.num_local_experts, config.intermediate_size
+        router = RouterConfig(aux_loss_coef=coef, jitter_noise=jitter)
     elif mt == "deepseek_v3":
         E, inter = config.n_routed_experts, config.moe_intermediate_size
         shared = config.n_shared_experts * config.moe_intermediate_size

@@ -51,8 +51,8 @@ from .layer_parts import _ACT_DTYPE, expert_weights, layer_required_bytes, take_
 from .layer_status import consume_refusal, strict_check
 from .layer_virtual import plan_routes, read_split, row_parts
 from .losses import attach_aux_loss, switch_aux_loss
-from .params import (EXPERT_WEIGHTS, expert_load_state_dict_pre_hook, expert_parameters, expert_state_dict_hook,
-                     local_expert_ids)
+from .params import (EXPERT_WEIGHTS, expert_load_state_dict_post_hook, expert_load_state_dict_pre_hook,
+                     expert_parameters, expert_state_dict_hook, local_expert_ids)
 from .recipe import MoEGeometry, MoERecipe, check_config
 from .routers import build_router
 from .saved import SavedForwards
@@ -163,6 +163,7 @@ class MoELayer(nn.Module):
         self.last_aux_loss = None
         self.register_state_dict_post_hook(expert_state_dict_hook)
         self.register_load_state_dict_pre_hook(expert_load_state_dict_pre_hook)
+        self.register_load_state_dict_post_hook(expert_load_state_dict_post_hook)
 
     @property
     def expert_ids(self) -> range:
@@ -275,51 +276,89 @@ class MoELayer(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor | None = None,
                 topk_weights: torch.Tensor | None = None) -> torch.Tensor:
-        """``y [T, H] = sum_k topk_weights[t, k] * expert(topk_idx[t, k])(x[t])`` (``+ shared(x)[t]``) across the EP
-        group.
+        """``y[t] = sum_k topk_weights[t, k] * expert(topk_idx[t, k])(x[t])`` (``+ shared(x)[t]``) across the EP
+        group, for every token ``t`` of ``x``'s leading dimensions.
 
         Collective: every rank of the group calls it (T may be 0 on some ranks).
 
         Args:
-            x: ``[T, H]`` bfloat16, ``T <= max_tokens_per_rank``.
-            topk_idx, topk_weights: ``[T, K]`` routing (int64 ids in ``[-1, E)``, float32 weights) to use instead of
-                the router (e.g. a real trace); give both or neither.
+            x: ``[..., H]`` (e.g. transformers' ``[B, S, H]``; T = the product of the leading dimensions,
+                ``T <= max_tokens_per_rank``) bfloat16, float16 or float32. The router and the shared experts see
+                ``x`` as given; the tokens travel and meet the experts as bfloat16 (the expert rows' dtype).
+            topk_idx, topk_weights: ``[..., K]`` routing (int64 ids in ``[-1, E)``, float32 weights; the leading
+                dimensions as ``x``'s) to use instead of the router (e.g. a real trace); give both or neither.
 
         Returns:
-            ``[T, H]`` bfloat16, differentiable w.r.t. x, topk_weights (router weight when routed here), w1, w2 and
-            the shared experts; with ``recipe.router.aux_loss_coef > 0`` (training, routed here) its backward also
-            adds the aux loss's gradient (:mod:`tritonep.moe.losses`).
+            ``x``'s shape and dtype (the routed and shared sums added in float32, rounded once to ``x``'s dtype),
+            differentiable w.r.t. x, topk_weights (router weight when routed here), w1, w2 and the shared experts;
+            with ``recipe.router.aux_loss_coef > 0`` (training, routed here) its backward also adds the aux loss's
+            gradient (:mod:`tritonep.moe.losses`). Training with ``recipe.router.jitter_noise > 0`` multiplies ``x``
+            by uniform noise in ``[1 - eps, 1 + eps]`` first (Mixtral's ``router_jitter_noise``: router and experts
+            see the same jittered tokens).
 
         Raises:
-            InputError: only one routing tensor given, or bad shapes / dtypes (see ``EPBuffer.dispatch``).
+            InputError: only one routing tensor given, ``x`` not ``[..., H]`` or of another dtype, or bad routing
+                shapes / dtypes (see ``EPBuffer.dispatch``); raised on every rank (the others: PeerInputError).
             CapacityError, PeerTimeoutError, BufferStateError: from the buffer. PlanError: from the planner.
         """
         if self._closed:
             raise BufferStateError("MoELayer is closed")
         routed = None
+        shape = dtype = None
         try:
             if (topk_idx is None) != (topk_weights is None):
                 raise InputError("give both topk_idx and topk_weights, or neither (then the router routes)")
+            if not isinstance(x, torch.Tensor):
+                raise InputError(f"x must be torch.Tensor, got {type(x).__name__}")
+            shape, dtype = x.shape, x.dtype
+            x = self._tokens(x)
+            if topk_idx is not None:
+                topk_idx, topk_weights = (self._routing(t, shape) for t in (topk_idx, topk_weights))
+            eps = self.recipe.router.jitter_noise
+            if eps > 0 and self.training:
+                x = x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps)
             if topk_idx is None:
                 routed = self.router(x, full=True)
                 topk_idx, topk_weights = routed.topk_idx, routed.topk_weights
-            bad = [n for n, t in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights))
+            bad = [n for n, t in (("topk_idx", topk_idx), ("topk_weights", topk_weights))
                    if not isinstance(t, torch.Tensor)]
             if bad:
                 raise InputError(f"{', '.join(bad)} must be torch.Tensor, got "
-                                 f"{[type(t).__name__ for t in (x, topk_idx, topk_weights)]}")
+                                 f"{[type(t).__name__ for t in (topk_idx, topk_weights)]}")
         except (InputError, CapacityError) as e:  # every rank fails this call together (docs/protocols.md (host protocol rule))
             self._take_part_refused(e)
-        save = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weights, self.w1, self.w2))
-        y, _ticket = ops.moe_layer_forward(x, topk_idx, topk_weights, self.w1, self.w2, self.layer_id, save)
+        xb = x if x.dtype == _ACT_DTYPE else x.to(_ACT_DTYPE)  # the tokens travel as bf16
+        save = torch.is_grad_enabled() and any(t.requires_grad for t in (xb, topk_weights, self.w1, self.w2))
+        y, _ticket = ops.moe_layer_forward(xb, topk_idx, topk_weights, self.w1, self.w2, self.layer_id, save)
         if self.shared is not None:
-            y = (y.float() + self.shared(x).float()).to(y.dtype)
+            y = y.float() + self.shared(x).float()
+        y = y.to(dtype)
+        if y.shape != shape:
+            y = y.reshape(shape)
         coef = self.recipe.router.aux_loss_coef
         if routed is not None and coef > 0 and self.training and torch.is_grad_enabled():
             aux = switch_aux_loss(routed.probs, topk_idx, self.geometry.num_experts)
             self.last_aux_loss = aux.detach()
             y = attach_aux_loss(y, aux, coef)
         return y
+
+    _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+    def _tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., H]`` as ``[T, H]`` (a view when possible). Raises InputError naming the shape or dtype."""
+        H = self.geometry.hidden
+        if x.dim() < 1 or x.shape[-1] != H:
+            raise InputError(f"x must be [..., hidden={H}], got shape {tuple(x.shape)}")
+        if x.dtype not in self._INPUT_DTYPES:
+            raise InputError(f"x has dtype {x.dtype}; the layer takes {[str(d) for d in self._INPUT_DTYPES]}")
+        return x if x.dim() == 2 else x.reshape(-1, H)
+
+    def _routing(self, t, shape) -> torch.Tensor:
+        """A routing tensor ``[..., K]`` whose leading dimensions are ``x``'s (``shape``) as ``[T, K]``; anything
+        else is returned as is (the dispatch's checks name it)."""
+        if isinstance(t, torch.Tensor) and t.dim() != 2 and t.dim() == len(shape) and t.shape[:-1] == shape[:-1]:
+            return t.reshape(-1, t.shape[-1])
+        return t
 
     def _record(self, t, d, split):
         # t: start, planned, dispatched, pushed, gemm done, combined
@@ -353,9 +392,15 @@ class MoELayer(nn.Module):
                 views = self.transport.slot_views(split.num_used)
                 w1s, w2s = (w1, views["w1"]), (w2, views["w2"])
             t.append(self._now() if self.virtual else t[-1])
-            bounds, offs = row_parts(self, d, split)
-            eo, hs = expert_ffn_parts_forward(d.x, bounds, offs, w1s, w2s,
-                                              self.buffer.expert_out_buffer(d.x.shape[0]), self.geometry.activation)
+            try:
+                bounds, offs = row_parts(self, d, split)
+                eo, hs = expert_ffn_parts_forward(d.x, bounds, offs, w1s, w2s,
+                                                  self.buffer.expert_out_buffer(d.x.shape[0]),
+                                                  self.geometry.activation)
+            except Exception:  # this rank failed between dispatch and combine (e.g. out of memory in its experts):
+                # it still takes part in the combine, so the peers fail the call at once instead of waiting for it
+                self.buffer.cancel_combine(d.handle, kind=self.recipe.combine)
+                raise
             t.append(self._now())
             y = self.buffer.combine(eo, d.handle, kind=self.recipe.combine)
             t.append(self._now())

@@ -29,7 +29,7 @@ import weakref
 
 import torch
 
-from ..errors import BufferStateError, ConfigError
+from ..errors import BackendError, BufferStateError, ConfigError
 
 __all__ = ["register_layer", "unregister_layer", "get_layer", "moe_layer_forward", "moe_layer_backward"]
 
@@ -105,3 +105,19 @@ def _backward(ctx, grad_y, _grad_ticket):
 
 
 moe_layer_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _no_double_backward(ctx, *grads):
+    raise BackendError("MoELayer has no second-order gradient: a backward through a gradient the layer computed "
+                       "with create_graph=True (gradient penalty, Hessian-vector product) is not supported; its "
+                       "expert FFN backward is one opaque op. EPBuffer.dispatch / combine (and the tritonep::dispatch "
+                       "/ combine ops) around torch experts support it")
+
+
+def _no_setup(ctx, inputs, output):
+    pass
+
+
+# the backward op is differentiable only in the sense that autograd refuses clearly: without a registration torch
+# raises an untyped error, and a gradient made with create_graph=True must never silently lose its second order
+moe_layer_backward.register_autograd(_no_double_backward, setup_context=_no_setup)

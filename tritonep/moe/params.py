@@ -22,8 +22,9 @@ replicated=False)`` after backward. FSDP2: docs/moe.md (the experts' FSDP module
 Checkpoint keys: a layer's ``state_dict`` holds its experts under their GLOBAL id, ``<prefix>experts.<e>.w1``
 (``[H, width]``) and ``<prefix>experts.<e>.w2`` (``[I, H]``), views of the parameters (so ``torch.distributed.checkpoint``
 loads in place), instead of a rank-local ``w1`` that every rank would save under the same name. Loading takes this
-rank's experts from such keys and ignores other experts' keys, so a checkpoint saved at one EP size loads at any other
-(and a full single-file state dict loads on every rank).
+rank's experts from such keys and ignores the keys of the model's other experts, so a checkpoint saved at one EP size
+loads at any other (and a full single-file state dict loads on every rank); keys of experts the model does not have
+are unexpected, this rank's absent expert keys missing (torch's ``strict`` rules).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = ["expert_parameters", "replicated_parameters", "expert_parameter_names", "reduce_gradients",
-           "expert_state_dict_hook", "expert_load_state_dict_pre_hook", "EXPERT_WEIGHTS"]
+           "expert_state_dict_hook", "expert_load_state_dict_pre_hook", "expert_load_state_dict_post_hook",
+           "EXPERT_WEIGHTS"]
 
 EXPERT_WEIGHTS = ("w1", "w2")
 """The expert-parallel parameter names of a :class:`tritonep.MoELayer`."""
@@ -123,25 +125,44 @@ def expert_state_dict_hook(layer, state_dict: dict, prefix: str, local_metadata)
 def expert_load_state_dict_pre_hook(layer, state_dict: dict, prefix: str, local_metadata, strict, missing_keys,
                                     unexpected_keys, error_msgs) -> None:
     """``load_state_dict`` pre-hook of MoELayer: stack this rank's experts' global-id keys into ``<prefix>w1`` /
-    ``<prefix>w2`` and drop the keys of experts other ranks hold. A missing expert key is reported in
-    ``missing_keys`` (and ``w1`` / ``w2`` stay unloaded)."""
+    ``<prefix>w2`` and drop the keys of the model's experts other ranks hold (a checkpoint of any EP size loads).
+
+    Reported as torch reports them (``strict=True`` raises, naming them; ``strict=False`` returns them): a key of an
+    expert id outside the model's ``[0, num_experts)`` or of an unknown weight name stays in ``state_dict`` and is an
+    unexpected key; a missing expert key of this rank is a missing key under its own name
+    (``<prefix>experts.<e>.w1``: :func:`expert_load_state_dict_post_hook` puts it in place of ``<prefix>w1``, which
+    then stays unloaded)."""
     local = set(layer.expert_ids)
+    E = layer.num_local_experts * layer.world_size
     head = prefix + "experts."
     for key in [k for k in state_dict if k.startswith(head)]:
         parts = key[len(head):].split(".")
-        if len(parts) == 2 and parts[0].isdigit() and parts[1] in EXPERT_WEIGHTS and int(parts[0]) not in local:
+        if len(parts) == 2 and parts[0].isdigit() and parts[1] in EXPERT_WEIGHTS and int(parts[0]) < E \
+                and int(parts[0]) not in local:
             del state_dict[key]
+    layer._missing_expert_keys = missing = {}
     for name in EXPERT_WEIGHTS:
         keys = [_key(prefix, e, name) for e in layer.expert_ids]
         present = [k for k in keys if k in state_dict]
-        if not present:
-            continue
         if len(present) < len(keys):
-            missing_keys.extend(k for k in keys if k not in state_dict)
+            missing[prefix + name] = [k for k in keys if k not in state_dict]
             for k in present:
                 del state_dict[k]
             continue
         state_dict[prefix + name] = torch.stack([state_dict.pop(k) for k in keys])
+
+
+def expert_load_state_dict_post_hook(layer, incompatible_keys) -> None:
+    """``load_state_dict`` post-hook of MoELayer: a stacked ``<prefix>w1`` / ``<prefix>w2`` torch found missing is
+    reported as the expert keys it lacked (the names ``state_dict()`` gives), in place (torch then raises with
+    ``strict=True``)."""
+    missing = getattr(layer, "_missing_expert_keys", None) or {}
+    layer._missing_expert_keys = None
+    keys = incompatible_keys.missing_keys
+    for stacked, expert_keys in missing.items():
+        if stacked in keys:
+            keys.remove(stacked)
+        keys.extend(k for k in expert_keys if k not in keys)
 
 
 def local_expert_ids(layer) -> Iterator[int]:

@@ -65,6 +65,9 @@ class RouterConfig:
         bias_update_rate: ``deepseek_v3`` only: aux-loss-free balancing (DeepSeek-V3, section 2.1.2): per
             :func:`tritonep.moe.update_router_biases` call every expert's correction bias moves by this amount
             towards balance (``gamma`` in the paper, 0.001 there); 0 (default) = the bias is not updated.
+        jitter_noise: training only: the layer multiplies its input tokens by uniform noise in
+            ``[1 - jitter_noise, 1 + jitter_noise]`` before routing (router and experts see the same tokens), as
+            Mixtral's ``router_jitter_noise``; in ``[0, 1)``, 0 (default) = off.
 
     Raises:
         ConfigError: at construction, an unknown kind, a value of the wrong type or sign, group options on a
@@ -79,6 +82,7 @@ class RouterConfig:
     routed_scaling_factor: float = 1.0
     aux_loss_coef: float = 0.0
     bias_update_rate: float = 0.0
+    jitter_noise: float = 0.0
 
     def __post_init__(self):
         self.check()
@@ -95,6 +99,9 @@ class RouterConfig:
         _real(o, "routed_scaling_factor", self.routed_scaling_factor, positive=True)
         _real(o, "aux_loss_coef", self.aux_loss_coef, positive=False)
         _real(o, "bias_update_rate", self.bias_update_rate, positive=False)
+        _real(o, "jitter_noise", self.jitter_noise, positive=False)
+        if not self.jitter_noise < 1:
+            raise ConfigError(f"{o}.jitter_noise={self.jitter_noise} must be in [0, 1)")
         if self.topk_group > self.n_group:
             raise ConfigError(f"{o}.topk_group={self.topk_group} exceeds {o}.n_group={self.n_group}")
         if self.kind == "softmax_topk" and (self.n_group, self.topk_group) != (1, 1):

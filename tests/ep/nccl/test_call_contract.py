@@ -161,9 +161,10 @@ def _reads(group):
 
 
 def test_host_reads_per_call():
-    """One host read per dispatch (the counts matrix), none in combine or either backward."""
+    """One host read per dispatch (the counts matrix), one per eager combine (every rank's refused flag), none in
+    either backward."""
     for reads in run_cpu_world(2, _reads):
-        assert reads == [(1, 0, 0), (1, 0, 0)], reads
+        assert reads == [(1, 1, 0), (1, 1, 0)], reads
 
 
 def _host_syncs(group):

@@ -10,7 +10,8 @@ Pinned here (world 2, bf16; a rank with tokens and one without):
 * dispatch: exactly one all_gather (the counts matrix) then one all_to_all (the packets, counts of the layout in the
   host plan), one host read, two copies: the read of the gathered matrix and the host->device copy of the plan
   vector. The handle's own copy of the routing is written by the pack launch, not by two clones.
-* combine: one all_to_all, no host read, no copy.
+* combine: one all_to_all, then one all_gather of every rank's refused flag (tritonep/ep/nccl/combine.py), no copy;
+  one host read (the flags) when eager, none sync-free.
 * a rank with an expert id outside ``[-1, E)``: every rank runs the same one all_gather and nothing else (no rows
   move), then raises its typed error; the next dispatch is counted as above.
 """
@@ -79,7 +80,7 @@ def _calls(group, T0, T1, bad_rank):
         w.fill_(7.0)
         out["handle_copy"] = torch.equal(h.topk_idx, idx_before) and torch.equal(h.topk_weights, w_before)
         eo = (o.float() * 0.5).to(torch.bfloat16)
-        measure("combine", lambda: impl.combine_fwd(eo, h))
+        measure("combine", lambda: impl.combine_fwd(eo, h, read=True))  # eager, as EPBuffer.combine passes
     buf.close()
     return out
 
@@ -91,7 +92,8 @@ def test_nccl_dispatch_one_gather_one_a2a_one_read(tokens):
         d, c = out["dispatch"], out["combine"]
         assert d["collectives"] == ["_allgather_base_", "alltoall_base_"], (rank, d)
         assert d["reads"] == 1 and d["copies"] == 2 and d["err"] is None, (rank, d)
-        assert c["collectives"] == ["alltoall_base_"] and c["reads"] == 0 and c["copies"] == 0, (rank, c)
+        assert c["collectives"] == ["alltoall_base_", "_allgather_base_"], (rank, c)
+        assert c["reads"] == 1 and c["copies"] == 0, (rank, c)
         assert out["handle_copy"], rank
 
 

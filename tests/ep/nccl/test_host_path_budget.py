@@ -23,7 +23,9 @@ caller may refill its routing tensors in place after dispatch): 17 torch calls =
 device->host copy, 11 allocations (8 + the host->device copy + the 2 tensors of the routing copy, which the pack
 launch writes: no clone kernels), a split and a view of the plan
 vector, one shape read. Combine: the pipeline is ~9 torch ops (zeros, gather, float, mul, index_add_, cast, collective,
-zero_, index_add_); here 2 launches, 1 collective, 3 allocations (the send and receive rows and the output).
+zero_, index_add_); here 2 launches, 1 collective, 3 allocations (the send and receive rows and the output), plus the
+one all_gather of every rank's refused flag and, eager, its one host read (a peer that refused raises in the call;
+sync-free: a NaN fill and the flags ORed into the pending ones on the device, 3 torch calls).
 
 Sync-free dispatch (``sync_free=True``, :mod:`tritonep.ep.nccl.sync_free`): no host read and no host->device copy (the
 layout is computed by one more launch, the device plan), the send / receive rows persistent, the
@@ -54,7 +56,8 @@ from tritonep.testing import run_cpu_world
 BUDGET = {
     "dispatch": (17, 11, 3, 1),  # 8 empties + the plan copy + the handle's own routing (2 empty_like, written by
     # the pack launch); all_gather, device->host copy, split, view, a2a
-    "combine": (4, 3, 2, 0),  # send, back, y; a2a
+    "combine": (6, 3, 2, 1),  # send, back, y; a2a; the refused-flag all_gather and its one read (an eager
+    # combine: a peer that took part as refused raises in the call, tritonep/ep/nccl/combine.py)
     "dispatch_bwd": (7, 4, 2, 0),  # + the weight gradients; contiguous() of the autograd gradients (2)
     "combine_bwd": (6, 4, 2, 0),  # send, recv, grad_expert_out, grad_w; a2a
     # sync-free: no host read, no host->device copy; count, plan, pack, unpack launches; the send /
@@ -63,15 +66,16 @@ BUDGET = {
     "sf_dispatch": (9, 0, 4, 0),  # pooled outputs; all_gather, 2 aliases (rows, row weights), 2 shape reads (the
     # a2a is bound: no torch call), 4 requires_grad reads of the pooled float tensors (pool.py _Set.marked: property
     # reads, not torch ops)
-    "sf_combine": (4, 3, 2, 0),  # the same calls as on a synced handle (equal splits)
+    "sf_combine": (8, 3, 2, 0),  # as on a synced handle (equal splits), without the read: the flags' any, the NaN
+    # fill and the OR into the pending flags instead (on the device)
     "sf_dispatch_bwd": (7, 4, 2, 0),
     "sf_combine_bwd": (6, 4, 2, 0),
 }
 # a rank without tokens: no count launch (one fill of the counts row), no pack, no sum; it still unpacks and
 # reduces the rows it receives
-BUDGET_EMPTY = {"dispatch": (14, 7, 1, 1), "combine": (4, 3, 1, 0), "dispatch_bwd": (7, 4, 1, 0),
+BUDGET_EMPTY = {"dispatch": (14, 7, 1, 1), "combine": (6, 3, 1, 1), "dispatch_bwd": (7, 4, 1, 0),
                 "combine_bwd": (6, 4, 1, 0),
-                "sf_dispatch": (11, 6, 2, 0), "sf_combine": (4, 3, 1, 0), "sf_dispatch_bwd": (7, 4, 1, 0),
+                "sf_dispatch": (11, 6, 2, 0), "sf_combine": (8, 3, 1, 0), "sf_dispatch_bwd": (7, 4, 1, 0),
                 "sf_combine_bwd": (6, 4, 1, 0)}
 
 # the one-hop sync-free mode (TRITONEP_NCCL_SYNC_FREE=onehop): send and receive launches, one collective, no
@@ -79,9 +83,9 @@ BUDGET_EMPTY = {"dispatch": (14, 7, 1, 1), "combine": (4, 3, 1, 0), "dispatch_bw
 # as int32, packets, per-slot rows, ntpe, offsets, counts), the rows and the routing ids' copy
 BUDGET_ONEHOP = {"sf_dispatch": (8, 0, 2, 0),  # pooled outputs; 2 aliases, 2 shape reads (the a2a is bound), 4
                  # requires_grad reads of the pooled float tensors (pool.py _Set.marked)
-                 "sf_combine": (4, 3, 2, 0), "sf_dispatch_bwd": (7, 4, 2, 0), "sf_combine_bwd": (6, 4, 2, 0)}
+                 "sf_combine": (8, 3, 2, 0), "sf_dispatch_bwd": (7, 4, 2, 0), "sf_combine_bwd": (6, 4, 2, 0)}
 # a rank without tokens: its outputs are pooled too (fixed sizes)
-BUDGET_ONEHOP_EMPTY = {"sf_dispatch": (8, 0, 2, 0), "sf_combine": (4, 3, 1, 0), "sf_dispatch_bwd": (7, 4, 1, 0),
+BUDGET_ONEHOP_EMPTY = {"sf_dispatch": (8, 0, 2, 0), "sf_combine": (8, 3, 1, 0), "sf_dispatch_bwd": (7, 4, 1, 0),
                        "sf_combine_bwd": (6, 4, 1, 0)}
 
 
@@ -119,7 +123,7 @@ def _count_calls(group, x, idx, w, T, log, mode):
 
         o, ow, _, _, h = measure("dispatch", lambda: impl.dispatch_fwd(x, idx, w, True))
         eo = (o.float() * 0.5).to(torch.bfloat16)
-        measure("combine", lambda: impl.combine_fwd(eo, h))
+        measure("combine", lambda: impl.combine_fwd(eo, h, read=True))  # eager (what EPBuffer.combine passes)
         measure("dispatch_bwd", lambda: impl.dispatch_bwd(eo, ow, h))
         gy = torch.randn(T, 64).to(torch.bfloat16)
         measure("combine_bwd", lambda: impl.combine_bwd(gy, eo, h))

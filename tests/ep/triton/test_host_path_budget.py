@@ -12,6 +12,9 @@ synced dispatch are a field of the handle storage, their view made while the lau
 combine output), so a dispatch makes one allocation (none on the decode geometry) and returns two slices
 (``rows[:R]``, ``weights[:R]``). The combine / combine-backward slice is the measuring caller's ``expert_out[:rows]``.
 A caller that keeps every output gets fresh allocations (``test_output_pool.py``).
+An eager combine (its handle's dispatch read the host) reads its status once at its end: one host read and no further
+torch call (a spin on the ticket its last launch publishes, as the dispatch's read), so a peer that refused the call
+or never arrived raises in the call on every rank (tests/ep/test_failed_peer.py).
 """
 
 import pytest
@@ -27,7 +30,8 @@ BUDGET = {
     "dispatch": (19, 2, 1, 4, 1),  # rows (the storage block and its views: the output pool's; +1: the pooled row
     # weights' requires_grad read, pool.py _Set.marked, a property read, not a torch op)
     "dispatch_sync_free": (18, 2, 2, 4, 0),  # rows + zeroed row weights, no read (+1 requires_grad read, as above)
-    "combine": (9, 2, 1, 2, 0),  # the output; partial, out (the counter advances in the out kernel)
+    "combine": (9, 2, 1, 2, 1),  # the output; partial, out (the counter advances in the out kernel); one read
+    # (the eager combine's status, published by its last launch: a peer's refusal or timeout raises in the call)
     "dispatch_bwd": (12, 2, 2, 2, 0),  # grad_x, grad_topk_weights
     "combine_bwd": (13, 3, 2, 2, 0),  # grad rows, grad weights (both empty: the expand writes every row); send, expand
 }
@@ -39,7 +43,8 @@ BUDGET_DECODE = {
     "dispatch": (19, 2, 0, 1, 1),  # storage + rows: ONE set of the shared pool; one launch; one read; rows[:R],
     # weights[:R]; +2: the requires_grad reads of the pooled row weights and rows (pool.py _Set.marked)
     "dispatch_sync_free": (19, 2, 0, 1, 0),  # the same two slices (fresh views of the pooled tensors), as above
-    "combine": (9, 2, 0, 1, 0),  # the output: a slice of a pooled block; one launch; +1 its requires_grad read
+    "combine": (9, 2, 0, 1, 1),  # the output: a slice of a pooled block; one launch; +1 its requires_grad read;
+    # one host read (the eager combine's status)
     "dispatch_bwd": (12, 2, 2, 1, 0),  # grad_x, grad_topk_weights; one launch (the decode combine, unweighted)
     "combine_bwd": (13, 3, 2, 2, 0),
 }

@@ -32,6 +32,8 @@ all_to_all as DeepEP's fp8 dispatch does; the fixed per-call host path of vLLM's
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -121,11 +123,16 @@ class NcclEP(NcclSyncFree, NcclCombine):
         # the gathered matrix and the status word (sync-free refusals) share one device block: the synced
         # dispatch's one device->host copy reads both
         ng = W * self._ncols
-        self._dev_block = torch.zeros(ng + status_size(W), dtype=torch.int32, device=dev)
-        self._gathered, self._status = self._dev_block[:ng], self._dev_block[ng:]
-        self._host = torch.empty(ng + status_size(W), dtype=torch.int32, pin_memory=self._cuda)
+        # ... and, after them, the refused-combine flags nobody read yet (tritonep.ep.nccl.combine: a sync-free
+        # combine ORs every rank's refused flag in, on the device)
+        ns = ng + status_size(W)
+        self._dev_block = torch.zeros(ns + W, dtype=torch.int32, device=dev)
+        self._gathered, self._status, self._cpending = (self._dev_block[:ng], self._dev_block[ng:ns],
+                                                        self._dev_block[ns:])
+        self._host = torch.empty(ns + W, dtype=torch.int32, pin_memory=self._cuda)
         self._host_np = self._host.numpy()[:ng].reshape(W, self._ncols)
-        self._host_st = self._host.numpy()[ng:]
+        self._host_st = self._host.numpy()[ng:ns]
+        self._host_pend = self._host.numpy()[ns:]
         self._plan_t = torch.zeros(plan_size(W, E), dtype=torch.int32, pin_memory=self._cuda)
         self._plan_np = self._plan_t.numpy()
         self._plan_stream = None  # raw CUDA stream of the last plan copy (0 is the default stream; None: none)
@@ -136,6 +143,12 @@ class NcclEP(NcclSyncFree, NcclCombine):
         self._no_w = torch.empty(0, K, dtype=torch.float32, device=dev)
         self._no_send = torch.empty(0, self._lay.width, dtype=torch.uint8, device=dev)
         self._eo: torch.Tensor | None = None
+        # a combine's refused flag and every rank's (persistent: made here, normal tensors also for a buffer used
+        # in inference mode; tritonep.ep.nccl.combine)
+        flag = torch.tensor([0, 1], dtype=torch.int32, device=dev)
+        self._cflag_ok, self._cflag_bad = flag[:1], flag[1:]  # what a good / a refused rank sends (no op per call)
+        self._cflags = torch.zeros(W, dtype=torch.int32, device=dev)
+        self._last_handle = None  # weak reference to the latest dispatch's handle (a cancelled combine's splits)
         self._init_sync_free()
         self.closed = False
 
@@ -243,7 +256,9 @@ class NcclEP(NcclSyncFree, NcclCombine):
         if self.closed:
             raise BufferStateError(f"EPBuffer on rank {self.rank} is closed")
         if sync is None:
-            return self._dispatch_sync_free(x, topk_idx, topk_weights, keep_quantized, bad_input)
+            res = self._dispatch_sync_free(x, topk_idx, topk_weights, keep_quantized, bad_input)
+            self._last_handle = weakref.ref(res[4])
+            return res
         dev = self.device
         if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise BackendError("the nccl backend's synced dispatch cannot be captured in a CUDA graph: all_to_all "
@@ -263,6 +278,8 @@ class NcclEP(NcclSyncFree, NcclCombine):
         if self._host_st[0]:
             self._status.zero_()
             self._raise_status(self._host_st.tolist(), "dispatch")
+        if self._host_pend.any():  # a sync-free combine some rank refused, nobody read yet: nothing moves
+            self._raise_pending(self._host_pend.tolist(), "dispatch")
         if m[:, E + W:].any():
             self._raise_bad(m, topk_idx, bad_input)
         if self._plan_stream is not None:
@@ -321,10 +338,11 @@ class NcclEP(NcclSyncFree, NcclCombine):
             srcs, widths = ([(fmt.dequantize_rows(recv, H, self.cfg.dtype), 0, H)] if R else []), (H,)
         if R:
             self._unpacker.unpack(recv, srcs, [out] if sc is None else [out, sc], widths, out_w, rr, rw, plan, Nr,
-                                  zero_row, ut)
+                                  zero_row, ut, R=R)
         handle = NcclHandle._new(topk_idx=idx_c, topk_weights=w_c, rows=rows,
                                  counts=counts.view(W, E), num_tokens=T, num_recv_rows=R, x_scales=sc,
                                  recv_weights=out_w, buffer_id=self.buffer_id, send_splits=send_splits,
                                  recv_splits=recv_splits, num_send=Ns, num_recv=Nr, pkt=pkt, recv_rows=rr,
                                  recv_w=rw)
+        self._last_handle = weakref.ref(handle)
         return out, out_w, ntpe, offs, handle

@@ -6,13 +6,22 @@ the combine wire), the partials go back with one ``all_to_all_single`` and the s
 gradients back in the same rows; the combine backward moves ``grad_y`` forward along the dispatch's packets
 (:mod:`tritonep.ep.nccl.unpack`). Per call on the GPU: the output and two row buffers allocated, two launches, one
 collective; nothing read on the host.
+
+A forward combine also gathers one int32 per rank (one more small collective, every rank, every combine): 1 for a
+rank that takes part as refused (its combine input was refused, or it cancelled the call: :meth:`combine_refused`;
+its partial rows are NaN bytes, it computes none). An eager combine (a synced dispatch's handle) reads the gathered
+flags on the host (one read) and raises PeerInputError naming the refused ranks on every rank; a sync-free one reads
+nothing: its output is NaN on every rank and the refusal is merged into the status word (the next :meth:`check` or
+synced dispatch raises it everywhere).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ...errors import BufferStateError
+from ...errors import BackendError, BufferStateError
+from ..status import STATUS_COMBINE_REFUSED
+from .collectives import all_gather_flat
 from .pack import local_partials, sum_partials
 
 __all__ = ["NcclCombine"]
@@ -23,7 +32,7 @@ class NcclCombine:
     ``device``, ``dtype`` (bfloat16: expert outputs and gradients have it), ``combine_wire``, ``use_triton``,
     ``closed``, ``rank``, ``A``, ``_cuda``, ``_launch``, ``_unpacker``, ``_combine_rows``, ``_a2a``)."""
 
-    def _combine(self, eo, handle, weighted, gw=None, wire="bf16"):
+    def _combine(self, eo, handle, weighted, gw=None, wire="bf16", bad=False, read=False, record_own=True):
         """Partials (+ per-route scalars ``gw[row]``) back to the sources; returns ``(y [T, H], gtw [T, K] | None)``.
 
         Args:
@@ -31,6 +40,8 @@ class NcclCombine:
             handle: the dispatch's handle; weighted: multiply by the route weights (combine) or not (backward).
             gw: float32 ``[R]`` per-row scalars to return per route (dispatch backward), or None.
             wire: "bf16" moves the partial rounded to bf16; a quantized wire quantizes the fp32 partial (its twin).
+            bad: this rank takes part as refused (NaN partial rows, the flag set); read / record_own: see
+                :meth:`_combine_flags` (forward combines only: ``weighted``).
         """
         if self.closed:
             raise BufferStateError(f"EPBuffer on rank {self.rank} is closed")
@@ -40,7 +51,9 @@ class NcclCombine:
         Ns, Nr = handle.num_send, handle.num_recv
         fmt, lay, part_lay = self._combine_rows[(wire, gw is not None)]
         send = torch.empty(Nr, lay.width, dtype=torch.uint8, device=dev)
-        if not fmt.quantized:  # the kernel writes the rounded partials (and the scalars) straight into the send rows
+        if bad:  # a refused rank: all-ones bytes are NaN in every wire's payload and scales (bf16, fp32, e4m3, e8m0)
+            send.fill_(255)
+        elif not fmt.quantized:  # the kernel writes the rounded partials (and the scalars) straight into the send rows
             local_partials(self._launch, eo, handle.recv_rows, handle.recv_w, send, lay, bf, weighted, ut, Nr, H, K,
                            self._cuda, gw)
         else:  # fp32 partials, quantized by the twin (combine wires only: the backward passes move bf16)
@@ -59,15 +72,59 @@ class NcclCombine:
         else:  # dequantized straight to fp32
             sum_partials(self._launch, fmt.dequantize_rows(back, H, torch.float32), torch.float32, H, handle.pkt, y,
                          ut, T, H, K, Ns)
+        if weighted:
+            self._combine_flags(y, bad, read, record_own)
         return y, gtw
 
-    def combine_fwd(self, expert_out, handle, kind=None):
+    def _combine_flags(self, y, bad: bool, read: bool, record_own: bool):
+        """Every rank's refused flag of this combine (one ``all_gather`` of an int32, every rank). ``read`` (an
+        eager combine): the host reads them and raises PeerInputError naming the refused ranks (a refused rank
+        raises its own error instead); else the output is NaN when any rank refused and the refusal is merged into
+        the status word on the device (``record_own`` False: a refused rank whose peers raise in this call does not
+        keep it either)."""
+        W = self.cfg.world_size
+        all_gather_flat(self._cflags, self._cflag_bad if bad else self._cflag_ok, self.group)
+        if read:
+            self.host_reads += 1
+            flags = self._cflags.tolist()
+            refused = [r for r in range(W) if flags[r]]
+            if refused and not bad:
+                self._raise_pending(flags, "combine")
+            return
+        if bad and not record_own:
+            return
+        y.masked_fill_(self._cflags.any(), float("nan"))  # no host read: the output cannot pass for a result
+        self._cpending.bitwise_or_(self._cflags)  # read by the next check() / synced dispatch (_raise_pending)
+
+    def _raise_pending(self, flags: list, what: str):
+        """Raise (once: the flags are cleared) the refused combine the pending flags ``flags`` (host, ``[W]``)
+        record: PeerInputError naming the ranks that took part as refused."""
+        self._cpending.zero_()
+        W = self.cfg.world_size
+        refused = [r for r in range(W) if flags[r]]
+        self._raise_status([STATUS_COMBINE_REFUSED, refused[0], 1, 0] + [0] * W + [1 if f else 0 for f in flags],
+                           what)
+
+    def combine_refused(self, kind=None, record_own=True, handle=None):
+        """Take part in this call's combine as refused (:meth:`tritonep.EPBuffer.cancel_combine`): the same
+        collectives as the peers' combine, NaN partial rows, the refused flag set. ``handle``: the call's handle on
+        this rank, or None (the latest dispatch's: the split sizes must be the peers')."""
+        if handle is None:
+            handle = self._last_handle() if self._last_handle is not None else None
+        if handle is None:
+            raise BackendError(f"rank {self.rank}: no dispatch handle to cancel the combine of (the nccl backend needs "
+                               f"the dispatch's split sizes to take part); pass the handle")
+        self._combine(self.expert_out_buffer(), handle, weighted=True, wire=self.combine_wire, bad=True,
+                      record_own=record_own)
+
+    def combine_fwd(self, expert_out, handle, kind=None, read=False):
         """``y [T, H]`` over the combine wire (``kind`` is ignored: there is one combine on this backend).
 
         Args:
             expert_out: ``[R', H]`` bfloat16 contiguous, ``R' >= R``; handle: the dispatch's handle.
+            read: an eager combine (:meth:`_combine_flags`).
         """
-        y, _ = self._combine(expert_out, handle, weighted=True, wire=self.combine_wire)
+        y, _ = self._combine(expert_out, handle, weighted=True, wire=self.combine_wire, read=read)
         return y
 
     # ---------------------------------------------------------------------------------------------- backward

@@ -25,7 +25,7 @@ from ...errors import CapacityError, ConfigError, InputError, PeerInputError, Wi
 from ...kernels.nccl_plan import sync_free_plan_kernel
 from ..handle import NcclHandle
 from ..pool import OutputPool, acquire_shared, release_shared
-from ..status import STATUS_BAD_INPUT, STATUS_CAPACITY
+from ..status import STATUS_BAD_INPUT, STATUS_CAPACITY, STATUS_COMBINE_REFUSED
 from ..validate import check_expert_ids
 from .collectives import BoundCollective, all_gather_flat
 from .onehop import OneHopDispatch
@@ -244,7 +244,7 @@ class NcclSyncFree:
             out = rows_blk[0].detach() if rows_blk is not None else torch.empty(MR, H, dtype=cfg.dtype, device=dev)
             srcs, widths = [(fmt.dequantize_rows(recv_n, H, cfg.dtype), 0, H)], (H,)
         self._unpacker.unpack(recv, srcs, [out] if sc is None else [out, sc], widths, out_w, rr, rw, plan, N,
-                              zero_row, ut, self._sf_slots)
+                              zero_row, ut, self._sf_slots, MR)
         handle = NcclHandle._new(topk_idx=idx_c, topk_weights=w_c, rows=rows, counts=counts,
                                  num_tokens=T, num_recv_rows=None, x_scales=sc, recv_weights=out_w,
                                  buffer_id=self.buffer_id, send_splits=self._eq_splits,
@@ -307,12 +307,16 @@ class NcclSyncFree:
                 is still among the last four sync-free calls').
             PeerInputError: another rank's input was bad or refused (``bad_ranks``).
             CapacityError: some rank would have received more than ``max_recv_tokens`` rows.
+            PeerInputError: some rank took part in a sync-free combine as refused (after the word's own error).
         """
         self.host_reads += 1
-        st = self._status.tolist()
+        words = self._dev_block[self._gathered.numel():].tolist()  # the status word and the pending flags: one read
+        st, pend = words[:self._status.numel()], words[self._status.numel():]
         if st[0]:
             self._status.zero_()
             self._raise_status(st, what)
+        if any(pend):  # a sync-free combine some rank refused (tritonep.ep.nccl.combine)
+            self._raise_pending(pend, what)
 
     def _raise_status(self, st: list, what: str):
         """Raise the refusal the host copy ``st`` of the status word holds (its code is nonzero)."""
@@ -324,6 +328,11 @@ class NcclSyncFree:
         recent, self._recent_idx = self._recent_idx, deque(maxlen=4)
         when = (f"{seen} sync_free dispatch(es) since the last read were refused on every rank and moved no rows; "
                 f"this is the first one's error")
+        if code == STATUS_COMBINE_REFUSED:  # written by the combine (tritonep.ep.nccl.combine), not a dispatch
+            raise PeerInputError(f"{what} on rank {self.rank}: rank(s) {bad} took part in a combine as refused (its "
+                                 f"combine input was refused, or it cancelled the combine: EPBuffer.cancel_combine), "
+                                 f"so that combine failed on every rank and its output is NaN; the buffer stays "
+                                 f"usable", bad_ranks=bad, rank=self.rank)
         if self.rank in bad_ids:  # this rank's own ids (also behind an earlier capacity refusal, as on triton)
             for idx in reversed(recent):
                 check_expert_ids(idx, E)  # raises the InputError naming the value and its (token, k)

@@ -42,7 +42,7 @@ def unpack_torch(meta: torch.Tensor, srcs: list, outs: list, out_w: torch.Tensor
     Nr, K = rr.shape
     R = out_w.shape[0]
     rows, ids, w = meta[:, :K], meta[:, K:2 * K], meta[:, 2 * K:].view(torch.float32)
-    here = (ids >= 0) & (ids < E) & (torch.div(ids, L, rounding_mode="floor") == rank)
+    here = (ids >= 0) & (ids < E) & (torch.div(ids, L, rounding_mode="floor") == rank) & (rows < R)
     rr.copy_(torch.where(here, rows, -1))
     rw.copy_(torch.where(here, w, 0.0))
     src = _row_map(rr, R)
@@ -116,7 +116,7 @@ class Unpacker:
             ("gy_ptr", "eo_ptr", "rr_ptr", "rw_ptr", "geo_ptr", "gw_ptr", "Nr"))
 
     def unpack(self, recv, srcs: list, outs: list, widths: tuple, out_w, rr, rw, small, Nr: int, zero_row: bool,
-               use_triton: bool, slots: tuple = (0, 0, 0)) -> None:
+               use_triton: bool, slots: tuple = (0, 0, 0), R: int | None = None) -> None:
         """Run :func:`unpack_torch`'s spec on ``recv`` (uint8 ``[Nr (+1), width]``).
 
         ``srcs``: one or two ``(tensor, element offset of row 0, row stride)`` read as the matching output's
@@ -124,8 +124,12 @@ class Unpacker:
         ``widths``. ``slots``: ``(S, o, R)`` with S > 0 for the sync-free dispatch's fixed slots (S per source rank):
         packet p is live only when ``p % S < small[o + p // S]`` (the packets its source sent); the others are
         dropped (routes -1, weights 0); R > 0: ``out_w`` has R rows and the kernel also zeroes the tail weights
-        (every weight written: ``out_w`` may be uninitialised, as in the twin, which writes all of them).
+        (every weight written: ``out_w`` may be uninitialised, as in the twin, which writes all of them). ``R``: the
+        rows of ``outs`` / ``out_w`` (None: ``out_w``'s length); a route to a row at or past it is dropped (no write
+        outside them).
         """
+        if R is None:
+            R = out_w.shape[0]
         if use_triton:
             (s0, c0, st0), o0 = srcs[0], outs[0]
             (s1, c1, st1), o1 = srcs[-1], outs[-1]
@@ -142,8 +146,8 @@ class Unpacker:
                     S0=st0, C0=c0, N0=n0, S1=st1, C1=c1, N1=n1, PAD=pad, BH=bh, SLOTS=slots[0], RCNT=slots[1],
                     NPAD=npad, MAXR=slots[2], BZ=self._bz, **self._kw),
                     ("recv_ptr", "src0_ptr", "src1_ptr", "out0_ptr", "out1_ptr", "out_w_ptr", "rr_ptr", "rw_ptr",
-                     "lay_ptr", "Nr", "HC"))
-            bk((tiles, hs), recv, s0, s1, o0, o1, out_w, rr, rw, small, Nr, hc)
+                     "lay_ptr", "Nr", "HC", "NR"))
+            bk((tiles, hs), recv, s0, s1, o0, o1, out_w, rr, rw, small, Nr, hc, R)
             return
         lay, K = self.lay, self.K
         meta = recv[:Nr, lay.mo:lay.mo + 12 * K].view(torch.int32)

@@ -36,11 +36,12 @@ from collections import deque
 import torch
 
 from ... import envs
-from ...errors import BufferStateError, InputError, PeerTimeoutError
+from ...errors import BufferStateError, InputError, PeerTimeoutError, TritonEPError
 from ...kernels import protocol as P
 from ...memory import get_heap, group_barrier
 from ...wire.formats import get_wire
-from ..status import STATUS_BAD_INPUT, STATUS_CAPACITY, bad_ranks, raise_for_status, wait_bound
+from ..status import (STATUS_BAD_INPUT, STATUS_CAPACITY, STATUS_COMBINE_REFUSED, bad_ranks, raise_for_status,
+                      wait_bound)
 from ..validate import check_expert_ids
 from .calls import RAW, KernelSet
 from .decode import DecodePath
@@ -92,7 +93,7 @@ class TritonEP(DispatchOutputs, DecodePath):
         self.hist, self.pre = b.local("hist"), b.local("pre")
         self.send_base, self.rows_needed = b.local("send_base"), b.local("rows_needed")
         self.tab = {n: b.ptr_table(n) for n in ("flags", "counts", "ntok", "meta", "wts", "wback", "stage",
-                                                 "cstage", "cflag", "ccflag")}
+                                                 "cstage", "cflag", "ccflag", "cbad")}
         self.timeout = wait_bound(self.device, cfg.timeout_s)
         self.broken: str | None = None
         self.host_reads = 0  # device->host reads made by calls (the eager-path budget: one per dispatch)
@@ -104,6 +105,11 @@ class TritonEP(DispatchOutputs, DecodePath):
         self.host_status = HostStatus(self.st_mapped, ST_HOST, self.rank, cfg.timeout_s)
         self._recent_idx: deque = deque(maxlen=4)  # the last dispatches' topk_idx: check() names a bad id by value
         self.hl = HandleLayout(cfg)
+        # the handle a refused combine runs with (no token, no received row: its launches move nothing and only
+        # take part in the protocol, :meth:`combine_refused`)
+        self._empty = self._new_handle()
+        self._empty._fill(torch.zeros(self.hl.numel, dtype=torch.int32, device=self.device), self.hl, 0, 0, 0, None,
+                          None)
         self._no_rows = torch.empty(0, cfg.hidden, dtype=cfg.dtype, device=self.device)
         self._no_w = torch.zeros(1, dtype=torch.float32, device=self.device)  # the weighted combine's unused gw_ptr
         self._launch = Launcher(self.device, group)
@@ -173,14 +179,21 @@ class TritonEP(DispatchOutputs, DecodePath):
     def check(self, what="EPBuffer"):
         """Read the status word on the host and raise its typed error (one sync).
 
-        A capacity error is reported once and cleared (the buffer stays usable); a timeout makes it unusable.
+        A refusal (capacity, a bad input, a refused combine) is reported once and cleared (the buffer stays usable);
+        a timeout makes it unusable.
         """
         self.host_reads += 1
-        st = self.status[:_ST_ERR].cpu().clone()  # .cpu() of a CPU tensor is the tensor itself
-        if int(st[_CODE]) in (STATUS_CAPACITY, STATUS_BAD_INPUT):
+        self._raise_words(self.status[:_ST_ERR].cpu().clone(), what)  # .cpu() of a CPU tensor is the tensor itself
+
+    def _raise_words(self, st, what):
+        """Raise the typed error of the status words ``st`` (host int64 ``[8]``; nothing for an OK word): a refusal
+        is cleared on the device (reported once), a timeout marks the buffer unusable."""
+        st = torch.as_tensor(st, dtype=torch.int64)
+        code = int(st[_CODE])
+        if code in (STATUS_CAPACITY, STATUS_BAD_INPUT, STATUS_COMBINE_REFUSED):
             self.status.zero_()
-            if self.rank in bad_ranks(st):  # this rank's ids in a refused call (the code may be an earlier one's)
-                self._raise_own_bad_ids()
+            if code != STATUS_COMBINE_REFUSED and self.rank in bad_ranks(st):
+                self._raise_own_bad_ids()  # this rank's ids in a refused call (the code may be an earlier one's)
         try:
             raise_for_status(st, self.rank, self.cfg.max_recv_tokens, what, self.cfg.timeout_s, self.device.type)
         except PeerTimeoutError as e:
@@ -296,21 +309,25 @@ class TritonEP(DispatchOutputs, DecodePath):
         handle = self._new_handle()
         st = self._read_host_status(ticket) if sync else None  # the exchange's last program published it
         code, refused, R = self._verdict(st)
-        out, q, sc = self._alloc_rows(R if R is not None else self.cfg.max_recv_tokens, keep_quantized)
+        nrows = R if R is not None else self.cfg.max_recv_tokens
+        out, q, sc = self._alloc_rows(nrows, keep_quantized)
         # the data kernels run on every rank whatever the verdict (a refused call's kernels move no row: the
-        # exchange recorded this dispatch's number in status[ST_SKIP_CALL]), so the flags advance identically
+        # exchange recorded this dispatch's number in status[ST_SKIP_CALL]), so the flags advance identically; they
+        # write no row at or past ``nrows`` (the rows just allocated), whatever the layout says
         kq = q is not None
         if fused:
-            k.fused(kq)(x, store, T, out, w_arg, q, sc)
+            k.fused(kq)(x, store, T, out, w_arg, q, sc, nrows)
         else:
-            k.expand(kq)(x, out, w_arg, store, out, w_arg, q, sc)
+            k.expand(kq)(x, out, w_arg, store, out, w_arg, q, sc, nrows)
         # while the data kernels run: the weights' view (a fresh slice of the pooled field, never the field itself)
         out_w = w_arg if R is None else rw[:R] if rw is not None else self.hl.tensor(store, "rw", R)
         return self._finish_dispatch(code, refused, st, sync, bad_input, out, out_w, q, sc, handle, store, T, ntpe,
                                      offs, R)
 
     # ---------------------------------------------------------------------------------------------- combine
-    def _combine(self, eo, handle, weighted, gw=None, want_wgrad=False, kind=None, wire=RAW):
+    def _combine(self, eo, handle, weighted, gw=None, want_wgrad=False, kind=None, wire=RAW, bad=0, ticket=0):
+        """A combine (``weighted``) or the dispatch backward; ``bad``: this rank takes part as refused
+        (:meth:`combine_refused`); ``ticket``: the host reads this call's status (:meth:`_after_combine`)."""
         if self.broken:
             self._check_usable()
         g = self.cfg.geometry
@@ -318,25 +335,61 @@ class TritonEP(DispatchOutputs, DecodePath):
         if want_wgrad or wire.quantized:
             kind = "push"  # quantized partials and weight-gradient return are push-only
         if g.decode and kind == "push":  # one launch (also the dispatch backward); it advances CALL_COMBINE itself
-            return self._combine_decode(eo, handle, wire, weighted, gw if want_wgrad else None)
+            return self._combine_decode(eo, handle, wire, weighted, gw if want_wgrad else None, bad, ticket)
         T, store, k = handle.num_tokens, handle.store, self.k
         y = torch.empty(T, self.cfg.hidden, dtype=eo.dtype, device=self.device)
+        what = "combine" if weighted else "dispatch backward"
         if g.fused_combine and kind == "push" and weighted and not want_wgrad:
-            k.combine_fused(wire)(eo, store, y, T)
-            self._eager_check("combine")
+            k.combine_fused(wire)(eo, store, y, T, bad, ticket)
+            self._after_combine(ticket, bad, what)
             return y, None
-        k.partial(kind, weighted, want_wgrad, wire)(eo, store, gw if gw is not None else self._no_w)
+        k.partial(kind, weighted, want_wgrad, wire)(eo, store, gw if gw is not None else self._no_w, bad)
         gtw = torch.empty(T, self.cfg.topk, dtype=torch.float32, device=self.device) if want_wgrad else None
-        k.out(kind, want_wgrad, wire)(store, y, T, _cdiv(T, g.cbt), gtw if gtw is not None else y)
-        self._eager_check("combine" if weighted else "dispatch backward")
+        k.out(kind, want_wgrad, wire)(store, y, T, _cdiv(T, g.cbt), gtw if gtw is not None else y, ticket)
+        self._after_combine(ticket, bad, what)
         return y, gtw
 
-    def combine_fwd(self, expert_out, handle, kind=None):
-        """Weighted combine ``y [T, H]`` (see the module docstring)."""
+    def _after_combine(self, ticket, bad, what):
+        """After a combine's launches: the host's one read of an eager combine (``ticket``: the status its last
+        launch published; a peer that refused or never arrived raises here, on every rank), else the strict mode's
+        check (none for a refused rank, which raises its own error)."""
+        if ticket:
+            st = self._read_host_status(ticket)
+            if not st[_CODE]:
+                return
+            st = st[:_ST_ERR]
+            if not bad:
+                self._raise_words(st, what)
+            else:  # a refused rank raises its own error and keeps none of this call's (another rank's
+                try:  # refusal in the same call, which that rank's peers raise now); a timeout stays fatal
+                    self._raise_words(st, what)
+                except PeerTimeoutError:
+                    pass
+                except TritonEPError:
+                    pass
+        elif not bad:
+            self._eager_check(what)
+
+    def combine_fwd(self, expert_out, handle, kind=None, read=False):
+        """Weighted combine ``y [T, H]`` (see the module docstring). ``read``: an eager combine: the host reads the
+        call's status once its last launch finished and raises a peer's refusal or timeout (every rank does)."""
+        ticket = self.host_status.next_ticket() if read else 0
         if kind is None and self._decode_push and not self.broken:  # what _combine picks, without its branches
-            return self._combine_decode(expert_out, handle, self.cwire)[0]
-        y, _ = self._combine(expert_out, handle, weighted=True, kind=kind, wire=self.cwire)
+            return self._combine_decode(expert_out, handle, self.cwire, ticket=ticket)[0]
+        y, _ = self._combine(expert_out, handle, weighted=True, kind=kind, wire=self.cwire, ticket=ticket)
         return y
+
+    def combine_refused(self, kind=None, record_own=True, handle=None):
+        """Take part in this call's combine as refused (a refused combine input on this rank, or the caller cancelled
+        the combine after a failure of its own): the same launches as the peers' combine with no token and no row,
+        which mark the call refused in every peer (their outputs become NaN and their status records it:
+        :func:`tritonep.kernels.combine.mark_refused`). ``record_own``: record it in this rank's status too (the
+        peers read nothing in this call: sync-free, sync checks off, capture; then the next read raises it on every
+        rank, this one included); else the peers' eager read raises it and this rank raises its own error (its own
+        read clears what the call recorded here: another rank refused the same call).
+        ``handle`` is not needed here (the launches carry no row)."""
+        self._combine(self.expert_out_buffer(), self._empty, weighted=True, kind=kind, wire=self.cwire,
+                      bad=1 if record_own else 2, ticket=0 if record_own else self.host_status.next_ticket())
 
     # ---------------------------------------------------------------------------------------------- backward
     def dispatch_bwd(self, grad_recv_x, grad_recv_w, handle):

@@ -101,6 +101,8 @@ class KernelSet:
             GA=g.grid_expand,
             BA=1, A=A, SCALE=True, DOT=True, KEEP_HANDLE=False, WIRE=RAW, KEEP_Q=False, ADV=1),
             dyn=("x_ptr", "out_ptr", STORE, "eo_ptr", "gw_ptr", "out_w_ptr", "nrows"), fields=self._layout)
+        # a combine's refusal marks (every peer's cbad) and the eager combine's status publish (last program)
+        self._refusal = dict(cbad_ptr=b.local("cbad"), host_st_ptr=ep.st_mapped, HOST_ST=ST_HOST)
         self._cache: dict = {}
 
     def _get(self, key, make):
@@ -121,7 +123,7 @@ class KernelSet:
             return BoundKernel(self._lau, dispatch_expand_kernel, (g.grid_expand,), dict(
                 self._expand_static, BA=_p2(max(cfg.expert_alignment, 1)), A=cfg.expert_alignment, SCALE=False,
                 DOT=False, KEEP_HANDLE=True, WIRE=ep.dwire, KEEP_Q=kq),
-                dyn=("x_ptr", "out_ptr", "out_w_ptr", STORE, "eo_ptr", "gw_ptr", "q_ptr", "s_ptr"),
+                dyn=("x_ptr", "out_ptr", "out_w_ptr", STORE, "eo_ptr", "gw_ptr", "q_ptr", "s_ptr", "nrows"),
                 fields=self._layout)
         return self._get(("expand", kq), make)
 
@@ -142,7 +144,7 @@ class KernelSet:
                 Tmax=cfg.max_tokens_per_rank, NCmax=self.ncmax, GS=g.fused_send, E=cfg.num_experts,
                 L=cfg.num_local_experts, BA=_p2(max(cfg.expert_alignment, 1)), A=cfg.expert_alignment,
                 WIRE=ep.dwire, KEEP_Q=kq, PF=g.prefetch, **self._common, **self._ck),
-                dyn=("x_ptr", STORE, "T", "out_ptr", "out_w_ptr", "q_ptr", "s_ptr"),
+                dyn=("x_ptr", STORE, "T", "out_ptr", "out_w_ptr", "q_ptr", "s_ptr", "nrows"),
                 fields=dict(self._layout, **ep.hl.fields_of(topk_idx_ptr="idx", topk_w_ptr="w", rows_ptr="rows")))
         return self._get(("fused", kq), make)
 
@@ -180,8 +182,9 @@ class KernelSet:
             return BoundKernel(self._lau, combine_partial_kernel, (g.grid_partial,), dict(
                 stage_tab=ep.tab["cstage"], wback_tab=ep.tab["wback"], cdata_off=self._fo(P.FLAG_CDATA),
                 G_out=g.grid_out, Tmax=cfg.max_tokens_per_rank, NCmax=self.ncmax_c, PUSH=kind == "push",
-                WEIGHTED=weighted, SEND_WGRAD=wgrad, WIRE=wire, **self._common, **self._cck),
-                dyn=("eo_ptr", STORE, "gw_ptr"), fields=self._recv)
+                WEIGHTED=weighted, SEND_WGRAD=wgrad, WIRE=wire, cbad_tab=ep.tab["cbad"], **self._common,
+                **self._cck),
+                dyn=("eo_ptr", STORE, "gw_ptr", "bad"), fields=self._recv)
         return self._get(("partial", kind, weighted, wgrad, wire), make)
 
     def out(self, kind: str, wgrad: bool, wire) -> BoundKernel:
@@ -192,8 +195,8 @@ class KernelSet:
             return BoundKernel(self._lau, combine_out_kernel, (g.grid_out,), dict(
                 stage_tab=ep.tab["cstage"], wback_ptr=ep.buf.local("wback"), cack_off=self._fo(P.FLAG_CACK),
                 G_partial=g.grid_partial, Tmax=cfg.max_tokens_per_rank, L=cfg.num_local_experts,
-                PULL=kind == "pull", RECV_WGRAD=wgrad, WIRE=wire, **self._common, **self._cck),
-                dyn=(STORE, "y_ptr", "T", "NC", "gtw_ptr"), fields=ep.hl.fields_of(topk_idx_ptr="idx"))
+                PULL=kind == "pull", RECV_WGRAD=wgrad, WIRE=wire, **self._refusal, **self._common, **self._cck),
+                dyn=(STORE, "y_ptr", "T", "NC", "gtw_ptr", "ticket"), fields=ep.hl.fields_of(topk_idx_ptr="idx"))
         return self._get(("out", kind, wgrad, wire), make)
 
     def combine_fused(self, wire) -> BoundKernel:
@@ -205,8 +208,10 @@ class KernelSet:
                 stage_tab=ep.tab["cstage"], ccflag_tab=ep.tab["ccflag"], ccflag_ptr=ep.buf.local("ccflag"),
                 cdata_off=self._fo(P.FLAG_CDATA), cack_off=self._fo(P.FLAG_CACK), G_partial_std=g.grid_partial,
                 G_out_std=g.grid_out, Tmax=cfg.max_tokens_per_rank, NCmax=self.ncmax_c, GS=g.fused_send,
-                L=cfg.num_local_experts, WIRE=wire, **self._common, **self._cck),
-                dyn=("eo_ptr", STORE, "y_ptr", "T"), fields=dict(self._recv, **ep.hl.fields_of(topk_idx_ptr="idx")))
+                L=cfg.num_local_experts, WIRE=wire, cbad_tab=ep.tab["cbad"], **self._refusal, **self._common,
+                **self._cck),
+                dyn=("eo_ptr", STORE, "y_ptr", "T", "bad", "ticket"),
+                fields=dict(self._recv, **ep.hl.fields_of(topk_idx_ptr="idx")))
         return self._get(("combine_fused", wire), make)
 
     def combine_decode(self, wire, weighted: bool = True, wgrad: bool = False) -> BoundKernel:
@@ -223,7 +228,8 @@ class KernelSet:
                 stage_tab=ep.tab["cstage"], ccflag_tab=ep.tab["ccflag"], ccflag_ptr=ep.buf.local("ccflag"),
                 cdata_off=self._fo(P.FLAG_CDATA), cack_off=self._fo(P.FLAG_CACK), Tmax=cfg.max_tokens_per_rank,
                 NCmax=self.ncmax, L=cfg.num_local_experts, WIRE=wire, wback_tab=ep.tab["wback"],
-                wback_ptr=ep.buf.local("wback"), WEIGHTED=weighted, WGRAD=wgrad, **self._common, **self._ck),
-                dyn=("eo_ptr", STORE, "y_ptr", "T", "gw_ptr", "gtw_ptr"),
+                wback_ptr=ep.buf.local("wback"), WEIGHTED=weighted, WGRAD=wgrad, cbad_tab=ep.tab["cbad"],
+                **self._refusal, **self._common, **self._ck),
+                dyn=("eo_ptr", STORE, "y_ptr", "T", "gw_ptr", "gtw_ptr", "bad", "ticket"),
                 fields=dict(self._recv, **ep.hl.fields_of(topk_idx_ptr="idx")))
         return self._get(key, make)

@@ -68,19 +68,20 @@ class DecodePath:
         return self._finish_dispatch(code, refused, st, sync, bad_input, out, out_w, q, sc, handle, store, T, ntpe,
                                      offs, R)
 
-    def _combine_decode(self, eo, handle, wire, weighted=True, gw=None):
+    def _combine_decode(self, eo, handle, wire, weighted=True, gw=None, bad=0, ticket=0):
         """Push combine in one launch: ``(y [T, H] (eo's dtype), gtw)``; ``weighted=False`` is the dispatch
-        backward, whose ``gw [R]`` float32 (or None) comes back per route as ``gtw [T, K]`` float32 (else None)."""
+        backward, whose ``gw [R]`` float32 (or None) comes back per route as ``gtw [T, K]`` float32 (else None).
+        ``bad`` / ``ticket``: as ``TritonEP._combine`` (a refused rank; the host's read of an eager combine)."""
         T = handle.num_tokens
         if weighted:  # the forward combine: its output pooled (pool.py)
             got = self._ypool.take()
             y = got[0][:T] if got is not None else torch.empty(T, self.cfg.hidden, dtype=eo.dtype, device=self.device)
-            self.k.combine_decode(wire, True, False)(eo, handle.store, y, T, self._no_w, y)
-            self._eager_check("combine")
+            self.k.combine_decode(wire, True, False)(eo, handle.store, y, T, self._no_w, y, bad, ticket)
+            self._after_combine(ticket, bad, "combine")
             return y, None
         y = torch.empty(T, self.cfg.hidden, dtype=eo.dtype, device=self.device)
         gtw = torch.empty(T, self.cfg.topk, dtype=torch.float32, device=self.device) if gw is not None else None
         self.k.combine_decode(wire, False, gw is not None)(eo, handle.store, y, T, self._no_w if gw is None else gw,
-                                                          y if gtw is None else gtw)
-        self._eager_check("dispatch backward")
+                                                          y if gtw is None else gtw, bad, ticket)
+        self._after_combine(ticket, bad, "dispatch backward")
         return y, gtw

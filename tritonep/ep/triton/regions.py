@@ -24,6 +24,7 @@ def regions(cfg):
         Region("flags", (P.v(P.NUM_FLAG_ROWS), W), torch.int64),
         Region("status", (16,), torch.int64),  # the status word (kernels/protocol.py ST_*), then rows received
         Region("calls", (P.v(P.NUM_CALLS),), torch.int64),
+        Region("cbad", (W,), torch.int64),  # the combine number each rank took part in as refused (protocol.py)
         # two [W, E+1] matrices for alternate calls (exchange_kernel DOUBLE); column E: the source's input errors
         Region("counts", (2, W, E + 1), torch.int32),
         Region("ntok", (W,), torch.int32),

@@ -10,9 +10,9 @@
 | TRITONEP_GEOMETRY | "" (= geometry table) | override kernel geometry fields, e.g. ``bt=2,bh=512,warps=8,grid=128`` (benchmarks) |
 | TRITONEP_CPU_HEAP_BYTES | 256 MiB | size of one rank's slice of the CPU (fork + mmap) symmetric heap |
 | TRITONEP_FAST_LAUNCH | 1 | GPU launches of an already compiled kernel variant call the compiled kernel directly (``0``: always through ``kernel[grid]``) |
-| TRITONEP_PACKED_LAUNCH | 1 | with TRITONEP_FAST_LAUNCH=1, a bound kernel's variant keeps its parameters packed once and a launch passes only its per-call values (:mod:`tritonep.ep.packed_launch`; falls back to Triton's launcher where the C module cannot be built); ``0``: Triton's own C launcher with every argument |
-| TRITONEP_OUTPUT_POOL | 3 | sets of per-call outputs a buffer reuses per CUDA stream once nobody holds them (triton backend: the handle storage and its views; on the decode geometry also the dispatch rows and the combine output; nccl backend: the sync-free dispatch's outputs of a decode-sized buffer, ``max_tokens_per_rank <= 256``), read at construction; ``0``: every call allocates (:mod:`tritonep.ep.pool`). 3: a caller that holds the previous call's outputs and one more (a combine's handle) still gets pooled ones |
-| TRITONEP_NCCL_SYNC_FREE | "" (= the rule) | the nccl backend's ``dispatch(sync_free=True)`` mode, read at construction (a field of the agreed config): ``gather`` (``all_gather`` of the counts, device plan, then the ``all_to_all_single``; every wire) or ``onehop`` (one ``all_to_all_single`` carrying the counts in a header slot, 2 launches; bf16 dispatch wire only); unset: the measured rule, one-hop for a bf16 buffer of ``max_tokens_per_rank <= 256`` (decode), gather otherwise (:mod:`tritonep.ep.nccl.sync_free`) |
+| TRITONEP_PACKED_LAUNCH | 1 | with TRITONEP_FAST_LAUNCH=1, a bound kernel's variant keeps its parameters packed once and a launch passes only its per-call values (:mod:`tritonep.runtime.packed_launch`; falls back to Triton's launcher where the C module cannot be built); ``0``: Triton's own C launcher with every argument |
+| TRITONEP_OUTPUT_POOL | 3 | sets of per-call outputs a buffer reuses per CUDA stream once nobody holds them (triton backend: the handle storage and its views; on the decode geometry also the dispatch rows and the combine output; nccl backend: the sync-free dispatch's outputs of a decode-sized buffer, ``max_tokens_per_rank <= 256``), read at construction; ``0``: every call allocates (:mod:`tritonep.runtime.pool`). 3: a caller that holds the previous call's outputs and one more (a combine's handle) still gets pooled ones |
+| TRITONEP_NCCL_SYNC_FREE | "" (= the rule) | the nccl backend's ``dispatch(sync_free=True)`` mode, read at construction (a field of the agreed config): ``gather`` (``all_gather`` of the counts, device plan, then the ``all_to_all_single``; every wire) or ``onehop`` (one ``all_to_all_single`` carrying the counts in a header slot, 2 launches; bf16 dispatch wire only); unset: the measured rule, one-hop for a bf16 buffer of ``max_tokens_per_rank <= 256`` (decode), gather otherwise (:mod:`tritonep.backends.nccl.sync_free`) |
 | TRITONEP_FORCE_NO_P2P | 0 | ``1``: ``backend="auto"`` acts as if no rank could map its peers' memory and picks ``nccl`` (tests, debugging) |
 
 Values are read at call time (not import time) so tests can change them with ``monkeypatch.setenv``. No other
@@ -139,7 +139,7 @@ def max_programs() -> int:
     Ranks that share one GPU under MPS run their kernels at the same time: a kernel spinning on a peer's flag holds
     its SMs, so every waiting grid of every rank must fit on the chip together, or a peer's kernel never gets the
     SMs it needs to raise the flag (docs/platform.md, "Several ranks on one GPU"). The geometry, the counts exchange
-    and the expert transport clip their grids to it; :class:`tritonep.ep.triton.launch.Launcher` and the bound kernels refuse a larger grid.
+    and the expert transport clip their grids to it; :class:`tritonep.runtime.launch.Launcher` and the bound kernels refuse a larger grid.
 
     Raises:
         ConfigError: not an integer >= 0.
@@ -149,7 +149,7 @@ def max_programs() -> int:
 
 def output_pool() -> int:
     """Sets of per-call outputs a buffer reuses per stream (TRITONEP_OUTPUT_POOL, default 3; 0 = off),
-    read once at the buffer's construction (:class:`tritonep.ep.pool.OutputPool`).
+    read once at the buffer's construction (:class:`tritonep.runtime.pool.OutputPool`).
 
     Raises:
         ConfigError: not an integer >= 0.
@@ -165,7 +165,7 @@ def snapshot() -> dict:
 
 def nccl_sync_free() -> str:
     """The nccl backend's sync-free mode (TRITONEP_NCCL_SYNC_FREE): "onehop", "gather" or "" (the default: the rule
-    of :func:`tritonep.ep.nccl.sync_free.sync_free_mode`), read once at the buffer's construction.
+    of :func:`tritonep.backends.nccl.sync_free.sync_free_mode`), read once at the buffer's construction.
 
     Raises:
         ConfigError: any other value.
@@ -253,7 +253,7 @@ def force_no_p2p() -> bool:
 def check_all() -> None:
     """Parse every variable of the table that has a parser here, so a bad value is refused before any work starts
     (the ``tritonep`` command calls this first; TRITONEP_GEOMETRY's fields are parsed by
-    :func:`tritonep.ep.geometry.select_geometry`, which the command calls too).
+    :func:`tritonep.backends.triton.tiles.select_geometry`, which the command calls too).
 
     Raises:
         ConfigError: the first bad value, naming the variable, the value and what to use.

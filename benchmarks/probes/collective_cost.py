@@ -9,10 +9,10 @@ Per op: ``host_us`` = host time per call of ``iters`` back-to-back calls (no syn
 including the final synchronize / iters (what an eager loop of that op costs). Shapes are the nccl backend's at
 decode (the ``decode`` profile of tritonep/bench/profiles.py: bf16 rows of H + 96 meta bytes; a counts row of
 E + W + 2 int32). Why: to choose between one and two collectives per sync-free nccl dispatch; ``*_bound``: the nccl backend's bound paths
-(:class:`tritonep.ep.nccl.collectives.BoundCollective`: the process group's backend called directly;
-:class:`tritonep.ep.bound.BoundKernel`: the compiled kernel's C launcher; ``*_wide_*``: a 57-argument kernel through
+(:class:`tritonep.backends.nccl.collectives.BoundCollective`: the process group's backend called directly;
+:class:`tritonep.runtime.bound.BoundKernel`: the compiled kernel's C launcher; ``*_wide_*``: a 57-argument kernel through
 Triton's ``kernel[grid]``, the bound launch through Triton's C launcher and the bound packed launch,
-:mod:`tritonep.ep.packed_launch`). Checks: every op's output is compared with
+:mod:`tritonep.runtime.packed_launch`). Checks: every op's output is compared with
 its expected value once after timing. The JSON has host_cost.py's format (``{info, rows: {name: us}}``).
 """
 
@@ -89,8 +89,8 @@ def main():
     res["all_gather_into_tensor"] = timed(lambda: dist.all_gather_into_tensor(gathered, row))
     res["all_to_all_single_even"] = timed(lambda: dist.all_to_all_single(recv, send))
     res["all_to_all_single_splits"] = timed(lambda: dist.all_to_all_single(recv, send, splits, splits))
-    from tritonep.ep.nccl.collectives import BoundCollective
-    from tritonep.ep.nccl.pack import Launch
+    from tritonep.backends.nccl.collectives import BoundCollective
+    from tritonep.backends.nccl.pack import Launch
 
     recv_b = torch.empty_like(send)
     bound_a2a = BoundCollective(recv_b, send, None)  # the nccl backend's even all_to_all: the backend called directly
@@ -99,7 +99,7 @@ def main():
     bk = Launch(dev).bind(_empty_kernel, {}, ("a_ptr", "b_ptr", "n", "m"))  # the backends' bound direct launch
     res["bound_launch_4args"] = timed(lambda: bk((1,), row, gathered, 1, 2))
     # a wide launch (41 + 16 arguments) three ways: Triton's kernel[grid], the bound launch through Triton's C
-    # launcher (every argument each launch), the bound packed launch (tritonep.ep.packed_launch: the per-call values)
+    # launcher (every argument each launch), the bound packed launch (tritonep.runtime.packed_launch: the per-call values)
     wide_out = torch.zeros(3, dtype=torch.int64, device=dev)
     wo = [wide_out[i:i + 1] for i in range(3)]
     vals = list(range(2, 42))

@@ -138,7 +138,7 @@ def measure(group, a):
                   ("decode_launch_direct", lambda: bk._direct(dyn))]  # without BoundKernel.__call__'s prelude
         ent = bk._variants.get(bk.key_of(dyn))
         if ent is not None and ent.__class__ is not tuple:  # packed: the C call alone, its values made beforehand
-            from tritonep.ep import packed_launch
+            from tritonep.runtime import packed_launch
 
             run_c, stream = packed_launch.module().run, torch._C._cuda_getCurrentRawStream(dev.index or 0)
             cvals = _call_values(bk, dyn)

@@ -53,7 +53,7 @@ def main():
     torch.cuda.set_device(0)
     import tritonep as tep
     from tritonep.bench.profiles import profile_shape
-    from tritonep.ep.bound import BoundKernel
+    from tritonep.runtime.bound import BoundKernel
 
     H, E, K, _ = profile_shape("decode")
     T = a.tokens

@@ -1,12 +1,12 @@
-"""The backend registry and interface (tritonep.ep.backends): both backends satisfy EPBackend; auto prefers triton."""
+"""The backend registry and interface (tritonep.backends): both backends satisfy EPBackend; auto prefers triton."""
 
 import inspect
 
 import pytest
 
-from tritonep.ep.backends import BACKENDS, EPBackend, backend_names, build_backend
-from tritonep.ep.nccl.backend import NcclEP
-from tritonep.ep.triton.backend import TritonEP
+from tritonep.backends import BACKENDS, EPBackend, backend_names, build_backend
+from tritonep.backends.nccl.backend import NcclEP
+from tritonep.backends.triton.backend import TritonEP
 from tritonep.errors import ConfigError
 
 _MEMBERS = ("dispatch_fwd", "combine_fwd", "dispatch_bwd", "combine_bwd", "expert_out_buffer", "check", "close",
@@ -44,7 +44,7 @@ def test_build_takes_the_config_whole_and_satisfies_protocol():
 
 
 def test_unknown_backend_is_a_config_error():
-    from tritonep.ep.backends import check_backend_name
+    from tritonep.backends import check_backend_name
 
     with pytest.raises(ConfigError, match="'auto', 'triton', 'nccl'"):
         check_backend_name("rdma")
@@ -61,7 +61,7 @@ def _handles_and_counts_world(group):
     import torch.distributed as dist
 
     from tritonep import EPBuffer
-    from tritonep.ep.backends import CountsExchange, ExpertTransport
+    from tritonep.backends import CountsExchange, ExpertTransport
     from tritonep.ep.handle import DispatchHandle, NcclHandle, TritonHandle
     from tritonep.errors import CapacityError, PeerInputError
 

@@ -16,8 +16,8 @@ import torch.distributed as dist
 import tritonep as tep
 from tritonep.errors import ConfigError, PeerConfigError, WireError
 from tritonep.testing import run_cpu_world
-from tritonep.testing.cases import make_rank_inputs
-from tritonep.testing.harness import check_calls, run_call
+from tritonep.bench.cases import make_rank_inputs
+from tests.support.harness import check_calls, run_call
 
 
 def _build(group, per_rank: dict, what: str):

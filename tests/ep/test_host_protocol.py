@@ -10,8 +10,8 @@ import torch.distributed as dist
 
 import tritonep as tep
 from tritonep.testing import run_cpu_world
-from tritonep.testing.cases import make_rank_inputs
-from tritonep.testing.harness import BF16, calls_world, check_calls, set_env
+from tritonep.bench.cases import make_rank_inputs
+from tests.support.harness import BF16, calls_world, check_calls, set_env
 
 
 # every call changes T on every rank, 0 and Tmax included; rank 1 starts with T=0 (data-parallel decode)

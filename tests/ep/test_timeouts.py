@@ -12,8 +12,8 @@ import torch.distributed as dist
 import tritonep as tep
 from tritonep.errors import BufferStateError, PeerTimeoutError
 from tritonep.testing import run_cpu_world
-from tritonep.testing.cases import make_rank_inputs
-from tritonep.testing.harness import BF16, expert, set_env
+from tritonep.bench.cases import make_rank_inputs
+from tests.support.harness import BF16, expert, set_env
 
 
 def _strict_buffer(group, E, seed):
@@ -27,7 +27,7 @@ def _strict_buffer(group, E, seed):
 def _dispatch_data_timeout_world(group):
     rank, buf, (x, idx, w) = _strict_buffer(group, 4, seed=1)
     if rank == 0:  # takes part in the counts exchange, then never sends (a peer that dies mid-dispatch)
-        ks = buf._impl.k  # the backend's bound launches (tritonep.ep.triton.calls.KernelSet)
+        ks = buf._impl.k  # the backend's bound launches (tritonep.backends.triton.calls.KernelSet)
         ks.send = lambda *a: None
         ks.expand = lambda kq: (lambda *a: None)
         ks.fused = lambda kq: (lambda *a: None)  # the one-launch dispatch (geometry with fused_send > 0)
@@ -144,7 +144,7 @@ def test_default_timeout_is_at_least_300_s(monkeypatch):
     monkeypatch.delenv("TRITONEP_TIMEOUT_S", raising=False)
     assert tep.envs.timeout_s() >= 300
     with pytest.raises(tep.errors.ConfigError, match="timeout_s"):
-        from tritonep.ep.status import resolve_timeout
+        from tritonep.runtime.status import resolve_timeout
         resolve_timeout(-1)
 
 

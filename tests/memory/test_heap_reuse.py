@@ -24,8 +24,8 @@ import tritonep as tep
 from tritonep.errors import LayoutError
 from tritonep.memory import Region, get_heap
 from tritonep.testing import run_cpu_world
-from tritonep.testing.cases import make_rank_inputs
-from tritonep.testing.harness import diff, expected
+from tritonep.bench.cases import make_rank_inputs
+from tests.support.harness import diff, expected
 
 W, E, H, K = 2, 4, 64, 2
 

@@ -5,7 +5,7 @@ import pytest
 
 from tritonep import envs
 from tritonep.errors import ConfigError
-from tritonep.ep.geometry import select_geometry
+from tritonep.backends.triton.tiles import select_geometry
 
 
 @pytest.mark.parametrize("name,value,read", [

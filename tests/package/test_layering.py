@@ -9,9 +9,9 @@ import tritonep
 
 ROOT = pathlib.Path(tritonep.__file__).parent
 # package (or top-level module) -> layer; a module may import its own layer and any lower one
-LAYER = {"errors": 0, "envs": 0, "memory": 1, "wire": 2, "kernels": 2, "reference": 2, "reference_checks": 2,
-         "reference_moe": 2, "ep": 3, "moe": 4, "balance": 4, "data": 4, "testing": 5, "bench": 5,
-         "integrations": 6, "cli": 6}
+LAYER = {"errors": 0, "envs": 0, "memory": 1, "device": 2, "runtime": 2, "wire": 2, "reference": 2,
+         "reference_checks": 2, "reference_moe": 2, "backends": 3, "ep": 3, "moe": 4, "balance": 4, "data": 4,
+         "testing": 5, "bench": 5, "integrations": 6, "cli": 6}
 
 
 def _imported_packages(path: pathlib.Path, source: str):

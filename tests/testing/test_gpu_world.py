@@ -274,8 +274,8 @@ def test_group_barrier_picks_the_backend_s_barrier(monkeypatch):
 
 # ------------------------------------------------------------------------------------------------ program cap
 def test_max_programs_clips_every_waiting_grid_and_keeps_the_table_s_choices(monkeypatch):
-    from tritonep.ep.geometry import select_geometry
-    from tritonep.kernels.layout import exchange_tiles
+    from tritonep.backends.triton.tiles import select_geometry
+    from tritonep.backends.triton.kernels.layout import exchange_tiles
 
     monkeypatch.delenv("TRITONEP_GEOMETRY", raising=False)
     free = select_geometry("cuda", 2, 7168, 4096, 8)
@@ -298,8 +298,8 @@ def test_max_programs_clips_every_waiting_grid_and_keeps_the_table_s_choices(mon
 
 
 def test_launcher_refuses_a_grid_above_the_cap(monkeypatch):
-    from tritonep.ep.triton.launch import Launcher
-    from tritonep.kernels.layout import chunk_hist_kernel
+    from tritonep.runtime.launch import Launcher
+    from tritonep.backends.triton.kernels.layout import chunk_hist_kernel
 
     monkeypatch.setenv("TRITONEP_MAX_PROGRAMS", "2")
     launch = Launcher(torch.device("cpu"))
@@ -310,7 +310,7 @@ def test_launcher_refuses_a_grid_above_the_cap(monkeypatch):
 def test_exchange_and_ep_calls_exact_with_one_program_per_waiting_kernel(monkeypatch):
     """TRITONEP_MAX_PROGRAMS=1: the counts exchange of 64 experts (two expert blocks) runs in one program that loops
     over both; dispatch + combine equal the reference."""
-    from tritonep.testing.harness import calls_world, check_calls, make_calls
+    from tests.support.harness import calls_world, check_calls, make_calls
 
     monkeypatch.setenv("TRITONEP_MAX_PROGRAMS", "1")
     cfg = dict(E=64, H=64, Tmax=8, K=4, fn=_identity, out_buffer=False)

@@ -7,15 +7,15 @@ import torch
 import torch.distributed as dist
 
 import tritonep as tep
-from tritonep.ep.triton.launch import Launcher
-from tritonep.kernels.layout import chunk_hist_kernel
+from tritonep.runtime.launch import Launcher
+from tritonep.backends.triton.kernels.layout import chunk_hist_kernel
 from tritonep.testing import ProtocolMismatch, run_cpu_world
-from tritonep.testing.cases import make_rank_inputs
+from tritonep.bench.cases import make_rank_inputs
 
 
 def _direct_launch_world(group, how):
-    from tritonep.ep.triton.launch import Launcher
-    from tritonep.kernels.layout import chunk_hist_kernel
+    from tritonep.runtime.launch import Launcher
+    from tritonep.backends.triton.kernels.layout import chunk_hist_kernel
 
     rank = dist.get_rank(group)
     idx = torch.zeros(4, 2, dtype=torch.int64)

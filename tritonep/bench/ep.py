@@ -44,7 +44,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from ..ep.layout import layout_torch, route_rows_torch
+from ..backends.layout import layout_torch, route_rows_torch
 from ..memory import group_barrier, uses_nccl
 from .check import PointChecker, bench_expert, compare_close, compare_exact, mark_checked
 from .profiles import PROFILES

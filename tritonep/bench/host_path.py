@@ -96,16 +96,16 @@ def _uncounted():
 def stub_launches(buf, run: bool = False):
     """Replace every Triton launch of ``buf``'s backend by a counter (a ``list`` of kernel names, yielded).
 
-    Both launch paths are swapped for the duration: bound kernels (:class:`tritonep.ep.bound.BoundKernel`: every
+    Both launch paths are swapped for the duration: bound kernels (:class:`tritonep.runtime.bound.BoundKernel`: every
     launch of the nccl backend and the triton backend's per-call path) and a backend's generic launcher
-    (``buf._impl._launch`` when it is callable: the triton backend's :class:`tritonep.ep.triton.launch.Launcher`);
+    (``buf._impl._launch`` when it is callable: the triton backend's :class:`tritonep.runtime.launch.Launcher`);
     the nccl backend's torch ops and collectives still run (they are its host path). ``names.generic`` counts the
     launches that went through the generic launcher (the rest were bound). With
     ``run`` the launch also runs for real, outside the counters (no torch call, aten op or allocation it makes is
     counted), and the seconds it took are added to ``names.spent``, so a caller can leave them out of the host time:
     what a path whose later steps read the kernels' outputs needs (the nccl backend's GPU path in the interpreter).
     """
-    from ..ep.bound import BoundKernel
+    from ..runtime.bound import BoundKernel
 
     names = _Names()
     patched = {BoundKernel: BoundKernel.__call__}
@@ -145,7 +145,7 @@ def _publish_host_status(bk, dyn):
     """What a stubbed launch that publishes its status to the host (a kernel bound with ``HOST_ST > 0`` and a
     per-call ``ticket``: the counts exchange, the decode dispatch) must still do for the host to go on: store the
     status words as they stand and then the call's ticket into the pinned tensor
-    (:func:`tritonep.kernels.signal.publish_host_status`), uncounted. Without it the host's spin read would wait
+    (:func:`tritonep.device.signal.publish_host_status`), uncounted. Without it the host's spin read would wait
     for a ticket no stub publishes."""
     words = bk.arg("HOST_ST")
     if not words:

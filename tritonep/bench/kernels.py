@@ -33,11 +33,11 @@ combine (partial / out), and the one-launch dispatch and combine."""
 
 @contextlib.contextmanager
 def launch_timer():
-    """Wrap every kernel launch of both backends (bound kernels, :class:`tritonep.ep.bound.BoundKernel`: every
+    """Wrap every kernel launch of both backends (bound kernels, :class:`tritonep.runtime.bound.BoundKernel`: every
     launch of the nccl backend and the triton backend's per-call path; the triton backend's generic
-    :class:`tritonep.ep.triton.launch.Launcher`); yields a dict kernel name -> accumulated host seconds."""
-    from ..ep.bound import BoundKernel
-    from ..ep.triton import launch
+    :class:`tritonep.runtime.launch.Launcher`); yields a dict kernel name -> accumulated host seconds."""
+    from ..runtime.bound import BoundKernel
+    from ..runtime import launch
 
     acc = defaultdict(float)
     origs = [(cls, cls.__call__) for cls in (launch.Launcher, BoundKernel)]

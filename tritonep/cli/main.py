@@ -102,7 +102,7 @@ def check_environment() -> None:
         ConfigError: the first bad value, naming the variable and the value.
     """
     from .. import envs
-    from ..ep.geometry import select_geometry
+    from ..backends.triton.tiles import select_geometry
     from ..errors import ConfigError
 
     envs.check_all()

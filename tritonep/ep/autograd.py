@@ -24,7 +24,7 @@ class DispatchFn(torch.autograd.Function):
     def forward(ctx, x, topk_weights, impl, topk_idx, sync, box):
         out, out_w, ntpe, offs, handle = impl.dispatch_fwd(x, topk_idx, topk_weights, sync)
         # autograd refuses in-place ops on a view made inside a custom Function, and the rows may be a cut of a
-        # larger block (decode, pooled: tritonep/ep/pool.py): hand out an alias of its own (no view; same
+        # larger block (decode, pooled: tritonep/runtime/pool.py): hand out an alias of its own (no view; same
         # storage, so the pool still sees it held). The row weights stay a view on purpose: combine uses the
         # weights the dispatch moved, so an in-place change of them would change the gradient but not the sum
         if out._base is not None:
@@ -54,7 +54,7 @@ class CombineFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, expert_out, recv_weights, impl, handle, kind):
         y = impl.combine_fwd(expert_out, handle, kind=kind)
-        if y._base is not None:  # a view of a pooled block (decode, tritonep/ep/pool.py): autograd refuses
+        if y._base is not None:  # a view of a pooled block (decode, tritonep/runtime/pool.py): autograd refuses
             y = y.detach()  # in-place ops on a view made inside a custom Function; an alias of its own is no view
         ctx.impl = impl
         ctx.handle = handle

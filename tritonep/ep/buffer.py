@@ -18,7 +18,7 @@ from ..errors import BufferStateError, CapacityError, ConfigError, InputError, P
 from ..wire.formats import get_wire
 from .autograd import CombineFn, DispatchFn
 from .backend_choice import choose_from_reports, p2p_report
-from .backends import BACKENDS, build_backend, required_bytes as backend_required_bytes
+from ..backends import BACKENDS, build_backend, required_bytes as backend_required_bytes
 from .config import EPConfig, agree, build_config
 from .handle import Dispatched, DispatchHandle
 from .validate import check_backward_inputs, check_combine_inputs, check_dispatch_inputs
@@ -44,7 +44,7 @@ class EPBuffer:
         device: the rank's device (default: the current CUDA device, else CPU). A CPU buffer runs the kernels in
             Triton's interpreter and lives in a CPU world (:func:`tritonep.testing.run_cpu_world`).
         num_sms: cap on the programs of every communication kernel (default: ``TRITONEP_NUM_SMS``, else the
-            geometry table, :mod:`tritonep.ep.geometry`).
+            geometry table, :mod:`tritonep.backends.triton.tiles`).
         timeout_s: bound of every in-kernel wait of this buffer, seconds (default ``TRITONEP_TIMEOUT_S``, 300 s):
             how long one rank may reach a call after another (checkpoint writing, evaluation on one rank) before
             the waiting rank gives up with :class:`PeerTimeoutError` (the buffer is then unusable).
@@ -164,7 +164,7 @@ class EPBuffer:
 
     @property
     def geometry(self):
-        """The kernel geometry the triton backend launches with (:class:`tritonep.ep.geometry.Geometry`: grids,
+        """The kernel geometry the triton backend launches with (:class:`tritonep.backends.triton.tiles.Geometry`: grids,
         tiles, fused roles); ``None`` for the nccl backend."""
         return self._impl.geometry
 
@@ -244,7 +244,7 @@ class EPBuffer:
                 the status word (:meth:`check`, or a dispatch without ``sync_free``); until then the rows of a
                 refused call are unspecified (zero weights, counts and offsets on the nccl backend, whose refused
                 call moves no row). What graph capture does anyway. Both backends (nccl: fixed per-peer packet
-                slots and one all_to_all with equal splits, :mod:`tritonep.ep.nccl.sync_free`).
+                slots and one all_to_all with equal splits, :mod:`tritonep.backends.nccl.sync_free`).
 
         Returns:
             :class:`Dispatched` (rows ordered by (source rank, token, k) inside each expert segment).
@@ -335,7 +335,7 @@ class EPBuffer:
         """A new counts exchange of this buffer's backend (collective: every rank builds it, in the same order).
 
         ``gather(topk_idx [T, K]) -> int32 [W, num_experts]`` routes of every rank per expert (the virtual-expert
-        planner's input); identical bits on every backend (:class:`tritonep.ep.backends.CountsExchange`).
+        planner's input); identical bits on every backend (:class:`tritonep.backends.CountsExchange`).
 
         Args:
             num_experts: experts the histogram spans (default: this buffer's E), a multiple of the group size.
@@ -360,7 +360,7 @@ class EPBuffer:
             dtype: weight dtype (bf16 or fp32).
 
         Returns:
-            a :class:`tritonep.ep.backends.ExpertTransport` (push / slot_views / pull), same bits on every backend.
+            a :class:`tritonep.backends.ExpertTransport` (push / slot_views / pull), same bits on every backend.
 
         Raises:
             PlanError: ``num_experts`` not divisible by the world size. BufferStateError: closed.

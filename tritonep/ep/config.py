@@ -2,7 +2,7 @@
 
 :class:`EPConfig` holds everything a buffer's static configuration decides (experts, hidden, tokens, top-k, wires,
 alignment, capacity, SM cap, timeout, device type, kernel geometry). :func:`build_config` validates the arguments
-and derives the rest (``max_recv_tokens``'s default, the geometry of :func:`tritonep.ep.geometry.select_geometry`,
+and derives the rest (``max_recv_tokens``'s default, the geometry of :func:`tritonep.backends.triton.tiles.select_geometry`,
 the wait bound); nothing below the front door recomputes or renames a field. :func:`agree` is the constructor's one
 collective: every rank contributes its config (or the error its arguments raised) and its view of peer access, so an
 invalid configuration on ANY rank is an error on EVERY rank (the bad rank raises its own error naming the value, the
@@ -46,9 +46,9 @@ class EPConfig:
         device_type: ``"cuda"`` or ``"cpu"`` (a CPU buffer runs the kernels in Triton's interpreter).
         num_sms: the cap on communication kernels' programs (None: TRITONEP_NUM_SMS / the geometry table).
         timeout_s: bound of every in-kernel wait, seconds.
-        geometry: the kernel geometry (:class:`tritonep.ep.geometry.Geometry`) of the triton backend.
+        geometry: the kernel geometry (:class:`tritonep.backends.triton.tiles.Geometry`) of the triton backend.
         nccl_sync_free: ``TRITONEP_NCCL_SYNC_FREE`` as read at construction (``"onehop"`` | ``"gather"`` | ``""``:
-            the rule of :func:`tritonep.ep.nccl.sync_free.sync_free_mode`): a field so that every rank agrees on
+            the rule of :func:`tritonep.backends.nccl.sync_free.sync_free_mode`): a field so that every rank agrees on
             it (ranks in different modes would run different collectives).
     """
 
@@ -107,9 +107,9 @@ def build_config(*, world_size: int, num_experts: int, hidden: int, max_tokens_p
         WireError: an unknown wire or a ``hidden`` the wire's block does not divide.
     """
     from ..wire.formats import check_wire
-    from .backends import check_backend_name
-    from .geometry import select_geometry
-    from .status import resolve_timeout
+    from ..backends import check_backend_name
+    from ..backends.triton.tiles import select_geometry
+    from ..runtime.status import resolve_timeout
 
     for name, v in (("world_size", world_size), ("num_experts", num_experts), ("hidden", hidden),
                     ("max_tokens_per_rank", max_tokens_per_rank), ("topk", topk),
@@ -129,7 +129,7 @@ def build_config(*, world_size: int, num_experts: int, hidden: int, max_tokens_p
     if device_type not in ("cuda", "cpu"):
         raise ConfigError(f"device type {device_type!r} is not 'cuda' or 'cpu'")
     if check_kernels:
-        from ..kernels.common import check_kernel_mode
+        from ..device.common import check_kernel_mode
 
         check_kernel_mode(device_type)
     if max_recv_tokens is None:

@@ -57,9 +57,9 @@ class TritonHandle(DispatchHandle):
     """Handle of the triton backend: the receiver side of the symmetric-memory protocol, in ONE allocation.
 
     ``store`` is the call's int32 storage block (the kernels take the block itself and add each field's static
-    offset: :data:`tritonep.ep.bound.STORE`); ``views`` its fields as :class:`tritonep.ep.field_view.FieldView` s
+    offset: :data:`tritonep.runtime.bound.STORE`); ``views`` its fields as :class:`tritonep.runtime.field_view.FieldView` s
     (an address and a dtype each; made on first read, like each field's tensor view; the layout is the backend's
-    static :class:`tritonep.ep.triton.outputs.HandleLayout`). Fields, as
+    static :class:`tritonep.backends.triton.outputs.HandleLayout`). Fields, as
     properties: ``meta [W, Tmax, K]`` int32 (row of route (src, t, k) here, -1 if elsewhere), ``wts [W, Tmax, K]``
     float32 (its weight), ``ntok [W]`` int32 (tokens of every source), ``rows``, ``counts``, ``topk_idx`` (int32,
     the handle's sanitized copy), ``topk_weights`` (float32 copy), and ``ntpe`` / ``offs`` (the dispatch's
@@ -81,7 +81,7 @@ class TritonHandle(DispatchHandle):
 
     @cached_property
     def views(self) -> tuple:
-        """The fields of :attr:`store` as :class:`tritonep.ep.field_view.FieldView` s (made once, on first read)."""
+        """The fields of :attr:`store` as :class:`tritonep.runtime.field_view.FieldView` s (made once, on first read)."""
         return self.layout.views(self.store)
 
     def _get(self, name):
@@ -110,7 +110,7 @@ class NcclHandle(DispatchHandle):
         recv_rows: int32 ``[Nr, K]`` destination row of each received route (-1 where the route is elsewhere).
         recv_w: float32 ``[Nr, K]`` its weight (0 elsewhere).
 
-    A sync-free dispatch's handle (:mod:`tritonep.ep.nccl.sync_free`) has fixed slots: splits of
+    A sync-free dispatch's handle (:mod:`tritonep.backends.nccl.sync_free`) has fixed slots: splits of
     ``max_tokens_per_rank`` packets per peer, ``Ns = Nr = W * max_tokens_per_rank``; a slot its source left empty has
     routes -1 and weights 0 (combine and the backward passes need nothing else), ``num_recv_rows`` is None. In the
     one-hop mode (``TRITONEP_NCCL_SYNC_FREE=onehop``) every peer block has one more slot (the header: routes -1),
@@ -124,7 +124,7 @@ class NcclHandle(DispatchHandle):
     def _new(cls, **fields) -> "NcclHandle":
         """``NcclHandle(**fields)`` without the generated frozen ``__init__``, which sets its 16 fields one
         ``object.__setattr__`` at a time (4.7 vs 0.8 us on a 2-core CPU, on every dispatch's host path): the instance
-        dictionary is filled directly. Every field must be given (``tests/ep/nccl/test_call_contract.py`` checks
+        dictionary is filled directly. Every field must be given (``tests/backends/nccl/test_call_contract.py`` checks
         the result equals the constructor's)."""
         h = cls.__new__(cls)
         h.__dict__.update(fields)

@@ -75,8 +75,8 @@ def layer_required_bytes(recipe: MoERecipe, geometry: MoEGeometry, world_size: i
                                     expert_alignment=recipe.expert_alignment, max_recv_tokens=g.max_recv_tokens,
                                     dtype=_ACT_DTYPE, device_type=device_type)
     if virtual:
-        from ..ep.triton.counts import counts_regions
-        from ..ep.triton.expert_transport import transport_regions
+        from ..backends.triton.counts import counts_regions
+        from ..backends.triton.expert_transport import transport_regions
         from ..memory import required_bytes as _rb
 
         L = g.num_experts // world_size
@@ -93,7 +93,7 @@ def take_part_refused(buffer, counts_x, err: Exception):
 
     Args:
         buffer: the layer's :class:`tritonep.EPBuffer`; its dispatch takes part with no tokens and the flag.
-        counts_x: the planner's counts exchange (:class:`tritonep.ep.backends.CountsExchange`) when its exchange
+        counts_x: the planner's counts exchange (:class:`tritonep.backends.CountsExchange`) when its exchange
             has not run yet in this call (virtual experts), else None.
         err: the refusal to raise on this rank.
     """

@@ -1,6 +1,6 @@
 """The launch-sequence recorder of the CPU world: CI's check of the host protocol rule (docs/protocols.md (host protocol rule)).
 
-Every rank of a CPU world records, in order, each kernel launched through :class:`tritonep.ep.triton.launch.Launcher`
+Every rank of a CPU world records, in order, each kernel launched through :class:`tritonep.runtime.launch.Launcher`
 (``("launch", kernel name, grid)``) and each ``torch.distributed`` collective it calls (``("collective", name)``,
 through ``torch.distributed.<name>`` or ``torch.distributed.distributed_c10d.<name>``; a collective made of other
 collectives counts once). Kernels launched directly (``kernel[grid](...)``) are not recorded: every kernel that
@@ -41,7 +41,7 @@ def install_recorder(log: list):
     """In this (forked rank) process: append every Launcher launch and torch.distributed collective to ``log``."""
     import torch.distributed as dist
 
-    from ..ep import recorder
+    from ..runtime import recorder
 
     from torch.distributed import distributed_c10d as c10d
 

@@ -1,0 +1,330 @@
+"""The torch.distributed backend of EPBuffer (NCCL on GPU, gloo on CPU): same API and bit-identical results.
+
+For groups whose ranks cannot map each other's memory (several hosts, no P2P). Every step is a small local Triton
+kernel (:mod:`tritonep.backends.nccl.route`, :mod:`tritonep.backends.nccl.unpack`, :mod:`tritonep.backends.nccl.pack`; on the CPU
+their torch twins, same bits) or a ``torch.distributed`` collective on the current stream. The row layout is the
+triton backend's by construction: the same segment formula (:func:`tritonep.backends.layout.layout_torch`, computed on
+the host by its numpy twin :func:`host_plan`) and, inside a segment, rows ordered by (source rank, token, k).
+
+A synced dispatch: the counts launch and one ``all_gather`` of the counts rows, THE one host read of the call (the
+gathered matrix and the status word), the host plan (refusals and capacity decided here, the same on every rank),
+one pack launch into one ``uint8`` send buffer (each token's wire row once per destination rank, then its routing),
+one ``all_to_all_single`` with uneven splits, one unpack launch into the expert rows. Combine sends one weighted
+fp32-summed partial per (token, rank) back along the reverse splits and sums the partials in rank order: exactly
+:func:`tritonep.reference.combine_reference_partial` and the triton backend's bits, for every wire. Combine and
+both backward passes read nothing on the host. Graph capture of a synced dispatch is refused (uneven splits need
+host sizes); the sync-free dispatch (:mod:`tritonep.backends.nccl.sync_free`) reads nothing and can be captured.
+
+Every launch is a :class:`tritonep.runtime.bound.BoundKernel` bound once with its constants
+(:class:`tritonep.backends.nccl.pack.Launch`), and the host path is fixed per call: what the static configuration decides
+is made at construction. On the GPU a bf16 dispatch is 3 launches, 2 collectives, 1 device->host copy (into a pinned
+buffer: the one read), 1 asynchronous host->device copy of the plan vector, 11 allocations and 17 torch calls; a
+combine 2 launches, 1 collective, 3 allocations, 4 torch calls (budgets held by
+``tests/backends/nccl/test_host_path_budget.py``). Calls of one buffer run on
+one CUDA stream at a time. Timeouts: this backend has no kernel waits; a peer that never arrives is caught by the
+process group's own timeout (NCCL watchdog), not by ``timeout_s``.
+
+The protocol step by step (dispatch, combine, backward, copies per call, wires, a hierarchical multi-host design):
+docs/protocols.md, "The nccl backend". Idea sources: DeepEP "normal" (host-synchronised) kernels, Megatron-LM's
+``MoEAlltoAllTokenDispatcher`` (counts exchange, then uneven token all_to_all); quantize once per token before the
+all_to_all as DeepEP's fp8 dispatch does; the fixed per-call host path of vLLM's ``CachedKernel`` / pplx-kernels.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ...errors import BackendError, BufferStateError, CapacityError, InputError, PeerInputError
+from ...wire.formats import get_wire
+from ...ep.handle import NcclHandle
+from ...ep.validate import check_expert_ids
+from .collectives import all_gather_flat
+from .combine import NcclCombine
+from .pack import Launch
+from .plan import host_plan, plan_size, status_size
+from .route import Router, SendLayout, send_layout
+from .sync_free import NcclSyncFree
+from .unpack import Unpacker
+
+__all__ = ["NcclEP"]
+
+
+class NcclEP(NcclSyncFree, NcclCombine):
+    """torch.distributed implementation behind :class:`tritonep.EPBuffer` (same interface as ``TritonEP``).
+
+    Args: as ``TritonEP``: the group, this rank, world_size W, num_experts E, hidden H, max_tokens_per_rank, topk K,
+    expert_alignment A, max_recv_tokens, device, dtype (bfloat16), ``dispatch_wire`` / ``combine_wire``
+    (any of :data:`tritonep.wire.WIRES`, see the module docstring), ``timeout_s`` (stored only: this backend has
+    no kernel waits, the process group's own timeout applies).
+
+    Attribute ``use_triton`` (default: CUDA device): the local steps run as Triton kernels, else as their torch
+    twins (same bits; the twins use ``torch.nonzero`` and are meant for the CPU). ``host_reads`` counts the
+    device->host reads of calls (one per synced dispatch, one per :meth:`check`, none per sync-free dispatch; one more
+    only when naming this rank's bad expert id).
+
+    Its dispatch returns a frozen :class:`tritonep.ep.handle.NcclHandle` (split sizes, per-route packets, per-packet
+    routes).
+
+    Raises:
+        WireError: an unknown wire name or a hidden size the wire cannot take (:func:`tritonep.wire.check_wire`).
+    """
+
+    name = "nccl"
+
+    def __init__(self, cfg, *, group, rank, device):
+        self.cfg = cfg
+        self.dispatch_wire, self.combine_wire = cfg.dispatch_wire, cfg.combine_wire
+        self.group = group
+        self.rank = rank
+        L = cfg.num_local_experts
+        self.device = dev = torch.device(device)
+        dtype = cfg.dtype
+        self.timeout_s = cfg.timeout_s
+        self.buffer_id = 0  # set by the EPBuffer that owns this backend (handles carry it)
+        world_size, num_experts, hidden, topk = cfg.world_size, cfg.num_experts, cfg.hidden, cfg.topk
+        max_tokens_per_rank, expert_alignment = cfg.max_tokens_per_rank, cfg.expert_alignment
+        dispatch_wire, combine_wire = cfg.dispatch_wire, cfg.combine_wire
+        self.host_reads = 0  # device->host reads made by calls: one per dispatch (+1 naming a bad id), else none
+        self.use_triton = self._cuda = dev.type == "cuda"
+        self._launch = Launch(dev)
+        W, E, K, H = world_size, num_experts, topk, hidden
+        self._es = es = torch.empty(0, dtype=dtype).element_size()
+        # dispatch rows: the wire row (one source, or payload + scale bytes) and the meta
+        fmt = self._dfmt = get_wire(dispatch_wire)
+        if fmt.quantized:
+            pb, sb = fmt.payload_bytes(H), fmt.scale_bytes(H)
+            self._lay = send_layout(pb + sb, K)
+            srcs = (1, pb), (1, sb)
+        else:
+            self._lay = send_layout(H * es, K)
+            srcs = (es, H), None
+        self._router = Router(W, E, K, max_tokens_per_rank, dev, self._launch, self._lay, *srcs)
+        self._unpacker = Unpacker(rank, E, L, K, H, expert_alignment, self._launch, self._lay, (E + W, E + W + L),
+                                  self._cuda, dev)
+        self._kept = (fmt.payload_bytes(H), fmt.num_scales(H)) if fmt.quantized else None
+        # combine rows per (wire, carries weight gradients): (format, send layout, fp32 partial layout)
+        part = SendLayout(4 * H, 4 * H, 4 * H)
+        cf = get_wire(combine_wire)
+        self._combine_rows = {
+            (combine_wire, False): (cf, send_layout(cf.row_bytes(H) if cf.quantized else H * es, K, 0), part),
+            ("bf16", False): (get_wire("bf16"), send_layout(H * es, K, 0), part),
+            ("bf16", True): (get_wire("bf16"), send_layout(H * es, K, K), part),
+        }
+        # the counts exchange: gathered matrix, its host copy, the host plan vector (numpy views made once)
+        self._ncols = E + W + 2
+        # on a GPU both host buffers are pinned: the one read is a direct DMA, the plan copy truly asynchronous (a
+        # pageable copy is staged through a driver buffer). The next call rewrites the plan vector only after its
+        # host read synchronised its stream, which covers the previous plan copy when it was made on the same
+        # stream (the raw stream is remembered; after a stream change the device is synchronised once)
+        # the gathered matrix and the status word (sync-free refusals) share one device block: the synced
+        # dispatch's one device->host copy reads both
+        ng = W * self._ncols
+        self._dev_block = torch.zeros(ng + status_size(W), dtype=torch.int32, device=dev)
+        self._gathered, self._status = self._dev_block[:ng], self._dev_block[ng:]
+        self._host = torch.empty(ng + status_size(W), dtype=torch.int32, pin_memory=self._cuda)
+        self._host_np = self._host.numpy()[:ng].reshape(W, self._ncols)
+        self._host_st = self._host.numpy()[ng:]
+        self._plan_t = torch.zeros(plan_size(W, E), dtype=torch.int32, pin_memory=self._cuda)
+        self._plan_np = self._plan_t.numpy()
+        self._plan_stream = None  # raw CUDA stream of the last plan copy (0 is the default stream; None: none)
+        self._dev_index = dev.index if dev.index is not None else (torch.cuda.current_device() if self._cuda else 0)
+        self._split = [E + W, L, L, W * E]
+        # shared empties of calls with no tokens / no packets (never written)
+        self._no_routes = torch.empty(0, K, dtype=torch.int32, device=dev)
+        self._no_w = torch.empty(0, K, dtype=torch.float32, device=dev)
+        self._no_send = torch.empty(0, self._lay.width, dtype=torch.uint8, device=dev)
+        self._eo: torch.Tensor | None = None
+        self._init_sync_free()
+        self.closed = False
+
+    # ---------------------------------------------------------------------------------------------- helpers
+    def expert_out_buffer(self) -> torch.Tensor:
+        """Persistent ``[max_recv_tokens, H]`` tensor for the expert output (allocated on first use)."""
+        if self._eo is None:
+            self._eo = torch.zeros(self.cfg.max_recv_tokens, self.cfg.hidden, dtype=self.cfg.dtype, device=self.device)
+        return self._eo
+
+    @property
+    def allocated_bytes(self) -> int:
+        """0: this backend holds no symmetric memory."""
+        return 0
+
+    @property
+    def geometry(self):
+        """None: this backend has no kernel geometry."""
+        return None
+
+    def close(self):
+        """Drop the persistent tensors; later calls raise :class:`BufferStateError`."""
+        self._eo = None
+        self._sf_bufs = None
+        self._oh = None
+        if not self.closed:
+            self._close_sync_free()
+        self.closed = True
+
+    def _a2a(self, recv: torch.Tensor, send: torch.Tensor, in_splits, out_splits) -> torch.Tensor:
+        """``all_to_all_single`` of contiguous ``[N, ...]`` tensors along rows with uneven splits (into ``recv``)."""
+        dist.all_to_all_single(recv, send, output_split_sizes=out_splits, input_split_sizes=in_splits,
+                               group=self.group)
+        return recv
+
+    def _plan_to_device(self) -> torch.Tensor:
+        """A new device copy of the host plan vector: one host->device copy, never a sync (on a GPU from the pinned
+        vector, asynchronously; see :meth:`_plan_writable`)."""
+        if self._cuda:
+            plan = self._plan_t.to(self.device, non_blocking=True)  # pinned source: asynchronous
+            self._plan_stream = torch._C._cuda_getCurrentRawStream(self._dev_index)
+            return plan
+        return self._plan_t.clone()
+
+    def _plan_writable(self):
+        """Make sure the previous call's asynchronous plan copy has read the pinned vector before it is rewritten.
+
+        Called after this call's host read, which synchronised the current stream: nothing more to wait for when
+        the previous copy was made on this stream; after a stream change, one device synchronisation (rare)."""
+        if torch._C._cuda_getCurrentRawStream(self._dev_index) != self._plan_stream:
+            torch.cuda.synchronize(self.device)
+        self._plan_stream = None
+
+    # ---------------------------------------------------------------------------------------------- dispatch
+    def _raise_bad(self, m, topk_idx: torch.Tensor, bad_input: bool):
+        """Raise the input error the counts matrix carries (host int32 ``[W, E + W + 2]``; the caller saw one).
+
+        Raises:
+            InputError: this rank's own ids are out of range (named by :func:`check_expert_ids`).
+            PeerInputError: another rank's input was bad, or this rank's input was refused by the front door
+                (``bad_input``); ``bad_ranks`` lists them all.
+        """
+        E, W = self.cfg.num_experts, self.cfg.world_size
+        nbad, refused = m[:, E + W].tolist(), m[:, E + W + 1].tolist()
+        bad_ranks = [r for r in range(W) if nbad[r] or refused[r]]
+        if nbad[self.rank] and not bad_input:
+            self.host_reads += 1
+            check_expert_ids(topk_idx, E)  # raises the InputError naming the value and its (token, k)
+            raise InputError(f"topk_idx holds {nbad[self.rank]} ids outside [-1, num_experts={E})")
+        why = "; ".join(f"rank {r}: " + (f"{nbad[r]} expert ids outside [-1, {E})" if nbad[r]
+                                         else "input refused by EPBuffer") for r in bad_ranks)
+        raise PeerInputError(f"dispatch on rank {self.rank}: invalid input on rank(s) {bad_ranks} ({why}); no rows "
+                             "moved on any rank, the buffer stays usable", bad_ranks=bad_ranks, rank=self.rank)
+
+    def dispatch_fwd(self, x, topk_idx, topk_weights, sync: bool, keep_quantized: bool = False,
+                     bad_input: bool = False):
+        """See :meth:`tritonep.EPBuffer.dispatch` (``x`` etc. have passed the front door's shape / dtype checks).
+
+        Args:
+            x: ``[T, H]`` bfloat16 contiguous; topk_idx: ``[T, K]`` int32 / int64 contiguous; topk_weights:
+                ``[T, K]`` float32 contiguous.
+            sync: None for ``sync_free=True`` (:meth:`_dispatch_sync_free`: no host read, ``max_recv_tokens``
+                rows, errors raised by the next :meth:`check` / synced dispatch); any other value is ignored (the
+                one host read of the split sizes is needed whatever TRITONEP_SYNC_CHECKS says); keep_quantized: see
+                below.
+            bad_input: the front door refused this rank's input and passes empty tensors (``[0, H]``, ``[0, K]``,
+                ``[0, K]``): the rank still joins the counts exchange with its error flag set, so every rank
+                raises and no rows move.
+
+        Returns ``(out [R, H], out_w [R] f32, num_tokens_per_expert [L] i32, expert_offsets [L] i32, handle)``;
+        with ``keep_quantized`` and an fp8 / mxfp4 dispatch wire ``out`` is the payload (uint8 ``[R, H]`` /
+        ``[R, H/2]``) and the scales are in ``handle.x_scales`` (fp32 ``[R, H/128]`` / uint8
+        ``[R, H/32]``), as on the triton backend.
+
+        Raises:
+            BackendError: CUDA-graph capture of a synced dispatch (host split sizes are needed).
+            InputError: this rank's expert ids are outside ``[-1, E)`` (names the first value and its (token, k));
+                raised after the counts exchange, nothing moved on any rank.
+            PeerInputError: another rank's input was invalid (or ``bad_input``); nothing moved on any rank.
+            CapacityError: some rank would receive more than ``max_recv_tokens`` rows (raised on every rank,
+                nothing sent).
+            Synced only, also: the refusal of an earlier sync-free dispatch nobody read (its InputError /
+                PeerInputError / CapacityError, on every rank; this call moves nothing).
+        """
+        if self.closed:
+            raise BufferStateError(f"EPBuffer on rank {self.rank} is closed")
+        if sync is None:
+            return self._dispatch_sync_free(x, topk_idx, topk_weights, keep_quantized, bad_input)
+        dev = self.device
+        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise BackendError("the nccl backend's synced dispatch cannot be captured in a CUDA graph: all_to_all "
+                               "needs host split sizes; use dispatch(..., sync_free=True) or backend='triton'")
+        # TRITONEP_SYNC_CHECKS=0 (sync False) cannot remove the split-size read all_to_all needs: the one host
+        # read happens whatever the setting
+        W, E, K, H, ut, lay, fmt = self.cfg.world_size, self.cfg.num_experts, self.cfg.topk, self.cfg.hidden, self.use_triton, self._lay, self._dfmt
+        T = x.shape[0]
+        # 1) counts exchange: the one host read
+        row = self._router.count(topk_idx, T, bad_input, ut)
+        all_gather_flat(self._gathered, row, self.group)
+        self._host.copy_(self._dev_block)
+        self.host_reads += 1
+        m = self._host_np
+        # 2) host decisions on the small matrix (numpy: a few microseconds, no device work); first a refusal of an
+        # earlier sync-free dispatch nobody read (the status word came with the matrix): nothing moves
+        if self._host_st[0]:
+            self._status.zero_()
+            self._raise_status(self._host_st.tolist(), "dispatch")
+        if m[:, E + W:].any():
+            self._raise_bad(m, topk_idx, bad_input)
+        if self._plan_stream is not None:
+            self._plan_writable()
+        need, send_splits, recv_splits = host_plan(m, self.rank, W, E, self.cfg.expert_alignment, self._plan_np)
+        if need.max() > self.cfg.max_recv_tokens:
+            worst = int(need.argmax())
+            raise CapacityError(f"dispatch: rank {worst} would receive {int(need[worst])} rows but "
+                                f"max_recv_tokens={self.cfg.max_recv_tokens}; nothing was sent",
+                                needed=int(need[worst]), available=self.cfg.max_recv_tokens)
+        R = int(need[self.rank])
+        Ns, Nr = sum(send_splits), sum(recv_splits)
+        plan = self._plan_to_device()
+        _, ntpe, offs, counts = torch.split(plan, self._split)
+        # 3) pack: rows, packet slots and the send rows in one pass
+        if T:
+            rows = torch.empty(T, K, dtype=torch.int32, device=dev)
+            pkt = torch.empty(T, K, dtype=torch.int32, device=dev)
+            send = torch.empty(Ns, lay.width, dtype=torch.uint8, device=dev)
+            # the handle owns the routing it reads again (the dispatch backward's weight-gradient gather): a copy,
+            # written by the pack launch, so a caller that refills its routing tensors in place after dispatch
+            # changes nothing
+            idx_c, w_c = torch.empty_like(topk_idx), torch.empty_like(topk_weights)
+            src0, src1 = fmt.quantize_bytes(x) if fmt.quantized else (x, None)  # quantized once per token
+            self._router.pack(src0, src1, topk_idx, topk_weights, plan, send, rows, pkt, T, ut, idx_c, w_c)
+        else:
+            rows = pkt = self._no_routes
+            send = self._no_send
+            idx_c, w_c = topk_idx.new_empty(0, K), self._no_w
+        kq = keep_quantized and fmt.quantized
+        zero_row = kq and self.cfg.expert_alignment > 1  # kept padding rows copy the encoding of a zero row (row Nr)
+        recv = torch.empty(Nr + zero_row, lay.width, dtype=torch.uint8, device=dev)
+        if zero_row:
+            recv[Nr].zero_()
+            fmt.wire_views(recv[Nr:], H)[1].fill_(fmt.zero_scale)
+        self._a2a(recv[:Nr] if zero_row else recv, send, send_splits, recv_splits)
+        # 4) unpack: every packet's row to the rows of its routes here
+        if Nr:
+            rr = torch.empty(Nr, K, dtype=torch.int32, device=dev)
+            rw = torch.empty(Nr, K, dtype=torch.float32, device=dev)
+        else:
+            rr, rw = self._no_routes, self._no_w
+        out_w = torch.empty(R, dtype=torch.float32, device=dev)
+        sc = None
+        if not fmt.quantized:
+            out = torch.empty(R, H, dtype=self.cfg.dtype, device=dev)
+            srcs, widths = [(recv, 0, lay.width // self._es)], (H,)
+        elif kq:
+            pb, ns = self._kept
+            out = torch.empty(R, pb, dtype=torch.uint8, device=dev)
+            sc = torch.empty(R, ns, dtype=fmt.scale_dtype, device=dev)
+            se = fmt.codec.scale_bytes
+            srcs, widths = [(recv, 0, lay.width), (recv, pb // se, lay.width // se)], (pb, ns)
+        else:  # one dequantization per received packet, then the scatter
+            out = torch.empty(R, H, dtype=self.cfg.dtype, device=dev)
+            srcs, widths = ([(fmt.dequantize_rows(recv, H, self.cfg.dtype), 0, H)] if R else []), (H,)
+        if R:
+            self._unpacker.unpack(recv, srcs, [out] if sc is None else [out, sc], widths, out_w, rr, rw, plan, Nr,
+                                  zero_row, ut)
+        handle = NcclHandle._new(topk_idx=idx_c, topk_weights=w_c, rows=rows,
+                                 counts=counts.view(W, E), num_tokens=T, num_recv_rows=R, x_scales=sc,
+                                 recv_weights=out_w, buffer_id=self.buffer_id, send_splits=send_splits,
+                                 recv_splits=recv_splits, num_send=Ns, num_recv=Nr, pkt=pkt, recv_rows=rr,
+                                 recv_w=rw)
+        return out, out_w, ntpe, offs, handle

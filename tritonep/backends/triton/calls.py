@@ -1,0 +1,229 @@
+"""Every kernel launch of one triton-backend buffer, bound once at construction (:class:`KernelSet`).
+
+Each launch of a dispatch, combine or backward is a :class:`tritonep.runtime.bound.BoundKernel` whose static
+arguments (regions, pointer tables, flag offsets, call counters, status word, wait bound, tiles, ranks, wires,
+grids) come from the buffer's :class:`tritonep.ep.config.EPConfig` and regions here, once; a call passes only its
+per-call values, named in the ``dyn`` tuple of each kernel below, in that order. Variants that depend on the call
+kind (wire, push / pull, weighted, weight-gradient return, keep_quantized) are bound on first use and cached: the
+dry run of :meth:`tritonep.backends.triton.backend.TritonEP._precompile` touches every one at construction.
+
+The launch sequence of each call, and what every flag, counter and wait means, is documented in
+:mod:`tritonep.backends.triton.backend` and docs/protocols.md.
+"""
+
+from __future__ import annotations
+
+import triton
+
+from ...device import protocol as P
+from .kernels.combine import combine_out_kernel, combine_partial_kernel
+from .kernels.combine_fused import combine_fused_kernel
+from .kernels.decode_combine import combine_decode_kernel
+from .kernels.decode_dispatch import dispatch_decode_kernel
+from .kernels.dispatch import dispatch_expand_kernel, dispatch_send_kernel
+from .kernels.dispatch_fused import dispatch_fused_kernel
+from .kernels.layout import chunk_hist_kernel, exchange_kernel, exchange_tiles
+from ...wire.formats import get_wire
+from ...runtime.bound import STORE, BoundKernel
+from .outputs import ST_HOST
+
+__all__ = ["KernelSet", "RAW"]
+
+RAW = get_wire("bf16").codec  # backward passes move bf16
+_p2 = triton.next_power_of_2
+
+
+class KernelSet:
+    """The bound kernels of one :class:`tritonep.backends.triton.backend.TritonEP` (see the module docstring).
+
+    Attributes: ``hist``, ``exchange``, ``send`` (forward, dispatch wire), ``send_bwd`` (combine backward, raw),
+    ``expand_bwd``; methods ``expand(kq)``, ``fused(kq)``, ``decode(kq)``, ``partial(kind, weighted, wgrad,
+    wire)``, ``out(kind, wgrad, wire)``, ``combine_fused(wire)``, ``combine_decode(wire, weighted, wgrad)`` for the
+    variants.
+    """
+
+    def __init__(self, ep):
+        cfg, g, b, hl = ep.cfg, ep.cfg.geometry, ep.buf, ep.hl
+        self._ep, self._lau = ep, ep._launch
+        W, E, K, L, A = cfg.world_size, cfg.num_experts, cfg.topk, cfg.num_local_experts, cfg.expert_alignment
+        Tm, H = cfg.max_tokens_per_rank, cfg.hidden
+        opts = {"num_warps": g.num_warps}
+        if ep.device.type == "cuda":
+            opts["num_stages"] = 1  # waits guard later loads: the pipeliner must not hoist them (docs/protocols.md)
+        self.ncmax = max(1, triton.cdiv(Tm, g.bt))
+        self.ncmax_c = max(1, triton.cdiv(Tm, g.cbt))
+        ck = dict(RANK=ep.rank, W=W, K=K, KB=_p2(K), H=H, BH=g.bh, BT=g.bt, WB=max(2, _p2(W)),
+                  HAS_TIMER=ep.device.type == "cuda", RB=2 * H, **opts)
+        self._ck = ck
+        self._cck = dict(ck, BT=g.cbt, num_warps=g.cwarps)
+        common = dict(flags_ptr=ep.flags, flags_tab=ep.tab["flags"], calls_ptr=ep.calls, status_ptr=ep.status,
+                      timeout=ep.timeout)
+        self._common = common
+        fo = lambda row: P.flag_row_bytes(row, W)  # noqa: E731 - byte offset of a flag row
+        self._fo = fo
+        calls = lambda which: ep.calls[P.v(which):P.v(which) + 1]  # noqa: E731 - one counter's view
+        cx = P.v(P.CALL_EXCHANGE)
+        self.hist = BoundKernel(self._lau, chunk_hist_kernel, (g.grid_hist,), dict(
+            hist_ptr=ep.hist, K=K, E=E, EB=_p2(E), BT=g.bt, KB=_p2(K), bump_a=calls(P.CALL_DISPATCH),
+            bump_b=calls(P.CALL_EXCHANGE), NBUMP=2, COPY=True, **opts),
+            dyn=("topk_idx_ptr", "w_ptr", STORE, "T", "NC"), fields=hl.fields_of(idx_out_ptr="idx", w_out_ptr="w"))
+        xgrid, xt = exchange_tiles(self.ncmax, E)  # static tiles: never derived from this call's T
+        self.exchange = BoundKernel(self._lau, exchange_kernel, (xgrid,), dict(
+            hist_ptr=ep.hist, counts_tab=ep.tab["counts"], flags_ptr=ep.flags, flags_tab=ep.tab["flags"],
+            flag_off=fo(P.FLAG_COUNTS), calls_ptr=ep.calls[cx:], status_ptr=ep.status, timeout=ep.timeout,
+            pre_ptr=ep.pre, send_base_ptr=ep.send_base, rows_needed_ptr=ep.rows_needed,
+            max_recv=cfg.max_recv_tokens, RANK=ep.rank, W=W, E=E, L=L, A=A, WB=ck["WB"], LB=_p2(L), EB=_p2(E),
+            HAS_TIMER=ck["HAS_TIMER"], DOUBLE=True, dcall_ptr=calls(P.CALL_DISPATCH),
+            rows_out_ptr=ep.status[P.v(P.ST_ROWS_RECEIVED):P.v(P.ST_ROWS_RECEIVED) + 1], host_st_ptr=ep.st_mapped,
+            HOST_ST=ST_HOST, **xt, **opts),
+            dyn=("NC", STORE, "host_bad", "ticket"),
+            fields=hl.fields_of(ntpe_ptr="ntpe", offs_ptr="offs", counts_out_ptr="counts"))
+        send = dict(pre_ptr=ep.pre, send_base_ptr=ep.send_base, stage_tab=ep.tab["stage"], meta_tab=ep.tab["meta"],
+                    wts_tab=ep.tab["wts"], ntok_tab=ep.tab["ntok"], data_off=fo(P.FLAG_DATA), G_expand=g.grid_expand,
+                    Tmax=Tm, E=E, L=L, **common, **ck)
+        sdyn, sf = ("x_ptr", STORE, "T", "NC"), hl.fields_of(topk_idx_ptr="idx", topk_w_ptr="w", rows_ptr="rows")
+        self.send = BoundKernel(self._lau, dispatch_send_kernel, (g.grid_send,),
+                                dict(send, COMPUTE_ROWS=True, WIRE=ep.dwire), sdyn, fields=sf)
+        self.send_bwd = BoundKernel(self._lau, dispatch_send_kernel, (g.grid_send,),
+                                    dict(send, COMPUTE_ROWS=False, WIRE=RAW, ADV=1), sdyn, fields=sf)
+        # the receiver-side fields of the handle (expand, partial, combine)
+        self._recv = hl.fields_of(hmeta_ptr="meta", hwts_ptr="wts", hntok_ptr="ntok")
+        self._layout = dict(self._recv, **hl.fields_of(ntpe_ptr="ntpe", offs_ptr="offs"))
+        self._expand_static = dict(stage_ptr=b.local("stage"), meta_ptr=b.local("meta"), wts_ptr=b.local("wts"),
+                                   ntok_ptr=b.local("ntok"), ack_off=fo(P.FLAG_ACK), G_send=g.grid_send, Tmax=Tm,
+                                   NCmax=self.ncmax, L=L, LB=_p2(L), PF=g.prefetch, **common, **ck)
+        # the combine backward's expand: its own tile and grid (Geometry.bbt / bwarps / bgrid: the weight gradient's
+        # expert-output loads spill registers in the dispatch's tile; its last program acks the sources for
+        # grid_expand programs); it zeroes the rows no route writes itself (padding, rows past the layout's end), so
+        # its outputs are allocated empty
+        self.expand_bwd = BoundKernel(self._lau, dispatch_expand_kernel, (g.bgrid,), dict(
+            self._expand_static, BT=g.bbt, num_warps=g.bwarps, NCmax=max(1, triton.cdiv(Tm, g.bbt)), PF=False,
+            GA=g.grid_expand,
+            BA=1, A=A, SCALE=True, DOT=True, KEEP_HANDLE=False, WIRE=RAW, KEEP_Q=False, ADV=1),
+            dyn=("x_ptr", "out_ptr", STORE, "eo_ptr", "gw_ptr", "out_w_ptr", "nrows"), fields=self._layout)
+        self._cache: dict = {}
+
+    def _get(self, key, make):
+        bk = self._cache.get(key)
+        if bk is None:
+            bk = self._cache[key] = make()
+        return bk
+
+    # ------------------------------------------------------------------------------------------------ dispatch
+    def expand(self, kq: bool) -> BoundKernel:
+        """Forward expand (dispatch wire; ``kq``: keep_quantized output)."""
+        bk = self._cache.get(("expand", kq))  # every call after the first: no closure built
+        if bk is not None:
+            return bk
+        ep, g, cfg = self._ep, self._ep.cfg.geometry, self._ep.cfg
+
+        def make():
+            return BoundKernel(self._lau, dispatch_expand_kernel, (g.grid_expand,), dict(
+                self._expand_static, BA=_p2(max(cfg.expert_alignment, 1)), A=cfg.expert_alignment, SCALE=False,
+                DOT=False, KEEP_HANDLE=True, WIRE=ep.dwire, KEEP_Q=kq),
+                dyn=("x_ptr", "out_ptr", "out_w_ptr", STORE, "eo_ptr", "gw_ptr", "q_ptr", "s_ptr"),
+                fields=self._layout)
+        return self._get(("expand", kq), make)
+
+    def fused(self, kq: bool) -> BoundKernel:
+        """One-launch forward dispatch (send and expand roles; ``kq``: keep_quantized output)."""
+        bk = self._cache.get(("fused", kq))  # every call after the first: no closure built
+        if bk is not None:
+            return bk
+        ep, g, cfg, b = self._ep, self._ep.cfg.geometry, self._ep.cfg, self._ep.buf
+
+        def make():
+            return BoundKernel(self._lau, dispatch_fused_kernel, (g.fused_send + g.fused_expand,), dict(
+                pre_ptr=ep.pre, send_base_ptr=ep.send_base, stage_tab=ep.tab["stage"], meta_tab=ep.tab["meta"],
+                wts_tab=ep.tab["wts"], ntok_tab=ep.tab["ntok"], cflag_tab=ep.tab["cflag"],
+                cflag_ptr=b.local("cflag"), stage_ptr=b.local("stage"), meta_ptr=b.local("meta"),
+                wts_ptr=b.local("wts"), ntok_ptr=b.local("ntok"), data_off=self._fo(P.FLAG_DATA),
+                ack_off=self._fo(P.FLAG_ACK), G_send_std=g.grid_send, G_expand_std=g.grid_expand,
+                Tmax=cfg.max_tokens_per_rank, NCmax=self.ncmax, GS=g.fused_send, E=cfg.num_experts,
+                L=cfg.num_local_experts, BA=_p2(max(cfg.expert_alignment, 1)), A=cfg.expert_alignment,
+                WIRE=ep.dwire, KEEP_Q=kq, PF=g.prefetch, **self._common, **self._ck),
+                dyn=("x_ptr", STORE, "T", "out_ptr", "out_w_ptr", "q_ptr", "s_ptr"),
+                fields=dict(self._layout, **ep.hl.fields_of(topk_idx_ptr="idx", topk_w_ptr="w", rows_ptr="rows")))
+        return self._get(("fused", kq), make)
+
+    def decode(self, kq: bool) -> BoundKernel:
+        """One-launch decode dispatch (counts exchange folded in; ``kq``: keep_quantized output)."""
+        bk = self._cache.get(("decode", kq))  # every call after the first: no closure built
+        if bk is not None:
+            return bk
+        ep, g, cfg, b = self._ep, self._ep.cfg.geometry, self._ep.cfg, self._ep.buf
+
+        def make():
+            return BoundKernel(self._lau, dispatch_decode_kernel, (g.decode,), dict(
+                max_recv=cfg.max_recv_tokens, hist_ptr=ep.hist, pre_ptr=ep.pre, counts_tab=ep.tab["counts"],
+                counts_ptr=b.local("counts"), stage_tab=ep.tab["stage"], meta_tab=ep.tab["meta"],
+                wts_tab=ep.tab["wts"], ntok_tab=ep.tab["ntok"], cflag_tab=ep.tab["cflag"],
+                cflag_ptr=b.local("cflag"), stage_ptr=b.local("stage"), meta_ptr=b.local("meta"),
+                wts_ptr=b.local("wts"), ntok_ptr=b.local("ntok"), rows_needed_ptr=ep.rows_needed,
+                counts_off=self._fo(P.FLAG_COUNTS), data_off=self._fo(P.FLAG_DATA), ack_off=self._fo(P.FLAG_ACK),
+                Tmax=cfg.max_tokens_per_rank, NCmax=self.ncmax, E=cfg.num_experts, L=cfg.num_local_experts,
+                LB=_p2(cfg.num_local_experts), TB=_p2(cfg.max_tokens_per_rank),
+                BA=_p2(max(cfg.expert_alignment, 1)), A=cfg.expert_alignment, WIRE=ep.dwire, KEEP_Q=kq, COPY=True,
+                host_st_ptr=ep.st_mapped, HOST_ST=ST_HOST, **self._common, **self._ck),
+                dyn=("x_ptr", "topk_idx_ptr", "topk_w_ptr", STORE, "T", "host_bad", "nrows_w", "out_ptr", "q_ptr",
+                     "s_ptr", "ticket"),
+                fields=dict(self._layout, **ep.hl.fields_of(rows_ptr="rows", counts_out_ptr="counts",
+                                                           idx_out_ptr="idx", w_out_ptr="w", out_w_ptr="rw")))
+        return self._get(("decode", kq), make)
+
+    # ------------------------------------------------------------------------------------------------ combine
+    def partial(self, kind: str, weighted: bool, wgrad: bool, wire) -> BoundKernel:
+        """Expert-rank side of a combine (``kind`` push / pull, weighted, weight-gradient return, wire)."""
+        ep, g, cfg = self._ep, self._ep.cfg.geometry, self._ep.cfg
+
+        def make():
+            return BoundKernel(self._lau, combine_partial_kernel, (g.grid_partial,), dict(
+                stage_tab=ep.tab["cstage"], wback_tab=ep.tab["wback"], cdata_off=self._fo(P.FLAG_CDATA),
+                G_out=g.grid_out, Tmax=cfg.max_tokens_per_rank, NCmax=self.ncmax_c, PUSH=kind == "push",
+                WEIGHTED=weighted, SEND_WGRAD=wgrad, WIRE=wire, **self._common, **self._cck),
+                dyn=("eo_ptr", STORE, "gw_ptr"), fields=self._recv)
+        return self._get(("partial", kind, weighted, wgrad, wire), make)
+
+    def out(self, kind: str, wgrad: bool, wire) -> BoundKernel:
+        """Source side of a combine (sums the partials in rank order; ``wgrad``: gathers the weight gradients)."""
+        ep, g, cfg = self._ep, self._ep.cfg.geometry, self._ep.cfg
+
+        def make():
+            return BoundKernel(self._lau, combine_out_kernel, (g.grid_out,), dict(
+                stage_tab=ep.tab["cstage"], wback_ptr=ep.buf.local("wback"), cack_off=self._fo(P.FLAG_CACK),
+                G_partial=g.grid_partial, Tmax=cfg.max_tokens_per_rank, L=cfg.num_local_experts,
+                PULL=kind == "pull", RECV_WGRAD=wgrad, WIRE=wire, **self._common, **self._cck),
+                dyn=(STORE, "y_ptr", "T", "NC", "gtw_ptr"), fields=ep.hl.fields_of(topk_idx_ptr="idx"))
+        return self._get(("out", kind, wgrad, wire), make)
+
+    def combine_fused(self, wire) -> BoundKernel:
+        """Weighted push combine in one launch (partial and out roles)."""
+        ep, g, cfg = self._ep, self._ep.cfg.geometry, self._ep.cfg
+
+        def make():
+            return BoundKernel(self._lau, combine_fused_kernel, (g.fused_send + g.fused_expand,), dict(
+                stage_tab=ep.tab["cstage"], ccflag_tab=ep.tab["ccflag"], ccflag_ptr=ep.buf.local("ccflag"),
+                cdata_off=self._fo(P.FLAG_CDATA), cack_off=self._fo(P.FLAG_CACK), G_partial_std=g.grid_partial,
+                G_out_std=g.grid_out, Tmax=cfg.max_tokens_per_rank, NCmax=self.ncmax_c, GS=g.fused_send,
+                L=cfg.num_local_experts, WIRE=wire, **self._common, **self._cck),
+                dyn=("eo_ptr", STORE, "y_ptr", "T"), fields=dict(self._recv, **ep.hl.fields_of(topk_idx_ptr="idx")))
+        return self._get(("combine_fused", wire), make)
+
+    def combine_decode(self, wire, weighted: bool = True, wgrad: bool = False) -> BoundKernel:
+        """Push combine of the decode geometry in one launch: weighted (combine) or not (dispatch backward,
+        ``wgrad``: with the weight gradients' return)."""
+        key = ("combine_decode", wire, weighted, wgrad)
+        bk = self._cache.get(key)  # every call after the first: no closure built (a combine's host path)
+        if bk is not None:
+            return bk
+        ep, g, cfg = self._ep, self._ep.cfg.geometry, self._ep.cfg
+
+        def make():
+            return BoundKernel(self._lau, combine_decode_kernel, (g.decode,), dict(
+                stage_tab=ep.tab["cstage"], ccflag_tab=ep.tab["ccflag"], ccflag_ptr=ep.buf.local("ccflag"),
+                cdata_off=self._fo(P.FLAG_CDATA), cack_off=self._fo(P.FLAG_CACK), Tmax=cfg.max_tokens_per_rank,
+                NCmax=self.ncmax, L=cfg.num_local_experts, WIRE=wire, wback_tab=ep.tab["wback"],
+                wback_ptr=ep.buf.local("wback"), WEIGHTED=weighted, WGRAD=wgrad, **self._common, **self._ck),
+                dyn=("eo_ptr", STORE, "y_ptr", "T", "gw_ptr", "gtw_ptr"),
+                fields=dict(self._recv, **ep.hl.fields_of(topk_idx_ptr="idx")))
+        return self._get(key, make)

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 from triton.runtime import interpreter
 
-from tritonep.device import common  # noqa: F401 - installs the fast functions when the kernels are interpreted
+from tritonep.device import common
 from tritonep.runtime.interpreter_speed import _packages, builtin_names, install
 
 pytestmark = pytest.mark.skipif(not common.kernels_interpreted(), reason="the interpreter's functions (a CPU run)")

@@ -111,9 +111,3 @@ def widen(x):
         return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
     else:
         return x.to(tl.float32)
-
-
-if kernels_interpreted():  # the interpreter's language patches without its per-call member scan (same patches)
-    from ..runtime.interpreter_speed import install as _install_interpreter_speed
-
-    _install_interpreter_speed()

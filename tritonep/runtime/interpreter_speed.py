@@ -8,7 +8,8 @@ third of a rank's time: cProfile of one rank of
 ``tests/ep/test_dispatch_combine.py::test_only_rank0_has_tokens_100_calls`` (10 calls): ``_patch_lang`` 3.5 s of
 10.1 s, 2006 calls, 97 % of them helper calls.
 
-:func:`install` (called by :mod:`tritonep.device.common` when the kernels are interpreted) changes three things,
+:func:`install` (called by the launch runtime for a CPU device, :func:`tritonep.testing.run_cpu_world` before it forks
+its ranks, and the test suite's conftest when it interprets) changes three things,
 each doing what the interpreter did:
 
 * ``_patch_builtin`` visits only the names a first scan of each package found to be builtins (the scan is made

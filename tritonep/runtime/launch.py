@@ -59,6 +59,10 @@ class Launcher:
 
         self.device = torch.device(device)
         check_kernel_mode(self.device.type)  # ConfigError before any launch: kernels built for another device
+        if self.device.type == "cpu":  # the interpreter without its per-call member scan (same patches)
+            from .interpreter_speed import install
+
+            install()
         self.group = group
         self._warmup = False
         self.cache = LaunchCache() if (self.device.type == "cuda" and envs.fast_launch()) else None

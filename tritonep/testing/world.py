@@ -201,6 +201,7 @@ def run_cpu_world(world_size: int, fn: Callable, *args, timeout_s: float = 120.0
     """
     from .. import envs
     from ..memory import CpuHeap
+    from ..runtime.interpreter_speed import install as install_interpreter_speed
 
     if "tritonep.device.common" in sys.modules and not sys.modules["tritonep.device.common"].kernels_interpreted():
         raise ConfigError("run_cpu_world: tritonep's kernels were already imported for the GPU in this process "
@@ -209,6 +210,7 @@ def run_cpu_world(world_size: int, fn: Callable, *args, timeout_s: float = 120.0
                           "them); the forked ranks need the interpreter: start Python with TRITON_INTERPRET=1, or make "
                           "those objects inside the rank function")
     os.environ["TRITON_INTERPRET"] = "1"
+    install_interpreter_speed()  # before the fork: every rank's interpreter without its per-call member scan
     heap = CpuHeap.create(world_size, heap_bytes or envs.cpu_heap_bytes())
     tmp = tempfile.mkdtemp(prefix="tritonep_world_")
     store_path = os.path.join(tmp, "store")

@@ -55,6 +55,10 @@ class Launch:
     def __init__(self, device):
         self.device = torch.device(device)
         self._variants: dict = {}
+        if self.device.type == "cpu":  # the interpreter without its per-call member scan (same patches)
+            from ...runtime.interpreter_speed import install
+
+            install()
 
     def bind(self, kernel, static: dict, dyn: tuple, fields: dict | None = None) -> BoundKernel:
         """``kernel`` bound with ``static`` (constants and options) and per-call ``dyn`` values after the grid;

@@ -62,7 +62,9 @@ def _handles_and_counts_world(group):
 
     from tritonep import EPBuffer
     from tritonep.backends import CountsExchange, ExpertTransport
-    from tritonep.ep.handle import DispatchHandle, NcclHandle, TritonHandle
+    from tritonep.backends.nccl.handle import NcclHandle
+    from tritonep.backends.triton.handle import TritonHandle
+    from tritonep.ep.handle import DispatchHandle
     from tritonep.errors import CapacityError, PeerInputError
 
     rank = dist.get_rank(group)

@@ -229,7 +229,7 @@ def test_gpu_nccl_host_reads(gpu_world, W):
 def _handle_fields(group, sync_free, mode):
     import dataclasses
 
-    from tritonep.ep.handle import NcclHandle
+    from tritonep.backends.nccl.handle import NcclHandle
     from tests.support.harness import set_env
 
     set_env(TRITONEP_NCCL_SYNC_FREE=mode)

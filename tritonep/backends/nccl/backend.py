@@ -38,8 +38,8 @@ import torch.distributed as dist
 
 from ...errors import BackendError, BufferStateError, CapacityError, InputError, PeerInputError
 from ...wire.formats import get_wire
-from ...ep.handle import NcclHandle
-from ...ep.validate import check_expert_ids
+from .handle import NcclHandle
+from ..checks import check_expert_ids
 from .collectives import all_gather_flat
 from .combine import NcclCombine
 from .pack import Launch
@@ -64,7 +64,7 @@ class NcclEP(NcclSyncFree, NcclCombine):
     device->host reads of calls (one per synced dispatch, one per :meth:`check`, none per sync-free dispatch; one more
     only when naming this rank's bad expert id).
 
-    Its dispatch returns a frozen :class:`tritonep.ep.handle.NcclHandle` (split sizes, per-route packets, per-packet
+    Its dispatch returns a frozen :class:`tritonep.backends.nccl.handle.NcclHandle` (split sizes, per-route packets, per-packet
     routes).
 
     Raises:

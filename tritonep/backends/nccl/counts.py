@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ...errors import PeerInputError
-from ...ep.validate import counts_input_refusal
+from ..checks import counts_input_refusal
 from .collectives import all_gather_flat, refuse_capture
 
 __all__ = ["NcclCountsExchange"]

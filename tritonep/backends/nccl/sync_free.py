@@ -23,10 +23,10 @@ import torch
 from ... import envs
 from ...errors import CapacityError, ConfigError, InputError, PeerInputError, WireError
 from .kernels.plan import sync_free_plan_kernel
-from ...ep.handle import NcclHandle
+from .handle import NcclHandle
 from ...runtime.pool import OutputPool, acquire_shared, release_shared
 from ...runtime.status import STATUS_BAD_INPUT, STATUS_CAPACITY
-from ...ep.validate import check_expert_ids
+from ..checks import check_expert_ids
 from .collectives import BoundCollective, all_gather_flat
 from .onehop import OneHopDispatch
 from .pack import pow2

@@ -41,7 +41,7 @@ from ...device import protocol as P
 from ...memory import get_heap, group_barrier
 from ...wire.formats import get_wire
 from ...runtime.status import STATUS_BAD_INPUT, STATUS_CAPACITY, bad_ranks, raise_for_status, wait_bound
-from ...ep.validate import check_expert_ids
+from ..checks import check_expert_ids
 from .calls import RAW, KernelSet
 from .decode import DecodePath
 from ...runtime.host_status import HostStatus

@@ -16,7 +16,7 @@ from ...memory import Region, get_heap
 from ...runtime.launch import Launcher
 from ...device import protocol as P
 from ...runtime.status import raise_for_status, resolve_timeout, wait_bound
-from ...ep.validate import counts_input_refusal
+from ..checks import counts_input_refusal
 
 _CX = P.v(P.CALL_EXCHANGE)  # this buffer's exchange number (the only counter it advances)
 

@@ -18,7 +18,7 @@ from ...envs import SYNC_STRICT
 from ...errors import PeerTimeoutError
 from ...device import protocol as P
 from ...runtime.field_view import FieldView
-from ...ep.handle import TritonHandle
+from .handle import TritonHandle
 from ...runtime.status import STATUS_BAD_INPUT, STATUS_CAPACITY, bad_ranks, raise_for_status
 
 __all__ = ["DispatchOutputs", "HandleLayout", "ST_HOST"]

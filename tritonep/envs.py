@@ -139,7 +139,7 @@ def max_programs() -> int:
     Ranks that share one GPU under MPS run their kernels at the same time: a kernel spinning on a peer's flag holds
     its SMs, so every waiting grid of every rank must fit on the chip together, or a peer's kernel never gets the
     SMs it needs to raise the flag (docs/platform.md, "Several ranks on one GPU"). The geometry, the counts exchange
-    and the expert transport clip their grids to it; :class:`tritonep.runtime.launch.Launcher` and the bound kernels refuse a larger grid.
+    and the expert transport clip their grids to it; :mod:`tritonep.runtime.launch`'s bound launches refuse a larger grid.
 
     Raises:
         ConfigError: not an integer >= 0.

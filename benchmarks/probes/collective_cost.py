@@ -90,13 +90,13 @@ def main():
     res["all_to_all_single_even"] = timed(lambda: dist.all_to_all_single(recv, send))
     res["all_to_all_single_splits"] = timed(lambda: dist.all_to_all_single(recv, send, splits, splits))
     from tritonep.backends.nccl.collectives import BoundCollective
-    from tritonep.backends.nccl.pack import Launch
+    from tritonep.runtime.launch import Launch
 
     recv_b = torch.empty_like(send)
     bound_a2a = BoundCollective(recv_b, send, None)  # the nccl backend's even all_to_all: the backend called directly
     res["all_to_all_single_even_bound"] = timed(bound_a2a)
     res["triton_launch_4args"] = timed(lambda: _empty_kernel[(1,)](row, gathered, 1, 2))
-    bk = Launch(dev).bind(_empty_kernel, {}, ("a_ptr", "b_ptr", "n", "m"))  # the backends' bound direct launch
+    bk = Launch(dev, record=False, max_programs=0).bind(_empty_kernel, {}, ("a_ptr", "b_ptr", "n", "m"))  # the backends' bound direct launch
     res["bound_launch_4args"] = timed(lambda: bk((1,), row, gathered, 1, 2))
     # a wide launch (41 + 16 arguments) three ways: Triton's kernel[grid], the bound launch through Triton's C
     # launcher (every argument each launch), the bound packed launch (tritonep.runtime.packed_launch: the per-call values)
@@ -110,7 +110,7 @@ def main():
     for j, (name, packed) in enumerate((("bound_launch_wide_triton_launcher", "0"),
                                         ("bound_launch_wide_packed", "1"))):
         os.environ["TRITONEP_PACKED_LAUNCH"] = packed  # read when the kernel is bound
-        bw = Launch(dev).bind(_wide_kernel, static, ("out_ptr", "a0", "a1", "a2"))
+        bw = Launch(dev, record=False, max_programs=0).bind(_wide_kernel, static, ("out_ptr", "a0", "a1", "a2"))
         res[name] = timed(lambda: bw((1,), wo[1 + j], *vals[:3]))
     os.environ.pop("TRITONEP_PACKED_LAUNCH")
     res["index_select_rows"] = timed(lambda: x.index_select(0, order))

@@ -244,7 +244,7 @@ def test_gpu_packed_launch_equals_tritons(monkeypatch):
     is 1, a CUDA graph capture) write exactly what Triton's own ``kernel[grid]`` writes for the same arguments."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
-    from tritonep.backends.nccl.pack import Launch
+    from tritonep.runtime.launch import Launch
 
     monkeypatch.setenv("TRITONEP_PACKED_LAUNCH", "1")
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -252,9 +252,9 @@ def test_gpu_packed_launch_equals_tritons(monkeypatch):
     w = torch.full((64,), 0.5, device=dev)
     table = torch.arange(100, 104, dtype=torch.int64, device=dev)
     big = (1 << 40) + 3
-    lau = Launch(dev)
+    lau = Launch(dev, record=False, max_programs=0)
     static = dict(w_ptr=w, big=big, scale=0.25, flag=3, table_ptr=table, BLOCK=64)
-    bk_grid = BoundKernel(lau, _mixed_kernel, (4,), static, ("out_ptr", "x_ptr", "n", "T"), record=False)
+    bk_grid = lau.bind(_mixed_kernel, static, ("out_ptr", "x_ptr", "n", "T"), grid=(4,))
     bk_call = lau.bind(_mixed_kernel, static, ("out_ptr", "x_ptr", "n", "T"))
 
     def want(n, T, g):

@@ -297,14 +297,15 @@ def test_max_programs_clips_every_waiting_grid_and_keeps_the_table_s_choices(mon
         select_geometry("cuda", 2, 7168, 4096, 8)
 
 
-def test_launcher_refuses_a_grid_above_the_cap(monkeypatch):
-    from tritonep.runtime.launch import Launcher
+def test_launch_refuses_a_grid_above_the_cap(monkeypatch):
     from tritonep.backends.triton.kernels.layout import chunk_hist_kernel
+    from tritonep.runtime.launch import Launch
 
     monkeypatch.setenv("TRITONEP_MAX_PROGRAMS", "2")
-    launch = Launcher(torch.device("cpu"))
+    launch = Launch(torch.device("cpu"))
     with pytest.raises(ConfigError, match=r"chunk_hist_kernel: grid \(3,\) exceeds TRITONEP_MAX_PROGRAMS=2"):
-        launch(chunk_hist_kernel, (3,), None)
+        launch.bind(chunk_hist_kernel, dict(hist_ptr=None, K=2, E=4, EB=4, BT=16, KB=2), ("topk_idx_ptr", "T", "NC"),
+                    grid=(3,))
 
 
 def test_exchange_and_ep_calls_exact_with_one_program_per_waiting_kernel(monkeypatch):

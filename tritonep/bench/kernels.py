@@ -5,7 +5,7 @@ dispatch calls and ``iters`` combine calls under ``torch.profiler`` (CUDA activi
 device time per call (the two-kernel dispatch shows ``dispatch_send_kernel`` and ``dispatch_expand_kernel``, the
 push combine ``combine_partial_kernel`` and ``combine_out_kernel``, the fused paths their one launch). Every row is
 checked after timing (:class:`tritonep.bench.check.PointChecker`: rows and counts bit for bit, combine against the
-fixed-order oracle). Without CUDA (CPU world, interpreter) the host time of each Launcher call stands in for the
+fixed-order oracle). Without CUDA (CPU world, interpreter) the host time of each bound launch stands in for the
 device time: a smoke run of the code and the checks, not a measurement.
 """
 
@@ -33,37 +33,23 @@ combine (partial / out), and the one-launch dispatch and combine."""
 
 @contextlib.contextmanager
 def launch_timer():
-    """Wrap every kernel launch of both backends (bound kernels, :class:`tritonep.runtime.bound.BoundKernel`: every
-    launch of the nccl backend and the triton backend's per-call path; the triton backend's generic
-    :class:`tritonep.runtime.launch.Launcher`); yields a dict kernel name -> accumulated host seconds."""
+    """Wrap every kernel launch of both backends (every one is a bound launch,
+    :class:`tritonep.runtime.bound.BoundKernel`); yields a dict kernel name -> accumulated host seconds."""
     from ..runtime.bound import BoundKernel
-    from ..runtime import launch
 
     acc = defaultdict(float)
-    origs = [(cls, cls.__call__) for cls in (launch.Launcher, BoundKernel)]
+    orig = BoundKernel.__call__
 
-    def timed_by(orig):
-        def timed(self, kernel, grid, *args, **kwargs):
-            t0 = time.perf_counter()
-            r = orig(self, kernel, grid, *args, **kwargs)
-            acc[launch.kernel_name(kernel)] += time.perf_counter() - t0
-            return r
-        return timed
+    def timed(self, *dyn):
+        t0 = time.perf_counter()
+        orig(self, *dyn)
+        acc[self.name] += time.perf_counter() - t0
 
-    def timed_bound(orig):
-        def timed(self, *dyn):
-            t0 = time.perf_counter()
-            orig(self, *dyn)
-            acc[self.name] += time.perf_counter() - t0
-        return timed
-
-    for cls, orig in origs:
-        cls.__call__ = timed_bound(orig) if cls is BoundKernel else timed_by(orig)
+    BoundKernel.__call__ = timed
     try:
         yield acc
     finally:
-        for cls, orig in origs:
-            cls.__call__ = orig
+        BoundKernel.__call__ = orig
 
 
 def _kernel_us(fn, iters: int) -> tuple[dict, str]:

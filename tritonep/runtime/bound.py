@@ -1,4 +1,4 @@
-"""Kernel launches bound once per buffer: every static argument fixed at construction, a call fills a few slots.
+"""A kernel launch bound once: every static argument fixed at construction, a call fills a few slots.
 
 A :class:`BoundKernel` is one kernel of one buffer's call path (e.g. the dispatch's send kernel) with its compile
 options, every argument the static configuration decides (region views, pointer tables, tiles, ranks, wires) and,
@@ -6,14 +6,15 @@ where the configuration decides it, its grid filled in at construction. A call p
 (input tensors, this call's handle storage, T), in a fixed order (``dyn``); a kernel whose grid follows this call's
 data (the nccl backend's local kernels: ``grid=None``) takes the grid as its first per-call value.
 
-Both backends launch through it: the triton backend's :class:`tritonep.backends.triton.calls.KernelSet` (static grids,
-every launch recorded) and the nccl backend's :class:`tritonep.backends.nccl.pack.Launch` (per-call grids, not recorded:
-those kernels signal nobody, so a rank may skip or resize them by its data, docs/protocols.md (host protocol rule)).
+Every launch of both backends is one, made by an owner's launch runtime (:meth:`tritonep.runtime.launch.Launch.bind`):
+the triton backend's (static grids, every launch recorded: :class:`tritonep.backends.triton.calls.KernelSet`, its
+counts exchange and expert transport) and the nccl backend's (per-call grids, not recorded: those kernels signal
+nobody, so a rank may skip or resize them by its data, docs/protocols.md (host protocol rule)).
 
 How a bound kernel launches:
 
-* recorder / precompile: like :class:`tritonep.runtime.launch.Launcher` (the protocol recorder sees
-  ``("launch", name, grid)`` unless the kernel was bound with ``record=False``; inside ``Launcher.precompile`` the
+* recorder / precompile: the protocol recorder sees ``("launch", name, grid)`` unless the kernel was bound with
+  ``record=False``; inside its launch runtime's :meth:`tritonep.runtime.launch.Launch.precompile` the
   kernel is compiled, not run, and on the GPU the compiled variant is bound for the direct path at once: the
   owner's dry run at construction makes the first real call of a fresh buffer direct when its values specialise
   like the dry run's).
@@ -85,8 +86,8 @@ class BoundKernel:
     ``grid=None`` a call is ``bk(grid, *dyn_values)``.
 
     Args:
-        launcher: the owner's launch context: :class:`tritonep.runtime.launch.Launcher` or
-            :class:`tritonep.backends.nccl.pack.Launch` (read: ``device``, ``max_programs``, the precompile flag).
+        launcher: the owner's launch runtime, :class:`tritonep.runtime.launch.Launch` (read: ``device``,
+            ``max_programs``, the precompile flag); :meth:`tritonep.runtime.launch.Launch.bind` makes bound kernels.
         kernel: a ``@triton.jit`` function (or its interpreted form on CPU).
         grid: the launch grid when the static configuration decides it, else None (the grid is then the first
             value of every call: a tuple of 1 to 3 ints).

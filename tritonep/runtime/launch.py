@@ -1,23 +1,33 @@
-"""Kernel launches for multi-rank protocols: no host collective inside a call, variants compiled at construction.
+"""The one launch runtime: every kernel launch of tritonep's backends is bound once and then called with its per-call
+values only.
+
+An owner (a backend, a counts exchange, an expert transport) makes ONE :class:`Launch` for its device and binds each
+of its kernel launches at construction: :meth:`Launch.bind` returns a :class:`tritonep.runtime.bound.BoundKernel`
+(static arguments fixed, the per-call values named, on the GPU the compiled variant's C entry called directly with
+the parameters packed once: :mod:`tritonep.runtime.packed_launch`); :meth:`Launch.variant` caches the bound launches
+of variants an owner binds on first use (a wire, a combine kind, a tile). There is no other way to launch: a kernel
+launched as ``kernel[grid](...)`` outside a bound launch escapes the protocol recorder, and
+``tests/testing/test_protocol_recorder.py`` checks on the source that no signalling kernel is.
 
 The host protocol rule (docs/protocols.md, "Host protocol rule"): every rank runs the same sequence of host
-collectives and signalling kernel launches for a call, whatever its data. A launcher that compiled a variant lazily
-and then barriered would break it: a variant first seen by one rank (a data-dependent constexpr, or a kernel
-launched only when a rank holds some expert) puts a host barrier on that rank alone, while a kernel on the other
-rank waits for a signal (a deadlock, seen on the H200). So:
+collectives and signalling kernel launches for a call, whatever its data. A launch that compiled a variant lazily and
+then barriered would break it: a variant first seen by one rank (a data-dependent constexpr, or a kernel launched
+only when a rank holds some expert) puts a host barrier on that rank alone, while a kernel on the other rank waits for
+a signal (a deadlock, seen on the H200). So:
 
-* :meth:`Launcher.__call__` only launches (no barrier, no sync, no per-launch key building). A variant that was not
-  compiled before compiles on first use on that rank alone, which is harmless: waits are bounded by
-  ``timeout_s`` (default 300 s) and a compile takes seconds.
-* :meth:`Launcher.precompile` runs a code path of the owner with every launch replaced by ``kernel.warmup`` (GPU
-  only; the interpreter has nothing to compile), so constructors compile every variant they can launch before the
-  one construction-time barrier they already do.
-* On the GPU a launch whose variant was compiled before goes straight to the compiled kernel
-  (:class:`tritonep.runtime.fast_launch.LaunchCache`, ``TRITONEP_FAST_LAUNCH``), skipping Triton's per-call
-  bookkeeping (30-100 us of host time per launch measured on the H200).
-* Every launch is reported to the process-wide recorder if one is installed (:func:`set_recorder`): the CPU world
-  (:mod:`tritonep.testing.world`) installs one in every rank and fails the test when the ranks' sequences of
-  (launch or collective, name, grid) differ.
+* a bound launch only launches (no barrier, no sync). A variant that was not compiled before compiles on first use
+  on that rank alone, which is harmless: waits are bounded by ``timeout_s`` (default 300 s) and a compile takes
+  seconds;
+* :meth:`Launch.precompile` / :meth:`Launch.dry_run` run a code path of the owner with every bound launch compiling
+  (``kernel.warmup``) instead of running (GPU only; the interpreter has nothing to compile), so constructors compile
+  every variant they can launch before their one construction-time barrier, and the compiled variants are bound for
+  the direct path at once;
+* every launch of a launch runtime made with ``record=True`` (signalling kernels: the triton backend, its counts
+  exchange and expert transport) is reported to the process-wide recorder if one is installed
+  (:mod:`tritonep.runtime.recorder`): the CPU world (:mod:`tritonep.testing.world`) installs one in every rank and
+  fails the test when the ranks' sequences of (launch or collective, name, grid) differ. Local kernels whose grid
+  follows this rank's data (the nccl backend's) are bound with ``record=False``: they signal nobody, so a rank may
+  skip or resize them.
 """
 
 from __future__ import annotations
@@ -27,9 +37,9 @@ from typing import Callable
 
 import torch
 
-from . import recorder as _rec
+from .bound import BoundKernel
 
-__all__ = ["Launcher", "kernel_name"]
+__all__ = ["Launch", "kernel_name"]
 
 
 def kernel_name(kernel) -> str:
@@ -38,24 +48,25 @@ def kernel_name(kernel) -> str:
     return getattr(fn, "__name__", None) or getattr(kernel, "__name__", None) or repr(kernel)
 
 
-class Launcher:
-    """``launcher(kernel, grid, *args, **kwargs)`` launches ``kernel[grid](*args, **kwargs)`` (see module docstring).
+class Launch:
+    """The launch runtime of one owner (see the module docstring).
 
     Args:
-        device: the owner's device; precompiling happens only on CUDA.
-        group: the EP group (kept for the owner; the launcher itself runs no collective).
+        device: the owner's device (CUDA: direct launches, precompiling; CPU: Triton's interpreter every launch).
+        record: report the launches to the protocol recorder (signalling kernels must; local kernels whose launch
+            depends on the rank's data must not).
+        max_programs: the cap on a launch's programs (0: none); a larger grid is a ConfigError (at binding for a
+            static grid, at the call for a per-call grid). None: ``TRITONEP_MAX_PROGRAMS``, for kernels that wait
+            on a peer (ranks that share a GPU under MPS must fit their waiting programs on the chip together,
+            docs/platform.md); local kernels that wait for nobody pass 0.
 
     Raises:
-        ConfigError: a launch whose grid exceeds ``TRITONEP_MAX_PROGRAMS`` (read at construction); the kernels
-            were built for another device (CPU tensors without ``TRITON_INTERPRET=1`` when the
+        ConfigError: the kernels were built for another device (CPU tensors without ``TRITON_INTERPRET=1`` when the
             kernels were imported, or the reverse); see :func:`tritonep.device.common.check_kernel_mode`.
     """
 
-    def __init__(self, device: torch.device, group=None):
+    def __init__(self, device, *, record: bool = True, max_programs: int | None = None):
         from ..device.common import check_kernel_mode
-
-        from .. import envs
-        from .fast_launch import LaunchCache
 
         self.device = torch.device(device)
         check_kernel_mode(self.device.type)  # ConfigError before any launch: kernels built for another device
@@ -63,26 +74,42 @@ class Launcher:
             from .interpreter_speed import install
 
             install()
-        self.group = group
+        if max_programs is None:
+            from .. import envs
+
+            max_programs = envs.max_programs()
+        self.max_programs = max_programs
+        self.record = record
         self._warmup = False
-        self.cache = LaunchCache() if (self.device.type == "cuda" and envs.fast_launch()) else None
-        self.max_programs = envs.max_programs()  # ranks that share a GPU under MPS (docs/platform.md)
+        self._variants: dict = {}
 
-    def __call__(self, kernel, grid, *args, **kwargs):
-        if self.max_programs and grid[0] > self.max_programs:
-            from ..errors import ConfigError
+    def bind(self, kernel, static: dict, dyn: tuple = (), *, grid=None, fields: dict | None = None,
+             record: bool | None = None) -> BoundKernel:
+        """``kernel`` bound with ``static`` (every argument the configuration decides, compile options by name) and
+        the per-call parameters ``dyn``, in the order a call passes them; ``grid``: the launch grid when the
+        configuration decides it (else None: a call passes its grid first); ``fields``: parameters that are fields
+        of one per-call int32 storage block (:class:`tritonep.runtime.bound.BoundKernel`); ``record``: this launch
+        runtime's by default.
 
-            raise ConfigError(f"{kernel_name(kernel)}: grid {tuple(grid)} exceeds TRITONEP_MAX_PROGRAMS="
-                              f"{self.max_programs} (a waiting kernel larger than its share of the GPU can starve "
-                              f"a peer that shares it)")
-        if self._warmup:
-            kernel.warmup(*args, grid=grid, **kwargs)
-            return None
-        if _rec._RECORDER is not None:
-            _rec._RECORDER(("launch", kernel_name(kernel), tuple(grid)))
-        if self.cache is not None:
-            return self.cache.launch(kernel, tuple(grid), args, kwargs)
-        return kernel[grid](*args, **kwargs)
+        Raises:
+            TypeError: a parameter neither bound nor per-call and without a default, or an unknown name.
+            ConfigError: a static grid beyond ``max_programs``.
+        """
+        return BoundKernel(self, kernel, grid, static, dyn, record=self.record if record is None else record,
+                           fields=fields)
+
+    def variant(self, key, make: Callable[[], BoundKernel]) -> BoundKernel:
+        """The bound launch of variant ``key`` (a hashable of what decides its static arguments), made by ``make()``
+        on first use and kept."""
+        bk = self._variants.get(key)
+        if bk is None:
+            bk = self._variants[key] = make()
+        return bk
+
+    def bound(self, key) -> BoundKernel | None:
+        """The bound launch of variant ``key`` if :meth:`variant` made it, else None (a call's fast path: no closure
+        built)."""
+        return self._variants.get(key)
 
     @property
     def warming(self) -> bool:
@@ -91,7 +118,7 @@ class Launcher:
 
     @contextmanager
     def precompile(self):
-        """``with launcher.precompile(): <owner code path>``: every launch inside compiles instead of running.
+        """``with launch.precompile(): <owner code path>``: every bound launch inside compiles instead of running.
 
         On CPU (interpreter) the body is skipped entirely: there is nothing to compile, and the body must not run
         (its launches would execute). Owners must undo any device-state change their code path makes outside

@@ -2,7 +2,8 @@
 
 The CPU world (:mod:`tritonep.testing.world`) installs one in every rank and fails the test when the ranks'
 sequences of (launch or collective, name, grid) differ: the host protocol rule (docs/protocols.md (host protocol
-rule)). The triton backend's :class:`tritonep.runtime.launch.Launcher` reports every launch; the nccl backend
+rule)). Every bound launch of a launch runtime made with ``record=True`` reports itself
+(:mod:`tritonep.runtime.launch`: the triton backend, its counts exchange and expert transport); the nccl backend
 reports the collectives the CPU world's wrapper does not see (:func:`tritonep.backends.nccl.collectives.all_gather_flat`).
 """
 
@@ -18,7 +19,8 @@ _RECORDER: Callable[[tuple], None] | None = None
 def set_recorder(fn: Callable[[tuple], None] | None):
     """Install (or with None remove) the process-wide recorder of protocol events.
 
-    ``fn(event)`` is called with ``("launch", kernel_name, grid)`` for every launch through a :class:`Launcher` and
+    ``fn(event)`` is called with ``("launch", kernel_name, grid)`` for every recorded bound launch
+    (:class:`tritonep.runtime.bound.BoundKernel`) and
     with whatever :func:`record` is given. Used by the CPU world; never set in production.
     """
     global _RECORDER

@@ -172,7 +172,7 @@ def run_cpu_world(world_size: int, fn: Callable, *args, timeout_s: float = 120.0
     in compiled mode before).
 
     Host protocol check (docs/protocols.md (host protocol rule)): every rank records its sequence of launches through
-    :class:`tritonep.runtime.launch.Launcher` and of ``torch.distributed`` collectives
+    recorded bound launches (:mod:`tritonep.runtime.launch`) and of ``torch.distributed`` collectives
     (:mod:`tritonep.testing.protocol`); when every rank returns, the sequences must be equal, else
     :class:`tritonep.testing.protocol.ProtocolMismatch` is raised. ``check_protocol=False`` turns this off (only for
     worlds whose ranks run deliberately different programs, e.g. a rank that skips a call to provoke a timeout).

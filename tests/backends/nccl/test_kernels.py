@@ -12,14 +12,15 @@ import pytest
 import torch
 
 from tritonep.backends.layout import route_rows_torch
-from tritonep.backends.nccl.pack import Launch, local_partials, sum_partials, typed_rows
+from tritonep.backends.nccl.pack import local_partials, sum_partials, typed_rows
 from tritonep.backends.nccl.plan import host_plan, plan_size
 from tritonep.backends.nccl.route import Router, count_row_torch, send_layout
 from tritonep.backends.nccl.unpack import Unpacker
+from tritonep.runtime.launch import Launch
 from tritonep.bench.cases import make_rank_inputs
 from tritonep.wire.formats import get_wire
 
-_LAUNCH = Launch("cpu")
+_LAUNCH = Launch("cpu", record=False, max_programs=0)
 
 
 def _inputs(W, E, K, H, Ts, seed, mode):

@@ -15,8 +15,9 @@ import torch.distributed as dist
 
 from tritonep.backends.layout import layout_torch, route_rows_torch
 from tritonep.backends.nccl.onehop import OneHopDispatch, onehop_layout, onehop_recv_torch, onehop_send_torch
-from tritonep.backends.nccl.pack import Launch, cdiv, h_split, pow2
+from tritonep.backends.nccl.pack import cdiv, h_split, pow2
 from tritonep.backends.nccl.route import count_row_torch
+from tritonep.runtime.launch import Launch
 from tritonep.runtime.status import STATUS_BAD_INPUT, STATUS_CAPACITY, STATUS_OK
 from tritonep.backends.nccl.kernels.onehop import onehop_send_kernel
 from tritonep.testing import run_cpu_world
@@ -101,7 +102,7 @@ def test_send_kernel_quantized_sources():
     q, sb = q.contiguous(), sb.contiguous()
     pb, nb = fmt.payload_bytes(H), fmt.scale_bytes(H)
     bt = max(1, 64 // pow2(K))
-    bk = Launch("cpu").bind(onehop_send_kernel, dict(
+    bk = Launch("cpu", record=False, max_programs=0).bind(onehop_send_kernel, dict(
         K=K, KB=pow2(K), E=E, L=E // W, W=W, EB=pow2(E), WB=pow2(W), BT=bt, TCAP=Tcap, N0=pb, ROW0=lay.width,
         N1=nb, ROW1=lay.width, COL1=pb, META=lay.mo // 4, ROW32=lay.width // 4, BH=64),
         ("idx_ptr", "w_ptr", "src0_ptr", "src1_ptr", "send_ptr", "pkt_ptr", "idx_copy_ptr", "w_copy_ptr", "T",

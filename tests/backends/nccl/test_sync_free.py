@@ -273,14 +273,15 @@ def _matrix(W, Ee, gen, bad=None, refused=None, hot=False):
 
 @pytest.mark.parametrize("W", [1, 2, 4])
 def test_device_plan_kernel_equals_twin_and_host_plan(W):
-    from tritonep.backends.nccl.pack import Launch, pow2
+    from tritonep.backends.nccl.pack import pow2
+    from tritonep.runtime.launch import Launch
     from tritonep.backends.nccl.plan import device_plan_torch, host_plan, plan_size, sf_plan_size, status_size
     from tritonep.runtime.status import STATUS_BAD_INPUT, STATUS_CAPACITY
     from tritonep.backends.nccl.kernels.plan import sync_free_plan_kernel
 
     gen = torch.Generator().manual_seed(W)
     Ee, tcap, maxr = 4 * W, 9, 1000
-    launch = Launch("cpu")
+    launch = Launch("cpu", record=False, max_programs=0)
     cases = [dict(), dict(hot=True), dict(bad=W - 1), dict(refused=0), dict(bad=0, hot=True)]
     for A in (1, 3):
         for rank in range(W):

@@ -16,7 +16,7 @@ both backward passes read nothing on the host. Graph capture of a synced dispatc
 host sizes); the sync-free dispatch (:mod:`tritonep.backends.nccl.sync_free`) reads nothing and can be captured.
 
 Every launch is a :class:`tritonep.runtime.bound.BoundKernel` bound once with its constants
-(:class:`tritonep.backends.nccl.pack.Launch`), and the host path is fixed per call: what the static configuration decides
+(:class:`tritonep.runtime.launch.Launch`), and the host path is fixed per call: what the static configuration decides
 is made at construction. On the GPU a bf16 dispatch is 3 launches, 2 collectives, 1 device->host copy (into a pinned
 buffer: the one read), 1 asynchronous host->device copy of the plan vector, 11 allocations and 17 torch calls; a
 combine 2 launches, 1 collective, 3 allocations, 4 torch calls (budgets held by
@@ -42,7 +42,7 @@ from .handle import NcclHandle
 from ..checks import check_expert_ids
 from .collectives import all_gather_flat
 from .combine import NcclCombine
-from .pack import Launch
+from ...runtime.launch import Launch
 from .plan import host_plan, plan_size, status_size
 from .route import Router, SendLayout, send_layout
 from .sync_free import NcclSyncFree
@@ -88,7 +88,9 @@ class NcclEP(NcclSyncFree, NcclCombine):
         dispatch_wire, combine_wire = cfg.dispatch_wire, cfg.combine_wire
         self.host_reads = 0  # device->host reads made by calls: one per dispatch (+1 naming a bad id), else none
         self.use_triton = self._cuda = dev.type == "cuda"
-        self._launch = Launch(dev)
+        # local kernels only: none signals or waits for a peer, so none is recorded or capped (their grids follow
+        # this rank's data, which the host protocol rule allows for work that signals nobody)
+        self._launch = Launch(dev, record=False, max_programs=0)
         W, E, K, H = world_size, num_experts, topk, hidden
         self._es = es = torch.empty(0, dtype=dtype).element_size()
         # dispatch rows: the wire row (one source, or payload + scale bytes) and the meta

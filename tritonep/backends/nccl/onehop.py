@@ -69,7 +69,8 @@ from .kernels.onehop import onehop_recv_kernel, onehop_send_kernel
 from ...runtime.status import STATUS_BAD_INPUT, STATUS_CAPACITY, STATUS_OK
 from ...runtime.bound import STORE
 from .collectives import BoundCollective
-from .pack import Launch, cdiv, h_split, pow2, round_up, target_programs, typed_rows
+from ...runtime.launch import Launch
+from .pack import cdiv, h_split, pow2, round_up, target_programs, typed_rows
 from .route import SendLayout, count_row_torch, send_layout
 
 __all__ = ["OneHopDispatch", "OneHopOut", "onehop_layout", "onehop_send_torch", "onehop_recv_torch"]
@@ -254,7 +255,7 @@ class OneHopDispatch:
         self.nslot = W * (1 + self.Tcap)
         self.send = torch.zeros(self.nslot, lay.width, dtype=torch.uint8, device=dev)
         self.recv = torch.zeros(self.nslot, lay.width, dtype=torch.uint8, device=dev)
-        self._launch = launch = Launch(dev)
+        self._launch = launch = Launch(dev, record=False, max_programs=0)  # local kernels (signal nobody)
         # the per-call outputs besides the rows: fields of ONE int32 block (:meth:`outputs`) at static offsets, so
         # a launch passes the block's address once (BoundKernel ``fields``); the token-sized fields get Tcap rows
         MR, NK, TK, L = self.maxr, self.nslot * K, self.Tcap * K, self.L

@@ -1,5 +1,6 @@
 """Local (no communication) reductions of the nccl backend's combine: host wrappers of the Triton kernels
-(:mod:`tritonep.backends.nccl.kernels.reduce`) and their torch twins; the backend's launcher.
+(:mod:`tritonep.backends.nccl.kernels.reduce`) and their torch twins; the small host arithmetic of the backend's
+grids and tiles.
 
 Both functions compute fixed-order fp32 sums, so the Triton kernel (CUDA; also runs in the interpreter) and the torch
 twin (CPU default) give the same bits, and the same bits as the triton backend's combine kernels
@@ -16,8 +17,9 @@ twin (CPU default) give the same bits, and the same bits as the triton backend's
 Why a kernel: in eager torch the per-k loop costs about ten fp32 passes over ``[packets, H]`` per k; the kernel reads
 each expert row once (2 bytes per element per route) and writes the partial once. ``index_add_`` cannot replace it:
 on CUDA its float additions are atomics in no fixed order. The kernels are plain local loads and stores (no
-signals), bound through :class:`Launch` (not recorded by the protocol recorder): their grids depend on this rank's
-data, which the host protocol rule (docs/protocols.md (host protocol rule)) allows for non-signalling work.
+signals), bound through the backend's :class:`tritonep.runtime.launch.Launch` (``record=False``: not recorded by the
+protocol recorder): their grids depend on this rank's data, which the host protocol rule (docs/protocols.md (host
+protocol rule)) allows for non-signalling work.
 """
 
 from __future__ import annotations
@@ -27,50 +29,9 @@ import functools
 import torch
 
 from .kernels.reduce import partials_kernel, sum_kernel
-from ...runtime.bound import BoundKernel
 
-__all__ = ["Launch", "local_partials", "sum_partials", "tiles", "round_up", "typed_rows", "h_split", "target_programs",
+__all__ = ["local_partials", "sum_partials", "tiles", "round_up", "typed_rows", "h_split", "target_programs",
            "cdiv", "pow2"]
-
-
-class Launch:
-    """The launch context of one nccl backend (``NcclEP._launch``) and its bound kernels.
-
-    Every Triton launch of the backend is a :class:`tritonep.runtime.bound.BoundKernel` bound once with its constants and
-    compile options (by :class:`tritonep.backends.nccl.route.Router`, :class:`tritonep.backends.nccl.unpack.Unpacker`, or here per
-    variant of the combine's reductions); a call passes its grid (it follows the call's data) and its tensors and
-    sizes, and on the GPU a launch whose variant ran before calls the compiled kernel's C launcher directly (on the
-    H200, DeepSeek-V3 shape: 38-61 us of host time a launch through ``kernel[grid]``; the triton backend's bound
-    launches 15-24 us). Not recorded
-    by the protocol recorder (``record=False``): these kernels signal nobody. No precompile: a variant compiles on
-    its first launch on one rank alone, which is harmless because nothing waits for it inside a kernel.
-
-    Args:
-        device: the backend's device (CUDA: direct launches; CPU: Triton's interpreter path every launch).
-    """
-
-    max_programs = 0  # no cap: no program of these kernels waits for a peer (docs/platform.md, MPS)
-    _warmup = False  # BoundKernel's precompile flag: never set here
-
-    def __init__(self, device):
-        self.device = torch.device(device)
-        self._variants: dict = {}
-        if self.device.type == "cpu":  # the interpreter without its per-call member scan (same patches)
-            from ...runtime.interpreter_speed import install
-
-            install()
-
-    def bind(self, kernel, static: dict, dyn: tuple, fields: dict | None = None) -> BoundKernel:
-        """``kernel`` bound with ``static`` (constants and options) and per-call ``dyn`` values after the grid;
-        ``fields``: parameters that are fields of one per-call int32 block (:class:`BoundKernel`)."""
-        return BoundKernel(self, kernel, None, static, dyn, record=False, fields=fields)
-
-    def variant(self, key, kernel, make_static, dyn: tuple) -> BoundKernel:
-        """The bound kernel of variant ``key`` (a hashable of what decides ``make_static()``), bound on first use."""
-        bk = self._variants.get(key)
-        if bk is None:
-            bk = self._variants[key] = self.bind(kernel, make_static(), dyn)
-        return bk
 
 
 def cdiv(a: int, b: int) -> int:
@@ -130,7 +91,7 @@ def local_partials(launch, eo: torch.Tensor, rows: torch.Tensor, w: torch.Tensor
     """Write every packet's partial sum into its send row (see the module docstring for the exact arithmetic).
 
     Args:
-        launch: the backend's :class:`Launch`.
+        launch: the backend's :class:`tritonep.runtime.launch.Launch`.
         eo: ``[R', H]`` bfloat16, contiguous (expert outputs; only rows named in ``rows`` are read).
         rows: int32 ``[N, K]`` contiguous: row of route k of packet p in ``eo``, -1 where the route is not here.
         w: float32 ``[N, K]`` contiguous: the route weights (0 where ``rows`` is -1); ignored if not ``weighted``.
@@ -150,11 +111,11 @@ def local_partials(launch, eo: torch.Tensor, rows: torch.Tensor, w: torch.Tensor
         bt, bh = tiles(H)
         g = gw is not None
         bk = launch.variant(
-            ("partials", H, K, es, lay.width, lay.mo, weighted, g, use_asm), partials_kernel,
-            lambda: dict(K=K, KB=pow2(K), H=H, BT=bt, BH=bh, OUT_BF16=es == 2, OSTRIDE=lay.width // es,
-                         WEIGHTED=weighted, GW=g, GCOL=lay.mo // 4, GSTRIDE=lay.width // 4, USE_ASM=use_asm,
-                         num_warps=4),
-            ("eo_ptr", "rows_ptr", "w_ptr", "out_ptr", "gw_ptr", "N"))
+            ("partials", H, K, es, lay.width, lay.mo, weighted, g, use_asm),
+            lambda: launch.bind(partials_kernel, dict(
+                K=K, KB=pow2(K), H=H, BT=bt, BH=bh, OUT_BF16=es == 2, OSTRIDE=lay.width // es, WEIGHTED=weighted,
+                GW=g, GCOL=lay.mo // 4, GSTRIDE=lay.width // 4, USE_ASM=use_asm, num_warps=4),
+                ("eo_ptr", "rows_ptr", "w_ptr", "out_ptr", "gw_ptr", "N")))
         bk((cdiv(N, bt), cdiv(H, bh)), eo, rows, w, send, gw if g else w, N)
         return
     acc = torch.zeros(N, H, dtype=torch.float32, device=eo.device)
@@ -175,7 +136,7 @@ def sum_partials(launch, pp: torch.Tensor, pp_dtype: torch.dtype, pstride: int, 
     """``y[t] = 0 + sum over the packets of token t (ascending) of pp[packet]`` in fp32, rounded to ``y``'s dtype.
 
     Args:
-        launch: the backend's :class:`Launch`.
+        launch: the backend's :class:`tritonep.runtime.launch.Launch`.
         pp: contiguous buffer whose row p (``pstride`` elements of ``pp_dtype`` apart) starts with the partial of
             packet p (bfloat16 or float32): e.g. the uint8 receive rows themselves.
         pkt: int32 ``[T, K]`` contiguous: the packet that carried route (t, k), -1 for a masked slot (the routes of
@@ -191,10 +152,11 @@ def sum_partials(launch, pp: torch.Tensor, pp_dtype: torch.dtype, pstride: int, 
         bt, bh = tiles(H)
         g = gtw is not None
         bk = launch.variant(
-            ("sum", H, K, pp_dtype, pstride, g, lay.width if g else 0, lay.mo if g else 0), sum_kernel,
-            lambda: dict(K=K, KB=pow2(K), H=H, BT=bt, BH=bh, PP_BF16=pp_dtype == torch.bfloat16, PSTRIDE=pstride,
-                         GTW=g, GCOL=lay.mo // 4 if g else 0, GSTRIDE=lay.width // 4 if g else 0, num_warps=4),
-            ("pp_ptr", "pkt_ptr", "y_ptr", "gb_ptr", "gtw_ptr", "T"))
+            ("sum", H, K, pp_dtype, pstride, g, lay.width if g else 0, lay.mo if g else 0),
+            lambda: launch.bind(sum_kernel, dict(
+                K=K, KB=pow2(K), H=H, BT=bt, BH=bh, PP_BF16=pp_dtype == torch.bfloat16, PSTRIDE=pstride, GTW=g,
+                GCOL=lay.mo // 4 if g else 0, GSTRIDE=lay.width // 4 if g else 0, num_warps=4),
+                ("pp_ptr", "pkt_ptr", "y_ptr", "gb_ptr", "gtw_ptr", "T")))
         bk((cdiv(T, bt), cdiv(H, bh)), pp, pkt, y, pp, gtw if g else y, T)
         return
     if Ns == 0:  # nothing was sent: every slot is masked

@@ -113,7 +113,7 @@ class Router:
 
     Args:
         world_size W, num_experts E, topk K, max_tokens_per_rank, device; launch: the backend's
-        :class:`tritonep.backends.nccl.pack.Launch` (both kernels are bound here, once); lay: the dispatch wire's
+        :class:`tritonep.runtime.launch.Launch` (both kernels are bound here, once); lay: the dispatch wire's
         :class:`SendLayout`; src0 / src1: ``(element size, elements a row)`` of the wire row's sources (bf16:
         ``(2, H)``, None; quantized wires: ``(1, payload bytes)``, ``(1, scale bytes)``).
 

@@ -85,8 +85,8 @@ class Unpacker:
 
     Args:
         rank, num_experts E, local experts L, topk K, hidden H, expert_alignment A; launch: the backend's
-        :class:`tritonep.backends.nccl.pack.Launch` (the row-move and gradient kernels are bound here, the unpack once per
-        source layout on first use); lay: the dispatch wire's send layout
+        :class:`tritonep.runtime.launch.Launch` (the row-move and gradient kernels are bound here, the unpack once
+        per source layout on first use); lay: the dispatch wire's send layout
         (:class:`tritonep.backends.nccl.route.SendLayout`); lay_offsets: where ``num_tokens_per_expert`` and
         ``expert_offsets`` sit in the per-call int32 plan vector; cuda: the device is a GPU (``mul.rn`` products);
         launch_device: the device whose SM count sizes the row-moving grids (None: one program column).

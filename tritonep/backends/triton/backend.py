@@ -45,7 +45,7 @@ from ..checks import check_expert_ids
 from .calls import RAW, KernelSet
 from .decode import DecodePath
 from ...runtime.host_status import HostStatus
-from ...runtime.launch import Launcher
+from ...runtime.launch import Launch
 from .outputs import ST_HOST, DispatchOutputs, HandleLayout
 from ...runtime.pool import OutputPool, acquire_shared, release_shared
 from .regions import regions
@@ -106,7 +106,7 @@ class TritonEP(DispatchOutputs, DecodePath):
         self.hl = HandleLayout(cfg)
         self._no_rows = torch.empty(0, cfg.hidden, dtype=cfg.dtype, device=self.device)
         self._no_w = torch.zeros(1, dtype=torch.float32, device=self.device)  # the weighted combine's unused gw_ptr
-        self._launch = Launcher(self.device, group)
+        self._launch = Launch(self.device)  # every launch bound once (KernelSet), reported to the recorder
         self.k = KernelSet(self)
         # per-call outputs reused once nobody holds them (pool.py). Two-kernel / fused geometry: this buffer's handle
         # storage blocks and the views a dispatch returns of them. Decode geometry: ONE pool shared by every buffer of
@@ -223,7 +223,7 @@ class TritonEP(DispatchOutputs, DecodePath):
 
         The dry run walks the real code paths (dispatch with int32 and int64 ids, with and without keep_quantized,
         push and pull combine, both backwards) with every launch turned into ``kernel.warmup``
-        (:meth:`Launcher.dry_run`), and puts the call counters and status back. No call ever compiles-and-barriers
+        (:meth:`tritonep.runtime.launch.Launch.dry_run`), and puts the call counters and status back. No call ever compiles-and-barriers
         lazily (docs/protocols.md, host protocol rule).
         """
 

@@ -63,12 +63,13 @@ class KernelSet:
         self._fo = fo
         calls = lambda which: ep.calls[P.v(which):P.v(which) + 1]  # noqa: E731 - one counter's view
         cx = P.v(P.CALL_EXCHANGE)
-        self.hist = BoundKernel(self._lau, chunk_hist_kernel, (g.grid_hist,), dict(
+        self.hist = self._lau.bind(chunk_hist_kernel, dict(
             hist_ptr=ep.hist, K=K, E=E, EB=_p2(E), BT=g.bt, KB=_p2(K), bump_a=calls(P.CALL_DISPATCH),
             bump_b=calls(P.CALL_EXCHANGE), NBUMP=2, COPY=True, **opts),
-            dyn=("topk_idx_ptr", "w_ptr", STORE, "T", "NC"), fields=hl.fields_of(idx_out_ptr="idx", w_out_ptr="w"))
+            ("topk_idx_ptr", "w_ptr", STORE, "T", "NC"), grid=(g.grid_hist,),
+            fields=hl.fields_of(idx_out_ptr="idx", w_out_ptr="w"))
         xgrid, xt = exchange_tiles(self.ncmax, E)  # static tiles: never derived from this call's T
-        self.exchange = BoundKernel(self._lau, exchange_kernel, (xgrid,), dict(
+        self.exchange = self._lau.bind(exchange_kernel, dict(
             hist_ptr=ep.hist, counts_tab=ep.tab["counts"], flags_ptr=ep.flags, flags_tab=ep.tab["flags"],
             flag_off=fo(P.FLAG_COUNTS), calls_ptr=ep.calls[cx:], status_ptr=ep.status, timeout=ep.timeout,
             pre_ptr=ep.pre, send_base_ptr=ep.send_base, rows_needed_ptr=ep.rows_needed,
@@ -76,16 +77,16 @@ class KernelSet:
             HAS_TIMER=ck["HAS_TIMER"], DOUBLE=True, dcall_ptr=calls(P.CALL_DISPATCH),
             rows_out_ptr=ep.status[P.v(P.ST_ROWS_RECEIVED):P.v(P.ST_ROWS_RECEIVED) + 1], host_st_ptr=ep.st_mapped,
             HOST_ST=ST_HOST, **xt, **opts),
-            dyn=("NC", STORE, "host_bad", "ticket"),
+            ("NC", STORE, "host_bad", "ticket"), grid=(xgrid,),
             fields=hl.fields_of(ntpe_ptr="ntpe", offs_ptr="offs", counts_out_ptr="counts"))
         send = dict(pre_ptr=ep.pre, send_base_ptr=ep.send_base, stage_tab=ep.tab["stage"], meta_tab=ep.tab["meta"],
                     wts_tab=ep.tab["wts"], ntok_tab=ep.tab["ntok"], data_off=fo(P.FLAG_DATA), G_expand=g.grid_expand,
                     Tmax=Tm, E=E, L=L, **common, **ck)
         sdyn, sf = ("x_ptr", STORE, "T", "NC"), hl.fields_of(topk_idx_ptr="idx", topk_w_ptr="w", rows_ptr="rows")
-        self.send = BoundKernel(self._lau, dispatch_send_kernel, (g.grid_send,),
-                                dict(send, COMPUTE_ROWS=True, WIRE=ep.dwire), sdyn, fields=sf)
-        self.send_bwd = BoundKernel(self._lau, dispatch_send_kernel, (g.grid_send,),
-                                    dict(send, COMPUTE_ROWS=False, WIRE=RAW, ADV=1), sdyn, fields=sf)
+        self.send = self._lau.bind(dispatch_send_kernel, dict(send, COMPUTE_ROWS=True, WIRE=ep.dwire), sdyn,
+                                   grid=(g.grid_send,), fields=sf)
+        self.send_bwd = self._lau.bind(dispatch_send_kernel, dict(send, COMPUTE_ROWS=False, WIRE=RAW, ADV=1), sdyn,
+                                       grid=(g.grid_send,), fields=sf)
         # the receiver-side fields of the handle (expand, partial, combine)
         self._recv = hl.fields_of(hmeta_ptr="meta", hwts_ptr="wts", hntok_ptr="ntok")
         self._layout = dict(self._recv, **hl.fields_of(ntpe_ptr="ntpe", offs_ptr="offs"))
@@ -96,44 +97,38 @@ class KernelSet:
         # expert-output loads spill registers in the dispatch's tile; its last program acks the sources for
         # grid_expand programs); it zeroes the rows no route writes itself (padding, rows past the layout's end), so
         # its outputs are allocated empty
-        self.expand_bwd = BoundKernel(self._lau, dispatch_expand_kernel, (g.bgrid,), dict(
+        self.expand_bwd = self._lau.bind(dispatch_expand_kernel, dict(
             self._expand_static, BT=g.bbt, num_warps=g.bwarps, NCmax=max(1, triton.cdiv(Tm, g.bbt)), PF=False,
             GA=g.grid_expand,
             BA=1, A=A, SCALE=True, DOT=True, KEEP_HANDLE=False, WIRE=RAW, KEEP_Q=False, ADV=1),
-            dyn=("x_ptr", "out_ptr", STORE, "eo_ptr", "gw_ptr", "out_w_ptr", "nrows"), fields=self._layout)
-        self._cache: dict = {}
-
-    def _get(self, key, make):
-        bk = self._cache.get(key)
-        if bk is None:
-            bk = self._cache[key] = make()
-        return bk
+            ("x_ptr", "out_ptr", STORE, "eo_ptr", "gw_ptr", "out_w_ptr", "nrows"), grid=(g.bgrid,),
+            fields=self._layout)
 
     # ------------------------------------------------------------------------------------------------ dispatch
     def expand(self, kq: bool) -> BoundKernel:
         """Forward expand (dispatch wire; ``kq``: keep_quantized output)."""
-        bk = self._cache.get(("expand", kq))  # every call after the first: no closure built
+        bk = self._lau.bound(("expand", kq))  # every call after the first: no closure built
         if bk is not None:
             return bk
         ep, g, cfg = self._ep, self._ep.cfg.geometry, self._ep.cfg
 
         def make():
-            return BoundKernel(self._lau, dispatch_expand_kernel, (g.grid_expand,), dict(
+            return self._lau.bind(dispatch_expand_kernel, dict(
                 self._expand_static, BA=_p2(max(cfg.expert_alignment, 1)), A=cfg.expert_alignment, SCALE=False,
                 DOT=False, KEEP_HANDLE=True, WIRE=ep.dwire, KEEP_Q=kq),
-                dyn=("x_ptr", "out_ptr", "out_w_ptr", STORE, "eo_ptr", "gw_ptr", "q_ptr", "s_ptr"),
+                ("x_ptr", "out_ptr", "out_w_ptr", STORE, "eo_ptr", "gw_ptr", "q_ptr", "s_ptr"), grid=(g.grid_expand,),
                 fields=self._layout)
-        return self._get(("expand", kq), make)
+        return self._lau.variant(("expand", kq), make)
 
     def fused(self, kq: bool) -> BoundKernel:
         """One-launch forward dispatch (send and expand roles; ``kq``: keep_quantized output)."""
-        bk = self._cache.get(("fused", kq))  # every call after the first: no closure built
+        bk = self._lau.bound(("fused", kq))  # every call after the first: no closure built
         if bk is not None:
             return bk
         ep, g, cfg, b = self._ep, self._ep.cfg.geometry, self._ep.cfg, self._ep.buf
 
         def make():
-            return BoundKernel(self._lau, dispatch_fused_kernel, (g.fused_send + g.fused_expand,), dict(
+            return self._lau.bind(dispatch_fused_kernel, dict(
                 pre_ptr=ep.pre, send_base_ptr=ep.send_base, stage_tab=ep.tab["stage"], meta_tab=ep.tab["meta"],
                 wts_tab=ep.tab["wts"], ntok_tab=ep.tab["ntok"], cflag_tab=ep.tab["cflag"],
                 cflag_ptr=b.local("cflag"), stage_ptr=b.local("stage"), meta_ptr=b.local("meta"),
@@ -142,19 +137,20 @@ class KernelSet:
                 Tmax=cfg.max_tokens_per_rank, NCmax=self.ncmax, GS=g.fused_send, E=cfg.num_experts,
                 L=cfg.num_local_experts, BA=_p2(max(cfg.expert_alignment, 1)), A=cfg.expert_alignment,
                 WIRE=ep.dwire, KEEP_Q=kq, PF=g.prefetch, **self._common, **self._ck),
-                dyn=("x_ptr", STORE, "T", "out_ptr", "out_w_ptr", "q_ptr", "s_ptr"),
+                ("x_ptr", STORE, "T", "out_ptr", "out_w_ptr", "q_ptr", "s_ptr"),
+                grid=(g.fused_send + g.fused_expand,),
                 fields=dict(self._layout, **ep.hl.fields_of(topk_idx_ptr="idx", topk_w_ptr="w", rows_ptr="rows")))
-        return self._get(("fused", kq), make)
+        return self._lau.variant(("fused", kq), make)
 
     def decode(self, kq: bool) -> BoundKernel:
         """One-launch decode dispatch (counts exchange folded in; ``kq``: keep_quantized output)."""
-        bk = self._cache.get(("decode", kq))  # every call after the first: no closure built
+        bk = self._lau.bound(("decode", kq))  # every call after the first: no closure built
         if bk is not None:
             return bk
         ep, g, cfg, b = self._ep, self._ep.cfg.geometry, self._ep.cfg, self._ep.buf
 
         def make():
-            return BoundKernel(self._lau, dispatch_decode_kernel, (g.decode,), dict(
+            return self._lau.bind(dispatch_decode_kernel, dict(
                 max_recv=cfg.max_recv_tokens, hist_ptr=ep.hist, pre_ptr=ep.pre, counts_tab=ep.tab["counts"],
                 counts_ptr=b.local("counts"), stage_tab=ep.tab["stage"], meta_tab=ep.tab["meta"],
                 wts_tab=ep.tab["wts"], ntok_tab=ep.tab["ntok"], cflag_tab=ep.tab["cflag"],
@@ -165,11 +161,11 @@ class KernelSet:
                 LB=_p2(cfg.num_local_experts), TB=_p2(cfg.max_tokens_per_rank),
                 BA=_p2(max(cfg.expert_alignment, 1)), A=cfg.expert_alignment, WIRE=ep.dwire, KEEP_Q=kq, COPY=True,
                 host_st_ptr=ep.st_mapped, HOST_ST=ST_HOST, **self._common, **self._ck),
-                dyn=("x_ptr", "topk_idx_ptr", "topk_w_ptr", STORE, "T", "host_bad", "nrows_w", "out_ptr", "q_ptr",
-                     "s_ptr", "ticket"),
+                ("x_ptr", "topk_idx_ptr", "topk_w_ptr", STORE, "T", "host_bad", "nrows_w", "out_ptr", "q_ptr",
+                     "s_ptr", "ticket"), grid=(g.decode,),
                 fields=dict(self._layout, **ep.hl.fields_of(rows_ptr="rows", counts_out_ptr="counts",
                                                            idx_out_ptr="idx", w_out_ptr="w", out_w_ptr="rw")))
-        return self._get(("decode", kq), make)
+        return self._lau.variant(("decode", kq), make)
 
     # ------------------------------------------------------------------------------------------------ combine
     def partial(self, kind: str, weighted: bool, wgrad: bool, wire) -> BoundKernel:
@@ -177,53 +173,55 @@ class KernelSet:
         ep, g, cfg = self._ep, self._ep.cfg.geometry, self._ep.cfg
 
         def make():
-            return BoundKernel(self._lau, combine_partial_kernel, (g.grid_partial,), dict(
+            return self._lau.bind(combine_partial_kernel, dict(
                 stage_tab=ep.tab["cstage"], wback_tab=ep.tab["wback"], cdata_off=self._fo(P.FLAG_CDATA),
                 G_out=g.grid_out, Tmax=cfg.max_tokens_per_rank, NCmax=self.ncmax_c, PUSH=kind == "push",
                 WEIGHTED=weighted, SEND_WGRAD=wgrad, WIRE=wire, **self._common, **self._cck),
-                dyn=("eo_ptr", STORE, "gw_ptr"), fields=self._recv)
-        return self._get(("partial", kind, weighted, wgrad, wire), make)
+                ("eo_ptr", STORE, "gw_ptr"), grid=(g.grid_partial,), fields=self._recv)
+        return self._lau.variant(("partial", kind, weighted, wgrad, wire), make)
 
     def out(self, kind: str, wgrad: bool, wire) -> BoundKernel:
         """Source side of a combine (sums the partials in rank order; ``wgrad``: gathers the weight gradients)."""
         ep, g, cfg = self._ep, self._ep.cfg.geometry, self._ep.cfg
 
         def make():
-            return BoundKernel(self._lau, combine_out_kernel, (g.grid_out,), dict(
+            return self._lau.bind(combine_out_kernel, dict(
                 stage_tab=ep.tab["cstage"], wback_ptr=ep.buf.local("wback"), cack_off=self._fo(P.FLAG_CACK),
                 G_partial=g.grid_partial, Tmax=cfg.max_tokens_per_rank, L=cfg.num_local_experts,
                 PULL=kind == "pull", RECV_WGRAD=wgrad, WIRE=wire, **self._common, **self._cck),
-                dyn=(STORE, "y_ptr", "T", "NC", "gtw_ptr"), fields=ep.hl.fields_of(topk_idx_ptr="idx"))
-        return self._get(("out", kind, wgrad, wire), make)
+                (STORE, "y_ptr", "T", "NC", "gtw_ptr"), grid=(g.grid_out,),
+                fields=ep.hl.fields_of(topk_idx_ptr="idx"))
+        return self._lau.variant(("out", kind, wgrad, wire), make)
 
     def combine_fused(self, wire) -> BoundKernel:
         """Weighted push combine in one launch (partial and out roles)."""
         ep, g, cfg = self._ep, self._ep.cfg.geometry, self._ep.cfg
 
         def make():
-            return BoundKernel(self._lau, combine_fused_kernel, (g.fused_send + g.fused_expand,), dict(
+            return self._lau.bind(combine_fused_kernel, dict(
                 stage_tab=ep.tab["cstage"], ccflag_tab=ep.tab["ccflag"], ccflag_ptr=ep.buf.local("ccflag"),
                 cdata_off=self._fo(P.FLAG_CDATA), cack_off=self._fo(P.FLAG_CACK), G_partial_std=g.grid_partial,
                 G_out_std=g.grid_out, Tmax=cfg.max_tokens_per_rank, NCmax=self.ncmax_c, GS=g.fused_send,
                 L=cfg.num_local_experts, WIRE=wire, **self._common, **self._cck),
-                dyn=("eo_ptr", STORE, "y_ptr", "T"), fields=dict(self._recv, **ep.hl.fields_of(topk_idx_ptr="idx")))
-        return self._get(("combine_fused", wire), make)
+                ("eo_ptr", STORE, "y_ptr", "T"), grid=(g.fused_send + g.fused_expand,),
+                fields=dict(self._recv, **ep.hl.fields_of(topk_idx_ptr="idx")))
+        return self._lau.variant(("combine_fused", wire), make)
 
     def combine_decode(self, wire, weighted: bool = True, wgrad: bool = False) -> BoundKernel:
         """Push combine of the decode geometry in one launch: weighted (combine) or not (dispatch backward,
         ``wgrad``: with the weight gradients' return)."""
         key = ("combine_decode", wire, weighted, wgrad)
-        bk = self._cache.get(key)  # every call after the first: no closure built (a combine's host path)
+        bk = self._lau.bound(key)  # every call after the first: no closure built (a combine's host path)
         if bk is not None:
             return bk
         ep, g, cfg = self._ep, self._ep.cfg.geometry, self._ep.cfg
 
         def make():
-            return BoundKernel(self._lau, combine_decode_kernel, (g.decode,), dict(
+            return self._lau.bind(combine_decode_kernel, dict(
                 stage_tab=ep.tab["cstage"], ccflag_tab=ep.tab["ccflag"], ccflag_ptr=ep.buf.local("ccflag"),
                 cdata_off=self._fo(P.FLAG_CDATA), cack_off=self._fo(P.FLAG_CACK), Tmax=cfg.max_tokens_per_rank,
                 NCmax=self.ncmax, L=cfg.num_local_experts, WIRE=wire, wback_tab=ep.tab["wback"],
                 wback_ptr=ep.buf.local("wback"), WEIGHTED=weighted, WGRAD=wgrad, **self._common, **self._ck),
-                dyn=("eo_ptr", STORE, "y_ptr", "T", "gw_ptr", "gtw_ptr"),
+                ("eo_ptr", STORE, "y_ptr", "T", "gw_ptr", "gtw_ptr"), grid=(g.decode,),
                 fields=dict(self._recv, **ep.hl.fields_of(topk_idx_ptr="idx")))
-        return self._get(key, make)
+        return self._lau.variant(key, make)

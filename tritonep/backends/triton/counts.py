@@ -13,7 +13,7 @@ import triton
 
 from .kernels.layout import chunk_hist_kernel, exchange_kernel, exchange_tiles
 from ...memory import Region, get_heap
-from ...runtime.launch import Launcher
+from ...runtime.launch import Launch
 from ...device import protocol as P
 from ...runtime.status import raise_for_status, resolve_timeout, wait_bound
 from ..checks import counts_input_refusal
@@ -58,16 +58,25 @@ class CountsExchange:
         self.timeout_s = resolve_timeout(timeout_s)
         self.timeout = wait_bound(self.device, self.timeout_s)
         self.host_reads = 0  # device->host reads (gather makes none; check makes one)
-        self._launch = Launcher(self.device, group)
+        self._launch = Launch(self.device)
         ncmax = max(1, triton.cdiv(max_tokens_per_rank, self.BT))
         EB = triton.next_power_of_2(self.E)
         L = self.E // self.W
+        hist = b.local("hist")
+        self._hist = self._launch.bind(chunk_hist_kernel, dict(
+            hist_ptr=hist, K=self.K, E=self.E, EB=EB, BT=self.BT, KB=triton.next_power_of_2(self.K),
+            bump_a=self.calls[_CX:_CX + 1], NBUMP=1), ("topk_idx_ptr", "T", "NC"), grid=(1,))
         # static tiles (never derived from a call's T: docs/protocols.md (host protocol rule))
-        self._xgrid, xt = exchange_tiles(ncmax, self.E)
-        self._ex = dict(RANK=self.rank, W=self.W, E=self.E, L=L, A=1, WB=max(2, triton.next_power_of_2(self.W)),
-                        LB=triton.next_power_of_2(L), EB=EB, **xt,
-                        HAS_TIMER=self.device.type == "cuda", DOUBLE=True,
-                        num_warps=8)  # the [256, 32] prefix tiles of exchange_tiles spill at 4 warps
+        xgrid, xt = exchange_tiles(ncmax, self.E)
+        self._xchg = self._launch.bind(exchange_kernel, dict(
+            hist_ptr=hist, counts_tab=self.tab_counts, flags_ptr=self.flags, flags_tab=self.tab_flags,
+            flag_off=P.flag_row_bytes(P.FLAG_COUNTS, self.W), calls_ptr=self.calls[_CX:], status_ptr=self.status,
+            timeout=self.timeout, pre_ptr=b.local("pre"), send_base_ptr=b.local("send_base"),
+            rows_needed_ptr=b.local("rows_needed"), max_recv=2 ** 31 - 1, RANK=self.rank, W=self.W, E=self.E, L=L,
+            A=1, WB=max(2, triton.next_power_of_2(self.W)), LB=triton.next_power_of_2(L), EB=EB, **xt,
+            HAS_TIMER=self.device.type == "cuda", DOUBLE=True,
+            num_warps=8),  # the [256, 32] prefix tiles of exchange_tiles spill at 4 warps
+            ("NC", "ntpe_ptr", "offs_ptr", "host_bad"), grid=(xgrid,))
         self._launch.dry_run(lambda: self.gather(torch.zeros(self.Tm, self.K, dtype=torch.int64,
                                                              device=self.device)), restore=(self.calls,))
 
@@ -90,20 +99,14 @@ class CountsExchange:
     def _exchange(self, idx: torch.Tensor, host_bad: int) -> torch.Tensor:
         """The two launches of one exchange and the matrix of this call (device tensors, no host read)."""
         T = idx.shape[0]
-        nc = triton.cdiv(T, self.BT)
-        b = self.buf
-        EB = triton.next_power_of_2(self.E)
+        nc = -(-T // self.BT)
         L = self.E // self.W
         ntpe = torch.empty(L, dtype=torch.int32, device=self.device)
         offs = torch.empty(L, dtype=torch.int32, device=self.device)
-        self._launch(chunk_hist_kernel, (1,), idx, b.local("hist"), T, nc, K=self.K, E=self.E, EB=EB, BT=self.BT,
-                     KB=triton.next_power_of_2(self.K), bump_a=self.calls[_CX:_CX + 1], NBUMP=1)
-        self._launch(exchange_kernel, (self._xgrid,), b.local("hist"), nc, self.tab_counts, self.flags, self.tab_flags,
-                     P.flag_row_bytes(P.FLAG_COUNTS, self.W), self.calls[_CX:], self.status, self.timeout,
-                     b.local("pre"), b.local("send_base"), ntpe, offs,
-                     b.local("rows_needed"), 2 ** 31 - 1, host_bad, **self._ex)
+        self._hist(idx, T, nc)
+        self._xchg(nc, ntpe, offs, host_bad)
         n = self.calls[_CX:_CX + 1] % 2  # device-side parity: no host read
-        return torch.index_select(b.local("counts"), 0, n)[0, :, :self.E].clone()
+        return torch.index_select(self.buf.local("counts"), 0, n)[0, :, :self.E].clone()
 
     @property
     def allocated_bytes(self) -> int:

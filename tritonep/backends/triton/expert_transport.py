@@ -28,7 +28,7 @@ from ... import envs
 from ...device import protocol as P
 from .kernels.transport import barrier_kernel, pull_grads_kernel, push_weights_kernel
 from ...memory import Region, get_heap
-from ...runtime.launch import Launcher
+from ...runtime.launch import Launch
 from ..slot_transport import SlotTransportBase
 from ...runtime.status import raise_for_status, wait_bound
 
@@ -67,7 +67,7 @@ class ExpertTransport(SlotTransportBase):
         if envs.max_programs():  # ranks that share a GPU under MPS (the copy loops are grid-strided)
             self.G = min(self.G, envs.max_programs())
         self.WB = max(2, triton.next_power_of_2(self.W))
-        self._launch = Launcher(self.device, group)
+        self._launch = Launch(self.device)
         # the pull kernel's target when a rank has no native gradient and holds nothing (num_targets = 0: untouched)
         self._dummy = torch.zeros(1, dtype=dtype, device=self.device)
         self._precompile()
@@ -75,11 +75,31 @@ class ExpertTransport(SlotTransportBase):
         self.flags, self.calls, self.status = (self.buf.local(n) for n in ("flags", "calls", "status"))
         self.tab = {n: self.buf.ptr_table(n) for n in ["flags"] + [f"{p}_{k}" for k in self.shapes
                                                                      for p in ("slots", "gslots")]}
+        self._barriers, self._push, self._pull = self._bind(self.flags, self.tab["flags"], self.calls, self.status,
+                                                            {k: self.tab[f"slots_{k}"] for k in self.shapes},
+                                                            {k: self.tab[f"gslots_{k}"] for k in self.shapes})
 
     @property
     def allocated_bytes(self) -> int:
         """Symmetric bytes this rank holds (0 once closed)."""
         return self.buf.nbytes if self.buf is not None else 0
+
+    def _bind(self, flags, flags_tab, calls, status, slots_tabs: dict, gslots_tabs: dict, rows=range(4)):
+        """The bound launches of a call: ``(barriers, push, pull)`` -- the rendezvous of each row in ``rows``, and per
+        weight name the push (per call: the weights, the placement's ``experts_to_copy``) and the pull (per call: the
+        gradient target, the number of targets, the placement's ``expert_slot``)."""
+        W, E, L, lau = self.W, self.E, self.L, self._launch
+        barriers = [lau.bind(barrier_kernel, dict(
+            flags_ptr=flags, flags_tab=flags_tab, row_off=P.flag_row_bytes(row, W), calls_ptr=calls, call_idx=row,
+            status_ptr=status, timeout=self.timeout, wait_id=P.v(P.WAIT_RENDEZVOUS) + row, RANK=self.rank, W=W,
+            WB=self.WB, HAS_TIMER=self.has_timer), grid=(1,)) for row in rows]
+        push = {k: lau.bind(push_weights_kernel, dict(
+            slots_tab=slots_tabs[k], N=math.prod(shp), status_ptr=status, RANK=self.rank, W=W, L=L, BLOCK=1024),
+            ("w_ptr", "etc_ptr"), grid=(self.G,)) for k, shp in self.shapes.items()}
+        pull = {k: lau.bind(pull_grads_kernel, dict(
+            gslots_tab=gslots_tabs[k], N=math.prod(shp), status_ptr=status, RANK=self.rank, W=W, L=L, E=E,
+            BLOCK=1024), ("grad_ptr", "num_targets", "slot_of_ptr"), grid=(self.G,)) for k, shp in self.shapes.items()}
+        return barriers, push, pull
 
     def _precompile(self):
         """GPU: compile every kernel variant a call can launch (barrier, push and pull per weight dtype), with
@@ -93,19 +113,18 @@ class ExpertTransport(SlotTransportBase):
         w = torch.zeros(L, 1, dtype=self.dtype, device=dev)
         with self._launch.precompile() as on:
             if on:
-                self._launch(barrier_kernel, (1,), i64, i64, 0, i64, 0, i64, self.timeout, P.v(P.WAIT_RENDEZVOUS),
-                             RANK=self.rank, W=W, WB=self.WB, HAS_TIMER=self.has_timer)
-                self._launch(push_weights_kernel, (self.G,), w, i64, etc, 1, i64, RANK=self.rank, W=W, L=L,
-                             BLOCK=1024)
-                self._launch(pull_grads_kernel, (self.G,), w, 0, i64, slot_of, 1, i64, RANK=self.rank, W=W, L=L,
-                             E=E, BLOCK=1024)
+                one = dict.fromkeys(self.shapes, i64)
+                barriers, push, pull = self._bind(i64, i64, i64, i64, one, one)
+                for bk in barriers:
+                    bk()
+                for k in self.shapes:
+                    push[k](w, etc)
+                    pull[k](w, 0, slot_of)
 
     def _barrier(self, row: int):
         """Rendezvous ``row`` (0..3 = B1..B4) of every rank: one barrier_kernel launch, bounded wait, no host sync."""
         self.calls[row:row + 1].add_(1)
-        self._launch(barrier_kernel, (1,), self.flags, self.tab["flags"], P.flag_row_bytes(row, self.W), self.calls,
-                     row, self.status, self.timeout, P.v(P.WAIT_RENDEZVOUS) + row, RANK=self.rank, W=self.W,
-                     WB=self.WB, HAS_TIMER=self.has_timer)
+        self._barriers[row]()
 
     def slots(self, name: str) -> torch.Tensor:
         """This rank's virtual slots of weight ``name``: ``[L, *shape]`` (valid after :meth:`push`)."""
@@ -126,9 +145,8 @@ class ExpertTransport(SlotTransportBase):
         self._check_weights(weights)
         etc = placement.experts_to_copy.to(torch.int32).contiguous()
         self._barrier(0)
-        for k, shp in self.shapes.items():
-            self._launch(push_weights_kernel, (self.G,), weights[k].contiguous(), self.tab[f"slots_{k}"], etc,
-                         math.prod(shp), self.status, RANK=self.rank, W=self.W, L=self.L, BLOCK=1024)
+        for k in self.shapes:
+            self._push[k](weights[k].contiguous(), etc)
         self._barrier(1)
         return {k: self.slots(k) for k in self.shapes}
 
@@ -164,11 +182,9 @@ class ExpertTransport(SlotTransportBase):
             dst.zero_() if sg is None else dst.copy_(sg)
         slot_of = placement.expert_slot.to(device=self.device, dtype=torch.int32).contiguous()
         self._barrier(2)
-        for k, shp in self.shapes.items():
+        for k in self.shapes:
             g = targets[k]
-            self._launch(pull_grads_kernel, (self.G,), self._dummy if g is None else g, 0 if g is None else self.L,
-                         self.tab[f"gslots_{k}"], slot_of, math.prod(shp), self.status, RANK=self.rank, W=self.W,
-                         L=self.L, E=self.E, BLOCK=1024)
+            self._pull[k](self._dummy if g is None else g, 0 if g is None else self.L, slot_of)
         self._barrier(3)
         return self._in_place(targets, into)
 

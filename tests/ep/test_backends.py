@@ -10,7 +10,7 @@ from tritonep.backends.triton.backend import TritonEP
 from tritonep.errors import ConfigError
 
 _MEMBERS = ("dispatch_fwd", "combine_fwd", "dispatch_bwd", "combine_bwd", "expert_out_buffer", "check", "close",
-            "allocated_bytes", "geometry")
+            "allocated_bytes", "geometry", "sync_free", "counts_exchange", "expert_transport")
 
 
 def test_registry_order_and_needs():

@@ -181,8 +181,6 @@ def measure_host_path(buf, x, topk_idx, topk_weights, iters: int = 20, run_kerne
             "combine_bwd": lambda: buf.combine_backward(gy, eo[:rows], d.handle),
         }
         for kind, fn in calls.items():
-            if kind == "dispatch_sync_free" and buf.backend != "triton":
-                continue
             fn()
             n0, r0 = len(launched), buf.host_reads
             with HostCounter() as c:

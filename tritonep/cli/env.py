@@ -24,6 +24,7 @@ def collect_env() -> dict:
     import triton
 
     from .. import envs
+    from ..ep.backend_choice import choose_from_reports
 
     info = {
         "python": platform.python_version(),
@@ -49,17 +50,19 @@ def collect_env() -> dict:
         info["p2p"] = {f"{i}->{j}": torch.cuda.can_device_access_peer(i, j) for i in range(n) for j in range(n)
                        if i != j}
         all_p2p = all(info["p2p"].values()) if info["p2p"] else True
-        info["backend_auto"] = "triton" if all_p2p else "nccl"
-        info["backend_why"] = ("every local GPU can map every other GPU's memory (one host)" if all_p2p else
-                               "some local GPUs cannot access each other's memory")
+        why = ("every local GPU can map every other GPU's memory (one host)" if all_p2p else
+               "some local GPUs cannot access each other's memory")
     else:
-        info["backend_auto"] = "triton"
-        info["backend_why"] = ("no GPU: CPU worlds share one fork+mmap heap, so every rank maps every peer "
-                               "(groups spanning hosts or TRITONEP_FORCE_NO_P2P=1 pick nccl; CPU processes outside a "
-                               "CPU world, e.g. under torchrun, have no shared heap: pass backend='nccl' on a gloo "
-                               "group)")
+        all_p2p = True
+        why = ("no GPU: CPU worlds share one fork+mmap heap, so every rank maps every peer (groups spanning hosts or "
+               "TRITONEP_FORCE_NO_P2P=1 pick a backend that maps no peer memory; CPU processes outside a CPU world, "
+               "e.g. under torchrun, have no shared heap: pass backend='nccl' on a gloo group)")
     if envs.force_no_p2p():
-        info["backend_auto"], info["backend_why"] = "nccl", "TRITONEP_FORCE_NO_P2P=1"
+        all_p2p, why = False, "TRITONEP_FORCE_NO_P2P=1"
+    # what "auto" picks for a group of ranks on this host that all see what this process sees
+    report = dict(host="this host", device_type="cuda" if info["gpus"] else "cpu", p2p=all_p2p, why=why)
+    info["backend_auto"], _ = choose_from_reports("auto", [report])
+    info["backend_why"] = why
     return info
 
 

@@ -102,7 +102,7 @@ def check_environment() -> None:
         ConfigError: the first bad value, naming the variable and the value.
     """
     from .. import envs
-    from ..backends.triton.tiles import select_geometry
+    from ..backends import kernel_tiles
     from ..errors import ConfigError
 
     envs.check_all()
@@ -112,10 +112,10 @@ def check_environment() -> None:
         # dec= needs max_tokens_per_rank <= 256), so it is applied to a decode-size config and to one whose table
         # geometry is the fused dispatch; what a run's own configuration refuses, its buffer refuses
         try:
-            select_geometry("cpu", 2, 128, 1, 1)
+            kernel_tiles("cpu", 2, 128, 1, 1, "bf16", None)
         except ConfigError as small:
             try:
-                select_geometry("cuda", 2, 128, 1024, 1)
+                kernel_tiles("cuda", 2, 128, 1024, 1, "bf16", None)
             except ConfigError:
                 raise small from None
 

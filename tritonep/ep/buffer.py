@@ -18,7 +18,7 @@ from ..errors import BufferStateError, CapacityError, ConfigError, InputError, P
 from ..wire.formats import get_wire
 from .autograd import CombineFn, DispatchFn
 from .backend_choice import choose_from_reports, p2p_report
-from ..backends import BACKENDS, build_backend, required_bytes as backend_required_bytes
+from ..backends import build_backend, required_bytes as backend_required_bytes
 from .config import EPConfig, agree, build_config
 from .handle import Dispatched, DispatchHandle
 from .validate import check_backward_inputs, check_combine_inputs, check_dispatch_inputs
@@ -96,7 +96,6 @@ class EPBuffer:
         self._id = EPBuffer._serial
         self._impl.buffer_id = self._id
         self._quantized_dispatch = get_wire(cfg.dispatch_wire).quantized
-        self._sync_free_ok = self.backend in ("triton", "nccl")
         # the front door's static arguments, made once: check_dispatch_inputs' and check_combine_inputs'
         self._din = (cfg.hidden, cfg.topk, cfg.max_tokens_per_rank, cfg.dtype, device)
         self._cin = (cfg.hidden, cfg.dtype, device)
@@ -125,12 +124,12 @@ class EPBuffer:
     def required_bytes(world_size: int, num_experts: int, hidden: int, max_tokens_per_rank: int, topk: int,
                        dispatch_wire: str = "bf16", combine_wire: str = "bf16", expert_alignment: int = 1,
                        max_recv_tokens: int | None = None, dtype: torch.dtype = torch.bfloat16,
-                       device_type: str = "cuda", backend: str = "triton", num_sms: int | None = None) -> int:
+                       device_type: str = "cuda", backend: str = "auto", num_sms: int | None = None) -> int:
         """Symmetric bytes one rank allocates for this configuration (no group needed).
 
         Equals what the backend allocates (the same :class:`tritonep.ep.config.EPConfig` goes through the same
-        region list and layout function). ``backend``: ``"triton"`` (what ``"auto"`` picks on one host) or
-        ``"nccl"`` (no symmetric memory: 0).
+        region list and layout function). ``backend``: ``"auto"`` (what it picks on one host: the first registered
+        backend, triton) or a registered name (``"nccl"`` holds no symmetric memory: 0).
 
         Raises:
             ConfigError / WireError: as the constructor.
@@ -140,7 +139,7 @@ class EPBuffer:
                            combine_wire=combine_wire, expert_alignment=expert_alignment,
                            max_recv_tokens=max_recv_tokens, backend=backend, dtype=dtype, device_type=device_type,
                            num_sms=num_sms, check_kernels=False)
-        return backend_required_bytes("triton" if backend == "auto" else backend, cfg)
+        return backend_required_bytes(backend, cfg)
 
     # ------------------------------------------------------------------------------------------- calls
     def _check_open(self):
@@ -267,7 +266,7 @@ class EPBuffer:
         """
         if self._closed:
             self._check_open()
-        if sync_free and not self._sync_free_ok:
+        if sync_free and not self._impl.sync_free:
             raise ConfigError(f"dispatch(sync_free=True) is not supported by this buffer's backend "
                               f"{self.backend!r}")
         refused = None
@@ -347,9 +346,7 @@ class EPBuffer:
         E = self.num_experts if num_experts is None else num_experts
         if not isinstance(E, int) or E < 1 or E % self.world_size:
             raise ConfigError(f"num_experts={E!r} is not a positive multiple of world_size={self.world_size}")
-        return BACKENDS[self.backend].counts_exchange(
-            group=self.group, num_experts=E, max_tokens_per_rank=self.max_tokens_per_rank, topk=self.topk,
-            device=self.device, timeout_s=self.timeout_s)
+        return self._impl.counts_exchange(E)
 
     def expert_transport(self, num_experts: int, shapes: dict, dtype: torch.dtype = torch.bfloat16):
         """A new virtual-expert weight transport of this buffer's backend (collective, like the constructor).
@@ -366,8 +363,7 @@ class EPBuffer:
             PlanError: ``num_experts`` not divisible by the world size. BufferStateError: closed.
         """
         self._check_open()
-        return BACKENDS[self.backend].expert_transport(group=self.group, num_experts=num_experts, shapes=shapes,
-                                                       dtype=dtype, device=self.device, timeout_s=self.timeout_s)
+        return self._impl.expert_transport(num_experts, shapes, dtype)
 
     def check(self):
         """Raise any error the device recorded since the last check (one host sync). For graph-captured use."""

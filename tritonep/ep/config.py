@@ -107,8 +107,7 @@ def build_config(*, world_size: int, num_experts: int, hidden: int, max_tokens_p
         WireError: an unknown wire or a ``hidden`` the wire's block does not divide.
     """
     from ..wire.formats import check_wire
-    from ..backends import check_backend_name
-    from ..backends.triton.tiles import select_geometry
+    from ..backends import check_backend_name, kernel_tiles
     from ..runtime.status import resolve_timeout
 
     for name, v in (("world_size", world_size), ("num_experts", num_experts), ("hidden", hidden),
@@ -135,8 +134,7 @@ def build_config(*, world_size: int, num_experts: int, hidden: int, max_tokens_p
     if max_recv_tokens is None:
         L = num_experts // world_size
         max_recv_tokens = world_size * max_tokens_per_rank * topk + L * (expert_alignment - 1)
-    geometry = select_geometry(device_type, world_size, hidden, max_tokens_per_rank, topk, wire=dispatch_wire,
-                               num_sms=num_sms)
+    geometry = kernel_tiles(device_type, world_size, hidden, max_tokens_per_rank, topk, dispatch_wire, num_sms)
     return EPConfig(world_size=world_size, num_experts=num_experts, hidden=hidden,
                     max_tokens_per_rank=max_tokens_per_rank, topk=topk, dispatch_wire=dispatch_wire,
                     combine_wire=combine_wire, expert_alignment=expert_alignment, max_recv_tokens=max_recv_tokens,

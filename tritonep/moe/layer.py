@@ -47,7 +47,7 @@ from ..ep.validate import check_expert_ids
 from ..errors import BufferStateError, CapacityError, ConfigError, InputError, TritonEPError
 from . import ops
 from .experts import expert_ffn_parts_backward, expert_ffn_parts_forward
-from .layer_parts import _ACT_DTYPE, expert_weights, layer_required_bytes, take_part_refused
+from .layer_parts import _ACT_DTYPE, expert_shapes, expert_weights, layer_required_bytes, take_part_refused
 from .layer_status import consume_refusal, strict_check
 from .layer_virtual import plan_routes, read_split, row_parts
 from .losses import attach_aux_loss, switch_aux_loss
@@ -154,7 +154,7 @@ class MoELayer(nn.Module):
         if self.virtual:  # the backend's own counts exchange and weight transport
             self.counts_x = self.buffer.counts_exchange(g.num_experts)
             self.transport = self.buffer.expert_transport(
-                g.num_experts, {"w1": (g.hidden, g.w1_width), "w2": (g.intermediate, g.hidden)}, dtype)
+                g.num_experts, expert_shapes(g), dtype)
         self.layer_id = ops.register_layer(self)
         self._stash = SavedForwards(recipe.max_saved_forwards, f"MoELayer {self.layer_id}")
         self._closed = False
@@ -213,13 +213,14 @@ class MoELayer(nn.Module):
     @staticmethod
     def required_bytes(recipe: MoERecipe, geometry: MoEGeometry, world_size: int,
                        device_type: str | None = None, dtype: torch.dtype = torch.bfloat16,
-                       backend: str = "triton") -> int:
+                       backend: str = "auto") -> int:
         """Symmetric bytes one rank's layer allocates (equals ``layer.allocated_bytes``); no group needed.
 
         Args:
             device_type: ``"cuda"`` or ``"cpu"`` (kernel tiles, hence scratch sizes, differ); default: cuda when
                 available, else cpu.
-            backend: ``"triton"`` (what ``"auto"`` picks on one host) or ``"nccl"`` (no symmetric memory: 0).
+            backend: ``"auto"`` (what it picks on one host: the first registered backend, triton) or a registered
+                name (``"nccl"`` holds no symmetric memory: 0).
 
         Raises:
             ConfigError: as the constructor.

@@ -63,7 +63,7 @@ def _rank_setup(rank, info: GpuWorldInfo, env: dict, store_path: str):
             report["max_programs"] = programs_per_rank(sms, info.ranks_per_device)
             os.environ["TRITONEP_MAX_PROGRAMS"] = str(report["max_programs"])
     store = dist.FileStore(store_path, info.world_size)
-    if info.backend == "nccl":
+    if info.backend == dist.Backend.NCCL:
         dist.init_process_group("nccl", store=store, rank=rank, world_size=info.world_size, device_id=dev)
     else:
         dist.init_process_group("gloo", store=store, rank=rank, world_size=info.world_size)

@@ -72,6 +72,7 @@ class NcclEP(NcclSyncFree, NcclCombine):
     """
 
     name = "nccl"
+    sync_free = True  # dispatch(sync_free=True): fixed per-peer packet slots, no host read (sync_free.py)
 
     def __init__(self, cfg, *, group, rank, device):
         self.cfg = cfg
@@ -152,6 +153,23 @@ class NcclEP(NcclSyncFree, NcclCombine):
     def allocated_bytes(self) -> int:
         """0: this backend holds no symmetric memory."""
         return 0
+
+    def counts_exchange(self, num_experts: int):
+        """A new counts exchange over this backend's group: one ``all_gather``
+        (:class:`tritonep.backends.nccl.counts.NcclCountsExchange`; collective)."""
+        from .counts import NcclCountsExchange
+
+        cfg = self.cfg
+        return NcclCountsExchange(self.group, num_experts, cfg.max_tokens_per_rank, cfg.topk, self.device,
+                                  timeout_s=cfg.timeout_s)
+
+    def expert_transport(self, num_experts: int, shapes: dict, dtype: torch.dtype):
+        """A new virtual-expert weight transport over this backend's group: ``all_to_all`` per weight
+        (:class:`tritonep.backends.nccl.expert_transport.NcclExpertTransport`; collective)."""
+        from .expert_transport import NcclExpertTransport
+
+        return NcclExpertTransport(self.group, num_experts, shapes, dtype=dtype, device=self.device,
+                                   timeout_s=self.cfg.timeout_s)
 
     @property
     def geometry(self):

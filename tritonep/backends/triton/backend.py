@@ -81,9 +81,10 @@ class TritonEP(DispatchOutputs, DecodePath):
     """
 
     name = "triton"
+    sync_free = True  # dispatch(sync_free=True): no host read, max_recv_tokens rows
 
     def __init__(self, cfg, *, group, rank, device):
-        self.cfg, self.rank, self.device = cfg, rank, torch.device(device)
+        self.cfg, self.group, self.rank, self.device = cfg, group, rank, torch.device(device)
         self.dfmt = get_wire(cfg.dispatch_wire, "dispatch_wire")
         self.dwire, self.cwire = self.dfmt.codec, get_wire(cfg.combine_wire, "combine_wire").codec  # kernels' WIRE
         self.buf = get_heap(group, self.device).allocate(regions(cfg))
@@ -155,6 +156,23 @@ class TritonEP(DispatchOutputs, DecodePath):
     def allocated_bytes(self) -> int:
         """Symmetric bytes of this rank's allocation (0 once closed)."""
         return self.buf.nbytes if self.buf is not None else 0
+
+    def counts_exchange(self, num_experts: int):
+        """A new counts exchange over this backend's group through symmetric memory
+        (:class:`tritonep.backends.triton.counts.CountsExchange`; collective)."""
+        from .counts import CountsExchange
+
+        cfg = self.cfg
+        return CountsExchange(self.group, num_experts, cfg.max_tokens_per_rank, cfg.topk, self.device,
+                              timeout_s=cfg.timeout_s)
+
+    def expert_transport(self, num_experts: int, shapes: dict, dtype: torch.dtype):
+        """A new virtual-expert weight transport over this backend's group through symmetric memory
+        (:class:`tritonep.backends.triton.expert_transport.ExpertTransport`; collective)."""
+        from .expert_transport import ExpertTransport
+
+        return ExpertTransport(self.group, num_experts, shapes, dtype=dtype, device=self.device,
+                               timeout_s=self.cfg.timeout_s)
 
     @property
     def geometry(self):

@@ -91,8 +91,8 @@ def profile_tokens(group, T, profile="deepseek-v3", iters=30, backend="triton"):
 
     # the host read's own time (a spin until the device published the call's verdict): waiting for the GPU, not
     # host work; host_work_us = host_us - host_wait_us
-    impl = getattr(buf, "_impl", None)
-    read0 = getattr(impl, "_read_host_status", None)
+    status = getattr(getattr(buf, "_backend", None), "call_status", None)  # the triton backend's (nccl: none)
+    read0 = getattr(status, "read", None)
     waited = [0.0]
     if read0 is not None:
         def read(ticket):
@@ -101,7 +101,7 @@ def profile_tokens(group, T, profile="deepseek-v3", iters=30, backend="triton"):
                 return read0(ticket)
             finally:
                 waited[0] += time.perf_counter() - t
-        impl._read_host_status = read
+        status.read = read
     # the host time per call without the launch timer (its wrapper's own Python would count): ROUNDS loops of
     # ``iters`` calls, the round of median host work reported (one loop varied by +-15 % between processes on one
     # host); then the launches' split in one more loop with the timer
@@ -129,7 +129,7 @@ def profile_tokens(group, T, profile="deepseek-v3", iters=30, backend="triton"):
             out[f"{name}_host_wait_us"] = wait
             out[f"{name}_host_work_us"] = work
     if read0 is not None:
-        del impl._read_host_status  # the class's method again
+        del status.read  # the class's method again
     if rank == 0:
         from torch.profiler import ProfilerActivity, profile
 

@@ -97,7 +97,7 @@ def measure(group, a):
     x = torch.randn(T, H, generator=g).to(torch.bfloat16).to(dev)
     cuda = dev.type == "cuda"
     buf = tep.EPBuffer(group, E, H, T, K)
-    impl = buf._impl
+    impl = buf._backend
     d = buf.dispatch(x, idx, w)
     R = d.x.shape[0]
     eo = buf.expert_out_buffer(R)
@@ -119,7 +119,7 @@ def measure(group, a):
     if cuda:
         pieces["is_capturing"] = torch._C._cuda_isCurrentStreamCapturing
         pieces["raw_stream"] = lambda: torch._C._cuda_getCurrentRawStream(0)
-    pool = impl._dpool
+    pool = impl.decode.pool
     pieces["pool_take"] = pool.take
     for name, fn in pieces.items():
         res[name + "_us"] = timed(fn, it, rd)

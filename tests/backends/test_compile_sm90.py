@@ -14,6 +14,7 @@ import tritonep as tep
 from tritonep.testing import run_cpu_world
 from tritonep.bench.cases import make_rank_inputs
 from tests.support.compile_check import compile_recorded, record_launches, usage_recorded
+from tests.support.hooks import backend_of
 
 pytestmark = pytest.mark.compile  # CI's second step (.ci/run); minutes on a cold Triton cache
 
@@ -212,7 +213,7 @@ def _nccl_paths(group):
                                  expert_alignment=A)
             finally:
                 os.environ.pop("TRITONEP_NCCL_SYNC_FREE", None)
-            b._impl.use_triton = True
+            backend_of(b).use_triton = True
             x, i, w = make_rank_inputs(rank, T, H, E, K, seed=7)
             x.requires_grad_(True)
             w.requires_grad_(True)
@@ -233,7 +234,7 @@ def _nccl_paths(group):
                     b = tep.EPBuffer(group, E, H, 32, K, backend="nccl", expert_alignment=A)
                 finally:
                     os.environ.pop("TRITONEP_NCCL_SYNC_FREE", None)
-                b._impl.use_triton = True
+                backend_of(b).use_triton = True
                 f = b.dispatch(x.detach(), i, w.detach(), sync_free=True)
                 b.combine(f.x * 1, f.handle)
                 b.check()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from tests.support.hooks import backend_of
 
 __all__ = ["pool_streams_world"]
 
@@ -37,7 +38,7 @@ def pool_streams_world(group, E: int, H: int, Tmax: int, K: int, T: int):
     rank = dist.get_rank(group)
     dev = torch.device("cuda", torch.cuda.current_device())
     buf = tep.EPBuffer(group, E, H, Tmax, K)
-    impl = buf._impl
+    impl = backend_of(buf)
     assert impl.geometry.decode, impl.geometry
     x, idx, w = (t.to(dev) for t in make_rank_inputs(rank, T, H, E, K, seed=5))
 

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from tritonep.bench.cases import make_rank_inputs
+from tests.support.hooks import backend_of
 
 __all__ = ["SENTINEL", "own_staging_world", "check_own_staging"]
 
@@ -44,7 +45,7 @@ def own_staging_world(group, wire: str, case: dict):
     c = case
     buf = tep.EPBuffer(group, c["E"], c["H"], c["Tmax"], c["K"], dispatch_wire=wire, expert_alignment=c["A"])
     dev = buf.device
-    stage = buf._impl.buf.local("stage")  # [W, Tmax, 2H] uint8; row stage[s] is written by rank s only
+    stage = backend_of(buf).buf.local("stage")  # [W, Tmax, 2H] uint8; row stage[s] is written by rank s only
     stage[rank].fill_(SENTINEL)
     x, idx, w = make_rank_inputs(rank, c["T"][rank], c["H"], c["E"], c["K"], seed=c["seed"])
     d = buf.dispatch(x.to(dev), idx.to(dev), w.to(dev))

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from tritonep.bench.cases import make_rank_inputs
+from tests.support.hooks import backend_of
 
 __all__ = ["twin_rows", "twin_payload", "combine_wire_reference", "wire_roundtrip_world", "check_wire_roundtrip",
            "CPU_CASE", "GPU_CASE", "CASE_TOKENS", "wire_case_inputs", "both_backends_world", "check_both_backends"]
@@ -164,7 +165,7 @@ def both_backends_world(group, dwire: str, cwire: str, ntok: list, cfg: dict, nc
                        expert_alignment=cfg["A"], backend=backend, device=dev)
         assert buf.backend == backend
         if backend == "nccl" and nccl_triton:
-            buf._impl.use_triton = True  # the combine's Triton sums (interpreted on a CPU) instead of the torch twins
+            backend_of(buf).use_triton = True  # the combine's Triton sums (interpreted on a CPU) instead of the torch twins
         x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
         d = buf.dispatch(x, idx, w)
         eo = (d.x.float() * 0.75 + 0.5).to(torch.bfloat16)  # padding rows nonzero: combine must ignore them

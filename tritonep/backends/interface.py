@@ -52,9 +52,11 @@ class EPBackend(Protocol):
         ...
 
     def dispatch_fwd(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, sync: int,
-                     keep_quantized: bool = False, bad_input: bool = False) -> tuple:
+                     keep_quantized: bool = False, bad_input: bool = False, sync_free: bool = False) -> tuple:
         """Forward dispatch: ``(rows, row_weights, num_tokens_per_expert, expert_offsets, handle)``. ``sync``: the
-        call's ``TRITONEP_SYNC_CHECKS`` mode from the front door (``tritonep.envs.SYNC_*``; 0 = no host read)."""
+        call's ``TRITONEP_SYNC_CHECKS`` mode from the front door (``tritonep.envs.SYNC_*``; 0 = no host read).
+        ``sync_free``: ``dispatch(sync_free=True)`` (no host read, ``max_recv_tokens`` rows; ``sync`` is 0 with
+        it); ``bad_input``: the front door refused this rank's input (empty tensors; the call still runs)."""
         ...
 
     def combine_fwd(self, expert_out: torch.Tensor, handle, kind: str | None = None) -> torch.Tensor:

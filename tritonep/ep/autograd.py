@@ -21,8 +21,8 @@ class DispatchFn(torch.autograd.Function):
     backward = a combine without weights plus the return of the per-row weight gradients (module docstring)."""
 
     @staticmethod
-    def forward(ctx, x, topk_weights, impl, topk_idx, sync, box):
-        out, out_w, ntpe, offs, handle = impl.dispatch_fwd(x, topk_idx, topk_weights, sync)
+    def forward(ctx, x, topk_weights, impl, topk_idx, sync, sync_free, box):
+        out, out_w, ntpe, offs, handle = impl.dispatch_fwd(x, topk_idx, topk_weights, sync, sync_free=sync_free)
         # autograd refuses in-place ops on a view made inside a custom Function, and the rows may be a cut of a
         # larger block (decode, pooled: tritonep/runtime/pool.py): hand out an alias of its own (no view; same
         # storage, so the pool still sees it held). The row weights stay a view on purpose: combine uses the
@@ -44,7 +44,7 @@ class DispatchFn(torch.autograd.Function):
                                    device=ctx.impl.device)
         gw = grad_out_w.contiguous() if grad_out_w is not None else None  # autograd may hand expanded grads
         grad_x, grad_w = ctx.impl.dispatch_bwd(grad_out.contiguous(), gw, ctx.handle)
-        return grad_x, grad_w, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None
 
 
 class CombineFn(torch.autograd.Function):

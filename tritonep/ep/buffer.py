@@ -90,11 +90,11 @@ class EPBuffer:
         self.backend, self.backend_reason = choose_from_reports(backend, reports)
         with torch.inference_mode(False):  # the backend's persistent tensors: normal ones, also for a buffer built
             # inside inference mode (calls in grad mode update them in place)
-            self._impl = build_backend(self.backend, cfg, group=group, rank=self.rank, device=device)
+            self._backend = build_backend(self.backend, cfg, group=group, rank=self.rank, device=device)
         self._closed = False
         EPBuffer._serial += 1
         self._id = EPBuffer._serial
-        self._impl.buffer_id = self._id
+        self._backend.buffer_id = self._id
         self._quantized_dispatch = get_wire(cfg.dispatch_wire).quantized
         # the front door's static arguments, made once: check_dispatch_inputs' and check_combine_inputs'
         self._din = (cfg.hidden, cfg.topk, cfg.max_tokens_per_rank, cfg.dtype, device)
@@ -149,7 +149,7 @@ class EPBuffer:
     @property
     def allocated_bytes(self) -> int:
         """Symmetric bytes this rank allocated (0 for the nccl backend)."""
-        return self._impl.allocated_bytes
+        return self._backend.allocated_bytes
 
     def expert_out_buffer(self, rows: int | None = None) -> torch.Tensor:
         """The symmetric ``[max_recv_tokens, H]`` region meant for the expert GEMM output (zero copy into combine).
@@ -158,19 +158,19 @@ class EPBuffer:
             rows: return only the first ``rows`` rows (a view).
         """
         self._check_open()
-        t = self._impl.expert_out_buffer()
+        t = self._backend.expert_out_buffer()
         return t if rows is None else t[:rows]
 
     @property
     def geometry(self):
         """The kernel geometry the triton backend launches with (:class:`tritonep.backends.triton.tiles.Geometry`: grids,
         tiles, fused roles); ``None`` for the nccl backend."""
-        return self._impl.geometry
+        return self._backend.geometry
 
     @property
     def host_reads(self) -> int:
         """Device->host reads this buffer's calls made so far (the eager budget: one per dispatch)."""
-        return self._impl.host_reads
+        return self._backend.host_reads
 
     def dispatch_backward(self, grad_recv_x: torch.Tensor, grad_recv_w: torch.Tensor | None,
                           handle: DispatchHandle) -> tuple:
@@ -190,7 +190,7 @@ class EPBuffer:
         grad_recv_x, grad_recv_w = check_backward_inputs(
             grad_recv_x, handle, hidden=self.hidden, dtype=self.dtype, device=self.device,
             min_rows=self._rows_of(handle), grad_w=grad_recv_w, name="grad_recv_x")
-        return self._impl.dispatch_bwd(grad_recv_x, grad_recv_w, handle)
+        return self._backend.dispatch_bwd(grad_recv_x, grad_recv_w, handle)
 
     def combine_backward(self, grad_y: torch.Tensor, expert_out: torch.Tensor, handle: DispatchHandle) -> tuple:
         """The backward half of :meth:`combine`, outside autograd.
@@ -209,7 +209,7 @@ class EPBuffer:
                                           min_rows=0)
         expert_out = check_combine_inputs(expert_out, handle, hidden=self.hidden, dtype=self.dtype,
                                           device=self.device, min_rows=self._rows_of(handle))
-        return self._impl.combine_bwd(grad_y, expert_out, handle)
+        return self._backend.combine_bwd(grad_y, expert_out, handle)
 
     def _rows_of(self, handle) -> int:
         """Rows a combine / backward input must have for ``handle``: the rows received, or for a sync-free handle
@@ -266,7 +266,7 @@ class EPBuffer:
         """
         if self._closed:
             self._check_open()
-        if sync_free and not self._impl.sync_free:
+        if sync_free and not self._backend.sync_free:
             raise ConfigError(f"dispatch(sync_free=True) is not supported by this buffer's backend "
                               f"{self.backend!r}")
         refused = None
@@ -276,7 +276,7 @@ class EPBuffer:
             refused = e
             x, topk_idx, topk_weights = self._no_input
         if sync_free:
-            sync = None  # no read; the nccl backend's own path
+            sync = envs.SYNC_NONE  # no read (the backend's sync-free path)
         else:  # whether this call reads its status word: the TRITONEP_SYNC_CHECKS mode (read once per call; the
             sync = envs.sync_checks()  # backend's end-of-call check follows it), SYNC_NONE (0) while capturing
             if sync and self._cuda and torch._C._cuda_isCurrentStreamCapturing():
@@ -285,11 +285,12 @@ class EPBuffer:
         try:
             if kq or refused is not None or not (torch.is_grad_enabled() and (
                     x.requires_grad or topk_weights.requires_grad)):
-                out, out_w, ntpe, offs, handle = self._impl.dispatch_fwd(x, topk_idx, topk_weights, sync, kq,
-                                                                         refused is not None)
+                out, out_w, ntpe, offs, handle = self._backend.dispatch_fwd(x, topk_idx, topk_weights, sync, kq,
+                                                                         refused is not None, sync_free)
             else:
                 box: list = []
-                out, out_w, ntpe, offs = DispatchFn.apply(x, topk_weights, self._impl, topk_idx, sync, box)
+                out, out_w, ntpe, offs = DispatchFn.apply(x, topk_weights, self._backend, topk_idx, sync, sync_free,
+                                                          box)
                 handle = box[0]
         except (PeerInputError, CapacityError):
             if refused is not None:  # this rank's own error names its value (a CapacityError here is an earlier
@@ -327,8 +328,8 @@ class EPBuffer:
             raise ConfigError(f"combine kind={kind!r} is not 'push' or 'pull'")
         rw = handle.recv_weights
         if torch.is_grad_enabled() and (expert_out.requires_grad or (rw is not None and rw.requires_grad)):
-            return CombineFn.apply(expert_out, rw, self._impl, handle, kind)
-        return self._impl.combine_fwd(expert_out, handle, kind=kind)
+            return CombineFn.apply(expert_out, rw, self._backend, handle, kind)
+        return self._backend.combine_fwd(expert_out, handle, kind=kind)
 
     def counts_exchange(self, num_experts: int | None = None):
         """A new counts exchange of this buffer's backend (collective: every rank builds it, in the same order).
@@ -346,7 +347,7 @@ class EPBuffer:
         E = self.num_experts if num_experts is None else num_experts
         if not isinstance(E, int) or E < 1 or E % self.world_size:
             raise ConfigError(f"num_experts={E!r} is not a positive multiple of world_size={self.world_size}")
-        return self._impl.counts_exchange(E)
+        return self._backend.counts_exchange(E)
 
     def expert_transport(self, num_experts: int, shapes: dict, dtype: torch.dtype = torch.bfloat16):
         """A new virtual-expert weight transport of this buffer's backend (collective, like the constructor).
@@ -363,18 +364,18 @@ class EPBuffer:
             PlanError: ``num_experts`` not divisible by the world size. BufferStateError: closed.
         """
         self._check_open()
-        return self._impl.expert_transport(num_experts, shapes, dtype)
+        return self._backend.expert_transport(num_experts, shapes, dtype)
 
     def check(self):
         """Raise any error the device recorded since the last check (one host sync). For graph-captured use."""
         self._check_open()
-        self._impl.check()
+        self._backend.check()
 
     def close(self):
         """Release the buffer (collective: every rank closes its buffers in the same order)."""
         if not self._closed:
             self._closed = True
-            self._impl.close()
+            self._backend.close()
 
     def __enter__(self):
         return self

@@ -18,6 +18,7 @@ from tritonep.errors import CapacityError, TritonEPError
 from tritonep.reference import combine_backward_reference
 from tritonep.testing import run_cpu_world
 from tests.support.harness import diff, expected
+from tests.support.hooks import backend_of
 
 
 def _routing(T, E, K, gen, neg_frac=0.0, dup=False):
@@ -50,7 +51,7 @@ def _run_backend(group, case, backend, device, nccl_triton=False):
                    backend=backend, device=device)
     assert buf.backend == backend
     if backend == "nccl" and nccl_triton:
-        buf._impl.use_triton = True  # the combine's Triton sums (here in the interpreter) instead of the torch twins
+        backend_of(buf).use_triton = True  # the combine's Triton sums (here in the interpreter) instead of the torch twins
     x = x0.clone().requires_grad_()
     w = w0.clone().requires_grad_()
     d = buf.dispatch(x, idx, w)
@@ -77,10 +78,10 @@ def _auto_forced(group):
     x = torch.ones(3, 32, dtype=torch.bfloat16)
     idx = torch.tensor([[0, 3], [1, -1], [2, 2]])
     w = torch.ones(3, 2)
-    out = {"backend": buf.backend, "reason": buf.backend_reason, "impl": buf._impl.name}
+    out = {"backend": buf.backend, "reason": buf.backend_reason, "impl": backend_of(buf).name}
     # sync=False (TRITONEP_SYNC_CHECKS=0) cannot drop the split-size read: the backend reads anyway (graph capture
     # itself is refused with BackendError on a CUDA stream; no CUDA here)
-    out["nosync_rows"] = buf._impl.dispatch_fwd(x, idx, w, False)[0].shape[0]
+    out["nosync_rows"] = backend_of(buf).dispatch_fwd(x, idx, w, False)[0].shape[0]
     out["rows"] = buf.dispatch(x, idx, w).x.shape[0]
     buf.close()
     # capacity: each rank would receive 6 rows (3 tokens x 2 local experts) > max_recv_tokens=4

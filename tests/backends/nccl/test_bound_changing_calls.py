@@ -17,6 +17,7 @@ from tests.backends.nccl.fake_gpu import fake_gpu
 from tests.backends.nccl.test_bound_launches import _calls, _compare
 from tritonep.testing import run_cpu_world
 from tritonep.bench.cases import make_rank_inputs
+from tests.support.hooks import backend_of
 
 _TMAX, _H, _E, _K = 12, 128, 12, 3
 # per call: tokens per rank (cycled over the ranks), topk_idx dtype, inputs off 16-byte alignment, keep_quantized,
@@ -43,7 +44,7 @@ def _world(group, wire, A):
     with fake_gpu() as log:
         buf = EPBuffer(group, _E, _H, _TMAX, _K, expert_alignment=A, backend="nccl", device="cpu",
                        dispatch_wire=wire, combine_wire=wire if wire in ("fp8", "mxfp4") else "bf16")
-        impl = buf._impl
+        impl = backend_of(buf)
         for i, (Ts, idt, shift, kq, bad) in enumerate(_SCRIPT):
             T = Ts[rank % len(Ts)]
             x, idx, w = make_rank_inputs(rank, T, _H, _E, _K, seed=11 + i, mask_frac=0.2)

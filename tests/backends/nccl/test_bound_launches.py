@@ -13,6 +13,7 @@ import torch.distributed as dist
 from tests.backends.nccl.fake_gpu import count_paths, fake_gpu
 from tritonep.testing import run_cpu_world
 from tritonep.bench.cases import make_rank_inputs
+from tests.support.hooks import backend_of
 
 
 def _calls(impl, x, idx, w, gy, kq=False):
@@ -52,7 +53,7 @@ def _fake_gpu_world(group, T, wire, kq):
     with fake_gpu() as log:
         buf = EPBuffer(group, 8, H, 16, 2, expert_alignment=4 if kq else 1, backend="nccl", device="cpu",
                        dispatch_wire=wire)
-        impl = buf._impl
+        impl = backend_of(buf)
         impl.use_triton = True
         first = _calls(impl, x, idx, w, gy, kq)
         n1, p1 = len(log), log.packed
@@ -101,7 +102,7 @@ def _gpu_world1(group):
     out = {}
     with count_paths() as counts:
         buf = EPBuffer(group, E, H, T, K, backend="nccl", device=dev)
-        impl = buf._impl
+        impl = backend_of(buf)
         assert impl.use_triton
         first = _calls(impl, x, idx, w, gy)
         out["round1"] = dict(counts)

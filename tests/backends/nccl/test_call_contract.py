@@ -12,6 +12,7 @@ from tritonep.errors import TritonEPError
 from tritonep.testing import run_cpu_world
 from tritonep.bench.cases import random_routing
 from tests.support.harness import check_calls, record
+from tests.support.hooks import backend_of
 
 
 _BE, _BH, _BT, _BK = 8, 64, 8, 1
@@ -54,7 +55,7 @@ def _bad_body(group, mode):
             bad_input = True
         err = None
         try:
-            buf._impl.dispatch_fwd(x, idx, w.float(), True, bad_input=bad_input)
+            backend_of(buf).dispatch_fwd(x, idx, w.float(), True, bad_input=bad_input)
         except TritonEPError as e:
             err = (type(e).__name__, str(e), getattr(e, "bad_ranks", None), getattr(e, "rank", None))
         moved_1 = moved[0]
@@ -144,7 +145,7 @@ def _reads(group):
     rank = dist.get_rank(group)
     x, idx, w = _step_inputs(rank, 2)
     buf = EPBuffer(group, _BE, _BH, _BT, _BK, backend="nccl", device="cpu", expert_alignment=2)
-    impl = buf._impl
+    impl = backend_of(buf)
     x.requires_grad_()
     w.requires_grad_()
     reads = []
@@ -174,7 +175,7 @@ def _host_syncs(group):
     dev = torch.device("cuda", torch.cuda.current_device())
     E, H, Tm, K = 64, 512, 128, 4
     buf = EPBuffer(group, E, H, Tm, K, backend="nccl", device=dev, expert_alignment=4)
-    impl = buf._impl
+    impl = backend_of(buf)
     idx, w = random_routing(100 + 7 * rank, E, K, seed=rank, mask_frac=0.1)
     x = torch.randn(idx.shape[0], H, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16).to(dev)
     idx, w = idx.to(dev), w.to(dev)

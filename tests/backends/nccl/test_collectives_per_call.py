@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tritonep.testing import run_cpu_world
+from tests.support.hooks import backend_of
 
 _COPIES = ("copy_", "clone", "_to_copy")
 
@@ -52,7 +53,7 @@ def _calls(group, T0, T1, bad_rank):
     x, idx, w = make_rank_inputs(rank, T, 64, 8, 2, seed=4, mask_frac=0.2)
     w = w.float()
     buf = EPBuffer(group, 8, 64, 16, 2, backend="nccl", device="cpu")
-    impl = buf._impl
+    impl = backend_of(buf)
     impl.use_triton = True  # the GPU path; its kernels run in the interpreter, uncounted
     out = {}
     with stub_launches(buf, run=True):

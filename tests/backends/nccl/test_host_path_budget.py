@@ -3,8 +3,8 @@
 The backend's four calls run on its GPU path (``use_triton``; the kernels run in the interpreter, outside the
 counters: :func:`tritonep.bench.host_path.stub_launches` with ``run``) and are counted by
 :class:`tritonep.bench.host_path.HostCounter`: torch calls from Python, allocations, Triton launches and host reads.
-Counted at the backend (``EPBuffer._impl``), so the front door's own checks (EPBuffer, autograd) are not in these
-numbers. The budgets are exact counts of today's path (independent of shapes and of the machine); lower is welcome
+Counted at the backend (the buffer's backend object, :func:`tests.support.hooks.backend_of`), so the front door's own
+checks (EPBuffer, autograd) are not in these numbers. The budgets are exact counts of today's path (independent of shapes and of the machine); lower is welcome
 (then lower the budget), higher fails.
 
 Lowest possible, for the same output. The 30-line pipeline of :mod:`tritonep.bench.ep` (index_select pack +
@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from tests.backends.nccl.fake_gpu import fake_gpu
 from tritonep.testing import run_cpu_world
+from tests.support.hooks import backend_of
 
 # call -> (torch calls, allocations, launches, host reads): world 2, bf16, expert_alignment 1, tokens on both ranks
 BUDGET = {
@@ -101,8 +102,8 @@ def _count_calls(group, x, idx, w, T, log, mode):
 
     os.environ["TRITONEP_NCCL_SYNC_FREE"] = mode  # (a forked rank: its own environment)
     buf = EPBuffer(group, 8, 64, 16, 2, backend="nccl", device="cpu")
-    assert buf._impl.sync_free_mode == mode
-    impl = buf._impl
+    assert backend_of(buf).sync_free_mode == mode
+    impl = backend_of(buf)
     impl.use_triton = True  # the GPU path; its kernels run in the interpreter, uncounted
     w = w.float()
     out = {}
@@ -123,8 +124,8 @@ def _count_calls(group, x, idx, w, T, log, mode):
         measure("dispatch_bwd", lambda: impl.dispatch_bwd(eo, ow, h))
         gy = torch.randn(T, 64).to(torch.bfloat16)
         measure("combine_bwd", lambda: impl.combine_bwd(gy, eo, h))
-        # the sync-free dispatch (sync None) and the calls on its handle (max_recv_tokens rows)
-        o, ow, _, _, h = measure("sf_dispatch", lambda: impl.dispatch_fwd(x, idx, w, None))
+        # the sync-free dispatch and the calls on its handle (max_recv_tokens rows)
+        o, ow, _, _, h = measure("sf_dispatch", lambda: impl.dispatch_fwd(x, idx, w, 0, sync_free=True))
         eo = (o.float().nan_to_num() * 0.5).to(torch.bfloat16)
         measure("sf_combine", lambda: impl.combine_fwd(eo, h))
         measure("sf_dispatch_bwd", lambda: impl.dispatch_bwd(eo, ow, h))

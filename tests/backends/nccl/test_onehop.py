@@ -22,6 +22,7 @@ from tritonep.runtime.status import STATUS_BAD_INPUT, STATUS_CAPACITY, STATUS_OK
 from tritonep.backends.nccl.kernels.onehop import onehop_send_kernel
 from tritonep.testing import run_cpu_world
 from tritonep.wire.formats import get_wire
+from tests.support.hooks import backend_of
 
 
 def _inputs(T, E, K, H, seed, idx_dtype=torch.int64, mask_frac=0.25, bad=False):
@@ -251,7 +252,7 @@ def _world(group, W, E, K, H, Tcap, A, Ts, use_triton):
 
     rank = dist.get_rank(group)
     buf = EPBuffer(group, E, H, Tcap, K, expert_alignment=A, backend="nccl", device="cpu")
-    cfg = buf._impl.cfg
+    cfg = backend_of(buf).cfg
     oh = OneHopDispatch.from_config(cfg, group=group, rank=rank, device="cpu", use_triton=use_triton, target=5)
     res = []
     for call, T in enumerate([Tcap, Ts[rank]]):  # a full call first: its packets are stale in the second
@@ -265,7 +266,8 @@ def _world(group, W, E, K, H, Tcap, A, Ts, use_triton):
         eo1[:R] = eo
         hd = SimpleNamespace(num_tokens=T, send_splits=oh.splits, recv_splits=oh.splits, num_send=oh.nslot,
                              num_recv=oh.nslot, recv_rows=o.rr, recv_w=o.rw, pkt=o.pkt)
-        y1, _ = buf._impl._combine(eo1, hd, weighted=True, wire=cfg.combine_wire)
+        be = backend_of(buf)
+        y1, _ = be._combine.combine(eo1, hd, True, be.use_triton, wire=cfg.combine_wire)
         res.append(dict(R=R, R0=d.x.shape[0], x=torch.equal(o.out[:R].view(torch.int16), d.x.view(torch.int16)),
                         w=torch.equal(o.out_w[:R], d.weights), tail=bool((o.out_w[R:] == 0).all()),
                         ntpe=torch.equal(o.ntpe, d.num_tokens_per_expert),

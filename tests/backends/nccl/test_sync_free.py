@@ -23,6 +23,7 @@ from tritonep.ep import EPBuffer
 from tritonep.errors import CapacityError, ConfigError, InputError, PeerInputError, WireError
 from tritonep.testing import run_cpu_world
 from tritonep.bench.cases import make_rank_inputs
+from tests.support.hooks import backend_of
 
 E, H, K, TM = 8, 128, 3, 6
 
@@ -94,8 +95,8 @@ def _equal_world(group, cases, mode="gather"):
             continue
         buf = _buffer(group, mode, E * W // 2, H, TM, K, expert_alignment=A, dispatch_wire=wire,
                       combine_wire=wire)
-        assert buf._impl.sync_free_mode == mode, (mode, buf._impl.sync_free_mode)
-        buf._impl.use_triton = ut
+        assert backend_of(buf).sync_free_mode == mode, (mode, backend_of(buf).sync_free_mode)
+        backend_of(buf).use_triton = ut
         for seed in (1, 2):
             x, idx, w = _inputs(rank, Ts[rank], seed, masked and rank == 0, E * W // 2)
             a = _step(buf, x, idx, w, False, kq)
@@ -185,8 +186,8 @@ def _raised(fn):
 def _error_world(group, ut, mode):
     rank = dist.get_rank(group)
     buf = _buffer(group, mode, E, H, TM, K, max_recv_tokens=20)
-    assert buf._impl.sync_free_mode == mode
-    buf._impl.use_triton = ut
+    assert backend_of(buf).sync_free_mode == mode
+    backend_of(buf).use_triton = ut
     x, idx, w = _inputs(rank, 5, 3)
     log = {}
     # 1) a bad id on rank 1: nothing raised in the call, nothing lands anywhere, every rank raises at check()

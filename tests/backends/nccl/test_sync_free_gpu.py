@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from tests.support.hooks import backend_of
 
 MODES = ("gather", "onehop")
 
@@ -22,7 +23,7 @@ def _buffer(group, mode, *args):
         buf = tep.EPBuffer(group, *args, backend="nccl")
     finally:
         os.environ.pop("TRITONEP_NCCL_SYNC_FREE", None)
-    assert buf._impl.sync_free_mode == mode
+    assert backend_of(buf).sync_free_mode == mode
     return buf
 
 

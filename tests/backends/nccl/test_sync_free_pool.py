@@ -26,6 +26,7 @@ import torch.distributed as dist
 from tritonep.ep import EPBuffer
 from tritonep.testing import run_cpu_world
 from tritonep.bench.cases import make_rank_inputs
+from tests.support.hooks import backend_of
 
 E, H, K, TM = 8, 64, 3, 6
 
@@ -46,7 +47,7 @@ def _world(group, mode, ut):
     os.environ["TRITONEP_OUTPUT_POOL"] = "2"  # 2 sets per stream: the third held call allocates
     rank = dist.get_rank(group)
     buf = EPBuffer(group, E, H, TM, K, backend="nccl", device="cpu")
-    buf._impl.use_triton = ut
+    backend_of(buf).use_triton = ut
     ins = [make_rank_inputs(rank, 5 + rank, H, E, K, seed=s, mask_frac=0.25) for s in (1, 2)]
     ins = [(x, idx, w.float()) for x, idx, w in ins]
     ref = []
@@ -79,7 +80,7 @@ def _world(group, mode, ut):
         bad.append("a held call's outputs changed under the next call")
     check(d1, 0, "held first call")
     d6 = buf.dispatch(*ins[1], sync_free=True)  # both sets held (2 slots): allocated, not pooled, still right
-    held = {t.untyped_storage().data_ptr() for p in buf._impl._sf_pools.values() for ss in p._sets.values()
+    held = {t.untyped_storage().data_ptr() for p in backend_of(buf)._sync_free._sf_pools.values() for ss in p._sets.values()
             for st in ss for t in st.objs}  # addresses only: a list of the pooled tensors would hold every set
     if {d6.x.untyped_storage().data_ptr(), d6.handle.pkt.untyped_storage().data_ptr()} & \
             (held | {d1.x.untyped_storage().data_ptr(), d2.x.untyped_storage().data_ptr()}):
@@ -95,10 +96,10 @@ def _world(group, mode, ut):
     # graph stays on a pooled tensor (the next call without autograd gets plain tensors)
     gc.collect()  # (an autograd call leaves a reference cycle: its handle holds the tracked row weights, whose
     # backward node holds the handle; its set stays held until the cyclic collector runs)
-    impl = buf._impl
+    impl = backend_of(buf)
 
     def pools():
-        return [impl._sf_rpool, *impl._sf_pools.values()]
+        return [impl._sync_free._sf_rpool, *impl._sync_free._sf_pools.values()]
 
     def unmarked(d, what):
         """No autograd mark on any pooled tensor nor on ``d``'s outputs, and no set dropped since ``sets0`` (the
@@ -113,7 +114,7 @@ def _world(group, mode, ut):
     sets0 = {id(st) for p in pools() for ss in p._sets.values() for st in ss}
     xg, wg = ins[0][0].clone().requires_grad_(True), ins[0][2].clone().requires_grad_(True)
     d4 = buf.dispatch(xg, ins[0][1], wg, sync_free=True)
-    pooled = {t.untyped_storage().data_ptr() for p in [impl._sf_rpool, *impl._sf_pools.values()]
+    pooled = {t.untyped_storage().data_ptr() for p in [impl._sync_free._sf_rpool, *impl._sync_free._sf_pools.values()]
               for ss in p._sets.values() for st in ss for t in st.objs}
     if not {d4.x.untyped_storage().data_ptr(), d4.weights.untyped_storage().data_ptr()} <= pooled:
         bad.append("the autograd call did not take pooled outputs")
@@ -166,7 +167,7 @@ def _world(group, mode, ut):
     del rx, rw_, pair, ticket, y
     gc.collect()
     d7 = buf.dispatch(*ins[0], sync_free=True)
-    objs = [t for p in [impl._sf_rpool, *impl._sf_pools.values()] for ss in p._sets.values() for st in ss
+    objs = [t for p in [impl._sync_free._sf_rpool, *impl._sync_free._sf_pools.values()] for ss in p._sets.values() for st in ss
             for t in st.objs]
     if any(t.requires_grad or t.grad_fn is not None for t in objs):
         bad.append("an autograd mark of the ops stayed on a pooled tensor")

@@ -15,11 +15,12 @@ import torch.distributed as dist
 from tests.backends.nccl.fake_gpu import fake_gpu
 from tritonep.testing import run_cpu_world
 from tritonep.bench.cases import make_rank_inputs
+from tests.support.hooks import backend_of
 
 
 def _calls(buf, x, idx, w, gy):
     """Dispatch, combine and both backwards once; the outputs as a dict of tensors."""
-    impl = buf._impl
+    impl = backend_of(buf)
     o, ow, ntpe, offs, h = impl.dispatch_fwd(x, idx, w, True)
     eo = buf.expert_out_buffer()
     eo[:o.shape[0]] = (o.float() * 0.5).to(torch.bfloat16)

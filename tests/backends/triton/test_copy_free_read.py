@@ -23,6 +23,7 @@ from tritonep.runtime.host_status import HostStatus
 from tritonep.testing import run_cpu_world
 from tritonep.bench.cases import make_rank_inputs
 from tests.support.harness import outcome, set_env
+from tests.support.hooks import backend_of
 
 H, E, K, TM = 64, 4, 2, 8
 _READS = frozenset(("tolist", "item", "cpu", "numpy", "copy_", "to", "__int__", "__index__", "__float__",
@@ -72,7 +73,7 @@ def _call(buf, fn):
     events = []
     undo = _instrument(events)
     try:
-        with _Watch(buf._impl.status) as w:
+        with _Watch(backend_of(buf).status) as w:
             res = outcome(fn)
     finally:
         undo()
@@ -86,7 +87,7 @@ def _sequence_world(group, geometry, E):
     set_env(TRITONEP_GEOMETRY=geometry or None)
     rank = dist.get_rank(group)
     buf = tep.EPBuffer(group, E, H, TM, K, max_recv_tokens=2 * TM * K - 1)
-    grid = buf._impl.k.exchange.grid[0]
+    grid = backend_of(buf).k.exchange.grid[0]
     out = []
     for i, how in enumerate(["ok", "cap", "id", "ok"]):
         x, idx, w = make_rank_inputs(rank, TM if how == "cap" else 5 + rank, H, E, K, seed=40 + i)
@@ -141,7 +142,7 @@ def _timeout_world(group, geometry):
     events = []
     undo = _instrument(events)
     try:
-        with _Watch(buf._impl.status) as wt:
+        with _Watch(backend_of(buf).status) as wt:
             try:
                 buf.dispatch(x, idx, w)
                 err = None

@@ -22,6 +22,7 @@ from tritonep.errors import ConfigError, PeerTimeoutError
 from tritonep.testing import run_cpu_world
 from tritonep.bench.cases import make_rank_inputs
 from tests.support.harness import BF16, check_script, diff, expected, expert, script_world
+from tests.support.hooks import backend_of
 
 def test_decode_geometry():
     os.environ.pop("TRITONEP_GEOMETRY", None)
@@ -101,7 +102,7 @@ def _pair_world(group, cfg, script, geometry):
             call[name] = r
         out.append(dict(call, x=x, idx=idx, w=w))
     dist.barrier(group=group)  # every rank's last launch has signalled this rank
-    impl = bufs["one"]._impl
+    impl = backend_of(bufs["one"])
     counters = (impl.flags.clone(), impl.calls.clone())  # [NUM_FLAG_ROWS, W] per-source counters, call numbers
     for buf in bufs.values():
         buf.close()

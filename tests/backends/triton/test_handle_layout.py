@@ -16,6 +16,7 @@ import torch.distributed as dist
 from tritonep.errors import BufferStateError
 from tritonep.testing import run_cpu_world
 from tests.support.harness import _host, call_inputs, diff, expected, expert, make_calls, open_buffer
+from tests.support.hooks import backend_of
 
 _CFG = dict(E=8, H=64, Tmax=12, K=3)
 _TOKENS = [(5, 12), (0, 3), (12, 0), (1, 1)]  # per call, per rank
@@ -78,7 +79,7 @@ def _world(group, backend):
     # the autograd backward reaches the backend without the EPBuffer's front door
     d, eo = kept[0]
     for call in (lambda: buf.dispatch(x, idx, w), lambda: buf.combine(eo, d.handle), ys[1].backward,
-                 lambda: buf._impl.combine_fwd(eo, d.handle)):
+                 lambda: backend_of(buf).combine_fwd(eo, d.handle)):
         with pytest.raises(BufferStateError, match="closed"):
             call()
     return out

@@ -8,6 +8,7 @@ import torch
 
 from tritonep.runtime.host_status import HostStatus
 from tritonep.errors import PeerTimeoutError
+from tests.support.hooks import backend_of
 
 
 def test_read_returns_words_once_the_ticket_is_published():
@@ -64,9 +65,9 @@ def _blocked_launch_world(group):
     rank = dist.get_rank(group)
     buf = tep.EPBuffer(group, 4, 64, 4, 2, timeout_s=1.0)
     set_env(TRITONEP_GEOMETRY=None)
-    impl = buf._impl
+    impl = backend_of(buf)
     assert impl.geometry.decode == 2
-    impl.host_status.bound_s = 0.3
+    impl.call_status.host.bound_s = 0.3
     x, idx, w = make_rank_inputs(rank, 4, 64, 4, 2, seed=1)
     buf.dispatch(x, idx, w)
     real = impl.k.decode
@@ -108,8 +109,8 @@ def _stale_ticket_world(group):
     rank = dist.get_rank(group)
     buf = tep.EPBuffer(group, 4, 64, 4, 2, timeout_s=1.0)
     set_env(TRITONEP_GEOMETRY=None)
-    impl = buf._impl
-    hs = impl.host_status
+    impl = backend_of(buf)
+    hs = impl.call_status.host
     hs.bound_s = 0.3
     x, idx, w = make_rank_inputs(rank, 4, 64, 4, 2, seed=2)
     frozen = hs._ticket + 1  # the ticket a sync-free call would take

@@ -21,6 +21,7 @@ from tritonep.runtime.pool import OutputPool
 from tritonep.testing import run_cpu_world
 from tests.support.harness import (check_calls, expert, make_calls, open_buffer, record, run_grad_call,
                                       set_env)
+from tests.support.hooks import backend_of
 
 CFG = dict(E=8, H=64, Tmax=8, K=3, A=4)
 GEOMETRIES = pytest.mark.parametrize("geometry", ["", "fs=2,fe=2,fc=1", "bt=2,dec=3"],
@@ -93,7 +94,7 @@ def _world(group, geometry, pool, calls):
     del kept, d, eo, y
     # a caller that drops its outputs: every later call gets pooled blocks back (the sets made while the caller kept
     # everything, used in turn) and the pools make no new set
-    impl = buf._impl
+    impl = backend_of(buf)
     bytes_before = impl.output_pool_bytes
     ptrs = []
     for _ in range(3):
@@ -134,7 +135,7 @@ def _world(group, geometry, pool, calls):
             y = buf.combine(eo, d.handle)
             flags += [d.x.requires_grad, d.weights.requires_grad, y.requires_grad]
             del d, y
-    pool_bytes = buf._impl.output_pool_bytes
+    pool_bytes = backend_of(buf).output_pool_bytes
     buf.close()
     return records, ptrs, grad, flags, pool_bytes
 
@@ -194,12 +195,12 @@ def _two_buffers_world(group, calls):
         ptrs.append((d.x.data_ptr(), y.data_ptr(), d.handle.store.data_ptr()))
         records.append(record(d, eo, y))  # copies: read now, before the next layer's call reuses the set
         del d, y
-    shared = one._impl._dpool is two._impl._dpool and one._impl._ypool is two._impl._ypool
+    shared = backend_of(one).decode.pool is backend_of(two).decode.pool and backend_of(one).decode.ypool is backend_of(two).decode.ypool
     set_env(TRITONEP_GEOMETRY=None)  # a two-kernel buffer of the same shape: it never uses the decode pools, and
     other = open_buffer(group, CFG)  # its close must not take a user away from them (`kept` below)
     other.close()
     one.close()
-    kept = any(e[0] is two._impl._dpool for e in P._SHARED.values())  # still used by `two`
+    kept = any(e[0] is backend_of(two).decode.pool for e in P._SHARED.values())  # still used by `two`
     two.close()
     return ptrs, shared, kept, records
 

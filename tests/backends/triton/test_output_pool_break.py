@@ -29,6 +29,7 @@ from tritonep.errors import CapacityError, InputError, PeerInputError
 from tritonep.runtime.pool import OutputPool
 from tritonep.testing import run_cpu_world
 from tests.support.harness import _host, expert, make_calls, open_buffer, set_env
+from tests.support.hooks import backend_of
 
 CFG = dict(E=8, H=64, Tmax=8, K=3, A=4)
 
@@ -68,7 +69,7 @@ def _meta(t):
 
 def _pooled(buf, t) -> bool:
     """Whether ``t`` lies in one of the buffer's pooled blocks (the scenario tests the pool, not a fresh block)."""
-    impl, ptr = buf._impl, t.untyped_storage().data_ptr()
+    impl, ptr = backend_of(buf), t.untyped_storage().data_ptr()
     return any(ptr in p.base_ptrs() for p in impl.output_pools())
 
 
@@ -106,7 +107,7 @@ def _world(group, geometry, pool, calls):
 
     def dlpack_store():
         d = buf.dispatch(*c2)
-        cap, m = [torch.utils.dlpack.to_dlpack(d.handle.store)], _meta(buf._impl.hl.tensor(d.handle.store, "counts"))
+        cap, m = [torch.utils.dlpack.to_dlpack(d.handle.store)], _meta(backend_of(buf).hl.tensor(d.handle.store, "counts"))
 
         def read():  # a capsule is consumed once: its tensor (a C++ holder of the block as well) is read again
             cap[0] = torch.from_dlpack(cap[0]) if not isinstance(cap[0], torch.Tensor) else cap[0]
@@ -209,7 +210,7 @@ def _world(group, geometry, pool, calls):
             out[name] = str(e)[:80]
         del d, y
     buf.close()
-    out["pool_bytes_after_close"] = buf._impl.output_pool_bytes
+    out["pool_bytes_after_close"] = backend_of(buf).output_pool_bytes
     return out, pooled
 
 

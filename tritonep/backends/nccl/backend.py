@@ -34,25 +34,28 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from ...errors import BackendError, BufferStateError, CapacityError, InputError, PeerInputError
 from ...wire.formats import get_wire
 from .handle import NcclHandle
 from ..checks import check_expert_ids
-from .collectives import all_gather_flat
-from .combine import NcclCombine
 from ...runtime.launch import Launch
+from .collectives import all_gather_flat, all_to_all_rows
+from .combine import NcclCombine
 from .plan import host_plan, plan_size, status_size
-from .route import Router, SendLayout, send_layout
-from .sync_free import NcclSyncFree
+from .route import Router, send_layout
+from .sync_free import SyncFreeDispatch
 from .unpack import Unpacker
 
 __all__ = ["NcclEP"]
 
 
-class NcclEP(NcclSyncFree, NcclCombine):
-    """torch.distributed implementation behind :class:`tritonep.EPBuffer` (same interface as ``TritonEP``).
+class NcclEP:
+    """torch.distributed implementation behind :class:`tritonep.EPBuffer` (same interface as ``TritonEP``): one class
+    composed of parts with their own state, the shared route / unpack steps (:class:`tritonep.backends.nccl.route.
+    Router`, :class:`tritonep.backends.nccl.unpack.Unpacker`), the combine and backward halves
+    (:class:`tritonep.backends.nccl.combine.NcclCombine`) and the sync-free dispatch
+    (:class:`tritonep.backends.nccl.sync_free.SyncFreeDispatch`); the synced dispatch and the status read are its own.
 
     Args: as ``TritonEP``: the group, this rank, world_size W, num_experts E, hidden H, max_tokens_per_rank, topk K,
     expert_alignment A, max_recv_tokens, device, dtype (bfloat16), ``dispatch_wire`` / ``combine_wire``
@@ -83,7 +86,6 @@ class NcclEP(NcclSyncFree, NcclCombine):
         self.device = dev = torch.device(device)
         dtype = cfg.dtype
         self.timeout_s = cfg.timeout_s
-        self.buffer_id = 0  # set by the EPBuffer that owns this backend (handles carry it)
         world_size, num_experts, hidden, topk = cfg.world_size, cfg.num_experts, cfg.hidden, cfg.topk
         max_tokens_per_rank, expert_alignment = cfg.max_tokens_per_rank, cfg.expert_alignment
         dispatch_wire, combine_wire = cfg.dispatch_wire, cfg.combine_wire
@@ -107,14 +109,7 @@ class NcclEP(NcclSyncFree, NcclCombine):
         self._unpacker = Unpacker(rank, E, L, K, H, expert_alignment, self._launch, self._lay, (E + W, E + W + L),
                                   self._cuda, dev)
         self._kept = (fmt.payload_bytes(H), fmt.num_scales(H)) if fmt.quantized else None
-        # combine rows per (wire, carries weight gradients): (format, send layout, fp32 partial layout)
-        part = SendLayout(4 * H, 4 * H, 4 * H)
-        cf = get_wire(combine_wire)
-        self._combine_rows = {
-            (combine_wire, False): (cf, send_layout(cf.row_bytes(H) if cf.quantized else H * es, K, 0), part),
-            ("bf16", False): (get_wire("bf16"), send_layout(H * es, K, 0), part),
-            ("bf16", True): (get_wire("bf16"), send_layout(H * es, K, K), part),
-        }
+        self._combine = NcclCombine(cfg, group, dev, self._launch, self._unpacker)
         # the counts exchange: gathered matrix, its host copy, the host plan vector (numpy views made once)
         self._ncols = E + W + 2
         # on a GPU both host buffers are pinned: the one read is a direct DMA, the plan copy truly asynchronous (a
@@ -139,8 +134,26 @@ class NcclEP(NcclSyncFree, NcclCombine):
         self._no_w = torch.empty(0, K, dtype=torch.float32, device=dev)
         self._no_send = torch.empty(0, self._lay.width, dtype=torch.uint8, device=dev)
         self._eo: torch.Tensor | None = None
-        self._init_sync_free()
+        self._sync_free = SyncFreeDispatch(cfg, group=group, rank=rank, device=dev, launch=self._launch,
+                                           router=self._router, unpacker=self._unpacker, gathered=self._gathered,
+                                           status=self._status)
+        self._buffer_id = 0
         self.closed = False
+
+    @property
+    def buffer_id(self) -> int:
+        """The owning EPBuffer's id (set by it; handles carry it)."""
+        return self._buffer_id
+
+    @buffer_id.setter
+    def buffer_id(self, v: int):
+        self._buffer_id = self._sync_free.buffer_id = v
+
+    @property
+    def sync_free_mode(self) -> str:
+        """The sync-free dispatch's mode, ``"onehop"`` or ``"gather"`` (:func:`tritonep.backends.nccl.sync_free.
+        sync_free_mode` of the config)."""
+        return self._sync_free.mode
 
     # ---------------------------------------------------------------------------------------------- helpers
     def expert_out_buffer(self) -> torch.Tensor:
@@ -179,17 +192,13 @@ class NcclEP(NcclSyncFree, NcclCombine):
     def close(self):
         """Drop the persistent tensors; later calls raise :class:`BufferStateError`."""
         self._eo = None
-        self._sf_bufs = None
-        self._oh = None
         if not self.closed:
-            self._close_sync_free()
+            self._sync_free.close()
         self.closed = True
 
-    def _a2a(self, recv: torch.Tensor, send: torch.Tensor, in_splits, out_splits) -> torch.Tensor:
-        """``all_to_all_single`` of contiguous ``[N, ...]`` tensors along rows with uneven splits (into ``recv``)."""
-        dist.all_to_all_single(recv, send, output_split_sizes=out_splits, input_split_sizes=in_splits,
-                               group=self.group)
-        return recv
+    def _check_open(self):
+        if self.closed:
+            raise BufferStateError(f"EPBuffer on rank {self.rank} is closed")
 
     def _plan_to_device(self) -> torch.Tensor:
         """A new device copy of the host plan vector: one host->device copy, never a sync (on a GPU from the pinned
@@ -230,20 +239,20 @@ class NcclEP(NcclSyncFree, NcclCombine):
         raise PeerInputError(f"dispatch on rank {self.rank}: invalid input on rank(s) {bad_ranks} ({why}); no rows "
                              "moved on any rank, the buffer stays usable", bad_ranks=bad_ranks, rank=self.rank)
 
-    def dispatch_fwd(self, x, topk_idx, topk_weights, sync: bool, keep_quantized: bool = False,
-                     bad_input: bool = False):
+    def dispatch_fwd(self, x, topk_idx, topk_weights, sync: int, keep_quantized: bool = False,
+                     bad_input: bool = False, sync_free: bool = False):
         """See :meth:`tritonep.EPBuffer.dispatch` (``x`` etc. have passed the front door's shape / dtype checks).
 
         Args:
             x: ``[T, H]`` bfloat16 contiguous; topk_idx: ``[T, K]`` int32 / int64 contiguous; topk_weights:
                 ``[T, K]`` float32 contiguous.
-            sync: None for ``sync_free=True`` (:meth:`_dispatch_sync_free`: no host read, ``max_recv_tokens``
-                rows, errors raised by the next :meth:`check` / synced dispatch); any other value is ignored (the
-                one host read of the split sizes is needed whatever TRITONEP_SYNC_CHECKS says); keep_quantized: see
-                below.
+            sync: the call's ``TRITONEP_SYNC_CHECKS`` mode; ignored (the one host read of the split sizes is needed
+                whatever it says). keep_quantized: see below.
             bad_input: the front door refused this rank's input and passes empty tensors (``[0, H]``, ``[0, K]``,
                 ``[0, K]``): the rank still joins the counts exchange with its error flag set, so every rank
                 raises and no rows move.
+            sync_free: ``dispatch(sync_free=True)`` (:class:`tritonep.backends.nccl.sync_free.SyncFreeDispatch`: no
+                host read, ``max_recv_tokens`` rows, errors raised by the next :meth:`check` / synced dispatch).
 
         Returns ``(out [R, H], out_w [R] f32, num_tokens_per_expert [L] i32, expert_offsets [L] i32, handle)``;
         with ``keep_quantized`` and an fp8 / mxfp4 dispatch wire ``out`` is the payload (uint8 ``[R, H]`` /
@@ -261,9 +270,9 @@ class NcclEP(NcclSyncFree, NcclCombine):
                 PeerInputError / CapacityError, on every rank; this call moves nothing).
         """
         if self.closed:
-            raise BufferStateError(f"EPBuffer on rank {self.rank} is closed")
-        if sync is None:
-            return self._dispatch_sync_free(x, topk_idx, topk_weights, keep_quantized, bad_input)
+            self._check_open()
+        if sync_free:
+            return self._sync_free.dispatch(x, topk_idx, topk_weights, keep_quantized, bad_input, self.use_triton)
         dev = self.device
         if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise BackendError("the nccl backend's synced dispatch cannot be captured in a CUDA graph: all_to_all "
@@ -282,7 +291,7 @@ class NcclEP(NcclSyncFree, NcclCombine):
         # earlier sync-free dispatch nobody read (the status word came with the matrix): nothing moves
         if self._host_st[0]:
             self._status.zero_()
-            self._raise_status(self._host_st.tolist(), "dispatch")
+            self._sync_free.raise_status(self._host_st.tolist(), "dispatch")
         if m[:, E + W:].any():
             self._raise_bad(m, topk_idx, bad_input)
         if self._plan_stream is not None:
@@ -318,7 +327,7 @@ class NcclEP(NcclSyncFree, NcclCombine):
         if zero_row:
             recv[Nr].zero_()
             fmt.wire_views(recv[Nr:], H)[1].fill_(fmt.zero_scale)
-        self._a2a(recv[:Nr] if zero_row else recv, send, send_splits, recv_splits)
+        all_to_all_rows(recv[:Nr] if zero_row else recv, send, send_splits, recv_splits, self.group)
         # 4) unpack: every packet's row to the rows of its routes here
         if Nr:
             rr = torch.empty(Nr, K, dtype=torch.int32, device=dev)
@@ -344,7 +353,50 @@ class NcclEP(NcclSyncFree, NcclCombine):
                                   zero_row, ut)
         handle = NcclHandle._new(topk_idx=idx_c, topk_weights=w_c, rows=rows,
                                  counts=counts.view(W, E), num_tokens=T, num_recv_rows=R, x_scales=sc,
-                                 recv_weights=out_w, buffer_id=self.buffer_id, send_splits=send_splits,
+                                 recv_weights=out_w, buffer_id=self._buffer_id, send_splits=send_splits,
                                  recv_splits=recv_splits, num_send=Ns, num_recv=Nr, pkt=pkt, recv_rows=rr,
                                  recv_w=rw)
         return out, out_w, ntpe, offs, handle
+
+    # ---------------------------------------------------------------------------------------------- combine
+    def combine_fwd(self, expert_out, handle, kind=None):
+        """``y [T, H]`` over the combine wire (``kind`` is ignored: there is one combine on this backend).
+
+        Args:
+            expert_out: ``[R', H]`` bfloat16 contiguous, ``R' >= R``; handle: the dispatch's handle.
+        """
+        if self.closed:
+            self._check_open()
+        return self._combine.combine(expert_out, handle, True, self.use_triton, wire=self.combine_wire)[0]
+
+    def dispatch_bwd(self, grad_recv_x, grad_recv_w, handle):
+        """grad_x[t] = sum_k grad_recv_x[row(t,k)]; grad_topk_weights[t,k] = grad_recv_w[row(t,k)] (bf16 wire).
+
+        Args:
+            grad_recv_x: ``[R, H]`` bfloat16; grad_recv_w: float32 ``[R]`` or None.
+
+        Returns:
+            ``(grad_x [T, H] bfloat16, grad_topk_weights float32 [T, K] or None)``.
+        """
+        if self.closed:
+            self._check_open()
+        return self._combine.combine(grad_recv_x.contiguous(), handle, False, self.use_triton,
+                                     gw=grad_recv_w.contiguous() if grad_recv_w is not None else None)
+
+    def combine_bwd(self, grad_y, expert_out, handle):
+        """grad_expert_out[row] = bf16(w * grad_y[t]); grad_recv_w[row] = <grad_y[t], expert_out[row]> (fp32);
+        see :meth:`tritonep.backends.nccl.combine.NcclCombine.combine_bwd`."""
+        if self.closed:
+            self._check_open()
+        return self._combine.combine_bwd(grad_y, expert_out, handle, self.use_triton)
+
+    # ---------------------------------------------------------------------------------------------- status
+    def check(self, what="EPBuffer"):
+        """Read the status word (one host read) and raise the refusal of an earlier sync-free dispatch nobody read
+        yet (reported once: the word is cleared; the buffer stays usable; see
+        :meth:`tritonep.backends.nccl.sync_free.SyncFreeDispatch.raise_status`)."""
+        self.host_reads += 1
+        st = self._status.tolist()
+        if st[0]:
+            self._status.zero_()
+            self._sync_free.raise_status(st, what)

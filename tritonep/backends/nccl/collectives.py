@@ -14,7 +14,7 @@ from ...errors import BackendError
 from ...runtime import recorder as _rec
 from ...runtime.recorder import record
 
-__all__ = ["all_gather_flat", "refuse_capture", "BoundCollective"]
+__all__ = ["all_gather_flat", "all_to_all_rows", "refuse_capture", "BoundCollective"]
 
 
 def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group):
@@ -25,6 +25,13 @@ def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group):
     else:
         record(("collective", "all_gather_single"))  # the CPU world's protocol recorder does not wrap it
         single(out, inp, group=group)
+
+
+def all_to_all_rows(recv: torch.Tensor, send: torch.Tensor, in_splits, out_splits, group) -> torch.Tensor:
+    """``all_to_all_single`` of contiguous ``[N, ...]`` tensors along rows with uneven splits (``in_splits`` rows of
+    ``send`` to each peer, ``out_splits`` rows of ``recv`` from each): one collective; returns ``recv``."""
+    dist.all_to_all_single(recv, send, output_split_sizes=out_splits, input_split_sizes=in_splits, group=group)
+    return recv
 
 
 class BoundCollective:

@@ -1,5 +1,5 @@
-"""The nccl backend's sync-free dispatch (``dispatch(..., sync_free=True)``; a mixin of
-:class:`tritonep.backends.nccl.backend.NcclEP`) and its status word.
+"""The nccl backend's sync-free dispatch (``dispatch(..., sync_free=True)``; :class:`SyncFreeDispatch`, a part of
+:class:`tritonep.backends.nccl.backend.NcclEP` with its own state) and its status word.
 
 No host read and nothing data-dependent on the host: every size is static (``max_recv_tokens`` rows returned, the
 real ones ``[0, expert_offsets[-1])`` bit-identical to the synced dispatch), so the call can be captured in a CUDA
@@ -22,6 +22,7 @@ import torch
 
 from ... import envs
 from ...errors import CapacityError, ConfigError, InputError, PeerInputError, WireError
+from ...wire.formats import get_wire
 from .kernels.plan import sync_free_plan_kernel
 from .handle import NcclHandle
 from ...runtime.pool import OutputPool, acquire_shared, release_shared
@@ -32,7 +33,7 @@ from .onehop import OneHopDispatch
 from .pack import pow2
 from .plan import device_plan_torch, plan_size, sf_plan_size
 
-__all__ = ["NcclSyncFree", "sync_free_mode", "ONEHOP_MAX_TOKENS"]
+__all__ = ["SyncFreeDispatch", "sync_free_mode", "ONEHOP_MAX_TOKENS"]
 
 
 ONEHOP_MAX_TOKENS = 256  # the unset variable's rule picks one-hop up to this max_tokens_per_rank (decode buffers)
@@ -66,12 +67,35 @@ def sync_free_mode(cfg) -> str:
     return "onehop" if small and bf16 and cfg.world_size <= 63 else "gather"
 
 
-class NcclSyncFree:
-    """Sync-free dispatch and status word of :class:`tritonep.backends.nccl.backend.NcclEP` (uses its attributes)."""
+class SyncFreeDispatch:
+    """The sync-free dispatch of one nccl buffer and the refusals its status word records (module docstring).
 
-    def _init_sync_free(self):
-        """The static part of the sync-free path (called once by the constructor, after the counts buffers)."""
-        cfg = self.cfg
+    Args:
+        cfg: the buffer's :class:`tritonep.ep.config.EPConfig`. group / rank / device: the backend's.
+        launch: the backend's :class:`tritonep.runtime.launch.Launch`. router / unpacker: its
+            :class:`tritonep.backends.nccl.route.Router` and :class:`tritonep.backends.nccl.unpack.Unpacker` (shared
+            with the synced dispatch). gathered: the backend's int32 ``[W * (E + W + 2)]`` counts matrix (the
+            all_gather's target). status: its int32 status word ``[4 + 2W]`` (read by the synced dispatch's one
+            host read and by ``check``).
+
+    Attributes: ``mode`` (``"onehop"`` | ``"gather"``: :func:`sync_free_mode`), ``buffer_id`` (set by the backend:
+    handles carry it).
+    """
+
+    POOL_KEYS = 4  # token counts whose small per-call outputs are pooled at once (least recently used dropped)
+
+    def __init__(self, cfg, *, group, rank: int, device: torch.device, launch, router, unpacker,
+                 gathered: torch.Tensor, status: torch.Tensor):
+        self.cfg, self.group, self.rank, self.device = cfg, group, rank, device
+        self._launch, self._router, self._unpacker = launch, router, unpacker
+        self._gathered, self._status = gathered, status
+        self.buffer_id = 0
+        self._lay, self._dfmt = router.lay, get_wire(cfg.dispatch_wire)
+        self._es = torch.empty(0, dtype=cfg.dtype).element_size()
+        H, K = cfg.hidden, cfg.topk
+        self._kept = (self._dfmt.payload_bytes(H), self._dfmt.num_scales(H)) if self._dfmt.quantized else None
+        self._no_routes = torch.empty(0, K, dtype=torch.int32, device=device)  # shared empties (never written)
+        self._no_w = torch.empty(0, K, dtype=torch.float32, device=device)
         W, E, L = cfg.world_size, cfg.num_experts, cfg.num_local_experts
         self._tcap = cfg.max_tokens_per_rank
         self._slots_n = W * self._tcap
@@ -87,7 +111,7 @@ class NcclSyncFree:
             m_ptr=self._gathered, st_ptr=self._status, RANK=self.rank, W=W, E=E, L=L, A=cfg.expert_alignment,
             TCAP=self._tcap, MAXR=cfg.max_recv_tokens, WB=pow2(W), LB=pow2(L), CODE_CAP=STATUS_CAPACITY,
             CODE_BAD=STATUS_BAD_INPUT, num_warps=4), ("plan_ptr",))
-        self.sync_free_mode = sync_free_mode(cfg)
+        self.mode = sync_free_mode(cfg)
         self._oh = None  # the one-hop dispatcher (made on the first one-hop call: its buffers, bound launches)
         # the gather mode's per-call outputs, reused once nobody holds them (:mod:`tritonep.runtime.pool`): a pool of
         # the small tensors per (T, topk_idx dtype) (the POOL_KEYS most recent), the [max_recv_tokens, H] rows from
@@ -109,8 +133,6 @@ class NcclSyncFree:
             self._oh = OneHopDispatch.from_config(self.cfg, group=self.group, rank=self.rank, device=self.device,
                                                   status_word=self._status)
         return self._oh
-
-    POOL_KEYS = 4  # token counts whose small per-call outputs are pooled at once (least recently used dropped)
 
     def _sf_make(self, T: int, idt: torch.dtype):
         """The gather mode's per-call tensors (a pooled set, or a call's own when no set is free) for ``T > 0``
@@ -141,15 +163,18 @@ class NcclSyncFree:
             if pool is None:
                 if len(self._sf_pools) >= self.POOL_KEYS:
                     self._sf_pools.popitem(last=False)[1].clear()
-                make = self._oh_make if self.sync_free_mode == "onehop" else self._sf_make
+                make = self._oh_make if self.mode == "onehop" else self._sf_make
                 pool = self._sf_pools[pk] = OutputPool(lambda: make(T, idt), self._sf_slots_n, self.device)
             else:
                 self._sf_pools.move_to_end(pk)
             self._sf_last = pk
         return pool.take_set(key), (self._sf_rpool.take(key) if rows else None)
 
-    def _close_sync_free(self):
-        """Let the pools go (the buffer's close): sets a caller still holds live on through its references."""
+    def close(self):
+        """Let the pools and the persistent rows go (the buffer's close): sets a caller still holds live on through
+        their references."""
+        self._sf_bufs = None
+        self._oh = None
         for pool in self._sf_pools.values():
             pool.clear()
         self._sf_pools.clear()
@@ -177,15 +202,16 @@ class NcclSyncFree:
         self._sf_a2a = BoundCollective(recv_n, send, self.group)
         return self._sf_a2a
 
-    def _dispatch_sync_free(self, x, topk_idx, topk_weights, keep_quantized: bool, bad_input: bool):
-        """The sync-free dispatch (module docstring); arguments and return as :meth:`NcclEP.dispatch_fwd`."""
-        cfg, dev, ut, lay, fmt = self.cfg, self.device, self.use_triton, self._lay, self._dfmt
+    def dispatch(self, x, topk_idx, topk_weights, keep_quantized: bool, bad_input: bool, ut: bool):
+        """The sync-free dispatch (module docstring); arguments and return as :meth:`NcclEP.dispatch_fwd` (``ut``:
+        the Triton kernels, else their torch twins)."""
+        cfg, dev, lay, fmt = self.cfg, self.device, self._lay, self._dfmt
         W, E, K, H, MR = cfg.world_size, cfg.num_experts, cfg.topk, cfg.hidden, cfg.max_recv_tokens
         T = x.shape[0]
         if not bad_input:
             self._recent_idx.append(topk_idx)
-        if self.sync_free_mode == "onehop":
-            return self._dispatch_onehop(x, topk_idx, topk_weights, bad_input, T)
+        if self.mode == "onehop":
+            return self._dispatch_onehop(x, topk_idx, topk_weights, bad_input, T, ut)
         # 1) counts row, exchanged into the persistent matrix
         row = self._router.count(topk_idx, T, bad_input, ut)
         all_gather_flat(self._gathered, row, self.group)
@@ -270,7 +296,7 @@ class NcclSyncFree:
         views = tuple(v[n] for n in ("out_w", "ntpe", "offs", "w_c", "counts", "pkt", "rr", "rw"))
         return (blk, idx_c), views, fields
 
-    def _dispatch_onehop(self, x, topk_idx, topk_weights, bad_input: bool, T: int):
+    def _dispatch_onehop(self, x, topk_idx, topk_weights, bad_input: bool, T: int, ut: bool):
         """The one-hop mode (module docstring): send launch, one even ``all_to_all_single``, receive launch (its
         verdict merged into the status word). Outputs: :meth:`_oh_make`'s tensors and the rows, from the pools
         (also without tokens), else allocated; the pooled rows and row weights are handed out as aliases (a mark
@@ -289,7 +315,7 @@ class NcclSyncFree:
             out = torch.empty(self.cfg.max_recv_tokens, self.cfg.hidden, dtype=self.cfg.dtype, device=self.device)
         else:
             out = rows[0]
-        oh.run(x, topk_idx, topk_weights, bad_input, out, blk, idx_c, self.use_triton, T)
+        oh.run(x, topk_idx, topk_weights, bad_input, out, blk, idx_c, ut, T)
         handle = NcclHandle.__new__(NcclHandle)
         d = handle.__dict__
         d.update(fields)
@@ -297,10 +323,10 @@ class NcclSyncFree:
         return (out if rows is None else out.detach()), out_w, ntpe, offs, handle
 
     # ---------------------------------------------------------------------------------------------- status
-    def check(self, what="EPBuffer"):
-        """Read the status word (one host read) and raise the refusal of an earlier sync-free dispatch nobody read
-        yet (reported once: the word is cleared; the buffer stays usable). Collective in effect: every rank holds
-        the same word, so every rank raises the same error.
+    def raise_status(self, st: list, what: str):
+        """Raise the refusal of an earlier sync-free dispatch nobody read yet that the host copy ``st`` of the status
+        word holds (its code is nonzero); the caller cleared the word (reported once; the buffer stays usable).
+        Collective in effect: every rank holds the same word, so every rank raises the same error.
 
         Raises:
             InputError: this rank's own ids were outside ``[-1, E)`` (names the value when the call's ``topk_idx``
@@ -308,14 +334,6 @@ class NcclSyncFree:
             PeerInputError: another rank's input was bad or refused (``bad_ranks``).
             CapacityError: some rank would have received more than ``max_recv_tokens`` rows.
         """
-        self.host_reads += 1
-        st = self._status.tolist()
-        if st[0]:
-            self._status.zero_()
-            self._raise_status(st, what)
-
-    def _raise_status(self, st: list, what: str):
-        """Raise the refusal the host copy ``st`` of the status word holds (its code is nonzero)."""
         W, E, MR = self.cfg.world_size, self.cfg.num_experts, self.cfg.max_recv_tokens
         code, peer, seen, needed = st[:4]
         bad_ids = [r for r in range(W) if st[4 + r]]

@@ -4,7 +4,11 @@ One symmetric allocation per buffer holds every region (:func:`tritonep.backends
 answers ``EPBuffer.required_bytes``). Everything the static configuration (:class:`tritonep.ep.config.EPConfig`)
 decides is computed once at construction: region views, pointer tables, the handle storage layout
 (:class:`tritonep.backends.triton.outputs.HandleLayout`) and every kernel launch with its static arguments
-(:class:`tritonep.backends.triton.calls.KernelSet`). A call validates nothing the front door did not, allocates its
+(:class:`tritonep.backends.triton.calls.KernelSet`). :class:`TritonEP` is one class composed of parts with their own
+state: the call status (:class:`tritonep.backends.triton.status.CallStatus`: status word, host read, verdicts, errors),
+the outputs (:class:`tritonep.backends.triton.outputs.DispatchOutputs`: handle storage and rows, pooled), the bound
+launches and, with decode tiles, the one-launch paths (:class:`tritonep.backends.triton.decode.DecodePath`). A call
+validates nothing the front door did not, allocates its
 handle storage (one tensor, whose fields reach the kernels as addresses: :class:`tritonep.runtime.field_view.FieldView`)
 and outputs, launches, and returns views.
 
@@ -31,53 +35,37 @@ field is named in :mod:`tritonep.device.protocol`.
 
 from __future__ import annotations
 
-from collections import deque
-
 import torch
 
 from ... import envs
-from ...errors import BufferStateError, InputError, PeerTimeoutError
-from ...device import protocol as P
 from ...memory import get_heap, group_barrier
+from ...runtime.launch import Launch
+from ...runtime.status import wait_bound
 from ...wire.formats import get_wire
-from ...runtime.status import STATUS_BAD_INPUT, STATUS_CAPACITY, bad_ranks, raise_for_status, wait_bound
-from ..checks import check_expert_ids
 from .calls import RAW, KernelSet
 from .decode import DecodePath
-from ...runtime.host_status import HostStatus
-from ...runtime.launch import Launch
-from .outputs import ST_HOST, DispatchOutputs, HandleLayout
-from ...runtime.pool import OutputPool, acquire_shared, release_shared
+from .outputs import DispatchOutputs, HandleLayout
 from .regions import regions
+from .status import CallStatus
 
 __all__ = ["TritonEP"]
-
-_ST_ERR = P.v(P.STATUS_WORDS)  # the status word's error part
-_CODE = P.v(P.ST_CODE)
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _decode_set_maker(hl: HandleLayout, rows: int, H: int, dtype: torch.dtype, device: torch.device):
-    """``make()`` of the decode geometry's shared pool (:mod:`tritonep.runtime.pool`): ``(store, rows), (row weights,
-    ntpe, offs)``, the handle block of layout ``hl`` and the ``[rows, H]`` rows; the row weights first among the views
-    (the pool's quick test reads them: a caller's kept weights or handle hold them). It holds no buffer: the pool
-    outlives the buffer that made it while another buffer of the shape uses it."""
-    def make():
-        store = hl.new(device)
-        return ((store, torch.empty(rows, H, dtype=dtype, device=device)),
-                (hl.tensor(store, "rw"), hl.tensor(store, "ntpe"), hl.tensor(store, "offs")))
-    return make
-
-
-class TritonEP(DispatchOutputs, DecodePath):
+class TritonEP:
     """Triton + symmetric-memory implementation behind :class:`tritonep.EPBuffer` (see the module docstring).
 
     Args:
         cfg: the buffer's :class:`tritonep.ep.config.EPConfig` (read, never re-derived).
         group: the EP group; rank: this rank; device: its device.
+
+    Attributes (its parts): ``call_status`` (:class:`tritonep.backends.triton.status.CallStatus`), ``outputs``
+    (:class:`tritonep.backends.triton.outputs.DispatchOutputs`), ``k`` (:class:`tritonep.backends.triton.calls.
+    KernelSet`, every launch bound once), ``decode`` (:class:`tritonep.backends.triton.decode.DecodePath`, or None
+    off the decode tiles); and the symmetric allocation ``buf`` with its region views.
     """
 
     name = "triton"
@@ -95,52 +83,31 @@ class TritonEP(DispatchOutputs, DecodePath):
         self.tab = {n: b.ptr_table(n) for n in ("flags", "counts", "ntok", "meta", "wts", "wback", "stage",
                                                  "cstage", "cflag", "ccflag")}
         self.timeout = wait_bound(self.device, cfg.timeout_s)
-        self.broken: str | None = None
-        self.host_reads = 0  # device->host reads made by calls (the eager-path budget: one per dispatch)
-        self.buffer_id = 0  # set by the EPBuffer that owns this backend (handles carry it)
-        # every dispatch publishes its status words + the call's ticket here (the counts exchange's last program, or
-        # the decode kernel's program 0; pinned: the kernel stores into it through unified addressing; CPU: the
-        # interpreter writes it directly): HostStatus.read spins on the ticket, no device-to-host copy
-        self.st_mapped = torch.zeros(ST_HOST + 1, dtype=torch.int64, pin_memory=self.device.type == "cuda")
-        self.host_status = HostStatus(self.st_mapped, ST_HOST, self.rank, cfg.timeout_s)
-        self._recent_idx: deque = deque(maxlen=4)  # the last dispatches' topk_idx: check() names a bad id by value
         self.hl = HandleLayout(cfg)
-        self._no_rows = torch.empty(0, cfg.hidden, dtype=cfg.dtype, device=self.device)
-        self._no_w = torch.zeros(1, dtype=torch.float32, device=self.device)  # the weighted combine's unused gw_ptr
         self._launch = Launch(self.device)  # every launch bound once (KernelSet), reported to the recorder
+        self.call_status = CallStatus(cfg, rank, self.device, self.status, self._launch)
         self.k = KernelSet(self)
-        # per-call outputs reused once nobody holds them (pool.py). Two-kernel / fused geometry: this buffer's handle
-        # storage blocks and the views a dispatch returns of them. Decode geometry: ONE pool shared by every buffer of
-        # the same shape (one per MoE layer: run one at a time) whose sets hold the handle block AND the
-        # max_recv_tokens rows (one take per call), and one of the combine's [Tmax, H] outputs
-        slots = envs.output_pool()
-        dec = bool(cfg.geometry.decode)
-        dev, H, dt = self.device, cfg.hidden, cfg.dtype
-        self._pool = OutputPool(self._make_set, 0 if dec else slots, dev)
-        hl = self.hl
-        self._shared = (("dec", str(dev), cfg.max_recv_tokens, H, dt, hl.numel, tuple(hl.fields)),
-                        ("y", str(dev), cfg.max_tokens_per_rank, H, dt))
-        self._shared_slots = slots if dec else 0  # what this buffer registered with the shared pools (0: none)
-        self._dpool = acquire_shared(self._shared[0], _decode_set_maker(hl, cfg.max_recv_tokens, H, dt, dev),
-                                     self._shared_slots, dev)
-        Tm = cfg.max_tokens_per_rank
-        self._ypool = acquire_shared(self._shared[1], lambda: ((torch.empty(Tm, H, dtype=dt, device=dev),), ()),
-                                     self._shared_slots, dev)
-        # a combine without a kind override is the decode geometry's one launch (as _combine decides it)
+        # per-call outputs reused once nobody holds them (runtime/pool.py): the two-kernel / fused tiles' handle
+        # storage blocks and the views a dispatch returns of them; the decode tiles' own pools (DecodePath)
+        slots, dec = envs.output_pool(), bool(cfg.geometry.decode)
+        self.outputs = DispatchOutputs(cfg, self.hl, self.dfmt, self.device, 0 if dec else slots)
+        self.decode = DecodePath(cfg, self.k, self.call_status, self.outputs, self.device, slots) if dec else None
+        # a combine without a kind override is the decode tiles' one launch (as _combine decides it)
         self._decode_push = dec and (cfg.geometry.combine == "push" or self.cwire.quantized)
+        self._no_w = torch.zeros(1, dtype=torch.float32, device=self.device)  # the weighted combine's unused gw_ptr
         self._precompile(group)
 
-    # ---------------------------------------------------------------------------------------------- helpers
-    def _make_set(self):
-        """A new set of the two-kernel / fused geometry's output pool: ``(store,), (ntpe, offs, row weights)``
-        (all fields whole)."""
-        hl = self.hl
-        store = hl.new(self.device)
-        return (store,), (hl.tensor(store, "ntpe"), hl.tensor(store, "offs"), hl.tensor(store, "rw"))
+    # ---------------------------------------------------------------------------------------------- state
+    buffer_id = property(lambda self: self.outputs.buffer_id, lambda self, v: setattr(self.outputs, "buffer_id", v),
+                         doc="The owning EPBuffer's id (set by it; handles carry it).")
+    host_reads = property(lambda self: self.call_status.host_reads,
+                          doc="Device->host reads the calls made so far (the eager budget: one per dispatch).")
+    broken = property(lambda self: self.call_status.broken,
+                      doc="Why the buffer is unusable (a wait that gave up, closed), or None.")
 
     def output_pools(self) -> tuple:
         """The output pools this buffer takes sets from (:mod:`tritonep.runtime.pool`; shared ones included)."""
-        return self._pool, self._dpool, self._ypool
+        return (self.outputs.pool,) + (self.decode.pools() if self.decode is not None else ())
 
     @property
     def output_pool_bytes(self) -> int:
@@ -184,56 +151,9 @@ class TritonEP(DispatchOutputs, DecodePath):
         """The bound of every wait of this buffer, seconds (the config's)."""
         return self.cfg.timeout_s
 
-    def _check_usable(self):
-        if self.broken:
-            raise BufferStateError(f"EPBuffer on rank {self.rank} is unusable: {self.broken}")
-
     def check(self, what="EPBuffer"):
-        """Read the status word on the host and raise its typed error (one sync).
-
-        A capacity error is reported once and cleared (the buffer stays usable); a timeout makes it unusable.
-        """
-        self.host_reads += 1
-        st = self.status[:_ST_ERR].cpu().clone()  # .cpu() of a CPU tensor is the tensor itself
-        if int(st[_CODE]) in (STATUS_CAPACITY, STATUS_BAD_INPUT):
-            self.status.zero_()
-            if self.rank in bad_ranks(st):  # this rank's ids in a refused call (the code may be an earlier one's)
-                self._raise_own_bad_ids()
-        try:
-            raise_for_status(st, self.rank, self.cfg.max_recv_tokens, what, self.cfg.timeout_s, self.device.type)
-        except PeerTimeoutError as e:
-            self.broken = str(e)
-            raise
-
-    def _raise_own_bad_ids(self):
-        """This rank's input was refused on the device (sync checks off): raise InputError naming the value, from
-        the most recent of the last dispatches' ``topk_idx`` that holds an id outside ``[-1, E)`` (the caller's
-        tensors, kept only to name the value: a caller that refilled them in place may see another value named)."""
-        for idx in reversed(self._recent_idx):
-            check_expert_ids(idx, self.cfg.num_experts)
-        raise InputError(f"rank {self.rank}: the topk_idx of an earlier dispatch held an id outside "
-                         f"[-1, num_experts={self.cfg.num_experts}) (found on the device; no longer held to name "
-                         f"the value)")
-
-    def _eager_check(self, what):
-        """Strict eager calls (TRITONEP_SYNC_CHECKS=1, not capturing) raise a wait the kernels gave up on in the same
-        call (one sync). By default (deferred) the next dispatch's one host read raises it instead.
-        """
-        if envs.sync_checks() != envs.SYNC_STRICT or self._launch.warming or (
-                self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            return
-        self.check(what)
-
-    def _read_host_status(self, ticket: int) -> list:
-        """The one host read of a synced dispatch: the status words its launch published with ``ticket`` (a spin
-        on pinned memory, no copy or event). A read that gives up (the launch never ran) makes the buffer unusable,
-        as a kernel's own wait that gave up does: the launch may still run later and would pair with nothing."""
-        self.host_reads += 1
-        try:
-            return self.host_status.read(ticket)
-        except PeerTimeoutError as e:
-            self.broken = str(e)
-            raise
+        """Read the status word on the host and raise its typed error (one sync; :meth:`CallStatus.check`)."""
+        self.call_status.check(what)
 
     # ---------------------------------------------------------------------------------------------- construction
     def _precompile(self, group):
@@ -241,8 +161,8 @@ class TritonEP(DispatchOutputs, DecodePath):
 
         The dry run walks the real code paths (dispatch with int32 and int64 ids, with and without keep_quantized,
         push and pull combine, both backwards) with every launch turned into ``kernel.warmup``
-        (:meth:`tritonep.runtime.launch.Launch.dry_run`), and puts the call counters and status back. No call ever compiles-and-barriers
-        lazily (docs/protocols.md, host protocol rule).
+        (:meth:`tritonep.runtime.launch.Launch.dry_run`), and puts the call counters and status back. No call ever
+        compiles-and-barriers lazily (docs/protocols.md, host protocol rule).
         """
 
         def walk():
@@ -253,7 +173,7 @@ class TritonEP(DispatchOutputs, DecodePath):
             for id_dtype in (torch.int64, torch.int32):
                 idx = torch.zeros(T, K, dtype=id_dtype, device=dev)
                 for kq in ([False, True] if self.dwire.quantized else [False]):
-                    out, out_w, _, _, handle = self.dispatch_fwd(x, idx, w, sync=False, keep_quantized=kq)
+                    out, out_w, _, _, handle = self.dispatch_fwd(x, idx, w, sync=envs.SYNC_NONE, keep_quantized=kq)
             eo = self.expert_out_buffer()
             for kind in ("push", "pull"):
                 self._combine(eo, handle, weighted=True, kind=kind, wire=self.cwire)
@@ -266,11 +186,13 @@ class TritonEP(DispatchOutputs, DecodePath):
 
     # ---------------------------------------------------------------------------------------------- dispatch
     def dispatch_fwd(self, x, topk_idx, topk_weights, sync: int, keep_quantized: bool = False,
-                     bad_input: bool = False):
+                     bad_input: bool = False, sync_free: bool = False):
         """Forward dispatch (see the module docstring for the launch sequence).
 
         ``sync``: the call's ``TRITONEP_SYNC_CHECKS`` mode, read once by the front door (``envs.SYNC_NONE`` = 0: no
         host read, e.g. under capture; ``SYNC_DEFERRED``: one read; ``SYNC_STRICT``: also a check at the end).
+        ``sync_free``: ``dispatch(sync_free=True)``; here the same path as ``sync`` 0 (no read, ``max_recv_tokens``
+        rows, the rows past the received ones with weight 0), which the front door passes with it.
 
         ``bad_input=True``: the front door refused this rank's input; ``x``/``topk_idx``/``topk_weights`` are
         empty and the rank still runs the whole launch sequence, flagging the refusal in its counts row, so every
@@ -281,23 +203,19 @@ class TritonEP(DispatchOutputs, DecodePath):
         Raises (eager, ``sync``): PeerInputError / InputError (ids outside ``[-1, E)`` on this rank),
         CapacityError, PeerTimeoutError; no row moves on any rank for the first two.
         """
-        if self.broken:
-            self._check_usable()
-        g = self.cfg.geometry
+        status = self.call_status
+        if status.broken:
+            status.usable()
         T = x.shape[0]
         if not bad_input:
-            self._recent_idx.append(topk_idx)
-        if g.decode:
-            return self._dispatch_decode(x, topk_idx, topk_weights, sync, keep_quantized, bad_input, T)
-        # the pool's set (store, ntpe, offs, row weights) or None: allocate as before (graph capture, every set held)
-        got = self._pool.take()
-        if got is not None:
-            store, ntpe, offs, rw = got
-        else:
-            store, ntpe, offs, rw = self.hl.new(self.device), None, None, None
-        k = self.k
+            status.note_ids(topk_idx)
+        if self.decode is not None:
+            return self.decode.dispatch(x, topk_idx, topk_weights, sync, keep_quantized, bad_input, T)
+        g, outs, k = self.cfg.geometry, self.outputs, self.k
+        # the pool's set (store, ntpe, offs, row weights), or a fresh store (graph capture, every set held)
+        store, ntpe, offs, rw = outs.take()
         nc = _cdiv(T, g.bt)
-        ticket = self.host_status.ticket(sync)  # only a read takes one (HostStatus.next_ticket says why)
+        ticket = status.ticket(sync)  # only a read takes one (HostStatus.next_ticket says why)
         k.hist(topk_idx, topk_weights, store, T, nc)
         k.exchange(nc, store, int(bad_input), ticket)  # publishes status + ticket to the host
         fused = g.fused_send > 0
@@ -311,10 +229,10 @@ class TritonEP(DispatchOutputs, DecodePath):
             ntpe, offs = self.hl.tensor(store, "ntpe"), self.hl.tensor(store, "offs")
         w_arg = self.hl.field_view(store, "rw") if sync else \
             torch.zeros(self.cfg.max_recv_tokens, dtype=torch.float32, device=self.device)
-        handle = self._new_handle()
-        st = self._read_host_status(ticket) if sync else None  # the exchange's last program published it
-        code, refused, R = self._verdict(st)
-        out, q, sc = self._alloc_rows(R if R is not None else self.cfg.max_recv_tokens, keep_quantized)
+        handle = outs.new_handle()
+        st = status.read(ticket) if sync else None  # the exchange's last program published it
+        code, refused, R = status.verdict(st)
+        out, q, sc = outs.alloc_rows(R if R is not None else self.cfg.max_recv_tokens, keep_quantized)
         # the data kernels run on every rank whatever the verdict (a refused call's kernels move no row: the
         # exchange recorded this dispatch's number in status[ST_SKIP_CALL]), so the flags advance identically
         kq = q is not None
@@ -324,35 +242,36 @@ class TritonEP(DispatchOutputs, DecodePath):
             k.expand(kq)(x, out, w_arg, store, out, w_arg, q, sc)
         # while the data kernels run: the weights' view (a fresh slice of the pooled field, never the field itself)
         out_w = w_arg if R is None else rw[:R] if rw is not None else self.hl.tensor(store, "rw", R)
-        return self._finish_dispatch(code, refused, st, sync, bad_input, out, out_w, q, sc, handle, store, T, ntpe,
-                                     offs, R)
+        status.finish(refused, st, sync, bad_input)
+        return outs.finish(handle, store, T, R, out, out_w, q, sc, ntpe, offs)
 
     # ---------------------------------------------------------------------------------------------- combine
     def _combine(self, eo, handle, weighted, gw=None, want_wgrad=False, kind=None, wire=RAW):
-        if self.broken:
-            self._check_usable()
+        status = self.call_status
+        if status.broken:
+            status.usable()
         g = self.cfg.geometry
         kind = kind or g.combine
         if want_wgrad or wire.quantized:
             kind = "push"  # quantized partials and weight-gradient return are push-only
-        if g.decode and kind == "push":  # one launch (also the dispatch backward); it advances CALL_COMBINE itself
-            return self._combine_decode(eo, handle, wire, weighted, gw if want_wgrad else None)
+        if self.decode is not None and kind == "push":  # one launch (also the dispatch backward); it advances
+            return self.decode.combine(eo, handle, wire, weighted, gw if want_wgrad else None)  # CALL_COMBINE itself
         T, store, k = handle.num_tokens, handle.store, self.k
         y = torch.empty(T, self.cfg.hidden, dtype=eo.dtype, device=self.device)
         if g.fused_combine and kind == "push" and weighted and not want_wgrad:
             k.combine_fused(wire)(eo, store, y, T)
-            self._eager_check("combine")
+            status.eager_check("combine")
             return y, None
         k.partial(kind, weighted, want_wgrad, wire)(eo, store, gw if gw is not None else self._no_w)
         gtw = torch.empty(T, self.cfg.topk, dtype=torch.float32, device=self.device) if want_wgrad else None
         k.out(kind, want_wgrad, wire)(store, y, T, _cdiv(T, g.cbt), gtw if gtw is not None else y)
-        self._eager_check("combine" if weighted else "dispatch backward")
+        status.eager_check("combine" if weighted else "dispatch backward")
         return y, gtw
 
     def combine_fwd(self, expert_out, handle, kind=None):
         """Weighted combine ``y [T, H]`` (see the module docstring)."""
-        if kind is None and self._decode_push and not self.broken:  # what _combine picks, without its branches
-            return self._combine_decode(expert_out, handle, self.cwire)[0]
+        if kind is None and self._decode_push and not self.call_status.broken:  # what _combine picks, without its
+            return self.decode.combine(expert_out, handle, self.cwire)[0]  # branches
         y, _ = self._combine(expert_out, handle, weighted=True, kind=kind, wire=self.cwire)
         return y
 
@@ -364,8 +283,9 @@ class TritonEP(DispatchOutputs, DecodePath):
 
     def combine_bwd(self, grad_y, expert_out, handle):
         """grad_expert_out[row] = w * grad_y[t]; grad_recv_w[row] = <grad_y[t], expert_out[row]>."""
-        if self.broken:
-            self._check_usable()
+        status = self.call_status
+        if status.broken:
+            status.usable()
         R, H, dev = expert_out.shape[0], self.cfg.hidden, self.device
         # no zero fill: the expand writes every row (routes; alignment padding and rows past the layout's end, read
         # from the handle's segment sizes / offsets on the device, as zeros)
@@ -375,19 +295,18 @@ class TritonEP(DispatchOutputs, DecodePath):
         # grad_y is held until the expand ran: it reads the own rank's rows from it (raw wire)
         k.send_bwd(grad_y, store, T, _cdiv(T, self.cfg.geometry.bt))
         k.expand_bwd(grad_y, g_eo, store, expert_out, g_w, g_w, R)
-        self._eager_check("combine backward")
+        status.eager_check("combine backward")
         return g_eo, g_w
 
     def close(self):
         """Free the symmetric allocation (collective). Later calls raise :class:`BufferStateError`, also those that do
         not pass the EPBuffer's front door (the autograd backward of a call made before the close): its bound kernels
         hold the freed regions' addresses. The output pools let their blocks go."""
-        self.broken = "closed" + (f" (unusable before: {self.broken})" if self.broken else "")
-        self._pool.clear()  # the output pool's blocks go with the buffer (a caller's kept outputs stay valid)
+        status = self.call_status
+        status.broken = "closed" + (f" (unusable before: {status.broken})" if status.broken else "")
+        self.outputs.pool.clear()  # the output pool's blocks go with the buffer (a caller's kept outputs stay valid)
         if self.buf is not None:
             self.buf.close()
             self.buf = None
-            for key in self._shared:  # the shared pools: one user fewer (the last one lets their blocks go)
-                release_shared(key, self._shared_slots)  # only what it registered: a buffer of another geometry
-                # with the same shape must not take a user away from the decode buffers' pools
-            self._dpool = self._ypool = OutputPool(None, 0, self.device)
+            if self.decode is not None:  # the shared pools: one user fewer (the last one lets their blocks go)
+                self.decode.close()

@@ -25,7 +25,7 @@ from .kernels.dispatch_fused import dispatch_fused_kernel
 from .kernels.layout import chunk_hist_kernel, exchange_kernel, exchange_tiles
 from ...wire.formats import get_wire
 from ...runtime.bound import STORE, BoundKernel
-from .outputs import ST_HOST
+from .status import ST_HOST
 
 __all__ = ["KernelSet", "RAW"]
 
@@ -75,7 +75,7 @@ class KernelSet:
             pre_ptr=ep.pre, send_base_ptr=ep.send_base, rows_needed_ptr=ep.rows_needed,
             max_recv=cfg.max_recv_tokens, RANK=ep.rank, W=W, E=E, L=L, A=A, WB=ck["WB"], LB=_p2(L), EB=_p2(E),
             HAS_TIMER=ck["HAS_TIMER"], DOUBLE=True, dcall_ptr=calls(P.CALL_DISPATCH),
-            rows_out_ptr=ep.status[P.v(P.ST_ROWS_RECEIVED):P.v(P.ST_ROWS_RECEIVED) + 1], host_st_ptr=ep.st_mapped,
+            rows_out_ptr=ep.status[P.v(P.ST_ROWS_RECEIVED):P.v(P.ST_ROWS_RECEIVED) + 1], host_st_ptr=ep.call_status.mapped,
             HOST_ST=ST_HOST, **xt, **opts),
             ("NC", STORE, "host_bad", "ticket"), grid=(xgrid,),
             fields=hl.fields_of(ntpe_ptr="ntpe", offs_ptr="offs", counts_out_ptr="counts"))
@@ -160,7 +160,7 @@ class KernelSet:
                 Tmax=cfg.max_tokens_per_rank, NCmax=self.ncmax, E=cfg.num_experts, L=cfg.num_local_experts,
                 LB=_p2(cfg.num_local_experts), TB=_p2(cfg.max_tokens_per_rank),
                 BA=_p2(max(cfg.expert_alignment, 1)), A=cfg.expert_alignment, WIRE=ep.dwire, KEEP_Q=kq, COPY=True,
-                host_st_ptr=ep.st_mapped, HOST_ST=ST_HOST, **self._common, **self._ck),
+                host_st_ptr=ep.call_status.mapped, HOST_ST=ST_HOST, **self._common, **self._ck),
                 ("x_ptr", "topk_idx_ptr", "topk_w_ptr", STORE, "T", "host_bad", "nrows_w", "out_ptr", "q_ptr",
                      "s_ptr", "ticket"), grid=(g.decode,),
                 fields=dict(self._layout, **ep.hl.fields_of(rows_ptr="rows", counts_out_ptr="counts",

@@ -1,35 +1,26 @@
-"""Host-side pieces of a forward dispatch shared by every path of the triton backend (two kernels, fused, decode).
+"""Host-side pieces of a forward dispatch of the triton backend: the handle storage layout and the outputs.
 
 * :class:`HandleLayout`: the static layout of one call's handle storage (row weights, routing copy, rows, receiver
   metadata, segment sizes and offsets, counts snapshot): ONE int32 allocation per dispatch whose fields are
   :class:`tritonep.runtime.field_view.FieldView` s (an address and a dtype; the tensor view is built only when Triton's
   own launch path or a reader needs it: no ``split_with_sizes`` per call, ~17 us of GPU-host time before), every
   field 256-byte aligned so the kernels' 16-byte pointer specialisation never changes between calls.
-* :class:`DispatchOutputs` (a mixin of :class:`tritonep.backends.triton.backend.TritonEP`): the outputs' allocation, the
-  verdict of the one host read of a dispatch's status word, and a refused call's typed error after its launches
-  (docs/protocols.md, host protocol rule: every rank launches anyway).
+* :class:`DispatchOutputs` (a part of :class:`tritonep.backends.triton.backend.TritonEP`): the two-kernel / fused
+  dispatch's handle storage (pooled, :mod:`tritonep.runtime.pool`), its rows, and the handle filled at the end.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ...envs import SYNC_STRICT
-from ...errors import PeerTimeoutError
-from ...device import protocol as P
 from ...runtime.field_view import FieldView
+from ...runtime.pool import OutputPool
 from .handle import TritonHandle
-from ...runtime.status import STATUS_BAD_INPUT, STATUS_CAPACITY, bad_ranks, raise_for_status
 
-__all__ = ["DispatchOutputs", "HandleLayout", "ST_HOST"]
+__all__ = ["DispatchOutputs", "HandleLayout"]
 
 _new_handle = object.__new__  # an instance of a (frozen) dataclass without its generated ``__init__``
 
-_ST_ERR = P.v(P.STATUS_WORDS)  # the status word's error part
-_CODE = P.v(P.ST_CODE)
-_ROWS = P.v(P.ST_ROWS_RECEIVED)
-_THIS_CALL = P.v(P.ST_THIS_CALL)
-ST_HOST = _THIS_CALL + 1  # what the one host read of a dispatch copies (status word, rows received, this call's number)
 _ALIGN = 64  # int32 elements: every field starts on a 256-byte boundary
 
 
@@ -105,29 +96,37 @@ class HandleLayout:
 
 
 class DispatchOutputs:
-    """Outputs and the verdict of a forward dispatch (see the module docstring)."""
+    """What a forward dispatch of the two-kernel / fused paths allocates or takes from the buffer's output pool (a part
+    of :class:`tritonep.backends.triton.backend.TritonEP` with its own state: the handle layout, the pool, the empty
+    rows of a kept-quantized call).
 
-    def _verdict(self, st):
-        """``(code, refused, R)`` from the host copy of the status word (a list of ints; None: not read); raises
-        PeerTimeoutError (and marks the buffer unusable) for a wait that gave up."""
-        if st is None:
-            return 0, False, None
-        code = st[_CODE]
-        refused = code in (STATUS_CAPACITY, STATUS_BAD_INPUT)
-        if code != 0 and not refused:
-            try:
-                raise_for_status(torch.tensor(st[:_ST_ERR]), self.rank, self.cfg.max_recv_tokens, "dispatch",
-                                 self.cfg.timeout_s, self.device.type)
-            except PeerTimeoutError as e:
-                self.broken = str(e)  # later calls repeat the wait, the peer and the measured wait
-                raise
-        # a refusal may be an earlier call's that nobody read (sync-free, sync checks off, a graph replay): this call
-        # is then a good one whose data kernels move its rows (the skip is keyed to the refused call's number), so a
-        # refused call's outputs still hold the rows its layout gives (at most max_recv_tokens: a refusal of its own
-        # moves nothing); it raises after its launches all the same
-        return code, refused, (min(st[_ROWS], self.cfg.max_recv_tokens) if refused else st[_ROWS])
+    Args:
+        cfg: the buffer's config. hl: its :class:`HandleLayout`. dfmt: the dispatch wire's
+            :class:`tritonep.wire.formats.WireFormat`. device: the rank's device. slots: pooled sets
+            (``TRITONEP_OUTPUT_POOL``; 0: every call allocates).
+    """
 
-    def _alloc_rows(self, nrows, keep_quantized):
+    def __init__(self, cfg, hl: HandleLayout, dfmt, device: torch.device, slots: int):
+        self.cfg, self.hl, self.dfmt, self.device = cfg, hl, dfmt, device
+        self.pool = OutputPool(self._make_set, slots, device)
+        self.buffer_id = 0  # the owning EPBuffer's id (handles carry it)
+        self._no_rows = torch.empty(0, cfg.hidden, dtype=cfg.dtype, device=device)
+
+    def _make_set(self):
+        """A new set of the pool: ``(store,), (ntpe, offs, row weights)`` (all fields whole)."""
+        hl = self.hl
+        store = hl.new(self.device)
+        return (store,), (hl.tensor(store, "ntpe"), hl.tensor(store, "offs"), hl.tensor(store, "rw"))
+
+    def take(self):
+        """This call's handle storage: ``(store, ntpe, offs, row weights)`` from the pool, or ``(store, None, None,
+        None)`` freshly allocated (graph capture, every set held, the pool off)."""
+        got = self.pool.take()
+        if got is not None:
+            return got
+        return self.hl.new(self.device), None, None, None
+
+    def alloc_rows(self, nrows, keep_quantized):
         """``(out, q, sc)`` for ``nrows`` received rows (rows are not cleared: with sync checks off they are
         unspecified); the row weights live in the handle storage (field ``rw``) or, sync-free on the two-kernel
         path, in a zeroed tensor of their own."""
@@ -138,28 +137,14 @@ class DispatchOutputs:
         return torch.empty(nrows, self.cfg.hidden, dtype=self.cfg.dtype, device=self.device), None, None
 
     @staticmethod
-    def _new_handle():
-        """This call's handle, still empty: :meth:`_finish_dispatch` fills every field at once (the backend makes it
-        while its launch runs; it reaches no caller before)."""
+    def new_handle():
+        """This call's handle, still empty: :meth:`finish` fills every field at once (the backend makes it while its
+        launch runs; it reaches no caller before)."""
         return _new_handle(TritonHandle)
 
-    def _finish_dispatch(self, code, refused, st, sync, bad_input, out, out_w, q, sc, handle, store, T, ntpe, offs,
-                         R):
-        """Raise a refused call's error (after its launches), else the forward dispatch's return tuple
-        ``(rows, row_weights, num_tokens_per_expert, expert_offsets, handle)`` (``handle`` from
-        :meth:`_new_handle`, filled here: the call's storage block ``store``, ``T`` tokens, ``R`` rows received;
-        ``ntpe`` / ``offs``: the two views of its storage the call returns, made by the caller, e.g. while its
-        launch runs)."""
-        if refused:
-            self.status.zero_()  # reported once, here; the buffer stays usable (stream-ordered after the kernels)
-            if self.rank in bad_ranks(torch.tensor(st)) and not bad_input:
-                # raises InputError naming the value: this call's ids, or an earlier sync-free call's that nobody read
-                # (also behind an earlier capacity refusal nobody read: the code is the first refusal's, the mask
-                # every unread refused call's bad ranks)
-                self._raise_own_bad_ids()
-            raise_for_status(torch.tensor(st[:_ST_ERR]), self.rank, self.cfg.max_recv_tokens, "dispatch",
-                             self.cfg.timeout_s, self.device.type, this_call=st[_THIS_CALL])
-        if sync == SYNC_STRICT:  # the front door's mode (``sync``, read once per call; never under capture / dry run)
-            self.check("dispatch")  # a peer that stopped after the counts exchange raises in this call
+    def finish(self, handle, store, T, R, out, out_w, q, sc, ntpe, offs):
+        """The forward dispatch's return tuple ``(rows, row_weights, num_tokens_per_expert, expert_offsets,
+        handle)``, ``handle`` (from :meth:`new_handle`) filled here: the call's storage block ``store``, ``T``
+        tokens, ``R`` rows received; ``ntpe`` / ``offs``: the two views of its storage the call returns."""
         handle._fill(store, self.hl, T, self.buffer_id, R, out_w, sc)
         return (out if q is None else q), out_w, ntpe, offs, handle

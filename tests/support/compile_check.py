@@ -141,16 +141,57 @@ def _const_from_json(v):
     return v
 
 
-def compile_one(rec: dict):
-    """Compile one recorded launch for sm_90 in this (non-interpreted) process; returns the compiled kernel."""
+# the kernel modules of an older layout -> where they live now: records made on an older tree (their ``module``)
+# still compile here, under the same variant key (the key is the record's own), so a snapshot taken before a move
+# compares with one taken after it
+MOVED_MODULES = {
+    **{f"tritonep.kernels.{m}": f"tritonep.device.{m}" for m in ("signal", "protocol", "common")},
+    **{f"tritonep.kernels.{m}": f"tritonep.backends.triton.kernels.{m}"
+       for m in ("combine", "combine_fused", "decode_combine", "decode_dispatch", "dispatch", "dispatch_fused",
+                 "layout", "transport")},
+    **{f"tritonep.kernels.nccl_{m}": f"tritonep.backends.nccl.kernels.{m}"
+       for m in ("onehop", "plan", "reduce", "route", "unpack")},
+    **{f"tritonep.kernels.{m}": f"tritonep.wire.kernels.{m}"
+       for m in ("quant", "wire_quant", "wirecodec", "fp8_hw", "quant_e5m2")},
+    **{f"tritonep.kernels.{m}": f"tritonep.balance.kernels.{m}" for m in ("planner", "planner_place")},
+    **{f"tritonep.kernels.{m}": f"tests.support.{m}" for m in ("probe_fp8_hw", "probe_heap")},
+    **{f"tests.ep.{m}": f"tests.runtime.{m}" for m in ("test_bound_launch", "test_packed_launch")},
+    "tests.kernels.test_interpreter_speed": "tests.runtime.test_interpreter_speed",
+}
+
+
+def kernel_of(rec: dict):
+    """The JIT function a record names, imported from its module (or where :data:`MOVED_MODULES` says it is now)."""
     import importlib
 
+    mod = importlib.import_module(MOVED_MODULES.get(rec["module"], rec["module"]))
+    return getattr(mod, rec["name"])
+
+
+def normalized(rec: dict) -> dict:
+    """The record as a launch of today's tree gives it: its module where the kernel lives now, and a constexpr
+    recorded as None because the launch left it to its default (Triton then compiles the default) recorded as that
+    default (a bound launch passes it explicitly). For comparing the launch sets of two trees."""
+    import inspect
+
+    fn = kernel_of(rec)
+    pyfn = getattr(fn.fn, "fn", fn.fn) if hasattr(fn, "fn") else fn
+    params = inspect.signature(pyfn).parameters
+    const = dict(rec["constexprs"])
+    for n, v in rec["constexprs"].items():
+        d = params[n].default if n in params else inspect.Parameter.empty
+        if v is None and d is not inspect.Parameter.empty and d is not None:
+            const[n] = _const_to_json(d)
+    return dict(rec, module=pyfn.__module__, constexprs=const)
+
+
+def compile_one(rec: dict):
+    """Compile one recorded launch for sm_90 in this (non-interpreted) process; returns the compiled kernel."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    mod = importlib.import_module(rec["module"])
-    fn = getattr(mod, rec["name"])
+    fn = kernel_of(rec)
     attrs = {}
     for i, n in enumerate(fn.arg_names):
         if rec["signature"][n].startswith("*"):

@@ -63,7 +63,7 @@ def _fake_kernel():
 def measure(iters: int) -> dict:
     from tritonep.runtime import bound as bound_mod
 
-    bound_mod.bound_launch_enabled = lambda device: True
+    bound_mod.bound_launch_enabled = lambda launcher: True
     torch._C._cuda_getCurrentRawStream = lambda dev: 7  # CPU stand-in (no CUDA here)
 
     class Lau:

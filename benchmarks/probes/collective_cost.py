@@ -107,12 +107,11 @@ def main():
     res["triton_launch_wide"] = timed(lambda: _wide_kernel[(1,)](wo[0], *vals, **consts))
     # bound: the constexprs and 37 of the ints static (as a buffer binds its regions and tiles), 4 per-call values
     static = dict(consts, **{f"a{i}": vals[i] for i in range(3, 40)})
-    for j, (name, packed) in enumerate((("bound_launch_wide_triton_launcher", "0"),
-                                        ("bound_launch_wide_packed", "1"))):
-        os.environ["TRITONEP_PACKED_LAUNCH"] = packed  # read when the kernel is bound
-        bw = Launch(dev, record=False, max_programs=0).bind(_wide_kernel, static, ("out_ptr", "a0", "a1", "a2"))
+    for j, (name, mode) in enumerate((("bound_launch_wide_triton_launcher", "direct"),
+                                      ("bound_launch_wide_packed", "packed"))):
+        bw = Launch(dev, record=False, max_programs=0, mode=mode).bind(_wide_kernel, static,
+                                                                      ("out_ptr", "a0", "a1", "a2"))
         res[name] = timed(lambda: bw((1,), wo[1 + j], *vals[:3]))
-    os.environ.pop("TRITONEP_PACKED_LAUNCH")
     res["index_select_rows"] = timed(lambda: x.index_select(0, order))
     res["index_copy_rows"] = timed(lambda: out.index_copy_(0, order, x))
     res["empty_rows"] = timed(lambda: torch.empty(T, H, dtype=torch.bfloat16, device=dev))

@@ -105,7 +105,7 @@ def measure(group, a):
     rw = torch.empty(buf.max_recv_tokens, dtype=torch.float32, device=dev)
     it, rd = a.iters, a.rounds
     res = dict(device=torch.cuda.get_device_name() if cuda else "cpu", tokens=T, rows=R,
-               geometry_decode=int(buf.geometry.decode), torch=torch.__version__)
+               geometry_decode=int(buf.tiles.decode), torch=torch.__version__)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     res.update(host_calibration(dev, it, rd))  # the host's interpreter and torch-binding speed
     pieces = {
@@ -129,7 +129,7 @@ def measure(group, a):
     whole = [("dispatch_synced", lambda: buf.dispatch(x, idx, w)),
              ("dispatch_sync_free", lambda: buf.dispatch(x, idx, w, sync_free=True)),
              ("combine", lambda: buf.combine(eo, d.handle))]
-    if buf.geometry.decode:  # the bound launch alone, as a sync-free call makes it (ticket 0: nobody reads)
+    if buf.tiles.decode:  # the bound launch alone, as a sync-free call makes it (ticket 0: nobody reads)
         bk = impl.k.decode(False)
         dyn = (x, idx, w, impl.hl.new(dev), T, 0, buf.max_recv_tokens, rows, None, None, 0)
         bk(*dyn)

@@ -37,8 +37,11 @@ def main():
     from tritonep.backends.nccl.pack import h_split, pow2
     from tritonep.backends.nccl.kernels.onehop import onehop_send_kernel
 
-    oh = OneHopDispatch(group=dist.group.WORLD, rank=0, world_size=1, num_experts=E, topk=K, hidden=H,
-                        max_tokens_per_rank=T, max_recv_tokens=T * K, device=dev)
+    from tritonep.ep.config import build_config
+
+    cfg = build_config(world_size=1, num_experts=E, hidden=H, max_tokens_per_rank=T, topk=K, max_recv_tokens=T * K,
+                       device_type=dev.type)
+    oh = OneHopDispatch(cfg, group=dist.group.WORLD, rank=0, device=dev)
     KB, lay = pow2(K), oh.lay
     pkt = torch.empty(T, K, dtype=torch.int32, device=dev)
     ic, wc = torch.empty_like(idx), torch.empty_like(w)

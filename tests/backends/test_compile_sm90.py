@@ -167,7 +167,7 @@ def test_heap_test_kernels_compile_for_sm90():
 
 
 def _combine_tile_paths(group):
-    """The GPU's large-batch combine geometry (Geometry.cbt 8 / cwarps 32, select_geometry at >= 1024 tokens) on
+    """The GPU's large-batch combine geometry (KernelTiles.cbt 8 / cwarps 32, select_tiles at >= 1024 tokens) on
     every wire, two-kernel push / pull and the fused combine, BH 1024 as on the GPU; E = 96 (counts exchange grid
     4, the arrival ticket)."""
     rank = dist.get_rank()
@@ -262,10 +262,10 @@ def test_nccl_kernels_compile_for_sm90():
 
 def _backward_tile_paths(group, tokens):
     """The combine backward at the DeepSeek-V3 shape (H 7168, 256 experts, top-8, alignment 16) with the GPU table's
-    geometry for ``tokens`` per rank (its bbt / bwarps tile, select_geometry), world 1."""
-    from tritonep.backends.triton.tiles import select_geometry
+    geometry for ``tokens`` per rank (its bbt / bwarps tile, select_tiles), world 1."""
+    from tests.support.tiles import tiles_of
 
-    g = select_geometry("cuda", 1, 7168, tokens, 8)
+    g = tiles_of("cuda", 1, 7168, tokens, 8)
     geo = f"bt={g.bt},bh={g.bh},warps={g.num_warps},cbt={g.cbt},cwarps={g.cwarps},bbt={g.bbt},bwarps={g.bwarps}"
     recs = []
     os.environ["TRITONEP_GEOMETRY"] = geo
@@ -285,7 +285,7 @@ def _backward_tile_paths(group, tokens):
 @pytest.mark.parametrize("tokens", [4096, 128])
 def test_backward_tiles_do_not_spill_for_sm90(tokens):
     """The combine backward's expand (SCALE + DOT: K expert-output tiles in flight for the weight gradient) in the
-    GPU table's own backward tile (Geometry.bbt / bwarps) uses no spill memory at the DeepSeek-V3 shape (ptxas -v;
+    GPU table's own backward tile (KernelTiles.bbt / bwarps) uses no spill memory at the DeepSeek-V3 shape (ptxas -v;
     the dispatch's 16-token x 8-warp tile spilled 2956 / 2592 bytes, 255 registers); the dispatch backward's
     kernels neither."""
     recs, (bbt, bwarps) = run_cpu_world(1, _backward_tile_paths, tokens, timeout_s=300)[0]

@@ -10,7 +10,7 @@ from tritonep.backends.triton.backend import TritonEP
 from tritonep.errors import ConfigError
 
 _MEMBERS = ("dispatch_fwd", "combine_fwd", "dispatch_bwd", "combine_bwd", "expert_out_buffer", "check", "close",
-            "allocated_bytes", "geometry", "sync_free", "counts_exchange", "expert_transport")
+            "allocated_bytes", "tiles", "sync_free", "counts_exchange", "expert_transport")
 
 
 def test_registry_order_and_needs():
@@ -35,7 +35,7 @@ def test_build_takes_the_config_whole_and_satisfies_protocol():
     with pytest.raises(TypeError):
         build_backend("nccl", cfg, None, 0)  # group / rank / device are keyword-only
     ep = build_backend("nccl", cfg, group=None, rank=0, device=torch.device("cpu"))
-    assert isinstance(ep, EPBackend) and ep.name == "nccl" and ep.allocated_bytes == 0 and ep.geometry is None
+    assert isinstance(ep, EPBackend) and ep.name == "nccl" and ep.allocated_bytes == 0 and ep.tiles is None
     assert ep.cfg is cfg  # handed whole: nothing re-spelled below the front door
     ep.close()
     for spec in BACKENDS.values():

@@ -75,7 +75,7 @@ def _world(group, ntokens, cases):
         os.environ["TRITONEP_GEOMETRY"] = geometry
         buf = tep.EPBuffer(group, E, H, TM, K, backend=backend)
         os.environ.pop("TRITONEP_GEOMETRY")
-        g = buf.geometry
+        g = buf.tiles
         assert buf.backend == backend and ((g.decode if g else 0) > 0) == geometry.startswith("dec")
         assert ((g.fused_send if g else 0) > 0) == geometry.startswith("fs")
         bid = ops.buffer_id(buf)

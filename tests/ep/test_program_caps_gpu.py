@@ -53,7 +53,7 @@ def _sweep_world(group, shapes, limits):
                 except ConfigError as e:
                     out.append(("refused", str(e)))
                     continue
-                g = buf.geometry
+                g = buf.tiles
                 grids = dict(send=g.grid_send, expand=g.grid_expand, partial=g.grid_partial, out=g.grid_out,
                              fused=(g.fused_send, g.fused_expand), decode=g.decode, bgrid=g.bgrid)
                 x, idx, w = make_rank_inputs(rank, c["T"][rank], c["H"], c["E"], c["K"], seed=c["seeds"][0])

@@ -103,7 +103,7 @@ class _Launcher:
 
 @pytest.fixture
 def gpu_like(monkeypatch):
-    monkeypatch.setattr(bound_mod, "bound_launch_enabled", lambda device: True)
+    monkeypatch.setattr(bound_mod, "bound_launch_enabled", lambda launcher: True)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda dev: _STREAM, raising=False)
 
 

@@ -153,7 +153,6 @@ def packed_log(monkeypatch, mod):
             log.append((stream, (gx, gy, gz), mod.fill(cap, *dyn)))
 
     monkeypatch.setattr(pl, "module", lambda: Shim)
-    monkeypatch.setenv("TRITONEP_PACKED_LAUNCH", "1")
     return log
 
 
@@ -181,11 +180,12 @@ def test_bound_kernel_packed_bytes_equal_the_twin(gpu_like, packed_log):
     assert packed_log[-1][2] == pl.pack_twin(_sig(k, full), _as_c((x2, idx, out2, 1, table, 7, 32, False)))
 
 
-def test_bound_kernel_packed_off_keeps_tritons_launcher(gpu_like, packed_log, monkeypatch):
-    monkeypatch.setenv("TRITONEP_PACKED_LAUNCH", "0")
+def test_bound_kernel_packed_off_keeps_tritons_launcher(gpu_like, packed_log):
     k = _PackedKernel()
     table = torch.arange(4, dtype=torch.int64)
-    bk = BoundKernel(_Launcher("cuda:0"), k, (6,), dict(table_ptr=table, n_static=7, BLOCK=32, num_warps=4),
+    lau = _Launcher("cuda:0")
+    lau.packed = False  # the launch mode "direct" (tritonep.runtime.launch.Launch)
+    bk = BoundKernel(lau, k, (6,), dict(table_ptr=table, n_static=7, BLOCK=32, num_warps=4),
                      dyn=("x_ptr", "idx_ptr", "out_ptr", "T"))
     x, idx, out = torch.zeros(64, dtype=torch.bfloat16), torch.zeros(16, dtype=torch.int64), torch.zeros(64)
     bk(x, idx, out, 5)
@@ -246,7 +246,6 @@ def test_gpu_packed_launch_equals_tritons(monkeypatch):
         pytest.skip("needs a GPU")
     from tritonep.runtime.launch import Launch
 
-    monkeypatch.setenv("TRITONEP_PACKED_LAUNCH", "1")
     dev = torch.device("cuda", torch.cuda.current_device())
     x = torch.arange(64, device=dev).to(torch.bfloat16)
     w = torch.full((64,), 0.5, device=dev)

@@ -39,7 +39,7 @@ def pool_streams_world(group, E: int, H: int, Tmax: int, K: int, T: int):
     dev = torch.device("cuda", torch.cuda.current_device())
     buf = tep.EPBuffer(group, E, H, Tmax, K)
     impl = backend_of(buf)
-    assert impl.geometry.decode, impl.geometry
+    assert impl.tiles.decode, impl.tiles
     x, idx, w = (t.to(dev) for t in make_rank_inputs(rank, T, H, E, K, seed=5))
 
     def call():

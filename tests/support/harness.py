@@ -306,7 +306,7 @@ def script_world(group, cfg: Mapping, steps) -> list:
             out.append(run_grad_call(buf, x, idx, w, grad_seed=step[1] + rank, bias=1.0))
         else:
             out.append(run_call(buf, x, idx, w, kind=step[3], out_buffer=False))
-    geo = buf.geometry
+    geo = buf.tiles
     buf.close()
     return out + [(geo.bt, geo.cbt, geo.decode, geo.fused_combine, geo.grid_partial)]
 

@@ -60,11 +60,11 @@ def _triton_services_bytes(*, world_size, num_experts, max_tokens_per_rank, shap
             + layout_bytes(transport_regions(world_size, L, shapes, dtype)))
 
 
-def _triton_tiles(device_type, world_size, hidden, max_tokens_per_rank, topk, wire, num_sms):
-    """The triton backend's kernel tiles (:func:`tritonep.backends.triton.tiles.select_geometry`)."""
-    from .triton.tiles import select_geometry
+def _triton_tiles(device_type, world_size, hidden, max_tokens_per_rank, topk, wire, **choices):
+    """The triton backend's kernel tiles (:func:`tritonep.backends.triton.tiles.select_tiles`)."""
+    from .triton.tiles import select_tiles
 
-    return select_geometry(device_type, world_size, hidden, max_tokens_per_rank, topk, wire=wire, num_sms=num_sms)
+    return select_tiles(device_type, world_size, hidden, max_tokens_per_rank, topk, wire=wire, **choices)
 
 
 def _no_bytes(cfg=None, **_) -> int:
@@ -136,14 +136,19 @@ def services_bytes(name: str, *, world_size: int, num_experts: int, max_tokens_p
 
 
 def kernel_tiles(device_type: str, world_size: int, hidden: int, max_tokens_per_rank: int, topk: int, wire: str,
-                 num_sms):
+                 *, num_sms: int = 0, override="", combine: str = "", max_programs: int = 0, source: str = "tiles"):
     """The kernel tiles of a static configuration: those of the first registered backend that chooses tiles (its
     :attr:`BackendSpec.tiles`), or None when none does. Every rank computes them from its agreed configuration.
 
+    Args (keywords, resolved by the configuration: :func:`tritonep.ep.config.build_config`): ``num_sms`` (SM cap,
+    0: none), ``override`` (an override string or tiles given whole; "": the table's), ``combine`` (a forced combine
+    kind, ""), ``max_programs`` (program cap, 0: none), ``source`` (where ``override`` came from, for errors).
+
     Raises:
-        ConfigError: what the backend's table refuses (a bad ``num_sms`` or environment value).
+        ConfigError: what the backend's table refuses (a bad override entry).
     """
     for spec in BACKENDS.values():
         if spec.tiles is not None:
-            return spec.tiles(device_type, world_size, hidden, max_tokens_per_rank, topk, wire, num_sms)
+            return spec.tiles(device_type, world_size, hidden, max_tokens_per_rank, topk, wire, num_sms=num_sms,
+                              override=override, combine=combine, max_programs=max_programs, source=source)
     return None

@@ -33,7 +33,7 @@ class EPBackend(Protocol):
         sync_free: ``dispatch(sync_free=True)`` is supported (no host read; ``max_recv_tokens`` rows).
         host_reads: device->host reads the calls made so far (the eager budget: one per dispatch).
         allocated_bytes: symmetric bytes this rank holds (0 when the backend holds none).
-        geometry: the kernel geometry (grids and tiles) or ``None`` when the backend has none.
+        tiles: the kernel tiles (grids and tiles) or ``None`` when the backend has none.
         timeout_s: the bound of its waits in seconds (``None`` when it has no waits of its own).
     """
 
@@ -47,8 +47,8 @@ class EPBackend(Protocol):
         ...
 
     @property
-    def geometry(self):
-        """Kernel geometry, or None."""
+    def tiles(self):
+        """Kernel tiles, or None."""
         ...
 
     def dispatch_fwd(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, sync: int,
@@ -191,8 +191,8 @@ class BackendSpec:
         services_bytes: ``services_bytes(world_size=, num_experts=, max_tokens_per_rank=, shapes=, dtype=)`` ->
             symmetric bytes of the counts exchange and the expert transport a virtual-expert layer builds over the
             backend (:meth:`EPBackend.counts_exchange`, :meth:`EPBackend.expert_transport`).
-        tiles: ``tiles(device_type, world_size, hidden, max_tokens_per_rank, topk, wire, num_sms)`` -> the kernel
-            tiles of a static configuration, for a backend whose kernels have tiles chosen from a table (None: it
+        tiles: ``tiles(device_type, world_size, hidden, max_tokens_per_rank, topk, wire, *, num_sms, override,
+            combine, max_programs, source)`` -> the kernel tiles of a static configuration, for a backend whose kernels have tiles chosen from a table (None: it
             has none). The configuration holds them (:class:`tritonep.ep.config.EPConfig`), so every rank agrees.
     """
 

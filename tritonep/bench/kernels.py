@@ -1,6 +1,6 @@
 """Per-kernel time of dispatch and combine: where do the microseconds of each wire go.
 
-:func:`kernel_breakdown` builds one :class:`tritonep.EPBuffer` per (geometry variant, wire), runs ``iters`` eager
+:func:`kernel_breakdown` builds one :class:`tritonep.EPBuffer` per (kernel-tile variant, wire), runs ``iters`` eager
 dispatch calls and ``iters`` combine calls under ``torch.profiler`` (CUDA activity only) and reports each kernel's
 device time per call (the two-kernel dispatch shows ``dispatch_send_kernel`` and ``dispatch_expand_kernel``, the
 push combine ``combine_partial_kernel`` and ``combine_out_kernel``, the fused paths their one launch). Every row is
@@ -12,7 +12,6 @@ device time: a smoke run of the code and the checks, not a measurement.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections import defaultdict
 
@@ -80,7 +79,7 @@ def kernel_breakdown(group, profile: str = "deepseek-v3", wires=("bf16", "fp8", 
     Args:
         group: the EP group (world 1 on one GPU for the breakdown; any size works). profile: a key of
             :data:`tritonep.bench.ep.PROFILES`. wires: wire names. variants: name -> TRITONEP_GEOMETRY string
-            (default :data:`DEFAULT_VARIANTS`). num_sms: SM cap (None: all). iters: profiled calls per op.
+            (default :data:`DEFAULT_VARIANTS`), each the buffer's ``tiles`` argument. num_sms: SM cap (None: all). iters: profiled calls per op.
 
     Returns:
         dicts with profile, variant, geometry, wire, op, kernels ``{name: us per call}``, us (their sum), mode,
@@ -96,34 +95,28 @@ def kernel_breakdown(group, profile: str = "deepseek-v3", wires=("bf16", "fp8", 
     x = torch.randn(T, H, device=dev).to(torch.bfloat16)
     chk = PointChecker(group, x, idx, w, E)
     rows = []
-    old = {k: os.environ.get(k) for k in ("TRITONEP_GEOMETRY", "TRITONEP_SYNC_CHECKS")}
-    os.environ["TRITONEP_SYNC_CHECKS"] = "0"
-    try:
-        for vname, geo in (variants or DEFAULT_VARIANTS).items():
-            os.environ["TRITONEP_GEOMETRY"] = geo
-            for wire in wires:
-                buf = tep.EPBuffer(group, E, H, T, K, num_sms=num_sms, dispatch_wire=wire, combine_wire=wire)
-                g = buf.geometry
-                base = dict(profile=profile, variant=vname, wire=wire, tokens=T, hidden=H, num_sms=num_sms or 0,
-                            geometry=f"bt={g.bt},bh={g.bh},warps={g.num_warps},grid={g.grid_send},"
-                                     f"fs={g.fused_send},fe={g.fused_expand},fc={g.fused_combine}")
-                d = buf.dispatch(x, idx, w)  # warm-up (kernels are compiled at construction)
-                eo = chk.expert_out(buf.expert_out_buffer(), d)
-                buf.combine(eo, d.handle)
-                kern, mode = _kernel_us(lambda: buf.dispatch(x, idx, w), iters)
-                r = dict(base, op="dispatch", kernels=kern, us=sum(kern.values()), mode=mode)
-                rows.append(chk.dispatch(r, buf.dispatch(x, idx, w), wire))
-                d = buf.dispatch(x, idx, w)
-                eo = chk.expert_out(buf.expert_out_buffer(), d)
-                kern, mode = _kernel_us(lambda: buf.combine(eo, d.handle), iters)
-                r = dict(base, op="combine", kernels=kern, us=sum(kern.values()), mode=mode)
-                rows.append(chk.combine(r, buf.combine(eo, d.handle), wire))
-                buf.close()
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-    finally:
-        for k, v in old.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    for vname, geo in (variants or DEFAULT_VARIANTS).items():
+        for wire in wires:  # no host read in a call (the kernels alone): sync checks off
+            buf = tep.EPBuffer(group, E, H, T, K, num_sms=num_sms, dispatch_wire=wire, combine_wire=wire, tiles=geo,
+                               sync_checks="none")
+            g = buf.tiles
+            base = dict(profile=profile, variant=vname, wire=wire, tokens=T, hidden=H, num_sms=num_sms or 0,
+                        geometry=f"bt={g.bt},bh={g.bh},warps={g.num_warps},grid={g.grid_send},"
+                                 f"fs={g.fused_send},fe={g.fused_expand},fc={g.fused_combine}")
+            d = buf.dispatch(x, idx, w)  # warm-up (kernels are compiled at construction)
+            eo = chk.expert_out(buf.expert_out_buffer(), d)
+            buf.combine(eo, d.handle)
+            kern, mode = _kernel_us(lambda: buf.dispatch(x, idx, w), iters)
+            r = dict(base, op="dispatch", kernels=kern, us=sum(kern.values()), mode=mode)
+            rows.append(chk.dispatch(r, buf.dispatch(x, idx, w), wire))
+            d = buf.dispatch(x, idx, w)
+            eo = chk.expert_out(buf.expert_out_buffer(), d)
+            kern, mode = _kernel_us(lambda: buf.combine(eo, d.handle), iters)
+            r = dict(base, op="combine", kernels=kern, us=sum(kern.values()), mode=mode)
+            rows.append(chk.combine(r, buf.combine(eo, d.handle), wire))
+            buf.close()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
     return rows
 
 

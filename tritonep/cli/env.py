@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import platform
 
 __all__ = ["add_parser", "collect_env", "INTERPRET_SET_BY_CLI"]
@@ -33,17 +32,17 @@ def collect_env() -> dict:
         "numpy": numpy.__version__,
         "cuda_available": torch.cuda.is_available(),
         "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
-        "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "") + (
+        "TRITON_INTERPRET": envs.get("TRITON_INTERPRET", "") + (
             " (set by the tritonep command: no GPU; in your own scripts run_cpu_world sets it if nothing imported "
             "tritonep's kernels before it, else start Python with TRITON_INTERPRET=1)"
-            if os.environ.get(INTERPRET_SET_BY_CLI) else ""),
+            if envs.get(INTERPRET_SET_BY_CLI) else ""),
         "TRITONEP_TIMEOUT_S": envs.timeout_s(),
         "TRITONEP_SYNC_CHECKS": {envs.SYNC_NONE: "none", envs.SYNC_DEFERRED: "deferred",
                                  envs.SYNC_STRICT: "strict"}[envs.sync_checks()],
-        "multicast_disabled": all(os.environ.get(k) == v for k, v in (
+        "multicast_disabled": all(envs.get(k) == v for k, v in (
             ("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1"))),
     }
-    info.update({k: os.environ[k] for k in envs.VARIABLES if k in os.environ and k not in info})
+    info.update({k: v for k, v in envs.snapshot().items() if k not in info})
     if info["gpus"]:
         n = info["gpus"]
         info["gpu_names"] = [torch.cuda.get_device_name(i) for i in range(n)]

@@ -8,7 +8,7 @@ import triton.language as tl
 
 
 RowTile = namedtuple("RowTile", "RANK K KB H BH BT RB WIRE HAS_TIMER")
-RowTile.__doc__ = """The static geometry of the row tiles an EP data-movement helper moves
+RowTile.__doc__ = """The static shape of the row tiles an EP data-movement helper moves
     (:mod:`tritonep.backends.triton.kernels.dispatch`, :mod:`tritonep.backends.triton.kernels.combine`), bound once in a kernel from its own constexpr
     parameters and handed whole to the helpers:
     ``tile: tl.constexpr = RowTile(RANK, K, KB, H, BH, BT, RB, WIRE, HAS_TIMER)``.

@@ -26,7 +26,7 @@ combine backward (send + expand): their last program advances ``CALL_COMBINE`` /
 of the call read "counter + 1" as its number), so no host op advances a counter (one ticket counter per kernel:
 the modulo test needs one grid per counter). The combine backward's last expand program also adds the forward's
 ``grid_expand`` to ``FLAG_ACK`` in every source at once (:func:`tritonep.device.signal.ack_on_last`), so that
-expand may run its own grid (``Geometry.bgrid``) while the senders keep counting ``grid_expand`` acks per call.
+expand may run its own grid (``KernelTiles.bgrid``) while the senders keep counting ``grid_expand`` acks per call.
 
 Status word. ``status`` is int64 ``[STATUS_WORDS]`` (errors) plus ``ST_ROWS_RECEIVED`` and ``ST_THIS_CALL`` after
 it (the host reads them at once: a dispatch's verdict launch, the counts exchange's last program or the decode

@@ -10,6 +10,8 @@ pplx-kernels (static capacity, graph capture), our own protocol for the kernels 
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.distributed as dist
 
@@ -44,10 +46,24 @@ class EPBuffer:
         device: the rank's device (default: the current CUDA device, else CPU). A CPU buffer runs the kernels in
             Triton's interpreter and lives in a CPU world (:func:`tritonep.testing.run_cpu_world`).
         num_sms: cap on the programs of every communication kernel (default: ``TRITONEP_NUM_SMS``, else the
-            geometry table, :mod:`tritonep.backends.triton.tiles`).
+            kernel-tile table's grids).
         timeout_s: bound of every in-kernel wait of this buffer, seconds (default ``TRITONEP_TIMEOUT_S``, 300 s):
             how long one rank may reach a call after another (checkpoint writing, evaluation on one rank) before
             the waiting rank gives up with :class:`PeerTimeoutError` (the buffer is then unusable).
+
+    Options (keyword only; each left None takes its ``TRITONEP_*`` variable, read once here: :mod:`tritonep.envs`):
+        tiles: the kernel tiles: an override of the table's choice in TRITONEP_GEOMETRY's form (``"bt=2,dec=3"``,
+            ``"combine=pull"``; fields in :func:`tritonep.envs.geometry_override`), or kernel tiles given whole
+            (:attr:`tiles` of another buffer).
+        sync_checks: host reads of eager calls, ``"deferred"`` (one read per dispatch), ``"strict"`` (also one at
+            the end of every call) or ``"none"`` (no read: as under graph capture); TRITONEP_SYNC_CHECKS.
+        max_programs: cap on the programs of every kernel that waits on a peer (ranks that share a GPU under MPS);
+            TRITONEP_MAX_PROGRAMS.
+        launch: how launches reach the GPU, ``"packed"`` / ``"direct"`` / ``"triton"``
+            (:data:`tritonep.envs.LAUNCH_MODES`); TRITONEP_FAST_LAUNCH / TRITONEP_PACKED_LAUNCH.
+        output_pool: sets of per-call outputs reused per stream (0: every call allocates); TRITONEP_OUTPUT_POOL.
+        sync_free_mode: how a sync-free dispatch exchanges its counts where the backend has two ways (``"onehop"``
+            / ``"gather"``; the nccl backend); TRITONEP_NCCL_SYNC_FREE.
 
     Raises:
         ConfigError: an invalid value, or a static configuration that differs across ranks (raised on every rank,
@@ -61,7 +77,8 @@ class EPBuffer:
                  dispatch_wire: str = "bf16", combine_wire: str = "bf16", expert_alignment: int = 1,
                  max_recv_tokens: int | None = None, backend: str = "auto", dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str | None = None, num_sms: int | None = None,
-                 timeout_s: float | None = None):
+                 timeout_s: float | None = None, *, tiles=None, sync_checks=None, max_programs: int | None = None,
+                 launch: str | None = None, output_pool: int | None = None, sync_free_mode: str | None = None):
         self.group = group
         self.rank = dist.get_rank(group)
         ws = dist.get_world_size(group)
@@ -77,7 +94,9 @@ class EPBuffer:
                                max_tokens_per_rank=max_tokens_per_rank, topk=topk, dispatch_wire=dispatch_wire,
                                combine_wire=combine_wire, expert_alignment=expert_alignment,
                                max_recv_tokens=max_recv_tokens, backend=backend, dtype=dtype,
-                               device_type=device.type, num_sms=num_sms, timeout_s=timeout_s)
+                               device_type=device.type, num_sms=num_sms, timeout_s=timeout_s, tiles=tiles,
+                               sync_checks=sync_checks, max_programs=max_programs, launch=launch,
+                               output_pool=output_pool, sync_free_mode=sync_free_mode)
             report = p2p_report(device)
         except TritonEPError as e:
             err = e
@@ -96,6 +115,7 @@ class EPBuffer:
         self._id = EPBuffer._serial
         self._backend.buffer_id = self._id
         self._quantized_dispatch = get_wire(cfg.dispatch_wire).quantized
+        self._sync = cfg.sync_checks
         # the front door's static arguments, made once: check_dispatch_inputs' and check_combine_inputs'
         self._din = (cfg.hidden, cfg.topk, cfg.max_tokens_per_rank, cfg.dtype, device)
         self._cin = (cfg.hidden, cfg.dtype, device)
@@ -104,18 +124,9 @@ class EPBuffer:
                           torch.empty(0, cfg.topk, dtype=torch.float32, device=device))
 
     # ------------------------------------------------------------------------------------------- config
-    world_size = property(lambda self: self.config.world_size, doc="W, ranks of the EP group.")
-    num_experts = property(lambda self: self.config.num_experts, doc="E, experts of the group.")
-    num_local_experts = property(lambda self: self.config.num_local_experts, doc="L = E / W experts per rank.")
-    hidden = property(lambda self: self.config.hidden, doc="H, row width.")
-    max_tokens_per_rank = property(lambda self: self.config.max_tokens_per_rank, doc="Static capacity of T.")
-    topk = property(lambda self: self.config.topk, doc="K, experts per token.")
-    dispatch_wire = property(lambda self: self.config.dispatch_wire, doc="The dispatch wire's name.")
-    combine_wire = property(lambda self: self.config.combine_wire, doc="The combine wire's name.")
-    expert_alignment = property(lambda self: self.config.expert_alignment, doc="A, segment start alignment.")
-    max_recv_tokens = property(lambda self: self.config.max_recv_tokens, doc="Rows a rank can receive.")
-    dtype = property(lambda self: self.config.dtype, doc="Element type of x and expert outputs.")
-    timeout_s = property(lambda self: self.config.timeout_s, doc="Bound of every in-kernel wait, seconds.")
+    # world_size, num_experts, num_local_experts, hidden, max_tokens_per_rank, topk, dispatch_wire, combine_wire,
+    # expert_alignment, max_recv_tokens, dtype, timeout_s: the config's own (read-only properties made below the
+    # class from EPConfig.FRONT; each documented on tritonep.ep.config.EPConfig)
 
     _serial = 0
 
@@ -124,12 +135,14 @@ class EPBuffer:
     def required_bytes(world_size: int, num_experts: int, hidden: int, max_tokens_per_rank: int, topk: int,
                        dispatch_wire: str = "bf16", combine_wire: str = "bf16", expert_alignment: int = 1,
                        max_recv_tokens: int | None = None, dtype: torch.dtype = torch.bfloat16,
-                       device_type: str = "cuda", backend: str = "auto", num_sms: int | None = None) -> int:
+                       device_type: str = "cuda", backend: str = "auto", num_sms: int | None = None, *,
+                       tiles=None, max_programs: int | None = None) -> int:
         """Symmetric bytes one rank allocates for this configuration (no group needed).
 
         Equals what the backend allocates (the same :class:`tritonep.ep.config.EPConfig` goes through the same
         region list and layout function). ``backend``: ``"auto"`` (what it picks on one host: the first registered
-        backend, triton) or a registered name (``"nccl"`` holds no symmetric memory: 0).
+        backend, triton) or a registered name (``"nccl"`` holds no symmetric memory: 0). ``tiles`` /
+        ``max_programs``: as the constructor (the tiles size a buffer's scratch).
 
         Raises:
             ConfigError / WireError: as the constructor.
@@ -138,7 +151,7 @@ class EPBuffer:
                            max_tokens_per_rank=max_tokens_per_rank, topk=topk, dispatch_wire=dispatch_wire,
                            combine_wire=combine_wire, expert_alignment=expert_alignment,
                            max_recv_tokens=max_recv_tokens, backend=backend, dtype=dtype, device_type=device_type,
-                           num_sms=num_sms, check_kernels=False)
+                           num_sms=num_sms, tiles=tiles, max_programs=max_programs, check_kernels=False)
         return backend_required_bytes(backend, cfg)
 
     # ------------------------------------------------------------------------------------------- calls
@@ -162,10 +175,15 @@ class EPBuffer:
         return t if rows is None else t[:rows]
 
     @property
-    def geometry(self):
-        """The kernel geometry the triton backend launches with (:class:`tritonep.backends.triton.tiles.Geometry`: grids,
-        tiles, fused roles); ``None`` for the nccl backend."""
-        return self._backend.geometry
+    def tiles(self):
+        """The kernel tiles the backend launches with (the triton backend's
+        :class:`tritonep.backends.triton.tiles.KernelTiles`: tiles, grids, fused / one-launch roles, combine kind);
+        ``None`` for a backend without them (nccl)."""
+        return self._backend.tiles
+
+    geometry = property(lambda self: self._backend.tiles, doc="The same as :attr:`tiles`, for callers that read it "
+                                                              "under this name (:class:`tritonep.MoEGeometry` is the "
+                                                              "model's shape).")
 
     @property
     def host_reads(self) -> int:
@@ -259,7 +277,7 @@ class EPBuffer:
         call's launch sequence with no tokens and a flag in its counts row, the flag reaches every rank with the
         counts exchange (no extra collective), no rows move anywhere, the buffer stays usable and the next call
         pairs correctly. Ids outside ``[-1, E)`` are found on the device in the same exchange (no host read of
-        ``topk_idx``). Eagerly (``TRITONEP_SYNC_CHECKS`` deferred or 1) every rank raises in this call; with sync
+        ``topk_idx``). Eagerly (``sync_checks`` deferred or strict) every rank raises in this call; with sync
         checks off or under graph capture the refusing rank raises at once and the peers at their next
         :meth:`check`, and until then their rows of this call are unspecified (``weights`` past
         ``expert_offsets[-1]`` are zero).
@@ -277,8 +295,8 @@ class EPBuffer:
             x, topk_idx, topk_weights = self._no_input
         if sync_free:
             sync = envs.SYNC_NONE  # no read (the backend's sync-free path)
-        else:  # whether this call reads its status word: the TRITONEP_SYNC_CHECKS mode (read once per call; the
-            sync = envs.sync_checks()  # backend's end-of-call check follows it), SYNC_NONE (0) while capturing
+        else:  # whether this call reads its status word: the buffer's sync-checks mode (the backend's end-of-call
+            sync = self._sync  # check follows it), SYNC_NONE (0) while capturing
             if sync and self._cuda and torch._C._cuda_isCurrentStreamCapturing():
                 sync = envs.SYNC_NONE
         kq = keep_quantized and self._quantized_dispatch
@@ -307,7 +325,7 @@ class EPBuffer:
         Args:
             expert_out: ``[R', H]`` bfloat16 with ``R' >=`` the dispatch's rows (e.g. :meth:`expert_out_buffer`).
             handle: the ``Dispatched.handle`` of the matching dispatch.
-            kind: ``"push"`` | ``"pull"`` to override the geometry table (triton backend); must be the same on
+            kind: ``"push"`` | ``"pull"`` to override the kernel-tile table (triton backend); must be the same on
                 every rank (a per-call argument cannot be checked without a collective).
 
         Returns:
@@ -383,3 +401,13 @@ class EPBuffer:
     def __exit__(self, *exc):
         self.close()
 
+
+def _front_property(name: str):
+    """A read-only property of EPBuffer giving its config's field ``name`` (one attribute read)."""
+    return property(operator.attrgetter("config." + name),
+                    doc=f"The buffer's ``config.{name}`` (:class:`tritonep.ep.config.EPConfig`).")
+
+
+for _name in EPConfig.FRONT:
+    setattr(EPBuffer, _name, _front_property(_name))
+del _name

@@ -126,7 +126,7 @@ class TritonEPTokenDispatcher(BaseEPTokenDispatcher):
             max_recv_tokens: rows one rank can receive; None = the buffer's default, the worst case
                 ``W * Tmax * K + L * (A-1)`` (:class:`tritonep.ep.config.EPConfig`: duplicate ids in a row are two
                 routes, so one token can send K rows to one rank).
-            num_sms: cap on the programs of every communication kernel (None: the geometry table).
+            num_sms: cap on the programs of every communication kernel (None: the kernel-tile table).
             backend: the EPBuffer backend (``"auto"``, the default: the symmetric-memory one when every rank of
                 the EP group maps every peer's memory, else the ``torch.distributed`` one; or a registered name).
                 The dispatcher needs nothing of a particular backend: both give the same rows, and the custom ops

@@ -350,7 +350,7 @@ class MoELayer(nn.Module):
             if self.virtual:
                 split = read_split(self, d.expert_offsets, placement, topk_idx)
                 self.transport.push({"w1": w1, "w2": w2}, placement, split.experts_to_copy)
-                strict_check(self.transport)
+                strict_check(self.transport, self.buffer)
                 views = self.transport.slot_views(split.num_used)
                 w1s, w2s = (w1, views["w1"]), (w2, views["w2"])
             t.append(self._now() if self.virtual else t[-1])
@@ -389,7 +389,7 @@ class MoELayer(nn.Module):
             sp = st["split"]
             g = self.transport.pull({"w1": g_w1[1], "w2": g_w2[1]}, st["placement"], sp.num_used, sp.held,
                                     into={"w1": g_w1[0], "w2": g_w2[0]}, experts_to_copy_host=sp.experts_to_copy)
-            strict_check(self.transport)
+            strict_check(self.transport, self.buffer)
             g_w1, g_w2 = (g["w1"],), (g["w2"],)
         g_x, g_tw = buf.dispatch_backward(g_xr, g_rw, st["handle"])
         return g_x, g_tw, g_w1[0], g_w2[0]

@@ -20,7 +20,8 @@ How a bound kernel launches:
   like the dry run's).
 * CPU (interpreter) and the first launch of each variant not bound by a dry run on the GPU: ``kernel[grid](*args,
   **options)``, Triton's own path; the variant it compiled is then bound.
-* later GPU launches (``TRITONEP_FAST_LAUNCH=1``, the default): the compiled kernel's C launcher is called
+* later GPU launches (launch mode ``packed`` or ``direct``, :class:`tritonep.runtime.launch.Launch`): the compiled
+  kernel's C launcher (``packed``: the variant's packed C entry, :mod:`tritonep.runtime.packed_launch`) is called
   directly with the static tensors already turned into device addresses (Python ints, literals in the launch's
   generated source: no ``data_ptr()`` call and no ``cuPointerGetAttribute`` per argument), the current raw stream,
   and the per-call values. The variant is picked by a key of the per-call values only, computed by one function
@@ -67,17 +68,10 @@ def _hooks_idle() -> bool:
     return True
 
 
-def _packed_enabled() -> bool:
-    from .. import envs
-
-    return envs.packed_launch()
-
-
-def bound_launch_enabled(device: torch.device) -> bool:
-    """Direct C-launcher calls on this device (CUDA and ``TRITONEP_FAST_LAUNCH=1``, the default)."""
-    from .. import envs
-
-    return device.type == "cuda" and envs.fast_launch()
+def bound_launch_enabled(launcher) -> bool:
+    """Direct C-launcher calls for the bound kernels of ``launcher`` (its launch runtime): a CUDA device and a
+    launch mode other than ``"triton"`` (:class:`tritonep.runtime.launch.Launch`, the config's ``launch``)."""
+    return launcher.device.type == "cuda" and getattr(launcher, "direct", True)
 
 
 class BoundKernel:
@@ -150,8 +144,8 @@ class BoundKernel:
         self._dyn = tuple(dyn)
         self._names = tuple(names)
         self._grid3 = None if grid is None else tuple(self.grid) + (1,) * (3 - len(self.grid))
-        self._fast = bound_launch_enabled(launcher.device)
-        self._packed = self._fast and _packed_enabled()
+        self._fast = bound_launch_enabled(launcher)
+        self._packed = self._fast and getattr(launcher, "packed", True)
         self._cpos: tuple = ()  # positions of the parameters a call fills (per-call values, storage fields): _bind
         self._cset: frozenset = frozenset()
         self._variants: dict = {}  # variant key of the per-call values -> (launch, function, metadata, coop, pdl)

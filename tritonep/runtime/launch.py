@@ -56,16 +56,19 @@ class Launch:
         record: report the launches to the protocol recorder (signalling kernels must; local kernels whose launch
             depends on the rank's data must not).
         max_programs: the cap on a launch's programs (0: none); a larger grid is a ConfigError (at binding for a
-            static grid, at the call for a per-call grid). None: ``TRITONEP_MAX_PROGRAMS``, for kernels that wait
-            on a peer (ranks that share a GPU under MPS must fit their waiting programs on the chip together,
+            static grid, at the call for a per-call grid). Owners of kernels that wait on a peer pass their
+            configuration's (ranks that share a GPU under MPS must fit their waiting programs on the chip together,
             docs/platform.md); local kernels that wait for nobody pass 0.
+        mode: how a bound launch reaches the GPU (:data:`tritonep.envs.LAUNCH_MODES`): ``"packed"`` (the variant's
+            C entry, parameters packed once), ``"direct"`` (the compiled kernel's C launcher), ``"triton"``
+            (``kernel[grid]`` every launch); the CPU always takes Triton's (interpreter) path.
 
     Raises:
         ConfigError: the kernels were built for another device (CPU tensors without ``TRITON_INTERPRET=1`` when the
             kernels were imported, or the reverse); see :func:`tritonep.device.common.check_kernel_mode`.
     """
 
-    def __init__(self, device, *, record: bool = True, max_programs: int | None = None):
+    def __init__(self, device, *, record: bool = True, max_programs: int = 0, mode: str = "packed"):
         from ..device.common import check_kernel_mode
 
         self.device = torch.device(device)
@@ -74,11 +77,9 @@ class Launch:
             from .interpreter_speed import install
 
             install()
-        if max_programs is None:
-            from .. import envs
-
-            max_programs = envs.max_programs()
         self.max_programs = max_programs
+        self.direct = mode in ("packed", "direct")  # read by BoundKernel: the compiled variant's C entry
+        self.packed = mode == "packed"  # ... with its parameters packed once (runtime/packed_launch.py)
         self.record = record
         self._warmup = False
         self._variants: dict = {}

@@ -33,9 +33,9 @@ construction makes the first set of the construction stream). The large blocks (
 ``max_recv_tokens`` rows, the decode combine's ``[max_tokens_per_rank, H]`` output) live in pools SHARED by every
 buffer of the process with the same shape, dtype and device (:func:`acquire_shared`): a model builds one buffer
 per MoE layer and runs them one after another, so a per-buffer pool of rows would hold ``layers x slots`` blocks the
-caching allocator would have shared; a shared pool holds ``slots`` per stream. On the decode geometry a set holds the
+caching allocator would have shared; a shared pool holds ``slots`` per stream. On the decode tiles a set holds the
 call's handle block AND its rows (the pool's key includes the block's layout), so a call takes one set; the two-kernel
-and fused geometries pool only the small handle block (its fields' size), per buffer. So on the decode geometry a
+and fused tiles pool only the small handle block (its fields' size), per buffer. So on the decode tiles a
 kept handle keeps its set's rows too (a ``keep_quantized`` call's set leaves its rows unused): where every layer's
 handle is kept (training: until backward) only ``slots`` calls per stream get pooled sets and the others allocate
 both, as without a pool.

@@ -209,7 +209,7 @@ def run_cpu_world(world_size: int, fn: Callable, *args, timeout_s: float = 120.0
                           "included, tep.MoELayer / MoERecipe / MoEGeometry or tritonep.wire before this call imports "
                           "them); the forked ranks need the interpreter: start Python with TRITON_INTERPRET=1, or make "
                           "those objects inside the rank function")
-    os.environ["TRITON_INTERPRET"] = "1"
+    envs.put("TRITON_INTERPRET", "1")
     install_interpreter_speed()  # before the fork: every rank's interpreter without its per-call member scan
     heap = CpuHeap.create(world_size, heap_bytes or envs.cpu_heap_bytes())
     tmp = tempfile.mkdtemp(prefix="tritonep_world_")

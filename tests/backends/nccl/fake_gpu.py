@@ -196,7 +196,7 @@ def fake_gpu():
             self._fake_last = None  # see the call's pooled outputs as held by a caller)
 
     BoundKernel.__init__, BoundKernel.__call__ = fake_init, noting_call
-    bound_mod.bound_launch_enabled = lambda device: True
+    bound_mod.bound_launch_enabled = lambda launcher: True
     torch._C._cuda_getCurrentRawStream = lambda dev: 0
     if shim is not None:
         packed_launch.module, packed_launch.bind = (lambda: shim), recording_bind

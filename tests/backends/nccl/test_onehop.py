@@ -9,6 +9,8 @@ read past a block's packet count would pick up the earlier call's packets.
 
 from types import SimpleNamespace
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -17,6 +19,7 @@ from tritonep.backends.layout import layout_torch, route_rows_torch
 from tritonep.backends.nccl.onehop import OneHopDispatch, onehop_layout, onehop_recv_torch, onehop_send_torch
 from tritonep.backends.nccl.pack import cdiv, h_split, pow2
 from tritonep.backends.nccl.route import count_row_torch
+from tritonep.ep.config import build_config
 from tritonep.runtime.launch import Launch
 from tritonep.runtime.status import STATUS_BAD_INPUT, STATUS_CAPACITY, STATUS_OK
 from tritonep.backends.nccl.kernels.onehop import onehop_send_kernel
@@ -42,10 +45,9 @@ def _inputs(T, E, K, H, seed, idx_dtype=torch.int64, mask_frac=0.25, bad=False):
 
 def _oh(W, E, K, H, Tcap, A=1, maxr=None, rank=0, use_triton=False, target=7, status_word=None):
     """A dispatcher without a group (the tests drive its steps); target 7: uneven column splits of the rows."""
-    return OneHopDispatch(group=None, rank=rank, world_size=W, num_experts=E, topk=K, hidden=H,
-                          max_tokens_per_rank=Tcap, expert_alignment=A,
-                          max_recv_tokens=maxr or W * Tcap * K + (E // W) * (A - 1), use_triton=use_triton,
-                          target=target, status_word=status_word)
+    cfg = build_config(world_size=W, num_experts=E, hidden=H, max_tokens_per_rank=Tcap, topk=K, expert_alignment=A,
+                       max_recv_tokens=maxr, device_type="cpu", check_kernels=False)
+    return OneHopDispatch(cfg, group=None, rank=rank, use_triton=use_triton, target=target, status_word=status_word)
 
 
 SEND_CASES = {  # W, E, K, H, Tcap, T, idx dtype, bad ids
@@ -253,7 +255,7 @@ def _world(group, W, E, K, H, Tcap, A, Ts, use_triton):
     rank = dist.get_rank(group)
     buf = EPBuffer(group, E, H, Tcap, K, expert_alignment=A, backend="nccl", device="cpu")
     cfg = backend_of(buf).cfg
-    oh = OneHopDispatch.from_config(cfg, group=group, rank=rank, device="cpu", use_triton=use_triton, target=5)
+    oh = OneHopDispatch(cfg, group=group, rank=rank, device="cpu", use_triton=use_triton, target=5)
     res = []
     for call, T in enumerate([Tcap, Ts[rank]]):  # a full call first: its packets are stale in the second
         x, idx, w = _inputs(T, E, K, H, 1000 * call + rank)
@@ -277,9 +279,8 @@ def _world(group, W, E, K, H, Tcap, A, Ts, use_triton):
     # refusals: rank 1 sends a bad id; rank 0 floods rank W-1's experts past max_recv_tokens = Tcap; the front door
     # refused rank W-1's input (it joins with T = 0 and the flag)
     for case in ("bad", "cap", "refused"):
-        oh2 = OneHopDispatch(group=group, rank=rank, world_size=W, num_experts=E, topk=K, hidden=H,
-                             max_tokens_per_rank=Tcap, expert_alignment=A,
-                             max_recv_tokens=Tcap if case == "cap" else cfg.max_recv_tokens, use_triton=use_triton)
+        oh2 = OneHopDispatch(replace(cfg, max_recv_tokens=Tcap if case == "cap" else cfg.max_recv_tokens),
+                             group=group, rank=rank, use_triton=use_triton)
         x, idx, w = _inputs(Tcap, E, K, H, 7 + rank, bad=case == "bad" and rank == 1)
         if case == "cap" and rank == 0:
             idx = (E - 1 - torch.arange(K)).expand(Tcap, K).contiguous()

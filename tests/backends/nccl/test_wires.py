@@ -56,4 +56,4 @@ def test_unknown_wire_and_bad_hidden_raise_wire_error():
         cfg(hidden=96, combine_wire="fp8")
     for wire in ("fp8", "mxfp4"):  # accepted now
         ep = NcclEP(cfg(dispatch_wire=wire, combine_wire=wire), group=None, rank=0, device=torch.device("cpu"))
-        assert (ep.dispatch_wire, ep.combine_wire) == (wire, wire)
+        assert (ep.cfg.dispatch_wire, ep.cfg.combine_wire, ep._dfmt.name) == (wire, wire, wire)

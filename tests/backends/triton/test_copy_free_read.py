@@ -162,8 +162,9 @@ def test_copy_free_read_raises_peer_timeout(geometry):
 
 
 def _stale_world(group, geometry, how):
-    """A call refused without a read (``how``: ``sync_free`` or ``TRITONEP_SYNC_CHECKS=0``), then two synced good
-    calls; every expand / fused launch is logged with its output rows and the rows its layout writes."""
+    """A call refused without a read (``how``: ``sync_free``; with sync checks off a call of the triton backend takes
+    the same path, ``dispatch_fwd(sync=0)``), then two synced good calls; every expand / fused launch is logged with
+    its output rows and the rows its layout writes."""
     set_env(TRITONEP_GEOMETRY=geometry or None)
     rank = dist.get_rank(group)
     buf = tep.EPBuffer(group, E, H, TM, K, max_recv_tokens=2 * TM * K - 1)
@@ -178,10 +179,7 @@ def _stale_world(group, geometry, how):
 
     x, idx, w = make_rank_inputs(rank, TM, H, E, K, seed=3)
     idx = torch.zeros_like(idx)  # every route to expert 0: rank 0 would receive 2 * TM * K rows
-    if how == "sync_checks_0":
-        set_env(TRITONEP_SYNC_CHECKS="0")
     first = outcome(lambda: buf.dispatch(x, idx, w, sync_free=how == "sync_free"))
-    set_env(TRITONEP_SYNC_CHECKS=None)
     out = [first[:2] if first[0] != "ok" else ("ok",)]
     BoundKernel.__call__ = spy
     try:
@@ -195,7 +193,7 @@ def _stale_world(group, geometry, how):
     return out, writes
 
 
-@pytest.mark.parametrize("geometry,how", [("", "sync_free"), ("fs=1,fe=1,fc=1", "sync_free"), ("", "sync_checks_0")])
+@pytest.mark.parametrize("geometry,how", [("", "sync_free"), ("fs=1,fe=1,fc=1", "sync_free")])
 def test_unread_refusal_raised_by_the_next_read_without_writing_past_its_rows(geometry, how):
     """A refusal nobody read (sync-free / sync checks off) is raised by the next synced call, which is itself a good
     call: its data kernels move its rows, so its outputs must hold them (they were allocated with 0 rows: the

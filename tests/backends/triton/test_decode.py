@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 import tritonep as tep
 from tritonep.runtime import recorder
-from tritonep.backends.triton.tiles import DECODE_MAX_TOKENS, select_geometry
+from tests.support.tiles import tiles_of
+from tritonep.backends.triton.tiles import DECODE_MAX_TOKENS
 from tritonep.errors import ConfigError, PeerTimeoutError
 from tritonep.testing import run_cpu_world
 from tritonep.bench.cases import make_rank_inputs
@@ -27,29 +28,29 @@ from tests.support.hooks import backend_of
 def test_decode_geometry():
     os.environ.pop("TRITONEP_GEOMETRY", None)
     # the default for small batches on the GPU (measured, tritonep/backends/triton/tiles.py); dec=0 turns it off; CPU: off
-    assert select_geometry("cuda", 2, 7168, 128, 8).decode == 128
-    assert select_geometry("cuda", 1, 7168, 256, 8).decode == 128
-    assert select_geometry("cuda", 2, 7168, DECODE_MAX_TOKENS + 1, 8).decode == 0
-    assert select_geometry("cpu", 2, 64, 16, 2).decode == 0
+    assert tiles_of("cuda", 2, 7168, 128, 8).decode == 128
+    assert tiles_of("cuda", 1, 7168, 256, 8).decode == 128
+    assert tiles_of("cuda", 2, 7168, DECODE_MAX_TOKENS + 1, 8).decode == 0
+    assert tiles_of("cpu", 2, 64, 16, 2).decode == 0
     os.environ["TRITONEP_GEOMETRY"] = "dec=0"
-    assert select_geometry("cuda", 2, 7168, 128, 8).decode == 0
+    assert tiles_of("cuda", 2, 7168, 128, 8).decode == 0
     os.environ["TRITONEP_GEOMETRY"] = "bt=1,dec=200"
     try:
-        g = select_geometry("cuda", 2, 7168, 128, 8)
+        g = tiles_of("cuda", 2, 7168, 128, 8)
         assert (g.decode, g.grid_send, g.grid_expand, g.grid_partial, g.grid_out) == (128, 128, 128, 128, 128)
         assert (g.fused_send, g.fused_combine) == (0, False)
-        g = select_geometry("cuda", 2, 7168, 256, 8)
+        g = tiles_of("cuda", 2, 7168, 256, 8)
         assert g.decode == 132  # one program per SM at most
-        assert select_geometry("cuda", 2, 7168, 128, 8, num_sms=24).decode == 24
+        assert tiles_of("cuda", 2, 7168, 128, 8, num_sms=24).decode == 24
         os.environ["TRITONEP_GEOMETRY"] = "fs=40,fe=88,fc=1,dec=8"  # decode wins over the fused paths
-        g = select_geometry("cuda", 2, 7168, 256, 8)
+        g = tiles_of("cuda", 2, 7168, 256, 8)
         assert (g.decode, g.fused_send, g.fused_combine, g.grid_partial) == (8, 0, False, 8)
         os.environ["TRITONEP_GEOMETRY"] = "dec=8"
         with pytest.raises(ConfigError, match=f"max_tokens_per_rank <= {DECODE_MAX_TOKENS}, got 257"):
-            select_geometry("cuda", 2, 7168, DECODE_MAX_TOKENS + 1, 8)
+            tiles_of("cuda", 2, 7168, DECODE_MAX_TOKENS + 1, 8)
         os.environ["TRITONEP_GEOMETRY"] = "dec=-1"
         with pytest.raises(ConfigError, match="dec must be >= 0"):
-            select_geometry("cuda", 2, 7168, 128, 8)
+            tiles_of("cuda", 2, 7168, 128, 8)
     finally:
         os.environ.pop("TRITONEP_GEOMETRY", None)
 
@@ -66,8 +67,8 @@ def _pair_world(group, cfg, script, geometry):
         bufs[name] = tep.EPBuffer(group, E, H, Tm, K, expert_alignment=cfg["A"], dispatch_wire=cfg["wire"],
                                   combine_wire=cfg["wire"])
     os.environ.pop("TRITONEP_GEOMETRY", None)
-    G = bufs["one"].geometry.decode
-    assert G > 0 and bufs["two"].geometry.decode == 0
+    G = bufs["one"].tiles.decode
+    assert G > 0 and bufs["two"].tiles.decode == 0
     rec = recorder.get_recorder()
     seen = []
 
@@ -229,7 +230,7 @@ def _mixed_world(group, Ts):
         os.environ["TRITONEP_GEOMETRY"] = geo
         bufs[name] = tep.EPBuffer(group, E, H, Tm, K, expert_alignment=2)
     os.environ.pop("TRITONEP_GEOMETRY", None)
-    assert bufs["one"].geometry.decode == 2 and bufs["two"].geometry.decode == 0
+    assert bufs["one"].tiles.decode == 2 and bufs["two"].tiles.decode == 0
     out = []
     for i, T in enumerate(Ts):
         x0, idx, w0 = make_rank_inputs(rank, T[rank], H, E, K, seed=40 + i, mask_frac=0.2)

@@ -66,7 +66,7 @@ def _blocked_launch_world(group):
     buf = tep.EPBuffer(group, 4, 64, 4, 2, timeout_s=1.0)
     set_env(TRITONEP_GEOMETRY=None)
     impl = backend_of(buf)
-    assert impl.geometry.decode == 2
+    assert impl.tiles.decode == 2
     impl.call_status.host.bound_s = 0.3
     x, idx, w = make_rank_inputs(rank, 4, 64, 4, 2, seed=1)
     buf.dispatch(x, idx, w)

@@ -57,10 +57,9 @@ class NcclEP:
     (:class:`tritonep.backends.nccl.combine.NcclCombine`) and the sync-free dispatch
     (:class:`tritonep.backends.nccl.sync_free.SyncFreeDispatch`); the synced dispatch and the status read are its own.
 
-    Args: as ``TritonEP``: the group, this rank, world_size W, num_experts E, hidden H, max_tokens_per_rank, topk K,
-    expert_alignment A, max_recv_tokens, device, dtype (bfloat16), ``dispatch_wire`` / ``combine_wire``
-    (any of :data:`tritonep.wire.WIRES`, see the module docstring), ``timeout_s`` (stored only: this backend has
-    no kernel waits, the process group's own timeout applies).
+    Args: as ``TritonEP``: ``cfg``, the buffer's :class:`tritonep.ep.config.EPConfig` (read whole: any of
+    :data:`tritonep.wire.WIRES` for both wires, see the module docstring; ``timeout_s`` only reported: this backend
+    has no kernel waits, the process group's own timeout applies), then ``group``, ``rank``, ``device``.
 
     Attribute ``use_triton`` (default: CUDA device): the local steps run as Triton kernels, else as their torch
     twins (same bits; the twins use ``torch.nonzero`` and are meant for the CPU). ``host_reads`` counts the
@@ -78,26 +77,17 @@ class NcclEP:
     sync_free = True  # dispatch(sync_free=True): fixed per-peer packet slots, no host read (sync_free.py)
 
     def __init__(self, cfg, *, group, rank, device):
-        self.cfg = cfg
-        self.dispatch_wire, self.combine_wire = cfg.dispatch_wire, cfg.combine_wire
-        self.group = group
-        self.rank = rank
-        L = cfg.num_local_experts
+        self.cfg, self.group, self.rank = cfg, group, rank
         self.device = dev = torch.device(device)
-        dtype = cfg.dtype
-        self.timeout_s = cfg.timeout_s
-        world_size, num_experts, hidden, topk = cfg.world_size, cfg.num_experts, cfg.hidden, cfg.topk
-        max_tokens_per_rank, expert_alignment = cfg.max_tokens_per_rank, cfg.expert_alignment
-        dispatch_wire, combine_wire = cfg.dispatch_wire, cfg.combine_wire
+        W, E, K, H, L = cfg.world_size, cfg.num_experts, cfg.topk, cfg.hidden, cfg.num_local_experts
         self.host_reads = 0  # device->host reads made by calls: one per dispatch (+1 naming a bad id), else none
         self.use_triton = self._cuda = dev.type == "cuda"
         # local kernels only: none signals or waits for a peer, so none is recorded or capped (their grids follow
         # this rank's data, which the host protocol rule allows for work that signals nobody)
-        self._launch = Launch(dev, record=False, max_programs=0)
-        W, E, K, H = world_size, num_experts, topk, hidden
-        self._es = es = torch.empty(0, dtype=dtype).element_size()
+        self._launch = Launch(dev, record=False, max_programs=0, mode=cfg.launch)
+        self._es = es = torch.empty(0, dtype=cfg.dtype).element_size()
         # dispatch rows: the wire row (one source, or payload + scale bytes) and the meta
-        fmt = self._dfmt = get_wire(dispatch_wire)
+        fmt = self._dfmt = get_wire(cfg.dispatch_wire)
         if fmt.quantized:
             pb, sb = fmt.payload_bytes(H), fmt.scale_bytes(H)
             self._lay = send_layout(pb + sb, K)
@@ -105,8 +95,8 @@ class NcclEP:
         else:
             self._lay = send_layout(H * es, K)
             srcs = (es, H), None
-        self._router = Router(W, E, K, max_tokens_per_rank, dev, self._launch, self._lay, *srcs)
-        self._unpacker = Unpacker(rank, E, L, K, H, expert_alignment, self._launch, self._lay, (E + W, E + W + L),
+        self._router = Router(W, E, K, cfg.max_tokens_per_rank, dev, self._launch, self._lay, *srcs)
+        self._unpacker = Unpacker(rank, E, L, K, H, cfg.expert_alignment, self._launch, self._lay, (E + W, E + W + L),
                                   self._cuda, dev)
         self._kept = (fmt.payload_bytes(H), fmt.num_scales(H)) if fmt.quantized else None
         self._combine = NcclCombine(cfg, group, dev, self._launch, self._unpacker)
@@ -185,9 +175,14 @@ class NcclEP:
                                    timeout_s=self.cfg.timeout_s)
 
     @property
-    def geometry(self):
-        """None: this backend has no kernel geometry."""
+    def tiles(self):
+        """None: this backend has no kernel tiles."""
         return None
+
+    @property
+    def timeout_s(self) -> float:
+        """The config's wait bound, seconds (this backend has no kernel waits: the process group's timeout applies)."""
+        return self.cfg.timeout_s
 
     def close(self):
         """Drop the persistent tensors; later calls raise :class:`BufferStateError`."""
@@ -367,7 +362,7 @@ class NcclEP:
         """
         if self.closed:
             self._check_open()
-        return self._combine.combine(expert_out, handle, True, self.use_triton, wire=self.combine_wire)[0]
+        return self._combine.combine(expert_out, handle, True, self.use_triton, wire=self.cfg.combine_wire)[0]
 
     def dispatch_bwd(self, grad_recv_x, grad_recv_w, handle):
         """grad_x[t] = sum_k grad_recv_x[row(t,k)]; grad_topk_weights[t,k] = grad_recv_w[row(t,k)] (bf16 wire).

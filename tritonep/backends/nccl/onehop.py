@@ -221,32 +221,32 @@ def onehop_recv_torch(recv: torch.Tensor, out: torch.Tensor, out_w, rr, rw, ntpe
 class OneHopDispatch:
     """The one-hop dispatch of one rank (module docstring): static shapes, bound kernels, persistent buffers.
 
-    Args (keywords): group (``torch.distributed`` group), rank, world_size W, num_experts E (a multiple of W), topk
-    K, hidden H, max_tokens_per_rank Tcap, expert_alignment A, max_recv_tokens, dtype (bfloat16), wire ("bf16"),
-    device, use_triton (default: CUDA device; False runs the torch twins, e.g. on gloo / CPU), target (programs
+    Args: cfg, the buffer's :class:`tritonep.ep.config.EPConfig`, read whole (W, E, K, H, ``max_tokens_per_rank``
+    Tcap, ``expert_alignment`` A, ``max_recv_tokens``, dtype (bfloat16), the dispatch wire ("bf16"), the launch
+    path); keywords: group (``torch.distributed`` group), rank, device, use_triton (default: CUDA device; False
+    runs the torch twins, e.g. on gloo / CPU), target (programs
     a launch aims at by splitting rows into column ranges, :func:`tritonep.backends.nccl.pack.h_split`; default two per
     SM on a GPU, 1 elsewhere; tests raise it to exercise the split), status_word (the nccl backend's int32 status
     word ``[4 + 2W]``: the receive launch merges each call's verdict into it, :mod:`tritonep.backends.nccl.sync_free`;
     None: only the per-call ``status``).
 
     Raises:
-        ConfigError: E not a multiple of W, W > 63 (the status mask), or a non-bfloat16 dtype.
+        ConfigError: W > 63 (the status mask), or a non-bfloat16 dtype.
         WireError: a quantized wire (not supported here yet).
     """
 
-    def __init__(self, *, group, rank: int, world_size: int, num_experts: int, topk: int, hidden: int,
-                 max_tokens_per_rank: int, expert_alignment: int = 1, max_recv_tokens: int, dtype=torch.bfloat16,
-                 wire: str = "bf16", device="cpu", use_triton: bool | None = None, target: int | None = None,
-                 status_word: torch.Tensor | None = None):
-        W, E, K, H = world_size, num_experts, topk, hidden
-        if E % W or W > 63:
-            raise ConfigError(f"one-hop dispatch: num_experts={E} must be a multiple of world_size={W} <= 63")
+    def __init__(self, cfg, *, group, rank: int, device="cpu", use_triton: bool | None = None,
+                 target: int | None = None, status_word: torch.Tensor | None = None):
+        W, E, K, H, dtype = cfg.world_size, cfg.num_experts, cfg.topk, cfg.hidden, cfg.dtype
+        if W > 63:
+            raise ConfigError(f"one-hop dispatch: world_size={W} > 63 is not supported (its status mask)")
         if dtype != torch.bfloat16:
             raise ConfigError(f"one-hop dispatch: dtype must be torch.bfloat16, got {dtype}")
-        if wire != "bf16":
-            raise WireError(f"one-hop dispatch: wire {wire!r} is not supported yet (bf16 only)")
+        if cfg.dispatch_wire != "bf16":
+            raise WireError(f"one-hop dispatch: wire {cfg.dispatch_wire!r} is not supported yet (bf16 only)")
         self.group, self.rank, self.W, self.E, self.K, self.H = group, rank, W, E, K, H
-        self.L, self.Tcap, self.A, self.maxr = E // W, max_tokens_per_rank, expert_alignment, max_recv_tokens
+        self.L, self.Tcap = cfg.num_local_experts, cfg.max_tokens_per_rank
+        self.A, self.maxr = cfg.expert_alignment, cfg.max_recv_tokens
         self.device = dev = torch.device(device)
         self.dtype = dtype
         self.use_triton = dev.type == "cuda" if use_triton is None else use_triton
@@ -255,7 +255,7 @@ class OneHopDispatch:
         self.nslot = W * (1 + self.Tcap)
         self.send = torch.zeros(self.nslot, lay.width, dtype=torch.uint8, device=dev)
         self.recv = torch.zeros(self.nslot, lay.width, dtype=torch.uint8, device=dev)
-        self._launch = launch = Launch(dev, record=False, max_programs=0)  # local kernels (signal nobody)
+        self._launch = launch = Launch(dev, record=False, max_programs=0, mode=cfg.launch)  # local: signal nobody
         # the per-call outputs besides the rows: fields of ONE int32 block (:meth:`outputs`) at static offsets, so
         # a launch passes the block's address once (BoundKernel ``fields``); the token-sized fields get Tcap rows
         MR, NK, TK, L = self.maxr, self.nslot * K, self.Tcap * K, self.L
@@ -308,16 +308,6 @@ class OneHopDispatch:
         self._st = status_word
         self._a2a = BoundCollective(self.recv, self.send, group)
         self._send_grids: dict = {}  # T -> ((grid), column split) of the send launch
-
-    @classmethod
-    def from_config(cls, cfg, *, group, rank: int, device, use_triton: bool | None = None,
-                    target: int | None = None, status_word: torch.Tensor | None = None) -> "OneHopDispatch":
-        """Built from an :class:`tritonep.ep.config.EPConfig` (its dispatch wire, alignment, max_recv_tokens)."""
-        return cls(group=group, rank=rank, world_size=cfg.world_size, num_experts=cfg.num_experts, topk=cfg.topk,
-                   hidden=cfg.hidden, max_tokens_per_rank=cfg.max_tokens_per_rank,
-                   expert_alignment=cfg.expert_alignment, max_recv_tokens=cfg.max_recv_tokens, dtype=cfg.dtype,
-                   wire=cfg.dispatch_wire, device=device, use_triton=use_triton, target=target,
-                   status_word=status_word)
 
     @property
     def splits(self) -> tuple:

@@ -20,7 +20,6 @@ from collections import OrderedDict, deque
 
 import torch
 
-from ... import envs
 from ...errors import CapacityError, ConfigError, InputError, PeerInputError, WireError
 from ...wire.formats import get_wire
 from .kernels.plan import sync_free_plan_kernel
@@ -40,7 +39,7 @@ ONEHOP_MAX_TOKENS = 256  # the unset variable's rule picks one-hop up to this ma
 
 
 def sync_free_mode(cfg) -> str:
-    """The sync-free mode of an nccl buffer of configuration ``cfg``: ``cfg.nccl_sync_free`` (TRITONEP_NCCL_SYNC_FREE
+    """The sync-free mode of an nccl buffer of configuration ``cfg``: ``cfg.sync_free_mode`` (TRITONEP_NCCL_SYNC_FREE
     as read by :func:`tritonep.ep.config.build_config`, agreed by every rank) or, unset, the measured rule: ``onehop``
     for a decode-sized buffer (``max_tokens_per_rank <= ONEHOP_MAX_TOKENS``, bf16 wire and dtype, ``world_size <=
     63``), else ``gather`` (one H200: at 128 tokens one-hop 83 us vs gather 151; at 4096 tokens gather 432 us vs
@@ -51,7 +50,7 @@ def sync_free_mode(cfg) -> str:
         WireError: ``onehop`` asked for with a quantized dispatch wire (one-hop moves bf16 rows only).
         ConfigError: ``onehop`` asked for with ``world_size > 63`` (its status mask).
     """
-    mode = cfg.nccl_sync_free
+    mode = cfg.sync_free_mode
     bf16 = cfg.dispatch_wire == "bf16" and cfg.dtype == torch.bfloat16
     if mode == "onehop":
         if not bf16:
@@ -118,7 +117,7 @@ class SyncFreeDispatch:
         # the process-wide pool of that shape (shared with every buffer of the same shape, both backends)
         # pooled only for a decode-sized buffer (where a call's host time matters; a prefill-sized set of rows is
         # hundreds of MB that the caching allocator had better share)
-        self._sf_slots_n = envs.output_pool() if cfg.max_tokens_per_rank <= ONEHOP_MAX_TOKENS else 0
+        self._sf_slots_n = cfg.output_pool if cfg.max_tokens_per_rank <= ONEHOP_MAX_TOKENS else 0
         self._sf_pools: OrderedDict = OrderedDict()
         self._sf_last = None  # the key of the most recently used pool
         dev, MR, H, dt = self.device, cfg.max_recv_tokens, cfg.hidden, cfg.dtype
@@ -130,8 +129,8 @@ class SyncFreeDispatch:
         """The one-hop dispatcher of this buffer (:class:`OneHopDispatch`, its verdicts merged into the status word;
         its send / receive rows persistent, made here on the first one-hop call)."""
         with torch.inference_mode(False):  # persistent state: normal tensors even when made by an inference call
-            self._oh = OneHopDispatch.from_config(self.cfg, group=self.group, rank=self.rank, device=self.device,
-                                                  status_word=self._status)
+            self._oh = OneHopDispatch(self.cfg, group=self.group, rank=self.rank, device=self.device,
+                                      status_word=self._status)
         return self._oh
 
     def _sf_make(self, T: int, idt: torch.dtype):

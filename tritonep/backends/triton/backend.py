@@ -22,11 +22,11 @@ counts exchange, see ``sync``):
 3. [synced calls only] one host read of (status, rows): a spin on the published ticket, no device-to-host copy or
    event -> CapacityError / PeerInputError / PeerTimeoutError before any row moves (the send is queued before the
    host waits, so its NVLink time overlaps the read),
-4. send, 5. expand (or 4+5 as one launch when the geometry has ``fused_send > 0``: sends and expands overlap).
+4. send, 5. expand (or 4+5 as one launch when the tiles have ``fused_send > 0``: sends and expands overlap).
 
 Combine: partial (push into the source, or into own memory for pull), output (a weighted push combine runs both
-as one launch when the geometry has ``fused_combine``); the call's last launch advances ``calls[CALL_COMBINE]``
-itself (no host op; the combine backward's expand likewise advances ``calls[CALL_DISPATCH]``). With the geometry's
+as one launch when the tiles have ``fused_combine``); the call's last launch advances ``calls[CALL_COMBINE]``
+itself (no host op; the combine backward's expand likewise advances ``calls[CALL_DISPATCH]``). With the tiles'
 ``decode`` (small ``max_tokens_per_rank``) the forward dispatch and the weighted push combine are ONE launch each,
 counts exchange and counter advances included (:mod:`tritonep.backends.triton.decode`). Combine and both backward passes
 read the routing from the handle (its copy), never from the caller's tensors. Every flag row, counter and status
@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from ... import envs
+from ...envs import SYNC_NONE
 from ...memory import get_heap, group_barrier
 from ...runtime.launch import Launch
 from ...runtime.status import wait_bound
@@ -84,16 +84,17 @@ class TritonEP:
                                                  "cstage", "cflag", "ccflag")}
         self.timeout = wait_bound(self.device, cfg.timeout_s)
         self.hl = HandleLayout(cfg)
-        self._launch = Launch(self.device)  # every launch bound once (KernelSet), reported to the recorder
+        # every launch bound once (KernelSet), reported to the recorder, its grid within the program cap
+        self._launch = Launch(self.device, max_programs=cfg.max_programs, mode=cfg.launch)
         self.call_status = CallStatus(cfg, rank, self.device, self.status, self._launch)
         self.k = KernelSet(self)
         # per-call outputs reused once nobody holds them (runtime/pool.py): the two-kernel / fused tiles' handle
         # storage blocks and the views a dispatch returns of them; the decode tiles' own pools (DecodePath)
-        slots, dec = envs.output_pool(), bool(cfg.geometry.decode)
+        slots, dec = cfg.output_pool, bool(cfg.tiles.decode)
         self.outputs = DispatchOutputs(cfg, self.hl, self.dfmt, self.device, 0 if dec else slots)
         self.decode = DecodePath(cfg, self.k, self.call_status, self.outputs, self.device, slots) if dec else None
         # a combine without a kind override is the decode tiles' one launch (as _combine decides it)
-        self._decode_push = dec and (cfg.geometry.combine == "push" or self.cwire.quantized)
+        self._decode_push = dec and (cfg.tiles.combine == "push" or self.cwire.quantized)
         self._no_w = torch.zeros(1, dtype=torch.float32, device=self.device)  # the weighted combine's unused gw_ptr
         self._precompile(group)
 
@@ -131,7 +132,7 @@ class TritonEP:
 
         cfg = self.cfg
         return CountsExchange(self.group, num_experts, cfg.max_tokens_per_rank, cfg.topk, self.device,
-                              timeout_s=cfg.timeout_s)
+                              timeout_s=cfg.timeout_s, max_programs=cfg.max_programs, launch=cfg.launch)
 
     def expert_transport(self, num_experts: int, shapes: dict, dtype: torch.dtype):
         """A new virtual-expert weight transport over this backend's group through symmetric memory
@@ -139,12 +140,13 @@ class TritonEP:
         from .expert_transport import ExpertTransport
 
         return ExpertTransport(self.group, num_experts, shapes, dtype=dtype, device=self.device,
-                               timeout_s=self.cfg.timeout_s)
+                               timeout_s=self.cfg.timeout_s, max_programs=self.cfg.max_programs,
+                               launch=self.cfg.launch)
 
     @property
-    def geometry(self):
-        """The :class:`tritonep.backends.triton.tiles.Geometry` every launch of this buffer uses."""
-        return self.cfg.geometry
+    def tiles(self):
+        """The :class:`tritonep.backends.triton.tiles.KernelTiles` every launch of this buffer uses (the config's)."""
+        return self.cfg.tiles
 
     @property
     def timeout_s(self) -> float:
@@ -173,7 +175,7 @@ class TritonEP:
             for id_dtype in (torch.int64, torch.int32):
                 idx = torch.zeros(T, K, dtype=id_dtype, device=dev)
                 for kq in ([False, True] if self.dwire.quantized else [False]):
-                    out, out_w, _, _, handle = self.dispatch_fwd(x, idx, w, sync=envs.SYNC_NONE, keep_quantized=kq)
+                    out, out_w, _, _, handle = self.dispatch_fwd(x, idx, w, sync=SYNC_NONE, keep_quantized=kq)
             eo = self.expert_out_buffer()
             for kind in ("push", "pull"):
                 self._combine(eo, handle, weighted=True, kind=kind, wire=self.cwire)
@@ -211,7 +213,7 @@ class TritonEP:
             status.note_ids(topk_idx)
         if self.decode is not None:
             return self.decode.dispatch(x, topk_idx, topk_weights, sync, keep_quantized, bad_input, T)
-        g, outs, k = self.cfg.geometry, self.outputs, self.k
+        g, outs, k = self.cfg.tiles, self.outputs, self.k
         # the pool's set (store, ntpe, offs, row weights), or a fresh store (graph capture, every set held)
         store, ntpe, offs, rw = outs.take()
         nc = _cdiv(T, g.bt)
@@ -250,7 +252,7 @@ class TritonEP:
         status = self.call_status
         if status.broken:
             status.usable()
-        g = self.cfg.geometry
+        g = self.cfg.tiles
         kind = kind or g.combine
         if want_wgrad or wire.quantized:
             kind = "push"  # quantized partials and weight-gradient return are push-only
@@ -293,7 +295,7 @@ class TritonEP:
         g_w = torch.empty(R, dtype=torch.float32, device=dev)
         T, store, k = handle.num_tokens, handle.store, self.k
         # grad_y is held until the expand ran: it reads the own rank's rows from it (raw wire)
-        k.send_bwd(grad_y, store, T, _cdiv(T, self.cfg.geometry.bt))
+        k.send_bwd(grad_y, store, T, _cdiv(T, self.cfg.tiles.bt))
         k.expand_bwd(grad_y, g_eo, store, expert_out, g_w, g_w, R)
         status.eager_check("combine backward")
         return g_eo, g_w

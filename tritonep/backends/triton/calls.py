@@ -43,7 +43,7 @@ class KernelSet:
     """
 
     def __init__(self, ep):
-        cfg, g, b, hl = ep.cfg, ep.cfg.geometry, ep.buf, ep.hl
+        cfg, g, b, hl = ep.cfg, ep.cfg.tiles, ep.buf, ep.hl
         self._ep, self._lau = ep, ep._launch
         W, E, K, L, A = cfg.world_size, cfg.num_experts, cfg.topk, cfg.num_local_experts, cfg.expert_alignment
         Tm, H = cfg.max_tokens_per_rank, cfg.hidden
@@ -68,7 +68,7 @@ class KernelSet:
             bump_b=calls(P.CALL_EXCHANGE), NBUMP=2, COPY=True, **opts),
             ("topk_idx_ptr", "w_ptr", STORE, "T", "NC"), grid=(g.grid_hist,),
             fields=hl.fields_of(idx_out_ptr="idx", w_out_ptr="w"))
-        xgrid, xt = exchange_tiles(self.ncmax, E)  # static tiles: never derived from this call's T
+        xgrid, xt = exchange_tiles(self.ncmax, E, cfg.max_programs)  # static tiles: never derived from this call's T
         self.exchange = self._lau.bind(exchange_kernel, dict(
             hist_ptr=ep.hist, counts_tab=ep.tab["counts"], flags_ptr=ep.flags, flags_tab=ep.tab["flags"],
             flag_off=fo(P.FLAG_COUNTS), calls_ptr=ep.calls[cx:], status_ptr=ep.status, timeout=ep.timeout,
@@ -93,7 +93,7 @@ class KernelSet:
         self._expand_static = dict(stage_ptr=b.local("stage"), meta_ptr=b.local("meta"), wts_ptr=b.local("wts"),
                                    ntok_ptr=b.local("ntok"), ack_off=fo(P.FLAG_ACK), G_send=g.grid_send, Tmax=Tm,
                                    NCmax=self.ncmax, L=L, LB=_p2(L), PF=g.prefetch, **common, **ck)
-        # the combine backward's expand: its own tile and grid (Geometry.bbt / bwarps / bgrid: the weight gradient's
+        # the combine backward's expand: its own tile and grid (KernelTiles.bbt / bwarps / bgrid: the weight gradient's
         # expert-output loads spill registers in the dispatch's tile; its last program acks the sources for
         # grid_expand programs); it zeroes the rows no route writes itself (padding, rows past the layout's end), so
         # its outputs are allocated empty
@@ -110,7 +110,7 @@ class KernelSet:
         bk = self._lau.bound(("expand", kq))  # every call after the first: no closure built
         if bk is not None:
             return bk
-        ep, g, cfg = self._ep, self._ep.cfg.geometry, self._ep.cfg
+        ep, g, cfg = self._ep, self._ep.cfg.tiles, self._ep.cfg
 
         def make():
             return self._lau.bind(dispatch_expand_kernel, dict(
@@ -125,7 +125,7 @@ class KernelSet:
         bk = self._lau.bound(("fused", kq))  # every call after the first: no closure built
         if bk is not None:
             return bk
-        ep, g, cfg, b = self._ep, self._ep.cfg.geometry, self._ep.cfg, self._ep.buf
+        ep, g, cfg, b = self._ep, self._ep.cfg.tiles, self._ep.cfg, self._ep.buf
 
         def make():
             return self._lau.bind(dispatch_fused_kernel, dict(
@@ -147,7 +147,7 @@ class KernelSet:
         bk = self._lau.bound(("decode", kq))  # every call after the first: no closure built
         if bk is not None:
             return bk
-        ep, g, cfg, b = self._ep, self._ep.cfg.geometry, self._ep.cfg, self._ep.buf
+        ep, g, cfg, b = self._ep, self._ep.cfg.tiles, self._ep.cfg, self._ep.buf
 
         def make():
             return self._lau.bind(dispatch_decode_kernel, dict(
@@ -170,7 +170,7 @@ class KernelSet:
     # ------------------------------------------------------------------------------------------------ combine
     def partial(self, kind: str, weighted: bool, wgrad: bool, wire) -> BoundKernel:
         """Expert-rank side of a combine (``kind`` push / pull, weighted, weight-gradient return, wire)."""
-        ep, g, cfg = self._ep, self._ep.cfg.geometry, self._ep.cfg
+        ep, g, cfg = self._ep, self._ep.cfg.tiles, self._ep.cfg
 
         def make():
             return self._lau.bind(combine_partial_kernel, dict(
@@ -182,7 +182,7 @@ class KernelSet:
 
     def out(self, kind: str, wgrad: bool, wire) -> BoundKernel:
         """Source side of a combine (sums the partials in rank order; ``wgrad``: gathers the weight gradients)."""
-        ep, g, cfg = self._ep, self._ep.cfg.geometry, self._ep.cfg
+        ep, g, cfg = self._ep, self._ep.cfg.tiles, self._ep.cfg
 
         def make():
             return self._lau.bind(combine_out_kernel, dict(
@@ -195,7 +195,7 @@ class KernelSet:
 
     def combine_fused(self, wire) -> BoundKernel:
         """Weighted push combine in one launch (partial and out roles)."""
-        ep, g, cfg = self._ep, self._ep.cfg.geometry, self._ep.cfg
+        ep, g, cfg = self._ep, self._ep.cfg.tiles, self._ep.cfg
 
         def make():
             return self._lau.bind(combine_fused_kernel, dict(
@@ -208,13 +208,13 @@ class KernelSet:
         return self._lau.variant(("combine_fused", wire), make)
 
     def combine_decode(self, wire, weighted: bool = True, wgrad: bool = False) -> BoundKernel:
-        """Push combine of the decode geometry in one launch: weighted (combine) or not (dispatch backward,
+        """Push combine of the decode tiles in one launch: weighted (combine) or not (dispatch backward,
         ``wgrad``: with the weight gradients' return)."""
         key = ("combine_decode", wire, weighted, wgrad)
         bk = self._lau.bound(key)  # every call after the first: no closure built (a combine's host path)
         if bk is not None:
             return bk
-        ep, g, cfg = self._ep, self._ep.cfg.geometry, self._ep.cfg
+        ep, g, cfg = self._ep, self._ep.cfg.tiles, self._ep.cfg
 
         def make():
             return self._lau.bind(combine_decode_kernel, dict(

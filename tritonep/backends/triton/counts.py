@@ -39,6 +39,8 @@ class CountsExchange:
     Args:
         group: the EP group; num_experts: E; max_tokens_per_rank, topk: static capacity; device.
         timeout_s: bound of the exchange's in-kernel wait in seconds (default: ``TRITONEP_TIMEOUT_S``).
+        max_programs: cap on the exchange's programs (0: none); launch: the launch path
+            (:data:`tritonep.envs.LAUNCH_MODES`). The buffer that builds it passes its config's.
     Raises:
         InputError: topk_idx of the wrong shape or dtype. PeerTimeoutError via :meth:`check`.
     """
@@ -46,7 +48,7 @@ class CountsExchange:
     BT = 16
 
     def __init__(self, group, num_experts: int, max_tokens_per_rank: int, topk: int, device,
-                 timeout_s: float | None = None):
+                 timeout_s: float | None = None, max_programs: int = 0, launch: str = "packed"):
         self.rank, self.W = dist.get_rank(group), dist.get_world_size(group)
         self.E, self.Tm, self.K = num_experts, max_tokens_per_rank, topk
         self.device = torch.device(device)
@@ -58,7 +60,7 @@ class CountsExchange:
         self.timeout_s = resolve_timeout(timeout_s)
         self.timeout = wait_bound(self.device, self.timeout_s)
         self.host_reads = 0  # device->host reads (gather makes none; check makes one)
-        self._launch = Launch(self.device)
+        self._launch = Launch(self.device, max_programs=max_programs, mode=launch)
         ncmax = max(1, triton.cdiv(max_tokens_per_rank, self.BT))
         EB = triton.next_power_of_2(self.E)
         L = self.E // self.W
@@ -67,7 +69,7 @@ class CountsExchange:
             hist_ptr=hist, K=self.K, E=self.E, EB=EB, BT=self.BT, KB=triton.next_power_of_2(self.K),
             bump_a=self.calls[_CX:_CX + 1], NBUMP=1), ("topk_idx_ptr", "T", "NC"), grid=(1,))
         # static tiles (never derived from a call's T: docs/protocols.md (host protocol rule))
-        xgrid, xt = exchange_tiles(ncmax, self.E)
+        xgrid, xt = exchange_tiles(ncmax, self.E, max_programs)
         self._xchg = self._launch.bind(exchange_kernel, dict(
             hist_ptr=hist, counts_tab=self.tab_counts, flags_ptr=self.flags, flags_tab=self.tab_flags,
             flag_off=P.flag_row_bytes(P.FLAG_COUNTS, self.W), calls_ptr=self.calls[_CX:], status_ptr=self.status,

@@ -24,7 +24,6 @@ import math
 import torch
 import triton
 
-from ... import envs
 from ...device import protocol as P
 from .kernels.transport import barrier_kernel, pull_grads_kernel, push_weights_kernel
 from ...memory import Region, get_heap
@@ -49,7 +48,9 @@ class ExpertTransport(SlotTransportBase):
     """Virtual slots for the weights named in ``shapes`` (``name -> per-expert shape``) in symmetric memory.
 
     Args: as :class:`tritonep.backends.slot_transport.SlotTransportBase`, plus ``num_programs``: grid of the copy kernels
-    (default 1 on CPU, 64 on GPU). Every in-kernel rendezvous wait is bounded by ``timeout_s``.
+    (default 1 on CPU, 64 on GPU), clipped to ``max_programs`` (0: no cap; ranks that share a GPU under MPS: the copy
+    loops are grid-strided), and ``launch``: the launch path (:data:`tritonep.envs.LAUNCH_MODES`); the buffer that
+    builds it passes its config's. Every in-kernel rendezvous wait is bounded by ``timeout_s``.
 
     On a GPU every kernel variant is compiled at construction (before the heap's construction barrier), so no call
     ever compiles (docs/protocols.md (host protocol rule)).
@@ -59,15 +60,15 @@ class ExpertTransport(SlotTransportBase):
     """
 
     def __init__(self, group, num_experts: int, shapes: dict, dtype=torch.bfloat16, device=None, num_programs=None,
-                 timeout_s: float | None = None):
+                 timeout_s: float | None = None, max_programs: int = 0, launch: str = "packed"):
         super().__init__(group, num_experts, shapes, dtype, device, timeout_s)
         self.has_timer = self.device.type == "cuda"
         self.timeout = wait_bound(self.device, self.timeout_s)
         self.G = num_programs or (64 if self.device.type == "cuda" else 1)
-        if envs.max_programs():  # ranks that share a GPU under MPS (the copy loops are grid-strided)
-            self.G = min(self.G, envs.max_programs())
+        if max_programs:
+            self.G = min(self.G, max_programs)
         self.WB = max(2, triton.next_power_of_2(self.W))
-        self._launch = Launch(self.device)
+        self._launch = Launch(self.device, max_programs=max_programs, mode=launch)
         # the pull kernel's target when a rank has no native gradient and holds nothing (num_targets = 0: untouched)
         self._dummy = torch.zeros(1, dtype=dtype, device=self.device)
         self._precompile()

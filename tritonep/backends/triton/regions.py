@@ -19,7 +19,7 @@ def regions(cfg):
     scratch lives in the same allocation."""
     W, E, H, Tm, K = cfg.world_size, cfg.num_experts, cfg.hidden, cfg.max_tokens_per_rank, cfg.topk
     max_recv_tokens, dtype = cfg.max_recv_tokens, cfg.dtype
-    ncmax = max(1, triton.cdiv(Tm, cfg.geometry.bt))
+    ncmax = max(1, triton.cdiv(Tm, cfg.tiles.bt))
     return [
         Region("flags", (P.v(P.NUM_FLAG_ROWS), W), torch.int64),
         Region("status", (16,), torch.int64),  # the status word (device/protocol.py ST_*), then rows received
@@ -36,7 +36,7 @@ def regions(cfg):
         Region("rows_needed", (W,), torch.int64),
         Region("cflag", (W, ncmax), torch.int64),  # per-(source, chunk) arrival epochs of the fused dispatch
         # per-(chunk, expert rank) arrival epochs of the fused combine: one row per token, so any combine tile
-        # (Geometry.cbt, which may differ from bt and from rank to rank's table only through the static config) fits
+        # (KernelTiles.cbt, which may differ from bt and from rank to rank's table only through the static config) fits
         Region("ccflag", (Tm, W), torch.int64),
         # one wire row per (source, token): 2H bytes hold a bf16 row and any quantized row (fp8 H + H/32,
         # mxfp4 H/2 + H/32 bytes); backward passes always move bf16 through the same regions

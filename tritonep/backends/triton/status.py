@@ -139,7 +139,7 @@ class CallStatus:
     def eager_check(self, what):
         """Strict eager calls (TRITONEP_SYNC_CHECKS=1, not capturing) raise a wait the kernels gave up on in the same
         call (one sync). By default (deferred) the next dispatch's one host read raises it instead."""
-        if envs.sync_checks() != envs.SYNC_STRICT or self._launch.warming or (
+        if self.cfg.sync_checks != envs.SYNC_STRICT or self._launch.warming or (
                 self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             return
         self.check(what)

@@ -1,10 +1,14 @@
-"""Kernel geometry (tile sizes, grids, combine kind) from a small static table, never autotuned at run time.
+"""The kernel tiles of the triton backend (tile sizes, grids, combine kind, fused / one-launch roles) from a small
+static table, never autotuned at run time (:class:`KernelTiles`, :func:`select_tiles`). "Tiles" here, so that
+"geometry" keeps one meaning: the model's shape (:class:`tritonep.MoEGeometry`).
 
 Keyed by (device kind, world_size, hidden, token bucket, wire). The GPU choices were measured on the H200 with
 ``benchmarks/ep_bench.py``; docs/performance.md ("Why the defaults") gives the figures behind each. CPU rows keep
 interpreter runs short (one program, big tiles).
 Grids must be identical on every rank (receivers wait for ``calls * grid`` arrivals), so the choice depends only on
-the static configuration, which EPBuffer checks is the same on every rank.
+the static configuration, which EPBuffer checks is the same on every rank. :func:`select_tiles` reads no environment:
+the configuration (:func:`tritonep.ep.config.build_config`) hands it the SM cap, the override (the ``tiles``
+argument or TRITONEP_GEOMETRY), the forced combine kind and the program cap.
 """
 
 from __future__ import annotations
@@ -13,10 +17,9 @@ from dataclasses import dataclass, replace
 
 import triton
 
-from ... import envs
 from ...wire.formats import get_wire
 
-__all__ = ["Geometry", "select_geometry", "DECODE_MAX_TOKENS"]
+__all__ = ["KernelTiles", "select_tiles", "parse_tiles", "DECODE_MAX_TOKENS"]
 
 # largest max_tokens_per_rank of the one-launch decode paths: their programs hold every route of the rank in one
 # [next_pow2(Tmax), next_pow2(topk)] tile (2048 ids at top-8), histogrammed redundantly by every program
@@ -24,8 +27,8 @@ DECODE_MAX_TOKENS = 256
 
 
 @dataclass(frozen=True)
-class Geometry:
-    """Tiles and grids of the EP kernels.
+class KernelTiles:
+    """Tiles and grids of the triton backend's EP kernels (frozen; every rank's are equal).
 
     bt: tokens per tile; bh: hidden columns per tile; grid_*: programs of each kernel; num_warps; combine: "push"
     or "pull"; fused_send / fused_expand: when > 0, the forward dispatch runs as ONE launch of
@@ -38,13 +41,13 @@ class Geometry:
     ``decode`` (at most ``cdiv(max_tokens_per_rank, bt)``, 132 and the SM cap) and the fused paths are off.
     cbt / cwarps: token tile and warps of the combine kernels (partial, output, fused combine; 0 = ``bt`` /
     ``num_warps``): the combine gathers K expert rows per token, so its tile is sized by the K loads one thread
-    keeps in flight, not by the dispatch's tile (:func:`select_geometry` resolves both to non-zero values).
+    keeps in flight, not by the dispatch's tile (:func:`select_tiles` resolves both to non-zero values).
     prefetch: the dispatch expander loads the next hidden tile of a source row before storing the current one.
     bbt / bwarps / bgrid: token tile, warps and grid of the combine backward's expand (0 = ``bt`` / ``num_warps`` /
     every program of the forward dispatch: ``fused_send + fused_expand`` when fused, else ``grid_expand``; its last
     program acknowledges the sources for ``grid_expand`` programs, so the grid is free): per route it loads an
     expert-output tile next to the source tile for the weight gradient, so its tile is sized so that no registers
-    spill (:func:`select_geometry` resolves all three to non-zero values).
+    spill (:func:`select_tiles` resolves all three to non-zero values).
     """
 
     bt: int
@@ -82,8 +85,9 @@ _OVERRIDE_FIELDS = ("bt", "bh", "warps", "grid", "combine", "fs", "fe", "fc", "d
 _BWD_TILE = {16: (8, 32), 8: (8, 32), 4: (4, 8), 2: (2, 16), 1: (1, 4)}
 
 
-def _apply_override(g: Geometry, text: str) -> Geometry:
-    """Apply a TRITONEP_GEOMETRY string (``bt=2,bh=512,warps=8,grid=128,combine=pull,cbt=4,cwarps=8``) to ``g``.
+def _apply_override(g: KernelTiles, text: str, source: str = "TRITONEP_GEOMETRY") -> KernelTiles:
+    """Apply an override string (``bt=2,bh=512,warps=8,grid=128,combine=pull,cbt=4,cwarps=8``: the ``tiles``
+    argument or TRITONEP_GEOMETRY, named ``source`` in errors) to ``g``.
 
     ``grid=`` without ``fs``/``fe`` selects the two-kernel dispatch with that grid; ``fs=0,fe=0`` turns the fused
     dispatch off while keeping the table's grids; ``dec=G`` selects the one-launch decode paths with G programs
@@ -102,37 +106,37 @@ def _apply_override(g: Geometry, text: str) -> Geometry:
         key, _, val = item.partition("=")
         key = key.strip()
         if key not in _OVERRIDE_FIELDS:
-            raise ConfigError(f"TRITONEP_GEOMETRY entry {item!r}: unknown field {key!r}; fields: {', '.join(_OVERRIDE_FIELDS)}")
+            raise ConfigError(f"{source} entry {item!r}: unknown field {key!r}; fields: {', '.join(_OVERRIDE_FIELDS)}")
         if key == "combine":
             if val not in ("push", "pull"):
-                raise ConfigError(f"TRITONEP_GEOMETRY entry {item!r}: combine must be push or pull")
+                raise ConfigError(f"{source} entry {item!r}: combine must be push or pull")
             f["combine"] = val
             continue
         try:
             v = int(val)
         except ValueError:
-            raise ConfigError(f"TRITONEP_GEOMETRY entry {item!r}: {val!r} is not an integer") from None
+            raise ConfigError(f"{source} entry {item!r}: {val!r} is not an integer") from None
         if key in ("grid", "bgrid"):
             if v < 1:
-                raise ConfigError(f"TRITONEP_GEOMETRY entry {item!r}: {key} must be >= 1")
+                raise ConfigError(f"{source} entry {item!r}: {key} must be >= 1")
             if key == "grid":
                 grid = v
             else:
                 f["bgrid"] = v
         elif key in ("fc", "pf"):
             if v not in (0, 1):
-                raise ConfigError(f"TRITONEP_GEOMETRY entry {item!r}: {key} must be 0 or 1")
+                raise ConfigError(f"{source} entry {item!r}: {key} must be 0 or 1")
             f["fused_combine" if key == "fc" else "prefetch"] = bool(v)
         elif key == "dec":
             if v < 0:
-                raise ConfigError(f"TRITONEP_GEOMETRY entry {item!r}: dec must be >= 0")
+                raise ConfigError(f"{source} entry {item!r}: dec must be >= 0")
             f["decode"] = v
         elif key in ("fs", "fe"):
             if v < 0:
-                raise ConfigError(f"TRITONEP_GEOMETRY entry {item!r}: {key} must be >= 0")
+                raise ConfigError(f"{source} entry {item!r}: {key} must be >= 0")
             f["fused_send" if key == "fs" else "fused_expand"] = v
         elif v < 1 or v & (v - 1):
-            raise ConfigError(f"TRITONEP_GEOMETRY entry {item!r}: {key} must be a positive power of two")
+            raise ConfigError(f"{source} entry {item!r}: {key} must be a positive power of two")
         else:
             f["num_warps" if key == "warps" else key] = v
     gs = [grid] * 4 if grid else [g.grid_send, g.grid_expand, g.grid_partial, g.grid_out]
@@ -142,35 +146,54 @@ def _apply_override(g: Geometry, text: str) -> Geometry:
         if "fc" not in keys:  # (an explicit fc=1 is refused below: it needs the fused roles grid= turned off)
             f["fused_combine"] = False
     if (f["fused_send"] > 0) != (f["fused_expand"] > 0) or len(keys & {"fs", "fe"}) == 1:
-        raise ConfigError(f"TRITONEP_GEOMETRY {text!r}: fs and fe must both be > 0 (fused dispatch) or both 0")
+        raise ConfigError(f"{source} {text!r}: fs and fe must both be > 0 (fused dispatch) or both 0")
     if f["fused_combine"] and not f["fused_send"]:
-        raise ConfigError(f"TRITONEP_GEOMETRY {text!r}: fc=1 needs fs/fe > 0 (the role sizes), and the dispatch is "
+        raise ConfigError(f"{source} {text!r}: fc=1 needs fs/fe > 0 (the role sizes), and the dispatch is "
                           "the two-kernel one here (the table's choice or fs=0,fe=0): give them, e.g. fs=40,fe=88,fc=1")
-    return Geometry(bt=f["bt"], bh=f["bh"], grid_hist=g.grid_hist, grid_send=gs[0], grid_expand=gs[1],
+    return KernelTiles(bt=f["bt"], bh=f["bh"], grid_hist=g.grid_hist, grid_send=gs[0], grid_expand=gs[1],
                     grid_partial=gs[2], grid_out=gs[3], num_warps=f["num_warps"], combine=f["combine"],
                     fused_send=f["fused_send"], fused_expand=f["fused_expand"], fused_combine=f["fused_combine"],
                     decode=f["decode"], cbt=f["cbt"], cwarps=f["cwarps"], prefetch=f["prefetch"], bbt=f["bbt"],
                     bwarps=f["bwarps"], bgrid=f["bgrid"])
 
 
-def select_geometry(device_type: str, world_size: int, hidden: int, max_tokens_per_rank: int, topk: int,
-                    wire: str = "bf16", num_sms: int | None = None) -> Geometry:
-    """The geometry for a static configuration (see module docstring); ``wire``: the dispatch wire's name.
+def parse_tiles(text: str, source: str = "tiles") -> None:
+    """Check an override string on its own (its fields and values; what only some configurations accept, e.g.
+    ``dec=`` above the decode bound, is checked by :func:`select_tiles`).
 
-    ``num_sms`` (or TRITONEP_NUM_SMS) caps every grid: communication kernels then leave the rest of the chip free
-    for expert GEMMs. TRITONEP_MAX_PROGRAMS (set for ranks that share a GPU under MPS) clips every grid too, but
-    changes no choice of the table (fused or two-kernel dispatch, warps). Raises ConfigError for a ``num_sms`` that is not None or an int >= 0, or a bad environment
-    value (:mod:`tritonep.envs`).
+    Raises:
+        ConfigError: naming the bad entry (``source`` names where it came from).
     """
-    if num_sms is not None and (isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms < 0):
-        from ...errors import ConfigError
+    base = KernelTiles(bt=16, bh=64, grid_hist=1, grid_send=1, grid_expand=1, grid_partial=1, grid_out=1,
+                       num_warps=4, combine="push", fused_send=40, fused_expand=88)
+    _apply_override(base, text, source)
 
-        raise ConfigError(f"num_sms={num_sms!r}: use None (the table) or an integer >= 0 (0 = no cap)")
-    cap = num_sms if num_sms else envs.num_sms()
-    forced = envs.combine_kind()
+
+def select_tiles(device_type: str, world_size: int, hidden: int, max_tokens_per_rank: int, topk: int,
+                 wire: str = "bf16", num_sms: int = 0, override="", combine: str = "",
+                 max_programs: int = 0, source: str = "tiles") -> KernelTiles:
+    """The kernel tiles of a static configuration (see module docstring); ``wire``: the dispatch wire's name.
+
+    Args:
+        num_sms: caps every grid (0: none): communication kernels then leave the rest of the chip free for expert
+            GEMMs; an SM cap also picks paths of the table.
+        override: an override string applied to the table's choice (``bt=2,dec=3``, module :func:`_apply_override`;
+            the ``tiles`` argument of EPBuffer or TRITONEP_GEOMETRY), or a :class:`KernelTiles` taken as it is
+            ("": none).
+        combine: ``"push"`` / ``"pull"`` forces the combine kind (TRITONEP_COMBINE; "": the table's).
+        max_programs: clips every grid too (0: none; set for ranks that share a GPU under MPS) but changes no choice
+            of the table (fused or two-kernel dispatch, warps).
+        source: where ``override`` came from, named in its errors (``"tiles"``, ``"TRITONEP_GEOMETRY"``).
+
+    Raises:
+        ConfigError: a bad override entry, or ``dec=`` above the decode bound.
+    """
+    if isinstance(override, KernelTiles):
+        return override
+    cap, forced = num_sms, combine
     if device_type != "cuda":
         bh = min(triton.next_power_of_2(hidden), 1024)
-        g = Geometry(bt=16, bh=bh, grid_hist=1, grid_send=1, grid_expand=1, grid_partial=1, grid_out=1,
+        g = KernelTiles(bt=16, bh=bh, grid_hist=1, grid_send=1, grid_expand=1, grid_partial=1, grid_out=1,
                      num_warps=4, combine="push")
     else:
         bh = min(triton.next_power_of_2(hidden), 1024)
@@ -181,7 +204,7 @@ def select_geometry(device_type: str, world_size: int, hidden: int, max_tokens_p
         chunks = max(1, triton.cdiv(max_tokens_per_rank, bt))
         big = max_tokens_per_rank >= 1024
         grid = min(132, max(8, chunks * world_size))
-        g = Geometry(bt=bt, bh=bh, grid_hist=min(132, chunks), grid_send=grid, grid_expand=grid,
+        g = KernelTiles(bt=bt, bh=bh, grid_hist=min(132, chunks), grid_send=grid, grid_expand=grid,
                      grid_partial=grid, grid_out=grid, num_warps=8 if big else 4, combine="push")
         if big and not cap and not get_wire(wire).quantized and (world_size > 1 or max_tokens_per_rank < 4096):
             # one-launch fused dispatch, 40 senders + 88 expanders: it overlaps the NVLink send with the expand.
@@ -199,11 +222,10 @@ def select_geometry(device_type: str, world_size: int, hidden: int, max_tokens_p
             # an SM-capped fp8 dispatch is bound by its quantizing sender's compute: 16 warps (+ the expander's
             # next-tile prefetch) at 24 SMs (bf16 gains nothing from either; docs/performance.md)
             g = replace(g, num_warps=16, prefetch=True)
-    override = envs.geometry_override()
     if override:
-        g = _apply_override(g, override)
+        g = _apply_override(g, override, source)
     # the SM cap picks paths above; TRITONEP_MAX_PROGRAMS (ranks that share a GPU under MPS) only clips grids
-    caps = [c for c in (cap, envs.max_programs()) if c]
+    caps = [c for c in (cap, max_programs) if c]
     clip = min(caps) if caps else 0
     if clip:
         fs, fe, fc = g.fused_send, g.fused_expand, g.fused_combine
@@ -240,8 +262,8 @@ def select_geometry(device_type: str, world_size: int, hidden: int, max_tokens_p
                    bwarps=g.bwarps or g.num_warps, bgrid=min(bgrid, clip) if clip else bgrid)
 
 
-def _decode_grids(g: Geometry, max_tokens_per_rank: int, cap: int | None) -> Geometry:
-    """The one-launch decode geometry: ``decode`` clipped to the chunk count, 132 and the SM cap; every two-kernel
+def _decode_grids(g: KernelTiles, max_tokens_per_rank: int, cap: int | None) -> KernelTiles:
+    """The one-launch decode tiles: ``decode`` clipped to the chunk count, 132 and the SM cap; every two-kernel
     grid equal to it (the counters then advance by the same per-call totals on either path); fused paths off.
 
     Raises ConfigError when ``max_tokens_per_rank`` exceeds the decode bound (the kernel holds every route in one
@@ -249,8 +271,9 @@ def _decode_grids(g: Geometry, max_tokens_per_rank: int, cap: int | None) -> Geo
     from ...errors import ConfigError
 
     if max_tokens_per_rank > DECODE_MAX_TOKENS:
-        raise ConfigError(f"TRITONEP_GEOMETRY dec={g.decode}: the one-launch decode path takes max_tokens_per_rank <= "
+        raise ConfigError(f"tiles dec={g.decode}: the one-launch decode path takes max_tokens_per_rank <= "
                           f"{DECODE_MAX_TOKENS}, got {max_tokens_per_rank}")
     G = max(1, min(g.decode, triton.cdiv(max_tokens_per_rank, g.bt), 132, cap or 132))
     return replace(g, decode=G, grid_send=G, grid_expand=G, grid_partial=G, grid_out=G, fused_send=0,
                    fused_expand=0, fused_combine=False)
+

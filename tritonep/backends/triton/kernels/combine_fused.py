@@ -10,7 +10,7 @@ are still in flight. The decode combine (:mod:`tritonep.backends.triton.kernels.
 program taking both roles. Same idea as
 :mod:`tritonep.backends.triton.kernels.dispatch_fused` (per-chunk signalling of DeepEP / pplx-kernels).
 
-Compatibility: every program adds 1 to CDATA / CACK and the geometry makes ``grid_partial == GS`` and ``grid_out
+Compatibility: every program adds 1 to CDATA / CACK and the tiles make ``grid_partial == GS`` and ``grid_out
 == GE``, so the per-call totals equal the two-kernel path's; the flag holds the call number, so the two-kernel kernels (pull
 combine, dispatch backward with weight gradients) can run on the same buffer before or after. Push only, weighted,
 no weight-gradient return. Requirements as in the fused dispatch (all programs resident at once).

@@ -1,7 +1,7 @@
 """Decode combine: partials, their push, the per-chunk wait and the output sums in ONE launch (small T); also the
-dispatch backward of the decode geometry (``WEIGHTED=False``, with ``WGRAD`` the per-route weight gradients).
+dispatch backward of the decode tiles (``WEIGHTED=False``, with ``WGRAD`` the per-route weight gradients).
 
-Every program of a grid of ``G`` programs (the geometry's ``dec``, the same grid as the decode dispatch):
+Every program of a grid of ``G`` programs (the tiles' ``dec``, the same grid as the decode dispatch):
 
 1. waits (bounded) until every source finished reading the previous combine's partials (CACK, as the two-kernel
    partial kernel does);
@@ -18,7 +18,7 @@ Every program of a grid of ``G`` programs (the geometry's ``dec``, the same grid
 Waits target only program ``pid`` of other ranks (the waiting program itself for its own rank) or earlier launches,
 never another program of this rank's grid: correct in the interpreter at any grid and at grid 1; on the GPU every
 program is resident with ``G <= 132`` (see :mod:`tritonep.backends.triton.kernels.decode_dispatch` for the full argument).
-Compatibility: the grid adds G to CDATA and CACK (once all its programs finished) and the geometry sets
+Compatibility: the grid adds G to CDATA and CACK (once all its programs finished) and the tiles set
 ``grid_partial == grid_out == G``, so the two-kernel combine (pull, dispatch backward) can run before or after on the
 same buffer. Push only: the weighted combine, or (``WEIGHTED=False``) the dispatch backward, whose partial step
 with ``WGRAD`` also pushes ``gw[row]`` into the source's ``wback`` before raising the chunk's flag and whose sum step

@@ -2,7 +2,7 @@
 
 At decode sizes (a few hundred tokens per rank) a dispatch moves little data and its time is launch latency: the
 standard path makes 4 launches (chunk histograms, counts exchange, send, expand) and the fused one 3. Here every
-program of one grid of ``G`` programs (``G <= cdiv(Tmax, BT)``, ``G <= 132``; the geometry's ``dec``) does:
+program of one grid of ``G`` programs (``G <= cdiv(Tmax, BT)``, ``G <= 132``; the tiles' ``dec``) does:
 
 1. loads ALL of this rank's ``topk_idx`` (one ``[TB, KB]`` tile, ``TB = next_pow2(Tmax)``, Tmax at most
    ``tritonep.backends.triton.tiles.DECODE_MAX_TOKENS``) and histograms it over the experts (redundantly in every
@@ -30,13 +30,13 @@ rank (its counts row), (b) program ``pid`` of another rank (chunk flags; its own
 waiting program itself, which published before it waits) and (c) earlier launches (the ACK of the previous call).
 No program waits for another program of its own rank's grid, so the interpreter, which runs one program at a time
 in order, never deadlocks, and every kernel is correct at grid=1. On the GPU, program ``pid`` of one rank waits for
-program ``pid`` (and 0) of its peers: with ``G <= 132`` (one program per SM at most, geometry-enforced) every
+program ``pid`` (and 0) of its peers: with ``G <= 132`` (one program per SM at most, the tiles enforce it) every
 program is resident at once on every rank; when they are not (SMs busy with another stream), the bounded waits
 report a timeout naming the peer instead of hanging.
 
 Compatibility with the two-kernel path on the same buffer (combine backward, pull combine): the last program adds G
 to DATA and ACK in every rank once every program has sent and expanded (one remote atomic per rank and launch
-instead of one per program), and the geometry forces ``grid_send == grid_expand == G``, so the per-call totals
+instead of one per program), and the tiles force ``grid_send == grid_expand == G``, so the per-call totals
 equal the two-kernel path's; the chunk flags hold call numbers exactly as the fused dispatch's do.
 Ideas: DeepEP's low-latency kernels and pplx-kernels (one kernel sends, counts and receives with per-expert / per-
 rank signals; see ../shared/reference/ep_anchors.md), here with Triton programs paired across ranks.

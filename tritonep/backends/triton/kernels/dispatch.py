@@ -18,7 +18,7 @@ this rank wrote. With n = the dispatch-like call number (device memory), a send 
   the routing metadata for combine (the handle), and zeroes the alignment padding rows. Backward mode (``SCALE``/``DOT``) multiplies each row by its route weight and
   computes ``dot(row, expert_out[row])`` for the weight gradient (the combine backward); it also zeroes every row of
   its outputs that no route writes (padding, rows past the layout's end: :func:`zero_unwritten`), so the combine
-  backward allocates them empty, and runs in its own token tile (``Geometry.bbt`` / ``bwarps``: the K expert-output
+  backward allocates them empty, and runs in its own token tile (``KernelTiles.bbt`` / ``bwarps``: the K expert-output
   tiles it keeps in flight spill registers in the dispatch's).
 
 Twins: the whole dispatch is specified by :func:`tritonep.reference.dispatch_reference`; the row computation by

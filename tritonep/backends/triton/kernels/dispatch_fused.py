@@ -13,13 +13,13 @@ On the raw bf16 wire the own rank's rows are not staged: its expanders read them
 (:func:`tritonep.backends.triton.kernels.dispatch.source_tile`); the own chunk flags are still waited for (the ``meta`` rows).
 
 Compatibility with the two-kernel path (combine backward still uses it on the same buffer): every program of a
-role adds 1 to DATA / ACK as the two-kernel grids do, and the geometry makes the two-kernel grids EQUAL the role
+role adds 1 to DATA / ACK as the two-kernel grids do, and the tiles make the two-kernel grids EQUAL the role
 sizes (``grid_send == GS``, ``grid_expand == GE``), so both paths add the same per-call totals and either can
 follow the other. (Weighting one program's increment to make different grid sizes add up is wrong: a waiter can
 see the total transiently reached while programs are still running.) The flag value is the call number, not a
 count, so calls that do not use the fused path leave nothing to catch up.
 
-Requirements: every program of the grid must be able to run at once (``G <= resident CTAs``; the geometry table
+Requirements: every program of the grid must be able to run at once (``G <= resident CTAs``; the kernel-tile table
 keeps ``G`` within the SM count), else expanders could spin while senders wait for a free SM (the bounded wait then
 reports a timeout instead of hanging). In the interpreter programs run in order, senders first, which is valid.
 Twin: :func:`tritonep.reference.dispatch_reference` (the output equals the two-kernel path bit for bit).

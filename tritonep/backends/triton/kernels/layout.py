@@ -35,7 +35,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .... import envs
 from ....device.protocol import (CALL_EXCHANGE, DONE_EXCHANGE, ST_BAD_RANK_MASK, ST_NEEDED_ROWS, ST_SKIP_CALL, ST_THIS_CALL,
                        STATUS_BAD_INPUT, STATUS_CAPACITY, WAIT_COUNTS)
 from ....device.signal import publish_host_status, record_error, signal_peers, wait_all_ge
@@ -86,18 +85,18 @@ def chunk_hist_kernel(topk_idx_ptr, hist_ptr, T, NC, K: tl.constexpr, E: tl.cons
         tl.store(hist_ptr + c * (E + 1) + E, bad)
 
 
-def exchange_tiles(max_chunks: int, num_experts: int) -> tuple[int, dict]:
+def exchange_tiles(max_chunks: int, num_experts: int, max_programs: int = 0) -> tuple[int, dict]:
     """``(grid, {"NCB", "EBLK"})`` of :func:`exchange_kernel` for at most ``max_chunks`` chunk rows and
     ``num_experts`` experts: every chunk row in one tile (up to 256), at most 32 experts per tile and 8K counters
     (no spills at 8 warps), one program per expert block. Measured on one H200 at 256 chunks x 256 experts: one
-    program with 64 x 64 tiles 43 us, with 256 x 32 tiles 30 us; at most TRITONEP_MAX_PROGRAMS programs when it is
-    set. Depends only on the static configuration (docs/protocols.md (host protocol rule))."""
+    program with 64 x 64 tiles 43 us, with 256 x 32 tiles 30 us; at most ``max_programs`` programs when it is not 0
+    (the configuration's cap: ranks that share a GPU under MPS; the programs loop over the expert blocks). Depends
+    only on the static configuration (docs/protocols.md (host protocol rule))."""
     ncb = min(triton.next_power_of_2(max(1, max_chunks)), 256)
     eb = triton.next_power_of_2(num_experts)
     eblk = max(1, min(eb, 32, 8192 // ncb))
     grid = triton.cdiv(eb, eblk)
-    cap = envs.max_programs()  # ranks that share a GPU under MPS: the programs loop over the expert blocks
-    return (min(grid, cap) if cap else grid), dict(NCB=ncb, EBLK=eblk)
+    return (min(grid, max_programs) if max_programs else grid), dict(NCB=ncb, EBLK=eblk)
 
 
 @triton.jit(do_not_specialize=['NC', 'flag_off', 'timeout', 'max_recv', 'host_bad', 'ticket'])

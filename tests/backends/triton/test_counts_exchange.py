@@ -120,9 +120,9 @@ def _any_grid_world(group, cfg, steps, grid):
     real = tb.exchange_tiles
     used = []
 
-    def tiles(nc, e):  # the docstring's claim: any grid >= 1 is correct
-        used.append(real(nc, e))
-        return grid, real(nc, e)[1]
+    def tiles(nc, e, max_programs=0):  # the docstring's claim: any grid >= 1 is correct
+        used.append(real(nc, e, max_programs))
+        return grid, real(nc, e, max_programs)[1]
 
     tb.exchange_tiles = tiles
     try:

@@ -174,15 +174,22 @@ def normalized(rec: dict) -> dict:
     default (a bound launch passes it explicitly). For comparing the launch sets of two trees."""
     import inspect
 
+    import triton.language as tl
+
     fn = kernel_of(rec)
     pyfn = getattr(fn.fn, "fn", fn.fn) if hasattr(fn, "fn") else fn
     params = inspect.signature(pyfn).parameters
-    const = dict(rec["constexprs"])
+    sig, const = dict(rec["signature"]), dict(rec["constexprs"])
     for n, v in rec["constexprs"].items():
-        d = params[n].default if n in params else inspect.Parameter.empty
+        p = params.get(n)
+        d = p.default if p is not None else inspect.Parameter.empty
         if v is None and d is not inspect.Parameter.empty and d is not None:
-            const[n] = _const_to_json(d)
-    return dict(rec, module=pyfn.__module__, constexprs=const)
+            if "constexpr" in str(p.annotation) or p.annotation is tl.constexpr:
+                const[n] = _const_to_json(d)
+            else:  # a runtime parameter left to its default: Triton binds (and types) the default
+                sig[n] = _type_of(d)
+                del const[n]
+    return dict(rec, module=pyfn.__module__, signature=sig, constexprs=const)
 
 
 def compile_one(rec: dict):

@@ -45,7 +45,7 @@ from ...wire.formats import get_wire
 from .calls import RAW, KernelSet
 from .decode import DecodePath
 from .outputs import DispatchOutputs, HandleLayout
-from .regions import regions
+from .regions import RegionViews, regions
 from .status import CallStatus
 
 __all__ = ["TritonEP"]
@@ -76,18 +76,15 @@ class TritonEP:
         self.dfmt = get_wire(cfg.dispatch_wire, "dispatch_wire")
         self.dwire, self.cwire = self.dfmt.codec, get_wire(cfg.combine_wire, "combine_wire").codec  # kernels' WIRE
         self.buf = get_heap(group, self.device).allocate(regions(cfg))
-        b = self.buf
-        self.flags, self.status, self.calls = b.local("flags"), b.local("status"), b.local("calls")
-        self.hist, self.pre = b.local("hist"), b.local("pre")
-        self.send_base, self.rows_needed = b.local("send_base"), b.local("rows_needed")
-        self.tab = {n: b.ptr_table(n) for n in ("flags", "counts", "ntok", "meta", "wts", "wback", "stage",
-                                                 "cstage", "cflag", "ccflag")}
-        self.timeout = wait_bound(self.device, cfg.timeout_s)
+        self.views = v = RegionViews(self.buf)  # what the launches are bound to
+        self.flags, self.status, self.calls = v.flags, v.status, v.calls
         self.hl = HandleLayout(cfg)
         # every launch bound once (KernelSet), reported to the recorder, its grid within the program cap
         self._launch = Launch(self.device, max_programs=cfg.max_programs, mode=cfg.launch)
         self.call_status = CallStatus(cfg, rank, self.device, self.status, self._launch)
-        self.k = KernelSet(self)
+        self.k = KernelSet(cfg, v, self.hl, self._launch, rank=rank, device=self.device,
+                           timeout=wait_bound(self.device, cfg.timeout_s), host_mapped=self.call_status.mapped,
+                           dwire=self.dwire)
         # per-call outputs reused once nobody holds them (runtime/pool.py): the two-kernel / fused tiles' handle
         # storage blocks and the views a dispatch returns of them; the decode tiles' own pools (DecodePath)
         slots, dec = cfg.output_pool, bool(cfg.tiles.decode)

@@ -1,4 +1,5 @@
-"""The symmetric regions of one triton-backend EPBuffer (one allocation per buffer; also ``required_bytes``).
+"""The symmetric regions of one triton-backend EPBuffer (one allocation per buffer; also ``required_bytes``) and
+the views of them its kernels are bound to (:class:`RegionViews`).
 
 Flag rows, call counters and the status word are laid out as :mod:`tritonep.device.protocol` names them.
 """
@@ -11,7 +12,7 @@ import triton
 from ...device import protocol as P
 from ...memory import Region
 
-__all__ = ["regions"]
+__all__ = ["regions", "RegionViews"]
 
 
 def regions(cfg):
@@ -44,3 +45,23 @@ def regions(cfg):
         Region("cstage", (W, Tm, 2 * H), torch.uint8),
         Region("expert_out", (max_recv_tokens, H), dtype),
     ]
+
+
+class RegionViews:
+    """The views of one buffer's symmetric allocation ``buf`` (a :mod:`tritonep.memory` allocation of
+    :func:`regions`) that its launches are bound to: this rank's ``flags``, ``status``, ``calls``, ``hist``, ``pre``,
+    ``send_base``, ``rows_needed``, any region by :meth:`local`, and every rank's pointer table of the shared regions
+    (``tab[name]``)."""
+
+    SHARED = ("flags", "counts", "ntok", "meta", "wts", "wback", "stage", "cstage", "cflag", "ccflag")
+
+    def __init__(self, buf):
+        self._buf = buf
+        self.flags, self.status, self.calls = buf.local("flags"), buf.local("status"), buf.local("calls")
+        self.hist, self.pre = buf.local("hist"), buf.local("pre")
+        self.send_base, self.rows_needed = buf.local("send_base"), buf.local("rows_needed")
+        self.tab = {n: buf.ptr_table(n) for n in self.SHARED}
+
+    def local(self, name: str):
+        """This rank's view of region ``name``."""
+        return self._buf.local(name)

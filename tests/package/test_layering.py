@@ -3,7 +3,8 @@
 * imports go one way: every ``tritonep`` import of every module (top-level and inside functions, absolute and
   relative) points to the same or a lower layer (``errors`` / ``envs`` < ``memory`` < ``device`` < ``runtime``,
   ``wire`` < ``backends`` < ``ep`` < ``moe``, ``balance``, ``data`` < ``testing``, ``bench`` < ``integrations``,
-  ``cli``), and the packages' import graph has no circle;
+  ``cli``; ``compat``, the compatibility front ends, with ``integrations``), and the packages' import graph has no
+  circle;
 * backends are reached only through their interface: outside ``tritonep/backends`` no module imports a backend's own
   modules (``tritonep.backends.triton``, ``tritonep.backends.nccl``, ...; the registry and the interface modules of
   ``tritonep.backends`` are the way in) or compares a value with a registered backend's name, and no backend imports
@@ -25,7 +26,7 @@ ROOT = pathlib.Path(tritonep.__file__).parent
 # package (or top-level module) -> layer; a module may import its own layer and any lower one
 LAYER = {"errors": 0, "envs": 0, "memory": 1, "device": 2, "runtime": 3, "wire": 3, "reference": 3,
          "reference_checks": 3, "reference_moe": 3, "backends": 4, "ep": 5, "moe": 6, "balance": 6, "data": 6,
-         "testing": 7, "bench": 7, "integrations": 8, "cli": 8}
+         "testing": 7, "bench": 7, "integrations": 8, "compat": 8, "cli": 8}
 BACKEND_PACKAGES = sorted(p.name for p in (ROOT / "backends").iterdir()
                           if p.is_dir() and (p / "__init__.py").exists())
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import time
 
 import torch
@@ -47,16 +46,15 @@ def profile_tokens(group, T, profile="deepseek-v3", iters=30, backend="triton"):
 
     out.update(host_calibration(dev))  # this host's speed: read every host time below next to it
     if backend == "triton":  # the tiles and grids behind the numbers (TRITONEP_GEOMETRY overrides show here)
-        g = buf.geometry
+        g = buf.tiles
         out["geometry"] = (f"bt={g.bt},bh={g.bh},warps={g.num_warps},grid_send={g.grid_send},"
                            f"grid_expand={g.grid_expand},fs={g.fused_send},fe={g.fused_expand},dec={g.decode},"
                            f"cbt={g.cbt},cwarps={g.cwarps},bbt={g.bbt},bwarps={g.bwarps},bgrid={g.bgrid}")
     eo = buf.expert_out_buffer()
     eo.normal_()
     if backend == "triton":  # the nccl backend's eager path is what users run (its host read sizes the rows)
-        os.environ["TRITONEP_SYNC_CHECKS"] = "0"
         out["dispatch_graph_us"], _ = time_graph(lambda: buf.dispatch(x, idx, w), group, iters=iters)
-        d = buf.dispatch(x, idx, w)
+        d = buf.dispatch(x, idx, w, sync_free=True)  # (no read; a captured dispatch reads nothing either)
         out["combine_graph_us"], _ = time_graph(lambda: buf.combine(eo, d.handle), group, iters=iters)
         gx = torch.randn(buf.max_recv_tokens, H, device=dev).to(torch.bfloat16)
         gw = torch.rand(buf.max_recv_tokens, device=dev)
@@ -65,7 +63,6 @@ def profile_tokens(group, T, profile="deepseek-v3", iters=30, backend="triton"):
                                                      iters=iters)
         out["combine_bwd_graph_us"], _ = time_graph(lambda: buf.combine_backward(gy, eo, d.handle), group,
                                                     iters=iters)
-        os.environ.pop("TRITONEP_SYNC_CHECKS")  # default: deferred (one host read per dispatch)
         for _ in range(3):  # warm the eager path after the captures (allocator, pools) before timing it
             buf.dispatch(x, idx, w, sync_free=True)
         torch.cuda.synchronize()
@@ -91,8 +88,8 @@ def profile_tokens(group, T, profile="deepseek-v3", iters=30, backend="triton"):
 
     # the host read's own time (a spin until the device published the call's verdict): waiting for the GPU, not
     # host work; host_work_us = host_us - host_wait_us
-    impl = getattr(buf, "_impl", None)
-    read0 = getattr(impl, "_read_host_status", None)
+    status = getattr(getattr(buf, "_backend", None), "call_status", None)  # the triton backend's (nccl: none)
+    read0 = getattr(status, "read", None)
     waited = [0.0]
     if read0 is not None:
         def read(ticket):
@@ -101,7 +98,7 @@ def profile_tokens(group, T, profile="deepseek-v3", iters=30, backend="triton"):
                 return read0(ticket)
             finally:
                 waited[0] += time.perf_counter() - t
-        impl._read_host_status = read
+        status.read = read
     # the host time per call without the launch timer (its wrapper's own Python would count): ROUNDS loops of
     # ``iters`` calls, the round of median host work reported (one loop varied by +-15 % between processes on one
     # host); then the launches' split in one more loop with the timer
@@ -129,7 +126,7 @@ def profile_tokens(group, T, profile="deepseek-v3", iters=30, backend="triton"):
             out[f"{name}_host_wait_us"] = wait
             out[f"{name}_host_work_us"] = work
     if read0 is not None:
-        del impl._read_host_status  # the class's method again
+        del status.read  # the class's method again
     if rank == 0:
         from torch.profiler import ProfilerActivity, profile
 

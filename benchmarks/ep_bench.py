@@ -87,10 +87,9 @@ def _rank_rows(group, a, pc=None):
                 rows.append(r)
     for v in a.variants:
         prof, sms, wires, geo = v.split(":", 3)
-        os.environ["TRITONEP_GEOMETRY"] = geo
         try:
             for r in bench_ep(group, prof, combine_kinds=("push",), num_sms=int(sms) or None, iters=a.iters,
-                              wires=tuple(wires.split("+")), baselines=False, eager=False):
+                              wires=tuple(wires.split("+")), baselines=False, eager=False, tiles=geo):
                 r.update(num_sms=int(sms), peer_copy_gbps=pc, variant=geo or "table")
                 rows.append(r)
         except Exception as e:  # one bad variant must not lose the rest of the sweep (but fails the run)
@@ -99,8 +98,6 @@ def _rank_rows(group, a, pc=None):
                              logical_gbps=0.0, nvlink_gbps=0.0, mode="crashed", checked=False, check_error=repr(e)))
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
-        finally:
-            os.environ.pop("TRITONEP_GEOMETRY", None)
     if a.overlap is not None:
         from tritonep.bench.overlap import bench_overlap
 

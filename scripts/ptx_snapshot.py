@@ -4,7 +4,7 @@ Three steps (run from the repository root with ``PYTHONPATH=.``):
 
     # 1. run CPU tests and record every interpreted launch (kernel, argument types, constexprs, num_warps)
     python scripts/ptx_snapshot.py record /tmp/launches.jsonl -- tests/ep/test_dispatch_combine.py \\
-        tests/ep/triton/test_geometry.py tests/ep/triton/test_decode.py -x -q
+        tests/backends/triton/test_geometry.py tests/backends/triton/test_decode.py -x -q
     # 2. compile each recorded variant (and its HAS_TIMER=True GPU twin) for sm_90: one PTX file per variant
     python scripts/ptx_snapshot.py snapshot /tmp/launches.jsonl /tmp/ptx_before
     # ... edit the kernels, then snapshot the SAME launches again (and re-record to check the set is unchanged)
@@ -13,7 +13,7 @@ Three steps (run from the repository root with ``PYTHONPATH=.``):
     python scripts/ptx_snapshot.py compare /tmp/ptx_before /tmp/ptx_after
     python scripts/ptx_snapshot.py same-launches /tmp/launches.jsonl /tmp/launches_after.jsonl
 
-The recorder, the compiler call and the normalization live in :mod:`tritonep.testing.compile_check`
+The recorder, the compiler call and the normalization live in :mod:`tests.support.compile_check`
 (``record_launches_to``, ``write_ptx``, ``compare_ptx_dirs``). No GPU is needed; the PTX files are not committed.
 """
 
@@ -27,7 +27,7 @@ import sys
 def _record(args) -> int:
     import pytest
 
-    from tritonep.testing.compile_check import record_launches_to
+    from tests.support.compile_check import record_launches_to
 
     if os.path.exists(args.out):
         os.remove(args.out)
@@ -45,7 +45,7 @@ def _record(args) -> int:
             self._ctx.__exit__(None, None, None)
 
     rc = pytest.main(args.pytest_args, plugins=[_Plugin()])
-    from tritonep.testing.compile_check import read_records
+    from tests.support.compile_check import read_records
 
     recs = read_records(args.out) if os.path.exists(args.out) else []
     errors = [r for r in recs if "error" in r]
@@ -54,7 +54,7 @@ def _record(args) -> int:
 
 
 def _snapshot(args) -> int:
-    from tritonep.testing.compile_check import read_records, with_gpu_twins, write_ptx
+    from tests.support.compile_check import read_records, with_gpu_twins, write_ptx
 
     recs = read_records(args.records)
     failures = write_ptx(recs, args.out_dir, jobs=args.jobs)
@@ -66,7 +66,7 @@ def _snapshot(args) -> int:
 
 
 def _compare(args) -> int:
-    from tritonep.testing.compile_check import compare_ptx_dirs
+    from tests.support.compile_check import compare_ptx_dirs
 
     res = compare_ptx_dirs(args.before, args.after)
     for k, diff in res["different"].items():
@@ -81,10 +81,11 @@ def _compare(args) -> int:
 
 
 def _same_launches(args) -> int:
-    from tritonep.testing.compile_check import read_records, variant_key
+    from tests.support.compile_check import normalized, read_records, variant_key
 
-    a = {variant_key(r) for r in read_records(args.a) if "error" not in r}
-    b = {variant_key(r) for r in read_records(args.b) if "error" not in r}
+    # each record as today's tree launches it (the kernel's module now, defaults left out recorded as the defaults)
+    a = {variant_key(normalized(r)) for r in read_records(args.a) if "error" not in r}
+    b = {variant_key(normalized(r)) for r in read_records(args.b) if "error" not in r}
     for k in sorted(a - b):
         print(f"only in {args.a}: {k}")
     for k in sorted(b - a):

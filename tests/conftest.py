@@ -23,6 +23,10 @@ except Exception:  # pragma: no cover
 
 if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":  # single-process kernel tests: the interpreter's faster patches
+    from tritonep.runtime.interpreter_speed import install as _install_interpreter_speed
+
+    _install_interpreter_speed()
 
 
 def pytest_addoption(parser):

@@ -1,4 +1,4 @@
-"""Host cost of one :class:`tritonep.ep.bound.BoundKernel` call on the direct path, without a GPU.
+"""Host cost of one :class:`tritonep.runtime.bound.BoundKernel` call on the direct path, without a GPU.
 
     PYTHONPATH=. python benchmarks/probes/bound_overhead.py [--iters 20000] [--json out.json]
 
@@ -61,9 +61,9 @@ def _fake_kernel():
 
 
 def measure(iters: int) -> dict:
-    from tritonep.ep import bound as bound_mod
+    from tritonep.runtime import bound as bound_mod
 
-    bound_mod.bound_launch_enabled = lambda device: True
+    bound_mod.bound_launch_enabled = lambda launcher: True
     torch._C._cuda_getCurrentRawStream = lambda dev: 7  # CPU stand-in (no CUDA here)
 
     class Lau:

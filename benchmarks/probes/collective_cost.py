@@ -9,10 +9,10 @@ Per op: ``host_us`` = host time per call of ``iters`` back-to-back calls (no syn
 including the final synchronize / iters (what an eager loop of that op costs). Shapes are the nccl backend's at
 decode (the ``decode`` profile of tritonep/bench/profiles.py: bf16 rows of H + 96 meta bytes; a counts row of
 E + W + 2 int32). Why: to choose between one and two collectives per sync-free nccl dispatch; ``*_bound``: the nccl backend's bound paths
-(:class:`tritonep.ep.nccl.collectives.BoundCollective`: the process group's backend called directly;
-:class:`tritonep.ep.bound.BoundKernel`: the compiled kernel's C launcher; ``*_wide_*``: a 57-argument kernel through
+(:class:`tritonep.backends.nccl.collectives.BoundCollective`: the process group's backend called directly;
+:class:`tritonep.runtime.bound.BoundKernel`: the compiled kernel's C launcher; ``*_wide_*``: a 57-argument kernel through
 Triton's ``kernel[grid]``, the bound launch through Triton's C launcher and the bound packed launch,
-:mod:`tritonep.ep.packed_launch`). Checks: every op's output is compared with
+:mod:`tritonep.runtime.packed_launch`). Checks: every op's output is compared with
 its expected value once after timing. The JSON has host_cost.py's format (``{info, rows: {name: us}}``).
 """
 
@@ -89,17 +89,17 @@ def main():
     res["all_gather_into_tensor"] = timed(lambda: dist.all_gather_into_tensor(gathered, row))
     res["all_to_all_single_even"] = timed(lambda: dist.all_to_all_single(recv, send))
     res["all_to_all_single_splits"] = timed(lambda: dist.all_to_all_single(recv, send, splits, splits))
-    from tritonep.ep.nccl.collectives import BoundCollective
-    from tritonep.ep.nccl.pack import Launch
+    from tritonep.backends.nccl.collectives import BoundCollective
+    from tritonep.runtime.launch import Launch
 
     recv_b = torch.empty_like(send)
     bound_a2a = BoundCollective(recv_b, send, None)  # the nccl backend's even all_to_all: the backend called directly
     res["all_to_all_single_even_bound"] = timed(bound_a2a)
     res["triton_launch_4args"] = timed(lambda: _empty_kernel[(1,)](row, gathered, 1, 2))
-    bk = Launch(dev).bind(_empty_kernel, {}, ("a_ptr", "b_ptr", "n", "m"))  # the backends' bound direct launch
+    bk = Launch(dev, record=False, max_programs=0).bind(_empty_kernel, {}, ("a_ptr", "b_ptr", "n", "m"))  # the backends' bound direct launch
     res["bound_launch_4args"] = timed(lambda: bk((1,), row, gathered, 1, 2))
     # a wide launch (41 + 16 arguments) three ways: Triton's kernel[grid], the bound launch through Triton's C
-    # launcher (every argument each launch), the bound packed launch (tritonep.ep.packed_launch: the per-call values)
+    # launcher (every argument each launch), the bound packed launch (tritonep.runtime.packed_launch: the per-call values)
     wide_out = torch.zeros(3, dtype=torch.int64, device=dev)
     wo = [wide_out[i:i + 1] for i in range(3)]
     vals = list(range(2, 42))
@@ -107,12 +107,11 @@ def main():
     res["triton_launch_wide"] = timed(lambda: _wide_kernel[(1,)](wo[0], *vals, **consts))
     # bound: the constexprs and 37 of the ints static (as a buffer binds its regions and tiles), 4 per-call values
     static = dict(consts, **{f"a{i}": vals[i] for i in range(3, 40)})
-    for j, (name, packed) in enumerate((("bound_launch_wide_triton_launcher", "0"),
-                                        ("bound_launch_wide_packed", "1"))):
-        os.environ["TRITONEP_PACKED_LAUNCH"] = packed  # read when the kernel is bound
-        bw = Launch(dev).bind(_wide_kernel, static, ("out_ptr", "a0", "a1", "a2"))
+    for j, (name, mode) in enumerate((("bound_launch_wide_triton_launcher", "direct"),
+                                      ("bound_launch_wide_packed", "packed"))):
+        bw = Launch(dev, record=False, max_programs=0, mode=mode).bind(_wide_kernel, static,
+                                                                      ("out_ptr", "a0", "a1", "a2"))
         res[name] = timed(lambda: bw((1,), wo[1 + j], *vals[:3]))
-    os.environ.pop("TRITONEP_PACKED_LAUNCH")
     res["index_select_rows"] = timed(lambda: x.index_select(0, order))
     res["index_copy_rows"] = timed(lambda: out.index_copy_(0, order, x))
     res["empty_rows"] = timed(lambda: torch.empty(T, H, dtype=torch.bfloat16, device=dev))

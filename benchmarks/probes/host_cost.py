@@ -11,7 +11,7 @@ sizes). Rows:
 
 * ``launch.<path>.<n>args``: one launch of an empty Triton kernel with ``n`` runtime arguments (half pointers, half
   ints) through (a) ``kernel[grid](...)`` (Triton's JIT path), (b) ``CompiledKernel[grid](...)`` (what
-  ``LaunchCache`` does on a hit), (c) the compiled kernel's C launcher called directly with tensors, (d) the same with
+  a cache of compiled variants does on a hit), (c) the compiled kernel's C launcher called directly with tensors, (d) the same with
   every pointer passed as a Python int (the pre-bound launch: static arguments precomputed at construction).
 * ``graph.replay.<k>kernels``: ``CUDAGraph.replay()`` of a graph of k such launches (the whole call replayed from a graph), and
   ``h2d.pinned_64B``: the per-call argument block written before a replay (a 64-byte pinned -> device copy).

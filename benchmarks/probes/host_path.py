@@ -34,7 +34,7 @@ def _rank(group, T, H, E, K, backend, iters, gpu_path=False):
     buf = tep.EPBuffer(group, E, H, T, K, backend=backend)
     run = gpu_path and backend == "nccl"
     if run:
-        buf._impl.use_triton = True
+        buf._backend.use_triton = True
     try:
         res = measure_host_path(buf, x, idx, w, iters=iters, run_kernels=run)
     finally:

@@ -97,7 +97,7 @@ def measure(group, a):
     x = torch.randn(T, H, generator=g).to(torch.bfloat16).to(dev)
     cuda = dev.type == "cuda"
     buf = tep.EPBuffer(group, E, H, T, K)
-    impl = buf._impl
+    impl = buf._backend
     d = buf.dispatch(x, idx, w)
     R = d.x.shape[0]
     eo = buf.expert_out_buffer(R)
@@ -105,7 +105,7 @@ def measure(group, a):
     rw = torch.empty(buf.max_recv_tokens, dtype=torch.float32, device=dev)
     it, rd = a.iters, a.rounds
     res = dict(device=torch.cuda.get_device_name() if cuda else "cpu", tokens=T, rows=R,
-               geometry_decode=int(buf.geometry.decode), torch=torch.__version__)
+               geometry_decode=int(buf.tiles.decode), torch=torch.__version__)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     res.update(host_calibration(dev, it, rd))  # the host's interpreter and torch-binding speed
     pieces = {
@@ -119,7 +119,7 @@ def measure(group, a):
     if cuda:
         pieces["is_capturing"] = torch._C._cuda_isCurrentStreamCapturing
         pieces["raw_stream"] = lambda: torch._C._cuda_getCurrentRawStream(0)
-    pool = impl._dpool
+    pool = impl.decode.pool
     pieces["pool_take"] = pool.take
     for name, fn in pieces.items():
         res[name + "_us"] = timed(fn, it, rd)
@@ -129,7 +129,7 @@ def measure(group, a):
     whole = [("dispatch_synced", lambda: buf.dispatch(x, idx, w)),
              ("dispatch_sync_free", lambda: buf.dispatch(x, idx, w, sync_free=True)),
              ("combine", lambda: buf.combine(eo, d.handle))]
-    if buf.geometry.decode:  # the bound launch alone, as a sync-free call makes it (ticket 0: nobody reads)
+    if buf.tiles.decode:  # the bound launch alone, as a sync-free call makes it (ticket 0: nobody reads)
         bk = impl.k.decode(False)
         dyn = (x, idx, w, impl.hl.new(dev), T, 0, buf.max_recv_tokens, rows, None, None, 0)
         bk(*dyn)
@@ -138,7 +138,7 @@ def measure(group, a):
                   ("decode_launch_direct", lambda: bk._direct(dyn))]  # without BoundKernel.__call__'s prelude
         ent = bk._variants.get(bk.key_of(dyn))
         if ent is not None and ent.__class__ is not tuple:  # packed: the C call alone, its values made beforehand
-            from tritonep.ep import packed_launch
+            from tritonep.runtime import packed_launch
 
             run_c, stream = packed_launch.module().run, torch._C._cuda_getCurrentRawStream(dev.index or 0)
             cvals = _call_values(bk, dyn)

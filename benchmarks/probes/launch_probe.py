@@ -53,7 +53,7 @@ def main():
     torch.cuda.set_device(0)
     import tritonep as tep
     from tritonep.bench.profiles import profile_shape
-    from tritonep.ep.bound import BoundKernel
+    from tritonep.runtime.bound import BoundKernel
 
     H, E, K, _ = profile_shape("decode")
     T = a.tokens
@@ -110,21 +110,21 @@ def main():
     from tritonep.ep.handle import Dispatched
     from tritonep.ep.validate import check_dispatch_inputs
 
-    impl, cfg = buf._impl, buf.config
+    impl, cfg = buf._backend, buf.config
 
     def front():
         check_dispatch_inputs(x, idx, w, *buf._din)
         envs.sync_checks()
     out["front_us"] = _us(front, sync=False)
-    out["allocs_us"] = _us(lambda: (impl.hl.new(dev), impl._alloc_rows(cfg.max_recv_tokens, False)),
+    out["allocs_us"] = _us(lambda: (impl.hl.new(dev), impl.outputs.alloc_rows(cfg.max_recv_tokens, False)),
                            sync=False)
     # what replaces them (one output-pool take per call): the decode pool's take (a set found free by its reference
     # counts; the set of the held ``d`` is checked first and skipped)
-    pool = impl._dpool if impl.geometry.decode else impl._pool  # the pool this geometry's dispatch takes from
+    pool = impl.decode.pool if impl.decode is not None else impl.outputs.pool  # the pool this geometry's dispatch takes from
     out["pool_take_us"] = _us(lambda: pool.take(), sync=False)
 
     def objects():
-        h = impl._new_handle()
+        h = impl.outputs.new_handle()
         h._fill(d.handle.store, impl.hl, T, 1, 5, d.weights, None)
         return Dispatched(d.x, d.num_tokens_per_expert, d.expert_offsets, h, d.weights, None)
     out["objects_us"] = _us(objects, sync=False)

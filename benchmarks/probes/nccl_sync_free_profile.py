@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
 import torch
@@ -42,8 +41,7 @@ def main():
 
     res = {}
     for mode in a.modes:
-        os.environ["TRITONEP_NCCL_SYNC_FREE"] = mode
-        buf = tep.EPBuffer(dist.group.WORLD, E, H, T, K, backend="nccl")
+        buf = tep.EPBuffer(dist.group.WORLD, E, H, T, K, backend="nccl", sync_free_mode=mode)
         ref = buf.dispatch(x, idx, w)
         for _ in range(10):
             d = buf.dispatch(x, idx, w, sync_free=True)
@@ -65,7 +63,6 @@ def main():
         res[mode] = dict(host_us=(t1 - t0) / n * 1e6, call_us=(t2 - t0) / n * 1e6, checked=bool(ok))
         print(f"== {mode}: {res[mode]}\n{table}", flush=True)
         buf.close()
-    os.environ.pop("TRITONEP_NCCL_SYNC_FREE")
     if a.json and dist.get_rank() == 0:
         with open(a.json, "w") as f:
             json.dump(dict(command="torchrun --nproc-per-node 1 benchmarks/probes/nccl_sync_free_profile.py --tokens "

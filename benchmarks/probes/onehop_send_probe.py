@@ -6,7 +6,7 @@ Run (one GPU)::
 
     torchrun --nproc-per-node 1 benchmarks/probes/onehop_send_probe.py --json out.json
 
-The first variant is the library's default (:class:`tritonep.ep.nccl.onehop.OneHopDispatch`). Every variant's packets
+The first variant is the library's default (:class:`tritonep.backends.nccl.onehop.OneHopDispatch`). Every variant's packets
 (``pkt``) and send rows are checked equal to the first's (same inputs). What it found (one H200): the header step
 made no difference; every program column redoes its tile's index work, so small token tiles win (16 / 8 / 4 / 2 / 1
 tokens per tile: 74 / 41 / 22 / 17.4 / 14.5 us), which is why the send uses one-token tiles.
@@ -33,12 +33,15 @@ def main():
     H, E, K, _ = profile_shape("decode")
     T = a.tokens
     dev, x, idx, w = one_gpu_inputs(T, H, E, K)
-    from tritonep.ep.nccl.onehop import OneHopDispatch
-    from tritonep.ep.nccl.pack import h_split, pow2
-    from tritonep.kernels.nccl_onehop import onehop_send_kernel
+    from tritonep.backends.nccl.onehop import OneHopDispatch
+    from tritonep.backends.nccl.pack import h_split, pow2
+    from tritonep.backends.nccl.kernels.onehop import onehop_send_kernel
 
-    oh = OneHopDispatch(group=dist.group.WORLD, rank=0, world_size=1, num_experts=E, topk=K, hidden=H,
-                        max_tokens_per_rank=T, max_recv_tokens=T * K, device=dev)
+    from tritonep.ep.config import build_config
+
+    cfg = build_config(world_size=1, num_experts=E, hidden=H, max_tokens_per_rank=T, topk=K, max_recv_tokens=T * K,
+                       device_type=dev.type)
+    oh = OneHopDispatch(cfg, group=dist.group.WORLD, rank=0, device=dev)
     KB, lay = pow2(K), oh.lay
     pkt = torch.empty(T, K, dtype=torch.int32, device=dev)
     ic, wc = torch.empty_like(idx), torch.empty_like(w)

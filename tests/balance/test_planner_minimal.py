@@ -234,7 +234,7 @@ def test_mode_argument():
 @pytest.mark.compile
 def test_minimal_planner_compiles_for_sm90():
     """The interpreter accepts code the compiler refuses: compile both modes' launches for sm_90 offline."""
-    from tritonep.testing.compile_check import compile_recorded, record_launches
+    from tests.support.compile_check import compile_recorded, record_launches
 
     recs = []
     with record_launches(recs):

@@ -48,7 +48,7 @@ def test_one_launch_equals_twins_w2_to_8(case, mode):
 
 def test_one_launch_per_call_and_state_survives_changing_grids():
     """Each call is one launch; calls with different grids in a row all stay exact."""
-    from tritonep.ep.status import wait_bound
+    from tritonep.runtime.status import wait_bound
 
     topks, counts = make_topk(4, 8, 2, [10, 0, 7, 15], probs=_skew(8, (1,), (5,), 20.0), seed=4)
     p = place_torch(counts)
@@ -88,7 +88,7 @@ def test_wait_that_never_ends_is_bounded():
     (refused by the dispatch), masked routes stay -1. Made by launching the kernel with one arrival already
     counted, so no program takes the placement role."""
     from tritonep.balance.planner import _pow2
-    from tritonep.kernels.planner import plan_kernel
+    from tritonep.balance.kernels.planner import plan_kernel
 
     W, L, K, E = 2, 2, 2, 4
     topk = torch.tensor([[0, 3], [1, -1], [2, 0]], dtype=torch.int64)
@@ -200,7 +200,7 @@ def test_group_total_that_never_arrives_is_bounded():
     group mate, so it publishes no total) gives up after the bound: status 8, its valid routes 2E, masked -1;
     the placement flag itself is there (pre-set), so the group-total wait is the one that fails. Made by
     launching with two arrivals already counted: chunk 0 never runs."""
-    from tritonep.kernels.planner import plan_kernel
+    from tritonep.balance.kernels.planner import plan_kernel
 
     W, L, K, E, T = 2, 2, 2, 4, 8
     topk = torch.tensor([[0, 1], [2, 3], [1, 0], [3, 2], [0, -1], [2, 1], [3, 3], [1, 2]], dtype=torch.int64)
@@ -229,7 +229,7 @@ def test_group_total_that_never_arrives_is_bounded():
 def test_planner_variants_compile_for_sm90():
     """Every new launch shape compiles for sm_90 offline (the interpreter accepts code the compiler refuses):
     one-level and two-level look-back, a chunk longer than one pass-(C) tile, 1 / 2 / 4 warps, both modes."""
-    from tritonep.testing.compile_check import compile_recorded, record_launches
+    from tests.support.compile_check import compile_recorded, record_launches
 
     topks, counts = make_topk(4, 8, 3, [40, 0, 9, 12], probs=_skew(8, (0,), (5,), 20.0), mask_p=0.1, seed=9)
     recs = []

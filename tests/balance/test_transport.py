@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from tritonep.balance import place_torch
 from tritonep.balance.transport import PushWeights
-from tritonep.ep.triton.expert_transport import ExpertTransport
+from tritonep.backends.triton.expert_transport import ExpertTransport
 from tritonep.testing import run_cpu_world
 
 H, I2 = 8, 6  # per-expert weight shape of the test
@@ -27,7 +27,7 @@ def _counts(step, W, E):
 
 
 def _make_transport(backend, group, E, shapes, dtype, dev, timeout_s=None):
-    from tritonep.ep.nccl.expert_transport import NcclExpertTransport
+    from tritonep.backends.nccl.expert_transport import NcclExpertTransport
 
     cls = ExpertTransport if backend == "triton" else NcclExpertTransport
     return cls(group, E, shapes, dtype=dtype, device=dev, timeout_s=timeout_s)
@@ -106,7 +106,7 @@ def _pull_add_world(group, kinds, dtype, on_gpu=False, backend="triton"):
     """Rank body: pull into the native gradient (given / None) and pull for each plan kind, checked bit for bit against
     the torch twins computed on the host from every rank's slot gradients; returns the list of failures."""
     from tritonep.balance.transport import used_slot_count
-    from tritonep.ep.slot_transport import pull_torch
+    from tritonep.backends.slot_transport import pull_torch
 
     rank, W = dist.get_rank(), dist.get_world_size()
     E = 4 * W
@@ -173,7 +173,7 @@ def test_gpu_pull_add_bit_exact_vs_twin(gpu_world, gpu_world_size):
 def test_pull_add_torch_is_torchs_accumulation():
     """The twin's bits are those of the previous host code: ``grad[j].add_(DT(fp32 sum over holders))``."""
     from tritonep.balance.transport import used_slot_count
-    from tritonep.ep.slot_transport import pull_torch
+    from tritonep.backends.slot_transport import pull_torch
 
     W, E = 4, 16
     pl = place_torch(_counts(3, W, E))
@@ -198,7 +198,7 @@ def _pull_noncontig_world(group, backend):
     """pull(into=) with a non-contiguous native gradient: the sums land IN that tensor (the documented in-place
     contract), bit-equal to the twin; returns the failures."""
     from tritonep.balance.transport import used_slot_count
-    from tritonep.ep.slot_transport import pull_torch
+    from tritonep.backends.slot_transport import pull_torch
 
     rank, W = dist.get_rank(), dist.get_world_size()
     E, dtype = 4 * W, torch.bfloat16

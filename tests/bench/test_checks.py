@@ -11,8 +11,8 @@ import torch
 
 from tritonep.bench.check import (bench_expert, compare_close, exit_code, mark_checked, rank_combine_oracle,
                                   rank_dispatch_oracle)
-from tritonep.testing.cases import make_rank_inputs
-from tritonep.testing.harness import diff, expected
+from tritonep.bench.cases import make_rank_inputs
+from tests.support.harness import diff, expected
 
 from tests import ROOT
 

@@ -12,7 +12,7 @@
 import torch
 
 from tests.compat.deepep_reference import layout_ref
-from tritonep.compat.deep_ep.kernels import meta as kernels
+from tritonep.compat.deep_ep.meta import MetaOps
 from tritonep.compat.deep_ep.low_latency import expert_slots, ue8m0_pack
 from tritonep.compat.deep_ep.packing import (layout_torch, local_id_table, meta_slots, meta_width, pack_meta,
                                              pack_quantized, rank_slots, unpack_meta, unpack_quantized)
@@ -43,6 +43,7 @@ def test_every_bf16_bit_pattern_crosses_unchanged():
 
 
 def test_layout_matches_loops():
+    kernels = MetaOps("cpu")
     gen = torch.Generator().manual_seed(0)
     for W, E, T, K in ((2, 4, 9, 2), (3, 12, 17, 4), (4, 4, 5, 3), (1, 3, 4, 2), (2, 8, 0, 3)):
         idx = torch.randint(-2, E + 2, (T, K), generator=gen)  # -1, -2 and ids >= E select nothing
@@ -56,6 +57,7 @@ def test_layout_matches_loops():
 
 
 def test_meta_round_trip_and_local_ids():
+    kernels = MetaOps("cpu")
     gen = torch.Generator().manual_seed(1)
     E, W, K = 12, 3, 4
     L = E // W

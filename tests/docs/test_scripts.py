@@ -36,7 +36,7 @@ def test_benchmark_drivers_with_cpu_import_the_kernels_interpreted():
             "    sys.argv = [path, '--cpu']\n"
             "    spec = importlib.util.spec_from_file_location(name.replace('/', '_'), path)\n"
             "    spec.loader.exec_module(importlib.util.module_from_spec(spec))\n"
-            "import tritonep.kernels.common as c\n"
+            "import tritonep.device.common as c\n"
             "print('interpreted', c.kernels_interpreted())\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)

@@ -1,16 +1,16 @@
-"""The backend registry and interface (tritonep.ep.backends): both backends satisfy EPBackend; auto prefers triton."""
+"""The backend registry and interface (tritonep.backends): both backends satisfy EPBackend; auto prefers triton."""
 
 import inspect
 
 import pytest
 
-from tritonep.ep.backends import BACKENDS, EPBackend, backend_names, build_backend
-from tritonep.ep.nccl.backend import NcclEP
-from tritonep.ep.triton.backend import TritonEP
+from tritonep.backends import BACKENDS, EPBackend, backend_names, build_backend
+from tritonep.backends.nccl.backend import NcclEP
+from tritonep.backends.triton.backend import TritonEP
 from tritonep.errors import ConfigError
 
 _MEMBERS = ("dispatch_fwd", "combine_fwd", "dispatch_bwd", "combine_bwd", "expert_out_buffer", "check", "close",
-            "allocated_bytes", "geometry")
+            "allocated_bytes", "tiles", "sync_free", "counts_exchange", "expert_transport")
 
 
 def test_registry_order_and_needs():
@@ -35,7 +35,7 @@ def test_build_takes_the_config_whole_and_satisfies_protocol():
     with pytest.raises(TypeError):
         build_backend("nccl", cfg, None, 0)  # group / rank / device are keyword-only
     ep = build_backend("nccl", cfg, group=None, rank=0, device=torch.device("cpu"))
-    assert isinstance(ep, EPBackend) and ep.name == "nccl" and ep.allocated_bytes == 0 and ep.geometry is None
+    assert isinstance(ep, EPBackend) and ep.name == "nccl" and ep.allocated_bytes == 0 and ep.tiles is None
     assert ep.cfg is cfg  # handed whole: nothing re-spelled below the front door
     ep.close()
     for spec in BACKENDS.values():
@@ -44,7 +44,7 @@ def test_build_takes_the_config_whole_and_satisfies_protocol():
 
 
 def test_unknown_backend_is_a_config_error():
-    from tritonep.ep.backends import check_backend_name
+    from tritonep.backends import check_backend_name
 
     with pytest.raises(ConfigError, match="'auto', 'triton', 'nccl'"):
         check_backend_name("rdma")
@@ -61,8 +61,10 @@ def _handles_and_counts_world(group):
     import torch.distributed as dist
 
     from tritonep import EPBuffer
-    from tritonep.ep.backends import CountsExchange, ExpertTransport
-    from tritonep.ep.handle import DispatchHandle, NcclHandle, TritonHandle
+    from tritonep.backends import CountsExchange, ExpertTransport
+    from tritonep.backends.nccl.handle import NcclHandle
+    from tritonep.backends.triton.handle import TritonHandle
+    from tritonep.ep.handle import DispatchHandle
     from tritonep.errors import CapacityError, PeerInputError
 
     rank = dist.get_rank(group)

@@ -9,8 +9,8 @@ import torch.distributed as dist
 
 import tritonep as tep
 from tritonep.testing import run_cpu_world
-from tritonep.testing.cases import make_rank_inputs
-from tritonep.testing.harness import BF16, check_calls, check_grads, open_buffer, run_grad_call
+from tritonep.bench.cases import make_rank_inputs
+from tests.support.harness import BF16, check_calls, check_grads, open_buffer, run_grad_call
 
 H = 64
 
@@ -71,7 +71,7 @@ def test_rank_with_zero_tokens_forward_and_backward():
 
 
 def _inplace_rows_world(group, geometry):
-    from tritonep.testing.harness import set_env
+    from tests.support.harness import set_env
 
     set_env(TRITONEP_GEOMETRY=geometry or None)
     rank = dist.get_rank(group)

@@ -12,8 +12,8 @@ import torch.distributed as dist
 import tritonep as tep
 from tritonep.errors import CapacityError
 from tritonep.testing import run_cpu_world
-from tritonep.testing.cases import make_rank_inputs
-from tritonep.testing.harness import BF16, calls_world, check_calls, run_call
+from tritonep.bench.cases import make_rank_inputs
+from tests.support.harness import BF16, calls_world, check_calls, run_call
 
 
 def _nosync_capacity_world(group):
@@ -49,7 +49,7 @@ def _capacity_race_world(group):
     os.environ["TRITONEP_TIMEOUT_S"] = "3"
     rank = dist.get_rank(group)
     if rank == 1:  # a peer delayed between the counts wait and reading the counts (any GPU block can be)
-        import tritonep.kernels.layout as lay
+        import tritonep.backends.triton.kernels.layout as lay
 
         orig = lay.wait_all_ge
 

@@ -9,8 +9,8 @@ import torch.distributed as dist
 
 import tritonep as tep
 from tritonep.testing import run_cpu_world
-from tritonep.testing.cases import make_rank_inputs
-from tritonep.testing.harness import (BF16, check_calls, check_grads, diff, expected, open_buffer, outcome, record,
+from tritonep.bench.cases import make_rank_inputs
+from tests.support.harness import (BF16, check_calls, check_grads, diff, expected, open_buffer, outcome, record,
                                       run_call, run_grad_call, set_env)
 
 H = 64

@@ -11,11 +11,11 @@ import torch
 import torch.distributed as dist
 
 import tritonep as tep
-import tritonep.ep.triton.backend as backend_module
+import tritonep.backends.triton.backend as backend_module
 from tritonep.reference import combine_backward_reference, dispatch_reference
 from tritonep.testing import run_cpu_world
-from tritonep.testing.cases import make_rank_inputs
-from tritonep.testing.harness import set_env
+from tritonep.bench.cases import make_rank_inputs
+from tests.support.harness import set_env
 
 CPU = dict(E=8, H=64, Tmax=16, K=3, T=[11, 6])
 # the GPU table's large-batch geometry (select_geometry, >= 1024 tokens: backward tile 8 x 32 warps, its grid the

@@ -16,8 +16,8 @@ import torch.distributed as dist
 import tritonep as tep
 from tritonep.errors import ConfigError, PeerConfigError, WireError
 from tritonep.testing import run_cpu_world
-from tritonep.testing.cases import make_rank_inputs
-from tritonep.testing.harness import check_calls, run_call
+from tritonep.bench.cases import make_rank_inputs
+from tests.support.harness import check_calls, run_call
 
 
 def _build(group, per_rank: dict, what: str):
@@ -125,17 +125,21 @@ def test_max_tokens_mismatch_raises_on_every_rank(backend):
         assert "max_tokens_per_rank" in msg and "rank 0: 8" in msg and "rank 2: 10" in msg, msg
 
 
-def _nccl_mode_world(group):
-    os.environ["TRITONEP_NCCL_SYNC_FREE"] = ["onehop", "gather"][dist.get_rank(group)]
+def _nccl_mode_world(group, how):
+    mode = ["onehop", "gather"][dist.get_rank(group)]
+    if how == "env":
+        os.environ["TRITONEP_NCCL_SYNC_FREE"] = mode
     try:
-        tep.EPBuffer(group, 4, 64, 8, 2, backend="nccl").close()
+        tep.EPBuffer(group, 4, 64, 8, 2, backend="nccl", sync_free_mode=mode if how == "api" else None).close()
         return "no error"
     except ConfigError as e:
         return str(e)
 
 
-def test_nccl_sync_free_mode_mismatch_is_refused():
+@pytest.mark.parametrize("how", ["env", "api"])
+def test_nccl_sync_free_mode_mismatch_is_refused(how):
     """Ranks in different sync-free modes would run different collectives (one-hop: one all_to_all; gather: an
-    all_gather then an all_to_all): the constructor refuses it on every rank, naming the variable's field."""
-    for msg in run_cpu_world(2, _nccl_mode_world, timeout_s=60):
-        assert "nccl_sync_free" in msg and "onehop" in msg and "gather" in msg, msg
+    all_gather then an all_to_all): the constructor refuses it on every rank, naming the field, whether the mode
+    came from TRITONEP_NCCL_SYNC_FREE or from the ``sync_free_mode`` argument."""
+    for msg in run_cpu_world(2, _nccl_mode_world, how, timeout_s=60):
+        assert "sync_free_mode" in msg and "onehop" in msg and "gather" in msg, msg

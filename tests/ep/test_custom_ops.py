@@ -16,7 +16,7 @@ import tritonep as tep
 from tritonep.errors import BufferStateError
 from tritonep.ep import ops
 from tritonep.testing import run_cpu_world
-from tritonep.testing.cases import make_rank_inputs
+from tritonep.bench.cases import make_rank_inputs
 
 E, H, TM, K = 8, 64, 12, 3
 

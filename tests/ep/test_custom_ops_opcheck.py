@@ -5,7 +5,7 @@ in CPU worlds of 1 and 2 ranks, on the triton backend's two-kernel, one-launch d
 and fused (``fs=1,fe=1``: the GPU table's dispatch at >= 1024 tokens per rank, EP >= 2) paths, with and without
 ``sync_free``, and on the nccl backend. The fake-tensor check
 compares every real output's sizes, strides and storage offset with its fake's: the row weights are a view of the
-triton handle's storage (its field ``rw`` comes first in :class:`tritonep.ep.triton.outputs.HandleLayout`, so that
+triton handle's storage (its field ``rw`` comes first in :class:`tritonep.backends.triton.outputs.HandleLayout`, so that
 view starts at offset 0 as the fake's fresh tensor does) and the ``[2L]`` ``num_tokens_per_expert |
 expert_offsets`` pair is a tensor of its own.
 
@@ -29,7 +29,7 @@ from torch.testing._internal.optests.generate_tests import DEFAULT_TEST_UTILS
 import tritonep as tep
 from tritonep.ep import ops
 from tritonep.testing import run_cpu_world
-from tritonep.testing.cases import make_rank_inputs
+from tritonep.bench.cases import make_rank_inputs
 
 E, H, TM, K = 8, 64, 8, 2
 TOKENS = (6, 3)  # per rank
@@ -75,7 +75,7 @@ def _world(group, ntokens, cases):
         os.environ["TRITONEP_GEOMETRY"] = geometry
         buf = tep.EPBuffer(group, E, H, TM, K, backend=backend)
         os.environ.pop("TRITONEP_GEOMETRY")
-        g = buf.geometry
+        g = buf.tiles
         assert buf.backend == backend and ((g.decode if g else 0) > 0) == geometry.startswith("dec")
         assert ((g.fused_send if g else 0) > 0) == geometry.startswith("fs")
         bid = ops.buffer_id(buf)

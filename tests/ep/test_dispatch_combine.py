@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 import tritonep as tep
 from tritonep.testing import run_cpu_world
-from tritonep.testing.cases import make_rank_inputs
-from tritonep.testing.harness import BF16, calls_world, check_calls, make_calls, open_buffer, record, run_call
+from tritonep.bench.cases import make_rank_inputs
+from tests.support.harness import BF16, calls_world, check_calls, make_calls, open_buffer, record, run_call
 
 
 @pytest.mark.parametrize("W,ntokens,A,kind", [
@@ -105,7 +105,7 @@ def test_odd_shapes_match_reference():
 
 
 def _inflight_world(group, c1, c2, kind):
-    from tritonep.testing.harness import expert
+    from tests.support.harness import expert
 
     rank = dist.get_rank(group)
     buf = tep.EPBuffer(group, 6, 64, 8, 2)
@@ -157,7 +157,7 @@ def test_nan_inf_negative_weights_match_reference(backend, kind):
 
 
 def _two_buffers_world(group, calls):
-    from tritonep.testing.harness import expert
+    from tests.support.harness import expert
 
     rank = dist.get_rank(group)
     a, b = tep.EPBuffer(group, 4, 64, 8, 2), tep.EPBuffer(group, 4, 64, 8, 2)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import tritonep as tep
 from tritonep.errors import BackendError
 from tritonep.testing import run_cpu_world
-from tritonep.testing.cases import make_rank_inputs
+from tritonep.bench.cases import make_rank_inputs
 
 H, K, TM, TOL = 32, 2, 8, 4e-2
 TOKENS = [5, 3, 4]

@@ -19,8 +19,8 @@ import torch.distributed as dist
 import tritonep as tep
 from tritonep.errors import ConfigError, InputError, PeerInputError, PeerTimeoutError
 from tritonep.testing import run_cpu_world
-from tritonep.testing.cases import make_rank_inputs
-from tritonep.testing.harness import check_grads, run_grad_call, set_env
+from tritonep.bench.cases import make_rank_inputs
+from tests.support.harness import check_grads, run_grad_call, set_env
 
 H, TM, K = 64, 8, 2
 GEOMETRIES = {"two_kernel": "dec=0,fs=0,fe=0,fc=0", "fused": "fs=1,fe=1,fc=1", "decode": "bt=2,dec=2"}

@@ -64,9 +64,9 @@ def _captured_inplace_world(group):
     import torch.distributed as dist
 
     import tritonep as tep
-    from tritonep.testing.cases import make_rank_inputs
+    from tritonep.bench.cases import make_rank_inputs
 
-    from tritonep.testing.harness import set_env
+    from tests.support.harness import set_env
 
     rank, W = dist.get_rank(group), dist.get_world_size(group)
     set_env(TRITONEP_GEOMETRY=GPU_PATHS["two_kernel"])  # the row weights a fresh tensor (no pooled view)

@@ -8,14 +8,14 @@ the expert count is rounded up to a multiple of it.
 import pytest
 import torch
 
-from tritonep.testing.cases import experts_for, make_rank_inputs, tokens_for
-from tritonep.testing.harness import check_calls, check_grads
+from tritonep.bench.cases import experts_for, make_rank_inputs, tokens_for
+from tests.support.harness import check_calls, check_grads
 
 pytestmark = pytest.mark.gpu
 
 
 def test_cuda_heap_peer_write(gpu_world, gpu_world_size):
-    from tritonep.testing.gpu_checks import heap_peer_write_world
+    from tests.support.gpu_checks import heap_peer_write_world
 
     W = gpu_world_size
     res = gpu_world(W, heap_peer_write_world, 3)
@@ -35,7 +35,7 @@ CASES = [
 
 
 def test_ep_cases_match_reference(gpu_world, gpu_world_size):
-    from tritonep.testing.gpu_checks import ep_cases_world
+    from tests.support.gpu_checks import ep_cases_world
 
     W = gpu_world_size
     cases = [dict(c, E=experts_for(c["E"], W), T=tokens_for(c["T"], W)) for c in CASES]
@@ -47,7 +47,7 @@ def test_ep_cases_match_reference(gpu_world, gpu_world_size):
 
 
 def test_cuda_graph_100_replays(gpu_world, gpu_world_size):
-    from tritonep.testing.gpu_checks import ep_graph_world
+    from tests.support.gpu_checks import ep_graph_world
 
     W = gpu_world_size
     res = gpu_world(W, ep_graph_world, experts_for(64, W), 512, 128, 8, 100)
@@ -55,7 +55,7 @@ def test_cuda_graph_100_replays(gpu_world, gpu_world_size):
 
 
 def test_gradients_match_reference(gpu_world, gpu_world_size):
-    from tritonep.testing.gpu_checks import ep_grad_world
+    from tests.support.gpu_checks import ep_grad_world
 
     W = gpu_world_size
     E = experts_for(16, W)

@@ -7,8 +7,8 @@ import torch.distributed as dist
 import tritonep as tep
 from tritonep.errors import WireError
 from tritonep.testing import run_cpu_world
-from tritonep.testing.cases import make_rank_inputs
-from tritonep.testing.harness import BF16, calls_world, check_calls, expected
+from tritonep.bench.cases import make_rank_inputs
+from tests.support.harness import BF16, calls_world, check_calls, expected
 from tritonep.wire import dequantize_fp8_torch, quantize_fp8_torch
 
 HIDDEN_BF16 = [2048, 2880, 3072, 4096, 6144, 7168]

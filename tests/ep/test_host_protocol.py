@@ -10,8 +10,9 @@ import torch.distributed as dist
 
 import tritonep as tep
 from tritonep.testing import run_cpu_world
-from tritonep.testing.cases import make_rank_inputs
-from tritonep.testing.harness import BF16, calls_world, check_calls, set_env
+from tritonep.bench.cases import make_rank_inputs
+from tests.support.harness import BF16, calls_world, check_calls, set_env
+from tests.support.hooks import backend_of
 
 
 # every call changes T on every rank, 0 and Tmax included; rank 1 starts with T=0 (data-parallel decode)
@@ -42,7 +43,7 @@ def _reads_world(group, mode):
     x, idx, w = make_rank_inputs(rank, 8, 64, 8, 2, seed=5)
     x.requires_grad_(True)
     w.requires_grad_(True)
-    impl = buf._impl
+    impl = backend_of(buf)
     reads = []
     for _ in range(2):
         n0 = impl.host_reads

@@ -1,12 +1,12 @@
 """GPU checks of the host protocol rule (docs/protocols.md, "Host protocol rule"): uneven per-rank token
 scripts (0 included, changing every call) eagerly and in CUDA graphs at several geometries; a bad input on one rank.
-At each ``--gpu-world-sizes`` (the 2-rank scripts widened by :func:`tritonep.testing.cases.script_for`); ranks share a
+At each ``--gpu-world-sizes`` (the 2-rank scripts widened by :func:`tritonep.bench.cases.script_for`); ranks share a
 GPU when there are fewer GPUs than ranks."""
 
 import pytest
 
-from tritonep.testing.cases import experts_for, make_rank_inputs, script_for
-from tritonep.testing.harness import check_calls
+from tritonep.bench.cases import experts_for, make_rank_inputs, script_for
+from tests.support.harness import check_calls
 
 pytestmark = pytest.mark.gpu
 
@@ -36,7 +36,7 @@ def _check(cfg, script, res):
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 @pytest.mark.parametrize("name", list(CFGS))
 def test_per_rank_token_script(gpu_world, gpu_world_size, name, graphs):
-    from tritonep.testing.gpu_protocol import t_script_world
+    from tests.support.gpu_protocol import t_script_world
 
     W = gpu_world_size
     cfg, script, geometry = CFGS[name]
@@ -46,7 +46,7 @@ def test_per_rank_token_script(gpu_world, gpu_world_size, name, graphs):
 
 
 def test_bad_input_on_one_rank_gpu(gpu_world, gpu_world_size):
-    from tritonep.testing.gpu_protocol import bad_input_world
+    from tests.support.gpu_protocol import bad_input_world
 
     W = gpu_world_size
     E = experts_for(64, W)

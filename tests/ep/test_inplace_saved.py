@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 import tritonep as tep
 from tritonep.testing import run_cpu_world
-from tritonep.testing.cases import make_rank_inputs
-from tritonep.testing.harness import set_env
+from tritonep.bench.cases import make_rank_inputs
+from tests.support.harness import set_env
 
 
 def _outcome(fn):

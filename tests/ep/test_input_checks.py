@@ -12,8 +12,8 @@ import torch.distributed as dist
 import tritonep as tep
 from tritonep.errors import ConfigError, InputError
 from tritonep.testing import run_cpu_world
-from tritonep.testing.cases import make_rank_inputs
-from tritonep.testing.harness import BF16, check_calls, diff, run_call
+from tritonep.bench.cases import make_rank_inputs
+from tests.support.harness import BF16, check_calls, diff, run_call
 
 
 def _bad_backward_world(group, backend):
@@ -189,10 +189,10 @@ def test_non_contiguous_inputs_equal_contiguous(backend):
 
 
 def test_script_bad_rank_with_no_tokens_is_refused_at_the_front_door():
-    """A refused step whose bad rank has no token (:func:`tritonep.testing.harness.script_world`: its topk_idx is
+    """A refused step whose bad rank has no token (:func:`tests.support.harness.script_world`: its topk_idx is
     ``[0, K + 1]``): that rank raises InputError naming the shape, its peer PeerInputError naming it; then a good
     call, and a bad id found on the device with the other rank empty."""
-    from tritonep.testing.harness import check_script, script_world
+    from tests.support.harness import check_script, script_world
 
     cfg = dict(E=8, H=32, Tmax=8, K=2, A=1)
     steps = [("bad", 1, [0, 3], 0), ("ok", 2, [3, 2], None), ("bad", 3, [0, 4], 1)]

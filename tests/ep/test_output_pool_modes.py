@@ -1,4 +1,4 @@
-"""The output pool (:mod:`tritonep.ep.pool`) across autograd modes: a set outlives the call that made it, so the mode
+"""The output pool (:mod:`tritonep.runtime.pool`) across autograd modes: a set outlives the call that made it, so the mode
 of that call must not reach a later call (the first two matter with the pool on only).
 
 * A set made inside ``torch.inference_mode()`` (a rollout / eval that keeps one call's outputs while it makes the
@@ -21,7 +21,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 
 from tritonep.testing import run_cpu_world
-from tritonep.testing.harness import expert, make_calls, open_buffer, set_env
+from tests.support.harness import expert, make_calls, open_buffer, set_env
 
 CFG = dict(E=8, H=64, Tmax=8, K=2, A=1)
 CASES = [("triton", "", False), ("triton", "bt=2,dec=3", False), ("nccl", "onehop", True), ("nccl", "gather", True)]

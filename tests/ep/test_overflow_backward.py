@@ -16,7 +16,8 @@ import torch.distributed as dist
 import tritonep as tep
 from tritonep.errors import CapacityError
 from tritonep.testing import run_cpu_world
-from tritonep.testing.harness import BF16, check_grads, open_buffer, run_grad_call, set_env
+from tests.support.harness import BF16, check_grads, open_buffer, run_grad_call, set_env
+from tests.support.hooks import backend_of
 
 # max_recv 10 rows: every route to expert 0 of W ranks x 6 tokens is 6W > 10 rows on rank 0
 CFG = dict(H=64, Tmax=8, K=2, max_recv=10)
@@ -42,7 +43,7 @@ def _overflow_inputs(rank, W):
 
 
 def _good_inputs(rank, W, seed):
-    from tritonep.testing.cases import make_rank_inputs
+    from tritonep.bench.cases import make_rank_inputs
 
     return make_rank_inputs(rank, [3, 2, 1][rank % 3], CFG["H"], 2 * W, CFG["K"], seed=seed, mask_frac=0.2)
 
@@ -78,20 +79,31 @@ def _check(buf):
         return f"CapacityError: {e}"
 
 
+def _real_rows(rec):
+    """A good call's record of a buffer whose eager calls read nothing (sync checks off): its rows are
+    ``max_recv_tokens``, the real ones ``[0, expert_offsets[-1])``; the expert output's gradient is 0 past them and
+    the record keeps the real rows (what a synced call returns)."""
+    R = int(rec["offs"][-1])
+    assert not rec["geo"][R:].any(), "a gradient past the real rows"
+    rec["eo"], rec["geo"] = rec["eo"][:R], rec["geo"][:R]
+    return rec
+
+
 def _world(group, path, A, sync_free, repeat):
     rank, W = dist.get_rank(group), dist.get_world_size(group)
     backend, geometry, nccl_mode = PATHS[path]
     sync_free = sync_free or backend == "nccl"  # the nccl backend's eager dispatch always reads its split sizes
-    if not sync_free:
-        set_env(TRITONEP_SYNC_CHECKS="0")  # an eager call that reads nothing (what graph capture does)
+    # sync checks off (the buffer's option, read once): an eager call that reads nothing (what graph capture does)
+    opts = {} if sync_free else dict(sync_checks="none")
     set_env(TRITONEP_GEOMETRY=geometry, TRITONEP_NCCL_SYNC_FREE=nccl_mode)
-    buf = open_buffer(group, _cfg(W, A), backend=backend)
+    buf = open_buffer(group, _cfg(W, A), backend=backend, **opts)
     set_env(TRITONEP_GEOMETRY=None, TRITONEP_NCCL_SYNC_FREE=None)
     out = dict(refused=[_refused_step(buf, *_overflow_inputs(rank, W), sync_free) for _ in range(repeat)])
     out["check"] = _check(buf)
     out["check_again"] = _check(buf)  # reported once
-    set_env(TRITONEP_SYNC_CHECKS=None)
     out["good"] = [run_grad_call(buf, *_good_inputs(rank, W, s), grad_seed=s + rank, bias=1.0) for s in (1, 2)]
+    if not sync_free:
+        out["good"] = [_real_rows(rec) for rec in out["good"]]
     out["geometry"] = None if buf.geometry is None else (buf.geometry.decode, buf.geometry.fused_send)
     buf.close()
     return out
@@ -226,8 +238,8 @@ def _bounds_world(group, path):
     set_env(TRITONEP_GEOMETRY=PATHS[path][1])
     buf = open_buffer(group, _cfg(W), backend="triton")
     set_env(TRITONEP_GEOMETRY=None)
-    impl, H = buf._impl, CFG["H"]
-    from tritonep.testing.cases import make_rank_inputs
+    impl, H = backend_of(buf), CFG["H"]
+    from tritonep.bench.cases import make_rank_inputs
 
     x, idx, w = make_rank_inputs(rank, 4, H, 2 * W, CFG["K"], seed=7, mask_frac=0.0)  # 8 rows per rank on average
     full = buf.dispatch(x, idx, w)
@@ -235,16 +247,17 @@ def _bounds_world(group, path):
     ref_rows = full.x.clone()
     guard = 3.0
     big = torch.full((R + 4, H), guard, dtype=BF16)
-    orig_alloc, orig_verdict = impl._alloc_rows, impl._verdict
+    outs, status = impl.outputs, impl.call_status
+    orig_verdict = status.verdict
 
     def short_verdict(st):  # the host's rows of this call, 2 short of the layout's
         code, refused, R_ = orig_verdict(st)
         return code, refused, max(R_ - 2, 0)
 
-    impl._verdict = short_verdict
-    impl._alloc_rows = lambda n, kq: (big[:n], None, None)
+    status.verdict = short_verdict  # instance attributes over the parts' methods, removed after the call
+    outs.alloc_rows = lambda n, kq: (big[:n], None, None)
     cut = buf.dispatch(x, idx, w)
-    impl._alloc_rows, impl._verdict = orig_alloc, orig_verdict
+    del outs.alloc_rows, status.verdict
     n = cut.x.shape[0]
     out = dict(R=R, n=n, fwd_guard=bool((big[n:].float() == guard).all()), fwd_rows=torch.equal(big[:n], ref_rows[:n]))
     # the combine backward's expand with outputs of n rows (inside guarded tensors) on the full call's handle
@@ -253,7 +266,7 @@ def _bounds_world(group, path):
     geo_ref, gw_ref = buf.combine_backward(gy, eo, full.handle)
     g_eo = torch.full((R + 4, H), guard, dtype=BF16)
     g_w = torch.full((R + 4,), guard)
-    impl.k.send_bwd(gy, full.handle.store, x.shape[0], -(-x.shape[0] // impl.cfg.geometry.bt))
+    impl.k.send_bwd(gy, full.handle.store, x.shape[0], -(-x.shape[0] // impl.cfg.tiles.bt))
     impl.k.expand_bwd(gy, g_eo, full.handle.store, eo, g_w, g_w, n)
     out.update(bwd_guard=bool((g_eo[n:].float() == guard).all() and (g_w[n:] == guard).all()),
                bwd_rows=torch.equal(g_eo[:n], geo_ref[:n]) and torch.equal(g_w[:n], gw_ref[:n]))
@@ -272,11 +285,11 @@ def test_kernels_write_no_row_past_the_rows_given(path):
 def _nccl_bounds_world(group, use_triton):
     """The nccl backend's unpack handed 2 rows fewer than the packets address (its outputs cut short inside guarded
     tensors): no write past them, the rows in front equal the full call's."""
-    from tritonep.testing.cases import make_rank_inputs
+    from tritonep.bench.cases import make_rank_inputs
 
     rank, W = dist.get_rank(group), dist.get_world_size(group)
     buf = open_buffer(group, _cfg(W), backend="nccl")
-    impl, H = buf._impl, CFG["H"]
+    impl, H = backend_of(buf), CFG["H"]
     impl.use_triton = use_triton  # the Triton kernel (in the interpreter) or its torch twin
     x, idx, w = make_rank_inputs(rank, 4, H, 2 * W, CFG["K"], seed=7, mask_frac=0.0)
     full = buf.dispatch(x, idx, w)

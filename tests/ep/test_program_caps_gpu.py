@@ -16,8 +16,8 @@ import os
 import pytest
 import torch
 
-from tritonep.testing.cases import experts_for, make_rank_inputs, tokens_for
-from tritonep.testing.harness import check_calls, check_grads
+from tritonep.bench.cases import experts_for, make_rank_inputs, tokens_for
+from tests.support.harness import check_calls, check_grads
 
 pytestmark = [pytest.mark.gpu, pytest.mark.caps]
 
@@ -35,7 +35,7 @@ def _sweep_world(group, shapes, limits):
     import torch.distributed as dist
 
     from tritonep.errors import ConfigError
-    from tritonep.testing.harness import open_buffer, run_call, run_grad_call
+    from tests.support.harness import open_buffer, run_call, run_grad_call
 
     rank = dist.get_rank(group)
     world_cap = int(os.environ.get("TRITONEP_MAX_PROGRAMS", "0") or 0)
@@ -53,7 +53,7 @@ def _sweep_world(group, shapes, limits):
                 except ConfigError as e:
                     out.append(("refused", str(e)))
                     continue
-                g = buf.geometry
+                g = buf.tiles
                 grids = dict(send=g.grid_send, expand=g.grid_expand, partial=g.grid_partial, out=g.grid_out,
                              fused=(g.fused_send, g.fused_expand), decode=g.decode, bgrid=g.bgrid)
                 x, idx, w = make_rank_inputs(rank, c["T"][rank], c["H"], c["E"], c["K"], seed=c["seeds"][0])

@@ -24,7 +24,7 @@ def test_soak_500_calls():
 @pytest.mark.gpu
 @pytest.mark.soak
 def test_gpu_graph_soak_1000_replays(gpu_world):
-    from tritonep.testing.gpu_checks import graph_soak_world
+    from tests.support.gpu_checks import graph_soak_world
 
     res = gpu_world(2, graph_soak_world, 64, 512, 128, 8, 1000, timeout_s=1200)
     assert res == [(1000, []), (1000, [])], res

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from tritonep.testing import run_cpu_world
-from tritonep.testing.cases import make_rank_inputs
-from tritonep.testing.harness import open_buffer, outcome, set_env
+from tritonep.bench.cases import make_rank_inputs
+from tests.support.harness import open_buffer, outcome, set_env
 
 CFG = dict(E=8, H=64, Tmax=8, K=3, max_recv=24)  # 6 tokens per rank, every route to expert 0: rank 0 needs 36
 

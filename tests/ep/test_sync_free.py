@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import tritonep as tep
 from tritonep.testing import run_cpu_world
-from tritonep.testing.cases import make_rank_inputs
+from tritonep.bench.cases import make_rank_inputs
 
 
 def _world(group, ntokens):
@@ -67,7 +67,7 @@ def _nccl_world(group):
 
 
 def test_sync_free_on_nccl():
-    """The nccl backend has a sync-free dispatch too (tests/ep/nccl/test_sync_free.py checks it bit for bit)."""
+    """The nccl backend has a sync-free dispatch too (tests/backends/nccl/test_sync_free.py checks it bit for bit)."""
     for rank, (reads, rows, max_recv, nrr, offs) in enumerate(run_cpu_world(2, _nccl_world)):
         assert reads == 0 and rows == max_recv and nrr is None
         assert offs == ([8, 8] if rank == 0 else [0, 0])  # 2 ranks x 2 tokens x 2 routes, all to expert 0

@@ -12,8 +12,9 @@ import torch.distributed as dist
 import tritonep as tep
 from tritonep.errors import BufferStateError, PeerTimeoutError
 from tritonep.testing import run_cpu_world
-from tritonep.testing.cases import make_rank_inputs
-from tritonep.testing.harness import BF16, expert, set_env
+from tritonep.bench.cases import make_rank_inputs
+from tests.support.harness import BF16, expert, set_env
+from tests.support.hooks import backend_of
 
 
 def _strict_buffer(group, E, seed):
@@ -27,7 +28,7 @@ def _strict_buffer(group, E, seed):
 def _dispatch_data_timeout_world(group):
     rank, buf, (x, idx, w) = _strict_buffer(group, 4, seed=1)
     if rank == 0:  # takes part in the counts exchange, then never sends (a peer that dies mid-dispatch)
-        ks = buf._impl.k  # the backend's bound launches (tritonep.ep.triton.calls.KernelSet)
+        ks = backend_of(buf).k  # the backend's bound launches (tritonep.backends.triton.calls.KernelSet)
         ks.send = lambda *a: None
         ks.expand = lambda kq: (lambda *a: None)
         ks.fused = lambda kq: (lambda *a: None)  # the one-launch dispatch (geometry with fused_send > 0)
@@ -123,7 +124,7 @@ def test_missing_peer_raises_peer_timeout():
 def _timeout_s_world(group):
     rank = dist.get_rank(group)
     buf = tep.EPBuffer(group, 4, 64, 8, 2, timeout_s=1.5)
-    assert buf.timeout_s == 1.5 and buf._impl.timeout_s == 1.5
+    assert buf.timeout_s == 1.5 and backend_of(buf).timeout_s == 1.5
     if rank == 1:
         return "skipped"
     x, idx, w = make_rank_inputs(rank, 8, 64, 4, 2, seed=2)
@@ -144,7 +145,7 @@ def test_default_timeout_is_at_least_300_s(monkeypatch):
     monkeypatch.delenv("TRITONEP_TIMEOUT_S", raising=False)
     assert tep.envs.timeout_s() >= 300
     with pytest.raises(tep.errors.ConfigError, match="timeout_s"):
-        from tritonep.ep.status import resolve_timeout
+        from tritonep.runtime.status import resolve_timeout
         resolve_timeout(-1)
 
 
@@ -155,7 +156,6 @@ def _deferred_world(group):
     x, idx, w = make_rank_inputs(rank, 8, 64, 4, 2, seed=1)
     d = buf.dispatch(x, idx, w)
     if rank == 0:  # a peer that stops during the combine of call 1
-        buf._impl._launch = lambda *a, **k: None
         return "stopped"
     try:  # deferred mode: the eager combine's own status read (its last launch publishes it) raises the lost peer
         y = buf.combine(d.x, d.handle)

@@ -2,7 +2,7 @@
 
 It is the proof that a wire format is one registry record + its twin + its codec: nothing in the backends, the
 kernels or the CLI names it. Both backends run in the same CPU world (rank body
-:func:`tritonep.testing.wire_checks.both_backends_world`: dispatch, combine, backward, ``keep_quantized``
+:func:`tests.support.wire_checks.both_backends_world`: dispatch, combine, backward, ``keep_quantized``
 dispatch and a combine after it) and must agree on every output; the nccl results must equal the record's twins
 applied to :func:`tritonep.reference.dispatch_reference` rows (dispatch) and to every rank's fp32 partial
 (combine: k ascending, dequantized to fp32, summed over ranks ascending). The fused (one-launch) dispatch /
@@ -20,9 +20,9 @@ import torch.distributed as dist
 
 import tritonep as tep
 from tritonep.testing import run_cpu_world
-from tritonep.testing.cases import make_rank_inputs
-from tritonep.testing.compile_check import compile_recorded, record_launches
-from tritonep.testing.wire_checks import (CASE_TOKENS, CPU_CASE, GPU_CASE, both_backends_world,
+from tritonep.bench.cases import make_rank_inputs
+from tests.support.compile_check import compile_recorded, record_launches
+from tests.support.wire_checks import (CASE_TOKENS, CPU_CASE, GPU_CASE, both_backends_world,
                                          check_both_backends)
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tritonep.errors import HeapError, LayoutError
-from tritonep.kernels.probe_heap import peer_wait_kernel, peer_write_kernel
+from tests.support.probe_heap import peer_wait_kernel, peer_write_kernel
 from tritonep.memory import ALIGN, CpuHeap, Region, get_heap, layout, required_bytes
 from tritonep.testing import run_cpu_world
 

@@ -24,8 +24,9 @@ import tritonep as tep
 from tritonep.errors import LayoutError
 from tritonep.memory import Region, get_heap
 from tritonep.testing import run_cpu_world
-from tritonep.testing.cases import make_rank_inputs
-from tritonep.testing.harness import diff, expected
+from tritonep.bench.cases import make_rank_inputs
+from tests.support.harness import diff, expected
+from tests.support.hooks import backend_of
 
 W, E, H, K = 2, 4, 64, 2
 
@@ -42,7 +43,7 @@ def _rebuild_world(group, cycles):
         new = tep.EPBuffer(group, E, H, 8, K)
         x, idx, w = make_rank_inputs(rank, 6, H, E, K, seed=c)
         d = new.dispatch(x, idx, w)
-        out.append((d.x.clone(), d.num_tokens_per_expert.clone(), new._impl.buf._heap_offset))
+        out.append((d.x.clone(), d.num_tokens_per_expert.clone(), backend_of(new).buf._heap_offset))
         if old is not None:
             old.close()
         old = new
@@ -74,7 +75,7 @@ def _layer_rebuild_world(group, tmaxes):
         new = MoELayer(MoERecipe(balance="virtual", combine="push"), geo, group, timeout_s=60)
         x, idx, w = make_rank_inputs(rank, 5, H, E, K, seed=i)
         y = new(x, topk_idx=idx, topk_weights=w)
-        out.append((tuple(y.shape), bool(torch.isfinite(y.float()).all()), new.buffer._impl.buf._heap_offset))
+        out.append((tuple(y.shape), bool(torch.isfinite(y.float()).all()), backend_of(new.buffer).buf._heap_offset))
         if old is not None:
             old.close()
         old = new

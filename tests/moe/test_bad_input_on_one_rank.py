@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from tritonep.testing import run_cpu_world
-from tritonep.testing.harness import BF16, outcome
+from tests.support.harness import BF16, outcome
 
 H = 64
 LE, LK, LT, LI = 4, 2, 8, 32

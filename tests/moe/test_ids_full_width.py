@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from tritonep.errors import ConfigError, InputError, PeerInputError, PeerTimeoutError
 from tritonep.testing import run_cpu_world
-from tritonep.testing.cases import make_rank_inputs
+from tritonep.bench.cases import make_rank_inputs
 
 H, I, E, K = 64, 32, 4, 2
 BAD = (2 ** 32 + 1, -(2 ** 32) + 2)
@@ -100,7 +100,7 @@ def test_layer_refuses_64_bit_ids_on_every_rank(backend):
 def test_planner_refuses_64_bit_ids_alone():
     from tritonep.balance import place_torch, plan
     from tritonep.errors import PlanError
-    from tritonep.kernels import protocol as P
+    from tritonep.device import protocol as P
 
     topk = torch.tensor([[0, 1], [2, 3], [1, -1]], dtype=torch.int64)
     counts = torch.stack([torch.bincount(topk[topk >= 0], minlength=E), torch.tensor([1, 1, 0, 0])])
@@ -297,7 +297,7 @@ def test_gpu_64_bit_ids_refused_by_planner_exchange_and_dispatch(gpu_world):
     """On the device: the planner maps 2**32 + 1 to 2E with the bad-id bit; the counts exchange does not count it
     and flags it; the default and the decode dispatch raise InputError naming it."""
     from tritonep.balance import plan
-    from tritonep.kernels import protocol as P
+    from tritonep.device import protocol as P
     dev = torch.device("cuda", 0)
     topk = torch.tensor([[0, 1], [2, 3], [1, -1]], dtype=torch.int64)
     counts = torch.stack([torch.bincount(topk[topk >= 0], minlength=E), torch.tensor([1, 1, 0, 0])])

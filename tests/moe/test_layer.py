@@ -298,7 +298,7 @@ def test_gpu_expert_ffn_grouped_matches_loop():
 
 @pytest.mark.gpu
 def test_gpu_world_layer_and_compile(gpu_world, gpu_world_size):
-    from tritonep.testing.cases import experts_for, tokens_for
+    from tritonep.bench.cases import experts_for, tokens_for
 
     W = gpu_world_size
     case = dict(recipe=MoERecipe(expert_alignment=8), geometry=MoEGeometry(256, 128, 8 * W, 4, 128),

@@ -15,7 +15,7 @@ import tritonep as tep
 from tritonep.errors import InputError, PeerInputError
 from tritonep.reference import moe_dense_reference
 from tritonep.testing import run_cpu_world
-from tritonep.testing.cases import make_rank_inputs
+from tritonep.bench.cases import make_rank_inputs
 
 H, I = 64, 32
 

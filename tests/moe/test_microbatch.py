@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from tritonep.errors import BufferStateError
 from tritonep.moe import MoEGeometry, MoELayer, MoERecipe
 from tritonep.testing import run_cpu_world
-from tritonep.testing.harness import BF16
+from tests.support.harness import BF16
 
 TOKENS = [[12, 16, 5], [9, 0, 16]]  # per rank, per micro-batch (a rank with 0 tokens in micro-batch 2)
 

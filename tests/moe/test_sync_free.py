@@ -13,7 +13,7 @@ import torch.distributed as dist
 import tritonep as tep
 from tritonep.errors import ConfigError
 from tritonep.testing import run_cpu_world
-from tritonep.testing.cases import make_rank_inputs
+from tritonep.bench.cases import make_rank_inputs
 
 H, I, E, K, TM = 64, 32, 8, 2, 12
 

@@ -5,7 +5,7 @@ import pytest
 
 from tritonep import envs
 from tritonep.errors import ConfigError
-from tritonep.ep.geometry import select_geometry
+from tests.support.tiles import tiles_of
 
 
 @pytest.mark.parametrize("name,value,read", [
@@ -35,11 +35,11 @@ def test_good_environment_values(monkeypatch):
 @pytest.mark.parametrize("num_sms", [-4, 2.5, "24", True])
 def test_bad_num_sms_argument_is_a_config_error(num_sms):
     with pytest.raises(ConfigError, match=f"num_sms={num_sms!r}"):
-        select_geometry("cuda", 2, 7168, 4096, 8, num_sms=num_sms)
+        tiles_of("cuda", 2, 7168, 4096, 8, num_sms=num_sms)
 
 
 def test_sm_cap_never_gives_a_grid_below_one():
-    g = select_geometry("cuda", 2, 7168, 4096, 8, num_sms=1)
+    g = tiles_of("cuda", 2, 7168, 4096, 8, num_sms=1)
     assert min(g.grid_hist, g.grid_send, g.grid_expand, g.grid_partial, g.grid_out) >= 1
 
 

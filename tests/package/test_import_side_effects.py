@@ -19,7 +19,7 @@ def _py(code: str, env_extra: dict | None = None, drop=("TRITON_INTERPRET",)):
 def test_import_sets_no_environment_and_no_kernels():
     r = _py("import os, sys\nbefore = dict(os.environ)\nimport tritonep as tep\n"
             "assert dict(os.environ) == before, 'import changed the environment'\n"
-            "bad = [m for m in sys.modules if m.startswith(('tritonep.kernels', 'tritonep.ep'))]\n"
+            "bad = [m for m in sys.modules if m.startswith(('tritonep.device', 'tritonep.runtime', 'tritonep.backends', 'tritonep.ep')) or '.kernels' in m]\n"
             "assert not bad, bad\n"
             "assert tep.EPBuffer.__name__ == 'EPBuffer' and tep.MoERecipe.__name__ == 'MoERecipe'\n"
             "assert 'TRITON_INTERPRET' not in os.environ\nprint('ok')")
@@ -36,7 +36,7 @@ def test_unknown_attribute_is_attribute_error():
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="CPU-only check")
 def test_cpu_buffer_with_compiled_kernels_is_a_config_error():
-    r = _py("import tritonep as tep\nfrom tritonep.kernels.common import check_kernel_mode, kernels_interpreted\n"
+    r = _py("import tritonep as tep\nfrom tritonep.device.common import check_kernel_mode, kernels_interpreted\n"
             "assert not kernels_interpreted()\n"
             "try:\n    check_kernel_mode('cpu')\nexcept tep.ConfigError as e:\n    print('refused:', e)\n")
     assert r.returncode == 0, r.stderr
@@ -45,7 +45,7 @@ def test_cpu_buffer_with_compiled_kernels_is_a_config_error():
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="CPU-only check")
 def test_run_cpu_world_refuses_compiled_kernels():
-    r = _py("import tritonep as tep\nimport tritonep.kernels.common\nfrom tritonep.testing import run_cpu_world\n"
+    r = _py("import tritonep as tep\nimport tritonep.device.common\nfrom tritonep.testing import run_cpu_world\n"
             "try:\n    run_cpu_world(2, lambda g: 0)\nexcept tep.ConfigError as e:\n    print('refused:', e)\n")
     assert r.returncode == 0, r.stderr
     assert "refused:" in r.stdout

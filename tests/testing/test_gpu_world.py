@@ -274,43 +274,42 @@ def test_group_barrier_picks_the_backend_s_barrier(monkeypatch):
 
 # ------------------------------------------------------------------------------------------------ program cap
 def test_max_programs_clips_every_waiting_grid_and_keeps_the_table_s_choices(monkeypatch):
-    from tritonep.ep.geometry import select_geometry
-    from tritonep.kernels.layout import exchange_tiles
+    from tests.support.tiles import tiles_of
+    from tritonep.backends.triton.kernels.layout import exchange_tiles
 
     monkeypatch.delenv("TRITONEP_GEOMETRY", raising=False)
-    free = select_geometry("cuda", 2, 7168, 4096, 8)
+    free = tiles_of("cuda", 2, 7168, 4096, 8)
     assert free.fused_send + free.fused_expand > 32 and free.grid_partial > 32
     monkeypatch.setenv("TRITONEP_MAX_PROGRAMS", "32")
-    g = select_geometry("cuda", 2, 7168, 4096, 8)
+    g = tiles_of("cuda", 2, 7168, 4096, 8)
     assert g.fused_send > 0 and g.fused_send + g.fused_expand <= 32  # still the fused dispatch, within the cap
     assert (g.bt, g.num_warps, g.cbt, g.cwarps) == (free.bt, free.num_warps, free.cbt, free.cwarps)
     assert max(g.grid_hist, g.grid_send, g.grid_expand, g.grid_partial, g.grid_out) <= 32
-    assert select_geometry("cuda", 2, 7168, 4096, 8, num_sms=16).grid_partial == 16  # the smaller cap wins
+    assert tiles_of("cuda", 2, 7168, 4096, 8, num_sms=16).grid_partial == 16  # the smaller cap wins
     monkeypatch.setenv("TRITONEP_GEOMETRY", "bt=1,dec=128")
-    assert select_geometry("cuda", 2, 7168, 128, 8).decode == 32
+    assert tiles_of("cuda", 2, 7168, 128, 8).decode == 32
     monkeypatch.delenv("TRITONEP_GEOMETRY")
-    assert exchange_tiles(256, 1024)[0] == 32
-    monkeypatch.setenv("TRITONEP_MAX_PROGRAMS", "3")
-    assert exchange_tiles(256, 1024)[0] == 3
+    assert exchange_tiles(256, 1024)[0] == 32 and exchange_tiles(256, 1024, 3)[0] == 3  # the config's cap
+    assert tiles_of("cuda", 2, 7168, 4096, 8, max_programs=8).grid_partial == 8  # the argument wins
     monkeypatch.setenv("TRITONEP_MAX_PROGRAMS", "-1")
     with pytest.raises(ConfigError, match="TRITONEP_MAX_PROGRAMS"):
-        select_geometry("cuda", 2, 7168, 4096, 8)
+        tiles_of("cuda", 2, 7168, 4096, 8)
 
 
-def test_launcher_refuses_a_grid_above_the_cap(monkeypatch):
-    from tritonep.ep.triton.launch import Launcher
-    from tritonep.kernels.layout import chunk_hist_kernel
+def test_launch_refuses_a_grid_above_the_cap():
+    from tritonep.backends.triton.kernels.layout import chunk_hist_kernel
+    from tritonep.runtime.launch import Launch
 
-    monkeypatch.setenv("TRITONEP_MAX_PROGRAMS", "2")
-    launch = Launcher(torch.device("cpu"))
+    launch = Launch(torch.device("cpu"), max_programs=2)  # a buffer's config.max_programs (TRITONEP_MAX_PROGRAMS)
     with pytest.raises(ConfigError, match=r"chunk_hist_kernel: grid \(3,\) exceeds TRITONEP_MAX_PROGRAMS=2"):
-        launch(chunk_hist_kernel, (3,), None)
+        launch.bind(chunk_hist_kernel, dict(hist_ptr=None, K=2, E=4, EB=4, BT=16, KB=2), ("topk_idx_ptr", "T", "NC"),
+                    grid=(3,))
 
 
 def test_exchange_and_ep_calls_exact_with_one_program_per_waiting_kernel(monkeypatch):
     """TRITONEP_MAX_PROGRAMS=1: the counts exchange of 64 experts (two expert blocks) runs in one program that loops
     over both; dispatch + combine equal the reference."""
-    from tritonep.testing.harness import calls_world, check_calls, make_calls
+    from tests.support.harness import calls_world, check_calls, make_calls
 
     monkeypatch.setenv("TRITONEP_MAX_PROGRAMS", "1")
     cfg = dict(E=64, H=64, Tmax=8, K=4, fn=_identity, out_buffer=False)

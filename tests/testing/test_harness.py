@@ -1,11 +1,11 @@
-"""The dispatch/combine harness (tritonep.testing.harness) fails where it must: records made from the reference pass,
+"""The dispatch/combine harness (tests.support.harness) fails where it must: records made from the reference pass,
 and one flipped bit in any field, a wrong shape, rows past the end with a nonzero weight, or a second combine that
 differs fails, naming the call, the rank and the field. Host only (no world)."""
 
 import pytest
 import torch
 
-from tritonep.testing.harness import FIELDS, check_calls, check_grads, diff, expected, make_calls
+from tests.support.harness import FIELDS, check_calls, check_grads, diff, expected, make_calls
 
 CFG = dict(E=8, H=32, Tmax=8, K=3, A=2)
 
@@ -90,7 +90,7 @@ def test_check_script_bad_step_wants_the_bad_rank_input_error_naming_its_value()
     E found on the device, or with no token the ``[0, K + 1]`` topk_idx refused at the front door; the harness used
     to expect PeerInputError from a T = 0 bad rank and planted nothing there, so a correct buffer failed), its peers
     PeerInputError naming it; anything else fails, naming the step."""
-    from tritonep.testing.harness import check_script
+    from tests.support.harness import check_script
 
     cfg = dict(CFG, E=8, K=3)
     steps = [("bad", 1, [0, 3], 0), ("bad", 2, [2, 4], 1), ("cap", 3, [8, 8])]

@@ -3,7 +3,7 @@
 * Every record is consistent (sizes, ids, codec, twins) and the sizes, the CLI and the benchmark read it.
 * fp8_e5m2 twin == an independent reference (torch's own float8_e5m2 cast, in range) and its stated specials.
 * The Triton codec (interpreted on CPU) == the twin bit for bit, and the round-trip error bound holds.
-* For EVERY registered quantized wire, the generic row codec of the EP kernels (:mod:`tritonep.kernels.wirecodec`:
+* For EVERY registered quantized wire, the generic row codec of the EP kernels (:mod:`tritonep.wire.kernels.wirecodec`:
   encode once, store, load/decode, raw copy) writes exactly ``twin payload | twin scale bytes`` per row and decodes
   exactly the twin's fp32 values: a new record is checked here without new code.
 """
@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from tritonep.errors import InputError, WireError
-from tritonep.kernels.wirecodec import DeviceCodec, wire_copy_raw, wire_load, wire_store
+from tritonep.wire.kernels.wirecodec import DeviceCodec, wire_copy_raw, wire_load, wire_store
 from tritonep.wire import (
     E5M2_ABS_ERR_SCALE,
     E5M2_MAX,

@@ -1,7 +1,7 @@
 """Host wrapper of the Triton virtual-expert planner: ONE launch, no host sync, bit-equal to the torch twins.
 
 ``plan(counts, topk_idx, rank, mode=m)`` == ``(place_torch(counts, m), remap_torch(topk_idx, place_torch(counts,
-m), rank, counts))`` bit for bit in both modes (tested), computed by :func:`tritonep.kernels.planner.plan_kernel`
+m), rank, counts))`` bit for bit in both modes (tested), computed by :func:`tritonep.balance.kernels.planner.plan_kernel`
 (placement on one program while the others histogram, look back and remap their route chunks; one warp while the
 placement tiles are small, see ``_plan_warps``). The kernel's roles and flags use a small persistent state per
 device (``_sync_state``), zeroed once and never reset between calls.
@@ -19,9 +19,9 @@ from tritonep.balance.placement import (
 )
 from tritonep.balance.remap import check_topk_idx
 from tritonep.errors import PlanError
-from tritonep.kernels import protocol as P
-from tritonep.kernels.common import check_kernel_mode
-from tritonep.kernels.planner import plan_kernel
+from tritonep.device import protocol as P
+from tritonep.device.common import check_kernel_mode
+from tritonep.balance.kernels.planner import plan_kernel
 
 __all__ = ["plan", "plan_status", "check_plan_status", "raise_plan_bits"]
 
@@ -135,7 +135,7 @@ def plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, *, num_program
             ``mode``; with ``validate=True`` also bad values (negative counts, ids outside ``[-1, E)``, ``topk_idx``
             not matching ``counts[rank]``) and an internal wait that gave up (status bit 8).
         ConfigError: the kernels were built for another device (CPU tensors without ``TRITON_INTERPRET=1``, or
-            the reverse; :func:`tritonep.kernels.common.check_kernel_mode`).
+            the reverse; :func:`tritonep.device.common.check_kernel_mode`).
     """
     mode_id = PLACEMENT_MODES.index(_check_mode(mode))
     check_counts(counts, max_world=MAX_PLANNER_WORLD, check_values=False)
@@ -171,7 +171,7 @@ def plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, *, num_program
     hist = torch.empty(num_programs, cfg["E_PAD"], **i32)  # row c: histogram of route chunk c
     gtot = torch.empty(num_groups, cfg["E_PAD"], **i32)  # row g: routes of look-back group g (its chunks' sum)
     sync, flags = _sync_state(dev, num_programs + 1 + num_groups)
-    from tritonep.ep.status import wait_bound
+    from tritonep.runtime.status import wait_bound
 
     plan_kernel[(num_programs + 1,)](
         counts, counts.stride(0), counts.stride(1),

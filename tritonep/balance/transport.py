@@ -1,8 +1,8 @@
 """Virtual-expert weight transport as autograd: push the weights forward, pull their gradients back.
 
 The data movement lives with the backends (imports go one way: ep -> balance): every backend has an expert transport
-(:class:`tritonep.ep.backends.ExpertTransport`; triton: :class:`tritonep.ep.triton.expert_transport.ExpertTransport`
-over symmetric memory, nccl: :class:`tritonep.ep.nccl.expert_transport.NcclExpertTransport` over all_to_all), built with
+(:class:`tritonep.backends.ExpertTransport`; triton: :class:`tritonep.backends.triton.expert_transport.ExpertTransport`
+over symmetric memory, nccl: :class:`tritonep.backends.nccl.expert_transport.NcclExpertTransport` over all_to_all), built with
 :meth:`tritonep.EPBuffer.expert_transport`. This module adds the autograd function :class:`PushWeights` and the host
 helper :func:`used_slot_count`; the MoE layer calls push / pull directly from its one forward and backward.
 

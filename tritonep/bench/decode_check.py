@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 __all__ = ["exact_vs_two_kernel"]
 
 
 def exact_vs_two_kernel(group, buf, x, topk_idx, topk_weights, wire: str) -> bool:
-    """Dispatch + combine ``(x, topk_idx, topk_weights)`` on ``buf`` (any geometry, e.g. ``dec=128``) and on a fresh
-    buffer of the same configuration with the two-kernel geometry (``dec=0,fs=0,fe=0``); True when the received rows,
+    """Dispatch + combine ``(x, topk_idx, topk_weights)`` on ``buf`` (any kernel tiles, e.g. ``dec=128``) and on a
+    fresh buffer of the same configuration with the two-kernel tiles (``tiles="dec=0,fs=0,fe=0"``); True when the received rows,
     expert offsets, row weights and combine outputs (expert output = 0.5 * row + 1, bf16) are equal bit for bit.
 
     Collective: every rank of ``group`` must call it with its own inputs. Shapes: ``x [T, H]`` bf16,
@@ -19,16 +17,8 @@ def exact_vs_two_kernel(group, buf, x, topk_idx, topk_weights, wire: str) -> boo
     """
     import tritonep as tep
 
-    old = os.environ.get("TRITONEP_GEOMETRY")
-    os.environ["TRITONEP_GEOMETRY"] = "dec=0,fs=0,fe=0"
-    try:
-        ref = tep.EPBuffer(group, buf.num_experts, buf.hidden, buf.max_tokens_per_rank, buf.topk,
-                           dispatch_wire=wire, combine_wire=wire)
-    finally:
-        if old is None:
-            os.environ.pop("TRITONEP_GEOMETRY", None)
-        else:
-            os.environ["TRITONEP_GEOMETRY"] = old
+    ref = tep.EPBuffer(group, buf.num_experts, buf.hidden, buf.max_tokens_per_rank, buf.topk,
+                       dispatch_wire=wire, combine_wire=wire, tiles="dec=0,fs=0,fe=0")
     got = []
     for b in (buf, ref):
         d = b.dispatch(x, topk_idx, topk_weights)

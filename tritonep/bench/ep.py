@@ -44,7 +44,8 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from ..ep.layout import layout_torch, route_rows_torch
+from .. import envs
+from ..backends.layout import layout_torch, route_rows_torch
 from ..memory import group_barrier, uses_nccl
 from .check import PointChecker, bench_expert, compare_close, compare_exact, mark_checked
 from .profiles import PROFILES
@@ -129,10 +130,9 @@ def one_gpu_inputs(T: int, H: int, E: int, K: int, seed: int = 0):
     under ``torchrun``): the NCCL process group (made here), the rank's device (``LOCAL_RANK``, made current) and
     one call's inputs ``x [T, H]`` bf16, ``topk_idx [T, K]`` int64 (K distinct experts of E per token), ``topk_weights
     [T, K]`` float32 from generator ``seed``. Returns ``(device, x, topk_idx, topk_weights)``."""
-    import os
 
     dist.init_process_group("nccl")
-    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    dev = torch.device("cuda", envs.local_rank())
     torch.cuda.set_device(dev)
     g = torch.Generator().manual_seed(seed)
     idx = torch.argsort(torch.rand(T, E, generator=g), dim=1)[:, :K].to(dev)
@@ -150,12 +150,14 @@ def _routing(rank, T, E, K, seed, dev):
 
 
 def bench_ep(group, profile: str, combine_kinds=("push", "pull"), num_sms=None, iters=30, seed=0, tokens=None,
-             wires=None, baselines=True, eager=True):
+             wires=None, baselines=True, eager=True, tiles=None):
     """All rows of one profile on this rank; returns a list of dicts (same on every rank up to timings).
 
-    ``baselines=False`` leaves out the NCCL rows and tritonep's nccl backend (geometry variant sweeps);
+    ``baselines=False`` leaves out the NCCL rows and tritonep's nccl backend (kernel-tile variant sweeps);
     ``eager=False`` leaves out the eager dispatch row; ``wires`` (default: every registered wire,
-    :data:`tritonep.wire.WIRES`) the wire formats to time.
+    :data:`tritonep.wire.WIRES`) the wire formats to time; ``tiles``: the buffers' kernel tiles
+    (:class:`tritonep.EPBuffer`'s argument: an override string; None or "": the profile's own if it has some, else
+    the table's, with TRITONEP_GEOMETRY for None).
     """
     import tritonep as tep
 
@@ -210,21 +212,20 @@ def bench_ep(group, profile: str, combine_kinds=("push", "pull"), num_sms=None, 
         return r
 
     # --- tritonep
-    import os
-
     from ..wire.formats import WIRES, get_wire
 
-    os.environ["TRITONEP_SYNC_CHECKS"] = "0"
-    own_geo = bool(p.get("geometry")) and not os.environ.get("TRITONEP_GEOMETRY")  # a --variants geometry wins
+    # tiles: the caller's (a --variants run's), else a profile's own (decode-1launch); sync checks: deferred, what
+    # training runs eagerly (captured calls read nothing whatever the mode)
+    if not tiles and p.get("geometry"):
+        tiles = p["geometry"]
     if p.get("geometry"):  # a profile with its own geometry (decode-1launch): no baselines, an exactness check
         baselines = False
     if torch.cuda.is_available() and not uses_nccl(group):  # ranks sharing a GPU (gloo): no NCCL to compare with
         baselines = False
-    if own_geo:
-        os.environ["TRITONEP_GEOMETRY"] = p["geometry"]
     for wire in (WIRES if wires is None else wires):
-        buf = tep.EPBuffer(group, E, H, T, K, num_sms=num_sms, dispatch_wire=wire, combine_wire=wire)
-        geo = buf.geometry
+        buf = tep.EPBuffer(group, E, H, T, K, num_sms=num_sms, dispatch_wire=wire, combine_wire=wire,
+                           tiles=tiles, sync_checks="deferred")
+        geo = buf.tiles
         wb = {"wire": wire, "wire_nvlink_gbps_factor": get_wire(wire).row_bytes(H) / (2 * H),
               "grid": geo.grid_send, "geometry": f"bt={geo.bt},bh={geo.bh},warps={geo.num_warps},grid={geo.grid_send},"
                                                 f"fs={geo.fused_send},fe={geo.fused_expand},dec={geo.decode}"}
@@ -263,8 +264,7 @@ def bench_ep(group, profile: str, combine_kinds=("push", "pull"), num_sms=None, 
             us, mode = time_graph(comb, group, iters=iters)
             check_combine(row(f"tritonep.combine.{kind}.{wire}", us, mode, wb), last["y"], wire)
         if wire == "bf16" and eager:
-            # eager calls as training runs them: default sync checks (one host read per dispatch, none in combine)
-            os.environ.pop("TRITONEP_SYNC_CHECKS", None)
+            # eager calls as training runs them: deferred sync checks (one host read per dispatch, none in combine)
             us, mode = time_graph(disp, group, iters=iters, capture=False)
             check_dispatch(row(f"tritonep.dispatch.{wire}", us, mode, wb), last["d"], wire)
             de = buf.dispatch(x, idx, w)
@@ -275,12 +275,8 @@ def bench_ep(group, profile: str, combine_kinds=("push", "pull"), num_sms=None, 
 
             us, mode = time_graph(comb_eager, group, iters=iters, capture=False)
             check_combine(row(f"tritonep.combine.{geo.combine}.{wire}", us, mode, wb), last["y"], wire)
-            os.environ["TRITONEP_SYNC_CHECKS"] = "0"
         buf.close()
         torch.cuda.empty_cache()
-    os.environ.pop("TRITONEP_SYNC_CHECKS", None)
-    if own_geo:
-        os.environ.pop("TRITONEP_GEOMETRY", None)
     if not baselines:
         return rows
 
@@ -294,17 +290,10 @@ def bench_ep(group, profile: str, combine_kinds=("push", "pull"), num_sms=None, 
     us, mode = time_graph(ndisp, group, iters=iters, capture=False)
     check_dispatch(row("tritonep[nccl].dispatch.bf16", us, mode), last["d"], "bf16")
 
-    # the sync-free dispatch (no host read) in each mode of TRITONEP_NCCL_SYNC_FREE (a buffer per mode,
-    # the variable set for its construction and restored); the combine on the one-hop handle
+    # the sync-free dispatch (no host read) in each sync-free mode (a buffer per mode); the combine on the one-hop
+    # handle
     for sf_mode in ("onehop", "gather"):
-        old_mode = os.environ.pop("TRITONEP_NCCL_SYNC_FREE", None)
-        os.environ["TRITONEP_NCCL_SYNC_FREE"] = sf_mode
-        try:
-            sbuf = tep.EPBuffer(group, E, H, T, K, backend="nccl")
-        finally:
-            os.environ.pop("TRITONEP_NCCL_SYNC_FREE", None)
-            if old_mode is not None:
-                os.environ["TRITONEP_NCCL_SYNC_FREE"] = old_mode
+        sbuf = tep.EPBuffer(group, E, H, T, K, backend="nccl", sync_free_mode=sf_mode)
 
         def ndisp_sf(sbuf=sbuf):
             last["d"] = sbuf.dispatch(x, idx, w, sync_free=True)

@@ -96,22 +96,17 @@ def _uncounted():
 def stub_launches(buf, run: bool = False):
     """Replace every Triton launch of ``buf``'s backend by a counter (a ``list`` of kernel names, yielded).
 
-    Both launch paths are swapped for the duration: bound kernels (:class:`tritonep.ep.bound.BoundKernel`: every
-    launch of the nccl backend and the triton backend's per-call path) and a backend's generic launcher
-    (``buf._impl._launch`` when it is callable: the triton backend's :class:`tritonep.ep.triton.launch.Launcher`);
-    the nccl backend's torch ops and collectives still run (they are its host path). ``names.generic`` counts the
-    launches that went through the generic launcher (the rest were bound). With
+    Every launch of both backends is a bound one (:class:`tritonep.runtime.bound.BoundKernel`, made by the one launch
+    runtime, :mod:`tritonep.runtime.launch`): its call is swapped for the duration; the nccl backend's torch ops and
+    collectives still run (they are its host path). With
     ``run`` the launch also runs for real, outside the counters (no torch call, aten op or allocation it makes is
     counted), and the seconds it took are added to ``names.spent``, so a caller can leave them out of the host time:
     what a path whose later steps read the kernels' outputs needs (the nccl backend's GPU path in the interpreter).
     """
-    from ..ep.bound import BoundKernel
+    from ..runtime.bound import BoundKernel
 
     names = _Names()
     patched = {BoundKernel: BoundKernel.__call__}
-    launcher = getattr(buf._impl, "_launch", None)
-    if launcher is not None and callable(launcher):  # the nccl backend's Launch only binds: nothing to swap
-        patched[type(launcher)] = type(launcher).__call__
 
     def timed(orig, *args, **kwargs):
         if run:
@@ -126,14 +121,7 @@ def stub_launches(buf, run: bool = False):
         if not run and "ticket" in self._dyn:
             _publish_host_status(self, dyn)
 
-    def fake_launcher(self, kernel, grid, *args, **kwargs):
-        fn = getattr(kernel, "fn", kernel)
-        names.append(getattr(fn, "__name__", repr(kernel)))
-        names.generic += 1
-        timed(patched[type(self)], self, kernel, grid, *args, **kwargs)
-
-    for cls in patched:
-        cls.__call__ = fake_bound if cls is BoundKernel else fake_launcher
+    BoundKernel.__call__ = fake_bound
     try:
         yield names
     finally:
@@ -145,7 +133,7 @@ def _publish_host_status(bk, dyn):
     """What a stubbed launch that publishes its status to the host (a kernel bound with ``HOST_ST > 0`` and a
     per-call ``ticket``: the counts exchange, the decode dispatch) must still do for the host to go on: store the
     status words as they stand and then the call's ticket into the pinned tensor
-    (:func:`tritonep.kernels.signal.publish_host_status`), uncounted. Without it the host's spin read would wait
+    (:func:`tritonep.device.signal.publish_host_status`), uncounted. Without it the host's spin read would wait
     for a ticket no stub publishes."""
     words = bk.arg("HOST_ST")
     if not words:
@@ -157,11 +145,9 @@ def _publish_host_status(bk, dyn):
 
 
 class _Names(list):
-    """Kernel names launched, ``generic``: how many of them through the generic launcher (not bound), and
-    ``spent``: seconds inside launches that ran for real."""
+    """Kernel names launched, and ``spent``: seconds inside launches that ran for real."""
 
     spent = 0.0
-    generic = 0
 
 
 def measure_host_path(buf, x, topk_idx, topk_weights, iters: int = 20, run_kernels: bool = False) -> dict:
@@ -195,8 +181,6 @@ def measure_host_path(buf, x, topk_idx, topk_weights, iters: int = 20, run_kerne
             "combine_bwd": lambda: buf.combine_backward(gy, eo[:rows], d.handle),
         }
         for kind, fn in calls.items():
-            if kind == "dispatch_sync_free" and buf.backend != "triton":
-                continue
             fn()
             n0, r0 = len(launched), buf.host_reads
             with HostCounter() as c:

@@ -1,18 +1,17 @@
 """Per-kernel time of dispatch and combine: where do the microseconds of each wire go.
 
-:func:`kernel_breakdown` builds one :class:`tritonep.EPBuffer` per (geometry variant, wire), runs ``iters`` eager
+:func:`kernel_breakdown` builds one :class:`tritonep.EPBuffer` per (kernel-tile variant, wire), runs ``iters`` eager
 dispatch calls and ``iters`` combine calls under ``torch.profiler`` (CUDA activity only) and reports each kernel's
 device time per call (the two-kernel dispatch shows ``dispatch_send_kernel`` and ``dispatch_expand_kernel``, the
 push combine ``combine_partial_kernel`` and ``combine_out_kernel``, the fused paths their one launch). Every row is
 checked after timing (:class:`tritonep.bench.check.PointChecker`: rows and counts bit for bit, combine against the
-fixed-order oracle). Without CUDA (CPU world, interpreter) the host time of each Launcher call stands in for the
+fixed-order oracle). Without CUDA (CPU world, interpreter) the host time of each bound launch stands in for the
 device time: a smoke run of the code and the checks, not a measurement.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections import defaultdict
 
@@ -33,37 +32,23 @@ combine (partial / out), and the one-launch dispatch and combine."""
 
 @contextlib.contextmanager
 def launch_timer():
-    """Wrap every kernel launch of both backends (bound kernels, :class:`tritonep.ep.bound.BoundKernel`: every
-    launch of the nccl backend and the triton backend's per-call path; the triton backend's generic
-    :class:`tritonep.ep.triton.launch.Launcher`); yields a dict kernel name -> accumulated host seconds."""
-    from ..ep.bound import BoundKernel
-    from ..ep.triton import launch
+    """Wrap every kernel launch of both backends (every one is a bound launch,
+    :class:`tritonep.runtime.bound.BoundKernel`); yields a dict kernel name -> accumulated host seconds."""
+    from ..runtime.bound import BoundKernel
 
     acc = defaultdict(float)
-    origs = [(cls, cls.__call__) for cls in (launch.Launcher, BoundKernel)]
+    orig = BoundKernel.__call__
 
-    def timed_by(orig):
-        def timed(self, kernel, grid, *args, **kwargs):
-            t0 = time.perf_counter()
-            r = orig(self, kernel, grid, *args, **kwargs)
-            acc[launch.kernel_name(kernel)] += time.perf_counter() - t0
-            return r
-        return timed
+    def timed(self, *dyn):
+        t0 = time.perf_counter()
+        orig(self, *dyn)
+        acc[self.name] += time.perf_counter() - t0
 
-    def timed_bound(orig):
-        def timed(self, *dyn):
-            t0 = time.perf_counter()
-            orig(self, *dyn)
-            acc[self.name] += time.perf_counter() - t0
-        return timed
-
-    for cls, orig in origs:
-        cls.__call__ = timed_bound(orig) if cls is BoundKernel else timed_by(orig)
+    BoundKernel.__call__ = timed
     try:
         yield acc
     finally:
-        for cls, orig in origs:
-            cls.__call__ = orig
+        BoundKernel.__call__ = orig
 
 
 def _kernel_us(fn, iters: int) -> tuple[dict, str]:
@@ -94,7 +79,7 @@ def kernel_breakdown(group, profile: str = "deepseek-v3", wires=("bf16", "fp8", 
     Args:
         group: the EP group (world 1 on one GPU for the breakdown; any size works). profile: a key of
             :data:`tritonep.bench.ep.PROFILES`. wires: wire names. variants: name -> TRITONEP_GEOMETRY string
-            (default :data:`DEFAULT_VARIANTS`). num_sms: SM cap (None: all). iters: profiled calls per op.
+            (default :data:`DEFAULT_VARIANTS`), each the buffer's ``tiles`` argument. num_sms: SM cap (None: all). iters: profiled calls per op.
 
     Returns:
         dicts with profile, variant, geometry, wire, op, kernels ``{name: us per call}``, us (their sum), mode,
@@ -110,34 +95,28 @@ def kernel_breakdown(group, profile: str = "deepseek-v3", wires=("bf16", "fp8", 
     x = torch.randn(T, H, device=dev).to(torch.bfloat16)
     chk = PointChecker(group, x, idx, w, E)
     rows = []
-    old = {k: os.environ.get(k) for k in ("TRITONEP_GEOMETRY", "TRITONEP_SYNC_CHECKS")}
-    os.environ["TRITONEP_SYNC_CHECKS"] = "0"
-    try:
-        for vname, geo in (variants or DEFAULT_VARIANTS).items():
-            os.environ["TRITONEP_GEOMETRY"] = geo
-            for wire in wires:
-                buf = tep.EPBuffer(group, E, H, T, K, num_sms=num_sms, dispatch_wire=wire, combine_wire=wire)
-                g = buf.geometry
-                base = dict(profile=profile, variant=vname, wire=wire, tokens=T, hidden=H, num_sms=num_sms or 0,
-                            geometry=f"bt={g.bt},bh={g.bh},warps={g.num_warps},grid={g.grid_send},"
-                                     f"fs={g.fused_send},fe={g.fused_expand},fc={g.fused_combine}")
-                d = buf.dispatch(x, idx, w)  # warm-up (kernels are compiled at construction)
-                eo = chk.expert_out(buf.expert_out_buffer(), d)
-                buf.combine(eo, d.handle)
-                kern, mode = _kernel_us(lambda: buf.dispatch(x, idx, w), iters)
-                r = dict(base, op="dispatch", kernels=kern, us=sum(kern.values()), mode=mode)
-                rows.append(chk.dispatch(r, buf.dispatch(x, idx, w), wire))
-                d = buf.dispatch(x, idx, w)
-                eo = chk.expert_out(buf.expert_out_buffer(), d)
-                kern, mode = _kernel_us(lambda: buf.combine(eo, d.handle), iters)
-                r = dict(base, op="combine", kernels=kern, us=sum(kern.values()), mode=mode)
-                rows.append(chk.combine(r, buf.combine(eo, d.handle), wire))
-                buf.close()
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-    finally:
-        for k, v in old.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    for vname, geo in (variants or DEFAULT_VARIANTS).items():
+        for wire in wires:  # no host read in a call (the kernels alone): sync checks off
+            buf = tep.EPBuffer(group, E, H, T, K, num_sms=num_sms, dispatch_wire=wire, combine_wire=wire, tiles=geo,
+                               sync_checks="none")
+            g = buf.tiles
+            base = dict(profile=profile, variant=vname, wire=wire, tokens=T, hidden=H, num_sms=num_sms or 0,
+                        geometry=f"bt={g.bt},bh={g.bh},warps={g.num_warps},grid={g.grid_send},"
+                                 f"fs={g.fused_send},fe={g.fused_expand},fc={g.fused_combine}")
+            d = buf.dispatch(x, idx, w)  # warm-up (kernels are compiled at construction)
+            eo = chk.expert_out(buf.expert_out_buffer(), d)
+            buf.combine(eo, d.handle)
+            kern, mode = _kernel_us(lambda: buf.dispatch(x, idx, w), iters)
+            r = dict(base, op="dispatch", kernels=kern, us=sum(kern.values()), mode=mode)
+            rows.append(chk.dispatch(r, buf.dispatch(x, idx, w), wire))
+            d = buf.dispatch(x, idx, w)
+            eo = chk.expert_out(buf.expert_out_buffer(), d)
+            kern, mode = _kernel_us(lambda: buf.combine(eo, d.handle), iters)
+            r = dict(base, op="combine", kernels=kern, us=sum(kern.values()), mode=mode)
+            rows.append(chk.combine(r, buf.combine(eo, d.handle), wire))
+            buf.close()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
     return rows
 
 

@@ -15,6 +15,8 @@ import sys
 
 import torch
 
+from .. import envs
+
 __all__ = ["run_meta", "command_line"]
 
 
@@ -22,15 +24,15 @@ def command_line(argv: list[str] | None = None) -> str:
     """The command that started this process, as a user would type it again: ``torchrun --nproc-per-node N`` in front
     under torchrun, else ``python``; every ``TRITONEP_*`` variable that is set in front of it."""
     argv = list(sys.argv if argv is None else argv)
-    if os.environ.get("TORCHELASTIC_RUN_ID") is not None:
-        launcher = f"torchrun --nproc-per-node {os.environ.get('LOCAL_WORLD_SIZE', '1')}"
+    if envs.get("TORCHELASTIC_RUN_ID") is not None:
+        launcher = f"torchrun --nproc-per-node {envs.get('LOCAL_WORLD_SIZE', '1')}"
     else:
         launcher = "python"
     if argv and argv[0] == "-m":
         argv = argv[1:]
     elif argv and argv[0].endswith("__main__.py"):  # python -m tritonep.cli.main: argv[0] is the module's file
         argv = ["-m", "tritonep.cli.main"] + argv[1:]
-    env = [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items()) if k.startswith("TRITONEP_")]
+    env = [f"{k}={shlex.quote(v)}" for k, v in sorted(envs.snapshot().items())]
     return " ".join(env + [launcher] + [shlex.quote(a) for a in argv])
 
 

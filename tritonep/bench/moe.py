@@ -110,7 +110,7 @@ def moe_bench_world(group, cfg, steps=10, warmup=2):
     """Rank body: median fwd+bwd seconds of tritonep vs the reference layer (and their max relative difference),
     plus ``checks``: one row per layer ``{op, checked[, check_error]}`` from the oracle check after timing."""
     from ..moe import MoEGeometry, MoELayer, MoERecipe
-    from ..testing.cases import random_routing
+    from .cases import random_routing
     from .check import compare_close, mark_checked
     from .moe_soak import TOL
 

@@ -24,7 +24,7 @@ TOL = 3e-2
 def step_inputs(i: int, world_size: int, cfg: dict, seed: int = 0):
     """Every rank's ``(x [T_r, H] bf16, topk_idx [T_r, K] int64, topk_weights [T_r, K] float32, grad_y [T_r, H]
     bf16)`` of soak step ``i``; ``T_r`` drawn from ``[0, cfg["Tmax"]]``. Deterministic in ``(seed, i)``."""
-    from ..testing.cases import make_rank_inputs
+    from .cases import make_rank_inputs
 
     g = torch.Generator().manual_seed(seed * 7777 + i)
     ts = torch.randint(0, cfg["Tmax"] + 1, (world_size,), generator=g).tolist()

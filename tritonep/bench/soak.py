@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ..reference import combine_reference_partial, dispatch_reference
-from ..testing.cases import make_rank_inputs
+from .cases import make_rank_inputs
 
 __all__ = ["soak_world", "call_inputs"]
 

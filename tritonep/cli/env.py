@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import platform
 
 __all__ = ["add_parser", "collect_env", "INTERPRET_SET_BY_CLI"]
@@ -24,6 +23,7 @@ def collect_env() -> dict:
     import triton
 
     from .. import envs
+    from ..ep.backend_choice import choose_from_reports
 
     info = {
         "python": platform.python_version(),
@@ -32,34 +32,36 @@ def collect_env() -> dict:
         "numpy": numpy.__version__,
         "cuda_available": torch.cuda.is_available(),
         "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
-        "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "") + (
+        "TRITON_INTERPRET": envs.get("TRITON_INTERPRET", "") + (
             " (set by the tritonep command: no GPU; in your own scripts run_cpu_world sets it if nothing imported "
             "tritonep's kernels before it, else start Python with TRITON_INTERPRET=1)"
-            if os.environ.get(INTERPRET_SET_BY_CLI) else ""),
+            if envs.get(INTERPRET_SET_BY_CLI) else ""),
         "TRITONEP_TIMEOUT_S": envs.timeout_s(),
         "TRITONEP_SYNC_CHECKS": {envs.SYNC_NONE: "none", envs.SYNC_DEFERRED: "deferred",
                                  envs.SYNC_STRICT: "strict"}[envs.sync_checks()],
-        "multicast_disabled": all(os.environ.get(k) == v for k, v in (
+        "multicast_disabled": all(envs.get(k) == v for k, v in (
             ("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1"))),
     }
-    info.update({k: os.environ[k] for k in envs.VARIABLES if k in os.environ and k not in info})
+    info.update({k: v for k, v in envs.snapshot().items() if k not in info})
     if info["gpus"]:
         n = info["gpus"]
         info["gpu_names"] = [torch.cuda.get_device_name(i) for i in range(n)]
         info["p2p"] = {f"{i}->{j}": torch.cuda.can_device_access_peer(i, j) for i in range(n) for j in range(n)
                        if i != j}
         all_p2p = all(info["p2p"].values()) if info["p2p"] else True
-        info["backend_auto"] = "triton" if all_p2p else "nccl"
-        info["backend_why"] = ("every local GPU can map every other GPU's memory (one host)" if all_p2p else
-                               "some local GPUs cannot access each other's memory")
+        why = ("every local GPU can map every other GPU's memory (one host)" if all_p2p else
+               "some local GPUs cannot access each other's memory")
     else:
-        info["backend_auto"] = "triton"
-        info["backend_why"] = ("no GPU: CPU worlds share one fork+mmap heap, so every rank maps every peer "
-                               "(groups spanning hosts or TRITONEP_FORCE_NO_P2P=1 pick nccl; CPU processes outside a "
-                               "CPU world, e.g. under torchrun, have no shared heap: pass backend='nccl' on a gloo "
-                               "group)")
+        all_p2p = True
+        why = ("no GPU: CPU worlds share one fork+mmap heap, so every rank maps every peer (groups spanning hosts or "
+               "TRITONEP_FORCE_NO_P2P=1 pick a backend that maps no peer memory; CPU processes outside a CPU world, "
+               "e.g. under torchrun, have no shared heap: pass backend='nccl' on a gloo group)")
     if envs.force_no_p2p():
-        info["backend_auto"], info["backend_why"] = "nccl", "TRITONEP_FORCE_NO_P2P=1"
+        all_p2p, why = False, "TRITONEP_FORCE_NO_P2P=1"
+    # what "auto" picks for a group of ranks on this host that all see what this process sees
+    report = dict(host="this host", device_type="cuda" if info["gpus"] else "cpu", p2p=all_p2p, why=why)
+    info["backend_auto"], _ = choose_from_reports("auto", [report])
+    info["backend_why"] = why
     return info
 
 

@@ -96,26 +96,27 @@ def _check_outputs(args) -> None:
 
 def check_environment() -> None:
     """Every ``TRITONEP_*`` value, parsed when the command starts, before any world or file is touched
-    (:func:`tritonep.envs.check_all`, and TRITONEP_GEOMETRY through the geometry table's own parser).
+    (:func:`tritonep.envs.check_all`, and TRITONEP_GEOMETRY through the kernel-tile table's own parser).
 
     Raises:
         ConfigError: the first bad value, naming the variable and the value.
     """
     from .. import envs
-    from ..ep.geometry import select_geometry
+    from ..backends import kernel_tiles
     from ..errors import ConfigError
 
     envs.check_all()
-    if envs.geometry_override():
+    override = envs.geometry_override()
+    if override:
         # TRITONEP_GEOMETRY's field checks, refusing here only what no configuration accepts: some entries are valid
         # for some configurations only (fc=1 alone needs the table's fused roles, >= 1024 tokens per rank on a GPU;
         # dec= needs max_tokens_per_rank <= 256), so it is applied to a decode-size config and to one whose table
-        # geometry is the fused dispatch; what a run's own configuration refuses, its buffer refuses
+        # tiles are the fused dispatch; what a run's own configuration refuses, its buffer refuses
         try:
-            select_geometry("cpu", 2, 128, 1, 1)
+            kernel_tiles("cpu", 2, 128, 1, 1, "bf16", override=override, source="TRITONEP_GEOMETRY")
         except ConfigError as small:
             try:
-                select_geometry("cuda", 2, 128, 1024, 1)
+                kernel_tiles("cuda", 2, 128, 1024, 1, "bf16", override=override, source="TRITONEP_GEOMETRY")
             except ConfigError:
                 raise small from None
 
@@ -134,14 +135,15 @@ def use_interpreter_without_gpu() -> None:
     imported (Triton decides compiled vs interpreted when a kernel is decorated). Importing :mod:`tritonep` never
     touches the environment.
     """
-    import os
-
     import torch
 
-    if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
+    from .. import envs
+
+    if not torch.cuda.is_available() and envs.get("TRITON_INTERPRET") is None:
         from .env import INTERPRET_SET_BY_CLI
 
-        os.environ["TRITON_INTERPRET"] = os.environ[INTERPRET_SET_BY_CLI] = "1"
+        envs.put("TRITON_INTERPRET", "1")
+        envs.put(INTERPRET_SET_BY_CLI, "1")
 
 
 _TRUE = ("1", "true", "yes", "on", "y")
@@ -155,13 +157,12 @@ def check_interpreter(cmd: str) -> None:
     Raises:
         ConfigError: ``TRITON_INTERPRET`` is set to a false value (``0``, ``false``, ...) and torch sees no GPU.
     """
-    import os
-
     import torch
 
+    from .. import envs
     from ..errors import ConfigError
 
-    value = os.environ.get("TRITON_INTERPRET")
+    value = envs.get("TRITON_INTERPRET")
     if cmd not in ("run", "bench") or value is None or torch.cuda.is_available():
         return
     if value.strip().lower() not in _TRUE:

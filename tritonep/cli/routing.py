@@ -156,7 +156,7 @@ def layer_routing(spec: str, layer: int, total_tokens: int, world_size: int, num
 def layer_counts(spec: str, layer: int, total_tokens: int, world_size: int, num_experts: int, topk: int,
                  domain: str = "arxiv") -> torch.Tensor:
     """The ``[world_size, num_experts]`` int32 per-source-rank expert histogram of :func:`layer_routing`."""
-    from ..ep.layout import counts_torch
+    from ..backends.layout import counts_torch
 
     parts = layer_routing(spec, layer, total_tokens, world_size, num_experts, topk, domain)
     return torch.stack([counts_torch(p[0], num_experts) for p in parts])

@@ -362,7 +362,7 @@ def main(args) -> int:
         extra = []
         if s["balance"] == "virtual":
             from ..balance.metrics import rank_loads
-            from ..ep.layout import counts_torch
+            from ..backends.layout import counts_torch
 
             parts = layer_routing(s, layer, W)
             native = rank_loads(torch.stack([counts_torch(q[0], s["num_experts"]) for q in parts]), W)

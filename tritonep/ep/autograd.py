@@ -17,13 +17,16 @@ routing, hence the same layout and rows). Combine's backward is ``g_eo = diag(w)
 <(P g_y)[row], eo[row]>``; under ``create_graph`` it is computed from ``P g_y`` (a :class:`Redispatch` of ``g_y``)
 with torch ops on ``w`` and ``eo``, so autograd differentiates it w.r.t. ``g_y``, ``w`` and ``eo`` (same bits for
 ``g_eo``: ``w * g`` in fp32 rounded once to bf16, as the kernel). Without ``create_graph`` the backward passes are
-the kernels' (:meth:`TritonEP.dispatch_bwd` / ``combine_bwd``), never graph-building. Every function here is a
+the backend's kernels (``dispatch_bwd`` / ``combine_bwd`` of :class:`tritonep.backends.interface.EPBackend`), never
+graph-building. Every function here is a
 collective (every rank differentiates the same graph, so every rank runs the same calls in the same order).
 """
 
 from __future__ import annotations
 
 import torch
+
+from .. import envs
 
 __all__ = ["DispatchFn", "CombineFn", "DispatchBwdFn", "Redispatch"]
 
@@ -37,9 +40,9 @@ def _dispatch_rows(impl, handle, u, v):
     sync_free = handle.num_recv_rows is None
     u = u.to(cfg.dtype).contiguous()
     v = torch.zeros(T, K, dtype=torch.float32, device=u.device) if v is None else v.float().contiguous()
-    from .. import envs
-
-    out, out_w, _, offs, _ = impl.dispatch_fwd(u, handle.topk_idx, v, None if sync_free else envs.SYNC_DEFERRED)
+    out, out_w, _, offs, _ = impl.dispatch_fwd(u, handle.topk_idx, v,
+                                               envs.SYNC_NONE if sync_free else envs.SYNC_DEFERRED,
+                                               sync_free=sync_free)
     if sync_free:  # rows past the layout are unspecified: a gradient there is 0
         real = torch.arange(out.shape[0], device=out.device) < offs[-1]
         out = torch.where(real[:, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
@@ -98,10 +101,10 @@ class DispatchFn(torch.autograd.Function):
     backward = a combine without weights plus the return of the per-row weight gradients (module docstring)."""
 
     @staticmethod
-    def forward(ctx, x, topk_weights, impl, topk_idx, sync, box):
-        out, out_w, ntpe, offs, handle = impl.dispatch_fwd(x, topk_idx, topk_weights, sync)
+    def forward(ctx, x, topk_weights, impl, topk_idx, sync, sync_free, box):
+        out, out_w, ntpe, offs, handle = impl.dispatch_fwd(x, topk_idx, topk_weights, sync, sync_free=sync_free)
         # autograd refuses in-place ops on a view made inside a custom Function, and the rows may be a cut of a
-        # larger block (decode, pooled: tritonep/ep/pool.py): hand out an alias of its own (no view; same
+        # larger block (decode, pooled: tritonep/runtime/pool.py): hand out an alias of its own (no view; same
         # storage, so the pool still sees it held). The row weights stay a view on purpose: combine uses the
         # weights the dispatch moved, so an in-place change of them would change the gradient but not the sum
         if out._base is not None:
@@ -124,10 +127,10 @@ class DispatchFn(torch.autograd.Function):
             grad_out = _rows_like(ctx, torch.zeros(0))
         if torch.is_grad_enabled():  # create_graph: the backward is differentiable again (module docstring)
             grad_x, grad_w = DispatchBwdFn.apply(grad_out, grad_out_w, ctx.impl, ctx.handle)
-            return grad_x, grad_w, None, None, None, None
+            return grad_x, grad_w, None, None, None, None, None
         gw = grad_out_w.contiguous() if grad_out_w is not None else None  # autograd may hand expanded grads
         grad_x, grad_w = ctx.impl.dispatch_bwd(grad_out.contiguous(), gw, ctx.handle)
-        return grad_x, grad_w, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None
 
 
 class CombineFn(torch.autograd.Function):
@@ -137,7 +140,7 @@ class CombineFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, expert_out, recv_weights, impl, handle, kind, read=False):
         y = impl.combine_fwd(expert_out, handle, kind=kind, read=read)
-        if y._base is not None:  # a view of a pooled block (decode, tritonep/ep/pool.py): autograd refuses
+        if y._base is not None:  # a view of a pooled block (decode, tritonep/runtime/pool.py): autograd refuses
             y = y.detach()  # in-place ops on a view made inside a custom Function; an alias of its own is no view
         ctx.impl = impl
         ctx.handle = handle

@@ -1,4 +1,4 @@
-"""Backend choice for ``backend="auto"``: the first registered backend (:mod:`tritonep.ep.backends`) whose needs
+"""Backend choice for ``backend="auto"``: the first registered backend (:mod:`tritonep.backends`) whose needs
 every rank meets: triton when every rank can map every peer's memory, else nccl."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from .. import envs
 from ..errors import BackendError
-from .backends import BACKENDS
+from ..backends import BACKENDS
 
 __all__ = ["choose_backend", "choose_from_reports", "p2p_report"]
 

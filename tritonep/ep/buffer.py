@@ -10,6 +10,8 @@ pplx-kernels (static capacity, graph capture), our own protocol for the kernels 
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.distributed as dist
 
@@ -18,7 +20,7 @@ from ..errors import BufferStateError, CapacityError, ConfigError, InputError, P
 from ..wire.formats import get_wire
 from .autograd import CombineFn, DispatchFn
 from .backend_choice import choose_from_reports, p2p_report
-from .backends import BACKENDS, build_backend, required_bytes as backend_required_bytes
+from ..backends import build_backend, required_bytes as backend_required_bytes
 from .config import EPConfig, agree, build_config
 from .handle import Dispatched, DispatchHandle
 from .validate import check_backward_inputs, check_combine_inputs, check_dispatch_inputs
@@ -44,10 +46,24 @@ class EPBuffer:
         device: the rank's device (default: the current CUDA device, else CPU). A CPU buffer runs the kernels in
             Triton's interpreter and lives in a CPU world (:func:`tritonep.testing.run_cpu_world`).
         num_sms: cap on the programs of every communication kernel (default: ``TRITONEP_NUM_SMS``, else the
-            geometry table, :mod:`tritonep.ep.geometry`).
+            kernel-tile table's grids).
         timeout_s: bound of every in-kernel wait of this buffer, seconds (default ``TRITONEP_TIMEOUT_S``, 300 s):
             how long one rank may reach a call after another (checkpoint writing, evaluation on one rank) before
             the waiting rank gives up with :class:`PeerTimeoutError` (the buffer is then unusable).
+
+    Options (keyword only; each left None takes its ``TRITONEP_*`` variable, read once here: :mod:`tritonep.envs`):
+        tiles: the kernel tiles: an override of the table's choice in TRITONEP_GEOMETRY's form (``"bt=2,dec=3"``,
+            ``"combine=pull"``; fields in :func:`tritonep.envs.geometry_override`), or kernel tiles given whole
+            (:attr:`tiles` of another buffer).
+        sync_checks: host reads of eager calls, ``"deferred"`` (one read per dispatch), ``"strict"`` (also one at
+            the end of every call) or ``"none"`` (no read: as under graph capture); TRITONEP_SYNC_CHECKS.
+        max_programs: cap on the programs of every kernel that waits on a peer (ranks that share a GPU under MPS);
+            TRITONEP_MAX_PROGRAMS.
+        launch: how launches reach the GPU, ``"packed"`` / ``"direct"`` / ``"triton"``
+            (:data:`tritonep.envs.LAUNCH_MODES`); TRITONEP_FAST_LAUNCH / TRITONEP_PACKED_LAUNCH.
+        output_pool: sets of per-call outputs reused per stream (0: every call allocates); TRITONEP_OUTPUT_POOL.
+        sync_free_mode: how a sync-free dispatch exchanges its counts where the backend has two ways (``"onehop"``
+            / ``"gather"``; the nccl backend); TRITONEP_NCCL_SYNC_FREE.
 
     Raises:
         ConfigError: an invalid value, or a static configuration that differs across ranks (raised on every rank,
@@ -61,7 +77,8 @@ class EPBuffer:
                  dispatch_wire: str = "bf16", combine_wire: str = "bf16", expert_alignment: int = 1,
                  max_recv_tokens: int | None = None, backend: str = "auto", dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str | None = None, num_sms: int | None = None,
-                 timeout_s: float | None = None):
+                 timeout_s: float | None = None, *, tiles=None, sync_checks=None, max_programs: int | None = None,
+                 launch: str | None = None, output_pool: int | None = None, sync_free_mode: str | None = None):
         self.group = group
         self.rank = dist.get_rank(group)
         ws = dist.get_world_size(group)
@@ -77,7 +94,9 @@ class EPBuffer:
                                max_tokens_per_rank=max_tokens_per_rank, topk=topk, dispatch_wire=dispatch_wire,
                                combine_wire=combine_wire, expert_alignment=expert_alignment,
                                max_recv_tokens=max_recv_tokens, backend=backend, dtype=dtype,
-                               device_type=device.type, num_sms=num_sms, timeout_s=timeout_s)
+                               device_type=device.type, num_sms=num_sms, timeout_s=timeout_s, tiles=tiles,
+                               sync_checks=sync_checks, max_programs=max_programs, launch=launch,
+                               output_pool=output_pool, sync_free_mode=sync_free_mode)
             report = p2p_report(device)
         except TritonEPError as e:
             err = e
@@ -90,13 +109,13 @@ class EPBuffer:
         self.backend, self.backend_reason = choose_from_reports(backend, reports)
         with torch.inference_mode(False):  # the backend's persistent tensors: normal ones, also for a buffer built
             # inside inference mode (calls in grad mode update them in place)
-            self._impl = build_backend(self.backend, cfg, group=group, rank=self.rank, device=device)
+            self._backend = build_backend(self.backend, cfg, group=group, rank=self.rank, device=device)
         self._closed = False
         EPBuffer._serial += 1
         self._id = EPBuffer._serial
-        self._impl.buffer_id = self._id
+        self._backend.buffer_id = self._id
         self._quantized_dispatch = get_wire(cfg.dispatch_wire).quantized
-        self._sync_free_ok = self.backend in ("triton", "nccl")
+        self._sync = cfg.sync_checks
         # the front door's static arguments, made once: check_dispatch_inputs' and check_combine_inputs'
         self._din = (cfg.hidden, cfg.topk, cfg.max_tokens_per_rank, cfg.dtype, device)
         self._cin = (cfg.hidden, cfg.dtype, device)
@@ -106,18 +125,9 @@ class EPBuffer:
                           torch.empty(0, cfg.topk, dtype=torch.float32, device=device))
 
     # ------------------------------------------------------------------------------------------- config
-    world_size = property(lambda self: self.config.world_size, doc="W, ranks of the EP group.")
-    num_experts = property(lambda self: self.config.num_experts, doc="E, experts of the group.")
-    num_local_experts = property(lambda self: self.config.num_local_experts, doc="L = E / W experts per rank.")
-    hidden = property(lambda self: self.config.hidden, doc="H, row width.")
-    max_tokens_per_rank = property(lambda self: self.config.max_tokens_per_rank, doc="Static capacity of T.")
-    topk = property(lambda self: self.config.topk, doc="K, experts per token.")
-    dispatch_wire = property(lambda self: self.config.dispatch_wire, doc="The dispatch wire's name.")
-    combine_wire = property(lambda self: self.config.combine_wire, doc="The combine wire's name.")
-    expert_alignment = property(lambda self: self.config.expert_alignment, doc="A, segment start alignment.")
-    max_recv_tokens = property(lambda self: self.config.max_recv_tokens, doc="Rows a rank can receive.")
-    dtype = property(lambda self: self.config.dtype, doc="Element type of x and expert outputs.")
-    timeout_s = property(lambda self: self.config.timeout_s, doc="Bound of every in-kernel wait, seconds.")
+    # world_size, num_experts, num_local_experts, hidden, max_tokens_per_rank, topk, dispatch_wire, combine_wire,
+    # expert_alignment, max_recv_tokens, dtype, timeout_s: the config's own (read-only properties made below the
+    # class from EPConfig.FRONT; each documented on tritonep.ep.config.EPConfig)
 
     _serial = 0
 
@@ -126,12 +136,14 @@ class EPBuffer:
     def required_bytes(world_size: int, num_experts: int, hidden: int, max_tokens_per_rank: int, topk: int,
                        dispatch_wire: str = "bf16", combine_wire: str = "bf16", expert_alignment: int = 1,
                        max_recv_tokens: int | None = None, dtype: torch.dtype = torch.bfloat16,
-                       device_type: str = "cuda", backend: str = "triton", num_sms: int | None = None) -> int:
+                       device_type: str = "cuda", backend: str = "auto", num_sms: int | None = None, *,
+                       tiles=None, max_programs: int | None = None) -> int:
         """Symmetric bytes one rank allocates for this configuration (no group needed).
 
         Equals what the backend allocates (the same :class:`tritonep.ep.config.EPConfig` goes through the same
-        region list and layout function). ``backend``: ``"triton"`` (what ``"auto"`` picks on one host) or
-        ``"nccl"`` (no symmetric memory: 0).
+        region list and layout function). ``backend``: ``"auto"`` (what it picks on one host: the first registered
+        backend, triton) or a registered name (``"nccl"`` holds no symmetric memory: 0). ``tiles`` /
+        ``max_programs``: as the constructor (the tiles size a buffer's scratch).
 
         Raises:
             ConfigError / WireError: as the constructor.
@@ -140,8 +152,8 @@ class EPBuffer:
                            max_tokens_per_rank=max_tokens_per_rank, topk=topk, dispatch_wire=dispatch_wire,
                            combine_wire=combine_wire, expert_alignment=expert_alignment,
                            max_recv_tokens=max_recv_tokens, backend=backend, dtype=dtype, device_type=device_type,
-                           num_sms=num_sms, check_kernels=False)
-        return backend_required_bytes("triton" if backend == "auto" else backend, cfg)
+                           num_sms=num_sms, tiles=tiles, max_programs=max_programs, check_kernels=False)
+        return backend_required_bytes(backend, cfg)
 
     # ------------------------------------------------------------------------------------------- calls
     def _check_open(self):
@@ -151,7 +163,7 @@ class EPBuffer:
     @property
     def allocated_bytes(self) -> int:
         """Symmetric bytes this rank allocated (0 for the nccl backend)."""
-        return self._impl.allocated_bytes
+        return self._backend.allocated_bytes
 
     def expert_out_buffer(self, rows: int | None = None) -> torch.Tensor:
         """The symmetric ``[max_recv_tokens, H]`` region meant for the expert GEMM output (zero copy into combine).
@@ -160,19 +172,24 @@ class EPBuffer:
             rows: return only the first ``rows`` rows (a view).
         """
         self._check_open()
-        t = self._impl.expert_out_buffer()
+        t = self._backend.expert_out_buffer()
         return t if rows is None else t[:rows]
 
     @property
-    def geometry(self):
-        """The kernel geometry the triton backend launches with (:class:`tritonep.ep.geometry.Geometry`: grids,
-        tiles, fused roles); ``None`` for the nccl backend."""
-        return self._impl.geometry
+    def tiles(self):
+        """The kernel tiles the backend launches with (the triton backend's
+        :class:`tritonep.backends.triton.tiles.KernelTiles`: tiles, grids, fused / one-launch roles, combine kind);
+        ``None`` for a backend without them (nccl)."""
+        return self._backend.tiles
+
+    geometry = property(lambda self: self._backend.tiles, doc="The same as :attr:`tiles`, for callers that read it "
+                                                              "under this name (:class:`tritonep.MoEGeometry` is the "
+                                                              "model's shape).")
 
     @property
     def host_reads(self) -> int:
         """Device->host reads this buffer's calls made so far (the eager budget: one per dispatch)."""
-        return self._impl.host_reads
+        return self._backend.host_reads
 
     def dispatch_backward(self, grad_recv_x: torch.Tensor, grad_recv_w: torch.Tensor | None,
                           handle: DispatchHandle) -> tuple:
@@ -192,7 +209,7 @@ class EPBuffer:
         grad_recv_x, grad_recv_w = check_backward_inputs(
             grad_recv_x, handle, hidden=self.hidden, dtype=self.dtype, device=self.device,
             min_rows=self._rows_of(handle), grad_w=grad_recv_w, name="grad_recv_x")
-        return self._impl.dispatch_bwd(grad_recv_x, grad_recv_w, handle)
+        return self._backend.dispatch_bwd(grad_recv_x, grad_recv_w, handle)
 
     def combine_backward(self, grad_y: torch.Tensor, expert_out: torch.Tensor, handle: DispatchHandle) -> tuple:
         """The backward half of :meth:`combine`, outside autograd.
@@ -211,7 +228,7 @@ class EPBuffer:
                                           min_rows=0)
         expert_out = check_combine_inputs(expert_out, handle, hidden=self.hidden, dtype=self.dtype,
                                           device=self.device, min_rows=self._rows_of(handle))
-        return self._impl.combine_bwd(grad_y, expert_out, handle)
+        return self._backend.combine_bwd(grad_y, expert_out, handle)
 
     def _rows_of(self, handle) -> int:
         """Rows a combine / backward input must have for ``handle``: the rows received, or for a sync-free handle
@@ -247,7 +264,7 @@ class EPBuffer:
                 ``weights`` 0, its rows unspecified; its combine gives zeros and both backward passes zero
                 gradients: no kernel addresses a row of the refused layout). What graph capture does anyway. Both
                 backends (nccl: fixed per-peer packet slots and one all_to_all with equal splits,
-                :mod:`tritonep.ep.nccl.sync_free`).
+                :mod:`tritonep.backends.nccl.sync_free`).
 
         Returns:
             :class:`Dispatched` (rows ordered by (source rank, token, k) inside each expert segment).
@@ -263,14 +280,14 @@ class EPBuffer:
         call's launch sequence with no tokens and a flag in its counts row, the flag reaches every rank with the
         counts exchange (no extra collective), no rows move anywhere, the buffer stays usable and the next call
         pairs correctly. Ids outside ``[-1, E)`` are found on the device in the same exchange (no host read of
-        ``topk_idx``). Eagerly (``TRITONEP_SYNC_CHECKS`` deferred or 1) every rank raises in this call; with sync
+        ``topk_idx``). Eagerly (``sync_checks`` deferred or strict) every rank raises in this call; with sync
         checks off or under graph capture the refusing rank raises at once and the peers at their next
         :meth:`check`, and until then their rows of this call are unspecified (``weights`` past
         ``expert_offsets[-1]`` are zero).
         """
         if self._closed:
             self._check_open()
-        if sync_free and not self._sync_free_ok:
+        if sync_free and not self._backend.sync_free:
             raise ConfigError(f"dispatch(sync_free=True) is not supported by this buffer's backend "
                               f"{self.backend!r}")
         refused = None
@@ -280,20 +297,21 @@ class EPBuffer:
             refused = e
             x, topk_idx, topk_weights = self._no_input
         if sync_free:
-            sync = None  # no read; the nccl backend's own path
-        else:  # whether this call reads its status word: the TRITONEP_SYNC_CHECKS mode (read once per call; the
-            sync = envs.sync_checks()  # backend's end-of-call check follows it), SYNC_NONE (0) while capturing
+            sync = envs.SYNC_NONE  # no read (the backend's sync-free path)
+        else:  # whether this call reads its status word: the buffer's sync-checks mode (the backend's end-of-call
+            sync = self._sync  # check follows it), SYNC_NONE (0) while capturing
             if sync and self._cuda and torch._C._cuda_isCurrentStreamCapturing():
                 sync = envs.SYNC_NONE
         kq = keep_quantized and self._quantized_dispatch
         try:
             if kq or refused is not None or not (torch.is_grad_enabled() and (
                     x.requires_grad or topk_weights.requires_grad)):
-                out, out_w, ntpe, offs, handle = self._impl.dispatch_fwd(x, topk_idx, topk_weights, sync, kq,
-                                                                         refused is not None)
+                out, out_w, ntpe, offs, handle = self._backend.dispatch_fwd(x, topk_idx, topk_weights, sync, kq,
+                                                                         refused is not None, sync_free)
             else:
                 box: list = []
-                out, out_w, ntpe, offs = DispatchFn.apply(x, topk_weights, self._impl, topk_idx, sync, box)
+                out, out_w, ntpe, offs = DispatchFn.apply(x, topk_weights, self._backend, topk_idx, sync, sync_free,
+                                                          box)
                 handle = box[0]
         except (PeerInputError, CapacityError):
             if refused is not None:  # this rank's own error names its value (a CapacityError here is an earlier
@@ -311,7 +329,7 @@ class EPBuffer:
         Args:
             expert_out: ``[R', H]`` bfloat16 with ``R' >=`` the dispatch's rows (e.g. :meth:`expert_out_buffer`).
             handle: the ``Dispatched.handle`` of the matching dispatch.
-            kind: ``"push"`` | ``"pull"`` to override the geometry table (triton backend); must be the same on
+            kind: ``"push"`` | ``"pull"`` to override the kernel-tile table (triton backend); must be the same on
                 every rank (a per-call argument cannot be checked without a collective).
 
         Returns:
@@ -322,7 +340,7 @@ class EPBuffer:
         (:meth:`cancel_combine`), so no peer waits for this rank: an eager combine (its dispatch read the host) raises
         :class:`PeerInputError` on every other rank; otherwise their output is NaN and their next :meth:`check` or
         synced call raises. Likewise a peer that never arrives: PeerTimeoutError in an eager call, else NaN and the
-        next read. An eager combine reads its status once at its end (one host read, TRITONEP_SYNC_CHECKS not 0).
+        next read. An eager combine reads its status once at its end (one host read; ``sync_checks`` not none).
 
         Raises:
             InputError / ConfigError: this rank's input or handle (refused on every rank, see above).
@@ -349,12 +367,13 @@ class EPBuffer:
         read = R is not None and self._reads_combine()
         rw = handle.recv_weights
         if torch.is_grad_enabled() and (expert_out.requires_grad or (rw is not None and rw.requires_grad)):
-            return CombineFn.apply(expert_out, rw, self._impl, handle, kind, read)
-        return self._impl.combine_fwd(expert_out, handle, kind=kind, read=read)
+            return CombineFn.apply(expert_out, rw, self._backend, handle, kind, read)
+        return self._backend.combine_fwd(expert_out, handle, kind=kind, read=read)
 
     def _reads_combine(self) -> bool:
-        """Whether a combine of a synced handle reads its status now (TRITONEP_SYNC_CHECKS not 0, not capturing)."""
-        return envs.sync_checks() != envs.SYNC_NONE and not (self._cuda and torch.cuda.is_current_stream_capturing())
+        """Whether a combine of a synced handle reads its status now (the config's sync checks not ``none``, not
+        capturing)."""
+        return self._sync != envs.SYNC_NONE and not (self._cuda and torch.cuda.is_current_stream_capturing())
 
     def cancel_combine(self, handle: DispatchHandle | None = None, kind: str | None = None) -> None:
         """Take part in the combine that matches ``handle`` (default: this buffer's latest dispatch) WITHOUT an
@@ -370,19 +389,20 @@ class EPBuffer:
 
         Args:
             handle: the dispatch's handle on this rank (decides whether the peers read: see above), or None.
-            kind: the combine kind the peers pass (``"push"`` / ``"pull"``; None: the geometry's).
+            kind: the combine kind the peers pass (``"push"`` / ``"pull"``; None: the kernel tiles').
         """
         self._check_open()
         own = isinstance(handle, DispatchHandle) and handle.buffer_id == self._id
         synced = handle.num_recv_rows is not None if own else self._last_synced
-        self._impl.combine_refused(kind if kind in ("push", "pull") else None,
-                                   record_own=not (synced and self._reads_combine()), handle=handle if own else None)
+        self._backend.combine_refused(kind if kind in ("push", "pull") else None,
+                                      record_own=not (synced and self._reads_combine()),
+                                      handle=handle if own else None)
 
     def counts_exchange(self, num_experts: int | None = None):
         """A new counts exchange of this buffer's backend (collective: every rank builds it, in the same order).
 
         ``gather(topk_idx [T, K]) -> int32 [W, num_experts]`` routes of every rank per expert (the virtual-expert
-        planner's input); identical bits on every backend (:class:`tritonep.ep.backends.CountsExchange`).
+        planner's input); identical bits on every backend (:class:`tritonep.backends.CountsExchange`).
 
         Args:
             num_experts: experts the histogram spans (default: this buffer's E), a multiple of the group size.
@@ -394,9 +414,7 @@ class EPBuffer:
         E = self.num_experts if num_experts is None else num_experts
         if not isinstance(E, int) or E < 1 or E % self.world_size:
             raise ConfigError(f"num_experts={E!r} is not a positive multiple of world_size={self.world_size}")
-        return BACKENDS[self.backend].counts_exchange(
-            group=self.group, num_experts=E, max_tokens_per_rank=self.max_tokens_per_rank, topk=self.topk,
-            device=self.device, timeout_s=self.timeout_s)
+        return self._backend.counts_exchange(E)
 
     def expert_transport(self, num_experts: int, shapes: dict, dtype: torch.dtype = torch.bfloat16):
         """A new virtual-expert weight transport of this buffer's backend (collective, like the constructor).
@@ -407,25 +425,24 @@ class EPBuffer:
             dtype: weight dtype (bf16 or fp32).
 
         Returns:
-            a :class:`tritonep.ep.backends.ExpertTransport` (push / slot_views / pull), same bits on every backend.
+            a :class:`tritonep.backends.ExpertTransport` (push / slot_views / pull), same bits on every backend.
 
         Raises:
             PlanError: ``num_experts`` not divisible by the world size. BufferStateError: closed.
         """
         self._check_open()
-        return BACKENDS[self.backend].expert_transport(group=self.group, num_experts=num_experts, shapes=shapes,
-                                                       dtype=dtype, device=self.device, timeout_s=self.timeout_s)
+        return self._backend.expert_transport(num_experts, shapes, dtype)
 
     def check(self):
         """Raise any error the device recorded since the last check (one host sync). For graph-captured use."""
         self._check_open()
-        self._impl.check()
+        self._backend.check()
 
     def close(self):
         """Release the buffer (collective: every rank closes its buffers in the same order)."""
         if not self._closed:
             self._closed = True
-            self._impl.close()
+            self._backend.close()
 
     def __enter__(self):
         return self
@@ -433,3 +450,13 @@ class EPBuffer:
     def __exit__(self, *exc):
         self.close()
 
+
+def _front_property(name: str):
+    """A read-only property of EPBuffer giving its config's field ``name`` (one attribute read)."""
+    return property(operator.attrgetter("config." + name),
+                    doc=f"The buffer's ``config.{name}`` (:class:`tritonep.ep.config.EPConfig`).")
+
+
+for _name in EPConfig.FRONT:
+    setattr(EPBuffer, _name, _front_property(_name))
+del _name

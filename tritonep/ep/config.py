@@ -1,9 +1,12 @@
 """The static configuration of one EPBuffer: built once, checked across ranks once, handed whole to the backend.
 
 :class:`EPConfig` holds everything a buffer's static configuration decides (experts, hidden, tokens, top-k, wires,
-alignment, capacity, SM cap, timeout, device type, kernel geometry). :func:`build_config` validates the arguments
-and derives the rest (``max_recv_tokens``'s default, the geometry of :func:`tritonep.ep.geometry.select_geometry`,
-the wait bound); nothing below the front door recomputes or renames a field. :func:`agree` is the constructor's one
+alignment, capacity, SM cap, timeout, device type, kernel tiles, and the host options: sync checks, program cap, launch
+path, output pool, sync-free mode). :func:`build_config` validates the arguments and derives the rest
+(``max_recv_tokens``'s default, the kernel tiles through the backend registry, the wait bound); it is the one place a
+buffer's options are read from the environment (:mod:`tritonep.envs`: an argument left None takes its ``TRITONEP_*``
+variable), once, when the buffer is built; nothing below the front door reads the environment, recomputes or renames
+a field. :func:`agree` is the constructor's one
 collective: every rank contributes its config (or the error its arguments raised) and its view of peer access, so an
 invalid configuration on ANY rank is an error on EVERY rank (the bad rank raises its own error naming the value, the
 others :class:`tritonep.errors.PeerConfigError` naming the bad rank and its message), and configurations that differ
@@ -18,7 +21,6 @@ error reporting so that no rank waits on a peer that already failed.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Optional
 
 import torch
 
@@ -44,12 +46,19 @@ class EPConfig:
         backend: the requested backend (``"auto"`` | a registered name); the chosen one is EPBuffer's ``backend``.
         dtype: element type of x and expert outputs (torch.bfloat16).
         device_type: ``"cuda"`` or ``"cpu"`` (a CPU buffer runs the kernels in Triton's interpreter).
-        num_sms: the cap on communication kernels' programs (None: TRITONEP_NUM_SMS / the geometry table).
+        num_sms: the cap on communication kernels' programs (0: none, the tile table's grids).
         timeout_s: bound of every in-kernel wait, seconds.
-        geometry: the kernel geometry (:class:`tritonep.ep.geometry.Geometry`) of the triton backend.
-        nccl_sync_free: ``TRITONEP_NCCL_SYNC_FREE`` as read at construction (``"onehop"`` | ``"gather"`` | ``""``:
-            the rule of :func:`tritonep.ep.nccl.sync_free.sync_free_mode`): a field so that every rank agrees on
-            it (ranks in different modes would run different collectives).
+        tiles: the kernel tiles of the backend that has them (the triton backend's
+            :class:`tritonep.backends.triton.tiles.KernelTiles`; None when no registered backend has tiles).
+        sync_checks: host reads of eager calls, ``tritonep.envs.SYNC_NONE`` / ``SYNC_DEFERRED`` / ``SYNC_STRICT``
+            (:func:`tritonep.envs.sync_checks`).
+        max_programs: the cap on the programs of every kernel that waits on a peer (0: none; ranks that share a
+            GPU under MPS).
+        launch: how bound launches reach the GPU (:data:`tritonep.envs.LAUNCH_MODES`: packed, direct, triton).
+        output_pool: sets of per-call outputs a buffer reuses per stream (0: every call allocates).
+        sync_free_mode: how a sync-free dispatch exchanges its counts on a backend with two ways (``"onehop"`` |
+            ``"gather"`` | ``""``: the backend's rule, :func:`tritonep.backends.nccl.sync_free.sync_free_mode`): a
+            field so that every rank agrees on it (ranks in different modes would run different collectives).
     """
 
     world_size: int
@@ -64,10 +73,18 @@ class EPConfig:
     backend: str
     dtype: torch.dtype
     device_type: str
-    num_sms: Optional[int]
+    num_sms: int
     timeout_s: float
-    geometry: object
-    nccl_sync_free: str = ""
+    tiles: object
+    sync_checks: int
+    max_programs: int
+    launch: str
+    output_pool: int
+    sync_free_mode: str = ""
+
+    FRONT = ("world_size", "num_experts", "num_local_experts", "hidden", "max_tokens_per_rank", "topk",
+             "dispatch_wire", "combine_wire", "expert_alignment", "max_recv_tokens", "dtype", "timeout_s")
+    """The fields an :class:`tritonep.EPBuffer` shows as its own read-only attributes (``buf.hidden``, ...)."""
 
     @property
     def num_local_experts(self) -> int:
@@ -75,10 +92,10 @@ class EPConfig:
         return self.num_experts // self.world_size
 
     def compared(self) -> dict:
-        """The fields every rank must agree on, as plain values (dtype and geometry as text)."""
+        """The fields every rank must agree on, as plain values (dtype and tiles as text)."""
         d = asdict(self)
         d["dtype"] = str(self.dtype)
-        d["geometry"] = repr(self.geometry)
+        d["tiles"] = repr(self.tiles)
         return d
 
 
@@ -94,22 +111,29 @@ def build_config(*, world_size: int, num_experts: int, hidden: int, max_tokens_p
                  dispatch_wire: str = "bf16", combine_wire: str = "bf16", expert_alignment: int = 1,
                  max_recv_tokens: int | None = None, backend: str = "auto", dtype: torch.dtype = torch.bfloat16,
                  device_type: str = "cuda", num_sms: int | None = None, timeout_s: float | None = None,
+                 tiles=None, sync_checks=None, max_programs: int | None = None, launch: str | None = None,
+                 output_pool: int | None = None, sync_free_mode: str | None = None,
                  check_kernels: bool = True) -> EPConfig:
-    """Validate an EPBuffer's arguments and derive the rest; no collective, no allocation.
+    """Validate an EPBuffer's arguments, read what they leave to the environment and derive the rest; no collective,
+    no allocation.
 
-    Args: as :class:`tritonep.EPBuffer` (``device_type`` instead of a device). ``check_kernels``: also check that
-    tritonep's kernels were imported for this device type (interpreter on CPU, compiled on CUDA).
+    Args: as :class:`tritonep.EPBuffer` (``device_type`` instead of a device). An option left None takes its
+    ``TRITONEP_*`` variable (:mod:`tritonep.envs`): ``num_sms`` (TRITONEP_NUM_SMS), ``timeout_s``
+    (TRITONEP_TIMEOUT_S), ``tiles`` (TRITONEP_GEOMETRY; with TRITONEP_COMBINE), ``sync_checks``
+    (TRITONEP_SYNC_CHECKS), ``max_programs`` (TRITONEP_MAX_PROGRAMS), ``launch`` (TRITONEP_FAST_LAUNCH /
+    TRITONEP_PACKED_LAUNCH), ``output_pool`` (TRITONEP_OUTPUT_POOL), ``sync_free_mode`` (TRITONEP_NCCL_SYNC_FREE).
+    ``check_kernels``: also check that tritonep's kernels were imported for this device type (interpreter on CPU,
+    compiled on CUDA).
 
     Raises:
         ConfigError: a size that is not a positive int, ``num_experts`` not divisible by ``world_size``, a bad
-            ``max_recv_tokens`` / ``num_sms`` / ``timeout_s`` / dtype / backend name / environment value, kernels
-            built for another device (each message names the value).
+            ``max_recv_tokens`` / ``num_sms`` / ``timeout_s`` / dtype / backend name / option / environment value,
+            kernels built for another device (each message names the value).
         WireError: an unknown wire or a ``hidden`` the wire's block does not divide.
     """
+    from ..backends import check_backend_name, kernel_tiles
+    from ..runtime.status import resolve_timeout
     from ..wire.formats import check_wire
-    from .backends import check_backend_name
-    from .geometry import select_geometry
-    from .status import resolve_timeout
 
     for name, v in (("world_size", world_size), ("num_experts", num_experts), ("hidden", hidden),
                     ("max_tokens_per_rank", max_tokens_per_rank), ("topk", topk),
@@ -129,19 +153,29 @@ def build_config(*, world_size: int, num_experts: int, hidden: int, max_tokens_p
     if device_type not in ("cuda", "cpu"):
         raise ConfigError(f"device type {device_type!r} is not 'cuda' or 'cpu'")
     if check_kernels:
-        from ..kernels.common import check_kernel_mode
+        from ..device.common import check_kernel_mode
 
         check_kernel_mode(device_type)
     if max_recv_tokens is None:
         L = num_experts // world_size
         max_recv_tokens = world_size * max_tokens_per_rank * topk + L * (expert_alignment - 1)
-    geometry = select_geometry(device_type, world_size, hidden, max_tokens_per_rank, topk, wire=dispatch_wire,
-                               num_sms=num_sms)
+    num_sms = envs.num_sms(num_sms)
+    max_programs = envs.max_programs(max_programs)
+    if tiles is None:
+        override, source = envs.geometry_override(), "TRITONEP_GEOMETRY"
+    elif isinstance(tiles, str):
+        override, source = tiles, "tiles"
+    else:
+        override, source = tiles, "tiles"  # kernel tiles given whole: taken as they are
+    tiles = kernel_tiles(device_type, world_size, hidden, max_tokens_per_rank, topk, dispatch_wire, num_sms=num_sms,
+                         override=override, combine=envs.combine_kind(), max_programs=max_programs, source=source)
     return EPConfig(world_size=world_size, num_experts=num_experts, hidden=hidden,
                     max_tokens_per_rank=max_tokens_per_rank, topk=topk, dispatch_wire=dispatch_wire,
                     combine_wire=combine_wire, expert_alignment=expert_alignment, max_recv_tokens=max_recv_tokens,
                     backend=backend, dtype=dtype, device_type=device_type, num_sms=num_sms,
-                    timeout_s=resolve_timeout(timeout_s), geometry=geometry, nccl_sync_free=envs.nccl_sync_free())
+                    timeout_s=resolve_timeout(timeout_s), tiles=tiles, sync_checks=envs.sync_checks(sync_checks),
+                    max_programs=max_programs, launch=envs.launch(launch), output_pool=envs.output_pool(output_pool),
+                    sync_free_mode=envs.nccl_sync_free(sync_free_mode))
 
 
 def agree(group, cfg: EPConfig | None, error: BaseException | None, extra: dict | None = None,

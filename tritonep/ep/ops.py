@@ -27,7 +27,7 @@ Opaque objects cross the op boundary as ids, like :mod:`tritonep.moe.ops`:
 
 Fakes: every output of an op has the metadata its fake gives (storage offset 0, contiguous), checked by
 ``torch.library.opcheck`` (tests/ep/test_custom_ops_opcheck.py). The row weights of the triton backend are a view
-of the handle's storage, whose layout puts them first (:class:`tritonep.ep.triton.outputs.HandleLayout`).
+of the handle's storage, whose layout puts them first (:class:`tritonep.backends.triton.outputs.HandleLayout`).
 
 Collectives: every op is a collective of the buffer's group (every rank calls the same ops in the same order,
 docs/protocols.md (host protocol rule)); activation checkpointing recomputes them in the same order on every rank.
@@ -205,7 +205,7 @@ def combine_op(expert_out: torch.Tensor, recv_weights: torch.Tensor, ticket: tor
                num_tokens: int) -> torch.Tensor:
     """:meth:`EPBuffer.combine` of the dispatch ``ticket`` names (module docstring): ``y [num_tokens, H]``."""
     y = get_buffer(buffer_id).combine(expert_out, get_handle(ticket))
-    # a view of a pooled block (decode, tritonep/ep/pool.py): the op's autograd would refuse in-place ops on it
+    # a view of a pooled block (decode, tritonep/runtime/pool.py): the op's autograd would refuse in-place ops on it
     return y.detach() if y._base is not None else y
 
 

@@ -33,7 +33,7 @@ applied to the config tree after ``update_from_config`` and before the model is 
 
 replaces every MoE token dispatcher config (any ``comm_backend``) by :class:`TritonEPTokenDispatcher.Config`. The
 kwargs are the Config's fields (``dispatch_wire``, ``combine_wire``, ``pad_multiple``, ``sync_free``,
-``max_recv_tokens``, ``num_sms``, ``hidden_dim``, ``num_max_tokens_per_rank``). In a Python config function, or on a
+``max_recv_tokens``, ``num_sms``, ``backend``, ``hidden_dim``, ``num_max_tokens_per_rank``). In a Python config function, or on a
 model config built by hand, :func:`use_tritonep` does the same. ``--training.disable_cuda_graphs``: torchtitan
 0.3.0's ``Trainer.Config._validate_cuda_graphs`` accepts only its own MinimalAsyncEP / non-blocking HybridEP
 dispatchers under its whole-step CUDA graph, whatever a dispatcher's sync behaviour.
@@ -121,10 +121,16 @@ class TritonEPTokenDispatcher(BaseEPTokenDispatcher):
                 (:data:`tritonep.wire.WIRES`); the experts always get bf16 rows.
             pad_multiple: every expert segment starts at a multiple of this (zero padding rows), for padded
                 (fp8 / mxfp8) grouped GEMMs; None = 1.
-            sync_free: no host read per dispatch (``max_recv_tokens`` rows, device counts); both backends (the
-                nccl one moves fixed per-peer packet slots with one equal-split all_to_all).
-            max_recv_tokens: rows one rank can receive; None = the worst case ``W * Tmax * min(K, L) + L * (A-1)``.
-            num_sms: cap on the programs of every communication kernel (None: the geometry table).
+            sync_free: no host read per dispatch (``max_recv_tokens`` rows, device counts); every backend offers
+                it (the nccl one moves fixed per-peer packet slots with one equal-split all_to_all).
+            max_recv_tokens: rows one rank can receive; None = the buffer's default, the worst case
+                ``W * Tmax * K + L * (A-1)`` (:class:`tritonep.ep.config.EPConfig`: duplicate ids in a row are two
+                routes, so one token can send K rows to one rank).
+            num_sms: cap on the programs of every communication kernel (None: the kernel-tile table).
+            backend: the EPBuffer backend (``"auto"``, the default: the symmetric-memory one when every rank of
+                the EP group maps every peer's memory, else the ``torch.distributed`` one; or a registered name).
+                The dispatcher needs nothing of a particular backend: both give the same rows, and the custom ops
+                (:mod:`tritonep.ep.ops`) take either.
         """
 
         hidden_dim: int | None = None
@@ -135,6 +141,7 @@ class TritonEPTokenDispatcher(BaseEPTokenDispatcher):
         sync_free: bool = True
         max_recv_tokens: int | None = None
         num_sms: int | None = None
+        backend: str = "auto"
 
     def __init__(self, config: Config):
         super().__init__(config)
@@ -149,6 +156,7 @@ class TritonEPTokenDispatcher(BaseEPTokenDispatcher):
         self.sync_free = config.sync_free
         self.max_recv_tokens = config.max_recv_tokens
         self.num_sms = config.num_sms
+        self.backend = config.backend
         self.buffer: tritonep.EPBuffer | None = None
         self._bid: int | None = None
 
@@ -170,15 +178,14 @@ class TritonEPTokenDispatcher(BaseEPTokenDispatcher):
         W = dist.get_world_size(group)
         if self.num_experts % W:
             raise ConfigError(f"num_experts={self.num_experts} is not a multiple of the EP degree {W}")
-        L, A = self.num_experts // W, self.pad_multiple
-        max_recv = self.max_recv_tokens or W * max_tokens * min(self.top_k, L) + L * (A - 1)
+        A = self.pad_multiple
         key = (group, self.num_experts, hidden, max_tokens, self.top_k, self.dispatch_wire, self.combine_wire, A,
-               max_recv, self.num_sms)
+               self.max_recv_tokens, self.num_sms, self.backend)
         buf = _BUFFERS.get(key)
-        if buf is None:
+        if buf is None:  # every size not given is the buffer's own (EPConfig: one formula)
             buf = tritonep.EPBuffer(group, self.num_experts, hidden, max_tokens, self.top_k,
                                     dispatch_wire=self.dispatch_wire, combine_wire=self.combine_wire,
-                                    expert_alignment=A, max_recv_tokens=max_recv, backend="triton",
+                                    expert_alignment=A, max_recv_tokens=self.max_recv_tokens, backend=self.backend,
                                     num_sms=self.num_sms)
             _BUFFERS[key] = buf
         self.buffer, self._bid = buf, ops.buffer_id(buf)

@@ -17,7 +17,7 @@ __all__ = ["uses_nccl", "group_barrier"]
 
 def uses_nccl(group=None) -> bool:
     """True when ``group``'s backend (default: the world) is NCCL (also a mixed ``cpu:gloo,cuda:nccl`` group)."""
-    return "nccl" in str(dist.get_backend(group)).lower()
+    return dist.Backend.NCCL in str(dist.get_backend(group)).lower()
 
 
 def group_barrier(group=None, device: torch.device | str | int | None = None) -> None:

@@ -47,7 +47,7 @@ from ..ep.validate import check_expert_ids
 from ..errors import BufferStateError, CapacityError, ConfigError, InputError, TritonEPError
 from . import ops
 from .experts import expert_ffn_parts_backward, expert_ffn_parts_forward
-from .layer_parts import _ACT_DTYPE, expert_weights, layer_required_bytes, take_part_refused
+from .layer_parts import _ACT_DTYPE, expert_shapes, expert_weights, layer_required_bytes, take_part_refused
 from .layer_status import consume_refusal, strict_check
 from .layer_virtual import plan_routes, read_split, row_parts
 from .losses import attach_aux_loss, switch_aux_loss
@@ -154,7 +154,7 @@ class MoELayer(nn.Module):
         if self.virtual:  # the backend's own counts exchange and weight transport
             self.counts_x = self.buffer.counts_exchange(g.num_experts)
             self.transport = self.buffer.expert_transport(
-                g.num_experts, {"w1": (g.hidden, g.w1_width), "w2": (g.intermediate, g.hidden)}, dtype)
+                g.num_experts, expert_shapes(g), dtype)
         self.layer_id = ops.register_layer(self)
         self._stash = SavedForwards(recipe.max_saved_forwards, f"MoELayer {self.layer_id}")
         self._closed = False
@@ -214,13 +214,14 @@ class MoELayer(nn.Module):
     @staticmethod
     def required_bytes(recipe: MoERecipe, geometry: MoEGeometry, world_size: int,
                        device_type: str | None = None, dtype: torch.dtype = torch.bfloat16,
-                       backend: str = "triton") -> int:
+                       backend: str = "auto") -> int:
         """Symmetric bytes one rank's layer allocates (equals ``layer.allocated_bytes``); no group needed.
 
         Args:
             device_type: ``"cuda"`` or ``"cpu"`` (kernel tiles, hence scratch sizes, differ); default: cuda when
                 available, else cpu.
-            backend: ``"triton"`` (what ``"auto"`` picks on one host) or ``"nccl"`` (no symmetric memory: 0).
+            backend: ``"auto"`` (what it picks on one host: the first registered backend, triton) or a registered
+                name (``"nccl"`` holds no symmetric memory: 0).
 
         Raises:
             ConfigError: as the constructor.
@@ -388,7 +389,7 @@ class MoELayer(nn.Module):
             if self.virtual:
                 split = read_split(self, d.expert_offsets, placement, topk_idx)
                 self.transport.push({"w1": w1, "w2": w2}, placement, split.experts_to_copy)
-                strict_check(self.transport)
+                strict_check(self.transport, self.buffer)
                 views = self.transport.slot_views(split.num_used)
                 w1s, w2s = (w1, views["w1"]), (w2, views["w2"])
             t.append(self._now() if self.virtual else t[-1])
@@ -433,7 +434,7 @@ class MoELayer(nn.Module):
             sp = st["split"]
             g = self.transport.pull({"w1": g_w1[1], "w2": g_w2[1]}, st["placement"], sp.num_used, sp.held,
                                     into={"w1": g_w1[0], "w2": g_w2[0]}, experts_to_copy_host=sp.experts_to_copy)
-            strict_check(self.transport)
+            strict_check(self.transport, self.buffer)
             g_w1, g_w2 = (g["w1"],), (g["w2"],)
         g_x, g_tw = buf.dispatch_backward(g_xr, g_rw, st["handle"])
         return g_x, g_tw, g_w1[0], g_w2[0]

@@ -10,14 +10,14 @@ from typing import Iterable
 
 import torch
 
+from ..backends import check_backend_name, services_bytes
 from ..ep import EPBuffer
-from ..errors import ConfigError
 from .counter_rng import counter_normal, stream_key
 from .recipe import MoEGeometry, MoERecipe, check_config
 
 _ACT_DTYPE = torch.bfloat16  # tokens, received rows and expert outputs travel in bf16
 
-__all__ = ["expert_weights", "layer_required_bytes"]
+__all__ = ["expert_weights", "expert_shapes", "layer_required_bytes"]
 
 
 @dataclass(frozen=True)
@@ -55,16 +55,21 @@ def expert_weights(geometry: MoEGeometry, seed: int, dtype: torch.dtype, experts
     return w1, w2
 
 
+def expert_shapes(geometry: MoEGeometry) -> dict:
+    """Per-expert weight shapes of a layer (what its expert transport moves): ``{"w1": (H, w1_width), "w2": (I, H)}``
+    (``w1_width`` = 2I for the gated activations)."""
+    g = geometry
+    return {"w1": (g.hidden, g.w1_width), "w2": (g.intermediate, g.hidden)}
+
+
 def layer_required_bytes(recipe: MoERecipe, geometry: MoEGeometry, world_size: int, device_type: str | None,
-                         dtype: torch.dtype, backend: str = "triton") -> int:
+                         dtype: torch.dtype, backend: str = "auto") -> int:
     """Body of :meth:`tritonep.MoELayer.required_bytes`: symmetric bytes of one rank's layer (EPBuffer, plus the
-    counts exchange and the expert slots with virtual experts; 0 on the nccl backend, which holds no symmetric
-    memory). Raises ConfigError as the layer's constructor, and for a backend other than triton / nccl."""
+    counts exchange and the expert slots with virtual experts, as the backend sizes them: 0 for one that holds no
+    symmetric memory). Raises ConfigError as the layer's constructor, and for a ``backend`` that is not ``"auto"``
+    or a registered name."""
     check_config(recipe, geometry, world_size)
-    if backend not in ("triton", "nccl"):
-        raise ConfigError(f"backend={backend!r} is not 'triton' or 'nccl'")
-    if backend == "nccl":
-        return 0
+    check_backend_name(backend)
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     g = geometry
@@ -73,16 +78,10 @@ def layer_required_bytes(recipe: MoERecipe, geometry: MoEGeometry, world_size: i
                                     hidden=g.hidden, max_tokens_per_rank=g.max_tokens_per_rank, topk=g.topk,
                                     dispatch_wire=recipe.dispatch_wire, combine_wire=recipe.combine_wire,
                                     expert_alignment=recipe.expert_alignment, max_recv_tokens=g.max_recv_tokens,
-                                    dtype=_ACT_DTYPE, device_type=device_type)
+                                    dtype=_ACT_DTYPE, device_type=device_type, backend=backend)
     if virtual:
-        from ..ep.triton.counts import counts_regions
-        from ..ep.triton.expert_transport import transport_regions
-        from ..memory import required_bytes as _rb
-
-        L = g.num_experts // world_size
-        total += _rb(counts_regions(world_size, g.num_experts, g.max_tokens_per_rank))
-        total += _rb(transport_regions(world_size, L, {"w1": (g.hidden, g.w1_width),
-                                                       "w2": (g.intermediate, g.hidden)}, dtype))
+        total += services_bytes(backend, world_size=world_size, num_experts=g.num_experts,
+                                max_tokens_per_rank=g.max_tokens_per_rank, shapes=expert_shapes(g), dtype=dtype)
     return total
 
 
@@ -93,7 +92,7 @@ def take_part_refused(buffer, counts_x, err: Exception):
 
     Args:
         buffer: the layer's :class:`tritonep.EPBuffer`; its dispatch takes part with no tokens and the flag.
-        counts_x: the planner's counts exchange (:class:`tritonep.ep.backends.CountsExchange`) when its exchange
+        counts_x: the planner's counts exchange (:class:`tritonep.backends.CountsExchange`) when its exchange
             has not run yet in this call (virtual experts), else None.
         err: the refusal to raise on this rank.
     """

@@ -70,8 +70,9 @@ def consume_refusal(counts_x) -> None:
         pass
 
 
-def strict_check(part) -> None:
-    """``TRITONEP_SYNC_CHECKS=1``: read ``part``'s status word at the end of its call (one sync) and raise its
-    error in that call; otherwise the next forward's read raises it."""
-    if envs.sync_checks() == envs.SYNC_STRICT:
+def strict_check(part, buffer) -> None:
+    """Strict sync checks (``buffer.config.sync_checks``, the layer's EPBuffer's: TRITONEP_SYNC_CHECKS=1): read
+    ``part``'s status word at the end of its call (one sync) and raise its error in that call; otherwise the next
+    forward's read raises it."""
+    if buffer.config.sync_checks == envs.SYNC_STRICT:
         part.check()

@@ -230,7 +230,7 @@ class MoERecipe:
             next :meth:`tritonep.EPBuffer.check`; size ``MoEGeometry.max_recv_tokens`` to a capacity, since every
             step moves that many rows through the GEMMs. Needs ``balance="none"`` (the virtual-expert split run
             reads its boundary on the host); either backend (nccl: fixed per-peer packet slots,
-            :mod:`tritonep.ep.nccl.sync_free`).
+            :mod:`tritonep.backends.nccl.sync_free`).
 
     Raises:
         ConfigError: at construction, for any invalid field or inconsistent combination (names field and value).

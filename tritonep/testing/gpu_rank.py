@@ -11,6 +11,7 @@ import sys
 import traceback
 from dataclasses import replace
 
+from .. import envs
 from . import interrupts
 from .placement import GpuWorldInfo, programs_per_rank
 from .world import _picklable
@@ -46,8 +47,8 @@ def _rank_setup(rank, info: GpuWorldInfo, env: dict, store_path: str):
     from .. import envs
 
     for name in envs.VARIABLES:  # the per-task snapshot of the parent sets these (see _task_env)
-        os.environ.pop(name, None)
-    os.environ.update(env)
+        envs.environ().pop(name, None)
+    envs.environ().update(env)
     import torch
     import torch.distributed as dist
 
@@ -61,9 +62,9 @@ def _rank_setup(rank, info: GpuWorldInfo, env: dict, store_path: str):
         report["sms"] = sms
         if info.mode == "mps":
             report["max_programs"] = programs_per_rank(sms, info.ranks_per_device)
-            os.environ["TRITONEP_MAX_PROGRAMS"] = str(report["max_programs"])
+            envs.environ()["TRITONEP_MAX_PROGRAMS"] = str(report["max_programs"])
     store = dist.FileStore(store_path, info.world_size)
-    if info.backend == "nccl":
+    if info.backend == dist.Backend.NCCL:
         dist.init_process_group("nccl", store=store, rank=rank, world_size=info.world_size, device_id=dev)
     else:
         dist.init_process_group("gloo", store=store, rank=rank, world_size=info.world_size)
@@ -97,7 +98,7 @@ def rank_main(rank, info, env, store_path, parent_pid, conn):
             status = 1
             return
         conn.send_bytes(pickle.dumps(("ready", rank, report)))
-        base = dict(os.environ)
+        base = dict(envs.environ())
         while True:
             raw = conn.recv_bytes()
             if raw == STOP:
@@ -108,8 +109,8 @@ def rank_main(rank, info, env, store_path, parent_pid, conn):
                 for p in reversed(path):
                     if p not in sys.path:
                         sys.path.insert(0, p)
-                os.environ.clear()
-                os.environ.update(_task_env(base, parent_env))
+                envs.environ().clear()
+                envs.environ().update(_task_env(base, parent_env))
                 out = fn(group, *args)
                 if dev.type == "cuda":
                     import torch
@@ -120,8 +121,8 @@ def rank_main(rank, info, env, store_path, parent_pid, conn):
                 reply = pickle.dumps(("err", rank, (type(e).__name__, str(e), traceback.format_exc(),
                                                     _picklable(e))))
             finally:
-                os.environ.clear()
-                os.environ.update(base)
+                envs.environ().clear()
+                envs.environ().update(base)
             conn.send_bytes(reply)
             out = reply = None  # free the task's tensors before the next one
             gc.collect()

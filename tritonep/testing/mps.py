@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import time
 
+from .. import envs
 from ..errors import ConfigError
 
 __all__ = ["MpsDaemon", "MpsUnavailable", "CONTROL", "external_mps_pipe"]
@@ -31,7 +32,7 @@ def external_mps_pipe(environ=None) -> str | None:
     """The pipe folder of an MPS daemon that this process's CUDA children would join without being asked:
     ``CUDA_MPS_PIPE_DIRECTORY``, or NVIDIA's default ``/tmp/nvidia-mps``, when its ``control`` pipe exists; else
     None. Ranks that share a GPU under such a daemon run at once, so they need the same grid cap as under ours."""
-    env = os.environ if environ is None else environ
+    env = envs.environ() if environ is None else environ
     d = env.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps"
     return d if os.path.exists(os.path.join(d, "control")) else None
 
@@ -69,7 +70,7 @@ class MpsDaemon:
         return [self.control or CONTROL, "-d"]
 
     def _call(self, args: list, stdin: str | None = None) -> subprocess.CompletedProcess:
-        return subprocess.run(args, input=stdin, env={**os.environ, **self.env()}, capture_output=True, text=True,
+        return subprocess.run(args, input=stdin, env={**envs.environ(), **self.env()}, capture_output=True, text=True,
                               timeout=self.timeout_s)
 
     def _answers(self) -> bool:

@@ -1,10 +1,11 @@
 """The launch-sequence recorder of the CPU world: CI's check of the host protocol rule (docs/protocols.md (host protocol rule)).
 
-Every rank of a CPU world records, in order, each kernel launched through :class:`tritonep.ep.triton.launch.Launcher`
-(``("launch", kernel name, grid)``) and each ``torch.distributed`` collective it calls (``("collective", name)``,
+Every rank of a CPU world records, in order, each recorded bound launch of a launch runtime
+(:mod:`tritonep.runtime.launch`; ``("launch", kernel name, grid)``) and each ``torch.distributed`` collective it calls (``("collective", name)``,
 through ``torch.distributed.<name>`` or ``torch.distributed.distributed_c10d.<name>``; a collective made of other
 collectives counts once). Kernels launched directly (``kernel[grid](...)``) are not recorded: every kernel that
-signals or waits on a peer must go through a Launcher, which ``tests/ep/test_host_protocol.py`` checks on the source.
+signals or waits on a peer must be a bound launch of a recording launch runtime, which
+``tests/testing/test_protocol_recorder.py`` checks on the source.
 When the world ends, :func:`compare_sequences` checks that every rank recorded the same sequence and
 :func:`tritonep.testing.run_cpu_world` raises :class:`ProtocolMismatch` otherwise. On the GPU, a rank that launches a
 signalling kernel or reaches a host collective that a peer does not is a deadlock or a silent mis-pairing; in the
@@ -38,10 +39,10 @@ class ProtocolMismatch(RankError):
 
 
 def install_recorder(log: list):
-    """In this (forked rank) process: append every Launcher launch and torch.distributed collective to ``log``."""
+    """In this (forked rank) process: append every recorded bound launch and torch.distributed collective to ``log``."""
     import torch.distributed as dist
 
-    from ..ep import recorder
+    from ..runtime import recorder
 
     from torch.distributed import distributed_c10d as c10d
 

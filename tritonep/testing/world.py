@@ -172,7 +172,7 @@ def run_cpu_world(world_size: int, fn: Callable, *args, timeout_s: float = 120.0
     in compiled mode before).
 
     Host protocol check (docs/protocols.md (host protocol rule)): every rank records its sequence of launches through
-    :class:`tritonep.ep.triton.launch.Launcher` and of ``torch.distributed`` collectives
+    recorded bound launches (:mod:`tritonep.runtime.launch`) and of ``torch.distributed`` collectives
     (:mod:`tritonep.testing.protocol`); when every rank returns, the sequences must be equal, else
     :class:`tritonep.testing.protocol.ProtocolMismatch` is raised. ``check_protocol=False`` turns this off (only for
     worlds whose ranks run deliberately different programs, e.g. a rank that skips a call to provoke a timeout).
@@ -201,14 +201,16 @@ def run_cpu_world(world_size: int, fn: Callable, *args, timeout_s: float = 120.0
     """
     from .. import envs
     from ..memory import CpuHeap
+    from ..runtime.interpreter_speed import install as install_interpreter_speed
 
-    if "tritonep.kernels.common" in sys.modules and not sys.modules["tritonep.kernels.common"].kernels_interpreted():
+    if "tritonep.device.common" in sys.modules and not sys.modules["tritonep.device.common"].kernels_interpreted():
         raise ConfigError("run_cpu_world: tritonep's kernels were already imported for the GPU in this process "
                           "(TRITON_INTERPRET was not 1 then: any use of tep.EPBuffer, EPBuffer.required_bytes "
                           "included, tep.MoELayer / MoERecipe / MoEGeometry or tritonep.wire before this call imports "
                           "them); the forked ranks need the interpreter: start Python with TRITON_INTERPRET=1, or make "
                           "those objects inside the rank function")
-    os.environ["TRITON_INTERPRET"] = "1"
+    envs.put("TRITON_INTERPRET", "1")
+    install_interpreter_speed()  # before the fork: every rank's interpreter without its per-call member scan
     heap = CpuHeap.create(world_size, heap_bytes or envs.cpu_heap_bytes())
     tmp = tempfile.mkdtemp(prefix="tritonep_world_")
     store_path = os.path.join(tmp, "store")

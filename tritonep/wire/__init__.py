@@ -2,7 +2,7 @@
 
 :mod:`tritonep.wire.formats` is the registry (one :class:`WireFormat` record per format: sizes, codec, twins,
 tolerance). Each format has torch twins (``*_torch``, the exact-bit spec) and Triton implementations built on the
-fusable device codecs of :mod:`tritonep.kernels.quant` / :mod:`tritonep.kernels.quant_e5m2`.
+fusable device codecs of :mod:`tritonep.wire.kernels.quant` / :mod:`tritonep.wire.kernels.quant_e5m2`.
 """
 
 from tritonep.wire.formats import (

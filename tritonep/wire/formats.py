@@ -12,7 +12,7 @@ A *wire format* is how one token row of ``hidden`` elements travels between rank
 A row on the wire is its payload bytes followed by its scale bytes (no padding). Rule: ``hidden`` must be a
 multiple of the format's block, else :class:`tritonep.errors.WireError` names hidden, the block and the field.
 
-Adding a format = a device codec next to its tile functions (:class:`tritonep.kernels.wirecodec.DeviceCodec`),
+Adding a format = a device codec next to its tile functions (:class:`tritonep.wire.kernels.wirecodec.DeviceCodec`),
 its torch twins (``quantize_*_torch`` / ``dequantize_*_torch``, the exact-bit spec) and one record below. Every
 size, allocation, tolerance and kernel branch is derived from the record.
 """
@@ -26,9 +26,9 @@ from typing import Callable
 import torch
 
 from tritonep.errors import WireError
-from tritonep.kernels.quant import FP8_E4M3_CODEC, MXFP4_CODEC
-from tritonep.kernels.quant_e5m2 import FP8_E5M2_CODEC
-from tritonep.kernels.wirecodec import RAW_BF16, DeviceCodec
+from tritonep.wire.kernels.quant import FP8_E4M3_CODEC, MXFP4_CODEC
+from tritonep.wire.kernels.quant_e5m2 import FP8_E5M2_CODEC
+from tritonep.wire.kernels.wirecodec import RAW_BF16, DeviceCodec
 from tritonep.wire.fp8 import dequantize_fp8_torch, quantize_fp8_torch
 from tritonep.wire.fp8_e5m2 import E5M2_MAX, dequantize_fp8_e5m2_torch, quantize_fp8_e5m2_torch
 from tritonep.wire.mxfp4 import dequantize_mxfp4_torch, quantize_mxfp4_torch

@@ -26,9 +26,9 @@ import torch
 import triton
 
 from tritonep.errors import InputError, WireError
-from tritonep.kernels.common import check_kernel_mode
-from tritonep.kernels.quant import FP8_E4M3_CODEC, KIND_OF_DTYPE
-from tritonep.kernels.wire_quant import fp8_dequant_kernel, fp8_quant_kernel
+from tritonep.device.common import check_kernel_mode
+from tritonep.wire.kernels.quant import FP8_E4M3_CODEC, KIND_OF_DTYPE
+from tritonep.wire.kernels.wire_quant import fp8_dequant_kernel, fp8_quant_kernel
 from tritonep.wire.checks import check_quant_input
 
 FP8_BLOCK = FP8_E4M3_CODEC.block  # 128
@@ -67,7 +67,7 @@ def fp8_encode_bits_torch(y: torch.Tensor, mbits: int, bias: int, maxcode: int, 
     """fp32 tensor (any shape) -> uint8 bits of an 8-bit float with ``mbits`` mantissa bits and exponent ``bias``:
     RNE, saturate to the code ``maxcode``, Inf -> +-max, NaN -> 0x7F (e4m3fn: 3, 7, 0x7E; e5m2: 2, 15, 0x7B).
 
-    Twin of :func:`tritonep.kernels.quant.fp8_encode_bits`. Raises InputError (naming ``name``) if ``y`` is not
+    Twin of :func:`tritonep.wire.kernels.quant.fp8_encode_bits`. Raises InputError (naming ``name``) if ``y`` is not
     float32.
     """
     if y.dtype != torch.float32:
@@ -91,7 +91,7 @@ def fp8_encode_bits_torch(y: torch.Tensor, mbits: int, bias: int, maxcode: int, 
 def e4m3_encode_torch(y: torch.Tensor) -> torch.Tensor:
     """fp32 tensor (any shape) -> uint8 float8_e4m3fn bits: RNE, saturate to +-448, Inf -> +-448, NaN -> 0x7F.
 
-    Twin of :func:`tritonep.kernels.quant.e4m3_encode`. Raises InputError if ``y`` is not float32.
+    Twin of :func:`tritonep.wire.kernels.quant.e4m3_encode`. Raises InputError if ``y`` is not float32.
     """
     return fp8_encode_bits_torch(y, 3, 7, 0x7E, "e4m3_encode_torch")
 
@@ -201,7 +201,7 @@ def quantize_fp8(x: torch.Tensor, pow2_scale: bool = False) -> tuple[torch.Tenso
 
     Raises:
         InputError: x not 2-D, not contiguous, or wrong dtype. WireError: H % 128 != 0. ConfigError: the kernels
-            were built for another device (:func:`tritonep.kernels.common.check_kernel_mode`).
+            were built for another device (:func:`tritonep.device.common.check_kernel_mode`).
     """
     check_quant_input(x, "fp8", FP8_BLOCK, "quantize_fp8")
     q, s = scaled_quantize(x, pow2_scale, FP8_E4M3_CODEC, "quantize_fp8")
@@ -211,7 +211,7 @@ def quantize_fp8(x: torch.Tensor, pow2_scale: bool = False) -> tuple[torch.Tenso
 def scaled_quantize(x: torch.Tensor, pow2_scale: bool, codec, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton quantization of an fp32-scaled 8-bit wire (``codec``: e4m3, e5m2): uint8 ``[N, H]`` and fp32
     ``[N, H/128]``. ``x`` is checked by the caller except for contiguity (InputError). ConfigError: the kernels
-    were built for another device (:func:`tritonep.kernels.common.check_kernel_mode`)."""
+    were built for another device (:func:`tritonep.device.common.check_kernel_mode`)."""
     if not x.is_contiguous():
         raise InputError(f"{name}: x must be contiguous, got strides {x.stride()}")
     check_kernel_mode(x.device.type)

@@ -1,6 +1,6 @@
 """The fp8_e5m2 wire: float8_e5m2 values with one fp32 scale per 128 contiguous elements of a row.
 
-Spec (:func:`quantize_fp8_e5m2_torch`, exact bits; the device codec :mod:`tritonep.kernels.quant_e5m2` gives the
+Spec (:func:`quantize_fp8_e5m2_torch`, exact bits; the device codec :mod:`tritonep.wire.kernels.quant_e5m2` gives the
 same bits in the interpreter and on GPU). The fp8 (e4m3) wire's rule with the e5m2 range (OCP 8-bit floating point:
 1 sign, 5 exponent bits with bias 15, 2 mantissa bits; largest finite 57344, smallest normal 2^-14, subnormal step
 2^-16). e5m2 trades e4m3's precision for range: 4 values per binade instead of 8, 32 binades instead of 17.
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from tritonep.kernels.quant_e5m2 import FP8_E5M2_CODEC
+from tritonep.wire.kernels.quant_e5m2 import FP8_E5M2_CODEC
 from tritonep.wire.checks import check_quant_input
 from tritonep.wire.fp8 import (FP8_BLOCK, _check_q, fp8_encode_bits_torch, scaled_dequantize, scaled_dequantize_torch,
                                scaled_quantize, scaled_quantize_torch)
@@ -52,7 +52,7 @@ _NAME = FP8_E5M2_CODEC.name
 def e5m2_encode_torch(y: torch.Tensor) -> torch.Tensor:
     """fp32 tensor (any shape) -> uint8 float8_e5m2 bits: RNE, saturate to +-57344, Inf -> +-57344, NaN -> 0x7F.
 
-    Twin of :func:`tritonep.kernels.quant_e5m2.e5m2_encode`. Raises InputError if ``y`` is not float32.
+    Twin of :func:`tritonep.wire.kernels.quant_e5m2.e5m2_encode`. Raises InputError if ``y`` is not float32.
     """
     return fp8_encode_bits_torch(y, 2, 15, 0x7B, "e5m2_encode_torch")
 
@@ -99,7 +99,7 @@ def quantize_fp8_e5m2(x: torch.Tensor, pow2_scale: bool = False) -> tuple[torch.
 
     Raises:
         InputError: x not 2-D, not contiguous, or wrong dtype. WireError: H % 128 != 0. ConfigError: the kernels
-            were built for another device (:func:`tritonep.kernels.common.check_kernel_mode`).
+            were built for another device (:func:`tritonep.device.common.check_kernel_mode`).
     """
     check_quant_input(x, _NAME, FP8_BLOCK, "quantize_fp8_e5m2")
     q, s = scaled_quantize(x, pow2_scale, FP8_E5M2_CODEC, "quantize_fp8_e5m2")

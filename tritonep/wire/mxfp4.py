@@ -26,9 +26,9 @@ from __future__ import annotations
 import torch
 
 from tritonep.errors import InputError, WireError
-from tritonep.kernels.common import check_kernel_mode
-from tritonep.kernels.quant import KIND_OF_DTYPE, MXFP4_CODEC
-from tritonep.kernels.wire_quant import mxfp4_dequant_kernel, mxfp4_quant_kernel
+from tritonep.device.common import check_kernel_mode
+from tritonep.wire.kernels.quant import KIND_OF_DTYPE, MXFP4_CODEC
+from tritonep.wire.kernels.wire_quant import mxfp4_dequant_kernel, mxfp4_quant_kernel
 from tritonep.wire.checks import check_quant_input
 from tritonep.wire.fp8 import _rne_shift_torch, _tiling
 
@@ -148,7 +148,7 @@ def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     Raises:
         InputError: x not 2-D, not contiguous, or wrong dtype. WireError: H % 32 != 0. ConfigError: the kernels
-            were built for another device (:func:`tritonep.kernels.common.check_kernel_mode`).
+            were built for another device (:func:`tritonep.device.common.check_kernel_mode`).
     """
     _check_x(x, "quantize_mxfp4")
     if not x.is_contiguous():

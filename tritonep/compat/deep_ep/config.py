@@ -32,8 +32,8 @@ def _round_up(n: int, a: int) -> int:
 
 @dataclass
 class Config:
-    """DeepEP's per-call performance config (ignored by tritonep's kernels; their grids come from the geometry table,
-    :mod:`tritonep.ep.geometry`). Positional and keyword arguments as DeepEP's ``Config(num_sms=20,
+    """DeepEP's per-call performance config (ignored by tritonep's kernels; their grids come from the backend's kernel
+    tiles, ``EPBuffer.tiles``). Positional and keyword arguments as DeepEP's ``Config(num_sms=20,
     num_max_nvl_chunked_send_tokens=6, num_max_nvl_chunked_recv_tokens=256, num_max_rdma_chunked_send_tokens=6,
     num_max_rdma_chunked_recv_tokens=256)``; ``num_max_rdma_chunked_recv_tokens`` is rounded up to a multiple of the
     send chunk, as DeepEP does.

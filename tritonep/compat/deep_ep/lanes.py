@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from ... import envs
 from ...errors import BufferStateError, ConfigError
 
 __all__ = ["Lanes"]
@@ -38,9 +39,13 @@ class Lanes:
         group: the EP group (the compat Buffer's).
         backend: EPBuffer's ``backend`` (``"auto"`` | ``"triton"`` | ``"nccl"``).
         device: the device of every lane (None: EPBuffer's default).
-        num_sms: EPBuffer's SM cap (None: the geometry table).
+        num_sms: EPBuffer's SM cap (None: the kernel-tile table).
         timeout_s: EPBuffer's wait bound (None: ``TRITONEP_TIMEOUT_S``).
         max_tokens_per_rank: a fixed token capacity of the normal-mode lanes (None: grown from the calls).
+
+    Attributes: ``sync_checks`` (the lanes' host-read mode, ``tritonep.envs.SYNC_*``) and ``launch`` (their launch
+    path, :data:`tritonep.envs.LAUNCH_MODES`), read once at construction from the environment and given to every
+    EPBuffer lane.
     """
 
     def __init__(self, group, backend: str, device, num_sms, timeout_s, max_tokens_per_rank):
@@ -50,6 +55,10 @@ class Lanes:
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.backend, self.device, self.num_sms, self.timeout_s = backend, device, num_sms, timeout_s
+        # the host options every lane shares, read once here (tritonep.envs: TRITONEP_SYNC_CHECKS,
+        # TRITONEP_FAST_LAUNCH / TRITONEP_PACKED_LAUNCH) and passed to each EPBuffer, so that the compat calls'
+        # refusal paths (whether a refused call raised on every rank) and the lanes agree
+        self.sync_checks, self.launch = envs.sync_checks(), envs.launch()
         self.fixed = max_tokens_per_rank
         self.tcap = max_tokens_per_rank
         self._lanes: dict = {}
@@ -85,7 +94,7 @@ class Lanes:
         from ...ep import EPBuffer  # on first use: importing the compat package imports no kernel module
 
         lane = EPBuffer(self.group, backend=self.backend, device=self.device, num_sms=self.num_sms,
-                        timeout_s=self.timeout_s, **cfg)
+                        timeout_s=self.timeout_s, sync_checks=self.sync_checks, launch=self.launch, **cfg)
         self._lanes[key] = lane
         if shared:
             self._shared.add(key)

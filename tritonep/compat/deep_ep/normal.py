@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from ... import envs
 from ...errors import CapacityError, InputError, PeerInputError, TritonEPError
 from .handles import NormalHandle
 from .packing import meta_slots, meta_width, pack_meta, pack_quantized, rank_slots, unpack_quantized
@@ -27,12 +28,10 @@ __all__ = ["NormalMode"]
 _ID_DTYPES = (torch.int32, torch.int64)
 
 
-def _synced(sync_free: bool) -> bool:
-    """Whether a refused EPBuffer call raises on every rank in the call itself (an eager call with host reads on):
-    only then may the refusal path run a collective."""
-    from ... import envs
-
-    if sync_free or envs.sync_checks() == envs.SYNC_NONE:
+def _synced(sync_free: bool, sync_checks: int) -> bool:
+    """Whether a refused EPBuffer call raises on every rank in the call itself (an eager call with host reads on:
+    ``sync_checks``, the lanes' mode, not ``SYNC_NONE``): only then may the refusal path run a collective."""
+    if sync_free or sync_checks == envs.SYNC_NONE:
         return False
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
@@ -55,8 +54,19 @@ class NormalMode:
         self._ones = {}    # device -> float32 ones [n, W] (grown on demand)
         self._zeros = {}   # (rows, width, device) -> bf16 zeros: the meta lane's rows in a weights-only backward
         self._last_x_key = None
+        self._meta_ops = {}  # device -> MetaOps (the layout and meta-unpacking launches, bound on first use)
 
     # -------------------------------------------------------------------------------------------------- shared
+    def _ops(self, device):
+        """The :class:`tritonep.compat.deep_ep.meta.MetaOps` of ``device`` (made on first use: importing the compat
+        package imports no kernel module)."""
+        ops = self._meta_ops.get(device)
+        if ops is None:
+            from .meta import MetaOps
+
+            ops = self._meta_ops[device] = MetaOps(device, self.lanes.launch)
+        return ops
+
     def _ranks_on(self, device):
         t = self._ranks.get(device)
         if t is None:
@@ -95,7 +105,7 @@ class NormalMode:
         try:
             return lane, lane.dispatch(payload, slots, self._ones_rows(T, device), sync_free=sync_free)
         except (InputError, CapacityError) as e:
-            if not _synced(sync_free):
+            if not _synced(sync_free, self.lanes.sync_checks):
                 raise
             own = not isinstance(e, (PeerInputError, CapacityError))
             if not self.lanes.agree_regrow(T, own):
@@ -120,20 +130,19 @@ class NormalMode:
                           torch.empty(0, self.W, dtype=torch.float32, device=dev), sync_free=sync_free)
         except TritonEPError:
             pass
-        if _synced(sync_free):
+        if _synced(sync_free, self.lanes.sync_checks):
             self.lanes.agree_regrow(0, True)
         raise err
 
     # -------------------------------------------------------------------------------------------------- layout
     def layout(self, topk_idx, num_experts):
-        """``get_dispatch_layout``: one launch of :func:`tritonep.compat.deep_ep.kernels.meta.layout` (twin:
+        """``get_dispatch_layout``: one launch of :meth:`tritonep.compat.deep_ep.meta.MetaOps.layout` (twin:
         :func:`tritonep.compat.deep_ep.packing.layout_torch`)."""
-        from .kernels.meta import layout
-
         _tensor(topk_idx, "topk_idx", 2, _ID_DTYPES)
         if not isinstance(num_experts, int) or num_experts < 1 or num_experts % self.W:
             raise InputError(f"num_experts={num_experts!r} must be a positive multiple of the group size {self.W}")
-        return layout(topk_idx if topk_idx.is_contiguous() else topk_idx.contiguous(), num_experts, self.W)
+        return self._ops(topk_idx.device).layout(topk_idx if topk_idx.is_contiguous() else topk_idx.contiguous(),
+                                                 num_experts, self.W)
 
     # ------------------------------------------------------------------------------------------------ dispatch
     def dispatch(self, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
@@ -199,11 +208,10 @@ class NormalMode:
             mout = meta_lane.dispatch(pack_meta(topk_idx), meta_slots(slots, K), topk_weights.repeat(1, self.W),
                                       sync_free=True)
             meta_handle = mout.handle
-            from .kernels.meta import unpack_meta
-
             # worst: the tokens past the received ones (their lane rows are unspecified) get ids -1 and weight 0
-            recv_idx, recv_w, hist = unpack_meta(mout.x, mout.weights, R, K, self.rank, E // self.W, topk_idx.dtype,
-                                                 live=out.expert_offsets[-1] if worst else None)
+            recv_idx, recv_w, hist = self._ops(mout.x.device).unpack_meta(
+                mout.x, mout.weights, R, K, self.rank, E // self.W, topk_idx.dtype,
+                live=out.expert_offsets[-1] if worst else None)
         if worst:
             counts = []
         elif K:

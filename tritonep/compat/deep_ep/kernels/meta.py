@@ -1,24 +1,22 @@
-"""Two local kernels of the DeepEP-compatible normal mode, each one launch where the torch twin takes ten ops:
+"""Two local kernels of the DeepEP-compatible normal mode, each one launch where the torch twin takes ten ops (their
+host side, bound once through the launch runtime: :class:`tritonep.compat.deep_ep.meta.MetaOps`):
 
-* :func:`layout` (``get_dispatch_layout``): tokens per rank, routes per expert, ``is_token_in_rank``; one program
-  walks the token tiles and holds both histograms in registers (no atomics, deterministic), like DeepEP's layout
-  kernel one pass over ``topk_idx``. Twin: :func:`tritonep.compat.deep_ep.packing.layout_torch`.
-* :func:`unpack_meta` (after the meta lane's dispatch): every received token's local ids (-1 off this rank, for -1
-  and for ids outside ``[-1, E)``), its weights (0 where the id is -1) and the per-local-expert histogram (one vector
-  atomic per program into a zeroed ``[L + 1]`` int32). Twin: :func:`tritonep.compat.deep_ep.packing.unpack_meta`.
+* :func:`layout_kernel` (``get_dispatch_layout``): tokens per rank, routes per expert, ``is_token_in_rank``; one
+  program walks the token tiles and holds both histograms in registers (no atomics, deterministic), like DeepEP's
+  layout kernel one pass over ``topk_idx``. Twin: :func:`tritonep.compat.deep_ep.packing.layout_torch`.
+* :func:`unpack_meta_kernel` (after the meta lane's dispatch): every received token's local ids (-1 off this rank, for
+  -1 and for ids outside ``[-1, E)``), its weights (0 where the id is -1) and the per-local-expert histogram (one
+  vector atomic per program into a zeroed ``[L + 1]`` int32). Twin: :func:`tritonep.compat.deep_ep.packing.unpack_meta`.
 
-Both are bit-exact with their twins (integer work and moves only). On CUDA they launch through the cached launcher
-(:class:`tritonep.ep.triton.fast_launch.LaunchCache`: a few us of host time instead of Triton's per-call binding),
-elsewhere through Triton's own path (the interpreter on a CPU).
+Both are bit-exact with their twins (integer work and moves only).
 """
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-__all__ = ["layout", "unpack_meta", "layout_kernel", "unpack_meta_kernel"]
+__all__ = ["layout_kernel", "unpack_meta_kernel"]
 
 
 @triton.jit
@@ -72,59 +70,3 @@ def unpack_meta_kernel(rows_ptr, RS, w_ptr, R, live_ptr, lo, idx_ptr, wout_ptr, 
     tl.store(wout_ptr + off, tl.where(ok, w, 0.0), mask=m2)
     h = tl.histogram(tl.reshape(local + 1, (BR * KB,)), LB, mask=tl.reshape(live2, (BR * KB,)))
     tl.atomic_add(hist_ptr + tl.arange(0, LB), h, mask=tl.arange(0, LB) < L + 1)
-
-
-_CACHE = {}
-
-
-def _launch(kernel, grid, args, kwargs, device):
-    """``kernel[grid](*args, **kwargs)``, through the cached launcher on CUDA (one per device)."""
-    if device.type == "cuda":
-        from ....ep.triton.fast_launch import LaunchCache
-
-        cache = _CACHE.get(device)
-        if cache is None:
-            cache = _CACHE[device] = LaunchCache()
-        cache.launch(kernel, grid, args, kwargs)
-    else:
-        kernel[grid](*args, **kwargs)
-
-
-def _p2(n: int) -> int:
-    return max(2, triton.next_power_of_2(n))
-
-
-def layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
-    """``(num_tokens_per_rank int32 [W], num_tokens_per_expert int32 [E], is_token_in_rank bool [T, W])`` of
-    ``topk_idx [T, K]`` (contiguous int32/int64), by :func:`layout_kernel`; same values as
-    :func:`tritonep.compat.deep_ep.packing.layout_torch`."""
-    T, K = topk_idx.shape
-    dev = topk_idx.device
-    in_rank = torch.empty(T, num_ranks, dtype=torch.bool, device=dev)
-    per_rank = torch.empty(num_ranks, dtype=torch.int32, device=dev)
-    per_expert = torch.empty(num_experts, dtype=torch.int32, device=dev)
-    bt = 64 if dev.type == "cuda" else 32
-    _launch(layout_kernel, (1,), (topk_idx, T, in_rank, per_rank, per_expert),
-            dict(K=K, KB=_p2(K), E=num_experts, EB=_p2(num_experts), L=num_experts // num_ranks, W=num_ranks,
-                 WB=_p2(num_ranks), BT=bt, num_warps=8 if dev.type == "cuda" else 4), dev)
-    return per_rank, per_expert, in_rank
-
-
-def unpack_meta(rows: torch.Tensor, weights: torch.Tensor, num_tokens: int, topk: int, rank: int,
-                num_local_experts: int, idx_dtype: torch.dtype, live: torch.Tensor | None = None):
-    """The meta lane's received rows -> ``(recv_topk_idx [R, K] idx_dtype, recv_topk_weights [R, K] float32,
-    hist int32 [L + 1])`` for its first ``R = num_tokens`` tokens (``rows``: bf16 ``[>= R*K, width]``, contiguous
-    rows; ``weights``: float32 ``[>= R*K]``); ``live``: a device int32 scalar, the tokens actually received (rows
-    past it read as not received). Same values as :func:`tritonep.compat.deep_ep.packing.unpack_meta`."""
-    R, K, L = num_tokens, topk, num_local_experts
-    dev = rows.device
-    idx = torch.empty(R, K, dtype=idx_dtype, device=dev)
-    wout = torch.empty(R, K, dtype=torch.float32, device=dev)
-    hist = torch.zeros(L + 1, dtype=torch.int32, device=dev)
-    if R:
-        br = 128 if dev.type == "cuda" else 64
-        r32 = rows.view(torch.int32)
-        _launch(unpack_meta_kernel, (triton.cdiv(R, br),),
-                (r32, r32.stride(0), weights, R, live if live is not None else hist, rank * L, idx, wout, hist),
-                dict(K=K, KB=_p2(K), L=L, LB=_p2(L + 1), BR=br, LIVE=live is not None), dev)
-    return idx, wout, hist

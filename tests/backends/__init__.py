@@ -1,0 +1,1 @@
+"""The backends: registry-level checks, and one folder per backend."""

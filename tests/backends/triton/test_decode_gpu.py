@@ -1,0 +1,46 @@
+"""GPU checks of the one-launch decode dispatch and combine (geometry ``dec=G``).
+
+The decode path against the two-kernel path, bit for bit (received rows, offsets, weights, combine output), eagerly
+and under CUDA-graph replay, with T=0 on some ranks in several calls (the case that once deadlocked on the H200),
+bf16 and fp8 wires, at each ``--gpu-world-sizes`` (ranks share a GPU when there are fewer GPUs than ranks); and the
+1000-replay graph soak with the decode geometry (each replay checked against an eager call; ``soak`` marker, world
+of 2). On the GPU machine::
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
+      python -m pytest -q -m gpu tests/backends/triton/test_decode_gpu.py  # add -m "gpu" --gpu-world-sizes 2,4 for more
+"""
+
+import pytest
+import torch
+
+from tritonep.bench.cases import experts_for, script_for
+
+pytestmark = pytest.mark.gpu
+
+CFG = dict(E=256, H=7168, Tmax=128, K=8)  # the decode profile of the benchmarks (EP2, DeepSeek-V3 layer)
+SCRIPT = [[128, 0], [0, 128], [1, 0], [0, 0], [128, 128], [77, 3], [0, 1], [128, 0]]
+GEOMETRY = "bt=1,dec=128"
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+@pytest.mark.parametrize("wire,geometry", [("bf16", GEOMETRY), ("bf16", "bt=2,dec=64"), ("fp8", GEOMETRY)])
+def test_decode_one_launch_equals_two_kernel_path(gpu_world, gpu_world_size, wire, geometry, graphs):
+    from tests.support.gpu_protocol import t_script_world
+
+    W = gpu_world_size
+    cfg = dict(CFG, E=experts_for(CFG["E"], W))
+    script = script_for(SCRIPT, W)
+    two = gpu_world(W, t_script_world, cfg, script, graphs, "fs=0,fe=0", wire, timeout_s=600)
+    one = gpu_world(W, t_script_world, cfg, script, graphs, geometry, wire, timeout_s=600)
+    for i, ts in enumerate(script):
+        for r in range(W):
+            for k in ("x", "offs", "w", "eo", "y"):
+                assert torch.equal(one[r][i][k], two[r][i][k]), (i, ts, r, k)
+
+
+@pytest.mark.soak
+def test_decode_graph_soak_1000_replays(gpu_world):
+    from tests.support.gpu_decode import decode_soak_world
+
+    res = gpu_world(2, decode_soak_world, GEOMETRY, 64, 512, 128, 8, 1000, timeout_s=1200)
+    assert res == [(1000, []), (1000, [])], res

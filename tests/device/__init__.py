@@ -1,0 +1,1 @@
+"""Device primitives: bounded waits in wall time."""

@@ -1,0 +1,1 @@
+"""The host launch path: bound and packed launches, the launch cache, the interpreter patch."""

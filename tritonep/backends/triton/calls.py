@@ -1,0 +1,243 @@
+"""Every kernel launch of one triton-backend buffer, bound once at construction (:class:`KernelSet`).
+
+Each launch of a dispatch, combine or backward is a :class:`tritonep.runtime.bound.BoundKernel` whose static
+arguments (regions, pointer tables, flag offsets, call counters, status word, wait bound, tiles, ranks, wires,
+grids) come from the buffer's :class:`tritonep.ep.config.EPConfig` and regions here, once; a call passes only its
+per-call values, named in the ``dyn`` tuple of each kernel below, in that order. Variants that depend on the call
+kind (wire, push / pull, weighted, weight-gradient return, keep_quantized) are bound on first use and cached: the
+dry run of :meth:`tritonep.backends.triton.backend.TritonEP._precompile` touches every one at construction.
+
+The launch sequence of each call, and what every flag, counter and wait means, is documented in
+:mod:`tritonep.backends.triton.backend` and docs/protocols.md.
+"""
+
+from __future__ import annotations
+
+import triton
+
+from ...device import protocol as P
+from .kernels.combine import combine_out_kernel, combine_partial_kernel
+from .kernels.combine_fused import combine_fused_kernel
+from .kernels.decode_combine import combine_decode_kernel
+from .kernels.decode_dispatch import dispatch_decode_kernel
+from .kernels.dispatch import dispatch_expand_kernel, dispatch_send_kernel
+from .kernels.dispatch_fused import dispatch_fused_kernel
+from .kernels.layout import chunk_hist_kernel, exchange_kernel, exchange_tiles
+from ...wire.formats import get_wire
+from ...runtime.bound import STORE, BoundKernel
+from .status import ST_HOST
+
+__all__ = ["KernelSet", "RAW"]
+
+RAW = get_wire("bf16").codec  # backward passes move bf16
+_p2 = triton.next_power_of_2
+
+
+class KernelSet:
+    """The bound kernels of one :class:`tritonep.backends.triton.backend.TritonEP` (see the module docstring).
+
+    Args:
+        cfg: the buffer's config (its kernel tiles, sizes, wires). views: its
+            :class:`tritonep.backends.triton.regions.RegionViews`. hl: its handle layout
+            (:class:`tritonep.backends.triton.outputs.HandleLayout`). launch: its
+            :class:`tritonep.runtime.launch.Launch`. rank / device: this rank's. timeout: the wait bound in the
+            kernels' unit (:func:`tritonep.runtime.status.wait_bound`). host_mapped: the pinned tensor the verdict
+            launches publish into (:class:`tritonep.backends.triton.status.CallStatus`). dwire: the dispatch wire's
+            device codec.
+
+    Attributes: ``hist``, ``exchange``, ``send`` (forward, dispatch wire), ``send_bwd`` (combine backward, raw),
+    ``expand_bwd``; methods ``expand(kq)``, ``fused(kq)``, ``decode(kq)``, ``partial(kind, weighted, wgrad,
+    wire)``, ``out(kind, wgrad, wire)``, ``combine_fused(wire)``, ``combine_decode(wire, weighted, wgrad)`` for the
+    variants.
+    """
+
+    def __init__(self, cfg, views, hl, launch, *, rank: int, device, timeout: int, host_mapped, dwire):
+        g, b, v = cfg.tiles, views, views
+        self._cfg, self._v, self._hl, self._lau = cfg, views, hl, launch
+        self._dwire, self._host_mapped = dwire, host_mapped
+        W, E, K, L, A = cfg.world_size, cfg.num_experts, cfg.topk, cfg.num_local_experts, cfg.expert_alignment
+        Tm, H = cfg.max_tokens_per_rank, cfg.hidden
+        opts = {"num_warps": g.num_warps}
+        if device.type == "cuda":
+            opts["num_stages"] = 1  # waits guard later loads: the pipeliner must not hoist them (docs/protocols.md)
+        self.ncmax = max(1, triton.cdiv(Tm, g.bt))
+        self.ncmax_c = max(1, triton.cdiv(Tm, g.cbt))
+        ck = dict(RANK=rank, W=W, K=K, KB=_p2(K), H=H, BH=g.bh, BT=g.bt, WB=max(2, _p2(W)),
+                  HAS_TIMER=device.type == "cuda", RB=2 * H, **opts)
+        self._ck = ck
+        self._cck = dict(ck, BT=g.cbt, num_warps=g.cwarps)
+        common = dict(flags_ptr=v.flags, flags_tab=v.tab["flags"], calls_ptr=v.calls, status_ptr=v.status,
+                      timeout=timeout)
+        self._common = common
+        fo = lambda row: P.flag_row_bytes(row, W)  # noqa: E731 - byte offset of a flag row
+        self._fo = fo
+        calls = lambda which: v.calls[P.v(which):P.v(which) + 1]  # noqa: E731 - one counter's view
+        cx = P.v(P.CALL_EXCHANGE)
+        self.hist = self._lau.bind(chunk_hist_kernel, dict(
+            hist_ptr=v.hist, K=K, E=E, EB=_p2(E), BT=g.bt, KB=_p2(K), bump_a=calls(P.CALL_DISPATCH),
+            bump_b=calls(P.CALL_EXCHANGE), NBUMP=2, COPY=True, **opts),
+            ("topk_idx_ptr", "w_ptr", STORE, "T", "NC"), grid=(g.grid_hist,),
+            fields=hl.fields_of(idx_out_ptr="idx", w_out_ptr="w"))
+        xgrid, xt = exchange_tiles(self.ncmax, E, cfg.max_programs)  # static tiles: never derived from this call's T
+        self.exchange = self._lau.bind(exchange_kernel, dict(
+            hist_ptr=v.hist, counts_tab=v.tab["counts"], flags_ptr=v.flags, flags_tab=v.tab["flags"],
+            flag_off=fo(P.FLAG_COUNTS), calls_ptr=v.calls[cx:], status_ptr=v.status, timeout=timeout,
+            pre_ptr=v.pre, send_base_ptr=v.send_base, rows_needed_ptr=v.rows_needed,
+            max_recv=cfg.max_recv_tokens, RANK=rank, W=W, E=E, L=L, A=A, WB=ck["WB"], LB=_p2(L), EB=_p2(E),
+            HAS_TIMER=ck["HAS_TIMER"], DOUBLE=True, dcall_ptr=calls(P.CALL_DISPATCH),
+            rows_out_ptr=v.status[P.v(P.ST_ROWS_RECEIVED):P.v(P.ST_ROWS_RECEIVED) + 1], host_st_ptr=self._host_mapped,
+            HOST_ST=ST_HOST, **xt, **opts),
+            ("NC", STORE, "host_bad", "ticket"), grid=(xgrid,),
+            fields=hl.fields_of(ntpe_ptr="ntpe", offs_ptr="offs", counts_out_ptr="counts"))
+        send = dict(pre_ptr=v.pre, send_base_ptr=v.send_base, stage_tab=v.tab["stage"], meta_tab=v.tab["meta"],
+                    wts_tab=v.tab["wts"], ntok_tab=v.tab["ntok"], data_off=fo(P.FLAG_DATA), G_expand=g.grid_expand,
+                    Tmax=Tm, E=E, L=L, **common, **ck)
+        sdyn, sf = ("x_ptr", STORE, "T", "NC"), hl.fields_of(topk_idx_ptr="idx", topk_w_ptr="w", rows_ptr="rows")
+        self.send = self._lau.bind(dispatch_send_kernel, dict(send, COMPUTE_ROWS=True, WIRE=self._dwire), sdyn,
+                                   grid=(g.grid_send,), fields=sf)
+        self.send_bwd = self._lau.bind(dispatch_send_kernel, dict(send, COMPUTE_ROWS=False, WIRE=RAW, ADV=1), sdyn,
+                                       grid=(g.grid_send,), fields=sf)
+        # the receiver-side fields of the handle (expand, partial, combine)
+        self._recv = hl.fields_of(hmeta_ptr="meta", hwts_ptr="wts", hntok_ptr="ntok")
+        self._layout = dict(self._recv, **hl.fields_of(ntpe_ptr="ntpe", offs_ptr="offs"))
+        self._expand_static = dict(stage_ptr=b.local("stage"), meta_ptr=b.local("meta"), wts_ptr=b.local("wts"),
+                                   ntok_ptr=b.local("ntok"), ack_off=fo(P.FLAG_ACK), G_send=g.grid_send, Tmax=Tm,
+                                   NCmax=self.ncmax, L=L, LB=_p2(L), PF=g.prefetch, **common, **ck)
+        # the combine backward's expand: its own tile and grid (KernelTiles.bbt / bwarps / bgrid: the weight gradient's
+        # expert-output loads spill registers in the dispatch's tile; its last program acks the sources for
+        # grid_expand programs); it zeroes the rows no route writes itself (padding, rows past the layout's end), so
+        # its outputs are allocated empty
+        self.expand_bwd = self._lau.bind(dispatch_expand_kernel, dict(
+            self._expand_static, BT=g.bbt, num_warps=g.bwarps, NCmax=max(1, triton.cdiv(Tm, g.bbt)), PF=False,
+            GA=g.grid_expand,
+            BA=1, A=A, SCALE=True, DOT=True, KEEP_HANDLE=False, WIRE=RAW, KEEP_Q=False, ADV=1),
+            ("x_ptr", "out_ptr", STORE, "eo_ptr", "gw_ptr", "out_w_ptr", "nrows"), grid=(g.bgrid,),
+            fields=self._layout)
+        # a combine's refusal marks (every peer's cbad) and the eager combine's status publish (last program)
+        self._refusal = dict(cbad_ptr=v.local("cbad"), host_st_ptr=self._host_mapped, HOST_ST=ST_HOST)
+
+    # ------------------------------------------------------------------------------------------------ dispatch
+    def expand(self, kq: bool) -> BoundKernel:
+        """Forward expand (dispatch wire; ``kq``: keep_quantized output)."""
+        bk = self._lau.bound(("expand", kq))  # every call after the first: no closure built
+        if bk is not None:
+            return bk
+        v, g, cfg = self._v, self._cfg.tiles, self._cfg
+
+        def make():
+            return self._lau.bind(dispatch_expand_kernel, dict(
+                self._expand_static, BA=_p2(max(cfg.expert_alignment, 1)), A=cfg.expert_alignment, SCALE=False,
+                DOT=False, KEEP_HANDLE=True, WIRE=self._dwire, KEEP_Q=kq),
+                ("x_ptr", "out_ptr", "out_w_ptr", STORE, "eo_ptr", "gw_ptr", "q_ptr", "s_ptr", "nrows"),
+                grid=(g.grid_expand,),
+                fields=self._layout)
+        return self._lau.variant(("expand", kq), make)
+
+    def fused(self, kq: bool) -> BoundKernel:
+        """One-launch forward dispatch (send and expand roles; ``kq``: keep_quantized output)."""
+        bk = self._lau.bound(("fused", kq))  # every call after the first: no closure built
+        if bk is not None:
+            return bk
+        v, g, cfg, b = self._v, self._cfg.tiles, self._cfg, self._v
+
+        def make():
+            return self._lau.bind(dispatch_fused_kernel, dict(
+                pre_ptr=v.pre, send_base_ptr=v.send_base, stage_tab=v.tab["stage"], meta_tab=v.tab["meta"],
+                wts_tab=v.tab["wts"], ntok_tab=v.tab["ntok"], cflag_tab=v.tab["cflag"],
+                cflag_ptr=b.local("cflag"), stage_ptr=b.local("stage"), meta_ptr=b.local("meta"),
+                wts_ptr=b.local("wts"), ntok_ptr=b.local("ntok"), data_off=self._fo(P.FLAG_DATA),
+                ack_off=self._fo(P.FLAG_ACK), G_send_std=g.grid_send, G_expand_std=g.grid_expand,
+                Tmax=cfg.max_tokens_per_rank, NCmax=self.ncmax, GS=g.fused_send, E=cfg.num_experts,
+                L=cfg.num_local_experts, BA=_p2(max(cfg.expert_alignment, 1)), A=cfg.expert_alignment,
+                WIRE=self._dwire, KEEP_Q=kq, PF=g.prefetch, **self._common, **self._ck),
+                ("x_ptr", STORE, "T", "out_ptr", "out_w_ptr", "q_ptr", "s_ptr", "nrows"),
+                grid=(g.fused_send + g.fused_expand,),
+                fields=dict(self._layout, **self._hl.fields_of(topk_idx_ptr="idx", topk_w_ptr="w", rows_ptr="rows")))
+        return self._lau.variant(("fused", kq), make)
+
+    def decode(self, kq: bool) -> BoundKernel:
+        """One-launch decode dispatch (counts exchange folded in; ``kq``: keep_quantized output)."""
+        bk = self._lau.bound(("decode", kq))  # every call after the first: no closure built
+        if bk is not None:
+            return bk
+        v, g, cfg, b = self._v, self._cfg.tiles, self._cfg, self._v
+
+        def make():
+            return self._lau.bind(dispatch_decode_kernel, dict(
+                max_recv=cfg.max_recv_tokens, hist_ptr=v.hist, pre_ptr=v.pre, counts_tab=v.tab["counts"],
+                counts_ptr=b.local("counts"), stage_tab=v.tab["stage"], meta_tab=v.tab["meta"],
+                wts_tab=v.tab["wts"], ntok_tab=v.tab["ntok"], cflag_tab=v.tab["cflag"],
+                cflag_ptr=b.local("cflag"), stage_ptr=b.local("stage"), meta_ptr=b.local("meta"),
+                wts_ptr=b.local("wts"), ntok_ptr=b.local("ntok"), rows_needed_ptr=v.rows_needed,
+                counts_off=self._fo(P.FLAG_COUNTS), data_off=self._fo(P.FLAG_DATA), ack_off=self._fo(P.FLAG_ACK),
+                Tmax=cfg.max_tokens_per_rank, NCmax=self.ncmax, E=cfg.num_experts, L=cfg.num_local_experts,
+                LB=_p2(cfg.num_local_experts), TB=_p2(cfg.max_tokens_per_rank),
+                BA=_p2(max(cfg.expert_alignment, 1)), A=cfg.expert_alignment, WIRE=self._dwire, KEEP_Q=kq, COPY=True,
+                host_st_ptr=self._host_mapped, HOST_ST=ST_HOST, **self._common, **self._ck),
+                ("x_ptr", "topk_idx_ptr", "topk_w_ptr", STORE, "T", "host_bad", "nrows_w", "out_ptr", "q_ptr",
+                     "s_ptr", "ticket"), grid=(g.decode,),
+                fields=dict(self._layout, **self._hl.fields_of(rows_ptr="rows", counts_out_ptr="counts",
+                                                           idx_out_ptr="idx", w_out_ptr="w", out_w_ptr="rw")))
+        return self._lau.variant(("decode", kq), make)
+
+    # ------------------------------------------------------------------------------------------------ combine
+    def partial(self, kind: str, weighted: bool, wgrad: bool, wire) -> BoundKernel:
+        """Expert-rank side of a combine (``kind`` push / pull, weighted, weight-gradient return, wire)."""
+        v, g, cfg = self._v, self._cfg.tiles, self._cfg
+
+        def make():
+            return self._lau.bind(combine_partial_kernel, dict(
+                stage_tab=v.tab["cstage"], wback_tab=v.tab["wback"], cdata_off=self._fo(P.FLAG_CDATA),
+                G_out=g.grid_out, Tmax=cfg.max_tokens_per_rank, NCmax=self.ncmax_c, PUSH=kind == "push",
+                WEIGHTED=weighted, SEND_WGRAD=wgrad, WIRE=wire, cbad_tab=v.tab["cbad"], **self._common,
+                **self._cck),
+                ("eo_ptr", STORE, "gw_ptr", "bad"), grid=(g.grid_partial,), fields=self._recv)
+        return self._lau.variant(("partial", kind, weighted, wgrad, wire), make)
+
+    def out(self, kind: str, wgrad: bool, wire) -> BoundKernel:
+        """Source side of a combine (sums the partials in rank order; ``wgrad``: gathers the weight gradients)."""
+        v, g, cfg = self._v, self._cfg.tiles, self._cfg
+
+        def make():
+            return self._lau.bind(combine_out_kernel, dict(
+                stage_tab=v.tab["cstage"], wback_ptr=v.local("wback"), cack_off=self._fo(P.FLAG_CACK),
+                G_partial=g.grid_partial, Tmax=cfg.max_tokens_per_rank, L=cfg.num_local_experts,
+                PULL=kind == "pull", RECV_WGRAD=wgrad, WIRE=wire, **self._refusal, **self._common, **self._cck),
+                (STORE, "y_ptr", "T", "NC", "gtw_ptr", "ticket"), grid=(g.grid_out,),
+                fields=self._hl.fields_of(topk_idx_ptr="idx"))
+        return self._lau.variant(("out", kind, wgrad, wire), make)
+
+    def combine_fused(self, wire) -> BoundKernel:
+        """Weighted push combine in one launch (partial and out roles)."""
+        v, g, cfg = self._v, self._cfg.tiles, self._cfg
+
+        def make():
+            return self._lau.bind(combine_fused_kernel, dict(
+                stage_tab=v.tab["cstage"], ccflag_tab=v.tab["ccflag"], ccflag_ptr=v.local("ccflag"),
+                cdata_off=self._fo(P.FLAG_CDATA), cack_off=self._fo(P.FLAG_CACK), G_partial_std=g.grid_partial,
+                G_out_std=g.grid_out, Tmax=cfg.max_tokens_per_rank, NCmax=self.ncmax_c, GS=g.fused_send,
+                L=cfg.num_local_experts, WIRE=wire, cbad_tab=v.tab["cbad"], **self._refusal, **self._common,
+                **self._cck),
+                ("eo_ptr", STORE, "y_ptr", "T", "bad", "ticket"), grid=(g.fused_send + g.fused_expand,),
+                fields=dict(self._recv, **self._hl.fields_of(topk_idx_ptr="idx")))
+        return self._lau.variant(("combine_fused", wire), make)
+
+    def combine_decode(self, wire, weighted: bool = True, wgrad: bool = False) -> BoundKernel:
+        """Push combine of the decode tiles in one launch: weighted (combine) or not (dispatch backward,
+        ``wgrad``: with the weight gradients' return)."""
+        key = ("combine_decode", wire, weighted, wgrad)
+        bk = self._lau.bound(key)  # every call after the first: no closure built (a combine's host path)
+        if bk is not None:
+            return bk
+        v, g, cfg = self._v, self._cfg.tiles, self._cfg
+
+        def make():
+            return self._lau.bind(combine_decode_kernel, dict(
+                stage_tab=v.tab["cstage"], ccflag_tab=v.tab["ccflag"], ccflag_ptr=v.local("ccflag"),
+                cdata_off=self._fo(P.FLAG_CDATA), cack_off=self._fo(P.FLAG_CACK), Tmax=cfg.max_tokens_per_rank,
+                NCmax=self.ncmax, L=cfg.num_local_experts, WIRE=wire, wback_tab=v.tab["wback"],
+                wback_ptr=v.local("wback"), WEIGHTED=weighted, WGRAD=wgrad, cbad_tab=v.tab["cbad"],
+                **self._refusal, **self._common, **self._ck),
+                ("eo_ptr", STORE, "y_ptr", "T", "gw_ptr", "gtw_ptr", "bad", "ticket"), grid=(g.decode,),
+                fields=dict(self._recv, **self._hl.fields_of(topk_idx_ptr="idx")))
+        return self._lau.variant(key, make)

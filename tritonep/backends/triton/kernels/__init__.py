@@ -1,0 +1,1 @@
+"""@triton.jit bodies of the triton backend (dispatch, combine, decode, fused, layout, expert transport)."""

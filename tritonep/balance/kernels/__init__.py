@@ -1,0 +1,1 @@
+"""@triton.jit bodies of the virtual-expert planner."""

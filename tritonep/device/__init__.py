@@ -1,0 +1,1 @@
+"""Shared @triton.jit primitives: signals and bounded waits, the protocol's names, small device functions."""

@@ -1,1 +1,0 @@
-"""@triton.jit kernel bodies, one file per family (signal, layout, dispatch, combine, quant, planner)."""

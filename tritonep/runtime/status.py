@@ -1,0 +1,137 @@
+"""Device status word -> typed host errors, and wait bounds (wall-clock nanoseconds on GPU and in the interpreter).
+
+Every EPBuffer owns ``status`` int64 ``[8]``: ``[code, wait_id, peer, errors_seen, needed_rows, skip_call,
+bad_rank_mask, waited]`` (indices ``ST_*`` of :mod:`tritonep.device.protocol`) written by the kernels (:mod:`tritonep.device.signal`, :mod:`tritonep.backends.triton.kernels.layout`):
+``skip_call`` is the dispatch number whose data kernels skip their rows (capacity or input error; a dispatch's own
+read compares it with its number, ``status[ST_THIS_CALL]`` after the 8 words, to say whose refusal it raises),
+``bad_rank_mask`` has bit r set when rank r's input was refused, ``waited`` is the measured length of the wait
+that gave up in nanoseconds (``%globaltimer`` on GPU, the host's monotonic clock in the interpreter). Refusals
+nobody read yet (sync-free calls, sync checks off, graph replays) pile up until the next read, which clears the
+word: code, peer and rows needed are the first one's, ``errors_seen`` counts them, ``skip_call`` is the latest
+refused call's and ``bad_rank_mask`` gathers every one's bad ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import envs
+from ..errors import CapacityError, PeerInputError, PeerTimeoutError
+from ..device import protocol as P
+
+STATUS_OK, STATUS_TIMEOUT, STATUS_CAPACITY, STATUS_BAD_INPUT, STATUS_COMBINE_REFUSED = (
+    P.v(P.STATUS_OK), P.v(P.STATUS_TIMEOUT), P.v(P.STATUS_CAPACITY), P.v(P.STATUS_BAD_INPUT),
+    P.v(P.STATUS_COMBINE_REFUSED))
+_CODE, _WAIT_ID, _PEER, _SEEN, _NEEDED, _SKIP_CALL, _BAD_MASK, _WAITED = (P.v(n) for n in (
+    P.ST_CODE, P.ST_WAIT_ID, P.ST_PEER, P.ST_ERRORS_SEEN, P.ST_NEEDED_ROWS, P.ST_SKIP_CALL, P.ST_BAD_RANK_MASK,
+    P.ST_WAITED))
+
+__all__ = ["WAIT_NAMES", "raise_for_status", "wait_bound", "bad_ranks", "resolve_timeout"]
+
+WAIT_NAMES = P.wait_names()  # wait id -> name (device/protocol.py WAIT_*)
+
+
+def resolve_timeout(timeout_s: float | None) -> float:
+    """The wait bound in seconds: ``timeout_s`` if given, else TRITONEP_TIMEOUT_S (default 300 s).
+
+    Raises:
+        ConfigError: a bound that is not a positive number.
+    """
+    from ..errors import ConfigError
+
+    s = envs.timeout_s() if timeout_s is None else timeout_s
+    if isinstance(s, bool) or not isinstance(s, (int, float)) or not s > 0:
+        raise ConfigError(f"timeout_s must be a positive number of seconds, got {s!r}")
+    return float(s)
+
+
+def wait_bound(device: torch.device, timeout_s: float | None = None) -> int:
+    """The ``timeout`` argument of the kernels for a bound of ``timeout_s`` seconds (default: TRITONEP_TIMEOUT_S):
+    nanoseconds of wall time on every device (:func:`tritonep.device.signal.now_ns`). ``device`` is kept so every
+    caller states where the kernels run; the unit no longer depends on it."""
+    return int(resolve_timeout(timeout_s) * 1e9)
+
+
+def bad_ranks(status_host: torch.Tensor) -> list:
+    """Ranks whose input a refused call since the last read held (bits of ``status[ST_BAD_RANK_MASK]``)."""
+    mask = int(status_host[_BAD_MASK])
+    return [r for r in range(64) if (mask >> r) & 1]
+
+
+def _waited(status_host, device_type: str | None = None) -> str:
+    """The measured wait of a timeout (``status[ST_WAITED]``, ns on every device) in seconds."""
+    return f"after waiting {int(status_host[_WAITED]) / 1e9:.2f} s"
+
+
+def _refused_call(status_host, this_call: int | None) -> str:
+    """Which call a refusal skipped, for the message: this call's own (nothing was sent), or an earlier dispatch's
+    that nobody read (sync-free, sync checks off, a graph replay), raised by the first read after it although this
+    call's rows moved. ``this_call``: the number of the dispatch whose read found the refusal (``status[ST_THIS_CALL]``
+    as its verdict launch published it), None for a read outside a dispatch (:meth:`EPBuffer.check`, the MoE
+    layer's counts exchange). Numbers count the buffer's dispatches and combine backwards (``calls[CALL_DISPATCH]``)."""
+    skip = int(status_host[_SKIP_CALL])
+    if this_call is None or skip <= 0:
+        return "the refused call moved no rows on any rank"
+    seen = int(status_host[_SEEN])
+    if seen > 1:  # refusals nobody read piled up: the code is the first one's, ST_SKIP_CALL the latest one's
+        this = (f"this call (call {int(this_call)}) was refused too: nothing was sent" if skip == int(this_call) else
+                f"the latest was call {skip}; this call's rows were sent, but it raises the refusal as the first "
+                f"read after them, so its outputs are not returned")
+        return (f"{seen} refusals were recorded since the last read and this one is the first, an earlier "
+                f"dispatch's that nobody read (sync_free=True, TRITONEP_SYNC_CHECKS=0 or a graph replay), and moved "
+                f"no rows; {this}")
+    if skip == int(this_call):
+        return "nothing was sent"
+    return (f"the refusal is an earlier dispatch's that nobody read (sync_free=True, TRITONEP_SYNC_CHECKS=0 or a "
+            f"graph replay; call {skip} of this buffer, this is call {int(this_call)}, counting dispatches and "
+            f"combine backwards): that call moved no rows; this call's rows were sent, but it raises the refusal as "
+            f"the first read after it, so its outputs are not returned")
+
+
+def raise_for_status(status_host: torch.Tensor, rank: int, max_recv: int, what: str,
+                     timeout_s: float | None = None, device_type: str | None = None, this_call: int | None = None):
+    """Raise the typed error a status word holds (``status_host``: int64 ``[8]`` on the host), else return.
+
+    ``this_call``: a dispatch's own read passes its number (``status[ST_THIS_CALL]``), so a refusal's message says
+    whether that call's rows were sent (an earlier call's refusal nobody read) or not (its own); None elsewhere.
+
+    Raises:
+        PeerTimeoutError: a wait gave up (message: the wait, the peer, the measured wait and the bound).
+        CapacityError: a rank would receive more rows than ``max_recv``.
+        PeerInputError: some rank's input was refused (``bad_ranks`` from the status bitmask), or some rank took
+            part in a combine as refused (STATUS_COMBINE_REFUSED).
+    """
+    code = int(status_host[_CODE])
+    if code == STATUS_OK:
+        return
+    if code == STATUS_TIMEOUT:
+        wait = WAIT_NAMES.get(int(status_host[_WAIT_ID]), f"wait#{int(status_host[_WAIT_ID])}")
+        peer = int(status_host[_PEER])
+        bound = resolve_timeout(timeout_s)
+        raise PeerTimeoutError(
+            f"{what}: rank {rank} timed out in wait {wait!r} for peer {peer} {_waited(status_host, device_type)} "
+            f"(bound {bound:g} s: timeout_s / TRITONEP_TIMEOUT_S); the buffer is now unusable: close it and build "
+            f"a new EPBuffer on every rank",
+            wait=wait, peer=peer, rank=rank)
+    if code == STATUS_BAD_INPUT:
+        bad = bad_ranks(status_host)
+        raise PeerInputError(
+            f"{what}: the input of rank(s) {bad} was refused, so this call failed on every rank (rank {rank} "
+            f"raises this; the bad rank raises the error naming its value, or, when its buffer timed out earlier, "
+            f"PeerTimeoutError: rebuild the buffers then); {_refused_call(status_host, this_call)}",
+            bad_ranks=bad, rank=rank)
+    if code == STATUS_COMBINE_REFUSED:
+        bad = bad_ranks(status_host)
+        raise PeerInputError(
+            f"{what}: rank(s) {bad} took part in a combine as refused (its combine input was refused, or its code "
+            f"failed between dispatch and combine and cancelled it: EPBuffer.cancel_combine), so that combine failed "
+            f"on every rank (rank {rank} raises this; a refused rank raises the error naming its input) and its "
+            f"output is NaN; the buffer stays usable", bad_ranks=bad, rank=rank)
+    if code == STATUS_CAPACITY:
+        needed = int(status_host[_NEEDED])
+        bad = bad_ranks(status_host)  # a later refused call's bad inputs (the code is the first refusal's)
+        also = f"; the input of rank(s) {bad} was refused too (the bad rank names its value)" if bad else ""
+        raise CapacityError(
+            f"{what}: rank {int(status_host[_PEER])} would receive {needed} rows but max_recv_tokens={max_recv}; "
+            f"{_refused_call(status_host, this_call)}{also}", needed=needed, available=max_recv)
+    raise PeerTimeoutError(f"{what}: unknown device status code {code}", rank=rank)

@@ -1,0 +1,1 @@
+"""@triton.jit bodies of the wire formats (quantizers, device codecs)."""

@@ -1,0 +1,191 @@
+"""Row tiles on the wire: encode a ``[BT, BH]`` tile into wire rows and decode it back (fused into EP kernels).
+
+The kernels take the wire as ONE constexpr argument ``WIRE``: a :class:`DeviceCodec` (what the device needs to
+know about a format: block, payload bits, scale bytes and dtype, and the ``@triton.jit`` tile encode/decode
+functions). Triton 3.6 treats such an object as a compile-time constant: ``WIRE.block`` folds to an int and
+``WIRE.encode(...)`` inlines the format's own tile function, so one generic body serves every format with no
+per-format branch (the only branch is raw bf16 vs. quantized). The host-side record of a format
+(:class:`tritonep.wire.WireFormat`) holds its codec; a new format = a new codec next to its tile functions.
+
+A wire row of ``hidden`` H holds H * payload_bits / 8 payload bytes, then H / block scales of ``scale_bytes``
+each (fp8: H bytes of e4m3, H/128 fp32; mxfp4: H/2 bytes of packed e2m1, H/32 e8m0; bf16: 2H bytes, no scales).
+``base`` is a uint8 pointer, ``row_off`` the byte offset of each tile row (a multiple of ``scale_bytes``).
+Tile codec contract: ``encode(x fp32 [G, block], POW2, FAST) -> (payload uint8 [G, block*bits/8], scale [G])`` and
+``decode(payload, scale, EXACT_MUL, FAST) -> fp32 [G, block]``, bit-exact with the format's torch twin. ``FAST``
+(constexpr, True only on the GPU: the kernels pass ``HAS_TIMER``) lets a codec use inline PTX that gives the same
+bits more cheaply (:mod:`tritonep.wire.kernels.fp8_hw`); False is the integer path the interpreter runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import triton
+import triton.language as tl
+
+from ...device.common import cast_rne, widen
+
+__all__ = ["DeviceCodec", "RAW_BF16", "wire_encode", "wire_store_encoded", "wire_store", "wire_load",
+           "wire_to", "wire_copy_raw"]
+
+
+@dataclass(frozen=True, repr=False)
+class DeviceCodec:
+    """The device side of one wire format, passed to the EP kernels as the ``WIRE`` constexpr.
+
+    Fields: ``name`` (the wire name), ``block`` (elements per scale block; 1 for raw), ``payload_bits`` (bits per
+    element on the wire: 16, 8 or 4), ``scale_bytes`` (bytes of one block scale; 0 for raw), ``scale_dtype``
+    (``tl`` dtype of a scale, None for raw), ``encode`` / ``decode`` (``@triton.jit`` tile functions, see the module
+    docstring; None for raw). ``repr`` and ``cache_key`` are stable across processes (Triton's kernel caches key on
+    them; the cache key includes the tile functions' own source hashes).
+
+    Raises:
+        ValueError: inconsistent sizes (a quantized row must fit the 2 bytes per element of the staging rows,
+            a block's payload must be a multiple of the scale size, raw must be 16-bit without scales).
+    """
+
+    name: str
+    block: int
+    payload_bits: int
+    scale_bytes: int = 0
+    scale_dtype: object = None
+    encode: object = None
+    decode: object = None
+
+    def __post_init__(self):
+        if self.encode is None:
+            if (self.block, self.payload_bits, self.scale_bytes) != (1, 16, 0) or self.decode is not None:
+                raise ValueError(f"codec {self.name!r}: a raw codec is bf16 (block 1, 16 bits, no scales, no decode)")
+            return
+        if self.payload_bits not in (4, 8) or self.block % 2 or self.scale_bytes not in (1, 2, 4):
+            raise ValueError(f"codec {self.name!r}: payload_bits must be 4 or 8, block even, scale_bytes 1/2/4")
+        pb = self.block * self.payload_bits // 8
+        if pb % self.scale_bytes or pb + self.scale_bytes > 2 * self.block:
+            raise ValueError(f"codec {self.name!r}: block payload {pb} B must be a multiple of scale_bytes "
+                             f"{self.scale_bytes} and payload + scale must fit 2 bytes per element")
+
+    @property
+    def quantized(self) -> bool:
+        """True for an encoded format (fp8, mxfp4, ...), False for raw bf16."""
+        return self.encode is not None
+
+    @property
+    def pay_mul(self) -> int:
+        """Payload bytes of n elements = ``n * pay_mul // pay_div`` (exact for the tiles the kernels use)."""
+        return max(self.payload_bits // 8, 1)
+
+    @property
+    def pay_div(self) -> int:
+        """See :attr:`pay_mul`."""
+        return max(8 // self.payload_bits, 1)
+
+    @property
+    def cache_key(self) -> str:
+        """Stable key for Triton's caches: the name, the sizes and the tile functions' source hashes."""
+        # interpreted functions (TRITON_INTERPRET=1) have no cache_key: nothing is compiled there
+        fns = "-".join(getattr(f, "cache_key", repr(f)) for f in (self.encode, self.decode) if f is not None)
+        return f"wire_{self.name}_{self.block}_{self.payload_bits}_{self.scale_bytes}_{self.scale_dtype}_{fns}"
+
+    def __repr__(self) -> str:
+        return f"wire_{self.name}"
+
+
+RAW_BF16 = DeviceCodec("bf16", block=1, payload_bits=16)
+"""The bf16 wire: rows travel as they are (fp32 tiles are rounded to bf16 with RNE first)."""
+
+
+@triton.jit
+def wire_encode(x, BT: tl.constexpr, BH: tl.constexpr, WIRE: tl.constexpr, POW2: tl.constexpr,
+                FAST: tl.constexpr = False):
+    """Encode a ``[BT, BH]`` tile once: ``(payload, scales)``. Quantized: ``x`` (any float dtype) is widened to
+    fp32 and encoded: uint8 ``[BT, BH*bits/8]`` and ``[BT, BH/block]`` scales. Raw: a bf16 tile passes through
+    (an fp32 tile is rounded to bf16, RNE) as both. FAST: the codec's GPU-only path (same bits)."""
+    if WIRE.quantized:
+        G: tl.constexpr = BT * (BH // WIRE.block)
+        q, sc = WIRE.encode(tl.reshape(widen(x), (G, WIRE.block)), POW2, FAST)
+        return tl.reshape(q, (BT, BH * WIRE.pay_mul // WIRE.pay_div)), tl.reshape(sc, (BT, BH // WIRE.block))
+    else:
+        if x.dtype == tl.float32:
+            xr = cast_rne(x, tl.bfloat16)
+            return xr, xr
+        else:
+            return x, x
+
+
+@triton.jit
+def wire_store_encoded(base, row_off, h0, pay, sc, rmask, H: tl.constexpr, BH: tl.constexpr, WIRE: tl.constexpr):
+    """Store an encoded tile (:func:`wire_encode`) into columns [h0, h0+BH) of the wire rows at ``row_off``."""
+    if WIRE.quantized:
+        hb = h0 * WIRE.pay_mul // WIRE.pay_div + tl.arange(0, BH * WIRE.pay_mul // WIRE.pay_div)
+        HB: tl.constexpr = H * WIRE.pay_mul // WIRE.pay_div
+        tl.store(base + row_off[:, None] + hb[None, :], pay, mask=rmask[:, None] & (hb < HB)[None, :])
+        g = h0 // WIRE.block + tl.arange(0, BH // WIRE.block)
+        sp = (base + HB).to(tl.pointer_type(WIRE.scale_dtype))
+        tl.store(sp + (row_off // WIRE.scale_bytes)[:, None] + g[None, :], sc,
+                 mask=rmask[:, None] & (g < H // WIRE.block)[None, :])
+    else:
+        h = h0 + tl.arange(0, BH)
+        pb = base.to(tl.pointer_type(tl.bfloat16))
+        tl.store(pb + (row_off // 2)[:, None] + h[None, :], pay, mask=rmask[:, None] & (h < H)[None, :])
+
+
+@triton.jit
+def wire_store(base, row_off, h0, x, rmask, H: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr,
+               WIRE: tl.constexpr, POW2: tl.constexpr, FAST: tl.constexpr = False):
+    """Encode tile ``x`` (bf16 or fp32) into columns [h0, h0+BH) of the wire rows (FAST: see :func:`wire_encode`)."""
+    pay, sc = wire_encode(x, BT, BH, WIRE, POW2, FAST)
+    wire_store_encoded(base, row_off, h0, pay, sc, rmask, H, BH, WIRE)
+
+
+@triton.jit
+def wire_load(base, row_off, h0, rmask, H: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr, WIRE: tl.constexpr,
+              EXACT_MUL: tl.constexpr = False, FAST: tl.constexpr = False):
+    """Decode columns [h0, h0+BH) of the wire rows: raw bf16 tile for raw, exact fp32 values otherwise (masked
+    rows decode to +0.0).
+
+    EXACT_MUL (GPU): a dequant multiply is a standalone ``mul.rn`` so a caller's ``acc += decoded`` is never
+    contracted into an FMA (the twins round the product first). FAST (GPU): the codec's inline-PTX decode."""
+    if WIRE.quantized:
+        PB: tl.constexpr = WIRE.block * WIRE.pay_mul // WIRE.pay_div  # payload bytes of one block
+        hb = h0 * WIRE.pay_mul // WIRE.pay_div + tl.arange(0, BH * WIRE.pay_mul // WIRE.pay_div)
+        HB: tl.constexpr = H * WIRE.pay_mul // WIRE.pay_div
+        q = tl.load(base + row_off[:, None] + hb[None, :], mask=rmask[:, None] & (hb < HB)[None, :], other=0)
+        g = h0 // WIRE.block + tl.arange(0, BH // WIRE.block)
+        sp = (base + HB).to(tl.pointer_type(WIRE.scale_dtype))
+        sc = tl.load(sp + (row_off // WIRE.scale_bytes)[:, None] + g[None, :],
+                     mask=rmask[:, None] & (g < H // WIRE.block)[None, :], other=0)
+        G: tl.constexpr = BT * (BH // WIRE.block)
+        v = WIRE.decode(tl.reshape(q, (G, PB)), tl.reshape(sc, (G,)), EXACT_MUL, FAST)
+        return tl.reshape(v, (BT, BH))
+    else:
+        h = h0 + tl.arange(0, BH)
+        pb = base.to(tl.pointer_type(tl.bfloat16))
+        return tl.load(pb + (row_off // 2)[:, None] + h[None, :], mask=rmask[:, None] & (h < H)[None, :], other=0.0)
+
+
+@triton.jit
+def wire_to(x, DT: tl.constexpr):
+    """A tile from :func:`wire_load` as dtype ``DT``: a raw tile already of ``DT`` as is, else RNE-rounded."""
+    if x.dtype == DT:
+        return x
+    else:
+        return cast_rne(x, DT)
+
+
+@triton.jit
+def wire_copy_raw(base, row_off, h0, rmask, q_ptr, s_ptr, dst_rows, dmask, H: tl.constexpr, BH: tl.constexpr,
+                  WIRE: tl.constexpr):
+    """Copy the encoded payload and scales of columns [h0, h0+BH) of the wire rows to rows ``dst_rows`` of
+    ``q_ptr`` (uint8 ``[R, H*bits/8]``) and ``s_ptr`` (``[R, H/block]`` scales); nothing for raw."""
+    if WIRE.quantized:
+        hb = h0 * WIRE.pay_mul // WIRE.pay_div + tl.arange(0, BH * WIRE.pay_mul // WIRE.pay_div)
+        HB: tl.constexpr = H * WIRE.pay_mul // WIRE.pay_div
+        hm = (hb < HB)[None, :]
+        q = tl.load(base + row_off[:, None] + hb[None, :], mask=rmask[:, None] & hm, other=0)
+        tl.store(q_ptr + dst_rows[:, None].to(tl.int64) * HB + hb[None, :], q, mask=dmask[:, None] & hm)
+        g = h0 // WIRE.block + tl.arange(0, BH // WIRE.block)
+        sp = (base + HB).to(tl.pointer_type(WIRE.scale_dtype))
+        gm = (g < H // WIRE.block)[None, :]
+        sc = tl.load(sp + (row_off // WIRE.scale_bytes)[:, None] + g[None, :], mask=rmask[:, None] & gm, other=0)
+        tl.store(s_ptr + dst_rows[:, None].to(tl.int64) * (H // WIRE.block) + g[None, :], sc,
+                 mask=dmask[:, None] & gm)

@@ -1,6 +1,6 @@
 """An overflowing sync-free step with backward on one GPU, made to run under ``compute-sanitizer --tool memcheck``.
 
-Every rank runs, for each triton path (two-kernel, fused, decode: forced by TRITONEP_GEOMETRY), a sync-free dispatch
+Every rank runs, for each triton path (two-kernel, fused, decode: forced by the buffer's ``tiles=``), a sync-free dispatch
 whose routes exceed ``max_recv_tokens`` (every route to expert 0), the combine, the backward of both, and both
 backward halves called directly on the refused handle with capacity-sized inputs; then the same through
 ``MoELayer(MoERecipe(sync_free=True))`` with its backward. Every one must raise CapacityError at ``check()`` and leave
@@ -19,7 +19,6 @@ every check held; 1: a check failed (printed); the sanitizer's own ``--error-exi
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 
@@ -95,12 +94,8 @@ def rank_fn(group):
 
     rank, W = dist.get_rank(group), dist.get_world_size(group)
     failed = {}
-    for name, geometry in PATHS.items():
-        os.environ["TRITONEP_GEOMETRY"] = geometry
-        try:
-            buf = tep.EPBuffer(group, 2 * W, H, TM, K, max_recv_tokens=MAX_RECV)
-        finally:
-            os.environ.pop("TRITONEP_GEOMETRY", None)
+    for name, tiles in PATHS.items():
+        buf = tep.EPBuffer(group, 2 * W, H, TM, K, max_recv_tokens=MAX_RECV, tiles=tiles)
         failed[name] = _overflow_step(buf, rank, W)
         buf.close()
     failed["moe_layer"] = _moe_step(group, rank, W)

@@ -3,7 +3,7 @@
 With ``balance='virtual'`` a forward runs, besides the EPBuffer (which reads its own status word), the backend's
 counts exchange, the planner and the weight transport; each records errors on the device (a wait that gave up, a
 refused input of some rank, a planner status bit). The layer reads them in the one host read it makes anyway per
-step (:meth:`tritonep.moe.layer.MoELayer._split`, no extra sync) and raises them there, before the weight push:
+step (:func:`tritonep.moe.layer_virtual.read_split`, no extra sync) and raises them there, before the weight push:
 
 * the counts exchange of this call: a timeout (``PeerTimeoutError``) or a refused input (the bad rank raises
   ``InputError`` naming its value and ``(token, k)``, the others ``PeerInputError``, as ``balance='none'`` does);

@@ -28,7 +28,7 @@ empty and foreign slots: the combine's per-packet routes), ``idx_c`` / ``w_c`` (
 ``[W, E]`` (every source's routes per expert, from the headers, whatever the verdict). On a refused
 verdict no row is written: ``out_w`` all 0, ``ntpe`` / ``offs`` 0, ``rr`` -1.
 
-Combine: :meth:`tritonep.backends.nccl.combine.NcclCombine._combine` works unchanged with a handle whose splits are the
+Combine: :meth:`tritonep.backends.nccl.combine.NcclCombine.combine` works unchanged with a handle whose splits are the
 even ``(1 + Tcap,) * W`` and ``num_send = num_recv = W * (1 + Tcap)`` (tested bit-equal to the synced combine).
 
 Wired into the nccl backend as its sync-free ``onehop`` mode (:mod:`tritonep.backends.nccl.sync_free`,

@@ -19,6 +19,7 @@
 #            dispatcher, eager (limits 150 + 150); needs the wheels in .whl/ (carry it; see `wheels`)
 #   titanc   torchtitan's MoE layer compiled (torch.compile fullgraph) per dispatcher               limit 420
 #   compat   the DeepEP-compatible Buffer's benchmark vs EPBuffer (benchmarks/deep_ep_compat.py)             limit 150
+#   compatprof  where the compat Buffer's eager round trip spends its time (benchmarks/probes/compat_profile.py)  150
 #   memcheck an overflowing sync-free step + backward under compute-sanitizer memcheck, world 1 and W = 2
 #            time-sliced (benchmarks/probes/overflow_memcheck.py)                                  limits 200 + 240
 #   wheels   NOT on the GPU machine: on a machine with internet, download into .whl/ the pure-Python wheels the
@@ -98,7 +99,7 @@ use_wheels() {  # the carried wheels installed into $WORK/site (the GPU machine 
         .whl/*.whl && export PYTHONPATH="$PYTHONPATH:$WORK/site"
 }
 
-[ $# -gt 0 ] || { sed -n '2,31p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,30p' "$0"; exit 2; }
 nvidia-smi -L
 command -v nvidia-cuda-mps-control >/dev/null || echo "nvidia-cuda-mps-control not found: the MPS suites will fail"
 for suite in "$@"; do
@@ -141,12 +142,13 @@ for suite in "$@"; do
                     --json "$OUT/titan_bench_compiled.json" ;;
         compat) step deep_ep_compat 150 torchrun --nproc-per-node 1 benchmarks/deep_ep_compat.py \
                     --json "$OUT/deep_ep_compat.json" ;;
+        compatprof) step compat_profile 150 torchrun --nproc-per-node 1 benchmarks/probes/compat_profile.py ;;
         memcheck) SAN=(compute-sanitizer --tool memcheck --report-api-errors no --target-processes all --error-exitcode 3)
                   step memcheck1 200 "${SAN[@]}" python benchmarks/probes/overflow_memcheck.py --world-size 1
                   step memcheck2 240 "${SAN[@]}" python benchmarks/probes/overflow_memcheck.py --world-size 2 \
                       --mps off ;;
         wheels) echo "the wheels suite runs alone, on a machine with internet: bash scripts/gpu.sh wheels"; exit 2 ;;
-        *) echo "unknown suite $suite"; sed -n '2,31p' "$0"; exit 2 ;;
+        *) echo "unknown suite $suite"; sed -n '2,30p' "$0"; exit 2 ;;
     esac
     stop_leftover_mps
 done

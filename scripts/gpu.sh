@@ -18,12 +18,16 @@
 #   peers    vs torchtitan 0.3.0: dispatch + combine vs MinimalAsyncEP, torchtitan's MoE layer with each
 #            dispatcher, eager (limits 150 + 150); needs the wheels in .whl/ (carry it; see `wheels`)
 #   titanc   torchtitan's MoE layer compiled (torch.compile fullgraph) per dispatcher               limit 420
+#   compat   the DeepEP-compatible Buffer's benchmark vs EPBuffer (benchmarks/deep_ep_compat.py)             limit 150
+#   compatprof  where the compat Buffer's eager round trip spends its time (benchmarks/probes/compat_profile.py)  150
+#   memcheck an overflowing sync-free step + backward under compute-sanitizer memcheck, world 1 and W = 2
+#            time-sliced (benchmarks/probes/overflow_memcheck.py)                                  limits 200 + 240
 #   wheels   NOT on the GPU machine: on a machine with internet, download into .whl/ the pure-Python wheels the
 #            peers / titanc suites need (torchtitan 0.3.0 and its imports beyond torch); then carry .whl
 # Every step's log and JSON go to $WORK (default /tmp/gpu_work), packed after every step into $OUT/logs.tgz with a
 # verdict line per step in $OUT/summary.txt (what comes back from the device); the benchmark JSONs also go to $OUT.
 # Past its limit a step gets SIGINT (pytest then prints its failures and durations so far), SIGKILL 15 s later.
-# Multicast stays off.
+# TESTS="path ..." limits the pytest suites to those files or folders (default: tests). Multicast stays off.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 wheels() {  # the torchtitan benchmarks' wheels into .whl/ (pure Python: only the Python version is pinned)
@@ -66,7 +70,8 @@ stop_leftover_mps() {  # a world killed outright could leave its private daemon:
         rm -rf "${d%/mps_pipe}"
     done
 }
-PYTEST=(python -m pytest -v -ra -p no:cacheprovider --durations=30 tests)
+read -r -a TEST_PATHS <<< "${TESTS:-tests}"
+PYTEST=(python -m pytest -v -ra -p no:cacheprovider --durations=30 "${TEST_PATHS[@]}")
 RUN=(python -m tritonep.cli.main run)
 
 run_base() {  # run_base W: `tritonep run` under MPS at W ranks, every layer of the default trace, default recipe
@@ -94,7 +99,7 @@ use_wheels() {  # the carried wheels installed into $WORK/site (the GPU machine 
         .whl/*.whl && export PYTHONPATH="$PYTHONPATH:$WORK/site"
 }
 
-[ $# -gt 0 ] || { sed -n '2,27p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,30p' "$0"; exit 2; }
 nvidia-smi -L
 command -v nvidia-cuda-mps-control >/dev/null || echo "nvidia-cuda-mps-control not found: the MPS suites will fail"
 for suite in "$@"; do
@@ -135,8 +140,15 @@ for suite in "$@"; do
         titanc) use_wheels || exit 2
                 step titan_compiled 420 torchrun --nproc-per-node 1 benchmarks/titan_bench.py \
                     --json "$OUT/titan_bench_compiled.json" ;;
+        compat) step deep_ep_compat 150 torchrun --nproc-per-node 1 benchmarks/deep_ep_compat.py \
+                    --json "$OUT/deep_ep_compat.json" ;;
+        compatprof) step compat_profile 150 torchrun --nproc-per-node 1 benchmarks/probes/compat_profile.py ;;
+        memcheck) SAN=(compute-sanitizer --tool memcheck --report-api-errors no --target-processes all --error-exitcode 3)
+                  step memcheck1 200 "${SAN[@]}" python benchmarks/probes/overflow_memcheck.py --world-size 1
+                  step memcheck2 240 "${SAN[@]}" python benchmarks/probes/overflow_memcheck.py --world-size 2 \
+                      --mps off ;;
         wheels) echo "the wheels suite runs alone, on a machine with internet: bash scripts/gpu.sh wheels"; exit 2 ;;
-        *) echo "unknown suite $suite"; sed -n '2,27p' "$0"; exit 2 ;;
+        *) echo "unknown suite $suite"; sed -n '2,30p' "$0"; exit 2 ;;
     esac
     stop_leftover_mps
 done

@@ -22,7 +22,7 @@ import argparse
 
 import torch
 
-PATHS = {"two_kernel": "dec=0,fs=0,fe=0,fc=0", "fused": "fs=8,fe=8,fc=1", "decode": "bt=2,dec=2"}
+PATHS = {"two_kernel": "dec=0,fs=0,fe=0,fc=0", "fused": "dec=0,fs=8,fe=8,fc=1", "decode": "bt=2,dec=2"}
 H, TM, K, MAX_RECV = 128, 16, 2, 10
 
 

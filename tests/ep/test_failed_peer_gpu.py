@@ -22,7 +22,7 @@ from tests.ep import test_overflow_backward as ob
 
 pytestmark = pytest.mark.gpu
 
-GPU_PATHS = {"two_kernel": "dec=0,fs=0,fe=0,fc=0", "fused": "fs=8,fe=8,fc=1", "decode": "bt=2,dec=2"}
+GPU_PATHS = {"two_kernel": "dec=0,fs=0,fe=0,fc=0", "fused": "dec=0,fs=8,fe=8,fc=1", "decode": "bt=2,dec=2"}
 
 
 def _overflow_world(group, path, A, sync_free, geometry):

@@ -82,7 +82,7 @@ class MetaOps:
             bk = self._launch.bound(key)
             if bk is None:
                 bk = self._launch.variant(key, lambda: self._launch.bind(unpack_meta_kernel, dict(
-                    K=K, KB=_p2(K), L=L, LB=_p2(L + 1), BR=br, LIVE=has_live),
+                    K=K, KB=_p2(K), L=L, BR=br, LIVE=has_live),
                     ("rows_ptr", "RS", "w_ptr", "R", "live_ptr", "lo", "idx_ptr", "wout_ptr", "hist_ptr")))
             r32 = rows.view(torch.int32)
             bk((triton.cdiv(R, br),), r32, r32.stride(0), weights, R, live if has_live else hist, rank * L, idx,

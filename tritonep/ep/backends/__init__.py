@@ -83,6 +83,14 @@ class EPBackend(Protocol):
         """Backward of combine: ``(grad_expert_out [R', H], grad_recv_weights [R])``."""
         ...
 
+    def combine_refused(self, kind: str | None = None, record_own: bool = True, handle=None) -> None:
+        """Take part in a combine as refused (:meth:`tritonep.EPBuffer.cancel_combine`)."""
+        ...
+
+    def dispatch_bwd_refused(self, handle=None, with_weights: bool = False) -> None:
+        """Take part in a dispatch backward as refused (:meth:`tritonep.EPBuffer.cancel_dispatch_backward`)."""
+        ...
+
     def expert_out_buffer(self) -> torch.Tensor:
         """The ``[max_recv_tokens, H]`` tensor meant for the expert output (zero copy into combine)."""
         ...

@@ -5,14 +5,15 @@ the combine wire), the partials go back with one ``all_to_all_single`` and the s
 (:mod:`tritonep.ep.nccl.pack`). The dispatch backward is the same path unweighted, carrying the per-route weight
 gradients back in the same rows; the combine backward moves ``grad_y`` forward along the dispatch's packets
 (:mod:`tritonep.ep.nccl.unpack`). Per call on the GPU: the output and two row buffers allocated, two launches, one
-collective; nothing read on the host.
+collective (two for a combine and a dispatch backward: the refused flags below); nothing read on the host.
 
-A forward combine also gathers one int32 per rank (one more small collective, every rank, every combine): 1 for a
-rank that takes part as refused (its combine input was refused, or it cancelled the call: :meth:`combine_refused`;
-its partial rows are NaN bytes, it computes none). An eager combine (a synced dispatch's handle) reads the gathered
-flags on the host (one read) and raises PeerInputError naming the refused ranks on every rank; a sync-free one reads
-nothing: its output is NaN on every rank and the refusal is merged into the status word (the next :meth:`check` or
-synced dispatch raises it everywhere).
+A forward combine and a dispatch backward also gather one int32 per rank (one more small collective, every rank,
+every call): 1 for a rank that takes part as refused (its input was refused, or it cancelled the call:
+:meth:`combine_refused`, :meth:`dispatch_bwd_refused`; its partial rows are NaN bytes, it computes none). An eager
+combine (a synced dispatch's handle) reads the gathered flags on the host (one read) and raises PeerInputError naming
+the refused ranks on every rank; a sync-free combine and every dispatch backward read nothing: the refusal is merged
+into the status word (the next :meth:`check` or synced dispatch raises it everywhere) and the combine's output is NaN
+on every rank (a dispatch backward's: every element computed from a refused rank's rows; the rest is exact).
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ class NcclCombine:
             gw: float32 ``[R]`` per-row scalars to return per route (dispatch backward), or None.
             wire: "bf16" moves the partial rounded to bf16; a quantized wire quantizes the fp32 partial (its twin).
             bad: this rank takes part as refused (NaN partial rows, the flag set); read / record_own: see
-                :meth:`_combine_flags` (forward combines only: ``weighted``).
+                :meth:`_combine_flags` (``read``: eager forward combines only; a dispatch backward gathers the flags
+                too, reads nothing and records a refusal for the next read).
         """
         if self.closed:
             raise BufferStateError(f"EPBuffer on rank {self.rank} is closed")
@@ -72,16 +74,16 @@ class NcclCombine:
         else:  # dequantized straight to fp32
             sum_partials(self._launch, fmt.dequantize_rows(back, H, torch.float32), torch.float32, H, handle.pkt, y,
                          ut, T, H, K, Ns)
-        if weighted:
-            self._combine_flags(y, bad, read, record_own)
+        self._combine_flags(y if weighted else None, bad, read, record_own)
         return y, gtw
 
     def _combine_flags(self, y, bad: bool, read: bool, record_own: bool):
         """Every rank's refused flag of this combine (one ``all_gather`` of an int32, every rank). ``read`` (an
         eager combine): the host reads them and raises PeerInputError naming the refused ranks (a refused rank
-        raises its own error instead); else the output is NaN when any rank refused and the refusal is merged into
-        the status word on the device (``record_own`` False: a refused rank whose peers raise in this call does not
-        keep it either)."""
+        raises its own error instead); else the output ``y`` is NaN when any rank refused and the refusal is merged
+        into the status word on the device (``record_own`` False: a refused rank whose peers raise in this call does
+        not keep it either). ``y`` None (a dispatch backward): no fill, the refused rank's NaN rows already make every
+        output element computed from them NaN (the others do not depend on it: exact), two torch calls fewer."""
         W = self.cfg.world_size
         all_gather_flat(self._cflags, self._cflag_bad if bad else self._cflag_ok, self.group)
         if read:
@@ -93,7 +95,8 @@ class NcclCombine:
             return
         if bad and not record_own:
             return
-        y.masked_fill_(self._cflags.any(), float("nan"))  # no host read: the output cannot pass for a result
+        if y is not None:
+            y.masked_fill_(self._cflags.any(), float("nan"))  # no host read: the output cannot pass for a result
         self._cpending.bitwise_or_(self._cflags)  # read by the next check() / synced dispatch (_raise_pending)
 
     def _raise_pending(self, flags: list, what: str):
@@ -126,6 +129,19 @@ class NcclCombine:
         """
         y, _ = self._combine(expert_out, handle, weighted=True, wire=self.combine_wire, read=read)
         return y
+
+    def dispatch_bwd_refused(self, handle=None, with_weights=False):
+        """Take part in this call's dispatch backward as refused (:meth:`tritonep.EPBuffer.cancel_dispatch_backward`):
+        the peers' collectives with NaN rows and the refused flag set (every element of their outputs computed from
+        this rank's rows is NaN, the refusal is recorded for the next read on every rank, this one included).
+        ``handle``: the dispatch's handle, or None (the latest)."""
+        if handle is None:
+            handle = self._last_handle() if self._last_handle is not None else None
+        if handle is None:
+            raise BackendError(f"rank {self.rank}: no dispatch handle to cancel the dispatch backward of (the nccl "
+                               f"backend needs the dispatch's split sizes to take part); pass the handle")
+        self._combine(self.expert_out_buffer(), handle, weighted=False, gw=self._no_w if with_weights else None,
+                      bad=True)
 
     # ---------------------------------------------------------------------------------------------- backward
     def dispatch_bwd(self, grad_recv_x, grad_recv_w, handle):

@@ -6,16 +6,20 @@
 - the per-rank slots, the meta lane's K slots per rank, top-k id packing and the local-id table (never wraps an id
   onto an expert), the unpacking twin and kernel (received tokens only when the count lives on the device);
 - quantized rows (strided float scales, int32 scales) packed and unpacked bit for bit;
-- the low-latency slot map and the UE8M0 packing.
+- the low-latency slot map and the UE8M0 packing;
+- the NaN fill of a ``num_worst_tokens`` call refused for capacity: twin and kernel, bit for bit, and only when some
+  rank's rows exceed the limit.
 """
 
+import pytest
 import torch
 
 from tests.compat.deepep_reference import layout_ref
 from tritonep.compat.deep_ep.meta import MetaOps
 from tritonep.compat.deep_ep.low_latency import expert_slots, ue8m0_pack
 from tritonep.compat.deep_ep.packing import (layout_torch, local_id_table, meta_slots, meta_width, pack_meta,
-                                             pack_quantized, rank_slots, unpack_meta, unpack_quantized)
+                                             pack_quantized, poison_torch, rank_slots, unpack_meta, unpack_quantized)
+from tritonep.errors import InputError
 from tritonep.testing import run_cpu_world
 
 
@@ -121,3 +125,32 @@ def test_expert_slots_and_ue8m0():
     packed = ue8m0_pack(s)
     assert packed.dtype == torch.int32 and packed.shape == (1, 1)
     assert packed.view(torch.uint8).tolist() == [[124, 127, 132, 1]]
+
+
+def test_poison_fills_only_a_refused_call():
+    ops = MetaOps("cpu")
+    gen = torch.Generator().manual_seed(3)
+    for W in (1, 2, 3, 5):
+        counts = torch.randint(0, 5, (W, W), generator=gen, dtype=torch.int32)
+        most = int(counts.sum(0).max())
+        for limit, refused in ((most, False), (most - 1, True)):  # EPBuffer refuses a rank over max_recv_tokens
+            for a, b in ((torch.randn(7, 5, generator=gen).bfloat16(), torch.rand(3, 2, generator=gen)),
+                         (torch.randn(9000, generator=gen), None),  # several blocks of the kernel's loop
+                         (torch.randint(0, 120, (5, 3), generator=gen, dtype=torch.uint8).view(torch.float8_e4m3fn),
+                          torch.randint(0, 9, (4,), generator=gen, dtype=torch.int32))):
+                t_bits = [t.clone() for t in (a, b) if t is not None]
+                k_bits = [t.clone() for t in t_bits]
+                poison_torch(counts, limit, *t_bits)
+                ops.poison(counts.t().contiguous().t(), limit, *k_bits)  # any strides of the counts
+                for orig, t, k in zip((a, b), t_bits, k_bits):
+                    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32}[t.element_size()]
+                    assert torch.equal(t.view(ints), k.view(ints))
+                    want = torch.full_like(orig.view(ints), -1) if refused else orig.view(ints)
+                    assert torch.equal(t.view(ints), want), (W, limit, orig.dtype)
+
+
+def test_poison_refuses_what_it_cannot_fill_in_place():
+    counts = torch.ones(2, 2, dtype=torch.int32)
+    for bad in (torch.zeros(4, 4)[:, :2], torch.zeros(3, dtype=torch.float64)):  # a strided view; 8-byte elements
+        with pytest.raises(InputError, match="contiguous"):
+            MetaOps("cpu").poison(counts, 0, torch.zeros(2), bad)

@@ -78,6 +78,17 @@ class EPBackend(Protocol):
         """Backward of dispatch: ``(grad_x [T, H], grad_topk_weights [T, K] or None)``."""
         ...
 
+    def dispatch_bwd_refused(self, handle=None, with_weights: bool = False) -> None:
+        """Take part in this call's dispatch backward as refused (a refused ``dispatch_backward`` input on this
+        rank, or ``EPBuffer.cancel_dispatch_backward``): the same launches / collectives as the peers' dispatch
+        backward (the weight-gradient variant with ``with_weights``) with no row, marking the call refused on every
+        rank (recorded for the next read; a backward reads nothing on the host). ``handle``: this rank's handle of
+        the dispatch, or None (the backend's latest dispatch).
+
+        Raises:
+            BackendError: the backend needs the dispatch's handle and has none (no dispatch yet)."""
+        ...
+
     def combine_bwd(self, grad_y: torch.Tensor, expert_out: torch.Tensor, handle) -> tuple:
         """Backward of combine: ``(grad_expert_out [R', H], grad_recv_weights [R])``."""
         ...

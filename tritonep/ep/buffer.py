@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from .. import envs
-from ..errors import BufferStateError, CapacityError, ConfigError, InputError, PeerInputError, TritonEPError
+from ..errors import (BackendError, BufferStateError, CapacityError, ConfigError, InputError, PeerInputError,
+                      TritonEPError)
 from ..wire.formats import get_wire
 from .autograd import CombineFn, DispatchFn
 from .backend_choice import choose_from_reports, p2p_report
@@ -199,17 +200,56 @@ class EPBuffer:
         ``grad_topk_weights[t, k] = grad_recv_w[row(t, k)]`` (``[T, K]`` float32; ``None`` when ``grad_recv_w``
         is ``None``). Collective: every rank calls it for the matching dispatch.
 
+        A refused input (this rank raises InputError / ConfigError) still takes part in the call
+        (:meth:`cancel_dispatch_backward`), so no peer waits for this rank: the peers' outputs are NaN (see there)
+        and their next :meth:`check` or synced dispatch raises :class:`PeerInputError` naming this rank (this call
+        reads nothing on the host, as every backward).
+
         Raises:
             ConfigError: ``handle`` does not come from this buffer. InputError: ``grad_recv_x`` not ``[rows, H]``
                 of the buffer's dtype and device with at least the dispatch's rows, or ``grad_recv_w`` not None /
-                float32 ``[rows]`` (before any launch). PeerTimeoutError as :meth:`dispatch`.
+                float32 ``[rows]`` (no row moves). PeerTimeoutError as :meth:`dispatch`.
         """
         self._check_open()
-        self._check_handle(handle)
-        grad_recv_x, grad_recv_w = check_backward_inputs(
-            grad_recv_x, handle, hidden=self.hidden, dtype=self.dtype, device=self.device,
-            min_rows=self._rows_of(handle), grad_w=grad_recv_w, name="grad_recv_x")
+        try:
+            self._check_handle(handle)
+            grad_recv_x, grad_recv_w = check_backward_inputs(
+                grad_recv_x, handle, hidden=self.hidden, dtype=self.dtype, device=self.device,
+                min_rows=self._rows_of(handle), grad_w=grad_recv_w, name="grad_recv_x")
+        except (InputError, ConfigError):
+            # refused on this rank: it still takes part (host protocol rule), so no peer waits for it
+            try:
+                self.cancel_dispatch_backward(handle, with_weights=grad_recv_w is not None)
+            except BackendError:
+                pass  # nccl, no dispatch yet on this buffer: no peer can be in its backward either
+            raise
         return self._backend.dispatch_bwd(grad_recv_x, grad_recv_w, handle)
+
+    def cancel_dispatch_backward(self, handle: DispatchHandle | None = None, with_weights: bool = False) -> None:
+        """Take part in the :meth:`dispatch_backward` that matches ``handle`` WITHOUT a gradient (the backward half's
+        :meth:`cancel_combine`): for a rank whose own code failed before it (call it in the ``except`` block, then
+        re-raise), so its peers do not wait for it and none of them returns a value computed without its rows.
+
+        Collective: it stands for this rank's :meth:`dispatch_backward` call (same launches and collectives, no row
+        moves). Every other rank's output of that call is NaN (``grad_x`` and ``grad_topk_weights``: all of it on the
+        triton backend; on the nccl backend every element computed from this rank's rows, the others being exact,
+        which saves a fill per backward) and its next :meth:`check` or synced dispatch raises
+        :class:`PeerInputError` naming this rank; so does this rank's. The buffer stays usable.
+        :meth:`dispatch_backward` does the same by itself when it refuses its input. Cost: none on the triton
+        backend; the nccl backend's dispatch backward gathers one int32 flag per rank (one small collective) in
+        every call for it, as its forward combine does.
+
+        Args:
+            handle: the dispatch's handle on this rank, or None (the latest dispatch's; the nccl backend needs the
+                dispatch's split sizes).
+            with_weights: whether the peers pass ``grad_recv_w`` (it picks the same kernels as theirs).
+
+        Raises:
+            BackendError: nccl backend, no dispatch to take the split sizes from (no peer can be in a backward).
+        """
+        self._check_open()
+        own = isinstance(handle, DispatchHandle) and handle.buffer_id == self._id
+        self._backend.dispatch_bwd_refused(handle if own else None, bool(with_weights))
 
     def combine_backward(self, grad_y: torch.Tensor, expert_out: torch.Tensor, handle: DispatchHandle) -> tuple:
         """The backward half of :meth:`combine`, outside autograd.
@@ -220,7 +260,10 @@ class EPBuffer:
 
         Raises:
             ConfigError: ``handle`` does not come from this buffer. InputError: ``grad_y`` not ``[T, H]`` or
-                ``expert_out`` not as in :meth:`combine` (dtype, device, shape; before any launch).
+                ``expert_out`` not as in :meth:`combine` (dtype, device, shape; before any launch). Unlike
+                :meth:`dispatch_backward`, a refused input here does not take part as refused yet: the peers' waits
+                for this rank run out (PeerTimeoutError) on the triton backend; on the nccl one they wait in the
+                collective (up to the process group's timeout).
         """
         self._check_open()
         self._check_handle(handle)

@@ -25,7 +25,9 @@ launch writes: no clone kernels), a split and a view of the plan
 vector, one shape read. Combine: the pipeline is ~9 torch ops (zeros, gather, float, mul, index_add_, cast, collective,
 zero_, index_add_); here 2 launches, 1 collective, 3 allocations (the send and receive rows and the output), plus the
 one all_gather of every rank's refused flag and, eager, its one host read (a peer that refused raises in the call;
-sync-free: a NaN fill and the flags ORed into the pending ones on the device, 3 torch calls).
+sync-free: a NaN fill and the flags ORed into the pending ones on the device, 3 torch calls). The dispatch backward
+gathers the same flags (a rank whose backward input was refused takes part as refused) and ORs them into the pending
+ones: 2 torch calls, no fill (its NaN rows already reach every element computed from them).
 
 Sync-free dispatch (``sync_free=True``, :mod:`tritonep.backends.nccl.sync_free`): no host read and no host->device copy (the
 layout is computed by one more launch, the device plan), the send / receive rows persistent, the
@@ -59,7 +61,8 @@ BUDGET = {
     # the pack launch); all_gather, device->host copy, split, view, a2a
     "combine": (6, 3, 2, 1),  # send, back, y; a2a; the refused-flag all_gather and its one read (an eager
     # combine: a peer that took part as refused raises in the call, tritonep/backends/nccl/combine.py)
-    "dispatch_bwd": (7, 4, 2, 0),  # + the weight gradients; contiguous() of the autograd gradients (2)
+    "dispatch_bwd": (9, 4, 2, 0),  # + the weight gradients; contiguous() of the autograd gradients (2); the
+    # refused-flag all_gather and the OR into the pending flags (a peer that took part as refused: no host read)
     "combine_bwd": (6, 4, 2, 0),  # send, recv, grad_expert_out, grad_w; a2a
     # sync-free: no host read, no host->device copy; count, plan, pack, unpack launches; the send /
     # receive rows are persistent and the call's outputs (the plan vector, the rows, the row weights and the
@@ -69,14 +72,14 @@ BUDGET = {
     # reads, not torch ops)
     "sf_combine": (8, 3, 2, 0),  # as on a synced handle (equal splits), without the read: the flags' any, the NaN
     # fill and the OR into the pending flags instead (on the device)
-    "sf_dispatch_bwd": (7, 4, 2, 0),
+    "sf_dispatch_bwd": (9, 4, 2, 0),
     "sf_combine_bwd": (6, 4, 2, 0),
 }
 # a rank without tokens: no count launch (one fill of the counts row), no pack, no sum; it still unpacks and
 # reduces the rows it receives
-BUDGET_EMPTY = {"dispatch": (14, 7, 1, 1), "combine": (6, 3, 1, 1), "dispatch_bwd": (7, 4, 1, 0),
+BUDGET_EMPTY = {"dispatch": (14, 7, 1, 1), "combine": (6, 3, 1, 1), "dispatch_bwd": (9, 4, 1, 0),
                 "combine_bwd": (6, 4, 1, 0),
-                "sf_dispatch": (11, 6, 2, 0), "sf_combine": (8, 3, 1, 0), "sf_dispatch_bwd": (7, 4, 1, 0),
+                "sf_dispatch": (11, 6, 2, 0), "sf_combine": (8, 3, 1, 0), "sf_dispatch_bwd": (9, 4, 1, 0),
                 "sf_combine_bwd": (6, 4, 1, 0)}
 
 # the one-hop sync-free mode (TRITONEP_NCCL_SYNC_FREE=onehop): send and receive launches, one collective, no
@@ -84,9 +87,9 @@ BUDGET_EMPTY = {"dispatch": (14, 7, 1, 1), "combine": (6, 3, 1, 1), "dispatch_bw
 # as int32, packets, per-slot rows, ntpe, offsets, counts), the rows and the routing ids' copy
 BUDGET_ONEHOP = {"sf_dispatch": (8, 0, 2, 0),  # pooled outputs; 2 aliases, 2 shape reads (the a2a is bound), 4
                  # requires_grad reads of the pooled float tensors (pool.py _Set.marked)
-                 "sf_combine": (8, 3, 2, 0), "sf_dispatch_bwd": (7, 4, 2, 0), "sf_combine_bwd": (6, 4, 2, 0)}
+                 "sf_combine": (8, 3, 2, 0), "sf_dispatch_bwd": (9, 4, 2, 0), "sf_combine_bwd": (6, 4, 2, 0)}
 # a rank without tokens: its outputs are pooled too (fixed sizes)
-BUDGET_ONEHOP_EMPTY = {"sf_dispatch": (8, 0, 2, 0), "sf_combine": (8, 3, 1, 0), "sf_dispatch_bwd": (7, 4, 1, 0),
+BUDGET_ONEHOP_EMPTY = {"sf_dispatch": (8, 0, 2, 0), "sf_combine": (8, 3, 1, 0), "sf_dispatch_bwd": (9, 4, 1, 0),
                        "sf_combine_bwd": (6, 4, 1, 0)}
 
 

@@ -437,8 +437,31 @@ class NcclEP:
         """
         if self.closed:
             self._check_open()
-        return self._combine.combine(grad_recv_x.contiguous(), handle, False, self.use_triton,
-                                     gw=grad_recv_w.contiguous() if grad_recv_w is not None else None)
+        out = self._combine.combine(grad_recv_x.contiguous(), handle, False, self.use_triton,
+                                    gw=grad_recv_w.contiguous() if grad_recv_w is not None else None)
+        self._combine.refusals(None, False, False, True)  # a peer's refusal kept for the next read
+        return out
+
+    def dispatch_bwd_refused(self, handle=None, with_weights=False):
+        """Take part in this call's dispatch backward as refused (:meth:`tritonep.EPBuffer.cancel_dispatch_backward`):
+        the peers' collectives with NaN rows and the refused flag set (every element of their outputs computed from
+        this rank's rows is NaN, the refusal is kept for the next read on every rank, this one included).
+        ``handle``: the dispatch's handle on this rank, or None (the latest dispatch's: the split sizes must be the
+        peers'); ``with_weights``: the peers pass ``grad_recv_w`` (the same row layout as theirs).
+
+        Raises:
+            BackendError: no handle passed and no dispatch handle of this buffer is alive.
+        """
+        if self.closed:
+            self._check_open()
+        if handle is None:
+            handle = self._last_handle() if self._last_handle is not None else None
+        if handle is None:
+            raise BackendError(f"rank {self.rank}: no dispatch handle to cancel the dispatch backward of (the nccl "
+                               f"backend needs the dispatch's split sizes to take part); pass the handle")
+        self._combine.combine(self.expert_out_buffer(), handle, False, self.use_triton,
+                              gw=self._no_w if with_weights else None, bad=True)
+        self._combine.refusals(None, True, False, True)
 
     def combine_bwd(self, grad_y, expert_out, handle):
         """grad_expert_out[row] = bf16(w * grad_y[t]); grad_recv_w[row] = <grad_y[t], expert_out[row]> (fp32);

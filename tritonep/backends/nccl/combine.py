@@ -6,14 +6,17 @@ the combine wire), the partials go back with one ``all_to_all_single`` and the s
 (:mod:`tritonep.backends.nccl.pack`). The dispatch backward is the same path unweighted, carrying the per-route weight
 gradients back in the same rows; the combine backward moves ``grad_y`` forward along the dispatch's packets
 (:mod:`tritonep.backends.nccl.unpack`). Per call on the GPU: the output and two row buffers allocated, two launches, one
-collective; nothing read on the host.
+collective (two for a combine and a dispatch backward: the refused flags below); nothing read on the host.
 
-A forward combine also gathers one int32 per rank (one more small collective, every rank, every combine): 1 for a
-rank that takes part as refused (its combine input was refused, or it cancelled the call:
-:meth:`tritonep.backends.nccl.backend.NcclEP.combine_refused`; its partial rows are NaN bytes, it computes none). An
-eager combine (a synced dispatch's handle) reads the gathered flags on the host (one read) and raises PeerInputError
-naming the refused ranks on every rank (:meth:`NcclCombine.refusals`); a sync-free one reads nothing: its output is NaN on every rank and the refusal is merged into the backend's pending flags (the next
-``check()`` or synced dispatch raises it everywhere).
+A forward combine and a dispatch backward also gather one int32 per rank (one more small collective, every rank,
+every call): 1 for a rank that takes part as refused (its input was refused, or it cancelled the call:
+:meth:`tritonep.backends.nccl.backend.NcclEP.combine_refused`,
+:meth:`tritonep.backends.nccl.backend.NcclEP.dispatch_bwd_refused`; its partial rows are NaN bytes, it computes
+none). An eager combine (a synced dispatch's handle) reads the gathered flags on the host (one read) and raises
+PeerInputError naming the refused ranks on every rank (:meth:`NcclCombine.refusals`); a sync-free combine and every
+dispatch backward read nothing: the refusal is merged into the backend's pending flags (the next ``check()`` or
+synced dispatch raises it everywhere) and the combine's output is NaN on every rank (a dispatch backward's: every
+element computed from a refused rank's rows; the rest is exact).
 """
 
 from __future__ import annotations
@@ -100,17 +103,20 @@ class NcclCombine:
         return y, gtw
 
     def refusals(self, y, bad: bool, read: bool, record_own: bool):
-        """Every rank's refused flag of a forward combine whose output is ``y`` (one ``all_gather`` of an int32,
-        every rank; ``bad``: this rank's is set). ``read`` (an eager combine): returns the flags on the host (a list
-        of ``W`` ints: one read, the caller raises); else None, and the output is NaN when any rank refused and the
-        flags are merged into the pending flags on the device (``record_own`` False: a refused rank whose peers
-        raise in this call does not keep them)."""
+        """Every rank's refused flag of a forward combine whose output is ``y``, or of a dispatch backward (``y``
+        None) (one ``all_gather`` of an int32, every rank; ``bad``: this rank's is set). ``read`` (an eager
+        combine): returns the flags on the host (a list of ``W`` ints: one read, the caller raises); else None, and
+        the output ``y`` is NaN when any rank refused and the flags are merged into the pending flags on the device
+        (``record_own`` False: a refused rank whose peers raise in this call does not keep them). ``y`` None: no
+        fill, the refused rank's NaN rows already make every output element computed from them NaN (the others do
+        not depend on it: exact), two torch calls fewer."""
         all_gather_flat(self._cflags, self._cflag_bad if bad else self._cflag_ok, self.group)
         if read:
             return self._cflags.tolist()
         if bad and not record_own:
             return None
-        y.masked_fill_(self._cflags.any(), float("nan"))  # no host read: the output cannot pass for a result
+        if y is not None:
+            y.masked_fill_(self._cflags.any(), float("nan"))  # no host read: the output cannot pass for a result
         self._pending.bitwise_or_(self._cflags)  # read by the next check() / synced dispatch
         return None
 

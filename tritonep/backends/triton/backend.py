@@ -299,6 +299,14 @@ class TritonEP:
         self._combine(self.expert_out_buffer(), self._empty, weighted=True, kind=kind, wire=self.cwire,
                       bad=1 if record_own else 2, ticket=0 if record_own else self.call_status.next_ticket())
 
+    def dispatch_bwd_refused(self, handle=None, with_weights=False):
+        """Take part in this call's dispatch backward as refused (:meth:`tritonep.EPBuffer.cancel_dispatch_backward`):
+        the peers' launches (the weight-gradient variant with ``with_weights``) with no token and no row, marking the
+        call refused in every peer (their outputs NaN, their status records it) and in this rank's status (a
+        backward reads nothing on the host: the next read raises it on every rank). ``handle`` is not needed."""
+        self._combine(self.expert_out_buffer(), self._empty, weighted=False, gw=self._no_w if with_weights else None,
+                      want_wgrad=with_weights, bad=1)
+
     # ---------------------------------------------------------------------------------------------- backward
     def dispatch_bwd(self, grad_recv_x, grad_recv_w, handle):
         """grad_x[t] = sum_k grad_recv_x[row(t,k)]; grad_topk_weights[t,k] = grad_recv_w[row(t,k)]."""

@@ -41,6 +41,15 @@ def _begin(previous_event, async_finish: bool, allocate_on_comm_stream: bool) ->
         ev.current_stream_wait()
 
 
+def _begun(previous_event, async_finish: bool, allocate_on_comm_stream: bool) -> Optional[InputError]:
+    """:func:`_begin`, returning its InputError instead of raising it (a collective call still takes part)."""
+    try:
+        _begin(previous_event, async_finish, allocate_on_comm_stream)
+    except InputError as e:
+        return e
+    return None
+
+
 def _end(async_finish: bool, tensors) -> EventOverlap:
     return EventOverlap(EventHandle(), tuple(t for t in tensors if isinstance(t, torch.Tensor))) if async_finish \
         else EventOverlap(None)
@@ -121,6 +130,21 @@ class Buffer:
         without it keeps its memory until the process ends (releasing is collective: never done from a
         destructor, whatever ``explicitly_destroy`` says)."""
         self.lanes.close()
+
+    def check(self) -> None:
+        """tritonep's addition (DeepEP has none): read the status of every EPBuffer of this Buffer (one host read
+        each) and raise the first error a call that read nothing recorded since: a ``num_worst_tokens`` dispatch
+        refused for capacity, a peer's refused input or combine in a sync-free call (``num_worst_tokens``, cached
+        dispatch, low-latency mode, host reads off), a peer that never arrived. Every rank holds the same record,
+        so every rank raises (each error once). Call it after graph replays and low-latency steps, where no synced
+        call follows; the next synced :meth:`dispatch` does the same for the calls before it.
+
+        Raises:
+            CapacityError / PeerInputError / InputError (this rank's own refused input) / PeerTimeoutError (the
+            Buffer is then unusable): what was recorded. BufferStateError after :meth:`destroy`.
+        """
+        self._open()
+        self.lanes.check(every=True)
 
     def _open(self):
         if self.lanes.closed:
@@ -218,8 +242,9 @@ class Buffer:
             expert_alignment: the per-expert counts returned are rounded up to a multiple of it (rows are not).
             num_worst_tokens: when > 0: no host read (CUDA-graph capturable): ``num_worst_tokens`` rows returned,
                 the received ones first, the rest with ids -1 and weight 0; the count list is empty. Needs top-k.
-                A rank that receives more rows (or sends more tokens than the capacity) raises CapacityError at its
-                next synced call, as EPBuffer's ``sync_free`` calls do.
+                When some rank would receive more rows, the call is refused on every rank: no row moves, the rows
+                and weights returned are NaN (ids -1) and so is its combine's output, and every rank raises
+                CapacityError at its next synced dispatch or :meth:`check`.
             config: ignored (DeepEP's chunk sizes). previous_event / async_finish / allocate_on_comm_stream: stream
                 ordering, as DeepEP (every call runs on the current stream).
 
@@ -232,18 +257,17 @@ class Buffer:
 
         Raises:
             InputError (this rank's input, named) / PeerInputError (another rank's) on every rank, before any row
-            moves; CapacityError with a fixed ``max_tokens_per_rank``; BufferStateError after :meth:`destroy`.
+            moves (a ``num_worst_tokens`` or cached call reads nothing: the peers raise at their next synced
+            dispatch or :meth:`check`); CapacityError with a fixed ``max_tokens_per_rank``; the first error an
+            earlier call nobody read recorded (a synced call raises it on every rank before moving anything, as
+            :meth:`check`); BufferStateError after :meth:`destroy`.
         """
         self._open()
-        if handle is not None:
-            self._own(handle, NormalHandle)
-            if topk_idx is not None or topk_weights is not None:
-                raise InputError("a cached dispatch (handle=...) takes no topk_idx / topk_weights (as DeepEP)")
-        _begin(previous_event, async_finish, allocate_on_comm_stream)
+        refused = _begun(previous_event, async_finish, allocate_on_comm_stream)
         with torch.no_grad():
             recv_x, recv_idx, recv_w, counts, h = self._normal.dispatch(
                 x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
-                expert_alignment, num_worst_tokens)
+                expert_alignment, num_worst_tokens, refused)
         rx = recv_x if isinstance(recv_x, tuple) else (recv_x,)
         return recv_x, recv_idx, recv_w, counts, h, _end(async_finish, rx + (recv_idx, recv_w))
 
@@ -268,13 +292,16 @@ class Buffer:
             received comes back as zeros.
 
         Raises:
-            InputError: a bad handle, shape or dtype (before any exchange). BufferStateError after :meth:`destroy`.
+            InputError: a bad handle, shape or dtype: no row moves, and this rank still takes part as refused
+            (:meth:`tritonep.EPBuffer.cancel_combine`), so the peers raise PeerInputError naming it (a combine of a
+            synced dispatch; after ``num_worst_tokens`` or with host reads off their output is NaN and their next
+            synced dispatch or :meth:`check` raises it) and the Buffer stays usable. PeerInputError: a peer's
+            combine input was refused. BufferStateError after :meth:`destroy`.
         """
         self._open()
-        self._own(handle, NormalHandle)
-        _begin(previous_event, async_finish, allocate_on_comm_stream)
+        refused = _begun(previous_event, async_finish, allocate_on_comm_stream)
         with torch.no_grad():
-            y, w = self._normal.combine(x, handle, topk_weights, bias)
+            y, w = self._normal.combine(x, handle, topk_weights, bias, refused)
         return y, w, _end(async_finish, (x, y, w))
 
     def internode_dispatch(self, *args, **kwargs):
@@ -323,20 +350,23 @@ class Buffer:
             ``hook`` None without ``return_recv_hook``.
 
         Raises:
-            ConfigError: not a low-latency Buffer. InputError: a bad input (named; the peers raise PeerInputError at
-            their next synced call). BackendError: an option that is not offered.
+            ConfigError: not a low-latency Buffer. InputError: a bad input (named; this rank still takes part as
+            refused, so the peers' rows are empty and their next synced call or :meth:`check` raises
+            PeerInputError). BackendError: an option that is not offered (refused the same way).
         """
         self._ll_open("low_latency_dispatch")
+        refused = None
         if dispatch_wait_recv_cost_stats is not None:
-            raise _not_offered("low_latency_dispatch(dispatch_wait_recv_cost_stats=...) (per-rank wait timing)")
-        if use_nvfp4 or x_global_scale is not None:
-            raise _not_offered("low_latency_dispatch(use_nvfp4=True / x_global_scale=...) (DeepEP's hybrid-ep NVFP4)")
-        if async_finish and return_recv_hook:
-            raise InputError("async_finish and return_recv_hook cannot both be set (as DeepEP)")
+            refused = _not_offered("low_latency_dispatch(dispatch_wait_recv_cost_stats=...) (per-rank wait timing)")
+        elif use_nvfp4 or x_global_scale is not None:
+            refused = _not_offered("low_latency_dispatch(use_nvfp4=True / x_global_scale=...) (DeepEP's hybrid-ep "
+                                   "NVFP4)")
+        elif async_finish and return_recv_hook:
+            refused = InputError("async_finish and return_recv_hook cannot both be set (as DeepEP)")
         with torch.no_grad():
             recv, count, h, receive = self._ll.dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                                                         cumulative_local_expert_recv_stats, use_fp8, round_scale,
-                                                        use_ue8m0)
+                                                        use_ue8m0, refused)
         hook = None
         if return_recv_hook:
             def hook():
@@ -367,21 +397,23 @@ class Buffer:
             ``(combined_x [T, H] = sum_k w[t, k] * row(t, k) (fp32, one bf16 rounding), event, hook)``.
 
         Raises:
-            ConfigError / InputError / BackendError: as :meth:`low_latency_dispatch`.
+            ConfigError / InputError / BackendError: as :meth:`low_latency_dispatch` (a refused input or handle
+            takes part as refused: :meth:`tritonep.EPBuffer.cancel_dispatch_backward`; the peers' output is NaN and
+            their next synced call or :meth:`check` raises PeerInputError naming this rank).
         """
         self._ll_open("low_latency_combine")
+        refused = None
         if use_logfmt:
-            raise _not_offered("low_latency_combine(use_logfmt=True) (DeepEP's LogFMT-10 combine wire)")
-        if combine_wait_recv_cost_stats is not None:
-            raise _not_offered("low_latency_combine(combine_wait_recv_cost_stats=...) (per-rank wait timing)")
-        if kwargs:
-            raise _not_offered(f"low_latency_combine({', '.join(sorted(kwargs))}) (compute/communication overlap "
-                               f"signals of DeepEP forks)")
-        if async_finish and return_recv_hook:
-            raise InputError("async_finish and return_recv_hook cannot both be set (as DeepEP)")
-        self._own(handle, LowLatencyHandle)
+            refused = _not_offered("low_latency_combine(use_logfmt=True) (DeepEP's LogFMT-10 combine wire)")
+        elif combine_wait_recv_cost_stats is not None:
+            refused = _not_offered("low_latency_combine(combine_wait_recv_cost_stats=...) (per-rank wait timing)")
+        elif kwargs:
+            refused = _not_offered(f"low_latency_combine({', '.join(sorted(kwargs))}) (compute/communication "
+                                   f"overlap signals of DeepEP forks)")
+        elif async_finish and return_recv_hook:
+            refused = InputError("async_finish and return_recv_hook cannot both be set (as DeepEP)")
         with torch.no_grad():
-            y, reduce = self._ll.combine(x, topk_idx, topk_weights, handle, zero_copy, out)
+            y, reduce = self._ll.combine(x, topk_idx, topk_weights, handle, zero_copy, out, refused)
         hook = None
         if return_recv_hook:
             def hook():

@@ -11,6 +11,13 @@ old one and lets the call retry (every rank took the same branch: same collectiv
 
 Making or growing a lane is collective and allocates: it happens in an eager call, never under CUDA-graph capture
 (warm up eagerly first, as DeepEP's own allocation needs too).
+
+Unread lanes: a lane call that reads nothing on the host (``sync_free``: ``num_worst_tokens``, cached dispatch,
+low-latency mode, a combine or backward of such a handle) may have been refused on every rank (capacity, a peer's
+refused input, a peer that took part in a combine as refused); EPBuffer records it in that lane's status word, and
+only a read of that word raises it. The calls note such lanes (:meth:`Lanes.unread`) and :meth:`Lanes.check` reads
+them: the compat Buffer's next synced dispatch (whichever lane it uses) and ``Buffer.check()``. Every rank makes the
+same calls, so every rank reads the same lanes in the same order; a read is local (no collective, no launch).
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from ... import envs
-from ...errors import BufferStateError, ConfigError
+from ...errors import BufferStateError, ConfigError, TritonEPError
 
 __all__ = ["Lanes"]
 
@@ -64,6 +71,7 @@ class Lanes:
         self._lanes: dict = {}
         self._shared: set = set()  # keys of the lanes sized by the shared capacity (regrown together)
         self._retired: list = []  # lanes of earlier capacities, closed with the Buffer
+        self._unread: list = []  # lanes that ran a call whose status nobody read yet, in the order first noted
         self.closed = False
 
     def _max_over_ranks(self, n: int) -> int:
@@ -100,6 +108,10 @@ class Lanes:
             self._shared.add(key)
         return lane
 
+    def peek(self, key):
+        """The lane ``key`` if it exists (never made here), else None."""
+        return self._lanes.get(key)
+
     def agree_regrow(self, num_tokens: int, refused: bool) -> bool:
         """Collective, after an exchange refused a synced call on every rank: grow when the refusal was a capacity
         one. Every rank passes its token count and whether its own input was refused for another reason; when no
@@ -119,11 +131,43 @@ class Lanes:
             self._retired.append(self._lanes.pop(key))
         return True
 
+    def unread(self, *lanes) -> None:
+        """Note lanes (EPBuffers of this Buffer; None is skipped) that just ran a call reading nothing on the host, so
+        that :meth:`check` reads them."""
+        for lane in lanes:
+            if lane is not None and all(u is not lane for u in self._unread):
+                self._unread.append(lane)
+
+    def check(self, every: bool = False, skip=None) -> None:
+        """Read the status word of every lane noted by :meth:`unread` since the last check (``every``: of every lane,
+        retired ones included) and raise the first error found, once every lane was read (each error is reported
+        once: a read clears it). ``skip``: a lane the caller's next call reads itself (a synced EPBuffer dispatch
+        raises the unread refusals of its own lane), not read here. One host read per lane; no collective.
+
+        Raises:
+            CapacityError / PeerInputError / InputError / PeerTimeoutError: what a lane recorded
+            (:meth:`tritonep.EPBuffer.check`).
+        """
+        lanes = (self._retired + list(self._lanes.values())) if every else self._unread
+        kept = [lane for lane in self._unread if lane is skip and not every]
+        self._unread = []
+        first = None
+        for lane in lanes:
+            if lane is skip and not every:
+                continue
+            try:
+                lane.check()
+            except TritonEPError as e:
+                first = first or e
+        if first is not None:
+            self._unread = kept  # the call that would have read the skipped lane does not run
+            raise first
+
     def close(self) -> None:
         """Close every lane, retired ones first, each group in the order made (collective: every rank holds the same
         lanes); later :meth:`get` calls raise BufferStateError."""
         lanes = self._retired + list(self._lanes.values())
-        self._retired, self._lanes = [], {}
+        self._retired, self._lanes, self._unread = [], {}, []
         self._shared.clear()
         self.closed = True
         for lane in lanes:

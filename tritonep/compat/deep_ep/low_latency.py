@@ -111,11 +111,13 @@ class LowLatencyMode:
                           torch.empty(0, 1, dtype=torch.float32, device=dev), sync_free=True)
         except TritonEPError:
             pass
+        self.lanes.unread(lane)
         raise err
 
-    def dispatch(self, x, topk_idx, M, E, stats, use_fp8: bool, round_scale: bool, use_ue8m0: bool):
+    def dispatch(self, x, topk_idx, M, E, stats, use_fp8: bool, round_scale: bool, use_ue8m0: bool, refused=None):
         """``low_latency_dispatch``'s exchange. Returns ``(recv_x, recv_count, handle, receive)``: ``recv_x`` and the
-        handle's tensors are filled by ``receive()`` (the hook, or called at once)."""
+        handle's tensors are filled by ``receive()`` (the hook, or called at once). ``refused``: an error the Buffer
+        found in the call's other arguments (raised after taking part, as any refusal here)."""
         key = None
         try:
             if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != torch.bfloat16:
@@ -148,6 +150,8 @@ class LowLatencyMode:
             if stats is not None and (not isinstance(stats, torch.Tensor) or stats.dtype != torch.int32
                                       or tuple(stats.shape) != (L,) or not stats.is_contiguous()):
                 raise InputError(f"cumulative_local_expert_recv_stats must be a contiguous int32 [{L}] tensor")
+            if refused is not None:
+                raise refused
         except TritonEPError as e:
             self._refuse(e, key)
 
@@ -159,6 +163,7 @@ class LowLatencyMode:
         tok = self._token_of(T * K, K, x.device)
         out = lane.dispatch(payload.index_select(0, tok), topk_idx.reshape(T * K, 1),
                             tok.to(torch.float32).unsqueeze(1), sync_free=True)
+        self.lanes.unread(lane)  # nothing read: the next synced call or check() reads its status
         ntpe = out.num_tokens_per_expert
         if stats is not None:
             stats.add_(ntpe)
@@ -191,28 +196,50 @@ class LowLatencyMode:
                              num_tokens=T, topk=K, gather_index=gidx)
         return recv, ntpe, h, receive
 
-    def combine(self, x, topk_idx, topk_weights, h, zero_copy: bool, out):
+    def combine(self, x, topk_idx, topk_weights, h, zero_copy: bool, out, refused=None):
         """``low_latency_combine``'s exchange. Returns ``(combined_x, reduce)``: ``reduce()`` (the hook, or called at
         once) writes ``combined_x [T, H]`` bf16 = sum_k topk_weights[t, k] * row(t, k) over k with
-        ``topk_idx >= 0`` (fp32, one bf16 rounding)."""
-        M, H, E = h[2], h[3], h[4]
-        L, WM, T, K = E // self.W, self.W * M, h.num_tokens, h.topk
-        src = h.combine_buffer if zero_copy else x
-        if zero_copy and src is None:
-            raise InputError("zero_copy=True needs get_next_low_latency_combine_buffer(handle) filled first")
-        if not isinstance(src, torch.Tensor) or tuple(src.shape) != (L, WM, H) or src.dtype != torch.bfloat16 \
-                or not src.is_contiguous():
-            raise InputError(f"x must be a contiguous bfloat16 [{L}, {WM}, {H}] tensor, got "
-                             f"{(src.dtype, tuple(src.shape)) if isinstance(src, torch.Tensor) else type(src)}")
-        for name, v, dts in (("topk_idx", topk_idx, _ID_DTYPES), ("topk_weights", topk_weights, (torch.float32,))):
-            if not isinstance(v, torch.Tensor) or tuple(v.shape) != (T, K) or v.dtype not in dts:
-                raise InputError(f"{name} must be [{T}, {K}] ({' / '.join(map(str, dts))}) as the dispatch's, got "
-                                 f"{(v.dtype, tuple(v.shape)) if isinstance(v, torch.Tensor) else type(v).__name__}")
-        if out is not None and (not isinstance(out, torch.Tensor) or tuple(out.shape) != (T, H)
-                                or out.dtype != torch.bfloat16 or not out.is_contiguous()):
-            raise InputError(f"out must be a contiguous bfloat16 [{T}, {H}] tensor")
+        ``topk_idx >= 0`` (fp32, one bf16 rounding).
+
+        A refused input, handle or ``refused`` (an error the Buffer found in the call's other arguments) takes part
+        in the lane's backward as refused (:meth:`tritonep.EPBuffer.cancel_dispatch_backward`: no row moves, the
+        peers' output is NaN and their next synced call or ``check()`` raises PeerInputError), then raises here."""
+        own = isinstance(h, LowLatencyHandle) and h.owner == self.owner
+        try:
+            if refused is not None:
+                raise refused
+            if not own:
+                raise InputError("handle must be a LowLatencyHandle made by this Buffer's low_latency_dispatch")
+            M, H, E = h[2], h[3], h[4]
+            L, WM, T, K = E // self.W, self.W * M, h.num_tokens, h.topk
+            src = h.combine_buffer if zero_copy else x
+            if zero_copy and src is None:
+                raise InputError("zero_copy=True needs get_next_low_latency_combine_buffer(handle) filled first")
+            if not isinstance(src, torch.Tensor) or tuple(src.shape) != (L, WM, H) or src.dtype != torch.bfloat16 \
+                    or not src.is_contiguous():
+                raise InputError(f"x must be a contiguous bfloat16 [{L}, {WM}, {H}] tensor, got "
+                                 f"{(src.dtype, tuple(src.shape)) if isinstance(src, torch.Tensor) else type(src)}")
+            for name, v, dts in (("topk_idx", topk_idx, _ID_DTYPES),
+                                 ("topk_weights", topk_weights, (torch.float32,))):
+                if not isinstance(v, torch.Tensor) or tuple(v.shape) != (T, K) or v.dtype not in dts:
+                    got = (v.dtype, tuple(v.shape)) if isinstance(v, torch.Tensor) else type(v).__name__
+                    raise InputError(f"{name} must be [{T}, {K}] ({' / '.join(map(str, dts))}) as the dispatch's, "
+                                     f"got {got}")
+            if out is not None and (not isinstance(out, torch.Tensor) or tuple(out.shape) != (T, H)
+                                    or out.dtype != torch.bfloat16 or not out.is_contiguous()):
+                raise InputError(f"out must be a contiguous bfloat16 [{T}, {H}] tensor")
+        except TritonEPError:
+            lane = h.lane if own else (self.lanes.peek(self._last_key) if self._last_key is not None else None)
+            if lane is not None:  # the lane the peers' combine most likely runs on
+                try:
+                    lane.cancel_dispatch_backward(h.ep_handle if own else None)
+                except TritonEPError:
+                    pass
+                self.lanes.unread(lane)
+            raise
         rows = src.view(L * WM, H).index_select(0, h.gather_index)
         back, _ = h.lane.dispatch_backward(rows, None, h.ep_handle)
+        self.lanes.unread(h.lane)  # nothing read: the next synced call or check() reads its status
         y = out if out is not None else torch.empty(T, H, dtype=torch.bfloat16, device=src.device)
 
         def reduce():

@@ -1,12 +1,15 @@
-"""The host side of the compat Buffer's two local ops (:class:`MetaOps`): DeepEP's dispatch layout and the unpacking
-of the meta lane's rows, each ONE launch of its kernel in :mod:`tritonep.compat.deep_ep.kernels.meta`, bound through
-the launch runtime (:class:`tritonep.runtime.launch.Launch`: every launch bound once per variant, then called with
-its per-call values only; on the GPU the compiled variant's C entry, on a CPU Triton's interpreter).
+"""The host side of the compat Buffer's three local ops (:class:`MetaOps`): DeepEP's dispatch layout and the
+unpacking of the meta lane's rows, each ONE launch of its kernel in :mod:`tritonep.compat.deep_ep.kernels.meta`, and
+the NaN fill of a ``num_worst_tokens`` call refused for capacity (one launch of
+:mod:`tritonep.compat.deep_ep.kernels.poison`), bound through the launch runtime
+(:class:`tritonep.runtime.launch.Launch`: every launch bound once per variant, then called with its per-call values
+only; on the GPU the compiled variant's C entry, on a CPU Triton's interpreter).
 
 Their torch twins (the specification, bit-exact: integer work and moves only) are
-:func:`tritonep.compat.deep_ep.packing.layout_torch` and :func:`tritonep.compat.deep_ep.packing.unpack_meta`. Both
-kernels are local (no peer access, no signal): their launches are not recorded by the protocol recorder and their grid
-may follow this rank's data (docs/protocols.md, host protocol rule).
+:func:`tritonep.compat.deep_ep.packing.layout_torch`, :func:`tritonep.compat.deep_ep.packing.unpack_meta` and
+:func:`tritonep.compat.deep_ep.packing.poison_torch`. The kernels are local (no peer access, no signal): their
+launches are not recorded by the protocol recorder and their grid may follow this rank's data (docs/protocols.md,
+host protocol rule).
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ from __future__ import annotations
 import torch
 import triton
 
+from ...errors import InputError
 from ...runtime.launch import Launch
 from .kernels.meta import layout_kernel, unpack_meta_kernel
+from .kernels.poison import poison_kernel
 
 __all__ = ["MetaOps"]
 
@@ -24,8 +29,23 @@ def _p2(n: int) -> int:
     return max(2, triton.next_power_of_2(n))
 
 
+_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (contiguous: a reshape of anything else would copy, and the fill would be lost) as a flat integer view
+    of its element size.
+
+    Raises:
+        InputError: ``t`` not contiguous, or not of 1-, 2- or 4-byte elements."""
+    if not t.is_contiguous() or t.element_size() not in _INT:
+        raise InputError(f"poison needs contiguous tensors of 1-, 2- or 4-byte elements, got {t.dtype} "
+                         f"{tuple(t.shape)} strides {t.stride()}")
+    return t.view(_INT[t.element_size()]).view(-1)
+
+
 class MetaOps:
-    """The layout and meta-unpacking launches of one device (module docstring).
+    """The layout, meta-unpacking and poison launches of one device (module docstring).
 
     Args:
         device: the device the tensors live on.
@@ -88,3 +108,26 @@ class MetaOps:
             bk((triton.cdiv(R, br),), r32, r32.stride(0), weights, R, live if has_live else hist, rank * L, idx,
                wout, hist)
         return idx, wout, hist
+
+    def poison(self, counts: torch.Tensor, limit: int, a: torch.Tensor, b: torch.Tensor | None = None) -> None:
+        """Fill ``a`` (and ``b``) with NaN bits in place when some column of ``counts`` (int32 ``[W, W]``, this
+        device) sums to more than ``limit``; no host read. ``a`` / ``b``: contiguous tensors of 1-, 2- or 4-byte
+        elements on this device. One launch of :func:`tritonep.compat.deep_ep.kernels.poison.poison_kernel`
+        (``min(cdiv(n, BLOCK), 132)`` programs on a GPU, 1 on a CPU); same bits as
+        :func:`tritonep.compat.deep_ep.packing.poison_torch`.
+
+        Raises:
+            InputError: ``a`` or ``b`` not contiguous, or of another element size (before the launch)."""
+        W = counts.shape[0]
+        av = _bits(a)
+        bv = _bits(b) if b is not None else av[:0]
+        n = max(av.numel(), bv.numel())
+        block = 1024 if self._cuda else 4096
+        grid = min(max(triton.cdiv(n, block), 1), 132) if self._cuda else 1
+        key = ("poison", W, block)
+        bk = self._launch.bound(key)
+        if bk is None:
+            bk = self._launch.variant(key, lambda: self._launch.bind(poison_kernel, dict(
+                W=W, WB=_p2(W), BLOCK=block, num_warps=4),
+                ("counts_ptr", "cs0", "cs1", "limit", "a_ptr", "NA", "b_ptr", "NB", "nprog")))
+        bk((grid,), counts, counts.stride(0), counts.stride(1), int(limit), av, av.numel(), bv, bv.numel(), grid)

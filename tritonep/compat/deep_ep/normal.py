@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ... import envs
-from ...errors import CapacityError, InputError, PeerInputError, TritonEPError
+from ...errors import CapacityError, ConfigError, InputError, PeerInputError, TritonEPError
 from .handles import NormalHandle
 from .packing import meta_slots, meta_width, pack_meta, pack_quantized, rank_slots, unpack_quantized
 
@@ -34,6 +34,12 @@ def _synced(sync_free: bool, sync_checks: int) -> bool:
     if sync_free or sync_checks == envs.SYNC_NONE:
         return False
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def _width(x) -> int | None:
+    """The row width ``x`` would travel with (None when ``x`` is not a tensor or an ``(x_q, scales)`` pair)."""
+    t = x[0] if isinstance(x, tuple) and x else x
+    return t.shape[1] if isinstance(t, torch.Tensor) and t.dim() == 2 else None
 
 
 def _tensor(v, name: str, dims: int, dtypes=None) -> torch.Tensor:
@@ -55,6 +61,8 @@ class NormalMode:
         self._zeros = {}   # (rows, width, device) -> bf16 zeros: the meta lane's rows in a weights-only backward
         self._last_x_key = None
         self._meta_ops = {}  # device -> MetaOps (the layout and meta-unpacking launches, bound on first use)
+        self._last_meta = None  # the latest dispatch's meta lane (None: it carried no top-k)
+        self._last_synced = True  # whether the latest dispatch's rows-lane handle is a synced one
 
     # -------------------------------------------------------------------------------------------------- shared
     def _ops(self, device):
@@ -98,14 +106,18 @@ class NormalMode:
         return self.lanes.get(key, T, num_experts=self.W, hidden=meta_width(K), topk=self.W * K,
                               max_recv_tokens=mrt)
 
-    def _send(self, key, payload, slots, T: int, sync_free: bool, device):
-        """One rows-lane dispatch, growing the shared capacity when a synced call was refused for it."""
+    def _send(self, key, payload, slots, T: int, sync_free: bool, device, K: int):
+        """One rows-lane dispatch, growing the shared capacity when a synced call was refused for it. A call whose
+        peers read nothing (sync-free, sync checks off, capture) and that EPBuffer refused on this rank still takes
+        part in the meta lane before raising (:meth:`_meta_refused`): the peers' dispatch goes on to it."""
         lane = self._x_lane(key, T)
         self._last_x_key = key
         try:
             return lane, lane.dispatch(payload, slots, self._ones_rows(T, device), sync_free=sync_free)
         except (InputError, CapacityError) as e:
             if not _synced(sync_free, self.lanes.sync_checks):
+                self._meta_refused(K, key[2])
+                self.lanes.unread(lane)
                 raise
             own = not isinstance(e, (PeerInputError, CapacityError))
             if not self.lanes.agree_regrow(T, own):
@@ -113,25 +125,48 @@ class NormalMode:
         lane = self._x_lane(key, T)
         return lane, lane.dispatch(payload, slots, self._ones_rows(T, device), sync_free=sync_free)
 
-    def _refuse(self, err: TritonEPError, x_key, sync_free: bool):
+    @staticmethod
+    def _refused_dispatch(lane, sync_free: bool) -> None:
+        """This rank's part in a lane's dispatch with an input EPBuffer refuses (float32 ids): its flag reaches every
+        peer in the counts exchange, no row moves; this rank's own error (or a peer's) is swallowed here."""
+        dev, slots = lane.device, lane.topk
+        try:
+            lane.dispatch(torch.empty(0, lane.hidden, dtype=torch.bfloat16, device=dev),
+                          torch.empty(0, slots, dtype=torch.float32, device=dev),
+                          torch.empty(0, slots, dtype=torch.float32, device=dev), sync_free=sync_free)
+        except TritonEPError:
+            pass
+
+    def _meta_refused(self, K: int, worst: int) -> None:
+        """Take part, refused, in the meta lane's dispatch of a call whose peers go on to it (they read nothing in
+        the rows lane: sync-free, sync checks off or capture). ``K``: this rank's top-k width (0: no meta lane, as
+        on the peers when they pass none)."""
+        if not K:
+            return
+        try:
+            lane = self._meta_lane(K, worst, 0)
+        except TritonEPError:
+            return  # its constructor's agreement raised on every rank
+        self._refused_dispatch(lane, True)
+        self.lanes.unread(lane)
+
+    def _refuse(self, err: TritonEPError, x_key, sync_free: bool, K: int):
         """This rank's input was refused before the exchange: run the rows lane's call with an input EPBuffer refuses
         (its flag reaches every peer in the counts exchange: they raise PeerInputError, no row moves), take part in
-        the refusal's collective, then raise ``err`` here. With no lane to use yet (the first call), the lane is made
-        with an invalid width: its constructor's agreement then raises on every rank (PeerConfigError there)."""
+        the refusal's collective (synced) or in the meta lane's dispatch the peers go on to (they read nothing), then
+        raise ``err`` here. With no lane to use yet (the first call), the lane is made with an invalid width: its
+        constructor's agreement then raises on every rank (PeerConfigError there)."""
         key = x_key or self._last_x_key or ("x", 0, 0)
         try:
             lane = self._x_lane(key, 0)
         except TritonEPError:
             raise err from None  # the constructor's agreement raised on every rank: nothing left to pair
-        try:
-            dev = lane.device
-            lane.dispatch(torch.empty(0, key[1], dtype=torch.bfloat16, device=dev),
-                          torch.empty(0, self.W, dtype=torch.float32, device=dev),
-                          torch.empty(0, self.W, dtype=torch.float32, device=dev), sync_free=sync_free)
-        except TritonEPError:
-            pass
+        self._refused_dispatch(lane, sync_free)
         if _synced(sync_free, self.lanes.sync_checks):
             self.lanes.agree_regrow(0, True)
+        else:
+            self.lanes.unread(lane)
+            self._meta_refused(K, key[2])
         raise err
 
     # -------------------------------------------------------------------------------------------------- layout
@@ -146,14 +181,26 @@ class NormalMode:
 
     # ------------------------------------------------------------------------------------------------ dispatch
     def dispatch(self, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
-                 topk_weights, expert_alignment: int, num_worst_tokens: int):
+                 topk_weights, expert_alignment: int, num_worst_tokens: int, refused=None):
         """DeepEP's ``Buffer.dispatch`` (intranode semantics; see the Buffer's docstring). Returns
-        ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle)``."""
+        ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle)``. ``refused``: an
+        error the Buffer found in this call's other arguments (raised after taking part, as any refusal here).
+
+        A synced call (no ``num_worst_tokens``, host reads on) first reads the lanes that ran calls nobody read
+        (:meth:`tritonep.compat.deep_ep.lanes.Lanes.check`): a refusal recorded there raises on every rank before
+        this call moves anything. A ``num_worst_tokens`` call refused for capacity returns NaN rows and weights
+        (:meth:`tritonep.compat.deep_ep.meta.MetaOps.poison`)."""
         if handle is not None:
-            return self._cached(x, handle)
+            return self._cached(x, handle, topk_idx, topk_weights, refused)
         worst = num_worst_tokens
+        if isinstance(worst, int) and worst == 0 and _synced(False, self.lanes.sync_checks):
+            self.lanes.check(skip=self.lanes.peek(("x", _width(x), 0)))
         x_key = None
+        # the top-k width a refused call takes part with (the peers' meta lane), whatever failed below
+        k_part = topk_idx.shape[1] if isinstance(topk_idx, torch.Tensor) and topk_idx.dim() == 2 else 0
         try:
+            if refused is not None:
+                raise refused
             payload, width, quant = self._payload(x)
             x_key = ("x", width, worst)
             T = payload.shape[0]
@@ -189,18 +236,17 @@ class NormalMode:
                 if t is not None and t.device != payload.device:
                     raise InputError(f"{name} is on {t.device}, x on {payload.device}")
         except TritonEPError as e:
-            self._refuse(e, x_key, bool(worst) if isinstance(worst, int) else False)
+            self._refuse(e, x_key, bool(worst) if isinstance(worst, int) else False, k_part)
 
         dev = payload.device
         slots = rank_slots(is_token_in_rank, self._ranks_on(dev))
-        lane, out = self._send(x_key, payload, slots, T, bool(worst), dev)
+        lane, out = self._send(x_key, payload, slots, T, bool(worst), dev, K)
         R = out.handle.num_recv_rows
         if worst:
             R = worst
         elif R is None:  # host reads off (TRITONEP_SYNC_CHECKS=0): the rows are known on the device only
             R = int(out.expert_offsets[-1].item())
         rows = out.x[:R] if out.x.shape[0] != R else out.x
-        recv_x = unpack_quantized(rows, *quant) if quant is not None else rows
 
         meta_lane = meta_handle = recv_idx = recv_w = None
         if K:
@@ -212,6 +258,12 @@ class NormalMode:
             recv_idx, recv_w, hist = self._ops(mout.x.device).unpack_meta(
                 mout.x, mout.weights, R, K, self.rank, E // self.W, topk_idx.dtype,
                 live=out.expert_offsets[-1] if worst else None)
+        if not _synced(bool(worst), self.lanes.sync_checks):  # nobody read these lanes' status: the next synced
+            # call or check() does
+            self.lanes.unread(lane, meta_lane)
+        if worst:  # refused for capacity (no host read tells): NaN rows and weights, they cannot pass for a result
+            self._ops(rows.device).poison(out.handle.counts, worst, rows, recv_w)
+        recv_x = unpack_quantized(rows, *quant) if quant is not None else rows
         if worst:
             counts = []
         elif K:
@@ -221,6 +273,7 @@ class NormalMode:
         if expert_alignment > 1:
             a = expert_alignment
             counts = [(c + a - 1) // a * a for c in counts]
+        self._last_meta, self._last_synced = meta_lane, out.handle.num_recv_rows is not None
         h = NormalHandle(owner=self.owner, x_lane=lane, x_handle=out.handle, meta_lane=meta_lane,
                          meta_handle=meta_handle, slots=slots, num_tokens=T, num_rows=R, topk=K,
                          is_token_in_rank=is_token_in_rank, worst=bool(worst))
@@ -259,53 +312,130 @@ class NormalMode:
             raise InputError(f"x must be bfloat16 (or a (one-byte x, scales) tuple), got {x.dtype}")
         return (x if x.is_contiguous() else x.contiguous()), x.shape[1], None
 
-    def _cached(self, x, h):
-        """Cached dispatch: the rows of ``x`` along the handle's layout (no ids, weights or counts: None)."""
-        payload, width, quant = self._payload(x)
-        if payload.shape[0] != h.num_tokens or width != h.x_lane.hidden:
-            raise InputError(f"cached dispatch: x has {payload.shape[0]} rows of {width}, the handle's dispatch had "
-                             f"{h.num_tokens} of {h.x_lane.hidden}")
+    def _own(self, h) -> bool:
+        return isinstance(h, NormalHandle) and h.owner == self.owner
+
+    def _cached(self, x, h, topk_idx, topk_weights, refused):
+        """Cached dispatch: the rows of ``x`` along the handle's layout (no ids, weights or counts: None). Sync-free
+        (no host read): a refused input still takes part in the lane's exchange (the peers' next synced call or
+        ``check()`` raises PeerInputError), then raises here."""
+        own = self._own(h)
+        try:
+            if refused is not None:
+                raise refused
+            if not own:
+                raise InputError("handle must be a NormalHandle made by this Buffer's dispatch")
+            if topk_idx is not None or topk_weights is not None:
+                raise InputError("a cached dispatch (handle=...) takes no topk_idx / topk_weights (as DeepEP)")
+            payload, width, quant = self._payload(x)
+            if payload.shape[0] != h.num_tokens or width != h.x_lane.hidden:
+                raise InputError(f"cached dispatch: x has {payload.shape[0]} rows of {width}, the handle's dispatch "
+                                 f"had {h.num_tokens} of {h.x_lane.hidden}")
+        except TritonEPError:
+            lane = h.x_lane if own else self.lanes.peek(self._last_x_key)
+            if lane is not None:  # the lane the peers' cached dispatch most likely runs on
+                self._refused_dispatch(lane, True)
+                self.lanes.unread(lane)
+            raise
         out = h.x_lane.dispatch(payload, h.slots, self._ones_rows(h.num_tokens, payload.device), sync_free=True)
+        self.lanes.unread(h.x_lane)
         rows = out.x[:h.num_rows]
         return (unpack_quantized(rows, *quant) if quant is not None else rows), None, None, None, None
 
     # ------------------------------------------------------------------------------------------------- combine
-    def combine(self, x, h, topk_weights, bias):
-        """DeepEP's ``Buffer.combine``: ``(combined_x [T, H], combined_topk_weights [T, K] or None)``."""
-        _tensor(x, "x", 2, (torch.bfloat16,))
-        if tuple(x.shape) != (h.num_rows, h.x_lane.hidden):
-            raise InputError(f"combine: x must be [{h.num_rows}, {h.x_lane.hidden}] (the dispatch's rows), got "
-                             f"{tuple(x.shape)}")
-        wback = None
+    def combine(self, x, h, topk_weights, bias, refused=None):
+        """DeepEP's ``Buffer.combine``: ``(combined_x [T, H], combined_topk_weights [T, K] or None)``.
+
+        A refused input (or handle, or ``refused``: an error the Buffer found in the call's other arguments) still
+        takes part (:meth:`_cancel_combine`), then raises here: the peers' combine of a synced dispatch raises
+        PeerInputError naming this rank; otherwise their output is NaN and their next synced dispatch or
+        ``check()`` raises it."""
+        own = self._own(h)
+        try:
+            if refused is not None:
+                raise refused
+            if not own:
+                raise InputError("handle must be a NormalHandle made by this Buffer's dispatch")
+            _tensor(x, "x", 2, (torch.bfloat16,))
+            if tuple(x.shape) != (h.num_rows, h.x_lane.hidden):
+                raise InputError(f"combine: x must be [{h.num_rows}, {h.x_lane.hidden}] (the dispatch's rows), got "
+                                 f"{tuple(x.shape)}")
+            wback = None
+            if topk_weights is not None:
+                _tensor(topk_weights, "topk_weights", 2, (torch.float32,))
+                K = h.topk
+                if h.meta_lane is None or tuple(topk_weights.shape) != (h.num_rows, K):
+                    raise InputError(f"combine(topk_weights {tuple(topk_weights.shape)}) needs a dispatch that "
+                                     f"carried top-k and one weight row per received row: [{h.num_rows}, {K}]")
+            biases = ()
+            if bias is not None:
+                biases = [b for b in (bias if isinstance(bias, tuple) else (bias,)) if b is not None]
+                if isinstance(bias, tuple) and len(bias) != 2:
+                    raise InputError(f"bias must be a tensor or a tuple of two, got a tuple of {len(bias)}")
+                for b in biases:
+                    _tensor(b, "bias", 2, (torch.bfloat16,))
+                    if tuple(b.shape) != (h.num_tokens, x.shape[1]):
+                        raise InputError(f"bias must be [{h.num_tokens}, {x.shape[1]}], got {tuple(b.shape)}")
+        except TritonEPError:
+            self._cancel_combine(h if own else None, topk_weights is not None)
+            raise
         if topk_weights is not None:
-            _tensor(topk_weights, "topk_weights", 2, (torch.float32,))
-            K = h.topk
-            if h.meta_lane is None or tuple(topk_weights.shape) != (h.num_rows, K):
-                raise InputError(f"combine(topk_weights {tuple(topk_weights.shape)}) needs a dispatch that carried "
-                                 f"top-k and one weight row per received row: [{h.num_rows}, {K}]")
             # the weights go back unsummed on the meta lane's routes (one per (token, rank, slot)), the meta lane's
             # handle is sync-free: its backward reads rows up to the lane's receive capacity
             n = h.meta_lane.max_recv_tokens
             wback = torch.zeros(n, dtype=torch.float32, device=x.device)
             wback[:h.num_rows * K] = topk_weights.reshape(-1)
-        biases = ()
-        if bias is not None:
-            biases = [b for b in (bias if isinstance(bias, tuple) else (bias,)) if b is not None]
-            if isinstance(bias, tuple) and len(bias) != 2:
-                raise InputError(f"bias must be a tensor or a tuple of two, got a tuple of {len(bias)}")
-            for b in biases:
-                _tensor(b, "bias", 2, (torch.bfloat16,))
-                if tuple(b.shape) != (h.num_tokens, x.shape[1]):
-                    raise InputError(f"bias must be [{h.num_tokens}, {x.shape[1]}], got {tuple(b.shape)}")
-        y = h.x_lane.combine(x, h.x_handle)
+        # whether the rows lane's combine reads its status
+        reads = h.x_handle.num_recv_rows is not None and _synced(False, self.lanes.sync_checks)
+        try:
+            y = h.x_lane.combine(x, h.x_handle)
+        except (InputError, ConfigError) as e:
+            if isinstance(e, PeerInputError):
+                raise
+            self._cancel_combine(h, topk_weights is not None, rows_done=True)  # EPBuffer took part for the rows
+            raise
         w = None
         if wback is not None:
             rows = self._zero_rows(n, h.meta_lane.hidden, x.device)
             _, per_slot = h.meta_lane.dispatch_backward(rows, wback, h.meta_handle)  # [T, W*K], exact
             w = per_slot.view(h.num_tokens, self.W, K).sum(1)  # DeepEP: the ranks' values summed in float32
+        if not reads:  # nobody read the status of these calls: the next synced call or check() does
+            self.lanes.unread(h.x_lane, h.meta_lane if wback is not None else None)
         if biases:  # DeepEP adds the biases to the fp32 sum before its one rounding; here after it (one more)
             yf = y.float()
             for b in biases:
                 yf = yf + b.float()
             y = yf.to(torch.bfloat16)
+        if h.worst:  # a dispatch refused for capacity: NaN, it cannot pass for a result (MetaOps.poison)
+            self._ops(y.device).poison(h.x_handle.counts, h.num_rows, y, w)
         return y, w
+
+    def _cancel_combine(self, h, with_weights: bool, rows_done: bool = False) -> None:
+        """This rank's combine input was refused: take part in the peers' combine as refused
+        (:meth:`tritonep.EPBuffer.cancel_combine` on the rows lane, unless ``rows_done``) and, when the peers go on
+        (their rows-lane combine reads nothing: a ``num_worst_tokens`` handle, sync checks off, capture) and pass
+        ``topk_weights`` (``with_weights``: this rank's call passed them too), in their meta-lane backward
+        (:meth:`tritonep.EPBuffer.cancel_dispatch_backward`). ``h``: the call's handle, or None for a handle this
+        Buffer did not make (then the latest dispatch's lanes stand in: the peers' combine most likely is of it)."""
+        if h is not None:
+            lane, xh, meta, mh = h.x_lane, h.x_handle, h.meta_lane, h.meta_handle
+            synced = xh.num_recv_rows is not None
+        else:
+            lane, xh, meta, mh = self.lanes.peek(self._last_x_key), None, self._last_meta, None
+            synced = self._last_synced
+        if lane is None:
+            return  # no dispatch yet: no peer can be in a combine of this Buffer either
+        if not rows_done:
+            try:
+                lane.cancel_combine(xh)
+            except TritonEPError:
+                pass
+        if synced and _synced(False, self.lanes.sync_checks):
+            return  # the peers' eager combine raises PeerInputError: none of them goes on to the meta lane
+        self.lanes.unread(lane)
+        if with_weights and meta is not None:
+            try:
+                meta.cancel_dispatch_backward(mh, with_weights=True)
+            except TritonEPError:
+                pass
+            self.lanes.unread(meta)

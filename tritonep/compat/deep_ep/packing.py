@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["layout_torch", "rank_slots", "meta_slots", "meta_width", "pack_meta", "unpack_meta", "local_id_table",
-           "pack_quantized", "unpack_quantized"]
+           "pack_quantized", "unpack_quantized", "over_capacity", "poison_torch"]
 
 
 def layout_torch(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
@@ -127,3 +127,19 @@ def unpack_quantized(rows: torch.Tensor, x_dtype: torch.dtype, scale_dtype: torc
     xq = b[:, :H].contiguous().view(x_dtype)
     scales = b[:, H:H + 4 * num_scales].contiguous().view(scale_dtype)
     return xq, scales
+
+
+def over_capacity(counts: torch.Tensor, limit: int) -> torch.Tensor:
+    """Whether a rows-lane call with these exchanged counts (int32 ``[W, W]``: rows of source rank i to rank j) was
+    refused for capacity: some rank would receive more than ``limit`` rows (EPBuffer's test for a lane of one
+    pseudo-expert per rank and ``max_recv_tokens = limit``). A 0-dim bool device tensor, no host read."""
+    return counts.sum(0).amax() > limit
+
+
+def poison_torch(counts: torch.Tensor, limit: int, *tensors: torch.Tensor) -> None:
+    """Twin of :func:`tritonep.compat.deep_ep.kernels.poison.poison`: when :func:`over_capacity`, every element of
+    every tensor (contiguous, 1-, 2- or 4-byte elements) gets all-ones bits in place (NaN in bfloat16, float32,
+    float8_e4m3fn and UE8M0 bytes); else nothing changes. No host read."""
+    over = over_capacity(counts, limit)
+    for t in tensors:
+        t.view({1: torch.int8, 2: torch.int16, 4: torch.int32}[t.element_size()]).masked_fill_(over, -1)

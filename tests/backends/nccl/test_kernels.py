@@ -7,6 +7,8 @@ slots, one expert twice in a token, every token to one expert, alignment padding
 quantized sources (payload + scale bytes), repeated calls on one router (the ticket resets).
 """
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -20,7 +22,12 @@ from tritonep.runtime.launch import Launch
 from tritonep.bench.cases import make_rank_inputs
 from tritonep.wire.formats import get_wire
 
-_LAUNCH = Launch("cpu", record=False, max_programs=0)
+
+@functools.cache
+def _launch() -> Launch:
+    """The CPU launch runtime (made at first use, not at import: a GPU run collects this file without the
+    interpreter, and a CPU runtime refuses to exist there)."""
+    return Launch("cpu", record=False, max_programs=0)
 
 
 def _inputs(W, E, K, H, Ts, seed, mode):
@@ -48,7 +55,7 @@ def _exchange(W, E, K, H, Ts, A=1, seed=0, mode="random", wire="bf16"):
         srcs = (es, H), None
     ins = _inputs(W, E, K, H, Ts, seed, mode)
     Tm = max(max(Ts), 1)
-    routers = {ut: [Router(W, E, K, Tm, "cpu", _LAUNCH, lay, *srcs) for _ in range(W)] for ut in (False, True)}
+    routers = {ut: [Router(W, E, K, Tm, "cpu", _launch(), lay, *srcs) for _ in range(W)] for ut in (False, True)}
     for ro in routers[True]:
         ro.target = 7  # several program columns per chunk (the GPU's split of long rows), uneven
     rows_of = {}
@@ -126,7 +133,7 @@ def test_count_and_pack_kernels_equal_twins(name):
 def test_count_kernel_bad_ids_and_repeated_calls():
     """Ids outside [-1, E) are counted, not binned; the ticket resets so calls of other sizes stay right."""
     lay = send_layout(32, 2)
-    ro = Router(2, 8, 2, 300, "cpu", _LAUNCH, lay, (2, 16), None)
+    ro = Router(2, 8, 2, 300, "cpu", _launch(), lay, (2, 16), None)
     gen = torch.Generator().manual_seed(3)
     for T in (300, 5, 64, 65, 1):
         idx = torch.randint(-3, 11, (T, 2), generator=gen)
@@ -158,7 +165,7 @@ def test_unpack_kernel_equals_twin(name, wire, keep, tail):
             recv[Nr].zero_()
             fmt.wire_views(recv[Nr:], H)[1].fill_(fmt.zero_scale)
         R = int(ranks[d]["need"][d])
-        up = Unpacker(d, E, E // W, K, H, A, _LAUNCH, lay, (E + W, E + W + E // W))
+        up = Unpacker(d, E, E // W, K, H, A, _launch(), lay, (E + W, E + W + E // W))
         up.target = 64  # several program columns (the GPU split of long rows)
         outs = {}
         for ut in (False, True):
@@ -198,7 +205,7 @@ def test_combine_kernels_equal_twins():
     for d in range(W):
         recv = _recv(ranks, d, lay)
         Nr, R, T = sum(ranks[d]["rs"]), int(ranks[d]["need"][d]), Ts[d]
-        up = Unpacker(d, E, E // W, K, H, A, _LAUNCH, lay, (E + W, E + W + E // W))
+        up = Unpacker(d, E, E // W, K, H, A, _launch(), lay, (E + W, E + W + E // W))
         up.target = 64
         rr = torch.empty(Nr, K, dtype=torch.int32)
         rw = torch.empty(Nr, K)
@@ -211,11 +218,11 @@ def test_combine_kernels_equal_twins():
         sends, geos, gws = {}, {}, {}
         for ut in (False, True):
             s = torch.full((Nr, clay.width), 0x5A, dtype=torch.uint8)
-            local_partials(_LAUNCH, eo, rr, rw, s, clay, torch.bfloat16, True, ut, Nr, H, K, False, gw)
+            local_partials(_launch(), eo, rr, rw, s, clay, torch.bfloat16, True, ut, Nr, H, K, False, gw)
             sends[ut] = s
             p32 = torch.full((Nr, H), 3.0)
             part_lay = send_layout(4 * H, K, 0)._replace(mo=4 * H, width=4 * H)
-            local_partials(_LAUNCH, eo, rr, rw, p32, part_lay, torch.float32, False, ut, Nr, H, K, False)
+            local_partials(_launch(), eo, rr, rw, p32, part_lay, torch.float32, False, ut, Nr, H, K, False)
             sends[(ut, "fp32")] = p32
             geos[ut] = torch.zeros(R + 2, H, dtype=torch.bfloat16)
             gws[ut] = torch.zeros(R)
@@ -234,7 +241,7 @@ def test_combine_kernels_equal_twins():
         for ut in (False, True):
             ys[ut] = torch.full((T, H), 1.0, dtype=torch.bfloat16)
             gtws[ut] = torch.full((T, K), 4.0)
-            sum_partials(_LAUNCH, back, torch.bfloat16, clay.width // 2, pkt, ys[ut], ut, T, H, K, Ns, clay, gtws[ut])
+            sum_partials(_launch(), back, torch.bfloat16, clay.width // 2, pkt, ys[ut], ut, T, H, K, Ns, clay, gtws[ut])
             packed[ut] = torch.zeros(Ns, H, dtype=torch.bfloat16)
             if Ns:
                 up.pack_rows(ranks[d]["x"], pkt, packed[ut], T, ut)

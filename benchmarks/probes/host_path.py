@@ -87,8 +87,10 @@ def _compat_rank(group, T, H, E, K, iters, geometry):
     def tep_dispatch():
         st["t"] = ebuf.dispatch(x, idx, w)
 
-    def rows_dispatch():
-        st["r"] = rows.dispatch(x, torch.where(st["layout"][3], ranks, -1), ones)
+    def rows_dispatch():  # the lane alone (its routing made once, as benchmarks/deep_ep_compat.py times it)
+        if "slots" not in st:
+            st["slots"] = torch.where(st["layout"][3], ranks, -1)
+        st["r"] = rows.dispatch(x, st["slots"], ones)
 
     calls = {"compat_layout": layout, "compat_dispatch": dispatch, "compat_combine": combine,
              "compat_worst_dispatch": lambda: dispatch(W * T), "compat_worst_combine": combine,

@@ -18,7 +18,8 @@ and a ``num_worst_tokens`` dispatch never. The layout is one launch and no read;
 torch kernels may only go down (then lower the budget): the dispatch allocates the packing kernel's one block (four
 views), the unpacking kernel's two outputs and what the lanes allocate (``tests/backends/triton/
 test_host_path_budget.py``), and runs no torch kernel of its own (the torch way, ``packing.pack_torch``, a zeroed
-histogram and its ``tolist``, is six torch kernels and a device-to-host copy per dispatch). The previous step's outputs are let go before a dispatch, as a loop over steps does.
+histogram and its ``tolist``, is six torch kernels and a device-to-host copy per dispatch). The previous step's
+outputs are let go before a dispatch, as a loop over steps does.
 """
 
 import pytest

@@ -80,9 +80,10 @@ class _Aten(TorchDispatchMode):
 class HostCounter:
     """``with HostCounter() as c: <calls>`` counts torch calls (``c.torch_calls``), aten ops (``c.aten_ops``),
     allocations (``c.allocs``), aten ops that run a device kernel or copy (``c.torch_kernels``: all but allocations
-    without a fill, views and metadata; on a GPU each is a launch of torch's own), their names (``c.torch_names``, ``c.aten_names``) and the torch calls that read device
-    memory on the host (``c.tensor_reads``: :data:`HOST_READ_NAMES`, e.g. ``tolist``; a backend's pinned status
-    read is no torch call: :attr:`tritonep.EPBuffer.host_reads` counts those)."""
+    without a fill, views and metadata; on a GPU each is a launch of torch's own), their names (``c.torch_names``,
+    ``c.aten_names``) and the torch calls that read device memory on the host (``c.tensor_reads``:
+    :data:`HOST_READ_NAMES`, e.g. ``tolist``; a backend's pinned status read is no torch call:
+    :attr:`tritonep.EPBuffer.host_reads` counts those)."""
 
     def __enter__(self):
         self._fn, self._aten = _Fn(), _Aten()
@@ -213,8 +214,9 @@ def measure_calls(calls: dict, status_reads=lambda: 0, iters: int = 20, run_kern
 
     Returns:
         ``{name: {torch_calls, aten_ops, allocs, torch_kernels, launches, host_reads, tensor_reads, status_reads,
-        host_us, torch_names, aten_names}}`` (:class:`HostCounter`'s counts; ``launches``: Triton launches); ``host_reads`` = ``tensor_reads`` (torch calls of :data:`HOST_READ_NAMES`)
-        + ``status_reads`` (the pinned status reads the backends counted).
+        host_us, torch_names, aten_names}}`` (:class:`HostCounter`'s counts; ``launches``: Triton launches);
+        ``host_reads`` = ``tensor_reads`` (torch calls of :data:`HOST_READ_NAMES`) + ``status_reads`` (the pinned
+        status reads the backends counted).
     """
     out = {}
     with stub_launches(None, run=run_kernels) as launched:
@@ -231,7 +233,8 @@ def measure_calls(calls: dict, status_reads=lambda: 0, iters: int = 20, run_kern
                 fn()
                 ts.append((time.perf_counter() - t0 - (launched.spent - s0)) * 1e6)
             out[kind] = dict(torch_calls=c.torch_calls, aten_ops=c.aten_ops, allocs=c.allocs,
-                             torch_kernels=c.torch_kernels, launches=launches, host_reads=reads + c.tensor_reads, tensor_reads=c.tensor_reads, status_reads=reads,
+                             torch_kernels=c.torch_kernels, launches=launches, host_reads=reads + c.tensor_reads,
+                             tensor_reads=c.tensor_reads, status_reads=reads,
                              host_us=statistics.median(ts) if ts else 0.0, torch_names=c.torch_names,
                              aten_names=c.aten_names)
     return out

@@ -128,8 +128,8 @@ class MetaOps:
                     ("in_rank_ptr", "ids_ptr", "w_ptr", "T", "out_ptr", "o_meta", "o_slots", "o_w")))
                 self._tile[key] = bt
             c = torch.Tensor.is_contiguous
-            bk((triton.cdiv(T, self._tile[key]),), is_token_in_rank if c(is_token_in_rank) else is_token_in_rank.contiguous(),
-               topk_idx if c(topk_idx) else topk_idx.contiguous(),
+            itr = is_token_in_rank if c(is_token_in_rank) else is_token_in_rank.contiguous()
+            bk((triton.cdiv(T, self._tile[key]),), itr, topk_idx if c(topk_idx) else topk_idx.contiguous(),
                topk_weights if c(topk_weights) else topk_weights.contiguous(), T, blk, o_meta, o_slots, o_w)
         return out
 
@@ -169,8 +169,8 @@ class MetaOps:
         if bk is None:
             br = 128 if self._cuda else 64
             bk = self._launch.variant(key, lambda: self._launch.bind(unpack_meta_kernel, dict(
-                acc_ptr=acc, host_ptr=mapped, RS=meta_width(K) // 2, K=K, KB=_p2(K), L=L, BR=br, NB=min(1024, _p2(L + 1)), LIVE=has_live,
-                GPU=self._cuda, num_warps=4),
+                acc_ptr=acc, host_ptr=mapped, RS=meta_width(K) // 2, K=K, KB=_p2(K), L=L, BR=br,
+                NB=min(1024, _p2(L + 1)), LIVE=has_live, GPU=self._cuda, num_warps=4),
                 ("rows_ptr", "w_ptr", "R", "live_ptr", "lo", "idx_ptr", "wout_ptr", "ticket")))
             self._tile[key] = br
         ticket = host.next_ticket() if read else 0

@@ -134,10 +134,11 @@ def unpack_meta_kernel(rows_ptr, w_ptr, R, live_ptr, lo, idx_ptr, wout_ptr, acc_
                        RS: tl.constexpr, K: tl.constexpr, KB: tl.constexpr, L: tl.constexpr, BR: tl.constexpr,
                        NB: tl.constexpr, LIVE: tl.constexpr, GPU: tl.constexpr):
     """Received tokens ``[BR]`` per program: ``rows`` bf16 ``[R*K, 2*RS]`` read as int32 ``[R*K, RS]`` (the token's
-    K ids first in the first of its K rows), ``w`` float32 ``[R*K]`` (route weights) -> ``idx [R, K]`` local ids, ``wout [R, K]`` float32, and the
-    histogram ``[L + 1]`` (``[1 + j]``: slots with local expert j, ``[0]``: slots with -1) published as int64 to the
-    pinned ``host [L + 2]`` with ``ticket`` (:func:`_publish`). ``lo`` = rank * L; ``acc``: int32 ``[L + 2]`` zeros
-    (left zeroed). ``LIVE``: tokens at or past ``*live_ptr`` are not received (ids -1, weight 0, not counted)."""
+    K ids first in the first of its K rows), ``w`` float32 ``[R*K]`` (route weights) -> ``idx [R, K]`` local ids,
+    ``wout [R, K]`` float32, and the histogram ``[L + 1]`` (``[1 + j]``: slots with local expert j, ``[0]``: slots
+    with -1) published as int64 to the pinned ``host [L + 2]`` with ``ticket`` (:func:`_publish`). ``lo`` = rank * L;
+    ``acc``: int32 ``[L + 2]`` zeros (left zeroed). ``LIVE``: tokens at or past ``*live_ptr`` are not received (ids
+    -1, weight 0, not counted)."""
     i = tl.program_id(0) * BR + tl.arange(0, BR)
     kk = tl.arange(0, KB)
     rm = i < R

@@ -14,7 +14,9 @@ output (median of 3 rounds of ``--iters`` calls, CUDA events; graph: the same re
 * ``tep``: ``tritonep.EPBuffer`` on the same tokens and routing (rows per (token, expert), weighted combine), eager
   and graph: the API a new caller would use;
 * ``rows``: the EPBuffer the compat Buffer's rows travel in (one pseudo-expert per rank: DeepEP's rows, no top-k
-  metadata), eager and graph: the same bytes as ``compat``, so ``compat`` / ``rows`` is the adapter's own cost.
+  metadata; its routing made once, outside the timed calls), eager and graph: the same bytes as ``compat``, so
+  ``compat`` / ``rows`` is the adapter's own cost. Its host path is EPBuffer's own (the same counts as ``tep``'s:
+  ``benchmarks/probes/host_path.py --compat``); a torch op per call on its routing would time torch, not the lane.
 
 Checks (every point; exit code 1 when one fails): ``compat`` and ``compat_worst`` combine to ``x * (ranks that
 received the token)`` bit for bit (DeepEP's unweighted sum of the received rows), their per-expert counts add up to
@@ -92,8 +94,8 @@ def bench_point(group, T, H, E, K, iters):
     ranks = torch.arange(W, dtype=torch.int32, device=dev)
     ones = torch.ones(T, W, device=dev)
 
-    def rows_round(itr):
-        d = rows.dispatch(x, torch.where(itr, ranks, -1), ones)
+    def rows_round(slots):  # the lane alone: its routing made once, outside the timed calls
+        d = rows.dispatch(x, slots, ones)
         return rows.combine(d.x, d.handle)
 
     # checks
@@ -106,7 +108,8 @@ def bench_point(group, T, H, E, K, iters):
         bool(((ridx >= -1) & (ridx < L)).all())
     row["compat_worst_exact"] = bool(torch.equal(yw, expect)) and cw == [] and \
         bool(torch.equal(rxw[:R], rx)) and bool((ridxw[R:] == -1).all())
-    row["rows_exact"] = bool(torch.equal(rows_round(itr), expect))
+    slots = torch.where(itr, ranks, -1)  # the compat Buffer's rows-lane routing (its packing kernel's first part)
+    row["rows_exact"] = bool(torch.equal(rows_round(slots), expect))
     oracle = x.float() * w.sum(1, keepdim=True)
     row["tep_err_vs_oracle"] = float((tep_round().float() - oracle).abs().max() /
                                      oracle.abs().max().clamp_min(1e-30))
@@ -115,7 +118,7 @@ def bench_point(group, T, H, E, K, iters):
     _timed(row, "compat", lambda: compat()[0], group, iters, graph=False)
     _timed(row, "compat_worst", lambda: compat(worst)[0], group, iters, graph=True)
     _timed(row, "tep", tep_round, group, iters, graph=True)
-    _timed(row, "rows", lambda: rows_round(itr), group, iters, graph=True)
+    _timed(row, "rows", lambda: rows_round(slots), group, iters, graph=True)
     row["compat_over_tep_eager"] = row["compat_eager_us"] / row["tep_eager_us"]
     row["compat_minus_tep_eager_us"] = row["compat_eager_us"] - row["tep_eager_us"]
     row["compat_over_rows_eager"] = row["compat_eager_us"] / row["rows_eager_us"]

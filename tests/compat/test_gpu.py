@@ -47,3 +47,57 @@ def test_compat_refusals_world(gpu_world, gpu_world_size, backend):
         refused.assert_normal(gpu_world(W, refused._normal_world, backend, how, nccl=nccl), how)
     for how in ("combine", "dispatch"):
         refused.assert_ll(gpu_world(W, refused._ll_world, backend, how, nccl=nccl), backend, how)
+
+
+@pytest.mark.world1
+def test_meta_kernels_match_twins_on_gpu():
+    """The compiled layout, packing and unpacking kernels against their torch twins, bit for bit, at the shapes the
+    benchmark runs (DeepSeek-V3's 256 experts, top-8, 4096 tokens: many programs counting into one accumulator with
+    element-wise atomics; W 1 and 8), each twice (the accumulators are left zeroed), and the histogram read through
+    pinned memory (one host read each)."""
+    import torch
+
+    from tritonep.compat.deep_ep.meta import MetaOps
+    from tritonep.compat.deep_ep.packing import layout_torch, local_id_table, meta_width, pack_torch, unpack_meta
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    ops = MetaOps(dev)
+    gen = torch.Generator().manual_seed(7)
+    E, K = 256, 8
+    for W, T in ((1, 4096), (8, 4096), (8, 128), (1, 1), (8, 0)):
+        idx = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]) if T else \
+            torch.empty(0, K, dtype=torch.int64)
+        if T:
+            idx[: T // 7, 3] = -1  # masked slots
+            idx[T // 7: T // 5, 0] = E + 3  # out of range: selects nothing
+        w = torch.rand(T, K, generator=gen)
+        for dt in (torch.int64, torch.int32):
+            d_idx, d_w = idx.to(dt).to(dev), w.to(dev)
+            ref = layout_torch(d_idx, E, W)
+            for _ in range(2):
+                got = ops.layout(d_idx, E, W)
+                assert all(torch.equal(g, r) for g, r in zip(got, ref)), (W, T, dt)
+            pref = pack_torch(ref[2], d_idx, d_w)
+            for g, r in zip(ops.pack(ref[2], d_idx, d_w), pref):
+                assert g.dtype == r.dtype and torch.equal(g.view(torch.int16) if g.element_size() == 2 else
+                                                          g.view(torch.int32), r.view(torch.int16)
+                                                          if r.element_size() == 2 else r.view(torch.int32))
+    L = E // 8
+    for R in (4096 * 8, 128, 1):
+        rows = torch.randint(-3, E + 3, (R * K, meta_width(K) // 2), generator=gen, dtype=torch.int32)
+        wts = torch.rand(R * K, generator=gen)
+        d_rows, d_w = rows.view(torch.bfloat16).to(dev), wts.to(dev)
+        for rank in (0, 5):
+            local, weights, hist = unpack_meta(d_rows, d_w, K, local_id_table(rank, L, E, torch.int64, dev), E, L)
+            for _ in range(2):
+                reads = ops.host_reads
+                ki, kw, kh = ops.unpack_meta(d_rows, d_w, R, K, rank, L, torch.int64)
+                assert torch.equal(ki, local) and torch.equal(kw, weights) and kh == hist.tolist(), (R, rank)
+                assert ops.host_reads == reads + 1
+            live = torch.tensor(R // 3, dtype=torch.int32, device=dev)
+            ki, kw, kh = ops.unpack_meta(d_rows, d_w, R, K, rank, L, torch.int32, live=live, read=False)
+            n = R // 3
+            assert kh is None and torch.equal(ki[:n].long(), local[:n]) and bool((ki[n:] == -1).all())
+            _, _, kh = ops.unpack_meta(d_rows, d_w, R, K, rank, L, torch.int32, live=live)
+            assert kh == unpack_meta(d_rows[:n * K], d_w[:n * K], K, local_id_table(rank, L, E, torch.int64, dev),
+                                     E, L)[2].tolist()

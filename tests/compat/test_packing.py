@@ -2,9 +2,12 @@
 
 - every 16-bit pattern (NaN payloads, infinities, subnormals, -0) crosses a compat dispatch unchanged, both backends:
   the premise of handing caller-quantized rows and top-k metadata on in bf16 rows;
-- the layout (ids -1 and out of range select nothing, repeated ids count twice), twin and kernel;
+- the layout (ids -1 and out of range select nothing, repeated ids count twice), twin and kernel, over several
+  programs and repeated calls (the kernel's accumulator is left zeroed);
 - the per-rank slots, the meta lane's K slots per rank, top-k id packing and the local-id table (never wraps an id
-  onto an expert), the unpacking twin and kernel (received tokens only when the count lives on the device);
+  onto an expert); the packing kernel against its twin bit for bit (weights with NaN payloads included);
+- the unpacking twin and kernel (received tokens only when the count lives on the device; the histogram read on
+  the host through pinned memory, none without a read);
 - quantized rows (strided float scales, int32 scales) packed and unpacked bit for bit;
 - the low-latency slot map and the UE8M0 packing;
 - the NaN fill of a ``num_worst_tokens`` call refused for capacity: twin and kernel, bit for bit, and only when some
@@ -18,7 +21,8 @@ from tests.compat.deepep_reference import layout_ref
 from tritonep.compat.deep_ep.meta import MetaOps
 from tritonep.compat.deep_ep.low_latency import expert_slots, ue8m0_pack
 from tritonep.compat.deep_ep.packing import (layout_torch, local_id_table, meta_slots, meta_width, pack_meta,
-                                             pack_quantized, poison_torch, rank_slots, unpack_meta, unpack_quantized)
+                                              pack_quantized, pack_torch, poison_torch, rank_slots, unpack_meta,
+                                              unpack_quantized)
 from tritonep.errors import InputError
 from tritonep.testing import run_cpu_world
 
@@ -49,15 +53,42 @@ def test_every_bf16_bit_pattern_crosses_unchanged():
 def test_layout_matches_loops():
     kernels = MetaOps("cpu")
     gen = torch.Generator().manual_seed(0)
-    for W, E, T, K in ((2, 4, 9, 2), (3, 12, 17, 4), (4, 4, 5, 3), (1, 3, 4, 2), (2, 8, 0, 3)):
+    # (3, 12, 600, 4): several programs of the kernel (a CPU tile holds 256 tokens)
+    for W, E, T, K in ((2, 4, 9, 2), (3, 12, 17, 4), (4, 4, 5, 3), (1, 3, 4, 2), (2, 8, 0, 3), (3, 12, 600, 4)):
         idx = torch.randint(-2, E + 2, (T, K), generator=gen)  # -1, -2 and ids >= E select nothing
         if T:
             idx[0, :2] = 0  # a repeated id counts twice per expert, once per rank
         ref = layout_ref(idx, E, W)
         for dt in (torch.int64, torch.int32):
-            for got in (layout_torch(idx.to(dt), E, W), kernels.layout(idx.to(dt), E, W)):
+            for got in (layout_torch(idx.to(dt), E, W), kernels.layout(idx.to(dt), E, W),
+                        kernels.layout(idx.to(dt), E, W)):  # twice: the accumulator starts from zero again
                 for g, r in zip(got, ref):
                     assert g.dtype == r.dtype and torch.equal(g, r)
+
+
+def _bits(t):
+    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+
+
+def test_pack_kernel_matches_twin_bit_for_bit():
+    kernels = MetaOps("cpu")
+    gen = torch.Generator().manual_seed(3)
+    for W, E, T, K in ((2, 8, 7, 3), (1, 4, 5, 8), (3, 12, 300, 4), (4, 8, 0, 2), (2, 6, 1, 1)):
+        idx = torch.randint(-2, E + 2, (T, K), generator=gen)
+        w = torch.rand(T, K, generator=gen)
+        if T:
+            w.view(torch.int32)[0, 0] = 0x7FC00123  # a NaN payload travels as bits
+        in_rank = torch.rand(T, W, generator=gen) < 0.5
+        for dt in (torch.int64, torch.int32):
+            ref = pack_torch(in_rank, idx.to(dt), w)
+            for args in ((in_rank, idx.to(dt), w), (in_rank.T.contiguous().T, idx.to(dt).T.contiguous().T, w)):
+                got = kernels.pack(*args)  # the second: strided inputs, made contiguous
+                assert [g.shape for g in got] == [r.shape for r in ref]
+                for g, r in zip(got, ref):
+                    assert g.dtype == r.dtype and g.is_contiguous() and torch.equal(_bits(g), _bits(r))
+                # the four parts are views of one allocation, each 16-byte aligned
+                assert len({g.untyped_storage().data_ptr() for g in got}) == 1
+                assert all(g.data_ptr() % 16 == 0 for g in got)
 
 
 def test_meta_round_trip_and_local_ids():
@@ -85,15 +116,19 @@ def test_meta_round_trip_and_local_ids():
         R = lane_rows.shape[0] // K
         for dt in (torch.int64, torch.int32):  # the kernel, on the lane's rows with spare rows after the received
             spare = torch.full((3 * K, lane_rows.shape[1]), 77, dtype=torch.int16).view(torch.bfloat16)
+            reads = kernels.host_reads
             ki, kw, kh = kernels.unpack_meta(torch.cat([lane_rows, spare]), torch.cat([lane_w, torch.ones(3 * K)]),
                                              R, K, rank, L, dt)
             assert ki.dtype == dt and torch.equal(ki.long(), local) and torch.equal(kw, weights)
-            assert torch.equal(kh, hist.to(torch.int32))
+            assert kh == hist.tolist() and kernels.host_reads == reads + (1 if R else 0)
             live = torch.tensor(max(R - 2, 0), dtype=torch.int32)  # num_worst_tokens: the count on the device
-            ki, kw, kh = kernels.unpack_meta(lane_rows, lane_w, R, K, rank, L, dt, live=live)
+            ki, kw, kh = kernels.unpack_meta(lane_rows, lane_w, R, K, rank, L, dt, live=live, read=False)
             n = int(live)
+            assert kh is None and kernels.host_reads == reads + (1 if R else 0)
             assert torch.equal(ki[:n].long(), local[:n]) and bool((ki[n:] == -1).all()) and not kw[n:].any()
             assert torch.equal(kw[:n], weights[:n])
+            _, _, kh = kernels.unpack_meta(lane_rows, lane_w, R, K, rank, L, dt, live=live)  # counts live ones only
+            assert kh == unpack_meta(lane_rows[:n * K], lane_w[:n * K], K, table, E, L)[2].tolist()
         for i, t in enumerate(torch.nonzero(got)[:, 0].tolist()):
             for k in range(K):
                 g = int(idx[t, k])
@@ -101,6 +136,24 @@ def test_meta_round_trip_and_local_ids():
                 assert int(local[i, k]) == exp
                 assert float(weights[i, k]) == (float(w[t, k]) if exp >= 0 else 0.0)
         assert hist.tolist() == [int((local == j - 1).sum()) for j in range(L + 1)]
+
+
+def test_unpack_kernel_over_programs_and_calls():
+    """Received tokens over several programs (a CPU program takes 64), repeated calls (the accumulator is left
+    zeroed, a read-free call too) and the twin's values every time."""
+    kernels = MetaOps("cpu")
+    gen = torch.Generator().manual_seed(4)
+    E, W, K = 8, 2, 3
+    L = E // W
+    for R in (150, 1, 64, 150):
+        rows = torch.randint(-3, E + 3, (R * K, meta_width(K) // 2), generator=gen, dtype=torch.int32)
+        w = torch.rand(R * K, generator=gen)
+        for rank in range(W):
+            local, weights, hist = unpack_meta(rows.view(torch.bfloat16), w, K,
+                                               local_id_table(rank, L, E, torch.int32, "cpu"), E, L)
+            kernels.unpack_meta(rows.view(torch.bfloat16), w, R, K, rank, L, torch.int32, read=False)
+            ki, kw, kh = kernels.unpack_meta(rows.view(torch.bfloat16), w, R, K, rank, L, torch.int32)
+            assert torch.equal(ki, local) and torch.equal(kw, weights) and kh == hist.tolist()
 
 
 def test_quantized_rows_round_trip_bit_exact():

@@ -29,9 +29,18 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["HostCounter", "stub_launches", "measure_host_path", "host_calibration", "best_time_us", "CALL_KINDS"]
+__all__ = ["HostCounter", "stub_launches", "measure_host_path", "measure_calls", "host_calibration", "best_time_us",
+           "CALL_KINDS", "HOST_READ_NAMES"]
 
 CALL_KINDS = ("dispatch", "dispatch_sync_free", "combine", "dispatch_bwd", "combine_bwd")
+# tensor methods that read device memory on the host (a device->host copy and a stream sync on a GPU)
+HOST_READ_NAMES = frozenset(("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy"))
+# aten ops that launch no device kernel: allocations without a fill, views, metadata, host scalars
+_NO_KERNEL = frozenset(("empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like", "view",
+                        "_unsafe_view", "slice", "select", "as_strided", "unsqueeze", "squeeze", "expand", "detach",
+                        "alias", "t", "transpose", "permute", "split", "split_with_sizes", "narrow", "unbind",
+                        "_reshape_alias", "reshape", "lift_fresh", "scalar_tensor", "sym_size", "sym_stride",
+                        "sym_numel", "sym_storage_offset", "size", "stride", "dim", "is_contiguous", "set_"))
 _ALLOC_PREFIXES = ("empty", "zeros", "ones", "full", "new_empty", "new_zeros", "new_full", "new_ones",
                    "empty_like", "zeros_like", "ones_like", "full_like", "clone", "_to_copy")
 
@@ -54,6 +63,7 @@ class _Aten(TorchDispatchMode):
         super().__init__()
         self.n = 0
         self.allocs = 0
+        self.kernels = 0
         self.names: dict = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -62,12 +72,18 @@ class _Aten(TorchDispatchMode):
         self.names[name] = self.names.get(name, 0) + 1
         if name.startswith(_ALLOC_PREFIXES):
             self.allocs += 1
+        if name not in _NO_KERNEL:
+            self.kernels += 1
         return func(*args, **(kwargs or {}))
 
 
 class HostCounter:
     """``with HostCounter() as c: <calls>`` counts torch calls (``c.torch_calls``), aten ops (``c.aten_ops``),
-    allocations (``c.allocs``) and their names (``c.torch_names``, ``c.aten_names``)."""
+    allocations (``c.allocs``), aten ops that run a device kernel or copy (``c.torch_kernels``: all but allocations
+    without a fill, views and metadata; on a GPU each is a launch of torch's own), their names (``c.torch_names``,
+    ``c.aten_names``) and the torch calls that read device memory on the host (``c.tensor_reads``:
+    :data:`HOST_READ_NAMES`, e.g. ``tolist``; a backend's pinned status read is no torch call:
+    :attr:`tritonep.EPBuffer.host_reads` counts those)."""
 
     def __enter__(self):
         self._fn, self._aten = _Fn(), _Aten()
@@ -79,7 +95,9 @@ class HostCounter:
         self._aten.__exit__(*exc)
         self._fn.__exit__(*exc)
         self.torch_calls, self.aten_ops, self.allocs = self._fn.n, self._aten.n, self._aten.allocs
+        self.torch_kernels = self._aten.kernels
         self.torch_names, self.aten_names = self._fn.names, self._aten.names
+        self.tensor_reads = sum(n for name, n in self._fn.names.items() if name in HOST_READ_NAMES)
         return False
 
 
@@ -94,7 +112,8 @@ def _uncounted():
 
 @contextmanager
 def stub_launches(buf, run: bool = False):
-    """Replace every Triton launch of ``buf``'s backend by a counter (a ``list`` of kernel names, yielded).
+    """Replace every Triton launch by a counter (a ``list`` of kernel names, yielded); ``buf`` (unused: every bound
+    launch of the process is stubbed, a front end's local kernels included) names the buffer measured.
 
     Every launch of both backends is a bound one (:class:`tritonep.runtime.bound.BoundKernel`, made by the one launch
     runtime, :mod:`tritonep.runtime.launch`): its call is swapped for the duration; the nccl backend's torch ops and
@@ -162,38 +181,61 @@ def measure_host_path(buf, x, topk_idx, topk_weights, iters: int = 20, run_kerne
             backend with ``use_triton`` on the CPU: its GPU path, kernels interpreted).
 
     Returns:
-        ``{kind: {torch_calls, aten_ops, allocs, launches, host_reads, host_us, torch_names, aten_names}}``.
+        ``{kind: {torch_calls, aten_ops, allocs, launches, host_reads, host_us, torch_names, aten_names, ...}}``
+        (:func:`measure_calls`).
     """
-    out = {}
     eo = buf.expert_out_buffer()
-    with stub_launches(buf, run=run_kernels) as launched:
+    with stub_launches(buf, run=run_kernels):
         d = buf.dispatch(x, topk_idx, topk_weights)  # warm every path once
         rows = d.x.shape[0]
         gx = torch.zeros(rows, buf.hidden, dtype=torch.bfloat16, device=x.device)
         gw = torch.zeros(rows, dtype=torch.float32, device=x.device)
         gy = torch.zeros(x.shape[0], buf.hidden, dtype=torch.bfloat16, device=x.device)
+    calls = {
+        "dispatch": lambda: buf.dispatch(x, topk_idx, topk_weights),
+        "dispatch_sync_free": lambda: buf.dispatch(x, topk_idx, topk_weights, sync_free=True),
+        "combine": lambda: buf.combine(eo[:rows], d.handle),
+        "dispatch_bwd": lambda: buf.dispatch_backward(gx, gw, d.handle),
+        "combine_bwd": lambda: buf.combine_backward(gy, eo[:rows], d.handle),
+    }
+    return measure_calls(calls, lambda: buf.host_reads, iters=iters, run_kernels=run_kernels)
 
-        calls = {
-            "dispatch": lambda: buf.dispatch(x, topk_idx, topk_weights),
-            "dispatch_sync_free": lambda: buf.dispatch(x, topk_idx, topk_weights, sync_free=True),
-            "combine": lambda: buf.combine(eo[:rows], d.handle),
-            "dispatch_bwd": lambda: buf.dispatch_backward(gx, gw, d.handle),
-            "combine_bwd": lambda: buf.combine_backward(gy, eo[:rows], d.handle),
-        }
+
+def measure_calls(calls: dict, status_reads=lambda: 0, iters: int = 20, run_kernels: bool = False) -> dict:
+    """Count and time the host path of each ``calls[name]()`` (no argument; run in order, each once to warm up, once
+    counted, then ``iters`` times timed) with every bound launch stubbed (:func:`stub_launches`).
+
+    Args:
+        calls: name -> a callable making one call (e.g. a front end's dispatch); a later one may use what an
+            earlier one's calls left (a handle).
+        status_reads: the count of status reads so far that no torch call makes (:attr:`tritonep.EPBuffer.
+            host_reads`, summed over the buffers the calls use).
+        iters, run_kernels: as :func:`measure_host_path`.
+
+    Returns:
+        ``{name: {torch_calls, aten_ops, allocs, torch_kernels, launches, host_reads, tensor_reads, status_reads,
+        host_us, torch_names, aten_names}}`` (:class:`HostCounter`'s counts; ``launches``: Triton launches);
+        ``host_reads`` = ``tensor_reads`` (torch calls of :data:`HOST_READ_NAMES`) + ``status_reads`` (the pinned
+        status reads the backends counted).
+    """
+    out = {}
+    with stub_launches(None, run=run_kernels) as launched:
         for kind, fn in calls.items():
             fn()
-            n0, r0 = len(launched), buf.host_reads
+            n0, r0 = len(launched), status_reads()
             with HostCounter() as c:
                 fn()
-            launches, reads = len(launched) - n0, buf.host_reads - r0
+            launches, reads = len(launched) - n0, status_reads() - r0
             ts = []
             for _ in range(iters):
                 s0 = launched.spent
                 t0 = time.perf_counter()
                 fn()
                 ts.append((time.perf_counter() - t0 - (launched.spent - s0)) * 1e6)
-            out[kind] = dict(torch_calls=c.torch_calls, aten_ops=c.aten_ops, allocs=c.allocs, launches=launches,
-                             host_reads=reads, host_us=statistics.median(ts), torch_names=c.torch_names,
+            out[kind] = dict(torch_calls=c.torch_calls, aten_ops=c.aten_ops, allocs=c.allocs,
+                             torch_kernels=c.torch_kernels, launches=launches, host_reads=reads + c.tensor_reads,
+                             tensor_reads=c.tensor_reads, status_reads=reads,
+                             host_us=statistics.median(ts) if ts else 0.0, torch_names=c.torch_names,
                              aten_names=c.aten_names)
     return out
 

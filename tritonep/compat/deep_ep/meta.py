@@ -1,15 +1,22 @@
-"""The host side of the compat Buffer's three local ops (:class:`MetaOps`): DeepEP's dispatch layout and the
-unpacking of the meta lane's rows, each ONE launch of its kernel in :mod:`tritonep.compat.deep_ep.kernels.meta`, and
-the NaN fill of a ``num_worst_tokens`` call refused for capacity (one launch of
-:mod:`tritonep.compat.deep_ep.kernels.poison`), bound through the launch runtime
-(:class:`tritonep.runtime.launch.Launch`: every launch bound once per variant, then called with its per-call values
-only; on the GPU the compiled variant's C entry, on a CPU Triton's interpreter).
+"""The host side of the compat Buffer's local ops (:class:`MetaOps`): DeepEP's dispatch layout, the packing of a
+dispatch's lane inputs and the unpacking of the meta lane's rows, each ONE launch of its kernel in
+:mod:`tritonep.compat.deep_ep.kernels.meta`, bound through the launch runtime (:class:`tritonep.runtime.launch.Launch`:
+every launch bound once per variant, then called with its per-call values only; on the GPU the compiled variant's C
+entry, on a CPU Triton's interpreter).
 
 Their torch twins (the specification, bit-exact: integer work and moves only) are
-:func:`tritonep.compat.deep_ep.packing.layout_torch`, :func:`tritonep.compat.deep_ep.packing.unpack_meta` and
-:func:`tritonep.compat.deep_ep.packing.poison_torch`. The kernels are local (no peer access, no signal): their
-launches are not recorded by the protocol recorder and their grid may follow this rank's data (docs/protocols.md,
-host protocol rule).
+:func:`tritonep.compat.deep_ep.packing.layout_torch`, :func:`tritonep.compat.deep_ep.packing.pack_torch` and
+:func:`tritonep.compat.deep_ep.packing.unpack_meta`; the NaN fill of a ``num_worst_tokens`` call refused for capacity
+(one launch of :mod:`tritonep.compat.deep_ep.kernels.poison`) has :func:`tritonep.compat.deep_ep.packing.poison_torch`. The kernels are local (no peer access, no signal): their launches
+are not recorded by the protocol recorder and their grid follows this rank's data (docs/protocols.md, host protocol
+rule).
+
+State kept per variant: an int32 accumulator the kernels count into and leave zeroed (no call allocates or fills
+zeros), and for the unpacking a pinned host tensor the kernel publishes the received-expert histogram into with a
+ticket (:class:`tritonep.runtime.host_status.HostStatus`: the host spins on a word of pinned memory, no
+device-to-host copy, stream synchronize or event; the idea of DeepEP's host-mapped receive counters). The
+accumulators are shared by the calls of one Buffer on one device: its calls run in stream order (on the caller's
+current stream, as DeepEP's on its one communication stream), never two of them at once on two streams.
 """
 
 from __future__ import annotations
@@ -17,10 +24,13 @@ from __future__ import annotations
 import torch
 import triton
 
+from ... import envs
 from ...errors import InputError
+from ...runtime.host_status import HostStatus
 from ...runtime.launch import Launch
-from .kernels.meta import layout_kernel, unpack_meta_kernel
+from .kernels.meta import layout_kernel, pack_kernel, unpack_meta_kernel
 from .kernels.poison import poison_kernel
+from .packing import meta_width
 
 __all__ = ["MetaOps"]
 
@@ -44,70 +54,150 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(_INT[t.element_size()]).view(-1)
 
 
+def _floor_p2(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+def _r4(n: int) -> int:
+    return (n + 3) // 4 * 4  # 16-byte aligned starts of the pack block's parts
+
+
 class MetaOps:
-    """The layout, meta-unpacking and poison launches of one device (module docstring).
+    """The layout, packing, meta-unpacking and poison launches of one device (module docstring).
 
     Args:
         device: the device the tensors live on.
         launch: the launch path (:data:`tritonep.envs.LAUNCH_MODES`; the compat Buffer's, read once with its
             options); ignored on a CPU.
+        rank: this rank (named in a read's timeout). timeout_s: the bound of the host's spin on a published
+            histogram is ``2 * timeout_s + 5`` seconds (None: ``TRITONEP_TIMEOUT_S``).
+
+    Attributes: ``host_reads``: the histograms read on the host so far (one per synced dispatch with top-k).
 
     Raises:
         ConfigError: kernels built for another device (:class:`tritonep.runtime.launch.Launch`).
     """
 
-    def __init__(self, device, launch: str = "packed"):
+    def __init__(self, device, launch: str = "packed", rank: int = 0, timeout_s: float | None = None):
         self.device = torch.device(device)
         self._cuda = self.device.type == "cuda"
         # local kernels: nothing to record, no program cap (they wait for nobody)
         self._launch = Launch(self.device, record=False, max_programs=0, mode=launch)
+        self.rank = rank
+        self.timeout_s = envs.timeout_s() if timeout_s is None else float(timeout_s)
+        self._acc: dict = {}   # key -> int32 accumulator (+ done counter), zeros, left zeroed by the kernels
+        self._hosts: dict = {}  # L -> (pinned int64 [L + 2], HostStatus)
+        self._tile: dict = {}  # variant key -> its token tile (the grid's unit)
+        self.host_reads = 0
+
+    def _zeros(self, key, n: int) -> torch.Tensor:
+        a = self._acc.get(key)
+        if a is None:
+            a = self._acc[key] = torch.zeros(n, dtype=torch.int32, device=self.device)
+        return a
 
     def layout(self, topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
         """``(num_tokens_per_rank int32 [W], num_tokens_per_expert int32 [E], is_token_in_rank bool [T, W])`` of
         ``topk_idx [T, K]`` (contiguous int32 / int64, on this device), by one launch of
-        :func:`tritonep.compat.deep_ep.kernels.meta.layout_kernel` (grid 1); same values as
-        :func:`tritonep.compat.deep_ep.packing.layout_torch` (an id outside ``[0, E)`` selects nothing)."""
+        :func:`tritonep.compat.deep_ep.kernels.meta.layout_kernel` (one program per token tile); same values as
+        :func:`tritonep.compat.deep_ep.packing.layout_torch` (an id outside ``[0, E)`` selects nothing). The two
+        counts are views of one allocation."""
         T, K = topk_idx.shape
-        dev = topk_idx.device
-        in_rank = torch.empty(T, num_ranks, dtype=torch.bool, device=dev)
-        per_rank = torch.empty(num_ranks, dtype=torch.int32, device=dev)
-        per_expert = torch.empty(num_experts, dtype=torch.int32, device=dev)
-        key = ("layout", K, num_experts, num_ranks)
+        W, E = num_ranks, num_experts
+        in_rank = torch.empty(T, W, dtype=torch.bool, device=topk_idx.device)
+        counts = torch.empty(W + E, dtype=torch.int32, device=topk_idx.device)
+        key = ("layout", K, E, W)
         bk = self._launch.bound(key)
         if bk is None:
+            KB, WB = _p2(K), _p2(W)
+            bt = _floor_p2(max(1, min(64 if self._cuda else 256, 8192 // (KB * WB))))
+            acc = self._zeros(key, W + E + 1)
             bk = self._launch.variant(key, lambda: self._launch.bind(layout_kernel, dict(
-                K=K, KB=_p2(K), E=num_experts, EB=_p2(num_experts), L=num_experts // num_ranks, W=num_ranks,
-                WB=_p2(num_ranks), BT=64 if self._cuda else 32, num_warps=8 if self._cuda else 4),
-                ("ids_ptr", "T", "in_rank_ptr", "per_rank_ptr", "per_expert_ptr"), grid=(1,)))
-        bk(topk_idx, T, in_rank, per_rank, per_expert)
+                acc_ptr=acc, K=K, KB=KB, E=E, L=E // W, W=W, WB=WB, BT=bt, NB=min(1024, _p2(W + E)),
+                num_warps=4), ("ids_ptr", "T", "in_rank_ptr", "counts_ptr")))
+            self._tile[key] = bt
+        bk((max(1, triton.cdiv(T, self._tile[key])),), topk_idx, T, in_rank, counts)
+        per_rank, per_expert = counts.split((W, E))
         return per_rank, per_expert, in_rank
 
+    def pack(self, is_token_in_rank: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor):
+        """``(slots [T, W] int32, meta_rows [T, meta_width(K)] bf16, meta_slots [T, W*K] int32, meta_weights
+        [T, W*K] float32)`` of one dispatch (``is_token_in_rank [T, W]`` bool, ``topk_idx [T, K]`` int32/int64,
+        ``topk_weights [T, K]`` float32, on this device; made contiguous here), by one launch of
+        :func:`tritonep.compat.deep_ep.kernels.meta.pack_kernel`: four contiguous views of one int32 allocation
+        (each part starts 16-byte aligned). Same bits as :func:`tritonep.compat.deep_ep.packing.pack_torch`."""
+        T, W = is_token_in_rank.shape
+        K = topk_idx.shape[1]
+        MW2, WK = meta_width(K) // 2, W * K
+        o_meta = _r4(T * W)
+        o_slots = o_meta + _r4(T * MW2)
+        o_w = o_slots + _r4(T * WK)
+        blk = torch.empty(o_w + T * WK, dtype=torch.int32, device=is_token_in_rank.device)
+        out = (blk.as_strided((T, W), (W, 1), 0), blk.as_strided((T, MW2), (MW2, 1), o_meta).view(torch.bfloat16),
+               blk.as_strided((T, WK), (WK, 1), o_slots), blk.view(torch.float32).as_strided((T, WK), (WK, 1), o_w))
+        if T:
+            key = ("pack", K, W)
+            bk = self._launch.bound(key)
+            if bk is None:
+                KB, WB, WKB = _p2(K), _p2(W), _p2(WK)
+                bt = _floor_p2(max(1, min(64 if self._cuda else 256, 8192 // max(WKB, _p2(MW2)))))
+                bk = self._launch.variant(key, lambda: self._launch.bind(pack_kernel, dict(
+                    K=K, KB=KB, W=W, WB=WB, MW2=MW2, MB=_p2(MW2), WKB=WKB, BT=bt, num_warps=4),
+                    ("in_rank_ptr", "ids_ptr", "w_ptr", "T", "out_ptr", "o_meta", "o_slots", "o_w")))
+                self._tile[key] = bt
+            c = torch.Tensor.is_contiguous
+            itr = is_token_in_rank if c(is_token_in_rank) else is_token_in_rank.contiguous()
+            bk((triton.cdiv(T, self._tile[key]),), itr, topk_idx if c(topk_idx) else topk_idx.contiguous(),
+               topk_weights if c(topk_weights) else topk_weights.contiguous(), T, blk, o_meta, o_slots, o_w)
+        return out
+
+    def _host_of(self, L: int):
+        h = self._hosts.get(L)
+        if h is None:
+            mapped = torch.zeros(L + 2, dtype=torch.int64, pin_memory=self._cuda)
+            h = self._hosts[L] = (mapped, HostStatus(mapped, L + 1, self.rank, self.timeout_s))
+        return h
+
     def unpack_meta(self, rows: torch.Tensor, weights: torch.Tensor, num_tokens: int, topk: int, rank: int,
-                    num_local_experts: int, idx_dtype: torch.dtype, live: torch.Tensor | None = None):
+                    num_local_experts: int, idx_dtype: torch.dtype, live: torch.Tensor | None = None,
+                    read: bool = True):
         """The meta lane's received rows -> ``(recv_topk_idx [R, K] idx_dtype, recv_topk_weights [R, K] float32,
-        hist int32 [L + 1])`` for its first ``R = num_tokens`` tokens (``rows``: bf16 ``[>= R*K, width]``,
-        contiguous rows; ``weights``: float32 ``[>= R*K]``), by one launch of
-        :func:`tritonep.compat.deep_ep.kernels.meta.unpack_meta_kernel` (``cdiv(R, BR)`` programs); ``live``: a
-        device int32 scalar, the tokens actually received (rows past it read as not received: ids -1, weight 0, not
-        counted). Same values as :func:`tritonep.compat.deep_ep.packing.unpack_meta`."""
+        hist)`` for its first ``R = num_tokens`` tokens (``rows``: bf16 ``[>= R*K, meta_width(K)]``, contiguous;
+        ``weights``: float32 ``[>= R*K]``), by one launch of :func:`tritonep.compat.deep_ep.kernels.meta.
+        unpack_meta_kernel` (``cdiv(R, BR)`` programs; none for R = 0). ``hist``: with ``read``, the histogram as a
+        list of ``L + 1`` ints (``[0]``: slots with -1, ``[1 + j]``: slots with local expert j), read on the host
+        through pinned memory (one spin, :attr:`host_reads` + 1; none for R = 0); else None (no host read: graph
+        capture). ``live``: a device int32 scalar, the tokens actually received (rows past it read as not received:
+        ids -1, weight 0, not counted). Same values as :func:`tritonep.compat.deep_ep.packing.unpack_meta`.
+
+        Raises:
+            PeerTimeoutError: the histogram was not published within ``2 * timeout_s + 5`` s (the launch never ran).
+        """
         R, K, L = num_tokens, topk, num_local_experts
         dev = rows.device
         idx = torch.empty(R, K, dtype=idx_dtype, device=dev)
         wout = torch.empty(R, K, dtype=torch.float32, device=dev)
-        hist = torch.zeros(L + 1, dtype=torch.int32, device=dev)
-        if R:
+        if not R:
+            return idx, wout, [0] * (L + 1) if read else None
+        has_live = live is not None
+        key = ("unpack_meta", K, L, has_live)  # rows of meta_width(K): their width is K's
+        mapped, host = self._host_of(L)
+        acc = self._zeros(("unpack_meta", L), L + 2)
+        bk = self._launch.bound(key)
+        if bk is None:
             br = 128 if self._cuda else 64
-            has_live = live is not None
-            key = ("unpack_meta", K, L, has_live)
-            bk = self._launch.bound(key)
-            if bk is None:
-                bk = self._launch.variant(key, lambda: self._launch.bind(unpack_meta_kernel, dict(
-                    K=K, KB=_p2(K), L=L, BR=br, LIVE=has_live),
-                    ("rows_ptr", "RS", "w_ptr", "R", "live_ptr", "lo", "idx_ptr", "wout_ptr", "hist_ptr")))
-            r32 = rows.view(torch.int32)
-            bk((triton.cdiv(R, br),), r32, r32.stride(0), weights, R, live if has_live else hist, rank * L, idx,
-               wout, hist)
-        return idx, wout, hist
+            bk = self._launch.variant(key, lambda: self._launch.bind(unpack_meta_kernel, dict(
+                acc_ptr=acc, host_ptr=mapped, RS=meta_width(K) // 2, K=K, KB=_p2(K), L=L, BR=br,
+                NB=min(1024, _p2(L + 1)), LIVE=has_live, GPU=self._cuda, num_warps=4),
+                ("rows_ptr", "w_ptr", "R", "live_ptr", "lo", "idx_ptr", "wout_ptr", "ticket")))
+            self._tile[key] = br
+        ticket = host.next_ticket() if read else 0
+        bk((triton.cdiv(R, self._tile[key]),), rows, weights, R, live if has_live else acc, rank * L,
+           idx, wout, ticket)
+        if not read:
+            return idx, wout, None
+        self.host_reads += 1
+        return idx, wout, host.read(ticket)
 
     def poison(self, counts: torch.Tensor, limit: int, a: torch.Tensor, b: torch.Tensor | None = None) -> None:
         """Fill ``a`` (and ``b``) with NaN bits in place when some column of ``counts`` (int32 ``[W, W]``, this

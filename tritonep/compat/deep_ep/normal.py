@@ -21,7 +21,7 @@ import torch
 from ... import envs
 from ...errors import CapacityError, ConfigError, InputError, PeerInputError, TritonEPError
 from .handles import NormalHandle
-from .packing import meta_slots, meta_width, pack_meta, pack_quantized, rank_slots, unpack_quantized
+from .packing import meta_width, pack_quantized, rank_slots, unpack_quantized
 
 __all__ = ["NormalMode"]
 
@@ -72,7 +72,7 @@ class NormalMode:
         if ops is None:
             from .meta import MetaOps
 
-            ops = self._meta_ops[device] = MetaOps(device, self.lanes.launch)
+            ops = self._meta_ops[device] = MetaOps(device, self.lanes.launch, self.rank, self.lanes.timeout_s)
         return ops
 
     def _ranks_on(self, device):
@@ -239,7 +239,10 @@ class NormalMode:
             self._refuse(e, x_key, bool(worst) if isinstance(worst, int) else False, k_part)
 
         dev = payload.device
-        slots = rank_slots(is_token_in_rank, self._ranks_on(dev))
+        if K:  # both lanes' inputs in one launch (twin: packing.pack_torch)
+            slots, mrows, mslots, mw = self._ops(dev).pack(is_token_in_rank, topk_idx, topk_weights)
+        else:
+            slots = rank_slots(is_token_in_rank, self._ranks_on(dev))
         lane, out = self._send(x_key, payload, slots, T, bool(worst), dev, K)
         R = out.handle.num_recv_rows
         if worst:
@@ -251,13 +254,13 @@ class NormalMode:
         meta_lane = meta_handle = recv_idx = recv_w = None
         if K:
             meta_lane = self._meta_lane(K, worst, T)
-            mout = meta_lane.dispatch(pack_meta(topk_idx), meta_slots(slots, K), topk_weights.repeat(1, self.W),
-                                      sync_free=True)
+            mout = meta_lane.dispatch(mrows, mslots, mw, sync_free=True)
             meta_handle = mout.handle
-            # worst: the tokens past the received ones (their lane rows are unspecified) get ids -1 and weight 0
-            recv_idx, recv_w, hist = self._ops(mout.x.device).unpack_meta(
+            # worst: the tokens past the received ones (their lane rows are unspecified) get ids -1 and weight 0, and
+            # no host read; else the histogram arrives as a list through pinned memory (no device-to-host copy)
+            recv_idx, recv_w, hist = self._ops(dev).unpack_meta(
                 mout.x, mout.weights, R, K, self.rank, E // self.W, topk_idx.dtype,
-                live=out.expert_offsets[-1] if worst else None)
+                live=out.expert_offsets[-1] if worst else None, read=not worst)
         if not _synced(bool(worst), self.lanes.sync_checks):  # nobody read these lanes' status: the next synced
             # call or check() does
             self.lanes.unread(lane, meta_lane)
@@ -267,7 +270,7 @@ class NormalMode:
         if worst:
             counts = []
         elif K:
-            counts = hist[1:].tolist()
+            counts = hist[1:]
         else:  # no ids travelled: DeepEP's list is the group's sum of num_tokens_per_expert (one all_reduce)
             counts = self._group_counts(num_tokens_per_expert)
         if expert_alignment > 1:

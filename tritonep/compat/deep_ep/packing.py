@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["layout_torch", "rank_slots", "meta_slots", "meta_width", "pack_meta", "unpack_meta", "local_id_table",
-           "pack_quantized", "unpack_quantized", "over_capacity", "poison_torch"]
+__all__ = ["layout_torch", "rank_slots", "meta_slots", "meta_width", "pack_meta", "pack_torch", "unpack_meta",
+           "local_id_table", "pack_quantized", "unpack_quantized", "over_capacity", "poison_torch"]
 
 
 def layout_torch(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
@@ -80,6 +80,20 @@ def pack_meta(topk_idx: torch.Tensor) -> torch.Tensor:
     ids = topk_idx.to(torch.int32).view(torch.bfloat16)
     pad = meta_width(K) - 2 * K
     return torch.cat([ids, ids.new_zeros(T, pad)], 1) if pad else ids
+
+
+def pack_torch(is_token_in_rank: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor):
+    """A dispatch's inputs of both lanes from DeepEP's: ``is_token_in_rank [T, W]`` bool, ``topk_idx [T, K]``
+    int32/int64, ``topk_weights [T, K]`` float32 ->
+
+    ``(slots [T, W] int32, meta_rows [T, meta_width(K)] bf16, meta_slots [T, W*K] int32, meta_weights [T, W*K]
+    float32)``: the rows lane's routing (:func:`rank_slots`), the meta lane's rows (:func:`pack_meta`), its routing
+    (:func:`meta_slots`) and its route weights (``w[t, k]`` at slot ``r*K + k`` for every rank r, bit for bit). The
+    twin of :func:`tritonep.compat.deep_ep.kernels.meta.pack_kernel` (one launch,
+    :meth:`tritonep.compat.deep_ep.meta.MetaOps.pack`)."""
+    W, K = is_token_in_rank.shape[1], topk_idx.shape[1]
+    slots = rank_slots(is_token_in_rank, torch.arange(W, dtype=torch.int32, device=is_token_in_rank.device))
+    return slots, pack_meta(topk_idx), meta_slots(slots, K), topk_weights.repeat(1, W)
 
 
 def local_id_table(rank: int, num_local_experts: int, num_experts: int, dtype, device) -> torch.Tensor:

@@ -1,0 +1,98 @@
+"""Per-call host-path budgets of the DeepEP-compatible Buffer's normal-mode round trip, counted on the CPU.
+
+What Megatron's DeepEP path calls per step: ``get_dispatch_layout``, ``dispatch(x, topk_idx, topk_weights, ...)`` and
+``combine(recv_x, handle)``; vLLM / SGLang's graph-captured prefill the same with ``num_worst_tokens``.
+:func:`tritonep.bench.host_path.measure_calls` runs each call with every bound launch running for real outside the
+counts (the compat calls read what the kernels wrote) and counts what the call does on the host: torch calls from
+Python (each a few microseconds on a GPU machine, the counts include ~1 per attribute read such as ``x.shape``),
+aten ops, allocations and torch kernels (aten ops that run a device kernel: torch's own launches on a GPU), Triton
+launches, and host reads (the lanes' pinned status reads, the compat's own
+histogram read through pinned memory, and any torch call that reads the device: ``tolist``, ``item``, ...).
+
+Launches and host reads must match exactly: a dispatch is one launch of the packing kernel, the two lanes' dispatches
+(one launch each with the one-launch decode tiles a GPU picks up to 256 tokens, four each with the two-kernel tiles),
+one launch of the unpacking kernel; it reads the host twice (the rows lane's status, spun on as the kernel publishes
+it before any row moves, then the received-expert histogram the unpacking kernel publishes: no device-to-host copy)
+and a ``num_worst_tokens`` dispatch never. The layout is one launch and no read; a combine is the rows lane's
+(one read when its dispatch read, none after a ``num_worst_tokens`` one). Torch calls, aten ops, allocations and
+torch kernels may only go down (then lower the budget): the dispatch allocates the packing kernel's one block (four
+views), the unpacking kernel's two outputs and what the lanes allocate (``tests/backends/triton/
+test_host_path_budget.py``), and runs no torch kernel of its own (the torch way, ``packing.pack_torch``, a zeroed
+histogram and its ``tolist``, is six torch kernels and a device-to-host copy per dispatch). The previous step's
+outputs are let go before a dispatch, as a loop over steps does.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tritonep.testing import run_cpu_world
+
+T, H, E, K = 12, 64, 8, 3
+
+# call -> (torch calls, aten ops, allocations, torch kernels, launches, host reads), world 2, T tokens per rank
+BUDGET = {  # the CPU's own tiles: the two-kernel lane dispatch (what a GPU takes at 4096 tokens)
+    "layout": (12, 3, 2, 0, 1, 0),  # in_rank + one block for both counts (split in two views)
+    # pack (1) + rows lane (4) + meta lane (4) + unpack (1); two pinned reads; the torch kernel: the meta lane's
+    # zeroed row weights (EPBuffer's sync-free dispatch on these tiles)
+    # (4 of the torch calls: attribute reads of the refusal bookkeeping, which lanes were read and the rows' device)
+    "dispatch": (83, 16, 6, 1, 10, 2),
+    "combine": (11, 1, 1, 0, 2, 1),  # the rows lane's combine: its output, two launches, its status read
+    # num_worst_tokens: no read at all (both lanes sync-free); + the capacity poison launch (NaN rows and weights when
+    # the call overflowed: no host read can tell) and its integer views of rows and weights
+    "worst_dispatch": (103, 26, 7, 2, 11, 0),
+    "worst_combine": (11, 1, 1, 0, 2, 0),
+}
+BUDGET_DECODE = {  # TRITONEP_GEOMETRY=bt=2,dec=3: the one-launch decode tiles (what a GPU takes up to 256 tokens)
+    "layout": (12, 3, 2, 0, 1, 0),
+    "dispatch": (84, 16, 3, 0, 4, 2),  # pack + rows lane (1) + meta lane (1) + unpack; no torch kernel
+    "combine": (11, 1, 0, 0, 1, 1),
+    "worst_dispatch": (105, 26, 3, 0, 5, 0),
+    "worst_combine": (11, 1, 0, 0, 1, 0),
+}
+
+
+def _count(group, geometry):
+    import os
+
+    if geometry:
+        os.environ["TRITONEP_GEOMETRY"] = geometry
+    import tritonep.compat.deep_ep as deep_ep
+    from tritonep.bench.host_path import measure_calls
+    from tritonep.bench.cases import make_rank_inputs
+
+    rank, W = dist.get_rank(group), dist.get_world_size(group)
+    x, idx, w = make_rank_inputs(rank, T, H, E, K, seed=5, mask_frac=0.2)
+    w = w.contiguous()
+    buf = deep_ep.Buffer(group, 0, 0, max_tokens_per_rank=T)
+    st = {}
+
+    def dispatch(worst=0):
+        st.pop("d", None)  # the previous step's outputs are let go (the lanes' output pools reuse them)
+        n, _, ne, itr, _ = st["layout"]
+        st["d"] = buf.dispatch(x, num_tokens_per_rank=n, is_token_in_rank=itr, num_tokens_per_expert=ne,
+                               topk_idx=idx, topk_weights=w, num_worst_tokens=worst)
+
+    calls = {"layout": lambda: st.__setitem__("layout", buf.get_dispatch_layout(idx, E)),
+             "dispatch": dispatch, "combine": lambda: buf.combine(st["d"][0], st["d"][4]),
+             "worst_dispatch": lambda: dispatch(W * T), "worst_combine": lambda: buf.combine(st["d"][0], st["d"][4])}
+
+    def reads():
+        return sum(lane.host_reads for _, lane in buf.lanes) + sum(o.host_reads for o in buf._normal._meta_ops.values())
+
+    res = measure_calls(calls, reads, iters=0, run_kernels=True)
+    buf.destroy()
+    return {k: (v["torch_calls"], v["aten_ops"], v["allocs"], v["torch_kernels"], v["launches"], v["host_reads"],
+                v["torch_names"], v["aten_names"]) for k, v in res.items()}
+
+
+@pytest.mark.parametrize("geometry", ["", "bt=2,dec=3"])
+def test_compat_round_trip_host_budget(geometry):
+    budget = BUDGET_DECODE if geometry else BUDGET
+    for rank, out in enumerate(run_cpu_world(2, _count, geometry, timeout_s=600)):
+        for call, (calls, aten, allocs, kernels, launches, reads) in budget.items():
+            got = out[call]
+            assert got[4] == launches and got[5] == reads, (rank, call, got[:6])
+            assert got[0] <= calls and got[1] <= aten and got[2] <= allocs and got[3] <= kernels, (
+                f"rank {rank} {call}: {got[0]} torch calls / {got[1]} aten ops / {got[2]} allocations / {got[3]} "
+                f"torch kernels, budget {calls} / {aten} / {allocs} / {kernels} ({got[6]}; {got[7]})")

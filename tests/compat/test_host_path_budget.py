@@ -41,14 +41,14 @@ BUDGET = {  # the CPU's own tiles: the two-kernel lane dispatch (what a GPU take
     # num_worst_tokens: no read at all (both lanes sync-free); + the capacity poison launch (NaN rows and weights when
     # the call overflowed: no host read can tell) and its integer views of rows and weights
     "worst_dispatch": (103, 26, 7, 2, 11, 0),
-    "worst_combine": (11, 1, 1, 0, 2, 0),
+    "worst_combine": (27, 7, 1, 0, 3, 0),  # + the capacity poison launch on the combined rows
 }
 BUDGET_DECODE = {  # TRITONEP_GEOMETRY=bt=2,dec=3: the one-launch decode tiles (what a GPU takes up to 256 tokens)
     "layout": (12, 3, 2, 0, 1, 0),
     "dispatch": (84, 16, 3, 0, 4, 2),  # pack + rows lane (1) + meta lane (1) + unpack; no torch kernel
     "combine": (11, 1, 0, 0, 1, 1),
     "worst_dispatch": (105, 26, 3, 0, 5, 0),
-    "worst_combine": (11, 1, 0, 0, 1, 0),
+    "worst_combine": (27, 7, 0, 0, 2, 0),
 }
 
 

@@ -142,8 +142,9 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu", action="store_true", help="2-rank CPU world (interpreter), tiny shape, 1 iteration: "
                                                        "the checks only (times mean nothing)")
     args = ap.parse_args(argv)
-    meta = dict(command=" ".join(["benchmarks/deep_ep_compat.py"] + sys.argv[1:]), torch=torch.__version__,
-                tritonep=tep.__version__)
+    from tritonep.bench.meta import run_meta
+
+    meta = run_meta(tritonep=tep.__version__)  # command, commit, torch, triton, CUDA, NCCL, GPU, date
     if args.cpu:
         from tritonep.testing import run_cpu_world
 

@@ -283,7 +283,11 @@ class EPBuffer:
         ``topk_idx``). Eagerly (``sync_checks`` deferred or strict) every rank raises in this call; with sync
         checks off or under graph capture the refusing rank raises at once and the peers at their next
         :meth:`check`, and until then their rows of this call are unspecified (``weights`` past
-        ``expert_offsets[-1]`` are zero).
+        ``expert_offsets[-1]`` are zero). The peers then go on to their :meth:`combine` of this call, so the
+        refusing rank must take part in it: call :meth:`cancel_combine` (no handle) where its peers combine
+        (:attr:`last_dispatch_read` says whether the refusal was read: False here; ``MoELayer`` does it); their
+        output is NaN and every rank's next :meth:`check` raises :class:`PeerInputError` naming the refusing rank
+        (the refusing rank included: its own error was raised at the call).
         """
         if self._closed:
             self._check_open()
@@ -313,12 +317,15 @@ class EPBuffer:
                 out, out_w, ntpe, offs = DispatchFn.apply(x, topk_weights, self._backend, topk_idx, sync, sync_free,
                                                           box)
                 handle = box[0]
-        except (PeerInputError, CapacityError):
-            if refused is not None:  # this rank's own error names its value (a CapacityError here is an earlier
-                raise refused from None  # refusal nobody read: the code is the first unread refusal's)
+        except TritonEPError as e:
+            self._last_synced = True  # raised after the call's read: its peers raise in this call too
+            if refused is not None and isinstance(e, (PeerInputError, CapacityError)):
+                # this rank's own error names its value (a CapacityError here is an earlier refusal nobody read:
+                raise refused from None  # the code is the first unread refusal's)
             raise
-        if refused is not None:
-            raise refused  # sync checks off / graph capture: the peers learn it at their next check()
+        if refused is not None:  # nothing read (sync-free, sync checks off, graph capture): the peers learn it at
+            self._last_synced = False  # their next check() and go on to their combine (cancel_combine takes part)
+            raise refused
         self._last_synced = handle.num_recv_rows is not None  # what cancel_combine assumes without a handle
         return Dispatched(out, ntpe, offs, handle, out_w, handle.x_scales)  # positional: x, num_tokens_per_expert,
         # expert_offsets, handle, weights, x_scales (the dataclass's order; half the host time of keywords)
@@ -369,6 +376,14 @@ class EPBuffer:
         if torch.is_grad_enabled() and (expert_out.requires_grad or (rw is not None and rw.requires_grad)):
             return CombineFn.apply(expert_out, rw, self._backend, handle, kind, read)
         return self._backend.combine_fwd(expert_out, handle, kind=kind, read=read)
+
+    @property
+    def last_dispatch_read(self) -> bool:
+        """Whether this buffer's latest dispatch (a refused one included) read its status on the host, i.e. whether
+        its refusal, if any, raised on every rank in that call. False after a sync-free call (or sync checks off,
+        graph capture): a refusal of this rank's input raised here only, and the peers go on to their combine, in
+        which this rank must take part with :meth:`cancel_combine` (:meth:`dispatch`)."""
+        return self._last_synced
 
     def _reads_combine(self) -> bool:
         """Whether a combine of a synced handle reads its status now (the config's sync checks not ``none``, not

@@ -47,7 +47,8 @@ from ..ep.validate import check_expert_ids
 from ..errors import BufferStateError, CapacityError, ConfigError, InputError, TritonEPError
 from . import ops
 from .experts import expert_ffn_parts_backward, expert_ffn_parts_forward
-from .layer_parts import _ACT_DTYPE, expert_shapes, expert_weights, layer_required_bytes, take_part_refused
+from .layer_parts import (_ACT_DTYPE, cancel_unread_refusal, expert_shapes, expert_weights, layer_required_bytes,
+                          take_part_refused)
 from .layer_status import consume_refusal, strict_check
 from .layer_virtual import plan_routes, read_split, row_parts
 from .losses import attach_aux_loss, switch_aux_loss
@@ -260,6 +261,8 @@ class MoELayer(nn.Module):
         except (InputError, CapacityError) as e:
             if self.virtual:  # the call's counts exchange saw the same refusal: read (and clear) it too
                 consume_refusal(self.counts_x)
+            else:  # sync-free: this rank's own refusal raised here only; the peers go on to their combine
+                cancel_unread_refusal(self.buffer, self.recipe.combine)
             if self.virtual and isinstance(given_idx, torch.Tensor) and type(e) is InputError:
                 # the planner turned an id outside [-1, E) into 2E (outside the runtime range): name the given one
                 check_expert_ids(given_idx, self.buffer.num_experts // 2)
@@ -270,7 +273,8 @@ class MoELayer(nn.Module):
     def _take_part_refused(self, err: Exception, planned: bool = False):
         """See :func:`tritonep.moe.layer_parts.take_part_refused` (raises ``err``; clears the exchange's record)."""
         try:
-            take_part_refused(self.buffer, self.counts_x if self.virtual and not planned else None, err)
+            take_part_refused(self.buffer, self.counts_x if self.virtual and not planned else None, err,
+                              self.recipe.sync_free, self.recipe.combine, self.virtual)
         finally:
             if self.virtual:
                 consume_refusal(self.counts_x)

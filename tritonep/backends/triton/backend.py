@@ -212,6 +212,8 @@ class TritonEP:
         T = x.shape[0]
         if not bad_input:
             status.note_ids(topk_idx)
+        elif not sync:  # raised at the call; the read that finds it names this rank (CallStatus.front_door_unread)
+            status.front_door_unread = True
         if self.decode is not None:
             return self.decode.dispatch(x, topk_idx, topk_weights, sync, keep_quantized, bad_input, T)
         g, outs, k = self.cfg.tiles, self.outputs, self.k

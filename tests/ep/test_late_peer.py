@@ -25,7 +25,7 @@ from tests.support.harness import check_grads, run_grad_call, set_env
 
 H, TM, K = 64, 8, 2
 GEOMETRIES = {"two_kernel": "dec=0,fs=0,fe=0,fc=0", "fused": "fs=1,fe=1,fc=1", "decode": "bt=2,dec=2"}
-BOUND_S, LATE_S = 1.0, 2.5
+BOUND_S, LATE_S = 3.0, 6.0  # a bound a loaded 2-core host keeps in the steps that must not time out
 
 
 def _buffer(group, geometry, timeout_s):
@@ -70,7 +70,8 @@ def _late_world(group, geometry, sync_free):
     return out
 
 
-CASES = [(2, "two_kernel", True), (3, "decode", True), (2, "fused", True), (2, "decode", False)]
+CASES = [(2, "two_kernel", True), pytest.param(3, "decode", True, marks=pytest.mark.slow),
+         pytest.param(2, "fused", True, marks=pytest.mark.slow), (2, "decode", False)]
 
 
 @pytest.mark.parametrize("W,geometry,sync_free", CASES)

@@ -349,8 +349,9 @@ def dispatch_expand_kernel(x_ptr, stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_pt
     KEEP_HANDLE copies the routing metadata into the handle; A > 1 zeroes the alignment padding rows. DOT (the
     combine backward) writes every one of its ``nrows`` output rows (:func:`zero_unwritten`: padding and the rows
     past the layout's end are zero), so its outputs need no zero fill. ``nrows``: the rows of the outputs (``out``,
-    ``q``/``s``, ``out_w``; DOT: ``out``, ``eo``, ``gw``): no row at or past it is written or read. Then acks every
-    source.
+    ``q``/``s``, ``out_w``; DOT: ``out``, ``eo``, ``gw``): no row at or past it is written or read. A source that
+    marked itself timed out (:func:`tritonep.device.signal.peers_alive`) makes the call skip its rows (DOT: records
+    it after them). Then acks every source.
     PF: prefetch the next hidden tile of each source row (:func:`expand_item`). ``ADV``: as
     :func:`dispatch_send_kernel`; this kernel's last program advances ``calls[CALL_DISPATCH]`` and acks every source
     once for ``GA`` programs (the senders wait for ``grid_expand`` acks per call), so its grid may differ.
@@ -359,7 +360,8 @@ def dispatch_expand_kernel(x_ptr, stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_pt
     G = tl.num_programs(0)
     n = tl.load(calls_ptr + CALL_DISPATCH) + ADV
     wait_all_ge(flags_ptr + FLAG_DATA * W, W, n * G_send, status_ptr, WAIT_DATA, timeout, HAS_TIMER, WB)
-    peers_alive(flags_ptr, status_ptr, W, WB)  # a sender that timed out skipped its rows: take none (records it)
+    if not DOT:  # a sender that timed out skipped its rows: take none (records it; the combine backward: below)
+        peers_alive(flags_ptr, status_ptr, W, WB)
     skip = (tl.load(status_ptr) == STATUS_TIMEOUT) | (tl.load(status_ptr + ST_SKIP_CALL) == n)
     if KEEP_HANDLE:
         if pid == 0:
@@ -376,6 +378,10 @@ def dispatch_expand_kernel(x_ptr, stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_pt
             expand_item(src, c, Ts, skip, io, tile, SCALE, DOT, KEEP_HANDLE, KEEP_Q, PF)
     if DOT:
         zero_unwritten(pid, G, skip, nrows, out_ptr, gw_ptr, ntpe_ptr, offs_ptr, tile, L, A)
+        # the combine backward's tile sits at the register limit (tests/backends/test_compile_sm90.py: no spill), so
+        # it looks for a peer's timed-out mark after its rows: a mark records the timeout (its outputs are then
+        # unspecified and the next read raises), as the forward expand does before them
+        peers_alive(flags_ptr, status_ptr, W, WB)
     elif A > 1:
         if skip == 0:  # a refused call's segments may exceed the rows allocated: write nothing
             zero_padding(pid, G, io, ntpe_ptr, offs_ptr, tile, L, BA, KEEP_Q)

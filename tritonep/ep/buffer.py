@@ -18,7 +18,7 @@ import torch.distributed as dist
 from .. import envs
 from ..errors import BufferStateError, CapacityError, ConfigError, InputError, PeerInputError, TritonEPError
 from ..wire.formats import get_wire
-from .autograd import CombineFn, DispatchFn
+from .autograd import CombineFn, DispatchBwdFn, DispatchFn, combine_bwd_graph, has_tangent
 from .backend_choice import choose_from_reports, p2p_report
 from ..backends import build_backend, required_bytes as backend_required_bytes
 from .config import EPConfig, agree, build_config
@@ -26,6 +26,11 @@ from .handle import Dispatched, DispatchHandle
 from .validate import check_backward_inputs, check_combine_inputs, check_dispatch_inputs
 
 __all__ = ["EPBuffer"]
+
+_NO_TANGENT = ("a forward-mode dual tensor (torch.autograd.forward_ad) reaches {what}: its tangent would be lost, "
+               "so the input is refused; EPBuffer.dispatch / combine / dispatch_backward / combine_backward carry "
+               "tangents exactly")
+
 
 class EPBuffer:
     """Expert-parallel dispatch / combine buffer for one process group.
@@ -209,6 +214,8 @@ class EPBuffer:
         grad_recv_x, grad_recv_w = check_backward_inputs(
             grad_recv_x, handle, hidden=self.hidden, dtype=self.dtype, device=self.device,
             min_rows=self._rows_of(handle), grad_w=grad_recv_w, name="grad_recv_x")
+        if has_tangent(grad_recv_x, grad_recv_w):  # forward-mode AD: linear, the tangent is the same call's
+            return DispatchBwdFn.apply(grad_recv_x, grad_recv_w, self._backend, handle)
         return self._backend.dispatch_bwd(grad_recv_x, grad_recv_w, handle)
 
     def combine_backward(self, grad_y: torch.Tensor, expert_out: torch.Tensor, handle: DispatchHandle) -> tuple:
@@ -228,6 +235,8 @@ class EPBuffer:
                                           min_rows=0)
         expert_out = check_combine_inputs(expert_out, handle, hidden=self.hidden, dtype=self.dtype,
                                           device=self.device, min_rows=self._rows_of(handle))
+        if has_tangent(grad_y, expert_out, handle.recv_weights):  # forward-mode AD: the same sums as torch ops
+            return combine_bwd_graph(self._backend, handle, grad_y, expert_out, handle.recv_weights)
         return self._backend.combine_bwd(grad_y, expert_out, handle)
 
     def _rows_of(self, handle) -> int:
@@ -244,7 +253,7 @@ class EPBuffer:
                               "EPBuffer that made it)")
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                 keep_quantized: bool = False, *, sync_free: bool = False) -> Dispatched:
+                 keep_quantized: bool = False, *, sync_free: bool = False, forward_ad: bool = True) -> Dispatched:
         """Send every token to the ranks of its experts; return the expert-grouped rows of this rank's experts.
 
         Args:
@@ -265,9 +274,17 @@ class EPBuffer:
                 gradients: no kernel addresses a row of the refused layout). What graph capture does anyway. Both
                 backends (nccl: fixed per-peer packet slots and one all_to_all with equal splits,
                 :mod:`tritonep.backends.nccl.sync_free`).
+            forward_ad: False refuses forward-mode dual inputs (InputError, the call taking part as refused as for
+                any refused input) instead of dispatching their tangents: for a caller whose outputs cannot carry
+                a tangent (the custom ops of :mod:`tritonep.ep.ops`).
 
         Returns:
             :class:`Dispatched` (rows ordered by (source rank, token, k) inside each expert segment).
+
+        Differentiable w.r.t. ``x`` and ``topk_weights`` in reverse mode (autograd) and forward mode
+        (``torch.autograd.forward_ad`` dual tensors: ``x`` and ``weights`` carry the dispatch of the tangents, one
+        more dispatch along this call's routing; every rank must pass dual tensors alike, as the extra call is a
+        collective; not with ``keep_quantized``: InputError).
 
         Raises:
             InputError: bad dtype / shape / device / expert id of THIS rank's input (the value is named).
@@ -294,9 +311,16 @@ class EPBuffer:
         if sync_free and not self._backend.sync_free:
             raise ConfigError(f"dispatch(sync_free=True) is not supported by this buffer's backend "
                               f"{self.backend!r}")
-        refused = None
+        refused, dual = None, False
         try:
             x, topk_idx, topk_weights = check_dispatch_inputs(x, topk_idx, topk_weights, *self._din)
+            dual = has_tangent(x, topk_weights)  # forward-mode AD: the tangents are dispatched too (DispatchFn.jvp)
+            if dual and not forward_ad:
+                raise InputError(_NO_TANGENT.format(what="this dispatch (forward_ad=False: its caller, e.g. the "
+                                                         "tritonep::dispatch op, cannot return a tangent)"))
+            if dual and keep_quantized and self._quantized_dispatch:
+                raise InputError(_NO_TANGENT.format(what="dispatch(keep_quantized=True) (quantized rows carry no "
+                                                         "tangent; dispatch without keep_quantized)"))
         except (InputError, CapacityError) as e:
             refused = e
             x, topk_idx, topk_weights = self._no_input
@@ -308,7 +332,7 @@ class EPBuffer:
                 sync = envs.SYNC_NONE
         kq = keep_quantized and self._quantized_dispatch
         try:
-            if kq or refused is not None or not (torch.is_grad_enabled() and (
+            if kq or refused is not None or not (dual or torch.is_grad_enabled() and (
                     x.requires_grad or topk_weights.requires_grad)):
                 out, out_w, ntpe, offs, handle = self._backend.dispatch_fwd(x, topk_idx, topk_weights, sync, kq,
                                                                          refused is not None, sync_free)
@@ -330,7 +354,8 @@ class EPBuffer:
         return Dispatched(out, ntpe, offs, handle, out_w, handle.x_scales)  # positional: x, num_tokens_per_expert,
         # expert_offsets, handle, weights, x_scales (the dataclass's order; half the host time of keywords)
 
-    def combine(self, expert_out: torch.Tensor, handle: DispatchHandle, kind: str | None = None) -> torch.Tensor:
+    def combine(self, expert_out: torch.Tensor, handle: DispatchHandle, kind: str | None = None, *,
+                forward_ad: bool = True) -> torch.Tensor:
         """Bring expert outputs back: ``y[t] = sum_k topk_weights[t, k] * expert_out[row(t, k)]`` (fp32 sums).
 
         Args:
@@ -338,10 +363,15 @@ class EPBuffer:
             handle: the ``Dispatched.handle`` of the matching dispatch.
             kind: ``"push"`` | ``"pull"`` to override the kernel-tile table (triton backend); must be the same on
                 every rank (a per-call argument cannot be checked without a collective).
+            forward_ad: False refuses forward-mode dual inputs (InputError, taking part as refused) instead of
+                returning their tangent (see :meth:`dispatch`).
 
         Returns:
             ``[T, H]`` in ``expert_out``'s dtype; tokens without a valid route get zeros. Summation order is fixed
-            (per rank k ascending, then ranks ascending): bitwise reproducible.
+            (per rank k ascending, then ranks ascending): bitwise reproducible. Differentiable w.r.t.
+            ``expert_out`` and the dispatch's ``weights`` in reverse and forward mode (dual tensors: the tangent is
+            ``sum over the token's rows of w * d_expert_out + d_w * expert_out``, one more collective; every rank
+            passes dual tensors alike).
 
         A refused input (this rank raises InputError / ConfigError) still takes part in the call
         (:meth:`cancel_combine`), so no peer waits for this rank: an eager combine (its dispatch read the host) raises
@@ -364,6 +394,9 @@ class EPBuffer:
                                               self.config.max_recv_tokens if R is None else R)
             if kind is not None and kind not in ("push", "pull"):
                 raise ConfigError(f"combine kind={kind!r} is not 'push' or 'pull'")
+            if not forward_ad and has_tangent(expert_out, handle.recv_weights):
+                raise InputError(_NO_TANGENT.format(what="this combine (forward_ad=False: its caller, e.g. the "
+                                                         "tritonep::combine op, cannot return a tangent)"))
         except (InputError, ConfigError):
             # refused on this rank: it still takes part (host protocol rule), so every peer's combine fails too
             # (raises in an eager call, NaN output and a recorded error otherwise) instead of waiting for it
@@ -373,7 +406,8 @@ class EPBuffer:
         # refused the call or never arrived raises here, on every rank, never a value computed without its data
         read = R is not None and self._reads_combine()
         rw = handle.recv_weights
-        if torch.is_grad_enabled() and (expert_out.requires_grad or (rw is not None and rw.requires_grad)):
+        if torch.is_grad_enabled() and (expert_out.requires_grad or (rw is not None and rw.requires_grad)) or \
+                has_tangent(expert_out, rw):  # forward-mode AD: CombineFn.jvp
             return CombineFn.apply(expert_out, rw, self._backend, handle, kind, read)
         return self._backend.combine_fwd(expert_out, handle, kind=kind, read=read)
 

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..ep import EPBuffer
+from ..ep.autograd import has_tangent
 from ..ep.config import agree
 from ..ep.validate import check_expert_ids
 from ..errors import BufferStateError, CapacityError, ConfigError, InputError, TritonEPError
@@ -303,7 +304,9 @@ class MoELayer(nn.Module):
 
         Raises:
             InputError: only one routing tensor given, ``x`` not ``[..., H]`` or of another dtype, or bad routing
-                shapes / dtypes (see ``EPBuffer.dispatch``); raised on every rank (the others: PeerInputError).
+                shapes / dtypes (see ``EPBuffer.dispatch``), or a forward-mode dual tensor among ``x``, the routing
+                weights, ``w1``, ``w2`` (no forward-mode derivative); raised on every rank (the others:
+                PeerInputError).
             CapacityError, PeerTimeoutError, BufferStateError: from the buffer. PlanError: from the planner.
         """
         if self._closed:
@@ -330,6 +333,11 @@ class MoELayer(nn.Module):
             if bad:
                 raise InputError(f"{', '.join(bad)} must be torch.Tensor, got "
                                  f"{[type(t).__name__ for t in (topk_idx, topk_weights)]}")
+            if has_tangent(x, topk_weights, self.w1, self.w2):
+                raise InputError("MoELayer has no forward-mode derivative: x, the routing weights or w1 / w2 is a "
+                                 "dual tensor (torch.autograd.forward_ad), whose tangent the layer's one custom op "
+                                 "would lose; use EPBuffer.dispatch / combine around torch experts, which carry "
+                                 "tangents exactly")
         except (InputError, CapacityError) as e:  # every rank fails this call together (docs/protocols.md (host protocol rule))
             self._take_part_refused(e)
         xb = x if x.dtype == _ACT_DTYPE else x.to(_ACT_DTYPE)  # the tokens travel as bf16

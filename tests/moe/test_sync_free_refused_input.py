@@ -1,17 +1,16 @@
-"""``MoELayer(MoERecipe(sync_free=True))`` with an input one rank refuses on the host (more tokens than
-``max_tokens_per_rank``; a wrong hidden size, refused before the dispatch; an expert id outside ``[-1, E)``, found
-on the device), then steps with good inputs; both backends.
+"""``MoELayer(MoERecipe(sync_free=True))`` in a training loop (forward + backward every step) with an input one rank
+refuses on the host (more tokens than ``max_tokens_per_rank``; a wrong hidden size; or, found on the device only, an
+expert id outside ``[-1, E)``), then a step with good inputs; both backends.
 
-A sync-free dispatch reads nothing, so a rank whose own input is refused raises at once (its own error naming the
-value) while its peers raise nothing in that step and go on to their combine: the refusing rank takes part in it as
-refused (``EPBuffer.cancel_combine``, since ``EPBuffer.last_dispatch_read`` is False), so the peers' output is NaN
-and every rank's next ``check()`` raises PeerInputError naming the refusing rank (the refusing rank too: its own
-error was raised at the call). The next steps pair and equal the dense reference on every rank. An id outside
-``[-1, E)`` is not seen on the host, so no rank raises in the step: every rank runs it as the refused call it is
-(the empty layout: the output is zeros, docs/guarantees.md "Capacity") and every rank's ``check()`` raises (the
-bad rank naming its value). Before, the refusing rank never took part in the combine: its peers waited
-``timeout_s`` and the buffers ended timed out (triton), or the ranks' collectives no longer matched and gloo
-aborted a rank (nccl).
+A sync-free step reads nothing, so no rank learns of a refusal before ``check()``; a rank that raised at once would
+leave its peers' combine, backward and next step without it (they waited ``timeout_s`` and ended timed out on the
+triton backend; their collectives stopped matching and gloo aborted a rank on the nccl backend). So the refusing
+rank runs the step as its peers do (``EPBuffer.refuse_dispatch``: the same collectives with no row, its combine
+taking part as refused) and returns NaN; every rank's output of that step is NaN, every rank's backward runs, and
+every rank's next ``check()`` raises: the refusing rank its own error naming the value, the others PeerInputError
+naming it. An id outside ``[-1, E)`` is seen by no host either: every rank runs the step as the refused call it is
+(the empty layout, zeros) and every ``check()`` raises (the bad rank naming the value). The steps before and after
+equal the dense reference (output and input gradient) on every rank.
 """
 
 import pytest
@@ -35,24 +34,13 @@ def _inputs(rank, step, how):
     x = torch.randn(T, H, generator=g).bfloat16()
     idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
     w = torch.rand(T, K, generator=g) + 0.1
+    gy = torch.randn(T, H, generator=g)
     if step == 1 and rank == 1 and how == "shape":
         x = torch.randn(T, H + 8, generator=g).bfloat16()
+        gy = torch.randn(T, H + 8, generator=g)
     if step == 1 and rank == 1 and how == "id":
         idx[2, 1] = E + 3
-    return x, idx, w
-
-
-def _outcome(fn):
-    try:
-        y = fn()
-        if y is None:
-            return ("ok",)
-        return ("y", "all NaN" if bool(torch.isnan(y).all()) else "finite" if bool(torch.isfinite(y).all()) else
-                "some NaN", y.detach().clone())
-    except PeerInputError as e:
-        return ("PeerInputError", sorted(e.bad_ranks))
-    except (InputError, CapacityError) as e:
-        return (type(e).__name__, str(e)[:80])
+    return x, idx, w, gy
 
 
 def _world(group, backend, how):
@@ -60,8 +48,19 @@ def _world(group, backend, how):
     layer = tep.MoELayer(tep.MoERecipe(sync_free=True), _geo(), group, seed=3, timeout_s=60, backend=backend)
     out = []
     for step in range(3):
-        out.append(_outcome(lambda: layer(*_inputs(rank, step, how))))
-        out.append(_outcome(layer.buffer.check))
+        x, idx, w, gy = _inputs(rank, step, how)
+        x = x.clone().requires_grad_(True)
+        layer.zero_grad(set_to_none=True)
+        y = layer(x, idx, w)  # no rank raises in a sync-free step
+        (y.float() * gy).sum().backward()  # every rank runs its backward
+        try:
+            layer.buffer.check()
+            chk = ("ok",)
+        except PeerInputError as e:
+            chk = ("PeerInputError", sorted(e.bad_ranks))
+        except (InputError, CapacityError) as e:
+            chk = (type(e).__name__, str(e)[:70])
+        out.append((y.detach().float().clone(), x.grad.float().clone(), chk))
     layer.close()
     return out
 
@@ -71,22 +70,27 @@ def _world(group, backend, how):
 def test_sync_free_layer_refused_input_fails_on_every_rank_and_the_next_step_pairs(backend, how):
     from tritonep.reference import moe_dense_reference
 
-    res = run_cpu_world(2, _world, backend, how, timeout_s=240)
+    res = run_cpu_world(2, _world, backend, how, timeout_s=300)
     w1, w2 = tep.MoELayer.init_expert_weights(_geo(), seed=3)
-    for r, out in enumerate(res):
-        for step in (0, 2):  # before and after: every rank's output equals the dense reference
-            y, chk = out[2 * step], out[2 * step + 1]
-            assert y[:2] == ("y", "finite") and chk == ("ok",), (r, step, y[:2], chk)
-            ref = moe_dense_reference(*_inputs(r, step, how), w1, w2)
-            assert torch.allclose(y[2].float(), ref.float(), rtol=2 ** -5, atol=2 ** -5), (r, step)
-        y, chk = out[2], out[3]
-        if how == "id":  # found on the device: nobody raises in the step; the refused call's empty layout
-            assert y[0] == "y" and bool((y[2] == 0).all()), (r, y[:2])
+    for step in (0, 2):  # before and after: output and input gradient of every rank equal the dense reference
+        ins = [_inputs(r, step, how) for r in range(2)]
+        x = torch.cat([i[0] for i in ins]).float().requires_grad_(True)
+        y = moe_dense_reference(x, torch.cat([i[1] for i in ins]), torch.cat([i[2] for i in ins]), w1.float(),
+                                w2.float())
+        (y * torch.cat([i[3] for i in ins])).sum().backward()
+        for r, (yr, gr) in enumerate(zip(y.detach().split(5), x.grad.split(5))):
+            got_y, got_g, chk = res[r][step]
+            assert chk == ("ok",), (r, step, chk)
+            assert (got_y - yr).norm() <= 3e-2 * yr.norm(), (r, step, "y")
+            assert (got_g - gr).norm() <= 3e-2 * gr.norm(), (r, step, "grad x")
+    for r in range(2):
+        y, _, chk = res[r][1]
+        if how == "id":  # found on the device: every rank ran the refused call (its empty layout: zeros)
+            assert bool((y == 0).all()), r
             assert chk == (("InputError", "topk_idx[2, 1] = 7 is outside [-1, num_experts=4)") if r == 1 else
                            ("PeerInputError", [1])), (r, chk)
-        elif r == 1:  # the refusing rank: its own error at once, PeerInputError naming itself at check()
-            assert y[0] == ("CapacityError" if how == "cap" else "InputError"), y
-            assert chk == ("PeerInputError", [1]), chk
-        else:  # its peer: a NaN output (never a finite wrong value), then the error at check()
-            assert y[:2] == ("y", "all NaN"), y[:2]
-            assert chk == ("PeerInputError", [1]), chk
+        else:  # every output NaN (never a finite wrong value); the refusing rank's own error at check()
+            assert bool(torch.isnan(y).all()) and y.shape == _inputs(r, 1, how)[0].shape, r
+            own = ("CapacityError", "num_tokens=9 exceeds max_tokens_per_rank=8") if how == "cap" else \
+                ("InputError", "x must be [..., hidden=64], got shape (5, 72)")
+            assert chk == (own if r == 1 else ("PeerInputError", [1])), (r, chk)

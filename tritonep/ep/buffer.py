@@ -354,6 +354,48 @@ class EPBuffer:
         return Dispatched(out, ntpe, offs, handle, out_w, handle.x_scales)  # positional: x, num_tokens_per_expert,
         # expert_offsets, handle, weights, x_scales (the dataclass's order; half the host time of keywords)
 
+    def refuse_dispatch(self, error: Exception, *, sync_free: bool = False) -> Dispatched:
+        """Take part in a dispatch whose input this rank's caller refused (``error``: its own
+        :class:`InputError` / :class:`CapacityError` naming the value), as :meth:`dispatch` does with an input it
+        refuses itself: the call's launches / collectives with no token and the refusal flag, so it fails on every
+        rank and no row moves.
+
+        With a host read (``sync_free`` False and sync checks on: every rank raises in this call) ``error`` is
+        raised at once (the peers raise :class:`PeerInputError` naming this rank). Without one (``sync_free=True``,
+        sync checks off, capture) nothing is raised now: the call returns the empty layout, as on the peers
+        (``x`` ``max_recv_tokens`` unspecified rows, ``weights``, counts and offsets 0, a handle of T = 0 tokens),
+        so this rank can run the rest of its step like its peers (SPMD: the same collectives, backward included).
+        Its :meth:`combine` takes part as refused (:meth:`cancel_combine`: the peers' output is NaN) and returns
+        NaN ``[0, H]``; :meth:`combine_backward` / :meth:`dispatch_backward` run as on the peers (no row); the next
+        read (:meth:`check`, a synced dispatch) raises ``error`` on this rank and :class:`PeerInputError` naming it
+        on every other rank. What ``MoELayer(MoERecipe(sync_free=True))`` does with an input it refuses.
+
+        Raises:
+            ConfigError: ``error`` is not an InputError / CapacityError. BufferStateError: closed or broken.
+            ``error``: with a host read (above).
+        """
+        if not isinstance(error, (InputError, CapacityError)):
+            raise ConfigError(f"refuse_dispatch takes the InputError / CapacityError that refused the input, got "
+                              f"{type(error).__name__}")
+        self._check_open()
+        if sync_free and not self._backend.sync_free:
+            raise ConfigError(f"refuse_dispatch(sync_free=True) is not supported by this buffer's backend "
+                              f"{self.backend!r}")
+        sync = envs.SYNC_NONE if sync_free else self._sync
+        if sync and self._cuda and torch._C._cuda_isCurrentStreamCapturing():
+            sync = envs.SYNC_NONE
+        try:
+            out, out_w, ntpe, offs, handle = self._backend.dispatch_fwd(*self._no_input, sync, False, True, sync_free)
+        except TritonEPError as e:
+            self._last_synced = True  # read: every rank raises in this call
+            if isinstance(e, (PeerInputError, CapacityError)):
+                raise error from None
+            raise
+        self._last_synced = False
+        self._backend.defer_refusal(error)
+        handle.__dict__["refused_here"] = error  # its combine takes part as refused (combine)
+        return Dispatched(out, ntpe, offs, handle, out_w, handle.x_scales)
+
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle, kind: str | None = None, *,
                 forward_ad: bool = True) -> torch.Tensor:
         """Bring expert outputs back: ``y[t] = sum_k topk_weights[t, k] * expert_out[row(t, k)]`` (fp32 sums).
@@ -386,6 +428,10 @@ class EPBuffer:
         """
         if self._closed:
             self._check_open()
+        if "refused_here" in getattr(handle, "__dict__", ()) and handle.buffer_id == self._id:
+            # the handle of refuse_dispatch without a read: this rank takes part as refused (the peers' output NaN)
+            self.cancel_combine(handle, kind if kind in ("push", "pull") else None)
+            return torch.full((0, self.hidden), float("nan"), dtype=self.dtype, device=self.device)
         try:
             if not isinstance(handle, DispatchHandle) or handle.buffer_id != self._id:
                 self._check_handle(handle)

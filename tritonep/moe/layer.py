@@ -44,7 +44,7 @@ from torch import nn
 from ..ep import EPBuffer
 from ..ep.autograd import has_tangent
 from ..ep.config import agree
-from ..ep.validate import check_expert_ids
+from ..ep.validate import check_dispatch_inputs, check_expert_ids
 from ..errors import BufferStateError, CapacityError, ConfigError, InputError, TritonEPError
 from . import ops
 from .experts import expert_ffn_parts_backward, expert_ffn_parts_forward
@@ -157,6 +157,7 @@ class MoELayer(nn.Module):
             self.counts_x = self.buffer.counts_exchange(g.num_experts)
             self.transport = self.buffer.expert_transport(
                 g.num_experts, expert_shapes(g), dtype)
+        self._refusal = None  # the refusal of the sync-free step in progress (_refused_step)
         self.layer_id = ops.register_layer(self)
         self._stash = SavedForwards(recipe.max_saved_forwards, f"MoELayer {self.layer_id}")
         self._closed = False
@@ -313,6 +314,7 @@ class MoELayer(nn.Module):
             raise BufferStateError("MoELayer is closed")
         routed = None
         shape = dtype = None
+        given = (x, topk_weights)
         try:
             if (topk_idx is None) != (topk_weights is None):
                 raise InputError("give both topk_idx and topk_weights, or neither (then the router routes)")
@@ -338,9 +340,15 @@ class MoELayer(nn.Module):
                                  "dual tensor (torch.autograd.forward_ad), whose tangent the layer's one custom op "
                                  "would lose; use EPBuffer.dispatch / combine around torch experts, which carry "
                                  "tangents exactly")
+            xb = x if x.dtype == _ACT_DTYPE else x.to(_ACT_DTYPE)  # the tokens travel as bf16
+            if self.recipe.sync_free:  # the buffer's own input checks, here: a refusal is deferred (_refused_step)
+                b = self.buffer
+                check_dispatch_inputs(xb, topk_idx, topk_weights, b.hidden, b.topk, b.max_tokens_per_rank,
+                                      _ACT_DTYPE, b.device)
         except (InputError, CapacityError) as e:  # every rank fails this call together (docs/protocols.md (host protocol rule))
+            if self.recipe.sync_free and isinstance(given[0], torch.Tensor):
+                return self._refused_step(e, *given, routed)
             self._take_part_refused(e)
-        xb = x if x.dtype == _ACT_DTYPE else x.to(_ACT_DTYPE)  # the tokens travel as bf16
         save = torch.is_grad_enabled() and any(t.requires_grad for t in (xb, topk_weights, self.w1, self.w2))
         y, _ticket = ops.moe_layer_forward(xb, topk_idx, topk_weights, self.w1, self.w2, self.layer_id, save)
         if self.shared is not None:
@@ -354,6 +362,37 @@ class MoELayer(nn.Module):
             self.last_aux_loss = aux.detach()
             y = attach_aux_loss(y, aux, coef)
         return y
+
+    def _refused_step(self, err: Exception, x: torch.Tensor, topk_weights, routed) -> torch.Tensor:
+        """A sync-free forward whose input this rank refused (``err``): no rank reads anything in this step, so this
+        rank does not raise now but runs the step as its peers do, the same collectives forward and backward: its
+        dispatch takes part as refused (:meth:`tritonep.EPBuffer.refuse_dispatch`, T = 0 tokens), its combine as
+        refused (the peers' output NaN), and the returned ``y`` is NaN in ``x``'s shape, in the autograd graph of
+        ``x`` and of the layer's op exactly when the peers' output is (so the backward runs on every rank, moving
+        no row). The next ``layer.buffer.check()`` raises ``err`` here and :class:`PeerInputError` naming this
+        rank elsewhere. A rank that raised at once instead would leave its peers' backward and next step without
+        it (desynchronised collectives: hangs, or an aborted process on the nccl backend)."""
+        H, K, dev = self.geometry.hidden, self.geometry.topk, self.device
+        w_grad = topk_weights.requires_grad if isinstance(topk_weights, torch.Tensor) else \
+            (routed is not None or topk_weights is None) and self.router.weight.requires_grad
+        grad = torch.is_grad_enabled()
+        xb0 = torch.empty(0, H, dtype=_ACT_DTYPE, device=dev, requires_grad=grad and x.requires_grad)
+        w0 = torch.empty(0, K, dtype=torch.float32, device=dev, requires_grad=grad and bool(w_grad))
+        idx0 = torch.empty(0, K, dtype=torch.int64, device=dev)
+        save = grad and any(t.requires_grad for t in (xb0, w0, self.w1, self.w2))
+        self._refusal = err
+        try:
+            y0, _ticket = ops.moe_layer_forward(xb0, idx0, w0, self.w1, self.w2, self.layer_id, save)
+        finally:
+            self._refusal = None
+        nan = float("nan")
+        y = x * nan if x.is_floating_point() else torch.full(x.shape, nan, device=x.device)
+        keep = y0.sum() * 0  # y0 (no row) keeps the op's backward in the graph
+        if routed is not None:  # the router's and the shared experts' parameters get (NaN) gradients as on the peers
+            keep = keep + routed.topk_weights.sum() * 0
+        if self.shared is not None and x.is_floating_point() and x.dim() >= 1 and x.shape[-1] == H:
+            keep = keep + self.shared(x.reshape(-1, H)).float().sum() * 0
+        return y + keep.to(y.dtype)
 
     _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -395,7 +434,11 @@ class MoELayer(nn.Module):
         """
         with torch.no_grad():
             self._stash.spill()  # even when this call saves nothing: it overwrites the expert output region
-            t, placement, d = self._plan_and_dispatch(x, topk_idx, topk_weights)
+            if self._refusal is None:
+                t, placement, d = self._plan_and_dispatch(x, topk_idx, topk_weights)
+            else:  # a sync-free step this rank refused (_refused_step): the empty layout, no error now
+                t, placement = [self._now()] * 3, None
+                d = self.buffer.refuse_dispatch(self._refusal, sync_free=True)
             split = None
             w1s, w2s = (w1,), (w2,)
             if self.virtual:

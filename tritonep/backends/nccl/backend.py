@@ -386,6 +386,11 @@ class NcclEP:
         self._combine_flags(y, False, read, True)
         return y
 
+    def defer_refusal(self, error):
+        """See :meth:`tritonep.backends.interface.EPBackend.defer_refusal` (the sync-free status word's read,
+        :meth:`tritonep.backends.nccl.sync_free.SyncFreeDispatch.raise_status`)."""
+        self._sync_free.deferred = error
+
     def combine_refused(self, kind=None, record_own=True, handle=None):
         """Take part in this call's combine as refused (:meth:`tritonep.EPBuffer.cancel_combine`): the same
         collectives as the peers' combine, NaN partial rows, the refused flag set. ``handle``: the call's handle on

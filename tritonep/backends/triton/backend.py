@@ -301,6 +301,10 @@ class TritonEP:
         self._combine(self.expert_out_buffer(), self._empty, weighted=True, kind=kind, wire=self.cwire,
                       bad=1 if record_own else 2, ticket=0 if record_own else self.call_status.next_ticket())
 
+    def defer_refusal(self, error):
+        """See :meth:`tritonep.backends.interface.EPBackend.defer_refusal` (:attr:`CallStatus.front_door_unread`)."""
+        self.call_status.front_door_unread = error
+
     # ---------------------------------------------------------------------------------------------- backward
     def dispatch_bwd(self, grad_recv_x, grad_recv_w, handle):
         """grad_x[t] = sum_k grad_recv_x[row(t,k)]; grad_topk_weights[t,k] = grad_recv_w[row(t,k)]."""

@@ -59,8 +59,9 @@ class CallStatus:
         self.host_reads = 0
         self._recent_idx: deque = deque(maxlen=4)  # the last dispatches' topk_idx: check() names a bad id by value
         # a dispatch whose input the front door refused and that read nothing (sync-free, sync checks off, capture):
-        # it raised its own error at the call, so the read that finds its refusal names this rank (PeerInputError,
-        # as on every other rank) instead of looking for a bad id
+        # True: it raised its own error at the call, so the read that finds its refusal names this rank
+        # (PeerInputError, as on every other rank) instead of looking for a bad id; an exception: its caller deferred
+        # its own error to that read (EPBuffer.refuse_dispatch), which raises it
         self.front_door_unread = False
 
     def usable(self):
@@ -183,14 +184,17 @@ class CallStatus:
             return
         self.check(what)
 
-    def _raise_own_bad_ids(self, front_door: bool = False):
+    def _raise_own_bad_ids(self, front_door=False):
         """This rank's input was refused on the device (sync checks off): raise InputError naming the value, from
         the most recent of the last dispatches' ``topk_idx`` that holds an id outside ``[-1, E)`` (the caller's
         tensors, kept only to name the value: a caller that refilled them in place may see another value named).
-        ``front_door``: a refusal of the front door nobody read is among them (it raised its own error at the
-        call): with no bad id to name, return, and the caller raises PeerInputError naming this rank."""
+        ``front_door``: a refusal of the front door nobody read is among them: with no bad id to name, raise the
+        error its caller deferred (an exception), or (True: it raised its own error at the call) return, and the
+        caller raises PeerInputError naming this rank."""
         for idx in reversed(self._recent_idx):
             check_expert_ids(idx, self.cfg.num_experts)
+        if isinstance(front_door, BaseException):
+            raise front_door
         if front_door:
             return
         raise InputError(f"rank {self.rank}: the topk_idx of an earlier dispatch held an id outside "

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from .. import envs
-from ..errors import BufferStateError, CapacityError, ConfigError, InputError, PeerInputError, TritonEPError
+from ..errors import (BufferStateError, CapacityError, ConfigError, InputError, PeerInputError, PeerTimeoutError,
+                      TritonEPError)
 from ..wire.formats import get_wire
 from .autograd import CombineFn, DispatchBwdFn, DispatchFn, combine_bwd_graph, has_tangent
 from .backend_choice import choose_from_reports, p2p_report
@@ -125,6 +126,7 @@ class EPBuffer:
         self._din = (cfg.hidden, cfg.topk, cfg.max_tokens_per_rank, cfg.dtype, device)
         self._cin = (cfg.hidden, cfg.dtype, device)
         self._last_synced = True
+        self._deferred = None  # an error raised at the next check() (defer)
         self._no_input = (torch.empty(0, cfg.hidden, dtype=cfg.dtype, device=device),
                           torch.empty(0, cfg.topk, dtype=torch.int64, device=device),
                           torch.empty(0, cfg.topk, dtype=torch.float32, device=device))
@@ -528,10 +530,33 @@ class EPBuffer:
         self._check_open()
         return self._backend.expert_transport(num_experts, shapes, dtype)
 
+    def defer(self, error: BaseException) -> None:
+        """Raise ``error`` at this rank's next :meth:`check` instead of now: for a caller whose step failed on this
+        rank (e.g. its experts raised between dispatch and combine, and it cancelled the combine:
+        :meth:`cancel_combine`) while its peers, which read nothing in a sync-free step, run on through their
+        backward and next step: raising at once would leave them without this rank (desynchronised collectives),
+        so the caller runs the step on with NaN and the same calls, and the error surfaces where its peers' does.
+        ``MoELayer(MoERecipe(sync_free=True))`` does so when its experts fail. The first deferred error is kept."""
+        if self._deferred is None:
+            self._deferred = error
+
     def check(self):
-        """Raise any error the device recorded since the last check (one host sync). For graph-captured use."""
+        """Raise any error the device recorded since the last check (one host sync). For graph-captured use.
+
+        An error deferred by :meth:`defer` is raised instead of what the read finds (which the read clears: this
+        rank's own refusals of that step), except a timeout, which makes the buffer unusable and is raised first."""
         self._check_open()
-        self._backend.check()
+        deferred, self._deferred = self._deferred, None
+        if deferred is None:
+            self._backend.check()
+            return
+        try:
+            self._backend.check()
+        except PeerTimeoutError:
+            raise
+        except TritonEPError:
+            pass
+        raise deferred
 
     def close(self):
         """Release the buffer (collective: every rank closes its buffers in the same order)."""

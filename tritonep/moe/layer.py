@@ -448,17 +448,28 @@ class MoELayer(nn.Module):
                 views = self.transport.slot_views(split.num_used)
                 w1s, w2s = (w1, views["w1"]), (w2, views["w2"])
             t.append(self._now() if self.virtual else t[-1])
+            failed = False
             try:
                 bounds, offs = row_parts(self, d, split)
                 eo, hs = expert_ffn_parts_forward(d.x, bounds, offs, w1s, w2s,
                                                   self.buffer.expert_out_buffer(d.x.shape[0]),
                                                   self.geometry.activation)
-            except Exception:  # this rank failed between dispatch and combine (e.g. out of memory in its experts):
-                # it still takes part in the combine, so the peers fail the call at once instead of waiting for it
+            except Exception as exc:  # this rank failed between dispatch and combine (e.g. out of memory in its
+                # experts): it still takes part in the combine, so the peers fail the call at once instead of
+                # waiting for it
                 self.buffer.cancel_combine(d.handle, kind=self.recipe.combine)
-                raise
+                if self.buffer.last_dispatch_read or self.virtual:
+                    raise  # the peers raise PeerInputError in this combine: every rank leaves the step here
+                # nothing read (sync-free): the peers raise nothing and run their backward and next step, so this
+                # rank does too, with NaN and the same collectives, and raises exc at its next check()
+                self.buffer.defer(exc)
+                failed, bounds, offs, hs = True, None, None, None
+                eo = self.buffer.expert_out_buffer(d.x.shape[0]).fill_(float("nan"))
             t.append(self._now())
-            y = self.buffer.combine(eo, d.handle, kind=self.recipe.combine)
+            if failed:  # cancel_combine above stood for this rank's combine
+                y = torch.full((x.shape[0], self.geometry.hidden), float("nan"), dtype=_ACT_DTYPE, device=x.device)
+            else:
+                y = self.buffer.combine(eo, d.handle, kind=self.recipe.combine)
             t.append(self._now())
         self._record(t, d, split)
         ticket = -1
@@ -483,8 +494,14 @@ class MoELayer(nn.Module):
         st = self._stash.pop(ticket)
         buf = self.buffer  # the backward halves of dispatch / combine (as used by tritonep.ep.autograd)
         g_eo, g_rw = buf.combine_backward(grad_y.to(_ACT_DTYPE).contiguous(), st["eo"], st["handle"])
-        g_xr, g_w1, g_w2 = expert_ffn_parts_backward(g_eo, st["xr"], st["bounds"], st["offs"], st["w1"], st["w2"],
-                                                     st["hs"], self.geometry.activation)
+        if st["bounds"] is None:  # this rank's experts failed in the forward (its error deferred to check()): the
+            # same collectives as the peers, NaN gradients (they cannot pass for a result)
+            nan = float("nan")
+            g_xr = torch.full_like(st["xr"], nan)
+            g_w1, g_w2 = (torch.full_like(st["w1"][0], nan),), (torch.full_like(st["w2"][0], nan),)
+        else:
+            g_xr, g_w1, g_w2 = expert_ffn_parts_backward(g_eo, st["xr"], st["bounds"], st["offs"], st["w1"],
+                                                         st["w2"], st["hs"], self.geometry.activation)
         if self.virtual:
             sp = st["split"]
             g = self.transport.pull({"w1": g_w1[1], "w2": g_w2[1]}, st["placement"], sp.num_used, sp.held,

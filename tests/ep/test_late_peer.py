@@ -38,7 +38,7 @@ def _buffer(group, geometry, timeout_s):
 
 def _step(buf, rank, W, seed, sync_free):
     """One dispatch -> experts (0.5 x + 1) -> combine; ``("y", NaN state)`` or the error's ``(type, wait, peer)``."""
-    x, idx, w = make_rank_inputs(rank, 6, H, 2 * W, K, seed=seed, mask_frac=0.0)
+    x, idx, w = (t.to(buf.device) for t in make_rank_inputs(rank, 6, H, 2 * W, K, seed=seed, mask_frac=0.0))
     try:
         d = buf.dispatch(x, idx, w, sync_free=sync_free)
         y = buf.combine((d.x.float() * 0.5 + 1).to(torch.bfloat16), d.handle)

@@ -48,7 +48,7 @@ def _world(group, backend, how):
     layer = tep.MoELayer(tep.MoERecipe(sync_free=True), _geo(), group, seed=3, timeout_s=60, backend=backend)
     out = []
     for step in range(3):
-        x, idx, w, gy = _inputs(rank, step, how)
+        x, idx, w, gy = (t.to(layer.device) for t in _inputs(rank, step, how))  # CPU worlds and GPU ones
         x = x.clone().requires_grad_(True)
         layer.zero_grad(set_to_none=True)
         y = layer(x, idx, w)  # no rank raises in a sync-free step
@@ -60,7 +60,7 @@ def _world(group, backend, how):
             chk = ("PeerInputError", sorted(e.bad_ranks))
         except (InputError, CapacityError) as e:
             chk = (type(e).__name__, str(e)[:70])
-        out.append((y.detach().float().clone(), x.grad.float().clone(), chk))
+        out.append((y.detach().float().cpu(), x.grad.float().cpu(), chk))
     layer.close()
     return out
 
@@ -68,9 +68,13 @@ def _world(group, backend, how):
 @pytest.mark.parametrize("backend,how", [("triton", "cap"), ("nccl", "cap"), ("triton", "shape"),
                                          ("nccl", "shape"), ("triton", "id"), ("nccl", "id")])
 def test_sync_free_layer_refused_input_fails_on_every_rank_and_the_next_step_pairs(backend, how):
+    check_results(run_cpu_world(2, _world, backend, how, timeout_s=300), how)
+
+
+def check_results(res, how):
+    """Every rank's record of :func:`_world` (tests/ep/test_late_peer_gpu.py runs it on the GPU too)."""
     from tritonep.reference import moe_dense_reference
 
-    res = run_cpu_world(2, _world, backend, how, timeout_s=300)
     w1, w2 = tep.MoELayer.init_expert_weights(_geo(), seed=3)
     for step in (0, 2):  # before and after: output and input gradient of every rank equal the dense reference
         ins = [_inputs(r, step, how) for r in range(2)]

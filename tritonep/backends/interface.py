@@ -74,6 +74,12 @@ class EPBackend(Protocol):
         ``handle``: this rank's handle of the call, or None (the backend's latest dispatch)."""
         ...
 
+    def defer_refusal(self, error: Exception) -> None:
+        """This rank's latest dispatch took part as refused (``bad_input``) and read nothing: the next read that
+        finds the refusal raises ``error`` on this rank (its caller's own error naming the value, deferred by
+        ``EPBuffer.refuse_dispatch``) instead of PeerInputError naming this rank."""
+        ...
+
     def dispatch_bwd(self, grad_recv_x: torch.Tensor, grad_recv_w: torch.Tensor | None, handle) -> tuple:
         """Backward of dispatch: ``(grad_x [T, H], grad_topk_weights [T, K] or None)``."""
         ...

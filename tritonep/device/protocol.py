@@ -13,6 +13,13 @@ pointer table plus the byte offset :func:`flag_row_bytes` (``r * W * 8``).
 - ``FLAG_ACK``: dispatch expand -> send ("the stage is read, it may be overwritten").
 - ``FLAG_CDATA``: combine partial -> out ("the partial sums are written").
 - ``FLAG_CACK``: combine out -> partial ("the combine stage is read").
+- ``FLAG_DEAD``: not a counter: ``flags[FLAG_DEAD, r]`` becomes nonzero (and stays so) when rank r's buffer timed out
+  (a wait of r gave up): from then on r's kernels skip their rows but still signal, so before any signal of a call
+  whose rows it skipped r marks itself here in every peer (:func:`tritonep.device.signal.mark_dead`), and a peer
+  that acquired one of r's signals checks the row before it uses r's data (:func:`tritonep.device.signal.
+  peers_alive`): it records ``STATUS_TIMEOUT`` with ``WAIT_PEER_GAVE_UP`` and peer r, skips like a timed-out rank
+  (NaN combine output), and marks itself in turn. So a rank that arrives after its peers gave up on it never takes
+  the rows or partials they skipped.
 
 Call counters. ``calls`` is int64 ``[NUM_CALLS]``, advanced on the device (never reset):
 ``CALL_DISPATCH`` (dispatches, forward and combine backward), ``CALL_COMBINE`` (combines, forward and dispatch
@@ -43,7 +50,8 @@ own; ``skip_call`` lower, it is an earlier call's that nobody read (sync-free, s
 this call's rows moved.
 
 Wait ids (recorded in ``status[ST_WAIT_ID]`` by a wait that gave up): ``WAIT_COUNTS`` .. ``WAIT_CACK`` for the
-EP rows above, ``WAIT_RENDEZVOUS + i`` for the expert transport's rendezvous ``i`` (0..3).
+EP rows above, ``WAIT_PEER_GAVE_UP`` when no wait of this rank gave up but a peer's did (``FLAG_DEAD``),
+``WAIT_RENDEZVOUS + i`` for the expert transport's rendezvous ``i`` (0..3).
 
 The planner (:mod:`tritonep.balance.kernels.planner`, one launch, no peer) keeps a persistent state of its own: a packed
 arrival ticket word (``call number << TICKET_CALL_SHIFT | arrivals``, :func:`tritonep.device.signal.take_ticket`)
@@ -66,7 +74,8 @@ FLAG_DATA = tl.constexpr(1)
 FLAG_ACK = tl.constexpr(2)
 FLAG_CDATA = tl.constexpr(3)
 FLAG_CACK = tl.constexpr(4)
-NUM_FLAG_ROWS = tl.constexpr(5)
+FLAG_DEAD = tl.constexpr(5)  # a mark, not a counter: rank r's buffer timed out
+NUM_FLAG_ROWS = tl.constexpr(6)
 
 # call counters (calls region)
 CALL_DISPATCH = tl.constexpr(0)
@@ -99,6 +108,7 @@ WAIT_DATA = tl.constexpr(1)
 WAIT_ACK = tl.constexpr(2)
 WAIT_CDATA = tl.constexpr(3)
 WAIT_CACK = tl.constexpr(4)
+WAIT_PEER_GAVE_UP = tl.constexpr(5)  # a peer's wait gave up (its FLAG_DEAD mark), not one of this rank's
 WAIT_RENDEZVOUS = tl.constexpr(10)  # + rendezvous index (0..3) of the expert transport
 NUM_RENDEZVOUS = 4
 
@@ -126,7 +136,8 @@ def flag_row_bytes(row, world_size: int) -> int:
 def wait_names() -> dict:
     """Wait id -> readable name, for the host's timeout messages."""
     names = {v(WAIT_COUNTS): "dispatch.counts", v(WAIT_DATA): "dispatch.data", v(WAIT_ACK): "dispatch.ack",
-             v(WAIT_CDATA): "combine.data", v(WAIT_CACK): "combine.ack"}
+             v(WAIT_CDATA): "combine.data", v(WAIT_CACK): "combine.ack",
+             v(WAIT_PEER_GAVE_UP): "peer.gave_up"}
     for i in range(NUM_RENDEZVOUS):
         names[v(WAIT_RENDEZVOUS) + i] = f"transport.rendezvous{i}"
     return names

@@ -18,8 +18,9 @@ import triton
 import triton.language as tl
 
 from .common import kernels_interpreted
-from .protocol import (STATUS_BAD_INPUT, STATUS_CAPACITY, STATUS_COMBINE_REFUSED, STATUS_TIMEOUT, ST_ERRORS_SEEN,
-                       ST_PEER, ST_WAIT_ID, ST_WAITED, TICKET_ARRIVALS, TICKET_CALL_SHIFT)
+from .protocol import (FLAG_DEAD, STATUS_BAD_INPUT, STATUS_CAPACITY, STATUS_COMBINE_REFUSED, STATUS_TIMEOUT,
+                       ST_ERRORS_SEEN, ST_PEER, ST_WAIT_ID, ST_WAITED, TICKET_ARRIVALS, TICKET_CALL_SHIFT,
+                       WAIT_PEER_GAVE_UP)
 
 if kernels_interpreted():
     _POLL_PAUSE_S = 1e-3  # a poll round of an interpreted wait sleeps this long first
@@ -137,6 +138,39 @@ def wait_all_ge(flag_ptr, n, target, status_ptr, wait_id, timeout, HAS_TIMER: tl
     (capacity) keep the protocol running: kernels skip the data but still signal and wait.
     """
     return _wait_flags(flag_ptr, n, target, status_ptr, wait_id, 0, timeout, HAS_TIMER, WBLOCK, False)
+
+
+@triton.jit
+def mark_dead(flags_tab, status_ptr, W: tl.constexpr, RANK: tl.constexpr, WB: tl.constexpr):
+    """Whether this rank's buffer timed out (``status`` holds STATUS_TIMEOUT: a wait of this or an earlier call gave
+    up, or a peer's did, :func:`peers_alive`); if so, also ``flags[FLAG_DEAD, RANK] = 1`` in every other rank
+    (``flags_tab``: every rank's flags region). A timed-out rank's kernels skip their rows but still signal, so every
+    sender of rows, partials or counts calls this after its own waits and before its first signal: a peer that
+    acquires one of the signals sees the mark (plain stores, ordered by the signal's block barrier + release, as
+    ``mark_refused``) and never takes the skipped data. The mark is never cleared (a timed-out buffer is rebuilt)."""
+    dead = tl.load(status_ptr, volatile=True) == STATUS_TIMEOUT
+    if dead:
+        offs = tl.arange(0, WB)
+        msk = (offs < W) & (offs != RANK)
+        bases = tl.load(flags_tab + offs, mask=msk, other=0)
+        tl.store(bases.to(tl.pointer_type(tl.int64)) + FLAG_DEAD * W + RANK, tl.full([WB], 1, tl.int64), mask=msk)
+    return dead
+
+
+@triton.jit
+def peers_alive(flags_ptr, status_ptr, W: tl.constexpr, WB: tl.constexpr):
+    """1 when no peer marked itself timed out in this rank's ``flags[FLAG_DEAD]`` row (``flags_ptr``: this rank's
+    flags region), else 0 after recording STATUS_TIMEOUT with ``WAIT_PEER_GAVE_UP`` and the lowest such peer: a
+    receiver calls it after acquiring its peers' signals and before it uses their data, so data a timed-out peer
+    skipped (:func:`mark_dead`) is never taken; the call then skips like a timed-out one (its outputs NaN or
+    unspecified) and the host's next read raises :class:`tritonep.errors.PeerTimeoutError` naming that peer."""
+    offs = tl.arange(0, WB)
+    v = tl.load(flags_ptr + FLAG_DEAD * W + offs, mask=offs < W, other=0, volatile=True)
+    hit = (offs < W) & (v != 0)
+    alive = tl.sum(hit.to(tl.int32), 0) == 0
+    if alive == 0:
+        record_error(status_ptr, STATUS_TIMEOUT, WAIT_PEER_GAVE_UP, tl.min(tl.where(hit, offs, WB), 0))
+    return alive.to(tl.int32)
 
 
 @triton.jit

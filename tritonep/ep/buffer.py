@@ -17,9 +17,10 @@ import torch.distributed as dist
 
 from .. import envs
 from ..errors import (BackendError, BufferStateError, CapacityError, ConfigError, InputError, PeerInputError,
+                      PeerTimeoutError,
                       TritonEPError)
 from ..wire.formats import get_wire
-from .autograd import CombineFn, DispatchFn
+from .autograd import CombineFn, DispatchBwdFn, DispatchFn, combine_bwd_graph, has_tangent
 from .backend_choice import choose_from_reports, p2p_report
 from ..backends import build_backend, required_bytes as backend_required_bytes
 from .config import EPConfig, agree, build_config
@@ -27,6 +28,11 @@ from .handle import Dispatched, DispatchHandle
 from .validate import check_backward_inputs, check_combine_inputs, check_dispatch_inputs
 
 __all__ = ["EPBuffer"]
+
+_NO_TANGENT = ("a forward-mode dual tensor (torch.autograd.forward_ad) reaches {what}: its tangent would be lost, "
+               "so the input is refused; EPBuffer.dispatch / combine / dispatch_backward / combine_backward carry "
+               "tangents exactly")
+
 
 class EPBuffer:
     """Expert-parallel dispatch / combine buffer for one process group.
@@ -121,6 +127,7 @@ class EPBuffer:
         self._din = (cfg.hidden, cfg.topk, cfg.max_tokens_per_rank, cfg.dtype, device)
         self._cin = (cfg.hidden, cfg.dtype, device)
         self._last_synced = True
+        self._deferred = None  # an error raised at the next check() (defer)
         self._no_input = (torch.empty(0, cfg.hidden, dtype=cfg.dtype, device=device),
                           torch.empty(0, cfg.topk, dtype=torch.int64, device=device),
                           torch.empty(0, cfg.topk, dtype=torch.float32, device=device))
@@ -223,6 +230,8 @@ class EPBuffer:
             except BackendError:
                 pass  # nccl, no dispatch yet on this buffer: no peer can be in its backward either
             raise
+        if has_tangent(grad_recv_x, grad_recv_w):  # forward-mode AD: linear, the tangent is the same call's
+            return DispatchBwdFn.apply(grad_recv_x, grad_recv_w, self._backend, handle)
         return self._backend.dispatch_bwd(grad_recv_x, grad_recv_w, handle)
 
     def cancel_dispatch_backward(self, handle: DispatchHandle | None = None, with_weights: bool = False) -> None:
@@ -271,6 +280,8 @@ class EPBuffer:
                                           min_rows=0)
         expert_out = check_combine_inputs(expert_out, handle, hidden=self.hidden, dtype=self.dtype,
                                           device=self.device, min_rows=self._rows_of(handle))
+        if has_tangent(grad_y, expert_out, handle.recv_weights):  # forward-mode AD: the same sums as torch ops
+            return combine_bwd_graph(self._backend, handle, grad_y, expert_out, handle.recv_weights)
         return self._backend.combine_bwd(grad_y, expert_out, handle)
 
     def _rows_of(self, handle) -> int:
@@ -287,7 +298,7 @@ class EPBuffer:
                               "EPBuffer that made it)")
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                 keep_quantized: bool = False, *, sync_free: bool = False) -> Dispatched:
+                 keep_quantized: bool = False, *, sync_free: bool = False, forward_ad: bool = True) -> Dispatched:
         """Send every token to the ranks of its experts; return the expert-grouped rows of this rank's experts.
 
         Args:
@@ -308,9 +319,17 @@ class EPBuffer:
                 gradients: no kernel addresses a row of the refused layout). What graph capture does anyway. Both
                 backends (nccl: fixed per-peer packet slots and one all_to_all with equal splits,
                 :mod:`tritonep.backends.nccl.sync_free`).
+            forward_ad: False refuses forward-mode dual inputs (InputError, the call taking part as refused as for
+                any refused input) instead of dispatching their tangents: for a caller whose outputs cannot carry
+                a tangent (the custom ops of :mod:`tritonep.ep.ops`).
 
         Returns:
             :class:`Dispatched` (rows ordered by (source rank, token, k) inside each expert segment).
+
+        Differentiable w.r.t. ``x`` and ``topk_weights`` in reverse mode (autograd) and forward mode
+        (``torch.autograd.forward_ad`` dual tensors: ``x`` and ``weights`` carry the dispatch of the tangents, one
+        more dispatch along this call's routing; every rank must pass dual tensors alike, as the extra call is a
+        collective; not with ``keep_quantized``: InputError).
 
         Raises:
             InputError: bad dtype / shape / device / expert id of THIS rank's input (the value is named).
@@ -326,16 +345,27 @@ class EPBuffer:
         ``topk_idx``). Eagerly (``sync_checks`` deferred or strict) every rank raises in this call; with sync
         checks off or under graph capture the refusing rank raises at once and the peers at their next
         :meth:`check`, and until then their rows of this call are unspecified (``weights`` past
-        ``expert_offsets[-1]`` are zero).
+        ``expert_offsets[-1]`` are zero). The peers then go on to their :meth:`combine` of this call, so the
+        refusing rank must take part in it: call :meth:`cancel_combine` (no handle) where its peers combine
+        (:attr:`last_dispatch_read` says whether the refusal was read: False here; ``MoELayer`` does it); their
+        output is NaN and every rank's next :meth:`check` raises :class:`PeerInputError` naming the refusing rank
+        (the refusing rank included: its own error was raised at the call).
         """
         if self._closed:
             self._check_open()
         if sync_free and not self._backend.sync_free:
             raise ConfigError(f"dispatch(sync_free=True) is not supported by this buffer's backend "
                               f"{self.backend!r}")
-        refused = None
+        refused, dual = None, False
         try:
             x, topk_idx, topk_weights = check_dispatch_inputs(x, topk_idx, topk_weights, *self._din)
+            dual = has_tangent(x, topk_weights)  # forward-mode AD: the tangents are dispatched too (DispatchFn.jvp)
+            if dual and not forward_ad:
+                raise InputError(_NO_TANGENT.format(what="this dispatch (forward_ad=False: its caller, e.g. the "
+                                                         "tritonep::dispatch op, cannot return a tangent)"))
+            if dual and keep_quantized and self._quantized_dispatch:
+                raise InputError(_NO_TANGENT.format(what="dispatch(keep_quantized=True) (quantized rows carry no "
+                                                         "tangent; dispatch without keep_quantized)"))
         except (InputError, CapacityError) as e:
             refused = e
             x, topk_idx, topk_weights = self._no_input
@@ -347,7 +377,7 @@ class EPBuffer:
                 sync = envs.SYNC_NONE
         kq = keep_quantized and self._quantized_dispatch
         try:
-            if kq or refused is not None or not (torch.is_grad_enabled() and (
+            if kq or refused is not None or not (dual or torch.is_grad_enabled() and (
                     x.requires_grad or topk_weights.requires_grad)):
                 out, out_w, ntpe, offs, handle = self._backend.dispatch_fwd(x, topk_idx, topk_weights, sync, kq,
                                                                          refused is not None, sync_free)
@@ -356,17 +386,63 @@ class EPBuffer:
                 out, out_w, ntpe, offs = DispatchFn.apply(x, topk_weights, self._backend, topk_idx, sync, sync_free,
                                                           box)
                 handle = box[0]
-        except (PeerInputError, CapacityError):
-            if refused is not None:  # this rank's own error names its value (a CapacityError here is an earlier
-                raise refused from None  # refusal nobody read: the code is the first unread refusal's)
+        except TritonEPError as e:
+            self._last_synced = True  # raised after the call's read: its peers raise in this call too
+            if refused is not None and isinstance(e, (PeerInputError, CapacityError)):
+                # this rank's own error names its value (a CapacityError here is an earlier refusal nobody read:
+                raise refused from None  # the code is the first unread refusal's)
             raise
-        if refused is not None:
-            raise refused  # sync checks off / graph capture: the peers learn it at their next check()
+        if refused is not None:  # nothing read (sync-free, sync checks off, graph capture): the peers learn it at
+            self._last_synced = False  # their next check() and go on to their combine (cancel_combine takes part)
+            raise refused
         self._last_synced = handle.num_recv_rows is not None  # what cancel_combine assumes without a handle
         return Dispatched(out, ntpe, offs, handle, out_w, handle.x_scales)  # positional: x, num_tokens_per_expert,
         # expert_offsets, handle, weights, x_scales (the dataclass's order; half the host time of keywords)
 
-    def combine(self, expert_out: torch.Tensor, handle: DispatchHandle, kind: str | None = None) -> torch.Tensor:
+    def refuse_dispatch(self, error: Exception, *, sync_free: bool = False) -> Dispatched:
+        """Take part in a dispatch whose input this rank's caller refused (``error``: its own
+        :class:`InputError` / :class:`CapacityError` naming the value), as :meth:`dispatch` does with an input it
+        refuses itself: the call's launches / collectives with no token and the refusal flag, so it fails on every
+        rank and no row moves.
+
+        With a host read (``sync_free`` False and sync checks on: every rank raises in this call) ``error`` is
+        raised at once (the peers raise :class:`PeerInputError` naming this rank). Without one (``sync_free=True``,
+        sync checks off, capture) nothing is raised now: the call returns the empty layout, as on the peers
+        (``x`` ``max_recv_tokens`` unspecified rows, ``weights``, counts and offsets 0, a handle of T = 0 tokens),
+        so this rank can run the rest of its step like its peers (SPMD: the same collectives, backward included).
+        Its :meth:`combine` takes part as refused (:meth:`cancel_combine`: the peers' output is NaN) and returns
+        NaN ``[0, H]``; :meth:`combine_backward` / :meth:`dispatch_backward` run as on the peers (no row); the next
+        read (:meth:`check`, a synced dispatch) raises ``error`` on this rank and :class:`PeerInputError` naming it
+        on every other rank. What ``MoELayer(MoERecipe(sync_free=True))`` does with an input it refuses.
+
+        Raises:
+            ConfigError: ``error`` is not an InputError / CapacityError. BufferStateError: closed or broken.
+            ``error``: with a host read (above).
+        """
+        if not isinstance(error, (InputError, CapacityError)):
+            raise ConfigError(f"refuse_dispatch takes the InputError / CapacityError that refused the input, got "
+                              f"{type(error).__name__}")
+        self._check_open()
+        if sync_free and not self._backend.sync_free:
+            raise ConfigError(f"refuse_dispatch(sync_free=True) is not supported by this buffer's backend "
+                              f"{self.backend!r}")
+        sync = envs.SYNC_NONE if sync_free else self._sync
+        if sync and self._cuda and torch._C._cuda_isCurrentStreamCapturing():
+            sync = envs.SYNC_NONE
+        try:
+            out, out_w, ntpe, offs, handle = self._backend.dispatch_fwd(*self._no_input, sync, False, True, sync_free)
+        except TritonEPError as e:
+            self._last_synced = True  # read: every rank raises in this call
+            if isinstance(e, (PeerInputError, CapacityError)):
+                raise error from None
+            raise
+        self._last_synced = False
+        self._backend.defer_refusal(error)
+        handle.__dict__["refused_here"] = error  # its combine takes part as refused (combine)
+        return Dispatched(out, ntpe, offs, handle, out_w, handle.x_scales)
+
+    def combine(self, expert_out: torch.Tensor, handle: DispatchHandle, kind: str | None = None, *,
+                forward_ad: bool = True) -> torch.Tensor:
         """Bring expert outputs back: ``y[t] = sum_k topk_weights[t, k] * expert_out[row(t, k)]`` (fp32 sums).
 
         Args:
@@ -374,10 +450,15 @@ class EPBuffer:
             handle: the ``Dispatched.handle`` of the matching dispatch.
             kind: ``"push"`` | ``"pull"`` to override the kernel-tile table (triton backend); must be the same on
                 every rank (a per-call argument cannot be checked without a collective).
+            forward_ad: False refuses forward-mode dual inputs (InputError, taking part as refused) instead of
+                returning their tangent (see :meth:`dispatch`).
 
         Returns:
             ``[T, H]`` in ``expert_out``'s dtype; tokens without a valid route get zeros. Summation order is fixed
-            (per rank k ascending, then ranks ascending): bitwise reproducible.
+            (per rank k ascending, then ranks ascending): bitwise reproducible. Differentiable w.r.t.
+            ``expert_out`` and the dispatch's ``weights`` in reverse and forward mode (dual tensors: the tangent is
+            ``sum over the token's rows of w * d_expert_out + d_w * expert_out``, one more collective; every rank
+            passes dual tensors alike).
 
         A refused input (this rank raises InputError / ConfigError) still takes part in the call
         (:meth:`cancel_combine`), so no peer waits for this rank: an eager combine (its dispatch read the host) raises
@@ -392,6 +473,10 @@ class EPBuffer:
         """
         if self._closed:
             self._check_open()
+        if "refused_here" in getattr(handle, "__dict__", ()) and handle.buffer_id == self._id:
+            # the handle of refuse_dispatch without a read: this rank takes part as refused (the peers' output NaN)
+            self.cancel_combine(handle, kind if kind in ("push", "pull") else None)
+            return torch.full((0, self.hidden), float("nan"), dtype=self.dtype, device=self.device)
         try:
             if not isinstance(handle, DispatchHandle) or handle.buffer_id != self._id:
                 self._check_handle(handle)
@@ -400,6 +485,9 @@ class EPBuffer:
                                               self.config.max_recv_tokens if R is None else R)
             if kind is not None and kind not in ("push", "pull"):
                 raise ConfigError(f"combine kind={kind!r} is not 'push' or 'pull'")
+            if not forward_ad and has_tangent(expert_out, handle.recv_weights):
+                raise InputError(_NO_TANGENT.format(what="this combine (forward_ad=False: its caller, e.g. the "
+                                                         "tritonep::combine op, cannot return a tangent)"))
         except (InputError, ConfigError):
             # refused on this rank: it still takes part (host protocol rule), so every peer's combine fails too
             # (raises in an eager call, NaN output and a recorded error otherwise) instead of waiting for it
@@ -409,9 +497,18 @@ class EPBuffer:
         # refused the call or never arrived raises here, on every rank, never a value computed without its data
         read = R is not None and self._reads_combine()
         rw = handle.recv_weights
-        if torch.is_grad_enabled() and (expert_out.requires_grad or (rw is not None and rw.requires_grad)):
+        if torch.is_grad_enabled() and (expert_out.requires_grad or (rw is not None and rw.requires_grad)) or \
+                has_tangent(expert_out, rw):  # forward-mode AD: CombineFn.jvp
             return CombineFn.apply(expert_out, rw, self._backend, handle, kind, read)
         return self._backend.combine_fwd(expert_out, handle, kind=kind, read=read)
+
+    @property
+    def last_dispatch_read(self) -> bool:
+        """Whether this buffer's latest dispatch (a refused one included) read its status on the host, i.e. whether
+        its refusal, if any, raised on every rank in that call. False after a sync-free call (or sync checks off,
+        graph capture): a refusal of this rank's input raised here only, and the peers go on to their combine, in
+        which this rank must take part with :meth:`cancel_combine` (:meth:`dispatch`)."""
+        return self._last_synced
 
     def _reads_combine(self) -> bool:
         """Whether a combine of a synced handle reads its status now (the config's sync checks not ``none``, not
@@ -476,10 +573,33 @@ class EPBuffer:
         self._check_open()
         return self._backend.expert_transport(num_experts, shapes, dtype)
 
+    def defer(self, error: BaseException) -> None:
+        """Raise ``error`` at this rank's next :meth:`check` instead of now: for a caller whose step failed on this
+        rank (e.g. its experts raised between dispatch and combine, and it cancelled the combine:
+        :meth:`cancel_combine`) while its peers, which read nothing in a sync-free step, run on through their
+        backward and next step: raising at once would leave them without this rank (desynchronised collectives),
+        so the caller runs the step on with NaN and the same calls, and the error surfaces where its peers' does.
+        ``MoELayer(MoERecipe(sync_free=True))`` does so when its experts fail. The first deferred error is kept."""
+        if self._deferred is None:
+            self._deferred = error
+
     def check(self):
-        """Raise any error the device recorded since the last check (one host sync). For graph-captured use."""
+        """Raise any error the device recorded since the last check (one host sync). For graph-captured use.
+
+        An error deferred by :meth:`defer` is raised instead of what the read finds (which the read clears: this
+        rank's own refusals of that step), except a timeout, which makes the buffer unusable and is raised first."""
         self._check_open()
-        self._backend.check()
+        deferred, self._deferred = self._deferred, None
+        if deferred is None:
+            self._backend.check()
+            return
+        try:
+            self._backend.check()
+        except PeerTimeoutError:
+            raise
+        except TritonEPError:
+            pass
+        raise deferred
 
     def close(self):
         """Release the buffer (collective: every rank closes its buffers in the same order)."""

@@ -29,6 +29,13 @@ Fakes: every output of an op has the metadata its fake gives (storage offset 0, 
 ``torch.library.opcheck`` (tests/ep/test_custom_ops_opcheck.py). The row weights of the triton backend are a view
 of the handle's storage, whose layout puts them first (:class:`tritonep.backends.triton.outputs.HandleLayout`).
 
+Forward-mode AD: an op returns plain tensors, so a forward-mode dual input (``torch.autograd.forward_ad``) is
+refused with InputError (the dispatch and combine ops take part as refused, as for any refused input; the backward
+ops raise before any launch); :class:`tritonep.EPBuffer`'s own calls carry tangents exactly. A dispatch op whose
+input is refused without a host read (``sync_free=True``) takes part in the combine that follows as refused
+(:meth:`EPBuffer.cancel_combine`): the peers, which raise nothing in that call, get NaN from their combine op and
+every rank's next :meth:`EPBuffer.check` raises.
+
 Collectives: every op is a collective of the buffer's group (every rank calls the same ops in the same order,
 docs/protocols.md (host protocol rule)); activation checkpointing recomputes them in the same order on every rank.
 
@@ -45,7 +52,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..errors import BufferStateError, ConfigError
+from ..errors import BufferStateError, CapacityError, ConfigError, InputError
+from .autograd import has_tangent
 
 __all__ = ["OpDispatched", "buffer_id", "get_buffer", "get_handle", "dispatch", "combine", "dispatch_op",
            "combine_op", "dispatch_backward_op", "combine_backward_op"]
@@ -105,13 +113,30 @@ def get_handle(ticket: torch.Tensor):
     return handle
 
 
+def _refuse_tangents(op: str, *tensors) -> None:
+    """InputError when a forward-mode dual tensor reaches a backward op (an op returns plain tensors: its tangent
+    would be lost), before any launch: every rank passes dual tensors alike, so every rank raises."""
+    if has_tangent(*tensors):
+        raise InputError(f"a forward-mode dual tensor (torch.autograd.forward_ad) reaches {op}, which cannot return "
+                         f"a tangent; EPBuffer.dispatch / combine / dispatch_backward / combine_backward carry "
+                         f"tangents exactly")
+
+
 # ------------------------------------------------------------------------------------------------ dispatch
 @torch.library.custom_op("tritonep::dispatch", mutates_args=())
 def dispatch_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, buffer_id: int,
                 sync_free: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:meth:`EPBuffer.dispatch` of buffer ``buffer_id`` as an op (module docstring): ``(rows, row weights,
     [num_tokens_per_expert | expert_offsets] [2L] int32, ticket)``."""
-    d = get_buffer(buffer_id).dispatch(x, topk_idx, topk_weights, sync_free=sync_free)
+    buf = get_buffer(buffer_id)
+    try:  # forward_ad=False: an op returns plain tensors, so a dual input is refused (taking part as refused)
+        d = buf.dispatch(x, topk_idx, topk_weights, sync_free=sync_free, forward_ad=False)
+    except (InputError, CapacityError):
+        # this rank's own refusal: when the call read nothing (sync-free) only this rank raises and the peers go on
+        # to their combine op, so this rank takes part in it as refused now (their output NaN, every check() raises)
+        if not buf.last_dispatch_read:
+            buf.cancel_combine()
+        raise
     # one copy (a single small launch): the two are views of the handle's storage (triton) or of the plan vector
     # (nccl), and an output must not alias another output nor sit at a storage offset its fake does not have
     pair = torch.cat([d.num_tokens_per_expert, d.expert_offsets])
@@ -133,6 +158,7 @@ def dispatch_backward_op(grad_recv_x: torch.Tensor, grad_recv_w: Optional[torch.
     """``(grad_x [T, H], grad_topk_weights [T, K] f32)`` of a dispatch (:meth:`EPBuffer.dispatch_backward`);
     ``grad_recv_w`` None gives zero weight gradients."""
     buf = get_buffer(buffer_id)
+    _refuse_tangents("tritonep::dispatch_backward", grad_recv_x, grad_recv_w)
     gx, gw = buf.dispatch_backward(grad_recv_x, grad_recv_w, get_handle(ticket))
     if gw is None:
         gw = torch.zeros(num_tokens, buf.topk, dtype=torch.float32, device=gx.device)
@@ -204,7 +230,7 @@ dispatch_backward_op.register_autograd(_dispatch_backward_backward, setup_contex
 def combine_op(expert_out: torch.Tensor, recv_weights: torch.Tensor, ticket: torch.Tensor, buffer_id: int,
                num_tokens: int) -> torch.Tensor:
     """:meth:`EPBuffer.combine` of the dispatch ``ticket`` names (module docstring): ``y [num_tokens, H]``."""
-    y = get_buffer(buffer_id).combine(expert_out, get_handle(ticket))
+    y = get_buffer(buffer_id).combine(expert_out, get_handle(ticket), forward_ad=False)  # a dual input: refused
     # a view of a pooled block (decode, tritonep/runtime/pool.py): the op's autograd would refuse in-place ops on it
     return y.detach() if y._base is not None else y
 
@@ -218,6 +244,7 @@ def _combine_fake(expert_out, recv_weights, ticket, buffer_id, num_tokens):
 def combine_backward_op(grad_y: torch.Tensor, expert_out: torch.Tensor, ticket: torch.Tensor,
                         buffer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(grad_expert_out [R, H], grad_recv_weights [R] f32)`` of a combine (:meth:`EPBuffer.combine_backward`)."""
+    _refuse_tangents("tritonep::combine_backward", grad_y, expert_out)
     return get_buffer(buffer_id).combine_backward(grad_y, expert_out, get_handle(ticket))
 
 

@@ -42,12 +42,14 @@ import torch.distributed as dist
 from torch import nn
 
 from ..ep import EPBuffer
+from ..ep.autograd import has_tangent
 from ..ep.config import agree
-from ..ep.validate import check_expert_ids
+from ..ep.validate import check_dispatch_inputs, check_expert_ids
 from ..errors import BufferStateError, CapacityError, ConfigError, InputError, TritonEPError
 from . import ops
 from .experts import expert_ffn_parts_backward, expert_ffn_parts_forward
-from .layer_parts import _ACT_DTYPE, expert_shapes, expert_weights, layer_required_bytes, take_part_refused
+from .layer_parts import (_ACT_DTYPE, cancel_unread_refusal, expert_shapes, expert_weights, layer_required_bytes,
+                          take_part_refused)
 from .layer_status import consume_refusal, strict_check
 from .layer_virtual import plan_routes, read_split, row_parts
 from .losses import attach_aux_loss, switch_aux_loss
@@ -155,6 +157,7 @@ class MoELayer(nn.Module):
             self.counts_x = self.buffer.counts_exchange(g.num_experts)
             self.transport = self.buffer.expert_transport(
                 g.num_experts, expert_shapes(g), dtype)
+        self._refusal = None  # the refusal of the sync-free step in progress (_refused_step)
         self.layer_id = ops.register_layer(self)
         self._stash = SavedForwards(recipe.max_saved_forwards, f"MoELayer {self.layer_id}")
         self._closed = False
@@ -260,6 +263,8 @@ class MoELayer(nn.Module):
         except (InputError, CapacityError) as e:
             if self.virtual:  # the call's counts exchange saw the same refusal: read (and clear) it too
                 consume_refusal(self.counts_x)
+            else:  # sync-free: this rank's own refusal raised here only; the peers go on to their combine
+                cancel_unread_refusal(self.buffer, self.recipe.combine)
             if self.virtual and isinstance(given_idx, torch.Tensor) and type(e) is InputError:
                 # the planner turned an id outside [-1, E) into 2E (outside the runtime range): name the given one
                 check_expert_ids(given_idx, self.buffer.num_experts // 2)
@@ -270,7 +275,8 @@ class MoELayer(nn.Module):
     def _take_part_refused(self, err: Exception, planned: bool = False):
         """See :func:`tritonep.moe.layer_parts.take_part_refused` (raises ``err``; clears the exchange's record)."""
         try:
-            take_part_refused(self.buffer, self.counts_x if self.virtual and not planned else None, err)
+            take_part_refused(self.buffer, self.counts_x if self.virtual and not planned else None, err,
+                              self.recipe.sync_free, self.recipe.combine, self.virtual)
         finally:
             if self.virtual:
                 consume_refusal(self.counts_x)
@@ -299,13 +305,16 @@ class MoELayer(nn.Module):
 
         Raises:
             InputError: only one routing tensor given, ``x`` not ``[..., H]`` or of another dtype, or bad routing
-                shapes / dtypes (see ``EPBuffer.dispatch``); raised on every rank (the others: PeerInputError).
+                shapes / dtypes (see ``EPBuffer.dispatch``), or a forward-mode dual tensor among ``x``, the routing
+                weights, ``w1``, ``w2`` (no forward-mode derivative); raised on every rank (the others:
+                PeerInputError).
             CapacityError, PeerTimeoutError, BufferStateError: from the buffer. PlanError: from the planner.
         """
         if self._closed:
             raise BufferStateError("MoELayer is closed")
         routed = None
         shape = dtype = None
+        given = (x, topk_weights)
         try:
             if (topk_idx is None) != (topk_weights is None):
                 raise InputError("give both topk_idx and topk_weights, or neither (then the router routes)")
@@ -326,9 +335,20 @@ class MoELayer(nn.Module):
             if bad:
                 raise InputError(f"{', '.join(bad)} must be torch.Tensor, got "
                                  f"{[type(t).__name__ for t in (topk_idx, topk_weights)]}")
+            if has_tangent(x, topk_weights, self.w1, self.w2):
+                raise InputError("MoELayer has no forward-mode derivative: x, the routing weights or w1 / w2 is a "
+                                 "dual tensor (torch.autograd.forward_ad), whose tangent the layer's one custom op "
+                                 "would lose; use EPBuffer.dispatch / combine around torch experts, which carry "
+                                 "tangents exactly")
+            xb = x if x.dtype == _ACT_DTYPE else x.to(_ACT_DTYPE)  # the tokens travel as bf16
+            if self.recipe.sync_free:  # the buffer's own input checks, here: a refusal is deferred (_refused_step)
+                b = self.buffer
+                check_dispatch_inputs(xb, topk_idx, topk_weights, b.hidden, b.topk, b.max_tokens_per_rank,
+                                      _ACT_DTYPE, b.device)
         except (InputError, CapacityError) as e:  # every rank fails this call together (docs/protocols.md (host protocol rule))
+            if self.recipe.sync_free and isinstance(given[0], torch.Tensor):
+                return self._refused_step(e, *given, routed)
             self._take_part_refused(e)
-        xb = x if x.dtype == _ACT_DTYPE else x.to(_ACT_DTYPE)  # the tokens travel as bf16
         save = torch.is_grad_enabled() and any(t.requires_grad for t in (xb, topk_weights, self.w1, self.w2))
         y, _ticket = ops.moe_layer_forward(xb, topk_idx, topk_weights, self.w1, self.w2, self.layer_id, save)
         if self.shared is not None:
@@ -342,6 +362,37 @@ class MoELayer(nn.Module):
             self.last_aux_loss = aux.detach()
             y = attach_aux_loss(y, aux, coef)
         return y
+
+    def _refused_step(self, err: Exception, x: torch.Tensor, topk_weights, routed) -> torch.Tensor:
+        """A sync-free forward whose input this rank refused (``err``): no rank reads anything in this step, so this
+        rank does not raise now but runs the step as its peers do, the same collectives forward and backward: its
+        dispatch takes part as refused (:meth:`tritonep.EPBuffer.refuse_dispatch`, T = 0 tokens), its combine as
+        refused (the peers' output NaN), and the returned ``y`` is NaN in ``x``'s shape, in the autograd graph of
+        ``x`` and of the layer's op exactly when the peers' output is (so the backward runs on every rank, moving
+        no row). The next ``layer.buffer.check()`` raises ``err`` here and :class:`PeerInputError` naming this
+        rank elsewhere. A rank that raised at once instead would leave its peers' backward and next step without
+        it (desynchronised collectives: hangs, or an aborted process on the nccl backend)."""
+        H, K, dev = self.geometry.hidden, self.geometry.topk, self.device
+        w_grad = topk_weights.requires_grad if isinstance(topk_weights, torch.Tensor) else \
+            (routed is not None or topk_weights is None) and self.router.weight.requires_grad
+        grad = torch.is_grad_enabled()
+        xb0 = torch.empty(0, H, dtype=_ACT_DTYPE, device=dev, requires_grad=grad and x.requires_grad)
+        w0 = torch.empty(0, K, dtype=torch.float32, device=dev, requires_grad=grad and bool(w_grad))
+        idx0 = torch.empty(0, K, dtype=torch.int64, device=dev)
+        save = grad and any(t.requires_grad for t in (xb0, w0, self.w1, self.w2))
+        self._refusal = err
+        try:
+            y0, _ticket = ops.moe_layer_forward(xb0, idx0, w0, self.w1, self.w2, self.layer_id, save)
+        finally:
+            self._refusal = None
+        nan = float("nan")
+        y = x * nan if x.is_floating_point() else torch.full(x.shape, nan, device=x.device)
+        keep = y0.sum() * 0  # y0 (no row) keeps the op's backward in the graph
+        if routed is not None:  # the router's and the shared experts' parameters get (NaN) gradients as on the peers
+            keep = keep + routed.topk_weights.sum() * 0
+        if self.shared is not None and x.is_floating_point() and x.dim() >= 1 and x.shape[-1] == H:
+            keep = keep + self.shared(x.reshape(-1, H)).float().sum() * 0
+        return y + keep.to(y.dtype)
 
     _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -383,7 +434,11 @@ class MoELayer(nn.Module):
         """
         with torch.no_grad():
             self._stash.spill()  # even when this call saves nothing: it overwrites the expert output region
-            t, placement, d = self._plan_and_dispatch(x, topk_idx, topk_weights)
+            if self._refusal is None:
+                t, placement, d = self._plan_and_dispatch(x, topk_idx, topk_weights)
+            else:  # a sync-free step this rank refused (_refused_step): the empty layout, no error now
+                t, placement = [self._now()] * 3, None
+                d = self.buffer.refuse_dispatch(self._refusal, sync_free=True)
             split = None
             w1s, w2s = (w1,), (w2,)
             if self.virtual:
@@ -393,17 +448,28 @@ class MoELayer(nn.Module):
                 views = self.transport.slot_views(split.num_used)
                 w1s, w2s = (w1, views["w1"]), (w2, views["w2"])
             t.append(self._now() if self.virtual else t[-1])
+            failed = False
             try:
                 bounds, offs = row_parts(self, d, split)
                 eo, hs = expert_ffn_parts_forward(d.x, bounds, offs, w1s, w2s,
                                                   self.buffer.expert_out_buffer(d.x.shape[0]),
                                                   self.geometry.activation)
-            except Exception:  # this rank failed between dispatch and combine (e.g. out of memory in its experts):
-                # it still takes part in the combine, so the peers fail the call at once instead of waiting for it
+            except Exception as exc:  # this rank failed between dispatch and combine (e.g. out of memory in its
+                # experts): it still takes part in the combine, so the peers fail the call at once instead of
+                # waiting for it
                 self.buffer.cancel_combine(d.handle, kind=self.recipe.combine)
-                raise
+                if self.buffer.last_dispatch_read or self.virtual:
+                    raise  # the peers raise PeerInputError in this combine: every rank leaves the step here
+                # nothing read (sync-free): the peers raise nothing and run their backward and next step, so this
+                # rank does too, with NaN and the same collectives, and raises exc at its next check()
+                self.buffer.defer(exc)
+                failed, bounds, offs, hs = True, None, None, None
+                eo = self.buffer.expert_out_buffer(d.x.shape[0]).fill_(float("nan"))
             t.append(self._now())
-            y = self.buffer.combine(eo, d.handle, kind=self.recipe.combine)
+            if failed:  # cancel_combine above stood for this rank's combine
+                y = torch.full((x.shape[0], self.geometry.hidden), float("nan"), dtype=_ACT_DTYPE, device=x.device)
+            else:
+                y = self.buffer.combine(eo, d.handle, kind=self.recipe.combine)
             t.append(self._now())
         self._record(t, d, split)
         ticket = -1
@@ -428,8 +494,14 @@ class MoELayer(nn.Module):
         st = self._stash.pop(ticket)
         buf = self.buffer  # the backward halves of dispatch / combine (as used by tritonep.ep.autograd)
         g_eo, g_rw = buf.combine_backward(grad_y.to(_ACT_DTYPE).contiguous(), st["eo"], st["handle"])
-        g_xr, g_w1, g_w2 = expert_ffn_parts_backward(g_eo, st["xr"], st["bounds"], st["offs"], st["w1"], st["w2"],
-                                                     st["hs"], self.geometry.activation)
+        if st["bounds"] is None:  # this rank's experts failed in the forward (its error deferred to check()): the
+            # same collectives as the peers, NaN gradients (they cannot pass for a result)
+            nan = float("nan")
+            g_xr = torch.full_like(st["xr"], nan)
+            g_w1, g_w2 = (torch.full_like(st["w1"][0], nan),), (torch.full_like(st["w2"][0], nan),)
+        else:
+            g_xr, g_w1, g_w2 = expert_ffn_parts_backward(g_eo, st["xr"], st["bounds"], st["offs"], st["w1"],
+                                                         st["w2"], st["hs"], self.geometry.activation)
         if self.virtual:
             sp = st["split"]
             g = self.transport.pull({"w1": g_w1[1], "w2": g_w2[1]}, st["placement"], sp.num_used, sp.held,

@@ -85,7 +85,8 @@ def layer_required_bytes(recipe: MoERecipe, geometry: MoEGeometry, world_size: i
     return total
 
 
-def take_part_refused(buffer, counts_x, err: Exception):
+def take_part_refused(buffer, counts_x, err: Exception, sync_free: bool = False, kind: str | None = None,
+                      virtual: bool = False):
     """A rank whose forward input was refused before its dispatch runs the rest of the call's collective sequence
     as a refused call, so every rank fails the forward together (the others raise
     :class:`tritonep.errors.PeerInputError`; docs/protocols.md (host protocol rule)), then raises ``err``.
@@ -95,6 +96,13 @@ def take_part_refused(buffer, counts_x, err: Exception):
         counts_x: the planner's counts exchange (:class:`tritonep.backends.CountsExchange`) when its exchange
             has not run yet in this call (virtual experts), else None.
         err: the refusal to raise on this rank.
+        sync_free: the layer's ``MoERecipe.sync_free`` (the refused dispatch is the same kind of call as the
+            peers'). kind: the layer's combine kind. virtual: ``balance='virtual'`` (the peers read the counts
+            exchange's record after their dispatch and raise before any combine).
+
+    Without virtual experts, a refused dispatch that read nothing (sync-free, sync checks off:
+    :attr:`tritonep.EPBuffer.last_dispatch_read`) raised on this rank only: the peers go on to their combine, so
+    this rank takes part in it as refused (:meth:`tritonep.EPBuffer.cancel_combine`; :func:`cancel_unread_refusal`).
     """
     import torch
 
@@ -109,7 +117,17 @@ def take_part_refused(buffer, counts_x, err: Exception):
     try:  # a row width the buffer refuses on purpose: it takes part with no tokens and the flag
         buffer.dispatch(torch.empty(0, H + 1, dtype=torch.bfloat16, device=dev),
                         torch.empty(0, K, dtype=torch.int64, device=dev),
-                        torch.empty(0, K, dtype=torch.float32, device=dev))
+                        torch.empty(0, K, dtype=torch.float32, device=dev), sync_free=sync_free)
     except (InputError, CapacityError):
-        pass
+        if not virtual:
+            cancel_unread_refusal(buffer, kind)
     raise err
+
+
+def cancel_unread_refusal(buffer, kind: str | None) -> None:
+    """After this rank's dispatch raised its own refusal: if the call read nothing (sync-free, sync checks off), the
+    peers raised nothing and go on to their combine, so take part in it as refused
+    (:meth:`tritonep.EPBuffer.cancel_combine`: their output is NaN, every rank's next ``check()`` raises
+    :class:`tritonep.errors.PeerInputError` naming this rank); else (a read: every rank raised) nothing."""
+    if not buffer.last_dispatch_read:
+        buffer.cancel_combine(None, kind=kind)

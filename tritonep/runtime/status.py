@@ -25,6 +25,7 @@ STATUS_OK, STATUS_TIMEOUT, STATUS_CAPACITY, STATUS_BAD_INPUT, STATUS_COMBINE_REF
 _CODE, _WAIT_ID, _PEER, _SEEN, _NEEDED, _SKIP_CALL, _BAD_MASK, _WAITED = (P.v(n) for n in (
     P.ST_CODE, P.ST_WAIT_ID, P.ST_PEER, P.ST_ERRORS_SEEN, P.ST_NEEDED_ROWS, P.ST_SKIP_CALL, P.ST_BAD_RANK_MASK,
     P.ST_WAITED))
+_GAVE_UP = P.v(P.WAIT_PEER_GAVE_UP)  # recorded by a rank whose peer's wait gave up (device/signal.py peers_alive)
 
 __all__ = ["WAIT_NAMES", "raise_for_status", "wait_bound", "bad_ranks", "resolve_timeout"]
 
@@ -96,7 +97,8 @@ def raise_for_status(status_host: torch.Tensor, rank: int, max_recv: int, what: 
     whether that call's rows were sent (an earlier call's refusal nobody read) or not (its own); None elsewhere.
 
     Raises:
-        PeerTimeoutError: a wait gave up (message: the wait, the peer, the measured wait and the bound).
+        PeerTimeoutError: a wait gave up (message: the wait, the peer, the measured wait and the bound), or a peer's
+            did and this rank learned it from the peer's mark (``wait`` ``"peer.gave_up"``, ``peer`` that rank).
         CapacityError: a rank would receive more rows than ``max_recv``.
         PeerInputError: some rank's input was refused (``bad_ranks`` from the status bitmask), or some rank took
             part in a combine as refused (STATUS_COMBINE_REFUSED).
@@ -108,6 +110,13 @@ def raise_for_status(status_host: torch.Tensor, rank: int, max_recv: int, what: 
         wait = WAIT_NAMES.get(int(status_host[_WAIT_ID]), f"wait#{int(status_host[_WAIT_ID])}")
         peer = int(status_host[_PEER])
         bound = resolve_timeout(timeout_s)
+        if int(status_host[_WAIT_ID]) == _GAVE_UP:
+            raise PeerTimeoutError(
+                f"{what}: peer {peer} gave up waiting for rank {rank} (its wait timed out: this rank reached a call "
+                f"more than the bound {bound:g} s after it, or a rank that did made it give up), so the data it "
+                f"skipped was not taken here: the outputs of this rank's calls since then are NaN (combine) or "
+                f"unspecified (dispatch rows); the buffer is now unusable: close it and build a new EPBuffer on every "
+                f"rank", wait=wait, peer=peer, rank=rank)
         raise PeerTimeoutError(
             f"{what}: rank {rank} timed out in wait {wait!r} for peer {peer} {_waited(status_host, device_type)} "
             f"(bound {bound:g} s: timeout_s / TRITONEP_TIMEOUT_S); the buffer is now unusable: close it and build "

@@ -299,6 +299,8 @@ class NcclEP:
         # earlier sync-free dispatch nobody read (the status word came with the matrix): nothing moves
         if self._host_st[0]:
             self._status.zero_()
+            if self._host_pend.any():  # a combine refused behind it (the same failed step): one read clears both
+                self._cpending.zero_()
             self._sync_free.raise_status(self._host_st.tolist(), "dispatch")
         if self._host_pend.any():  # a sync-free combine some rank refused, nobody read yet: nothing moves
             self._raise_pending(self._host_pend.tolist(), "dispatch")
@@ -383,6 +385,11 @@ class NcclEP:
         y = self._combine.combine(expert_out, handle, True, self.use_triton, wire=self.cfg.combine_wire)[0]
         self._combine_flags(y, False, read, True)
         return y
+
+    def defer_refusal(self, error):
+        """See :meth:`tritonep.backends.interface.EPBackend.defer_refusal` (the sync-free status word's read,
+        :meth:`tritonep.backends.nccl.sync_free.SyncFreeDispatch.raise_status`)."""
+        self._sync_free.deferred = error
 
     def combine_refused(self, kind=None, record_own=True, handle=None):
         """Take part in this call's combine as refused (:meth:`tritonep.EPBuffer.cancel_combine`): the same
@@ -473,13 +480,13 @@ class NcclEP:
     # ---------------------------------------------------------------------------------------------- status
     def check(self, what="EPBuffer"):
         """Read the status word and the pending refused-combine flags (one host read) and raise the refusal of an
-        earlier sync-free dispatch nobody read yet, then that of a sync-free combine some rank refused (each
-        reported once: the words are cleared; the buffer stays usable; see
-        :meth:`tritonep.backends.nccl.sync_free.SyncFreeDispatch.raise_status`).
+        earlier sync-free dispatch nobody read yet, else that of a sync-free combine some rank refused (reported
+        once: the read clears both, the dispatch's error standing for a combine refused behind it; the buffer stays
+        usable; see :meth:`tritonep.backends.nccl.sync_free.SyncFreeDispatch.raise_status`).
 
         Raises:
             InputError / PeerInputError / CapacityError: a sync-free dispatch's refusal.
-            PeerInputError: some rank took part in a sync-free combine as refused (after the word's own error).
+            PeerInputError: some rank took part in a sync-free combine as refused (when the word holds no error).
         """
         self.host_reads += 1
         words = self._dev_block[self._gathered.numel():].tolist()  # the status word and the pending flags: one read
@@ -487,6 +494,8 @@ class NcclEP:
         st, pend = words[:n], words[n:]
         if st[0]:
             self._status.zero_()
+            if any(pend):  # a combine refused behind it (the same failed step): one read reports and clears both,
+                self._cpending.zero_()  # as the triton backend's word keeps the first error of those piled up
             self._sync_free.raise_status(st, what)
         if any(pend):  # a sync-free combine some rank refused (tritonep.backends.nccl.combine)
             self._raise_pending(pend, what)

@@ -105,6 +105,7 @@ class SyncFreeDispatch:
         self._sf_a2a = None  # the gather mode's bound all_to_all (made with the send / receive rows)
         self._sf_bufs = None  # (send [W*Tcap, width], receive [W*Tcap + 1, width], its first W*Tcap rows)
         self._recent_idx: deque = deque(maxlen=4)  # the last sync-free calls' topk_idx (to name a bad id)
+        self.deferred = None  # this rank's refusal's own error, deferred to the read that finds it (defer_refusal)
         self._codes = (STATUS_CAPACITY, STATUS_BAD_INPUT)
         self._sf_plan = self._launch.bind(sync_free_plan_kernel, dict(
             m_ptr=self._gathered, st_ptr=self._status, RANK=self.rank, W=W, E=E, L=L, A=cfg.expert_alignment,
@@ -330,7 +331,8 @@ class SyncFreeDispatch:
         Raises:
             InputError: this rank's own ids were outside ``[-1, E)`` (names the value when the call's ``topk_idx``
                 is still among the last four sync-free calls').
-            PeerInputError: another rank's input was bad or refused (``bad_ranks``).
+            PeerInputError: another rank's input was bad or refused (``bad_ranks``); this rank's own refusal raises
+                the error its caller deferred instead (``deferred``: ``EPBuffer.refuse_dispatch``).
             CapacityError: some rank would have received more than ``max_recv_tokens`` rows.
             PeerInputError: the word records a refused combine (STATUS_COMBINE_REFUSED, written by
                 :meth:`tritonep.backends.nccl.backend.NcclEP._raise_pending` for a combine some rank took part in as
@@ -342,6 +344,7 @@ class SyncFreeDispatch:
         refused = [r for r in range(W) if st[4 + W + r]]
         bad = sorted(set(bad_ids) | set(refused))
         recent, self._recent_idx = self._recent_idx, deque(maxlen=4)
+        deferred, self.deferred = self.deferred, None
         when = (f"{seen} sync_free dispatch(es) since the last read were refused on every rank and moved no rows; "
                 f"this is the first one's error")
         if code == STATUS_COMBINE_REFUSED:  # written for a refused combine (tritonep.backends.nccl.combine), not a dispatch
@@ -349,6 +352,8 @@ class SyncFreeDispatch:
                                  f"combine input was refused, or it cancelled the combine: EPBuffer.cancel_combine), "
                                  f"so that combine failed on every rank and its output is NaN; the buffer stays "
                                  f"usable", bad_ranks=bad, rank=self.rank)
+        if deferred is not None and self.rank in refused:  # this rank's own error, deferred by its caller
+            raise deferred
         if self.rank in bad_ids:  # this rank's own ids (also behind an earlier capacity refusal, as on triton)
             for idx in reversed(recent):
                 check_expert_ids(idx, E)  # raises the InputError naming the value and its (token, k)

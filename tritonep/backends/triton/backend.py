@@ -212,6 +212,8 @@ class TritonEP:
         T = x.shape[0]
         if not bad_input:
             status.note_ids(topk_idx)
+        elif not sync:  # raised at the call; the read that finds it names this rank (CallStatus.front_door_unread)
+            status.front_door_unread = True
         if self.decode is not None:
             return self.decode.dispatch(x, topk_idx, topk_weights, sync, keep_quantized, bad_input, T)
         g, outs, k = self.cfg.tiles, self.outputs, self.k
@@ -306,6 +308,10 @@ class TritonEP:
         backward reads nothing on the host: the next read raises it on every rank). ``handle`` is not needed."""
         self._combine(self.expert_out_buffer(), self._empty, weighted=False, gw=self._no_w if with_weights else None,
                       want_wgrad=with_weights, bad=1)
+
+    def defer_refusal(self, error):
+        """See :meth:`tritonep.backends.interface.EPBackend.defer_refusal` (:attr:`CallStatus.front_door_unread`)."""
+        self.call_status.front_door_unread = error
 
     # ---------------------------------------------------------------------------------------------- backward
     def dispatch_bwd(self, grad_recv_x, grad_recv_w, handle):

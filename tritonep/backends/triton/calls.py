@@ -86,7 +86,7 @@ class KernelSet:
             max_recv=cfg.max_recv_tokens, RANK=rank, W=W, E=E, L=L, A=A, WB=ck["WB"], LB=_p2(L), EB=_p2(E),
             HAS_TIMER=ck["HAS_TIMER"], DOUBLE=True, dcall_ptr=calls(P.CALL_DISPATCH),
             rows_out_ptr=v.status[P.v(P.ST_ROWS_RECEIVED):P.v(P.ST_ROWS_RECEIVED) + 1], host_st_ptr=self._host_mapped,
-            HOST_ST=ST_HOST, **xt, **opts),
+            HOST_ST=ST_HOST, DEAD=True, **xt, **opts),
             ("NC", STORE, "host_bad", "ticket"), grid=(xgrid,),
             fields=hl.fields_of(ntpe_ptr="ntpe", offs_ptr="offs", counts_out_ptr="counts"))
         send = dict(pre_ptr=v.pre, send_base_ptr=v.send_base, stage_tab=v.tab["stage"], meta_tab=v.tab["meta"],

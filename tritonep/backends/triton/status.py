@@ -58,6 +58,11 @@ class CallStatus:
         self.broken: str | None = None
         self.host_reads = 0
         self._recent_idx: deque = deque(maxlen=4)  # the last dispatches' topk_idx: check() names a bad id by value
+        # a dispatch whose input the front door refused and that read nothing (sync-free, sync checks off, capture):
+        # True: it raised its own error at the call, so the read that finds its refusal names this rank
+        # (PeerInputError, as on every other rank) instead of looking for a bad id; an exception: its caller deferred
+        # its own error to that read (EPBuffer.refuse_dispatch), which raises it
+        self.front_door_unread = False
 
     def usable(self):
         """Raise :class:`BufferStateError` when the buffer is unusable (closed, or a wait gave up)."""
@@ -109,11 +114,12 @@ class CallStatus:
         counts exchange raises in this call)."""
         if refused:
             self.word.zero_()  # reported once, here; the buffer stays usable (stream-ordered after the kernels)
+            front, self.front_door_unread = self.front_door_unread, False
             if self.rank in bad_ranks(torch.tensor(st)) and not bad_input:
                 # raises InputError naming the value: this call's ids, or an earlier sync-free call's that nobody read
                 # (also behind an earlier capacity refusal nobody read: the code is the first refusal's, the mask
                 # every unread refused call's bad ranks)
-                self._raise_own_bad_ids()
+                self._raise_own_bad_ids(front)
             raise_for_status(torch.tensor(st[:_ST_ERR]), self.rank, self.cfg.max_recv_tokens, "dispatch",
                              self.cfg.timeout_s, self.device.type, this_call=st[_THIS_CALL])
         if sync == envs.SYNC_STRICT:  # the front door's mode (read once per call; never under capture / dry run)
@@ -135,8 +141,9 @@ class CallStatus:
         code = int(st[_CODE])
         if code in (STATUS_CAPACITY, STATUS_BAD_INPUT, STATUS_COMBINE_REFUSED):
             self.word.zero_()
+            front, self.front_door_unread = self.front_door_unread, False
             if code != STATUS_COMBINE_REFUSED and self.rank in bad_ranks(st):
-                self._raise_own_bad_ids()  # this rank's ids in a refused call (the code may be an earlier one's)
+                self._raise_own_bad_ids(front)  # this rank's ids in a refused call (the code may be an earlier one's)
         try:
             raise_for_status(st, self.rank, self.cfg.max_recv_tokens, what, self.cfg.timeout_s, self.device.type)
         except PeerTimeoutError as e:
@@ -177,12 +184,19 @@ class CallStatus:
             return
         self.check(what)
 
-    def _raise_own_bad_ids(self):
+    def _raise_own_bad_ids(self, front_door=False):
         """This rank's input was refused on the device (sync checks off): raise InputError naming the value, from
         the most recent of the last dispatches' ``topk_idx`` that holds an id outside ``[-1, E)`` (the caller's
-        tensors, kept only to name the value: a caller that refilled them in place may see another value named)."""
+        tensors, kept only to name the value: a caller that refilled them in place may see another value named).
+        ``front_door``: a refusal of the front door nobody read is among them: with no bad id to name, raise the
+        error its caller deferred (an exception), or (True: it raised its own error at the call) return, and the
+        caller raises PeerInputError naming this rank."""
         for idx in reversed(self._recent_idx):
             check_expert_ids(idx, self.cfg.num_experts)
+        if isinstance(front_door, BaseException):
+            raise front_door
+        if front_door:
+            return
         raise InputError(f"rank {self.rank}: the topk_idx of an earlier dispatch held an id outside "
                          f"[-1, num_experts={self.cfg.num_experts}) (found on the device; no longer held to name "
                          f"the value)")

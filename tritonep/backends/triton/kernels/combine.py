@@ -26,7 +26,8 @@ import triton.language as tl
 from ....device.common import RowTile, cast_rne, chunk_index, mul_rn, widen
 from ....device.protocol import (CALL_COMBINE, DONE_COMBINE_OUT, FLAG_CACK, FLAG_CDATA, STATUS_COMBINE_REFUSED, STATUS_TIMEOUT,
                        ST_BAD_RANK_MASK, WAIT_CACK, WAIT_CDATA)
-from ....device.signal import last_program, publish_epoch_one, publish_host_status, record_error, signal_peers, wait_all_ge
+from ....device.signal import (last_program, mark_dead, peers_alive, publish_epoch_one, publish_host_status, record_error,
+                              signal_peers, wait_all_ge)
 from ....wire.kernels.wirecodec import RAW_BF16, wire_load, wire_store
 
 
@@ -76,12 +77,13 @@ def record_refusal(status_ptr, mask, lowest):
 
 
 @triton.jit
-def open_partial(bad, m, cbad_tab, status_ptr, W: tl.constexpr, RANK: tl.constexpr, WB: tl.constexpr):
+def open_partial(bad, m, cbad_tab, status_ptr, flags_tab, W: tl.constexpr, RANK: tl.constexpr, WB: tl.constexpr):
     """The partial side's prologue after its CACK wait: ``live`` (rows move: no timeout, not refused) and, for a
     refused call (``bad`` 1: record it in this rank's status too, for the host's next read; 2: the host raises it
-    itself and reads nothing), the mark in every peer (:func:`mark_refused`); every program marks before its first
-    signal or publish."""
-    live = (tl.load(status_ptr) != STATUS_TIMEOUT) & (bad == 0)
+    itself and reads nothing), the mark in every peer (:func:`mark_refused`); a timed-out rank marks itself in every
+    peer (:func:`tritonep.device.signal.mark_dead`: no late peer takes the partials it skips). Every program marks
+    before its first signal or publish."""
+    live = (mark_dead(flags_tab, status_ptr, W, RANK, WB) == 0) & (bad == 0)
     if bad != 0:
         mark_refused(cbad_tab, m, W, RANK, WB)
         if bad == 1:
@@ -198,14 +200,16 @@ def out_chunk(c, live, io, tile, W: tl.constexpr, L: tl.constexpr, PULL: tl.cons
 
 @triton.jit
 def sum_arrived(c, m, ccflag_ptr, status_ptr, timeout, io, tile, W: tl.constexpr, L: tl.constexpr,
-                WB: tl.constexpr, RECV_WGRAD: tl.constexpr, cbad_ptr):
+                WB: tl.constexpr, RECV_WGRAD: tl.constexpr, cbad_ptr, flags_ptr):
     """The output step of the one-launch combines (fused, decode): wait (bounded) until every rank's partial of
     this rank's token chunk ``c`` arrived (``ccflag[c, r] >= m``, the combine call number) and sum it
     (:func:`out_chunk`, push; RECV_WGRAD: also gather the per-route scalars the partial step pushed before raising
     the flag); a wait that gives up, or a rank that took part as refused (:func:`mark_refused`), makes the chunk
-    NaN. Chunk 0 (or, with no token, :func:`watch_refusals`) records a refusal in the status word: every rank's
-    program that publishes chunk 0 here marked before it. Returns the refused ranks' ``(mask, lowest)``."""
+    NaN, and so does a peer that marked itself timed out (:func:`tritonep.device.signal.peers_alive`, ``flags_ptr``
+    this rank's flags region: it skipped its partials). Chunk 0 (or, with no token, :func:`watch_refusals`) records
+    a refusal in the status word: every rank's program that publishes chunk 0 here marked before it."""
     wait_all_ge(ccflag_ptr + c * W, W, m, status_ptr, WAIT_CDATA, timeout, tile.HAS_TIMER, WB)
+    peers_alive(flags_ptr, status_ptr, W, WB)
     live = tl.load(status_ptr) != STATUS_TIMEOUT
     mask, lowest = refused_ranks(cbad_ptr, m, W, WB)
     out_chunk(c, live, io, tile, W, L, False, RECV_WGRAD, (live == 0) | (mask != 0))
@@ -243,7 +247,7 @@ def combine_partial_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, gw_ptr, stage
     G = tl.num_programs(0)
     m = tl.load(calls_ptr + CALL_COMBINE) + 1  # this combine's number (combine_out_kernel advances the counter)
     wait_all_ge(flags_ptr + FLAG_CACK * W, W, (m - 1) * G_out, status_ptr, WAIT_CACK, timeout, HAS_TIMER, WB)
-    live = open_partial(bad, m, cbad_tab, status_ptr, W, RANK, WB)
+    live = open_partial(bad, m, cbad_tab, status_ptr, flags_tab, W, RANK, WB)
     tile: tl.constexpr = RowTile(RANK, K, KB, H, BH, BT, RB, WIRE, HAS_TIMER)
     io = PartialIO(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, gw_ptr, stage_tab, wback_tab, Tmax)
     for item in range(pid, W * NCmax, G):
@@ -286,6 +290,7 @@ def combine_out_kernel(topk_idx_ptr, y_ptr, T, NC, stage_tab, wback_ptr, gtw_ptr
     G = tl.num_programs(0)
     m = tl.load(calls_ptr + CALL_COMBINE) + 1  # this combine's number; its last program advances the counter
     wait_all_ge(flags_ptr + FLAG_CDATA * W, W, m * G_partial, status_ptr, WAIT_CDATA, timeout, HAS_TIMER, WB)
+    peers_alive(flags_ptr, status_ptr, W, WB)  # a rank that timed out skipped its partials: NaN, never stale rows
     live = tl.load(status_ptr) != STATUS_TIMEOUT
     mask, lowest = refused_ranks(cbad_ptr, m, W, WB)
     if pid == 0:

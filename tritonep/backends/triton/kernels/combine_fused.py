@@ -53,7 +53,7 @@ def combine_fused_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, stage_tab, ccfl
     tile: tl.constexpr = RowTile(RANK, K, KB, H, BH, BT, RB, WIRE, HAS_TIMER)
     if pid < GS:
         wait_all_ge(flags_ptr + FLAG_CACK * W, W, (m - 1) * G_out_std, status_ptr, WAIT_CACK, timeout, HAS_TIMER, WB)
-        live = open_partial(bad, m, cbad_tab, status_ptr, W, RANK, WB)
+        live = open_partial(bad, m, cbad_tab, status_ptr, flags_tab, W, RANK, WB)
         partial_io = PartialIO(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, hwts_ptr, stage_tab, stage_tab, Tmax)
         for item in range(pid, W * NCmax, GS):
             c, src = partial_item_source(item, GS, W)
@@ -65,7 +65,7 @@ def combine_fused_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, stage_tab, ccfl
         NC = tl.cdiv(T, BT)
         out_io = OutIO(topk_idx_ptr, y_ptr, T, stage_tab, y_ptr, y_ptr, Tmax)
         for c in range(e, NC, GE):
-            sum_arrived(c, m, ccflag_ptr, status_ptr, timeout, out_io, tile, W, L, WB, False, cbad_ptr)
+            sum_arrived(c, m, ccflag_ptr, status_ptr, timeout, out_io, tile, W, L, WB, False, cbad_ptr, flags_ptr)
         if e == 0:
             if NC == 0:
                 if bad == 0:  # no token: still learn of a refusal in this call (a refused rank knows its own)

@@ -64,7 +64,7 @@ def combine_decode_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, stage_tab, ccf
     G = tl.num_programs(0)
     m = tl.load(calls_ptr + CALL_COMBINE) + 1
     wait_all_ge(flags_ptr + FLAG_CACK * W, W, (m - 1) * G, status_ptr, WAIT_CACK, timeout, HAS_TIMER, WB)
-    live = open_partial(bad, m, cbad_tab, status_ptr, W, RANK, WB)
+    live = open_partial(bad, m, cbad_tab, status_ptr, flags_tab, W, RANK, WB)
     tile: tl.constexpr = RowTile(RANK, K, KB, H, BH, BT, RB, WIRE, HAS_TIMER)
     if WGRAD:
         partial_io = PartialIO(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, gw_ptr, stage_tab, wback_tab, Tmax)
@@ -77,7 +77,7 @@ def combine_decode_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, stage_tab, ccf
             src = (s + RANK) % W  # each rank starts with itself: the ranks' first pushes go to different peers
             partial_step(src, c, live, m, ccflag_tab, partial_io, tile, W, True, WEIGHTED, WGRAD, POW2)
     for c in range(pid, tl.cdiv(T, BT), G):
-        sum_arrived(c, m, ccflag_ptr, status_ptr, timeout, out_io, tile, W, L, WB, WGRAD, cbad_ptr)
+        sum_arrived(c, m, ccflag_ptr, status_ptr, timeout, out_io, tile, W, L, WB, WGRAD, cbad_ptr, flags_ptr)
     if pid == 0:
         if T == 0:
             if bad == 0:  # no token: still learn of a refusal in this call (a refused rank knows its own)

@@ -51,7 +51,8 @@ from .dispatch import ExpandIO, SendIO, expand_arrived, open_send, send_chunk, z
 from .layout import layout_tiles, record_verdict, refused_call, store_layout
 from ....device.protocol import (CALL_DISPATCH, CALL_EXCHANGE, DONE_DECODE_DISPATCH, FLAG_COUNTS, ST_ROWS_RECEIVED,
                        STATUS_TIMEOUT, WAIT_COUNTS)
-from ....device.signal import finish_launch, publish_epoch, publish_host_status, signal_peers, wait_ge
+from ....device.signal import (finish_launch, mark_dead, peers_alive, publish_epoch, publish_host_status,
+                              signal_peers, wait_ge)
 from ....wire.kernels.wirecodec import RAW_BF16
 
 __all__ = ["dispatch_decode_kernel"]
@@ -131,11 +132,13 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
             dst = tl.load(counts_tab + d).to(tl.pointer_type(tl.int32)) + cbuf + RANK * E1
             tl.store(dst + e2d, h2, mask=m2d)
             tl.store(dst + E, bad)
+        mark_dead(flags_tab, status_ptr, W, RANK, WB)  # a timed-out rank: no peer takes what it skips
         signal_peers(flags_tab, counts_off, W, RANK, WB)
     ok = tl.full((), 1, tl.int32)
     for s in range(W):
         if s != RANK:
             ok = ok & wait_ge(flags_ptr + FLAG_COUNTS * W + s, nx, status_ptr, WAIT_COUNTS, s, timeout, HAS_TIMER)
+    ok = ok & peers_alive(flags_ptr, status_ptr, W, WB)  # a peer that gave up on this rank: take none of its rows
     # 2) layout from the full matrix: other ranks' rows from memory, this rank's row from registers
     m3 = (s_off[:, None, None] < W) & m2d[None, :, :]
     peer = (s_off[:, None, None] != RANK) & (ok != 0)
@@ -171,7 +174,8 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
     send_base = hist_ptr + pid * E1  # this program's scratch row
     tl.store(send_base + e2d, seg_start + prefix, mask=m2d)
     # 3) send this program's chunks (after the destinations consumed the previous call's staging)
-    timed_out, live = open_send(n, G, refused, 0, T, flags_ptr, status_ptr, ntok_tab, timeout, tile, W, WB)
+    timed_out, live = open_send(n, G, refused, 0, T, flags_ptr, flags_tab, status_ptr, ntok_tab, timeout, tile,
+                                W, WB)
     send_io = SendIO(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, pre_ptr, send_base, stage_tab, meta_tab, wts_tab,
                      Tmax)
     for c in range(pid, NCmax, G):
@@ -187,7 +191,8 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
                          hntok_ptr, out_ptr, out_w_ptr, q_ptr, s_ptr, Tmax, nrows_w)
     for c in range(pid, NCmax, G):
         for src in range(W):
-            expand_arrived(src, c, n, skip, cflag_ptr, NCmax, status_ptr, timeout, expand_io, tile, KEEP_Q, False)
+            expand_arrived(src, c, n, skip, cflag_ptr, NCmax, status_ptr, flags_ptr, timeout, expand_io, tile, KEEP_Q,
+                           False, W, WB)
     if A > 1:
         if pid == 0:
             if skip == 0:  # a refused call's segments may exceed the rows allocated: write nothing

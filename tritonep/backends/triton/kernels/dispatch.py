@@ -33,7 +33,7 @@ import triton.language as tl
 from ....device.common import RowTile, cast_rne, chunk_index, widen
 from ....device.protocol import (CALL_DISPATCH, DONE_EXPAND_BWD, FLAG_ACK, FLAG_DATA, ST_SKIP_CALL, STATUS_TIMEOUT, WAIT_ACK,
                        WAIT_DATA)
-from ....device.signal import ack_on_last, signal_peers, wait_all_ge, wait_ge
+from ....device.signal import ack_on_last, mark_dead, peers_alive, signal_peers, wait_all_ge, wait_ge
 from ....wire.kernels.wirecodec import RAW_BF16, wire_copy_raw, wire_encode, wire_load, wire_store_encoded, wire_to
 
 
@@ -60,7 +60,7 @@ def _ptr(tab, r, DT: tl.constexpr):
 
 
 @triton.jit
-def open_send(n, G_expand, refused, writer, T, flags_ptr, status_ptr, ntok_tab, timeout, tile,
+def open_send(n, G_expand, refused, writer, T, flags_ptr, flags_tab, status_ptr, ntok_tab, timeout, tile,
               W: tl.constexpr, WB: tl.constexpr):
     """The sender prologue of every dispatch kernel: wait (bounded) until every destination consumed the staging of
     the previous call (``flags[ACK, d] >= (n - 1) * G_expand``), then, if ``writer == 0``, write ``ntok[RANK] = T``
@@ -69,9 +69,10 @@ def open_send(n, G_expand, refused, writer, T, flags_ptr, status_ptr, ntok_tab, 
     when the caller computed it, or None to read it from the status word (``status[ST_SKIP_CALL] == n``, recorded
     by the layout kernel). Returns ``(timed_out, live)``: the buffer timed out (this or an earlier call), and rows
     may move (neither timed out nor refused; a capacity overflow skips only this call, a timeout poisons the
-    buffer)."""
+    buffer). A timed-out sender marks itself in every destination before its signals (:func:`tritonep.device.
+    signal.mark_dead`), so no late peer takes the rows it skips."""
     wait_all_ge(flags_ptr + FLAG_ACK * W, W, (n - 1) * G_expand, status_ptr, WAIT_ACK, timeout, tile.HAS_TIMER, WB)
-    timed_out = tl.load(status_ptr) == STATUS_TIMEOUT
+    timed_out = mark_dead(flags_tab, status_ptr, W, tile.RANK, WB)
     if refused is None:
         refused = tl.load(status_ptr + ST_SKIP_CALL) == n
     live = (timed_out == 0) & (refused == 0)
@@ -223,13 +224,16 @@ def expand_item(src, c, Ts, skip, io, tile, SCALE: tl.constexpr, DOT: tl.constex
 
 
 @triton.jit
-def expand_arrived(src, c, n, skip, cflag_ptr, NCmax, status_ptr, timeout, io, tile, KEEP_Q: tl.constexpr,
-                   PF: tl.constexpr):
+def expand_arrived(src, c, n, skip, cflag_ptr, NCmax, status_ptr, flags_ptr, timeout, io, tile,
+                   KEEP_Q: tl.constexpr, PF: tl.constexpr, W: tl.constexpr, WB: tl.constexpr):
     """The receive step of the one-launch dispatches (fused, decode): wait (bounded, naming ``src``) for chunk
     ``c`` of source ``src`` (its flag ``cflag[src, c]`` reaches the call number ``n``), read the source's token
     count (``ntok[src]``, written before its first flag; kept in the handle with chunk 0) and expand the chunk with
-    the handle kept (:func:`expand_item`); ``skip``: the call moves no rows (a timeout during this wait skips too)."""
+    the handle kept (:func:`expand_item`); ``skip``: the call moves no rows (a timeout during this wait skips too,
+    and so does a peer that marked itself timed out: :func:`tritonep.device.signal.peers_alive`, ``flags_ptr``
+    this rank's flags region)."""
     wait_ge(cflag_ptr + src * NCmax + c, n, status_ptr, WAIT_DATA, src, timeout, tile.HAS_TIMER)
+    peers_alive(flags_ptr, status_ptr, W, WB)
     skip_now = skip | (tl.load(status_ptr) == STATUS_TIMEOUT)
     Ts = tl.load(io.ntok_ptr + src, volatile=True)
     if c == 0:
@@ -316,7 +320,7 @@ def dispatch_send_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, NC, pre_p
     G = tl.num_programs(0)
     n = tl.load(calls_ptr + CALL_DISPATCH) + ADV
     tile: tl.constexpr = RowTile(RANK, K, KB, H, BH, BT, RB, WIRE, HAS_TIMER)
-    _, live = open_send(n, G_expand, None, pid, T, flags_ptr, status_ptr, ntok_tab, timeout, tile, W, WB)
+    _, live = open_send(n, G_expand, None, pid, T, flags_ptr, flags_tab, status_ptr, ntok_tab, timeout, tile, W, WB)
     io = SendIO(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, pre_ptr, send_base_ptr, stage_tab, meta_tab, wts_tab,
                 Tmax)
     for c in range(pid, NC, G):
@@ -345,8 +349,9 @@ def dispatch_expand_kernel(x_ptr, stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_pt
     KEEP_HANDLE copies the routing metadata into the handle; A > 1 zeroes the alignment padding rows. DOT (the
     combine backward) writes every one of its ``nrows`` output rows (:func:`zero_unwritten`: padding and the rows
     past the layout's end are zero), so its outputs need no zero fill. ``nrows``: the rows of the outputs (``out``,
-    ``q``/``s``, ``out_w``; DOT: ``out``, ``eo``, ``gw``): no row at or past it is written or read. Then acks every
-    source.
+    ``q``/``s``, ``out_w``; DOT: ``out``, ``eo``, ``gw``): no row at or past it is written or read. A source that
+    marked itself timed out (:func:`tritonep.device.signal.peers_alive`) makes the call skip its rows (DOT: records
+    it after them). Then acks every source.
     PF: prefetch the next hidden tile of each source row (:func:`expand_item`). ``ADV``: as
     :func:`dispatch_send_kernel`; this kernel's last program advances ``calls[CALL_DISPATCH]`` and acks every source
     once for ``GA`` programs (the senders wait for ``grid_expand`` acks per call), so its grid may differ.
@@ -355,6 +360,8 @@ def dispatch_expand_kernel(x_ptr, stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_pt
     G = tl.num_programs(0)
     n = tl.load(calls_ptr + CALL_DISPATCH) + ADV
     wait_all_ge(flags_ptr + FLAG_DATA * W, W, n * G_send, status_ptr, WAIT_DATA, timeout, HAS_TIMER, WB)
+    if not DOT:  # a sender that timed out skipped its rows: take none (records it; the combine backward: below)
+        peers_alive(flags_ptr, status_ptr, W, WB)
     skip = (tl.load(status_ptr) == STATUS_TIMEOUT) | (tl.load(status_ptr + ST_SKIP_CALL) == n)
     if KEEP_HANDLE:
         if pid == 0:
@@ -371,6 +378,10 @@ def dispatch_expand_kernel(x_ptr, stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_pt
             expand_item(src, c, Ts, skip, io, tile, SCALE, DOT, KEEP_HANDLE, KEEP_Q, PF)
     if DOT:
         zero_unwritten(pid, G, skip, nrows, out_ptr, gw_ptr, ntpe_ptr, offs_ptr, tile, L, A)
+        # the combine backward's tile sits at the register limit (tests/backends/test_compile_sm90.py: no spill), so
+        # it looks for a peer's timed-out mark after its rows: a mark records the timeout (its outputs are then
+        # unspecified and the next read raises), as the forward expand does before them
+        peers_alive(flags_ptr, status_ptr, W, WB)
     elif A > 1:
         if skip == 0:  # a refused call's segments may exceed the rows allocated: write nothing
             zero_padding(pid, G, io, ntpe_ptr, offs_ptr, tile, L, BA, KEEP_Q)

@@ -61,7 +61,8 @@ def dispatch_fused_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, pre_ptr,
     n = tl.load(calls_ptr + CALL_DISPATCH)
     tile: tl.constexpr = RowTile(RANK, K, KB, H, BH, BT, RB, WIRE, HAS_TIMER)
     if pid < GS:
-        _, live = open_send(n, G_expand_std, None, 0, T, flags_ptr, status_ptr, ntok_tab, timeout, tile, W, WB)
+        _, live = open_send(n, G_expand_std, None, 0, T, flags_ptr, flags_tab, status_ptr, ntok_tab, timeout, tile,
+                            W, WB)
         send_io = SendIO(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, pre_ptr, send_base_ptr, stage_tab, meta_tab,
                          wts_tab, Tmax)
         for c in range(pid, NCmax, GS):
@@ -78,7 +79,8 @@ def dispatch_fused_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, pre_ptr,
         for item in range(e, W * NCmax, GE):
             c = item // W
             src = item % W
-            expand_arrived(src, c, n, skip, cflag_ptr, NCmax, status_ptr, timeout, expand_io, tile, KEEP_Q, PF)
+            expand_arrived(src, c, n, skip, cflag_ptr, NCmax, status_ptr, flags_ptr, timeout, expand_io, tile, KEEP_Q,
+                           PF, W, WB)
         if A > 1:
             if skip == 0:  # a refused call's segments may exceed the rows allocated: write nothing
                 zero_padding(e, GE, expand_io, ntpe_ptr, offs_ptr, tile, L, BA, KEEP_Q)

@@ -37,7 +37,7 @@ import triton.language as tl
 
 from ....device.protocol import (CALL_EXCHANGE, DONE_EXCHANGE, ST_BAD_RANK_MASK, ST_NEEDED_ROWS, ST_SKIP_CALL, ST_THIS_CALL,
                        STATUS_BAD_INPUT, STATUS_CAPACITY, STATUS_TIMEOUT, WAIT_COUNTS)
-from ....device.signal import publish_host_status, record_error, signal_peers, wait_all_ge
+from ....device.signal import mark_dead, peers_alive, publish_host_status, record_error, signal_peers, wait_all_ge
 
 __all__ = ["chunk_hist_kernel", "exchange_kernel", "exchange_tiles", "layout_tiles", "store_layout", "refused_call", "record_verdict"]
 
@@ -105,7 +105,8 @@ def exchange_kernel(hist_ptr, NC, counts_tab, flags_ptr, flags_tab, flag_off, ca
                     RANK: tl.constexpr, W: tl.constexpr, E: tl.constexpr, L: tl.constexpr, A: tl.constexpr,
                     WB: tl.constexpr, LB: tl.constexpr, EB: tl.constexpr, NCB: tl.constexpr, EBLK: tl.constexpr,
                     HAS_TIMER: tl.constexpr, DOUBLE: tl.constexpr = False, dcall_ptr=None, rows_out_ptr=None,
-                    counts_out_ptr=None, host_st_ptr=None, ticket=0, HOST_ST: tl.constexpr = 0):
+                    counts_out_ptr=None, host_st_ptr=None, ticket=0, HOST_ST: tl.constexpr = 0,
+                    DEAD: tl.constexpr = False):
     """Counts exchange + layout (grid: one program per expert block, :func:`exchange_tiles`; any grid >= 1 is
     correct). See the module docstring for every output.
 
@@ -134,6 +135,10 @@ def exchange_kernel(hist_ptr, NC, counts_tab, flags_ptr, flags_tab, flag_off, ca
     ``status_ptr[:HOST_ST]`` and then ``ticket`` into the pinned host tensor ``host_st_ptr``
     (:func:`tritonep.device.signal.publish_host_status`): the host's one read of an eager dispatch spins on that
     ticket instead of a device-to-host copy + event + synchronize (a timed-out wait still publishes).
+
+    ``DEAD`` (an EPBuffer's exchange: ``flags_ptr`` / ``flags_tab`` are its whole flags region): a timed-out rank
+    marks itself in every peer before it signals, and the peers' rows are taken only if none did (``FLAG_DEAD``,
+    :func:`tritonep.device.signal.mark_dead` / :func:`tritonep.device.signal.peers_alive`).
     """
     n = tl.load(calls_ptr)
     pid = tl.program_id(0)
@@ -180,7 +185,7 @@ def exchange_kernel(hist_ptr, NC, counts_tab, flags_ptr, flags_tab, flag_off, ca
     if last:
         _exchange_finish(counts_tab, flags_ptr, flags_tab, flag_off, n, cbuf, status_ptr, timeout, send_base_ptr,
                          ntpe_ptr, offs_ptr, rows_needed_ptr, max_recv, RANK, W, E, L, A, WB, LB, EB, HAS_TIMER,
-                         dcall_ptr, rows_out_ptr, counts_out_ptr, host_st_ptr, ticket, HOST_ST)
+                         dcall_ptr, rows_out_ptr, counts_out_ptr, host_st_ptr, ticket, HOST_ST, DEAD)
 
 
 @triton.jit
@@ -188,12 +193,16 @@ def _exchange_finish(counts_tab, flags_ptr, flags_tab, flag_off, n, cbuf, status
                      ntpe_ptr, offs_ptr, rows_needed_ptr, max_recv, RANK: tl.constexpr, W: tl.constexpr,
                      E: tl.constexpr, L: tl.constexpr, A: tl.constexpr, WB: tl.constexpr, LB: tl.constexpr,
                      EB: tl.constexpr, HAS_TIMER: tl.constexpr, dcall_ptr, rows_out_ptr, counts_out_ptr, host_st_ptr,
-                     ticket, HOST_ST: tl.constexpr):
+                     ticket, HOST_ST: tl.constexpr, DEAD: tl.constexpr):
     """Second half of :func:`exchange_kernel` (one program): signal the peers, wait for their rows, lay out, and
     (``host_st_ptr`` not None) publish the status words and ``ticket`` to the host after the last status store."""
     E1: tl.constexpr = E + 1
+    if DEAD:
+        mark_dead(flags_tab, status_ptr, W, RANK, WB)
     signal_peers(flags_tab, flag_off, W, RANK, WB)
     ok = wait_all_ge(flags_ptr, W, n, status_ptr, WAIT_COUNTS, timeout, HAS_TIMER, WB)
+    if DEAD:
+        ok = ok & peers_alive(flags_ptr, status_ptr, W, WB)
     # 3) layout from the full matrix (3-D tile [src, dest, local expert])
     s_off = tl.arange(0, WB)
     d_off = tl.arange(0, WB)

@@ -402,14 +402,23 @@ class NcclEP:
         """
         if self.closed:
             self._check_open()
-        if handle is None:
-            handle = self._last_handle() if self._last_handle is not None else None
-        if handle is None:
-            raise BackendError(f"rank {self.rank}: no dispatch handle to cancel the combine of (the nccl backend needs "
-                               f"the dispatch's split sizes to take part); pass the handle")
+        handle = self._handle_to_cancel(handle, "combine")
         y = self._combine.combine(self.expert_out_buffer(), handle, True, self.use_triton,
                                   wire=self.cfg.combine_wire, bad=True)[0]
         self._combine_flags(y, True, False, record_own)
+
+    def _handle_to_cancel(self, handle, what: str):
+        """``handle``, or the latest live dispatch handle of this buffer when None: a cancelled call needs the
+        dispatch's split sizes to run the peers' collectives.
+
+        Raises:
+            BackendError: none passed and none alive (no peer can be in that call either)."""
+        if handle is None and self._last_handle is not None:
+            handle = self._last_handle()
+        if handle is None:
+            raise BackendError(f"rank {self.rank}: no dispatch handle to cancel the {what} of (the nccl backend needs "
+                               f"the dispatch's split sizes to take part); pass the handle")
+        return handle
 
     def _combine_flags(self, y, bad: bool, read: bool, record_own: bool):
         """Every rank's refused flag of this forward combine (one ``all_gather`` of an int32, every rank:
@@ -461,11 +470,7 @@ class NcclEP:
         """
         if self.closed:
             self._check_open()
-        if handle is None:
-            handle = self._last_handle() if self._last_handle is not None else None
-        if handle is None:
-            raise BackendError(f"rank {self.rank}: no dispatch handle to cancel the dispatch backward of (the nccl "
-                               f"backend needs the dispatch's split sizes to take part); pass the handle")
+        handle = self._handle_to_cancel(handle, "dispatch backward")
         self._combine.combine(self.expert_out_buffer(), handle, False, self.use_triton,
                               gw=self._no_w if with_weights else None, bad=True)
         self._combine.refusals(None, True, False, True)

@@ -9,7 +9,10 @@ The layer is torchtitan 0.3.0's ``MoE`` configured as DeepSeek-V3 671B's MoE lay
 :func:`tritonep.testing.torchtitan_compat.deepseek_v3_moe_config` builds it: sigmoid router with groups, 1 shared
 expert), bf16 weights, experts sharded over the EP group
 (:func:`tritonep.integrations.torchtitan.shard_routed_experts`); ``--layer 16b`` takes DeepSeek 16B's flavor. One module is built once; each dispatcher is swapped in as
-``moe.routed_experts.token_dispatcher`` (wired to the same EP mesh), so nothing but the dispatcher differs.
+``moe.routed_experts.token_dispatcher`` (wired to the same EP mesh), so nothing but the dispatcher differs. The layer
+is sized to the card as EP spreads it (:func:`experts_for_card`, or ``--num-experts``): DeepSeek-V3's 256 routed
+experts at world 1 need 45 GiB of weights and gradients, so an 80 GB H100 runs 128 of them (same dim, top-k, groups
+and token counts; every row records ``num_experts``).
 
 Per tokens-per-rank point (``--tokens``, default 128 4096) and dispatcher: a step = ``moe(x)``, ``(y * g).sum()
 .backward()``; eager time = median over 3 rounds of ``--iters`` steps (CUDA events); compiled =
@@ -42,13 +45,28 @@ import tritonep as tep  # noqa: E402
 TOL = 3e-2
 
 
-def moe_config(layer: str):
+FLAVORS = {"671b": "671B", "16b": "16B", "debug": "debugmodel"}
+
+
+def moe_config(layer: str, num_experts: int | None = None):
     """The first MoE layer's config of that DeepSeek-V3 flavor, built from ``torchtitan.models.common`` classes
     (:func:`tritonep.testing.torchtitan_compat.deepseek_v3_moe_config`; torchtitan 0.3.0's ``deepseek_v3`` package
-    does not import on torch 2.11)."""
+    does not import on torch 2.11), with ``num_experts`` routed experts (None: the flavor's)."""
     from tritonep.testing.torchtitan_compat import deepseek_v3_moe_config
 
-    return deepseek_v3_moe_config({"671b": "671B", "16b": "16B", "debug": "debugmodel"}[layer])
+    return deepseek_v3_moe_config(FLAVORS[layer], num_experts=num_experts)
+
+
+def experts_for_card(layer: str, world_size: int, card_bytes: int) -> int:
+    """Routed experts of the layer sized to the card as EP spreads it (:func:`tritonep.bench.sizing.experts_for_card`:
+    this rank's experts' bf16 weights and gradients within half the card; at least top-k and the expert groups).
+    DeepSeek-V3 671B at world 1: 256 experts need 45 GB, so an 80 GB H100 takes 128, a 141 GB H200 all 256."""
+    from tritonep.bench.sizing import experts_for_card as fit
+    from tritonep.testing.torchtitan_compat import DEEPSEEK_V3_MOE
+
+    c = DEEPSEEK_V3_MOE[FLAVORS[layer]]
+    return fit(c["num_experts"], 2 * 3 * c["dim"] * c["moe_hidden_dim"] * 2, world_size, card_bytes,
+               min_experts=max(c["top_k"], c["num_expert_groups"] or 1))
 
 
 def dispatchers(moe_cfg, T, dev, mesh):
@@ -107,12 +125,12 @@ def _err(a, b):
     return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
 
 
-def bench_point(group, mesh, layer, T, iters, compile_too):
+def bench_point(group, mesh, layer, T, iters, compile_too, num_experts=None):
     from tritonep.integrations.torchtitan import close_buffers, shard_routed_experts
 
     rank = dist.get_rank(group)
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    cfg = moe_config(layer)
+    cfg = moe_config(layer, num_experts)
     torch.manual_seed(0)  # the same weights on every rank
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # bf16 weights (the grouped GEMMs run in bf16 anyway); fp32 buffers
@@ -137,13 +155,22 @@ def bench_point(group, mesh, layer, T, iters, compile_too):
 
     rows, results = [], {}
     for name, make in dispatchers(cfg, T, dev, mesh).items():
-        row = dict(dispatcher=name, layer=layer, T=T, world_size=dist.get_world_size(group))
+        row = dict(dispatcher=name, layer=layer, T=T, world_size=dist.get_world_size(group),
+                   num_experts=cfg.num_experts)
         try:
             moe.routed_experts.token_dispatcher = make()
             moe.zero_grad(set_to_none=True)
             y, x = step(moe)
             _sync()
-            results[name] = dict(y=y.detach(), gx=x.grad, gw=experts.w1_EFD.grad.clone())
+            # the weight gradient is compared to tritonep's at once (a copy per dispatcher would hold the experts'
+            # w1 gradient three times: 22 GiB at 256 experts)
+            got = dict(y=y.detach(), gx=x.grad)
+            if "tritonep" in results:
+                got["gw_err"] = _err(experts.w1_EFD.grad, results["tritonep"]["gw"])
+            else:
+                got["gw"] = experts.w1_EFD.grad.clone()
+            results[name] = got
+            del y, x
             row["eager_step_us"] = time_rounds(lambda: step(moe), group, iters)
         except Exception as e:  # noqa: BLE001 - a dispatcher that cannot run here is a result
             row["eager_step_us"] = f"failed: {type(e).__name__}: {str(e)[:200]}"
@@ -165,8 +192,9 @@ def bench_point(group, mesh, layer, T, iters, compile_too):
         if ref is None or got is None:
             row["checked"] = False
             continue
-        for k in ("y", "gx", "gw"):
+        for k in ("y", "gx"):
             row[f"{k}_err_vs_tritonep"] = _err(got[k], ref[k])
+        row["gw_err_vs_tritonep"] = got.get("gw_err", 0.0)  # tritonep's own row: 0 by definition
         row["checked"] = all(row[f"{k}_err_vs_tritonep"] <= TOL for k in ("y", "gx", "gw"))
     base = {r["dispatcher"]: r.get("eager_step_us") for r in rows}
     for row in rows:
@@ -195,6 +223,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=[128, 4096])
     ap.add_argument("--layer", choices=["671b", "16b", "debug"], default="671b")
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--num-experts", type=int, default=0,
+                    help="routed experts of the layer (default 0: the flavor's count sized to the card, "
+                         "experts_for_card: 128 of DeepSeek-V3's 256 on an 80 GB H100 at world 1)")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--json", default="")
     ap.add_argument("--cpu", action="store_true", help="smoke run of this script: 2-rank CPU world, debugmodel layer")
@@ -220,8 +251,9 @@ def main(argv=None) -> int:
     torch._dynamo.config.capture_scalar_outputs = True  # what torchtitan's apply_compile sets for MoE dispatch
     mesh = DeviceMesh("cuda", list(range(W)))
     rows = []
+    E = args.num_experts or experts_for_card(args.layer, W, torch.cuda.get_device_properties(0).total_memory)
     for T in args.tokens:
-        for row in bench_point(group, mesh, args.layer, T, args.iters, not args.no_compile):
+        for row in bench_point(group, mesh, args.layer, T, args.iters, not args.no_compile, E):
             row.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__, tritonep=tep.__version__,
                        torch_names_added=shims)
             rows.append(row)

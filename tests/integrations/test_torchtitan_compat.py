@@ -108,6 +108,26 @@ def test_moe_config_bad_flavor_or_dense_layer():
         deepseek_v3_moe_config("debugmodel", 6)
 
 
+def test_moe_config_num_experts_sized_to_a_card():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import titan_bench
+
+    cfg = deepseek_v3_moe_config("671B", num_experts=128)
+    full = deepseek_v3_moe_config("671B")
+    assert (cfg.num_experts, cfg.router.num_experts, cfg.router.gate.out_features,
+            cfg.routed_experts.inner_experts.num_experts, cfg.routed_experts.token_dispatcher.num_experts) == (128,) * 5
+    assert [d for d in _diff(cfg, full) if "experts" not in d and "out_features" not in d] == []  # nothing else
+    with pytest.raises(ConfigError, match="num_experts=100 "):  # not a multiple of the 8 expert groups
+        deepseek_v3_moe_config("671B", num_experts=100)
+    with pytest.raises(ConfigError, match="num_experts=4 "):  # fewer than top-8
+        deepseek_v3_moe_config("671B", num_experts=4)
+    GB = 10 ** 9
+    assert titan_bench.experts_for_card("671b", 1, 80 * GB) == 128  # an H100: 128 x 176 MB = 22.5 GB <= 40
+    assert titan_bench.experts_for_card("671b", 1, 141 * GB) == 256  # an H200 holds the whole layer
+    assert titan_bench.experts_for_card("671b", 2, 80 * GB) == 256  # EP over two cards: half each
+    assert titan_bench.experts_for_card("671b", 1, 1 * GB) == 8  # never below top-k / the expert groups
+
+
 @pytest.mark.slow  # 13 s: CI second step
 def test_titan_bench_and_example_as_on_torch_211():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -21,21 +21,27 @@ def _step(layer, x, idx, w):
 
 
 def moe_graph_point(group, T: int, profile: str = "deepseek-v3", iters: int = 10) -> dict:
-    """One row: ``{tokens, shape, world_size, eager_us, graph_us, eager_over_graph, checked}`` (microseconds per
+    """One row: ``{tokens, shape, num_experts, world_size, eager_us, graph_us, eager_over_graph, checked}`` (microseconds per
     forward + backward step; ``checked``: the replayed output and gradients equal the eager ones bit for bit).
 
-    Needs CUDA (a captured graph); ``T`` tokens on this rank, the worst-case receive capacity.
+    Needs CUDA (a captured graph); ``T`` tokens on this rank, the worst-case receive capacity; the profile's routed
+    experts sized to the card (:func:`tritonep.bench.sizing.experts_for_card`).
     """
     import tritonep as tep
 
     from .ep import time_rounds
     from .profiles import DEFAULT_INTERMEDIATE, PROFILES
+    from .sizing import experts_for_card
 
     dev = torch.device("cuda", torch.cuda.current_device())
     p = PROFILES[profile]
-    H, E, K = p["hidden"], p["num_experts"], p["topk"]
+    H, K, F = p["hidden"], p["topk"], p.get("intermediate", DEFAULT_INTERMEDIATE)
     W = dist.get_world_size(group)
-    geo = tep.MoEGeometry(hidden=H, intermediate=p.get("intermediate", DEFAULT_INTERMEDIATE), num_experts=E, topk=K,
+    # weights, the eager step's gradients, their reference copies and the graph's gradients: 4 copies of 3 H x F
+    # matrices per expert, within 70 % of the card (an 80 GB H100: 128 of DeepSeek-V3's 256 experts, an H200: 256)
+    E = experts_for_card(p["num_experts"], 4 * 3 * H * F * 2, W, torch.cuda.get_device_properties(dev).total_memory,
+                         min_experts=K, share=0.7)
+    geo = tep.MoEGeometry(hidden=H, intermediate=F, num_experts=E, topk=K,
                           max_tokens_per_rank=T)  # worst-case receive rows (every route on one rank)
     layer = tep.MoELayer(tep.MoERecipe(sync_free=True, combine="push"), geo, group, device=dev)
     g = torch.Generator(device=dev).manual_seed(dist.get_rank(group))
@@ -73,5 +79,5 @@ def moe_graph_point(group, T: int, profile: str = "deepseek-v3", iters: int = 10
     checked = all(torch.equal(a, b) for a, b in zip(ref, got))
     layer.buffer.check()
     layer.close()
-    return dict(tokens=T, shape=profile, world_size=W, eager_us=eager_us, graph_us=graph_us,
+    return dict(tokens=T, shape=profile, num_experts=E, world_size=W, eager_us=eager_us, graph_us=graph_us,
                 eager_over_graph=eager_us / graph_us, checked=checked)

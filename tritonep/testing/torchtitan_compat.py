@@ -58,7 +58,7 @@ def _inits(layer_id: int):
     return linear, depth, experts
 
 
-def deepseek_v3_moe_config(flavor: str, layer_id: int | None = None):
+def deepseek_v3_moe_config(flavor: str, layer_id: int | None = None, num_experts: int | None = None):
     """torchtitan's ``MoE.Config`` of one DeepSeek-V3 layer with the ``"standard"`` comm backend, equal field by field
     to ``deepseekv3_configs[flavor](attn_backend=..., moe_comm_backend="standard").layers[layer_id].moe``
     (tests/integrations/test_torchtitan_compat.py checks it where that import works).
@@ -68,13 +68,17 @@ def deepseek_v3_moe_config(flavor: str, layer_id: int | None = None):
             1408, top-6 softmax, 2 shared) or ``"671B"`` (dim 7168, 256 of 2048, top-8 sigmoid, 8 groups / 4
             limited, route scale 2.5, normalised, 1 shared).
         layer_id: the transformer layer (its id sets the depth-scaled init std); None = the first MoE layer.
+        num_experts: routed experts of the layer (None: the flavor's). Fewer experts are what one GPU of an EP
+            group holds of the full layer (benchmarks/titan_bench.py sizes the layer to its card this way); with
+            expert groups it must be a multiple of the flavor's group count. Every other field stays the flavor's.
 
     Returns:
         ``torchtitan.models.common.moe.MoE.Config`` (token dispatcher ``AllToAllTokenDispatcher.Config``, which
         runs locally without an EP mesh; swap it with :func:`tritonep.integrations.torchtitan.use_tritonep`).
 
     Raises:
-        ConfigError: an unknown flavor, or a layer_id that is a dense layer (no MoE) or past the last layer.
+        ConfigError: an unknown flavor, a layer_id that is a dense layer (no MoE) or past the last layer, or a
+            num_experts below top-k or not a multiple of the expert groups.
     """
     from torchtitan.models.common.feed_forward import FeedForward
     from torchtitan.models.common.linear import Linear
@@ -89,7 +93,10 @@ def deepseek_v3_moe_config(flavor: str, layer_id: int | None = None):
     if not c["n_dense_layers"] <= layer_id < c["n_layers"]:
         raise ConfigError(f"layer_id={layer_id} of DeepSeek-V3 {flavor} has no MoE (MoE layers: "
                           f"[{c['n_dense_layers']}, {c['n_layers']}))")
-    D, E, K = c["dim"], c["num_experts"], c["top_k"]
+    D, E, K = c["dim"], num_experts or c["num_experts"], c["top_k"]
+    if E < K or (c["num_expert_groups"] and E % c["num_expert_groups"]):
+        raise ConfigError(f"num_experts={E} for DeepSeek-V3 {flavor}: needs at least top-k={K} experts and a "
+                          f"multiple of its {c['num_expert_groups']} expert groups")
     shared_hidden = c["moe_hidden_dim"] * c["num_shared_experts"]
     linear, depth, experts = _inits(layer_id)
     return MoE.Config(

@@ -19,6 +19,12 @@
 #            dispatcher, eager (limits 150 + 150); needs the wheels in .whl/ (carry it; see `wheels`)
 #   titanc   torchtitan's MoE layer compiled (torch.compile fullgraph) per dispatcher               limit 420
 #   compat   the DeepEP-compatible Buffer's benchmark vs EPBuffer (benchmarks/deep_ep_compat.py)             limit 150
+#   wires    world 1, DeepSeek-V3 shape: dispatch (decoded and rows kept quantized) and combine per wire, graph-
+#            replayed, with the HBM copy rate beside them; WIRE_VARIANTS="deepseek-v3:0:fp8+mxfp4:bt=8 ..." adds
+#            tile variants; then the combine backward (eager_profile, 4096 tokens; BWD_VARIANTS="bbt=4,bwarps=8 ..."
+#            adds its tile variants)                                                  limits 300 + 120 per run
+#   coldstart  `tritonep run`, first layer, from an empty Triton cache at W = 1 and W = 4 (MPS): the step's wall
+#            time is the cold start (JIT compile included)                                limits 300 + 300
 #   compatprof  where the compat Buffer's eager round trip spends its time (benchmarks/probes/compat_profile.py)  150
 #   memcheck an overflowing sync-free step + backward under compute-sanitizer memcheck, world 1 and W = 2
 #            time-sliced (benchmarks/probes/overflow_memcheck.py)                                  limits 200 + 240
@@ -142,6 +148,19 @@ for suite in "$@"; do
                     --json "$OUT/titan_bench_compiled.json" ;;
         compat) step deep_ep_compat 150 torchrun --nproc-per-node 1 benchmarks/deep_ep_compat.py \
                     --json "$OUT/deep_ep_compat.json" ;;
+        wires) step wire_bench 300 torchrun --nproc-per-node 1 benchmarks/ep_bench.py --num-sms --iters 20 \
+                   --variants "deepseek-v3:0:bf16+fp8+mxfp4:" ${WIRE_VARIANTS:-} --json "$OUT/wire_bench.json"
+               step wire_bwd 120 torchrun --nproc-per-node 1 benchmarks/eager_profile.py --tokens 4096 \
+                   --json "$OUT/wire_bwd.json"
+               i=0; for v in ${BWD_VARIANTS:-}; do  # combine-backward tile variants (bbt=..,bwarps=..,bgrid=..)
+                   i=$((i + 1)); TRITONEP_GEOMETRY=$v step "wire_bwd_v$i" 120 torchrun --nproc-per-node 1 \
+                       benchmarks/eager_profile.py --tokens 4096 --json "$OUT/wire_bwd_v$i.json"
+               done ;;
+        coldstart) for W in 1 4; do  # an empty Triton cache each: from the command to the first layer's finished step
+                       TRITON_CACHE_DIR=$(mktemp -d) step "cold$W" 300 "${RUN[@]}" --world-size "$W" \
+                           --mps "$([ "$W" = 1 ] && echo off || echo on)" --layers 2 --no-check --json "$WORK/cold$W.json"
+                       stop_leftover_mps
+                   done ;;
         compatprof) step compat_profile 150 torchrun --nproc-per-node 1 benchmarks/probes/compat_profile.py ;;
         memcheck) SAN=(compute-sanitizer --tool memcheck --report-api-errors no --target-processes all --error-exitcode 3)
                   step memcheck1 200 "${SAN[@]}" python benchmarks/probes/overflow_memcheck.py --world-size 1

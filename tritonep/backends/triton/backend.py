@@ -44,7 +44,7 @@ from ...runtime.status import wait_bound
 from ...wire.formats import get_wire
 from .calls import RAW, KernelSet
 from .decode import DecodePath
-from .outputs import DispatchOutputs, HandleLayout
+from .outputs import DispatchOutputs
 from .regions import RegionViews, regions
 from .status import CallStatus
 
@@ -78,25 +78,25 @@ class TritonEP:
         self.buf = get_heap(group, self.device).allocate(regions(cfg))
         self.views = v = RegionViews(self.buf)  # what the launches are bound to
         self.flags, self.status, self.calls = v.flags, v.status, v.calls
-        self.hl = hl = HandleLayout(cfg)
+        # the handle storage layout and every pool of per-call outputs reused once nobody holds them
+        # (runtime/pool.py): the staged tiles' handle storage blocks, the decode tiles' shared ones
+        self.outputs = DispatchOutputs(cfg, self.dfmt, self.device)
+        self.hl = hl = self.outputs.hl
         # every launch bound once (KernelSet), reported to the recorder, its grid within the program cap
         self._launch = Launch(self.device, max_programs=cfg.max_programs, mode=cfg.launch)
         self.call_status = CallStatus(cfg, rank, self.device, self.status, self._launch)
-        self.k = KernelSet(cfg, v, self.hl, self._launch, rank=rank, device=self.device,
+        self.k = KernelSet(cfg, v, hl, self._launch, rank=rank, device=self.device,
                            timeout=wait_bound(self.device, cfg.timeout_s), host_mapped=self.call_status.mapped,
                            dwire=self.dwire)
-        # per-call outputs reused once nobody holds them (runtime/pool.py): the two-kernel / fused tiles' handle
-        # storage blocks and the views a dispatch returns of them; the decode tiles' own pools (DecodePath)
-        slots, dec = cfg.output_pool, bool(cfg.tiles.decode)
-        self.outputs = DispatchOutputs(cfg, self.hl, self.dfmt, self.device, 0 if dec else slots)
         # the handle a refused combine runs with (no token, no received row: its launches move nothing and only
         # take part in the protocol, :meth:`combine_refused`)
         self._empty = self.outputs.new_handle()
         self._empty._fill(torch.zeros(hl.numel, dtype=torch.int32, device=self.device), hl, 0, 0, 0, None, None)
-        self.decode = DecodePath(cfg, self.k, self.call_status, self.outputs, self.device, slots) if dec else None
+        self._no_w = torch.zeros(1, dtype=torch.float32, device=self.device)  # the weighted combine's unused gw_ptr
+        dec = bool(cfg.tiles.decode)
+        self.decode = DecodePath(cfg, self.k, self.call_status, self.outputs, self.device, self._no_w) if dec else None
         # a combine without a kind override is the decode tiles' one launch (as _combine decides it)
         self._decode_push = dec and (cfg.tiles.combine == "push" or self.cwire.quantized)
-        self._no_w = torch.zeros(1, dtype=torch.float32, device=self.device)  # the weighted combine's unused gw_ptr
         self._precompile(group)
 
     # ---------------------------------------------------------------------------------------------- state
@@ -109,7 +109,7 @@ class TritonEP:
 
     def output_pools(self) -> tuple:
         """The output pools this buffer takes sets from (:mod:`tritonep.runtime.pool`; shared ones included)."""
-        return (self.outputs.pool,) + (self.decode.pools() if self.decode is not None else ())
+        return self.outputs.pools()
 
     @property
     def output_pool_bytes(self) -> int:
@@ -342,9 +342,7 @@ class TritonEP:
         hold the freed regions' addresses. The output pools let their blocks go."""
         status = self.call_status
         status.broken = "closed" + (f" (unusable before: {status.broken})" if status.broken else "")
-        self.outputs.pool.clear()  # the output pool's blocks go with the buffer (a caller's kept outputs stay valid)
+        self.outputs.close()  # the output pools' blocks go with the buffer (a caller's kept outputs stay valid)
         if self.buf is not None:
             self.buf.close()
             self.buf = None
-            if self.decode is not None:  # the shared pools: one user fewer (the last one lets their blocks go)
-                self.decode.close()

@@ -1,7 +1,9 @@
 """The one-launch decode paths of the triton backend (tiles ``decode > 0``, small ``max_tokens_per_rank``).
 
-:class:`DecodePath` is a part of :class:`tritonep.backends.triton.backend.TritonEP` (its calls take their outputs from
-the outputs part's shared pools); it launches through the backend's bound kernels
+:class:`DecodePath` is a part of :class:`tritonep.backends.triton.backend.TritonEP`, one of its two paths (the other:
+:class:`tritonep.backends.triton.staged.StagedPath`; both answer ``dispatch`` and ``combine`` alike, and a decode
+buffer's pull combine and combine backward take the staged launches); its calls take their outputs from the outputs
+part's shared pools, and it launches through the backend's bound kernels
 (:class:`tritonep.backends.triton.calls.KernelSet`), reads the verdict through its
 :class:`tritonep.backends.triton.status.CallStatus` and allocates through its
 :class:`tritonep.backends.triton.outputs.DispatchOutputs`:

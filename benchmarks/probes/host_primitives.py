@@ -119,7 +119,7 @@ def measure(group, a):
     if cuda:
         pieces["is_capturing"] = torch._C._cuda_isCurrentStreamCapturing
         pieces["raw_stream"] = lambda: torch._C._cuda_getCurrentRawStream(0)
-    pool = impl.decode.pool
+    pool = impl.outputs.decode_pool
     pieces["pool_take"] = pool.take
     for name, fn in pieces.items():
         res[name + "_us"] = timed(fn, it, rd)

@@ -120,7 +120,7 @@ def main():
                            sync=False)
     # what replaces them (one output-pool take per call): the decode pool's take (a set found free by its reference
     # counts; the set of the held ``d`` is checked first and skipped)
-    pool = impl.decode.pool if impl.decode is not None else impl.outputs.pool  # the pool this geometry's dispatch takes from
+    pool = impl.outputs.decode_pool if impl.decode is not None else impl.outputs.pool  # the pool its dispatch takes from
     out["pool_take_us"] = _us(lambda: pool.take(), sync=False)
 
     def objects():

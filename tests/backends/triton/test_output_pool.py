@@ -195,12 +195,13 @@ def _two_buffers_world(group, calls):
         ptrs.append((d.x.data_ptr(), y.data_ptr(), d.handle.store.data_ptr()))
         records.append(record(d, eo, y))  # copies: read now, before the next layer's call reuses the set
         del d, y
-    shared = backend_of(one).decode.pool is backend_of(two).decode.pool and backend_of(one).decode.ypool is backend_of(two).decode.ypool
+    shared = (backend_of(one).outputs.decode_pool is backend_of(two).outputs.decode_pool
+              and backend_of(one).outputs.ypool is backend_of(two).outputs.ypool)
     set_env(TRITONEP_GEOMETRY=None)  # a two-kernel buffer of the same shape: it never uses the decode pools, and
     other = open_buffer(group, CFG)  # its close must not take a user away from them (`kept` below)
     other.close()
     one.close()
-    kept = any(e[0] is backend_of(two).decode.pool for e in P._SHARED.values())  # still used by `two`
+    kept = any(e[0] is backend_of(two).outputs.decode_pool for e in P._SHARED.values())  # still used by `two`
     two.close()
     return ptrs, shared, kept, records
 

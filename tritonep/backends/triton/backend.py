@@ -5,32 +5,16 @@ answers ``EPBuffer.required_bytes``). Everything the static configuration (:clas
 decides is computed once at construction: region views, pointer tables, the handle storage layout
 (:class:`tritonep.backends.triton.outputs.HandleLayout`) and every kernel launch with its static arguments
 (:class:`tritonep.backends.triton.calls.KernelSet`). :class:`TritonEP` is one class composed of parts with their own
-state: the call status (:class:`tritonep.backends.triton.status.CallStatus`: status word, host read, verdicts, errors),
-the outputs (:class:`tritonep.backends.triton.outputs.DispatchOutputs`: handle storage and rows, pooled), the bound
-launches and, with decode tiles, the one-launch paths (:class:`tritonep.backends.triton.decode.DecodePath`). A call
-validates nothing the front door did not, allocates its
-handle storage (one tensor, whose fields reach the kernels as addresses: :class:`tritonep.runtime.field_view.FieldView`)
-and outputs, launches, and returns views.
+state, each built once, in this order: the outputs (:class:`tritonep.backends.triton.outputs.DispatchOutputs`: the
+handle layout, every output pool, rows), the call status (:class:`tritonep.backends.triton.status.CallStatus`: status
+word, host read, verdicts, errors), the bound launches, and the paths a call takes: the staged launches
+(:class:`tritonep.backends.triton.staged.StagedPath`, where the launch sequence of each call is written down) and,
+with decode tiles, the one-launch dispatch and push combine (:class:`tritonep.backends.triton.decode.DecodePath`).
 
-Call sequence of a dispatch (all on the current stream, no host sync except the one optional status read after the
-counts exchange, see ``sync``):
-
-1. chunk histograms; the same launch writes the handle's own sanitized copy of the routing (ids outside
-   ``[-1, E)`` become -1) and advances ``calls[CALL_DISPATCH]`` / ``calls[CALL_EXCHANGE]`` on the device,
-2. counts exchange + layout (one program per expert block); its last program publishes (status, rows received)
-   and the call's ticket into pinned host memory (:class:`tritonep.runtime.host_status.HostStatus`),
-3. [synced calls only] one host read of (status, rows): a spin on the published ticket, no device-to-host copy or
-   event -> CapacityError / PeerInputError / PeerTimeoutError before any row moves (the send is queued before the
-   host waits, so its NVLink time overlaps the read),
-4. send, 5. expand (or 4+5 as one launch when the tiles have ``fused_send > 0``: sends and expands overlap).
-
-Combine: partial (push into the source, or into own memory for pull), output (a weighted push combine runs both
-as one launch when the tiles have ``fused_combine``); the call's last launch advances ``calls[CALL_COMBINE]``
-itself (no host op; the combine backward's expand likewise advances ``calls[CALL_DISPATCH]``). With the tiles'
-``decode`` (small ``max_tokens_per_rank``) the forward dispatch and the weighted push combine are ONE launch each,
-counts exchange and counter advances included (:mod:`tritonep.backends.triton.decode`). Combine and both backward passes
-read the routing from the handle (its copy), never from the caller's tensors. Every flag row, counter and status
-field is named in :mod:`tritonep.device.protocol`.
+:class:`TritonEP` itself launches nothing: a call checks that the buffer is usable, picks the path and the combine
+kind, and hands over. A call validates nothing the front door did not, allocates its handle storage (one tensor, whose
+fields reach the kernels as addresses: :class:`tritonep.runtime.field_view.FieldView`) and outputs, launches, and
+returns views.
 """
 
 from __future__ import annotations
@@ -44,15 +28,12 @@ from ...runtime.status import wait_bound
 from ...wire.formats import get_wire
 from .calls import RAW, KernelSet
 from .decode import DecodePath
-from .outputs import DispatchOutputs, HandleLayout
+from .outputs import DispatchOutputs
 from .regions import RegionViews, regions
+from .staged import StagedPath
 from .status import CallStatus
 
 __all__ = ["TritonEP"]
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class TritonEP:
@@ -62,10 +43,11 @@ class TritonEP:
         cfg: the buffer's :class:`tritonep.ep.config.EPConfig` (read, never re-derived).
         group: the EP group; rank: this rank; device: its device.
 
-    Attributes (its parts): ``call_status`` (:class:`tritonep.backends.triton.status.CallStatus`), ``outputs``
-    (:class:`tritonep.backends.triton.outputs.DispatchOutputs`), ``k`` (:class:`tritonep.backends.triton.calls.
-    KernelSet`, every launch bound once), ``decode`` (:class:`tritonep.backends.triton.decode.DecodePath`, or None
-    off the decode tiles); and the symmetric allocation ``buf`` with its region views.
+    Attributes (its parts): ``outputs`` (:class:`tritonep.backends.triton.outputs.DispatchOutputs`), ``call_status``
+    (:class:`tritonep.backends.triton.status.CallStatus`), ``k`` (:class:`tritonep.backends.triton.calls.
+    KernelSet`, every launch bound once), ``staged`` (:class:`tritonep.backends.triton.staged.StagedPath`),
+    ``decode`` (:class:`tritonep.backends.triton.decode.DecodePath`, or None off the decode tiles); and the
+    symmetric allocation ``buf`` with its region views.
     """
 
     name = "triton"
@@ -78,25 +60,29 @@ class TritonEP:
         self.buf = get_heap(group, self.device).allocate(regions(cfg))
         self.views = v = RegionViews(self.buf)  # what the launches are bound to
         self.flags, self.status, self.calls = v.flags, v.status, v.calls
-        self.hl = hl = HandleLayout(cfg)
+        # the handle storage layout and every pool of per-call outputs reused once nobody holds them
+        # (runtime/pool.py): the staged tiles' handle storage blocks, the decode tiles' shared ones
+        self.outputs = DispatchOutputs(cfg, self.dfmt, self.device)
+        self.hl = hl = self.outputs.hl
         # every launch bound once (KernelSet), reported to the recorder, its grid within the program cap
         self._launch = Launch(self.device, max_programs=cfg.max_programs, mode=cfg.launch)
         self.call_status = CallStatus(cfg, rank, self.device, self.status, self._launch)
-        self.k = KernelSet(cfg, v, self.hl, self._launch, rank=rank, device=self.device,
+        self.k = KernelSet(cfg, v, hl, self._launch, rank=rank, device=self.device,
                            timeout=wait_bound(self.device, cfg.timeout_s), host_mapped=self.call_status.mapped,
                            dwire=self.dwire)
-        # per-call outputs reused once nobody holds them (runtime/pool.py): the two-kernel / fused tiles' handle
-        # storage blocks and the views a dispatch returns of them; the decode tiles' own pools (DecodePath)
-        slots, dec = cfg.output_pool, bool(cfg.tiles.decode)
-        self.outputs = DispatchOutputs(cfg, self.hl, self.dfmt, self.device, 0 if dec else slots)
         # the handle a refused combine runs with (no token, no received row: its launches move nothing and only
         # take part in the protocol, :meth:`combine_refused`)
         self._empty = self.outputs.new_handle()
         self._empty._fill(torch.zeros(hl.numel, dtype=torch.int32, device=self.device), hl, 0, 0, 0, None, None)
-        self.decode = DecodePath(cfg, self.k, self.call_status, self.outputs, self.device, slots) if dec else None
+        self._no_w = torch.zeros(1, dtype=torch.float32, device=self.device)  # the weighted combine's unused gw_ptr
+        # the paths a call takes: the staged launches (every tiles: the combine backward; and the decode tiles'
+        # pull combine), the decode tiles' one-launch dispatch and push combine
+        parts = (cfg, self.k, self.call_status, self.outputs, self.device, self._no_w)
+        dec = bool(cfg.tiles.decode)
+        self.staged = StagedPath(*parts)
+        self.decode = DecodePath(*parts) if dec else None
         # a combine without a kind override is the decode tiles' one launch (as _combine decides it)
         self._decode_push = dec and (cfg.tiles.combine == "push" or self.cwire.quantized)
-        self._no_w = torch.zeros(1, dtype=torch.float32, device=self.device)  # the weighted combine's unused gw_ptr
         self._precompile(group)
 
     # ---------------------------------------------------------------------------------------------- state
@@ -109,7 +95,7 @@ class TritonEP:
 
     def output_pools(self) -> tuple:
         """The output pools this buffer takes sets from (:mod:`tritonep.runtime.pool`; shared ones included)."""
-        return (self.outputs.pool,) + (self.decode.pools() if self.decode is not None else ())
+        return self.outputs.pools()
 
     @property
     def output_pool_bytes(self) -> int:
@@ -190,7 +176,8 @@ class TritonEP:
     # ---------------------------------------------------------------------------------------------- dispatch
     def dispatch_fwd(self, x, topk_idx, topk_weights, sync: int, keep_quantized: bool = False,
                      bad_input: bool = False, sync_free: bool = False):
-        """Forward dispatch (see the module docstring for the launch sequence).
+        """Forward dispatch, on the decode tiles' one launch or the staged launches (their launch sequences:
+        :mod:`tritonep.backends.triton.decode`, :mod:`tritonep.backends.triton.staged`).
 
         ``sync``: the call's ``TRITONEP_SYNC_CHECKS`` mode, read once by the front door (``envs.SYNC_NONE`` = 0: no
         host read, e.g. under capture; ``SYNC_DEFERRED``: one read; ``SYNC_STRICT``: also a check at the end).
@@ -216,72 +203,26 @@ class TritonEP:
             status.front_door_unread = True
         if self.decode is not None:
             return self.decode.dispatch(x, topk_idx, topk_weights, sync, keep_quantized, bad_input, T)
-        g, outs, k = self.cfg.tiles, self.outputs, self.k
-        # the pool's set (store, ntpe, offs, row weights), or a fresh store (graph capture, every set held)
-        store, ntpe, offs, rw = outs.take()
-        nc = _cdiv(T, g.bt)
-        ticket = status.ticket(sync)  # only a read takes one (HostStatus.next_ticket says why)
-        k.hist(topk_idx, topk_weights, store, T, nc)
-        k.exchange(nc, store, int(bad_input), ticket)  # publishes status + ticket to the host
-        fused = g.fused_send > 0
-        if not fused:
-            k.send(x, store, T, nc)  # queued before the host waits: its NVLink time overlaps the read
-        # while the exchange runs: what needs no verdict (between the read and the data launch the GPU may wait for
-        # the host). Row weights: a synced call (R known after the read) -> the handle storage's field (written
-        # whole by the data kernels: no allocation); sync-free (no read) -> max_recv_tokens zeros (the rows past
-        # the received ones stay 0)
-        if ntpe is None:
-            ntpe, offs = self.hl.tensor(store, "ntpe"), self.hl.tensor(store, "offs")
-        w_arg = self.hl.field_view(store, "rw") if sync else \
-            torch.zeros(self.cfg.max_recv_tokens, dtype=torch.float32, device=self.device)
-        handle = outs.new_handle()
-        st = status.read(ticket) if sync else None  # the exchange's last program published it
-        code, refused, R = status.verdict(st)
-        nrows = R if R is not None else self.cfg.max_recv_tokens
-        out, q, sc = outs.alloc_rows(nrows, keep_quantized)
-        # the data kernels run on every rank whatever the verdict (a refused call's kernels move no row: the
-        # exchange recorded this dispatch's number in status[ST_SKIP_CALL]), so the flags advance identically; they
-        # write no row at or past ``nrows`` (the rows just allocated), whatever the layout says
-        kq = q is not None
-        if fused:
-            k.fused(kq)(x, store, T, out, w_arg, q, sc, nrows)
-        else:
-            k.expand(kq)(x, out, w_arg, store, out, w_arg, q, sc, nrows)
-        # while the data kernels run: the weights' view (a fresh slice of the pooled field, never the field itself)
-        out_w = w_arg if R is None else rw[:R] if rw is not None else self.hl.tensor(store, "rw", R)
-        status.finish(refused, st, sync, bad_input)
-        return outs.finish(handle, store, T, R, out, out_w, q, sc, ntpe, offs)
+        return self.staged.dispatch(x, topk_idx, topk_weights, sync, keep_quantized, bad_input, T)
 
     # ---------------------------------------------------------------------------------------------- combine
-    def _combine(self, eo, handle, weighted, gw=None, want_wgrad=False, kind=None, wire=RAW, bad=0, ticket=0):
-        """A combine (``weighted``) or the dispatch backward; ``bad``: this rank takes part as refused
-        (:meth:`combine_refused`); ``ticket``: the host reads this call's status
-        (:meth:`tritonep.backends.triton.status.CallStatus.after_combine`)."""
+    def _combine(self, eo, handle, weighted, gw=None, kind=None, wire=RAW, bad=0, ticket=0):
+        """A combine (``weighted``) or the dispatch backward (``gw``: the weight gradients' return, push only);
+        ``bad``: this rank takes part as refused (:meth:`combine_refused`); ``ticket``: the host reads this call's
+        status (:meth:`tritonep.backends.triton.status.CallStatus.after_combine`). The decode tiles' push combine is
+        one launch (:class:`tritonep.backends.triton.decode.DecodePath`), every other the staged launches."""
         status = self.call_status
         if status.broken:
             status.usable()
-        g = self.cfg.tiles
-        kind = kind or g.combine
-        if want_wgrad or wire.quantized:
+        kind = kind or self.cfg.tiles.combine
+        if gw is not None or wire.quantized:
             kind = "push"  # quantized partials and weight-gradient return are push-only
         if self.decode is not None and kind == "push":  # one launch (also the dispatch backward); it advances
-            return self.decode.combine(eo, handle, wire, weighted, gw if want_wgrad else None,  # CALL_COMBINE itself
-                                       bad, ticket)
-        T, store, k = handle.num_tokens, handle.store, self.k
-        y = torch.empty(T, self.cfg.hidden, dtype=eo.dtype, device=self.device)
-        what = "combine" if weighted else "dispatch backward"
-        if g.fused_combine and kind == "push" and weighted and not want_wgrad:
-            k.combine_fused(wire)(eo, store, y, T, bad, ticket)
-            status.after_combine(ticket, bad, what)
-            return y, None
-        k.partial(kind, weighted, want_wgrad, wire)(eo, store, gw if gw is not None else self._no_w, bad)
-        gtw = torch.empty(T, self.cfg.topk, dtype=torch.float32, device=self.device) if want_wgrad else None
-        k.out(kind, want_wgrad, wire)(store, y, T, _cdiv(T, g.cbt), gtw if gtw is not None else y, ticket)
-        status.after_combine(ticket, bad, what)
-        return y, gtw
+            return self.decode.combine(eo, handle, wire, weighted, gw, bad, ticket)  # CALL_COMBINE itself
+        return self.staged.combine(eo, handle, wire, weighted, gw, bad, ticket, kind)
 
     def combine_fwd(self, expert_out, handle, kind=None, read=False):
-        """Weighted combine ``y [T, H]`` (see the module docstring). ``read``: an eager combine: the host reads the
+        """Weighted combine ``y [T, H]`` (as :meth:`_combine` picks its path). ``read``: an eager combine: the host reads the
         call's status once its last launch finished and raises a peer's refusal or timeout (every rank does)."""
         ticket = self.call_status.next_ticket() if read else 0
         if kind is None and self._decode_push and not self.call_status.broken:  # what _combine picks, without its
@@ -307,7 +248,7 @@ class TritonEP:
         call refused in every peer (their outputs NaN, their status records it) and in this rank's status (a
         backward reads nothing on the host: the next read raises it on every rank). ``handle`` is not needed."""
         self._combine(self.expert_out_buffer(), self._empty, weighted=False, gw=self._no_w if with_weights else None,
-                      want_wgrad=with_weights, bad=1)
+                      bad=1)
 
     def defer_refusal(self, error):
         """See :meth:`tritonep.backends.interface.EPBackend.defer_refusal` (:attr:`CallStatus.front_door_unread`)."""
@@ -316,25 +257,14 @@ class TritonEP:
     # ---------------------------------------------------------------------------------------------- backward
     def dispatch_bwd(self, grad_recv_x, grad_recv_w, handle):
         """grad_x[t] = sum_k grad_recv_x[row(t,k)]; grad_topk_weights[t,k] = grad_recv_w[row(t,k)]."""
-        gw = grad_recv_w
-        return self._combine(grad_recv_x, handle, weighted=False, gw=gw, want_wgrad=gw is not None)
+        return self._combine(grad_recv_x, handle, weighted=False, gw=grad_recv_w)
 
     def combine_bwd(self, grad_y, expert_out, handle):
         """grad_expert_out[row] = w * grad_y[t]; grad_recv_w[row] = <grad_y[t], expert_out[row]>."""
         status = self.call_status
         if status.broken:
             status.usable()
-        R, H, dev = expert_out.shape[0], self.cfg.hidden, self.device
-        # no zero fill: the expand writes every row (routes; alignment padding and rows past the layout's end, read
-        # from the handle's segment sizes / offsets on the device, as zeros)
-        g_eo = torch.empty(R, H, dtype=self.cfg.dtype, device=dev)
-        g_w = torch.empty(R, dtype=torch.float32, device=dev)
-        T, store, k = handle.num_tokens, handle.store, self.k
-        # grad_y is held until the expand ran: it reads the own rank's rows from it (raw wire)
-        k.send_bwd(grad_y, store, T, _cdiv(T, self.cfg.tiles.bt))
-        k.expand_bwd(grad_y, g_eo, store, expert_out, g_w, g_w, R)
-        status.eager_check("combine backward")
-        return g_eo, g_w
+        return self.staged.combine_bwd(grad_y, expert_out, handle)
 
     def close(self):
         """Free the symmetric allocation (collective). Later calls raise :class:`BufferStateError`, also those that do
@@ -342,9 +272,7 @@ class TritonEP:
         hold the freed regions' addresses. The output pools let their blocks go."""
         status = self.call_status
         status.broken = "closed" + (f" (unusable before: {status.broken})" if status.broken else "")
-        self.outputs.pool.clear()  # the output pool's blocks go with the buffer (a caller's kept outputs stay valid)
+        self.outputs.close()  # the output pools' blocks go with the buffer (a caller's kept outputs stay valid)
         if self.buf is not None:
             self.buf.close()
             self.buf = None
-            if self.decode is not None:  # the shared pools: one user fewer (the last one lets their blocks go)
-                self.decode.close()

@@ -1,7 +1,9 @@
 """The one-launch decode paths of the triton backend (tiles ``decode > 0``, small ``max_tokens_per_rank``).
 
-:class:`DecodePath` is a part of :class:`tritonep.backends.triton.backend.TritonEP` with its own state (the pools its
-calls take their outputs from); it launches through the backend's bound kernels
+:class:`DecodePath` is a part of :class:`tritonep.backends.triton.backend.TritonEP`, one of its two paths (the other:
+:class:`tritonep.backends.triton.staged.StagedPath`; both answer ``dispatch`` and ``combine`` alike, and a decode
+buffer's pull combine and combine backward take the staged launches); its calls take their outputs from the outputs
+part's shared pools, and it launches through the backend's bound kernels
 (:class:`tritonep.backends.triton.calls.KernelSet`), reads the verdict through its
 :class:`tritonep.backends.triton.status.CallStatus` and allocates through its
 :class:`tritonep.backends.triton.outputs.DispatchOutputs`:
@@ -19,7 +21,7 @@ calls take their outputs from); it launches through the backend's bound kernels
 
 Outputs: ONE pool shared by every buffer of the same shape (one per MoE layer: run one at a time) whose sets hold the
 handle block AND the ``max_recv_tokens`` rows (one take per call), and one of the combine's ``[Tmax, H]`` outputs
-(:mod:`tritonep.runtime.pool`).
+(:mod:`tritonep.runtime.pool`); both are the outputs part's (``DispatchOutputs.decode_pool`` / ``ypool``).
 
 Every rank makes the same launch with the same grid whatever its T (0 included) or input validity (docs/protocols.md,
 host protocol rule).
@@ -29,21 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from ...runtime.pool import OutputPool, acquire_shared, release_shared
-
 __all__ = ["DecodePath"]
-
-
-def _decode_set_maker(hl, rows: int, H: int, dtype: torch.dtype, device: torch.device):
-    """``make()`` of the decode tiles' shared pool: ``(store, rows), (row weights, ntpe, offs)``, the handle block of
-    layout ``hl`` and the ``[rows, H]`` rows; the row weights first among the views (the pool's quick test reads them:
-    a caller's kept weights or handle hold them). It holds no buffer: the pool outlives the buffer that made it while
-    another buffer of the shape uses it."""
-    def make():
-        store = hl.new(device)
-        return ((store, torch.empty(rows, H, dtype=dtype, device=device)),
-                (hl.tensor(store, "rw"), hl.tensor(store, "ntpe"), hl.tensor(store, "offs")))
-    return make
 
 
 class DecodePath:
@@ -53,33 +41,13 @@ class DecodePath:
     Args:
         cfg: the buffer's config. kernels: its :class:`tritonep.backends.triton.calls.KernelSet`. status: its
             :class:`tritonep.backends.triton.status.CallStatus`. outputs: its
-            :class:`tritonep.backends.triton.outputs.DispatchOutputs`. device: the rank's device. slots: sets per
-            shared pool (``TRITONEP_OUTPUT_POOL``).
+            :class:`tritonep.backends.triton.outputs.DispatchOutputs` (with the shared pools). device: the rank's
+            device. no_w: a float32 ``[1]`` tensor for an unused ``gw_ptr`` (the weighted combine's).
     """
 
-    def __init__(self, cfg, kernels, status, outputs, device: torch.device, slots: int):
+    def __init__(self, cfg, kernels, status, outputs, device: torch.device, no_w: torch.Tensor):
         self.cfg, self.k, self.status, self.outputs, self.device = cfg, kernels, status, outputs, device
-        hl, H, dt = outputs.hl, cfg.hidden, cfg.dtype
-        self._keys = (("dec", str(device), cfg.max_recv_tokens, H, dt, hl.numel, tuple(hl.fields)),
-                      ("y", str(device), cfg.max_tokens_per_rank, H, dt))
-        self._slots = slots  # what this buffer registered with the shared pools (0: none)
-        self.pool = acquire_shared(self._keys[0], _decode_set_maker(hl, cfg.max_recv_tokens, H, dt, device), slots,
-                                   device)
-        Tm = cfg.max_tokens_per_rank
-        self.ypool = acquire_shared(self._keys[1], lambda: ((torch.empty(Tm, H, dtype=dt, device=device),), ()),
-                                    slots, device)
-        self._no_w = torch.zeros(1, dtype=torch.float32, device=device)  # the weighted combine's unused gw_ptr
-
-    def pools(self) -> tuple:
-        """The shared pools this path takes sets from."""
-        return self.pool, self.ypool
-
-    def close(self):
-        """One user fewer of the shared pools (the last one lets their blocks go); only what this buffer registered:
-        a buffer of other tiles with the same shape must not take a user away from the decode buffers' pools."""
-        for key in self._keys:
-            release_shared(key, self._slots)
-        self.pool = self.ypool = OutputPool(None, 0, self.device)
+        self._no_w = no_w
 
     def dispatch(self, x, topk_idx, topk_weights, sync, keep_quantized, bad_input, T):
         """Forward dispatch in one launch (``T`` tokens); returns what ``TritonEP.dispatch_fwd`` returns and raises
@@ -90,7 +58,7 @@ class DecodePath:
         # rows are known on the host only after the launch: the outputs hold the capacity, cut to R after the host
         # read (the kernel zeroes the row weights past the rows received: no memset before the launch; they are the
         # handle storage's field ``rw``)
-        got = self.pool.take()
+        got = outs.decode_pool.take()
         if got is not None:
             store, out, rw, ntpe, offs = got
         else:
@@ -129,7 +97,7 @@ class DecodePath:
         ``bad`` / ``ticket``: as ``TritonEP._combine`` (a refused rank; the host's read of an eager combine)."""
         T = handle.num_tokens
         if weighted:  # the forward combine: its output pooled (pool.py)
-            got = self.ypool.take()
+            got = self.outputs.ypool.take()
             y = got[0][:T] if got is not None else torch.empty(T, self.cfg.hidden, dtype=eo.dtype, device=self.device)
             self.k.combine_decode(wire, True, False)(eo, handle.store, y, T, self._no_w, y, bad, ticket)
             self.status.after_combine(ticket, bad, "combine")

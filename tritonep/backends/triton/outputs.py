@@ -5,8 +5,11 @@
   :class:`tritonep.runtime.field_view.FieldView` s (an address and a dtype; the tensor view is built only when Triton's
   own launch path or a reader needs it: no ``split_with_sizes`` per call, ~17 us of GPU-host time before), every
   field 256-byte aligned so the kernels' 16-byte pointer specialisation never changes between calls.
-* :class:`DispatchOutputs` (a part of :class:`tritonep.backends.triton.backend.TritonEP`): the two-kernel / fused
-  dispatch's handle storage (pooled, :mod:`tritonep.runtime.pool`), its rows, and the handle filled at the end.
+* :class:`DispatchOutputs` (a part of :class:`tritonep.backends.triton.backend.TritonEP`): the buffer's handle layout
+  and every output pool it takes sets from (:mod:`tritonep.runtime.pool`), a dispatch's rows, and the handle filled at
+  the end. The staged tiles (two-kernel / fused) pool the handle storage per buffer; the decode tiles take the handle
+  storage AND the ``max_recv_tokens`` rows as one set of a pool shared by every buffer of the same shape, and the
+  combine's ``[max_tokens_per_rank, H]`` output from another (one buffer per MoE layer, run one after another).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ...runtime.field_view import FieldView
-from ...runtime.pool import OutputPool
+from ...runtime.pool import OutputPool, acquire_shared, release_shared
 from .handle import TritonHandle
 
 __all__ = ["DispatchOutputs", "HandleLayout"]
@@ -96,21 +99,51 @@ class HandleLayout:
 
 
 class DispatchOutputs:
-    """What a forward dispatch of the two-kernel / fused paths allocates or takes from the buffer's output pool (a part
-    of :class:`tritonep.backends.triton.backend.TritonEP` with its own state: the handle layout, the pool, the empty
-    rows of a kept-quantized call).
+    """What a forward dispatch allocates or takes from the buffer's output pools, and where a decode combine's output
+    comes from (a part of :class:`tritonep.backends.triton.backend.TritonEP` with its own state: the handle layout, the
+    pools, the empty rows of a kept-quantized call; see the module docstring).
 
     Args:
-        cfg: the buffer's config. hl: its :class:`HandleLayout`. dfmt: the dispatch wire's
-            :class:`tritonep.wire.formats.WireFormat`. device: the rank's device. slots: pooled sets
-            (``TRITONEP_OUTPUT_POOL``; 0: every call allocates).
+        cfg: the buffer's config (sizes, ``hidden``, ``dtype``; ``output_pool``: sets per stream, 0: every call
+            allocates; ``tiles.decode``: which pools). dfmt: the dispatch wire's
+            :class:`tritonep.wire.formats.WireFormat`. device: the rank's device.
+
+    Attributes:
+        hl: the :class:`HandleLayout` of every call's handle storage.
+        pool: the staged tiles' handle storage sets (this buffer's; off on the decode tiles).
+        decode_pool: the decode tiles' shared sets ``(store, rows, row weights, ntpe, offs)`` (off elsewhere).
+        ypool: the decode tiles' shared ``[max_tokens_per_rank, H]`` combine outputs (off elsewhere).
     """
 
-    def __init__(self, cfg, hl: HandleLayout, dfmt, device: torch.device, slots: int):
-        self.cfg, self.hl, self.dfmt, self.device = cfg, hl, dfmt, device
-        self.pool = OutputPool(self._make_set, slots, device)
+    def __init__(self, cfg, dfmt, device: torch.device):
+        self.cfg, self.dfmt, self.device = cfg, dfmt, device
+        self.hl = hl = HandleLayout(cfg)
         self.buffer_id = 0  # the owning EPBuffer's id (handles carry it)
         self._no_rows = torch.empty(0, cfg.hidden, dtype=cfg.dtype, device=device)
+        # the decode tiles' pools are shared by the buffers of one shape (keyed by it): ``_shared_slots`` is what this
+        # buffer registered with them (0: none; a buffer of other tiles with the same shape must not take a user
+        # away from them at its close)
+        slots, dec = cfg.output_pool, bool(cfg.tiles.decode)
+        self._shared_slots = slots if dec else 0
+        H, dt, rows, Tm = cfg.hidden, cfg.dtype, cfg.max_recv_tokens, cfg.max_tokens_per_rank
+        self._keys = (("dec", str(device), rows, H, dt, hl.numel, tuple(hl.fields)), ("y", str(device), Tm, H, dt))
+        make_dec, make_y = _decode_set_maker(hl, rows, H, dt, device), _y_maker(Tm, H, dt, device)
+        self.pool = OutputPool(self._make_set, 0 if dec else slots, device)
+        self.decode_pool = acquire_shared(self._keys[0], make_dec, self._shared_slots, device)
+        self.ypool = acquire_shared(self._keys[1], make_y, self._shared_slots, device)
+
+    def pools(self) -> tuple:
+        """The pools this buffer takes sets from (the shared ones only on the decode tiles)."""
+        return (self.pool,) + ((self.decode_pool, self.ypool) if self._shared_slots else ())
+
+    def close(self):
+        """Let the pools go (the buffer's close; a caller's kept outputs stay valid): this buffer's sets, and one
+        user fewer of the shared pools (the last one lets their blocks go), once."""
+        self.pool.clear()
+        for key in self._keys:
+            release_shared(key, self._shared_slots)
+        self._shared_slots = 0
+        self.decode_pool = self.ypool = OutputPool(None, 0, self.device)
 
     def _make_set(self):
         """A new set of the pool: ``(store,), (ntpe, offs, row weights)`` (all fields whole)."""
@@ -148,3 +181,20 @@ class DispatchOutputs:
         tokens, ``R`` rows received; ``ntpe`` / ``offs``: the two views of its storage the call returns."""
         handle._fill(store, self.hl, T, self.buffer_id, R, out_w, sc)
         return (out if q is None else q), out_w, ntpe, offs, handle
+
+
+def _decode_set_maker(hl: HandleLayout, rows: int, H: int, dtype: torch.dtype, device: torch.device):
+    """``make()`` of the decode tiles' shared pool: ``(store, rows), (row weights, ntpe, offs)``, the handle block of
+    layout ``hl`` and the ``[rows, H]`` rows; the row weights first among the views (the pool's quick test reads them:
+    a caller's kept weights or handle hold them). It holds no buffer: the pool outlives the buffer that made it while
+    another buffer of the shape uses it."""
+    def make():
+        store = hl.new(device)
+        return ((store, torch.empty(rows, H, dtype=dtype, device=device)),
+                (hl.tensor(store, "rw"), hl.tensor(store, "ntpe"), hl.tensor(store, "offs")))
+    return make
+
+
+def _y_maker(Tm: int, H: int, dtype: torch.dtype, device: torch.device):
+    """``make()`` of the decode combine's shared pool: one ``[Tm, H]`` output block, no view."""
+    return lambda: ((torch.empty(Tm, H, dtype=dtype, device=device),), ())

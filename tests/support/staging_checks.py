@@ -1,7 +1,7 @@
 """Own-rank staging checks, shared by the CPU-world and the GPU tests (module-level: spawn imports it).
 
-On the raw bf16 wire the dispatch sender does not stage its own rank's rows (the expander reads them from the
-sender's input); quantized wires still stage them once (quantized in the sender). :func:`own_staging_world` fills
+The dispatch sender does not stage its own rank's rows on any wire (the expander reads them from the sender's input
+and, on a quantized wire, encodes them itself); rows for the peer are staged (encoded). :func:`own_staging_world` fills
 the rank's OWN staging rows ``stage[RANK]`` (only its own sender ever writes them) with :data:`SENTINEL`, runs a
 dispatch and a combine backward (send + expand with SCALE/DOT on the raw wire) and returns what the staging and
 the outputs hold; :func:`check_own_staging` compares that with the reference oracles and the twin quantizers.
@@ -77,12 +77,11 @@ def _quant(wire: str, x: torch.Tensor):
 def check_own_staging(res: list, wire: str, case: dict):
     """Assert what :func:`own_staging_world` returned (``res[r]`` per rank) for ``wire``.
 
-    bf16: ``stage[RANK]`` holds the sentinel everywhere, the peer's staged rows equal its ``x`` rows (cross-rank
-    rows still go through the staging), received rows / weights / offsets equal the reference bit for bit. Quantized:
-    the own tokens routed to the own rank are staged with the twin quantizer's payload + scale bytes, the other own
-    rows keep the sentinel, received rows = dequantize(quantize(reference)). Both: the (raw) combine backward leaves
-    ``stage[RANK]`` as the dispatch left it; ``grad_expert_out[row] = bf16(fp32(grad_y[t]) * w)`` bit for bit and
-    ``grad_recv_weights[row] = <grad_y[t], eo[row]>`` within rtol 1e-4, atol 1e-3 (fp32 dot, other order).
+    Every wire: ``stage[RANK]`` holds the sentinel everywhere; the peer's staged rows routed here hold its ``x``
+    rows (bf16) or the twin quantizer's payload + scale bytes of them (fp8 / mxfp4); received rows / weights /
+    offsets equal the reference bit for bit (quantized: dequantize(quantize(reference))). The (raw) combine backward
+    leaves ``stage[RANK]`` as the dispatch left it; ``grad_expert_out[row] = bf16(fp32(grad_y[t]) * w)`` bit for
+    bit and ``grad_recv_weights[row] = <grad_y[t], eo[row]>`` within rtol 1e-4, atol 1e-3 (fp32 dot, other order).
 
     Raises:
         AssertionError: naming the rank that differs.
@@ -104,22 +103,18 @@ def check_own_staging(res: list, wire: str, case: dict):
     for r in range(W):
         got = res[r]
         assert diff(got, want[r], ("offs", "w", "x")) == [], r  # rows: the twin's round trip on quantized wires
-        own = routed(r, r)
+        assert bool((got["own_fwd"] == SENTINEL).all()), f"rank {r}: own-rank rows were staged ({wire} wire)"
+        s = 1 - r
+        from_s = routed(s, r)
+        seen += int(from_s.sum())
+        staged = got["peer"][:T[s]][from_s]
         if wire == "bf16":
-            assert bool((got["own_fwd"] == SENTINEL).all()), f"rank {r}: own-rank rows were staged (bf16 wire)"
-            s = 1 - r
-            from_s = routed(s, r)
-            seen += int(from_s.sum())
-            assert torch.equal(got["peer"][:T[s]][from_s], xs[s][from_s].contiguous().view(torch.uint8)), r
+            assert torch.equal(staged, xs[s][from_s].contiguous().view(torch.uint8)), r
         else:
-            seen += int(own.sum())
-            qp, qs, _ = _quant(wire, xs[r])
-            rows = got["own_fwd"][:T[r]]
+            qp, qs, _ = _quant(wire, xs[s])
             pb, sb = qp.shape[1], qs.shape[1]
-            assert torch.equal(rows[own, :pb], qp[own]), f"rank {r}: staged payload differs from the twin"
-            assert torch.equal(rows[own, pb:pb + sb], qs[own]), f"rank {r}: staged scales differ from the twin"
-            assert bool((rows[~own] == SENTINEL).all()), r  # own tokens without a route here: not staged
-            assert bool((got["own_fwd"][T[r]:] == SENTINEL).all()), r
+            assert torch.equal(staged[:, :pb], qp[from_s]), f"rank {r}: staged payload differs from the twin"
+            assert torch.equal(staged[:, pb:pb + sb], qs[from_s]), f"rank {r}: staged scales differ from the twin"
         assert torch.equal(got["own_bwd"], got["own_fwd"]), f"rank {r}: the combine backward staged own rows"
     assert seen > 0, "the case routes no row through the checked staging rows"
     gys = [_grad_y(r, T[r], H) for r in range(W)]

@@ -1,9 +1,8 @@
-"""Own-rank routes skip the staging copy on the raw bf16 wire, and quantized wires still stage.
+"""Own-rank routes skip the staging copy on every wire (quantized wires: the expander encodes them itself).
 
 Each rank fills its own staging rows ``stage[RANK]`` with a sentinel before a world-2 dispatch and a combine
-backward; bf16: the sentinel survives while every output is exact and the peer's rows are staged; fp8 / mxfp4: the
-own rows routed here hold the twin quantizer's bits (:mod:`tests.support.staging_checks` states every check and
-tolerance). Paths: two kernels (CPU default geometry), the fused one-launch dispatch (``fs=1,fe=1``), the one-launch
+backward; the sentinel survives while every output is exact, and the peer's rows are staged (raw, or the twin
+quantizer's bits on fp8 / mxfp4: :mod:`tests.support.staging_checks` states every check and tolerance). Paths: two kernels (CPU default geometry), the fused one-launch dispatch (``fs=1,fe=1``), the one-launch
 decode dispatch (``bt=4,dec=3``); the GPU test runs the same checks on a GPU world of 2 at larger shapes (the
 ranks share a GPU when there is one).
 """
@@ -25,7 +24,7 @@ def _geometry(monkeypatch, geometry):
 
 @pytest.mark.parametrize("wire,geometry", [("bf16", None), ("bf16", "fs=1,fe=1"), ("bf16", "bt=4,dec=3"),
                                            ("fp8", None), ("mxfp4", "fs=1,fe=1"), ("fp8", "bt=4,dec=3")])
-def test_own_rank_rows_skip_staging_on_bf16_only(monkeypatch, wire, geometry):
+def test_own_rank_rows_skip_staging_on_every_wire(monkeypatch, wire, geometry):
     _geometry(monkeypatch, geometry)
     res = run_cpu_world(2, own_staging_world, wire, CPU_CASE, timeout_s=300)
     check_own_staging(res, wire, CPU_CASE)

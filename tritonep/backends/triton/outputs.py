@@ -164,8 +164,11 @@ class DispatchOutputs:
         unspecified); the row weights live in the handle storage (field ``rw``) or, sync-free on the two-kernel
         path, in a zeroed tensor of their own."""
         if keep_quantized and self.dfmt.quantized:
-            # padding rows hold the encoding of a zero row (fp8 scale 2^-126, e8m0 0), as the twins give
-            q, sc = self.dfmt.empty_quantized(nrows, self.cfg.hidden, self.device)
+            # not cleared either: the expand writes the encoding of a zero row into the padding rows (fp8 scale
+            # 2^-126, e8m0 0), as the twins give (a memset of the whole payload cost a pass over its bytes)
+            H = self.cfg.hidden
+            q = torch.empty(nrows, self.dfmt.payload_bytes(H), dtype=torch.uint8, device=self.device)
+            sc = torch.empty(nrows, self.dfmt.num_scales(H), dtype=self.dfmt.scale_dtype, device=self.device)
             return self._no_rows, q, sc
         return torch.empty(nrows, self.cfg.hidden, dtype=self.cfg.dtype, device=self.device), None, None
 

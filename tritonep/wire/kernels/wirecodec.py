@@ -26,7 +26,7 @@ import triton.language as tl
 from ...device.common import cast_rne, widen
 
 __all__ = ["DeviceCodec", "RAW_BF16", "wire_encode", "wire_store_encoded", "wire_store", "wire_load",
-           "wire_to", "wire_copy_raw"]
+           "wire_to", "wire_copy_raw", "wire_load_raw", "wire_store_raw"]
 
 
 @dataclass(frozen=True, repr=False)
@@ -173,19 +173,37 @@ def wire_to(x, DT: tl.constexpr):
 
 
 @triton.jit
+def wire_load_raw(base, row_off, h0, rmask, H: tl.constexpr, BH: tl.constexpr, WIRE: tl.constexpr):
+    """The encoded payload (uint8 ``[BT, BH*bits/8]``) and scales (``[BT, BH/block]``) of columns [h0, h0+BH) of the
+    wire rows at ``row_off``, not decoded (masked rows read as 0); quantized wires only. Loaded once, stored to
+    every route's row by :func:`wire_store_raw`."""
+    hb = h0 * WIRE.pay_mul // WIRE.pay_div + tl.arange(0, BH * WIRE.pay_mul // WIRE.pay_div)
+    HB: tl.constexpr = H * WIRE.pay_mul // WIRE.pay_div
+    q = tl.load(base + row_off[:, None] + hb[None, :], mask=rmask[:, None] & (hb < HB)[None, :], other=0)
+    g = h0 // WIRE.block + tl.arange(0, BH // WIRE.block)
+    sp = (base + HB).to(tl.pointer_type(WIRE.scale_dtype))
+    sc = tl.load(sp + (row_off // WIRE.scale_bytes)[:, None] + g[None, :],
+                 mask=rmask[:, None] & (g < H // WIRE.block)[None, :], other=0)
+    return q, sc
+
+
+@triton.jit
+def wire_store_raw(q, sc, h0, q_ptr, s_ptr, dst_rows, dmask, H: tl.constexpr, BH: tl.constexpr, WIRE: tl.constexpr):
+    """Store a tile from :func:`wire_load_raw` to rows ``dst_rows`` (``dmask``) of ``q_ptr`` (uint8
+    ``[R, H*bits/8]``) and ``s_ptr`` (``[R, H/block]`` scales)."""
+    hb = h0 * WIRE.pay_mul // WIRE.pay_div + tl.arange(0, BH * WIRE.pay_mul // WIRE.pay_div)
+    HB: tl.constexpr = H * WIRE.pay_mul // WIRE.pay_div
+    tl.store(q_ptr + dst_rows[:, None].to(tl.int64) * HB + hb[None, :], q, mask=dmask[:, None] & (hb < HB)[None, :])
+    g = h0 // WIRE.block + tl.arange(0, BH // WIRE.block)
+    tl.store(s_ptr + dst_rows[:, None].to(tl.int64) * (H // WIRE.block) + g[None, :], sc,
+             mask=dmask[:, None] & (g < H // WIRE.block)[None, :])
+
+
+@triton.jit
 def wire_copy_raw(base, row_off, h0, rmask, q_ptr, s_ptr, dst_rows, dmask, H: tl.constexpr, BH: tl.constexpr,
                   WIRE: tl.constexpr):
     """Copy the encoded payload and scales of columns [h0, h0+BH) of the wire rows to rows ``dst_rows`` of
     ``q_ptr`` (uint8 ``[R, H*bits/8]``) and ``s_ptr`` (``[R, H/block]`` scales); nothing for raw."""
     if WIRE.quantized:
-        hb = h0 * WIRE.pay_mul // WIRE.pay_div + tl.arange(0, BH * WIRE.pay_mul // WIRE.pay_div)
-        HB: tl.constexpr = H * WIRE.pay_mul // WIRE.pay_div
-        hm = (hb < HB)[None, :]
-        q = tl.load(base + row_off[:, None] + hb[None, :], mask=rmask[:, None] & hm, other=0)
-        tl.store(q_ptr + dst_rows[:, None].to(tl.int64) * HB + hb[None, :], q, mask=dmask[:, None] & hm)
-        g = h0 // WIRE.block + tl.arange(0, BH // WIRE.block)
-        sp = (base + HB).to(tl.pointer_type(WIRE.scale_dtype))
-        gm = (g < H // WIRE.block)[None, :]
-        sc = tl.load(sp + (row_off // WIRE.scale_bytes)[:, None] + g[None, :], mask=rmask[:, None] & gm, other=0)
-        tl.store(s_ptr + dst_rows[:, None].to(tl.int64) * (H // WIRE.block) + g[None, :], sc,
-                 mask=dmask[:, None] & gm)
+        q, sc = wire_load_raw(base, row_off, h0, rmask, H, BH, WIRE)
+        wire_store_raw(q, sc, h0, q_ptr, s_ptr, dst_rows, dmask, H, BH, WIRE)

@@ -192,7 +192,7 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
     for c in range(pid, NCmax, G):
         for src in range(W):
             expand_arrived(src, c, n, skip, cflag_ptr, NCmax, status_ptr, flags_ptr, timeout, expand_io, tile, KEEP_Q,
-                           False, W, WB)
+                           False, W, WB, POW2)
     if A > 1:
         if pid == 0:
             if skip == 0:  # a refused call's segments may exceed the rows allocated: write nothing

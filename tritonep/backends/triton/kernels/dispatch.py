@@ -10,11 +10,13 @@ this rank wrote. With n = the dispatch-like call number (device memory), a send 
 * :func:`dispatch_send_kernel`: per chunk of BT tokens computes every route's destination row (chunk prefix from
   the layout + the route's rank inside the chunk by pairwise comparison), then for each destination rank writes the
   token's K destination rows (or -1) and weights, and the token's row once (wire-encoded) into
-  ``stage[rank, t]`` of that destination, if the token has at least one route there -- except, on the raw bf16
-  wire, into its OWN rank's staging: the expander reads those rows from the sender's input instead (one write +
-  read of the rows through HBM fewer; quantized wires keep staging them, the row is quantized once).
-* :func:`dispatch_expand_kernel`: waits for every source, then scatters each staged row (raw own rank: the input
-  row, :func:`source_tile`) to its destination rows (one per route), writes the per-row weights, keeps a copy of
+  ``stage[rank, t]`` of that destination, if the token has at least one route there -- except into its OWN rank's
+  staging: the expander reads those rows from the sender's input instead (one write + read of the rows through HBM
+  fewer; on a quantized wire the expander encodes them itself, so a token routed to its own rank and to peers is
+  encoded twice, to the same bits: at world 1 no row is staged at all).
+* :func:`dispatch_expand_kernel`: waits for every source, then scatters each staged row (own rank: the input row,
+  encoded, :func:`source_tile` / :func:`source_raw`) to its destination rows (one per route), writes the per-row
+  weights, keeps a copy of
   the routing metadata for combine (the handle), and zeroes the alignment padding rows. Backward mode (``SCALE``/``DOT``) multiplies each row by its route weight and
   computes ``dot(row, expert_out[row])`` for the weight gradient (the combine backward); it also zeroes every row of
   its outputs that no route writes (padding, rows past the layout's end: :func:`zero_unwritten`), so the combine
@@ -34,7 +36,8 @@ from ....device.common import RowTile, cast_rne, chunk_index, widen
 from ....device.protocol import (CALL_DISPATCH, DONE_EXPAND_BWD, FLAG_ACK, FLAG_DATA, ST_SKIP_CALL, STATUS_TIMEOUT, WAIT_ACK,
                        WAIT_DATA)
 from ....device.signal import ack_on_last, mark_dead, peers_alive, signal_peers, wait_all_ge, wait_ge
-from ....wire.kernels.wirecodec import RAW_BF16, wire_copy_raw, wire_encode, wire_load, wire_store_encoded, wire_to
+from ....wire.kernels.wirecodec import (RAW_BF16, wire_encode, wire_load, wire_load_raw, wire_store_encoded,
+                                       wire_store_raw, wire_to)
 
 
 SendIO = namedtuple("SendIO", "x_ptr topk_idx_ptr topk_w_ptr rows_ptr T pre_ptr send_base_ptr stage_tab meta_tab "
@@ -125,8 +128,8 @@ def send_chunk(c, live, io, tile, W: tl.constexpr, E: tl.constexpr, L: tl.conste
         off = (tile.RANK * io.Tmax + t[:, None]).to(tl.int64) * tile.K + k_off[None, :]
         tl.store(md + off, tl.where(dest == d, rows, -1), mask=mt)
         tl.store(wd + off, tl.where(dest == d, w, 0.0), mask=mt)
-    # a raw wire in a world of one stages nothing (the expander reads x): no row loads either
-    for h0 in range(0, tile.H if (tile.WIRE.quantized or W > 1) else 0, tile.BH):
+    # a world of one stages nothing (the expander reads x): no row loads either
+    for h0 in range(0, tile.H if W > 1 else 0, tile.BH):
         h = h0 + h_off
         hm = h < tile.H
         xt = tl.load(io.x_ptr + t[:, None].to(tl.int64) * tile.H + h[None, :], mask=tm[:, None] & hm[None, :],
@@ -135,45 +138,68 @@ def send_chunk(c, live, io, tile, W: tl.constexpr, E: tl.constexpr, L: tl.conste
         row_off = (tile.RANK * io.Tmax + t).to(tl.int64) * tile.RB
         for dd in range(W):
             d = (dd + tile.RANK) % W  # each rank's stores start at a different destination (no W-to-1 incast)
-            has = (tl.sum((dest == d).to(tl.int32), 1) > 0) & tm & live
-            if not tile.WIRE.quantized:  # raw own-rank rows: the expander reads x itself (no staging copy)
-                has = has & (d != tile.RANK)
+            # own-rank rows: the expander reads (and encodes) x itself, no staging copy
+            has = (tl.sum((dest == d).to(tl.int32), 1) > 0) & tm & live & (d != tile.RANK)
             sd = _ptr(io.stage_tab, d, tl.uint8)
             wire_store_encoded(sd, row_off, h0, pay, sc, has, tile.H, tile.BH, tile.WIRE)
 
 
 @triton.jit
-def source_tile(src, t, has, io, row_off, h0, tile):
-    """Columns [h0, h0+BH) of the wire rows of tokens ``t`` of source ``src`` as the expander sees them.
+def source_tile(src, t, has, io, row_off, h0, tile, POW2: tl.constexpr = False):
+    """Columns [h0, h0+BH) of the wire rows of tokens ``t`` of source ``src`` as the expander sees them (quantized
+    wires: decoded, exact fp32 values; raw: the bf16 tile).
 
-    Quantized wires: decoded from the staging (``row_off``: byte offsets of the rows in ``io.stage_ptr``). Raw bf16
-    wire: the rows of the own rank (``src == RANK``) are read straight from the sender's input ``io.x_ptr``
-    (``[Ts, H]``, the tensor :func:`send_chunk` encodes; it stays unchanged until the expander ran: same stream or
-    same launch) and passed through the raw encoder, so the tile has the bits the staged row would hold, without the
-    staging write + read through HBM; other sources' rows come from the staging. Masked rows read as zero. On the
-    GPU (``tile.HAS_TIMER``) the decoder multiplies exactly and takes its FAST path (same bits)."""
-    if tile.WIRE.quantized:
-        return wire_load(io.stage_ptr, row_off, h0, has, tile.H, tile.BH, tile.BT, tile.WIRE, tile.HAS_TIMER,
-                         tile.HAS_TIMER)
-    else:
-        if src == tile.RANK:
-            h = h0 + tl.arange(0, tile.BH)
-            v = tl.load(io.x_ptr + t[:, None].to(tl.int64) * tile.H + h[None, :],
-                        mask=has[:, None] & (h < tile.H)[None, :], other=0.0)
-            xt, _ = wire_encode(v, tile.BT, tile.BH, tile.WIRE, False)
+    Rows of other sources come from the staging (``row_off``: byte offsets of the rows in ``io.stage_ptr``). The
+    own rank's rows (``src == RANK``) are read straight from the sender's input ``io.x_ptr`` (``[Ts, H]``, the
+    tensor :func:`send_chunk` encodes; it stays unchanged until the expander ran: same stream or same launch) and
+    passed through the wire's encoder (``POW2``: the sender's scale rule) and decoder, so the tile has the bits the
+    staged row would hold, without the staging write + read through HBM. Masked rows read as zero. On the GPU
+    (``tile.HAS_TIMER``) the codec multiplies exactly and takes its FAST path (same bits)."""
+    # (one return after the runtime branch: Triton does not lower a return inside it)
+    if src == tile.RANK:
+        pay, sc = own_encoded(t, has, io, h0, tile, POW2)
+        if tile.WIRE.quantized:
+            G: tl.constexpr = tile.BT * (tile.BH // tile.WIRE.block)
+            PB: tl.constexpr = tile.WIRE.block * tile.WIRE.pay_mul // tile.WIRE.pay_div
+            xt = tl.reshape(tile.WIRE.decode(tl.reshape(pay, (G, PB)), tl.reshape(sc, (G,)), tile.HAS_TIMER,
+                                             tile.HAS_TIMER), (tile.BT, tile.BH))
         else:
-            xt = wire_load(io.stage_ptr, row_off, h0, has, tile.H, tile.BH, tile.BT, tile.WIRE, tile.HAS_TIMER,
-                           tile.HAS_TIMER)
-        return xt
+            xt = pay
+    else:
+        xt = wire_load(io.stage_ptr, row_off, h0, has, tile.H, tile.BH, tile.BT, tile.WIRE, tile.HAS_TIMER,
+                       tile.HAS_TIMER)
+    return xt
+
+
+@triton.jit
+def own_encoded(t, has, io, h0, tile, POW2: tl.constexpr):
+    """The encoded tile (payload, scales: :func:`tritonep.wire.kernels.wirecodec.wire_encode`) of columns
+    [h0, h0+BH) of the own rank's input rows ``t`` (``io.x_ptr``), as :func:`send_chunk` would stage it (masked rows
+    encode a zero row)."""
+    h = h0 + tl.arange(0, tile.BH)
+    v = tl.load(io.x_ptr + t[:, None].to(tl.int64) * tile.H + h[None, :], mask=has[:, None] & (h < tile.H)[None, :],
+                other=0.0)
+    return wire_encode(v, tile.BT, tile.BH, tile.WIRE, POW2, tile.HAS_TIMER)
+
+
+@triton.jit
+def source_raw(src, t, has, io, row_off, h0, tile, POW2: tl.constexpr = False):
+    """Columns [h0, h0+BH) of source ``src``'s wire rows still encoded (payload, scales; quantized wires only): from
+    the staging, or for the own rank encoded from ``io.x_ptr`` (see :func:`source_tile`)."""
+    if src == tile.RANK:
+        q, sc = own_encoded(t, has, io, h0, tile, POW2)
+    else:
+        q, sc = wire_load_raw(io.stage_ptr, row_off, h0, has, tile.H, tile.BH, tile.WIRE)
+    return q, sc
 
 
 @triton.jit
 def expand_item(src, c, Ts, skip, io, tile, SCALE: tl.constexpr, DOT: tl.constexpr, KEEP_HANDLE: tl.constexpr,
-                KEEP_Q: tl.constexpr, PF: tl.constexpr):
+                KEEP_Q: tl.constexpr, PF: tl.constexpr, POW2: tl.constexpr = False):
     """Expand chunk ``c`` of source ``src`` (``Ts`` tokens there) of :class:`ExpandIO` ``io`` from the staging (raw
     wire, own rank: from ``io.x_ptr``, see :func:`source_tile`) into the expert rows (see
     :func:`dispatch_expand_kernel`). ``PF``: load the next hidden tile's source rows before storing the current one
-    (its latency then overlaps the K stores)."""
+    (its latency then overlaps the K stores); ``POW2``: the sender's scale rule (own-rank rows are encoded here)."""
     t, k_off, h_off, tm, m2 = chunk_index(c, Ts, tile)
     off = (src * io.Tmax + t[:, None]).to(tl.int64) * tile.K + k_off[None, :]
     rows = tl.load(io.meta_ptr + off, mask=m2, other=-1)
@@ -191,23 +217,23 @@ def expand_item(src, c, Ts, skip, io, tile, SCALE: tl.constexpr, DOT: tl.constex
     row_off = (src * io.Tmax + t).to(tl.int64) * tile.RB
     PREFETCH: tl.constexpr = PF and not KEEP_Q
     if PREFETCH:
-        xt = source_tile(src, t, has, io, row_off, 0, tile)
+        xt = source_tile(src, t, has, io, row_off, 0, tile, POW2)
     for h0 in range(0, tile.H, tile.BH):
         h = h0 + h_off
         hm = h < tile.H
-        if KEEP_Q:
+        if KEEP_Q:  # the encoded tile, loaded once and stored to each of the K routes' rows
             xt = tl.zeros((tile.BT, tile.BH), dtype=tl.float32)
+            qt, st = source_raw(src, t, has, io, row_off, h0, tile, POW2)
         elif PREFETCH:  # the next tile (masked past H); xt holds this one
-            xn = source_tile(src, t, has, io, row_off, h0 + tile.BH, tile)
+            xn = source_tile(src, t, has, io, row_off, h0 + tile.BH, tile, POW2)
         else:
-            xt = source_tile(src, t, has, io, row_off, h0, tile)
+            xt = source_tile(src, t, has, io, row_off, h0, tile, POW2)
         for k in tl.static_range(tile.K):
             rk = tl.sum(tl.where(k_off[None, :] == k, rows, 0), 1)
             mk = (rk >= 0)[:, None] & hm[None, :]
             dst = io.out_ptr + rk[:, None].to(tl.int64) * tile.H + h[None, :]
             if KEEP_Q:
-                wire_copy_raw(io.stage_ptr, row_off, h0, has, io.q_ptr, io.s_ptr, rk, rk >= 0, tile.H, tile.BH,
-                              tile.WIRE)
+                wire_store_raw(qt, st, h0, io.q_ptr, io.s_ptr, rk, rk >= 0, tile.H, tile.BH, tile.WIRE)
             elif SCALE:
                 wk = tl.sum(tl.where(k_off[None, :] == k, w, 0.0), 1)
                 tl.store(dst, cast_rne(widen(xt) * wk[:, None], io.out_ptr.dtype.element_ty), mask=mk)
@@ -225,7 +251,7 @@ def expand_item(src, c, Ts, skip, io, tile, SCALE: tl.constexpr, DOT: tl.constex
 
 @triton.jit
 def expand_arrived(src, c, n, skip, cflag_ptr, NCmax, status_ptr, flags_ptr, timeout, io, tile,
-                   KEEP_Q: tl.constexpr, PF: tl.constexpr, W: tl.constexpr, WB: tl.constexpr):
+                   KEEP_Q: tl.constexpr, PF: tl.constexpr, W: tl.constexpr, WB: tl.constexpr, POW2: tl.constexpr = False):
     """The receive step of the one-launch dispatches (fused, decode): wait (bounded, naming ``src``) for chunk
     ``c`` of source ``src`` (its flag ``cflag[src, c]`` reaches the call number ``n``), read the source's token
     count (``ntok[src]``, written before its first flag; kept in the handle with chunk 0) and expand the chunk with
@@ -239,7 +265,7 @@ def expand_arrived(src, c, n, skip, cflag_ptr, NCmax, status_ptr, flags_ptr, tim
     if c == 0:
         tl.store(io.hntok_ptr + src, Ts)
     if c * tile.BT < Ts:
-        expand_item(src, c, Ts, skip_now, io, tile, False, False, True, KEEP_Q, PF)
+        expand_item(src, c, Ts, skip_now, io, tile, False, False, True, KEEP_Q, PF, POW2)
 
 
 @triton.jit
@@ -255,7 +281,11 @@ def zero_padding(pid, G, io, ntpe_ptr, offs_ptr, tile, L: tl.constexpr, BA: tl.c
         r = real_end + a_off
         rm = r < end
         tl.store(io.out_w_ptr + r, tl.zeros((BA,), dtype=tl.float32), mask=rm)
-        if KEEP_Q == 0:  # quantized outputs are allocated zeroed
+        if KEEP_Q:  # quantized rows: the encoding of a zero row (payload 0, the wire's zero scale), as the twin
+            zq, zs = wire_encode(tl.zeros((BA, tile.BH), dtype=tl.float32), BA, tile.BH, tile.WIRE, False)
+            for h0 in range(0, tile.H, tile.BH):
+                wire_store_raw(zq, zs, h0, io.q_ptr, io.s_ptr, r, rm, tile.H, tile.BH, tile.WIRE)
+        else:
             for h0 in range(0, tile.H, tile.BH):
                 h = h0 + h_off
                 tl.store(io.out_ptr + r[:, None].to(tl.int64) * tile.H + h[None, :],
@@ -337,7 +367,8 @@ def dispatch_expand_kernel(x_ptr, stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_pt
                            BA: tl.constexpr, A: tl.constexpr, SCALE: tl.constexpr, DOT: tl.constexpr,
                            KEEP_HANDLE: tl.constexpr, HAS_TIMER: tl.constexpr, RB: tl.constexpr = 0,
                            WIRE: tl.constexpr = RAW_BF16, KEEP_Q: tl.constexpr = False, q_ptr=None, s_ptr=None,
-                           PF: tl.constexpr = False, ADV: tl.constexpr = 0, nrows=0, GA: tl.constexpr = 0):
+                           PF: tl.constexpr = False, ADV: tl.constexpr = 0, nrows=0, GA: tl.constexpr = 0,
+                           POW2: tl.constexpr = False):
     """Receive side of a dispatch: wait for every source, scatter staged rows into the expert-grouped output.
 
     ``x_ptr``: the ``[T, H]`` input the send kernel of this call read on this rank (``x`` forward, ``grad_y`` for
@@ -375,7 +406,7 @@ def dispatch_expand_kernel(x_ptr, stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_pt
         c = item % NCmax
         Ts = tl.load(ntok_ptr + src)
         if c * BT < Ts:
-            expand_item(src, c, Ts, skip, io, tile, SCALE, DOT, KEEP_HANDLE, KEEP_Q, PF)
+            expand_item(src, c, Ts, skip, io, tile, SCALE, DOT, KEEP_HANDLE, KEEP_Q, PF, POW2)
     if DOT:
         zero_unwritten(pid, G, skip, nrows, out_ptr, gw_ptr, ntpe_ptr, offs_ptr, tile, L, A)
         # the combine backward's tile sits at the register limit (tests/backends/test_compile_sm90.py: no spill), so

@@ -9,8 +9,9 @@ expand it (:func:`tritonep.backends.triton.kernels.dispatch.expand_arrived`, the
 while later chunks are still in flight. The senders open with the prologue every dispatch kernel shares
 (:func:`tritonep.backends.triton.kernels.dispatch.open_send`). Idea: the per-chunk signalling of DeepEP's intranode kernels and of
 pplx-kernels (see ../shared/reference), in a Triton grid.
-On the raw bf16 wire the own rank's rows are not staged: its expanders read them from ``x_ptr`` in this same launch
-(:func:`tritonep.backends.triton.kernels.dispatch.source_tile`); the own chunk flags are still waited for (the ``meta`` rows).
+The own rank's rows are not staged (any wire): its expanders read them from ``x_ptr`` in this same launch and encode
+them themselves (:func:`tritonep.backends.triton.kernels.dispatch.source_tile`); the own chunk flags are still waited
+for (the ``meta`` rows).
 
 Compatibility with the two-kernel path (combine backward still uses it on the same buffer): every program of a
 role adds 1 to DATA / ACK as the two-kernel grids do, and the tiles make the two-kernel grids EQUAL the role
@@ -80,7 +81,7 @@ def dispatch_fused_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, pre_ptr,
             c = item // W
             src = item % W
             expand_arrived(src, c, n, skip, cflag_ptr, NCmax, status_ptr, flags_ptr, timeout, expand_io, tile, KEEP_Q,
-                           PF, W, WB)
+                           PF, W, WB, POW2)
         if A > 1:
             if skip == 0:  # a refused call's segments may exceed the rows allocated: write nothing
                 zero_padding(e, GE, expand_io, ntpe_ptr, offs_ptr, tile, L, BA, KEEP_Q)

@@ -400,10 +400,45 @@ def bench_ep(group, profile: str, combine_kinds=("push", "pull"), num_sms=None, 
 
 
 
+def floor_us(r: dict) -> float | None:
+    """The byte floor of a world-1 tritonep dispatch / combine row: the HBM bytes it must read and write (dispatch:
+    the ``[T, H]`` bf16 tokens in, one row per route out -- bf16, or payload + scales when kept quantized; combine:
+    the routes' bf16 rows in, ``[T, H]`` bf16 out) at the rate the row's measured copy reaches (``peer_copy_gbps``:
+    at world 1 a local ``copy_``, which reads and writes its bytes). None for other rows."""
+    op, pc = r.get("op", ""), r.get("peer_copy_gbps")
+    if r.get("world_size") != 1 or not pc or not op.startswith("tritonep.") or r.get("mode") != "graph":
+        return None
+    from ..wire.formats import get_wire
+
+    T, H, R = r["tokens"], r["hidden"], r["recv_rows"]
+    if op.startswith("tritonep.dispatch."):
+        fmt = get_wire(op.split(".")[2])
+        out = fmt.payload_bytes(H) + fmt.scale_bytes(H) if op.endswith(".kept") else 2 * H
+        moved = T * H * 2 + R * out
+    elif op.startswith("tritonep.combine."):
+        moved = R * H * 2 + T * H * 2
+    else:
+        return None
+    return moved / (2 * pc * 1e3)  # a copy of N bytes moves 2N: N / (gbps * 1e3) us reads and as much writes
+
+
 def ratio_lines(rows) -> list:
     """The eager-cost ratios per profile from one rank's rows: eager / graph (tritonep dispatch and combine) and
-    tritonep's nccl backend / the hand-written NCCL pipeline (dispatch and combine)."""
+    tritonep's nccl backend / the hand-written NCCL pipeline (dispatch and combine); at world 1 each graph row
+    against its byte floor (:func:`floor_us`) and the kept-quantized dispatches against the bf16 one."""
     out = []
+    for r in rows:
+        f = floor_us(r)
+        if f:
+            out.append(f"{r['profile']} {r['op']} [{r.get('variant') or 'table'}]: {r['us']:.0f} us = "
+                       f"{r['us'] / f:.2f}x its byte floor ({f:.0f} us)")
+    for r in rows:
+        if r.get("op", "").endswith(".kept") and r.get("mode") == "graph":
+            b = [q for q in rows if q.get("op") == "tritonep.dispatch.bf16" and q.get("mode") == "graph"
+                 and q.get("profile") == r["profile"] and q.get("variant") == r.get("variant")]
+            if b:
+                out.append(f"{r['profile']} {r['op']} [{r.get('variant') or 'table'}]: {r['us'] / b[0]['us']:.2f}x "
+                           f"the bf16 dispatch ({r['us']:.0f} / {b[0]['us']:.0f} us)")
     for prof in dict.fromkeys(r["profile"] for r in rows):
         rs = [r for r in rows if r["profile"] == prof and not r.get("variant")]
 

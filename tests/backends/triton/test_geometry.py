@@ -43,6 +43,14 @@ def test_geometry_override_errors(monkeypatch):
     g = tiles_of("cuda", 2, 7168, 4096, 8, wire="fp8", num_sms=24)  # capped fp8: 16 warps + prefetch
     assert (g.num_warps, g.prefetch, g.cwarps) == (16, True, 32)
     assert not tiles_of("cuda", 2, 7168, 4096, 8, num_sms=24).prefetch
+    for W in (1, 2):  # quantizing tiles: 16 warps, no prefetch without a cap (measured, H100 world 1)
+        for wire in ("fp8", "mxfp4"):
+            g = tiles_of("cuda", W, 7168, 4096, 8, wire=wire)
+            assert (g.num_warps, g.prefetch, g.bt) == (16, False, 16), (W, wire)
+    assert tiles_of("cuda", 2, 7168, 128, 8, wire="fp8").num_warps == 4  # small batches keep theirs
+    g = tiles_of("cuda", 1, 7168, 4096, 8)  # world-1 bf16 expand: 8-token tiles (measured)
+    assert (g.bt, g.num_warps, g.bbt, g.bwarps) == (8, 8, 8, 32)
+    assert tiles_of("cuda", 1, 7168, 2048, 8).bt == 16 and tiles_of("cuda", 1, 7168, 4096, 8, num_sms=24).bt == 16
     g = tiles_of("cuda", 2, 7168, 128, 8)  # decode: the dispatch's tiny tile
     assert (g.cbt, g.cwarps) == (g.bt, g.num_warps)
     assert tiles_of("cpu", 2, 96, 16, 3).cbt == tiles_of("cpu", 2, 96, 16, 3).bt
@@ -88,8 +96,8 @@ def test_backward_expand_tile(monkeypatch):
     monkeypatch.delenv("TRITONEP_GEOMETRY", raising=False)
     g = tiles_of("cuda", 2, 7168, 4096, 8)  # fused: both roles
     assert (g.bt, g.num_warps, g.bbt, g.bwarps, g.grid_expand, g.bgrid) == (16, 8, 8, 32, 88, 128)
-    g = tiles_of("cuda", 1, 7168, 4096, 8)  # world 1: two kernels, the expand's grid
-    assert (g.bt, g.num_warps, g.bbt, g.bwarps, g.grid_expand, g.bgrid) == (16, 8, 8, 32, 132, 132)
+    g = tiles_of("cuda", 1, 7168, 4096, 8)  # world 1: two kernels (8-token tiles), the expand's grid
+    assert (g.bt, g.num_warps, g.bbt, g.bwarps, g.grid_expand, g.bgrid) == (8, 8, 8, 32, 132, 132)
     g = tiles_of("cuda", 1, 7168, 128, 8)
     assert (g.bt, g.num_warps, g.bbt, g.bwarps, g.grid_expand, g.bgrid) == (1, 4, 1, 4, 128, 128)
     g = tiles_of("cuda", 1, 7168, 4096, 8, num_sms=24)
@@ -101,7 +109,7 @@ def test_backward_expand_tile(monkeypatch):
     assert (g.bbt, g.bwarps, g.bgrid) == (g.bt, g.num_warps, g.grid_expand)
     monkeypatch.setenv("TRITONEP_GEOMETRY", "bbt=4,bwarps=16,bgrid=64")
     g = tiles_of("cuda", 1, 7168, 4096, 8)
-    assert (g.bt, g.bbt, g.bwarps, g.bgrid, g.grid_expand) == (16, 4, 16, 64, 132)
+    assert (g.bt, g.bbt, g.bwarps, g.bgrid, g.grid_expand) == (8, 4, 16, 64, 132)
     monkeypatch.setenv("TRITONEP_GEOMETRY", "bgrid=64")
     assert tiles_of("cuda", 1, 7168, 4096, 8, num_sms=24).bgrid == 24  # the cap clips it
     monkeypatch.setenv("TRITONEP_GEOMETRY", "bt=4")

@@ -222,6 +222,15 @@ def select_tiles(device_type: str, world_size: int, hidden: int, max_tokens_per_
             # an SM-capped fp8 dispatch is bound by its quantizing sender's compute: 16 warps (+ the expander's
             # next-tile prefetch) at 24 SMs (bf16 gains nothing from either; docs/performance.md)
             g = replace(g, num_warps=16, prefetch=True)
+        elif big and get_wire(wire).quantized:
+            # quantizing (encoding / decoding) tiles are compute-bound at 8 warps: 16 measured faster at every
+            # point (one H100, world 1, 4096 tokens: fp8 rows kept 196 vs 222 us, decoded 287 vs 326; mxfp4 kept
+            # 172 vs 209, decoded 326 vs 364; benchmarks/results/ep_bench.h100x1.json)
+            g = replace(g, num_warps=16)
+        if big and not cap and world_size == 1 and max_tokens_per_rank >= 4096 and not get_wire(wire).quantized:
+            # the world-1 bf16 expand (the only kernel that moves rows there): 8-token tiles 238 us vs 270 for 16
+            # (one H100, 4096 tokens; 16 warps or a 264-program grid: no gain)
+            g = replace(g, bt=8)
     if override:
         g = _apply_override(g, override, source)
     # the SM cap picks paths above; TRITONEP_MAX_PROGRAMS (ranks that share a GPU under MPS) only clips grids

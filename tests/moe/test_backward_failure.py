@@ -65,6 +65,7 @@ def _world(group, backend, how, read):
     layer = tep.MoELayer(recipe, _geo(W), group, seed=2, backend=backend, timeout_s=60)
     x0, idx, w = _inputs(rank, W, how)
     gy = torch.randn(x0.shape, generator=torch.Generator().manual_seed(rank)).to(x0.dtype)
+    x0, idx, w, gy = (t.to(layer.device) for t in (x0, idx, w, gy))  # CPU worlds and GPU ones
 
     def step():
         x = x0.clone().requires_grad_(True)
@@ -95,13 +96,13 @@ def _world(group, backend, how, read):
     out["finite"] = not bool(again[1].isnan().any())
     layer.buffer.check()
     layer.close()
-    return out, first[0], (x0, idx, w)
+    return out, first[0].cpu(), tuple(t.cpu() for t in (x0, idx, w))
 
 
-def _run(W, backend, how, read):
+def _run(W, backend, how, read, world=None):
     from tritonep.reference import moe_dense_reference
 
-    res = run_cpu_world(W, _world, backend, how, read, timeout_s=300)
+    res = (world or run_cpu_world)(W, _world, backend, how, read, timeout_s=300)
     w1, w2 = tep.MoELayer.init_expert_weights(_geo(W), seed=2)
     own = ("RuntimeError", "expert backward ran out of memory")
     for r, (out, y, inp) in enumerate(res):

@@ -5,7 +5,8 @@ a rank that refused its input raised before any launch and its peers waited ``ti
 Now the refusing rank runs the peers' launches and collectives with no row and a refused flag: the peers' outputs
 (``grad_x`` and, with ``grad_recv_w``, ``grad_topk_weights``) are NaN (triton: all of them; nccl: every element
 computed from the refused rank's rows, the others exact), and the next ``check()`` raises
-PeerInputError naming the rank on every rank (the refused one too), once. The buffer stays usable: a later backward
+PeerInputError naming the rank on every rank (the refused one too), once; so does the next synced dispatch instead,
+after its launches. The buffer stays usable: a later backward
 gives the same bits as before the refusal. Both backends; triton's two-kernel (push and pull) and one-launch decode
 tiles; synced and sync-free handles; CPU worlds and (``-m gpu``) GPU ones.
 """
@@ -40,10 +41,11 @@ def _nan_pattern(gx, gtw, before, idx, bad_rank, backend):
     return "NaN" if ok else f"wrong: {int(gx.isnan().any(1).sum())} NaN rows of {gx.shape[0]}"
 
 
-def _world(group, backend, geometry, sync_free, with_w, how):
+def _world(group, backend, geometry, sync_free, with_w, how, read="check", sync_checks=None):
     rank, W = dist.get_rank(group), dist.get_world_size(group)
     bad_rank = W - 1
-    buf = tep.EPBuffer(group, 2 * W, H, TM, K, backend=backend, timeout_s=30, tiles=GEOMETRIES[geometry])
+    buf = tep.EPBuffer(group, 2 * W, H, TM, K, backend=backend, timeout_s=30, tiles=GEOMETRIES[geometry],
+                       sync_checks=sync_checks)
     x, idx, w = (t.to(buf.device) for t in make_rank_inputs(rank, 6, H, 2 * W, K, seed=5, mask_frac=0.0))
     d = buf.dispatch(x, idx, w, sync_free=sync_free)
     g = (d.x.float() * 0.25 + 1).to(torch.bfloat16)
@@ -63,11 +65,16 @@ def _world(group, backend, geometry, sync_free, with_w, how):
         else:  # the rank's own code failed before its backward
             buf.cancel_dispatch_backward(d.handle, with_weights=with_w)
             out["call"] = "cancelled"
+    except PeerInputError as e:  # strict sync checks: the peers raise in the call
+        out["call"] = f"PeerInputError {sorted(e.bad_ranks)}"
     except (InputError, ConfigError) as e:
         out["call"] = type(e).__name__
     for key in ("check", "check_again"):
         try:
-            buf.check()
+            if key == "check" and read == "dispatch":  # the next synced dispatch reads it: its launches run on
+                buf.dispatch(x, idx, w)  # every rank, then it raises on every rank (and clears it)
+            else:
+                buf.check()
             out[key] = "ok"
         except PeerInputError as e:
             out[key] = f"PeerInputError {sorted(e.bad_ranks)}"
@@ -92,11 +99,14 @@ SLOW_CASES = [
 ]
 
 
-def _run(W, backend, geometry, sync_free, with_w, how, world=None):
-    res = (world or run_cpu_world)(W, _world, backend, geometry, sync_free, with_w, how, timeout_s=240)
+def _run(W, backend, geometry, sync_free, with_w, how, world=None, read="check", sync_checks=None):
+    res = (world or run_cpu_world)(W, _world, backend, geometry, sync_free, with_w, how, read, sync_checks,
+                                   timeout_s=240)
     own = {"dtype": "InputError", "handle": "ConfigError", "cancel": "cancelled"}[how]
+    in_call = sync_checks == "strict" and backend == "triton"  # the peers' strict end-of-call check raises it
     for r, out in enumerate(res):
-        exp = {"call": own if r == W - 1 else "NaN", "check": f"PeerInputError [{W - 1}]", "check_again": "ok",
+        exp = {"call": own if r == W - 1 else (f"PeerInputError [{W - 1}]" if in_call else "NaN"),
+               "check": "ok" if in_call else f"PeerInputError [{W - 1}]", "check_again": "ok",
                "same": True, "finite": True}
         assert out == exp, (r, out)
 
@@ -104,6 +114,20 @@ def _run(W, backend, geometry, sync_free, with_w, how, world=None):
 @pytest.mark.parametrize("backend,geometry,sync_free,with_w,how", CASES)
 def test_refused_dispatch_backward_takes_part(backend, geometry, sync_free, with_w, how):
     _run(2, backend, geometry, sync_free, with_w, how)
+
+
+@pytest.mark.parametrize("backend,geometry", [("triton", "push"), ("triton", "decode"), ("nccl", "push")])
+def test_refused_dispatch_backward_then_synced_dispatch(backend, geometry):
+    """No ``check()`` in between: the next synced dispatch raises the refusal on every rank after its launches (the
+    triton backend raised it before its data launches, on every later call too, until the next call timed out)."""
+    _run(2, backend, geometry, False, True, "cancel", read="dispatch")
+
+
+@pytest.mark.parametrize("geometry,how", [("push", "dtype"), ("decode", "cancel")])
+def test_refused_dispatch_backward_strict_sync_checks(geometry, how):
+    """Strict sync checks (triton): every peer's end-of-call check raises the refusal in the call, so the refused
+    rank clears its own record too (before, its next read raised it alone: the ranks left different calls)."""
+    _run(2, "triton", geometry, False, True, how, sync_checks="strict")
 
 
 @pytest.mark.slow

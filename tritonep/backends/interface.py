@@ -96,7 +96,20 @@ class EPBackend(Protocol):
         ...
 
     def combine_bwd(self, grad_y: torch.Tensor, expert_out: torch.Tensor, handle) -> tuple:
-        """Backward of combine: ``(grad_expert_out [R', H], grad_recv_weights [R])``."""
+        """Backward of combine: ``(grad_expert_out [R', H], grad_recv_weights [R])``; a peer that took part as
+        refused (:meth:`combine_bwd_refused`) leaves the outputs NaN (every row computed from its rows at least)
+        and the refusal recorded for the next read."""
+        ...
+
+    def combine_bwd_refused(self, handle=None) -> None:
+        """Take part in this call's combine backward as refused (a refused ``combine_backward`` input on this rank,
+        or ``EPBuffer.cancel_combine_backward``): the same launches / collectives as the peers' combine backward
+        with no row, marking the call refused on every rank (recorded for the next read, this rank's included; a
+        backward reads nothing on the host). ``handle``: this rank's handle of the dispatch, or None (the backend's
+        latest dispatch).
+
+        Raises:
+            BackendError: the backend needs the dispatch's handle and has none (no dispatch yet)."""
         ...
 
     def expert_out_buffer(self) -> torch.Tensor:

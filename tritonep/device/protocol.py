@@ -40,10 +40,12 @@ it (the host reads them at once: a dispatch's verdict launch, the counts exchang
 dispatch's program 0, publishes them with a ticket into pinned host memory,
 :func:`tritonep.device.signal.publish_host_status`):
 ``[code, wait_id, peer, errors_seen, needed_rows, skip_call, bad_rank_mask, waited, rows_received, this_call]``.
-Codes are ``STATUS_*``; ``STATUS_COMBINE_REFUSED``: some rank took part in a combine as refused (its input was
-refused, or it cancelled the combine), ``peer`` the lowest such rank, their bits in ``bad_rank_mask``; the
-``cbad`` region (int64 ``[W]`` per rank) carries it: a refused rank stores the combine's number ``m`` into
-``cbad[RANK]`` of every peer before it signals, and every rank's output side compares ``cbad[r] == m``.
+Codes are ``STATUS_*``; ``STATUS_COMBINE_REFUSED``: some rank took part in a combine or a backward pass as refused
+(its input was refused, or it cancelled the call), ``peer`` the lowest such rank, their bits in ``bad_rank_mask``;
+the ``cbad`` region (int64 ``[W]`` per rank) carries it for combine-like calls (a combine, a dispatch backward): a
+refused rank stores the combine's number ``m`` into ``cbad[RANK]`` of every peer before it signals, and every rank's
+output side compares ``cbad[r] == m``; a combine backward (dispatch-like) carries it in the token count its send
+writes anyway: ``ntok[RANK] = -1`` in every rank, which the expand reads after the data signals.
 ``skip_call`` is the number (``calls[CALL_DISPATCH]``) of the dispatch a refusal skipped;
 ``this_call`` the number of the dispatch whose verdict launch published last: equal, the refusal is that call's
 own; ``skip_call`` lower, it is an earlier call's that nobody read (sync-free, sync checks off, a graph replay) and

@@ -267,22 +267,59 @@ class EPBuffer:
         (``[R, H]``) and ``grad_recv_weights[row] = <grad_y[t(row)], expert_out[row]>`` (``[R]`` float32).
         Collective: every rank calls it for the matching combine.
 
+        A refused input (this rank raises InputError / ConfigError) still takes part in the call
+        (:meth:`cancel_combine_backward`), so no peer waits for this rank: the peers' outputs are NaN (see there)
+        and their next :meth:`check` or synced dispatch raises :class:`PeerInputError` naming this rank (this call
+        reads nothing on the host, as every backward).
+
         Raises:
             ConfigError: ``handle`` does not come from this buffer. InputError: ``grad_y`` not ``[T, H]`` or
-                ``expert_out`` not as in :meth:`combine` (dtype, device, shape; before any launch). Unlike
-                :meth:`dispatch_backward`, a refused input here does not take part as refused yet: the peers' waits
-                for this rank run out (PeerTimeoutError) on the triton backend; on the nccl one they wait in the
-                collective (up to the process group's timeout).
+                ``expert_out`` not as in :meth:`combine` (dtype, device, shape; no row moves). PeerTimeoutError as
+                :meth:`dispatch`.
         """
         self._check_open()
-        self._check_handle(handle)
-        grad_y, _ = check_backward_inputs(grad_y, handle, hidden=self.hidden, dtype=self.dtype, device=self.device,
-                                          min_rows=0)
-        expert_out = check_combine_inputs(expert_out, handle, hidden=self.hidden, dtype=self.dtype,
-                                          device=self.device, min_rows=self._rows_of(handle))
+        try:
+            self._check_handle(handle)
+            grad_y, _ = check_backward_inputs(grad_y, handle, hidden=self.hidden, dtype=self.dtype,
+                                              device=self.device, min_rows=0)
+            expert_out = check_combine_inputs(expert_out, handle, hidden=self.hidden, dtype=self.dtype,
+                                              device=self.device, min_rows=self._rows_of(handle))
+        except (InputError, ConfigError):
+            # refused on this rank: it still takes part (host protocol rule), so no peer waits for it
+            try:
+                self.cancel_combine_backward(handle)
+            except BackendError:
+                pass  # nccl, no dispatch yet on this buffer: no peer can be in its backward either
+            raise
         if has_tangent(grad_y, expert_out, handle.recv_weights):  # forward-mode AD: the same sums as torch ops
             return combine_bwd_graph(self._backend, handle, grad_y, expert_out, handle.recv_weights)
         return self._backend.combine_bwd(grad_y, expert_out, handle)
+
+    def cancel_combine_backward(self, handle: DispatchHandle | None = None) -> None:
+        """Take part in the :meth:`combine_backward` that matches ``handle`` WITHOUT a gradient (the combine
+        backward's :meth:`cancel_dispatch_backward`): for a rank whose own code failed before it (call it in the
+        ``except`` block, then re-raise), so its peers do not wait for it and none of them returns a value computed
+        without its rows.
+
+        Collective: it stands for this rank's :meth:`combine_backward` call (same launches and collectives, no row
+        moves). Every other rank's output of that call is NaN (``grad_expert_out`` and ``grad_recv_weights``: all of
+        it on the triton backend; on the nccl backend every row received from this rank, the others being exact)
+        and its next :meth:`check` or synced dispatch raises :class:`PeerInputError` naming this rank; so does this
+        rank's. The buffer stays usable. :meth:`combine_backward` does the same by itself when it refuses its input.
+        Cost: none on the triton backend (the mark is the token count its send writes anyway, -1); the nccl
+        backend's combine backward gathers one int32 flag per rank (one small collective) in every call for it, as
+        its dispatch backward does.
+
+        Args:
+            handle: the dispatch's handle on this rank, or None (the latest dispatch's; the nccl backend needs the
+                dispatch's split sizes). A handle of another buffer counts as None.
+
+        Raises:
+            BackendError: nccl backend, no dispatch to take the split sizes from (no peer can be in a backward).
+        """
+        self._check_open()
+        own = isinstance(handle, DispatchHandle) and handle.buffer_id == self._id
+        self._backend.combine_bwd_refused(handle if own else None)
 
     def _rows_of(self, handle) -> int:
         """Rows a combine / backward input must have for ``handle``: the rows received, or for a sync-free handle

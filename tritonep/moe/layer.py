@@ -48,8 +48,8 @@ from ..ep.validate import check_dispatch_inputs, check_expert_ids
 from ..errors import BufferStateError, CapacityError, ConfigError, InputError, TritonEPError
 from . import ops
 from .experts import expert_ffn_parts_backward, expert_ffn_parts_forward
-from .layer_parts import (_ACT_DTYPE, cancel_unread_refusal, expert_shapes, expert_weights, layer_required_bytes,
-                          take_part_refused)
+from .layer_parts import (_ACT_DTYPE, cancel_unread_refusal, combine_grad, expert_shapes, expert_weights,
+                          layer_required_bytes, take_part_failed_backward, take_part_refused)
 from .layer_status import consume_refusal, strict_check
 from .layer_virtual import plan_routes, read_split, row_parts
 from .losses import attach_aux_loss, switch_aux_loss
@@ -487,28 +487,49 @@ class MoELayer(nn.Module):
         pulled back into the native ones (the backend transport's ``pull`` into them). Backwards of several saved
         forwards may come in any order (:mod:`tritonep.moe.saved`); every rank runs them in the same order.
 
+        When this rank's own part fails (the expert FFN backward raises, e.g. out of memory; the gradient's cast
+        before the combine backward), it still takes part in the rest of the backward's collectives as a cancelled
+        call (:func:`tritonep.moe.layer_parts.take_part_failed_backward`), so no peer waits for it: the peers'
+        ``grad_x`` / ``grad_topk_weights`` are NaN (on the nccl backend: every element computed from this rank's
+        rows) and their next ``check()`` or synced dispatch raises :class:`tritonep.errors.PeerInputError` naming
+        this rank; this rank raises its error here (its next read then names it too), or, with
+        ``MoERecipe(sync_free=True)`` (no rank raises inside a step), returns NaN gradients and raises the error at
+        its next ``check()``. The layer stays usable on every rank.
+
         Raises:
             BufferStateError: the call's state is gone (consumed by a backward, dropped past
                 ``MoERecipe.max_saved_forwards``, or released).
+            The error of this rank's own part (above).
         """
         st = self._stash.pop(ticket)
-        buf = self.buffer  # the backward halves of dispatch / combine (as used by tritonep.ep.autograd)
-        g_eo, g_rw = buf.combine_backward(grad_y.to(_ACT_DTYPE).contiguous(), st["eo"], st["handle"])
-        if st["bounds"] is None:  # this rank's experts failed in the forward (its error deferred to check()): the
-            # same collectives as the peers, NaN gradients (they cannot pass for a result)
-            nan = float("nan")
-            g_xr = torch.full_like(st["xr"], nan)
-            g_w1, g_w2 = (torch.full_like(st["w1"][0], nan),), (torch.full_like(st["w2"][0], nan),)
-        else:
-            g_xr, g_w1, g_w2 = expert_ffn_parts_backward(g_eo, st["xr"], st["bounds"], st["offs"], st["w1"],
-                                                         st["w2"], st["hs"], self.geometry.activation)
+        buf, handle = self.buffer, st["handle"]  # the backward halves of dispatch / combine (as tritonep.ep.autograd)
+        try:
+            gy = combine_grad(grad_y)
+        except Exception as exc:  # nothing launched yet: the combine backward takes part cancelled too
+            buf.cancel_combine_backward(handle)
+            return take_part_failed_backward(self, exc, st)
+        try:
+            g_eo, g_rw = buf.combine_backward(gy, st["eo"], handle)
+        except (InputError, ConfigError) as exc:  # refused here: it took part as refused
+            return take_part_failed_backward(self, exc, st)
+        try:
+            if st["bounds"] is None:  # this rank's experts failed in the forward (its error deferred to check()):
+                # the same collectives as the peers, NaN gradients (they cannot pass for a result)
+                nan = float("nan")
+                g_xr = torch.full_like(st["xr"], nan)
+                g_w1, g_w2 = (torch.full_like(st["w1"][0], nan),), (torch.full_like(st["w2"][0], nan),)
+            else:
+                g_xr, g_w1, g_w2 = expert_ffn_parts_backward(g_eo, st["xr"], st["bounds"], st["offs"], st["w1"],
+                                                             st["w2"], st["hs"], self.geometry.activation)
+        except Exception as exc:  # this rank's experts failed in the backward: the rest takes part cancelled
+            return take_part_failed_backward(self, exc, st)
         if self.virtual:
             sp = st["split"]
             g = self.transport.pull({"w1": g_w1[1], "w2": g_w2[1]}, st["placement"], sp.num_used, sp.held,
                                     into={"w1": g_w1[0], "w2": g_w2[0]}, experts_to_copy_host=sp.experts_to_copy)
             strict_check(self.transport, self.buffer)
             g_w1, g_w2 = (g["w1"],), (g["w2"],)
-        g_x, g_tw = buf.dispatch_backward(g_xr, g_rw, st["handle"])
+        g_x, g_tw = buf.dispatch_backward(g_xr, g_rw, handle)
         return g_x, g_tw, g_w1[0], g_w2[0]
 
     # ------------------------------------------------------------------------------------------ lifetime

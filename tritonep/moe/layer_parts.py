@@ -131,3 +131,54 @@ def cancel_unread_refusal(buffer, kind: str | None) -> None:
     :class:`tritonep.errors.PeerInputError` naming this rank); else (a read: every rank raised) nothing."""
     if not buffer.last_dispatch_read:
         buffer.cancel_combine(None, kind=kind)
+
+
+def combine_grad(grad_y: torch.Tensor) -> torch.Tensor:
+    """The MoE layer's combine backward input: ``grad_y [T, H]`` (the layer op's output gradient) as contiguous
+    bf16 (a copy unless it is one already; may run out of memory like any allocation)."""
+    return grad_y.to(_ACT_DTYPE).contiguous()
+
+
+def take_part_failed_backward(layer, exc: Exception, st: dict):
+    """The rest of a :class:`tritonep.MoELayer` backward on a rank whose own part failed (``exc``: its expert FFN
+    backward raised, e.g. out of memory, or the gradient's cast before the combine backward), after its combine
+    backward took part (as a real or a cancelled call): every later collective of the backward takes part as on the
+    peers, so no peer waits for this rank and none returns a value computed without its rows (the host protocol
+    rule). With virtual experts the weight transport's pull runs with NaN slot gradients (the owners' weight
+    gradients of the experts this rank ran become NaN); the dispatch backward takes part as cancelled
+    (:meth:`tritonep.EPBuffer.cancel_dispatch_backward`): the peers' ``grad_x`` / ``grad_topk_weights`` are NaN (on
+    the nccl backend every element computed from this rank's rows) and every rank's next ``check()`` or synced
+    dispatch raises :class:`tritonep.errors.PeerInputError` naming this rank.
+
+    Then raises ``exc`` -- or, with ``MoERecipe(sync_free=True)`` (no rank raises inside a step: the peers run on
+    through the rest of their backward and next step, which need this rank), defers it to this rank's next
+    ``check()`` (:meth:`tritonep.EPBuffer.defer`) and returns NaN gradients ``(grad_x [T, H] bf16,
+    grad_topk_weights [T, K] float32, grad_w1, grad_w2)`` shaped as the layer's. Idea: the forward's
+    ``cancel_combine`` / ``defer`` path, for the backward half.
+
+    Args:
+        layer: the MoE layer (its ``buffer``, ``transport``, ``virtual``, ``recipe``).
+        exc: this rank's error. st: the call's saved state (``handle``, ``w1`` / ``w2`` parts, ``split``,
+            ``placement``).
+
+    Raises:
+        ``exc`` (not sync-free).
+    """
+    from .layer_status import strict_check
+
+    buf, handle, nan = layer.buffer, st["handle"], float("nan")
+    if layer.virtual:  # the pull is a collective: NaN slot gradients, so the owners' gradients cannot pass either
+        sp = st["split"]
+        g1 = [torch.full_like(w, nan) for w in st["w1"]]
+        g2 = [torch.full_like(w, nan) for w in st["w2"]]
+        layer.transport.pull({"w1": g1[1], "w2": g2[1]}, st["placement"], sp.num_used, sp.held,
+                             into={"w1": g1[0], "w2": g2[0]}, experts_to_copy_host=sp.experts_to_copy)
+        strict_check(layer.transport, buf)
+    buf.cancel_dispatch_backward(handle, with_weights=True)  # the peers pass the combine backward's row weights
+    if not layer.recipe.sync_free:
+        raise exc
+    buf.defer(exc)
+    T, K = handle.num_tokens, buf.topk
+    return (torch.full((T, buf.hidden), nan, dtype=_ACT_DTYPE, device=buf.device),
+            torch.full((T, K), nan, dtype=torch.float32, device=buf.device),
+            torch.full_like(st["w1"][0], nan), torch.full_like(st["w2"][0], nan))

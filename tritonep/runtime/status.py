@@ -101,7 +101,7 @@ def raise_for_status(status_host: torch.Tensor, rank: int, max_recv: int, what: 
             did and this rank learned it from the peer's mark (``wait`` ``"peer.gave_up"``, ``peer`` that rank).
         CapacityError: a rank would receive more rows than ``max_recv``.
         PeerInputError: some rank's input was refused (``bad_ranks`` from the status bitmask), or some rank took
-            part in a combine as refused (STATUS_COMBINE_REFUSED).
+            part in a combine or a backward pass as refused (STATUS_COMBINE_REFUSED).
     """
     code = int(status_host[_CODE])
     if code == STATUS_OK:
@@ -131,11 +131,16 @@ def raise_for_status(status_host: torch.Tensor, rank: int, max_recv: int, what: 
             bad_ranks=bad, rank=rank)
     if code == STATUS_COMBINE_REFUSED:
         bad = bad_ranks(status_host)
+        late = "" if this_call is None else (
+            "; it was an earlier call's, which nobody read (a backward pass reads nothing, nor does a sync-free "
+            "combine): this dispatch's rows were sent, but it raises the refusal as the first read after it, so its "
+            "outputs are not returned")
         raise PeerInputError(
-            f"{what}: rank(s) {bad} took part in a combine as refused (its combine input was refused, or its code "
-            f"failed between dispatch and combine and cancelled it: EPBuffer.cancel_combine), so that combine failed "
-            f"on every rank (rank {rank} raises this; a refused rank raises the error naming its input) and its "
-            f"output is NaN; the buffer stays usable", bad_ranks=bad, rank=rank)
+            f"{what}: rank(s) {bad} took part in a combine or a backward pass as refused (its input was refused, or "
+            f"its code failed before the call and cancelled it: EPBuffer.cancel_combine / cancel_combine_backward / "
+            f"cancel_dispatch_backward), so that call failed on every rank (rank {rank} raises this; a refused rank "
+            f"raises the error naming its input) and its outputs are NaN; the buffer stays usable{late}",
+            bad_ranks=bad, rank=rank)
     if code == STATUS_CAPACITY:
         needed = int(status_host[_NEEDED])
         bad = bad_ranks(status_host)  # a later refused call's bad inputs (the code is the first refusal's)

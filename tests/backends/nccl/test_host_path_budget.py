@@ -27,7 +27,8 @@ zero_, index_add_); here 2 launches, 1 collective, 3 allocations (the send and r
 one all_gather of every rank's refused flag and, eager, its one host read (a peer that refused raises in the call;
 sync-free: a NaN fill and the flags ORed into the pending ones on the device, 3 torch calls). The dispatch backward
 gathers the same flags (a rank whose backward input was refused takes part as refused) and ORs them into the pending
-ones: 2 torch calls, no fill (its NaN rows already reach every element computed from them).
+ones: 2 torch calls, no fill (its NaN rows already reach every element computed from them); so does the combine
+backward (2 torch calls more than its pack, collective and expand).
 
 Sync-free dispatch (``sync_free=True``, :mod:`tritonep.backends.nccl.sync_free`): no host read and no host->device copy (the
 layout is computed by one more launch, the device plan), the send / receive rows persistent, the
@@ -63,7 +64,8 @@ BUDGET = {
     # combine: a peer that took part as refused raises in the call, tritonep/backends/nccl/combine.py)
     "dispatch_bwd": (9, 4, 2, 0),  # + the weight gradients; contiguous() of the autograd gradients (2); the
     # refused-flag all_gather and the OR into the pending flags (a peer that took part as refused: no host read)
-    "combine_bwd": (6, 4, 2, 0),  # send, recv, grad_expert_out, grad_w; a2a
+    "combine_bwd": (8, 4, 2, 0),  # send, recv, grad_expert_out, grad_w; a2a; the refused-flag all_gather and the
+    # OR into the pending flags (a peer whose combine backward input was refused takes part as refused)
     # sync-free: no host read, no host->device copy; count, plan, pack, unpack launches; the send /
     # receive rows are persistent and the call's outputs (the plan vector, the rows, the row weights and the
     # handle's six tensors) come from the output pool once the previous call's are let go
@@ -73,24 +75,24 @@ BUDGET = {
     "sf_combine": (8, 3, 2, 0),  # as on a synced handle (equal splits), without the read: the flags' any, the NaN
     # fill and the OR into the pending flags instead (on the device)
     "sf_dispatch_bwd": (9, 4, 2, 0),
-    "sf_combine_bwd": (6, 4, 2, 0),
+    "sf_combine_bwd": (8, 4, 2, 0),
 }
 # a rank without tokens: no count launch (one fill of the counts row), no pack, no sum; it still unpacks and
 # reduces the rows it receives
 BUDGET_EMPTY = {"dispatch": (14, 7, 1, 1), "combine": (6, 3, 1, 1), "dispatch_bwd": (9, 4, 1, 0),
-                "combine_bwd": (6, 4, 1, 0),
+                "combine_bwd": (8, 4, 1, 0),
                 "sf_dispatch": (11, 6, 2, 0), "sf_combine": (8, 3, 1, 0), "sf_dispatch_bwd": (9, 4, 1, 0),
-                "sf_combine_bwd": (6, 4, 1, 0)}
+                "sf_combine_bwd": (8, 4, 1, 0)}
 
 # the one-hop sync-free mode (TRITONEP_NCCL_SYNC_FREE=onehop): send and receive launches, one collective, no
 # count / plan launch; allocations: one float32 block (row weights, per-slot weights, the routing weights' copy and,
 # as int32, packets, per-slot rows, ntpe, offsets, counts), the rows and the routing ids' copy
 BUDGET_ONEHOP = {"sf_dispatch": (8, 0, 2, 0),  # pooled outputs; 2 aliases, 2 shape reads (the a2a is bound), 4
                  # requires_grad reads of the pooled float tensors (pool.py _Set.marked)
-                 "sf_combine": (8, 3, 2, 0), "sf_dispatch_bwd": (9, 4, 2, 0), "sf_combine_bwd": (6, 4, 2, 0)}
+                 "sf_combine": (8, 3, 2, 0), "sf_dispatch_bwd": (9, 4, 2, 0), "sf_combine_bwd": (8, 4, 2, 0)}
 # a rank without tokens: its outputs are pooled too (fixed sizes)
 BUDGET_ONEHOP_EMPTY = {"sf_dispatch": (8, 0, 2, 0), "sf_combine": (8, 3, 1, 0), "sf_dispatch_bwd": (9, 4, 1, 0),
-                       "sf_combine_bwd": (6, 4, 1, 0)}
+                       "sf_combine_bwd": (8, 4, 1, 0)}
 
 
 def _count(group, T0, T1, mode="gather"):

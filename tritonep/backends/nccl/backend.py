@@ -477,10 +477,28 @@ class NcclEP:
 
     def combine_bwd(self, grad_y, expert_out, handle):
         """grad_expert_out[row] = bf16(w * grad_y[t]); grad_recv_w[row] = <grad_y[t], expert_out[row]> (fp32);
-        see :meth:`tritonep.backends.nccl.combine.NcclCombine.combine_bwd`."""
+        see :meth:`tritonep.backends.nccl.combine.NcclCombine.combine_bwd`. A peer that took part as refused
+        (:meth:`combine_bwd_refused`) makes every row computed from its rows NaN and is kept for the next read."""
         if self.closed:
             self._check_open()
-        return self._combine.combine_bwd(grad_y, expert_out, handle, self.use_triton)
+        out = self._combine.combine_bwd(grad_y, expert_out, handle, self.use_triton)
+        self._combine.refusals(None, False, False, True)  # a peer's refusal kept for the next read
+        return out
+
+    def combine_bwd_refused(self, handle=None):
+        """Take part in this call's combine backward as refused (:meth:`tritonep.EPBuffer.cancel_combine_backward`):
+        the peers' collective with NaN rows and the refused flag set (every row of their outputs computed from this
+        rank's rows is NaN, the refusal is kept for the next read on every rank, this one included). ``handle``: the
+        dispatch's handle on this rank, or None (the latest dispatch's: the split sizes must be the peers').
+
+        Raises:
+            BackendError: no handle passed and no dispatch handle of this buffer is alive.
+        """
+        if self.closed:
+            self._check_open()
+        handle = self._handle_to_cancel(handle, "combine backward")
+        self._combine.combine_bwd(None, None, handle, self.use_triton, bad=True)
+        self._combine.refusals(None, True, False, True)
 
     # ---------------------------------------------------------------------------------------------- status
     def check(self, what="EPBuffer"):

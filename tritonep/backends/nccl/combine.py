@@ -6,16 +6,17 @@ the combine wire), the partials go back with one ``all_to_all_single`` and the s
 (:mod:`tritonep.backends.nccl.pack`). The dispatch backward is the same path unweighted, carrying the per-route weight
 gradients back in the same rows; the combine backward moves ``grad_y`` forward along the dispatch's packets
 (:mod:`tritonep.backends.nccl.unpack`). Per call on the GPU: the output and two row buffers allocated, two launches, one
-collective (two for a combine and a dispatch backward: the refused flags below); nothing read on the host.
+collective (two with the refused flags below: every call); nothing read on the host.
 
-A forward combine and a dispatch backward also gather one int32 per rank (one more small collective, every rank,
+A forward combine and both backward passes also gather one int32 per rank (one more small collective, every rank,
 every call): 1 for a rank that takes part as refused (its input was refused, or it cancelled the call:
 :meth:`tritonep.backends.nccl.backend.NcclEP.combine_refused`,
-:meth:`tritonep.backends.nccl.backend.NcclEP.dispatch_bwd_refused`; its partial rows are NaN bytes, it computes
-none). An eager combine (a synced dispatch's handle) reads the gathered flags on the host (one read) and raises
+:meth:`tritonep.backends.nccl.backend.NcclEP.dispatch_bwd_refused`,
+:meth:`tritonep.backends.nccl.backend.NcclEP.combine_bwd_refused`; its partial or gradient rows are NaN bytes, it
+computes none). An eager combine (a synced dispatch's handle) reads the gathered flags on the host (one read) and raises
 PeerInputError naming the refused ranks on every rank (:meth:`NcclCombine.refusals`); a sync-free combine and every
-dispatch backward read nothing: the refusal is merged into the backend's pending flags (the next ``check()`` or
-synced dispatch raises it everywhere) and the combine's output is NaN on every rank (a dispatch backward's: every
+backward pass read nothing: the refusal is merged into the backend's pending flags (the next ``check()`` or
+synced dispatch raises it everywhere) and the combine's output is NaN on every rank (a backward pass's: every
 element computed from a refused rank's rows; the rest is exact).
 """
 
@@ -120,7 +121,7 @@ class NcclCombine:
         self._pending.bitwise_or_(self._cflags)  # read by the next check() / synced dispatch
         return None
 
-    def combine_bwd(self, grad_y, expert_out, handle, ut: bool):
+    def combine_bwd(self, grad_y, expert_out, handle, ut: bool, bad: bool = False):
         """grad_expert_out[row] = bf16(w * grad_y[t]); grad_recv_w[row] = <grad_y[t], expert_out[row]> (fp32).
 
         grad_y always moves as bf16 (whatever the wires), as on the triton backend.
@@ -128,6 +129,8 @@ class NcclCombine:
         Args:
             grad_y: ``[T, H]`` bfloat16 contiguous; expert_out: ``[R', H]`` bfloat16 contiguous (``R' >= R``);
             ut: the Triton kernels (else their torch twins).
+            bad: this rank takes part as refused (``grad_y`` / ``expert_out`` unused): the same collective with
+                all-ones (NaN) bf16 rows, nothing computed; returns None (the refused flag: :meth:`refusals`).
 
         Returns:
             ``(grad_expert_out [R', H] bfloat16 (rows past R and padding rows zero), grad_recv_w float32 [R]
@@ -136,14 +139,18 @@ class NcclCombine:
         dev, H, bf = self.device, self.cfg.hidden, self.cfg.dtype
         ss, rs = handle.send_splits, handle.recv_splits
         Ns, Nr = handle.num_send, handle.num_recv
+        send = torch.empty(Ns, H, dtype=bf, device=dev)
+        recv = torch.empty(Nr, H, dtype=bf, device=dev)
+        if bad:  # all-ones bytes: NaN in bf16; the peers' rows computed from them are NaN
+            send.view(torch.int16).fill_(-1)
+            all_to_all_rows(recv, send, ss, rs, self.group)
+            return None
         R, R2, T = handle.num_recv_rows, expert_out.shape[0], handle.num_tokens
         dense = R2 == R and self.cfg.expert_alignment == 1  # every row is some route's: nothing to zero
         if R is None:  # a sync-free handle: its dispatch returned max_recv_tokens rows, the tail's gradients are 0
             R = self.cfg.max_recv_tokens
-        send = torch.empty(Ns, H, dtype=bf, device=dev)
         if Ns and T:  # (a sync-free handle has W * Tcap send slots even without tokens)
             self._unpacker.pack_rows(grad_y, handle.pkt, send, T, ut)
-        recv = torch.empty(Nr, H, dtype=bf, device=dev)
         all_to_all_rows(recv, send, ss, rs, self.group)
         g_eo = (torch.empty if dense else torch.zeros)(R2, H, dtype=bf, device=dev)
         g_w = (torch.empty if dense else torch.zeros)(R, dtype=torch.float32, device=dev)

@@ -348,10 +348,11 @@ class SyncFreeDispatch:
         when = (f"{seen} sync_free dispatch(es) since the last read were refused on every rank and moved no rows; "
                 f"this is the first one's error")
         if code == STATUS_COMBINE_REFUSED:  # written for a refused combine (tritonep.backends.nccl.combine), not a dispatch
-            raise PeerInputError(f"{what} on rank {self.rank}: rank(s) {bad} took part in a combine as refused (its "
-                                 f"combine input was refused, or it cancelled the combine: EPBuffer.cancel_combine), "
-                                 f"so that combine failed on every rank and its output is NaN; the buffer stays "
-                                 f"usable", bad_ranks=bad, rank=self.rank)
+            raise PeerInputError(f"{what} on rank {self.rank}: rank(s) {bad} took part in a combine or a backward "
+                                 f"pass as refused (its input was refused, or it cancelled the call: "
+                                 f"EPBuffer.cancel_combine / cancel_combine_backward / cancel_dispatch_backward), so "
+                                 f"that call failed on every rank and its outputs are NaN; the buffer stays usable",
+                                 bad_ranks=bad, rank=self.rank)
         if deferred is not None and self.rank in refused:  # this rank's own error, deferred by its caller
             raise deferred
         if self.rank in bad_ids:  # this rank's own ids (also behind an earlier capacity refusal, as on triton)

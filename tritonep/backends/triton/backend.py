@@ -83,6 +83,7 @@ class TritonEP:
         self.decode = DecodePath(*parts) if dec else None
         # a combine without a kind override is the decode tiles' one launch (as _combine decides it)
         self._decode_push = dec and (cfg.tiles.combine == "push" or self.cwire.quantized)
+        self._no_rows = torch.zeros(1, cfg.hidden, dtype=cfg.dtype, device=self.device)  # a refused call's row args
         self._precompile(group)
 
     # ---------------------------------------------------------------------------------------------- state
@@ -265,6 +266,21 @@ class TritonEP:
         if status.broken:
             status.usable()
         return self.staged.combine_bwd(grad_y, expert_out, handle)
+
+    def combine_bwd_refused(self, handle=None):
+        """Take part in this call's combine backward as refused (:meth:`tritonep.EPBuffer.cancel_combine_backward`,
+        or a refused ``combine_backward`` input): the peers' two launches, the send with ``T = -1`` (no row moves;
+        it writes ``ntok[RANK] = -1`` in every rank, the refused mark) and the expand with no output row. Every
+        rank's expand that sees the mark moves no row, fills its outputs with NaN and records the refusal
+        (``STATUS_COMBINE_REFUSED`` naming this rank; this rank's too: a backward reads nothing on the host, so the
+        next read raises it on every rank). ``handle`` is not needed (the launches carry no row)."""
+        status = self.call_status
+        if status.broken:
+            status.usable()
+        store, k = self._empty.store, self.k
+        k.send_bwd(self._no_rows, store, -1, 0)
+        k.expand_bwd(self._no_rows, self._no_rows, store, self._no_rows, self._no_w, self._no_w, 0)
+        status.refused_check("combine backward")  # strict mode: the peers raise it in this call
 
     def close(self):
         """Free the symmetric allocation (collective). Later calls raise :class:`BufferStateError`, also those that do

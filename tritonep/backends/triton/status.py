@@ -94,7 +94,9 @@ class CallStatus:
         if st is None:
             return 0, False, None
         code = st[_CODE]
-        refused = code in (STATUS_CAPACITY, STATUS_BAD_INPUT)
+        # a refused combine or backward pass nobody read (they read nothing on the host) counts as a refusal too:
+        # every rank recorded it, so every rank's call runs its data kernels and raises after them
+        refused = code in (STATUS_CAPACITY, STATUS_BAD_INPUT, STATUS_COMBINE_REFUSED)
         if code != 0 and not refused:
             try:
                 raise_for_status(torch.tensor(st[:_ST_ERR]), self.rank, self.cfg.max_recv_tokens, "dispatch",
@@ -116,10 +118,14 @@ class CallStatus:
             self.word.zero_()  # reported once, here; the buffer stays usable (stream-ordered after the kernels)
             front, self.front_door_unread = self.front_door_unread, False
             if self.rank in bad_ranks(torch.tensor(st)) and not bad_input:
-                # raises InputError naming the value: this call's ids, or an earlier sync-free call's that nobody read
-                # (also behind an earlier capacity refusal nobody read: the code is the first refusal's, the mask
-                # every unread refused call's bad ranks)
-                self._raise_own_bad_ids(front)
+                if st[_CODE] != STATUS_COMBINE_REFUSED:
+                    # raises InputError naming the value: this call's ids, or an earlier sync-free call's that nobody
+                    # read (also behind an earlier capacity refusal nobody read: the code is the first refusal's,
+                    # the mask every unread refused call's bad ranks)
+                    self._raise_own_bad_ids(front)
+                else:  # this rank refused an earlier combine / backward pass (the PeerInputError below names it),
+                    for idx in reversed(self._recent_idx):  # unless its ids were bad since: that InputError first
+                        check_expert_ids(idx, self.cfg.num_experts)
             raise_for_status(torch.tensor(st[:_ST_ERR]), self.rank, self.cfg.max_recv_tokens, "dispatch",
                              self.cfg.timeout_s, self.device.type, this_call=st[_THIS_CALL])
         if sync == envs.SYNC_STRICT:  # the front door's mode (read once per call; never under capture / dry run)
@@ -175,6 +181,18 @@ class CallStatus:
                     pass
         elif not bad:
             self.eager_check(what)
+        else:
+            self.refused_check(what)
+
+    def refused_check(self, what):
+        """After a call this rank took part in as refused (it raises its own error) that read nothing: in strict
+        mode every peer's :meth:`eager_check` raises the refusal in this call and clears it, so this rank clears its
+        own record of it too (one sync; a timeout stays fatal: the buffer is marked unusable), else its next read
+        would raise it alone and the ranks would leave different calls."""
+        try:
+            self.eager_check(what)
+        except TritonEPError:
+            pass
 
     def eager_check(self, what):
         """Strict eager calls (TRITONEP_SYNC_CHECKS=1, not capturing) raise a wait the kernels gave up on in the same

@@ -21,7 +21,9 @@ this rank wrote. With n = the dispatch-like call number (device memory), a send 
   computes ``dot(row, expert_out[row])`` for the weight gradient (the combine backward); it also zeroes every row of
   its outputs that no route writes (padding, rows past the layout's end: :func:`zero_unwritten`), so the combine
   backward allocates them empty, and runs in its own token tile (``KernelTiles.bbt`` / ``bwarps``: the K expert-output
-  tiles it keeps in flight spill registers in the dispatch's).
+  tiles it keeps in flight spill registers in the dispatch's). A combine backward some rank took part in as refused
+  (its send ran with ``T = -1``, writing ``ntok[src] = -1`` everywhere, no row) moves no row on any rank: every
+  output row is NaN and the refusal is recorded (``STATUS_COMBINE_REFUSED``) for the next host read.
 
 Twins: the whole dispatch is specified by :func:`tritonep.reference.dispatch_reference`; the row computation by
 :func:`tritonep.backends.layout.route_rows_torch`.
@@ -38,6 +40,7 @@ from ....device.protocol import (CALL_DISPATCH, DONE_EXPAND_BWD, FLAG_ACK, FLAG_
 from ....device.signal import ack_on_last, mark_dead, peers_alive, signal_peers, wait_all_ge, wait_ge
 from ....wire.kernels.wirecodec import (RAW_BF16, wire_encode, wire_load, wire_load_raw, wire_store_encoded,
                                        wire_store_raw, wire_to)
+from .combine import record_refusal
 
 
 SendIO = namedtuple("SendIO", "x_ptr topk_idx_ptr topk_w_ptr rows_ptr T pre_ptr send_base_ptr stage_tab meta_tab "
@@ -294,29 +297,32 @@ def zero_padding(pid, G, io, ntpe_ptr, offs_ptr, tile, L: tl.constexpr, BA: tl.c
 
 
 @triton.jit
-def zero_rows(begin, end, part, parts, out_ptr, gw_ptr, tile):
+def zero_rows(begin, end, part, parts, out_ptr, gw_ptr, tile, fill=0.0):
     """Zero rows ``[begin, end)`` of ``out_ptr`` (``[*, H]``) and ``gw_ptr`` (``[*]`` float32) in blocks of
     ``tile.BT`` rows x ``tile.BH`` columns (the caller's own tile: no extra registers); this program takes blocks
-    ``part, part + parts, ...``. ``begin`` / ``end`` are runtime values (read on the device)."""
+    ``part, part + parts, ...``. ``begin`` / ``end`` are runtime values (read on the device). ``fill``: the value
+    written instead of zero (NaN: a refused call's outputs, which must not pass for a result)."""
     r_off = tl.arange(0, tile.BT)
     h_off = tl.arange(0, tile.BH)
     for r0 in range(begin + part * tile.BT, end, parts * tile.BT):
         r = r0 + r_off
         rm = r < end
-        tl.store(gw_ptr + r, tl.zeros((tile.BT,), dtype=tl.float32), mask=rm)
+        tl.store(gw_ptr + r, tl.full((tile.BT,), fill, dtype=tl.float32), mask=rm)
         for h0 in range(0, tile.H, tile.BH):
             h = h0 + h_off
             tl.store(out_ptr + r[:, None].to(tl.int64) * tile.H + h[None, :],
-                     tl.zeros((tile.BT, tile.BH), dtype=out_ptr.dtype.element_ty),
+                     tl.full((tile.BT, tile.BH), fill, dtype=out_ptr.dtype.element_ty),
                      mask=rm[:, None] & (h < tile.H)[None, :])
 
 
 @triton.jit
-def zero_unwritten(pid, G, skip, nrows, out_ptr, gw_ptr, ntpe_ptr, offs_ptr, tile, L: tl.constexpr, A: tl.constexpr):
+def zero_unwritten(pid, G, skip, nrows, out_ptr, gw_ptr, ntpe_ptr, offs_ptr, tile, L: tl.constexpr, A: tl.constexpr,
+                   refused=0):
     """The rows of the combine backward's ``[nrows, H]`` outputs that no route writes, zeroed in the same launch (no
     memset of the whole output first): the alignment padding of every local expert segment (A > 1; segments
     ``pid, pid+G, ...``), and the rows past the segments' end ``offs[L-1]`` -- every row when the call moves none
-    (``skip``: a timeout) -- in ``tile.BT``-row blocks spread over the grid. Rows at or past ``nrows`` are never
+    (``skip``: a timeout, a refused call) -- in ``tile.BT``-row blocks spread over the grid; ``refused`` (a source
+    took part as refused: :func:`refused_sources`): every row is NaN instead. Rows at or past ``nrows`` are never
     touched (a caller's ``expert_out`` shorter than the layout)."""
     total = tl.load(offs_ptr + L - 1)
     if A > 1:
@@ -325,7 +331,20 @@ def zero_unwritten(pid, G, skip, nrows, out_ptr, gw_ptr, ntpe_ptr, offs_ptr, til
                 end = tl.minimum(tl.load(offs_ptr + j), nrows)
                 begin = tl.load(offs_ptr + j - 1, mask=j > 0, other=0)
                 zero_rows(begin + tl.load(ntpe_ptr + j), end, 0, 1, out_ptr, gw_ptr, tile)
-    zero_rows(tl.where(skip, 0, total), nrows, pid, G, out_ptr, gw_ptr, tile)
+    zero_rows(tl.where(skip, 0, total), nrows, pid, G, out_ptr, gw_ptr, tile,
+              tl.where(refused != 0, float("nan"), 0.0))
+
+
+@triton.jit
+def refused_sources(ntok_ptr, W: tl.constexpr, WB: tl.constexpr):
+    """``(mask, lowest)``: the int64 bitmask of the sources that took part in this combine backward as refused (their
+    send wrote ``ntok[src] = -1`` here, :func:`dispatch_send_kernel` with ``T`` = -1; read after acquiring their
+    data signals) and the lowest of them (WB when none)."""
+    offs = tl.arange(0, WB)
+    v = tl.load(ntok_ptr + offs, mask=offs < W, other=0, volatile=True)
+    hit = (offs < W) & (v < 0)
+    mask = tl.sum(tl.where(hit, tl.full((WB,), 1, tl.int64) << offs.to(tl.int64), 0), 0)
+    return mask, tl.min(tl.where(hit, offs, WB), 0)
 
 
 @triton.jit(do_not_specialize=['T', 'NC', 'data_off', 'timeout', 'G_expand', 'Tmax'])
@@ -344,7 +363,9 @@ def dispatch_send_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, NC, pre_p
     on every rank. COMPUTE_ROWS: derive the rows from the layout (forward) instead of reading ``rows_ptr`` (combine
     backward). Waits first (bounded) until every destination consumed the previous call's staging. ``ADV`` (the
     combine backward, whose call has no histogram launch to advance the counter): this call's number is
-    ``calls[CALL_DISPATCH] + 1`` and the expand's last program advances the counter.
+    ``calls[CALL_DISPATCH] + 1`` and the expand's last program advances the counter. ``T = -1`` with ``NC = 0`` (the
+    combine backward of a rank that takes part as refused): no row moves and ``ntok[RANK] = -1`` in every destination
+    is the refused mark its expand reads (:func:`refused_sources`).
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
@@ -382,7 +403,8 @@ def dispatch_expand_kernel(x_ptr, stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_pt
     past the layout's end are zero), so its outputs need no zero fill. ``nrows``: the rows of the outputs (``out``,
     ``q``/``s``, ``out_w``; DOT: ``out``, ``eo``, ``gw``): no row at or past it is written or read. A source that
     marked itself timed out (:func:`tritonep.device.signal.peers_alive`) makes the call skip its rows (DOT: records
-    it after them). Then acks every source.
+    it after them); DOT: a source that took part as refused (``ntok[src] = -1``, :func:`refused_sources`) makes it
+    move no row and write NaN into every output row, and program 0 records the refusal. Then acks every source.
     PF: prefetch the next hidden tile of each source row (:func:`expand_item`). ``ADV``: as
     :func:`dispatch_send_kernel`; this kernel's last program advances ``calls[CALL_DISPATCH]`` and acks every source
     once for ``GA`` programs (the senders wait for ``grid_expand`` acks per call), so its grid may differ.
@@ -394,6 +416,13 @@ def dispatch_expand_kernel(x_ptr, stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_pt
     if not DOT:  # a sender that timed out skipped its rows: take none (records it; the combine backward: below)
         peers_alive(flags_ptr, status_ptr, W, WB)
     skip = (tl.load(status_ptr) == STATUS_TIMEOUT) | (tl.load(status_ptr + ST_SKIP_CALL) == n)
+    refused = 0
+    if DOT:  # a source that took part as refused (its combine backward input was refused: ntok[src] = -1): no row
+        # moves, every output row is NaN, program 0 records it after its rows (scalar loads: the tile sits at the
+        # register limit, and a vector reduction here spilled)
+        for s in tl.static_range(W):
+            refused = refused | (tl.load(ntok_ptr + s, volatile=True) < 0).to(tl.int32)
+        skip = skip | (refused != 0)
     if KEEP_HANDLE:
         if pid == 0:
             w_off = tl.arange(0, WB)
@@ -408,7 +437,11 @@ def dispatch_expand_kernel(x_ptr, stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_pt
         if c * BT < Ts:
             expand_item(src, c, Ts, skip, io, tile, SCALE, DOT, KEEP_HANDLE, KEEP_Q, PF, POW2)
     if DOT:
-        zero_unwritten(pid, G, skip, nrows, out_ptr, gw_ptr, ntpe_ptr, offs_ptr, tile, L, A)
+        zero_unwritten(pid, G, skip, nrows, out_ptr, gw_ptr, ntpe_ptr, offs_ptr, tile, L, A, refused)
+        if refused != 0:
+            if pid == 0:  # the refusal, for the next read on the host (PeerInputError naming the refused ranks)
+                rmask, rlow = refused_sources(ntok_ptr, W, WB)
+                record_refusal(status_ptr, rmask, rlow)
         # the combine backward's tile sits at the register limit (tests/backends/test_compile_sm90.py: no spill), so
         # it looks for a peer's timed-out mark after its rows: a mark records the timeout (its outputs are then
         # unspecified and the next read raises), as the forward expand does before them

@@ -5,8 +5,9 @@ Before, the failing rank left the backward at once, so its dispatch backward (wh
 on the triton backend the peers waited ``timeout_s``, then returned a NaN ``x.grad`` without raising and their buffer
 was unusable; on the nccl backend they hung in the collective. Now the failing rank runs the rest of the backward's
 collectives as cancelled calls (``EPBuffer.cancel_dispatch_backward``; ``cancel_combine_backward`` when it failed
-before the combine backward; with virtual experts the weight pull with NaN slot gradients), then raises its own
-error; its peers' gradients are NaN (triton: all of ``x.grad``; nccl: every element computed from the failing rank's
+before the combine backward; with virtual experts the weight pull with NaN slot gradients) and returns NaN gradients
+(the MoE layers before it run their backward too), then its own error leaves ``backward()`` when the pass ends; its
+peers' gradients are NaN (triton: all of ``x.grad``; nccl: every element computed from the failing rank's
 rows) and every rank's next ``check()`` -- or next synced dispatch -- raises PeerInputError naming the failing rank.
 With ``MoERecipe(sync_free=True)`` no rank raises inside a step: the failing rank returns NaN gradients too and
 raises its error at its next ``check()``. Then the layer gives the bits of the step before the failure on every rank.
@@ -141,3 +142,54 @@ def test_failed_backward_takes_part_and_raises_on_every_rank(W, backend, how, re
 @pytest.mark.parametrize("W,backend,how,read", SLOW_CASES)
 def test_failed_backward_takes_part_and_raises_on_every_rank_slow(W, backend, how, read):
     _run(W, backend, how, read)
+
+
+def _two_layer_world(group, backend):
+    """Two MoE layers in one eager model; the second layer's expert backward fails once on rank BAD: its first
+    layer's backward (which the peers' first layers wait for) must still run there."""
+    import tritonep.moe.layer as mod
+
+    rank, W = dist.get_rank(group), dist.get_world_size(group)
+    layers = [tep.MoELayer(tep.MoERecipe(), _geo(W), group, seed=2 + i, backend=backend, timeout_s=60)
+              for i in range(2)]
+    x0, idx, w = (t.to(layers[0].device) for t in _inputs(rank, W, "experts"))
+
+    def step():
+        x = x0.clone().requires_grad_(True)
+        y = layers[1](layers[0](x, idx, w), idx, w)
+        y.float().pow(2).sum().backward()
+        return x.grad.clone()
+
+    first = step()
+    orig, calls = mod.expert_ffn_parts_backward, []
+    if rank == BAD:
+        def boom_once(*a, **k):  # the second layer's backward runs first: it fails, the first layer's does not
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("expert backward ran out of memory")
+            return orig(*a, **k)
+        mod.expert_ffn_parts_backward = boom_once
+    try:
+        failed = _outcome(lambda: _grad_kind(step(), backend))
+    finally:
+        mod.expert_ffn_parts_backward = orig
+    reads = [_outcome(lay.buffer.check) for lay in layers]
+    again = step()
+    out = dict(failed=failed, reads=reads, calls=len(calls), same=torch.equal(first, again))
+    for lay in layers:
+        lay.close()
+    return out
+
+
+@pytest.mark.parametrize("backend", ["triton", "nccl"])
+def test_failed_backward_lets_the_earlier_layers_take_part(backend):
+    """Before, the failing rank raised out of the backward at once, so its earlier layer never ran its backward:
+    the peers' earlier layer timed out (triton) or hung (nccl). Now it returns NaN gradients, the earlier layer runs
+    as on the peers, and the error leaves backward() when the pass ends."""
+    res = run_cpu_world(2, _two_layer_world, backend, timeout_s=300)
+    for r, out in enumerate(res):
+        want = ("RuntimeError", "expert backward ran out of memory") if r == BAD else ("ok", "NaN")
+        assert out["failed"] == want, (r, out)
+        assert out["reads"] == [("ok", None), ("PeerInputError", [BAD])], (r, out)  # the second layer's buffer
+        assert out["same"], (r, out)
+    assert res[BAD]["calls"] == 2  # the first layer's expert backward ran on the failing rank

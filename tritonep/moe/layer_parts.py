@@ -139,6 +139,20 @@ def combine_grad(grad_y: torch.Tensor) -> torch.Tensor:
     return grad_y.to(_ACT_DTYPE).contiguous()
 
 
+def _raise_when_backward_ends(exc: Exception) -> bool:
+    """Queue ``exc`` to be raised when the running autograd backward pass has run every node (the engine's final
+    callbacks: the error leaves ``backward()`` / ``autograd.grad`` after the earlier layers' collectives ran); False
+    where no backward pass is running (the caller raises it then)."""
+    def fire():
+        raise exc
+
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(fire)
+    except RuntimeError:  # "Final callbacks can only be installed during backward pass"
+        return False
+    return True
+
+
 def take_part_failed_backward(layer, exc: Exception, st: dict):
     """The rest of a :class:`tritonep.MoELayer` backward on a rank whose own part failed (``exc``: its expert FFN
     backward raised, e.g. out of memory, or the gradient's cast before the combine backward), after its combine
@@ -150,11 +164,13 @@ def take_part_failed_backward(layer, exc: Exception, st: dict):
     the nccl backend every element computed from this rank's rows) and every rank's next ``check()`` or synced
     dispatch raises :class:`tritonep.errors.PeerInputError` naming this rank.
 
-    Then raises ``exc`` -- or, with ``MoERecipe(sync_free=True)`` (no rank raises inside a step: the peers run on
-    through the rest of their backward and next step, which need this rank), defers it to this rank's next
-    ``check()`` (:meth:`tritonep.EPBuffer.defer`) and returns NaN gradients ``(grad_x [T, H] bf16,
-    grad_topk_weights [T, K] float32, grad_w1, grad_w2)`` shaped as the layer's. Idea: the forward's
-    ``cancel_combine`` / ``defer`` path, for the backward half.
+    Then returns NaN gradients ``(grad_x [T, H] bf16, grad_topk_weights [T, K] float32, grad_w1, grad_w2)`` shaped
+    as the layer's, so the rest of this rank's backward runs too -- the MoE layers before this one take part in
+    their own collectives, which the peers wait for -- and raises ``exc`` when the backward pass ends (an autograd
+    engine callback, as FSDP queues its post-backward work; outside a running backward pass: at once). With
+    ``MoERecipe(sync_free=True)`` (no rank raises inside a step: the peers run on through their next step, which
+    needs this rank) it defers ``exc`` to this rank's next ``check()`` (:meth:`tritonep.EPBuffer.defer`) instead.
+    Idea: the forward's ``cancel_combine`` / ``defer`` path, for the backward half.
 
     Args:
         layer: the MoE layer (its ``buffer``, ``transport``, ``virtual``, ``recipe``).
@@ -162,7 +178,7 @@ def take_part_failed_backward(layer, exc: Exception, st: dict):
             ``placement``).
 
     Raises:
-        ``exc`` (not sync-free).
+        ``exc`` (not sync-free), when no backward pass is running to raise it at its end.
     """
     from .layer_status import strict_check
 
@@ -175,9 +191,10 @@ def take_part_failed_backward(layer, exc: Exception, st: dict):
                              into={"w1": g1[0], "w2": g2[0]}, experts_to_copy_host=sp.experts_to_copy)
         strict_check(layer.transport, buf)
     buf.cancel_dispatch_backward(handle, with_weights=True)  # the peers pass the combine backward's row weights
-    if not layer.recipe.sync_free:
+    if layer.recipe.sync_free:
+        buf.defer(exc)
+    elif not _raise_when_backward_ends(exc):
         raise exc
-    buf.defer(exc)
     T, K = handle.num_tokens, buf.topk
     return (torch.full((T, buf.hidden), nan, dtype=_ACT_DTYPE, device=buf.device),
             torch.full((T, K), nan, dtype=torch.float32, device=buf.device),

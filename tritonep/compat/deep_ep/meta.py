@@ -42,19 +42,20 @@ def _p2(n: int) -> int:
     return max(2, triton.next_power_of_2(n))
 
 
-_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32}
+_BYTE_DTYPES = (torch.int8, torch.uint8)
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """``t`` (contiguous: a reshape of anything else would copy, and the fill would be lost) as a flat integer view
-    of its element size.
+def _fillable(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the poison kernel takes it (it writes integers of ``t``'s element size through its address): ``t``
+    itself, or an int8 view of a one-byte float (fp8: no dtype of the interpreter's).
 
     Raises:
-        InputError: ``t`` not contiguous, or not of 1-, 2- or 4-byte elements."""
-    if not t.is_contiguous() or t.element_size() not in _INT:
+        InputError: ``t`` not contiguous (the fill would miss its elements), or not of 1-, 2- or 4-byte elements."""
+    n = t.element_size()
+    if n not in (1, 2, 4) or not t.is_contiguous():
         raise InputError(f"poison needs contiguous tensors of 1-, 2- or 4-byte elements, got {t.dtype} "
                          f"{tuple(t.shape)} strides {t.stride()}")
-    return t.view(_INT[t.element_size()]).view(-1)
+    return t.view(torch.int8) if n == 1 and t.dtype not in _BYTE_DTYPES else t
 
 
 def _floor_p2(n: int) -> int:
@@ -272,22 +273,25 @@ class MetaOps:
     def poison(self, counts: torch.Tensor, limit: int, a: torch.Tensor, b: torch.Tensor | None = None) -> None:
         """Fill ``a`` (and ``b``) with NaN bits in place when some column of ``counts`` (int32 ``[W, W]``, this
         device) sums to more than ``limit``; no host read. ``a`` / ``b``: contiguous tensors of 1-, 2- or 4-byte
-        elements on this device. One launch of :func:`tritonep.compat.deep_ep.kernels.poison.poison_kernel`
+        elements on this device (no view made of them but for fp8's int8). One launch of
+        :func:`tritonep.compat.deep_ep.kernels.poison.poison_kernel`
         (``min(cdiv(n, BLOCK), 132)`` programs on a GPU, 1 on a CPU); same bits as
         :func:`tritonep.compat.deep_ep.packing.poison_torch`.
 
         Raises:
             InputError: ``a`` or ``b`` not contiguous, or of another element size (before the launch)."""
         W = counts.shape[0]
-        av = _bits(a)
-        bv = _bits(b) if b is not None else av[:0]
-        n = max(av.numel(), bv.numel())
+        av = _fillable(a)
+        bv = _fillable(b) if b is not None else av
+        na, nb = av.numel(), (bv.numel() if b is not None else 0)
+        n = max(na, nb)
         block = 1024 if self._cuda else 4096
         grid = min(max(triton.cdiv(n, block), 1), 132) if self._cuda else 1
-        key = ("poison", W, block)
+        ab, bb = av.element_size(), bv.element_size()
+        key = ("poison", W, block, ab, bb)
         bk = self._launch.bound(key)
         if bk is None:
             bk = self._launch.variant(key, lambda: self._launch.bind(poison_kernel, dict(
-                W=W, WB=_p2(W), BLOCK=block, num_warps=4),
+                W=W, WB=_p2(W), BLOCK=block, AB=ab, BB=bb, num_warps=4),
                 ("counts_ptr", "cs0", "cs1", "limit", "a_ptr", "NA", "b_ptr", "NB", "nprog")))
-        bk((grid,), counts, counts.stride(0), counts.stride(1), int(limit), av, av.numel(), bv, bv.numel(), grid)
+        bk((grid,), counts, counts.stride(0), counts.stride(1), int(limit), av, na, bv, nb, grid)

@@ -86,7 +86,7 @@ class NormalMode:
         self._last_spec = None  # ... and what chose it: (width, num_worst_tokens, K)
         self._meta_ops = {}  # device -> MetaOps (the layout and meta-unpacking launches, bound on first use)
         self._last_meta = None  # the latest dispatch's meta lane (None: it carried no top-k, or as meta rows)
-        self._last_lazy = None  # (K, num_worst_tokens) when the latest dispatch carried its top-k as meta rows
+        self._last_lazy = None  # (K, num_worst_tokens, slots, T) of the latest dispatch when its top-k came as meta rows
         self._last_synced = True  # whether the latest dispatch's rows-lane handle is a synced one
 
     # -------------------------------------------------------------------------------------------------- shared
@@ -231,15 +231,14 @@ class NormalMode:
         except TritonEPError:
             pass
 
-    def _meta_refused(self, K: int, worst: int, rows2: bool = False) -> None:
+    def _meta_refused(self, K: int, worst: int) -> None:
         """Take part, refused, in the meta lane's dispatch of a call whose peers go on to it (they read nothing in
         the rows lane: sync-free, sync checks off or capture). ``K``: this rank's top-k width (0: no meta lane, as
-        on the peers when they pass none). ``rows2``: the meta lane a combine of ``topk_weights`` dispatches after a
-        meta-rows dispatch (:meth:`_meta_lane`)."""
+        on the peers when they pass none)."""
         if not K:
             return
         try:
-            lane = self._meta_lane(K, worst, 0, rows2)
+            lane = self._meta_lane(K, worst, 0)
         except TritonEPError:
             return  # its constructor's agreement raised on every rank
         self._refused_dispatch(lane, True)
@@ -381,7 +380,7 @@ class NormalMode:
             a = expert_alignment
             counts = [(c + a - 1) // a * a for c in counts]
         self._last_meta, self._last_synced = meta_lane, out.handle.num_recv_rows is not None
-        self._last_lazy = (K, worst) if P else None
+        self._last_lazy = (K, worst, slots, T) if P and K else None
         return recv_x, recv_idx, recv_w, counts, h
 
     def _group_counts(self, num_tokens_per_expert) -> list:
@@ -506,10 +505,7 @@ class NormalMode:
         if topk_weights is not None:
             if h.meta_rows:  # the top-k came as meta rows: a meta lane routed like the rows lane takes the weights
                 # back (its dispatch moves no payload: 16-byte rows)
-                meta = self._meta_lane(K, h.num_rows if h.worst else 0, T, rows2=True)
-                mh = meta.dispatch(self._zero_rows(T, meta.hidden, x.device),
-                                   h.slots[:T].repeat_interleave(K, dim=1), self._ones_wk(T, K, x.device),
-                                   sync_free=True).handle
+                meta, mh = self._meta2_dispatch(K, h.num_rows if h.worst else 0, h.slots, T, x.device)
             else:
                 meta, mh = h.meta_lane, h.meta_handle
             # the weights go back unsummed on the meta lane's routes (one per (token, rank, slot)), the meta lane's
@@ -530,6 +526,15 @@ class NormalMode:
             self._ops(y.device).poison(h.rank_counts(), h.num_rows, y, w)
         return y, w
 
+    def _meta2_dispatch(self, K: int, worst: int, slots, T: int, device):
+        """``(lane, handle)`` of the meta-lane dispatch a combine of ``topk_weights`` runs after a meta-rows dispatch
+        (``slots``: that dispatch's, its first T rows the tokens'): K routes per (token, receiving rank) in the rows
+        lane's order, sync-free, no payload (zero rows of 16 bytes), so its backward takes each received row's K
+        weights back unsummed."""
+        meta = self._meta_lane(K, worst, T, rows2=True)
+        return meta, meta.dispatch(self._zero_rows(T, meta.hidden, device), slots[:T].repeat_interleave(K, dim=1),
+                                   self._ones_wk(T, K, device), sync_free=True).handle
+
     def _ones_wk(self, n: int, K: int, device):
         """float32 ones ``[n, W*K]``: the route weights of a combine's meta-lane dispatch (made once per shape)."""
         t = self._ones_k.get((n, K, device))
@@ -543,12 +548,14 @@ class NormalMode:
         (their rows-lane combine reads nothing: a ``num_worst_tokens`` handle, sync checks off, capture) and pass
         ``topk_weights`` (``with_weights``: this rank's call passed them too), in their meta-lane backward
         (:meth:`tritonep.EPBuffer.cancel_dispatch_backward`), after a meta-rows dispatch also in the meta-lane
-        dispatch before it (refused). ``h``: the call's handle, or None for a handle this Buffer did not make (then
-        the latest dispatch's lanes stand in: the peers' combine most likely is of it)."""
+        dispatch before it (run as the peers run it: its routing is the dispatch's, not what was refused, so the
+        peers' weights computed without this rank's rows stay exact where the backend keeps them). ``h``: the call's
+        handle, or None for a handle this Buffer did not make (then the latest dispatch's lanes stand in: the peers'
+        combine most likely is of it)."""
         if h is not None:
             lane, xh, meta, mh = h.x_lane, h.x_handle, h.meta_lane, h.meta_handle
             synced = xh.num_recv_rows is not None
-            lazy = (h.topk, h.num_rows if h.worst else 0) if h.meta_rows else None
+            lazy = (h.topk, h.num_rows if h.worst else 0, h.slots, h.num_tokens) if h.meta_rows and h.topk else None
         else:
             lane, xh, meta, mh = self.lanes.peek(self._last_x_key), None, self._last_meta, None
             synced, lazy = self._last_synced, self._last_lazy
@@ -562,9 +569,8 @@ class NormalMode:
         if synced and _synced(False, self.lanes.sync_checks):
             return  # the peers' eager combine raises PeerInputError: none of them goes on to the meta lane
         self.lanes.unread(lane)
-        if with_weights and lazy is not None and lazy[0]:
-            self._meta_refused(*lazy, rows2=True)  # the peers' meta-lane dispatch, then its backward
-            meta, mh = self.lanes.peek(("meta2",) + lazy), None
+        if with_weights and lazy is not None:  # the peers' meta-lane dispatch, then its backward (cancelled)
+            meta, mh = self._meta2_dispatch(*lazy, lane.device)
         if with_weights and meta is not None:
             try:
                 meta.cancel_dispatch_backward(mh, with_weights=True)

@@ -51,6 +51,17 @@ def _begun(previous_event, async_finish: bool, allocate_on_comm_stream: bool) ->
     return None
 
 
+_set_grad = torch._C._set_grad_enabled
+
+
+def _no_grad() -> bool:
+    """Turn autograd off (what ``with torch.no_grad():`` does, without its per-call object: about 2 us of host
+    time less per call); returns the mode to restore with ``_set_grad``."""
+    grad = torch.is_grad_enabled()
+    _set_grad(False)
+    return grad
+
+
 def _end(async_finish: bool, tensors) -> EventOverlap:
     return EventOverlap(EventHandle(), tuple(t for t in tensors if isinstance(t, torch.Tensor))) if async_finish \
         else EventOverlap(None)
@@ -228,8 +239,11 @@ class Buffer:
         """
         self._open()
         _begin(previous_event, async_finish, allocate_on_comm_stream)
-        with torch.no_grad():
+        grad = _no_grad()
+        try:
             per_rank, per_expert, in_rank = self._normal.layout(topk_idx, num_experts)
+        finally:
+            _set_grad(grad)
         return per_rank, None, per_expert, in_rank, _end(async_finish, (topk_idx, per_rank, per_expert, in_rank))
 
     def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]], handle: Optional[tuple] = None,
@@ -275,10 +289,13 @@ class Buffer:
         """
         self._open()
         refused = _begun(previous_event, async_finish, allocate_on_comm_stream)
-        with torch.no_grad():
+        grad = _no_grad()
+        try:
             recv_x, recv_idx, recv_w, counts, h = self._normal.dispatch(
                 x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
                 expert_alignment, num_worst_tokens, refused)
+        finally:
+            _set_grad(grad)
         rx = recv_x if isinstance(recv_x, tuple) else (recv_x,)
         return recv_x, recv_idx, recv_w, counts, h, _end(async_finish, rx + (recv_idx, recv_w))
 
@@ -311,8 +328,11 @@ class Buffer:
         """
         self._open()
         refused = _begun(previous_event, async_finish, allocate_on_comm_stream)
-        with torch.no_grad():
+        grad = _no_grad()
+        try:
             y, w = self._normal.combine(x, handle, topk_weights, bias, refused)
+        finally:
+            _set_grad(grad)
         return y, w, _end(async_finish, (x, y, w))
 
     def internode_dispatch(self, *args, **kwargs):

@@ -142,6 +142,11 @@ class Lanes:
             self._retired.append(self._lanes.pop(key))
         return True
 
+    @property
+    def pending(self) -> bool:
+        """Whether :meth:`unread` noted a lane since the last :meth:`check` (what a synced call reads first)."""
+        return bool(self._unread)
+
     def unread(self, *lanes) -> None:
         """Note lanes (EPBuffers of this Buffer; None is skipped) that just ran a call reading nothing on the host, so
         that :meth:`check` reads them."""

@@ -38,6 +38,11 @@ from .packing import meta_width
 __all__ = ["MetaOps"]
 
 
+def _cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` in plain integers (``triton.cdiv`` is a constexpr function: ~1-2 us of host time a call)."""
+    return -(-a // b)
+
+
 def _p2(n: int) -> int:
     return max(2, triton.next_power_of_2(n))
 
@@ -121,7 +126,7 @@ class MetaOps:
                 acc_ptr=acc, K=K, KB=KB, E=E, L=E // W, W=W, WB=WB, BT=bt, NB=min(1024, _p2(W + E)),
                 num_warps=4), ("ids_ptr", "T", "in_rank_ptr", "counts_ptr")))
             self._tile[key] = bt
-        bk((max(1, triton.cdiv(T, self._tile[key])),), topk_idx, T, in_rank, counts)
+        bk((max(1, _cdiv(T, self._tile[key])),), topk_idx, T, in_rank, counts)
         per_rank, per_expert = counts.split((W, E))
         return per_rank, per_expert, in_rank
 
@@ -152,7 +157,7 @@ class MetaOps:
                 self._tile[key] = bt
             c = torch.Tensor.is_contiguous
             itr = is_token_in_rank if c(is_token_in_rank) else is_token_in_rank.contiguous()
-            bk((triton.cdiv(T, self._tile[key]),), itr, topk_idx if c(topk_idx) else topk_idx.contiguous(),
+            bk((_cdiv(T, self._tile[key]),), itr, topk_idx if c(topk_idx) else topk_idx.contiguous(),
                topk_weights if c(topk_weights) else topk_weights.contiguous(), T, blk, o_meta, o_slots, o_w)
         return out
 
@@ -197,7 +202,7 @@ class MetaOps:
                 ("rows_ptr", "w_ptr", "R", "live_ptr", "lo", "idx_ptr", "wout_ptr", "ticket")))
             self._tile[key] = br
         ticket = host.next_ticket() if read else 0
-        bk((triton.cdiv(R, self._tile[key]),), rows, weights, R, live if has_live else acc, rank * L,
+        bk((_cdiv(R, self._tile[key]),), rows, weights, R, live if has_live else acc, rank * L,
            idx, wout, ticket)
         if not read:
             return idx, wout, None
@@ -226,7 +231,7 @@ class MetaOps:
                 ("x_ptr", "in_rank_ptr", "ids_ptr", "w_ptr", "T", "xin_ptr", "slots_ptr")))
             self._tile[key] = bt
         c = torch.Tensor.is_contiguous
-        bk((max(1, triton.cdiv(T, self._tile[key])),), x if c(x) else x.contiguous(),
+        bk((max(1, _cdiv(T, self._tile[key])),), x if c(x) else x.contiguous(),
            is_token_in_rank if c(is_token_in_rank) else is_token_in_rank.contiguous(),
            topk_idx if c(topk_idx) else topk_idx.contiguous(),
            topk_weights if c(topk_weights) else topk_weights.contiguous(), T, x_in, slots)
@@ -264,7 +269,7 @@ class MetaOps:
                 ("rows_ptr", "offs_ptr", "R", "idx_ptr", "wout_ptr", "ticket")))
             self._tile[key] = br
         ticket = host.next_ticket() if read else 0
-        bk((triton.cdiv(R, self._tile[key]),), rows, offsets, R, idx, wout, ticket)
+        bk((_cdiv(R, self._tile[key]),), rows, offsets, R, idx, wout, ticket)
         if not read:
             return idx, wout, None
         self.host_reads += 1
@@ -286,7 +291,7 @@ class MetaOps:
         na, nb = av.numel(), (bv.numel() if b is not None else 0)
         n = max(na, nb)
         block = 1024 if self._cuda else 4096
-        grid = min(max(triton.cdiv(n, block), 1), 132) if self._cuda else 1
+        grid = min(max(_cdiv(n, block), 1), 132) if self._cuda else 1
         ab, bb = av.element_size(), bv.element_size()
         key = ("poison", W, block, ab, bb)
         bk = self._launch.bound(key)

@@ -39,7 +39,17 @@ def _synced(sync_free: bool, sync_checks: int) -> bool:
     ``sync_checks``, the lanes' mode, not ``SYNC_NONE``): only then may the refusal path run a collective."""
     if sync_free or sync_checks == envs.SYNC_NONE:
         return False
-    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    return not (_cuda() and torch._C._cuda_isCurrentStreamCapturing())
+
+
+_HAS_CUDA: list = []
+
+
+def _cuda() -> bool:
+    """``torch.cuda.is_available()``, asked once (about 1 us a call)."""
+    if not _HAS_CUDA:
+        _HAS_CUDA.append(torch.cuda.is_available())
+    return _HAS_CUDA[0]
 
 
 def _width(x) -> int | None:
@@ -82,6 +92,7 @@ class NormalMode:
         self._zeros = {}   # (rows, width, device) -> bf16 zeros: the meta lane's rows in a weights-only backward
         self._inputs = {}  # meta-rows lane key -> (lane, x_in [Tmax, H] bf16, {rows: view})
         self._eo = {}      # meta-rows lane -> (lane, its expert-output buffer, {rows: view})
+        self._plans = {}   # ((width, num_worst_tokens, K), capacity) -> (rows-lane key, P): _plan
         self._last_x_key = None  # the latest dispatch's rows-lane key
         self._last_spec = None  # ... and what chose it: (width, num_worst_tokens, K)
         self._meta_ops = {}  # device -> MetaOps (the layout and meta-unpacking launches, bound on first use)
@@ -147,25 +158,31 @@ class NormalMode:
         pseudo-experts per rank (``2r`` token rows, ``2r + 1`` meta rows) and ``capacity + W*P`` tokens, else one
         pseudo-expert per rank (the meta lane carries the top-k). Every rank decides alike (the same capacity and
         spec)."""
+        self.lanes.capacity(T)
+        key, P = self._plan(spec)
         width, worst, K = spec
-        tcap = self.lanes.capacity(T)
-        P = meta_rows_per_rank(tcap, K, width, self.W, self.meta_rows_max_tokens)
         if not P:
-            return self._x_lane(("x", width, worst), T), 0
+            return self._x_lane(key, T), 0
         extra, W = self.W * P, self.W
         mrt = (lambda tc: worst + extra) if worst else (lambda tc: W * tc + extra)
-        return self.lanes.get(("xm", width, worst, K), T, num_experts=2 * W, hidden=width, topk=W,
+        return self.lanes.get(key, T, num_experts=2 * W, hidden=width, topk=W,
                               max_tokens_per_rank=lambda tc: tc + extra, max_recv_tokens=mrt), P
+
+    def _plan(self, spec):
+        """``(rows-lane key, P)`` of ``spec`` under the current shared capacity (agreed before: :meth:`_spec_lane`),
+        worked out once per (spec, capacity)."""
+        got = self._plans.get((spec, self.lanes.tcap))
+        if got is None:
+            width, worst, K = spec
+            P = meta_rows_per_rank(self.lanes.tcap, K, width, self.W, self.meta_rows_max_tokens)
+            got = self._plans[(spec, self.lanes.tcap)] = (("xm", width, worst, K) if P else ("x", width, worst)), P
+        return got
 
     def _lane_key(self, spec):
         """The key of ``spec``'s rows lane under the current shared capacity (None before it is agreed)."""
-        tcap = self.lanes.tcap
-        if spec is None or tcap is None:
+        if spec is None or self.lanes.tcap is None:
             return None
-        width, worst, K = spec
-        if meta_rows_per_rank(tcap, K, width, self.W, self.meta_rows_max_tokens):
-            return ("xm", width, worst, K)
-        return ("x", width, worst)
+        return self._plan(spec)[0]
 
     def _meta_lane(self, K: int, worst: int, T: int, rows2: bool = False):
         """The meta lane of top-k K (``rows2``: the one a combine of ``topk_weights`` dispatches after a meta-rows
@@ -292,7 +309,8 @@ class NormalMode:
         worst = num_worst_tokens
         # the top-k width a refused call takes part with (the peers' lanes), whatever failed below
         k_part = topk_idx.shape[1] if isinstance(topk_idx, torch.Tensor) and topk_idx.dim() == 2 else 0
-        if isinstance(worst, int) and worst == 0 and _synced(False, self.lanes.sync_checks):
+        eager = _synced(False, self.lanes.sync_checks)
+        if isinstance(worst, int) and worst == 0 and eager and self.lanes.pending:
             key = self._lane_key((_width(x), 0, k_part))
             self.lanes.check(skip=self.lanes.peek(key) if key is not None else None)
         spec = None
@@ -361,8 +379,7 @@ class NormalMode:
             recv_idx, recv_w, hist = self._ops(dev).unpack_meta(
                 mout.x, mout.weights, R, K, self.rank, E // self.W, topk_idx.dtype,
                 live=out.expert_offsets[-1] if worst else None, read=not worst)
-        if not _synced(bool(worst), self.lanes.sync_checks):  # nobody read these lanes' status: the next synced
-            # call or check() does
+        if worst or not eager:  # nobody read these lanes' status: the next synced call or check() does
             self.lanes.unread(lane, meta_lane)
         h = NormalHandle(owner=self.owner, x_lane=lane, x_handle=out.handle, meta_lane=meta_lane,
                          meta_handle=meta_handle, slots=slots, num_tokens=T, num_rows=R, topk=K,

@@ -160,6 +160,9 @@ class NormalMode:
         spec)."""
         self.lanes.capacity(T)
         key, P = self._plan(spec)
+        lane = self.lanes.peek(key)
+        if lane is not None:
+            return lane, P
         width, worst, K = spec
         if not P:
             return self._x_lane(key, T), 0
@@ -204,7 +207,7 @@ class NormalMode:
         sync_free = bool(worst)
         for attempt in range(2):
             lane, P = self._spec_lane(spec, T)
-            self._last_x_key, self._last_spec = self._lane_key(spec), spec
+            self._last_x_key, self._last_spec = self._plan(spec)[0], spec
             try:
                 meta = None
                 if P:
@@ -347,14 +350,15 @@ class NormalMode:
                                      f"{tuple(topk_weights.shape)} must both be [num_tokens={T}, K]")
             elif worst:
                 raise InputError("num_worst_tokens needs topk_idx and topk_weights (as DeepEP)")
-            for name, t in (("is_token_in_rank", is_token_in_rank), ("topk_idx", topk_idx),
-                            ("topk_weights", topk_weights)):
-                if t is not None and t.device != payload.device:
-                    raise InputError(f"{name} is on {t.device}, x on {payload.device}")
+            dev = payload.device
+            if is_token_in_rank.device != dev or K and (topk_idx.device != dev or topk_weights.device != dev):
+                for name, t in (("is_token_in_rank", is_token_in_rank), ("topk_idx", topk_idx),
+                                ("topk_weights", topk_weights)):
+                    if t is not None and t.device != dev:
+                        raise InputError(f"{name} is on {t.device}, x on {dev}")
         except TritonEPError as e:
             self._refuse(e, spec, bool(worst) if isinstance(worst, int) else False, k_part)
 
-        dev = payload.device
         lane, P, slots, meta_in, out = self._send(spec, payload, is_token_in_rank, topk_idx, topk_weights, T, E, dev)
         R = out.handle.num_recv_rows
         if worst:

@@ -18,7 +18,7 @@
 #   peers    vs torchtitan 0.3.0: dispatch + combine vs MinimalAsyncEP, torchtitan's MoE layer with each
 #            dispatcher, eager (limits 150 + 150); needs the wheels in .whl/ (carry it; see `wheels`)
 #   titanc   torchtitan's MoE layer compiled (torch.compile fullgraph) per dispatcher               limit 420
-#   compat   the DeepEP-compatible Buffer's benchmark vs EPBuffer (benchmarks/deep_ep_compat.py)             limit 150
+#   compat   the DeepEP-compatible Buffer's benchmark vs EPBuffer (benchmarks/deep_ep_compat.py)             limit 240
 #   compatprof  where the compat Buffer's eager round trip spends its time (benchmarks/probes/compat_profile.py)  150
 #   memcheck an overflowing sync-free step + backward under compute-sanitizer memcheck, world 1 and W = 2
 #            time-sliced (benchmarks/probes/overflow_memcheck.py)                                  limits 200 + 240
@@ -140,7 +140,7 @@ for suite in "$@"; do
         titanc) use_wheels || exit 2
                 step titan_compiled 420 torchrun --nproc-per-node 1 benchmarks/titan_bench.py \
                     --json "$OUT/titan_bench_compiled.json" ;;
-        compat) step deep_ep_compat 150 torchrun --nproc-per-node 1 benchmarks/deep_ep_compat.py \
+        compat) step deep_ep_compat 240 torchrun --nproc-per-node 1 benchmarks/deep_ep_compat.py \
                     --json "$OUT/deep_ep_compat.json" ;;
         compatprof) step compat_profile 150 torchrun --nproc-per-node 1 benchmarks/probes/compat_profile.py ;;
         memcheck) SAN=(compute-sanitizer --tool memcheck --report-api-errors no --target-processes all --error-exitcode 3)

@@ -39,29 +39,29 @@ BUDGET = {  # the CPU's own tiles: the two-kernel lane dispatch (what a GPU take
     "layout": (12, 3, 2, 0, 1, 0),  # in_rank + one block for both counts (split in two views)
     # pack (1) + rows lane (4) + unpack (1); two pinned reads; slots, the outputs, the lane's handle and rows
     # (4 of the torch calls: attribute reads of the refusal bookkeeping, which lanes were read and the rows' device)
-    "dispatch": (63, 6, 4, 0, 6, 2),
+    "dispatch": (58, 6, 4, 0, 6, 2),
     # the copy into the lane's expert-output buffer (a torch kernel), the rows lane's combine (its output, two
     # launches, its status read), the token rows of its output (a view)
     "combine": (13, 3, 1, 1, 2, 1),
     # num_worst_tokens: no read at all; + the capacity poison launch (NaN rows and weights when the call overflowed:
     # no host read can tell) on the token rows' counts (a strided view of the exchange's); the torch kernel: the
     # lane's zeroed row weights (EPBuffer's sync-free dispatch on these tiles)
-    "worst_dispatch": (77, 10, 5, 1, 7, 0),
+    "worst_dispatch": (74, 10, 5, 1, 7, 0),
     "worst_combine": (22, 3, 1, 1, 3, 0),  # + the capacity poison launch on the combined rows
 }
 BUDGET_DECODE = {  # TRITONEP_GEOMETRY=bt=2,dec=3: the one-launch decode tiles (what a GPU takes up to 256 tokens)
     "layout": (12, 3, 2, 0, 1, 0),
-    "dispatch": (63, 6, 3, 0, 3, 2),  # pack + rows lane (1) + unpack; no torch kernel
+    "dispatch": (58, 6, 3, 0, 3, 2),  # pack + rows lane (1) + unpack; no torch kernel
     "combine": (13, 3, 0, 1, 1, 1),
-    "worst_dispatch": (78, 10, 3, 0, 4, 0),
+    "worst_dispatch": (75, 10, 3, 0, 4, 0),
     "worst_combine": (22, 3, 0, 1, 2, 0),
 }
 BUDGET_META_LANE = {  # meta_rows_max_tokens=0, decode tiles: the top-k in the meta lane
     "layout": (12, 3, 2, 0, 1, 0),
     # pack (both lanes' inputs: one block, four views) + rows lane (1) + meta lane (1) + unpack; no torch kernel
-    "dispatch": (82, 15, 3, 0, 4, 2),
+    "dispatch": (77, 15, 3, 0, 4, 2),
     "combine": (11, 1, 0, 0, 1, 1),
-    "worst_dispatch": (97, 19, 3, 0, 5, 0),
+    "worst_dispatch": (94, 19, 3, 0, 5, 0),
     "worst_combine": (20, 1, 0, 0, 2, 0),
 }
 

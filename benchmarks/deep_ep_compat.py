@@ -9,13 +9,17 @@ routing), 128 and 4096 tokens per rank (``--tokens``). Sides, each a round trip 
 output (median of 3 rounds of ``--iters`` calls, CUDA events; graph: the same replayed from a CUDA graph):
 
 * ``compat``: what Megatron / vLLM / SGLang call, ``get_dispatch_layout`` + ``dispatch(x, topk_idx, topk_weights)`` +
-  ``combine(recv_x, handle)``, eager (DeepEP's normal dispatch reads its counts on the host: not capturable);
-* ``compat_worst``: the same with ``num_worst_tokens`` (no host read), eager and graph;
+  ``combine(recv_x, handle)``, eager (DeepEP's normal dispatch reads its counts on the host: not capturable); the
+  Buffer's default way (``compat_path``: ``"meta rows"`` when the top-k travels as meta rows of the rows lane, one
+  exchange per dispatch, at small token counts; else ``"meta lane"``);
+* ``compat_meta_lane``: the same with ``Buffer(meta_rows_max_tokens=0)`` (the top-k in a second EPBuffer, the meta
+  lane), eager: the two ways side by side on the same GPU run;
+* ``compat_worst``: ``compat`` with ``num_worst_tokens`` (no host read), eager and graph;
 * ``tep``: ``tritonep.EPBuffer`` on the same tokens and routing (rows per (token, expert), weighted combine), eager
   and graph: the API a new caller would use;
-* ``rows``: the EPBuffer the compat Buffer's rows travel in (one pseudo-expert per rank: DeepEP's rows, no top-k
-  metadata; its routing made once, outside the timed calls), eager and graph: the same bytes as ``compat``, so
-  ``compat`` / ``rows`` is the adapter's own cost. Its host path is EPBuffer's own (the same counts as ``tep``'s:
+* ``rows``: an EPBuffer of DeepEP's rows alone (one pseudo-expert per rank, no top-k metadata: the compat Buffer's
+  rows lane without meta rows; its routing made once, outside the timed calls), eager and graph: the same token rows
+  as ``compat``, so ``compat`` / ``rows`` is the adapter's own cost. Its host path is EPBuffer's own (the same counts as ``tep``'s:
   ``benchmarks/probes/host_path.py --compat``); a torch op per call on its routing would time torch, not the lane.
 
 Checks (every point; exit code 1 when one fails): ``compat`` and ``compat_worst`` combine to ``x * (ranks that
@@ -90,6 +94,14 @@ def bench_point(group, T, H, E, K, iters):
         d = ebuf.dispatch(x, idx, w)
         return ebuf.combine(d.x, d.handle)
 
+    lane_buf = deep_ep.Buffer(group, 0, 0, max_tokens_per_rank=T, meta_rows_max_tokens=0)
+
+    def compat_meta_lane():
+        n, _, ne, itr_, _ = lane_buf.get_dispatch_layout(idx, E)
+        rx_, _, _, _, h_, _ = lane_buf.dispatch(x, num_tokens_per_rank=n, is_token_in_rank=itr_,
+                                                num_tokens_per_expert=ne, topk_idx=idx, topk_weights=w)
+        return lane_buf.combine(rx_, h_)[0]
+
     rows = tep.EPBuffer(group, W, H, T, W, max_recv_tokens=W * T)
     ranks = torch.arange(W, dtype=torch.int32, device=dev)
     ones = torch.ones(T, W, device=dev)
@@ -110,21 +122,26 @@ def bench_point(group, T, H, E, K, iters):
         bool(torch.equal(rxw[:R], rx)) and bool((ridxw[R:] == -1).all())
     slots = torch.where(itr, ranks, -1)  # the compat Buffer's rows-lane routing (its packing kernel's first part)
     row["rows_exact"] = bool(torch.equal(rows_round(slots), expect))
+    row["compat_meta_lane_exact"] = bool(torch.equal(compat_meta_lane(), expect))
+    row["compat_path"] = "meta rows" if any(key[0] == "xm" for key, _ in buf.lanes) else "meta lane"
     oracle = x.float() * w.sum(1, keepdim=True)
     row["tep_err_vs_oracle"] = float((tep_round().float() - oracle).abs().max() /
                                      oracle.abs().max().clamp_min(1e-30))
     row["received_rows"] = R
     # timings
     _timed(row, "compat", lambda: compat()[0], group, iters, graph=False)
+    _timed(row, "compat_meta_lane", compat_meta_lane, group, iters, graph=False)
     _timed(row, "compat_worst", lambda: compat(worst)[0], group, iters, graph=True)
     _timed(row, "tep", tep_round, group, iters, graph=True)
     _timed(row, "rows", lambda: rows_round(slots), group, iters, graph=True)
     row["compat_over_tep_eager"] = row["compat_eager_us"] / row["tep_eager_us"]
     row["compat_minus_tep_eager_us"] = row["compat_eager_us"] - row["tep_eager_us"]
     row["compat_over_rows_eager"] = row["compat_eager_us"] / row["rows_eager_us"]
+    row["compat_meta_lane_minus_tep_eager_us"] = row["compat_meta_lane_eager_us"] - row["tep_eager_us"]
     row["checked"] = row["compat_exact"] and row["compat_worst_exact"] and row["rows_exact"] and \
-        row["tep_err_vs_oracle"] <= 2e-2
+        row["compat_meta_lane_exact"] and row["tep_err_vs_oracle"] <= 2e-2
     buf.destroy()
+    lane_buf.destroy()
     ebuf.close()
     rows.close()
     return row

@@ -18,7 +18,7 @@
 #   peers    vs torchtitan 0.3.0: dispatch + combine vs MinimalAsyncEP, torchtitan's MoE layer with each
 #            dispatcher, eager (limits 150 + 150); needs the wheels in .whl/ (carry it; see `wheels`)
 #   titanc   torchtitan's MoE layer compiled (torch.compile fullgraph) per dispatcher               limit 420
-#   compat   the DeepEP-compatible Buffer's benchmark vs EPBuffer (benchmarks/deep_ep_compat.py)             limit 150
+#   compat   the DeepEP-compatible Buffer's benchmark vs EPBuffer (benchmarks/deep_ep_compat.py)             limit 240
 #   wires    world 1, DeepSeek-V3 shape: dispatch (decoded and rows kept quantized) and combine per wire, graph-
 #            replayed, with the HBM copy rate beside them; WIRE_VARIANTS="deepseek-v3:0:fp8+mxfp4:bt=8 ..." adds
 #            tile variants; then the combine backward (eager_profile, 4096 tokens; BWD_VARIANTS="bbt=4,bwarps=8 ..."
@@ -146,7 +146,7 @@ for suite in "$@"; do
         titanc) use_wheels || exit 2
                 step titan_compiled 420 torchrun --nproc-per-node 1 benchmarks/titan_bench.py \
                     --json "$OUT/titan_bench_compiled.json" ;;
-        compat) step deep_ep_compat 150 torchrun --nproc-per-node 1 benchmarks/deep_ep_compat.py \
+        compat) step deep_ep_compat 240 torchrun --nproc-per-node 1 benchmarks/deep_ep_compat.py \
                     --json "$OUT/deep_ep_compat.json" ;;
         wires) step wire_bench 300 torchrun --nproc-per-node 1 benchmarks/ep_bench.py --num-sms --iters 20 \
                    --variants "deepseek-v3:0:bf16+fp8+mxfp4:" ${WIRE_VARIANTS:-} --json "$OUT/wire_bench.json"

@@ -1,6 +1,10 @@
 """Where the DeepEP-compatible Buffer's eager round trip spends its time, at world 1 on one GPU.
 
     PYTHONPATH=. torchrun --nproc-per-node 1 benchmarks/probes/compat_profile.py --tokens 128 4096
+    PYTHONPATH=. torchrun --nproc-per-node 1 benchmarks/probes/compat_profile.py --tokens 128 --meta-rows-max-tokens 0
+
+``--meta-rows-max-tokens``: the Buffer's (default: its own, 256: the top-k as meta rows of the rows lane at 128
+tokens; 0: in the meta lane, a second EPBuffer dispatch).
 
 For each token count (the ``deepseek-v3`` profile's hidden size, experts and top-k; uniform random routing) and each
 mode (``host``: counts read on the host; ``worst``: ``num_worst_tokens``, no host read), what Megatron calls
@@ -57,6 +61,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=[128, 4096])
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--meta-rows-max-tokens", type=int, default=None)
     a = ap.parse_args()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
     dist.init_process_group("nccl")
@@ -72,7 +77,8 @@ def main() -> int:
         x = torch.randn(T, H, generator=g).bfloat16().to(dev)
         idx = torch.argsort(torch.rand(T, E, generator=g), dim=1)[:, :K].to(dev)
         w = torch.rand(T, K, generator=g).to(dev)
-        buf = deep_ep.Buffer(dist.group.WORLD, 0, 0, max_tokens_per_rank=T)
+        opt = {} if a.meta_rows_max_tokens is None else {"meta_rows_max_tokens": a.meta_rows_max_tokens}
+        buf = deep_ep.Buffer(dist.group.WORLD, 0, 0, max_tokens_per_rank=T, **opt)
         for mode, worst in (("host", 0), ("worst", W * T)):
             def round_trip():
                 n, _, ne, itr, _ = buf.get_dispatch_layout(idx, E)
@@ -84,7 +90,8 @@ def main() -> int:
             for _ in range(3):
                 round_trip()
             torch.cuda.synchronize()
-            print(f"\n##### T={T} mode={mode}: phases (us, synchronized each) "
+            kinds = sorted({key[0] for key, _ in buf.lanes})
+            print(f"\n##### T={T} mode={mode} lanes={kinds}: phases (us, synchronized each) "
                   f"{_phases(buf, x, idx, w, E, worst, a.calls)}", flush=True)
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                     torch.profiler.ProfilerActivity.CUDA]) as prof:

@@ -38,15 +38,24 @@ def quantize_rows(x: torch.Tensor):
     return q, (amax / 448.0).T.contiguous().T
 
 
-def normal_case(group, backend: str, seed: int):
+def lane_kinds(buf) -> list:
+    """The kinds of the inner EPBuffers a compat Buffer made: ``"xm"`` rows lanes with meta rows, ``"x"`` rows lanes
+    of one pseudo-expert per rank, ``"meta"`` / ``"meta2"`` meta lanes (sorted, each once)."""
+    return sorted({key[0] for key, _ in buf.lanes})
+
+
+def normal_case(group, backend: str, seed: int, meta_rows_max_tokens=None, kinds=None):
     """Every normal-mode semantic on one Buffer: layout, dispatch (bf16 / fp8 / int32 scales / no top-k / aligned /
-    num_worst_tokens), cached dispatch, combine (weights, bias), over two rounds of fresh inputs."""
+    num_worst_tokens), cached dispatch, combine (weights, bias), over two rounds of fresh inputs.
+    ``meta_rows_max_tokens``: the Buffer's (None: its default, the top-k as meta rows at these sizes; 0: the meta
+    lane). ``kinds``: the inner EPBuffer kinds (:func:`lane_kinds`) the Buffer must have made."""
     import tritonep.compat.deep_ep as deep_ep
 
     rank, W = group.rank(), group.size()
     dev, E = _dev(), L * W
     K = min(TOPK, E)  # distinct experts per token (a world of one has two)
-    buf = deep_ep.Buffer(group, 0, 0, backend=backend)
+    opt = {} if meta_rows_max_tokens is None else {"meta_rows_max_tokens": meta_rows_max_tokens}
+    buf = deep_ep.Buffer(group, 0, 0, backend=backend, **opt)
     checked = 0
     for rnd in range(2):
         gen = torch.Generator().manual_seed(1000 * seed + 10 * rnd + rank)
@@ -135,5 +144,7 @@ def normal_case(group, backend: str, seed: int):
         rxc = buf.dispatch(x, handle=hw)[0]
         assert rxc.shape == (worst, H) and torch.equal(rxc[:R].view(torch.int16), rx.view(torch.int16))
         checked += 1
+    if kinds is not None:
+        assert lane_kinds(buf) == kinds, lane_kinds(buf)
     buf.destroy()
     return checked

@@ -18,7 +18,8 @@ flag, so every rank raises and the Buffer stays usable. Checked on the last rank
   peers): ``check()`` raises PeerInputError naming the rank on every rank.
 
 After each, a full round trip gives the right result on every rank. The CPU world checks that every rank ran the
-same launches and collectives.
+same launches and collectives. The top-k travels as meta rows of the rows lane at these sizes (a combine of
+``topk_weights`` dispatches a meta lane first); the meta lane's way (``meta_rows_max_tokens=0``) is checked too.
 """
 
 import pytest
@@ -50,13 +51,15 @@ def _device():
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _normal_world(group, backend, how):
-    """The last rank refuses one normal-mode call (``how``); every rank's outcomes (CPU worlds and GPU ones)."""
+def _normal_world(group, backend, how, meta_rows_max_tokens=256):
+    """The last rank refuses one normal-mode call (``how``); every rank's outcomes (CPU worlds and GPU ones).
+    ``meta_rows_max_tokens``: the Buffers' (0: the top-k in the meta lane; else as meta rows of the rows lane)."""
     rank, W = group.rank(), group.size()
     bad_rank = W - 1
     dev = _device()
-    buf = compat.Buffer(group, 0, 0, backend=backend, timeout_s=_WAIT_S)
-    other = compat.Buffer(group, 0, 0, backend=backend, timeout_s=_WAIT_S)
+    opt = dict(backend=backend, timeout_s=_WAIT_S, meta_rows_max_tokens=meta_rows_max_tokens)
+    buf = compat.Buffer(group, 0, 0, **opt)
+    other = compat.Buffer(group, 0, 0, **opt)
     E = 2 * W
     x = torch.randn(4, 128, device=dev).bfloat16()
     # every token to two ranks; at W = 3 one token also reaches the last rank (the refusing one)
@@ -140,6 +143,14 @@ def assert_normal(res, how):
 @pytest.mark.parametrize("how", ["dtype", "rows", "handle", "worst", "worst_handle", "cached", "worst_dispatch"])
 def test_refused_normal_call_takes_part(backend, how):
     assert_normal(run_cpu_world(2, _normal_world, backend, how, timeout_s=120), how)
+
+
+@pytest.mark.parametrize("backend", ["triton", "nccl"])
+@pytest.mark.parametrize("how", ["dtype", "worst", "worst_handle", "cached", "worst_dispatch"])
+def test_refused_normal_call_takes_part_meta_lane(backend, how):
+    """The same with the top-k in the meta lane (``meta_rows_max_tokens=0``): the refusing rank also takes part in
+    the meta lane's calls the peers go on to."""
+    assert_normal(run_cpu_world(2, _normal_world, backend, how, 0, timeout_s=120), how)
 
 
 @pytest.mark.slow

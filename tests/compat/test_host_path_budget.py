@@ -9,17 +9,21 @@ aten ops, allocations and torch kernels (aten ops that run a device kernel: torc
 launches, and host reads (the lanes' pinned status reads, the compat's own
 histogram read through pinned memory, and any torch call that reads the device: ``tolist``, ``item``, ...).
 
-Launches and host reads must match exactly: a dispatch is one launch of the packing kernel, the two lanes' dispatches
-(one launch each with the one-launch decode tiles a GPU picks up to 256 tokens, four each with the two-kernel tiles),
-one launch of the unpacking kernel; it reads the host twice (the rows lane's status, spun on as the kernel publishes
-it before any row moves, then the received-expert histogram the unpacking kernel publishes: no device-to-host copy)
-and a ``num_worst_tokens`` dispatch never. The layout is one launch and no read; a combine is the rows lane's
-(one read when its dispatch read, none after a ``num_worst_tokens`` one). Torch calls, aten ops, allocations and
-torch kernels may only go down (then lower the budget): the dispatch allocates the packing kernel's one block (four
-views), the unpacking kernel's two outputs and what the lanes allocate (``tests/backends/triton/
-test_host_path_budget.py``), and runs no torch kernel of its own (the torch way, ``packing.pack_torch``, a zeroed
-histogram and its ``tolist``, is six torch kernels and a device-to-host copy per dispatch). The previous step's
-outputs are let go before a dispatch, as a loop over steps does.
+Launches and host reads must match exactly. At these sizes the top-k travels as meta rows of the rows lane (the
+Buffer's default): a dispatch is one launch of the packing kernel (x copied into the lane's input with the meta rows,
+and the lane's slots), the rows lane's dispatch (one launch with the one-launch decode tiles a GPU picks up to 256
+tokens, four with the two-kernel tiles) and one launch of the unpacking kernel; it reads the host twice (the rows
+lane's status, spun on as the kernel publishes it before any row moves, then the received-expert histogram the
+unpacking kernel publishes: no device-to-host copy) and a ``num_worst_tokens`` dispatch never (its capacity poison
+launch instead: NaN rows and weights when the call overflowed). It allocates the lane's slots and the two outputs
+(the lane's input is kept per lane) and runs no torch kernel of its own. A combine is the rows lane's (one read when
+its dispatch read, none after a ``num_worst_tokens`` one) after one torch copy of the caller's rows into the lane's
+expert-output buffer (the lane's layout has the meta rows after them). With ``meta_rows_max_tokens=0`` (the meta
+lane, a second EPBuffer dispatch) a dispatch is the packing launch of both lanes' inputs, the two lanes' dispatches
+and the meta unpacking launch, two reads; its combine no copy. The layout is one launch and no read. Torch calls,
+aten ops, allocations and torch kernels may only go down (then lower the budget; the torch way, ``packing.pack_torch``,
+a zeroed histogram and its ``tolist``, is six torch kernels and a device-to-host copy per dispatch). The previous
+step's outputs are let go before a dispatch, as a loop over steps does.
 """
 
 import pytest
@@ -33,26 +37,36 @@ T, H, E, K = 12, 64, 8, 3
 # call -> (torch calls, aten ops, allocations, torch kernels, launches, host reads), world 2, T tokens per rank
 BUDGET = {  # the CPU's own tiles: the two-kernel lane dispatch (what a GPU takes at 4096 tokens)
     "layout": (12, 3, 2, 0, 1, 0),  # in_rank + one block for both counts (split in two views)
-    # pack (1) + rows lane (4) + meta lane (4) + unpack (1); two pinned reads; the torch kernel: the meta lane's
-    # zeroed row weights (EPBuffer's sync-free dispatch on these tiles)
+    # pack (1) + rows lane (4) + unpack (1); two pinned reads; slots, the outputs, the lane's handle and rows
     # (4 of the torch calls: attribute reads of the refusal bookkeeping, which lanes were read and the rows' device)
-    "dispatch": (83, 16, 6, 1, 10, 2),
-    "combine": (11, 1, 1, 0, 2, 1),  # the rows lane's combine: its output, two launches, its status read
-    # num_worst_tokens: no read at all (both lanes sync-free); + the capacity poison launch (NaN rows and weights when
-    # the call overflowed: no host read can tell) and its integer views of rows and weights
-    "worst_dispatch": (103, 26, 7, 2, 11, 0),
-    "worst_combine": (27, 7, 1, 0, 3, 0),  # + the capacity poison launch on the combined rows
+    "dispatch": (58, 6, 4, 0, 6, 2),
+    # the copy into the lane's expert-output buffer (a torch kernel), the rows lane's combine (its output, two
+    # launches, its status read), the token rows of its output (a view)
+    "combine": (13, 3, 1, 1, 2, 1),
+    # num_worst_tokens: no read at all; + the capacity poison launch (NaN rows and weights when the call overflowed:
+    # no host read can tell) on the token rows' counts (a strided view of the exchange's); the torch kernel: the
+    # lane's zeroed row weights (EPBuffer's sync-free dispatch on these tiles)
+    "worst_dispatch": (74, 10, 5, 1, 7, 0),
+    "worst_combine": (22, 3, 1, 1, 3, 0),  # + the capacity poison launch on the combined rows
 }
 BUDGET_DECODE = {  # TRITONEP_GEOMETRY=bt=2,dec=3: the one-launch decode tiles (what a GPU takes up to 256 tokens)
     "layout": (12, 3, 2, 0, 1, 0),
-    "dispatch": (84, 16, 3, 0, 4, 2),  # pack + rows lane (1) + meta lane (1) + unpack; no torch kernel
+    "dispatch": (58, 6, 3, 0, 3, 2),  # pack + rows lane (1) + unpack; no torch kernel
+    "combine": (13, 3, 0, 1, 1, 1),
+    "worst_dispatch": (75, 10, 3, 0, 4, 0),
+    "worst_combine": (22, 3, 0, 1, 2, 0),
+}
+BUDGET_META_LANE = {  # meta_rows_max_tokens=0, decode tiles: the top-k in the meta lane
+    "layout": (12, 3, 2, 0, 1, 0),
+    # pack (both lanes' inputs: one block, four views) + rows lane (1) + meta lane (1) + unpack; no torch kernel
+    "dispatch": (77, 15, 3, 0, 4, 2),
     "combine": (11, 1, 0, 0, 1, 1),
-    "worst_dispatch": (105, 26, 3, 0, 5, 0),
-    "worst_combine": (27, 7, 0, 0, 2, 0),
+    "worst_dispatch": (94, 19, 3, 0, 5, 0),
+    "worst_combine": (20, 1, 0, 0, 2, 0),
 }
 
 
-def _count(group, geometry):
+def _count(group, geometry, meta_rows_max_tokens=256):
     import os
 
     if geometry:
@@ -64,7 +78,7 @@ def _count(group, geometry):
     rank, W = dist.get_rank(group), dist.get_world_size(group)
     x, idx, w = make_rank_inputs(rank, T, H, E, K, seed=5, mask_frac=0.2)
     w = w.contiguous()
-    buf = deep_ep.Buffer(group, 0, 0, max_tokens_per_rank=T)
+    buf = deep_ep.Buffer(group, 0, 0, max_tokens_per_rank=T, meta_rows_max_tokens=meta_rows_max_tokens)
     st = {}
 
     def dispatch(worst=0):
@@ -86,10 +100,10 @@ def _count(group, geometry):
                 v["torch_names"], v["aten_names"]) for k, v in res.items()}
 
 
-@pytest.mark.parametrize("geometry", ["", "bt=2,dec=3"])
-def test_compat_round_trip_host_budget(geometry):
-    budget = BUDGET_DECODE if geometry else BUDGET
-    for rank, out in enumerate(run_cpu_world(2, _count, geometry, timeout_s=600)):
+@pytest.mark.parametrize("geometry,meta_rows_max_tokens,budget", [("", 256, BUDGET), ("bt=2,dec=3", 256, BUDGET_DECODE),
+                                                                    ("bt=2,dec=3", 0, BUDGET_META_LANE)])
+def test_compat_round_trip_host_budget(geometry, meta_rows_max_tokens, budget):
+    for rank, out in enumerate(run_cpu_world(2, _count, geometry, meta_rows_max_tokens, timeout_s=600)):
         for call, (calls, aten, allocs, kernels, launches, reads) in budget.items():
             got = out[call]
             assert got[4] == launches and got[5] == reads, (rank, call, got[:6])

@@ -7,7 +7,8 @@ one bf16 rounding) and its reduced weights, biases, cached dispatch, caller-quan
 column-major scales) handed on bit for bit, dispatch without top-k, and ``num_worst_tokens`` (received rows first, ids
 -1 and weight 0 after, rows past the received ones never read by the combine). Token counts are uneven and one rank
 has none. W = 2 on both backends, 3 and 4 on the nccl backend here; the triton backend at W = 3, 4, 8 and the nccl
-backend at W = 8 in CI's slow step.
+backend at W = 8 in CI's slow step. The top-k travels as meta rows of the rows lane at these sizes (the Buffer's
+default); the meta lane's way (``meta_rows_max_tokens=0``) at W = 2 on both backends (W = 3 in the slow step).
 """
 
 import pytest
@@ -23,4 +24,14 @@ CASES = [pytest.param(2, "triton"), pytest.param(2, "nccl"), pytest.param(3, "nc
 
 @pytest.mark.parametrize("world,backend", CASES)
 def test_normal_mode_matches_deepep_semantics(world, backend):
-    assert run_cpu_world(world, normal_case, backend, world, timeout_s=600) == [2] * world
+    # these token counts make the top-k travel as meta rows of the rows lane (one exchange per dispatch); the
+    # combine of topk_weights dispatches a meta lane routed like it ("meta2"); no top-k: a plain rows lane ("x")
+    kinds = ["meta2", "x", "xm"]
+    assert run_cpu_world(world, normal_case, backend, world, None, kinds, timeout_s=600) == [2] * world
+
+
+@pytest.mark.parametrize("world,backend", [pytest.param(2, "triton"), pytest.param(2, "nccl"),
+                                           pytest.param(3, "triton", marks=SLOW), pytest.param(3, "nccl", marks=SLOW)])
+def test_normal_mode_with_the_meta_lane(world, backend):
+    """``meta_rows_max_tokens=0``: the top-k travels in the meta lane (a second exchange), the same semantics."""
+    assert run_cpu_world(world, normal_case, backend, world, 0, ["meta", "x"], timeout_s=600) == [2] * world

@@ -8,6 +8,9 @@
   onto an expert); the packing kernel against its twin bit for bit (weights with NaN payloads included);
 - the unpacking twin and kernel (received tokens only when the count lives on the device; the histogram read on
   the host through pinned memory, none without a read);
+- meta rows (the top-k carried by the rows lane itself): how many per pair of ranks, the packing kernel (x copied,
+  the meta groups, the slots) and the unpacking kernel against their twins bit for bit, and the round trip against
+  plain loops (local ids, weights with NaN payloads, 0 where the id is -1, the histogram; a num_worst_tokens tail);
 - quantized rows (strided float scales, int32 scales) packed and unpacked bit for bit;
 - the low-latency slot map and the UE8M0 packing;
 - the NaN fill of a ``num_worst_tokens`` call refused for capacity: twin and kernel, bit for bit, and only when some
@@ -20,9 +23,10 @@ import torch
 from tests.compat.deepep_reference import layout_ref
 from tritonep.compat.deep_ep.meta import MetaOps
 from tritonep.compat.deep_ep.low_latency import expert_slots, ue8m0_pack
-from tritonep.compat.deep_ep.packing import (layout_torch, local_id_table, meta_slots, meta_width, pack_meta,
-                                              pack_quantized, pack_torch, poison_torch, rank_slots, unpack_meta,
-                                              unpack_quantized)
+from tritonep.compat.deep_ep.packing import (layout_torch, local_id_table, meta_rows_per_rank, meta_slots,
+                                              meta_width, pack_meta, pack_quantized, pack_rows_torch, pack_torch,
+                                              poison_torch, rank_slots, unpack_meta, unpack_quantized,
+                                              unpack_rows_torch)
 from tritonep.errors import InputError
 from tritonep.testing import run_cpu_world
 
@@ -154,6 +158,76 @@ def test_unpack_kernel_over_programs_and_calls():
             kernels.unpack_meta(rows.view(torch.bfloat16), w, R, K, rank, L, torch.int32, read=False)
             ki, kw, kh = kernels.unpack_meta(rows.view(torch.bfloat16), w, R, K, rank, L, torch.int32)
             assert torch.equal(ki, local) and torch.equal(kw, weights) and kh == hist.tolist()
+
+
+def test_meta_rows_per_rank():
+    # DeepSeek-V3 rows: 3584 words a row, 16 a token: 128 tokens need one meta row, 256 two
+    assert meta_rows_per_rank(128, 8, 7168, 8, 256) == 1 and meta_rows_per_rank(256, 8, 7168, 1, 1024) == 2
+    assert meta_rows_per_rank(256, 8, 7168, 1, 256) == 0  # 256 + 2 tokens: over the limit, the meta lane
+    assert meta_rows_per_rank(64, 3, 128, 2, 256) == 7  # 1 + 64 * 6 words in rows of 64
+    for bad in ((64, 0, 128), (64, 3, 127), (64, 3, None), (64, 3, 0)):  # no top-k; an odd or unknown width
+        assert meta_rows_per_rank(*bad, 2, 256) == 0
+    assert meta_rows_per_rank(64, 3, 128, 2, 0) == 0
+
+
+def _received(packed, itr, rank, P, T):
+    """What rank ``rank`` receives from sources packing ``packed`` (each ``(x_in, slots)`` of pack_rows_torch), as its
+    rows lane lays it out: every source's token rows (source order), then every source's P meta rows for it."""
+    toks = [x_in[:t][itr_s[:, rank]] for (x_in, _), itr_s, t in zip(packed, itr, T)]
+    meta = [x_in[t + rank * P:t + (rank + 1) * P] for (x_in, _), t in zip(packed, T)]
+    return torch.cat(toks + meta), sum(int(i[:, rank].sum()) for i in itr)
+
+
+def test_meta_rows_kernels_match_twins_and_loops():
+    kernels = MetaOps("cpu")
+    gen = torch.Generator().manual_seed(6)
+    # (W, E, K, H, tokens per source): several programs (a CPU program packs 64 tokens, unpacks 64 rows), a source
+    # with none, a top-1, rows of few words (a token's words cross rows)
+    for W, E, K, H, T in ((2, 8, 3, 64, (7, 0)), (3, 12, 4, 128, (150, 70, 3)), (1, 4, 8, 16, (5,)),
+                          (2, 6, 1, 8, (1, 2))):
+        tcap, L = 256, E // W
+        P = meta_rows_per_rank(tcap, K, H, W, 10 ** 9)
+        srcs = []
+        for t in T:
+            idx = torch.randint(-2, E + 2, (t, K), generator=gen)  # -1, -2 and ids >= E: local -1 everywhere
+            w = torch.rand(t, K, generator=gen)
+            if t:
+                w.view(torch.int32)[0, 0] = 0x7FC00123  # a NaN payload travels as bits
+            itr = torch.rand(t, W, generator=gen) < 0.6
+            x = torch.randint(-2 ** 15, 2 ** 15, (t, H), generator=gen, dtype=torch.int32).to(torch.int16)
+            srcs.append((x.view(torch.bfloat16), itr, idx, w))
+        packed = []
+        for x, itr, idx, w in srcs:
+            for dt in (torch.int64, torch.int32):
+                ref = pack_rows_torch(x, itr, idx.to(dt), w, E, P)
+                x_in = torch.full((tcap + W * P, H), 3.0, dtype=torch.bfloat16)  # a used buffer: rows rewritten
+                slots = kernels.pack_rows(x, itr, idx.to(dt), w, x_in, E, P)
+                n = x.shape[0] + W * P
+                assert torch.equal(slots, ref[1]) and torch.equal(x_in[:n].view(torch.int16), ref[0].view(torch.int16))
+            packed.append(ref)
+        itrs = [s[1] for s in srcs]
+        for rank in range(W):
+            rows, R = _received(packed, itrs, rank, P, T)
+            rows = torch.cat([rows, torch.full((5, H), 9.0, dtype=torch.bfloat16)])  # spare rows after the lane's
+            offs = torch.tensor([R, R + W * P], dtype=torch.int32)
+            # DeepEP's values by plain loops: each received token's ids local to this rank, weights 0 where -1
+            e_idx = torch.cat([torch.where((i >= rank * L) & (i < (rank + 1) * L), i - rank * L, -1)[m[:, rank]]
+                               for _, m, i, _ in srcs])
+            e_w = torch.cat([torch.where(e >= 0, w[m[:, rank]], 0.0) for e, (_, m, _, w) in
+                             zip(torch.split(e_idx, [int(m[:, rank].sum()) for _, m, _, _ in srcs]), srcs)])
+            for n in (R, R + 3):  # the rows received, and a num_worst_tokens tail after them
+                ri, rw, rh = unpack_rows_torch(rows, R, n, K, L, W, P)
+                assert torch.equal(ri[:R], e_idx) and torch.equal(rw[:R].view(torch.int32), e_w.view(torch.int32))
+                assert bool((ri[R:] == -1).all()) and not rw[R:].any()
+                assert rh.tolist() == [int((e_idx == j - 1).sum()) for j in range(L + 1)]
+                for dt in (torch.int64, torch.int32):
+                    reads = kernels.host_reads
+                    ki, kw, kh = kernels.unpack_rows(rows, offs, n, K, L, W, P, dt)
+                    assert ki.dtype == dt and torch.equal(ki, ri.to(dt))
+                    assert torch.equal(kw.view(torch.int32), rw.view(torch.int32))
+                    assert kh == rh.tolist() and kernels.host_reads == reads + (1 if n else 0)
+                    ki, kw, kh = kernels.unpack_rows(rows, offs, n, K, L, W, P, dt, read=False)
+                    assert kh is None and torch.equal(ki, ri.to(dt)) and kernels.host_reads == reads + (1 if n else 0)
 
 
 def test_quantized_rows_round_trip_bit_exact():

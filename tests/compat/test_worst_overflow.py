@@ -58,11 +58,12 @@ def _check(buf):
         return "CapacityError"
 
 
-def _world(group, backend):
-    """Every rank's outcomes of the sequence below (device: the current CUDA device, else the CPU)."""
+def _world(group, backend, meta_rows_max_tokens=256):
+    """Every rank's outcomes of the sequence below (device: the current CUDA device, else the CPU);
+    ``meta_rows_max_tokens``: the Buffer's (0: the top-k in the meta lane; else as meta rows of the rows lane)."""
     W = group.size()
     E = 2 * W
-    buf = compat.Buffer(group, 0, 0, backend=backend, timeout_s=_WAIT_S)
+    buf = compat.Buffer(group, 0, 0, backend=backend, timeout_s=_WAIT_S, meta_rows_max_tokens=meta_rows_max_tokens)
     out = [_call(buf, E, 6),     # 4W rows to ranks 0 and 1 > 6: refused, NaN, nothing raised (no host read)
            _call(buf, E, 0),     # a synced dispatch (another lane): raises the refusal on every rank, before moving
            _call(buf, E, 6),     # again: refused, NaN
@@ -79,6 +80,7 @@ EXPECT = ["nan", "CapacityError", "nan", "nan", "CapacityError", "ok", "rows", "
 
 @pytest.mark.parametrize("backend", ["triton", "nccl"])
 @pytest.mark.parametrize("W", [2, pytest.param(3, marks=pytest.mark.slow)])
-def test_worst_tokens_overflow_is_nan_and_raised(backend, W):
-    for r, out in enumerate(run_cpu_world(W, _world, backend, timeout_s=120)):
+@pytest.mark.parametrize("meta_rows_max_tokens", [256, 0])
+def test_worst_tokens_overflow_is_nan_and_raised(backend, W, meta_rows_max_tokens):
+    for r, out in enumerate(run_cpu_world(W, _world, backend, meta_rows_max_tokens, timeout_s=120)):
         assert out == EXPECT, (r, out)

@@ -35,7 +35,7 @@ def install(**defaults) -> None:
     Args:
         **defaults: tritonep's Buffer arguments for Buffers made by callers that only pass DeepEP's: ``backend``
             (``"auto"`` | ``"triton"`` | ``"nccl"``), ``max_tokens_per_rank``, ``num_sms``, ``device``,
-            ``timeout_s`` (see :class:`Buffer`).
+            ``timeout_s``, ``meta_rows_max_tokens`` (see :class:`Buffer`).
 
     Raises:
         tritonep.errors.ConfigError: an unknown default.

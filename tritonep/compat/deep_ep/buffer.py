@@ -24,11 +24,12 @@ from .utils import EventHandle, EventOverlap
 __all__ = ["Buffer", "DEFAULTS"]
 
 DEFAULTS: dict = {"backend": "auto", "max_tokens_per_rank": None, "num_sms": None, "device": None,
-                  "timeout_s": None}
+                  "timeout_s": None, "meta_rows_max_tokens": 256}
 """tritonep's own Buffer arguments when a caller (a framework that only knows DeepEP's) does not pass them; set with
 :func:`tritonep.compat.deep_ep.install` (``backend``: ``"auto"`` | ``"triton"`` | ``"nccl"``;
 ``max_tokens_per_rank``: fixed token capacity of the normal mode; ``num_sms``: SM cap of every kernel; ``device``;
-``timeout_s``: the bound of every wait)."""
+``timeout_s``: the bound of every wait; ``meta_rows_max_tokens``: up to which rows-lane size a normal dispatch
+carries its top-k as meta rows, one exchange)."""
 
 
 def _begin(previous_event, async_finish: bool, allocate_on_comm_stream: bool) -> None:
@@ -48,6 +49,17 @@ def _begun(previous_event, async_finish: bool, allocate_on_comm_stream: bool) ->
     except InputError as e:
         return e
     return None
+
+
+_set_grad = torch._C._set_grad_enabled
+
+
+def _no_grad() -> bool:
+    """Turn autograd off (what ``with torch.no_grad():`` does, without its per-call object: about 2 us of host
+    time less per call); returns the mode to restore with ``_set_grad``."""
+    grad = torch.is_grad_enabled()
+    _set_grad(False)
+    return grad
 
 
 def _end(async_finish: bool, tensors) -> EventOverlap:
@@ -81,6 +93,12 @@ class Buffer:
             size DeepEP's channels and have no effect here).
         device: the device of the EPBuffers (None: the current CUDA device, else the CPU, as EPBuffer).
         timeout_s: the bound of every in-kernel wait (TRITONEP_TIMEOUT_S by default).
+        meta_rows_max_tokens: a normal dispatch with top-k carries its ids and weights as meta rows of its rows lane
+            (one EPBuffer dispatch, a copy of ``x`` into the lane's input and of the combine's rows into its
+            expert-output buffer) when that lane's tokens per rank (the token capacity plus the meta rows:
+            :func:`tritonep.compat.deep_ep.packing.meta_rows_per_rank`) are at most this; else in a second EPBuffer
+            (the meta lane: a second exchange, no copies). Default 256 (the triton backend's one-launch decode tiles
+            go up to 256 tokens); 0: always the meta lane. Must be the same on every rank.
 
     Every call is collective over the group, as DeepEP's. EPBuffers are made on first use (collectively), so the
     constructor runs no collective.
@@ -97,7 +115,8 @@ class Buffer:
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False, use_fabric: bool = False,
                  explicitly_destroy: bool = False, enable_shrink: bool = False, comm=None, *,
                  backend: Optional[str] = None, max_tokens_per_rank: Optional[int] = None,
-                 num_sms: Optional[int] = None, device=None, timeout_s: Optional[float] = None) -> None:
+                 num_sms: Optional[int] = None, device=None, timeout_s: Optional[float] = None,
+                 meta_rows_max_tokens: Optional[int] = None) -> None:
         if group is None:
             if comm is not None:
                 raise _not_offered("Buffer(comm=...) (an mpi4py communicator); pass a torch.distributed group")
@@ -114,14 +133,17 @@ class Buffer:
         self.enable_shrink = False
         opt = dict(DEFAULTS)
         for k, v in (("backend", backend), ("max_tokens_per_rank", max_tokens_per_rank), ("num_sms", num_sms),
-                     ("device", device), ("timeout_s", timeout_s)):
+                     ("device", device), ("timeout_s", timeout_s), ("meta_rows_max_tokens", meta_rows_max_tokens)):
             if v is not None:
                 opt[k] = v
+        mrm = opt["meta_rows_max_tokens"]
+        if not isinstance(mrm, int) or isinstance(mrm, bool) or mrm < 0:
+            raise ConfigError(f"meta_rows_max_tokens={mrm!r} must be an int >= 0")
         self.lanes = Lanes(group, opt["backend"], opt["device"], opt["num_sms"], opt["timeout_s"],
                            opt["max_tokens_per_rank"])
         Buffer._serial += 1
         self._id = Buffer._serial
-        self._normal = NormalMode(self._id, self.lanes, self.rank, self.group_size)
+        self._normal = NormalMode(self._id, self.lanes, self.rank, self.group_size, mrm)
         self._ll = LowLatencyMode(self._id, self.lanes, self.rank, self.group_size)
 
     # ------------------------------------------------------------------------------------------------ lifetime
@@ -217,8 +239,11 @@ class Buffer:
         """
         self._open()
         _begin(previous_event, async_finish, allocate_on_comm_stream)
-        with torch.no_grad():
+        grad = _no_grad()
+        try:
             per_rank, per_expert, in_rank = self._normal.layout(topk_idx, num_experts)
+        finally:
+            _set_grad(grad)
         return per_rank, None, per_expert, in_rank, _end(async_finish, (topk_idx, per_rank, per_expert, in_rank))
 
     def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]], handle: Optional[tuple] = None,
@@ -264,10 +289,13 @@ class Buffer:
         """
         self._open()
         refused = _begun(previous_event, async_finish, allocate_on_comm_stream)
-        with torch.no_grad():
+        grad = _no_grad()
+        try:
             recv_x, recv_idx, recv_w, counts, h = self._normal.dispatch(
                 x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
                 expert_alignment, num_worst_tokens, refused)
+        finally:
+            _set_grad(grad)
         rx = recv_x if isinstance(recv_x, tuple) else (recv_x,)
         return recv_x, recv_idx, recv_w, counts, h, _end(async_finish, rx + (recv_idx, recv_w))
 
@@ -300,8 +328,11 @@ class Buffer:
         """
         self._open()
         refused = _begun(previous_event, async_finish, allocate_on_comm_stream)
-        with torch.no_grad():
+        grad = _no_grad()
+        try:
             y, w = self._normal.combine(x, handle, topk_weights, bias, refused)
+        finally:
+            _set_grad(grad)
         return y, w, _end(async_finish, (x, y, w))
 
     def internode_dispatch(self, *args, **kwargs):

@@ -25,23 +25,36 @@ class NormalHandle(tuple):
 
     Attributes (tritonep's): ``owner`` (the compat Buffer's id), ``x_lane`` / ``x_handle`` (the EPBuffer and
     :class:`tritonep.DispatchHandle` of the rows), ``meta_lane`` / ``meta_handle`` (of the top-k ids and weights;
-    None when the dispatch carried none), ``slots`` (int32 ``[T, W]`` routing of the per-rank composition),
-    ``num_tokens`` (T), ``num_rows`` (rows the dispatch returned: received rows, or ``num_worst_tokens``),
-    ``topk`` (K of the carried top-k, or 0), ``worst`` (whether the dispatch used ``num_worst_tokens``).
+    None when the dispatch carried none or carried them as meta rows), ``slots`` (int32 ``[T, W]`` routing of the
+    per-rank composition; ``[T + W*P, W]`` with meta rows, the tokens' first), ``num_tokens`` (T), ``num_rows`` (rows
+    the dispatch returned: received rows, or ``num_worst_tokens``), ``topk`` (K of the carried top-k, or 0),
+    ``worst`` (whether the dispatch used ``num_worst_tokens``), ``meta_rows`` (P: the top-k travelled as P meta rows
+    per pair of ranks in the rows lane, whose pseudo-experts are then ``2r`` (token rows) and ``2r + 1`` (meta rows);
+    0: the rows lane has one pseudo-expert per rank).
     """
 
     def __new__(cls, *, owner, x_lane, x_handle, meta_lane, meta_handle, slots, num_tokens, num_rows, topk,
-                is_token_in_rank, worst):
+                is_token_in_rank, worst, meta_rows=0):
         h = tuple.__new__(cls, (None,) * 6)
         h.__dict__.update(owner=owner, x_lane=x_lane, x_handle=x_handle, meta_lane=meta_lane,
                           meta_handle=meta_handle, slots=slots, num_tokens=num_tokens, num_rows=num_rows, topk=topk,
-                          is_token_in_rank=is_token_in_rank, worst=worst, _rpm=None)
+                          is_token_in_rank=is_token_in_rank, worst=worst, meta_rows=meta_rows, _rpm=None,
+                          _rc=None)
         return h
+
+    def rank_counts(self) -> torch.Tensor:
+        """int32 ``[W, W]``: token rows of source rank i to rank j in this dispatch (the exchange's counts of the
+        token-row pseudo-experts; a strided view with meta rows; made once)."""
+        c = self._rc
+        if c is None:
+            c = self.x_handle.counts
+            c = self._rc = c[:, 0::2] if self.meta_rows else c
+        return c
 
     def _field(self, i: int):
         if i == 0:
             if self._rpm is None:
-                self._rpm = torch.cumsum(self.x_handle.counts, 0, dtype=torch.int32)
+                self._rpm = torch.cumsum(self.rank_counts(), 0, dtype=torch.int32)
             return self._rpm
         if i == 4:
             return self.is_token_in_rank

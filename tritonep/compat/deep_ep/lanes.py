@@ -79,9 +79,19 @@ class Lanes:
         dist.all_gather_object(got, int(n), group=self.group)
         return max(got)
 
+    def capacity(self, num_tokens: int) -> int:
+        """The shared token capacity ``tcap``, agreed now if no lane set it yet (collective: one
+        ``all_gather_object`` of ``num_tokens``, the same on every rank whatever its data)."""
+        if self.tcap is None:
+            self.tcap = _pow2_at_least(self._max_over_ranks(num_tokens))
+        return self.tcap
+
     def get(self, key, num_tokens: int, **cfg):
         """The lane ``key`` (made now, collectively, if new). ``cfg``: EPBuffer arguments besides group, backend,
-        device, SM cap and timeout; ``max_tokens_per_rank`` defaults to the shared capacity (agreed now if unset).
+        device, SM cap and timeout; ``max_tokens_per_rank`` defaults to the shared capacity (agreed now if unset:
+        :meth:`capacity`), or is a function of it (a lane whose tokens are the shared capacity plus rows of its own);
+        either way the lane is sized by the shared capacity (regrown with it). ``max_recv_tokens`` may be a function
+        of the shared capacity too (of ``max_tokens_per_rank`` for a lane sized otherwise).
 
         Raises:
             BufferStateError: the Buffer was destroyed. ConfigError / PeerConfigError: as EPBuffer's constructor.
@@ -91,14 +101,15 @@ class Lanes:
             return lane
         if self.closed:
             raise BufferStateError("the DeepEP-compatible Buffer was destroyed")
-        shared = "max_tokens_per_rank" not in cfg
+        tm = cfg.get("max_tokens_per_rank")
+        shared = tm is None or callable(tm)
+        base = cfg.get("max_tokens_per_rank")
         if shared:
-            if self.tcap is None:
-                self.tcap = _pow2_at_least(self._max_over_ranks(num_tokens))
-            cfg["max_tokens_per_rank"] = self.tcap
+            base = self.capacity(num_tokens)
+            cfg["max_tokens_per_rank"] = tm(base) if callable(tm) else base
         mrt = cfg.get("max_recv_tokens")
         if callable(mrt):
-            cfg["max_recv_tokens"] = mrt(cfg["max_tokens_per_rank"])
+            cfg["max_recv_tokens"] = mrt(base)
         from ...ep import EPBuffer  # on first use: importing the compat package imports no kernel module
 
         lane = EPBuffer(self.group, backend=self.backend, device=self.device, num_sms=self.num_sms,
@@ -130,6 +141,11 @@ class Lanes:
             self._shared.discard(key)
             self._retired.append(self._lanes.pop(key))
         return True
+
+    @property
+    def pending(self) -> bool:
+        """Whether :meth:`unread` noted a lane since the last :meth:`check` (what a synced call reads first)."""
+        return bool(self._unread)
 
     def unread(self, *lanes) -> None:
         """Note lanes (EPBuffers of this Buffer; None is skipped) that just ran a call reading nothing on the host, so

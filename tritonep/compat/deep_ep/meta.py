@@ -1,18 +1,20 @@
 """The host side of the compat Buffer's local ops (:class:`MetaOps`): DeepEP's dispatch layout, the packing of a
-dispatch's lane inputs and the unpacking of the meta lane's rows, each ONE launch of its kernel in
-:mod:`tritonep.compat.deep_ep.kernels.meta`, bound through the launch runtime (:class:`tritonep.runtime.launch.Launch`:
+dispatch's lane inputs and the unpacking of the meta lane's rows (:mod:`tritonep.compat.deep_ep.kernels.meta`), and
+the packing and unpacking of a dispatch whose top-k travels as meta rows of the rows lane
+(:mod:`tritonep.compat.deep_ep.kernels.meta_rows`), each ONE launch of its kernel, bound through the launch runtime (:class:`tritonep.runtime.launch.Launch`:
 every launch bound once per variant, then called with its per-call values only; on the GPU the compiled variant's C
 entry, on a CPU Triton's interpreter).
 
 Their torch twins (the specification, bit-exact: integer work and moves only) are
-:func:`tritonep.compat.deep_ep.packing.layout_torch`, :func:`tritonep.compat.deep_ep.packing.pack_torch` and
-:func:`tritonep.compat.deep_ep.packing.unpack_meta`; the NaN fill of a ``num_worst_tokens`` call refused for capacity
+:func:`tritonep.compat.deep_ep.packing.layout_torch`, :func:`tritonep.compat.deep_ep.packing.pack_torch`,
+:func:`tritonep.compat.deep_ep.packing.unpack_meta`, :func:`tritonep.compat.deep_ep.packing.pack_rows_torch` and
+:func:`tritonep.compat.deep_ep.packing.unpack_rows_torch`; the NaN fill of a ``num_worst_tokens`` call refused for capacity
 (one launch of :mod:`tritonep.compat.deep_ep.kernels.poison`) has :func:`tritonep.compat.deep_ep.packing.poison_torch`. The kernels are local (no peer access, no signal): their launches
 are not recorded by the protocol recorder and their grid follows this rank's data (docs/protocols.md, host protocol
 rule).
 
 State kept per variant: an int32 accumulator the kernels count into and leave zeroed (no call allocates or fills
-zeros), and for the unpacking a pinned host tensor the kernel publishes the received-expert histogram into with a
+zeros), and for the unpackings a pinned host tensor the kernels publish the received-expert histogram into with a
 ticket (:class:`tritonep.runtime.host_status.HostStatus`: the host spins on a word of pinned memory, no
 device-to-host copy, stream synchronize or event; the idea of DeepEP's host-mapped receive counters). The
 accumulators are shared by the calls of one Buffer on one device: its calls run in stream order (on the caller's
@@ -29,29 +31,36 @@ from ...errors import InputError
 from ...runtime.host_status import HostStatus
 from ...runtime.launch import Launch
 from .kernels.meta import layout_kernel, pack_kernel, unpack_meta_kernel
+from .kernels.meta_rows import pack_rows_kernel, unpack_rows_kernel
 from .kernels.poison import poison_kernel
 from .packing import meta_width
 
 __all__ = ["MetaOps"]
 
 
+def _cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` in plain integers (``triton.cdiv`` is a constexpr function: ~1-2 us of host time a call)."""
+    return -(-a // b)
+
+
 def _p2(n: int) -> int:
     return max(2, triton.next_power_of_2(n))
 
 
-_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32}
+_BYTE_DTYPES = (torch.int8, torch.uint8)
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """``t`` (contiguous: a reshape of anything else would copy, and the fill would be lost) as a flat integer view
-    of its element size.
+def _fillable(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the poison kernel takes it (it writes integers of ``t``'s element size through its address): ``t``
+    itself, or an int8 view of a one-byte float (fp8: no dtype of the interpreter's).
 
     Raises:
-        InputError: ``t`` not contiguous, or not of 1-, 2- or 4-byte elements."""
-    if not t.is_contiguous() or t.element_size() not in _INT:
+        InputError: ``t`` not contiguous (the fill would miss its elements), or not of 1-, 2- or 4-byte elements."""
+    n = t.element_size()
+    if n not in (1, 2, 4) or not t.is_contiguous():
         raise InputError(f"poison needs contiguous tensors of 1-, 2- or 4-byte elements, got {t.dtype} "
                          f"{tuple(t.shape)} strides {t.stride()}")
-    return t.view(_INT[t.element_size()]).view(-1)
+    return t.view(torch.int8) if n == 1 and t.dtype not in _BYTE_DTYPES else t
 
 
 def _floor_p2(n: int) -> int:
@@ -63,7 +72,8 @@ def _r4(n: int) -> int:
 
 
 class MetaOps:
-    """The layout, packing, meta-unpacking and poison launches of one device (module docstring).
+    """The layout, packing, unpacking (meta lane and meta rows) and poison launches of one device (module
+    docstring).
 
     Args:
         device: the device the tensors live on.
@@ -116,7 +126,7 @@ class MetaOps:
                 acc_ptr=acc, K=K, KB=KB, E=E, L=E // W, W=W, WB=WB, BT=bt, NB=min(1024, _p2(W + E)),
                 num_warps=4), ("ids_ptr", "T", "in_rank_ptr", "counts_ptr")))
             self._tile[key] = bt
-        bk((max(1, triton.cdiv(T, self._tile[key])),), topk_idx, T, in_rank, counts)
+        bk((max(1, _cdiv(T, self._tile[key])),), topk_idx, T, in_rank, counts)
         per_rank, per_expert = counts.split((W, E))
         return per_rank, per_expert, in_rank
 
@@ -147,7 +157,7 @@ class MetaOps:
                 self._tile[key] = bt
             c = torch.Tensor.is_contiguous
             itr = is_token_in_rank if c(is_token_in_rank) else is_token_in_rank.contiguous()
-            bk((triton.cdiv(T, self._tile[key]),), itr, topk_idx if c(topk_idx) else topk_idx.contiguous(),
+            bk((_cdiv(T, self._tile[key]),), itr, topk_idx if c(topk_idx) else topk_idx.contiguous(),
                topk_weights if c(topk_weights) else topk_weights.contiguous(), T, blk, o_meta, o_slots, o_w)
         return out
 
@@ -192,8 +202,74 @@ class MetaOps:
                 ("rows_ptr", "w_ptr", "R", "live_ptr", "lo", "idx_ptr", "wout_ptr", "ticket")))
             self._tile[key] = br
         ticket = host.next_ticket() if read else 0
-        bk((triton.cdiv(R, self._tile[key]),), rows, weights, R, live if has_live else acc, rank * L,
+        bk((_cdiv(R, self._tile[key]),), rows, weights, R, live if has_live else acc, rank * L,
            idx, wout, ticket)
+        if not read:
+            return idx, wout, None
+        self.host_reads += 1
+        return idx, wout, host.read(ticket)
+
+    def pack_rows(self, x: torch.Tensor, is_token_in_rank: torch.Tensor, topk_idx: torch.Tensor,
+                  topk_weights: torch.Tensor, x_in: torch.Tensor, num_experts: int, meta_rows: int) -> torch.Tensor:
+        """A meta-rows dispatch's rows-lane input: ``x [T, H]`` bf16 (H even) copied into ``x_in`` (bf16 ``[>= T +
+        W*P, H]``, ``P = meta_rows``; written in place: rows ``[0, T + W*P)``), then per destination rank its P meta
+        rows (:mod:`tritonep.compat.deep_ep.kernels.meta_rows`); returns the lane's slots ``[T + W*P, W]`` int32 (a
+        new tensor). ``is_token_in_rank [T, W]`` bool, ``topk_idx [T, K]`` int32/int64, ``topk_weights [T, K]``
+        float32, all on this device (made contiguous here). One launch of
+        :func:`tritonep.compat.deep_ep.kernels.meta_rows.pack_rows_kernel`; same bits as
+        :func:`tritonep.compat.deep_ep.packing.pack_rows_torch`."""
+        T, W = is_token_in_rank.shape
+        K, H = topk_idx.shape[1], x.shape[1]
+        slots = torch.empty(T + W * meta_rows, W, dtype=torch.int32, device=x.device)
+        key = ("pack_rows", K, W, num_experts, H, meta_rows)
+        bk = self._launch.bound(key)
+        if bk is None:
+            bt = 4 if self._cuda else 64
+            bk = self._launch.variant(key, lambda: self._launch.bind(pack_rows_kernel, dict(
+                H=H, BH=min(1024, _p2(H)), W=W, WB=_p2(W), K=K, KB=_p2(K), L=num_experts // W, P=meta_rows,
+                HW=H // 2, BT=bt, CH=128, ZB=512, QB=_p2(W * meta_rows), num_warps=4),
+                ("x_ptr", "in_rank_ptr", "ids_ptr", "w_ptr", "T", "xin_ptr", "slots_ptr")))
+            self._tile[key] = bt
+        c = torch.Tensor.is_contiguous
+        bk((max(1, _cdiv(T, self._tile[key])),), x if c(x) else x.contiguous(),
+           is_token_in_rank if c(is_token_in_rank) else is_token_in_rank.contiguous(),
+           topk_idx if c(topk_idx) else topk_idx.contiguous(),
+           topk_weights if c(topk_weights) else topk_weights.contiguous(), T, x_in, slots)
+        return slots
+
+    def unpack_rows(self, rows: torch.Tensor, offsets: torch.Tensor, num_rows: int, topk: int,
+                    num_local_experts: int, world_size: int, meta_rows: int, idx_dtype: torch.dtype,
+                    read: bool = True):
+        """A meta-rows dispatch's received rows (the rows lane's ``x``: bf16 ``[>= offsets[0] + W*P, H]``, token rows
+        first, then every source's ``P = meta_rows`` meta rows; ``offsets``: the lane's int32 ``expert_offsets``, on
+        the device) -> ``(recv_topk_idx [R, K] idx_dtype, recv_topk_weights [R, K] float32, hist)`` for
+        ``R = num_rows`` rows (rows at or past ``offsets[0]``: ids -1, weight 0, not counted). ``hist`` as
+        :meth:`unpack_meta` (a list of ``L + 1`` ints read through pinned memory with ``read``, else None). One launch
+        of :func:`tritonep.compat.deep_ep.kernels.meta_rows.unpack_rows_kernel` (none for R = 0); same values as
+        :func:`tritonep.compat.deep_ep.packing.unpack_rows_torch`.
+
+        Raises:
+            PeerTimeoutError: the histogram was not published within ``2 * timeout_s + 5`` s (the launch never ran).
+        """
+        R, K, L = num_rows, topk, num_local_experts
+        dev = rows.device
+        idx = torch.empty(R, K, dtype=idx_dtype, device=dev)
+        wout = torch.empty(R, K, dtype=torch.float32, device=dev)
+        if not R:
+            return idx, wout, [0] * (L + 1) if read else None
+        key = ("unpack_rows", K, L, world_size, meta_rows, rows.shape[1])
+        mapped, host = self._host_of(L)
+        acc = self._zeros(("unpack_meta", L), L + 2)  # shared with unpack_meta: calls run in stream order
+        bk = self._launch.bound(key)
+        if bk is None:
+            br = 128 if self._cuda else 64
+            bk = self._launch.variant(key, lambda: self._launch.bind(unpack_rows_kernel, dict(
+                acc_ptr=acc, host_ptr=mapped, W=world_size, WB=_p2(world_size), K=K, KB=_p2(K), L=L, P=meta_rows,
+                HW=rows.shape[1] // 2, BR=br, NB=min(1024, _p2(L + 1)), GPU=self._cuda, num_warps=4),
+                ("rows_ptr", "offs_ptr", "R", "idx_ptr", "wout_ptr", "ticket")))
+            self._tile[key] = br
+        ticket = host.next_ticket() if read else 0
+        bk((_cdiv(R, self._tile[key]),), rows, offsets, R, idx, wout, ticket)
         if not read:
             return idx, wout, None
         self.host_reads += 1
@@ -202,22 +278,25 @@ class MetaOps:
     def poison(self, counts: torch.Tensor, limit: int, a: torch.Tensor, b: torch.Tensor | None = None) -> None:
         """Fill ``a`` (and ``b``) with NaN bits in place when some column of ``counts`` (int32 ``[W, W]``, this
         device) sums to more than ``limit``; no host read. ``a`` / ``b``: contiguous tensors of 1-, 2- or 4-byte
-        elements on this device. One launch of :func:`tritonep.compat.deep_ep.kernels.poison.poison_kernel`
+        elements on this device (no view made of them but for fp8's int8). One launch of
+        :func:`tritonep.compat.deep_ep.kernels.poison.poison_kernel`
         (``min(cdiv(n, BLOCK), 132)`` programs on a GPU, 1 on a CPU); same bits as
         :func:`tritonep.compat.deep_ep.packing.poison_torch`.
 
         Raises:
             InputError: ``a`` or ``b`` not contiguous, or of another element size (before the launch)."""
         W = counts.shape[0]
-        av = _bits(a)
-        bv = _bits(b) if b is not None else av[:0]
-        n = max(av.numel(), bv.numel())
+        av = _fillable(a)
+        bv = _fillable(b) if b is not None else av
+        na, nb = av.numel(), (bv.numel() if b is not None else 0)
+        n = max(na, nb)
         block = 1024 if self._cuda else 4096
-        grid = min(max(triton.cdiv(n, block), 1), 132) if self._cuda else 1
-        key = ("poison", W, block)
+        grid = min(max(_cdiv(n, block), 1), 132) if self._cuda else 1
+        ab, bb = av.element_size(), bv.element_size()
+        key = ("poison", W, block, ab, bb)
         bk = self._launch.bound(key)
         if bk is None:
             bk = self._launch.variant(key, lambda: self._launch.bind(poison_kernel, dict(
-                W=W, WB=_p2(W), BLOCK=block, num_warps=4),
+                W=W, WB=_p2(W), BLOCK=block, AB=ab, BB=bb, num_warps=4),
                 ("counts_ptr", "cs0", "cs1", "limit", "a_ptr", "NA", "b_ptr", "NB", "nprog")))
-        bk((grid,), counts, counts.stride(0), counts.stride(1), int(limit), av, av.numel(), bv, bv.numel(), grid)
+        bk((grid,), counts, counts.stride(0), counts.stride(1), int(limit), av, na, bv, nb, grid)

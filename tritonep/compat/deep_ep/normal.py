@@ -5,11 +5,17 @@ The composition (docs/deep_ep.md, "How it is built"): the rows travel in an EPBu
 :func:`tritonep.compat.deep_ep.packing.rank_slots`). Its expert-grouped output is then exactly DeepEP's: one row per
 (token, receiving rank), ordered by (source rank, source token), the caller's own tensor when ``x`` is bf16 (no
 copy); its combine is DeepEP's combine: the unweighted sum over the receiving ranks (fp32, ranks in order, one bf16
-rounding). The top-k ids and weights travel in a second, narrow EPBuffer with the same routing (the "meta lane"),
-so the rows lane never copies ``x`` (the alternative, widening every row by the meta columns, costs a copy of the rows on
-both sides of both calls: docs/deep_ep.md). Its routing has K slots per rank, so each received token arrives there
-as K rows; the route weights are the top-k weights, which EPBuffer moves as float32 both ways (dispatch, and back
-unsummed through ``dispatch_backward`` for DeepEP's combine of ``topk_weights``).
+rounding). The top-k ids and weights travel one of two ways (docs/deep_ep.md, "How it is built"):
+
+* meta rows (small token capacities: :func:`tritonep.compat.deep_ep.packing.meta_rows_per_rank`): in the rows lane
+  itself, as P extra rows per pair of ranks (pseudo-tokens routed to a second pseudo-expert per rank, ``2r + 1``;
+  the token rows go to ``2r``), so a dispatch is ONE EPBuffer dispatch; ``x`` is copied into the lane's input (with
+  the meta rows, one launch), and a combine copies its rows into the lane's expert-output buffer (the lane's layout
+  has the meta rows after them). DeepEP's combine of ``topk_weights`` then dispatches a meta lane (below) first;
+* a meta lane: a second, narrow EPBuffer with the same routing, so the rows lane never copies ``x``. Its routing has
+  K slots per rank, so each received token arrives there as K rows; the route weights are the top-k weights, which
+  EPBuffer moves as float32 both ways (dispatch, and back unsummed through ``dispatch_backward`` for DeepEP's combine
+  of ``topk_weights``).
 
 Every call runs on the caller's current stream; an ``async_finish`` call returns an event recorded after its work.
 """
@@ -21,7 +27,7 @@ import torch
 from ... import envs
 from ...errors import CapacityError, ConfigError, InputError, PeerInputError, TritonEPError
 from .handles import NormalHandle
-from .packing import meta_width, pack_quantized, rank_slots, unpack_quantized
+from .packing import meta_rows_per_rank, meta_width, pack_quantized, rank_slots, unpack_quantized
 
 __all__ = ["NormalMode"]
 
@@ -33,13 +39,35 @@ def _synced(sync_free: bool, sync_checks: int) -> bool:
     ``sync_checks``, the lanes' mode, not ``SYNC_NONE``): only then may the refusal path run a collective."""
     if sync_free or sync_checks == envs.SYNC_NONE:
         return False
-    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    return not (_cuda() and torch._C._cuda_isCurrentStreamCapturing())
+
+
+_HAS_CUDA: list = []
+
+
+def _cuda() -> bool:
+    """``torch.cuda.is_available()``, asked once (about 1 us a call)."""
+    if not _HAS_CUDA:
+        _HAS_CUDA.append(torch.cuda.is_available())
+    return _HAS_CUDA[0]
 
 
 def _width(x) -> int | None:
     """The row width ``x`` would travel with (None when ``x`` is not a tensor or an ``(x_q, scales)`` pair)."""
     t = x[0] if isinstance(x, tuple) and x else x
     return t.shape[1] if isinstance(t, torch.Tensor) and t.dim() == 2 else None
+
+
+def _new_input(lane) -> torch.Tensor:
+    """A meta-rows lane's input rows: bf16 ``[max_tokens_per_rank, H]``, kept per lane (each dispatch writes its
+    rows, then the lane reads them, in stream order)."""
+    return torch.empty(lane.max_tokens_per_rank, lane.hidden, dtype=torch.bfloat16, device=lane.device)
+
+
+def _expert_out(lane) -> torch.Tensor:
+    """A meta-rows lane's combine input: its expert-output buffer ``[max_recv_tokens, H]`` (the combine copies the
+    caller's rows into its first rows; the lane's meta rows after them are read and their sums dropped)."""
+    return lane.expert_out_buffer()
 
 
 def _tensor(v, name: str, dims: int, dtypes=None) -> torch.Tensor:
@@ -54,14 +82,22 @@ def _tensor(v, name: str, dims: int, dtypes=None) -> torch.Tensor:
 class NormalMode:
     """The normal-mode calls of one compat Buffer (its lanes, rank and cached constant tensors)."""
 
-    def __init__(self, owner, lanes, rank: int, world_size: int):
+    def __init__(self, owner, lanes, rank: int, world_size: int, meta_rows_max_tokens: int = 256):
         self.owner, self.lanes, self.rank, self.W = owner, lanes, rank, world_size
+        self.meta_rows_max_tokens = meta_rows_max_tokens
         self._ranks = {}   # device -> int32 arange(W)
         self._ones = {}    # device -> float32 ones [n, W] (grown on demand)
+        self._ones_v = {}  # (n, device) -> its first n rows (a view made once)
+        self._ones_k = {}  # (n, K, device) -> float32 ones [n, W*K]: the meta lane's route weights of a combine
         self._zeros = {}   # (rows, width, device) -> bf16 zeros: the meta lane's rows in a weights-only backward
-        self._last_x_key = None
+        self._inputs = {}  # meta-rows lane key -> (lane, x_in [Tmax, H] bf16, {rows: view})
+        self._eo = {}      # meta-rows lane -> (lane, its expert-output buffer, {rows: view})
+        self._plans = {}   # ((width, num_worst_tokens, K), capacity) -> (rows-lane key, P): _plan
+        self._last_x_key = None  # the latest dispatch's rows-lane key
+        self._last_spec = None  # ... and what chose it: (width, num_worst_tokens, K)
         self._meta_ops = {}  # device -> MetaOps (the layout and meta-unpacking launches, bound on first use)
-        self._last_meta = None  # the latest dispatch's meta lane (None: it carried no top-k)
+        self._last_meta = None  # the latest dispatch's meta lane (None: it carried no top-k, or as meta rows)
+        self._last_lazy = None  # (K, num_worst_tokens, slots, T) of the latest dispatch when its top-k came as meta rows
         self._last_synced = True  # whether the latest dispatch's rows-lane handle is a synced one
 
     # -------------------------------------------------------------------------------------------------- shared
@@ -82,11 +118,26 @@ class NormalMode:
         return t
 
     def _ones_rows(self, n: int, device):
-        t = self._ones.get(device)
-        if t is None or t.shape[0] < n:
-            t = self._ones[device] = torch.ones(max(n, 64 if t is None else 2 * t.shape[0]), self.W,
-                                                dtype=torch.float32, device=device)
-        return t[:n]
+        """float32 ones ``[n, W]`` (the lanes' route weights: DeepEP's unweighted sum), a view made once per n."""
+        v = self._ones_v.get((n, device))
+        if v is None:
+            t = self._ones.get(device)
+            if t is None or t.shape[0] < n:  # views made before keep the smaller tensor alive
+                t = self._ones[device] = torch.ones(max(n, 64 if t is None else 2 * t.shape[0]), self.W,
+                                                    dtype=torch.float32, device=device)
+            v = self._ones_v[(n, device)] = t[:n]
+        return v
+
+    def _cached_view(self, cache: dict, key, lane, make, n: int):
+        """Rows ``[0, n)`` of a tensor kept per meta-rows lane (``make(lane)``, remade when the key's lane changed:
+        capacity growth), each view made once."""
+        ent = cache.get(key)
+        if ent is None or ent[0] is not lane:
+            ent = cache[key] = (lane, make(lane), {})
+        v = ent[2].get(n)
+        if v is None:
+            v = ent[2][n] = ent[1][:n]
+        return ent[1], v
 
     def _zero_rows(self, n: int, width: int, device):
         key = (n, width, device)
@@ -100,30 +151,93 @@ class NormalMode:
         mrt = worst if worst else (lambda tcap: self.W * tcap)
         return self.lanes.get(key, T, num_experts=self.W, hidden=width, topk=self.W, max_recv_tokens=mrt)
 
-    def _meta_lane(self, K: int, worst: int, T: int):
-        key = ("meta", K, worst)
-        mrt = worst * K if worst else (lambda tcap: self.W * tcap * K)
-        return self.lanes.get(key, T, num_experts=self.W, hidden=meta_width(K), topk=self.W * K,
-                              max_recv_tokens=mrt)
+    def _spec_lane(self, spec, T: int):
+        """``(rows lane, P)`` of a dispatch of ``spec = (row width, num_worst_tokens, K)`` (made now if new:
+        collective, the shared capacity agreed first if unset): with meta rows (``P > 0``,
+        :func:`tritonep.compat.deep_ep.packing.meta_rows_per_rank` of the shared capacity) an EPBuffer of two
+        pseudo-experts per rank (``2r`` token rows, ``2r + 1`` meta rows) and ``capacity + W*P`` tokens, else one
+        pseudo-expert per rank (the meta lane carries the top-k). Every rank decides alike (the same capacity and
+        spec)."""
+        self.lanes.capacity(T)
+        key, P = self._plan(spec)
+        lane = self.lanes.peek(key)
+        if lane is not None:
+            return lane, P
+        width, worst, K = spec
+        if not P:
+            return self._x_lane(key, T), 0
+        extra, W = self.W * P, self.W
+        mrt = (lambda tc: worst + extra) if worst else (lambda tc: W * tc + extra)
+        return self.lanes.get(key, T, num_experts=2 * W, hidden=width, topk=W,
+                              max_tokens_per_rank=lambda tc: tc + extra, max_recv_tokens=mrt), P
 
-    def _send(self, key, payload, slots, T: int, sync_free: bool, device, K: int):
-        """One rows-lane dispatch, growing the shared capacity when a synced call was refused for it. A call whose
-        peers read nothing (sync-free, sync checks off, capture) and that EPBuffer refused on this rank still takes
-        part in the meta lane before raising (:meth:`_meta_refused`): the peers' dispatch goes on to it."""
-        lane = self._x_lane(key, T)
-        self._last_x_key = key
-        try:
-            return lane, lane.dispatch(payload, slots, self._ones_rows(T, device), sync_free=sync_free)
-        except (InputError, CapacityError) as e:
-            if not _synced(sync_free, self.lanes.sync_checks):
-                self._meta_refused(K, key[2])
-                self.lanes.unread(lane)
-                raise
-            own = not isinstance(e, (PeerInputError, CapacityError))
-            if not self.lanes.agree_regrow(T, own):
-                raise
-        lane = self._x_lane(key, T)
-        return lane, lane.dispatch(payload, slots, self._ones_rows(T, device), sync_free=sync_free)
+    def _plan(self, spec):
+        """``(rows-lane key, P)`` of ``spec`` under the current shared capacity (agreed before: :meth:`_spec_lane`),
+        worked out once per (spec, capacity)."""
+        got = self._plans.get((spec, self.lanes.tcap))
+        if got is None:
+            width, worst, K = spec
+            P = meta_rows_per_rank(self.lanes.tcap, K, width, self.W, self.meta_rows_max_tokens)
+            got = self._plans[(spec, self.lanes.tcap)] = (("xm", width, worst, K) if P else ("x", width, worst)), P
+        return got
+
+    def _lane_key(self, spec):
+        """The key of ``spec``'s rows lane under the current shared capacity (None before it is agreed)."""
+        if spec is None or self.lanes.tcap is None:
+            return None
+        return self._plan(spec)[0]
+
+    def _meta_lane(self, K: int, worst: int, T: int, rows2: bool = False):
+        """The meta lane of top-k K (``rows2``: the one a combine of ``topk_weights`` dispatches after a meta-rows
+        dispatch, routed like its rows lane: pseudo-experts ``2r``, ``2r + 1``; its rows carry nothing)."""
+        key = ("meta2" if rows2 else "meta", K, worst)
+        mrt = worst * K if worst else (lambda tcap: self.W * tcap * K)
+        return self.lanes.get(key, T, num_experts=(2 if rows2 else 1) * self.W,
+                              hidden=8 if rows2 else meta_width(K), topk=self.W * K, max_recv_tokens=mrt)
+
+    def _send(self, spec, payload, itr, topk_idx, topk_weights, T: int, E: int, device):
+        """The rows lane's dispatch of ``spec`` with this call's inputs packed for it, growing the shared capacity when
+        a synced call was refused for it (then the lane, and whether it carries meta rows, is chosen again). Returns
+        ``(lane, P, slots, meta inputs or None, Dispatched)``: with meta rows (``P > 0``) one launch writes the lane's
+        input (x and the meta rows) and slots; else one launch packs both lanes' inputs (with top-k; the meta lane's
+        are returned for it). A call whose peers read nothing (sync-free, sync checks off, capture) and that EPBuffer
+        refused on this rank still takes part in the meta lane before raising (:meth:`_meta_refused`): the peers'
+        dispatch goes on to it."""
+        worst, K = spec[1], spec[2]
+        sync_free = bool(worst)
+        for attempt in range(2):
+            lane, P = self._spec_lane(spec, T)
+            self._last_x_key, self._last_spec = self._plan(spec)[0], spec
+            try:
+                meta = None
+                if P:
+                    tcap = self.lanes.tcap
+                    if T > tcap:  # the lane's input holds the capacity: refused here, taking part as refused
+                        self._refused_dispatch(lane, sync_free)
+                        raise CapacityError(f"num_tokens={T} exceeds the Buffer's token capacity "
+                                            f"max_tokens_per_rank={tcap}", needed=T, available=tcap)
+                    n = T + self.W * P
+                    x_in, lane_x = self._cached_view(self._inputs, self._last_x_key, lane, _new_input, n)
+                    slots = self._ops(device).pack_rows(payload, itr, topk_idx, topk_weights, x_in, E, P)
+                    w = self._ones_rows(n, device)
+                else:
+                    if K:  # both lanes' inputs in one launch (twin: packing.pack_torch)
+                        slots, *meta = self._ops(device).pack(itr, topk_idx, topk_weights)
+                    else:
+                        slots = rank_slots(itr, self._ranks_on(device))
+                    lane_x, w = payload, self._ones_rows(T, device)
+                return lane, P, slots, meta, lane.dispatch(lane_x, slots, w, sync_free=sync_free)
+            except (InputError, CapacityError) as e:
+                if attempt:
+                    raise
+                if not _synced(sync_free, self.lanes.sync_checks):
+                    if not P:
+                        self._meta_refused(K, worst)
+                    self.lanes.unread(lane)
+                    raise
+                own = not isinstance(e, (PeerInputError, CapacityError))
+                if not self.lanes.agree_regrow(T, own):
+                    raise
 
     @staticmethod
     def _refused_dispatch(lane, sync_free: bool) -> None:
@@ -150,15 +264,17 @@ class NormalMode:
         self._refused_dispatch(lane, True)
         self.lanes.unread(lane)
 
-    def _refuse(self, err: TritonEPError, x_key, sync_free: bool, K: int):
+    def _refuse(self, err: TritonEPError, spec, sync_free: bool, K: int):
         """This rank's input was refused before the exchange: run the rows lane's call with an input EPBuffer refuses
         (its flag reaches every peer in the counts exchange: they raise PeerInputError, no row moves), take part in
-        the refusal's collective (synced) or in the meta lane's dispatch the peers go on to (they read nothing), then
-        raise ``err`` here. With no lane to use yet (the first call), the lane is made with an invalid width: its
-        constructor's agreement then raises on every rank (PeerConfigError there)."""
-        key = x_key or self._last_x_key or ("x", 0, 0)
+        the refusal's collective (synced) or in the meta lane's dispatch the peers go on to (they read nothing; none
+        with meta rows), then raise ``err`` here. ``spec``: the call's ``(width, num_worst_tokens, K)`` as far as
+        known (else the latest dispatch's: the lane the peers most likely use). With no lane to use yet (the first
+        call), the lane is made with an invalid width: its constructor's agreement then raises on every rank
+        (PeerConfigError there)."""
+        spec = spec or self._last_spec or (0, 0, 0)
         try:
-            lane = self._x_lane(key, 0)
+            lane, P = self._spec_lane(spec, 0)
         except TritonEPError:
             raise err from None  # the constructor's agreement raised on every rank: nothing left to pair
         self._refused_dispatch(lane, sync_free)
@@ -166,7 +282,8 @@ class NormalMode:
             self.lanes.agree_regrow(0, True)
         else:
             self.lanes.unread(lane)
-            self._meta_refused(K, key[2])
+            if not P:
+                self._meta_refused(K, spec[1])
         raise err
 
     # -------------------------------------------------------------------------------------------------- layout
@@ -193,16 +310,18 @@ class NormalMode:
         if handle is not None:
             return self._cached(x, handle, topk_idx, topk_weights, refused)
         worst = num_worst_tokens
-        if isinstance(worst, int) and worst == 0 and _synced(False, self.lanes.sync_checks):
-            self.lanes.check(skip=self.lanes.peek(("x", _width(x), 0)))
-        x_key = None
-        # the top-k width a refused call takes part with (the peers' meta lane), whatever failed below
+        # the top-k width a refused call takes part with (the peers' lanes), whatever failed below
         k_part = topk_idx.shape[1] if isinstance(topk_idx, torch.Tensor) and topk_idx.dim() == 2 else 0
+        eager = _synced(False, self.lanes.sync_checks)
+        if isinstance(worst, int) and worst == 0 and eager and self.lanes.pending:
+            key = self._lane_key((_width(x), 0, k_part))
+            self.lanes.check(skip=self.lanes.peek(key) if key is not None else None)
+        spec = None
         try:
             if refused is not None:
                 raise refused
             payload, width, quant = self._payload(x)
-            x_key = ("x", width, worst)
+            spec = (width, worst, k_part)
             T = payload.shape[0]
             if not isinstance(worst, int) or isinstance(worst, bool) or worst < 0:
                 raise InputError(f"num_worst_tokens={worst!r} must be an int >= 0")
@@ -231,41 +350,46 @@ class NormalMode:
                                      f"{tuple(topk_weights.shape)} must both be [num_tokens={T}, K]")
             elif worst:
                 raise InputError("num_worst_tokens needs topk_idx and topk_weights (as DeepEP)")
-            for name, t in (("is_token_in_rank", is_token_in_rank), ("topk_idx", topk_idx),
-                            ("topk_weights", topk_weights)):
-                if t is not None and t.device != payload.device:
-                    raise InputError(f"{name} is on {t.device}, x on {payload.device}")
+            dev = payload.device
+            if is_token_in_rank.device != dev or K and (topk_idx.device != dev or topk_weights.device != dev):
+                for name, t in (("is_token_in_rank", is_token_in_rank), ("topk_idx", topk_idx),
+                                ("topk_weights", topk_weights)):
+                    if t is not None and t.device != dev:
+                        raise InputError(f"{name} is on {t.device}, x on {dev}")
         except TritonEPError as e:
-            self._refuse(e, x_key, bool(worst) if isinstance(worst, int) else False, k_part)
+            self._refuse(e, spec, bool(worst) if isinstance(worst, int) else False, k_part)
 
-        dev = payload.device
-        if K:  # both lanes' inputs in one launch (twin: packing.pack_torch)
-            slots, mrows, mslots, mw = self._ops(dev).pack(is_token_in_rank, topk_idx, topk_weights)
-        else:
-            slots = rank_slots(is_token_in_rank, self._ranks_on(dev))
-        lane, out = self._send(x_key, payload, slots, T, bool(worst), dev, K)
+        lane, P, slots, meta_in, out = self._send(spec, payload, is_token_in_rank, topk_idx, topk_weights, T, E, dev)
         R = out.handle.num_recv_rows
         if worst:
             R = worst
         elif R is None:  # host reads off (TRITONEP_SYNC_CHECKS=0): the rows are known on the device only
-            R = int(out.expert_offsets[-1].item())
+            R = int(out.expert_offsets[0].item())
+        else:
+            R -= self.W * P  # the meta rows follow the token rows
         rows = out.x[:R] if out.x.shape[0] != R else out.x
 
         meta_lane = meta_handle = recv_idx = recv_w = None
-        if K:
+        if P:  # the ids and weights came with the rows: unpacked from the meta rows (one launch), the histogram
+            # read through pinned memory (worst: no read, the tokens past the received ones get ids -1, weight 0)
+            recv_idx, recv_w, hist = self._ops(dev).unpack_rows(out.x, out.expert_offsets, R, K, E // self.W, self.W,
+                                                                P, topk_idx.dtype, read=not worst)
+        elif K:
             meta_lane = self._meta_lane(K, worst, T)
-            mout = meta_lane.dispatch(mrows, mslots, mw, sync_free=True)
+            mout = meta_lane.dispatch(*meta_in, sync_free=True)
             meta_handle = mout.handle
             # worst: the tokens past the received ones (their lane rows are unspecified) get ids -1 and weight 0, and
             # no host read; else the histogram arrives as a list through pinned memory (no device-to-host copy)
             recv_idx, recv_w, hist = self._ops(dev).unpack_meta(
                 mout.x, mout.weights, R, K, self.rank, E // self.W, topk_idx.dtype,
                 live=out.expert_offsets[-1] if worst else None, read=not worst)
-        if not _synced(bool(worst), self.lanes.sync_checks):  # nobody read these lanes' status: the next synced
-            # call or check() does
+        if worst or not eager:  # nobody read these lanes' status: the next synced call or check() does
             self.lanes.unread(lane, meta_lane)
+        h = NormalHandle(owner=self.owner, x_lane=lane, x_handle=out.handle, meta_lane=meta_lane,
+                         meta_handle=meta_handle, slots=slots, num_tokens=T, num_rows=R, topk=K,
+                         is_token_in_rank=is_token_in_rank, worst=bool(worst), meta_rows=P)
         if worst:  # refused for capacity (no host read tells): NaN rows and weights, they cannot pass for a result
-            self._ops(rows.device).poison(out.handle.counts, worst, rows, recv_w)
+            self._ops(rows.device).poison(h.rank_counts(), worst, rows, recv_w)
         recv_x = unpack_quantized(rows, *quant) if quant is not None else rows
         if worst:
             counts = []
@@ -277,9 +401,7 @@ class NormalMode:
             a = expert_alignment
             counts = [(c + a - 1) // a * a for c in counts]
         self._last_meta, self._last_synced = meta_lane, out.handle.num_recv_rows is not None
-        h = NormalHandle(owner=self.owner, x_lane=lane, x_handle=out.handle, meta_lane=meta_lane,
-                         meta_handle=meta_handle, slots=slots, num_tokens=T, num_rows=R, topk=K,
-                         is_token_in_rank=is_token_in_rank, worst=bool(worst))
+        self._last_lazy = (K, worst, slots, T) if P and K else None
         return recv_x, recv_idx, recv_w, counts, h
 
     def _group_counts(self, num_tokens_per_expert) -> list:
@@ -340,7 +462,8 @@ class NormalMode:
                 self._refused_dispatch(lane, True)
                 self.lanes.unread(lane)
             raise
-        out = h.x_lane.dispatch(payload, h.slots, self._ones_rows(h.num_tokens, payload.device), sync_free=True)
+        slots = h.slots[:h.num_tokens] if h.meta_rows else h.slots  # the token rows only: the same rows again
+        out = h.x_lane.dispatch(payload, slots, self._ones_rows(h.num_tokens, payload.device), sync_free=True)
         self.lanes.unread(h.x_lane)
         rows = out.x[:h.num_rows]
         return (unpack_quantized(rows, *quant) if quant is not None else rows), None, None, None, None
@@ -363,11 +486,10 @@ class NormalMode:
             if tuple(x.shape) != (h.num_rows, h.x_lane.hidden):
                 raise InputError(f"combine: x must be [{h.num_rows}, {h.x_lane.hidden}] (the dispatch's rows), got "
                                  f"{tuple(x.shape)}")
-            wback = None
             if topk_weights is not None:
                 _tensor(topk_weights, "topk_weights", 2, (torch.float32,))
                 K = h.topk
-                if h.meta_lane is None or tuple(topk_weights.shape) != (h.num_rows, K):
+                if not K or tuple(topk_weights.shape) != (h.num_rows, K):
                     raise InputError(f"combine(topk_weights {tuple(topk_weights.shape)}) needs a dispatch that "
                                      f"carried top-k and one weight row per received row: [{h.num_rows}, {K}]")
             biases = ()
@@ -382,50 +504,82 @@ class NormalMode:
         except TritonEPError:
             self._cancel_combine(h if own else None, topk_weights is not None)
             raise
-        if topk_weights is not None:
-            # the weights go back unsummed on the meta lane's routes (one per (token, rank, slot)), the meta lane's
-            # handle is sync-free: its backward reads rows up to the lane's receive capacity
-            n = h.meta_lane.max_recv_tokens
-            wback = torch.zeros(n, dtype=torch.float32, device=x.device)
-            wback[:h.num_rows * K] = topk_weights.reshape(-1)
         # whether the rows lane's combine reads its status
         reads = h.x_handle.num_recv_rows is not None and _synced(False, self.lanes.sync_checks)
+        lane, T = h.x_lane, h.num_tokens
+        if h.meta_rows:  # the lane's layout holds the meta rows after the token rows: the caller's rows go into the
+            # lane's expert-output buffer (one copy), the meta rows' sums (rows T.. of the lane's output) are dropped
+            eo, head = self._cached_view(self._eo, lane, lane, _expert_out, h.num_rows)
+            head.copy_(x)
+        else:
+            eo = x
         try:
-            y = h.x_lane.combine(x, h.x_handle)
+            y = lane.combine(eo, h.x_handle)
         except (InputError, ConfigError) as e:
             if isinstance(e, PeerInputError):
                 raise
             self._cancel_combine(h, topk_weights is not None, rows_done=True)  # EPBuffer took part for the rows
             raise
-        w = None
-        if wback is not None:
-            rows = self._zero_rows(n, h.meta_lane.hidden, x.device)
-            _, per_slot = h.meta_lane.dispatch_backward(rows, wback, h.meta_handle)  # [T, W*K], exact
-            w = per_slot.view(h.num_tokens, self.W, K).sum(1)  # DeepEP: the ranks' values summed in float32
+        if h.meta_rows:
+            y = y[:T]
+        w = meta = None
+        if topk_weights is not None:
+            if h.meta_rows:  # the top-k came as meta rows: a meta lane routed like the rows lane takes the weights
+                # back (its dispatch moves no payload: 16-byte rows)
+                meta, mh = self._meta2_dispatch(K, h.num_rows if h.worst else 0, h.slots, T, x.device)
+            else:
+                meta, mh = h.meta_lane, h.meta_handle
+            # the weights go back unsummed on the meta lane's routes (one per (token, rank, slot)), the meta lane's
+            # handle is sync-free: its backward reads rows up to the lane's receive capacity
+            n = meta.max_recv_tokens
+            wback = torch.zeros(n, dtype=torch.float32, device=x.device)
+            wback[:h.num_rows * K] = topk_weights.reshape(-1)
+            _, per_slot = meta.dispatch_backward(self._zero_rows(n, meta.hidden, x.device), wback, mh)  # [T, W*K]
+            w = per_slot.view(T, self.W, K).sum(1)  # DeepEP: the ranks' values summed in float32
         if not reads:  # nobody read the status of these calls: the next synced call or check() does
-            self.lanes.unread(h.x_lane, h.meta_lane if wback is not None else None)
+            self.lanes.unread(lane, meta)
         if biases:  # DeepEP adds the biases to the fp32 sum before its one rounding; here after it (one more)
             yf = y.float()
             for b in biases:
                 yf = yf + b.float()
             y = yf.to(torch.bfloat16)
         if h.worst:  # a dispatch refused for capacity: NaN, it cannot pass for a result (MetaOps.poison)
-            self._ops(y.device).poison(h.x_handle.counts, h.num_rows, y, w)
+            self._ops(y.device).poison(h.rank_counts(), h.num_rows, y, w)
         return y, w
+
+    def _meta2_dispatch(self, K: int, worst: int, slots, T: int, device):
+        """``(lane, handle)`` of the meta-lane dispatch a combine of ``topk_weights`` runs after a meta-rows dispatch
+        (``slots``: that dispatch's, its first T rows the tokens'): K routes per (token, receiving rank) in the rows
+        lane's order, sync-free, no payload (zero rows of 16 bytes), so its backward takes each received row's K
+        weights back unsummed."""
+        meta = self._meta_lane(K, worst, T, rows2=True)
+        return meta, meta.dispatch(self._zero_rows(T, meta.hidden, device), slots[:T].repeat_interleave(K, dim=1),
+                                   self._ones_wk(T, K, device), sync_free=True).handle
+
+    def _ones_wk(self, n: int, K: int, device):
+        """float32 ones ``[n, W*K]``: the route weights of a combine's meta-lane dispatch (made once per shape)."""
+        t = self._ones_k.get((n, K, device))
+        if t is None:
+            t = self._ones_k[(n, K, device)] = torch.ones(n, self.W * K, dtype=torch.float32, device=device)
+        return t
 
     def _cancel_combine(self, h, with_weights: bool, rows_done: bool = False) -> None:
         """This rank's combine input was refused: take part in the peers' combine as refused
         (:meth:`tritonep.EPBuffer.cancel_combine` on the rows lane, unless ``rows_done``) and, when the peers go on
         (their rows-lane combine reads nothing: a ``num_worst_tokens`` handle, sync checks off, capture) and pass
         ``topk_weights`` (``with_weights``: this rank's call passed them too), in their meta-lane backward
-        (:meth:`tritonep.EPBuffer.cancel_dispatch_backward`). ``h``: the call's handle, or None for a handle this
-        Buffer did not make (then the latest dispatch's lanes stand in: the peers' combine most likely is of it)."""
+        (:meth:`tritonep.EPBuffer.cancel_dispatch_backward`), after a meta-rows dispatch also in the meta-lane
+        dispatch before it (run as the peers run it: its routing is the dispatch's, not what was refused, so the
+        peers' weights computed without this rank's rows stay exact where the backend keeps them). ``h``: the call's
+        handle, or None for a handle this Buffer did not make (then the latest dispatch's lanes stand in: the peers'
+        combine most likely is of it)."""
         if h is not None:
             lane, xh, meta, mh = h.x_lane, h.x_handle, h.meta_lane, h.meta_handle
             synced = xh.num_recv_rows is not None
+            lazy = (h.topk, h.num_rows if h.worst else 0, h.slots, h.num_tokens) if h.meta_rows and h.topk else None
         else:
             lane, xh, meta, mh = self.lanes.peek(self._last_x_key), None, self._last_meta, None
-            synced = self._last_synced
+            synced, lazy = self._last_synced, self._last_lazy
         if lane is None:
             return  # no dispatch yet: no peer can be in a combine of this Buffer either
         if not rows_done:
@@ -436,6 +590,8 @@ class NormalMode:
         if synced and _synced(False, self.lanes.sync_checks):
             return  # the peers' eager combine raises PeerInputError: none of them goes on to the meta lane
         self.lanes.unread(lane)
+        if with_weights and lazy is not None:  # the peers' meta-lane dispatch, then its backward (cancelled)
+            meta, mh = self._meta2_dispatch(*lazy, lane.device)
         if with_weights and meta is not None:
             try:
                 meta.cancel_dispatch_backward(mh, with_weights=True)

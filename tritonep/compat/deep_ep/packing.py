@@ -7,6 +7,8 @@ compat Buffer uses that to carry what DeepEP carries besides bf16 rows:
 * a caller-quantized dispatch ``(x_fp8, scales)``: the row's bytes (``H`` one-byte elements, then the scales' bytes,
   any 4-byte dtype) packed into a ``[T, H]`` bf16 row (:func:`pack_quantized`; ``H`` bf16 = ``2H`` bytes hold
   ``H + 4S``) and taken apart on the receiver (:func:`unpack_quantized`): the caller's bits, unchanged;
+* the top-k ids and weights of every row, at small token capacities as meta rows of the rows lane itself
+  (:func:`meta_rows_per_rank`, :func:`pack_rows_torch` / :func:`unpack_rows_torch`: one exchange per dispatch), else
 * the top-k ids of every row (:func:`pack_meta` / :func:`unpack_meta`): int32 ids as bf16 pairs, in a second, narrow
   lane whose routing has K slots per rank (:func:`meta_slots`), so that each received token arrives as K rows there,
   one per top-k slot. The weights ride that lane's per-route weight, which EPBuffer moves as float32 both ways: to
@@ -23,7 +25,8 @@ from __future__ import annotations
 import torch
 
 __all__ = ["layout_torch", "rank_slots", "meta_slots", "meta_width", "pack_meta", "pack_torch", "unpack_meta",
-           "local_id_table", "pack_quantized", "unpack_quantized", "over_capacity", "poison_torch"]
+           "local_id_table", "pack_quantized", "unpack_quantized", "over_capacity", "poison_torch", "meta_rows_per_rank",
+           "pack_rows_torch", "unpack_rows_torch"]
 
 
 def layout_torch(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
@@ -157,3 +160,81 @@ def poison_torch(counts: torch.Tensor, limit: int, *tensors: torch.Tensor) -> No
     over = over_capacity(counts, limit)
     for t in tensors:
         t.view({1: torch.int8, 2: torch.int16, 4: torch.int32}[t.element_size()]).masked_fill_(over, -1)
+
+
+def meta_rows_per_rank(token_capacity: int, topk: int, width, world_size: int, max_tokens: int) -> int:
+    """Meta rows P per (source, destination) rank of a dispatch that carries its top-k in the rows lane (0: it does
+    not; the meta lane carries it). A destination's group of P rows of ``width`` bf16 (``width // 2`` int32 words
+    each) holds a count word and 2K words per token it may receive (``token_capacity`` at most); the rows lane then
+    holds ``token_capacity + W*P`` tokens per rank, which must not exceed ``max_tokens`` (the Buffer's
+    ``meta_rows_max_tokens``). 0 also without top-k (``topk`` 0) or for a width that is not an even int >= 2."""
+    if not topk or not isinstance(width, int) or width < 2 or width % 2:
+        return 0
+    p = -(-(1 + token_capacity * 2 * topk) // (width // 2))
+    return p if token_capacity + world_size * p <= max_tokens else 0
+
+
+def pack_rows_torch(x: torch.Tensor, is_token_in_rank: torch.Tensor, topk_idx: torch.Tensor,
+                    topk_weights: torch.Tensor, num_experts: int, meta_rows: int):
+    """The rows-lane input of a dispatch whose top-k travels as meta rows: ``(x_in [T + W*P, H] bf16, slots
+    [T + W*P, W] int32)`` from ``x [T, H]`` bf16 (H even), ``is_token_in_rank [T, W]`` bool, ``topk_idx [T, K]``
+    int32/int64, ``topk_weights [T, K]`` float32 and ``P = meta_rows``.
+
+    ``x_in``: x bit for bit, then for every destination rank r (ascending) P rows whose int32 words are: the count
+    ``n_r`` of tokens going to r, then for each of them in token order its K ids local to r (``id - r*L`` for ids in
+    ``[r*L, (r+1)*L)``, else -1; ``L = E / W``) and its K weights (float32 bits, +0.0 where the local id is -1), then
+    zeros. ``slots``: token t: ``2r`` where it goes to rank r, else -1 (pseudo-expert 2r: the token rows rank r
+    receives); pseudo-token ``T + r*P + p``: ``2r + 1`` at slot r, -1 elsewhere (rank r's meta rows). Twin of
+    :func:`tritonep.compat.deep_ep.kernels.meta_rows.pack_rows_kernel`."""
+    T, W = is_token_in_rank.shape
+    K, H = topk_idx.shape[1], x.shape[1]
+    P, L, hw = meta_rows, num_experts // W, H // 2
+    dev = x.device
+    x_in = torch.zeros(T + W * P, H, dtype=torch.bfloat16, device=dev)
+    x_in[:T].view(torch.int16).copy_(x.view(torch.int16))
+    words = x_in[T:].view(torch.int32).view(W, P * hw)
+    ids, bits = topk_idx.long(), topk_weights.contiguous().view(torch.int32)
+    for r in range(W):
+        ok = (ids >= r * L) & (ids < (r + 1) * L)
+        m = is_token_in_rank[:, r]
+        meta = torch.cat([torch.where(ok, ids - r * L, -1).to(torch.int32), torch.where(ok, bits, 0)], 1)[m]
+        n = meta.shape[0]
+        words[r, 0] = n
+        words[r, 1:1 + n * 2 * K] = meta.reshape(-1)
+    ranks = torch.arange(W, dtype=torch.int32, device=dev)
+    slots = torch.full((T + W * P, W), -1, dtype=torch.int32, device=dev)
+    slots[:T] = torch.where(is_token_in_rank, 2 * ranks, -1)
+    for r in range(W):
+        slots[T + r * P:T + (r + 1) * P, r] = 2 * r + 1
+    return x_in, slots
+
+
+def unpack_rows_torch(rows: torch.Tensor, token_rows: int, num_rows: int, topk: int, num_local_experts: int,
+                      world_size: int, meta_rows: int, idx_dtype: torch.dtype = torch.int64):
+    """The received rows of a meta-rows dispatch -> ``(recv_topk_idx [R, K] idx_dtype, recv_topk_weights [R, K]
+    float32, hist [L + 1] int64)`` for ``R = num_rows``.
+
+    ``rows``: the rows lane's received bf16 rows, contiguous: ``token_rows`` token rows (source rank, then token
+    order), then every source's ``P = meta_rows`` meta rows (:func:`pack_rows_torch`'s groups for this rank, sources
+    ascending). Token row i of source s (the ``i - start[s]``-th of its rows, ``start`` the prefix sum of the groups'
+    counts) takes the ids and weights the sender wrote for it; an id outside ``[0, L)`` reads as -1 with weight 0;
+    rows at or past ``token_rows`` get -1 and 0 and are not counted. ``hist[0]``: slots with -1, ``hist[1 + j]``:
+    slots with local expert j. Twin of :func:`tritonep.compat.deep_ep.kernels.meta_rows.unpack_rows_kernel`."""
+    K, L, W, P = topk, num_local_experts, world_size, meta_rows
+    base = int(token_rows)
+    words = rows[base:base + W * P].contiguous().view(torch.int32).reshape(W, -1)
+    got = torch.full((num_rows, K), -1, dtype=torch.int32)
+    wbits = torch.zeros(num_rows, K, dtype=torch.int32)
+    i = 0
+    for s in range(W):
+        n = int(words[s, 0])
+        take = max(0, min(n, min(base, num_rows) - i))
+        blk = words[s, 1:1 + take * 2 * K].reshape(take, 2 * K).cpu()
+        got[i:i + take], wbits[i:i + take] = blk[:, :K], blk[:, K:]
+        i += n
+    ok = (got >= 0) & (got < L)
+    local = torch.where(ok, got, -1)
+    w = torch.where(ok, wbits, 0).view(torch.float32)
+    live = torch.arange(num_rows)[:, None] < base
+    hist = torch.bincount((local + 1)[live.expand(-1, K)], minlength=L + 1)
+    return local.to(idx_dtype).to(rows.device), w.to(rows.device), hist

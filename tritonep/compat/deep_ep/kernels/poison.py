@@ -23,20 +23,34 @@ __all__ = ["poison_kernel"]
 
 
 @triton.jit
+def _ints(p, NBYTES: tl.constexpr):
+    """``p`` as a pointer to integers of ``NBYTES`` bytes (1, 2 or 4)."""
+    if NBYTES == 1:
+        return p.to(tl.pointer_type(tl.int8))
+    elif NBYTES == 2:
+        return p.to(tl.pointer_type(tl.int16))
+    else:
+        return p.to(tl.pointer_type(tl.int32))
+
+
+@triton.jit
 def poison_kernel(counts_ptr, cs0, cs1, limit, a_ptr, NA, b_ptr, NB, nprog, W: tl.constexpr, WB: tl.constexpr,
-                  BLOCK: tl.constexpr):
+                  BLOCK: tl.constexpr, AB: tl.constexpr, BB: tl.constexpr):
     """``counts [W, W]`` int32 (strides ``cs0``, ``cs1``): when some column sums to more than ``limit``, every element
-    of ``a [NA]`` and ``b [NB]`` (integer views) is set to -1 (all bits); else nothing is written. Any grid
-    (``nprog`` programs, each a strided loop over blocks: correct at grid 1)."""
+    of ``a [NA]`` and ``b [NB]`` (contiguous, elements of ``AB`` / ``BB`` bytes, written as integers) is set to -1
+    (all bits); else nothing is written. Any grid (``nprog`` programs, each a strided loop over blocks: correct at
+    grid 1)."""
     r = tl.arange(0, WB)
     m = (r < W)[:, None] & (r < W)[None, :]
     c = tl.load(counts_ptr + r[:, None] * cs0 + r[None, :] * cs1, mask=m, other=0)
     over = tl.max(tl.sum(c, axis=0), axis=0) > limit
     if over:
+        pa = _ints(a_ptr, AB)
+        pb = _ints(b_ptr, BB)
         start = tl.program_id(0) * BLOCK
         for s in range(start, NA, nprog * BLOCK):
             o = tl.arange(0, BLOCK).to(tl.int64) + s
-            tl.store(a_ptr + o, tl.full((BLOCK,), -1, a_ptr.dtype.element_ty), mask=o < NA)
+            tl.store(pa + o, tl.full((BLOCK,), -1, pa.dtype.element_ty), mask=o < NA)
         for s in range(start, NB, nprog * BLOCK):
             o = tl.arange(0, BLOCK).to(tl.int64) + s
-            tl.store(b_ptr + o, tl.full((BLOCK,), -1, b_ptr.dtype.element_ty), mask=o < NB)
+            tl.store(pb + o, tl.full((BLOCK,), -1, pb.dtype.element_ty), mask=o < NB)

@@ -128,6 +128,27 @@ def test_moe_config_num_experts_sized_to_a_card():
     assert titan_bench.experts_for_card("671b", 1, 1 * GB) == 8  # never below top-k / the expert groups
 
 
+def test_titan_bench_verdict_blames_a_peer_only_when_alltoall_agrees():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import titan_bench
+
+    def row(name, gw, y=0.0):
+        return dict(dispatcher=name, y_err_vs_tritonep=y, gx_err_vs_tritonep=0.0, gw_err_vs_tritonep=gw,
+                    checked=max(y, gw) <= titan_bench.TOL)
+
+    rows = [row("tritonep", 0.0), row("minimal_async_ep", 1.1), row("alltoall", 0.0)]
+    assert titan_bench.verdict(rows)  # the peer alone is off: its row says so, the run passes
+    assert rows[1]["note"] == "gw differ from tritonep's and from AllToAll's (which equals tritonep's)"
+    assert "note" not in rows[0] and "note" not in rows[2]
+    rows = [row("tritonep", 0.0), row("minimal_async_ep", 0.0), row("alltoall", 1.1)]
+    assert not titan_bench.verdict(rows)  # the reference disagrees with tritonep: the run fails
+    assert "note" not in rows[1]
+    rows = [dict(row("tritonep", 0.0), checked=False), row("alltoall", 0.0)]  # tritonep's row failed
+    assert not titan_bench.verdict(rows)
+    failed = dict(dispatcher="minimal_async_ep", eager_step_us="failed: RuntimeError", checked=False)
+    assert titan_bench.verdict([row("tritonep", 0.0), failed, row("alltoall", 0.0)])  # a peer that cannot run here
+
+
 @pytest.mark.slow  # 13 s: CI second step
 def test_titan_bench_and_example_as_on_torch_211():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))

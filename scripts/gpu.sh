@@ -8,6 +8,9 @@
 #   mps4     every multi-rank GPU test at W=4 under MPS                                     limit 480
 #   ts2/ts4  the same, time-sliced (no MPS)                                                 limit 500 / 520
 #   soak     the 1000-replay CUDA-graph soaks at W=2 under MPS                              limit 150
+#   suite1   the whole GPU suite's first command: `single` (one process, no MPS) running beside `mps2` then `soak`
+#            (the ranks' private MPS daemon): compiles are CPU-bound and the machine has 16 cores     550 wall
+#   suite2   its second command: `mps4`                                                               480
 #   runs2    `tritonep run` at W=2 under MPS: every layer; balance none / virtual, push / pull, bf16 / fp8
 #   runs4    the same at W=4 under MPS
 #   run2/run4  `tritonep run` at W=2 / W=4 under MPS, the default recipe only                   limit 150
@@ -53,7 +56,10 @@ OUT=${OUT:-gpu_out}
 WORK=${WORK:-/tmp/gpu_work}
 mkdir -p "$OUT" "$WORK"
 
-pack() { tar czf "$OUT/logs.tgz" -C "$WORK" . 2>/dev/null; cp "$WORK/summary.txt" "$OUT/summary.txt" 2>/dev/null; }
+pack() {  # atomic: steps running beside each other pack too
+    tar czf "$OUT/.logs.$$.$BASHPID.tgz" -C "$WORK" . 2>/dev/null && mv -f "$OUT/.logs.$$.$BASHPID.tgz" "$OUT/logs.tgz"
+    cp "$WORK/summary.txt" "$OUT/.summary.$BASHPID" 2>/dev/null && mv -f "$OUT/.summary.$BASHPID" "$OUT/summary.txt"
+}
 step() {  # step NAME LIMIT_S CMD...: CMD under its limit, logged to $WORK/NAME.log, a verdict line
     local name=$1 limit=$2; shift 2
     local t0
@@ -105,7 +111,7 @@ use_wheels() {  # the carried wheels installed into $WORK/site (the GPU machine 
         .whl/*.whl && export PYTHONPATH="$PYTHONPATH:$WORK/site"
 }
 
-[ $# -gt 0 ] || { sed -n '2,30p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2; }
 nvidia-smi -L
 command -v nvidia-cuda-mps-control >/dev/null || echo "nvidia-cuda-mps-control not found: the MPS suites will fail"
 for suite in "$@"; do
@@ -120,6 +126,17 @@ for suite in "$@"; do
         ts4) step ts4 520 "${PYTEST[@]}" -m "gpu and anyworld and not soak and not caps" --gpu-world-sizes 4 --timeout 200 \
                  --maxfail 8 ;;
         soak) step soak 150 "${PYTEST[@]}" -m "gpu and soak" --gpu-world-sizes 2 --gpu-mps on --timeout 140 ;;
+        suite1) TAIL=4 step single 300 "${PYTEST[@]}" -m "gpu and (not world or world1) and not soak and not caps" \
+                    --timeout 200 &
+                beside=$!
+                step mps2 400 "${PYTEST[@]}" -m "gpu and world and not world1 and not soak and not caps" \
+                    --gpu-world-sizes 2 --gpu-mps on --timeout 120 --maxfail 4
+                stop_leftover_mps
+                step soak 150 "${PYTEST[@]}" -m "gpu and soak" --gpu-world-sizes 2 --gpu-mps on --timeout 140
+                wait "$beside"
+                pack ;;
+        suite2) step mps4 480 "${PYTEST[@]}" -m "gpu and anyworld and not soak and not caps" --gpu-world-sizes 4 \
+                    --gpu-mps on --timeout 120 --maxfail 4 ;;
         run2) run_base 2 ;;
         run4) run_base 4 ;;
         runs2) run_matrix 2 ;;
@@ -167,7 +184,7 @@ for suite in "$@"; do
                   step memcheck2 240 "${SAN[@]}" python benchmarks/probes/overflow_memcheck.py --world-size 2 \
                       --mps off ;;
         wheels) echo "the wheels suite runs alone, on a machine with internet: bash scripts/gpu.sh wheels"; exit 2 ;;
-        *) echo "unknown suite $suite"; sed -n '2,30p' "$0"; exit 2 ;;
+        *) echo "unknown suite $suite"; sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2 ;;
     esac
     stop_leftover_mps
 done

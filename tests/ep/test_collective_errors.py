@@ -10,8 +10,9 @@ import torch.distributed as dist
 import tritonep as tep
 from tritonep.testing import run_cpu_world
 from tritonep.bench.cases import make_rank_inputs
-from tests.support.harness import (BF16, check_calls, check_grads, diff, expected, open_buffer, outcome, record,
-                                      run_call, run_grad_call, set_env)
+from tests.support.harness import (BF16, check_calls, check_grads, diff, expected, open_buffer, record, run_call,
+                                      run_grad_call, set_env)
+from tests.support.outcomes import outcome
 
 H = 64
 

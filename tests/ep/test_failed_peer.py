@@ -17,10 +17,11 @@ import torch
 import torch.distributed as dist
 
 import tritonep as tep
-from tritonep.errors import ConfigError, InputError, PeerInputError, PeerTimeoutError
+from tritonep.errors import ConfigError, InputError, PeerTimeoutError
 from tritonep.testing import run_cpu_world
 from tritonep.bench.cases import make_rank_inputs
 from tests.support.harness import check_grads, run_grad_call, set_env
+from tests.support.outcomes import verdict
 
 H, TM, K = 64, 8, 2
 GEOMETRIES = {"two_kernel": "dec=0,fs=0,fe=0,fc=0", "fused": "fs=1,fe=1,fc=1", "decode": "bt=2,dec=2"}
@@ -38,25 +39,12 @@ def _inputs(rank, W, seed):
     return make_rank_inputs(rank, 6, H, 2 * W, K, seed=seed, mask_frac=0.0)  # 12 routes: rows on every rank
 
 
-def _outcome(fn):
-    try:
-        y = fn()
-        if y is None:
-            return ("returned", None)
-        return ("y", "all NaN" if y.numel() and bool(torch.isnan(y).all()) else
-                ("some NaN" if bool(torch.isnan(y).any()) else "finite"))
-    except PeerInputError as e:
-        return ("PeerInputError", sorted(e.bad_ranks))
-    except (InputError, ConfigError) as e:
-        return (type(e).__name__, str(e)[:60])
-
-
-def _check(buf):
-    try:
-        buf.check()
-        return ("ok",)
-    except PeerInputError as e:
-        return ("PeerInputError", sorted(e.bad_ranks))
+def _nan_kind(y):
+    """What a combine output shows: "all NaN" / "some NaN" / "finite" (None: the call returned nothing)."""
+    if y is None:
+        return None
+    return "all NaN" if y.numel() and bool(torch.isnan(y).all()) else \
+        ("some NaN" if bool(torch.isnan(y).any()) else "finite")
 
 
 def _refusal_world(group, backend, geometry, sync_free, how, bad):
@@ -83,7 +71,8 @@ def _refusal_world(group, backend, geometry, sync_free, how, bad):
             buf.cancel_combine(d.handle if how == "cancel" else None)
         return None
 
-    out = dict(combine=_outcome(step), check=_check(buf), check_again=_check(buf))
+    out = dict(combine=verdict(lambda: _nan_kind(step()), InputError, ConfigError), check=verdict(buf.check),
+               check_again=verdict(buf.check))
     if other is not None:
         other.combine(d2.x.clone(), d2.handle)  # the other buffer's own combine, on every rank
         other.close()
@@ -99,14 +88,14 @@ def _assert_refused(res, geometry, sync_free, how, bad):
     for r, out in enumerate(res):
         own = {"dtype": "InputError", "rows": "InputError", "handle": "ConfigError"}.get(how)
         if r in bad:
-            assert out["combine"][0] == (own or "returned"), (r, out["combine"])
+            assert (out["combine"][0] == own) if own else (out["combine"] == ("ok", None)), (r, out["combine"])
         elif sync_free:
-            assert out["combine"] == ("y", "all NaN"), (r, out["combine"])  # cannot pass for a result
+            assert out["combine"] == ("ok", "all NaN"), (r, out["combine"])  # cannot pass for a result
         else:
             assert out["combine"] == ("PeerInputError", sorted(bad)), (r, out["combine"])
         # sync-free: the next read raises on every rank, the refused one included; eager: already raised
-        assert out["check"] == (("PeerInputError", sorted(bad)) if sync_free else ("ok",)), (r, out["check"])
-        assert out["check_again"] == ("ok",), (r, out)
+        assert out["check"] == (("PeerInputError", sorted(bad)) if sync_free else ("ok", None)), (r, out["check"])
+        assert out["check_again"] == ("ok", None), (r, out)
     if res[0]["geometry"] is not None:  # triton: the geometry the case names really ran (decode, fused combine)
         dec, fc = res[0]["geometry"]
         assert (dec > 0, bool(fc)) == (geometry == "decode", geometry == "fused"), (geometry, res[0]["geometry"])
@@ -157,22 +146,14 @@ def _skip_world(group, geometry, sync_free):
     out = {}
     if rank != W - 1:
         try:
-            y = buf.combine(d.x.clone(), d.handle)
-            out["combine"] = ("y", "all NaN" if bool(torch.isnan(y).all()) else "not all NaN")
+            out["combine"] = ("ok", _nan_kind(buf.combine(d.x.clone(), d.handle)))
         except PeerTimeoutError as e:
             out["combine"] = ("PeerTimeoutError", "build a new EPBuffer" in str(e))
     else:
         out["combine"] = ("skipped",)
         time.sleep(2.0)  # the peers' combine is still waiting; this rank's next call comes before they give up
-    try:
-        buf.dispatch(x, idx, w)
-        out["next"] = ("returned",)
-    except PeerTimeoutError as e:
-        out["next"] = ("PeerTimeoutError",)
-    except PeerInputError as e:
-        out["next"] = ("PeerInputError", sorted(e.bad_ranks))
-    except tep.errors.BufferStateError:
-        out["next"] = ("BufferStateError",)
+    out["next"] = verdict(lambda: buf.dispatch(x, idx, w) and None, PeerTimeoutError, tep.errors.BufferStateError,
+                          message=False)
     buf.close()
     buf = _buffer(group, "triton", geometry, timeout_s=60)  # rebuilt on every rank
     out["good"] = run_grad_call(buf, *_inputs(rank, W, 5), grad_seed=5, bias=1.0)
@@ -188,7 +169,7 @@ def test_a_skipped_combine_times_out_and_rebuilding_works(W, geometry, sync_free
     res = run_cpu_world(W, _skip_world, geometry, sync_free, timeout_s=300, check_protocol=False)  # one skips
     for r, out in enumerate(res[:-1]):
         if sync_free:
-            assert out["combine"] == ("y", "all NaN"), out  # never the partial sums of the peers that came
+            assert out["combine"] == ("ok", "all NaN"), out  # never the partial sums of the peers that came
             assert out["next"] == ("PeerTimeoutError",), out  # the next read raises the recorded timeout
         else:
             assert out["combine"] == ("PeerTimeoutError", True), out  # and the message says to rebuild
@@ -213,19 +194,10 @@ def _moe_world(group, backend, sync_free):
             raise RuntimeError("experts ran out of memory")
 
         mod.expert_ffn_parts_forward = boom
-    try:
-        y = layer(x, idx, w)
-        first = ("y", "all NaN" if bool(torch.isnan(y).all()) else "not all NaN")
-    except PeerInputError as e:
-        first = ("PeerInputError", sorted(e.bad_ranks))
-    except RuntimeError as e:
-        first = ("RuntimeError", str(e))
+    first = verdict(lambda: _nan_kind(layer(x, idx, w)), RuntimeError)
     if rank == 1:
         mod.expert_ffn_parts_forward = orig
-    try:
-        check = _check(layer.buffer)
-    except RuntimeError as e:  # sync-free: the failing rank's own error, deferred to its check()
-        check = ("RuntimeError", str(e))
+    check = verdict(layer.buffer.check, RuntimeError)  # sync-free: the failing rank's own error, deferred to it
     y2 = layer(x, idx, w).detach().clone()
     layer.buffer.check()
     layer.close()
@@ -244,9 +216,9 @@ def test_moe_layer_cancels_the_combine_when_its_experts_fail(W, backend, sync_fr
         if not sync_free:  # eager: every rank raises in the step (the failing rank its experts' error)
             assert first == (("RuntimeError", "experts ran out of memory") if r == 1 else ("PeerInputError", [1])), \
                 (r, first)
-            assert check == ("ok",), (r, check)
+            assert check == ("ok", None), (r, check)
         else:  # sync-free: no rank raises in the step (NaN everywhere); every check() raises, the failing rank its
-            assert first == ("y", "all NaN"), (r, first)  # own error (tests/moe/test_sync_free_failed_experts.py)
+            assert first == ("ok", "all NaN"), (r, first)  # own error (tests/moe/test_sync_free_failed_experts.py)
             assert check == (("RuntimeError", "experts ran out of memory") if r == 1 else ("PeerInputError", [1])), \
                 (r, check)
         ref = moe_dense_reference(*inp, w1, w2)

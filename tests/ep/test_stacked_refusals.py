@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from tritonep.testing import run_cpu_world
 from tritonep.bench.cases import make_rank_inputs
-from tests.support.harness import open_buffer, outcome, set_env
+from tests.support.harness import open_buffer, set_env
+from tests.support.outcomes import outcome
 
 CFG = dict(E=8, H=64, Tmax=8, K=3, max_recv=24)  # 6 tokens per rank, every route to expert 0: rank 0 needs 36
 

@@ -8,7 +8,8 @@ import torch.distributed as dist
 import tritonep as tep
 from tritonep.testing import run_cpu_world
 from tritonep.bench.cases import make_rank_inputs
-from tests.support.harness import check_calls, diff, expected, outcome, run_call, set_env
+from tests.support.harness import check_calls, diff, expected, run_call, set_env
+from tests.support.outcomes import outcome
 
 H = 64
 

@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 import tritonep as tep
 from tritonep.bench.cases import make_rank_inputs
-from tritonep.errors import PeerInputError
 from tritonep.testing import run_cpu_world
+from tests.support.outcomes import verdict
 
 H, K, TM = 64, 2, 8
 BAD = 1  # the failing rank
@@ -47,15 +47,6 @@ def _grad_kind(g, backend):
     if bool(g.isnan().all()) or (backend == "nccl" and bool(g.isnan().any())):
         return "NaN"
     return "some NaN" if bool(g.isnan().any()) else "finite"
-
-
-def _outcome(fn):
-    try:
-        return ("ok", fn())
-    except PeerInputError as e:
-        return ("PeerInputError", sorted(e.bad_ranks))
-    except RuntimeError as e:
-        return (type(e).__name__, str(e))
 
 
 def _world(group, backend, how, read):
@@ -83,15 +74,15 @@ def _world(group, backend, how, read):
             raise RuntimeError("expert backward ran out of memory")
         setattr(mod, name, boom)
     try:
-        failed = _outcome(lambda: _grad_kind(step()[1], backend))
+        failed = verdict(lambda: _grad_kind(step()[1], backend), RuntimeError)
     finally:
         setattr(mod, name, orig)
     out = dict(failed=failed)
     if read == "check":
-        out["read"] = _outcome(layer.buffer.check)
+        out["read"] = verdict(layer.buffer.check, RuntimeError)
     else:  # the next step's synced dispatch raises it on every rank (after its launches)
-        out["read"] = _outcome(lambda: step() and None)
-    out["check_again"] = _outcome(layer.buffer.check)
+        out["read"] = verdict(lambda: step() and None, RuntimeError)
+    out["check_again"] = verdict(layer.buffer.check, RuntimeError)
     again = step()
     out["same"] = torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
     out["finite"] = not bool(again[1].isnan().any())
@@ -170,10 +161,10 @@ def _two_layer_world(group, backend):
             return orig(*a, **k)
         mod.expert_ffn_parts_backward = boom_once
     try:
-        failed = _outcome(lambda: _grad_kind(step(), backend))
+        failed = verdict(lambda: _grad_kind(step(), backend), RuntimeError)
     finally:
         mod.expert_ffn_parts_backward = orig
-    reads = [_outcome(lay.buffer.check) for lay in layers]
+    reads = [verdict(lay.buffer.check, RuntimeError) for lay in layers]
     again = step()
     out = dict(failed=failed, reads=reads, calls=len(calls), same=torch.equal(first, again))
     for lay in layers:

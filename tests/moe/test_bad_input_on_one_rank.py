@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 
 from tritonep.testing import run_cpu_world
-from tests.support.harness import BF16, outcome
+from tests.support.harness import BF16
+from tests.support.outcomes import outcome
 
 H = 64
 LE, LK, LT, LI = 4, 2, 8, 32

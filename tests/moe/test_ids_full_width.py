@@ -29,9 +29,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tritonep.errors import ConfigError, InputError, PeerInputError, PeerTimeoutError
+from tritonep.errors import ConfigError, InputError, PeerTimeoutError
 from tritonep.testing import run_cpu_world
 from tritonep.bench.cases import make_rank_inputs
+from tests.support.outcomes import verdict
 
 H, I, E, K = 64, 32, 4, 2
 BAD = (2 ** 32 + 1, -(2 ** 32) + 2)
@@ -43,16 +44,6 @@ def _layer(group, balance, backend, timeout_s=60, num_experts=E):
 
     geo = MoEGeometry(hidden=H, intermediate=I, num_experts=num_experts, topk=K, max_tokens_per_rank=8)
     return MoELayer(MoERecipe(balance=balance, combine="push"), geo, group, timeout_s=timeout_s, backend=backend)
-
-
-def _err(fn):
-    try:
-        fn()
-        return ("ok",)
-    except PeerInputError as e:
-        return ("PeerInputError", tuple(e.bad_ranks))
-    except InputError as e:
-        return ("InputError", str(e))
 
 
 def _layer_world(group, backend):
@@ -75,7 +66,7 @@ def _layer_world(group, backend):
             bidx = idx.clone()
             if rank == 1:
                 bidx[3, 1] = bad
-            res.append(_err(lambda: layer(x, topk_idx=bidx, topk_weights=w)))
+            res.append(verdict(lambda: layer(x, topk_idx=bidx, topk_weights=w).shape, InputError))
         if layer.transport is not None:
             slots = [bool((layer.transport.slots(k) == 0).all()) for k in ("w1", "w2")]
         y1 = layer(x, topk_idx=idx, topk_weights=w)
@@ -89,7 +80,7 @@ def test_layer_refuses_64_bit_ids_on_every_rank(backend):
     res = run_cpu_world(2, _layer_world, backend, timeout_s=300)
     for balance in ("none", "virtual"):
         for bad, (e0, e1) in zip(BAD, zip(res[0][balance]["errs"], res[1][balance]["errs"])):
-            assert e0 == ("PeerInputError", (1,)), (balance, bad, e0)
+            assert e0 == ("PeerInputError", [1]), (balance, bad, e0)
             assert e1[0] == "InputError" and f"topk_idx[3, 1] = {bad} is outside" in e1[1], (balance, bad, e1)
         for r in range(2):
             assert res[r][balance]["same"], f"{balance}: rank {r}'s next call differs after the refused ones"
@@ -117,15 +108,6 @@ def test_planner_refuses_64_bit_ids_alone():
             plan(c, idx, 0, validate=True)
 
 
-def _bad_ranks_of(cx):
-    """``cx.check()``: None, or the bad ranks of the PeerInputError it raises."""
-    try:
-        cx.check()
-        return None
-    except PeerInputError as e:
-        return tuple(e.bad_ranks)
-
-
 def _counts_world(group, backend):
     import tritonep as tep
 
@@ -139,7 +121,7 @@ def _counts_world(group, backend):
     if rank == 1:
         bad[1, 0] = 2 ** 32 + 2  # low bits: expert 2
     counts = cx.gather(bad).clone()
-    err = _bad_ranks_of(cx)
+    err = verdict(cx.check)
     again = cx.gather(idx).clone()
     cx.check()  # the refusal was reported once
     cx.close()
@@ -154,7 +136,7 @@ def test_counts_exchange_neither_counts_nor_hides_64_bit_ids(backend):
         want = good.clone()
         want[1, 2] -= 1  # rank 1's bad id is not a route to expert 2
         assert torch.equal(counts, want), counts
-        assert err == (1,), err
+        assert err == ("PeerInputError", [1]), err
         assert torch.equal(again, good)
 
 
@@ -168,7 +150,7 @@ def _decode_world(group):
     x, idx, w = make_rank_inputs(rank, 5, H, E, K, seed=6)
     if rank == 0:
         idx[2, 0] = 2 ** 32 + 1
-    res = _err(lambda: buf.dispatch(x, idx, w))
+    res = verdict(lambda: buf.dispatch(x, idx, w) and None, InputError)
     d = buf.dispatch(x, idx.clamp(-1, E - 1), w)  # usable afterwards
     buf.close()
     return res, d.num_tokens_per_expert.clone()
@@ -177,7 +159,7 @@ def _decode_world(group):
 def test_decode_dispatch_refuses_64_bit_ids():
     res = run_cpu_world(2, _decode_world, timeout_s=120)
     assert res[0][0][0] == "InputError" and f"= {2 ** 32 + 1} is outside" in res[0][0][1], res[0][0]
-    assert res[1][0] == ("PeerInputError", (0,)), res[1][0]
+    assert res[1][0] == ("PeerInputError", [0]), res[1][0]
 
 
 def _odd_world(group):
@@ -192,7 +174,7 @@ def _odd_world(group):
         full[4, 2] = 2 ** 32 + E3 - 1
         idx = full[:, ::2]
         assert not idx.is_contiguous() and int(idx[4, 1]) == 2 ** 32 + E3 - 1
-    res = _err(lambda: layer(x, topk_idx=idx, topk_weights=w))
+    res = verdict(lambda: layer(x, topk_idx=idx, topk_weights=w).shape, InputError)
     ok = layer(x, topk_idx=good, topk_weights=w)
     layer.close()
     return res, tuple(ok.shape)
@@ -200,7 +182,7 @@ def _odd_world(group):
 
 def test_non_contiguous_top_id_in_an_odd_world_with_an_empty_rank():
     res = run_cpu_world(3, _odd_world, timeout_s=240)
-    assert res[0][0] == res[1][0] == ("PeerInputError", (2,)), res
+    assert res[0][0] == res[1][0] == ("PeerInputError", [2]), res
     assert res[2][0][0] == "InputError" and f"topk_idx[4, 1] = {2 ** 32 + 5} is outside" in res[2][0][1], res
     assert [r[1] for r in res] == [(6, H), (0, H), (5, H)]
 
@@ -283,9 +265,9 @@ def _gpu_ids_world(group):
         bad[2, 0] = 2 ** 32 + 1
         cx = buf.counts_exchange(E)
         counts = cx.gather(bad).cpu()
-        cerr = _bad_ranks_of(cx)
+        cerr = verdict(cx.check)
         want = torch.bincount(bad[(bad >= 0) & (bad < E)].cpu(), minlength=E)  # 2**32 + 1 is not counted
-        out.append((_err(lambda: buf.dispatch(x, bad, w)), counts, want, cerr))
+        out.append((verdict(lambda: buf.dispatch(x, bad, w) and None, InputError), counts, want, cerr))
         cx.close()
         buf.close()
     return out
@@ -309,4 +291,4 @@ def test_gpu_64_bit_ids_refused_by_planner_exchange_and_dispatch(gpu_world):
     (rank0,) = gpu_world(1, _gpu_ids_world, timeout_s=600)  # one rank's result: one row per geometry
     for err, counts, want, cerr in rank0:
         assert err[0] == "InputError" and f"= {2 ** 32 + 1} is outside" in err[1], err
-        assert torch.equal(counts[0], want.to(counts.dtype)) and cerr == (0,), (counts, want, cerr)
+        assert torch.equal(counts[0], want.to(counts.dtype)) and cerr == ("PeerInputError", [0]), (counts, want, cerr)

@@ -13,7 +13,31 @@ import torch.distributed as dist
 
 from tritonep.bench.cases import make_rank_inputs
 
-__all__ = ["heap_peer_write_world", "ep_cases_world", "ep_graph_world", "ep_grad_world", "graph_soak_world"]
+__all__ = ["heap_peer_write_world", "ep_cases_world", "ep_graph_world", "ep_grad_world", "graph_soak_world",
+           "warm_up", "capture_round_trip"]
+
+
+def warm_up(buf, x, idx, w) -> None:
+    """One dispatch + combine of ``buf`` on a side stream, outside capture: compiles the kernels a capture records."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        d = buf.dispatch(x, idx, w)
+        buf.combine(buf.expert_out_buffer(d.x.shape[0]).copy_(d.x), d.handle)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+
+
+def capture_round_trip(buf, x, idx, w, expert) -> tuple:
+    """``(graph, Dispatched, expert_out, y)``: ``buf``'s dispatch of the static inputs, ``expert(rows)`` copied into
+    :meth:`EPBuffer.expert_out_buffer` and the combine, captured in one CUDA graph (compile first: :func:`warm_up`)."""
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        d = buf.dispatch(x, idx, w)
+        eo = buf.expert_out_buffer()
+        eo.copy_(expert(d.x))
+        y = buf.combine(eo, d.handle)
+    return g, d, eo, y
 
 
 def heap_peer_write_world(group, epochs=3):
@@ -70,19 +94,8 @@ def ep_graph_world(group, E, H, Tmax, K, replays, seed=0):
     ref_buf = tep.EPBuffer(group, E, H, Tmax, K)
     x0, i0, w0 = (t.to(dev) for t in make_rank_inputs(rank, Tmax, H, E, K, seed=seed))
     sx, si, sw = x0.clone(), i0.clone(), w0.clone()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):  # warm-up (compiles kernels) outside capture
-        d = buf.dispatch(sx, si, sw)
-        y = buf.combine(buf.expert_out_buffer(d.x.shape[0]).copy_(d.x), d.handle)
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        d = buf.dispatch(sx, si, sw)
-        eo = buf.expert_out_buffer()
-        eo.copy_((d.x.float() * 0.5 + 1.0).to(torch.bfloat16))
-        y = buf.combine(eo, d.handle)
+    warm_up(buf, sx, si, sw)
+    g, d, eo, y = capture_round_trip(buf, sx, si, sw, lambda rows: (rows.float() * 0.5 + 1.0).to(torch.bfloat16))
     bad = []
     for i in range(replays):
         x, idx, w = (t.to(dev) for t in make_rank_inputs(rank, Tmax, H, E, K, seed=seed + 1 + i))
@@ -181,19 +194,8 @@ def graph_soak_world(group, E, H, Tmax, K, replays, seed=0, status_every=100, or
     x0, i0, w0 = _graph_soak_inputs(0, W, E, H, Tmax, K, seed, ranks=(rank,))[rank]
     sx, si, sw = x0.to(dev), i0.to(dev), w0.to(dev)
     if graph:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):  # warm-up outside capture
-            d = buf.dispatch(sx, si, sw)
-            buf.combine(buf.expert_out_buffer(d.x.shape[0]).copy_(d.x), d.handle)
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            d = buf.dispatch(sx, si, sw)
-            eo = buf.expert_out_buffer()
-            eo.copy_(_soak_expert_out(d.x))
-            y = buf.combine(eo, d.handle)
+        warm_up(buf, sx, si, sw)
+        g, d, eo, y = capture_round_trip(buf, sx, si, sw, _soak_expert_out)
         out = dict(d=d, y=y)
 
         def step():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from tests.support.gpu_checks import capture_round_trip
 from tests.support.hooks import backend_of
 
 __all__ = ["pool_streams_world"]
@@ -71,12 +72,7 @@ def pool_streams_world(group, E: int, H: int, Tmax: int, K: int, T: int):
             del d, y
         torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        dg = buf.dispatch(x, idx, w)
-        eo = buf.expert_out_buffer()
-        eo.copy_(expert(dg.x))
-        yg = buf.combine(eo, dg.handle)
+    g, dg, eo, yg = capture_round_trip(buf, x, idx, w, expert)
     pooled = _pooled_ptrs(impl)
     out["graph_pooled"] = bool({dg.handle.store.data_ptr(), dg.x.data_ptr(), yg.data_ptr()} & pooled)
     g.replay()

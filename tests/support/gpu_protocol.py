@@ -9,6 +9,8 @@ import torch.distributed as dist
 
 from tritonep.bench.cases import make_rank_inputs
 
+from .gpu_checks import capture_round_trip
+
 __all__ = ["t_script_world", "bad_input_world"]
 
 
@@ -49,12 +51,7 @@ def t_script_world(group, cfg: dict, script: list, graphs: bool, geometry: str =
         sx = torch.zeros(T, H, dtype=torch.bfloat16, device=dev)
         si = torch.full((T, K), -1, dtype=torch.int64, device=dev)
         sw = torch.zeros(T, K, dtype=torch.float32, device=dev)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            d = buf.dispatch(sx, si, sw)
-            eo = buf.expert_out_buffer()
-            eo.copy_(expert(d.x))
-            y = buf.combine(eo, d.handle)
+        g, d, eo, y = capture_round_trip(buf, sx, si, sw, expert)
         static[T] = (g, sx, si, sw, d, eo, y)
     group_barrier(group, dev)  # NCCL, or gloo when ranks share a GPU
     for i, ts in enumerate(script):

@@ -32,7 +32,7 @@ import torch
 from tritonep.bench.cases import make_rank_inputs
 
 __all__ = ["BF16", "FIELDS", "expert", "make_calls", "call_inputs", "open_buffer", "record", "run_call",
-           "calls_world", "run_grad_call", "outcome", "set_env", "expected", "diff", "check_calls", "check_grads",
+           "calls_world", "run_grad_call", "set_env", "expected", "diff", "check_calls", "check_grads",
            "close_fp32", "script_world", "check_script"]
 
 BF16 = torch.bfloat16
@@ -134,20 +134,6 @@ def run_grad_call(buf, x, idx, w, *, grad_seed: int, scale: float = 0.5, bias: f
     rec.update(g=_host(g), geo=_host(geo), gx=_host(xr.grad), gw=_host(wr.grad), xin=_host(x), idx=_host(idx),
                win=_host(w))
     return rec
-
-
-def outcome(fn: Callable) -> tuple:
-    """Run ``fn()`` on a rank; ``("ok", value)``, or for a refused call ``("peer", type name, message, bad_ranks)``
-    (PeerInputError: another rank's input was refused) / ``("own", type name, message, None)`` (this rank's
-    InputError or CapacityError). Other errors propagate."""
-    from tritonep.errors import CapacityError, InputError, PeerInputError
-
-    try:
-        return ("ok", fn())
-    except PeerInputError as e:
-        return ("peer", type(e).__name__, str(e), list(e.bad_ranks))
-    except (InputError, CapacityError) as e:
-        return ("own", type(e).__name__, str(e), None)
 
 
 def set_env(**values) -> None:

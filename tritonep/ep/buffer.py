@@ -2,7 +2,9 @@
 
 Checks every input before any peer is touched (:mod:`tritonep.ep.validate`), checks once at construction that every
 rank has the same static configuration, picks a backend (``triton``: symmetric memory + Triton kernels on one host;
-``nccl``: torch.distributed all_to_all for groups that span hosts) and wraps both in autograd.
+``nccl``: torch.distributed all_to_all for groups that span hosts) and wraps both in autograd. The backward entry
+points (:mod:`tritonep.ep.backward`) and the refusal / cancel / deferred-error ones (:mod:`tritonep.ep.refusal`) are
+mixins of :class:`EPBuffer`, in modules of their own.
 
 Idea sources: DeepEP's ``Buffer`` (dispatch/combine with a handle, expert-grouped receive for grouped GEMMs),
 pplx-kernels (static capacity, graph capture), our own protocol for the kernels (docs/protocols.md).
@@ -16,16 +18,16 @@ import torch
 import torch.distributed as dist
 
 from .. import envs
-from ..errors import (BackendError, BufferStateError, CapacityError, ConfigError, InputError, PeerInputError,
-                      PeerTimeoutError,
-                      TritonEPError)
+from ..errors import BufferStateError, CapacityError, ConfigError, InputError, PeerInputError, TritonEPError
 from ..wire.formats import get_wire
-from .autograd import CombineFn, DispatchBwdFn, DispatchFn, combine_bwd_graph, has_tangent
+from .autograd import CombineFn, DispatchFn, has_tangent
 from .backend_choice import choose_from_reports, p2p_report
+from .backward import BackwardCalls
 from ..backends import build_backend, required_bytes as backend_required_bytes
 from .config import EPConfig, agree, build_config
 from .handle import Dispatched, DispatchHandle
-from .validate import check_backward_inputs, check_combine_inputs, check_dispatch_inputs
+from .refusal import RefusalCalls
+from .validate import check_combine_inputs, check_dispatch_inputs
 
 __all__ = ["EPBuffer"]
 
@@ -34,7 +36,7 @@ _NO_TANGENT = ("a forward-mode dual tensor (torch.autograd.forward_ad) reaches {
                "tangents exactly")
 
 
-class EPBuffer:
+class EPBuffer(BackwardCalls, RefusalCalls):
     """Expert-parallel dispatch / combine buffer for one process group.
 
     Args:
@@ -199,128 +201,6 @@ class EPBuffer:
         """Device->host reads this buffer's calls made so far (the eager budget: one per dispatch)."""
         return self._backend.host_reads
 
-    def dispatch_backward(self, grad_recv_x: torch.Tensor, grad_recv_w: torch.Tensor | None,
-                          handle: DispatchHandle) -> tuple:
-        """The backward half of :meth:`dispatch`, outside autograd (for callers that chain backward pieces).
-
-        Returns ``(grad_x, grad_topk_weights)``: ``grad_x[t] = sum_k grad_recv_x[row(t, k)]`` (``[T, H]``) and
-        ``grad_topk_weights[t, k] = grad_recv_w[row(t, k)]`` (``[T, K]`` float32; ``None`` when ``grad_recv_w``
-        is ``None``). Collective: every rank calls it for the matching dispatch.
-
-        A refused input (this rank raises InputError / ConfigError) still takes part in the call
-        (:meth:`cancel_dispatch_backward`), so no peer waits for this rank: the peers' outputs are NaN (see there)
-        and their next :meth:`check` or synced dispatch raises :class:`PeerInputError` naming this rank (this call
-        reads nothing on the host, as every backward).
-
-        Raises:
-            ConfigError: ``handle`` does not come from this buffer. InputError: ``grad_recv_x`` not ``[rows, H]``
-                of the buffer's dtype and device with at least the dispatch's rows, or ``grad_recv_w`` not None /
-                float32 ``[rows]`` (no row moves). PeerTimeoutError as :meth:`dispatch`.
-        """
-        self._check_open()
-        try:
-            self._check_handle(handle)
-            grad_recv_x, grad_recv_w = check_backward_inputs(
-                grad_recv_x, handle, hidden=self.hidden, dtype=self.dtype, device=self.device,
-                min_rows=self._rows_of(handle), grad_w=grad_recv_w, name="grad_recv_x")
-        except (InputError, ConfigError):
-            # refused on this rank: it still takes part (host protocol rule), so no peer waits for it
-            try:
-                self.cancel_dispatch_backward(handle, with_weights=grad_recv_w is not None)
-            except BackendError:
-                pass  # nccl, no dispatch yet on this buffer: no peer can be in its backward either
-            raise
-        if has_tangent(grad_recv_x, grad_recv_w):  # forward-mode AD: linear, the tangent is the same call's
-            return DispatchBwdFn.apply(grad_recv_x, grad_recv_w, self._backend, handle)
-        return self._backend.dispatch_bwd(grad_recv_x, grad_recv_w, handle)
-
-    def cancel_dispatch_backward(self, handle: DispatchHandle | None = None, with_weights: bool = False) -> None:
-        """Take part in the :meth:`dispatch_backward` that matches ``handle`` WITHOUT a gradient (the backward half's
-        :meth:`cancel_combine`): for a rank whose own code failed before it (call it in the ``except`` block, then
-        re-raise), so its peers do not wait for it and none of them returns a value computed without its rows.
-
-        Collective: it stands for this rank's :meth:`dispatch_backward` call (same launches and collectives, no row
-        moves). Every other rank's output of that call is NaN (``grad_x`` and ``grad_topk_weights``: all of it on the
-        triton backend; on the nccl backend every element computed from this rank's rows, the others being exact,
-        which saves a fill per backward) and its next :meth:`check` or synced dispatch raises
-        :class:`PeerInputError` naming this rank; so does this rank's. The buffer stays usable.
-        :meth:`dispatch_backward` does the same by itself when it refuses its input. Cost: none on the triton
-        backend; the nccl backend's dispatch backward gathers one int32 flag per rank (one small collective) in
-        every call for it, as its forward combine does.
-
-        Args:
-            handle: the dispatch's handle on this rank, or None (the latest dispatch's; the nccl backend needs the
-                dispatch's split sizes).
-            with_weights: whether the peers pass ``grad_recv_w`` (it picks the same kernels as theirs).
-
-        Raises:
-            BackendError: nccl backend, no dispatch to take the split sizes from (no peer can be in a backward).
-        """
-        self._check_open()
-        own = isinstance(handle, DispatchHandle) and handle.buffer_id == self._id
-        self._backend.dispatch_bwd_refused(handle if own else None, bool(with_weights))
-
-    def combine_backward(self, grad_y: torch.Tensor, expert_out: torch.Tensor, handle: DispatchHandle) -> tuple:
-        """The backward half of :meth:`combine`, outside autograd.
-
-        Returns ``(grad_expert_out, grad_recv_weights)``: ``grad_expert_out[row] = w(row) * grad_y[t(row)]``
-        (``[R, H]``) and ``grad_recv_weights[row] = <grad_y[t(row)], expert_out[row]>`` (``[R]`` float32).
-        Collective: every rank calls it for the matching combine.
-
-        A refused input (this rank raises InputError / ConfigError) still takes part in the call
-        (:meth:`cancel_combine_backward`), so no peer waits for this rank: the peers' outputs are NaN (see there)
-        and their next :meth:`check` or synced dispatch raises :class:`PeerInputError` naming this rank (this call
-        reads nothing on the host, as every backward).
-
-        Raises:
-            ConfigError: ``handle`` does not come from this buffer. InputError: ``grad_y`` not ``[T, H]`` or
-                ``expert_out`` not as in :meth:`combine` (dtype, device, shape; no row moves). PeerTimeoutError as
-                :meth:`dispatch`.
-        """
-        self._check_open()
-        try:
-            self._check_handle(handle)
-            grad_y, _ = check_backward_inputs(grad_y, handle, hidden=self.hidden, dtype=self.dtype,
-                                              device=self.device, min_rows=0)
-            expert_out = check_combine_inputs(expert_out, handle, hidden=self.hidden, dtype=self.dtype,
-                                              device=self.device, min_rows=self._rows_of(handle))
-        except (InputError, ConfigError):
-            # refused on this rank: it still takes part (host protocol rule), so no peer waits for it
-            try:
-                self.cancel_combine_backward(handle)
-            except BackendError:
-                pass  # nccl, no dispatch yet on this buffer: no peer can be in its backward either
-            raise
-        if has_tangent(grad_y, expert_out, handle.recv_weights):  # forward-mode AD: the same sums as torch ops
-            return combine_bwd_graph(self._backend, handle, grad_y, expert_out, handle.recv_weights)
-        return self._backend.combine_bwd(grad_y, expert_out, handle)
-
-    def cancel_combine_backward(self, handle: DispatchHandle | None = None) -> None:
-        """Take part in the :meth:`combine_backward` that matches ``handle`` WITHOUT a gradient (the combine
-        backward's :meth:`cancel_dispatch_backward`): for a rank whose own code failed before it (call it in the
-        ``except`` block, then re-raise), so its peers do not wait for it and none of them returns a value computed
-        without its rows.
-
-        Collective: it stands for this rank's :meth:`combine_backward` call (same launches and collectives, no row
-        moves). Every other rank's output of that call is NaN (``grad_expert_out`` and ``grad_recv_weights``: all of
-        it on the triton backend; on the nccl backend every row received from this rank, the others being exact)
-        and its next :meth:`check` or synced dispatch raises :class:`PeerInputError` naming this rank; so does this
-        rank's. The buffer stays usable. :meth:`combine_backward` does the same by itself when it refuses its input.
-        Cost: none on the triton backend (the mark is the token count its send writes anyway, -1); the nccl
-        backend's combine backward gathers one int32 flag per rank (one small collective) in every call for it, as
-        its dispatch backward does.
-
-        Args:
-            handle: the dispatch's handle on this rank, or None (the latest dispatch's; the nccl backend needs the
-                dispatch's split sizes). A handle of another buffer counts as None.
-
-        Raises:
-            BackendError: nccl backend, no dispatch to take the split sizes from (no peer can be in a backward).
-        """
-        self._check_open()
-        own = isinstance(handle, DispatchHandle) and handle.buffer_id == self._id
-        self._backend.combine_bwd_refused(handle if own else None)
-
     def _rows_of(self, handle) -> int:
         """Rows a combine / backward input must have for ``handle``: the rows received, or for a sync-free handle
         (rows unknown on the host) the ``max_recv_tokens`` rows its dispatch returned (the kernels address any row of
@@ -436,48 +316,6 @@ class EPBuffer:
         return Dispatched(out, ntpe, offs, handle, out_w, handle.x_scales)  # positional: x, num_tokens_per_expert,
         # expert_offsets, handle, weights, x_scales (the dataclass's order; half the host time of keywords)
 
-    def refuse_dispatch(self, error: Exception, *, sync_free: bool = False) -> Dispatched:
-        """Take part in a dispatch whose input this rank's caller refused (``error``: its own
-        :class:`InputError` / :class:`CapacityError` naming the value), as :meth:`dispatch` does with an input it
-        refuses itself: the call's launches / collectives with no token and the refusal flag, so it fails on every
-        rank and no row moves.
-
-        With a host read (``sync_free`` False and sync checks on: every rank raises in this call) ``error`` is
-        raised at once (the peers raise :class:`PeerInputError` naming this rank). Without one (``sync_free=True``,
-        sync checks off, capture) nothing is raised now: the call returns the empty layout, as on the peers
-        (``x`` ``max_recv_tokens`` unspecified rows, ``weights``, counts and offsets 0, a handle of T = 0 tokens),
-        so this rank can run the rest of its step like its peers (SPMD: the same collectives, backward included).
-        Its :meth:`combine` takes part as refused (:meth:`cancel_combine`: the peers' output is NaN) and returns
-        NaN ``[0, H]``; :meth:`combine_backward` / :meth:`dispatch_backward` run as on the peers (no row); the next
-        read (:meth:`check`, a synced dispatch) raises ``error`` on this rank and :class:`PeerInputError` naming it
-        on every other rank. What ``MoELayer(MoERecipe(sync_free=True))`` does with an input it refuses.
-
-        Raises:
-            ConfigError: ``error`` is not an InputError / CapacityError. BufferStateError: closed or broken.
-            ``error``: with a host read (above).
-        """
-        if not isinstance(error, (InputError, CapacityError)):
-            raise ConfigError(f"refuse_dispatch takes the InputError / CapacityError that refused the input, got "
-                              f"{type(error).__name__}")
-        self._check_open()
-        if sync_free and not self._backend.sync_free:
-            raise ConfigError(f"refuse_dispatch(sync_free=True) is not supported by this buffer's backend "
-                              f"{self.backend!r}")
-        sync = envs.SYNC_NONE if sync_free else self._sync
-        if sync and self._cuda and torch._C._cuda_isCurrentStreamCapturing():
-            sync = envs.SYNC_NONE
-        try:
-            out, out_w, ntpe, offs, handle = self._backend.dispatch_fwd(*self._no_input, sync, False, True, sync_free)
-        except TritonEPError as e:
-            self._last_synced = True  # read: every rank raises in this call
-            if isinstance(e, (PeerInputError, CapacityError)):
-                raise error from None
-            raise
-        self._last_synced = False
-        self._backend.defer_refusal(error)
-        handle.__dict__["refused_here"] = error  # its combine takes part as refused (combine)
-        return Dispatched(out, ntpe, offs, handle, out_w, handle.x_scales)
-
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle, kind: str | None = None, *,
                 forward_ad: bool = True) -> torch.Tensor:
         """Bring expert outputs back: ``y[t] = sum_k topk_weights[t, k] * expert_out[row(t, k)]`` (fp32 sums).
@@ -539,41 +377,10 @@ class EPBuffer:
             return CombineFn.apply(expert_out, rw, self._backend, handle, kind, read)
         return self._backend.combine_fwd(expert_out, handle, kind=kind, read=read)
 
-    @property
-    def last_dispatch_read(self) -> bool:
-        """Whether this buffer's latest dispatch (a refused one included) read its status on the host, i.e. whether
-        its refusal, if any, raised on every rank in that call. False after a sync-free call (or sync checks off,
-        graph capture): a refusal of this rank's input raised here only, and the peers go on to their combine, in
-        which this rank must take part with :meth:`cancel_combine` (:meth:`dispatch`)."""
-        return self._last_synced
-
     def _reads_combine(self) -> bool:
         """Whether a combine of a synced handle reads its status now (the config's sync checks not ``none``, not
         capturing)."""
         return self._sync != envs.SYNC_NONE and not (self._cuda and torch.cuda.is_current_stream_capturing())
-
-    def cancel_combine(self, handle: DispatchHandle | None = None, kind: str | None = None) -> None:
-        """Take part in the combine that matches ``handle`` (default: this buffer's latest dispatch) WITHOUT an
-        expert output: for a rank whose own code failed between dispatch and combine (call it in the ``except``
-        block, then re-raise), so its peers do not wait for it and no rank returns a value computed without its data.
-
-        Collective: it stands for this rank's :meth:`combine` call (same launches, no row moves). Every other rank's
-        combine of that call fails: in an eager call (the handle's dispatch read the host) it raises
-        :class:`PeerInputError` naming this rank; otherwise (sync-free, sync checks off, graph capture) its output
-        is NaN and the next :meth:`check` or synced call raises it on every rank, this one included. The buffer
-        stays usable on every rank. :meth:`combine` does the same by itself when it refuses its input (wrong dtype,
-        too few rows, another buffer's handle), then raises that error. ``MoELayer`` cancels for you.
-
-        Args:
-            handle: the dispatch's handle on this rank (decides whether the peers read: see above), or None.
-            kind: the combine kind the peers pass (``"push"`` / ``"pull"``; None: the kernel tiles').
-        """
-        self._check_open()
-        own = isinstance(handle, DispatchHandle) and handle.buffer_id == self._id
-        synced = handle.num_recv_rows is not None if own else self._last_synced
-        self._backend.combine_refused(kind if kind in ("push", "pull") else None,
-                                      record_own=not (synced and self._reads_combine()),
-                                      handle=handle if own else None)
 
     def counts_exchange(self, num_experts: int | None = None):
         """A new counts exchange of this buffer's backend (collective: every rank builds it, in the same order).
@@ -609,34 +416,6 @@ class EPBuffer:
         """
         self._check_open()
         return self._backend.expert_transport(num_experts, shapes, dtype)
-
-    def defer(self, error: BaseException) -> None:
-        """Raise ``error`` at this rank's next :meth:`check` instead of now: for a caller whose step failed on this
-        rank (e.g. its experts raised between dispatch and combine, and it cancelled the combine:
-        :meth:`cancel_combine`) while its peers, which read nothing in a sync-free step, run on through their
-        backward and next step: raising at once would leave them without this rank (desynchronised collectives),
-        so the caller runs the step on with NaN and the same calls, and the error surfaces where its peers' does.
-        ``MoELayer(MoERecipe(sync_free=True))`` does so when its experts fail. The first deferred error is kept."""
-        if self._deferred is None:
-            self._deferred = error
-
-    def check(self):
-        """Raise any error the device recorded since the last check (one host sync). For graph-captured use.
-
-        An error deferred by :meth:`defer` is raised instead of what the read finds (which the read clears: this
-        rank's own refusals of that step), except a timeout, which makes the buffer unusable and is raised first."""
-        self._check_open()
-        deferred, self._deferred = self._deferred, None
-        if deferred is None:
-            self._backend.check()
-            return
-        try:
-            self._backend.check()
-        except PeerTimeoutError:
-            raise
-        except TritonEPError:
-            pass
-        raise deferred
 
     def close(self):
         """Release the buffer (collective: every rank closes its buffers in the same order)."""

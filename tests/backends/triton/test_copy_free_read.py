@@ -22,7 +22,8 @@ from tritonep.runtime.bound import BoundKernel
 from tritonep.runtime.host_status import HostStatus
 from tritonep.testing import run_cpu_world
 from tritonep.bench.cases import make_rank_inputs
-from tests.support.harness import outcome, set_env
+from tests.support.harness import set_env
+from tests.support.outcomes import outcome
 from tests.support.hooks import backend_of
 
 H, E, K, TM = 64, 4, 2, 8

@@ -1,0 +1,60 @@
+"""What a call came to on a rank, as a value the host compares across ranks: the refusal tests' one way to catch.
+
+A rank body runs a collective call and returns what it came to instead of raising (a raise would stop the rank
+before the calls that follow, and its peers would wait for it); the test then checks each rank's outcome against the
+promised one (docs/protocols.md, host protocol rule: a refused input fails the call on every rank).
+
+* :func:`verdict` -- ``("ok", value)`` / ``("PeerInputError", sorted bad ranks)`` / this rank's own error as
+  ``(type name, message)`` (or ``(type name,)``): compared whole with ``==``.
+* :func:`outcome` -- the full record ``(kind, type name, message, bad ranks)`` for tests that read the messages.
+
+Errors outside the ones named propagate (a test never turns an unexpected error into a value).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+__all__ = ["outcome", "verdict"]
+
+
+def _caught(fn: Callable, own: tuple) -> tuple:
+    """``("ok", value)`` / ``("peer", the PeerInputError)`` / ``("own", the error of a type in own)``."""
+    from tritonep.errors import PeerInputError
+
+    try:
+        return "ok", fn()
+    except PeerInputError as e:  # first: it is an InputError too
+        return "peer", e
+    except own as e:
+        return "own", e
+
+
+def verdict(fn: Callable, *own: type, message: bool = True) -> tuple:
+    """Run ``fn()`` on a rank and say what it came to.
+
+    Returns:
+        ``("ok", value)``: ``fn`` returned ``value`` (pass a function that returns a plain value, or None, where the
+        ranks' results are compared); ``("PeerInputError", sorted(bad_ranks))``: a peer's input to the call was
+        refused; ``(type name, message)`` for an error of one of the types ``own`` (this rank's own: InputError,
+        ConfigError, the RuntimeError a failing step raised ...), or ``(type name,)`` with ``message=False``. Any
+        other error propagates.
+    """
+    kind, got = _caught(fn, own)
+    if kind == "ok":
+        return ("ok", got)
+    if kind == "peer":
+        return ("PeerInputError", sorted(got.bad_ranks))
+    return (type(got).__name__, str(got)) if message else (type(got).__name__,)
+
+
+def outcome(fn: Callable) -> tuple:
+    """Run ``fn()`` on a rank; ``("ok", value)``, or for a refused call ``("peer", type name, message, bad_ranks)``
+    (PeerInputError: another rank's input was refused) / ``("own", type name, message, None)`` (this rank's
+    InputError or CapacityError). Other errors propagate."""
+    from tritonep.errors import CapacityError, InputError
+
+    kind, got = _caught(fn, (InputError, CapacityError))
+    if kind == "ok":
+        return ("ok", got)
+    return (kind, type(got).__name__, str(got), list(got.bad_ranks) if kind == "peer" else None)

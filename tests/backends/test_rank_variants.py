@@ -12,6 +12,8 @@ import importlib
 import inspect
 import pkgutil
 
+import pytest
+
 import tritonep
 
 
@@ -120,3 +122,37 @@ def test_world_of_4_ranks_compiles_one_variant_set_every_path():
 
     c = _assert_one_variant_set(record(4, timeout_s=1200))
     assert c["per_rank"][0] >= 60, c
+
+
+def _gpu_compiled_world(group):
+    """One EPBuffer per rank (two-kernel push and pull combine, both backwards, the fp8 wire kept quantized; its
+    construction's dry run compiles every variant it can launch), then the cache keys of what Triton compiled."""
+    import torch
+    import torch.distributed as dist
+
+    import tritonep as tep
+    from tritonep.bench.cases import make_rank_inputs
+    from tests.support.variant_keys import compiled_keys
+
+    rank = dist.get_rank(group)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    for wire in ("bf16", "fp8"):
+        b = tep.EPBuffer(group, 16, 256, 32, 4, dispatch_wire=wire, combine_wire=wire)
+        x, i, w = make_rank_inputs(rank, 20, 256, 16, 4, seed=2)
+        d = b.dispatch(x.to(dev), i.to(dev), w.to(dev))
+        b.combine(d.x, d.handle)
+        b.check()
+        b.close()
+    return compiled_keys(dev.index)
+
+
+@pytest.mark.gpu
+def test_gpu_ranks_compile_one_variant_set(gpu_world, gpu_world_size):
+    """On the GPU: Triton's JIT cache of every rank holds the same keys for every tritonep kernel (the rank is no
+    part of any variant), so ranks sharing a Triton cache directory share every compiled file."""
+    W = max(2, gpu_world_size)
+    res = gpu_world(W, _gpu_compiled_world)
+    assert res[0] and "tritonep.backends.triton.kernels.dispatch.dispatch_send_kernel" in res[0], sorted(res[0])
+    for r, keys in enumerate(res[1:], 1):
+        diff = sorted(k for k in set(keys) | set(res[0]) if keys.get(k) != res[0].get(k))
+        assert not diff, f"rank {r} compiled other variants than rank 0 of {diff}"

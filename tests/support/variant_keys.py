@@ -22,7 +22,8 @@ import json
 import os
 import sys
 
-__all__ = ["launch_key", "record_keys_to", "read_keys", "variants_by_rank", "count", "compile_key", "key_text"]
+__all__ = ["launch_key", "record_keys_to", "read_keys", "variants_by_rank", "count", "compile_key", "key_text",
+           "compiled_keys"]
 
 _BINDERS: dict = {}
 
@@ -202,3 +203,26 @@ def compile_keys(keys: list, timeout_s: float = 3600.0, cache_dir: str | None = 
     if not line:
         return dict(seconds=[], failures=[["<process>", p.stderr[-3000:]]])
     return json.loads(line[-1][2:])
+
+
+def compiled_keys(device_index: int) -> dict:
+    """On a GPU process: ``{kernel: sorted cache keys}`` of every variant Triton's JIT compiled (or loaded) on device
+    ``device_index`` so far, over every @triton.jit of tritonep's kernel modules (``JITFunction.device_caches``): what
+    two ranks compare to see that they run one variant set."""
+    import importlib
+    import pkgutil
+
+    import tritonep
+
+    out = {}
+    for m in pkgutil.walk_packages(tritonep.__path__, "tritonep."):
+        if ".kernels." not in m.name and not m.name.startswith("tritonep.device."):
+            continue
+        mod = importlib.import_module(m.name)
+        for name, obj in vars(mod).items():
+            caches = getattr(obj, "device_caches", None)
+            if caches is None or getattr(getattr(obj, "fn", None), "__module__", None) != mod.__name__:
+                continue
+            if device_index in caches and caches[device_index][0]:
+                out[f"{mod.__name__}.{name}"] = sorted(str(k) for k in caches[device_index][0])
+    return out

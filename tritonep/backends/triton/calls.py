@@ -198,11 +198,17 @@ class KernelSet:
         """Source side of a combine (sums the partials in rank order; ``wgrad``: gathers the weight gradients)."""
         v, g, cfg = self._v, self._cfg.tiles, self._cfg
 
+        # the raw wire's output kernel in a 32-warp tile: ptxas's own choice was 32 registers and an 8-byte spill
+        # with the rank a runtime value; a 40-register cap gives 32-39 registers and no spill on every variant
+        # (tests/backends/test_compile_sm90.py; the quantized wires' variants take 54-64 registers, left uncapped)
+        cap = {"maxnreg": 40} if not wire.quantized and self._cck["num_warps"] == 32 else {}
+
         def make():
             return self._lau.bind(combine_out_kernel, dict(
                 stage_tab=v.tab["cstage"], wback_ptr=v.local("wback"), cack_off=self._fo(P.FLAG_CACK),
                 G_partial=g.grid_partial, Tmax=cfg.max_tokens_per_rank, L=cfg.num_local_experts,
-                PULL=kind == "pull", RECV_WGRAD=wgrad, WIRE=wire, **self._refusal, **self._common, **self._cck),
+                PULL=kind == "pull", RECV_WGRAD=wgrad, WIRE=wire, **self._refusal, **self._common, **self._cck,
+                **cap),
                 (STORE, "y_ptr", "T", "NC", "gtw_ptr", "ticket"), grid=(g.grid_out,),
                 fields=self._hl.fields_of(topk_idx_ptr="idx"))
         return self._lau.variant(("out", kind, wgrad, wire), make)

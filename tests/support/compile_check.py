@@ -47,7 +47,7 @@ def _launch_record(jitfn, args, kwargs) -> dict:
 
     names = jitfn.arg_names
     sig, const = {}, {}
-    opts = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+    opts = {k: kwargs[k] for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
     bound = dict(zip(names, args))
     bound.update({k: v for k, v in kwargs.items() if k in names})
     pyfn = getattr(jitfn.fn, "fn", jitfn.fn)

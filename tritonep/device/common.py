@@ -7,19 +7,20 @@ import triton
 import triton.language as tl
 
 
-RowTile = namedtuple("RowTile", "RANK K KB H BH BT RB WIRE HAS_TIMER")
+RowTile = namedtuple("RowTile", "K KB H BH BT RB WIRE HAS_TIMER")
 RowTile.__doc__ = """The static shape of the row tiles an EP data-movement helper moves
     (:mod:`tritonep.backends.triton.kernels.dispatch`, :mod:`tritonep.backends.triton.kernels.combine`), bound once in a kernel from its own constexpr
     parameters and handed whole to the helpers:
-    ``tile: tl.constexpr = RowTile(RANK, K, KB, H, BH, BT, RB, WIRE, HAS_TIMER)``.
+    ``tile: tl.constexpr = RowTile(K, KB, H, BH, BT, RB, WIRE, HAS_TIMER)``.
 
     Every field is a compile-time constant and the bundle is one too (bind it with the ``tl.constexpr`` annotation: a
     plain assignment would turn its fields into tensors); a helper reads ``tile.BT``, ``tile.WIRE.quantized``, ... as
     constants. The generated code is the same as with loose arguments (``scripts/ptx_snapshot.py`` compares the PTX).
     The runtime values a helper needs travel in its own named tuple of pointers (e.g.
-    :class:`tritonep.backends.triton.kernels.dispatch.ExpandIO`).
+    :class:`tritonep.backends.triton.kernels.dispatch.ExpandIO`), the rank among them: the rank is a runtime kernel
+    argument (``do_not_specialize``), so the ranks of a world share one compiled variant of every kernel.
 
-    Fields: ``RANK``, ``K`` (top-k), ``KB`` (power of two >= K), ``H`` (hidden), ``BH`` (hidden tile), ``BT`` (token
+    Fields: ``K`` (top-k), ``KB`` (power of two >= K), ``H`` (hidden), ``BH`` (hidden tile), ``BT`` (token
     tile), ``RB`` (bytes of one wire row), ``WIRE`` (:class:`tritonep.wire.kernels.wirecodec.DeviceCodec`), ``HAS_TIMER``
     (True exactly on the GPU: the ``%globaltimer`` waits, and the codecs' FAST / exact-multiply paths)."""
 

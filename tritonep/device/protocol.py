@@ -43,9 +43,9 @@ dispatch's program 0, publishes them with a ticket into pinned host memory,
 Codes are ``STATUS_*``; ``STATUS_COMBINE_REFUSED``: some rank took part in a combine or a backward pass as refused
 (its input was refused, or it cancelled the call), ``peer`` the lowest such rank, their bits in ``bad_rank_mask``;
 the ``cbad`` region (int64 ``[W]`` per rank) carries it for combine-like calls (a combine, a dispatch backward): a
-refused rank stores the combine's number ``m`` into ``cbad[RANK]`` of every peer before it signals, and every rank's
+refused rank stores the combine's number ``m`` into ``cbad[rank]`` of every peer before it signals, and every rank's
 output side compares ``cbad[r] == m``; a combine backward (dispatch-like) carries it in the token count its send
-writes anyway: ``ntok[RANK] = -1`` in every rank, which the expand reads after the data signals.
+writes anyway: ``ntok[rank] = -1`` in every rank, which the expand reads after the data signals.
 ``skip_call`` is the number (``calls[CALL_DISPATCH]``) of the dispatch a refusal skipped;
 ``this_call`` the number of the dispatch whose verdict launch published last: equal, the refusal is that call's
 own; ``skip_call`` lower, it is an earlier call's that nobody read (sync-free, sync checks off, a graph replay) and

@@ -141,9 +141,9 @@ def wait_all_ge(flag_ptr, n, target, status_ptr, wait_id, timeout, HAS_TIMER: tl
 
 
 @triton.jit
-def mark_dead(flags_tab, status_ptr, W: tl.constexpr, RANK: tl.constexpr, WB: tl.constexpr):
+def mark_dead(flags_tab, status_ptr, W: tl.constexpr, rank, WB: tl.constexpr):
     """Whether this rank's buffer timed out (``status`` holds STATUS_TIMEOUT: a wait of this or an earlier call gave
-    up, or a peer's did, :func:`peers_alive`); if so, also ``flags[FLAG_DEAD, RANK] = 1`` in every other rank
+    up, or a peer's did, :func:`peers_alive`); if so, also ``flags[FLAG_DEAD, rank] = 1`` in every other rank
     (``flags_tab``: every rank's flags region). A timed-out rank's kernels skip their rows but still signal, so every
     sender of rows, partials or counts calls this after its own waits and before its first signal: a peer that
     acquires one of the signals sees the mark (plain stores, ordered by the signal's block barrier + release, as
@@ -151,9 +151,9 @@ def mark_dead(flags_tab, status_ptr, W: tl.constexpr, RANK: tl.constexpr, WB: tl
     dead = tl.load(status_ptr, volatile=True) == STATUS_TIMEOUT
     if dead:
         offs = tl.arange(0, WB)
-        msk = (offs < W) & (offs != RANK)
+        msk = (offs < W) & (offs != rank)
         bases = tl.load(flags_tab + offs, mask=msk, other=0)
-        tl.store(bases.to(tl.pointer_type(tl.int64)) + FLAG_DEAD * W + RANK, tl.full([WB], 1, tl.int64), mask=msk)
+        tl.store(bases.to(tl.pointer_type(tl.int64)) + FLAG_DEAD * W + rank, tl.full([WB], 1, tl.int64), mask=msk)
     return dead
 
 
@@ -241,11 +241,10 @@ def last_program(done_ptr):
 
 @triton.jit
 def finish_launch(calls_ptr, DONE: tl.constexpr, CALL_A: tl.constexpr, a, CALL_B: tl.constexpr, b,
-                  TWO: tl.constexpr, flags_tab, off_1, off_2, W: tl.constexpr, RANK: tl.constexpr,
-                  WB: tl.constexpr):
+                  TWO: tl.constexpr, flags_tab, off_1, off_2, W: tl.constexpr, rank, WB: tl.constexpr):
     """Count this program done (``calls[DONE] += 1``, acq_rel); the last program of the launch stores the call
     numbers ``calls[CALL_A] = a`` (and ``calls[CALL_B] = b`` when TWO) and adds G (the grid) to the flag rows at
-    byte offsets ``off_1`` and ``off_2`` (column RANK) in every rank: the two-kernel path's per-program counters
+    byte offsets ``off_1`` and ``off_2`` (column ``rank``) in every rank: the two-kernel path's per-program counters
     (DATA/ACK, CDATA/CACK), signalled once for the whole grid when every program has finished (a G-weighted add
     from an unfinished grid would let a waiter pass early). Every program read the counters before it counts itself
     done, and ``calls[DONE]`` only ever advances by whole launches of the same grid, so the program that sees
@@ -256,22 +255,22 @@ def finish_launch(calls_ptr, DONE: tl.constexpr, CALL_A: tl.constexpr, a, CALL_B
         if TWO:
             tl.store(calls_ptr + CALL_B, b)
         G = tl.num_programs(0).to(tl.int64)
-        signal_peers(flags_tab, off_1, W, RANK, WB, G)
-        signal_peers(flags_tab, off_2, W, RANK, WB, G)
+        signal_peers(flags_tab, off_1, W, rank, WB, G)
+        signal_peers(flags_tab, off_2, W, rank, WB, G)
     return last
 
 
 @triton.jit
 def ack_on_last(calls_ptr, DONE: tl.constexpr, CALL: tl.constexpr, value, flags_tab, off, count: tl.constexpr,
-                W: tl.constexpr, RANK: tl.constexpr, WB: tl.constexpr):
+                W: tl.constexpr, rank, WB: tl.constexpr):
     """:func:`advance_on_last`, and the last program adds ``count`` to the flag row at byte offset ``off`` (column
-    RANK) in every rank, once every program of the launch has finished: a per-program counter (``FLAG_ACK``) whose
+    ``rank``) in every rank, once every program of the launch has finished: a per-program counter (``FLAG_ACK``) whose
     waiters expect ``count`` programs per call from a launch of another grid (the combine backward's expand acks
     as the forward's ``grid_expand`` programs). As :func:`finish_launch`: every program counts itself done after
     its reads and stores (acq_rel), so the last one's release covers them."""
     if last_program(calls_ptr + DONE):
         tl.store(calls_ptr + CALL, value)
-        signal_peers(flags_tab, off, W, RANK, WB, tl.full((), count, tl.int64))
+        signal_peers(flags_tab, off, W, rank, WB, tl.full((), count, tl.int64))
 
 
 @triton.jit

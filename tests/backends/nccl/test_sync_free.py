@@ -295,7 +295,7 @@ def test_device_plan_kernel_equals_twin_and_host_plan(W):
                     plan = torch.full((sf_plan_size(W, Ee),), -7, dtype=torch.int32)
                     if ut:
                         launch.bind(sync_free_plan_kernel, dict(
-                            m_ptr=mt, st_ptr=st[ut], RANK=rank, W=W, E=Ee, L=Ee // W, A=A, TCAP=tcap, MAXR=maxr,
+                            m_ptr=mt, st_ptr=st[ut], rank=rank, W=W, E=Ee, L=Ee // W, A=A, TCAP=tcap, MAXR=maxr,
                             WB=pow2(W), LB=pow2(Ee // W), CODE_CAP=STATUS_CAPACITY, CODE_BAD=STATUS_BAD_INPUT,
                             num_warps=4), ("plan_ptr",))((1,), plan)
                     else:

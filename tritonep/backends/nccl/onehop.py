@@ -298,7 +298,7 @@ class OneHopDispatch:
         hs, self._recv_hc = h_split(tiles, H, rbh, self.target)
         self._recv_grid = (tiles, hs)  # static: the recv launch's grid never depends on the data
         self._recv_k = launch.bind(onehop_recv_kernel, dict(
-            recv_ptr=self.recv, st_ptr=st, MERGE=merge, K=K, KB=KB, E=E, L=self.L, W=W, RANK=rank, EB=pow2(E),
+            recv_ptr=self.recv, st_ptr=st, MERGE=merge, K=K, KB=KB, E=E, L=self.L, W=W, rank=rank, EB=pow2(E),
             LB=pow2(self.L), WB=pow2(W),
             TCAP=self.Tcap, A=self.A, MAXR=self.maxr, BP=bp, BZ=bz, N0=H, S0=lay.width // es, META=lay.mo // 4,
             ROW32=lay.width // 4, BH=rbh, CODE_CAP=STATUS_CAPACITY, CODE_BAD=STATUS_BAD_INPUT, HC=self._recv_hc,

@@ -108,7 +108,7 @@ class SyncFreeDispatch:
         self.deferred = None  # this rank's refusal's own error, deferred to the read that finds it (defer_refusal)
         self._codes = (STATUS_CAPACITY, STATUS_BAD_INPUT)
         self._sf_plan = self._launch.bind(sync_free_plan_kernel, dict(
-            m_ptr=self._gathered, st_ptr=self._status, RANK=self.rank, W=W, E=E, L=L, A=cfg.expert_alignment,
+            m_ptr=self._gathered, st_ptr=self._status, rank=self.rank, W=W, E=E, L=L, A=cfg.expert_alignment,
             TCAP=self._tcap, MAXR=cfg.max_recv_tokens, WB=pow2(W), LB=pow2(L), CODE_CAP=STATUS_CAPACITY,
             CODE_BAD=STATUS_BAD_INPUT, num_warps=4), ("plan_ptr",))
         self.mode = sync_free_mode(cfg)

@@ -100,7 +100,7 @@ class Unpacker:
         self.KB = pow2(K)
         self.BP = max(1, 128 // self.KB)
         ntpe, offs = lay_offsets
-        self._kw = dict(K=K, KB=self.KB, E=E, L=L, RANK=rank, BP=self.BP, META=lay.mo // 4, ROW32=lay.width // 4,
+        self._kw = dict(K=K, KB=self.KB, E=E, L=L, rank=rank, BP=self.BP, META=lay.mo // 4, ROW32=lay.width // 4,
                         NTPE=ntpe, OFFS=offs, BA=pow2(A), num_warps=8)
         self._bh = min(pow2(H), max(16, 1024 // self.BP))  # 1K-element tiles: no register spills
         self.target = target_programs(launch_device) if launch_device is not None else 1  # h splits (tests raise it)

@@ -270,7 +270,7 @@ class TritonEP:
     def combine_bwd_refused(self, handle=None):
         """Take part in this call's combine backward as refused (:meth:`tritonep.EPBuffer.cancel_combine_backward`,
         or a refused ``combine_backward`` input): the peers' two launches, the send with ``T = -1`` (no row moves;
-        it writes ``ntok[RANK] = -1`` in every rank, the refused mark) and the expand with no output row. Every
+        it writes ``ntok[rank] = -1`` in every rank, the refused mark) and the expand with no output row. Every
         rank's expand that sees the mark moves no row, fills its outputs with NaN and records the refusal
         (``STATUS_COMBINE_REFUSED`` naming this rank; this rank's too: a backward reads nothing on the host, so the
         next read raises it on every rank). ``handle`` is not needed (the launches carry no row)."""

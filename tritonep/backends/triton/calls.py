@@ -62,7 +62,7 @@ class KernelSet:
             opts["num_stages"] = 1  # waits guard later loads: the pipeliner must not hoist them (docs/protocols.md)
         self.ncmax = max(1, triton.cdiv(Tm, g.bt))
         self.ncmax_c = max(1, triton.cdiv(Tm, g.cbt))
-        ck = dict(RANK=rank, W=W, K=K, KB=_p2(K), H=H, BH=g.bh, BT=g.bt, WB=max(2, _p2(W)),
+        ck = dict(rank=rank, W=W, K=K, KB=_p2(K), H=H, BH=g.bh, BT=g.bt, WB=max(2, _p2(W)),
                   HAS_TIMER=device.type == "cuda", RB=2 * H, **opts)
         self._ck = ck
         self._cck = dict(ck, BT=g.cbt, num_warps=g.cwarps)
@@ -83,7 +83,7 @@ class KernelSet:
             hist_ptr=v.hist, counts_tab=v.tab["counts"], flags_ptr=v.flags, flags_tab=v.tab["flags"],
             flag_off=fo(P.FLAG_COUNTS), calls_ptr=v.calls[cx:], status_ptr=v.status, timeout=timeout,
             pre_ptr=v.pre, send_base_ptr=v.send_base, rows_needed_ptr=v.rows_needed,
-            max_recv=cfg.max_recv_tokens, RANK=rank, W=W, E=E, L=L, A=A, WB=ck["WB"], LB=_p2(L), EB=_p2(E),
+            max_recv=cfg.max_recv_tokens, rank=rank, W=W, E=E, L=L, A=A, WB=ck["WB"], LB=_p2(L), EB=_p2(E),
             HAS_TIMER=ck["HAS_TIMER"], DOUBLE=True, dcall_ptr=calls(P.CALL_DISPATCH),
             rows_out_ptr=v.status[P.v(P.ST_ROWS_RECEIVED):P.v(P.ST_ROWS_RECEIVED) + 1], host_st_ptr=self._host_mapped,
             HOST_ST=ST_HOST, DEAD=True, **xt, **opts),
@@ -198,11 +198,17 @@ class KernelSet:
         """Source side of a combine (sums the partials in rank order; ``wgrad``: gathers the weight gradients)."""
         v, g, cfg = self._v, self._cfg.tiles, self._cfg
 
+        # the raw wire's output kernel in a 32-warp tile: ptxas's own choice was 32 registers and an 8-byte spill
+        # with the rank a runtime value; a 40-register cap gives 32-39 registers and no spill on every variant
+        # (tests/backends/test_compile_sm90.py; the quantized wires' variants take 54-64 registers, left uncapped)
+        cap = {"maxnreg": 40} if not wire.quantized and self._cck["num_warps"] == 32 else {}
+
         def make():
             return self._lau.bind(combine_out_kernel, dict(
                 stage_tab=v.tab["cstage"], wback_ptr=v.local("wback"), cack_off=self._fo(P.FLAG_CACK),
                 G_partial=g.grid_partial, Tmax=cfg.max_tokens_per_rank, L=cfg.num_local_experts,
-                PULL=kind == "pull", RECV_WGRAD=wgrad, WIRE=wire, **self._refusal, **self._common, **self._cck),
+                PULL=kind == "pull", RECV_WGRAD=wgrad, WIRE=wire, **self._refusal, **self._common, **self._cck,
+                **cap),
                 (STORE, "y_ptr", "T", "NC", "gtw_ptr", "ticket"), grid=(g.grid_out,),
                 fields=self._hl.fields_of(topk_idx_ptr="idx"))
         return self._lau.variant(("out", kind, wgrad, wire), make)

@@ -74,7 +74,7 @@ class CountsExchange:
             hist_ptr=hist, counts_tab=self.tab_counts, flags_ptr=self.flags, flags_tab=self.tab_flags,
             flag_off=P.flag_row_bytes(P.FLAG_COUNTS, self.W), calls_ptr=self.calls[_CX:], status_ptr=self.status,
             timeout=self.timeout, pre_ptr=b.local("pre"), send_base_ptr=b.local("send_base"),
-            rows_needed_ptr=b.local("rows_needed"), max_recv=2 ** 31 - 1, RANK=self.rank, W=self.W, E=self.E, L=L,
+            rows_needed_ptr=b.local("rows_needed"), max_recv=2 ** 31 - 1, rank=self.rank, W=self.W, E=self.E, L=L,
             A=1, WB=max(2, triton.next_power_of_2(self.W)), LB=triton.next_power_of_2(L), EB=EB, **xt,
             HAS_TIMER=self.device.type == "cuda", DOUBLE=True,
             num_warps=8),  # the [256, 32] prefix tiles of exchange_tiles spill at 4 warps

@@ -92,13 +92,13 @@ class ExpertTransport(SlotTransportBase):
         W, E, L, lau = self.W, self.E, self.L, self._launch
         barriers = [lau.bind(barrier_kernel, dict(
             flags_ptr=flags, flags_tab=flags_tab, row_off=P.flag_row_bytes(row, W), calls_ptr=calls, call_idx=row,
-            status_ptr=status, timeout=self.timeout, wait_id=P.v(P.WAIT_RENDEZVOUS) + row, RANK=self.rank, W=W,
+            status_ptr=status, timeout=self.timeout, wait_id=P.v(P.WAIT_RENDEZVOUS) + row, rank=self.rank, W=W,
             WB=self.WB, HAS_TIMER=self.has_timer), grid=(1,)) for row in rows]
         push = {k: lau.bind(push_weights_kernel, dict(
-            slots_tab=slots_tabs[k], N=math.prod(shp), status_ptr=status, RANK=self.rank, W=W, L=L, BLOCK=1024),
+            slots_tab=slots_tabs[k], N=math.prod(shp), status_ptr=status, rank=self.rank, W=W, L=L, BLOCK=1024),
             ("w_ptr", "etc_ptr"), grid=(self.G,)) for k, shp in self.shapes.items()}
         pull = {k: lau.bind(pull_grads_kernel, dict(
-            gslots_tab=gslots_tabs[k], N=math.prod(shp), status_ptr=status, RANK=self.rank, W=W, L=L, E=E,
+            gslots_tab=gslots_tabs[k], N=math.prod(shp), status_ptr=status, rank=self.rank, W=W, L=L, E=E,
             BLOCK=1024), ("grad_ptr", "num_targets", "slot_of_ptr"), grid=(self.G,)) for k, shp in self.shapes.items()}
         return barriers, push, pull
 

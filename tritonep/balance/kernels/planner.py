@@ -130,7 +130,7 @@ def _tile_routes(topk_ptr, stride_tt, stride_tk, out_ptr, i, last, E: tl.constex
     return inb, ev, valid, esafe, tl.load(out_ptr + i, mask=inb, other=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['rank'])  # one variant for every rank
 def plan_kernel(counts_ptr, stride_cr, stride_ce,
                 topk_ptr, stride_tt, stride_tk, num_routes, chunk, group,
                 hist_ptr, gtot_ptr, alloc_ptr, etc_ptr, slot_ptr, ends_ptr, quota_ptr, cap_ptr, out_ptr, status_ptr,

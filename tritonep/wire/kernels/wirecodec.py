@@ -144,16 +144,11 @@ def wire_load(base, row_off, h0, rmask, H: tl.constexpr, BH: tl.constexpr, BT: t
     rows decode to +0.0).
 
     EXACT_MUL (GPU): a dequant multiply is a standalone ``mul.rn`` so a caller's ``acc += decoded`` is never
-    contracted into an FMA (the twins round the product first). FAST (GPU): the codec's inline-PTX decode."""
+    contracted into an FMA (the twins round the product first). FAST (GPU): the codec's inline-PTX decode. A quantized
+    wire's payload and scales are loaded by :func:`wire_load_raw`, then decoded."""
     if WIRE.quantized:
         PB: tl.constexpr = WIRE.block * WIRE.pay_mul // WIRE.pay_div  # payload bytes of one block
-        hb = h0 * WIRE.pay_mul // WIRE.pay_div + tl.arange(0, BH * WIRE.pay_mul // WIRE.pay_div)
-        HB: tl.constexpr = H * WIRE.pay_mul // WIRE.pay_div
-        q = tl.load(base + row_off[:, None] + hb[None, :], mask=rmask[:, None] & (hb < HB)[None, :], other=0)
-        g = h0 // WIRE.block + tl.arange(0, BH // WIRE.block)
-        sp = (base + HB).to(tl.pointer_type(WIRE.scale_dtype))
-        sc = tl.load(sp + (row_off // WIRE.scale_bytes)[:, None] + g[None, :],
-                     mask=rmask[:, None] & (g < H // WIRE.block)[None, :], other=0)
+        q, sc = wire_load_raw(base, row_off, h0, rmask, H, BH, WIRE)
         G: tl.constexpr = BT * (BH // WIRE.block)
         v = WIRE.decode(tl.reshape(q, (G, PB)), tl.reshape(sc, (G,)), EXACT_MUL, FAST)
         return tl.reshape(v, (BT, BH))

@@ -165,11 +165,11 @@ def onehop_send_kernel(idx_ptr, w_ptr, src0_ptr, src1_ptr, send_ptr, pkt_ptr, id
             hb += BLK * ROW32
 
 
-@triton.jit(do_not_specialize=["HC"])
+@triton.jit(do_not_specialize=["HC", "rank"])
 def onehop_recv_kernel(recv_ptr, out_ptr, out_w_ptr, rr_ptr, rw_ptr, ntpe_ptr, offs_ptr, status_ptr, counts_ptr,
                        st_ptr, HC, MERGE: tl.constexpr,
                        K: tl.constexpr, KB: tl.constexpr, E: tl.constexpr, L: tl.constexpr, W: tl.constexpr,
-                       RANK: tl.constexpr, EB: tl.constexpr, LB: tl.constexpr, WB: tl.constexpr,
+                       rank, EB: tl.constexpr, LB: tl.constexpr, WB: tl.constexpr,
                        TCAP: tl.constexpr, A: tl.constexpr, MAXR: tl.constexpr, BP: tl.constexpr,
                        BZ: tl.constexpr, N0: tl.constexpr, S0: tl.constexpr, META: tl.constexpr,
                        ROW32: tl.constexpr, BH: tl.constexpr, CODE_CAP: tl.constexpr, CODE_BAD: tl.constexpr):
@@ -220,7 +220,7 @@ def onehop_recv_kernel(recv_ptr, out_ptr, out_w_ptr, rr_ptr, rw_ptr, ntpe_ptr, o
     cnt = tl.zeros((LB,), dtype=tl.int32)
     hb = recv32
     for s in range(W):
-        cnt += tl.load(hb + RANK * L + j_off, mask=jm & ok, other=0)
+        cnt += tl.load(hb + rank * L + j_off, mask=jm & ok, other=0)
         hb += BLK * ROW32
     al_loc = (cnt + (A - 1)) // A * A
     ends = tl.cumsum(al_loc, 0)
@@ -234,20 +234,20 @@ def onehop_recv_kernel(recv_ptr, out_ptr, out_w_ptr, rr_ptr, rw_ptr, ntpe_ptr, o
         pm = p < NSLOT
         s_p = p // BLK
         i_p = p % BLK
-        npk = tl.load(recv32 + s_p.to(tl.int64) * BLK * ROW32 + E + RANK, mask=pm, other=0)
+        npk = tl.load(recv32 + s_p.to(tl.int64) * BLK * ROW32 + E + rank, mask=pm, other=0)
         live = pm & (i_p >= 1) & (i_p - 1 < npk) & ok
         m2 = live[:, None] & (k_off[None, :] < K)
         mb = recv32 + p.to(tl.int64)[:, None] * ROW32 + META + k_off[None, :]
         lr = tl.load(mb, mask=m2, other=-1)
         ids = tl.load(mb + K, mask=m2, other=-1)
         w = tl.load(mb + 2 * K, mask=m2, other=0).to(tl.float32, bitcast=True)
-        here = m2 & (ids >= 0) & (ids < E) & (ids // L == RANK)
+        here = m2 & (ids >= 0) & (ids < E) & (ids // L == rank)
         pre = tl.zeros((BP, KB), dtype=tl.int32)
         hb = recv32
         for s in range(W):  # routes of earlier sources to the same expert
             pre += tl.load(hb + ids, mask=here & (s < s_p[:, None]), other=0)
             hb += BLK * ROW32
-        jj = tl.reshape(tl.where(here, ids - RANK * L, 0), (BP * KB,))
+        jj = tl.reshape(tl.where(here, ids - rank * L, 0), (BP * KB,))
         row = tl.reshape(tl.gather(starts, jj, 0), (BP, KB)) + pre + lr
         here = here & (lr >= 0) & (row < MAXR)
         rr = tl.where(here, row, -1)

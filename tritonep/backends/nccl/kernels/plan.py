@@ -22,8 +22,8 @@ import triton.language as tl
 __all__ = ["sync_free_plan_kernel"]
 
 
-@triton.jit
-def sync_free_plan_kernel(m_ptr, plan_ptr, st_ptr, RANK: tl.constexpr, W: tl.constexpr, E: tl.constexpr,
+@triton.jit(do_not_specialize=['rank'])
+def sync_free_plan_kernel(m_ptr, plan_ptr, st_ptr, rank, W: tl.constexpr, E: tl.constexpr,
                           L: tl.constexpr, A: tl.constexpr, TCAP: tl.constexpr, MAXR: tl.constexpr,
                           WB: tl.constexpr, LB: tl.constexpr, CODE_CAP: tl.constexpr, CODE_BAD: tl.constexpr):
     """One program (module docstring). ``m`` int32 ``[W, E + W + 2]``; ``plan`` int32 (layout above), written;
@@ -38,7 +38,7 @@ def sync_free_plan_kernel(m_ptr, plan_ptr, st_ptr, RANK: tl.constexpr, W: tl.con
     total = tl.sum(c, 0)  # [WB (dest rank), LB]: rows of every expert
     aligned = (total + (A - 1)) // A * A
     incl = tl.cumsum(aligned, 1)
-    before = tl.sum(tl.where(s[:, None, None] < RANK, c, 0), 0)  # routes of lower source ranks
+    before = tl.sum(tl.where(s[:, None, None] < rank, c, 0), 0)  # routes of lower source ranks
     need = tl.sum(aligned, 1)  # [WB]
     nbad = tl.load(m_ptr + s * NC + E + W, mask=sm, other=0)
     refd = tl.load(m_ptr + s * NC + E + W + 1, mask=sm, other=0)
@@ -50,13 +50,13 @@ def sync_free_plan_kernel(m_ptr, plan_ptr, st_ptr, RANK: tl.constexpr, W: tl.con
     rj = sm[:, None] & jm[None, :]
     tl.store(plan_ptr + s[:, None] * L + j[None, :], incl - aligned + before, mask=rj)
     tl.store(plan_ptr + E + s, s * TCAP, mask=sm)
-    mine = (s == RANK)[:, None]
+    mine = (s == rank)[:, None]
     ntpe = tl.sum(tl.where(mine, total, 0), 0)
     offs = tl.sum(tl.where(mine, incl, 0), 0)
     tl.store(plan_ptr + E + W + j, tl.where(err, 0, ntpe), mask=jm)
     tl.store(plan_ptr + E + W + L + j, tl.where(err, 0, offs), mask=jm)
     tl.store(plan_ptr + E + W + 2 * L + s[:, None, None] * E + s[None, :, None] * L + j[None, None, :], c, mask=m3)
-    rc = tl.load(m_ptr + s * NC + E + RANK, mask=sm, other=0)
+    rc = tl.load(m_ptr + s * NC + E + rank, mask=sm, other=0)
     tl.store(plan_ptr + E + W + 2 * L + W * E + s, tl.where(err, 0, rc), mask=sm)
     # the status word: the first unread refusal's code / rank / rows, every refusal's flags
     code0 = tl.load(st_ptr)

@@ -1,7 +1,7 @@
 """The receiving side of the nccl backend's dispatch and its combine backward: packets to expert rows and back.
 
 A received packet p carries a wire row and the meta of its token (K destination rows, K expert ids, K weight
-bits, int32); route k of the packet is HERE when ``0 <= id < E`` and ``id // L == RANK``.
+bits, int32); route k of the packet is HERE when ``0 <= id < E`` and ``id // L == rank``.
 
 * :func:`route_unpack_kernel` (grid = packet tiles, plus L programs when the segments have padding rows, plus
   tail programs in the sync-free dispatch, which zero the weights of the rows past the real and padding ones): writes
@@ -65,10 +65,10 @@ def _scatter_rows(src, out_ptr, p, pm, rr, hs, he, S: tl.constexpr, N: tl.conste
             tl.store(out_ptr + rk.to(tl.int64)[:, None] * N + h[None, :], v, mask=(rk >= 0)[:, None] & hm[None, :])
 
 
-@triton.jit(do_not_specialize=["Nr", "HC", "NR"])
+@triton.jit(do_not_specialize=["Nr", "HC", "NR", "rank"])
 def route_unpack_kernel(recv_ptr, src0_ptr, src1_ptr, out0_ptr, out1_ptr, out_w_ptr, rr_ptr, rw_ptr, lay_ptr, Nr, HC, NR,
                         K: tl.constexpr, KB: tl.constexpr, E: tl.constexpr, L: tl.constexpr,
-                        RANK: tl.constexpr, BP: tl.constexpr, META: tl.constexpr, ROW32: tl.constexpr,
+                        rank, BP: tl.constexpr, META: tl.constexpr, ROW32: tl.constexpr,
                         S0: tl.constexpr, C0: tl.constexpr, N0: tl.constexpr, S1: tl.constexpr, C1: tl.constexpr,
                         N1: tl.constexpr, NTPE: tl.constexpr, OFFS: tl.constexpr, PAD: tl.constexpr,
                         BA: tl.constexpr, BH: tl.constexpr, SLOTS: tl.constexpr, RCNT: tl.constexpr,
@@ -115,7 +115,7 @@ def route_unpack_kernel(recv_ptr, src0_ptr, src1_ptr, out0_ptr, out1_ptr, out_w_
         w = tl.load(mb + 2 * K, mask=ml, other=0).to(tl.float32, bitcast=True)
         # NR: the rows of the outputs (a route past them is dropped: no write outside the rows given, whatever
         # the packet says; the route's -1 in ``rr`` keeps combine and the backward passes inside them too)
-        here = ml & (ids >= 0) & (ids < E) & (ids // L == RANK) & (rows < NR)
+        here = ml & (ids >= 0) & (ids < E) & (ids // L == rank) & (rows < NR)
         rr = tl.where(here, rows, -1)
         pk = p.to(tl.int64)[:, None] * K + k_off[None, :]
         tl.store(rr_ptr + pk, rr, mask=m2 & col0)

@@ -31,29 +31,29 @@ from ....device.signal import (last_program, mark_dead, peers_alive, publish_epo
 from ....wire.kernels.wirecodec import RAW_BF16, wire_load, wire_store
 
 
-PartialIO = namedtuple("PartialIO", "eo_ptr hmeta_ptr hwts_ptr hntok_ptr gw_ptr stage_tab wback_tab Tmax")
+PartialIO = namedtuple("PartialIO", "eo_ptr hmeta_ptr hwts_ptr hntok_ptr gw_ptr stage_tab wback_tab Tmax rank")
 PartialIO.__doc__ = """What :func:`partial_item` / :func:`partial_step` read and write; the fields are
     :func:`combine_partial_kernel`'s parameters of the same names (the weighted push combines pass ``hwts_ptr`` /
     ``stage_tab`` as the unused ``gw_ptr`` / ``wback_tab``; ``Tmax``: token rows per source in the handle and the
-    staging, a runtime int)."""
+    staging, and ``rank``: this rank, runtime ints)."""
 
 
-OutIO = namedtuple("OutIO", "topk_idx_ptr y_ptr T stage_tab wback_ptr gtw_ptr Tmax")
+OutIO = namedtuple("OutIO", "topk_idx_ptr y_ptr T stage_tab wback_ptr gtw_ptr Tmax rank")
 OutIO.__doc__ = """What :func:`out_chunk` / :func:`sum_arrived` read and write; the fields are
     :func:`combine_out_kernel`'s parameters of the same names (``T``: this rank's token count, a runtime int; the push
-    combines pass ``y_ptr`` as the unused ``wback_ptr`` / ``gtw_ptr``; ``Tmax``: token rows per source in the staging, a
-    runtime int)."""
+    combines pass ``y_ptr`` as the unused ``wback_ptr`` / ``gtw_ptr``; ``Tmax``: token rows per source in the staging
+    and ``rank``: this rank, runtime ints)."""
 
 
 @triton.jit
-def mark_refused(cbad_tab, m, W: tl.constexpr, RANK: tl.constexpr, WB: tl.constexpr):
+def mark_refused(cbad_tab, m, W: tl.constexpr, rank, WB: tl.constexpr):
     """This rank takes part in combine number ``m`` as refused (its input was refused, or it cancelled the call):
-    ``cbad[RANK] = m`` in every OTHER rank's memory. Plain stores: the caller's later signals and publishes (block
+    ``cbad[rank] = m`` in every OTHER rank's memory. Plain stores: the caller's later signals and publishes (block
     barrier + release) order them, so a peer that acquired any of them sees the mark."""
     offs = tl.arange(0, WB)
-    msk = (offs < W) & (offs != RANK)
+    msk = (offs < W) & (offs != rank)
     bases = tl.load(cbad_tab + offs, mask=msk, other=0)
-    tl.store(bases.to(tl.pointer_type(tl.int64)) + RANK, tl.zeros([WB], tl.int64) + m, mask=msk)
+    tl.store(bases.to(tl.pointer_type(tl.int64)) + rank, tl.zeros([WB], tl.int64) + m, mask=msk)
 
 
 @triton.jit
@@ -77,18 +77,18 @@ def record_refusal(status_ptr, mask, lowest):
 
 
 @triton.jit
-def open_partial(bad, m, cbad_tab, status_ptr, flags_tab, W: tl.constexpr, RANK: tl.constexpr, WB: tl.constexpr):
+def open_partial(bad, m, cbad_tab, status_ptr, flags_tab, W: tl.constexpr, rank, WB: tl.constexpr):
     """The partial side's prologue after its CACK wait: ``live`` (rows move: no timeout, not refused) and, for a
     refused call (``bad`` 1: record it in this rank's status too, for the host's next read; 2: the host raises it
     itself and reads nothing), the mark in every peer (:func:`mark_refused`); a timed-out rank marks itself in every
     peer (:func:`tritonep.device.signal.mark_dead`: no late peer takes the partials it skips). Every program marks
     before its first signal or publish."""
-    live = (mark_dead(flags_tab, status_ptr, W, RANK, WB) == 0) & (bad == 0)
+    live = (mark_dead(flags_tab, status_ptr, W, rank, WB) == 0) & (bad == 0)
     if bad != 0:
-        mark_refused(cbad_tab, m, W, RANK, WB)
+        mark_refused(cbad_tab, m, W, rank, WB)
         if bad == 1:
             if tl.program_id(0) == 0:
-                record_refusal(status_ptr, tl.full((), 1, tl.int64) << RANK, RANK)
+                record_refusal(status_ptr, tl.full((), 1, tl.int64) << rank, rank)
     return live
 
 
@@ -109,16 +109,16 @@ def partial_item_source(idx, G, W: tl.constexpr):
 
 
 @triton.jit
-def staged_partials(stage_tab, peer, t, Tmax, tile, AT_PEER: tl.constexpr):
+def staged_partials(stage_tab, peer, t, Tmax, rank, tile, AT_PEER: tl.constexpr):
     """Where the partial rows of tokens ``t`` exchanged with rank ``peer`` live, as ``(uint8 base, byte offset of
-    each row)``: in ``peer``'s staging at rows ``[RANK, t]`` (AT_PEER: the partial kernel's PUSH, the output
+    each row)``: in ``peer``'s staging at rows ``[rank, t]`` (AT_PEER: the partial kernel's PUSH, the output
     kernel's PULL) or in this rank's own staging at rows ``[peer, t]``. Both sides of a combine take their rows here,
     so they agree by construction."""
     if AT_PEER:
         base = tl.multiple_of(tl.load(stage_tab + peer).to(tl.pointer_type(tl.uint8)), 16)
-        rows = (tile.RANK * Tmax + t).to(tl.int64) * tile.RB
+        rows = (rank * Tmax + t).to(tl.int64) * tile.RB
     else:
-        base = tl.multiple_of(tl.load(stage_tab + tile.RANK).to(tl.pointer_type(tl.uint8)), 16)
+        base = tl.multiple_of(tl.load(stage_tab + rank).to(tl.pointer_type(tl.uint8)), 16)
         rows = (peer * Tmax + t).to(tl.int64) * tile.RB
     return base, rows
 
@@ -134,7 +134,7 @@ def partial_item(src, c, Ts, live, io, tile, PUSH: tl.constexpr, WEIGHTED: tl.co
     if WEIGHTED:
         w = tl.load(io.hwts_ptr + off, mask=m2, other=0.0)
     has = tl.sum((rows >= 0).to(tl.int32), 1) > 0
-    dst, drow = staged_partials(io.stage_tab, src, t, io.Tmax, tile, PUSH)
+    dst, drow = staged_partials(io.stage_tab, src, t, io.Tmax, io.rank, tile, PUSH)
     for h0 in range(0, tile.H, tile.BH):
         h = h0 + h_off
         hm = h < tile.H
@@ -153,7 +153,7 @@ def partial_item(src, c, Ts, live, io, tile, PUSH: tl.constexpr, WEIGHTED: tl.co
     if SEND_WGRAD:
         g = tl.load(io.gw_ptr + rows, mask=rows >= 0, other=0.0)
         wb = tl.load(io.wback_tab + src).to(tl.pointer_type(tl.float32))
-        tl.store(wb + (tile.RANK * io.Tmax + t[:, None]).to(tl.int64) * tile.K + k_off[None, :], g,
+        tl.store(wb + (io.rank * io.Tmax + t[:, None]).to(tl.int64) * tile.K + k_off[None, :], g,
                  mask=m2 & (rows >= 0))
 
 
@@ -162,12 +162,12 @@ def partial_step(src, c, live, m, ccflag_tab, io, tile, W: tl.constexpr, PUSH: t
                  WEIGHTED: tl.constexpr, SEND_WGRAD: tl.constexpr, POW2: tl.constexpr):
     """One (chunk ``c``, source ``src``) item of a partial role: the partials of the source's chunk if it has one
     (``c * BT < hntok[src]``, :func:`partial_item`); with a ``ccflag_tab`` (the one-launch combines) then raise
-    ``ccflag[c, RANK] = m`` in ``src``'s memory, also for chunks past the source's T, so its waits complete."""
+    ``ccflag[c, rank] = m`` in ``src``'s memory, also for chunks past the source's T, so its waits complete."""
     Ts = tl.load(io.hntok_ptr + src)
     if c * tile.BT < Ts:
         partial_item(src, c, Ts, live, io, tile, PUSH, WEIGHTED, SEND_WGRAD, POW2)
     if ccflag_tab is not None:
-        publish_epoch_one(ccflag_tab, src, c * W + tile.RANK, m)
+        publish_epoch_one(ccflag_tab, src, c * W + io.rank, m)
 
 
 @triton.jit
@@ -186,7 +186,7 @@ def out_chunk(c, live, io, tile, W: tl.constexpr, L: tl.constexpr, PULL: tl.cons
         acc = tl.zeros((tile.BT, tile.BH), dtype=tl.float32)
         for r in range(W):
             has = (tl.sum((dest == r).to(tl.int32), 1) > 0) & tm & live
-            base, srow = staged_partials(io.stage_tab, r, t, io.Tmax, tile, PULL)
+            base, srow = staged_partials(io.stage_tab, r, t, io.Tmax, io.rank, tile, PULL)
             v = wire_load(base, srow, h0, has, tile.H, tile.BH, tile.BT, tile.WIRE, tile.HAS_TIMER, tile.HAS_TIMER)
             acc += widen(v)
         acc = tl.where(poison != 0, float("nan"), acc)
@@ -228,32 +228,32 @@ def watch_refusals(m, ccflag_ptr, status_ptr, timeout, cbad_ptr, W: tl.constexpr
     record_refusal(status_ptr, mask, lowest)
 
 
-@triton.jit(do_not_specialize=['cdata_off', 'timeout', 'G_out', 'Tmax', 'NCmax', 'bad'])
+@triton.jit(do_not_specialize=['cdata_off', 'timeout', 'G_out', 'Tmax', 'NCmax', 'bad', 'rank'])
 def combine_partial_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, gw_ptr, stage_tab, wback_tab,
                            flags_ptr, flags_tab, cdata_off, calls_ptr, status_ptr, timeout, G_out, Tmax, NCmax,
-                           RANK: tl.constexpr, W: tl.constexpr, K: tl.constexpr, KB: tl.constexpr,
+                           rank, W: tl.constexpr, K: tl.constexpr, KB: tl.constexpr,
                            H: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr, WB: tl.constexpr,
                            PUSH: tl.constexpr, WEIGHTED: tl.constexpr, SEND_WGRAD: tl.constexpr,
                            HAS_TIMER: tl.constexpr, RB: tl.constexpr = 0, WIRE: tl.constexpr = RAW_BF16,
                            POW2: tl.constexpr = False, bad=0, cbad_tab=None):
     """Expert-rank side of a combine: one partial row per (source, token) with routes here (see module docstring).
 
-    PUSH writes into the source's ``stage[RANK, t]``, pull into this rank's ``stage[src, t]``; WIRE encodes the fp32
+    PUSH writes into the source's ``stage[rank, t]``, pull into this rank's ``stage[src, t]``; WIRE encodes the fp32
     partial (bf16 RNE, fp8, mxfp4); SEND_WGRAD also pushes ``gw[row]`` to the source's ``wback``. Signals
-    ``flags[CDATA, RANK]`` on every rank after waiting (bounded) for the previous call's readers. ``bad`` != 0: this
+    ``flags[CDATA, rank]`` on every rank after waiting (bounded) for the previous call's readers. ``bad`` != 0: this
     rank takes part as refused (:func:`open_partial`: no partial row, the mark in every peer).
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     m = tl.load(calls_ptr + CALL_COMBINE) + 1  # this combine's number (combine_out_kernel advances the counter)
     wait_all_ge(flags_ptr + FLAG_CACK * W, W, (m - 1) * G_out, status_ptr, WAIT_CACK, timeout, HAS_TIMER, WB)
-    live = open_partial(bad, m, cbad_tab, status_ptr, flags_tab, W, RANK, WB)
-    tile: tl.constexpr = RowTile(RANK, K, KB, H, BH, BT, RB, WIRE, HAS_TIMER)
-    io = PartialIO(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, gw_ptr, stage_tab, wback_tab, Tmax)
+    live = open_partial(bad, m, cbad_tab, status_ptr, flags_tab, W, rank, WB)
+    tile: tl.constexpr = RowTile(K, KB, H, BH, BT, RB, WIRE, HAS_TIMER)
+    io = PartialIO(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, gw_ptr, stage_tab, wback_tab, Tmax, rank)
     for item in range(pid, W * NCmax, G):
         c, src = partial_item_source(item, G, W)
         partial_step(src, c, live, m, None, io, tile, W, PUSH, WEIGHTED, SEND_WGRAD, POW2)
-    signal_peers(flags_tab, cdata_off, W, RANK, WB)
+    signal_peers(flags_tab, cdata_off, W, rank, WB)
 
 
 @triton.jit
@@ -270,10 +270,10 @@ def finish_combine(calls_ptr, DONE: tl.constexpr, m, status_ptr, host_st_ptr, ti
                 publish_host_status(status_ptr, host_st_ptr, ticket, HOST_ST, HAS_TIMER)
 
 
-@triton.jit(do_not_specialize=['T', 'NC', 'cack_off', 'timeout', 'G_partial', 'Tmax', 'ticket'])
+@triton.jit(do_not_specialize=['T', 'NC', 'cack_off', 'timeout', 'G_partial', 'Tmax', 'ticket', 'rank'])
 def combine_out_kernel(topk_idx_ptr, y_ptr, T, NC, stage_tab, wback_ptr, gtw_ptr,
                        flags_ptr, flags_tab, cack_off, calls_ptr, status_ptr, timeout, G_partial, Tmax,
-                       RANK: tl.constexpr, W: tl.constexpr, L: tl.constexpr, K: tl.constexpr, KB: tl.constexpr,
+                       rank, W: tl.constexpr, L: tl.constexpr, K: tl.constexpr, KB: tl.constexpr,
                        H: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr, WB: tl.constexpr,
                        PULL: tl.constexpr, RECV_WGRAD: tl.constexpr, HAS_TIMER: tl.constexpr,
                        RB: tl.constexpr = 0, WIRE: tl.constexpr = RAW_BF16, cbad_ptr=None, host_st_ptr=None,
@@ -295,9 +295,9 @@ def combine_out_kernel(topk_idx_ptr, y_ptr, T, NC, stage_tab, wback_ptr, gtw_ptr
     mask, lowest = refused_ranks(cbad_ptr, m, W, WB)
     if pid == 0:
         record_refusal(status_ptr, mask, lowest)
-    tile: tl.constexpr = RowTile(RANK, K, KB, H, BH, BT, RB, WIRE, HAS_TIMER)
-    io = OutIO(topk_idx_ptr, y_ptr, T, stage_tab, wback_ptr, gtw_ptr, Tmax)
+    tile: tl.constexpr = RowTile(K, KB, H, BH, BT, RB, WIRE, HAS_TIMER)
+    io = OutIO(topk_idx_ptr, y_ptr, T, stage_tab, wback_ptr, gtw_ptr, Tmax, rank)
     for c in range(pid, NC, G):
         out_chunk(c, live, io, tile, W, L, PULL, RECV_WGRAD, (live == 0) | (mask != 0))
-    signal_peers(flags_tab, cack_off, W, RANK, WB)
+    signal_peers(flags_tab, cack_off, W, rank, WB)
     finish_combine(calls_ptr, DONE_COMBINE_OUT, m, status_ptr, host_st_ptr, ticket, HOST_ST, HAS_TIMER)

@@ -2,7 +2,7 @@
 
 The two-kernel combine (:mod:`tritonep.backends.triton.kernels.combine`) starts summing only after every expert rank pushed every
 partial. Here programs ``[0, GS)`` (expert-rank role) walk the (chunk, source) items in chunk order, push the
-partials of source ``src``'s token chunk ``c`` into ``src``'s staging and then raise ``ccflag[c, RANK] = m`` (the
+partials of source ``src``'s token chunk ``c`` into ``src``'s staging and then raise ``ccflag[c, rank] = m`` (the
 combine call number, atomic max, release) in ``src``'s memory only (:func:`tritonep.backends.triton.kernels.combine.partial_step`);
 programs ``[GS, G)`` (source role) take this rank's token chunks in order, wait until every rank's flag of that chunk
 reached ``m`` (bounded, acquire) and sum the chunk (:func:`tritonep.backends.triton.kernels.combine.sum_arrived`) while later chunks
@@ -29,12 +29,12 @@ from ....wire.kernels.wirecodec import RAW_BF16
 
 
 @triton.jit(do_not_specialize=['T', 'cdata_off', 'cack_off', 'timeout', 'G_partial_std', 'G_out_std', 'Tmax',
-                               'NCmax', 'bad', 'ticket'])
+                               'NCmax', 'bad', 'ticket', 'rank'])
 def combine_fused_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, stage_tab, ccflag_tab, ccflag_ptr,
                          topk_idx_ptr, y_ptr, T,
                          flags_ptr, flags_tab, cdata_off, cack_off, calls_ptr, status_ptr, timeout,
                          G_partial_std, G_out_std, Tmax, NCmax,
-                         GS: tl.constexpr, RANK: tl.constexpr, W: tl.constexpr, L: tl.constexpr, K: tl.constexpr,
+                         GS: tl.constexpr, rank, W: tl.constexpr, L: tl.constexpr, K: tl.constexpr,
                          KB: tl.constexpr, H: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr, WB: tl.constexpr,
                          HAS_TIMER: tl.constexpr, RB: tl.constexpr, WIRE: tl.constexpr = RAW_BF16,
                          POW2: tl.constexpr = False, bad=0, cbad_tab=None, cbad_ptr=None, host_st_ptr=None,
@@ -50,25 +50,25 @@ def combine_fused_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, stage_tab, ccfl
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     m = tl.load(calls_ptr + CALL_COMBINE) + 1  # this combine's number; its last program advances the counter
-    tile: tl.constexpr = RowTile(RANK, K, KB, H, BH, BT, RB, WIRE, HAS_TIMER)
+    tile: tl.constexpr = RowTile(K, KB, H, BH, BT, RB, WIRE, HAS_TIMER)
     if pid < GS:
         wait_all_ge(flags_ptr + FLAG_CACK * W, W, (m - 1) * G_out_std, status_ptr, WAIT_CACK, timeout, HAS_TIMER, WB)
-        live = open_partial(bad, m, cbad_tab, status_ptr, flags_tab, W, RANK, WB)
-        partial_io = PartialIO(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, hwts_ptr, stage_tab, stage_tab, Tmax)
+        live = open_partial(bad, m, cbad_tab, status_ptr, flags_tab, W, rank, WB)
+        partial_io = PartialIO(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, hwts_ptr, stage_tab, stage_tab, Tmax, rank)
         for item in range(pid, W * NCmax, GS):
             c, src = partial_item_source(item, GS, W)
             partial_step(src, c, live, m, ccflag_tab, partial_io, tile, W, True, True, False, POW2)
-        signal_peers(flags_tab, cdata_off, W, RANK, WB)
+        signal_peers(flags_tab, cdata_off, W, rank, WB)
     else:
         e = pid - GS
         GE = G - GS
         NC = tl.cdiv(T, BT)
-        out_io = OutIO(topk_idx_ptr, y_ptr, T, stage_tab, y_ptr, y_ptr, Tmax)
+        out_io = OutIO(topk_idx_ptr, y_ptr, T, stage_tab, y_ptr, y_ptr, Tmax, rank)
         for c in range(e, NC, GE):
             sum_arrived(c, m, ccflag_ptr, status_ptr, timeout, out_io, tile, W, L, WB, False, cbad_ptr, flags_ptr)
         if e == 0:
             if NC == 0:
                 if bad == 0:  # no token: still learn of a refusal in this call (a refused rank knows its own)
                     watch_refusals(m, ccflag_ptr, status_ptr, timeout, cbad_ptr, W, WB, HAS_TIMER)
-        signal_peers(flags_tab, cack_off, W, RANK, WB)
+        signal_peers(flags_tab, cack_off, W, rank, WB)
     finish_combine(calls_ptr, DONE_COMBINE_FUSED, m, status_ptr, host_st_ptr, ticket, HOST_ST, HAS_TIMER)

@@ -7,7 +7,7 @@ Every program of a grid of ``G`` programs (the tiles' ``dec``, the same grid as 
    partial kernel does);
 2. for its token-chunk numbers ``c = pid, pid + G, ...`` and every source rank ``src``: reduces the routes of the
    source's chunk that live here (k ascending, fp32, wire-encoded), pushes them into ``src``'s combine staging and
-   raises ``ccflag[c, RANK] = m`` there, also for chunks past the source's T, so its waits complete
+   raises ``ccflag[c, rank] = m`` there, also for chunks past the source's T, so its waits complete
    (:func:`tritonep.backends.triton.kernels.combine.partial_step`, the fused combine's partial step);
 3. sums the same chunk numbers of this rank's tokens: waits for ``ccflag[c, r] >= m`` of every rank ``r`` (set by
    program ``pid`` of rank ``r``) and adds the partials in rank order (:func:`tritonep.backends.triton.kernels.combine.sum_arrived`,
@@ -38,10 +38,10 @@ from ....wire.kernels.wirecodec import RAW_BF16
 __all__ = ["combine_decode_kernel"]
 
 
-@triton.jit(do_not_specialize=['T', 'cdata_off', 'cack_off', 'timeout', 'Tmax', 'NCmax', 'bad', 'ticket'])
+@triton.jit(do_not_specialize=['T', 'cdata_off', 'cack_off', 'timeout', 'Tmax', 'NCmax', 'bad', 'ticket', 'rank'])
 def combine_decode_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, stage_tab, ccflag_tab, ccflag_ptr, topk_idx_ptr,
                           y_ptr, T, flags_ptr, flags_tab, cdata_off, cack_off, calls_ptr, status_ptr, timeout, Tmax,
-                          NCmax, RANK: tl.constexpr, W: tl.constexpr, L: tl.constexpr, K: tl.constexpr,
+                          NCmax, rank, W: tl.constexpr, L: tl.constexpr, K: tl.constexpr,
                           KB: tl.constexpr, H: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr, WB: tl.constexpr,
                           HAS_TIMER: tl.constexpr, RB: tl.constexpr, WIRE: tl.constexpr = RAW_BF16,
                           POW2: tl.constexpr = False, gw_ptr=None, wback_tab=None, wback_ptr=None, gtw_ptr=None,
@@ -64,17 +64,17 @@ def combine_decode_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, stage_tab, ccf
     G = tl.num_programs(0)
     m = tl.load(calls_ptr + CALL_COMBINE) + 1
     wait_all_ge(flags_ptr + FLAG_CACK * W, W, (m - 1) * G, status_ptr, WAIT_CACK, timeout, HAS_TIMER, WB)
-    live = open_partial(bad, m, cbad_tab, status_ptr, flags_tab, W, RANK, WB)
-    tile: tl.constexpr = RowTile(RANK, K, KB, H, BH, BT, RB, WIRE, HAS_TIMER)
+    live = open_partial(bad, m, cbad_tab, status_ptr, flags_tab, W, rank, WB)
+    tile: tl.constexpr = RowTile(K, KB, H, BH, BT, RB, WIRE, HAS_TIMER)
     if WGRAD:
-        partial_io = PartialIO(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, gw_ptr, stage_tab, wback_tab, Tmax)
-        out_io = OutIO(topk_idx_ptr, y_ptr, T, stage_tab, wback_ptr, gtw_ptr, Tmax)
+        partial_io = PartialIO(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, gw_ptr, stage_tab, wback_tab, Tmax, rank)
+        out_io = OutIO(topk_idx_ptr, y_ptr, T, stage_tab, wback_ptr, gtw_ptr, Tmax, rank)
     else:
-        partial_io = PartialIO(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, hwts_ptr, stage_tab, stage_tab, Tmax)
-        out_io = OutIO(topk_idx_ptr, y_ptr, T, stage_tab, y_ptr, y_ptr, Tmax)
+        partial_io = PartialIO(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, hwts_ptr, stage_tab, stage_tab, Tmax, rank)
+        out_io = OutIO(topk_idx_ptr, y_ptr, T, stage_tab, y_ptr, y_ptr, Tmax, rank)
     for c in range(pid, NCmax, G):
         for s in range(W):
-            src = (s + RANK) % W  # each rank starts with itself: the ranks' first pushes go to different peers
+            src = (s + rank) % W  # each rank starts with itself: the ranks' first pushes go to different peers
             partial_step(src, c, live, m, ccflag_tab, partial_io, tile, W, True, WEIGHTED, WGRAD, POW2)
     for c in range(pid, tl.cdiv(T, BT), G):
         sum_arrived(c, m, ccflag_ptr, status_ptr, timeout, out_io, tile, W, L, WB, WGRAD, cbad_ptr, flags_ptr)
@@ -83,7 +83,7 @@ def combine_decode_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, stage_tab, ccf
             if bad == 0:  # no token: still learn of a refusal in this call (a refused rank knows its own)
                 watch_refusals(m, ccflag_ptr, status_ptr, timeout, cbad_ptr, W, WB, HAS_TIMER)
     if finish_launch(calls_ptr, DONE_DECODE_COMBINE, CALL_COMBINE, m, CALL_COMBINE, m, False, flags_tab, cdata_off,
-                     cack_off, W, RANK, WB):
+                     cack_off, W, rank, WB):
         if HOST_ST > 0:
             if ticket != 0:  # an eager combine: the host reads the status once every program is done
                 publish_host_status(status_ptr, host_st_ptr, ticket, HOST_ST, HAS_TIMER)

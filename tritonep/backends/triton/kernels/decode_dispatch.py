@@ -8,7 +8,7 @@ program of one grid of ``G`` programs (``G <= cdiv(Tmax, BT)``, ``G <= 132``; th
    ``tritonep.backends.triton.tiles.DECODE_MAX_TOKENS``) and histograms it over the experts (redundantly in every
    program: no program waits for another program of its own grid);
 2. program 0 writes the histogram row (column E = this rank's input-error count, :mod:`tritonep.backends.triton.kernels.layout`)
-   into every rank's ``counts[RANK]`` and raises ``flags[FLAG_COUNTS, RANK]`` everywhere, exactly as
+   into every rank's ``counts[rank]`` and raises ``flags[FLAG_COUNTS, rank]`` everywhere, exactly as
    :func:`tritonep.backends.triton.kernels.layout.exchange_kernel` does; every program waits (bounded, peer named) for the rows
    of the OTHER ranks and takes its own row from registers;
 3. computes the layout (:func:`tritonep.backends.triton.kernels.layout.layout_tiles`) and the verdict (bad input anywhere /
@@ -17,7 +17,7 @@ program of one grid of ``G`` programs (``G <= cdiv(Tmax, BT)``, ``G <= 132``; th
 4. sends its token chunks ``c = pid, pid + G, ...`` (after the sender prologue all dispatch kernels share,
    :func:`tritonep.backends.triton.kernels.dispatch.open_send`; :func:`tritonep.backends.triton.kernels.dispatch.send_chunk`, rows derived
    from a per-chunk prefix it histograms itself and stores in its own scratch rows ``pre[c]`` / ``hist[pid]``),
-   publishing ``cflag[RANK, c] = n`` in every destination after each chunk (also for chunks past its T);
+   publishing ``cflag[rank, c] = n`` in every destination after each chunk (also for chunks past its T);
 5. expands the same chunk numbers of every source: waits for ``cflag[src, c] >= n`` (set by program ``pid`` of
    rank ``src``), scatters the rows (:func:`tritonep.backends.triton.kernels.dispatch.expand_arrived`; raw bf16 wire: the own rank's
    rows come from ``x`` and were never staged); program 0 also zeroes the alignment padding;
@@ -77,13 +77,13 @@ def _own_histogram(topk_idx_ptr, T, limit, K: tl.constexpr, KB: tl.constexpr, E:
 
 
 @triton.jit(do_not_specialize=['T', 'host_bad', 'max_recv', 'nrows_w', 'counts_off', 'data_off', 'ack_off', 'timeout',
-                               'Tmax', 'NCmax', 'ticket'])
+                               'Tmax', 'NCmax', 'ticket', 'rank'])
 def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_bad, max_recv, nrows_w, hist_ptr, pre_ptr,
                            counts_tab, counts_ptr, stage_tab, meta_tab, wts_tab, ntok_tab, cflag_tab, cflag_ptr,
                            stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_ptr, out_w_ptr, hmeta_ptr, hwts_ptr,
                            hntok_ptr, ntpe_ptr, offs_ptr, rows_needed_ptr, counts_out_ptr,
                            flags_ptr, flags_tab, counts_off, data_off, ack_off, calls_ptr, status_ptr, timeout,
-                           Tmax, NCmax, RANK: tl.constexpr, W: tl.constexpr, E: tl.constexpr, L: tl.constexpr,
+                           Tmax, NCmax, rank, W: tl.constexpr, E: tl.constexpr, L: tl.constexpr,
                            K: tl.constexpr, KB: tl.constexpr, H: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr,
                            WB: tl.constexpr, LB: tl.constexpr, TB: tl.constexpr, BA: tl.constexpr, A: tl.constexpr,
                            HAS_TIMER: tl.constexpr, RB: tl.constexpr, WIRE: tl.constexpr = RAW_BF16,
@@ -117,7 +117,7 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
     n = tl.load(calls_ptr + CALL_DISPATCH) + 1
     nx = tl.load(calls_ptr + CALL_EXCHANGE) + 1
     E1: tl.constexpr = E + 1
-    tile: tl.constexpr = RowTile(RANK, K, KB, H, BH, BT, RB, WIRE, HAS_TIMER)
+    tile: tl.constexpr = RowTile(K, KB, H, BH, BT, RB, WIRE, HAS_TIMER)
     cbuf = (nx % 2) * (W * E1)  # the counts region's two matrices for alternate exchanges (exchange_kernel DOUBLE)
     d_off = tl.arange(0, WB)
     j_off = tl.arange(0, LB)
@@ -129,24 +129,24 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
     # 1) the counts exchange: program 0 publishes this rank's row; everyone waits for the other ranks' rows
     if pid == 0:
         for d in range(W):
-            dst = tl.load(counts_tab + d).to(tl.pointer_type(tl.int32)) + cbuf + RANK * E1
+            dst = tl.load(counts_tab + d).to(tl.pointer_type(tl.int32)) + cbuf + rank * E1
             tl.store(dst + e2d, h2, mask=m2d)
             tl.store(dst + E, bad)
-        mark_dead(flags_tab, status_ptr, W, RANK, WB)  # a timed-out rank: no peer takes what it skips
-        signal_peers(flags_tab, counts_off, W, RANK, WB)
+        mark_dead(flags_tab, status_ptr, W, rank, WB)  # a timed-out rank: no peer takes what it skips
+        signal_peers(flags_tab, counts_off, W, rank, WB)
     ok = tl.full((), 1, tl.int32)
     for s in range(W):
-        if s != RANK:
+        if s != rank:
             ok = ok & wait_ge(flags_ptr + FLAG_COUNTS * W + s, nx, status_ptr, WAIT_COUNTS, s, timeout, HAS_TIMER)
     ok = ok & peers_alive(flags_ptr, status_ptr, W, WB)  # a peer that gave up on this rank: take none of its rows
     # 2) layout from the full matrix: other ranks' rows from memory, this rank's row from registers
     m3 = (s_off[:, None, None] < W) & m2d[None, :, :]
-    peer = (s_off[:, None, None] != RANK) & (ok != 0)
+    peer = (s_off[:, None, None] != rank) & (ok != 0)
     c3 = tl.load(counts_ptr + cbuf + s_off[:, None, None] * E1 + e2d[None, :, :], mask=m3 & peer, other=0)
-    c3 = tl.where(s_off[:, None, None] == RANK, h2[None, :, :], c3)
-    total, aligned, seg_start, prefix, rows = layout_tiles(c3, s_off, RANK, A)
-    badv = tl.load(counts_ptr + cbuf + s_off * E1 + E, mask=(s_off < W) & (s_off != RANK) & (ok != 0), other=0)
-    badv = tl.where(s_off == RANK, bad, badv)
+    c3 = tl.where(s_off[:, None, None] == rank, h2[None, :, :], c3)
+    total, aligned, seg_start, prefix, rows = layout_tiles(c3, s_off, rank, A)
+    badv = tl.load(counts_ptr + cbuf + s_off * E1 + E, mask=(s_off < W) & (s_off != rank) & (ok != 0), other=0)
+    badv = tl.where(s_off == rank, bad, badv)
     refused = refused_call(badv, rows, max_recv, W, WB)
     if COPY:
         if pid == G - 1:  # not program 0: its work until the host publish is the host read's latency
@@ -160,7 +160,7 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
             tl.store(idx_out_ptr + oc, tl.where(keep, wide, -1).to(tl.int32), mask=mc)
             tl.store(w_out_ptr + oc, tl.load(topk_w_ptr + oc, mask=mc, other=0.0), mask=mc)
     if pid == 0:
-        store_layout(total, aligned, rows, ntpe_ptr, offs_ptr, rows_needed_ptr, status_ptr + ST_ROWS_RECEIVED, RANK,
+        store_layout(total, aligned, rows, ntpe_ptr, offs_ptr, rows_needed_ptr, status_ptr + ST_ROWS_RECEIVED, rank,
                      W, L, WB, LB, refused)
         record_verdict(badv, rows, max_recv, status_ptr, n, True, W, WB)
         if host_st_ptr is not None:
@@ -168,27 +168,27 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
         tl.store(counts_out_ptr + s_off[:, None, None] * E + e2d[None, :, :], c3, mask=m3)  # the handle's snapshot
     # out_w past the rows this rank receives (all of it for a refused call) is zero, as the two-kernel path leaves it
     zb = tl.arange(0, 256)
-    w_from = tl.where(refused, 0, tl.sum(tl.where(d_off == RANK, rows, 0), 0))
+    w_from = tl.where(refused, 0, tl.sum(tl.where(d_off == rank, rows, 0), 0))
     for i0 in range(w_from + pid * 256, nrows_w, G * 256):
         tl.store(out_w_ptr + i0 + zb, tl.zeros((256,), tl.float32), mask=i0 + zb < nrows_w)
     send_base = hist_ptr + pid * E1  # this program's scratch row
     tl.store(send_base + e2d, seg_start + prefix, mask=m2d)
     # 3) send this program's chunks (after the destinations consumed the previous call's staging)
-    timed_out, live = open_send(n, G, refused, 0, T, flags_ptr, flags_tab, status_ptr, ntok_tab, timeout, tile,
-                                W, WB)
+    timed_out, live = open_send(n, G, refused, 0, T, flags_ptr, flags_tab, status_ptr, ntok_tab, timeout, rank,
+                                tile, W, WB)
     send_io = SendIO(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, pre_ptr, send_base, stage_tab, meta_tab, wts_tab,
-                     Tmax)
+                     Tmax, rank)
     for c in range(pid, NCmax, G):
         if c * BT < T:
             pre_c, _ = _own_histogram(topk_idx_ptr, T, c * BT, K, KB, E, L, TB, WB, LB)
             tl.store(pre_ptr + c * E + e2d, pre_c, mask=m2d)
             tl.debug_barrier()  # the scratch rows are read back by other threads of this program
             send_chunk(c, live, send_io, tile, W, E, L, True, POW2)
-        publish_epoch(cflag_tab, W, RANK * NCmax + c, n, WB)
+        publish_epoch(cflag_tab, W, rank * NCmax + c, n, WB)
     # 4) expand the same chunk numbers of every source (published by program pid of that source)
     skip = timed_out | refused
     expand_io = ExpandIO(x_ptr, stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_ptr, out_w_ptr, hmeta_ptr, hwts_ptr,
-                         hntok_ptr, out_ptr, out_w_ptr, q_ptr, s_ptr, Tmax, nrows_w)
+                         hntok_ptr, out_ptr, out_w_ptr, q_ptr, s_ptr, Tmax, nrows_w, rank)
     for c in range(pid, NCmax, G):
         for src in range(W):
             expand_arrived(src, c, n, skip, cflag_ptr, NCmax, status_ptr, flags_ptr, timeout, expand_io, tile, KEEP_Q,
@@ -199,4 +199,4 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
                 tl.debug_barrier()  # ntpe / offs were stored by this program's threads above
                 zero_padding(0, 1, expand_io, ntpe_ptr, offs_ptr, tile, L, BA, KEEP_Q)
     finish_launch(calls_ptr, DONE_DECODE_DISPATCH, CALL_DISPATCH, n, CALL_EXCHANGE, nx, True, flags_tab, data_off,
-                  ack_off, W, RANK, WB)
+                  ack_off, W, rank, WB)

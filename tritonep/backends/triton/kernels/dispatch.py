@@ -44,20 +44,21 @@ from .combine import record_refusal
 
 
 SendIO = namedtuple("SendIO", "x_ptr topk_idx_ptr topk_w_ptr rows_ptr T pre_ptr send_base_ptr stage_tab meta_tab "
-                              "wts_tab Tmax")
+                              "wts_tab Tmax rank")
 SendIO.__doc__ = """What :func:`send_chunk` reads and writes; the fields are the send kernels' parameters of the same
-    names (``T``: this rank's token count and ``Tmax``: token rows per source in the staging and metadata, runtime ints;
-    ``*_tab``: int64 pointer tables of every rank's region)."""
+    names (``T``: this rank's token count, ``Tmax``: token rows per source in the staging and metadata, and ``rank``:
+    this rank, runtime ints; ``*_tab``: int64 pointer tables of every rank's region)."""
 
 
 ExpandIO = namedtuple("ExpandIO", "x_ptr stage_ptr meta_ptr wts_ptr ntok_ptr out_ptr out_w_ptr hmeta_ptr hwts_ptr "
-                                  "hntok_ptr eo_ptr gw_ptr q_ptr s_ptr Tmax nrows")
+                                  "hntok_ptr eo_ptr gw_ptr q_ptr s_ptr Tmax nrows rank")
 ExpandIO.__doc__ = """What :func:`expand_item` / :func:`expand_arrived` / :func:`zero_padding` read and write; the
     fields are :func:`dispatch_expand_kernel`'s parameters of the same names (a kernel without the backward modes passes
     ``out_ptr`` / ``out_w_ptr`` as ``eo_ptr`` / ``gw_ptr``, unused there; ``q_ptr`` / ``s_ptr`` are None unless KEEP_Q;
     ``Tmax``: token rows per source in the staging and metadata, a runtime int; ``nrows``: the rows of the outputs
     (``out`` / ``q`` / ``s`` / ``out_w``, and ``eo`` / ``gw`` of the combine backward) the caller allocated, a runtime
-    int: no row at or past it is ever written or read, whatever the layout says)."""
+    int: no row at or past it is ever written or read, whatever the layout says; ``rank``: this rank, a runtime
+    int)."""
 
 
 @triton.jit
@@ -66,10 +67,10 @@ def _ptr(tab, r, DT: tl.constexpr):
 
 
 @triton.jit
-def open_send(n, G_expand, refused, writer, T, flags_ptr, flags_tab, status_ptr, ntok_tab, timeout, tile,
+def open_send(n, G_expand, refused, writer, T, flags_ptr, flags_tab, status_ptr, ntok_tab, timeout, rank, tile,
               W: tl.constexpr, WB: tl.constexpr):
     """The sender prologue of every dispatch kernel: wait (bounded) until every destination consumed the staging of
-    the previous call (``flags[ACK, d] >= (n - 1) * G_expand``), then, if ``writer == 0``, write ``ntok[RANK] = T``
+    the previous call (``flags[ACK, d] >= (n - 1) * G_expand``), then, if ``writer == 0``, write ``ntok[rank] = T``
     in every destination (the two-kernel send passes its program id: program 0 writes; the one-launch kernels pass
     0: every sender writes, before its first chunk flag). ``refused``: this call's refusal (bad input / capacity)
     when the caller computed it, or None to read it from the status word (``status[ST_SKIP_CALL] == n``, recorded
@@ -78,14 +79,14 @@ def open_send(n, G_expand, refused, writer, T, flags_ptr, flags_tab, status_ptr,
     buffer). A timed-out sender marks itself in every destination before its signals (:func:`tritonep.device.
     signal.mark_dead`), so no late peer takes the rows it skips."""
     wait_all_ge(flags_ptr + FLAG_ACK * W, W, (n - 1) * G_expand, status_ptr, WAIT_ACK, timeout, tile.HAS_TIMER, WB)
-    timed_out = mark_dead(flags_tab, status_ptr, W, tile.RANK, WB)
+    timed_out = mark_dead(flags_tab, status_ptr, W, rank, WB)
     if refused is None:
         refused = tl.load(status_ptr + ST_SKIP_CALL) == n
     live = (timed_out == 0) & (refused == 0)
     if writer == 0:
         for d in range(W):
             nt = tl.load(ntok_tab + d).to(tl.pointer_type(tl.int32))
-            tl.store(nt + tile.RANK, T)
+            tl.store(nt + rank, T)
     return timed_out, live
 
 
@@ -128,7 +129,7 @@ def send_chunk(c, live, io, tile, W: tl.constexpr, E: tl.constexpr, L: tl.conste
     for d in range(W):
         md = tl.load(io.meta_tab + d).to(tl.pointer_type(tl.int32))
         wd = tl.load(io.wts_tab + d).to(tl.pointer_type(tl.float32))
-        off = (tile.RANK * io.Tmax + t[:, None]).to(tl.int64) * tile.K + k_off[None, :]
+        off = (io.rank * io.Tmax + t[:, None]).to(tl.int64) * tile.K + k_off[None, :]
         tl.store(md + off, tl.where(dest == d, rows, -1), mask=mt)
         tl.store(wd + off, tl.where(dest == d, w, 0.0), mask=mt)
     # a world of one stages nothing (the expander reads x): no row loads either
@@ -138,11 +139,11 @@ def send_chunk(c, live, io, tile, W: tl.constexpr, E: tl.constexpr, L: tl.conste
         xt = tl.load(io.x_ptr + t[:, None].to(tl.int64) * tile.H + h[None, :], mask=tm[:, None] & hm[None, :],
                      other=0.0)
         pay, sc = wire_encode(xt, tile.BT, tile.BH, tile.WIRE, POW2, tile.HAS_TIMER)  # quantize once, store to all
-        row_off = (tile.RANK * io.Tmax + t).to(tl.int64) * tile.RB
+        row_off = (io.rank * io.Tmax + t).to(tl.int64) * tile.RB
         for dd in range(W):
-            d = (dd + tile.RANK) % W  # each rank's stores start at a different destination (no W-to-1 incast)
+            d = (dd + io.rank) % W  # each rank's stores start at a different destination (no W-to-1 incast)
             # own-rank rows: the expander reads (and encodes) x itself, no staging copy
-            has = (tl.sum((dest == d).to(tl.int32), 1) > 0) & tm & live & (d != tile.RANK)
+            has = (tl.sum((dest == d).to(tl.int32), 1) > 0) & tm & live & (d != io.rank)
             sd = _ptr(io.stage_tab, d, tl.uint8)
             wire_store_encoded(sd, row_off, h0, pay, sc, has, tile.H, tile.BH, tile.WIRE)
 
@@ -153,13 +154,13 @@ def source_tile(src, t, has, io, row_off, h0, tile, POW2: tl.constexpr = False):
     wires: decoded, exact fp32 values; raw: the bf16 tile).
 
     Rows of other sources come from the staging (``row_off``: byte offsets of the rows in ``io.stage_ptr``). The
-    own rank's rows (``src == RANK``) are read straight from the sender's input ``io.x_ptr`` (``[Ts, H]``, the
+    own rank's rows (``src == rank``) are read straight from the sender's input ``io.x_ptr`` (``[Ts, H]``, the
     tensor :func:`send_chunk` encodes; it stays unchanged until the expander ran: same stream or same launch) and
     passed through the wire's encoder (``POW2``: the sender's scale rule) and decoder, so the tile has the bits the
     staged row would hold, without the staging write + read through HBM. Masked rows read as zero. On the GPU
     (``tile.HAS_TIMER``) the codec multiplies exactly and takes its FAST path (same bits)."""
     # (one return after the runtime branch: Triton does not lower a return inside it)
-    if src == tile.RANK:
+    if src == io.rank:
         pay, sc = own_encoded(t, has, io, h0, tile, POW2)
         if tile.WIRE.quantized:
             G: tl.constexpr = tile.BT * (tile.BH // tile.WIRE.block)
@@ -189,7 +190,7 @@ def own_encoded(t, has, io, h0, tile, POW2: tl.constexpr):
 def source_raw(src, t, has, io, row_off, h0, tile, POW2: tl.constexpr = False):
     """Columns [h0, h0+BH) of source ``src``'s wire rows still encoded (payload, scales; quantized wires only): from
     the staging, or for the own rank encoded from ``io.x_ptr`` (see :func:`source_tile`)."""
-    if src == tile.RANK:
+    if src == io.rank:
         q, sc = own_encoded(t, has, io, h0, tile, POW2)
     else:
         q, sc = wire_load_raw(io.stage_ptr, row_off, h0, has, tile.H, tile.BH, tile.WIRE)
@@ -347,43 +348,44 @@ def refused_sources(ntok_ptr, W: tl.constexpr, WB: tl.constexpr):
     return mask, tl.min(tl.where(hit, offs, WB), 0)
 
 
-@triton.jit(do_not_specialize=['T', 'NC', 'data_off', 'timeout', 'G_expand', 'Tmax'])
+@triton.jit(do_not_specialize=['T', 'NC', 'data_off', 'timeout', 'G_expand', 'Tmax', 'rank'])
 def dispatch_send_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, NC, pre_ptr, send_base_ptr,
                          stage_tab, meta_tab, wts_tab, ntok_tab,
                          flags_ptr, flags_tab, data_off, calls_ptr, status_ptr, timeout, G_expand, Tmax,
-                         RANK: tl.constexpr, W: tl.constexpr, E: tl.constexpr, L: tl.constexpr, K: tl.constexpr,
+                         rank, W: tl.constexpr, E: tl.constexpr, L: tl.constexpr, K: tl.constexpr,
                          KB: tl.constexpr, H: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr, WB: tl.constexpr,
                          COMPUTE_ROWS: tl.constexpr, HAS_TIMER: tl.constexpr, RB: tl.constexpr = 0,
                          WIRE: tl.constexpr = RAW_BF16, POW2: tl.constexpr = False, ADV: tl.constexpr = 0):
     """Send side of a dispatch (see the module docstring). Grid-stride over chunks of BT tokens.
 
-    Writes, for every destination rank d: ``ntok[RANK]`` (program 0), each token's K destination rows (or -1) and
-    weights into d's ``meta``/``wts[RANK, t]``, and the wire-encoded row into d's ``stage[RANK, t]`` if the token
-    has a route on d (raw wire: not for d == RANK, whose expander reads ``x_ptr``); then raises ``flags[DATA, RANK]``
+    Writes, for every destination rank d: ``ntok[rank]`` (program 0), each token's K destination rows (or -1) and
+    weights into d's ``meta``/``wts[rank, t]``, and the wire-encoded row into d's ``stage[rank, t]`` if the token
+    has a route on d (raw wire: not for d == rank, whose expander reads ``x_ptr``); then raises ``flags[DATA, rank]``
     on every rank. COMPUTE_ROWS: derive the rows from the layout (forward) instead of reading ``rows_ptr`` (combine
     backward). Waits first (bounded) until every destination consumed the previous call's staging. ``ADV`` (the
     combine backward, whose call has no histogram launch to advance the counter): this call's number is
     ``calls[CALL_DISPATCH] + 1`` and the expand's last program advances the counter. ``T = -1`` with ``NC = 0`` (the
-    combine backward of a rank that takes part as refused): no row moves and ``ntok[RANK] = -1`` in every destination
+    combine backward of a rank that takes part as refused): no row moves and ``ntok[rank] = -1`` in every destination
     is the refused mark its expand reads (:func:`refused_sources`).
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     n = tl.load(calls_ptr + CALL_DISPATCH) + ADV
-    tile: tl.constexpr = RowTile(RANK, K, KB, H, BH, BT, RB, WIRE, HAS_TIMER)
-    _, live = open_send(n, G_expand, None, pid, T, flags_ptr, flags_tab, status_ptr, ntok_tab, timeout, tile, W, WB)
+    tile: tl.constexpr = RowTile(K, KB, H, BH, BT, RB, WIRE, HAS_TIMER)
+    _, live = open_send(n, G_expand, None, pid, T, flags_ptr, flags_tab, status_ptr, ntok_tab, timeout, rank, tile, W,
+                        WB)
     io = SendIO(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, pre_ptr, send_base_ptr, stage_tab, meta_tab, wts_tab,
-                Tmax)
+                Tmax, rank)
     for c in range(pid, NC, G):
         send_chunk(c, live, io, tile, W, E, L, COMPUTE_ROWS, POW2, COMPUTE_ROWS)
-    signal_peers(flags_tab, data_off, W, RANK, WB)
+    signal_peers(flags_tab, data_off, W, rank, WB)
 
 
-@triton.jit(do_not_specialize=['ack_off', 'timeout', 'G_send', 'Tmax', 'NCmax', 'nrows'])
+@triton.jit(do_not_specialize=['ack_off', 'timeout', 'G_send', 'Tmax', 'NCmax', 'nrows', 'rank'])
 def dispatch_expand_kernel(x_ptr, stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_ptr, out_w_ptr, hmeta_ptr, hwts_ptr,
                            hntok_ptr, ntpe_ptr, offs_ptr, eo_ptr, gw_ptr,
                            flags_ptr, flags_tab, ack_off, calls_ptr, status_ptr, timeout, G_send, Tmax, NCmax,
-                           RANK: tl.constexpr, W: tl.constexpr, L: tl.constexpr, K: tl.constexpr, KB: tl.constexpr,
+                           rank, W: tl.constexpr, L: tl.constexpr, K: tl.constexpr, KB: tl.constexpr,
                            H: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr, WB: tl.constexpr, LB: tl.constexpr,
                            BA: tl.constexpr, A: tl.constexpr, SCALE: tl.constexpr, DOT: tl.constexpr,
                            KEEP_HANDLE: tl.constexpr, HAS_TIMER: tl.constexpr, RB: tl.constexpr = 0,
@@ -427,9 +429,9 @@ def dispatch_expand_kernel(x_ptr, stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_pt
         if pid == 0:
             w_off = tl.arange(0, WB)
             tl.store(hntok_ptr + w_off, tl.load(ntok_ptr + w_off, mask=w_off < W, other=0), mask=w_off < W)
-    tile: tl.constexpr = RowTile(RANK, K, KB, H, BH, BT, RB, WIRE, HAS_TIMER)
+    tile: tl.constexpr = RowTile(K, KB, H, BH, BT, RB, WIRE, HAS_TIMER)
     io = ExpandIO(x_ptr, stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_ptr, out_w_ptr, hmeta_ptr, hwts_ptr, hntok_ptr,
-                  eo_ptr, gw_ptr, q_ptr, s_ptr, Tmax, nrows)
+                  eo_ptr, gw_ptr, q_ptr, s_ptr, Tmax, nrows, rank)
     for item in range(pid, W * NCmax, G):
         src = item // NCmax
         c = item % NCmax
@@ -450,6 +452,6 @@ def dispatch_expand_kernel(x_ptr, stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_pt
         if skip == 0:  # a refused call's segments may exceed the rows allocated: write nothing
             zero_padding(pid, G, io, ntpe_ptr, offs_ptr, tile, L, BA, KEEP_Q)
     if ADV:  # its own grid: the last program acks every source for GA programs (the forward's grid_expand)
-        ack_on_last(calls_ptr, DONE_EXPAND_BWD, CALL_DISPATCH, n, flags_tab, ack_off, GA, W, RANK, WB)
+        ack_on_last(calls_ptr, DONE_EXPAND_BWD, CALL_DISPATCH, n, flags_tab, ack_off, GA, W, rank, WB)
     else:
-        signal_peers(flags_tab, ack_off, W, RANK, WB)
+        signal_peers(flags_tab, ack_off, W, rank, WB)

@@ -3,7 +3,7 @@
 The two-kernel dispatch (:mod:`tritonep.backends.triton.kernels.dispatch`) expands only after every source finished sending, so the
 NVLink time and the HBM expand time add up. Here the grid is split by role: programs ``[0, GS)`` send token chunks
 (:func:`tritonep.backends.triton.kernels.dispatch.send_chunk`) and after each chunk publish a per-(source, chunk) arrival flag in
-every destination (``cflag[RANK, c] = n``, the call number, atomic max with release semantics); programs
+every destination (``cflag[rank, c] = n``, the call number, atomic max with release semantics); programs
 ``[GS, G)`` walk the (chunk, source) items in send order, wait for that one chunk's flag (bounded, acquire) and
 expand it (:func:`tritonep.backends.triton.kernels.dispatch.expand_arrived`, the receive step it shares with the decode dispatch)
 while later chunks are still in flight. The senders open with the prologue every dispatch kernel shares
@@ -37,14 +37,14 @@ from ....wire.kernels.wirecodec import RAW_BF16
 
 
 @triton.jit(do_not_specialize=['T', 'data_off', 'ack_off', 'timeout', 'G_send_std', 'G_expand_std', 'Tmax',
-                               'NCmax', 'nrows'])
+                               'NCmax', 'nrows', 'rank'])
 def dispatch_fused_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, pre_ptr, send_base_ptr,
                           stage_tab, meta_tab, wts_tab, ntok_tab, cflag_tab, cflag_ptr,
                           stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_ptr, out_w_ptr, hmeta_ptr, hwts_ptr,
                           hntok_ptr, ntpe_ptr, offs_ptr,
                           flags_ptr, flags_tab, data_off, ack_off, calls_ptr, status_ptr, timeout,
                           G_send_std, G_expand_std, Tmax, NCmax,
-                          GS: tl.constexpr, RANK: tl.constexpr, W: tl.constexpr, E: tl.constexpr,
+                          GS: tl.constexpr, rank, W: tl.constexpr, E: tl.constexpr,
                           L: tl.constexpr, K: tl.constexpr, KB: tl.constexpr, H: tl.constexpr, BH: tl.constexpr,
                           BT: tl.constexpr, WB: tl.constexpr, BA: tl.constexpr, A: tl.constexpr,
                           HAS_TIMER: tl.constexpr, RB: tl.constexpr, WIRE: tl.constexpr = RAW_BF16,
@@ -53,30 +53,30 @@ def dispatch_fused_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, pre_ptr,
     """Forward dispatch in one launch (see the module docstring); grid ``GS + GE`` programs, ``GS`` senders.
 
     Sender side as :func:`tritonep.backends.triton.kernels.dispatch.dispatch_send_kernel` with COMPUTE_ROWS (every sender also
-    writes ``ntok[RANK] = T`` in every destination before its first flag); receiver side as
+    writes ``ntok[rank] = T`` in every destination before its first flag); receiver side as
     :func:`tritonep.backends.triton.kernels.dispatch.dispatch_expand_kernel` with KEEP_HANDLE (no backward modes); ``nrows``: the
     rows of ``out`` / ``q`` / ``s`` / ``out_w`` (no row at or past it is written).
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     n = tl.load(calls_ptr + CALL_DISPATCH)
-    tile: tl.constexpr = RowTile(RANK, K, KB, H, BH, BT, RB, WIRE, HAS_TIMER)
+    tile: tl.constexpr = RowTile(K, KB, H, BH, BT, RB, WIRE, HAS_TIMER)
     if pid < GS:
-        _, live = open_send(n, G_expand_std, None, 0, T, flags_ptr, flags_tab, status_ptr, ntok_tab, timeout, tile,
-                            W, WB)
+        _, live = open_send(n, G_expand_std, None, 0, T, flags_ptr, flags_tab, status_ptr, ntok_tab, timeout, rank,
+                            tile, W, WB)
         send_io = SendIO(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, pre_ptr, send_base_ptr, stage_tab, meta_tab,
-                         wts_tab, Tmax)
+                         wts_tab, Tmax, rank)
         for c in range(pid, NCmax, GS):
             if c * BT < T:
                 send_chunk(c, live, send_io, tile, W, E, L, True, POW2, True)
-            publish_epoch(cflag_tab, W, RANK * NCmax + c, n, WB)
-        signal_peers(flags_tab, data_off, W, RANK, WB)
+            publish_epoch(cflag_tab, W, rank * NCmax + c, n, WB)
+        signal_peers(flags_tab, data_off, W, rank, WB)
     else:
         e = pid - GS
         GE = G - GS
         skip = (tl.load(status_ptr) == STATUS_TIMEOUT) | (tl.load(status_ptr + ST_SKIP_CALL) == n)
         expand_io = ExpandIO(x_ptr, stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_ptr, out_w_ptr, hmeta_ptr, hwts_ptr,
-                             hntok_ptr, out_ptr, out_w_ptr, q_ptr, s_ptr, Tmax, nrows)
+                             hntok_ptr, out_ptr, out_w_ptr, q_ptr, s_ptr, Tmax, nrows, rank)
         for item in range(e, W * NCmax, GE):
             c = item // W
             src = item % W
@@ -85,4 +85,4 @@ def dispatch_fused_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, pre_ptr,
         if A > 1:
             if skip == 0:  # a refused call's segments may exceed the rows allocated: write nothing
                 zero_padding(e, GE, expand_io, ntpe_ptr, offs_ptr, tile, L, BA, KEEP_Q)
-        signal_peers(flags_tab, ack_off, W, RANK, WB)
+        signal_peers(flags_tab, ack_off, W, rank, WB)

@@ -99,10 +99,10 @@ def exchange_tiles(max_chunks: int, num_experts: int, max_programs: int = 0) -> 
     return (min(grid, max_programs) if max_programs else grid), dict(NCB=ncb, EBLK=eblk)
 
 
-@triton.jit(do_not_specialize=['NC', 'flag_off', 'timeout', 'max_recv', 'host_bad', 'ticket'])
+@triton.jit(do_not_specialize=['NC', 'flag_off', 'timeout', 'max_recv', 'host_bad', 'ticket', 'rank'])
 def exchange_kernel(hist_ptr, NC, counts_tab, flags_ptr, flags_tab, flag_off, calls_ptr, status_ptr, timeout,
                     pre_ptr, send_base_ptr, ntpe_ptr, offs_ptr, rows_needed_ptr, max_recv, host_bad,
-                    RANK: tl.constexpr, W: tl.constexpr, E: tl.constexpr, L: tl.constexpr, A: tl.constexpr,
+                    rank, W: tl.constexpr, E: tl.constexpr, L: tl.constexpr, A: tl.constexpr,
                     WB: tl.constexpr, LB: tl.constexpr, EB: tl.constexpr, NCB: tl.constexpr, EBLK: tl.constexpr,
                     HAS_TIMER: tl.constexpr, DOUBLE: tl.constexpr = False, dcall_ptr=None, rows_out_ptr=None,
                     counts_out_ptr=None, host_st_ptr=None, ticket=0, HOST_ST: tl.constexpr = 0,
@@ -166,14 +166,14 @@ def exchange_kernel(hist_ptr, NC, counts_tab, flags_ptr, flags_tab, flag_off, ca
             carry += tl.sum(h, 0)
             if e0 == 0:
                 bad += tl.sum(tl.load(hist_ptr + cc.to(tl.int64) * E1 + E, mask=cc < NC, other=0), 0)
-        # 2) write the row into every peer's counts[RANK, :]
+        # 2) write the row into every peer's counts[rank, :]
         for d in range(W):
             dst = tl.load(counts_tab + d).to(tl.pointer_type(tl.int32))
-            tl.store(dst + cbuf + RANK * E1 + eb, carry, mask=eb < E)
+            tl.store(dst + cbuf + rank * E1 + eb, carry, mask=eb < E)
     if pid == 0:
         for d in range(W):
             dst = tl.load(counts_tab + d).to(tl.pointer_type(tl.int32))
-            tl.store(dst + cbuf + RANK * E1 + E, bad)
+            tl.store(dst + cbuf + rank * E1 + E, bad)
     # the last program to arrive (ticket ``DONE_EXCHANGE``, never reset: every call adds G) signals, waits and lays
     # out; the acq_rel tickets order every program's row stores before its signal (release, cumulative). In the
     # interpreter programs run in order and the last one is the last to arrive.
@@ -184,13 +184,13 @@ def exchange_kernel(hist_ptr, NC, counts_tab, flags_ptr, flags_tab, flag_off, ca
         last = arrival % G == G - 1
     if last:
         _exchange_finish(counts_tab, flags_ptr, flags_tab, flag_off, n, cbuf, status_ptr, timeout, send_base_ptr,
-                         ntpe_ptr, offs_ptr, rows_needed_ptr, max_recv, RANK, W, E, L, A, WB, LB, EB, HAS_TIMER,
+                         ntpe_ptr, offs_ptr, rows_needed_ptr, max_recv, rank, W, E, L, A, WB, LB, EB, HAS_TIMER,
                          dcall_ptr, rows_out_ptr, counts_out_ptr, host_st_ptr, ticket, HOST_ST, DEAD)
 
 
 @triton.jit
 def _exchange_finish(counts_tab, flags_ptr, flags_tab, flag_off, n, cbuf, status_ptr, timeout, send_base_ptr,
-                     ntpe_ptr, offs_ptr, rows_needed_ptr, max_recv, RANK: tl.constexpr, W: tl.constexpr,
+                     ntpe_ptr, offs_ptr, rows_needed_ptr, max_recv, rank, W: tl.constexpr,
                      E: tl.constexpr, L: tl.constexpr, A: tl.constexpr, WB: tl.constexpr, LB: tl.constexpr,
                      EB: tl.constexpr, HAS_TIMER: tl.constexpr, dcall_ptr, rows_out_ptr, counts_out_ptr, host_st_ptr,
                      ticket, HOST_ST: tl.constexpr, DEAD: tl.constexpr):
@@ -198,8 +198,8 @@ def _exchange_finish(counts_tab, flags_ptr, flags_tab, flag_off, n, cbuf, status
     (``host_st_ptr`` not None) publish the status words and ``ticket`` to the host after the last status store."""
     E1: tl.constexpr = E + 1
     if DEAD:
-        mark_dead(flags_tab, status_ptr, W, RANK, WB)
-    signal_peers(flags_tab, flag_off, W, RANK, WB)
+        mark_dead(flags_tab, status_ptr, W, rank, WB)
+    signal_peers(flags_tab, flag_off, W, rank, WB)
     ok = wait_all_ge(flags_ptr, W, n, status_ptr, WAIT_COUNTS, timeout, HAS_TIMER, WB)
     if DEAD:
         ok = ok & peers_alive(flags_ptr, status_ptr, W, WB)
@@ -207,18 +207,18 @@ def _exchange_finish(counts_tab, flags_ptr, flags_tab, flag_off, n, cbuf, status
     s_off = tl.arange(0, WB)
     d_off = tl.arange(0, WB)
     j_off = tl.arange(0, LB)
-    counts_local = tl.load(counts_tab + RANK).to(tl.pointer_type(tl.int32))
+    counts_local = tl.load(counts_tab + rank).to(tl.pointer_type(tl.int32))
     m3 = (s_off[:, None, None] < W) & (d_off[None, :, None] < W) & (j_off[None, None, :] < L)
     e3 = d_off[None, :, None] * L + j_off[None, None, :]
     c3 = tl.load(counts_local + cbuf + s_off[:, None, None] * E1 + e3, mask=m3 & (ok != 0), other=0)
-    total, aligned, seg_start, prefix, rows = layout_tiles(c3, s_off, RANK, A)
+    total, aligned, seg_start, prefix, rows = layout_tiles(c3, s_off, rank, A)
     m2d = (d_off[:, None] < W) & (j_off[None, :] < L)
     tl.store(send_base_ptr + d_off[:, None] * L + j_off[None, :], seg_start + prefix, mask=m2d)
     # input errors of any rank (column E), then capacity: every rank sees the same matrix, so the same verdict; a
     # refused call's layout is empty (no segment, no row received), so nothing later addresses the refused rows
     badv = tl.load(counts_local + cbuf + s_off * E1 + E, mask=(s_off < W) & (ok != 0), other=0)
     refused = refused_call(badv, rows, max_recv, W, WB)
-    store_layout(total, aligned, rows, ntpe_ptr, offs_ptr, rows_needed_ptr, rows_out_ptr, RANK, W, L, WB, LB,
+    store_layout(total, aligned, rows, ntpe_ptr, offs_ptr, rows_needed_ptr, rows_out_ptr, rank, W, L, WB, LB,
                  refused)
     if counts_out_ptr is not None:  # the whole [W, E] matrix in one tile (one round trip)
         eb = tl.arange(0, EB)
@@ -234,23 +234,23 @@ def _exchange_finish(counts_tab, flags_ptr, flags_tab, flag_off, n, cbuf, status
 
 
 @triton.jit
-def layout_tiles(c3, s_off, RANK, A: tl.constexpr):
+def layout_tiles(c3, s_off, rank, A: tl.constexpr):
     """Segment layout from the counts tile ``c3[src, dest, local expert]`` (int32 ``[WB, WB, LB]``, zero outside
-    the real ranks / experts), as seen by ``RANK``: ``(total, aligned, seg_start, prefix, rows)`` where ``total``,
+    the real ranks / experts), as seen by ``rank``: ``(total, aligned, seg_start, prefix, rows)`` where ``total``,
     ``aligned`` (rounded up to A), ``seg_start`` (exclusive prefix of ``aligned`` over the local experts of each
-    destination) and ``prefix`` (routes of the sources below RANK) are ``[WB, LB]`` and ``rows`` ``[WB]`` is the
+    destination) and ``prefix`` (routes of the sources below rank) are ``[WB, LB]`` and ``rows`` ``[WB]`` is the
     aligned rows every destination receives. The send base of expert ``(d, j)`` is ``seg_start + prefix``.
     """
     total = tl.sum(c3, 0)  # [WB, LB]
     aligned = (total + A - 1) // A * A
     seg_start = tl.cumsum(aligned, 1) - aligned
-    prefix = tl.sum(tl.where(s_off[:, None, None] < RANK, c3, 0), 0)
+    prefix = tl.sum(tl.where(s_off[:, None, None] < rank, c3, 0), 0)
     rows = tl.sum(aligned, 1)  # [WB]
     return total, aligned, seg_start, prefix, rows
 
 
 @triton.jit
-def store_layout(total, aligned, rows, ntpe_ptr, offs_ptr, rows_needed_ptr, rows_out_ptr, RANK, W: tl.constexpr,
+def store_layout(total, aligned, rows, ntpe_ptr, offs_ptr, rows_needed_ptr, rows_out_ptr, rank, W: tl.constexpr,
                  L: tl.constexpr, WB: tl.constexpr, LB: tl.constexpr, refused=0):
     """Store this rank's receive layout from :func:`layout_tiles`: ``num_tokens_per_expert`` (int32 ``[L]``),
     ``expert_offsets`` (cumulative aligned ends, int32 ``[L]``), ``rows_needed`` (int64 ``[W]``) and, when
@@ -261,12 +261,12 @@ def store_layout(total, aligned, rows, ntpe_ptr, offs_ptr, rows_needed_ptr, rows
     j_off = tl.arange(0, LB)
     tl.store(rows_needed_ptr + d_off, rows.to(tl.int64), mask=d_off < W)
     keep = refused == 0
-    mine_total = tl.sum(tl.where((d_off[:, None] == RANK) & keep, total, 0), 0)  # [LB]
-    mine_aligned = tl.sum(tl.where((d_off[:, None] == RANK) & keep, aligned, 0), 0)
+    mine_total = tl.sum(tl.where((d_off[:, None] == rank) & keep, total, 0), 0)  # [LB]
+    mine_aligned = tl.sum(tl.where((d_off[:, None] == rank) & keep, aligned, 0), 0)
     tl.store(ntpe_ptr + j_off, mine_total, mask=j_off < L)
     tl.store(offs_ptr + j_off, tl.cumsum(mine_aligned, 0), mask=j_off < L)
     if rows_out_ptr is not None:
-        tl.store(rows_out_ptr, tl.sum(tl.where((d_off == RANK) & keep, rows, 0), 0).to(tl.int64))
+        tl.store(rows_out_ptr, tl.sum(tl.where((d_off == rank) & keep, rows, 0), 0).to(tl.int64))
 
 
 @triton.jit

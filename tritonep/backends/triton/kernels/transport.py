@@ -22,20 +22,20 @@ from ....device.protocol import STATUS_TIMEOUT
 from ....device.signal import signal_peers, wait_all_ge
 
 
-@triton.jit(do_not_specialize=['row_off', 'call_idx', 'timeout', 'wait_id'])
+@triton.jit(do_not_specialize=['row_off', 'call_idx', 'timeout', 'wait_id', 'rank'])
 def barrier_kernel(flags_ptr, flags_tab, row_off, calls_ptr, call_idx, status_ptr, timeout, wait_id,
-                   RANK: tl.constexpr, W: tl.constexpr, WB: tl.constexpr, HAS_TIMER: tl.constexpr):
-    """Rendezvous: add 1 to ``flags[row, RANK]`` on every rank, then wait (bounded) until this rank's row reaches
+                   rank, W: tl.constexpr, WB: tl.constexpr, HAS_TIMER: tl.constexpr):
+    """Rendezvous: add 1 to ``flags[row, rank]`` on every rank, then wait (bounded) until this rank's row reaches
     ``calls[call_idx]`` from every peer."""
     n = tl.load(calls_ptr + call_idx)
-    signal_peers(flags_tab, row_off, W, RANK, WB)
+    signal_peers(flags_tab, row_off, W, rank, WB)
     wait_all_ge(flags_ptr + row_off // 8, W, n, status_ptr, wait_id, timeout, HAS_TIMER, WB)
 
 
-@triton.jit(do_not_specialize=['N'])
+@triton.jit(do_not_specialize=['N', 'rank'])
 def push_weights_kernel(w_ptr, slots_tab, etc_ptr, N, status_ptr,
-                        RANK: tl.constexpr, W: tl.constexpr, L: tl.constexpr, BLOCK: tl.constexpr):
-    """Copy owned experts' rows ``w[j, :N]`` into ``slots[s, :N]`` of every rank d with etc[d, s] = RANK*L + j."""
+                        rank, W: tl.constexpr, L: tl.constexpr, BLOCK: tl.constexpr):
+    """Copy owned experts' rows ``w[j, :N]`` into ``slots[s, :N]`` of every rank d with etc[d, s] = rank*L + j."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     live = tl.load(status_ptr) != STATUS_TIMEOUT
@@ -45,7 +45,7 @@ def push_weights_kernel(w_ptr, slots_tab, etc_ptr, N, status_ptr,
         d = slot // L
         s = slot % L
         e = tl.load(etc_ptr + slot)
-        if (e >= 0) & (e // L == RANK) & live:
+        if (e >= 0) & (e // L == rank) & live:
             j = e % L
             dst = tl.multiple_of(tl.load(slots_tab + d).to(tl.pointer_type(w_ptr.dtype.element_ty)), 16)
             for c in range(pid, nchunks, G):
@@ -55,14 +55,14 @@ def push_weights_kernel(w_ptr, slots_tab, etc_ptr, N, status_ptr,
                 tl.store(dst + s.to(tl.int64) * N + o, v, mask=m)
 
 
-@triton.jit(do_not_specialize=['N', 'num_targets'])
+@triton.jit(do_not_specialize=['N', 'num_targets', 'rank'])
 def pull_grads_kernel(grad_ptr, num_targets, gslots_tab, slot_of_ptr, N, status_ptr,
-                      RANK: tl.constexpr, W: tl.constexpr, L: tl.constexpr, E: tl.constexpr,
+                      rank, W: tl.constexpr, L: tl.constexpr, E: tl.constexpr,
                       BLOCK: tl.constexpr):
     """Add every holder's slot gradient into this rank's native gradient, IN PLACE, only for held experts.
 
-    For each native expert ``j < num_targets`` of this rank (global id ``e = RANK*L + j``) that some peer ``d``
-    holds (``expert_slot[e, d] = s >= 0``, ``d != RANK``)::
+    For each native expert ``j < num_targets`` of this rank (global id ``e = rank*L + j``) that some peer ``d``
+    holds (``expert_slot[e, d] = s >= 0``, ``d != rank``)::
 
         grad[j] = DT(float(grad[j]) + float(DT(sum_{d ascending} float(gslots_d[s]))))
 
@@ -87,14 +87,14 @@ def pull_grads_kernel(grad_ptr, num_targets, gslots_tab, slot_of_ptr, N, status_
     for item in range(pid, num_targets * nchunks, G):
         j = item // nchunks + tl.zeros((), dtype=tl.int64)
         c = item % nchunks
-        e = RANK * L + j
+        e = rank * L + j
         o = c * BLOCK + offs
         m = o < N
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         nheld = tl.zeros((), dtype=tl.int32)
         for d in range(W):
             s = tl.load(slot_of_ptr + e * W + d)
-            if (s >= 0) & (d != RANK) & live:
+            if (s >= 0) & (d != rank) & live:
                 src = tl.multiple_of(tl.load(gslots_tab + d).to(tl.pointer_type(grad_ptr.dtype.element_ty)), 16)
                 acc += widen(tl.load(src + s.to(tl.int64) * N + o, mask=m, other=0.0))
                 nheld += 1

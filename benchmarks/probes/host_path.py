@@ -124,12 +124,15 @@ def main():
     ap.add_argument("--compat", action="store_true", help="the DeepEP-compatible Buffer's round trip (module doc)")
     ap.add_argument("--geometry", default="", help="--compat: TRITONEP_GEOMETRY of the buffers")
     ap.add_argument("--names", action="store_true", help="print the torch / aten names of every call")
+    ap.add_argument("--hidden", type=int, default=None, help="override the profile's hidden size (the interpreter "
+                    "runs the kernels: a small hidden keeps --compat fast; the host path hardly depends on it)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     from tritonep.bench.profiles import profile_shape
     from tritonep.testing import run_cpu_world
 
-    a.hidden, a.experts, a.topk, _ = profile_shape(a.profile)
+    hidden, a.experts, a.topk, _ = profile_shape(a.profile)
+    a.hidden = a.hidden or hidden
 
     rows = []
     for T in a.tokens:

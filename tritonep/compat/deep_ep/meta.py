@@ -127,7 +127,7 @@ class MetaOps:
                 num_warps=4), ("ids_ptr", "T", "in_rank_ptr", "counts_ptr")))
             self._tile[key] = bt
         bk((max(1, _cdiv(T, self._tile[key])),), topk_idx, T, in_rank, counts)
-        per_rank, per_expert = counts.split((W, E))
+        per_rank, per_expert = counts.split_with_sizes((W, E))  # Tensor.split's Python wrapper: ~3 us more
         return per_rank, per_expert, in_rank
 
     def pack(self, is_token_in_rank: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor):
@@ -183,27 +183,38 @@ class MetaOps:
         Raises:
             PeerTimeoutError: the histogram was not published within ``2 * timeout_s + 5`` s (the launch never ran).
         """
-        R, K, L = num_tokens, topk, num_local_experts
-        dev = rows.device
+        K, L = topk, num_local_experts
+        has_live = live is not None
+        key = ("unpack_meta", K, L, has_live)  # rows of meta_width(K): their width is K's
+        bk = self._launch.bound(key)
+        if bk is None:
+            bk = self._unpacker(key, L, lambda acc, mapped, br: self._launch.bind(unpack_meta_kernel, dict(
+                acc_ptr=acc, host_ptr=mapped, RS=meta_width(K) // 2, K=K, KB=_p2(K), L=L, BR=br,
+                NB=min(1024, _p2(L + 1)), LIVE=has_live, GPU=self._cuda, num_warps=4),
+                ("rows_ptr", "w_ptr", "R", "live_ptr", "lo", "idx_ptr", "wout_ptr", "ticket")))
+        return self._unpack(bk, key, num_tokens, K, L, idx_dtype, rows.device, read,
+                            (rows, weights, num_tokens, live if has_live else self._acc[("unpack_meta", L)], rank * L))
+
+    def _unpacker(self, key, L: int, bind):
+        """Bind an unpacking variant (``bind(acc, mapped, tile)``; its accumulator, shared by both unpackings: calls
+        run in stream order, and pinned histogram of L) and note its tile."""
+        mapped, _ = self._host_of(L)
+        acc = self._zeros(("unpack_meta", L), L + 2)
+        br = 128 if self._cuda else 64
+        self._tile[key] = br
+        return self._launch.variant(key, lambda: bind(acc, mapped, br))
+
+    def _unpack(self, bk, key, R: int, K: int, L: int, idx_dtype, dev, read: bool, args: tuple):
+        """One unpacking launch ``bk(grid, *args, idx, wout, ticket)`` over R rows (none for R = 0) into new
+        ``idx [R, K]`` (idx_dtype) and ``wout [R, K]`` float32, and the histogram read through pinned memory
+        (:meth:`unpack_meta`)."""
         idx = torch.empty(R, K, dtype=idx_dtype, device=dev)
         wout = torch.empty(R, K, dtype=torch.float32, device=dev)
         if not R:
             return idx, wout, [0] * (L + 1) if read else None
-        has_live = live is not None
-        key = ("unpack_meta", K, L, has_live)  # rows of meta_width(K): their width is K's
-        mapped, host = self._host_of(L)
-        acc = self._zeros(("unpack_meta", L), L + 2)
-        bk = self._launch.bound(key)
-        if bk is None:
-            br = 128 if self._cuda else 64
-            bk = self._launch.variant(key, lambda: self._launch.bind(unpack_meta_kernel, dict(
-                acc_ptr=acc, host_ptr=mapped, RS=meta_width(K) // 2, K=K, KB=_p2(K), L=L, BR=br,
-                NB=min(1024, _p2(L + 1)), LIVE=has_live, GPU=self._cuda, num_warps=4),
-                ("rows_ptr", "w_ptr", "R", "live_ptr", "lo", "idx_ptr", "wout_ptr", "ticket")))
-            self._tile[key] = br
+        host = self._hosts[L][1]
         ticket = host.next_ticket() if read else 0
-        bk((_cdiv(R, self._tile[key]),), rows, weights, R, live if has_live else acc, rank * L,
-           idx, wout, ticket)
+        bk((_cdiv(R, self._tile[key]),), *args, idx, wout, ticket)
         if not read:
             return idx, wout, None
         self.host_reads += 1
@@ -251,29 +262,15 @@ class MetaOps:
         Raises:
             PeerTimeoutError: the histogram was not published within ``2 * timeout_s + 5`` s (the launch never ran).
         """
-        R, K, L = num_rows, topk, num_local_experts
-        dev = rows.device
-        idx = torch.empty(R, K, dtype=idx_dtype, device=dev)
-        wout = torch.empty(R, K, dtype=torch.float32, device=dev)
-        if not R:
-            return idx, wout, [0] * (L + 1) if read else None
-        key = ("unpack_rows", K, L, world_size, meta_rows, rows.shape[1])
-        mapped, host = self._host_of(L)
-        acc = self._zeros(("unpack_meta", L), L + 2)  # shared with unpack_meta: calls run in stream order
+        K, L, HW = topk, num_local_experts, rows.shape[1] // 2
+        key = ("unpack_rows", K, L, world_size, meta_rows, HW)
         bk = self._launch.bound(key)
         if bk is None:
-            br = 128 if self._cuda else 64
-            bk = self._launch.variant(key, lambda: self._launch.bind(unpack_rows_kernel, dict(
+            bk = self._unpacker(key, L, lambda acc, mapped, br: self._launch.bind(unpack_rows_kernel, dict(
                 acc_ptr=acc, host_ptr=mapped, W=world_size, WB=_p2(world_size), K=K, KB=_p2(K), L=L, P=meta_rows,
-                HW=rows.shape[1] // 2, BR=br, NB=min(1024, _p2(L + 1)), GPU=self._cuda, num_warps=4),
+                HW=HW, BR=br, NB=min(1024, _p2(L + 1)), GPU=self._cuda, num_warps=4),
                 ("rows_ptr", "offs_ptr", "R", "idx_ptr", "wout_ptr", "ticket")))
-            self._tile[key] = br
-        ticket = host.next_ticket() if read else 0
-        bk((_cdiv(R, self._tile[key]),), rows, offsets, R, idx, wout, ticket)
-        if not read:
-            return idx, wout, None
-        self.host_reads += 1
-        return idx, wout, host.read(ticket)
+        return self._unpack(bk, key, num_rows, K, L, idx_dtype, rows.device, read, (rows, offsets, num_rows))
 
     def poison(self, counts: torch.Tensor, limit: int, a: torch.Tensor, b: torch.Tensor | None = None) -> None:
         """Fill ``a`` (and ``b``) with NaN bits in place when some column of ``counts`` (int32 ``[W, W]``, this

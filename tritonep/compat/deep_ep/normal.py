@@ -286,6 +286,20 @@ class NormalMode:
                 self._meta_refused(K, spec[1])
         raise err
 
+    def _k_part(self, topk_idx, topk_weights) -> int | None:
+        """The top-k width K a dispatch takes part with, also when it is refused (it picks the rows lane, and with it
+        whether the top-k travels as meta rows: every rank must pick the peers' lane): ``topk_idx``'s second
+        dimension; for a malformed ``topk_idx`` (not a 2-D tensor) ``topk_weights``'s, then the latest dispatch's K
+        (the peers' most likely); 0 when neither is given; None with nothing to go by (a fresh Buffer: the refusal
+        then makes a lane with an invalid width, whose construction fails on every rank, PeerConfigError on the
+        peers: :meth:`_refuse`)."""
+        if topk_idx is None and topk_weights is None:
+            return 0
+        for t in (topk_idx, topk_weights):
+            if isinstance(t, torch.Tensor) and t.dim() == 2:
+                return t.shape[1]
+        return self._last_spec[2] if self._last_spec is not None else None
+
     # -------------------------------------------------------------------------------------------------- layout
     def layout(self, topk_idx, num_experts):
         """``get_dispatch_layout``: one launch of :meth:`tritonep.compat.deep_ep.meta.MetaOps.layout` (twin:
@@ -311,17 +325,17 @@ class NormalMode:
             return self._cached(x, handle, topk_idx, topk_weights, refused)
         worst = num_worst_tokens
         # the top-k width a refused call takes part with (the peers' lanes), whatever failed below
-        k_part = topk_idx.shape[1] if isinstance(topk_idx, torch.Tensor) and topk_idx.dim() == 2 else 0
+        k_part = self._k_part(topk_idx, topk_weights)
         eager = _synced(False, self.lanes.sync_checks)
         if isinstance(worst, int) and worst == 0 and eager and self.lanes.pending:
-            key = self._lane_key((_width(x), 0, k_part))
+            key = self._lane_key((_width(x), 0, k_part or 0))
             self.lanes.check(skip=self.lanes.peek(key) if key is not None else None)
         spec = None
         try:
             if refused is not None:
                 raise refused
             payload, width, quant = self._payload(x)
-            spec = (width, worst, k_part)
+            spec = (width, worst, k_part) if k_part is not None else None
             T = payload.shape[0]
             if not isinstance(worst, int) or isinstance(worst, bool) or worst < 0:
                 raise InputError(f"num_worst_tokens={worst!r} must be an int >= 0")

@@ -1,0 +1,68 @@
+"""A rank whose ``topk_idx`` (or ``topk_weights``) is malformed (not a 2-D tensor) takes part in the dispatch its peers
+make, so the call is refused on every rank: InputError naming the value on that rank, PeerInputError on the others
+(PeerConfigError where no lane can be agreed: a fresh Buffer and no top-k width to go by), never a wait on a lane the
+peers do not use. Then the next call pairs. W = 2, both backends; the cases: lanes already made; a fresh Buffer whose
+first call is the bad one (the top-k width taken from the 2-D weights); a fresh Buffer with neither 2-D; a
+``num_worst_tokens`` call (no host read: the peers see it at their next synced call)."""
+
+import pytest
+import torch
+
+import tritonep.compat.deep_ep as compat
+from tritonep.errors import InputError, PeerConfigError, PeerInputError
+from tritonep.testing import run_cpu_world
+
+CASES = (("made", "idx"), ("fresh", "idx"), ("fresh", "both"), ("made", "weights"), ("worst", "idx"))
+
+
+def _malformed(group, backend, fresh, which):
+    rank = group.rank()
+    buf = compat.Buffer(group, 0, 0, backend=backend)
+    T, K = 6, 2
+    x = (torch.arange(T * 128) % 251).view(T, 128).bfloat16() + rank
+    idx = (torch.arange(T * K) % 8).view(T, K)
+    w = torch.full((T, K), 0.5)
+    n, _, nte, itr, _ = buf.get_dispatch_layout(idx, 8)
+    args = dict(num_tokens_per_rank=n, is_token_in_rank=itr, num_tokens_per_expert=nte)
+    if fresh != "fresh":
+        buf.dispatch(x, topk_idx=idx, topk_weights=w, **args)
+    bad_idx, bad_w = idx, w
+    if rank == 1:
+        if which in ("idx", "both"):
+            bad_idx = idx.reshape(-1)  # 1-D
+        if which in ("weights", "both"):
+            bad_w = w.reshape(-1)
+    worst = 2 * T if fresh == "worst" else 0
+    res = []
+    try:
+        buf.dispatch(x, topk_idx=bad_idx, topk_weights=bad_w, num_worst_tokens=worst, **args)
+        res.append("no error")
+    except PeerInputError:
+        res.append("peer")
+    except PeerConfigError:
+        res.append("peer-config")
+    except InputError as e:
+        name = "topk_weights" if which == "weights" else "topk_idx"
+        res.append("own" if name in str(e) and "2-D" in str(e) else str(e))
+    try:
+        rx, ridx, _, counts, _, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, **args)
+        res.append(counts)
+    except PeerInputError:  # the num_worst_tokens refusal, read by this synced call on every rank
+        res.append("peer-later")
+        rx, ridx, _, counts, _, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, **args)
+        res.append(counts)
+    buf.destroy()
+    return res
+
+
+@pytest.mark.parametrize("backend", ["nccl", "triton"])
+@pytest.mark.parametrize("fresh,which", CASES)
+def test_malformed_topk_refused_on_every_rank(backend, fresh, which):
+    r0, r1 = run_cpu_world(2, _malformed, backend, fresh, which, timeout_s=300)
+    # 2 ranks x 6 tokens of ids [0, 1], [2, 3], [4, 5], [6, 7], [0, 1], [2, 3]; experts 0-3 on rank 0, 4-7 on rank 1
+    c0, c1 = [4, 4, 4, 4], [2, 2, 2, 2]
+    if fresh == "worst":  # no read in the call: the refusing rank raises, its peer at its next synced call
+        assert r1 == ["own", "peer-later", c1] and r0 == ["no error", "peer-later", c0], (r0, r1)
+    else:
+        assert r1 == ["own", c1], r1
+        assert r0 == ["peer-config" if which == "both" else "peer", c0], r0

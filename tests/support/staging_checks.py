@@ -77,8 +77,10 @@ def _quant(wire: str, x: torch.Tensor):
 def check_own_staging(res: list, wire: str, case: dict):
     """Assert what :func:`own_staging_world` returned (``res[r]`` per rank) for ``wire``.
 
-    Every wire: ``stage[RANK]`` holds the sentinel everywhere; the peer's staged rows routed here hold its ``x``
-    rows (bf16) or the twin quantizer's payload + scale bytes of them (fp8 / mxfp4); received rows / weights /
+    ``stage[RANK]`` holds the sentinel everywhere (a wire whose codec has ``stage_own``, mxfp4: everywhere but its
+    own tokens routed to its own rank, which hold the twin quantizer's bytes as a peer's would); the peer's staged
+    rows routed here hold its ``x`` rows (bf16) or the twin quantizer's payload + scale bytes of them (fp8 /
+    mxfp4); received rows / weights /
     offsets equal the reference bit for bit (quantized: dequantize(quantize(reference))). The (raw) combine backward
     leaves ``stage[RANK]`` as the dispatch left it; ``grad_expert_out[row] = bf16(fp32(grad_y[t]) * w)`` bit for
     bit and ``grad_recv_weights[row] = <grad_y[t], eo[row]>`` within rtol 1e-4, atol 1e-3 (fp32 dot, other order).
@@ -99,22 +101,34 @@ def check_own_staging(res: list, wire: str, case: dict):
     def routed(s, r):  # [T_s] bool: token of rank s has a route on rank r
         return ((idxs[s] >= 0) & (idxs[s] // L == r)).any(1)
 
-    seen = 0  # rows the staging checks below looked at (the case must not make them vacuous)
-    for r in range(W):
-        got = res[r]
-        assert diff(got, want[r], ("offs", "w", "x")) == [], r  # rows: the twin's round trip on quantized wires
-        assert bool((got["own_fwd"] == SENTINEL).all()), f"rank {r}: own-rank rows were staged ({wire} wire)"
-        s = 1 - r
-        from_s = routed(s, r)
-        seen += int(from_s.sum())
-        staged = got["peer"][:T[s]][from_s]
+    from tritonep.wire.formats import get_wire
+
+    stage_own = get_wire(wire).codec.stage_own
+
+    def check_staged(r, s, rows, from_s):  # rows = the staging rows rank s wrote into rank r, routed: from_s
+        staged = rows[:T[s]][from_s]
         if wire == "bf16":
             assert torch.equal(staged, xs[s][from_s].contiguous().view(torch.uint8)), r
         else:
             qp, qs, _ = _quant(wire, xs[s])
             pb, sb = qp.shape[1], qs.shape[1]
-            assert torch.equal(staged[:, :pb], qp[from_s]), f"rank {r}: staged payload differs from the twin"
-            assert torch.equal(staged[:, pb:pb + sb], qs[from_s]), f"rank {r}: staged scales differ from the twin"
+            assert torch.equal(staged[:, :pb], qp[from_s]), f"rank {r}: staged payload of {s} differs from the twin"
+            assert torch.equal(staged[:, pb:pb + sb], qs[from_s]), f"rank {r}: staged scales of {s} differ"
+
+    seen = 0  # rows the staging checks below looked at (the case must not make them vacuous)
+    for r in range(W):
+        got = res[r]
+        assert diff(got, want[r], ("offs", "w", "x")) == [], r  # rows: the twin's round trip on quantized wires
+        own = torch.zeros(got["own_fwd"].shape[0], dtype=torch.bool)
+        if stage_own:  # the own tokens routed here are staged like a peer's
+            own[:T[r]] = routed(r, r)
+            check_staged(r, r, got["own_fwd"], own[:T[r]])
+            seen += int(own.sum())
+        assert bool((got["own_fwd"][~own] == SENTINEL).all()), f"rank {r}: own-rank rows were staged ({wire} wire)"
+        s = 1 - r
+        from_s = routed(s, r)
+        seen += int(from_s.sum())
+        check_staged(r, s, got["peer"], from_s)
         assert torch.equal(got["own_bwd"], got["own_fwd"]), f"rank {r}: the combine backward staged own rows"
     assert seen > 0, "the case routes no row through the checked staging rows"
     gys = [_grad_y(r, T[r], H) for r in range(W)]

@@ -1,4 +1,5 @@
-"""Own-rank routes skip the staging copy on every wire (quantized wires: the expander encodes them itself).
+"""Own-rank routes skip the staging copy on every wire whose codec does not stage them (quantized wires: the expander
+encodes them itself; mxfp4 stages them, ``DeviceCodec.stage_own``).
 
 Each rank fills its own staging rows ``stage[RANK]`` with a sentinel before a world-2 dispatch and a combine
 backward; the sentinel survives while every output is exact, and the peer's rows are staged (raw, or the twin

@@ -36,7 +36,9 @@ class DeviceCodec:
     Fields: ``name`` (the wire name), ``block`` (elements per scale block; 1 for raw), ``payload_bits`` (bits per
     element on the wire: 16, 8 or 4), ``scale_bytes`` (bytes of one block scale; 0 for raw), ``scale_dtype``
     (``tl`` dtype of a scale, None for raw), ``encode`` / ``decode`` (``@triton.jit`` tile functions, see the module
-    docstring; None for raw). ``repr`` and ``cache_key`` are stable across processes (Triton's kernel caches key on
+    docstring; None for raw), ``stage_own`` (the dispatch stages the own rank's rows like a peer's and the expander
+    decodes them, instead of the expander encoding them from ``x`` itself: for a codec whose encode costs more in
+    the expander than the staging copy it saves; measured on one H100, docs/performance.md). ``repr`` and ``cache_key`` are stable across processes (Triton's kernel caches key on
     them; the cache key includes the tile functions' own source hashes).
 
     Raises:
@@ -51,11 +53,14 @@ class DeviceCodec:
     scale_dtype: object = None
     encode: object = None
     decode: object = None
+    stage_own: bool = False
 
     def __post_init__(self):
         if self.encode is None:
-            if (self.block, self.payload_bits, self.scale_bytes) != (1, 16, 0) or self.decode is not None:
-                raise ValueError(f"codec {self.name!r}: a raw codec is bf16 (block 1, 16 bits, no scales, no decode)")
+            if (self.block, self.payload_bits, self.scale_bytes) != (1, 16, 0) or self.decode is not None \
+                    or self.stage_own:
+                raise ValueError(f"codec {self.name!r}: a raw codec is bf16 (block 1, 16 bits, no scales, no decode, "
+                                 "own rows not staged)")
             return
         if self.payload_bits not in (4, 8) or self.block % 2 or self.scale_bytes not in (1, 2, 4):
             raise ValueError(f"codec {self.name!r}: payload_bits must be 4 or 8, block even, scale_bytes 1/2/4")
@@ -84,7 +89,8 @@ class DeviceCodec:
         """Stable key for Triton's caches: the name, the sizes and the tile functions' source hashes."""
         # interpreted functions (TRITON_INTERPRET=1) have no cache_key: nothing is compiled there
         fns = "-".join(getattr(f, "cache_key", repr(f)) for f in (self.encode, self.decode) if f is not None)
-        return f"wire_{self.name}_{self.block}_{self.payload_bits}_{self.scale_bytes}_{self.scale_dtype}_{fns}"
+        return (f"wire_{self.name}_{self.block}_{self.payload_bits}_{self.scale_bytes}_{self.scale_dtype}_"
+                f"{int(self.stage_own)}_{fns}")
 
     def __repr__(self) -> str:
         return f"wire_{self.name}"

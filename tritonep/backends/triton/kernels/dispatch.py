@@ -13,7 +13,9 @@ this rank wrote. With n = the dispatch-like call number (device memory), a send 
   ``stage[rank, t]`` of that destination, if the token has at least one route there -- except into its OWN rank's
   staging: the expander reads those rows from the sender's input instead (one write + read of the rows through HBM
   fewer; on a quantized wire the expander encodes them itself, so a token routed to its own rank and to peers is
-  encoded twice, to the same bits: at world 1 no row is staged at all).
+  encoded twice, to the same bits: at world 1 no row is staged at all). A wire whose codec has ``stage_own``
+  (mxfp4, whose encode costs the expander more than the copy saves) stages its own rows like a peer's
+  (:func:`own_source`).
 * :func:`dispatch_expand_kernel`: waits for every source, then scatters each staged row (own rank: the input row,
   encoded, :func:`source_tile` / :func:`source_raw`) to its destination rows (one per route), writes the per-row
   weights, keeps a copy of
@@ -132,8 +134,9 @@ def send_chunk(c, live, io, tile, W: tl.constexpr, E: tl.constexpr, L: tl.conste
         off = (io.rank * io.Tmax + t[:, None]).to(tl.int64) * tile.K + k_off[None, :]
         tl.store(md + off, tl.where(dest == d, rows, -1), mask=mt)
         tl.store(wd + off, tl.where(dest == d, w, 0.0), mask=mt)
-    # a world of one stages nothing (the expander reads x): no row loads either
-    for h0 in range(0, tile.H if W > 1 else 0, tile.BH):
+    # a world of one stages nothing (the expander reads x; unless the wire stages own rows): no row loads either
+    own = own_source(io, tile)
+    for h0 in range(0, tile.H if (W > 1 or tile.WIRE.stage_own) else 0, tile.BH):
         h = h0 + h_off
         hm = h < tile.H
         xt = tl.load(io.x_ptr + t[:, None].to(tl.int64) * tile.H + h[None, :], mask=tm[:, None] & hm[None, :],
@@ -142,8 +145,9 @@ def send_chunk(c, live, io, tile, W: tl.constexpr, E: tl.constexpr, L: tl.conste
         row_off = (io.rank * io.Tmax + t).to(tl.int64) * tile.RB
         for dd in range(W):
             d = (dd + io.rank) % W  # each rank's stores start at a different destination (no W-to-1 incast)
-            # own-rank rows: the expander reads (and encodes) x itself, no staging copy
-            has = (tl.sum((dest == d).to(tl.int32), 1) > 0) & tm & live & (d != io.rank)
+            # own-rank rows: the expander reads (and encodes) x itself, no staging copy (own: -1 where the wire
+            # stages them)
+            has = (tl.sum((dest == d).to(tl.int32), 1) > 0) & tm & live & (d != own)
             sd = _ptr(io.stage_tab, d, tl.uint8)
             wire_store_encoded(sd, row_off, h0, pay, sc, has, tile.H, tile.BH, tile.WIRE)
 
@@ -160,7 +164,7 @@ def source_tile(src, t, has, io, row_off, h0, tile, POW2: tl.constexpr = False):
     staged row would hold, without the staging write + read through HBM. Masked rows read as zero. On the GPU
     (``tile.HAS_TIMER``) the codec multiplies exactly and takes its FAST path (same bits)."""
     # (one return after the runtime branch: Triton does not lower a return inside it)
-    if src == io.rank:
+    if src == own_source(io, tile):
         pay, sc = own_encoded(t, has, io, h0, tile, POW2)
         if tile.WIRE.quantized:
             G: tl.constexpr = tile.BT * (tile.BH // tile.WIRE.block)
@@ -173,6 +177,16 @@ def source_tile(src, t, has, io, row_off, h0, tile, POW2: tl.constexpr = False):
         xt = wire_load(io.stage_ptr, row_off, h0, has, tile.H, tile.BH, tile.BT, tile.WIRE, tile.HAS_TIMER,
                        tile.HAS_TIMER)
     return xt
+
+
+@triton.jit
+def own_source(io, tile):
+    """The source whose rows the expander encodes from ``io.x_ptr`` itself instead of reading them staged: this rank,
+    or -1 (none) on a wire that stages its own rows too (``tile.WIRE.stage_own``: mxfp4)."""
+    own = io.rank
+    if tile.WIRE.stage_own:
+        own = -1
+    return own
 
 
 @triton.jit
@@ -190,7 +204,7 @@ def own_encoded(t, has, io, h0, tile, POW2: tl.constexpr):
 def source_raw(src, t, has, io, row_off, h0, tile, POW2: tl.constexpr = False):
     """Columns [h0, h0+BH) of source ``src``'s wire rows still encoded (payload, scales; quantized wires only): from
     the staging, or for the own rank encoded from ``io.x_ptr`` (see :func:`source_tile`)."""
-    if src == io.rank:
+    if src == own_source(io, tile):
         q, sc = own_encoded(t, has, io, h0, tile, POW2)
     else:
         q, sc = wire_load_raw(io.stage_ptr, row_off, h0, has, tile.H, tile.BH, tile.WIRE)

@@ -1,4 +1,5 @@
-"""Host time of the DeepEP-compatible Buffer's round trip (layout + dispatch + combine; ``num_worst_tokens`` too) vs
+"""Host time of the DeepEP-compatible Buffer's round trip (layout + dispatch + combine; ``compat_w``: the combine of
+``topk_weights``, Megatron's fused-dispatch backward, a fresh handle each time; ``num_worst_tokens`` too) vs
 EPBuffer's dispatch + combine on the same routing, with every launch a no-op, in a CPU world of one rank.
 
     PYTHONPATH=. python benchmarks/probes/compat_host_time.py --tokens 128 --hidden 512 --iters 300 [--split] [--cprofile 40]
@@ -67,6 +68,10 @@ def _rank(group, T, H, E, K, geometry, n, split, cprofile):
         n_, _, ne, itr, _ = buf.get_dispatch_layout(idx, E)
         d = buf.dispatch(x, num_tokens_per_rank=n_, is_token_in_rank=itr, num_tokens_per_expert=ne, topk_idx=idx, topk_weights=w)
         buf.combine(d[0], d[4])
+    def compat_w():  # Megatron's fused dispatch then its backward: combine(grad, handle, topk_weights=grad_probs)
+        n_, _, ne, itr, _ = buf.get_dispatch_layout(idx, E)
+        d = buf.dispatch(x, num_tokens_per_rank=n_, is_token_in_rank=itr, num_tokens_per_expert=ne, topk_idx=idx, topk_weights=w)
+        buf.combine(d[0], d[4], topk_weights=d[2])
     def compat_worst():
         n_, _, ne, itr, _ = buf.get_dispatch_layout(idx, E)
         d = buf.dispatch(x, num_tokens_per_rank=n_, is_token_in_rank=itr, num_tokens_per_expert=ne, topk_idx=idx, topk_weights=w, num_worst_tokens=W*T)
@@ -74,7 +79,7 @@ def _rank(group, T, H, E, K, geometry, n, split, cprofile):
     def tepf():
         d = ebuf.dispatch(x, idx, w)
         ebuf.combine(d.x, d.handle)
-    fns = (("compat", compat), ("compat_worst", compat_worst), ("tep", tepf))
+    fns = (("compat", compat), ("compat_w", compat_w), ("compat_worst", compat_worst), ("tep", tepf))
     for _, fn in fns:
         fn(); fn()
     BoundKernel.__call__ = stub
@@ -96,6 +101,7 @@ def _rank(group, T, H, E, K, geometry, n, split, cprofile):
         for o, nme in [(cbuf.Buffer, "get_dispatch_layout"), (cbuf.Buffer, "dispatch"), (cbuf.Buffer, "combine"),
                        (normal.NormalMode, "_send"), (normal.NormalMode, "combine"),
                        (meta.MetaOps, "pack_rows"), (meta.MetaOps, "unpack_rows"), (meta.MetaOps, "layout"),
+                       (normal.NormalMode, "_meta2_dispatch"), (ebufm.EPBuffer, "dispatch_backward"),
                        (ebufm.EPBuffer, "dispatch"), (ebufm.EPBuffer, "combine"), (host_status.HostStatus, "read"),
                        (BoundKernel, "__call__")]:
             wrap(o, nme, f"{o.__name__}.{nme}")
@@ -117,7 +123,7 @@ def _rank(group, T, H, E, K, geometry, n, split, cprofile):
     gc.enable()
     if cprofile:
         import cProfile, pstats, io
-        for name, fn in fns[:1] + fns[2:]:
+        for name, fn in fns[:2] + fns[3:]:
             pr = cProfile.Profile(); pr.enable()
             for _ in range(n):
                 fn()

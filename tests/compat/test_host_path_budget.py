@@ -20,7 +20,10 @@ launch instead: NaN rows and weights when the call overflowed). It allocates the
 its dispatch read, none after a ``num_worst_tokens`` one) after one torch copy of the caller's rows into the lane's
 expert-output buffer (the lane's layout has the meta rows after them). With ``meta_rows_max_tokens=0`` (the meta
 lane, a second EPBuffer dispatch) a dispatch is the packing launch of both lanes' inputs, the two lanes' dispatches
-and the meta unpacking launch, two reads; its combine no copy. The layout is one launch and no read. Torch calls,
+and the meta unpacking launch, two reads; its combine no copy. A combine of ``topk_weights`` (Megatron's
+fused-dispatch backward; counted as a handle's first) adds the meta lane's backward (after a meta-rows dispatch first
+a sync-free dispatch of a meta lane routed like the rows lane) and the ranks' sum of the weights. The layout is one
+launch and no read. Torch calls,
 aten ops, allocations and torch kernels may only go down (then lower the budget; the torch way, ``packing.pack_torch``,
 a zeroed histogram and its ``tolist``, is six torch kernels and a device-to-host copy per dispatch). The previous
 step's outputs are let go before a dispatch, as a loop over steps does.
@@ -43,26 +46,38 @@ BUDGET = {  # the CPU's own tiles: the two-kernel lane dispatch (what a GPU take
     # the copy into the lane's expert-output buffer (a torch kernel), the rows lane's combine (its output, two
     # launches, its status read), the token rows of its output (a view)
     "combine": (13, 3, 1, 1, 2, 1),
+    # combine(..., topk_weights): Megatron's fused-dispatch backward, a handle's first. + the meta lane routed like the
+    # rows lane (its sync-free dispatch, one launch: the handle's slots K-fold, one index_select made once per handle;
+    # its outputs) and its backward (one launch: the weights back unsummed into the kept zeroed weight rows, one copy;
+    # its output), the ranks' sum of the weights (a torch kernel). Was 54 / 18 / 7 / 6: a repeat_interleave, a zeroed
+    # weight buffer and its copy per call
+    "combine_w": (49, 12, 5, 5, 8, 1),
     # num_worst_tokens: no read at all; + the capacity poison launch (NaN rows and weights when the call overflowed:
     # no host read can tell) on the token rows' counts (a strided view of the exchange's); the torch kernel: the
     # lane's zeroed row weights (EPBuffer's sync-free dispatch on these tiles)
     "worst_dispatch": (74, 10, 5, 1, 7, 0),
     "worst_combine": (22, 3, 1, 1, 3, 0),  # + the capacity poison launch on the combined rows
+    "worst_combine_w": (61, 12, 5, 5, 9, 0),  # was 66 / 17 / 7 / 6
 }
 BUDGET_DECODE = {  # TRITONEP_GEOMETRY=bt=2,dec=3: the one-launch decode tiles (what a GPU takes up to 256 tokens)
     "layout": (12, 3, 2, 0, 1, 0),
     "dispatch": (58, 6, 3, 0, 3, 2),  # pack + rows lane (1) + unpack; no torch kernel
     "combine": (13, 3, 0, 1, 1, 1),
+    "combine_w": (50, 12, 2, 4, 3, 1),  # was 55 / 18 / 4 / 5
     "worst_dispatch": (75, 10, 3, 0, 4, 0),
     "worst_combine": (22, 3, 0, 1, 2, 0),
+    "worst_combine_w": (62, 12, 2, 4, 4, 0),  # was 67 / 17 / 4 / 5
 }
 BUDGET_META_LANE = {  # meta_rows_max_tokens=0, decode tiles: the top-k in the meta lane
     "layout": (12, 3, 2, 0, 1, 0),
     # pack (both lanes' inputs: one block, four views) + rows lane (1) + meta lane (1) + unpack; no torch kernel
     "dispatch": (77, 15, 3, 0, 4, 2),
     "combine": (11, 1, 0, 0, 1, 1),
+    # + the meta lane's backward (the weights into the kept zeroed weight rows: one copy) and the ranks' sum
+    "combine_w": (29, 6, 2, 2, 2, 1),  # was 33 / 9 / 3 / 3: a zeroed weight buffer and its copy per call
     "worst_dispatch": (94, 19, 3, 0, 5, 0),
     "worst_combine": (20, 1, 0, 0, 2, 0),
+    "worst_combine_w": (41, 6, 2, 2, 3, 0),  # was 45 / 8 / 3 / 3
 }
 
 
@@ -87,9 +102,14 @@ def _count(group, geometry, meta_rows_max_tokens=256):
         st["d"] = buf.dispatch(x, num_tokens_per_rank=n, is_token_in_rank=itr, num_tokens_per_expert=ne,
                                topk_idx=idx, topk_weights=w, num_worst_tokens=worst)
 
+    def combine_w():  # a handle's first combine of topk_weights (what it makes once per handle is made again)
+        st["d"][4].__dict__["_rep"] = None
+        buf.combine(st["d"][0], st["d"][4], topk_weights=st["d"][2])
+
     calls = {"layout": lambda: st.__setitem__("layout", buf.get_dispatch_layout(idx, E)),
-             "dispatch": dispatch, "combine": lambda: buf.combine(st["d"][0], st["d"][4]),
-             "worst_dispatch": lambda: dispatch(W * T), "worst_combine": lambda: buf.combine(st["d"][0], st["d"][4])}
+             "dispatch": dispatch, "combine": lambda: buf.combine(st["d"][0], st["d"][4]), "combine_w": combine_w,
+             "worst_dispatch": lambda: dispatch(W * T), "worst_combine": lambda: buf.combine(st["d"][0], st["d"][4]),
+             "worst_combine_w": combine_w}
 
     def reads():
         return sum(lane.host_reads for _, lane in buf.lanes) + sum(o.host_reads for o in buf._normal._meta_ops.values())

@@ -66,3 +66,49 @@ def test_malformed_topk_refused_on_every_rank(backend, fresh, which):
     else:
         assert r1 == ["own", c1], r1
         assert r0 == ["peer-config" if which == "both" else "peer", c0], r0
+
+
+def _unknown_width(group, backend, earlier_topk, worst):
+    """Rank 1 passes a top-k of unknown width (neither 2-D) after a dispatch without top-k; rank 0 a valid one."""
+    rank = group.rank()
+    buf = compat.Buffer(group, 0, 0, backend=backend)
+    T, K = 6, 2
+    x = (torch.arange(T * 128) % 251).view(T, 128).bfloat16() + rank
+    idx = (torch.arange(T * K) % 8).view(T, K)
+    w = torch.full((T, K), 0.5)
+    n, _, nte, itr, _ = buf.get_dispatch_layout(idx, 8)
+    args = dict(num_tokens_per_rank=n, is_token_in_rank=itr, num_tokens_per_expert=nte)
+    if earlier_topk:  # an earlier dispatch carried the top-k: its width stands in
+        buf.dispatch(x, topk_idx=idx, topk_weights=w, **args)
+    buf.dispatch(x, **args)  # the latest dispatch carries no top-k
+    bad_idx, bad_w = (idx.reshape(-1), w.reshape(-1)) if rank == 1 else (idx, w)
+    res = []
+    try:
+        buf.dispatch(x, topk_idx=bad_idx, topk_weights=bad_w, num_worst_tokens=2 * T if worst else 0, **args)
+        res.append("no error")
+    except PeerInputError:
+        res.append("peer")
+    except PeerConfigError:
+        res.append("peer-config")
+    except InputError as e:
+        res.append("own" if "topk_idx" in str(e) and "2-D" in str(e) else str(e))
+    try:
+        res.append(buf.dispatch(x, topk_idx=idx, topk_weights=w, **args)[3])
+    except PeerInputError:  # a refusal nobody read in the call (num_worst_tokens): read by this synced one
+        res.append("peer-later")
+        res.append(buf.dispatch(x, topk_idx=idx, topk_weights=w, **args)[3])
+    buf.destroy()
+    return res
+
+
+@pytest.mark.parametrize("backend", ["nccl", "triton"])
+@pytest.mark.parametrize("earlier_topk,worst", [(False, False), (False, True), (True, False)])
+def test_unknown_topk_width_after_a_dispatch_without_topk(backend, earlier_topk, worst):
+    """The latest dispatch carried no top-k, the peers pass one and this rank's has no width to read: the call is
+    refused on every rank (InputError naming topk_idx here; PeerConfigError on the peer, whose lanes of that top-k
+    were never agreed, or PeerInputError where an earlier dispatch's top-k width stands in), never a wait on a lane
+    the peers do not use; then the next call pairs."""
+    r0, r1 = run_cpu_world(2, _unknown_width, backend, earlier_topk, worst, timeout_s=300)
+    c0, c1 = [4, 4, 4, 4], [2, 2, 2, 2]
+    assert r1 == ["own", c1] or (worst and r1 == ["own", "peer-later", c1]), r1
+    assert r0 == ["peer" if earlier_topk else "peer-config", c0], r0

@@ -31,6 +31,7 @@ class NormalHandle(tuple):
     ``worst`` (whether the dispatch used ``num_worst_tokens``), ``meta_rows`` (P: the top-k travelled as P meta rows
     per pair of ranks in the rows lane, whose pseudo-experts are then ``2r`` (token rows) and ``2r + 1`` (meta rows);
     0: the rows lane has one pseudo-expert per rank).
+    With meta rows, :meth:`repeated_slots` are the routes of the meta-lane dispatch a combine of ``topk_weights`` runs.
     """
 
     def __new__(cls, *, owner, x_lane, x_handle, meta_lane, meta_handle, slots, num_tokens, num_rows, topk,
@@ -39,7 +40,7 @@ class NormalHandle(tuple):
         h.__dict__.update(owner=owner, x_lane=x_lane, x_handle=x_handle, meta_lane=meta_lane,
                           meta_handle=meta_handle, slots=slots, num_tokens=num_tokens, num_rows=num_rows, topk=topk,
                           is_token_in_rank=is_token_in_rank, worst=worst, meta_rows=meta_rows, _rpm=None,
-                          _rc=None)
+                          _rc=None, _rep=None)
         return h
 
     def rank_counts(self) -> torch.Tensor:
@@ -50,6 +51,16 @@ class NormalHandle(tuple):
             c = self.x_handle.counts
             c = self._rc = c[:, 0::2] if self.meta_rows else c
         return c
+
+    def repeated_slots(self, columns: torch.Tensor) -> torch.Tensor:
+        """int32 ``[T, W*K]``: the token rows' slots, each repeated K times (K routes per (token, receiving rank),
+        in the rows lane's order), given ``columns`` = int64 ``arange(W).repeat_interleave(K)`` on the slots'
+        device: the routing of the meta-lane dispatch a combine of ``topk_weights`` runs after a meta-rows dispatch
+        (made once per handle, on first use: one ``index_select``)."""
+        r = self._rep
+        if r is None:
+            r = self._rep = self.slots[:self.num_tokens].index_select(1, columns)
+        return r
 
     def _field(self, i: int):
         if i == 0:

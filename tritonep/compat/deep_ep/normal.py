@@ -89,12 +89,15 @@ class NormalMode:
         self._ones = {}    # device -> float32 ones [n, W] (grown on demand)
         self._ones_v = {}  # (n, device) -> its first n rows (a view made once)
         self._ones_k = {}  # (n, K, device) -> float32 ones [n, W*K]: the meta lane's route weights of a combine
+        self._rep_cols = {}  # (K, device) -> int64 arange(W).repeat_interleave(K): NormalHandle.repeated_slots
         self._zeros = {}   # (rows, width, device) -> bf16 zeros: the meta lane's rows in a weights-only backward
         self._inputs = {}  # meta-rows lane key -> (lane, x_in [Tmax, H] bf16, {rows: view})
         self._eo = {}      # meta-rows lane -> (lane, its expert-output buffer, {rows: view})
+        self._wb = {}  # id(meta lane) -> [lane, float32 row weights [max_recv_tokens], rows written, {(rows, K): view}]
         self._plans = {}   # ((width, num_worst_tokens, K), capacity) -> (rows-lane key, P): _plan
         self._last_x_key = None  # the latest dispatch's rows-lane key
         self._last_spec = None  # ... and what chose it: (width, num_worst_tokens, K)
+        self._last_topk = None  # K of the latest dispatch that carried top-k (None: none did yet)
         self._meta_ops = {}  # device -> MetaOps (the layout and meta-unpacking launches, bound on first use)
         self._last_meta = None  # the latest dispatch's meta lane (None: it carried no top-k, or as meta rows)
         self._last_lazy = None  # (K, num_worst_tokens, slots, T) of the latest dispatch when its top-k came as meta rows
@@ -271,7 +274,12 @@ class NormalMode:
         with meta rows), then raise ``err`` here. ``spec``: the call's ``(width, num_worst_tokens, K)`` as far as
         known (else the latest dispatch's: the lane the peers most likely use). With no lane to use yet (the first
         call), the lane is made with an invalid width: its constructor's agreement then raises on every rank
-        (PeerConfigError there)."""
+        (PeerConfigError there). ``K`` None (a top-k passed but none of its widths known, and no dispatch of this
+        Buffer carried one): :meth:`_refuse_unknown_k`."""
+        if K is None:
+            if self._last_spec is not None:
+                self._refuse_unknown_k(err, spec, sync_free)
+            spec = None
         spec = spec or self._last_spec or (0, 0, 0)
         try:
             lane, P = self._spec_lane(spec, 0)
@@ -286,19 +294,44 @@ class NormalMode:
                 self._meta_refused(K, spec[1])
         raise err
 
+    def _refuse_unknown_k(self, err: TritonEPError, spec, sync_free: bool):
+        """The refusal of a call that passes a top-k of unknown width (neither ``topk_idx`` nor ``topk_weights`` is
+        2-D) on a Buffer none of whose dispatches carried one: the peers' lanes of their top-k were never made, so
+        they make them now (a collective agreement each) unless their rows lane is the one of no top-k. Top-k width
+        1 decides: when it already carries no meta rows, no width does (their rows grow with K), so the peers' rows
+        lane is the ``("x", width, num_worst_tokens)`` one: this rank takes part there as refused (and then, if the
+        peers go on to their new meta lane, in its construction with an invalid width); else it takes part in the
+        construction of the peers' new meta-rows lane with an invalid width. Either way every rank raises: this one
+        ``err``, the peers PeerInputError or PeerConfigError. (A width whose meta rows do not fit while width 1's
+        do, a top-k of 14 or more at row width 64 and capacity 64, would still leave the peers on the rows lane of
+        no top-k: not paired here.) Raises ``err``."""
+        width, worst = (spec[0], spec[1]) if spec is not None else self._last_spec[:2]
+        one = meta_rows_per_rank(self.lanes.tcap, 1, width, self.W, self.meta_rows_max_tokens)
+        if not one:
+            lane, _ = self._spec_lane((width, worst, 0), 0)
+            self._refused_dispatch(lane, sync_free)
+            if _synced(sync_free, self.lanes.sync_checks):
+                self.lanes.agree_regrow(0, True)
+                raise err
+            self.lanes.unread(lane)
+        try:  # the constructor's agreement raises on every rank (PeerConfigError on the peers)
+            self._spec_lane((0, 0, 0), 0)
+        except TritonEPError:
+            pass
+        raise err
+
     def _k_part(self, topk_idx, topk_weights) -> int | None:
         """The top-k width K a dispatch takes part with, also when it is refused (it picks the rows lane, and with it
         whether the top-k travels as meta rows: every rank must pick the peers' lane): ``topk_idx``'s second
-        dimension; for a malformed ``topk_idx`` (not a 2-D tensor) ``topk_weights``'s, then the latest dispatch's K
-        (the peers' most likely); 0 when neither is given; None with nothing to go by (a fresh Buffer: the refusal
-        then makes a lane with an invalid width, whose construction fails on every rank, PeerConfigError on the
-        peers: :meth:`_refuse`)."""
+        dimension; for a malformed ``topk_idx`` (not a 2-D tensor) ``topk_weights``'s, then the K of the latest
+        dispatch that carried a top-k (the peers' most likely: they pass one too); 0 when neither is given; None with
+        nothing to go by (no dispatch of this Buffer carried a top-k: :meth:`_refuse`)."""
         if topk_idx is None and topk_weights is None:
             return 0
         for t in (topk_idx, topk_weights):
             if isinstance(t, torch.Tensor) and t.dim() == 2:
                 return t.shape[1]
-        return self._last_spec[2] if self._last_spec is not None else None
+        return self._last_topk
 
     # -------------------------------------------------------------------------------------------------- layout
     def layout(self, topk_idx, num_experts):
@@ -335,7 +368,7 @@ class NormalMode:
             if refused is not None:
                 raise refused
             payload, width, quant = self._payload(x)
-            spec = (width, worst, k_part) if k_part is not None else None
+            spec = (width, worst, k_part)
             T = payload.shape[0]
             if not isinstance(worst, int) or isinstance(worst, bool) or worst < 0:
                 raise InputError(f"num_worst_tokens={worst!r} must be an int >= 0")
@@ -416,6 +449,8 @@ class NormalMode:
             counts = [(c + a - 1) // a * a for c in counts]
         self._last_meta, self._last_synced = meta_lane, out.handle.num_recv_rows is not None
         self._last_lazy = (K, worst, slots, T) if P and K else None
+        if K:
+            self._last_topk = K
         return recv_x, recv_idx, recv_w, counts, h
 
     def _group_counts(self, num_tokens_per_expert) -> list:
@@ -540,15 +575,15 @@ class NormalMode:
         if topk_weights is not None:
             if h.meta_rows:  # the top-k came as meta rows: a meta lane routed like the rows lane takes the weights
                 # back (its dispatch moves no payload: 16-byte rows)
-                meta, mh = self._meta2_dispatch(K, h.num_rows if h.worst else 0, h.slots, T, x.device)
+                meta, mh = self._meta2_dispatch(K, h.num_rows if h.worst else 0,
+                                                h.repeated_slots(self._columns(K, lane.device)), T, lane.device)
             else:
                 meta, mh = h.meta_lane, h.meta_handle
             # the weights go back unsummed on the meta lane's routes (one per (token, rank, slot)), the meta lane's
             # handle is sync-free: its backward reads rows up to the lane's receive capacity
-            n = meta.max_recv_tokens
-            wback = torch.zeros(n, dtype=torch.float32, device=x.device)
-            wback[:h.num_rows * K] = topk_weights.reshape(-1)
-            _, per_slot = meta.dispatch_backward(self._zero_rows(n, meta.hidden, x.device), wback, mh)  # [T, W*K]
+            wback = self._weights_back(meta, h.num_rows, K, topk_weights)
+            zero_rows = self._zero_rows(meta.max_recv_tokens, meta.hidden, lane.device)
+            _, per_slot = meta.dispatch_backward(zero_rows, wback, mh)  # [T, W*K]
             w = per_slot.view(T, self.W, K).sum(1)  # DeepEP: the ranks' values summed in float32
         if not reads:  # nobody read the status of these calls: the next synced call or check() does
             self.lanes.unread(lane, meta)
@@ -561,14 +596,43 @@ class NormalMode:
             self._ops(y.device).poison(h.rank_counts(), h.num_rows, y, w)
         return y, w
 
-    def _meta2_dispatch(self, K: int, worst: int, slots, T: int, device):
+    def _meta2_dispatch(self, K: int, worst: int, routes, T: int, device):
         """``(lane, handle)`` of the meta-lane dispatch a combine of ``topk_weights`` runs after a meta-rows dispatch
-        (``slots``: that dispatch's, its first T rows the tokens'): K routes per (token, receiving rank) in the rows
-        lane's order, sync-free, no payload (zero rows of 16 bytes), so its backward takes each received row's K
-        weights back unsummed."""
+        (``routes``: int32 ``[T, W*K]``, that dispatch's :meth:`NormalHandle.repeated_slots`): K routes per (token,
+        receiving rank) in the rows lane's order, sync-free, no payload (zero rows of 16 bytes), so its
+        backward takes each received row's K weights back unsummed."""
         meta = self._meta_lane(K, worst, T, rows2=True)
-        return meta, meta.dispatch(self._zero_rows(T, meta.hidden, device), slots[:T].repeat_interleave(K, dim=1),
+        return meta, meta.dispatch(self._zero_rows(T, meta.hidden, device), routes,
                                    self._ones_wk(T, K, device), sync_free=True).handle
+
+    def _columns(self, K: int, device) -> torch.Tensor:
+        """int64 ``arange(W).repeat_interleave(K)`` on ``device`` (made once per K): the columns of a dispatch's
+        slots that :meth:`NormalHandle.repeated_slots` selects."""
+        c = self._rep_cols.get((K, device))
+        if c is None:
+            c = self._rep_cols[(K, device)] = torch.arange(self.W, device=device).repeat_interleave(K)
+        return c
+
+    def _weights_back(self, meta, rows: int, K: int, topk_weights):
+        """The row weights of a combine's meta-lane backward: float32 ``[meta.max_recv_tokens]`` (the meta lane's
+        handle is sync-free: its backward takes rows up to the lane's receive capacity), ``topk_weights [rows, K]``
+        in its first ``rows*K`` (one per received meta row: (source rank, token, slot) order), zeros after. Kept per
+        meta lane and zeroed once; a call writing fewer rows than the previous one zeroes the rows between, so the
+        buffer holds what a fresh zeroed one would (no allocation and no fill per call). Reused in stream order, as
+        the lanes' own buffers."""
+        ent = self._wb.get(id(meta))
+        if ent is None or ent[0] is not meta:
+            ent = self._wb[id(meta)] = [meta, torch.zeros(meta.max_recv_tokens, dtype=torch.float32,
+                                                          device=topk_weights.device), 0, {}]
+        buf, m = ent[1], rows * K
+        if ent[2] > m:
+            buf[m:ent[2]].zero_()
+        ent[2] = m
+        v = ent[3].get((rows, K))
+        if v is None:
+            v = ent[3][(rows, K)] = buf[:m].view(rows, K)
+        v.copy_(topk_weights)
+        return buf
 
     def _ones_wk(self, n: int, K: int, device):
         """float32 ones ``[n, W*K]``: the route weights of a combine's meta-lane dispatch (made once per shape)."""
@@ -605,7 +669,10 @@ class NormalMode:
             return  # the peers' eager combine raises PeerInputError: none of them goes on to the meta lane
         self.lanes.unread(lane)
         if with_weights and lazy is not None:  # the peers' meta-lane dispatch, then its backward (cancelled)
-            meta, mh = self._meta2_dispatch(*lazy, lane.device)
+            K, worst, slots, T = lazy  # the tokens' slots, each repeated K times, route the peers' dispatch
+            cols = self._columns(K, lane.device)
+            routes = h.repeated_slots(cols) if h is not None else slots[:T].index_select(1, cols)
+            meta, mh = self._meta2_dispatch(K, worst, routes, T, lane.device)
         if with_weights and meta is not None:
             try:
                 meta.cancel_dispatch_backward(mh, with_weights=True)

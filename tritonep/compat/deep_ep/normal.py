@@ -303,8 +303,8 @@ class NormalMode:
         peers go on to their new meta lane, in its construction with an invalid width); else it takes part in the
         construction of the peers' new meta-rows lane with an invalid width. Either way every rank raises: this one
         ``err``, the peers PeerInputError or PeerConfigError. (A width whose meta rows do not fit while width 1's
-        do, a top-k of 14 or more at row width 64 and capacity 64, would still leave the peers on the rows lane of
-        no top-k: not paired here.) Raises ``err``."""
+        do, a wide top-k at a narrow row: K >= 24 at row width 64, capacity 64 and 2 ranks, would still leave the
+        peers on the rows lane of no top-k: not paired here.) Raises ``err``."""
         width, worst = (spec[0], spec[1]) if spec is not None else self._last_spec[:2]
         one = meta_rows_per_rank(self.lanes.tcap, 1, width, self.W, self.meta_rows_max_tokens)
         if not one:

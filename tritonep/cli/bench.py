@@ -59,10 +59,10 @@ def add_parser(sub):
                                             "and expert width), planner (virtual-expert planner, one GPU)")
     p.add_argument("--profile", default="deepseek-v3",
                    help=f"one of: {', '.join(sorted(PROFILES))} (their shapes: the table below)")
-    p.add_argument("--tokens", type=int, nargs="*", default=None,
+    p.add_argument("--tokens", type=positive_int, nargs="*", default=None,
                    help="tokens per rank instead of the profile's (several values: a sweep, see --plot)")
     p.add_argument("--num-sms", type=int, nargs="*", default=[0], help="SM caps to measure (0 = kernel-tile table)")
-    p.add_argument("--iters", type=int, default=30, help="timed iterations (median reported)")
+    p.add_argument("--iters", type=positive_int, default=30, help="timed iterations (median reported)")
     p.add_argument("--world-size", type=positive_int, default=None,
                    help="ranks, >= 1 (default: every GPU; on a CPU: 2); more ranks than GPUs share GPUs round-robin "
                         "(time-sliced, or --mps): they run and check, but timings then measure nothing about NVLink")

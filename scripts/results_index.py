@@ -114,7 +114,8 @@ FIGURES = {
         # (figure, file, selector over rank 0's rows, field, unit)
         ("dispatch, bf16, 4096 tokens/rank, EP2, table geometry (two kernels), graph", "ep_bench.h200x2.json",
          dict(profile="deepseek-v3", op="tritonep.dispatch.bf16", mode="graph", num_sms=0, variant=None), "us", "us"),
-        ("dispatch, bf16, 4096 tokens/rank, EP2, fused (fs=40, fe=88; the table's default at >= 1024 tokens now)",
+        ("dispatch, bf16, 4096 tokens/rank, EP2, fused one launch (40 sender + 88 expander programs: the default at >= "
+         "1024 tokens)",
          "ep_bench.h200x2.json", dict(profile="deepseek-v3", op="tritonep.dispatch.bf16", variant="fs=40,fe=88"),
          "us", "us"),
         ("combine push, bf16, 4096 tokens/rank, EP2, graph", "ep_bench.h200x2.json",

@@ -106,6 +106,22 @@ def test_bench_world_size_below_one_is_refused_by_the_parser(capsys):
         _one_line(capsys, "tritonep bench: error: argument --world-size: ")
 
 
+@pytest.mark.parametrize("flag", ["--tokens", "--iters"])
+def test_bench_tokens_and_iters_below_one_are_refused_by_the_parser(capsys, flag):
+    with pytest.raises(SystemExit) as ei:
+        cli_main(["bench", "moe", "--profile", "cpu-smoke", flag, "0"])
+    assert ei.value.code == 2
+    _one_line(capsys, f"tritonep bench: error: argument {flag}: ")
+
+
+def test_tritonep_without_a_command_names_the_commands(capsys):
+    with pytest.raises(SystemExit) as ei:
+        cli_main([])
+    assert ei.value.code == 2
+    line = _one_line(capsys, "tritonep: error: the following arguments are required: ")
+    assert "{run,bench,plan,env}" in line and "cmd" not in line.split("(see")[0]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a GPU")
 @pytest.mark.parametrize("value", ["0", "false"])
 def test_interpreter_turned_off_without_a_gpu_is_explained(monkeypatch, capsys, no_world, value):

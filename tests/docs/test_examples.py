@@ -157,3 +157,21 @@ def test_torchtitan_example_trains_in_a_cpu_world():
     spec.loader.exec_module(mod)
     losses = run_cpu_world(2, mod.main, timeout_s=400)
     assert losses[0] == losses[1] and losses[0][-1] < losses[0][0]
+
+
+def test_deep_ep_doc_cpu_example_runs_and_checks_its_result(tmp_path):
+    """docs/deep_ep.md's CPU example: DeepEP's normal-mode calls through ``tritonep.compat.deep_ep.install()`` on 2
+    CPU ranks; the block checks its combine itself (each token back once per rank it went to) and prints per rank
+    the received rows and the rows per local expert."""
+    doc = (ROOT / "docs" / "deep_ep.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", doc, flags=re.S) if "run_cpu_world(2, rank_fn)" in b)
+    assert "assert_close" in block and "install()" in block
+    script = tmp_path / "deep_ep_example.py"
+    script.write_text(block)
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    got = eval(p.stdout.strip().splitlines()[-1])  # [((rows, H), [rows per local expert]), ...] of both ranks
+    assert len(got) == 2
+    for (rows, hidden), per_expert in got:
+        assert hidden == 64 and len(per_expert) == 4 and 0 < rows <= 2 * 16 and rows <= sum(per_expert)

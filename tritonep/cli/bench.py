@@ -32,21 +32,37 @@ def positive_int(text: str) -> int:
     return v
 
 
+BENCH_DESCRIPTION = """\
+Times tritonep's dispatch / combine (or the MoE layer, or the planner) on GPUs against NCCL in the same
+run, one rank per GPU, and checks every point after timing it. Without a GPU: --profile cpu-smoke runs
+every point and its check in a CPU world (interpreter times), --soak N runs N checked steps.
+
+dispatch / combine table, a row per point: op = tritonep.<call>.<wire> (EPBuffer, triton backend;
+.kept = dispatch with keep_quantized=True), tritonep[nccl].* (the nccl backend), nccl.* (plain NCCL:
+a2a = all_to_all_single alone, pipeline = the pack + all_to_all + unpack a user writes); sms = the SM
+cap (0: the kernel-tile table's grids); mode = graph (CUDA-graph replays) or eager (an op measured both
+ways has a row per mode; on a CPU both rows say cpu); us r0 / us max = median microseconds per call on
+rank 0 / on the slowest rank; logical GB/s = received rows x hidden x 2 bytes per second, NVLink GB/s =
+the bytes that cross to other ranks; checked = every rank's output equals the reference.
+More: benchmarks/README.md, docs/performance.md."""
+
+
 def add_parser(sub):
     """Register ``tritonep bench`` and its flags on the ``sub`` subparsers action."""
     from ..bench.profiles import PROFILES
 
     p = sub.add_parser("bench", formatter_class=EpilogTableFormatter, epilog=profiles_epilog(PROFILES),
-                       help="benchmarks vs NCCL all_to_all_single (GPU) and --soak checks")
+                       help="benchmarks vs NCCL all_to_all_single (GPU) and --soak checks",
+                       description=BENCH_DESCRIPTION)
     p.add_argument("op", choices=OPS, help="what to measure: dispatch/combine (one run measures both rows), moe (the "
                                             "MoE layer fwd+bwd vs the torch + NCCL reference at the profile's shape "
                                             "and expert width), planner (virtual-expert planner, one GPU)")
     p.add_argument("--profile", default="deepseek-v3",
                    help=f"one of: {', '.join(sorted(PROFILES))} (their shapes: the table below)")
-    p.add_argument("--tokens", type=int, nargs="*", default=None,
+    p.add_argument("--tokens", type=positive_int, nargs="*", default=None,
                    help="tokens per rank instead of the profile's (several values: a sweep, see --plot)")
     p.add_argument("--num-sms", type=int, nargs="*", default=[0], help="SM caps to measure (0 = kernel-tile table)")
-    p.add_argument("--iters", type=int, default=30, help="timed iterations (median reported)")
+    p.add_argument("--iters", type=positive_int, default=30, help="timed iterations (median reported)")
     p.add_argument("--world-size", type=positive_int, default=None,
                    help="ranks, >= 1 (default: every GPU; on a CPU: 2); more ranks than GPUs share GPUs round-robin "
                         "(time-sliced, or --mps): they run and check, but timings then measure nothing about NVLink")

@@ -12,7 +12,11 @@ INTERPRET_SET_BY_CLI = "_TRITONEP_CLI_SET_INTERPRET"
 
 
 def add_parser(sub):
-    p = sub.add_parser("env", help="print versions, devices, P2P access and the backend 'auto' would choose")
+    p = sub.add_parser("env", help="print versions, devices, P2P access and the backend 'auto' would choose",
+                       description="Prints one table: Python, torch, Triton and numpy versions, the GPUs, whether "
+                                   "the multicast variables of a GPU run are set, the EP backend that "
+                                   "EPBuffer(backend='auto') picks here and why, and every TRITONEP_* variable that is "
+                                   "set (all of them: tritonep/envs.py). Starts no ranks; works without a GPU.")
     p.set_defaults(func=main)
 
 

@@ -30,10 +30,14 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``tritonep`` parser with every subcommand registered (subparsers share the one-line error behaviour)."""
     ap = _Parser(
         prog="tritonep", formatter_class=HelpFormatter,
-        description="Expert-parallel MoE dispatch/combine and virtual-expert balancing (Triton + symmetric memory).",
+        description="Expert-parallel MoE dispatch/combine and virtual-expert balancing (Triton + symmetric memory). "
+                    "Start with `tritonep run` (the main job, checked against a dense reference). Without a GPU "
+                    "every command but the GPU benchmarks runs on the CPU: its ranks are forked processes, the kernels "
+                    "run in Triton's interpreter. `tritonep CMD --help` for each command; docs/cli.md.",
         epilog="exit codes: 0 done and checked; 1 a check failed (or a crash); 2 refused: bad flag, file or "
                "configuration (one line on stderr); 130 / 143 interrupted by SIGINT / SIGTERM (every rank stopped)")
-    sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    # the metavar names the commands in the error of a bare `tritonep` (argparse would name the dest, "cmd")
+    sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser, metavar="{run,bench,plan,env}")
     from . import bench, env, plan, run
 
     run.add_parser(sub)

@@ -16,7 +16,15 @@ def add_parser(sub):
     from .routing import ROUTING_HELP
 
     p = sub.add_parser("plan", formatter_class=HelpFormatter,
-                       help="virtual-expert placement for a trace or histogram: per-rank load before/after")
+                       help="virtual-expert placement for a trace or histogram: per-rank load before/after",
+                       description="The virtual-expert plan for one layer of a trace or histogram, on the host (no "
+                                   "GPU, no ranks started; a second or two): replicas of hot experts (virtual experts) "
+                                   "go into other ranks' spare slots until every rank computes the same number of "
+                                   "routes. Prints "
+                                   "per rank the load before (routes = tokens x top-k), the capacity, the load after "
+                                   "and the global expert ids each rank hosts as virtual experts, then balancedness "
+                                   "(mean/max load) and moved routes against the total excess. Default: OLMoE arxiv "
+                                   "layer 0, 8 ranks, both modes side by side. docs/moe.md, 'Virtual experts'.")
     p.add_argument("--routing", default="olmoe", metavar="flame|olmoe|PATH", help=ROUTING_HELP)
     p.add_argument("--layer", type=int, default=None,
                    help="layer (flame 2..9, olmoe 0/7/15, a file: its layer numbers; default: the first)")
@@ -36,7 +44,7 @@ def add_parser(sub):
                         "virtual experts, after MoonshotAI's MoonEP; always balances exactly, may move more than the "
                         "total excess), minimal (only ranks over capacity send, only ranks "
                         "under it receive: moves the total excess when the virtual slots suffice, else says what it "
-                        "could not move and why) or both (side by side)")
+                        "could not move and why) or both (side by side; the default)")
     p.add_argument("--json", default="", help="write the plan and metrics to this JSON file")
     p.add_argument("--plot", default="", help="PNG of per-rank load before and after, side by side")
     p.set_defaults(func=main)

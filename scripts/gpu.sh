@@ -9,7 +9,7 @@
 #   ts2/ts4  the same, time-sliced (no MPS)                                                 limit 500 / 520
 #   soak     the 1000-replay CUDA-graph soaks at W=2 under MPS                              limit 150
 #   suite1   the whole GPU suite's first command: `single` (one process, no MPS) running beside `mps2` then `soak`
-#            (the ranks' private MPS daemon): compiles are CPU-bound and the machine has 16 cores     550 wall
+#            (the ranks' private MPS daemon): compiles are CPU-bound and the machine has 16 cores     580 wall
 #   suite2   its second command: `mps4`                                                               480
 #   runs2    `tritonep run` at W=2 under MPS: every layer; balance none / virtual, push / pull, bf16 / fp8
 #   runs4    the same at W=4 under MPS
@@ -129,10 +129,10 @@ for suite in "$@"; do
         suite1) TAIL=4 step single 300 "${PYTEST[@]}" -m "gpu and (not world or world1) and not soak and not caps" \
                     --timeout 200 &
                 beside=$!
-                step mps2 400 "${PYTEST[@]}" -m "gpu and world and not world1 and not soak and not caps" \
+                step mps2 470 "${PYTEST[@]}" -m "gpu and world and not world1 and not soak and not caps" \
                     --gpu-world-sizes 2 --gpu-mps on --timeout 120 --maxfail 4
                 stop_leftover_mps
-                step soak 150 "${PYTEST[@]}" -m "gpu and soak" --gpu-world-sizes 2 --gpu-mps on --timeout 140
+                step soak 110 "${PYTEST[@]}" -m "gpu and soak" --gpu-world-sizes 2 --gpu-mps on --timeout 100
                 wait "$beside"
                 pack ;;
         suite2) step mps4 480 "${PYTEST[@]}" -m "gpu and anyworld and not soak and not caps" --gpu-world-sizes 4 \

@@ -93,6 +93,16 @@ def record_launches(out: list):
         yield out
 
 
+def append_line(path: str, line: str) -> None:
+    """Append ``line`` and a newline to ``path`` in ONE ``O_APPEND`` write (writers in forked processes do not
+    interleave)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)
+
+
 @contextlib.contextmanager
 def record_launches_to(path: str):
     """Append every distinct interpreted launch to the JSON-lines file ``path``, from this process and every process
@@ -104,11 +114,7 @@ def record_launches_to(path: str):
         line = json.dumps(rec, sort_keys=True)
         if line not in seen:
             seen.add(line)
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            try:
-                os.write(fd, (line + "\n").encode())
-            finally:
-                os.close(fd)
+            append_line(path, line)
 
     with _recording(sink):
         yield path

@@ -104,11 +104,9 @@ def record_keys_to(path: str):
             line = json.dumps(dict(rank=_rank(), error=repr(e)))
         if line not in seen:
             seen.add(line)
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            try:
-                os.write(fd, (line + "\n").encode())
-            finally:
-                os.close(fd)
+            from tests.support.compile_check import append_line
+
+            append_line(path, line)
         return orig(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     InterpretedFunction.run = run

@@ -37,13 +37,9 @@ def _rank(group, T, H, E, K, geometry, n, split, cprofile):
     import tritonep as tep
     import tritonep.compat.deep_ep as deep_ep
     from tritonep.runtime.bound import BoundKernel
-    W = dist.get_world_size(group)
-    g = torch.Generator().manual_seed(dist.get_rank(group))
-    idx = torch.argsort(torch.rand(T, E, generator=g), dim=1)[:, :K].contiguous()
-    w = torch.rand(T, K, generator=g)
-    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
-    buf = deep_ep.Buffer(group, 0, 0, max_tokens_per_rank=T)
-    ebuf = tep.EPBuffer(group, E, H, T, K, max_recv_tokens=W * T * min(K, E // W))
+    from host_path import compat_setup  # this folder's compat probe: the same inputs and buffers
+
+    W, idx, w, x, buf, ebuf = compat_setup(group, T, H, E, K)
     orig = BoundKernel.__call__
     plans = {}
     def plan(self, dyn):

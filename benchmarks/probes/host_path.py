@@ -52,6 +52,24 @@ def _rank(group, T, H, E, K, backend, iters, gpu_path=False):
     return res
 
 
+def compat_setup(group, T, H, E, K):
+    """One rank's inputs and buffers of the compat probes: ``(W, topk_idx [T, K] int64 (distinct experts), topk_weights
+    [T, K] float32, x [T, H] bf16, a compat ``deep_ep.Buffer``, an EPBuffer of the same tokens)``, seeded by rank."""
+    import torch.distributed as dist
+
+    import tritonep as tep
+    import tritonep.compat.deep_ep as deep_ep
+
+    W = dist.get_world_size(group)
+    g = torch.Generator().manual_seed(dist.get_rank(group))
+    idx = torch.argsort(torch.rand(T, E, generator=g), dim=1)[:, :K].contiguous()
+    w = torch.rand(T, K, generator=g)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    buf = deep_ep.Buffer(group, 0, 0, max_tokens_per_rank=T)
+    ebuf = tep.EPBuffer(group, E, H, T, K, max_recv_tokens=W * T * min(K, E // W))
+    return W, idx, w, x, buf, ebuf
+
+
 def _compat_rank(group, T, H, E, K, iters, geometry):
     import torch.distributed as dist
 
@@ -61,13 +79,7 @@ def _compat_rank(group, T, H, E, K, iters, geometry):
     import tritonep.compat.deep_ep as deep_ep
     from tritonep.bench.host_path import measure_calls
 
-    W = dist.get_world_size(group)
-    g = torch.Generator().manual_seed(dist.get_rank(group))
-    idx = torch.argsort(torch.rand(T, E, generator=g), dim=1)[:, :K].contiguous()
-    w = torch.rand(T, K, generator=g)
-    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
-    buf = deep_ep.Buffer(group, 0, 0, max_tokens_per_rank=T)
-    ebuf = tep.EPBuffer(group, E, H, T, K, max_recv_tokens=W * T * min(K, E // W))
+    W, idx, w, x, buf, ebuf = compat_setup(group, T, H, E, K)
     rows = tep.EPBuffer(group, W, H, T, W, max_recv_tokens=W * T)
     ranks = torch.arange(W, dtype=torch.int32)
     ones = torch.ones(T, W)

@@ -119,17 +119,11 @@ def test_ep_kernels_compile_for_sm90():
 
 
 def _virtual_layer_paths(group):
-    from tritonep.moe import MoEGeometry, MoELayer, MoERecipe
+    from tests.support.variant_paths import virtual_layer_step
 
-    rank = dist.get_rank()
     recs = []
     with record_launches(recs):
-        layer = MoELayer(MoERecipe(balance="virtual", combine="push"),
-                         MoEGeometry(hidden=64, intermediate=32, num_experts=8, topk=2, max_tokens_per_rank=8), group)
-        x, idx, w = make_rank_inputs(rank, 8, 64, 8, 2, seed=3)
-        x.requires_grad_(True)
-        layer(x, topk_idx=idx, topk_weights=w).float().sum().backward()
-        layer.close()
+        virtual_layer_step(group)
     return recs
 
 

@@ -59,7 +59,7 @@ def _ep(group):
             os.environ.pop("TRITONEP_GEOMETRY", None)
 
 
-def _virtual(group):
+def virtual_layer_step(group):
     """The virtual-expert layer (planner, counts exchange, weight push and gradient pull), push combine."""
     import torch.distributed as dist
 
@@ -102,7 +102,7 @@ def _nccl(group):
         b.close()
 
 
-_FNS = dict(layer=_layer, ep=_ep, virtual=_virtual, nccl=_nccl)
+_FNS = dict(layer=_layer, ep=_ep, virtual=virtual_layer_step, nccl=_nccl)
 
 
 def _world(group, paths, out):

@@ -174,7 +174,7 @@ for suite in "$@"; do
                        benchmarks/eager_profile.py --tokens 4096 --json "$OUT/wire_bwd_v$i.json"
                done ;;
         coldstart) step warm_imports 60 python -c "import torch, tritonep.cli.main; torch.zeros(1, device='cuda')"
-                   for W in 1 4; do  # (the imports first, so both worlds start with the machine's file caches warm)  # an empty Triton cache each: from the command to the first layer's finished step
+                   for W in 1 4; do  # an empty Triton cache each (the file caches warm from the imports above)
                        TRITON_CACHE_DIR=$(mktemp -d) step "cold$W" 300 "${RUN[@]}" --world-size "$W" \
                            --mps "$([ "$W" = 1 ] && echo off || echo on)" --layers 2 --no-check --json "$WORK/cold$W.json"
                        stop_leftover_mps

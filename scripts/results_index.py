@@ -64,6 +64,7 @@ BENCHMARKS = {
     "deep_ep_compat": ("benchmarks/deep_ep_compat.py", ("T", "compat_eager_us", "tep_eager_us", "rows_eager_us",
                                                         "compat_worst_graph_us", "compat_over_tep_eager",
                                                         "compat_minus_tep_eager_us", "checked")),
+    "cold_start": ("bash scripts/gpu.sh coldstart", ("world_size", "mps", "wall_s", "step_ms", "ok")),
     "tritonep_run": ("tritonep run", ("layer", "tokens", "balancedness", "dispatch_ms", "gemm_ms", "combine_ms",
                                       "step_ms", "ok")),
     "kernel_breakdown": ("benchmarks/probes/kernel_breakdown.py", ("variant", "wire", "op", "mode", "tokens", "us",

@@ -64,6 +64,21 @@ def test_run_on_a_json_histogram_with_more_experts(tmp_path, capsys):
     assert len(err) == len(want) and all(e.startswith(w) for e, w in zip(err, want)), err
 
 
+def test_run_without_check_says_so(tmp_path, capsys):
+    """``--no-check`` runs no reference: the table and the last line say "not checked", never "pass", and the JSON's
+    ``ok`` is None (a timing-only run must not read as a verified one)."""
+    h = tmp_path / "h.json"
+    h.write_text(json.dumps({"layers": [4], "topk": 2, "counts_per_layer": [[30, 10, 5, 1, 0, 9]]}))
+    out_json = tmp_path / "run.json"
+    rc = cli_main(["run", "--routing", str(h), "--world-size", "2", "--tokens", "4", "--num-experts", "8",
+                   "--no-check", "--json", str(out_json)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "not checked" in out and "outputs not checked (--no-check)" in out, out
+    assert "pass" not in out and "all checks passed" not in out, out
+    assert [r["ok"] for r in json.loads(out_json.read_text())["layers"]] == [None]
+
+
 REFUSALS = {  # case: (file text, or None for the random trace of 10 tokens x top-2 over 16 experts; flags; pattern)
     "num_experts_too_small": (None, ["--num-experts", "8"], r"{csv}:\d+:\d+: expert id \d+ does not fit "
                                                             r"--num-experts=8"),

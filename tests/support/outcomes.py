@@ -6,6 +6,8 @@ promised one (docs/protocols.md, host protocol rule: a refused input fails the c
 
 * :func:`verdict` -- ``("ok", value)`` / ``("PeerInputError", sorted bad ranks)`` / this rank's own error as
   ``(type name, message)`` (or ``(type name,)``): compared whole with ``==``.
+* :func:`timeout_verdict` -- :func:`verdict`, with a PeerTimeoutError as ``("PeerTimeoutError", wait, peer, message)``
+  (or without the message): the bounded-wait tests' one way to catch a lost peer.
 * :func:`outcome` -- the full record ``(kind, type name, message, bad ranks)`` for tests that read the messages.
 
 Errors outside the ones named propagate (a test never turns an unexpected error into a value).
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-__all__ = ["outcome", "verdict"]
+__all__ = ["outcome", "timeout_verdict", "verdict"]
 
 
 def _caught(fn: Callable, own: tuple) -> tuple:
@@ -46,6 +48,25 @@ def verdict(fn: Callable, *own: type, message: bool = True) -> tuple:
     if kind == "peer":
         return ("PeerInputError", sorted(got.bad_ranks))
     return (type(got).__name__, str(got)) if message else (type(got).__name__,)
+
+
+def timeout_verdict(fn: Callable, *own: type, message: bool = True) -> tuple:
+    """Run ``fn()`` on a rank and say what it came to, naming the wait a lost peer broke.
+
+    Returns:
+        What :func:`verdict` returns (``own`` and ``message`` as there), except that a
+        :class:`tritonep.errors.PeerTimeoutError` comes as ``("PeerTimeoutError", wait, peer, message)`` -- the wait
+        that gave up (``"dispatch.counts"``, ``"combine.data"``, ``"peer.gave_up"`` ...), the peer it waited for
+        (-1 where none is named), the error's text -- or ``("PeerTimeoutError", wait, peer)`` with ``message=False``.
+    """
+    from tritonep.errors import PeerTimeoutError
+
+    if PeerTimeoutError in own:
+        raise TypeError("timeout_verdict catches PeerTimeoutError itself: do not name it in own")
+    try:
+        return verdict(fn, *own, message=message)
+    except PeerTimeoutError as e:
+        return ("PeerTimeoutError", e.wait, e.peer) + ((str(e),) if message else ())
 
 
 def outcome(fn: Callable) -> tuple:

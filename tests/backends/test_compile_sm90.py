@@ -146,7 +146,7 @@ def _peer_kernel_paths(group):
         buf = get_heap(group, "cpu").allocate([Region("data", (W, 8), torch.int64), Region("flags", (W,), torch.int64),
                                                Region("calls", (1,), torch.int64), Region("status", (8,), torch.int64)])
         buf.local("calls").add_(1)
-        peer_write_kernel[(1,)](buf.ptr_table("data"), buf.ptr_table("flags"), buf.local("calls"), N=8, RANK=rank,
+        peer_write_kernel[(1,)](buf.ptr_table("data"), buf.ptr_table("flags"), buf.local("calls"), N=8, rank=rank,
                                 W=W, WB=2)
         peer_wait_kernel[(1,)](buf.local("flags"), buf.local("calls"), buf.local("status"), 10**9, W=W, WB=2,
                                HAS_TIMER=False)

@@ -9,21 +9,41 @@ import pytest
 import torch
 
 import tritonep.compat.deep_ep as compat
-from tritonep.errors import InputError, PeerConfigError, PeerInputError
+from tritonep.errors import PeerInputError
 from tritonep.testing import run_cpu_world
+from tests.support.outcomes import refusal
 
 CASES = (("made", "idx"), ("fresh", "idx"), ("fresh", "both"), ("made", "weights"), ("worst", "idx"))
+T, K = 6, 2
 
 
-def _malformed(group, backend, fresh, which):
+def _setup(group, backend):
+    """``(rank, compat Buffer, x [T, 128] bf16, topk_idx [T, K] (ids 0-7 in turn), topk_weights [T, K] all 0.5, the
+    layout's dispatch arguments)`` of one rank: 8 experts, 4 a rank at W = 2."""
     rank = group.rank()
     buf = compat.Buffer(group, 0, 0, backend=backend)
-    T, K = 6, 2
     x = (torch.arange(T * 128) % 251).view(T, 128).bfloat16() + rank
     idx = (torch.arange(T * K) % 8).view(T, K)
     w = torch.full((T, K), 0.5)
     n, _, nte, itr, _ = buf.get_dispatch_layout(idx, 8)
-    args = dict(num_tokens_per_rank=n, is_token_in_rank=itr, num_tokens_per_expert=nte)
+    return rank, buf, x, idx, w, dict(num_tokens_per_rank=n, is_token_in_rank=itr, num_tokens_per_expert=nte)
+
+
+def _next_counts(buf, x, idx, w, args):
+    """The next good call's ``[received counts]``, or ``["peer-later", counts]`` where it first read a refusal nobody
+    read in its own call (num_worst_tokens) and the call after it paired; then the buffer is destroyed."""
+    res = []
+    try:
+        res.append(buf.dispatch(x, topk_idx=idx, topk_weights=w, **args)[3])
+    except PeerInputError:
+        res.append("peer-later")
+        res.append(buf.dispatch(x, topk_idx=idx, topk_weights=w, **args)[3])
+    buf.destroy()
+    return res
+
+
+def _malformed(group, backend, fresh, which):
+    rank, buf, x, idx, w, args = _setup(group, backend)
     if fresh != "fresh":
         buf.dispatch(x, topk_idx=idx, topk_weights=w, **args)
     bad_idx, bad_w = idx, w
@@ -33,26 +53,9 @@ def _malformed(group, backend, fresh, which):
         if which in ("weights", "both"):
             bad_w = w.reshape(-1)
     worst = 2 * T if fresh == "worst" else 0
-    res = []
-    try:
-        buf.dispatch(x, topk_idx=bad_idx, topk_weights=bad_w, num_worst_tokens=worst, **args)
-        res.append("no error")
-    except PeerInputError:
-        res.append("peer")
-    except PeerConfigError:
-        res.append("peer-config")
-    except InputError as e:
-        name = "topk_weights" if which == "weights" else "topk_idx"
-        res.append("own" if name in str(e) and "2-D" in str(e) else str(e))
-    try:
-        rx, ridx, _, counts, _, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, **args)
-        res.append(counts)
-    except PeerInputError:  # the num_worst_tokens refusal, read by this synced call on every rank
-        res.append("peer-later")
-        rx, ridx, _, counts, _, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, **args)
-        res.append(counts)
-    buf.destroy()
-    return res
+    said = refusal(lambda: buf.dispatch(x, topk_idx=bad_idx, topk_weights=bad_w, num_worst_tokens=worst, **args),
+                   "topk_weights" if which == "weights" else "topk_idx", "2-D")
+    return [said] + _next_counts(buf, x, idx, w, args)
 
 
 @pytest.mark.parametrize("backend", ["nccl", "triton"])
@@ -70,35 +73,14 @@ def test_malformed_topk_refused_on_every_rank(backend, fresh, which):
 
 def _unknown_width(group, backend, earlier_topk, worst):
     """Rank 1 passes a top-k of unknown width (neither 2-D) after a dispatch without top-k; rank 0 a valid one."""
-    rank = group.rank()
-    buf = compat.Buffer(group, 0, 0, backend=backend)
-    T, K = 6, 2
-    x = (torch.arange(T * 128) % 251).view(T, 128).bfloat16() + rank
-    idx = (torch.arange(T * K) % 8).view(T, K)
-    w = torch.full((T, K), 0.5)
-    n, _, nte, itr, _ = buf.get_dispatch_layout(idx, 8)
-    args = dict(num_tokens_per_rank=n, is_token_in_rank=itr, num_tokens_per_expert=nte)
+    rank, buf, x, idx, w, args = _setup(group, backend)
     if earlier_topk:  # an earlier dispatch carried the top-k: its width stands in
         buf.dispatch(x, topk_idx=idx, topk_weights=w, **args)
     buf.dispatch(x, **args)  # the latest dispatch carries no top-k
     bad_idx, bad_w = (idx.reshape(-1), w.reshape(-1)) if rank == 1 else (idx, w)
-    res = []
-    try:
-        buf.dispatch(x, topk_idx=bad_idx, topk_weights=bad_w, num_worst_tokens=2 * T if worst else 0, **args)
-        res.append("no error")
-    except PeerInputError:
-        res.append("peer")
-    except PeerConfigError:
-        res.append("peer-config")
-    except InputError as e:
-        res.append("own" if "topk_idx" in str(e) and "2-D" in str(e) else str(e))
-    try:
-        res.append(buf.dispatch(x, topk_idx=idx, topk_weights=w, **args)[3])
-    except PeerInputError:  # a refusal nobody read in the call (num_worst_tokens): read by this synced one
-        res.append("peer-later")
-        res.append(buf.dispatch(x, topk_idx=idx, topk_weights=w, **args)[3])
-    buf.destroy()
-    return res
+    said = refusal(lambda: buf.dispatch(x, topk_idx=bad_idx, topk_weights=bad_w,
+                                        num_worst_tokens=2 * T if worst else 0, **args), "topk_idx", "2-D")
+    return [said] + _next_counts(buf, x, idx, w, args)
 
 
 @pytest.mark.parametrize("backend", ["nccl", "triton"])

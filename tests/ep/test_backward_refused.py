@@ -16,10 +16,9 @@ import torch
 import torch.distributed as dist
 
 import tritonep as tep
-from tritonep.errors import ConfigError, InputError
 from tritonep.bench.cases import make_rank_inputs
 from tritonep.testing import run_cpu_world
-from tests.support.outcomes import verdict
+from tests.support.refused_backward import check_refused_backward, refused_call_outcomes
 
 H, TM, K = 64, 8, 2
 GEOMETRIES = {"push": "dec=0,fs=0,fe=0,fc=0,combine=push", "pull": "dec=0,fs=0,fe=0,fc=0,combine=pull",
@@ -67,12 +66,7 @@ def _world(group, backend, geometry, sync_free, with_w, how, read="check", sync_
             buf.cancel_dispatch_backward(d.handle, with_weights=with_w)
             return "cancelled"
 
-    out = {"call": verdict(call, InputError, ConfigError, message=False)}
-    if read == "dispatch":  # the next synced dispatch reads it: its launches run on every rank, then it raises on
-        out["check"] = verdict(lambda: buf.dispatch(x, idx, w) and None)  # every rank (and clears it)
-    else:
-        out["check"] = verdict(buf.check)
-    out["check_again"] = verdict(buf.check)
+    out = refused_call_outcomes(call, buf, read, lambda: buf.dispatch(x, idx, w))
     after = buf.dispatch_backward(g, gw, d.handle)
     out["same"] = all((a is None and b is None) or torch.equal(a, b) for a, b in zip(before, after))
     out["finite"] = not bool(after[0].isnan().any())
@@ -97,14 +91,8 @@ SLOW_CASES = [
 def _run(W, backend, geometry, sync_free, with_w, how, world=None, read="check", sync_checks=None):
     res = (world or run_cpu_world)(W, _world, backend, geometry, sync_free, with_w, how, read, sync_checks,
                                    timeout_s=240)
-    own = {"dtype": ("InputError",), "handle": ("ConfigError",), "cancel": ("ok", "cancelled")}[how]
-    in_call = sync_checks == "strict" and backend == "triton"  # the peers' strict end-of-call check raises it
-    refused = ("PeerInputError", [W - 1])
-    for r, out in enumerate(res):
-        exp = {"call": own if r == W - 1 else (refused if in_call else ("ok", "NaN")),
-               "check": ("ok", None) if in_call else refused, "check_again": ("ok", None),
-               "same": True, "finite": True}
-        assert out == exp, (r, out)
+    assert len(res) == W
+    check_refused_backward(res, how, backend, sync_checks)
 
 
 @pytest.mark.parametrize("backend,geometry,sync_free,with_w,how", CASES)

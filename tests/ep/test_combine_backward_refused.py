@@ -19,9 +19,8 @@ import torch.distributed as dist
 
 import tritonep as tep
 from tritonep.bench.cases import make_rank_inputs
-from tritonep.errors import ConfigError, InputError
 from tritonep.testing import run_cpu_world
-from tests.support.outcomes import verdict
+from tests.support.refused_backward import check_refused_backward, refused_call_outcomes
 
 H, TM, K = 64, 8, 2
 GEOMETRIES = {"push": "dec=0,fs=0,fe=0,fc=0,combine=push", "decode": "bt=2,dec=2"}
@@ -82,12 +81,7 @@ def _world(group, backend, geometry, sync_free, how, align, read, sync_checks):
             buf.cancel_combine_backward(d.handle)
             return "cancelled"
 
-    out = {"call": verdict(call, InputError, ConfigError, message=False)}
-    if read == "check":
-        out["read"] = verdict(buf.check)
-    else:  # the next synced dispatch: its launches run on every rank, then it raises on every rank
-        out["read"] = verdict(lambda: buf.dispatch(x, idx, w) and None)
-    out["check_again"] = verdict(buf.check)
+    out = refused_call_outcomes(call, buf, read, lambda: buf.dispatch(x, idx, w))
     d2 = buf.dispatch(x, idx, w, sync_free=sync_free)  # the buffer pairs again on every rank
     after = buf.combine_backward(gy, eo, d2.handle)
     out["same"] = all(torch.equal(a, b) for a, b in zip(before, after))
@@ -117,15 +111,8 @@ SLOW_CASES = [
 def _run(W, backend, geometry, sync_free, how, align, read, sync_checks, world=None):
     res = (world or run_cpu_world)(W, _world, backend, geometry, sync_free, how, align, read, sync_checks,
                                    timeout_s=240)
-    own = {"dtype": ("InputError",), "rows": ("InputError",), "handle": ("ConfigError",),
-           "cancel": ("ok", "cancelled")}[how]
-    raised_in_call = sync_checks == "strict" and backend == "triton"  # the peers' strict check reads the call
-    refused = ("PeerInputError", [W - 1])
-    for r, out in enumerate(res):
-        exp = {"call": own if r == W - 1 else (refused if raised_in_call else ("ok", "NaN")),
-               "read": ("ok", None) if raised_in_call else refused,
-               "check_again": ("ok", None), "same": True, "finite": True}
-        assert out == exp, (r, out)
+    assert len(res) == W
+    check_refused_backward(res, how, backend, sync_checks)
 
 
 @pytest.mark.parametrize("W,backend,geometry,sync_free,how,align,read,sync_checks", CASES)

@@ -21,7 +21,7 @@ from tritonep.errors import ConfigError, InputError, PeerTimeoutError
 from tritonep.testing import run_cpu_world
 from tritonep.bench.cases import make_rank_inputs
 from tests.support.harness import check_grads, run_grad_call, set_env
-from tests.support.outcomes import verdict
+from tests.support.outcomes import timeout_verdict, verdict
 
 H, TM, K = 64, 8, 2
 GEOMETRIES = {"two_kernel": "dec=0,fs=0,fe=0,fc=0", "fused": "fs=1,fe=1,fc=1", "decode": "bt=2,dec=2"}
@@ -145,10 +145,8 @@ def _skip_world(group, geometry, sync_free):
     d = buf.dispatch(x, idx, w, sync_free=sync_free)
     out = {}
     if rank != W - 1:
-        try:
-            out["combine"] = ("ok", _nan_kind(buf.combine(d.x.clone(), d.handle)))
-        except PeerTimeoutError as e:
-            out["combine"] = ("PeerTimeoutError", "build a new EPBuffer" in str(e))
+        got = timeout_verdict(lambda: _nan_kind(buf.combine(d.x.clone(), d.handle)))
+        out["combine"] = got if got[0] == "ok" else (got[0], "build a new EPBuffer" in got[-1])
     else:
         out["combine"] = ("skipped",)
         time.sleep(2.0)  # the peers' combine is still waiting; this rank's next call comes before they give up

@@ -10,11 +10,12 @@ import pytest
 import torch.distributed as dist
 
 import tritonep as tep
-from tritonep.errors import BufferStateError, PeerTimeoutError
+from tritonep.errors import BufferStateError
 from tritonep.testing import run_cpu_world
 from tritonep.bench.cases import make_rank_inputs
 from tests.support.harness import BF16, expert, set_env
 from tests.support.hooks import backend_of
+from tests.support.outcomes import timeout_verdict
 
 
 def _strict_buffer(group, E, seed):
@@ -32,16 +33,12 @@ def _dispatch_data_timeout_world(group):
         ks.send = lambda *a: None
         ks.expand = lambda kq: (lambda *a: None)
         ks.fused = lambda kq: (lambda *a: None)  # the one-launch dispatch (geometry with fused_send > 0)
-    try:
-        buf.dispatch(x, idx, w)
-        return "returned normally"
-    except tep.errors.PeerTimeoutError as e:
-        return (e.wait, e.peer)
+    return timeout_verdict(lambda: buf.dispatch(x, idx, w) and None, message=False)
 
 
 def test_dispatch_data_timeout_raises_in_the_same_call():
     res = run_cpu_world(2, _dispatch_data_timeout_world, timeout_s=60, check_protocol=False)  # rank 0 skips on purpose
-    assert res[1] == ("dispatch.data", 0)
+    assert res[1] == ("PeerTimeoutError", "dispatch.data", 0), res[1]
 
 
 H = 64
@@ -53,21 +50,9 @@ def _timeout_state_world(group):
     if rank == 1:
         return "skipped"
     x, idx, w = make_rank_inputs(rank, 4, H, 4, 2, seed=2)
-    out = []
-    try:
-        buf.dispatch(x, idx, w)
-        out.append("no error")
-    except tep.errors.PeerTimeoutError as e:
-        out.append((e.wait, e.peer, str(e)))
-    for name, call in (("dispatch", lambda: buf.dispatch(x, idx, w)),
-                       ("check", lambda: buf.check()),
-                       ("eo", lambda: buf.expert_out_buffer(3).shape)):
-        try:
-            out.append((name, "returned", call()))
-        except tep.errors.BufferStateError as e:
-            out.append((name, "BufferStateError", str(e)))
-        except tep.errors.PeerTimeoutError as e:
-            out.append((name, "PeerTimeoutError", str(e)))
+    out = [timeout_verdict(lambda: buf.dispatch(x, idx, w) and None)]
+    for call in (lambda: buf.dispatch(x, idx, w) and None, buf.check, lambda: buf.expert_out_buffer(3).shape):
+        out.append(timeout_verdict(call, BufferStateError))  # the dispatch, check() and expert_out_buffer after it
     buf.close()
     buf.close()  # idempotent
     return out
@@ -81,16 +66,16 @@ def timed_out_buffer():
 
 def test_timeout_leaves_a_buffer_that_refuses_calls(timed_out_buffer):
     out = timed_out_buffer
-    wait, peer, msg = out[0]
-    assert wait == "dispatch.counts" and peer == 1, out[0]
+    assert out[0][:3] == ("PeerTimeoutError", "dispatch.counts", 1), out[0]
+    msg = out[0][3]
     assert "bound 1 s" in msg and "after waiting " in msg and "unusable" in msg, msg
-    assert out[1][:2] == ("dispatch", "BufferStateError"), out[1]
-    assert out[2][0] == "check" and out[2][1] in ("PeerTimeoutError", "BufferStateError"), out[2]
+    assert out[1][0] == "BufferStateError", out[1]  # the dispatch after it
+    assert out[2][0] in ("PeerTimeoutError", "BufferStateError"), out[2]  # check()
 
 
 def test_unusable_buffer_error_keeps_the_timeout_details(timed_out_buffer):
     out = timed_out_buffer
-    assert "dispatch.counts" in out[1][2] and "peer 1" in out[1][2], out[1]
+    assert "dispatch.counts" in out[1][1] and "peer 1" in out[1][1], out[1]
 
 
 def _timeout_world(group):
@@ -100,25 +85,15 @@ def _timeout_world(group):
     x, idx, w = make_rank_inputs(rank, 8, 64, 6, 2, seed=3)
     if rank == 1:
         return "skipped"  # this rank never calls dispatch
-    try:
-        buf.dispatch(x, idx, w)
-        return "no error"
-    except PeerTimeoutError as e:
-        err = (e.wait, e.peer, str(e))
-    try:
-        buf.dispatch(x, idx, w)
-        after = "no error"
-    except tep.errors.BufferStateError as e:
-        after = str(e)
-    return err, after
+    return [timeout_verdict(lambda: buf.dispatch(x, idx, w) and None, BufferStateError) for _ in range(2)]
 
 
 def test_missing_peer_raises_peer_timeout():
     res = run_cpu_world(3, _timeout_world, timeout_s=120, check_protocol=False)  # rank 1 skips on purpose
     for r in (0, 2):
-        (wait, peer, text), after = res[r]
-        assert wait == "dispatch.counts" and peer == 1, text
-        assert "unusable" in after
+        err, after = res[r]
+        assert err[:3] == ("PeerTimeoutError", "dispatch.counts", 1), err
+        assert after[0] == "BufferStateError" and "unusable" in after[1], after
 
 
 def _timeout_s_world(group):
@@ -128,15 +103,13 @@ def _timeout_s_world(group):
     if rank == 1:
         return "skipped"
     x, idx, w = make_rank_inputs(rank, 8, 64, 4, 2, seed=2)
-    try:
-        buf.dispatch(x, idx, w)
-        return "no error"
-    except tep.errors.PeerTimeoutError as e:
-        return str(e)
+    return timeout_verdict(lambda: buf.dispatch(x, idx, w) and None)
 
 
 def test_timeout_is_per_buffer_and_states_the_measured_wait():
-    msg = run_cpu_world(2, _timeout_s_world, timeout_s=120, check_protocol=False)[0]
+    got = run_cpu_world(2, _timeout_s_world, timeout_s=120, check_protocol=False)[0]
+    assert got[0] == "PeerTimeoutError", got
+    msg = got[3]
     waited = float(msg.split("after waiting ")[1].split(" s")[0])  # measured wall time, also in the interpreter
     assert 1.5 <= waited < 30 and "bound 1.5 s" in msg, msg
 
@@ -157,16 +130,9 @@ def _deferred_world(group):
     d = buf.dispatch(x, idx, w)
     if rank == 0:  # a peer that stops during the combine of call 1
         return "stopped"
-    try:  # deferred mode: the eager combine's own status read (its last launch publishes it) raises the lost peer
-        y = buf.combine(d.x, d.handle)
-        return ("no error", y.shape)
-    except tep.errors.PeerTimeoutError as e:
-        first = (e.wait, e.peer)
-    try:
-        buf.dispatch(x, idx, w)
-        return first + ("no error",)
-    except tep.errors.BufferStateError:
-        return first + ("BufferStateError",)
+    # deferred mode: the eager combine's own status read (its last launch publishes it) raises the lost peer
+    first = timeout_verdict(lambda: tuple(buf.combine(d.x, d.handle).shape), message=False)
+    return first + timeout_verdict(lambda: buf.dispatch(x, idx, w) and None, BufferStateError, message=False)
 
 
 def test_deferred_checks_raise_a_lost_peer_at_the_next_dispatch():
@@ -174,7 +140,7 @@ def test_deferred_checks_raise_a_lost_peer_at_the_next_dispatch():
     peer returned), and the buffer refuses the next dispatch (it used to return the combine and raise at the next
     dispatch)."""
     res = run_cpu_world(2, _deferred_world, timeout_s=120, check_protocol=False)  # rank 0 stops on purpose
-    assert res[1] == ("combine.data", 0, "BufferStateError"), res[1]
+    assert res[1] == ("PeerTimeoutError", "combine.data", 0, "BufferStateError"), res[1]
 
 
 def _skip_combine_world(group, kind):
@@ -183,18 +149,9 @@ def _skip_combine_world(group, kind):
     if rank == 1:
         return "skipped"  # this rank never calls combine
     t0 = time.monotonic()
-    try:
-        y = buf.combine(expert(d.x), d.handle, kind=kind)
-        err = "no error (silent result)", float(y.float().abs().sum())
-    except PeerTimeoutError as e:
-        err = (e.wait, e.peer, str(e))
+    err = timeout_verdict(lambda: float(buf.combine(expert(d.x), d.handle, kind=kind).float().abs().sum()))
     took = time.monotonic() - t0
-    try:
-        buf.dispatch(x, idx, w)
-        after = "no error"
-    except BufferStateError as e:
-        after = str(e)
-    return err, took, after
+    return err, took, timeout_verdict(lambda: buf.dispatch(x, idx, w) and None, BufferStateError)
 
 
 @pytest.mark.parametrize("kind", ["push", "pull"])
@@ -203,10 +160,10 @@ def test_peer_skips_combine_raises_peer_timeout(kind):
     assert res[1] == "skipped"
     for r in (0, 2):
         err, took, after = res[r]
-        assert err[:2] == ("combine.data", 1), err
-        assert "combine" in err[2] and "peer 1" in err[2] and f"rank {r}" in err[2], err
+        assert err[:3] == ("PeerTimeoutError", "combine.data", 1), err
+        assert "combine" in err[3] and "peer 1" in err[3] and f"rank {r}" in err[3], err
         assert took < 30, f"rank {r} took {took:.1f} s to give up (TRITONEP_TIMEOUT_S=2)"
-        assert "unusable" in after, after
+        assert after[0] == "BufferStateError" and "unusable" in after[1], after
 
 
 def _skip_backward_world(group):
@@ -216,23 +173,14 @@ def _skip_backward_world(group):
     y = buf.combine((d.x.float() * 0.5).to(BF16), d.handle)
     if rank == 1:
         return "skipped"  # this rank never runs the backward
-    try:
-        y.float().sum().backward()
-        err = "no error (silent gradient)", float(x.grad.float().abs().sum())
-    except PeerTimeoutError as e:
-        err = (e.wait, e.peer, str(e))
-    try:
-        buf.dispatch(x.detach(), idx, w)
-        after = "no error"
-    except BufferStateError as e:
-        after = str(e)
-    return err, after
+    err = timeout_verdict(lambda: y.float().sum().backward() or float(x.grad.float().abs().sum()))
+    return err, timeout_verdict(lambda: buf.dispatch(x.detach(), idx, w) and None, BufferStateError)
 
 
 def test_peer_skips_backward_raises_peer_timeout():
     res = run_cpu_world(3, _skip_backward_world, timeout_s=120, check_protocol=False)  # a rank skips on purpose
     for r in (0, 2):
         err, after = res[r]
-        assert err[0] in ("dispatch.data", "dispatch.ack") and err[1] == 1, err
-        assert "backward" in err[2], err
-        assert "unusable" in after, after
+        assert err[0] == "PeerTimeoutError" and err[1] in ("dispatch.data", "dispatch.ack") and err[2] == 1, err
+        assert "backward" in err[3], err
+        assert after[0] == "BufferStateError" and "unusable" in after[1], after

@@ -49,7 +49,7 @@ def _peer_write_world(group, epochs, skip_rank):
         buf.local("calls").add_(1)
         if rank != skip_rank:
             peer_write_kernel[(1,)](buf.ptr_table("data"), buf.ptr_table("flags"), buf.local("calls"), N=8,
-                                    RANK=rank, W=W, WB=4)
+                                    rank=rank, W=W, WB=4)
         t0 = time.time()
         peer_wait_kernel[(1,)](buf.local("flags"), buf.local("calls"), buf.local("status"),
                                3 * 10**9 if skip_rank >= 0 else 60 * 10**9, W=W, WB=4, HAS_TIMER=False)  # ns
@@ -82,6 +82,20 @@ def test_missing_peer_is_reported_by_the_bounded_wait():
         assert int(r["status"][0]) == 1  # STATUS_TIMEOUT
         assert int(r["status"][1]) == 7  # the wait id
         assert int(r["status"][2]) == 2  # the peer that never arrived
+
+
+def test_probe_kernels_compile_one_variant_for_every_rank_and_bound():
+    """Triton's cache key (tests/support/variant_keys.py) of the probe launches is one for ranks 0-3 and for bounds of
+    1 ns, 1 s + 1 ns and 2 s: the rank and the bound are runtime arguments it does not specialise (a constexpr rank
+    gave each rank its own variant; a specialised int tells 1, multiples of 16 and the rest apart). (A bound of
+    2**31 ns or more is an int64 argument, another variant whatever the specialisation.)"""
+    from tests.support.variant_keys import key_text, launch_key
+
+    t = torch.zeros(4, dtype=torch.int64)
+    write = {key_text(launch_key(peer_write_kernel, [t, t, t], dict(N=8, rank=r, W=4, WB=4))) for r in range(4)}
+    wait = {key_text(launch_key(peer_wait_kernel, [t, t, t, ns], dict(W=4, WB=4, HAS_TIMER=False)))
+            for ns in (1, 10**9 + 1, 2 * 10**9)}
+    assert (len(write), len(wait)) == (1, 1), (len(write), len(wait))
 
 
 def _heap_symmetry(group):

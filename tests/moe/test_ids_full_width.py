@@ -29,10 +29,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tritonep.errors import ConfigError, InputError, PeerTimeoutError
+from tritonep.errors import ConfigError, InputError
 from tritonep.testing import run_cpu_world
 from tritonep.bench.cases import make_rank_inputs
-from tests.support.outcomes import verdict
+from tests.support.outcomes import timeout_verdict, verdict
 
 H, I, E, K = 64, 32, 4, 2
 BAD = (2 ** 32 + 1, -(2 ** 32) + 2)
@@ -214,39 +214,30 @@ def _skip_world(group, where):
     os.environ["TRITONEP_SYNC_CHECKS"] = "0"  # the EPBuffer reads nothing: only the layer's own read can raise
     layer = _layer(group, "virtual", "triton", timeout_s=2)
     x, idx, w = make_rank_inputs(rank, 6, H, E, K, seed=8)
-    out = []
     if where == "forward":
         if rank == 1:
             return "skipped"
-        try:
-            layer(x, topk_idx=idx, topk_weights=w)
-            out.append("no error")
-        except PeerTimeoutError as e:
-            out.append(str(e))
-        return out
+        return timeout_verdict(lambda: tuple(layer(x, topk_idx=idx, topk_weights=w).shape))
     y = layer(x.requires_grad_(True), topk_idx=idx, topk_weights=w)
     if rank == 0:
         y.float().sum().backward()  # rank 1 skips it: the pull's rendezvous gives up
-    try:
-        layer(x.detach(), topk_idx=idx, topk_weights=w)
-        out.append("no error")
-    except PeerTimeoutError as e:
-        out.append(str(e))
-    return out
+    return timeout_verdict(lambda: tuple(layer(x.detach(), topk_idx=idx, topk_weights=w).shape))
 
 
 @pytest.mark.slow  # > 4 s on 2 cores: CI's second step
 def test_counts_exchange_timeout_is_raised_by_the_layer():
     res = run_cpu_world(2, _skip_world, "forward", timeout_s=120, check_protocol=False)
     assert res[1] == "skipped"
-    msg = res[0][0]
+    assert res[0][0] == "PeerTimeoutError", res[0]
+    msg = res[0][3]
     assert "counts exchange" in msg and "peer 1" in msg and "after waiting" in msg, msg
 
 
 @pytest.mark.slow  # > 4 s on 2 cores: CI's second step
 def test_transport_timeout_in_backward_is_raised_at_the_next_forward():
     res = run_cpu_world(2, _skip_world, "backward", timeout_s=120, check_protocol=False)
-    msg = res[0][0]
+    assert res[0][0] == "PeerTimeoutError", res[0]
+    msg = res[0][3]
     assert "expert transport" in msg and "peer 1" in msg, msg
 
 

@@ -56,7 +56,7 @@ def heap_peer_write_world(group, epochs=3):
     outs = []
     for _ in range(epochs):
         buf.local("calls").add_(1)
-        peer_write_kernel[(1,)](buf.ptr_table("data"), buf.ptr_table("flags"), buf.local("calls"), N=8, RANK=rank,
+        peer_write_kernel[(1,)](buf.ptr_table("data"), buf.ptr_table("flags"), buf.local("calls"), N=8, rank=rank,
                                 W=W, WB=max(2, triton.next_power_of_2(W)))
         peer_wait_kernel[(1,)](buf.local("flags"), buf.local("calls"), buf.local("status"), 5_000_000_000, W=W,
                                WB=max(2, triton.next_power_of_2(W)), HAS_TIMER=True)

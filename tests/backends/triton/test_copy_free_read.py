@@ -23,7 +23,7 @@ from tritonep.runtime.host_status import HostStatus
 from tritonep.testing import run_cpu_world
 from tritonep.bench.cases import make_rank_inputs
 from tests.support.harness import set_env
-from tests.support.outcomes import outcome
+from tests.support.outcomes import outcome, timeout_verdict
 from tests.support.hooks import backend_of
 
 H, E, K, TM = 64, 4, 2, 8
@@ -144,11 +144,7 @@ def _timeout_world(group, geometry):
     undo = _instrument(events)
     try:
         with _Watch(backend_of(buf).status) as wt:
-            try:
-                buf.dispatch(x, idx, w)
-                err = None
-            except tep.errors.PeerTimeoutError as e:
-                err = (e.wait, e.peer)
+            err = timeout_verdict(lambda: buf.dispatch(x, idx, w) and None, message=False)
     finally:
         undo()
     return err, events, wt.ops
@@ -157,7 +153,7 @@ def _timeout_world(group, geometry):
 @pytest.mark.parametrize("geometry", ["", "fs=1,fe=1,fc=1"])
 def test_copy_free_read_raises_peer_timeout(geometry):
     err, events, ops = run_cpu_world(2, _timeout_world, geometry, timeout_s=120, check_protocol=False)[0]
-    assert err == ("dispatch.counts", 1), err
+    assert err == ("PeerTimeoutError", "dispatch.counts", 1), err
     _check_read(events, bool(geometry), raised_at_read=True)
     assert not [n for n, hit in ops if hit], ops
 
@@ -222,11 +218,8 @@ def _stale_timeout_world(group, geometry):
     out = []
     for seed in (4, 5):
         x, idx, w = make_rank_inputs(rank, 5, H, E, K, seed=seed)
-        try:
-            got = outcome(lambda: buf.dispatch(x, idx, w))
-            out.append(got[:2])
-        except (tep.errors.PeerTimeoutError, tep.errors.BufferStateError) as e:
-            out.append((type(e).__name__, getattr(e, "wait", None), getattr(e, "peer", None)))
+        out.append(timeout_verdict(lambda: buf.dispatch(x, idx, w) and None, tep.errors.InputError,
+                                   tep.errors.CapacityError, tep.errors.BufferStateError, message=False))
     return out
 
 
@@ -237,7 +230,7 @@ def test_timeout_after_an_unread_refusal_is_raised_not_masked(geometry):
     the read raised CapacityError, the buffer stayed usable, and the expand of the two-kernel / fused path wrote the
     rows of a layout the timed-out exchange never completed (a segmentation fault in the interpreter)."""
     out = run_cpu_world(2, _stale_timeout_world, geometry, timeout_s=120, check_protocol=False)[0]
-    assert out == [("PeerTimeoutError", "dispatch.counts", 1), ("BufferStateError", None, None)], out
+    assert out == [("PeerTimeoutError", "dispatch.counts", 1), ("BufferStateError",)], out
 
 
 def _stale_bad_id_world(group, geometry):

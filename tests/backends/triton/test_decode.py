@@ -19,11 +19,12 @@ import tritonep as tep
 from tritonep.runtime import recorder
 from tests.support.tiles import tiles_of
 from tritonep.backends.triton.tiles import DECODE_MAX_TOKENS
-from tritonep.errors import ConfigError, PeerTimeoutError
+from tritonep.errors import ConfigError
 from tritonep.testing import run_cpu_world
 from tritonep.bench.cases import make_rank_inputs
 from tests.support.harness import BF16, check_script, diff, expected, expert, script_world
 from tests.support.hooks import backend_of
+from tests.support.outcomes import timeout_verdict
 
 def test_decode_geometry():
     os.environ.pop("TRITONEP_GEOMETRY", None)
@@ -172,14 +173,13 @@ def _skip_world(group, where):
     if rank == 1:
         return "skipped"
     t0 = time.monotonic()
-    try:
+
+    def call():
         if where == "combine":
             buf.combine(expert(d.x), d.handle)
         else:
             buf.dispatch(x, idx, w)
-        err = ("no error",)
-    except PeerTimeoutError as e:
-        err = (e.wait, e.peer, str(e))
+    err = timeout_verdict(call)
     return err, time.monotonic() - t0
 
 
@@ -189,8 +189,8 @@ def test_decode_peer_missing_raises_peer_timeout(where, wait):
     assert res[1] == "skipped"
     for r in (0, 2):
         err, took = res[r]
-        assert err[:2] == (wait, 1), err
-        assert "peer 1" in err[2] and f"rank {r}" in err[2], err
+        assert err[:3] == ("PeerTimeoutError", wait, 1), err
+        assert "peer 1" in err[3] and f"rank {r}" in err[3], err
         assert took < 60, f"rank {r} took {took:.1f} s to give up (TRITONEP_TIMEOUT_S=2, wall time)"
 
 

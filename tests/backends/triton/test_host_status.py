@@ -9,6 +9,7 @@ import torch
 from tritonep.runtime.host_status import HostStatus
 from tritonep.errors import PeerTimeoutError
 from tests.support.hooks import backend_of
+from tests.support.outcomes import timeout_verdict
 
 
 def test_read_returns_words_once_the_ticket_is_published():
@@ -72,19 +73,12 @@ def _blocked_launch_world(group):
     buf.dispatch(x, idx, w)
     real = impl.k.decode
     impl.k.decode = lambda kq: _never_launched
-    try:
-        buf.dispatch(x, idx, w)
-        err = "no error"
-    except PeerTimeoutError as e:
-        err = ("PeerTimeoutError", e.rank)
+    err = timeout_verdict(lambda: buf.dispatch(x, idx, w) and None)
     impl.k.decode = real
-    try:  # a timeout makes the buffer unusable (EPBuffer.dispatch's contract), whichever read found it
-        buf.dispatch(x, idx, w)
-        after = "no error"
-    except BufferStateError:
-        after = "BufferStateError"
+    # a timeout makes the buffer unusable (EPBuffer.dispatch's contract), whichever read found it
+    after = timeout_verdict(lambda: buf.dispatch(x, idx, w) and None, BufferStateError, message=False)
     buf.close()
-    return err, after
+    return err[:3] + (str(err[-1]).startswith(f"rank {rank}: "),), after
 
 
 def test_a_launch_that_never_publishes_breaks_the_buffer():
@@ -92,7 +86,8 @@ def test_a_launch_that_never_publishes_breaks_the_buffer():
     is unusable afterwards (the launch may still run later: a retry would pair with nothing on the peers)."""
     from tritonep.testing import run_cpu_world
 
-    assert run_cpu_world(1, _blocked_launch_world, timeout_s=120) == [(("PeerTimeoutError", 0), "BufferStateError")]
+    assert run_cpu_world(1, _blocked_launch_world, timeout_s=120) == [
+        (("PeerTimeoutError", "dispatch.host_status", -1, True), ("BufferStateError",))]  # the message names the rank
 
 
 def _stale_ticket_world(group):
@@ -117,11 +112,7 @@ def _stale_ticket_world(group):
     buf.dispatch(x, idx, w, sync_free=True)
     hs._ticket = frozen - 1  # the eager tickets cycled round: the next one equals the sync-free call's
     impl.k.decode = lambda kq: _never_launched
-    try:
-        d = buf.dispatch(x, idx, w)
-        got = ("no error", tuple(d.x.shape))
-    except PeerTimeoutError:
-        got = ("PeerTimeoutError",)
+    got = timeout_verdict(lambda: tuple(buf.dispatch(x, idx, w).x.shape), message=False)
     buf.close()
     return got
 
@@ -129,4 +120,4 @@ def _stale_ticket_world(group):
 def test_an_eager_read_never_takes_a_sync_free_launchs_words():
     from tritonep.testing import run_cpu_world
 
-    assert run_cpu_world(1, _stale_ticket_world, timeout_s=120) == [("PeerTimeoutError",)]
+    assert run_cpu_world(1, _stale_ticket_world, timeout_s=120) == [("PeerTimeoutError", "dispatch.host_status", -1)]

@@ -130,7 +130,10 @@ def _tile_routes(topk_ptr, stride_tt, stride_tk, out_ptr, i, last, E: tl.constex
     return inb, ev, valid, esafe, tl.load(out_ptr + i, mask=inb, other=0)
 
 
-@triton.jit(do_not_specialize=['rank'])  # one variant for every rank
+# one variant for every rank, and for every token count T whose launch geometry (the constexprs, chunk, group) is
+# the same: num_routes = T*K is not specialised on == 1 / divisibility by 16 (chunk is a multiple of BLOCK >= 16
+# whatever T, so its divisibility hint is kept and costs no variant)
+@triton.jit(do_not_specialize=['num_routes', 'timeout', 'rank'])
 def plan_kernel(counts_ptr, stride_cr, stride_ce,
                 topk_ptr, stride_tt, stride_tk, num_routes, chunk, group,
                 hist_ptr, gtot_ptr, alloc_ptr, etc_ptr, slot_ptr, ends_ptr, quota_ptr, cap_ptr, out_ptr, status_ptr,

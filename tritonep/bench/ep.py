@@ -150,14 +150,15 @@ def _routing(rank, T, E, K, seed, dev):
 
 
 def bench_ep(group, profile: str, combine_kinds=("push", "pull"), num_sms=None, iters=30, seed=0, tokens=None,
-             wires=None, baselines=True, eager=True, tiles=None):
+             wires=None, baselines=True, eager=True, tiles=None, same_bytes=None):
     """All rows of one profile on this rank; returns a list of dicts (same on every rank up to timings).
 
     ``baselines=False`` leaves out the NCCL rows and tritonep's nccl backend (kernel-tile variant sweeps);
     ``eager=False`` leaves out the eager dispatch row; ``wires`` (default: every registered wire,
     :data:`tritonep.wire.WIRES`) the wire formats to time; ``tiles``: the buffers' kernel tiles
     (:class:`tritonep.EPBuffer`'s argument: an override string; None or "": the profile's own if it has some, else
-    the table's, with TRITONEP_GEOMETRY for None).
+    the table's, with TRITONEP_GEOMETRY for None); ``same_bytes`` (default: with the baselines): at world 1, also
+    the rows of torch moving the same bytes (:mod:`tritonep.bench.same_bytes`).
     """
     import tritonep as tep
 
@@ -277,6 +278,11 @@ def bench_ep(group, profile: str, combine_kinds=("push", "pull"), num_sms=None, 
             check_combine(row(f"tritonep.combine.{geo.combine}.{wire}", us, mode, wb), last["y"], wire)
         buf.close()
         torch.cuda.empty_cache()
+    if W == 1 and (baselines if same_bytes is None else same_bytes):  # torch moving the same bytes, one op each
+        from .same_bytes import same_bytes_points
+
+        same_bytes_points(row, x, idx, WIRES if wires is None else wires,
+                          lambda fn: time_graph(fn, group, iters=iters), rank)
     if not baselines:
         return rows
 
@@ -426,7 +432,9 @@ def ratio_lines(rows) -> list:
     """The eager-cost ratios per profile from one rank's rows: eager / graph (tritonep dispatch and combine) and
     tritonep's nccl backend / the hand-written NCCL pipeline (dispatch and combine); at world 1 each graph row
     against its byte floor (:func:`floor_us`) and the kept-quantized dispatches against the bf16 one."""
-    out = []
+    from .same_bytes import same_bytes_lines
+
+    out = same_bytes_lines(rows)
     for r in rows:
         f = floor_us(r)
         if f:

@@ -58,7 +58,7 @@ class EPBackend(Protocol):
         call's ``TRITONEP_SYNC_CHECKS`` mode from the front door (``tritonep.envs.SYNC_*``; 0 = no host read).
         ``sync_free``: ``dispatch(sync_free=True)`` (no host read, ``max_recv_tokens`` rows; ``sync`` is 0 with
         it); ``bad_input``: the front door refused this rank's input (empty tensors; the call still runs).
-        ``count``: None or ``(count_ids, count_experts)`` (:meth:`tritonep.EPBuffer.dispatch`): a backend that
+        ``count``: None or ``(count_ids, count_experts, Tc, CK)`` (:meth:`tritonep.EPBuffer.dispatch`): a backend that
         computes the sums sets ``handle.count_sums``; one that does not leaves it None."""
         ...
 

@@ -74,7 +74,8 @@ class EPBuffer(BackwardCalls, RefusalCalls):
         sync_free_mode: how a sync-free dispatch exchanges its counts where the backend has two ways (``"onehop"``
             / ``"gather"``; the nccl backend); TRITONEP_NCCL_SYNC_FREE.
         count_columns: room for the per-local-expert sums of :meth:`dispatch`'s ``count_ids`` (at most this many
-            local experts per rank; 0: none, the default).
+            local experts per rank; 0: none, the default). The attribute ``sums_counts`` says whether this buffer
+            computes them (the triton backend's one-launch decode tiles; elsewhere ``count_sums`` stays None).
 
     Raises:
         ConfigError: an invalid value, or a static configuration that differs across ranks (raised on every rank,
@@ -127,6 +128,9 @@ class EPBuffer(BackwardCalls, RefusalCalls):
         self._id = EPBuffer._serial
         self._backend.buffer_id = self._id
         self._quantized_dispatch = get_wire(cfg.dispatch_wire).quantized
+        # whether dispatch(count_ids=...) sums the count routing on this buffer (handle.count_sums of an eager call):
+        # the triton backend's one-launch decode dispatch, with count_columns
+        self.sums_counts = bool(cfg.count_columns) and getattr(self._backend, "decode", None) is not None
         self._sync = cfg.sync_checks
         # the front door's static arguments, made once: check_dispatch_inputs' and check_combine_inputs'
         self._din = (cfg.hidden, cfg.topk, cfg.max_tokens_per_rank, cfg.dtype, device)
@@ -243,13 +247,14 @@ class EPBuffer(BackwardCalls, RefusalCalls):
             forward_ad: False refuses forward-mode dual inputs (InputError, the call taking part as refused as for
                 any refused input) instead of dispatching their tangents: for a caller whose outputs cannot carry
                 a tangent (the custom ops of :mod:`tritonep.ep.ops`).
-            count_ids: a second routing, ``[T, CK]`` int32/int64 ids over ``count_experts`` experts (expert e on
+            count_ids: a second routing, ``[Tc, CK]`` int32/int64 ids over ``count_experts`` experts (expert e on
                 rank ``e // (count_experts / W)``; ids outside ``[0, count_experts)`` count nowhere), only counted:
                 each rank gets ``handle.count_sums[j]`` = the routes of every rank's ``count_ids`` to its local
                 expert j (DeepEP's per-expert receive counts, made by its notify step), read with the call's status
                 (no second host read) on the triton backend's decode tiles in an eager call; None elsewhere (the
                 nccl backend, the staged launches, no host read). Every rank passes it alike (a per-call argument:
-                not checked across ranks). Needs ``count_columns >= count_experts / W`` (InputError).
+                not checked across ranks). Needs ``count_columns >= count_experts / W`` and ``Tc <=
+                max_tokens_per_rank`` (InputError); its rows need not be the tokens' (a routing only counted).
             count_experts: the experts of ``count_ids`` (a multiple of W).
 
         Returns:
@@ -295,8 +300,7 @@ class EPBuffer(BackwardCalls, RefusalCalls):
             if dual and keep_quantized and self._quantized_dispatch:
                 raise InputError(_NO_TANGENT.format(what="dispatch(keep_quantized=True) (quantized rows carry no "
                                                          "tangent; dispatch without keep_quantized)"))
-            count = None if count_ids is None else check_count_ids(count_ids, count_experts, x.shape[0], self.config,
-                                                                   self.device)
+            count = None if count_ids is None else check_count_ids(count_ids, count_experts, self.config, self.device)
         except (InputError, CapacityError) as e:
             refused = e
             x, topk_idx, topk_weights = self._no_input

@@ -67,10 +67,11 @@ def check_dispatch_inputs(x, topk_idx, topk_weights, hidden, topk, max_tokens_pe
     return x, topk_idx, topk_weights
 
 
-def check_count_ids(count_ids, count_experts, num_tokens: int, cfg, device):
-    """``(count_ids, count_experts)`` of :meth:`tritonep.EPBuffer.dispatch`'s count routing, checked: ``count_ids``
-    a 2-D int32 / int64 tensor ``[num_tokens, CK]`` (CK >= 1) on ``device`` (made contiguous), ``count_experts`` a
-    positive multiple of the group size with at most ``cfg.count_columns`` experts per rank.
+def check_count_ids(count_ids, count_experts, cfg, device):
+    """``(count_ids, count_experts, Tc, CK)`` of :meth:`tritonep.EPBuffer.dispatch`'s count routing, checked:
+    ``count_ids`` a 2-D int32 / int64 tensor ``[Tc, CK]`` (``Tc <= cfg.max_tokens_per_rank``, CK >= 1) on ``device``
+    (made contiguous), ``count_experts`` a positive multiple of the group size with at most ``cfg.count_columns``
+    experts per rank. (Four torch attribute reads: a dispatch's host path.)
 
     Raises:
         InputError: naming the value."""
@@ -81,18 +82,17 @@ def check_count_ids(count_ids, count_experts, num_tokens: int, cfg, device):
     if count_experts // W > cfg.count_columns:
         raise InputError(f"count_experts={count_experts} gives {count_experts // W} local experts per rank, more "
                          f"than the buffer's count_columns={cfg.count_columns}")
-    if not isinstance(count_ids, torch.Tensor) or count_ids.dim() != 2 or count_ids.dtype not in _ID_DTYPES:
-        raise InputError(f"count_ids must be a 2-D int32 / int64 tensor, got "
-                         f"{_desc(count_ids)}")
-    if count_ids.shape[0] != num_tokens or count_ids.shape[1] < 1:
-        raise InputError(f"count_ids must be [num_tokens={num_tokens}, >= 1], got {tuple(count_ids.shape)}")
+    if not isinstance(count_ids, torch.Tensor):
+        raise InputError(f"count_ids must be a 2-D int32 / int64 tensor, got {type(count_ids).__name__}")
+    shape = count_ids.shape
+    if len(shape) != 2 or count_ids.dtype not in _ID_DTYPES:
+        raise InputError(f"count_ids must be a 2-D int32 / int64 tensor, got {count_ids.dtype} {tuple(shape)}")
+    if shape[0] > cfg.max_tokens_per_rank or shape[1] < 1:
+        raise InputError(f"count_ids must be [<= max_tokens_per_rank={cfg.max_tokens_per_rank}, >= 1], got "
+                         f"{tuple(shape)}")
     if count_ids.device != device:
         raise InputError(f"count_ids is on {count_ids.device}, the buffer on {device}")
-    return (count_ids if count_ids.is_contiguous() else count_ids.contiguous()), count_experts
-
-
-def _desc(v) -> str:
-    return f"{v.dtype} {tuple(v.shape)}" if isinstance(v, torch.Tensor) else type(v).__name__
+    return (count_ids if count_ids.is_contiguous() else count_ids.contiguous()), count_experts, shape[0], shape[1]
 
 
 def check_combine_inputs(expert_out, handle, hidden, dtype, device, min_rows, name="expert_out"):

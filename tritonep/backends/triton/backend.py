@@ -189,9 +189,9 @@ class TritonEP:
         empty and the rank still runs the whole launch sequence, flagging the refusal in its counts row, so every
         rank fails this call together (:class:`PeerInputError`) and the next call pairs correctly.
 
-        ``count``: None or ``(count_ids, count_experts)``, the count routing of :meth:`tritonep.EPBuffer.dispatch`:
-        the decode tiles exchange it in their one launch (``handle.count_sums`` when ``sync``); the staged launches
-        ignore it (None).
+        ``count``: None or ``(count_ids, count_experts, Tc, CK)``, the count routing of
+        :meth:`tritonep.EPBuffer.dispatch`: the decode tiles exchange it in their one launch
+        (``handle.count_sums`` when ``sync``); the staged launches ignore it (None).
 
         Returns ``(rows, row_weights, num_tokens_per_expert, expert_offsets, handle)``.
 

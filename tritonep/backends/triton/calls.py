@@ -46,7 +46,8 @@ class KernelSet:
             launches publish into (:class:`tritonep.backends.triton.status.CallStatus`). dwire: the dispatch wire's
             device codec.
 
-    Attributes: ``xhost`` (int32 pinned ``[count_columns]``: the count routing's sums, or None), ``hist``, ``exchange``, ``send`` (forward, dispatch wire), ``send_bwd`` (combine backward, raw),
+    Attributes: ``xhost`` (int32 pinned ``[count_columns]``: the count routing's sums, or None; ``xhost_np`` its
+    numpy view), ``hist``, ``exchange``, ``send`` (forward, dispatch wire), ``send_bwd`` (combine backward, raw),
     ``expand_bwd``; methods ``expand(kq)``, ``fused(kq)``, ``decode(kq)``, ``partial(kind, weighted, wgrad,
     wire)``, ``out(kind, wgrad, wire)``, ``combine_fused(wire)``, ``combine_decode(wire, weighted, wgrad)`` for the
     variants.
@@ -60,6 +61,7 @@ class KernelSet:
         # kernel stores into it before it publishes the status words, kernels/decode_dispatch.py)
         self.xhost = torch.zeros(max(1, cfg.count_columns), dtype=torch.int32,
                                  pin_memory=device.type == "cuda") if cfg.count_columns else None
+        self.xhost_np = self.xhost.numpy() if self.xhost is not None else None  # the host's view (no torch call)
         W, E, K, L, A = cfg.world_size, cfg.num_experts, cfg.topk, cfg.num_local_experts, cfg.expert_alignment
         Tm, H = cfg.max_tokens_per_rank, cfg.hidden
         opts = {"num_warps": g.num_warps}

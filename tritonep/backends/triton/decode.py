@@ -53,8 +53,8 @@ class DecodePath:
         """Forward dispatch in one launch (``T`` tokens); returns what ``TritonEP.dispatch_fwd`` returns and raises
         what it raises (CapacityError / PeerInputError / InputError / PeerTimeoutError when ``sync``). The handle
         block and the rows come as ONE set of the shared pool (``(store, rows, row weights, ntpe, offs)``), or are
-        allocated (graph capture, every set held). ``count``: None, or ``(count_ids [Tc, CK], count_experts)``, the
-        count routing (:func:`tritonep.backends.triton.kernels.decode_dispatch.dispatch_decode_kernel`): with
+        allocated (graph capture, every set held). ``count``: None, or ``(count_ids [Tc, CK], count_experts, Tc, CK)``,
+        the count routing (:func:`tritonep.backends.triton.kernels.decode_dispatch.dispatch_decode_kernel`): with
         ``sync`` its sums over the sources for this rank's ``count_experts / W`` local experts come back as the
         handle's ``count_sums`` (a list of ints, read with the status words: no second read)."""
         max_recv, outs, status = self.cfg.max_recv_tokens, self.outputs, self.status
@@ -75,9 +75,9 @@ class DecodePath:
             self.k.decode(q is not None)(x, topk_idx, topk_weights, store, T, int(bad_input), max_recv, out, q, sc,
                                          ticket)
         else:
-            cid, ce = count
-            self.k.decode(q is not None, cid.shape[1], ce)(x, topk_idx, topk_weights, store, T, int(bad_input),
-                                                            max_recv, out, q, sc, ticket, cid, cid.shape[0])
+            cid, ce, tc, ck = count
+            self.k.decode(q is not None, ck, ce)(x, topk_idx, topk_weights, store, T, int(bad_input), max_recv, out,
+                                                  q, sc, ticket, cid, tc)
         # what needs no verdict is made while the launch runs (the host read waits for it anyway)
         if got is None:
             hl = outs.hl
@@ -99,7 +99,7 @@ class DecodePath:
             out_w = rw
         status.finish(refused, st, sync, bad_input)
         if count is not None and st is not None:  # published with the status words (before them): no second read
-            handle.__dict__["count_sums"] = self.k.xhost[:count[1] // self.cfg.world_size].tolist()
+            handle.__dict__["count_sums"] = self.k.xhost_np[:count[1] // self.cfg.world_size].tolist()
         return outs.finish(handle, store, T, R, out, out_w, q, sc, ntpe, offs)
 
     def combine(self, eo, handle, wire, weighted=True, gw=None, bad=0, ticket=0):

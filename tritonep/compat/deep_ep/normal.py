@@ -34,6 +34,11 @@ __all__ = ["NormalMode"]
 
 _ID_DTYPES = (torch.int32, torch.int64)
 
+# local experts per rank whose receive counts a meta-rows lane's dispatch sums in its exchange (EPConfig.
+# count_columns: a few KiB of symmetric memory; a constant, so that every rank, a refused one included, makes the lane
+# alike whatever its num_experts); more experts per rank take the unpacking's read instead
+COUNT_COLUMNS = 1024
+
 
 def _width(x) -> int | None:
     """The row width ``x`` would travel with (None when ``x`` is not a tensor or an ``(x_q, scales)`` pair)."""
@@ -154,7 +159,7 @@ class NormalMode(NormalRefusals):
             return self._x_lane(key, T), 0
         extra, W = self.W * P, self.W
         mrt = (lambda tc: worst + extra) if worst else (lambda tc: W * tc + extra)
-        return self.lanes.get(key, T, num_experts=2 * W, hidden=width, topk=W,
+        return self.lanes.get(key, T, num_experts=2 * W, hidden=width, topk=W, count_columns=COUNT_COLUMNS,
                               max_tokens_per_rank=lambda tc: tc + extra, max_recv_tokens=mrt), P
 
     def _plan(self, spec):
@@ -206,6 +211,11 @@ class NormalMode(NormalRefusals):
                     x_in, lane_x = self._cached_view(self._inputs, self._last_x_key, lane, _new_input, n)
                     slots = self._ops(device).pack_rows(payload, itr, topk_idx, topk_weights, x_in, E, P)
                     w = self._ones_rows(n, device)
+                    if K and not sync_free and lane.sums_counts and E // self.W <= COUNT_COLUMNS:  # DeepEP's per-expert receive counts,
+                        # exchanged and summed in the lane's own exchange (handle.count_sums, where the lane's path
+                        # computes them: the triton backend's decode tiles), read with its status
+                        return lane, P, slots, meta, lane.dispatch(lane_x, slots, w, count_ids=topk_idx,
+                                                                   count_experts=E)
                 else:
                     if K:  # both lanes' inputs in one launch (twin: packing.pack_torch)
                         slots, *meta = self._ops(device).pack(itr, topk_idx, topk_weights)
@@ -309,10 +319,14 @@ class NormalMode(NormalRefusals):
         rows = out.x[:R] if out.x.shape[0] != R else out.x
 
         meta_lane = meta_handle = recv_idx = recv_w = None
-        if P:  # the ids and weights came with the rows: unpacked from the meta rows (one launch), the histogram
-            # read through pinned memory (worst: no read, the tokens past the received ones get ids -1, weight 0)
+        if P:  # the ids and weights came with the rows: unpacked from the meta rows (one launch); the per-expert
+            # counts came with the lane's status (count_sums), else the unpacking's histogram is read through pinned
+            # memory (worst: no read, the tokens past the received ones get ids -1, weight 0)
+            sums = out.handle.count_sums
             recv_idx, recv_w, hist = self._ops(dev).unpack_rows(out.x, out.expert_offsets, R, K, E // self.W, self.W,
-                                                                P, topk_idx.dtype, read=not worst)
+                                                                P, topk_idx.dtype, read=not worst and sums is None)
+            if sums is not None:
+                hist = [None] + sums
         elif K:
             meta_lane = self._meta_lane(K, worst, T)
             mout = meta_lane.dispatch(*meta_in, sync_free=True)

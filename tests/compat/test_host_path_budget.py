@@ -22,7 +22,7 @@ launch instead: NaN rows and weights when the call overflowed). It allocates the
 its dispatch read, none after a ``num_worst_tokens`` one) after one torch copy of the caller's rows into the lane's
 expert-output buffer (the lane's layout has the meta rows after them). With ``meta_rows_max_tokens=0`` (the meta
 lane, a second EPBuffer dispatch) a dispatch is the packing launch of both lanes' inputs, the two lanes' dispatches
-and the meta unpacking launch, two reads; its combine no copy. A combine of ``topk_weights`` (Megatron's
+and the meta unpacking launch, one read on the decode tiles; its combine no copy. A combine of ``topk_weights`` (Megatron's
 fused-dispatch backward; counted as a handle's first) adds the meta lane's backward (after a meta-rows dispatch first
 a sync-free dispatch of a meta lane routed like the rows lane) and the ranks' sum of the weights. The layout is one
 launch and no read. Torch calls,
@@ -75,8 +75,9 @@ BUDGET_DECODE = {  # TRITONEP_GEOMETRY=bt=2,dec=3: the one-launch decode tiles (
 }
 BUDGET_META_LANE = {  # meta_rows_max_tokens=0, decode tiles: the top-k in the meta lane
     "layout": (12, 3, 2, 0, 1, 0),
-    # pack (both lanes' inputs: one block, four views) + rows lane (1) + meta lane (1) + unpack; no torch kernel
-    "dispatch": (77, 15, 3, 0, 4, 2),
+    # pack (both lanes' inputs: one block, four views) + rows lane (1) + meta lane (1) + unpack; no torch kernel; one
+    # read: the counts with the rows lane's status (was 2 reads, 77 calls)
+    "dispatch": (81, 15, 3, 0, 4, 1),
     "combine": (11, 1, 0, 0, 1, 1),
     # + the meta lane's backward (the weights into the kept zeroed weight rows: one copy) and the ranks' sum
     "combine_w": (29, 6, 2, 2, 2, 1),  # was 33 / 9 / 3 / 3: a zeroed weight buffer and its copy per call

@@ -46,7 +46,9 @@ def _on_decode_tiles(group, *args):
     return normal_case(group, *args)
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(3, marks=SLOW)])
-def test_normal_mode_on_the_decode_tiles(world):
-    assert run_cpu_world(world, _on_decode_tiles, "triton", world, None, ["meta2", "x", "xm"],
+@pytest.mark.parametrize("world,meta_rows_max_tokens,kinds", [
+    (2, None, ["meta2", "x", "xm"]), (2, 0, ["meta", "x"]), pytest.param(3, None, ["meta2", "x", "xm"], marks=SLOW)])
+def test_normal_mode_on_the_decode_tiles(world, meta_rows_max_tokens, kinds):
+    """Meta rows (the default at these sizes) and the meta lane (``meta_rows_max_tokens=0``)."""
+    assert run_cpu_world(world, _on_decode_tiles, "triton", world, meta_rows_max_tokens, kinds,
                          timeout_s=600) == [2] * world

@@ -140,7 +140,8 @@ class NormalMode(NormalRefusals):
     def _x_lane(self, key, T: int):
         width, worst = key[1], key[2]
         mrt = worst if worst else (lambda tcap: self.W * tcap)
-        return self.lanes.get(key, T, num_experts=self.W, hidden=width, topk=self.W, max_recv_tokens=mrt)
+        return self.lanes.get(key, T, num_experts=self.W, hidden=width, topk=self.W, max_recv_tokens=mrt,
+                              count_columns=COUNT_COLUMNS)
 
     def _spec_lane(self, spec, T: int):
         """``(rows lane, P)`` of a dispatch of ``spec = (row width, num_worst_tokens, K)`` (made now if new:
@@ -211,17 +212,16 @@ class NormalMode(NormalRefusals):
                     x_in, lane_x = self._cached_view(self._inputs, self._last_x_key, lane, _new_input, n)
                     slots = self._ops(device).pack_rows(payload, itr, topk_idx, topk_weights, x_in, E, P)
                     w = self._ones_rows(n, device)
-                    if K and not sync_free and lane.sums_counts and E // self.W <= COUNT_COLUMNS:  # DeepEP's per-expert receive counts,
-                        # exchanged and summed in the lane's own exchange (handle.count_sums, where the lane's path
-                        # computes them: the triton backend's decode tiles), read with its status
-                        return lane, P, slots, meta, lane.dispatch(lane_x, slots, w, count_ids=topk_idx,
-                                                                   count_experts=E)
                 else:
                     if K:  # both lanes' inputs in one launch (twin: packing.pack_torch)
                         slots, *meta = self._ops(device).pack(itr, topk_idx, topk_weights)
                     else:
                         slots = rank_slots(itr, self._ranks_on(device))
                     lane_x, w = payload, self._ones_rows(T, device)
+                if K and not sync_free and lane.sums_counts and E // self.W <= COUNT_COLUMNS:
+                    # DeepEP's per-expert receive counts, exchanged and summed in the lane's own exchange (its count
+                    # routing: handle.count_sums where the lane computes them, the decode tiles), read with its status
+                    return lane, P, slots, meta, lane.dispatch(lane_x, slots, w, count_ids=topk_idx, count_experts=E)
                 return lane, P, slots, meta, lane.dispatch(lane_x, slots, w, sync_free=sync_free)
             except (InputError, CapacityError) as e:
                 if attempt:
@@ -332,10 +332,14 @@ class NormalMode(NormalRefusals):
             mout = meta_lane.dispatch(*meta_in, sync_free=True)
             meta_handle = mout.handle
             # worst: the tokens past the received ones (their lane rows are unspecified) get ids -1 and weight 0, and
-            # no host read; else the histogram arrives as a list through pinned memory (no device-to-host copy)
+            # no host read; else the counts came with the rows lane's status (count_sums), or the histogram arrives
+            # as a list through pinned memory (no device-to-host copy)
+            sums = out.handle.count_sums
             recv_idx, recv_w, hist = self._ops(dev).unpack_meta(
                 mout.x, mout.weights, R, K, self.rank, E // self.W, topk_idx.dtype,
-                live=out.expert_offsets[-1] if worst else None, read=not worst)
+                live=out.expert_offsets[-1] if worst else None, read=not worst and sums is None)
+            if sums is not None:
+                hist = [None] + sums
         if worst or not eager:  # nobody read these lanes' status: the next synced call or check() does
             self.lanes.unread(lane, meta_lane)
         h = NormalHandle(owner=self.owner, x_lane=lane, x_handle=out.handle, meta_lane=meta_lane,

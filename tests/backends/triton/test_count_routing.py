@@ -28,15 +28,19 @@ def _count_ids(rank: int, T: int, CE: int, CK: int) -> torch.Tensor:
     return ids.to(torch.int32 if rank % 2 else torch.int64)
 
 
-def _world(group, Ts, CE, CK, geometry):
+def count_world(group, Ts, CE, CK, geometry):
+    """One rank of the count-routing check (CPU worlds here; GPU worlds: test_decode_gpu.py): returns
+    ``(sums of two calls, the twin's, the refusal's error name, sums after it)``."""
     os.environ["TRITONEP_GEOMETRY"] = geometry
     rank, W = dist.get_rank(group), dist.get_world_size(group)
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     E = 4 * W
-    x, idx, w = make_rank_inputs(rank, Ts[rank], H, E, K, seed=3)
+    x, idx, w = (t.to(dev) for t in make_rank_inputs(rank, Ts[rank], H, E, K, seed=3))
     w = w.float().contiguous()
     cids = [_count_ids(r, Ts[r], CE, CK) for r in range(W)]
     want = count_sums_reference(cids, CE)
-    buf = tep.EPBuffer(group, E, H, TM, K, device="cpu", count_columns=CE // W + 1)
+    cids = [c.to(dev) for c in cids]
+    buf = tep.EPBuffer(group, E, H, TM, K, device=dev, count_columns=CE // W + 1)
     plain = buf.dispatch(x, idx, w)
     reads = buf.host_reads
     got = []
@@ -64,7 +68,7 @@ def _world(group, Ts, CE, CK, geometry):
 @pytest.mark.parametrize("W,CE,CK", [(2, 8, 3), (3, 12, 8)])
 def test_count_sums_decode(W, CE, CK):
     Ts = [16, 0, 5][:W]
-    for rank, (got, want, err, again) in enumerate(run_cpu_world(W, _world, Ts, CE, CK, "dec=2")):
+    for rank, (got, want, err, again) in enumerate(run_cpu_world(W, count_world, Ts, CE, CK, "dec=2")):
         assert got == [want, want] and again == want, (rank, got, want)
         assert err == ("InputError" if rank == 0 else "PeerInputError"), (rank, err)
 

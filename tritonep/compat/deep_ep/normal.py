@@ -319,14 +319,12 @@ class NormalMode(NormalRefusals):
         rows = out.x[:R] if out.x.shape[0] != R else out.x
 
         meta_lane = meta_handle = recv_idx = recv_w = None
+        sums = out.handle.count_sums  # DeepEP's per-expert counts, from the rows lane's count routing (None: not)
         if P:  # the ids and weights came with the rows: unpacked from the meta rows (one launch); the per-expert
             # counts came with the lane's status (count_sums), else the unpacking's histogram is read through pinned
             # memory (worst: no read, the tokens past the received ones get ids -1, weight 0)
-            sums = out.handle.count_sums
             recv_idx, recv_w, hist = self._ops(dev).unpack_rows(out.x, out.expert_offsets, R, K, E // self.W, self.W,
                                                                 P, topk_idx.dtype, read=not worst and sums is None)
-            if sums is not None:
-                hist = [None] + sums
         elif K:
             meta_lane = self._meta_lane(K, worst, T)
             mout = meta_lane.dispatch(*meta_in, sync_free=True)
@@ -334,12 +332,9 @@ class NormalMode(NormalRefusals):
             # worst: the tokens past the received ones (their lane rows are unspecified) get ids -1 and weight 0, and
             # no host read; else the counts came with the rows lane's status (count_sums), or the histogram arrives
             # as a list through pinned memory (no device-to-host copy)
-            sums = out.handle.count_sums
             recv_idx, recv_w, hist = self._ops(dev).unpack_meta(
                 mout.x, mout.weights, R, K, self.rank, E // self.W, topk_idx.dtype,
                 live=out.expert_offsets[-1] if worst else None, read=not worst and sums is None)
-            if sums is not None:
-                hist = [None] + sums
         if worst or not eager:  # nobody read these lanes' status: the next synced call or check() does
             self.lanes.unread(lane, meta_lane)
         h = NormalHandle(owner=self.owner, x_lane=lane, x_handle=out.handle, meta_lane=meta_lane,
@@ -351,7 +346,7 @@ class NormalMode(NormalRefusals):
         if worst:
             counts = []
         elif K:
-            counts = hist[1:]
+            counts = hist[1:] if sums is None else sums[:]
         else:  # no ids travelled: DeepEP's list is the group's sum of num_tokens_per_expert (one all_reduce)
             counts = self._group_counts(num_tokens_per_expert)
         if expert_alignment > 1:

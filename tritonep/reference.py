@@ -29,6 +29,7 @@ from .reference_moe import moe_dense_reference  # public path of the MoE oracle
 
 __all__ = [
     "RefDispatch",
+    "count_sums_reference",
     "dispatch_reference",
     "combine_reference",
     "combine_reference_partial",
@@ -352,3 +353,20 @@ def combine_backward_reference(
     grad_eo = list(torch.split(grad_all, [o.shape[0] for o in expert_outs], dim=0))
     return [ge.clone() for ge in grad_eo], grad_w
 
+
+
+def count_sums_reference(count_ids: list, count_experts: int) -> list:
+    """The count routing of :meth:`tritonep.EPBuffer.dispatch` (``count_ids``), summed per receiver: for every
+    rank r a list of ``count_experts / W`` ints, entry j = the routes of every rank's ``count_ids`` (``[T_s, CK]``
+    int32/int64, a list by rank) to expert ``r * L + j`` (a repeated id counts twice; ids outside
+    ``[0, count_experts)`` count nowhere): what ``handle.count_sums`` holds on rank r (twin of the decode kernel's
+    count routing, :func:`tritonep.backends.triton.kernels.decode_dispatch.dispatch_decode_kernel`). Integers,
+    exact."""
+    W = len(count_ids)
+    total = torch.zeros(count_experts + 1, dtype=torch.int64)
+    for ids in count_ids:
+        g = ids.detach().to("cpu", torch.int64).reshape(-1)
+        g = torch.where((g >= 0) & (g < count_experts), g, count_experts)
+        total += torch.bincount(g, minlength=count_experts + 1)
+    L = count_experts // W
+    return [total[r * L:(r + 1) * L].tolist() for r in range(W)]

@@ -44,6 +44,11 @@ def lane_kinds(buf) -> list:
     return sorted({key[0] for key, _ in buf.lanes})
 
 
+def host_reads(buf) -> int:
+    """Host reads of a compat Buffer so far: its lanes' status reads and its own pinned histogram reads."""
+    return sum(lane.host_reads for _, lane in buf.lanes) + sum(o.host_reads for o in buf._normal._meta_ops.values())
+
+
 def normal_case(group, backend: str, seed: int, meta_rows_max_tokens=None, kinds=None):
     """Every normal-mode semantic on one Buffer: layout, dispatch (bf16 / fp8 / int32 scales / no top-k / aligned /
     num_worst_tokens), cached dispatch, combine (weights, bias), over two rounds of fresh inputs.
@@ -70,10 +75,14 @@ def normal_case(group, backend: str, seed: int, meta_rows_max_tokens=None, kinds
         e_rows, e_ids, e_w, e_counts, e_rpm = normal_ref(xs, ids, ws, irs, rank, E, W)
 
         # dispatch with top-k
+        reads = host_reads(buf)
         rx, ridx, rw, counts, h, ev = buf.dispatch(x, num_tokens_per_rank=ntr, is_token_in_rank=itr,
                                                    num_tokens_per_expert=nte, topk_idx=idx, topk_weights=w,
                                                    async_finish=True, previous_event=buf.capture())
         ev.current_stream_wait()
+        if rnd == 0 and h.x_lane.sums_counts:  # the decode tiles (a GPU's at these sizes): DeepEP's per-expert
+            # counts come with the rows lane's status, ONE read (round 1 first reads the lanes its last calls left)
+            assert host_reads(buf) == reads + 1, (host_reads(buf), reads)
         assert torch.equal(rx.cpu().view(torch.int16), e_rows.view(torch.int16)), "rows"
         assert torch.equal(ridx.cpu(), e_ids) and ridx.dtype == idx.dtype, "ids"
         assert torch.equal(rw.cpu(), e_w), "weights"

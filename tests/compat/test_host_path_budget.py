@@ -12,15 +12,17 @@ histogram read through pinned memory, and any torch call that reads the device: 
 Launches and host reads must match exactly. At these sizes the top-k travels as meta rows of the rows lane (the
 Buffer's default): a dispatch is one launch of the packing kernel (x copied into the lane's input with the meta rows,
 and the lane's slots), the rows lane's dispatch (one launch with the one-launch decode tiles a GPU picks up to 256
-tokens, four with the two-kernel tiles) and one launch of the unpacking kernel; it reads the host twice (the rows
-lane's status, spun on as the kernel publishes it before any row moves, then the received-expert histogram the
-unpacking kernel publishes: no device-to-host copy) and a ``num_worst_tokens`` dispatch never (its capacity poison
+tokens, four with the two-kernel tiles) and one launch of the unpacking kernel; with the decode tiles it reads the
+host once (the rows lane's status, spun on as the kernel publishes it before any row moves, with DeepEP's per-expert
+counts, summed in the same exchange: the lane's count routing), with the two-kernel tiles twice (then the
+received-expert histogram the unpacking kernel publishes: no device-to-host copy) and a ``num_worst_tokens``
+dispatch never (its capacity poison
 launch instead: NaN rows and weights when the call overflowed). It allocates the lane's slots and the two outputs
 (the lane's input is kept per lane) and runs no torch kernel of its own. A combine is the rows lane's (one read when
 its dispatch read, none after a ``num_worst_tokens`` one) after one torch copy of the caller's rows into the lane's
 expert-output buffer (the lane's layout has the meta rows after them). With ``meta_rows_max_tokens=0`` (the meta
 lane, a second EPBuffer dispatch) a dispatch is the packing launch of both lanes' inputs, the two lanes' dispatches
-and the meta unpacking launch, two reads; its combine no copy. A combine of ``topk_weights`` (Megatron's
+and the meta unpacking launch, one read on the decode tiles; its combine no copy. A combine of ``topk_weights`` (Megatron's
 fused-dispatch backward; counted as a handle's first) adds the meta lane's backward (after a meta-rows dispatch first
 a sync-free dispatch of a meta lane routed like the rows lane) and the ranks' sum of the weights. The layout is one
 launch and no read. Torch calls,
@@ -61,7 +63,10 @@ BUDGET = {  # the CPU's own tiles: the two-kernel lane dispatch (what a GPU take
 }
 BUDGET_DECODE = {  # TRITONEP_GEOMETRY=bt=2,dec=3: the one-launch decode tiles (what a GPU takes up to 256 tokens)
     "layout": (12, 3, 2, 0, 1, 0),
-    "dispatch": (58, 6, 3, 0, 3, 2),  # pack + rows lane (1) + unpack; no torch kernel
+    # pack + rows lane (1) + unpack; no torch kernel; ONE read: the per-expert counts come with the rows lane's status
+    # (its count routing, EPBuffer.dispatch(count_ids=...)), the unpacking publishes nothing (was 58 calls, 2 reads:
+    # the unpacking's histogram read after the rows moved; + 4 attribute reads of the count routing's check)
+    "dispatch": (62, 6, 3, 0, 3, 1),
     "combine": (13, 3, 0, 1, 1, 1),
     "combine_w": (50, 12, 2, 4, 3, 1),  # was 55 / 18 / 4 / 5
     "worst_dispatch": (75, 10, 3, 0, 4, 0),
@@ -70,8 +75,9 @@ BUDGET_DECODE = {  # TRITONEP_GEOMETRY=bt=2,dec=3: the one-launch decode tiles (
 }
 BUDGET_META_LANE = {  # meta_rows_max_tokens=0, decode tiles: the top-k in the meta lane
     "layout": (12, 3, 2, 0, 1, 0),
-    # pack (both lanes' inputs: one block, four views) + rows lane (1) + meta lane (1) + unpack; no torch kernel
-    "dispatch": (77, 15, 3, 0, 4, 2),
+    # pack (both lanes' inputs: one block, four views) + rows lane (1) + meta lane (1) + unpack; no torch kernel; one
+    # read: the counts with the rows lane's status (was 2 reads, 77 calls)
+    "dispatch": (81, 15, 3, 0, 4, 1),
     "combine": (11, 1, 0, 0, 1, 1),
     # + the meta lane's backward (the weights into the kept zeroed weight rows: one copy) and the ranks' sum
     "combine_w": (29, 6, 2, 2, 2, 1),  # was 33 / 9 / 3 / 3: a zeroed weight buffer and its copy per call

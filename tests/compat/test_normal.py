@@ -35,3 +35,20 @@ def test_normal_mode_matches_deepep_semantics(world, backend):
 def test_normal_mode_with_the_meta_lane(world, backend):
     """``meta_rows_max_tokens=0``: the top-k travels in the meta lane (a second exchange), the same semantics."""
     assert run_cpu_world(world, normal_case, backend, world, 0, ["meta", "x"], timeout_s=600) == [2] * world
+
+
+def _on_decode_tiles(group, *args):
+    """:func:`normal_case` on the one-launch decode tiles (what a GPU takes up to 256 tokens): DeepEP's per-expert
+    counts come with the rows lane's status (its count routing) instead of the unpacking's read."""
+    import os
+
+    os.environ["TRITONEP_GEOMETRY"] = "bt=2,dec=3"
+    return normal_case(group, *args)
+
+
+@pytest.mark.parametrize("world,meta_rows_max_tokens,kinds", [
+    (2, None, ["meta2", "x", "xm"]), (2, 0, ["meta", "x"]), pytest.param(3, None, ["meta2", "x", "xm"], marks=SLOW)])
+def test_normal_mode_on_the_decode_tiles(world, meta_rows_max_tokens, kinds):
+    """Meta rows (the default at these sizes) and the meta lane (``meta_rows_max_tokens=0``)."""
+    assert run_cpu_world(world, _on_decode_tiles, "triton", world, meta_rows_max_tokens, kinds,
+                         timeout_s=600) == [2] * world

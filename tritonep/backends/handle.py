@@ -39,6 +39,9 @@ class DispatchHandle:
         recv_weights: float32 ``[R]`` per-row weights (the tensor the dispatch returned, autograd-tracked when the
             dispatch was), else None.
         buffer_id: id of the :class:`tritonep.EPBuffer` that made it; a handle is only valid with that buffer.
+        count_sums: a list of ints, the sums over the sources of the dispatch's ``count_ids`` routes per local
+            expert of this rank (:meth:`tritonep.EPBuffer.dispatch`), where the call computed them (the triton
+            backend's decode dispatch, read on the host); else None.
         backend: the registry name of the backend (class constant).
     """
 
@@ -48,3 +51,4 @@ class DispatchHandle:
     x_scales: Optional[torch.Tensor] = None
     recv_weights: Optional[torch.Tensor] = None
     buffer_id: int = 0
+    count_sums: Optional[list] = None

@@ -52,11 +52,14 @@ class EPBackend(Protocol):
         ...
 
     def dispatch_fwd(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, sync: int,
-                     keep_quantized: bool = False, bad_input: bool = False, sync_free: bool = False) -> tuple:
+                     keep_quantized: bool = False, bad_input: bool = False, sync_free: bool = False,
+                     count=None) -> tuple:
         """Forward dispatch: ``(rows, row_weights, num_tokens_per_expert, expert_offsets, handle)``. ``sync``: the
         call's ``TRITONEP_SYNC_CHECKS`` mode from the front door (``tritonep.envs.SYNC_*``; 0 = no host read).
         ``sync_free``: ``dispatch(sync_free=True)`` (no host read, ``max_recv_tokens`` rows; ``sync`` is 0 with
-        it); ``bad_input``: the front door refused this rank's input (empty tensors; the call still runs)."""
+        it); ``bad_input``: the front door refused this rank's input (empty tensors; the call still runs).
+        ``count``: None or ``(count_ids, count_experts, Tc, CK)`` (:meth:`tritonep.EPBuffer.dispatch`): a backend that
+        computes the sums sets ``handle.count_sums``; one that does not leaves it None."""
         ...
 
     def combine_fwd(self, expert_out: torch.Tensor, handle, kind: str | None = None, read: bool = False

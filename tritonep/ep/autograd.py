@@ -133,8 +133,9 @@ class DispatchFn(torch.autograd.Function):
     forward-mode tangent (:meth:`jvp`) = the same dispatch of the tangents ``(P dx, S dw)``."""
 
     @staticmethod
-    def forward(ctx, x, topk_weights, impl, topk_idx, sync, sync_free, box):
-        out, out_w, ntpe, offs, handle = impl.dispatch_fwd(x, topk_idx, topk_weights, sync, sync_free=sync_free)
+    def forward(ctx, x, topk_weights, impl, topk_idx, sync, sync_free, box, count=None):
+        out, out_w, ntpe, offs, handle = impl.dispatch_fwd(x, topk_idx, topk_weights, sync, sync_free=sync_free,
+                                                           count=count)
         # autograd refuses in-place ops on a view made inside a custom Function, and the rows may be a cut of a
         # larger block (decode, pooled: tritonep/runtime/pool.py): hand out an alias of its own (no view; same
         # storage, so the pool still sees it held). The row weights stay a view on purpose: combine uses the
@@ -175,10 +176,10 @@ class DispatchFn(torch.autograd.Function):
             # create_graph: the backward is differentiable again (module docstring); dual gradients (forward over
             # reverse): DispatchBwdFn carries their tangent (its jvp)
             grad_x, grad_w = DispatchBwdFn.apply(grad_out, grad_out_w, ctx.impl, ctx.handle)
-            return grad_x, grad_w, None, None, None, None, None
+            return grad_x, grad_w, None, None, None, None, None, None
         gw = grad_out_w.contiguous() if grad_out_w is not None else None  # autograd may hand expanded grads
         grad_x, grad_w = ctx.impl.dispatch_bwd(grad_out.contiguous(), gw, ctx.handle)
-        return grad_x, grad_w, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None
 
 
 class CombineFn(torch.autograd.Function):

@@ -27,7 +27,7 @@ from ..backends import build_backend, required_bytes as backend_required_bytes
 from .config import EPConfig, agree, build_config
 from .handle import Dispatched, DispatchHandle
 from .refusal import RefusalCalls
-from .validate import check_combine_inputs, check_dispatch_inputs
+from .validate import check_combine_inputs, check_count_ids, check_dispatch_inputs
 
 __all__ = ["EPBuffer"]
 
@@ -73,6 +73,9 @@ class EPBuffer(BackwardCalls, RefusalCalls):
         output_pool: sets of per-call outputs reused per stream (0: every call allocates); TRITONEP_OUTPUT_POOL.
         sync_free_mode: how a sync-free dispatch exchanges its counts where the backend has two ways (``"onehop"``
             / ``"gather"``; the nccl backend); TRITONEP_NCCL_SYNC_FREE.
+        count_columns: room for the per-local-expert sums of :meth:`dispatch`'s ``count_ids`` (at most this many
+            local experts per rank; 0: none, the default). The attribute ``sums_counts`` says whether this buffer
+            computes them (the triton backend's one-launch decode tiles; elsewhere ``count_sums`` stays None).
 
     Raises:
         ConfigError: an invalid value, or a static configuration that differs across ranks (raised on every rank,
@@ -87,7 +90,8 @@ class EPBuffer(BackwardCalls, RefusalCalls):
                  max_recv_tokens: int | None = None, backend: str = "auto", dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str | None = None, num_sms: int | None = None,
                  timeout_s: float | None = None, *, tiles=None, sync_checks=None, max_programs: int | None = None,
-                 launch: str | None = None, output_pool: int | None = None, sync_free_mode: str | None = None):
+                 launch: str | None = None, output_pool: int | None = None, sync_free_mode: str | None = None,
+                 count_columns: int = 0):
         self.group = group
         self.rank = dist.get_rank(group)
         ws = dist.get_world_size(group)
@@ -105,7 +109,7 @@ class EPBuffer(BackwardCalls, RefusalCalls):
                                max_recv_tokens=max_recv_tokens, backend=backend, dtype=dtype,
                                device_type=device.type, num_sms=num_sms, timeout_s=timeout_s, tiles=tiles,
                                sync_checks=sync_checks, max_programs=max_programs, launch=launch,
-                               output_pool=output_pool, sync_free_mode=sync_free_mode)
+                               output_pool=output_pool, sync_free_mode=sync_free_mode, count_columns=count_columns)
             report = p2p_report(device)
         except TritonEPError as e:
             err = e
@@ -124,6 +128,9 @@ class EPBuffer(BackwardCalls, RefusalCalls):
         self._id = EPBuffer._serial
         self._backend.buffer_id = self._id
         self._quantized_dispatch = get_wire(cfg.dispatch_wire).quantized
+        # whether dispatch(count_ids=...) sums the count routing on this buffer (handle.count_sums of an eager call):
+        # the triton backend's one-launch decode dispatch, with count_columns
+        self.sums_counts = bool(cfg.count_columns) and getattr(self._backend, "decode", None) is not None
         self._sync = cfg.sync_checks
         # the front door's static arguments, made once: check_dispatch_inputs' and check_combine_inputs'
         self._din = (cfg.hidden, cfg.topk, cfg.max_tokens_per_rank, cfg.dtype, device)
@@ -215,7 +222,8 @@ class EPBuffer(BackwardCalls, RefusalCalls):
                               "EPBuffer that made it)")
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                 keep_quantized: bool = False, *, sync_free: bool = False, forward_ad: bool = True) -> Dispatched:
+                 keep_quantized: bool = False, *, sync_free: bool = False, forward_ad: bool = True,
+                 count_ids: torch.Tensor | None = None, count_experts: int = 0) -> Dispatched:
         """Send every token to the ranks of its experts; return the expert-grouped rows of this rank's experts.
 
         Args:
@@ -239,6 +247,15 @@ class EPBuffer(BackwardCalls, RefusalCalls):
             forward_ad: False refuses forward-mode dual inputs (InputError, the call taking part as refused as for
                 any refused input) instead of dispatching their tangents: for a caller whose outputs cannot carry
                 a tangent (the custom ops of :mod:`tritonep.ep.ops`).
+            count_ids: a second routing, ``[Tc, CK]`` int32/int64 ids over ``count_experts`` experts (expert e on
+                rank ``e // (count_experts / W)``; ids outside ``[0, count_experts)`` count nowhere), only counted:
+                each rank gets ``handle.count_sums[j]`` = the routes of every rank's ``count_ids`` to its local
+                expert j (DeepEP's per-expert receive counts, made by its notify step), read with the call's status
+                (no second host read) on the triton backend's decode tiles in an eager call; None elsewhere (the
+                nccl backend, the staged launches, no host read). Every rank passes it alike (a per-call argument:
+                not checked across ranks). Needs ``count_columns >= count_experts / W`` and ``Tc <=
+                max_tokens_per_rank`` (InputError); its rows need not be the tokens' (a routing only counted).
+            count_experts: the experts of ``count_ids`` (a multiple of W).
 
         Returns:
             :class:`Dispatched` (rows ordered by (source rank, token, k) inside each expert segment).
@@ -283,9 +300,11 @@ class EPBuffer(BackwardCalls, RefusalCalls):
             if dual and keep_quantized and self._quantized_dispatch:
                 raise InputError(_NO_TANGENT.format(what="dispatch(keep_quantized=True) (quantized rows carry no "
                                                          "tangent; dispatch without keep_quantized)"))
+            count = None if count_ids is None else check_count_ids(count_ids, count_experts, self.config, self.device)
         except (InputError, CapacityError) as e:
             refused = e
             x, topk_idx, topk_weights = self._no_input
+            count = None
         if sync_free:
             sync = envs.SYNC_NONE  # no read (the backend's sync-free path)
         else:  # whether this call reads its status word: the buffer's sync-checks mode (the backend's end-of-call
@@ -297,11 +316,11 @@ class EPBuffer(BackwardCalls, RefusalCalls):
             if kq or refused is not None or not (dual or torch.is_grad_enabled() and (
                     x.requires_grad or topk_weights.requires_grad)):
                 out, out_w, ntpe, offs, handle = self._backend.dispatch_fwd(x, topk_idx, topk_weights, sync, kq,
-                                                                         refused is not None, sync_free)
+                                                                         refused is not None, sync_free, count)
             else:
                 box: list = []
                 out, out_w, ntpe, offs = DispatchFn.apply(x, topk_weights, self._backend, topk_idx, sync, sync_free,
-                                                          box)
+                                                          box, count)
                 handle = box[0]
         except TritonEPError as e:
             self._last_synced = True  # raised after the call's read: its peers raise in this call too

@@ -59,6 +59,10 @@ class EPConfig:
         sync_free_mode: how a sync-free dispatch exchanges its counts on a backend with two ways (``"onehop"`` |
             ``"gather"`` | ``""``: the backend's rule, :func:`tritonep.backends.nccl.sync_free.sync_free_mode`): a
             field so that every rank agrees on it (ranks in different modes would run different collectives).
+        count_columns: room for a second count matrix the triton backend's one-launch decode dispatch may exchange
+            with its counts (``EPBuffer.dispatch(count_ids=...)``: a second routing whose routes per (destination,
+            local expert) are exchanged and summed over the sources, at most ``count_columns`` local experts per
+            rank); 0: none.
     """
 
     world_size: int
@@ -81,6 +85,7 @@ class EPConfig:
     launch: str
     output_pool: int
     sync_free_mode: str = ""
+    count_columns: int = 0
 
     FRONT = ("world_size", "num_experts", "num_local_experts", "hidden", "max_tokens_per_rank", "topk",
              "dispatch_wire", "combine_wire", "expert_alignment", "max_recv_tokens", "dtype", "timeout_s")
@@ -112,7 +117,7 @@ def build_config(*, world_size: int, num_experts: int, hidden: int, max_tokens_p
                  max_recv_tokens: int | None = None, backend: str = "auto", dtype: torch.dtype = torch.bfloat16,
                  device_type: str = "cuda", num_sms: int | None = None, timeout_s: float | None = None,
                  tiles=None, sync_checks=None, max_programs: int | None = None, launch: str | None = None,
-                 output_pool: int | None = None, sync_free_mode: str | None = None,
+                 output_pool: int | None = None, sync_free_mode: str | None = None, count_columns: int = 0,
                  check_kernels: bool = True) -> EPConfig:
     """Validate an EPBuffer's arguments, read what they leave to the environment and derive the rest; no collective,
     no allocation.
@@ -141,6 +146,8 @@ def build_config(*, world_size: int, num_experts: int, hidden: int, max_tokens_p
         _positive_int(name, v)
     if num_experts % world_size:
         raise ConfigError(f"num_experts={num_experts} is not divisible by world_size={world_size}")
+    if not isinstance(count_columns, int) or isinstance(count_columns, bool) or count_columns < 0:
+        raise ConfigError(f"count_columns must be an int >= 0, got {count_columns!r}")
     if max_recv_tokens is not None and (not isinstance(max_recv_tokens, int) or isinstance(max_recv_tokens, bool)
                                         or max_recv_tokens < 1):
         raise ConfigError(f"max_recv_tokens must be a positive int or None, got {max_recv_tokens!r}")
@@ -175,7 +182,7 @@ def build_config(*, world_size: int, num_experts: int, hidden: int, max_tokens_p
                     backend=backend, dtype=dtype, device_type=device_type, num_sms=num_sms,
                     timeout_s=resolve_timeout(timeout_s), tiles=tiles, sync_checks=envs.sync_checks(sync_checks),
                     max_programs=max_programs, launch=envs.launch(launch), output_pool=envs.output_pool(output_pool),
-                    sync_free_mode=envs.nccl_sync_free(sync_free_mode))
+                    sync_free_mode=envs.nccl_sync_free(sync_free_mode), count_columns=count_columns)
 
 
 def agree(group, cfg: EPConfig | None, error: BaseException | None, extra: dict | None = None,

@@ -13,7 +13,7 @@ import torch
 from ..backends.checks import check_expert_ids
 from ..errors import CapacityError, ConfigError, InputError
 
-__all__ = ["check_dispatch_inputs", "check_combine_inputs", "check_backward_inputs", "check_expert_ids"]
+__all__ = ["check_dispatch_inputs", "check_count_ids", "check_combine_inputs", "check_backward_inputs", "check_expert_ids"]
 
 _ID_DTYPES = (torch.int32, torch.int64)
 
@@ -65,6 +65,34 @@ def check_dispatch_inputs(x, topk_idx, topk_weights, hidden, topk, max_tokens_pe
     if not topk_weights.is_contiguous():
         topk_weights = topk_weights.contiguous()
     return x, topk_idx, topk_weights
+
+
+def check_count_ids(count_ids, count_experts, cfg, device):
+    """``(count_ids, count_experts, Tc, CK)`` of :meth:`tritonep.EPBuffer.dispatch`'s count routing, checked:
+    ``count_ids`` a 2-D int32 / int64 tensor ``[Tc, CK]`` (``Tc <= cfg.max_tokens_per_rank``, CK >= 1) on ``device``
+    (made contiguous), ``count_experts`` a positive multiple of the group size with at most ``cfg.count_columns``
+    experts per rank. (Four torch attribute reads: a dispatch's host path.)
+
+    Raises:
+        InputError: naming the value."""
+    W = cfg.world_size
+    if (not isinstance(count_experts, int) or isinstance(count_experts, bool) or count_experts < 1
+            or count_experts % W):
+        raise InputError(f"count_experts={count_experts!r} must be a positive multiple of the group size {W}")
+    if count_experts // W > cfg.count_columns:
+        raise InputError(f"count_experts={count_experts} gives {count_experts // W} local experts per rank, more "
+                         f"than the buffer's count_columns={cfg.count_columns}")
+    if not isinstance(count_ids, torch.Tensor):
+        raise InputError(f"count_ids must be a 2-D int32 / int64 tensor, got {type(count_ids).__name__}")
+    shape = count_ids.shape
+    if len(shape) != 2 or count_ids.dtype not in _ID_DTYPES:
+        raise InputError(f"count_ids must be a 2-D int32 / int64 tensor, got {count_ids.dtype} {tuple(shape)}")
+    if shape[0] > cfg.max_tokens_per_rank or shape[1] < 1:
+        raise InputError(f"count_ids must be [<= max_tokens_per_rank={cfg.max_tokens_per_rank}, >= 1], got "
+                         f"{tuple(shape)}")
+    if count_ids.device != device:
+        raise InputError(f"count_ids is on {count_ids.device}, the buffer on {device}")
+    return (count_ids if count_ids.is_contiguous() else count_ids.contiguous()), count_experts, shape[0], shape[1]
 
 
 def check_combine_inputs(expert_out, handle, hidden, dtype, device, min_rows, name="expert_out"):

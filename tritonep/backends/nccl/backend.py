@@ -246,7 +246,7 @@ class NcclEP:
                              "moved on any rank, the buffer stays usable", bad_ranks=bad_ranks, rank=self.rank)
 
     def dispatch_fwd(self, x, topk_idx, topk_weights, sync: int, keep_quantized: bool = False,
-                     bad_input: bool = False, sync_free: bool = False):
+                     bad_input: bool = False, sync_free: bool = False, count=None):
         """See :meth:`tritonep.EPBuffer.dispatch` (``x`` etc. have passed the front door's shape / dtype checks).
 
         Args:

@@ -176,7 +176,7 @@ class TritonEP:
 
     # ---------------------------------------------------------------------------------------------- dispatch
     def dispatch_fwd(self, x, topk_idx, topk_weights, sync: int, keep_quantized: bool = False,
-                     bad_input: bool = False, sync_free: bool = False):
+                     bad_input: bool = False, sync_free: bool = False, count=None):
         """Forward dispatch, on the decode tiles' one launch or the staged launches (their launch sequences:
         :mod:`tritonep.backends.triton.decode`, :mod:`tritonep.backends.triton.staged`).
 
@@ -188,6 +188,10 @@ class TritonEP:
         ``bad_input=True``: the front door refused this rank's input; ``x``/``topk_idx``/``topk_weights`` are
         empty and the rank still runs the whole launch sequence, flagging the refusal in its counts row, so every
         rank fails this call together (:class:`PeerInputError`) and the next call pairs correctly.
+
+        ``count``: None or ``(count_ids, count_experts, Tc, CK)``, the count routing of
+        :meth:`tritonep.EPBuffer.dispatch`: the decode tiles exchange it in their one launch
+        (``handle.count_sums`` when ``sync``); the staged launches ignore it (None).
 
         Returns ``(rows, row_weights, num_tokens_per_expert, expert_offsets, handle)``.
 
@@ -203,7 +207,7 @@ class TritonEP:
         elif not sync:  # raised at the call; the read that finds it names this rank (CallStatus.front_door_unread)
             status.front_door_unread = True
         if self.decode is not None:
-            return self.decode.dispatch(x, topk_idx, topk_weights, sync, keep_quantized, bad_input, T)
+            return self.decode.dispatch(x, topk_idx, topk_weights, sync, keep_quantized, bad_input, T, count)
         return self.staged.dispatch(x, topk_idx, topk_weights, sync, keep_quantized, bad_input, T)
 
     # ---------------------------------------------------------------------------------------------- combine

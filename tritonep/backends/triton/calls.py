@@ -13,6 +13,7 @@ The launch sequence of each call, and what every flag, counter and wait means, i
 
 from __future__ import annotations
 
+import torch
 import triton
 
 from ...device import protocol as P
@@ -45,7 +46,8 @@ class KernelSet:
             launches publish into (:class:`tritonep.backends.triton.status.CallStatus`). dwire: the dispatch wire's
             device codec.
 
-    Attributes: ``hist``, ``exchange``, ``send`` (forward, dispatch wire), ``send_bwd`` (combine backward, raw),
+    Attributes: ``xhost`` (int32 pinned ``[count_columns]``: the count routing's sums, or None; ``xhost_np`` its
+    numpy view), ``hist``, ``exchange``, ``send`` (forward, dispatch wire), ``send_bwd`` (combine backward, raw),
     ``expand_bwd``; methods ``expand(kq)``, ``fused(kq)``, ``decode(kq)``, ``partial(kind, weighted, wgrad,
     wire)``, ``out(kind, wgrad, wire)``, ``combine_fused(wire)``, ``combine_decode(wire, weighted, wgrad)`` for the
     variants.
@@ -55,6 +57,11 @@ class KernelSet:
         g, b, v = cfg.tiles, views, views
         self._cfg, self._v, self._hl, self._lau = cfg, views, hl, launch
         self._dwire, self._host_mapped = dwire, host_mapped
+        # the count routing's per-local-expert sums of an eager decode dispatch (EPConfig.count_columns; pinned: the
+        # kernel stores into it before it publishes the status words, kernels/decode_dispatch.py)
+        self.xhost = torch.zeros(max(1, cfg.count_columns), dtype=torch.int32,
+                                 pin_memory=device.type == "cuda") if cfg.count_columns else None
+        self.xhost_np = self.xhost.numpy() if self.xhost is not None else None  # the host's view (no torch call)
         W, E, K, L, A = cfg.world_size, cfg.num_experts, cfg.topk, cfg.num_local_experts, cfg.expert_alignment
         Tm, H = cfg.max_tokens_per_rank, cfg.hidden
         opts = {"num_warps": g.num_warps}
@@ -155,12 +162,21 @@ class KernelSet:
                 fields=dict(self._layout, **self._hl.fields_of(topk_idx_ptr="idx", topk_w_ptr="w", rows_ptr="rows")))
         return self._lau.variant(("fused", kq), make)
 
-    def decode(self, kq: bool) -> BoundKernel:
-        """One-launch decode dispatch (counts exchange folded in; ``kq``: keep_quantized output)."""
-        bk = self._lau.bound(("decode", kq))  # every call after the first: no closure built
+    def decode(self, kq: bool, ck: int = 0, ce: int = 0) -> BoundKernel:
+        """One-launch decode dispatch (counts exchange folded in; ``kq``: keep_quantized output; ``ck`` > 0: with a
+        count routing of ``ck`` ids per token over ``ce`` experts, whose per-expert sums go to :attr:`xhost`,
+        dynamic arguments ``cid_ptr``, ``Tc`` after the others)."""
+        key = ("decode", kq, ck, ce)
+        bk = self._lau.bound(key)  # every call after the first: no closure built
         if bk is not None:
             return bk
         v, g, cfg, b = self._v, self._cfg.tiles, self._cfg, self._v
+        extra, dyn = {}, ()
+        if ck:
+            W = cfg.world_size
+            extra = dict(xcounts_tab=v.tab["xcounts"], xcounts_ptr=v.xcounts, xhost_ptr=self.xhost,
+                         XC=cfg.count_columns, CK=ck, CKB=_p2(ck), CE=ce, CLB=_p2(max(ce // W, 2)))
+            dyn = ("cid_ptr", "Tc")
 
         def make():
             return self._lau.bind(dispatch_decode_kernel, dict(
@@ -173,12 +189,12 @@ class KernelSet:
                 Tmax=cfg.max_tokens_per_rank, NCmax=self.ncmax, E=cfg.num_experts, L=cfg.num_local_experts,
                 LB=_p2(cfg.num_local_experts), TB=_p2(cfg.max_tokens_per_rank),
                 BA=_p2(max(cfg.expert_alignment, 1)), A=cfg.expert_alignment, WIRE=self._dwire, KEEP_Q=kq, COPY=True,
-                host_st_ptr=self._host_mapped, HOST_ST=ST_HOST, **self._common, **self._ck),
+                host_st_ptr=self._host_mapped, HOST_ST=ST_HOST, **extra, **self._common, **self._ck),
                 ("x_ptr", "topk_idx_ptr", "topk_w_ptr", STORE, "T", "host_bad", "nrows_w", "out_ptr", "q_ptr",
-                     "s_ptr", "ticket"), grid=(g.decode,),
+                     "s_ptr", "ticket") + dyn, grid=(g.decode,),
                 fields=dict(self._layout, **self._hl.fields_of(rows_ptr="rows", counts_out_ptr="counts",
                                                            idx_out_ptr="idx", w_out_ptr="w", out_w_ptr="rw")))
-        return self._lau.variant(("decode", kq), make)
+        return self._lau.variant(key, make)
 
     # ------------------------------------------------------------------------------------------------ combine
     def partial(self, kind: str, weighted: bool, wgrad: bool, wire) -> BoundKernel:

@@ -49,11 +49,14 @@ class DecodePath:
         self.cfg, self.k, self.status, self.outputs, self.device = cfg, kernels, status, outputs, device
         self._no_w = no_w
 
-    def dispatch(self, x, topk_idx, topk_weights, sync, keep_quantized, bad_input, T):
+    def dispatch(self, x, topk_idx, topk_weights, sync, keep_quantized, bad_input, T, count=None):
         """Forward dispatch in one launch (``T`` tokens); returns what ``TritonEP.dispatch_fwd`` returns and raises
         what it raises (CapacityError / PeerInputError / InputError / PeerTimeoutError when ``sync``). The handle
         block and the rows come as ONE set of the shared pool (``(store, rows, row weights, ntpe, offs)``), or are
-        allocated (graph capture, every set held)."""
+        allocated (graph capture, every set held). ``count``: None, or ``(count_ids [Tc, CK], count_experts, Tc, CK)``,
+        the count routing (:func:`tritonep.backends.triton.kernels.decode_dispatch.dispatch_decode_kernel`): with
+        ``sync`` its sums over the sources for this rank's ``count_experts / W`` local experts come back as the
+        handle's ``count_sums`` (a list of ints, read with the status words: no second read)."""
         max_recv, outs, status = self.cfg.max_recv_tokens, self.outputs, self.status
         # rows are known on the host only after the launch: the outputs hold the capacity, cut to R after the host
         # read (the kernel zeroes the row weights past the rows received: no memset before the launch; they are the
@@ -68,7 +71,13 @@ class DecodePath:
         else:
             q = sc = None
         ticket = status.ticket(sync)  # only a read takes one (HostStatus.next_ticket says why)
-        self.k.decode(q is not None)(x, topk_idx, topk_weights, store, T, int(bad_input), max_recv, out, q, sc, ticket)
+        if count is None:
+            self.k.decode(q is not None)(x, topk_idx, topk_weights, store, T, int(bad_input), max_recv, out, q, sc,
+                                         ticket)
+        else:
+            cid, ce, tc, ck = count
+            self.k.decode(q is not None, ck, ce)(x, topk_idx, topk_weights, store, T, int(bad_input), max_recv, out,
+                                                  q, sc, ticket, cid, tc)
         # what needs no verdict is made while the launch runs (the host read waits for it anyway)
         if got is None:
             hl = outs.hl
@@ -89,7 +98,10 @@ class DecodePath:
         else:
             out_w = rw
         status.finish(refused, st, sync, bad_input)
-        return outs.finish(handle, store, T, R, out, out_w, q, sc, ntpe, offs)
+        # the count routing's sums, published with the status words (before them): no second read
+        sums = self.k.xhost_np[:count[1] // self.cfg.world_size].tolist() if count is not None and st is not None \
+            else None
+        return outs.finish(handle, store, T, R, out, out_w, q, sc, ntpe, offs, sums)
 
     def combine(self, eo, handle, wire, weighted=True, gw=None, bad=0, ticket=0):
         """Push combine in one launch: ``(y [T, H] (eo's dtype), gtw)``; ``weighted=False`` is the dispatch

@@ -178,11 +178,12 @@ class DispatchOutputs:
         launch runs; it reaches no caller before)."""
         return _new_handle(TritonHandle)
 
-    def finish(self, handle, store, T, R, out, out_w, q, sc, ntpe, offs):
+    def finish(self, handle, store, T, R, out, out_w, q, sc, ntpe, offs, count_sums=None):
         """The forward dispatch's return tuple ``(rows, row_weights, num_tokens_per_expert, expert_offsets,
         handle)``, ``handle`` (from :meth:`new_handle`) filled here: the call's storage block ``store``, ``T``
-        tokens, ``R`` rows received; ``ntpe`` / ``offs``: the two views of its storage the call returns."""
-        handle._fill(store, self.hl, T, self.buffer_id, R, out_w, sc)
+        tokens, ``R`` rows received; ``ntpe`` / ``offs``: the two views of its storage the call returns;
+        ``count_sums``: the count routing's sums (the decode dispatch), else None."""
+        handle._fill(store, self.hl, T, self.buffer_id, R, out_w, sc, count_sums)
         return (out if q is None else q), out_w, ntpe, offs, handle
 
 

@@ -21,7 +21,10 @@ def regions(cfg):
     W, E, H, Tm, K = cfg.world_size, cfg.num_experts, cfg.hidden, cfg.max_tokens_per_rank, cfg.topk
     max_recv_tokens, dtype = cfg.max_recv_tokens, cfg.dtype
     ncmax = max(1, triton.cdiv(Tm, cfg.tiles.bt))
-    return [
+    # the decode dispatch's second count matrix (cfg.count_columns, docs in kernels/decode_dispatch.py): two [W, C]
+    # matrices for alternate exchanges, row s = what source s counted for this rank; only when asked for
+    extra = [Region("xcounts", (2, W, cfg.count_columns), torch.int32)] if cfg.count_columns else []
+    return extra + [
         Region("flags", (P.v(P.NUM_FLAG_ROWS), W), torch.int64),
         Region("status", (16,), torch.int64),  # the status word (device/protocol.py ST_*), then rows received
         Region("calls", (P.v(P.NUM_CALLS),), torch.int64),
@@ -62,6 +65,10 @@ class RegionViews:
         self.hist, self.pre = buf.local("hist"), buf.local("pre")
         self.send_base, self.rows_needed = buf.local("send_base"), buf.local("rows_needed")
         self.tab = {n: buf.ptr_table(n) for n in self.SHARED}
+        self.xcounts = None  # the second count matrix (EPConfig.count_columns), when the buffer has one
+        if "xcounts" in buf.layout.offsets:
+            self.xcounts = buf.local("xcounts")
+            self.tab["xcounts"] = buf.ptr_table("xcounts")
 
     def local(self, name: str):
         """This rank's view of region ``name``."""

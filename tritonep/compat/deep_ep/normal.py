@@ -34,6 +34,11 @@ __all__ = ["NormalMode"]
 
 _ID_DTYPES = (torch.int32, torch.int64)
 
+# local experts per rank whose receive counts a meta-rows lane's dispatch sums in its exchange (EPConfig.
+# count_columns: a few KiB of symmetric memory; a constant, so that every rank, a refused one included, makes the lane
+# alike whatever its num_experts); more experts per rank take the unpacking's read instead
+COUNT_COLUMNS = 1024
+
 
 def _width(x) -> int | None:
     """The row width ``x`` would travel with (None when ``x`` is not a tensor or an ``(x_q, scales)`` pair)."""
@@ -135,7 +140,8 @@ class NormalMode(NormalRefusals):
     def _x_lane(self, key, T: int):
         width, worst = key[1], key[2]
         mrt = worst if worst else (lambda tcap: self.W * tcap)
-        return self.lanes.get(key, T, num_experts=self.W, hidden=width, topk=self.W, max_recv_tokens=mrt)
+        return self.lanes.get(key, T, num_experts=self.W, hidden=width, topk=self.W, max_recv_tokens=mrt,
+                              count_columns=COUNT_COLUMNS)
 
     def _spec_lane(self, spec, T: int):
         """``(rows lane, P)`` of a dispatch of ``spec = (row width, num_worst_tokens, K)`` (made now if new:
@@ -154,7 +160,7 @@ class NormalMode(NormalRefusals):
             return self._x_lane(key, T), 0
         extra, W = self.W * P, self.W
         mrt = (lambda tc: worst + extra) if worst else (lambda tc: W * tc + extra)
-        return self.lanes.get(key, T, num_experts=2 * W, hidden=width, topk=W,
+        return self.lanes.get(key, T, num_experts=2 * W, hidden=width, topk=W, count_columns=COUNT_COLUMNS,
                               max_tokens_per_rank=lambda tc: tc + extra, max_recv_tokens=mrt), P
 
     def _plan(self, spec):
@@ -212,6 +218,10 @@ class NormalMode(NormalRefusals):
                     else:
                         slots = rank_slots(itr, self._ranks_on(device))
                     lane_x, w = payload, self._ones_rows(T, device)
+                if K and not sync_free and lane.sums_counts and E // self.W <= COUNT_COLUMNS:
+                    # DeepEP's per-expert receive counts, exchanged and summed in the lane's own exchange (its count
+                    # routing: handle.count_sums where the lane computes them, the decode tiles), read with its status
+                    return lane, P, slots, meta, lane.dispatch(lane_x, slots, w, count_ids=topk_idx, count_experts=E)
                 return lane, P, slots, meta, lane.dispatch(lane_x, slots, w, sync_free=sync_free)
             except (InputError, CapacityError) as e:
                 if attempt:
@@ -309,19 +319,22 @@ class NormalMode(NormalRefusals):
         rows = out.x[:R] if out.x.shape[0] != R else out.x
 
         meta_lane = meta_handle = recv_idx = recv_w = None
-        if P:  # the ids and weights came with the rows: unpacked from the meta rows (one launch), the histogram
-            # read through pinned memory (worst: no read, the tokens past the received ones get ids -1, weight 0)
+        sums = out.handle.count_sums  # DeepEP's per-expert counts, from the rows lane's count routing (None: not)
+        if P:  # the ids and weights came with the rows: unpacked from the meta rows (one launch); the per-expert
+            # counts came with the lane's status (count_sums), else the unpacking's histogram is read through pinned
+            # memory (worst: no read, the tokens past the received ones get ids -1, weight 0)
             recv_idx, recv_w, hist = self._ops(dev).unpack_rows(out.x, out.expert_offsets, R, K, E // self.W, self.W,
-                                                                P, topk_idx.dtype, read=not worst)
+                                                                P, topk_idx.dtype, read=not worst and sums is None)
         elif K:
             meta_lane = self._meta_lane(K, worst, T)
             mout = meta_lane.dispatch(*meta_in, sync_free=True)
             meta_handle = mout.handle
             # worst: the tokens past the received ones (their lane rows are unspecified) get ids -1 and weight 0, and
-            # no host read; else the histogram arrives as a list through pinned memory (no device-to-host copy)
+            # no host read; else the counts came with the rows lane's status (count_sums), or the histogram arrives
+            # as a list through pinned memory (no device-to-host copy)
             recv_idx, recv_w, hist = self._ops(dev).unpack_meta(
                 mout.x, mout.weights, R, K, self.rank, E // self.W, topk_idx.dtype,
-                live=out.expert_offsets[-1] if worst else None, read=not worst)
+                live=out.expert_offsets[-1] if worst else None, read=not worst and sums is None)
         if worst or not eager:  # nobody read these lanes' status: the next synced call or check() does
             self.lanes.unread(lane, meta_lane)
         h = NormalHandle(owner=self.owner, x_lane=lane, x_handle=out.handle, meta_lane=meta_lane,
@@ -333,7 +346,7 @@ class NormalMode(NormalRefusals):
         if worst:
             counts = []
         elif K:
-            counts = hist[1:]
+            counts = hist[1:] if sums is None else sums[:]
         else:  # no ids travelled: DeepEP's list is the group's sum of num_tokens_per_expert (one all_reduce)
             counts = self._group_counts(num_tokens_per_expert)
         if expert_alignment > 1:

@@ -77,7 +77,7 @@ def _own_histogram(topk_idx_ptr, T, limit, K: tl.constexpr, KB: tl.constexpr, E:
 
 
 @triton.jit(do_not_specialize=['T', 'host_bad', 'max_recv', 'nrows_w', 'counts_off', 'data_off', 'ack_off', 'timeout',
-                               'Tmax', 'NCmax', 'ticket', 'rank'])
+                               'Tmax', 'NCmax', 'ticket', 'rank', 'Tc'])
 def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_bad, max_recv, nrows_w, hist_ptr, pre_ptr,
                            counts_tab, counts_ptr, stage_tab, meta_tab, wts_tab, ntok_tab, cflag_tab, cflag_ptr,
                            stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_ptr, out_w_ptr, hmeta_ptr, hwts_ptr,
@@ -89,7 +89,9 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
                            HAS_TIMER: tl.constexpr, RB: tl.constexpr, WIRE: tl.constexpr = RAW_BF16,
                            POW2: tl.constexpr = False, KEEP_Q: tl.constexpr = False, q_ptr=None, s_ptr=None,
                            idx_out_ptr=None, w_out_ptr=None, COPY: tl.constexpr = False, host_st_ptr=None, ticket=0,
-                           HOST_ST: tl.constexpr = 0):
+                           HOST_ST: tl.constexpr = 0, cid_ptr=None, Tc=0, xcounts_tab=None, xcounts_ptr=None,
+                           xhost_ptr=None, XC: tl.constexpr = 0, CK: tl.constexpr = 0, CKB: tl.constexpr = 1,
+                           CE: tl.constexpr = 1, CLB: tl.constexpr = 1):
     """Forward dispatch in one launch of ``G`` programs (see the module docstring).
 
     Inputs: ``x [T, H]`` bf16, ``topk_idx [T, K]`` int32/int64, ``topk_weights [T, K]`` fp32 (T <= Tmax <= TB),
@@ -111,6 +113,15 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
     publish_host_status`): the host's one read of an eager dispatch waits for that, not for the whole launch (a
     wait that gives up later in this launch is recorded in the status word and raised by the next read, as on the
     two-kernel path, whose read follows the counts exchange).
+
+    Count routing (``CK > 0``; the buffer has the ``xcounts`` region of ``XC`` columns, EPConfig.count_columns): a
+    second routing ``cid [Tc, CK]`` (int32/int64 ids over ``CE`` experts, ``CL = CE / W <= XC`` per rank; ids
+    outside ``[0, CE)`` count nowhere) whose routes per (destination, local expert) program 0 writes into every
+    destination's ``xcounts`` row of this rank with the counts row (the same flag publishes both), and, once the
+    other ranks' rows arrived, sums over the sources for this rank: ``sum_s routes of cid_s to expert rank*CL + j``
+    (DeepEP's notify step: the receiver's routes per local expert, known before any row moves) stored as int32 into
+    the pinned host tensor ``xhost[:CL]`` before the status words are published (a call that reads, ``ticket``
+    non-zero, only). Twin: :func:`tritonep.reference.count_sums_reference`.
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
@@ -132,6 +143,14 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
             dst = tl.load(counts_tab + d).to(tl.pointer_type(tl.int32)) + cbuf + rank * E1
             tl.store(dst + e2d, h2, mask=m2d)
             tl.store(dst + E, bad)
+        if CK > 0:  # the count routing's routes per (destination, local expert), row d to rank d
+            CL: tl.constexpr = CE // W
+            hc, _ = _own_histogram(cid_ptr, Tc, Tc, CK, CKB, CE, CL, TB, WB, CLB)
+            xbuf = (nx % 2) * (W * XC)
+            jc = tl.arange(0, CLB)
+            for d in range(W):
+                xdst = tl.load(xcounts_tab + d).to(tl.pointer_type(tl.int32)) + xbuf + rank * XC
+                tl.store(xdst + jc, tl.sum(tl.where(d_off[:, None] == d, hc, 0), 0), mask=jc < CL)
         mark_dead(flags_tab, status_ptr, W, rank, WB)  # a timed-out rank: no peer takes what it skips
         signal_peers(flags_tab, counts_off, W, rank, WB)
     ok = tl.full((), 1, tl.int32)
@@ -163,6 +182,15 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
         store_layout(total, aligned, rows, ntpe_ptr, offs_ptr, rows_needed_ptr, status_ptr + ST_ROWS_RECEIVED, rank,
                      W, L, WB, LB, refused)
         record_verdict(badv, rows, max_recv, status_ptr, n, True, W, WB)
+        if CK > 0:  # the count routing's sums over the sources, published before the status words
+            if ticket != 0:
+                CLs: tl.constexpr = CE // W
+                hs, _ = _own_histogram(cid_ptr, Tc, Tc, CK, CKB, CE, CLs, TB, WB, CLB)
+                xb = (nx % 2) * (W * XC)
+                js = tl.arange(0, CLB)
+                mx = ((s_off[:, None] < W) & (s_off[:, None] != rank) & (ok != 0)) & (js[None, :] < CLs)
+                xs = tl.sum(tl.load(xcounts_ptr + xb + s_off[:, None] * XC + js[None, :], mask=mx, other=0), 0)
+                tl.store(xhost_ptr + js, xs + tl.sum(tl.where(d_off[:, None] == rank, hs, 0), 0), mask=js < CLs)
         if host_st_ptr is not None:
             publish_host_status(status_ptr, host_st_ptr, ticket, HOST_ST, HAS_TIMER)
         tl.store(counts_out_ptr + s_off[:, None, None] * E + e2d[None, :, :], c3, mask=m3)  # the handle's snapshot

@@ -65,8 +65,11 @@ def _ep_paths(group):
         os.environ["TRITONEP_GEOMETRY"] = "bt=2,dec=3"  # the one-launch decode dispatch and combine, every wire
         try:
             for dw in ("bf16", "fp8", "mxfp4"):
-                db = tep.EPBuffer(group, 8, 128, 16, 2, dispatch_wire=dw, combine_wire=dw, expert_alignment=4)
+                db = tep.EPBuffer(group, 8, 128, 16, 2, dispatch_wire=dw, combine_wire=dw, expert_alignment=4,
+                                  count_columns=4)
                 xq, iq, wq = make_rank_inputs(rank, 9, 128, 8, 2, seed=5)
+                if dw == "bf16":  # the count routing's variant (the compat Buffer's rows lanes)
+                    db.dispatch(xq, iq, wq, count_ids=iq, count_experts=8)
                 if dw == "bf16":  # the backward too: the decode combine's unweighted variant with the wgrad return
                     xq.requires_grad_(True)
                     wq.requires_grad_(True)
@@ -114,6 +117,8 @@ def test_ep_kernels_compile_for_sm90():
             "combine_decode_kernel"} <= names, names
     assert any(r.get("name") == "combine_decode_kernel" and r["constexprs"].get("WGRAD")
                and not r["constexprs"].get("WEIGHTED") for r in recs), "the decode dispatch backward was not recorded"
+    assert any(r.get("name") == "dispatch_decode_kernel" and r["constexprs"].get("CK") for r in recs), \
+        "the decode dispatch's count routing was not recorded"
     failures = compile_recorded(recs)
     assert not failures, "\n\n".join(f"{n}: {e}" for n, e in failures)
 

@@ -254,7 +254,9 @@ class EPBuffer(BackwardCalls, RefusalCalls):
                 (no second host read) on the triton backend's decode tiles in an eager call; None elsewhere (the
                 nccl backend, the staged launches, no host read). Every rank passes it alike (a per-call argument:
                 not checked across ranks). Needs ``count_columns >= count_experts / W`` and ``Tc <=
-                max_tokens_per_rank`` (InputError); its rows need not be the tokens' (a routing only counted).
+                max_tokens_per_rank`` (InputError); its rows need not be the tokens' (a routing only counted). Its
+                kernel variant (per ``CK`` and ``count_experts``) is bound on first use, not at construction: make
+                one such call eagerly before a graph capture.
             count_experts: the experts of ``count_ids`` (a multiple of W).
 
         Returns:

@@ -23,7 +23,7 @@ def _ep_paths(group):
     rank = dist.get_rank()
     recs = []
     with record_launches(recs):
-        buf = tep.EPBuffer(group, 8, 64, 16, 2, expert_alignment=4)
+        buf = tep.EPBuffer(group, 8, 64, 16, 2, expert_alignment=4, count_columns=4)
         x, idx, w = make_rank_inputs(rank, 9, 64, 8, 2, seed=1)
         x.requires_grad_(True)
         w.requires_grad_(True)
@@ -31,6 +31,7 @@ def _ep_paths(group):
         y = buf.combine(d.x * 1, d.handle, kind="push")
         y2 = buf.combine(d.x * 1, d.handle, kind="pull")
         (y.float().sum() + y2.float().sum()).backward()
+        buf.dispatch(x.detach(), idx, w.detach(), count_ids=idx, count_experts=8)  # the exchange's count routing
         buf.close()
         for dw, cw in (("fp8", "fp8"), ("mxfp4", "mxfp4")):
             qb = tep.EPBuffer(group, 8, 128, 16, 2, dispatch_wire=dw, combine_wire=cw)
@@ -65,8 +66,11 @@ def _ep_paths(group):
         os.environ["TRITONEP_GEOMETRY"] = "bt=2,dec=3"  # the one-launch decode dispatch and combine, every wire
         try:
             for dw in ("bf16", "fp8", "mxfp4"):
-                db = tep.EPBuffer(group, 8, 128, 16, 2, dispatch_wire=dw, combine_wire=dw, expert_alignment=4)
+                db = tep.EPBuffer(group, 8, 128, 16, 2, dispatch_wire=dw, combine_wire=dw, expert_alignment=4,
+                                  count_columns=4)
                 xq, iq, wq = make_rank_inputs(rank, 9, 128, 8, 2, seed=5)
+                if dw == "bf16":  # the count routing's variant (the compat Buffer's rows lanes)
+                    db.dispatch(xq, iq, wq, count_ids=iq, count_experts=8)
                 if dw == "bf16":  # the backward too: the decode combine's unweighted variant with the wgrad return
                     xq.requires_grad_(True)
                     wq.requires_grad_(True)
@@ -114,6 +118,9 @@ def test_ep_kernels_compile_for_sm90():
             "combine_decode_kernel"} <= names, names
     assert any(r.get("name") == "combine_decode_kernel" and r["constexprs"].get("WGRAD")
                and not r["constexprs"].get("WEIGHTED") for r in recs), "the decode dispatch backward was not recorded"
+    for name in ("dispatch_decode_kernel", "exchange_kernel"):
+        assert any(r.get("name") == name and r["constexprs"].get("CK") for r in recs), \
+            f"the count routing of {name} was not recorded"
     failures = compile_recorded(recs)
     assert not failures, "\n\n".join(f"{n}: {e}" for n, e in failures)
 

@@ -80,8 +80,8 @@ def normal_case(group, backend: str, seed: int, meta_rows_max_tokens=None, kinds
                                                    num_tokens_per_expert=nte, topk_idx=idx, topk_weights=w,
                                                    async_finish=True, previous_event=buf.capture())
         ev.current_stream_wait()
-        if rnd == 0 and h.x_lane.sums_counts:  # the decode tiles (a GPU's at these sizes): DeepEP's per-expert
-            # counts come with the rows lane's status, ONE read (round 1 first reads the lanes its last calls left)
+        if rnd == 0 and h.x_lane.sums_counts:  # the triton backend: DeepEP's per-expert counts come with the rows
+            # lane's status, ONE read (round 1 first reads the lanes its last calls left)
             assert host_reads(buf) == reads + 1, (host_reads(buf), reads)
         assert torch.equal(rx.cpu().view(torch.int16), e_rows.view(torch.int16)), "rows"
         assert torch.equal(ridx.cpu(), e_ids) and ridx.dtype == idx.dtype, "ids"

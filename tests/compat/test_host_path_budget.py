@@ -12,22 +12,20 @@ histogram read through pinned memory, and any torch call that reads the device: 
 Launches and host reads must match exactly. At these sizes the top-k travels as meta rows of the rows lane (the
 Buffer's default): a dispatch is one launch of the packing kernel (x copied into the lane's input with the meta rows,
 and the lane's slots), the rows lane's dispatch (one launch with the one-launch decode tiles a GPU picks up to 256
-tokens, four with the two-kernel tiles) and one launch of the unpacking kernel; with the decode tiles it reads the
-host once (the rows lane's status, spun on as the kernel publishes it before any row moves, with DeepEP's per-expert
-counts, summed in the same exchange: the lane's count routing), with the two-kernel tiles twice (then the
-received-expert histogram the unpacking kernel publishes: no device-to-host copy) and a ``num_worst_tokens``
-dispatch never (its capacity poison
-launch instead: NaN rows and weights when the call overflowed). It allocates the lane's slots and the two outputs
-(the lane's input is kept per lane) and runs no torch kernel of its own. A combine is the rows lane's (one read when
-its dispatch read, none after a ``num_worst_tokens`` one) after one torch copy of the caller's rows into the lane's
-expert-output buffer (the lane's layout has the meta rows after them). With ``meta_rows_max_tokens=0`` (the meta
-lane, a second EPBuffer dispatch) a dispatch is the packing launch of both lanes' inputs, the two lanes' dispatches
-and the meta unpacking launch, one read on the decode tiles; its combine no copy. A combine of ``topk_weights`` (Megatron's
-fused-dispatch backward; counted as a handle's first) adds the meta lane's backward (after a meta-rows dispatch first
-a sync-free dispatch of a meta lane routed like the rows lane) and the ranks' sum of the weights. The layout is one
-launch and no read. Torch calls,
-aten ops, allocations and torch kernels may only go down (then lower the budget; the torch way, ``packing.pack_torch``,
-a zeroed histogram and its ``tolist``, is six torch kernels and a device-to-host copy per dispatch). The previous
+tokens, four with the two-kernel tiles) and one launch of the unpacking kernel; it reads the host once (the rows
+lane's status, spun on as the kernel publishes it before any row moves, with DeepEP's per-expert counts, summed in
+the same exchange: the lane's count routing; the two-kernel tiles' counts exchange launch likewise) and a
+``num_worst_tokens`` dispatch never (its capacity poison launch instead: NaN rows and weights when the call
+overflowed). It allocates the lane's slots and the two outputs (the lane's input is kept per lane) and runs no torch
+kernel of its own. A combine is the rows lane's (one read when its dispatch read, none after a ``num_worst_tokens``
+one) after one torch copy of the caller's rows into the lane's expert-output buffer (the lane's layout has the meta
+rows after them). With ``meta_rows_max_tokens=0`` (the meta lane, a second EPBuffer dispatch) a dispatch is the
+packing launch of both lanes' inputs, the two lanes' dispatches and the meta unpacking launch, one read; its combine no
+copy. A combine of ``topk_weights`` (Megatron's fused-dispatch backward; counted as a handle's
+first) adds the meta lane's backward (after a meta-rows dispatch first a sync-free dispatch of a meta lane routed
+like the rows lane) and the ranks' sum of the weights. The layout is one launch and no read. Torch calls, aten ops,
+allocations and torch kernels may only go down (then lower the budget; the torch way, ``packing.pack_torch``, a
+zeroed histogram and its ``tolist``, is six torch kernels and a device-to-host copy per dispatch). The previous
 step's outputs are let go before a dispatch, as a loop over steps does.
 """
 
@@ -42,9 +40,11 @@ T, H, E, K = 12, 64, 8, 3
 # call -> (torch calls, aten ops, allocations, torch kernels, launches, host reads), world 2, T tokens per rank
 BUDGET = {  # the CPU's own tiles: the two-kernel lane dispatch (what a GPU takes at 4096 tokens)
     "layout": (12, 3, 2, 0, 1, 0),  # in_rank + one block for both counts (split in two views)
-    # pack (1) + rows lane (4) + unpack (1); two pinned reads; slots, the outputs, the lane's handle and rows
-    # (4 of the torch calls: attribute reads of the refusal bookkeeping, which lanes were read and the rows' device)
-    "dispatch": (58, 6, 4, 0, 6, 2),
+    # pack (1) + rows lane (4) + unpack (1); one pinned read (the counts with the rows lane's status: its count
+    # routing, summed in the counts exchange launch; was 58 calls and two reads); slots, the outputs, the lane's
+    # handle and rows (4 of the torch calls: attribute reads of the refusal bookkeeping, which lanes were read and
+    # the rows' device; 4 more: the count routing's check)
+    "dispatch": (62, 6, 4, 0, 6, 1),
     # the copy into the lane's expert-output buffer (a torch kernel), the rows lane's combine (its output, two
     # launches, its status read), the token rows of its output (a view)
     "combine": (13, 3, 1, 1, 2, 1),

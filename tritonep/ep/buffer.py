@@ -75,7 +75,7 @@ class EPBuffer(BackwardCalls, RefusalCalls):
             / ``"gather"``; the nccl backend); TRITONEP_NCCL_SYNC_FREE.
         count_columns: room for the per-local-expert sums of :meth:`dispatch`'s ``count_ids`` (at most this many
             local experts per rank; 0: none, the default). The attribute ``sums_counts`` says whether this buffer
-            computes them (the triton backend's one-launch decode tiles; elsewhere ``count_sums`` stays None).
+            computes them (the triton backend; on the nccl backend ``count_sums`` stays None).
 
     Raises:
         ConfigError: an invalid value, or a static configuration that differs across ranks (raised on every rank,
@@ -129,8 +129,8 @@ class EPBuffer(BackwardCalls, RefusalCalls):
         self._backend.buffer_id = self._id
         self._quantized_dispatch = get_wire(cfg.dispatch_wire).quantized
         # whether dispatch(count_ids=...) sums the count routing on this buffer (handle.count_sums of an eager call):
-        # the triton backend's one-launch decode dispatch, with count_columns
-        self.sums_counts = bool(cfg.count_columns) and getattr(self._backend, "decode", None) is not None
+        # the triton backend, with count_columns
+        self.sums_counts = bool(cfg.count_columns) and getattr(self._backend, "sums_counts", False)
         self._sync = cfg.sync_checks
         # the front door's static arguments, made once: check_dispatch_inputs' and check_combine_inputs'
         self._din = (cfg.hidden, cfg.topk, cfg.max_tokens_per_rank, cfg.dtype, device)
@@ -251,10 +251,12 @@ class EPBuffer(BackwardCalls, RefusalCalls):
                 rank ``e // (count_experts / W)``; ids outside ``[0, count_experts)`` count nowhere), only counted:
                 each rank gets ``handle.count_sums[j]`` = the routes of every rank's ``count_ids`` to its local
                 expert j (DeepEP's per-expert receive counts, made by its notify step), read with the call's status
-                (no second host read) on the triton backend's decode tiles in an eager call; None elsewhere (the
-                nccl backend, the staged launches, no host read). Every rank passes it alike (a per-call argument:
+                (no second host read) on the triton backend in an eager call; None elsewhere (the nccl backend, no
+                host read). Every rank passes it alike (a per-call argument:
                 not checked across ranks). Needs ``count_columns >= count_experts / W`` and ``Tc <=
-                max_tokens_per_rank`` (InputError); its rows need not be the tokens' (a routing only counted).
+                max_tokens_per_rank`` (InputError); its rows need not be the tokens' (a routing only counted). Its
+                kernel variant (per ``CK`` and ``count_experts``) is bound on first use, not at construction: make
+                one such call eagerly before a graph capture.
             count_experts: the experts of ``count_ids`` (a multiple of W).
 
         Returns:

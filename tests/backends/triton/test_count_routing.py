@@ -3,8 +3,9 @@
 Each rank's ``handle.count_sums`` equals the twin :func:`tritonep.reference.count_sums_reference` over every rank's
 ``count_ids`` (repeated ids, -1 and ids past the experts included), read with the call's one status read (the
 buffer's host reads do not grow); the dispatch's own outputs are those of the same call without a count routing.
-Where the sums are not computed (sync-free calls, the staged launches) the handle says None; bad count ids are
-refused on every rank.
+Both triton paths compute them (the decode tiles' one launch, the counts exchange of the two-kernel and fused
+dispatches); where they are not (sync-free calls, the nccl backend) the handle says None; bad count ids are refused on
+every rank.
 """
 
 import os
@@ -65,24 +66,25 @@ def count_world(group, Ts, CE, CK, geometry):
     return got, want[rank], err, again
 
 
+@pytest.mark.parametrize("geometry", ["dec=2", "", "fs=2,fe=2"], ids=["decode", "two-kernel", "fused"])
 @pytest.mark.parametrize("W,CE,CK", [(2, 8, 3), (3, 12, 8)])
-def test_count_sums_decode(W, CE, CK):
+def test_count_sums(W, CE, CK, geometry):
+    """The decode tiles' one launch, and the counts exchange launch of the two-kernel and fused dispatches."""
     Ts = [16, 0, 5][:W]
-    for rank, (got, want, err, again) in enumerate(run_cpu_world(W, count_world, Ts, CE, CK, "dec=2")):
+    for rank, (got, want, err, again) in enumerate(run_cpu_world(W, count_world, Ts, CE, CK, geometry)):
         assert got == [want, want] and again == want, (rank, got, want)
         assert err == ("InputError" if rank == 0 else "PeerInputError"), (rank, err)
 
 
-def test_count_sums_staged_is_none():
-    """The staged launches do not compute the sums: None (the caller counts its own way)."""
+def test_count_sums_nccl_is_none():
+    """The nccl backend sums no count routing: None (the caller counts its own way)."""
     def fn(group):
-        os.environ["TRITONEP_GEOMETRY"] = "dec=0"
         x, idx, w = make_rank_inputs(dist.get_rank(group), 8, H, 8, K, seed=3)
-        buf = tep.EPBuffer(group, 8, H, TM, K, device="cpu", count_columns=4)
+        buf = tep.EPBuffer(group, 8, H, TM, K, device="cpu", backend="nccl", count_columns=4)
         d = buf.dispatch(x, idx, w.float(), count_ids=idx, count_experts=8)
         buf.close()
-        return d.handle.count_sums
-    assert run_cpu_world(2, fn) == [None, None]
+        return d.handle.count_sums, buf.sums_counts
+    assert run_cpu_world(2, fn) == [(None, False), (None, False)]
 
 
 def test_count_columns_checked():

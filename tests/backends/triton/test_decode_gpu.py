@@ -46,15 +46,16 @@ def test_decode_graph_soak_1000_replays(gpu_world):
     assert res == [(1000, []), (1000, [])], res
 
 
-def test_count_routing_on_gpu(gpu_world, gpu_world_size):
+@pytest.mark.parametrize("geometry", ["", "dec=0"], ids=["decode", "two-kernel"])
+def test_count_routing_on_gpu(gpu_world, gpu_world_size, geometry):
     """The count routing (``dispatch(count_ids=...)``) on the compiled decode kernel (the GPU's default tiles at 16
-    tokens): every rank's ``count_sums`` equal the twin's over two calls (both halves of the double-buffered
+    tokens) and the two-kernel path's counts exchange launch (``dec=0``): every rank's ``count_sums`` equal the twin's over two calls (both halves of the double-buffered
     exchange), one host read per dispatch, a bad count routing refused on every rank (tests/backends/triton/
     test_count_routing.py runs the same on the CPU)."""
     from tests.backends.triton.test_count_routing import count_world
 
     W = gpu_world_size
     Ts = [16, 0, 5, 16, 1, 9, 0, 7][:W]
-    for rank, (got, want, err, again) in enumerate(gpu_world(W, count_world, Ts, 4 * W, 8, "", timeout_s=600)):
+    for rank, (got, want, err, again) in enumerate(gpu_world(W, count_world, Ts, 4 * W, 8, geometry, timeout_s=600)):
         assert got == [want, want] and again == want, (rank, got, want)
         assert err == ("InputError" if rank == 0 else "PeerInputError"), (rank, err)

@@ -52,6 +52,7 @@ class TritonEP:
 
     name = "triton"
     sync_free = True  # dispatch(sync_free=True): no host read, max_recv_tokens rows
+    sums_counts = True  # dispatch(count_ids=...): the sums come with the status (a buffer with count_columns)
 
     def __init__(self, cfg, *, group, rank, device):
         self.cfg, self.group, self.rank, self.device = cfg, group, rank, torch.device(device)
@@ -190,8 +191,8 @@ class TritonEP:
         rank fails this call together (:class:`PeerInputError`) and the next call pairs correctly.
 
         ``count``: None or ``(count_ids, count_experts, Tc, CK)``, the count routing of
-        :meth:`tritonep.EPBuffer.dispatch`: the decode tiles exchange it in their one launch
-        (``handle.count_sums`` when ``sync``); the staged launches ignore it (None).
+        :meth:`tritonep.EPBuffer.dispatch`, exchanged with the counts (the decode tiles' one launch, or the counts
+        exchange launch): ``handle.count_sums`` when ``sync``.
 
         Returns ``(rows, row_weights, num_tokens_per_expert, expert_offsets, handle)``.
 
@@ -208,7 +209,7 @@ class TritonEP:
             status.front_door_unread = True
         if self.decode is not None:
             return self.decode.dispatch(x, topk_idx, topk_weights, sync, keep_quantized, bad_input, T, count)
-        return self.staged.dispatch(x, topk_idx, topk_weights, sync, keep_quantized, bad_input, T)
+        return self.staged.dispatch(x, topk_idx, topk_weights, sync, keep_quantized, bad_input, T, count)
 
     # ---------------------------------------------------------------------------------------------- combine
     def _combine(self, eo, handle, weighted, gw=None, kind=None, wire=RAW, bad=0, ticket=0):

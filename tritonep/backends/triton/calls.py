@@ -86,14 +86,16 @@ class KernelSet:
             ("topk_idx_ptr", "w_ptr", STORE, "T", "NC"), grid=(g.grid_hist,),
             fields=hl.fields_of(idx_out_ptr="idx", w_out_ptr="w"))
         xgrid, xt = exchange_tiles(self.ncmax, E, cfg.max_programs)  # static tiles: never derived from this call's T
-        self.exchange = self._lau.bind(exchange_kernel, dict(
+        self._xgrid = xgrid
+        self._xstatic = dict(
             hist_ptr=v.hist, counts_tab=v.tab["counts"], flags_ptr=v.flags, flags_tab=v.tab["flags"],
             flag_off=fo(P.FLAG_COUNTS), calls_ptr=v.calls[cx:], status_ptr=v.status, timeout=timeout,
             pre_ptr=v.pre, send_base_ptr=v.send_base, rows_needed_ptr=v.rows_needed,
             max_recv=cfg.max_recv_tokens, rank=rank, W=W, E=E, L=L, A=A, WB=ck["WB"], LB=_p2(L), EB=_p2(E),
             HAS_TIMER=ck["HAS_TIMER"], DOUBLE=True, dcall_ptr=calls(P.CALL_DISPATCH),
             rows_out_ptr=v.status[P.v(P.ST_ROWS_RECEIVED):P.v(P.ST_ROWS_RECEIVED) + 1], host_st_ptr=self._host_mapped,
-            HOST_ST=ST_HOST, DEAD=True, **xt, **opts),
+            HOST_ST=ST_HOST, DEAD=True, **xt, **opts)
+        self.exchange = self._lau.bind(exchange_kernel, self._xstatic,
             ("NC", STORE, "host_bad", "ticket"), grid=(xgrid,),
             fields=hl.fields_of(ntpe_ptr="ntpe", offs_ptr="offs", counts_out_ptr="counts"))
         send = dict(pre_ptr=v.pre, send_base_ptr=v.send_base, stage_tab=v.tab["stage"], meta_tab=v.tab["meta"],
@@ -161,6 +163,24 @@ class KernelSet:
                 grid=(g.fused_send + g.fused_expand,),
                 fields=dict(self._layout, **self._hl.fields_of(topk_idx_ptr="idx", topk_w_ptr="w", rows_ptr="rows")))
         return self._lau.variant(("fused", kq), make)
+
+    def exchange_count(self, ck: int, ce: int) -> BoundKernel:
+        """The counts exchange with a count routing of ``ck`` ids per token over ``ce`` experts (its sums go to
+        :attr:`xhost`): :attr:`exchange`'s launch with the dynamic arguments ``cid_ptr``, ``Tc`` after the others."""
+        key = ("exchange", ck, ce)
+        bk = self._lau.bound(key)
+        if bk is not None:
+            return bk
+        v, cfg = self._v, self._cfg
+
+        def make():
+            return self._lau.bind(exchange_kernel, dict(
+                self._xstatic, xcounts_tab=v.tab["xcounts"], xcounts_ptr=v.xcounts, xhost_ptr=self.xhost,
+                XC=cfg.count_columns, CK=ck, CKB=_p2(ck), CE=ce, CLB=_p2(max(ce // cfg.world_size, 2)),
+                TCB=max(1, 2048 // _p2(ck))),
+                ("NC", STORE, "host_bad", "ticket", "cid_ptr", "Tc"), grid=(self._xgrid,),
+                fields=self._hl.fields_of(ntpe_ptr="ntpe", offs_ptr="offs", counts_out_ptr="counts"))
+        return self._lau.variant(key, make)
 
     def decode(self, kq: bool, ck: int = 0, ce: int = 0) -> BoundKernel:
         """One-launch decode dispatch (counts exchange folded in; ``kq``: keep_quantized output; ``ck`` > 0: with a

@@ -56,18 +56,22 @@ class StagedPath:
         self.cfg, self.k, self.status, self.outputs, self.device = cfg, kernels, status, outputs, device
         self.hl, self._no_w = outputs.hl, no_w
 
-    def dispatch(self, x, topk_idx, topk_weights, sync, keep_quantized, bad_input, T):
+    def dispatch(self, x, topk_idx, topk_weights, sync, keep_quantized, bad_input, T, count=None):
         """Forward dispatch of ``T`` tokens (launches 1-5 of the module docstring); returns what
         ``TritonEP.dispatch_fwd`` returns and raises what it raises (CapacityError / PeerInputError / InputError /
         PeerTimeoutError when ``sync``). The handle storage comes from the outputs part's pool (or is allocated:
-        graph capture, every set held)."""
+        graph capture, every set held). ``count``: the count routing, as
+        :meth:`tritonep.backends.triton.decode.DecodePath.dispatch` (exchanged by the counts exchange here)."""
         g, outs, k, status = self.cfg.tiles, self.outputs, self.k, self.status
         # the pool's set (store, ntpe, offs, row weights), or a fresh store (graph capture, every set held)
         store, ntpe, offs, rw = outs.take()
         nc = _cdiv(T, g.bt)
         ticket = status.ticket(sync)  # only a read takes one (HostStatus.next_ticket says why)
         k.hist(topk_idx, topk_weights, store, T, nc)
-        k.exchange(nc, store, int(bad_input), ticket)  # publishes status + ticket to the host
+        if count is None:
+            k.exchange(nc, store, int(bad_input), ticket)  # publishes status + ticket to the host
+        else:  # with the count routing's sums, published before the status words
+            k.exchange_count(count[3], count[1])(nc, store, int(bad_input), ticket, count[0], count[2])
         fused = g.fused_send > 0
         if not fused:
             k.send(x, store, T, nc)  # queued before the host waits: its NVLink time overlaps the read
@@ -95,7 +99,8 @@ class StagedPath:
         # while the data kernels run: the weights' view (a fresh slice of the pooled field, never the field itself)
         out_w = w_arg if R is None else rw[:R] if rw is not None else self.hl.tensor(store, "rw", R)
         status.finish(refused, st, sync, bad_input)
-        return outs.finish(handle, store, T, R, out, out_w, q, sc, ntpe, offs)
+        sums = k.xhost_np[:count[1] // self.cfg.world_size].tolist() if count is not None and st is not None else None
+        return outs.finish(handle, store, T, R, out, out_w, q, sc, ntpe, offs, sums)
 
     def combine(self, eo, handle, wire, weighted=True, gw=None, bad=0, ticket=0, kind="push"):
         """A combine (``weighted``: ``(y [T, H] (eo's dtype), None)``) or the dispatch backward (``(y, gtw)``: with

@@ -128,6 +128,7 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
     n = tl.load(calls_ptr + CALL_DISPATCH) + 1
     nx = tl.load(calls_ptr + CALL_EXCHANGE) + 1
     E1: tl.constexpr = E + 1
+    CL: tl.constexpr = CE // W  # the count routing's local experts per rank (CK > 0)
     tile: tl.constexpr = RowTile(K, KB, H, BH, BT, RB, WIRE, HAS_TIMER)
     cbuf = (nx % 2) * (W * E1)  # the counts region's two matrices for alternate exchanges (exchange_kernel DOUBLE)
     d_off = tl.arange(0, WB)
@@ -144,7 +145,6 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
             tl.store(dst + e2d, h2, mask=m2d)
             tl.store(dst + E, bad)
         if CK > 0:  # the count routing's routes per (destination, local expert), row d to rank d
-            CL: tl.constexpr = CE // W
             hc, _ = _own_histogram(cid_ptr, Tc, Tc, CK, CKB, CE, CL, TB, WB, CLB)
             xbuf = (nx % 2) * (W * XC)
             jc = tl.arange(0, CLB)
@@ -184,13 +184,12 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
         record_verdict(badv, rows, max_recv, status_ptr, n, True, W, WB)
         if CK > 0:  # the count routing's sums over the sources, published before the status words
             if ticket != 0:
-                CLs: tl.constexpr = CE // W
-                hs, _ = _own_histogram(cid_ptr, Tc, Tc, CK, CKB, CE, CLs, TB, WB, CLB)
+                hs, _ = _own_histogram(cid_ptr, Tc, Tc, CK, CKB, CE, CL, TB, WB, CLB)
                 xb = (nx % 2) * (W * XC)
                 js = tl.arange(0, CLB)
-                mx = ((s_off[:, None] < W) & (s_off[:, None] != rank) & (ok != 0)) & (js[None, :] < CLs)
+                mx = ((s_off[:, None] < W) & (s_off[:, None] != rank) & (ok != 0)) & (js[None, :] < CL)
                 xs = tl.sum(tl.load(xcounts_ptr + xb + s_off[:, None] * XC + js[None, :], mask=mx, other=0), 0)
-                tl.store(xhost_ptr + js, xs + tl.sum(tl.where(d_off[:, None] == rank, hs, 0), 0), mask=js < CLs)
+                tl.store(xhost_ptr + js, xs + tl.sum(tl.where(d_off[:, None] == rank, hs, 0), 0), mask=js < CL)
         if host_st_ptr is not None:
             publish_host_status(status_ptr, host_st_ptr, ticket, HOST_ST, HAS_TIMER)
         tl.store(counts_out_ptr + s_off[:, None, None] * E + e2d[None, :, :], c3, mask=m3)  # the handle's snapshot

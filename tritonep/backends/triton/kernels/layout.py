@@ -39,7 +39,8 @@ from ....device.protocol import (CALL_EXCHANGE, DONE_EXCHANGE, ST_BAD_RANK_MASK,
                        STATUS_BAD_INPUT, STATUS_CAPACITY, STATUS_TIMEOUT, WAIT_COUNTS)
 from ....device.signal import mark_dead, peers_alive, publish_host_status, record_error, signal_peers, wait_all_ge
 
-__all__ = ["chunk_hist_kernel", "exchange_kernel", "exchange_tiles", "layout_tiles", "store_layout", "refused_call", "record_verdict"]
+__all__ = ["chunk_hist_kernel", "exchange_kernel", "exchange_tiles", "layout_tiles", "store_layout", "refused_call", "record_verdict",
+           "count_histogram"]
 
 
 @triton.jit(do_not_specialize=['T', 'NC'])
@@ -99,14 +100,16 @@ def exchange_tiles(max_chunks: int, num_experts: int, max_programs: int = 0) -> 
     return (min(grid, max_programs) if max_programs else grid), dict(NCB=ncb, EBLK=eblk)
 
 
-@triton.jit(do_not_specialize=['NC', 'flag_off', 'timeout', 'max_recv', 'host_bad', 'ticket', 'rank'])
+@triton.jit(do_not_specialize=['NC', 'flag_off', 'timeout', 'max_recv', 'host_bad', 'ticket', 'rank', 'Tc'])
 def exchange_kernel(hist_ptr, NC, counts_tab, flags_ptr, flags_tab, flag_off, calls_ptr, status_ptr, timeout,
                     pre_ptr, send_base_ptr, ntpe_ptr, offs_ptr, rows_needed_ptr, max_recv, host_bad,
                     rank, W: tl.constexpr, E: tl.constexpr, L: tl.constexpr, A: tl.constexpr,
                     WB: tl.constexpr, LB: tl.constexpr, EB: tl.constexpr, NCB: tl.constexpr, EBLK: tl.constexpr,
                     HAS_TIMER: tl.constexpr, DOUBLE: tl.constexpr = False, dcall_ptr=None, rows_out_ptr=None,
                     counts_out_ptr=None, host_st_ptr=None, ticket=0, HOST_ST: tl.constexpr = 0,
-                    DEAD: tl.constexpr = False):
+                    DEAD: tl.constexpr = False, cid_ptr=None, Tc=0, xcounts_tab=None, xcounts_ptr=None,
+                    xhost_ptr=None, XC: tl.constexpr = 0, CK: tl.constexpr = 0, CKB: tl.constexpr = 1,
+                    CE: tl.constexpr = 1, CLB: tl.constexpr = 1, TCB: tl.constexpr = 1):
     """Counts exchange + layout (grid: one program per expert block, :func:`exchange_tiles`; any grid >= 1 is
     correct). See the module docstring for every output.
 
@@ -139,6 +142,13 @@ def exchange_kernel(hist_ptr, NC, counts_tab, flags_ptr, flags_tab, flag_off, ca
     ``DEAD`` (an EPBuffer's exchange: ``flags_ptr`` / ``flags_tab`` are its whole flags region): a timed-out rank
     marks itself in every peer before it signals, and the peers' rows are taken only if none did (``FLAG_DEAD``,
     :func:`tritonep.device.signal.mark_dead` / :func:`tritonep.device.signal.peers_alive`).
+
+    Count routing (``CK > 0``, an EPBuffer's exchange with the ``xcounts`` region): as the decode dispatch's
+    (:func:`tritonep.backends.triton.kernels.decode_dispatch.dispatch_decode_kernel`): program 0 writes this rank's
+    routes of ``cid [Tc, CK]`` per (destination, local expert) into every destination's ``xcounts`` row (tiles of
+    ``TCB`` tokens, :func:`count_histogram`) before the last program signals; the last program, once the rows
+    arrived, stores this rank's sums over the sources into ``xhost[:CE / W]`` before it publishes the status words
+    (an eager call only: ``ticket`` non-zero).
     """
     n = tl.load(calls_ptr)
     pid = tl.program_id(0)
@@ -174,6 +184,13 @@ def exchange_kernel(hist_ptr, NC, counts_tab, flags_ptr, flags_tab, flag_off, ca
         for d in range(W):
             dst = tl.load(counts_tab + d).to(tl.pointer_type(tl.int32))
             tl.store(dst + cbuf + rank * E1 + E, bad)
+        if CK > 0:  # the count routing's rows, one per destination (released with this program's arrival)
+            hc = count_histogram(cid_ptr, Tc, CK, CKB, CE, CE // W, TCB, WB, CLB)
+            jc = tl.arange(0, CLB)
+            wo = tl.arange(0, WB)
+            for d in range(W):
+                xdst = tl.load(xcounts_tab + d).to(tl.pointer_type(tl.int32)) + (n % 2) * (W * XC) + rank * XC
+                tl.store(xdst + jc, tl.sum(tl.where(wo[:, None] == d, hc, 0), 0), mask=jc < CE // W)
     # the last program to arrive (ticket ``DONE_EXCHANGE``, never reset: every call adds G) signals, waits and lays
     # out; the acq_rel tickets order every program's row stores before its signal (release, cumulative). In the
     # interpreter programs run in order and the last one is the last to arrive.
@@ -185,7 +202,26 @@ def exchange_kernel(hist_ptr, NC, counts_tab, flags_ptr, flags_tab, flag_off, ca
     if last:
         _exchange_finish(counts_tab, flags_ptr, flags_tab, flag_off, n, cbuf, status_ptr, timeout, send_base_ptr,
                          ntpe_ptr, offs_ptr, rows_needed_ptr, max_recv, rank, W, E, L, A, WB, LB, EB, HAS_TIMER,
-                         dcall_ptr, rows_out_ptr, counts_out_ptr, host_st_ptr, ticket, HOST_ST, DEAD)
+                         dcall_ptr, rows_out_ptr, counts_out_ptr, host_st_ptr, ticket, HOST_ST, DEAD, cid_ptr, Tc,
+                         xcounts_ptr, xhost_ptr, XC, CK, CKB, CE, CLB, TCB)
+
+
+@triton.jit
+def count_histogram(cid_ptr, Tc, CK: tl.constexpr, CKB: tl.constexpr, CE: tl.constexpr, CL: tl.constexpr,
+                    TCB: tl.constexpr, WB: tl.constexpr, CLB: tl.constexpr):
+    """Routes of ``cid [Tc, CK]`` (int32/int64 ids over ``CE`` experts, ``CL`` per rank; ids outside ``[0, CE)``
+    count nowhere) per (destination, local expert) as an int32 ``[WB, CLB]`` tile, in tiles of ``TCB`` tokens."""
+    acc = tl.zeros((WB * CLB,), dtype=tl.int32)
+    k = tl.arange(0, CKB)
+    for t0 in range(0, Tc, TCB):
+        t = t0 + tl.arange(0, TCB)
+        m = (t < Tc)[:, None] & (k[None, :] < CK)
+        raw = tl.load(cid_ptr + t[:, None].to(tl.int64) * CK + k[None, :], mask=m, other=-1)
+        ok = m & (raw >= 0) & (raw < CE)  # range-checked at the ids' own width before the int32 cast
+        ids = tl.where(ok, raw, 0).to(tl.int32)
+        pe = tl.where(ok, (ids // CL) * CLB + ids % CL, 0)
+        acc += tl.histogram(tl.reshape(pe, (TCB * CKB,)), WB * CLB, mask=tl.reshape(ok, (TCB * CKB,)))
+    return tl.reshape(acc, (WB, CLB))
 
 
 @triton.jit
@@ -193,10 +229,13 @@ def _exchange_finish(counts_tab, flags_ptr, flags_tab, flag_off, n, cbuf, status
                      ntpe_ptr, offs_ptr, rows_needed_ptr, max_recv, rank, W: tl.constexpr,
                      E: tl.constexpr, L: tl.constexpr, A: tl.constexpr, WB: tl.constexpr, LB: tl.constexpr,
                      EB: tl.constexpr, HAS_TIMER: tl.constexpr, dcall_ptr, rows_out_ptr, counts_out_ptr, host_st_ptr,
-                     ticket, HOST_ST: tl.constexpr, DEAD: tl.constexpr):
+                     ticket, HOST_ST: tl.constexpr, DEAD: tl.constexpr, cid_ptr, Tc, xcounts_ptr, xhost_ptr,
+                     XC: tl.constexpr, CK: tl.constexpr, CKB: tl.constexpr, CE: tl.constexpr, CLB: tl.constexpr,
+                     TCB: tl.constexpr):
     """Second half of :func:`exchange_kernel` (one program): signal the peers, wait for their rows, lay out, and
     (``host_st_ptr`` not None) publish the status words and ``ticket`` to the host after the last status store."""
     E1: tl.constexpr = E + 1
+    CL: tl.constexpr = CE // W  # the count routing's local experts per rank (CK > 0)
     if DEAD:
         mark_dead(flags_tab, status_ptr, W, rank, WB)
     signal_peers(flags_tab, flag_off, W, rank, WB)
@@ -229,6 +268,14 @@ def _exchange_finish(counts_tab, flags_ptr, flags_tab, flag_off, n, cbuf, status
         record_verdict(badv, rows, max_recv, status_ptr, tl.load(dcall_ptr), True, W, WB)
     else:
         record_verdict(badv, rows, max_recv, status_ptr, 0, False, W, WB)
+    if CK > 0:  # the count routing's sums over the sources (exchange_kernel), before the status words
+        if ticket != 0:
+            own = count_histogram(cid_ptr, Tc, CK, CKB, CE, CL, TCB, WB, CLB)
+            js = tl.arange(0, CLB)
+            mx = (s_off[:, None] < W) & (s_off[:, None] != rank) & (ok != 0) & (js[None, :] < CL)
+            xs = tl.sum(tl.load(xcounts_ptr + (n % 2) * (W * XC) + s_off[:, None] * XC + js[None, :], mask=mx,
+                                other=0), 0)
+            tl.store(xhost_ptr + js, xs + tl.sum(tl.where(d_off[:, None] == rank, own, 0), 0), mask=js < CL)
     if host_st_ptr is not None:  # every status store of this launch is above (this program's): words, then ticket
         publish_host_status(status_ptr, host_st_ptr, ticket, HOST_ST, HAS_TIMER)
 

@@ -1,10 +1,11 @@
 """SASS statistics of the dispatch kernels of a wire at a GPU shape, compiled for sm_90 on a CPU (no GPU needed).
 
-    PYTHONPATH=. python benchmarks/probes/sass_stats.py --wires fp8 mxfp4 [--hidden 7168 --tokens 4096 --topk 8
-        --experts 256] [--stage-own 0|1] [--json out.json]
+    PYTHONPATH=. python benchmarks/probes/sass_stats.py --wires fp8 mxfp4 [--profile deepseek-v3] [--stage-own 0|1]
+        [--ops] [--json out.json]
 
 A one-rank CPU world (Triton's interpreter) runs one dispatch with decoded rows and one with rows kept quantized
-(``keep_quantized=True``, what the ep_bench ``*.kept`` graph rows time) of an EPBuffer of the given shape with the
+(``keep_quantized=True``, what the ep_bench ``*.kept`` graph rows time) of an EPBuffer of the shape of a profile of
+:mod:`tritonep.bench.profiles` (hidden, experts, top-k; its token count picks the tiles) with the
 kernel tiles the GPU table picks for it (:func:`tests.support.tiles.tiles_of` with device ``cuda``: for DeepSeek-V3
 at world 1, 16 tokens x 1024 columns, 16 warps, 132 programs for the quantized wires), recording every launch
 (:mod:`tests.support.compile_check`). Rows move only for a few tokens (the interpreter is slow); the compiled kernels
@@ -195,16 +196,16 @@ SHOWN = ("shared", "shfl", "int", "fp", "cvt", "ldg", "stg", "local", "uniform",
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--wires", nargs="+", default=["fp8", "mxfp4"])
-    ap.add_argument("--hidden", type=int, default=7168)
-    ap.add_argument("--tokens", type=int, default=4096, help="max_tokens_per_rank the GPU tiles are chosen for")
-    ap.add_argument("--topk", type=int, default=8)
-    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--profile", default="deepseek-v3", help="shape: a profile of tritonep/bench/profiles.py")
     ap.add_argument("--stage-own", type=int, choices=(0, 1), default=None)
     ap.add_argument("--ops", action="store_true", help="also print the 12 most frequent mnemonics per kernel")
     ap.add_argument("--json", default="")
     a = ap.parse_args(argv)
     os.environ["TRITON_INTERPRET"] = "1"
+    from tritonep.bench.profiles import profile_shape
     from tritonep.testing import run_cpu_world
+
+    a.hidden, a.experts, a.topk, a.tokens = profile_shape(a.profile)
 
     recs = run_cpu_world(1, _record, a, timeout_s=1800)[0]
     seen, uniq = set(), []

@@ -227,6 +227,10 @@ def main(argv=None) -> int:
         print(p.stderr[-3000:])
         return 1
     stats = json.loads(line[-1][2:])
+    import tritonep
+
+    print(f"tritonep from {os.path.dirname(tritonep.__file__)}; profile {a.profile} (hidden {a.hidden}, experts "
+          f"{a.experts}, top-{a.topk}, tiles for {a.tokens} tokens at world 1); sm_90, HAS_TIMER=True")
     hdr = (f"{'variant':<14} {'kernel':<22} {'regs':>4} {'spill st/ld':>11} {'local':>5} {'smem':>6} {'total':>6} "
            + " ".join(f"{c:>7}" for c in SHOWN) + f" {'elem/thr':>8}")
     print(hdr)

@@ -1,7 +1,7 @@
 """mxfp4 Triton encoder / decoder (interpreter) against the torch twins on dense inputs: every bf16 pattern, values
 exactly on the e2m1 midpoints (ties) and one ulp either side at scales from fp32-subnormal to the top of the range,
-the specials; every (packed byte, e8m0 scale) pair through the decoder, with tiles that take the all-normal shortcut
-and tiles that need the general rule."""
+the specials; every (packed byte, e8m0 scale) pair through the decoder, in order, shuffled, and the normal scales
+alone; the same on the GPU (gpu marker)."""
 
 import pytest
 import torch

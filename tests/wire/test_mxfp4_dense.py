@@ -1,8 +1,9 @@
 """mxfp4 Triton encoder / decoder (interpreter) against the torch twins on dense inputs: every bf16 pattern, values
 exactly on the e2m1 midpoints (ties) and one ulp either side at scales from fp32-subnormal to the top of the range,
-the specials; every (packed byte, e8m0 scale) pair through the decoder, with tiles that take the all-normal shortcut
-and tiles that need the general rule."""
+the specials; every (packed byte, e8m0 scale) pair through the decoder, in order, shuffled, and the normal scales
+alone; the same on the GPU (gpu marker)."""
 
+import pytest
 import torch
 
 from tritonep.wire.mxfp4 import dequantize_mxfp4, dequantize_mxfp4_torch, quantize_mxfp4, quantize_mxfp4_torch
@@ -43,3 +44,19 @@ def test_decode_every_byte_and_scale_matches_twin():
         s = scales[sel].reshape(-1, 8).contiguous()
         got = dequantize_mxfp4(p, s, torch.float32).view(torch.int32)
         assert torch.equal(got, dequantize_mxfp4_torch(p, s, torch.float32).view(torch.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_dense_on_cuda_matches_twin():
+    """The compiled kernels on the GPU give the twin's bits on the same dense inputs: the encode's scaling multiply
+    and the decode's one multiply keep fp32 subnormals (scales 2^-127, blocks of subnormal x) and round nothing."""
+    for x in _encode_inputs():
+        x = x.float().contiguous()
+        for got, want in zip(quantize_mxfp4(x.cuda()), quantize_mxfp4_torch(x)):
+            assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8)), x.shape
+    allb = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    p = torch.cat([allb.reshape(16, 16)] * 256).reshape(-1, 8 * 16).contiguous()
+    s = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat_interleave(16).reshape(-1, 8).contiguous()
+    got = dequantize_mxfp4(p.cuda(), s.cuda(), torch.float32).cpu().view(torch.int32)
+    assert torch.equal(got, dequantize_mxfp4_torch(p, s, torch.float32).view(torch.int32))

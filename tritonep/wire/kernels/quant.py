@@ -171,60 +171,60 @@ def fp8_dequant_tile(q_bits, scale, EXACT_MUL: tl.constexpr = False, FAST: tl.co
 
 @triton.jit
 def mxfp4_quant_tile(x, POW2: tl.constexpr = False, FAST: tl.constexpr = False):
-    """Quantize fp32 ``x`` [G, 32] to MX fp4 (OCP Microscaling v1.0, e2m1 + e8m0). ``POW2`` and ``FAST`` are
-    ignored (e8m0 scales are powers of two already, sm_90 has no e2m1 conversion; the parameters make the
-    signature the codec contract's).
+    """Quantize fp32 ``x`` [G, 32] to MX fp4 (OCP Microscaling v1.0, e2m1 + e8m0). ``POW2`` is ignored (e8m0
+    scales are powers of two already; the parameter makes the signature the codec contract's); ``FAST`` (GPU only)
+    takes the scaling multiply as ``mul.rn.f32`` (inline PTX: never flushes an fp32 subnormal ``x``, same bits).
 
     Returns ``(packed, e8m0)``: packed uint8 [G, 16] (element 2i in the low nibble, 2i+1 in the high nibble;
     nibble = sign<<3 | e2m1 magnitude code), e8m0 uint8 [G]. Rule = :func:`tritonep.wire.mxfp4.quantize_mxfp4_torch`.
-    (A per-block midpoint-compare variant measured ~26 us slower per dispatch at the DeepSeek-V3 shape on one
-    H200: seven per-block values broadcast over the tile; this per-element RNE shift is the faster one.)
+
+    One block reduction (the max of ``|x|``'s bits: a NaN / Inf in it marks the block, whose finite amax is then
+    not needed) and, per element, ``y = |x| * 2^-X`` (X = the block's scale exponent; exact wherever the code depends
+    on it: ``|y| < 8``, and a subnormal ``y`` is below 2^-126, far under the first rounding point 0.25, so its code
+    is 0 however it rounds), then ``y``'s e2m1 code from its bits: ``y >= 1`` keeps one mantissa bit with RNE
+    (the carry goes into the exponent; codes past 7 saturate to 7 = 6.0), ``y < 1`` is 0 / 0.5 / 1.0 by two
+    compares with the midpoints 0.25 (a tie goes to 0) and 0.75 (a tie goes to 1.0). (A per-block
+    midpoint-compare variant on the unscaled ``x`` measured ~26 us slower per dispatch at the DeepSeek-V3 shape on
+    one H200: seven per-block values broadcast over the tile; here the thresholds are constants.)
     """
     G: tl.constexpr = x.shape[0]
     xb = x.to(tl.int32, bitcast=True)
     ab = xb & 0x7FFFFFFF
-    finite = ab < 0x7F800000
-    bad = tl.max((ab >= 0x7F800000).to(tl.int32), axis=1)  # 1 if the block holds NaN/Inf
-    amax_bits = tl.max(tl.where(finite, ab, 0), axis=1)
+    amax_bits = tl.max(ab, axis=1)  # >= 0x7F800000: the block holds NaN/Inf
+    bad = amax_bits >= 0x7F800000
     e8 = tl.maximum((amax_bits >> 23) - 2, 0)  # floor(log2 amax) - 2 + 127, clamped to [0, 252]
-    ex = (e8 - 127)[:, None]
-    e = ab >> 23
-    frac = ab & 0x7FFFFF
-    m = tl.where(e == 0, frac, frac | 0x800000)
-    e_lsb = tl.where(e == 0, -149, e - 150)  # |x| = m * 2^e_lsb
-    ey = tl.maximum(e - 127 - ex, 0)  # max(floor(log2 |x / 2^ex|), 0) for the e2m1 quantum
-    s = tl.minimum(tl.maximum(ey - 1 + ex - e_lsb, 1), 25)
-    code = tl.minimum(rne_shift(m, s) + 2 * ey, 7) | (((xb >> 31) & 1) << 3)
-    code = tl.where(bad[:, None] != 0, 0, code)
+    rcp = ((254 - e8) << 23).to(tl.float32, bitcast=True)  # 2^-(e8 - 127), a normal fp32 (e8 <= 253)
+    y = mul_rn(ab.to(tl.float32, bitcast=True), tl.broadcast_to(rcp[:, None], x.shape), FAST)
+    yb = y.to(tl.int32, bitcast=True)
+    # y >= 1: e2m1 = 1 exponent bit pair + 1 mantissa bit; code = RNE(bits >> 22) - (126 << 1), carry included
+    code_n = tl.minimum(((yb + 0x1FFFFF + ((yb >> 22) & 1)) >> 22) - 252, 7)
+    code_s = (yb > 0x3E800000).to(tl.int32) + (yb >= 0x3F400000).to(tl.int32)  # y < 1: 0, 0.5 or 1.0
+    code = tl.where(yb >= 0x3F800000, code_n, code_s) | ((xb >> 28) & 8)
+    code = tl.where(bad[:, None], 0, code)
     lo, hi = tl.split(tl.reshape(code, [G, 16, 2]))
     packed = (lo | (hi << 4)).to(tl.uint8)
-    e8 = tl.where(bad != 0, 255, e8).to(tl.uint8)
+    e8 = tl.where(bad, 255, e8).to(tl.uint8)
     return packed, e8
 
 
 @triton.jit
 def mxfp4_dequant_tile(packed, e8m0, EXACT_MUL: tl.constexpr = False, FAST: tl.constexpr = False):
-    """uint8 packed e2m1 [G, 16] and uint8 e8m0 [G] -> exact fp32 [G, 32] (e8m0 == 255 -> NaN block). Built from
-    bits with no multiply, so ``EXACT_MUL`` and ``FAST`` (codec contract) have nothing to do. (A variant with a
+    """uint8 packed e2m1 [G, 16] and uint8 e8m0 [G] -> exact fp32 [G, 32] (e8m0 == 255 -> NaN block; overflow ->
+    +-Inf). Each element is its e2m1 magnitude as an fp32 value (from its bits: codes 2..7 are ``(code + 252) << 22``,
+    code 1 is 0.5) times the block's 2^(e8m0 - 127) (fp32 bits ``e8m0 << 23``, 2^-127 a subnormal for e8m0 0): one
+    multiply whose exact product is always an fp32 value or past the top (-> Inf), so rounding changes nothing;
+    ``EXACT_MUL`` (GPU) takes it as ``mul.rn.f32``. ``FAST`` (codec contract) has nothing to do. (A variant with a
     tile-wide fast-path test measured ~22 us slower per dispatch on one H200: the test is a block-wide reduction.)"""
     p = packed.to(tl.int32)
     c = tl.interleave(p & 0xF, (p >> 4) & 0xF)  # [G, 32], element order
-    return _mxfp4_value_bits(c, c & 7, e8m0.to(tl.int32)[:, None]).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _mxfp4_value_bits(c, mag, sc):
-    """General rule of :func:`mxfp4_dequant_tile`: int32 fp32 bits of e2m1 codes ``c`` [G, 32] times 2^(sc-127)
-    (subnormal results exact, overflow -> Inf, sc == 255 -> NaN)."""
-    v = tl.where(mag < 4, mag, tl.where(mag == 4, 4, tl.where(mag == 5, 6, tl.where(mag == 6, 8, 12))))  # 2*|e2m1|
-    lv = tl.where(v >= 8, 3, tl.where(v >= 4, 2, tl.where(v >= 2, 1, 0)))  # floor(log2 v)
-    mbit = tl.where((v == 3) | (v == 6) | (v == 12), 1 << 22, 0)
-    biased = lv + sc - 1  # value = v * 2^(sc - 128)
-    nbits = tl.where(biased >= 255, 0x7F800000, (tl.maximum(biased, 0) << 23) | mbit)  # overflow -> Inf
-    sbits = v << tl.minimum(tl.maximum(sc + 21, 0), 22)
-    bits = tl.where(biased >= 1, nbits, sbits)
-    bits = tl.where(v == 0, 0, bits) | ((c >> 3) << 31)
-    return tl.where(sc == 255, 0x7FC00000, bits)
+    mag = c & 7
+    vb = tl.where(mag >= 2, (mag + 252) << 22, mag * 0x3F000000)  # |e2m1| as fp32 bits: 0, 0.5, 1, 1.5, ..., 6
+    sc = e8m0.to(tl.int32)
+    sb = tl.where(sc == 0, 0x00400000, tl.minimum(sc, 254) << 23)  # 2^(sc - 127) (sc == 255: replaced below)
+    v = mul_rn(vb.to(tl.float32, bitcast=True), tl.broadcast_to(sb.to(tl.float32, bitcast=True)[:, None], c.shape),
+               EXACT_MUL)
+    bits = v.to(tl.int32, bitcast=True) | ((c >> 3) << 31)
+    return tl.where((sc == 255)[:, None], 0x7FC00000, bits).to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -162,9 +162,15 @@ def source_tile(src, t, has, io, row_off, h0, tile, POW2: tl.constexpr = False):
     tensor :func:`send_chunk` encodes; it stays unchanged until the expander ran: same stream or same launch) and
     passed through the wire's encoder (``POW2``: the sender's scale rule) and decoder, so the tile has the bits the
     staged row would hold, without the staging write + read through HBM. Masked rows read as zero. On the GPU
-    (``tile.HAS_TIMER``) the codec multiplies exactly and takes its FAST path (same bits)."""
+    (``tile.HAS_TIMER``) the codec multiplies exactly and takes its FAST path (same bits). A wire that stages its
+    own rows (``tile.WIRE.stage_own``) reads every source from the staging, and its expander holds no encoder at all
+    (a runtime ``src == -1`` test would keep the never-taken encode in the kernel, with its registers: sm_90 spilled
+    for it, ``benchmarks/probes/sass_stats.py``)."""
     # (one return after the runtime branch: Triton does not lower a return inside it)
-    if src == own_source(io, tile):
+    if tile.WIRE.stage_own:  # every source's rows are staged: no encode compiled into the expander
+        xt = wire_load(io.stage_ptr, row_off, h0, has, tile.H, tile.BH, tile.BT, tile.WIRE, tile.HAS_TIMER,
+                       tile.HAS_TIMER)
+    elif src == io.rank:
         pay, sc = own_encoded(t, has, io, h0, tile, POW2)
         if tile.WIRE.quantized:
             G: tl.constexpr = tile.BT * (tile.BH // tile.WIRE.block)
@@ -203,8 +209,11 @@ def own_encoded(t, has, io, h0, tile, POW2: tl.constexpr):
 @triton.jit
 def source_raw(src, t, has, io, row_off, h0, tile, POW2: tl.constexpr = False):
     """Columns [h0, h0+BH) of source ``src``'s wire rows still encoded (payload, scales; quantized wires only): from
-    the staging, or for the own rank encoded from ``io.x_ptr`` (see :func:`source_tile`)."""
-    if src == own_source(io, tile):
+    the staging, or for the own rank encoded from ``io.x_ptr`` (see :func:`source_tile`; a ``stage_own`` wire: every
+    source from the staging, no encoder compiled in)."""
+    if tile.WIRE.stage_own:  # every source's rows are staged: no encode compiled into the expander
+        q, sc = wire_load_raw(io.stage_ptr, row_off, h0, has, tile.H, tile.BH, tile.WIRE)
+    elif src == io.rank:
         q, sc = own_encoded(t, has, io, h0, tile, POW2)
     else:
         q, sc = wire_load_raw(io.stage_ptr, row_off, h0, has, tile.H, tile.BH, tile.WIRE)

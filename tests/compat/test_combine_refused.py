@@ -3,8 +3,8 @@
 docs/deep_ep.md ("Errors"): bad input is refused before any row moves; the refusing rank still takes part with a
 flag, so every rank raises and the Buffer stays usable. Checked on the last rank (rank W-1) of worlds of 2 and 3:
 
-- ``combine`` of a synced dispatch (x of the wrong dtype, too few rows, another Buffer's handle): every peer raises
-  PeerInputError naming the rank in the same call (EPBuffer's refused combine);
+- ``combine`` of a synced dispatch (x of the wrong dtype, too few rows, on another device, another Buffer's handle):
+  every peer raises PeerInputError naming the rank in the same call (EPBuffer's refused combine);
 - ``combine`` of a ``num_worst_tokens`` dispatch with ``topk_weights`` (x of the wrong dtype, or another Buffer's
   handle: then the latest dispatch's lanes stand in; no host read): the peers' output is NaN,
   their combined weights too (on the nccl backend those of the tokens sent to the refusing rank, the others exact),
@@ -84,7 +84,7 @@ def _normal_world(group, backend, how, meta_rows_max_tokens=256):
             out["call"] = _verdict(lambda: res.append(buf.combine(rx, bad_h, topk_weights=weights)))
             other.combine(orx, oh)
         else:
-            bad = {"dtype": rx.float(), "rows": rx[:-1], "worst": rx.float()}[how]
+            bad = {"dtype": rx.float(), "rows": rx[:-1], "worst": rx.float(), "device": rx.to("meta")}[how]
             out["call"] = _verdict(lambda: res.append(buf.combine(bad if rank == bad_rank else rx, h,
                                                                   topk_weights=weights)))
         if res and weights is not None:  # the output NaN; the combined weights NaN where the backend promises
@@ -133,7 +133,8 @@ def assert_normal(res, how):
 
 
 @pytest.mark.parametrize("backend", ["triton", "nccl"])
-@pytest.mark.parametrize("how", ["dtype", "rows", "handle", "worst", "worst_handle", "cached", "worst_dispatch"])
+@pytest.mark.parametrize("how", ["dtype", "rows", "device", "handle", "worst", "worst_handle", "cached",
+                                 "worst_dispatch"])
 def test_refused_normal_call_takes_part(backend, how):
     assert_normal(run_cpu_world(2, _normal_world, backend, how, timeout_s=120), how)
 

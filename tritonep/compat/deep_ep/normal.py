@@ -455,6 +455,9 @@ class NormalMode(NormalRefusals):
                     _tensor(b, "bias", 2, (torch.bfloat16,))
                     if tuple(b.shape) != (h.num_tokens, x.shape[1]):
                         raise InputError(f"bias must be [{h.num_tokens}, {x.shape[1]}], got {tuple(b.shape)}")
+            for name, t in (("x", x), ("topk_weights", topk_weights), *(("bias", b) for b in biases)):
+                if t is not None and t.device != h.x_lane.device:
+                    raise InputError(f"combine: {name} is on {t.device}, the dispatch's rows on {h.x_lane.device}")
         except TritonEPError:
             self._cancel_combine(h if own else None, topk_weights is not None)
             raise

@@ -2,7 +2,7 @@
 
 Error bounds tested (constants in tritonep.wire.fp8 / tritonep.wire.mxfp4):
 * fp8:   |dequant(quant(x)) - x| <= FP8_REL_ERR * |x| + FP8_ABS_ERR_SCALE * scale  (2^-4, 2^-10), fp32 output,
-         plus 2^-22 |x| for the fp32 division/multiply roundings.
+         plus 2^-21 |x| for the fp32 division/multiply roundings.
 * mxfp4: |dequant(quant(x)) - x| <= MXFP4_REL_ERR * max(|x|, 2^X)  (2^-2; 2^X = block scale), exact fp32 output.
 Triton runs on CUDA when present, else in the interpreter on CPU (conftest sets TRITON_INTERPRET=1); twins on CPU.
 """
@@ -180,12 +180,14 @@ def test_e4m3_twin_matches_torch_cast():
 
 
 def test_fp8_twin_matches_deepseek_reference():
-    """On normal data the twin equals ``(x / (amax / 448)).to(float8_e4m3fn)`` (DeepSeek-V3 act_quant)."""
+    """On normal data the twin equals ``(x * (448 / amax)).to(float8_e4m3fn)`` with scale ``amax / 448`` (DeepEP's
+    per-token cast; both divisions IEEE: a tensor numerator, since torch's ``448 / t`` is ``t.reciprocal() * 448``)."""
     x = _random_rows(16, 512, torch.float32, seed=4, spread=3)
     q, s = quantize_fp8_torch(x)
     xb = x.view(16, 4, 128)
-    ref_s = xb.abs().amax(-1) / 448
-    ref_q = (xb / ref_s[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(16, 512)
+    amax = xb.abs().amax(-1)
+    ref_s = amax / torch.full_like(amax, 448)
+    ref_q = (xb * (torch.full_like(amax, 448) / amax)[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(16, 512)
     assert torch.equal(s, ref_s) and torch.equal(q.view(U8), ref_q.view(U8))
 
 
@@ -218,7 +220,7 @@ def test_fp8_error_bound(pow2):
     d = dequantize_fp8(q, s, torch.float32).cpu()
     sc = s.cpu().repeat_interleave(128, dim=1)
     err = (d - x).abs()
-    bound = FP8_REL_ERR * x.abs() + FP8_ABS_ERR_SCALE * sc + 2.0**-22 * x.abs()
+    bound = FP8_REL_ERR * x.abs() + FP8_ABS_ERR_SCALE * sc + 2.0**-21 * x.abs()
     fin = torch.isfinite(x)
     assert (err[fin] <= bound[fin]).all()
     assert (err[fin] / bound[fin]).max() > 0.5  # the bound is tight enough to mean something

@@ -143,7 +143,7 @@ def test_e5m2_round_trip_error_bound():
     q, s = quantize_fp8_e5m2_torch(x)
     y = dequantize_fp8_e5m2_torch(q, s, torch.float32)
     scale = s.repeat_interleave(128, dim=1)
-    bound = E5M2_REL_ERR * x.abs() + E5M2_ABS_ERR_SCALE * scale + 2.0**-22 * x.abs()
+    bound = E5M2_REL_ERR * x.abs() + E5M2_ABS_ERR_SCALE * scale + 2.0**-21 * x.abs()
     assert bool(((y - x).abs() <= bound).all())
     assert float((q.view(U8) & 0x7F).max()) <= 0x7B  # never Inf/NaN codes for finite input
 

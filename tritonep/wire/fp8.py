@@ -8,8 +8,11 @@ Spec (:func:`quantize_fp8_torch`, exact bits; the Triton path gives the same bit
   The floor 2^-126 (smallest normal fp32) keeps the scale normal and nonzero: an all-zero (or all
   non-finite) block gets scale 2^-126 and zeros stay zeros.
   ``pow2_scale=True`` then rounds the scale UP to a power of two (UE8M0-style, for GEMMs that need it).
-* ``q = e4m3(x / scale)``: IEEE division, then round to nearest even onto the e4m3fn grid with saturation to
-  +-448 (like ``cvt.rn.satfinite``). Signed zeros are kept (``-0.0 -> 0x80``).
+* ``q = e4m3(x * inv)`` with the block's multiplier ``inv = 448 / max(amax, 448 * 2^-126)`` (IEEE division once
+  per block, ``2^126`` where the scale's floor holds; ``pow2_scale``: ``inv = 1 / scale``, exact) and one IEEE
+  multiply per element (DeepEP's ``x * (448 / amax)``; a division per element costs a GPU encoder most of its
+  instructions), then round to nearest even onto the e4m3fn grid with saturation to +-448 (like
+  ``cvt.rn.satfinite``). Signed zeros are kept (``-0.0 -> 0x80``).
 * Non-finite inputs: NaN -> 0x7F (positive NaN code); +-Inf -> +-448 (0x7E / 0xFE), i.e. it dequantizes to
   +-448 * scale of the block's finite elements.
 * fp32-subnormal inputs are used as they are (no flush to zero).
@@ -17,7 +20,8 @@ Spec (:func:`quantize_fp8_torch`, exact bits; the Triton path gives the same bit
 Dequant (:func:`dequantize_fp8_torch`): ``out = (value(q) * scale).to(out_dtype)``, one fp32 multiply, RNE cast.
 
 Error bound (fp32 output, tested): ``|dequant(quant(x)) - x| <= 2^-4 * |x| + 2^-10 * scale`` for finite x
-(half an e4m3 ulp relative, or half the subnormal step 2^-9 times the scale), plus fp32 rounding (2^-22 |x|).
+(half an e4m3 ulp relative, or half the subnormal step 2^-9 times the scale), plus fp32 rounding (2^-21 |x|: the
+multiplier's division, the scaling multiply, the scale's division and the dequant multiply round once each).
 """
 
 from __future__ import annotations
@@ -136,21 +140,29 @@ def quantize_fp8_torch(x: torch.Tensor, pow2_scale: bool = False) -> tuple[torch
 
 
 def scaled_quantize_torch(x: torch.Tensor, fmax: float, encode, pow2_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Shared spec of the fp32-scaled 8-bit wires (blocks of 128): ``(encode(x / scale) uint8 [N, H], scale fp32
+    """Shared spec of the fp32-scaled 8-bit wires (blocks of 128): ``(encode(x * inv) uint8 [N, H], scale fp32
     [N, H/128])``, amax over finite elements, scale = max(amax / fmax, 2^-126) (IEEE division; pow2_scale: rounded
-    up to a power of two). ``encode``: fp32 tensor -> uint8 bits (RNE, saturating). ``x`` is checked by the caller."""
+    up to a power of two), the block's multiplier inv = fmax / max(amax, fmax * 2^-126) (IEEE division; pow2_scale:
+    1 / scale, exact), one IEEE multiply per element. ``encode``: fp32 tensor -> uint8 bits (RNE, saturating).
+    ``x`` is checked by the caller."""
     n, h = x.shape
     xf = x.float().contiguous().reshape(n, h // FP8_BLOCK, FP8_BLOCK)
     ab = xf.view(torch.int32) & 0x7FFFFFFF
     amax_bits = torch.where(ab < 0x7F800000, ab, torch.zeros_like(ab)).amax(dim=-1)
     # divide by a tensor, not a Python scalar: on CUDA, torch turns a scalar divisor into a multiply by its
     # reciprocal (not IEEE division, differs in the last bit); a tensor divisor is a true div.rn
-    scale = amax_bits.view(torch.float32) / torch.full_like(amax_bits.view(torch.float32), fmax)
+    amax = amax_bits.view(torch.float32)
+    fmax_t = torch.full_like(amax, fmax)
+    scale = amax / fmax_t
     sb = torch.clamp(scale.view(torch.int32), min=_MIN_SCALE_BITS)
     if pow2_scale:
         sb = (sb + 0x7FFFFF) & 0x7F800000
     scale = sb.view(torch.float32)
-    q = encode(xf / scale[..., None])
+    if pow2_scale:
+        inv = (0x7F000000 - sb).view(torch.float32)  # 1 / 2^k: exact and normal (k in [-126, 120])
+    else:
+        inv = fmax_t / torch.clamp(amax, min=fmax * 2.0**-126)  # 2^126 where the scale's floor holds; never inf
+    q = encode(xf * inv[..., None])
     return q.reshape(n, h), scale
 
 

@@ -7,13 +7,15 @@ same bits in the interpreter and on GPU). The fp8 (e4m3) wire's rule with the e5
 
 * Blocks of 128, ``hidden % 128 == 0`` (no padding); ``amax`` = max |x| over the block's finite elements (fp32).
 * ``scale = max(amax / 57344, 2^-126)`` (IEEE division); ``pow2_scale=True`` rounds it up to a power of two.
-* ``q = e5m2(x / scale)``: IEEE division, round to nearest even onto the e5m2 grid, saturating to +-57344.
+* ``q = e5m2(x * inv)``, ``inv = 57344 / max(amax, 57344 * 2^-126)`` (IEEE division once per block; ``pow2_scale``:
+  ``1 / scale``, exact), one IEEE multiply per element, round to nearest even onto the e5m2 grid, saturating to
+  +-57344.
   Signed zeros kept; NaN -> 0x7F; +-Inf -> +-57344 (0x7B / 0xFB); fp32 subnormals used as they are.
 
 Dequant (:func:`dequantize_fp8_e5m2_torch`): ``(value(q) * scale).to(out_dtype)``, one fp32 multiply, RNE cast.
 
 Error bound (fp32 output, tested): ``|dequant(quant(x)) - x| <= 2^-3 * |x| + 2^-17 * scale`` for finite x (half
-an e5m2 ulp relative, or half the subnormal step 2^-16 times the scale), plus fp32 rounding (2^-22 |x|).
+an e5m2 ulp relative, or half the subnormal step 2^-16 times the scale), plus fp32 rounding (2^-21 |x|).
 Idea: the OCP OFP8 e5m2 format (used for gradients in fp8 training recipes); the integer rounding is ours.
 """
 

@@ -2,8 +2,8 @@
 
 All rounding is done with integer operations on fp32 bit patterns, so the Triton interpreter and sm_90 give
 the same bits as the torch twins in :mod:`tritonep.wire.fp8` / :mod:`tritonep.wire.mxfp4` (the spec). The only
-floating-point operations are IEEE ones both sides do the same way: ``tl.math.div_rn`` (fp8 scale and x/scale)
-and one fp32 multiply (fp8 dequant). Nothing here uses inline asm, libdevice or fp8/fp4 casts (the interpreter's
+floating-point operations are IEEE ones both sides do the same way: ``tl.math.div_rn`` (the fp8 block's scale and
+multiplier) and fp32 multiplies (fp8 scaling and dequant). Nothing here uses inline asm, libdevice or fp8/fp4 casts (the interpreter's
 fp32->fp8 and fp32->bf16 casts are wrong: no RNE carry / truncation; see reference/triton_symm_primer.md §4, §6).
 
 Tiles are 2-D: ``[G, 128]`` for fp8, ``[G, 32]`` for mxfp4 (G groups = scale blocks, G a power of two).
@@ -128,7 +128,8 @@ def fp8_quant_tile(x, POW2: tl.constexpr, FAST: tl.constexpr = False):
 
     Returns ``(q_bits, scale)``: q_bits uint8 [G, 128] (float8_e4m3fn bit patterns), scale fp32 [G].
     Rule = :func:`tritonep.wire.fp8.quantize_fp8_torch`: amax over finite elements, scale =
-    max(amax/448, 2^-126) (POW2: rounded up to a power of two), q = e4m3_rne_satfinite(x / scale).
+    max(amax/448, 2^-126) (POW2: rounded up to a power of two), q = e4m3_rne_satfinite(x * inv) with the block's
+    ``inv = 448 / max(amax, 448 * 2^-126)`` (POW2: ``1 / scale``, exact).
     FAST (GPU only): the same bits with the hardware conversion (see :func:`scaled_quant_tile`).
     """
     return scaled_quant_tile(x, POW2, 448.0, e4m3_encode, FAST)
@@ -136,25 +137,30 @@ def fp8_quant_tile(x, POW2: tl.constexpr, FAST: tl.constexpr = False):
 
 @triton.jit
 def scaled_quant_tile(x, POW2: tl.constexpr, FMAX: tl.constexpr, ENCODE: tl.constexpr, FAST: tl.constexpr = False):
-    """Shared body of the fp32-scaled fp8 wires: ``x`` [G, BLK] -> (``ENCODE(x / scale)`` uint8 [G, BLK], scale fp32
-    [G]) with amax over finite elements and scale = max(div_rn(amax, FMAX), 2^-126) (POW2: rounded up to 2^k).
+    """Shared body of the fp32-scaled fp8 wires: ``x`` [G, BLK] -> (``ENCODE(x * inv)`` uint8 [G, BLK], scale fp32
+    [G]) with amax over finite elements, scale = max(div_rn(amax, FMAX), 2^-126) (POW2: rounded up to 2^k) and the
+    block's multiplier ``inv`` = div_rn(FMAX, max(amax, FMAX * 2^-126)) (POW2: 1 / scale, exact).
     ``ENCODE(y, FAST)``: fp32 -> int32 bit pattern of the 8-bit format (RNE, saturating to +-FMAX).
 
-    FAST (GPU only, inline PTX): ``ENCODE`` by the hardware conversion, and with POW2 the per-element division
-    becomes a multiply by the block's reciprocal 2^-k (built from the scale's bits once per block; exact, so
-    ``RN(x * 2^-k) == RN(x / 2^k)`` bit for bit, subnormal results included: ``mul.rn.f32`` does not flush).
-    Without POW2 the division stays ``div_rn`` per element (a reciprocal multiply would change bits).
+    One IEEE division per block and one IEEE multiply per element (DeepEP's ``x * (448 / amax)``), where a division
+    per element (``div.rn.f32``: a Newton sequence and a slow-path branch) cost the GPU encoders most of their
+    instructions. The multiply is ``mul.rn.f32`` with FAST (never flushes a subnormal ``x``); without FAST it is
+    IEEE too (the interpreter's numpy, or an fp32 multiply the compiler cannot contract: integer ops follow it).
+    FAST (GPU only, inline PTX): ``ENCODE`` by the hardware conversion.
     """
     xb = x.to(tl.int32, bitcast=True)
     ab = xb & 0x7FFFFFFF
     amax_bits = tl.max(tl.where(ab < 0x7F800000, ab, 0), axis=1)
     scale = _scale_from_amax_bits(amax_bits, POW2, FMAX)
-    if FAST and POW2:
+    if POW2:
         # scale = 2^(e-127) with e in [1, 247] (amax <= FLT_MAX): 1/scale = 2^(127-e), biased 254-e, normal
-        rcp = ((254 << 23) - scale.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
-        y = mul_rn(x, tl.broadcast_to(rcp[:, None], x.shape), True)
+        inv = ((254 << 23) - scale.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
     else:
-        y = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+        amax = amax_bits.to(tl.float32, bitcast=True)
+        # amax under FMAX * 2^-126 (the scale's floor) divides as that floor: inv = 2^126 exactly, never inf
+        floor = tl.full(amax.shape, FMAX * 2.0**-126, tl.float32)
+        inv = tl.math.div_rn(tl.full(amax.shape, FMAX, tl.float32), tl.maximum(amax, floor))
+    y = mul_rn(x, tl.broadcast_to(inv[:, None], x.shape), FAST)
     return ENCODE(y, FAST).to(tl.uint8), scale
 
 

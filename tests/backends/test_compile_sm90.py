@@ -200,6 +200,34 @@ def test_combine_tile_32_warps_compile_for_sm90():
     assert not failures, "\n\n".join(f"{n}: {e}" for n, e in failures)
 
 
+def _world1_combine_paths(group):
+    """World 1 at the GPU's large-batch combine geometry, bf16, BH 1024: the push combine and the dispatch backward
+    whose partial kernel stores the output rows (DIRECT), and the pull combine (two passes)."""
+    recs = []
+    with record_launches(recs):
+        os.environ["TRITONEP_GEOMETRY"] = "cbt=8,cwarps=32"
+        try:
+            b = tep.EPBuffer(group, 96, 1024, 16, 2)
+            x, i, w = make_rank_inputs(0, 9, 1024, 96, 2, seed=6)
+            x.requires_grad_(True)
+            d = b.dispatch(x, i, w)
+            b.combine(d.x.detach(), d.handle, kind="pull")
+            (d.x * 1).float().sum().backward()  # the dispatch backward: an unweighted combine
+            b.combine(d.x.detach(), d.handle)
+            b.close()
+        finally:
+            del os.environ["TRITONEP_GEOMETRY"]
+    return recs
+
+
+def test_world1_direct_combine_compiles_for_sm90():
+    recs = run_cpu_world(1, _world1_combine_paths, timeout_s=300)[0]
+    out = [r for r in recs if r.get("name") == "combine_out_kernel"]
+    assert {r["constexprs"].get("DIRECT") for r in out} == {True, False}  # push / backward direct, pull not
+    failures = compile_recorded(recs)
+    assert not failures, "\n\n".join(f"{n}: {e}" for n, e in failures)
+
+
 def _nccl_paths(group):
     """The nccl backend's GPU path (``use_triton``): every kernel and variant (padding, kept quantized rows, two
     sources, backward passes) at a small shape and the DeepSeek-V3 shape (H 7168, 256 experts, top-8)."""

@@ -21,6 +21,8 @@ from tests.support.harness import BF16, calls_world, check_calls, make_calls, op
 
 
 @pytest.mark.parametrize("W,ntokens,A,kind", [
+    (1, [13], 1, "push"),  # world 1: the partial kernel stores the output rows (DIRECT)
+    (1, [11], 2, "pull"),
     (2, [13, 7], 1, "push"),
     (3, [9, 0, 16], 4, "pull"),
     (4, [5, 16, 0, 11], 1, "push"),
@@ -30,6 +32,19 @@ def test_dispatch_combine_matches_reference(W, ntokens, A, kind):
     calls = make_calls(W, cfg, ntokens, seeds=[1, 2, 3, 4, 5])  # 5 calls in a row: epochs
     res = run_cpu_world(W, calls_world, cfg, calls, timeout_s=240)
     check_calls(cfg, calls, res, fp32=True)
+
+
+@pytest.mark.parametrize("kind", ["push", "pull"])
+def test_world1_tokens_without_routes_combine_to_zeros(kind):
+    """World 1 (the push combine's partial kernel stores the output rows itself): tokens with every route masked
+    get zero rows, also where an earlier call's output left other values in the reused memory."""
+    cfg = dict(E=8, H=128, Tmax=32, K=2, A=1, kind=kind, out_buffer=False)
+    calls = make_calls(1, cfg, [32], seeds=[11, 12, 13, 14], mask_frac=0.6)
+    assert any(bool((c[1] < 0).all(1).any()) for c in calls[0])  # some token has no route
+    res = run_cpu_world(1, calls_world, cfg, calls, timeout_s=240)
+    check_calls(cfg, calls, res, fp32=True)
+    for (_, idx, _), rec in zip(calls[0], res[0]):
+        assert (rec["y"][(idx < 0).all(1)] == 0).all()
 
 
 def test_alignment_128_and_hidden_2880():

@@ -217,8 +217,9 @@ class KernelSet:
         return self._lau.variant(key, make)
 
     # ------------------------------------------------------------------------------------------------ combine
-    def partial(self, kind: str, weighted: bool, wgrad: bool, wire) -> BoundKernel:
-        """Expert-rank side of a combine (``kind`` push / pull, weighted, weight-gradient return, wire)."""
+    def partial(self, kind: str, weighted: bool, wgrad: bool, wire, direct: bool = False) -> BoundKernel:
+        """Expert-rank side of a combine (``kind`` push / pull, weighted, weight-gradient return, wire; ``direct``:
+        the world-1 push combine that stores the output rows itself, called with ``y_ptr`` last)."""
         v, g, cfg = self._v, self._cfg.tiles, self._cfg
 
         def make():
@@ -227,11 +228,13 @@ class KernelSet:
                 G_out=g.grid_out, Tmax=cfg.max_tokens_per_rank, NCmax=self.ncmax_c, PUSH=kind == "push",
                 WEIGHTED=weighted, SEND_WGRAD=wgrad, WIRE=wire, cbad_tab=v.tab["cbad"], **self._common,
                 **self._cck),
-                ("eo_ptr", STORE, "gw_ptr", "bad"), grid=(g.grid_partial,), fields=self._recv)
-        return self._lau.variant(("partial", kind, weighted, wgrad, wire), make)
+                ("eo_ptr", STORE, "gw_ptr", "bad") + (("y_ptr",) if direct else ()), grid=(g.grid_partial,),
+                fields=self._recv)
+        return self._lau.variant(("partial", kind, weighted, wgrad, wire, direct), make)
 
-    def out(self, kind: str, wgrad: bool, wire) -> BoundKernel:
-        """Source side of a combine (sums the partials in rank order; ``wgrad``: gathers the weight gradients)."""
+    def out(self, kind: str, wgrad: bool, wire, direct: bool = False) -> BoundKernel:
+        """Source side of a combine (sums the partials in rank order; ``wgrad``: gathers the weight gradients;
+        ``direct``: the partial kernel stored the output, this launch only finishes the call)."""
         v, g, cfg = self._v, self._cfg.tiles, self._cfg
 
         # the raw wire's output kernel in a 32-warp tile: ptxas's own choice was 32 registers and an 8-byte spill
@@ -243,11 +246,11 @@ class KernelSet:
             return self._lau.bind(combine_out_kernel, dict(
                 stage_tab=v.tab["cstage"], wback_ptr=v.local("wback"), cack_off=self._fo(P.FLAG_CACK),
                 G_partial=g.grid_partial, Tmax=cfg.max_tokens_per_rank, L=cfg.num_local_experts,
-                PULL=kind == "pull", RECV_WGRAD=wgrad, WIRE=wire, **self._refusal, **self._common, **self._cck,
-                **cap),
+                PULL=kind == "pull", RECV_WGRAD=wgrad, WIRE=wire, DIRECT=direct, **self._refusal, **self._common,
+                **self._cck, **cap),
                 (STORE, "y_ptr", "T", "NC", "gtw_ptr", "ticket"), grid=(g.grid_out,),
                 fields=self._hl.fields_of(topk_idx_ptr="idx"))
-        return self._lau.variant(("out", kind, wgrad, wire), make)
+        return self._lau.variant(("out", kind, wgrad, wire, direct), make)
 
     def combine_fused(self, wire) -> BoundKernel:
         """Weighted push combine in one launch (partial and out roles)."""

@@ -55,6 +55,11 @@ class StagedPath:
     def __init__(self, cfg, kernels, status, outputs, device: torch.device, no_w: torch.Tensor):
         self.cfg, self.k, self.status, self.outputs, self.device = cfg, kernels, status, outputs, device
         self.hl, self._no_w = outputs.hl, no_w
+        # world 1: a push combine's partial of a token is its output row (the output kernel's sum over one rank
+        # rounds the bf16 partial to itself), so with bf16 rows on the raw wire the partial kernel stores the output
+        # and the rows are read once (the output kernel only finishes the call); not with weight gradients (the
+        # output kernel gathers them)
+        self._direct = cfg.world_size == 1
 
     def dispatch(self, x, topk_idx, topk_weights, sync, keep_quantized, bad_input, T, count=None):
         """Forward dispatch of ``T`` tokens (launches 1-5 of the module docstring); returns what
@@ -114,6 +119,11 @@ class StagedPath:
         wgrad = gw is not None
         if g.fused_combine and kind == "push" and weighted and not wgrad:
             k.combine_fused(wire)(eo, store, y, T, bad, ticket)
+            status.after_combine(ticket, bad, what)
+            return y, None
+        if self._direct and kind == "push" and not wgrad and not wire.quantized and eo.dtype == torch.bfloat16:
+            k.partial(kind, weighted, False, wire, True)(eo, store, self._no_w, bad, y)
+            k.out(kind, False, wire, True)(store, y, T, _cdiv(T, g.cbt), y, ticket)
             status.after_combine(ticket, bad, what)
             return y, None
         k.partial(kind, weighted, wgrad, wire)(eo, store, gw if wgrad else self._no_w, bad)

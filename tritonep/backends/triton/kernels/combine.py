@@ -125,16 +125,23 @@ def staged_partials(stage_tab, peer, t, Tmax, rank, tile, AT_PEER: tl.constexpr)
 
 @triton.jit
 def partial_item(src, c, Ts, live, io, tile, PUSH: tl.constexpr, WEIGHTED: tl.constexpr,
-                 SEND_WGRAD: tl.constexpr, POW2: tl.constexpr):
+                 SEND_WGRAD: tl.constexpr, POW2: tl.constexpr, y_ptr=None):
     """Partials of chunk ``c`` of source ``src`` (``Ts`` tokens there) of :class:`PartialIO` ``io``, see
-    :func:`combine_partial_kernel`; ``tile``: the :class:`tritonep.device.common.RowTile`."""
+    :func:`combine_partial_kernel`; ``tile``: the :class:`tritonep.device.common.RowTile`. ``y_ptr`` (world 1, raw
+    bf16 wire, bf16 output: :func:`combine_partial_kernel`'s DIRECT): the partials are the output rows, stored there
+    for every token of the chunk (zeros where it has no route), not staged."""
     t, k_off, h_off, tm, m2 = chunk_index(c, Ts, tile, live)
     off = (src * io.Tmax + t[:, None]).to(tl.int64) * tile.K + k_off[None, :]
     rows = tl.load(io.hmeta_ptr + off, mask=m2, other=-1)
     if WEIGHTED:
         w = tl.load(io.hwts_ptr + off, mask=m2, other=0.0)
-    has = tl.sum((rows >= 0).to(tl.int32), 1) > 0
-    dst, drow = staged_partials(io.stage_tab, src, t, io.Tmax, io.rank, tile, PUSH)
+    if y_ptr is not None:
+        has = tm
+        dst = y_ptr.to(tl.pointer_type(tl.uint8))
+        drow = t.to(tl.int64) * (2 * tile.H)
+    else:
+        has = tl.sum((rows >= 0).to(tl.int32), 1) > 0
+        dst, drow = staged_partials(io.stage_tab, src, t, io.Tmax, io.rank, tile, PUSH)
     for h0 in range(0, tile.H, tile.BH):
         h = h0 + h_off
         hm = h < tile.H
@@ -159,13 +166,14 @@ def partial_item(src, c, Ts, live, io, tile, PUSH: tl.constexpr, WEIGHTED: tl.co
 
 @triton.jit
 def partial_step(src, c, live, m, ccflag_tab, io, tile, W: tl.constexpr, PUSH: tl.constexpr,
-                 WEIGHTED: tl.constexpr, SEND_WGRAD: tl.constexpr, POW2: tl.constexpr):
+                 WEIGHTED: tl.constexpr, SEND_WGRAD: tl.constexpr, POW2: tl.constexpr, y_ptr=None):
     """One (chunk ``c``, source ``src``) item of a partial role: the partials of the source's chunk if it has one
-    (``c * BT < hntok[src]``, :func:`partial_item`); with a ``ccflag_tab`` (the one-launch combines) then raise
-    ``ccflag[c, rank] = m`` in ``src``'s memory, also for chunks past the source's T, so its waits complete."""
+    (``c * BT < hntok[src]``, :func:`partial_item`; ``y_ptr``: stored as the output rows there); with a
+    ``ccflag_tab`` (the one-launch combines) then raise ``ccflag[c, rank] = m`` in ``src``'s memory, also for chunks
+    past the source's T, so its waits complete."""
     Ts = tl.load(io.hntok_ptr + src)
     if c * tile.BT < Ts:
-        partial_item(src, c, Ts, live, io, tile, PUSH, WEIGHTED, SEND_WGRAD, POW2)
+        partial_item(src, c, Ts, live, io, tile, PUSH, WEIGHTED, SEND_WGRAD, POW2, y_ptr)
     if ccflag_tab is not None:
         publish_epoch_one(ccflag_tab, src, c * W + io.rank, m)
 
@@ -235,13 +243,18 @@ def combine_partial_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, gw_ptr, stage
                            H: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr, WB: tl.constexpr,
                            PUSH: tl.constexpr, WEIGHTED: tl.constexpr, SEND_WGRAD: tl.constexpr,
                            HAS_TIMER: tl.constexpr, RB: tl.constexpr = 0, WIRE: tl.constexpr = RAW_BF16,
-                           POW2: tl.constexpr = False, bad=0, cbad_tab=None):
+                           POW2: tl.constexpr = False, bad=0, cbad_tab=None, y_ptr=None):
     """Expert-rank side of a combine: one partial row per (source, token) with routes here (see module docstring).
 
     PUSH writes into the source's ``stage[rank, t]``, pull into this rank's ``stage[src, t]``; WIRE encodes the fp32
     partial (bf16 RNE, fp8, mxfp4); SEND_WGRAD also pushes ``gw[row]`` to the source's ``wback``. Signals
     ``flags[CDATA, rank]`` on every rank after waiting (bounded) for the previous call's readers. ``bad`` != 0: this
     rank takes part as refused (:func:`open_partial`: no partial row, the mark in every peer).
+
+    ``y_ptr`` given (DIRECT: world 1, push, weighted, raw bf16 wire and bf16 expert rows, so the output kernel's sum
+    over one rank would be the staged partial itself, bit for bit): the partials are stored as the output rows
+    ``y [T, H]`` (zeros for a token without a route), one pass over the rows instead of two; the output kernel then
+    runs as DIRECT (counters, acks, the status and the NaN of a failed call only).
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
@@ -252,7 +265,7 @@ def combine_partial_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, gw_ptr, stage
     io = PartialIO(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, gw_ptr, stage_tab, wback_tab, Tmax, rank)
     for item in range(pid, W * NCmax, G):
         c, src = partial_item_source(item, G, W)
-        partial_step(src, c, live, m, None, io, tile, W, PUSH, WEIGHTED, SEND_WGRAD, POW2)
+        partial_step(src, c, live, m, None, io, tile, W, PUSH, WEIGHTED, SEND_WGRAD, POW2, y_ptr)
     signal_peers(flags_tab, cdata_off, W, rank, WB)
 
 
@@ -277,14 +290,15 @@ def combine_out_kernel(topk_idx_ptr, y_ptr, T, NC, stage_tab, wback_ptr, gtw_ptr
                        H: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr, WB: tl.constexpr,
                        PULL: tl.constexpr, RECV_WGRAD: tl.constexpr, HAS_TIMER: tl.constexpr,
                        RB: tl.constexpr = 0, WIRE: tl.constexpr = RAW_BF16, cbad_ptr=None, host_st_ptr=None,
-                       ticket=0, HOST_ST: tl.constexpr = 0):
+                       ticket=0, HOST_ST: tl.constexpr = 0, DIRECT: tl.constexpr = False):
     """Source side of a combine: wait for every expert rank's partials, sum them in rank order (fp32) into ``y``.
 
     PULL reads the partials from the peers' memory; RECV_WGRAD gathers the per-route scalars into ``gtw [T, K]``.
     Tokens without a valid route get zeros. A wait that gave up, or a rank that took part as refused (its mark in
     ``cbad``, :func:`mark_refused`; program 0 records it), makes every output NaN. Acks every expert rank
     afterwards; its last program advances ``calls[CALL_COMBINE]`` (no host op does) and publishes the status for the
-    host's read of an eager combine (:func:`finish_combine`).
+    host's read of an eager combine (:func:`finish_combine`). DIRECT: the partial kernel stored ``y`` itself
+    (:func:`combine_partial_kernel`'s ``y_ptr``); the chunks are written only when the call failed (NaN).
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
@@ -297,7 +311,12 @@ def combine_out_kernel(topk_idx_ptr, y_ptr, T, NC, stage_tab, wback_ptr, gtw_ptr
         record_refusal(status_ptr, mask, lowest)
     tile: tl.constexpr = RowTile(K, KB, H, BH, BT, RB, WIRE, HAS_TIMER)
     io = OutIO(topk_idx_ptr, y_ptr, T, stage_tab, wback_ptr, gtw_ptr, Tmax, rank)
+    poison = (live == 0) | (mask != 0)
     for c in range(pid, NC, G):
-        out_chunk(c, live, io, tile, W, L, PULL, RECV_WGRAD, (live == 0) | (mask != 0))
+        if DIRECT:
+            if poison:
+                out_chunk(c, live, io, tile, W, L, PULL, RECV_WGRAD, poison)
+        else:
+            out_chunk(c, live, io, tile, W, L, PULL, RECV_WGRAD, poison)
     signal_peers(flags_tab, cack_off, W, rank, WB)
     finish_combine(calls_ptr, DONE_COMBINE_OUT, m, status_ptr, host_st_ptr, ticket, HOST_ST, HAS_TIMER)

@@ -11,6 +11,7 @@ __all__ = [
     "ConfigError",
     "InputError",
     "PeerInputError",
+    "CountRoutingError",
     "CapacityError",
     "PeerTimeoutError",
     "TimeoutError",
@@ -73,6 +74,27 @@ class PeerInputError(InputError):
         super().__init__(message)
         self.bad_ranks = list(bad_ranks)
         self.rank = rank
+
+
+class CountRoutingError(PeerInputError):
+    """The ranks passed different count routings to the same dispatch (``EPBuffer.dispatch(count_ids=,
+    count_experts=)``, a per-call argument every rank must pass alike): some ranks passed ``count_ids`` and others
+    not, or they passed different ``count_experts``. Every rank's stamp of the call travels with its counts exchange,
+    so every rank refuses the call and raises this error (no rows moved, no sums were published, the buffer stays
+    usable and the next agreeing call works).
+
+    Attributes:
+        bad_ranks: the lowest rank whose count routing differs from rank 0's (a list of one).
+        counting: the ranks that passed ``count_ids`` (ascending).
+        count_experts: ``{rank: count_experts}`` of the ranks the message names (0: no ``count_ids``): rank 0 and
+            the lowest rank that differs from it.
+        rank: the rank that raises.
+    """
+
+    def __init__(self, message: str, bad_ranks=(), rank: int = -1, counting=(), count_experts=None):
+        super().__init__(message, bad_ranks=bad_ranks, rank=rank)
+        self.counting = list(counting)
+        self.count_experts = dict(count_experts or {})
 
 
 class CapacityError(TritonEPError):

@@ -121,6 +121,8 @@ def test_ep_kernels_compile_for_sm90():
     for name in ("dispatch_decode_kernel", "exchange_kernel"):
         assert any(r.get("name") == name and r["constexprs"].get("CK") for r in recs), \
             f"the count routing of {name} was not recorded"
+        assert any(r.get("name") == name and r["constexprs"].get("XC") and not r["constexprs"].get("CK")
+                   for r in recs), f"the count stamps of {name} without a count routing were not recorded"
     failures = compile_recorded(recs)
     assert not failures, "\n\n".join(f"{n}: {e}" for n, e in failures)
 

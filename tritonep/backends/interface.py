@@ -59,7 +59,9 @@ class EPBackend(Protocol):
         ``sync_free``: ``dispatch(sync_free=True)`` (no host read, ``max_recv_tokens`` rows; ``sync`` is 0 with
         it); ``bad_input``: the front door refused this rank's input (empty tensors; the call still runs).
         ``count``: None or ``(count_ids, count_experts, Tc, CK)`` (:meth:`tritonep.EPBuffer.dispatch`): a backend that
-        computes the sums sets ``handle.count_sums``; one that does not leaves it None."""
+        computes the sums sets ``handle.count_sums``; one that does not leaves it None. Either way the ranks' count
+        routings (``count_experts``, or none) must agree: a backend refuses a call whose ranks disagree on every rank
+        with :class:`tritonep.errors.CountRoutingError`, its stamp riding in the call's own exchange."""
         ...
 
     def combine_fwd(self, expert_out: torch.Tensor, handle, kind: str | None = None, read: bool = False

@@ -46,6 +46,11 @@ the ``cbad`` region (int64 ``[W]`` per rank) carries it for combine-like calls (
 refused rank stores the combine's number ``m`` into ``cbad[rank]`` of every peer before it signals, and every rank's
 output side compares ``cbad[r] == m``; a combine backward (dispatch-like) carries it in the token count its send
 writes anyway: ``ntok[rank] = -1`` in every rank, which the expand reads after the data signals.
+``STATUS_COUNT_MISMATCH``: the ranks passed different count routings to a dispatch (``count_ids`` on some ranks
+only, or different ``count_experts``; the stamps column of the ``xcounts`` region, a buffer with
+``count_columns``): ``peer`` is the lowest rank whose stamp differs from rank 0's, ``needed_rows`` holds
+``rank 0's stamp << 32 | that rank's`` and ``waited`` the bitmask of the ranks that passed ``count_ids`` (stamp
+``count_experts``, 0 without); the call is refused as a bad input is (``skip_call``).
 ``skip_call`` is the number (``calls[CALL_DISPATCH]``) of the dispatch a refusal skipped;
 ``this_call`` the number of the dispatch whose verdict launch published last: equal, the refusal is that call's
 own; ``skip_call`` lower, it is an earlier call's that nobody read (sync-free, sync checks off, a graph replay) and
@@ -69,6 +74,7 @@ STATUS_TIMEOUT = tl.constexpr(1)
 STATUS_CAPACITY = tl.constexpr(2)
 STATUS_BAD_INPUT = tl.constexpr(3)
 STATUS_COMBINE_REFUSED = tl.constexpr(4)  # a rank refused (or cancelled) a combine: its outputs are NaN everywhere
+STATUS_COUNT_MISMATCH = tl.constexpr(5)  # the ranks' count stamps of a dispatch differ (count_ids / count_experts)
 
 # flag rows of an EPBuffer's flags region
 FLAG_COUNTS = tl.constexpr(0)

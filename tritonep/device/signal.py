@@ -18,8 +18,8 @@ import triton
 import triton.language as tl
 
 from .common import kernels_interpreted
-from .protocol import (FLAG_DEAD, STATUS_BAD_INPUT, STATUS_CAPACITY, STATUS_COMBINE_REFUSED, STATUS_TIMEOUT,
-                       ST_ERRORS_SEEN, ST_PEER, ST_WAIT_ID, ST_WAITED, TICKET_ARRIVALS, TICKET_CALL_SHIFT,
+from .protocol import (FLAG_DEAD, STATUS_BAD_INPUT, STATUS_CAPACITY, STATUS_COMBINE_REFUSED, STATUS_COUNT_MISMATCH,
+                       STATUS_TIMEOUT, ST_ERRORS_SEEN, ST_PEER, ST_WAIT_ID, ST_WAITED, TICKET_ARRIVALS, TICKET_CALL_SHIFT,
                        WAIT_PEER_GAVE_UP)
 
 if kernels_interpreted():
@@ -76,15 +76,16 @@ def poll_ns(HAS_TIMER: tl.constexpr):
 def record_error(status_ptr, code, wait_id, peer):
     """Record the first error of this buffer: status = [code, wait_id, peer, count]; returns 1 if this call's error
     is the recorded one (the first), else 0. A timeout (fatal) also replaces a recorded refusal (STATUS_CAPACITY /
-    STATUS_BAD_INPUT / STATUS_COMBINE_REFUSED, reported once by the next read): a refusal nobody read must not hide a
-    lost peer."""
+    STATUS_BAD_INPUT / STATUS_COMBINE_REFUSED / STATUS_COUNT_MISMATCH, reported once by the next read): a refusal
+    nobody read must not hide a lost peer."""
     zero = tl.zeros((), dtype=tl.int64)
     old = tl.atomic_cas(status_ptr, zero, zero + code, sem="acq_rel", scope="gpu")
     if code == STATUS_TIMEOUT:
         # a timeout is fatal and replaces a refusal nobody read yet (sync-free, sync checks off, graph replays;
         # refusals are reported once, then cleared): kept, the refusal hid the timeout from the next read, which
         # then raised the refusal and let the call's data kernels run on a layout the timed-out wait never completed
-        if (old == STATUS_CAPACITY) | (old == STATUS_BAD_INPUT) | (old == STATUS_COMBINE_REFUSED):
+        if ((old == STATUS_CAPACITY) | (old == STATUS_BAD_INPUT) | (old == STATUS_COMBINE_REFUSED)
+                | (old == STATUS_COUNT_MISMATCH)):
             if tl.atomic_cas(status_ptr, old, zero + code, sem="acq_rel", scope="gpu") == old:
                 old = zero
     if old == 0:

@@ -75,7 +75,8 @@ class EPBuffer(BackwardCalls, RefusalCalls):
             / ``"gather"``; the nccl backend); TRITONEP_NCCL_SYNC_FREE.
         count_columns: room for the per-local-expert sums of :meth:`dispatch`'s ``count_ids`` (at most this many
             local experts per rank; 0: none, the default). The attribute ``sums_counts`` says whether this buffer
-            computes them (the triton backend; on the nccl backend ``count_sums`` stays None).
+            computes them (the triton backend; on the nccl backend ``count_sums`` stays None). The triton backend
+            adds one int32 column per rank to the region (every rank's count stamp of a call: docs/protocols.md).
 
     Raises:
         ConfigError: an invalid value, or a static configuration that differs across ranks (raised on every rank,
@@ -252,8 +253,13 @@ class EPBuffer(BackwardCalls, RefusalCalls):
                 each rank gets ``handle.count_sums[j]`` = the routes of every rank's ``count_ids`` to its local
                 expert j (DeepEP's per-expert receive counts, made by its notify step), read with the call's status
                 (no second host read) on the triton backend in an eager call; None elsewhere (the nccl backend, no
-                host read). Every rank passes it alike (a per-call argument:
-                not checked across ranks). Needs ``count_columns >= count_experts / W`` and ``Tc <=
+                host read). Every rank passes it alike, with the same ``count_experts`` (a per-call argument,
+                checked across ranks in the exchange the call runs anyway: each rank's stamp, ``count_experts`` or 0
+                without ``count_ids``, rides in its counts exchange on a buffer made with ``count_columns``; ranks
+                that disagree are refused on every rank with :class:`tritonep.errors.CountRoutingError`, no row
+                moves, no sums are returned, the buffer stays usable; a sync-free call's disagreement is raised by
+                the next :meth:`check` or synced dispatch, on the triton backend; the nccl backend checks its synced
+                calls only, docs/protocols.md "Host reads"). Needs ``count_columns >= count_experts / W`` and ``Tc <=
                 max_tokens_per_rank`` (InputError); its rows need not be the tokens' (a routing only counted). Its
                 kernel variant (per ``CK`` and ``count_experts``) is bound on first use, not at construction: make
                 one such call eagerly before a graph capture.
@@ -270,6 +276,8 @@ class EPBuffer(BackwardCalls, RefusalCalls):
         Raises:
             InputError: bad dtype / shape / device / expert id of THIS rank's input (the value is named).
             PeerInputError: another rank's input to this call was refused (its rank is named).
+            CountRoutingError: the ranks passed different count routings (``count_ids`` on some ranks only, or
+                different ``count_experts``; a PeerInputError raised on every rank, naming them).
             CapacityError: ``T > max_tokens_per_rank`` or more rows than ``max_recv_tokens`` (nothing is sent).
             PeerTimeoutError: a peer never arrived; the buffer is unusable afterwards.
             BufferStateError: closed or broken buffer.

@@ -16,18 +16,21 @@ from __future__ import annotations
 import torch
 
 from .. import envs
-from ..errors import CapacityError, PeerInputError, PeerTimeoutError
+from ..errors import CapacityError, CountRoutingError, PeerInputError, PeerTimeoutError
 from ..device import protocol as P
 
-STATUS_OK, STATUS_TIMEOUT, STATUS_CAPACITY, STATUS_BAD_INPUT, STATUS_COMBINE_REFUSED = (
+STATUS_OK, STATUS_TIMEOUT, STATUS_CAPACITY, STATUS_BAD_INPUT, STATUS_COMBINE_REFUSED, STATUS_COUNT_MISMATCH = (
     P.v(P.STATUS_OK), P.v(P.STATUS_TIMEOUT), P.v(P.STATUS_CAPACITY), P.v(P.STATUS_BAD_INPUT),
-    P.v(P.STATUS_COMBINE_REFUSED))
+    P.v(P.STATUS_COMBINE_REFUSED), P.v(P.STATUS_COUNT_MISMATCH))
+# the codes of a refused call (reported once by the next read, which clears the word; the buffer stays usable)
+REFUSAL_CODES = (STATUS_CAPACITY, STATUS_BAD_INPUT, STATUS_COMBINE_REFUSED, STATUS_COUNT_MISMATCH)
 _CODE, _WAIT_ID, _PEER, _SEEN, _NEEDED, _SKIP_CALL, _BAD_MASK, _WAITED = (P.v(n) for n in (
     P.ST_CODE, P.ST_WAIT_ID, P.ST_PEER, P.ST_ERRORS_SEEN, P.ST_NEEDED_ROWS, P.ST_SKIP_CALL, P.ST_BAD_RANK_MASK,
     P.ST_WAITED))
 _GAVE_UP = P.v(P.WAIT_PEER_GAVE_UP)  # recorded by a rank whose peer's wait gave up (device/signal.py peers_alive)
 
-__all__ = ["WAIT_NAMES", "raise_for_status", "wait_bound", "bad_ranks", "resolve_timeout"]
+__all__ = ["WAIT_NAMES", "REFUSAL_CODES", "raise_for_status", "wait_bound", "bad_ranks", "resolve_timeout",
+           "count_mismatch_error"]
 
 WAIT_NAMES = P.wait_names()  # wait id -> name (device/protocol.py WAIT_*)
 
@@ -89,6 +92,25 @@ def _refused_call(status_host, this_call: int | None) -> str:
             f"the first read after it, so its outputs are not returned")
 
 
+def _count_routing(stamp: int) -> str:
+    """A count stamp in words (``count_experts``, 0: no count routing)."""
+    return f"count_ids with count_experts={stamp}" if stamp else "no count_ids"
+
+
+def count_mismatch_error(what: str, rank: int, stamps: dict, counting: list, tail: str) -> CountRoutingError:
+    """The :class:`CountRoutingError` of a dispatch whose ranks passed different count routings. ``stamps``: ``{rank:
+    count_experts}`` (0: no ``count_ids``) of the ranks to name, rank 0 first; ``counting``: the ranks that passed
+    ``count_ids``; ``tail``: what moved (the refusal's call)."""
+    first = min(stamps)
+    odd = [r for r in sorted(stamps) if stamps[r] != stamps[first]]
+    names = "; ".join(f"rank {r}: {_count_routing(s)}" for r, s in sorted(stamps.items()))
+    return CountRoutingError(
+        f"{what}: the ranks passed different count routings to one dispatch ({names}; ranks passing count_ids: "
+        f"{counting}); count_ids / count_experts is a per-call argument every rank passes alike, so the call was "
+        f"refused on every rank (rank {rank} raises this) and no count sums were published; {tail}",
+        bad_ranks=odd, rank=rank, counting=counting, count_experts=stamps)
+
+
 def raise_for_status(status_host: torch.Tensor, rank: int, max_recv: int, what: str,
                      timeout_s: float | None = None, device_type: str | None = None, this_call: int | None = None):
     """Raise the typed error a status word holds (``status_host``: int64 ``[8]`` on the host), else return.
@@ -102,6 +124,9 @@ def raise_for_status(status_host: torch.Tensor, rank: int, max_recv: int, what: 
         CapacityError: a rank would receive more rows than ``max_recv``.
         PeerInputError: some rank's input was refused (``bad_ranks`` from the status bitmask), or some rank took
             part in a combine or a backward pass as refused (STATUS_COMBINE_REFUSED).
+        CountRoutingError: the ranks passed different count routings to a dispatch (STATUS_COUNT_MISMATCH: rank 0's
+            and the lowest differing rank's ``count_experts`` from ``needed_rows``, the ranks passing ``count_ids``
+            from ``waited``).
     """
     code = int(status_host[_CODE])
     if code == STATUS_OK:
@@ -129,6 +154,13 @@ def raise_for_status(status_host: torch.Tensor, rank: int, max_recv: int, what: 
             f"raises this; the bad rank raises the error naming its value, or, when its buffer timed out earlier, "
             f"PeerTimeoutError: rebuild the buffers then); {_refused_call(status_host, this_call)}",
             bad_ranks=bad, rank=rank)
+    if code == STATUS_COUNT_MISMATCH:
+        pair = int(status_host[_NEEDED])
+        peer = int(status_host[_PEER])
+        mask = int(status_host[_WAITED])
+        stamps = {0: (pair >> 32) & 0xFFFFFFFF, peer: pair & 0xFFFFFFFF}
+        raise count_mismatch_error(what, rank, stamps, [r for r in range(64) if (mask >> r) & 1],
+                                   _refused_call(status_host, this_call))
     if code == STATUS_COMBINE_REFUSED:
         bad = bad_ranks(status_host)
         late = "" if this_call is None else (

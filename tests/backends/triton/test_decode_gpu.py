@@ -59,3 +59,16 @@ def test_count_routing_on_gpu(gpu_world, gpu_world_size, geometry):
     for rank, (got, want, err, again) in enumerate(gpu_world(W, count_world, Ts, 4 * W, 8, geometry, timeout_s=600)):
         assert got == [want, want] and again == want, (rank, got, want)
         assert err == ("InputError" if rank == 0 else "PeerInputError"), (rank, err)
+
+
+@pytest.mark.parametrize("geometry", ["", "dec=0"], ids=["decode", "two-kernel"])
+def test_count_routing_disagreement_on_gpu(gpu_world, gpu_world_size, geometry):
+    """Ranks that pass different count routings (the last rank omits ``count_ids``; rank 1 passes another
+    ``count_experts``) are refused on every rank with CountRoutingError, on the compiled decode kernel and the
+    two-kernel path's counts exchange launch; a sync-free disagreement is raised by the next check; later agreeing
+    calls give the twin's sums (tests/ep/test_count_agreement.py runs the same on the CPU)."""
+    from tests.ep.test_count_agreement import agree_world, check_agreement
+
+    W = gpu_world_size
+    Ts = [16, 0, 5, 16, 1, 9, 0, 7][:W]
+    check_agreement(gpu_world(W, agree_world, Ts, 4 * W, 8, geometry, timeout_s=600), W, 4 * W)

@@ -44,7 +44,7 @@ from ..checks import check_expert_ids
 from ...runtime.launch import Launch
 from .collectives import all_gather_flat, all_to_all_rows
 from .combine import NcclCombine
-from ...runtime.status import STATUS_COMBINE_REFUSED
+from ...runtime.status import STATUS_COMBINE_REFUSED, count_mismatch_error
 from .plan import host_plan, plan_size, status_size
 from .route import Router, send_layout
 from .sync_free import SyncFreeDispatch
@@ -226,7 +226,8 @@ class NcclEP:
 
     # ---------------------------------------------------------------------------------------------- dispatch
     def _raise_bad(self, m, topk_idx: torch.Tensor, bad_input: bool):
-        """Raise the input error the counts matrix carries (host int32 ``[W, E + W + 2]``; the caller saw one).
+        """Raise the input error the counts matrix carries (host int32 ``[W, E + W + 2]``, column ``E + W + 1``: the
+        refused flag in bit 0, the count stamp above it; the caller saw one).
 
         Raises:
             InputError: this rank's own ids are out of range (named by :func:`check_expert_ids`).
@@ -234,7 +235,7 @@ class NcclEP:
                 (``bad_input``); ``bad_ranks`` lists them all.
         """
         E, W = self.cfg.num_experts, self.cfg.world_size
-        nbad, refused = m[:, E + W].tolist(), m[:, E + W + 1].tolist()
+        nbad, refused = m[:, E + W].tolist(), (m[:, E + W + 1] & 1).tolist()  # bit 0: refused; above: count stamp
         bad_ranks = [r for r in range(W) if nbad[r] or refused[r]]
         if nbad[self.rank] and not bad_input:
             self.host_reads += 1
@@ -259,6 +260,11 @@ class NcclEP:
                 raises and no rows move.
             sync_free: ``dispatch(sync_free=True)`` (:class:`tritonep.backends.nccl.sync_free.SyncFreeDispatch`: no
                 host read, ``max_recv_tokens`` rows, errors raised by the next :meth:`check` / synced dispatch).
+            count: None or ``(count_ids, count_experts, Tc, CK)`` (:meth:`tritonep.EPBuffer.dispatch`): this backend
+                sums no count routing (``handle.count_sums`` None), but a synced call checks that the ranks agree:
+                its stamp (``count_experts``, 0 without) rides in its counts row above the refused flag, and ranks
+                that disagree raise CountRoutingError on every rank before any row moves. A sync-free call does not
+                check it (it has no sums to spoil; its device plan reads the refused flag only).
 
         Returns ``(out [R, H], out_w [R] f32, num_tokens_per_expert [L] i32, expert_offsets [L] i32, handle)``;
         with ``keep_quantized`` and an fp8 / mxfp4 dispatch wire ``out`` is the payload (uint8 ``[R, H]`` /
@@ -270,6 +276,7 @@ class NcclEP:
             InputError: this rank's expert ids are outside ``[-1, E)`` (names the first value and its (token, k));
                 raised after the counts exchange, nothing moved on any rank.
             PeerInputError: another rank's input was invalid (or ``bad_input``); nothing moved on any rank.
+            CountRoutingError: the ranks passed different count routings (``count``); nothing moved on any rank.
             CapacityError: some rank would receive more than ``max_recv_tokens`` rows (raised on every rank,
                 nothing sent).
             Synced only, also: the refusal of an earlier sync-free dispatch nobody read (its InputError /
@@ -290,7 +297,10 @@ class NcclEP:
         W, E, K, H, ut, lay, fmt = self.cfg.world_size, self.cfg.num_experts, self.cfg.topk, self.cfg.hidden, self.use_triton, self._lay, self._dfmt
         T = x.shape[0]
         # 1) counts exchange: the one host read
-        row = self._router.count(topk_idx, T, bad_input, ut)
+        # the refused flag (bit 0) with this call's count stamp above it (count_experts, 0 without count_ids): the
+        # ranks must pass the same count routing, checked with the counts row every rank gathers anyway
+        flags = int(bad_input) | ((count[1] if count is not None else 0) << 1)
+        row = self._router.count(topk_idx, T, flags, ut)
         all_gather_flat(self._gathered, row, self.group)
         self._host.copy_(self._dev_block)
         self.host_reads += 1
@@ -304,8 +314,16 @@ class NcclEP:
             self._sync_free.raise_status(self._host_st.tolist(), "dispatch")
         if self._host_pend.any():  # a sync-free combine some rank refused, nobody read yet: nothing moves
             self._raise_pending(self._host_pend.tolist(), "dispatch")
-        if m[:, E + W:].any():
-            self._raise_bad(m, topk_idx, bad_input)
+        fl = m[:, E + W + 1]  # per rank: refused by the front door (bit 0) | count stamp << 1 (count_experts or 0)
+        if m[:, E + W].any() or fl.any():  # bad ids, a refused input, or a count routing somewhere
+            if m[:, E + W].any() or (fl & 1).any():
+                self._raise_bad(m, topk_idx, bad_input)
+            if (fl != fl[0]).any():  # the ranks' count routings differ: refused on every rank, nothing moved
+                stamps = (fl >> 1).tolist()
+                odd = next(r for r in range(W) if stamps[r] != stamps[0])  # named as the triton backend names it
+                raise count_mismatch_error(f"dispatch on rank {self.rank}", self.rank, {0: stamps[0], odd: stamps[odd]},
+                                           [r for r in range(W) if stamps[r]], "no rows moved on any rank, the "
+                                           "buffer stays usable")
         if self._plan_stream is not None:
             self._plan_writable()
         need, send_splits, recv_splits = host_plan(m, self.rank, W, E, self.cfg.expert_alignment, self._plan_np)

@@ -48,7 +48,8 @@ def count_row_torch(topk_idx: torch.Tensor, E: int, W: int, refused: bool) -> to
     """Twin of :func:`tritonep.backends.nccl.kernels.route.route_count_kernel`'s row: int32 ``[E + W + 2]`` (module docstring).
 
     Args:
-        topk_idx: ``[T, K]`` int32 / int64, any values; E experts; W ranks; refused: the front door's flag.
+        topk_idx: ``[T, K]`` int32 / int64, any values; E experts; W ranks; refused: the int of the last column (the
+            front door's flag, with the synced dispatch's count stamp above bit 0).
     """
     L = E // W
     ids = topk_idx.long()
@@ -152,11 +153,13 @@ class Router:
              "idx_copy_ptr", "w_copy_ptr", "T", "HC"))
 
     def count(self, topk_idx: torch.Tensor, T: int, refused: bool, use_triton: bool) -> torch.Tensor:
-        """Write this rank's counts row into ``self.row`` (no host read) and return it; T = 0 costs one fill."""
+        """Write this rank's counts row into ``self.row`` (no host read) and return it; T = 0 costs one fill.
+        ``refused``: the int stored in the row's last column (the synced dispatch's front-door flag in bit 0 and its
+        count stamp above it; the sync-free dispatch's flag alone)."""
         if T == 0:
             self.row.zero_()
             if refused:
-                self.row[-1] = 1
+                self.row[-1] = int(refused)
         elif use_triton:
             self._count((cdiv(T, self.BT),), topk_idx, T, int(refused))
         else:

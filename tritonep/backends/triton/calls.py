@@ -95,6 +95,11 @@ class KernelSet:
             HAS_TIMER=ck["HAS_TIMER"], DOUBLE=True, dcall_ptr=calls(P.CALL_DISPATCH),
             rows_out_ptr=v.status[P.v(P.ST_ROWS_RECEIVED):P.v(P.ST_ROWS_RECEIVED) + 1], host_st_ptr=self._host_mapped,
             HOST_ST=ST_HOST, DEAD=True, **xt, **opts)
+        # a buffer with count_columns: every exchange (with a count routing or not) writes and compares the ranks'
+        # count stamps (kernels/layout.py write_count_stamp / count_stamps)
+        self._xregion = dict(xcounts_tab=v.tab["xcounts"], xcounts_ptr=v.xcounts,
+                             XC=cfg.count_columns) if cfg.count_columns else {}
+        self._xstatic.update(self._xregion)
         self.exchange = self._lau.bind(exchange_kernel, self._xstatic,
             ("NC", STORE, "host_bad", "ticket"), grid=(xgrid,),
             fields=hl.fields_of(ntpe_ptr="ntpe", offs_ptr="offs", counts_out_ptr="counts"))
@@ -175,8 +180,8 @@ class KernelSet:
 
         def make():
             return self._lau.bind(exchange_kernel, dict(
-                self._xstatic, xcounts_tab=v.tab["xcounts"], xcounts_ptr=v.xcounts, xhost_ptr=self.xhost,
-                XC=cfg.count_columns, CK=ck, CKB=_p2(ck), CE=ce, CLB=_p2(max(ce // cfg.world_size, 2)),
+                self._xstatic, xhost_ptr=self.xhost, CK=ck, CKB=_p2(ck), CE=ce,
+                CLB=_p2(max(ce // cfg.world_size, 2)),
                 TCB=max(1, 2048 // _p2(ck))),
                 ("NC", STORE, "host_bad", "ticket", "cid_ptr", "Tc"), grid=(self._xgrid,),
                 fields=self._hl.fields_of(ntpe_ptr="ntpe", offs_ptr="offs", counts_out_ptr="counts"))
@@ -191,11 +196,10 @@ class KernelSet:
         if bk is not None:
             return bk
         v, g, cfg, b = self._v, self._cfg.tiles, self._cfg, self._v
-        extra, dyn = {}, ()
+        extra, dyn = dict(self._xregion), ()  # the count stamps of a buffer with count_columns, every call
         if ck:
             W = cfg.world_size
-            extra = dict(xcounts_tab=v.tab["xcounts"], xcounts_ptr=v.xcounts, xhost_ptr=self.xhost,
-                         XC=cfg.count_columns, CK=ck, CKB=_p2(ck), CE=ce, CLB=_p2(max(ce // W, 2)))
+            extra.update(xhost_ptr=self.xhost, CK=ck, CKB=_p2(ck), CE=ce, CLB=_p2(max(ce // W, 2)))
             dyn = ("cid_ptr", "Tc")
 
         def make():

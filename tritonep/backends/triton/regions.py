@@ -21,9 +21,10 @@ def regions(cfg):
     W, E, H, Tm, K = cfg.world_size, cfg.num_experts, cfg.hidden, cfg.max_tokens_per_rank, cfg.topk
     max_recv_tokens, dtype = cfg.max_recv_tokens, cfg.dtype
     ncmax = max(1, triton.cdiv(Tm, cfg.tiles.bt))
-    # the decode dispatch's second count matrix (cfg.count_columns, docs in kernels/decode_dispatch.py): two [W, C]
-    # matrices for alternate exchanges, row s = what source s counted for this rank; only when asked for
-    extra = [Region("xcounts", (2, W, cfg.count_columns), torch.int32)] if cfg.count_columns else []
+    # the count routing's second count matrix (cfg.count_columns, docs in kernels/decode_dispatch.py): two [W, C + 1]
+    # matrices for alternate exchanges, row s = what source s counted for this rank, then (column C) source s's count
+    # stamp of the call (count_experts, 0 without count_ids: the ranks must agree); only when asked for
+    extra = [Region("xcounts", (2, W, cfg.count_columns + 1), torch.int32)] if cfg.count_columns else []
     return extra + [
         Region("flags", (P.v(P.NUM_FLAG_ROWS), W), torch.int64),
         Region("status", (16,), torch.int64),  # the status word (device/protocol.py ST_*), then rows received

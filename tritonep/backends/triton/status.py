@@ -19,7 +19,7 @@ from ... import envs
 from ...device import protocol as P
 from ...errors import BufferStateError, InputError, PeerTimeoutError, TritonEPError
 from ...runtime.host_status import HostStatus
-from ...runtime.status import STATUS_BAD_INPUT, STATUS_CAPACITY, STATUS_COMBINE_REFUSED, bad_ranks, raise_for_status
+from ...runtime.status import REFUSAL_CODES, STATUS_COMBINE_REFUSED, bad_ranks, raise_for_status
 from ..checks import check_expert_ids
 
 __all__ = ["CallStatus", "ST_HOST"]
@@ -96,7 +96,7 @@ class CallStatus:
         code = st[_CODE]
         # a refused combine or backward pass nobody read (they read nothing on the host) counts as a refusal too:
         # every rank recorded it, so every rank's call runs its data kernels and raises after them
-        refused = code in (STATUS_CAPACITY, STATUS_BAD_INPUT, STATUS_COMBINE_REFUSED)
+        refused = code in REFUSAL_CODES  # a count-routing mismatch too (kernels/layout.py record_verdict)
         if code != 0 and not refused:
             try:
                 raise_for_status(torch.tensor(st[:_ST_ERR]), self.rank, self.cfg.max_recv_tokens, "dispatch",
@@ -145,7 +145,7 @@ class CallStatus:
         is cleared on the device (reported once), a timeout marks the buffer unusable."""
         st = torch.as_tensor(st, dtype=torch.int64)
         code = int(st[_CODE])
-        if code in (STATUS_CAPACITY, STATUS_BAD_INPUT, STATUS_COMBINE_REFUSED):
+        if code in REFUSAL_CODES:
             self.word.zero_()
             front, self.front_door_unread = self.front_door_unread, False
             if code != STATUS_COMBINE_REFUSED and self.rank in bad_ranks(st):

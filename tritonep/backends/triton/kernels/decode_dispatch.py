@@ -48,7 +48,7 @@ import triton.language as tl
 
 from ....device.common import RowTile
 from .dispatch import ExpandIO, SendIO, expand_arrived, open_send, send_chunk, zero_padding
-from .layout import layout_tiles, record_verdict, refused_call, store_layout
+from .layout import count_stamps, layout_tiles, record_verdict, refused_call, store_layout, write_count_stamp
 from ....device.protocol import (CALL_DISPATCH, CALL_EXCHANGE, DONE_DECODE_DISPATCH, FLAG_COUNTS, ST_ROWS_RECEIVED,
                        STATUS_TIMEOUT, WAIT_COUNTS)
 from ....device.signal import (finish_launch, mark_dead, peers_alive, publish_epoch, publish_host_status,
@@ -122,6 +122,12 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
     (DeepEP's notify step: the receiver's routes per local expert, known before any row moves) stored as int32 into
     the pinned host tensor ``xhost[:CL]`` before the status words are published (a call that reads, ``ticket``
     non-zero, only). Twin: :func:`tritonep.reference.count_sums_reference`.
+
+    Count stamp (``XC > 0``, every call whatever ``CK``): program 0 also writes this call's stamp (``CE`` with a
+    count routing, 0 without) into column ``XC`` of this rank's ``xcounts`` row in every rank (rows ``XC + 1``
+    wide), released by the same counts flag; every program reads the other ranks' stamps after their flags
+    (:func:`tritonep.backends.triton.kernels.layout.count_stamps`, its own from its constexprs) and refuses the
+    call when they differ (STATUS_COUNT_MISMATCH, the same verdict on every rank: no row moves, no sums published).
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
@@ -131,6 +137,7 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
     CL: tl.constexpr = CE // W  # the count routing's local experts per rank (CK > 0)
     tile: tl.constexpr = RowTile(K, KB, H, BH, BT, RB, WIRE, HAS_TIMER)
     cbuf = (nx % 2) * (W * E1)  # the counts region's two matrices for alternate exchanges (exchange_kernel DOUBLE)
+    xbuf = (nx % 2) * (W * (XC + 1))  # the same for the xcounts region (count routing and stamps), XC > 0
     d_off = tl.arange(0, WB)
     j_off = tl.arange(0, LB)
     s_off = tl.arange(0, WB)
@@ -146,11 +153,12 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
             tl.store(dst + E, bad)
         if CK > 0:  # the count routing's routes per (destination, local expert), row d to rank d
             hc, _ = _own_histogram(cid_ptr, Tc, Tc, CK, CKB, CE, CL, TB, WB, CLB)
-            xbuf = (nx % 2) * (W * XC)
             jc = tl.arange(0, CLB)
             for d in range(W):
-                xdst = tl.load(xcounts_tab + d).to(tl.pointer_type(tl.int32)) + xbuf + rank * XC
+                xdst = tl.load(xcounts_tab + d).to(tl.pointer_type(tl.int32)) + xbuf + rank * (XC + 1)
                 tl.store(xdst + jc, tl.sum(tl.where(d_off[:, None] == d, hc, 0), 0), mask=jc < CL)
+        if XC > 0:  # every call: whether (and over how many experts) this rank counts, for the verdict
+            write_count_stamp(xcounts_tab, xbuf, rank, W, XC, CK, CE)
         mark_dead(flags_tab, status_ptr, W, rank, WB)  # a timed-out rank: no peer takes what it skips
         signal_peers(flags_tab, counts_off, W, rank, WB)
     ok = tl.full((), 1, tl.int32)
@@ -166,7 +174,8 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
     total, aligned, seg_start, prefix, rows = layout_tiles(c3, s_off, rank, A)
     badv = tl.load(counts_ptr + cbuf + s_off * E1 + E, mask=(s_off < W) & (s_off != rank) & (ok != 0), other=0)
     badv = tl.where(s_off == rank, bad, badv)
-    refused = refused_call(badv, rows, max_recv, W, WB)
+    stamps = count_stamps(xcounts_ptr, xbuf, ok, rank, W, WB, XC, CK, CE)
+    refused = refused_call(badv, rows, max_recv, W, WB, stamps)
     if COPY:
         if pid == G - 1:  # not program 0: its work until the host publish is the host read's latency
             tt = tl.arange(0, TB)
@@ -181,14 +190,14 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
     if pid == 0:
         store_layout(total, aligned, rows, ntpe_ptr, offs_ptr, rows_needed_ptr, status_ptr + ST_ROWS_RECEIVED, rank,
                      W, L, WB, LB, refused)
-        record_verdict(badv, rows, max_recv, status_ptr, n, True, W, WB)
+        record_verdict(badv, rows, max_recv, status_ptr, n, True, W, WB, stamps)
         if CK > 0:  # the count routing's sums over the sources, published before the status words
             if ticket != 0:
                 hs, _ = _own_histogram(cid_ptr, Tc, Tc, CK, CKB, CE, CL, TB, WB, CLB)
-                xb = (nx % 2) * (W * XC)
                 js = tl.arange(0, CLB)
                 mx = ((s_off[:, None] < W) & (s_off[:, None] != rank) & (ok != 0)) & (js[None, :] < CL)
-                xs = tl.sum(tl.load(xcounts_ptr + xb + s_off[:, None] * XC + js[None, :], mask=mx, other=0), 0)
+                xs = tl.sum(tl.load(xcounts_ptr + xbuf + s_off[:, None] * (XC + 1) + js[None, :], mask=mx, other=0),
+                            0)
                 tl.store(xhost_ptr + js, xs + tl.sum(tl.where(d_off[:, None] == rank, hs, 0), 0), mask=js < CL)
         if host_st_ptr is not None:
             publish_host_status(status_ptr, host_st_ptr, ticket, HOST_ST, HAS_TIMER)

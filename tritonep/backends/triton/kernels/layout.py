@@ -36,11 +36,12 @@ import triton
 import triton.language as tl
 
 from ....device.protocol import (CALL_EXCHANGE, DONE_EXCHANGE, ST_BAD_RANK_MASK, ST_NEEDED_ROWS, ST_SKIP_CALL, ST_THIS_CALL,
-                       STATUS_BAD_INPUT, STATUS_CAPACITY, STATUS_TIMEOUT, WAIT_COUNTS)
+                       ST_WAITED, STATUS_BAD_INPUT, STATUS_CAPACITY, STATUS_COUNT_MISMATCH, STATUS_TIMEOUT,
+                       WAIT_COUNTS)
 from ....device.signal import mark_dead, peers_alive, publish_host_status, record_error, signal_peers, wait_all_ge
 
 __all__ = ["chunk_hist_kernel", "exchange_kernel", "exchange_tiles", "layout_tiles", "store_layout", "refused_call", "record_verdict",
-           "count_histogram"]
+           "count_histogram", "count_stamps", "write_count_stamp"]
 
 
 @triton.jit(do_not_specialize=['T', 'NC'])
@@ -149,6 +150,13 @@ def exchange_kernel(hist_ptr, NC, counts_tab, flags_ptr, flags_tab, flag_off, ca
     ``TCB`` tokens, :func:`count_histogram`) before the last program signals; the last program, once the rows
     arrived, stores this rank's sums over the sources into ``xhost[:CE / W]`` before it publishes the status words
     (an eager call only: ``ticket`` non-zero).
+
+    Count stamp (``XC > 0``: an EPBuffer made with ``count_columns``, every call whatever ``CK``): program 0 also
+    writes this call's stamp (``CE`` with a count routing, 0 without) into column ``XC`` of this rank's ``xcounts``
+    row in every destination (:func:`write_count_stamp`), released by the same counts signal; the last program reads
+    every rank's stamp (:func:`count_stamps`) and refuses the call on every rank when they differ
+    (STATUS_COUNT_MISMATCH, :func:`record_verdict`): no rank's sums are then read from a peer's columns that this
+    call did not write.
     """
     n = tl.load(calls_ptr)
     pid = tl.program_id(0)
@@ -189,8 +197,11 @@ def exchange_kernel(hist_ptr, NC, counts_tab, flags_ptr, flags_tab, flag_off, ca
             jc = tl.arange(0, CLB)
             wo = tl.arange(0, WB)
             for d in range(W):
-                xdst = tl.load(xcounts_tab + d).to(tl.pointer_type(tl.int32)) + (n % 2) * (W * XC) + rank * XC
+                xdst = (tl.load(xcounts_tab + d).to(tl.pointer_type(tl.int32)) + (n % 2) * (W * (XC + 1))
+                        + rank * (XC + 1))
                 tl.store(xdst + jc, tl.sum(tl.where(wo[:, None] == d, hc, 0), 0), mask=jc < CE // W)
+        if XC > 0:  # every call: whether (and over how many experts) this rank counts, for the verdict
+            write_count_stamp(xcounts_tab, (n % 2) * (W * (XC + 1)), rank, W, XC, CK, CE)
     # the last program to arrive (ticket ``DONE_EXCHANGE``, never reset: every call adds G) signals, waits and lays
     # out; the acq_rel tickets order every program's row stores before its signal (release, cumulative). In the
     # interpreter programs run in order and the last one is the last to arrive.
@@ -256,7 +267,9 @@ def _exchange_finish(counts_tab, flags_ptr, flags_tab, flag_off, n, cbuf, status
     # input errors of any rank (column E), then capacity: every rank sees the same matrix, so the same verdict; a
     # refused call's layout is empty (no segment, no row received), so nothing later addresses the refused rows
     badv = tl.load(counts_local + cbuf + s_off * E1 + E, mask=(s_off < W) & (ok != 0), other=0)
-    refused = refused_call(badv, rows, max_recv, W, WB)
+    xb = (n % 2) * (W * (XC + 1))
+    stamps = count_stamps(xcounts_ptr, xb, ok, rank, W, WB, XC, CK, CE)
+    refused = refused_call(badv, rows, max_recv, W, WB, stamps)
     store_layout(total, aligned, rows, ntpe_ptr, offs_ptr, rows_needed_ptr, rows_out_ptr, rank, W, L, WB, LB,
                  refused)
     if counts_out_ptr is not None:  # the whole [W, E] matrix in one tile (one round trip)
@@ -265,16 +278,15 @@ def _exchange_finish(counts_tab, flags_ptr, flags_tab, flag_off, n, cbuf, status
         v = tl.load(counts_local + cbuf + s_off[:, None] * E1 + eb[None, :], mask=m & (ok != 0), other=0)
         tl.store(counts_out_ptr + s_off[:, None] * E + eb[None, :], v, mask=m)
     if dcall_ptr is not None:
-        record_verdict(badv, rows, max_recv, status_ptr, tl.load(dcall_ptr), True, W, WB)
+        record_verdict(badv, rows, max_recv, status_ptr, tl.load(dcall_ptr), True, W, WB, stamps)
     else:
-        record_verdict(badv, rows, max_recv, status_ptr, 0, False, W, WB)
+        record_verdict(badv, rows, max_recv, status_ptr, 0, False, W, WB, stamps)
     if CK > 0:  # the count routing's sums over the sources (exchange_kernel), before the status words
         if ticket != 0:
             own = count_histogram(cid_ptr, Tc, CK, CKB, CE, CL, TCB, WB, CLB)
             js = tl.arange(0, CLB)
             mx = (s_off[:, None] < W) & (s_off[:, None] != rank) & (ok != 0) & (js[None, :] < CL)
-            xs = tl.sum(tl.load(xcounts_ptr + (n % 2) * (W * XC) + s_off[:, None] * XC + js[None, :], mask=mx,
-                                other=0), 0)
+            xs = tl.sum(tl.load(xcounts_ptr + xb + s_off[:, None] * (XC + 1) + js[None, :], mask=mx, other=0), 0)
             tl.store(xhost_ptr + js, xs + tl.sum(tl.where(d_off[:, None] == rank, own, 0), 0), mask=js < CL)
     if host_st_ptr is not None:  # every status store of this launch is above (this program's): words, then ticket
         publish_host_status(status_ptr, host_st_ptr, ticket, HOST_ST, HAS_TIMER)
@@ -317,19 +329,58 @@ def store_layout(total, aligned, rows, ntpe_ptr, offs_ptr, rows_needed_ptr, rows
 
 
 @triton.jit
-def refused_call(badv, rows, max_recv, W: tl.constexpr, WB: tl.constexpr):
+def write_count_stamp(xcounts_tab, xbuf, rank, W: tl.constexpr, XC: tl.constexpr, CK: tl.constexpr,
+                      CE: tl.constexpr):
+    """Store this call's count stamp (``CE`` when the call has a count routing, ``CK > 0``; else 0) into column
+    ``XC`` of this rank's row of the ``xcounts`` matrix at ``xbuf`` (rows ``XC + 1`` int32 wide) in every rank
+    (``xcounts_tab``: every rank's base address); the caller's counts signal releases it."""
+    stamp = tl.full((), CE if CK > 0 else 0, tl.int32)
+    for d in range(W):
+        xdst = tl.load(xcounts_tab + d).to(tl.pointer_type(tl.int32)) + xbuf + rank * (XC + 1)
+        tl.store(xdst + XC, stamp)
+
+
+@triton.jit
+def count_stamps(xcounts_ptr, xbuf, ok, rank, W: tl.constexpr, WB: tl.constexpr, XC: tl.constexpr,
+                 CK: tl.constexpr, CE: tl.constexpr):
+    """Every rank's count stamp of this call (:func:`write_count_stamp`) as an int32 ``[WB]`` vector: this rank's
+    from its constexprs, the other ranks' from column ``XC`` of their rows of this rank's ``xcounts`` matrix at
+    ``xbuf`` (read only once their counts signal arrived, ``ok``; a rank not heard from, or past W, counts as
+    agreeing). Without the region (``XC == 0``) every stamp is 0 (no call can count)."""
+    s = tl.arange(0, WB)
+    own = tl.full((WB,), CE if CK > 0 else 0, tl.int32)
+    if XC > 0:
+        peer = tl.load(xcounts_ptr + xbuf + s * (XC + 1) + XC, mask=(s < W) & (s != rank) & (ok != 0), other=0)
+        own = tl.where((s < W) & (s != rank) & (ok != 0), peer, own)
+    return own
+
+
+@triton.jit
+def _stamps_differ(stamps, W: tl.constexpr, WB: tl.constexpr):
+    """1 when the ranks' count stamps (``[WB]``, :func:`count_stamps`) are not all equal."""
+    s = tl.arange(0, WB)
+    first = tl.sum(tl.where(s == 0, stamps, 0), 0)
+    return tl.max(((s < W) & (stamps != first)).to(tl.int32), 0) > 0
+
+
+@triton.jit
+def refused_call(badv, rows, max_recv, W: tl.constexpr, WB: tl.constexpr, stamps):
     """1 when the call is refused on every rank: some rank flagged bad input (``badv [WB]``, column E of the counts
-    rows) or some destination would receive more than ``max_recv`` rows (``rows [WB]``)."""
+    rows), the ranks' count stamps differ (``stamps [WB]``, :func:`count_stamps`) or some destination would receive
+    more than ``max_recv`` rows (``rows [WB]``)."""
     d_off = tl.arange(0, WB)
     over = tl.max(tl.where(d_off < W, rows, 0), 0)
-    return (tl.max(tl.where(d_off < W, badv, 0), 0) > 0) | (over > max_recv)
+    return (tl.max(tl.where(d_off < W, badv, 0), 0) > 0) | _stamps_differ(stamps, W, WB) | (over > max_recv)
 
 
 @triton.jit
 def record_verdict(badv, rows, max_recv, status_ptr, skip_call, HAS_SKIP: tl.constexpr, W: tl.constexpr,
-                   WB: tl.constexpr):
+                   WB: tl.constexpr, stamps):
     """Record the counts exchange's verdict (see :func:`exchange_kernel`): STATUS_BAD_INPUT with the lowest bad rank
-    and the bitmask of bad ranks, else STATUS_CAPACITY with the rows needed; HAS_SKIP: ``skip_call`` is this
+    and the bitmask of bad ranks, else STATUS_COUNT_MISMATCH when the ranks' count stamps differ (``stamps [WB]``,
+    :func:`count_stamps`: peer = the lowest rank whose stamp differs from rank 0's, ``status[ST_NEEDED_ROWS]`` =
+    ``rank 0's stamp << 32 | that rank's``, ``status[ST_WAITED]`` = the bitmask of the ranks whose stamp is not 0,
+    i.e. that pass a count routing), else STATUS_CAPACITY with the rows needed; HAS_SKIP: ``skip_call`` is this
     dispatch's number, stored in ``status[ST_THIS_CALL]`` always and in ``status[ST_SKIP_CALL]`` when the call is
     refused (every rank's data kernels then skip its rows): the host tells this call's refusal from an earlier one
     nobody read. Refusals nobody read yet pile up until the next read (which clears the word): the code, peer and
@@ -344,6 +395,17 @@ def record_verdict(badv, rows, max_recv, status_ptr, skip_call, HAS_SKIP: tl.con
         record_error(status_ptr, STATUS_BAD_INPUT, WAIT_COUNTS, tl.argmax(tl.where(badv > 0, 1, 0), 0))
         mask = tl.sum(tl.where(badv > 0, tl.full((WB,), 1, tl.int64) << s_off.to(tl.int64), 0), 0)
         tl.store(status_ptr + ST_BAD_RANK_MASK, tl.load(status_ptr + ST_BAD_RANK_MASK) | mask)
+        if HAS_SKIP:
+            tl.store(status_ptr + ST_SKIP_CALL, skip_call)
+    elif _stamps_differ(stamps, W, WB):
+        first = tl.sum(tl.where(s_off == 0, stamps, 0), 0)
+        odd = tl.argmax(((s_off < W) & (stamps != first)).to(tl.int32), 0)
+        if record_error(status_ptr, STATUS_COUNT_MISMATCH, WAIT_COUNTS, odd):  # with its numbers: the first one's
+            other = tl.sum(tl.where(s_off == odd, stamps, 0), 0)
+            tl.store(status_ptr + ST_NEEDED_ROWS, (first.to(tl.int64) << 32) | other.to(tl.int64))
+            counting = tl.sum(tl.where((s_off < W) & (stamps != 0),
+                                       tl.full((WB,), 1, tl.int64) << s_off.to(tl.int64), 0), 0)
+            tl.store(status_ptr + ST_WAITED, counting)
         if HAS_SKIP:
             tl.store(status_ptr + ST_SKIP_CALL, skip_call)
     elif over > max_recv:

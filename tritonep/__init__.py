@@ -17,8 +17,8 @@ from __future__ import annotations
 import importlib as _importlib
 
 from . import errors
-from .errors import (CapacityError, ConfigError, InputError, PeerConfigError, PeerInputError, PeerTimeoutError,
-                     TimeoutError, TritonEPError)
+from .errors import (CapacityError, ConfigError, CountRoutingError, InputError, PeerConfigError, PeerInputError,
+                     PeerTimeoutError, TimeoutError, TritonEPError)
 
 __version__ = "0.1.0"
 
@@ -31,7 +31,8 @@ _SUBMODULES = ("balance", "ep", "moe", "wire", "testing", "reference", "memory",
 
 __all__ = ["EPBuffer", "Dispatched", "DispatchHandle", "dispatch", "combine", "MoELayer", "MoERecipe", "MoEGeometry",
            "balance", "errors", "TritonEPError",
-           "CapacityError", "ConfigError", "InputError", "PeerConfigError", "PeerInputError", "PeerTimeoutError",
+           "CapacityError", "ConfigError", "CountRoutingError", "InputError", "PeerConfigError", "PeerInputError",
+           "PeerTimeoutError",
            "TimeoutError",
            "__version__"]
 

@@ -11,6 +11,7 @@ __all__ = [
     "ConfigError",
     "InputError",
     "PeerInputError",
+    "PeerConfigError",
     "CountRoutingError",
     "CapacityError",
     "PeerTimeoutError",

@@ -21,11 +21,11 @@ from tests.support.harness import BF16, calls_world, check_calls, make_calls, op
 
 
 @pytest.mark.parametrize("W,ntokens,A,kind", [
-    (1, [13], 1, "push"),  # world 1: the partial kernel stores the output rows (DIRECT)
-    (1, [11], 2, "pull"),
     (2, [13, 7], 1, "push"),
     (3, [9, 0, 16], 4, "pull"),
     (4, [5, 16, 0, 11], 1, "push"),
+    (1, [13], 1, "push"),  # world 1: the partial kernel stores the output rows (DIRECT)
+    (1, [11], 2, "pull"),
 ])
 def test_dispatch_combine_matches_reference(W, ntokens, A, kind):
     cfg = dict(E=4 * W, H=96, Tmax=16, K=3, A=A, kind=kind, repeat=True)

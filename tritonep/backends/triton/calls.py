@@ -48,7 +48,7 @@ class KernelSet:
 
     Attributes: ``xhost`` (int32 pinned ``[count_columns]``: the count routing's sums, or None; ``xhost_np`` its
     numpy view), ``hist``, ``exchange``, ``send`` (forward, dispatch wire), ``send_bwd`` (combine backward, raw),
-    ``expand_bwd``; methods ``expand(kq)``, ``fused(kq)``, ``decode(kq)``, ``partial(kind, weighted, wgrad,
+    ``expand_bwd``; methods ``count_sums(count, status_read)``, ``expand(kq)``, ``fused(kq)``, ``decode(kq)``, ``partial(kind, weighted, wgrad,
     wire)``, ``out(kind, wgrad, wire)``, ``combine_fused(wire)``, ``combine_decode(wire, weighted, wgrad)`` for the
     variants.
     """
@@ -131,6 +131,15 @@ class KernelSet:
         self._refusal = dict(cbad_ptr=v.local("cbad"), host_st_ptr=self._host_mapped, HOST_ST=ST_HOST)
 
     # ------------------------------------------------------------------------------------------------ dispatch
+    def count_sums(self, count, status_read) -> list | None:
+        """The count routing's per-local-expert sums of a dispatch that had one (``count``: its
+        ``(count_ids, count_experts, Tc, CK)``, or None) and whose status words were read (``status_read``): the first
+        ``count_experts / W`` words of ``xhost``, which the verdict launch stored before it published the status
+        words (no second read); else None."""
+        if count is None or not status_read:
+            return None
+        return self.xhost_np[:count[1] // self._cfg.world_size].tolist()
+
     def expand(self, kq: bool) -> BoundKernel:
         """Forward expand (dispatch wire; ``kq``: keep_quantized output)."""
         bk = self._lau.bound(("expand", kq))  # every call after the first: no closure built

@@ -98,9 +98,7 @@ class DecodePath:
         else:
             out_w = rw
         status.finish(refused, st, sync, bad_input)
-        # the count routing's sums, published with the status words (before them): no second read
-        sums = self.k.xhost_np[:count[1] // self.cfg.world_size].tolist() if count is not None and st is not None \
-            else None
+        sums = self.k.count_sums(count, st is not None)
         return outs.finish(handle, store, T, R, out, out_w, q, sc, ntpe, offs, sums)
 
     def combine(self, eo, handle, wire, weighted=True, gw=None, bad=0, ticket=0):

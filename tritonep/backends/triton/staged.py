@@ -104,7 +104,7 @@ class StagedPath:
         # while the data kernels run: the weights' view (a fresh slice of the pooled field, never the field itself)
         out_w = w_arg if R is None else rw[:R] if rw is not None else self.hl.tensor(store, "rw", R)
         status.finish(refused, st, sync, bad_input)
-        sums = k.xhost_np[:count[1] // self.cfg.world_size].tolist() if count is not None and st is not None else None
+        sums = k.count_sums(count, st is not None)
         return outs.finish(handle, store, T, R, out, out_w, q, sc, ntpe, offs, sums)
 
     def combine(self, eo, handle, wire, weighted=True, gw=None, bad=0, ticket=0, kind="push"):

@@ -4,6 +4,7 @@ The interpreter accepts code the compiler refuses; this test records the interpr
 every EP path (push/pull combine, alignment padding, backward) and compiles each one for sm_90 offline.
 """
 
+import contextlib
 import os
 
 import pytest
@@ -169,6 +170,16 @@ def test_heap_test_kernels_compile_for_sm90():
     assert not failures, "\n\n".join(f"{n}: {e}" for n, e in failures)
 
 
+@contextlib.contextmanager
+def _geometry(geo: str):
+    """TRITONEP_GEOMETRY set to ``geo`` inside the block (a forked rank's own environment), removed after."""
+    os.environ["TRITONEP_GEOMETRY"] = geo
+    try:
+        yield
+    finally:
+        del os.environ["TRITONEP_GEOMETRY"]
+
+
 def _combine_tile_paths(group):
     """The GPU's large-batch combine geometry (KernelTiles.cbt 8 / cwarps 32, select_tiles at >= 1024 tokens) on
     every wire, two-kernel push / pull and the fused combine, BH 1024 as on the GPU; E = 96 (counts exchange grid
@@ -177,8 +188,7 @@ def _combine_tile_paths(group):
     recs = []
     with record_launches(recs):
         for geo in ("cbt=8,cwarps=32", "cbt=8,cwarps=32,fs=1,fe=1,fc=1"):
-            os.environ["TRITONEP_GEOMETRY"] = geo
-            try:
+            with _geometry(geo):
                 for dw in ("bf16", "fp8", "mxfp4"):
                     b = tep.EPBuffer(group, 96, 1024, 16, 2, dispatch_wire=dw, combine_wire=dw)
                     x, i, w = make_rank_inputs(rank, 9, 1024, 96, 2, seed=6)
@@ -187,8 +197,6 @@ def _combine_tile_paths(group):
                     if "fc" not in geo:
                         b.combine(d.x, d.handle, kind="pull")
                     b.close()
-            finally:
-                del os.environ["TRITONEP_GEOMETRY"]
     return recs
 
 
@@ -206,19 +214,15 @@ def _world1_combine_paths(group):
     """World 1 at the GPU's large-batch combine geometry, bf16, BH 1024: the push combine and the dispatch backward
     whose partial kernel stores the output rows (DIRECT), and the pull combine (two passes)."""
     recs = []
-    with record_launches(recs):
-        os.environ["TRITONEP_GEOMETRY"] = "cbt=8,cwarps=32"
-        try:
-            b = tep.EPBuffer(group, 96, 1024, 16, 2)
-            x, i, w = make_rank_inputs(0, 9, 1024, 96, 2, seed=6)
-            x.requires_grad_(True)
-            d = b.dispatch(x, i, w)
-            b.combine(d.x.detach(), d.handle, kind="pull")
-            (d.x * 1).float().sum().backward()  # the dispatch backward: an unweighted combine
-            b.combine(d.x.detach(), d.handle)
-            b.close()
-        finally:
-            del os.environ["TRITONEP_GEOMETRY"]
+    with record_launches(recs), _geometry("cbt=8,cwarps=32"):
+        b = tep.EPBuffer(group, 96, 1024, 16, 2)
+        x, i, w = make_rank_inputs(0, 9, 1024, 96, 2, seed=6)
+        x.requires_grad_(True)
+        d = b.dispatch(x, i, w)
+        b.combine(d.x.detach(), d.handle, kind="pull")
+        (d.x * 1).float().sum().backward()  # the dispatch backward: an unweighted combine
+        b.combine(d.x.detach(), d.handle)
+        b.close()
     return recs
 
 

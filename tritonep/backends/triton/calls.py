@@ -48,9 +48,9 @@ class KernelSet:
 
     Attributes: ``xhost`` (int32 pinned ``[count_columns]``: the count routing's sums, or None; ``xhost_np`` its
     numpy view), ``hist``, ``exchange``, ``send`` (forward, dispatch wire), ``send_bwd`` (combine backward, raw),
-    ``expand_bwd``; methods ``count_sums(count, status_read)``, ``expand(kq)``, ``fused(kq)``, ``decode(kq)``, ``partial(kind, weighted, wgrad,
-    wire)``, ``out(kind, wgrad, wire)``, ``combine_fused(wire)``, ``combine_decode(wire, weighted, wgrad)`` for the
-    variants.
+    ``expand_bwd``; methods ``count_sums(count, status_read)``, and ``expand(kq)``, ``fused(kq)``, ``decode(kq)``,
+    ``partial(kind, weighted, wgrad, wire, direct)``, ``out(kind, wgrad, wire, direct)``, ``combine_fused(wire)``,
+    ``combine_decode(wire, weighted, wgrad)`` for the variants.
     """
 
     def __init__(self, cfg, views, hl, launch, *, rank: int, device, timeout: int, host_mapped, dwire):

@@ -9,7 +9,8 @@
 #   ts2/ts4  the same, time-sliced (no MPS)                                                 limit 500 / 520
 #   soak     the 1000-replay CUDA-graph soaks at W=2 under MPS                              limit 150
 #   suite1   the whole GPU suite's first command: `single` (one process, no MPS) running beside `mps2` then `soak`
-#            (the ranks' private MPS daemon): compiles are CPU-bound and the machine has 16 cores     580 wall
+#            (the ranks' private MPS daemon): compiles are CPU-bound and the machine has 16 cores; then the tests
+#            marked `alone` (they measure the whole GPU's free memory), with nothing beside them        580 + 60 wall
 #   suite2   its second command: `mps4` but the DeepEP-compatible Buffer's tests (they run at W = 1 and 2 in
 #            suite1, at W = 3, 4, 8 in the CPU worlds)                                                560
 #   runs2    `tritonep run` at W=2 under MPS: every layer; balance none / virtual, push / pull, bf16 / fp8
@@ -127,14 +128,15 @@ for suite in "$@"; do
         ts4) step ts4 520 "${PYTEST[@]}" -m "gpu and anyworld and not soak and not caps" --gpu-world-sizes 4 --timeout 200 \
                  --maxfail 8 ;;
         soak) step soak 150 "${PYTEST[@]}" -m "gpu and soak" --gpu-world-sizes 2 --gpu-mps on --timeout 140 ;;
-        suite1) TAIL=4 step single 300 "${PYTEST[@]}" -m "gpu and (not world or world1) and not soak and not caps" \
-                    --timeout 200 &
+        suite1) TAIL=4 step single 300 "${PYTEST[@]}" -m "gpu and (not world or world1) and not soak and not caps \
+                    and not alone" --timeout 200 &
                 beside=$!
                 step mps2 470 "${PYTEST[@]}" -m "gpu and world and not world1 and not soak and not caps" \
                     --gpu-world-sizes 2 --gpu-mps on --timeout 120 --maxfail 4
                 stop_leftover_mps
                 step soak 110 "${PYTEST[@]}" -m "gpu and soak" --gpu-world-sizes 2 --gpu-mps on --timeout 100
                 wait "$beside"
+                step alone 60 "${PYTEST[@]}" -m "gpu and alone" --timeout 50  # nothing beside it now
                 pack ;;
         suite2) step mps4 560 "${PYTEST[@]}" -m "gpu and anyworld and not soak and not caps" --gpu-world-sizes 4 \
                     --gpu-mps on --timeout 120 --maxfail 4 --ignore=tests/compat ;;  # compat: W = 1 and 2 (suite1)

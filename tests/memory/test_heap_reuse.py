@@ -200,6 +200,7 @@ def _gpu_rebuild_world(group, cycles):
 
 @pytest.mark.world1
 @pytest.mark.gpu
+@pytest.mark.alone  # free device memory is the whole GPU's: another process beside it moves it
 def test_gpu_rebuild_loop_returns_closed_buffers_memory(gpu_world):
     """CUDA heap: each buffer is its own symm_mem allocation, so a closed one must give its memory back (no heap
     offsets to fragment); 12 rebuild cycles may not lose more than one buffer's bytes of free device memory."""

@@ -212,16 +212,22 @@ def test_combine_tile_32_warps_compile_for_sm90():
 
 def _world1_combine_paths(group):
     """World 1 at the GPU's large-batch combine geometry, bf16, BH 1024: the push combine and the dispatch backward
-    whose partial kernel stores the output rows (DIRECT), and the pull combine (two passes)."""
+    whose partial kernel stores the output rows (DIRECT), the pull combine (two passes), and the one-launch push
+    combine whose partial role stores them (DIRECT)."""
     recs = []
+    x, i, w = make_rank_inputs(0, 9, 1024, 96, 2, seed=6)
     with record_launches(recs), _geometry("cbt=8,cwarps=32"):
         b = tep.EPBuffer(group, 96, 1024, 16, 2)
-        x, i, w = make_rank_inputs(0, 9, 1024, 96, 2, seed=6)
         x.requires_grad_(True)
         d = b.dispatch(x, i, w)
         b.combine(d.x.detach(), d.handle, kind="pull")
         (d.x * 1).float().sum().backward()  # the dispatch backward: an unweighted combine
         b.combine(d.x.detach(), d.handle)
+        b.close()
+    with record_launches(recs), _geometry("cbt=8,cwarps=32,fs=8,fe=8,fc=1"):
+        b = tep.EPBuffer(group, 96, 1024, 16, 2)
+        d = b.dispatch(x.detach(), i, w)
+        b.combine(d.x, d.handle)
         b.close()
     return recs
 
@@ -230,6 +236,8 @@ def test_world1_direct_combine_compiles_for_sm90():
     recs = run_cpu_world(1, _world1_combine_paths, timeout_s=300)[0]
     out = [r for r in recs if r.get("name") == "combine_out_kernel"]
     assert {r["constexprs"].get("DIRECT") for r in out} == {True, False}  # push / backward direct, pull not
+    fused = [r for r in recs if r.get("name") == "combine_fused_kernel"]
+    assert fused and all(r["constexprs"].get("DIRECT") for r in fused)
     failures = compile_recorded(recs)
     assert not failures, "\n\n".join(f"{n}: {e}" for n, e in failures)
 

@@ -265,8 +265,10 @@ class KernelSet:
                 fields=self._hl.fields_of(topk_idx_ptr="idx"))
         return self._lau.variant(("out", kind, wgrad, wire, direct), make)
 
-    def combine_fused(self, wire) -> BoundKernel:
-        """Weighted push combine in one launch (partial and out roles)."""
+    def combine_fused(self, wire, direct: bool = False) -> BoundKernel:
+        """Weighted push combine in one launch (partial and out roles; ``direct``: the world-1 one that stores the
+        output rows from the partial role, :func:`tritonep.backends.triton.kernels.combine_fused.combine_fused_kernel`'s
+        DIRECT)."""
         v, g, cfg = self._v, self._cfg.tiles, self._cfg
 
         def make():
@@ -274,11 +276,11 @@ class KernelSet:
                 stage_tab=v.tab["cstage"], ccflag_tab=v.tab["ccflag"], ccflag_ptr=v.local("ccflag"),
                 cdata_off=self._fo(P.FLAG_CDATA), cack_off=self._fo(P.FLAG_CACK), G_partial_std=g.grid_partial,
                 G_out_std=g.grid_out, Tmax=cfg.max_tokens_per_rank, NCmax=self.ncmax_c, GS=g.fused_send,
-                L=cfg.num_local_experts, WIRE=wire, cbad_tab=v.tab["cbad"], **self._refusal, **self._common,
-                **self._cck),
+                L=cfg.num_local_experts, WIRE=wire, cbad_tab=v.tab["cbad"], DIRECT=direct, **self._refusal,
+                **self._common, **self._cck),
                 ("eo_ptr", STORE, "y_ptr", "T", "bad", "ticket"), grid=(g.fused_send + g.fused_expand,),
                 fields=dict(self._recv, **self._hl.fields_of(topk_idx_ptr="idx")))
-        return self._lau.variant(("combine_fused", wire), make)
+        return self._lau.variant(("combine_fused", wire, direct), make)
 
     def combine_decode(self, wire, weighted: bool = True, wgrad: bool = False) -> BoundKernel:
         """Push combine of the decode tiles in one launch: weighted (combine) or not (dispatch backward,

@@ -56,9 +56,9 @@ class StagedPath:
         self.cfg, self.k, self.status, self.outputs, self.device = cfg, kernels, status, outputs, device
         self.hl, self._no_w = outputs.hl, no_w
         # world 1: a push combine's partial of a token is its output row (the output kernel's sum over one rank
-        # rounds the bf16 partial to itself), so with bf16 rows on the raw wire the partial kernel stores the output
-        # and the rows are read once (the output kernel only finishes the call); not with weight gradients (the
-        # output kernel gathers them)
+        # rounds the bf16 partial to itself), so with bf16 rows on the raw wire the partial kernel (the fused
+        # combine's partial role) stores the output and the rows are read once (the output kernel or role only
+        # finishes the call); not with weight gradients (the output kernel gathers them)
         self._direct = cfg.world_size == 1
 
     def dispatch(self, x, topk_idx, topk_weights, sync, keep_quantized, bad_input, T, count=None):
@@ -117,11 +117,12 @@ class StagedPath:
         y = torch.empty(T, self.cfg.hidden, dtype=eo.dtype, device=self.device)
         what = "combine" if weighted else "dispatch backward"
         wgrad = gw is not None
+        direct = self._direct and kind == "push" and not wgrad and not wire.quantized and eo.dtype == torch.bfloat16
         if g.fused_combine and kind == "push" and weighted and not wgrad:
-            k.combine_fused(wire)(eo, store, y, T, bad, ticket)
+            k.combine_fused(wire, direct)(eo, store, y, T, bad, ticket)
             status.after_combine(ticket, bad, what)
             return y, None
-        if self._direct and kind == "push" and not wgrad and not wire.quantized and eo.dtype == torch.bfloat16:
+        if direct:
             k.partial(kind, weighted, False, wire, True)(eo, store, self._no_w, bad, y)
             k.out(kind, False, wire, True)(store, y, T, _cdiv(T, g.cbt), y, ticket)
             status.after_combine(ticket, bad, what)

@@ -208,19 +208,26 @@ def out_chunk(c, live, io, tile, W: tl.constexpr, L: tl.constexpr, PULL: tl.cons
 
 @triton.jit
 def sum_arrived(c, m, ccflag_ptr, status_ptr, timeout, io, tile, W: tl.constexpr, L: tl.constexpr,
-                WB: tl.constexpr, RECV_WGRAD: tl.constexpr, cbad_ptr, flags_ptr):
+                WB: tl.constexpr, RECV_WGRAD: tl.constexpr, cbad_ptr, flags_ptr, DIRECT: tl.constexpr = False):
     """The output step of the one-launch combines (fused, decode): wait (bounded) until every rank's partial of
     this rank's token chunk ``c`` arrived (``ccflag[c, r] >= m``, the combine call number) and sum it
     (:func:`out_chunk`, push; RECV_WGRAD: also gather the per-route scalars the partial step pushed before raising
     the flag); a wait that gives up, or a rank that took part as refused (:func:`mark_refused`), makes the chunk
     NaN, and so does a peer that marked itself timed out (:func:`tritonep.device.signal.peers_alive`, ``flags_ptr``
     this rank's flags region: it skipped its partials). Chunk 0 (or, with no token, :func:`watch_refusals`) records
-    a refusal in the status word: every rank's program that publishes chunk 0 here marked before it."""
+    a refusal in the status word: every rank's program that publishes chunk 0 here marked before it. DIRECT (world
+    1: the partial step stored the chunk's output rows before raising its flag): the chunk is written only when
+    the call failed (NaN)."""
     wait_all_ge(ccflag_ptr + c * W, W, m, status_ptr, WAIT_CDATA, timeout, tile.HAS_TIMER, WB)
     peers_alive(flags_ptr, status_ptr, W, WB)
     live = tl.load(status_ptr) != STATUS_TIMEOUT
     mask, lowest = refused_ranks(cbad_ptr, m, W, WB)
-    out_chunk(c, live, io, tile, W, L, False, RECV_WGRAD, (live == 0) | (mask != 0))
+    poison = (live == 0) | (mask != 0)
+    if DIRECT:
+        if poison:
+            out_chunk(c, live, io, tile, W, L, False, RECV_WGRAD, poison)
+    else:
+        out_chunk(c, live, io, tile, W, L, False, RECV_WGRAD, poison)
     if c == 0:
         record_refusal(status_ptr, mask, lowest)
 

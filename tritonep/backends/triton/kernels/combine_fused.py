@@ -38,7 +38,7 @@ def combine_fused_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, stage_tab, ccfl
                          KB: tl.constexpr, H: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr, WB: tl.constexpr,
                          HAS_TIMER: tl.constexpr, RB: tl.constexpr, WIRE: tl.constexpr = RAW_BF16,
                          POW2: tl.constexpr = False, bad=0, cbad_tab=None, cbad_ptr=None, host_st_ptr=None,
-                         ticket=0, HOST_ST: tl.constexpr = 0):
+                         ticket=0, HOST_ST: tl.constexpr = 0, DIRECT: tl.constexpr = False):
     """Weighted push combine in one launch (see the module docstring); grid ``GS + GE``, ``GS`` partial programs.
 
     ``ccflag``: ``[>= NCmax, W]`` int64 per rank (entry ``[c, r]`` = last combine call whose chunk-``c`` partial from
@@ -46,6 +46,12 @@ def combine_fused_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, stage_tab, ccfl
     refused (:func:`tritonep.backends.triton.kernels.combine.open_partial`); a rank that did makes every output NaN and is recorded
     (:func:`tritonep.backends.triton.kernels.combine.sum_arrived`, :func:`tritonep.backends.triton.kernels.combine.watch_refusals`); the last
     program publishes the status for the host's read of an eager combine (``ticket``).
+
+    DIRECT (world 1, raw bf16 wire, bf16 expert rows: the one partial of a token is its output row bit for bit, as
+    :func:`tritonep.backends.triton.kernels.combine.combine_partial_kernel`'s ``y_ptr``): the partial programs store
+    the output rows ``y`` themselves (zeros for a token without a route) before raising each chunk's flag, and the
+    output programs only wait for the flags and write NaN over a failed call's chunks: the rows are read once, no
+    partial is staged.
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
@@ -57,7 +63,10 @@ def combine_fused_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, stage_tab, ccfl
         partial_io = PartialIO(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, hwts_ptr, stage_tab, stage_tab, Tmax, rank)
         for item in range(pid, W * NCmax, GS):
             c, src = partial_item_source(item, GS, W)
-            partial_step(src, c, live, m, ccflag_tab, partial_io, tile, W, True, True, False, POW2)
+            if DIRECT:
+                partial_step(src, c, live, m, ccflag_tab, partial_io, tile, W, True, True, False, POW2, y_ptr)
+            else:
+                partial_step(src, c, live, m, ccflag_tab, partial_io, tile, W, True, True, False, POW2)
         signal_peers(flags_tab, cdata_off, W, rank, WB)
     else:
         e = pid - GS
@@ -65,7 +74,8 @@ def combine_fused_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, stage_tab, ccfl
         NC = tl.cdiv(T, BT)
         out_io = OutIO(topk_idx_ptr, y_ptr, T, stage_tab, y_ptr, y_ptr, Tmax, rank)
         for c in range(e, NC, GE):
-            sum_arrived(c, m, ccflag_ptr, status_ptr, timeout, out_io, tile, W, L, WB, False, cbad_ptr, flags_ptr)
+            sum_arrived(c, m, ccflag_ptr, status_ptr, timeout, out_io, tile, W, L, WB, False, cbad_ptr, flags_ptr,
+                        DIRECT)
         if e == 0:
             if NC == 0:
                 if bad == 0:  # no token: still learn of a refusal in this call (a refused rank knows its own)

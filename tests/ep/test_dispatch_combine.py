@@ -34,26 +34,16 @@ def test_dispatch_combine_matches_reference(W, ntokens, A, kind):
     check_calls(cfg, calls, res, fp32=True)
 
 
-@pytest.mark.parametrize("kind", ["push", "pull"])
-def test_world1_tokens_without_routes_combine_to_zeros(kind):
-    """World 1 (the push combine's partial kernel stores the output rows itself): tokens with every route masked
-    get zero rows, also where an earlier call's output left other values in the reused memory."""
-    cfg = dict(E=8, H=128, Tmax=32, K=2, A=1, kind=kind, out_buffer=False)
+@pytest.mark.parametrize("kind,geometry", [("push", None), ("pull", None), ("push", "fs=1,fe=1,fc=1")])
+def test_world1_tokens_without_routes_combine_to_zeros(kind, geometry, monkeypatch):
+    """World 1 (the push combine's partial kernel, or the one-launch combine's partial role with ``fc=1``, stores the
+    output rows itself): equal to the reference over several calls on one buffer (the first combined twice), and
+    tokens with every route masked get zero rows, also where an earlier call's output left other values in the
+    reused memory."""
+    if geometry:
+        monkeypatch.setenv("TRITONEP_GEOMETRY", geometry)
+    cfg = dict(E=8, H=128, Tmax=32, K=2, A=1, kind=kind, out_buffer=False, repeat=True)
     calls = make_calls(1, cfg, [32], seeds=[11, 12, 13, 14], mask_frac=0.6)
-    assert any(bool((c[1] < 0).all(1).any()) for c in calls[0])  # some token has no route
-    res = run_cpu_world(1, calls_world, cfg, calls, timeout_s=240)
-    check_calls(cfg, calls, res, fp32=True)
-    for (_, idx, _), rec in zip(calls[0], res[0]):
-        assert (rec["y"][(idx < 0).all(1)] == 0).all()
-
-
-def test_world1_fused_combine_stores_outputs_in_one_pass(monkeypatch):
-    """World 1 with the one-launch (fused) push combine, whose partial role stores the output rows itself (DIRECT):
-    equal to the reference over several calls on one buffer (the first combined twice), and tokens with every route
-    masked get zero rows where earlier calls left other values in the reused memory."""
-    monkeypatch.setenv("TRITONEP_GEOMETRY", "fs=1,fe=1,fc=1")
-    cfg = dict(E=8, H=128, Tmax=32, K=2, A=1, kind="push", out_buffer=False, repeat=True)
-    calls = make_calls(1, cfg, [32], seeds=[21, 22, 23, 24], mask_frac=0.6)
     assert any(bool((c[1] < 0).all(1).any()) for c in calls[0])  # some token has no route
     res = run_cpu_world(1, calls_world, cfg, calls, timeout_s=240)
     check_calls(cfg, calls, res, fp32=True)

@@ -294,3 +294,13 @@ def test_counts_are_global_and_identical(backend):
         for r in range(W):  # row r = routes of source rank r; column sums = rows every expert received
             assert torch.equal(c[r], torch.bincount(calls[r][i][1][calls[r][i][1] >= 0], minlength=6).int())
             assert torch.equal(c.sum(0)[2 * r:2 * r + 2].int(), res[r][i]["ntpe"])
+
+
+@pytest.mark.parametrize("kind", ["push", "pull"])
+def test_world1_two_handles_in_flight_combined_in_reverse_order(kind):
+    """World 1 (the push combine's partial kernel stores the output rows itself): each handle's combine gives its
+    own call's rows for its own token count, also where the later dispatch had fewer tokens than the earlier one."""
+    c1 = [make_rank_inputs(0, 8, 64, 6, 2, seed=1)]
+    c2 = [make_rank_inputs(0, 3, 64, 6, 2, seed=2)]
+    res = run_cpu_world(1, _inflight_world, c1, c2, kind, timeout_s=240)
+    check_calls(dict(E=6), [[c1[0], c2[0]]], res)

@@ -133,12 +133,13 @@ def build_config(*, world_size: int, num_experts: int, hidden: int, max_tokens_p
     Raises:
         ConfigError: a size that is not a positive int, ``num_experts`` not divisible by ``world_size``, a bad
             ``max_recv_tokens`` / ``num_sms`` / ``timeout_s`` / dtype / backend name / option / environment value,
-            kernels built for another device (each message names the value).
+            kernels built for another device (each message names the value), tiles (``bh``) narrower than a
+            quantized wire's scale block.
         WireError: an unknown wire or a ``hidden`` the wire's block does not divide.
     """
     from ..backends import check_backend_name, kernel_tiles
     from ..runtime.status import resolve_timeout
-    from ..wire.formats import check_wire
+    from ..wire.formats import check_wire, get_wire
 
     for name, v in (("world_size", world_size), ("num_experts", num_experts), ("hidden", hidden),
                     ("max_tokens_per_rank", max_tokens_per_rank), ("topk", topk),
@@ -176,6 +177,12 @@ def build_config(*, world_size: int, num_experts: int, hidden: int, max_tokens_p
         override, source = tiles, "tiles"  # kernel tiles given whole: taken as they are
     tiles = kernel_tiles(device_type, world_size, hidden, max_tokens_per_rank, topk, dispatch_wire, num_sms=num_sms,
                          override=override, combine=envs.combine_kind(), max_programs=max_programs, source=source)
+    bh = getattr(tiles, "bh", None)  # the triton tiles' hidden columns per tile (the nccl backend has none)
+    for field, wire in (("dispatch_wire", dispatch_wire), ("combine_wire", combine_wire)):
+        block = get_wire(wire).block
+        if bh is not None and get_wire(wire).quantized and bh < block:  # a codec encodes whole blocks of a tile
+            raise ConfigError(f"{source} gives bh={bh}, but {field}={wire!r} encodes blocks of {block} columns: "
+                              f"a tile needs bh >= {block}")
     return EPConfig(world_size=world_size, num_experts=num_experts, hidden=hidden,
                     max_tokens_per_rank=max_tokens_per_rank, topk=topk, dispatch_wire=dispatch_wire,
                     combine_wire=combine_wire, expert_alignment=expert_alignment, max_recv_tokens=max_recv_tokens,

@@ -118,3 +118,17 @@ def test_backward_expand_tile(monkeypatch):
         monkeypatch.setenv("TRITONEP_GEOMETRY", bad)
         with pytest.raises(ConfigError, match=what):
             tiles_of("cuda", 1, 7168, 4096, 8)
+
+
+@pytest.mark.parametrize("wire,block", [("fp8", 128), ("fp8_e5m2", 128), ("mxfp4", 32)])
+def test_tile_narrower_than_a_quantized_wire_block_is_a_config_error(wire, block):
+    """A ``bh`` override below a quantized wire's scale block (the codec encodes whole blocks of a tile) is refused
+    when the buffer is configured, naming both, instead of failing inside the first call's kernels; the block itself
+    is accepted."""
+    from tritonep.ep.config import build_config
+
+    kw = dict(world_size=1, num_experts=4, hidden=256, max_tokens_per_rank=8, topk=2, device_type="cpu")
+    for field in ("dispatch_wire", "combine_wire"):
+        with pytest.raises(ConfigError, match=rf"bh={block // 2}.*{field}={wire!r}.*{block}"):
+            build_config(tiles=f"bh={block // 2}", **{field: wire}, **kw)
+    assert build_config(tiles=f"bh={block}", dispatch_wire=wire, combine_wire=wire, **kw).tiles.bh == block

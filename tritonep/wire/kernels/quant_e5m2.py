@@ -1,7 +1,8 @@
 """Device codec of the ``fp8_e5m2`` wire: float8_e5m2 values, one fp32 scale per 128 elements (docs/wire-formats.md).
 
 Same block scaling as the e4m3 wire (:func:`tritonep.wire.kernels.quant.scaled_quant_tile`) with the e5m2 range:
-scale = max(amax / 57344, 2^-126), q = e5m2(x / scale) rounded to nearest even with saturation to +-57344.
+scale = max(amax / 57344, 2^-126), q = e5m2(x * inv) with the block's multiplier inv = 57344 / max(amax, 57344 *
+2^-126) (pow2 scales: 1 / scale), rounded to nearest even with saturation to +-57344.
 Integer-only rounding (interpreter and sm_90 give the same bits). Twin: :mod:`tritonep.wire.fp8_e5m2`.
 e5m2: 1 sign, 5 exponent (bias 15), 2 mantissa bits; normals 2^-14 .. 57344, subnormals m * 2^-16 (m = 1..3),
 0x7C = Inf, 0x7D..0x7F = NaN (OCP 8-bit floating point, 2023).
@@ -59,7 +60,8 @@ def e5m2_quant_tile(x, POW2: tl.constexpr, FAST: tl.constexpr = False):
     """Quantize fp32 ``x`` [G, 128] to e5m2: ``(q_bits uint8 [G, 128], scale fp32 [G])``.
 
     Rule = :func:`tritonep.wire.fp8_e5m2.quantize_fp8_e5m2_torch`: amax over finite elements, scale =
-    max(amax/57344, 2^-126) (POW2: rounded up to a power of two), q = e5m2_rne_satfinite(x / scale).
+    max(amax/57344, 2^-126) (POW2: rounded up to a power of two), q = e5m2_rne_satfinite(x * inv) with the block's
+    ``inv = 57344 / max(amax, 57344 * 2^-126)`` (POW2: ``1 / scale``, exact).
     FAST (GPU only): the same bits with the hardware conversion (:func:`tritonep.wire.kernels.quant.scaled_quant_tile`).
     """
     return scaled_quant_tile(x, POW2, 57344.0, e5m2_encode, FAST)

@@ -213,7 +213,7 @@ def test_combine_tile_32_warps_compile_for_sm90():
 def _world1_combine_paths(group):
     """World 1 at the GPU's large-batch combine geometry, bf16, BH 1024: the push combine and the dispatch backward
     whose partial kernel stores the output rows (DIRECT), the pull combine (two passes), and the one-launch push
-    combine whose partial role stores them (DIRECT)."""
+    combine and the decode combine (and its dispatch backward) whose partial step stores them (DIRECT)."""
     recs = []
     x, i, w = make_rank_inputs(0, 9, 1024, 96, 2, seed=6)
     with record_launches(recs), _geometry("cbt=8,cwarps=32"):
@@ -229,15 +229,25 @@ def _world1_combine_paths(group):
         d = b.dispatch(x.detach(), i, w)
         b.combine(d.x, d.handle)
         b.close()
+    with record_launches(recs), _geometry("bt=2,dec=2"):  # the decode combine and its dispatch backward
+        b = tep.EPBuffer(group, 96, 1024, 16, 2)
+        d = b.dispatch(x.detach(), i, w)
+        b.dispatch_backward(d.x, None, d.handle)  # the dispatch backward without weight gradients
+        b.dispatch_backward(d.x, d.weights, d.handle)  # ... and with them
+        b.combine(d.x.detach(), d.handle)
+        b.close()
     return recs
 
 
 def test_world1_direct_combine_compiles_for_sm90():
     recs = run_cpu_world(1, _world1_combine_paths, timeout_s=300)[0]
     out = [r for r in recs if r.get("name") == "combine_out_kernel"]
-    assert {r["constexprs"].get("DIRECT") for r in out} == {True, False}  # push / backward direct, pull not
-    fused = [r for r in recs if r.get("name") == "combine_fused_kernel"]
-    assert fused and all(r["constexprs"].get("DIRECT") for r in fused)
+    assert {r["constexprs"].get("DIRECT") for r in out} == {True, False}  # push direct; pull, weight grads not
+    fused = [r["constexprs"] for r in recs if r.get("name") == "combine_fused_kernel"]
+    assert fused and all(c["DIRECT"] for c in fused)
+    decode = {(c["WEIGHTED"], c["WGRAD"], c["DIRECT"]) for r in recs if r.get("name") == "combine_decode_kernel"
+              for c in (r["constexprs"],)}
+    assert decode == {(True, False, True), (False, False, True), (False, True, False)}  # weight gradients: staged
     failures = compile_recorded(recs)
     assert not failures, "\n\n".join(f"{n}: {e}" for n, e in failures)
 

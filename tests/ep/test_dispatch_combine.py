@@ -10,6 +10,8 @@ that reduces in the kernels' order (``combine_reference_partial``: fp32 sums, bf
 the plain fp32 reference within 2 bf16 ulps of the result (|err| <= 2**-7 * max(1, |y|)).
 """
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -34,10 +36,11 @@ def test_dispatch_combine_matches_reference(W, ntokens, A, kind):
     check_calls(cfg, calls, res, fp32=True)
 
 
-@pytest.mark.parametrize("kind,geometry", [("push", None), ("pull", None), ("push", "fs=1,fe=1,fc=1")])
+@pytest.mark.parametrize("kind,geometry", [("push", None), ("pull", None), ("push", "fs=1,fe=1,fc=1"),
+                                           ("push", "bt=2,dec=2")])
 def test_world1_tokens_without_routes_combine_to_zeros(kind, geometry, monkeypatch):
-    """World 1 (the push combine's partial kernel, or the one-launch combine's partial role with ``fc=1``, stores the
-    output rows itself): equal to the reference over several calls on one buffer (the first combined twice), and
+    """World 1 (the push combine's partial kernel, the one-launch combine's partial role with ``fc=1``, or the decode
+    combine's partial step with ``dec``, stores the output rows itself): equal to the reference over several calls on one buffer (the first combined twice), and
     tokens with every route masked get zero rows, also where an earlier call's output left other values in the
     reused memory."""
     if geometry:
@@ -304,3 +307,34 @@ def test_world1_two_handles_in_flight_combined_in_reverse_order(kind):
     c2 = [make_rank_inputs(0, 3, 64, 6, 2, seed=2)]
     res = run_cpu_world(1, _inflight_world, c1, c2, kind, timeout_s=240)
     check_calls(dict(E=6), [[c1[0], c2[0]]], res)
+
+
+def _backward_world(group, geometry):
+    """World 1: a dispatch, then its backward without weight gradients (the unweighted combine of the row
+    gradients) twice, on the buffer of ``geometry``; the gradients and the reference's."""
+    from tritonep.reference import dispatch_backward_reference, dispatch_reference
+
+    os.environ["TRITONEP_GEOMETRY"] = geometry
+    buf = tep.EPBuffer(group, 8, 128, 32, 2)
+    del os.environ["TRITONEP_GEOMETRY"]
+    out = []
+    for seed in (31, 32):
+        x, idx, w = make_rank_inputs(0, 32, 128, 8, 2, seed=seed, mask_frac=0.6)
+        d = buf.dispatch(x, idx, w)
+        g = torch.randn(d.x.shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+        gx, gw = buf.dispatch_backward(g, None, d.handle)
+        ref = dispatch_backward_reference([g], dispatch_reference([x], [idx], [w], 8, 1), [idx], [32])[0]
+        out.append((gx.clone(), gw, ref, idx))
+    buf.close()
+    return out
+
+
+@pytest.mark.parametrize("geometry", ["dec=0,fs=0,fe=0,fc=0", "bt=2,dec=2"])
+def test_world1_dispatch_backward_without_weight_gradients(geometry):
+    """World 1, the dispatch backward without weight gradients (an unweighted push combine, whose partial step stores
+    the output rows itself on the two-kernel and decode paths): equal to the reference bit for bit (one bf16
+    rounding of the fp32 sum), tokens without a route zero."""
+    for gx, gw, ref, idx in run_cpu_world(1, _backward_world, geometry, timeout_s=240)[0]:
+        assert gw is None
+        assert torch.equal(gx, ref.to(gx.dtype)), (gx - ref.to(gx.dtype)).abs().max()
+        assert (gx[(idx < 0).all(1)] == 0).all()

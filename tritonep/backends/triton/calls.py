@@ -49,8 +49,8 @@ class KernelSet:
     Attributes: ``xhost`` (int32 pinned ``[count_columns]``: the count routing's sums, or None; ``xhost_np`` its
     numpy view), ``hist``, ``exchange``, ``send`` (forward, dispatch wire), ``send_bwd`` (combine backward, raw),
     ``expand_bwd``; methods ``count_sums(count, status_read)``, and ``expand(kq)``, ``fused(kq)``, ``decode(kq)``,
-    ``partial(kind, weighted, wgrad, wire, direct)``, ``out(kind, wgrad, wire, direct)``, ``combine_fused(wire)``,
-    ``combine_decode(wire, weighted, wgrad)`` for the variants.
+    ``partial(kind, weighted, wgrad, wire, direct)``, ``out(kind, wgrad, wire, direct)``,
+    ``combine_fused(wire, direct)``, ``combine_decode(wire, weighted, wgrad, direct)`` for the variants.
     """
 
     def __init__(self, cfg, views, hl, launch, *, rank: int, device, timeout: int, host_mapped, dwire):
@@ -282,10 +282,11 @@ class KernelSet:
                 fields=dict(self._recv, **self._hl.fields_of(topk_idx_ptr="idx")))
         return self._lau.variant(("combine_fused", wire, direct), make)
 
-    def combine_decode(self, wire, weighted: bool = True, wgrad: bool = False) -> BoundKernel:
+    def combine_decode(self, wire, weighted: bool = True, wgrad: bool = False, direct: bool = False) -> BoundKernel:
         """Push combine of the decode tiles in one launch: weighted (combine) or not (dispatch backward,
-        ``wgrad``: with the weight gradients' return)."""
-        key = ("combine_decode", wire, weighted, wgrad)
+        ``wgrad``: with the weight gradients' return); ``direct``: the world-1 one whose partial step stores the
+        output rows (:func:`tritonep.backends.triton.kernels.decode_combine.combine_decode_kernel`'s DIRECT)."""
+        key = ("combine_decode", wire, weighted, wgrad, direct)
         bk = self._lau.bound(key)  # every call after the first: no closure built (a combine's host path)
         if bk is not None:
             return bk
@@ -296,7 +297,7 @@ class KernelSet:
                 stage_tab=v.tab["cstage"], ccflag_tab=v.tab["ccflag"], ccflag_ptr=v.local("ccflag"),
                 cdata_off=self._fo(P.FLAG_CDATA), cack_off=self._fo(P.FLAG_CACK), Tmax=cfg.max_tokens_per_rank,
                 NCmax=self.ncmax, L=cfg.num_local_experts, WIRE=wire, wback_tab=v.tab["wback"],
-                wback_ptr=v.local("wback"), WEIGHTED=weighted, WGRAD=wgrad, cbad_tab=v.tab["cbad"],
+                wback_ptr=v.local("wback"), WEIGHTED=weighted, WGRAD=wgrad, cbad_tab=v.tab["cbad"], DIRECT=direct,
                 **self._refusal, **self._common, **self._ck),
                 ("eo_ptr", STORE, "y_ptr", "T", "gw_ptr", "gtw_ptr", "bad", "ticket"), grid=(g.decode,),
                 fields=dict(self._recv, **self._hl.fields_of(topk_idx_ptr="idx")))

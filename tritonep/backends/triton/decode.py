@@ -48,6 +48,9 @@ class DecodePath:
     def __init__(self, cfg, kernels, status, outputs, device: torch.device, no_w: torch.Tensor):
         self.cfg, self.k, self.status, self.outputs, self.device = cfg, kernels, status, outputs, device
         self._no_w = no_w
+        # world 1, bf16 rows: the combine's (and the unweighted dispatch backward's) one partial of a token is its
+        # output row, stored by the partial step on the raw wire (combine_decode's direct; not with weight gradients)
+        self._direct = cfg.world_size == 1 and cfg.dtype == torch.bfloat16
 
     def dispatch(self, x, topk_idx, topk_weights, sync, keep_quantized, bad_input, T, count=None):
         """Forward dispatch in one launch (``T`` tokens); returns what ``TritonEP.dispatch_fwd`` returns and raises
@@ -109,12 +112,15 @@ class DecodePath:
         if weighted:  # the forward combine: its output pooled (pool.py)
             got = self.outputs.ypool.take()
             y = got[0][:T] if got is not None else torch.empty(T, self.cfg.hidden, dtype=eo.dtype, device=self.device)
-            self.k.combine_decode(wire, True, False)(eo, handle.store, y, T, self._no_w, y, bad, ticket)
+            self.k.combine_decode(wire, True, False, self._direct and not wire.quantized)(
+                eo, handle.store, y, T, self._no_w, y, bad, ticket)
             self.status.after_combine(ticket, bad, "combine")
             return y, None
         y = torch.empty(T, self.cfg.hidden, dtype=eo.dtype, device=self.device)
         gtw = torch.empty(T, self.cfg.topk, dtype=torch.float32, device=self.device) if gw is not None else None
-        self.k.combine_decode(wire, False, gw is not None)(eo, handle.store, y, T, self._no_w if gw is None else gw,
-                                                          y if gtw is None else gtw, bad, ticket)
+        direct = self._direct and not wire.quantized and gw is None
+        self.k.combine_decode(wire, False, gw is not None, direct)(eo, handle.store, y, T,
+                                                                  self._no_w if gw is None else gw,
+                                                                  y if gtw is None else gtw, bad, ticket)
         self.status.after_combine(ticket, bad, "dispatch backward")
         return y, gtw

@@ -46,7 +46,8 @@ def combine_decode_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, stage_tab, ccf
                           HAS_TIMER: tl.constexpr, RB: tl.constexpr, WIRE: tl.constexpr = RAW_BF16,
                           POW2: tl.constexpr = False, gw_ptr=None, wback_tab=None, wback_ptr=None, gtw_ptr=None,
                           WEIGHTED: tl.constexpr = True, WGRAD: tl.constexpr = False, bad=0, cbad_tab=None,
-                          cbad_ptr=None, host_st_ptr=None, ticket=0, HOST_ST: tl.constexpr = 0):
+                          cbad_ptr=None, host_st_ptr=None, ticket=0, HOST_ST: tl.constexpr = 0,
+                          DIRECT: tl.constexpr = False):
     """Weighted push combine (or, ``WEIGHTED=False``, the dispatch backward) in one launch (module docstring).
 
     ``eo [R, H]`` expert outputs (bf16), the dispatch handle's ``hmeta``/``hwts [W, Tmax, K]`` and ``hntok [W]``,
@@ -59,6 +60,11 @@ def combine_decode_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, stage_tab, ccf
     ``WEIGHTED=False``: partials without the weights (the dispatch backward); ``WGRAD`` also returns
     ``gtw[t, k] = gw[row(t, k)]`` (float32 ``gw [R]``, ``gtw [T, K]``; 0 where the route is masked) through
     ``wback`` (``wback_tab`` the peers' regions, ``wback_ptr`` this rank's).
+
+    DIRECT (world 1, raw bf16 wire, bf16 rows, no WGRAD: a token's one partial is its output row bit for bit, as
+    :func:`tritonep.backends.triton.kernels.combine.combine_partial_kernel`'s ``y_ptr``): the partial step stores the
+    output rows ``y`` (zeros for a token without a route) before raising the chunk's flag, and the sum step only
+    waits and writes NaN over a failed call's chunks: no partial is staged.
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
@@ -75,9 +81,13 @@ def combine_decode_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, stage_tab, ccf
     for c in range(pid, NCmax, G):
         for s in range(W):
             src = (s + rank) % W  # each rank starts with itself: the ranks' first pushes go to different peers
-            partial_step(src, c, live, m, ccflag_tab, partial_io, tile, W, True, WEIGHTED, WGRAD, POW2)
+            if DIRECT:
+                partial_step(src, c, live, m, ccflag_tab, partial_io, tile, W, True, WEIGHTED, WGRAD, POW2, y_ptr)
+            else:
+                partial_step(src, c, live, m, ccflag_tab, partial_io, tile, W, True, WEIGHTED, WGRAD, POW2)
     for c in range(pid, tl.cdiv(T, BT), G):
-        sum_arrived(c, m, ccflag_ptr, status_ptr, timeout, out_io, tile, W, L, WB, WGRAD, cbad_ptr, flags_ptr)
+        sum_arrived(c, m, ccflag_ptr, status_ptr, timeout, out_io, tile, W, L, WB, WGRAD, cbad_ptr, flags_ptr,
+                    DIRECT)
     if pid == 0:
         if T == 0:
             if bad == 0:  # no token: still learn of a refusal in this call (a refused rank knows its own)

@@ -271,8 +271,9 @@ def _cpu_smoke(con, args) -> int:
     res = run_cpu_world(W, cpu_smoke_rank, args.op, args.tokens, timeout_s=1800)
     if args.op == "moe":
         checks = [c for o in res for c in o["checks"]]
+        layers = ", ".join(dict.fromkeys(c["op"] for c in checks))
         con.print(f"MoE layer fwd+bwd ({CPU_PROFILE}, CPU world of {W}): {sum(c['checked'] for c in checks)} of "
-                  f"{len(checks)} layer outputs within tolerance of the dense fp32 reference")
+                  f"{len(checks)} layer outputs ({W} ranks x {layers}) within tolerance of the dense fp32 reference")
         rows = checks
     else:
         _ep_table(con, res, f"tritonep bench {CPU_PROFILE} (CPU world of {W}; interpreter times)")

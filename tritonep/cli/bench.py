@@ -130,8 +130,8 @@ def _soak(con, args, ngpu) -> int:
     from ..errors import ConfigError
 
     if args.op == "planner":
-        raise ConfigError("--soak is for dispatch, combine and moe; the planner's checks are `tritonep bench planner` "
-                          "(equal to its torch twin) and `tritonep plan`")
+        raise ConfigError("--soak is for dispatch, combine and moe; the planner is checked by `tritonep bench planner` "
+                          "(on a GPU: equal to its pure-torch version) and shown by `tritonep plan` (CPU too)")
     if args.soak < 1:
         raise ConfigError(f"--soak {args.soak} must be >= 1 (steps)")
     W = args.world_size if args.world_size is not None else (min(ngpu, 8) if ngpu else 2)

@@ -4,7 +4,10 @@ aux-loss-free balancing and a shared expert, checkpoint save + bit-exact resume,
     torchrun --nproc-per-node 4 examples/train_moe.py --ep 2            # GPUs of one host: DP 2 x EP 2
     python examples/train_moe.py                                        # no GPU: a 4-rank CPU world (DP 2 x EP 2)
     torchrun --nproc-per-node 4 examples/train_moe.py                   # no GPU: gloo, EP groups on the nccl backend
-    python examples/train_moe.py --steps 300 --plot                      # the loss curve: out/train_moe/loss.png
+    python examples/train_moe.py --steps 300 --plot                     # the loss curve: out/train_moe/loss.png
+    python examples/train_moe.py --steps 20 --save-at 10 --ckpt out/ck  # save after step 10 ...
+    python examples/train_moe.py --steps 20 --resume --ckpt out/ck      # ... resume: the same losses, bit for bit
+    python examples/train_moe.py --steps 20 --resume --ckpt out/ck --ep 4  # at EP 4 (DP 1): within 1e-3, other sums
 
 The model: token embedding -> RMSNorm -> causal self-attention -> RMSNorm -> MoE layer (routed experts over the EP
 group + a shared expert) -> RMSNorm -> vocabulary head. The data: sequences of a fixed random Markov chain whose every
@@ -41,13 +44,16 @@ from tritonep.moe import checkpoint as ckpt  # noqa: E402
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
-    p.add_argument("--ep", type=int, default=2, help="expert-parallel group size (the world divides into DP x EP)")
-    p.add_argument("--steps", type=int, default=300, help="train until this step (counted from 0, resumes included)")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch", type=int, default=4, help="sequences per rank and step")
-    p.add_argument("--seq", type=int, default=16, help="tokens per sequence")
+    p = argparse.ArgumentParser(description="\n\n".join(__doc__.split("\n\n")[:2]),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ep", type=int, default=2,
+                   help="expert-parallel group size (the world divides into DP x EP; default 2)")
+    p.add_argument("--steps", type=int, default=300,
+                   help="train until this step (counted from 0, resumes included; default 300)")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and of the data's Markov chain (default 0)")
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank and step (default 4)")
+    p.add_argument("--seq", type=int, default=16, help="tokens per sequence (default 16)")
     p.add_argument("--save-at", type=int, default=None, help="save a checkpoint after this many steps")
     p.add_argument("--ckpt", default=None, help="checkpoint directory (--save-at writes it, --resume reads it)")
     p.add_argument("--resume", action="store_true", help="load --ckpt and continue from its step")
@@ -161,7 +167,7 @@ def main(group, argv=None):
               "bias": model.moe.router.e_score_correction_bias.tolist(),
               "w1": model.moe.w1.detach().clone().cpu(), "router": model.moe.router.weight.detach().clone().cpu()}
     if rank == 0:
-        write_outputs(args, start, losses)
+        write_outputs(args, start, losses, W)
     model.moe.close()
     return result
 
@@ -171,7 +177,12 @@ def plot_path(args) -> str:
     return os.path.join(args.out, "loss.png")
 
 
-def write_outputs(args, start, losses):
+def plot_title(args, world_size: int) -> str:
+    """The loss curve's title: this run's DP x EP split of ``world_size`` ranks (``--ep``)."""
+    return f"examples/train_moe.py: DP {world_size // args.ep} x EP {args.ep}, DeepSeek-V3 router + shared expert"
+
+
+def write_outputs(args, start, losses, world_size):
     """The JSON log and the loss-curve PNG of rank 0 (``--log`` / ``--plot``: :func:`plot_path`)."""
     if args.log:
         with open(args.log, "w") as f:
@@ -189,7 +200,7 @@ def write_outputs(args, start, losses):
         ax.axhline(chain_entropy(args.seed), color="green", ls="--", lw=1, label="the data's entropy (floor)")
         ax.set_xlabel("step")
         ax.set_ylabel("cross-entropy")
-        ax.set_title("examples/train_moe.py: DP 2 x EP 2, DeepSeek-V3 router + shared expert", fontsize=9)
+        ax.set_title(plot_title(args, world_size), fontsize=9)
         ax.legend(fontsize=8)
         fig.tight_layout()
         os.makedirs(args.out, exist_ok=True)

@@ -158,8 +158,39 @@ def test_train_example_plots_into_its_output_folder(tmp_path):
     args = mod.parse_args(["--plot"])
     assert mod.plot_path(args) == os.path.join("out", "train_moe", "loss.png")
     args = mod.parse_args(["--plot", "--out", str(tmp_path / "o")])
-    mod.write_outputs(args, 0, [4.0, 3.0, 2.5])
+    mod.write_outputs(args, 0, [4.0, 3.0, 2.5], 4)
     assert (tmp_path / "o" / "loss.png").stat().st_size > 1000
     with pytest.raises(SystemExit) as ei:
         mod.parse_args(["--plot", str(ROOT / "docs" / "train_moe_loss.png")])
     assert ei.value.code == 2
+
+
+def _train_example():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_moe", ROOT / "examples" / "train_moe.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_train_example_plot_title_names_the_runs_dp_and_ep():
+    """The loss curve's title says the split the run used (``--ep 4`` in the 4-rank CPU world is DP 1 x EP 4), and
+    ``--help`` shows the usage lines (CPU world, torchrun, checkpoint and resume) with every default."""
+    mod = _train_example()
+    assert "DP 2 x EP 2" in mod.plot_title(mod.parse_args([]), 4)
+    assert "DP 1 x EP 4" in mod.plot_title(mod.parse_args(["--ep", "4"]), 4)
+    assert "DP 4 x EP 2" in mod.plot_title(mod.parse_args([]), 8)
+    text = _help_of(mod)
+    for part in ("no GPU: a 4-rank CPU world", "--resume --ckpt out/ck --ep 4", "default 300", "default 3e-3"):
+        assert part in text, part
+
+
+def _help_of(mod) -> str:
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), pytest.raises(SystemExit):
+        mod.parse_args(["--help"])
+    return buf.getvalue()

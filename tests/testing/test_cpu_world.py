@@ -79,3 +79,32 @@ def test_kernels_imported_before_the_world_refused_unless_interpreted(interpret)
         assert msg.startswith("refused:"), p.stdout + p.stderr
         for words in ("required_bytes", "MoEGeometry", "start Python with TRITON_INTERPRET=1", "inside the rank function"):
             assert words in msg, msg
+
+
+_IMPORT_FIRST = """
+from tritonep.moe import RouterConfig  # a config class only, but importing tritonep.moe imports the kernels
+from tritonep.errors import ConfigError
+from tritonep.testing import run_cpu_world
+try:
+    print("ranks", run_cpu_world(2, lambda group: group.rank()))
+except ConfigError as e:
+    print("refused:", e)
+"""
+
+
+def test_an_import_from_tritonep_moe_before_the_world_is_named_in_the_refusal():
+    """A script that only imports ``RouterConfig`` at its top (as docs/moe.md's recipes suggest) is refused as well;
+    the message names such imports and the in-script remedy (``os.environ['TRITON_INTERPRET'] = '1'`` first)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests import ROOT
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    p = subprocess.run([sys.executable, "-c", _IMPORT_FIRST], capture_output=True, text=True, timeout=300, env=env)
+    msg = " ".join(p.stdout.split())
+    assert p.returncode == 0 and msg.startswith("refused:"), p.stdout + p.stderr
+    for words in ("tritonep.moe (RouterConfig too)", "tritonep.balance", "os.environ['TRITON_INTERPRET'] = '1'"):
+        assert words in msg, msg

@@ -33,9 +33,21 @@ def _ffn(x, offs, w1, w2):
     return expert_ffn(x, offs, w1, w2, out=out)
 
 
+def _a2a_autograd(out, inp, out_splits, in_splits, group):
+    """``torch.distributed.nn.functional.all_to_all_single`` (differentiable; what a user writes), without the
+    FutureWarning torch >= 2.13 prints on every call for it."""
+    import warnings
+
+    from torch.distributed.nn.functional import all_to_all_single
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*all_to_all_single is deprecated", category=FutureWarning)
+        return all_to_all_single(out, inp, out_splits, in_splits, group)
+
+
 def reference_layer_step(group, x, topk_idx, topk_weights, w1, w2, num_experts):
     """One forward of the torch + all_to_all_single reference layer (autograd through everything)."""
-    from torch.distributed.nn.functional import all_to_all_single
+    all_to_all_single = _a2a_autograd
 
     W = dist.get_world_size(group)
     L = num_experts // W

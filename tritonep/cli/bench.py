@@ -130,8 +130,8 @@ def _soak(con, args, ngpu) -> int:
     from ..errors import ConfigError
 
     if args.op == "planner":
-        raise ConfigError("--soak is for dispatch, combine and moe; the planner's checks are `tritonep bench planner` "
-                          "(equal to its torch twin) and `tritonep plan`")
+        raise ConfigError("--soak is for dispatch, combine and moe; the planner is checked by `tritonep bench planner` "
+                          "(on a GPU: equal to its pure-torch version) and shown by `tritonep plan` (CPU too)")
     if args.soak < 1:
         raise ConfigError(f"--soak {args.soak} must be >= 1 (steps)")
     W = args.world_size if args.world_size is not None else (min(ngpu, 8) if ngpu else 2)
@@ -271,8 +271,9 @@ def _cpu_smoke(con, args) -> int:
     res = run_cpu_world(W, cpu_smoke_rank, args.op, args.tokens, timeout_s=1800)
     if args.op == "moe":
         checks = [c for o in res for c in o["checks"]]
+        layers = ", ".join(dict.fromkeys(c["op"] for c in checks))
         con.print(f"MoE layer fwd+bwd ({CPU_PROFILE}, CPU world of {W}): {sum(c['checked'] for c in checks)} of "
-                  f"{len(checks)} layer outputs within tolerance of the dense fp32 reference")
+                  f"{len(checks)} layer outputs ({W} ranks x {layers}) within tolerance of the dense fp32 reference")
         rows = checks
     else:
         _ep_table(con, res, f"tritonep bench {CPU_PROFILE} (CPU world of {W}; interpreter times)")

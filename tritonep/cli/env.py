@@ -15,8 +15,10 @@ def add_parser(sub):
     p = sub.add_parser("env", help="print versions, devices, P2P access and the backend 'auto' would choose",
                        description="Prints one table: Python, torch, Triton and numpy versions, the GPUs, whether "
                                    "the multicast variables of a GPU run are set, the EP backend that "
-                                   "EPBuffer(backend='auto') picks here and why, and every TRITONEP_* variable that is "
-                                   "set (all of them: tritonep/envs.py). Starts no ranks; works without a GPU.")
+                                   "EPBuffer(backend='auto') picks here and why, TRITONEP_TIMEOUT_S and "
+                                   "TRITONEP_SYNC_CHECKS as in effect (their defaults when unset), and every other "
+                                   "TRITONEP_* variable that is set (all of them: tritonep/envs.py). Starts no ranks; "
+                                   "works without a GPU.")
     p.set_defaults(func=main)
 
 

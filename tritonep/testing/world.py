@@ -206,9 +206,11 @@ def run_cpu_world(world_size: int, fn: Callable, *args, timeout_s: float = 120.0
     if "tritonep.device.common" in sys.modules and not sys.modules["tritonep.device.common"].kernels_interpreted():
         raise ConfigError("run_cpu_world: tritonep's kernels were already imported for the GPU in this process "
                           "(TRITON_INTERPRET was not 1 then: any use of tep.EPBuffer, EPBuffer.required_bytes "
-                          "included, tep.MoELayer / MoERecipe / MoEGeometry or tritonep.wire before this call imports "
-                          "them); the forked ranks need the interpreter: start Python with TRITON_INTERPRET=1, or make "
-                          "those objects inside the rank function")
+                          "included, tep.MoELayer / MoERecipe / MoEGeometry, or an import from tritonep.ep, "
+                          "tritonep.moe (RouterConfig too), tritonep.balance or tritonep.wire before this call "
+                          "imports them); the forked ranks need the interpreter: start Python with TRITON_INTERPRET=1 (or set "
+                          "os.environ['TRITON_INTERPRET'] = '1' before those imports, as examples/train_moe.py does), "
+                          "or make those objects inside the rank function")
     envs.put("TRITON_INTERPRET", "1")
     install_interpreter_speed()  # before the fork: every rank's interpreter without its per-call member scan
     heap = CpuHeap.create(world_size, heap_bytes or envs.cpu_heap_bytes())

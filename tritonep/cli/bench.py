@@ -228,8 +228,10 @@ def _ep_table(con, res, title: str) -> None:
     for i, r in enumerate(res[0]):
         us_max = max(rs[i]["us"] for rs in res)
         ok = all(rs[i].get("checked") for rs in res)
+        cpu = r["mode"] == "cpu"  # interpreter times: no bandwidth is measured
         t.add_row(escape(r["op"]), str(r["num_sms"]), r["mode"], f"{r['us']:.1f}", f"{us_max:.1f}",
-                  f"{r['logical_gbps']:.0f}", f"{r['nvlink_gbps']:.0f}", "ok" if ok else "FAILED")
+                  "-" if cpu else f"{r['logical_gbps']:.0f}", "-" if cpu else f"{r['nvlink_gbps']:.0f}",
+                  "ok" if ok else "FAILED")
     con.print(t)
 
 

@@ -67,6 +67,27 @@ def _tensor(v, name: str, dims: int, dtypes=None) -> torch.Tensor:
     return v
 
 
+def _plain_dispatch(x, itr, per_rank, per_expert, topk_idx, topk_weights, worst, alignment, W: int):
+    """``(x contiguous, T, E, K, device, row width)`` of a fresh dispatch whose arguments pass every check of
+    :meth:`NormalMode._checked` as a bf16 ``x`` with top-k (the common call), tested in one expression; None for any
+    other call (quantized ``x``, no top-k, or something to refuse: the checks then run one by one and name it)."""
+    Tn = torch.Tensor
+    if not (type(worst) is int and worst >= 0 and type(alignment) is int and alignment >= 1 and per_rank is not None
+            and isinstance(x, Tn) and isinstance(itr, Tn) and isinstance(per_expert, Tn) and isinstance(topk_idx, Tn)
+            and isinstance(topk_weights, Tn)):
+        return None
+    xs, ks = x.shape, topk_idx.shape
+    if len(xs) != 2 or len(ks) != 2 or x.dtype != torch.bfloat16 or itr.dtype != torch.bool or per_expert.dim() != 1:
+        return None
+    T, K, E = xs[0], ks[1], per_expert.shape[0]
+    dev = x.device
+    if (itr.shape != (T, W) or E < 1 or E % W or ks[0] != T or topk_idx.dtype not in _ID_DTYPES
+            or topk_weights.dtype != torch.float32 or topk_weights.shape != (T, K) or itr.device != dev
+            or topk_idx.device != dev or topk_weights.device != dev):
+        return None
+    return (x if x.is_contiguous() else x.contiguous()), T, E, K, dev, xs[1]
+
+
 class NormalMode(NormalRefusals):
     """The normal-mode calls of one compat Buffer (its lanes, rank and cached constant tensors)."""
 
@@ -83,6 +104,8 @@ class NormalMode(NormalRefusals):
         self._eo = {}      # meta-rows lane -> (lane, its expert-output buffer, {rows: view})
         self._wb = {}  # id(meta lane) -> [lane, float32 row weights [max_recv_tokens], rows written, {(rows, K): view}]
         self._plans = {}   # ((width, num_worst_tokens, K), capacity) -> (rows-lane key, P): _plan
+        self._sends = {}   # (spec, T, E, device) -> a meta-rows dispatch's derived values (_sent), this capacity's
+        self._sends_tcap = None  # ... the shared capacity they were derived under
         self._last_x_key = None  # the latest dispatch's rows-lane key
         self._last_spec = None  # ... and what chose it: (width, num_worst_tokens, K)
         self._last_topk = None  # K of the latest dispatch that carried top-k (None: none did yet)
@@ -183,9 +206,33 @@ class NormalMode(NormalRefusals):
         """The meta lane of top-k K (``rows2``: the one a combine of ``topk_weights`` dispatches after a meta-rows
         dispatch, routed like its rows lane: pseudo-experts ``2r``, ``2r + 1``; its rows carry nothing)."""
         key = ("meta2" if rows2 else "meta", K, worst)
+        lane = self.lanes.peek(key)
+        if lane is not None:  # made before: no arguments to build
+            return lane
         mrt = worst * K if worst else (lambda tcap: self.W * tcap * K)
         return self.lanes.get(key, T, num_experts=(2 if rows2 else 1) * self.W,
                               hidden=8 if rows2 else meta_width(K), topk=self.W * K, max_recv_tokens=mrt)
+
+    def _counted(self, lane, K: int, sync_free: bool, E: int) -> bool:
+        """Whether a dispatch on ``lane`` carries the caller's ``topk_idx`` as the lane's count routing (DeepEP's
+        per-expert counts with the lane's status): a synced call with top-k on a lane that sums them, at most
+        :data:`COUNT_COLUMNS` experts per rank. The same on every rank (the spec, E and the lane's config)."""
+        return bool(K) and not sync_free and lane.sums_counts and E // self.W <= COUNT_COLUMNS
+
+    def _sent(self, spec, T: int, E: int, device):
+        """What an earlier meta-rows dispatch of ``(spec, T, E, device)`` worked out under the current shared
+        capacity: ``(tcap, lane, key, P, x_in, lane_x, w, ops, counted)`` (the lane, its key and P, its kept input
+        and the view of its first ``T + W*P`` rows, the route weights, the device's :class:`MetaOps`, whether the
+        call carries the count routing), or None: not seen yet, the capacity grew (every entry is dropped then) or
+        the key's lane is another one. The same values :meth:`_send` would derive again."""
+        tcap = self.lanes.tcap
+        if tcap != self._sends_tcap:
+            self._sends, self._sends_tcap = {}, tcap
+            return None
+        got = self._sends.get((spec, T, E, device))
+        if got is None or self.lanes.peek(got[2]) is not got[1]:
+            return None
+        return got
 
     def _send(self, spec, payload, itr, topk_idx, topk_weights, T: int, E: int, device):
         """The rows lane's dispatch of ``spec`` with this call's inputs packed for it, growing the shared capacity when
@@ -198,27 +245,41 @@ class NormalMode(NormalRefusals):
         worst, K = spec[1], spec[2]
         sync_free = bool(worst)
         for attempt in range(2):
-            lane, P = self._spec_lane(spec, T)
-            self._last_x_key, self._last_spec = self._plan(spec)[0], spec
+            got = self._sent(spec, T, E, device)
+            if got is None:
+                lane, P = self._spec_lane(spec, T)
+                key = self._plan(spec)[0]
+            else:
+                lane, key, P = got[1], got[2], got[3]
+            self._last_x_key, self._last_spec = key, spec
             try:
                 meta = None
-                if P:
+                if got is not None:  # a meta-rows call of a (spec, T, E) seen under this capacity and lane
+                    _, _, _, _, x_in, lane_x, w, ops, counted = got
+                    slots = ops.pack_rows(payload, itr, topk_idx, topk_weights, x_in, E, P)
+                elif P:
                     tcap = self.lanes.tcap
                     if T > tcap:  # the lane's input holds the capacity: refused here, taking part as refused
                         self._refused_dispatch(lane, sync_free)
                         raise CapacityError(f"num_tokens={T} exceeds the Buffer's token capacity "
                                             f"max_tokens_per_rank={tcap}", needed=T, available=tcap)
                     n = T + self.W * P
-                    x_in, lane_x = self._cached_view(self._inputs, self._last_x_key, lane, _new_input, n)
-                    slots = self._ops(device).pack_rows(payload, itr, topk_idx, topk_weights, x_in, E, P)
+                    x_in, lane_x = self._cached_view(self._inputs, key, lane, _new_input, n)
+                    ops = self._ops(device)
+                    slots = ops.pack_rows(payload, itr, topk_idx, topk_weights, x_in, E, P)
                     w = self._ones_rows(n, device)
+                    counted = self._counted(lane, K, sync_free, E)
+                    if self._sends_tcap != tcap:
+                        self._sends, self._sends_tcap = {}, tcap
+                    self._sends[(spec, T, E, device)] = (tcap, lane, key, P, x_in, lane_x, w, ops, counted)
                 else:
                     if K:  # both lanes' inputs in one launch (twin: packing.pack_torch)
                         slots, *meta = self._ops(device).pack(itr, topk_idx, topk_weights)
                     else:
                         slots = rank_slots(itr, self._ranks_on(device))
                     lane_x, w = payload, self._ones_rows(T, device)
-                if K and not sync_free and lane.sums_counts and E // self.W <= COUNT_COLUMNS:
+                    counted = self._counted(lane, K, sync_free, E)
+                if counted:
                     # DeepEP's per-expert receive counts, exchanged and summed in the lane's own exchange (its count
                     # routing: handle.count_sums where the lane computes them, the decode tiles), read with its status
                     return lane, P, slots, meta, lane.dispatch(lane_x, slots, w, count_ids=topk_idx, count_experts=E)
@@ -265,49 +326,16 @@ class NormalMode(NormalRefusals):
         if isinstance(worst, int) and worst == 0 and eager and self.lanes.pending:
             key = self._lane_key((_width(x), 0, k_part or 0))
             self.lanes.check(skip=self.lanes.peek(key) if key is not None else None)
-        spec = None
-        try:
-            if refused is not None:
-                raise refused
-            payload, width, quant = self._payload(x)
-            spec = (width, worst, k_part)
-            T = payload.shape[0]
-            if not isinstance(worst, int) or isinstance(worst, bool) or worst < 0:
-                raise InputError(f"num_worst_tokens={worst!r} must be an int >= 0")
-            if not isinstance(expert_alignment, int) or isinstance(expert_alignment, bool) or expert_alignment < 1:
-                raise InputError(f"expert_alignment={expert_alignment!r} must be a positive int")
-            _tensor(is_token_in_rank, "is_token_in_rank", 2, (torch.bool,))
-            if tuple(is_token_in_rank.shape) != (T, self.W):
-                raise InputError(f"is_token_in_rank must be [num_tokens={T}, num_ranks={self.W}], got "
-                                 f"{tuple(is_token_in_rank.shape)}")
-            if num_tokens_per_rank is None or num_tokens_per_expert is None:
-                raise InputError("dispatch without a handle needs num_tokens_per_rank and num_tokens_per_expert "
-                                 "(get_dispatch_layout gives them)")
-            _tensor(num_tokens_per_expert, "num_tokens_per_expert", 1)
-            E = num_tokens_per_expert.shape[0]
-            if E < 1 or E % self.W:
-                raise InputError(f"num_tokens_per_expert has {E} experts, not a positive multiple of {self.W}")
-            if (topk_idx is None) != (topk_weights is None):
-                raise InputError("topk_idx and topk_weights must be given together")
-            K = 0
-            if topk_idx is not None:
-                _tensor(topk_idx, "topk_idx", 2, _ID_DTYPES)
-                _tensor(topk_weights, "topk_weights", 2, (torch.float32,))
-                K = topk_idx.shape[1]
-                if topk_idx.shape[0] != T or tuple(topk_weights.shape) != (T, K):
-                    raise InputError(f"topk_idx {tuple(topk_idx.shape)} and topk_weights "
-                                     f"{tuple(topk_weights.shape)} must both be [num_tokens={T}, K]")
-            elif worst:
-                raise InputError("num_worst_tokens needs topk_idx and topk_weights (as DeepEP)")
-            dev = payload.device
-            if is_token_in_rank.device != dev or K and (topk_idx.device != dev or topk_weights.device != dev):
-                for name, t in (("is_token_in_rank", is_token_in_rank), ("topk_idx", topk_idx),
-                                ("topk_weights", topk_weights)):
-                    if t is not None and t.device != dev:
-                        raise InputError(f"{name} is on {t.device}, x on {dev}")
-        except TritonEPError as e:
-            self._refuse(e, spec, bool(worst) if isinstance(worst, int) else False, k_part)
-
+        plain = None if refused is not None else _plain_dispatch(
+            x, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert, topk_idx, topk_weights, worst,
+            expert_alignment, self.W)
+        if plain is not None:  # every check below passes: the same values, without the checks' calls
+            payload, T, E, K, dev, width = plain
+            quant, spec = None, (width, worst, k_part)
+        else:
+            payload, T, E, K, dev, width, quant, spec = self._checked(
+                x, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert, topk_idx, topk_weights, worst,
+                expert_alignment, refused, k_part)
         lane, P, slots, meta_in, out = self._send(spec, payload, is_token_in_rank, topk_idx, topk_weights, T, E, dev)
         R = out.handle.num_recv_rows
         if worst:
@@ -357,6 +385,55 @@ class NormalMode(NormalRefusals):
         if K:
             self._last_topk = K
         return recv_x, recv_idx, recv_w, counts, h
+
+    def _checked(self, x, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert, topk_idx, topk_weights,
+                 worst, expert_alignment, refused, k_part):
+        """A fresh dispatch's arguments checked one by one: ``(payload, T, E, K, device, row width, quant, spec)``
+        (:meth:`_payload`'s rows and quantization); a refused one (or ``refused``) takes part in the peers' lane and
+        raises its typed error (:meth:`_refuse`)."""
+        spec = None
+        try:
+            if refused is not None:
+                raise refused
+            payload, width, quant = self._payload(x)
+            spec = (width, worst, k_part)
+            T = payload.shape[0]
+            if not isinstance(worst, int) or isinstance(worst, bool) or worst < 0:
+                raise InputError(f"num_worst_tokens={worst!r} must be an int >= 0")
+            if not isinstance(expert_alignment, int) or isinstance(expert_alignment, bool) or expert_alignment < 1:
+                raise InputError(f"expert_alignment={expert_alignment!r} must be a positive int")
+            _tensor(is_token_in_rank, "is_token_in_rank", 2, (torch.bool,))
+            if tuple(is_token_in_rank.shape) != (T, self.W):
+                raise InputError(f"is_token_in_rank must be [num_tokens={T}, num_ranks={self.W}], got "
+                                 f"{tuple(is_token_in_rank.shape)}")
+            if num_tokens_per_rank is None or num_tokens_per_expert is None:
+                raise InputError("dispatch without a handle needs num_tokens_per_rank and num_tokens_per_expert "
+                                 "(get_dispatch_layout gives them)")
+            _tensor(num_tokens_per_expert, "num_tokens_per_expert", 1)
+            E = num_tokens_per_expert.shape[0]
+            if E < 1 or E % self.W:
+                raise InputError(f"num_tokens_per_expert has {E} experts, not a positive multiple of {self.W}")
+            if (topk_idx is None) != (topk_weights is None):
+                raise InputError("topk_idx and topk_weights must be given together")
+            K = 0
+            if topk_idx is not None:
+                _tensor(topk_idx, "topk_idx", 2, _ID_DTYPES)
+                _tensor(topk_weights, "topk_weights", 2, (torch.float32,))
+                K = topk_idx.shape[1]
+                if topk_idx.shape[0] != T or tuple(topk_weights.shape) != (T, K):
+                    raise InputError(f"topk_idx {tuple(topk_idx.shape)} and topk_weights "
+                                     f"{tuple(topk_weights.shape)} must both be [num_tokens={T}, K]")
+            elif worst:
+                raise InputError("num_worst_tokens needs topk_idx and topk_weights (as DeepEP)")
+            dev = payload.device
+            if is_token_in_rank.device != dev or K and (topk_idx.device != dev or topk_weights.device != dev):
+                for name, t in (("is_token_in_rank", is_token_in_rank), ("topk_idx", topk_idx),
+                                ("topk_weights", topk_weights)):
+                    if t is not None and t.device != dev:
+                        raise InputError(f"{name} is on {t.device}, x on {dev}")
+        except TritonEPError as e:
+            self._refuse(e, spec, bool(worst) if isinstance(worst, int) else False, k_part)
+        return payload, T, E, K, dev, width, quant, spec
 
     def _group_counts(self, num_tokens_per_expert) -> list:
         import torch.distributed as dist
@@ -455,9 +532,11 @@ class NormalMode(NormalRefusals):
                     _tensor(b, "bias", 2, (torch.bfloat16,))
                     if tuple(b.shape) != (h.num_tokens, x.shape[1]):
                         raise InputError(f"bias must be [{h.num_tokens}, {x.shape[1]}], got {tuple(b.shape)}")
-            for name, t in (("x", x), ("topk_weights", topk_weights), *(("bias", b) for b in biases)):
-                if t is not None and t.device != h.x_lane.device:
-                    raise InputError(f"combine: {name} is on {t.device}, the dispatch's rows on {h.x_lane.device}")
+            dev = h.x_lane.device
+            if biases or x.device != dev or topk_weights is not None and topk_weights.device != dev:
+                for name, t in (("x", x), ("topk_weights", topk_weights), *(("bias", b) for b in biases)):
+                    if t is not None and t.device != dev:
+                        raise InputError(f"combine: {name} is on {t.device}, the dispatch's rows on {dev}")
         except TritonEPError:
             self._cancel_combine(h if own else None, topk_weights is not None)
             raise

@@ -320,16 +320,16 @@ class NormalMode(NormalRefusals):
         if handle is not None:
             return self._cached(x, handle, topk_idx, topk_weights, refused)
         worst = num_worst_tokens
+        plain = None if refused is not None else _plain_dispatch(
+            x, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert, topk_idx, topk_weights, worst,
+            expert_alignment, self.W)
         # the top-k width a refused call takes part with (the peers' lanes), whatever failed below
-        k_part = self._k_part(topk_idx, topk_weights)
+        k_part = plain[3] if plain is not None else self._k_part(topk_idx, topk_weights)
         eager = _synced(False, self.lanes.sync_checks)
         if isinstance(worst, int) and worst == 0 and eager and self.lanes.pending:
             key = self._lane_key((_width(x), 0, k_part or 0))
             self.lanes.check(skip=self.lanes.peek(key) if key is not None else None)
-        plain = None if refused is not None else _plain_dispatch(
-            x, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert, topk_idx, topk_weights, worst,
-            expert_alignment, self.W)
-        if plain is not None:  # every check below passes: the same values, without the checks' calls
+        if plain is not None:  # every check of _checked passes: the same values, without the checks' calls
             payload, T, E, K, dev, width = plain
             quant, spec = None, (width, worst, k_part)
         else:

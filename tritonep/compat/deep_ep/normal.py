@@ -88,6 +88,15 @@ def _plain_dispatch(x, itr, per_rank, per_expert, topk_idx, topk_weights, worst,
     return (x if x.is_contiguous() else x.contiguous()), T, E, K, dev, xs[1]
 
 
+def _plain_rows(x, h) -> bool:
+    """Whether a combine's ``x`` is a bf16 tensor of the dispatch's ``[rows, H]`` on its rows' device (handle ``h``):
+    every check :meth:`NormalMode._combine_checked` makes of ``x``, in one expression."""
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16:
+        return False
+    lane = h.x_lane
+    return x.shape == (h.num_rows, lane.hidden) and x.device == lane.device
+
+
 class NormalMode(NormalRefusals):
     """The normal-mode calls of one compat Buffer (its lanes, rank and cached constant tensors)."""
 
@@ -508,6 +517,58 @@ class NormalMode(NormalRefusals):
         PeerInputError naming this rank; otherwise their output is NaN and their next synced dispatch or
         ``check()`` raises it."""
         own = self._own(h)
+        if not (refused is None and own and topk_weights is None and bias is None and _plain_rows(x, h)):
+            biases = self._combine_checked(x, h, topk_weights, bias, refused, own)
+        else:  # the common call (bf16 rows of the dispatch's shape, on its device, no weights or bias): every check
+            biases = ()  # of _combine_checked passes
+        # whether the rows lane's combine reads its status
+        reads = h.x_handle.num_recv_rows is not None and _synced(False, self.lanes.sync_checks)
+        lane, T = h.x_lane, h.num_tokens
+        if h.meta_rows:  # the lane's layout holds the meta rows after the token rows: the caller's rows go into the
+            # lane's expert-output buffer (one copy), the meta rows' sums (rows T.. of the lane's output) are dropped
+            eo, head = self._cached_view(self._eo, lane, lane, _expert_out, h.num_rows)
+            head.copy_(x)
+        else:
+            eo = x
+        try:
+            y = lane.combine(eo, h.x_handle)
+        except (InputError, ConfigError) as e:
+            if isinstance(e, PeerInputError):
+                raise
+            self._cancel_combine(h, topk_weights is not None, rows_done=True)  # EPBuffer took part for the rows
+            raise
+        if h.meta_rows:
+            y = y[:T]
+        w = meta = None
+        if topk_weights is not None:
+            K = h.topk
+            if h.meta_rows:  # the top-k came as meta rows: a meta lane routed like the rows lane takes the weights
+                # back (its dispatch moves no payload: 16-byte rows)
+                meta, mh = self._meta2_dispatch(K, h.num_rows if h.worst else 0,
+                                                h.repeated_slots(self._columns(K, lane.device)), T, lane.device)
+            else:
+                meta, mh = h.meta_lane, h.meta_handle
+            # the weights go back unsummed on the meta lane's routes (one per (token, rank, slot)), the meta lane's
+            # handle is sync-free: its backward reads rows up to the lane's receive capacity
+            wback = self._weights_back(meta, h.num_rows, K, topk_weights)
+            zero_rows = self._zero_rows(meta.max_recv_tokens, meta.hidden, lane.device)
+            _, per_slot = meta.dispatch_backward(zero_rows, wback, mh)  # [T, W*K]
+            w = per_slot.view(T, self.W, K).sum(1)  # DeepEP: the ranks' values summed in float32
+        if not reads:  # nobody read the status of these calls: the next synced call or check() does
+            self.lanes.unread(lane, meta)
+        if biases:  # DeepEP adds the biases to the fp32 sum before its one rounding; here after it (one more)
+            yf = y.float()
+            for b in biases:
+                yf = yf + b.float()
+            y = yf.to(torch.bfloat16)
+        if h.worst:  # a dispatch refused for capacity: NaN, it cannot pass for a result (MetaOps.poison)
+            self._ops(y.device).poison(h.rank_counts(), h.num_rows, y, w)
+        return y, w
+
+    def _combine_checked(self, x, h, topk_weights, bias, refused, own: bool) -> list:
+        """A combine's arguments checked one by one (``refused``: an error the Buffer found in the others; ``own``:
+        whether ``h`` is this Buffer's handle); returns the biases to add. A refused one takes part in the peers'
+        combine (:meth:`_cancel_combine`) and raises its typed error."""
         try:
             if refused is not None:
                 raise refused
@@ -540,48 +601,7 @@ class NormalMode(NormalRefusals):
         except TritonEPError:
             self._cancel_combine(h if own else None, topk_weights is not None)
             raise
-        # whether the rows lane's combine reads its status
-        reads = h.x_handle.num_recv_rows is not None and _synced(False, self.lanes.sync_checks)
-        lane, T = h.x_lane, h.num_tokens
-        if h.meta_rows:  # the lane's layout holds the meta rows after the token rows: the caller's rows go into the
-            # lane's expert-output buffer (one copy), the meta rows' sums (rows T.. of the lane's output) are dropped
-            eo, head = self._cached_view(self._eo, lane, lane, _expert_out, h.num_rows)
-            head.copy_(x)
-        else:
-            eo = x
-        try:
-            y = lane.combine(eo, h.x_handle)
-        except (InputError, ConfigError) as e:
-            if isinstance(e, PeerInputError):
-                raise
-            self._cancel_combine(h, topk_weights is not None, rows_done=True)  # EPBuffer took part for the rows
-            raise
-        if h.meta_rows:
-            y = y[:T]
-        w = meta = None
-        if topk_weights is not None:
-            if h.meta_rows:  # the top-k came as meta rows: a meta lane routed like the rows lane takes the weights
-                # back (its dispatch moves no payload: 16-byte rows)
-                meta, mh = self._meta2_dispatch(K, h.num_rows if h.worst else 0,
-                                                h.repeated_slots(self._columns(K, lane.device)), T, lane.device)
-            else:
-                meta, mh = h.meta_lane, h.meta_handle
-            # the weights go back unsummed on the meta lane's routes (one per (token, rank, slot)), the meta lane's
-            # handle is sync-free: its backward reads rows up to the lane's receive capacity
-            wback = self._weights_back(meta, h.num_rows, K, topk_weights)
-            zero_rows = self._zero_rows(meta.max_recv_tokens, meta.hidden, lane.device)
-            _, per_slot = meta.dispatch_backward(zero_rows, wback, mh)  # [T, W*K]
-            w = per_slot.view(T, self.W, K).sum(1)  # DeepEP: the ranks' values summed in float32
-        if not reads:  # nobody read the status of these calls: the next synced call or check() does
-            self.lanes.unread(lane, meta)
-        if biases:  # DeepEP adds the biases to the fp32 sum before its one rounding; here after it (one more)
-            yf = y.float()
-            for b in biases:
-                yf = yf + b.float()
-            y = yf.to(torch.bfloat16)
-        if h.worst:  # a dispatch refused for capacity: NaN, it cannot pass for a result (MetaOps.poison)
-            self._ops(y.device).poison(h.rank_counts(), h.num_rows, y, w)
-        return y, w
+        return biases
 
     def _meta2_dispatch(self, K: int, worst: int, routes, T: int, device):
         """``(lane, handle)`` of the meta-lane dispatch a combine of ``topk_weights`` runs after a meta-rows dispatch

@@ -39,15 +39,15 @@ T, H, E, K = 12, 64, 8, 3
 
 # call -> (torch calls, aten ops, allocations, torch kernels, launches, host reads), world 2, T tokens per rank
 BUDGET = {  # the CPU's own tiles: the two-kernel lane dispatch (what a GPU takes at 4096 tokens)
-    "layout": (12, 3, 2, 0, 1, 0),  # in_rank + one block for both counts (split in two views)
+    "layout": (10, 3, 2, 0, 1, 0),  # in_rank + one block for both counts (split in two views)
     # pack (1) + rows lane (4) + unpack (1); one pinned read (the counts with the rows lane's status: its count
     # routing, summed in the counts exchange launch; was 58 calls and two reads); slots, the outputs, the lane's
     # handle and rows (4 of the torch calls: attribute reads of the refusal bookkeeping, which lanes were read and
-    # the rows' device; 4 more: the count routing's check)
-    "dispatch": (62, 6, 4, 0, 6, 1),
+    # the rows' device; 4 more: the count routing's check); the arguments' checks in one pass (was 62)
+    "dispatch": (52, 6, 4, 0, 6, 1),
     # the copy into the lane's expert-output buffer (a torch kernel), the rows lane's combine (its output, two
     # launches, its status read), the token rows of its output (a view)
-    "combine": (14, 3, 1, 1, 2, 1),  # +1: the device check of x
+    "combine": (13, 3, 1, 1, 2, 1),  # +1: the device check of x; the checks in one pass: -1
     # combine(..., topk_weights): Megatron's fused-dispatch backward, a handle's first. + the meta lane routed like the
     # rows lane (its sync-free dispatch, one launch: the handle's slots K-fold, one index_select made once per handle;
     # its outputs) and its backward (one launch: the weights back unsummed into the kept zeroed weight rows, one copy;
@@ -57,33 +57,34 @@ BUDGET = {  # the CPU's own tiles: the two-kernel lane dispatch (what a GPU take
     # num_worst_tokens: no read at all; + the capacity poison launch (NaN rows and weights when the call overflowed:
     # no host read can tell) on the token rows' counts (a strided view of the exchange's); the torch kernel: the
     # lane's zeroed row weights (EPBuffer's sync-free dispatch on these tiles)
-    "worst_dispatch": (74, 10, 5, 1, 7, 0),
-    "worst_combine": (23, 3, 1, 1, 3, 0),  # + the capacity poison launch on the combined rows; +1: x's device
+    "worst_dispatch": (64, 10, 5, 1, 7, 0),
+    "worst_combine": (22, 3, 1, 1, 3, 0),  # + the capacity poison launch on the combined rows; +1: x's device
     "worst_combine_w": (63, 12, 5, 5, 9, 0),  # was 66 / 17 / 7 / 6; +2: the device checks
 }
 BUDGET_DECODE = {  # TRITONEP_GEOMETRY=bt=2,dec=3: the one-launch decode tiles (what a GPU takes up to 256 tokens)
-    "layout": (12, 3, 2, 0, 1, 0),
+    "layout": (10, 3, 2, 0, 1, 0),
     # pack + rows lane (1) + unpack; no torch kernel; ONE read: the per-expert counts come with the rows lane's status
     # (its count routing, EPBuffer.dispatch(count_ids=...)), the unpacking publishes nothing (was 58 calls, 2 reads:
-    # the unpacking's histogram read after the rows moved; + 4 attribute reads of the count routing's check)
-    "dispatch": (62, 6, 3, 0, 3, 1),
-    "combine": (14, 3, 0, 1, 1, 1),  # +1: the device check of x
+    # the unpacking's histogram read after the rows moved; + 4 attribute reads of the count routing's check; the
+    # arguments' checks in one pass: was 62)
+    "dispatch": (52, 6, 3, 0, 3, 1),
+    "combine": (13, 3, 0, 1, 1, 1),  # +1: the device check of x; the checks in one pass: -1
     "combine_w": (52, 12, 2, 4, 3, 1),  # was 55 / 18 / 4 / 5; +2: the device checks of x and topk_weights
-    "worst_dispatch": (75, 10, 3, 0, 4, 0),
-    "worst_combine": (23, 3, 0, 1, 2, 0),  # +1: the device check of x
+    "worst_dispatch": (65, 10, 3, 0, 4, 0),
+    "worst_combine": (22, 3, 0, 1, 2, 0),  # +1: the device check of x
     "worst_combine_w": (64, 12, 2, 4, 4, 0),  # was 67 / 17 / 4 / 5; +2: the device checks
 }
 BUDGET_META_LANE = {  # meta_rows_max_tokens=0, decode tiles: the top-k in the meta lane
-    "layout": (12, 3, 2, 0, 1, 0),
+    "layout": (10, 3, 2, 0, 1, 0),
     # pack (both lanes' inputs: one block, four views) + rows lane (1) + meta lane (1) + unpack; no torch kernel; one
     # read: the counts with the rows lane's status (was 2 reads, 77 calls)
-    "dispatch": (81, 15, 3, 0, 4, 1),
-    "combine": (12, 1, 0, 0, 1, 1),  # +1: the device check of x
+    "dispatch": (73, 15, 3, 0, 4, 1),  # the arguments' checks in one pass (was 81)
+    "combine": (11, 1, 0, 0, 1, 1),  # +1: the device check of x; the checks in one pass: -1
     # + the meta lane's backward (the weights into the kept zeroed weight rows: one copy) and the ranks' sum
     "combine_w": (31, 6, 2, 2, 2, 1),  # was 33 / 9 / 3 / 3: a zeroed weight buffer and its copy per call;
     # +2: the device checks of x and topk_weights
-    "worst_dispatch": (94, 19, 3, 0, 5, 0),
-    "worst_combine": (21, 1, 0, 0, 2, 0),  # +1: the device check of x
+    "worst_dispatch": (86, 19, 3, 0, 5, 0),
+    "worst_combine": (20, 1, 0, 0, 2, 0),  # +1: the device check of x
     "worst_combine_w": (43, 6, 2, 2, 3, 0),  # was 45 / 8 / 3 / 3; +2: the device checks
 }
 

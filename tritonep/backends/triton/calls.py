@@ -62,6 +62,7 @@ class KernelSet:
         self.xhost = torch.zeros(max(1, cfg.count_columns), dtype=torch.int32,
                                  pin_memory=device.type == "cuda") if cfg.count_columns else None
         self.xhost_np = self.xhost.numpy() if self.xhost is not None else None  # the host's view (no torch call)
+        self._xviews: dict = {}  # n -> xhost_np[:n] (count_sums)
         W, E, K, L, A = cfg.world_size, cfg.num_experts, cfg.topk, cfg.num_local_experts, cfg.expert_alignment
         Tm, H = cfg.max_tokens_per_rank, cfg.hidden
         opts = {"num_warps": g.num_warps}
@@ -138,7 +139,11 @@ class KernelSet:
         words (no second read); else None."""
         if count is None or not status_read:
             return None
-        return self.xhost_np[:count[1] // self._cfg.world_size].tolist()
+        n = count[1] // self._cfg.world_size
+        v = self._xviews.get(n)
+        if v is None:  # the first n words' numpy view, made once per n
+            v = self._xviews[n] = self.xhost_np[:n]
+        return v.tolist()
 
     def expand(self, kq: bool) -> BoundKernel:
         """Forward expand (dispatch wire; ``kq``: keep_quantized output)."""

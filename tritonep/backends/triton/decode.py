@@ -51,6 +51,7 @@ class DecodePath:
         # world 1, bf16 rows: the combine's (and the unweighted dispatch backward's) one partial of a token is its
         # output row, stored by the partial step on the raw wire (combine_decode's direct; not with weight gradients)
         self._direct = cfg.world_size == 1 and cfg.dtype == torch.bfloat16
+        self._fwd = (None, None)  # (wire, its weighted combine's bound launch): the latest, kept (no key hashed)
 
     def dispatch(self, x, topk_idx, topk_weights, sync, keep_quantized, bad_input, T, count=None):
         """Forward dispatch in one launch (``T`` tokens); returns what ``TritonEP.dispatch_fwd`` returns and raises
@@ -112,8 +113,11 @@ class DecodePath:
         if weighted:  # the forward combine: its output pooled (pool.py)
             got = self.outputs.ypool.take()
             y = got[0][:T] if got is not None else torch.empty(T, self.cfg.hidden, dtype=eo.dtype, device=self.device)
-            self.k.combine_decode(wire, True, False, self._direct and not wire.quantized)(
-                eo, handle.store, y, T, self._no_w, y, bad, ticket)
+            fw, bk = self._fwd
+            if fw is not wire:
+                bk = self.k.combine_decode(wire, True, False, self._direct and not wire.quantized)
+                self._fwd = (wire, bk)
+            bk(eo, handle.store, y, T, self._no_w, y, bad, ticket)
             self.status.after_combine(ticket, bad, "combine")
             return y, None
         y = torch.empty(T, self.cfg.hidden, dtype=eo.dtype, device=self.device)

@@ -44,6 +44,8 @@ def _begin(previous_event, async_finish: bool, allocate_on_comm_stream: bool) ->
 
 def _begun(previous_event, async_finish: bool, allocate_on_comm_stream: bool) -> Optional[InputError]:
     """:func:`_begin`, returning its InputError instead of raising it (a collective call still takes part)."""
+    if previous_event is None and not allocate_on_comm_stream:  # nothing to order after, nothing to refuse
+        return None
     try:
         _begin(previous_event, async_finish, allocate_on_comm_stream)
     except InputError as e:
@@ -238,13 +240,15 @@ class Buffer:
             InputError: topk_idx not 2-D int32/int64; num_experts not a positive multiple of the group size.
         """
         self._open()
-        _begin(previous_event, async_finish, allocate_on_comm_stream)
+        if previous_event is not None or allocate_on_comm_stream:
+            _begin(previous_event, async_finish, allocate_on_comm_stream)
         grad = _no_grad()
         try:
             per_rank, per_expert, in_rank = self._normal.layout(topk_idx, num_experts)
         finally:
             _set_grad(grad)
-        return per_rank, None, per_expert, in_rank, _end(async_finish, (topk_idx, per_rank, per_expert, in_rank))
+        return per_rank, None, per_expert, in_rank, (_end(True, (topk_idx, per_rank, per_expert, in_rank))
+                                                     if async_finish else EventOverlap(None))
 
     def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]], handle: Optional[tuple] = None,
                  num_tokens_per_rank: Optional[torch.Tensor] = None,
@@ -296,8 +300,10 @@ class Buffer:
                 expert_alignment, num_worst_tokens, refused)
         finally:
             _set_grad(grad)
+        if not async_finish:
+            return recv_x, recv_idx, recv_w, counts, h, EventOverlap(None)
         rx = recv_x if isinstance(recv_x, tuple) else (recv_x,)
-        return recv_x, recv_idx, recv_w, counts, h, _end(async_finish, rx + (recv_idx, recv_w))
+        return recv_x, recv_idx, recv_w, counts, h, _end(True, rx + (recv_idx, recv_w))
 
     def combine(self, x: torch.Tensor, handle: tuple, topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor], None] = None,
@@ -333,7 +339,7 @@ class Buffer:
             y, w = self._normal.combine(x, handle, topk_weights, bias, refused)
         finally:
             _set_grad(grad)
-        return y, w, _end(async_finish, (x, y, w))
+        return y, w, (_end(True, (x, y, w)) if async_finish else EventOverlap(None))
 
     def internode_dispatch(self, *args, **kwargs):
         """DeepEP's internode dispatch: the same call as :meth:`dispatch` (a group that spans hosts runs on the nccl

@@ -98,6 +98,7 @@ class MetaOps:
         self._acc: dict = {}   # key -> int32 accumulator (+ done counter), zeros, left zeroed by the kernels
         self._hosts: dict = {}  # L -> (pinned int64 [L + 2], HostStatus)
         self._tile: dict = {}  # variant key -> its token tile (the grid's unit)
+        self._grids: dict = {}  # (variant key, T) -> (its bound launch, its grid): a call's one lookup
         self.host_reads = 0
 
     def _zeros(self, key, n: int) -> torch.Tensor:
@@ -114,8 +115,26 @@ class MetaOps:
         counts are views of one allocation."""
         T, K = topk_idx.shape
         W, E = num_ranks, num_experts
-        in_rank = torch.empty(T, W, dtype=torch.bool, device=topk_idx.device)
-        counts = torch.empty(W + E, dtype=torch.int32, device=topk_idx.device)
+        in_rank = torch.empty(T, W, dtype=torch.bool, device=self.device)
+        counts = torch.empty(W + E, dtype=torch.int32, device=self.device)
+        got = self._grids.get(("layout", K, E, W, T))
+        if got is None:
+            got = self._remember(("layout", K, E, W, T), self._layout_launch(K, E, W, T))
+        got[0](got[1], topk_idx, T, in_rank, counts)
+        per_rank, per_expert = counts.split_with_sizes((W, E))  # Tensor.split's Python wrapper: ~3 us more
+        return per_rank, per_expert, in_rank
+
+    def _remember(self, key, got: tuple) -> tuple:
+        """Keep ``got`` (a bound launch and its grid) as ``key``'s, at most 4096 kept (then they are dropped and
+        looked up again: a bound launch stays with :class:`tritonep.runtime.launch.Launch`)."""
+        if len(self._grids) >= 4096:
+            self._grids.clear()
+        self._grids[key] = got
+        return got
+
+    def _layout_launch(self, K: int, E: int, W: int, T: int):
+        """``(bound launch, grid)`` of a layout of ``T`` tokens of top-k ``K`` over ``E`` experts and ``W`` ranks (the
+        variant bound on first use)."""
         key = ("layout", K, E, W)
         bk = self._launch.bound(key)
         if bk is None:
@@ -126,9 +145,7 @@ class MetaOps:
                 acc_ptr=acc, K=K, KB=KB, E=E, L=E // W, W=W, WB=WB, BT=bt, NB=min(1024, _p2(W + E)),
                 num_warps=4), ("ids_ptr", "T", "in_rank_ptr", "counts_ptr")))
             self._tile[key] = bt
-        bk((max(1, _cdiv(T, self._tile[key])),), topk_idx, T, in_rank, counts)
-        per_rank, per_expert = counts.split_with_sizes((W, E))  # Tensor.split's Python wrapper: ~3 us more
-        return per_rank, per_expert, in_rank
+        return bk, (max(1, _cdiv(T, self._tile[key])),)
 
     def pack(self, is_token_in_rank: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor):
         """``(slots [T, W] int32, meta_rows [T, meta_width(K)] bf16, meta_slots [T, W*K] int32, meta_weights
@@ -231,7 +248,21 @@ class MetaOps:
         :func:`tritonep.compat.deep_ep.packing.pack_rows_torch`."""
         T, W = is_token_in_rank.shape
         K, H = topk_idx.shape[1], x.shape[1]
-        slots = torch.empty(T + W * meta_rows, W, dtype=torch.int32, device=x.device)
+        slots = torch.empty(T + W * meta_rows, W, dtype=torch.int32, device=self.device)
+        got = self._grids.get(("pack_rows", K, W, num_experts, H, meta_rows, T))
+        if got is None:
+            got = self._remember(("pack_rows", K, W, num_experts, H, meta_rows, T),
+                                 self._pack_rows_launch(K, W, num_experts, H, meta_rows, T))
+        c = torch.Tensor.is_contiguous
+        got[0](got[1], x if c(x) else x.contiguous(),
+               is_token_in_rank if c(is_token_in_rank) else is_token_in_rank.contiguous(),
+               topk_idx if c(topk_idx) else topk_idx.contiguous(),
+               topk_weights if c(topk_weights) else topk_weights.contiguous(), T, x_in, slots)
+        return slots
+
+    def _pack_rows_launch(self, K: int, W: int, num_experts: int, H: int, meta_rows: int, T: int):
+        """``(bound launch, grid)`` of a meta-rows packing of ``T`` tokens (the variant of top-k ``K``, ``W`` ranks,
+        ``num_experts``, row width ``H`` and ``meta_rows`` bound on first use)."""
         key = ("pack_rows", K, W, num_experts, H, meta_rows)
         bk = self._launch.bound(key)
         if bk is None:
@@ -241,12 +272,7 @@ class MetaOps:
                 HW=H // 2, BT=bt, CH=128, ZB=512, QB=_p2(W * meta_rows), num_warps=4),
                 ("x_ptr", "in_rank_ptr", "ids_ptr", "w_ptr", "T", "xin_ptr", "slots_ptr")))
             self._tile[key] = bt
-        c = torch.Tensor.is_contiguous
-        bk((max(1, _cdiv(T, self._tile[key])),), x if c(x) else x.contiguous(),
-           is_token_in_rank if c(is_token_in_rank) else is_token_in_rank.contiguous(),
-           topk_idx if c(topk_idx) else topk_idx.contiguous(),
-           topk_weights if c(topk_weights) else topk_weights.contiguous(), T, x_in, slots)
-        return slots
+        return bk, (max(1, _cdiv(T, self._tile[key])),)
 
     def unpack_rows(self, rows: torch.Tensor, offsets: torch.Tensor, num_rows: int, topk: int,
                     num_local_experts: int, world_size: int, meta_rows: int, idx_dtype: torch.dtype,
@@ -264,12 +290,21 @@ class MetaOps:
         """
         K, L, HW = topk, num_local_experts, rows.shape[1] // 2
         key = ("unpack_rows", K, L, world_size, meta_rows, HW)
+        if not read:  # the common case with the count routing: no histogram to read, one lookup
+            got = self._grids.get(key)
+            if got is not None:
+                idx = torch.empty(num_rows, K, dtype=idx_dtype, device=self.device)
+                wout = torch.empty(num_rows, K, dtype=torch.float32, device=self.device)
+                if num_rows:
+                    got[0]((-(-num_rows // got[1]),), rows, offsets, num_rows, idx, wout, 0)
+                return idx, wout, None
         bk = self._launch.bound(key)
         if bk is None:
             bk = self._unpacker(key, L, lambda acc, mapped, br: self._launch.bind(unpack_rows_kernel, dict(
                 acc_ptr=acc, host_ptr=mapped, W=world_size, WB=_p2(world_size), K=K, KB=_p2(K), L=L, P=meta_rows,
                 HW=HW, BR=br, NB=min(1024, _p2(L + 1)), GPU=self._cuda, num_warps=4),
                 ("rows_ptr", "offs_ptr", "R", "idx_ptr", "wout_ptr", "ticket")))
+        self._remember(key, (bk, self._tile[key]))
         return self._unpack(bk, key, num_rows, K, L, idx_dtype, rows.device, read, (rows, offsets, num_rows))
 
     def poison(self, counts: torch.Tensor, limit: int, a: torch.Tensor, b: torch.Tensor | None = None) -> None:

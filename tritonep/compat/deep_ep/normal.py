@@ -27,12 +27,11 @@ import torch
 from ... import envs
 from ...errors import CapacityError, ConfigError, InputError, PeerInputError, TritonEPError
 from .handles import NormalHandle
+from .normal_checks import _ID_DTYPES, NormalChecks, _plain_dispatch, _plain_rows, _tensor
 from .normal_refusal import NormalRefusals, _synced
-from .packing import meta_rows_per_rank, meta_width, pack_quantized, rank_slots, unpack_quantized
+from .packing import meta_rows_per_rank, meta_width, rank_slots, unpack_quantized
 
 __all__ = ["NormalMode"]
-
-_ID_DTYPES = (torch.int32, torch.int64)
 
 # local experts per rank whose receive counts a meta-rows lane's dispatch sums in its exchange (EPConfig.
 # count_columns: a few KiB of symmetric memory; a constant, so that every rank, a refused one included, makes the lane
@@ -58,16 +57,7 @@ def _expert_out(lane) -> torch.Tensor:
     return lane.expert_out_buffer()
 
 
-def _tensor(v, name: str, dims: int, dtypes=None) -> torch.Tensor:
-    if not isinstance(v, torch.Tensor) or v.dim() != dims:
-        raise InputError(f"{name} must be a {dims}-D torch.Tensor, got "
-                         f"{tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__}")
-    if dtypes is not None and v.dtype not in dtypes:
-        raise InputError(f"{name} must be {' or '.join(str(d) for d in dtypes)}, got {v.dtype}")
-    return v
-
-
-class NormalMode(NormalRefusals):
+class NormalMode(NormalRefusals, NormalChecks):
     """The normal-mode calls of one compat Buffer (its lanes, rank and cached constant tensors)."""
 
     def __init__(self, owner, lanes, rank: int, world_size: int, meta_rows_max_tokens: int = 256):
@@ -83,6 +73,8 @@ class NormalMode(NormalRefusals):
         self._eo = {}      # meta-rows lane -> (lane, its expert-output buffer, {rows: view})
         self._wb = {}  # id(meta lane) -> [lane, float32 row weights [max_recv_tokens], rows written, {(rows, K): view}]
         self._plans = {}   # ((width, num_worst_tokens, K), capacity) -> (rows-lane key, P): _plan
+        self._sends = {}   # (spec, T, E, device) -> a meta-rows dispatch's derived values (_sent), this capacity's
+        self._sends_tcap = None  # ... the shared capacity they were derived under
         self._last_x_key = None  # the latest dispatch's rows-lane key
         self._last_spec = None  # ... and what chose it: (width, num_worst_tokens, K)
         self._last_topk = None  # K of the latest dispatch that carried top-k (None: none did yet)
@@ -183,9 +175,33 @@ class NormalMode(NormalRefusals):
         """The meta lane of top-k K (``rows2``: the one a combine of ``topk_weights`` dispatches after a meta-rows
         dispatch, routed like its rows lane: pseudo-experts ``2r``, ``2r + 1``; its rows carry nothing)."""
         key = ("meta2" if rows2 else "meta", K, worst)
+        lane = self.lanes.peek(key)
+        if lane is not None:  # made before: no arguments to build
+            return lane
         mrt = worst * K if worst else (lambda tcap: self.W * tcap * K)
         return self.lanes.get(key, T, num_experts=(2 if rows2 else 1) * self.W,
                               hidden=8 if rows2 else meta_width(K), topk=self.W * K, max_recv_tokens=mrt)
+
+    def _counted(self, lane, K: int, sync_free: bool, E: int) -> bool:
+        """Whether a dispatch on ``lane`` carries the caller's ``topk_idx`` as the lane's count routing (DeepEP's
+        per-expert counts with the lane's status): a synced call with top-k on a lane that sums them, at most
+        :data:`COUNT_COLUMNS` experts per rank. The same on every rank (the spec, E and the lane's config)."""
+        return bool(K) and not sync_free and lane.sums_counts and E // self.W <= COUNT_COLUMNS
+
+    def _sent(self, spec, T: int, E: int, device):
+        """What an earlier meta-rows dispatch of ``(spec, T, E, device)`` worked out under the current shared
+        capacity: ``(tcap, lane, key, P, x_in, lane_x, w, ops, counted)`` (the lane, its key and P, its kept input
+        and the view of its first ``T + W*P`` rows, the route weights, the device's :class:`MetaOps`, whether the
+        call carries the count routing), or None: not seen yet, the capacity grew (every entry is dropped then) or
+        the key's lane is another one. The same values :meth:`_send` would derive again."""
+        tcap = self.lanes.tcap
+        if tcap != self._sends_tcap:
+            self._sends, self._sends_tcap = {}, tcap
+            return None
+        got = self._sends.get((spec, T, E, device))
+        if got is None or self.lanes.peek(got[2]) is not got[1]:
+            return None
+        return got
 
     def _send(self, spec, payload, itr, topk_idx, topk_weights, T: int, E: int, device):
         """The rows lane's dispatch of ``spec`` with this call's inputs packed for it, growing the shared capacity when
@@ -198,27 +214,41 @@ class NormalMode(NormalRefusals):
         worst, K = spec[1], spec[2]
         sync_free = bool(worst)
         for attempt in range(2):
-            lane, P = self._spec_lane(spec, T)
-            self._last_x_key, self._last_spec = self._plan(spec)[0], spec
+            got = self._sent(spec, T, E, device)
+            if got is None:
+                lane, P = self._spec_lane(spec, T)
+                key = self._plan(spec)[0]
+            else:
+                lane, key, P = got[1], got[2], got[3]
+            self._last_x_key, self._last_spec = key, spec
             try:
                 meta = None
-                if P:
+                if got is not None:  # a meta-rows call of a (spec, T, E) seen under this capacity and lane
+                    _, _, _, _, x_in, lane_x, w, ops, counted = got
+                    slots = ops.pack_rows(payload, itr, topk_idx, topk_weights, x_in, E, P)
+                elif P:
                     tcap = self.lanes.tcap
                     if T > tcap:  # the lane's input holds the capacity: refused here, taking part as refused
                         self._refused_dispatch(lane, sync_free)
                         raise CapacityError(f"num_tokens={T} exceeds the Buffer's token capacity "
                                             f"max_tokens_per_rank={tcap}", needed=T, available=tcap)
                     n = T + self.W * P
-                    x_in, lane_x = self._cached_view(self._inputs, self._last_x_key, lane, _new_input, n)
-                    slots = self._ops(device).pack_rows(payload, itr, topk_idx, topk_weights, x_in, E, P)
+                    x_in, lane_x = self._cached_view(self._inputs, key, lane, _new_input, n)
+                    ops = self._ops(device)
+                    slots = ops.pack_rows(payload, itr, topk_idx, topk_weights, x_in, E, P)
                     w = self._ones_rows(n, device)
+                    counted = self._counted(lane, K, sync_free, E)
+                    if self._sends_tcap != tcap:
+                        self._sends, self._sends_tcap = {}, tcap
+                    self._sends[(spec, T, E, device)] = (tcap, lane, key, P, x_in, lane_x, w, ops, counted)
                 else:
                     if K:  # both lanes' inputs in one launch (twin: packing.pack_torch)
                         slots, *meta = self._ops(device).pack(itr, topk_idx, topk_weights)
                     else:
                         slots = rank_slots(itr, self._ranks_on(device))
                     lane_x, w = payload, self._ones_rows(T, device)
-                if K and not sync_free and lane.sums_counts and E // self.W <= COUNT_COLUMNS:
+                    counted = self._counted(lane, K, sync_free, E)
+                if counted:
                     # DeepEP's per-expert receive counts, exchanged and summed in the lane's own exchange (its count
                     # routing: handle.count_sums where the lane computes them, the decode tiles), read with its status
                     return lane, P, slots, meta, lane.dispatch(lane_x, slots, w, count_ids=topk_idx, count_experts=E)
@@ -259,55 +289,22 @@ class NormalMode(NormalRefusals):
         if handle is not None:
             return self._cached(x, handle, topk_idx, topk_weights, refused)
         worst = num_worst_tokens
+        plain = None if refused is not None else _plain_dispatch(
+            x, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert, topk_idx, topk_weights, worst,
+            expert_alignment, self.W)
         # the top-k width a refused call takes part with (the peers' lanes), whatever failed below
-        k_part = self._k_part(topk_idx, topk_weights)
+        k_part = plain[3] if plain is not None else self._k_part(topk_idx, topk_weights)
         eager = _synced(False, self.lanes.sync_checks)
         if isinstance(worst, int) and worst == 0 and eager and self.lanes.pending:
             key = self._lane_key((_width(x), 0, k_part or 0))
             self.lanes.check(skip=self.lanes.peek(key) if key is not None else None)
-        spec = None
-        try:
-            if refused is not None:
-                raise refused
-            payload, width, quant = self._payload(x)
-            spec = (width, worst, k_part)
-            T = payload.shape[0]
-            if not isinstance(worst, int) or isinstance(worst, bool) or worst < 0:
-                raise InputError(f"num_worst_tokens={worst!r} must be an int >= 0")
-            if not isinstance(expert_alignment, int) or isinstance(expert_alignment, bool) or expert_alignment < 1:
-                raise InputError(f"expert_alignment={expert_alignment!r} must be a positive int")
-            _tensor(is_token_in_rank, "is_token_in_rank", 2, (torch.bool,))
-            if tuple(is_token_in_rank.shape) != (T, self.W):
-                raise InputError(f"is_token_in_rank must be [num_tokens={T}, num_ranks={self.W}], got "
-                                 f"{tuple(is_token_in_rank.shape)}")
-            if num_tokens_per_rank is None or num_tokens_per_expert is None:
-                raise InputError("dispatch without a handle needs num_tokens_per_rank and num_tokens_per_expert "
-                                 "(get_dispatch_layout gives them)")
-            _tensor(num_tokens_per_expert, "num_tokens_per_expert", 1)
-            E = num_tokens_per_expert.shape[0]
-            if E < 1 or E % self.W:
-                raise InputError(f"num_tokens_per_expert has {E} experts, not a positive multiple of {self.W}")
-            if (topk_idx is None) != (topk_weights is None):
-                raise InputError("topk_idx and topk_weights must be given together")
-            K = 0
-            if topk_idx is not None:
-                _tensor(topk_idx, "topk_idx", 2, _ID_DTYPES)
-                _tensor(topk_weights, "topk_weights", 2, (torch.float32,))
-                K = topk_idx.shape[1]
-                if topk_idx.shape[0] != T or tuple(topk_weights.shape) != (T, K):
-                    raise InputError(f"topk_idx {tuple(topk_idx.shape)} and topk_weights "
-                                     f"{tuple(topk_weights.shape)} must both be [num_tokens={T}, K]")
-            elif worst:
-                raise InputError("num_worst_tokens needs topk_idx and topk_weights (as DeepEP)")
-            dev = payload.device
-            if is_token_in_rank.device != dev or K and (topk_idx.device != dev or topk_weights.device != dev):
-                for name, t in (("is_token_in_rank", is_token_in_rank), ("topk_idx", topk_idx),
-                                ("topk_weights", topk_weights)):
-                    if t is not None and t.device != dev:
-                        raise InputError(f"{name} is on {t.device}, x on {dev}")
-        except TritonEPError as e:
-            self._refuse(e, spec, bool(worst) if isinstance(worst, int) else False, k_part)
-
+        if plain is not None:  # every check of _checked passes: the same values, without the checks' calls
+            payload, T, E, K, dev, width = plain
+            quant, spec = None, (width, worst, k_part)
+        else:
+            payload, T, E, K, dev, width, quant, spec = self._checked(
+                x, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert, topk_idx, topk_weights, worst,
+                expert_alignment, refused, k_part)
         lane, P, slots, meta_in, out = self._send(spec, payload, is_token_in_rank, topk_idx, topk_weights, T, E, dev)
         R = out.handle.num_recv_rows
         if worst:
@@ -366,31 +363,6 @@ class NormalMode(NormalRefusals):
         L = total.shape[0] // self.W
         return total[self.rank * L:(self.rank + 1) * L].tolist()
 
-    def _payload(self, x):
-        """``x`` -> (bf16 rows to send, their width, None or (x dtype, scale dtype, scales per row))."""
-        if isinstance(x, tuple):
-            if len(x) != 2:
-                raise InputError(f"x as a tuple must be (x_fp8, scales), got {len(x)} elements")
-            xq, sc = x
-            _tensor(xq, "x[0]", 2)
-            _tensor(sc, "x[1] (scales)", 2)
-            if xq.element_size() != 1:
-                raise InputError(f"quantized x must have a one-byte dtype, got {xq.dtype}")
-            if sc.element_size() != 4 or sc.shape[0] != xq.shape[0]:
-                raise InputError(f"scales must be [num_tokens={xq.shape[0]}, S] of a 4-byte dtype (float32 or "
-                                 f"int32 UE8M0), got {sc.dtype} {tuple(sc.shape)}")
-            H, S = xq.shape[1], sc.shape[1]
-            if H % 2 or 4 * S > H:
-                raise InputError(f"quantized rows of {H} elements with {S} scales do not fit a {H}-element bf16 "
-                                 f"row (need an even hidden and 4 * scales <= hidden)")
-            if sc.device != xq.device:
-                raise InputError(f"scales on {sc.device}, x on {xq.device}")
-            return pack_quantized(xq, sc), H, (xq.dtype, sc.dtype, S)
-        _tensor(x, "x", 2)
-        if x.dtype != torch.bfloat16:
-            raise InputError(f"x must be bfloat16 (or a (one-byte x, scales) tuple), got {x.dtype}")
-        return (x if x.is_contiguous() else x.contiguous()), x.shape[1], None
-
     def _own(self, h) -> bool:
         return isinstance(h, NormalHandle) and h.owner == self.owner
 
@@ -431,36 +403,10 @@ class NormalMode(NormalRefusals):
         PeerInputError naming this rank; otherwise their output is NaN and their next synced dispatch or
         ``check()`` raises it."""
         own = self._own(h)
-        try:
-            if refused is not None:
-                raise refused
-            if not own:
-                raise InputError("handle must be a NormalHandle made by this Buffer's dispatch")
-            _tensor(x, "x", 2, (torch.bfloat16,))
-            if tuple(x.shape) != (h.num_rows, h.x_lane.hidden):
-                raise InputError(f"combine: x must be [{h.num_rows}, {h.x_lane.hidden}] (the dispatch's rows), got "
-                                 f"{tuple(x.shape)}")
-            if topk_weights is not None:
-                _tensor(topk_weights, "topk_weights", 2, (torch.float32,))
-                K = h.topk
-                if not K or tuple(topk_weights.shape) != (h.num_rows, K):
-                    raise InputError(f"combine(topk_weights {tuple(topk_weights.shape)}) needs a dispatch that "
-                                     f"carried top-k and one weight row per received row: [{h.num_rows}, {K}]")
-            biases = ()
-            if bias is not None:
-                biases = [b for b in (bias if isinstance(bias, tuple) else (bias,)) if b is not None]
-                if isinstance(bias, tuple) and len(bias) != 2:
-                    raise InputError(f"bias must be a tensor or a tuple of two, got a tuple of {len(bias)}")
-                for b in biases:
-                    _tensor(b, "bias", 2, (torch.bfloat16,))
-                    if tuple(b.shape) != (h.num_tokens, x.shape[1]):
-                        raise InputError(f"bias must be [{h.num_tokens}, {x.shape[1]}], got {tuple(b.shape)}")
-            for name, t in (("x", x), ("topk_weights", topk_weights), *(("bias", b) for b in biases)):
-                if t is not None and t.device != h.x_lane.device:
-                    raise InputError(f"combine: {name} is on {t.device}, the dispatch's rows on {h.x_lane.device}")
-        except TritonEPError:
-            self._cancel_combine(h if own else None, topk_weights is not None)
-            raise
+        if not (refused is None and own and topk_weights is None and bias is None and _plain_rows(x, h)):
+            biases = self._combine_checked(x, h, topk_weights, bias, refused, own)
+        else:  # the common call (bf16 rows of the dispatch's shape, on its device, no weights or bias): every check
+            biases = ()  # of _combine_checked passes
         # whether the rows lane's combine reads its status
         reads = h.x_handle.num_recv_rows is not None and _synced(False, self.lanes.sync_checks)
         lane, T = h.x_lane, h.num_tokens
@@ -481,6 +427,7 @@ class NormalMode(NormalRefusals):
             y = y[:T]
         w = meta = None
         if topk_weights is not None:
+            K = h.topk
             if h.meta_rows:  # the top-k came as meta rows: a meta lane routed like the rows lane takes the weights
                 # back (its dispatch moves no payload: 16-byte rows)
                 meta, mh = self._meta2_dispatch(K, h.num_rows if h.worst else 0,

@@ -2,21 +2,17 @@
 most 40 files; the index and the figure tables of docs/performance.md and the README are the ones the files give;
 ``add`` makes a run the current result of its benchmark and kind."""
 
-import importlib.util
 import json
 import re
 import shutil
 
 import pytest
 
-from tests import ROOT
+from tests import ROOT, load_script
 
 
 def _index():
-    spec = importlib.util.spec_from_file_location("_results_index", ROOT / "scripts" / "results_index.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("scripts/results_index.py", "_results_index")
 
 
 def test_committed_results_index_and_figures_are_up_to_date():

@@ -15,7 +15,7 @@ from tritonep.cli.main import main as cli_main
 from tritonep.cli.memory import RunMemory, check_device_memory, check_host_memory
 from tritonep.errors import ConfigError
 
-from tests import ROOT
+from tests import ROOT, load_script
 
 
 @pytest.fixture
@@ -150,11 +150,7 @@ def test_train_example_plots_into_its_output_folder(tmp_path):
     """``--plot`` draws OUT/loss.png (default out/train_moe, git-ignored); the tracked docs image is never a target:
     the old form ``--plot docs/train_moe_loss.png`` is refused by the parser."""
     pytest.importorskip("matplotlib")
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("train_moe", ROOT / "examples" / "train_moe.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("examples/train_moe.py")
     args = mod.parse_args(["--plot"])
     assert mod.plot_path(args) == os.path.join("out", "train_moe", "loss.png")
     args = mod.parse_args(["--plot", "--out", str(tmp_path / "o")])
@@ -165,19 +161,10 @@ def test_train_example_plots_into_its_output_folder(tmp_path):
     assert ei.value.code == 2
 
 
-def _train_example():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("train_moe", ROOT / "examples" / "train_moe.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_train_example_plot_title_names_the_runs_dp_and_ep():
     """The loss curve's title says the split the run used (``--ep 4`` in the 4-rank CPU world is DP 1 x EP 4), and
     ``--help`` shows the usage lines (CPU world, torchrun, checkpoint and resume) with every default."""
-    mod = _train_example()
+    mod = load_script("examples/train_moe.py")
     assert "DP 2 x EP 2" in mod.plot_title(mod.parse_args([]), 4)
     assert "DP 1 x EP 4" in mod.plot_title(mod.parse_args(["--ep", "4"]), 4)
     assert "DP 4 x EP 2" in mod.plot_title(mod.parse_args([]), 8)

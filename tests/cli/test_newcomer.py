@@ -144,6 +144,10 @@ def test_cpu_smoke_profile_runs_from_the_cli(tmp_path, capsys):
     assert "CPU world of 2 ranks" in out and "tritonep[nccl].dispatch.bf16" in out and "FAILED" not in out, out
     rows = [r for rs in json.loads(out_json.read_text())["rows"] for r in rs]
     assert rows and all(r["checked"] for r in rows)
+    # one row per point: on a CPU the graph and eager timings are one eager call, shown once
+    for rs in json.loads(out_json.read_text())["rows"]:
+        ops = [(r["op"], r["mode"]) for r in rs]
+        assert len(ops) == len(set(ops)), ops
 
 
 def test_train_example_plots_into_its_output_folder(tmp_path):

@@ -264,8 +264,9 @@ def bench_ep(group, profile: str, combine_kinds=("push", "pull"), num_sms=None, 
 
             us, mode = time_graph(comb, group, iters=iters)
             check_combine(row(f"tritonep.combine.{kind}.{wire}", us, mode, wb), last["y"], wire)
-        if wire == "bf16" and eager:
-            # eager calls as training runs them: deferred sync checks (one host read per dispatch, none in combine)
+        if wire == "bf16" and eager and x.is_cuda:
+            # eager calls as training runs them: deferred sync checks (one host read per dispatch, none in combine);
+            # without CUDA every point above already ran eagerly (time_graph's mode "cpu"): no second row of each
             us, mode = time_graph(disp, group, iters=iters, capture=False)
             check_dispatch(row(f"tritonep.dispatch.{wire}", us, mode, wb), last["d"], wire)
             de = buf.dispatch(x, idx, w)

@@ -150,3 +150,9 @@ def test_meta_rows_kernels_match_twins_on_gpu():
                 ki, kw, kh = ops.unpack_rows(rows, offs, n, K, E // W, W, P, torch.int64)
                 assert torch.equal(ki, ri) and torch.equal(kw.view(torch.int32), rw.view(torch.int32)), (W, T, n)
                 assert kh == rh.tolist() and ops.host_reads == reads + (1 if n else 0)
+        # the combine's copy of its rows into the lane's expert-output buffer: bits into the head, the rest untouched
+        dst = torch.full((R + W * P, H), 7.0, dtype=torch.bfloat16, device=dev)
+        ref = dst.clone()
+        ref[:R].copy_(rows[:R])
+        ops.copy_rows(rows[:R].contiguous(), dst)
+        assert torch.equal(dst.view(torch.int16), ref.view(torch.int16)), (W, T)

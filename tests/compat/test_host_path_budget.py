@@ -18,8 +18,8 @@ the same exchange: the lane's count routing; the two-kernel tiles' counts exchan
 ``num_worst_tokens`` dispatch never (its capacity poison launch instead: NaN rows and weights when the call
 overflowed). It allocates the lane's slots and the two outputs (the lane's input is kept per lane) and runs no torch
 kernel of its own. A combine is the rows lane's (one read when its dispatch read, none after a ``num_worst_tokens``
-one) after one torch copy of the caller's rows into the lane's expert-output buffer (the lane's layout has the meta
-rows after them). With ``meta_rows_max_tokens=0`` (the meta lane, a second EPBuffer dispatch) a dispatch is the
+one) after one copy launch of the caller's rows into the lane's expert-output buffer (the lane's layout has the meta
+rows after them; ``MetaOps.copy_rows``: a torch copy into that symmetric region cost ~14 us of host time on a GPU). With ``meta_rows_max_tokens=0`` (the meta lane, a second EPBuffer dispatch) a dispatch is the
 packing launch of both lanes' inputs, the two lanes' dispatches and the meta unpacking launch, one read; its combine no
 copy. A combine of ``topk_weights`` (Megatron's fused-dispatch backward; counted as a handle's
 first) adds the meta lane's backward (after a meta-rows dispatch first a sync-free dispatch of a meta lane routed
@@ -47,19 +47,21 @@ BUDGET = {  # the CPU's own tiles: the two-kernel lane dispatch (what a GPU take
     "dispatch": (52, 6, 4, 0, 6, 1),
     # the copy into the lane's expert-output buffer (a torch kernel), the rows lane's combine (its output, two
     # launches, its status read), the token rows of its output (a view)
-    "combine": (13, 3, 1, 1, 2, 1),  # +1: the device check of x; the checks in one pass: -1
+    "combine": (14, 2, 1, 0, 3, 1),  # +1: the device check of x; the checks in one pass: -1; the copy a bound
+    # launch (MetaOps.copy_rows: +1 torch call, x.is_contiguous; -1 torch kernel)
     # combine(..., topk_weights): Megatron's fused-dispatch backward, a handle's first. + the meta lane routed like the
     # rows lane (its sync-free dispatch, one launch: the handle's slots K-fold, one index_select made once per handle;
     # its outputs) and its backward (one launch: the weights back unsummed into the kept zeroed weight rows, one copy;
     # its output), the ranks' sum of the weights (a torch kernel). Was 54 / 18 / 7 / 6: a repeat_interleave, a zeroed
     # weight buffer and its copy per call
-    "combine_w": (51, 12, 5, 5, 8, 1),  # +2: the device checks of x and topk_weights
+    "combine_w": (52, 11, 5, 4, 9, 1),  # +2: the device checks of x and topk_weights; the copy a launch
     # num_worst_tokens: no read at all; + the capacity poison launch (NaN rows and weights when the call overflowed:
     # no host read can tell) on the token rows' counts (a strided view of the exchange's); the torch kernel: the
     # lane's zeroed row weights (EPBuffer's sync-free dispatch on these tiles)
     "worst_dispatch": (64, 10, 5, 1, 7, 0),
-    "worst_combine": (22, 3, 1, 1, 3, 0),  # + the capacity poison launch on the combined rows; +1: x's device
-    "worst_combine_w": (63, 12, 5, 5, 9, 0),  # was 66 / 17 / 7 / 6; +2: the device checks
+    "worst_combine": (23, 2, 1, 0, 4, 0),  # + the capacity poison launch on the combined rows; +1: x's device; the
+    # copy a launch
+    "worst_combine_w": (64, 11, 5, 4, 10, 0),  # was 66 / 17 / 7 / 6; +2: the device checks; the copy a launch
 }
 BUDGET_DECODE = {  # TRITONEP_GEOMETRY=bt=2,dec=3: the one-launch decode tiles (what a GPU takes up to 256 tokens)
     "layout": (10, 3, 2, 0, 1, 0),
@@ -68,11 +70,12 @@ BUDGET_DECODE = {  # TRITONEP_GEOMETRY=bt=2,dec=3: the one-launch decode tiles (
     # the unpacking's histogram read after the rows moved; + 4 attribute reads of the count routing's check; the
     # arguments' checks in one pass: was 62)
     "dispatch": (52, 6, 3, 0, 3, 1),
-    "combine": (13, 3, 0, 1, 1, 1),  # +1: the device check of x; the checks in one pass: -1
-    "combine_w": (52, 12, 2, 4, 3, 1),  # was 55 / 18 / 4 / 5; +2: the device checks of x and topk_weights
+    "combine": (14, 2, 0, 0, 2, 1),  # +1: the device check of x; the checks in one pass: -1; the copy a launch
+    "combine_w": (53, 11, 2, 3, 4, 1),  # was 55 / 18 / 4 / 5; +2: the device checks of x and topk_weights; the
+    # copy a launch
     "worst_dispatch": (65, 10, 3, 0, 4, 0),
-    "worst_combine": (22, 3, 0, 1, 2, 0),  # +1: the device check of x
-    "worst_combine_w": (64, 12, 2, 4, 4, 0),  # was 67 / 17 / 4 / 5; +2: the device checks
+    "worst_combine": (23, 2, 0, 0, 3, 0),  # +1: the device check of x; the copy a launch
+    "worst_combine_w": (65, 11, 2, 3, 5, 0),  # was 67 / 17 / 4 / 5; +2: the device checks; the copy a launch
 }
 BUDGET_META_LANE = {  # meta_rows_max_tokens=0, decode tiles: the top-k in the meta lane
     "layout": (10, 3, 2, 0, 1, 0),

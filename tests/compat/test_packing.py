@@ -11,6 +11,7 @@
 - meta rows (the top-k carried by the rows lane itself): how many per pair of ranks, the packing kernel (x copied,
   the meta groups, the slots) and the unpacking kernel against their twins bit for bit, and the round trip against
   plain loops (local ids, weights with NaN payloads, 0 where the id is -1, the histogram; a num_worst_tokens tail);
+  the combine's copy of the caller's rows into the lane's expert-output buffer, bit for bit, nothing after them;
 - quantized rows (strided float scales, int32 scales) packed and unpacked bit for bit;
 - the low-latency slot map and the UE8M0 packing;
 - the NaN fill of a ``num_worst_tokens`` call refused for capacity: twin and kernel, bit for bit, and only when some
@@ -228,6 +229,19 @@ def test_meta_rows_kernels_match_twins_and_loops():
                     assert kh == rh.tolist() and kernels.host_reads == reads + (1 if n else 0)
                     ki, kw, kh = kernels.unpack_rows(rows, offs, n, K, L, W, P, dt, read=False)
                     assert kh is None and torch.equal(ki, ri.to(dt)) and kernels.host_reads == reads + (1 if n else 0)
+
+
+def test_copy_rows_kernel_copies_bits_into_the_head_only():
+    """A meta-rows combine's copy of the caller's rows into the lane's expert-output buffer: every 16-bit pattern
+    (NaN payloads) moved as bits into rows [0, n), the rows after them untouched; several programs; n = 0 no launch."""
+    kernels = MetaOps("cpu")
+    for n, H in ((130, 96), (3, 1030), (0, 64)):
+        src = (torch.arange(n * H, dtype=torch.int32) * 7 + 11).to(torch.int16).view(n, H).view(torch.bfloat16)
+        dst = torch.full((n + 4, H), 2.5, dtype=torch.bfloat16)
+        ref = dst.clone()
+        ref[:n].copy_(src)
+        kernels.copy_rows(src, dst)
+        assert torch.equal(dst.view(torch.int16), ref.view(torch.int16)), (n, H)
 
 
 def test_quantized_rows_round_trip_bit_exact():

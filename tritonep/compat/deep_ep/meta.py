@@ -31,7 +31,7 @@ from ...errors import InputError
 from ...runtime.host_status import HostStatus
 from ...runtime.launch import Launch
 from .kernels.meta import layout_kernel, pack_kernel, unpack_meta_kernel
-from .kernels.meta_rows import pack_rows_kernel, unpack_rows_kernel
+from .kernels.meta_rows import copy_rows_kernel, pack_rows_kernel, unpack_rows_kernel
 from .kernels.poison import poison_kernel
 from .packing import meta_width
 
@@ -332,3 +332,20 @@ class MetaOps:
                 W=W, WB=_p2(W), BLOCK=block, AB=ab, BB=bb, num_warps=4),
                 ("counts_ptr", "cs0", "cs1", "limit", "a_ptr", "NA", "b_ptr", "NB", "nprog")))
         bk((grid,), counts, counts.stride(0), counts.stride(1), int(limit), av, na, bv, nb, grid)
+
+    def copy_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """``dst[:n] = src`` bit for bit: ``src [n, H]`` bf16, ``dst [>= n, H]`` bf16, both contiguous on this device
+        (a meta-rows combine's rows into the rows lane's expert-output buffer). One launch of
+        :func:`tritonep.compat.deep_ep.kernels.meta_rows.copy_rows_kernel` (none for n = 0); twin:
+        ``dst[:n].copy_(src)``. The caller checks the shapes (the compat's combine: the handle's rows)."""
+        n, H = src.shape
+        if not n:
+            return
+        key = ("copy_rows", H)
+        bk = self._launch.bound(key)
+        if bk is None:
+            bt = 2 if self._cuda else 64
+            bk = self._launch.variant(key, lambda: self._launch.bind(copy_rows_kernel, dict(
+                H=H, BT=bt, BH=min(1024, _p2(H)), num_warps=4), ("src_ptr", "dst_ptr", "N")))
+            self._tile[key] = bt
+        bk((_cdiv(n, self._tile[key]),), src, dst, n)

@@ -411,9 +411,10 @@ class NormalMode(NormalRefusals, NormalChecks):
         reads = h.x_handle.num_recv_rows is not None and _synced(False, self.lanes.sync_checks)
         lane, T = h.x_lane, h.num_tokens
         if h.meta_rows:  # the lane's layout holds the meta rows after the token rows: the caller's rows go into the
-            # lane's expert-output buffer (one copy), the meta rows' sums (rows T.. of the lane's output) are dropped
-            eo, head = self._cached_view(self._eo, lane, lane, _expert_out, h.num_rows)
-            head.copy_(x)
+            # lane's expert-output buffer (one copy: a bound launch, MetaOps.copy_rows), the meta rows' sums (rows
+            # T.. of the lane's output) are dropped
+            eo = self._cached_view(self._eo, lane, lane, _expert_out, h.num_rows)[0]
+            self._ops(lane.device).copy_rows(x if x.is_contiguous() else x.contiguous(), eo)
         else:
             eo = x
         try:

@@ -19,6 +19,9 @@ prefix sum of the groups' ``n``) finds its ids and weights without any other sta
   ``is_token_in_rank``), so no program waits for another; the launch's last program writes every group's ``n_r``,
   zeroes its unused words and writes the pseudo-tokens' slots. Twin: :func:`tritonep.compat.deep_ep.packing.
   pack_rows_torch`.
+* :func:`copy_rows_kernel`: a combine's rows (the caller's ``x [n, H]`` bf16) into the first n rows of the rows lane's
+  expert-output buffer, whose meta rows follow them (a bound launch: ``Tensor.copy_`` into that symmetric region
+  costs ~14 us of ``cudaMemcpyAsync`` host time, docs/deep_ep.md). Twin: ``dst[:n].copy_(src)``.
 * :func:`unpack_rows_kernel`: the received meta rows -> ``recv_topk_idx`` (the caller's id dtype),
   ``recv_topk_weights`` and the per-local-expert histogram, published to pinned host memory with a ticket (as
   :func:`tritonep.compat.deep_ep.kernels.meta.unpack_meta_kernel`). Twin: :func:`tritonep.compat.deep_ep.packing.
@@ -34,7 +37,7 @@ import triton.language as tl
 
 from .meta import _last_program, _publish
 
-__all__ = ["pack_rows_kernel", "unpack_rows_kernel"]
+__all__ = ["copy_rows_kernel", "pack_rows_kernel", "unpack_rows_kernel"]
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -105,6 +108,22 @@ def pack_rows_kernel(x_ptr, in_rank_ptr, ids_ptr, w_ptr, T, xin_ptr, slots_ptr, 
         tl.store(slots_ptr + rows[:, None] * W + ww[None, :], tl.where(ww[None, :] == rq[:, None], 2 * rq[:, None] + 1,
                                                                        -1),
                  mask=(q < W * P)[:, None] & wm[None, :])
+
+
+@triton.jit(do_not_specialize=["N"])
+def copy_rows_kernel(src_ptr, dst_ptr, N, H: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr):
+    """``dst[:N] = src`` bit for bit: ``src [N, H]`` and ``dst [>= N, H]`` contiguous, 2-byte elements (moved as
+    int16). One program per ``BT`` rows, ``BH`` columns a step."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    t64 = t.to(tl.int64)
+    tm = t < N
+    xs = src_ptr.to(tl.pointer_type(tl.int16))
+    xd = dst_ptr.to(tl.pointer_type(tl.int16))
+    hh = tl.arange(0, BH)
+    for h0 in range(0, H, BH):
+        h = h0 + hh
+        m = tm[:, None] & (h < H)[None, :]
+        tl.store(xd + t64[:, None] * H + h[None, :], tl.load(xs + t64[:, None] * H + h[None, :], mask=m), mask=m)
 
 
 @triton.jit(do_not_specialize=["R", "ticket"])

@@ -28,10 +28,30 @@ from ...wire.formats import get_wire
 from ...runtime.bound import STORE, BoundKernel
 from .status import ST_HOST
 
-__all__ = ["KernelSet", "RAW"]
+__all__ = ["KernelSet", "RAW", "one_pass_combine"]
 
 RAW = get_wire("bf16").codec  # backward passes move bf16
 _p2 = triton.next_power_of_2
+
+
+def one_pass_combine(cfg, wire, kind: str = "push", wgrad: bool = False) -> bool:
+    """Whether a combine (weighted, or the unweighted dispatch backward) runs as the one-pass ("DIRECT") world-1
+    combine: the ``direct`` flag of :meth:`KernelSet.partial`, :meth:`KernelSet.out`, :meth:`KernelSet.combine_fused`
+    and :meth:`KernelSet.combine_decode`.
+
+    True exactly when the buffer has ONE rank (``cfg.world_size == 1``), its rows are bf16 (``cfg.dtype``: the
+    expert outputs and the combine's output; every combine's ``eo`` has that dtype, checked at the front door), the
+    combine travels on the raw bf16 wire (``wire`` not quantized), it is a push combine (``kind``) and returns no
+    weight gradients (``wgrad`` False). Then a token's one partial is its output row bit for bit (the output's sum
+    over one rank rounds the bf16 partial to itself), so the partial step stores the output rows and they are read
+    once; the output step (or role) only finishes the call (counters, acks, status).
+
+    Args:
+        cfg: the buffer's :class:`tritonep.ep.config.EPConfig`. wire: the combine's device codec. kind: ``"push"`` or
+            ``"pull"``. wgrad: the dispatch backward returns the weight gradients.
+    """
+    return (cfg.world_size == 1 and cfg.dtype == torch.bfloat16 and kind == "push" and not wgrad
+            and not wire.quantized)
 
 
 class KernelSet:

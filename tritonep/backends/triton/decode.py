@@ -50,7 +50,6 @@ class DecodePath:
     def __init__(self, cfg, kernels, status, outputs, device: torch.device, no_w: torch.Tensor):
         self.cfg, self.k, self.status, self.outputs, self.device = cfg, kernels, status, outputs, device
         self._no_w = no_w
-        self._fwd = (None, None)  # (wire, its weighted combine's bound launch): the latest, kept (no key hashed)
 
     def dispatch(self, x, topk_idx, topk_weights, sync, keep_quantized, bad_input, T, count=None):
         """Forward dispatch in one launch (``T`` tokens); returns what ``TritonEP.dispatch_fwd`` returns and raises
@@ -112,11 +111,9 @@ class DecodePath:
         if weighted:  # the forward combine: its output pooled (pool.py)
             got = self.outputs.ypool.take()
             y = got[0][:T] if got is not None else torch.empty(T, self.cfg.hidden, dtype=eo.dtype, device=self.device)
-            fw, bk = self._fwd
-            if fw is not wire:
-                bk = self.k.combine_decode(wire, True, False, one_pass_combine(self.cfg, wire))
-                self._fwd = (wire, bk)
-            bk(eo, handle.store, y, T, self._no_w, y, bad, ticket)
+            # the bound launch (KernelSet's variant lookup: one key, no closure built after the first call)
+            self.k.combine_decode(wire, True, False, one_pass_combine(self.cfg, wire))(eo, handle.store, y, T,
+                                                                                       self._no_w, y, bad, ticket)
             self.status.after_combine(ticket, bad, "combine")
             return y, None
         y = torch.empty(T, self.cfg.hidden, dtype=eo.dtype, device=self.device)

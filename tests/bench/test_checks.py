@@ -2,7 +2,6 @@
 run of each driver records ``checked: true`` on every row and exits 0, a corrupted output makes its points FAILED
 and the run exit 1."""
 
-import importlib.util
 import json
 import os
 
@@ -14,17 +13,14 @@ from tritonep.bench.check import (bench_expert, compare_close, exit_code, mark_c
 from tritonep.bench.cases import make_rank_inputs
 from tests.support.harness import diff, expected
 
-from tests import ROOT
+from tests import ROOT, load_script
 
 
 def _driver(name):
     path = ROOT / "benchmarks" / f"{name}.py"
     if not path.is_file():
         path = ROOT / "benchmarks" / "probes" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"_bench_{name}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(str(path.relative_to(ROOT)), f"_bench_{name}")
 
 
 @pytest.mark.parametrize("W,A", [(2, 1), (3, 2), (4, 1)])

@@ -2,22 +2,17 @@
 (predicated instructions counted by their mnemonic, headers and encodings ignored), on a fixed listing, and the
 probe's own run on a small profile with the sm_90 compile (slow)."""
 
-import importlib.util
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests import ROOT, load_script
 
 
 def _probe():
-    spec = importlib.util.spec_from_file_location("sass_stats", ROOT / "benchmarks" / "probes" / "sass_stats.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/probes/sass_stats.py")
 
 
 LISTING = """

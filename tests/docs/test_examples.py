@@ -2,7 +2,6 @@
 example, and examples/torchrun_moe.py (its ``main(group)`` in a 2-rank CPU world); docs/integrations.md quotes the
 torchrun script as it is."""
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -11,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from tests import ROOT
+from tests import ROOT, load_script
 
 README = (ROOT / "README.md").read_text()
 EXAMPLE = ROOT / "examples" / "torchrun_moe.py"
@@ -22,10 +21,7 @@ def _python_blocks():
 
 
 def _load_example():
-    spec = importlib.util.spec_from_file_location("torchrun_moe", EXAMPLE)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(str(EXAMPLE.relative_to(ROOT)))
 
 
 _SMALL_BUFFER = "tep.EPBuffer(group, num_experts=8, hidden=64, max_tokens_per_rank=16, topk=2)"
@@ -152,9 +148,7 @@ def test_torchtitan_example_trains_in_a_cpu_world():
         pytest.importorskip("torchtitan")
     from tritonep.testing import run_cpu_world
 
-    spec = importlib.util.spec_from_file_location("torchtitan_moe", ROOT / "examples" / "torchtitan_moe.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("examples/torchtitan_moe.py")
     losses = run_cpu_world(2, mod.main, timeout_s=400)
     assert losses[0] == losses[1] and losses[0][-1] < losses[0][0]
 

@@ -30,12 +30,11 @@ def test_test_sh_with_a_path_collects_only_that_path():
 def test_benchmark_drivers_with_cpu_import_the_kernels_interpreted():
     """Each driver's module, loaded as ``python benchmarks/<driver>.py --cpu`` loads it (argv, TRITON_INTERPRET unset), leaves
     tritonep's kernels interpreted, which ``run_cpu_world`` requires."""
-    code = ("import importlib.util, sys\n"
+    code = ("import sys\n"
+            "from tests import ROOT, load_script\n"
             f"for name in {CPU_DRIVERS!r}:\n"
-            f"    path = {str(ROOT / 'benchmarks')!r} + '/' + name + '.py'\n"
-            "    sys.argv = [path, '--cpu']\n"
-            "    spec = importlib.util.spec_from_file_location(name.replace('/', '_'), path)\n"
-            "    spec.loader.exec_module(importlib.util.module_from_spec(spec))\n"
+            "    sys.argv = [str(ROOT / 'benchmarks' / (name + '.py')), '--cpu']\n"
+            "    load_script('benchmarks/' + name + '.py', name.replace('/', '_'))\n"
             "import tritonep.device.common as c\n"
             "print('interpreted', c.kernels_interpreted())\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

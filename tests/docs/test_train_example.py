@@ -4,8 +4,6 @@ the loss curve the example draws."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 import torch._dynamo  # noqa: F401  (imported before the CPU world forks: the optimizer imports it lazily)
@@ -13,14 +11,11 @@ import torch.distributed.checkpoint  # noqa: F401  (likewise)
 
 from tritonep.testing import run_cpu_world
 
-from tests import ROOT
+from tests import ROOT, load_script
 
 
 def _example():
-    spec = importlib.util.spec_from_file_location("train_moe", ROOT / "examples" / "train_moe.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("examples/train_moe.py")
 
 
 def _runs(group, ck):

@@ -28,10 +28,29 @@ from ...wire.formats import get_wire
 from ...runtime.bound import STORE, BoundKernel
 from .status import ST_HOST
 
-__all__ = ["KernelSet", "RAW"]
+__all__ = ["KernelSet", "RAW", "one_pass_combine"]
 
 RAW = get_wire("bf16").codec  # backward passes move bf16
 _p2 = triton.next_power_of_2
+
+
+def one_pass_combine(cfg, wire, kind: str = "push", wgrad: bool = False) -> bool:
+    """Whether a combine (weighted, or the unweighted dispatch backward) runs as the one-pass ("DIRECT") world-1
+    combine: the ``direct`` flag of :meth:`KernelSet.partial`, :meth:`KernelSet.out`, :meth:`KernelSet.combine_fused`
+    and :meth:`KernelSet.combine_decode`.
+
+    True exactly when the buffer has ONE rank (``cfg.world_size == 1``), its rows are bf16 (``cfg.dtype``: the
+    expert outputs and the combine's output; every combine's ``eo`` has that dtype, checked at the front door), the
+    combine travels on the raw bf16 wire (``wire`` not quantized), it is a push combine (``kind``) and returns no
+    weight gradients (``wgrad`` False). Then a token's one partial is its output row bit for bit (the output's sum
+    over one rank rounds the bf16 partial to itself), so the partial step stores the output rows and they are read
+    once; the output step (or role) only finishes the call (counters, acks, status).
+
+    Args:
+        cfg: the buffer's :class:`tritonep.ep.config.EPConfig`. wire: the combine's device codec. kind: ``"push"`` or
+            ``"pull"``. wgrad: the dispatch backward returns the weight gradients.
+    """
+    return cfg.world_size == 1 and cfg.dtype is torch.bfloat16 and kind == "push" and not wgrad and not wire.quantized
 
 
 class KernelSet:
@@ -238,6 +257,10 @@ class KernelSet:
     def partial(self, kind: str, weighted: bool, wgrad: bool, wire, direct: bool = False) -> BoundKernel:
         """Expert-rank side of a combine (``kind`` push / pull, weighted, weight-gradient return, wire; ``direct``:
         the world-1 push combine that stores the output rows itself, called with ``y_ptr`` last)."""
+        key = ("partial", kind, weighted, wgrad, wire, direct)
+        bk = self._lau.bound(key)  # every call after the first: no closure built
+        if bk is not None:
+            return bk
         v, g, cfg = self._v, self._cfg.tiles, self._cfg
 
         def make():
@@ -248,11 +271,15 @@ class KernelSet:
                 **self._cck),
                 ("eo_ptr", STORE, "gw_ptr", "bad") + (("y_ptr",) if direct else ()), grid=(g.grid_partial,),
                 fields=self._recv)
-        return self._lau.variant(("partial", kind, weighted, wgrad, wire, direct), make)
+        return self._lau.variant(key, make)
 
     def out(self, kind: str, wgrad: bool, wire, direct: bool = False) -> BoundKernel:
         """Source side of a combine (sums the partials in rank order; ``wgrad``: gathers the weight gradients;
         ``direct``: the partial kernel stored the output, this launch only finishes the call)."""
+        key = ("out", kind, wgrad, wire, direct)
+        bk = self._lau.bound(key)  # every call after the first: no closure built
+        if bk is not None:
+            return bk
         v, g, cfg = self._v, self._cfg.tiles, self._cfg
 
         # the raw wire's output kernel in a 32-warp tile: ptxas's own choice was 32 registers and an 8-byte spill
@@ -268,12 +295,16 @@ class KernelSet:
                 **self._cck, **cap),
                 (STORE, "y_ptr", "T", "NC", "gtw_ptr", "ticket"), grid=(g.grid_out,),
                 fields=self._hl.fields_of(topk_idx_ptr="idx"))
-        return self._lau.variant(("out", kind, wgrad, wire, direct), make)
+        return self._lau.variant(key, make)
 
     def combine_fused(self, wire, direct: bool = False) -> BoundKernel:
         """Weighted push combine in one launch (partial and out roles; ``direct``: the world-1 one that stores the
         output rows from the partial role, :func:`tritonep.backends.triton.kernels.combine_fused.combine_fused_kernel`'s
         DIRECT)."""
+        key = ("combine_fused", wire, direct)
+        bk = self._lau.bound(key)  # every call after the first: no closure built
+        if bk is not None:
+            return bk
         v, g, cfg = self._v, self._cfg.tiles, self._cfg
 
         def make():
@@ -285,7 +316,7 @@ class KernelSet:
                 **self._common, **self._cck),
                 ("eo_ptr", STORE, "y_ptr", "T", "bad", "ticket"), grid=(g.fused_send + g.fused_expand,),
                 fields=dict(self._recv, **self._hl.fields_of(topk_idx_ptr="idx")))
-        return self._lau.variant(("combine_fused", wire, direct), make)
+        return self._lau.variant(key, make)
 
     def combine_decode(self, wire, weighted: bool = True, wgrad: bool = False, direct: bool = False) -> BoundKernel:
         """Push combine of the decode tiles in one launch: weighted (combine) or not (dispatch backward,

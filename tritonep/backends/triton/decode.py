@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import torch
 
+from .calls import one_pass_combine
+
 __all__ = ["DecodePath"]
 
 
@@ -48,10 +50,6 @@ class DecodePath:
     def __init__(self, cfg, kernels, status, outputs, device: torch.device, no_w: torch.Tensor):
         self.cfg, self.k, self.status, self.outputs, self.device = cfg, kernels, status, outputs, device
         self._no_w = no_w
-        # world 1, bf16 rows: the combine's (and the unweighted dispatch backward's) one partial of a token is its
-        # output row, stored by the partial step on the raw wire (combine_decode's direct; not with weight gradients)
-        self._direct = cfg.world_size == 1 and cfg.dtype == torch.bfloat16
-        self._fwd = (None, None)  # (wire, its weighted combine's bound launch): the latest, kept (no key hashed)
 
     def dispatch(self, x, topk_idx, topk_weights, sync, keep_quantized, bad_input, T, count=None):
         """Forward dispatch in one launch (``T`` tokens); returns what ``TritonEP.dispatch_fwd`` returns and raises
@@ -113,16 +111,14 @@ class DecodePath:
         if weighted:  # the forward combine: its output pooled (pool.py)
             got = self.outputs.ypool.take()
             y = got[0][:T] if got is not None else torch.empty(T, self.cfg.hidden, dtype=eo.dtype, device=self.device)
-            fw, bk = self._fwd
-            if fw is not wire:
-                bk = self.k.combine_decode(wire, True, False, self._direct and not wire.quantized)
-                self._fwd = (wire, bk)
-            bk(eo, handle.store, y, T, self._no_w, y, bad, ticket)
+            # the bound launch (KernelSet's variant lookup: one key, no closure built after the first call)
+            self.k.combine_decode(wire, True, False, one_pass_combine(self.cfg, wire))(eo, handle.store, y, T,
+                                                                                       self._no_w, y, bad, ticket)
             self.status.after_combine(ticket, bad, "combine")
             return y, None
         y = torch.empty(T, self.cfg.hidden, dtype=eo.dtype, device=self.device)
         gtw = torch.empty(T, self.cfg.topk, dtype=torch.float32, device=self.device) if gw is not None else None
-        direct = self._direct and not wire.quantized and gw is None
+        direct = one_pass_combine(self.cfg, wire, wgrad=gw is not None)
         self.k.combine_decode(wire, False, gw is not None, direct)(eo, handle.store, y, T,
                                                                   self._no_w if gw is None else gw,
                                                                   y if gtw is None else gtw, bad, ticket)

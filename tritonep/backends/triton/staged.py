@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import torch
 
+from .calls import one_pass_combine
+
 __all__ = ["StagedPath"]
 
 
@@ -55,11 +57,6 @@ class StagedPath:
     def __init__(self, cfg, kernels, status, outputs, device: torch.device, no_w: torch.Tensor):
         self.cfg, self.k, self.status, self.outputs, self.device = cfg, kernels, status, outputs, device
         self.hl, self._no_w = outputs.hl, no_w
-        # world 1: a push combine's partial of a token is its output row (the output kernel's sum over one rank
-        # rounds the bf16 partial to itself), so with bf16 rows on the raw wire the partial kernel (the fused
-        # combine's partial role) stores the output and the rows are read once (the output kernel or role only
-        # finishes the call); not with weight gradients (the output kernel gathers them)
-        self._direct = cfg.world_size == 1
 
     def dispatch(self, x, topk_idx, topk_weights, sync, keep_quantized, bad_input, T, count=None):
         """Forward dispatch of ``T`` tokens (launches 1-5 of the module docstring); returns what
@@ -117,7 +114,7 @@ class StagedPath:
         y = torch.empty(T, self.cfg.hidden, dtype=eo.dtype, device=self.device)
         what = "combine" if weighted else "dispatch backward"
         wgrad = gw is not None
-        direct = self._direct and kind == "push" and not wgrad and not wire.quantized and eo.dtype == torch.bfloat16
+        direct = one_pass_combine(self.cfg, wire, kind, wgrad)  # world 1, bf16 rows, raw wire, push, no wgrad
         if g.fused_combine and kind == "push" and weighted and not wgrad:
             k.combine_fused(wire, direct)(eo, store, y, T, bad, ticket)
             status.after_combine(ticket, bad, what)

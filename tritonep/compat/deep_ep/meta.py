@@ -98,7 +98,11 @@ class MetaOps:
         self._acc: dict = {}   # key -> int32 accumulator (+ done counter), zeros, left zeroed by the kernels
         self._hosts: dict = {}  # L -> (pinned int64 [L + 2], HostStatus)
         self._tile: dict = {}  # variant key -> its token tile (the grid's unit)
-        self._grids: dict = {}  # (variant key, T) -> (its bound launch, its grid): a call's one lookup
+        # a call's one lookup, per kind of launch:
+        # (variant key, T) -> (bound launch, grid tuple) of the layout and packing launches (their grid follows T)
+        self._launch_grids: dict = {}
+        # variant key -> (bound launch, token tile) of the meta-rows unpacking (its grid: cdiv(rows, tile) per call)
+        self._unpack_tiles: dict = {}
         self.host_reads = 0
 
     def _zeros(self, key, n: int) -> torch.Tensor:
@@ -117,7 +121,7 @@ class MetaOps:
         W, E = num_ranks, num_experts
         in_rank = torch.empty(T, W, dtype=torch.bool, device=self.device)
         counts = torch.empty(W + E, dtype=torch.int32, device=self.device)
-        got = self._grids.get(("layout", K, E, W, T))
+        got = self._launch_grids.get(("layout", K, E, W, T))
         if got is None:
             got = self._remember(("layout", K, E, W, T), self._layout_launch(K, E, W, T))
         got[0](got[1], topk_idx, T, in_rank, counts)
@@ -125,11 +129,12 @@ class MetaOps:
         return per_rank, per_expert, in_rank
 
     def _remember(self, key, got: tuple) -> tuple:
-        """Keep ``got`` (a bound launch and its grid) as ``key``'s, at most 4096 kept (then they are dropped and
-        looked up again: a bound launch stays with :class:`tritonep.runtime.launch.Launch`)."""
-        if len(self._grids) >= 4096:
-            self._grids.clear()
-        self._grids[key] = got
+        """Keep ``got`` (a bound launch and its grid tuple) as ``key``'s (a variant key and T) in
+        ``_launch_grids``, at most 4096 kept (then they are dropped and looked up again: a bound launch stays with
+        :class:`tritonep.runtime.launch.Launch`)."""
+        if len(self._launch_grids) >= 4096:
+            self._launch_grids.clear()
+        self._launch_grids[key] = got
         return got
 
     def _layout_launch(self, K: int, E: int, W: int, T: int):
@@ -249,7 +254,7 @@ class MetaOps:
         T, W = is_token_in_rank.shape
         K, H = topk_idx.shape[1], x.shape[1]
         slots = torch.empty(T + W * meta_rows, W, dtype=torch.int32, device=self.device)
-        got = self._grids.get(("pack_rows", K, W, num_experts, H, meta_rows, T))
+        got = self._launch_grids.get(("pack_rows", K, W, num_experts, H, meta_rows, T))
         if got is None:
             got = self._remember(("pack_rows", K, W, num_experts, H, meta_rows, T),
                                  self._pack_rows_launch(K, W, num_experts, H, meta_rows, T))
@@ -291,7 +296,7 @@ class MetaOps:
         K, L, HW = topk, num_local_experts, rows.shape[1] // 2
         key = ("unpack_rows", K, L, world_size, meta_rows, HW)
         if not read:  # the common case with the count routing: no histogram to read, one lookup
-            got = self._grids.get(key)
+            got = self._unpack_tiles.get(key)  # (bound launch, token tile)
             if got is not None:
                 idx = torch.empty(num_rows, K, dtype=idx_dtype, device=self.device)
                 wout = torch.empty(num_rows, K, dtype=torch.float32, device=self.device)
@@ -304,7 +309,7 @@ class MetaOps:
                 acc_ptr=acc, host_ptr=mapped, W=world_size, WB=_p2(world_size), K=K, KB=_p2(K), L=L, P=meta_rows,
                 HW=HW, BR=br, NB=min(1024, _p2(L + 1)), GPU=self._cuda, num_warps=4),
                 ("rows_ptr", "offs_ptr", "R", "idx_ptr", "wout_ptr", "ticket")))
-        self._remember(key, (bk, self._tile[key]))
+        self._unpack_tiles[key] = (bk, self._tile[key])
         return self._unpack(bk, key, num_rows, K, L, idx_dtype, rows.device, read, (rows, offsets, num_rows))
 
     def poison(self, counts: torch.Tensor, limit: int, a: torch.Tensor, b: torch.Tensor | None = None) -> None:

@@ -56,6 +56,10 @@ class DeviceCodec:
     stage_own: bool = False
 
     def __post_init__(self):
+        # the dataclass's own hash (of the fields), computed once: a codec keys every bound launch's variant
+        # (tritonep.runtime.launch.Launch), looked up on each call's host path
+        object.__setattr__(self, "_hash", hash((self.name, self.block, self.payload_bits, self.scale_bytes,
+                                                self.scale_dtype, self.encode, self.decode, self.stage_own)))
         if self.encode is None:
             if (self.block, self.payload_bits, self.scale_bytes) != (1, 16, 0) or self.decode is not None \
                     or self.stage_own:
@@ -68,6 +72,14 @@ class DeviceCodec:
         if pb % self.scale_bytes or pb + self.scale_bytes > 2 * self.block:
             raise ValueError(f"codec {self.name!r}: block payload {pb} B must be a multiple of scale_bytes "
                              f"{self.scale_bytes} and payload + scale must fit 2 bytes per element")
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self):
+        # rebuilt through __init__ (its hash made again where it is unpickled, never carried)
+        return (type(self), (self.name, self.block, self.payload_bits, self.scale_bytes, self.scale_dtype, self.encode,
+                             self.decode, self.stage_own))
 
     @property
     def quantized(self) -> bool:

@@ -258,8 +258,9 @@ def combine_partial_kernel(eo_ptr, hmeta_ptr, hwts_ptr, hntok_ptr, gw_ptr, stage
     ``flags[CDATA, rank]`` on every rank after waiting (bounded) for the previous call's readers. ``bad`` != 0: this
     rank takes part as refused (:func:`open_partial`: no partial row, the mark in every peer).
 
-    ``y_ptr`` given (DIRECT: world 1, push, weighted, raw bf16 wire and bf16 expert rows, so the output kernel's sum
-    over one rank would be the staged partial itself, bit for bit): the partials are stored as the output rows
+    ``y_ptr`` given (DIRECT, :func:`tritonep.backends.triton.calls.one_pass_combine`: world 1, push, no SEND_WGRAD,
+    raw bf16 wire and bf16 expert rows, so the output kernel's sum over one rank would be the staged partial itself,
+    bit for bit): the partials are stored as the output rows
     ``y [T, H]`` (zeros for a token without a route), one pass over the rows instead of two; the output kernel then
     runs as DIRECT (counters, acks, the status and the NaN of a failed call only).
     """

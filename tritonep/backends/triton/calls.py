@@ -69,7 +69,7 @@ class KernelSet:
     numpy view), ``hist``, ``exchange``, ``send`` (forward, dispatch wire), ``send_bwd`` (combine backward, raw),
     ``expand_bwd``; methods ``count_sums(count, status_read)``, and ``expand(kq)``, ``fused(kq)``, ``decode(kq)``,
     ``partial(kind, weighted, wgrad, wire, direct)``, ``out(kind, wgrad, wire, direct)``,
-    ``combine_fused(wire, direct)``, ``combine_decode(wire, weighted, wgrad, direct)`` for the variants.
+    ``combine_fused(wire, direct)``, ``combine_decode(wire, weighted, wgrad)`` for the variants.
     """
 
     def __init__(self, cfg, views, hl, launch, *, rank: int, device, timeout: int, host_mapped, dwire):
@@ -318,15 +318,18 @@ class KernelSet:
                 fields=dict(self._recv, **self._hl.fields_of(topk_idx_ptr="idx")))
         return self._lau.variant(key, make)
 
-    def combine_decode(self, wire, weighted: bool = True, wgrad: bool = False, direct: bool = False) -> BoundKernel:
+    def combine_decode(self, wire, weighted: bool = True, wgrad: bool = False) -> BoundKernel:
         """Push combine of the decode tiles in one launch: weighted (combine) or not (dispatch backward,
-        ``wgrad``: with the weight gradients' return); ``direct``: the world-1 one whose partial step stores the
-        output rows (:func:`tritonep.backends.triton.kernels.decode_combine.combine_decode_kernel`'s DIRECT)."""
-        key = ("combine_decode", wire, weighted, wgrad, direct)
+        ``wgrad``: with the weight gradients' return); the world-1 one whose partial step stores the output rows
+        (:func:`tritonep.backends.triton.kernels.decode_combine.combine_decode_kernel`'s DIRECT) where
+        :func:`one_pass_combine` says so, decided when the variant is bound (the buffer's config and the variant
+        decide it: no per-call work)."""
+        key = ("combine_decode", wire, weighted, wgrad)
         bk = self._lau.bound(key)  # every call after the first: no closure built (a combine's host path)
         if bk is not None:
             return bk
         v, g, cfg = self._v, self._cfg.tiles, self._cfg
+        direct = one_pass_combine(cfg, wire, wgrad=wgrad)
 
         def make():
             return self._lau.bind(combine_decode_kernel, dict(

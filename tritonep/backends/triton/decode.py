@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import torch
 
-from .calls import one_pass_combine
 
 __all__ = ["DecodePath"]
 
@@ -112,15 +111,12 @@ class DecodePath:
             got = self.outputs.ypool.take()
             y = got[0][:T] if got is not None else torch.empty(T, self.cfg.hidden, dtype=eo.dtype, device=self.device)
             # the bound launch (KernelSet's variant lookup: one key, no closure built after the first call)
-            self.k.combine_decode(wire, True, False, one_pass_combine(self.cfg, wire))(eo, handle.store, y, T,
-                                                                                       self._no_w, y, bad, ticket)
+            self.k.combine_decode(wire)(eo, handle.store, y, T, self._no_w, y, bad, ticket)
             self.status.after_combine(ticket, bad, "combine")
             return y, None
         y = torch.empty(T, self.cfg.hidden, dtype=eo.dtype, device=self.device)
         gtw = torch.empty(T, self.cfg.topk, dtype=torch.float32, device=self.device) if gw is not None else None
-        direct = one_pass_combine(self.cfg, wire, wgrad=gw is not None)
-        self.k.combine_decode(wire, False, gw is not None, direct)(eo, handle.store, y, T,
-                                                                  self._no_w if gw is None else gw,
-                                                                  y if gtw is None else gtw, bad, ticket)
+        self.k.combine_decode(wire, False, gw is not None)(eo, handle.store, y, T, self._no_w if gw is None else gw,
+                                                           y if gtw is None else gtw, bad, ticket)
         self.status.after_combine(ticket, bad, "dispatch backward")
         return y, gtw

@@ -25,7 +25,7 @@ output (median of 3 rounds of ``--iters`` calls, CUDA events; graph: the same re
 Checks (every point; exit code 1 when one fails): ``compat`` and ``compat_worst`` combine to ``x * (ranks that
 received the token)`` bit for bit (DeepEP's unweighted sum of the received rows), their per-expert counts add up to
 the received rows, their ids are local and valid; ``rows`` combines to the same bits; ``tep`` within 2e-2 of
-``x * sum_k w``. Ratios: ``compat_over_tep_eager`` (the issue's 1.15x at 4096 tokens), ``compat_minus_tep_eager_us``
+``x * sum_k w``. Ratios: ``compat_over_tep_eager`` (the target: 1.15x at 4096 tokens), ``compat_minus_tep_eager_us``
 (its +15 us at 128), ``compat_over_rows_eager``.
 """
 

@@ -25,7 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 
-ROUNDS = 5  # eager timings: median of 5 rounds (3 gave +-20 % between calls of one session at 1024 tokens)
+ROUNDS = 5  # eager timings: median of 5 rounds (3 gave +-20 % between calls of one process at 1024 tokens)
 
 
 def profile_tokens(group, T, profile="deepseek-v3", iters=30, backend="triton"):

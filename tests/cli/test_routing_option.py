@@ -37,7 +37,7 @@ def write_trace_csv(path, layers, tokens, num_experts, topk, seed=0, scores=True
 
 @pytest.mark.slow  # > 4 s on 2 cores: CI's second step
 def test_run_on_a_random_csv_trace_passes(tmp_path):
-    """The issue's acceptance test: a CSV written here from random routing runs through `tritonep run` and passes."""
+    """The acceptance test of --routing: a CSV written here from random routing runs through `tritonep run` and passes."""
     csv = write_trace_csv(tmp_path / "mine.csv", layers=[0, 5], tokens=24, num_experts=8, topk=2)
     out_json = tmp_path / "run.json"
     rc, out, err = _cli("run", "--routing", csv, "--world-size", "2", "--tokens", "8", "--json", str(out_json))

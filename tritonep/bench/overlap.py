@@ -1,6 +1,6 @@
 """Overlap benchmark: a capped-SM dispatch + combine running beside an expert-sized GEMM on another stream.
 
-The point of ``num_sms`` (issue: "so expert GEMMs of the previous chunk can run beside them") is that the
+The point of ``num_sms`` (so that expert GEMMs of the previous chunk can run beside them) is that the
 communication kernels leave the rest of the chip to compute. This measures, on each rank, with CUDA events:
 ``gemm`` alone, ``comm`` (dispatch + combine, one CUDA graph) alone, and both launched together on two streams
 (``both``); ``hidden = (gemm + comm - both) / min(gemm, comm)`` is the fraction of the shorter one that was hidden

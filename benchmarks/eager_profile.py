@@ -49,8 +49,7 @@ def profile_tokens(group, T, profile="deepseek-v3", iters=30, backend="triton"):
         g = buf.tiles
         out["geometry"] = (f"bt={g.bt},bh={g.bh},warps={g.num_warps},grid_send={g.grid_send},"
                            f"grid_expand={g.grid_expand},fs={g.fused_send},fe={g.fused_expand},dec={g.decode},"
-                           f"cbt={g.cbt},cwarps={g.cwarps},bbt={g.bbt},bwarps={g.bwarps},bgrid={g.bgrid},"
-                           f"cs={int(g.stream)}")
+                           f"cbt={g.cbt},cwarps={g.cwarps},bbt={g.bbt},bwarps={g.bwarps},bgrid={g.bgrid}")
     eo = buf.expert_out_buffer()
     eo.normal_()
     if backend == "triton":  # the nccl backend's eager path is what users run (its host read sizes the rows)

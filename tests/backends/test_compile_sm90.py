@@ -239,34 +239,6 @@ def _world1_combine_paths(group):
     return recs
 
 
-def _streaming_expand_paths(group):
-    """World 1, ``cs=1`` (the two-kernel expand's streaming stores): the bf16 dispatch and combine backward, the fp8
-    and mxfp4 dispatches with rows kept quantized (payload and scales stored ``.cs``) and decoded."""
-    recs = []
-    x, i, w = make_rank_inputs(0, 9, 1024, 96, 2, seed=6)
-    with record_launches(recs), _geometry("cs=1,grid=4"):
-        for wire in ("bf16", "fp8", "mxfp4"):
-            b = tep.EPBuffer(group, 96, 1024, 16, 2, dispatch_wire=wire)
-            if wire == "bf16":
-                ww = w.clone().requires_grad_(True)
-                d = b.dispatch(x, i, ww)
-                b.combine(d.x * 1, d.handle).float().sum().backward()  # the combine backward: SCALE + DOT
-            else:
-                b.dispatch(x, i, w, keep_quantized=True)
-                b.dispatch(x, i, w)
-            b.close()
-    return recs
-
-
-def test_streaming_expand_compiles_for_sm90():
-    recs = run_cpu_world(1, _streaming_expand_paths, timeout_s=300)[0]
-    expand = [r["constexprs"] for r in recs if r.get("name") == "dispatch_expand_kernel"]
-    assert expand and all(c["STREAM"] for c in expand)
-    assert {(c["KEEP_Q"], c["DOT"]) for c in expand} == {(False, False), (True, False), (False, True)}
-    failures = compile_recorded(recs)
-    assert not failures, "\n\n".join(f"{n}: {e}" for n, e in failures)
-
-
 def test_world1_direct_combine_compiles_for_sm90():
     recs = run_cpu_world(1, _world1_combine_paths, timeout_s=300)[0]
     out = [r for r in recs if r.get("name") == "combine_out_kernel"]

@@ -80,19 +80,17 @@ def _world(group, case, A, sync_free, geometry):
 
 @pytest.mark.parametrize("A,sync_free,geometry", [(4, False, None), (4, True, None), (1, False, None),
                                                   (8, False, "bbt=2,bwarps=2"), (4, True, "bt=4,bbt=1,grid=3,bgrid=5"),
-                                                  (1, False, "bt=2,fs=2,fe=3"), (4, False, "grid=3,bgrid=1"),
-                                                  (4, False, "grid=3,cs=1")])
+                                                  (1, False, "bt=2,fs=2,fe=3"), (4, False, "grid=3,bgrid=1")])
 def test_combine_backward_writes_every_row(A, sync_free, geometry):
     _check(CPU["E"], A, run_cpu_world(2, _world, CPU, A, sync_free, geometry, timeout_s=240))
 
 
 @pytest.mark.gpu
 @pytest.mark.world1
-@pytest.mark.parametrize("A,sync_free,geometry", [(16, False, None), (1, True, None), (16, False, "cs=1")])
-def test_combine_backward_writes_every_row_gpu_w1(gpu_world, A, sync_free, geometry):
-    """The same on one GPU with the table's large-batch geometry (the world-1 benchmark's tile and grid); ``cs=1``:
-    the expand's streaming stores."""
-    _check(GPU["E"], A, gpu_world(1, _world, GPU, A, sync_free, geometry))
+@pytest.mark.parametrize("A,sync_free", [(16, False), (1, True)])
+def test_combine_backward_writes_every_row_gpu_w1(gpu_world, A, sync_free):
+    """The same on one GPU with the table's large-batch geometry (the lead's world-1 measurement's tile and grid)."""
+    _check(GPU["E"], A, gpu_world(1, _world, GPU, A, sync_free, None))
 
 
 @pytest.mark.gpu

@@ -229,8 +229,7 @@ def bench_ep(group, profile: str, combine_kinds=("push", "pull"), num_sms=None, 
         geo = buf.tiles
         wb = {"wire": wire, "wire_nvlink_gbps_factor": get_wire(wire).row_bytes(H) / (2 * H),
               "grid": geo.grid_send, "geometry": f"bt={geo.bt},bh={geo.bh},warps={geo.num_warps},grid={geo.grid_send},"
-                                                f"fs={geo.fused_send},fe={geo.fused_expand},dec={geo.decode},"
-                                                f"cs={int(geo.stream)}"}
+                                                f"fs={geo.fused_send},fe={geo.fused_expand},dec={geo.decode}"}
         if geo.decode:
             from .decode_check import exact_vs_two_kernel
 

@@ -13,8 +13,7 @@ from tests.support.harness import calls_world, check_calls, make_calls
                                         # combine tile != dispatch tile; grids that are multiples of W rotate each
                                         # program's partial sources (kernels.combine.partial_item_source)
                                         (2, "bt=4,cbt=1,cwarps=2,grid=4,pf=1,bh=32"), (2, "bt=1,cbt=4,fs=2,fe=2,fc=1,pf=1"),
-                                        (3, "bt=2,cbt=1,grid=6,combine=pull"),
-                                        (2, "bt=2,grid=3,cs=1")])  # the expand's streaming stores
+                                        (3, "bt=2,cbt=1,grid=6,combine=pull")])
 def test_geometry_override_small_tiles(monkeypatch, W, geometry):
     """The GPU decode geometry uses tiny token tiles and many programs, the fused paths split the grid by role;
     every tile/grid/role choice gives the same bits (2 calls: the fused and two-kernel paths follow each other)."""
@@ -115,12 +114,7 @@ def test_backward_expand_tile(monkeypatch):
     assert tiles_of("cuda", 1, 7168, 4096, 8, num_sms=24).bgrid == 24  # the cap clips it
     monkeypatch.setenv("TRITONEP_GEOMETRY", "bt=4")
     assert tiles_of("cuda", 1, 7168, 4096, 8).bbt == 4  # the table's tile for the override's bt
-    assert not g.stream  # streaming stores: off unless asked
-    monkeypatch.setenv("TRITONEP_GEOMETRY", "cs=1,bbt=4")
-    g = tiles_of("cuda", 1, 7168, 4096, 8)
-    assert g.stream and g.bbt == 4 and tiles_of("cpu", 2, 96, 16, 3).stream
-    for bad, what in (("bbt=3", "power of two"), ("bwarps=0", "power of two"), ("bgrid=0", "bgrid must be"),
-                      ("cs=2", "cs must be 0 or 1")):
+    for bad, what in (("bbt=3", "power of two"), ("bwarps=0", "power of two"), ("bgrid=0", "bgrid must be")):
         monkeypatch.setenv("TRITONEP_GEOMETRY", bad)
         with pytest.raises(ConfigError, match=what):
             tiles_of("cuda", 1, 7168, 4096, 8)

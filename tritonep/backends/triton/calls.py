@@ -144,7 +144,7 @@ class KernelSet:
         self.expand_bwd = self._lau.bind(dispatch_expand_kernel, dict(
             self._expand_static, BT=g.bbt, num_warps=g.bwarps, NCmax=max(1, triton.cdiv(Tm, g.bbt)), PF=False,
             GA=g.grid_expand,
-            BA=1, A=A, SCALE=True, DOT=True, KEEP_HANDLE=False, WIRE=RAW, KEEP_Q=False, ADV=1, STREAM=g.stream),
+            BA=1, A=A, SCALE=True, DOT=True, KEEP_HANDLE=False, WIRE=RAW, KEEP_Q=False, ADV=1),
             ("x_ptr", "out_ptr", STORE, "eo_ptr", "gw_ptr", "out_w_ptr", "nrows"), grid=(g.bgrid,),
             fields=self._layout)
         # a combine's refusal marks (every peer's cbad) and the eager combine's status publish (last program)
@@ -174,7 +174,7 @@ class KernelSet:
         def make():
             return self._lau.bind(dispatch_expand_kernel, dict(
                 self._expand_static, BA=_p2(max(cfg.expert_alignment, 1)), A=cfg.expert_alignment, SCALE=False,
-                DOT=False, KEEP_HANDLE=True, WIRE=self._dwire, KEEP_Q=kq, STREAM=g.stream),
+                DOT=False, KEEP_HANDLE=True, WIRE=self._dwire, KEEP_Q=kq),
                 ("x_ptr", "out_ptr", "out_w_ptr", STORE, "eo_ptr", "gw_ptr", "q_ptr", "s_ptr", "nrows"),
                 grid=(g.grid_expand,),
                 fields=self._layout)

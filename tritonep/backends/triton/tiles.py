@@ -48,8 +48,6 @@ class KernelTiles:
     program acknowledges the sources for ``grid_expand`` programs, so the grid is free): per route it loads an
     expert-output tile next to the source tile for the weight gradient, so its tile is sized so that no registers
     spill (:func:`select_tiles` resolves all three to non-zero values).
-    stream: the two-kernel expand (forward dispatch and the combine backward's) stores the expert rows with the
-    streaming cache hint (``.cs``: each row is written once and read by a later kernel); the same bits either way.
     """
 
     bt: int
@@ -71,11 +69,10 @@ class KernelTiles:
     bbt: int = 0
     bwarps: int = 0
     bgrid: int = 0
-    stream: bool = False
 
 
 _OVERRIDE_FIELDS = ("bt", "bh", "warps", "grid", "combine", "fs", "fe", "fc", "dec", "cbt", "cwarps", "pf", "bbt",
-                    "bwarps", "bgrid", "cs")
+                    "bwarps", "bgrid")
 
 # the combine backward's expand tile on the GPU, by the dispatch's token tile: (bbt, bwarps). Chosen by ptxas -v at
 # the DeepSeek-V3 shape (H 7168 -> BH 1024, top-8, bf16, alignment 16; tests.support.compile_check.ptxas_usage,
@@ -94,17 +91,16 @@ def _apply_override(g: KernelTiles, text: str, source: str = "TRITONEP_GEOMETRY"
 
     ``grid=`` without ``fs``/``fe`` selects the two-kernel dispatch with that grid; ``fs=0,fe=0`` turns the fused
     dispatch off while keeping the table's grids; ``dec=G`` selects the one-launch decode paths with G programs
-    (``dec=0`` turns them off); ``cs=1`` the streaming stores of the two-kernel expand (``KernelTiles.stream``).
+    (``dec=0`` turns them off).
 
     Raises ConfigError naming the bad entry: unknown field, a value that is not a positive power of two (bt, bh,
-    warps, cbt, cwarps, bbt, bwarps), a grid or bgrid < 1, fc / pf / cs not 0 or 1, or a combine kind other than
-    push/pull.
+    warps, cbt, cwarps, bbt, bwarps), a grid or bgrid < 1, or a combine kind other than push/pull.
     """
     from ...errors import ConfigError
 
     f = dict(bt=g.bt, bh=g.bh, num_warps=g.num_warps, combine=g.combine, fused_send=g.fused_send,
              fused_expand=g.fused_expand, fused_combine=g.fused_combine, decode=g.decode, cbt=g.cbt,
-             cwarps=g.cwarps, prefetch=g.prefetch, bbt=g.bbt, bwarps=g.bwarps, bgrid=g.bgrid, stream=g.stream)
+             cwarps=g.cwarps, prefetch=g.prefetch, bbt=g.bbt, bwarps=g.bwarps, bgrid=g.bgrid)
     grid = None
     for item in filter(None, (p.strip() for p in text.split(","))):
         key, _, val = item.partition("=")
@@ -127,10 +123,10 @@ def _apply_override(g: KernelTiles, text: str, source: str = "TRITONEP_GEOMETRY"
                 grid = v
             else:
                 f["bgrid"] = v
-        elif key in ("fc", "pf", "cs"):
+        elif key in ("fc", "pf"):
             if v not in (0, 1):
                 raise ConfigError(f"{source} entry {item!r}: {key} must be 0 or 1")
-            f[{"fc": "fused_combine", "pf": "prefetch", "cs": "stream"}[key]] = bool(v)
+            f["fused_combine" if key == "fc" else "prefetch"] = bool(v)
         elif key == "dec":
             if v < 0:
                 raise ConfigError(f"{source} entry {item!r}: dec must be >= 0")
@@ -158,7 +154,7 @@ def _apply_override(g: KernelTiles, text: str, source: str = "TRITONEP_GEOMETRY"
                     grid_partial=gs[2], grid_out=gs[3], num_warps=f["num_warps"], combine=f["combine"],
                     fused_send=f["fused_send"], fused_expand=f["fused_expand"], fused_combine=f["fused_combine"],
                     decode=f["decode"], cbt=f["cbt"], cwarps=f["cwarps"], prefetch=f["prefetch"], bbt=f["bbt"],
-                    bwarps=f["bwarps"], bgrid=f["bgrid"], stream=f["stream"])
+                    bwarps=f["bwarps"], bgrid=f["bgrid"])
 
 
 def parse_tiles(text: str, source: str = "tiles") -> None:

@@ -201,21 +201,15 @@ def wire_load_raw(base, row_off, h0, rmask, H: tl.constexpr, BH: tl.constexpr, W
 
 
 @triton.jit
-def wire_store_raw(q, sc, h0, q_ptr, s_ptr, dst_rows, dmask, H: tl.constexpr, BH: tl.constexpr, WIRE: tl.constexpr,
-                   STREAM: tl.constexpr = False):
+def wire_store_raw(q, sc, h0, q_ptr, s_ptr, dst_rows, dmask, H: tl.constexpr, BH: tl.constexpr, WIRE: tl.constexpr):
     """Store a tile from :func:`wire_load_raw` to rows ``dst_rows`` (``dmask``) of ``q_ptr`` (uint8
-    ``[R, H*bits/8]``) and ``s_ptr`` (``[R, H/block]`` scales); ``STREAM``: with the streaming cache hint (``.cs``)."""
+    ``[R, H*bits/8]``) and ``s_ptr`` (``[R, H/block]`` scales)."""
     hb = h0 * WIRE.pay_mul // WIRE.pay_div + tl.arange(0, BH * WIRE.pay_mul // WIRE.pay_div)
     HB: tl.constexpr = H * WIRE.pay_mul // WIRE.pay_div
-    qp = q_ptr + dst_rows[:, None].to(tl.int64) * HB + hb[None, :]
+    tl.store(q_ptr + dst_rows[:, None].to(tl.int64) * HB + hb[None, :], q, mask=dmask[:, None] & (hb < HB)[None, :])
     g = h0 // WIRE.block + tl.arange(0, BH // WIRE.block)
-    sp = s_ptr + dst_rows[:, None].to(tl.int64) * (H // WIRE.block) + g[None, :]
-    if STREAM:
-        tl.store(qp, q, mask=dmask[:, None] & (hb < HB)[None, :], cache_modifier=".cs")
-        tl.store(sp, sc, mask=dmask[:, None] & (g < H // WIRE.block)[None, :], cache_modifier=".cs")
-    else:
-        tl.store(qp, q, mask=dmask[:, None] & (hb < HB)[None, :])
-        tl.store(sp, sc, mask=dmask[:, None] & (g < H // WIRE.block)[None, :])
+    tl.store(s_ptr + dst_rows[:, None].to(tl.int64) * (H // WIRE.block) + g[None, :], sc,
+             mask=dmask[:, None] & (g < H // WIRE.block)[None, :])
 
 
 @triton.jit

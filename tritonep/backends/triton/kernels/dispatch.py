@@ -222,13 +222,11 @@ def source_raw(src, t, has, io, row_off, h0, tile, POW2: tl.constexpr = False):
 
 @triton.jit
 def expand_item(src, c, Ts, skip, io, tile, SCALE: tl.constexpr, DOT: tl.constexpr, KEEP_HANDLE: tl.constexpr,
-                KEEP_Q: tl.constexpr, PF: tl.constexpr, POW2: tl.constexpr = False, STREAM: tl.constexpr = False):
+                KEEP_Q: tl.constexpr, PF: tl.constexpr, POW2: tl.constexpr = False):
     """Expand chunk ``c`` of source ``src`` (``Ts`` tokens there) of :class:`ExpandIO` ``io`` from the staging (raw
     wire, own rank: from ``io.x_ptr``, see :func:`source_tile`) into the expert rows (see
     :func:`dispatch_expand_kernel`). ``PF``: load the next hidden tile's source rows before storing the current one
-    (its latency then overlaps the K stores); ``POW2``: the sender's scale rule (own-rank rows are encoded here);
-    ``STREAM``: the expert rows are stored with the streaming cache hint (``.cs``: written once, not read again by
-    this kernel; the same bits, ``KernelTiles.stream``)."""
+    (its latency then overlaps the K stores); ``POW2``: the sender's scale rule (own-rank rows are encoded here)."""
     t, k_off, h_off, tm, m2 = chunk_index(c, Ts, tile)
     off = (src * io.Tmax + t[:, None]).to(tl.int64) * tile.K + k_off[None, :]
     rows = tl.load(io.meta_ptr + off, mask=m2, other=-1)
@@ -262,16 +260,10 @@ def expand_item(src, c, Ts, skip, io, tile, SCALE: tl.constexpr, DOT: tl.constex
             mk = (rk >= 0)[:, None] & hm[None, :]
             dst = io.out_ptr + rk[:, None].to(tl.int64) * tile.H + h[None, :]
             if KEEP_Q:
-                wire_store_raw(qt, st, h0, io.q_ptr, io.s_ptr, rk, rk >= 0, tile.H, tile.BH, tile.WIRE, STREAM)
+                wire_store_raw(qt, st, h0, io.q_ptr, io.s_ptr, rk, rk >= 0, tile.H, tile.BH, tile.WIRE)
             elif SCALE:
                 wk = tl.sum(tl.where(k_off[None, :] == k, w, 0.0), 1)
-                if STREAM:
-                    tl.store(dst, cast_rne(widen(xt) * wk[:, None], io.out_ptr.dtype.element_ty), mask=mk,
-                             cache_modifier=".cs")
-                else:
-                    tl.store(dst, cast_rne(widen(xt) * wk[:, None], io.out_ptr.dtype.element_ty), mask=mk)
-            elif STREAM:
-                tl.store(dst, wire_to(xt, io.out_ptr.dtype.element_ty), mask=mk, cache_modifier=".cs")
+                tl.store(dst, cast_rne(widen(xt) * wk[:, None], io.out_ptr.dtype.element_ty), mask=mk)
             else:
                 tl.store(dst, wire_to(xt, io.out_ptr.dtype.element_ty), mask=mk)
             if DOT:
@@ -422,7 +414,7 @@ def dispatch_expand_kernel(x_ptr, stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_pt
                            KEEP_HANDLE: tl.constexpr, HAS_TIMER: tl.constexpr, RB: tl.constexpr = 0,
                            WIRE: tl.constexpr = RAW_BF16, KEEP_Q: tl.constexpr = False, q_ptr=None, s_ptr=None,
                            PF: tl.constexpr = False, ADV: tl.constexpr = 0, nrows=0, GA: tl.constexpr = 0,
-                           POW2: tl.constexpr = False, STREAM: tl.constexpr = False):
+                           POW2: tl.constexpr = False):
     """Receive side of a dispatch: wait for every source, scatter staged rows into the expert-grouped output.
 
     ``x_ptr``: the ``[T, H]`` input the send kernel of this call read on this rank (``x`` forward, ``grad_y`` for
@@ -468,7 +460,7 @@ def dispatch_expand_kernel(x_ptr, stage_ptr, meta_ptr, wts_ptr, ntok_ptr, out_pt
         c = item % NCmax
         Ts = tl.load(ntok_ptr + src)
         if c * BT < Ts:
-            expand_item(src, c, Ts, skip, io, tile, SCALE, DOT, KEEP_HANDLE, KEEP_Q, PF, POW2, STREAM)
+            expand_item(src, c, Ts, skip, io, tile, SCALE, DOT, KEEP_HANDLE, KEEP_Q, PF, POW2)
     if DOT:
         zero_unwritten(pid, G, skip, nrows, out_ptr, gw_ptr, ntpe_ptr, offs_ptr, tile, L, A, refused)
         if refused != 0:

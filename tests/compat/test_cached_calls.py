@@ -10,8 +10,10 @@ goes"): a warm Buffer must give what a fresh one gives for the same call.
   inputs: int32 then int64 ids, non-contiguous ``x`` / ``topk_idx`` / ``topk_weights``, caller-quantized rows after
   bf16 ones, a rank with no tokens, a capacity growth and back to the first T (the entries are dropped and remade),
   a handle from before the growth combined after it; combines with and without ``topk_weights`` over handles of
-  more, then fewer, then more rows (the kept weights buffer zeroed only where an earlier, longer call wrote). Every
-  result against DeepEP's semantics as plain loops (:mod:`tests.compat.deepep_reference`).
+  more, then fewer, then more rows (the kept weights buffer zeroed only where an earlier, longer call wrote: checked
+  on the buffer itself, its stale tail is never read back). Every result against DeepEP's semantics as plain loops
+  (:mod:`tests.compat.deepep_reference`). Mutation-checked: the kept entries keyed without T, or kept over a
+  capacity growth, or the weights buffer's tail left unzeroed, each fail.
 """
 
 import pytest
@@ -155,6 +157,9 @@ def _warm_calls(group, backend, meta_rows_max_tokens):
     for s, wts in ((a, True), (small, True), (a, False), (b, True), (wst, True), (small, True), (c, True),
                    (z, True), (wst, False), (a, True)):  # the weights buffer: more, fewer, more rows
         bad += _combine(buf, s, wts)
+        for _, wb, written, _ in buf._normal._wb.values():  # what a fresh zeroed buffer would hold past the weights
+            if wb[written:].any():  # written (rows past the received ones are not read back: not seen in y or w)
+                bad.append(f"{s['seed']}: the kept weights buffer is not zero past its first {written} weights")
     g = d(7, (70, 3))                                 # over the capacity: grown on both ranks, entries dropped
     a2 = d(8, (9, 7))                                 # the first T again, under the new capacity
     d(9, (9, 7), idx_dtype=torch.int32)

@@ -135,12 +135,12 @@ def test_refused_by_name():
 
 def _bad_input_on_one_rank(group):
     """Rank 1's input is refused: it raises InputError naming the value, rank 0 PeerInputError (PeerConfigError when
-    the bad value is x itself on a fresh Buffer: the rows lane's construction then fails everywhere); no row moved
-    and the next call pairs. Cases: lanes already made; a fresh Buffer whose first call is the bad one; the same with
-    a bad x."""
+    x itself has no row width to read on a fresh Buffer: the rows lane's construction then fails everywhere); no row
+    moved and the next call pairs. Cases: lanes already made; a fresh Buffer whose first call is the bad one; the
+    same with a float32 x (its width read: the peers' lane made); the same with a 1-D x."""
     rank, W = group.rank(), group.size()
     res = []
-    for fresh, bad_x in ((False, False), (True, False), (True, True)):
+    for fresh, bad_x in ((False, False), (True, False), (True, "float"), (True, "1-D")):
         buf = compat.Buffer(group, 0, 0, backend="nccl")
         x = torch.randn(4, 128).bfloat16()
         idx = torch.tensor([[0], [1], [2], [3]])
@@ -149,8 +149,9 @@ def _bad_input_on_one_rank(group):
         if not fresh:
             buf.dispatch(x, is_token_in_rank=itr, **args)
         bad = itr[:, :1] if rank == 1 and not bad_x else itr
-        res.append(refusal(lambda: buf.dispatch(x.float() if rank == 1 and bad_x else x, is_token_in_rank=bad, **args),
-                           "x must be bfloat16" if bad_x else "is_token_in_rank"))
+        xb = x if rank != 1 or not bad_x else x.float() if bad_x == "float" else x.reshape(-1)
+        res.append(refusal(lambda: buf.dispatch(xb, is_token_in_rank=bad, **args),
+                           {"float": "x must be bfloat16", "1-D": "x must be a 2-D"}.get(bad_x, "is_token_in_rank")))
         rx, _, _, counts, _, _ = buf.dispatch(x, is_token_in_rank=itr, **args)
         res.append(counts)
         buf.destroy()
@@ -159,8 +160,8 @@ def _bad_input_on_one_rank(group):
 
 def test_bad_input_on_one_rank_raises_everywhere():
     r0, r1 = run_cpu_world(2, _bad_input_on_one_rank)
-    assert r1 == ["own", [2, 2]] * 3
-    assert r0 == ["peer", [2, 2], "peer", [2, 2], "peer-config", [2, 2]]
+    assert r1 == ["own", [2, 2]] * 4
+    assert r0 == ["peer", [2, 2], "peer", [2, 2], "peer", [2, 2], "peer-config", [2, 2]]
 
 
 def _growth(group, backend):

@@ -27,7 +27,7 @@ import torch
 from ... import envs
 from ...errors import CapacityError, ConfigError, InputError, PeerInputError, TritonEPError
 from .handles import NormalHandle
-from .normal_checks import _ID_DTYPES, NormalChecks, _plain_dispatch, _plain_rows, _tensor
+from .normal_checks import _ID_DTYPES, NormalChecks, _plain_dispatch, _plain_rows, _tensor, _width
 from .normal_refusal import NormalRefusals, _synced
 from .packing import meta_rows_per_rank, meta_width, rank_slots, unpack_quantized
 
@@ -37,12 +37,6 @@ __all__ = ["NormalMode"]
 # count_columns: a few KiB of symmetric memory; a constant, so that every rank, a refused one included, makes the lane
 # alike whatever its num_experts); more experts per rank take the unpacking's read instead
 COUNT_COLUMNS = 1024
-
-
-def _width(x) -> int | None:
-    """The row width ``x`` would travel with (None when ``x`` is not a tensor or an ``(x_q, scales)`` pair)."""
-    t = x[0] if isinstance(x, tuple) and x else x
-    return t.shape[1] if isinstance(t, torch.Tensor) and t.dim() == 2 else None
 
 
 def _new_input(lane) -> torch.Tensor:

@@ -30,6 +30,13 @@ def _tensor(v, name: str, dims: int, dtypes=None) -> torch.Tensor:
     return v
 
 
+def _width(x) -> int | None:
+    """The row width ``x`` would travel with (None when ``x`` is not a 2-D tensor or an ``(x_q, scales)`` pair whose
+    ``x_q`` is one)."""
+    t = x[0] if isinstance(x, tuple) and x else x
+    return t.shape[1] if isinstance(t, torch.Tensor) and t.dim() == 2 else None
+
+
 def _plain_dispatch(x, itr, per_rank, per_expert, topk_idx, topk_weights, worst, alignment, W: int):
     """``(x contiguous, T, E, K, device, row width)`` of a fresh dispatch whose arguments pass every check of
     :meth:`NormalChecks._checked` as a bf16 ``x`` with top-k (the common call), tested in one expression; None for any
@@ -110,8 +117,21 @@ class NormalChecks:
                     if t is not None and t.device != dev:
                         raise InputError(f"{name} is on {t.device}, x on {dev}")
         except TritonEPError as e:
-            self._refuse(e, spec, bool(worst) if isinstance(worst, int) else False, k_part)
+            spec = self._part_spec(x, worst, k_part)
+            self._refuse(e, spec, bool(spec[1]), k_part)
         return payload, T, E, K, dev, width, quant, spec
+
+    def _part_spec(self, x, worst, k_part):
+        """``(row width, num_worst_tokens, K)`` of the lane a refused dispatch takes part in: each as this call passed
+        it where it can be read (the width of a 2-D ``x`` or ``x_q``, a valid ``num_worst_tokens``, ``k_part``: see
+        :meth:`_k_part`), else the latest dispatch's (the peers' most likely), else 0 (a fresh Buffer: a width 0
+        makes the lane's construction fail on every rank). Not the latest dispatch's alone: a call whose width,
+        ``num_worst_tokens`` or K differs from it runs on another lane, and taking part in that one would leave the
+        peers waiting (a timeout on every rank)."""
+        last = self._last_spec or (0, 0, 0)
+        width = _width(x)
+        valid = isinstance(worst, int) and not isinstance(worst, bool) and worst >= 0
+        return (last[0] if width is None else width, worst if valid else last[1], k_part)
 
     def _payload(self, x):
         """``x`` -> (bf16 rows to send, their width, None or (x dtype, scale dtype, scales per row))."""

@@ -3,8 +3,8 @@
 # caches on one H100 / H200. Run from the repository root on the GPU machine:
 #   bash scripts/gpu.sh SUITE [SUITE ...]
 # Suites (limits in seconds are each step's own; measured times in docs/gpu.md):
-#   single   world-1 GPU tests (one process, one GPU)                                      limit 300
-#   mps2     every multi-rank GPU test at W=2, ranks sharing the GPU under MPS             limit 400
+#   single   world-1 GPU tests (one process, one GPU)                                      limit 360
+#   mps2     every multi-rank GPU test at W=2, ranks sharing the GPU under MPS             limit 480
 #   mps4     every multi-rank GPU test at W=4 under MPS                                     limit 480
 #   ts2/ts4  the same, time-sliced (no MPS)                                                 limit 500 / 520
 #   soak     the 1000-replay CUDA-graph soaks at W=2 under MPS                              limit 150
@@ -118,8 +118,8 @@ nvidia-smi -L
 command -v nvidia-cuda-mps-control >/dev/null || echo "nvidia-cuda-mps-control not found: the MPS suites will fail"
 for suite in "$@"; do
     case "$suite" in
-        single) step single 300 "${PYTEST[@]}" -m "gpu and (not world or world1) and not soak and not caps" --timeout 200 ;;
-        mps2) step mps2 400 "${PYTEST[@]}" -m "gpu and world and not world1 and not soak and not caps" --gpu-world-sizes 2 \
+        single) step single 360 "${PYTEST[@]}" -m "gpu and (not world or world1) and not soak and not caps" --timeout 200 ;;
+        mps2) step mps2 480 "${PYTEST[@]}" -m "gpu and world and not world1 and not soak and not caps" --gpu-world-sizes 2 \
                   --gpu-mps on --timeout 120 --maxfail 4 ;;
         mps4) step mps4 480 "${PYTEST[@]}" -m "gpu and anyworld and not soak and not caps" --gpu-world-sizes 4 --gpu-mps on \
                   --timeout 120 --maxfail 4 ;;
@@ -128,7 +128,7 @@ for suite in "$@"; do
         ts4) step ts4 520 "${PYTEST[@]}" -m "gpu and anyworld and not soak and not caps" --gpu-world-sizes 4 --timeout 200 \
                  --maxfail 8 ;;
         soak) step soak 150 "${PYTEST[@]}" -m "gpu and soak" --gpu-world-sizes 2 --gpu-mps on --timeout 140 ;;
-        suite1) TAIL=4 step single 300 "${PYTEST[@]}" -m "gpu and (not world or world1) and not soak and not caps \
+        suite1) TAIL=4 step single 360 "${PYTEST[@]}" -m "gpu and (not world or world1) and not soak and not caps \
                     and not alone" --timeout 200 &
                 beside=$!
                 step mps2 470 "${PYTEST[@]}" -m "gpu and world and not world1 and not soak and not caps" \

@@ -40,6 +40,19 @@ from .meta import _last_program, _publish
 __all__ = ["copy_rows_kernel", "pack_rows_kernel", "unpack_rows_kernel"]
 
 
+@triton.jit
+def _copy_rows(src_ptr, dst_ptr, t64, tm, H: tl.constexpr, BH: tl.constexpr):
+    """Rows ``t64`` (int64, masked by ``tm``) of ``src [*, H]`` into the same rows of ``dst [*, H]``, 2-byte elements
+    moved as int16 bits, ``BH`` columns a step."""
+    xs = src_ptr.to(tl.pointer_type(tl.int16))
+    xd = dst_ptr.to(tl.pointer_type(tl.int16))
+    hh = tl.arange(0, BH)
+    for h0 in range(0, H, BH):
+        h = h0 + hh
+        m = tm[:, None] & (h < H)[None, :]
+        tl.store(xd + t64[:, None] * H + h[None, :], tl.load(xs + t64[:, None] * H + h[None, :], mask=m), mask=m)
+
+
 @triton.jit(do_not_specialize=["T"])
 def pack_rows_kernel(x_ptr, in_rank_ptr, ids_ptr, w_ptr, T, xin_ptr, slots_ptr, H: tl.constexpr, BH: tl.constexpr,
                      W: tl.constexpr, WB: tl.constexpr, K: tl.constexpr, KB: tl.constexpr, L: tl.constexpr,
@@ -58,14 +71,7 @@ def pack_rows_kernel(x_ptr, in_rank_ptr, ids_ptr, w_ptr, T, xin_ptr, slots_ptr, 
     mw = tm[:, None] & wm[None, :]
     hit = (tl.load(in_rank_ptr + t64[:, None] * W + ww[None, :], mask=mw, other=0) != 0).to(tl.int32)
     tl.store(slots_ptr + t64[:, None] * W + ww[None, :], tl.where(hit != 0, 2 * ww[None, :], -1), mask=mw)
-    # the token rows, as int16 bits
-    xs = x_ptr.to(tl.pointer_type(tl.int16))
-    xd = xin_ptr.to(tl.pointer_type(tl.int16))
-    hh = tl.arange(0, BH)
-    for h0 in range(0, H, BH):
-        h = h0 + hh
-        m = tm[:, None] & (h < H)[None, :]
-        tl.store(xd + t64[:, None] * H + h[None, :], tl.load(xs + t64[:, None] * H + h[None, :], mask=m), mask=m)
+    _copy_rows(x_ptr, xin_ptr, t64, tm, H, BH)  # the token rows, as int16 bits
     # this tile's tokens' position among the tokens each rank receives: earlier tiles' count + the exclusive prefix
     carry = tl.zeros((WB,), tl.int32)
     cc = tl.arange(0, CH)
@@ -115,15 +121,7 @@ def copy_rows_kernel(src_ptr, dst_ptr, N, H: tl.constexpr, BT: tl.constexpr, BH:
     """``dst[:N] = src`` bit for bit: ``src [N, H]`` and ``dst [>= N, H]`` contiguous, 2-byte elements (moved as
     int16). One program per ``BT`` rows, ``BH`` columns a step."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
-    t64 = t.to(tl.int64)
-    tm = t < N
-    xs = src_ptr.to(tl.pointer_type(tl.int16))
-    xd = dst_ptr.to(tl.pointer_type(tl.int16))
-    hh = tl.arange(0, BH)
-    for h0 in range(0, H, BH):
-        h = h0 + hh
-        m = tm[:, None] & (h < H)[None, :]
-        tl.store(xd + t64[:, None] * H + h[None, :], tl.load(xs + t64[:, None] * H + h[None, :], mask=m), mask=m)
+    _copy_rows(src_ptr, dst_ptr, t.to(tl.int64), t < N, H, BH)
 
 
 @triton.jit(do_not_specialize=["R", "ticket"])

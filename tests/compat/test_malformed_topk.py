@@ -94,3 +94,31 @@ def test_unknown_topk_width_after_a_dispatch_without_topk(backend, earlier_topk,
     c0, c1 = [4, 4, 4, 4], [2, 2, 2, 2]
     assert r1 == ["own", c1] or (worst and r1 == ["own", "peer-later", c1]), r1
     assert r0 == ["peer" if earlier_topk else "peer-config", c0], r0
+
+
+def _width_zero(group, backend, worst):
+    """A dispatch of top-k width 0 (``topk_idx`` / ``topk_weights`` ``[T, 0]``), its combine with the received
+    weights, then a dispatch of width K on the same Buffer: what each returned."""
+    rank, buf, x, idx, w, args = _setup(group, backend)
+    idx0, w0 = idx[:, :0], w[:, :0]
+    n, _, nte, itr, _ = buf.get_dispatch_layout(idx0, 8)
+    rx, ridx, rw, counts, h, _ = buf.dispatch(x, topk_idx=idx0, topk_weights=w0, num_tokens_per_rank=n,
+                                              is_token_in_rank=itr, num_tokens_per_expert=nte, num_worst_tokens=worst)
+    y, yw, _ = buf.combine(rx, h, topk_weights=rw)
+    got = [tuple(rx.shape), ridx.dtype, tuple(ridx.shape), rw.dtype, tuple(rw.shape), counts, tuple(y.shape),
+           yw.dtype, tuple(yw.shape), bool((y == 0).all())]
+    return got + _next_counts(buf, x, idx, w, args)
+
+
+@pytest.mark.parametrize("backend", ["nccl", "triton"])
+@pytest.mark.parametrize("worst", [0, 2 * T])
+def test_topk_width_zero(backend, worst):
+    """DeepEP's top-k width 0 (every token routed nowhere): ``recv_topk_idx`` / ``recv_topk_weights`` are ``[R, 0]``
+    tensors (the ids' dtype, float32), not None, the counts zero (none with ``num_worst_tokens``: DeepEP's empty
+    list), and the combine of those weights returns ``[T, 0]`` float32 weights and zero rows; then a dispatch of
+    width K pairs on the same Buffer."""
+    r0, r1 = run_cpu_world(2, _width_zero, backend, worst, timeout_s=300)
+    R = worst  # no token goes to any rank: no row, or the num_worst_tokens rows
+    for r, c in ((r0, [4, 4, 4, 4]), (r1, [2, 2, 2, 2])):
+        assert r == [(R, 128), torch.int64, (R, 0), torch.float32, (R, 0), [] if worst else [0, 0, 0, 0], (T, 128),
+                     torch.float32, (T, 0), True, c], r

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import torch
 
-
 __all__ = ["DecodePath"]
 
 

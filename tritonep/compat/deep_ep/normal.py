@@ -340,6 +340,9 @@ class NormalMode(NormalRefusals, NormalChecks):
             counts = hist[1:] if sums is None else sums[:]
         else:  # no ids travelled: DeepEP's list is the group's sum of num_tokens_per_expert (one all_reduce)
             counts = self._group_counts(num_tokens_per_expert)
+        if topk_idx is not None and not K:  # DeepEP's top-k width 0: ids and weights [R, 0], not None
+            recv_idx = torch.empty(R, 0, dtype=topk_idx.dtype, device=rows.device)
+            recv_w = torch.empty(R, 0, dtype=torch.float32, device=rows.device)
         if expert_alignment > 1:
             a = expert_alignment
             counts = [(c + a - 1) // a * a for c in counts]
@@ -421,7 +424,9 @@ class NormalMode(NormalRefusals, NormalChecks):
         if h.meta_rows:
             y = y[:T]
         w = meta = None
-        if topk_weights is not None:
+        if topk_weights is not None and not h.topk:  # top-k width 0 (the check passed [rows, 0]): [T, 0]
+            w = torch.empty(T, 0, dtype=torch.float32, device=y.device)
+        elif topk_weights is not None:
             K = h.topk
             if h.meta_rows:  # the top-k came as meta rows: a meta lane routed like the rows lane takes the weights
                 # back (its dispatch moves no payload: 16-byte rows)

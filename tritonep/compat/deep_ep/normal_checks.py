@@ -174,9 +174,9 @@ class NormalChecks:
             if topk_weights is not None:
                 _tensor(topk_weights, "topk_weights", 2, (torch.float32,))
                 K = h.topk
-                if not K or tuple(topk_weights.shape) != (h.num_rows, K):
-                    raise InputError(f"combine(topk_weights {tuple(topk_weights.shape)}) needs a dispatch that "
-                                     f"carried top-k and one weight row per received row: [{h.num_rows}, {K}]")
+                if tuple(topk_weights.shape) != (h.num_rows, K):  # K = 0: no top-k, or DeepEP's width 0
+                    raise InputError(f"combine(topk_weights {tuple(topk_weights.shape)}) needs one weight row of the "
+                                     f"dispatch's top-k width per received row: [{h.num_rows}, {K}]")
             biases = ()
             if bias is not None:
                 biases = [b for b in (bias if isinstance(bias, tuple) else (bias,)) if b is not None]

@@ -14,8 +14,9 @@ flag, so every rank raises and the Buffer stays usable. Checked on the last rank
   dispatch raises PeerInputError;
 - ``low_latency_combine`` with x of the wrong shape (EPBuffer's refused dispatch backward:
   ``cancel_dispatch_backward``; NaN on the peers, on the nccl backend for every token with an expert on the refused
-  rank, the others exact) and ``low_latency_dispatch`` with an argument refused by the Buffer itself (no rows on the
-  peers): ``check()`` raises PeerInputError naming the rank on every rank.
+  rank, the others exact), ``low_latency_dispatch`` with an argument refused by the Buffer itself, and with x of the
+  wrong dtype on the lane's first call or on a new M (the lane is named by the shapes; no rows on the peers):
+  ``check()`` raises PeerInputError naming the rank on every rank.
 
 After each, a full round trip gives the right result on every rank. The CPU world checks that every rank ran the
 same launches and collectives. The top-k travels as meta rows of the rows lane at these sizes (a combine of
@@ -169,6 +170,13 @@ def _ll_world(group, backend, how):
         out["call"] = _verdict(lambda: buf.low_latency_dispatch(x, idx, M, E, use_fp8=False,
                                                                 async_finish=rank == bad_rank,
                                                                 return_recv_hook=rank == bad_rank))
+    elif how in ("dtype_first", "dtype_new_m"):  # x float32: refused before its lane is known from the dtypes
+        Mc = M
+        if how == "dtype_new_m":
+            buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+            Mc = 2 * M
+        xb = x.float() if rank == bad_rank else x
+        out["call"] = _verdict(lambda: buf.low_latency_dispatch(xb, idx, Mc, E, use_fp8=False))
     else:
         rx, count, h, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
         bad = rx[:, :-1] if rank == bad_rank else rx
@@ -205,7 +213,7 @@ def assert_ll(res, backend, how):
 
 
 @pytest.mark.parametrize("backend", ["triton", "nccl"])
-@pytest.mark.parametrize("how", ["combine", "dispatch"])
+@pytest.mark.parametrize("how", ["combine", "dispatch", "dtype_first", "dtype_new_m"])
 @pytest.mark.parametrize("W", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_refused_low_latency_call_takes_part(backend, how, W):
     assert_ll(run_cpu_world(W, _ll_world, backend, how, timeout_s=180), backend, how)

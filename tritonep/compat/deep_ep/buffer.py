@@ -406,8 +406,8 @@ class Buffer:
                                                         use_ue8m0, refused)
         hook = None
         if return_recv_hook:
-            def hook():
-                with torch.no_grad():
+            def hook():  # inference mode: the outputs may have been made inside it and the hook run outside
+                with torch.inference_mode():  # (an in-place write to a normal tensor is allowed in it too)
                     receive()
         else:
             with torch.no_grad():
@@ -453,8 +453,8 @@ class Buffer:
             y, reduce = self._ll.combine(x, topk_idx, topk_weights, handle, zero_copy, out, refused)
         hook = None
         if return_recv_hook:
-            def hook():
-                with torch.no_grad():
+            def hook():  # inference mode: the outputs may have been made inside it and the hook run outside
+                with torch.inference_mode():  # (an in-place write to a normal tensor is allowed in it too)
                     reduce()
         else:
             with torch.no_grad():

@@ -120,6 +120,12 @@ class LowLatencyMode:
         found in the call's other arguments (raised after taking part, as any refusal here)."""
         key = None
         try:
+            if isinstance(x, torch.Tensor) and x.dim() == 2 and isinstance(topk_idx, torch.Tensor) \
+                    and topk_idx.dim() == 2 and topk_idx.shape[1] >= 1 \
+                    and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (M, E)):
+                # the lane the peers' call runs on, known from the shapes alone: a refusal of the dtypes below
+                # takes part there too (also on the first call of this lane, or after M changed)
+                key = ("ll", M, x.shape[1], E, topk_idx.shape[1])
             if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != torch.bfloat16:
                 raise InputError(f"x must be a 2-D bfloat16 tensor, got "
                                  f"{(x.dtype, tuple(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__}")
@@ -166,7 +172,11 @@ class LowLatencyMode:
         self.lanes.unread(lane)  # nothing read: the next synced call or check() reads its status
         ntpe = out.num_tokens_per_expert
         if stats is not None:
-            stats.add_(ntpe)
+            if stats.is_inference() and not torch.is_inference_mode_enabled():
+                with torch.inference_mode():  # stats made inside inference mode, this call outside it
+                    stats.add_(ntpe)
+            else:
+                stats.add_(ntpe)
         WM = self.W * M
         seg, pos = expert_slots(out.expert_offsets, ntpe, out.x.shape[0], WM)
         dev = x.device

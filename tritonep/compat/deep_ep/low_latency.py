@@ -138,7 +138,6 @@ class LowLatencyMode:
                     raise InputError(f"{name}={v!r} must be a positive int")
             if K < 1:
                 raise InputError("topk_idx needs at least one column")
-            key = ("ll", M, H, E, K)
             if E % self.W:
                 raise InputError(f"num_experts={E} is not a multiple of the group size {self.W}")
             if H % 128:

@@ -30,6 +30,7 @@ More processes than GPUs (``LOCAL_WORLD_SIZE`` > GPUs), e.g. developing on one G
 import os
 
 import torch
+import torch._dynamo  # noqa: F401  (before init_process_group: see below)
 import torch.distributed as dist
 
 import tritonep as tep
@@ -102,6 +103,10 @@ if __name__ == "__main__":
         main(dist.group.WORLD)
         dist.barrier()  # no rank tears its group down while a peer still talks to it
         dist.destroy_process_group()
+    # torch._dynamo is imported above, before the group exists: torch's custom ops (the MoE layer's) import it on their
+    # first call, and that import (torch.distributed.nn.functional) binds the default group into default arguments
+    # (torch 2.11-2.13), which then keep it alive past destroy_process_group until the interpreter exits, where
+    # destroying a gloo group can abort the process ("terminate called without an active exception")
     elif "LOCAL_RANK" in os.environ:  # torchrun without a GPU: a gloo group and the nccl backend (below)
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before tritonep's kernels are imported (main imports them)
         dist.init_process_group("gloo")

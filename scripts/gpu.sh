@@ -8,11 +8,11 @@
 #   mps4     every multi-rank GPU test at W=4 under MPS                                     limit 480
 #   ts2/ts4  the same, time-sliced (no MPS)                                                 limit 500 / 520
 #   soak     the 1000-replay CUDA-graph soaks at W=2 under MPS                              limit 150
-#   suite1   the whole GPU suite's first command: `single` (one process, no MPS) running beside `mps2` then `soak`
-#            (the ranks' private MPS daemon): compiles are CPU-bound and the machine has 16 cores; then the tests
-#            marked `alone` (they measure the whole GPU's free memory), with nothing beside them        580 + 60 wall
+#   suite1   the whole GPU suite's first command: `single` (one process, no MPS) running beside `mps2` (the
+#            ranks' private MPS daemon): compiles are CPU-bound and the machine has 16 cores; then the tests
+#            marked `alone` (they measure the whole GPU's free memory), with nothing beside them         530 + 55
 #   suite2   its second command: `mps4` but the DeepEP-compatible Buffer's tests (they run at W = 1 and 2 in
-#            suite1, at W = 3, 4, 8 in the CPU worlds)                                                560
+#            suite1, at W = 3, 4, 8 in the CPU worlds), then `soak`                                   470 + 110
 #   runs2    `tritonep run` at W=2 under MPS: every layer; balance none / virtual, push / pull, bf16 / fp8
 #   runs4    the same at W=4 under MPS
 #   run2/run4  `tritonep run` at W=2 / W=4 under MPS, the default recipe only                   limit 150
@@ -131,15 +131,17 @@ for suite in "$@"; do
         suite1) TAIL=4 step single 360 "${PYTEST[@]}" -m "gpu and (not world or world1) and not soak and not caps \
                     and not alone" --timeout 200 &
                 beside=$!
-                step mps2 470 "${PYTEST[@]}" -m "gpu and world and not world1 and not soak and not caps" \
+                step mps2 530 "${PYTEST[@]}" -m "gpu and world and not world1 and not soak and not caps" \
                     --gpu-world-sizes 2 --gpu-mps on --timeout 120 --maxfail 4
                 stop_leftover_mps
-                step soak 110 "${PYTEST[@]}" -m "gpu and soak" --gpu-world-sizes 2 --gpu-mps on --timeout 100
                 wait "$beside"
-                step alone 60 "${PYTEST[@]}" -m "gpu and alone" --timeout 50  # nothing beside it now
+                step alone 55 "${PYTEST[@]}" -m "gpu and alone" --timeout 50  # nothing beside it now
                 pack ;;
-        suite2) step mps4 560 "${PYTEST[@]}" -m "gpu and anyworld and not soak and not caps" --gpu-world-sizes 4 \
-                    --gpu-mps on --timeout 120 --maxfail 4 --ignore=tests/compat ;;  # compat: W = 1 and 2 (suite1)
+        suite2) step mps4 470 "${PYTEST[@]}" -m "gpu and anyworld and not soak and not caps" --gpu-world-sizes 4 \
+                    --gpu-mps on --timeout 120 --maxfail 4 --ignore=tests/compat  # compat: W = 1 and 2 (suite1)
+                stop_leftover_mps
+                step soak 110 "${PYTEST[@]}" -m "gpu and soak" --gpu-world-sizes 2 --gpu-mps on --timeout 100
+                pack ;;
         run2) run_base 2 ;;
         run4) run_base 4 ;;
         runs2) run_matrix 2 ;;

@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -51,6 +52,34 @@ def test_torchrun_example_without_gpu_runs_on_gloo_with_the_nccl_backend():
     assert "Traceback" not in out and "ChildFailedError" not in out, out
     line = [ln for ln in stdout.splitlines() if ln.startswith("world 2 on cpu")]
     assert len(line) == 1 and "nccl backend" in line[0] and "backward done" in line[0], stdout
+
+
+@NO_GPU
+@pytest.mark.slow  # 4.5 s on 2 cores: CI's second step
+def test_torchrun_example_leaves_its_group_to_destroy_process_group(tmp_path):
+    """``examples/torchrun_moe.py``'s imports, in its order, then its ``main`` on a gloo group (world 1, the nccl
+    backend): afterwards nothing but torch's own registry holds the group, so ``destroy_process_group`` ends it
+    while the interpreter is alive. torch's custom ops import torch._dynamo on their first call, which binds the
+    default group into default arguments when the group exists already: the group then lived until the interpreter's
+    exit, where destroying a gloo group can abort the process (the example imports torch._dynamo first)."""
+    code = textwrap.dedent(f"""
+        import gc, os, sys
+        os.environ["TRITON_INTERPRET"] = "1"
+        sys.path.insert(0, {str(ROOT / "examples")!r})
+        import torchrun_moe as example
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method={"file://" + str(tmp_path / "store")!r}, rank=0, world_size=1)
+        group = dist.group.WORLD
+        before = sys.getrefcount(group)
+        example.main(group, backend="nccl")
+        gc.collect()
+        print("references", before, sys.getrefcount(group))
+        dist.destroy_process_group()
+    """)
+    rc, stdout, stderr = _run([sys.executable, "-c", code])
+    assert rc == 0, stdout + stderr
+    refs = [ln.split()[1:] for ln in stdout.splitlines() if ln.startswith("references")]
+    assert len(refs) == 1 and refs[0][0] == refs[0][1], stdout + stderr
 
 
 @NO_GPU

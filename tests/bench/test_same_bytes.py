@@ -42,22 +42,32 @@ def test_points_check_themselves_and_pair_with_tritonep_rows():
         return 10.0, "graph"
 
     made = same_bytes_points(row, x, idx, ["bf16", "fp8", "mxfp4"], time_fn)
-    assert [r["op"] for r in made] == ["torch.same_bytes.dispatch.bf16", "torch.same_bytes.dispatch.fp8.kept",
-                                       "torch.same_bytes.dispatch.mxfp4.kept", "torch.same_bytes.combine.bf16"]
-    assert all(r["checked"] for r in made) and len(timed) == 4
-    assert made[0]["moved_bytes"] == T * H * 2 + T * K * H * 2
+    assert [r["op"] for r in made] == [
+        "torch.same_bytes.dispatch.bf16", "torch.same_bytes.writes.dispatch.bf16",
+        "torch.same_bytes.dispatch.fp8.kept", "torch.same_bytes.writes.dispatch.fp8.kept",
+        "torch.same_bytes.dispatch.mxfp4.kept", "torch.same_bytes.writes.dispatch.mxfp4.kept",
+        "torch.same_bytes.combine.bf16"]
+    assert all(r["checked"] for r in made) and len(timed) == 7
+    assert made[0]["moved_bytes"] == T * H * 2 + T * K * H * 2 and made[1]["moved_bytes"] == T * K * H * 2
+    assert made[3]["moved_bytes"] == T * K * (H + H // 128 * 4)  # fp8 payload + fp32 scales of every route
     ours = [dict(profile="p", op=op, us=us, mode="graph", world_size=1) for op, us in
             (("tritonep.dispatch.bf16", 12.0), ("tritonep.dispatch.fp8.kept", 5.0), ("tritonep.dispatch.fp8", 30.0),
              ("tritonep.combine.push.bf16", 11.0))]
     lines = same_bytes_lines(made + ours)
     assert lines == [
         "p tritonep.dispatch.bf16 [table]: 1.20x the same bytes moved by torch (12 / 10 us, torch.same_bytes.dispatch.bf16)",
+        "p tritonep.dispatch.bf16 [table]: 1.20x torch's fill of its written bytes alone (12 / 10 us, "
+        "torch.same_bytes.writes.dispatch.bf16)",
         "p tritonep.dispatch.fp8.kept [table]: 0.50x the same bytes moved by torch (5 / 10 us, "
         "torch.same_bytes.dispatch.fp8.kept)",
+        "p tritonep.dispatch.fp8.kept [table]: 0.50x torch's fill of its written bytes alone (5 / 10 us, "
+        "torch.same_bytes.writes.dispatch.fp8.kept)",
         "p tritonep.combine.push.bf16 [table]: 1.10x the same bytes moved by torch (11 / 10 us, "
         "torch.same_bytes.combine.bf16)"]
     # a reference whose check failed prices nothing
     made[0]["checked"] = False
+    assert not any("dispatch.bf16 [" in ln and "moved by torch" in ln for ln in same_bytes_lines(made + ours))
+    made[1]["checked"] = False
     assert not any("dispatch.bf16 [" in ln for ln in same_bytes_lines(made + ours))
 
 
@@ -76,6 +86,23 @@ def test_a_wrong_gather_fails_its_check(monkeypatch):
     monkeypatch.setattr(sb.torch, "index_select", lambda t, d, i, out: out.zero_())  # a gather that writes zeros
     made = sb.same_bytes_points(row, x, idx, ["bf16"], lambda fn: (fn(), (1.0, "cpu"))[1])
     assert not made[0]["checked"] and "x" in made[0]["check_error"]
+    assert made[1]["op"] == "torch.same_bytes.writes.dispatch.bf16" and made[1]["checked"]
+
+
+def test_a_fill_that_misses_bytes_fails_its_check(monkeypatch):
+    """The writes reference is checked too: a fill that never ran (the zeroed rows) fails, the fill passes."""
+    import tritonep.bench.same_bytes as sb
+
+    rows = []
+
+    def row(name, us, mode, extra=None):
+        rows.append(dict(op=name, us=us, mode=mode, **(extra or {})))
+        return rows[-1]
+
+    outs = (torch.empty(6, 32, dtype=torch.bfloat16), torch.empty(6, 2, dtype=torch.float32))
+    assert sb._writes(row, "dispatch.x", outs, lambda fn: (fn(), (1.0, "cpu"))[1], 0, {})["checked"]
+    r = sb._writes(row, "dispatch.x", outs, lambda fn: (1.0, "cpu"), 0, {})  # the fill never ran
+    assert not r["checked"] and "out0" in r["check_error"]
 
 
 def _world1_rows(group):

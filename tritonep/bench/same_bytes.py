@@ -7,13 +7,16 @@ times torch's own kernels doing exactly that traffic on the same GPU, in the sam
 
 * dispatch (bf16, or rows kept quantized): ``torch.index_select`` of the token rows (payload, then scales) into one
   row per route in expert order -- the rows a world-1 dispatch writes, bit for bit;
+* the dispatch's writes alone: ``fill_`` of its output rows (payload and scales when kept) with one byte value --
+  the HBM write rate on this GPU (pure writes, sequential), a lower bound on any dispatch of these rows (it also
+  reads the tokens);
 * combine (bf16): ``torch.sum`` over each token's ``K`` expert rows, laid out token by token beforehand (contiguous
   reads, fp32 accumulation, one bf16 rounding; unweighted) -- the same bytes as the combine reads and writes, in an
   easier order.
 
 Every point checks its output (the gather against indexing on the host, bit for bit; the combine against an fp32
-reference within bf16 rounding). Rows carry ``op = "torch.same_bytes.<call>.<wire>[.kept]"`` and the byte counts of
-the tritonep row they price; :func:`same_bytes_lines` prints each tritonep world-1 graph row against its reference.
+reference within bf16 rounding). Rows carry ``op = "torch.same_bytes.[writes.]<call>.<wire>[.kept]"`` and the byte
+counts of the tritonep row they price; :func:`same_bytes_lines` prints each tritonep world-1 graph row against its reference.
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ def same_bytes_points(row, x: torch.Tensor, topk_idx: torch.Tensor, wires, time_
             made.append(mark_checked(row(f"torch.same_bytes.dispatch.{wire}", us, mode,
                                          dict(wire=wire, moved_bytes=T * H * 2 + R * H * 2)),
                                      compare_exact(dict(x=out.cpu()), dict(x=want)), rank))
+            made.append(_writes(row, f"dispatch.{wire}", (out,), time_fn, rank, dict(wire=wire, moved_bytes=R * H * 2)))
             continue
         q, s = fmt.quantize_torch(x)
         q, s = q.contiguous(), s.contiguous()
@@ -85,6 +89,7 @@ def same_bytes_points(row, x: torch.Tensor, topk_idx: torch.Tensor, wires, time_
                                      dict(wire=wire, moved_bytes=T * rb + R * rb)),
                                  compare_exact(dict(q=oq.cpu(), s=os_.cpu()),
                                                dict(q=q.cpu()[tok.cpu()], s=s.cpu()[tok.cpu()])), rank))
+        made.append(_writes(row, f"dispatch.{wire}.kept", (oq, os_), time_fn, rank, dict(wire=wire, moved_bytes=R * rb)))
     if R == T * K:  # every route valid: each token's K rows laid out token by token, summed
         rows = torch.randn(R, H, device=x.device).to(torch.bfloat16)
         inv = torch.empty_like(tok)
@@ -97,6 +102,23 @@ def same_bytes_points(row, x: torch.Tensor, topk_idx: torch.Tensor, wires, time_
                                      dict(wire="bf16", moved_bytes=R * H * 2 + T * H * 2)),
                                  compare_close("y", y, want, 2 ** -7), rank))
     return made
+
+
+def _writes(row, call: str, outs, time_fn, rank: int, extra: dict) -> dict:
+    """The dispatch's writes alone: every tensor of ``outs`` (its output rows: payload, scales) filled with the byte
+    0x5A by ``fill_`` on a uint8 view; checked: every byte holds it."""
+    flat = [o.view(torch.uint8) for o in outs]
+
+    def fill():
+        for f in flat:
+            f.fill_(0x5A)
+
+    for f in flat:
+        f.zero_()
+    us, mode = time_fn(fill)
+    got = {f"out{i}": f.cpu() for i, f in enumerate(flat)}
+    want = {f"out{i}": torch.full(f.shape, 0x5A, dtype=torch.uint8) for i, f in enumerate(flat)}
+    return mark_checked(row(f"torch.same_bytes.writes.{call}", us, mode, extra), compare_exact(got, want), rank)
 
 
 def same_bytes_lines(rows) -> list:
@@ -116,4 +138,8 @@ def same_bytes_lines(rows) -> list:
         if b:
             out.append(f"{r['profile']} {op} [{r.get('variant') or 'table'}]: {r['us'] / b['us']:.2f}x the same "
                        f"bytes moved by torch ({r['us']:.0f} / {b['us']:.0f} us, {b['op']})")
+        u = ref.get((r["profile"], f"writes.{key}")) if parts[1] == "dispatch" else None
+        if u:
+            out.append(f"{r['profile']} {op} [{r.get('variant') or 'table'}]: {r['us'] / u['us']:.2f}x torch's fill "
+                       f"of its written bytes alone ({r['us']:.0f} / {u['us']:.0f} us, {u['op']})")
     return out

@@ -79,7 +79,8 @@ def add_parser(sub):
                    help=f"wire format of dispatch (hidden must be a multiple of the wire's block: {blocks})")
     p.add_argument("--combine-wire", choices=list(WIRES), default="bf16",
                    help="wire format of the push combine (same hidden rules)")
-    p.add_argument("--combine", choices=["push", "pull"], default="push", help="combine kind")
+    p.add_argument("--combine", choices=["push", "pull"], default="push",
+                   help="combine kind (push: a quantized --combine-wire needs it; MoERecipe's own default is pull)")
     p.add_argument("--expert-alignment", type=int, default=1, help="row alignment of expert segments")
     p.add_argument("--no-check", action="store_true", help="skip the dense reference check (timing only)")
     p.add_argument("--json", default="", help="write per-layer results to this JSON file")

@@ -260,8 +260,9 @@ def test_quantized_rows_round_trip_bit_exact():
 def test_expert_slots_and_ue8m0():
     offs = torch.tensor([3, 3, 7], dtype=torch.int32)  # segments [0,3) [3,3) [3,7), rows 7.. past the end
     ntpe = torch.tensor([3, 0, 4], dtype=torch.int32)
-    seg, pos = expert_slots(offs, ntpe, 9, slots=3)  # expert 2 has 4 rows but 3 slots: its 4th goes nowhere
+    seg, pos, dropped = expert_slots(offs, ntpe, 9, slots=3)  # expert 2 has 4 rows but 3 slots: its 4th goes nowhere
     assert seg.tolist() == [0, 0, 0, 2, 2, 2, 3, 3, 3] and pos.tolist() == [0, 1, 2, 0, 1, 2, 0, 0, 0]
+    assert dropped.tolist() == [False] * 6 + [True] * 3
     s = torch.tensor([[2.0 ** -3, 1.0, 2.0 ** 5, 2.0 ** -126]])
     packed = ue8m0_pack(s)
     assert packed.dtype == torch.int32 and packed.shape == (1, 1)

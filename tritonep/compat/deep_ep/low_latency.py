@@ -33,10 +33,12 @@ _ID_DTYPES = (torch.int32, torch.int64)
 
 
 def expert_slots(expert_offsets: torch.Tensor, num_tokens_per_expert: torch.Tensor, num_rows: int, slots: int):
-    """Where each flat expert-grouped row goes in the padded layout: ``(seg, pos)`` int64 ``[num_rows]``.
+    """Where each flat expert-grouped row goes in the padded layout: ``(seg, pos, dropped)``, int64 ``[num_rows]``
+    twice and bool ``[num_rows]``.
 
     Row i of segment e (``[offs[e] - n[e], offs[e])``) goes to ``(e, i - start_e)``; rows past the last segment and
-    rows beyond ``slots`` in their expert go to ``(L, 0)`` (the spare expert the callers allocate). Device ops only.
+    rows beyond ``slots`` in their expert go to ``(L, 0)`` (the spare expert the callers allocate) and are
+    ``dropped``. Device ops only.
     """
     L = expert_offsets.shape[0]
     i = torch.arange(num_rows, device=expert_offsets.device)
@@ -45,7 +47,7 @@ def expert_slots(expert_offsets: torch.Tensor, num_tokens_per_expert: torch.Tens
     start = torch.cat([ends - num_tokens_per_expert.to(torch.int64), ends.new_zeros(1)])
     pos = i - start[seg]
     bad = (seg >= L) | (pos >= slots)
-    return torch.where(bad, L, seg), torch.where(bad, 0, pos)
+    return torch.where(bad, L, seg), torch.where(bad, 0, pos), bad
 
 
 def padded(num_experts_local: int, slots: int, tail: tuple, dtype, device, col_major: bool = False):
@@ -166,22 +168,30 @@ class LowLatencyMode:
         S = H // 128
         payload = x if not use_fp8 else pack_quantized(*quantize_fp8(x.contiguous(), pow2_scale=round_scale))
         tok = self._token_of(T * K, K, x.device)
-        out = lane.dispatch(payload.index_select(0, tok), topk_idx.reshape(T * K, 1),
+        # every negative id selects nothing, as DeepEP's kernels skip them (EPBuffer takes -1 only)
+        out = lane.dispatch(payload.index_select(0, tok), topk_idx.reshape(T * K, 1).clamp(min=-1),
                             tok.to(torch.float32).unsqueeze(1), sync_free=True)
         self.lanes.unread(lane)  # nothing read: the next synced call or check() reads its status
+        WM = self.W * M
         ntpe = out.num_tokens_per_expert
+        seg, pos, dropped = expert_slots(out.expert_offsets, ntpe, out.x.shape[0], WM)
+        # an expert's rows past its W*M slots (a source sending it more than M messages: outside DeepEP's contract)
+        # are dropped: counted nowhere, and the combine returns zeros for them (docs/deep_ep.md, "What differs")
+        recv_count = ntpe.clamp(max=WM)
         if stats is not None:
             if stats.is_inference() and not torch.is_inference_mode_enabled():
                 with torch.inference_mode():  # stats made inside inference mode, this call outside it
-                    stats.add_(ntpe)
+                    stats.add_(recv_count)
             else:
-                stats.add_(ntpe)
-        WM = self.W * M
-        seg, pos = expert_slots(out.expert_offsets, ntpe, out.x.shape[0], WM)
+                stats.add_(recv_count)
         dev = x.device
         si_full, src_info = padded(L, WM, (), torch.int32, dev)
-        c = out.handle.counts[:, self.rank * L:(self.rank + 1) * L].t().to(torch.int64)
-        layout_range = ((torch.cumsum(c, 1) - c) << 32) | c
+        # routes per (expert, source); none where the expert received nothing (a refused call's counts name rows
+        # that never arrived)
+        c = out.handle.counts[:, self.rank * L:(self.rank + 1) * L].t().to(torch.int64) * (ntpe > 0).unsqueeze(1)
+        ends = torch.cumsum(c, 1)
+        begin = (ends - c).clamp_(max=WM)
+        layout_range = (begin << 32) | (ends.clamp_(max=WM) - begin)
         if use_fp8:
             Sx = S // 4 if use_ue8m0 else S
             q_full, q = padded(L, WM, (H,), torch.float8_e4m3fn, dev)
@@ -202,8 +212,8 @@ class LowLatencyMode:
 
         gidx = seg.clamp(max=L - 1) * WM + pos  # flat row -> padded slot, for the combine's gather
         h = LowLatencyHandle(src_info, layout_range, M, H, E, owner=self.owner, lane=lane, ep_handle=out.handle,
-                             num_tokens=T, topk=K, gather_index=gidx)
-        return recv, ntpe, h, receive
+                             num_tokens=T, topk=K, gather_index=gidx, dropped=dropped.unsqueeze(1))
+        return recv, recv_count, h, receive
 
     def combine(self, x, topk_idx, topk_weights, h, zero_copy: bool, out, refused=None):
         """``low_latency_combine``'s exchange. Returns ``(combined_x, reduce)``: ``reduce()`` (the hook, or called at
@@ -247,6 +257,7 @@ class LowLatencyMode:
                 self.lanes.unread(lane)
             raise
         rows = src.view(L * WM, H).index_select(0, h.gather_index)
+        rows.masked_fill_(h.dropped, 0.0)  # rows that had no slot (and rows past the received ones) send zeros back
         back, _ = h.lane.dispatch_backward(rows, None, h.ep_handle)
         self.lanes.unread(h.lane)  # nothing read: the next synced call or check() reads its status
         y = out if out is not None else torch.empty(T, H, dtype=torch.bfloat16, device=src.device)

@@ -96,13 +96,14 @@ class LowLatencyHandle(tuple):
     Attributes (tritonep's): ``owner``, ``lane`` / ``ep_handle`` (the EPBuffer and its handle), ``num_tokens`` (T),
     ``topk`` (K), ``gather_index`` (int64 ``[R]``: the flat ``[L*W*M]`` slot of every row of the EPBuffer's
     expert-grouped layout; what the combine gathers), ``dropped`` (bool ``[R, 1]``: the rows that got no slot, or
-    none to get: their combine rows are zeros), ``combine_buffer`` (the tensor of
+    none to get: their combine rows are zeros), ``routes`` (the dispatch's ``topk_idx`` tensor, its version counter
+    then, and its ids as they were: int ``[T, K]``, negatives as -1), ``combine_buffer`` (the tensor of
     :meth:`Buffer.get_next_low_latency_combine_buffer`, made on request).
     """
 
     def __new__(cls, src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts, *, owner, lane,
-                ep_handle, num_tokens, topk, gather_index, dropped):
+                ep_handle, num_tokens, topk, gather_index, dropped, routes):
         h = tuple.__new__(cls, (src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts))
         h.__dict__.update(owner=owner, lane=lane, ep_handle=ep_handle, num_tokens=num_tokens, topk=topk,
-                          gather_index=gather_index, dropped=dropped, combine_buffer=None)
+                          gather_index=gather_index, dropped=dropped, routes=routes, combine_buffer=None)
         return h

@@ -74,6 +74,11 @@ def ue8m0_pack(scales: torch.Tensor) -> torch.Tensor:
     return e.contiguous().view(torch.int32)
 
 
+def _version(t: torch.Tensor):
+    """``t``'s version counter (bumped by every in-place edit); None for an inference tensor, which keeps none."""
+    return None if t.is_inference() else t._version
+
+
 class LowLatencyMode:
     """The low-latency calls of one compat Buffer."""
 
@@ -168,9 +173,10 @@ class LowLatencyMode:
         S = H // 128
         payload = x if not use_fp8 else pack_quantized(*quantize_fp8(x.contiguous(), pow2_scale=round_scale))
         tok = self._token_of(T * K, K, x.device)
-        # every negative id selects nothing, as DeepEP's kernels skip them (EPBuffer takes -1 only)
-        out = lane.dispatch(payload.index_select(0, tok), topk_idx.reshape(T * K, 1).clamp(min=-1),
-                            tok.to(torch.float32).unsqueeze(1), sync_free=True)
+        # every negative id selects nothing, as DeepEP's kernels skip them (EPBuffer takes -1 only); the clamped copy
+        # is also the dispatch's ids as they were, for a combine given other ids (LowLatencyHandle.routes)
+        ids = topk_idx.reshape(T * K, 1).clamp(min=-1)
+        out = lane.dispatch(payload.index_select(0, tok), ids, tok.to(torch.float32).unsqueeze(1), sync_free=True)
         self.lanes.unread(lane)  # nothing read: the next synced call or check() reads its status
         WM = self.W * M
         ntpe = out.num_tokens_per_expert
@@ -212,7 +218,8 @@ class LowLatencyMode:
 
         gidx = seg.clamp(max=L - 1) * WM + pos  # flat row -> padded slot, for the combine's gather
         h = LowLatencyHandle(src_info, layout_range, M, H, E, owner=self.owner, lane=lane, ep_handle=out.handle,
-                             num_tokens=T, topk=K, gather_index=gidx, dropped=dropped.unsqueeze(1))
+                             num_tokens=T, topk=K, gather_index=gidx, dropped=dropped.unsqueeze(1),
+                             routes=(topk_idx, _version(topk_idx), ids.view(T, K)))
         return recv, recv_count, h, receive
 
     def combine(self, x, topk_idx, topk_weights, h, zero_copy: bool, out, refused=None):
@@ -262,8 +269,16 @@ class LowLatencyMode:
         self.lanes.unread(h.lane)  # nothing read: the next synced call or check() reads its status
         y = out if out is not None else torch.empty(T, H, dtype=torch.bfloat16, device=src.device)
 
+        src_ids, version, ids = h.routes
+        # back row k is the dispatch's column k: the common call passes the dispatch's own ids tensor, unchanged, and
+        # its weight columns pair as they are; other ids (another tensor, or that one edited since) pair each weight
+        # with the column of the dispatch that named its expert, as DeepEP's combine reads slot (expert id, token)
+        same = topk_idx is src_ids and _version(topk_idx) == version
+
         def reduce():
             w = topk_weights.masked_fill(topk_idx < 0, 0.0)
+            if not same:
+                w = ((ids.unsqueeze(2) == topk_idx.unsqueeze(1)) * w.unsqueeze(1)).sum(2)
             y.copy_((back.view(T, K, H).float() * w.unsqueeze(2)).sum(1))
         return y, reduce
 

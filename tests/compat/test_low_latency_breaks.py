@@ -233,3 +233,99 @@ def _refused_layout_world(group, backend):
 def test_refused_dispatch_layout_range_is_empty(backend):
     for count, counts in run_cpu_world(2, _refused_layout_world, backend, timeout_s=120):
         assert count == [0, 0] and counts == count, (count, counts)
+
+
+def _repeated_copy_world(group, backend, num_experts):
+    """A token lists expert 0 twice (both rows within the slots); the combine gets the dispatch's own ids tensor, then
+    a copy of it (the same values, another tensor). DeepEP's combine reads slot (expert id, token) once per column:
+    ``w0 * f + w1 * f`` both times."""
+    import tritonep.compat.deep_ep as deep_ep
+    rank, W = group.rank(), group.size()
+    L = num_experts // W
+    buf = deep_ep.Buffer(group, 0, 0, low_latency_mode=True, backend=backend)
+    g = torch.Generator().manual_seed(111 + rank)
+    x = torch.randn(2, H, generator=g).bfloat16()
+    idx = torch.tensor([[0, 0], [1, num_experts - 1]])
+    w = torch.tensor([[0.25, 0.5], [0.75, 0.125]])
+    recv, count, h, _, _ = buf.low_latency_dispatch(x, idx, M, num_experts, use_fp8=False)
+    sim = torch.zeros(L, W * M, H, dtype=torch.bfloat16)
+    for j in range(L):
+        n = int(count[j])
+        sim[j, :n] = _f(recv[j, :n], rank * L + j)
+    ref = torch.zeros(2, H)
+    for t in range(2):
+        for k in range(K):
+            ref[t] += float(w[t, k]) * _f(x[t:t + 1], int(idx[t, k])).float()[0]
+    y_own, _, _ = buf.low_latency_combine(sim, idx, w, h)
+    y_copy, _, _ = buf.low_latency_combine(sim, idx.clone(), w, h)
+    buf.check()
+    buf.destroy()
+    return bool(torch.equal(y_own, ref.bfloat16())), bool(torch.equal(y_copy, ref.bfloat16()))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("backend", ["triton", "nccl"])
+def test_combine_with_copied_ids_reads_a_repeated_expert_once_per_column(backend, world):
+    """Equal ids in another tensor give the sum the dispatch's own tensor gives (``w0 + w1`` times the expert's row),
+    not each weight paired with both columns that name the expert (twice the sum)."""
+    res = run_cpu_world(world, _repeated_copy_world, backend, 2 * world, timeout_s=180)
+    assert res == [(True, True)] * world, res
+
+
+def _capacity_world(group, backend):
+    """K = 3 > L = 2: every token lists expert 0 twice and expert 1 once, on every rank: expert 0 gets 2*W*M messages
+    for its W*M slots, expert 1 W*M. docs/deep_ep.md ("What differs"): the first W*M of expert 0 are kept, the rest
+    dropped, no error."""
+    import tritonep.compat.deep_ep as deep_ep
+    rank, W = group.rank(), group.size()
+    buf = deep_ep.Buffer(group, 0, 0, low_latency_mode=True, backend=backend)
+    x = torch.randn(M, H, generator=torch.Generator().manual_seed(131 + rank)).bfloat16()
+    idx = torch.tensor([[0, 0, 1]] * M)
+    _, count, _, _, _ = buf.low_latency_dispatch(x, idx, M, 2 * W, use_fp8=False)
+    try:
+        buf.check()
+        chk = None
+    except Exception as e:  # noqa: BLE001 - the test reports what check() raised
+        chk = type(e).__name__
+    buf.destroy()
+    return count.tolist(), chk
+
+
+@pytest.mark.parametrize("backend", ["triton", "nccl"])
+def test_rows_past_the_slots_are_dropped_when_topk_exceeds_local_experts(backend):
+    res = run_cpu_world(2, _capacity_world, backend, timeout_s=120)
+    assert res == [([2 * M, 2 * M], None), ([0, 0], None)], res
+
+
+def _inference_inplace_world(group, backend):
+    """Everything in ``torch.inference_mode()`` (as a serving engine decodes): the dispatch's ids tensor has its columns
+    swapped in place after the dispatch and the combine gets it with the weights swapped to match (the same pairs of
+    expert and weight per token). docs/deep_ep.md: the dispatch's tensor edited in place since pairs each weight with
+    the column that named its expert, so the sum does not change."""
+    import tritonep.compat.deep_ep as deep_ep
+    rank, W = group.rank(), group.size()
+    L = E // W
+    buf = deep_ep.Buffer(group, 0, 0, low_latency_mode=True, backend=backend)
+    with torch.inference_mode():
+        x = torch.randn(3, H, generator=torch.Generator().manual_seed(151 + rank)).bfloat16()
+        idx = torch.tensor([[0, 3], [1, 2], [2, 0]])
+        w = torch.tensor([[0.25, 0.75], [0.5, 0.125], [1.0, 0.375]])
+        ref = torch.zeros(3, H)
+        for t in range(3):
+            for k in range(K):
+                ref[t] += float(w[t, k]) * _f(x[t:t + 1], int(idx[t, k])).float()[0]
+        recv, count, h, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+        sim = torch.zeros(L, W * M, H, dtype=torch.bfloat16)
+        for j in range(L):
+            n = int(count[j])
+            sim[j, :n] = _f(recv[j, :n], rank * L + j)
+        idx.copy_(idx[:, [1, 0]].clone())
+        y, _, _ = buf.low_latency_combine(sim, idx, w[:, [1, 0]].contiguous(), h)
+    buf.check()
+    buf.destroy()
+    return bool(torch.equal(y, ref.bfloat16()))
+
+
+@pytest.mark.parametrize("backend", ["triton", "nccl"])
+def test_inference_mode_ids_edited_in_place_pair_by_expert(backend):
+    assert run_cpu_world(2, _inference_inplace_world, backend, timeout_s=120) == [True, True]

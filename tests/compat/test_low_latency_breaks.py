@@ -273,9 +273,8 @@ def test_combine_with_copied_ids_reads_a_repeated_expert_once_per_column(backend
 
 
 def _capacity_world(group, backend):
-    """K = 3 > L = 2: every token lists expert 0 twice and expert 1 once, on every rank: expert 0 gets 2*W*M messages
-    for its W*M slots, expert 1 W*M. docs/deep_ep.md ("What differs"): the first W*M of expert 0 are kept, the rest
-    dropped, no error."""
+    """K = 3 > L = 2: every token lists expert 0 twice and expert 1 once, on every rank: rank 0 gets 3*W*M messages,
+    more than its receive capacity W*M*min(K, L) (the most a call within DeepEP's contract sends a rank)."""
     import tritonep.compat.deep_ep as deep_ep
     rank, W = group.rank(), group.size()
     buf = deep_ep.Buffer(group, 0, 0, low_latency_mode=True, backend=backend)
@@ -292,9 +291,12 @@ def _capacity_world(group, backend):
 
 
 @pytest.mark.parametrize("backend", ["triton", "nccl"])
-def test_rows_past_the_slots_are_dropped_when_topk_exceeds_local_experts(backend):
+def test_messages_past_a_ranks_capacity_refuse_the_call_loudly(backend):
+    """docs/deep_ep.md ("What differs"): where the repeated ids send a rank more messages than it can receive, the
+    call is refused on every rank (sync-free: no rows, recv_count 0) and check() raises CapacityError on every rank:
+    no partial result passes for one."""
     res = run_cpu_world(2, _capacity_world, backend, timeout_s=120)
-    assert res == [([2 * M, 2 * M], None), ([0, 0], None)], res
+    assert res == [([0, 0], "CapacityError")] * 2, res
 
 
 def _inference_inplace_world(group, backend):

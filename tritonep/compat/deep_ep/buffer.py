@@ -370,7 +370,8 @@ class Buffer:
 
         Args:
             x: ``[T, H]`` bfloat16, H a multiple of 128, T <= ``num_max_dispatch_tokens_per_rank`` (M, the same on
-                every rank). topk_idx: ``[T, K]`` int32/int64 (-1 = none; a token must not list an expert twice).
+                every rank). topk_idx: ``[T, K]`` int32/int64 (negative = none; a token should not list an expert
+                twice, as DeepEP's contract: docs/deep_ep.md "What differs" says what happens when it does).
             num_experts: E, a multiple of the group size.
             cumulative_local_expert_recv_stats: int32 ``[L]``, incremented by the rows each local expert received.
             use_fp8 / round_scale / use_ue8m0: fp8 e4m3 rows with one float32 scale per 128 elements (power-of-two

@@ -270,15 +270,17 @@ class LowLatencyMode:
         y = out if out is not None else torch.empty(T, H, dtype=torch.bfloat16, device=src.device)
 
         src_ids, version, ids = h.routes
-        # back row k is the dispatch's column k: the common call passes the dispatch's own ids tensor, unchanged, and
-        # its weight columns pair as they are; other ids (another tensor, or that one edited since) pair each weight
-        # with the column of the dispatch that named its expert, as DeepEP's combine reads slot (expert id, token)
-        same = topk_idx is src_ids and _version(topk_idx) == version
+        # back row k is the dispatch's column k: a call passing the dispatch's own ids tensor, unchanged since (its
+        # version counter; an inference tensor keeps none, so it never counts as unchanged), pairs its weight
+        # columns as they are; other ids pair each weight with the first column of the dispatch that named its
+        # expert, as DeepEP's combine reads slot (expert id, token) once per column
+        same = version is not None and topk_idx is src_ids and _version(topk_idx) == version
 
         def reduce():
             w = topk_weights.masked_fill(topk_idx < 0, 0.0)
             if not same:
-                w = ((ids.unsqueeze(2) == topk_idx.unsqueeze(1)) * w.unsqueeze(1)).sum(2)
+                eq = ids.unsqueeze(2) == topk_idx.unsqueeze(1)  # [T, K, K]: dispatch column j names column k's expert
+                w = ((eq & (eq.cumsum(1) == 1)) * w.unsqueeze(1)).sum(2)
             y.copy_((back.view(T, K, H).float() * w.unsqueeze(2)).sum(1))
         return y, reduce
 

@@ -21,6 +21,8 @@ Idea: DeepEP ``csrc/kernels/internode_ll.cu`` (layout, ``src_info``, ``layout_ra
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ...errors import InputError, TritonEPError
@@ -184,11 +186,9 @@ class LowLatencyMode:
         # an expert's rows past its W*M slots (a source sending it more than M messages: outside DeepEP's contract)
         # are dropped: counted nowhere, and the combine returns zeros for them (docs/deep_ep.md, "What differs")
         recv_count = ntpe.clamp(max=WM)
-        if stats is not None:
-            if stats.is_inference() and not torch.is_inference_mode_enabled():
-                with torch.inference_mode():  # stats made inside inference mode, this call outside it
-                    stats.add_(recv_count)
-            else:
+        if stats is not None:  # stats made inside inference mode, this call outside it: added inside it
+            with torch.inference_mode() if stats.is_inference() and not torch.is_inference_mode_enabled() \
+                    else contextlib.nullcontext():
                 stats.add_(recv_count)
         dev = x.device
         si_full, src_info = padded(L, WM, (), torch.int32, dev)

@@ -30,6 +30,9 @@
 #            adds its tile variants)                                                  limits 300 + 120 per run
 #   coldstart  `tritonep run`, first layer, from an empty Triton cache at W = 1 and W = 4 (MPS): the step's wall
 #            time is the cold start (JIT compile included)                                limits 300 + 300
+#   kernels  world 1, DeepSeek-V3 shape, the table's tiles: each kernel's time per call (dispatch, rows kept quantized,
+#            combine, combine backward; KB_VARIANTS="name=bt=4,pf=1 ..." adds tile variants), then the same calls
+#            under Nsight Compute (throughput, memory, warp stalls, occupancy per kernel)          limits 150 + 300
 #   compatprof  where the compat Buffer's eager round trip spends its time (benchmarks/probes/compat_profile.py)  150
 #   memcheck an overflowing sync-free step + backward under compute-sanitizer memcheck, world 1 and W = 2
 #            time-sliced (benchmarks/probes/overflow_memcheck.py)                                  limits 200 + 240
@@ -184,6 +187,16 @@ for suite in "$@"; do
                            --mps "$([ "$W" = 1 ] && echo off || echo on)" --layers 2 --no-check --json "$WORK/cold$W.json"
                        stop_leftover_mps
                    done ;;
+        kernels) step kernel_breakdown 150 torchrun --nproc-per-node 1 benchmarks/probes/kernel_breakdown.py --extra \
+                     --iters 10 --variants table= ${KB_VARIANTS:-} --json "$OUT/kernel_breakdown.json"
+                 # the same calls once under Nsight Compute: each expand / combine kernel's counters (fp8 first: -c
+                 # caps the kernels profiled, about 12 per quantized wire and 14 for bf16)
+                 step ncu 300 ncu --clock-control none --target-processes all -c 40 \
+                     -k "regex:dispatch_expand_kernel|combine_partial_kernel|combine_out_kernel" \
+                     --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+                     --section Occupancy --section LaunchStats --section SchedulerStats \
+                     torchrun --nproc-per-node 1 benchmarks/probes/kernel_breakdown.py --extra --iters 1 \
+                     --wires fp8 mxfp4 bf16 --variants table= ;;
         compatprof) step compat_profile 150 torchrun --nproc-per-node 1 benchmarks/probes/compat_profile.py ;;
         memcheck) SAN=(compute-sanitizer --tool memcheck --report-api-errors no --target-processes all --error-exitcode 3)
                   step memcheck1 200 "${SAN[@]}" python benchmarks/probes/overflow_memcheck.py --world-size 1

@@ -7,7 +7,9 @@
 Shape: ``--profile`` of tritonep/bench/profiles.py (default DeepSeek-V3, 4096 tokens). For each geometry variant (default: ``two-kernel`` =
 send / expand dispatch + partial / out push combine, ``fused`` = the one-launch dispatch and combine;
 ``--variants NAME=GEOMETRY`` with TRITONEP_GEOMETRY strings replaces them) and wire (bf16, fp8, mxfp4), the device
-time of each kernel per call from ``torch.profiler`` over ``--iters`` eager calls (:mod:`tritonep.bench.kernels`).
+time of each kernel per call from ``torch.profiler`` over ``--iters`` eager calls (:mod:`tritonep.bench.kernels`);
+``--extra`` adds the dispatch with rows kept quantized and the combine backward. Under Nsight Compute
+(``bash scripts/gpu.sh ncu``) the same calls give each kernel's hardware counters.
 Every row is checked after timing; a failed row prints FAILED and the run exits 1.
 """
 
@@ -30,7 +32,7 @@ from tritonep.bench.kernels import DEFAULT_VARIANTS, GPU_VARIANTS, breakdown_lin
 
 def _rows(group, a):
     return kernel_breakdown(group, a.profile, wires=tuple(a.wires), variants=a.variant_map, num_sms=a.num_sms or None,
-                            iters=a.iters)
+                            iters=a.iters, extra=a.extra)
 
 
 def main(argv=None) -> int:
@@ -41,6 +43,8 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", nargs="*", default=[],
                     help="NAME=GEOMETRY entries (TRITONEP_GEOMETRY strings), e.g. 'wide=fs=0,fe=0,bt=4,warps=8'")
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--extra", action="store_true",
+                    help="also the dispatch with rows kept quantized (quantized wires) and the combine backward (bf16)")
     ap.add_argument("--json", default="")
     ap.add_argument("--cpu", action="store_true", help="1-rank CPU world (interpreter), profile cpu-smoke, 1 iter")
     a = ap.parse_args(argv)

@@ -197,3 +197,42 @@ def test_kernel_breakdown_checks_every_row(tmp_path, capsys):
     rows = json.loads(out.read_text())["rows"]
     assert [r["checked"] for r in rows] == [True, False]
     assert "FAILED" in capsys.readouterr().out
+
+
+def test_kernel_breakdown_extra_ops_check_and_fail(tmp_path, capsys):
+    """``--extra``: the kept-quantized dispatch (fp8, checked decoded) and the combine backward (bf16: row gradient
+    bit for bit, weight gradient within its bound) are rows of their own, naming the expand kernel; a combine
+    backward whose row gradient is one ulp off, or whose weight gradient is off, makes its row FAILED."""
+    kb = _driver("kernel_breakdown")
+    out = tmp_path / "kb.json"
+    argv = ["--cpu", "--extra", "--wires", "bf16", "fp8", "--variants", "two=fs=0,fe=0", "--json", str(out)]
+    assert kb.main(argv) == 0
+    rows = {(r["wire"], r["op"]): r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {("bf16", "dispatch"), ("bf16", "combine"), ("bf16", "combine_backward"),
+                         ("fp8", "dispatch"), ("fp8", "combine"), ("fp8", "dispatch.kept")}
+    assert all(r["checked"] is True for r in rows.values())
+    assert "dispatch_expand_kernel" in rows[("fp8", "dispatch.kept")]["kernels"]
+    assert "dispatch_expand_kernel" in rows[("bf16", "combine_backward")]["kernels"]
+    capsys.readouterr()
+
+    import tritonep.ep.buffer as epbuf
+
+    orig = epbuf.EPBuffer.combine_backward
+    for which in (0, 1):
+        def corrupt(self, *a, which=which, **k):
+            out = orig(self, *a, **k)
+            t = out[which]
+            t.view(-1)[0] = t.view(-1)[0] * 2 + 1
+            return out
+
+        mp = pytest.MonkeyPatch()
+        mp.setattr(epbuf.EPBuffer, "combine_backward", corrupt)
+        try:
+            assert kb.main(["--cpu", "--extra", "--wires", "bf16", "--variants", "two=fs=0,fe=0",
+                            "--json", str(out)]) == 1
+        finally:
+            mp.undo()
+        got = {r["op"]: r for r in json.loads(out.read_text())["rows"]}
+        assert got["combine_backward"]["checked"] is False and got["dispatch"]["checked"] is True
+        assert ("grad_rows" if which == 0 else "grad_weights") in got["combine_backward"]["check_error"]
+        assert "FAILED" in capsys.readouterr().out

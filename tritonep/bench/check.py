@@ -14,11 +14,13 @@ milliseconds at the DeepSeek-V3 shape (4096 tokens x 7168 hidden).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 import torch.distributed as dist
 
 __all__ = ["PointChecker", "wire_roundtrip", "bench_expert", "rank_dispatch_oracle", "rank_combine_oracle", "compare_exact",
-           "compare_close", "mark_checked", "failed_rows", "exit_code"]
+           "compare_close", "kept_decoded", "mark_checked", "failed_rows", "exit_code"]
 
 
 def wire_roundtrip(wire: str, x: torch.Tensor) -> torch.Tensor:
@@ -115,6 +117,19 @@ def rank_combine_oracle(expert_rows: torch.Tensor, topk_idx: torch.Tensor, topk_
             has = has | m
         y = y + torch.where(has, _partial_roundtrip(combine_wire, acc), zero)
     return y.to(torch.bfloat16)
+
+
+def kept_decoded(q, wire: str):
+    """A dispatch with rows kept quantized (:class:`tritonep.Dispatched` with ``x`` the payload, ``x_scales`` the
+    scales) as the checks read a dispatch: its received rows decoded to bf16 (the wire's torch decoder), the counts,
+    offsets and weights as they are."""
+    from ..wire.formats import get_wire
+
+    fmt = get_wire(wire)
+    n = int(q.expert_offsets[-1]) if q.expert_offsets.numel() else 0
+    return SimpleNamespace(x=fmt.dequantize_torch(q.x[:n], q.x_scales[:n], torch.bfloat16),
+                           num_tokens_per_expert=q.num_tokens_per_expert, expert_offsets=q.expert_offsets,
+                           weights=q.weights)
 
 
 def compare_exact(got: dict, want: dict) -> str:

@@ -39,7 +39,6 @@ from __future__ import annotations
 import statistics
 import time
 
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -47,7 +46,7 @@ import torch.distributed as dist
 from .. import envs
 from ..backends.layout import layout_torch, route_rows_torch
 from ..memory import group_barrier, uses_nccl
-from .check import PointChecker, bench_expert, compare_close, compare_exact, mark_checked
+from .check import PointChecker, bench_expert, compare_close, compare_exact, kept_decoded, mark_checked
 from .profiles import PROFILES
 
 __all__ = ["PROFILES", "time_graph", "time_rounds", "peer_copy_gbps", "bench_ep", "ratio_lines"]
@@ -250,12 +249,7 @@ def bench_ep(group, profile: str, combine_kinds=("push", "pull"), num_sms=None, 
                 last["q"] = buf.dispatch(x, idx, w, keep_quantized=True)
 
             us, mode = time_graph(disp_q, group, iters=iters)
-            q = last["q"]
-            n = int(q.expert_offsets[-1]) if q.expert_offsets.numel() else 0
-            q = SimpleNamespace(x=fmt.dequantize_torch(q.x[:n], q.x_scales[:n], torch.bfloat16),
-                                num_tokens_per_expert=q.num_tokens_per_expert, expert_offsets=q.expert_offsets,
-                                weights=q.weights)
-            check_dispatch(row(f"tritonep.dispatch.{wire}.kept", us, mode, wb), q, wire)
+            check_dispatch(row(f"tritonep.dispatch.{wire}.kept", us, mode, wb), kept_decoded(last["q"], wire), wire)
         d = buf.dispatch(x, idx, w)
         eo = expert_out(buf.expert_out_buffer(), d)
         for kind in (("push",) if get_wire(wire).quantized else combine_kinds):

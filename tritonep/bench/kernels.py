@@ -18,7 +18,8 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from .check import PointChecker
+from ..wire.formats import get_wire
+from .check import PointChecker, compare_close, compare_exact, kept_decoded, mark_checked
 from .ep import PROFILES, _device, _routing
 
 __all__ = ["launch_timer", "kernel_breakdown", "breakdown_lines", "DEFAULT_VARIANTS", "GPU_VARIANTS"]
@@ -72,14 +73,30 @@ def _kernel_us(fn, iters: int) -> tuple[dict, str]:
     return out, "profiler"
 
 
+def _check_combine_backward(row: dict, buf, gy, eo, d, idx, w, rank: int) -> dict:
+    """Check ``buf.combine_backward(gy, eo, d.handle)`` and mark ``row``: the row gradient is each route's weight
+    times its token's ``gy`` row (one bf16 rounding: bit for bit against a dispatch of ``gy`` by the same routing),
+    the weight gradient ``<gy[token], eo[row]>`` (fp32 sums: within 1e-3 of the largest)."""
+    ge, gw = buf.combine_backward(gy, eo, d.handle)
+    dg = buf.dispatch(gy, idx, w)
+    n = int(dg.expert_offsets[-1]) if dg.expert_offsets.numel() else 0
+    rows = dg.x[:n].float()
+    err = compare_exact(dict(grad_rows=ge[:n]), dict(grad_rows=(rows * dg.weights[:n, None]).to(ge.dtype)))
+    err = err or compare_close("grad_weights", gw[:n], (rows * eo[:n].float()).sum(1), 1e-3)
+    return mark_checked(row, err, rank)
+
+
 def kernel_breakdown(group, profile: str = "deepseek-v3", wires=("bf16", "fp8", "mxfp4"), variants=None,
-                     num_sms=None, iters: int = 5, seed: int = 0) -> list:
-    """Rows (dicts) of per-kernel times on this rank: one per (variant, wire, op in dispatch / combine).
+                     num_sms=None, iters: int = 5, seed: int = 0, extra: bool = False) -> list:
+    """Rows (dicts) of per-kernel times on this rank: one per (variant, wire, op in dispatch / combine; with
+    ``extra`` also ``dispatch.kept`` for quantized wires and ``combine_backward`` for bf16).
 
     Args:
         group: the EP group (world 1 on one GPU for the breakdown; any size works). profile: a key of
             :data:`tritonep.bench.ep.PROFILES`. wires: wire names. variants: name -> TRITONEP_GEOMETRY string
             (default :data:`DEFAULT_VARIANTS`), each the buffer's ``tiles`` argument. num_sms: SM cap (None: all). iters: profiled calls per op.
+            extra: add the dispatch with rows kept quantized (checked decoded against the wire's oracle) and the
+            combine backward (checked against a dispatch of its ``grad_y``).
 
     Returns:
         dicts with profile, variant, geometry, wire, op, kernels ``{name: us per call}``, us (their sum), mode,
@@ -114,6 +131,15 @@ def kernel_breakdown(group, profile: str = "deepseek-v3", wires=("bf16", "fp8", 
             kern, mode = _kernel_us(lambda: buf.combine(eo, d.handle), iters)
             r = dict(base, op="combine", kernels=kern, us=sum(kern.values()), mode=mode)
             rows.append(chk.combine(r, buf.combine(eo, d.handle), wire))
+            if extra and get_wire(wire).quantized:
+                kern, mode = _kernel_us(lambda: buf.dispatch(x, idx, w, keep_quantized=True), iters)
+                r = dict(base, op="dispatch.kept", kernels=kern, us=sum(kern.values()), mode=mode)
+                rows.append(chk.dispatch(r, kept_decoded(buf.dispatch(x, idx, w, keep_quantized=True), wire), wire))
+            if extra and wire == "bf16":
+                gy = torch.randn(T, H, device=dev).to(torch.bfloat16)
+                kern, mode = _kernel_us(lambda: buf.combine_backward(gy, eo, d.handle), iters)
+                r = dict(base, op="combine_backward", kernels=kern, us=sum(kern.values()), mode=mode)
+                rows.append(_check_combine_backward(r, buf, gy, eo, d, idx, w, rank))
             buf.close()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()

@@ -1,7 +1,7 @@
 """SASS statistics of the dispatch kernels of a wire at a GPU shape, compiled for sm_90 on a CPU (no GPU needed).
 
     PYTHONPATH=. python benchmarks/probes/sass_stats.py --wires fp8 mxfp4 [--profile deepseek-v3] [--stage-own 0|1]
-        [--ops] [--json out.json]
+        [--geometry bt=8,warps=8] [--ops] [--json out.json]
 
 A one-rank CPU world (Triton's interpreter) runs one dispatch with decoded rows and one with rows kept quantized
 (``keep_quantized=True``, what the ep_bench ``*.kept`` graph rows time) of an EPBuffer of the shape of a profile of
@@ -170,6 +170,8 @@ def _record(group, a):
                f"fs={g.fused_send},fe={g.fused_expand}")
         if not g.fused_send:
             geo += f",grid={g.grid_send}"
+        if a.geometry:  # a tile variant on top of the table's (later entries win)
+            geo += "," + a.geometry
         b = tep.EPBuffer(group, a.experts, a.hidden, 16, a.topk, dispatch_wire=wire, combine_wire=wire, tiles=geo)
         x, i, w = make_rank_inputs(0, 9, a.hidden, a.experts, a.topk, seed=3)
         modes = [("decoded", False)] + ([("kept", True)] if wire != "bf16" else [])
@@ -198,6 +200,8 @@ def main(argv=None) -> int:
     ap.add_argument("--wires", nargs="+", default=["fp8", "mxfp4"])
     ap.add_argument("--profile", default="deepseek-v3", help="shape: a profile of tritonep/bench/profiles.py")
     ap.add_argument("--stage-own", type=int, choices=(0, 1), default=None)
+    ap.add_argument("--geometry", default="", help="a TRITONEP_GEOMETRY string applied on top of the table's tiles, "
+                                                   "e.g. 'bt=8,warps=8'")
     ap.add_argument("--ops", action="store_true", help="also print the 12 most frequent mnemonics per kernel")
     ap.add_argument("--json", default="")
     a = ap.parse_args(argv)

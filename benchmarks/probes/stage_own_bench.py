@@ -1,0 +1,63 @@
+"""ep_bench with the quantized wires' ``stage_own`` flipped: does the dispatch of a wire run faster when its sender
+stages the own rank's rows (the expander decodes / copies them like a peer's) or when the expander encodes them
+from ``x`` itself (no staging write and read)?
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=. \\
+    torchrun --nproc-per-node 1 benchmarks/probes/stage_own_bench.py --stage-own 0 -- \\
+        --num-sms --iters 20 --variants "deepseek-v3:0:mxfp4:bt=8" --json $OUT/stage_own0.json
+    python benchmarks/probes/stage_own_bench.py --stage-own 0 -- --cpu --wires mxfp4   # the checks on a CPU world
+
+Everything after ``--`` goes to ``benchmarks/ep_bench.py`` (every point checked as there). The codec's ``stage_own``
+is replaced in this process's wire registry before any kernel is compiled (the compiled variant's key holds it:
+:class:`tritonep.wire.kernels.wirecodec.DeviceCodec`), as ``probes/sass_stats.py --stage-own`` does for the SASS.
+The JSON's ``meta`` gets ``stage_own``.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+
+def apply_stage_own(stage_own: bool) -> list:
+    """Set ``stage_own`` of every quantized wire's codec in the registry (this process); returns the wires changed."""
+    from tritonep.wire.formats import WIRES, get_wire
+
+    changed = []
+    for name in WIRES:
+        fmt = get_wire(name)
+        if fmt.codec.quantized and fmt.codec.stage_own != stage_own:
+            object.__setattr__(fmt, "codec", dataclasses.replace(fmt.codec, stage_own=stage_own))
+            changed.append(name)
+    return changed
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    mine, rest = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--stage-own", type=int, choices=(0, 1), required=True)
+    a = ap.parse_args(mine)
+    if "--cpu" in rest:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    changed = apply_stage_own(bool(a.stage_own))
+    print(f"stage_own={a.stage_own} for {', '.join(changed) or 'no wire (already so)'}", flush=True)
+    from tests import load_script
+
+    code = load_script("benchmarks/ep_bench.py", "_ep_bench").main(rest)
+    if "--json" in rest and os.path.exists(rest[rest.index("--json") + 1]):
+        path = rest[rest.index("--json") + 1]
+        with open(path) as f:
+            d = json.load(f)
+        d.setdefault("meta", {})["stage_own"] = a.stage_own
+        with open(path, "w") as f:
+            json.dump(d, f, indent=1)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

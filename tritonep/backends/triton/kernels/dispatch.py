@@ -221,42 +221,12 @@ def source_raw(src, t, has, io, row_off, h0, tile, POW2: tl.constexpr = False):
 
 
 @triton.jit
-def raw_fetch(src, t, has, io, row_off, h0, tile):
-    """Issue the loads of columns [h0, h0+BH) of source ``src``'s rows for :func:`raw_finish` (quantized wires, rows
-    kept encoded; masked past H): ``(x tile, payload, scales)``, the input tile (``io.x_ptr``) for the own rank's rows
-    (encoded in :func:`raw_finish`), the staged payload and scales for any other source (a ``stage_own`` wire:
-    every source), the other part zero. The expander's prefetch (``PF``) issues them before storing the current tile,
-    so their latency overlaps the K stores."""
-    h = h0 + tl.arange(0, tile.BH)
-    if tile.WIRE.stage_own:
-        xr = tl.zeros((tile.BT, tile.BH), dtype=io.x_ptr.dtype.element_ty)
-        q, sc = wire_load_raw(io.stage_ptr, row_off, h0, has, tile.H, tile.BH, tile.WIRE)
-    else:
-        own = src == io.rank
-        xr = tl.load(io.x_ptr + t[:, None].to(tl.int64) * tile.H + h[None, :],
-                     mask=(has & own)[:, None] & (h < tile.H)[None, :], other=0.0)
-        q, sc = wire_load_raw(io.stage_ptr, row_off, h0, has & (src != io.rank), tile.H, tile.BH, tile.WIRE)
-    return xr, q, sc
-
-
-@triton.jit
-def raw_finish(src, xr, q, sc, io, tile, POW2: tl.constexpr):
-    """The encoded tile (payload, scales) from :func:`raw_fetch`'s loads: the own rank's input tile encoded as
-    :func:`send_chunk` would stage it (a zero row where masked, as :func:`own_encoded`), another source's staged
-    payload and scales as loaded. Same bits as :func:`source_raw`."""
-    if not tile.WIRE.stage_own:
-        if src == io.rank:
-            q, sc = wire_encode(xr, tile.BT, tile.BH, tile.WIRE, POW2, tile.HAS_TIMER)
-    return q, sc
-
-
-@triton.jit
 def expand_item(src, c, Ts, skip, io, tile, SCALE: tl.constexpr, DOT: tl.constexpr, KEEP_HANDLE: tl.constexpr,
                 KEEP_Q: tl.constexpr, PF: tl.constexpr, POW2: tl.constexpr = False):
     """Expand chunk ``c`` of source ``src`` (``Ts`` tokens there) of :class:`ExpandIO` ``io`` from the staging (raw
     wire, own rank: from ``io.x_ptr``, see :func:`source_tile`) into the expert rows (see
     :func:`dispatch_expand_kernel`). ``PF``: load the next hidden tile's source rows before storing the current one
-    (its latency then overlaps the K stores; rows kept quantized: :func:`raw_fetch` / :func:`raw_finish`); ``POW2``: the sender's scale rule (own-rank rows are encoded here)."""
+    (its latency then overlaps the K stores); ``POW2``: the sender's scale rule (own-rank rows are encoded here)."""
     t, k_off, h_off, tm, m2 = chunk_index(c, Ts, tile)
     off = (src * io.Tmax + t[:, None]).to(tl.int64) * tile.K + k_off[None, :]
     rows = tl.load(io.meta_ptr + off, mask=m2, other=-1)
@@ -272,22 +242,15 @@ def expand_item(src, c, Ts, skip, io, tile, SCALE: tl.constexpr, DOT: tl.constex
     has = tl.sum((rows >= 0).to(tl.int32), 1) > 0
     dots = tl.zeros((tile.BT, tile.KB), dtype=tl.float32)
     row_off = (src * io.Tmax + t).to(tl.int64) * tile.RB
-    PREFETCH: tl.constexpr = PF
+    PREFETCH: tl.constexpr = PF and not KEEP_Q
     if PREFETCH:
-        if KEEP_Q:
-            xr, qr, sr = raw_fetch(src, t, has, io, row_off, 0, tile)
-        else:
-            xt = source_tile(src, t, has, io, row_off, 0, tile, POW2)
+        xt = source_tile(src, t, has, io, row_off, 0, tile, POW2)
     for h0 in range(0, tile.H, tile.BH):
         h = h0 + h_off
         hm = h < tile.H
         if KEEP_Q:  # the encoded tile, loaded once and stored to each of the K routes' rows
             xt = tl.zeros((tile.BT, tile.BH), dtype=tl.float32)
-            if PREFETCH:  # this tile encoded from its loads (issued before the last tile's stores), the next issued
-                qt, st = raw_finish(src, xr, qr, sr, io, tile, POW2)
-                xr, qr, sr = raw_fetch(src, t, has, io, row_off, h0 + tile.BH, tile)
-            else:
-                qt, st = source_raw(src, t, has, io, row_off, h0, tile, POW2)
+            qt, st = source_raw(src, t, has, io, row_off, h0, tile, POW2)
         elif PREFETCH:  # the next tile (masked past H); xt holds this one
             xn = source_tile(src, t, has, io, row_off, h0 + tile.BH, tile, POW2)
         else:
@@ -307,7 +270,7 @@ def expand_item(src, c, Ts, skip, io, tile, SCALE: tl.constexpr, DOT: tl.constex
                 eo = tl.load(io.eo_ptr + rk[:, None].to(tl.int64) * tile.H + h[None, :], mask=mk, other=0.0)
                 part = tl.sum(widen(eo) * widen(xt), 1)
                 dots += tl.where(k_off[None, :] == k, part[:, None], 0.0)
-        if PREFETCH and not KEEP_Q:
+        if PREFETCH:
             xt = xn
     if DOT:
         tl.store(io.gw_ptr + rows, dots, mask=rows >= 0)

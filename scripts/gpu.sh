@@ -196,7 +196,9 @@ for suite in "$@"; do
                      --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
                      --section Occupancy --section LaunchStats --section SchedulerStats \
                      torchrun --nproc-per-node 1 benchmarks/probes/kernel_breakdown.py --extra --iters 1 \
-                     --wires fp8 mxfp4 bf16 --variants table= ;;
+                     --wires fp8 mxfp4 bf16 --variants table=
+                 python benchmarks/probes/ncu_summary.py "$WORK/ncu.log" --wires fp8 mxfp4 bf16 --extra \
+                     --command "bash scripts/gpu.sh kernels" --json "$OUT/ncu_kernels.json" ;;
         compatprof) step compat_profile 150 torchrun --nproc-per-node 1 benchmarks/probes/compat_profile.py ;;
         memcheck) SAN=(compute-sanitizer --tool memcheck --report-api-errors no --target-processes all --error-exitcode 3)
                   step memcheck1 200 "${SAN[@]}" python benchmarks/probes/overflow_memcheck.py --world-size 1

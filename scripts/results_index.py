@@ -69,6 +69,8 @@ BENCHMARKS = {
                                       "step_ms", "ok")),
     "kernel_breakdown": ("benchmarks/probes/kernel_breakdown.py", ("variant", "wire", "op", "mode", "tokens", "us",
                                                                    "checked")),
+    "ncu_kernels": ("benchmarks/probes/ncu_summary.py", ("label", "kernel", "duration_us", "dram_pct", "regs",
+                                                         "spill_requests", "occupancy_pct", "stall_l1tex_cycles")),
     "host_cost": ("benchmarks/probes/host_cost.py", ("name", "us")),
     "collective_cost": ("benchmarks/probes/collective_cost.py", ("name", "us")),
     "host_primitives": ("benchmarks/probes/host_primitives.py", ("name", "us")),

@@ -1,0 +1,41 @@
+"""benchmarks/probes/stage_own_bench.py: ep_bench with the quantized wires' ``stage_own`` flipped, from a plain shell."""
+
+import json
+import os
+import subprocess
+import sys
+
+from tests import ROOT
+
+
+def test_stage_own_flipped_runs_checked_and_says_so(tmp_path):
+    out = tmp_path / "so.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probes" / "stage_own_bench.py"), "--stage-own", "0",
+                        "--", "--cpu", "--wires", "mxfp4", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "stage_own=0 for mxfp4" in p.stdout  # mxfp4 stages its own rows by default: the flip changed it
+    d = json.loads(out.read_text())
+    assert d["meta"]["stage_own"] == 0 and d["meta"]["checked"] is True
+    rows = [r for rank in d["rows"] for r in (rank if isinstance(rank, list) else [rank])]
+    kept = [r for r in rows if r.get("op") == "tritonep.dispatch.mxfp4.kept"]
+    assert kept and all(r["checked"] is True for r in rows)
+
+
+def test_apply_stage_own_changes_only_the_wires_that_differ():
+    from tests import load_script
+    from tritonep.wire.formats import WIRES, get_wire
+
+    so = load_script("benchmarks/probes/stage_own_bench.py", "_stage_own_bench")
+    before = {n: get_wire(n).codec for n in WIRES}
+    try:
+        changed = so.apply_stage_own(False)
+        assert set(changed) == {n for n, c in before.items() if c.quantized and c.stage_own}
+        assert all(not get_wire(n).codec.stage_own for n in WIRES if get_wire(n).codec.quantized)
+        assert so.apply_stage_own(False) == []
+    finally:
+        for n, c in before.items():
+            object.__setattr__(get_wire(n), "codec", c)
+    assert all(get_wire(n).codec is c for n, c in before.items())

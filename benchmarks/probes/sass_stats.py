@@ -1,7 +1,7 @@
 """SASS statistics of the dispatch kernels of a wire at a GPU shape, compiled for sm_90 on a CPU (no GPU needed).
 
     PYTHONPATH=. python benchmarks/probes/sass_stats.py --wires fp8 mxfp4 [--profile deepseek-v3] [--stage-own 0|1]
-        [--geometry bt=8,warps=8] [--ops] [--json out.json]
+        [--geometry bt=8,warps=8] [--combine] [--ops] [--json out.json]
 
 A one-rank CPU world (Triton's interpreter) runs one dispatch with decoded rows and one with rows kept quantized
 (``keep_quantized=True``, what the ep_bench ``*.kept`` graph rows time) of an EPBuffer of the shape of a profile of
@@ -38,6 +38,7 @@ import sys
 import tempfile
 
 KERNELS = ("dispatch_send_kernel", "dispatch_expand_kernel", "dispatch_fused_kernel")
+COMBINE_KERNELS = ("combine_partial_kernel", "combine_out_kernel", "combine_fused_kernel")
 
 CLASSES = {
     "shared": ("LDS", "STS", "LDSM", "ATOMS", "STSM"),
@@ -183,6 +184,13 @@ def _record(group, a):
                 if r["name"] in KERNELS:
                     r = dict(r, constexprs=dict(r["constexprs"], HAS_TIMER=True), label=f"{wire}.{mode}")
                     out.append(r)
+        if a.combine:
+            d = b.dispatch(x, i, w)
+            recs = []
+            with record_launches(recs):
+                b.combine(d.x, d.handle)
+            out += [dict(r, constexprs=dict(r["constexprs"], HAS_TIMER=True), label=f"{wire}.combine")
+                    for r in recs if r["name"] in COMBINE_KERNELS]
         b.close()
     return out
 
@@ -202,6 +210,7 @@ def main(argv=None) -> int:
     ap.add_argument("--stage-own", type=int, choices=(0, 1), default=None)
     ap.add_argument("--geometry", default="", help="a TRITONEP_GEOMETRY string applied on top of the table's tiles, "
                                                    "e.g. 'bt=8,warps=8'")
+    ap.add_argument("--combine", action="store_true", help="also the combine's kernels (push combine at the tiles)")
     ap.add_argument("--ops", action="store_true", help="also print the 12 most frequent mnemonics per kernel")
     ap.add_argument("--json", default="")
     a = ap.parse_args(argv)

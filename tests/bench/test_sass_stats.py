@@ -47,7 +47,12 @@ def test_probe_runs_on_a_small_profile():
     reports registers and an instruction count."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     p = subprocess.run([sys.executable, "benchmarks/probes/sass_stats.py", "--wires", "mxfp4", "--profile",
-                        "cpu-smoke"], cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
+                        "cpu-smoke", "--combine", "--geometry", "cwarps=2"], cwd=ROOT, capture_output=True, text=True,
+                       env=env, timeout=600)
     assert p.returncode == 0, p.stdout + p.stderr
     rows = [ln for ln in p.stdout.splitlines() if ln.startswith("mxfp4.")]
-    assert {r.split()[1] for r in rows} == {"send_kernel", "expand_kernel"}, p.stdout
+    assert {r.split()[1] for r in rows} == {"send_kernel", "expand_kernel", "combine_partial_kernel",
+                                            "combine_out_kernel"}, p.stdout
+    # --geometry reached the combine's launches: 2 warps a program, so 2 elements of a tile per thread (the CPU
+    # table's 4 warps: 1)
+    assert all(r.split()[-1] == "2" for r in rows if r.split()[1].startswith("combine")), p.stdout

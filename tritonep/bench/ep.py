@@ -39,7 +39,6 @@ from __future__ import annotations
 import statistics
 import time
 
-
 import torch
 import torch.distributed as dist
 

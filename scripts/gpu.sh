@@ -193,7 +193,7 @@ for suite in "$@"; do
         kernels) step kernel_breakdown 150 torchrun --nproc-per-node 1 benchmarks/probes/kernel_breakdown.py --extra \
                      --iters 10 --variants table= ${KB_VARIANTS:-} --json "$OUT/kernel_breakdown.json"
                  # the same calls once under Nsight Compute: each expand / combine kernel's counters (fp8 first: -c
-                 # caps the kernels profiled, about 12 per quantized wire and 14 for bf16)
+                 # caps the kernels profiled: 12 per quantized wire, 13 for bf16; probes/ncu_summary.py labels them)
                  step ncu 300 ncu --clock-control none --target-processes all -c 40 \
                      -k "regex:dispatch_expand_kernel|combine_partial_kernel|combine_out_kernel" \
                      --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \

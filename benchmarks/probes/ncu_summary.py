@@ -19,7 +19,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-METRICS = {  # row key -> (the metric's name in ncu's details page, its unit there; "" when it has none)
+METRICS = {  # row key -> (the metric's name in ncu's details page, the row's unit; "" when it has none)
     "duration_us": ("Duration", "us"), "dram_pct": ("DRAM Throughput", "%"), "mem_tbps": ("Memory Throughput", "Tbyte/s"),
     "l2_hit_pct": ("L2 Hit Rate", "%"), "regs": ("Registers Per Thread", "register/thread"), "block": ("Block Size", ""),
     "spill_requests": ("Local Memory Spilling Requests", ""), "occupancy_pct": ("Achieved Occupancy", "%"),
@@ -27,6 +27,23 @@ METRICS = {  # row key -> (the metric's name in ncu's details page, its unit the
     "eligible_warps": ("Eligible Warps Per Scheduler", "warp"),
     "dyn_smem_kb": ("Dynamic Shared Memory Per Block", "Kbyte/block"),
 }
+_PREFIX = {"": 1.0, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}  # ncu's byte prefixes are decimal (16.38 Kbyte = 16384 B)
+_TIME = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3, "s": 1e6, "second": 1e6}
+
+
+def _unit_scale(printed: str, unit: str):
+    """The factor that turns a value printed in ``printed`` into ``unit`` (ncu scales its units to the value: a
+    kernel moving 2 GB/s prints ``Gbyte/s``, one of 1.2 ms ``ms``), or None when the two are not of one kind."""
+    if printed == unit:
+        return 1.0
+    if unit == "us":
+        return _TIME.get(printed)
+    m, n = re.fullmatch(r"([KMGT]?)byte(/.+)", printed), re.fullmatch(r"([KMGT]?)byte(/.+)", unit)
+    if m and n and m.group(2) == n.group(2):
+        return _PREFIX[m.group(1)] / _PREFIX[n.group(1)]
+    return None
+
+
 _HEAD = re.compile(r"^  (\w+) \((\d+), 1, 1\)x\((\d+), 1, 1\)", re.M)
 
 
@@ -62,9 +79,9 @@ def _number(text: str):
 
 
 def parse(text: str, wires=(), extra: bool = False) -> list[dict]:
-    """Rows (dicts: kernel, label, grid, block and :data:`METRICS`; a metric ncu did not print is absent) of an ncu
-    text report, in launch order; ``stall_l1tex_cycles``: the cycles a warp waits on an L1TEX scoreboard between
-    two issues (ncu's rule text), when printed."""
+    """Rows (dicts: kernel, label, grid, block and :data:`METRICS`, each in the row's unit whatever unit ncu scaled
+    it to; a metric ncu did not print is absent) of an ncu text report, in launch order; ``stall_l1tex_cycles``: the
+    cycles a warp waits on an L1TEX scoreboard between two issues (ncu's rule text), when printed."""
     heads = list(_HEAD.finditer(text))
     labels = launch_labels(wires, extra) if wires else []
     rows = []
@@ -74,11 +91,14 @@ def parse(text: str, wires=(), extra: bool = False) -> list[dict]:
         if i < len(labels):
             row["label"] = labels[i][1] if labels[i][0] == row["kernel"] else "?"
         for key, (name, unit) in METRICS.items():
-            v = re.search(rf"^\s+{re.escape(name)}\s+{re.escape(unit) + chr(92) + 's+' if unit else ''}"
-                          rf"([\d,]+(?:\.\d+)?)\s*$", body, re.M)
-            if v is not None and _number(v.group(1)) is not None:
-                row[key] = _number(v.group(1))
-        s = re.search(r"spends ([\d.]+) cycles being stalled waiting for a scoreboard dependency\s+on a L1TEX", body)
+            for v in re.finditer(rf"^\s+{re.escape(name)}\s+(?:(\S+)\s+)?([\d,]+(?:\.\d+)?)\s*$", body, re.M):
+                scale = _unit_scale(v.group(1) or "", unit)
+                if scale is not None and _number(v.group(2)) is not None:  # the first line of the metric's kind
+                    row[key] = _number(v.group(2)) if scale == 1.0 else round(_number(v.group(2)) * scale, 6)
+                    break
+        # ncu wraps its rule text at a fixed width: the break can fall between any two of these words
+        s = re.search(r"spends\s+([\d.]+)\s+cycles\s+being\s+stalled\s+waiting\s+for\s+a\s+scoreboard\s+"
+                      r"dependency\s+on\s+a\s+L1TEX", body)
         if s:
             row["stall_l1tex_cycles"] = float(s.group(1))
         rows.append(row)

@@ -10,7 +10,7 @@ from ``x`` itself (no staging write and read)?
 Everything after ``--`` goes to ``benchmarks/ep_bench.py`` (every point checked as there). The codec's ``stage_own``
 is replaced in this process's wire registry before any kernel is compiled (the compiled variant's key holds it:
 :class:`tritonep.wire.kernels.wirecodec.DeviceCodec`), as ``probes/sass_stats.py --stage-own`` does for the SASS.
-The JSON's ``meta`` gets ``stage_own``.
+The JSON's ``meta`` gets ``stage_own`` (on rank 0, in the file this run wrote).
 """
 
 import argparse
@@ -36,6 +36,15 @@ def apply_stage_own(stage_own: bool) -> list:
     return changed
 
 
+def _stamp(path: str):
+    """``(mtime_ns, size)`` of the file at ``path``, None when there is none."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     mine, rest = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
@@ -48,9 +57,12 @@ def main(argv=None) -> int:
     print(f"stage_own={a.stage_own} for {', '.join(changed) or 'no wire (already so)'}", flush=True)
     from tests import load_script
 
+    path = rest[rest.index("--json") + 1] if "--json" in rest else ""
+    before = _stamp(path)
     code = load_script("benchmarks/ep_bench.py", "_ep_bench").main(rest)
-    if "--json" in rest and os.path.exists(rest[rest.index("--json") + 1]):
-        path = rest[rest.index("--json") + 1]
+    # the file ep_bench wrote: rank 0 writes it (the other ranks of a torchrun world must not read it while it is
+    # written), and a file that was there before a run that wrote none keeps its own meta
+    if path and int(os.environ.get("RANK", "0")) == 0 and _stamp(path) not in (None, before):
         with open(path) as f:
             d = json.load(f)
         d.setdefault("meta", {})["stage_own"] = a.stage_own

@@ -236,3 +236,36 @@ def test_kernel_breakdown_extra_ops_check_and_fail(tmp_path, capsys):
         assert got["combine_backward"]["checked"] is False and got["dispatch"]["checked"] is True
         assert ("grad_rows" if which == 0 else "grad_weights") in got["combine_backward"]["check_error"]
         assert "FAILED" in capsys.readouterr().out
+
+
+def test_combine_backward_check_reads_the_rows_past_the_layout_end():
+    """The kernel breakdown's combine backward check: rows 0..n-1 against the dispatch of ``grad_y`` (times the
+    route weight, one bf16 rounding; the dot with the expert rows), and the rows past the layout's end (``n`` =
+    the last expert offset) zero in both outputs, as the expand writes them."""
+    from types import SimpleNamespace
+
+    from tritonep.bench.kernels import _check_combine_backward
+
+    g = torch.Generator().manual_seed(0)
+    R, n, H = 6, 4, 8
+    x = torch.randn(R, H, generator=g).to(torch.bfloat16)
+    x[n:] = 0
+    wts = torch.rand(R, generator=g)
+    wts[n:] = 0
+    eo = torch.randn(R, H, generator=g).to(torch.bfloat16)
+    d = SimpleNamespace(x=x, weights=wts, expert_offsets=torch.tensor([1, n]), handle=None)
+
+    def check(edit=None):
+        ge, gw = (x.float() * wts[:, None]).to(torch.bfloat16), (x.float() * eo.float()).sum(1)
+        if edit:
+            edit(ge, gw)
+        buf = SimpleNamespace(combine_backward=lambda *a: (ge, gw), dispatch=lambda *a: d)
+        return _check_combine_backward(dict(op="combine_backward"), buf, None, eo, d, None, None, 0)
+
+    assert check()["checked"] is True
+    bad = check(lambda ge, gw: ge[n + 1, 3].fill_(1.0))
+    assert bad["checked"] is False and "rows_past_end" in bad["check_error"]
+    bad = check(lambda ge, gw: gw[R - 1].fill_(0.5))
+    assert bad["checked"] is False and "weights_past_end" in bad["check_error"]
+    bad = check(lambda ge, gw: ge[0, 0].fill_(ge[0, 0].item() * 2 + 1))
+    assert bad["checked"] is False and "grad_rows" in bad["check_error"]

@@ -47,3 +47,29 @@ def test_launch_labels_follow_the_breakdown_calls():
     bf16 = ns.launch_labels(["bf16"], extra=True)
     assert len(bf16) == 13 and bf16[10][1] == "bf16 combine_backward"
     assert len(ns.launch_labels(["fp8", "bf16"], extra=False)) == 20
+
+
+# ncu scales a metric's unit to its value: a kernel that moves little prints its memory rate in Gbyte/s, a long one
+# its duration in ms, a small dynamic shared memory in byte/block; its rule text wraps where the line is full
+SCALED = """  combine_out_kernel (132, 1, 1)x(1024, 1, 1), Context 1, Stream 7, Device 0, CC 9.0
+    Memory Throughput                 %         0.06
+    Duration                         ms         1.25
+    Memory Throughput                          Gbyte/s         2.05
+    Dynamic Shared Memory Per Block          byte/block          512
+          On average, each warp of this workload spends 118.25 cycles being stalled waiting for a scoreboard
+          dependency on a L1TEX (local, global, surface, texture) operation.
+  combine_out_kernel (132, 1, 1)x(1024, 1, 1), Context 1, Stream 7, Device 0, CC 9.0
+    Duration                    nsecond       850
+    Memory Throughput                          Mbyte/s       463.88
+"""
+
+
+def test_parse_scales_units_to_the_rows():
+    ns = load_script("benchmarks/probes/ncu_summary.py", "_ncu_summary")
+    a, b = ns.parse(SCALED)
+    assert a["duration_us"] == 1250.0 and a["mem_tbps"] == 0.00205 and a["dyn_smem_kb"] == 0.512
+    assert a["stall_l1tex_cycles"] == 118.25
+    assert b["duration_us"] == 0.85 and b["mem_tbps"] == 0.000464
+    # the percent line of the same name is not read as a rate; a unit of another kind is no value at all
+    assert "dram_pct" not in a
+    assert ns.parse(SCALED.replace("Gbyte/s", "Gbyte/block"))[0].get("mem_tbps") is None

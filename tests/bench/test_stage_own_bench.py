@@ -39,3 +39,34 @@ def test_apply_stage_own_changes_only_the_wires_that_differ():
         for n, c in before.items():
             object.__setattr__(get_wire(n), "codec", c)
     assert all(get_wire(n).codec is c for n, c in before.items())
+
+
+def test_meta_edited_only_in_the_file_this_run_wrote_on_rank_0(tmp_path, monkeypatch):
+    """The JSON gets ``stage_own`` only where ep_bench wrote it in this run, and only on rank 0 (the rank that writes
+    it: another rank of a torchrun world would read it while it is written, or write an older file back)."""
+    import tests
+    from tritonep.wire.formats import WIRES, get_wire
+
+    so = tests.load_script("benchmarks/probes/stage_own_bench.py", "_stage_own_bench")
+    path = tmp_path / "so.json"
+    writes = []
+
+    class FakeBench:
+        @staticmethod
+        def main(rest):
+            if writes[-1]:  # a size of its own each time (file times may be coarser than two writes apart)
+                path.write_text(json.dumps(dict(meta=dict(checked=True), rows=[[]] * len(writes))))
+            return 0
+
+    monkeypatch.setattr(tests, "load_script", lambda *a, **k: FakeBench)
+    before = {n: get_wire(n).codec for n in WIRES}
+    try:
+        path.write_text(json.dumps(dict(meta=dict(older=True), rows=[])))
+        for rank, wrote, tagged in (("0", False, False), ("1", True, False), ("0", True, True)):
+            monkeypatch.setenv("RANK", rank)
+            writes.append(wrote)
+            assert so.main(["--stage-own", "0", "--", "--json", str(path)]) == 0
+            assert ("stage_own" in json.loads(path.read_text())["meta"]) is tagged, (rank, wrote)
+    finally:
+        for n, c in before.items():
+            object.__setattr__(get_wire(n), "codec", c)

@@ -76,12 +76,15 @@ def _kernel_us(fn, iters: int) -> tuple[dict, str]:
 def _check_combine_backward(row: dict, buf, gy, eo, d, idx, w, rank: int) -> dict:
     """Check ``buf.combine_backward(gy, eo, d.handle)`` and mark ``row``: the row gradient is each route's weight
     times its token's ``gy`` row (one bf16 rounding: bit for bit against a dispatch of ``gy`` by the same routing),
-    the weight gradient ``<gy[token], eo[row]>`` (fp32 sums: within 1e-3 of the largest)."""
+    the weight gradient ``<gy[token], eo[row]>`` (fp32 sums: within 1e-3 of the largest); every row past the
+    layout's end zero in both (the expand zeroes the rows no route writes)."""
     ge, gw = buf.combine_backward(gy, eo, d.handle)
     dg = buf.dispatch(gy, idx, w)
     n = int(dg.expert_offsets[-1]) if dg.expert_offsets.numel() else 0
     rows = dg.x[:n].float()
-    err = compare_exact(dict(grad_rows=ge[:n]), dict(grad_rows=(rows * dg.weights[:n, None]).to(ge.dtype)))
+    want = dict(grad_rows=(rows * dg.weights[:n, None]).to(ge.dtype), rows_past_end=torch.zeros_like(ge[n:]),
+                weights_past_end=torch.zeros_like(gw[n:]))
+    err = compare_exact(dict(grad_rows=ge[:n], rows_past_end=ge[n:], weights_past_end=gw[n:]), want)
     err = err or compare_close("grad_weights", gw[:n], (rows * eo[:n].float()).sum(1), 1e-3)
     return mark_checked(row, err, rank)
 

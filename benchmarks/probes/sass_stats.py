@@ -94,14 +94,16 @@ def _bin(tool: str) -> str:
     return os.path.join(os.path.dirname(nv.__file__), "bin", tool)
 
 
-def _apply_stage_own(stage_own):
-    """Replace the quantized wires' codecs' ``stage_own`` in the wire registry (this process only)."""
+def apply_stage_own(stage_own) -> list:
+    """Set ``stage_own`` of every quantized wire's codec in the wire registry (this process only; None: nothing);
+    returns the wires changed. Also ``probes/stage_own_bench.py``'s."""
     if stage_own is None:
-        return
+        return []
     import dataclasses
 
     from tritonep.wire.formats import WIRES, get_wire
 
+    changed = []
     for name in WIRES:
         fmt = get_wire(name)
         codec = fmt.codec
@@ -111,7 +113,10 @@ def _apply_stage_own(stage_own):
             if stage_own:
                 raise SystemExit("--stage-own 1: this tree's codecs have no stage_own")
             continue
-        object.__setattr__(fmt, "codec", dataclasses.replace(codec, stage_own=bool(stage_own)))
+        if codec.stage_own != bool(stage_own):
+            object.__setattr__(fmt, "codec", dataclasses.replace(codec, stage_own=bool(stage_own)))
+            changed.append(name)
+    return changed
 
 
 def stats_of(rec: dict) -> dict:
@@ -142,7 +147,7 @@ def stats_of(rec: dict) -> dict:
 
 def _child(path: str, stage_own) -> None:
     """Compiled-mode child: the records in ``path`` -> one stats dict each, printed as one ``@@`` JSON line."""
-    _apply_stage_own(stage_own)
+    apply_stage_own(stage_own)
     res = []
     with open(path) as f:
         recs = json.load(f)
@@ -161,7 +166,7 @@ def _record(group, a):
     from tests.support.compile_check import record_launches
     from tests.support.tiles import tiles_of
 
-    _apply_stage_own(a.stage_own)
+    apply_stage_own(a.stage_own)
     from tritonep.bench.cases import make_rank_inputs
 
     out = []

@@ -14,26 +14,14 @@ The JSON's ``meta`` gets ``stage_own`` (on rank 0, in the file this run wrote).
 """
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
-
-
-def apply_stage_own(stage_own: bool) -> list:
-    """Set ``stage_own`` of every quantized wire's codec in the registry (this process); returns the wires changed."""
-    from tritonep.wire.formats import WIRES, get_wire
-
-    changed = []
-    for name in WIRES:
-        fmt = get_wire(name)
-        if fmt.codec.quantized and fmt.codec.stage_own != stage_own:
-            object.__setattr__(fmt, "codec", dataclasses.replace(fmt.codec, stage_own=stage_own))
-            changed.append(name)
-    return changed
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sass_stats import apply_stage_own  # noqa: E402  (the registry flip, one place for both probes)
 
 
 def _stamp(path: str):

@@ -40,12 +40,28 @@ QUANTIZED = [n for n, f in WIRE_FORMATS.items() if f.quantized]
 
 
 # ---------------------------------------------------------------------------------------------- registry
+def test_codec_repr_names_every_field():
+    """Triton's in-process kernel cache keys on the constexprs' reprs: codecs of one name that differ in a field
+    (stage_own, a size) must have different reprs, or one would run the other's compiled kernel."""
+    import dataclasses
+
+    from triton.runtime.jit import compute_cache_key
+
+    codec = get_wire("mxfp4").codec
+    flipped = dataclasses.replace(codec, stage_own=not codec.stage_own)
+    assert repr(codec) != repr(flipped) and repr(codec) == repr(dataclasses.replace(codec))
+    assert repr(codec) == codec.cache_key
+    assert compute_cache_key({}, [("constexpr", codec)], "o") != compute_cache_key({}, [("constexpr", flipped)], "o")
+    fp8 = get_wire("fp8").codec
+    assert repr(dataclasses.replace(fp8, block=2 * fp8.block)) != repr(fp8)
+
+
 def test_registry_records_are_consistent():
     assert WIRES[:3] == ("bf16", "fp8", "mxfp4") and "fp8_e5m2" in WIRES
     assert len({f.id for f in WIRE_FORMATS.values()}) == len(WIRES)
     assert [get_wire(w).id for w in ("bf16", "fp8", "mxfp4", "fp8_e5m2")] == [0, 1, 2, 3]  # kept stable
     for name, f in WIRE_FORMATS.items():
-        assert f.name == name == f.codec.name and repr(f.codec) == f"wire_{name}"
+        assert f.name == name == f.codec.name and repr(f.codec).startswith(f"wire_{name}_")
         h = 7168
         assert f.row_bytes(h) == f.payload_bytes(h) + f.scale_bytes(h) <= 2 * h  # fits the staging rows
         assert f.scale_bytes(h) == f.num_scales(h) * f.codec.scale_bytes

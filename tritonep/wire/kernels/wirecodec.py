@@ -38,8 +38,9 @@ class DeviceCodec:
     (``tl`` dtype of a scale, None for raw), ``encode`` / ``decode`` (``@triton.jit`` tile functions, see the module
     docstring; None for raw), ``stage_own`` (the dispatch stages the own rank's rows like a peer's and the expander
     decodes them, instead of the expander encoding them from ``x`` itself: for a codec whose encode costs more in
-    the expander than the staging copy it saves; measured on one H100, docs/performance.md). ``repr`` and ``cache_key`` are stable across processes (Triton's kernel caches key on
-    them; the cache key includes the tile functions' own source hashes).
+    the expander than the staging copy it saves; measured on one H100, docs/performance.md). ``repr`` (= ``cache_key``) is stable across processes and names every field (Triton's kernel caches key on
+    it: the in-process cache on the repr, so two codecs of one name that differ in any field never share a compiled
+    kernel; the tile functions enter by their own source hashes).
 
     Raises:
         ValueError: inconsistent sizes (a quantized row must fit the 2 bytes per element of the staging rows,
@@ -105,7 +106,14 @@ class DeviceCodec:
                 f"{int(self.stage_own)}_{fns}")
 
     def __repr__(self) -> str:
-        return f"wire_{self.name}"
+        # Triton keys its in-process kernel cache on the string of the specialization (the constexprs' reprs), so
+        # the repr names every field that changes the compiled code: two codecs of one name that differ in
+        # stage_own (or a size, or a tile function) must not share a compiled kernel
+        r = self.__dict__.get("_repr")
+        if r is None:
+            r = self.cache_key
+            object.__setattr__(self, "_repr", r)
+        return r
 
 
 RAW_BF16 = DeviceCodec("bf16", block=1, payload_bits=16)

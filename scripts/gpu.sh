@@ -33,9 +33,9 @@
 #   kernels  world 1, DeepSeek-V3 shape, the table's tiles: each kernel's time per call (dispatch, rows kept quantized,
 #            combine, combine backward; KB_VARIANTS="name=bt=4,pf=1 ..." adds tile variants), then the same calls
 #            under Nsight Compute (throughput, memory, warp stalls, occupancy per kernel)          limits 150 + 300
-#   stageown  world 1, DeepSeek-V3 shape: the mxfp4 dispatch as the table runs it (its sender stages the own rows),
-#            then with the expander encoding them (benchmarks/probes/stage_own_bench.py --stage-own 0) at 16-, 8- and
-#            4-token tiles                                                                   limits 150 + 200
+#   stageown  world 1, DeepSeek-V3 shape: the mxfp4 dispatch as the table runs it (the expander encodes the own rows,
+#            8-token tiles), then with its sender staging them (benchmarks/probes/stage_own_bench.py --stage-own 1) at
+#            8- and 16-token tiles                                                            limits 150 + 200
 #   compatprof  where the compat Buffer's eager round trip spends its time (benchmarks/probes/compat_profile.py)  150
 #   memcheck an overflowing sync-free step + backward under compute-sanitizer memcheck, world 1 and W = 2
 #            time-sliced (benchmarks/probes/overflow_memcheck.py)                                  limits 200 + 240
@@ -202,11 +202,11 @@ for suite in "$@"; do
                      --wires fp8 mxfp4 bf16 --variants table=
                  python benchmarks/probes/ncu_summary.py "$WORK/ncu.log" --wires fp8 mxfp4 bf16 --extra \
                      --command "bash scripts/gpu.sh kernels" --json "$OUT/ncu_kernels.json" ;;
-        stageown) step stage_own_1 150 torchrun --nproc-per-node 1 benchmarks/ep_bench.py --num-sms --iters 20 \
-                      --variants "deepseek-v3:0:mxfp4:" "deepseek-v3:0:fp8+mxfp4:bt=8" --json "$OUT/stage_own_1.json"
-                  step stage_own_0 200 torchrun --nproc-per-node 1 benchmarks/probes/stage_own_bench.py --stage-own 0 \
-                      -- --num-sms --iters 20 --variants "deepseek-v3:0:mxfp4:" "deepseek-v3:0:mxfp4:bt=8" \
-                      "deepseek-v3:0:mxfp4:bt=8,warps=8" "deepseek-v3:0:mxfp4:bt=4" --json "$OUT/stage_own_0.json" ;;
+        stageown) step stage_own_0 150 torchrun --nproc-per-node 1 benchmarks/ep_bench.py --num-sms --iters 20 \
+                      --variants "deepseek-v3:0:mxfp4:" "deepseek-v3:0:mxfp4:bt=16" --json "$OUT/stage_own_0.json"
+                  step stage_own_1 200 torchrun --nproc-per-node 1 benchmarks/probes/stage_own_bench.py --stage-own 1 \
+                      -- --num-sms --iters 20 --variants "deepseek-v3:0:mxfp4:" "deepseek-v3:0:mxfp4:bt=16" \
+                      --json "$OUT/stage_own_1.json" ;;
         compatprof) step compat_profile 150 torchrun --nproc-per-node 1 benchmarks/probes/compat_profile.py ;;
         memcheck) SAN=(compute-sanitizer --tool memcheck --report-api-errors no --target-processes all --error-exitcode 3)
                   step memcheck1 200 "${SAN[@]}" python benchmarks/probes/overflow_memcheck.py --world-size 1

@@ -3,9 +3,9 @@ stages the own rank's rows (the expander decodes / copies them like a peer's) or
 from ``x`` itself (no staging write and read)?
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=. \\
-    torchrun --nproc-per-node 1 benchmarks/probes/stage_own_bench.py --stage-own 0 -- \\
-        --num-sms --iters 20 --variants "deepseek-v3:0:mxfp4:bt=8" --json $OUT/stage_own0.json
-    python benchmarks/probes/stage_own_bench.py --stage-own 0 -- --cpu --wires mxfp4   # the checks on a CPU world
+    torchrun --nproc-per-node 1 benchmarks/probes/stage_own_bench.py --stage-own 1 -- \\
+        --num-sms --iters 20 --variants "deepseek-v3:0:mxfp4:bt=16" --json $OUT/stage_own1.json
+    python benchmarks/probes/stage_own_bench.py --stage-own 1 -- --cpu --wires mxfp4   # the checks on a CPU world
 
 Everything after ``--`` goes to ``benchmarks/ep_bench.py`` (every point checked as there). The codec's ``stage_own``
 is replaced in this process's wire registry before any kernel is compiled (the compiled variant's key holds it:

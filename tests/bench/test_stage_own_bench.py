@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -12,13 +13,13 @@ def test_stage_own_flipped_runs_checked_and_says_so(tmp_path):
     out = tmp_path / "so.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT)
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probes" / "stage_own_bench.py"), "--stage-own", "0",
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probes" / "stage_own_bench.py"), "--stage-own", "1",
                         "--", "--cpu", "--wires", "mxfp4", "--json", str(out)],
                        capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert "stage_own=0 for mxfp4" in p.stdout  # mxfp4 stages its own rows by default: the flip changed it
+    assert re.search(r"stage_own=1 for .*mxfp4", p.stdout)  # no wire stages its own rows by default: flipped
     d = json.loads(out.read_text())
-    assert d["meta"]["stage_own"] == 0 and d["meta"]["checked"] is True
+    assert d["meta"]["stage_own"] == 1 and d["meta"]["checked"] is True
     rows = [r for rank in d["rows"] for r in (rank if isinstance(rank, list) else [rank])]
     kept = [r for r in rows if r.get("op") == "tritonep.dispatch.mxfp4.kept"]
     assert kept and all(r["checked"] is True for r in rows)
@@ -31,10 +32,13 @@ def test_apply_stage_own_changes_only_the_wires_that_differ():
     so = load_script("benchmarks/probes/stage_own_bench.py", "_stage_own_bench")
     before = {n: get_wire(n).codec for n in WIRES}
     try:
-        changed = so.apply_stage_own(False)
-        assert set(changed) == {n for n, c in before.items() if c.quantized and c.stage_own}
-        assert all(not get_wire(n).codec.stage_own for n in WIRES if get_wire(n).codec.quantized)
-        assert so.apply_stage_own(False) == []
+        quantized = {n for n, c in before.items() if c.quantized}
+        changed = so.apply_stage_own(True)
+        assert set(changed) == {n for n in quantized if not before[n].stage_own} and changed
+        assert all(get_wire(n).codec.stage_own for n in quantized)
+        assert so.apply_stage_own(True) == []
+        assert set(so.apply_stage_own(False)) == quantized
+        assert all(not get_wire(n).codec.stage_own for n in quantized)
     finally:
         for n, c in before.items():
             object.__setattr__(get_wire(n), "codec", c)
@@ -65,7 +69,7 @@ def test_meta_edited_only_in_the_file_this_run_wrote_on_rank_0(tmp_path, monkeyp
         for rank, wrote, tagged in (("0", False, False), ("1", True, False), ("0", True, True)):
             monkeypatch.setenv("RANK", rank)
             writes.append(wrote)
-            assert so.main(["--stage-own", "0", "--", "--json", str(path)]) == 0
+            assert so.main(["--stage-own", "1", "--", "--json", str(path)]) == 0
             assert ("stage_own" in json.loads(path.read_text())["meta"]) is tagged, (rank, wrote)
     finally:
         for n, c in before.items():

@@ -31,8 +31,24 @@ def _host(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True)
 
 
-def own_staging_world(group, wire: str, case: dict):
+def _set_stage_own(wire: str, stage_own: bool):
+    """Replace ``wire``'s codec in this process's registry by one with ``stage_own`` (returns the codec it replaced).
+    The compiled kernels' key holds the whole codec (its repr), so no kernel of the other setting is reused."""
+    import dataclasses
+
+    from tritonep.wire.formats import get_wire
+
+    fmt = get_wire(wire)
+    old = fmt.codec
+    object.__setattr__(fmt, "codec", dataclasses.replace(old, stage_own=stage_own))
+    return old
+
+
+def own_staging_world(group, wire: str, case: dict, stage_own: bool | None = None):
     """One rank of the own-staging check (CPU world or GPU world; world size 2).
+
+    ``stage_own``: run with the wire's codec ``stage_own`` set so in this rank's process (None: the registry's
+    setting; restored before returning).
 
     ``case``: ``E, H, Tmax, K, A`` (buffer), ``T`` (tokens per rank), ``seed``. Returns CPU tensors: the received
     rows ``x``, ``w``, ``offs``; ``own_fwd`` / ``own_bwd`` = ``stage[RANK]`` (uint8 ``[Tmax, 2H]``) after the
@@ -41,6 +57,14 @@ def own_staging_world(group, wire: str, case: dict):
     """
     import tritonep as tep
 
+    if stage_own is not None:
+        from tritonep.wire.formats import get_wire
+
+        old = _set_stage_own(wire, stage_own)
+        try:
+            return own_staging_world(group, wire, case)
+        finally:
+            object.__setattr__(get_wire(wire), "codec", old)
     rank = dist.get_rank(group)
     c = case
     buf = tep.EPBuffer(group, c["E"], c["H"], c["Tmax"], c["K"], dispatch_wire=wire, expert_alignment=c["A"])
@@ -74,10 +98,11 @@ def _quant(wire: str, x: torch.Tensor):
     raise ValueError(f"no twin quantizer for wire {wire!r} in this check")
 
 
-def check_own_staging(res: list, wire: str, case: dict):
-    """Assert what :func:`own_staging_world` returned (``res[r]`` per rank) for ``wire``.
+def check_own_staging(res: list, wire: str, case: dict, stage_own: bool | None = None):
+    """Assert what :func:`own_staging_world` returned (``res[r]`` per rank) for ``wire`` (``stage_own``: as it was
+    given there).
 
-    ``stage[RANK]`` holds the sentinel everywhere (a wire whose codec has ``stage_own``, mxfp4: everywhere but its
+    ``stage[RANK]`` holds the sentinel everywhere (a wire whose codec has ``stage_own``: everywhere but its
     own tokens routed to its own rank, which hold the twin quantizer's bytes as a peer's would); the peer's staged
     rows routed here hold its ``x`` rows (bf16) or the twin quantizer's payload + scale bytes of them (fp8 /
     mxfp4); received rows / weights /
@@ -103,7 +128,8 @@ def check_own_staging(res: list, wire: str, case: dict):
 
     from tritonep.wire.formats import get_wire
 
-    stage_own = get_wire(wire).codec.stage_own
+    if stage_own is None:
+        stage_own = get_wire(wire).codec.stage_own
 
     def check_staged(r, s, rows, from_s):  # rows = the staging rows rank s wrote into rank r, routed: from_s
         staged = rows[:T[s]][from_s]

@@ -1,5 +1,6 @@
 """Own-rank routes skip the staging copy on every wire whose codec does not stage them (quantized wires: the expander
-encodes them itself; mxfp4 stages them, ``DeviceCodec.stage_own``).
+encodes them itself); a codec with ``DeviceCodec.stage_own`` (none by default: the test sets it on mxfp4) stages them
+like a peer's.
 
 Each rank fills its own staging rows ``stage[RANK]`` with a sentinel before a world-2 dispatch and a combine
 backward; the sentinel survives while every output is exact, and the peer's rows are staged (raw, or the twin
@@ -29,6 +30,15 @@ def test_own_rank_rows_skip_staging_on_every_wire(monkeypatch, wire, geometry):
     _geometry(monkeypatch, geometry)
     res = run_cpu_world(2, own_staging_world, wire, CPU_CASE, timeout_s=300)
     check_own_staging(res, wire, CPU_CASE)
+
+
+@pytest.mark.parametrize("geometry", [None, "bt=4,dec=3"])
+def test_own_rank_rows_staged_when_the_codec_says_so(monkeypatch, geometry):
+    """mxfp4 with ``stage_own`` set: its own tokens routed to its own rank are staged (the twin's bytes) and the
+    expander decodes them like a peer's; every output as the reference."""
+    _geometry(monkeypatch, geometry)
+    res = run_cpu_world(2, own_staging_world, "mxfp4", CPU_CASE, True, timeout_s=300)
+    check_own_staging(res, "mxfp4", CPU_CASE, stage_own=True)
 
 
 GPU_CASES = [  # (wire, geometry, case): the table's geometry at a decode and a prefill size, forced fused/two-kernel

@@ -227,6 +227,11 @@ def select_tiles(device_type: str, world_size: int, hidden: int, max_tokens_per_
             # point (one H100, world 1, 4096 tokens: fp8 rows kept 196 vs 222 us, decoded 287 vs 326; mxfp4 kept
             # 172 vs 209, decoded 326 vs 364; benchmarks/results/ep_bench.h100x1.json)
             g = replace(g, num_warps=16)
+        if big and wire == "mxfp4":
+            # its expander encodes the own rows and decodes the peers' (codec stage_own off): spill-free at 8-token
+            # tiles, which beat 16 (one H100, world 1, 4096 tokens: rows kept 136 vs 131 us but decoded 244 vs 515;
+            # tritonep.wire.kernels.quant.MXFP4_CODEC)
+            g = replace(g, bt=min(g.bt, 8))
         if big and not cap and world_size == 1 and max_tokens_per_rank >= 4096 and not get_wire(wire).quantized:
             # the world-1 bf16 expand (the only kernel that moves rows there): 8-token tiles 238 us vs 270 for 16
             # (one H100, 4096 tokens; 16 warps or a 264-program grid: no gain)

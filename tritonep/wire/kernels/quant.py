@@ -273,7 +273,9 @@ FP8_E4M3_CODEC = DeviceCodec("fp8", block=128, payload_bits=8, scale_bytes=4, sc
 """Device codec of the ``fp8`` wire (e4m3 + one fp32 scale per 128); twin :mod:`tritonep.wire.fp8`."""
 
 MXFP4_CODEC = DeviceCodec("mxfp4", block=32, payload_bits=4, scale_bytes=1, scale_dtype=tl.uint8,
-                          encode=mxfp4_quant_tile, decode=mxfp4_dequant_tile, stage_own=True)
+                          encode=mxfp4_quant_tile, decode=mxfp4_dequant_tile)
 """Device codec of the ``mxfp4`` wire (packed e2m1 + one e8m0 per 32); twin :mod:`tritonep.wire.mxfp4`. Its own-rank
-rows are staged (``stage_own``): encoding them in the expander made the world-1 dispatch slower on one H100 (rows
-kept 172 -> 184 us, decoded 326 -> 414), where fp8's got faster (196 -> 170, 287 -> 255)."""
+rows are encoded by the expander, as fp8's (``stage_own`` off), at 8-token tiles (the tiles table): there the expander
+holding both the encoder and the decoder compiles without spills, and the world-1 dispatch got faster than staging the
+own rows (one H100, DeepSeek-V3, 4096 tokens: rows kept 154 -> 136 us, decoded 287 -> 244); at 16-token tiles it
+spills and got slower (kept 131, decoded 515)."""

@@ -291,6 +291,30 @@ def test_poison_fills_only_a_refused_call():
                     assert torch.equal(t.view(ints), want), (W, limit, orig.dtype)
 
 
+def test_poison_of_a_counts_field_address():
+    """The counts given as a field of a storage block (an address: FieldView) with their shape and strides, as a
+    meta-rows handle gives them (``NormalHandle.poison_counts``: every other column of a ``[W, 2W]`` field), fill as
+    the twin on the strided view does; one MetaOps, calls of other sizes between (its kept launches per size)."""
+    from tritonep.runtime.field_view import FieldView
+
+    ops = MetaOps("cpu")
+    gen = torch.Generator().manual_seed(4)
+    for W in (1, 2, 3):
+        store = torch.randint(0, 5, (8 + 2 * W * W + 8,), generator=gen, dtype=torch.int32)
+        field = store[8:8 + 2 * W * W].view(W, 2 * W)
+        counts = field[:, 0::2]
+        fv = FieldView(store, store.data_ptr(), 8, 2 * W * W, torch.int32)
+        most = int(counts.sum(0).max())
+        for limit, n in ((most, 5), (most - 1, 7), (most - 1, 5), (most, 7)):
+            a, b = torch.randn(n, 3, generator=gen).bfloat16(), torch.rand(n, 2, generator=gen)
+            ta, tb, ka, kb = a.clone(), b.clone(), a.clone(), b.clone()
+            poison_torch(counts, limit, ta, tb)
+            ops.poison(fv, limit, ka, kb, (W, 2 * W, 2))
+            assert torch.equal(ta.view(torch.int16), ka.view(torch.int16)) and torch.equal(tb.view(torch.int32),
+                                                                                         kb.view(torch.int32))
+            assert torch.equal(ka.view(torch.int16), a.view(torch.int16)) == (limit == most), (W, limit, n)
+
+
 def test_poison_refuses_what_it_cannot_fill_in_place():
     counts = torch.ones(2, 2, dtype=torch.int32)
     for bad in (torch.zeros(4, 4)[:, :2], torch.zeros(3, dtype=torch.float64)):  # a strided view; 8-byte elements

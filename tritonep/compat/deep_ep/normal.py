@@ -64,7 +64,7 @@ class NormalMode(NormalRefusals, NormalChecks):
         self._rep_cols = {}  # (K, device) -> int64 arange(W).repeat_interleave(K): NormalHandle.repeated_slots
         self._zeros = {}   # (rows, width, device) -> bf16 zeros: the meta lane's rows in a weights-only backward
         self._inputs = {}  # meta-rows lane key -> (lane, x_in [Tmax, H] bf16, {rows: view})
-        self._eo = {}      # meta-rows lane -> (lane, its expert-output buffer, {rows: view})
+        self._eo = {}      # meta-rows lane -> its expert-output buffer
         self._wb = {}  # id(meta lane) -> [lane, float32 row weights [max_recv_tokens], rows written, {(rows, K): view}]
         self._plans = {}   # ((width, num_worst_tokens, K), capacity) -> (rows-lane key, P): _plan
         self._sends = {}   # (spec, T, E, device) -> a meta-rows dispatch's derived values (_sent), this capacity's
@@ -332,7 +332,8 @@ class NormalMode(NormalRefusals, NormalChecks):
                          meta_handle=meta_handle, slots=slots, num_tokens=T, num_rows=R, topk=K,
                          is_token_in_rank=is_token_in_rank, worst=bool(worst), meta_rows=P)
         if worst:  # refused for capacity (no host read tells): NaN rows and weights, they cannot pass for a result
-            self._ops(rows.device).poison(h.rank_counts(), worst, rows, recv_w)
+            c, shape = h.poison_counts()
+            self._ops(rows.device).poison(c, worst, rows, recv_w, shape)
         recv_x = unpack_quantized(rows, *quant) if quant is not None else rows
         if worst:
             counts = []
@@ -410,7 +411,9 @@ class NormalMode(NormalRefusals, NormalChecks):
         if h.meta_rows:  # the lane's layout holds the meta rows after the token rows: the caller's rows go into the
             # lane's expert-output buffer (one copy: a bound launch, MetaOps.copy_rows), the meta rows' sums (rows
             # T.. of the lane's output) are dropped
-            eo = self._cached_view(self._eo, lane, lane, _expert_out, h.num_rows)[0]
+            eo = self._eo.get(lane)
+            if eo is None:
+                eo = self._eo[lane] = _expert_out(lane)
             self._ops(lane.device).copy_rows(x if x.is_contiguous() else x.contiguous(), eo)
         else:
             eo = x
@@ -448,7 +451,8 @@ class NormalMode(NormalRefusals, NormalChecks):
                 yf = yf + b.float()
             y = yf.to(torch.bfloat16)
         if h.worst:  # a dispatch refused for capacity: NaN, it cannot pass for a result (MetaOps.poison)
-            self._ops(y.device).poison(h.rank_counts(), h.num_rows, y, w)
+            c, shape = h.poison_counts()
+            self._ops(y.device).poison(c, h.num_rows, y, w, shape)
         return y, w
 
     def _meta2_dispatch(self, K: int, worst: int, routes, T: int, device):

@@ -71,14 +71,15 @@ class NormalHandle(tuple):
             self._pc = p
         return p
 
-    def repeated_slots(self, columns: torch.Tensor) -> torch.Tensor:
+    def repeated_slots(self, index: torch.Tensor) -> torch.Tensor:
         """int32 ``[T, W*K]``: the token rows' slots, each repeated K times (K routes per (token, receiving rank),
-        in the rows lane's order), given ``columns`` = int64 ``arange(W).repeat_interleave(K)`` on the slots'
-        device: the routing of the meta-lane dispatch a combine of ``topk_weights`` runs after a meta-rows dispatch
-        (made once per handle, on first use: one ``index_select``)."""
+        in the rows lane's order), given ``index`` = int64 ``[T, W*K]`` with ``index[t, j] = t*W + j // K`` on the
+        slots' device: the routing of the meta-lane dispatch a combine of ``topk_weights`` runs after a meta-rows
+        dispatch (made once per handle, on first use: one ``take`` of the slots, the meta rows' never read; the
+        same values as ``slots[:T].index_select(1, arange(W).repeat_interleave(K))``)."""
         r = self._rep
         if r is None:
-            r = self._rep = self.slots[:self.num_tokens].index_select(1, columns)
+            r = self._rep = self.slots.take(index)
         return r
 
     def _field(self, i: int):

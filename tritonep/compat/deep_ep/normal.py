@@ -27,7 +27,7 @@ import torch
 from ... import envs
 from ...errors import CapacityError, ConfigError, InputError, PeerInputError, TritonEPError
 from .handles import NormalHandle
-from .normal_checks import _ID_DTYPES, NormalChecks, _plain_dispatch, _plain_rows, _tensor, _width
+from .normal_checks import _ID_DTYPES, NormalChecks, _plain_dispatch, _plain_rows, _plain_weights, _tensor, _width
 from .normal_refusal import NormalRefusals, _synced
 from .packing import meta_rows_per_rank, meta_width, rank_slots, unpack_quantized
 
@@ -61,7 +61,7 @@ class NormalMode(NormalRefusals, NormalChecks):
         self._ones = {}    # device -> float32 ones [n, W] (grown on demand)
         self._ones_v = {}  # (n, device) -> its first n rows (a view made once)
         self._ones_k = {}  # (n, K, device) -> float32 ones [n, W*K]: the meta lane's route weights of a combine
-        self._rep_cols = {}  # (K, device) -> int64 arange(W).repeat_interleave(K): NormalHandle.repeated_slots
+        self._rep_idx = {}  # (T, K, device) -> int64 [T, W*K] take index of NormalHandle.repeated_slots
         self._zeros = {}   # (rows, width, device) -> bf16 zeros: the meta lane's rows in a weights-only backward
         self._inputs = {}  # meta-rows lane key -> (lane, x_in [Tmax, H] bf16, {rows: view})
         self._eo = {}      # meta-rows lane -> its expert-output buffer
@@ -401,10 +401,11 @@ class NormalMode(NormalRefusals, NormalChecks):
         PeerInputError naming this rank; otherwise their output is NaN and their next synced dispatch or
         ``check()`` raises it."""
         own = self._own(h)
-        if not (refused is None and own and topk_weights is None and bias is None and _plain_rows(x, h)):
+        if not (refused is None and own and bias is None and _plain_rows(x, h)
+                and (topk_weights is None or _plain_weights(topk_weights, h))):
             biases = self._combine_checked(x, h, topk_weights, bias, refused, own)
-        else:  # the common call (bf16 rows of the dispatch's shape, on its device, no weights or bias): every check
-            biases = ()  # of _combine_checked passes
+        else:  # the common calls (bf16 rows of the dispatch's shape, on its device, float32 weights of its [rows, K]
+            biases = ()  # or none, no bias): every check of _combine_checked passes
         # whether the rows lane's combine reads its status
         reads = h.x_handle.num_recv_rows is not None and _synced(False, self.lanes.sync_checks)
         lane, T = h.x_lane, h.num_tokens
@@ -434,7 +435,7 @@ class NormalMode(NormalRefusals, NormalChecks):
             if h.meta_rows:  # the top-k came as meta rows: a meta lane routed like the rows lane takes the weights
                 # back (its dispatch moves no payload: 16-byte rows)
                 meta, mh = self._meta2_dispatch(K, h.num_rows if h.worst else 0,
-                                                h.repeated_slots(self._columns(K, lane.device)), T, lane.device)
+                                                h.repeated_slots(self._rep_index(T, K, lane.device)), T, lane.device)
             else:
                 meta, mh = h.meta_lane, h.meta_handle
             # the weights go back unsummed on the meta lane's routes (one per (token, rank, slot)), the meta lane's
@@ -464,12 +465,17 @@ class NormalMode(NormalRefusals, NormalChecks):
         return meta, meta.dispatch(self._zero_rows(T, meta.hidden, device), routes,
                                    self._ones_wk(T, K, device), sync_free=True).handle
 
-    def _columns(self, K: int, device) -> torch.Tensor:
-        """int64 ``arange(W).repeat_interleave(K)`` on ``device`` (made once per K): the columns of a dispatch's
-        slots that :meth:`NormalHandle.repeated_slots` selects."""
-        c = self._rep_cols.get((K, device))
+    def _rep_index(self, T: int, K: int, device) -> torch.Tensor:
+        """int64 ``[T, W*K]`` on ``device``, ``[t, j] = t*W + j // K``: the elements of a dispatch's slots ``[>= T, W]``
+        that :meth:`NormalHandle.repeated_slots` takes (made once per (T, K, device); at most 64 kept, then they are
+        made again: meta rows only, so T is small)."""
+        c = self._rep_idx.get((T, K, device))
         if c is None:
-            c = self._rep_cols[(K, device)] = torch.arange(self.W, device=device).repeat_interleave(K)
+            if len(self._rep_idx) >= 64:
+                self._rep_idx.clear()
+            W = self.W
+            c = self._rep_idx[(T, K, device)] = (torch.arange(T, device=device).unsqueeze(1) * W
+                                                 + torch.arange(W, device=device).repeat_interleave(K)).contiguous()
         return c
 
     def _weights_back(self, meta, rows: int, K: int, topk_weights):

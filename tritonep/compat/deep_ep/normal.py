@@ -67,7 +67,7 @@ class NormalMode(NormalRefusals, NormalChecks):
         self._eo = {}      # meta-rows lane -> its expert-output buffer
         self._wb = {}  # id(meta lane) -> [lane, float32 row weights [max_recv_tokens], rows written, {(rows, K): view}]
         self._plans = {}   # ((width, num_worst_tokens, K), capacity) -> (rows-lane key, P): _plan
-        self._sends = {}   # (spec, T, E, device) -> a meta-rows dispatch's derived values (_sent), this capacity's
+        self._sends = {}   # (spec, T, E, device) -> a dispatch's derived values (_sent), this capacity's
         self._sends_tcap = None  # ... the shared capacity they were derived under
         self._last_x_key = None  # the latest dispatch's rows-lane key
         self._last_spec = None  # ... and what chose it: (width, num_worst_tokens, K)
@@ -183,10 +183,11 @@ class NormalMode(NormalRefusals, NormalChecks):
         return bool(K) and not sync_free and lane.sums_counts and E // self.W <= COUNT_COLUMNS
 
     def _sent(self, spec, T: int, E: int, device):
-        """What an earlier meta-rows dispatch of ``(spec, T, E, device)`` worked out under the current shared
-        capacity: ``(tcap, lane, key, P, x_in, lane_x, w, ops, counted)`` (the lane, its key and P, its kept input
-        and the view of its first ``T + W*P`` rows, the route weights, the device's :class:`MetaOps`, whether the
-        call carries the count routing), or None: not seen yet, the capacity grew (every entry is dropped then) or
+        """What an earlier dispatch of ``(spec, T, E, device)`` worked out under the current shared capacity:
+        ``(tcap, lane, key, P, x_in, lane_x, w, ops, counted)`` (the lane, its key and P, with meta rows its kept
+        input and the view of its first ``T + W*P`` rows (else None, None: the call's own rows travel), the route
+        weights, the device's :class:`MetaOps` (None without top-k and meta rows), whether the call carries the
+        count routing), or None: not seen yet, the capacity grew (every entry is dropped then) or
         the key's lane is another one. The same values :meth:`_send` would derive again."""
         tcap = self.lanes.tcap
         if tcap != self._sends_tcap:
@@ -217,9 +218,16 @@ class NormalMode(NormalRefusals, NormalChecks):
             self._last_x_key, self._last_spec = key, spec
             try:
                 meta = None
-                if got is not None:  # a meta-rows call of a (spec, T, E) seen under this capacity and lane
+                if got is not None:  # a call of a (spec, T, E) seen under this capacity and lane
                     _, _, _, _, x_in, lane_x, w, ops, counted = got
-                    slots = ops.pack_rows(payload, itr, topk_idx, topk_weights, x_in, E, P)
+                    if P:
+                        slots = ops.pack_rows(payload, itr, topk_idx, topk_weights, x_in, E, P)
+                    else:
+                        lane_x = payload
+                        if K:
+                            slots, *meta = ops.pack(itr, topk_idx, topk_weights)
+                        else:
+                            slots = rank_slots(itr, self._ranks_on(device))
                 elif P:
                     tcap = self.lanes.tcap
                     if T > tcap:  # the lane's input holds the capacity: refused here, taking part as refused
@@ -236,12 +244,18 @@ class NormalMode(NormalRefusals, NormalChecks):
                         self._sends, self._sends_tcap = {}, tcap
                     self._sends[(spec, T, E, device)] = (tcap, lane, key, P, x_in, lane_x, w, ops, counted)
                 else:
+                    ops = None
                     if K:  # both lanes' inputs in one launch (twin: packing.pack_torch)
-                        slots, *meta = self._ops(device).pack(itr, topk_idx, topk_weights)
+                        ops = self._ops(device)
+                        slots, *meta = ops.pack(itr, topk_idx, topk_weights)
                     else:
                         slots = rank_slots(itr, self._ranks_on(device))
                     lane_x, w = payload, self._ones_rows(T, device)
                     counted = self._counted(lane, K, sync_free, E)
+                    tcap = self.lanes.tcap
+                    if self._sends_tcap != tcap:
+                        self._sends, self._sends_tcap = {}, tcap
+                    self._sends[(spec, T, E, device)] = (tcap, lane, key, 0, None, None, w, ops, counted)
                 if counted:
                     # DeepEP's per-expert receive counts, exchanged and summed in the lane's own exchange (its count
                     # routing: handle.count_sums where the lane computes them, the decode tiles), read with its status

@@ -12,7 +12,9 @@ timing host steps between real interpreted launches, as ``benchmarks/probes/host
 every host step 2-10x on a loaded 2-core machine). Reported: per side the minimum over 3 rounds of the median of
 ``--iters`` round trips (us); ``--split``: inclusive time of the main host functions (a wrapper each, ~0.5 us added);
 ``--cprofile N``: cProfile's top N by own time. Decode tiles (``TRITONEP_GEOMETRY=bt=2,dec=3``, what a GPU takes up to
-256 tokens) unless ``--geometry``. This machine's time only: compare sides and commits in one run.
+256 tokens) unless ``--geometry``. ``--meta-rows-max-tokens 0``: the compat Buffer's top-k in the meta lane (the way
+larger token counts take: a second EPBuffer dispatch, no row copies; default: the Buffer's default, meta rows at
+these sizes). This machine's time only: compare sides and commits in one run.
 """
 
 import argparse
@@ -27,7 +29,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-def _rank(group, T, H, E, K, geometry, n, split, cprofile):
+def _rank(group, T, H, E, K, geometry, n, split, cprofile, mrm):
     import gc
 
     import torch.distributed as dist
@@ -36,6 +38,8 @@ def _rank(group, T, H, E, K, geometry, n, split, cprofile):
         os.environ["TRITONEP_GEOMETRY"] = geometry
     import tritonep as tep
     import tritonep.compat.deep_ep as deep_ep
+    if mrm is not None:
+        deep_ep.DEFAULTS["meta_rows_max_tokens"] = mrm  # the Buffer compat_setup makes passes none
     from tritonep.runtime.bound import BoundKernel
     from host_path import compat_setup  # this folder's compat probe: the same inputs and buffers
 
@@ -141,12 +145,15 @@ def main():
     ap.add_argument("--geometry", default="bt=2,dec=3")
     ap.add_argument("--split", action="store_true")
     ap.add_argument("--cprofile", type=int, default=0)
+    ap.add_argument("--meta-rows-max-tokens", type=int, default=None, help="the compat Buffer's meta_rows_max_tokens "
+                    "(0: the meta lane's way)")
     a = ap.parse_args()
     from tritonep.testing import run_cpu_world
 
     T, H = a.tokens, a.hidden
     res = run_cpu_world(1, _rank, T, H, a.experts, a.topk, a.geometry, a.iters, a.split, a.cprofile,
-                        heap_bytes=64 * 2**20 + 8 * T * a.topk * H * 2, check_protocol=False, timeout_s=1800)[0]
+                        a.meta_rows_max_tokens, heap_bytes=64 * 2**20 + 8 * T * a.topk * H * 2,
+                        check_protocol=False, timeout_s=1800)[0]
     for k, d in res.items():
         print("=====", k, "(us: min over 3 rounds of the median of --iters)")
         for f, v in sorted(d.items(), key=lambda kv: -kv[1]):

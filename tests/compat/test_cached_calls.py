@@ -6,14 +6,14 @@ goes"): a warm Buffer must give what a fresh one gives for the same call.
   another lane, and a refused rank on the latest one would leave them waiting (a timeout, the Buffer then unusable).
   A ``num_worst_tokens`` that is not an int >= 0 is refused on every rank (the latest dispatch's value stands in).
   W = 2, both backends; mutation-checked (taking part with the latest dispatch's lane alone: the peers time out).
-* Calls that share a kept meta-rows dispatch entry (the same row width, ``num_worst_tokens``, K, T and E) with other
-  inputs: int32 then int64 ids, non-contiguous ``x`` / ``topk_idx`` / ``topk_weights``, caller-quantized rows after
-  bf16 ones, a rank with no tokens, a capacity growth and back to the first T (the entries are dropped and remade),
-  a handle from before the growth combined after it; combines with and without ``topk_weights`` over handles of
-  more, then fewer, then more rows (the kept weights buffer zeroed only where an earlier, longer call wrote: checked
-  on the buffer itself, its stale tail is never read back). Every result against DeepEP's semantics as plain loops
-  (:mod:`tests.compat.deepep_reference`). Mutation-checked: the kept entries keyed without T, or kept over a
-  capacity growth, or the weights buffer's tail left unzeroed, each fail.
+* Calls that share a kept dispatch entry (the same row width, ``num_worst_tokens``, K, T and E; with meta rows or the
+  meta lane's way, ``meta_rows_max_tokens=0``) with other inputs: int32 then int64 ids, non-contiguous ``x`` /
+  ``topk_idx`` / ``topk_weights``, caller-quantized rows after bf16 ones, a rank with no tokens, a capacity growth and
+  back to the first T (the entries are dropped and remade), a handle from before the growth combined after it;
+  combines with and without ``topk_weights`` over handles of more, then fewer, then more rows (the kept weights buffer
+  zeroed only where an earlier, longer call wrote: checked on the buffer itself, its stale tail is never read back).
+  Every result against DeepEP's semantics as plain loops (:mod:`tests.compat.deepep_reference`). Mutation-checked: the
+  kept entries keyed without T, or kept over a capacity growth, or the weights buffer's tail left unzeroed, each fail.
 """
 
 import pytest
@@ -171,6 +171,6 @@ def _warm_calls(group, backend, meta_rows_max_tokens):
     return bad
 
 
-@pytest.mark.parametrize("backend,meta_rows_max_tokens", [("triton", 256), ("nccl", 256), ("nccl", 0)])
+@pytest.mark.parametrize("backend,meta_rows_max_tokens", [("triton", 256), ("nccl", 256), ("nccl", 0), ("triton", 0)])
 def test_warm_buffer_calls_match_the_reference(backend, meta_rows_max_tokens):
     assert run_cpu_world(2, _warm_calls, backend, meta_rows_max_tokens, timeout_s=600) == [[], []]

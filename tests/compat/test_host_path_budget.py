@@ -39,7 +39,7 @@ T, H, E, K = 12, 64, 8, 3
 
 # call -> (torch calls, aten ops, allocations, torch kernels, launches, host reads), world 2, T tokens per rank
 BUDGET = {  # the CPU's own tiles: the two-kernel lane dispatch (what a GPU takes at 4096 tokens)
-    "layout": (10, 3, 2, 0, 1, 0),  # in_rank + one block for both counts (split in two views)
+    "layout": (8, 3, 2, 0, 1, 0),  # in_rank + one block for both counts (split in two views); no autograd mode set
     # pack (1) + rows lane (4) + unpack (1); one pinned read (the counts with the rows lane's status: its count
     # routing, summed in the counts exchange launch; was 58 calls and two reads); slots, the outputs, the lane's
     # handle and rows (4 of the torch calls: attribute reads of the refusal bookkeeping, which lanes were read and
@@ -50,45 +50,48 @@ BUDGET = {  # the CPU's own tiles: the two-kernel lane dispatch (what a GPU take
     "combine": (14, 2, 1, 0, 3, 1),  # +1: the device check of x; the checks in one pass: -1; the copy a bound
     # launch (MetaOps.copy_rows: +1 torch call, x.is_contiguous; -1 torch kernel)
     # combine(..., topk_weights): Megatron's fused-dispatch backward, a handle's first. + the meta lane routed like the
-    # rows lane (its sync-free dispatch, one launch: the handle's slots K-fold, one index_select made once per handle;
+    # rows lane (its sync-free dispatch, one launch: the handle's slots K-fold, one take made once per handle;
     # its outputs) and its backward (one launch: the weights back unsummed into the kept zeroed weight rows, one copy;
     # its output), the ranks' sum of the weights (a torch kernel). Was 54 / 18 / 7 / 6: a repeat_interleave, a zeroed
     # weight buffer and its copy per call
-    "combine_w": (52, 11, 5, 4, 9, 1),  # +2: the device checks of x and topk_weights; the copy a launch
+    "combine_w": (49, 10, 5, 4, 9, 1),  # +2: the device checks of x and topk_weights; the copy a launch; the
+    # repeated slots one take of the slots (was a slice and an index_select); the weights checked in one pass (-2)
     # num_worst_tokens: no read at all; + the capacity poison launch (NaN rows and weights when the call overflowed:
     # no host read can tell) on the token rows' counts (a strided view of the exchange's); the torch kernel: the
     # lane's zeroed row weights (EPBuffer's sync-free dispatch on these tiles)
-    "worst_dispatch": (64, 10, 5, 1, 7, 0),
-    "worst_combine": (23, 2, 1, 0, 4, 0),  # + the capacity poison launch on the combined rows; +1: x's device; the
+    "worst_dispatch": (55, 6, 5, 1, 7, 0),  # the poison reads the counts field's address (no view of it: was 64 / 10)
+    "worst_combine": (18, 2, 1, 0, 4, 0),  # + the capacity poison launch on the combined rows; +1: x's device; the
     # copy a launch
-    "worst_combine_w": (64, 11, 5, 4, 10, 0),  # was 66 / 17 / 7 / 6; +2: the device checks; the copy a launch
+    "worst_combine_w": (56, 10, 5, 4, 10, 0),  # was 66 / 17 / 7 / 6; +2: the device checks; the copy a launch
 }
 BUDGET_DECODE = {  # TRITONEP_GEOMETRY=bt=2,dec=3: the one-launch decode tiles (what a GPU takes up to 256 tokens)
-    "layout": (10, 3, 2, 0, 1, 0),
+    "layout": (8, 3, 2, 0, 1, 0),
     # pack + rows lane (1) + unpack; no torch kernel; ONE read: the per-expert counts come with the rows lane's status
     # (its count routing, EPBuffer.dispatch(count_ids=...)), the unpacking publishes nothing (was 58 calls, 2 reads:
     # the unpacking's histogram read after the rows moved; + 4 attribute reads of the count routing's check; the
     # arguments' checks in one pass: was 62)
     "dispatch": (52, 6, 3, 0, 3, 1),
     "combine": (14, 2, 0, 0, 2, 1),  # +1: the device check of x; the checks in one pass: -1; the copy a launch
-    "combine_w": (53, 11, 2, 3, 4, 1),  # was 55 / 18 / 4 / 5; +2: the device checks of x and topk_weights; the
+    "combine_w": (50, 10, 2, 3, 4, 1),  # was 55 / 18 / 4 / 5; the repeated slots one take, the weights' checks in
+    # one pass (was 53 / 11); +2: the device checks of x and topk_weights; the
     # copy a launch
-    "worst_dispatch": (65, 10, 3, 0, 4, 0),
-    "worst_combine": (23, 2, 0, 0, 3, 0),  # +1: the device check of x; the copy a launch
-    "worst_combine_w": (65, 11, 2, 3, 5, 0),  # was 67 / 17 / 4 / 5; +2: the device checks; the copy a launch
+    "worst_dispatch": (56, 6, 3, 0, 4, 0),  # the poison: the counts field's address (was 65 / 10)
+    "worst_combine": (18, 2, 0, 0, 3, 0),  # +1: the device check of x; the copy a launch
+    "worst_combine_w": (57, 10, 2, 3, 5, 0),  # was 67 / 17 / 4 / 5; +2: the device checks; the copy a launch
 }
 BUDGET_META_LANE = {  # meta_rows_max_tokens=0, decode tiles: the top-k in the meta lane
-    "layout": (10, 3, 2, 0, 1, 0),
+    "layout": (8, 3, 2, 0, 1, 0),
     # pack (both lanes' inputs: one block, four views) + rows lane (1) + meta lane (1) + unpack; no torch kernel; one
     # read: the counts with the rows lane's status (was 2 reads, 77 calls)
     "dispatch": (73, 15, 3, 0, 4, 1),  # the arguments' checks in one pass (was 81)
     "combine": (11, 1, 0, 0, 1, 1),  # +1: the device check of x; the checks in one pass: -1
     # + the meta lane's backward (the weights into the kept zeroed weight rows: one copy) and the ranks' sum
-    "combine_w": (31, 6, 2, 2, 2, 1),  # was 33 / 9 / 3 / 3: a zeroed weight buffer and its copy per call;
+    "combine_w": (29, 6, 2, 2, 2, 1),  # was 33 / 9 / 3 / 3: a zeroed weight buffer and its copy per call; the
+    # weights' checks in one pass (was 31);
     # +2: the device checks of x and topk_weights
-    "worst_dispatch": (86, 19, 3, 0, 5, 0),
-    "worst_combine": (20, 1, 0, 0, 2, 0),  # +1: the device check of x
-    "worst_combine_w": (43, 6, 2, 2, 3, 0),  # was 45 / 8 / 3 / 3; +2: the device checks
+    "worst_dispatch": (78, 16, 3, 0, 5, 0),  # the poison: the counts field's address (was 86 / 19)
+    "worst_combine": (15, 1, 0, 0, 2, 0),  # +1: the device check of x
+    "worst_combine_w": (36, 6, 2, 2, 3, 0),  # was 45 / 8 / 3 / 3; +2: the device checks
 }
 
 

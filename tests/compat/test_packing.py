@@ -291,8 +291,56 @@ def test_poison_fills_only_a_refused_call():
                     assert torch.equal(t.view(ints), want), (W, limit, orig.dtype)
 
 
+def test_poison_of_a_counts_field_address():
+    """The counts given as a field of a storage block (an address: FieldView) with their shape and strides, as a
+    meta-rows handle gives them (``NormalHandle.poison_counts``: every other column of a ``[W, 2W]`` field), fill as
+    the twin on the strided view does; one MetaOps, calls of other sizes between (its kept launches per size)."""
+    from tritonep.runtime.field_view import FieldView
+
+    ops = MetaOps("cpu")
+    gen = torch.Generator().manual_seed(4)
+    for W in (1, 2, 3):
+        store = torch.randint(0, 5, (8 + 2 * W * W + 8,), generator=gen, dtype=torch.int32)
+        field = store[8:8 + 2 * W * W].view(W, 2 * W)
+        counts = field[:, 0::2]
+        fv = FieldView(store, store.data_ptr(), 8, 2 * W * W, torch.int32)
+        most = int(counts.sum(0).max())
+        for limit, n in ((most, 5), (most - 1, 7), (most - 1, 5), (most, 7)):
+            a, b = torch.randn(n, 3, generator=gen).bfloat16(), torch.rand(n, 2, generator=gen)
+            ta, tb, ka, kb = a.clone(), b.clone(), a.clone(), b.clone()
+            poison_torch(counts, limit, ta, tb)
+            ops.poison(fv, limit, ka, kb, (W, 2 * W, 2))
+            assert torch.equal(ta.view(torch.int16), ka.view(torch.int16)) and torch.equal(tb.view(torch.int32),
+                                                                                         kb.view(torch.int32))
+            assert torch.equal(ka.view(torch.int16), a.view(torch.int16)) == (limit == most), (W, limit, n)
+
+
 def test_poison_refuses_what_it_cannot_fill_in_place():
     counts = torch.ones(2, 2, dtype=torch.int32)
     for bad in (torch.zeros(4, 4)[:, :2], torch.zeros(3, dtype=torch.float64)):  # a strided view; 8-byte elements
         with pytest.raises(InputError, match="contiguous"):
             MetaOps("cpu").poison(counts, 0, torch.zeros(2), bad)
+
+
+def test_repeated_slots_take_the_token_rows_k_fold():
+    """A handle's repeated slots (the routes of the meta-lane dispatch a combine of topk_weights runs) are the token
+    rows' slots, each column repeated K times (``slots[:T].index_select(1, arange(W).repeat_interleave(K))``), the
+    meta rows' never read; the take index kept per (T, K) gives the right rows when T and K change between calls and
+    after the kept indices are dropped (more than 64 shapes)."""
+    from tritonep.compat.deep_ep.handles import NormalHandle
+    from tritonep.compat.deep_ep.normal import NormalMode
+
+    gen = torch.Generator().manual_seed(6)
+    for W in (1, 2, 3):
+        mode = NormalMode(0, None, 0, W)
+        shapes = [(T, K) for T in (1, 5, 12, 5) for K in (1, 3, 8)] + [(n % 9 + 1, n % 4 + 1) for n in range(70)]
+        for T, K in shapes:
+            P = 2
+            slots = torch.randint(-1, 50, (T + W * P, W), generator=gen, dtype=torch.int32)
+            h = NormalHandle(owner=0, x_lane=None, x_handle=None, meta_lane=None, meta_handle=None, slots=slots,
+                             num_tokens=T, num_rows=0, topk=K, is_token_in_rank=None, worst=False, meta_rows=P)
+            got = h.repeated_slots(mode._rep_index(T, K, slots.device))
+            want = slots[:T].index_select(1, torch.arange(W).repeat_interleave(K))
+            assert got.dtype == torch.int32 and got.is_contiguous() and torch.equal(got, want), (W, T, K)
+            assert h.repeated_slots(None) is got  # made once per handle
+        assert len(mode._rep_idx) <= 64

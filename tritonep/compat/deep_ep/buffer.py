@@ -242,11 +242,8 @@ class Buffer:
         self._open()
         if previous_event is not None or allocate_on_comm_stream:
             _begin(previous_event, async_finish, allocate_on_comm_stream)
-        grad = _no_grad()
-        try:
-            per_rank, per_expert, in_rank = self._normal.layout(topk_idx, num_experts)
-        finally:
-            _set_grad(grad)
+        # no autograd mode to set: two int32 / bool allocations and a split of one of them (no op autograd records)
+        per_rank, per_expert, in_rank = self._normal.layout(topk_idx, num_experts)
         return per_rank, None, per_expert, in_rank, (_end(True, (topk_idx, per_rank, per_expert, in_rank))
                                                      if async_finish else EventOverlap(None))
 
@@ -292,7 +289,8 @@ class Buffer:
             :meth:`check`); BufferStateError after :meth:`destroy`.
         """
         self._open()
-        refused = _begun(previous_event, async_finish, allocate_on_comm_stream)
+        refused = None if previous_event is None and not allocate_on_comm_stream else \
+            _begun(previous_event, async_finish, allocate_on_comm_stream)
         grad = _no_grad()
         try:
             recv_x, recv_idx, recv_w, counts, h = self._normal.dispatch(
@@ -333,7 +331,8 @@ class Buffer:
             combine input was refused. BufferStateError after :meth:`destroy`.
         """
         self._open()
-        refused = _begun(previous_event, async_finish, allocate_on_comm_stream)
+        refused = None if previous_event is None and not allocate_on_comm_stream else \
+            _begun(previous_event, async_finish, allocate_on_comm_stream)
         grad = _no_grad()
         try:
             y, w = self._normal.combine(x, handle, topk_weights, bias, refused)

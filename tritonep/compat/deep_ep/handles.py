@@ -40,7 +40,7 @@ class NormalHandle(tuple):
         h.__dict__.update(owner=owner, x_lane=x_lane, x_handle=x_handle, meta_lane=meta_lane,
                           meta_handle=meta_handle, slots=slots, num_tokens=num_tokens, num_rows=num_rows, topk=topk,
                           is_token_in_rank=is_token_in_rank, worst=worst, meta_rows=meta_rows, _rpm=None,
-                          _rc=None, _rep=None)
+                          _rc=None, _rep=None, _pc=None)
         return h
 
     def rank_counts(self) -> torch.Tensor:
@@ -52,14 +52,34 @@ class NormalHandle(tuple):
             c = self._rc = c[:, 0::2] if self.meta_rows else c
         return c
 
-    def repeated_slots(self, columns: torch.Tensor) -> torch.Tensor:
+    def poison_counts(self) -> tuple:
+        """``(counts, (W, stride0, stride1))``: :meth:`rank_counts` as the capacity poison launch reads it
+        (:meth:`tritonep.compat.deep_ep.meta.MetaOps.poison`'s ``counts`` and ``shape``), made once. On the triton
+        backend ``counts`` is the exchange's counts field of the rows lane's storage block as a
+        :class:`tritonep.runtime.field_view.FieldView` (an address and a dtype: no tensor view made; the strides of
+        the ``[W, E]`` field's token-row columns, ``(E, 2)`` with meta rows, ``(E, 1)`` without), the same address
+        and strides :meth:`rank_counts` has; elsewhere :meth:`rank_counts` itself."""
+        p = self._pc
+        if p is None:
+            xh = self.x_handle
+            layout = getattr(xh, "layout", None)
+            if self._rc is None and layout is not None and hasattr(layout, "field_view"):
+                p = (layout.field_view(xh.store, "counts"), (layout.W, layout.E, 2 if self.meta_rows else 1))
+            else:
+                c = self.rank_counts()
+                p = (c, (c.shape[0], c.stride(0), c.stride(1)))
+            self._pc = p
+        return p
+
+    def repeated_slots(self, index: torch.Tensor) -> torch.Tensor:
         """int32 ``[T, W*K]``: the token rows' slots, each repeated K times (K routes per (token, receiving rank),
-        in the rows lane's order), given ``columns`` = int64 ``arange(W).repeat_interleave(K)`` on the slots'
-        device: the routing of the meta-lane dispatch a combine of ``topk_weights`` runs after a meta-rows dispatch
-        (made once per handle, on first use: one ``index_select``)."""
+        in the rows lane's order), given ``index`` = int64 ``[T, W*K]`` with ``index[t, j] = t*W + j // K`` on the
+        slots' device: the routing of the meta-lane dispatch a combine of ``topk_weights`` runs after a meta-rows
+        dispatch (made once per handle, on first use: one ``take`` of the slots, the meta rows' never read; the
+        same values as ``slots[:T].index_select(1, arange(W).repeat_interleave(K))``)."""
         r = self._rep
         if r is None:
-            r = self._rep = self.slots[:self.num_tokens].index_select(1, columns)
+            r = self._rep = self.slots.take(index)
         return r
 
     def _field(self, i: int):

@@ -150,9 +150,14 @@ class Lanes:
     def unread(self, *lanes) -> None:
         """Note lanes (EPBuffers of this Buffer; None is skipped) that just ran a call reading nothing on the host, so
         that :meth:`check` reads them."""
+        unread = self._unread
         for lane in lanes:
-            if lane is not None and all(u is not lane for u in self._unread):
-                self._unread.append(lane)
+            if lane is not None:
+                for u in unread:  # by identity (a loop: no generator per lane)
+                    if u is lane:
+                        break
+                else:
+                    unread.append(lane)
 
     def check(self, every: bool = False, skip=None) -> None:
         """Read the status word of every lane noted by :meth:`unread` since the last check (``every``: of every lane,

@@ -50,9 +50,9 @@ def _p2(n: int) -> int:
 _BYTE_DTYPES = (torch.int8, torch.uint8)
 
 
-def _fillable(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as the poison kernel takes it (it writes integers of ``t``'s element size through its address): ``t``
-    itself, or an int8 view of a one-byte float (fp8: no dtype of the interpreter's).
+def _fillable(t: torch.Tensor) -> tuple:
+    """``(t as the poison kernel takes it, its element size)`` (it writes integers of ``t``'s element size through
+    its address): ``t`` itself, or an int8 view of a one-byte float (fp8: no dtype of the interpreter's).
 
     Raises:
         InputError: ``t`` not contiguous (the fill would miss its elements), or not of 1-, 2- or 4-byte elements."""
@@ -60,7 +60,7 @@ def _fillable(t: torch.Tensor) -> torch.Tensor:
     if n not in (1, 2, 4) or not t.is_contiguous():
         raise InputError(f"poison needs contiguous tensors of 1-, 2- or 4-byte elements, got {t.dtype} "
                          f"{tuple(t.shape)} strides {t.stride()}")
-    return t.view(torch.int8) if n == 1 and t.dtype not in _BYTE_DTYPES else t
+    return (t.view(torch.int8) if n == 1 and t.dtype not in _BYTE_DTYPES else t), n
 
 
 def _floor_p2(n: int) -> int:
@@ -103,6 +103,9 @@ class MetaOps:
         self._launch_grids: dict = {}
         # variant key -> (bound launch, token tile) of the meta-rows unpacking (its grid: cdiv(rows, tile) per call)
         self._unpack_tiles: dict = {}
+        # (W, elements and element size of both fills) -> (bound launch, grid) of the capacity poison
+        self._poisons: dict = {}
+        self._copies: dict = {}  # row width -> (bound launch, token tile) of the combine's row copy
         self.host_reads = 0
 
     def _zeros(self, key, n: int) -> torch.Tensor:
@@ -312,31 +315,44 @@ class MetaOps:
         self._unpack_tiles[key] = (bk, self._tile[key])
         return self._unpack(bk, key, num_rows, K, L, idx_dtype, rows.device, read, (rows, offsets, num_rows))
 
-    def poison(self, counts: torch.Tensor, limit: int, a: torch.Tensor, b: torch.Tensor | None = None) -> None:
+    def poison(self, counts, limit: int, a: torch.Tensor, b: torch.Tensor | None = None,
+               shape: tuple | None = None) -> None:
         """Fill ``a`` (and ``b``) with NaN bits in place when some column of ``counts`` (int32 ``[W, W]``, this
         device) sums to more than ``limit``; no host read. ``a`` / ``b``: contiguous tensors of 1-, 2- or 4-byte
-        elements on this device (no view made of them but for fp8's int8). One launch of
-        :func:`tritonep.compat.deep_ep.kernels.poison.poison_kernel`
+        elements on this device (no view made of them but for fp8's int8). ``shape``: ``(W, stride0, stride1)`` of
+        ``counts`` when it is given as an address (a :class:`tritonep.runtime.field_view.FieldView`:
+        :meth:`tritonep.compat.deep_ep.handles.NormalHandle.poison_counts`); None: read from the tensor. One launch
+        of :func:`tritonep.compat.deep_ep.kernels.poison.poison_kernel`
         (``min(cdiv(n, BLOCK), 132)`` programs on a GPU, 1 on a CPU); same bits as
         :func:`tritonep.compat.deep_ep.packing.poison_torch`.
 
         Raises:
             InputError: ``a`` or ``b`` not contiguous, or of another element size (before the launch)."""
-        W = counts.shape[0]
-        av = _fillable(a)
-        bv = _fillable(b) if b is not None else av
+        W, cs0, cs1 = (counts.shape[0], counts.stride(0), counts.stride(1)) if shape is None else shape
+        av, ab = _fillable(a)
+        bv, bb = _fillable(b) if b is not None else (av, ab)
         na, nb = av.numel(), (bv.numel() if b is not None else 0)
+        got = self._poisons.get((W, na, ab, nb, bb))
+        if got is None:
+            got = self._poison_launch(W, na, ab, nb, bb)
+        got[0]((got[1],), counts, cs0, cs1, int(limit), av, na, bv, nb, got[1])
+
+    def _poison_launch(self, W: int, na: int, ab: int, nb: int, bb: int) -> tuple:
+        """``(bound launch, grid)`` of a poison over ``W`` ranks of ``na`` / ``nb`` elements of ``ab`` / ``bb``
+        bytes (the variant bound on first use; kept per those values, at most 4096, then looked up again)."""
         n = max(na, nb)
         block = 1024 if self._cuda else 4096
         grid = min(max(_cdiv(n, block), 1), 132) if self._cuda else 1
-        ab, bb = av.element_size(), bv.element_size()
         key = ("poison", W, block, ab, bb)
         bk = self._launch.bound(key)
         if bk is None:
             bk = self._launch.variant(key, lambda: self._launch.bind(poison_kernel, dict(
                 W=W, WB=_p2(W), BLOCK=block, AB=ab, BB=bb, num_warps=4),
                 ("counts_ptr", "cs0", "cs1", "limit", "a_ptr", "NA", "b_ptr", "NB", "nprog")))
-        bk((grid,), counts, counts.stride(0), counts.stride(1), int(limit), av, na, bv, nb, grid)
+        if len(self._poisons) >= 4096:
+            self._poisons.clear()
+        got = self._poisons[(W, na, ab, nb, bb)] = (bk, grid)
+        return got
 
     def copy_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """``dst[:n] = src`` bit for bit: ``src [n, H]`` bf16, ``dst [>= n, H]`` bf16, both contiguous on this device
@@ -346,11 +362,14 @@ class MetaOps:
         n, H = src.shape
         if not n:
             return
-        key = ("copy_rows", H)
-        bk = self._launch.bound(key)
-        if bk is None:
-            bt = 2 if self._cuda else 64
-            bk = self._launch.variant(key, lambda: self._launch.bind(copy_rows_kernel, dict(
-                H=H, BT=bt, BH=min(1024, _p2(H)), num_warps=4), ("src_ptr", "dst_ptr", "N")))
-            self._tile[key] = bt
-        bk((_cdiv(n, self._tile[key]),), src, dst, n)
+        got = self._copies.get(H)  # (bound launch, token tile)
+        if got is None:
+            key = ("copy_rows", H)
+            bk = self._launch.bound(key)
+            if bk is None:
+                bt = 2 if self._cuda else 64
+                bk = self._launch.variant(key, lambda: self._launch.bind(copy_rows_kernel, dict(
+                    H=H, BT=bt, BH=min(1024, _p2(H)), num_warps=4), ("src_ptr", "dst_ptr", "N")))
+                self._tile[key] = bt
+            got = self._copies[H] = (bk, self._tile[key])
+        got[0]((-(-n // got[1]),), src, dst, n)

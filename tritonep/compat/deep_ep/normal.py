@@ -27,7 +27,7 @@ import torch
 from ... import envs
 from ...errors import CapacityError, ConfigError, InputError, PeerInputError, TritonEPError
 from .handles import NormalHandle
-from .normal_checks import _ID_DTYPES, NormalChecks, _plain_dispatch, _plain_rows, _tensor, _width
+from .normal_checks import _ID_DTYPES, NormalChecks, _plain_dispatch, _plain_rows, _plain_weights, _tensor, _width
 from .normal_refusal import NormalRefusals, _synced
 from .packing import meta_rows_per_rank, meta_width, rank_slots, unpack_quantized
 
@@ -61,13 +61,13 @@ class NormalMode(NormalRefusals, NormalChecks):
         self._ones = {}    # device -> float32 ones [n, W] (grown on demand)
         self._ones_v = {}  # (n, device) -> its first n rows (a view made once)
         self._ones_k = {}  # (n, K, device) -> float32 ones [n, W*K]: the meta lane's route weights of a combine
-        self._rep_cols = {}  # (K, device) -> int64 arange(W).repeat_interleave(K): NormalHandle.repeated_slots
+        self._rep_idx = {}  # (T, K, device) -> int64 [T, W*K] take index of NormalHandle.repeated_slots
         self._zeros = {}   # (rows, width, device) -> bf16 zeros: the meta lane's rows in a weights-only backward
         self._inputs = {}  # meta-rows lane key -> (lane, x_in [Tmax, H] bf16, {rows: view})
-        self._eo = {}      # meta-rows lane -> (lane, its expert-output buffer, {rows: view})
+        self._eo = {}      # meta-rows lane -> its expert-output buffer
         self._wb = {}  # id(meta lane) -> [lane, float32 row weights [max_recv_tokens], rows written, {(rows, K): view}]
         self._plans = {}   # ((width, num_worst_tokens, K), capacity) -> (rows-lane key, P): _plan
-        self._sends = {}   # (spec, T, E, device) -> a meta-rows dispatch's derived values (_sent), this capacity's
+        self._sends = {}   # (spec, T, E, device) -> a dispatch's derived values (_sent), this capacity's
         self._sends_tcap = None  # ... the shared capacity they were derived under
         self._last_x_key = None  # the latest dispatch's rows-lane key
         self._last_spec = None  # ... and what chose it: (width, num_worst_tokens, K)
@@ -183,10 +183,11 @@ class NormalMode(NormalRefusals, NormalChecks):
         return bool(K) and not sync_free and lane.sums_counts and E // self.W <= COUNT_COLUMNS
 
     def _sent(self, spec, T: int, E: int, device):
-        """What an earlier meta-rows dispatch of ``(spec, T, E, device)`` worked out under the current shared
-        capacity: ``(tcap, lane, key, P, x_in, lane_x, w, ops, counted)`` (the lane, its key and P, its kept input
-        and the view of its first ``T + W*P`` rows, the route weights, the device's :class:`MetaOps`, whether the
-        call carries the count routing), or None: not seen yet, the capacity grew (every entry is dropped then) or
+        """What an earlier dispatch of ``(spec, T, E, device)`` worked out under the current shared capacity:
+        ``(tcap, lane, key, P, x_in, lane_x, w, ops, counted)`` (the lane, its key and P, with meta rows its kept
+        input and the view of its first ``T + W*P`` rows (else None, None: the call's own rows travel), the route
+        weights, the device's :class:`MetaOps` (None without top-k and meta rows), whether the call carries the
+        count routing), or None: not seen yet, the capacity grew (every entry is dropped then) or
         the key's lane is another one. The same values :meth:`_send` would derive again."""
         tcap = self.lanes.tcap
         if tcap != self._sends_tcap:
@@ -217,9 +218,16 @@ class NormalMode(NormalRefusals, NormalChecks):
             self._last_x_key, self._last_spec = key, spec
             try:
                 meta = None
-                if got is not None:  # a meta-rows call of a (spec, T, E) seen under this capacity and lane
+                if got is not None:  # a call of a (spec, T, E) seen under this capacity and lane
                     _, _, _, _, x_in, lane_x, w, ops, counted = got
-                    slots = ops.pack_rows(payload, itr, topk_idx, topk_weights, x_in, E, P)
+                    if P:
+                        slots = ops.pack_rows(payload, itr, topk_idx, topk_weights, x_in, E, P)
+                    else:
+                        lane_x = payload
+                        if K:
+                            slots, *meta = ops.pack(itr, topk_idx, topk_weights)
+                        else:
+                            slots = rank_slots(itr, self._ranks_on(device))
                 elif P:
                     tcap = self.lanes.tcap
                     if T > tcap:  # the lane's input holds the capacity: refused here, taking part as refused
@@ -236,12 +244,18 @@ class NormalMode(NormalRefusals, NormalChecks):
                         self._sends, self._sends_tcap = {}, tcap
                     self._sends[(spec, T, E, device)] = (tcap, lane, key, P, x_in, lane_x, w, ops, counted)
                 else:
+                    ops = None
                     if K:  # both lanes' inputs in one launch (twin: packing.pack_torch)
-                        slots, *meta = self._ops(device).pack(itr, topk_idx, topk_weights)
+                        ops = self._ops(device)
+                        slots, *meta = ops.pack(itr, topk_idx, topk_weights)
                     else:
                         slots = rank_slots(itr, self._ranks_on(device))
                     lane_x, w = payload, self._ones_rows(T, device)
                     counted = self._counted(lane, K, sync_free, E)
+                    tcap = self.lanes.tcap
+                    if self._sends_tcap != tcap:
+                        self._sends, self._sends_tcap = {}, tcap
+                    self._sends[(spec, T, E, device)] = (tcap, lane, key, 0, None, None, w, ops, counted)
                 if counted:
                     # DeepEP's per-expert receive counts, exchanged and summed in the lane's own exchange (its count
                     # routing: handle.count_sums where the lane computes them, the decode tiles), read with its status
@@ -332,7 +346,8 @@ class NormalMode(NormalRefusals, NormalChecks):
                          meta_handle=meta_handle, slots=slots, num_tokens=T, num_rows=R, topk=K,
                          is_token_in_rank=is_token_in_rank, worst=bool(worst), meta_rows=P)
         if worst:  # refused for capacity (no host read tells): NaN rows and weights, they cannot pass for a result
-            self._ops(rows.device).poison(h.rank_counts(), worst, rows, recv_w)
+            c, shape = h.poison_counts()
+            self._ops(rows.device).poison(c, worst, rows, recv_w, shape)
         recv_x = unpack_quantized(rows, *quant) if quant is not None else rows
         if worst:
             counts = []
@@ -400,17 +415,20 @@ class NormalMode(NormalRefusals, NormalChecks):
         PeerInputError naming this rank; otherwise their output is NaN and their next synced dispatch or
         ``check()`` raises it."""
         own = self._own(h)
-        if not (refused is None and own and topk_weights is None and bias is None and _plain_rows(x, h)):
+        if not (refused is None and own and bias is None and _plain_rows(x, h)
+                and (topk_weights is None or _plain_weights(topk_weights, h))):
             biases = self._combine_checked(x, h, topk_weights, bias, refused, own)
-        else:  # the common call (bf16 rows of the dispatch's shape, on its device, no weights or bias): every check
-            biases = ()  # of _combine_checked passes
+        else:  # the common calls (bf16 rows of the dispatch's shape, on its device, float32 weights of its [rows, K]
+            biases = ()  # or none, no bias): every check of _combine_checked passes
         # whether the rows lane's combine reads its status
         reads = h.x_handle.num_recv_rows is not None and _synced(False, self.lanes.sync_checks)
         lane, T = h.x_lane, h.num_tokens
         if h.meta_rows:  # the lane's layout holds the meta rows after the token rows: the caller's rows go into the
             # lane's expert-output buffer (one copy: a bound launch, MetaOps.copy_rows), the meta rows' sums (rows
             # T.. of the lane's output) are dropped
-            eo = self._cached_view(self._eo, lane, lane, _expert_out, h.num_rows)[0]
+            eo = self._eo.get(lane)
+            if eo is None:
+                eo = self._eo[lane] = _expert_out(lane)
             self._ops(lane.device).copy_rows(x if x.is_contiguous() else x.contiguous(), eo)
         else:
             eo = x
@@ -431,7 +449,7 @@ class NormalMode(NormalRefusals, NormalChecks):
             if h.meta_rows:  # the top-k came as meta rows: a meta lane routed like the rows lane takes the weights
                 # back (its dispatch moves no payload: 16-byte rows)
                 meta, mh = self._meta2_dispatch(K, h.num_rows if h.worst else 0,
-                                                h.repeated_slots(self._columns(K, lane.device)), T, lane.device)
+                                                h.repeated_slots(self._rep_index(T, K, lane.device)), T, lane.device)
             else:
                 meta, mh = h.meta_lane, h.meta_handle
             # the weights go back unsummed on the meta lane's routes (one per (token, rank, slot)), the meta lane's
@@ -448,7 +466,8 @@ class NormalMode(NormalRefusals, NormalChecks):
                 yf = yf + b.float()
             y = yf.to(torch.bfloat16)
         if h.worst:  # a dispatch refused for capacity: NaN, it cannot pass for a result (MetaOps.poison)
-            self._ops(y.device).poison(h.rank_counts(), h.num_rows, y, w)
+            c, shape = h.poison_counts()
+            self._ops(y.device).poison(c, h.num_rows, y, w, shape)
         return y, w
 
     def _meta2_dispatch(self, K: int, worst: int, routes, T: int, device):
@@ -460,12 +479,17 @@ class NormalMode(NormalRefusals, NormalChecks):
         return meta, meta.dispatch(self._zero_rows(T, meta.hidden, device), routes,
                                    self._ones_wk(T, K, device), sync_free=True).handle
 
-    def _columns(self, K: int, device) -> torch.Tensor:
-        """int64 ``arange(W).repeat_interleave(K)`` on ``device`` (made once per K): the columns of a dispatch's
-        slots that :meth:`NormalHandle.repeated_slots` selects."""
-        c = self._rep_cols.get((K, device))
+    def _rep_index(self, T: int, K: int, device) -> torch.Tensor:
+        """int64 ``[T, W*K]`` on ``device``, ``[t, j] = t*W + j // K``: the elements of a dispatch's slots ``[>= T, W]``
+        that :meth:`NormalHandle.repeated_slots` takes (made once per (T, K, device); at most 64 kept, then they are
+        made again: meta rows only, so T is small)."""
+        c = self._rep_idx.get((T, K, device))
         if c is None:
-            c = self._rep_cols[(K, device)] = torch.arange(self.W, device=device).repeat_interleave(K)
+            if len(self._rep_idx) >= 64:
+                self._rep_idx.clear()
+            W = self.W
+            c = self._rep_idx[(T, K, device)] = (torch.arange(T, device=device).unsqueeze(1) * W
+                                                 + torch.arange(W, device=device).repeat_interleave(K)).contiguous()
         return c
 
     def _weights_back(self, meta, rows: int, K: int, topk_weights):

@@ -1,11 +1,12 @@
 """DeepEP's normal mode: the checks of a dispatch's and a combine's arguments (:class:`NormalChecks`, a mixin of
 :class:`tritonep.compat.deep_ep.normal.NormalMode`).
 
-The common calls (a dispatch of bf16 ``x`` with top-k, a combine of bf16 rows without weights or bias) are checked in
-one expression each (:func:`_plain_dispatch`, :func:`_plain_rows`: every condition of the checks one by one, no
-function call per argument); any other call, a refused one included, is checked one by one
-(:meth:`NormalChecks._checked`, :meth:`NormalChecks._combine_checked`), which names the refused value and takes part
-in the peers' call before raising (:class:`tritonep.compat.deep_ep.normal_refusal.NormalRefusals`).
+The common calls (a dispatch of bf16 ``x`` with top-k, a combine of bf16 rows with or without ``topk_weights``, no
+bias) are checked in one expression each (:func:`_plain_dispatch`, :func:`_plain_rows`, :func:`_plain_weights`: every
+condition of the checks one by one, no function call per argument); any other call, a refused one included, is
+checked one by one (:meth:`NormalChecks._checked`, :meth:`NormalChecks._combine_checked`), which names the refused
+value and takes part in the peers' call before raising
+(:class:`tritonep.compat.deep_ep.normal_refusal.NormalRefusals`).
 """
 
 from __future__ import annotations
@@ -65,6 +66,14 @@ def _plain_rows(x, h) -> bool:
         return False
     lane = h.x_lane
     return x.shape == (h.num_rows, lane.hidden) and x.device == lane.device
+
+
+def _plain_weights(w, h) -> bool:
+    """Whether a combine's ``topk_weights`` is a float32 tensor of the dispatch's ``[rows, K]`` (K its top-k width, 0
+    included) on its rows' device (handle ``h``): every check :meth:`NormalChecks._combine_checked` makes of it, in
+    one expression."""
+    return (isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.shape == (h.num_rows, h.topk)
+            and w.device == h.x_lane.device)
 
 
 class NormalChecks:

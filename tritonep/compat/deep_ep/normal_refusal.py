@@ -5,7 +5,7 @@ A refused dispatch or combine must run the same host collectives and signalling 
 rows lane's (and where the peers go on, the meta lane's) call with an input EPBuffer refuses, so every peer sees the
 refusal flag in the counts exchange and raises :class:`tritonep.errors.PeerInputError`, and this rank raises its own
 typed error. It uses the lanes and caches :class:`NormalMode` owns (``lanes``, ``_spec_lane``, ``_meta_lane``,
-``_last_*``, ``_columns``, ``_meta2_dispatch``).
+``_last_*``, ``_rep_index``, ``_meta2_dispatch``).
 """
 
 from __future__ import annotations
@@ -160,8 +160,8 @@ class NormalRefusals:
         self.lanes.unread(lane)
         if with_weights and lazy is not None:  # the peers' meta-lane dispatch, then its backward (cancelled)
             K, worst, slots, T = lazy  # the tokens' slots, each repeated K times, route the peers' dispatch
-            cols = self._columns(K, lane.device)
-            routes = h.repeated_slots(cols) if h is not None else slots[:T].index_select(1, cols)
+            index = self._rep_index(T, K, lane.device)
+            routes = h.repeated_slots(index) if h is not None else slots.take(index)
             meta, mh = self._meta2_dispatch(K, worst, routes, T, lane.device)
         if with_weights and meta is not None:
             try:

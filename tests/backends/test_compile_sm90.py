@@ -350,3 +350,37 @@ def test_backward_tiles_do_not_spill_for_sm90(tokens):
     assert len(usage) == 3 and not [u for u in usage if "error" in u], usage
     spilled = [u for u in usage if u["spill_stores"] or u["spill_loads"]]
     assert not spilled, spilled
+
+
+def _mxfp4_expand_paths(group, tokens):
+    """The world-1 mxfp4 dispatch (rows decoded, then kept quantized) at the DeepSeek-V3 shape with the GPU table's
+    geometry for ``tokens`` per rank (select_tiles: its token tile and warps)."""
+    from tests.support.tiles import tiles_of
+
+    g = tiles_of("cuda", 1, 7168, tokens, 8, wire="mxfp4")
+    recs = []
+    os.environ["TRITONEP_GEOMETRY"] = f"bt={g.bt},bh={g.bh},warps={g.num_warps}"
+    try:
+        with record_launches(recs):
+            b = tep.EPBuffer(group, 256, 7168, 16, 8, dispatch_wire="mxfp4", expert_alignment=16)
+            x, i, w = make_rank_inputs(0, 9, 7168, 256, 8, seed=9)
+            b.dispatch(x, i, w)
+            b.dispatch(x, i, w, keep_quantized=True)
+            b.close()
+    finally:
+        del os.environ["TRITONEP_GEOMETRY"]
+    return recs, (g.bt, g.num_warps)
+
+
+def test_mxfp4_expander_does_not_spill_for_sm90():
+    """The mxfp4 expander (own rows encoded, peers' decoded: the codec stages no own rows) in the GPU table's
+    large-batch tile (8 tokens x 16 warps at 4096 tokens) uses no spill memory (ptxas -v, sm_90a, the GPU variant:
+    HAS_TIMER), decoded and kept quantized."""
+    recs, (bt, warps) = run_cpu_world(1, _mxfp4_expand_paths, 4096, timeout_s=300)[0]
+    assert (bt, warps) == (8, 16)
+    ex = [r for r in recs if r.get("name") == "dispatch_expand_kernel"]
+    assert len(ex) == 2 and all(r["constexprs"]["BT"] == bt and r["options"]["num_warps"] == warps for r in ex), ex
+    usage = usage_recorded([dict(r, constexprs=dict(r["constexprs"], HAS_TIMER=True)) for r in ex])
+    assert len(usage) == 2 and not [u for u in usage if "error" in u], usage
+    spilled = [u for u in usage if u["spill_stores"] or u["spill_loads"]]
+    assert not spilled, spilled

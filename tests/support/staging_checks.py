@@ -15,7 +15,7 @@ import torch.distributed as dist
 from tritonep.bench.cases import make_rank_inputs
 from tests.support.hooks import backend_of
 
-__all__ = ["SENTINEL", "own_staging_world", "check_own_staging"]
+__all__ = ["SENTINEL", "own_staging_world", "check_own_staging", "stage_own_pair_world"]
 
 SENTINEL = 0xA5
 """Byte written into ``stage[RANK]`` before the dispatch (no wire row of the cases below is all 0xA5)."""
@@ -169,3 +169,40 @@ def check_own_staging(res: list, wire: str, case: dict, stage_own: bool | None =
         assert torch.equal(got["g_eo"], want.to(torch.bfloat16)), f"rank {d}: grad_expert_out"
         want_w = torch.where(real, (gy * got["eo"].float()).sum(1), 0.0)
         assert torch.allclose(got["g_w"], want_w, rtol=1e-4, atol=1e-3), f"rank {d}: grad_recv_weights"
+
+
+def stage_own_pair_world(group, wire: str, case: dict):
+    """One rank of the stage_own comparison (any world size): the same dispatch (rows decoded, then kept
+    quantized), combine and combine backward run on a buffer built with the wire's codec ``stage_own`` off, then
+    on one built with it on (the codec swapped in this rank's process, restored before returning). Returns
+    ``(off, on)``: dicts of CPU tensors (``x``, ``w``, ``offs``, ``q``, ``qs``, ``y``, ``g_eo``, ``g_w``), which must be
+    equal bit for bit: staging the own rows or encoding them in the expander gives the same bits."""
+    import tritonep as tep
+    from tritonep.wire.formats import get_wire
+
+    rank = dist.get_rank(group)
+    c = case
+    x, idx, w = make_rank_inputs(rank, c["T"][rank], c["H"], c["E"], c["K"], seed=c["seed"])
+    got = []
+    for so in (False, True):
+        old = _set_stage_own(wire, so)
+        try:
+            buf = tep.EPBuffer(group, c["E"], c["H"], c["Tmax"], c["K"], dispatch_wire=wire,
+                               expert_alignment=c["A"])
+        finally:
+            object.__setattr__(get_wire(wire), "codec", old)
+        assert backend_of(buf).dwire.stage_own is so  # the buffer's kernels take the swapped codec
+        dev = buf.device
+        d = buf.dispatch(x.to(dev), idx.to(dev), w.to(dev))
+        out = dict(x=_host(d.x), w=_host(d.weights), offs=_host(d.expert_offsets))
+        eo = (d.x.float() * 0.5 - 0.25).to(torch.bfloat16)
+        out.update(y=_host(buf.combine(eo, d.handle)))
+        g_eo, g_w = buf.combine_backward(_grad_y(rank, c["T"][rank], c["H"]).to(dev), eo, d.handle)
+        out.update(g_eo=_host(g_eo), g_w=_host(g_w))
+        k = buf.dispatch(x.to(dev), idx.to(dev), w.to(dev), keep_quantized=True)
+        out.update(q=_host(k.x), qs=_host(k.x_scales))
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        buf.close()
+        got.append(out)
+    return tuple(got)

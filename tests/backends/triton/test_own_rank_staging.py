@@ -10,9 +10,10 @@ ranks share a GPU when there is one).
 """
 
 import pytest
+import torch
 
 from tritonep.testing import run_cpu_world
-from tests.support.staging_checks import check_own_staging, own_staging_world
+from tests.support.staging_checks import check_own_staging, own_staging_world, stage_own_pair_world
 
 CPU_CASE = dict(E=8, H=256, Tmax=12, K=3, A=2, T=[11, 6], seed=9)
 
@@ -32,13 +33,25 @@ def test_own_rank_rows_skip_staging_on_every_wire(monkeypatch, wire, geometry):
     check_own_staging(res, wire, CPU_CASE)
 
 
-@pytest.mark.parametrize("geometry", [None, "bt=4,dec=3"])
+@pytest.mark.parametrize("geometry", [None, "fs=1,fe=1", "bt=4,dec=3"])
 def test_own_rank_rows_staged_when_the_codec_says_so(monkeypatch, geometry):
     """mxfp4 with ``stage_own`` set: its own tokens routed to its own rank are staged (the twin's bytes) and the
     expander decodes them like a peer's; every output as the reference."""
     _geometry(monkeypatch, geometry)
     res = run_cpu_world(2, own_staging_world, "mxfp4", CPU_CASE, True, timeout_s=300)
     check_own_staging(res, "mxfp4", CPU_CASE, stage_own=True)
+
+
+@pytest.mark.parametrize("world,geometry", [(1, None), (1, "fs=1,fe=1"), (1, "bt=4,dec=3"), (2, "fs=1,fe=1")])
+def test_stage_own_gives_the_same_bits(monkeypatch, world, geometry):
+    """mxfp4 with ``stage_own`` on and off: dispatched rows (decoded and kept quantized), weights, offsets, combine
+    and combine backward equal bit for bit, at world 1 (where only a stage_own wire stages anything) and world 2."""
+    _geometry(monkeypatch, geometry)
+    case = dict(CPU_CASE, T=CPU_CASE["T"][:world])
+    for r, (off, on) in enumerate(run_cpu_world(world, stage_own_pair_world, "mxfp4", case, timeout_s=300)):
+        assert off.keys() == on.keys()
+        for name in off:
+            assert torch.equal(off[name].view(torch.uint8), on[name].view(torch.uint8)), (r, name)
 
 
 GPU_CASES = [  # (wire, geometry, case): the table's geometry at a decode and a prefill size, forced fused/two-kernel

@@ -60,6 +60,7 @@ GPU_CASES = [  # (wire, geometry, case): the table's geometry at a decode and a 
     ("bf16", "fs=0,fe=0", dict(E=256, H=7168, Tmax=1024, K=8, A=1, T=[1000, 1024], seed=5)),
     ("fp8", None, dict(E=256, H=7168, Tmax=1024, K=8, A=1, T=[1024, 513], seed=6)),
     ("mxfp4", "fs=16,fe=32", dict(E=64, H=2048, Tmax=512, K=6, A=1, T=[512, 0], seed=7)),
+    ("mxfp4", None, dict(E=256, H=7168, Tmax=1024, K=8, A=1, T=[1024, 700], seed=8)),  # the table's 8-token tiles
 ]
 
 

@@ -30,7 +30,10 @@ More processes than GPUs (``LOCAL_WORLD_SIZE`` > GPUs), e.g. developing on one G
 import os
 
 import torch
-import torch._dynamo  # noqa: F401  (before init_process_group: see below)
+
+if not torch.cuda.is_available():  # no GPU: Triton's interpreter, set before torch._dynamo imports triton.language
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch._dynamo  # noqa: E402, F401  (before init_process_group: see below)
 import torch.distributed as dist
 
 import tritonep as tep

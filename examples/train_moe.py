@@ -62,7 +62,10 @@ def parse_args(argv=None):
                    help="output folder of --plot (created if missing; default out/train_moe, which git ignores)")
     p.add_argument("--plot", action="store_true", help="draw the loss curve into OUT/loss.png (rank 0, matplotlib)")
     p.add_argument("--backend", default=None, help="EPBuffer backend (default: auto on GPU, nccl in a CPU world)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if (args.save_at is not None or args.resume) and not args.ckpt:
+        p.error("--save-at and --resume need --ckpt DIR (the checkpoint directory)")
+    return args
 
 
 VOCAB = 64

@@ -55,6 +55,18 @@ def test_torchrun_example_without_gpu_runs_on_gloo_with_the_nccl_backend():
 
 
 @NO_GPU
+@pytest.mark.slow  # > 4 s on 2 cores: CI's second step
+def test_torchrun_example_from_python_without_gpu_runs_in_a_cpu_world():
+    """``python examples/torchrun_moe.py`` (the README's command without a GPU), TRITON_INTERPRET unset: the example
+    imports torch._dynamo, which imports triton.language, so it sets the variable before that import (else Triton's
+    library functions are compiled ones, which the interpreted kernels cannot call, and run_cpu_world refuses)."""
+    rc, stdout, stderr = _run([sys.executable, str(ROOT / "examples" / "torchrun_moe.py")])
+    assert rc == 0, stdout + stderr
+    line = [ln for ln in stdout.splitlines() if ln.startswith("world 2 on cpu")]
+    assert len(line) == 1 and "triton backend" in line[0] and "backward done" in line[0], stdout + stderr
+
+
+@NO_GPU
 @pytest.mark.slow  # 4.5 s on 2 cores: CI's second step
 def test_torchrun_example_leaves_its_group_to_destroy_process_group(tmp_path):
     """``examples/torchrun_moe.py``'s imports, in its order, then its ``main`` on a gloo group (world 1, the nccl

@@ -27,6 +27,16 @@ def _runs(group, ck):
     return full, resumed, other_ep
 
 
+@pytest.mark.parametrize("flag", [["--save-at", "2"], ["--resume"]])
+def test_train_example_refuses_a_checkpoint_flag_without_ckpt(flag, capsys):
+    """``--save-at`` / ``--resume`` without ``--ckpt`` is a usage error (exit 2, naming ``--ckpt``), not a checkpoint
+    written to or read from a folder named ``None`` in the working directory."""
+    with pytest.raises(SystemExit) as ei:
+        _example().parse_args(["--steps", "4"] + flag)
+    assert ei.value.code == 2
+    assert "need --ckpt DIR" in capsys.readouterr().err
+
+
 def test_train_example_loss_goes_down_and_resumes_bit_exactly(tmp_path):
     res = run_cpu_world(4, _runs, str(tmp_path / "ck"), timeout_s=300)
     for rank, (full, resumed, other_ep) in enumerate(res):

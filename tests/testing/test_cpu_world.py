@@ -108,3 +108,41 @@ def test_an_import_from_tritonep_moe_before_the_world_is_named_in_the_refusal():
     assert p.returncode == 0 and msg.startswith("refused:"), p.stdout + p.stderr
     for words in ("tritonep.moe (RouterConfig too)", "tritonep.balance", "os.environ['TRITON_INTERPRET'] = '1'"):
         assert words in msg, msg
+
+
+_TRITON_FIRST = """
+import torch._dynamo  # imports triton.language, before anything sets TRITON_INTERPRET
+from tritonep.errors import ConfigError
+from tritonep.testing import run_cpu_world
+try:
+    print("ranks", run_cpu_world(2, lambda group: group.rank()))
+except ConfigError as e:
+    print("refused:", e)
+"""
+
+
+@pytest.mark.parametrize("interpret", ["", "1"])
+def test_triton_imported_for_the_gpu_before_the_world_is_refused(interpret):
+    """``import torch._dynamo`` imports ``triton.language``; without ``TRITON_INTERPRET=1`` then, its library
+    functions (``tl.sum``) are compiled ``JITFunction``s, which the ranks' interpreted kernels cannot call (a
+    ``RuntimeError`` from inside the first kernel): refused before any rank starts, the message naming the import and
+    the remedy. With the variable set at start-up the world runs."""
+    import os
+    import subprocess
+    import sys
+
+    from tests import ROOT
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret:
+        env["TRITON_INTERPRET"] = interpret
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    p = subprocess.run([sys.executable, "-c", _TRITON_FIRST], capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    if interpret:
+        assert "ranks [0, 1]" in p.stdout, p.stdout + p.stderr
+    else:
+        msg = " ".join(p.stdout.split())
+        assert msg.startswith("refused:"), p.stdout + p.stderr
+        for words in ("triton.language", "torch._dynamo", "start Python with TRITON_INTERPRET=1"):
+            assert words in msg, msg

@@ -193,8 +193,8 @@ def run_cpu_world(world_size: int, fn: Callable, *args, timeout_s: float = 120.0
         WorldTimeout: the world ran past ``timeout_s`` (``.ranks`` = the ranks still running).
         ProtocolMismatch: the ranks' launch / collective sequences differ (``check_protocol``).
         HeapError: the heap cannot be made for this world.
-        ConfigError: this process already imported the kernels compiled for the GPU (the ranks need the
-            interpreter).
+        ConfigError: this process already imported the kernels, or Triton's ``triton.language`` (which
+            ``import torch._dynamo`` does), compiled for the GPU (the ranks need the interpreter).
         KeyboardInterrupt: SIGINT reached this process (every rank killed and reaped and the temporary folder
             removed first); SIGTERM does the same cleanup and then ends the process as its default action would
             (:mod:`tritonep.testing.interrupts`).
@@ -211,6 +211,13 @@ def run_cpu_world(world_size: int, fn: Callable, *args, timeout_s: float = 120.0
                           "imports them); the forked ranks need the interpreter: start Python with TRITON_INTERPRET=1 (or set "
                           "os.environ['TRITON_INTERPRET'] = '1' before those imports, as examples/train_moe.py does), "
                           "or make those objects inside the rank function")
+    lang = sys.modules.get("triton.language")
+    if lang is not None and type(getattr(lang, "sum", None)).__name__ == "JITFunction":
+        raise ConfigError("run_cpu_world: Triton itself was already imported for the GPU in this process "
+                          "(TRITON_INTERPRET was not 1 when triton.language was first imported, e.g. by "
+                          "'import torch._dynamo' or torch.compile), so its library functions (tl.sum, ...) cannot "
+                          "run in the forked ranks' interpreter; start Python with TRITON_INTERPRET=1 (or set "
+                          "os.environ['TRITON_INTERPRET'] = '1' before importing torch._dynamo or triton)")
     envs.put("TRITON_INTERPRET", "1")
     install_interpreter_speed()  # before the fork: every rank's interpreter without its per-call member scan
     heap = CpuHeap.create(world_size, heap_bytes or envs.cpu_heap_bytes())

@@ -54,12 +54,10 @@ except ConfigError as e:
 """
 
 
-@pytest.mark.parametrize("interpret", ["", "1"])
-def test_kernels_imported_before_the_world_refused_unless_interpreted(interpret):
-    """``MoEGeometry`` / ``EPBuffer.required_bytes`` in the parent import tritonep's kernels; without
-    ``TRITON_INTERPRET=1`` at start-up they are compiled kernels, which the forked ranks cannot run: refused with a
-    message naming those uses and the remedy (docs/integrations.md, "CPU worlds in your own scripts"). With it, the
-    doc's ``heap_bytes=tep.EPBuffer.required_bytes(...) + (1 << 20)`` world runs."""
+def _run_script(script: str, interpret, words):
+    """Run ``script`` in a fresh Python (``TRITON_INTERPRET`` as ``interpret`` at start-up, unset when falsy): with it
+    the script's world runs ("ranks [0, 1]"); without it the script prints the refusal, which names every one of
+    ``words``."""
     import os
     import subprocess
     import sys
@@ -70,15 +68,25 @@ def test_kernels_imported_before_the_world_refused_unless_interpreted(interpret)
     if interpret:
         env["TRITON_INTERPRET"] = interpret
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    p = subprocess.run([sys.executable, "-c", _KERNELS_FIRST], capture_output=True, text=True, timeout=300, env=env)
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 0, p.stdout + p.stderr
     if interpret:
         assert "ranks [0, 1]" in p.stdout, p.stdout + p.stderr
     else:
         msg = " ".join(p.stdout.split())
         assert msg.startswith("refused:"), p.stdout + p.stderr
-        for words in ("required_bytes", "MoEGeometry", "start Python with TRITON_INTERPRET=1", "inside the rank function"):
-            assert words in msg, msg
+        for w in words:
+            assert w in msg, msg
+
+
+@pytest.mark.parametrize("interpret", ["", "1"])
+def test_kernels_imported_before_the_world_refused_unless_interpreted(interpret):
+    """``MoEGeometry`` / ``EPBuffer.required_bytes`` in the parent import tritonep's kernels; without
+    ``TRITON_INTERPRET=1`` at start-up they are compiled kernels, which the forked ranks cannot run: refused with a
+    message naming those uses and the remedy (docs/integrations.md, "CPU worlds in your own scripts"). With it, the
+    doc's ``heap_bytes=tep.EPBuffer.required_bytes(...) + (1 << 20)`` world runs."""
+    _run_script(_KERNELS_FIRST, interpret, ("required_bytes", "MoEGeometry", "start Python with TRITON_INTERPRET=1",
+                                            "inside the rank function"))
 
 
 _IMPORT_FIRST = """
@@ -127,22 +135,4 @@ def test_triton_imported_for_the_gpu_before_the_world_is_refused(interpret):
     functions (``tl.sum``) are compiled ``JITFunction``s, which the ranks' interpreted kernels cannot call (a
     ``RuntimeError`` from inside the first kernel): refused before any rank starts, the message naming the import and
     the remedy. With the variable set at start-up the world runs."""
-    import os
-    import subprocess
-    import sys
-
-    from tests import ROOT
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    if interpret:
-        env["TRITON_INTERPRET"] = interpret
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    p = subprocess.run([sys.executable, "-c", _TRITON_FIRST], capture_output=True, text=True, timeout=300, env=env)
-    assert p.returncode == 0, p.stdout + p.stderr
-    if interpret:
-        assert "ranks [0, 1]" in p.stdout, p.stdout + p.stderr
-    else:
-        msg = " ".join(p.stdout.split())
-        assert msg.startswith("refused:"), p.stdout + p.stderr
-        for words in ("triton.language", "torch._dynamo", "start Python with TRITON_INTERPRET=1"):
-            assert words in msg, msg
+    _run_script(_TRITON_FIRST, interpret, ("triton.language", "torch._dynamo", "start Python with TRITON_INTERPRET=1"))

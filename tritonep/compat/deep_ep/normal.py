@@ -198,6 +198,31 @@ class NormalMode(NormalRefusals, NormalChecks):
             return None
         return got
 
+    def _derive(self, spec, lane, key, P: int, T: int, E: int, device) -> tuple:
+        """What a dispatch of ``(spec, T, E, device)`` on ``lane`` (its ``key``, ``P`` meta rows per pair of ranks)
+        works out before it packs, kept for :meth:`_sent` under the current shared capacity: ``(tcap, lane, key, P,
+        x_in, lane_x, w, ops, counted)`` (see there). With meta rows a token count over the capacity is refused here,
+        taking part as refused (the lane's input holds the capacity).
+
+        Raises:
+            CapacityError: ``P > 0`` and ``T`` over the shared capacity (after taking part in the peers' call)."""
+        tcap, K = self.lanes.tcap, spec[2]
+        if P:
+            if T > tcap:
+                self._refused_dispatch(lane, bool(spec[1]))
+                raise CapacityError(f"num_tokens={T} exceeds the Buffer's token capacity max_tokens_per_rank={tcap}",
+                                    needed=T, available=tcap)
+            n = T + self.W * P
+            x_in, lane_x = self._cached_view(self._inputs, key, lane, _new_input, n)
+        else:
+            n, x_in, lane_x = T, None, None
+        got = (tcap, lane, key, P, x_in, lane_x, self._ones_rows(n, device), self._ops(device) if P or K else None,
+               self._counted(lane, K, bool(spec[1]), E))
+        if self._sends_tcap != tcap:
+            self._sends, self._sends_tcap = {}, tcap
+        self._sends[(spec, T, E, device)] = got
+        return got
+
     def _send(self, spec, payload, itr, topk_idx, topk_weights, T: int, E: int, device):
         """The rows lane's dispatch of ``spec`` with this call's inputs packed for it, growing the shared capacity when
         a synced call was refused for it (then the lane, and whether it carries meta rows, is chosen again). Returns
@@ -218,44 +243,17 @@ class NormalMode(NormalRefusals, NormalChecks):
             self._last_x_key, self._last_spec = key, spec
             try:
                 meta = None
-                if got is not None:  # a call of a (spec, T, E) seen under this capacity and lane
-                    _, _, _, _, x_in, lane_x, w, ops, counted = got
-                    if P:
-                        slots = ops.pack_rows(payload, itr, topk_idx, topk_weights, x_in, E, P)
-                    else:
-                        lane_x = payload
-                        if K:
-                            slots, *meta = ops.pack(itr, topk_idx, topk_weights)
-                        else:
-                            slots = rank_slots(itr, self._ranks_on(device))
-                elif P:
-                    tcap = self.lanes.tcap
-                    if T > tcap:  # the lane's input holds the capacity: refused here, taking part as refused
-                        self._refused_dispatch(lane, sync_free)
-                        raise CapacityError(f"num_tokens={T} exceeds the Buffer's token capacity "
-                                            f"max_tokens_per_rank={tcap}", needed=T, available=tcap)
-                    n = T + self.W * P
-                    x_in, lane_x = self._cached_view(self._inputs, key, lane, _new_input, n)
-                    ops = self._ops(device)
+                if got is None:  # first seen under this capacity and lane: worked out (and kept) now
+                    got = self._derive(spec, lane, key, P, T, E, device)
+                _, _, _, _, x_in, lane_x, w, ops, counted = got
+                if P:  # x and the meta rows into the lane's input, and the slots: one launch
                     slots = ops.pack_rows(payload, itr, topk_idx, topk_weights, x_in, E, P)
-                    w = self._ones_rows(n, device)
-                    counted = self._counted(lane, K, sync_free, E)
-                    if self._sends_tcap != tcap:
-                        self._sends, self._sends_tcap = {}, tcap
-                    self._sends[(spec, T, E, device)] = (tcap, lane, key, P, x_in, lane_x, w, ops, counted)
                 else:
-                    ops = None
+                    lane_x = payload
                     if K:  # both lanes' inputs in one launch (twin: packing.pack_torch)
-                        ops = self._ops(device)
                         slots, *meta = ops.pack(itr, topk_idx, topk_weights)
                     else:
                         slots = rank_slots(itr, self._ranks_on(device))
-                    lane_x, w = payload, self._ones_rows(T, device)
-                    counted = self._counted(lane, K, sync_free, E)
-                    tcap = self.lanes.tcap
-                    if self._sends_tcap != tcap:
-                        self._sends, self._sends_tcap = {}, tcap
-                    self._sends[(spec, T, E, device)] = (tcap, lane, key, 0, None, None, w, ops, counted)
                 if counted:
                     # DeepEP's per-expert receive counts, exchanged and summed in the lane's own exchange (its count
                     # routing: handle.count_sums where the lane computes them, the decode tiles), read with its status

@@ -56,6 +56,33 @@ def test_codec_repr_names_every_field():
     assert repr(dataclasses.replace(fp8, block=2 * fp8.block)) != repr(fp8)
 
 
+@pytest.mark.parametrize("wire", WIRES)
+def test_every_codec_pickles_with_its_cache_key(wire):
+    """A codec (the registry's, one with ``stage_own`` flipped, one with another block) goes through pickle (a
+    spawned process's arguments, a cache on disk) and deepcopy as an equal codec with the same tile functions and
+    ``cache_key``; one whose tile function is not a module's attribute is refused as pickle refuses it."""
+    import copy
+    import dataclasses
+    import pickle
+
+    codec = get_wire(wire).codec
+    codecs = [codec]
+    if codec.quantized:
+        codecs += [dataclasses.replace(codec, stage_own=not codec.stage_own),
+                   dataclasses.replace(codec, block=2 * codec.block)]
+    for c in codecs:
+        for back in (pickle.loads(pickle.dumps(c)), copy.deepcopy(c)):
+            assert back == c and hash(back) == hash(c) and back.cache_key == c.cache_key, (c, back)
+            assert back.encode is c.encode and back.decode is c.decode and back.stage_own == c.stage_own
+    if codec.quantized:
+        @triton.jit
+        def local_tile(x, POW2: tl.constexpr, FAST: tl.constexpr):
+            return x, x
+
+        with pytest.raises((pickle.PicklingError, AttributeError), match="local"):  # by Python version
+            pickle.dumps(dataclasses.replace(codec, encode=local_tile))
+
+
 def test_registry_records_are_consistent():
     assert WIRES[:3] == ("bf16", "fp8", "mxfp4") and "fp8_e5m2" in WIRES
     assert len({f.id for f in WIRE_FORMATS.values()}) == len(WIRES)

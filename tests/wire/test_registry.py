@@ -83,6 +83,37 @@ def test_every_codec_pickles_with_its_cache_key(wire):
             pickle.dumps(dataclasses.replace(codec, encode=local_tile))
 
 
+@triton.jit
+def _stage_own_kernel(out_ptr, WIRE: tl.constexpr):
+    tl.store(out_ptr, WIRE.stage_own)
+
+
+def test_launch_records_tell_codecs_of_one_name_apart():
+    """The launch recorders of the test tooling (``tests.support.compile_check``, ``tests.support.variant_keys``)
+    record a codec by its name AND fields: two codecs of one name that differ in ``stage_own`` record different
+    keys, and each record gives its own codec back (what an offline compile of the record compiles)."""
+    import dataclasses
+
+    from tests.support.compile_check import _const_from_json, _const_to_json, record_launches
+    from tests.support.variant_keys import key_text, launch_key
+
+    codec = get_wire("mxfp4").codec
+    both = [codec, dataclasses.replace(codec, stage_own=not codec.stage_own)]
+    out = torch.zeros(1, dtype=torch.int32, device=DEV)
+    recs = []
+    with record_launches(recs):
+        for c in both:
+            _stage_own_kernel[(1,)](out, WIRE=c)
+            assert int(out[0]) == int(c.stage_own)
+    wires = [r["constexprs"]["WIRE"] for r in recs if r.get("name") == "_stage_own_kernel"]
+    assert len(wires) == 2 and wires[0] != wires[1] and [_const_from_json(w) for w in wires] == both, wires
+    keys = [key_text(launch_key(_stage_own_kernel, (out,), dict(WIRE=c))) for c in both]
+    assert keys[0] != keys[1]
+    assert _const_from_json({"wire_codec": "mxfp4"}) == codec  # a record of the name alone: the registry's
+    with pytest.raises(ValueError, match="tile functions"):
+        _const_to_json(dataclasses.replace(codec, decode=get_wire("fp8").codec.decode))
+
+
 def test_registry_records_are_consistent():
     assert WIRES[:3] == ("bf16", "fp8", "mxfp4") and "fp8_e5m2" in WIRES
     assert len({f.id for f in WIRE_FORMATS.values()}) == len(WIRES)

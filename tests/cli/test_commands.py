@@ -26,6 +26,19 @@ def test_env_prints_versions_and_backend_choice():
     assert "torch" in out and "triton" in out
 
 
+def test_env_names_what_must_come_after_the_interpreter_variable(monkeypatch):
+    """The TRITON_INTERPRET line of a command that chose the interpreter itself names everything that must be
+    imported after the variable is set: tritonep's kernels and triton.language, which torch._dynamo imports too
+    (docs/platform.md, CPU interpret mode)."""
+    from tritonep.cli.env import INTERPRET_SET_BY_CLI, collect_env
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv(INTERPRET_SET_BY_CLI, "1")
+    text = collect_env()["TRITON_INTERPRET"]
+    assert text.startswith("1 (set by the tritonep command") and "tritonep's kernels" in text, text
+    assert "triton.language" in text and "torch._dynamo" in text, text
+
+
 def test_plan_on_a_histogram(tmp_path):
     out_json = tmp_path / "plan.json"
     rc, out = _cli("plan", "--world-size", "4", "--num-experts", "64", "--json", str(out_json))

@@ -47,6 +47,23 @@ def test_events_on_cpu():
         assert e.extra_tensors is not None
 
 
+def test_an_event_asks_for_cuda_once(monkeypatch):
+    """``torch.cuda.is_available()`` (~0.6 us) is asked once, not per event; a replaced function is asked again."""
+    asked = []
+
+    def no_cuda():
+        asked.append(1)
+        return False
+
+    monkeypatch.setattr(torch.cuda, "is_available", no_cuda)
+    assert all(compat.EventHandle().event is None for _ in range(5)) and len(asked) == 1
+    with compat.Buffer.capture():
+        pass
+    assert len(asked) == 1
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: asked.append(2) or False)
+    assert compat.EventHandle().event is None and compat.EventHandle().event is None and asked == [1, 2]
+
+
 def test_config_and_size_hints():
     c = compat.Config()
     assert (c.num_sms, c.num_max_nvl_chunked_send_tokens, c.num_max_nvl_chunked_recv_tokens) == (20, 6, 256)

@@ -131,19 +131,39 @@ def read_records(path: str) -> list:
     return out
 
 
+# the fields of a wire codec a record carries beside its name (the scale dtype and tile functions are the name's)
+_CODEC_FIELDS = ("block", "payload_bits", "scale_bytes", "stage_own")
+
+
 def _const_to_json(v):
-    """A constexpr as JSON: a wire codec (the kernels' ``WIRE``) by its wire name, anything else as it is."""
+    """A constexpr as JSON: a wire codec (the kernels' ``WIRE``) by its wire name and its :data:`_CODEC_FIELDS`
+    (``{"wire_codec": "mxfp4", "block": 32, ..., "stage_own": True}``: two codecs of one name that compile
+    differently never record one key, also while a test has swapped the registry's codec), anything else as it is.
+
+    Raises:
+        ValueError: a codec whose scale dtype or tile functions are not its name's in the wire registry (a record
+            could not name them)."""
     from tritonep.wire.kernels.wirecodec import DeviceCodec
 
-    return {"wire_codec": v.name} if isinstance(v, DeviceCodec) else v
+    if not isinstance(v, DeviceCodec):
+        return v
+    from tritonep.wire import get_wire
+
+    reg = get_wire(v.name).codec
+    if (v.scale_dtype, v.encode, v.decode) != (reg.scale_dtype, reg.encode, reg.decode):
+        raise ValueError(f"codec {v!r}: its scale dtype or tile functions are not the registry's {v.name!r} codec's")
+    return {"wire_codec": v.name, **{f: getattr(v, f) for f in _CODEC_FIELDS}}
 
 
 def _const_from_json(v):
-    """Inverse of :func:`_const_to_json` (the codec from the wire registry)."""
-    if isinstance(v, dict) and set(v) == {"wire_codec"}:
+    """Inverse of :func:`_const_to_json`: the registry's codec of the name with the recorded fields (a record of
+    the name alone: the registry's codec)."""
+    if isinstance(v, dict) and "wire_codec" in v:
+        import dataclasses
+
         from tritonep.wire import get_wire
 
-        return get_wire(v["wire_codec"]).codec
+        return dataclasses.replace(get_wire(v["wire_codec"]).codec, **{f: v[f] for f in _CODEC_FIELDS if f in v})
     return v
 
 

@@ -63,9 +63,10 @@ def _binder(jitfn):
 
 def launch_key(jitfn, args, kwargs) -> dict:
     """Triton's cache key of one launch ``jitfn[grid](*args, **kwargs)``, JSON-able: ``{"module", "name",
-    "spec": {param: [type, specialisation]}, "options": {...}}`` (a constexpr's specialisation is its value,
-    ``{"wire_codec": name}`` for a wire codec; an int's is ``"D"`` (multiple of 16), ``""`` or None (not
-    specialised), or the parameter is ``["constexpr", 1]``; a tensor's ``"D"`` when 16-byte aligned)."""
+    "spec": {param: [type, specialisation]}, "options": {...}}`` (a constexpr's specialisation is its value, for
+    a wire codec its name and fields (``compile_check._const_to_json``); an int's is ``"D"`` (multiple of 16),
+    ``""`` or None (not specialised), or the parameter is ``["constexpr", 1]``; a tensor's ``"D"`` when 16-byte
+    aligned)."""
     pyfn, names, bind = _binder(jitfn)
     _, spec, opts = bind(*args, **kwargs)
     out = {}

@@ -56,6 +56,64 @@ def test_codec_repr_names_every_field():
     assert repr(dataclasses.replace(fp8, block=2 * fp8.block)) != repr(fp8)
 
 
+@pytest.mark.parametrize("wire", WIRES)
+def test_every_codec_pickles_with_its_cache_key(wire):
+    """A codec (the registry's, one with ``stage_own`` flipped, one with another block) goes through pickle (a
+    spawned process's arguments, a cache on disk) and deepcopy as an equal codec with the same tile functions and
+    ``cache_key``; one whose tile function is not a module's attribute is refused as pickle refuses it."""
+    import copy
+    import dataclasses
+    import pickle
+
+    codec = get_wire(wire).codec
+    codecs = [codec]
+    if codec.quantized:
+        codecs += [dataclasses.replace(codec, stage_own=not codec.stage_own),
+                   dataclasses.replace(codec, block=2 * codec.block)]
+    for c in codecs:
+        for back in (pickle.loads(pickle.dumps(c)), copy.deepcopy(c)):
+            assert back == c and hash(back) == hash(c) and back.cache_key == c.cache_key, (c, back)
+            assert back.encode is c.encode and back.decode is c.decode and back.stage_own == c.stage_own
+    if codec.quantized:
+        @triton.jit
+        def local_tile(x, POW2: tl.constexpr, FAST: tl.constexpr):
+            return x, x
+
+        with pytest.raises((pickle.PicklingError, AttributeError), match="local"):  # by Python version
+            pickle.dumps(dataclasses.replace(codec, encode=local_tile))
+
+
+@triton.jit
+def _stage_own_kernel(out_ptr, WIRE: tl.constexpr):
+    tl.store(out_ptr, WIRE.stage_own)
+
+
+def test_launch_records_tell_codecs_of_one_name_apart():
+    """The launch recorders of the test tooling (``tests.support.compile_check``, ``tests.support.variant_keys``)
+    record a codec by its name AND fields: two codecs of one name that differ in ``stage_own`` record different
+    keys, and each record gives its own codec back (what an offline compile of the record compiles)."""
+    import dataclasses
+
+    from tests.support.compile_check import _const_from_json, _const_to_json, record_launches
+    from tests.support.variant_keys import key_text, launch_key
+
+    codec = get_wire("mxfp4").codec
+    both = [codec, dataclasses.replace(codec, stage_own=not codec.stage_own)]
+    out = torch.zeros(1, dtype=torch.int32, device=DEV)
+    recs = []
+    with record_launches(recs):
+        for c in both:
+            _stage_own_kernel[(1,)](out, WIRE=c)
+            assert int(out[0]) == int(c.stage_own)
+    wires = [r["constexprs"]["WIRE"] for r in recs if r.get("name") == "_stage_own_kernel"]
+    assert len(wires) == 2 and wires[0] != wires[1] and [_const_from_json(w) for w in wires] == both, wires
+    keys = [key_text(launch_key(_stage_own_kernel, (out,), dict(WIRE=c))) for c in both]
+    assert keys[0] != keys[1]
+    assert _const_from_json({"wire_codec": "mxfp4"}) == codec  # a record of the name alone: the registry's
+    with pytest.raises(ValueError, match="tile functions"):
+        _const_to_json(dataclasses.replace(codec, decode=get_wire("fp8").codec.decode))
+
+
 def test_registry_records_are_consistent():
     assert WIRES[:3] == ("bf16", "fp8", "mxfp4") and "fp8_e5m2" in WIRES
     assert len({f.id for f in WIRE_FORMATS.values()}) == len(WIRES)

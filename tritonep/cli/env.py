@@ -40,7 +40,8 @@ def collect_env() -> dict:
         "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
         "TRITON_INTERPRET": envs.get("TRITON_INTERPRET", "") + (
             " (set by the tritonep command: no GPU; in your own scripts run_cpu_world sets it if nothing imported "
-            "tritonep's kernels before it, else start Python with TRITON_INTERPRET=1)"
+            "tritonep's kernels or triton.language (import torch._dynamo does) before it, else start Python with "
+            "TRITON_INTERPRET=1)"
             if envs.get(INTERPRET_SET_BY_CLI) else ""),
         "TRITONEP_TIMEOUT_S": envs.timeout_s(),
         "TRITONEP_SYNC_CHECKS": {envs.SYNC_NONE: "none", envs.SYNC_DEFERRED: "deferred",

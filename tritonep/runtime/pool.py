@@ -42,6 +42,9 @@ both, as without a pool.
 
 Idea: pplx-kernels and DeepEP's low-latency mode hand out receive buffers allocated once per buffer; here the
 reuse is decided per call by reference counts, so a caller that keeps an output never sees it overwritten.
+
+Beside the pools, :func:`remember`: the one way a host path keeps a bounded dict of values it makes once per key
+(bound launches with their grids, index tensors) and looks up on every call.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ import sys
 import torch
 from torch.autograd import forward_ad as _fwd
 
-__all__ = ["OutputPool", "MAX_STREAMS", "acquire_shared", "release_shared"]
+__all__ = ["OutputPool", "MAX_STREAMS", "acquire_shared", "release_shared", "remember"]
 
 MAX_STREAMS = 2  # streams that get sets of their own; calls on more streams allocate as before
 
@@ -261,3 +264,17 @@ def release_shared(key: tuple, slots: int):
         entry[1] -= 1
         if entry[1] <= 0:
             del _SHARED[key]
+
+
+def remember(cache: dict, key, value, limit: int):
+    """Keep ``value`` as ``key``'s in ``cache`` and return it; a ``cache`` already holding ``limit`` (int >= 1)
+    entries is emptied first, so it never holds more (the values dropped are made again on their next miss).
+
+    For a plain dict of values made once per key and read on a hot path: the reader's hit stays ONE dict lookup,
+    ``got = cache.get(key)``, and only its miss calls this (``got = remember(cache, key, make(), limit)``).
+    Emptying the whole dict, not evicting in order, keeps the miss cheap too; a cache is bounded so that keys that
+    follow the data (a token count, a shape) cannot grow it without end."""
+    if len(cache) >= limit:
+        cache.clear()
+    cache[key] = value
+    return value

@@ -30,6 +30,7 @@ from ... import envs
 from ...errors import InputError
 from ...runtime.host_status import HostStatus
 from ...runtime.launch import Launch
+from ...runtime.pool import remember
 from .kernels.meta import layout_kernel, pack_kernel, unpack_meta_kernel
 from .kernels.meta_rows import copy_rows_kernel, pack_rows_kernel, unpack_rows_kernel
 from .kernels.poison import poison_kernel
@@ -48,6 +49,7 @@ def _p2(n: int) -> int:
 
 
 _BYTE_DTYPES = (torch.int8, torch.uint8)
+_KEPT = 4096  # (bound launch, grid) pairs kept per kind of launch (their keys follow the token count)
 
 
 def _fillable(t: torch.Tensor) -> tuple:
@@ -99,7 +101,8 @@ class MetaOps:
         self._hosts: dict = {}  # L -> (pinned int64 [L + 2], HostStatus)
         self._tile: dict = {}  # variant key -> its token tile (the grid's unit)
         # a call's one lookup, per kind of launch:
-        # (variant key, T) -> (bound launch, grid tuple) of the layout and packing launches (their grid follows T)
+        # (variant key, T) -> (bound launch, grid tuple) of the layout and packing launches (their grid follows T);
+        # at most _KEPT kept, as the poisons' (then dropped and looked up again: a bound launch stays with Launch)
         self._launch_grids: dict = {}
         # variant key -> (bound launch, token tile) of the meta-rows unpacking (its grid: cdiv(rows, tile) per call)
         self._unpack_tiles: dict = {}
@@ -126,19 +129,10 @@ class MetaOps:
         counts = torch.empty(W + E, dtype=torch.int32, device=self.device)
         got = self._launch_grids.get(("layout", K, E, W, T))
         if got is None:
-            got = self._remember(("layout", K, E, W, T), self._layout_launch(K, E, W, T))
+            got = remember(self._launch_grids, ("layout", K, E, W, T), self._layout_launch(K, E, W, T), _KEPT)
         got[0](got[1], topk_idx, T, in_rank, counts)
         per_rank, per_expert = counts.split_with_sizes((W, E))  # Tensor.split's Python wrapper: ~3 us more
         return per_rank, per_expert, in_rank
-
-    def _remember(self, key, got: tuple) -> tuple:
-        """Keep ``got`` (a bound launch and its grid tuple) as ``key``'s (a variant key and T) in
-        ``_launch_grids``, at most 4096 kept (then they are dropped and looked up again: a bound launch stays with
-        :class:`tritonep.runtime.launch.Launch`)."""
-        if len(self._launch_grids) >= 4096:
-            self._launch_grids.clear()
-        self._launch_grids[key] = got
-        return got
 
     def _layout_launch(self, K: int, E: int, W: int, T: int):
         """``(bound launch, grid)`` of a layout of ``T`` tokens of top-k ``K`` over ``E`` experts and ``W`` ranks (the
@@ -259,8 +253,8 @@ class MetaOps:
         slots = torch.empty(T + W * meta_rows, W, dtype=torch.int32, device=self.device)
         got = self._launch_grids.get(("pack_rows", K, W, num_experts, H, meta_rows, T))
         if got is None:
-            got = self._remember(("pack_rows", K, W, num_experts, H, meta_rows, T),
-                                 self._pack_rows_launch(K, W, num_experts, H, meta_rows, T))
+            got = remember(self._launch_grids, ("pack_rows", K, W, num_experts, H, meta_rows, T),
+                           self._pack_rows_launch(K, W, num_experts, H, meta_rows, T), _KEPT)
         c = torch.Tensor.is_contiguous
         got[0](got[1], x if c(x) else x.contiguous(),
                is_token_in_rank if c(is_token_in_rank) else is_token_in_rank.contiguous(),
@@ -339,7 +333,8 @@ class MetaOps:
 
     def _poison_launch(self, W: int, na: int, ab: int, nb: int, bb: int) -> tuple:
         """``(bound launch, grid)`` of a poison over ``W`` ranks of ``na`` / ``nb`` elements of ``ab`` / ``bb``
-        bytes (the variant bound on first use; kept per those values, at most 4096, then looked up again)."""
+        bytes (the variant bound on first use; kept per those values, at most :data:`_KEPT`, then looked up
+        again)."""
         n = max(na, nb)
         block = 1024 if self._cuda else 4096
         grid = min(max(_cdiv(n, block), 1), 132) if self._cuda else 1
@@ -349,10 +344,7 @@ class MetaOps:
             bk = self._launch.variant(key, lambda: self._launch.bind(poison_kernel, dict(
                 W=W, WB=_p2(W), BLOCK=block, AB=ab, BB=bb, num_warps=4),
                 ("counts_ptr", "cs0", "cs1", "limit", "a_ptr", "NA", "b_ptr", "NB", "nprog")))
-        if len(self._poisons) >= 4096:
-            self._poisons.clear()
-        got = self._poisons[(W, na, ab, nb, bb)] = (bk, grid)
-        return got
+        return remember(self._poisons, (W, na, ab, nb, bb), (bk, grid), _KEPT)
 
     def copy_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """``dst[:n] = src`` bit for bit: ``src [n, H]`` bf16, ``dst [>= n, H]`` bf16, both contiguous on this device

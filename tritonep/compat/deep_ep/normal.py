@@ -26,6 +26,7 @@ import torch
 
 from ... import envs
 from ...errors import CapacityError, ConfigError, InputError, PeerInputError, TritonEPError
+from ...runtime.pool import remember
 from .handles import NormalHandle
 from .normal_checks import _ID_DTYPES, NormalChecks, _plain_dispatch, _plain_rows, _plain_weights, _tensor, _width
 from .normal_refusal import NormalRefusals, _synced
@@ -483,11 +484,9 @@ class NormalMode(NormalRefusals, NormalChecks):
         made again: meta rows only, so T is small)."""
         c = self._rep_idx.get((T, K, device))
         if c is None:
-            if len(self._rep_idx) >= 64:
-                self._rep_idx.clear()
             W = self.W
-            c = self._rep_idx[(T, K, device)] = (torch.arange(T, device=device).unsqueeze(1) * W
-                                                 + torch.arange(W, device=device).repeat_interleave(K)).contiguous()
+            idx = torch.arange(T, device=device).unsqueeze(1) * W + torch.arange(W, device=device).repeat_interleave(K)
+            c = remember(self._rep_idx, (T, K, device), idx.contiguous(), 64)
         return c
 
     def _weights_back(self, meta, rows: int, K: int, topk_weights):

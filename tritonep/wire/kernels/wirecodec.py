@@ -18,6 +18,8 @@ bits more cheaply (:mod:`tritonep.wire.kernels.fp8_hw`); False is the integer pa
 
 from __future__ import annotations
 
+import importlib
+import sys
 from dataclasses import dataclass
 
 import triton
@@ -40,7 +42,9 @@ class DeviceCodec:
     decodes them, instead of the expander encoding them from ``x`` itself: for a codec whose encode costs more in
     the expander than the staging copy it saves; measured on one H100, docs/performance.md). ``repr`` (= ``cache_key``) is stable across processes and names every field (Triton's kernel caches key on
     it: the in-process cache on the repr, so two codecs of one name that differ in any field never share a compiled
-    kernel; the tile functions enter by their own source hashes).
+    kernel; the tile functions enter by their own source hashes). A codec pickles (and deep-copies) with its tile
+    functions named by module and name, found again on load: the copy holds the same functions and has the same
+    ``cache_key``; a tile function that is not its module's attribute is refused as pickle refuses it.
 
     Raises:
         ValueError: inconsistent sizes (a quantized row must fit the 2 bytes per element of the staging rows,
@@ -78,9 +82,11 @@ class DeviceCodec:
         return self._hash
 
     def __reduce__(self):
-        # rebuilt through __init__ (its hash made again where it is unpickled, never carried)
-        return (type(self), (self.name, self.block, self.payload_bits, self.scale_bytes, self.scale_dtype, self.encode,
-                             self.decode, self.stage_own))
+        # rebuilt through __init__ (its hash made again where it is unpickled, never carried); the tile functions go
+        # by where they are found (pickle cannot carry a JIT function itself: its Python function's module attribute
+        # is the JIT function, not the function), so the copy holds the same ones and has the same cache_key
+        return (_unpickle, (self.name, self.block, self.payload_bits, self.scale_bytes, self.scale_dtype,
+                            _tile_ref(self.encode), _tile_ref(self.decode), self.stage_own))
 
     @property
     def quantized(self) -> bool:
@@ -114,6 +120,25 @@ class DeviceCodec:
             r = self.cache_key
             object.__setattr__(self, "_repr", r)
         return r
+
+
+def _tile_ref(f):
+    """``(module, name)`` of a tile function (a ``@triton.jit`` function, compiled or interpreted) that is its
+    module's attribute of its own name: how a pickled codec finds it again; else ``f`` itself (None, or a function
+    defined elsewhere, which pickle then refuses as it would without a reference)."""
+    fn = getattr(f, "fn", None)
+    mod, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    if mod is not None and getattr(sys.modules.get(mod), name, None) is f:
+        return mod, name
+    return f
+
+
+def _unpickle(name, block, payload_bits, scale_bytes, scale_dtype, encode, decode, stage_own) -> DeviceCodec:
+    """The codec :meth:`DeviceCodec.__reduce__` took apart, its tile functions found again (imported where a
+    reference names them: the same objects in this process, so the same ``cache_key``)."""
+    encode, decode = (getattr(importlib.import_module(f[0]), f[1]) if isinstance(f, tuple) else f
+                      for f in (encode, decode))
+    return DeviceCodec(name, block, payload_bits, scale_bytes, scale_dtype, encode, decode, stage_own)
 
 
 RAW_BF16 = DeviceCodec("bf16", block=1, payload_bits=16)

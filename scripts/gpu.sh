@@ -36,6 +36,10 @@
 #   stageown  world 1, DeepSeek-V3 shape: the mxfp4 dispatch as the table runs it (the expander encodes the own rows,
 #            8-token tiles), then with its sender staging them (benchmarks/probes/stage_own_bench.py --stage-own 1) at
 #            8- and 16-token tiles                                                            limits 150 + 200
+#   chain    world 1, DeepSeek-V3 shape: the small kernels before the expand (chunk histogram, counts exchange) per
+#            tile variant (CHAIN_VARIANTS="name=xeb=8,hg=512,xw=4 ...": hg histogram programs, xeb exchange experts
+#            per tile, xw their warps), each kernel's time, then the dispatch graph-replayed per variant
+#            (CHAIN_BENCH="hg=512,xeb=8 ...")                                                    limits 200 + 240
 #   compatprof  where the compat Buffer's eager round trip spends its time (benchmarks/probes/compat_profile.py)  150
 #   memcheck an overflowing sync-free step + backward under compute-sanitizer memcheck, world 1 and W = 2
 #            time-sliced (benchmarks/probes/overflow_memcheck.py)                                  limits 200 + 240
@@ -174,6 +178,11 @@ for suite in "$@"; do
         titanc) use_wheels || exit 2
                 step titan_compiled 420 torchrun --nproc-per-node 1 benchmarks/titan_bench.py \
                     --json "$OUT/titan_bench_compiled.json" ;;
+        chain) step chain_kernels 200 torchrun --nproc-per-node 1 benchmarks/probes/kernel_breakdown.py --wires bf16 fp8 \
+                   --iters 10 --variants table= ${CHAIN_VARIANTS:-} --json "$OUT/chain_kernels.json"
+               v=("deepseek-v3:0:bf16+fp8+mxfp4:"); for g in ${CHAIN_BENCH:-}; do v+=("deepseek-v3:0:bf16+fp8+mxfp4:$g"); done
+               step chain_bench 240 torchrun --nproc-per-node 1 benchmarks/ep_bench.py --num-sms --iters 20 \
+                   --variants "${v[@]}" --json "$OUT/chain_bench.json" ;;
         compat) step deep_ep_compat 240 torchrun --nproc-per-node 1 benchmarks/deep_ep_compat.py \
                     --json "$OUT/deep_ep_compat.json" ;;
         wires) step wire_bench 300 torchrun --nproc-per-node 1 benchmarks/ep_bench.py --num-sms --iters 20 \

@@ -122,7 +122,8 @@ def kernel_breakdown(group, profile: str = "deepseek-v3", wires=("bf16", "fp8", 
             g = buf.tiles
             base = dict(profile=profile, variant=vname, wire=wire, tokens=T, hidden=H, num_sms=num_sms or 0,
                         geometry=f"bt={g.bt},bh={g.bh},warps={g.num_warps},grid={g.grid_send},"
-                                 f"fs={g.fused_send},fe={g.fused_expand},fc={g.fused_combine}")
+                                 f"fs={g.fused_send},fe={g.fused_expand},fc={g.fused_combine},hg={g.grid_hist},"
+                                 f"xeb={g.xeb},xw={g.xwarps}")
             d = buf.dispatch(x, idx, w)  # warm-up (kernels are compiled at construction)
             eo = chk.expert_out(buf.expert_out_buffer(), d)
             buf.combine(eo, d.handle)

@@ -120,9 +120,9 @@ def _any_grid_world(group, cfg, steps, grid):
     real = tb.exchange_tiles
     used = []
 
-    def tiles(nc, e, max_programs=0):  # the docstring's claim: any grid >= 1 is correct
-        used.append(real(nc, e, max_programs))
-        return grid, real(nc, e, max_programs)[1]
+    def tiles(nc, e, max_programs=0, eblk=0):  # the docstring's claim: any grid >= 1 is correct
+        used.append(real(nc, e, max_programs, eblk))
+        return grid, real(nc, e, max_programs, eblk)[1]
 
     tb.exchange_tiles = tiles
     try:
@@ -142,4 +142,34 @@ def test_exchange_any_grid(grid):
     steps = [("ok", 41, [16, 0], "push"), ("bad", 42, [3, 4], 0), ("ok", 43, [5, 16], "pull"),
              ("ok", 44, [0, 0], None)]
     res = run_cpu_world(W, _any_grid_world, cfg, steps, grid, timeout_s=300)
+    check_script(cfg, steps, res)
+
+
+def test_exchange_tiles_given_expert_block():
+    """``eblk`` given (KernelTiles.xeb): that many experts per tile (at most every expert), as many chunk rows as fit
+    8K counters (at most every chunk row, 1024); 0 keeps the rule (every chunk row up to 256, 32 experts)."""
+    from tritonep.backends.triton.kernels.layout import exchange_tiles
+
+    assert exchange_tiles(512, 256) == (8, dict(NCB=256, EBLK=32))
+    assert exchange_tiles(512, 256, eblk=16) == (16, dict(NCB=512, EBLK=16))
+    assert exchange_tiles(512, 256, eblk=8) == (32, dict(NCB=512, EBLK=8))
+    assert exchange_tiles(4096, 256, eblk=4) == (64, dict(NCB=1024, EBLK=4))
+    assert exchange_tiles(16, 128, eblk=256) == (1, dict(NCB=16, EBLK=128))
+    assert exchange_tiles(512, 256, max_programs=8, eblk=8) == (8, dict(NCB=512, EBLK=8))
+
+
+@pytest.mark.parametrize("geometry", ["bt=2,hg=3,xeb=8,xw=2", "bt=1,hg=16,xeb=64,xw=1"])
+def test_exchange_and_histogram_tiles(geometry):
+    """The chunk histogram's grid (``hg``) and the exchange's expert block and warps (``xeb``, ``xw``) change no row:
+    8 / 16 chunks a rank, exchange grids of 16 programs (8 experts a tile, 3 histogram programs for 8 chunks) and 2
+    (64 experts, every chunk row in one tile); refused and uneven calls between good ones, checked bit for bit."""
+    from tritonep.backends.triton.tiles import select_tiles
+
+    g = select_tiles("cpu", 2, 32, 16, 4, override=geometry)
+    assert (g.grid_hist, g.xeb, g.xwarps) == tuple(int(p.split("=")[1]) for p in geometry.split(",")[1:])
+    W = 2
+    cfg = dict(E=128, H=32, Tmax=16, K=4, A=1, geometry=geometry)
+    steps = [("ok", 51, [16, 0], "push"), ("bad", 52, [3, 4], 0), ("ok", 53, [5, 16], "pull"),
+             ("ok", 54, [0, 0], None), ("ok", 55, [16, 16], "push")]
+    res = run_cpu_world(W, script_world, cfg, steps, timeout_s=300)
     check_script(cfg, steps, res)

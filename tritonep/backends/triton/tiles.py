@@ -48,6 +48,9 @@ class KernelTiles:
     program acknowledges the sources for ``grid_expand`` programs, so the grid is free): per route it loads an
     expert-output tile next to the source tile for the weight gradient, so its tile is sized so that no registers
     spill (:func:`select_tiles` resolves all three to non-zero values).
+    grid_hist: programs of the chunk histogram. xeb: experts per tile of the counts exchange (0: the rule of
+    :func:`tritonep.backends.triton.kernels.layout.exchange_tiles`); xwarps: warps of the chunk histogram and the counts
+    exchange (0: ``num_warps``).
     """
 
     bt: int
@@ -69,10 +72,12 @@ class KernelTiles:
     bbt: int = 0
     bwarps: int = 0
     bgrid: int = 0
+    xeb: int = 0
+    xwarps: int = 0
 
 
 _OVERRIDE_FIELDS = ("bt", "bh", "warps", "grid", "combine", "fs", "fe", "fc", "dec", "cbt", "cwarps", "pf", "bbt",
-                    "bwarps", "bgrid")
+                    "bwarps", "bgrid", "hg", "xeb", "xw")
 
 # the combine backward's expand tile on the GPU, by the dispatch's token tile: (bbt, bwarps). Chosen by ptxas -v at
 # the DeepSeek-V3 shape (H 7168 -> BH 1024, top-8, bf16, alignment 16; tests.support.compile_check.ptxas_usage,
@@ -86,21 +91,24 @@ _BWD_TILE = {16: (8, 32), 8: (8, 32), 4: (4, 8), 2: (2, 16), 1: (1, 4)}
 
 
 def _apply_override(g: KernelTiles, text: str, source: str = "TRITONEP_GEOMETRY") -> KernelTiles:
-    """Apply an override string (``bt=2,bh=512,warps=8,grid=128,combine=pull,cbt=4,cwarps=8``: the ``tiles``
+    """Apply an override string (``bt=2,bh=512,warps=8,grid=128,combine=pull,cbt=4,cwarps=8,hg=512,xeb=8,xw=4``: the ``tiles``
     argument or TRITONEP_GEOMETRY, named ``source`` in errors) to ``g``.
 
     ``grid=`` without ``fs``/``fe`` selects the two-kernel dispatch with that grid; ``fs=0,fe=0`` turns the fused
     dispatch off while keeping the table's grids; ``dec=G`` selects the one-launch decode paths with G programs
     (``dec=0`` turns them off).
 
+    ``hg=`` sets the chunk histogram's programs, ``xeb=`` / ``xw=`` the counts exchange's experts per tile and warps.
+
     Raises ConfigError naming the bad entry: unknown field, a value that is not a positive power of two (bt, bh,
-    warps, cbt, cwarps, bbt, bwarps), a grid or bgrid < 1, or a combine kind other than push/pull.
+    warps, cbt, cwarps, bbt, bwarps, xeb, xw), a grid, bgrid or hg < 1, or a combine kind other than push/pull.
     """
     from ...errors import ConfigError
 
     f = dict(bt=g.bt, bh=g.bh, num_warps=g.num_warps, combine=g.combine, fused_send=g.fused_send,
              fused_expand=g.fused_expand, fused_combine=g.fused_combine, decode=g.decode, cbt=g.cbt,
-             cwarps=g.cwarps, prefetch=g.prefetch, bbt=g.bbt, bwarps=g.bwarps, bgrid=g.bgrid)
+             cwarps=g.cwarps, prefetch=g.prefetch, bbt=g.bbt, bwarps=g.bwarps, bgrid=g.bgrid, grid_hist=g.grid_hist,
+             xeb=g.xeb, xwarps=g.xwarps)
     grid = None
     for item in filter(None, (p.strip() for p in text.split(","))):
         key, _, val = item.partition("=")
@@ -116,13 +124,13 @@ def _apply_override(g: KernelTiles, text: str, source: str = "TRITONEP_GEOMETRY"
             v = int(val)
         except ValueError:
             raise ConfigError(f"{source} entry {item!r}: {val!r} is not an integer") from None
-        if key in ("grid", "bgrid"):
+        if key in ("grid", "bgrid", "hg"):
             if v < 1:
                 raise ConfigError(f"{source} entry {item!r}: {key} must be >= 1")
             if key == "grid":
                 grid = v
             else:
-                f["bgrid"] = v
+                f["grid_hist" if key == "hg" else "bgrid"] = v
         elif key in ("fc", "pf"):
             if v not in (0, 1):
                 raise ConfigError(f"{source} entry {item!r}: {key} must be 0 or 1")
@@ -138,7 +146,7 @@ def _apply_override(g: KernelTiles, text: str, source: str = "TRITONEP_GEOMETRY"
         elif v < 1 or v & (v - 1):
             raise ConfigError(f"{source} entry {item!r}: {key} must be a positive power of two")
         else:
-            f["num_warps" if key == "warps" else key] = v
+            f[{"warps": "num_warps", "xw": "xwarps"}.get(key, key)] = v
     gs = [grid] * 4 if grid else [g.grid_send, g.grid_expand, g.grid_partial, g.grid_out]
     keys = {p.strip().partition("=")[0].strip() for p in text.split(",") if p.strip()}
     if grid and not keys & {"fs", "fe"}:
@@ -150,11 +158,11 @@ def _apply_override(g: KernelTiles, text: str, source: str = "TRITONEP_GEOMETRY"
     if f["fused_combine"] and not f["fused_send"]:
         raise ConfigError(f"{source} {text!r}: fc=1 needs fs/fe > 0 (the role sizes), and the dispatch is "
                           "the two-kernel one here (the table's choice or fs=0,fe=0): give them, e.g. fs=40,fe=88,fc=1")
-    return KernelTiles(bt=f["bt"], bh=f["bh"], grid_hist=g.grid_hist, grid_send=gs[0], grid_expand=gs[1],
+    return KernelTiles(bt=f["bt"], bh=f["bh"], grid_hist=f["grid_hist"], grid_send=gs[0], grid_expand=gs[1],
                     grid_partial=gs[2], grid_out=gs[3], num_warps=f["num_warps"], combine=f["combine"],
                     fused_send=f["fused_send"], fused_expand=f["fused_expand"], fused_combine=f["fused_combine"],
                     decode=f["decode"], cbt=f["cbt"], cwarps=f["cwarps"], prefetch=f["prefetch"], bbt=f["bbt"],
-                    bwarps=f["bwarps"], bgrid=f["bgrid"])
+                    bwarps=f["bwarps"], bgrid=f["bgrid"], xeb=f["xeb"], xwarps=f["xwarps"])
 
 
 def parse_tiles(text: str, source: str = "tiles") -> None:

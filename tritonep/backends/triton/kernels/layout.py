@@ -87,16 +87,25 @@ def chunk_hist_kernel(topk_idx_ptr, hist_ptr, T, NC, K: tl.constexpr, E: tl.cons
         tl.store(hist_ptr + c * (E + 1) + E, bad)
 
 
-def exchange_tiles(max_chunks: int, num_experts: int, max_programs: int = 0) -> tuple[int, dict]:
+def exchange_tiles(max_chunks: int, num_experts: int, max_programs: int = 0, eblk: int = 0) -> tuple[int, dict]:
     """``(grid, {"NCB", "EBLK"})`` of :func:`exchange_kernel` for at most ``max_chunks`` chunk rows and
     ``num_experts`` experts: every chunk row in one tile (up to 256), at most 32 experts per tile and 8K counters
     (no spills at 8 warps), one program per expert block. Measured on one H200 at 256 chunks x 256 experts: one
     program with 64 x 64 tiles 43 us, with 256 x 32 tiles 30 us; at most ``max_programs`` programs when it is not 0
     (the configuration's cap: ranks that share a GPU under MPS; the programs loop over the expert blocks). Depends
-    only on the static configuration (docs/protocols.md (host protocol rule))."""
-    ncb = min(triton.next_power_of_2(max(1, max_chunks)), 256)
+    only on the static configuration (docs/protocols.md (host protocol rule)).
+
+    ``eblk`` (a power of two, 0: the rule above): experts per tile, given; the chunk rows per tile are then as many
+    as fit 8K counters (up to every chunk row, at most 1024), so a narrower block scans its chunks in fewer steps on
+    more programs (``KernelTiles.xeb``)."""
     eb = triton.next_power_of_2(num_experts)
-    eblk = max(1, min(eb, 32, 8192 // ncb))
+    chunks = triton.next_power_of_2(max(1, max_chunks))
+    if eblk:
+        eblk = min(eb, eblk)
+        ncb = min(chunks, 1024, max(1, 8192 // eblk))
+    else:
+        ncb = min(chunks, 256)
+        eblk = max(1, min(eb, 32, 8192 // ncb))
     grid = triton.cdiv(eb, eblk)
     return (min(grid, max_programs) if max_programs else grid), dict(NCB=ncb, EBLK=eblk)
 

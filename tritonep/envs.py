@@ -200,7 +200,9 @@ def geometry_override() -> str:
 
     Fields: ``bt``, ``bh``, ``warps``, ``grid`` (every data-kernel grid), ``combine``, ``fs``/``fe`` (fused
     dispatch roles), ``fc`` (fused combine), ``dec`` (one-launch decode dispatch and combine with that many programs,
-    ``max_tokens_per_rank <= 256``). Used by the benchmark to
+    ``max_tokens_per_rank <= 256``), ``cbt``/``cwarps`` (the combine's tile), ``pf`` (the expander's prefetch),
+    ``bbt``/``bwarps``/``bgrid`` (the combine backward's expand), ``hg`` (chunk-histogram programs), ``xeb``/``xw``
+    (the counts exchange's experts per tile, the warps of both count kernels). Used by the benchmark to
     measure kernel-tile variants; it must be identical on every rank (EPBuffer's cross-rank config check covers it).
     """
     return _get("TRITONEP_GEOMETRY", "")

@@ -49,8 +49,8 @@ class KernelTiles:
     expert-output tile next to the source tile for the weight gradient, so its tile is sized so that no registers
     spill (:func:`select_tiles` resolves all three to non-zero values).
     grid_hist: programs of the chunk histogram. xeb: experts per tile of the counts exchange (0: the rule of
-    :func:`tritonep.backends.triton.kernels.layout.exchange_tiles`); xwarps: warps of the chunk histogram and the counts
-    exchange (0: ``num_warps``).
+    :func:`tritonep.backends.triton.kernels.layout.exchange_tiles`); xwarps: warps of the chunk histogram and the
+    counts exchange (0: ``num_warps``).
     """
 
     bt: int
@@ -91,8 +91,8 @@ _BWD_TILE = {16: (8, 32), 8: (8, 32), 4: (4, 8), 2: (2, 16), 1: (1, 4)}
 
 
 def _apply_override(g: KernelTiles, text: str, source: str = "TRITONEP_GEOMETRY") -> KernelTiles:
-    """Apply an override string (``bt=2,bh=512,warps=8,grid=128,combine=pull,cbt=4,cwarps=8,hg=512,xeb=8,xw=4``: the ``tiles``
-    argument or TRITONEP_GEOMETRY, named ``source`` in errors) to ``g``.
+    """Apply an override string (``bt=2,bh=512,warps=8,grid=128,combine=pull,cbt=4,cwarps=8,hg=512,xeb=8,xw=4``:
+    the ``tiles`` argument or TRITONEP_GEOMETRY, named ``source`` in errors) to ``g``.
 
     ``grid=`` without ``fs``/``fe`` selects the two-kernel dispatch with that grid; ``fs=0,fe=0`` turns the fused
     dispatch off while keeping the table's grids; ``dec=G`` selects the one-launch decode paths with G programs

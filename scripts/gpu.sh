@@ -10,7 +10,7 @@
 #   soak     the 1000-replay CUDA-graph soaks at W=2 under MPS                              limit 150
 #   suite1   the whole GPU suite's first command: `single` (one process, no MPS) running beside `mps2` (the
 #            ranks' private MPS daemon): compiles are CPU-bound and the machine has 16 cores; then the tests
-#            marked `alone` (they measure the whole GPU's free memory), with nothing beside them         530 + 55
+#            marked `alone` (they measure the whole GPU's free memory), with nothing beside them         545 + 45
 #   suite2   its second command: `mps4` but the DeepEP-compatible Buffer's tests (they run at W = 1 and 2 in
 #            suite1, at W = 3, 4, 8 in the CPU worlds), then `soak`                                   470 + 110
 #   runs2    `tritonep run` at W=2 under MPS: every layer; balance none / virtual, push / pull, bf16 / fp8
@@ -141,11 +141,11 @@ for suite in "$@"; do
         suite1) TAIL=4 step single 360 "${PYTEST[@]}" -m "gpu and (not world or world1) and not soak and not caps \
                     and not alone" --timeout 200 &
                 beside=$!
-                step mps2 530 "${PYTEST[@]}" -m "gpu and world and not world1 and not soak and not caps" \
+                step mps2 545 "${PYTEST[@]}" -m "gpu and world and not world1 and not soak and not caps" \
                     --gpu-world-sizes 2 --gpu-mps on --timeout 120 --maxfail 4
                 stop_leftover_mps
                 wait "$beside"
-                step alone 55 "${PYTEST[@]}" -m "gpu and alone" --timeout 50  # nothing beside it now
+                step alone 45 "${PYTEST[@]}" -m "gpu and alone" --timeout 40  # nothing beside it now
                 pack ;;
         suite2) step mps4 470 "${PYTEST[@]}" -m "gpu and anyworld and not soak and not caps" --gpu-world-sizes 4 \
                     --gpu-mps on --timeout 120 --maxfail 4 --ignore=tests/compat  # compat: W = 1 and 2 (suite1)

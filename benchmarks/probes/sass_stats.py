@@ -2,6 +2,8 @@
 
     PYTHONPATH=. python benchmarks/probes/sass_stats.py --wires fp8 mxfp4 [--profile deepseek-v3] [--stage-own 0|1]
         [--geometry bt=8,warps=8] [--combine] [--ops] [--json out.json]
+    PYTHONPATH=. python benchmarks/probes/sass_stats.py --wires bf16 fp8 --counts '' xeb=8 xeb=8,xw=4 hg=512
+        # the chunk histogram and counts exchange per tile variant at the profile's token count
 
 A one-rank CPU world (Triton's interpreter) runs one dispatch with decoded rows and one with rows kept quantized
 (``keep_quantized=True``, what the ep_bench ``*.kept`` graph rows time) of an EPBuffer of the shape of a profile of
@@ -38,6 +40,8 @@ import sys
 import tempfile
 
 KERNELS = ("dispatch_send_kernel", "dispatch_expand_kernel", "dispatch_fused_kernel")
+COUNT_KERNELS = ("chunk_hist_kernel", "exchange_kernel")
+COUNT_HIDDEN = 128  # the count kernels take no hidden size: a narrow buffer records them at the profile's tokens
 COMBINE_KERNELS = ("combine_partial_kernel", "combine_out_kernel", "combine_fused_kernel")
 
 CLASSES = {
@@ -159,9 +163,35 @@ def _child(path: str, stage_own) -> None:
     print("@@" + json.dumps(res))
 
 
+def _record_counts(group, a, wire: str) -> list:
+    """The chunk histogram and counts exchange launches of one dispatch per ``--counts`` variant, at the profile's
+    token count (their tiles follow ``max_tokens_per_rank``) and the wire's GPU token tile and warps (a narrow hidden
+    size: these kernels take none), labelled ``wire.variant``."""
+    import tritonep as tep
+    from tests.support.compile_check import record_launches
+    from tests.support.tiles import tiles_of
+    from tritonep.bench.cases import make_rank_inputs
+
+    g = tiles_of("cuda", 1, a.hidden, a.tokens, a.topk, wire)
+    out = []
+    for var in a.counts:
+        geo = f"bt={g.bt},warps={g.num_warps},hg={g.grid_hist},dec=0" + ("," + var if var else "")
+        b = tep.EPBuffer(group, a.experts, COUNT_HIDDEN, a.tokens, a.topk, dispatch_wire=wire, combine_wire=wire,
+                         tiles=geo)
+        x, i, w = make_rank_inputs(0, 9, COUNT_HIDDEN, a.experts, a.topk, seed=3)
+        recs = []
+        with record_launches(recs):
+            b.dispatch(x, i, w)
+        out += [dict(r, constexprs=dict(r["constexprs"], **({"HAS_TIMER": True} if "HAS_TIMER" in r["constexprs"]
+                                                             else {})), label=f"{wire}.{var or 'table'}")
+                for r in recs if r["name"] in COUNT_KERNELS]
+        b.close()
+    return out
+
+
 def _record(group, a):
     """Rank body of the CPU world: one decoded and one kept dispatch per wire at the GPU tiles; the send / expand
-    launches of each, labelled."""
+    launches of each, labelled (with ``--counts``: the count kernels' launches per variant instead)."""
     import tritonep as tep
     from tests.support.compile_check import record_launches
     from tests.support.tiles import tiles_of
@@ -169,6 +199,8 @@ def _record(group, a):
     apply_stage_own(a.stage_own)
     from tritonep.bench.cases import make_rank_inputs
 
+    if a.counts is not None:
+        return [r for wire in a.wires for r in _record_counts(group, a, wire)]
     out = []
     for wire in a.wires:
         g = tiles_of("cuda", 1, a.hidden, a.tokens, a.topk, wire)
@@ -217,6 +249,9 @@ def main(argv=None) -> int:
                                                    "e.g. 'bt=8,warps=8'")
     ap.add_argument("--combine", action="store_true", help="also the combine's kernels (push combine at the tiles)")
     ap.add_argument("--ops", action="store_true", help="also print the 12 most frequent mnemonics per kernel")
+    ap.add_argument("--counts", nargs="*", default=None, metavar="GEOMETRY",
+                    help="instead: the chunk histogram and counts exchange per tile variant ('' = the table's; e.g. "
+                         "'xeb=8' 'xeb=8,xw=4' 'hg=512'), at the profile's token count")
     ap.add_argument("--json", default="")
     a = ap.parse_args(argv)
     os.environ["TRITON_INTERPRET"] = "1"
@@ -249,16 +284,16 @@ def main(argv=None) -> int:
 
     print(f"tritonep from {os.path.dirname(tritonep.__file__)}; profile {a.profile} (hidden {a.hidden}, experts "
           f"{a.experts}, top-{a.topk}, tiles for {a.tokens} tokens at world 1); sm_90, HAS_TIMER=True")
-    hdr = (f"{'variant':<14} {'kernel':<22} {'regs':>4} {'spill st/ld':>11} {'local':>5} {'smem':>6} {'total':>6} "
+    hdr = (f"{'variant':<22} {'kernel':<22} {'regs':>4} {'spill st/ld':>11} {'local':>5} {'smem':>6} {'total':>6} "
            + " ".join(f"{c:>7}" for c in SHOWN) + f" {'elem/thr':>8}")
     print(hdr)
     bad = 0
     for r, s in zip(uniq, stats):
         if "error" in s:
-            print(f"{s['label']:<14} {s['name']:<22} FAILED {s['error']}")
+            print(f"{s['label']:<22} {s['name']:<22} FAILED {s['error']}")
             bad += 1
             continue
-        print(f"{s['label']:<14} {s['name'].replace('dispatch_', ''):<22} {s['registers']:>4} "
+        print(f"{s['label']:<22} {s['name'].replace('dispatch_', '')[:22]:<22} {s['registers']:>4} "
               f"{s['spill_stores']:>5}/{s['spill_loads']:<5} {s['local']:>5} {s['shared']:>6} {s['total']:>6} "
               + " ".join(f"{s['classes'].get(c, 0):>7}" for c in SHOWN) + f" {_elem_per_thread(r):>8.0f}")
         if a.ops:

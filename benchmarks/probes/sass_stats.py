@@ -178,7 +178,7 @@ def _record_counts(group, a, wire: str) -> list:
         geo = f"bt={g.bt},warps={g.num_warps},hg={g.grid_hist},dec=0" + ("," + var if var else "")
         b = tep.EPBuffer(group, a.experts, COUNT_HIDDEN, a.tokens, a.topk, dispatch_wire=wire, combine_wire=wire,
                          tiles=geo)
-        x, i, w = make_rank_inputs(0, 9, COUNT_HIDDEN, a.experts, a.topk, seed=3)
+        x, i, w = make_rank_inputs(0, min(9, a.tokens), COUNT_HIDDEN, a.experts, a.topk, seed=3)
         recs = []
         with record_launches(recs):
             b.dispatch(x, i, w)

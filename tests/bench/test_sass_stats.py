@@ -56,3 +56,22 @@ def test_probe_runs_on_a_small_profile():
     # --geometry reached the combine's launches: 2 warps a program, so 2 elements of a tile per thread (the CPU
     # table's 4 warps: 1)
     assert all(r.split()[-1] == "2" for r in rows if r.split()[1].startswith("combine")), p.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.compile
+def test_probe_counts_mode_compiles_each_variant():
+    """``--counts``: the chunk histogram and counts exchange of the CPU-smoke shape per tile variant compile for
+    sm_90; ``xeb=2`` reaches the exchange (a narrower expert block than the table's, every one of the shape's 8
+    experts: fewer instructions)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "benchmarks/probes/sass_stats.py", "--wires", "bf16", "--profile",
+                        "cpu-smoke", "--counts", "", "xeb=2"], cwd=ROOT, capture_output=True, text=True, env=env,
+                       timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = {tuple(r.split()[:2]): r.split() for r in p.stdout.splitlines() if r.startswith("bf16.")}
+    assert set(rows) >= {("bf16.table", "chunk_hist_kernel"), ("bf16.table", "exchange_kernel"),
+                         ("bf16.xeb=2", "exchange_kernel")}, p.stdout
+    total = 7  # the column of the instruction count (variant, kernel, regs, spill st/ld, local, smem, total)
+    assert (int(rows[("bf16.xeb=2", "exchange_kernel")][total]) != int(rows[("bf16.table", "exchange_kernel")][total])
+            ), p.stdout

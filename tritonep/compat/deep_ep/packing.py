@@ -78,9 +78,10 @@ def meta_width(topk: int) -> int:
 
 def pack_meta(topk_idx: torch.Tensor) -> torch.Tensor:
     """``[T, meta_width(K)]`` bf16 rows holding each token's ids as int32 bit patterns (DeepEP's ids fit: experts <
-    2^31)."""
+    2^31); an id outside ``[-1, 2^31)`` is written as -1 (checked at the ids' own width, so an int64 id such as
+    ``2^32 + 1`` is never cast onto an expert: it selects nothing, as in the layout)."""
     T, K = topk_idx.shape
-    ids = topk_idx.to(torch.int32).view(torch.bfloat16)
+    ids = topk_idx.masked_fill((topk_idx < -1) | (topk_idx > 2**31 - 1), -1).to(torch.int32).view(torch.bfloat16)
     pad = meta_width(K) - 2 * K
     return torch.cat([ids, ids.new_zeros(T, pad)], 1) if pad else ids
 

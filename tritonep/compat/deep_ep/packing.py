@@ -78,9 +78,10 @@ def meta_width(topk: int) -> int:
 
 def pack_meta(topk_idx: torch.Tensor) -> torch.Tensor:
     """``[T, meta_width(K)]`` bf16 rows holding each token's ids as int32 bit patterns (DeepEP's ids fit: experts <
-    2^31)."""
+    2^31); an id outside ``[-1, 2^31)`` is written as -1 (checked at the ids' own width, so an int64 id such as
+    ``2^32 + 1`` is never cast onto an expert: it selects nothing, as in the layout)."""
     T, K = topk_idx.shape
-    ids = topk_idx.to(torch.int32).view(torch.bfloat16)
+    ids = topk_idx.masked_fill((topk_idx < -1) | (topk_idx > 2**31 - 1), -1).to(torch.int32).view(torch.bfloat16)
     pad = meta_width(K) - 2 * K
     return torch.cat([ids, ids.new_zeros(T, pad)], 1) if pad else ids
 
@@ -127,12 +128,17 @@ def unpack_meta(rows: torch.Tensor, weights: torch.Tensor, topk: int, table: tor
 
 def pack_quantized(xq: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``(xq [T, H] one-byte dtype, scales [T, S] four-byte dtype, any strides)`` -> ``[T, H]`` bf16 rows whose bytes
-    are xq's row, then the scales' bytes, then 2H - H - 4S bytes left unset. The caller checks 4S <= H."""
+    are xq's row, then the scales' bytes, then 2H - H - 4S bytes left unset. The caller checks 4S <= H (and H even).
+    With H not a multiple of 4 the scales' bytes start off a 4-byte boundary (no 4-byte view of them): copied as
+    bytes."""
     T, H = xq.shape
     S = scales.shape[1]
     out = torch.empty(T, 2 * H, dtype=torch.uint8, device=xq.device)
     out[:, :H].copy_(xq.view(torch.uint8))
-    out[:, H:H + 4 * S].view(scales.dtype).copy_(scales)
+    if H % 4:
+        out[:, H:H + 4 * S].copy_(scales.contiguous().reshape(-1).view(torch.uint8).view(T, 4 * S))
+    else:
+        out[:, H:H + 4 * S].view(scales.dtype).copy_(scales)
     return out.view(torch.bfloat16)
 
 
@@ -142,7 +148,9 @@ def unpack_quantized(rows: torch.Tensor, x_dtype: torch.dtype, scale_dtype: torc
     R, H = rows.shape
     b = rows.view(torch.uint8)
     xq = b[:, :H].contiguous().view(x_dtype)
-    scales = b[:, H:H + 4 * num_scales].contiguous().view(scale_dtype)
+    # a new tensor (offset 0): a slice of one row or none counts as contiguous, and off a 4-byte width its offset H
+    # would refuse the 4-byte view
+    scales = b[:, H:H + 4 * num_scales].clone(memory_format=torch.contiguous_format).view(scale_dtype)
     return xq, scales
 
 

@@ -87,9 +87,9 @@ def pack_kernel(in_rank_ptr, ids_ptr, w_ptr, T, out_ptr, o_meta, o_slots, o_w, K
                 BT: tl.constexpr):
     """One dispatch's lane inputs from ``in_rank [T, W]`` bool, ``ids [T, K]`` int32/int64 and ``w [T, K]`` float32,
     into the int32 block ``out``: ``[0, T*W)`` the rows lane's slots (``r`` where token t goes to rank r, else -1);
-    from ``o_meta`` the meta rows ``[T, MW2]`` (the K ids as int32, then zeros); from ``o_slots`` the meta lane's
-    slots ``[T, W*K]`` (slot ``r*K + k`` = the rows lane's slot r); from ``o_w`` its route weights ``[T, W*K]``
-    (``w[t, k]`` for every r, float32 bits). One program per ``BT`` tokens."""
+    from ``o_meta`` the meta rows ``[T, MW2]`` (the K ids as int32, -1 for an id outside ``[-1, 2^31)``, then
+    zeros); from ``o_slots`` the meta lane's slots ``[T, W*K]`` (slot ``r*K + k`` = the rows lane's slot r); from
+    ``o_w`` its route weights ``[T, W*K]`` (``w[t, k]`` for every r, float32 bits). One program per ``BT`` tokens."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     tm = t < T
     t64 = t.to(tl.int64)
@@ -99,6 +99,8 @@ def pack_kernel(in_rank_ptr, ids_ptr, w_ptr, T, out_ptr, o_meta, o_slots, o_w, K
     tl.store(out_ptr + t64[:, None] * W + ww[None, :], tl.where(hit != 0, ww[None, :], -1), mask=mw)
     mm = tl.arange(0, MB)
     ids = tl.load(ids_ptr + t64[:, None] * K + mm[None, :], mask=tm[:, None] & (mm < K)[None, :], other=0)
+    # range-checked at the ids' own width, then cast: an int64 id 2**32 + 1 travels as -1, never as expert 1
+    ids = tl.where((ids >= -1) & (ids <= 2147483647), ids, -1)
     tl.store(out_ptr + o_meta + t64[:, None] * MW2 + mm[None, :], ids.to(tl.int32),
              mask=tm[:, None] & (mm < MW2)[None, :])
     j = tl.arange(0, WKB)

@@ -422,11 +422,12 @@ class NormalMode(NormalRefusals, NormalChecks):
         # whether the rows lane's combine reads its status
         reads = h.x_handle.num_recv_rows is not None and _synced(False, self.lanes.sync_checks)
         lane, T = h.x_lane, h.num_tokens
-        if h.meta_rows or h.x_handle.num_recv_rows is None and x.shape[0] != lane.max_recv_tokens:
+        if h.meta_rows or h.x_handle.num_recv_rows is None and h.num_rows != lane.max_recv_tokens:
             # the lane's layout holds the meta rows after the token rows, or its handle is a sync-free one whose
             # combine takes the lane's max_recv_tokens rows (host reads off, TRITONEP_SYNC_CHECKS=0: the caller has
             # the R rows received): the caller's rows go into the lane's expert-output buffer (one copy: a bound
-            # launch, MetaOps.copy_rows); the meta rows' sums (rows T.. of the lane's output) are dropped
+            # launch, MetaOps.copy_rows); the meta rows' sums (rows T.. of the lane's output) are dropped. x is
+            # checked above to hold h.num_rows rows (no torch call here: the host path's budget counts them)
             eo = self._eo.get(lane)
             if eo is None:
                 eo = self._eo[lane] = _expert_out(lane)

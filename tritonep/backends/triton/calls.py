@@ -100,9 +100,10 @@ class KernelSet:
         self._fo = fo
         calls = lambda which: v.calls[P.v(which):P.v(which) + 1]  # noqa: E731 - one counter's view
         cx = P.v(P.CALL_EXCHANGE)
+        xopts = dict(opts, num_warps=g.xwarps or g.num_warps)  # the count kernels' warps (KernelTiles.xwarps)
         self.hist = self._lau.bind(chunk_hist_kernel, dict(
             hist_ptr=v.hist, K=K, E=E, EB=_p2(E), BT=g.bt, KB=_p2(K), bump_a=calls(P.CALL_DISPATCH),
-            bump_b=calls(P.CALL_EXCHANGE), NBUMP=2, COPY=True, **dict(opts, num_warps=g.xwarps or g.num_warps)),
+            bump_b=calls(P.CALL_EXCHANGE), NBUMP=2, COPY=True, **xopts),
             ("topk_idx_ptr", "w_ptr", STORE, "T", "NC"), grid=(g.grid_hist,),
             fields=hl.fields_of(idx_out_ptr="idx", w_out_ptr="w"))
         # static tiles: never derived from this call's T
@@ -115,7 +116,7 @@ class KernelSet:
             max_recv=cfg.max_recv_tokens, rank=rank, W=W, E=E, L=L, A=A, WB=ck["WB"], LB=_p2(L), EB=_p2(E),
             HAS_TIMER=ck["HAS_TIMER"], DOUBLE=True, dcall_ptr=calls(P.CALL_DISPATCH),
             rows_out_ptr=v.status[P.v(P.ST_ROWS_RECEIVED):P.v(P.ST_ROWS_RECEIVED) + 1], host_st_ptr=self._host_mapped,
-            HOST_ST=ST_HOST, DEAD=True, **xt, **dict(opts, num_warps=g.xwarps or g.num_warps))
+            HOST_ST=ST_HOST, DEAD=True, **xt, **xopts)
         # a buffer with count_columns: every exchange (with a count routing or not) writes and compares the ranks'
         # count stamps (kernels/layout.py write_count_stamp / count_stamps)
         self._xregion = dict(xcounts_tab=v.tab["xcounts"], xcounts_ptr=v.xcounts,

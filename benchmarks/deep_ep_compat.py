@@ -10,8 +10,11 @@ output (median of 3 rounds of ``--iters`` calls, CUDA events; graph: the same re
 
 * ``compat``: what Megatron / vLLM / SGLang call, ``get_dispatch_layout`` + ``dispatch(x, topk_idx, topk_weights)`` +
   ``combine(recv_x, handle)``, eager (DeepEP's normal dispatch reads its counts on the host: not capturable); the
-  Buffer's default way (``compat_path``: ``"meta rows"`` when the top-k travels as meta rows of the rows lane, one
-  exchange per dispatch, at small token counts; else ``"meta lane"``);
+  Buffer's default way (``compat_path``: ``"carried"`` when the top-k rides with the rows in the rows lane's one
+  launch, ``"meta rows"`` when it travels as meta rows of the rows lane, one exchange per dispatch, at small token
+  counts; else ``"meta lane"``);
+* ``compat_meta_rows``: the same with ``Buffer(carry_topk=False)``: where the rows lane carries the top-k with its
+  rows (``compat_path`` ``"carried"``: the one-launch decode tiles) the meta rows instead, to compare the two ways;
 * ``compat_meta_lane``: the same with ``Buffer(meta_rows_max_tokens=0)`` (the top-k in a second EPBuffer, the meta
   lane), eager: the two ways side by side on the same GPU run;
 * ``compat_worst``: ``compat`` with ``num_worst_tokens`` (no host read), eager and graph;
@@ -86,7 +89,7 @@ def bench_point(group, T, H, E, K, iters):
                                                   num_tokens_per_expert=ne, topk_idx=idx, topk_weights=w,
                                                   num_worst_tokens=num_worst)
         y, _, _ = buf.combine(rx, h)
-        return y, rx, ridx, counts, itr
+        return y, rx, ridx, counts, itr, h
 
     ebuf = tep.EPBuffer(group, E, H, T, K, max_recv_tokens=W * T * min(K, L))
 
@@ -95,6 +98,14 @@ def bench_point(group, T, H, E, K, iters):
         return ebuf.combine(d.x, d.handle)
 
     lane_buf = deep_ep.Buffer(group, 0, 0, max_tokens_per_rank=T, meta_rows_max_tokens=0)
+
+    rows_buf = deep_ep.Buffer(group, 0, 0, max_tokens_per_rank=T, carry_topk=False)
+
+    def compat_meta_rows():  # the top-k as meta rows of the rows lane even where the lane could carry it
+        n, _, ne, itr_, _ = rows_buf.get_dispatch_layout(idx, E)
+        rx_, _, _, _, h_, _ = rows_buf.dispatch(x, num_tokens_per_rank=n, is_token_in_rank=itr_,
+                                                num_tokens_per_expert=ne, topk_idx=idx, topk_weights=w)
+        return rows_buf.combine(rx_, h_)[0]
 
     def compat_meta_lane():
         n, _, ne, itr_, _ = lane_buf.get_dispatch_layout(idx, E)
@@ -111,9 +122,9 @@ def bench_point(group, T, H, E, K, iters):
         return rows.combine(d.x, d.handle)
 
     # checks
-    y, rx, ridx, counts, itr = compat()
+    y, rx, ridx, counts, itr, h = compat()
     expect = (x.float() * itr.sum(1, keepdim=True)).bfloat16()
-    yw, rxw, ridxw, cw, _ = compat(worst)
+    yw, rxw, ridxw, cw, _, _ = compat(worst)
     R = rx.shape[0]
     torch.cuda.synchronize() if torch.cuda.is_available() else None
     row["compat_exact"] = bool(torch.equal(y, expect)) and sum(counts) == int((ridx >= 0).sum()) and \
@@ -123,7 +134,8 @@ def bench_point(group, T, H, E, K, iters):
     slots = torch.where(itr, ranks, -1)  # the compat Buffer's rows-lane routing (its packing kernel's first part)
     row["rows_exact"] = bool(torch.equal(rows_round(slots), expect))
     row["compat_meta_lane_exact"] = bool(torch.equal(compat_meta_lane(), expect))
-    row["compat_path"] = "meta rows" if any(key[0] == "xm" for key, _ in buf.lanes) else "meta lane"
+    row["compat_meta_rows_exact"] = bool(torch.equal(compat_meta_rows(), expect))
+    row["compat_path"] = "carried" if h.carried else "meta rows" if h.meta_rows else "meta lane"
     oracle = x.float() * w.sum(1, keepdim=True)
     row["tep_err_vs_oracle"] = float((tep_round().float() - oracle).abs().max() /
                                      oracle.abs().max().clamp_min(1e-30))
@@ -131,6 +143,7 @@ def bench_point(group, T, H, E, K, iters):
     # timings
     _timed(row, "compat", lambda: compat()[0], group, iters, graph=False)
     _timed(row, "compat_meta_lane", compat_meta_lane, group, iters, graph=False)
+    _timed(row, "compat_meta_rows", compat_meta_rows, group, iters, graph=False)
     _timed(row, "compat_worst", lambda: compat(worst)[0], group, iters, graph=True)
     _timed(row, "tep", tep_round, group, iters, graph=True)
     _timed(row, "rows", lambda: rows_round(slots), group, iters, graph=True)
@@ -139,8 +152,10 @@ def bench_point(group, T, H, E, K, iters):
     row["compat_over_rows_eager"] = row["compat_eager_us"] / row["rows_eager_us"]
     row["compat_meta_lane_minus_tep_eager_us"] = row["compat_meta_lane_eager_us"] - row["tep_eager_us"]
     row["checked"] = row["compat_exact"] and row["compat_worst_exact"] and row["rows_exact"] and \
-        row["compat_meta_lane_exact"] and row["tep_err_vs_oracle"] <= 2e-2
+        row["compat_meta_lane_exact"] and row["compat_meta_rows_exact"] and row["tep_err_vs_oracle"] <= 2e-2
+    row["compat_meta_rows_minus_tep_eager_us"] = row["compat_meta_rows_eager_us"] - row["tep_eager_us"]
     buf.destroy()
+    rows_buf.destroy()
     lane_buf.destroy()
     ebuf.close()
     rows.close()

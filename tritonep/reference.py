@@ -30,6 +30,7 @@ from .reference_moe import moe_dense_reference  # public path of the MoE oracle
 __all__ = [
     "RefDispatch",
     "count_sums_reference",
+    "carry_reference",
     "dispatch_reference",
     "combine_reference",
     "combine_reference_partial",
@@ -370,3 +371,30 @@ def count_sums_reference(count_ids: list, count_experts: int) -> list:
         total += torch.bincount(g, minlength=count_experts + 1)
     L = count_experts // W
     return [total[r * L:(r + 1) * L].tolist() for r in range(W)]
+
+
+def carry_reference(ref: RefDispatch, rank: int, count_ids: list, count_weights: list, count_experts: int,
+                    num_rows: int) -> tuple:
+    """The count routing carried with the rows (:meth:`tritonep.EPBuffer.dispatch`'s ``count_weights`` /
+    ``count_out``) as rank ``rank`` receives it: ``(idx [num_rows, CK] int64, weights [num_rows, CK] float32)``.
+
+    Row i of ``ref`` (this rank's :class:`RefDispatch`) from route ``(src_rank, src_token)`` gets that token's
+    ``count_ids[src_rank][src_token]`` local to this rank (``id - rank*CL`` for an id in ``[rank*CL, (rank+1)*CL)``,
+    ``CL = count_experts / W``, else -1) and its ``count_weights`` (0 where the id is -1); padding rows and the rows
+    past the received ones: -1 and 0. Twin of :mod:`tritonep.backends.triton.kernels.carry`. Exact (data
+    movement)."""
+    W = len(count_ids)
+    CK = count_ids[0].shape[1]
+    CL = count_experts // W
+    idx = torch.full((num_rows, CK), -1, dtype=torch.int64)
+    w = torch.zeros(num_rows, CK, dtype=torch.float32)
+    src_r, src_t = ref.src_rank.cpu().to(torch.int64), ref.src_token.cpu().to(torch.int64)
+    for i in range(min(num_rows, src_r.shape[0])):
+        if src_r[i] < 0:
+            continue
+        ids = count_ids[int(src_r[i])][int(src_t[i])].cpu().to(torch.int64)
+        mine = (ids >= rank * CL) & (ids < (rank + 1) * CL)
+        idx[i] = torch.where(mine, ids - rank * CL, -1)
+        w[i] = torch.where(mine, count_weights[int(src_r[i])][int(src_t[i])].cpu().to(torch.float32), 0.0)
+    return idx, w
+

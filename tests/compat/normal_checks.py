@@ -49,11 +49,12 @@ def host_reads(buf) -> int:
     return sum(lane.host_reads for _, lane in buf.lanes) + sum(o.host_reads for o in buf._normal._meta_ops.values())
 
 
-def normal_case(group, backend: str, seed: int, meta_rows_max_tokens=None, kinds=None):
+def normal_case(group, backend: str, seed: int, meta_rows_max_tokens=None, kinds=None, carried=None):
     """Every normal-mode semantic on one Buffer: layout, dispatch (bf16 / fp8 / int32 scales / no top-k / aligned /
     num_worst_tokens), cached dispatch, combine (weights, bias), over two rounds of fresh inputs.
     ``meta_rows_max_tokens``: the Buffer's (None: its default, the top-k as meta rows at these sizes; 0: the meta
-    lane). ``kinds``: the inner EPBuffer kinds (:func:`lane_kinds`) the Buffer must have made."""
+    lane). ``kinds``: the inner EPBuffer kinds (:func:`lane_kinds`) the Buffer must have made. ``carried``: whether
+    the top-k dispatches must carry their ids and weights with the rows (the decode tiles' lane), when given."""
     import tritonep.compat.deep_ep as deep_ep
 
     rank, W = group.rank(), group.size()
@@ -80,6 +81,7 @@ def normal_case(group, backend: str, seed: int, meta_rows_max_tokens=None, kinds
                                                    num_tokens_per_expert=nte, topk_idx=idx, topk_weights=w,
                                                    async_finish=True, previous_event=buf.capture())
         ev.current_stream_wait()
+        assert carried is None or h.carried == carried, (h.carried, carried)
         if rnd == 0 and h.x_lane.sums_counts:  # the triton backend: DeepEP's per-expert counts come with the rows
             # lane's status, ONE read (round 1 first reads the lanes its last calls left)
             assert host_reads(buf) == reads + 1, (host_reads(buf), reads)
@@ -142,6 +144,7 @@ def normal_case(group, backend: str, seed: int, meta_rows_max_tokens=None, kinds
                                                      num_tokens_per_expert=nte, topk_idx=idx, topk_weights=w,
                                                      num_worst_tokens=worst)
         R = rx.shape[0]
+        assert carried is None or hw.carried == carried, (hw.carried, carried)
         assert cw_list == [] and rxw.shape == (worst, H) and riw.shape == (worst, K) and rww.shape == (worst, K)
         assert torch.equal(rxw[:R].view(torch.int16), rx.view(torch.int16))
         assert torch.equal(riw[:R], ridx) and torch.equal(rww[:R], rw)

@@ -39,16 +39,18 @@ def test_normal_mode_with_the_meta_lane(world, backend):
 
 def _on_decode_tiles(group, *args):
     """:func:`normal_case` on the one-launch decode tiles (what a GPU takes up to 256 tokens): DeepEP's per-expert
-    counts come with the rows lane's status (its count routing) instead of the unpacking's read."""
+    counts come with the rows lane's status (its count routing) instead of the unpacking's read, and on the rows lane
+    of the meta-rows way the ids and weights ride with the rows (no meta row travels)."""
     import os
 
     os.environ["TRITONEP_GEOMETRY"] = "bt=2,dec=3"
     return normal_case(group, *args)
 
 
-@pytest.mark.parametrize("world,meta_rows_max_tokens,kinds", [
-    (2, None, ["meta2", "x", "xm"]), (2, 0, ["meta", "x"]), pytest.param(3, None, ["meta2", "x", "xm"], marks=SLOW)])
-def test_normal_mode_on_the_decode_tiles(world, meta_rows_max_tokens, kinds):
-    """Meta rows (the default at these sizes) and the meta lane (``meta_rows_max_tokens=0``)."""
-    assert run_cpu_world(world, _on_decode_tiles, "triton", world, meta_rows_max_tokens, kinds,
+@pytest.mark.parametrize("world,meta_rows_max_tokens,kinds,carried", [
+    (2, None, ["meta2", "x", "xm"], True), (2, 0, ["meta", "x"], False),
+    pytest.param(3, None, ["meta2", "x", "xm"], True, marks=SLOW)])
+def test_normal_mode_on_the_decode_tiles(world, meta_rows_max_tokens, kinds, carried):
+    """The top-k carried with the rows (the default at these sizes) and the meta lane (``meta_rows_max_tokens=0``)."""
+    assert run_cpu_world(world, _on_decode_tiles, "triton", world, meta_rows_max_tokens, kinds, carried,
                          timeout_s=600) == [2] * world

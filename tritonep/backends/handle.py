@@ -42,6 +42,8 @@ class DispatchHandle:
         count_sums: a list of ints, the sums over the sources of the dispatch's ``count_ids`` routes per local
             expert of this rank (:meth:`tritonep.EPBuffer.dispatch`), where the call computed them (the triton
             backend's decode dispatch, read on the host); else None.
+        carried: ``(idx [R, CK], weights [R, CK])``: the count routing carried with the rows
+            (:meth:`tritonep.EPBuffer.dispatch`'s ``count_weights``), else None.
         backend: the registry name of the backend (class constant).
     """
 
@@ -52,3 +54,4 @@ class DispatchHandle:
     recv_weights: Optional[torch.Tensor] = None
     buffer_id: int = 0
     count_sums: Optional[list] = None
+    carried: Optional[tuple] = None

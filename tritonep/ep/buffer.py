@@ -77,6 +77,10 @@ class EPBuffer(BackwardCalls, RefusalCalls):
             local experts per rank; 0: none, the default). The attribute ``sums_counts`` says whether this buffer
             computes them (the triton backend; on the nccl backend ``count_sums`` stays None). The triton backend
             adds one int32 column per rank to the region (every rank's count stamp of a call: docs/protocols.md).
+        count_topk: room for a count routing of the tokens themselves carried with the rows (:meth:`dispatch`'s
+            ``count_weights`` / ``count_out``: at most this many ids a token; needs ``count_columns``; 0: none, the
+            default). The attribute ``carries_topk`` says whether this buffer carries them (the triton backend's
+            one-launch decode tiles); the region holds ``2 * count_topk`` int32 words per (source rank, token).
 
     Raises:
         ConfigError: an invalid value, or a static configuration that differs across ranks (raised on every rank,
@@ -92,7 +96,7 @@ class EPBuffer(BackwardCalls, RefusalCalls):
                  device: torch.device | str | None = None, num_sms: int | None = None,
                  timeout_s: float | None = None, *, tiles=None, sync_checks=None, max_programs: int | None = None,
                  launch: str | None = None, output_pool: int | None = None, sync_free_mode: str | None = None,
-                 count_columns: int = 0):
+                 count_columns: int = 0, count_topk: int = 0):
         self.group = group
         self.rank = dist.get_rank(group)
         ws = dist.get_world_size(group)
@@ -110,7 +114,8 @@ class EPBuffer(BackwardCalls, RefusalCalls):
                                max_recv_tokens=max_recv_tokens, backend=backend, dtype=dtype,
                                device_type=device.type, num_sms=num_sms, timeout_s=timeout_s, tiles=tiles,
                                sync_checks=sync_checks, max_programs=max_programs, launch=launch,
-                               output_pool=output_pool, sync_free_mode=sync_free_mode, count_columns=count_columns)
+                               output_pool=output_pool, sync_free_mode=sync_free_mode, count_columns=count_columns,
+                               count_topk=count_topk)
             report = p2p_report(device)
         except TritonEPError as e:
             err = e
@@ -132,6 +137,9 @@ class EPBuffer(BackwardCalls, RefusalCalls):
         # whether dispatch(count_ids=...) sums the count routing on this buffer (handle.count_sums of an eager call):
         # the triton backend, with count_columns
         self.sums_counts = bool(cfg.count_columns) and getattr(self._backend, "sums_counts", False)
+        # whether dispatch(count_weights=..., count_out=...) carries the tokens' count routing with the rows: the
+        # triton backend's one-launch decode dispatch, with count_topk
+        self.carries_topk = bool(cfg.count_topk) and getattr(self._backend, "decode", None) is not None
         self._sync = cfg.sync_checks
         # the front door's static arguments, made once: check_dispatch_inputs' and check_combine_inputs'
         self._din = (cfg.hidden, cfg.topk, cfg.max_tokens_per_rank, cfg.dtype, device)
@@ -224,7 +232,8 @@ class EPBuffer(BackwardCalls, RefusalCalls):
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  keep_quantized: bool = False, *, sync_free: bool = False, forward_ad: bool = True,
-                 count_ids: torch.Tensor | None = None, count_experts: int = 0) -> Dispatched:
+                 count_ids: torch.Tensor | None = None, count_experts: int = 0,
+                 count_weights: torch.Tensor | None = None) -> Dispatched:
         """Send every token to the ranks of its experts; return the expert-grouped rows of this rank's experts.
 
         Args:
@@ -264,6 +273,15 @@ class EPBuffer(BackwardCalls, RefusalCalls):
                 kernel variant (per ``CK`` and ``count_experts``) is bound on first use, not at construction: make
                 one such call eagerly before a graph capture.
             count_experts: the experts of ``count_ids`` (a multiple of W).
+            count_weights: the count routing travels with the rows (a buffer whose ``carries_topk`` is True,
+                else InputError): ``count_ids`` must then be the tokens' own (``Tc == T``, ``CK <= count_topk``) and
+                ``count_weights`` their float32 ``[T, CK]`` weights; every row this rank receives gets its token's
+                ids local to this rank (``id - rank * count_experts / W`` for an id of this rank, else -1) and
+                weights (0 where -1), in row order: ``handle.carried = (idx, weights)``, ``[R, CK]`` of
+                ``count_ids``' dtype and float32 (R as the rows: ``max_recv_tokens`` when unknown on the host, the
+                rows past the received ones -1 and 0), written by the dispatch's own launch. What DeepEP's dispatch
+                returns as ``recv_topk_idx`` / ``recv_topk_weights`` when the rows are one per (token, receiving
+                rank). Not differentiable (the weights are data here).
 
         Returns:
             :class:`Dispatched` (rows ordered by (source rank, token, k) inside each expert segment).
@@ -310,7 +328,11 @@ class EPBuffer(BackwardCalls, RefusalCalls):
             if dual and keep_quantized and self._quantized_dispatch:
                 raise InputError(_NO_TANGENT.format(what="dispatch(keep_quantized=True) (quantized rows carry no "
                                                          "tangent; dispatch without keep_quantized)"))
-            count = None if count_ids is None else check_count_ids(count_ids, count_experts, self.config, self.device)
+            count = None if count_ids is None else check_count_ids(count_ids, count_experts, self.config, self.device,
+                                                                   count_weights, self.carries_topk,
+                                                                   x.shape[0] if count_weights is not None else 0)
+            if count_ids is None and count_weights is not None:
+                raise InputError("count_weights carries a count routing: pass count_ids too")
         except (InputError, CapacityError) as e:
             refused = e
             x, topk_idx, topk_weights = self._no_input

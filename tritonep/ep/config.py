@@ -63,6 +63,10 @@ class EPConfig:
             with its counts (``EPBuffer.dispatch(count_ids=...)``: a second routing whose routes per (destination,
             local expert) are exchanged and summed over the sources, at most ``count_columns`` local experts per
             rank); 0: none.
+        count_topk: room for a count routing of the tokens themselves (``dispatch(count_ids=topk_idx,
+            count_weights=...)``, at most this many ids a token) whose ids and weights travel with the rows: every
+            received row gets its token's ids local to the receiver and weights (DeepEP's ``recv_topk_idx`` /
+            ``recv_topk_weights``) in the triton backend's one-launch decode dispatch; 0: none.
     """
 
     world_size: int
@@ -86,6 +90,7 @@ class EPConfig:
     output_pool: int
     sync_free_mode: str = ""
     count_columns: int = 0
+    count_topk: int = 0
 
     FRONT = ("world_size", "num_experts", "num_local_experts", "hidden", "max_tokens_per_rank", "topk",
              "dispatch_wire", "combine_wire", "expert_alignment", "max_recv_tokens", "dtype", "timeout_s")
@@ -118,7 +123,7 @@ def build_config(*, world_size: int, num_experts: int, hidden: int, max_tokens_p
                  device_type: str = "cuda", num_sms: int | None = None, timeout_s: float | None = None,
                  tiles=None, sync_checks=None, max_programs: int | None = None, launch: str | None = None,
                  output_pool: int | None = None, sync_free_mode: str | None = None, count_columns: int = 0,
-                 check_kernels: bool = True) -> EPConfig:
+                 count_topk: int = 0, check_kernels: bool = True) -> EPConfig:
     """Validate an EPBuffer's arguments, read what they leave to the environment and derive the rest; no collective,
     no allocation.
 
@@ -149,6 +154,10 @@ def build_config(*, world_size: int, num_experts: int, hidden: int, max_tokens_p
         raise ConfigError(f"num_experts={num_experts} is not divisible by world_size={world_size}")
     if not isinstance(count_columns, int) or isinstance(count_columns, bool) or count_columns < 0:
         raise ConfigError(f"count_columns must be an int >= 0, got {count_columns!r}")
+    if not isinstance(count_topk, int) or isinstance(count_topk, bool) or count_topk < 0:
+        raise ConfigError(f"count_topk must be an int >= 0, got {count_topk!r}")
+    if count_topk and not count_columns:
+        raise ConfigError(f"count_topk={count_topk} needs count_columns > 0 (the carried ids are a count routing)")
     if max_recv_tokens is not None and (not isinstance(max_recv_tokens, int) or isinstance(max_recv_tokens, bool)
                                         or max_recv_tokens < 1):
         raise ConfigError(f"max_recv_tokens must be a positive int or None, got {max_recv_tokens!r}")
@@ -189,7 +198,8 @@ def build_config(*, world_size: int, num_experts: int, hidden: int, max_tokens_p
                     backend=backend, dtype=dtype, device_type=device_type, num_sms=num_sms,
                     timeout_s=resolve_timeout(timeout_s), tiles=tiles, sync_checks=envs.sync_checks(sync_checks),
                     max_programs=max_programs, launch=envs.launch(launch), output_pool=envs.output_pool(output_pool),
-                    sync_free_mode=envs.nccl_sync_free(sync_free_mode), count_columns=count_columns)
+                    sync_free_mode=envs.nccl_sync_free(sync_free_mode), count_columns=count_columns,
+                    count_topk=count_topk)
 
 
 def agree(group, cfg: EPConfig | None, error: BaseException | None, extra: dict | None = None,

@@ -67,11 +67,12 @@ def check_dispatch_inputs(x, topk_idx, topk_weights, hidden, topk, max_tokens_pe
     return x, topk_idx, topk_weights
 
 
-def check_count_ids(count_ids, count_experts, cfg, device):
+def check_count_ids(count_ids, count_experts, cfg, device, count_weights=None, carries=False, T=0):
     """``(count_ids, count_experts, Tc, CK)`` of :meth:`tritonep.EPBuffer.dispatch`'s count routing, checked:
     ``count_ids`` a 2-D int32 / int64 tensor ``[Tc, CK]`` (``Tc <= cfg.max_tokens_per_rank``, CK >= 1) on ``device``
     (made contiguous), ``count_experts`` a positive multiple of the group size with at most ``cfg.count_columns``
-    experts per rank. (Four torch attribute reads: a dispatch's host path.)
+    experts per rank. (Four torch attribute reads: a dispatch's host path.) With ``count_weights`` (the routing
+    carried with the rows: :func:`check_carry`): ``(count_ids, count_experts, Tc, CK, count_weights, ids dtype)``.
 
     Raises:
         InputError: naming the value."""
@@ -92,7 +93,37 @@ def check_count_ids(count_ids, count_experts, cfg, device):
                          f"{tuple(shape)}")
     if count_ids.device != device:
         raise InputError(f"count_ids is on {count_ids.device}, the buffer on {device}")
-    return (count_ids if count_ids.is_contiguous() else count_ids.contiguous()), count_experts, shape[0], shape[1]
+    cid = count_ids if count_ids.is_contiguous() else count_ids.contiguous()
+    if count_weights is None:
+        return cid, count_experts, shape[0], shape[1]
+    return cid, count_experts, shape[0], shape[1], check_carry(count_weights, cfg, device, carries, T, shape), \
+        count_ids.dtype
+
+
+def check_carry(count_weights, cfg, device, carries, T, shape):
+    """``count_weights`` of a count routing carried with the rows (:meth:`tritonep.EPBuffer.dispatch`'s
+    ``count_weights``), checked and made contiguous: a buffer that carries them (``carries``), ``count_ids`` of
+    ``shape = [T, CK]`` (the tokens' own: ``T`` rows, ``CK <= cfg.count_topk``), ``count_weights`` float32 ``[T,
+    CK]`` on ``device``. (Four torch calls.)
+
+    Raises:
+        InputError: naming the value."""
+    if not carries:
+        raise InputError("count_weights: this buffer does not carry a count routing with its rows (it needs "
+                         "count_topk > 0 and the triton backend's one-launch decode tiles)")
+    if shape[0] != T or shape[1] > cfg.count_topk:
+        raise InputError(f"carried count_ids must be [T={T}, <= count_topk={cfg.count_topk}], got {tuple(shape)}")
+    if (not isinstance(count_weights, torch.Tensor) or count_weights.dtype != torch.float32
+            or tuple(count_weights.shape) != tuple(shape) or count_weights.device != device):
+        raise InputError(f"count_weights must be float32 {tuple(shape)} on {device}, got "
+                         f"{_describe(count_weights)}")
+    return count_weights if count_weights.is_contiguous() else count_weights.contiguous()
+
+
+def _describe(t) -> str:
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
+    return f"{t.dtype} {tuple(t.shape)} on {t.device}{'' if t.is_contiguous() else ' (not contiguous)'}"
 
 
 def check_combine_inputs(expert_out, handle, hidden, dtype, device, min_rows, name="expert_out"):

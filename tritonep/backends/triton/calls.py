@@ -222,11 +222,13 @@ class KernelSet:
                 fields=self._hl.fields_of(ntpe_ptr="ntpe", offs_ptr="offs", counts_out_ptr="counts"))
         return self._lau.variant(key, make)
 
-    def decode(self, kq: bool, ck: int = 0, ce: int = 0) -> BoundKernel:
+    def decode(self, kq: bool, ck: int = 0, ce: int = 0, carry: bool = False) -> BoundKernel:
         """One-launch decode dispatch (counts exchange folded in; ``kq``: keep_quantized output; ``ck`` > 0: with a
         count routing of ``ck`` ids per token over ``ce`` experts, whose per-expert sums go to :attr:`xhost`,
-        dynamic arguments ``cid_ptr``, ``Tc`` after the others)."""
-        key = ("decode", kq, ck, ce)
+        dynamic arguments ``cid_ptr``, ``Tc`` after the others; ``carry``: the routing travels with the rows,
+        :mod:`tritonep.backends.triton.kernels.carry`, dynamic arguments ``cw_ptr``, ``cidx_ptr``, ``cw_out_ptr``
+        after those)."""
+        key = ("decode", kq, ck, ce, carry)
         bk = self._lau.bound(key)  # every call after the first: no closure built
         if bk is not None:
             return bk
@@ -236,6 +238,9 @@ class KernelSet:
             W = cfg.world_size
             extra.update(xhost_ptr=self.xhost, CK=ck, CKB=_p2(ck), CE=ce, CLB=_p2(max(ce // W, 2)))
             dyn = ("cid_ptr", "Tc")
+        if carry:
+            extra.update(CARRY=True, CKC=cfg.count_topk, carry_tab=v.tab["carry"], carry_ptr=v.carry)
+            dyn += ("cw_ptr", "cidx_ptr", "cw_out_ptr")
 
         def make():
             return self._lau.bind(dispatch_decode_kernel, dict(

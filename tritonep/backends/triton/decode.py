@@ -56,7 +56,9 @@ class DecodePath:
         allocated (graph capture, every set held). ``count``: None, or ``(count_ids [Tc, CK], count_experts, Tc, CK)``,
         the count routing (:func:`tritonep.backends.triton.kernels.decode_dispatch.dispatch_decode_kernel`): with
         ``sync`` its sums over the sources for this rank's ``count_experts / W`` local experts come back as the
-        handle's ``count_sums`` (a list of ints, read with the status words: no second read)."""
+        handle's ``count_sums`` (a list of ints, read with the status words: no second read); ``(count_ids,
+        count_experts, Tc, CK, count_weights, ids dtype)``: also carried with the rows (the received rows' local ids
+        and weights: the handle's ``carried``, cut as the rows are)."""
         max_recv, outs, status = self.cfg.max_recv_tokens, self.outputs, self.status
         # rows are known on the host only after the launch: the outputs hold the capacity, cut to R after the host
         # read (the kernel zeroes the row weights past the rows received: no memset before the launch; they are the
@@ -74,10 +76,16 @@ class DecodePath:
         if count is None:
             self.k.decode(q is not None)(x, topk_idx, topk_weights, store, T, int(bad_input), max_recv, out, q, sc,
                                          ticket)
-        else:
+        elif len(count) == 4:
             cid, ce, tc, ck = count
             self.k.decode(q is not None, ck, ce)(x, topk_idx, topk_weights, store, T, int(bad_input), max_recv, out,
                                                   q, sc, ticket, cid, tc)
+        else:  # carried with the rows (kernels/carry.py): ids and weights beside every received row
+            cid, ce, tc, ck, cw, id_dtype = count
+            cidx = torch.empty(max_recv, ck, dtype=id_dtype, device=self.device)
+            cwo = torch.empty(max_recv, ck, dtype=torch.float32, device=self.device)
+            self.k.decode(q is not None, ck, ce, True)(x, topk_idx, topk_weights, store, T, int(bad_input), max_recv,
+                                                        out, q, sc, ticket, cid, tc, cw, cidx, cwo)
         # what needs no verdict is made while the launch runs (the host read waits for it anyway)
         if got is None:
             hl = outs.hl
@@ -98,8 +106,13 @@ class DecodePath:
         else:
             out_w = rw
         status.finish(refused, st, sync, bad_input)
-        sums = self.k.count_sums(count, st is not None)
-        return outs.finish(handle, store, T, R, out, out_w, q, sc, ntpe, offs, sums)
+        if count is None:
+            return outs.finish(handle, store, T, R, out, out_w, q, sc, ntpe, offs)
+        carried = None
+        if len(count) > 4:
+            carried = (cidx, cwo) if R is None else (cidx[:R], cwo[:R])
+        return outs.finish(handle, store, T, R, out, out_w, q, sc, ntpe, offs, self.k.count_sums(count, st is not None),
+                           carried)
 
     def combine(self, eo, handle, wire, weighted=True, gw=None, bad=0, ticket=0):
         """Push combine in one launch: ``(y [T, H] (eo's dtype), gtw)``; ``weighted=False`` is the dispatch

@@ -33,13 +33,14 @@ class TritonHandle(DispatchHandle):
     layout: object
 
     def _fill(self, store: torch.Tensor, layout, num_tokens: int, buffer_id: int, num_recv_rows, recv_weights,
-              x_scales, count_sums=None):
+              x_scales, count_sums=None, carried=None):
         """Set every field of a handle made without ``__init__`` (``object.__new__``: the backend makes it while its
         launch runs and fills it after the host read, before any caller sees it). One update of the instance
         dictionary, as the generated frozen ``__init__`` would fill it field by field through
         ``object.__setattr__`` (~2 us of host time per dispatch less)."""
         self.__dict__.update(store=store, layout=layout, num_tokens=num_tokens, num_recv_rows=num_recv_rows,
-                             x_scales=x_scales, recv_weights=recv_weights, buffer_id=buffer_id, count_sums=count_sums)
+                             x_scales=x_scales, recv_weights=recv_weights, buffer_id=buffer_id, count_sums=count_sums,
+                             carried=carried)
 
     @cached_property
     def views(self) -> tuple:

@@ -178,12 +178,13 @@ class DispatchOutputs:
         launch runs; it reaches no caller before)."""
         return _new_handle(TritonHandle)
 
-    def finish(self, handle, store, T, R, out, out_w, q, sc, ntpe, offs, count_sums=None):
+    def finish(self, handle, store, T, R, out, out_w, q, sc, ntpe, offs, count_sums=None, carried=None):
         """The forward dispatch's return tuple ``(rows, row_weights, num_tokens_per_expert, expert_offsets,
         handle)``, ``handle`` (from :meth:`new_handle`) filled here: the call's storage block ``store``, ``T``
         tokens, ``R`` rows received; ``ntpe`` / ``offs``: the two views of its storage the call returns;
-        ``count_sums``: the count routing's sums (the decode dispatch), else None."""
-        handle._fill(store, self.hl, T, self.buffer_id, R, out_w, sc, count_sums)
+        ``count_sums``: the count routing's sums (the decode dispatch), else None; ``carried``: the count routing
+        carried with the rows (``(idx, weights)``, the decode dispatch), else None."""
+        handle._fill(store, self.hl, T, self.buffer_id, R, out_w, sc, count_sums, carried)
         return (out if q is None else q), out_w, ntpe, offs, handle
 
 

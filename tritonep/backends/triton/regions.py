@@ -25,6 +25,9 @@ def regions(cfg):
     # matrices for alternate exchanges, row s = what source s counted for this rank, then (column C) source s's count
     # stamp of the call (count_experts, 0 without count_ids: the ranks must agree); only when asked for
     extra = [Region("xcounts", (2, W, cfg.count_columns + 1), torch.int32)] if cfg.count_columns else []
+    # the carried top-k (cfg.count_topk, kernels/carry.py): per (source, token) its ids, then its weights' bits
+    if cfg.count_topk:
+        extra.append(Region("carry", (W, Tm, 2 * cfg.count_topk), torch.int32))
     return extra + [
         Region("flags", (P.v(P.NUM_FLAG_ROWS), W), torch.int64),
         Region("status", (16,), torch.int64),  # the status word (device/protocol.py ST_*), then rows received
@@ -70,6 +73,10 @@ class RegionViews:
         if "xcounts" in buf.layout.offsets:
             self.xcounts = buf.local("xcounts")
             self.tab["xcounts"] = buf.ptr_table("xcounts")
+        self.carry = None  # the carried top-k's region (EPConfig.count_topk), when the buffer has one
+        if "carry" in buf.layout.offsets:
+            self.carry = buf.local("carry")
+            self.tab["carry"] = buf.ptr_table("carry")
 
     def local(self, name: str):
         """This rank's view of region ``name``."""

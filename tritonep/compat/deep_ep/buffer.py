@@ -24,12 +24,13 @@ from .utils import EventHandle, EventOverlap
 __all__ = ["Buffer", "DEFAULTS"]
 
 DEFAULTS: dict = {"backend": "auto", "max_tokens_per_rank": None, "num_sms": None, "device": None,
-                  "timeout_s": None, "meta_rows_max_tokens": 256}
+                  "timeout_s": None, "meta_rows_max_tokens": 256, "carry_topk": True}
 """tritonep's own Buffer arguments when a caller (a framework that only knows DeepEP's) does not pass them; set with
 :func:`tritonep.compat.deep_ep.install` (``backend``: ``"auto"`` | ``"triton"`` | ``"nccl"``;
 ``max_tokens_per_rank``: fixed token capacity of the normal mode; ``num_sms``: SM cap of every kernel; ``device``;
 ``timeout_s``: the bound of every wait; ``meta_rows_max_tokens``: up to which rows-lane size a normal dispatch
-carries its top-k as meta rows, one exchange)."""
+carries its top-k as meta rows, one exchange; ``carry_topk``: whether such a dispatch carries it with the rows
+instead, where the lane can)."""
 
 
 def _begin(previous_event, async_finish: bool, allocate_on_comm_stream: bool) -> None:
@@ -101,6 +102,11 @@ class Buffer:
             :func:`tritonep.compat.deep_ep.packing.meta_rows_per_rank`) are at most this; else in a second EPBuffer
             (the meta lane: a second exchange, no copies). Default 256 (the triton backend's one-launch decode tiles
             go up to 256 tokens); 0: always the meta lane. Must be the same on every rank.
+        carry_topk: where that rows lane carries a count routing with its rows (``EPBuffer.carries_topk``: the
+            triton backend's one-launch decode tiles), the ids and weights ride with each token's row in the lane's
+            own launch instead of as meta rows (no copy of ``x`` or of the combine's rows, no packing or unpacking
+            launch: a dispatch is one launch, a combine one). Default True; False keeps the meta rows (to compare).
+            Must be the same on every rank.
 
     Every call is collective over the group, as DeepEP's. EPBuffers are made on first use (collectively), so the
     constructor runs no collective.
@@ -118,7 +124,7 @@ class Buffer:
                  explicitly_destroy: bool = False, enable_shrink: bool = False, comm=None, *,
                  backend: Optional[str] = None, max_tokens_per_rank: Optional[int] = None,
                  num_sms: Optional[int] = None, device=None, timeout_s: Optional[float] = None,
-                 meta_rows_max_tokens: Optional[int] = None) -> None:
+                 meta_rows_max_tokens: Optional[int] = None, carry_topk: Optional[bool] = None) -> None:
         if group is None:
             if comm is not None:
                 raise _not_offered("Buffer(comm=...) (an mpi4py communicator); pass a torch.distributed group")
@@ -135,7 +141,8 @@ class Buffer:
         self.enable_shrink = False
         opt = dict(DEFAULTS)
         for k, v in (("backend", backend), ("max_tokens_per_rank", max_tokens_per_rank), ("num_sms", num_sms),
-                     ("device", device), ("timeout_s", timeout_s), ("meta_rows_max_tokens", meta_rows_max_tokens)):
+                     ("device", device), ("timeout_s", timeout_s), ("meta_rows_max_tokens", meta_rows_max_tokens),
+                     ("carry_topk", carry_topk)):
             if v is not None:
                 opt[k] = v
         mrm = opt["meta_rows_max_tokens"]
@@ -145,7 +152,9 @@ class Buffer:
                            opt["max_tokens_per_rank"])
         Buffer._serial += 1
         self._id = Buffer._serial
-        self._normal = NormalMode(self._id, self.lanes, self.rank, self.group_size, mrm)
+        if not isinstance(opt["carry_topk"], bool):
+            raise ConfigError(f"carry_topk={opt['carry_topk']!r} must be a bool")
+        self._normal = NormalMode(self._id, self.lanes, self.rank, self.group_size, mrm, opt["carry_topk"])
         self._ll = LowLatencyMode(self._id, self.lanes, self.rank, self.group_size)
 
     # ------------------------------------------------------------------------------------------------ lifetime

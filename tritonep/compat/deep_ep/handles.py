@@ -30,17 +30,18 @@ class NormalHandle(tuple):
     the dispatch returned: received rows, or ``num_worst_tokens``), ``topk`` (K of the carried top-k, or 0),
     ``worst`` (whether the dispatch used ``num_worst_tokens``), ``meta_rows`` (P: the top-k travelled as P meta rows
     per pair of ranks in the rows lane, whose pseudo-experts are then ``2r`` (token rows) and ``2r + 1`` (meta rows);
-    0: the rows lane has one pseudo-expert per rank).
+    0: the rows lane has one pseudo-expert per rank), ``carried`` (the lane of ``meta_rows`` carried the top-k with its
+    rows instead: its layout holds the token rows alone, ``slots`` is ``[T, W]``).
     With meta rows, :meth:`repeated_slots` are the routes of the meta-lane dispatch a combine of ``topk_weights`` runs.
     """
 
     def __new__(cls, *, owner, x_lane, x_handle, meta_lane, meta_handle, slots, num_tokens, num_rows, topk,
-                is_token_in_rank, worst, meta_rows=0):
+                is_token_in_rank, worst, meta_rows=0, carried=False):
         h = tuple.__new__(cls, (None,) * 6)
         h.__dict__.update(owner=owner, x_lane=x_lane, x_handle=x_handle, meta_lane=meta_lane,
                           meta_handle=meta_handle, slots=slots, num_tokens=num_tokens, num_rows=num_rows, topk=topk,
-                          is_token_in_rank=is_token_in_rank, worst=worst, meta_rows=meta_rows, _rpm=None,
-                          _rc=None, _rep=None, _pc=None)
+                          is_token_in_rank=is_token_in_rank, worst=worst, meta_rows=meta_rows, carried=carried,
+                          _rpm=None, _rc=None, _rep=None, _pc=None)
         return h
 
     def rank_counts(self) -> torch.Tensor:

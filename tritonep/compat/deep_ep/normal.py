@@ -11,7 +11,12 @@ rounding). The top-k ids and weights travel one of two ways (docs/deep_ep.md, "H
   itself, as P extra rows per pair of ranks (pseudo-tokens routed to a second pseudo-expert per rank, ``2r + 1``;
   the token rows go to ``2r``), so a dispatch is ONE EPBuffer dispatch; ``x`` is copied into the lane's input (with
   the meta rows, one launch), and a combine copies its rows into the lane's expert-output buffer (the lane's layout
-  has the meta rows after them). DeepEP's combine of ``topk_weights`` then dispatches a meta lane (below) first;
+  has the meta rows after them). DeepEP's combine of ``topk_weights`` then dispatches a meta lane (below) first.
+  Where that lane carries a count routing with its rows (``EPBuffer.carries_topk``: the triton backend's one-launch
+  decode tiles), no meta row travels: the ids and weights ride with each token's row in the lane's own launch
+  (``dispatch(count_weights=..., count_out=...)``, :mod:`tritonep.backends.triton.kernels.carry`), the lane reads
+  the caller's ``x`` as it is and its slots are the token rows' alone (``2r``), and a combine reads the caller's rows
+  (no copy): a dispatch is ONE launch and a combine one, as an EPBuffer's;
 * a meta lane: a second, narrow EPBuffer with the same routing, so the rows lane never copies ``x``. Its routing has
   K slots per rank, so each received token arrives there as K rows; the route weights are the top-k weights, which
   EPBuffer moves as float32 both ways (dispatch, and back unsummed through ``dispatch_backward`` for DeepEP's combine
@@ -55,10 +60,12 @@ def _expert_out(lane) -> torch.Tensor:
 class NormalMode(NormalRefusals, NormalChecks):
     """The normal-mode calls of one compat Buffer (its lanes, rank and cached constant tensors)."""
 
-    def __init__(self, owner, lanes, rank: int, world_size: int, meta_rows_max_tokens: int = 256):
+    def __init__(self, owner, lanes, rank: int, world_size: int, meta_rows_max_tokens: int = 256,
+                 carry_topk: bool = True):
         self.owner, self.lanes, self.rank, self.W = owner, lanes, rank, world_size
-        self.meta_rows_max_tokens = meta_rows_max_tokens
+        self.meta_rows_max_tokens, self.carry_topk = meta_rows_max_tokens, carry_topk
         self._ranks = {}   # device -> int32 arange(W)
+        self._ranks2 = {}  # device -> int32 2 * arange(W): the token-row pseudo-experts of a meta-rows lane
         self._ones = {}    # device -> float32 ones [n, W] (grown on demand)
         self._ones_v = {}  # (n, device) -> its first n rows (a view made once)
         self._ones_k = {}  # (n, K, device) -> float32 ones [n, W*K]: the meta lane's route weights of a combine
@@ -93,6 +100,12 @@ class NormalMode(NormalRefusals, NormalChecks):
         t = self._ranks.get(device)
         if t is None:
             t = self._ranks[device] = torch.arange(self.W, dtype=torch.int32, device=device)
+        return t
+
+    def _ranks2_on(self, device):
+        t = self._ranks2.get(device)
+        if t is None:
+            t = self._ranks2[device] = 2 * torch.arange(self.W, dtype=torch.int32, device=device)
         return t
 
     def _ones_rows(self, n: int, device):
@@ -148,7 +161,7 @@ class NormalMode(NormalRefusals, NormalChecks):
         extra, W = self.W * P, self.W
         mrt = (lambda tc: worst + extra) if worst else (lambda tc: W * tc + extra)
         return self.lanes.get(key, T, num_experts=2 * W, hidden=width, topk=W, count_columns=COUNT_COLUMNS,
-                              max_tokens_per_rank=lambda tc: tc + extra, max_recv_tokens=mrt), P
+                              count_topk=K, max_tokens_per_rank=lambda tc: tc + extra, max_recv_tokens=mrt), P
 
     def _plan(self, spec):
         """``(rows-lane key, P)`` of ``spec`` under the current shared capacity (agreed before: :meth:`_spec_lane`),
@@ -183,12 +196,19 @@ class NormalMode(NormalRefusals, NormalChecks):
         :data:`COUNT_COLUMNS` experts per rank. The same on every rank (the spec, E and the lane's config)."""
         return bool(K) and not sync_free and lane.sums_counts and E // self.W <= COUNT_COLUMNS
 
+    def _carried(self, lane, P: int, K: int, E: int) -> bool:
+        """Whether a dispatch on the meta-rows lane ``lane`` (``P`` > 0) carries its top-k with the rows instead of as
+        meta rows (``EPBuffer.carries_topk``, the count routing of at most :data:`COUNT_COLUMNS` experts per rank).
+        The same on every rank (the lane's config, the spec and E)."""
+        return bool(P and K) and self.carry_topk and lane.carries_topk and E // self.W <= COUNT_COLUMNS
+
     def _sent(self, spec, T: int, E: int, device):
         """What an earlier dispatch of ``(spec, T, E, device)`` worked out under the current shared capacity:
-        ``(tcap, lane, key, P, x_in, lane_x, w, ops, counted)`` (the lane, its key and P, with meta rows its kept
-        input and the view of its first ``T + W*P`` rows (else None, None: the call's own rows travel), the route
-        weights, the device's :class:`MetaOps` (None without top-k and meta rows), whether the call carries the
-        count routing), or None: not seen yet, the capacity grew (every entry is dropped then) or
+        ``(tcap, lane, key, P, x_in, lane_x, w, ops, counted, carried)`` (the lane, its key and P, with meta rows
+        its kept input and the view of its first ``T + W*P`` rows (else None, None: the call's own rows travel), the
+        route weights, the device's :class:`MetaOps` (None without top-k and meta rows), whether the call carries
+        the count routing, whether its top-k rides with the rows: :meth:`_carried`), or None: not seen yet, the
+        capacity grew (every entry is dropped then) or
         the key's lane is another one. The same values :meth:`_send` would derive again."""
         tcap = self.lanes.tcap
         if tcap != self._sends_tcap:
@@ -202,12 +222,13 @@ class NormalMode(NormalRefusals, NormalChecks):
     def _derive(self, spec, lane, key, P: int, T: int, E: int, device) -> tuple:
         """What a dispatch of ``(spec, T, E, device)`` on ``lane`` (its ``key``, ``P`` meta rows per pair of ranks)
         works out before it packs, kept for :meth:`_sent` under the current shared capacity: ``(tcap, lane, key, P,
-        x_in, lane_x, w, ops, counted)`` (see there). With meta rows a token count over the capacity is refused here,
+        x_in, lane_x, w, ops, counted, carried)`` (see there). With meta rows a token count over the capacity is refused here,
         taking part as refused (the lane's input holds the capacity).
 
         Raises:
             CapacityError: ``P > 0`` and ``T`` over the shared capacity (after taking part in the peers' call)."""
         tcap, K = self.lanes.tcap, spec[2]
+        carried = self._carried(lane, P, K, E)
         if P:
             if T > tcap:
                 self._refused_dispatch(lane, bool(spec[1]))
@@ -215,10 +236,12 @@ class NormalMode(NormalRefusals, NormalChecks):
                                     needed=T, available=tcap)
             n = T + self.W * P
             x_in, lane_x = self._cached_view(self._inputs, key, lane, _new_input, n)
+            if carried:  # the caller's rows travel as they are, the tokens' alone
+                n, x_in, lane_x = T, None, None
         else:
             n, x_in, lane_x = T, None, None
         got = (tcap, lane, key, P, x_in, lane_x, self._ones_rows(n, device), self._ops(device) if P or K else None,
-               self._counted(lane, K, bool(spec[1]), E))
+               self._counted(lane, K, bool(spec[1]), E) or carried, carried)
         if self._sends_tcap != tcap:
             self._sends, self._sends_tcap = {}, tcap
         self._sends[(spec, T, E, device)] = got
@@ -227,9 +250,11 @@ class NormalMode(NormalRefusals, NormalChecks):
     def _send(self, spec, payload, itr, topk_idx, topk_weights, T: int, E: int, device):
         """The rows lane's dispatch of ``spec`` with this call's inputs packed for it, growing the shared capacity when
         a synced call was refused for it (then the lane, and whether it carries meta rows, is chosen again). Returns
-        ``(lane, P, slots, meta inputs or None, Dispatched)``: with meta rows (``P > 0``) one launch writes the lane's
-        input (x and the meta rows) and slots; else one launch packs both lanes' inputs (with top-k; the meta lane's
-        are returned for it). A call whose peers read nothing (sync-free, sync checks off, capture) and that EPBuffer
+        ``(lane, P, slots, meta inputs or None, Dispatched, carried)``: with meta rows (``P > 0``) one launch writes the lane's
+        input (x and the meta rows) and slots, or where the lane carries the top-k with the rows (:meth:`_carried`)
+        the slots are the token rows' (one torch op; the received ids and weights come in the handle's ``carried``);
+        else one launch packs both lanes' inputs (with top-k; the
+        meta lane's are returned for it). A call whose peers read nothing (sync-free, sync checks off, capture) and that EPBuffer
         refused on this rank still takes part in the meta lane before raising (:meth:`_meta_refused`): the peers'
         dispatch goes on to it."""
         worst, K = spec[1], spec[2]
@@ -246,7 +271,12 @@ class NormalMode(NormalRefusals, NormalChecks):
                 meta = None
                 if got is None:  # first seen under this capacity and lane: worked out (and kept) now
                     got = self._derive(spec, lane, key, P, T, E, device)
-                _, _, _, _, x_in, lane_x, w, ops, counted = got
+                _, _, _, _, x_in, lane_x, w, ops, counted, carried = got
+                if carried:  # the ids and weights ride with the rows, in the lane's own launch
+                    slots = torch.where(itr, self._ranks2_on(device), -1)
+                    return lane, P, slots, None, lane.dispatch(payload, slots, w, sync_free=sync_free,
+                                                               count_ids=topk_idx, count_experts=E,
+                                                               count_weights=topk_weights), True
                 if P:  # x and the meta rows into the lane's input, and the slots: one launch
                     slots = ops.pack_rows(payload, itr, topk_idx, topk_weights, x_in, E, P)
                 else:
@@ -258,8 +288,9 @@ class NormalMode(NormalRefusals, NormalChecks):
                 if counted:
                     # DeepEP's per-expert receive counts, exchanged and summed in the lane's own exchange (its count
                     # routing: handle.count_sums where the lane computes them, the decode tiles), read with its status
-                    return lane, P, slots, meta, lane.dispatch(lane_x, slots, w, count_ids=topk_idx, count_experts=E)
-                return lane, P, slots, meta, lane.dispatch(lane_x, slots, w, sync_free=sync_free)
+                    return lane, P, slots, meta, lane.dispatch(lane_x, slots, w, count_ids=topk_idx,
+                                                               count_experts=E), False
+                return lane, P, slots, meta, lane.dispatch(lane_x, slots, w, sync_free=sync_free), False
             except (InputError, CapacityError) as e:
                 if attempt:
                     raise
@@ -312,19 +343,26 @@ class NormalMode(NormalRefusals, NormalChecks):
             payload, T, E, K, dev, width, quant, spec = self._checked(
                 x, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert, topk_idx, topk_weights, worst,
                 expert_alignment, refused, k_part)
-        lane, P, slots, meta_in, out = self._send(spec, payload, is_token_in_rank, topk_idx, topk_weights, T, E, dev)
+        lane, P, slots, meta_in, out, carried = self._send(spec, payload, is_token_in_rank, topk_idx, topk_weights,
+                                                           T, E, dev)
         R = out.handle.num_recv_rows
         if worst:
             R = worst
         elif R is None:  # host reads off (TRITONEP_SYNC_CHECKS=0): the rows are known on the device only
             R = int(out.expert_offsets[0].item())
-        else:
+        elif not carried:
             R -= self.W * P  # the meta rows follow the token rows
         rows = out.x[:R] if out.x.shape[0] != R else out.x
 
         meta_lane = meta_handle = recv_idx = recv_w = None
         sums = out.handle.count_sums  # DeepEP's per-expert counts, from the rows lane's count routing (None: not)
-        if P:  # the ids and weights came with the rows: unpacked from the meta rows (one launch); the per-expert
+        if carried:  # the lane's launch wrote them beside the rows (rows past the received ones: -1 and 0)
+            recv_idx, recv_w = out.handle.carried
+            if worst:  # the lane's sync-free rows: its receive capacity
+                recv_idx, recv_w = recv_idx[:R], recv_w[:R]
+            hist = None if sums is not None or worst else \
+                [0] + torch.bincount(recv_idx[recv_idx >= 0].to(torch.int64), minlength=E // self.W).tolist()
+        elif P:  # the ids and weights came with the rows: unpacked from the meta rows (one launch); the per-expert
             # counts came with the lane's status (count_sums), else the unpacking's histogram is read through pinned
             # memory (worst: no read, the tokens past the received ones get ids -1, weight 0)
             recv_idx, recv_w, hist = self._ops(dev).unpack_rows(out.x, out.expert_offsets, R, K, E // self.W, self.W,
@@ -343,7 +381,7 @@ class NormalMode(NormalRefusals, NormalChecks):
             self.lanes.unread(lane, meta_lane)
         h = NormalHandle(owner=self.owner, x_lane=lane, x_handle=out.handle, meta_lane=meta_lane,
                          meta_handle=meta_handle, slots=slots, num_tokens=T, num_rows=R, topk=K,
-                         is_token_in_rank=is_token_in_rank, worst=bool(worst), meta_rows=P)
+                         is_token_in_rank=is_token_in_rank, worst=bool(worst), meta_rows=P, carried=carried)
         if worst:  # refused for capacity (no host read tells): NaN rows and weights, they cannot pass for a result
             c, shape = h.poison_counts()
             self._ops(rows.device).poison(c, worst, rows, recv_w, shape)
@@ -399,7 +437,7 @@ class NormalMode(NormalRefusals, NormalChecks):
                 self._refused_dispatch(lane, True)
                 self.lanes.unread(lane)
             raise
-        slots = h.slots[:h.num_tokens] if h.meta_rows else h.slots  # the token rows only: the same rows again
+        slots = h.slots[:h.num_tokens] if h.meta_rows and not h.carried else h.slots  # the token rows: the same again
         out = h.x_lane.dispatch(payload, slots, self._ones_rows(h.num_tokens, payload.device), sync_free=True)
         self.lanes.unread(h.x_lane)
         rows = out.x[:h.num_rows]
@@ -422,7 +460,7 @@ class NormalMode(NormalRefusals, NormalChecks):
         # whether the rows lane's combine reads its status
         reads = h.x_handle.num_recv_rows is not None and _synced(False, self.lanes.sync_checks)
         lane, T = h.x_lane, h.num_tokens
-        if h.meta_rows or h.x_handle.num_recv_rows is None and h.num_rows != lane.max_recv_tokens:
+        if h.meta_rows and not h.carried or h.x_handle.num_recv_rows is None and h.num_rows != lane.max_recv_tokens:
             # the lane's layout holds the meta rows after the token rows, or its handle is a sync-free one whose
             # combine takes the lane's max_recv_tokens rows (host reads off, TRITONEP_SYNC_CHECKS=0: the caller has
             # the R rows received): the caller's rows go into the lane's expert-output buffer (one copy: a bound
@@ -441,7 +479,7 @@ class NormalMode(NormalRefusals, NormalChecks):
                 raise
             self._cancel_combine(h, topk_weights is not None, rows_done=True)  # EPBuffer took part for the rows
             raise
-        if h.meta_rows:
+        if h.meta_rows and not h.carried:
             y = y[:T]
         w = meta = None
         if topk_weights is not None and not h.topk:  # top-k width 0 (the check passed [rows, 0]): [T, 0]

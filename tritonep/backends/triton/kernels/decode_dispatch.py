@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 
 from ....device.common import RowTile
+from .carry import carry_arrived, carry_send, carry_tail
 from .dispatch import ExpandIO, SendIO, expand_arrived, open_send, send_chunk, zero_padding
 from .layout import count_stamps, layout_tiles, record_verdict, refused_call, store_layout, write_count_stamp
 from ....device.protocol import (CALL_DISPATCH, CALL_EXCHANGE, DONE_DECODE_DISPATCH, FLAG_COUNTS, ST_ROWS_RECEIVED,
@@ -91,7 +92,8 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
                            idx_out_ptr=None, w_out_ptr=None, COPY: tl.constexpr = False, host_st_ptr=None, ticket=0,
                            HOST_ST: tl.constexpr = 0, cid_ptr=None, Tc=0, xcounts_tab=None, xcounts_ptr=None,
                            xhost_ptr=None, XC: tl.constexpr = 0, CK: tl.constexpr = 0, CKB: tl.constexpr = 1,
-                           CE: tl.constexpr = 1, CLB: tl.constexpr = 1):
+                           CE: tl.constexpr = 1, CLB: tl.constexpr = 1, cw_ptr=None, carry_tab=None, carry_ptr=None,
+                           cidx_ptr=None, cw_out_ptr=None, CARRY: tl.constexpr = False, CKC: tl.constexpr = 1):
     """Forward dispatch in one launch of ``G`` programs (see the module docstring).
 
     Inputs: ``x [T, H]`` bf16, ``topk_idx [T, K]`` int32/int64, ``topk_weights [T, K]`` fp32 (T <= Tmax <= TB),
@@ -128,6 +130,13 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
     wide), released by the same counts flag; every program reads the other ranks' stamps after their flags
     (:func:`tritonep.backends.triton.kernels.layout.count_stamps`, its own from its constexprs) and refuses the
     call when they differ (STATUS_COUNT_MISMATCH, the same verdict on every rank: no row moves, no sums published).
+
+    Carried top-k (``CARRY``, with a count routing of the tokens themselves: ``Tc == T``; the buffer has the ``carry``
+    region of ``CKC >= CK`` ids and weights a token, EPConfig.count_topk): the count routing's ids and its weights
+    ``cw [T, CK]`` travel with each token's row (:mod:`tritonep.backends.triton.kernels.carry`), and every row this
+    rank receives gets the token's ids local to this rank (-1 elsewhere) and weights (0 there) in ``cidx`` /
+    ``cw_out`` ``[nrows_w, CK]``; the rows past the ones received: -1 and 0 (DeepEP's ``recv_topk_idx`` /
+    ``recv_topk_weights``).
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
@@ -207,6 +216,8 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
     w_from = tl.where(refused, 0, tl.sum(tl.where(d_off == rank, rows, 0), 0))
     for i0 in range(w_from + pid * 256, nrows_w, G * 256):
         tl.store(out_w_ptr + i0 + zb, tl.zeros((256,), tl.float32), mask=i0 + zb < nrows_w)
+    if CARRY:
+        carry_tail(w_from, nrows_w, cidx_ptr, cw_out_ptr, CK, CKB)
     send_base = hist_ptr + pid * E1  # this program's scratch row
     tl.store(send_base + e2d, seg_start + prefix, mask=m2d)
     # 3) send this program's chunks (after the destinations consumed the previous call's staging)
@@ -220,6 +231,9 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
             tl.store(pre_ptr + c * E + e2d, pre_c, mask=m2d)
             tl.debug_barrier()  # the scratch rows are read back by other threads of this program
             send_chunk(c, live, send_io, tile, W, E, L, True, POW2)
+            if CARRY:  # released with the rows by the chunk flag below
+                carry_send(c, T, live, topk_idx_ptr, cid_ptr, cw_ptr, carry_tab, rank, Tmax, BT, K, KB, E, L, W, CK,
+                           CKB, CE, CKC)
         publish_epoch(cflag_tab, W, rank * NCmax + c, n, WB)
     # 4) expand the same chunk numbers of every source (published by program pid of that source)
     skip = timed_out | refused
@@ -229,6 +243,9 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
         for src in range(W):
             expand_arrived(src, c, n, skip, cflag_ptr, NCmax, status_ptr, flags_ptr, timeout, expand_io, tile, KEEP_Q,
                            False, W, WB, POW2)
+            if CARRY:  # the chunk arrived (waited for above); a timeout there skips its rows here too
+                carry_arrived(src, c, skip | (tl.load(status_ptr) == STATUS_TIMEOUT), meta_ptr, ntok_ptr, carry_ptr,
+                              cidx_ptr, cw_out_ptr, nrows_w, rank, Tmax, BT, K, KB, CK, CKB, CE, W, CKC)
     if A > 1:
         if pid == 0:
             if skip == 0:  # a refused call's segments may exceed the rows allocated: write nothing

@@ -70,8 +70,11 @@ def _ep_paths(group):
                 db = tep.EPBuffer(group, 8, 128, 16, 2, dispatch_wire=dw, combine_wire=dw, expert_alignment=4,
                                   count_columns=4)
                 xq, iq, wq = make_rank_inputs(rank, 9, 128, 8, 2, seed=5)
-                if dw == "bf16":  # the count routing's variant (the compat Buffer's rows lanes)
+                if dw == "bf16":  # the count routing's variant (the compat Buffer's rows lanes), and carried
                     db.dispatch(xq, iq, wq, count_ids=iq, count_experts=8)
+                    cb = tep.EPBuffer(group, 8, 128, 16, 2, count_columns=4, count_topk=2)
+                    cb.dispatch(xq, iq, wq, count_ids=iq, count_experts=8, count_weights=wq.float())
+                    cb.close()
                 if dw == "bf16":  # the backward too: the decode combine's unweighted variant with the wgrad return
                     xq.requires_grad_(True)
                     wq.requires_grad_(True)
@@ -124,6 +127,8 @@ def test_ep_kernels_compile_for_sm90():
             f"the count routing of {name} was not recorded"
         assert any(r.get("name") == name and r["constexprs"].get("XC") and not r["constexprs"].get("CK")
                    for r in recs), f"the count stamps of {name} without a count routing were not recorded"
+    assert any(r.get("name") == "dispatch_decode_kernel" and r["constexprs"].get("CARRY") for r in recs), \
+        "the carried top-k of the decode dispatch was not recorded"
     failures = compile_recorded(recs)
     assert not failures, "\n\n".join(f"{n}: {e}" for n, e in failures)
 

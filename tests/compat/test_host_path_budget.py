@@ -9,8 +9,9 @@ aten ops, allocations and torch kernels (aten ops that run a device kernel: torc
 launches, and host reads (the lanes' pinned status reads, the compat's own
 histogram read through pinned memory, and any torch call that reads the device: ``tolist``, ``item``, ...).
 
-Launches and host reads must match exactly. At these sizes the top-k travels as meta rows of the rows lane (the
-Buffer's default): a dispatch is one launch of the packing kernel (x copied into the lane's input with the meta rows,
+Launches and host reads must match exactly. On the one-launch decode tiles the top-k is carried with the rows of the
+rows lane (the Buffer's default there: one launch per dispatch and per combine). Elsewhere at these sizes it travels
+as meta rows of the rows lane: a dispatch is one launch of the packing kernel (x copied into the lane's input with the meta rows,
 and the lane's slots), the rows lane's dispatch (one launch with the one-launch decode tiles a GPU picks up to 256
 tokens, four with the two-kernel tiles) and one launch of the unpacking kernel; it reads the host once (the rows
 lane's status, spun on as the kernel publishes it before any row moves, with DeepEP's per-expert counts, summed in
@@ -66,18 +67,20 @@ BUDGET = {  # the CPU's own tiles: the two-kernel lane dispatch (what a GPU take
 }
 BUDGET_DECODE = {  # TRITONEP_GEOMETRY=bt=2,dec=3: the one-launch decode tiles (what a GPU takes up to 256 tokens)
     "layout": (8, 3, 2, 0, 1, 0),
-    # pack + rows lane (1) + unpack; no torch kernel; ONE read: the per-expert counts come with the rows lane's status
-    # (its count routing, EPBuffer.dispatch(count_ids=...)), the unpacking publishes nothing (was 58 calls, 2 reads:
-    # the unpacking's histogram read after the rows moved; + 4 attribute reads of the count routing's check; the
-    # arguments' checks in one pass: was 62)
-    "dispatch": (52, 6, 3, 0, 3, 1),
-    "combine": (14, 2, 0, 0, 2, 1),  # +1: the device check of x; the checks in one pass: -1; the copy a launch
-    "combine_w": (50, 10, 2, 3, 4, 1),  # was 55 / 18 / 4 / 5; the repeated slots one take, the weights' checks in
-    # one pass (was 53 / 11); +2: the device checks of x and topk_weights; the
-    # copy a launch
-    "worst_dispatch": (56, 6, 3, 0, 4, 0),  # the poison: the counts field's address (was 65 / 10)
-    "worst_combine": (18, 2, 0, 0, 3, 0),  # +1: the device check of x; the copy a launch
-    "worst_combine_w": (57, 10, 2, 3, 5, 0),  # was 67 / 17 / 4 / 5; +2: the device checks; the copy a launch
+    # the rows lane's ONE launch: the top-k carried with the rows (EPBuffer.dispatch(count_weights=...)), no packing
+    # or unpacking launch (was 3 launches, 52 calls, 3 allocations); ONE read: the per-expert counts come with the
+    # lane's status (its count routing); the slots of the token rows: one torch.where (2 aten ops, a torch kernel:
+    # the packing launch made them before); the carried outputs: two allocations in the lane's dispatch
+    "dispatch": (50, 8, 2, 1, 1, 1),
+    "combine": (11, 1, 0, 0, 1, 1),  # the lane's combine reads the caller's rows: no copy launch (was 14 / 2 / 2)
+    "combine_w": (47, 9, 2, 3, 3, 1),  # the repeated slots one take, the weights' checks in one pass; no copy (was 50)
+    # no read; + the capacity poison launch (was 56 / 6 / 3 / 0 / 4: the packing and unpacking launches; now the
+    # carried weights' checks in the lane's dispatch, the slots' torch.where and the cut of the carried outputs)
+    "worst_dispatch": (59, 9, 2, 1, 2, 0),
+    # the sync-free lane's combine takes its receive capacity's rows (num_worst_tokens + the meta rows' room): the
+    # caller's rows still go into the lane's expert-output buffer (one copy launch)
+    "worst_combine": (17, 1, 0, 0, 3, 0),
+    "worst_combine_w": (56, 9, 2, 3, 5, 0),  # was 67 / 17 / 4 / 5; +2: the device checks; the copy a launch
 }
 BUDGET_META_LANE = {  # meta_rows_max_tokens=0, decode tiles: the top-k in the meta lane
     "layout": (8, 3, 2, 0, 1, 0),

@@ -75,6 +75,7 @@ STATUS_CAPACITY = tl.constexpr(2)
 STATUS_BAD_INPUT = tl.constexpr(3)
 STATUS_COMBINE_REFUSED = tl.constexpr(4)  # a rank refused (or cancelled) a combine: its outputs are NaN everywhere
 STATUS_COUNT_MISMATCH = tl.constexpr(5)  # the ranks' count stamps of a dispatch differ (count_ids / count_experts)
+STAMP_CARRIED = tl.constexpr(1 << 30)  # added to a count stamp whose routing is carried with the rows (count_weights)
 
 # flag rows of an EPBuffer's flags region
 FLAG_COUNTS = tl.constexpr(0)

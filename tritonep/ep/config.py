@@ -158,6 +158,9 @@ def build_config(*, world_size: int, num_experts: int, hidden: int, max_tokens_p
         raise ConfigError(f"count_topk must be an int >= 0, got {count_topk!r}")
     if count_topk and not count_columns:
         raise ConfigError(f"count_topk={count_topk} needs count_columns > 0 (the carried ids are a count routing)")
+    if count_topk and expert_alignment != 1:
+        raise ConfigError(f"count_topk={count_topk} needs expert_alignment=1, got {expert_alignment} (a padding row "
+                          f"carries no token's ids)")
     if max_recv_tokens is not None and (not isinstance(max_recv_tokens, int) or isinstance(max_recv_tokens, bool)
                                         or max_recv_tokens < 1):
         raise ConfigError(f"max_recv_tokens must be a positive int or None, got {max_recv_tokens!r}")

@@ -27,6 +27,7 @@ REFUSAL_CODES = (STATUS_CAPACITY, STATUS_BAD_INPUT, STATUS_COMBINE_REFUSED, STAT
 _CODE, _WAIT_ID, _PEER, _SEEN, _NEEDED, _SKIP_CALL, _BAD_MASK, _WAITED = (P.v(n) for n in (
     P.ST_CODE, P.ST_WAIT_ID, P.ST_PEER, P.ST_ERRORS_SEEN, P.ST_NEEDED_ROWS, P.ST_SKIP_CALL, P.ST_BAD_RANK_MASK,
     P.ST_WAITED))
+_STAMP_CARRIED = P.v(P.STAMP_CARRIED)  # a count stamp's carried mark (count_weights)
 _GAVE_UP = P.v(P.WAIT_PEER_GAVE_UP)  # recorded by a rank whose peer's wait gave up (device/signal.py peers_alive)
 
 __all__ = ["WAIT_NAMES", "REFUSAL_CODES", "raise_for_status", "wait_bound", "bad_ranks", "resolve_timeout",
@@ -93,8 +94,12 @@ def _refused_call(status_host, this_call: int | None) -> str:
 
 
 def _count_routing(stamp: int) -> str:
-    """A count stamp in words (``count_experts``, 0: no count routing)."""
-    return f"count_ids with count_experts={stamp}" if stamp else "no count_ids"
+    """A count stamp in words (``count_experts``, plus ``STAMP_CARRIED`` for a routing carried with the rows; 0: no
+    count routing)."""
+    if not stamp:
+        return "no count_ids"
+    carried = stamp >= _STAMP_CARRIED
+    return f"count_ids with count_experts={stamp % _STAMP_CARRIED}" + (" carried (count_weights)" if carried else "")
 
 
 def count_mismatch_error(what: str, rank: int, stamps: dict, counting: list, tail: str) -> CountRoutingError:
@@ -108,7 +113,8 @@ def count_mismatch_error(what: str, rank: int, stamps: dict, counting: list, tai
         f"{what}: the ranks passed different count routings to one dispatch ({names}; ranks passing count_ids: "
         f"{counting}); count_ids / count_experts is a per-call argument every rank passes alike, so the call was "
         f"refused on every rank (rank {rank} raises this) and no count sums were published; {tail}",
-        bad_ranks=odd, rank=rank, counting=counting, count_experts=stamps)
+        bad_ranks=odd, rank=rank, counting=counting,
+        count_experts={r: s % _STAMP_CARRIED for r, s in stamps.items()})
 
 
 def raise_for_status(status_host: torch.Tensor, rank: int, max_recv: int, what: str,

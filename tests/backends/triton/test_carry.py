@@ -90,6 +90,30 @@ def test_carried_topk(W, CE, CK, idx_dtype):
         assert err == ("InputError" if rank == 0 else "PeerInputError"), (rank, err)
 
 
+def mixed_world(group):
+    """Rank 0 carries its count routing with the rows, the others only count it: refused on every rank (the stamps
+    differ), the buffer stays usable."""
+    os.environ["TRITONEP_GEOMETRY"] = "dec=2"
+    rank = dist.get_rank(group)
+    x, idx, w = make_rank_inputs(rank, 8, H, 8, K, seed=3)
+    w = w.float().contiguous()
+    buf = tep.EPBuffer(group, 8, H, TM, K, device="cpu", count_columns=4, count_topk=K)
+    try:
+        buf.dispatch(x, idx, w, count_ids=idx, count_experts=8, count_weights=w if rank == 0 else None)
+        got = None
+    except tep.CountRoutingError as e:
+        got = ("carried" in str(e), e.count_experts)
+    d = buf.dispatch(x, idx, w, count_ids=idx, count_experts=8, count_weights=w)
+    ok = d.handle.carried is not None
+    buf.close()
+    return got, ok
+
+
+def test_carry_mismatch_refused():
+    for rank, (got, ok) in enumerate(run_cpu_world(2, mixed_world)):
+        assert got == (True, {0: 8, 1: 8}) and ok, (rank, got, ok)
+
+
 def test_carry_refused_where_not_carried():
     """Off the decode tiles (or without count_topk) the arguments are refused by name, before the launch."""
     def fn(group):
@@ -112,3 +136,6 @@ def test_count_topk_checked():
     with pytest.raises(tep.ConfigError, match="count_topk"):
         build_config(world_size=2, num_experts=8, hidden=64, max_tokens_per_rank=16, topk=2, device_type="cpu",
                      count_topk=2, check_kernels=False)
+    with pytest.raises(tep.ConfigError, match="expert_alignment"):
+        build_config(world_size=2, num_experts=8, hidden=64, max_tokens_per_rank=16, topk=2, device_type="cpu",
+                     count_columns=4, count_topk=2, expert_alignment=4, check_kernels=False)

@@ -46,6 +46,19 @@ def test_decode_graph_soak_1000_replays(gpu_world):
     assert res == [(1000, []), (1000, [])], res
 
 
+def test_carried_topk_on_gpu(gpu_world, gpu_world_size):
+    """The count routing carried with the rows (``dispatch(count_weights=...)``: DeepEP's ``recv_topk_idx`` /
+    ``recv_topk_weights`` beside every received row) on the compiled decode kernel: synced, sync-free and refused
+    calls against the twin (tests/backends/triton/test_carry.py runs the same on the CPU)."""
+    from tests.backends.triton.test_carry import carry_world
+
+    W = gpu_world_size
+    Ts = [16, 0, 5, 16, 1, 9, 0, 7][:W]
+    for rank, (checks, err) in enumerate(gpu_world(W, carry_world, Ts, 4 * W, 8, "", torch.int64, timeout_s=600)):
+        assert all(checks), (rank, checks)
+        assert err == ("InputError" if rank == 0 else "PeerInputError"), (rank, err)
+
+
 @pytest.mark.parametrize("geometry", ["", "dec=0"], ids=["decode", "two-kernel"])
 def test_count_routing_on_gpu(gpu_world, gpu_world_size, geometry):
     """The count routing (``dispatch(count_ids=...)``) on the compiled decode kernel (the GPU's default tiles at 16

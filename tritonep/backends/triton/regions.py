@@ -25,8 +25,9 @@ def regions(cfg):
     # matrices for alternate exchanges, row s = what source s counted for this rank, then (column C) source s's count
     # stamp of the call (count_experts, 0 without count_ids: the ranks must agree); only when asked for
     extra = [Region("xcounts", (2, W, cfg.count_columns + 1), torch.int32)] if cfg.count_columns else []
-    # the carried top-k (cfg.count_topk, kernels/carry.py): per (source, token) its ids, then its weights' bits
-    if cfg.count_topk:
+    # the carried top-k (cfg.count_topk, kernels/carry.py): per (source, token) its ids, then its weights' bits; the
+    # one-launch decode dispatch carries it, so only its tiles have the region
+    if cfg.count_topk and cfg.tiles.decode:
         extra.append(Region("carry", (W, Tm, 2 * cfg.count_topk), torch.int32))
     return extra + [
         Region("flags", (P.v(P.NUM_FLAG_ROWS), W), torch.int64),

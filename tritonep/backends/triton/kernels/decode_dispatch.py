@@ -167,7 +167,7 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
                 xdst = tl.load(xcounts_tab + d).to(tl.pointer_type(tl.int32)) + xbuf + rank * (XC + 1)
                 tl.store(xdst + jc, tl.sum(tl.where(d_off[:, None] == d, hc, 0), 0), mask=jc < CL)
         if XC > 0:  # every call: whether (and over how many experts) this rank counts, for the verdict
-            write_count_stamp(xcounts_tab, xbuf, rank, W, XC, CK, CE)
+            write_count_stamp(xcounts_tab, xbuf, rank, W, XC, CK, CE, CARRY)
         mark_dead(flags_tab, status_ptr, W, rank, WB)  # a timed-out rank: no peer takes what it skips
         signal_peers(flags_tab, counts_off, W, rank, WB)
     ok = tl.full((), 1, tl.int32)
@@ -183,7 +183,7 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
     total, aligned, seg_start, prefix, rows = layout_tiles(c3, s_off, rank, A)
     badv = tl.load(counts_ptr + cbuf + s_off * E1 + E, mask=(s_off < W) & (s_off != rank) & (ok != 0), other=0)
     badv = tl.where(s_off == rank, bad, badv)
-    stamps = count_stamps(xcounts_ptr, xbuf, ok, rank, W, WB, XC, CK, CE)
+    stamps = count_stamps(xcounts_ptr, xbuf, ok, rank, W, WB, XC, CK, CE, CARRY)
     refused = refused_call(badv, rows, max_recv, W, WB, stamps)
     if COPY:
         if pid == G - 1:  # not program 0: its work until the host publish is the host read's latency

@@ -2,7 +2,8 @@
 rows from the device only (``expert_offsets``), and its rows lane's handle is a sync-free one, whose combine takes
 the lane's ``max_recv_tokens`` rows (``EPBuffer._rows_of``). The caller's combine still passes DeepEP's
 ``[num_recv_tokens, H]`` rows: the Buffer hands the lane its full-size input, as it does for a dispatch whose top-k
-came as meta rows. W = 2, both backends, both ways of the top-k (meta lane, meta rows): rows, ids, weights, counts
+came as meta rows. W = 2, both backends, every way of the top-k (meta lane, meta rows, carried with the rows on
+the decode tiles): rows, ids, weights, counts
 (aligned), the combine and its weights, a cached dispatch and a dispatch without top-k against DeepEP's semantics as
 plain loops (:mod:`tests.compat.deepep_reference`), then ``check()`` finds nothing.
 """
@@ -16,8 +17,8 @@ from tests.support.harness import set_env
 from tritonep.testing import run_cpu_world
 
 
-def _world(group, backend, meta_rows_max_tokens):
-    set_env(TRITONEP_SYNC_CHECKS="0")
+def _world(group, backend, meta_rows_max_tokens, geometry=""):
+    set_env(TRITONEP_SYNC_CHECKS="0", TRITONEP_GEOMETRY=geometry)
     import tritonep.compat.deep_ep as compat
 
     rank, W = group.rank(), group.size()
@@ -68,3 +69,9 @@ def _world(group, backend, meta_rows_max_tokens):
 @pytest.mark.parametrize("meta_rows_max_tokens", [0, 256])  # the meta lane, meta rows
 def test_combine_with_host_reads_off(backend, meta_rows_max_tokens):
     assert run_cpu_world(2, _world, backend, meta_rows_max_tokens, timeout_s=300) == [[], []]
+
+
+def test_combine_with_host_reads_off_carried():
+    """The decode tiles' rows lane, which carries the top-k with its rows: the carried ids and weights come for the
+    lane's receive capacity and are cut to the rows the device counted."""
+    assert run_cpu_world(2, _world, "triton", 256, "bt=2,dec=3", timeout_s=300) == [[], []]

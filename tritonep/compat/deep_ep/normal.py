@@ -358,8 +358,8 @@ class NormalMode(NormalRefusals, NormalChecks):
         sums = out.handle.count_sums  # DeepEP's per-expert counts, from the rows lane's count routing (None: not)
         if carried:  # the lane's launch wrote them beside the rows (rows past the received ones: -1 and 0)
             recv_idx, recv_w = out.handle.carried
-            if worst:  # the lane's sync-free rows: its receive capacity
-                recv_idx, recv_w = recv_idx[:R], recv_w[:R]
+            if out.handle.num_recv_rows is None:  # rows unknown to the lane's host (num_worst_tokens, host reads
+                recv_idx, recv_w = recv_idx[:R], recv_w[:R]  # off): its receive capacity's, cut to the call's
             hist = None if sums is not None or worst else \
                 [0] + torch.bincount(recv_idx[recv_idx >= 0].to(torch.int64), minlength=E // self.W).tolist()
         elif P:  # the ids and weights came with the rows: unpacked from the meta rows (one launch); the per-expert

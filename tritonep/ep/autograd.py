@@ -31,6 +31,7 @@ import torch
 from torch.autograd import forward_ad as _fwd
 
 from .. import envs
+from ..wire.formats import get_wire
 
 __all__ = ["DispatchFn", "CombineFn", "DispatchBwdFn", "Redispatch", "combine_bwd_graph", "has_tangent"]
 
@@ -51,11 +52,26 @@ def _dispatch_rows(impl, handle, u, v):
     cfg = impl.cfg
     T, K = handle.num_tokens, cfg.topk
     sync_free = handle.num_recv_rows is None
+    sync = envs.SYNC_NONE if sync_free else envs.SYNC_DEFERRED
     u = u.to(cfg.dtype).contiguous()
-    v = torch.zeros(T, K, dtype=torch.float32, device=u.device) if v is None else v.float().contiguous()
-    out, out_w, _, offs, _ = impl.dispatch_fwd(u, handle.topk_idx, v,
-                                               envs.SYNC_NONE if sync_free else envs.SYNC_DEFERRED,
-                                               sync_free=sync_free)
+    no_v = v is None
+    v = torch.zeros(T, K, dtype=torch.float32, device=u.device) if no_v else v.float().contiguous()
+    if get_wire(cfg.dispatch_wire).quantized:
+        # a quantized dispatch wire would round u's rows (reverse mode moves gradients raw: P^T and the combine
+        # backward are bf16): move them as the combine backward does, along a dispatch of unit weights
+        # (``bf16(1.0 * u[t])`` = ``u[t]``; padding and rows past the layout are zero); the route weights ``S v``
+        # travel exactly (fp32) in the dispatch of ``v``
+        ones = torch.ones(T, K, dtype=torch.float32, device=u.device)
+        _, _, _, offs, unit = impl.dispatch_fwd(u, handle.topk_idx, ones, sync, sync_free=sync_free)
+        rows = cfg.max_recv_tokens if sync_free else unit.num_recv_rows
+        out, _ = impl.combine_bwd(u, torch.zeros(rows, cfg.hidden, dtype=cfg.dtype, device=u.device), unit)
+        if no_v:
+            out_w = torch.zeros(rows, dtype=torch.float32, device=u.device)
+        else:
+            _, out_w, _, _, _ = impl.dispatch_fwd(u, handle.topk_idx, v, sync, sync_free=sync_free)
+        real = torch.arange(rows, device=out.device) < offs[-1] if sync_free else None
+        return out, out_w.clone(), real
+    out, out_w, _, offs, _ = impl.dispatch_fwd(u, handle.topk_idx, v, sync, sync_free=sync_free)
     real = None
     if sync_free:  # rows past the layout are unspecified: a gradient there is 0
         real = torch.arange(out.shape[0], device=out.device) < offs[-1]

@@ -236,7 +236,8 @@ class EPBuffer(BackwardCalls, RefusalCalls):
             keep_quantized: with a quantized dispatch wire, return the quantized rows (``x``: uint8 payload
                 ``[R, payload_bytes]``, e.g. e4m3 / e5m2 bits ``[R, H]``, packed e2m1 ``[R, H/2]``) and
                 ``x_scales`` (``[R, H/block]`` of the wire's scale dtype: fp32 / e8m0 uint8) instead of bf16 rows;
-                not differentiable.
+                the rows carry no gradient (``x`` gets none through them), the row ``weights`` do (the combine's
+                gradient of ``topk_weights``).
             sync_free: no host read in this call (the ``num_worst_tokens`` convention of DeepEP / Hybrid-EP /
                 torchtitan): ``x`` has ``max_recv_tokens`` rows, the real ones are ``[0, expert_offsets[-1])``
                 (device), the tail's rows are unspecified and its ``weights`` zero; ``handle.num_recv_rows`` is None.
@@ -325,14 +326,14 @@ class EPBuffer(BackwardCalls, RefusalCalls):
                 sync = envs.SYNC_NONE
         kq = keep_quantized and self._quantized_dispatch
         try:
-            if kq or refused is not None or not (dual or torch.is_grad_enabled() and (
-                    x.requires_grad or topk_weights.requires_grad)):
+            if refused is not None or not (dual or torch.is_grad_enabled() and (
+                    (x.requires_grad and not kq) or topk_weights.requires_grad)):
                 out, out_w, ntpe, offs, handle = self._backend.dispatch_fwd(x, topk_idx, topk_weights, sync, kq,
                                                                          refused is not None, sync_free, count)
-            else:
+            else:  # kept quantized rows carry no gradient; the row weights do (the combine sums w * expert_out)
                 box: list = []
-                out, out_w, ntpe, offs = DispatchFn.apply(x, topk_weights, self._backend, topk_idx, sync, sync_free,
-                                                          box, count)
+                out, out_w, ntpe, offs = DispatchFn.apply(x.detach() if kq else x, topk_weights, self._backend,
+                                                          topk_idx, sync, sync_free, box, count, kq)
                 handle = box[0]
         except TritonEPError as e:
             self._last_synced = True  # raised after the call's read: its peers raise in this call too

@@ -1,7 +1,8 @@
 """``dispatch(keep_quantized=True)`` with routing weights that require a gradient: the quantized rows carry none (the
 caller decodes them itself), but the combine still sums ``w * expert_out`` with the weights the dispatch moved, so the
-router's gradient ``grad_topk_weights[t, k] = <grad_y[t], expert_out[row(t, k)]>`` exists exactly. It was dropped
-without a word (``topk_weights.grad`` None: a router trained with fp8 kept rows learned nothing from the experts).
+router's gradient ``grad_topk_weights[t, k] = <grad_y[t], expert_out[row(t, k)]>`` exists exactly; a dispatch
+outside autograd would drop it without a word (``topk_weights.grad`` None: a router trained with fp8 kept rows would
+learn nothing from the experts).
 Checked against the same call without ``keep_quantized`` (the same layout and the same expert outputs): equal
 weight gradients, bit for bit; ``x`` gets no gradient through the kept rows. Both backends, synced and sync-free."""
 

@@ -82,15 +82,18 @@ def test_real_flame_trace_over_4_ranks():
     assert sum(int(r[0]["ntpe"].sum()) for r in res) == 128 * 6  # every route arrives exactly once
 
 
-def test_required_bytes_equals_allocation():
+@pytest.mark.parametrize("count_columns", [0, 4])
+def test_required_bytes_equals_allocation(count_columns):
+    """Also with ``count_columns`` (the second count matrix of ``dispatch(count_ids=...)``), which the compat
+    Buffer's lanes use."""
     def world(group):
-        buf = tep.EPBuffer(group, 8, 64, 16, 2, expert_alignment=4)
+        buf = tep.EPBuffer(group, 8, 64, 16, 2, expert_alignment=4, count_columns=count_columns)
         got = buf.allocated_bytes
         buf.close()
         return got
 
     want = tep.EPBuffer.required_bytes(world_size=2, num_experts=8, hidden=64, max_tokens_per_rank=16, topk=2,
-                                       expert_alignment=4, device_type="cpu")
+                                       expert_alignment=4, device_type="cpu", count_columns=count_columns)
     assert run_cpu_world(2, world, timeout_s=60) == [want, want]
 
 

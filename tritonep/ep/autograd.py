@@ -31,6 +31,7 @@ import torch
 from torch.autograd import forward_ad as _fwd
 
 from .. import envs
+from ..wire.formats import get_wire
 
 __all__ = ["DispatchFn", "CombineFn", "DispatchBwdFn", "Redispatch", "combine_bwd_graph", "has_tangent"]
 
@@ -51,11 +52,26 @@ def _dispatch_rows(impl, handle, u, v):
     cfg = impl.cfg
     T, K = handle.num_tokens, cfg.topk
     sync_free = handle.num_recv_rows is None
+    sync = envs.SYNC_NONE if sync_free else envs.SYNC_DEFERRED
     u = u.to(cfg.dtype).contiguous()
-    v = torch.zeros(T, K, dtype=torch.float32, device=u.device) if v is None else v.float().contiguous()
-    out, out_w, _, offs, _ = impl.dispatch_fwd(u, handle.topk_idx, v,
-                                               envs.SYNC_NONE if sync_free else envs.SYNC_DEFERRED,
-                                               sync_free=sync_free)
+    no_v = v is None
+    v = torch.zeros(T, K, dtype=torch.float32, device=u.device) if no_v else v.float().contiguous()
+    if get_wire(cfg.dispatch_wire).quantized:
+        # a quantized dispatch wire would round u's rows (reverse mode moves gradients raw: P^T and the combine
+        # backward are bf16): move them as the combine backward does, along a dispatch of unit weights
+        # (``bf16(1.0 * u[t])`` = ``u[t]``; padding and rows past the layout are zero); the route weights ``S v``
+        # travel exactly (fp32) in the dispatch of ``v``
+        ones = torch.ones(T, K, dtype=torch.float32, device=u.device)
+        _, _, _, offs, unit = impl.dispatch_fwd(u, handle.topk_idx, ones, sync, sync_free=sync_free)
+        rows = cfg.max_recv_tokens if sync_free else unit.num_recv_rows
+        out, _ = impl.combine_bwd(u, torch.zeros(rows, cfg.hidden, dtype=cfg.dtype, device=u.device), unit)
+        if no_v:
+            out_w = torch.zeros(rows, dtype=torch.float32, device=u.device)
+        else:
+            _, out_w, _, _, _ = impl.dispatch_fwd(u, handle.topk_idx, v, sync, sync_free=sync_free)
+        real = torch.arange(rows, device=out.device) < offs[-1] if sync_free else None
+        return out, out_w.clone(), real
+    out, out_w, _, offs, _ = impl.dispatch_fwd(u, handle.topk_idx, v, sync, sync_free=sync_free)
     real = None
     if sync_free:  # rows past the layout are unspecified: a gradient there is 0
         real = torch.arange(out.shape[0], device=out.device) < offs[-1]
@@ -133,8 +149,10 @@ class DispatchFn(torch.autograd.Function):
     forward-mode tangent (:meth:`jvp`) = the same dispatch of the tangents ``(P dx, S dw)``."""
 
     @staticmethod
-    def forward(ctx, x, topk_weights, impl, topk_idx, sync, sync_free, box, count=None):
-        out, out_w, ntpe, offs, handle = impl.dispatch_fwd(x, topk_idx, topk_weights, sync, sync_free=sync_free,
+    def forward(ctx, x, topk_weights, impl, topk_idx, sync, sync_free, box, count=None, kq=False):
+        # kq (keep_quantized): the rows are the wire's bytes (no gradient; the caller passes x detached), the row
+        # weights keep theirs
+        out, out_w, ntpe, offs, handle = impl.dispatch_fwd(x, topk_idx, topk_weights, sync, kq, sync_free=sync_free,
                                                            count=count)
         # autograd refuses in-place ops on a view made inside a custom Function, and the rows may be a cut of a
         # larger block (decode, pooled: tritonep/runtime/pool.py): hand out an alias of its own (no view; same
@@ -150,7 +168,8 @@ class DispatchFn(torch.autograd.Function):
         box.append(handle)  # handle.recv_weights is out_w: the very tensor autograd returns (tracked)
         ctx.impl = impl
         ctx.handle = handle
-        ctx.mark_non_differentiable(ntpe, offs)
+        ctx.kq = kq
+        ctx.mark_non_differentiable(*((out, ntpe, offs) if kq else (ntpe, offs)))
         # saved for its version counter only: combine and the backward passes use the weights the dispatch moved, so
         # an in-place change of the returned weights (``d.weights.mul_(2)``) would change the gradient (through the
         # in-place op's own backward) but not the forward sum; autograd refuses it at backward, as torch does for
@@ -170,16 +189,16 @@ class DispatchFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_out_w, _g1, _g2):
         ctx.saved_tensors  # noqa: B018 - raises if the returned weights were modified in place since the dispatch
-        if grad_out is None:
+        if grad_out is None or ctx.kq:  # kept quantized rows: no gradient of theirs (zero rows: x gets none)
             grad_out = _rows_like(ctx, torch.zeros(0))
         if torch.is_grad_enabled() or has_tangent(grad_out, grad_out_w):
             # create_graph: the backward is differentiable again (module docstring); dual gradients (forward over
             # reverse): DispatchBwdFn carries their tangent (its jvp)
             grad_x, grad_w = DispatchBwdFn.apply(grad_out, grad_out_w, ctx.impl, ctx.handle)
-            return grad_x, grad_w, None, None, None, None, None, None
+            return (None if ctx.kq else grad_x), grad_w, None, None, None, None, None, None, None
         gw = grad_out_w.contiguous() if grad_out_w is not None else None  # autograd may hand expanded grads
         grad_x, grad_w = ctx.impl.dispatch_bwd(grad_out.contiguous(), gw, ctx.handle)
-        return grad_x, grad_w, None, None, None, None, None, None
+        return (None if ctx.kq else grad_x), grad_w, None, None, None, None, None, None, None
 
 
 class CombineFn(torch.autograd.Function):

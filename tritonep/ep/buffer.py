@@ -163,13 +163,14 @@ class EPBuffer(BackwardCalls, RefusalCalls):
                        dispatch_wire: str = "bf16", combine_wire: str = "bf16", expert_alignment: int = 1,
                        max_recv_tokens: int | None = None, dtype: torch.dtype = torch.bfloat16,
                        device_type: str = "cuda", backend: str = "auto", num_sms: int | None = None, *,
-                       tiles=None, max_programs: int | None = None) -> int:
+                       tiles=None, max_programs: int | None = None, count_columns: int = 0) -> int:
         """Symmetric bytes one rank allocates for this configuration (no group needed).
 
         Equals what the backend allocates (the same :class:`tritonep.ep.config.EPConfig` goes through the same
         region list and layout function). ``backend``: ``"auto"`` (what it picks on one host: the first registered
         backend, triton) or a registered name (``"nccl"`` holds no symmetric memory: 0). ``tiles`` /
-        ``max_programs``: as the constructor (the tiles size a buffer's scratch).
+        ``max_programs`` / ``count_columns``: as the constructor (the tiles size a buffer's scratch; count columns
+        add the second count matrix).
 
         Raises:
             ConfigError / WireError: as the constructor.
@@ -178,7 +179,8 @@ class EPBuffer(BackwardCalls, RefusalCalls):
                            max_tokens_per_rank=max_tokens_per_rank, topk=topk, dispatch_wire=dispatch_wire,
                            combine_wire=combine_wire, expert_alignment=expert_alignment,
                            max_recv_tokens=max_recv_tokens, backend=backend, dtype=dtype, device_type=device_type,
-                           num_sms=num_sms, tiles=tiles, max_programs=max_programs, check_kernels=False)
+                           num_sms=num_sms, tiles=tiles, max_programs=max_programs, check_kernels=False,
+                           count_columns=count_columns)
         return backend_required_bytes(backend, cfg)
 
     # ------------------------------------------------------------------------------------------- calls
@@ -243,7 +245,8 @@ class EPBuffer(BackwardCalls, RefusalCalls):
             keep_quantized: with a quantized dispatch wire, return the quantized rows (``x``: uint8 payload
                 ``[R, payload_bytes]``, e.g. e4m3 / e5m2 bits ``[R, H]``, packed e2m1 ``[R, H/2]``) and
                 ``x_scales`` (``[R, H/block]`` of the wire's scale dtype: fp32 / e8m0 uint8) instead of bf16 rows;
-                not differentiable.
+                the rows carry no gradient (``x`` gets none through them), the row ``weights`` do (the combine's
+                gradient of ``topk_weights``).
             sync_free: no host read in this call (the ``num_worst_tokens`` convention of DeepEP / Hybrid-EP /
                 torchtitan): ``x`` has ``max_recv_tokens`` rows, the real ones are ``[0, expert_offsets[-1])``
                 (device), the tail's rows are unspecified and its ``weights`` zero; ``handle.num_recv_rows`` is None.
@@ -345,14 +348,14 @@ class EPBuffer(BackwardCalls, RefusalCalls):
                 sync = envs.SYNC_NONE
         kq = keep_quantized and self._quantized_dispatch
         try:
-            if kq or refused is not None or not (dual or torch.is_grad_enabled() and (
-                    x.requires_grad or topk_weights.requires_grad)):
+            if refused is not None or not (dual or torch.is_grad_enabled() and (
+                    (x.requires_grad and not kq) or topk_weights.requires_grad)):
                 out, out_w, ntpe, offs, handle = self._backend.dispatch_fwd(x, topk_idx, topk_weights, sync, kq,
                                                                          refused is not None, sync_free, count)
-            else:
+            else:  # kept quantized rows carry no gradient; the row weights do (the combine sums w * expert_out)
                 box: list = []
-                out, out_w, ntpe, offs = DispatchFn.apply(x, topk_weights, self._backend, topk_idx, sync, sync_free,
-                                                          box, count)
+                out, out_w, ntpe, offs = DispatchFn.apply(x.detach() if kq else x, topk_weights, self._backend,
+                                                          topk_idx, sync, sync_free, box, count, kq)
                 handle = box[0]
         except TritonEPError as e:
             self._last_synced = True  # raised after the call's read: its peers raise in this call too

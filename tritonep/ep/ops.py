@@ -53,7 +53,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from ..errors import BufferStateError, CapacityError, ConfigError, InputError
-from .autograd import has_tangent
+from .autograd import _dispatch_rows, has_tangent
+from ..wire.formats import get_wire
 
 __all__ = ["OpDispatched", "buffer_id", "get_buffer", "get_handle", "dispatch", "combine", "dispatch_op",
            "combine_op", "dispatch_backward_op", "combine_backward_op"]
@@ -207,7 +208,23 @@ def _redispatch(ticket, bid: int, u: torch.Tensor, v: torch.Tensor | None):
     if sync_free:
         real = torch.arange(rows.shape[0], device=rows.device) < layout[-1]
         rows = torch.where(real[:, None], rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+    if get_wire(buf.dispatch_wire).quantized:  # the op's rows went through the quantized wire: take the raw
+        # rows' values (tritonep.ep.autograd._dispatch_rows), keeping the op's graph (the same linear map P)
+        rows = _ValuesOf.apply(rows, _dispatch_rows(buf._backend, handle, u.detach(), None)[0])
     return rows, w
+
+
+class _ValuesOf(torch.autograd.Function):
+    """``(a, b) -> b``'s values with ``a``'s derivatives (identity backward to ``a``): ``a`` and ``b`` are the same
+    linear map of the same input, ``b`` computed without rounding its rows."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        return b.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
 
 
 def _dispatch_backward_setup(ctx, inputs, output):

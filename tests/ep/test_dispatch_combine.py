@@ -82,19 +82,27 @@ def test_real_flame_trace_over_4_ranks():
     assert sum(int(r[0]["ntpe"].sum()) for r in res) == 128 * 6  # every route arrives exactly once
 
 
-@pytest.mark.parametrize("count_columns", [0, 4])
-def test_required_bytes_equals_allocation(count_columns):
-    """Also with ``count_columns`` (the second count matrix of ``dispatch(count_ids=...)``), which the compat
-    Buffer's lanes use."""
+@pytest.mark.parametrize("count_columns,count_topk,align,tiles", [(0, 0, 4, None), (4, 0, 4, None),
+                                                                  (4, 3, 1, "dec=2"), (4, 3, 1, None)])
+def test_required_bytes_equals_allocation(count_columns, count_topk, align, tiles):
+    """Also with ``count_columns`` (the second count matrix of ``dispatch(count_ids=...)``) and ``count_topk`` (the
+    carried routing's region, on the decode tiles only), which the compat Buffer's lanes use."""
     def world(group):
-        buf = tep.EPBuffer(group, 8, 64, 16, 2, expert_alignment=4, count_columns=count_columns)
+        buf = tep.EPBuffer(group, 8, 64, 16, 2, expert_alignment=align, count_columns=count_columns,
+                           count_topk=count_topk, tiles=tiles)
         got = buf.allocated_bytes
         buf.close()
         return got
 
     want = tep.EPBuffer.required_bytes(world_size=2, num_experts=8, hidden=64, max_tokens_per_rank=16, topk=2,
-                                       expert_alignment=4, device_type="cpu", count_columns=count_columns)
-    assert run_cpu_world(2, world, timeout_s=60) == [want, want]
+                                       expert_alignment=align, device_type="cpu", count_columns=count_columns,
+                                       count_topk=count_topk, tiles=tiles)
+    got = run_cpu_world(2, world, timeout_s=60)
+    assert got == [want, want]
+    if count_topk and tiles:  # the region is there: 2 * count_topk int32 words per (source rank, token)
+        plain = tep.EPBuffer.required_bytes(world_size=2, num_experts=8, hidden=64, max_tokens_per_rank=16, topk=2,
+                                            device_type="cpu", count_columns=count_columns, tiles=tiles)
+        assert want >= plain + 2 * 16 * 2 * count_topk * 4, (want, plain)
 
 
 def _cases_world(group, cases):

@@ -163,14 +163,16 @@ class EPBuffer(BackwardCalls, RefusalCalls):
                        dispatch_wire: str = "bf16", combine_wire: str = "bf16", expert_alignment: int = 1,
                        max_recv_tokens: int | None = None, dtype: torch.dtype = torch.bfloat16,
                        device_type: str = "cuda", backend: str = "auto", num_sms: int | None = None, *,
-                       tiles=None, max_programs: int | None = None, count_columns: int = 0) -> int:
+                       tiles=None, max_programs: int | None = None, count_columns: int = 0,
+                       count_topk: int = 0) -> int:
         """Symmetric bytes one rank allocates for this configuration (no group needed).
 
         Equals what the backend allocates (the same :class:`tritonep.ep.config.EPConfig` goes through the same
         region list and layout function). ``backend``: ``"auto"`` (what it picks on one host: the first registered
         backend, triton) or a registered name (``"nccl"`` holds no symmetric memory: 0). ``tiles`` /
-        ``max_programs`` / ``count_columns``: as the constructor (the tiles size a buffer's scratch; count columns
-        add the second count matrix).
+        ``max_programs`` / ``count_columns`` / ``count_topk``: as the constructor (the tiles size a buffer's scratch;
+        count columns add the second count matrix, ``count_topk`` the carried routing's region on the decode
+        tiles).
 
         Raises:
             ConfigError / WireError: as the constructor.
@@ -180,7 +182,7 @@ class EPBuffer(BackwardCalls, RefusalCalls):
                            combine_wire=combine_wire, expert_alignment=expert_alignment,
                            max_recv_tokens=max_recv_tokens, backend=backend, dtype=dtype, device_type=device_type,
                            num_sms=num_sms, tiles=tiles, max_programs=max_programs, check_kernels=False,
-                           count_columns=count_columns)
+                           count_columns=count_columns, count_topk=count_topk)
         return backend_required_bytes(backend, cfg)
 
     # ------------------------------------------------------------------------------------------- calls

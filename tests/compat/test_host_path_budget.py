@@ -11,9 +11,9 @@ histogram read through pinned memory, and any torch call that reads the device: 
 
 Launches and host reads must match exactly. On the one-launch decode tiles the top-k is carried with the rows of the
 rows lane (the Buffer's default there: one launch per dispatch and per combine). Elsewhere at these sizes it travels
-as meta rows of the rows lane: a dispatch is one launch of the packing kernel (x copied into the lane's input with the meta rows,
-and the lane's slots), the rows lane's dispatch (one launch with the one-launch decode tiles a GPU picks up to 256
-tokens, four with the two-kernel tiles) and one launch of the unpacking kernel; it reads the host once (the rows
+as meta rows of the rows lane: a dispatch is one launch of the packing kernel (x copied into the lane's input with
+the meta rows, and the lane's slots), the rows lane's dispatch (four launches with the two-kernel tiles) and one
+launch of the unpacking kernel; it reads the host once (the rows
 lane's status, spun on as the kernel publishes it before any row moves, with DeepEP's per-expert counts, summed in
 the same exchange: the lane's count routing; the two-kernel tiles' counts exchange launch likewise) and a
 ``num_worst_tokens`` dispatch never (its capacity poison launch instead: NaN rows and weights when the call

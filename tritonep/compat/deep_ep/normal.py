@@ -222,8 +222,8 @@ class NormalMode(NormalRefusals, NormalChecks):
     def _derive(self, spec, lane, key, P: int, T: int, E: int, device) -> tuple:
         """What a dispatch of ``(spec, T, E, device)`` on ``lane`` (its ``key``, ``P`` meta rows per pair of ranks)
         works out before it packs, kept for :meth:`_sent` under the current shared capacity: ``(tcap, lane, key, P,
-        x_in, lane_x, w, ops, counted, carried)`` (see there). With meta rows a token count over the capacity is refused here,
-        taking part as refused (the lane's input holds the capacity).
+        x_in, lane_x, w, ops, counted, carried)`` (see there). With meta rows a token count over the capacity is
+        refused here, taking part as refused (the lane's input holds the capacity).
 
         Raises:
             CapacityError: ``P > 0`` and ``T`` over the shared capacity (after taking part in the peers' call)."""
@@ -234,10 +234,11 @@ class NormalMode(NormalRefusals, NormalChecks):
                 self._refused_dispatch(lane, bool(spec[1]))
                 raise CapacityError(f"num_tokens={T} exceeds the Buffer's token capacity max_tokens_per_rank={tcap}",
                                     needed=T, available=tcap)
-            n = T + self.W * P
-            x_in, lane_x = self._cached_view(self._inputs, key, lane, _new_input, n)
-            if carried:  # the caller's rows travel as they are, the tokens' alone
+            if carried:  # the caller's rows travel as they are, the tokens' alone: no kept input
                 n, x_in, lane_x = T, None, None
+            else:
+                n = T + self.W * P
+                x_in, lane_x = self._cached_view(self._inputs, key, lane, _new_input, n)
         else:
             n, x_in, lane_x = T, None, None
         got = (tcap, lane, key, P, x_in, lane_x, self._ones_rows(n, device), self._ops(device) if P or K else None,
@@ -250,13 +251,12 @@ class NormalMode(NormalRefusals, NormalChecks):
     def _send(self, spec, payload, itr, topk_idx, topk_weights, T: int, E: int, device):
         """The rows lane's dispatch of ``spec`` with this call's inputs packed for it, growing the shared capacity when
         a synced call was refused for it (then the lane, and whether it carries meta rows, is chosen again). Returns
-        ``(lane, P, slots, meta inputs or None, Dispatched, carried)``: with meta rows (``P > 0``) one launch writes the lane's
-        input (x and the meta rows) and slots, or where the lane carries the top-k with the rows (:meth:`_carried`)
-        the slots are the token rows' (one torch op; the received ids and weights come in the handle's ``carried``);
-        else one launch packs both lanes' inputs (with top-k; the
-        meta lane's are returned for it). A call whose peers read nothing (sync-free, sync checks off, capture) and that EPBuffer
-        refused on this rank still takes part in the meta lane before raising (:meth:`_meta_refused`): the peers'
-        dispatch goes on to it."""
+        ``(lane, P, slots, meta inputs or None, Dispatched, carried)``: with meta rows (``P > 0``) one launch writes
+        the lane's input (x and the meta rows) and slots, or where the lane carries the top-k with the rows
+        (:meth:`_carried`) the slots are the token rows' (one torch op; the received ids and weights come in the
+        handle's ``carried``); else one launch packs both lanes' inputs (with top-k; the meta lane's are returned for it). A call whose peers
+        read nothing (sync-free, sync checks off, capture) and that EPBuffer refused on this rank still takes part in
+        the meta lane before raising (:meth:`_meta_refused`): the peers' dispatch goes on to it."""
         worst, K = spec[1], spec[2]
         sync_free = bool(worst)
         for attempt in range(2):

@@ -35,9 +35,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ....device.protocol import (STAMP_CARRIED, CALL_EXCHANGE, DONE_EXCHANGE, ST_BAD_RANK_MASK, ST_NEEDED_ROWS, ST_SKIP_CALL, ST_THIS_CALL,
+from ....device.protocol import (CALL_EXCHANGE, DONE_EXCHANGE, ST_BAD_RANK_MASK, ST_NEEDED_ROWS, ST_SKIP_CALL, ST_THIS_CALL,
                        ST_WAITED, STATUS_BAD_INPUT, STATUS_CAPACITY, STATUS_COUNT_MISMATCH, STATUS_TIMEOUT,
                        WAIT_COUNTS)
+from ....device.protocol import STAMP_CARRIED
 from ....device.signal import mark_dead, peers_alive, publish_host_status, record_error, signal_peers, wait_all_ge
 
 __all__ = ["chunk_hist_kernel", "exchange_kernel", "exchange_tiles", "layout_tiles", "store_layout", "refused_call", "record_verdict",

@@ -74,6 +74,8 @@ def _ep_paths(group):
                     db.dispatch(xq, iq, wq, count_ids=iq, count_experts=8)
                     cb = tep.EPBuffer(group, 8, 128, 16, 2, count_columns=4, count_topk=2)
                     cb.dispatch(xq, iq, wq, count_ids=iq, count_experts=8, count_weights=wq.float())
+                    # the compat Buffer's rows lane: a bool rank mask as the routing (top-k = W = 2), carried top-k
+                    cb.dispatch(xq, iq >= 4, wq, count_ids=iq, count_experts=8, count_weights=wq.float())
                     cb.close()
                 if dw == "bf16":  # the backward too: the decode combine's unweighted variant with the wgrad return
                     xq.requires_grad_(True)
@@ -129,6 +131,9 @@ def test_ep_kernels_compile_for_sm90():
                    for r in recs), f"the count stamps of {name} without a count routing were not recorded"
     assert any(r.get("name") == "dispatch_decode_kernel" and r["constexprs"].get("CARRY") for r in recs), \
         "the carried top-k of the decode dispatch was not recorded"
+    assert any(r.get("name") == "dispatch_decode_kernel" and r["signature"].get("topk_idx_ptr") == "*i1"
+               for r in recs), \
+        "the decode dispatch of a bool rank mask was not recorded"
     failures = compile_recorded(recs)
     assert not failures, "\n\n".join(f"{n}: {e}" for n, e in failures)
 

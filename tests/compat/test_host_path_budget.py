@@ -67,20 +67,22 @@ BUDGET = {  # the CPU's own tiles: the two-kernel lane dispatch (what a GPU take
 }
 BUDGET_DECODE = {  # TRITONEP_GEOMETRY=bt=2,dec=3: the one-launch decode tiles (what a GPU takes up to 256 tokens)
     "layout": (8, 3, 2, 0, 1, 0),
-    # the rows lane's ONE launch: the top-k carried with the rows (EPBuffer.dispatch(count_weights=...)), no packing
-    # or unpacking launch (was 3 launches, 52 calls, 3 allocations); ONE read: the per-expert counts come with the
-    # lane's status (its count routing); the slots of the token rows: one torch.where (2 aten ops, a torch kernel:
-    # the packing launch made them before); the carried outputs: two allocations in the lane's dispatch
-    "dispatch": (50, 8, 2, 1, 1, 1),
+    # the rows lane's ONE launch: the top-k carried with the rows (EPBuffer.dispatch(count_weights=...)) and the
+    # caller's is_token_in_rank as its routing (a bool rank mask the kernel reads), no packing or unpacking launch
+    # (was 3 launches, 52 calls, 3 allocations); ONE read: the per-expert counts come with the lane's status (its
+    # count routing); the carried outputs: two allocations in the lane's dispatch
+    "dispatch": (49, 6, 2, 0, 1, 1),
     "combine": (11, 1, 0, 0, 1, 1),  # the lane's combine reads the caller's rows: no copy launch (was 14 / 2 / 2)
-    "combine_w": (47, 9, 2, 3, 3, 1),  # the repeated slots one take, the weights' checks in one pass; no copy (was 50)
+    # the meta lane's routes: the rank mask made ids once per handle (one torch.where: +2 aten ops, +1 torch kernel,
+    # what the packing launch of every dispatch did before), repeated by one take; no copy launch (was 50 / 10 / 3 / 4)
+    "combine_w": (48, 11, 2, 4, 3, 1),
     # no read; + the capacity poison launch (was 56 / 6 / 3 / 0 / 4: the packing and unpacking launches; now the
-    # carried weights' checks in the lane's dispatch, the slots' torch.where and the cut of the carried outputs)
-    "worst_dispatch": (59, 9, 2, 1, 2, 0),
+    # carried weights' checks in the lane's dispatch and the cut of the carried outputs to num_worst_tokens)
+    "worst_dispatch": (58, 7, 2, 0, 2, 0),
     # the sync-free lane's combine takes its receive capacity's rows (num_worst_tokens + the meta rows' room): the
     # caller's rows still go into the lane's expert-output buffer (one copy launch)
     "worst_combine": (17, 1, 0, 0, 3, 0),
-    "worst_combine_w": (56, 9, 2, 3, 5, 0),  # was 67 / 17 / 4 / 5; +2: the device checks; the copy a launch
+    "worst_combine_w": (57, 11, 2, 4, 5, 0),  # the rank mask made ids once per handle, as combine_w
 }
 BUDGET_META_LANE = {  # meta_rows_max_tokens=0, decode tiles: the top-k in the meta lane
     "layout": (8, 3, 2, 0, 1, 0),

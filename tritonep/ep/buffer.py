@@ -142,7 +142,12 @@ class EPBuffer(BackwardCalls, RefusalCalls):
         self.carries_topk = bool(cfg.count_topk) and getattr(self._backend, "decode", None) is not None
         self._sync = cfg.sync_checks
         # the front door's static arguments, made once: check_dispatch_inputs' and check_combine_inputs'
-        self._din = (cfg.hidden, cfg.topk, cfg.max_tokens_per_rank, cfg.dtype, device)
+        # a bool rank mask as topk_idx (topk == W): read by the decode tiles' kernel, else made expert ids here
+        mask = None
+        if cfg.topk == ws:
+            mask = True if getattr(self._backend, "decode", None) is not None else \
+                torch.arange(ws, dtype=torch.int32, device=device) * cfg.num_local_experts
+        self._din = (cfg.hidden, cfg.topk, cfg.max_tokens_per_rank, cfg.dtype, device, mask)
         self._cin = (cfg.hidden, cfg.dtype, device)
         self._last_synced = True
         self._deferred = None  # an error raised at the next check() (defer)
@@ -242,7 +247,10 @@ class EPBuffer(BackwardCalls, RefusalCalls):
 
         Args:
             x: ``[T, H]`` bfloat16, ``T <= max_tokens_per_rank`` (T may be 0). Non-contiguous input is copied.
-            topk_idx: ``[T, K]`` int32/int64 expert ids in ``[-1, E)``; -1 = no expert.
+            topk_idx: ``[T, K]`` int32/int64 expert ids in ``[-1, E)``; -1 = no expert. On a buffer whose ``topk``
+                is its world size W, also a bool rank mask ``[T, W]``: route k goes to expert ``k * L`` (rank k's
+                first local expert) where set, else nowhere (DeepEP's ``is_token_in_rank`` as a routing: the
+                compat Buffer's rows lane; read by the decode tiles' kernel itself, made ids on the other paths).
             topk_weights: ``[T, K]`` float (converted to float32), applied in combine.
             keep_quantized: with a quantized dispatch wire, return the quantized rows (``x``: uint8 payload
                 ``[R, payload_bytes]``, e.g. e4m3 / e5m2 bits ``[R, H]``, packed e2m1 ``[R, H/2]``) and

@@ -18,8 +18,14 @@ __all__ = ["check_dispatch_inputs", "check_count_ids", "check_combine_inputs", "
 _ID_DTYPES = (torch.int32, torch.int64)
 
 
-def check_dispatch_inputs(x, topk_idx, topk_weights, hidden, topk, max_tokens_per_rank, dtype, device):
+def check_dispatch_inputs(x, topk_idx, topk_weights, hidden, topk, max_tokens_per_rank, dtype, device,
+                          rank_mask=None):
     """Validate dispatch inputs; returns ``(x, topk_idx, topk_weights)`` contiguous, weights float32.
+
+    ``rank_mask``: whether ``topk_idx`` may be a bool rank mask ``[T, W]`` (a buffer whose ``topk`` is its world
+    size: route k goes to expert ``k * L``, the first local expert of rank k, where set; else no route): None
+    refuses it (InputError), True keeps it (the kernels read it: the triton backend's decode tiles), an int32
+    ``[W]`` tensor of those expert ids converts it here (one ``torch.where``: the other paths).
 
     Cheap by design (Python ints and attributes, no device read, no copy of what already conforms): it runs on
     every call's host path (the buffer passes its static arguments positionally, from one tuple made at
@@ -47,10 +53,14 @@ def check_dispatch_inputs(x, topk_idx, topk_weights, hidden, topk, max_tokens_pe
     if T > max_tokens_per_rank:
         raise CapacityError(f"num_tokens={T} exceeds max_tokens_per_rank={max_tokens_per_rank}",
                             needed=T, available=max_tokens_per_rank)
-    if topk_idx.dtype not in _ID_DTYPES:
-        raise InputError(f"topk_idx must be int32 or int64, got {topk_idx.dtype}")
+    idt = topk_idx.dtype
+    if idt not in _ID_DTYPES and (idt is not torch.bool or rank_mask is None):
+        raise InputError(f"topk_idx must be int32 or int64{'' if rank_mask is None else ' or a bool rank mask'}, "
+                         f"got {idt}")
     if topk_idx.shape != (T, topk):
         raise InputError(f"topk_idx must have shape [num_tokens={T}, topk={topk}], got {tuple(topk_idx.shape)}")
+    if idt is torch.bool and rank_mask is not True:
+        topk_idx = torch.where(topk_idx, rank_mask, -1)
     if topk_weights.shape != (T, topk):
         raise InputError(f"topk_weights must have shape [num_tokens={T}, topk={topk}], "
                          f"got {tuple(topk_weights.shape)}")

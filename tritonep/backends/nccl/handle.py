@@ -40,9 +40,10 @@ class NcclHandle(DispatchHandle):
         """``NcclHandle(**fields)`` without the generated frozen ``__init__``, which sets its 16 fields one
         ``object.__setattr__`` at a time (4.7 vs 0.8 us on a 2-core CPU, on every dispatch's host path): the instance
         dictionary is filled directly. Every field must be given (``tests/backends/nccl/test_call_contract.py`` checks
-        the result equals the constructor's); ``count_sums`` is None (this backend sums no count routing)."""
+        the result equals the constructor's); ``count_sums`` and ``carried`` are None (this backend neither sums nor
+        carries a count routing)."""
         h = cls.__new__(cls)
-        h.__dict__.update(fields, count_sums=None)
+        h.__dict__.update(fields, count_sums=None, carried=None)
         return h
 
     topk_idx: torch.Tensor

@@ -292,7 +292,7 @@ class SyncFreeDispatch:
         fields = dict(topk_idx=idx_c, topk_weights=v["w_c"], rows=self._no_routes, counts=v["counts"], num_tokens=T,
                       num_recv_rows=None, x_scales=None, recv_weights=v["out_w"], buffer_id=self.buffer_id,
                       send_splits=oh.splits, recv_splits=oh.splits, num_send=N, num_recv=N, pkt=v["pkt"],
-                      recv_rows=v["rr"], recv_w=v["rw"], count_sums=None)
+                      recv_rows=v["rr"], recv_w=v["rw"], count_sums=None, carried=None)
         views = tuple(v[n] for n in ("out_w", "ntpe", "offs", "w_c", "counts", "pkt", "rr", "rw"))
         return (blk, idx_c), views, fields
 

@@ -10,7 +10,14 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["NormalHandle", "LowLatencyHandle"]
+__all__ = ["NormalHandle", "LowLatencyHandle", "slot_ids"]
+
+
+def slot_ids(slots: torch.Tensor, carried: bool, ranks2: torch.Tensor) -> torch.Tensor:
+    """A meta-rows lane dispatch's slots as int32 ids: the slots themselves, or for a dispatch that carried its top-k
+    with the rows (its slots: the bool rank mask ``is_token_in_rank [T, W]``) ``2r`` where set, else -1 (``ranks2``:
+    int32 ``2 * arange(W)``; one ``torch.where``)."""
+    return torch.where(slots, ranks2, -1) if carried else slots
 
 
 class NormalHandle(tuple):
@@ -72,15 +79,17 @@ class NormalHandle(tuple):
             self._pc = p
         return p
 
-    def repeated_slots(self, index: torch.Tensor) -> torch.Tensor:
+    def repeated_slots(self, index: torch.Tensor, ranks2: torch.Tensor) -> torch.Tensor:
         """int32 ``[T, W*K]``: the token rows' slots, each repeated K times (K routes per (token, receiving rank),
         in the rows lane's order), given ``index`` = int64 ``[T, W*K]`` with ``index[t, j] = t*W + j // K`` on the
         slots' device: the routing of the meta-lane dispatch a combine of ``topk_weights`` runs after a meta-rows
         dispatch (made once per handle, on first use: one ``take`` of the slots, the meta rows' never read; the
-        same values as ``slots[:T].index_select(1, arange(W).repeat_interleave(K))``)."""
+        same values as ``slots[:T].index_select(1, arange(W).repeat_interleave(K))``). A ``carried`` handle's slots
+        are the caller's ``is_token_in_rank`` (the lane's bool rank mask): made ids first (``ranks2``: int32 ``2 *
+        arange(W)`` on their device)."""
         r = self._rep
         if r is None:
-            r = self._rep = self.slots.take(index)
+            r = self._rep = slot_ids(self.slots, self.carried, ranks2).take(index)
         return r
 
     def _field(self, i: int):

@@ -82,7 +82,8 @@ class NormalMode(NormalRefusals, NormalChecks):
         self._last_topk = None  # K of the latest dispatch that carried top-k (None: none did yet)
         self._meta_ops = {}  # device -> MetaOps (the layout and meta-unpacking launches, bound on first use)
         self._last_meta = None  # the latest dispatch's meta lane (None: it carried no top-k, or as meta rows)
-        self._last_lazy = None  # (K, num_worst_tokens, slots, T) of the latest dispatch when its top-k came as meta rows
+        # (K, num_worst_tokens, slots, T, carried) of the latest dispatch when its top-k came as meta rows or carried
+        self._last_lazy = None
         self._last_synced = True  # whether the latest dispatch's rows-lane handle is a synced one
 
     # -------------------------------------------------------------------------------------------------- shared
@@ -273,7 +274,7 @@ class NormalMode(NormalRefusals, NormalChecks):
                     got = self._derive(spec, lane, key, P, T, E, device)
                 _, _, _, _, x_in, lane_x, w, ops, counted, carried = got
                 if carried:  # the ids and weights ride with the rows, in the lane's own launch
-                    slots = torch.where(itr, self._ranks2_on(device), -1)
+                    slots = itr  # the lane's bool rank mask (route r: pseudo-expert 2r), read by its kernel
                     return lane, P, slots, None, lane.dispatch(payload, slots, w, sync_free=sync_free,
                                                                count_ids=topk_idx, count_experts=E,
                                                                count_weights=topk_weights), True
@@ -399,7 +400,7 @@ class NormalMode(NormalRefusals, NormalChecks):
             a = expert_alignment
             counts = [(c + a - 1) // a * a for c in counts]
         self._last_meta, self._last_synced = meta_lane, out.handle.num_recv_rows is not None
-        self._last_lazy = (K, worst, slots, T) if P and K else None
+        self._last_lazy = (K, worst, slots, T, carried) if P and K else None
         if K:
             self._last_topk = K
         return recv_x, recv_idx, recv_w, counts, h
@@ -489,7 +490,8 @@ class NormalMode(NormalRefusals, NormalChecks):
             if h.meta_rows:  # the top-k came as meta rows: a meta lane routed like the rows lane takes the weights
                 # back (its dispatch moves no payload: 16-byte rows)
                 meta, mh = self._meta2_dispatch(K, h.num_rows if h.worst else 0,
-                                                h.repeated_slots(self._rep_index(T, K, lane.device)), T, lane.device)
+                                                h.repeated_slots(self._rep_index(T, K, lane.device),
+                                                                 self._ranks2_on(lane.device)), T, lane.device)
             else:
                 meta, mh = h.meta_lane, h.meta_handle
             # the weights go back unsummed on the meta lane's routes (one per (token, rank, slot)), the meta lane's

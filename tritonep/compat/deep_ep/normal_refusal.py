@@ -14,6 +14,7 @@ import torch
 
 from ... import envs
 from ...errors import TritonEPError
+from .handles import slot_ids
 from .packing import meta_rows_per_rank
 
 __all__ = ["NormalRefusals"]
@@ -144,7 +145,8 @@ class NormalRefusals:
         if h is not None:
             lane, xh, meta, mh = h.x_lane, h.x_handle, h.meta_lane, h.meta_handle
             synced = xh.num_recv_rows is not None
-            lazy = (h.topk, h.num_rows if h.worst else 0, h.slots, h.num_tokens) if h.meta_rows and h.topk else None
+            lazy = (h.topk, h.num_rows if h.worst else 0, h.slots, h.num_tokens, h.carried) \
+                if h.meta_rows and h.topk else None
         else:
             lane, xh, meta, mh = self.lanes.peek(self._last_x_key), None, self._last_meta, None
             synced, lazy = self._last_synced, self._last_lazy
@@ -159,9 +161,10 @@ class NormalRefusals:
             return  # the peers' eager combine raises PeerInputError: none of them goes on to the meta lane
         self.lanes.unread(lane)
         if with_weights and lazy is not None:  # the peers' meta-lane dispatch, then its backward (cancelled)
-            K, worst, slots, T = lazy  # the tokens' slots, each repeated K times, route the peers' dispatch
+            K, worst, slots, T, carried = lazy  # the tokens' slots, each repeated K times, route the peers' dispatch
             index = self._rep_index(T, K, lane.device)
-            routes = h.repeated_slots(index) if h is not None else slots.take(index)
+            ranks2 = self._ranks2_on(lane.device)
+            routes = h.repeated_slots(index, ranks2) if h is not None else slot_ids(slots, carried, ranks2).take(index)
             meta, mh = self._meta2_dispatch(K, worst, routes, T, lane.device)
         if with_weights and meta is not None:
             try:

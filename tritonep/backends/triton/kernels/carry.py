@@ -25,6 +25,8 @@ Idea: DeepEP's intranode dispatch (``recv_topk_idx`` written by the receiving ch
 import triton
 import triton.language as tl
 
+from .dispatch import load_routes
+
 __all__ = ["carry_send", "carry_arrived", "carry_tail"]
 
 
@@ -38,8 +40,8 @@ def carry_send(c, T, live, topk_idx_ptr, cid_ptr, cw_ptr, carry_tab, rank, Tmax,
     t = c * BT + tl.arange(0, BT)
     tm = (t < T) & (live != 0)
     k = tl.arange(0, KB)
-    ids = tl.load(topk_idx_ptr + t[:, None].to(tl.int64) * K + k[None, :], mask=tm[:, None] & (k[None, :] < K),
-                  other=-1)
+    ids = load_routes(topk_idx_ptr, t[:, None].to(tl.int64) * K + k[None, :], tm[:, None] & (k[None, :] < K),
+                      k[None, :], L)
     dest = tl.where((ids >= 0) & (ids < E), ids // L, -1)
     j = tl.arange(0, CKB)
     mj = tm[:, None] & (j[None, :] < CK)

@@ -48,7 +48,7 @@ import triton.language as tl
 
 from ....device.common import RowTile
 from .carry import carry_arrived, carry_send, carry_tail
-from .dispatch import ExpandIO, SendIO, expand_arrived, open_send, send_chunk, zero_padding
+from .dispatch import ExpandIO, SendIO, expand_arrived, load_routes, open_send, send_chunk, zero_padding
 from .layout import count_stamps, layout_tiles, record_verdict, refused_call, store_layout, write_count_stamp
 from ....device.protocol import (CALL_DISPATCH, CALL_EXCHANGE, DONE_DECODE_DISPATCH, FLAG_COUNTS, ST_ROWS_RECEIVED,
                        STATUS_TIMEOUT, WAIT_COUNTS)
@@ -67,7 +67,7 @@ def _own_histogram(topk_idx_ptr, T, limit, K: tl.constexpr, KB: tl.constexpr, E:
     t = tl.arange(0, TB)
     k = tl.arange(0, KB)
     m = ((t < T) & (t < limit))[:, None] & (k[None, :] < K)
-    raw = tl.load(topk_idx_ptr + t[:, None].to(tl.int64) * K + k[None, :], mask=m, other=-1)
+    raw = load_routes(topk_idx_ptr, t[:, None].to(tl.int64) * K + k[None, :], m, k[None, :], L)
     # range-check at the ids' own width before the int32 cast (an int64 id 2**32 + 1 is not expert 1)
     bad = tl.sum(tl.sum(((raw < -1) | (raw >= E)).to(tl.int32), 1), 0)
     ok = (raw >= 0) & (raw < E)
@@ -191,7 +191,7 @@ def dispatch_decode_kernel(x_ptr, topk_idx_ptr, topk_w_ptr, rows_ptr, T, host_ba
             kk = tl.arange(0, KB)
             mc = (tt < T)[:, None] & (kk[None, :] < K)
             oc = tt[:, None].to(tl.int64) * K + kk[None, :]
-            wide = tl.load(topk_idx_ptr + oc, mask=mc, other=-1)
+            wide = load_routes(topk_idx_ptr, oc, mc, kk[None, :], L)
             # a refused call routes nowhere (its handle addresses no row: tritonep.backends.triton.kernels.dispatch.send_chunk)
             keep = (wide >= -1) & (wide < E) & (refused == 0)
             tl.store(idx_out_ptr + oc, tl.where(keep, wide, -1).to(tl.int32), mask=mc)

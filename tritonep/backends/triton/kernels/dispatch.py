@@ -64,6 +64,20 @@ ExpandIO.__doc__ = """What :func:`expand_item` / :func:`expand_arrived` / :func:
 
 
 @triton.jit
+def load_routes(ptr, off, m, k, L: tl.constexpr):
+    """The routes at ``ptr + off`` (mask ``m``, -1 where masked): expert ids as stored (int32 / int64), or, for a bool
+    rank mask (``ptr`` to int1: :meth:`tritonep.EPBuffer.dispatch`'s ``topk_idx`` of a buffer whose top-k is its
+    world size), expert ``k * L`` (rank k's first local expert; ``k``: the column index, broadcast like ``off``) where
+    set, else -1. Chosen at compile time by the pointer's element type."""
+    if ptr.dtype.element_ty == tl.int1:
+        v = tl.load(ptr + off, mask=m, other=0)
+        ids = tl.where(v != 0, k * L, -1)
+    else:
+        ids = tl.load(ptr + off, mask=m, other=-1)
+    return ids
+
+
+@triton.jit
 def _ptr(tab, r, DT: tl.constexpr):
     return tl.multiple_of(tl.load(tab + r).to(tl.pointer_type(DT)), 16)
 
@@ -107,7 +121,7 @@ def send_chunk(c, live, io, tile, W: tl.constexpr, E: tl.constexpr, L: tl.conste
     R: tl.constexpr = tile.BT * tile.KB
     t, k_off, h_off, tm, m2 = chunk_index(c, io.T, tile)
     tk = t[:, None].to(tl.int64) * tile.K + k_off[None, :]
-    ids = tl.load(io.topk_idx_ptr + tk, mask=m2, other=-1).to(tl.int32)
+    ids = load_routes(io.topk_idx_ptr, tk, m2, k_off[None, :], L).to(tl.int32)
     valid = (ids >= 0) & (ids < E) & (live != 0)  # ids outside [-1, E) are refused by the counts exchange
     ids = tl.where(valid, ids, -1)
     if OWN_IDX:

@@ -80,7 +80,8 @@ class PeerInputError(InputError):
 class CountRoutingError(PeerInputError):
     """The ranks passed different count routings to the same dispatch (``EPBuffer.dispatch(count_ids=,
     count_experts=)``, a per-call argument every rank must pass alike): some ranks passed ``count_ids`` and others
-    not, or they passed different ``count_experts``. Every rank's stamp of the call travels with its counts exchange,
+    not, or they passed different ``count_experts``, or some carried it with the rows (``count_weights``) and others
+    not, or carried routings of different widths. Every rank's stamp of the call travels with its counts exchange,
     so every rank refuses the call and raises this error (no rows moved, no sums were published, the buffer stays
     usable and the next agreeing call works).
 

@@ -76,6 +76,8 @@ STATUS_BAD_INPUT = tl.constexpr(3)
 STATUS_COMBINE_REFUSED = tl.constexpr(4)  # a rank refused (or cancelled) a combine: its outputs are NaN everywhere
 STATUS_COUNT_MISMATCH = tl.constexpr(5)  # the ranks' count stamps of a dispatch differ (count_ids / count_experts)
 STAMP_CARRIED = tl.constexpr(1 << 30)  # added to a count stamp whose routing is carried with the rows (count_weights)
+STAMP_TOPK = tl.constexpr(1 << 20)  # a carried stamp: CE + CK * STAMP_TOPK + STAMP_CARRIED (CE < 2**20, CK < 2**10:
+# the ranks must carry the same width, or a receiver reads words past a sender's ids of an earlier call)
 
 # flag rows of an EPBuffer's flags region
 FLAG_COUNTS = tl.constexpr(0)

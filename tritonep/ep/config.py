@@ -156,6 +156,9 @@ def build_config(*, world_size: int, num_experts: int, hidden: int, max_tokens_p
         raise ConfigError(f"count_columns must be an int >= 0, got {count_columns!r}")
     if not isinstance(count_topk, int) or isinstance(count_topk, bool) or count_topk < 0:
         raise ConfigError(f"count_topk must be an int >= 0, got {count_topk!r}")
+    if count_topk >= 1024:
+        raise ConfigError(f"count_topk={count_topk} must be below 1024 (a carried routing's width rides in its count "
+                          f"stamp)")
     if count_topk and not count_columns:
         raise ConfigError(f"count_topk={count_topk} needs count_columns > 0 (the carried ids are a count routing)")
     if count_topk and expert_alignment != 1:

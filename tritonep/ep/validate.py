@@ -106,21 +106,25 @@ def check_count_ids(count_ids, count_experts, cfg, device, count_weights=None, c
     cid = count_ids if count_ids.is_contiguous() else count_ids.contiguous()
     if count_weights is None:
         return cid, count_experts, shape[0], shape[1]
-    return cid, count_experts, shape[0], shape[1], check_carry(count_weights, cfg, device, carries, T, shape), \
-        count_ids.dtype
+    return cid, count_experts, shape[0], shape[1], check_carry(count_weights, cfg, device, carries, T, shape,
+                                                               count_experts), count_ids.dtype
 
 
-def check_carry(count_weights, cfg, device, carries, T, shape):
+def check_carry(count_weights, cfg, device, carries, T, shape, count_experts=0):
     """``count_weights`` of a count routing carried with the rows (:meth:`tritonep.EPBuffer.dispatch`'s
     ``count_weights``), checked and made contiguous: a buffer that carries them (``carries``), ``count_ids`` of
     ``shape = [T, CK]`` (the tokens' own: ``T`` rows, ``CK <= cfg.count_topk``), ``count_weights`` float32 ``[T,
-    CK]`` on ``device``. (Four torch calls.)
+    CK]`` on ``device``, ``count_experts`` below ``2**20`` (the count stamp holds it beside the width). (Four torch
+    calls.)
 
     Raises:
         InputError: naming the value."""
     if not carries:
         raise InputError("count_weights: this buffer does not carry a count routing with its rows (it needs "
                          "count_topk > 0 and the triton backend's one-launch decode tiles)")
+    if count_experts >= 1 << 20:
+        raise InputError(f"carried count_ids: count_experts={count_experts} must be below 2**20 (it rides in the "
+                         f"count stamp beside the carried width)")
     if shape[0] != T or shape[1] > cfg.count_topk:
         raise InputError(f"carried count_ids must be [T={T}, <= count_topk={cfg.count_topk}], got {tuple(shape)}")
     if (not isinstance(count_weights, torch.Tensor) or count_weights.dtype != torch.float32

@@ -28,6 +28,7 @@ _CODE, _WAIT_ID, _PEER, _SEEN, _NEEDED, _SKIP_CALL, _BAD_MASK, _WAITED = (P.v(n)
     P.ST_CODE, P.ST_WAIT_ID, P.ST_PEER, P.ST_ERRORS_SEEN, P.ST_NEEDED_ROWS, P.ST_SKIP_CALL, P.ST_BAD_RANK_MASK,
     P.ST_WAITED))
 _STAMP_CARRIED = P.v(P.STAMP_CARRIED)  # a count stamp's carried mark (count_weights)
+_STAMP_TOPK = P.v(P.STAMP_TOPK)  # ... above which a carried stamp holds its routing's width
 _GAVE_UP = P.v(P.WAIT_PEER_GAVE_UP)  # recorded by a rank whose peer's wait gave up (device/signal.py peers_alive)
 
 __all__ = ["WAIT_NAMES", "REFUSAL_CODES", "raise_for_status", "wait_bound", "bad_ranks", "resolve_timeout",
@@ -94,12 +95,20 @@ def _refused_call(status_host, this_call: int | None) -> str:
 
 
 def _count_routing(stamp: int) -> str:
-    """A count stamp in words (``count_experts``, plus ``STAMP_CARRIED`` for a routing carried with the rows; 0: no
-    count routing)."""
+    """A count stamp in words (``count_experts``, plus ``STAMP_CARRIED`` and the width ``CK * STAMP_TOPK`` for a
+    routing carried with the rows; 0: no count routing)."""
     if not stamp:
         return "no count_ids"
-    carried = stamp >= _STAMP_CARRIED
-    return f"count_ids with count_experts={stamp % _STAMP_CARRIED}" + (" carried (count_weights)" if carried else "")
+    if stamp < _STAMP_CARRIED:
+        return f"count_ids with count_experts={stamp}"
+    ck = (stamp - _STAMP_CARRIED) // _STAMP_TOPK
+    return (f"count_ids with count_experts={_stamp_experts(stamp)} carried (count_weights, {ck} "
+            f"id{'' if ck == 1 else 's'} a token)")
+
+
+def _stamp_experts(stamp: int) -> int:
+    """The ``count_experts`` of a count stamp (:func:`_count_routing`)."""
+    return stamp % _STAMP_TOPK if stamp >= _STAMP_CARRIED else stamp
 
 
 def count_mismatch_error(what: str, rank: int, stamps: dict, counting: list, tail: str) -> CountRoutingError:
@@ -114,7 +123,7 @@ def count_mismatch_error(what: str, rank: int, stamps: dict, counting: list, tai
         f"{counting}); count_ids / count_experts is a per-call argument every rank passes alike, so the call was "
         f"refused on every rank (rank {rank} raises this) and no count sums were published; {tail}",
         bad_ranks=odd, rank=rank, counting=counting,
-        count_experts={r: s % _STAMP_CARRIED for r, s in stamps.items()})
+        count_experts={r: _stamp_experts(s) for r, s in stamps.items()})
 
 
 def raise_for_status(status_host: torch.Tensor, rank: int, max_recv: int, what: str,

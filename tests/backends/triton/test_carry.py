@@ -136,6 +136,37 @@ def test_count_topk_checked():
     with pytest.raises(tep.ConfigError, match="count_topk"):
         build_config(world_size=2, num_experts=8, hidden=64, max_tokens_per_rank=16, topk=2, device_type="cpu",
                      count_topk=2, check_kernels=False)
+    with pytest.raises(tep.ConfigError, match="count_topk=1024"):  # the width rides in the count stamp
+        build_config(world_size=2, num_experts=8, hidden=64, max_tokens_per_rank=16, topk=2, device_type="cpu",
+                     count_columns=4, count_topk=1024, check_kernels=False)
     with pytest.raises(tep.ConfigError, match="expert_alignment"):
         build_config(world_size=2, num_experts=8, hidden=64, max_tokens_per_rank=16, topk=2, device_type="cpu",
                      count_columns=4, count_topk=2, expert_alignment=4, check_kernels=False)
+
+
+def width_world(group):
+    """The ranks carry routings of different widths (rank 0 one id a token, rank 1 three) after a call where both
+    carried three: refused on every rank (the stamps differ), never rank 0's tokens read with rank 1's width (the
+    words past rank 0's id are an earlier call's); the buffer stays usable."""
+    os.environ["TRITONEP_GEOMETRY"] = "dec=2"
+    rank = dist.get_rank(group)
+    x, idx, w = make_rank_inputs(rank, 8, H, 8, K, seed=3)
+    w = w.float().contiguous()
+    buf = tep.EPBuffer(group, 8, H, TM, K, device="cpu", count_columns=4, count_topk=3)
+    buf.dispatch(x, idx, w, count_ids=torch.full((8, 3), 5), count_experts=8, count_weights=torch.full((8, 3), 7.0))
+    ck = 1 if rank == 0 else 3
+    try:
+        d = buf.dispatch(x, idx, w, count_ids=torch.full((8, ck), -1), count_experts=8,
+                         count_weights=torch.zeros(8, ck))
+        got = ("carried", d.handle.carried[0].tolist(), d.handle.carried[1].tolist())
+    except tep.CountRoutingError as e:
+        got = ("3 ids" in str(e) and "1 id" in str(e), e.count_experts)
+    d = buf.dispatch(x, idx, w, count_ids=torch.full((8, 2), 4), count_experts=8, count_weights=torch.ones(8, 2))
+    ok = bool((d.handle.carried[0][:, 0] == 0).all()) if rank == 1 else bool((d.handle.carried[0] == -1).all())
+    buf.close()
+    return got, ok
+
+
+def test_carry_width_mismatch_refused():
+    for rank, (got, ok) in enumerate(run_cpu_world(2, width_world)):
+        assert got == (True, {0: 8, 1: 8}) and ok, (rank, got, ok)

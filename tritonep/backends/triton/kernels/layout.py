@@ -38,7 +38,7 @@ import triton.language as tl
 from ....device.protocol import (CALL_EXCHANGE, DONE_EXCHANGE, ST_BAD_RANK_MASK, ST_NEEDED_ROWS, ST_SKIP_CALL, ST_THIS_CALL,
                        ST_WAITED, STATUS_BAD_INPUT, STATUS_CAPACITY, STATUS_COUNT_MISMATCH, STATUS_TIMEOUT,
                        WAIT_COUNTS)
-from ....device.protocol import STAMP_CARRIED
+from ....device.protocol import STAMP_CARRIED, STAMP_TOPK
 from ....device.signal import mark_dead, peers_alive, publish_host_status, record_error, signal_peers, wait_all_ge
 
 __all__ = ["chunk_hist_kernel", "exchange_kernel", "exchange_tiles", "layout_tiles", "store_layout", "refused_call", "record_verdict",
@@ -342,11 +342,13 @@ def store_layout(total, aligned, rows, ntpe_ptr, offs_ptr, rows_needed_ptr, rows
 def write_count_stamp(xcounts_tab, xbuf, rank, W: tl.constexpr, XC: tl.constexpr, CK: tl.constexpr,
                       CE: tl.constexpr, CARRY: tl.constexpr = False):
     """Store this call's count stamp (``CE`` when the call has a count routing, ``CK > 0``, plus
-    :data:`tritonep.device.protocol.STAMP_CARRIED` when that routing is carried with the rows, ``CARRY``: the ranks
-    must agree on that too, or a receiver would read a sender's carried words of an earlier call; else 0) into column
+    :data:`tritonep.device.protocol.STAMP_CARRIED` and ``CK * STAMP_TOPK`` when that routing is carried with
+    the rows, ``CARRY``: the ranks must agree on that and on its width too, or a receiver would read a sender's
+    carried words of an earlier call; else 0) into column
     ``XC`` of this rank's row of the ``xcounts`` matrix at ``xbuf`` (rows ``XC + 1`` int32 wide) in every rank
     (``xcounts_tab``: every rank's base address); the caller's counts signal releases it."""
-    stamp = tl.full((), (CE + (STAMP_CARRIED if CARRY else 0)) if CK > 0 else 0, tl.int32)
+    stamp = tl.full((), (CE + (CK * STAMP_TOPK + STAMP_CARRIED if CARRY else 0)) if CK > 0 else 0,
+                    tl.int32)
     for d in range(W):
         xdst = tl.load(xcounts_tab + d).to(tl.pointer_type(tl.int32)) + xbuf + rank * (XC + 1)
         tl.store(xdst + XC, stamp)
@@ -360,7 +362,8 @@ def count_stamps(xcounts_ptr, xbuf, ok, rank, W: tl.constexpr, WB: tl.constexpr,
     ``xbuf`` (read only once their counts signal arrived, ``ok``; a rank not heard from, or past W, counts as
     agreeing). Without the region (``XC == 0``) every stamp is 0 (no call can count)."""
     s = tl.arange(0, WB)
-    own = tl.full((WB,), (CE + (STAMP_CARRIED if CARRY else 0)) if CK > 0 else 0, tl.int32)
+    own = tl.full((WB,), (CE + (CK * STAMP_TOPK + STAMP_CARRIED if CARRY else 0)) if CK > 0 else 0,
+                  tl.int32)
     if XC > 0:
         peer = tl.load(xcounts_ptr + xbuf + s * (XC + 1) + XC, mask=(s < W) & (s != rank) & (ok != 0), other=0)
         own = tl.where((s < W) & (s != rank) & (ok != 0), peer, own)

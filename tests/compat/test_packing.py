@@ -18,6 +18,8 @@
   rank's rows exceed the limit.
 """
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -343,12 +345,16 @@ def test_repeated_slots_take_the_token_rows_k_fold():
             want = slots[:T].index_select(1, torch.arange(W).repeat_interleave(K))
             assert got.dtype == torch.int32 and got.is_contiguous() and torch.equal(got, want), (W, T, K)
             assert h.repeated_slots(None, None) is got  # made once per handle
-            # a dispatch that carried its top-k: its slots are the bool rank mask, made ids 2r (-1 where unset)
+            # a dispatch that carried its top-k: its slots are the bool rank mask, the rows lane handle's copy of
+            # it ids 2r (-1 where unset; its block's field, more words after it), which the routes are taken from
             mask = torch.rand(T, W, generator=gen) < 0.5
-            hc = NormalHandle(owner=0, x_lane=None, x_handle=None, meta_lane=None, meta_handle=None, slots=mask,
+            ids = torch.where(mask, 2 * torch.arange(W, dtype=torch.int32), -1)
+            block = torch.cat([ids.flatten(), torch.full((7,), 99, dtype=torch.int32)])
+            xh = SimpleNamespace(store=block, layout=SimpleNamespace(tensor=lambda store, name: store))
+            hc = NormalHandle(owner=0, x_lane=None, x_handle=xh, meta_lane=None, meta_handle=None, slots=mask,
                               num_tokens=T, num_rows=0, topk=K, is_token_in_rank=mask, worst=False, meta_rows=P,
                               carried=True)
+            mask.fill_(True)  # the caller's mask overwritten after the dispatch: not read
             got = hc.repeated_slots(mode._rep_index(T, K, mask.device), mode._ranks2_on(mask.device))
-            ids = torch.where(mask, 2 * torch.arange(W, dtype=torch.int32), -1)
             assert torch.equal(got, ids.index_select(1, torch.arange(W).repeat_interleave(K))), (W, T, K)
         assert len(mode._rep_idx) <= 64

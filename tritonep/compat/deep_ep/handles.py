@@ -85,11 +85,14 @@ class NormalHandle(tuple):
         slots' device: the routing of the meta-lane dispatch a combine of ``topk_weights`` runs after a meta-rows
         dispatch (made once per handle, on first use: one ``take`` of the slots, the meta rows' never read; the
         same values as ``slots[:T].index_select(1, arange(W).repeat_interleave(K))``). A ``carried`` handle's slots
-        are the caller's ``is_token_in_rank`` (the lane's bool rank mask): made ids first (``ranks2``: int32 ``2 *
-        arange(W)`` on their device)."""
+        are the caller's ``is_token_in_rank`` (the lane's bool rank mask), which the caller may have overwritten
+        since: its routing is the rows lane handle's own int32 copy of it (``2r`` where set, else -1, as
+        :func:`slot_ids` makes them with ``ranks2``: int32 ``2 * arange(W)``), taken from there (the handle block's
+        field as it lies, ``[T, W]`` row-major in its first ``T*W`` words: one slice)."""
         r = self._rep
         if r is None:
-            r = self._rep = slot_ids(self.slots, self.carried, ranks2).take(index)
+            xh = self.x_handle
+            r = self._rep = (xh.layout.tensor(xh.store, "idx") if self.carried else self.slots).take(index)
         return r
 
     def _field(self, i: int):

@@ -73,16 +73,16 @@ BUDGET_DECODE = {  # TRITONEP_GEOMETRY=bt=2,dec=3: the one-launch decode tiles (
     # count routing); the carried outputs: two allocations in the lane's dispatch
     "dispatch": (49, 6, 2, 0, 1, 1),
     "combine": (11, 1, 0, 0, 1, 1),  # the lane's combine reads the caller's rows: no copy launch (was 14 / 2 / 2)
-    # the meta lane's routes: the rank mask made ids once per handle (one torch.where: +2 aten ops, +1 torch kernel,
-    # what the packing launch of every dispatch did before), repeated by one take; no copy launch (was 50 / 10 / 3 / 4)
-    "combine_w": (48, 11, 2, 4, 3, 1),
+    # the meta lane's routes: the rows lane handle's copy of the rank mask (ids 2r: one slice of its block), repeated
+    # by one take once per handle; no copy launch (was 50 / 10 / 3 / 4; 48 / 11 / 2 / 4 with the mask made ids)
+    "combine_w": (48, 10, 2, 3, 3, 1),
     # no read; + the capacity poison launch (was 56 / 6 / 3 / 0 / 4: the packing and unpacking launches; now the
     # carried weights' checks in the lane's dispatch and the cut of the carried outputs to num_worst_tokens)
     "worst_dispatch": (58, 7, 2, 0, 2, 0),
-    # the sync-free lane's combine takes its receive capacity's rows (num_worst_tokens + the meta rows' room): the
-    # caller's rows still go into the lane's expert-output buffer (one copy launch)
-    "worst_combine": (17, 1, 0, 0, 3, 0),
-    "worst_combine_w": (57, 11, 2, 4, 5, 0),  # the rank mask made ids once per handle, as combine_w
+    # the sync-free lane's receive capacity is num_worst_tokens rows (no meta rows' room: its token rows travel
+    # alone), the caller's rows: its combine reads them (no copy launch: was 17 / 1 / 0 / 0 / 3)
+    "worst_combine": (15, 1, 0, 0, 2, 0),
+    "worst_combine_w": (55, 10, 2, 3, 4, 0),  # the handle's copy of the mask, as combine_w (was 57 / 11 / 2 / 4 / 5)
 }
 BUDGET_META_LANE = {  # meta_rows_max_tokens=0, decode tiles: the top-k in the meta lane
     "layout": (8, 3, 2, 0, 1, 0),

@@ -84,3 +84,18 @@ EXPECT = ["nan", "CapacityError", "nan", "nan", "CapacityError", "ok", "rows", "
 def test_worst_tokens_overflow_is_nan_and_raised(backend, W, meta_rows_max_tokens):
     for r, out in enumerate(run_cpu_world(W, _world, backend, meta_rows_max_tokens, timeout_s=120)):
         assert out == EXPECT, (r, out)
+
+
+def _decode_world(group):
+    """:func:`_world` on the one-launch decode tiles, whose rows lane carries the top-k with its rows (no meta row
+    travels): its receive room is ``num_worst_tokens`` rows exactly, so a call over it by fewer rows than the meta
+    rows' room is refused too (ids -1, raised at the next read)."""
+    import os
+
+    os.environ["TRITONEP_GEOMETRY"] = "bt=2,dec=3"
+    return _world(group, "triton")
+
+
+def test_worst_tokens_overflow_carried():
+    for r, out in enumerate(run_cpu_world(2, _decode_world, timeout_s=120)):
+        assert out == EXPECT, (r, out)

@@ -119,6 +119,13 @@ class Lanes:
             self._shared.add(key)
         return lane
 
+    def drop(self, key) -> None:
+        """Close the lane ``key`` and forget it (collective, as its construction: every rank drops the same lane,
+        made by the same call, before using it)."""
+        lane = self._lanes.pop(key)
+        self._shared.discard(key)
+        lane.close()
+
     def peek(self, key):
         """The lane ``key`` if it exists (never made here), else None."""
         return self._lanes.get(key)

@@ -159,10 +159,25 @@ class NormalMode(NormalRefusals, NormalChecks):
         width, worst, K = spec
         if not P:
             return self._x_lane(key, T), 0
+        return self._meta_rows_lane(key, T, width, worst, K, P, worst and self.carry_topk), P
+
+    def _meta_rows_lane(self, key, T: int, width: int, worst: int, K: int, P: int, carried: bool):
+        """A new meta-rows lane (collective): ``capacity + W*P`` tokens, and room for ``num_worst_tokens`` (``worst``)
+        rows plus the ``W*P`` meta rows, or for every token of every rank plus them (``worst`` 0). ``carried``: a
+        ``num_worst_tokens`` lane that may carry the top-k with its rows, which receives its token rows alone: its
+        room is ``worst`` rows exactly (with the meta rows' room a call over ``worst`` by up to ``W*P`` rows would not
+        be refused, its ids not -1, and no later read would raise it); a lane made so that cannot carry (not the
+        decode tiles, the nccl backend: every rank's lane alike) is dropped and made with the meta rows' room."""
         extra, W = self.W * P, self.W
+        if carried:
+            lane = self.lanes.get(key, T, num_experts=2 * W, hidden=width, topk=W, count_columns=COUNT_COLUMNS,
+                                  count_topk=K, max_tokens_per_rank=lambda tc: tc + extra, max_recv_tokens=worst)
+            if lane.carries_topk:
+                return lane
+            self.lanes.drop(key)
         mrt = (lambda tc: worst + extra) if worst else (lambda tc: W * tc + extra)
         return self.lanes.get(key, T, num_experts=2 * W, hidden=width, topk=W, count_columns=COUNT_COLUMNS,
-                              count_topk=K, max_tokens_per_rank=lambda tc: tc + extra, max_recv_tokens=mrt), P
+                              count_topk=K, max_tokens_per_rank=lambda tc: tc + extra, max_recv_tokens=mrt)
 
     def _plan(self, spec):
         """``(rows-lane key, P)`` of ``spec`` under the current shared capacity (agreed before: :meth:`_spec_lane`),
@@ -230,6 +245,11 @@ class NormalMode(NormalRefusals, NormalChecks):
             CapacityError: ``P > 0`` and ``T`` over the shared capacity (after taking part in the peers' call)."""
         tcap, K = self.lanes.tcap, spec[2]
         carried = self._carried(lane, P, K, E)
+        if P and not carried and lane.carries_topk and spec[1] and self.carry_topk:
+            # a num_worst_tokens lane sized for carrying (no meta rows' room) and a call that cannot carry (more
+            # experts per rank than COUNT_COLUMNS): the meta rows go in a lane with their room (every rank alike)
+            key = key + ("meta",)
+            lane = self._meta_rows_lane(key, T, spec[0], spec[1], K, P, False)
         if P:
             if T > tcap:
                 self._refused_dispatch(lane, bool(spec[1]))
@@ -272,6 +292,8 @@ class NormalMode(NormalRefusals, NormalChecks):
                 meta = None
                 if got is None:  # first seen under this capacity and lane: worked out (and kept) now
                     got = self._derive(spec, lane, key, P, T, E, device)
+                    lane, key = got[1], got[2]
+                    self._last_x_key = key
                 _, _, _, _, x_in, lane_x, w, ops, counted, carried = got
                 if carried:  # the ids and weights ride with the rows, in the lane's own launch
                     slots = itr  # the lane's bool rank mask (route r: pseudo-expert 2r), read by its kernel

@@ -70,15 +70,15 @@ BUDGET_DECODE = {  # TRITONEP_GEOMETRY=bt=2,dec=3: the one-launch decode tiles (
     # the rows lane's ONE launch: the top-k carried with the rows (EPBuffer.dispatch(count_weights=...)) and the
     # caller's is_token_in_rank as its routing (a bool rank mask the kernel reads), no packing or unpacking launch
     # (was 3 launches, 52 calls, 3 allocations); ONE read: the per-expert counts come with the lane's status (its
-    # count routing); the carried outputs: two allocations in the lane's dispatch
-    "dispatch": (49, 6, 2, 0, 1, 1),
+    # count routing); the carried outputs: a set of the lane's pool of them (was two allocations, 49 calls)
+    "dispatch": (48, 4, 0, 0, 1, 1),
     "combine": (11, 1, 0, 0, 1, 1),  # the lane's combine reads the caller's rows: no copy launch (was 14 / 2 / 2)
     # the meta lane's routes: the rows lane handle's copy of the rank mask (ids 2r: one slice of its block), repeated
     # by one take once per handle; no copy launch (was 50 / 10 / 3 / 4; 48 / 11 / 2 / 4 with the mask made ids)
     "combine_w": (48, 10, 2, 3, 3, 1),
     # no read; + the capacity poison launch (was 56 / 6 / 3 / 0 / 4: the packing and unpacking launches; now the
     # carried weights' checks in the lane's dispatch and the cut of the carried outputs to num_worst_tokens)
-    "worst_dispatch": (58, 7, 2, 0, 2, 0),
+    "worst_dispatch": (58, 6, 0, 0, 2, 0),  # the carried outputs pooled (was 7 aten ops, 2 allocations)
     # the sync-free lane's receive capacity is num_worst_tokens rows (no meta rows' room: its token rows travel
     # alone), the caller's rows: its combine reads them (no copy launch: was 17 / 1 / 0 / 0 / 3)
     "worst_combine": (15, 1, 0, 0, 2, 0),

@@ -170,3 +170,35 @@ def width_world(group):
 def test_carry_width_mismatch_refused():
     for rank, (got, ok) in enumerate(run_cpu_world(2, width_world)):
         assert got == (True, {0: 8, 1: 8}) and ok, (rank, got, ok)
+
+
+def pool_world(group):
+    """The carried outputs come from the buffer's pool: a caller that keeps a handle's ``carried`` never sees them
+    overwritten by a later call; once let go, later calls get the pool's blocks back and the pool makes no new set."""
+    os.environ["TRITONEP_GEOMETRY"] = "dec=2"
+    rank = dist.get_rank(group)
+    x, idx, w = make_rank_inputs(rank, 8, H, 8, K, seed=3)
+    w = w.float().contiguous()
+    buf = tep.EPBuffer(group, 8, H, TM, K, device="cpu", count_columns=4, count_topk=2)
+    kept = []
+    for v in range(4):  # more calls than the pool's sets: the last ones allocate
+        d = buf.dispatch(x, idx, w, count_ids=idx, count_experts=8, count_weights=w + v)
+        kept.append((d.handle.carried, d.handle.carried[1].clone(), v))
+    intact = all(torch.equal(c[1], k) and bool((k[c[0] >= 0] >= v).all()) for c, k, v in kept)
+    del kept, d
+    impl = buf._backend
+    before = impl.output_pool_bytes
+    ptrs = []
+    for v in range(3):
+        d = buf.dispatch(x, idx, w, count_ids=idx, count_experts=8, count_weights=w + v)
+        ptrs += [d.handle.carried[0].data_ptr(), d.handle.carried[1].data_ptr()]
+        del d
+    pooled = set().union(*(p.base_ptrs() for p in impl.output_pools()))
+    ok = intact, all(p in pooled for p in ptrs), before == impl.output_pool_bytes
+    buf.close()
+    return ok
+
+
+def test_carried_outputs_pooled():
+    for rank, got in enumerate(run_cpu_world(2, pool_world)):
+        assert got == (True, True, True), (rank, got)

@@ -82,8 +82,7 @@ class DecodePath:
                                                   q, sc, ticket, cid, tc)
         else:  # carried with the rows (kernels/carry.py): ids and weights beside every received row
             cid, ce, tc, ck, cw, id_dtype = count
-            cidx = torch.empty(max_recv, ck, dtype=id_dtype, device=self.device)
-            cwo = torch.empty(max_recv, ck, dtype=torch.float32, device=self.device)
+            cidx, cwo = outs.carried(ck, id_dtype)  # pooled (reused once nobody holds them)
             self.k.decode(q is not None, ck, ce, True)(x, topk_idx, topk_weights, store, T, int(bad_input), max_recv,
                                                         out, q, sc, ticket, cid, tc, cw, cidx, cwo)
         # what needs no verdict is made while the launch runs (the host read waits for it anyway)
@@ -110,7 +109,8 @@ class DecodePath:
             return outs.finish(handle, store, T, R, out, out_w, q, sc, ntpe, offs)
         carried = None
         if len(count) > 4:
-            carried = (cidx, cwo) if R is None else (cidx[:R], cwo[:R])
+            # fresh views, never the pooled tensors themselves (as the rows)
+            carried = (cidx[:max_recv], cwo[:max_recv]) if R is None else (cidx[:R], cwo[:R])
         return outs.finish(handle, store, T, R, out, out_w, q, sc, ntpe, offs, self.k.count_sums(count, st is not None),
                            carried)
 

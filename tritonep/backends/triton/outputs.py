@@ -131,15 +131,19 @@ class DispatchOutputs:
         self.pool = OutputPool(self._make_set, 0 if dec else slots, device)
         self.decode_pool = acquire_shared(self._keys[0], make_dec, self._shared_slots, device)
         self.ypool = acquire_shared(self._keys[1], make_y, self._shared_slots, device)
+        self._carry_pools: dict = {}  # (CK, ids dtype) -> this buffer's pool of carried outputs (decode tiles)
 
     def pools(self) -> tuple:
         """The pools this buffer takes sets from (the shared ones only on the decode tiles)."""
-        return (self.pool,) + ((self.decode_pool, self.ypool) if self._shared_slots else ())
+        return (self.pool,) + ((self.decode_pool, self.ypool) if self._shared_slots else ()) + tuple(
+            self._carry_pools.values())
 
     def close(self):
         """Let the pools go (the buffer's close; a caller's kept outputs stay valid): this buffer's sets, and one
         user fewer of the shared pools (the last one lets their blocks go), once."""
         self.pool.clear()
+        for p in self._carry_pools.values():
+            p.clear()
         for key in self._keys:
             release_shared(key, self._shared_slots)
         self._shared_slots = 0
@@ -150,6 +154,22 @@ class DispatchOutputs:
         hl = self.hl
         store = hl.new(self.device)
         return (store,), (hl.tensor(store, "ntpe"), hl.tensor(store, "offs"), hl.tensor(store, "rw"))
+
+    def carried(self, ck: int, id_dtype: torch.dtype) -> tuple:
+        """``(idx [max_recv_tokens, ck] of id_dtype, weights [max_recv_tokens, ck] float32)``: the outputs a dispatch
+        carrying its count routing with the rows writes (uncleared: its launch writes every row), a set of this
+        buffer's pool of them (one per ``(ck, id_dtype)``, made on first use; reused once nobody holds them, as the
+        rows: :mod:`tritonep.runtime.pool`), or fresh (graph capture, every set held, the pool off). Two
+        ``torch.empty`` on a GPU host cost ~8 us; a pooled take ~2 us."""
+        key = (ck, id_dtype)
+        pool = self._carry_pools.get(key)
+        if pool is None:
+            pool = self._carry_pools[key] = OutputPool(_carry_maker(self.cfg.max_recv_tokens, ck, id_dtype,
+                                                                    self.device), self._shared_slots, self.device)
+        got = pool.take()
+        if got is not None:
+            return got
+        return _carry_maker(self.cfg.max_recv_tokens, ck, id_dtype, self.device)()[0]
 
     def take(self):
         """This call's handle storage: ``(store, ntpe, offs, row weights)`` from the pool, or ``(store, None, None,
@@ -186,6 +206,14 @@ class DispatchOutputs:
         carried with the rows (``(idx, weights)``, the decode dispatch), else None."""
         handle._fill(store, self.hl, T, self.buffer_id, R, out_w, sc, count_sums, carried)
         return (out if q is None else q), out_w, ntpe, offs, handle
+
+
+def _carry_maker(rows: int, ck: int, id_dtype: torch.dtype, device: torch.device):
+    """``make()`` of a pool of carried outputs: ``(idx [rows, ck] id_dtype, weights [rows, ck] float32), ()``."""
+    def make():
+        return (torch.empty(rows, ck, dtype=id_dtype, device=device),
+                torch.empty(rows, ck, dtype=torch.float32, device=device)), ()
+    return make
 
 
 def _decode_set_maker(hl: HandleLayout, rows: int, H: int, dtype: torch.dtype, device: torch.device):

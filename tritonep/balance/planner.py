@@ -4,7 +4,8 @@
 m), rank, counts))`` bit for bit in both modes (tested), computed by :func:`tritonep.balance.kernels.planner.plan_kernel`
 (placement on one program while the others histogram, look back and remap their route chunks; one warp while the
 placement tiles are small, see ``_plan_warps``). The kernel's roles and flags use a small persistent state per
-device (``_sync_state``), zeroed once and never reset between calls.
+device (``_sync_state``), zeroed once and never reset between calls (only after a launch that raised inside it,
+see :func:`plan`).
 """
 
 from __future__ import annotations
@@ -126,7 +127,9 @@ def plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, *, num_program
         ``_sync_state``): plan() calls on one device must not run concurrently on two streams, and the first call
         on a device belongs outside a CUDA-graph capture (a warm-up), else the graph also holds the state's
         zero-fill. A program waits only on programs that took an earlier arrival ticket, so no wait can outlive a
-        schedule; every wait is still bounded (TRITONEP_TIMEOUT_S; status bit 8).
+        schedule; every wait is still bounded (TRITONEP_TIMEOUT_S; status bit 8). A launch that raises inside
+        (an interpreted kernel stopped by an error or Ctrl-C) zeroes the state before the error leaves, so the
+        programs it never ran leave no arrival behind.
 
     Raises:
         PlanError: shape/dtype/device problems, ``E % W != 0``, ``W > MAX_PLANNER_WORLD`` (64), ``E >
@@ -173,12 +176,19 @@ def plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, *, num_program
     sync, flags = _sync_state(dev, num_programs + 1 + num_groups)
     from tritonep.runtime.status import wait_bound
 
-    plan_kernel[(num_programs + 1,)](
-        counts, counts.stride(0), counts.stride(1),
-        topk_idx, topk_idx.stride(0), topk_idx.stride(1), num_routes, chunk, group,
-        hist, gtot, alloc, etc, slot, ends, quota, cap, out, status, sync, flags, wait_bound(dev), int(rank),
-        W=world, L=L, K=max(1, topk), HAS_TIMER=on_gpu, MODE=mode_id, num_warps=warps, **cfg,
-    )
+    try:
+        plan_kernel[(num_programs + 1,)](
+            counts, counts.stride(0), counts.stride(1),
+            topk_idx, topk_idx.stride(0), topk_idx.stride(1), num_routes, chunk, group,
+            hist, gtot, alloc, etc, slot, ends, quota, cap, out, status, sync, flags, wait_bound(dev), int(rank),
+            W=world, L=L, K=max(1, topk), HAS_TIMER=on_gpu, MODE=mode_id, num_warps=warps, **cfg,
+        )
+    except BaseException:
+        # a launch that stopped inside (an interpreted kernel raising, Ctrl-C) may leave arrivals counted for
+        # programs that never ran: every later call would take shifted roles and pass its waits on this call's
+        # marks, reading placements not yet written, with a clean status. Start the state afresh.
+        _SYNC[str(dev)].zero_()
+        raise
     placement = Placement(allocation=alloc, experts_to_copy=etc, expert_slot=slot, segment_ends=ends,
                           quota=quota, capacity=cap, status=status)
     if validate:

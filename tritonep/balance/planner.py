@@ -29,7 +29,8 @@ __all__ = ["plan", "plan_status", "check_plan_status", "raise_plan_bits"]
 _STATUS_BITS = {P.v(P.PLAN_NEGATIVE_COUNT): "a negative entry in counts",
                 P.v(P.PLAN_HISTOGRAM_MISMATCH): "topk_idx histogram differs from counts[rank]",
                 P.v(P.PLAN_BAD_EXPERT_ID): "an expert id outside [-1, num_experts) in topk_idx",
-                P.v(P.PLAN_WAIT_GAVE_UP): "an internal wait of the planner kernel gave up (TRITONEP_TIMEOUT_S)"}
+                P.v(P.PLAN_WAIT_GAVE_UP): "an internal wait of the planner kernel gave up (TRITONEP_TIMEOUT_S)",
+                P.v(P.PLAN_COUNT_OVERFLOW): "counts whose total valid routes does not fit int32"}
 MAX_PLAN_PROGRAMS = 256  # route chunks per launch (the kernel's flag vector is sized from it)
 # the kernel's persistent state per device, see _sync_state
 _SYNC: dict = {}
@@ -135,7 +136,8 @@ def plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, *, num_program
         PlanError: shape/dtype/device problems, ``E % W != 0``, ``W > MAX_PLANNER_WORLD`` (64), ``E >
             MAX_PLANNER_EXPERTS`` (1024), ``rank`` out of range, bad ``block``, ``num_programs``, ``num_warps`` or
             ``lookback_group``, unknown
-            ``mode``; with ``validate=True`` also bad values (negative counts, ids outside ``[-1, E)``, ``topk_idx``
+            ``mode``; with ``validate=True`` also bad values (negative counts, counts whose total does not fit
+            int32, ids outside ``[-1, E)``, ``topk_idx``
             not matching ``counts[rank]``) and an internal wait that gave up (status bit 8).
         ConfigError: the kernels were built for another device (CPU tensors without ``TRITON_INTERPRET=1``, or
             the reverse; :func:`tritonep.device.common.check_kernel_mode`).

@@ -99,7 +99,8 @@ class Placement:
         capacity: ``[W]``: the balanced load: ``N // W``, plus one on the ``N % W`` lowest ranks (the routes every
             rank executes, except in a minimal-mode plan whose slots ran out).
         status: ``[1]`` int32 device error word of the Triton planner (0 = ok; bit 1: a negative count;
-            bit 2: ``topk_idx`` disagrees with ``counts[rank]``; bit 4: an expert id outside ``[-1, E)``), or
+            bit 2: ``topk_idx`` disagrees with ``counts[rank]``; bit 4: an expert id outside ``[-1, E)``; bit 8: an
+            internal wait gave up; bit 16: counts whose total does not fit int32), or
             None for ``place_torch`` (which raises instead).
     """
 

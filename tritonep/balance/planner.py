@@ -4,7 +4,8 @@
 m), rank, counts))`` bit for bit in both modes (tested), computed by :func:`tritonep.balance.kernels.planner.plan_kernel`
 (placement on one program while the others histogram, look back and remap their route chunks; one warp while the
 placement tiles are small, see ``_plan_warps``). The kernel's roles and flags use a small persistent state per
-device (``_sync_state``), zeroed once and never reset between calls.
+device (``_sync_state``), zeroed once and never reset between calls (only after a launch that raised inside it,
+see :func:`plan`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ __all__ = ["plan", "plan_status", "check_plan_status", "raise_plan_bits"]
 _STATUS_BITS = {P.v(P.PLAN_NEGATIVE_COUNT): "a negative entry in counts",
                 P.v(P.PLAN_HISTOGRAM_MISMATCH): "topk_idx histogram differs from counts[rank]",
                 P.v(P.PLAN_BAD_EXPERT_ID): "an expert id outside [-1, num_experts) in topk_idx",
-                P.v(P.PLAN_WAIT_GAVE_UP): "an internal wait of the planner kernel gave up (TRITONEP_TIMEOUT_S)"}
+                P.v(P.PLAN_WAIT_GAVE_UP): "an internal wait of the planner kernel gave up (TRITONEP_TIMEOUT_S)",
+                P.v(P.PLAN_COUNT_OVERFLOW): "counts whose total valid routes does not fit int32"}
 MAX_PLAN_PROGRAMS = 256  # route chunks per launch (the kernel's flag vector is sized from it)
 # the kernel's persistent state per device, see _sync_state
 _SYNC: dict = {}
@@ -126,13 +128,16 @@ def plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, *, num_program
         ``_sync_state``): plan() calls on one device must not run concurrently on two streams, and the first call
         on a device belongs outside a CUDA-graph capture (a warm-up), else the graph also holds the state's
         zero-fill. A program waits only on programs that took an earlier arrival ticket, so no wait can outlive a
-        schedule; every wait is still bounded (TRITONEP_TIMEOUT_S; status bit 8).
+        schedule; every wait is still bounded (TRITONEP_TIMEOUT_S; status bit 8). A launch that raises inside
+        (an interpreted kernel stopped by an error or Ctrl-C) zeroes the state before the error leaves, so the
+        programs it never ran leave no arrival behind.
 
     Raises:
         PlanError: shape/dtype/device problems, ``E % W != 0``, ``W > MAX_PLANNER_WORLD`` (64), ``E >
             MAX_PLANNER_EXPERTS`` (1024), ``rank`` out of range, bad ``block``, ``num_programs``, ``num_warps`` or
             ``lookback_group``, unknown
-            ``mode``; with ``validate=True`` also bad values (negative counts, ids outside ``[-1, E)``, ``topk_idx``
+            ``mode``; with ``validate=True`` also bad values (negative counts, counts whose total does not fit
+            int32, ids outside ``[-1, E)``, ``topk_idx``
             not matching ``counts[rank]``) and an internal wait that gave up (status bit 8).
         ConfigError: the kernels were built for another device (CPU tensors without ``TRITON_INTERPRET=1``, or
             the reverse; :func:`tritonep.device.common.check_kernel_mode`).
@@ -173,12 +178,19 @@ def plan(counts: torch.Tensor, topk_idx: torch.Tensor, rank: int, *, num_program
     sync, flags = _sync_state(dev, num_programs + 1 + num_groups)
     from tritonep.runtime.status import wait_bound
 
-    plan_kernel[(num_programs + 1,)](
-        counts, counts.stride(0), counts.stride(1),
-        topk_idx, topk_idx.stride(0), topk_idx.stride(1), num_routes, chunk, group,
-        hist, gtot, alloc, etc, slot, ends, quota, cap, out, status, sync, flags, wait_bound(dev), int(rank),
-        W=world, L=L, K=max(1, topk), HAS_TIMER=on_gpu, MODE=mode_id, num_warps=warps, **cfg,
-    )
+    try:
+        plan_kernel[(num_programs + 1,)](
+            counts, counts.stride(0), counts.stride(1),
+            topk_idx, topk_idx.stride(0), topk_idx.stride(1), num_routes, chunk, group,
+            hist, gtot, alloc, etc, slot, ends, quota, cap, out, status, sync, flags, wait_bound(dev), int(rank),
+            W=world, L=L, K=max(1, topk), HAS_TIMER=on_gpu, MODE=mode_id, num_warps=warps, **cfg,
+        )
+    except BaseException:
+        # a launch that stopped inside (an interpreted kernel raising, Ctrl-C) may leave arrivals counted for
+        # programs that never ran: every later call would take shifted roles and pass its waits on this call's
+        # marks, reading placements not yet written, with a clean status. Start the state afresh.
+        _SYNC[str(dev)].zero_()
+        raise
     placement = Placement(allocation=alloc, experts_to_copy=etc, expert_slot=slot, segment_ends=ends,
                           quota=quota, capacity=cap, status=status)
     if validate:

@@ -132,6 +132,7 @@ PLAN_NEGATIVE_COUNT = tl.constexpr(1)  # a negative entry in counts (the placeme
 PLAN_HISTOGRAM_MISMATCH = tl.constexpr(2)  # this rank's topk_idx histogram differs from counts[rank]
 PLAN_BAD_EXPERT_ID = tl.constexpr(4)  # an expert id outside [-1, E) in topk_idx
 PLAN_WAIT_GAVE_UP = tl.constexpr(8)  # an internal wait of the planner gave up (TRITONEP_TIMEOUT_S)
+PLAN_COUNT_OVERFLOW = tl.constexpr(16)  # counts whose total does not fit int32 (an entry past it too)
 
 
 def v(name) -> int:

@@ -38,7 +38,8 @@ Status word (``[G + 1]`` int32, OR them; bits named in :mod:`tritonep.device.pro
 ``counts[rank]`` (checked by the chunks that reach the end), ``PLAN_BAD_EXPERT_ID`` (4) = an expert id outside
 ``[-1, E)`` (its output is ``2E``), ``PLAN_WAIT_GAVE_UP`` (8) = an internal wait gave up after ``timeout`` (ns of
 wall time; then every valid route of that chunk is ``2E``, which the dispatch of the runtime ids refuses on every
-rank).
+rank), ``PLAN_COUNT_OVERFLOW`` (16) = counts whose total does not fit int32 (entry 0; the twin's PlanError; the
+placement is then computed from all-zero counts).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ import triton
 import triton.language as tl
 
 from .planner_place import place_and_store
-from ...device.protocol import PLAN_BAD_EXPERT_ID, PLAN_HISTOGRAM_MISMATCH, PLAN_NEGATIVE_COUNT, PLAN_WAIT_GAVE_UP
+from ...device.protocol import PLAN_BAD_EXPERT_ID, PLAN_HISTOGRAM_MISMATCH, PLAN_WAIT_GAVE_UP
 from ...device.signal import publish_mark, take_ticket, wait_all_eq
 
 __all__ = ["plan_kernel"]
@@ -157,9 +158,9 @@ def plan_kernel(counts_ptr, stride_cr, stride_ce,
     nprog = tl.num_programs(0)
     role, mark = take_ticket(sync_ptr)
     if role == 0:
-        neg = place_and_store(counts_ptr, stride_cr, stride_ce, alloc_ptr, etc_ptr, slot_ptr, ends_ptr, quota_ptr,
-                              cap_ptr, rank, W, L, W_PAD, L_PAD, RB, MODE)
-        tl.store(status_ptr, neg * PLAN_NEGATIVE_COUNT)
+        bad_counts = place_and_store(counts_ptr, stride_cr, stride_ce, alloc_ptr, etc_ptr, slot_ptr, ends_ptr,
+                                     quota_ptr, cap_ptr, rank, W, L, W_PAD, L_PAD, RB, MODE)
+        tl.store(status_ptr, bad_counts)
         publish_mark(flag_ptr, mark)
     else:
         c = role - 1

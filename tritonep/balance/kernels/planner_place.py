@@ -19,29 +19,40 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ...device.protocol import PLAN_COUNT_OVERFLOW, PLAN_NEGATIVE_COUNT
+
 __all__ = ["place_and_store"]
 
 
 @triton.jit
 def _totals(counts_ptr, stride_cr, stride_ce, rank,
             W: tl.constexpr, L: tl.constexpr, W_PAD: tl.constexpr, L_PAD: tl.constexpr, RB: tl.constexpr):
-    """Step 1 of both modes: ``(total, prefix, low, cap, bal)``: ``total[s, j]`` routes to expert ``s*L+j`` from
-    all ranks, ``prefix[s, j]`` from ranks below ``rank``, ``low`` the elementwise minimum over source rows (< 0 =
-    a negative count), ``cap[d]`` (remainder to the lowest ranks, 0 past ``W``), ``bal[d] = load[d] - cap[d]``."""
+    """Step 1 of both modes: ``(total, prefix, bad, cap, bal)``: ``total[s, j]`` routes to expert ``s*L+j`` from
+    all ranks, ``prefix[s, j]`` from ranks below ``rank``, ``bad`` the status bits of the counts
+    (``PLAN_NEGATIVE_COUNT``: a negative entry; ``PLAN_COUNT_OVERFLOW``: a total past int32, as
+    :func:`tritonep.balance.placement.place_torch` refuses; the counts then plan as all zero, so no sum wraps),
+    ``cap[d]`` (remainder to the lowest ranks, 0 past ``W``), ``bal[d] = load[d] - cap[d]``. The rows are summed
+    in int64 (an int64 entry is never truncated first)."""
     s2 = tl.arange(0, W_PAD)[:, None]
     j2 = tl.arange(0, L_PAD)[None, :]
     ev2 = (s2 < W) & (j2 < L)
     e2 = s2 * L + j2
-    total = tl.zeros([W_PAD, L_PAD], tl.int32)
-    prefix = tl.zeros([W_PAD, L_PAD], tl.int32)
-    low = tl.zeros([W_PAD, L_PAD], tl.int32)
+    total64 = tl.zeros([W_PAD, L_PAD], tl.int64)
+    prefix64 = tl.zeros([W_PAD, L_PAD], tl.int64)
+    low = tl.zeros([W_PAD, L_PAD], tl.int64)
     for r0 in range(0, W, RB):
         for i in tl.static_range(RB):  # RB independent row loads in flight, not a chain of W dependent ones
             r = r0 + i
-            row = tl.load(counts_ptr + r * stride_cr + e2 * stride_ce, mask=ev2 & (r < W), other=0).to(tl.int32)
-            total += row
-            prefix += tl.where(r < rank, row, 0)
+            row = tl.load(counts_ptr + r * stride_cr + e2 * stride_ce, mask=ev2 & (r < W), other=0).to(tl.int64)
+            total64 += row
+            prefix64 += tl.where(r < rank, row, 0)
             low = tl.minimum(low, row)
+    neg = tl.min(tl.min(low, axis=1), axis=0) < 0
+    # with no negative entry every partial sum fits int32 when the total does
+    over = tl.sum(tl.sum(total64, axis=1), axis=0) > 2147483647
+    bad = neg.to(tl.int32) * PLAN_NEGATIVE_COUNT | over.to(tl.int32) * PLAN_COUNT_OVERFLOW
+    total = tl.where(over, 0, total64).to(tl.int32)
+    prefix = tl.where(over, 0, prefix64).to(tl.int32)
 
     # Step 1: capacity (remainder to the lowest ranks) and balance.
     dvec = tl.arange(0, W_PAD)
@@ -50,7 +61,7 @@ def _totals(counts_ptr, stride_cr, stride_ce, rank,
     cap = n_routes // W + tl.where(dvec < n_routes % W, 1, 0)
     cap = tl.where(dvalid, cap, 0)
     bal = tl.sum(total, axis=1) - cap
-    return total, prefix, low, cap, bal
+    return total, prefix, bad, cap, bal
 
 
 @triton.jit
@@ -58,7 +69,7 @@ def _placement(counts_ptr, stride_cr, stride_ce, rank,
                W: tl.constexpr, L: tl.constexpr, W_PAD: tl.constexpr, L_PAD: tl.constexpr, RB: tl.constexpr):
     """Placement in registers, all tensors ``[W_PAD]``, ``[W_PAD, L_PAD]`` or ``[W_PAD, W_PAD]``.
 
-    Returns ``(rem, moved, slot, n_used, sender_of, quota, cap, prefix, neg)``: ``rem[s, j]`` routes expert
+    Returns ``(rem, moved, slot, n_used, sender_of, quota, cap, prefix, bad)``: ``rem[s, j]`` routes expert
     ``s*L+j`` keeps on its owner; ``moved[d, j]`` routes of expert ``sender_of[d]*L + j`` served by receiver ``d``
     (single sender, so one row per receiver suffices); ``slot[d, j]`` its slot or -1; ``n_used[d]`` the used
     slots (``0..n_used-1``); ``sender_of[d]`` the one rank ``d`` takes routes from, or -1. ``RB`` = source rows
@@ -66,7 +77,7 @@ def _placement(counts_ptr, stride_cr, stride_ce, rank,
     """
     BIG: tl.constexpr = 2147483647
     j2 = tl.arange(0, L_PAD)[None, :]
-    total, prefix, low, cap, bal = _totals(counts_ptr, stride_cr, stride_ce, rank, W, L, W_PAD, L_PAD, RB)
+    total, prefix, bad, cap, bal = _totals(counts_ptr, stride_cr, stride_ce, rank, W, L, W_PAD, L_PAD, RB)
     dvec = tl.arange(0, W_PAD)
     dvalid = dvec < W
 
@@ -124,8 +135,7 @@ def _placement(counts_ptr, stride_cr, stride_ce, rank,
         go = tl.max(m, axis=0) > 0
         it3 += 1
     slot = tl.where(moved > 0, slot, -1)
-    neg = (tl.min(tl.min(low, axis=1), axis=0) < 0).to(tl.int32)
-    return rem, moved, slot, n_used, sender_of, quota, cap, prefix, neg
+    return rem, moved, slot, n_used, sender_of, quota, cap, prefix, bad
 
 
 @triton.jit
@@ -137,14 +147,14 @@ def _placement_minimal(counts_ptr, stride_cr, stride_ce, rank,
     One piece per round: sender = largest excess, its hottest remaining expert, receiver = largest deficit among
     ranks with a free slot (all ties: lowest index), ``m = min(excess, remaining, deficit)``; each round fills one
     slot of its receiver, so a piece matrix ``[W_PAD, L_PAD]`` (row = receiver ``d``, column = arrival order ``k``)
-    holds them all. Returns ``(rem, pe, pm, slot, n_used, quota, cap, prefix, neg)``: ``pe[d, k]`` / ``pm[d, k]``
+    holds them all. Returns ``(rem, pe, pm, slot, n_used, quota, cap, prefix, bad)``: ``pe[d, k]`` / ``pm[d, k]``
     the expert / routes of receiver ``d``'s ``k``-th piece (-1 / 0 past ``n_used[d]``), ``slot[d, k]`` its slot
     (allocation desc, ties to the highest expert id, maintained like the reference's step 4) or -1.
     """
     BIG: tl.constexpr = 2147483647
     s2 = tl.arange(0, W_PAD)[:, None]
     j2 = tl.arange(0, L_PAD)[None, :]
-    total, prefix, low, cap, bal = _totals(counts_ptr, stride_cr, stride_ce, rank, W, L, W_PAD, L_PAD, RB)
+    total, prefix, bad, cap, bal = _totals(counts_ptr, stride_cr, stride_ce, rank, W, L, W_PAD, L_PAD, RB)
     dvec = tl.arange(0, W_PAD)
     dvalid = dvec < W
     rows = tl.arange(0, W_PAD)[:, None]
@@ -187,8 +197,7 @@ def _placement_minimal(counts_ptr, stride_cr, stride_ce, rank,
                                 return_indices=True, return_indices_tie_break_left=True)
         it += 1
     slot = tl.where(pm > 0, slot, -1)
-    neg = (tl.min(tl.min(low, axis=1), axis=0) < 0).to(tl.int32)
-    return rem, pe, pm, slot, n_used, quota, cap, prefix, neg
+    return rem, pe, pm, slot, n_used, quota, cap, prefix, bad
 
 
 @triton.jit
@@ -196,14 +205,15 @@ def place_and_store(counts_ptr, stride_cr, stride_ce, alloc_ptr, etc_ptr, slot_p
                     rank, W: tl.constexpr, L: tl.constexpr, W_PAD: tl.constexpr, L_PAD: tl.constexpr,
                     RB: tl.constexpr, MODE: tl.constexpr):
     """Compute the placement of ``counts [W, W*L]`` (int32/int64, any strides) and store it: alloc/slot/ends
-    ``[E, W]`` int32, etc ``[W, L]``, quota ``[W, W]``, cap ``[W]``. Returns 1 if a count is negative, else 0.
+    ``[E, W]`` int32, etc ``[W, L]``, quota ``[W, W]``, cap ``[W]``. Returns the counts' status bits (``bad`` of
+    :func:`_totals`; 0 = ok).
     ``MODE``: 0 = reference (:func:`_placement`), 1 = minimal (:func:`_placement_minimal`). ``RB``: source rows of
     ``counts`` per load step (a power of two, the host keeps ``RB*W_PAD*L_PAD`` small)."""
     if MODE == 0:
-        rem, moved, slot, n_used, sender_of, quota, cap, prefix, neg = _placement(
+        rem, moved, slot, n_used, sender_of, quota, cap, prefix, bad = _placement(
             counts_ptr, stride_cr, stride_ce, rank, W, L, W_PAD, L_PAD, RB)
     else:
-        rem, pe, pm, slot, n_used, quota, cap, prefix, neg = _placement_minimal(
+        rem, pe, pm, slot, n_used, quota, cap, prefix, bad = _placement_minimal(
             counts_ptr, stride_cr, stride_ce, rank, W, L, W_PAD, L_PAD, RB)
     dd = tl.arange(0, W_PAD)[None, :]
     rows = tl.arange(0, W_PAD)[:, None]
@@ -249,4 +259,4 @@ def place_and_store(counts_ptr, stride_cr, stride_ce, alloc_ptr, etc_ptr, slot_p
             msk = (jr < L) & (dd < W)
             alloc_rows = tl.load(alloc_ptr + offs, mask=msk, other=0)
             tl.store(ends_ptr + offs, tl.cumsum(alloc_rows, axis=1), mask=msk)
-    return neg
+    return bad

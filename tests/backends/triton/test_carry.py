@@ -18,6 +18,7 @@ from tritonep.errors import InputError, PeerInputError
 from tritonep.reference import carry_reference, dispatch_reference
 from tritonep.testing import run_cpu_world
 from tritonep.bench.cases import make_rank_inputs
+from tests.support.hooks import backend_of
 
 H, TM, K = 64, 16, 2
 
@@ -186,7 +187,7 @@ def pool_world(group):
         kept.append((d.handle.carried, d.handle.carried[1].clone(), v))
     intact = all(torch.equal(c[1], k) and bool((k[c[0] >= 0] >= v).all()) for c, k, v in kept)
     del kept, d
-    impl = buf._backend
+    impl = backend_of(buf)
     before = impl.output_pool_bytes
     ptrs = []
     for v in range(3):
